@@ -1,0 +1,1 @@
+"""fedciuic's Flower ClientApp (one per region)."""

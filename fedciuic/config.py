@@ -1,0 +1,157 @@
+"""Run and node configuration, parsed once at start-up into pydantic models.
+
+Flower hands apps an untyped ``UserConfig`` (kebab-case keys, scalar values).
+Both apps call :meth:`RunConfig.from_user_config` and :meth:`NodeConfig.from_user_config`
+so that every value is checked in one place and all problems are reported at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fedciuic.errors import ConfigError
+
+REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, alias_generator=_kebab, populate_by_name=True
+    )
+
+    @classmethod
+    def from_user_config(
+        cls, values: Mapping[str, Any], *, source: str, ignore_unknown: bool = False
+    ) -> Self:
+        """Validate ``values`` (kebab-case keys) or raise one :class:`ConfigError`.
+
+        ``source`` names where the values came from (``run config``, a file, ...),
+        so that each problem reads ``source:field: message``. Unknown keys are
+        errors (typos fail loudly) unless ``ignore_unknown`` is set, for mappings
+        that other software shares with us, such as a SuperNode's node config.
+        """
+        data = dict(values)
+        if ignore_unknown:
+            known = {field.alias or name for name, field in cls.model_fields.items()}
+            data = {k: v for k, v in data.items() if k in known}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, source)) from None
+
+
+def _describe(err: ValidationError, source: str) -> list[str]:
+    problems = []
+    for item in err.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "(all)"
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        problems.append(f"{source}:{field}: {item['msg']}{shown}")
+    return problems
+
+
+class RunConfig(_Strict):
+    """The run config shared by the ServerApp and every ClientApp."""
+
+    regions: tuple[str, ...] = Field(min_length=1)
+    num_server_rounds: int = Field(ge=1, le=10_000)
+    seed: int = Field(ge=0)
+    model_preset: str = "tiny"
+    model_path: str = ""
+    lora_rank: int = Field(default=8, ge=1, le=1024)
+    lora_alpha: float = Field(default=16, gt=0)
+    local_steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    learning_rate: float = Field(gt=0)
+    seq_len: int = Field(ge=8, le=32_768)
+    max_eval_examples: int = Field(ge=1)
+    eval_fraction: float = Field(gt=0, lt=1)
+    server_learning_rate: float = Field(default=1.0, gt=0)
+    data_root: str = ""
+    output_dir: str = "runs"
+    node_wait_timeout: float = Field(gt=0)
+    round_timeout: float = Field(gt=0)
+    min_regions: int = Field(default=1, ge=1)
+
+    @field_validator("regions", mode="before")
+    @classmethod
+    def _split_regions(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(r.strip() for r in value.split(",") if r.strip())
+        return value
+
+    @field_validator("regions")
+    @classmethod
+    def _check_regions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [r for r in value if not re.match(REGION_PATTERN, r)]
+        if bad:
+            raise ValueError(
+                f"region names must be lower-case letters, digits, '-' or '_': {bad}"
+            )
+        if len(set(value)) != len(value):
+            raise ValueError(f"regions are listed twice: {list(value)}")
+        return value
+
+    def region_for_partition(self, partition_id: int) -> str:
+        """Map a simulation partition id to its region (``regions[partition_id]``)."""
+        if not 0 <= partition_id < len(self.regions):
+            raise ConfigError(
+                [
+                    f"node config:partition-id: {partition_id} has no region; run config "
+                    f"regions are {list(self.regions)}: set num-supernodes to "
+                    f"{len(self.regions)} or list more regions"
+                ]
+            )
+        return self.regions[partition_id]
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve()
+
+
+class NodeConfig(_Strict):
+    """What a SuperNode says about itself: which region it is and where its data lives.
+
+    In deployment both come from ``flower-supernode --node-config``; in simulation
+    Flower passes ``partition-id`` instead and the region comes from the run config.
+    """
+
+    region: str = Field(pattern=REGION_PATTERN)
+    data_path: str = Field(min_length=1)
+
+    @classmethod
+    def resolve(cls, node_config: Mapping[str, Any], run: RunConfig) -> NodeConfig:
+        """Work out this node's region and data path, in deployment or simulation."""
+        if "region" in node_config or "data-path" in node_config:
+            node = cls.from_user_config(node_config, source="node config", ignore_unknown=True)
+            if node.region not in run.regions:
+                raise ConfigError(
+                    [
+                        f"node config:region: {node.region!r} is not a region of this run "
+                        f"({', '.join(run.regions)}); add it to the run config's regions "
+                        "or start this SuperNode with a listed region"
+                    ]
+                )
+            return node
+        if "partition-id" in node_config:
+            region = run.region_for_partition(int(node_config["partition-id"]))
+            if not run.data_root:
+                raise ConfigError(
+                    ["run config:data-root: empty; simulated regions read data-root/<region>"]
+                )
+            return cls(region=region, data_path=str(Path(run.data_root) / region))
+        raise ConfigError(
+            [
+                "node config: neither region/data-path nor partition-id is set; start the "
+                "SuperNode with --node-config \"region='eu' data-path='/path/to/eu'\""
+            ]
+        )

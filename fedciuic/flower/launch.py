@@ -1,0 +1,261 @@
+"""Start and stop real Flower processes on 127.0.0.1: a SuperLink, SuperNodes, ``flwr run``.
+
+Used by ``fedciuic simulate``, the deployment example and the end-to-end tests, so
+that all three start Flower the same way. Every process and its descendants are
+stopped by PID (SIGTERM, then SIGKILL) when the :class:`LocalFederation` context
+exits, also when the body raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import psutil
+
+from fedciuic.errors import FederationError
+
+CONNECTION = "fedciuic"
+
+#: Keep Flower offline and quiet: no `uv sync` of a CUDA torch, no telemetry, no update check.
+FLOWER_ENV = {
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    # Use the Flower executables of the interpreter we run in (the project's venv).
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def toml_value(value: Any) -> str:
+    """Render a scalar as a TOML value (for --run-config and --node-config)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def toml_pairs(values: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
+
+
+@dataclass
+class Managed:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+class LocalFederation:
+    """Flower processes on loopback, owned by this object and stopped on exit."""
+
+    def __init__(self, workdir: Path, app_dir: Path) -> None:
+        self.workdir = workdir.resolve()
+        self.app_dir = app_dir.resolve()
+        self.flwr_home = self.workdir / "flwr-home"
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.processes: list[Managed] = []
+        self.superlink_address = ""
+        # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
+        # our interpreter's bin folder first so that they come from the same venv.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        self.env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.flwr_home), "PATH": path}
+
+    def __enter__(self) -> LocalFederation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- processes ------------------------------------------------------------------
+
+    def _spawn(self, name: str, cmd: Sequence[str]) -> Managed:
+        log_path = self.logs / f"{name}.log"
+        handle = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
+        try:
+            process = subprocess.Popen(
+                list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=self.env,
+                cwd=self.workdir, start_new_session=True,
+            )
+        finally:
+            handle.close()
+        managed = Managed(name, process, log_path)
+        self.processes.append(managed)
+        return managed
+
+    def pids(self) -> list[int]:
+        return [m.process.pid for m in self.processes]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every process this object started and all their descendants, by PID.
+
+        Descendants are listed before anything is signalled: Flower detaches some
+        helpers into their own sessions, and they would be orphaned otherwise.
+        """
+        targets: list[psutil.Process] = []
+        for managed in reversed(self.processes):
+            try:
+                parent = psutil.Process(managed.process.pid)
+                targets += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        for proc in targets:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(targets, timeout=grace)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        for managed in self.processes:
+            if managed.process.poll() is None:
+                managed.process.wait(timeout=5)
+
+    def check_alive(self) -> None:
+        for managed in self.processes:
+            code = managed.process.poll()
+            if code is not None:
+                raise FederationError(
+                    f"{managed.name} exited with code {code}; see {managed.log_path}:\n"
+                    + tail(managed.log_path)
+                )
+
+    # -- Flower ---------------------------------------------------------------------
+
+    def start_superlink(self, *, simulation: bool, timeout: float = 60.0) -> str:
+        """Start ``flower-superlink`` on a free port and wait until it answers."""
+        port = free_port()
+        cmd = [
+            _bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-runtime-dependency-installation",
+        ]
+        if simulation:
+            cmd.append("--simulation")
+        managed = self._spawn("superlink", cmd)
+        self.superlink_address = f"127.0.0.1:{port}"
+        self._write_connection()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if _healthy(port):
+                return self.superlink_address
+            time.sleep(0.3)
+        raise FederationError(
+            f"flower-superlink did not answer on {self.superlink_address} within "
+            f"{timeout:.0f}s; see {managed.log_path}"
+        )
+
+    def _write_connection(self) -> None:
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "{self.superlink_address}"\ninsecure = true\n',
+            encoding="utf-8",
+        )
+
+    def start_supernode(self, name: str, node_config: Mapping[str, Any]) -> Managed:
+        """Start one ``flower-supernode`` with its own ``--node-config``."""
+        cmd = [
+            _bin("flower-supernode"), "--insecure", "--superlink", self.superlink_address,
+            "--host", "127.0.0.1", "--port", str(free_port()),
+            "--node-config", toml_pairs(node_config),
+        ]
+        return self._spawn(f"supernode-{name}", cmd)
+
+    def run_app(
+        self,
+        run_config: Mapping[str, Any],
+        *,
+        federation_config: Mapping[str, Any] | None = None,
+        timeout: float,
+        echo: IO[str] | None = None,
+    ) -> tuple[int, str]:
+        """``flwr run APP fedciuic --stream`` and wait for the run to end.
+
+        Returns the run id and the streamed log. Overrides go through a TOML file
+        so that paths need no shell quoting.
+        """
+        overrides = self.workdir / "run-config.toml"
+        overrides.write_text(
+            "".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()), encoding="utf-8"
+        )
+        cmd = [_bin("flwr"), "run", str(self.app_dir), CONNECTION, "--stream",
+               "--run-config", str(overrides)]
+        if federation_config:
+            cmd += ["--federation-config", toml_pairs(federation_config)]
+        managed = self._spawn("flwr-run", cmd)
+        deadline = time.monotonic() + timeout
+        shown = 0
+        while managed.process.poll() is None:
+            shown = _echo(managed.log_path, shown, echo)
+            if time.monotonic() > deadline:
+                raise FederationError(
+                    f"flwr run did not finish within {timeout:.0f}s; see {managed.log_path}"
+                )
+            for other in self.processes:
+                if other is not managed and other.process.poll() is not None:
+                    self.check_alive()
+            time.sleep(0.5)
+        _echo(managed.log_path, shown, echo)
+        text = managed.log_path.read_text(encoding="utf-8", errors="replace")
+        match = re.search(r"Successfully started run (\d+)", text)
+        if managed.process.returncode != 0 or not match:
+            raise FederationError(f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path))
+        return int(match.group(1)), text
+
+
+def _echo(path: Path, shown: int, stream: IO[str] | None) -> int:
+    if stream is None:
+        return shown
+    data = path.read_bytes()
+    if len(data) > shown:
+        stream.write(data[shown:].decode("utf-8", errors="replace"))
+        stream.flush()
+    return len(data)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,134 @@
+"""The layout of fedciuic's Flower messages, written and read in one place.
+
+Aggregator to region: ``arrays`` (the global adapter) and ``config``
+(``server-round``, ``base-fingerprint``). Region to aggregator: ``arrays`` (the
+adapter delta, train replies only), ``metrics`` (numbers) and ``info`` (region name,
+status ``trained``/``evaluated``/``declined``, the reason for a decline and the
+fingerprint of the data used). A region that declines sends no arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedciuic.region import TrainOutcome
+from fedciuic.train import EvalStats
+
+ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
+TRAINED, EVALUATED, DECLINED = "trained", "evaluated", "declined"
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()})
+
+
+def unpack_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def instruction(
+    arrays: ArrayRecord, *, server_round: int, base_fingerprint: str, config: ConfigRecord
+) -> RecordDict:
+    """What the aggregator sends: the global adapter and the round's settings."""
+    merged = ConfigRecord(dict(config))
+    merged["server-round"] = server_round
+    merged["base-fingerprint"] = base_fingerprint
+    return RecordDict({ARRAYS: arrays, CONFIG: merged})
+
+
+@dataclass(frozen=True)
+class Instruction:
+    adapter: dict[str, np.ndarray]
+    server_round: int
+    base_fingerprint: str
+
+
+def read_instruction(message: Message) -> Instruction:
+    config = message.content[CONFIG]
+    return Instruction(
+        adapter=unpack_arrays(message.content[ARRAYS]),
+        server_round=int(config["server-round"]),  # type: ignore[arg-type]
+        base_fingerprint=str(config["base-fingerprint"]),
+    )
+
+
+def train_reply(outcome: TrainOutcome) -> RecordDict:
+    return RecordDict(
+        {
+            ARRAYS: pack_arrays(outcome.delta),
+            METRICS: MetricRecord(
+                {
+                    "num-examples": outcome.stats.num_examples,
+                    "train-loss": outcome.stats.loss,
+                    "steps": outcome.stats.steps,
+                }
+            ),
+            INFO: ConfigRecord(
+                {
+                    "region": outcome.region,
+                    "status": TRAINED,
+                    "reason": "",
+                    "data-fingerprint": outcome.data_fingerprint,
+                }
+            ),
+        }
+    )
+
+
+def evaluate_reply(region: str, stats: EvalStats) -> RecordDict:
+    return RecordDict(
+        {
+            METRICS: MetricRecord(
+                {
+                    "num-examples": stats.num_examples,
+                    "eval-loss": stats.loss,
+                    "perplexity": stats.perplexity,
+                }
+            ),
+            INFO: ConfigRecord({"region": region, "status": EVALUATED, "reason": ""}),
+        }
+    )
+
+
+def decline_reply(region: str, reason: str) -> RecordDict:
+    """A normal outcome, not an error: the region says why it sends nothing."""
+    return RecordDict(
+        {
+            METRICS: MetricRecord({"num-examples": 0}),
+            INFO: ConfigRecord({"region": region, "status": DECLINED, "reason": reason}),
+        }
+    )
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A region's reply as the aggregator sees it."""
+
+    node_id: int
+    region: str
+    status: str  # trained | evaluated | declined | failed
+    reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] | None = None
+
+
+def read_reply(message: Message, known_regions: Mapping[int, str]) -> Reply:
+    """Parse a reply; Flower errors and malformed replies become ``failed`` replies."""
+    node_id = message.metadata.src_node_id
+    fallback = known_regions.get(node_id, f"node-{node_id}")
+    if message.has_error():
+        return Reply(node_id, fallback, "failed", reason=message.error.reason)
+    content = message.content
+    try:
+        info = {k: str(v) for k, v in content[INFO].items()}
+        metrics = {k: float(v) for k, v in content[METRICS].items()}  # type: ignore[arg-type]
+        arrays = unpack_arrays(content[ARRAYS]) if ARRAYS in content.array_records else None
+        region, status = info["region"], info["status"]
+    except (KeyError, TypeError, ValueError) as err:
+        return Reply(node_id, fallback, "failed", reason=f"malformed reply ({err!r})")
+    return Reply(node_id, region, status, info.get("reason", ""), metrics, info, arrays)

@@ -1,0 +1,321 @@
+"""DeepSeek-V3 model factory with LoRA adapters: the only weights that train and travel.
+
+A model is either a named preset built with a seeded random init (no weights can be
+downloaded here, and every party must build the very same base) or a local
+checkpoint directory saved with ``save_pretrained``. LoRA adapters (peft) sit on the
+MLA attention projections; everything else, the MoE router included, stays frozen,
+because Opacus cannot compute per-sample gradients for the router and because only
+adapters should cross a border.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from fedciuic.config import RunConfig
+from fedciuic.errors import ModelError
+
+# peft calls a transformers property that transformers 5 deprecates; the warning is
+# noise for our users, who cannot act on it.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+#: MLA projections of ``DeepseekV3Attention`` that carry adapters.
+ATTENTION_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIALS)
+
+
+def _tiny() -> DeepseekV3Config:
+    # Two layers keep the DeepSeek-V3 shape: layer 0 dense, layer 1 MoE with
+    # 4 routed experts (2 per token) and a shared expert; MLA with low-rank q and kv.
+    # initializer_range is raised from 0.02 so that a random base has logits an
+    # adapter can steer; with 0.02 the output layer is nearly flat.
+    return DeepseekV3Config(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        num_mtp_layers=0,
+        initializer_range=0.1,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+
+
+def _small() -> DeepseekV3Config:
+    # Tens of millions of parameters, for a GPU: 8 layers, 8 routed experts.
+    return DeepseekV3Config(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=512,
+        num_hidden_layers=8,
+        first_k_dense_replace=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=2048,
+        num_mtp_layers=0,
+        initializer_range=0.05,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+
+
+#: Named presets; a config string picks one, an unknown name lists them all.
+PRESETS: dict[str, Callable[[], DeepseekV3Config]] = {"tiny": _tiny, "small": _small}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to build: a preset (seeded random init) or a checkpoint directory."""
+
+    preset: str = "tiny"
+    path: str = ""
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    seed: int = 0
+
+    @classmethod
+    def from_run(cls, run: RunConfig) -> ModelSpec:
+        return cls(
+            preset=run.model_preset,
+            path=run.model_path,
+            lora_rank=run.lora_rank,
+            lora_alpha=run.lora_alpha,
+            seed=run.seed,
+        )
+
+    def describe(self) -> str:
+        return f"checkpoint {self.path}" if self.path else f"preset {self.preset!r}"
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    trainable: int
+
+
+def preset_config(name: str) -> DeepseekV3Config:
+    """Return the config of a named preset, or say which names exist."""
+    if name not in PRESETS:
+        raise ModelError(
+            f"run config:model-preset: unknown preset {name!r}; choose one of "
+            f"{', '.join(sorted(PRESETS))} or set model-path to a checkpoint directory"
+        )
+    return PRESETS[name]()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>).
+
+    Built locally so presets need no download; any UTF-8 text round-trips.
+    """
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible map from bytes to printable characters, which the
+    # ByteLevel pre-tokenizer uses for its alphabet.
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_base(spec: ModelSpec) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
+    """Build the frozen base model and its tokenizer (no adapters yet)."""
+    if spec.path:
+        return _load_checkpoint(Path(spec.path).expanduser())
+    config = preset_config(spec.preset)
+    # Every party builds the same base from the same seed, without disturbing
+    # the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = DeepseekV3ForCausalLM(config)
+    return model, byte_tokenizer()
+
+
+def _load_checkpoint(path: Path) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
+    config_file = path / "config.json"
+    fix = "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
+    if not path.is_dir():
+        raise ModelError(f"run config:model-path: {path} is not a directory; {fix}")
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{config_file}: cannot read a model config ({err}); {fix}") from None
+    if model_type != "deepseek_v3":
+        raise ModelError(
+            f"{config_file}:model_type: {model_type!r} is not 'deepseek_v3'; {fix}"
+        )
+    try:
+        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"run config:model-path: {path}: {first}; {fix}") from None
+    return model, tokenizer
+
+
+class AdapterModel:
+    """A DeepSeek-V3 base with LoRA adapters; only adapter tensors are read or written.
+
+    The adapter state is a flat ``name -> float32 array`` mapping, the unit that is
+    trained, sent, aggregated and saved.
+    """
+
+    def __init__(self, spec: ModelSpec, device: torch.device | None = None) -> None:
+        self.spec = spec
+        self.device = device or default_device()
+        base, self.tokenizer = build_base(spec)
+        self.base_fingerprint = fingerprint(base.state_dict())
+        lora = LoraConfig(
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha,
+            target_modules=list(ATTENTION_TARGETS),
+            lora_dropout=0.0,
+            bias="none",
+        )
+        # Adapters start from the same seed everywhere too (B = 0, A seeded).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed + 1)
+            peft_model = get_peft_model(base, lora)
+        assert isinstance(peft_model, PeftModel)
+        self.model: PeftModel = peft_model.to(self.device)
+        self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def counts(self) -> ParamCounts:
+        params = list(self.model.parameters())
+        return ParamCounts(
+            total=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+        )
+
+    def adapter_state(self) -> dict[str, np.ndarray]:
+        """Copy the adapter tensors out as float32 NumPy arrays."""
+        params = dict(self.model.named_parameters())
+        return {
+            n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in self._names
+        }
+
+    def load_adapter_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the adapters; keys and shapes must match exactly."""
+        check_same_layout(arrays, self.adapter_state(), what="adapter")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name in self._names:
+                params[name].copy_(torch.from_numpy(np.asarray(arrays[name])))
+
+    def save_adapter(self, directory: Path) -> Path:
+        """Write the adapter in peft's format (adapter_model.safetensors + config)."""
+        self.model.save_pretrained(str(directory))
+        return directory / "adapter_model.safetensors"
+
+
+def check_same_layout(
+    got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], *, what: str
+) -> None:
+    """Raise ``ValueError`` naming the first key or shape that differs."""
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"{what} keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, ref in want.items():
+        if tuple(np.shape(got[name])) != tuple(ref.shape):
+            raise ValueError(
+                f"{what} {name}: shape {tuple(np.shape(got[name]))}, expected {ref.shape}"
+            )
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over a state dict's names, shapes and bytes, in name order.
+
+    Parties compare it to make sure they fine-tune the very same base model.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_checkpoint(spec: ModelSpec, directory: Path) -> Path:
+    """Save a preset's base model and tokenizer as a checkpoint directory.
+
+    This is how the ``model-path`` loading route is exercised without downloads.
+    """
+    model, tokenizer = build_base(spec)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory

@@ -1,0 +1,1 @@
+"""fedciuic's Flower ServerApp (the aggregator)."""

@@ -1,0 +1,54 @@
+"""ServerApp: build the model and the strategy from the run config, run, save the results."""
+
+from __future__ import annotations
+
+from logging import ERROR, INFO
+
+import torch
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from fedciuic.config import RunConfig
+from fedciuic.errors import FedciuicError
+from fedciuic.flower import protocol
+from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.outputs import ADAPTER_DIR, RunRecorder, summarize
+from server.strategy import RegionalFedAvg
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run = RunConfig.from_user_config(context.run_config, source="run config")
+    out_dir = run.output_path / f"run-{context.run_id}"
+    recorder = RunRecorder(
+        out_dir,
+        {
+            "run_id": context.run_id,
+            "regions": list(run.regions),
+            "config": run.model_dump(by_alias=True, mode="json"),
+            "output_dir": str(out_dir),
+        },
+    )
+    log(INFO, "fedciuic: writing this run to %s", out_dir)
+    try:
+        model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
+        recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
+        strategy = RegionalFedAvg(run, base_fingerprint=model.base_fingerprint, recorder=recorder)
+        strategy.start(
+            grid,
+            protocol.pack_arrays(model.adapter_state()),
+            num_rounds=run.num_server_rounds,
+            timeout=run.round_timeout,
+        )
+        model.load_adapter_state(strategy.global_adapter)
+        adapter = model.save_adapter(out_dir / ADAPTER_DIR)
+    except FedciuicError as err:
+        recorder.finish("failed", error=str(err))
+        log(ERROR, "fedciuic: %s", err)
+        raise SystemExit(1) from None
+    recorder.finish("completed", adapter=str(adapter))
+    for line in summarize(recorder.data).splitlines():
+        log(INFO, "%s", line)

@@ -1,0 +1,212 @@
+"""RegionalFedAvg: Flower's Message-API FedAvg over LoRA adapter deltas, one node per region.
+
+Differences from ``FedAvg``, each for a reason:
+
+* replies are adapter *deltas*, averaged by examples and applied to the global adapter;
+* a region that declines is a normal outcome: it is recorded and the round goes on;
+  a reply that fails or is malformed is rejected alone instead of skipping the round;
+* waiting for regions to connect has a deadline (``node-wait-timeout``), so a run
+  that expects more regions than exist stops with a message instead of hanging;
+* every region evaluates the initial adapter before round 1, so the run reports
+  eval loss before and after training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.supercore import log
+
+from fedciuic.aggregation import apply_delta, check_update, weighted_mean
+from fedciuic.config import RunConfig
+from fedciuic.errors import FederationError
+from fedciuic.flower import protocol
+from fedciuic.outputs import RunRecorder
+
+
+class RegionalFedAvg(FedAvg):
+    """FedAvg on adapter deltas with declines, per-region records and deadlines."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        *,
+        base_fingerprint: str,
+        recorder: RunRecorder,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            min_train_nodes=run.min_regions,
+            min_evaluate_nodes=run.min_regions,
+            min_available_nodes=run.min_regions,
+            arrayrecord_key=protocol.ARRAYS,
+            configrecord_key=protocol.CONFIG,
+        )
+        self.run = run
+        self.base_fingerprint = base_fingerprint
+        self.recorder = recorder
+        self.clock = clock
+        self.global_adapter: dict[str, np.ndarray] = {}
+        self.regions_by_node: dict[int, str] = {}
+
+    # -- sampling -----------------------------------------------------------------
+
+    def wait_for_regions(self, grid: Grid) -> list[int]:
+        """All connected nodes, once every region is there or the deadline has passed."""
+        expected = len(self.run.regions)
+        deadline = self.clock() + self.run.node_wait_timeout
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < expected and self.clock() < deadline:
+            log(INFO, "Waiting for regions: %d of %d connected", len(nodes), expected)
+            time.sleep(1.0)
+            nodes = list(grid.get_node_ids())
+        if len(nodes) < self.run.min_regions:
+            raise FederationError(
+                f"run config:node-wait-timeout: only {len(nodes)} of {expected} regions "
+                f"connected within {self.run.node_wait_timeout:.0f}s (min-regions is "
+                f"{self.run.min_regions}); start a SuperNode for each of "
+                f"{', '.join(self.run.regions)} or lower min-regions"
+            )
+        return sorted(nodes)
+
+    def _messages(
+        self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, server_round: int, kind: str
+    ) -> Iterable[Message]:
+        content = protocol.instruction(
+            arrays, server_round=server_round, base_fingerprint=self.base_fingerprint,
+            config=config,
+        )
+        return self._construct_messages(content, self.wait_for_regions(grid), kind)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.global_adapter = protocol.unpack_arrays(arrays)
+        return self._messages(grid, arrays, config, server_round, MessageType.TRAIN)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self._messages(grid, arrays, config, server_round, MessageType.EVALUATE)
+
+    # -- aggregation --------------------------------------------------------------
+
+    def _read(self, replies: Iterable[Message]) -> list[protocol.Reply]:
+        parsed = [protocol.read_reply(m, self.regions_by_node) for m in replies]
+        for reply in parsed:
+            if reply.status != "failed":
+                self.regions_by_node[reply.node_id] = reply.region
+        return parsed
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        accepted: list[protocol.Reply] = []
+        for reply in self._read(replies):
+            entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
+            if reply.status == protocol.TRAINED:
+                try:
+                    assert reply.arrays is not None, "a trained reply carries no arrays"
+                    check_update(reply.arrays, self.global_adapter)
+                    if not reply.metrics.get("num-examples", 0) > 0:
+                        raise ValueError("num-examples must be positive")
+                except (AssertionError, ValueError) as err:
+                    entry = {"status": "rejected", "reason": str(err)}
+                else:
+                    accepted.append(reply)
+                    entry.update(
+                        loss=reply.metrics["train-loss"],
+                        num_examples=int(reply.metrics["num-examples"]),
+                        steps=int(reply.metrics.get("steps", 0)),
+                        data_fingerprint=reply.info.get("data-fingerprint", ""),
+                    )
+            level = INFO if entry["status"] == protocol.TRAINED else WARNING
+            log(level, "round %d: region %s %s %s", server_round, reply.region,
+                entry["status"], entry.get("reason") or "")
+            self.recorder.record_train(server_round, reply.region, entry)
+
+        if not accepted:
+            log(WARNING, "round %d: no region trained; the global adapter is unchanged",
+                server_round)
+            self.recorder.record_aggregate(server_round, {"published": False, "regions": []})
+            self.recorder.save()
+            return None, None
+
+        weights = [r.metrics["num-examples"] for r in accepted]
+        mean = weighted_mean([r.arrays for r in accepted if r.arrays is not None], weights)
+        self.global_adapter = apply_delta(
+            self.global_adapter, mean, self.run.server_learning_rate
+        )
+        total = float(sum(weights))
+        loss = sum(r.metrics["train-loss"] * w for r, w in zip(accepted, weights, strict=True))
+        self.recorder.record_aggregate(
+            server_round, {"published": True, "regions": [r.region for r in accepted]}
+        )
+        self.recorder.save()
+        metrics = MetricRecord(
+            {"train-loss": loss / total, "num-examples": total, "regions": len(accepted)}
+        )
+        return protocol.pack_arrays(self.global_adapter), metrics
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        evaluated = []
+        for reply in self._read(replies):
+            if reply.status == protocol.EVALUATED:
+                evaluated.append(reply)
+                entry = {
+                    "status": reply.status,
+                    "loss": reply.metrics["eval-loss"],
+                    "perplexity": reply.metrics["perplexity"],
+                    "num_examples": int(reply.metrics["num-examples"]),
+                }
+            else:
+                entry = {"status": reply.status, "reason": reply.reason}
+                log(WARNING, "round %d: region %s did not evaluate: %s", server_round,
+                    reply.region, reply.reason)
+            self.recorder.record_eval(server_round, reply.region, entry)
+        if not evaluated:
+            self.recorder.save()
+            return None
+        total = sum(r.metrics["num-examples"] for r in evaluated)
+        loss = sum(r.metrics["eval-loss"] * r.metrics["num-examples"] for r in evaluated) / total
+        overall = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))),
+                   "num_examples": int(total)}
+        self.recorder.record_eval(server_round, "overall", overall)
+        self.recorder.save()
+        for r in sorted(evaluated, key=lambda r: r.region):
+            log(INFO, "round %d: eval loss %-4s %.4f", server_round, r.region,
+                r.metrics["eval-loss"])
+        return MetricRecord({"eval-loss": loss, "num-examples": total})
+
+    # -- the loop -----------------------------------------------------------------
+
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+    ) -> Result:
+        """Evaluate the initial adapter in every region, then run Flower's round loop."""
+        self.global_adapter = protocol.unpack_arrays(initial_arrays)
+        log(INFO, "[ROUND 0] evaluating the initial adapter in every region")
+        replies = grid.send_and_receive(
+            self.configure_evaluate(0, initial_arrays, ConfigRecord(evaluate_config or {}), grid),
+            timeout=timeout,
+        )
+        self.aggregate_evaluate(0, replies)
+        return super().start(
+            grid, initial_arrays, num_rounds=num_rounds, timeout=timeout,
+            train_config=train_config, evaluate_config=evaluate_config,
+        )
