@@ -26,7 +26,13 @@ def _region(context: Context) -> Region:
 
 
 def _name(context: Context) -> str:
-    return str(context.node_config.get("region", f"partition-{context.node_config.get('partition-id', '?')}"))
+    """The region's name for a decline, even when its config is broken."""
+    node = context.node_config
+    try:
+        run = RunConfig.from_user_config(context.run_config, source="run config")
+        return NodeConfig.resolve(node, run).region
+    except FedciuicError:
+        return str(node.get("region") or f"partition-{node.get('partition-id', '?')}")
 
 
 def _decline(msg: Message, context: Context, err: FedciuicError) -> Message:

@@ -201,25 +201,40 @@ def build_base(spec: ModelSpec) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokeni
     return model, byte_tokenizer()
 
 
-def _load_checkpoint(path: Path) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
+CHECKPOINT_FIX = (
+    "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
+)
+
+
+def check_model_spec(spec: ModelSpec) -> None:
+    """Fail fast, before any training, on an unknown preset or a non-checkpoint path."""
+    if not spec.path:
+        preset_config(spec.preset)
+        return
+    path = Path(spec.path).expanduser()
     config_file = path / "config.json"
-    fix = "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
     if not path.is_dir():
-        raise ModelError(f"run config:model-path: {path} is not a directory; {fix}")
+        raise ModelError(f"run config:model-path: {path} is not a directory; {CHECKPOINT_FIX}")
     try:
         model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError) as err:
-        raise ModelError(f"{config_file}: cannot read a model config ({err}); {fix}") from None
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelError(
+            f"{config_file}: cannot read a model config ({err}); {CHECKPOINT_FIX}"
+        ) from None
     if model_type != "deepseek_v3":
         raise ModelError(
-            f"{config_file}:model_type: {model_type!r} is not 'deepseek_v3'; {fix}"
+            f"{config_file}:model_type: {model_type!r} is not 'deepseek_v3'; {CHECKPOINT_FIX}"
         )
+
+
+def _load_checkpoint(path: Path) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
+    check_model_spec(ModelSpec(path=str(path)))
     try:
         model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"run config:model-path: {path}: {first}; {fix}") from None
+        raise ModelError(f"run config:model-path: {path}: {first}; {CHECKPOINT_FIX}") from None
     return model, tokenizer
 
 

@@ -1,0 +1,209 @@
+"""The ``fedciuic`` command.
+
+Errors meant for the user print one line, ``fedciuic: error: <where>: <what>; <fix>``,
+and exit with status 2; there is no traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedciuic import __version__
+from fedciuic.config import RunConfig
+from fedciuic.errors import ConfigError, FedciuicError, FederationError
+
+EXAMPLES = """\
+examples:
+  fedciuic simulate                          # 3 regions (eu, cn, us), demo data, CPU
+  fedciuic simulate --rounds 5 --run-config local-steps=50
+  fedciuic simulate --data-root ./my-data    # my-data/<region>/*.jsonl|*.txt
+  fedciuic demo-data ./demo-data --regions eu,cn,us
+  fedciuic save-checkpoint ./tiny-ckpt --preset tiny
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except FedciuicError as err:
+        print(f"fedciuic: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedciuic: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedciuic",
+        description="Federated fine-tuning of DeepSeek models across jurisdictions.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"fedciuic {__version__}")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run the local simulation (one simulated SuperNode per region)",
+        description="Start a simulation SuperLink on a free port, `flwr run` the app with one "
+        "SuperNode per region, print the summary and stop every process it started.",
+        epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_argument("--app", type=Path, default=Path("."),
+                     help="the Flower app folder (with pyproject.toml); default: .")
+    sim.add_argument("--regions", help="comma-separated regions, e.g. eu,cn,us")
+    sim.add_argument("--rounds", type=int, help="number of server rounds")
+    sim.add_argument("--data-root", type=Path,
+                     help="folder with one sub-folder of data per region; default: demo "
+                     "corpora written to OUTPUT_DIR/demo-data")
+    sim.add_argument("--output-dir", type=Path, default=Path("runs"),
+                     help="where each run writes run-<id>/ (default: runs)")
+    sim.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a run-config value (TOML value), repeatable")
+    sim.add_argument("--timeout", type=float, default=1800.0,
+                     help="seconds before the whole run is stopped (default: 1800)")
+    sim.add_argument("--quiet", action="store_true", help="print only the summary")
+    sim.set_defaults(handler=_simulate)
+
+    demo = sub.add_parser(
+        "demo-data",
+        help="write the deterministic demo corpora, one folder per region",
+        epilog="example:\n  fedciuic demo-data ./demo-data --regions eu,cn,us",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("directory", type=Path)
+    demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
+    demo.set_defaults(handler=_demo_data)
+
+    ckpt = sub.add_parser(
+        "save-checkpoint",
+        help="save a preset's base model and tokenizer as a checkpoint (for model-path)",
+        epilog="example:\n  fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
+        "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ckpt.add_argument("directory", type=Path)
+    ckpt.add_argument("--preset", default="tiny")
+    ckpt.add_argument("--seed", type=int, default=0)
+    ckpt.set_defaults(handler=_save_checkpoint)
+    return parser
+
+
+def app_run_config(app: Path) -> dict[str, Any]:
+    """The run-config defaults declared in the app's pyproject.toml."""
+    pyproject = app / "pyproject.toml"
+    try:
+        with open(pyproject, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as err:
+        raise ConfigError([f"{pyproject}: cannot read ({err.strerror}); pass --app DIR"]) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError([f"{pyproject}: invalid TOML ({err})"]) from None
+    try:
+        return dict(data["tool"]["flwr"]["app"]["config"])
+    except KeyError:
+        raise ConfigError([f"{pyproject}:tool.flwr.app.config: missing"]) from None
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs with TOML values (``rounds=3``, ``model-path='/x'``)."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--run-config {pair!r}: expected KEY=VALUE"])
+        try:
+            values[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key.strip()] = raw  # a bare word is taken as a string
+    return values
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from fedciuic.demo_data import write_demo_corpora
+    from fedciuic.flower.launch import LocalFederation
+    from fedciuic.model import ModelSpec, check_model_spec
+    from fedciuic.outputs import METRICS_FILE, summarize
+
+    app = args.app.resolve()
+    overrides = parse_overrides(args.run_config)
+    if args.regions:
+        overrides["regions"] = args.regions
+    if args.rounds is not None:
+        overrides["num-server-rounds"] = args.rounds
+    output_dir = args.output_dir.resolve()
+    overrides["output-dir"] = str(output_dir)
+    defaults = app_run_config(app)
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConfigError(
+            [f"--run-config:{k}: unknown key; known: {', '.join(sorted(defaults))}" for k in unknown]
+        )
+    # Validate everything here, before any process starts.
+    run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
+    check_model_spec(ModelSpec.from_run(run))
+    if args.data_root is None:
+        data_root = output_dir / "demo-data"
+        write_demo_corpora(data_root, run.regions)
+    else:
+        data_root = args.data_root.resolve()
+    overrides["data-root"] = str(data_root)
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
+    echo = None if args.quiet else sys.stdout
+    with LocalFederation(workdir, app) as federation:
+        federation.start_superlink(simulation=True)
+        run_id, _ = federation.run_app(
+            overrides,
+            federation_config={
+                "num-supernodes": len(run.regions),
+                "client-resources-num-cpus": 1,
+            },
+            timeout=args.timeout,
+            echo=echo,
+        )
+    metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
+    try:
+        data = json.loads(metrics_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise FederationError(
+            f"run {run_id} wrote no metrics at {metrics_file}; see the logs in {workdir / 'logs'}"
+        ) from None
+    print()
+    print(summarize(data))
+    if data["run"]["status"] != "completed":
+        raise FederationError(f"run {run_id} {data['run']['status']}: {data['run'].get('error')}")
+    return 0
+
+
+def _demo_data(args: argparse.Namespace) -> int:
+    from fedciuic.demo_data import write_demo_corpora
+
+    regions = tuple(r.strip() for r in args.regions.split(",") if r.strip())
+    for region, folder in write_demo_corpora(args.directory, regions).items():
+        print(f"{region}: {folder}")
+    return 0
+
+
+def _save_checkpoint(args: argparse.Namespace) -> int:
+    from fedciuic.model import ModelSpec, save_checkpoint
+
+    path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
+    print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install fedciuic into it: torch first (the CPU wheel where one is
+# available locally), then the package with its dev extra. Re-runs only when
+# pyproject.toml changed. Needs nothing but Python >= 3.11.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${FEDCIUIC_TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  echo "fedciuic: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.fedciuic-installed
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "fedciuic: installing $TORCH_SPEC, then fedciuic[dev] (a few minutes the first time)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  echo "$want" > "$stamp"
+fi

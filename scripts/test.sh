@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then lint, type-check and run every test (end-to-end included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/mypy
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,72 @@
+"""`fedciuic simulate` as a user runs it: a real simulation SuperLink and `flwr run`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedciuic.demo_data import write_demo_corpora
+from tests.conftest import ROOT
+from tests.e2e.helpers import eval_loss, only_run, processes_under
+
+pytestmark = pytest.mark.e2e
+
+
+def simulate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedciuic.cli", "simulate", "--app", str(ROOT),
+         "--output-dir", str(tmp_path / "runs"), "--quiet", *args],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )
+
+
+def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
+    done = simulate(tmp_path, "--rounds", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    for region in ("eu", "cn", "us"):
+        assert eval_loss(data, 2, region) < eval_loss(data, 0, region), region
+        for server_round in ("1", "2"):
+            assert data["rounds"][server_round]["train"][region]["status"] == "trained"
+        assert f"\n{region} " in done.stdout  # the summary has a line per region
+    run_dir = Path(data["run"]["output_dir"])
+    assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+    assert (run_dir / "summary.txt").exists()
+    assert not processes_under(tmp_path), "simulate left Flower processes running"
+
+
+def test_a_region_without_data_declines_and_the_others_train(tmp_path):
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu", "cn"))
+    (data_root / "us").mkdir()
+    done = simulate(tmp_path, "--rounds", "1", "--data-root", str(data_root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    train = data["rounds"]["1"]["train"]
+    assert train["us"]["status"] == "declined"
+    assert "holds no .jsonl or .txt files" in train["us"]["reason"]
+    assert train["eu"]["status"] == train["cn"]["status"] == "trained"
+    assert sorted(data["rounds"]["1"]["aggregate"]["regions"]) == ["cn", "eu"]
+    assert not processes_under(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--run-config", "model-preset='huge'"], "model-preset: unknown preset 'huge'"),
+        (["--run-config", "model-path='/no/such/ckpt'"], "model-path: /no/such/ckpt is not a directory"),
+        (["--run-config", "lerning-rate=0.1"], "--run-config:lerning-rate: unknown key"),
+        (["--regions", "eu,xx"], "no demo corpus for ['xx']"),
+    ],
+)
+def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message):
+    done = simulate(tmp_path, *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs" / ".flower").exists()

@@ -1,0 +1,77 @@
+"""The ClientApp's handlers called directly with a real Context and Message."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients import app as client_app
+from fedciuic.flower import protocol
+from fedciuic.model import AdapterModel, ModelSpec
+from tests.conftest import app_config
+
+
+@pytest.fixture(autouse=True)
+def _identity() -> Iterator[None]:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
+    yield
+    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module")
+def model() -> AdapterModel:
+    return AdapterModel(ModelSpec())
+
+
+def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN):
+    run_config = {**app_config(), "local-steps": 2, **run_overrides}
+    context = Context(
+        run_id=7, node_id=2, node_config=node_config, state=RecordDict(), run_config=run_config
+    )
+    content = protocol.instruction(
+        protocol.pack_arrays(model.adapter_state()),
+        server_round=1,
+        base_fingerprint=model.base_fingerprint,
+        config=ConfigRecord(),
+    )
+    reply = handler(Message(content, dst_node_id=2, message_type=kind), context)
+    return protocol.read_reply(reply, {})
+
+
+def test_region_trains_on_its_own_data_and_returns_a_delta(model, demo_root):
+    node = {"region": "cn", "data-path": str(demo_root / "cn")}
+    got = call(client_app.train, node, {}, model)
+    assert got.status == "trained" and got.region == "cn"
+    assert got.arrays is not None and set(got.arrays) == set(model.adapter_state())
+    assert any(np.abs(v).sum() > 0 for v in got.arrays.values())
+    assert got.metrics["num-examples"] > 0
+
+
+def test_unknown_region_declines_with_a_reason_and_sends_nothing(model, demo_root):
+    got = call(client_app.train, {"region": "sg", "data-path": str(demo_root)}, {}, model)
+    assert got.status == "declined" and got.arrays is None
+    assert got.region == "sg"
+    assert "node config:region: 'sg' is not a region of this run" in got.reason
+
+
+def test_missing_data_path_declines_naming_the_region_and_path(model, tmp_path):
+    node = {"region": "eu", "data-path": str(tmp_path / "missing")}
+    got = call(client_app.evaluate, node, {}, model, MessageType.EVALUATE)
+    assert got.status == "declined" and got.region == "eu"
+    assert f"data-path {tmp_path / 'missing'} does not exist" in got.reason
+
+
+def test_empty_dataset_declines(model, tmp_path):
+    (tmp_path / "eu").mkdir()
+    got = call(client_app.train, {"region": "eu", "data-path": str(tmp_path / "eu")}, {}, model)
+    assert got.status == "declined" and "holds no .jsonl or .txt files" in got.reason
+
+
+def test_mismatched_base_model_declines(model, demo_root):
+    node = {"region": "eu", "data-path": str(demo_root / "eu")}
+    got = call(client_app.train, node, {"seed": 5}, model)
+    assert got.status == "declined" and "base model fingerprint" in got.reason

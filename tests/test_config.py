@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.errors import ConfigError
+from tests.conftest import app_config
+
+
+def test_app_defaults_are_a_valid_run_config():
+    run = RunConfig.from_user_config(app_config(), source="pyproject.toml")
+    assert run.regions == ("eu", "cn", "us")
+
+
+def test_all_problems_are_reported_at_once_with_source_and_field():
+    values = {**app_config(), "num-server-rounds": 0, "learning-rate": -1, "regions": "EU,cn"}
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_user_config(values, source="run config")
+    text = str(info.value)
+    assert len(info.value.problems) == 3
+    for field in ("run config:num-server-rounds", "run config:learning-rate", "run config:regions"):
+        assert field in text
+
+
+def test_unknown_run_config_key_is_an_error():
+    with pytest.raises(ConfigError, match="run config:lerning-rate: Extra inputs"):
+        RunConfig.from_user_config({**app_config(), "lerning-rate": 0.1}, source="run config")
+
+
+def test_duplicate_regions_are_refused():
+    with pytest.raises(ConfigError, match="listed twice"):
+        RunConfig.from_user_config({**app_config(), "regions": "eu,eu"}, source="run config")
+
+
+def test_deployment_node_config_names_region_and_data_path(run_config):
+    node = NodeConfig.resolve({"region": "cn", "data-path": "/data/cn"}, run_config)
+    assert (node.region, node.data_path) == ("cn", "/data/cn")
+
+
+def test_region_unknown_to_the_run_is_refused_with_the_known_ones(run_config):
+    with pytest.raises(ConfigError, match=r"node config:region: 'sg' is not a region.*eu, cn, us"):
+        NodeConfig.resolve({"region": "sg", "data-path": "/data/sg"}, run_config)
+
+
+def test_missing_data_path_in_node_config_is_named(run_config):
+    with pytest.raises(ConfigError, match="node config:data-path: Field required"):
+        NodeConfig.resolve({"region": "eu"}, run_config)
+
+
+def test_simulation_partition_maps_to_region_and_its_folder(run_config):
+    node = NodeConfig.resolve({"partition-id": 1, "num-partitions": 3}, run_config)
+    assert node.region == "cn"
+    assert node.data_path.endswith("/cn")
+
+
+def test_partition_without_region_is_refused(run_config):
+    with pytest.raises(ConfigError, match="partition-id: 3 has no region"):
+        NodeConfig.resolve({"partition-id": 3, "num-partitions": 4}, run_config)
+
+
+def test_node_config_with_nothing_says_how_to_start_a_supernode(run_config):
+    with pytest.raises(ConfigError, match="--node-config"):
+        NodeConfig.resolve({}, run_config)

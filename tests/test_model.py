@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedciuic.errors import ModelError
+from fedciuic.model import (
+    ATTENTION_TARGETS,
+    AdapterModel,
+    ModelSpec,
+    byte_tokenizer,
+    check_model_spec,
+    preset_config,
+    save_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> AdapterModel:
+    return AdapterModel(ModelSpec(preset="tiny"), device=torch.device("cpu"))
+
+
+def test_tiny_preset_keeps_the_deepseek_v3_shape():
+    config = preset_config("tiny")
+    assert config.model_type == "deepseek_v3"
+    assert config.q_lora_rank and config.kv_lora_rank  # MLA: low-rank q and kv
+    assert config.n_routed_experts >= 4
+    assert config.n_shared_experts >= 1
+    assert config.first_k_dense_replace == 1 < config.num_hidden_layers
+
+
+def test_tiny_model_has_a_dense_first_layer_then_moe_with_router(tiny):
+    layers = tiny.model.base_model.model.model.layers
+    assert type(layers[0].mlp).__name__ == "DeepseekV3MLP"
+    assert type(layers[1].mlp).__name__ == "DeepseekV3MoE"
+    assert type(layers[1].mlp.gate).__name__ == "DeepseekV3TopkRouter"
+
+
+def test_parameter_counts_of_the_presets(tiny):
+    counts = tiny.counts()
+    assert counts.total == 125_632
+    assert counts.trainable == 8_832
+    small = preset_config("small")
+    assert small.n_routed_experts == 8 and small.num_hidden_layers == 8
+
+
+def test_small_preset_has_tens_of_millions_of_parameters():
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(preset_config("small"))
+    total = sum(p.numel() for p in model.parameters())
+    assert 10_000_000 <= total < 100_000_000
+
+
+def test_only_lora_adapters_on_attention_projections_are_trainable(tiny):
+    trainable = [n for n, p in tiny.model.named_parameters() if p.requires_grad]
+    assert trainable
+    for name in trainable:
+        assert ".lora_A." in name or ".lora_B." in name
+        assert any(f".{target}." in name for target in ATTENTION_TARGETS), name
+    assert sorted(tiny.adapter_state()) == sorted(trainable)
+
+
+def test_router_and_experts_stay_frozen(tiny):
+    frozen = {n: p.requires_grad for n, p in tiny.model.named_parameters()}
+    router = [n for n in frozen if n.endswith("mlp.gate.weight")]
+    experts = [n for n in frozen if ".mlp.experts." in n]
+    assert router and experts
+    assert not any(frozen[n] for n in router + experts)
+
+
+def test_same_seed_builds_the_same_base_everywhere(tiny):
+    again = AdapterModel(ModelSpec(preset="tiny"), device=torch.device("cpu"))
+    other = AdapterModel(ModelSpec(preset="tiny", seed=1), device=torch.device("cpu"))
+    assert again.base_fingerprint == tiny.base_fingerprint
+    assert other.base_fingerprint != tiny.base_fingerprint
+
+
+def test_adapter_state_round_trip_and_layout_check(tiny):
+    state = tiny.adapter_state()
+    changed = {k: v + 1.0 for k, v in state.items()}
+    tiny.load_adapter_state(changed)
+    assert all(np.array_equal(tiny.adapter_state()[k], changed[k]) for k in state)
+    tiny.load_adapter_state(state)
+    bad = dict(state)
+    name = next(iter(bad))
+    bad[name] = np.zeros((3, 3), dtype=np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        tiny.load_adapter_state(bad)
+    with pytest.raises(ValueError, match="missing"):
+        tiny.load_adapter_state({k: v for k, v in state.items() if k != name})
+
+
+def test_checkpoint_save_and_load_round_trip(tmp_path):
+    spec = ModelSpec(preset="tiny", seed=3)
+    path = save_checkpoint(spec, tmp_path / "ckpt")
+    from_preset = AdapterModel(spec, device=torch.device("cpu"))
+    from_path = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
+    assert from_path.base_fingerprint == from_preset.base_fingerprint
+    text = "Regions keep their data."
+    assert from_path.tokenizer(text)["input_ids"] == from_preset.tokenizer(text)["input_ids"]
+    ids = torch.tensor([from_path.tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        a = from_preset.model(input_ids=ids).logits
+        b = from_path.model(input_ids=ids).logits
+    assert torch.allclose(a, b)
+
+
+def test_byte_tokenizer_round_trips_any_utf8():
+    tok = byte_tokenizer()
+    text = "Daten bleiben in der EU · 数据留在中国 · data stays"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ModelError, match=r"model-preset: unknown preset 'huge'.*small, tiny"):
+        check_model_spec(ModelSpec(preset="huge"))
+
+
+def test_model_path_that_is_not_a_checkpoint_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="is not a directory"):
+        check_model_spec(ModelSpec(path=str(tmp_path / "nope")))
+    with pytest.raises(ModelError, match="config.json: cannot read"):
+        check_model_spec(ModelSpec(path=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelError, match="model_type: 'llama' is not 'deepseek_v3'"):
+        check_model_spec(ModelSpec(path=str(tmp_path)))
+
+
+def test_checkpoint_without_weights_is_refused_with_the_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("tiny").to_dict()))
+    with pytest.raises(ModelError, match=str(tmp_path)):
+        AdapterModel(ModelSpec(path=str(tmp_path)), device=torch.device("cpu"))

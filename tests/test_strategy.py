@@ -1,0 +1,145 @@
+"""RegionalFedAvg without Flower processes: fake replies, a fake grid and a fake clock."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedciuic.errors import FederationError
+from fedciuic.flower import protocol
+from fedciuic.outputs import RunRecorder
+from fedciuic.region import TrainOutcome
+from fedciuic.train import EvalStats, TrainStats
+from server.strategy import RegionalFedAvg
+
+GLOBAL = {"w": np.zeros(4, np.float32)}
+
+
+@pytest.fixture(autouse=True)
+def _identity() -> Iterator[None]:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
+    yield
+    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
+
+
+@pytest.fixture
+def strategy(run_config, tmp_path) -> RegionalFedAvg:
+    recorder = RunRecorder(tmp_path / "run", {"run_id": 7, "regions": list(run_config.regions)})
+    s = RegionalFedAvg(run_config, base_fingerprint="f" * 64, recorder=recorder)
+    s.global_adapter = {k: v.copy() for k, v in GLOBAL.items()}
+    return s
+
+
+def reply(node_id: int, content: RecordDict | Error, kind: str = MessageType.TRAIN) -> Message:
+    instruction = Message(RecordDict(), dst_node_id=node_id, message_type=kind)
+    if isinstance(content, Error):
+        return Message(content, reply_to=instruction)
+    return Message(content, reply_to=instruction)
+
+
+def trained(region: str, value: float, examples: int) -> RecordDict:
+    outcome = TrainOutcome(
+        region, {"w": np.full(4, value, np.float32)}, TrainStats(1.0, 5, examples), "fp-" + region
+    )
+    return protocol.train_reply(outcome)
+
+
+def test_deltas_are_averaged_by_examples_and_applied(strategy):
+    arrays, metrics = strategy.aggregate_train(
+        1, [reply(11, trained("eu", 1.0, 10)), reply(12, trained("cn", 4.0, 30))]
+    )
+    assert arrays is not None and metrics is not None
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 0.25 * 1 + 0.75 * 4)
+    assert metrics["regions"] == 2
+
+
+def test_a_decline_is_recorded_and_the_others_are_aggregated(strategy, tmp_path):
+    arrays, _ = strategy.aggregate_train(
+        1,
+        [reply(11, trained("eu", 2.0, 10)), reply(12, protocol.decline_reply("cn", "budget spent"))],
+    )
+    assert arrays is not None
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["rounds"]["1"]["train"]["cn"] == {"status": "declined", "reason": "budget spent"}
+    assert saved["rounds"]["1"]["train"]["eu"]["data_fingerprint"] == "fp-eu"
+
+
+def test_failed_and_malformed_replies_are_rejected_alone(strategy):
+    bad_shape = trained("us", 1.0, 10)
+    bad_shape[protocol.ARRAYS] = ArrayRecord({"w": protocol.pack_arrays({"w": np.zeros(5)})["w"]})
+    nan = trained("cn", float("nan"), 10)
+    arrays, _ = strategy.aggregate_train(
+        1,
+        [
+            reply(11, trained("eu", 1.0, 10)),
+            reply(12, nan),
+            reply(13, bad_shape),
+            reply(14, Error(code=0, reason="process died")),
+            reply(15, RecordDict({"junk": ConfigRecord({"x": 1})})),
+        ],
+    )
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0)
+    train = strategy.recorder.data["rounds"]["1"]["train"]
+    assert train["cn"]["status"] == "rejected" and "NaN" in train["cn"]["reason"]
+    assert train["us"]["status"] == "rejected" and "shape" in train["us"]["reason"]
+    assert train["node-14"] == {"status": "failed", "reason": "process died"}
+    assert train["node-15"]["status"] == "failed"
+
+
+def test_round_where_every_region_declines_leaves_the_model_unchanged(strategy):
+    arrays, metrics = strategy.aggregate_train(1, [reply(11, protocol.decline_reply("eu", "no"))])
+    assert arrays is None and metrics is None
+    np.testing.assert_array_equal(strategy.global_adapter["w"], GLOBAL["w"])
+    assert strategy.recorder.data["rounds"]["1"]["aggregate"]["published"] is False
+
+
+def test_evaluation_is_recorded_per_region_and_overall(strategy):
+    replies = [
+        reply(11, protocol.evaluate_reply("eu", EvalStats(2.0, 10)), MessageType.EVALUATE),
+        reply(12, protocol.evaluate_reply("cn", EvalStats(4.0, 30)), MessageType.EVALUATE),
+    ]
+    metrics = strategy.aggregate_evaluate(0, replies)
+    assert metrics is not None and metrics["eval-loss"] == pytest.approx(3.5)
+    evals = strategy.recorder.data["rounds"]["0"]["eval"]
+    assert evals["eu"]["loss"] == 2.0 and evals["overall"]["num_examples"] == 40
+
+
+class FakeGrid:
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:
+        return self.nodes
+
+
+def test_waiting_for_missing_regions_ends_at_the_deadline(strategy, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("server.strategy.time.sleep", lambda s: now.__setitem__(0, now[0] + s))
+    strategy.clock = lambda: now[0]
+    strategy.run = strategy.run.model_copy(update={"min_regions": 2, "node_wait_timeout": 5.0})
+    with pytest.raises(FederationError, match=r"only 1 of 3 regions connected within 5s"):
+        strategy.wait_for_regions(FakeGrid([1]))  # type: ignore[arg-type]
+    assert now[0] == pytest.approx(5.0, abs=1.0)
+
+
+def test_enough_regions_after_the_deadline_go_ahead(strategy, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("server.strategy.time.sleep", lambda s: now.__setitem__(0, now[0] + s))
+    strategy.clock = lambda: now[0]
+    assert strategy.wait_for_regions(FakeGrid([3, 1])) == [1, 3]  # type: ignore[arg-type]
+
+
+def test_instruction_round_trip():
+    content = protocol.instruction(
+        protocol.pack_arrays(GLOBAL), server_round=3, base_fingerprint="abc", config=ConfigRecord()
+    )
+    message = Message(content, dst_node_id=2, message_type=MessageType.TRAIN)
+    task = protocol.read_instruction(message)
+    assert task.server_round == 3 and task.base_fingerprint == "abc"
+    np.testing.assert_array_equal(task.adapter["w"], GLOBAL["w"])
