@@ -60,19 +60,39 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim.add_argument("--app", type=Path, default=Path("."),
-                     help="the Flower app folder (with pyproject.toml); default: .")
+    sim.add_argument(
+        "--app",
+        type=Path,
+        default=Path("."),
+        help="the Flower app folder (with pyproject.toml); default: .",
+    )
     sim.add_argument("--regions", help="comma-separated regions, e.g. eu,cn,us")
     sim.add_argument("--rounds", type=int, help="number of server rounds")
-    sim.add_argument("--data-root", type=Path,
-                     help="folder with one sub-folder of data per region; default: demo "
-                     "corpora written to OUTPUT_DIR/demo-data")
-    sim.add_argument("--output-dir", type=Path, default=Path("runs"),
-                     help="where each run writes run-<id>/ (default: runs)")
-    sim.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a run-config value (TOML value), repeatable")
-    sim.add_argument("--timeout", type=float, default=1800.0,
-                     help="seconds before the whole run is stopped (default: 1800)")
+    sim.add_argument(
+        "--data-root",
+        type=Path,
+        help="folder with one sub-folder of data per region; default: demo "
+        "corpora written to OUTPUT_DIR/demo-data",
+    )
+    sim.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("runs"),
+        help="where each run writes run-<id>/ (default: runs)",
+    )
+    sim.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run-config value (TOML value), repeatable",
+    )
+    sim.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds before the whole run is stopped (default: 1800)",
+    )
     sim.add_argument("--quiet", action="store_true", help="print only the summary")
     sim.set_defaults(handler=_simulate)
 
@@ -148,7 +168,10 @@ def _simulate(args: argparse.Namespace) -> int:
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise ConfigError(
-            [f"--run-config:{k}: unknown key; known: {', '.join(sorted(defaults))}" for k in unknown]
+            [
+                f"--run-config:{k}: unknown key; known: {', '.join(sorted(defaults))}"
+                for k in unknown
+            ]
         )
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")

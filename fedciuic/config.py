@@ -68,7 +68,7 @@ class RunConfig(_Strict):
     model_preset: str = "tiny"
     model_path: str = ""
     lora_rank: int = Field(default=8, ge=1, le=1024)
-    lora_alpha: float = Field(default=16, gt=0)
+    lora_alpha: int = Field(default=16, ge=1)
     local_steps: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     learning_rate: float = Field(gt=0)
@@ -94,9 +94,7 @@ class RunConfig(_Strict):
     def _check_regions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         bad = [r for r in value if not re.match(REGION_PATTERN, r)]
         if bad:
-            raise ValueError(
-                f"region names must be lower-case letters, digits, '-' or '_': {bad}"
-            )
+            raise ValueError(f"region names must be lower-case letters, digits, '-' or '_': {bad}")
         if len(set(value)) != len(value):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value

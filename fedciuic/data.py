@@ -53,9 +53,7 @@ def list_data_files(data_path: str | Path) -> list[Path]:
                     f"{entry}: links outside data-path {real_root} (to {entry.resolve()}); "
                     "a region reads only its own folder: copy the data in instead"
                 )
-        found.extend(
-            Path(dirpath) / n for n in filenames if Path(n).suffix in SUFFIXES
-        )
+        found.extend(Path(dirpath) / n for n in filenames if Path(n).suffix in SUFFIXES)
         dirnames.sort()
     if not found:
         raise DataError(

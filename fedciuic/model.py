@@ -117,7 +117,7 @@ class ModelSpec:
     preset: str = "tiny"
     path: str = ""
     lora_rank: int = 8
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     seed: int = 0
 
     @classmethod
@@ -160,7 +160,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
     )
 
@@ -252,7 +252,7 @@ class AdapterModel:
         self.base_fingerprint = fingerprint(base.state_dict())
         lora = LoraConfig(
             r=spec.lora_rank,
-            lora_alpha=spec.lora_alpha,
+            lora_alpha=int(spec.lora_alpha),
             target_modules=list(ATTENTION_TARGETS),
             lora_dropout=0.0,
             bias="none",
@@ -278,9 +278,7 @@ class AdapterModel:
     def adapter_state(self) -> dict[str, np.ndarray]:
         """Copy the adapter tensors out as float32 NumPy arrays."""
         params = dict(self.model.named_parameters())
-        return {
-            n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in self._names
-        }
+        return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in self._names}
 
     def load_adapter_state(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Overwrite the adapters; keys and shapes must match exactly."""

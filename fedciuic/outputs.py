@@ -31,7 +31,7 @@ class RunRecorder:
         self.save()
 
     def _round(self, server_round: int) -> dict[str, Any]:
-        rounds: dict[str, Any] = self.data["rounds"]
+        rounds: dict[str, dict[str, Any]] = self.data["rounds"]
         return rounds.setdefault(str(server_round), {"train": {}, "eval": {}})
 
     def record_train(self, server_round: int, region: str, entry: dict[str, Any]) -> None:

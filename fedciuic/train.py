@@ -45,8 +45,9 @@ def train_local(
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=learning_rate)
     losses = []
     for _ in range(steps):
-        index = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),),
-                              generator=generator)
+        index = torch.randint(
+            0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=generator
+        )
         batch = blocks[index].to(model.device)
         loss = net(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)

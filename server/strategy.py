@@ -80,7 +80,9 @@ class RegionalFedAvg(FedAvg):
         self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, server_round: int, kind: str
     ) -> Iterable[Message]:
         content = protocol.instruction(
-            arrays, server_round=server_round, base_fingerprint=self.base_fingerprint,
+            arrays,
+            server_round=server_round,
+            base_fingerprint=self.base_fingerprint,
             config=config,
         )
         return self._construct_messages(content, self.wait_for_regions(grid), kind)
@@ -128,22 +130,29 @@ class RegionalFedAvg(FedAvg):
                         data_fingerprint=reply.info.get("data-fingerprint", ""),
                     )
             level = INFO if entry["status"] == protocol.TRAINED else WARNING
-            log(level, "round %d: region %s %s %s", server_round, reply.region,
-                entry["status"], entry.get("reason") or "")
+            log(
+                level,
+                "round %d: region %s %s %s",
+                server_round,
+                reply.region,
+                entry["status"],
+                entry.get("reason") or "",
+            )
             self.recorder.record_train(server_round, reply.region, entry)
 
         if not accepted:
-            log(WARNING, "round %d: no region trained; the global adapter is unchanged",
-                server_round)
+            log(
+                WARNING,
+                "round %d: no region trained; the global adapter is unchanged",
+                server_round,
+            )
             self.recorder.record_aggregate(server_round, {"published": False, "regions": []})
             self.recorder.save()
             return None, None
 
         weights = [r.metrics["num-examples"] for r in accepted]
         mean = weighted_mean([r.arrays for r in accepted if r.arrays is not None], weights)
-        self.global_adapter = apply_delta(
-            self.global_adapter, mean, self.run.server_learning_rate
-        )
+        self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
         total = float(sum(weights))
         loss = sum(r.metrics["train-loss"] * w for r, w in zip(accepted, weights, strict=True))
         self.recorder.record_aggregate(
@@ -170,21 +179,34 @@ class RegionalFedAvg(FedAvg):
                 }
             else:
                 entry = {"status": reply.status, "reason": reply.reason}
-                log(WARNING, "round %d: region %s did not evaluate: %s", server_round,
-                    reply.region, reply.reason)
+                log(
+                    WARNING,
+                    "round %d: region %s did not evaluate: %s",
+                    server_round,
+                    reply.region,
+                    reply.reason,
+                )
             self.recorder.record_eval(server_round, reply.region, entry)
         if not evaluated:
             self.recorder.save()
             return None
         total = sum(r.metrics["num-examples"] for r in evaluated)
         loss = sum(r.metrics["eval-loss"] * r.metrics["num-examples"] for r in evaluated) / total
-        overall = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))),
-                   "num_examples": int(total)}
+        overall = {
+            "loss": loss,
+            "perplexity": float(np.exp(min(loss, 50.0))),
+            "num_examples": int(total),
+        }
         self.recorder.record_eval(server_round, "overall", overall)
         self.recorder.save()
         for r in sorted(evaluated, key=lambda r: r.region):
-            log(INFO, "round %d: eval loss %-4s %.4f", server_round, r.region,
-                r.metrics["eval-loss"])
+            log(
+                INFO,
+                "round %d: eval loss %-4s %.4f",
+                server_round,
+                r.region,
+                r.metrics["eval-loss"],
+            )
         return MetricRecord({"eval-loss": loss, "num-examples": total})
 
     # -- the loop -----------------------------------------------------------------
@@ -202,11 +224,15 @@ class RegionalFedAvg(FedAvg):
         self.global_adapter = protocol.unpack_arrays(initial_arrays)
         log(INFO, "[ROUND 0] evaluating the initial adapter in every region")
         replies = grid.send_and_receive(
-            self.configure_evaluate(0, initial_arrays, ConfigRecord(evaluate_config or {}), grid),
+            self.configure_evaluate(0, initial_arrays, evaluate_config or ConfigRecord(), grid),
             timeout=timeout,
         )
         self.aggregate_evaluate(0, replies)
         return super().start(
-            grid, initial_arrays, num_rounds=num_rounds, timeout=timeout,
-            train_config=train_config, evaluate_config=evaluate_config,
+            grid,
+            initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
         )

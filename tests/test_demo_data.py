@@ -25,8 +25,10 @@ def test_demo_corpora_are_deterministic(tmp_path):
 
 
 def test_regions_really_differ_in_vocabulary(demo_root):
-    top = {r: {w for w, _ in words(demo_root / r / "docs.jsonl").most_common(200)}
-           for r in ("eu", "cn", "us")}
+    top = {
+        r: {w for w, _ in words(demo_root / r / "docs.jsonl").most_common(200)}
+        for r in ("eu", "cn", "us")
+    }
     for a, b in (("eu", "cn"), ("eu", "us"), ("cn", "us")):
         overlap = len(top[a] & top[b]) / 200
         assert overlap < 0.6, (a, b, overlap)

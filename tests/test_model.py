@@ -126,7 +126,7 @@ def test_unknown_preset_lists_the_known_ones():
 def test_model_path_that_is_not_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ModelError, match="is not a directory"):
         check_model_spec(ModelSpec(path=str(tmp_path / "nope")))
-    with pytest.raises(ModelError, match="config.json: cannot read"):
+    with pytest.raises(ModelError, match=r"config\.json: cannot read"):
         check_model_spec(ModelSpec(path=str(tmp_path)))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelError, match="model_type: 'llama' is not 'deepseek_v3'"):

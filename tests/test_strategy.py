@@ -61,7 +61,10 @@ def test_deltas_are_averaged_by_examples_and_applied(strategy):
 def test_a_decline_is_recorded_and_the_others_are_aggregated(strategy, tmp_path):
     arrays, _ = strategy.aggregate_train(
         1,
-        [reply(11, trained("eu", 2.0, 10)), reply(12, protocol.decline_reply("cn", "budget spent"))],
+        [
+            reply(11, trained("eu", 2.0, 10)),
+            reply(12, protocol.decline_reply("cn", "budget spent")),
+        ],
     )
     assert arrays is not None
     np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
@@ -124,7 +127,7 @@ def test_waiting_for_missing_regions_ends_at_the_deadline(strategy, monkeypatch)
     strategy.clock = lambda: now[0]
     strategy.run = strategy.run.model_copy(update={"min_regions": 2, "node_wait_timeout": 5.0})
     with pytest.raises(FederationError, match=r"only 1 of 3 regions connected within 5s"):
-        strategy.wait_for_regions(FakeGrid([1]))  # type: ignore[arg-type]
+        strategy.wait_for_regions(FakeGrid([1]))
     assert now[0] == pytest.approx(5.0, abs=1.0)
 
 
@@ -132,7 +135,7 @@ def test_enough_regions_after_the_deadline_go_ahead(strategy, monkeypatch):
     now = [0.0]
     monkeypatch.setattr("server.strategy.time.sleep", lambda s: now.__setitem__(0, now[0] + s))
     strategy.clock = lambda: now[0]
-    assert strategy.wait_for_regions(FakeGrid([3, 1])) == [1, 3]  # type: ignore[arg-type]
+    assert strategy.wait_for_regions(FakeGrid([3, 1])) == [1, 3]
 
 
 def test_instruction_round_trip():

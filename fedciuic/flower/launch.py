@@ -106,8 +106,12 @@ class LocalFederation:
         handle = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
         try:
             process = subprocess.Popen(
-                list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=self.env,
-                cwd=self.workdir, start_new_session=True,
+                list(cmd),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.workdir,
+                start_new_session=True,
             )
         finally:
             handle.close()
@@ -158,7 +162,12 @@ class LocalFederation:
         """Start ``flower-superlink`` on a free port and wait until it answers."""
         port = free_port()
         cmd = [
-            _bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+            _bin("flower-superlink"),
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
             "--disable-runtime-dependency-installation",
         ]
         if simulation:
@@ -188,9 +197,16 @@ class LocalFederation:
     def start_supernode(self, name: str, node_config: Mapping[str, Any]) -> Managed:
         """Start one ``flower-supernode`` with its own ``--node-config``."""
         cmd = [
-            _bin("flower-supernode"), "--insecure", "--superlink", self.superlink_address,
-            "--host", "127.0.0.1", "--port", str(free_port()),
-            "--node-config", toml_pairs(node_config),
+            _bin("flower-supernode"),
+            "--insecure",
+            "--superlink",
+            self.superlink_address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--node-config",
+            toml_pairs(node_config),
         ]
         return self._spawn(f"supernode-{name}", cmd)
 
@@ -211,8 +227,15 @@ class LocalFederation:
         overrides.write_text(
             "".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()), encoding="utf-8"
         )
-        cmd = [_bin("flwr"), "run", str(self.app_dir), CONNECTION, "--stream",
-               "--run-config", str(overrides)]
+        cmd = [
+            _bin("flwr"),
+            "run",
+            str(self.app_dir),
+            CONNECTION,
+            "--stream",
+            "--run-config",
+            str(overrides),
+        ]
         if federation_config:
             cmd += ["--federation-config", toml_pairs(federation_config)]
         managed = self._spawn("flwr-run", cmd)
@@ -232,7 +255,9 @@ class LocalFederation:
         text = managed.log_path.read_text(encoding="utf-8", errors="replace")
         match = re.search(r"Successfully started run (\d+)", text)
         if managed.process.returncode != 0 or not match:
-            raise FederationError(f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path))
+            raise FederationError(
+                f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path)
+            )
         return int(match.group(1)), text
 
 

@@ -48,9 +48,9 @@ class Instruction:
 
 
 def read_instruction(message: Message) -> Instruction:
-    config = message.content[CONFIG]
+    config = message.content.config_records[CONFIG]
     return Instruction(
-        adapter=unpack_arrays(message.content[ARRAYS]),
+        adapter=unpack_arrays(message.content.array_records[ARRAYS]),
         server_round=int(config["server-round"]),  # type: ignore[arg-type]
         base_fingerprint=str(config["base-fingerprint"]),
     )
@@ -122,12 +122,13 @@ def read_reply(message: Message, known_regions: Mapping[int, str]) -> Reply:
     node_id = message.metadata.src_node_id
     fallback = known_regions.get(node_id, f"node-{node_id}")
     if message.has_error():
-        return Reply(node_id, fallback, "failed", reason=message.error.reason)
+        return Reply(node_id, fallback, "failed", reason=message.error.reason or "unknown error")
     content = message.content
     try:
-        info = {k: str(v) for k, v in content[INFO].items()}
-        metrics = {k: float(v) for k, v in content[METRICS].items()}  # type: ignore[arg-type]
-        arrays = unpack_arrays(content[ARRAYS]) if ARRAYS in content.array_records else None
+        info = {k: str(v) for k, v in content.config_records[INFO].items()}
+        metrics = {k: float(v) for k, v in content.metric_records[METRICS].items()}  # type: ignore[arg-type]
+        records = content.array_records
+        arrays = unpack_arrays(records[ARRAYS]) if ARRAYS in records else None
         region, status = info["region"], info["status"]
     except (KeyError, TypeError, ValueError) as err:
         return Reply(node_id, fallback, "failed", reason=f"malformed reply ({err!r})")

@@ -24,8 +24,9 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
             )
         pids = federation.pids()
         assert len(pids) == 4
-        federation.run_app({"num-server-rounds": 2, "output-dir": str(out), "data-root": ""},
-                           timeout=900)
+        federation.run_app(
+            {"num-server-rounds": 2, "output-dir": str(out), "data-root": ""}, timeout=900
+        )
     assert not alive(pids), "processes survived the federation"
 
     data = only_run(out)
@@ -33,8 +34,12 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
     config = app_config()
     for region in REGIONS:
         own = load_region_data(
-            region, demo_root / region, byte_tokenizer(), seq_len=config["seq-len"],
-            eval_fraction=config["eval-fraction"], max_eval_examples=config["max-eval-examples"],
+            region,
+            demo_root / region,
+            byte_tokenizer(),
+            seq_len=config["seq-len"],
+            eval_fraction=config["eval-fraction"],
+            max_eval_examples=config["max-eval-examples"],
         )
         for server_round in ("1", "2"):
             entry = data["rounds"][server_round]["train"][region]
@@ -46,8 +51,10 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
 
 def test_every_process_is_stopped_when_the_body_fails(tmp_path, demo_root):
     pids: list[int] = []
-    with pytest.raises(RuntimeError, match="test failure"), \
-            LocalFederation(tmp_path / "work", ROOT) as federation:
+    with (
+        pytest.raises(RuntimeError, match="test failure"),
+        LocalFederation(tmp_path / "work", ROOT) as federation,
+    ):
         federation.start_superlink(simulation=False)
         federation.start_supernode("eu", {"region": "eu", "data-path": str(demo_root / "eu")})
         pids = federation.pids()

@@ -17,9 +17,22 @@ pytestmark = pytest.mark.e2e
 
 def simulate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fedciuic.cli", "simulate", "--app", str(ROOT),
-         "--output-dir", str(tmp_path / "runs"), "--quiet", *args],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "fedciuic.cli",
+            "simulate",
+            "--app",
+            str(ROOT),
+            "--output-dir",
+            str(tmp_path / "runs"),
+            "--quiet",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
     )
 
 
@@ -58,7 +71,10 @@ def test_a_region_without_data_declines_and_the_others_train(tmp_path):
     ("args", "message"),
     [
         (["--run-config", "model-preset='huge'"], "model-preset: unknown preset 'huge'"),
-        (["--run-config", "model-path='/no/such/ckpt'"], "model-path: /no/such/ckpt is not a directory"),
+        (
+            ["--run-config", "model-path='/no/such/ckpt'"],
+            "model-path: /no/such/ckpt is not a directory",
+        ),
         (["--run-config", "lerning-rate=0.1"], "--run-config:lerning-rate: unknown key"),
         (["--regions", "eu,xx"], "no demo corpus for ['xx']"),
     ],

@@ -1,0 +1,64 @@
+"""Deployment on 127.0.0.1: a real flower-superlink, one flower-supernode per region, flwr run.
+
+Run from the repository root, inside the project's venv:
+
+    .venv/bin/python examples/deploy_local.py --rounds 2
+
+Every process it starts is stopped when it ends, also on errors or Ctrl-C. The
+same commands by hand are in the README ("Deployment").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from fedciuic.demo_data import write_demo_corpora
+from fedciuic.flower.launch import LocalFederation
+from fedciuic.outputs import METRICS_FILE, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--regions", default="eu,cn,us")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--data-root", type=Path, help="one folder per region (default: demo data)")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "runs")
+    args = parser.parse_args()
+
+    regions = tuple(r.strip() for r in args.regions.split(","))
+    output_dir = args.output_dir.resolve()
+    with tempfile.TemporaryDirectory(prefix="fedciuic-deploy-") as tmp:
+        data_root = args.data_root or Path(tmp) / "data"
+        if args.data_root is None:
+            write_demo_corpora(data_root, regions)
+        with LocalFederation(Path(tmp) / "work", ROOT) as federation:
+            address = federation.start_superlink(simulation=False)
+            print(f"flower-superlink on {address} (pid {federation.pids()[0]})")
+            for region in regions:
+                node = {"region": region, "data-path": str((data_root / region).resolve())}
+                managed = federation.start_supernode(region, node)
+                print(f"flower-supernode {region} (pid {managed.process.pid})")
+            run_id, _ = federation.run_app(
+                {
+                    "regions": ",".join(regions),
+                    "num-server-rounds": args.rounds,
+                    "output-dir": str(output_dir),
+                    "data-root": "",
+                },
+                timeout=1800,
+                echo=sys.stdout,
+            )
+        print("all Flower processes stopped")
+    data = json.loads((output_dir / f"run-{run_id}" / METRICS_FILE).read_text(encoding="utf-8"))
+    print(summarize(data))
+    return 0 if data["run"]["status"] == "completed" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
