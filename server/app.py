@@ -21,7 +21,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run = RunConfig.from_user_config(context.run_config, source="run config")
+    try:
+        run = RunConfig.from_user_config(context.run_config, source="run config")
+    except FedciuicError as err:
+        log(ERROR, "fedciuic: %s", err)
+        raise SystemExit(1) from None
     out_dir = run.output_path / f"run-{context.run_id}"
     recorder = RunRecorder(
         out_dir,

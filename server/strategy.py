@@ -55,13 +55,20 @@ class RegionalFedAvg(FedAvg):
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
         self.regions_by_node: dict[int, str] = {}
+        self._waited = False
 
     # -- sampling -----------------------------------------------------------------
 
     def wait_for_regions(self, grid: Grid) -> list[int]:
-        """All connected nodes, once every region is there or the deadline has passed."""
+        """All connected nodes, once every region is there or the deadline has passed.
+
+        Only the first call waits the full ``node-wait-timeout``; later rounds take
+        the regions that are connected, so one region gone does not stall each round.
+        """
         expected = len(self.run.regions)
-        deadline = self.clock() + self.run.node_wait_timeout
+        wait = 0.0 if self._waited else self.run.node_wait_timeout
+        self._waited = True
+        deadline = self.clock() + wait
         nodes = list(grid.get_node_ids())
         while len(nodes) < expected and self.clock() < deadline:
             log(INFO, "Waiting for regions: %d of %d connected", len(nodes), expected)
@@ -70,7 +77,7 @@ class RegionalFedAvg(FedAvg):
         if len(nodes) < self.run.min_regions:
             raise FederationError(
                 f"run config:node-wait-timeout: only {len(nodes)} of {expected} regions "
-                f"connected within {self.run.node_wait_timeout:.0f}s (min-regions is "
+                f"connected within {wait:.0f}s (min-regions is "
                 f"{self.run.min_regions}); start a SuperNode for each of "
                 f"{', '.join(self.run.regions)} or lower min-regions"
             )

@@ -146,3 +146,14 @@ def test_instruction_round_trip():
     task = protocol.read_instruction(message)
     assert task.server_round == 3 and task.base_fingerprint == "abc"
     np.testing.assert_array_equal(task.adapter["w"], GLOBAL["w"])
+
+
+def test_only_the_first_round_waits_for_missing_regions(strategy, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("server.strategy.time.sleep", lambda s: now.__setitem__(0, now[0] + s))
+    strategy.clock = lambda: now[0]
+    strategy.wait_for_regions(FakeGrid([1, 2]))
+    waited = now[0]
+    assert waited >= strategy.run.node_wait_timeout
+    assert strategy.wait_for_regions(FakeGrid([1, 2])) == [1, 2]
+    assert now[0] == waited  # no second wait
