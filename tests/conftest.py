@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedciuic.config import RunConfig
 from fedciuic.demo_data import write_demo_corpora
@@ -42,3 +44,11 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_config(demo_root: Path, tmp_path: Path) -> RunConfig:
     values = {**app_config(), "data-root": str(demo_root), "output-dir": str(tmp_path / "runs")}
     return RunConfig.from_user_config(values, source="test")
+
+
+@pytest.fixture
+def task_identity() -> Iterator[None]:
+    """Flower needs a task identity to build Messages outside its runtime."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
+    yield
+    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]

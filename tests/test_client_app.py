@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from clients import app as client_app
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
 from tests.conftest import app_config
 
-
-@pytest.fixture(autouse=True)
-def _identity() -> Iterator[None]:
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
-    yield
-    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
@@ -20,11 +18,7 @@ from server.strategy import RegionalFedAvg
 GLOBAL = {"w": np.zeros(4, np.float32)}
 
 
-@pytest.fixture(autouse=True)
-def _identity() -> Iterator[None]:
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
-    yield
-    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedciuic.demo_data import write_demo_corpora
+from fedciuic.flower.launch import LocalFederation
 from tests.conftest import ROOT
 from tests.e2e.helpers import eval_loss, only_run, processes_under
 
@@ -86,3 +87,18 @@ def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message)
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs" / ".flower").exists()
+
+
+def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(tmp_path):
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "work", ROOT) as federation:
+        federation.start_superlink(simulation=True)
+        _, log = federation.run_app(
+            {"output-dir": str(out), "model-path": str(tmp_path / "nope")},
+            federation_config={"num-supernodes": 3, "client-resources-num-cpus": 1},
+            timeout=600,
+        )
+    assert f"fedciuic: run config:model-path: {tmp_path / 'nope'} is not a directory" in log
+    assert "Traceback" not in log
+    data = only_run(out)
+    assert data["run"]["status"] == "failed" and data["rounds"] == {}
