@@ -46,7 +46,10 @@ def train(msg: Message, context: Context) -> Message:
         region = _region(context)
         task = protocol.read_instruction(msg)
         outcome = region.train_round(
-            task.adapter, server_round=task.server_round, base_fingerprint=task.base_fingerprint
+            task.adapter,
+            server_round=task.server_round,
+            base_fingerprint=task.base_fingerprint,
+            run_id=context.run_id,
         )
     except FedciuicError as err:
         return _decline(msg, context, err)

@@ -71,8 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--data-root",
         type=Path,
-        help="folder with one sub-folder of data per region; default: demo "
-        "corpora written to OUTPUT_DIR/demo-data",
+        help="folder with one sub-folder of data per region (their privacy ledgers live "
+        "in DATA_ROOT/<region>/.fedciuic/); default: fresh demo corpora for this "
+        "invocation, under OUTPUT_DIR/.flower/",
+    )
+    sim.add_argument(
+        "--compare-no-dp",
+        action="store_true",
+        help="also run the same federation without DP and show the gap",
     )
     sim.add_argument(
         "--output-dir",
@@ -154,7 +160,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.demo_data import write_demo_corpora
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model import ModelSpec, check_model_spec
-    from fedciuic.outputs import METRICS_FILE, summarize
+    from fedciuic.outputs import summarize
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -176,39 +182,56 @@ def _simulate(args: argparse.Namespace) -> int:
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
     check_model_spec(ModelSpec.from_run(run))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     if args.data_root is None:
-        data_root = output_dir / "demo-data"
+        # Fresh demo datasets each time, so each demo starts with fresh privacy ledgers.
+        data_root = workdir / "demo-data"
         write_demo_corpora(data_root, run.regions)
     else:
         data_root = args.data_root.resolve()
     overrides["data-root"] = str(data_root)
+    variants = [overrides]
+    if args.compare_no_dp and run.dp:
+        variants.append({**overrides, "dp": False})
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     echo = None if args.quiet else sys.stdout
+    run_ids = []
     with LocalFederation(workdir, app) as federation:
         federation.start_superlink(simulation=True)
-        run_id, _ = federation.run_app(
-            overrides,
-            federation_config={
-                "num-supernodes": len(run.regions),
-                "client-resources-num-cpus": 1,
-            },
-            timeout=args.timeout,
-            echo=echo,
-        )
+        for variant in variants:
+            run_id, _ = federation.run_app(
+                variant,
+                federation_config={
+                    "num-supernodes": len(run.regions),
+                    "client-resources-num-cpus": 1,
+                },
+                timeout=args.timeout,
+                echo=echo,
+            )
+            run_ids.append(run_id)
+    results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
+    print()
+    print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
+    for data in results:
+        if data["run"]["status"] != "completed":
+            raise FederationError(
+                f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
+            )
+    return 0
+
+
+def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any]:
+    from fedciuic.outputs import METRICS_FILE
+
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:
-        data = json.loads(metrics_file.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(metrics_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise FederationError(
             f"run {run_id} wrote no metrics at {metrics_file}; see the logs in {workdir / 'logs'}"
         ) from None
-    print()
-    print(summarize(data))
-    if data["run"]["status"] != "completed":
-        raise FederationError(f"run {run_id} {data['run']['status']}: {data['run'].get('error')}")
-    return 0
+    return data
 
 
 def _demo_data(args: argparse.Namespace) -> int:

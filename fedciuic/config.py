@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -81,6 +81,16 @@ class RunConfig(_Strict):
     node_wait_timeout: float = Field(gt=0)
     round_timeout: float = Field(gt=0)
     min_regions: int = Field(default=1, ge=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    # Differential privacy (DP-SGD with Opacus) in every region.
+    dp: bool = True
+    target_epsilon: float = Field(default=8.0, gt=0)
+    target_delta: float = Field(default=1e-5, gt=0, lt=1)
+    epsilon_budget: float = Field(default=8.0, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    secure_mode: bool = False
+    dp_accountant: Literal["prv", "rdp"] = "prv"
+    dp_mode: Literal["hooks", "ghost"] = "hooks"
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -125,6 +135,14 @@ class NodeConfig(_Strict):
 
     region: str = Field(pattern=REGION_PATTERN)
     data_path: str = Field(min_length=1)
+    #: The region's own persistent state (privacy ledger, ...); default data-path/.fedciuic.
+    state_path: str = ""
+    #: This dataset's lifetime epsilon budget; default: the run config's epsilon-budget.
+    epsilon_budget: float | None = Field(default=None, gt=0)
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.state_path or Path(self.data_path) / ".fedciuic").expanduser()
 
     @classmethod
     def resolve(cls, node_config: Mapping[str, Any], run: RunConfig) -> NodeConfig:

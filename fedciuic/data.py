@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from fedciuic.errors import DataError
 
 #: File types a region may hold: JSON Lines (one ``{"text": ...}`` per line) and plain text.
+#: Files and folders whose names start with a dot are not data and are skipped.
 SUFFIXES = (".jsonl", ".txt")
 
 
@@ -46,6 +47,9 @@ def list_data_files(data_path: str | Path) -> list[Path]:
     real_root = root.resolve()
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
+        # Hidden entries are not data: the region keeps its state (ledger) in .fedciuic/.
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        filenames = [f for f in filenames if not f.startswith(".")]
         for name in sorted(dirnames) + sorted(filenames):
             entry = Path(dirpath) / name
             if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):

@@ -63,33 +63,71 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) and math.isfinite(value) else "-"
 
 
-def summarize(data: dict[str, Any]) -> str:
-    """A short plain-text summary: per region, eval loss before round 1 and after the last."""
+def final_eval(data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The last round with evaluation results and those results."""
+    rounds = data["rounds"]
+    last = max((int(r) for r in rounds if rounds[r].get("eval")), default=0)
+    return last, rounds.get(str(last), {}).get("eval", {})
+
+
+def epsilon_spent(data: dict[str, Any], region: str) -> tuple[float | None, float | None]:
+    """A region's cumulative epsilon after its last DP round in this run, and its budget."""
+    rounds = data["rounds"]
+    for number in sorted((int(r) for r in rounds), reverse=True):
+        entry = rounds[str(number)].get("train", {}).get(region, {})
+        if "epsilon" in entry:
+            return float(entry["epsilon"]), float(entry.get("epsilon_budget", "nan"))
+    return None, None
+
+
+def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
+    """A short plain-text summary per region: eval loss before round 1 and after the last,
+    epsilon spent against the budget and, given a ``baseline`` run without DP, the gap."""
     run = data["run"]
     rounds = data["rounds"]
     numbers = sorted(int(r) for r in rounds)
     first = rounds.get("0", {}).get("eval", {})
-    last_round = max((r for r in numbers if rounds[str(r)].get("eval")), default=0)
-    last = rounds.get(str(last_round), {}).get("eval", {})
+    last_round, last = final_eval(data)
+    base = final_eval(baseline)[1] if baseline else {}
+    dp = run.get("config", {}).get("dp", False)
+    header = (
+        f"{'region':<8} {'eval before':>11} {'after r' + str(last_round):>9} {'change':>8}"
+        + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
+        + (f" {'epsilon':>15}" if dp else "")
+        + "  rounds"
+    )
     lines = [
         f"fedciuic run {run.get('run_id', '?')}: {run['status']}, "
-        f"{max(numbers, default=0)} round(s), regions {', '.join(run.get('regions', []))}",
-        f"{'region':<10} {'eval loss before':>17} {'after round ' + str(last_round):>17} "
-        f"{'change':>9}  status",
+        f"{max(numbers, default=0)} round(s), regions {', '.join(run.get('regions', []))}, "
+        + (
+            f"DP on (target epsilon {run['config'].get('target-epsilon')}, delta "
+            f"{run['config'].get('target-delta')}, secure-mode "
+            f"{'on' if run['config'].get('secure-mode') else 'OFF'})"
+            if dp
+            else "DP off"
+        ),
+        header,
     ]
     for region in [*run.get("regions", []), "overall"]:
         before = first.get(region, {}).get("loss")
         after = last.get(region, {}).get("loss")
         change = after - before if before is not None and after is not None else None
+        row = f"{region:<8} {_fmt(before):>11} {_fmt(after):>9} {_fmt(change):>8}"
+        if baseline:
+            other = base.get(region, {}).get("loss")
+            gap = after - other if after is not None and other is not None else None
+            row += f" {_fmt(other):>8} {_fmt(gap):>8}"
+        if dp:
+            eps, budget = epsilon_spent(data, region)
+            spent = f"{eps:.2f} of {budget:g}" if eps is not None else "-"
+            row += f" {spent if region != 'overall' else '':>15}"
         statuses = [
             rounds[str(r)]["train"][region]["status"]
             for r in numbers
             if region in rounds[str(r)].get("train", {})
         ]
-        status = ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
-        lines.append(
-            f"{region:<10} {_fmt(before):>17} {_fmt(after):>17} {_fmt(change):>9}  {status}"
-        )
+        row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
+        lines.append(row.rstrip())
     if run.get("adapter"):
         lines.append(f"adapter: {run['adapter']}")
     lines.append(f"metrics: {Path(run.get('output_dir', '.')) / METRICS_FILE}")

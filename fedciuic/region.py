@@ -9,19 +9,43 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data import RegionData, load_region_data
+from fedciuic.dp_train import PrivateTrainer
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.privacy import (
+    LEDGER_FILE,
+    BudgetExhausted,
+    PrivacyError,
+    PrivacyLedger,
+    Step,
+    calibrate_noise,
+    locked,
+    poisson_sample_rate,
+)
 from fedciuic.train import EvalStats, TrainStats, evaluate, train_local
 
 
 class BaseModelMismatch(FedciuicError):
     """The region's base model differs from the aggregator's."""
+
+
+@dataclass(frozen=True)
+class PrivacySpent:
+    """What a DP round cost, as recorded in the region's ledger."""
+
+    epsilon: float  # cumulative over the dataset's history, after this round
+    epsilon_budget: float
+    delta: float
+    noise_multiplier: float
+    sample_rate: float
+    secure_mode: bool
 
 
 @dataclass(frozen=True)
@@ -32,6 +56,7 @@ class TrainOutcome:
     delta: dict[str, np.ndarray]
     stats: TrainStats
     data_fingerprint: str
+    privacy: PrivacySpent | None = None
 
 
 class Region:
@@ -39,6 +64,7 @@ class Region:
 
     def __init__(self, run: RunConfig, node: NodeConfig) -> None:
         self.run = run
+        self.node = node
         self.name = node.region
         self.model = AdapterModel(ModelSpec.from_run(run))
         self.data: RegionData = load_region_data(
@@ -60,22 +86,116 @@ class Region:
         self.model.load_adapter_state(adapter)
 
     def train_round(
-        self, adapter: dict[str, np.ndarray], *, server_round: int, base_fingerprint: str
+        self,
+        adapter: dict[str, np.ndarray],
+        *,
+        server_round: int,
+        base_fingerprint: str,
+        run_id: int = 0,
     ) -> TrainOutcome:
-        """Train from the global adapter and return ``local - global`` with statistics."""
+        """Train from the global adapter and return ``local - global`` with statistics.
+
+        With DP on, the ledger is locked for the whole round: the budget check,
+        the training and the ledger record happen as one step, and the record is
+        on disk before the update leaves this function.
+        """
         self._load_global(adapter, base_fingerprint)
         start = self.model.adapter_state()
-        stats = train_local(
-            self.model,
-            self.data.train,
-            steps=self.run.local_steps,
-            batch_size=self.run.batch_size,
-            learning_rate=self.run.learning_rate,
-            generator=torch.Generator().manual_seed(self._round_seed(server_round)),
-        )
+        seed = self._round_seed(server_round)
+        privacy = None
+        if not self.run.dp:
+            stats = train_local(
+                self.model,
+                self.data.train,
+                steps=self.run.local_steps,
+                batch_size=self.run.batch_size,
+                learning_rate=self.run.learning_rate,
+                generator=torch.Generator().manual_seed(seed),
+                optimizer=self.run.optimizer,
+            )
+        else:
+            stats, privacy = self._train_private(server_round, run_id, seed)
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
-        return TrainOutcome(self.name, delta, stats, self.data.fingerprint)
+        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.node.state_dir / LEDGER_FILE
+
+    def privacy_step(self) -> Step:
+        """This run's per-round step: calibrated noise, Poisson rate, local steps."""
+        run, n = self.run, self.data.train.shape[0]
+        if run.target_delta >= 1.0 / n:
+            raise PrivacyError(
+                f"run config:target-delta: {run.target_delta:g} is not below 1/n = "
+                f"{1.0 / n:.3g} for region {self.name}'s {n} training examples; choose a "
+                "smaller delta"
+            )
+        rate = poisson_sample_rate(n, run.batch_size)
+        planned = run.num_server_rounds * run.local_steps
+        noise = calibrate_noise(
+            run.target_epsilon, run.target_delta, rate, planned, run.dp_accountant
+        )
+        return (noise, rate, run.local_steps)
+
+    def _train_private(
+        self, server_round: int, run_id: int, seed: int
+    ) -> tuple[TrainStats, PrivacySpent]:
+        run = self.run
+        budget = self.node.epsilon_budget or run.epsilon_budget
+        step = self.privacy_step()
+        with locked(self.ledger_path):
+            ledger = PrivacyLedger.open(
+                self.ledger_path,
+                region=self.name,
+                dataset=self.data.fingerprint,
+                delta=run.target_delta,
+                accountant=run.dp_accountant,
+            )
+            after = ledger.epsilon_after(step)
+            if after > budget:
+                raise BudgetExhausted(
+                    f"region {self.name}: this round would raise epsilon from "
+                    f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget "
+                    f"{budget:g} (delta {run.target_delta:g}, ledger {self.ledger_path}); "
+                    "nothing was trained or sent"
+                )
+            trainer = PrivateTrainer(
+                self.model,
+                self.data.train,
+                batch_size=run.batch_size,
+                learning_rate=run.learning_rate,
+                noise_multiplier=step[0],
+                max_grad_norm=run.max_grad_norm,
+                mode=run.dp_mode,
+                secure_mode=run.secure_mode,
+                seed=seed,
+                optimizer=run.optimizer,
+            )
+            try:
+                stats = trainer.run(run.local_steps)
+            finally:
+                trainer.close()
+            ledger.append(
+                ledger.new_record(
+                    run_id=run_id,
+                    server_round=server_round,
+                    step=step,
+                    max_grad_norm=run.max_grad_norm,
+                    secure_mode=run.secure_mode,
+                    epsilon=after,
+                )
+            )
+        spent = PrivacySpent(
+            epsilon=after,
+            epsilon_budget=budget,
+            delta=run.target_delta,
+            noise_multiplier=step[0],
+            sample_rate=step[1],
+            secure_mode=run.secure_mode,
+        )
+        return stats, spent
 
     def evaluate(self, adapter: dict[str, np.ndarray], *, base_fingerprint: str) -> EvalStats:
         """Held-out loss of the global adapter on this region's evaluation blocks."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 
 import torch
 from flwr.app import Context
@@ -37,6 +37,14 @@ def main(grid: Grid, context: Context) -> None:
         },
     )
     log(INFO, "fedciuic: writing this run to %s", out_dir)
+    if not run.dp:
+        log(WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy")
+    elif not run.secure_mode:
+        log(
+            WARNING,
+            "fedciuic: secure-mode is OFF: DP noise comes from a seeded pseudo-random "
+            "generator. Fine for experiments; set secure-mode = true for production runs.",
+        )
     try:
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
         recorder.data["run"]["base_fingerprint"] = model.base_fingerprint

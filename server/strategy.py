@@ -30,6 +30,16 @@ from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
 
+#: Privacy figures a DP region reports with its update, recorded per round.
+PRIVACY_METRICS = (
+    "epsilon",
+    "epsilon-budget",
+    "delta",
+    "noise-multiplier",
+    "sample-rate",
+    "secure-mode",
+)
+
 
 class RegionalFedAvg(FedAvg):
     """FedAvg on adapter deltas with declines, per-region records and deadlines."""
@@ -135,6 +145,13 @@ class RegionalFedAvg(FedAvg):
                         num_examples=int(reply.metrics["num-examples"]),
                         steps=int(reply.metrics.get("steps", 0)),
                         data_fingerprint=reply.info.get("data-fingerprint", ""),
+                    )
+                    entry.update(
+                        {
+                            key.replace("-", "_"): reply.metrics[key]
+                            for key in PRIVACY_METRICS
+                            if key in reply.metrics
+                        }
                     )
             level = INFO if entry["status"] == protocol.TRAINED else WARNING
             log(

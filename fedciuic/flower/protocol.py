@@ -57,16 +57,27 @@ def read_instruction(message: Message) -> Instruction:
 
 
 def train_reply(outcome: TrainOutcome) -> RecordDict:
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        "num-examples": outcome.stats.num_examples,
+        "train-loss": outcome.stats.loss,
+        "steps": outcome.stats.steps,
+    }
+    if outcome.privacy is not None:
+        p = outcome.privacy
+        metrics.update(
+            {
+                "epsilon": p.epsilon,
+                "epsilon-budget": p.epsilon_budget,
+                "delta": p.delta,
+                "noise-multiplier": p.noise_multiplier,
+                "sample-rate": p.sample_rate,
+                "secure-mode": int(p.secure_mode),
+            }
+        )
     return RecordDict(
         {
             ARRAYS: pack_arrays(outcome.delta),
-            METRICS: MetricRecord(
-                {
-                    "num-examples": outcome.stats.num_examples,
-                    "train-loss": outcome.stats.loss,
-                    "steps": outcome.stats.steps,
-                }
-            ),
+            METRICS: MetricRecord(metrics),
             INFO: ConfigRecord(
                 {
                     "region": outcome.region,
