@@ -82,6 +82,7 @@ class LocalFederation:
         self.logs = self.workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.processes: list[Managed] = []
+        self.runs = 0
         self.superlink_address = ""
         # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
         # our interpreter's bin folder first so that they come from the same venv.
@@ -147,8 +148,9 @@ class LocalFederation:
             if managed.process.poll() is None:
                 managed.process.wait(timeout=5)
 
-    def check_alive(self) -> None:
-        for managed in self.processes:
+    def check_alive(self, processes: list[Managed] | None = None) -> None:
+        """Raise, with the end of its log, if a process we started has exited."""
+        for managed in self.processes if processes is None else processes:
             code = managed.process.poll()
             if code is not None:
                 raise FederationError(
@@ -238,19 +240,21 @@ class LocalFederation:
         ]
         if federation_config:
             cmd += ["--federation-config", toml_pairs(federation_config)]
-        managed = self._spawn("flwr-run", cmd)
+        self.runs += 1
+        managed = self._spawn(f"flwr-run-{self.runs}", cmd)
         deadline = time.monotonic() + timeout
         shown = 0
+        servers = [m for m in self.processes if m is not managed]
         while managed.process.poll() is None:
             shown = _echo(managed.log_path, shown, echo)
             if time.monotonic() > deadline:
                 raise FederationError(
                     f"flwr run did not finish within {timeout:.0f}s; see {managed.log_path}"
                 )
-            for other in self.processes:
-                if other is not managed and other.process.poll() is not None:
-                    self.check_alive()
+            self.check_alive(servers)
             time.sleep(0.5)
+        # A finished `flwr run` is not a server: later liveness checks skip it.
+        self.processes.remove(managed)
         _echo(managed.log_path, shown, echo)
         text = managed.log_path.read_text(encoding="utf-8", errors="replace")
         match = re.search(r"Successfully started run (\d+)", text)
