@@ -34,13 +34,23 @@ def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN):
     return protocol.read_reply(reply, {})
 
 
-def test_region_trains_on_its_own_data_and_returns_a_delta(model, demo_root):
-    node = {"region": "cn", "data-path": str(demo_root / "cn")}
+def test_region_trains_on_its_own_data_and_returns_a_delta(model, demo_root, tmp_path):
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
     got = call(client_app.train, node, {}, model)
     assert got.status == "trained" and got.region == "cn"
     assert got.arrays is not None and set(got.arrays) == set(model.adapter_state())
     assert any(np.abs(v).sum() > 0 for v in got.arrays.values())
     assert got.metrics["num-examples"] > 0
+    assert 0 < got.metrics["epsilon"] <= got.metrics["epsilon-budget"]
+    assert (tmp_path / "privacy-ledger.jsonl").exists()
+
+
+def test_corrupted_ledger_declines_naming_the_file(model, demo_root, tmp_path):
+    (tmp_path / "privacy-ledger.jsonl").write_text('{"kind": "header"}\n')
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
+    got = call(client_app.train, node, {}, model)
+    assert got.status == "declined" and got.arrays is None
+    assert "privacy-ledger.jsonl:1: corrupted ledger record" in got.reason
 
 
 def test_unknown_region_declines_with_a_reason_and_sends_nothing(model, demo_root):
@@ -63,7 +73,7 @@ def test_empty_dataset_declines(model, tmp_path):
     assert got.status == "declined" and "holds no .jsonl or .txt files" in got.reason
 
 
-def test_mismatched_base_model_declines(model, demo_root):
-    node = {"region": "eu", "data-path": str(demo_root / "eu")}
+def test_mismatched_base_model_declines(model, demo_root, tmp_path):
+    node = {"region": "eu", "data-path": str(demo_root / "eu"), "state-path": str(tmp_path)}
     got = call(client_app.train, node, {"seed": 5}, model)
     assert got.status == "declined" and "base model fingerprint" in got.reason

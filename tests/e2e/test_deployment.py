@@ -19,9 +19,12 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
     with LocalFederation(tmp_path / "work", ROOT) as federation:
         federation.start_superlink(simulation=False)
         for region in REGIONS:
-            federation.start_supernode(
-                region, {"region": region, "data-path": str(demo_root / region)}
-            )
+            node = {
+                "region": region,
+                "data-path": str(demo_root / region),
+                "state-path": str(tmp_path / "state" / region),
+            }
+            federation.start_supernode(region, node)
         pids = federation.pids()
         assert len(pids) == 4
         federation.run_app(
@@ -46,6 +49,8 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
             assert entry["status"] == "trained"
             assert entry["data_fingerprint"] == own.fingerprint  # its own data, nobody else's
             assert entry["num_examples"] == own.train.shape[0]
+            assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
+        assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()
         assert eval_loss(data, 2, region) < eval_loss(data, 0, region)
 
 

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from fedciuic.data import load_region_data
 from fedciuic.demo_data import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.model import byte_tokenizer
+from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT
 from tests.e2e.helpers import eval_loss, only_run, processes_under
 
@@ -51,6 +54,48 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     assert (run_dir / "summary.txt").exists()
     assert not processes_under(tmp_path), "simulate left Flower processes running"
+
+
+def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path):
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu", "cn", "us"))
+    eu = load_region_data(
+        "eu",
+        data_root / "eu",
+        byte_tokenizer(),
+        seq_len=64,
+        eval_fraction=0.1,
+        max_eval_examples=128,
+    )
+    ledger_path = data_root / "eu" / ".fedciuic" / LEDGER_FILE
+    ledger = PrivacyLedger.open(
+        ledger_path, region="eu", dataset=eu.fingerprint, delta=1e-5, accountant="prv"
+    )
+    step = (0.5, 0.01, 500)  # an earlier run that spent the whole budget
+    ledger.append(
+        ledger.new_record(
+            run_id=1,
+            server_round=1,
+            step=step,
+            max_grad_norm=1.0,
+            secure_mode=False,
+            epsilon=ledger.epsilon_after(step),
+        )
+    )
+    spent = ledger_path.read_text()
+
+    done = simulate(tmp_path, "--rounds", "2", "--data-root", str(data_root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    for server_round in ("1", "2"):
+        train = data["rounds"][server_round]["train"]
+        assert train["eu"]["status"] == "declined"
+        assert "over the dataset's budget 8" in train["eu"]["reason"]
+        assert train["cn"]["status"] == train["us"]["status"] == "trained"
+        assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "us"]
+    assert ledger_path.read_text() == spent  # nothing more was spent
+    assert "declined x2" in done.stdout
 
 
 def test_a_region_without_data_declines_and_the_others_train(tmp_path):

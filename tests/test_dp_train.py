@@ -1,0 +1,156 @@
+"""DP-SGD wiring checked against gradients computed one example at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedciuic.dp_train import PrivateTrainer
+from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.train import lm_loss
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> AdapterModel:
+    return AdapterModel(ModelSpec(), device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def blocks() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (4 * BATCH, 24), generator=gen)  # 4 batches: q = 1/4
+
+
+@pytest.fixture(autouse=True)
+def _fresh(model):
+    state = model.adapter_state()
+    # Non-zero LoRA B so that every adapter has a gradient.
+    model.load_adapter_state({k: v + 0.01 if "lora_B" in k else v for k, v in state.items()})
+    yield
+    model.load_adapter_state(state)
+
+
+def per_sample_grads(model: AdapterModel, batch: torch.Tensor) -> list[torch.Tensor]:
+    """Each example's gradient, by plain autograd on that example alone (flattened)."""
+    params = model.trainable_parameters()
+    grads = []
+    for row in batch:
+        loss = lm_loss(model.model, row[None])
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+    return grads
+
+
+def flat(model: AdapterModel) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in model.trainable_parameters()])
+
+
+def dp_update(
+    model, blocks, batch, *, noise, clip, mode="hooks", seed=0, secure_mode=False
+) -> torch.Tensor:
+    """One DP-SGD step (SGD, lr 1) from the current adapters, which are then restored."""
+    before = flat(model)
+    trainer = PrivateTrainer(
+        model,
+        blocks,
+        batch_size=BATCH,
+        learning_rate=1.0,
+        noise_multiplier=noise,
+        max_grad_norm=clip,
+        mode=mode,
+        seed=seed,
+        optimizer="sgd",
+        secure_mode=secure_mode,
+    )
+    try:
+        trainer.step(batch)
+    finally:
+        trainer.close()
+    update = flat(model) - before
+    with torch.no_grad():
+        start = 0
+        for p in model.trainable_parameters():
+            p.copy_(before[start : start + p.numel()].view_as(p))
+            start += p.numel()
+    return update
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_each_per_sample_gradient_is_clipped_to_max_grad_norm(model, blocks, mode):
+    batch = blocks[:BATCH]
+    grads = per_sample_grads(model, batch)
+    clip = 0.5 * float(torch.stack([g.norm() for g in grads]).median())
+    clipped = [g * min(1.0, clip / (float(g.norm()) + 1e-6)) for g in grads]
+    assert any(float(g.norm()) > clip for g in grads), "the test must actually clip"
+    assert all(float(c.norm()) <= clip + 1e-6 for c in clipped)
+    expected = -torch.stack(clipped).sum(0) / BATCH  # SGD, lr 1, mean over expected batch
+    got = dp_update(model, blocks, batch, noise=0.0, clip=clip, mode=mode)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
+
+
+def test_opacus_per_sample_gradients_equal_autograd_one_example_at_a_time(model, blocks):
+    batch = blocks[:BATCH]
+    expected = per_sample_grads(model, batch)
+    trainer = PrivateTrainer(
+        model,
+        blocks,
+        batch_size=BATCH,
+        learning_rate=1.0,
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        optimizer="sgd",
+    )
+    try:
+        lm_loss(trainer.net, batch).backward()
+        got = torch.cat(
+            [p.grad_sample.reshape(BATCH, -1) for p in model.trainable_parameters()], dim=1
+        )
+    finally:
+        trainer.close()
+    torch.testing.assert_close(got, torch.stack(expected), rtol=1e-3, atol=1e-6)
+
+
+def test_without_noise_and_clipping_the_update_equals_plain_sgd(model, blocks):
+    batch = blocks[:BATCH]
+    params = model.trainable_parameters()
+    grads = torch.autograd.grad(lm_loss(model.model, batch), params)
+    expected = -torch.cat([g.flatten() for g in grads])
+    got = dp_update(model, blocks, batch, noise=0.0, clip=1e6)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
+
+
+def test_noise_is_added_and_depends_on_the_seed(model, blocks):
+    batch = blocks[:BATCH]
+    clean = dp_update(model, blocks, batch, noise=0.0, clip=1.0)
+    a = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1)
+    b = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=2)
+    a_again = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1)
+    assert not torch.allclose(a, b)
+    torch.testing.assert_close(a, a_again)
+    # The noise has the calibrated scale: std = noise * clip / expected batch size.
+    assert float((a - clean).std()) == pytest.approx(1.0 * 1.0 / BATCH, rel=0.1)
+
+
+def test_hooks_are_removed_after_a_round(model, blocks):
+    trainer = PrivateTrainer(
+        model,
+        blocks,
+        batch_size=BATCH,
+        learning_rate=0.01,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    trainer.run(2)
+    trainer.close()
+    assert not model.model._forward_hooks
+    assert all(not hasattr(p, "grad_sample") for p in model.trainable_parameters())
+    for module in model.model.modules():
+        assert not module._forward_hooks and not module._backward_hooks
+
+
+def test_secure_mode_uses_an_unreplayable_generator(model, blocks):
+    batch = blocks[:BATCH]
+    first = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1, secure_mode=True)
+    second = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1, secure_mode=True)
+    assert not torch.allclose(first, second)  # the seed is ignored in secure mode

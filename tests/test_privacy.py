@@ -1,0 +1,186 @@
+"""Accounting, calibration and the privacy ledger (no training here)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import dp_accounting
+import pytest
+
+from fedciuic.privacy import (
+    PrivacyError,
+    PrivacyLedger,
+    calibrate_noise,
+    epsilon_of,
+    locked,
+    poisson_sample_rate,
+)
+
+DATASET = "a" * 64
+OTHER = "b" * 64
+
+SETTINGS = [
+    # (history of (noise multiplier, sample rate, steps), delta)
+    ([(1.0, 0.01, 90)], 1e-5),
+    ([(0.46, 1 / 146, 90)], 1e-5),
+    ([(2.0, 0.05, 300)], 1e-6),
+    ([(0.6, 0.01, 30), (1.2, 0.02, 60)], 1e-5),
+]
+
+
+def google(history, delta, kind):
+    if kind == "prv":  # PRV and PLD are both numerical, near-exact accountants
+        acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    else:
+        acc = dp_accounting.rdp.RdpAccountant()
+    for sigma, rate, steps in history:
+        event = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma))
+        acc.compose(event, steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+@pytest.mark.parametrize(("history", "delta"), SETTINGS)
+def test_epsilon_matches_googles_dp_accounting_within_5_percent(history, delta, kind):
+    ours = epsilon_of(history, delta, kind)
+    theirs = google(history, delta, kind)
+    assert ours == pytest.approx(theirs, rel=0.05)
+
+
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_calibrated_noise_ends_at_or_under_the_target(kind):
+    rate, steps = poisson_sample_rate(2322, 16), 90
+    sigma = calibrate_noise(8.0, 1e-5, rate, steps, kind)
+    eps = epsilon_of([(sigma, rate, steps)], 1e-5, kind)
+    assert 7.8 <= eps <= 8.0
+    assert google([(sigma, rate, steps)], 1e-5, kind) <= 8.0 * 1.05
+
+
+def test_poisson_rate_is_one_over_the_number_of_batches():
+    assert poisson_sample_rate(100, 16) == pytest.approx(1 / 7)
+
+
+def open_ledger(path: Path, dataset: str = DATASET, delta: float = 1e-5) -> PrivacyLedger:
+    return PrivacyLedger.open(path, region="eu", dataset=dataset, delta=delta, accountant="prv")
+
+
+def spend(ledger: PrivacyLedger, step=(1.0, 0.01, 30), server_round: int = 1) -> None:
+    ledger.append(
+        ledger.new_record(
+            run_id=1,
+            server_round=server_round,
+            step=step,
+            max_grad_norm=1.0,
+            secure_mode=False,
+            epsilon=ledger.epsilon_after(step),
+        )
+    )
+
+
+def test_ledger_survives_reopening_and_keeps_the_full_history(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    first = open_ledger(path)
+    spend(first)
+    spend(first, server_round=2)
+    again = open_ledger(path)
+    assert len(again.rounds) == 2
+    assert again.history == [(1.0, 0.01, 30), (1.0, 0.01, 30)]
+    assert again.epsilon == pytest.approx(epsilon_of(again.history, 1e-5, "prv"))
+    assert again.epsilon > epsilon_of(again.history[:1], 1e-5, "prv")
+
+
+def test_ledger_records_recompute_from_their_own_fields(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger = open_ledger(path)
+    spend(ledger, step=(0.8, 0.02, 40))
+    spend(ledger, step=(1.1, 0.02, 40), server_round=2)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["kind"] == "header" and lines[0]["dataset"] == DATASET
+    for record in lines[1:]:
+        history = [tuple(h) for h in record["accountant_state"]["history"]]
+        assert epsilon_of(history, record["delta"], "prv") == pytest.approx(record["epsilon"])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda t: t[:-1], "last line is truncated"),
+        (lambda t: t.replace('"steps":30', '"steps":"x"', 1), r"ledger\.jsonl:2: corrupted"),
+        (lambda t: t.replace('"steps":30', '"steps":3', 1), r"ledger\.jsonl:2: accountant history"),
+        (lambda t: t + "{not json}\n", r"ledger\.jsonl:4: corrupted"),
+        (lambda t: "", "ledger is empty"),
+        (
+            lambda t: "\n".join([t.splitlines()[0], t.splitlines()[2], t.splitlines()[1]]) + "\n",
+            "accountant history does not continue",
+        ),
+    ],
+)
+def test_damaged_ledger_is_refused_naming_the_file(tmp_path, damage, message):
+    path = tmp_path / "ledger.jsonl"
+    ledger = open_ledger(path)
+    spend(ledger)
+    spend(ledger, server_round=2)
+    path.write_text(damage(path.read_text()))
+    with pytest.raises(PrivacyError, match=message):
+        open_ledger(path)
+
+
+def test_ledger_of_another_dataset_is_refused(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    spend(open_ledger(path))
+    with pytest.raises(PrivacyError, match="belongs to region 'eu', dataset aaaaaaaaaaaa"):
+        open_ledger(path, dataset=OTHER)
+
+
+def test_ledger_refuses_a_different_delta(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    spend(open_ledger(path))
+    with pytest.raises(PrivacyError, match="keep target-delta at 1e-05"):
+        open_ledger(path, delta=1e-6)
+
+
+def _append_many(path: str, count: int) -> None:
+    for _ in range(count):
+        with locked(Path(path)):
+            ledger = open_ledger(Path(path))
+            spend(ledger, step=(2.0, 0.01, 1), server_round=len(ledger.rounds) + 1)
+
+
+def test_two_processes_of_one_region_do_not_corrupt_the_ledger(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_append_many, args=(str(path), 6)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+        assert w.exitcode == 0
+    ledger = open_ledger(path)  # validates the whole chain
+    assert len(ledger.rounds) == 12
+    assert [r.round for r in ledger.rounds] == list(range(1, 13))
+
+
+def _hold_lock(path: str, ready, release) -> None:
+    with locked(Path(path)):
+        ready.set()
+        release.wait(30)
+
+
+def test_a_held_lock_times_out_with_a_clear_message(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with (
+            pytest.raises(PrivacyError, match=r"ledger\.jsonl\.lock: held by another process"),
+            locked(path, timeout=0.5),
+        ):
+            pass
+    finally:
+        release.set()
+        holder.join(30)
