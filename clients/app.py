@@ -1,11 +1,14 @@
 """ClientApp: one region. Reads its Context, calls fedciuic, packs the reply.
 
-Expected problems (bad data path, unknown region, mismatched base model) become a
-decline with the reason; the aggregator records it and goes on with the others.
+Expected problems (bad data path, unknown region, mismatched base model, missing
+keys, a global adapter the aggregator did not sign) become a decline with the
+reason; the aggregator records it and goes on with the others. With sealing on,
+an update leaves only inside an envelope.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from logging import WARNING
 
 from flwr.app import Context, Message
@@ -16,21 +19,32 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.region import Region, open_region
+from fedciuic.sealing import RegionKeys, region_keys, update_payload
 
 app = ClientApp()
 
 
-def _region(context: Context) -> Region:
+def _configs(context: Context) -> tuple[RunConfig, NodeConfig]:
     run = RunConfig.from_user_config(context.run_config, source="run config")
-    return open_region(run, NodeConfig.resolve(context.node_config, run))
+    return run, NodeConfig.resolve(context.node_config, run)
+
+
+@lru_cache(maxsize=4)
+def _keys(run: RunConfig, node: NodeConfig) -> RegionKeys:
+    return region_keys(
+        node.region,
+        key_file=node.key_file,
+        aggregator_bundle=node.aggregator_bundle,
+        keys_dir=run.keys_dir,
+        suite=run.seal_suite,
+    )
 
 
 def _name(context: Context) -> str:
     """The region's name for a decline, even when its config is broken."""
     node = context.node_config
     try:
-        run = RunConfig.from_user_config(context.run_config, source="run config")
-        return NodeConfig.resolve(node, run).region
+        return _configs(context)[1].region
     except FedciuicError:
         return str(node.get("region") or f"partition-{node.get('partition-id', '?')}")
 
@@ -40,27 +54,47 @@ def _decline(msg: Message, context: Context, err: FedciuicError) -> Message:
     return Message(protocol.decline_reply(_name(context), str(err)), reply_to=msg)
 
 
+def _prepare(
+    msg: Message, context: Context
+) -> tuple[Region, protocol.Instruction, RegionKeys | None]:
+    """Open the region and check the instruction before anything is computed."""
+    run, node = _configs(context)
+    task = protocol.read_instruction(msg)
+    keys = None
+    if run.seal:
+        keys = _keys(run, node)
+        keys.check_global(
+            task.signature, task.signer, context.run_id, task.server_round, task.adapter
+        )
+    return open_region(run, node), task, keys
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     try:
-        region = _region(context)
-        task = protocol.read_instruction(msg)
+        region, task, keys = _prepare(msg, context)
         outcome = region.train_round(
             task.adapter,
             server_round=task.server_round,
             base_fingerprint=task.base_fingerprint,
             run_id=context.run_id,
         )
+        if keys is None:
+            return Message(protocol.train_reply(outcome), reply_to=msg)
+        payload = update_payload(
+            outcome.delta, protocol.train_metrics(outcome), protocol.train_info(outcome)
+        )
+        envelope = keys.seal_update(payload, run_id=context.run_id, server_round=task.server_round)
     except FedciuicError as err:
         return _decline(msg, context, err)
-    return Message(protocol.train_reply(outcome), reply_to=msg)
+    key_id = keys.keypair.bundle.key_id.hex()
+    return Message(protocol.sealed_reply(region.name, envelope, key_id), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     try:
-        region = _region(context)
-        task = protocol.read_instruction(msg)
+        region, task, _ = _prepare(msg, context)
         stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
     except FedciuicError as err:
         return _decline(msg, context, err)

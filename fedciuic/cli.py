@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import tomllib
@@ -123,6 +124,36 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--preset", default="tiny")
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.set_defaults(handler=_save_checkpoint)
+
+    keys = sub.add_parser("keys", help="generate and show party keys (X-Wing + signatures)")
+    keys_sub = keys.add_subparsers(required=True, metavar="ACTION")
+    gen = keys_sub.add_parser(
+        "generate",
+        help="write PARTY.key.json (mode 0600) and PARTY.pub.json",
+        description="Generate a party's X-Wing decapsulation key and signing key. The private "
+        "file is created with mode 0600 and never overwritten; give the public bundle "
+        "(PARTY.pub.json) to the other parties.",
+        epilog="example:\n  fedciuic keys generate --party eu --jurisdiction EU --out keys/",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("--party", required=True, help="aggregator, or the region's name (eu, cn...)")
+    gen.add_argument("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN")
+    gen.add_argument("--out", type=Path, required=True, help="folder for the two files")
+    gen.add_argument(
+        "--signature",
+        choices=["ed25519", "ed25519+mldsa65"],
+        default="ed25519",
+        help="Ed25519, or a hybrid Ed25519 + ML-DSA-65 signature (default: ed25519)",
+    )
+    gen.set_defaults(handler=_keys_generate)
+    show = keys_sub.add_parser(
+        "show",
+        help="print a public bundle (or the bundle of a private key file)",
+        epilog="example:\n  fedciuic keys show keys/eu.pub.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("file", type=Path)
+    show.set_defaults(handler=_keys_show)
     return parser
 
 
@@ -161,6 +192,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model import ModelSpec, check_model_spec
     from fedciuic.outputs import summarize
+    from fedciuic.sealing import generate_federation_keys
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -191,6 +223,8 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         data_root = args.data_root.resolve()
     overrides["data-root"] = str(data_root)
+    if run.seal and not run.keys_dir:
+        overrides["keys-dir"] = str(generate_federation_keys(workdir / "keys", run.regions))
     variants = [overrides]
     if args.compare_no_dp and run.dp:
         variants.append({**overrides, "dp": False})
@@ -248,6 +282,29 @@ def _save_checkpoint(args: argparse.Namespace) -> int:
 
     path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
+    return 0
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from fedciuic.crypto.keys import NAME_PATTERN, Keypair, write_keys
+
+    if not re.match(NAME_PATTERN, args.party):
+        raise ConfigError([f"--party: {args.party!r} must be lower-case letters, digits, - or _"])
+    keypair = Keypair.generate(args.party, args.jurisdiction, args.signature)
+    private, public = write_keys(keypair, args.out)
+    print(f"private key: {private} (mode 600; keep it on this party's machine)")
+    print(f"public bundle: {public} (key id {keypair.bundle.key_id.hex()})")
+    return 0
+
+
+def _keys_show(args: argparse.Namespace) -> int:
+    from fedciuic.crypto.keys import load_bundle, load_keypair
+
+    if args.file.name.endswith(".key.json"):
+        bundle = load_keypair(args.file).bundle
+    else:
+        bundle = load_bundle(args.file)
+    print(bundle.to_file().model_dump_json(indent=2))
     return 0
 
 

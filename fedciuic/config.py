@@ -91,6 +91,11 @@ class RunConfig(_Strict):
     secure_mode: bool = False
     dp_accountant: Literal["prv", "rdp"] = "prv"
     dp_mode: Literal["hooks", "ghost"] = "hooks"
+    # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
+    seal: bool = True
+    seal_suite: Literal["xwing-aes256gcm", "xwing-fernet"] = "xwing-aes256gcm"
+    keys_dir: str = ""
+    max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -139,6 +144,10 @@ class NodeConfig(_Strict):
     state_path: str = ""
     #: This dataset's lifetime epsilon budget; default: the run config's epsilon-budget.
     epsilon_budget: float | None = Field(default=None, gt=0)
+    #: The region's private key file and the aggregator's public bundle (sealing);
+    #: in simulation they come from the run config's keys-dir.
+    key_file: str = ""
+    aggregator_bundle: str = ""
 
     @property
     def state_dir(self) -> Path:

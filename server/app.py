@@ -14,6 +14,7 @@ from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
 from fedciuic.outputs import ADAPTER_DIR, RunRecorder, summarize
+from fedciuic.sealing import aggregator_keys
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()
@@ -37,6 +38,8 @@ def main(grid: Grid, context: Context) -> None:
         },
     )
     log(INFO, "fedciuic: writing this run to %s", out_dir)
+    if not run.seal:
+        log(WARNING, "fedciuic: sealing is OFF: updates cross the relay in the clear")
     if not run.dp:
         log(WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy")
     elif not run.secure_mode:
@@ -48,7 +51,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
         recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
-        strategy = RegionalFedAvg(run, base_fingerprint=model.base_fingerprint, recorder=recorder)
+        keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
+        strategy = RegionalFedAvg(
+            run,
+            base_fingerprint=model.base_fingerprint,
+            recorder=recorder,
+            keys=keys,
+            run_id=context.run_id,
+        )
         strategy.start(
             grid,
             protocol.pack_arrays(model.adapter_state()),

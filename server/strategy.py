@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from logging import INFO, WARNING
 from typing import Any
 
@@ -29,6 +30,12 @@ from fedciuic.config import RunConfig
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
+from fedciuic.sealing import (
+    AggregatorKeys,
+    EnvelopeRejected,
+    InvalidEnvelope,
+    sign_global,
+)
 
 #: Privacy figures a DP region reports with its update, recorded per round.
 PRIVACY_METRICS = (
@@ -50,6 +57,8 @@ class RegionalFedAvg(FedAvg):
         *,
         base_fingerprint: str,
         recorder: RunRecorder,
+        keys: AggregatorKeys | None = None,
+        run_id: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
@@ -62,6 +71,8 @@ class RegionalFedAvg(FedAvg):
         self.run = run
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
+        self.keys = keys
+        self.run_id = run_id
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
         self.regions_by_node: dict[int, str] = {}
@@ -96,11 +107,18 @@ class RegionalFedAvg(FedAvg):
     def _messages(
         self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, server_round: int, kind: str
     ) -> Iterable[Message]:
+        signature, signer = b"", ""
+        if self.keys is not None:
+            adapter = protocol.unpack_arrays(arrays)
+            signature = sign_global(self.keys.keypair, self.run_id, server_round, adapter)
+            signer = self.keys.keypair.bundle.key_id.hex()
         content = protocol.instruction(
             arrays,
             server_round=server_round,
             base_fingerprint=self.base_fingerprint,
             config=config,
+            signature=signature,
+            signer=signer,
         )
         return self._construct_messages(content, self.wait_for_regions(grid), kind)
 
@@ -129,6 +147,7 @@ class RegionalFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         accepted: list[protocol.Reply] = []
         for reply in self._read(replies):
+            reply = self._unseal(reply, server_round)
             entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
             if reply.status == protocol.TRAINED:
                 try:
@@ -187,6 +206,30 @@ class RegionalFedAvg(FedAvg):
             {"train-loss": loss / total, "num-examples": total, "regions": len(accepted)}
         )
         return protocol.pack_arrays(self.global_adapter), metrics
+
+    def _unseal(self, reply: protocol.Reply, server_round: int) -> protocol.Reply:
+        """Open a sealed update; refuse unsealed ones when sealing is on."""
+        if reply.status == protocol.TRAINED and self.keys is not None:
+            return replace(reply, status="rejected", reason="unsealed update refused", arrays=None)
+        if reply.status != protocol.SEALED:
+            return reply
+        if self.keys is None or reply.envelope is None:
+            return replace(reply, status="rejected", reason="sealed update, sealing is off")
+        try:
+            arrays, metrics, info, sender = self.keys.open_update(
+                reply.envelope, run_id=self.run_id, server_round=server_round
+            )
+        except (InvalidEnvelope, EnvelopeRejected, ValueError) as err:
+            return replace(reply, status="rejected", reason=str(err))
+        return replace(
+            reply,
+            region=sender.party,
+            status=protocol.TRAINED,
+            metrics=metrics,
+            info=info,
+            arrays=arrays,
+            envelope=None,
+        )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

@@ -19,7 +19,8 @@ from fedciuic.region import TrainOutcome
 from fedciuic.train import EvalStats
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
-TRAINED, EVALUATED, DECLINED = "trained", "evaluated", "declined"
+TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
+ENVELOPE = "envelope"
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -31,12 +32,20 @@ def unpack_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 
 def instruction(
-    arrays: ArrayRecord, *, server_round: int, base_fingerprint: str, config: ConfigRecord
+    arrays: ArrayRecord,
+    *,
+    server_round: int,
+    base_fingerprint: str,
+    config: ConfigRecord,
+    signature: bytes = b"",
+    signer: str = "",
 ) -> RecordDict:
-    """What the aggregator sends: the global adapter and the round's settings."""
+    """What the aggregator sends: the global adapter, signed, and the round's settings."""
     merged = ConfigRecord(dict(config))
     merged["server-round"] = server_round
     merged["base-fingerprint"] = base_fingerprint
+    merged["model-signature"] = signature
+    merged["aggregator-key-id"] = signer
     return RecordDict({ARRAYS: arrays, CONFIG: merged})
 
 
@@ -45,6 +54,8 @@ class Instruction:
     adapter: dict[str, np.ndarray]
     server_round: int
     base_fingerprint: str
+    signature: bytes = b""
+    signer: str = ""
 
 
 def read_instruction(message: Message) -> Instruction:
@@ -53,10 +64,12 @@ def read_instruction(message: Message) -> Instruction:
         adapter=unpack_arrays(message.content.array_records[ARRAYS]),
         server_round=int(config["server-round"]),  # type: ignore[arg-type]
         base_fingerprint=str(config["base-fingerprint"]),
+        signature=bytes(config.get("model-signature", b"")),  # type: ignore[arg-type]
+        signer=str(config.get("aggregator-key-id", "")),
     )
 
 
-def train_reply(outcome: TrainOutcome) -> RecordDict:
+def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
     metrics: dict[str, int | float | list[int] | list[float]] = {
         "num-examples": outcome.stats.num_examples,
         "train-loss": outcome.stats.loss,
@@ -74,17 +87,37 @@ def train_reply(outcome: TrainOutcome) -> RecordDict:
                 "secure-mode": int(p.secure_mode),
             }
         )
+    return metrics
+
+
+def train_info(outcome: TrainOutcome) -> dict[str, str]:
+    return {
+        "region": outcome.region,
+        "status": TRAINED,
+        "reason": "",
+        "data-fingerprint": outcome.data_fingerprint,
+    }
+
+
+def train_reply(outcome: TrainOutcome) -> RecordDict:
+    """An update in the clear (``seal = false`` only)."""
     return RecordDict(
         {
             ARRAYS: pack_arrays(outcome.delta),
-            METRICS: MetricRecord(metrics),
+            METRICS: MetricRecord(train_metrics(outcome)),
+            INFO: ConfigRecord(dict(train_info(outcome))),
+        }
+    )
+
+
+def sealed_reply(region: str, envelope: bytes, key_id: str) -> RecordDict:
+    """A sealed update: the envelope, and in the clear only who sent it."""
+    return RecordDict(
+        {
+            ARRAYS: ArrayRecord({ENVELOPE: Array(np.frombuffer(envelope, dtype=np.uint8))}),
+            METRICS: MetricRecord({}),
             INFO: ConfigRecord(
-                {
-                    "region": outcome.region,
-                    "status": TRAINED,
-                    "reason": "",
-                    "data-fingerprint": outcome.data_fingerprint,
-                }
+                {"region": region, "status": SEALED, "reason": "", "key-id": key_id}
             ),
         }
     )
@@ -126,6 +159,7 @@ class Reply:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] | None = None
+    envelope: bytes | None = None
 
 
 def read_reply(message: Message, known_regions: Mapping[int, str]) -> Reply:
@@ -141,6 +175,10 @@ def read_reply(message: Message, known_regions: Mapping[int, str]) -> Reply:
         records = content.array_records
         arrays = unpack_arrays(records[ARRAYS]) if ARRAYS in records else None
         region, status = info["region"], info["status"]
-    except (KeyError, TypeError, ValueError) as err:
+        envelope = None
+        if status == SEALED:
+            assert arrays is not None and set(arrays) == {ENVELOPE}, "no envelope"
+            envelope, arrays = arrays[ENVELOPE].tobytes(), None
+    except (KeyError, TypeError, ValueError, AssertionError) as err:
         return Reply(node_id, fallback, "failed", reason=f"malformed reply ({err!r})")
-    return Reply(node_id, region, status, info.get("reason", ""), metrics, info, arrays)
+    return Reply(node_id, region, status, info.get("reason", ""), metrics, info, arrays, envelope)

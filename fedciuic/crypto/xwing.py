@@ -1,0 +1,112 @@
+"""X-Wing: the hybrid KEM of draft-connolly-cfrg-xwing-kem (ML-KEM-768 + X25519).
+
+Built only on ``cryptography``'s ML-KEM-768, X25519, SHA3-256 and SHAKE-256, exactly
+as the draft specifies:
+
+* the decapsulation key is a 32-byte seed, expanded with SHAKE-256 to 96 bytes:
+  bytes 0..63 are the ML-KEM-768 seed (d || z), bytes 64..95 the X25519 secret;
+* the encapsulation key is ``pk_M || pk_X`` (1184 + 32 bytes);
+* the ciphertext is ``ct_M || ct_X`` (1088 + 32 bytes);
+* the shared secret is ``SHA3-256(ss_M || ss_X || ct_X || pk_X || XWingLabel)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey, MLKEM768PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+#: The draft's label, the six ASCII bytes ``\\.//^\\``.
+XWING_LABEL = b"\\.//^\\"
+SEED_SIZE = 32
+SHARED_SECRET_SIZE = 32
+MLKEM_PK_SIZE, MLKEM_CT_SIZE, X25519_SIZE = 1184, 1088, 32
+PUBLIC_KEY_SIZE = MLKEM_PK_SIZE + X25519_SIZE  # 1216
+CIPHERTEXT_SIZE = MLKEM_CT_SIZE + X25519_SIZE  # 1120
+
+
+def _shake256(data: bytes, size: int) -> bytes:
+    digest = hashes.Hash(hashes.SHAKE256(size))
+    digest.update(data)
+    return digest.finalize()
+
+
+def _sha3_256(data: bytes) -> bytes:
+    digest = hashes.Hash(hashes.SHA3_256())
+    digest.update(data)
+    return digest.finalize()
+
+
+def combiner(ss_m: bytes, ss_x: bytes, ct_x: bytes, pk_x: bytes) -> bytes:
+    """The X-Wing combiner: ``SHA3-256(ss_M || ss_X || ct_X || pk_X || XWingLabel)``."""
+    return _sha3_256(ss_m + ss_x + ct_x + pk_x + XWING_LABEL)
+
+
+@dataclass(frozen=True)
+class XWingPrivateKey:
+    """An X-Wing decapsulation key, held as its 32-byte seed."""
+
+    seed: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.seed) != SEED_SIZE:
+            raise ValueError(f"an X-Wing seed is {SEED_SIZE} bytes, got {len(self.seed)}")
+
+    @classmethod
+    def generate(cls) -> XWingPrivateKey:
+        return cls(os.urandom(SEED_SIZE))
+
+    def _expand(self) -> tuple[MLKEM768PrivateKey, X25519PrivateKey]:
+        expanded = _shake256(self.seed, 96)
+        return (
+            MLKEM768PrivateKey.from_seed_bytes(expanded[:64]),
+            X25519PrivateKey.from_private_bytes(expanded[64:96]),
+        )
+
+    def public_key(self) -> XWingPublicKey:
+        sk_m, sk_x = self._expand()
+        return XWingPublicKey(
+            sk_m.public_key().public_bytes_raw() + sk_x.public_key().public_bytes_raw()
+        )
+
+    def decapsulate(self, ciphertext: bytes) -> bytes:
+        """The shared secret for ``ciphertext``. ML-KEM's implicit rejection means a
+        wrong ciphertext yields a wrong secret rather than an error."""
+        if len(ciphertext) != CIPHERTEXT_SIZE:
+            raise ValueError(f"an X-Wing ciphertext is {CIPHERTEXT_SIZE} bytes")
+        sk_m, sk_x = self._expand()
+        ct_m, ct_x = ciphertext[:MLKEM_CT_SIZE], ciphertext[MLKEM_CT_SIZE:]
+        ss_m = sk_m.decapsulate(ct_m)
+        ss_x = sk_x.exchange(X25519PublicKey.from_public_bytes(ct_x))
+        pk_x = sk_x.public_key().public_bytes_raw()
+        return combiner(ss_m, ss_x, ct_x, pk_x)
+
+
+@dataclass(frozen=True)
+class XWingPublicKey:
+    """An X-Wing encapsulation key: ``pk_M || pk_X``."""
+
+    raw: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.raw) != PUBLIC_KEY_SIZE:
+            raise ValueError(
+                f"an X-Wing public key is {PUBLIC_KEY_SIZE} bytes, got {len(self.raw)}"
+            )
+
+    def encapsulate(self) -> tuple[bytes, bytes]:
+        """A fresh ``(shared_secret, ciphertext)``."""
+        return self.encapsulate_with(X25519PrivateKey.generate())
+
+    def encapsulate_with(self, ephemeral: X25519PrivateKey) -> tuple[bytes, bytes]:
+        """Encapsulate with a given X25519 ephemeral key (ML-KEM's randomness stays
+        inside ``cryptography``, which offers no derandomised encapsulation)."""
+        pk_m = MLKEM768PublicKey.from_public_bytes(self.raw[:MLKEM_PK_SIZE])
+        pk_x_raw = self.raw[MLKEM_PK_SIZE:]
+        ss_m, ct_m = pk_m.encapsulate()
+        ct_x = ephemeral.public_key().public_bytes_raw()
+        ss_x = ephemeral.exchange(X25519PublicKey.from_public_bytes(pk_x_raw))
+        return combiner(ss_m, ss_x, ct_x, pk_x_raw), ct_m + ct_x

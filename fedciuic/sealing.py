@@ -1,0 +1,214 @@
+"""Sealing updates and signing the global model, between fedciuic's parties (no Flower).
+
+A region seals its update (the adapter delta as safetensors, with its metrics in the
+safetensors metadata) to the aggregator's public bundle; the aggregator opens it with
+its private key and accepts it only from a known region's key, for this run and round,
+once. The aggregator signs the global adapter it sends down; a region checks that
+signature before it trains or evaluates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from fedciuic.crypto.envelope import (
+    EnvelopeRejected,
+    Expectation,
+    InvalidEnvelope,
+    Suite,
+    open_envelope,
+    seal,
+)
+from fedciuic.crypto.keys import (
+    KeyFileError,
+    Keypair,
+    PublicBundle,
+    bundle_path,
+    load_bundle,
+    load_bundles,
+    load_keypair,
+    private_key_path,
+)
+
+AGGREGATOR = "aggregator"
+GLOBAL_LABEL = b"fedciuic-global-model/1\x00"
+
+
+def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """SHA-256 over names, dtypes, shapes and bytes of ``arrays`` in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}\x00{value.dtype.str}\x00{value.shape}\x00".encode())
+        digest.update(value.tobytes())
+    return digest.digest()
+
+
+def _global_message(run_id: int, server_round: int, arrays: Mapping[str, np.ndarray]) -> bytes:
+    return GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays)
+
+
+def sign_global(
+    keypair: Keypair, run_id: int, server_round: int, arrays: Mapping[str, np.ndarray]
+) -> bytes:
+    return keypair.sign(_global_message(run_id, server_round, arrays))
+
+
+def update_payload(
+    arrays: Mapping[str, np.ndarray], metrics: dict[str, Any], info: dict[str, str]
+) -> bytes:
+    """The plaintext of a sealed update: safetensors, metrics and info in its metadata."""
+    metadata = {"metrics": json.dumps(metrics), "info": json.dumps(info)}
+    return bytes(st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata))
+
+
+def read_update_payload(
+    payload: bytes,
+) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, str]]:
+    """Inverse of :func:`update_payload`; ``ValueError`` if it is not one."""
+    try:
+        (size,) = struct.unpack_from("<Q", payload)
+        header = json.loads(payload[8 : 8 + size])
+        metadata = header.get("__metadata__", {})
+        metrics = {k: float(v) for k, v in json.loads(metadata["metrics"]).items()}
+        info = {k: str(v) for k, v in json.loads(metadata["info"]).items()}
+        arrays = st_load(payload)
+    except (struct.error, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"sealed payload is not a fedciuic update ({err})") from None
+    return arrays, metrics, info
+
+
+@dataclass(frozen=True)
+class RegionKeys:
+    """What a region needs to seal: its own keys and the aggregator's bundle."""
+
+    keypair: Keypair
+    aggregator: PublicBundle
+    suite: Suite
+
+    def check_global(
+        self,
+        signature: bytes,
+        key_id: str,
+        run_id: int,
+        server_round: int,
+        arrays: Mapping[str, np.ndarray],
+    ) -> None:
+        """Refuse a global adapter the aggregator did not sign for this run and round."""
+        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
+            _global_message(run_id, server_round, arrays), signature
+        ):
+            raise KeyFileError(
+                f"region {self.keypair.bundle.party}: the global adapter of round "
+                f"{server_round} is not signed by the aggregator key "
+                f"{self.aggregator.key_id.hex()}; refusing to train on it"
+            )
+
+    def seal_update(self, payload: bytes, *, run_id: int, server_round: int) -> bytes:
+        return seal(
+            payload,
+            sender=self.keypair,
+            recipient=self.aggregator,
+            run_id=run_id,
+            server_round=server_round,
+            region=self.keypair.bundle.party,
+            suite=self.suite,
+        )
+
+
+def region_keys(
+    region: str, *, key_file: str, aggregator_bundle: str, keys_dir: str, suite: Suite
+) -> RegionKeys:
+    """Load a region's keys from its node config, or from the run's keys-dir in simulation."""
+    if key_file or aggregator_bundle:
+        private, bundle = Path(key_file), Path(aggregator_bundle)
+        if not key_file or not aggregator_bundle:
+            raise KeyFileError(
+                "node config: set both key-file and aggregator-bundle (sealing needs the "
+                "region's private key and the aggregator's public bundle)"
+            )
+    elif keys_dir:
+        private = private_key_path(Path(keys_dir), region)
+        bundle = bundle_path(Path(keys_dir), AGGREGATOR)
+    else:
+        raise KeyFileError(
+            f"region {region}: no keys to seal with; start the SuperNode with --node-config "
+            "\"... key-file='/keys/REGION.key.json' aggregator-bundle='/keys/aggregator.pub.json'\""
+        )
+    keypair = load_keypair(private)
+    if keypair.bundle.party != region:
+        raise KeyFileError(
+            f"{private}:party: {keypair.bundle.party!r}, but this is region {region!r}"
+        )
+    return RegionKeys(keypair, load_bundle(bundle), suite)
+
+
+@dataclass
+class AggregatorKeys:
+    """The aggregator's private key, the regions it accepts updates from, and replays seen."""
+
+    keypair: Keypair
+    regions: dict[bytes, PublicBundle]
+    max_size: int
+    seen: set[tuple[int, int, bytes]] = field(default_factory=set)
+
+    def open_update(
+        self, envelope: bytes, *, run_id: int, server_round: int
+    ) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, str], PublicBundle]:
+        """Verify, bind and decrypt one update; raises with the reason to record."""
+        opened = open_envelope(
+            envelope, recipient=self.keypair, senders=self.regions, max_size=self.max_size
+        )
+        Expectation(run_id, self.seen).check(opened, server_round)
+        arrays, metrics, info = read_update_payload(opened.payload)
+        return arrays, metrics, info, opened.sender
+
+
+def generate_federation_keys(
+    directory: Path, regions: tuple[str, ...], aggregator_jurisdiction: str = "EU"
+) -> Path:
+    """Keys for a local federation in one folder (simulation and loopback demos only:
+    in a deployment each party generates its own and shares only its bundle)."""
+    from fedciuic.crypto.keys import write_keys
+
+    write_keys(Keypair.generate(AGGREGATOR, aggregator_jurisdiction), directory)
+    for region in regions:
+        write_keys(Keypair.generate(region, region.upper()), directory)
+    return directory
+
+
+def aggregator_keys(keys_dir: str, max_size: int) -> AggregatorKeys:
+    """The aggregator's keys from ``keys_dir``: ``aggregator.key.json`` and the regions'
+    ``*.pub.json`` bundles."""
+    if not keys_dir:
+        raise KeyFileError(
+            "run config:keys-dir: empty; sealing needs a folder with aggregator.key.json and "
+            "each region's REGION.pub.json (`fedciuic keys generate --party aggregator ...`)"
+        )
+    folder = Path(keys_dir)
+    keypair = load_keypair(private_key_path(folder, AGGREGATOR))
+    regions = {kid: b for kid, b in load_bundles(folder).items() if kid != keypair.bundle.key_id}
+    if not regions:
+        raise KeyFileError(f"{folder}: no region bundles (REGION.pub.json); add each region's")
+    return AggregatorKeys(keypair, regions, max_size)
+
+
+__all__ = [
+    "AggregatorKeys",
+    "EnvelopeRejected",
+    "InvalidEnvelope",
+    "RegionKeys",
+    "aggregator_keys",
+    "region_keys",
+    "sign_global",
+]
