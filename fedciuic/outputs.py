@@ -35,7 +35,13 @@ class RunRecorder:
         return rounds.setdefault(str(server_round), {"train": {}, "eval": {}})
 
     def record_train(self, server_round: int, region: str, entry: dict[str, Any]) -> None:
-        self._round(server_round)["train"][region] = entry
+        """Record a region's train reply; a second reply from the same region (a replay)
+        goes to ``duplicates`` and never overwrites the first."""
+        current = self._round(server_round)
+        if region in current["train"]:
+            current.setdefault("duplicates", []).append({"region": region, **entry})
+        else:
+            current["train"][region] = entry
 
     def record_eval(self, server_round: int, region: str, entry: dict[str, Any]) -> None:
         self._round(server_round)["eval"][region] = entry

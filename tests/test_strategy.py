@@ -8,10 +8,18 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
+from fedciuic.crypto.envelope import seal
+from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
 from fedciuic.region import TrainOutcome
+from fedciuic.sealing import (
+    RegionKeys,
+    aggregator_keys,
+    generate_federation_keys,
+    update_payload,
+)
 from fedciuic.train import EvalStats, TrainStats
 from server.strategy import RegionalFedAvg
 
@@ -151,3 +159,114 @@ def test_only_the_first_round_waits_for_missing_regions(strategy, monkeypatch):
     assert waited >= strategy.run.node_wait_timeout
     assert strategy.wait_for_regions(FakeGrid([1, 2])) == [1, 2]
     assert now[0] == waited  # no second wait
+
+
+# -- sealed updates --------------------------------------------------------------------
+
+
+@pytest.fixture
+def sealed_strategy(run_config, tmp_path) -> tuple[RegionalFedAvg, dict[str, Keypair]]:
+    keys_dir = generate_federation_keys(tmp_path / "keys", ("eu", "cn", "us"))
+    recorder = RunRecorder(tmp_path / "run", {"run_id": 7, "regions": list(run_config.regions)})
+    s = RegionalFedAvg(
+        run_config,
+        base_fingerprint="f" * 64,
+        recorder=recorder,
+        keys=aggregator_keys(str(keys_dir), 2**20),
+        run_id=7,
+    )
+    s.global_adapter = {k: v.copy() for k, v in GLOBAL.items()}
+    regions = {r: load_keypair(keys_dir / f"{r}.key.json") for r in ("eu", "cn", "us")}
+    return s, regions
+
+
+def sealed_reply_from(
+    keypair: Keypair, aggregator, value: float, server_round: int = 1, run_id: int = 7
+) -> RecordDict:
+    region = keypair.bundle.party
+    payload = update_payload(
+        {"w": np.full(4, value, np.float32)},
+        {"num-examples": 10, "train-loss": 1.0},
+        {"region": region, "status": "trained", "data-fingerprint": "fp"},
+    )
+    envelope = seal(
+        payload,
+        sender=keypair,
+        recipient=aggregator,
+        run_id=run_id,
+        server_round=server_round,
+        region=region,
+    )
+    return protocol.sealed_reply(region, envelope, keypair.bundle.key_id.hex())
+
+
+def test_sealed_updates_are_opened_and_aggregated(sealed_strategy):
+    s, regions = sealed_strategy
+    agg = s.keys.keypair.bundle
+    arrays, _ = s.aggregate_train(
+        1,
+        [
+            reply(11, sealed_reply_from(regions["eu"], agg, 1.0)),
+            reply(12, sealed_reply_from(regions["cn"], agg, 3.0)),
+        ],
+    )
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+
+
+def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(sealed_strategy):
+    s, regions = sealed_strategy
+    agg = s.keys.keypair.bundle
+    good = sealed_reply_from(regions["eu"], agg, 1.0)
+    tampered = sealed_reply_from(regions["us"], agg, 5.0)
+    raw = bytearray(tampered.array_records[protocol.ARRAYS][protocol.ENVELOPE].numpy().tobytes())
+    raw[-100] ^= 1
+    tampered[protocol.ARRAYS] = ArrayRecord(
+        {protocol.ENVELOPE: protocol.pack_arrays({"e": np.frombuffer(bytes(raw), np.uint8)})["e"]}
+    )
+    arrays, _ = s.aggregate_train(
+        1,
+        [
+            reply(11, good),
+            reply(12, good),  # the same envelope again
+            reply(13, sealed_reply_from(regions["cn"], agg, 9.0, server_round=2)),
+            reply(14, tampered),
+            reply(15, trained("us", 7.0, 10)),  # in the clear
+        ],
+    )
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0)  # only eu's
+    train = s.recorder.data["rounds"]["1"]["train"]
+    assert train["eu"]["status"] == "trained"
+    assert train["cn"] == {
+        "status": "rejected",
+        "reason": "envelope is for round 2, this is round 1",
+    }
+    assert train["us"]["status"] == "rejected"
+    duplicates = s.recorder.data["rounds"]["1"]["duplicates"]
+    assert duplicates == [
+        {
+            "region": "eu",
+            "status": "rejected",
+            "reason": "replay: a second envelope from eu in round 1",
+        },
+        {"region": "us", "status": "rejected", "reason": "unsealed update refused"},
+    ]
+
+
+def test_global_adapter_is_signed_for_each_round(sealed_strategy):
+    s, regions = sealed_strategy
+    content = next(
+        iter(
+            s._messages(
+                FakeGrid([1, 2, 3]),
+                protocol.pack_arrays(GLOBAL),
+                ConfigRecord(),
+                4,
+                MessageType.TRAIN,
+            )
+        )
+    ).content
+    task = protocol.read_instruction(Message(content, dst_node_id=1, message_type="train"))
+    keys = RegionKeys(regions["eu"], s.keys.keypair.bundle, "xwing-aes256gcm")
+    keys.check_global(task.signature, task.signer, 7, 4, task.adapter)  # valid
+    with pytest.raises(KeyFileError, match="not signed by the aggregator"):
+        keys.check_global(task.signature, task.signer, 7, 5, task.adapter)  # another round

@@ -196,13 +196,15 @@ class LocalFederation:
             encoding="utf-8",
         )
 
-    def start_supernode(self, name: str, node_config: Mapping[str, Any]) -> Managed:
+    def start_supernode(
+        self, name: str, node_config: Mapping[str, Any], *, superlink: str = ""
+    ) -> Managed:
         """Start one ``flower-supernode`` with its own ``--node-config``."""
         cmd = [
             _bin("flower-supernode"),
             "--insecure",
             "--superlink",
-            self.superlink_address,
+            superlink or self.superlink_address,
             "--host",
             "127.0.0.1",
             "--port",

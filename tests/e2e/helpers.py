@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +44,50 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return live
+
+
+class RecordingProxy:
+    """A TCP relay on 127.0.0.1 that keeps every byte it forwards, both ways.
+
+    SuperNodes connect to it instead of the SuperLink, so the test sees exactly the
+    bytes that crossed the relay.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.captured = bytearray()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.server.settimeout(0.5)
+        while not self.stopped.is_set():
+            try:
+                client, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                with self.lock:
+                    self.captured += chunk
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.server.close()

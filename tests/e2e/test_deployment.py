@@ -7,34 +7,50 @@ import pytest
 from fedciuic.data import load_region_data
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import byte_tokenizer
+from fedciuic.sealing import generate_federation_keys
 from tests.conftest import ROOT, app_config
-from tests.e2e.helpers import alive, eval_loss, only_run
+from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
 
 
-def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_path, demo_root):
+def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
+    tmp_path, demo_root
+):
     out = tmp_path / "runs"
+    keys = generate_federation_keys(tmp_path / "keys", REGIONS)
     with LocalFederation(tmp_path / "work", ROOT) as federation:
-        federation.start_superlink(simulation=False)
+        address = federation.start_superlink(simulation=False)
+        # Every byte between the SuperNodes and the SuperLink goes through this relay.
+        proxy = RecordingProxy(int(address.rsplit(":", 1)[1]))
         for region in REGIONS:
             node = {
                 "region": region,
                 "data-path": str(demo_root / region),
                 "state-path": str(tmp_path / "state" / region),
+                "key-file": str(keys / f"{region}.key.json"),
+                "aggregator-bundle": str(keys / "aggregator.pub.json"),
             }
-            federation.start_supernode(region, node)
+            federation.start_supernode(region, node, superlink=f"127.0.0.1:{proxy.port}")
         pids = federation.pids()
         assert len(pids) == 4
         federation.run_app(
-            {"num-server-rounds": 2, "output-dir": str(out), "data-root": ""}, timeout=900
+            {
+                "num-server-rounds": 2,
+                "output-dir": str(out),
+                "data-root": "",
+                "keys-dir": str(keys),
+            },
+            timeout=900,
         )
+    proxy.stop()
     assert not alive(pids), "processes survived the federation"
 
     data = only_run(out)
     assert data["run"]["status"] == "completed"
     config = app_config()
+    captured = bytes(proxy.captured)
     for region in REGIONS:
         own = load_region_data(
             region,
@@ -52,6 +68,13 @@ def test_superlink_and_three_supernodes_run_two_rounds_on_their_own_data(tmp_pat
             assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
         assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()
         assert eval_loss(data, 2, region) < eval_loss(data, 0, region)
+        # The sealed plaintext carries the data fingerprint; the relay never saw it,
+        # while what travels in the clear (the sender's key id) is plainly visible.
+        key_id = (keys / f"{region}.pub.json").read_text().split('"key_id": "')[1][:32]
+        assert key_id.encode() in captured
+        assert own.fingerprint.encode() not in captured
+        assert b"data-fingerprint" not in captured
+    assert len(captured) > 100_000
 
 
 def test_every_process_is_stopped_when_the_body_fails(tmp_path, demo_root):
