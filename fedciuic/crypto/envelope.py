@@ -120,27 +120,41 @@ def seal(
     region: str,
     policy_hash: bytes = b"",
     suite: Suite = "xwing-aes256gcm",
-) -> bytes:
-    """Encrypt ``payload`` to ``recipient`` under a fresh X-Wing secret and sign it."""
+) -> bytearray:
+    """Encrypt ``payload`` to ``recipient`` under a fresh X-Wing secret and sign it.
+
+    The envelope is written into one buffer: AES-GCM encrypts straight into it and
+    the signature hashes it in place, so the payload is copied once, by the cipher.
+    """
     header = Header(
-        suite=suite,
-        signature=sender.bundle.signature,
-        sender=sender.bundle.key_id,
-        recipient=recipient.key_id,
-        run_id=run_id,
-        round=server_round,
-        region=region,
+        suite=suite, signature=sender.bundle.signature, sender=sender.bundle.key_id,
+        recipient=recipient.key_id, run_id=run_id, round=server_round, region=region,
         policy_hash=policy_hash,
     ).encode()
     secret, kem_ct = recipient.xwing.encapsulate()
     keys = _keys(secret, suite)
+    token = b""
     if suite == "xwing-aes256gcm":
-        body = AESGCM(keys[:32]).encrypt(keys[32:], payload, header)
+        body_len = len(payload) + 16
     else:
-        body = Fernet(base64.urlsafe_b64encode(keys)).encrypt(payload)
-    prefix = b"".join((header, kem_ct, struct.pack(">Q", len(body)), body))
-    signature = sender.sign(_to_sign(prefix))
-    return b"".join((prefix, struct.pack(">H", len(signature)), signature))
+        token = Fernet(base64.urlsafe_b64encode(keys)).encrypt(payload)
+        body_len = len(token)
+    sig_size = sender.bundle.signature_size()
+    body_at = len(header) + CIPHERTEXT_SIZE + 8
+    end = body_at + body_len
+    buf = bytearray(end + 2 + sig_size)
+    view = memoryview(buf)
+    view[: len(header)] = header
+    view[len(header) : len(header) + CIPHERTEXT_SIZE] = kem_ct
+    struct.pack_into(">Q", buf, body_at - 8, body_len)
+    if suite == "xwing-aes256gcm":
+        AESGCM(keys[:32]).encrypt_into(keys[32:], payload, header, view[body_at:end])
+    else:
+        view[body_at:end] = token
+    signature = sender.sign(_to_sign(view[:end]))
+    struct.pack_into(">H", buf, end, len(signature))
+    view[end + 2 :] = signature
+    return buf
 
 
 def parse_header(data: bytes) -> tuple[Header, int]:
