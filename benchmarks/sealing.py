@@ -15,10 +15,11 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from fedciuic.crypto.envelope import open_envelope, seal
+from fedciuic.crypto.envelope import Suite, open_envelope, seal
 from fedciuic.crypto.keys import Keypair
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
@@ -47,7 +48,7 @@ def main() -> int:
     def raw(payload: bytes) -> None:
         aes.decrypt(nonce, aes.encrypt(nonce, payload, b"header"), b"header")
 
-    def envelope(payload: bytes, suite: str) -> int:
+    def envelope(payload: bytes, suite: Suite) -> int:
         sealed = seal(
             payload,
             sender=region,
@@ -56,7 +57,7 @@ def main() -> int:
             server_round=1,
             region="eu",
             suite=suite,
-        )  # type: ignore[arg-type]
+        )
         open_envelope(sealed, recipient=aggregator, senders=senders, max_size=1 << 31)
         return len(sealed)
 
@@ -71,9 +72,9 @@ def main() -> int:
         repeats = args.repeats if size < (32 << 20) else max(2, args.repeats // 2)
         times = {"raw": [], "gcm": [], "fernet": []}  # type: dict[str, list[float]]
         for _ in range(repeats):  # interleaved
-            times["raw"].append(best_seconds(lambda: raw(payload), 1))
-            times["gcm"].append(best_seconds(lambda: envelope(payload, "xwing-aes256gcm"), 1))
-            times["fernet"].append(best_seconds(lambda: envelope(payload, "xwing-fernet"), 1))
+            times["raw"].append(best_seconds(partial(raw, payload), 1))
+            times["gcm"].append(best_seconds(partial(envelope, payload, "xwing-aes256gcm"), 1))
+            times["fernet"].append(best_seconds(partial(envelope, payload, "xwing-fernet"), 1))
         mbps = {k: size / min(v) / 1e6 for k, v in times.items()}
         gcm_len = envelope(payload, "xwing-aes256gcm")
         fernet_len = envelope(payload, "xwing-fernet")

@@ -19,6 +19,7 @@ from pathlib import Path
 from fedciuic.demo_data import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.outputs import METRICS_FILE, summarize
+from fedciuic.sealing import generate_federation_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,11 +38,19 @@ def main() -> int:
         data_root = args.data_root or Path(tmp) / "data"
         if args.data_root is None:
             write_demo_corpora(data_root, regions)
+        # One folder of keys for the demo; in a real deployment each party makes its own.
+        keys = generate_federation_keys(Path(tmp) / "keys", regions)
         with LocalFederation(Path(tmp) / "work", ROOT) as federation:
             address = federation.start_superlink(simulation=False)
             print(f"flower-superlink on {address} (pid {federation.pids()[0]})")
             for region in regions:
-                node = {"region": region, "data-path": str((data_root / region).resolve())}
+                node = {
+                    "region": region,
+                    "data-path": str((data_root / region).resolve()),
+                    "state-path": str(Path(tmp) / "state" / region),
+                    "key-file": str(keys / f"{region}.key.json"),
+                    "aggregator-bundle": str(keys / "aggregator.pub.json"),
+                }
                 managed = federation.start_supernode(region, node)
                 print(f"flower-supernode {region} (pid {managed.process.pid})")
             run_id, _ = federation.run_app(
@@ -50,6 +59,7 @@ def main() -> int:
                     "num-server-rounds": args.rounds,
                     "output-dir": str(output_dir),
                     "data-root": "",
+                    "keys-dir": str(keys),
                 },
                 timeout=1800,
                 echo=sys.stdout,

@@ -114,7 +114,7 @@ class RegionKeys:
                 f"{self.aggregator.key_id.hex()}; refusing to train on it"
             )
 
-    def seal_update(self, payload: bytes, *, run_id: int, server_round: int) -> bytes:
+    def seal_update(self, payload: bytes, *, run_id: int, server_round: int) -> bytearray:
         return seal(
             payload,
             sender=self.keypair,
@@ -163,7 +163,7 @@ class AggregatorKeys:
     seen: set[tuple[int, int, bytes]] = field(default_factory=set)
 
     def open_update(
-        self, envelope: bytes, *, run_id: int, server_round: int
+        self, envelope: bytes | bytearray, *, run_id: int, server_round: int
     ) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, str], PublicBundle]:
         """Verify, bind and decrypt one update; raises with the reason to record."""
         opened = open_envelope(

@@ -127,8 +127,13 @@ def seal(
     the signature hashes it in place, so the payload is copied once, by the cipher.
     """
     header = Header(
-        suite=suite, signature=sender.bundle.signature, sender=sender.bundle.key_id,
-        recipient=recipient.key_id, run_id=run_id, round=server_round, region=region,
+        suite=suite,
+        signature=sender.bundle.signature,
+        sender=sender.bundle.key_id,
+        recipient=recipient.key_id,
+        run_id=run_id,
+        round=server_round,
+        region=region,
         policy_hash=policy_hash,
     ).encode()
     secret, kem_ct = recipient.xwing.encapsulate()
@@ -157,7 +162,7 @@ def seal(
     return buf
 
 
-def parse_header(data: bytes) -> tuple[Header, int]:
+def parse_header(data: bytes | bytearray) -> tuple[Header, int]:
     """The header and where it ends; :class:`InvalidEnvelope` if it is not one."""
     try:
         magic, version, suite, sig, sender, recipient, run_id, rnd = _FIXED.unpack_from(data)
@@ -179,7 +184,7 @@ def parse_header(data: bytes) -> tuple[Header, int]:
 
 
 def open_envelope(
-    data: bytes,
+    data: bytes | bytearray,
     *,
     recipient: Keypair,
     senders: Mapping[bytes, PublicBundle],

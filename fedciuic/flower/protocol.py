@@ -110,7 +110,7 @@ def train_reply(outcome: TrainOutcome) -> RecordDict:
     )
 
 
-def sealed_reply(region: str, envelope: bytes, key_id: str) -> RecordDict:
+def sealed_reply(region: str, envelope: bytes | bytearray, key_id: str) -> RecordDict:
     """A sealed update: the envelope, and in the clear only who sent it."""
     return RecordDict(
         {
