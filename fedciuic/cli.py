@@ -192,7 +192,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model import ModelSpec, check_model_spec
     from fedciuic.outputs import summarize
-    from fedciuic.sealing import generate_federation_keys
+    from fedciuic.sealing import aggregator_keys, generate_federation_keys
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -214,6 +214,8 @@ def _simulate(args: argparse.Namespace) -> int:
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
     check_model_spec(ModelSpec.from_run(run))
+    if run.seal and run.keys_dir:
+        aggregator_keys(run.keys_dir, run.max_update_bytes)
     output_dir.mkdir(parents=True, exist_ok=True)
     workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     if args.data_root is None:

@@ -123,6 +123,7 @@ def test_a_region_without_data_declines_and_the_others_train(tmp_path):
         ),
         (["--run-config", "lerning-rate=0.1"], "--run-config:lerning-rate: unknown key"),
         (["--regions", "eu,xx"], "no demo corpus for ['xx']"),
+        (["--run-config", "keys-dir='/no/keys'"], "/no/keys/aggregator.key.json: no private key"),
     ],
 )
 def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message):
