@@ -82,7 +82,9 @@ def train(msg: Message, context: Context) -> Message:
         if keys is None:
             return Message(protocol.train_reply(outcome), reply_to=msg)
         payload = update_payload(
-            outcome.delta, protocol.train_metrics(outcome), protocol.train_info(outcome)
+            protocol.update_arrays(outcome.update),
+            protocol.train_metrics(outcome),
+            protocol.train_info(outcome),
         )
         envelope = keys.seal_update(payload, run_id=context.run_id, server_round=task.server_round)
     except FedciuicError as err:

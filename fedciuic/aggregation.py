@@ -1,42 +1,44 @@
-"""Weighted aggregation of adapter deltas (pure NumPy, no Flower).
+"""Weighted aggregation of compressed adapter deltas (pure NumPy, no Flower).
 
 FedAvg over deltas: ``global + server_lr * sum_i w_i * delta_i / sum_i w_i``, with
-``w_i`` the number of training examples of region ``i``. Starting every region from
-the same global adapter makes this equal to averaging the local adapters when
-``server_lr`` is 1.
+``w_i`` the number of training examples of region ``i``. Each update is decoded
+(and validated) on its own and added straight into one float64 accumulator, by
+scatter-add for sparse codecs: memory is the model size plus one update, whatever
+the number of regions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
-from fedciuic.model import check_same_layout
+from fedciuic.compression import Codec
 
 
-def check_update(delta: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> None:
-    """Raise ``ValueError`` unless ``delta`` has the reference's keys, shapes and finite values."""
-    check_same_layout(delta, reference, what="update")
-    for name, value in delta.items():
-        if not np.all(np.isfinite(value)):
-            raise ValueError(f"update {name}: contains NaN or infinite values")
+class Accumulator:
+    """``sum_i w_i * delta_i`` over validated updates, then the weighted mean."""
 
+    def __init__(self, codec: Codec, n: int) -> None:
+        self.codec = codec
+        self.n = n
+        self.total = np.zeros(n, dtype=np.float64)
+        self.weight = 0.0
+        self.count = 0
 
-def weighted_mean(
-    deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
-) -> dict[str, np.ndarray]:
-    """Weighted mean of deltas, accumulated in place (one buffer per tensor)."""
-    if not deltas or len(deltas) != len(weights):
-        raise ValueError("need one positive weight per delta and at least one delta")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError(f"weights must sum to a positive number, got {total}")
-    mean = {name: np.zeros_like(value, dtype=np.float64) for name, value in deltas[0].items()}
-    for delta, weight in zip(deltas, weights, strict=True):
-        for name, acc in mean.items():
-            acc += (weight / total) * delta[name]
-    return {name: acc.astype(np.float32) for name, acc in mean.items()}
+    def add(self, update: bytes | bytearray | memoryview, weight: float) -> None:
+        """Decode, check and add one update; ``ValueError`` leaves the sum untouched."""
+        if not weight > 0 or not np.isfinite(weight):
+            raise ValueError(f"num-examples must be a positive number, got {weight}")
+        decoded = self.codec.decode(update, self.n)  # raises before anything is added
+        decoded.add_into(self.total, weight)
+        self.weight += weight
+        self.count += 1
+
+    def mean(self) -> np.ndarray:
+        if self.count == 0:
+            raise ValueError("no update was added")
+        return (self.total / self.weight).astype(np.float32)
 
 
 def apply_delta(

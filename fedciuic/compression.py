@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedciuic.errors import ConfigError, FedciuicError
+from fedciuic.errors import FedciuicError
 
 HEADER = struct.Struct("<2sBBIH")
 MAGIC = b"FZ"
@@ -222,9 +222,7 @@ def _topk(name: str, ident: int) -> Callable[[str], Codec]:
         except ValueError:
             fraction = float("nan")
         if not 0 < fraction <= 1:
-            raise ConfigError(
-                [f"run config:codec: {name}:{arg}: the kept fraction must be in (0, 1]"]
-            )
+            raise ValueError(f"{name}:{arg}: the kept fraction must be in (0, 1]")
         return Codec(f"{name}:{arg}", ident, fraction)
 
     return make
@@ -241,19 +239,17 @@ CODECS: dict[str, Callable[[str], Codec]] = {
 
 
 def get_codec(spec: str) -> Codec:
-    """``dense``, ``int8``, ``sign``, ``topk:0.01``, ``topk-int8:0.01``; else a listed error."""
+    """``dense``, ``int8``, ``sign``, ``topk:0.01``, ``topk-int8:0.01``; else ``ValueError``
+    naming the known ones (the run config turns it into ``run config:codec: ...``)."""
     name, _, arg = spec.partition(":")
     if name not in CODECS:
-        raise ConfigError(
-            [
-                f"run config:codec: unknown codec {spec!r}; known: dense, int8, sign, "
-                "topk:FRACTION, topk-int8:FRACTION"
-            ]
+        raise ValueError(
+            f"unknown codec {spec!r}; known: dense, int8, sign, topk:FRACTION, topk-int8:FRACTION"
         )
     if name.startswith("topk") and not arg:
-        raise ConfigError([f"run config:codec: {name} needs a fraction, e.g. {name}:0.01"])
+        raise ValueError(f"{name} needs a fraction, e.g. {name}:0.01")
     if arg and not name.startswith("topk"):
-        raise ConfigError([f"run config:codec: {name} takes no argument"])
+        raise ValueError(f"{name} takes no argument")
     return CODECS[name](arg)
 
 

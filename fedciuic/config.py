@@ -96,6 +96,8 @@ class RunConfig(_Strict):
     seal_suite: Literal["xwing-aes256gcm", "xwing-fernet"] = "xwing-aes256gcm"
     keys_dir: str = ""
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
+    # Compression of each update after DP, before sealing (docs/compression.md).
+    codec: str = "dense"
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -112,6 +114,14 @@ class RunConfig(_Strict):
             raise ValueError(f"region names must be lower-case letters, digits, '-' or '_': {bad}")
         if len(set(value)) != len(value):
             raise ValueError(f"regions are listed twice: {list(value)}")
+        return value
+
+    @field_validator("codec")
+    @classmethod
+    def _check_codec(cls, value: str) -> str:
+        from fedciuic.compression import get_codec
+
+        get_codec(value)  # ValueError names the known codecs
         return value
 
     def region_for_partition(self, partition_id: int) -> str:

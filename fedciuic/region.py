@@ -7,6 +7,7 @@ what comes back. A region built once per process is reused across rounds.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -14,6 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedciuic.compression import (
+    ErrorFeedback,
+    compress_with_feedback,
+    flatten,
+    get_codec,
+    layout_id,
+    layout_of,
+)
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data import RegionData, load_region_data
 from fedciuic.dp_train import PrivateTrainer
@@ -57,6 +66,7 @@ class TrainOutcome:
     stats: TrainStats
     data_fingerprint: str
     privacy: PrivacySpent | None = None
+    update: bytes = b""  # the delta (plus the old residual) encoded with the run's codec
 
 
 class Region:
@@ -117,7 +127,30 @@ class Region:
             stats, privacy = self._train_private(server_round, run_id, seed)
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
-        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy)
+        update = self._compress(delta, seed)
+        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy, update)
+
+    def _compress(self, delta: dict[str, np.ndarray], seed: int) -> bytes:
+        """Encode the delta with error feedback; the residual stays on the region's disk.
+
+        Compression runs after DP (post-processing costs no privacy) and before
+        sealing (ciphertext does not compress).
+        """
+        codec = get_codec(self.run.codec)
+        vector = flatten(delta)
+        safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
+        feedback = ErrorFeedback(
+            self.node.state_dir / f"residual-{safe}.bin",
+            codec,
+            layout_id(layout_of(delta)),
+            vector.size,
+        )
+        residual = feedback.load()
+        update, residual = compress_with_feedback(
+            vector, residual, codec, np.random.default_rng(seed)
+        )
+        feedback.save(residual)
+        return update
 
     @property
     def ledger_path(self) -> Path:

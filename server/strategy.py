@@ -25,7 +25,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from fedciuic.aggregation import apply_delta, check_update, weighted_mean
+from fedciuic.aggregation import Accumulator, apply_delta
+from fedciuic.compression import get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
@@ -145,17 +146,21 @@ class RegionalFedAvg(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        layout = layout_of(self.global_adapter)
+        accumulator = Accumulator(
+            get_codec(self.run.codec), sum(int(np.prod(shape)) for _, shape in layout)
+        )
         accepted: list[protocol.Reply] = []
         for reply in self._read(replies):
-            reply = self._unseal(reply, server_round)
+            reply, upload = self._unseal(reply, server_round)
             entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
             if reply.status == protocol.TRAINED:
                 try:
-                    assert reply.arrays is not None, "a trained reply carries no arrays"
-                    check_update(reply.arrays, self.global_adapter)
-                    if not reply.metrics.get("num-examples", 0) > 0:
-                        raise ValueError("num-examples must be positive")
-                except (AssertionError, ValueError) as err:
+                    update = (reply.arrays or {}).get(protocol.UPDATE)
+                    if update is None:
+                        raise ValueError("a trained reply carries no update")
+                    accumulator.add(update.tobytes(), reply.metrics.get("num-examples", 0.0))
+                except ValueError as err:
                     entry = {"status": "rejected", "reason": str(err)}
                 else:
                     accepted.append(reply)
@@ -164,6 +169,7 @@ class RegionalFedAvg(FedAvg):
                         num_examples=int(reply.metrics["num-examples"]),
                         steps=int(reply.metrics.get("steps", 0)),
                         data_fingerprint=reply.info.get("data-fingerprint", ""),
+                        upload_bytes=upload,
                     )
                     entry.update(
                         {
@@ -193,35 +199,45 @@ class RegionalFedAvg(FedAvg):
             self.recorder.save()
             return None, None
 
-        weights = [r.metrics["num-examples"] for r in accepted]
-        mean = weighted_mean([r.arrays for r in accepted if r.arrays is not None], weights)
+        mean = unflatten(accumulator.mean(), layout)
         self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
-        total = float(sum(weights))
+        weights = [r.metrics["num-examples"] for r in accepted]
         loss = sum(r.metrics["train-loss"] * w for r, w in zip(accepted, weights, strict=True))
         self.recorder.record_aggregate(
             server_round, {"published": True, "regions": [r.region for r in accepted]}
         )
         self.recorder.save()
         metrics = MetricRecord(
-            {"train-loss": loss / total, "num-examples": total, "regions": len(accepted)}
+            {
+                "train-loss": loss / accumulator.weight,
+                "num-examples": accumulator.weight,
+                "regions": len(accepted),
+            }
         )
         return protocol.pack_arrays(self.global_adapter), metrics
 
-    def _unseal(self, reply: protocol.Reply, server_round: int) -> protocol.Reply:
-        """Open a sealed update; refuse unsealed ones when sealing is on."""
+    def _unseal(self, reply: protocol.Reply, server_round: int) -> tuple[protocol.Reply, int]:
+        """Open a sealed update (refusing clear ones when sealing is on); also return
+        the bytes that crossed the relay for it."""
+        if reply.envelope is not None:
+            upload = len(reply.envelope)
+        else:
+            upload = sum(a.nbytes for a in (reply.arrays or {}).values())
         if reply.status == protocol.TRAINED and self.keys is not None:
-            return replace(reply, status="rejected", reason="unsealed update refused", arrays=None)
+            return replace(
+                reply, status="rejected", reason="unsealed update refused", arrays=None
+            ), upload
         if reply.status != protocol.SEALED:
-            return reply
+            return reply, upload
         if self.keys is None or reply.envelope is None:
-            return replace(reply, status="rejected", reason="sealed update, sealing is off")
+            return replace(reply, status="rejected", reason="sealed update, sealing is off"), upload
         try:
             arrays, metrics, info, sender = self.keys.open_update(
                 reply.envelope, run_id=self.run_id, server_round=server_round
             )
         except (InvalidEnvelope, EnvelopeRejected, ValueError) as err:
-            return replace(reply, status="rejected", reason=str(err))
-        return replace(
+            return replace(reply, status="rejected", reason=str(err)), upload
+        opened = replace(
             reply,
             region=sender.party,
             status=protocol.TRAINED,
@@ -230,6 +246,7 @@ class RegionalFedAvg(FedAvg):
             arrays=arrays,
             envelope=None,
         )
+        return opened, upload
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

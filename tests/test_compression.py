@@ -14,6 +14,7 @@ from fedciuic.compression import (
     compress_with_feedback,
     get_codec,
 )
+from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError
 
 SPECS = ["dense", "int8", "sign", "topk:0.05", "topk-int8:0.05"]
@@ -125,15 +126,17 @@ def test_codec_mismatch_is_rejected(x):
         get_codec("int8").decode(blob, N)
 
 
-def test_unknown_codec_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="unknown codec 'zip'; known: dense, int8, sign, topk"):
-        get_codec("zip")
+def test_unknown_codec_lists_the_known_ones(run_config):
+    values = {**run_config.model_dump(by_alias=True), "codec": "zip"}
+    with pytest.raises(ConfigError, match=r"run config:codec: .*unknown codec 'zip'; known: dense"):
+        RunConfig.from_user_config(values, source="run config")
 
 
 @pytest.mark.parametrize("spec", ["topk:0", "topk:1.5", "topk:-0.1", "topk-int8:x", "topk"])
-def test_topk_fraction_outside_zero_one_is_refused(spec):
-    with pytest.raises(ConfigError, match="run config:codec"):
-        get_codec(spec)
+def test_topk_fraction_outside_zero_one_is_refused(run_config, spec):
+    values = {**run_config.model_dump(by_alias=True), "codec": spec}
+    with pytest.raises(ConfigError, match=r"run config:codec: .*(fraction|needs)"):
+        RunConfig.from_user_config(values, source="run config")
 
 
 def test_residual_survives_and_corruption_is_refused(tmp_path, x):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
+from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
 from fedciuic.errors import FederationError
@@ -44,9 +45,15 @@ def reply(node_id: int, content: RecordDict | Error, kind: str = MessageType.TRA
     return Message(content, reply_to=instruction)
 
 
-def trained(region: str, value: float, examples: int) -> RecordDict:
+def encoded(value: float, n: int = 4) -> bytes:
+    """A dense-codec update of ``n`` entries, all ``value`` (the run's codec is dense)."""
+    return get_codec("dense").encode(np.full(n, value, np.float32), np.random.default_rng(0))
+
+
+def trained(region: str, value: float, examples: int, n: int = 4) -> RecordDict:
+    delta = {"w": np.full(n, value, np.float32)}
     outcome = TrainOutcome(
-        region, {"w": np.full(4, value, np.float32)}, TrainStats(1.0, 5, examples), "fp-" + region
+        region, delta, TrainStats(1.0, 5, examples), "fp-" + region, update=encoded(value, n)
     )
     return protocol.train_reply(outcome)
 
@@ -76,8 +83,7 @@ def test_a_decline_is_recorded_and_the_others_are_aggregated(strategy, tmp_path)
 
 
 def test_failed_and_malformed_replies_are_rejected_alone(strategy):
-    bad_shape = trained("us", 1.0, 10)
-    bad_shape[protocol.ARRAYS] = ArrayRecord({"w": protocol.pack_arrays({"w": np.zeros(5)})["w"]})
+    bad_shape = trained("us", 1.0, 10, n=5)  # one entry too many for the adapter
     nan = trained("cn", float("nan"), 10)
     arrays, _ = strategy.aggregate_train(
         1,
@@ -92,7 +98,8 @@ def test_failed_and_malformed_replies_are_rejected_alone(strategy):
     np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0)
     train = strategy.recorder.data["rounds"]["1"]["train"]
     assert train["cn"]["status"] == "rejected" and "NaN" in train["cn"]["reason"]
-    assert train["us"]["status"] == "rejected" and "shape" in train["us"]["reason"]
+    assert train["us"]["status"] == "rejected"
+    assert "update has 5 entries, the adapter has 4" in train["us"]["reason"]
     assert train["node-14"] == {"status": "failed", "reason": "process died"}
     assert train["node-15"]["status"] == "failed"
 
@@ -185,7 +192,7 @@ def sealed_reply_from(
 ) -> RecordDict:
     region = keypair.bundle.party
     payload = update_payload(
-        {"w": np.full(4, value, np.float32)},
+        protocol.update_arrays(encoded(value)),
         {"num-examples": 10, "train-loss": 1.0},
         {"region": region, "status": "trained", "data-fingerprint": "fp"},
     )

@@ -20,7 +20,7 @@ from fedciuic.train import EvalStats
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
-ENVELOPE = "envelope"
+ENVELOPE, UPDATE = "envelope", "update"
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -103,11 +103,16 @@ def train_reply(outcome: TrainOutcome) -> RecordDict:
     """An update in the clear (``seal = false`` only)."""
     return RecordDict(
         {
-            ARRAYS: pack_arrays(outcome.delta),
+            ARRAYS: pack_arrays(update_arrays(outcome.update)),
             METRICS: MetricRecord(train_metrics(outcome)),
             INFO: ConfigRecord(dict(train_info(outcome))),
         }
     )
+
+
+def update_arrays(update: bytes) -> dict[str, np.ndarray]:
+    """The compressed update as the one array a reply (or sealed payload) carries."""
+    return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
 
 
 def sealed_reply(region: str, envelope: bytes | bytearray, key_id: str) -> RecordDict:

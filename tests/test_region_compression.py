@@ -1,0 +1,53 @@
+"""A region compresses its delta with error feedback kept on its own disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedciuic.compression import (
+    ErrorFeedback,
+    ResidualError,
+    flatten,
+    get_codec,
+    layout_id,
+    layout_of,
+)
+from fedciuic.config import NodeConfig
+from fedciuic.region import Region
+
+
+@pytest.fixture
+def region(run_config, demo_root, tmp_path) -> Region:
+    run = run_config.model_copy(update={"local_steps": 2, "codec": "topk-int8:0.05", "dp": False})
+    return Region(
+        run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
+    )
+
+
+def train(r: Region, server_round: int):
+    return r.train_round(
+        r.model.adapter_state(),
+        server_round=server_round,
+        base_fingerprint=r.model.base_fingerprint,
+    )
+
+
+def test_what_is_not_sent_is_kept_for_the_next_round(region, tmp_path):
+    codec = get_codec("topk-int8:0.05")
+    first = train(region, 1)
+    n = flatten(first.delta).size
+    residual_file = tmp_path / "residual-topk-int8_0.05.bin"
+    assert residual_file.exists()
+    sent = codec.decode(first.update, n).dense(n)
+    feedback = ErrorFeedback(residual_file, codec, layout_id(layout_of(first.delta)), n)
+    np.testing.assert_allclose(sent + feedback.load(), flatten(first.delta), atol=1e-6)
+    assert len(first.update) < 4 * n / 10  # really compressed
+
+
+def test_a_corrupted_residual_stops_the_region(region, tmp_path):
+    train(region, 1)
+    path = tmp_path / "residual-topk-int8_0.05.bin"
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ResidualError, match=r"residual-topk-int8_0\.05\.bin: corrupted residual"):
+        train(region, 2)
