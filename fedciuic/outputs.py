@@ -86,6 +86,15 @@ def epsilon_spent(data: dict[str, Any], region: str) -> tuple[float | None, floa
     return None, None
 
 
+def upload_bytes(data: dict[str, Any], region: str) -> list[int]:
+    """Bytes a region's accepted updates took on the wire, one entry per round."""
+    return [
+        int(entry["upload_bytes"])
+        for _, rnd in sorted(data["rounds"].items(), key=lambda kv: int(kv[0]))
+        if "upload_bytes" in (entry := rnd.get("train", {}).get(region, {}))
+    ]
+
+
 def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
     """A short plain-text summary per region: eval loss before round 1 and after the last,
     epsilon spent against the budget and, given a ``baseline`` run without DP, the gap."""
@@ -100,6 +109,7 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
         f"{'region':<8} {'eval before':>11} {'after r' + str(last_round):>9} {'change':>8}"
         + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
         + (f" {'epsilon':>15}" if dp else "")
+        + f" {'bytes/round':>11}"
         + "  rounds"
     )
     lines = [
@@ -111,7 +121,8 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
             f"{'on' if run['config'].get('secure-mode') else 'OFF'})"
             if dp
             else "DP off"
-        ),
+        )
+        + f", codec {run.get('config', {}).get('codec', 'dense')}",
         header,
     ]
     for region in [*run.get("regions", []), "overall"]:
@@ -127,6 +138,8 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
             eps, budget = epsilon_spent(data, region)
             spent = f"{eps:.2f} of {budget:g}" if eps is not None else "-"
             row += f" {spent if region != 'overall' else '':>15}"
+        sent = upload_bytes(data, region)
+        row += f" {(f'{sum(sent) / len(sent):.0f}' if sent and region != 'overall' else ''):>11}"
         statuses = [
             rounds[str(r)]["train"][region]["status"]
             for r in numbers

@@ -170,6 +170,7 @@ class RegionalFedAvg(FedAvg):
                         steps=int(reply.metrics.get("steps", 0)),
                         data_fingerprint=reply.info.get("data-fingerprint", ""),
                         upload_bytes=upload,
+                        update_bytes=int(reply.metrics.get("update-bytes", 0)),
                     )
                     entry.update(
                         {

@@ -74,6 +74,7 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
         "num-examples": outcome.stats.num_examples,
         "train-loss": outcome.stats.loss,
         "steps": outcome.stats.steps,
+        "update-bytes": len(outcome.update),
     }
     if outcome.privacy is not None:
         p = outcome.privacy
