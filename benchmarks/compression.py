@@ -34,7 +34,9 @@ from fedciuic.outputs import METRICS_FILE, final_eval, upload_bytes
 from fedciuic.sealing import generate_federation_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ["dense", "int8", "sign", "topk:0.01", "topk-int8:0.01", "topk-int8:0.05"]
+CODECS = [
+    "dense", "int8", "sign", "topk:0.01", "topk-int8:0.01", "topk-int8:0.015", "topk-int8:0.05"
+]
 REGIONS = ("eu", "cn", "us")
 
 
@@ -109,7 +111,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--codecs", default=",".join(CODECS))
     parser.add_argument("--skip-federation", action="store_true")
-    parser.add_argument("--best", default="topk-int8:0.01", help="codec for part 2")
+    parser.add_argument("--best", default="topk-int8:0.015", help="codec for part 2")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     out: dict[str, Any] = {}

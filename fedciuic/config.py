@@ -97,7 +97,7 @@ class RunConfig(_Strict):
     keys_dir: str = ""
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
-    codec: str = "dense"
+    codec: str = "topk-int8:0.015"
 
     @field_validator("regions", mode="before")
     @classmethod
