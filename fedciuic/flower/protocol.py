@@ -1,10 +1,14 @@
 """The layout of fedciuic's Flower messages, written and read in one place.
 
 Aggregator to region: ``arrays`` (the global adapter) and ``config``
-(``server-round``, ``base-fingerprint``). Region to aggregator: ``arrays`` (the
-adapter delta, train replies only), ``metrics`` (numbers) and ``info`` (region name,
-status ``trained``/``evaluated``/``declined``, the reason for a decline and the
-fingerprint of the data used). A region that declines sends no arrays.
+(``server-round``, ``base-fingerprint``, the aggregator's ``model-signature`` and
+``aggregator-key-id``). Region to aggregator, after training: with sealing on,
+``arrays`` holds one uint8 array ``envelope`` and ``info`` only the region name,
+status ``sealed`` and key id; everything else (the compressed update, metrics,
+data fingerprint) is inside the envelope. With sealing off, ``arrays`` holds the
+compressed ``update``, with ``metrics`` and ``info`` in the clear. Evaluation
+replies carry ``metrics`` and ``info``. A region that declines sends no arrays,
+only its reason.
 """
 
 from __future__ import annotations
