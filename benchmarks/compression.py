@@ -35,7 +35,13 @@ from fedciuic.sealing import generate_federation_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = [
-    "dense", "int8", "sign", "topk:0.01", "topk-int8:0.01", "topk-int8:0.015", "topk-int8:0.05"
+    "dense",
+    "int8",
+    "sign",
+    "topk:0.01",
+    "topk-int8:0.01",
+    "topk-int8:0.015",
+    "topk-int8:0.05",
 ]
 REGIONS = ("eu", "cn", "us")
 

@@ -53,7 +53,8 @@ def test_region_trains_on_its_own_data_and_returns_a_delta(model, demo_root, tmp
     assert got.status == "trained" and got.region == "cn"
     assert got.arrays is not None and set(got.arrays) == {"update"}
     n = sum(v.size for v in model.adapter_state().values())
-    delta = get_codec("dense").decode(got.arrays["update"].tobytes(), n).dense(n)
+    codec = get_codec(app_config()["codec"])
+    delta = codec.decode(got.arrays["update"].tobytes(), n).dense(n)
     assert np.abs(delta).sum() > 0
     assert got.metrics["num-examples"] > 0
     assert 0 < got.metrics["epsilon"] <= got.metrics["epsilon-budget"]

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 @pytest.fixture
 def strategy(run_config, tmp_path) -> RegionalFedAvg:
     recorder = RunRecorder(tmp_path / "run", {"run_id": 7, "regions": list(run_config.regions)})
-    s = RegionalFedAvg(run_config, base_fingerprint="f" * 64, recorder=recorder)
+    dense = run_config.model_copy(update={"codec": "dense"})  # updates below are dense
+    s = RegionalFedAvg(dense, base_fingerprint="f" * 64, recorder=recorder)
     s.global_adapter = {k: v.copy() for k, v in GLOBAL.items()}
     return s
 
@@ -176,7 +177,7 @@ def sealed_strategy(run_config, tmp_path) -> tuple[RegionalFedAvg, dict[str, Key
     keys_dir = generate_federation_keys(tmp_path / "keys", ("eu", "cn", "us"))
     recorder = RunRecorder(tmp_path / "run", {"run_id": 7, "regions": list(run_config.regions)})
     s = RegionalFedAvg(
-        run_config,
+        run_config.model_copy(update={"codec": "dense"}),
         base_fingerprint="f" * 64,
         recorder=recorder,
         keys=aggregator_keys(str(keys_dir), 2**20),
