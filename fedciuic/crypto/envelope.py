@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from fedciuic.crypto.keys import KEY_ID_SIZE, Keypair, PublicBundle
+from fedciuic.crypto.keys import Keypair, PublicBundle
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.errors import FedciuicError
 
@@ -257,7 +257,6 @@ class Expectation:
 
 
 __all__ = [
-    "KEY_ID_SIZE",
     "EnvelopeRejected",
     "Expectation",
     "Header",
