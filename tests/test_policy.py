@@ -1,0 +1,228 @@
+"""Jurisdiction policies: the shipped files, malformed files, and every rule at both ends."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fedciuic.policy import (
+    LoadedPolicy,
+    PolicyError,
+    RunTerms,
+    UpdateFacts,
+    check_aggregate,
+    check_run,
+    check_update,
+    load_policies,
+    load_policy,
+)
+from tests.conftest import ROOT
+
+POLICIES = ROOT / "policies"
+SHIPPED = ["eu-gdpr.yaml", "cn-pipl.yaml", "us-ccpa.yaml", "sg-pdpa.yaml", "in-dpdp.yaml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_policy_validates(name):
+    loaded = load_policy(POLICIES / name)
+    assert len(loaded.hash) == 64 and loaded.policy.laws
+
+
+def test_policies_by_jurisdiction():
+    assert sorted(load_policies(POLICIES)) == ["CN", "EU", "IN", "SG", "US"]
+
+
+def test_hash_ignores_comments_and_layout(tmp_path):
+    text = (POLICIES / "eu-gdpr.yaml").read_text()
+    stripped = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    (tmp_path / "p.yaml").write_text(stripped + "\n\n")
+    assert load_policy(tmp_path / "p.yaml").hash == load_policy(POLICIES / "eu-gdpr.yaml").hash
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+EU = (POLICIES / "eu-gdpr.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (edit(EU, "dp_required: true", "dp_required: [true"), r"p\.yaml:\d+: YAML syntax error"),
+        (
+            edit(EU, "min_regions: 2", "min_regions: two"),
+            r"p\.yaml:\d+: aggregation\.min_regions: Input should be a valid integer",
+        ),
+        (
+            edit(EU, "min_regions: 2", "min_regions: 2\n  max_regions: 9"),
+            r"p\.yaml:\d+: aggregation\.max_regions: Extra inputs are not permitted",
+        ),
+        (edit(EU, "  max_delta: 1.0e-5\n", ""), r"p\.yaml:\d+: privacy\.max_delta: Field required"),
+        (
+            edit(EU, "jurisdiction: EU", "jurisdiction: XX"),
+            r"p\.yaml:4: jurisdiction: Value error, unknown jurisdiction \['XX'\]",
+        ),
+        ("", r"p\.yaml:1: the policy file is empty"),
+        ("- a\n- list\n", r"p\.yaml:1: a policy is a mapping"),
+    ],
+    ids=[
+        "syntax",
+        "wrong-type",
+        "unknown-field",
+        "missing-field",
+        "unknown-jurisdiction",
+        "empty",
+        "not-a-mapping",
+    ],
+)
+def test_malformed_policy_names_file_line_and_field(tmp_path, content, message):
+    (tmp_path / "p.yaml").write_text(content)
+    with pytest.raises(PolicyError, match=message):
+        load_policy(tmp_path / "p.yaml")
+
+
+def test_missing_policy_file_says_what_to_do(tmp_path):
+    with pytest.raises(PolicyError, match="no policy file here; copy one from policies/"):
+        load_policy(tmp_path / "eu.yaml")
+
+
+@pytest.fixture(scope="module")
+def eu() -> LoadedPolicy:
+    return load_policy(POLICIES / "eu-gdpr.yaml")
+
+
+@pytest.fixture(scope="module")
+def cn() -> LoadedPolicy:
+    return load_policy(POLICIES / "cn-pipl.yaml")
+
+
+GOOD = RunTerms(
+    aggregator_jurisdiction="EU",
+    relay_jurisdiction="EU",
+    dp=True,
+    target_epsilon=8.0,
+    epsilon_budget=8.0,
+    delta=1e-5,
+    max_grad_norm=1.0,
+    secure_mode=False,
+    seal=True,
+    seal_suite="xwing-aes256gcm",
+    codec="topk-int8",
+)
+
+RUN_RULES = [
+    ({}, None),
+    ({"aggregator_jurisdiction": "CN"}, "transfers.aggregator_jurisdictions"),
+    ({"aggregator_jurisdiction": "US"}, None),
+    ({"relay_jurisdiction": "SG"}, None),  # EU allows ciphertext via a third-country relay
+    ({"dp": False}, "privacy.dp_required"),
+    ({"target_epsilon": 9.0}, "privacy.max_epsilon_per_run"),
+    ({"epsilon_budget": 20.0}, "privacy.max_lifetime_epsilon"),
+    ({"delta": 1e-4}, "privacy.max_delta"),
+    ({"max_grad_norm": 2.0}, "privacy.max_clipping_norm"),
+    ({"seal": False}, "sealing.required"),
+    ({"seal_suite": "xwing-fernet"}, "sealing.allowed_suites"),
+    ({"codec": "zstd"}, "compression.allowed_codecs"),
+]
+
+
+@pytest.mark.parametrize(("change", "rule"), RUN_RULES)
+def test_region_side_rules(eu, change, rule):
+    decision = check_run("eu", eu, replace(GOOD, **change))
+    if rule is None:
+        assert decision.accepted and decision.reasons == ()
+    else:
+        assert decision.outcome == "decline"
+        assert len(decision.reasons) == 1 and rule in decision.reasons[0]
+    assert decision.policy_hash == eu.hash
+
+
+def test_cn_refuses_a_foreign_aggregator_and_relay_with_every_reason(cn):
+    terms = replace(GOOD, aggregator_jurisdiction="EU", relay_jurisdiction="US", delta=1e-4)
+    decision = check_run("cn", cn, terms)
+    assert decision.outcome == "decline"
+    text = decision.explain()
+    for rule in (
+        "transfers.aggregator_jurisdictions",
+        "transfers.relay_in_third_country",
+        "privacy.max_delta",
+    ):
+        assert rule in text
+    assert len(decision.reasons) == 3
+
+
+def test_secure_rng_required(eu):
+    strict = LoadedPolicy(
+        eu.policy.model_copy(
+            update={"privacy": eu.policy.privacy.model_copy(update={"secure_rng_required": True})}
+        ),
+        eu.path,
+    )
+    assert "privacy.secure_rng_required" in check_run("eu", strict, GOOD).reasons[0]
+    assert check_run("eu", strict, replace(GOOD, secure_mode=True)).accepted
+
+
+FACTS = UpdateFacts(
+    region="eu",
+    sender_jurisdiction="EU",
+    policy_hash="",
+    epsilon=7.9,
+    delta=1e-5,
+    suite="xwing-aes256gcm",
+    codec="topk-int8",
+    num_examples=500,
+)
+
+UPDATE_RULES = [
+    ({}, None),
+    ({"epsilon": 17.0}, "declared epsilon 17 > 16"),
+    ({"epsilon": None}, "privacy.dp_required"),
+    ({"delta": 1e-3}, "privacy.max_delta"),
+    ({"suite": "xwing-fernet"}, "sealing.allowed_suites"),
+    ({"codec": "zstd"}, "compression.allowed_codecs"),
+    ({"sender_jurisdiction": "US"}, "the policy is EU's"),
+    ({"policy_hash": "0" * 64}, "the aggregator holds"),
+]
+
+
+@pytest.mark.parametrize(("change", "rule"), UPDATE_RULES)
+def test_aggregator_side_rules(eu, change, rule):
+    facts = replace(FACTS, **{"policy_hash": eu.hash, **change})
+    decision = check_update(eu, facts, GOOD)
+    if rule is None:
+        assert decision.accepted
+    else:
+        assert decision.outcome == "reject" and len(decision.reasons) == 1
+        assert rule in decision.reasons[0]
+
+
+def test_aggregator_outside_the_senders_allowed_list_rejects(cn):
+    decision = check_update(
+        cn, replace(FACTS, region="cn", sender_jurisdiction="CN", policy_hash=cn.hash), GOOD
+    )
+    assert decision.outcome == "reject" and "not allowed by CN's policy" in decision.reasons[0]
+
+
+def test_no_readable_policy_rejects_fail_closed():
+    decision = check_update(None, FACTS, GOOD)
+    assert decision.outcome == "reject" and "no readable policy for EU" in decision.reasons[0]
+
+
+def test_aggregate_needs_the_strictest_minimum(eu, cn, tmp_path):
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(edit(EU, "min_regions: 2", "min_regions: 3"))
+    three = load_policy(strict)
+    assert check_aggregate({"eu": eu, "cn": cn}, {"eu": 60, "cn": 60}).accepted
+    refused = check_aggregate({"eu": three, "cn": cn}, {"eu": 60, "cn": 60})
+    assert refused.outcome == "reject" and "needs 3 (aggregation.min_regions)" in refused.reasons[0]
+    few = check_aggregate({"eu": eu, "cn": cn}, {"eu": 30, "cn": 30})
+    assert few.outcome == "reject" and "needs 100 (aggregation.min_examples)" in few.reasons[0]
+    assert check_aggregate({}, {}).outcome == "reject"
+
+
+def test_shipped_files_are_the_ones_documented():
+    assert sorted(p.name for p in Path(POLICIES).glob("*.yaml")) == sorted(SHIPPED)
