@@ -20,9 +20,11 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedciuic._opacus_logging import undo_opacus_basic_config
 from fedciuic.model import AdapterModel
 from fedciuic.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
 
+undo_opacus_basic_config()
 GradSampleMode = Literal["hooks", "ghost"]
 log = logging.getLogger(__name__)
 _warned_insecure = False

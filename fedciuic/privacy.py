@@ -32,7 +32,10 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedciuic._opacus_logging import undo_opacus_basic_config
 from fedciuic.errors import FedciuicError
+
+undo_opacus_basic_config()
 
 Accountant = Literal["prv", "rdp"]
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
