@@ -150,10 +150,6 @@ class Codec:
     ident: int
     fraction: float = 1.0  # kept fraction, for top-k codecs
 
-    @property
-    def sparse(self) -> bool:
-        return self.ident in (3, 5)
-
     def k(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.fraction * n)))
 

@@ -91,7 +91,7 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
             super().__init__(accountant="prv", secure_mode=False)
         if secure_mode:
             self.secure_mode = True
-            self.secure_rng, self.rng_name = secure_generator()
+            self.secure_rng, _ = secure_generator()
 
 
 class PrivateTrainer:

@@ -130,9 +130,6 @@ class ModelSpec:
             seed=run.seed,
         )
 
-    def describe(self) -> str:
-        return f"checkpoint {self.path}" if self.path else f"preset {self.preset!r}"
-
 
 @dataclass(frozen=True)
 class ParamCounts:
@@ -282,8 +279,9 @@ class AdapterModel:
 
     def load_adapter_state(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Overwrite the adapters; keys and shapes must match exactly."""
-        check_same_layout(arrays, self.adapter_state(), what="adapter")
         params = dict(self.model.named_parameters())
+        shapes = {name: tuple(params[name].shape) for name in self._names}
+        check_same_layout(arrays, shapes, what="adapter")
         with torch.no_grad():
             for name in self._names:
                 params[name].copy_(torch.from_numpy(np.asarray(arrays[name])))
@@ -295,18 +293,16 @@ class AdapterModel:
 
 
 def check_same_layout(
-    got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], *, what: str
+    got: Mapping[str, np.ndarray], want: Mapping[str, tuple[int, ...]], *, what: str
 ) -> None:
-    """Raise ``ValueError`` naming the first key or shape that differs."""
+    """Raise ``ValueError`` naming the first key or shape that differs from ``want``."""
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     if missing or extra:
         raise ValueError(f"{what} keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, ref in want.items():
-        if tuple(np.shape(got[name])) != tuple(ref.shape):
-            raise ValueError(
-                f"{what} {name}: shape {tuple(np.shape(got[name]))}, expected {ref.shape}"
-            )
+    for name, shape in want.items():
+        if tuple(np.shape(got[name])) != tuple(shape):
+            raise ValueError(f"{what} {name}: shape {tuple(np.shape(got[name]))}, expected {shape}")
 
 
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:

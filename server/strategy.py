@@ -106,11 +106,17 @@ class RegionalFedAvg(FedAvg):
         return sorted(nodes)
 
     def _messages(
-        self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, server_round: int, kind: str
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        server_round: int,
+        kind: str,
+        adapter: dict[str, np.ndarray] | None = None,
     ) -> Iterable[Message]:
         signature, signer = b"", ""
         if self.keys is not None:
-            adapter = protocol.unpack_arrays(arrays)
+            adapter = protocol.unpack_arrays(arrays) if adapter is None else adapter
             signature = sign_global(self.keys.keypair, self.run_id, server_round, adapter)
             signer = self.keys.keypair.bundle.key_id.hex()
         content = protocol.instruction(
@@ -127,7 +133,9 @@ class RegionalFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.global_adapter = protocol.unpack_arrays(arrays)
-        return self._messages(grid, arrays, config, server_round, MessageType.TRAIN)
+        return self._messages(
+            grid, arrays, config, server_round, MessageType.TRAIN, self.global_adapter
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
