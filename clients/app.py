@@ -1,9 +1,10 @@
 """ClientApp: one region. Reads its Context, calls fedciuic, packs the reply.
 
 Expected problems (bad data path, unknown region, mismatched base model, missing
-keys, a global adapter the aggregator did not sign) become a decline with the
-reason; the aggregator records it and goes on with the others. With sealing on,
-an update leaves only inside an envelope.
+keys, a global adapter the aggregator did not sign, a run its jurisdiction's policy
+refuses) become a decline with every reason; the aggregator records it and goes
+on with the others. With sealing on, an update leaves only inside an envelope
+whose header names the policy the region applied.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
+from fedciuic.compliance import enforce_region_policy
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
+from fedciuic.policy import LoadedPolicy
 from fedciuic.region import Region, open_region
 from fedciuic.sealing import RegionKeys, region_keys, update_payload
 
@@ -55,9 +58,10 @@ def _decline(msg: Message, context: Context, err: FedciuicError) -> Message:
 
 
 def _prepare(
-    msg: Message, context: Context
-) -> tuple[Region, protocol.Instruction, RegionKeys | None]:
-    """Open the region and check the instruction before anything is computed."""
+    msg: Message, context: Context, *, training: bool
+) -> tuple[Region, protocol.Instruction, RegionKeys | None, LoadedPolicy | None]:
+    """Open the region and check the instruction and the region's policy before
+    anything is computed."""
     run, node = _configs(context)
     task = protocol.read_instruction(msg)
     keys = None
@@ -66,13 +70,24 @@ def _prepare(
         keys.check_global(
             task.signature, task.signer, context.run_id, task.server_round, task.adapter
         )
-    return open_region(run, node), task, keys
+    region = open_region(run, node)
+    policy = enforce_region_policy(
+        run,
+        node,
+        simulated=NodeConfig.is_simulated(context.node_config),
+        # With sealing, where the aggregator sits is what its bundle (our copy) says.
+        aggregator_jurisdiction=keys.aggregator.jurisdiction
+        if keys
+        else run.aggregator_jurisdiction,
+        projected_epsilon=region.projected_epsilon() if training else None,
+    )
+    return region, task, keys, policy
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     try:
-        region, task, keys = _prepare(msg, context)
+        region, task, keys, policy = _prepare(msg, context, training=True)
         outcome = region.train_round(
             task.adapter,
             server_round=task.server_round,
@@ -80,13 +95,18 @@ def train(msg: Message, context: Context) -> Message:
             run_id=context.run_id,
         )
         if keys is None:
-            return Message(protocol.train_reply(outcome), reply_to=msg)
+            return Message(protocol.train_reply(outcome, policy), reply_to=msg)
         payload = update_payload(
             protocol.update_arrays(outcome.update),
             protocol.train_metrics(outcome),
-            protocol.train_info(outcome),
+            protocol.train_info(outcome, policy),
         )
-        envelope = keys.seal_update(payload, run_id=context.run_id, server_round=task.server_round)
+        envelope = keys.seal_update(
+            payload,
+            run_id=context.run_id,
+            server_round=task.server_round,
+            policy_hash=policy.hash if policy else "",
+        )
     except FedciuicError as err:
         return _decline(msg, context, err)
     key_id = keys.keypair.bundle.key_id.hex()
@@ -96,7 +116,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     try:
-        region, task, _ = _prepare(msg, context)
+        region, task, _, _ = _prepare(msg, context, training=False)
         stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
     except FedciuicError as err:
         return _decline(msg, context, err)

@@ -19,6 +19,7 @@ from pathlib import Path
 from fedciuic.demo_data import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.outputs import METRICS_FILE, summarize
+from fedciuic.policy import load_policies
 from fedciuic.sealing import generate_federation_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,8 @@ def main() -> int:
             write_demo_corpora(data_root, regions)
         # One folder of keys for the demo; in a real deployment each party makes its own.
         keys = generate_federation_keys(Path(tmp) / "keys", regions)
+        # Each region enforces its own jurisdiction's policy; the shipped ones here.
+        policies = load_policies(ROOT / "policies")
         with LocalFederation(Path(tmp) / "work", ROOT) as federation:
             address = federation.start_superlink(simulation=False)
             print(f"flower-superlink on {address} (pid {federation.pids()[0]})")
@@ -50,6 +53,7 @@ def main() -> int:
                     "state-path": str(Path(tmp) / "state" / region),
                     "key-file": str(keys / f"{region}.key.json"),
                     "aggregator-bundle": str(keys / "aggregator.pub.json"),
+                    "policy": str(policies.require(region.upper()).path),
                 }
                 managed = federation.start_supernode(region, node)
                 print(f"flower-supernode {region} (pid {managed.process.pid})")
@@ -60,6 +64,7 @@ def main() -> int:
                     "output-dir": str(output_dir),
                     "data-root": "",
                     "keys-dir": str(keys),
+                    "policies-dir": str(ROOT / "policies"),
                 },
                 timeout=1800,
                 echo=sys.stdout,

@@ -27,6 +27,8 @@ examples:
   fedciuic simulate --data-root ./my-data    # my-data/<region>/*.jsonl|*.txt
   fedciuic demo-data ./demo-data --regions eu,cn,us
   fedciuic save-checkpoint ./tiny-ckpt --preset tiny
+  fedciuic policy check policies/*.yaml      # validate, file:line: field: message
+  fedciuic policy explain policies/cn-pipl.yaml
 """
 
 
@@ -79,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--compare-no-dp",
         action="store_true",
-        help="also run the same federation without DP and show the gap",
+        help="also run the same federation without DP (a lab baseline, so without "
+        "policies, which require DP) and show the gap",
     )
     sim.add_argument(
         "--output-dir",
@@ -154,6 +157,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file", type=Path)
     show.set_defaults(handler=_keys_show)
+
+    policy = sub.add_parser("policy", help="check, explain and compare jurisdiction policies")
+    policy_sub = policy.add_subparsers(required=True, metavar="ACTION")
+    check = policy_sub.add_parser(
+        "check",
+        help="validate policy files (exit 1 if any is invalid)",
+        epilog="example:\n  fedciuic policy check policies/*.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    check.set_defaults(handler=_policy_check)
+    explain = policy_sub.add_parser(
+        "explain",
+        help="what a policy allows, in plain language",
+        epilog="example:\n  fedciuic policy explain policies/cn-pipl.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_argument("file", type=Path, metavar="FILE")
+    explain.set_defaults(handler=_policy_explain)
+    diff = policy_sub.add_parser(
+        "diff",
+        help="every rule that differs between two policies",
+        epilog="example:\n  fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    diff.add_argument("a", type=Path, metavar="A")
+    diff.add_argument("b", type=Path, metavar="B")
+    diff.set_defaults(handler=_policy_diff)
     return parser
 
 
@@ -211,11 +242,15 @@ def _simulate(args: argparse.Namespace) -> int:
                 for k in unknown
             ]
         )
+    if not defaults.get("policies-dir") and "policies-dir" not in overrides:
+        overrides["policies-dir"] = str(app / "policies")
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
     check_model_spec(ModelSpec.from_run(run))
     if run.seal and run.keys_dir:
         aggregator_keys(run.keys_dir, run.max_update_bytes)
+    if run.enforce_policies:
+        _check_policies(run)
     output_dir.mkdir(parents=True, exist_ok=True)
     workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     if args.data_root is None:
@@ -226,10 +261,12 @@ def _simulate(args: argparse.Namespace) -> int:
         data_root = args.data_root.resolve()
     overrides["data-root"] = str(data_root)
     if run.seal and not run.keys_dir:
-        overrides["keys-dir"] = str(generate_federation_keys(workdir / "keys", run.regions))
+        overrides["keys-dir"] = str(
+            generate_federation_keys(workdir / "keys", run.regions, run.aggregator_jurisdiction)
+        )
     variants = [overrides]
     if args.compare_no_dp and run.dp:
-        variants.append({**overrides, "dp": False})
+        variants.append({**overrides, "dp": False, "enforce-policies": False})
 
     echo = None if args.quiet else sys.stdout
     run_ids = []
@@ -255,6 +292,22 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
             )
     return 0
+
+
+def _check_policies(run: RunConfig) -> None:
+    """Every simulated region's policy must load, or nothing starts."""
+    from fedciuic.compliance import simulated_jurisdiction
+    from fedciuic.policy import PolicyError, load_policies
+
+    policies = load_policies(Path(run.policies_dir))
+    missing = [
+        f"region {r} (simulated regions are named after their jurisdiction): "
+        + policies.missing(simulated_jurisdiction(r))
+        for r in run.regions
+        if policies.get(simulated_jurisdiction(r)) is None
+    ]
+    if missing:
+        raise PolicyError(missing)
 
 
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any]:
@@ -308,6 +361,39 @@ def _keys_show(args: argparse.Namespace) -> int:
         bundle = load_bundle(args.file)
     print(bundle.to_file().model_dump_json(indent=2))
     return 0
+
+
+def _policy_check(args: argparse.Namespace) -> int:
+    from fedciuic.policy import PolicyError, load_policy
+
+    failed = 0
+    for path in args.files:
+        try:
+            loaded = load_policy(path)
+        except PolicyError as err:
+            failed += 1
+            for problem in err.problems:
+                print(problem, file=sys.stderr)
+        else:
+            print(f"{path}: ok ({loaded.policy.jurisdiction}, policy {loaded.hash[:12]})")
+    return 1 if failed else 0
+
+
+def _policy_explain(args: argparse.Namespace) -> int:
+    from fedciuic.policy import explain, load_policy
+
+    print(explain(load_policy(args.file)))
+    return 0
+
+
+def _policy_diff(args: argparse.Namespace) -> int:
+    from fedciuic.policy import diff, load_policy
+
+    a, b = load_policy(args.a), load_policy(args.b)
+    lines = diff(a, b)
+    print(f"--- {args.a} ({a.hash[:12]})\n+++ {args.b} ({b.hash[:12]})")
+    print("\n".join(lines) if lines else "no differences")
+    return 1 if lines else 0
 
 
 if __name__ == "__main__":

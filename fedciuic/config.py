@@ -15,6 +15,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedciuic.errors import ConfigError
+from fedciuic.policy import JURISDICTIONS
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 
@@ -98,6 +99,16 @@ class RunConfig(_Strict):
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
     codec: str = "topk-int8:0.015"
+    # Jurisdiction policies (policies/README.md). Where the aggregator (ServerApp)
+    # and the relay (SuperLink) sit; the relay defaults to the aggregator's place.
+    aggregator_jurisdiction: str = "EU"
+    relay_jurisdiction: str = ""
+    #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
+    #: in simulation also where each region finds its own.
+    policies_dir: str = ""
+    #: Off only for lab baselines: in simulation it switches both ends off; a deployed
+    #: region always enforces the policy its own node config names.
+    enforce_policies: bool = True
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -123,6 +134,21 @@ class RunConfig(_Strict):
 
         get_codec(value)  # ValueError names the known codecs
         return value
+
+    @field_validator("aggregator_jurisdiction", "relay_jurisdiction")
+    @classmethod
+    def _check_jurisdiction(cls, value: str) -> str:
+        if value and value not in JURISDICTIONS:
+            raise ValueError(
+                f"unknown jurisdiction {value!r}; use an ISO 3166-1 code (or EU, EEA) such as "
+                "EU, CN, US"
+            )
+        return value
+
+    @property
+    def relay(self) -> str:
+        """Where the relay sits: ``relay-jurisdiction``, or the aggregator's place."""
+        return self.relay_jurisdiction or self.aggregator_jurisdiction
 
     def region_for_partition(self, partition_id: int) -> str:
         """Map a simulation partition id to its region (``regions[partition_id]``)."""
@@ -158,10 +184,18 @@ class NodeConfig(_Strict):
     #: in simulation they come from the run config's keys-dir.
     key_file: str = ""
     aggregator_bundle: str = ""
+    #: The region's jurisdiction policy (YAML). Required in deployment: a region
+    #: without one sends nothing. In simulation: run config policies-dir.
+    policy: str = ""
 
     @property
     def state_dir(self) -> Path:
         return Path(self.state_path or Path(self.data_path) / ".fedciuic").expanduser()
+
+    @staticmethod
+    def is_simulated(node_config: Mapping[str, Any]) -> bool:
+        """A simulated node: Flower gave it a partition id and no region of its own."""
+        return "region" not in node_config and "data-path" not in node_config
 
     @classmethod
     def resolve(cls, node_config: Mapping[str, Any], run: RunConfig) -> NodeConfig:

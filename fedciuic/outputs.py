@@ -49,6 +49,10 @@ class RunRecorder:
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
         self._round(server_round)["aggregate"] = entry
 
+    def record_decision(self, server_round: int, decision: dict[str, Any]) -> None:
+        """A policy decision (accept or reject, every reason, the policy hash)."""
+        self._round(server_round).setdefault("decisions", []).append(decision)
+
     def finish(self, status: str, **extra: Any) -> None:
         self.data["run"].update(status=status, finished=_now(), **extra)
         self.save()
@@ -147,7 +151,36 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
         ]
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
         lines.append(row.rstrip())
+    lines += _policy_notes(data)
     if run.get("adapter"):
         lines.append(f"adapter: {run['adapter']}")
     lines.append(f"metrics: {Path(run.get('output_dir', '.')) / METRICS_FILE}")
     return "\n".join(lines)
+
+
+def _policy_notes(data: dict[str, Any]) -> list[str]:
+    """The policies applied, aggregates withheld, and why regions sent nothing usable."""
+    run = data["run"]
+    notes = []
+    if "policies" in run:
+        held = run["policies"]
+        notes.append(
+            "policies: "
+            + (
+                ", ".join(f"{j} {p['hash'][:12]}" for j, p in held.items())
+                if held is not None
+                else "OFF (enforce-policies = false: a lab baseline)"
+            )
+        )
+    seen = set()
+    for number, rnd in sorted(data["rounds"].items(), key=lambda kv: int(kv[0])):
+        aggregate = rnd.get("aggregate", {})
+        if aggregate and not aggregate.get("published", True):
+            reasons = "; ".join(aggregate.get("reasons", []))
+            notes.append(f"round {number}: aggregate withheld, global adapter unchanged: {reasons}")
+        for region, entry in rnd.get("train", {}).items():
+            key = (region, entry.get("status"), entry.get("reason"))
+            if entry.get("reason") and key not in seen:
+                seen.add(key)
+                notes.append(f"round {number}: {region} {entry['status']}: {entry['reason']}")
+    return notes

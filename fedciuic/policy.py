@@ -84,7 +84,14 @@ JURISDICTIONS = frozenset(
 
 
 class PolicyError(FedciuicError):
-    """A policy file is missing or invalid; whoever depends on it fails closed."""
+    """A policy file is missing or invalid; whoever depends on it fails closed.
+
+    ``problems`` holds each problem as ``file:line: field: message``.
+    """
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
 
 
 class _Section(BaseModel):
@@ -207,7 +214,7 @@ def load_policy(path: Path) -> LoadedPolicy:
         for item in err.errors():
             loc = [str(p) for p in item["loc"]]
             problems.append(f"{path}:{_line_of(root, loc)}: {'.'.join(loc)}: {item['msg']}")
-        raise PolicyError("; ".join(problems)) from None
+        raise PolicyError(problems) from None
     return LoadedPolicy(policy, path)
 
 
@@ -226,20 +233,59 @@ def _line_of(node: Any, loc: list[str]) -> int:
     return line
 
 
-def load_policies(directory: Path) -> dict[str, LoadedPolicy]:
-    """Every ``*.yaml`` policy of a folder, by jurisdiction (two for one is an error)."""
+@dataclass(frozen=True)
+class PolicySet:
+    """The policies of a folder by jurisdiction, and the files that could not be read.
+
+    Loading does not stop at a bad file: whoever needs the jurisdiction it was
+    meant for finds no policy and fails closed, with the file's problem as reason.
+    """
+
+    directory: Path
+    by_jurisdiction: dict[str, LoadedPolicy]
+    problems: tuple[str, ...] = ()
+
+    def get(self, jurisdiction: str) -> LoadedPolicy | None:
+        return self.by_jurisdiction.get(jurisdiction)
+
+    def require(self, jurisdiction: str) -> LoadedPolicy:
+        """The policy for ``jurisdiction``, or a :class:`PolicyError` saying what is wrong."""
+        loaded = self.get(jurisdiction)
+        if loaded is None:
+            raise PolicyError(self.missing(jurisdiction))
+        return loaded
+
+    def missing(self, jurisdiction: str) -> str:
+        unreadable = "".join(f"; unreadable: {p}" for p in self.problems)
+        return (
+            f"{self.directory}: no valid policy for jurisdiction {jurisdiction} "
+            f"(found {', '.join(sorted(self.by_jurisdiction)) or 'none'}){unreadable}"
+        )
+
+
+def load_policies(directory: Path) -> PolicySet:
+    """Every ``*.yaml`` policy of a folder, by jurisdiction; unreadable files are listed."""
     if not directory.is_dir():
         raise PolicyError(f"{directory}: no such folder of policies")
     found: dict[str, LoadedPolicy] = {}
+    problems: list[str] = []
     for path in sorted(directory.glob("*.yaml")):
-        loaded = load_policy(path)
+        try:
+            loaded = load_policy(path)
+        except PolicyError as err:
+            problems.append(str(err))
+            continue
         jurisdiction = loaded.policy.jurisdiction
         if jurisdiction in found:
-            raise PolicyError(
-                f"{path}: a second policy for {jurisdiction} (also {found[jurisdiction].path})"
+            # Two policies for one jurisdiction: neither is trusted.
+            problems.append(
+                f"{path}: a second policy for {jurisdiction} (also {found[jurisdiction].path}); "
+                "keep one"
             )
+            del found[jurisdiction]
+            continue
         found[jurisdiction] = loaded
-    return found
+    return PolicySet(directory, found, tuple(problems))
 
 
 # -- decisions ---------------------------------------------------------------------------
@@ -265,6 +311,17 @@ class Decision:
             return f"{self.actor}: {self.subject}: accepted"
         return f"{self.actor}: {self.subject}: {self.outcome}: " + "; ".join(self.reasons)
 
+    def to_record(self) -> dict[str, Any]:
+        """The decision as a JSON-ready record (what the audit log writes)."""
+        return {
+            "actor": self.actor,
+            "subject": self.subject,
+            "outcome": self.outcome,
+            "reasons": list(self.reasons),
+            "policy_hash": self.policy_hash,
+            **({"details": self.details} if self.details else {}),
+        }
+
 
 @dataclass(frozen=True)
 class RunTerms:
@@ -281,27 +338,17 @@ class RunTerms:
     seal: bool
     seal_suite: str
     codec: str  # the codec's base name: dense, int8, sign, topk, topk-int8
+    #: The dataset's cumulative epsilon after this round (training only; None otherwise).
+    projected_epsilon: float | None = None
 
 
 def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
     """The region's check before it trains: every rule the run breaks, or accept."""
     p = loaded.policy
-    reasons = []
-    where = p.transfers.aggregator_jurisdictions
-    if terms.aggregator_jurisdiction not in where:
-        reasons.append(
-            f"aggregator in {terms.aggregator_jurisdiction}, policy allows {', '.join(where)} "
-            "(transfers.aggregator_jurisdictions)"
-        )
-    if (
-        terms.relay_jurisdiction not in (p.jurisdiction, *where)
-        and not p.transfers.relay_in_third_country
-    ):
-        reasons.append(
-            f"relay in {terms.relay_jurisdiction}, a third country, and the policy forbids it "
-            "(transfers.relay_in_third_country)"
-        )
+    reasons = _transfer_reasons(p, terms)
     reasons += _privacy_reasons(p.privacy, terms)
+    if terms.projected_epsilon is not None:
+        reasons += _budget_reasons(p.privacy, terms, terms.projected_epsilon)
     if p.sealing.required and not terms.seal:
         reasons.append("updates would leave unsealed (sealing.required)")
     if terms.seal and terms.seal_suite not in p.sealing.allowed_suites:
@@ -321,6 +368,26 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
         reasons=tuple(reasons),
         policy_hash=loaded.hash,
     )
+
+
+def _transfer_reasons(p: Policy, terms: RunTerms) -> list[str]:
+    """Is the aggregator, and the relay that carries the ciphertext, where the policy allows?"""
+    reasons = []
+    where = p.transfers.aggregator_jurisdictions
+    if terms.aggregator_jurisdiction not in where:
+        reasons.append(
+            f"aggregator in {terms.aggregator_jurisdiction}, {p.jurisdiction}'s policy allows "
+            f"{', '.join(where)} (transfers.aggregator_jurisdictions)"
+        )
+    if (
+        terms.relay_jurisdiction not in (p.jurisdiction, *where)
+        and not p.transfers.relay_in_third_country
+    ):
+        reasons.append(
+            f"relay in {terms.relay_jurisdiction}, a third country for {p.jurisdiction} "
+            "(transfers.relay_in_third_country)"
+        )
+    return reasons
 
 
 def _privacy_reasons(p: Privacy, terms: RunTerms) -> list[str]:
@@ -351,6 +418,22 @@ def _privacy_reasons(p: Privacy, terms: RunTerms) -> list[str]:
     return [reason for broken, reason in checks if broken]
 
 
+def _budget_reasons(p: Privacy, terms: RunTerms, after: float) -> list[str]:
+    """Would this round take the dataset past the policy's or its own lifetime budget?"""
+    reasons = []
+    if after > p.max_lifetime_epsilon:
+        reasons.append(
+            f"this round would raise the dataset's epsilon to {after:.3f}, over "
+            f"{p.max_lifetime_epsilon:g} (privacy.max_lifetime_epsilon)"
+        )
+    if after > terms.epsilon_budget:
+        reasons.append(
+            f"this round would raise the dataset's epsilon to {after:.3f}, over its budget "
+            f"{terms.epsilon_budget:g} (epsilon-budget)"
+        )
+    return reasons
+
+
 @dataclass(frozen=True)
 class UpdateFacts:
     """What the aggregator knows of one reply once it is opened."""
@@ -360,13 +443,20 @@ class UpdateFacts:
     policy_hash: str  # from the authenticated envelope header
     epsilon: float | None  # declared cumulative epsilon, None without DP
     delta: float | None
-    suite: str
-    codec: str
+    suite: str  # "none" for an update that came unsealed
+    codec: str  # the codec's base name
     num_examples: int
+    max_grad_norm: float | None = None
+    secure_mode: bool | None = None
 
 
-def check_update(loaded: LoadedPolicy | None, facts: UpdateFacts, run: RunTerms) -> Decision:
-    """The aggregator's check of one reply against its sender's policy (fail closed)."""
+def check_update(
+    loaded: LoadedPolicy | None, facts: UpdateFacts, run: RunTerms, missing: str = ""
+) -> Decision:
+    """The aggregator's check of one reply against its sender's policy (fail closed).
+
+    ``missing`` says why there is no policy when ``loaded`` is None.
+    """
     if loaded is None:
         return Decision(
             "aggregator",
@@ -374,7 +464,7 @@ def check_update(loaded: LoadedPolicy | None, facts: UpdateFacts, run: RunTerms)
             "reject",
             (
                 f"no readable policy for {facts.sender_jurisdiction}; updates from "
-                f"{facts.region} are refused",
+                f"{facts.region} are refused" + (f" ({missing})" if missing else ""),
             ),
             "",
         )
@@ -398,15 +488,21 @@ def check_update(loaded: LoadedPolicy | None, facts: UpdateFacts, run: RunTerms)
         )
     if facts.delta is not None and facts.delta > p.privacy.max_delta:
         reasons.append(f"delta {facts.delta:g} > {p.privacy.max_delta:g} (privacy.max_delta)")
-    if facts.suite not in p.sealing.allowed_suites:
+    if facts.max_grad_norm is not None and facts.max_grad_norm > p.privacy.max_clipping_norm:
+        reasons.append(
+            f"clipping norm {facts.max_grad_norm:g} > {p.privacy.max_clipping_norm:g} "
+            "(privacy.max_clipping_norm)"
+        )
+    if facts.epsilon is not None and p.privacy.secure_rng_required and not facts.secure_mode:
+        reasons.append("noise not from a secure RNG (privacy.secure_rng_required)")
+    if facts.suite == "none":
+        if p.sealing.required:
+            reasons.append("the update came unsealed (sealing.required)")
+    elif facts.suite not in p.sealing.allowed_suites:
         reasons.append(f"suite {facts.suite} not allowed (sealing.allowed_suites)")
     if facts.codec not in p.compression.allowed_codecs:
         reasons.append(f"codec {facts.codec} not allowed (compression.allowed_codecs)")
-    if run.aggregator_jurisdiction not in p.transfers.aggregator_jurisdictions:
-        reasons.append(
-            f"this aggregator is in {run.aggregator_jurisdiction}, not allowed by "
-            f"{p.jurisdiction}'s policy (transfers.aggregator_jurisdictions)"
-        )
+    reasons += _transfer_reasons(p, run)
     return Decision(
         "aggregator",
         f"update from {facts.region}",
@@ -442,3 +538,71 @@ def check_aggregate(participants: dict[str, LoadedPolicy], examples: dict[str, i
         "",
         {"min_regions": need_regions, "min_examples": need_examples},
     )
+
+
+# -- reading policies -------------------------------------------------------------------
+
+
+def explain(loaded: LoadedPolicy) -> str:
+    """What a policy allows, in plain language (``fedciuic policy explain``)."""
+    p = loaded.policy
+    t, v, a = p.transfers, p.privacy, p.aggregation
+    dp = (
+        f"Every update must be trained with differential privacy: at most epsilon "
+        f"{v.max_epsilon_per_run:g} per run and {v.max_lifetime_epsilon:g} over the dataset's "
+        f"lifetime, delta at most {v.max_delta:g}, per-example gradients clipped to norm "
+        f"{v.max_clipping_norm:g} or less"
+        + (", noise from a cryptographically secure generator." if v.secure_rng_required else ".")
+        if v.dp_required
+        else "Differential privacy is not required."
+    )
+    sealing = (
+        f"Updates leave only sealed, with {' or '.join(p.sealing.allowed_suites)}."
+        if p.sealing.required
+        else f"Sealing is optional; when sealed, with {' or '.join(p.sealing.allowed_suites)}."
+    )
+    relay = (
+        "A relay (the SuperLink) in a third country may carry the sealed updates."
+        if t.relay_in_third_country
+        else "The relay (the SuperLink) must also sit in one of those jurisdictions or at home."
+    )
+    lines = [
+        f"{loaded.path} (policy {loaded.hash[:12]}, version {p.version})",
+        f"Jurisdiction {p.jurisdiction}, under {', '.join(p.laws)}.",
+        f"Updates may go to an aggregator in: {', '.join(t.aggregator_jurisdictions)}.",
+        relay,
+        dp,
+        sealing,
+        f"Allowed compression codecs: {', '.join(p.compression.allowed_codecs)}.",
+        f"An aggregate that includes this region is published only with at least "
+        f"{a.min_regions} regions and {a.min_examples} training examples in it.",
+        f"Audit records are kept {p.audit.retention_days} days"
+        + (", with file paths redacted." if p.audit.redact_paths else "."),
+        "These are defaults to adapt with your counsel, not legal advice.",
+    ]
+    return "\n".join(lines)
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def diff(a: LoadedPolicy, b: LoadedPolicy) -> list[str]:
+    """Every field that differs between two policies, as ``field: A -> B``."""
+    left, right = _flat(a.policy.model_dump(mode="json")), _flat(b.policy.model_dump(mode="json"))
+    lines = []
+    for key in sorted(set(left) | set(right)):
+        if left.get(key) != right.get(key):
+            lines.append(f"{key}: {_show(left.get(key))} -> {_show(right.get(key))}")
+    return lines
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return json.dumps(value)

@@ -55,6 +55,7 @@ class PrivacySpent:
     noise_multiplier: float
     sample_rate: float
     secure_mode: bool
+    max_grad_norm: float
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,24 @@ class Region:
         )
         return (noise, rate, run.local_steps)
 
+    def projected_epsilon(self) -> float | None:
+        """The dataset's cumulative epsilon if it trains one more round (None without DP),
+        for the policy check before training; the ledger lock is held only to read."""
+        if not self.run.dp:
+            return None
+        step = self.privacy_step()
+        with locked(self.ledger_path):
+            return self._ledger().epsilon_after(step)
+
+    def _ledger(self) -> PrivacyLedger:
+        return PrivacyLedger.open(
+            self.ledger_path,
+            region=self.name,
+            dataset=self.data.fingerprint,
+            delta=self.run.target_delta,
+            accountant=self.run.dp_accountant,
+        )
+
     def _train_private(
         self, server_round: int, run_id: int, seed: int
     ) -> tuple[TrainStats, PrivacySpent]:
@@ -179,13 +198,7 @@ class Region:
         budget = self.node.epsilon_budget or run.epsilon_budget
         step = self.privacy_step()
         with locked(self.ledger_path):
-            ledger = PrivacyLedger.open(
-                self.ledger_path,
-                region=self.name,
-                dataset=self.data.fingerprint,
-                delta=run.target_delta,
-                accountant=run.dp_accountant,
-            )
+            ledger = self._ledger()
             after = ledger.epsilon_after(step)
             if after > budget:
                 raise BudgetExhausted(
@@ -227,6 +240,7 @@ class Region:
             noise_multiplier=step[0],
             sample_rate=step[1],
             secure_mode=run.secure_mode,
+            max_grad_norm=run.max_grad_norm,
         )
         return stats, spent
 

@@ -114,7 +114,10 @@ class RegionKeys:
                 f"{self.aggregator.key_id.hex()}; refusing to train on it"
             )
 
-    def seal_update(self, payload: bytes, *, run_id: int, server_round: int) -> bytearray:
+    def seal_update(
+        self, payload: bytes, *, run_id: int, server_round: int, policy_hash: str = ""
+    ) -> bytearray:
+        """Seal to the aggregator; the header names the policy the region applied."""
         return seal(
             payload,
             sender=self.keypair,
@@ -123,6 +126,7 @@ class RegionKeys:
             server_round=server_round,
             region=self.keypair.bundle.party,
             suite=self.suite,
+            policy_hash=bytes.fromhex(policy_hash),
         )
 
 
@@ -153,6 +157,18 @@ def region_keys(
     return RegionKeys(keypair, load_bundle(bundle), suite)
 
 
+@dataclass(frozen=True)
+class OpenedUpdate:
+    """A region's update once opened: its content and the authenticated header facts."""
+
+    arrays: dict[str, np.ndarray]
+    metrics: dict[str, float]
+    info: dict[str, str]
+    sender: PublicBundle
+    suite: str
+    policy_hash: str  # hex; "" when the region sealed without a policy
+
+
 @dataclass
 class AggregatorKeys:
     """The aggregator's private key, the regions it accepts updates from, and replays seen."""
@@ -164,14 +180,21 @@ class AggregatorKeys:
 
     def open_update(
         self, envelope: bytes | bytearray, *, run_id: int, server_round: int
-    ) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, str], PublicBundle]:
+    ) -> OpenedUpdate:
         """Verify, bind and decrypt one update; raises with the reason to record."""
         opened = open_envelope(
             envelope, recipient=self.keypair, senders=self.regions, max_size=self.max_size
         )
         Expectation(run_id, self.seen).check(opened, server_round)
         arrays, metrics, info = read_update_payload(opened.payload)
-        return arrays, metrics, info, opened.sender
+        return OpenedUpdate(
+            arrays,
+            metrics,
+            info,
+            opened.sender,
+            opened.header.suite,
+            opened.header.policy_hash.hex(),
+        )
 
 
 def generate_federation_keys(
@@ -183,6 +206,7 @@ def generate_federation_keys(
 
     write_keys(Keypair.generate(AGGREGATOR, aggregator_jurisdiction), directory)
     for region in regions:
+        # Simulated regions are named after their jurisdiction (eu is EU).
         write_keys(Keypair.generate(region, region.upper()), directory)
     return directory
 
@@ -207,6 +231,7 @@ __all__ = [
     "AggregatorKeys",
     "EnvelopeRejected",
     "InvalidEnvelope",
+    "OpenedUpdate",
     "RegionKeys",
     "aggregator_keys",
     "region_keys",

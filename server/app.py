@@ -9,12 +9,14 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from fedciuic.compliance import AggregatorPolicies
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
 from fedciuic.outputs import ADAPTER_DIR, RunRecorder, summarize
-from fedciuic.sealing import aggregator_keys
+from fedciuic.policy import PolicyError
+from fedciuic.sealing import AggregatorKeys, aggregator_keys
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()
@@ -52,11 +54,13 @@ def main(grid: Grid, context: Context) -> None:
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
         recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
         keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
+        policies = _policies(run, keys, recorder)
         strategy = RegionalFedAvg(
             run,
             base_fingerprint=model.base_fingerprint,
             recorder=recorder,
             keys=keys,
+            policies=policies,
             run_id=context.run_id,
         )
         strategy.start(
@@ -74,3 +78,31 @@ def main(grid: Grid, context: Context) -> None:
     recorder.finish("completed", adapter=str(adapter))
     for line in summarize(recorder.data).splitlines():
         log(INFO, "%s", line)
+
+
+def _policies(
+    run: RunConfig, keys: AggregatorKeys | None, recorder: RunRecorder
+) -> AggregatorPolicies | None:
+    """Every region's policy, as the aggregator holds them; None only for a lab baseline."""
+    if not run.enforce_policies:
+        log(WARNING, "fedciuic: policies are OFF (enforce-policies = false): a lab baseline only")
+        recorder.data["run"]["policies"] = None
+        return None
+    if keys is not None and keys.keypair.bundle.jurisdiction != run.aggregator_jurisdiction:
+        raise PolicyError(
+            f"run config:aggregator-jurisdiction: {run.aggregator_jurisdiction}, but the "
+            f"aggregator's key says {keys.keypair.bundle.jurisdiction}; regions judge where the "
+            "aggregator sits by its key: make them agree"
+        )
+    policies = AggregatorPolicies.load(run)
+    for problem in policies.policies.problems:
+        log(
+            WARNING,
+            "fedciuic: unreadable policy, its region's updates will be rejected: %s",
+            problem,
+        )
+    recorder.data["run"]["policies"] = {
+        j: {"file": str(p.path), "hash": p.hash}
+        for j, p in sorted(policies.policies.by_jurisdiction.items())
+    }
+    return policies

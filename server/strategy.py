@@ -8,7 +8,11 @@ Differences from ``FedAvg``, each for a reason:
 * waiting for regions to connect has a deadline (``node-wait-timeout``), so a run
   that expects more regions than exist stops with a message instead of hanging;
 * every region evaluates the initial adapter before round 1, so the run reports
-  eval loss before and after training.
+  eval loss before and after training;
+* with policies, each update is checked against its sender's jurisdiction policy
+  (named in the envelope header) and an aggregate is published only when the
+  strictest minimum among its regions' policies is met; otherwise the global
+  adapter stays as it was for that round.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from fedciuic.aggregation import Accumulator, apply_delta
+from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.compression import get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
+from fedciuic.policy import UpdateFacts
 from fedciuic.sealing import (
     AggregatorKeys,
     EnvelopeRejected,
@@ -59,6 +65,7 @@ class RegionalFedAvg(FedAvg):
         base_fingerprint: str,
         recorder: RunRecorder,
         keys: AggregatorKeys | None = None,
+        policies: AggregatorPolicies | None = None,
         run_id: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -73,6 +80,7 @@ class RegionalFedAvg(FedAvg):
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
         self.keys = keys
+        self.policies = policies
         self.run_id = run_id
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
@@ -162,6 +170,12 @@ class RegionalFedAvg(FedAvg):
         for reply in self._read(replies):
             reply, upload = self._unseal(reply, server_round)
             entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
+            if reply.status == protocol.TRAINED and self.policies is not None:
+                decision = self.policies.check_update(self._facts(reply))
+                self.recorder.record_decision(server_round, decision.to_record())
+                if not decision.accepted:
+                    reply = replace(reply, status="rejected", reason="; ".join(decision.reasons))
+                    entry = {"status": "rejected", "reason": reply.reason}
             if reply.status == protocol.TRAINED:
                 try:
                     update = (reply.arrays or {}).get(protocol.UPDATE)
@@ -198,13 +212,18 @@ class RegionalFedAvg(FedAvg):
             )
             self.recorder.record_train(server_round, reply.region, entry)
 
-        if not accepted:
+        withheld = self._withhold(server_round, accepted)
+        if withheld:
             log(
                 WARNING,
-                "round %d: no region trained; the global adapter is unchanged",
+                "round %d: no aggregate published (%s); the global adapter is unchanged",
                 server_round,
+                "; ".join(withheld),
             )
-            self.recorder.record_aggregate(server_round, {"published": False, "regions": []})
+            self.recorder.record_aggregate(
+                server_round,
+                {"published": False, "regions": [r.region for r in accepted], "reasons": withheld},
+            )
             self.recorder.save()
             return None, None
 
@@ -225,6 +244,36 @@ class RegionalFedAvg(FedAvg):
         )
         return protocol.pack_arrays(self.global_adapter), metrics
 
+    def _facts(self, reply: protocol.Reply) -> UpdateFacts:
+        """What the sender's policy is checked against; for a sealed update, the
+        jurisdiction, suite and policy hash come from its authenticated envelope."""
+        metrics, info = reply.metrics, reply.info
+        return UpdateFacts(
+            region=reply.region,
+            sender_jurisdiction=info.get(protocol.JURISDICTION, ""),
+            policy_hash=info.get(protocol.POLICY_HASH, ""),
+            epsilon=metrics.get("epsilon"),
+            delta=metrics.get("delta"),
+            suite=info.get(protocol.SUITE, UNSEALED),
+            codec=codec_family(self.run.codec),
+            num_examples=int(metrics.get("num-examples", 0)),
+            max_grad_norm=metrics.get("max-grad-norm"),
+            secure_mode=bool(metrics["secure-mode"]) if "secure-mode" in metrics else None,
+        )
+
+    def _withhold(self, server_round: int, accepted: list[protocol.Reply]) -> list[str]:
+        """Why this round's aggregate must not be published; empty when it may be."""
+        if not accepted:
+            return ["no region's update was accepted"]
+        if self.policies is None:
+            return []
+        decision = self.policies.check_aggregate(
+            {r.region: r.info.get(protocol.JURISDICTION, "") for r in accepted},
+            {r.region: int(r.metrics["num-examples"]) for r in accepted},
+        )
+        self.recorder.record_decision(server_round, decision.to_record())
+        return list(decision.reasons)
+
     def _unseal(self, reply: protocol.Reply, server_round: int) -> tuple[protocol.Reply, int]:
         """Open a sealed update (refusing clear ones when sealing is on); also return
         the bytes that crossed the relay for it."""
@@ -236,26 +285,32 @@ class RegionalFedAvg(FedAvg):
             return replace(
                 reply, status="rejected", reason="unsealed update refused", arrays=None
             ), upload
+        if reply.status == protocol.TRAINED:  # in the clear, whatever its info claims
+            return replace(reply, info={**reply.info, protocol.SUITE: UNSEALED}), upload
         if reply.status != protocol.SEALED:
             return reply, upload
         if self.keys is None or reply.envelope is None:
             return replace(reply, status="rejected", reason="sealed update, sealing is off"), upload
         try:
-            arrays, metrics, info, sender = self.keys.open_update(
+            opened = self.keys.open_update(
                 reply.envelope, run_id=self.run_id, server_round=server_round
             )
         except (InvalidEnvelope, EnvelopeRejected, ValueError) as err:
             return replace(reply, status="rejected", reason=str(err)), upload
-        opened = replace(
+        header = {
+            protocol.JURISDICTION: opened.sender.jurisdiction,
+            protocol.POLICY_HASH: opened.policy_hash,
+            protocol.SUITE: opened.suite,
+        }
+        return replace(
             reply,
-            region=sender.party,
+            region=opened.sender.party,
             status=protocol.TRAINED,
-            metrics=metrics,
-            info=info,
-            arrays=arrays,
+            metrics=opened.metrics,
+            info={**opened.info, **header},
+            arrays=opened.arrays,
             envelope=None,
-        )
-        return opened, upload
+        ), upload
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedciuic.config import RunConfig
 from fedciuic.demo_data import write_demo_corpora
 
 ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_POLICIES = {"EU": "eu-gdpr.yaml", "CN": "cn-pipl.yaml", "US": "us-ccpa.yaml"}
 
 # Flower must stay offline and quiet in every test (the launcher sets these for
 # the processes it starts; this covers in-process use).
@@ -52,3 +54,26 @@ def task_identity() -> Iterator[None]:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
     yield
     TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
+
+
+def write_policy(path: Path, jurisdiction: str = "EU", **changes: Any) -> Path:
+    """A shipped policy with ``changes`` (``privacy__max_delta=1e-3``) written to ``path``."""
+    data = yaml.safe_load((ROOT / "policies" / SHIPPED_POLICIES[jurisdiction]).read_text())
+    for dotted, value in changes.items():
+        section, _, name = dotted.partition("__")
+        data[section][name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def lab_policies(directory: Path) -> Path:
+    """EU, CN and US policies as shipped, except that updates may cross unsealed
+    (tests that do not exercise sealing skip its cost)."""
+    for jurisdiction in SHIPPED_POLICIES:
+        write_policy(
+            directory / f"{jurisdiction.lower()}.yaml",
+            jurisdiction,
+            sealing__required=False,
+        )
+    return directory

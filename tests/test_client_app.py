@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,9 @@ from fedciuic.compression import get_codec
 from fedciuic.crypto.keys import Keypair
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.policy import load_policy
 from fedciuic.sealing import aggregator_keys, generate_federation_keys, sign_global
-from tests.conftest import app_config
+from tests.conftest import ROOT, app_config, lab_policies, write_policy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -24,9 +26,21 @@ def model() -> AdapterModel:
     return AdapterModel(ModelSpec())
 
 
+POLICIES = Path()  # the lab copies of the shipped policies, one per region
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lab_policies(tmp_path_factory) -> None:
+    global POLICIES
+    POLICIES = lab_policies(tmp_path_factory.mktemp("policies"))
+
+
 def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN, signer=None):
-    """Call a ClientApp handler as Flower would; unsealed unless the test seals."""
+    """Call a ClientApp handler as Flower would; unsealed unless the test seals, under
+    the lab copy of its jurisdiction's policy unless the test names another."""
     run_config = {**app_config(), "local-steps": 2, "seal": False, **run_overrides}
+    if "region" in node_config:
+        node_config = {"policy": str(POLICIES / f"{node_config['region']}.yaml"), **node_config}
     context = Context(
         run_id=7, node_id=2, node_config=node_config, state=RecordDict(), run_config=run_config
     )
@@ -111,9 +125,13 @@ def test_sealed_update_opens_only_at_the_aggregator(model, demo_root, tmp_path, 
         signer=aggregator.keypair,
     )
     assert got.status == "sealed" and got.arrays is None and got.envelope
-    arrays, metrics, info, sender = aggregator.open_update(got.envelope, run_id=7, server_round=1)
-    assert sender.party == "cn" and info["region"] == "cn"
-    assert set(arrays) == {"update"} and metrics["num-examples"] > 0
+    opened = aggregator.open_update(got.envelope, run_id=7, server_round=1)
+    assert opened.sender.party == "cn" and opened.info["region"] == "cn"
+    assert set(opened.arrays) == {"update"} and opened.metrics["num-examples"] > 0
+    # The header names the policy the region applied; the payload says so too.
+    cn_policy = load_policy(POLICIES / "cn.yaml")
+    assert opened.policy_hash == cn_policy.hash == opened.info["policy-hash"]
+    assert opened.info["jurisdiction"] == "CN" and opened.suite == "xwing-aes256gcm"
 
 
 def test_unsigned_global_adapter_is_refused(model, demo_root, tmp_path, keys_dir):
@@ -132,3 +150,110 @@ def test_missing_keys_decline_and_nothing_is_sent_unsealed(model, demo_root, tmp
     got = call(client_app.train, node, {"seal": True, "keys-dir": str(tmp_path / "none")}, model)
     assert got.status == "declined" and got.arrays is None and got.envelope is None
     assert "cn.key.json: no private key here" in got.reason
+
+
+# -- jurisdiction policies ------------------------------------------------------------
+
+
+def cn_node(demo_root: Path, state: Path, policy: Path | None = None) -> dict[str, str]:
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(state)}
+    if policy is not None:
+        node["policy"] = str(policy)
+    return node
+
+
+def test_cn_declines_a_us_aggregator_with_every_reason_and_trains_nothing(
+    model, demo_root, tmp_path
+):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    run = {"aggregator-jurisdiction": "US", "relay-jurisdiction": "SG"}
+    got = call(client_app.train, node, run, model)
+    assert got.status == "declined" and got.arrays is None and got.envelope is None
+    assert "cn-pipl.yaml" in got.reason
+    for rule in (
+        "aggregator in US, CN's policy allows CN, EU (transfers.aggregator_jurisdictions)",
+        "relay in SG, a third country for CN (transfers.relay_in_third_country)",
+        "updates would leave unsealed (sealing.required)",
+    ):
+        assert rule in got.reason
+    assert not (tmp_path / "privacy-ledger.jsonl").exists()  # nothing trained
+
+
+def test_policy_refusal_also_stops_evaluation(model, demo_root, tmp_path):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    run = {"aggregator-jurisdiction": "US"}
+    got = call(client_app.evaluate, node, run, model, MessageType.EVALUATE)
+    assert got.status == "declined" and "transfers.aggregator_jurisdictions" in got.reason
+    assert "eval-loss" not in got.metrics
+
+
+def test_a_round_past_the_policys_lifetime_epsilon_is_declined_before_training(
+    model, demo_root, tmp_path
+):
+    policy = write_policy(
+        tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__max_lifetime_epsilon=0.5
+    )
+    got = call(client_app.train, cn_node(demo_root, tmp_path / "state", policy), {}, model)
+    assert got.status == "declined"
+    assert "would raise the dataset's epsilon to" in got.reason
+    assert "over 0.5 (privacy.max_lifetime_epsilon)" in got.reason
+    assert "epsilon budget 8 > 0.5 (privacy.max_lifetime_epsilon)" in got.reason
+    assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+
+
+EU_TEXT = (ROOT / "policies" / "eu-gdpr.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (EU_TEXT.replace("dp_required: true", "dp_required: [true"), r"YAML syntax error"),
+        (
+            EU_TEXT.replace("min_regions: 2", "min_regions: two"),
+            r"aggregation\.min_regions: Input should be a valid integer",
+        ),
+        (EU_TEXT.replace("audit:", "audit:\n  shred: true"), r"audit\.shred: Extra inputs"),
+        (EU_TEXT.replace("  max_delta: 1.0e-5\n", ""), r"privacy\.max_delta: Field required"),
+        (EU_TEXT.replace("jurisdiction: EU", "jurisdiction: XX"), r"jurisdiction: .*unknown"),
+        ("", r"the policy file is empty"),
+    ],
+    ids=["syntax", "type", "unknown-field", "missing-field", "unknown-jurisdiction", "empty"],
+)
+def test_a_malformed_policy_names_file_line_field_and_the_region_does_not_train(
+    model, demo_root, tmp_path, content, message
+):
+    policy = tmp_path / "eu.yaml"
+    policy.write_text(content)
+    node = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path / "state"),
+        "policy": str(policy),
+    }
+    got = call(client_app.train, node, {}, model)
+    assert got.status == "declined" and got.arrays is None
+    assert re.search(rf"{re.escape(str(policy))}:\d+: {message}", got.reason), got.reason
+    assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+
+
+def test_a_deployed_region_without_a_policy_sends_nothing_whatever_the_run_config_says(
+    model, demo_root, tmp_path
+):
+    node = {"region": "eu", "data-path": str(demo_root / "eu"), "policy": ""}
+    got = call(client_app.train, node, {"enforce-policies": False}, model)
+    assert got.status == "declined" and got.arrays is None
+    assert "node config:policy: not set" in got.reason
+
+
+def test_a_simulated_region_takes_its_jurisdictions_policy_from_policies_dir(
+    model, demo_root, tmp_path
+):
+    run = {"data-root": str(demo_root), "policies-dir": str(POLICIES)}
+    got = call(client_app.train, {"partition-id": 1}, run, model)
+    assert got.status == "trained" and got.region == "cn"
+    assert got.info["jurisdiction"] == "CN"
+    assert got.info["policy-hash"] == load_policy(POLICIES / "cn.yaml").hash
+    missing = call(client_app.train, {"partition-id": 1}, {**run, "policies-dir": ""}, model)
+    assert missing.status == "declined" and "run config:policies-dir: empty" in missing.reason
+    lab = call(client_app.train, {"partition-id": 1}, {**run, "enforce-policies": False}, model)
+    assert lab.status == "trained" and lab.info["policy-hash"] == ""

@@ -31,7 +31,25 @@ def test_every_shipped_policy_validates(name):
 
 
 def test_policies_by_jurisdiction():
-    assert sorted(load_policies(POLICIES)) == ["CN", "EU", "IN", "SG", "US"]
+    found = load_policies(POLICIES)
+    assert sorted(found.by_jurisdiction) == ["CN", "EU", "IN", "SG", "US"]
+    assert found.problems == ()
+
+
+def test_an_unreadable_policy_leaves_its_jurisdiction_without_one(tmp_path):
+    (tmp_path / "eu.yaml").write_text((POLICIES / "eu-gdpr.yaml").read_text())
+    (tmp_path / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
+    found = load_policies(tmp_path)
+    assert sorted(found.by_jurisdiction) == ["EU"]
+    with pytest.raises(PolicyError, match=r"no valid policy for jurisdiction CN.*cn\.yaml:1"):
+        found.require("CN")
+
+
+def test_two_policies_for_one_jurisdiction_trust_neither(tmp_path):
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text((POLICIES / "eu-gdpr.yaml").read_text())
+    found = load_policies(tmp_path)
+    assert found.get("EU") is None and "a second policy for EU" in found.problems[0]
 
 
 def test_hash_ignores_comments_and_layout(tmp_path):
@@ -142,7 +160,7 @@ def test_region_side_rules(eu, change, rule):
 
 
 def test_cn_refuses_a_foreign_aggregator_and_relay_with_every_reason(cn):
-    terms = replace(GOOD, aggregator_jurisdiction="EU", relay_jurisdiction="US", delta=1e-4)
+    terms = replace(GOOD, aggregator_jurisdiction="US", relay_jurisdiction="SG", delta=1e-4)
     decision = check_run("cn", cn, terms)
     assert decision.outcome == "decline"
     text = decision.explain()
@@ -186,6 +204,9 @@ UPDATE_RULES = [
     ({"codec": "zstd"}, "compression.allowed_codecs"),
     ({"sender_jurisdiction": "US"}, "the policy is EU's"),
     ({"policy_hash": "0" * 64}, "the aggregator holds"),
+    ({"max_grad_norm": 4.0}, "privacy.max_clipping_norm"),
+    ({"max_grad_norm": 1.0}, None),
+    ({"suite": "none"}, "the update came unsealed (sealing.required)"),
 ]
 
 
@@ -201,15 +222,18 @@ def test_aggregator_side_rules(eu, change, rule):
 
 
 def test_aggregator_outside_the_senders_allowed_list_rejects(cn):
-    decision = check_update(
-        cn, replace(FACTS, region="cn", sender_jurisdiction="CN", policy_hash=cn.hash), GOOD
-    )
-    assert decision.outcome == "reject" and "not allowed by CN's policy" in decision.reasons[0]
+    facts = replace(FACTS, region="cn", sender_jurisdiction="CN", policy_hash=cn.hash)
+    assert check_update(cn, facts, GOOD).accepted  # EU, under the standard contract
+    decision = check_update(cn, facts, replace(GOOD, aggregator_jurisdiction="US"))
+    assert decision.outcome == "reject" and "CN's policy allows CN, EU" in decision.reasons[0]
+    relayed = check_update(cn, facts, replace(GOOD, relay_jurisdiction="SG"))
+    assert "transfers.relay_in_third_country" in relayed.reasons[0]
 
 
 def test_no_readable_policy_rejects_fail_closed():
-    decision = check_update(None, FACTS, GOOD)
+    decision = check_update(None, FACTS, GOOD, "eu.yaml:3: privacy: Field required")
     assert decision.outcome == "reject" and "no readable policy for EU" in decision.reasons[0]
+    assert "eu.yaml:3: privacy: Field required" in decision.reasons[0]
 
 
 def test_aggregate_needs_the_strictest_minimum(eu, cn, tmp_path):

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
+from fedciuic.compliance import AggregatorPolicies
 from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
+from fedciuic.policy import load_policy
 from fedciuic.region import TrainOutcome
 from fedciuic.sealing import (
     RegionKeys,
@@ -23,6 +26,7 @@ from fedciuic.sealing import (
 )
 from fedciuic.train import EvalStats, TrainStats
 from server.strategy import RegionalFedAvg
+from tests.conftest import write_policy
 
 GLOBAL = {"w": np.zeros(4, np.float32)}
 
@@ -189,12 +193,19 @@ def sealed_strategy(run_config, tmp_path) -> tuple[RegionalFedAvg, dict[str, Key
 
 
 def sealed_reply_from(
-    keypair: Keypair, aggregator, value: float, server_round: int = 1, run_id: int = 7
+    keypair: Keypair,
+    aggregator,
+    value: float,
+    server_round: int = 1,
+    run_id: int = 7,
+    metrics: dict[str, float] | None = None,
+    policy_hash: str = "",
+    suite: str = "xwing-aes256gcm",
 ) -> RecordDict:
     region = keypair.bundle.party
     payload = update_payload(
         protocol.update_arrays(encoded(value)),
-        {"num-examples": 10, "train-loss": 1.0},
+        metrics or {"num-examples": 10, "train-loss": 1.0},
         {"region": region, "status": "trained", "data-fingerprint": "fp"},
     )
     envelope = seal(
@@ -204,6 +215,8 @@ def sealed_reply_from(
         run_id=run_id,
         server_round=server_round,
         region=region,
+        policy_hash=bytes.fromhex(policy_hash),
+        suite=suite,  # type: ignore[arg-type]
     )
     return protocol.sealed_reply(region, envelope, keypair.bundle.key_id.hex())
 
@@ -278,3 +291,166 @@ def test_global_adapter_is_signed_for_each_round(sealed_strategy):
     keys.check_global(task.signature, task.signer, 7, 4, task.adapter)  # valid
     with pytest.raises(KeyFileError, match="not signed by the aggregator"):
         keys.check_global(task.signature, task.signer, 7, 5, task.adapter)  # another round
+
+
+# -- jurisdiction policies ------------------------------------------------------------
+
+DP_METRICS = {
+    "num-examples": 60,
+    "train-loss": 1.0,
+    "epsilon": 7.9,
+    "delta": 1e-5,
+    "max-grad-norm": 1.0,
+    "secure-mode": 0,
+}
+
+
+@pytest.fixture
+def policed(sealed_strategy, tmp_path) -> tuple[RegionalFedAvg, dict[str, Keypair], Path]:
+    """The sealed strategy holding the shipped EU, CN and US policies (aggregator in EU)."""
+    s, regions = sealed_strategy
+    folder = tmp_path / "policies"
+    for jurisdiction in ("EU", "CN", "US"):
+        write_policy(folder / f"{jurisdiction.lower()}.yaml", jurisdiction)
+    s.policies = AggregatorPolicies.load(s.run.model_copy(update={"policies_dir": str(folder)}))
+    return s, regions, folder
+
+
+def policy_hash(folder: Path, region: str) -> str:
+    return load_policy(folder / f"{region}.yaml").hash
+
+
+def from_region(policed, region: str, value: float, **changes) -> RecordDict:
+    s, regions, folder = policed
+    metrics = {k: v for k, v in {**DP_METRICS, **changes}.items() if v is not None}
+    return sealed_reply_from(
+        regions[region],
+        s.keys.keypair.bundle,
+        value,
+        metrics=metrics,
+        policy_hash=policy_hash(folder, region),
+    )
+
+
+def test_updates_within_their_senders_policies_are_aggregated(policed):
+    s = policed[0]
+    arrays, _ = s.aggregate_train(
+        1, [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 3.0))]
+    )
+    assert arrays is not None
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+    decisions = s.recorder.data["rounds"]["1"]["decisions"]
+    assert [d["outcome"] for d in decisions] == ["accept", "accept", "accept"]
+    assert decisions[0]["policy_hash"] == policy_hash(policed[2], "eu")
+    assert decisions[2]["subject"] == "aggregate"
+
+
+def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected(policed):
+    s = policed[0]
+    s.aggregate_train(
+        1,
+        [
+            reply(11, from_region(policed, "eu", 1.0)),
+            reply(12, from_region(policed, "cn", 3.0, epsilon=9.5)),
+        ],
+    )
+    entry = s.recorder.data["rounds"]["1"]["train"]["cn"]
+    assert entry["status"] == "rejected"
+    assert "declared epsilon 9.5 > 8 (privacy.max_lifetime_epsilon)" in entry["reason"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "rule"),
+    [
+        ({"delta": 1e-3}, "delta 0.001 > 1e-05 (privacy.max_delta)"),
+        ({"max-grad-norm": 3.0}, "clipping norm 3 > 1 (privacy.max_clipping_norm)"),
+        ({"epsilon": None}, "no DP epsilon declared (privacy.dp_required)"),
+    ],
+)
+def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, changes, rule):
+    s = policed[0]
+    s.aggregate_train(1, [reply(12, from_region(policed, "cn", 3.0, **changes))])
+    entry = s.recorder.data["rounds"]["1"]["train"]["cn"]
+    assert entry["status"] == "rejected" and rule in entry["reason"]
+
+
+def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed):
+    s, regions, folder = policed
+    agg = s.keys.keypair.bundle
+    wrong_policy = sealed_reply_from(
+        regions["eu"], agg, 1.0, metrics=DP_METRICS, policy_hash=policy_hash(folder, "us")
+    )
+    fernet = sealed_reply_from(
+        regions["cn"],
+        agg,
+        1.0,
+        metrics=DP_METRICS,
+        policy_hash=policy_hash(folder, "cn"),
+        suite="xwing-fernet",
+    )
+    s.aggregate_train(1, [reply(11, wrong_policy), reply(12, fernet)])
+    train = s.recorder.data["rounds"]["1"]["train"]
+    assert "the aggregator holds" in train["eu"]["reason"]
+    assert "suite xwing-fernet not allowed (sealing.allowed_suites)" in train["cn"]["reason"]
+
+
+def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(strategy, tmp_path):
+    folder = tmp_path / "policies"
+    write_policy(folder / "eu.yaml", "EU")
+    strategy.policies = AggregatorPolicies.load(
+        strategy.run.model_copy(update={"policies_dir": str(folder)})
+    )
+    clear = trained("eu", 1.0, 60)
+    clear.config_records["info"]["jurisdiction"] = "EU"
+    clear.config_records["info"]["suite"] = "xwing-aes256gcm"  # a claim, not a seal
+    arrays, _ = strategy.aggregate_train(1, [reply(11, clear)])
+    assert arrays is None
+    entry = strategy.recorder.data["rounds"]["1"]["train"]["eu"]
+    assert entry["status"] == "rejected"
+    assert "the update came unsealed (sealing.required)" in entry["reason"]
+
+
+def test_a_refused_aggregate_leaves_the_global_model_unchanged(policed):
+    s = policed[0]
+    before = {k: v.copy() for k, v in s.global_adapter.items()}
+    # One region accepted, the other rejected: the shipped policies need 2 regions.
+    arrays, metrics = s.aggregate_train(
+        1,
+        [
+            reply(11, from_region(policed, "eu", 1.0)),
+            reply(12, from_region(policed, "cn", 3.0, epsilon=20.0)),
+        ],
+    )
+    assert arrays is None and metrics is None
+    np.testing.assert_array_equal(s.global_adapter["w"], before["w"])
+    aggregate = s.recorder.data["rounds"]["1"]["aggregate"]
+    assert aggregate["published"] is False and aggregate["regions"] == ["eu"]
+    assert "the strictest policy needs 2 (aggregation.min_regions)" in aggregate["reasons"][0]
+    assert "the strictest policy needs 100 (aggregation.min_examples)" in aggregate["reasons"][1]
+
+
+def test_too_few_examples_withhold_the_aggregate(policed):
+    s = policed[0]
+    arrays, _ = s.aggregate_train(
+        1,
+        [
+            reply(11, from_region(policed, "eu", 1.0, **{"num-examples": 20})),
+            reply(12, from_region(policed, "cn", 3.0, **{"num-examples": 20})),
+        ],
+    )
+    assert arrays is None
+    reasons = s.recorder.data["rounds"]["1"]["aggregate"]["reasons"]
+    assert reasons == [
+        "40 examples in the aggregate, the strictest policy needs 100 (aggregation.min_examples)"
+    ]
+
+
+def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
+    s, _, folder = policed
+    update = from_region(policed, "cn", 3.0)
+    (folder / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
+    s.policies = AggregatorPolicies.load(s.run.model_copy(update={"policies_dir": str(folder)}))
+    s.aggregate_train(1, [reply(12, update)])
+    entry = s.recorder.data["rounds"]["1"]["train"]["cn"]
+    assert entry["status"] == "rejected"
+    assert "no readable policy for CN" in entry["reason"] and "cn.yaml:1" in entry["reason"]

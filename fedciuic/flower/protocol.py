@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedciuic.policy import LoadedPolicy
 from fedciuic.region import TrainOutcome
 from fedciuic.train import EvalStats
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
 ENVELOPE, UPDATE = "envelope", "update"
+JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -90,27 +92,31 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
                 "noise-multiplier": p.noise_multiplier,
                 "sample-rate": p.sample_rate,
                 "secure-mode": int(p.secure_mode),
+                "max-grad-norm": p.max_grad_norm,
             }
         )
     return metrics
 
 
-def train_info(outcome: TrainOutcome) -> dict[str, str]:
+def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dict[str, str]:
+    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
     return {
         "region": outcome.region,
         "status": TRAINED,
         "reason": "",
         "data-fingerprint": outcome.data_fingerprint,
+        JURISDICTION: policy.policy.jurisdiction if policy else "",
+        POLICY_HASH: policy.hash if policy else "",
     }
 
 
-def train_reply(outcome: TrainOutcome) -> RecordDict:
+def train_reply(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> RecordDict:
     """An update in the clear (``seal = false`` only)."""
     return RecordDict(
         {
             ARRAYS: pack_arrays(update_arrays(outcome.update)),
             METRICS: MetricRecord(train_metrics(outcome)),
-            INFO: ConfigRecord(dict(train_info(outcome))),
+            INFO: ConfigRecord(dict(train_info(outcome, policy))),
         }
     )
 

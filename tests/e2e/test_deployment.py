@@ -7,8 +7,9 @@ import pytest
 from fedciuic.data import load_region_data
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import byte_tokenizer
+from fedciuic.policy import load_policy
 from fedciuic.sealing import generate_federation_keys
-from tests.conftest import ROOT, app_config
+from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run
 
 pytestmark = pytest.mark.e2e
@@ -31,6 +32,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "state-path": str(tmp_path / "state" / region),
                 "key-file": str(keys / f"{region}.key.json"),
                 "aggregator-bundle": str(keys / "aggregator.pub.json"),
+                "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
             }
             federation.start_supernode(region, node, superlink=f"127.0.0.1:{proxy.port}")
         pids = federation.pids()
@@ -41,6 +43,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
+                "policies-dir": str(ROOT / "policies"),
             },
             timeout=900,
         )
@@ -73,6 +76,17 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         key_id = (keys / f"{region}.pub.json").read_text().split('"key_id": "')[1][:32]
         assert key_id.encode() in captured
         assert own.fingerprint.encode() not in captured
+        # Each update was checked against its sender's shipped policy, whose hash the
+        # region put in the envelope header (authenticated, readable by the relay).
+        policy = load_policy(ROOT / "policies" / SHIPPED_POLICIES[region.upper()])
+        assert bytes.fromhex(policy.hash) in captured
+        for server_round in ("1", "2"):
+            (decision,) = [
+                d
+                for d in data["rounds"][server_round]["decisions"]
+                if d["subject"] == f"update from {region}"
+            ]
+            assert decision["outcome"] == "accept" and decision["policy_hash"] == policy.hash
     assert len(captured) > 100_000
 
 

@@ -91,7 +91,7 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     for server_round in ("1", "2"):
         train = data["rounds"][server_round]["train"]
         assert train["eu"]["status"] == "declined"
-        assert "over the dataset's budget 8" in train["eu"]["reason"]
+        assert "over its budget 8 (epsilon-budget)" in train["eu"]["reason"]
         assert train["cn"]["status"] == train["us"]["status"] == "trained"
         assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "us"]
     assert ledger_path.read_text() == spent  # nothing more was spent
@@ -122,8 +122,10 @@ def test_a_region_without_data_declines_and_the_others_train(tmp_path):
             "model-path: /no/such/ckpt is not a directory",
         ),
         (["--run-config", "lerning-rate=0.1"], "--run-config:lerning-rate: unknown key"),
-        (["--regions", "eu,xx"], "no demo corpus for ['xx']"),
+        (["--regions", "eu,xx"], "region xx (simulated regions are named after their"),
         (["--run-config", "keys-dir='/no/keys'"], "/no/keys/aggregator.key.json: no private key"),
+        (["--run-config", "aggregator-jurisdiction='XX'"], "unknown jurisdiction 'XX'"),
+        (["--run-config", "policies-dir='/no/policies'"], "/no/policies: no such folder"),
     ],
 )
 def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message):
@@ -133,6 +135,44 @@ def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message)
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs" / ".flower").exists()
+
+
+def test_a_malformed_policy_stops_the_simulation_before_it_starts(tmp_path):
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    for name in ("eu-gdpr.yaml", "us-ccpa.yaml"):
+        (policies / name).write_text((ROOT / "policies" / name).read_text())
+    (policies / "cn-pipl.yaml").write_text("version: 1\njurisdiction: CN\nlaws: [PIPL]\n")
+    done = simulate(tmp_path, "--run-config", f"policies-dir='{policies}'")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no valid policy for jurisdiction CN" in done.stderr
+    assert f"{policies / 'cn-pipl.yaml'}:1: transfers: Field required" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "runs" / ".flower").exists()
+
+
+def test_the_refusal_example_shows_cn_declining_a_us_aggregator(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "policy_refusal.py"),
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "  - aggregator in US, CN's policy allows CN, EU" in done.stdout
+    assert "  - relay in US, a third country for CN" in done.stdout
+    data = only_run(tmp_path)
+    train = data["rounds"]["1"]["train"]
+    assert train["cn"]["status"] == "declined"
+    assert train["eu"]["status"] == train["us"]["status"] == "trained"
+    assert data["rounds"]["1"]["aggregate"] == {"published": True, "regions": ["eu", "us"]}
+    assert not processes_under(tmp_path)
 
 
 def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(tmp_path):

@@ -1,0 +1,63 @@
+"""A refusal, explained: the aggregator moves to the US and China's policy says no.
+
+Runs one simulated round of the demo federation (eu, cn, us, shipped policies) with
+the aggregator (and so the relay) in the US. The EU and US policies allow that;
+the CN policy (PIPL Art. 38-40) allows an aggregator only in China or the EU, and
+no relay in a third country. So the CN region declines before it trains, with
+every reason, and the aggregate is built from EU and US alone.
+
+Run from the repository root, inside the project's venv:
+
+    .venv/bin/python examples/policy_refusal.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from fedciuic.cli import main as fedciuic
+from fedciuic.policy import explain, load_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--output-dir", type=Path, help="default: a temporary folder")
+    args = parser.parse_args()
+
+    print("What the CN policy allows:\n")
+    print(explain(load_policy(ROOT / "policies" / "cn-pipl.yaml")))
+    print("\nOne round with the aggregator in the US:\n")
+    with tempfile.TemporaryDirectory(prefix="fedciuic-refusal-") as tmp:
+        out = (args.output_dir or Path(tmp)).resolve()
+        status = fedciuic(
+            [
+                "simulate",
+                "--app",
+                str(ROOT),
+                "--rounds",
+                "1",
+                "--output-dir",
+                str(out),
+                "--run-config",
+                "aggregator-jurisdiction='US'",
+                "--quiet",
+            ]
+        )
+        (metrics,) = out.glob("run-*/metrics.json")
+        data = json.loads(metrics.read_text(encoding="utf-8"))
+    cn = data["rounds"]["1"]["train"]["cn"]
+    print(f"\nThe CN region {cn['status']} round 1. Its reasons, one per rule:")
+    for reason in cn["reason"].partition("declines: ")[2].split("; "):
+        print(f"  - {reason}")
+    aggregate = data["rounds"]["1"]["aggregate"]
+    print(f"Aggregate published: {aggregate['published']}, from {', '.join(aggregate['regions'])}")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Jurisdiction policies applied to a run: which policy binds whom, and what a run asks.
+
+:mod:`fedciuic.policy` holds the schema and the pure checks; this module connects
+them to the run and node configs, for the ClientApp (before a region trains or
+evaluates) and for the aggregator (each reply, then each aggregate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.errors import FedciuicError
+from fedciuic.policy import (
+    Decision,
+    LoadedPolicy,
+    PolicyError,
+    PolicySet,
+    RunTerms,
+    UpdateFacts,
+    check_aggregate,
+    check_run,
+    check_update,
+    load_policies,
+    load_policy,
+)
+
+#: The suite an update that crossed in the clear is checked as.
+UNSEALED = "none"
+
+
+class PolicyRefusal(FedciuicError):
+    """A region's policy declines the run; the decision holds every reason."""
+
+    def __init__(self, decision: Decision, path: Path) -> None:
+        self.decision = decision
+        super().__init__(
+            f"policy {path} ({decision.policy_hash[:12]}) declines: " + "; ".join(decision.reasons)
+        )
+
+
+def simulated_jurisdiction(region: str) -> str:
+    """Simulated regions are named after their jurisdiction: ``eu`` is EU, ``cn`` is CN."""
+    return region.upper()
+
+
+def codec_family(codec: str) -> str:
+    """The codec's name without its argument (``topk-int8:0.015`` is ``topk-int8``)."""
+    return codec.partition(":")[0]
+
+
+def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> LoadedPolicy | None:
+    """The policy this region obeys; None only in a simulation with enforce-policies off.
+
+    A deployed region's policy comes from its own node config and nothing the
+    aggregator's run config says can switch it off.
+    """
+    if node.policy:
+        return load_policy(Path(node.policy).expanduser())
+    if not simulated:
+        raise PolicyError(
+            f"region {node.region}: node config:policy: not set; a region sends nothing without "
+            "its jurisdiction's policy: start the SuperNode with --node-config "
+            "\"... policy='/path/to/eu-gdpr.yaml'\" (fedciuic ships some in policies/)"
+        )
+    if not run.enforce_policies:
+        return None
+    if not run.policies_dir:
+        raise PolicyError(
+            "run config:policies-dir: empty; simulated regions take their policy from that "
+            "folder (fedciuic simulate uses the app's policies/)"
+        )
+    return load_policies(Path(run.policies_dir)).require(simulated_jurisdiction(node.region))
+
+
+def run_terms(
+    run: RunConfig,
+    *,
+    aggregator_jurisdiction: str,
+    epsilon_budget: float | None = None,
+    projected_epsilon: float | None = None,
+) -> RunTerms:
+    """What this run asks of a region, from the run config."""
+    return RunTerms(
+        aggregator_jurisdiction=aggregator_jurisdiction,
+        relay_jurisdiction=run.relay_jurisdiction or aggregator_jurisdiction,
+        dp=run.dp,
+        target_epsilon=run.target_epsilon,
+        epsilon_budget=epsilon_budget or run.epsilon_budget,
+        delta=run.target_delta,
+        max_grad_norm=run.max_grad_norm,
+        secure_mode=run.secure_mode,
+        seal=run.seal,
+        seal_suite=run.seal_suite,
+        codec=codec_family(run.codec),
+        projected_epsilon=projected_epsilon,
+    )
+
+
+def enforce_region_policy(
+    run: RunConfig,
+    node: NodeConfig,
+    *,
+    simulated: bool,
+    aggregator_jurisdiction: str,
+    projected_epsilon: float | None = None,
+) -> LoadedPolicy | None:
+    """Load the region's policy and check the run against it; raise with every reason."""
+    loaded = region_policy(run, node, simulated=simulated)
+    if loaded is None:
+        return None
+    terms = run_terms(
+        run,
+        aggregator_jurisdiction=aggregator_jurisdiction,
+        epsilon_budget=node.epsilon_budget,
+        projected_epsilon=projected_epsilon,
+    )
+    decision = check_run(node.region, loaded, terms)
+    if not decision.accepted:
+        raise PolicyRefusal(decision, loaded.path)
+    return loaded
+
+
+@dataclass(frozen=True)
+class AggregatorPolicies:
+    """The aggregator's copy of every region's policy and where the aggregator sits."""
+
+    policies: PolicySet
+    terms: RunTerms
+
+    @classmethod
+    def load(cls, run: RunConfig) -> AggregatorPolicies:
+        if not run.policies_dir:
+            raise PolicyError(
+                "run config:policies-dir: empty; the aggregator checks every update against its "
+                "sender's policy: point it at a folder with one policy per jurisdiction "
+                "(policies/ ships EU, CN, US, SG, IN), or set enforce-policies = false for a "
+                "lab baseline"
+            )
+        policies = load_policies(Path(run.policies_dir).expanduser())
+        terms = run_terms(run, aggregator_jurisdiction=run.aggregator_jurisdiction)
+        return cls(policies, terms)
+
+    def check_update(self, facts: UpdateFacts) -> Decision:
+        loaded = self.policies.get(facts.sender_jurisdiction)
+        return check_update(
+            loaded, facts, self.terms, self.policies.missing(facts.sender_jurisdiction)
+        )
+
+    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> Decision:
+        """``participants`` maps each accepted region to its jurisdiction."""
+        loaded = {
+            region: policy
+            for region, jurisdiction in participants.items()
+            if (policy := self.policies.get(jurisdiction)) is not None
+        }
+        return check_aggregate(loaded, examples)
