@@ -16,7 +16,7 @@ from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
-from fedciuic.policy import load_policy
+from fedciuic.policy import PolicyError, load_policy
 from fedciuic.region import TrainOutcome
 from fedciuic.sealing import (
     RegionKeys,
@@ -454,3 +454,20 @@ def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
     entry = s.recorder.data["rounds"]["1"]["train"]["cn"]
     assert entry["status"] == "rejected"
     assert "no readable policy for CN" in entry["reason"] and "cn.yaml:1" in entry["reason"]
+
+
+def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
+    run_config, tmp_path
+):
+    from server.app import _policies
+
+    recorder = RunRecorder(tmp_path / "run", {"run_id": 7})
+    keys = aggregator_keys(str(generate_federation_keys(tmp_path / "keys", ("eu",), "US")), 2**20)
+    with pytest.raises(PolicyError, match="run config:policies-dir: empty"):
+        _policies(run_config.model_copy(update={"policies_dir": ""}), None, recorder)
+    with pytest.raises(PolicyError, match="aggregator-jurisdiction: EU, but the aggregator's key"):
+        _policies(run_config.model_copy(update={"policies_dir": str(tmp_path)}), keys, recorder)
+    assert (
+        _policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder) is None
+    )
+    assert recorder.data["run"]["policies"] is None
