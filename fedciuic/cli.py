@@ -106,38 +106,39 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--quiet", action="store_true", help="print only the summary")
     sim.set_defaults(handler=_simulate)
 
-    demo = sub.add_parser(
+    demo = _command(
+        sub,
         "demo-data",
-        help="write the deterministic demo corpora, one folder per region",
-        epilog="example:\n  fedciuic demo-data ./demo-data --regions eu,cn,us",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _demo_data,
+        "write the deterministic demo corpora, one folder per region",
+        "fedciuic demo-data ./demo-data --regions eu,cn,us",
     )
     demo.add_argument("directory", type=Path)
     demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
-    demo.set_defaults(handler=_demo_data)
 
-    ckpt = sub.add_parser(
+    ckpt = _command(
+        sub,
         "save-checkpoint",
-        help="save a preset's base model and tokenizer as a checkpoint (for model-path)",
-        epilog="example:\n  fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
+        _save_checkpoint,
+        "save a preset's base model and tokenizer as a checkpoint (for model-path)",
+        "fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
         "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ckpt.add_argument("directory", type=Path)
     ckpt.add_argument("--preset", default="tiny")
     ckpt.add_argument("--seed", type=int, default=0)
-    ckpt.set_defaults(handler=_save_checkpoint)
 
     keys = sub.add_parser("keys", help="generate and show party keys (X-Wing + signatures)")
     keys_sub = keys.add_subparsers(required=True, metavar="ACTION")
-    gen = keys_sub.add_parser(
+    gen = _command(
+        keys_sub,
         "generate",
-        help="write PARTY.key.json (mode 0600) and PARTY.pub.json",
+        _keys_generate,
+        "write PARTY.key.json (mode 0600) and PARTY.pub.json",
+        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
         description="Generate a party's X-Wing decapsulation key and signing key. The private "
         "file is created with mode 0600 and never overwritten; give the public bundle "
         "(PARTY.pub.json) to the other parties.",
-        epilog="example:\n  fedciuic keys generate --party eu --jurisdiction EU --out keys/",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("--party", required=True, help="aggregator, or the region's name (eu, cn...)")
     gen.add_argument("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN")
@@ -148,44 +149,63 @@ def _parser() -> argparse.ArgumentParser:
         default="ed25519",
         help="Ed25519, or a hybrid Ed25519 + ML-DSA-65 signature (default: ed25519)",
     )
-    gen.set_defaults(handler=_keys_generate)
-    show = keys_sub.add_parser(
+    show = _command(
+        keys_sub,
         "show",
-        help="print a public bundle (or the bundle of a private key file)",
-        epilog="example:\n  fedciuic keys show keys/eu.pub.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _keys_show,
+        "print a public bundle (or the bundle of a private key file)",
+        "fedciuic keys show keys/eu.pub.json",
     )
     show.add_argument("file", type=Path)
-    show.set_defaults(handler=_keys_show)
 
     policy = sub.add_parser("policy", help="check, explain and compare jurisdiction policies")
     policy_sub = policy.add_subparsers(required=True, metavar="ACTION")
-    check = policy_sub.add_parser(
+    check = _command(
+        policy_sub,
         "check",
-        help="validate policy files (exit 1 if any is invalid)",
-        epilog="example:\n  fedciuic policy check policies/*.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _policy_check,
+        "validate policy files (exit 1 if any is invalid)",
+        "fedciuic policy check policies/*.yaml",
     )
     check.add_argument("files", type=Path, nargs="+", metavar="FILE")
-    check.set_defaults(handler=_policy_check)
-    explain = policy_sub.add_parser(
+    explain = _command(
+        policy_sub,
         "explain",
-        help="what a policy allows, in plain language",
-        epilog="example:\n  fedciuic policy explain policies/cn-pipl.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _policy_explain,
+        "what a policy allows, in plain language",
+        "fedciuic policy explain policies/cn-pipl.yaml",
     )
     explain.add_argument("file", type=Path, metavar="FILE")
-    explain.set_defaults(handler=_policy_explain)
-    diff = policy_sub.add_parser(
+    diff = _command(
+        policy_sub,
         "diff",
-        help="every rule that differs between two policies",
-        epilog="example:\n  fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _policy_diff,
+        "every rule that differs between two policies (exit 1 if any)",
+        "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
     )
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
-    diff.set_defaults(handler=_policy_diff)
     return parser
+
+
+def _command(
+    sub: Any,
+    name: str,
+    handler: Any,
+    help: str,
+    example: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, an example, and the function that runs it."""
+    command: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.set_defaults(handler=handler)
+    return command
 
 
 def app_run_config(app: Path) -> dict[str, Any]:
