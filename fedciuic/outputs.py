@@ -164,8 +164,9 @@ def _policy_notes(data: dict[str, Any]) -> list[str]:
     notes = []
     if "policies" in run:
         held = run["policies"]
+        where = run.get("config", {}).get("aggregator-jurisdiction", "?")
         notes.append(
-            "policies: "
+            f"policies (aggregator in {where}): "
             + (
                 ", ".join(f"{j} {p['hash'][:12]}" for j, p in held.items())
                 if held is not None

@@ -15,7 +15,7 @@ from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
-from fedciuic.outputs import RunRecorder
+from fedciuic.outputs import RunRecorder, summarize
 from fedciuic.policy import PolicyError, load_policy
 from fedciuic.region import TrainOutcome
 from fedciuic.sealing import (
@@ -471,3 +471,23 @@ def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
         _policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder) is None
     )
     assert recorder.data["run"]["policies"] is None
+
+
+def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
+    s = policed[0]
+    s.recorder.data["run"].update(
+        config={"aggregator-jurisdiction": "EU"},
+        policies={"EU": {"file": "eu.yaml", "hash": "ab" * 32}},
+        regions=["eu", "cn"],
+    )
+    s.aggregate_train(
+        1,
+        [
+            reply(11, from_region(policed, "eu", 1.0)),
+            reply(12, from_region(policed, "cn", 3.0, epsilon=20.0)),
+        ],
+    )
+    text = summarize(s.recorder.data)
+    assert "policies (aggregator in EU): EU abababababab" in text
+    assert "round 1: aggregate withheld, global adapter unchanged: 1 region(s)" in text
+    assert "round 1: cn rejected: declared epsilon 20 > 8" in text
