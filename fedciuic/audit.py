@@ -1,0 +1,461 @@
+"""Tamper-evident audit logs: one append-only, hash-chained JSON Lines file per party.
+
+Each line is one record: the canonical JSON of ``seq, time, run_id, round, actor,
+event, details, prev`` with ``,"hash":"<hex>"`` inserted before its closing brace.
+``hash = SHA-256(0x00 || "fedciuic-audit-record/1" || 0x00 || the line without that
+suffix)``, and ``prev`` is the previous record's hash (64 zeros for the first), so
+changing, deleting, inserting or reordering a record breaks the chain. A
+``checkpoint`` record signs ``SHA-256(0x01 || "fedciuic-audit-checkpoint/1" ||
+0x00 || count (u64 big-endian) || head)`` with the party's key, where ``count`` is
+the number of records before it and ``head`` the hash of the last of them: after
+a checkpoint, nobody without that key can rewrite what came before it.
+
+Checkpoints are written every ``checkpoint_every`` records and at the end of each
+round and run, and fsync'ed. A process killed mid-write leaves at most a torn last
+line: the verifier reports it, and the next writer moves it to a side file and
+logs that it did, so nothing is dropped silently. ``docs/audit.md`` is the format
+reference for independent verifiers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fedciuic.crypto.keys import Keypair, PublicBundle
+from fedciuic.errors import FedciuicError
+
+RECORD_LABEL = b"\x00fedciuic-audit-record/1\x00"
+CHECKPOINT_LABEL = b"\x01fedciuic-audit-checkpoint/1\x00"
+GENESIS = "0" * 64
+CHECKPOINT = "checkpoint"
+TORN_TAIL = "torn_tail_moved"
+FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
+_TAIL_READ = 1 << 16
+
+
+class AuditError(FedciuicError):
+    """An audit log cannot be opened or written; the party must not go on without it."""
+
+
+def canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def record_hash(body: bytes) -> str:
+    """The hash of a record's canonical bytes (its line without the hash suffix)."""
+    return hashlib.sha256(RECORD_LABEL + body).hexdigest()
+
+
+def checkpoint_message(count: int, head: str) -> bytes:
+    """What a checkpoint signs: the record count and the chain head, domain-separated."""
+    payload = CHECKPOINT_LABEL + struct.pack(">Q", count) + bytes.fromhex(head)
+    return hashlib.sha256(payload).digest()
+
+
+def _line(record: dict[str, Any]) -> tuple[bytes, str]:
+    body = canonical(record)
+    digest = record_hash(body)
+    return body[:-1] + f',"hash":"{digest}"}}'.encode() + b"\n", digest
+
+
+def split_line(line: bytes) -> tuple[bytes, str]:
+    """A line's canonical body and the hash it claims; ``ValueError`` if it has none."""
+    suffix_len = len(',"hash":"') + 64 + len('"}')
+    tail = line[-suffix_len:]
+    if len(line) <= suffix_len or not tail.startswith(b',"hash":"') or not tail.endswith(b'"}'):
+        raise ValueError('the line does not end with ,"hash":"<64 hex digits>"}')
+    return line[:-suffix_len] + b"}", tail[9:-2].decode("ascii", "replace")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _redact(value: Any, paths: Sequence[tuple[str, str]]) -> Any:
+    if isinstance(value, str):
+        for path, label in paths:
+            value = value.replace(path, label)
+        return value
+    if isinstance(value, Mapping):
+        return {k: _redact(v, paths) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact(v, paths) for v in value]
+    return value
+
+
+class AuditLog:
+    """Appends records to one party's log; safe across processes (an exclusive lock
+    per append, the tail re-read when another process wrote in between)."""
+
+    def __init__(
+        self,
+        path: Path,
+        actor: str,
+        keypair: Keypair | None,
+        *,
+        redact: Sequence[tuple[str, str]] = (),
+        checkpoint_every: int = 64,
+    ) -> None:
+        self.path = path
+        self.actor = actor
+        self.keypair = keypair
+        self.redact = tuple(sorted(redact, key=lambda p: -len(p[0])))
+        self.checkpoint_every = checkpoint_every
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as err:
+            raise AuditError(
+                f"{path}: cannot open the audit log ({err.strerror}); nothing is sent "
+                "without one: fix the folder's permissions or the path"
+            ) from None
+        self._file = os.fdopen(fd, "a+b")
+        self._size = -1
+        self._seq = 0
+        self._head = GENESIS
+        self._since_checkpoint = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def append(
+        self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
+    ) -> str:
+        """Append one record and return its hash; checkpoint when one is due."""
+        with self._locked():
+            digest = self._write(event, run_id, server_round, _redact(details, self.redact))
+            self._since_checkpoint += 1
+            if self._since_checkpoint >= self.checkpoint_every:
+                self._checkpoint(run_id, server_round)
+        return digest
+
+    def checkpoint(self, *, run_id: int, server_round: int | None = None) -> None:
+        """Sign everything so far and flush it to disk."""
+        with self._locked():
+            self._checkpoint(run_id, server_round)
+
+    def _checkpoint(self, run_id: int, server_round: int | None) -> None:
+        details: dict[str, Any] = {"count": self._seq, "head": self._head}
+        if self.keypair is not None:
+            signature = self.keypair.sign(checkpoint_message(self._seq, self._head))
+            details.update(
+                key_id=self.keypair.bundle.key_id.hex(),
+                signature=base64.b64encode(signature).decode("ascii"),
+            )
+        self._write(CHECKPOINT, run_id, server_round, details)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._since_checkpoint = 0
+
+    def _write(
+        self, event: str, run_id: int, server_round: int | None, details: dict[str, Any]
+    ) -> str:
+        record = {
+            "seq": self._seq,
+            "time": _now(),
+            "run_id": run_id,
+            "round": server_round,
+            "actor": self.actor,
+            "event": event,
+            "details": details,
+            "prev": self._head,
+        }
+        line, digest = _line(record)
+        self._file.write(line)
+        self._file.flush()
+        self._size += len(line)
+        self._seq += 1
+        self._head = digest
+        return digest
+
+    def _locked(self) -> _Lock:
+        return _Lock(self)
+
+    def _sync_tail(self) -> None:
+        """Pick up where the file ends (another process may have appended), and move
+        a torn last line aside, logging that it did."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size == self._size:
+            return
+        self._file.seek(max(0, size - _TAIL_READ))
+        tail = self._file.read()
+        if size > _TAIL_READ and tail.count(b"\n") < 2:
+            self._file.seek(0)
+            tail = self._file.read()
+        torn = b""
+        if tail and not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n") + 1
+            torn, tail = tail[cut:], tail[:cut]
+            self._file.truncate(size - len(torn))
+            size -= len(torn)
+        lines = tail.splitlines()
+        if lines:
+            try:
+                last = json.loads(lines[-1])
+                self._seq, self._head = int(last["seq"]) + 1, split_line(lines[-1])[1]
+            except (ValueError, KeyError, TypeError):
+                raise AuditError(
+                    f"{self.path}: the last record is not a fedciuic audit record; the log was "
+                    "altered: keep it as evidence, run `fedciuic audit verify`, start a new log"
+                ) from None
+        self._size = size
+        if torn:
+            side = self.path.with_name(f"{self.path.name}.torn-{time.time_ns()}")
+            side.write_bytes(torn)
+            self._write(
+                TORN_TAIL,
+                0,
+                None,
+                {
+                    "bytes": len(torn),
+                    "sha256": hashlib.sha256(torn).hexdigest(),
+                    "moved_to": side.name,
+                },
+            )
+
+
+class _Lock:
+    def __init__(self, log: AuditLog) -> None:
+        self.log = log
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.log._file.fileno(), fcntl.LOCK_EX)
+        try:
+            self.log._sync_tail()
+        except BaseException:
+            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.log._file.flush()
+        fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
+
+
+# -- reading and verifying ------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """What verifying one log found: OK, or the first bad record and why."""
+
+    path: Path
+    records: int = 0
+    checkpoints: int = 0
+    verified_through: int = -1  # seq of the last checkpoint that verified
+    problem: str | None = None
+    torn_tail: str | None = None
+    unsigned_tail: int = 0  # records after the last checkpoint
+    actor: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None and self.torn_tail is None and self.unsigned_tail == 0
+
+    def explain(self) -> str:
+        covered = (
+            f"verified up to the checkpoint at seq {self.verified_through}"
+            if self.verified_through >= 0
+            else "no checkpoint verified"
+        )
+        if self.ok:
+            return (
+                f"OK: {self.path}: {self.records} records ({self.actor}), {self.checkpoints} "
+                f"signed checkpoints, the last at seq {self.verified_through}"
+            )
+        lines = [f"FAIL: {self.path}: {covered}"]
+        if self.problem:
+            lines.append(f"  {self.problem}")
+        if self.torn_tail:
+            lines.append(f"  {self.torn_tail}")
+        if self.unsigned_tail and not self.problem:
+            lines.append(
+                f"  {self.unsigned_tail} record(s) after the last checkpoint are not covered by a "
+                "signature: the log was truncated or its writer stopped before checkpointing"
+            )
+        return "\n".join(lines)
+
+
+def read_lines(path: Path) -> tuple[list[bytes], bytes]:
+    """The complete lines of a log, and a torn last line (b"" if none)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise AuditError(f"{path}: no audit log here") from None
+    except OSError as err:
+        raise AuditError(f"{path}: cannot read the audit log ({err.strerror})") from None
+    cut = data.rfind(b"\n") + 1
+    return data[:cut].splitlines(), data[cut:]
+
+
+def verify(path: Path, bundle: PublicBundle) -> Verdict:
+    """Check every record's hash and chain, and every checkpoint's signature with
+    ``bundle``; stop at the first bad record and say why."""
+    lines, torn = read_lines(path)
+    verdict = Verdict(path)
+    if torn:
+        verdict.torn_tail = (
+            f"torn tail: the last line ({len(torn)} bytes) is incomplete, a write cut short"
+        )
+    if not lines and not torn:
+        verdict.problem = "the log is empty"
+        return verdict
+    expected, head = 0, GENESIS
+    since = 0
+    for index, line in enumerate(lines):
+        where = f"line {index + 1}"
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or any(f not in record for f in FIELDS):
+                raise ValueError(f"missing fields {[f for f in FIELDS if f not in record]}")
+            body, claimed = split_line(line)
+            seq = record["seq"]
+            if not isinstance(seq, int):
+                raise ValueError("seq is not an integer")
+        except (ValueError, TypeError) as err:
+            verdict.problem = f"{where}: not a fedciuic audit record ({err})"
+            return verdict
+        where = f"{where} (seq {seq}, {record['event']})"
+        if record_hash(body) != claimed or record.get("hash") != claimed:
+            verdict.problem = f"{where}: changed: its content does not match its hash"
+            return verdict
+        if seq < expected:
+            verdict.problem = f"{where}: inserted: seq {seq} comes again after seq {expected - 1}"
+            return verdict
+        if seq > expected:
+            later = any(_seq_of(other) == expected for other in lines[index + 1 :])
+            verdict.problem = (
+                f"{where}: reordered: seq {expected} comes later in the file"
+                if later
+                else f"{where}: deleted: seq {expected} to {seq - 1} are missing"
+            )
+            return verdict
+        if record["prev"] != head:
+            verdict.problem = (
+                f"{where}: inserted or reordered: prev does not name the record before it"
+            )
+            return verdict
+        verdict.actor = verdict.actor or str(record["actor"])
+        if record["event"] == CHECKPOINT:
+            problem = _check_checkpoint(record["details"], seq, head, bundle)
+            if problem:
+                verdict.problem = f"{where}: {problem}"
+                return verdict
+            verdict.checkpoints += 1
+            verdict.verified_through = seq
+            since = -1
+        head, expected = claimed, expected + 1
+        since += 1
+        verdict.records += 1
+    verdict.unsigned_tail = since
+    return verdict
+
+
+def _seq_of(line: bytes) -> int | None:
+    try:
+        value = json.loads(line).get("seq")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _check_checkpoint(details: Any, seq: int, head: str, bundle: PublicBundle) -> str | None:
+    if not isinstance(details, dict):
+        return "checkpoint without details"
+    if details.get("count") != seq or details.get("head") != head:
+        return "checkpoint does not match the records before it (count or head differ)"
+    if "signature" not in details:
+        return "checkpoint has no signature (the party wrote it without a key)"
+    if details.get("key_id") != bundle.key_id.hex():
+        return (
+            f"signed by another key: key id {details.get('key_id')}, expected "
+            f"{bundle.key_id.hex()} ({bundle.party})"
+        )
+    try:
+        signature = base64.b64decode(str(details["signature"]), validate=True)
+    except (binascii.Error, ValueError):
+        return "checkpoint signature is not base64"
+    if not bundle.verify(checkpoint_message(seq, head), signature):
+        return f"checkpoint signature does not verify with key {bundle.key_id.hex()}"
+    return None
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of a log, parsed (for show and report; verify first)."""
+    lines, _ = read_lines(path)
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise AuditError(f"{path}:{number}: not JSON; run `fedciuic audit verify`") from None
+        if not isinstance(record, dict):
+            raise AuditError(f"{path}:{number}: not an audit record")
+        records.append(record)
+    return records
+
+
+@dataclass(frozen=True)
+class Transfer:
+    run_id: int
+    round: int
+    region: str
+    digest: str
+
+
+@dataclass
+class CrossCheck:
+    """Whether what regions logged as sent is what the aggregator logged as received."""
+
+    matched: list[Transfer] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def agree(self) -> bool:
+        return not self.problems
+
+
+def cross_check(
+    aggregator: Iterable[Mapping[str, Any]], regions: Mapping[str, Iterable[Mapping[str, Any]]]
+) -> CrossCheck:
+    """Match each region's ``update_sealed`` with the aggregator's ``update_received``
+    by run, round, region and ciphertext digest."""
+    received = {
+        Transfer(r["run_id"], r["round"], r["details"].get("region", ""), r["details"]["digest"])
+        for r in aggregator
+        if r.get("event") == "update_received"
+    }
+    result = CrossCheck()
+    runs = {t.run_id for t in received}
+    sent: set[Transfer] = set()
+    for region, records in regions.items():
+        for r in records:
+            if r.get("event") == "update_sealed":
+                sent.add(Transfer(r["run_id"], r["round"], region, r["details"]["digest"]))
+    for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region)):
+        if t in sent and t in received:
+            result.matched.append(t)
+        elif t in sent and t.run_id in runs:
+            result.problems.append(
+                f"run {t.run_id} round {t.round}: {t.region} logged sending {t.digest[:16]}, "
+                "the aggregator logged no such update"
+            )
+        elif t in received and t.region in regions:
+            result.problems.append(
+                f"run {t.run_id} round {t.round}: the aggregator logged receiving "
+                f"{t.digest[:16]} from {t.region}, whose log has no such update"
+            )
+    return result
