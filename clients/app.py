@@ -4,27 +4,33 @@ Expected problems (bad data path, unknown region, mismatched base model, missing
 keys, a global adapter the aggregator did not sign, a run its jurisdiction's policy
 refuses) become a decline with every reason; the aggregator records it and goes
 on with the others. With sealing on, an update leaves only inside an envelope
-whose header names the policy the region applied.
+whose header names the policy the region applied. Everything the region decides
+and sends is written to its audit log (in its state-path) before the reply
+leaves, and each reply ends with a signed checkpoint.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from logging import WARNING
+from pathlib import Path
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
-from fedciuic.compliance import enforce_region_policy
+from fedciuic.audit import REGION_LOG, AuditLog, code_version, config_hash, digest
+from fedciuic.compliance import PolicyRefusal, enforce_region_policy
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.policy import LoadedPolicy
-from fedciuic.region import Region, open_region
+from fedciuic.region import TrainOutcome, open_region
 from fedciuic.sealing import RegionKeys, region_keys, update_payload
 
 app = ClientApp()
+_LOGS: dict[Path, AuditLog] = {}
+_JOINED: set[tuple[Path, int]] = set()
 
 
 def _configs(context: Context) -> tuple[RunConfig, NodeConfig]:
@@ -43,6 +49,19 @@ def _keys(run: RunConfig, node: NodeConfig) -> RegionKeys:
     )
 
 
+def _audit(node: NodeConfig) -> AuditLog | None:
+    """The region's audit log (one per state-path, kept open by this process); None
+    when its default place, inside a data-path that does not exist, cannot be made
+    without creating that data-path. Paths are redacted unless the policy says not."""
+    if not node.state_path and not Path(node.data_path).is_dir():
+        return None
+    path = node.state_dir / REGION_LOG
+    if path not in _LOGS:
+        redact = [(str(node.state_dir), "<state-path>"), (node.data_path, "<data-path>")]
+        _LOGS[path] = AuditLog(path, node.region, None, redact=redact)
+    return _LOGS[path]
+
+
 def _name(context: Context) -> str:
     """The region's name for a decline, even when its config is broken."""
     node = context.node_config
@@ -52,50 +71,130 @@ def _name(context: Context) -> str:
         return str(node.get("region") or f"partition-{node.get('partition-id', '?')}")
 
 
-def _decline(msg: Message, context: Context, err: FedciuicError) -> Message:
-    log(WARNING, "fedciuic: region declines: %s", err)
-    return Message(protocol.decline_reply(_name(context), str(err)), reply_to=msg)
+class _Round:
+    """One instruction handled by the region, from checks to reply, with its audit trail."""
 
+    def __init__(self, msg: Message, context: Context) -> None:
+        self.msg, self.context, self.run_id = msg, context, context.run_id
+        self.audit: AuditLog | None = None
+        self.server_round: int | None = None
 
-def _prepare(
-    msg: Message, context: Context, *, training: bool
-) -> tuple[Region, protocol.Instruction, RegionKeys | None, LoadedPolicy | None]:
-    """Open the region and check the instruction and the region's policy before
-    anything is computed."""
-    run, node = _configs(context)
-    task = protocol.read_instruction(msg)
-    keys = None
-    if run.seal:
-        keys = _keys(run, node)
-        keys.check_global(
-            task.signature, task.signer, context.run_id, task.server_round, task.adapter
-        )
-    region = open_region(run, node)
-    policy = enforce_region_policy(
-        run,
-        node,
-        simulated=NodeConfig.is_simulated(context.node_config),
+    def note(self, event: str, **details: object) -> None:
+        if self.audit is not None:
+            self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
+
+    def handle(self, *, training: bool) -> Message:
+        """The reply, once everything about it is in the audit log and signed; a log
+        that cannot be written turns any reply into a decline (fail closed)."""
+        try:
+            reply = self._handle(training)
+            if self.audit is not None:
+                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+        except FedciuicError as err:
+            return self._decline(err)
+        return reply
+
+    def _decline(self, err: FedciuicError) -> Message:
+        log(WARNING, "fedciuic: region declines: %s", err)
+        try:
+            if isinstance(err, PolicyRefusal):
+                self.note("policy_decision", **err.decision.to_record())
+            self.note("declined", reason=str(err))
+            if self.audit is not None:
+                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+        except FedciuicError as audit_err:
+            log(WARNING, "fedciuic: cannot write the audit log: %s", audit_err)
+        return Message(protocol.decline_reply(_name(self.context), str(err)), reply_to=self.msg)
+
+    def _handle(self, training: bool) -> Message:
+        run, node = _configs(self.context)
+        task = protocol.read_instruction(self.msg)
+        self.server_round = task.server_round
+        self.audit = _audit(node)
+        keys = None
+        if run.seal:
+            keys = _keys(run, node)
+            if self.audit is not None:
+                self.audit.keypair = keys.keypair
+            keys.check_global(
+                task.signature, task.signer, self.run_id, task.server_round, task.adapter
+            )
+        region = open_region(run, node)
         # With sealing, where the aggregator sits is what its bundle (our copy) says.
-        aggregator_jurisdiction=keys.aggregator.jurisdiction
-        if keys
-        else run.aggregator_jurisdiction,
-        projected_epsilon=region.projected_epsilon() if training else None,
-    )
-    return region, task, keys, policy
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    try:
-        region, task, keys, policy = _prepare(msg, context, training=True)
+        destination = keys.aggregator.jurisdiction if keys else run.aggregator_jurisdiction
+        checked = enforce_region_policy(
+            run,
+            node,
+            simulated=NodeConfig.is_simulated(self.context.node_config),
+            aggregator_jurisdiction=destination,
+            projected_epsilon=region.projected_epsilon() if training else None,
+        )
+        policy = checked[0] if checked else None
+        if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
+            self.audit.redact = ()
+        self._join(run, keys, policy)
+        if checked is not None:
+            self.note("policy_decision", **checked[1].to_record())
+        if not training:
+            stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
+            self.note("evaluated", examples=stats.num_examples, loss=stats.loss)
+            return Message(protocol.evaluate_reply(region.name, stats), reply_to=self.msg)
         outcome = region.train_round(
             task.adapter,
             server_round=task.server_round,
             base_fingerprint=task.base_fingerprint,
-            run_id=context.run_id,
+            run_id=self.run_id,
         )
+        self._note_trained(outcome)
+        return self._send(outcome, keys, policy, destination)
+
+    def _join(self, run: RunConfig, keys: RegionKeys | None, policy: LoadedPolicy | None) -> None:
+        if self.audit is None or (self.audit.path, self.run_id) in _JOINED:
+            return
+        _JOINED.add((self.audit.path, self.run_id))
+        self.note(
+            "run_joined",
+            config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
+            code_version=code_version(),
+            key_id=keys.keypair.bundle.key_id.hex() if keys else None,
+            aggregator_key_id=keys.aggregator.key_id.hex() if keys else None,
+            policy_hash=policy.hash if policy else None,
+            jurisdiction=policy.policy.jurisdiction if policy else None,
+        )
+
+    def _note_trained(self, outcome: TrainOutcome) -> None:
+        p = outcome.privacy
+        self.note(
+            "trained",
+            examples=outcome.stats.num_examples,
+            steps=outcome.stats.steps,
+            data_fingerprint=outcome.data_fingerprint,
+            epsilon=p.epsilon if p else None,
+            epsilon_budget=p.epsilon_budget if p else None,
+            delta=p.delta if p else None,
+            noise_multiplier=p.noise_multiplier if p else None,
+        )
+
+    def _send(
+        self,
+        outcome: TrainOutcome,
+        keys: RegionKeys | None,
+        policy: LoadedPolicy | None,
+        destination: str,
+    ) -> Message:
+        """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
+        policy_hash = policy.hash if policy else ""
         if keys is None:
-            return Message(protocol.train_reply(outcome, policy), reply_to=msg)
+            self.note(
+                "update_sent_clear",
+                region=outcome.region,
+                digest=digest(outcome.update),
+                bytes=len(outcome.update),
+                suite="none",
+                destination_jurisdiction=destination,
+                policy_hash=policy_hash,
+            )
+            return Message(protocol.train_reply(outcome, policy), reply_to=self.msg)
         payload = update_payload(
             protocol.update_arrays(outcome.update),
             protocol.train_metrics(outcome),
@@ -103,21 +202,30 @@ def train(msg: Message, context: Context) -> Message:
         )
         envelope = keys.seal_update(
             payload,
-            run_id=context.run_id,
-            server_round=task.server_round,
-            policy_hash=policy.hash if policy else "",
+            run_id=self.run_id,
+            server_round=self.server_round or 0,
+            policy_hash=policy_hash,
         )
-    except FedciuicError as err:
-        return _decline(msg, context, err)
-    key_id = keys.keypair.bundle.key_id.hex()
-    return Message(protocol.sealed_reply(region.name, envelope, key_id), reply_to=msg)
+        self.note(
+            "update_sealed",
+            region=outcome.region,
+            digest=digest(envelope),
+            bytes=len(envelope),
+            suite=keys.suite,
+            destination=keys.aggregator.party,
+            destination_jurisdiction=destination,
+            aggregator_key_id=keys.aggregator.key_id.hex(),
+            policy_hash=policy_hash,
+        )
+        key_id = keys.keypair.bundle.key_id.hex()
+        return Message(protocol.sealed_reply(outcome.region, envelope, key_id), reply_to=self.msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return _Round(msg, context).handle(training=True)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    try:
-        region, task, _, _ = _prepare(msg, context, training=False)
-        stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
-    except FedciuicError as err:
-        return _decline(msg, context, err)
-    return Message(protocol.evaluate_reply(region.name, stats), reply_to=msg)
+    return _Round(msg, context).handle(training=False)

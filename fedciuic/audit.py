@@ -42,6 +42,12 @@ GENESIS = "0" * 64
 CHECKPOINT = "checkpoint"
 TORN_TAIL = "torn_tail_moved"
 FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
+#: A region's log, in its state-path; the aggregator's, in its audit folder.
+REGION_LOG = "audit.jsonl"
+AGGREGATOR_LOG = "aggregator.audit.jsonl"
+#: The events in which an update leaves a region, and arrives at the aggregator.
+SENT_EVENTS = ("update_sealed", "update_sent_clear")
+RECEIVED_EVENT = "update_received"
 _TAIL_READ = 1 << 16
 
 
@@ -77,6 +83,29 @@ def split_line(line: bytes) -> tuple[bytes, str]:
     if len(line) <= suffix_len or not tail.startswith(b',"hash":"') or not tail.endswith(b'"}'):
         raise ValueError('the line does not end with ,"hash":"<64 hex digits>"}')
     return line[:-suffix_len] + b"}", tail[9:-2].decode("ascii", "replace")
+
+
+def digest(data: bytes | bytearray | memoryview) -> str:
+    """The SHA-256 of what crossed the relay (an envelope, or a clear update)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """The SHA-256 of a run config's canonical JSON: both ends log it, so they can be
+    shown to have run under the same settings."""
+    return hashlib.sha256(canonical(dict(config))).hexdigest()
+
+
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fedciuic import __version__
+
+    try:
+        flwr = version("flwr")
+    except PackageNotFoundError:  # pragma: no cover - flwr is a dependency
+        flwr = "?"
+    return f"fedciuic {__version__}, flwr {flwr}"
 
 
 def _now() -> str:
@@ -436,14 +465,14 @@ def cross_check(
     received = {
         Transfer(r["run_id"], r["round"], r["details"].get("region", ""), r["details"]["digest"])
         for r in aggregator
-        if r.get("event") == "update_received"
+        if r.get("event") == RECEIVED_EVENT
     }
     result = CrossCheck()
     runs = {t.run_id for t in received}
     sent: set[Transfer] = set()
     for region, records in regions.items():
         for r in records:
-            if r.get("event") == "update_sealed":
+            if r.get("event") in SENT_EVENTS:
                 sent.add(Transfer(r["run_id"], r["round"], region, r["details"]["digest"]))
     for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region)):
         if t in sent and t in received:

@@ -185,6 +185,42 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
+
+    audit = sub.add_parser("audit", help="verify, read and report on tamper-evident audit logs")
+    audit_sub = audit.add_subparsers(required=True, metavar="ACTION")
+    verify = _command(
+        audit_sub,
+        "verify",
+        _audit_verify,
+        "check a log's hash chain and signed checkpoints (exit 1 unless OK)",
+        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
+    )
+    verify.add_argument("log", type=Path, metavar="LOG")
+    verify.add_argument("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json")
+    show = _command(
+        audit_sub,
+        "show",
+        _audit_show,
+        "print a log's records, filtered",
+        "fedciuic audit show runs/audit/aggregator.audit.jsonl --region cn --round 2",
+    )
+    show.add_argument("log", type=Path, metavar="LOG")
+    show.add_argument("--region", help="records by or about this region")
+    show.add_argument("--round", type=int, help="records of this round")
+    show.add_argument("--event", help="records of this event type, e.g. update_rejected")
+    show.add_argument("--run", type=int, help="records of this run id")
+    report = _command(
+        audit_sub,
+        "report",
+        _audit_report,
+        "write a run's compliance report (Markdown and HTML) from the logs",
+        "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
+        "--keys keys/ --out reports/",
+    )
+    report.add_argument("logs", type=Path, nargs="+", metavar="LOG")
+    report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
+    report.add_argument("--run", type=int, help="run id (default: the aggregator's last run)")
+    report.add_argument("--out", type=Path, default=Path("."), help="folder for the report")
     return parser
 
 
@@ -311,7 +347,33 @@ def _simulate(args: argparse.Namespace) -> int:
             raise FederationError(
                 f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
             )
-    return 0
+    return _audit_after_simulation(
+        RunConfig.from_user_config({**defaults, **overrides}, source="run config"),
+        data_root,
+        run_ids[0],
+    )
+
+
+def _audit_after_simulation(run: RunConfig, data_root: Path, run_id: int) -> int:
+    """Verify every party's audit log and write the run's compliance report."""
+    from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, verify
+    from fedciuic.audit_report import open_logs, write_report
+    from fedciuic.crypto.keys import load_bundles
+
+    paths = [run.audit_path / AGGREGATOR_LOG] + [
+        data_root / region / ".fedciuic" / REGION_LOG
+        for region in run.regions
+        if (data_root / region / ".fedciuic" / REGION_LOG).exists()
+    ]
+    logs = open_logs(paths, {})
+    if run.keys_dir:
+        bundles = {b.party: b for b in load_bundles(Path(run.keys_dir)).values()}
+        for log in logs:
+            log.verdict = verify(log.path, bundles[log.actor])
+            print(f"audit: {log.verdict.explain()}")
+    md, _ = write_report(logs, run.output_path / f"run-{run_id}", run_id)
+    print(f"compliance report: {md} (and .html)")
+    return 0 if all(log.verdict is None or log.verdict.ok for log in logs) else 1
 
 
 def _check_policies(run: RunConfig) -> None:
@@ -414,6 +476,53 @@ def _policy_diff(args: argparse.Namespace) -> int:
     print(f"--- {args.a} ({a.hash[:12]})\n+++ {args.b} ({b.hash[:12]})")
     print("\n".join(lines) if lines else "no differences")
     return 1 if lines else 0
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    from fedciuic.audit import verify
+    from fedciuic.crypto.keys import load_bundle
+
+    verdict = verify(args.log, load_bundle(args.pubkey))
+    print(verdict.explain())
+    return 0 if verdict.ok else 1
+
+
+def _audit_show(args: argparse.Namespace) -> int:
+    from fedciuic.audit import load_records
+
+    for record in load_records(args.log):
+        details = record.get("details") or {}
+        if (
+            (args.region and args.region not in (record.get("actor"), details.get("region")))
+            or (args.round is not None and record.get("round") != args.round)
+            or (args.event and record.get("event") != args.event)
+            or (args.run is not None and record.get("run_id") != args.run)
+        ):
+            continue
+        print(
+            f"{record.get('seq'):>5} {record.get('time')} run {record.get('run_id')} "
+            f"round {record.get('round')} {record.get('actor')} {record.get('event')} "
+            + json.dumps(details, sort_keys=True)
+        )
+    return 0
+
+
+def _audit_report(args: argparse.Namespace) -> int:
+    from fedciuic.audit import verify
+    from fedciuic.audit_report import open_logs, write_report
+    from fedciuic.crypto.keys import load_bundles
+
+    logs = open_logs(args.logs, {})
+    if args.keys:
+        bundles = {b.party: b for b in load_bundles(args.keys).values()}
+        for log in logs:
+            if log.actor not in bundles:
+                raise ConfigError([f"--keys {args.keys}: no {log.actor}.pub.json for {log.path}"])
+            log.verdict = verify(log.path, bundles[log.actor])
+            print(log.verdict.explain())
+    md, page = write_report(logs, args.out, args.run)
+    print(f"report: {md}\nreport: {page}")
+    return 0 if all(log.verdict is None or log.verdict.ok for log in logs) else 1
 
 
 if __name__ == "__main__":

@@ -105,8 +105,9 @@ def enforce_region_policy(
     simulated: bool,
     aggregator_jurisdiction: str,
     projected_epsilon: float | None = None,
-) -> LoadedPolicy | None:
-    """Load the region's policy and check the run against it; raise with every reason."""
+) -> tuple[LoadedPolicy, Decision] | None:
+    """Load the region's policy and check the run against it; raise with every reason.
+    None only for a simulated lab baseline with enforce-policies off."""
     loaded = region_policy(run, node, simulated=simulated)
     if loaded is None:
         return None
@@ -119,7 +120,7 @@ def enforce_region_policy(
     decision = check_run(node.region, loaded, terms)
     if not decision.accepted:
         raise PolicyRefusal(decision, loaded.path)
-    return loaded
+    return loaded, decision
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,8 @@ class RunConfig(_Strict):
     #: Off only for lab baselines: in simulation it switches both ends off; a deployed
     #: region always enforces the policy its own node config names.
     enforce_policies: bool = True
+    #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
+    audit_dir: str = ""
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -165,6 +167,14 @@ class RunConfig(_Strict):
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir).expanduser().resolve()
+
+    @property
+    def audit_path(self) -> Path:
+        return (
+            Path(self.audit_dir).expanduser().resolve()
+            if self.audit_dir
+            else (self.output_path / "audit")
+        )
 
 
 class NodeConfig(_Strict):

@@ -9,6 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from fedciuic.audit import AGGREGATOR_LOG, AuditLog, code_version, config_hash
 from fedciuic.compliance import AggregatorPolicies
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
@@ -16,7 +17,7 @@ from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
 from fedciuic.outputs import ADAPTER_DIR, RunRecorder, summarize
 from fedciuic.policy import PolicyError
-from fedciuic.sealing import AggregatorKeys, aggregator_keys
+from fedciuic.sealing import AggregatorKeys, aggregator_keys, model_digest
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()
@@ -50,17 +51,22 @@ def main(grid: Grid, context: Context) -> None:
             "fedciuic: secure-mode is OFF: DP noise comes from a seeded pseudo-random "
             "generator. Fine for experiments; set secure-mode = true for production runs.",
         )
+    audit = None
     try:
+        audit = _audit_log(run)
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
         recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
         keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
+        audit.keypair = keys.keypair if keys else None
         policies = _policies(run, keys, recorder)
+        _run_start(audit, context.run_id, run, keys, policies)
         strategy = RegionalFedAvg(
             run,
             base_fingerprint=model.base_fingerprint,
             recorder=recorder,
             keys=keys,
             policies=policies,
+            audit=audit,
             run_id=context.run_id,
         )
         strategy.start(
@@ -71,11 +77,15 @@ def main(grid: Grid, context: Context) -> None:
         )
         model.load_adapter_state(strategy.global_adapter)
         adapter = model.save_adapter(out_dir / ADAPTER_DIR)
+        final = model_digest(strategy.global_adapter).hex()
+        audit.append("run_end", run_id=context.run_id, status="completed", model_digest=final)
+        audit.checkpoint(run_id=context.run_id)
     except FedciuicError as err:
         recorder.finish("failed", error=str(err))
         log(ERROR, "fedciuic: %s", err)
+        _run_failed(audit, context.run_id, err)
         raise SystemExit(1) from None
-    recorder.finish("completed", adapter=str(adapter))
+    recorder.finish("completed", adapter=str(adapter), audit_log=str(audit.path))
     for line in summarize(recorder.data).splitlines():
         log(INFO, "%s", line)
 
@@ -106,3 +116,53 @@ def _policies(
         for j, p in sorted(policies.policies.by_jurisdiction.items())
     }
     return policies
+
+
+def _audit_log(run: RunConfig) -> AuditLog:
+    """The aggregator's audit log; paths are redacted unless the policy of the
+    aggregator's own jurisdiction (when held) says otherwise."""
+    redact = [(str(run.output_path), "<output-dir>")]
+    redact += [
+        (d, f"<{name}>")
+        for name, d in (("keys-dir", run.keys_dir), ("policies-dir", run.policies_dir))
+        if d
+    ]
+    return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
+
+
+def _run_start(
+    audit: AuditLog,
+    run_id: int,
+    run: RunConfig,
+    keys: AggregatorKeys | None,
+    policies: AggregatorPolicies | None,
+) -> None:
+    own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
+    if own is not None and not own.policy.audit.redact_paths:
+        audit.redact = ()
+    audit.append(
+        "run_start",
+        run_id=run_id,
+        config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
+        code_version=code_version(),
+        regions=list(run.regions),
+        aggregator_jurisdiction=run.aggregator_jurisdiction,
+        relay_jurisdiction=run.relay,
+        key_id=keys.keypair.bundle.key_id.hex() if keys else None,
+        region_key_ids={b.party: kid.hex() for kid, b in keys.regions.items()} if keys else {},
+        policy_hashes=(
+            {j: p.hash for j, p in sorted(policies.policies.by_jurisdiction.items())}
+            if policies
+            else None
+        ),
+    )
+
+
+def _run_failed(audit: AuditLog | None, run_id: int, err: FedciuicError) -> None:
+    if audit is None:
+        return
+    try:
+        audit.append("run_end", run_id=run_id, status="failed", error=str(err))
+        audit.checkpoint(run_id=run_id)
+    except FedciuicError as audit_err:  # the run has failed already; say so, go on
+        log(ERROR, "fedciuic: cannot write the audit log: %s", audit_err)

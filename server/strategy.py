@@ -30,17 +30,19 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from fedciuic.aggregation import Accumulator, apply_delta
+from fedciuic.audit import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.compression import get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
-from fedciuic.policy import UpdateFacts
+from fedciuic.policy import Decision, UpdateFacts
 from fedciuic.sealing import (
     AggregatorKeys,
     EnvelopeRejected,
     InvalidEnvelope,
+    model_digest,
     sign_global,
 )
 
@@ -66,6 +68,7 @@ class RegionalFedAvg(FedAvg):
         recorder: RunRecorder,
         keys: AggregatorKeys | None = None,
         policies: AggregatorPolicies | None = None,
+        audit: AuditLog | None = None,
         run_id: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -81,6 +84,7 @@ class RegionalFedAvg(FedAvg):
         self.recorder = recorder
         self.keys = keys
         self.policies = policies
+        self.audit = audit
         self.run_id = run_id
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
@@ -168,11 +172,12 @@ class RegionalFedAvg(FedAvg):
         )
         accepted: list[protocol.Reply] = []
         for reply in self._read(replies):
+            self._note_arrival(server_round, reply)
             reply, upload = self._unseal(reply, server_round)
             entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
             if reply.status == protocol.TRAINED and self.policies is not None:
                 decision = self.policies.check_update(self._facts(reply))
-                self.recorder.record_decision(server_round, decision.to_record())
+                self._decided(server_round, decision)
                 if not decision.accepted:
                     reply = replace(reply, status="rejected", reason="; ".join(decision.reasons))
                     entry = {"status": "rejected", "reason": reply.reason}
@@ -201,6 +206,7 @@ class RegionalFedAvg(FedAvg):
                             if key in reply.metrics
                         }
                     )
+            self._note_outcome(server_round, reply, entry)
             level = INFO if entry["status"] == protocol.TRAINED else WARNING
             log(
                 level,
@@ -220,11 +226,13 @@ class RegionalFedAvg(FedAvg):
                 server_round,
                 "; ".join(withheld),
             )
+            regions = [r.region for r in accepted]
             self.recorder.record_aggregate(
-                server_round,
-                {"published": False, "regions": [r.region for r in accepted], "reasons": withheld},
+                server_round, {"published": False, "regions": regions, "reasons": withheld}
             )
             self.recorder.save()
+            self._note(server_round, "aggregate_withheld", regions=regions, reasons=withheld)
+            self._checkpoint(server_round)
             return None, None
 
         mean = unflatten(accumulator.mean(), layout)
@@ -235,6 +243,14 @@ class RegionalFedAvg(FedAvg):
             server_round, {"published": True, "regions": [r.region for r in accepted]}
         )
         self.recorder.save()
+        self._note(
+            server_round,
+            "aggregate_published",
+            regions=[r.region for r in accepted],
+            examples=accumulator.weight,
+            model_digest=model_digest(self.global_adapter).hex(),
+        )
+        self._checkpoint(server_round)
         metrics = MetricRecord(
             {
                 "train-loss": loss / accumulator.weight,
@@ -243,6 +259,63 @@ class RegionalFedAvg(FedAvg):
             }
         )
         return protocol.pack_arrays(self.global_adapter), metrics
+
+    # -- audit trail --------------------------------------------------------------------
+
+    def _note(self, server_round: int | None, event: str, **details: Any) -> None:
+        if self.audit is not None:
+            self.audit.append(event, run_id=self.run_id, server_round=server_round, **details)
+
+    def _decided(self, server_round: int, decision: Decision) -> None:
+        self.recorder.record_decision(server_round, decision.to_record())
+        self._note(server_round, "policy_decision", **decision.to_record())
+
+    def _checkpoint(self, server_round: int | None) -> None:
+        if self.audit is not None:
+            self.audit.checkpoint(run_id=self.run_id, server_round=server_round)
+
+    def _note_arrival(self, server_round: int, reply: protocol.Reply) -> None:
+        """What crossed the relay, as received: its digest is what the region logged."""
+        if reply.envelope is not None:
+            data, suite = reply.envelope, "sealed"
+        elif reply.status == protocol.TRAINED and reply.arrays and protocol.UPDATE in reply.arrays:
+            data, suite = reply.arrays[protocol.UPDATE].tobytes(), UNSEALED
+        else:
+            return
+        self._note(
+            server_round,
+            RECEIVED_EVENT,
+            region=reply.region,
+            digest=digest(data),
+            bytes=len(data),
+            suite=suite,
+            sender_key_id=reply.info.get("key-id", ""),
+        )
+
+    def _note_outcome(
+        self, server_round: int, reply: protocol.Reply, entry: dict[str, Any]
+    ) -> None:
+        status = entry["status"]
+        if status == protocol.TRAINED:
+            self._note(
+                server_round,
+                "update_accepted",
+                region=reply.region,
+                examples=entry["num_examples"],
+                epsilon=entry.get("epsilon"),
+                suite=reply.info.get(protocol.SUITE, ""),
+                policy_hash=reply.info.get(protocol.POLICY_HASH, ""),
+            )
+        elif status == protocol.DECLINED:
+            self._note(server_round, "region_declined", region=reply.region, reason=entry["reason"])
+        else:
+            self._note(
+                server_round,
+                "update_rejected" if status == "rejected" else "reply_failed",
+                region=reply.region,
+                reason=entry.get("reason", ""),
+                policy_hash=reply.info.get(protocol.POLICY_HASH, ""),
+            )
 
     def _facts(self, reply: protocol.Reply) -> UpdateFacts:
         """What the sender's policy is checked against; for a sealed update, the
@@ -271,7 +344,7 @@ class RegionalFedAvg(FedAvg):
             {r.region: r.info.get(protocol.JURISDICTION, "") for r in accepted},
             {r.region: int(r.metrics["num-examples"]) for r in accepted},
         )
-        self.recorder.record_decision(server_round, decision.to_record())
+        self._decided(server_round, decision)
         return list(decision.reasons)
 
     def _unseal(self, reply: protocol.Reply, server_round: int) -> tuple[protocol.Reply, int]:

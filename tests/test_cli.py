@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import re
 import stat
+from pathlib import Path
 
+from fedciuic.audit import AuditLog
 from fedciuic.cli import main
+from fedciuic.crypto.keys import Keypair, write_keys
 from tests.conftest import ROOT
 
 
@@ -107,3 +110,143 @@ def test_policy_commands_on_a_missing_file_give_one_line(tmp_path, capsys):
         err == f"fedciuic: error: {tmp_path / 'nope.yaml'}: no policy file here; copy one "
         "from policies/ and adapt it"
     )
+
+
+# -- audit ------------------------------------------------------------------------------
+
+
+def small_federation(tmp_path: Path) -> tuple[Path, dict[str, Keypair]]:
+    """The logs of one round: eu sent an update the aggregator received; cn declined."""
+    keys = {
+        p: Keypair.generate(p, p.upper() if p != "aggregator" else "EU")
+        for p in ("aggregator", "eu", "cn")
+    }
+    for key in keys.values():
+        write_keys(key, tmp_path / "keys")
+    agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    eu = AuditLog(tmp_path / "eu.jsonl", "eu", keys["eu"])
+    cn = AuditLog(tmp_path / "cn.jsonl", "cn", keys["cn"])
+    agg.append(
+        "run_start",
+        run_id=9,
+        regions=["eu", "cn"],
+        config_hash="c" * 64,
+        aggregator_jurisdiction="EU",
+        relay_jurisdiction="EU",
+    )
+    for log, j in ((eu, "EU"), (cn, "CN")):
+        log.append("run_joined", run_id=9, server_round=1, config_hash="c" * 64, jurisdiction=j)
+    eu.append("trained", run_id=9, server_round=1, epsilon=4.0, epsilon_budget=8.0)
+    eu.append(
+        "update_sealed",
+        run_id=9,
+        server_round=1,
+        region="eu",
+        digest="d" * 64,
+        bytes=2200,
+        suite="xwing-aes256gcm",
+        destination="aggregator",
+        destination_jurisdiction="EU",
+    )
+    cn.append(
+        "declined", run_id=9, server_round=1, reason="aggregator in US, CN's policy allows CN"
+    )
+    agg.append(
+        "update_received",
+        run_id=9,
+        server_round=1,
+        region="eu",
+        digest="d" * 64,
+        bytes=2200,
+        suite="sealed",
+    )
+    agg.append("update_accepted", run_id=9, server_round=1, region="eu", examples=60)
+    agg.append("region_declined", run_id=9, server_round=1, region="cn", reason="policy")
+    agg.append(
+        "aggregate_withheld",
+        run_id=9,
+        server_round=1,
+        regions=["eu"],
+        reasons=["1 region(s) in the aggregate, the strictest policy needs 2"],
+    )
+    agg.append("run_end", run_id=9, status="completed", model_digest="m" * 64)
+    for log in (agg, eu, cn):
+        log.checkpoint(run_id=9)
+        log.close()
+    return tmp_path, keys
+
+
+def test_audit_verify_says_ok_or_names_the_bad_record(tmp_path, capsys):
+    folder, _ = small_federation(tmp_path)
+    log, key = folder / "eu.jsonl", folder / "keys" / "eu.pub.json"
+    assert main(["audit", "verify", str(log), "--pubkey", str(key)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {log}: 4 records (eu)")
+    log.write_bytes(log.read_bytes().replace(b'"epsilon":4.0', b'"epsilon":0.4'))
+    assert main(["audit", "verify", str(log), "--pubkey", str(key)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL: {log}: no checkpoint verified")
+    assert "line 2 (seq 1, trained): changed" in out
+    other = folder / "keys" / "cn.pub.json"
+    assert main(["audit", "verify", str(folder / "cn.jsonl"), "--pubkey", str(other)]) == 0
+    assert main(["audit", "verify", str(folder / "cn.jsonl"), "--pubkey", str(key)]) == 1
+    assert "signed by another key" in capsys.readouterr().out
+
+
+def test_audit_verify_on_bad_input_gives_a_verdict_not_a_traceback(tmp_path, capsys):
+    folder, _ = small_federation(tmp_path)
+    key = str(folder / "keys" / "eu.pub.json")
+    (folder / "notes.txt").write_text("not a log\n")
+    assert main(["audit", "verify", str(folder / "notes.txt"), "--pubkey", key]) == 1
+    assert "line 1: not a fedciuic audit record" in capsys.readouterr().out
+    assert main(["audit", "verify", str(folder / "missing.jsonl"), "--pubkey", key]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"fedciuic: error: {folder / 'missing.jsonl'}: no audit log here"
+    (folder / "bad.pub.json").write_text("{}")
+    assert (
+        main(
+            ["audit", "verify", str(folder / "eu.jsonl"), "--pubkey", str(folder / "bad.pub.json")]
+        )
+        == 2
+    )
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_audit_show_filters_by_region_round_and_event(tmp_path, capsys):
+    folder, _ = small_federation(tmp_path)
+    log = str(folder / "aggregator.audit.jsonl")
+    assert main(["audit", "show", log, "--region", "cn"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "region_declined" in lines[0]
+    assert main(["audit", "show", log, "--event", "update_received", "--round", "1"]) == 0
+    assert "update_received" in capsys.readouterr().out
+    assert main(["audit", "show", log, "--round", "5"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_audit_report_shows_transfers_refusals_and_agreement(tmp_path, capsys):
+    folder, _ = small_federation(tmp_path)
+    logs = [str(folder / n) for n in ("aggregator.audit.jsonl", "eu.jsonl", "cn.jsonl")]
+    out = folder / "report"
+    assert main(["audit", "report", *logs, "--keys", str(folder / "keys"), "--out", str(out)]) == 0
+    text = (out / "compliance-report-run-9.md").read_text()
+    assert "| eu | EU |" in text and "4.000 of 8" in text
+    assert "| 1 | eu | aggregator (EU) | 2200 | xwing-aes256gcm | dddddddddddddddd | yes |" in text
+    assert "| 1 | cn | declined | aggregator in US, CN's policy allows CN |" in text
+    assert "withheld aggregate" in text
+    assert "The region and aggregator logs agree." in text
+    assert "GDPR Art. 30(1)" in text and "PIPL Art. 38-40" in text
+    page = (out / "compliance-report-run-9.html").read_text()
+    assert page.startswith("<!doctype html>") and "CN&#x27;s policy allows CN" in page
+
+
+def test_audit_report_flags_logs_that_disagree(tmp_path, capsys):
+    folder, _ = small_federation(tmp_path)
+    eu = folder / "eu.jsonl"
+    eu.write_text(eu.read_text().replace("d" * 64, "e" * 64))  # what eu says it sent
+    logs = [str(folder / "aggregator.audit.jsonl"), str(eu), str(folder / "cn.jsonl")]
+    out = folder / "report"
+    assert main(["audit", "report", *logs, "--keys", str(folder / "keys"), "--out", str(out)]) == 1
+    text = (out / "compliance-report-run-9.md").read_text()
+    assert "The logs DISAGREE:" in text
+    assert "eu logged sending eeeeeeeeeeeeeeee, the aggregator logged no such update" in text
+    assert "| eu |" in text and "FAIL" in text  # and the tampered log does not verify

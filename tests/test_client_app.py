@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients import app as client_app
+from fedciuic.audit import load_records, verify
 from fedciuic.compression import get_codec
-from fedciuic.crypto.keys import Keypair
+from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
 from fedciuic.policy import load_policy
@@ -257,3 +259,58 @@ def test_a_simulated_region_takes_its_jurisdictions_policy_from_policies_dir(
     assert missing.status == "declined" and "run config:policies-dir: empty" in missing.reason
     lab = call(client_app.train, {"partition-id": 1}, {**run, "enforce-policies": False}, model)
     assert lab.status == "trained" and lab.info["policy-hash"] == ""
+
+
+# -- the region's audit log -----------------------------------------------------------
+
+
+def test_the_region_logs_what_it_sealed_before_it_leaves_and_signs_it(
+    model, demo_root, tmp_path, keys_dir
+):
+    node = cn_node(demo_root, tmp_path)
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    got = call(
+        client_app.train,
+        node,
+        {"seal": True, "keys-dir": str(keys_dir)},
+        model,
+        signer=aggregator.keypair,
+    )
+    assert got.status == "sealed" and got.envelope is not None
+    log = tmp_path / "audit.jsonl"
+    assert verify(log, load_bundle(keys_dir / "cn.pub.json")).ok
+    records = load_records(log)
+    events = [r["event"] for r in records]
+    assert events[-4:] == ["policy_decision", "trained", "update_sealed", "checkpoint"]
+    sealed = records[-2]["details"]
+    assert sealed["digest"] == hashlib.sha256(got.envelope).hexdigest()
+    assert sealed["bytes"] == len(got.envelope) and sealed["destination_jurisdiction"] == "EU"
+    assert sealed["policy_hash"] == load_policy(POLICIES / "cn.yaml").hash
+    assert records[-3]["details"]["epsilon"] == pytest.approx(got_epsilon(aggregator, got))
+
+
+def got_epsilon(aggregator, got) -> float:
+    return aggregator.open_update(got.envelope, run_id=7, server_round=1).metrics["epsilon"]
+
+
+def test_a_decline_is_logged_with_every_reason_and_paths_redacted(model, demo_root, tmp_path):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    (tmp_path / "privacy-ledger.jsonl").write_text('{"kind": "header"}\n')
+    got = call(client_app.train, node, {}, model)
+    assert got.status == "declined"
+    records = load_records(tmp_path / "audit.jsonl")
+    declined = [r for r in records if r["event"] == "declined"][-1]
+    assert "corrupted ledger record" in declined["details"]["reason"]
+    assert str(tmp_path) not in (tmp_path / "audit.jsonl").read_text()
+    assert "<state-path>/privacy-ledger.jsonl" in declined["details"]["reason"]
+    assert records[-1]["event"] == "checkpoint"
+
+
+def test_a_policy_refusal_is_logged_as_a_decision(model, demo_root, tmp_path):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    call(client_app.train, node, {"aggregator-jurisdiction": "US"}, model)
+    decision = [
+        r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "policy_decision"
+    ]
+    assert decision[-1]["details"]["outcome"] == "decline"
+    assert len(decision[-1]["details"]["reasons"]) == 3  # aggregator, relay, unsealed

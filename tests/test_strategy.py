@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
+from fedciuic.audit import AuditLog, load_records, verify
 from fedciuic.compliance import AggregatorPolicies
 from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
@@ -491,3 +493,27 @@ def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
     assert "policies (aggregator in EU): EU abababababab" in text
     assert "round 1: aggregate withheld, global adapter unchanged: 1 region(s)" in text
     assert "round 1: cn rejected: declared epsilon 20 > 8" in text
+
+
+def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_path):
+    s = policed[0]
+    s.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", s.keys.keypair)
+    good, bad = from_region(policed, "eu", 1.0), from_region(policed, "cn", 3.0, epsilon=20.0)
+    s.aggregate_train(1, [reply(11, good), reply(12, bad)])
+    records = load_records(s.audit.path)
+    events = [(r["event"], r["details"].get("region")) for r in records]
+    assert events == [
+        ("update_received", "eu"),
+        ("policy_decision", None),
+        ("update_accepted", "eu"),
+        ("update_received", "cn"),
+        ("policy_decision", None),
+        ("update_rejected", "cn"),
+        ("policy_decision", None),
+        ("aggregate_withheld", None),
+        ("checkpoint", None),
+    ]
+    envelope = good.array_records["arrays"]["envelope"].numpy().tobytes()
+    assert records[0]["details"]["digest"] == hashlib.sha256(envelope).hexdigest()
+    assert "declared epsilon 20 > 8" in records[5]["details"]["reason"]
+    assert verify(s.audit.path, s.keys.keypair.bundle).ok

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
+from fedciuic.crypto.keys import load_bundle
 from fedciuic.data import load_region_data
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import byte_tokenizer
@@ -88,6 +90,20 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             ]
             assert decision["outcome"] == "accept" and decision["policy_hash"] == policy.hash
     assert len(captured) > 100_000
+
+    # The audit logs: each verifies with its party's key, and what every region logged
+    # as sent is what the aggregator logged as received (6 updates, by digest).
+    aggregator_log = out / "audit" / AGGREGATOR_LOG
+    region_logs = {r: tmp_path / "state" / r / REGION_LOG for r in REGIONS}
+    for party, path in [("aggregator", aggregator_log), *region_logs.items()]:
+        verdict = verify(path, load_bundle(keys / f"{party}.pub.json"))
+        assert verdict.ok, verdict.explain()
+    check = cross_check(
+        load_records(aggregator_log), {r: load_records(p) for r, p in region_logs.items()}
+    )
+    assert check.agree and len(check.matched) == 6, check.problems
+    for path in region_logs.values():
+        assert str(demo_root) not in path.read_text()  # paths redacted, as the policies say
 
 
 def test_every_process_is_stopped_when_the_body_fails(tmp_path, demo_root):

@@ -54,6 +54,29 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     assert (run_dir / "summary.txt").exists()
     assert not processes_under(tmp_path), "simulate left Flower processes running"
+    # Every party's audit log verifies, and the regions' logs agree with the aggregator's.
+    assert done.stdout.count("audit: OK: ") == 4, done.stdout
+    (report,) = run_dir.glob("compliance-report-run-*.md")
+    text = report.read_text()
+    assert "The region and aggregator logs agree." in text
+    assert text.count("| yes |") == 6  # 3 regions x 2 rounds, each received as sent
+    (keys,) = (tmp_path / "runs" / ".flower").glob("*/keys")
+    verified = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedciuic.cli",
+            "audit",
+            "verify",
+            str(tmp_path / "runs" / "audit" / "aggregator.audit.jsonl"),
+            "--pubkey",
+            str(keys / "aggregator.pub.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verified.returncode == 0 and verified.stdout.startswith("OK: "), verified.stdout
 
 
 def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path):
