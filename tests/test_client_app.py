@@ -290,7 +290,7 @@ def test_the_region_logs_what_it_sealed_before_it_leaves_and_signs_it(
 
 
 def got_epsilon(aggregator, got) -> float:
-    return aggregator.open_update(got.envelope, run_id=7, server_round=1).metrics["epsilon"]
+    return float(aggregator.open_update(got.envelope, run_id=7, server_round=1).metrics["epsilon"])
 
 
 def test_a_decline_is_logged_with_every_reason_and_paths_redacted(model, demo_root, tmp_path):
