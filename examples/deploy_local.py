@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
+from fedciuic.audit_report import verify_and_report
 from fedciuic.demo_data import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.outputs import METRICS_FILE, summarize
@@ -70,9 +72,20 @@ def main() -> int:
                 echo=sys.stdout,
             )
         print("all Flower processes stopped")
-    data = json.loads((output_dir / f"run-{run_id}" / METRICS_FILE).read_text(encoding="utf-8"))
-    print(summarize(data))
-    return 0 if data["run"]["status"] == "completed" else 1
+        data = json.loads((output_dir / f"run-{run_id}" / METRICS_FILE).read_text(encoding="utf-8"))
+        print(summarize(data))
+        # Each party's audit log, verified with its public key, and the run's report.
+        ok, lines = verify_and_report(
+            [
+                output_dir / "audit" / AGGREGATOR_LOG,
+                *(Path(tmp) / "state" / region / REGION_LOG for region in regions),
+            ],
+            keys,
+            output_dir / f"run-{run_id}",
+            run_id,
+        )
+        print("\n".join(lines))
+    return 0 if data["run"]["status"] == "completed" and ok else 1
 
 
 if __name__ == "__main__":

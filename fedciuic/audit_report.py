@@ -378,3 +378,26 @@ def write_report(
     md.write_text(to_markdown(run_id, sections), encoding="utf-8")
     page.write_text(to_html(run_id, sections), encoding="utf-8")
     return md, page
+
+
+def verify_and_report(
+    paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
+) -> tuple[bool, list[str]]:
+    """Verify each log with its party's bundle from ``keys_dir`` (when given), write
+    the report, and say what was found: (all verified, lines to print)."""
+    from fedciuic.audit import verify
+    from fedciuic.crypto.keys import load_bundles
+    from fedciuic.errors import ConfigError
+
+    logs = open_logs(paths, {})
+    lines = []
+    if keys_dir is not None:
+        bundles = {b.party: b for b in load_bundles(keys_dir).values()}
+        for log in logs:
+            if log.actor not in bundles:
+                raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
+            log.verdict = verify(log.path, bundles[log.actor])
+            lines.append(f"audit: {log.verdict.explain()}")
+    md, _ = write_report(logs, out_dir, run_id)
+    lines.append(f"compliance report: {md} (and .html)")
+    return all(log.verdict is None or log.verdict.ok for log in logs), lines

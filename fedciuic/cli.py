@@ -320,6 +320,9 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["keys-dir"] = str(
             generate_federation_keys(workdir / "keys", run.regions, run.aggregator_jurisdiction)
         )
+        # Fresh keys are a fresh aggregator: its audit log starts with them.
+        if not run.audit_dir:
+            overrides["audit-dir"] = str(workdir / "audit")
     variants = [overrides]
     if args.compare_no_dp and run.dp:
         variants.append({**overrides, "dp": False, "enforce-policies": False})
@@ -356,24 +359,18 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _audit_after_simulation(run: RunConfig, data_root: Path, run_id: int) -> int:
     """Verify every party's audit log and write the run's compliance report."""
-    from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, verify
-    from fedciuic.audit_report import open_logs, write_report
-    from fedciuic.crypto.keys import load_bundles
+    from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
+    from fedciuic.audit_report import verify_and_report
 
-    paths = [run.audit_path / AGGREGATOR_LOG] + [
-        data_root / region / ".fedciuic" / REGION_LOG
-        for region in run.regions
-        if (data_root / region / ".fedciuic" / REGION_LOG).exists()
-    ]
-    logs = open_logs(paths, {})
-    if run.keys_dir:
-        bundles = {b.party: b for b in load_bundles(Path(run.keys_dir)).values()}
-        for log in logs:
-            log.verdict = verify(log.path, bundles[log.actor])
-            print(f"audit: {log.verdict.explain()}")
-    md, _ = write_report(logs, run.output_path / f"run-{run_id}", run_id)
-    print(f"compliance report: {md} (and .html)")
-    return 0 if all(log.verdict is None or log.verdict.ok for log in logs) else 1
+    region_logs = [data_root / region / ".fedciuic" / REGION_LOG for region in run.regions]
+    ok, lines = verify_and_report(
+        [run.audit_path / AGGREGATOR_LOG, *(p for p in region_logs if p.exists())],
+        Path(run.keys_dir) if run.keys_dir else None,
+        run.output_path / f"run-{run_id}",
+        run_id,
+    )
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def _check_policies(run: RunConfig) -> None:
@@ -508,21 +505,11 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_report(args: argparse.Namespace) -> int:
-    from fedciuic.audit import verify
-    from fedciuic.audit_report import open_logs, write_report
-    from fedciuic.crypto.keys import load_bundles
+    from fedciuic.audit_report import verify_and_report
 
-    logs = open_logs(args.logs, {})
-    if args.keys:
-        bundles = {b.party: b for b in load_bundles(args.keys).values()}
-        for log in logs:
-            if log.actor not in bundles:
-                raise ConfigError([f"--keys {args.keys}: no {log.actor}.pub.json for {log.path}"])
-            log.verdict = verify(log.path, bundles[log.actor])
-            print(log.verdict.explain())
-    md, page = write_report(logs, args.out, args.run)
-    print(f"report: {md}\nreport: {page}")
-    return 0 if all(log.verdict is None or log.verdict.ok for log in logs) else 1
+    ok, lines = verify_and_report(args.logs, args.keys, args.out, args.run)
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

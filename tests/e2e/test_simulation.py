@@ -60,7 +60,8 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     text = report.read_text()
     assert "The region and aggregator logs agree." in text
     assert text.count("| yes |") == 6  # 3 regions x 2 rounds, each received as sent
-    (keys,) = (tmp_path / "runs" / ".flower").glob("*/keys")
+    (workdir,) = (tmp_path / "runs" / ".flower").iterdir()
+    keys = workdir / "keys"
     verified = subprocess.run(
         [
             sys.executable,
@@ -68,7 +69,7 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
             "fedciuic.cli",
             "audit",
             "verify",
-            str(tmp_path / "runs" / "audit" / "aggregator.audit.jsonl"),
+            str(workdir / "audit" / "aggregator.audit.jsonl"),
             "--pubkey",
             str(keys / "aggregator.pub.json"),
         ],
