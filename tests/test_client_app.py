@@ -116,16 +116,16 @@ def keys_dir(tmp_path_factory) -> Path:
     return generate_federation_keys(tmp_path_factory.mktemp("keys"), ("eu", "cn", "us"))
 
 
+def sealed_train(model, node, keys_dir):
+    """A sealed round as the aggregator would start it; the reply and the aggregator's keys."""
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    run = {"seal": True, "keys-dir": str(keys_dir)}
+    return call(client_app.train, node, run, model, signer=aggregator.keypair), aggregator
+
+
 def test_sealed_update_opens_only_at_the_aggregator(model, demo_root, tmp_path, keys_dir):
     node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
-    aggregator = aggregator_keys(str(keys_dir), 2**28)
-    got = call(
-        client_app.train,
-        node,
-        {"seal": True, "keys-dir": str(keys_dir)},
-        model,
-        signer=aggregator.keypair,
-    )
+    got, aggregator = sealed_train(model, node, keys_dir)
     assert got.status == "sealed" and got.arrays is None and got.envelope
     opened = aggregator.open_update(got.envelope, run_id=7, server_round=1)
     assert opened.sender.party == "cn" and opened.info["region"] == "cn"
@@ -267,15 +267,7 @@ def test_a_simulated_region_takes_its_jurisdictions_policy_from_policies_dir(
 def test_the_region_logs_what_it_sealed_before_it_leaves_and_signs_it(
     model, demo_root, tmp_path, keys_dir
 ):
-    node = cn_node(demo_root, tmp_path)
-    aggregator = aggregator_keys(str(keys_dir), 2**28)
-    got = call(
-        client_app.train,
-        node,
-        {"seal": True, "keys-dir": str(keys_dir)},
-        model,
-        signer=aggregator.keypair,
-    )
+    got, aggregator = sealed_train(model, cn_node(demo_root, tmp_path), keys_dir)
     assert got.status == "sealed" and got.envelope is not None
     log = tmp_path / "audit.jsonl"
     assert verify(log, load_bundle(keys_dir / "cn.pub.json")).ok
