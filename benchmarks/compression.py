@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregation import Accumulator
+from fedciuic.aggregation import Accumulator, Bounds, check
 from fedciuic.compression import get_codec
 from fedciuic.demo_data import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
@@ -96,9 +96,9 @@ def aggregation_cost(codec_spec: str, n: int, count: int) -> tuple[float, float]
         handle.write("5")  # reset the peak RSS: measure the aggregation alone
     before = _rss("VmRSS")
     start = time.perf_counter()
-    acc = Accumulator(codec, n)
+    acc = Accumulator(n)
     for blob in updates:
-        acc.add(blob, 10.0)
+        acc.add(check(codec, blob, n, 10.0, Bounds()))
     acc.mean()
     seconds = time.perf_counter() - start
     return seconds, float(_rss("VmHWM") - before)

@@ -99,6 +99,12 @@ class RunConfig(_Strict):
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
     codec: str = "topk-int8:0.015"
+    # Validation and aggregation of updates (docs/robustness.md): an update whose
+    # decoded delta has a larger L2 norm is rejected (or clipped); 0 turns the bound off.
+    max_update_norm: float = Field(default=50.0, ge=0)
+    update_norm_action: Literal["reject", "clip"] = "reject"
+    max_examples: int = Field(default=10_000_000, ge=1)
+    aggregation: str = "fedavg"
     # Jurisdiction policies (policies/README.md). Where the aggregator (ServerApp)
     # and the relay (SuperLink) sit; the relay defaults to the aggregator's place.
     aggregator_jurisdiction: str = "EU"
@@ -135,6 +141,14 @@ class RunConfig(_Strict):
         from fedciuic.compression import get_codec
 
         get_codec(value)  # ValueError names the known codecs
+        return value
+
+    @field_validator("aggregation")
+    @classmethod
+    def _check_aggregation(cls, value: str) -> str:
+        from fedciuic.aggregation import make_aggregator
+
+        make_aggregator(value, 1)  # ValueError names the known rules
         return value
 
     @field_validator("aggregator_jurisdiction", "relay_jurisdiction")

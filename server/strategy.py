@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from fedciuic.aggregation import Accumulator, apply_delta
+from fedciuic.aggregation import Bounds, apply_delta, check, make_aggregator
 from fedciuic.audit import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.compression import get_codec, layout_of, unflatten
@@ -167,8 +167,11 @@ class RegionalFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         layout = layout_of(self.global_adapter)
-        accumulator = Accumulator(
-            get_codec(self.run.codec), sum(int(np.prod(shape)) for _, shape in layout)
+        n = sum(int(np.prod(shape)) for _, shape in layout)
+        accumulator = make_aggregator(self.run.aggregation, n)
+        codec = get_codec(self.run.codec)
+        bounds = Bounds(
+            self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
         )
         accepted: list[protocol.Reply] = []
         for reply in self._read(replies):
@@ -183,14 +186,19 @@ class RegionalFedAvg(FedAvg):
                     entry = {"status": "rejected", "reason": reply.reason}
             if reply.status == protocol.TRAINED:
                 try:
-                    update = (reply.arrays or {}).get(protocol.UPDATE)
-                    if update is None:
-                        raise ValueError("a trained reply carries no update")
-                    accumulator.add(update.tobytes(), reply.metrics.get("num-examples", 0.0))
+                    checked = check(
+                        codec,
+                        self._update_bytes(reply),
+                        n,
+                        reply.metrics.get("num-examples", 0.0),
+                        bounds,
+                    )
                 except ValueError as err:
                     entry = {"status": "rejected", "reason": str(err)}
                 else:
+                    accumulator.add(checked)
                     accepted.append(reply)
+                    entry.update(norm=checked.norm, clipped=checked.clipped)
                     entry.update(
                         loss=reply.metrics["train-loss"],
                         num_examples=int(reply.metrics["num-examples"]),
@@ -316,6 +324,21 @@ class RegionalFedAvg(FedAvg):
                 reason=entry.get("reason", ""),
                 policy_hash=reply.info.get(protocol.POLICY_HASH, ""),
             )
+
+    def _update_bytes(self, reply: protocol.Reply) -> bytes:
+        """The one compressed update a trained reply may carry, within the size cap."""
+        arrays = reply.arrays or {}
+        if set(arrays) != {protocol.UPDATE}:
+            raise ValueError(f"a trained reply carries {sorted(arrays)}, expected ['update']")
+        update = arrays[protocol.UPDATE]
+        if update.dtype != np.uint8 or update.ndim != 1:
+            raise ValueError(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
+        if update.nbytes > self.run.max_update_bytes:
+            raise ValueError(
+                f"update of {update.nbytes} bytes is over max-update-bytes "
+                f"{self.run.max_update_bytes}"
+            )
+        return update.tobytes()
 
     def _facts(self, reply: protocol.Reply) -> UpdateFacts:
         """What the sender's policy is checked against; for a sealed update, the

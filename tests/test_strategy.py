@@ -203,10 +203,11 @@ def sealed_reply_from(
     metrics: dict[str, float] | None = None,
     policy_hash: str = "",
     suite: str = "xwing-aes256gcm",
+    n: int = 4,
 ) -> RecordDict:
     region = keypair.bundle.party
     payload = update_payload(
-        protocol.update_arrays(encoded(value)),
+        protocol.update_arrays(encoded(value, n)),
         metrics or {"num-examples": 10, "train-loss": 1.0},
         {"region": region, "status": "trained", "data-fingerprint": "fp"},
     )
@@ -240,19 +241,13 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
     s, regions = sealed_strategy
     agg = s.keys.keypair.bundle
     good = sealed_reply_from(regions["eu"], agg, 1.0)
-    tampered = sealed_reply_from(regions["us"], agg, 5.0)
-    raw = bytearray(tampered.array_records[protocol.ARRAYS][protocol.ENVELOPE].numpy().tobytes())
-    raw[-100] ^= 1
-    tampered[protocol.ARRAYS] = ArrayRecord(
-        {protocol.ENVELOPE: protocol.pack_arrays({"e": np.frombuffer(bytes(raw), np.uint8)})["e"]}
-    )
     arrays, _ = s.aggregate_train(
         1,
         [
             reply(11, good),
             reply(12, good),  # the same envelope again
             reply(13, sealed_reply_from(regions["cn"], agg, 9.0, server_round=2)),
-            reply(14, tampered),
+            reply(14, tampered(sealed_reply_from(regions["us"], agg, 5.0))),
             reply(15, trained("us", 7.0, 10)),  # in the clear
         ],
     )
@@ -322,7 +317,15 @@ def policy_hash(folder: Path, region: str) -> str:
     return load_policy(folder / f"{region}.yaml").hash
 
 
-def from_region(policed, region: str, value: float, **changes) -> RecordDict:
+def from_region(
+    policed,
+    region: str,
+    value: float,
+    n: int = 4,
+    server_round: int = 1,
+    run_id: int = 7,
+    **changes,
+) -> RecordDict:
     s, regions, folder = policed
     metrics = {k: v for k, v in {**DP_METRICS, **changes}.items() if v is not None}
     return sealed_reply_from(
@@ -331,7 +334,19 @@ def from_region(policed, region: str, value: float, **changes) -> RecordDict:
         value,
         metrics=metrics,
         policy_hash=policy_hash(folder, region),
+        n=n,
+        server_round=server_round,
+        run_id=run_id,
     )
+
+
+def tampered(content: RecordDict) -> RecordDict:
+    raw = bytearray(content.array_records[protocol.ARRAYS][protocol.ENVELOPE].numpy().tobytes())
+    raw[-100] ^= 1
+    content[protocol.ARRAYS] = ArrayRecord(
+        {protocol.ENVELOPE: protocol.pack_arrays({"e": np.frombuffer(bytes(raw), np.uint8)})["e"]}
+    )
+    return content
 
 
 def test_updates_within_their_senders_policies_are_aggregated(policed):
@@ -517,3 +532,86 @@ def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_pa
     assert records[0]["details"]["digest"] == hashlib.sha256(envelope).hexdigest()
     assert "declared epsilon 20 > 8" in records[5]["details"]["reason"]
     assert verify(s.audit.path, s.keys.keypair.bundle).ok
+
+
+# -- hostile input: rejected, audited, and the round goes on or ends explicitly ------------
+
+HOSTILE = {
+    "tampered ciphertext": (lambda p: tampered(from_region(p, "cn", 1.0)), "invalid envelope"),
+    "replay from another round": (
+        lambda p: from_region(p, "cn", 1.0, server_round=2),
+        "envelope is for round 2, this is round 1",
+    ),
+    "replay from another run": (
+        lambda p: from_region(p, "cn", 1.0, run_id=8),
+        "envelope is for run 8",
+    ),
+    "NaN values": (lambda p: from_region(p, "cn", float("nan")), "NaN"),
+    "Inf values": (lambda p: from_region(p, "cn", float("inf")), "inf"),
+    "wrong shape": (lambda p: from_region(p, "cn", 1.0, n=3), "update has 3 entries"),
+    "scaled by 100": (lambda p: from_region(p, "cn", 100.0), "over max-update-norm 50"),
+    "oversized message": (lambda p: from_region(p, "cn", 1.0, n=300_000), "byte limit"),
+    "implausible example count": (
+        lambda p: from_region(p, "cn", 1.0, **{"num-examples": 1e9}),  # type: ignore[arg-type]
+        "over max-examples",
+    ),
+}
+
+
+@pytest.fixture
+def audited(policed, tmp_path):
+    s = policed[0]
+    s.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", s.keys.keypair)
+    return policed
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_update_is_rejected_and_audited_and_the_round_goes_on(audited, case):
+    s = audited[0]
+    make, reason = HOSTILE[case]
+    arrays, _ = s.aggregate_train(
+        1,
+        [
+            reply(11, from_region(audited, "eu", 1.0)),
+            reply(12, make(audited)),
+            reply(13, from_region(audited, "us", 3.0)),
+        ],
+    )
+    assert arrays is not None  # eu and us meet the policies' minimums
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+    assert s.recorder.data["rounds"]["1"]["train"]["cn"]["status"] == "rejected"
+    rejected = [
+        r
+        for r in load_records(s.audit.path)
+        if r["event"] == "update_rejected" and r["details"]["region"] == "cn"
+    ]
+    assert len(rejected) == 1 and reason in rejected[0]["details"]["reason"], rejected
+    assert verify(s.audit.path, s.keys.keypair.bundle).ok
+
+
+@pytest.mark.parametrize("case", ["NaN values", "scaled by 100", "tampered ciphertext"])
+def test_below_the_minimums_the_round_ends_explicitly_and_the_model_is_untouched(audited, case):
+    s = audited[0]
+    before = s.global_adapter["w"].copy()
+    make, _ = HOSTILE[case]
+    arrays, metrics = s.aggregate_train(
+        1, [reply(11, from_region(audited, "eu", 1.0)), reply(12, make(audited))]
+    )
+    assert arrays is None and metrics is None
+    np.testing.assert_array_equal(s.global_adapter["w"], before)
+    events = [r["event"] for r in load_records(s.audit.path)]
+    assert "update_rejected" in events and events[-2:] == ["aggregate_withheld", "checkpoint"]
+
+
+def test_a_clipped_update_is_recorded_with_its_norm(policed):
+    s = policed[0]
+    s.run = s.run.model_copy(update={"update_norm_action": "clip", "max_update_norm": 2.0})
+    arrays, _ = s.aggregate_train(
+        1,
+        [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 100.0))],
+    )
+    assert arrays is not None
+    cn = s.recorder.data["rounds"]["1"]["train"]["cn"]
+    assert cn["clipped"] is True and cn["norm"] == pytest.approx(200.0)
+    # eu's delta (norm 2) is within the bound; cn's is scaled to norm 2: all ones.
+    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0, rtol=1e-5)
