@@ -25,8 +25,8 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.policy import LoadedPolicy
-from fedciuic.region import TrainOutcome, open_region
-from fedciuic.sealing import RegionKeys, region_keys, update_payload
+from fedciuic.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
+from fedciuic.sealing import RegionKeys, read_update_payload, region_keys, update_payload
 
 app = ClientApp()
 _LOGS: dict[Path, AuditLog] = {}
@@ -75,7 +75,11 @@ class _Round:
     """One instruction handled by the region, from checks to reply, with its audit trail."""
 
     def __init__(self, msg: Message, context: Context) -> None:
-        self.msg, self.context, self.run_id = msg, context, context.run_id
+        self.msg, self.context = msg, context
+        # Flower's run id binds envelopes and signatures; the federation's run id (the
+        # same, unless this run resumes another) keys the ledger, the audit log and
+        # the updates kept for resending.
+        self.flower_run = self.run_id = context.run_id
         self.audit: AuditLog | None = None
         self.server_round: int | None = None
 
@@ -110,6 +114,7 @@ class _Round:
         run, node = _configs(self.context)
         task = protocol.read_instruction(self.msg)
         self.server_round = task.server_round
+        self.run_id = task.federation_run or self.flower_run
         self.audit = _audit(node)
         keys = None
         if run.seal:
@@ -117,9 +122,11 @@ class _Round:
             if self.audit is not None:
                 self.audit.keypair = keys.keypair
             keys.check_global(
-                task.signature, task.signer, self.run_id, task.server_round, task.adapter
+                task.signature, task.signer, self.flower_run, task.server_round, task.adapter
             )
         region = open_region(run, node)
+        sent = SentUpdates(node.state_dir)
+        kept = sent.load(self.run_id, task.server_round) if training else None
         # With sealing, where the aggregator sits is what its bundle (our copy) says.
         destination = keys.aggregator.jurisdiction if keys else run.aggregator_jurisdiction
         checked = enforce_region_policy(
@@ -127,7 +134,7 @@ class _Round:
             node,
             simulated=NodeConfig.is_simulated(self.context.node_config),
             aggregator_jurisdiction=destination,
-            projected_epsilon=region.projected_epsilon() if training else None,
+            projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
         policy = checked[0] if checked else None
         if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
@@ -139,6 +146,17 @@ class _Round:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
             self.note("evaluated", examples=stats.num_examples, loss=stats.loss)
             return Message(protocol.evaluate_reply(region.name, stats), reply_to=self.msg)
+        if kept is not None:
+            # This round was released before the aggregator restarted: the same update
+            # again, no second release and no second charge to the ledger.
+            self.note("update_resent", federation_run=self.run_id, flower_run=self.flower_run)
+            return self._send(region.name, kept, keys, policy, destination)
+        if region.released(self.run_id, task.server_round):
+            raise AlreadyReleased(
+                f"region {region.name}: round {task.server_round} of run {self.run_id} was "
+                "already released (the privacy ledger records it) and its update was not "
+                "kept; nothing is released twice, so this region sits out the round"
+            )
         outcome = region.train_round(
             task.adapter,
             server_round=task.server_round,
@@ -146,7 +164,13 @@ class _Round:
             run_id=self.run_id,
         )
         self._note_trained(outcome)
-        return self._send(outcome, keys, policy, destination)
+        payload = update_payload(
+            protocol.update_arrays(outcome.update),
+            protocol.train_metrics(outcome),
+            protocol.train_info(outcome, policy),
+        )
+        sent.save(self.run_id, task.server_round, payload)
+        return self._send(region.name, payload, keys, policy, destination)
 
     def _join(self, run: RunConfig, keys: RegionKeys | None, policy: LoadedPolicy | None) -> None:
         if self.audit is None or (self.audit.path, self.run_id) in _JOINED:
@@ -177,7 +201,8 @@ class _Round:
 
     def _send(
         self,
-        outcome: TrainOutcome,
+        region: str,
+        payload: bytes,
         keys: RegionKeys | None,
         policy: LoadedPolicy | None,
         destination: str,
@@ -185,30 +210,27 @@ class _Round:
         """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
         policy_hash = policy.hash if policy else ""
         if keys is None:
+            arrays, metrics, info = read_update_payload(payload)
+            update = arrays[protocol.UPDATE].tobytes()
             self.note(
                 "update_sent_clear",
-                region=outcome.region,
-                digest=digest(outcome.update),
-                bytes=len(outcome.update),
+                region=region,
+                digest=digest(update),
+                bytes=len(update),
                 suite="none",
                 destination_jurisdiction=destination,
                 policy_hash=policy_hash,
             )
-            return Message(protocol.train_reply(outcome, policy), reply_to=self.msg)
-        payload = update_payload(
-            protocol.update_arrays(outcome.update),
-            protocol.train_metrics(outcome),
-            protocol.train_info(outcome, policy),
-        )
+            return Message(protocol.clear_reply(arrays, metrics, info), reply_to=self.msg)
         envelope = keys.seal_update(
             payload,
-            run_id=self.run_id,
+            run_id=self.flower_run,
             server_round=self.server_round or 0,
             policy_hash=policy_hash,
         )
         self.note(
             "update_sealed",
-            region=outcome.region,
+            region=region,
             digest=digest(envelope),
             bytes=len(envelope),
             suite=keys.suite,
@@ -218,7 +240,7 @@ class _Round:
             policy_hash=policy_hash,
         )
         key_id = keys.keypair.bundle.key_id.hex()
-        return Message(protocol.sealed_reply(outcome.region, envelope, key_id), reply_to=self.msg)
+        return Message(protocol.sealed_reply(region, envelope, key_id), reply_to=self.msg)
 
 
 @app.train()

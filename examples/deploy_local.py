@@ -1,8 +1,12 @@
 """Deployment on 127.0.0.1: a real flower-superlink, one flower-supernode per region, flwr run.
 
-Run from the repository root, inside the project's venv:
+By default the SuperLink serves TLS only (a CA and certificate made here with
+``fedciuic tls generate``) and admits only registered SuperNodes (one EC P-384
+key per region, registered with ``flwr supernode register``). ``--insecure`` runs
+the plain loopback variant instead. Run from the repository root, in the venv:
 
     .venv/bin/python examples/deploy_local.py --rounds 2
+    .venv/bin/python examples/deploy_local.py --rounds 2 --insecure
 
 Every process it starts is stopped when it ends, also on errors or Ctrl-C. The
 same commands by hand are in the README ("Deployment").
@@ -23,6 +27,7 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.outputs import METRICS_FILE, summarize
 from fedciuic.policy import load_policies
 from fedciuic.sealing import generate_federation_keys
+from fedciuic.tls import generate_server_tls, generate_supernode_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +38,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data-root", type=Path, help="one folder per region (default: demo data)")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "runs")
+    parser.add_argument(
+        "--insecure", action="store_true", help="no TLS, no SuperNode authentication"
+    )
     args = parser.parse_args()
 
     regions = tuple(r.strip() for r in args.regions.split(","))
@@ -45,9 +53,15 @@ def main() -> int:
         keys = generate_federation_keys(Path(tmp) / "keys", regions)
         # Each region enforces its own jurisdiction's policy; the shipped ones here.
         policies = load_policies(ROOT / "policies")
+        tls = None if args.insecure else generate_server_tls(Path(tmp) / "tls", ["127.0.0.1"])
         with LocalFederation(Path(tmp) / "work", ROOT) as federation:
-            address = federation.start_superlink(simulation=False)
-            print(f"flower-superlink on {address} (pid {federation.pids()[0]})")
+            address = federation.start_superlink(
+                simulation=False, tls=tls, supernode_auth=not args.insecure
+            )
+            print(
+                f"flower-superlink on {address} (pid {federation.pids()[0]}), "
+                + ("insecure" if args.insecure else "TLS, SuperNode authentication")
+            )
             for region in regions:
                 node = {
                     "region": region,
@@ -57,7 +71,11 @@ def main() -> int:
                     "aggregator-bundle": str(keys / "aggregator.pub.json"),
                     "policy": str(policies.require(region.upper()).path),
                 }
-                managed = federation.start_supernode(region, node)
+                auth_key = None
+                if not args.insecure:
+                    auth_key, public = generate_supernode_key(Path(tmp) / "auth", region)
+                    federation.register_supernode(public, region)
+                managed = federation.start_supernode(region, node, auth_key=auth_key)
                 print(f"flower-supernode {region} (pid {managed.process.pid})")
             run_id, _ = federation.run_app(
                 {
@@ -67,6 +85,8 @@ def main() -> int:
                     "data-root": "",
                     "keys-dir": str(keys),
                     "policies-dir": str(ROOT / "policies"),
+                    # Fresh keys each time: the aggregator's log starts with them.
+                    "audit-dir": str(Path(tmp) / "audit"),
                 },
                 timeout=1800,
                 echo=sys.stdout,
@@ -77,7 +97,7 @@ def main() -> int:
         # Each party's audit log, verified with its public key, and the run's report.
         ok, lines = verify_and_report(
             [
-                output_dir / "audit" / AGGREGATOR_LOG,
+                Path(tmp) / "audit" / AGGREGATOR_LOG,
                 *(Path(tmp) / "state" / region / REGION_LOG for region in regions),
             ],
             keys,

@@ -172,6 +172,34 @@ class AuditLog:
                 self._checkpoint(run_id, server_round)
         return digest
 
+    def position(self) -> tuple[int, str]:
+        """The number of records and the chain head now (for the aggregator's checkpoint)."""
+        with self._locked():
+            return self._seq, self._head
+
+    def check_continues(self, seq: int, head: str) -> None:
+        """Refuse to go on unless the log still holds record ``seq - 1`` with hash ``head``
+        (what it was when a checkpoint was taken): no rewrite, no gap."""
+        with self._locked():
+            found = GENESIS
+            if seq > 0:
+                self._file.seek(0)
+                for line in self._file:
+                    try:
+                        if json.loads(line).get("seq") == seq - 1:
+                            found = split_line(line.rstrip(b"\n"))[1]
+                            break
+                    except ValueError:
+                        continue
+                else:
+                    found = ""
+            if found != head:
+                raise AuditError(
+                    f"{self.path}: the log no longer holds the record the checkpoint names "
+                    f"(seq {seq - 1}, hash {head[:16]}); it was rewritten or replaced: run "
+                    "`fedciuic audit verify` on it before resuming"
+                )
+
     def checkpoint(self, *, run_id: int, server_round: int | None = None) -> None:
         """Sign everything so far and flush it to disk."""
         with self._locked():

@@ -186,6 +186,34 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
 
+    tls = sub.add_parser("tls", help="certificates for a TLS SuperLink, SuperNode auth keys")
+    tls_sub = tls.add_subparsers(required=True, metavar="ACTION")
+    server = _command(
+        tls_sub,
+        "generate",
+        _tls_generate,
+        "write a CA (ca.pem, ca.key) and the SuperLink's certificate and key",
+        "fedciuic tls generate --out certs/ --host superlink.example.org --host 10.0.0.5",
+    )
+    server.add_argument("--out", type=Path, required=True, help="folder for the files")
+    server.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        help="a name or address the SuperLink is reached at (repeatable)",
+    )
+    server.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    node_key = _command(
+        tls_sub,
+        "supernode-key",
+        _tls_supernode_key,
+        "write a SuperNode's authentication key pair (register the .pub with flwr)",
+        "fedciuic tls supernode-key --name eu --out auth/\n"
+        "  flwr supernode register auth/eu.auth.pub",
+    )
+    node_key.add_argument("--name", required=True, help="the SuperNode's region, e.g. eu")
+    node_key.add_argument("--out", type=Path, required=True, help="folder for the two files")
+
     audit = sub.add_parser("audit", help="verify, read and report on tamper-evident audit logs")
     audit_sub = audit.add_subparsers(required=True, metavar="ACTION")
     verify = _command(
@@ -473,6 +501,25 @@ def _policy_diff(args: argparse.Namespace) -> int:
     print(f"--- {args.a} ({a.hash[:12]})\n+++ {args.b} ({b.hash[:12]})")
     print("\n".join(lines) if lines else "no differences")
     return 1 if lines else 0
+
+
+def _tls_generate(args: argparse.Namespace) -> int:
+    from fedciuic.tls import generate_server_tls
+
+    files = generate_server_tls(args.out, args.host, args.days)
+    print(f"CA certificate (give it to every SuperNode and flwr user): {files.ca_cert}")
+    print(f"SuperLink certificate and key: {files.server_cert}, {files.server_key}")
+    print(f"CA key (keep offline): {args.out / 'ca.key'}")
+    return 0
+
+
+def _tls_supernode_key(args: argparse.Namespace) -> int:
+    from fedciuic.tls import generate_supernode_key
+
+    private, public = generate_supernode_key(args.out, args.name)
+    print(f"private key (--auth-supernode-private-key, stays with the SuperNode): {private}")
+    print(f"public key (flwr supernode register {public}): {public}")
+    return 0
 
 
 def _audit_verify(args: argparse.Namespace) -> int:

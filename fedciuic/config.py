@@ -117,6 +117,8 @@ class RunConfig(_Strict):
     enforce_policies: bool = True
     #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
     audit_dir: str = ""
+    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint.
+    resume_from: str = ""
 
     @field_validator("regions", mode="before")
     @classmethod

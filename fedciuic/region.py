@@ -7,6 +7,7 @@ what comes back. A region built once per process is reused across rounds.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,6 +44,42 @@ from fedciuic.train import EvalStats, TrainStats, evaluate, train_local
 
 class BaseModelMismatch(FedciuicError):
     """The region's base model differs from the aggregator's."""
+
+
+class AlreadyReleased(FedciuicError):
+    """This round was released before and its update is gone: nothing is sent twice."""
+
+
+class SentUpdates:
+    """The update a region released for each round of the current run, kept on its own
+    disk so that a restarted aggregator gets the same update again instead of a second
+    release (and a second charge to the privacy budget)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir / "sent"
+
+    def _path(self, run_id: int, server_round: int) -> Path:
+        return self.dir / f"run-{run_id}-round-{server_round}.update"
+
+    def load(self, run_id: int, server_round: int) -> bytes | None:
+        try:
+            return self._path(run_id, server_round).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def save(self, run_id: int, server_round: int, payload: bytes) -> None:
+        """Write before the update leaves (fsync'ed); other runs' updates are dropped."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob("run-*.update"):
+            if not old.name.startswith(f"run-{run_id}-round-"):
+                old.unlink(missing_ok=True)
+        target = self._path(run_id, server_round)
+        tmp = target.with_suffix(".tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
 
 
 @dataclass(frozen=True)
@@ -172,6 +209,15 @@ class Region:
             run.target_epsilon, run.target_delta, rate, planned, run.dp_accountant
         )
         return (noise, rate, run.local_steps)
+
+    def released(self, run_id: int, server_round: int) -> bool:
+        """Whether the ledger already records this round of this run (DP runs only)."""
+        if not self.run.dp or not self.ledger_path.exists():
+            return False
+        with locked(self.ledger_path):
+            return any(
+                r.run_id == run_id and r.round == server_round for r in self._ledger().rounds
+            )
 
     def projected_epsilon(self) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),

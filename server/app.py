@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from logging import ERROR, INFO, WARNING
+from pathlib import Path
 
 import torch
 from flwr.app import Context
@@ -10,6 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedciuic.audit import AGGREGATOR_LOG, AuditLog, code_version, config_hash
+from fedciuic.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fedciuic.compliance import AggregatorPolicies
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
@@ -59,7 +61,9 @@ def main(grid: Grid, context: Context) -> None:
         keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
         audit.keypair = keys.keypair if keys else None
         policies = _policies(run, keys, recorder)
-        _run_start(audit, context.run_id, run, keys, policies)
+        resumed = _resume(run, model.base_fingerprint, audit, recorder)
+        federation_run = resumed.federation_run if resumed else context.run_id
+        _run_start(audit, federation_run, context.run_id, run, keys, policies, resumed)
         strategy = RegionalFedAvg(
             run,
             base_fingerprint=model.base_fingerprint,
@@ -68,18 +72,21 @@ def main(grid: Grid, context: Context) -> None:
             policies=policies,
             audit=audit,
             run_id=context.run_id,
+            federation_run=federation_run,
+            checkpoints=out_dir / "checkpoint",
         )
         strategy.start(
             grid,
-            protocol.pack_arrays(model.adapter_state()),
+            protocol.pack_arrays(resumed.adapter if resumed else model.adapter_state()),
             num_rounds=run.num_server_rounds,
             timeout=run.round_timeout,
+            first_round=resumed.round + 1 if resumed else 1,
         )
         model.load_adapter_state(strategy.global_adapter)
         adapter = model.save_adapter(out_dir / ADAPTER_DIR)
         final = model_digest(strategy.global_adapter).hex()
-        audit.append("run_end", run_id=context.run_id, status="completed", model_digest=final)
-        audit.checkpoint(run_id=context.run_id)
+        audit.append("run_end", run_id=federation_run, status="completed", model_digest=final)
+        audit.checkpoint(run_id=federation_run)
     except FedciuicError as err:
         recorder.finish("failed", error=str(err))
         log(ERROR, "fedciuic: %s", err)
@@ -130,12 +137,50 @@ def _audit_log(run: RunConfig) -> AuditLog:
     return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
 
 
+def _resume(
+    run: RunConfig, base_fingerprint: str, audit: AuditLog, recorder: RunRecorder
+) -> Checkpoint | None:
+    """The checkpoint to resume from (resume-from), checked against this model and
+    against the audit log, which must still hold what the checkpoint saw."""
+    if not run.resume_from:
+        return None
+    checkpoint = load_checkpoint(Path(run.resume_from).expanduser())
+    if checkpoint.base_fingerprint != base_fingerprint:
+        raise CheckpointError(
+            f"run config:resume-from: {run.resume_from} was trained on another base model "
+            f"({checkpoint.base_fingerprint[:12]}, this one is {base_fingerprint[:12]}); use "
+            "the same model-preset and seed, or the same model-path"
+        )
+    if checkpoint.round >= run.num_server_rounds:
+        raise CheckpointError(
+            f"run config:resume-from: {run.resume_from} has completed round "
+            f"{checkpoint.round} of {run.num_server_rounds}; nothing is left to resume"
+        )
+    audit.check_continues(checkpoint.audit_seq, checkpoint.audit_head)
+    recorder.data["rounds"] = checkpoint.rounds
+    recorder.data["run"]["resumed_from"] = {
+        "federation_run": checkpoint.federation_run,
+        "round": checkpoint.round,
+        "checkpoint": run.resume_from,
+    }
+    log(
+        INFO,
+        "fedciuic: resuming run %d after round %d (%s)",
+        checkpoint.federation_run,
+        checkpoint.round,
+        run.resume_from,
+    )
+    return checkpoint
+
+
 def _run_start(
     audit: AuditLog,
     run_id: int,
+    flower_run: int,
     run: RunConfig,
     keys: AggregatorKeys | None,
     policies: AggregatorPolicies | None,
+    resumed: Checkpoint | None,
 ) -> None:
     own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
     if own is not None and not own.policy.audit.redact_paths:
@@ -155,6 +200,8 @@ def _run_start(
             if policies
             else None
         ),
+        flower_run=flower_run,
+        resumed_after_round=resumed.round if resumed else None,
     )
 
 

@@ -21,16 +21,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedciuic.aggregation import Bounds, apply_delta, check, make_aggregator
 from fedciuic.audit import RECEIVED_EVENT, AuditLog, digest
+from fedciuic.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.compression import get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
@@ -70,6 +72,8 @@ class RegionalFedAvg(FedAvg):
         policies: AggregatorPolicies | None = None,
         audit: AuditLog | None = None,
         run_id: int = 0,
+        federation_run: int = 0,
+        checkpoints: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
@@ -85,7 +89,9 @@ class RegionalFedAvg(FedAvg):
         self.keys = keys
         self.policies = policies
         self.audit = audit
-        self.run_id = run_id
+        self.run_id = run_id  # Flower's: binds envelopes and signatures
+        self.federation_run = federation_run or run_id  # kept when a run is resumed
+        self.checkpoints = checkpoints
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
         self.regions_by_node: dict[int, str] = {}
@@ -138,6 +144,7 @@ class RegionalFedAvg(FedAvg):
             config=config,
             signature=signature,
             signer=signer,
+            federation_run=self.federation_run,
         )
         return self._construct_messages(content, self.wait_for_regions(grid), kind)
 
@@ -272,7 +279,9 @@ class RegionalFedAvg(FedAvg):
 
     def _note(self, server_round: int | None, event: str, **details: Any) -> None:
         if self.audit is not None:
-            self.audit.append(event, run_id=self.run_id, server_round=server_round, **details)
+            self.audit.append(
+                event, run_id=self.federation_run, server_round=server_round, **details
+            )
 
     def _decided(self, server_round: int, decision: Decision) -> None:
         self.recorder.record_decision(server_round, decision.to_record())
@@ -280,7 +289,7 @@ class RegionalFedAvg(FedAvg):
 
     def _checkpoint(self, server_round: int | None) -> None:
         if self.audit is not None:
-            self.audit.checkpoint(run_id=self.run_id, server_round=server_round)
+            self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
 
     def _note_arrival(self, server_round: int, reply: protocol.Reply) -> None:
         """What crossed the relay, as received: its digest is what the region logged."""
@@ -461,22 +470,47 @@ class RegionalFedAvg(FedAvg):
         initial_arrays: ArrayRecord,
         num_rounds: int,
         timeout: float,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-    ) -> Result:
-        """Evaluate the initial adapter in every region, then run Flower's round loop."""
+        first_round: int = 1,
+    ) -> ArrayRecord:
+        """Evaluate the initial adapter in every region (unless resuming), then run
+        rounds ``first_round`` to ``num_rounds``, checkpointing after each; return the
+        final global adapter."""
         self.global_adapter = protocol.unpack_arrays(initial_arrays)
-        log(INFO, "[ROUND 0] evaluating the initial adapter in every region")
-        replies = grid.send_and_receive(
-            self.configure_evaluate(0, initial_arrays, evaluate_config or ConfigRecord(), grid),
-            timeout=timeout,
-        )
-        self.aggregate_evaluate(0, replies)
-        return super().start(
-            grid,
-            initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
+        arrays, empty = initial_arrays, ConfigRecord()
+        if first_round == 1:
+            log(INFO, "[ROUND 0] evaluating the initial adapter in every region")
+            replies = grid.send_and_receive(
+                self.configure_evaluate(0, arrays, empty, grid), timeout=timeout
+            )
+            self.aggregate_evaluate(0, replies)
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
+            replies = grid.send_and_receive(
+                self.configure_train(server_round, arrays, empty, grid), timeout=timeout
+            )
+            aggregated, _ = self.aggregate_train(server_round, replies)
+            arrays = aggregated if aggregated is not None else arrays
+            replies = grid.send_and_receive(
+                self.configure_evaluate(server_round, arrays, empty, grid), timeout=timeout
+            )
+            self.aggregate_evaluate(server_round, replies)
+            self._save_checkpoint(server_round)
+        return arrays
+
+    def _save_checkpoint(self, server_round: int) -> None:
+        """The round is done: its adapter, records and the audit log's position."""
+        if self.checkpoints is None:
+            return
+        seq, head = self.audit.position() if self.audit is not None else (0, "")
+        save_checkpoint(
+            self.checkpoints,
+            Checkpoint(
+                federation_run=self.federation_run,
+                round=server_round,
+                base_fingerprint=self.base_fingerprint,
+                adapter=self.global_adapter,
+                audit_seq=seq,
+                audit_head=head,
+                rounds=self.recorder.data["rounds"],
+            ),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -247,18 +248,47 @@ def test_a_deployed_region_without_a_policy_sends_nothing_whatever_the_run_confi
     assert "node config:policy: not set" in got.reason
 
 
+def simulated_root(demo_root: Path, folder: Path) -> Path:
+    """A data-root of our own: simulated regions keep their state inside it."""
+    shutil.copytree(demo_root / "cn", folder / "cn")
+    return folder
+
+
 def test_a_simulated_region_takes_its_jurisdictions_policy_from_policies_dir(
     model, demo_root, tmp_path
 ):
-    run = {"data-root": str(demo_root), "policies-dir": str(POLICIES)}
+    root = simulated_root(demo_root, tmp_path / "a")
+    run = {"data-root": str(root), "policies-dir": str(POLICIES)}
     got = call(client_app.train, {"partition-id": 1}, run, model)
     assert got.status == "trained" and got.region == "cn"
     assert got.info["jurisdiction"] == "CN"
     assert got.info["policy-hash"] == load_policy(POLICIES / "cn.yaml").hash
     missing = call(client_app.train, {"partition-id": 1}, {**run, "policies-dir": ""}, model)
     assert missing.status == "declined" and "run config:policies-dir: empty" in missing.reason
-    lab = call(client_app.train, {"partition-id": 1}, {**run, "enforce-policies": False}, model)
+    lab_root = simulated_root(demo_root, tmp_path / "b")
+    lab_run = {"data-root": str(lab_root), "enforce-policies": False}
+    lab = call(client_app.train, {"partition-id": 1}, lab_run, model)
     assert lab.status == "trained" and lab.info["policy-hash"] == ""
+
+
+def test_a_released_round_is_resent_as_it_was_never_trained_twice(model, demo_root, tmp_path):
+    """A restarted aggregator asks again: the same update, no second ledger charge."""
+    node = cn_node(demo_root, tmp_path)
+    first = call(client_app.train, node, {}, model)
+    ledger = (tmp_path / "privacy-ledger.jsonl").read_text()
+    again = call(client_app.train, node, {}, model)
+    assert again.status == "trained"
+    assert again.arrays is not None and first.arrays is not None
+    np.testing.assert_array_equal(again.arrays["update"], first.arrays["update"])
+    assert again.metrics == first.metrics
+    assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
+    assert "update_resent" in [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
+    # Without the kept update, the region sits out rather than release the round again.
+    for kept in (tmp_path / "sent").iterdir():
+        kept.unlink()
+    lost = call(client_app.train, node, {}, model)
+    assert lost.status == "declined" and "was already released" in lost.reason
+    assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
 
 
 # -- the region's audit log -----------------------------------------------------------

@@ -12,7 +12,9 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ from typing import IO, Any
 import psutil
 
 from fedciuic.errors import FederationError
+from fedciuic.tls import ServerTls
 
 CONNECTION = "fedciuic"
 
@@ -84,6 +87,7 @@ class LocalFederation:
         self.processes: list[Managed] = []
         self.runs = 0
         self.superlink_address = ""
+        self.tls: ServerTls | None = None
         # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
         # our interpreter's bin folder first so that they come from the same venv.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -145,8 +149,26 @@ class LocalFederation:
                 proc.kill()
         psutil.wait_procs(alive, timeout=5)
         for managed in self.processes:
+            # Each process leads its own group: whatever it left behind (a helper of a
+            # SuperNode that already exited, say) goes with the group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(managed.process.pid, signal.SIGKILL)
             if managed.process.poll() is None:
                 managed.process.wait(timeout=5)
+
+    def expect_exit(self, managed: Managed, timeout: float) -> int:
+        """Wait for a process that must exit on its own (a refused SuperNode, say);
+        stop what it left behind and return its exit code."""
+        try:
+            code = managed.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise FederationError(
+                f"{managed.name} was expected to exit within {timeout:.0f}s; see {managed.log_path}"
+            ) from None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(managed.process.pid, signal.SIGKILL)
+        self.processes.remove(managed)
+        return code
 
     def check_alive(self, processes: list[Managed] | None = None) -> None:
         """Raise, with the end of its log, if a process we started has exited."""
@@ -160,18 +182,30 @@ class LocalFederation:
 
     # -- Flower ---------------------------------------------------------------------
 
-    def start_superlink(self, *, simulation: bool, timeout: float = 60.0) -> str:
-        """Start ``flower-superlink`` on a free port and wait until it answers."""
+    def start_superlink(
+        self,
+        *,
+        simulation: bool,
+        timeout: float = 60.0,
+        tls: ServerTls | None = None,
+        supernode_auth: bool = False,
+    ) -> str:
+        """Start ``flower-superlink`` on a free port and wait until it answers; with
+        ``tls`` it serves TLS only, with ``supernode_auth`` only registered SuperNodes
+        may connect (:meth:`register_supernode`)."""
         port = free_port()
+        self.tls = tls
         cmd = [
             _bin("flower-superlink"),
-            "--insecure",
+            *(_tls_args(tls) if tls else ["--insecure"]),
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
             "--disable-runtime-dependency-installation",
         ]
+        if supernode_auth:
+            cmd.append("--enable-supernode-auth")
         if simulation:
             cmd.append("--simulation")
         managed = self._spawn("superlink", cmd)
@@ -180,7 +214,7 @@ class LocalFederation:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if _healthy(port):
+            if _healthy(port, tls):
                 return self.superlink_address
             time.sleep(0.3)
         raise FederationError(
@@ -190,19 +224,48 @@ class LocalFederation:
 
     def _write_connection(self) -> None:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
+        security = (
+            f"root-certificates = {json.dumps(str(self.tls.ca_cert))}\ninsecure = false\n"
+            if self.tls
+            else "insecure = true\n"
+        )
         (self.flwr_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "{self.superlink_address}"\ninsecure = true\n',
+            f'[superlink.{CONNECTION}]\naddress = "{self.superlink_address}"\n{security}',
             encoding="utf-8",
         )
 
+    def register_supernode(self, public_key: Path, name: str) -> None:
+        """``flwr supernode register``: allow the SuperNode holding this key to connect."""
+        done = subprocess.run(
+            [_bin("flwr"), "supernode", "register", str(public_key), CONNECTION, "--name", name],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=self.workdir,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise FederationError(
+                f"flwr supernode register {public_key} failed:\n{done.stdout}{done.stderr}"
+            )
+
     def start_supernode(
-        self, name: str, node_config: Mapping[str, Any], *, superlink: str = ""
+        self,
+        name: str,
+        node_config: Mapping[str, Any],
+        *,
+        superlink: str = "",
+        auth_key: Path | None = None,
     ) -> Managed:
-        """Start one ``flower-supernode`` with its own ``--node-config``."""
+        """Start one ``flower-supernode`` with its own ``--node-config`` (trusting the
+        SuperLink's CA when it serves TLS; authenticating with ``auth_key`` if given)."""
+        security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
+        if auth_key is not None:
+            security += ["--auth-supernode-private-key", str(auth_key)]
         cmd = [
             _bin("flower-supernode"),
-            "--insecure",
+            *security,
             "--superlink",
             superlink or self.superlink_address,
             "--host",
@@ -277,9 +340,24 @@ def _echo(path: Path, shown: int, stream: IO[str] | None) -> int:
     return len(data)
 
 
-def _healthy(port: int) -> bool:
+def _tls_args(tls: ServerTls) -> list[str]:
+    return [
+        "--ssl-ca-certfile",
+        str(tls.ca_cert),
+        "--ssl-certfile",
+        str(tls.server_cert),
+        "--ssl-keyfile",
+        str(tls.server_key),
+    ]
+
+
+def _healthy(port: int, tls: ServerTls | None = None) -> bool:
+    scheme = "https" if tls else "http"
+    context = ssl.create_default_context(cafile=str(tls.ca_cert)) if tls else None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+        with urllib.request.urlopen(
+            f"{scheme}://127.0.0.1:{port}/health", timeout=1, context=context
+        ) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False

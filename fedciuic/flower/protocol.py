@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -45,10 +46,14 @@ def instruction(
     config: ConfigRecord,
     signature: bytes = b"",
     signer: str = "",
+    federation_run: int = 0,
 ) -> RecordDict:
-    """What the aggregator sends: the global adapter, signed, and the round's settings."""
+    """What the aggregator sends: the global adapter, signed, and the round's settings.
+    ``federation_run`` is the run id that started the federation: a resumed run keeps
+    it, so that regions account and cache by it (nothing is released twice)."""
     merged = ConfigRecord(dict(config))
     merged["server-round"] = server_round
+    merged["federation-run"] = federation_run
     merged["base-fingerprint"] = base_fingerprint
     merged["model-signature"] = signature
     merged["aggregator-key-id"] = signer
@@ -62,6 +67,7 @@ class Instruction:
     base_fingerprint: str
     signature: bytes = b""
     signer: str = ""
+    federation_run: int = 0  # 0: this run started the federation
 
 
 def read_instruction(message: Message) -> Instruction:
@@ -72,6 +78,7 @@ def read_instruction(message: Message) -> Instruction:
         base_fingerprint=str(config["base-fingerprint"]),
         signature=bytes(config.get("model-signature", b"")),  # type: ignore[arg-type]
         signer=str(config.get("aggregator-key-id", "")),
+        federation_run=int(config.get("federation-run", 0)),  # type: ignore[arg-type]
     )
 
 
@@ -110,14 +117,22 @@ def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dic
     }
 
 
-def train_reply(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> RecordDict:
+def clear_reply(
+    arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any], info: Mapping[str, str]
+) -> RecordDict:
     """An update in the clear (``seal = false`` only)."""
     return RecordDict(
         {
-            ARRAYS: pack_arrays(update_arrays(outcome.update)),
-            METRICS: MetricRecord(train_metrics(outcome)),
-            INFO: ConfigRecord(dict(train_info(outcome, policy))),
+            ARRAYS: pack_arrays(arrays),
+            METRICS: MetricRecord(dict(metrics)),
+            INFO: ConfigRecord(dict(info)),
         }
+    )
+
+
+def train_reply(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> RecordDict:
+    return clear_reply(
+        update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
     )
 
 

@@ -11,6 +11,7 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import byte_tokenizer
 from fedciuic.policy import load_policy
 from fedciuic.sealing import generate_federation_keys
+from fedciuic.tls import generate_server_tls, generate_supernode_key
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run
 
@@ -21,12 +22,23 @@ REGIONS = ("eu", "cn", "us")
 def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
     tmp_path, demo_root
 ):
+    """TLS and SuperNode authentication on: an unregistered SuperNode is refused."""
     out = tmp_path / "runs"
     keys = generate_federation_keys(tmp_path / "keys", REGIONS)
+    tls = generate_server_tls(tmp_path / "tls", ["127.0.0.1"])
     with LocalFederation(tmp_path / "work", ROOT) as federation:
-        address = federation.start_superlink(simulation=False)
+        address = federation.start_superlink(simulation=False, tls=tls, supernode_auth=True)
         # Every byte between the SuperNodes and the SuperLink goes through this relay.
         proxy = RecordingProxy(int(address.rsplit(":", 1)[1]))
+        intruder_key, _ = generate_supernode_key(tmp_path / "auth", "intruder")
+        intruder = federation.start_supernode(
+            "intruder",
+            {"region": "us", "data-path": str(demo_root / "us")},
+            superlink=f"127.0.0.1:{proxy.port}",
+            auth_key=intruder_key,
+        )
+        assert federation.expect_exit(intruder, timeout=120) != 0
+        assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         for region in REGIONS:
             node = {
                 "region": region,
@@ -36,7 +48,11 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "aggregator-bundle": str(keys / "aggregator.pub.json"),
                 "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
             }
-            federation.start_supernode(region, node, superlink=f"127.0.0.1:{proxy.port}")
+            private, public = generate_supernode_key(tmp_path / "auth", region)
+            federation.register_supernode(public, region)
+            federation.start_supernode(
+                region, node, superlink=f"127.0.0.1:{proxy.port}", auth_key=private
+            )
         pids = federation.pids()
         assert len(pids) == 4
         federation.run_app(
@@ -73,15 +89,14 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
         assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()
         assert eval_loss(data, 2, region) < eval_loss(data, 0, region)
-        # The sealed plaintext carries the data fingerprint; the relay never saw it,
-        # while what travels in the clear (the sender's key id) is plainly visible.
+        # Over TLS the relay sees neither the sealed plaintext (the data fingerprint)
+        # nor what the envelope header carries in the clear (key id, policy hash).
         key_id = (keys / f"{region}.pub.json").read_text().split('"key_id": "')[1][:32]
-        assert key_id.encode() in captured
+        assert key_id.encode() not in captured
         assert own.fingerprint.encode() not in captured
-        # Each update was checked against its sender's shipped policy, whose hash the
-        # region put in the envelope header (authenticated, readable by the relay).
+        # Each update was checked against its sender's shipped policy.
         policy = load_policy(ROOT / "policies" / SHIPPED_POLICIES[region.upper()])
-        assert bytes.fromhex(policy.hash) in captured
+        assert bytes.fromhex(policy.hash) not in captured
         for server_round in ("1", "2"):
             (decision,) = [
                 d
@@ -90,6 +105,8 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             ]
             assert decision["outcome"] == "accept" and decision["policy_hash"] == policy.hash
     assert len(captured) > 100_000
+    superlink_log = (tmp_path / "work" / "logs" / "superlink.log").read_text()
+    assert "No SuperNode found with the given public key" in superlink_log  # the intruder
 
     # The audit logs: each verifies with its party's key, and what every region logged
     # as sent is what the aggregator logged as received (6 updates, by digest).

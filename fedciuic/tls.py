@@ -1,0 +1,155 @@
+"""Certificates for a TLS SuperLink and keys for SuperNode authentication (``cryptography``).
+
+A deployment needs: a CA, whose certificate every SuperNode (and ``flwr``) trusts
+(``--root-certificates``); a server certificate for the SuperLink, signed by that CA,
+for the names and addresses it is reached at; and, with ``--enable-supernode-auth``,
+one EC P-384 key pair per SuperNode (OpenSSH format) whose public half is
+registered with ``flwr supernode register`` before the SuperNode may connect.
+Private keys are written with mode 0600 and never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedciuic.errors import FedciuicError
+
+
+class TlsError(FedciuicError):
+    """A certificate or key cannot be written."""
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """What ``flower-superlink`` needs for TLS, and what clients trust."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise TlsError(
+            f"{path}: already exists; keys are never overwritten: remove it yourself or "
+            "choose another --out"
+        ) from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedciuic federation"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def generate_server_tls(out: Path, hosts: list[str], days: int = 365) -> ServerTls:
+    """A CA and a SuperLink certificate for ``hosts`` (names or IP addresses)."""
+    if not hosts:
+        raise TlsError("--host: give at least one name or address the SuperLink is reached at")
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = _name("fedciuic federation CA")
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA384())
+    )
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(hosts[0]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(_san(hosts), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    pem = serialization.Encoding.PEM
+    files = ServerTls(out / "ca.pem", out / "superlink.pem", out / "superlink.key")
+    _write_private(
+        out / "ca.key",
+        ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+    _write_private(
+        files.server_key,
+        server_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
+    files.ca_cert.write_bytes(ca_cert.public_bytes(pem))
+    files.server_cert.write_bytes(server_cert.public_bytes(pem))
+    return files
+
+
+def generate_supernode_key(out: Path, name: str) -> tuple[Path, Path]:
+    """An EC P-384 key pair for SuperNode authentication: NAME.auth.key (OpenSSH,
+    0600) for ``--auth-supernode-private-key``, NAME.auth.pub for registration."""
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = out / f"{name}.auth.key", out / f"{name}.auth.pub"
+    _write_private(
+        private,
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        ),
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        + f" fedciuic-supernode-{name}\n".encode()
+    )
+    return private, public
