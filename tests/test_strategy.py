@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
 from fedciuic.audit import AuditLog, load_records, verify
+from fedciuic.checkpoint import load_checkpoint
 from fedciuic.compliance import AggregatorPolicies
 from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
@@ -615,3 +617,62 @@ def test_a_clipped_update_is_recorded_with_its_norm(policed):
     assert cn["clipped"] is True and cn["norm"] == pytest.approx(200.0)
     # eu's delta (norm 2) is within the bound; cn's is scaled to norm 2: all ones.
     np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0, rtol=1e-5)
+
+
+# -- the round loop, checkpoints and resume --------------------------------------------
+
+
+class RegionsGrid(FakeGrid):
+    """Two regions that each move the adapter half-way towards their own target."""
+
+    def __init__(self) -> None:
+        self.targets = {11: ("eu", 1.0), 12: ("cn", 3.0)}
+        super().__init__(list(self.targets))
+
+    def send_and_receive(self, messages, timeout):
+        replies = []
+        for message in messages:
+            region, target = self.targets[message.metadata.dst_node_id]
+            if message.metadata.message_type == MessageType.TRAIN:
+                w = protocol.unpack_arrays(message.content.array_records["arrays"])["w"]
+                content = trained(region, float(0.5 * (target - w[0])), 10)
+            else:
+                content = protocol.evaluate_reply(region, EvalStats(1.0, 10))
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def regions_grid() -> Any:
+    return RegionsGrid()
+
+
+def looped(run_config, folder, rounds: int) -> RegionalFedAvg:
+    run = run_config.model_copy(
+        update={"codec": "dense", "num_server_rounds": rounds, "regions": ("eu", "cn")}
+    )
+    recorder = RunRecorder(folder, {"run_id": 7, "regions": ["eu", "cn"]})
+    return RegionalFedAvg(
+        run,
+        base_fingerprint="f" * 64,
+        recorder=recorder,
+        run_id=7,
+        checkpoints=folder / "checkpoint",
+    )
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path):
+    start = protocol.pack_arrays(GLOBAL)
+    whole = looped(run_config, tmp_path / "whole", 3).start(regions_grid(), start, 3, 10.0)
+    # "Killed" after round 1: a new strategy resumes from round 1's checkpoint.
+    looped(run_config, tmp_path / "cut", 3).start(regions_grid(), start, 1, 10.0)
+    saved = load_checkpoint(tmp_path / "cut")
+    assert saved.round == 1 and saved.federation_run == 7
+    resumed = looped(run_config, tmp_path / "resumed", 3)
+    resumed.federation_run = saved.federation_run
+    resumed.recorder.data["rounds"] = saved.rounds
+    final = resumed.start(regions_grid(), protocol.pack_arrays(saved.adapter), 3, 10.0, 2)
+    np.testing.assert_array_equal(
+        protocol.unpack_arrays(final)["w"], protocol.unpack_arrays(whole)["w"]
+    )
+    assert sorted(resumed.recorder.data["rounds"]) == ["0", "1", "2", "3"]
+    assert load_checkpoint(tmp_path / "resumed").round == 3
