@@ -94,6 +94,7 @@ class RegionalFedAvg(FedAvg):
         self.checkpoints = checkpoints
         self.clock = clock
         self.global_adapter: dict[str, np.ndarray] = {}
+        self._asked: list[int] = []  # the nodes this round's instructions went to
         self.regions_by_node: dict[int, str] = {}
         self._waited = False
 
@@ -146,7 +147,8 @@ class RegionalFedAvg(FedAvg):
             signer=signer,
             federation_run=self.federation_run,
         )
-        return self._construct_messages(content, self.wait_for_regions(grid), kind)
+        self._asked = self.wait_for_regions(grid)
+        return self._construct_messages(content, self._asked, kind)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -164,10 +166,18 @@ class RegionalFedAvg(FedAvg):
     # -- aggregation --------------------------------------------------------------
 
     def _read(self, replies: Iterable[Message]) -> list[protocol.Reply]:
+        """Parse the replies; a node asked this round that did not answer within
+        round-timeout (its process died, say) is a failed reply of its own."""
         parsed = [protocol.read_reply(m, self.regions_by_node) for m in replies]
         for reply in parsed:
             if reply.status != "failed":
                 self.regions_by_node[reply.node_id] = reply.region
+        answered = {reply.node_id for reply in parsed}
+        for node_id in self._asked:
+            if node_id not in answered:
+                region = self.regions_by_node.get(node_id, f"node-{node_id}")
+                reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
+                parsed.append(protocol.Reply(node_id, region, "failed", reason=reason))
         return parsed
 
     def aggregate_train(

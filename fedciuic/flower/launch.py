@@ -156,6 +156,30 @@ class LocalFederation:
             if managed.process.poll() is None:
                 managed.process.wait(timeout=5)
 
+    def kill(self, managed: Managed) -> None:
+        """SIGKILL one process and everything it started (a crash, for fault tests);
+        the others go on, and no longer count it as a server that must be alive."""
+        if managed in self.processes:
+            self.processes.remove(managed)
+        # Flower detaches some helpers into sessions of their own: list descendants first.
+        try:
+            parent = psutil.Process(managed.process.pid)
+            targets = [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            targets = []
+        for proc in targets:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(managed.process.pid, signal.SIGKILL)
+        psutil.wait_procs(targets, timeout=10)
+        managed.process.wait(timeout=10)
+
+    def crash(self) -> None:
+        """SIGKILL every process, as a power cut would (fault tests)."""
+        for managed in list(self.processes):
+            self.kill(managed)
+
     def expect_exit(self, managed: Managed, timeout: float) -> int:
         """Wait for a process that must exit on its own (a refused SuperNode, say);
         stop what it left behind and return its exit code."""
@@ -309,17 +333,17 @@ class LocalFederation:
         managed = self._spawn(f"flwr-run-{self.runs}", cmd)
         deadline = time.monotonic() + timeout
         shown = 0
-        servers = [m for m in self.processes if m is not managed]
         while managed.process.poll() is None:
             shown = _echo(managed.log_path, shown, echo)
             if time.monotonic() > deadline:
                 raise FederationError(
                     f"flwr run did not finish within {timeout:.0f}s; see {managed.log_path}"
                 )
-            self.check_alive(servers)
+            self.check_alive([m for m in list(self.processes) if m is not managed])
             time.sleep(0.5)
         # A finished `flwr run` is not a server: later liveness checks skip it.
-        self.processes.remove(managed)
+        if managed in self.processes:
+            self.processes.remove(managed)
         _echo(managed.log_path, shown, echo)
         text = managed.log_path.read_text(encoding="utf-8", errors="replace")
         match = re.search(r"Successfully started run (\d+)", text)

@@ -1,0 +1,191 @@
+"""Faults with real Flower processes: the aggregator killed mid-round and resumed, a
+region killed mid-round."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from fedciuic.audit import REGION_LOG, load_records, verify
+from fedciuic.crypto.keys import load_bundle
+from fedciuic.demo_data import write_demo_corpora
+from fedciuic.errors import FederationError
+from fedciuic.flower.launch import LocalFederation
+from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
+from fedciuic.sealing import generate_federation_keys
+from tests.conftest import ROOT, SHIPPED_POLICIES
+from tests.e2e.helpers import alive
+
+pytestmark = pytest.mark.e2e
+REGIONS = ("eu", "cn", "us")
+SIMULATION = {"num-supernodes": 3, "client-resources-num-cpus": 1}
+
+
+def when(condition: Callable[[], bool], then: Callable[[], None], timeout: float = 600) -> None:
+    """In the background: once ``condition`` holds, do ``then``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                then()
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def released(state: Path, server_round: int) -> bool:
+    """Whether this region's audit log shows an update it sent in ``server_round``."""
+    try:
+        records = load_records(state / REGION_LOG)
+    except Exception:  # not written yet, or mid-write
+        return False
+    return any(r["event"] == "update_sealed" and r["round"] == server_round for r in records)
+
+
+def final_adapter(out: Path) -> dict[str, np.ndarray]:
+    (path,) = out.glob("run-*/adapter/adapter_model.safetensors")
+    return load_file(path)
+
+
+def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
+    keys = generate_federation_keys(tmp_path / "keys", REGIONS)
+    common = {
+        "num-server-rounds": 2,
+        "keys-dir": str(keys),
+        "policies-dir": str(ROOT / "policies"),
+    }
+
+    def config(name: str, **extra: object) -> dict[str, object]:
+        out = tmp_path / name / "runs"
+        return {
+            **common,
+            "data-root": str(tmp_path / name / "data"),
+            "output-dir": str(out),
+            "audit-dir": str(out / "audit"),
+            **extra,
+        }
+
+    for name in ("whole", "cut"):
+        write_demo_corpora(tmp_path / name / "data", REGIONS)
+    with LocalFederation(tmp_path / "work-whole", ROOT) as federation:
+        federation.start_superlink(simulation=True)
+        federation.run_app(config("whole"), federation_config=SIMULATION, timeout=600)
+
+    cut = config("cut")
+    states = [tmp_path / "cut" / "data" / r / ".fedciuic" for r in REGIONS]
+    with LocalFederation(tmp_path / "work-cut", ROOT) as federation:
+        federation.start_superlink(simulation=True)
+        pids = federation.pids()
+        # Kill everything (SIGKILL) once round 1 is checkpointed and a region has
+        # released its round-2 update.
+        when(
+            lambda: (
+                any((tmp_path / "cut" / "runs").glob("run-*/checkpoint/LATEST"))
+                and any(released(s, 2) for s in states)
+            ),
+            federation.crash,
+        )
+        with pytest.raises(FederationError):
+            federation.run_app(cut, federation_config=SIMULATION, timeout=600)
+    assert not alive(pids)
+    (killed,) = (tmp_path / "cut" / "runs").glob("run-*")
+    assert not (killed / "adapter").exists()  # it never finished
+
+    with LocalFederation(tmp_path / "work-resume", ROOT) as federation:
+        federation.start_superlink(simulation=True)
+        federation.run_app(
+            {**config("cut", **{"resume-from": str(killed)})},
+            federation_config=SIMULATION,
+            timeout=600,
+        )
+
+    whole, resumed = (
+        final_adapter(tmp_path / "whole" / "runs"),
+        final_adapter(tmp_path / "cut" / "runs"),
+    )
+    assert sorted(whole) == sorted(resumed)
+    for name in whole:
+        np.testing.assert_allclose(resumed[name], whole[name], rtol=1e-6, atol=1e-7)
+
+    for region in REGIONS:
+        ledger = PrivacyLedger.load(tmp_path / "cut" / "data" / region / ".fedciuic" / LEDGER_FILE)
+        rounds = [(r.run_id, r.round) for r in ledger.rounds]
+        assert len(rounds) == len(set(rounds)) == 2, rounds  # no epsilon counted twice
+        reference = PrivacyLedger.load(
+            tmp_path / "whole" / "data" / region / ".fedciuic" / LEDGER_FILE
+        )
+        assert ledger.epsilon == pytest.approx(reference.epsilon)
+        verdict = verify(
+            tmp_path / "cut" / "data" / region / ".fedciuic" / REGION_LOG,
+            load_bundle(keys / f"{region}.pub.json"),
+        )
+        assert verdict.ok, verdict.explain()
+    # The aggregator's log continues without a gap and verifies.
+    aggregator_log = tmp_path / "cut" / "runs" / "audit" / "aggregator.audit.jsonl"
+    verdict = verify(aggregator_log, load_bundle(keys / "aggregator.pub.json"))
+    assert verdict.ok, verdict.explain()
+    starts = [r for r in load_records(aggregator_log) if r["event"] == "run_start"]
+    assert len(starts) == 2 and starts[1]["details"]["resumed_after_round"] == 1
+    assert starts[0]["run_id"] == starts[1]["run_id"]  # one federation run
+
+
+def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
+    keys = generate_federation_keys(tmp_path / "keys", REGIONS)
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "work", ROOT) as federation:
+        federation.start_superlink(simulation=False)
+        nodes = {}
+        for region in REGIONS:
+            node = {
+                "region": region,
+                "data-path": str(demo_root / region),
+                "state-path": str(tmp_path / "state" / region),
+                "key-file": str(keys / f"{region}.key.json"),
+                "aggregator-bundle": str(keys / "aggregator.pub.json"),
+                "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
+            }
+            nodes[region] = federation.start_supernode(region, node)
+        us_log = tmp_path / "state" / "us" / REGION_LOG
+        # Kill the US SuperNode (and its ClientApp) as soon as it starts round 1.
+        when(
+            lambda: (
+                us_log.exists()
+                and any(
+                    r["event"] == "policy_decision" and r["round"] == 1
+                    for r in load_records(us_log)
+                )
+            ),
+            lambda: federation.kill(nodes["us"]),
+        )
+        started = time.monotonic()
+        federation.run_app(
+            {
+                "num-server-rounds": 1,
+                "output-dir": str(out),
+                "data-root": "",
+                "keys-dir": str(keys),
+                "policies-dir": str(ROOT / "policies"),
+                "round-timeout": 60.0,
+            },
+            timeout=600,
+        )
+        took = time.monotonic() - started
+    assert nodes["us"].process.poll() is not None
+    (metrics,) = out.glob("run-*/metrics.json")
+    data = json.loads(metrics.read_text())
+    assert data["run"]["status"] == "completed"
+    train = data["rounds"]["1"]["train"]
+    assert train["eu"]["status"] == train["cn"]["status"] == "trained"
+    assert train["us"] == {"status": "failed", "reason": "no reply within round-timeout (60s)"}
+    aggregate = data["rounds"]["1"]["aggregate"]
+    assert aggregate["published"] and sorted(aggregate["regions"]) == ["cn", "eu"]
+    assert took < 400, f"the run took {took:.0f}s"
