@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -336,3 +338,22 @@ def test_a_policy_refusal_is_logged_as_a_decision(model, demo_root, tmp_path):
     ]
     assert decision[-1]["details"]["outcome"] == "decline"
     assert len(decision[-1]["details"]["reasons"]) == 3  # aggregator, relay, unsealed
+
+
+def test_a_corrupted_key_file_declines_sends_nothing_and_is_audited(
+    model, demo_root, tmp_path, keys_dir
+):
+    keys = tmp_path / "keys"
+    shutil.copytree(keys_dir, keys)
+    private = keys / "cn.key.json"
+    data = json.loads(private.read_text())
+    data["xwing_seed"] = base64.b64encode(b"\x01" * 32).decode()  # no longer its key id
+    private.write_text(json.dumps(data))
+    private.chmod(0o600)
+    state = tmp_path / "state"
+    got, _ = sealed_train(model, cn_node(demo_root, state), keys)
+    assert got.status == "declined" and got.envelope is None and got.arrays is None
+    assert f"{private}:key_id: does not match the keys in the file" in got.reason
+    declined = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
+    assert "key_id: does not match" in declined[-1]["details"]["reason"]
+    assert not (state / "privacy-ledger.jsonl").exists()

@@ -11,6 +11,9 @@ from typing import Any
 
 import psutil
 
+from fedciuic.flower.launch import LocalFederation, Managed
+from fedciuic.tls import generate_supernode_key
+
 
 def only_run(output_dir: Path) -> dict[str, Any]:
     runs = sorted(output_dir.glob("run-*/metrics.json"))
@@ -91,3 +94,16 @@ class RecordingProxy:
     def stop(self) -> None:
         self.stopped.set()
         self.server.close()
+
+
+def secure_supernode(
+    federation: LocalFederation,
+    folder: Path,
+    region: str,
+    node_config: dict[str, str],
+    superlink: str = "",
+) -> Managed:
+    """A SuperNode with its own key, registered with the SuperLink before it starts."""
+    private, public = generate_supernode_key(folder, region)
+    federation.register_supernode(public, region)
+    return federation.start_supernode(region, node_config, superlink=superlink, auth_key=private)

@@ -13,7 +13,7 @@ from fedciuic.policy import load_policy
 from fedciuic.sealing import generate_federation_keys
 from fedciuic.tls import generate_server_tls, generate_supernode_key
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
-from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run
+from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run, secure_supernode
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -48,10 +48,8 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "aggregator-bundle": str(keys / "aggregator.pub.json"),
                 "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
             }
-            private, public = generate_supernode_key(tmp_path / "auth", region)
-            federation.register_supernode(public, region)
-            federation.start_supernode(
-                region, node, superlink=f"127.0.0.1:{proxy.port}", auth_key=private
+            secure_supernode(
+                federation, tmp_path / "auth", region, node, superlink=f"127.0.0.1:{proxy.port}"
             )
         pids = federation.pids()
         assert len(pids) == 4

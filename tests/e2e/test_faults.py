@@ -20,8 +20,9 @@ from fedciuic.errors import FederationError
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
 from fedciuic.sealing import generate_federation_keys
+from fedciuic.tls import generate_server_tls
 from tests.conftest import ROOT, SHIPPED_POLICIES
-from tests.e2e.helpers import alive
+from tests.e2e.helpers import alive, secure_supernode
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -141,8 +142,9 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
 def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
     keys = generate_federation_keys(tmp_path / "keys", REGIONS)
     out = tmp_path / "runs"
+    tls = generate_server_tls(tmp_path / "tls", ["127.0.0.1"])
     with LocalFederation(tmp_path / "work", ROOT) as federation:
-        federation.start_superlink(simulation=False)
+        federation.start_superlink(simulation=False, tls=tls, supernode_auth=True)
         nodes = {}
         for region in REGIONS:
             node = {
@@ -153,7 +155,7 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
                 "aggregator-bundle": str(keys / "aggregator.pub.json"),
                 "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
             }
-            nodes[region] = federation.start_supernode(region, node)
+            nodes[region] = secure_supernode(federation, tmp_path / "auth", region, node)
         us_log = tmp_path / "state" / "us" / REGION_LOG
         # Kill the US SuperNode (and its ClientApp) as soon as it starts round 1.
         when(
