@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedciuic.errors import FedciuicError
-
-
-class TlsError(FedciuicError):
-    """A certificate or key cannot be written."""
+from fedciuic.crypto.keys import write_private
+from fedciuic.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -35,18 +31,6 @@ class ServerTls:
     ca_cert: Path
     server_cert: Path
     server_key: Path
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise TlsError(
-            f"{path}: already exists; keys are never overwritten: remove it yourself or "
-            "choose another --out"
-        ) from None
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -71,7 +55,7 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
 def generate_server_tls(out: Path, hosts: list[str], days: int = 365) -> ServerTls:
     """A CA and a SuperLink certificate for ``hosts`` (names or IP addresses)."""
     if not hosts:
-        raise TlsError("--host: give at least one name or address the SuperLink is reached at")
+        raise ConfigError(["--host: give at least one name or address the SuperLink is reached at"])
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
@@ -117,11 +101,11 @@ def generate_server_tls(out: Path, hosts: list[str], days: int = 365) -> ServerT
     )
     pem = serialization.Encoding.PEM
     files = ServerTls(out / "ca.pem", out / "superlink.pem", out / "superlink.key")
-    _write_private(
+    write_private(
         out / "ca.key",
         ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
     )
-    _write_private(
+    write_private(
         files.server_key,
         server_key.private_bytes(
             pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -138,7 +122,7 @@ def generate_supernode_key(out: Path, name: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = out / f"{name}.auth.key", out / f"{name}.auth.pub"
-    _write_private(
+    write_private(
         private,
         key.private_bytes(
             serialization.Encoding.PEM,

@@ -205,23 +205,27 @@ def bundle_path(directory: Path, party: str) -> Path:
     return directory / f"{party}.pub.json"
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` readable by its owner only (0600); never overwrite a key."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise KeyFileError(
+            f"{path}: already exists; keys are never overwritten: remove it yourself "
+            "or choose another --out"
+        ) from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, 0o600)  # whatever the umask, be explicit
+
+
 def write_keys(keypair: Keypair, directory: Path) -> tuple[Path, Path]:
     """Write ``PARTY.key.json`` (mode 0600, never overwritten) and ``PARTY.pub.json``."""
     directory.mkdir(parents=True, exist_ok=True)
     party = keypair.bundle.party
     private = private_key_path(directory, party)
     public = bundle_path(directory, party)
-    data = keypair.to_file().model_dump_json(indent=2).encode() + b"\n"
-    try:
-        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise KeyFileError(
-            f"{private}: already exists; keys are never overwritten: remove it yourself "
-            "or choose another --out"
-        ) from None
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.chmod(private, 0o600)  # in case the umask widened nothing, be explicit
+    write_private(private, keypair.to_file().model_dump_json(indent=2).encode() + b"\n")
     public.write_text(keypair.bundle.to_file().model_dump_json(indent=2) + "\n", encoding="utf-8")
     return private, public
 

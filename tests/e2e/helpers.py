@@ -107,3 +107,17 @@ def secure_supernode(
     private, public = generate_supernode_key(folder, region)
     federation.register_supernode(public, region)
     return federation.start_supernode(region, node_config, superlink=superlink, auth_key=private)
+
+
+def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str, str]:
+    """A deployed region's node config: its data, state, keys and shipped policy."""
+    from tests.conftest import ROOT, SHIPPED_POLICIES
+
+    return {
+        "region": region,
+        "data-path": str(data / region),
+        "state-path": str(state / region),
+        "key-file": str(keys / f"{region}.key.json"),
+        "aggregator-bundle": str(keys / "aggregator.pub.json"),
+        "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
+    }

@@ -13,7 +13,14 @@ from fedciuic.policy import load_policy
 from fedciuic.sealing import generate_federation_keys
 from fedciuic.tls import generate_server_tls, generate_supernode_key
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
-from tests.e2e.helpers import RecordingProxy, alive, eval_loss, only_run, secure_supernode
+from tests.e2e.helpers import (
+    RecordingProxy,
+    alive,
+    deployed_node,
+    eval_loss,
+    only_run,
+    secure_supernode,
+)
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -40,14 +47,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         assert federation.expect_exit(intruder, timeout=120) != 0
         assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         for region in REGIONS:
-            node = {
-                "region": region,
-                "data-path": str(demo_root / region),
-                "state-path": str(tmp_path / "state" / region),
-                "key-file": str(keys / f"{region}.key.json"),
-                "aggregator-bundle": str(keys / "aggregator.pub.json"),
-                "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
-            }
+            node = deployed_node(region, demo_root, tmp_path / "state", keys)
             secure_supernode(
                 federation, tmp_path / "auth", region, node, superlink=f"127.0.0.1:{proxy.port}"
             )

@@ -21,8 +21,8 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
 from fedciuic.sealing import generate_federation_keys
 from fedciuic.tls import generate_server_tls
-from tests.conftest import ROOT, SHIPPED_POLICIES
-from tests.e2e.helpers import alive, secure_supernode
+from tests.conftest import ROOT
+from tests.e2e.helpers import alive, deployed_node, secure_supernode
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -147,14 +147,7 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
         federation.start_superlink(simulation=False, tls=tls, supernode_auth=True)
         nodes = {}
         for region in REGIONS:
-            node = {
-                "region": region,
-                "data-path": str(demo_root / region),
-                "state-path": str(tmp_path / "state" / region),
-                "key-file": str(keys / f"{region}.key.json"),
-                "aggregator-bundle": str(keys / "aggregator.pub.json"),
-                "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
-            }
+            node = deployed_node(region, demo_root, tmp_path / "state", keys)
             nodes[region] = secure_supernode(federation, tmp_path / "auth", region, node)
         us_log = tmp_path / "state" / "us" / REGION_LOG
         # Kill the US SuperNode (and its ClientApp) as soon as it starts round 1.
