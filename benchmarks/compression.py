@@ -64,6 +64,8 @@ def run_federation(codecs: list[str], rounds: int) -> dict[str, dict[str, Any]]:
                         "data-root": str(data),
                         "output-dir": str(out),
                         "keys-dir": str(keys),
+                        "policies-dir": str(ROOT / "policies"),
+                        "audit-dir": str(Path(tmp) / "audit"),
                     },
                     federation_config={"num-supernodes": 3, "client-resources-num-cpus": 1},
                     timeout=1800,
