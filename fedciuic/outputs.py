@@ -49,6 +49,11 @@ class RunRecorder:
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
         self._round(server_round)["aggregate"] = entry
 
+    def record_end(self, server_round: int) -> None:
+        """When the round (training and evaluation) ended, as Unix time: per-round wall
+        times are the differences."""
+        self._round(server_round)["ended_at"] = time.time()
+
     def record_decision(self, server_round: int, decision: dict[str, Any]) -> None:
         """A policy decision (accept or reject, every reason, the policy hash)."""
         self._round(server_round).setdefault("decisions", []).append(decision)

@@ -493,6 +493,7 @@ class RegionalFedAvg(FedAvg):
                 self.configure_evaluate(0, arrays, empty, grid), timeout=timeout
             )
             self.aggregate_evaluate(0, replies)
+            self.recorder.record_end(0)
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
             replies = grid.send_and_receive(
@@ -504,6 +505,7 @@ class RegionalFedAvg(FedAvg):
                 self.configure_evaluate(server_round, arrays, empty, grid), timeout=timeout
             )
             self.aggregate_evaluate(server_round, replies)
+            self.recorder.record_end(server_round)
             self._save_checkpoint(server_round)
         return arrays
 

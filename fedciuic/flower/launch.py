@@ -308,6 +308,7 @@ class LocalFederation:
         federation_config: Mapping[str, Any] | None = None,
         timeout: float,
         echo: IO[str] | None = None,
+        app: Path | None = None,
     ) -> tuple[int, str]:
         """``flwr run APP fedciuic --stream`` and wait for the run to end.
 
@@ -321,7 +322,7 @@ class LocalFederation:
         cmd = [
             _bin("flwr"),
             "run",
-            str(self.app_dir),
+            str(app or self.app_dir),
             CONNECTION,
             "--stream",
             "--run-config",

@@ -1,0 +1,107 @@
+"""Flower's own FedAvg with fedciuic's model, data and DP-SGD step, and nothing else."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from fedciuic.cli import app_run_config
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.dp_train import PrivateTrainer
+from fedciuic.flower.protocol import pack_arrays
+from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.region import Region
+
+client = ClientApp()
+server = ServerApp()
+_REGIONS: dict[int, Region] = {}
+
+
+def _run(context: Context) -> RunConfig:
+    root = Path(str(context.run_config["fedciuic-root"]))
+    values = {
+        **app_run_config(root),
+        "num-server-rounds": context.run_config["num-server-rounds"],
+        "data-root": context.run_config["data-root"],
+    }
+    return RunConfig.from_user_config(values, source="plain baseline")
+
+
+def _region(context: Context) -> Region:
+    partition = int(context.node_config["partition-id"])
+    if partition not in _REGIONS:
+        run = _run(context)
+        name = run.regions[partition]
+        node = NodeConfig(region=name, data_path=str(Path(run.data_root) / name))
+        _REGIONS[partition] = Region(run, node)
+    return _REGIONS[partition]
+
+
+def _arrays(msg: Message) -> dict:  # type: ignore[type-arg]
+    return {k: v.numpy() for k, v in msg.content.array_records["arrays"].items()}
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    region = _region(context)
+    region.model.load_adapter_state(_arrays(msg))
+    server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+    noise, _, steps = region.privacy_step()
+    trainer = PrivateTrainer(
+        region.model,
+        region.data.train,
+        batch_size=region.run.batch_size,
+        learning_rate=region.run.learning_rate,
+        noise_multiplier=noise,
+        max_grad_norm=region.run.max_grad_norm,
+        mode=region.run.dp_mode,
+        secure_mode=region.run.secure_mode,
+        seed=server_round,
+        optimizer=region.run.optimizer,
+    )
+    try:
+        stats = trainer.run(steps)
+    finally:
+        trainer.close()
+    content = RecordDict(
+        {
+            "arrays": pack_arrays(region.model.adapter_state()),
+            "metrics": MetricRecord({"num-examples": stats.num_examples}),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+@client.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    region = _region(context)
+    stats = region.evaluate(_arrays(msg), base_fingerprint=region.model.base_fingerprint)
+    metrics = MetricRecord({"num-examples": stats.num_examples, "eval-loss": stats.loss})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    run = _run(context)
+    model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
+    ended: dict[int, float] = {}
+
+    def mark(server_round: int, _: ArrayRecord) -> None:
+        ended[server_round] = time.time()
+
+    strategy = FedAvg(min_available_nodes=len(run.regions))
+    strategy.start(
+        grid,
+        pack_arrays(model.adapter_state()),
+        num_rounds=run.num_server_rounds,
+        timeout=run.round_timeout,
+        evaluate_fn=mark,
+    )
+    Path(str(context.run_config["timings-file"])).write_text(json.dumps(ended))
