@@ -42,8 +42,8 @@ def round_times(ended: dict[str, float]) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
