@@ -92,6 +92,16 @@ def table(results: dict[str, Any]) -> list[list[str]]:
                     verdict(ok) if default else ("also meets it" if ok else "-"),
                 ]
             )
+            if default:
+                rows.append(
+                    [
+                        f"upload on the wire, {codec}",
+                        f"{wire:.1f}x fewer bytes than dense, sealed "
+                        f"({r['wire_bytes']:.0f} vs {dense['wire_bytes']:.0f} B per round)",
+                        ">= 100x fewer",
+                        verdict(wire >= 100),
+                    ]
+                )
     dp = results.get("dp", {}).get("modes", {})
     for mode in ("hooks", "ghost"):
         if mode in dp:
