@@ -202,12 +202,12 @@ def generate_federation_keys(
 ) -> Path:
     """Keys for a local federation in one folder (simulation and loopback demos only:
     in a deployment each party generates its own and shares only its bundle)."""
+    from fedciuic.compliance import simulated_jurisdiction
     from fedciuic.crypto.keys import write_keys
 
     write_keys(Keypair.generate(AGGREGATOR, aggregator_jurisdiction), directory)
     for region in regions:
-        # Simulated regions are named after their jurisdiction (eu is EU).
-        write_keys(Keypair.generate(region, region.upper()), directory)
+        write_keys(Keypair.generate(region, simulated_jurisdiction(region)), directory)
     return directory
 
 
