@@ -103,7 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="seconds before the whole run is stopped (default: 1800)",
     )
-    sim.add_argument("--quiet", action="store_true", help="print only the summary")
+    shown = sim.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true", help="print only the summary")
+    shown.add_argument(
+        "--verbose",
+        action="store_true",
+        help="stream Flower's own log instead of the per-round progress",
+    )
     sim.set_defaults(handler=_simulate)
 
     demo = _command(
@@ -249,6 +255,38 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
     report.add_argument("--run", type=int, help="run id (default: the aggregator's last run)")
     report.add_argument("--out", type=Path, default=Path("."), help="folder for the report")
+
+    page = _command(
+        sub,
+        "report",
+        _report,
+        "write a run's HTML report with plots (loss, epsilon, bytes, decisions)",
+        "fedciuic report runs/run-1234567890\n"
+        "  fedciuic report runs/run-1234567890 --keys keys/ "
+        "--audit-log audit/aggregator.audit.jsonl",
+        description="Write RUN_DIR/report.html: one self-contained page (plots embedded) "
+        "with each region's eval loss per round, epsilon against its budget, bytes "
+        "uploaded per round and every decision of the run (accepted, declined, rejected, "
+        "withheld, with reasons) from the audit logs, then the compliance record. The "
+        "plots are also written to RUN_DIR/report/*.png with their numbers in series.json. "
+        "Exit 1 if an audit log fails verification.",
+    )
+    page.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)")
+    page.add_argument(
+        "--audit-log",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="LOG",
+        help="an audit log to read (repeatable); default: the aggregator's log named in "
+        "metrics.json and, for a simulation, each region's log under data-root",
+    )
+    page.add_argument(
+        "--keys",
+        type=Path,
+        help="folder of PARTY.pub.json to verify the logs; default: the run's keys-dir",
+    )
+    page.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)")
     return parser
 
 
@@ -307,6 +345,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model import ModelSpec, check_model_spec
     from fedciuic.outputs import summarize
+    from fedciuic.progress import RunProgress
     from fedciuic.sealing import aggregator_keys, generate_federation_keys
 
     app = args.app.resolve()
@@ -355,20 +394,30 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.compare_no_dp and run.dp:
         variants.append({**overrides, "dp": False, "enforce-policies": False})
 
-    echo = None if args.quiet else sys.stdout
     run_ids = []
     with LocalFederation(workdir, app) as federation:
         federation.start_superlink(simulation=True)
-        for variant in variants:
-            run_id, _ = federation.run_app(
-                variant,
-                federation_config={
-                    "num-supernodes": len(run.regions),
-                    "client-resources-num-cpus": 1,
-                },
-                timeout=args.timeout,
-                echo=echo,
+        for number, variant in enumerate(variants):
+            label = "" if number == 0 else "baseline without DP"
+            progress = (
+                None
+                if args.quiet or args.verbose
+                else RunProgress(sys.stdout, output_dir, label=label)
             )
+            try:
+                run_id, _ = federation.run_app(
+                    variant,
+                    federation_config={
+                        "num-supernodes": len(run.regions),
+                        "client-resources-num-cpus": 1,
+                    },
+                    timeout=args.timeout,
+                    echo=sys.stdout if args.verbose else None,
+                    on_poll=progress.poll if progress else None,
+                )
+            finally:
+                if progress is not None:
+                    progress.finish()
             run_ids.append(run_id)
     results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
     print()
@@ -386,19 +435,24 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _audit_after_simulation(run: RunConfig, data_root: Path, run_id: int) -> int:
-    """Verify every party's audit log and write the run's compliance report."""
+    """Verify every party's audit log, write the run's compliance report and its HTML
+    report with plots."""
     from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
     from fedciuic.audit_report import verify_and_report
+    from fedciuic.run_report import PLOTS_DIR, write_run_report
 
     region_logs = [data_root / region / ".fedciuic" / REGION_LOG for region in run.regions]
+    keys = Path(run.keys_dir) if run.keys_dir else None
     ok, lines = verify_and_report(
         [run.audit_path / AGGREGATOR_LOG, *(p for p in region_logs if p.exists())],
-        Path(run.keys_dir) if run.keys_dir else None,
+        keys,
         run.output_path / f"run-{run_id}",
         run_id,
     )
+    report = write_run_report(run.output_path / f"run-{run_id}", keys_dir=keys)
+    lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
     print("\n".join(lines))
-    return 0 if ok else 1
+    return 0 if ok and not report.problems else 1
 
 
 def _check_policies(run: RunConfig) -> None:
@@ -557,6 +611,21 @@ def _audit_report(args: argparse.Namespace) -> int:
     ok, lines = verify_and_report(args.logs, args.keys, args.out, args.run)
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fedciuic.run_report import write_run_report
+
+    report = write_run_report(
+        args.run_dir.resolve(), audit_logs=args.audit_log, keys_dir=args.keys, out=args.out
+    )
+    print(f"report: {report.html}")
+    print(f"plots: {', '.join(str(p) for p in report.plots.values())}")
+    if report.verified is None:
+        print("audit logs: not verified (no public keys; pass --keys DIR)")
+    for problem in report.problems:
+        print(f"audit: {problem}", file=sys.stderr)
+    return 1 if report.problems else 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -309,10 +309,13 @@ class LocalFederation:
         timeout: float,
         echo: IO[str] | None = None,
         app: Path | None = None,
+        on_poll: Callable[[Path], None] | None = None,
     ) -> tuple[int, str]:
         """``flwr run APP fedciuic --stream`` and wait for the run to end.
 
-        Returns the run id and the streamed log. Overrides go through a TOML file
+        ``echo`` gets the streamed log as it grows; ``on_poll`` is called with the
+        log's path about twice a second (a progress display). Returns the run id and
+        the streamed log. Overrides go through a TOML file
         so that paths need no shell quoting.
         """
         overrides = self.workdir / "run-config.toml"
@@ -336,6 +339,8 @@ class LocalFederation:
         shown = 0
         while managed.process.poll() is None:
             shown = _echo(managed.log_path, shown, echo)
+            if on_poll is not None:
+                on_poll(managed.log_path)
             if time.monotonic() > deadline:
                 raise FederationError(
                     f"flwr run did not finish within {timeout:.0f}s; see {managed.log_path}"

@@ -1,0 +1,241 @@
+"""What a run is doing, round by round, for a person watching ``fedciuic simulate``.
+
+It follows the run's ``metrics.json`` (the ServerApp rewrites it atomically after
+every step) rather than Flower's log, so it shows the same figures as the summary:
+per round and region the status, train and eval loss, epsilon against the budget
+and the bytes uploaded. Finished rounds are printed as plain lines, so a log file
+or a CI console reads the same as a terminal; only on a terminal is there also a
+live status line, redrawn in place, saying what the run waits for.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from fedciuic.outputs import METRICS_FILE
+
+STARTED = re.compile(r"Successfully started run (\d+)")
+CLEAR_LINE = "\r\033[K"
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """A live status line only where it can be redrawn: a terminal that is not dumb."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM", "") != "dumb"
+
+
+class RunProgress:
+    """Prints each finished round of one run as it happens."""
+
+    def __init__(
+        self,
+        stream: IO[str],
+        output_dir: Path,
+        *,
+        label: str = "",
+        live: bool | None = None,
+        heartbeat: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream = stream
+        self.output_dir = output_dir
+        self.label = f"{label}: " if label else ""
+        self.live = is_terminal(stream) if live is None else live
+        self.heartbeat = heartbeat
+        self.clock = clock
+        self.run_id: int | None = None
+        self.started = clock()
+        self.printed: set[int] = set()
+        self.header_done = False
+        self.phase = ""
+        self.shown_phase = ""
+        self.phase_since = self.started
+        self.last_note = self.started
+        self.live_shown = False
+        self.log_path: Path | None = None
+
+    # -- following a run ------------------------------------------------------------
+
+    def poll(self, log_path: Path) -> None:
+        """Read what is new: the run id from ``flwr run``'s log, then the metrics."""
+        self.log_path = log_path
+        if self.run_id is None:
+            try:
+                match = STARTED.search(log_path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                match = None
+            if match:
+                self.run_id = int(match.group(1))
+                self._line(f"{self.label}run {self.run_id} started")
+        data = self._metrics()
+        if data is not None:
+            self.update(data)
+        self._status()
+
+    def _metrics(self) -> dict[str, Any] | None:
+        if self.run_id is None:
+            return None
+        try:
+            text = (self.output_dir / f"run-{self.run_id}" / METRICS_FILE).read_text("utf-8")
+            data: dict[str, Any] = json.loads(text)
+        except (OSError, ValueError):
+            return None  # not written yet
+        return data
+
+    def update(self, data: Mapping[str, Any]) -> None:
+        """Print the header once and every round that has ended and is not printed yet."""
+        run = data.get("run", {})
+        if not self.header_done and run:
+            self.header_done = True
+            self._line(self.label + describe_run(run))
+        rounds = data.get("rounds", {})
+        total = int(run.get("config", {}).get("num-server-rounds", 0))
+        for number in sorted(int(r) for r in rounds):
+            if number in self.printed or "ended_at" not in rounds[str(number)]:
+                continue
+            self.printed.add(number)
+            self._lines(format_round(data, number, total))
+        self.phase = current_phase(data)
+
+    def finish(self) -> None:
+        """The run is over: print what is left and clear the live line."""
+        if self.log_path is not None:
+            self.poll(self.log_path)
+        self._clear()
+        elapsed = self.clock() - self.started
+        if self.run_id is not None:
+            status = (self._metrics() or {}).get("run", {}).get("status", "ended")
+            self._line(f"{self.label}run {self.run_id} {status} after {elapsed:.0f} s")
+
+    # -- output ---------------------------------------------------------------------
+
+    def _status(self) -> None:
+        now = self.clock()
+        phase = self.phase or ("starting the run" if self.run_id is None else "waiting for regions")
+        if phase != self.shown_phase:
+            self.shown_phase = phase
+            self.phase_since = now
+            self.last_note = now
+        waited = now - self.phase_since
+        if self.live:
+            self.stream.write(f"{CLEAR_LINE}{self.label}{phase} ... {waited:.0f} s")
+            self.stream.flush()
+            self.live_shown = True
+        elif now - self.last_note >= self.heartbeat:
+            # In a plain log, a line now and then shows the run is alive.
+            self.last_note = now
+            self._line(f"{self.label}{phase} ... {waited:.0f} s so far")
+
+    def _clear(self) -> None:
+        if self.live_shown:
+            self.stream.write(CLEAR_LINE)
+            self.live_shown = False
+
+    def _line(self, text: str) -> None:
+        self._lines([text])
+
+    def _lines(self, lines: list[str]) -> None:
+        self._clear()
+        self.stream.write("".join(f"{line}\n" for line in lines))
+        self.stream.flush()
+
+
+# -- formatting -------------------------------------------------------------------------
+
+
+def describe_run(run: Mapping[str, Any]) -> str:
+    config = run.get("config", {})
+    dp = (
+        f"DP on (target epsilon {config.get('target-epsilon')}, delta {config.get('target-delta')})"
+        if config.get("dp")
+        else "DP off"
+    )
+    return (
+        f"regions {', '.join(run.get('regions', []))}; {config.get('num-server-rounds')} "
+        f"round(s); {dp}; codec {config.get('codec')}; aggregator in "
+        f"{config.get('aggregator-jurisdiction')}; writing {run.get('output_dir')}"
+    )
+
+
+def current_phase(data: Mapping[str, Any]) -> str:
+    """What the run waits for now, from which steps of which round are recorded."""
+    rounds = data.get("rounds", {})
+    total = data.get("run", {}).get("config", {}).get("num-server-rounds", "?")
+    ended = [int(r) for r in rounds if "ended_at" in rounds[r]]
+    if not ended:
+        return "round 0: evaluating the initial adapter in every region"
+    number = max(ended) + 1
+    if str(number) in rounds and rounds[str(number)].get("train"):
+        return f"round {number}/{total}: evaluating the new adapter in every region"
+    return f"round {number}/{total}: training in every region"
+
+
+def _seconds(data: Mapping[str, Any], number: int) -> float | None:
+    rounds = data["rounds"]
+    end = rounds[str(number)].get("ended_at")
+    if number == 0:
+        started = data.get("run", {}).get("started")
+        begin = calendar.timegm(time.strptime(started, "%Y-%m-%dT%H:%M:%SZ")) if started else None
+    else:
+        begin = rounds.get(str(number - 1), {}).get("ended_at")
+    return float(end - begin) if end is not None and begin is not None else None
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if isinstance(value, int | float) and math.isfinite(value):
+        return f"{value:.{digits}f}"
+    return "-"
+
+
+def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
+    """A finished round as plain lines: one per region, then the overall eval loss."""
+    run = data.get("run", {})
+    rnd = data["rounds"][str(number)]
+    evals = rnd.get("eval", {})
+    seconds = _seconds(data, number)
+    took = f" ({seconds:.1f} s)" if seconds is not None else ""
+    regions = [*run.get("regions", [])]
+    regions += sorted(set(rnd.get("train", {})) - set(regions))
+    if number == 0:
+        losses = "  ".join(
+            f"{r} {_num(evals.get(r, {}).get('loss'))}" for r in [*regions, "overall"]
+        )
+        return [f"round 0/{total} initial adapter{took}: eval loss  {losses}"]
+    aggregate = rnd.get("aggregate", {})
+    if not aggregate:
+        outcome = "no update to aggregate, the global adapter stays as it was"
+    elif aggregate.get("published", True):
+        outcome = "aggregate published from " + ", ".join(aggregate.get("regions", []))
+    else:
+        outcome = "aggregate WITHHELD: " + "; ".join(aggregate.get("reasons", []))
+    lines = [
+        f"round {number}/{total}{took}: {outcome}",
+        f"  {'region':<8} {'status':<9} {'train loss':>10} {'eval loss':>9}  "
+        f"{'epsilon':<13} {'upload':>8}",
+    ]
+    for region in regions:
+        train = rnd.get("train", {}).get(region, {})
+        epsilon = (
+            f"{train['epsilon']:.2f} of {train.get('epsilon_budget', float('nan')):g}"
+            if isinstance(train.get("epsilon"), int | float)
+            else "-"
+        )
+        upload = f"{train['upload_bytes']} B" if "upload_bytes" in train else "-"
+        row = (
+            f"  {region:<8} {train.get('status', 'no reply'):<9} "
+            f"{_num(train.get('loss')):>10} {_num(evals.get(region, {}).get('loss')):>9}  "
+            f"{epsilon:<13} {upload:>8}"
+        )
+        reason = train.get("reason") or evals.get(region, {}).get("reason")
+        lines.append(row + (f"  {reason}" if reason else ""))
+    overall = _num(evals.get("overall", {}).get("loss"))
+    lines.append(f"  {'overall':<8} {'':<9} {'':>10} {overall:>9}")
+    return lines

@@ -1,0 +1,500 @@
+"""A run's report for people: one self-contained HTML page with plots.
+
+``fedciuic report RUN_DIR`` reads the run's ``metrics.json`` and the audit logs
+of the aggregator and (where found) the regions, and writes ``report.html`` next
+to them: the figures per region, four plots (eval loss per round, epsilon against
+each region's budget, bytes uploaded per round, and a timeline of every decision:
+accepted, declined, rejected, withheld, with the reasons), then the compliance
+record from the audit logs. The plots are PNGs embedded in the page, so the one
+file can be mailed to a regulator; they are also written to ``report/`` with the
+numbers behind them in ``report/series.json``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedciuic import __version__
+from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, AuditError
+from fedciuic.audit_report import PartyLog, Section, build, open_logs
+from fedciuic.errors import ConfigError
+from fedciuic.outputs import METRICS_FILE, epsilon_spent, final_eval, upload_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+REPORT_FILE = "report.html"
+PLOTS_DIR = "report"
+SERIES_FILE = "series.json"
+PLOTS = ("eval_loss", "epsilon", "upload_bytes", "decisions")
+
+#: How each audit event reads on the timeline.
+AGGREGATOR_OUTCOMES = {
+    "update_accepted": "accepted",
+    "update_rejected": "rejected",
+    "region_declined": "declined",
+    "reply_failed": "failed",
+    "aggregate_published": "published",
+    "aggregate_withheld": "withheld",
+}
+MARKERS = {
+    "accepted": ("o", "#2ca02c"),
+    "published": ("*", "#1f77b4"),
+    "declined": ("^", "#ff7f0e"),
+    "rejected": ("X", "#d62728"),
+    "failed": ("s", "#7f7f7f"),
+    "withheld": ("D", "#9467bd"),
+}
+REFUSALS = ("declined", "rejected", "failed", "withheld")
+
+
+@dataclass
+class Decision:
+    round: int
+    subject: str  # a region, or "aggregate"
+    outcome: str
+    reason: str
+    logged_by: str
+
+
+@dataclass
+class RunReport:
+    html: Path
+    plots: dict[str, Path]
+    series: Path
+    verified: bool | None  # None: no public keys to verify the logs with
+    problems: list[str] = field(default_factory=list)
+
+
+# -- reading a run ------------------------------------------------------------------------
+
+
+def load_metrics(run_dir: Path) -> dict[str, Any]:
+    """The run's metrics.json, or one clear error naming the file and the fix."""
+    path = run_dir / METRICS_FILE
+    if not run_dir.is_dir():
+        raise ConfigError([f"{run_dir}: no such folder; pass a run folder (OUTPUT_DIR/run-<id>/)"])
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            [
+                f"{path}: not found; {run_dir} is not a run folder (a run writes "
+                "OUTPUT_DIR/run-<id>/metrics.json)"
+            ]
+        ) from None
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read ({err.strerror})"]) from None
+    except ValueError as err:
+        raise ConfigError([f"{path}: not valid JSON ({err}); the run folder is damaged"]) from None
+    for key in ("run", "rounds"):
+        if not isinstance(data.get(key), dict):
+            raise ConfigError([f"{path}:{key}: missing; not a fedciuic metrics file"])
+    return data
+
+
+def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path]:
+    """The logs to read: those given, else the aggregator's (named in metrics.json or in
+    the run's audit-dir) and, in a simulation, each region's under data-root."""
+    if given:
+        missing = [p for p in given if not p.is_file()]
+        if missing:
+            raise ConfigError([f"--audit-log {p}: no such file" for p in missing])
+        return list(given)
+    run = data["run"]
+    config = run.get("config", {})
+    candidates = [Path(run["audit_log"])] if run.get("audit_log") else []
+    if config.get("audit-dir"):
+        candidates.append(Path(config["audit-dir"]) / AGGREGATOR_LOG)
+    candidates.append(Path(config.get("output-dir", ".")) / "audit" / AGGREGATOR_LOG)
+    aggregator = next((p for p in candidates if p.is_file()), None)
+    if aggregator is None:
+        raise ConfigError(
+            [
+                f"{candidates[0] if candidates else AGGREGATOR_LOG}: the aggregator's audit "
+                "log is not there; pass --audit-log PATH (and the regions' logs)"
+            ]
+        )
+    regions = [
+        Path(config["data-root"]) / region / ".fedciuic" / REGION_LOG
+        for region in run.get("regions", [])
+        if config.get("data-root")
+    ]
+    return [aggregator, *(p for p in regions if p.is_file())]
+
+
+def federation_run(data: Mapping[str, Any]) -> int:
+    """The run id the audit logs use: the first run's, when this run resumed it."""
+    run = data["run"]
+    resumed = run.get("resumed_from") or {}
+    return int(resumed.get("federation_run") or run["run_id"])
+
+
+def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
+    """Every decision of the run, from the audit logs: the aggregator's view of every
+    update and aggregate, plus declines only a region's own log holds (an evaluation
+    declined, a reply that never arrived)."""
+    found: list[Decision] = []
+    aggregator_saw: set[tuple[int, str]] = set()
+    for log in logs:
+        if log.actor != "aggregator":
+            continue
+        for record in log.records:
+            outcome = AGGREGATOR_OUTCOMES.get(str(record.get("event")))
+            if outcome is None or record.get("run_id") != run_id:
+                continue
+            details = record.get("details") or {}
+            subject = details.get("region", "aggregate")
+            if outcome in ("published", "withheld"):
+                subject = "aggregate"
+            reason = details.get("reason") or "; ".join(details.get("reasons", []))
+            if outcome == "published":
+                reason = "from " + ", ".join(details.get("regions", []))
+            found.append(Decision(int(record["round"]), subject, outcome, reason, "aggregator"))
+            aggregator_saw.add((int(record["round"]), subject))
+    for log in logs:
+        if log.actor == "aggregator":
+            continue
+        seen: set[tuple[int, str]] = set()
+        for record in log.records:
+            if record.get("event") != "declined" or record.get("run_id") != run_id:
+                continue
+            key = (int(record["round"]), log.actor)
+            if key in aggregator_saw or key in seen:
+                continue
+            seen.add(key)
+            reason = (record.get("details") or {}).get("reason", "")
+            found.append(Decision(key[0], log.actor, "declined", reason, log.actor))
+    return sorted(found, key=lambda d: (d.round, d.subject == "aggregate", d.subject))
+
+
+def series(data: Mapping[str, Any], timeline: Sequence[Decision]) -> dict[str, Any]:
+    """The numbers behind each plot (written to series.json; the tests read them)."""
+    run, rounds = data["run"], data["rounds"]
+    regions = list(run.get("regions", []))
+    numbers = sorted(int(r) for r in rounds)
+    loss: dict[str, list[list[float]]] = {}
+    for name in [*regions, "overall"]:
+        points = [
+            [n, float(rounds[str(n)]["eval"][name]["loss"])]
+            for n in numbers
+            if "loss" in rounds[str(n)].get("eval", {}).get(name, {})
+        ]
+        if points:
+            loss[name] = points
+    epsilon: dict[str, list[list[float]]] = {}
+    budget: dict[str, float] = {}
+    sent: dict[str, list[list[int]]] = {}
+    for region in regions:
+        trained = [(n, rounds[str(n)].get("train", {}).get(region, {})) for n in numbers]
+        points = [[n, float(t["epsilon"])] for n, t in trained if "epsilon" in t]
+        if points:
+            epsilon[region] = points
+            budget[region] = float(epsilon_spent(dict(data), region)[1] or float("nan"))
+        uploads = [[n, int(t["upload_bytes"])] for n, t in trained if "upload_bytes" in t]
+        if uploads:
+            sent[region] = uploads
+    return {
+        "run_id": run.get("run_id"),
+        "regions": regions,
+        "rounds": numbers,
+        "eval_loss": loss,
+        "epsilon": epsilon,
+        "epsilon_budget": budget,
+        "upload_bytes": sent,
+        "decisions": [vars(d) for d in timeline],
+    }
+
+
+# -- plots --------------------------------------------------------------------------------
+
+
+def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
+    """One matplotlib figure per plot, drawn off-screen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    regions = list(values["regions"])
+    colours = {r: f"C{i % 10}" for i, r in enumerate(regions)}
+    rounds = list(values["rounds"])
+    out: dict[str, Figure] = {}
+
+    fig = Figure(figsize=(7, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    for name, points in values["eval_loss"].items():
+        xs, ys = zip(*points, strict=True)
+        if name == "overall":
+            ax.plot(xs, ys, "k--", label="overall (by examples)")
+        else:
+            ax.plot(xs, ys, "o-", color=colours.get(name), label=name)
+    ax.set(xlabel="round (0 = before training)", ylabel="eval loss", title="Eval loss")
+    _finish(fig, ax, rounds, values["eval_loss"])
+    out["eval_loss"] = fig
+
+    fig = Figure(figsize=(7, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    for region, points in values["epsilon"].items():
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, "o-", color=colours.get(region), label=f"{region} spent")
+    by_budget: dict[float, list[str]] = {}
+    for region, budget in values["epsilon_budget"].items():
+        by_budget.setdefault(budget, []).append(region)
+    for budget, names in sorted(by_budget.items()):
+        colour = colours.get(names[0]) if len(names) == 1 else "k"
+        ax.axhline(budget, color=colour, ls=":", label=f"budget {budget:g} ({', '.join(names)})")
+    ax.set_ylim(bottom=0)  # spent against the whole budget, not a zoom on the last rounds
+    ax.set(xlabel="round", ylabel="epsilon (cumulative)", title="Privacy spent against budget")
+    _finish(fig, ax, rounds, values["epsilon"], empty="DP off: no epsilon spent")
+    out["epsilon"] = fig
+
+    fig = Figure(figsize=(7, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    uploads = values["upload_bytes"]
+    width = 0.8 / max(len(uploads), 1)
+    for i, (region, points) in enumerate(uploads.items()):
+        xs, ys = zip(*points, strict=True)
+        shifted = [x - 0.4 + width * (i + 0.5) for x in xs]
+        ax.bar(shifted, ys, width=width, color=colours.get(region), label=region)
+    ax.set(xlabel="round", ylabel="bytes (sealed update)", title="Bytes uploaded per round")
+    _finish(fig, ax, rounds, uploads, empty="no update was sent")
+    out["upload_bytes"] = fig
+
+    fig = Figure(figsize=(7, 0.9 + 0.45 * (len(regions) + 1)), dpi=100)
+    ax = fig.add_subplot()
+    rows = [*regions, "aggregate"]
+    for outcome, (marker, colour) in MARKERS.items():
+        points = [
+            (d["round"], rows.index(d["subject"]))
+            for d in values["decisions"]
+            if d["outcome"] == outcome and d["subject"] in rows
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.scatter(xs, ys, marker=marker, color=colour, s=90, label=outcome, zorder=3)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.invert_yaxis()
+    ax.set(xlabel="round", title="Decisions (reasons in the table below)")
+    _finish(fig, ax, rounds, values["decisions"], empty="no decision recorded")
+    out["decisions"] = fig
+    return out
+
+
+def _finish(fig: Figure, ax: Any, rounds: Sequence[int], drawn: Any, empty: str = "") -> None:
+    if rounds:
+        ax.set_xticks(rounds)
+    if not drawn and empty:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+
+
+def _png(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+# -- the page -----------------------------------------------------------------------------
+
+CAPTIONS = {
+    "eval_loss": "Eval loss of the global adapter on each region's held-out split, per round.",
+    "epsilon": "Cumulative epsilon of each region's dataset (its privacy ledger) against "
+    "its lifetime budget.",
+    "upload_bytes": "Bytes of each region's sealed, compressed update as it crossed the relay.",
+    "decisions": "Every decision of the run, from the audit logs: updates accepted, declined "
+    "by their region, rejected by the aggregator, aggregates published or withheld.",
+}
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;padding:0 1rem;"
+    "color:#222}table{border-collapse:collapse;margin:.5rem 0 1rem}"
+    "td,th{border:1px solid #bbb;padding:.2rem .5rem;text-align:left;vertical-align:top}"
+    "th{background:#f0f0f0}figure{margin:1rem 0}img{max-width:100%}"
+    ".bad{background:#fde2e2;padding:.5rem}.ok{background:#e3f4e3;padding:.5rem}"
+    ".declined,.withheld{color:#b35900}.rejected,.failed{color:#b00020}"
+)
+
+
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], classes: Sequence[str] = ()
+) -> str:
+    e = html.escape
+    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        cls = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+    return "\n".join(out) + "</table>"
+
+
+def _region_rows(data: Mapping[str, Any], timeline: Sequence[Decision]) -> list[list[str]]:
+    rounds = data["rounds"]
+    first = rounds.get("0", {}).get("eval", {})
+    _, last = final_eval(dict(data))
+    rows = []
+    for region in data["run"].get("regions", []):
+        before, after = first.get(region, {}).get("loss"), last.get(region, {}).get("loss")
+        eps, budget = epsilon_spent(dict(data), region)
+        sent = upload_bytes(dict(data), region)
+        mine = [d for d in timeline if d.subject == region]
+        counts = ", ".join(f"{o} x{n}" for o in MARKERS if (n := sum(d.outcome == o for d in mine)))
+        rows.append(
+            [
+                region,
+                f"{before:.4f}" if before is not None else "-",
+                f"{after:.4f}" if after is not None else "-",
+                f"{eps:.2f} of {budget:g}" if eps is not None and budget is not None else "-",
+                f"{sum(sent) / len(sent):.0f}" if sent else "-",
+                counts or "-",
+            ]
+        )
+    return rows
+
+
+def render(
+    data: Mapping[str, Any],
+    timeline: Sequence[Decision],
+    pngs: Mapping[str, bytes],
+    sections: Sequence[Section],
+    verdicts: Sequence[str],
+    verified: bool | None,
+) -> str:
+    """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched."""
+    e = html.escape
+    run = data["run"]
+    config = run.get("config", {})
+    last_round, _ = final_eval(dict(data))
+    title = f"fedciuic run report: run {run.get('run_id')}"
+    status = str(run.get("status", "?"))
+    out = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        f'<p class="{"ok" if status == "completed" else "bad"}">Status: <b>{e(status)}</b>'
+        + (f": {e(str(run['error']))}" if run.get("error") else "")
+        + f" &middot; regions {e(', '.join(run.get('regions', [])))} &middot; "
+        f"{e(str(config.get('num-server-rounds')))} round(s) &middot; aggregator in "
+        f"{e(str(config.get('aggregator-jurisdiction')))} &middot; "
+        + (
+            f"DP on (target epsilon {e(str(config.get('target-epsilon')))}, delta "
+            f"{e(str(config.get('target-delta')))})"
+            if config.get("dp")
+            else "DP off"
+        )
+        + f" &middot; codec {e(str(config.get('codec')))}</p>",
+    ]
+    if verified is None:
+        out.append(
+            '<p class="bad">The audit logs were not verified: no public keys. '
+            "Pass --keys DIR to check them.</p>"
+        )
+    elif not verified:
+        out.append(
+            '<p class="bad"><b>An audit log FAILED verification</b>: do not rely on '
+            "this report. " + e(" ".join(verdicts)) + "</p>"
+        )
+    out += [
+        "<h2>Regions</h2>",
+        _table(
+            (
+                "region",
+                "eval loss before",
+                f"after round {last_round}",
+                "epsilon",
+                "bytes per round",
+                "decisions",
+            ),
+            _region_rows(data, timeline),
+        ),
+        "<h2>Plots</h2>",
+    ]
+    for name in PLOTS:
+        data_uri = base64.b64encode(pngs[name]).decode("ascii")
+        out.append(
+            f'<figure id="{name}"><img alt="{e(CAPTIONS[name])}" '
+            f'src="data:image/png;base64,{data_uri}">'
+            f"<figcaption>{e(CAPTIONS[name])}</figcaption></figure>"
+        )
+    refused = [d for d in timeline if d.outcome in REFUSALS]
+    out.append(f"<h2>Decisions</h2><p>{len(timeline)} decision(s), {len(refused)} refusal(s).</p>")
+    out.append(
+        _table(
+            ("round", "about", "outcome", "reasons", "logged by"),
+            [[str(d.round), d.subject, d.outcome, d.reason or "-", d.logged_by] for d in timeline],
+            [d.outcome for d in timeline],
+        )
+    )
+    out.append("<h2>Compliance record (from the audit logs)</h2>")
+    for section in sections:
+        out.append(f"<h3>{e(section.title)}</h3>")
+        out += [f"<p>{e(p)}</p>" for p in section.paragraphs]
+        if section.header:
+            out.append(_table(section.header, section.rows))
+    out.append(
+        f"<p><small>Written by fedciuic {e(__version__)} at "
+        f"{e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))} from "
+        f"{e(str(run.get('output_dir', '')))}.</small></p></body></html>"
+    )
+    return "\n".join(out) + "\n"
+
+
+def write_run_report(
+    run_dir: Path,
+    *,
+    audit_logs: Sequence[Path] = (),
+    keys_dir: Path | None = None,
+    out: Path | None = None,
+) -> RunReport:
+    """Read the run and its audit logs, verify them when keys are at hand, write the page."""
+    from fedciuic.audit import verify
+    from fedciuic.crypto.keys import load_bundles
+
+    data = load_metrics(run_dir)
+    paths = audit_log_paths(data, audit_logs)
+    logs = open_logs(paths, {})
+    run_id = federation_run(data)
+    configured = data["run"].get("config", {}).get("keys-dir")
+    if keys_dir is None and configured and Path(configured).is_dir():
+        keys_dir = Path(configured)
+    verdicts, verified = [], None
+    if keys_dir is not None:
+        bundles = {b.party: b for b in load_bundles(keys_dir).values()}
+        for log in logs:
+            if log.actor not in bundles:
+                raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
+            log.verdict = verify(log.path, bundles[log.actor])
+            verdicts.append(log.verdict.explain())
+        verified = all(log.verdict is not None and log.verdict.ok for log in logs)
+    try:
+        _, sections = build(logs, run_id)
+    except AuditError as err:
+        raise ConfigError([f"{paths[0]}: {err}; pass the audit log of this run"]) from None
+    timeline = decisions(logs, run_id)
+    values = series(data, timeline)
+    pngs = {name: _png(fig) for name, fig in figures(values).items()}
+    page = out or run_dir / REPORT_FILE
+    plots_dir = page.parent / PLOTS_DIR
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    for name, png in pngs.items():
+        plots[name] = plots_dir / f"{name}.png"
+        plots[name].write_bytes(png)
+    series_path = plots_dir / SERIES_FILE
+    series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
+    kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
+    page.write_text(render(data, timeline, pngs, kept, verdicts, verified), encoding="utf-8")
+    problems = [log.verdict.explain() for log in logs if log.verdict and not log.verdict.ok]
+    return RunReport(page, plots, series_path, verified, problems)
