@@ -65,7 +65,13 @@ class RunProgress:
     # -- following a run ------------------------------------------------------------
 
     def poll(self, log_path: Path) -> None:
-        """Read what is new: the run id from ``flwr run``'s log, then the metrics."""
+        """Read what is new, print it, and redraw (or, in a log, now and then repeat)
+        what the run waits for."""
+        self._read(log_path)
+        self._status()
+
+    def _read(self, log_path: Path) -> None:
+        """The run id from ``flwr run``'s log, then the metrics."""
         self.log_path = log_path
         if self.run_id is None:
             try:
@@ -78,7 +84,6 @@ class RunProgress:
         data = self._metrics()
         if data is not None:
             self.update(data)
-        self._status()
 
     def _metrics(self) -> dict[str, Any] | None:
         if self.run_id is None:
@@ -108,7 +113,7 @@ class RunProgress:
     def finish(self) -> None:
         """The run is over: print what is left and clear the live line."""
         if self.log_path is not None:
-            self.poll(self.log_path)
+            self._read(self.log_path)
         self._clear()
         elapsed = self.clock() - self.started
         if self.run_id is not None:
@@ -213,7 +218,9 @@ def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
     if not aggregate:
         outcome = "no update to aggregate, the global adapter stays as it was"
     elif aggregate.get("published", True):
-        outcome = "aggregate published from " + ", ".join(aggregate.get("regions", []))
+        order = {region: i for i, region in enumerate(regions)}
+        included = sorted(aggregate.get("regions", []), key=lambda r: order.get(r, len(order)))
+        outcome = "aggregate published from " + ", ".join(included)
     else:
         outcome = "aggregate WITHHELD: " + "; ".join(aggregate.get("reasons", []))
     lines = [

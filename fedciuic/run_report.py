@@ -368,7 +368,7 @@ def render(
     timeline: Sequence[Decision],
     pngs: Mapping[str, bytes],
     sections: Sequence[Section],
-    verdicts: Sequence[str],
+    problems: Sequence[str],
     verified: bool | None,
 ) -> str:
     """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched."""
@@ -404,7 +404,7 @@ def render(
     elif not verified:
         out.append(
             '<p class="bad"><b>An audit log FAILED verification</b>: do not rely on '
-            "this report. " + e(" ".join(verdicts)) + "</p>"
+            "this report. " + e(" ".join(problems)) + "</p>"
         )
     out += [
         "<h2>Regions</h2>",
@@ -469,15 +469,15 @@ def write_run_report(
     configured = data["run"].get("config", {}).get("keys-dir")
     if keys_dir is None and configured and Path(configured).is_dir():
         keys_dir = Path(configured)
-    verdicts, verified = [], None
+    verified = None
     if keys_dir is not None:
         bundles = {b.party: b for b in load_bundles(keys_dir).values()}
         for log in logs:
             if log.actor not in bundles:
                 raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
             log.verdict = verify(log.path, bundles[log.actor])
-            verdicts.append(log.verdict.explain())
         verified = all(log.verdict is not None and log.verdict.ok for log in logs)
+    problems = [log.verdict.explain() for log in logs if log.verdict and not log.verdict.ok]
     try:
         _, sections = build(logs, run_id)
     except AuditError as err:
@@ -495,6 +495,5 @@ def write_run_report(
     series_path = plots_dir / SERIES_FILE
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
     kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
-    page.write_text(render(data, timeline, pngs, kept, verdicts, verified), encoding="utf-8")
-    problems = [log.verdict.explain() for log in logs if log.verdict and not log.verdict.ok]
+    page.write_text(render(data, timeline, pngs, kept, problems, verified), encoding="utf-8")
     return RunReport(page, plots, series_path, verified, problems)

@@ -1,0 +1,131 @@
+"""`fedciuic report`: bad input, the decision timeline and the plots' series, without Flower."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedciuic.audit_report import PartyLog
+from fedciuic.cli import main
+from fedciuic.run_report import decisions, figures, series
+
+
+def record(seq: int, actor: str, event: str, rnd: int | None, **details: Any) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "actor": actor,
+        "event": event,
+        "round": rnd,
+        "run_id": 9,
+        "details": details,
+    }
+
+
+def test_a_missing_or_damaged_run_folder_is_one_line_naming_the_file(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "nope: no such folder; pass a run folder" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{tmp_path}/metrics.json: not found; {tmp_path} is not a run folder" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "metrics.json").write_text('{"run": {"run_id": 1}, "rounds": {')
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.json: not valid JSON" in err and "Traceback" not in err
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_a_run_without_its_audit_log_asks_for_it(tmp_path, capsys):
+    gone = tmp_path / "audit" / "aggregator.audit.jsonl"
+    (tmp_path / "metrics.json").write_text(
+        json.dumps({"run": {"run_id": 1, "audit_log": str(gone), "config": {}}, "rounds": {}})
+    )
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{gone}: the aggregator's audit log is not there; pass --audit-log PATH" in err
+    assert main(["report", str(tmp_path), "--audit-log", str(gone)]) == 2
+    assert f"--audit-log {gone}: no such file" in capsys.readouterr().err
+
+
+def test_the_timeline_has_every_refusal_once_from_either_side():
+    aggregator = PartyLog(
+        Path("aggregator.audit.jsonl"),
+        "aggregator",
+        [
+            record(0, "aggregator", "run_start", None, regions=["eu", "cn", "us"]),
+            record(1, "aggregator", "update_accepted", 1, region="eu"),
+            record(2, "aggregator", "update_rejected", 1, region="us", reason="norm 90 > 50"),
+            record(3, "aggregator", "region_declined", 1, region="cn", reason="aggregator in US"),
+            record(4, "aggregator", "aggregate_withheld", 1, reasons=["needs 2 regions"]),
+            record(5, "aggregator", "reply_failed", 2, region="us", reason="no reply"),
+            record(6, "aggregator", "aggregate_published", 2, regions=["eu"]),
+            {**record(7, "aggregator", "update_accepted", 1, region="eu"), "run_id": 8},
+        ],
+    )
+    cn = PartyLog(
+        Path("cn.jsonl"),
+        "cn",
+        [
+            record(0, "cn", "declined", 0, reason="aggregator in US"),  # evaluation, round 0
+            record(1, "cn", "declined", 1, reason="aggregator in US"),  # the aggregator has it
+            record(2, "cn", "declined", 1, reason="aggregator in US"),  # its evaluation
+        ],
+    )
+    found = [(d.round, d.subject, d.outcome, d.reason) for d in decisions([aggregator, cn], 9)]
+    assert found == [
+        (0, "cn", "declined", "aggregator in US"),
+        (1, "cn", "declined", "aggregator in US"),
+        (1, "eu", "accepted", ""),
+        (1, "us", "rejected", "norm 90 > 50"),
+        (1, "aggregate", "withheld", "needs 2 regions"),
+        (2, "us", "failed", "no reply"),
+        (2, "aggregate", "published", "from eu"),
+    ]
+
+
+def test_each_plot_draws_the_series_it_is_named_after():
+    data = {
+        "run": {"run_id": 9, "regions": ["eu", "cn"]},
+        "rounds": {
+            "0": {"eval": {"eu": {"loss": 5.0}, "cn": {"loss": 5.2}, "overall": {"loss": 5.1}}},
+            "1": {
+                "eval": {"eu": {"loss": 4.0}, "cn": {"loss": 4.2}, "overall": {"loss": 4.1}},
+                "train": {
+                    "eu": {"epsilon": 3.0, "epsilon_budget": 8.0, "upload_bytes": 2000},
+                    "cn": {"epsilon": 4.0, "epsilon_budget": 6.0, "upload_bytes": 2100},
+                },
+            },
+        },
+    }
+    from fedciuic.run_report import Decision
+
+    values = series(data, [Decision(1, "cn", "declined", "why", "cn")])
+    assert values["eval_loss"]["cn"] == [[0, 5.2], [1, 4.2]]
+    assert values["epsilon"] == {"eu": [[1, 3.0]], "cn": [[1, 4.0]]}
+    assert values["epsilon_budget"] == {"eu": 8.0, "cn": 6.0}
+    assert values["upload_bytes"] == {"eu": [[1, 2000]], "cn": [[1, 2100]]}
+    drawn = figures(values)
+    assert [line.get_label() for line in drawn["eval_loss"].axes[0].get_lines()] == [
+        "eu",
+        "cn",
+        "overall (by examples)",
+    ]
+    labels = [line.get_label() for line in drawn["epsilon"].axes[0].get_lines()]
+    assert labels == ["eu spent", "cn spent", "budget 6 (cn)", "budget 8 (eu)"]
+    bars = drawn["upload_bytes"].axes[0].containers
+    assert [c.get_label() for c in bars] == ["eu", "cn"]
+    assert [round(b.get_height()) for b in bars[1]] == [2100]
+    (declined,) = drawn["decisions"].axes[0].collections
+    assert declined.get_label() == "declined"
+    assert declined.get_offsets().tolist() == [[1.0, 1.0]]  # round 1, the row of cn
+
+
+@pytest.mark.parametrize("command", ["simulate", "report", "init", "audit report"])
+def test_every_command_explains_itself_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*command.split(), "--help"])
+    assert exited.value.code == 0
+    assert "example:" in capsys.readouterr().out
