@@ -385,19 +385,25 @@ def verify_and_report(
 ) -> tuple[bool, list[str]]:
     """Verify each log with its party's bundle from ``keys_dir`` (when given), write
     the report, and say what was found: (all verified, lines to print)."""
+    logs = open_logs(paths, {})
+    verify_logs(logs, keys_dir)
+    lines = [f"audit: {log.verdict.explain()}" for log in logs if log.verdict is not None]
+    md, _ = write_report(logs, out_dir, run_id)
+    lines.append(f"compliance report: {md} (and .html)")
+    return all(log.verdict is None or log.verdict.ok for log in logs), lines
+
+
+def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
+    """Set each log's verdict, checked with its party's bundle from ``keys_dir``; with no
+    keys the logs stay unverified (and reports say so)."""
     from fedciuic.audit import verify
     from fedciuic.crypto.keys import load_bundles
     from fedciuic.errors import ConfigError
 
-    logs = open_logs(paths, {})
-    lines = []
-    if keys_dir is not None:
-        bundles = {b.party: b for b in load_bundles(keys_dir).values()}
-        for log in logs:
-            if log.actor not in bundles:
-                raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
-            log.verdict = verify(log.path, bundles[log.actor])
-            lines.append(f"audit: {log.verdict.explain()}")
-    md, _ = write_report(logs, out_dir, run_id)
-    lines.append(f"compliance report: {md} (and .html)")
-    return all(log.verdict is None or log.verdict.ok for log in logs), lines
+    if keys_dir is None:
+        return
+    bundles = {b.party: b for b in load_bundles(keys_dir).values()}
+    for log in logs:
+        if log.actor not in bundles:
+            raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
+        log.verdict = verify(log.path, bundles[log.actor])

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -131,7 +132,9 @@ class RunProgress:
             self.last_note = now
         waited = now - self.phase_since
         if self.live:
-            self.stream.write(f"{CLEAR_LINE}{self.label}{phase} ... {waited:.0f} s")
+            # One row only: a wrapped line could not be redrawn in place.
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write(f"{CLEAR_LINE}{self.label}{phase} ... {waited:.0f} s"[: width + 4])
             self.stream.flush()
             self.live_shown = True
         elif now - self.last_note >= self.heartbeat:

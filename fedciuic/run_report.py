@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, AuditError
-from fedciuic.audit_report import PartyLog, Section, build, open_logs
+from fedciuic.audit_report import PartyLog, Section, build, open_logs, verify_logs
 from fedciuic.errors import ConfigError
 from fedciuic.outputs import METRICS_FILE, epsilon_spent, final_eval, upload_bytes
 
@@ -459,9 +459,6 @@ def write_run_report(
     out: Path | None = None,
 ) -> RunReport:
     """Read the run and its audit logs, verify them when keys are at hand, write the page."""
-    from fedciuic.audit import verify
-    from fedciuic.crypto.keys import load_bundles
-
     data = load_metrics(run_dir)
     paths = audit_log_paths(data, audit_logs)
     logs = open_logs(paths, {})
@@ -469,14 +466,8 @@ def write_run_report(
     configured = data["run"].get("config", {}).get("keys-dir")
     if keys_dir is None and configured and Path(configured).is_dir():
         keys_dir = Path(configured)
-    verified = None
-    if keys_dir is not None:
-        bundles = {b.party: b for b in load_bundles(keys_dir).values()}
-        for log in logs:
-            if log.actor not in bundles:
-                raise ConfigError([f"{keys_dir}: no {log.actor}.pub.json to verify {log.path}"])
-            log.verdict = verify(log.path, bundles[log.actor])
-        verified = all(log.verdict is not None and log.verdict.ok for log in logs)
+    verify_logs(logs, keys_dir)
+    verified = None if keys_dir is None else all(log.verdict and log.verdict.ok for log in logs)
     problems = [log.verdict.explain() for log in logs if log.verdict and not log.verdict.ok]
     try:
         _, sections = build(logs, run_id)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fedciuic.audit_report import PartyLog
@@ -120,7 +121,7 @@ def test_each_plot_draws_the_series_it_is_named_after():
     assert [round(b.get_height()) for b in bars[1]] == [2100]
     (declined,) = drawn["decisions"].axes[0].collections
     assert declined.get_label() == "declined"
-    assert declined.get_offsets().tolist() == [[1.0, 1.0]]  # round 1, the row of cn
+    assert np.asarray(declined.get_offsets()).tolist() == [[1.0, 1.0]]  # round 1, the row of cn
 
 
 @pytest.mark.parametrize("command", ["simulate", "report", "init", "audit report"])
