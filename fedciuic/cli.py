@@ -112,6 +112,82 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.set_defaults(handler=_simulate)
 
+    init = _command(
+        sub,
+        "init",
+        _init,
+        "write a deployment folder: keys, certificates, policies and start scripts per party",
+        "fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh",
+        description="Write DIR with one folder per party (DIR/aggregator, DIR/regions/REGION),\n"
+        "each holding only what that party needs (its private keys stay in it), and the\n"
+        "scripts that start the SuperLink, each SuperNode and the run.\n\n"
+        "`bash DIR/start.sh` runs the whole federation on this machine and stops every\n"
+        "process it started when it ends; DIR/README.md has the commands for one machine\n"
+        "per party. Nothing is written unless every check passes.",
+    )
+    init.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="the deployment folder to create; must not exist or be empty",
+    )
+    init.add_argument(
+        "--regions",
+        default="eu,cn,us",
+        help="comma-separated regions; a region's jurisdiction is its name upper-cased "
+        "(eu is EU) unless given as NAME=JUR, e.g. paris=EU (default: eu,cn,us)",
+    )
+    init.add_argument(
+        "--aggregator-jurisdiction",
+        default="EU",
+        metavar="JUR",
+        help="where the aggregator (and its SuperLink) sits; written into its key and the "
+        "run config, and every region's policy must allow it (default: EU)",
+    )
+    init.add_argument(
+        "--app",
+        type=Path,
+        default=Path("."),
+        help="the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)",
+    )
+    init.add_argument(
+        "--policies",
+        type=Path,
+        metavar="DIR",
+        help="folder with one policy YAML per jurisdiction; each region gets a copy of its "
+        "own (default: APP/policies)",
+    )
+    init.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the name or address SuperNodes reach the SuperLink at; the SuperLink listens "
+        "there and its TLS certificate names it (default: 127.0.0.1)",
+    )
+    init.add_argument(
+        "--port",
+        type=int,
+        default=9092,
+        help="the SuperLink's port (Fleet, Control and runtime APIs) (default: 9092)",
+    )
+    init.add_argument(
+        "--supernode-port-base",
+        type=int,
+        metavar="PORT",
+        help="each SuperNode's local runtime API port is PORT + i, for the i-th region "
+        "(default: --port + 1)",
+    )
+    init.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication: for loopback tests only",
+    )
+    init.add_argument(
+        "--demo-data",
+        action="store_true",
+        help="put the demo corpus in each region's data/ (regions eu, cn, us, sg, in); "
+        "otherwise data/ is empty and says what to put there",
+    )
+
     demo = _command(
         sub,
         "demo-data",
@@ -482,6 +558,25 @@ def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any
             f"run {run_id} wrote no metrics at {metrics_file}; see the logs in {workdir / 'logs'}"
         ) from None
     return data
+
+
+def _init(args: argparse.Namespace) -> int:
+    from fedciuic.deploy import init_deployment, next_steps
+
+    deployment = init_deployment(
+        args.directory,
+        args.regions,
+        aggregator_jurisdiction=args.aggregator_jurisdiction,
+        app_dir=args.app,
+        policies_dir=args.policies,
+        host=args.host,
+        port=args.port,
+        supernode_port_base=args.supernode_port_base,
+        tls=not args.insecure,
+        demo_data=args.demo_data,
+    )
+    print(next_steps(deployment))
+    return 0
 
 
 def _demo_data(args: argparse.Namespace) -> int:

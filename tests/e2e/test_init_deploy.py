@@ -1,0 +1,118 @@
+"""`fedciuic init`, then `bash DIR/start.sh`: a TLS federation from the generated folder alone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fedciuic.flower.launch import free_port
+from tests.conftest import ROOT
+from tests.e2e.helpers import alive, processes_under
+
+pytestmark = pytest.mark.e2e
+REGIONS = ("eu", "cn")
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports (SuperNode ports are BASE + i)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _pids(directory: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted((directory / "pids").glob("*.pid"))]
+
+
+def _kill_everything(directory: Path) -> None:
+    """Whatever start.sh left behind, even when the test failed half-way."""
+    targets: list[psutil.Process] = []
+    for pid in _pids(directory) if (directory / "pids").is_dir() else []:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(pid)
+            targets += [parent, *parent.children(recursive=True)]
+    targets += processes_under(directory)
+    for proc in targets:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(targets, timeout=10)
+
+
+def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path):
+    directory = tmp_path / "federation"
+    fedciuic = Path(sys.executable).with_name("fedciuic")
+    init = subprocess.run(
+        [
+            str(fedciuic),
+            "init",
+            str(directory),
+            "--app",
+            str(ROOT),
+            "--regions",
+            ",".join(REGIONS),
+            "--demo-data",
+            "--port",
+            str(free_port()),
+            "--supernode-port-base",
+            str(_free_ports(len(REGIONS))),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert init.returncode == 0, init.stderr
+    assert f"bash {directory / 'start.sh'}" in init.stdout
+
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")}
+    start = subprocess.Popen(
+        ["bash", str(directory / "start.sh"), "--run-config", "num-server-rounds=1 local-steps=2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        try:
+            output, _ = start.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            start.send_signal(signal.SIGTERM)  # its trap stops what it started
+            output, _ = start.communicate(timeout=60)
+            pytest.fail(f"start.sh did not finish within 300 s:\n{output[-4000:]}")
+        assert start.returncode == 0, output[-4000:]
+        (metrics,) = sorted((directory / "aggregator" / "runs").glob("run-*/metrics.json"))
+        data = json.loads(metrics.read_text())
+        assert data["run"]["status"] == "completed"
+        for region in REGIONS:
+            assert data["rounds"]["1"]["train"][region]["status"] == "trained"
+            assert (directory / "regions" / region / "state" / "audit.jsonl").exists()
+        assert (directory / "aggregator" / "audit").is_dir()
+        pids = _pids(directory)
+        assert len(pids) == 2 + len(REGIONS)  # SuperLink, SuperNodes, the run
+        assert not alive(pids), "start.sh left processes running"
+        assert not processes_under(directory), "start.sh left Flower helpers running"
+        # TLS with SuperNode authentication: each SuperNode was admitted by its key.
+        assert "--insecure" not in (directory / "aggregator" / "start-superlink.sh").read_text()
+        assert output.count("registered successfully") == len(REGIONS)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(start.pid, signal.SIGKILL)
+        _kill_everything(directory)

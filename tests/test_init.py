@@ -1,0 +1,343 @@
+"""`fedciuic init`: the deployment folder it writes, and every input it refuses (no Flower)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import psutil
+import pytest
+from flwr.common.config import parse_config_args
+
+from fedciuic import deploy
+from fedciuic.cli import main
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.crypto.keys import load_bundle, load_keypair
+from fedciuic.data import list_data_files
+from fedciuic.errors import DataError
+from fedciuic.policy import load_policy
+from fedciuic.sealing import aggregator_keys
+from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
+
+REGIONS = ("eu", "cn", "us")
+
+
+def _init(tmp_path: Path, *extra: str, directory: Path | None = None) -> int:
+    target = directory or tmp_path / "dep"
+    return main(["init", str(target), "--app", str(ROOT), "--port", "19092", *extra])
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    assert _init(tmp_path, "--regions", ",".join(REGIONS)) == 0
+    return tmp_path / "dep"
+
+
+def test_each_party_gets_its_keys_policy_and_scripts(deployment):
+    agg = deployment / "aggregator"
+    # The aggregator: its key pair and every region's public bundle (the ServerApp's keys-dir).
+    assert _mode(agg / "keys" / "aggregator.key.json") == 0o600
+    assert load_keypair(agg / "keys" / "aggregator.key.json").bundle.jurisdiction == "EU"
+    keys = aggregator_keys(str(agg / "keys"), 1 << 20)
+    assert sorted(b.party for b in keys.regions.values()) == sorted(REGIONS)
+    assert sorted(p.name for p in (agg / "policies").iterdir()) == sorted(SHIPPED_POLICIES.values())
+    for name in ("ca.key", "superlink.key"):
+        assert _mode(agg / "certs" / name) == 0o600
+    for region in REGIONS:
+        here = deployment / "regions" / region
+        private = here / "keys" / f"{region}.key.json"
+        assert _mode(private) == 0o600
+        assert _mode(here / "auth" / f"{region}.auth.key") == 0o600
+        assert load_keypair(private).bundle.jurisdiction == region.upper()
+        # Only public halves cross between parties, and they are the same keys.
+        assert (
+            load_bundle(here / "keys" / "aggregator.pub.json").key_id == keys.keypair.bundle.key_id
+        )
+        assert (agg / "keys" / f"{region}.pub.json").read_bytes() == (
+            here / "keys" / f"{region}.pub.json"
+        ).read_bytes()
+        assert (agg / "auth" / f"{region}.auth.pub").read_bytes() == (
+            here / "auth" / f"{region}.auth.pub"
+        ).read_bytes()
+        assert (here / "auth" / "ca.pem").read_bytes() == (agg / "certs" / "ca.pem").read_bytes()
+        policy_file = here / SHIPPED_POLICIES[region.upper()]
+        assert load_policy(policy_file).policy.jurisdiction == region.upper()
+        assert (here / "data" / "README.md").exists() and (here / "state").is_dir()
+    private_keys = sorted(p.relative_to(deployment) for p in deployment.rglob("*.key*"))
+    assert [str(p) for p in private_keys] == [
+        "aggregator/certs/ca.key",
+        "aggregator/certs/superlink.key",
+        "aggregator/keys/aggregator.key.json",
+        *(
+            f"regions/{r}/{k}"
+            for r in sorted(REGIONS)
+            for k in (f"auth/{r}.auth.key", f"keys/{r}.key.json")
+        ),
+    ]
+
+
+def test_run_config_validates_and_node_configs_name_existing_files(deployment):
+    agg = deployment / "aggregator"
+    with open(agg / "run-config.toml", "rb") as handle:
+        overrides = tomllib.load(handle)
+    run = RunConfig.from_user_config({**app_config(), **overrides}, source="test")
+    assert run.regions == REGIONS and run.aggregator_jurisdiction == "EU"
+    assert Path(run.keys_dir) == agg / "keys" and Path(run.policies_dir) == agg / "policies"
+    assert Path(run.output_dir) == agg / "runs" and Path(run.audit_dir) == agg / "audit"
+    # What run.sh hands `flwr run`: the file as pairs, with the caller's overrides after it.
+    pairs = deploy.run_config_pairs(agg / "run-config.toml")
+    assert parse_config_args([pairs]) == overrides
+    assert parse_config_args([pairs, "num-server-rounds=1 local-steps=2"]) == {
+        **overrides,
+        "num-server-rounds": 1,
+        "local-steps": 2,
+    }
+    for region in REGIONS:
+        here = deployment / "regions" / region
+        with open(here / "node-config.toml", "rb") as handle:
+            values = tomllib.load(handle)
+        # Flower reads a --node-config that ends in .toml as a file.
+        assert parse_config_args([str(here / "node-config.toml")]) == values
+        node = NodeConfig.resolve(values, run)
+        assert node.region == region and node.state_dir == here / "state"
+        for key in ("data-path", "state-path", "key-file", "aggregator-bundle", "policy"):
+            assert Path(values[key]).is_absolute() and Path(values[key]).exists(), key
+        assert load_keypair(Path(node.key_file)).bundle.party == region
+        script = (here / "start-supernode.sh").read_text()
+        assert f"--node-config {here / 'node-config.toml'}" in script
+    scripts = [deployment / "regions" / r / "start-supernode.sh" for r in REGIONS]
+    ports = [port for s in scripts for port in re.findall(r"--port (\d+)", s.read_text())]
+    assert ports == ["19093", "19094", "19095"]  # one each, from --port + 1
+
+
+def test_flower_connection_and_scripts(deployment):
+    agg = deployment / "aggregator"
+    with open(agg / "flwr-home" / "config.toml", "rb") as handle:
+        connection = tomllib.load(handle)["superlink"]
+    assert connection["default"] == "fedciuic"
+    assert connection["fedciuic"]["address"] == "127.0.0.1:19092"
+    assert connection["fedciuic"]["insecure"] is False
+    assert Path(connection["fedciuic"]["root-certificates"]) == agg / "certs" / "ca.pem"
+    scripts = [
+        deployment / "start.sh",
+        deployment / "stop.sh",
+        agg / "start-superlink.sh",
+        agg / "register-supernodes.sh",
+        agg / "run.sh",
+        *(deployment / "regions" / r / "start-supernode.sh" for r in REGIONS),
+    ]
+    bin_dir = str(Path(sys.executable).parent)
+    for script in scripts:
+        assert _mode(script) & 0o111 == 0o111, script
+        text = script.read_text()
+        assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+        assert "FLWR_TELEMETRY_ENABLED=0" in text and "FLWR_HOME=" in text
+        assert f"BIN={bin_dir}" in text
+        checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert checked.returncode == 0, (script, checked.stderr)
+    superlink = (agg / "start-superlink.sh").read_text()
+    assert "--enable-supernode-auth" in superlink and "--insecure" not in superlink
+    start = (deployment / "start.sh").read_text()
+    assert "trap stop_all EXIT" in start and "register-supernodes.sh" in start
+    readme = (deployment / "README.md").read_text()
+    assert "bash " + str(deployment / "start.sh") in readme and "*.pub.json" in readme
+
+
+def test_next_steps_are_printed(tmp_path, capsys):
+    assert _init(tmp_path, "--regions", "eu") == 0
+    out = capsys.readouterr().out
+    assert f"bash {tmp_path / 'dep' / 'start.sh'}" in out
+    assert f"bash {tmp_path / 'dep' / 'regions' / 'eu' / 'start-supernode.sh'}" in out
+    assert "region's data" in out  # no --demo-data: data/ is the user's to fill
+
+
+def test_insecure_with_demo_data(tmp_path, capsys):
+    assert _init(tmp_path, "--regions", "eu,cn", "--insecure", "--demo-data") == 0
+    dep = tmp_path / "dep"
+    agg = dep / "aggregator"
+    assert not (agg / "certs").exists() and not (agg / "register-supernodes.sh").exists()
+    assert not any(dep.rglob("*.auth.*"))
+    assert "--insecure" in (agg / "start-superlink.sh").read_text()
+    assert "--insecure" in (dep / "regions" / "cn" / "start-supernode.sh").read_text()
+    assert "register" not in (dep / "start.sh").read_text()
+    with open(agg / "flwr-home" / "config.toml", "rb") as handle:
+        assert tomllib.load(handle)["superlink"]["fedciuic"]["insecure"] is True
+    # Demo data is data; the folder's README is not.
+    assert [p.name for p in list_data_files(dep / "regions" / "eu" / "data")] == ["docs.jsonl"]
+    for script in dep.rglob("*.sh"):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_a_region_named_for_its_jurisdiction_and_the_aggregators_in_any_case(tmp_path, capsys):
+    assert _init(tmp_path, "--regions", "eu, paris=eu", "--aggregator-jurisdiction", "eu") == 0
+    dep = tmp_path / "dep"
+    paris = dep / "regions" / "paris"
+    assert load_keypair(paris / "keys" / "paris.key.json").bundle.jurisdiction == "EU"
+    assert load_policy(paris / "eu-gdpr.yaml").policy.jurisdiction == "EU"
+    text = (dep / "aggregator" / "run-config.toml").read_text()
+    assert 'regions = "eu,paris"' in text and 'aggregator-jurisdiction = "EU"' in text
+    with pytest.raises(DataError, match="holds no"):
+        list_data_files(paris / "data")  # its README is not data
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--regions", "eu,xx"], "--regions:xx: no policy for jurisdiction XX in "),
+        (["--regions", "eu,paris=ZZ"], "--regions:paris: no policy for jurisdiction ZZ"),
+        (["--regions", "eu,sg", "--policies", str(ROOT / "tests")], "--regions:eu: no policy"),
+        (["--regions", "eu,cn,eu"], "--regions:eu: listed twice; list each region once"),
+        (["--regions", "EU"], "--regions:EU: not a region name"),
+        (["--regions", ","], "--regions: empty"),
+        (["--regions", "aggregator"], "--regions:aggregator: the aggregator's name"),
+        (
+            ["--aggregator-jurisdiction", "ZZ"],
+            "--aggregator-jurisdiction: ZZ is not a jurisdiction",
+        ),
+        (["--aggregator-jurisdiction", "US"], "region cn's policy (cn-pipl.yaml) lets its"),
+        (["--app", "."], "--app:"),
+        (
+            ["--policies", "/nonexistent/policies"],
+            "--policies:/nonexistent/policies: no such folder",
+        ),
+        (
+            ["--regions", "eu,paris=EU", "--demo-data"],
+            "--demo-data: no demo corpus for region paris",
+        ),
+        (["--supernode-port-base", "19091"], "gives a SuperNode the SuperLink's --port 19092"),
+        (["--port", "0"], "--port: 0 is not a usable TCP port"),
+        (["--host", "two words"], "--host: 'two words' is not a name or address"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(
+    tmp_path, capsys, monkeypatch, args, message
+):
+    monkeypatch.chdir(tmp_path)  # --app . is then not an app folder
+    assert _init(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedciuic: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "dep").exists()
+
+
+def test_a_used_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
+    assert _init(tmp_path, "--regions", "eu") == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "dep").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _init(tmp_path, "--regions", "eu") == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'dep'}: exists and is not empty; choose another DIR or remove it" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "dep").rglob("*") if p.is_file()} == before
+    (tmp_path / "file").write_text("x")
+    assert _init(tmp_path, directory=tmp_path / "file") == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert _init(tmp_path, "--regions", "eu", directory=tmp_path / "empty") == 0
+
+
+def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("fedciuic.tls.generate_server_tls", broken)
+    with pytest.raises(OSError, match="disk full"):
+        deploy.init_deployment(tmp_path / "dep", "eu", app_dir=ROOT)
+    assert not (tmp_path / "dep").exists()
+
+
+def test_help_explains_every_option_and_ends_with_an_example(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["init", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--regions",
+        "--aggregator-jurisdiction",
+        "--app",
+        "--policies",
+        "--host",
+        "--port",
+        "--supernode-port-base",
+        "--insecure",
+        "--demo-data",
+    ):
+        assert option in out
+    assert out.rstrip().splitlines()[-2:][0] == "example:"
+    assert "fedciuic init" in out.rstrip().splitlines()[-1]
+
+
+def test_check_run_reads_the_outcome_of_the_run_flwr_started(tmp_path, capsys):
+    config = tmp_path / "run-config.toml"
+    config.write_text(f'output-dir = "{tmp_path / "runs"}"\n')
+    log = tmp_path / "log"
+    log.write_text("nothing started\n")
+    assert deploy.check_run(log, config) == 1
+    log.write_text("Successfully started run 42\n")
+    assert deploy.check_run(log, config) == 1  # no metrics.json
+    metrics = tmp_path / "runs" / "run-42" / "metrics.json"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(json.dumps({"run": {"status": "failed"}}))
+    assert deploy.check_run(log, config) == 1
+    metrics.write_text(json.dumps({"run": {"status": "completed"}}))
+    assert deploy.check_run(log, config) == 0
+
+
+def test_stop_ends_each_process_tree_named_in_pids_and_spares_reused_pids(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    tree = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    (pids / "tree.pid").write_text(f"{tree.pid}\n")
+    time.sleep(0.3)
+    children = psutil.Process(tree.pid).children(recursive=True)
+    assert len(children) == 2
+    # A PID file written before its process started names a PID that was reused.
+    other = subprocess.Popen(["sleep", "60"])
+    stale = pids / "stale.pid"
+    stale.write_text(f"{other.pid}\n")
+    old = time.time() - 60
+    os.utime(stale, (old, old))
+    try:
+        assert [p.pid for p in deploy.tracked(pids)] == [tree.pid]  # not the reused PID
+        assert deploy.stop_processes(pids, grace=5) == [tree.pid]
+        tree.wait(timeout=5)
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_start_sh_refuses_before_starting_anything(tmp_path, capsys):
+    """Regions without data, or an earlier start.sh still running: nothing is started."""
+    assert _init(tmp_path, "--regions", "eu,cn", "--insecure") == 0
+    dep = tmp_path / "dep"
+    done = subprocess.run(["bash", str(dep / "start.sh")], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"eu: {dep / 'regions' / 'eu' / 'data'} holds no .jsonl or .txt files" in done.stderr
+    assert not list((dep / "pids").glob("*.pid"))
+
+    for region in ("eu", "cn"):
+        (dep / "regions" / region / "data" / "notes.txt").write_text("some text")
+    earlier = subprocess.Popen(["sleep", "60"])
+    (dep / "pids" / "superlink.pid").write_text(f"{earlier.pid}\n")
+    try:
+        done = subprocess.run(["bash", str(dep / "start.sh")], capture_output=True, text=True)
+        assert done.returncode == 1
+        assert "an earlier start.sh is still running" in done.stderr
+        assert earlier.poll() is None  # refusing stops nothing
+        assert [p.pid for p in deploy.tracked(dep / "pids")] == [earlier.pid]
+    finally:
+        earlier.kill()
+        earlier.wait()
