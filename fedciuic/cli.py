@@ -29,6 +29,8 @@ examples:
   fedciuic save-checkpoint ./tiny-ckpt --preset tiny
   fedciuic policy check policies/*.yaml      # validate, file:line: field: message
   fedciuic policy explain policies/cn-pipl.yaml
+  fedciuic report runs/run-<id>              # HTML report with plots of one run
+  fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh
 """
 
 
@@ -210,7 +212,12 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--preset", default="tiny")
     ckpt.add_argument("--seed", type=int, default=0)
 
-    keys = sub.add_parser("keys", help="generate and show party keys (X-Wing + signatures)")
+    keys = _group(
+        sub,
+        "keys",
+        "generate and show party keys (X-Wing + signatures)",
+        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
+    )
     keys_sub = keys.add_subparsers(required=True, metavar="ACTION")
     gen = _command(
         keys_sub,
@@ -240,7 +247,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file", type=Path)
 
-    policy = sub.add_parser("policy", help="check, explain and compare jurisdiction policies")
+    policy = _group(
+        sub,
+        "policy",
+        "check, explain and compare jurisdiction policies",
+        "fedciuic policy check policies/*.yaml",
+    )
     policy_sub = policy.add_subparsers(required=True, metavar="ACTION")
     check = _command(
         policy_sub,
@@ -268,7 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
 
-    tls = sub.add_parser("tls", help="certificates for a TLS SuperLink, SuperNode auth keys")
+    tls = _group(
+        sub,
+        "tls",
+        "certificates for a TLS SuperLink, SuperNode auth keys",
+        "fedciuic tls generate --out certs/ --host 127.0.0.1",
+    )
     tls_sub = tls.add_subparsers(required=True, metavar="ACTION")
     server = _command(
         tls_sub,
@@ -296,7 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     node_key.add_argument("--name", required=True, help="the SuperNode's region, e.g. eu")
     node_key.add_argument("--out", type=Path, required=True, help="folder for the two files")
 
-    audit = sub.add_parser("audit", help="verify, read and report on tamper-evident audit logs")
+    audit = _group(
+        sub,
+        "audit",
+        "verify, read and report on tamper-evident audit logs",
+        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
+    )
     audit_sub = audit.add_subparsers(required=True, metavar="ACTION")
     verify = _command(
         audit_sub,
@@ -364,6 +386,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     page.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)")
     return parser
+
+
+def _group(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """A command with actions (``fedciuic keys ACTION``): its help names one example;
+    each action's ``--help`` has its own."""
+    group: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=f"{help[0].upper()}{help[1:]}. `fedciuic {name} ACTION --help` explains "
+        "each action's options.",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return group
 
 
 def _command(

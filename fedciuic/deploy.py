@@ -22,13 +22,10 @@ import re
 import shlex
 import shutil
 import signal
-import ssl
 import sys
 import tempfile
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +37,20 @@ from fedciuic.compliance import simulated_jurisdiction
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair, bundle_path, write_keys
 from fedciuic.errors import ConfigError
-from fedciuic.flower.launch import CONNECTION, FLOWER_ENV, toml_pairs, toml_value
+from fedciuic.flower.launch import (
+    CONNECTION,
+    FLOWER_ENV,
+    connection_toml,
+    healthy,
+    tail,
+    toml_pairs,
+    toml_value,
+)
+from fedciuic.outputs import METRICS_FILE
 from fedciuic.policy import JURISDICTIONS, LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.sealing import AGGREGATOR
 
 DEFAULT_PORT = 9092
-METRICS_FILE = "metrics.json"  # what the ServerApp writes in output-dir/run-<id>/
 
 
 @dataclass(frozen=True)
@@ -398,16 +403,7 @@ def _write(d: Deployment, policies: PolicySet | None) -> None:
 
 def connection_config(d: Deployment) -> str:
     """``$FLWR_HOME/config.toml``: the ``fedciuic`` connection that ``flwr`` commands use."""
-    security = (
-        f"root-certificates = {json.dumps(str(d.aggregator / 'certs' / 'ca.pem'))}\n"
-        "insecure = false\n"
-        if d.tls
-        else "insecure = true\n"
-    )
-    return (
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "{d.superlink}"\n{security}'
-    )
+    return connection_toml(d.superlink, d.aggregator / "certs" / "ca.pem" if d.tls else None)
 
 
 # -- scripts --------------------------------------------------------------------------
@@ -724,21 +720,14 @@ def run_config_pairs(path: Path) -> str:
 
 def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 60.0) -> int:
     """Wait until the SuperLink answers on ``/health``; 1 with its log's end if it exits."""
-    from fedciuic.flower.launch import tail
-
-    context = ssl.create_default_context(cafile=ca) if ca else None
     pid = int(pid_file.read_text().strip())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not _running(pid):
             print(f"start.sh: flower-superlink exited; {log}:\n{tail(log)}", file=sys.stderr)
             return 1
-        try:
-            with urllib.request.urlopen(url, timeout=1, context=context) as response:
-                if response.status == 200:
-                    return 0
-        except (urllib.error.URLError, OSError):
-            pass
+        if healthy(url, ca or None):
+            return 0
         time.sleep(0.3)
     print(
         f"start.sh: flower-superlink did not answer at {url} within {timeout:.0f}s; see {log}",

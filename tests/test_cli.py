@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import stat
 from pathlib import Path
 
+import pytest
+
 from fedciuic.audit import AuditLog
-from fedciuic.cli import main
+from fedciuic.cli import _parser, main
 from fedciuic.crypto.keys import Keypair, write_keys
 from tests.conftest import ROOT
 
@@ -250,3 +253,24 @@ def test_audit_report_flags_logs_that_disagree(tmp_path, capsys):
     assert "The logs DISAGREE:" in text
     assert "eu logged sending eeeeeeeeeeeeeeee, the aggregator logged no such update" in text
     assert "| eu |" in text and "FAIL" in text  # and the tampered log does not verify
+
+
+def _commands(
+    parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
+) -> list[tuple[str, ...]]:
+    """Every command and action of the ``fedciuic`` parser, e.g. ("audit", "verify")."""
+    found = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, (*prefix, name))
+    return found
+
+
+@pytest.mark.parametrize("command", _commands(_parser()), ids=" ".join)
+def test_every_command_explains_its_options_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "example" in out and "fedciuic " in out.split("example", 1)[1]

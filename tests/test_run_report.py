@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from fedciuic.audit_report import PartyLog
 from fedciuic.cli import main
@@ -122,11 +121,3 @@ def test_each_plot_draws_the_series_it_is_named_after():
     (declined,) = drawn["decisions"].axes[0].collections
     assert declined.get_label() == "declined"
     assert np.asarray(declined.get_offsets()).tolist() == [[1.0, 1.0]]  # round 1, the row of cn
-
-
-@pytest.mark.parametrize("command", ["simulate", "report", "init", "audit report"])
-def test_every_command_explains_itself_with_an_example(command, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main([*command.split(), "--help"])
-    assert exited.value.code == 0
-    assert "example:" in capsys.readouterr().out

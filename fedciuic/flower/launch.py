@@ -248,14 +248,8 @@ class LocalFederation:
 
     def _write_connection(self) -> None:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        security = (
-            f"root-certificates = {json.dumps(str(self.tls.ca_cert))}\ninsecure = false\n"
-            if self.tls
-            else "insecure = true\n"
-        )
         (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "{self.superlink_address}"\n{security}',
+            connection_toml(self.superlink_address, self.tls.ca_cert if self.tls else None),
             encoding="utf-8",
         )
 
@@ -381,16 +375,32 @@ def _tls_args(tls: ServerTls) -> list[str]:
     ]
 
 
-def _healthy(port: int, tls: ServerTls | None = None) -> bool:
-    scheme = "https" if tls else "http"
-    context = ssl.create_default_context(cafile=str(tls.ca_cert)) if tls else None
+def connection_toml(address: str, ca_cert: Path | None) -> str:
+    """``$FLWR_HOME/config.toml`` with the ``fedciuic`` connection as the default."""
+    security = (
+        f"root-certificates = {json.dumps(str(ca_cert))}\ninsecure = false\n"
+        if ca_cert
+        else "insecure = true\n"
+    )
+    return (
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "{address}"\n{security}'
+    )
+
+
+def healthy(url: str, cafile: str | None = None) -> bool:
+    """Whether a SuperLink answers 200 on its ``/health`` URL (trusting ``cafile``)."""
+    context = ssl.create_default_context(cafile=cafile) if cafile else None
     try:
-        with urllib.request.urlopen(
-            f"{scheme}://127.0.0.1:{port}/health", timeout=1, context=context
-        ) as response:
+        with urllib.request.urlopen(url, timeout=1, context=context) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _healthy(port: int, tls: ServerTls | None = None) -> bool:
+    scheme = "https" if tls else "http"
+    return healthy(f"{scheme}://127.0.0.1:{port}/health", str(tls.ca_cert) if tls else None)
 
 
 def tail(path: Path, lines: int = 20) -> str:
