@@ -108,7 +108,8 @@ class RunProgress:
             if number in self.printed or "ended_at" not in rounds[str(number)]:
                 continue
             self.printed.add(number)
-            self._lines(format_round(data, number, total))
+            first, *rest = format_round(data, number, total)
+            self._lines([self.label + first, *rest])
         self.phase = current_phase(data)
 
     def finish(self) -> None:
