@@ -56,6 +56,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         federation.run_app(
             {
                 "num-server-rounds": 2,
+                "local-steps": 10,  # enough for the loss to fall; three regions share 2 cores
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
