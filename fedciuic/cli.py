@@ -425,17 +425,18 @@ def _command(
 def app_run_config(app: Path) -> dict[str, Any]:
     """The run-config defaults declared in the app's pyproject.toml."""
     pyproject = app / "pyproject.toml"
+    fix = "pass --app with the Flower app folder (the fedciuic repository)"
     try:
         with open(pyproject, "rb") as handle:
             data = tomllib.load(handle)
     except OSError as err:
-        raise ConfigError([f"{pyproject}: cannot read ({err.strerror}); pass --app DIR"]) from None
+        raise ConfigError([f"--app:{pyproject}: cannot read ({err.strerror}); {fix}"]) from None
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError([f"{pyproject}: invalid TOML ({err})"]) from None
-    try:
-        return dict(data["tool"]["flwr"]["app"]["config"])
-    except KeyError:
-        raise ConfigError([f"{pyproject}:tool.flwr.app.config: missing"]) from None
+        raise ConfigError([f"--app:{pyproject}: invalid TOML ({err}); {fix}"]) from None
+    config = data.get("tool", {}).get("flwr", {}).get("app", {}).get("config")
+    if not isinstance(config, dict):
+        raise ConfigError([f"--app:{pyproject}: no [tool.flwr.app] with a config table; {fix}"])
+    return dict(config)
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:

@@ -121,19 +121,12 @@ def parse_regions(regions: str | Sequence[str]) -> tuple[list[tuple[str, str]], 
 
 def _app_defaults(app: Path) -> tuple[dict[str, Any], list[str]]:
     """The app's run-config defaults, or why ``app`` is not a Flower app folder."""
-    pyproject = app / "pyproject.toml"
-    fix = "pass --app with the Flower app folder (the fedciuic repository)"
+    from fedciuic.cli import app_run_config
+
     try:
-        with open(pyproject, "rb") as handle:
-            data = tomllib.load(handle)
-    except OSError as err:
-        return {}, [f"--app:{pyproject}: cannot read ({err.strerror}); {fix}"]
-    except tomllib.TOMLDecodeError as err:
-        return {}, [f"--app:{pyproject}: invalid TOML ({err}); {fix}"]
-    app_table = data.get("tool", {}).get("flwr", {}).get("app")
-    if not isinstance(app_table, dict) or not isinstance(app_table.get("config"), dict):
-        return {}, [f"--app:{pyproject}: no [tool.flwr.app] with a config table; {fix}"]
-    return dict(app_table["config"]), []
+        return app_run_config(app), []
+    except ConfigError as err:
+        return {}, list(err.problems)
 
 
 def _check_directory(directory: Path) -> list[str]:
