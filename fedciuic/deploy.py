@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.compliance import simulated_jurisdiction
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair, bundle_path, write_keys
@@ -526,6 +527,9 @@ def _start_script(d: Deployment) -> str:
         f"launch supernode-{r.name} bash {_q(d.region_dir(r.name) / 'start-supernode.sh')}\n"
         for r in d.regions
     )
+    logs = [agg / "audit" / AGGREGATOR_LOG]
+    logs += [d.region_dir(r.name) / "state" / REGION_LOG for r in d.regions]
+    report_logs = " ".join(f"--audit-log {_q(log)}" for log in logs)
     return (
         _header(
             d,
@@ -572,6 +576,9 @@ bash {_q(agg / "run.sh")} "$@" &
 echo "$!" >"$DIR/pids/flwr-run.pid"
 wait "$!"
 echo "start.sh: results in $DIR/aggregator/runs"
+# Every party's log is on this machine: the run report verifies and cross-checks them all.
+run_dir=$(ls -td "$DIR"/aggregator/runs/run-*/ | head -1)
+"$BIN/fedciuic" report "$run_dir" --keys {_q(agg / "keys")} {report_logs}
 """
     )
 
@@ -635,7 +642,8 @@ def next_steps(d: Deployment) -> str:
     lines += [
         f"  {'aggregator':<{width}} bash {_q(agg / 'run.sh')}",
         "",
-        f"Results: {agg / 'runs'}/run-<id>/; who keeps which file: {top / 'README.md'}",
+        f"Results and report.html: {agg / 'runs'}/run-<id>/",
+        f"Who keeps which file: {top / 'README.md'}",
     ]
     if d.host in ("127.0.0.1", "localhost", "::1"):
         lines.append(
