@@ -371,7 +371,11 @@ def to_html(run_id: int, sections: Sequence[Section]) -> str:
 def write_report(
     logs: Sequence[PartyLog], out_dir: Path, run_id: int | None = None
 ) -> tuple[Path, Path]:
-    run_id, sections = build(logs, run_id)
+    return write_sections(*build(logs, run_id), out_dir)
+
+
+def write_sections(run_id: int, sections: Sequence[Section], out_dir: Path) -> tuple[Path, Path]:
+    """The report's Markdown and HTML files, from sections already built."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"compliance-report-run-{run_id}.md"
     page = out_dir / f"compliance-report-run-{run_id}.html"

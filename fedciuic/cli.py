@@ -540,32 +540,22 @@ def _simulate(args: argparse.Namespace) -> int:
             raise FederationError(
                 f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
             )
-    return _audit_after_simulation(
-        RunConfig.from_user_config({**defaults, **overrides}, source="run config"),
-        data_root,
-        run_ids[0],
-    )
+    return _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
 
 
-def _audit_after_simulation(run: RunConfig, data_root: Path, run_id: int) -> int:
-    """Verify every party's audit log, write the run's compliance report and its HTML
-    report with plots."""
-    from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
-    from fedciuic.audit_report import verify_and_report
+def _audit_after_simulation(run_dir: Path) -> int:
+    """Verify every party's audit log (with the run's keys) once, then write the run's
+    compliance report and its HTML report with plots from them."""
+    from fedciuic.audit_report import write_sections
     from fedciuic.run_report import PLOTS_DIR, write_run_report
 
-    region_logs = [data_root / region / ".fedciuic" / REGION_LOG for region in run.regions]
-    keys = Path(run.keys_dir) if run.keys_dir else None
-    ok, lines = verify_and_report(
-        [run.audit_path / AGGREGATOR_LOG, *(p for p in region_logs if p.exists())],
-        keys,
-        run.output_path / f"run-{run_id}",
-        run_id,
-    )
-    report = write_run_report(run.output_path / f"run-{run_id}", keys_dir=keys)
+    report = write_run_report(run_dir)
+    lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
+    md, _ = write_sections(report.run_id, report.sections, run_dir)
+    lines.append(f"compliance report: {md} (and .html)")
     lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
     print("\n".join(lines))
-    return 0 if ok and not report.problems else 1
+    return 1 if report.problems else 0
 
 
 def _check_policies(run: RunConfig) -> None:

@@ -15,13 +15,11 @@ trees, reading a run's outcome).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -41,8 +39,11 @@ from fedciuic.errors import ConfigError
 from fedciuic.flower.launch import (
     CONNECTION,
     FLOWER_ENV,
+    STARTED_RUN,
     connection_toml,
     healthy,
+    running,
+    stop_process_trees,
     tail,
     toml_pairs,
     toml_value,
@@ -721,10 +722,13 @@ def run_config_pairs(path: Path) -> str:
 
 def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 60.0) -> int:
     """Wait until the SuperLink answers on ``/health``; 1 with its log's end if it exits."""
-    pid = int(pid_file.read_text().strip())
+    try:
+        superlink = psutil.Process(int(pid_file.read_text().strip()))
+    except psutil.Error:
+        superlink = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _running(pid):
+        if superlink is None or not running(superlink):
             print(f"start.sh: flower-superlink exited; {log}:\n{tail(log)}", file=sys.stderr)
             return 1
         if healthy(url, ca or None):
@@ -739,7 +743,7 @@ def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 
 
 def check_run(log: Path, config: Path) -> int:
     """0 if the run that ``flwr run`` started (its log) completed, else 1 with why."""
-    match = re.search(r"Successfully started run (\d+)", log.read_text(errors="replace"))
+    match = STARTED_RUN.search(log.read_text(errors="replace"))
     if not match:
         print("run.sh: flwr run started no run; see its output above", file=sys.stderr)
         return 1
@@ -759,13 +763,6 @@ def check_run(log: Path, config: Path) -> int:
     return 0 if status == "completed" else 1
 
 
-def _running(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
-
-
 def tracked(pids_dir: Path) -> list[psutil.Process]:
     """The live processes named in ``pids_dir/*.pid``.
 
@@ -776,7 +773,7 @@ def tracked(pids_dir: Path) -> list[psutil.Process]:
     for pid_file in sorted(pids_dir.glob("*.pid")):
         try:
             proc = psutil.Process(int(pid_file.read_text().strip()))
-            if _running(proc.pid) and proc.create_time() <= pid_file.stat().st_mtime + 1.0:
+            if running(proc) and proc.create_time() <= pid_file.stat().st_mtime + 1.0:
                 found.append(proc)
         except (ValueError, OSError, psutil.Error):
             continue
@@ -784,32 +781,10 @@ def tracked(pids_dir: Path) -> list[psutil.Process]:
 
 
 def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
-    """Stop every process named in ``pids_dir/*.pid`` and all its descendants, by PID.
-
-    Descendants are listed before anything is signalled: Flower detaches some helpers
-    into sessions of their own, which would be orphaned otherwise. Returns the roots
-    stopped.
-    """
-    roots: list[int] = []
-    targets: list[psutil.Process] = []
-    for proc in tracked(pids_dir):
-        with contextlib.suppress(psutil.Error):
-            targets += [proc, *proc.children(recursive=True)]
-            roots.append(proc.pid)
-    for proc in targets:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_running(p.pid) for p in targets):
-        time.sleep(0.2)
-    for proc in targets:
-        if _running(proc.pid):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-    for pid in roots:
-        # Each root leads its own process group (start.sh runs with set -m).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+    """Stop every process named in ``pids_dir/*.pid`` and all its descendants, by PID
+    (each leads its own process group: start.sh runs with set -m). Returns the roots."""
+    roots = [proc.pid for proc in tracked(pids_dir)]
+    stop_process_trees(roots, grace)
     return roots
 
 

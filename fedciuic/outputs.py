@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +75,26 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _fmt(value: Any) -> str:
+def fmt_number(value: Any) -> str:
+    """A loss or similar to 4 decimals, or "-" where there is none."""
     return f"{value:.4f}" if isinstance(value, int | float) and math.isfinite(value) else "-"
 
 
-def final_eval(data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def fmt_epsilon(epsilon: Any, budget: Any) -> str:
+    """Epsilon spent against the budget ("7.99 of 8"), or "-" without DP."""
+    if not isinstance(epsilon, int | float):
+        return "-"
+    return f"{epsilon:.2f} of {budget if isinstance(budget, int | float) else float('nan'):g}"
+
+
+def final_eval(data: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
     """The last round with evaluation results and those results."""
     rounds = data["rounds"]
     last = max((int(r) for r in rounds if rounds[r].get("eval")), default=0)
     return last, rounds.get(str(last), {}).get("eval", {})
 
 
-def epsilon_spent(data: dict[str, Any], region: str) -> tuple[float | None, float | None]:
+def epsilon_spent(data: Mapping[str, Any], region: str) -> tuple[float | None, float | None]:
     """A region's cumulative epsilon after its last DP round in this run, and its budget."""
     rounds = data["rounds"]
     for number in sorted((int(r) for r in rounds), reverse=True):
@@ -95,7 +104,7 @@ def epsilon_spent(data: dict[str, Any], region: str) -> tuple[float | None, floa
     return None, None
 
 
-def upload_bytes(data: dict[str, Any], region: str) -> list[int]:
+def upload_bytes(data: Mapping[str, Any], region: str) -> list[int]:
     """Bytes a region's accepted updates took on the wire, one entry per round."""
     return [
         int(entry["upload_bytes"])
@@ -138,15 +147,14 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
         before = first.get(region, {}).get("loss")
         after = last.get(region, {}).get("loss")
         change = after - before if before is not None and after is not None else None
-        row = f"{region:<8} {_fmt(before):>11} {_fmt(after):>9} {_fmt(change):>8}"
+        row = f"{region:<8} {fmt_number(before):>11} {fmt_number(after):>9} {fmt_number(change):>8}"
         if baseline:
             other = base.get(region, {}).get("loss")
             gap = after - other if after is not None and other is not None else None
-            row += f" {_fmt(other):>8} {_fmt(gap):>8}"
+            row += f" {fmt_number(other):>8} {fmt_number(gap):>8}"
         if dp:
             eps, budget = epsilon_spent(data, region)
-            spent = f"{eps:.2f} of {budget:g}" if eps is not None else "-"
-            row += f" {spent if region != 'overall' else '':>15}"
+            row += f" {fmt_epsilon(eps, budget) if region != 'overall' else '':>15}"
         sent = upload_bytes(data, region)
         row += f" {(f'{sum(sent) / len(sent):.0f}' if sent and region != 'overall' else ''):>11}"
         statuses = [

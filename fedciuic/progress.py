@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import calendar
 import json
-import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from fedciuic.outputs import METRICS_FILE
+from fedciuic.flower.launch import STARTED_RUN
+from fedciuic.outputs import METRICS_FILE, fmt_epsilon, fmt_number
 
-STARTED = re.compile(r"Successfully started run (\d+)")
 CLEAR_LINE = "\r\033[K"
 
 
@@ -62,6 +60,8 @@ class RunProgress:
         self.last_note = self.started
         self.live_shown = False
         self.log_path: Path | None = None
+        self.metrics: dict[str, Any] = {}
+        self.metrics_stamp: tuple[int, int] | None = None
 
     # -- following a run ------------------------------------------------------------
 
@@ -76,25 +76,31 @@ class RunProgress:
         self.log_path = log_path
         if self.run_id is None:
             try:
-                match = STARTED.search(log_path.read_text(encoding="utf-8", errors="replace"))
+                match = STARTED_RUN.search(log_path.read_text(encoding="utf-8", errors="replace"))
             except OSError:
                 match = None
             if match:
                 self.run_id = int(match.group(1))
                 self._line(f"{self.label}run {self.run_id} started")
-        data = self._metrics()
-        if data is not None:
-            self.update(data)
+        if self._refresh():
+            self.update(self.metrics)
 
-    def _metrics(self) -> dict[str, Any] | None:
+    def _refresh(self) -> bool:
+        """Re-read metrics.json only when it changed (the ServerApp replaces it after
+        each step); False while it is not there yet or nothing is new."""
         if self.run_id is None:
-            return None
+            return False
+        path = self.output_dir / f"run-{self.run_id}" / METRICS_FILE
         try:
-            text = (self.output_dir / f"run-{self.run_id}" / METRICS_FILE).read_text("utf-8")
-            data: dict[str, Any] = json.loads(text)
+            stat = path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self.metrics_stamp:
+                return False
+            self.metrics = json.loads(path.read_text("utf-8"))
         except (OSError, ValueError):
-            return None  # not written yet
-        return data
+            return False
+        self.metrics_stamp = stamp
+        return True
 
     def update(self, data: Mapping[str, Any]) -> None:
         """Print the header once and every round that has ended and is not printed yet."""
@@ -119,7 +125,7 @@ class RunProgress:
         self._clear()
         elapsed = self.clock() - self.started
         if self.run_id is not None:
-            status = (self._metrics() or {}).get("run", {}).get("status", "ended")
+            status = self.metrics.get("run", {}).get("status", "ended")
             self._line(f"{self.label}run {self.run_id} {status} after {elapsed:.0f} s")
 
     # -- output ---------------------------------------------------------------------
@@ -198,12 +204,6 @@ def _seconds(data: Mapping[str, Any], number: int) -> float | None:
     return float(end - begin) if end is not None and begin is not None else None
 
 
-def _num(value: Any, digits: int = 4) -> str:
-    if isinstance(value, int | float) and math.isfinite(value):
-        return f"{value:.{digits}f}"
-    return "-"
-
-
 def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
     """A finished round as plain lines: one per region, then the overall eval loss."""
     run = data.get("run", {})
@@ -215,7 +215,7 @@ def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
     regions += sorted(set(rnd.get("train", {})) - set(regions))
     if number == 0:
         losses = "  ".join(
-            f"{r} {_num(evals.get(r, {}).get('loss'))}" for r in [*regions, "overall"]
+            f"{r} {fmt_number(evals.get(r, {}).get('loss'))}" for r in [*regions, "overall"]
         )
         return [f"round 0/{total} initial adapter{took}: eval loss  {losses}"]
     aggregate = rnd.get("aggregate", {})
@@ -234,19 +234,16 @@ def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
     ]
     for region in regions:
         train = rnd.get("train", {}).get(region, {})
-        epsilon = (
-            f"{train['epsilon']:.2f} of {train.get('epsilon_budget', float('nan')):g}"
-            if isinstance(train.get("epsilon"), int | float)
-            else "-"
-        )
+        epsilon = fmt_epsilon(train.get("epsilon"), train.get("epsilon_budget"))
         upload = f"{train['upload_bytes']} B" if "upload_bytes" in train else "-"
+        loss = fmt_number(train.get("loss"))
+        evaluated = fmt_number(evals.get(region, {}).get("loss"))
         row = (
             f"  {region:<8} {train.get('status', 'no reply'):<9} "
-            f"{_num(train.get('loss')):>10} {_num(evals.get(region, {}).get('loss')):>9}  "
-            f"{epsilon:<13} {upload:>8}"
+            f"{loss:>10} {evaluated:>9}  {epsilon:<13} {upload:>8}"
         )
         reason = train.get("reason") or evals.get(region, {}).get("reason")
         lines.append(row + (f"  {reason}" if reason else ""))
-    overall = _num(evals.get("overall", {}).get("loss"))
+    overall = fmt_number(evals.get("overall", {}).get("loss"))
     lines.append(f"  {'overall':<8} {'':<9} {'':>10} {overall:>9}")
     return lines

@@ -23,10 +23,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
-from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, AuditError
+from fedciuic.audit import REGION_LOG, AuditError
 from fedciuic.audit_report import PartyLog, Section, build, open_logs, verify_logs
 from fedciuic.errors import ConfigError
-from fedciuic.outputs import METRICS_FILE, epsilon_spent, final_eval, upload_bytes
+from fedciuic.outputs import (
+    METRICS_FILE,
+    epsilon_spent,
+    final_eval,
+    fmt_epsilon,
+    fmt_number,
+    upload_bytes,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -72,6 +79,9 @@ class RunReport:
     series: Path
     verified: bool | None  # None: no public keys to verify the logs with
     problems: list[str] = field(default_factory=list)
+    logs: list[PartyLog] = field(default_factory=list)  # read and verified once
+    run_id: int = 0  # the audit logs' run id
+    sections: list[Section] = field(default_factory=list)  # the compliance record
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -102,8 +112,8 @@ def load_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path]:
-    """The logs to read: those given, else the aggregator's (named in metrics.json or in
-    the run's audit-dir) and, in a simulation, each region's under data-root."""
+    """The logs to read: those given, else the aggregator's (metrics.json names it) and,
+    in a simulation, each region's under data-root."""
     if given:
         missing = [p for p in given if not p.is_file()]
         if missing:
@@ -111,16 +121,16 @@ def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path
         return list(given)
     run = data["run"]
     config = run.get("config", {})
-    candidates = [Path(run["audit_log"])] if run.get("audit_log") else []
-    if config.get("audit-dir"):
-        candidates.append(Path(config["audit-dir"]) / AGGREGATOR_LOG)
-    candidates.append(Path(config.get("output-dir", ".")) / "audit" / AGGREGATOR_LOG)
-    aggregator = next((p for p in candidates if p.is_file()), None)
-    if aggregator is None:
+    if not run.get("audit_log"):
+        raise ConfigError(
+            [f"{METRICS_FILE}:run.audit_log: missing; pass --audit-log PATH (and the regions')"]
+        )
+    aggregator = Path(run["audit_log"])
+    if not aggregator.is_file():
         raise ConfigError(
             [
-                f"{candidates[0] if candidates else AGGREGATOR_LOG}: the aggregator's audit "
-                "log is not there; pass --audit-log PATH (and the regions' logs)"
+                f"{aggregator}: the aggregator's audit log is not there; pass --audit-log "
+                "PATH (and the regions' logs)"
             ]
         )
     regions = [
@@ -195,10 +205,10 @@ def series(data: Mapping[str, Any], timeline: Sequence[Decision]) -> dict[str, A
     sent: dict[str, list[list[int]]] = {}
     for region in regions:
         trained = [(n, rounds[str(n)].get("train", {}).get(region, {})) for n in numbers]
-        points = [[n, float(t["epsilon"])] for n, t in trained if "epsilon" in t]
-        if points:
-            epsilon[region] = points
-            budget[region] = float(epsilon_spent(dict(data), region)[1] or float("nan"))
+        spent = [(n, t) for n, t in trained if "epsilon" in t]
+        if spent:
+            epsilon[region] = [[n, float(t["epsilon"])] for n, t in spent]
+            budget[region] = float(spent[-1][1].get("epsilon_budget", float("nan")))
         uploads = [[n, int(t["upload_bytes"])] for n, t in trained if "upload_bytes" in t]
         if uploads:
             sent[region] = uploads
@@ -342,20 +352,20 @@ def _table(
 def _region_rows(data: Mapping[str, Any], timeline: Sequence[Decision]) -> list[list[str]]:
     rounds = data["rounds"]
     first = rounds.get("0", {}).get("eval", {})
-    _, last = final_eval(dict(data))
+    _, last = final_eval(data)
     rows = []
     for region in data["run"].get("regions", []):
         before, after = first.get(region, {}).get("loss"), last.get(region, {}).get("loss")
-        eps, budget = epsilon_spent(dict(data), region)
-        sent = upload_bytes(dict(data), region)
+        eps, budget = epsilon_spent(data, region)
+        sent = upload_bytes(data, region)
         mine = [d for d in timeline if d.subject == region]
         counts = ", ".join(f"{o} x{n}" for o in MARKERS if (n := sum(d.outcome == o for d in mine)))
         rows.append(
             [
                 region,
-                f"{before:.4f}" if before is not None else "-",
-                f"{after:.4f}" if after is not None else "-",
-                f"{eps:.2f} of {budget:g}" if eps is not None and budget is not None else "-",
+                fmt_number(before),
+                fmt_number(after),
+                fmt_epsilon(eps, budget),
                 f"{sum(sent) / len(sent):.0f}" if sent else "-",
                 counts or "-",
             ]
@@ -375,7 +385,7 @@ def render(
     e = html.escape
     run = data["run"]
     config = run.get("config", {})
-    last_round, _ = final_eval(dict(data))
+    last_round, _ = final_eval(data)
     title = f"fedciuic run report: run {run.get('run_id')}"
     status = str(run.get("status", "?"))
     out = [
@@ -487,4 +497,4 @@ def write_run_report(
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
     kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
     page.write_text(render(data, timeline, pngs, kept, problems, verified), encoding="utf-8")
-    return RunReport(page, plots, series_path, verified, problems)
+    return RunReport(page, plots, series_path, verified, problems, logs, run_id, list(sections))

@@ -56,6 +56,7 @@ def main(grid: Grid, context: Context) -> None:
     audit = None
     try:
         audit = _audit_log(run)
+        recorder.data["run"]["audit_log"] = str(audit.path)  # also for a run that fails
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
         recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
         keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
@@ -92,7 +93,7 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "fedciuic: %s", err)
         _run_failed(audit, context.run_id, err)
         raise SystemExit(1) from None
-    recorder.finish("completed", adapter=str(adapter), audit_log=str(audit.path))
+    recorder.finish("completed", adapter=str(adapter))
     for line in summarize(recorder.data).splitlines():
         log(INFO, "%s", line)
 

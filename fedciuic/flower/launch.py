@@ -42,6 +42,47 @@ FLOWER_ENV = {
 }
 
 
+#: What ``flwr run`` prints once the SuperLink has accepted the run.
+STARTED_RUN = re.compile(r"Successfully started run (\d+)")
+
+
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def stop_process_trees(pids: Sequence[int], grace: float = 10.0) -> None:
+    """SIGTERM each process and all its descendants, SIGKILL whatever is left after
+    ``grace`` seconds, then SIGKILL each one's process group.
+
+    Descendants are listed before anything is signalled: Flower detaches some helpers
+    into sessions of their own, which would be orphaned otherwise. Each process is
+    expected to lead its own group, so what it left behind (a helper of a SuperNode
+    that already exited, say) goes with the group.
+    """
+    targets: list[psutil.Process] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            targets += [root, *root.children(recursive=True)]
+    for proc in targets:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(running(p) for p in targets):
+        time.sleep(0.2)
+    for proc in targets:
+        if running(proc):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -128,31 +169,9 @@ class LocalFederation:
         return [m.process.pid for m in self.processes]
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop every process this object started and all their descendants, by PID.
-
-        Descendants are listed before anything is signalled: Flower detaches some
-        helpers into their own sessions, and they would be orphaned otherwise.
-        """
-        targets: list[psutil.Process] = []
-        for managed in reversed(self.processes):
-            try:
-                parent = psutil.Process(managed.process.pid)
-                targets += [parent, *parent.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-        for proc in targets:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(targets, timeout=grace)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=5)
+        """Stop every process this object started and all their descendants, by PID."""
+        stop_process_trees([m.process.pid for m in reversed(self.processes)], grace)
         for managed in self.processes:
-            # Each process leads its own group: whatever it left behind (a helper of a
-            # SuperNode that already exited, say) goes with the group.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(managed.process.pid, signal.SIGKILL)
             if managed.process.poll() is None:
                 managed.process.wait(timeout=5)
 
@@ -346,7 +365,7 @@ class LocalFederation:
             self.processes.remove(managed)
         _echo(managed.log_path, shown, echo)
         text = managed.log_path.read_text(encoding="utf-8", errors="replace")
-        match = re.search(r"Successfully started run (\d+)", text)
+        match = STARTED_RUN.search(text)
         if managed.process.returncode != 0 or not match:
             raise FederationError(
                 f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path)
