@@ -212,13 +212,12 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--preset", default="tiny")
     ckpt.add_argument("--seed", type=int, default=0)
 
-    keys = _group(
+    keys_sub = _group(
         sub,
         "keys",
         "generate and show party keys (X-Wing + signatures)",
         "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
     )
-    keys_sub = keys.add_subparsers(required=True, metavar="ACTION")
     gen = _command(
         keys_sub,
         "generate",
@@ -247,13 +246,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file", type=Path)
 
-    policy = _group(
+    policy_sub = _group(
         sub,
         "policy",
         "check, explain and compare jurisdiction policies",
         "fedciuic policy check policies/*.yaml",
     )
-    policy_sub = policy.add_subparsers(required=True, metavar="ACTION")
     check = _command(
         policy_sub,
         "check",
@@ -280,13 +278,12 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
 
-    tls = _group(
+    tls_sub = _group(
         sub,
         "tls",
         "certificates for a TLS SuperLink, SuperNode auth keys",
         "fedciuic tls generate --out certs/ --host 127.0.0.1",
     )
-    tls_sub = tls.add_subparsers(required=True, metavar="ACTION")
     server = _command(
         tls_sub,
         "generate",
@@ -313,13 +310,12 @@ def _parser() -> argparse.ArgumentParser:
     node_key.add_argument("--name", required=True, help="the SuperNode's region, e.g. eu")
     node_key.add_argument("--out", type=Path, required=True, help="folder for the two files")
 
-    audit = _group(
+    audit_sub = _group(
         sub,
         "audit",
         "verify, read and report on tamper-evident audit logs",
         "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
     )
-    audit_sub = audit.add_subparsers(required=True, metavar="ACTION")
     verify = _command(
         audit_sub,
         "verify",
@@ -388,9 +384,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _group(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentParser:
-    """A command with actions (``fedciuic keys ACTION``): its help names one example;
-    each action's ``--help`` has its own."""
+def _group(sub: Any, name: str, help: str, example: str) -> Any:
+    """A command with actions (``fedciuic keys ACTION``), returning where its actions go:
+    its help names one example; each action's ``--help`` has its own."""
     group: argparse.ArgumentParser = sub.add_parser(
         name,
         help=help,
@@ -399,7 +395,7 @@ def _group(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentPar
         epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    return group
+    return group.add_subparsers(required=True, metavar="ACTION")
 
 
 def _command(
