@@ -15,7 +15,7 @@ from functools import lru_cache
 from logging import WARNING
 from pathlib import Path
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
@@ -26,7 +26,14 @@ from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.policy import LoadedPolicy
 from fedciuic.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
-from fedciuic.sealing import RegionKeys, read_update_payload, region_keys, update_payload
+from fedciuic.sealing import (
+    AGGREGATOR,
+    MalformedPayload,
+    RegionKeys,
+    read_update_payload,
+    region_keys,
+    update_payload,
+)
 
 app = ClientApp()
 _LOGS: dict[Path, AuditLog] = {}
@@ -81,6 +88,7 @@ class _Round:
         # the updates kept for resending.
         self.flower_run = self.run_id = context.run_id
         self.audit: AuditLog | None = None
+        self.keys: RegionKeys | None = None
         self.server_round: int | None = None
 
     def note(self, event: str, **details: object) -> None:
@@ -91,14 +99,31 @@ class _Round:
         """The reply, once everything about it is in the audit log and signed; a log
         that cannot be written turns any reply into a decline (fail closed)."""
         try:
-            reply = self._handle(training)
+            content = self._handle(training)
             if self.audit is not None:
                 self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
-            return self._decline(err)
-        return reply
+            content = self._decline(err)
+        try:
+            content = self._vouch(content)
+        except FedciuicError as err:  # cannot read our own log or sign: decline, unsigned
+            content = self._decline(err)
+        return Message(content, reply_to=self.msg)
 
-    def _decline(self, err: FedciuicError) -> Message:
+    def _vouch(self, content: RecordDict) -> RecordDict:
+        """Carry the head of this region's latest signed audit checkpoint (the aggregator
+        records it: truncating this log later shows) and, with sealing, sign the reply,
+        so that it is recorded under this region and no other."""
+        head = self.audit.last_checkpoint() if self.audit is not None else None
+        if head is not None:
+            content = protocol.add_witness(content, *head)
+        if self.keys is None:
+            return content
+        return protocol.sign_reply(
+            content, self.keys.keypair, run_id=self.flower_run, server_round=self.server_round or 0
+        )
+
+    def _decline(self, err: FedciuicError) -> RecordDict:
         log(WARNING, "fedciuic: region declines: %s", err)
         try:
             if isinstance(err, PolicyRefusal):
@@ -108,9 +133,9 @@ class _Round:
                 self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as audit_err:
             log(WARNING, "fedciuic: cannot write the audit log: %s", audit_err)
-        return Message(protocol.decline_reply(_name(self.context), str(err)), reply_to=self.msg)
+        return protocol.decline_reply(_name(self.context), str(err))
 
-    def _handle(self, training: bool) -> Message:
+    def _handle(self, training: bool) -> RecordDict:
         run, node = _configs(self.context)
         task = protocol.read_instruction(self.msg)
         self.server_round = task.server_round
@@ -122,7 +147,20 @@ class _Round:
             if self.audit is not None:
                 self.audit.keypair = keys.keypair
             keys.check_global(
-                task.signature, task.signer, self.flower_run, task.server_round, task.adapter
+                task.signature,
+                task.signer,
+                self.flower_run,
+                task.server_round,
+                task.adapter,
+                task.witness,
+            )
+            self.keys = keys
+        if task.witness is not None and self.audit is not None:
+            self.audit.witness(
+                AGGREGATOR,
+                *task.witness,
+                run_id=self.run_id,
+                server_round=self.server_round,
             )
         region = open_region(run, node)
         sent = SentUpdates(node.state_dir)
@@ -134,6 +172,7 @@ class _Round:
             node,
             simulated=NodeConfig.is_simulated(self.context.node_config),
             aggregator_jurisdiction=destination,
+            own_jurisdiction=keys.keypair.bundle.jurisdiction if keys else None,
             projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
         policy = checked[0] if checked else None
@@ -145,7 +184,7 @@ class _Round:
         if not training:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
             self.note("evaluated", examples=stats.num_examples, loss=stats.loss)
-            return Message(protocol.evaluate_reply(region.name, stats), reply_to=self.msg)
+            return protocol.evaluate_reply(region.name, stats)
         if kept is not None:
             # This round was released before the aggregator restarted: the same update
             # again, no second release and no second charge to the ledger.
@@ -162,6 +201,7 @@ class _Round:
             server_round=task.server_round,
             base_fingerprint=task.base_fingerprint,
             run_id=self.run_id,
+            max_run_epsilon=policy.policy.privacy.max_epsilon_per_run if policy else None,
         )
         self._note_trained(outcome)
         payload = update_payload(
@@ -197,6 +237,8 @@ class _Round:
             epsilon_budget=p.epsilon_budget if p else None,
             delta=p.delta if p else None,
             noise_multiplier=p.noise_multiplier if p else None,
+            run_epsilon=p.run_epsilon if p else None,
+            ledger=p.ledger if p else None,  # witnesses the ledger's head (docs/privacy.md)
         )
 
     def _send(
@@ -206,7 +248,7 @@ class _Round:
         keys: RegionKeys | None,
         policy: LoadedPolicy | None,
         destination: str,
-    ) -> Message:
+    ) -> RecordDict:
         """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
         policy_hash = policy.hash if policy else ""
         if keys is None:
@@ -221,7 +263,9 @@ class _Round:
                 destination_jurisdiction=destination,
                 policy_hash=policy_hash,
             )
-            return Message(protocol.clear_reply(arrays, metrics, info), reply_to=self.msg)
+            if not isinstance(metrics, dict) or not isinstance(info, dict):
+                raise MalformedPayload(f"region {region}: the kept update is not one")
+            return protocol.clear_reply(arrays, metrics, info)
         envelope = keys.seal_update(
             payload,
             run_id=self.flower_run,
@@ -240,7 +284,7 @@ class _Round:
             policy_hash=policy_hash,
         )
         key_id = keys.keypair.bundle.key_id.hex()
-        return Message(protocol.sealed_reply(region, envelope, key_id), reply_to=self.msg)
+        return protocol.sealed_reply(region, envelope, key_id)
 
 
 @app.train()

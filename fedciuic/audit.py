@@ -15,6 +15,12 @@ round and run, and fsync'ed. A process killed mid-write leaves at most a torn la
 line: the verifier reports it, and the next writer moves it to a side file and
 logs that it did, so nothing is dropped silently. ``docs/audit.md`` is the format
 reference for independent verifiers.
+
+Witnessing (after transparency-log witnesses: RFC 6962, C2SP tlog-witness): a hash chain cannot show
+by itself that it was cut back to an earlier checkpoint, so each party records in
+its own log, as a ``witness`` record, the latest signed checkpoint ``(count, head)``
+of every other party it hears from; ``witness_check`` then finds a log that no
+longer holds what another party saw it sign.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from fedciuic.crypto.keys import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
@@ -41,6 +47,8 @@ CHECKPOINT_LABEL = b"\x01fedciuic-audit-checkpoint/1\x00"
 GENESIS = "0" * 64
 CHECKPOINT = "checkpoint"
 TORN_TAIL = "torn_tail_moved"
+#: A record of another party's signed checkpoint: details ``party``, ``count``, ``head``.
+WITNESS_EVENT = "witness"
 FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
 #: A region's log, in its state-path; the aggregator's, in its audit folder.
 REGION_LOG = "audit.jsonl"
@@ -53,6 +61,29 @@ _TAIL_READ = 1 << 16
 
 class AuditError(FedciuicError):
     """An audit log cannot be opened or written; the party must not go on without it."""
+
+
+def _is_head(value: object) -> TypeGuard[str]:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
+
+
+def checkpoint_head(count: object, head: object) -> tuple[int, str]:
+    """A checkpoint head received from another party, validated: ``count`` a
+    non-negative integer (not a bool) below 2**64, ``head`` 64 lower-case hex digits,
+    the genesis head (64 zeros) for count 0. ``AuditError`` otherwise: it is untrusted."""
+    if not _is_count(count):
+        raise AuditError(f"checkpoint head: count {count!r:.40} is not a non-negative integer")
+    if not _is_head(head):
+        raise AuditError(f"checkpoint head: head {head!r:.80} is not 64 lower-case hex digits")
+    if count == 0 and head != GENESIS:
+        raise AuditError("checkpoint head: count 0 must come with the genesis head (64 zeros)")
+    return count, head
 
 
 def canonical(value: Any) -> bytes:
@@ -155,6 +186,10 @@ class AuditLog:
         self._seq = 0
         self._head = GENESIS
         self._since_checkpoint = 0
+        # The latest checkpoint's (count, head), valid for the file's first
+        # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
+        self._last_checkpoint: tuple[int, str] | None = None
+        self._checkpoint_scanned = 0
 
     def close(self) -> None:
         self._file.close()
@@ -177,6 +212,60 @@ class AuditLog:
         with self._locked():
             return self._seq, self._head
 
+    def last_checkpoint(self) -> tuple[int, str] | None:
+        """The (count, head) that this log's latest checkpoint record signs (its
+        ``details.count`` and ``details.head``), None before the first checkpoint; read
+        from the file, so a checkpoint another process appended counts. This is what a
+        party hands to the others to witness."""
+        with self._locked():
+            if self._checkpoint_scanned > self._size:  # the file shrank under us
+                self._last_checkpoint, self._checkpoint_scanned = None, 0
+            if self._checkpoint_scanned < self._size:
+                self._scan_checkpoints()
+            return self._last_checkpoint
+
+    def witness(
+        self,
+        party: str,
+        count: int,
+        head: str,
+        *,
+        run_id: int,
+        server_round: int | None = None,
+    ) -> str:
+        """Record that ``party``'s latest signed checkpoint, as it showed it to us, is
+        ``(count, head)`` (its ``last_checkpoint()``; ``(0, GENESIS)`` when it has none);
+        return the record's hash. The values come from another party: ``AuditError``
+        unless they are well-formed."""
+        count, head = checkpoint_head(count, head)
+        if not isinstance(party, str) or not party:
+            raise AuditError(f"witness: party {party!r:.40} is not a party's name")
+        return self.append(
+            WITNESS_EVENT,
+            run_id=run_id,
+            server_round=server_round,
+            party=party,
+            count=count,
+            head=head,
+        )
+
+    def _scan_checkpoints(self) -> None:
+        """Find the latest checkpoint in the bytes not scanned yet, from the end back
+        (a chunk at a time: usually the first one holds it)."""
+        stop, pos, carry = self._checkpoint_scanned, self._size, b""
+        while pos > stop:
+            start = max(stop, pos - _TAIL_READ)
+            self._file.seek(start)
+            pieces = (self._file.read(pos - start) + carry).split(b"\n")
+            carry = pieces.pop(0) if start > stop else b""
+            for line in reversed(pieces):
+                found = _checkpoint_of(line)
+                if found is not None:
+                    self._last_checkpoint, self._checkpoint_scanned = found, self._size
+                    return
+            pos = start  # ``carry`` (a line's end) joins the chunk before it
+        self._checkpoint_scanned = self._size  # none since: the one known stays
+
     def check_continues(self, seq: int, head: str) -> None:
         """Refuse to go on unless the log still holds record ``seq - 1`` with hash ``head``
         (what it was when a checkpoint was taken): no rewrite, no gap."""
@@ -186,7 +275,8 @@ class AuditLog:
                 self._file.seek(0)
                 for line in self._file:
                     try:
-                        if json.loads(line).get("seq") == seq - 1:
+                        record = json.loads(line)
+                        if isinstance(record, dict) and record.get("seq") == seq - 1:
                             found = split_line(line.rstrip(b"\n"))[1]
                             break
                     except ValueError:
@@ -234,6 +324,10 @@ class AuditLog:
         line, digest = _line(record)
         self._file.write(line)
         self._file.flush()
+        if self._checkpoint_scanned == self._size:
+            self._checkpoint_scanned += len(line)
+            if event == CHECKPOINT:
+                self._last_checkpoint = (self._seq, self._head)
         self._size += len(line)
         self._seq += 1
         self._head = digest
@@ -285,6 +379,23 @@ class AuditLog:
             )
 
 
+def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
+    """The (count, head) of a checkpoint record's line, None for any other line."""
+    if b'"event":"checkpoint"' not in line:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("event") != CHECKPOINT:
+        return None
+    details = record.get("details")
+    if not isinstance(details, dict):
+        return None
+    count, head = details.get("count"), details.get("head")
+    return (count, head) if _is_count(count) and _is_head(head) else None
+
+
 class _Lock:
     def __init__(self, log: AuditLog) -> None:
         self.log = log
@@ -321,6 +432,13 @@ class Verdict:
     @property
     def ok(self) -> bool:
         return self.problem is None and self.torn_tail is None and self.unsigned_tail == 0
+
+    @property
+    def covered(self) -> int:
+        """How many of the log's first records a verified checkpoint signature covers:
+        seq 0 to ``verified_through - 1`` (the checkpoint record itself, its time, run
+        and round, is covered only by a later checkpoint or another party's witness)."""
+        return max(self.verified_through, 0)
 
     def explain(self) -> str:
         covered = (
@@ -485,24 +603,55 @@ class CrossCheck:
         return not self.problems
 
 
+def _transfer(record: Mapping[str, Any], region: str | None) -> Transfer | None:
+    """A send or receipt record as a Transfer; None when it is malformed (untrusted)."""
+    details = record.get("details")
+    if not isinstance(details, Mapping):
+        return None
+    run_id, server_round, found = record.get("run_id"), record.get("round"), details.get("digest")
+    region = details.get("region", "") if region is None else region
+    if (
+        not _is_count(run_id)
+        or not (_is_count(server_round) or server_round is None)
+        or not isinstance(region, str)
+        or not isinstance(found, str)
+    ):
+        return None
+    return Transfer(run_id, server_round if server_round is not None else -1, region, found)
+
+
 def cross_check(
     aggregator: Iterable[Mapping[str, Any]], regions: Mapping[str, Iterable[Mapping[str, Any]]]
 ) -> CrossCheck:
     """Match each region's ``update_sealed`` with the aggregator's ``update_received``
-    by run, round, region and ciphertext digest."""
-    received = {
-        Transfer(r["run_id"], r["round"], r["details"].get("region", ""), r["details"]["digest"])
-        for r in aggregator
-        if r.get("event") == RECEIVED_EVENT
-    }
+    by run, round, region and ciphertext digest. A send or receipt record that is
+    malformed is a problem, never an exception."""
     result = CrossCheck()
+    received: set[Transfer] = set()
+    for r in aggregator:
+        if r.get("event") == RECEIVED_EVENT:
+            t = _transfer(r, None)
+            if t is None:
+                result.problems.append(
+                    f"the aggregator's log (seq {r.get('seq')!r:.24}): malformed "
+                    f"{RECEIVED_EVENT} record"
+                )
+            else:
+                received.add(t)
     runs = {t.run_id for t in received}
     sent: set[Transfer] = set()
     for region, records in regions.items():
         for r in records:
             if r.get("event") in SENT_EVENTS:
-                sent.add(Transfer(r["run_id"], r["round"], region, r["details"]["digest"]))
-    for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region)):
+                t = _transfer(r, region)
+                if t is None:
+                    result.problems.append(
+                        f"{_log_of(region)} (seq {r.get('seq')!r:.24}): malformed "
+                        f"{r.get('event')} record"
+                    )
+                else:
+                    sent.add(t)
+    for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region, t.digest)):
         if t in sent and t in received:
             result.matched.append(t)
         elif t in sent and t.run_id in runs:
@@ -515,4 +664,134 @@ def cross_check(
                 f"run {t.run_id} round {t.round}: the aggregator logged receiving "
                 f"{t.digest[:16]} from {t.region}, whose log has no such update"
             )
+    return result
+
+
+@dataclass(frozen=True)
+class Witnessed:
+    """One witness record: ``witness``'s log (its record ``seq``) saw ``party``'s
+    checkpoint sign ``count`` records ending in ``head``."""
+
+    witness: str
+    seq: int
+    party: str
+    count: int
+    head: str
+
+
+@dataclass
+class WitnessCheck:
+    """Whether every party's log still holds every checkpoint another party witnessed
+    (the same shape as ``CrossCheck``)."""
+
+    matched: list[Witnessed] = field(default_factory=list)
+    unchecked: list[Witnessed] = field(default_factory=list)  # that party's log not given
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def agree(self) -> bool:
+        return not self.problems
+
+
+def _log_of(party: str) -> str:
+    return "the aggregator's log" if party == "aggregator" else f"{party}'s log"
+
+
+def _witness_details(details: object) -> tuple[str, int, str] | str:
+    """A witness record's (party, count, head), or what is wrong with it."""
+    if not isinstance(details, dict):
+        return "details is not an object"
+    party, count, head = details.get("party"), details.get("count"), details.get("head")
+    if not isinstance(party, str) or not party:
+        return "party is not a party's name"
+    if not _is_count(count):
+        return f"count {count!r:.40} is not a non-negative integer"
+    if not _is_head(head) or (count == 0 and head != GENESIS):
+        return f"head {head!r:.80} is not 64 lower-case hex digits (64 zeros for count 0)"
+    return party, count, head
+
+
+def witness_check(
+    logs: Mapping[str, Sequence[Mapping[str, Any]]],
+    *,
+    run_id: int | None = None,
+    covered: Mapping[str, int] | None = None,
+) -> WitnessCheck:
+    """Check every ``witness`` record (of run ``run_id``, or of every run) in every log
+    of ``logs`` (party -> its records, in file order): the witnessed party's log, when
+    given, must still hold record ``count - 1`` with hash ``head`` and, at seq
+    ``count``, the checkpoint that signed them (count 0, the empty log, always holds);
+    and each log's witnesses of one party must never go back (a lower count, or
+    another head for the same count).
+    ``covered[party]`` is how many of that log's first records a verified signature
+    covers: a problem found by a witness record after them says so. Records are
+    untrusted: a malformed one is a problem, never an exception."""
+    chains: dict[str, dict[int, str]] = {}
+    signed: dict[str, dict[int, tuple[object, object]]] = {}
+    for party, records in logs.items():
+        chain, checkpoints = chains.setdefault(party, {}), signed.setdefault(party, {})
+        for r in records:
+            seq, claimed = r.get("seq"), r.get("hash")
+            if isinstance(seq, int) and isinstance(claimed, str):
+                chain.setdefault(seq, claimed)
+                details = r.get("details")
+                if r.get("event") == CHECKPOINT and isinstance(details, dict):
+                    checkpoints.setdefault(seq, (details.get("count"), details.get("head")))
+    result = WitnessCheck()
+    for name, records in logs.items():
+        last: dict[str, tuple[int, str, object]] = {}  # party -> count, head, seq
+        for index, r in enumerate(records):
+            if r.get("event") != WITNESS_EVENT or (
+                run_id is not None and r.get("run_id") != run_id
+            ):
+                continue
+            at = f"{_log_of(name)} (seq {r.get('seq')!r:.24})"
+            unsigned = (
+                " (this witness record is not covered by a signature)"
+                if covered is not None and index >= covered.get(name, 0)
+                else ""
+            )
+            parsed = _witness_details(r.get("details"))
+            if isinstance(parsed, str):
+                result.problems.append(f"{at}: malformed witness record: {parsed}{unsigned}")
+                continue
+            party, count, head = parsed
+            seq = r.get("seq")
+            seen = f"{at} witnessed {party}'s checkpoint count {count} head {head[:16]}…"
+            before = last.get(party)
+            if before is not None and (
+                count < before[0] or (count == before[0] and head != before[1])
+            ):
+                result.problems.append(
+                    f"{party}'s log was rolled back or forked: {seen}, after witnessing count "
+                    f"{before[0]} head {before[1][:16]}… (seq {before[2]!r:.24}){unsigned}"
+                )
+            last[party] = (count, head, seq)
+            witnessed = Witnessed(name, seq if isinstance(seq, int) else -1, party, count, head)
+            if party not in logs:
+                result.unchecked.append(witnessed)
+                continue
+            held = len(logs[party])
+            found = GENESIS if count == 0 else chains[party].get(count - 1)
+            problem = None
+            if count == 0:  # the empty log's head (a party with no checkpoint yet)
+                pass
+            elif (found is None and count > held) or (found == head and count >= held):
+                problem = f"truncated: {seen}, but {_log_of(party)} holds only {held} records"
+            elif found is None:
+                problem = f"rewritten: {seen}, but {_log_of(party)} has no record seq {count - 1}"
+            elif found != head:
+                problem = (
+                    f"truncated or rewritten: {seen}, which {_log_of(party)} no longer holds "
+                    f"(its seq {count - 1} has hash {found[:16]}…)"
+                )
+            elif signed[party].get(count) != (count, head):
+                problem = (
+                    f"truncated or rewritten: {seen}; {_log_of(party)} still holds the records "
+                    f"it signed, but not that checkpoint (seq {count})"
+                )
+            if problem is None:
+                result.matched.append(witnessed)
+            else:
+                result.problems.append(f"{party}'s log was {problem}{unsigned}")
     return result

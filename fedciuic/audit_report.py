@@ -3,8 +3,11 @@
 It shows, for one run, what left each region, where it went and under which
 guarantees: epsilon spent against the budget, every transfer (destination
 jurisdiction, bytes, suite), every refusal with its reasons, and whether the
-regions' logs and the aggregator's agree. It is laid out to serve as a GDPR
-Art. 30 record of processing and a PIPL Art. 38-40 cross-border transfer record.
+regions' logs and the aggregator's agree (transfers, run config, and every
+checkpoint one party witnessed of another). Its tables state only what a verified
+checkpoint signature covers; other records are listed apart as unverified. It is
+laid out to serve as a GDPR Art. 30 record of processing and a PIPL Art. 38-40
+cross-border transfer record.
 Written as Markdown and as HTML from one document model.
 """
 
@@ -21,11 +24,21 @@ from fedciuic.audit import (
     SENT_EVENTS,
     AuditError,
     Verdict,
+    WitnessCheck,
+    canonical,
     cross_check,
     load_records,
+    witness_check,
 )
 
 Record = Mapping[str, Any]
+
+#: ``fedciuic audit report``'s exit status (2 is every fedciuic command's error:
+#: a log or key that cannot be read, no aggregator log, no such run).
+EXIT_OK = 0  # every log verified (or none was checked: no keys) and the logs agree
+EXIT_FAILED_VERIFICATION = 1  # a log fails verification (whatever else was found)
+EXIT_DISAGREE = 3  # every log verified (or none was checked), but the logs disagree
+UNVERIFIED_TITLE = "Unverified records (not covered by a signature)"
 
 
 @dataclass
@@ -43,6 +56,33 @@ class PartyLog:
     records: Sequence[Record]
     verdict: Verdict | None = None
 
+    @property
+    def covered(self) -> int:
+        """How many of the first records a verified signature covers (0 unverified)."""
+        return 0 if self.verdict is None else self.verdict.covered
+
+    @property
+    def verified(self) -> Sequence[Record]:
+        """The records a verified checkpoint signature covers: the only facts."""
+        return self.records[: self.covered]
+
+    @property
+    def unverified(self) -> Sequence[Record]:
+        """The records no verified signature covers (after the last verified checkpoint,
+        or all of them when the log was not verified or none of its checkpoints did);
+        the verified checkpoint itself is in neither list."""
+        last = -1 if self.verdict is None else self.verdict.verified_through
+        return self.records[last + 1 :]
+
+
+@dataclass
+class Report:
+    """A run's report: its sections, and where the logs disagree."""
+
+    run_id: int
+    sections: list[Section]
+    disagreements: list[str]
+
 
 def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[PartyLog]:
     logs = []
@@ -50,20 +90,45 @@ def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[P
         records = load_records(path)
         if not records:
             raise AuditError(f"{path}: the audit log is empty")
-        logs.append(PartyLog(path, str(records[0]["actor"]), records, verdicts.get(path)))
+        logs.append(PartyLog(path, str(records[0].get("actor")), records, verdicts.get(path)))
     if sum(log.actor == "aggregator" for log in logs) != 1:
         raise AuditError(
             "give exactly one aggregator log (aggregator.audit.jsonl) and the regions' logs"
         )
+    for log in logs:
+        same = [str(other.path) for other in logs if other.actor == log.actor]
+        if len(same) > 1:
+            raise AuditError(
+                f"give one log per party: {', '.join(same)} are all {log.actor}'s; "
+                "a log moved aside after a key rotation is reported on by itself"
+            )
     return logs
 
 
 def _runs(aggregator: PartyLog) -> list[int]:
-    return [int(r["run_id"]) for r in aggregator.records if r["event"] == "run_start"]
+    return [
+        r["run_id"]
+        for r in aggregator.records
+        if r.get("event") == "run_start" and isinstance(r.get("run_id"), int)
+    ]
+
+
+def _details(record: Record | None) -> Mapping[str, Any]:
+    details = None if record is None else record.get("details")
+    return details if isinstance(details, Mapping) else {}
 
 
 def build(logs: Sequence[PartyLog], run_id: int | None = None) -> tuple[int, list[Section]]:
     """The report's sections for ``run_id`` (default: the last run the aggregator started)."""
+    report = build_report(logs, run_id)
+    return report.run_id, report.sections
+
+
+def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
+    """The report for ``run_id`` (default: the last run the aggregator started). Its
+    tables hold only records a verified signature covers; the others are listed apart,
+    as unverified. The agreement checks (transfers, run config, witnessed checkpoints)
+    read every record: a disagreement is one whether or not it is signed."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
     regions = {log.actor: log for log in logs if log.actor != "aggregator"}
     runs = _runs(aggregator)
@@ -74,50 +139,115 @@ def build(logs: Sequence[PartyLog], run_id: int | None = None) -> tuple[int, lis
         raise AuditError(f"run {run_id} is not in {aggregator.path}; runs there: {runs}")
 
     def of_run(records: Sequence[Record]) -> list[Record]:
-        return [r for r in records if r["run_id"] == run_id]
+        return [r for r in records if r.get("run_id") == run_id]
 
-    agg = of_run(aggregator.records)
-    own = {name: of_run(log.records) for name, log in regions.items()}
-    start = next(r for r in agg if r["event"] == "run_start")["details"]
-    end: Mapping[str, Any] = next((r["details"] for r in agg if r["event"] == "run_end"), {})
-    check = cross_check(agg, own)
+    agg = of_run(aggregator.verified)
+    own = {name: of_run(log.verified) for name, log in regions.items()}
+    agg_all = of_run(aggregator.records)
+    own_all = {name: of_run(log.records) for name, log in regions.items()}
+    start = _details(_first(agg, "run_start"))
+    end = _details(_first(agg, "run_end"))
+    check = cross_check(agg_all, own_all)
+    witnesses = witness_check(
+        {log.actor: log.records for log in logs},
+        run_id=run_id,
+        covered={log.actor: log.covered for log in logs},
+    )
+    unsigned = {
+        "start": _first(agg_all, "run_start") is not None and not start,
+        "end": _first(agg_all, "run_end") is not None and not end,
+    }
+    disagreements = [
+        *_config_disagreements(_details(_first(agg_all, "run_start")), own_all),
+        *check.problems,
+        *witnesses.problems,
+    ]
     sections = [
-        _overview(run_id, start, end, agg),
+        _overview(run_id, start, end, agg, unsigned),
         _logs_section(logs),
-        _regions_section(start, own, agg),
-        _transfers_section(agg, own, check.matched),
+        _regions_section(start, own, agg, unsigned["start"]),
+        _transfers_section(agg, own, agg_all),
         _refusals_section(agg, own),
-        _agreement_section(start, own, check.problems),
+        _agreement_section(disagreements, _witness_summary(witnesses)),
+        _unverified_section(logs, run_id),
         _record_of_processing(start, own),
     ]
-    return run_id, sections
+    return Report(run_id, sections, disagreements)
+
+
+def _witness_summary(check: WitnessCheck) -> str:
+    parts = [f"{len(check.matched)} witnessed checkpoint(s) still held"]
+    if check.unchecked:
+        named = sorted({w.party for w in check.unchecked})
+        parts.append(f"{len(check.unchecked)} not checked (no log given for {', '.join(named)})")
+    if check.problems:
+        parts.append(f"{len(check.problems)} not held or malformed (above)")
+    return (
+        "Witnessing: each party records the latest signed checkpoint of the parties it "
+        "hears from; every party's log must still hold each checkpoint another party "
+        "witnessed. In this run: " + "; ".join(parts) + "."
+    )
 
 
 def _first(records: Sequence[Record], event: str) -> Record | None:
-    return next((r for r in records if r["event"] == event), None)
+    return next((r for r in records if r.get("event") == event), None)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _round(record: Record) -> str:
+    return _text(record.get("round"))
 
 
 def _overview(
-    run_id: int, start: Mapping[str, Any], end: Mapping[str, Any], agg: Sequence[Record]
+    run_id: int,
+    start: Mapping[str, Any],
+    end: Mapping[str, Any],
+    agg: Sequence[Record],
+    unsigned: Mapping[str, bool],
 ) -> Section:
-    published = [r for r in agg if r["event"] == "aggregate_published"]
-    withheld = [r for r in agg if r["event"] == "aggregate_withheld"]
-    first, last = agg[0]["time"], agg[-1]["time"]
+    published = [r for r in agg if r.get("event") == "aggregate_published"]
+    withheld = [r for r in agg if r.get("event") == "aggregate_withheld"]
+    times = [r.get("time") for r in agg]
+    note = "not covered by a signature (see Unverified records)"
+
+    def of_start(key: str) -> str:
+        return note if unsigned["start"] else _text(start.get(key))
+
+    regions = start.get("regions")
+    status = (
+        note
+        if unsigned["end"]
+        else _text(end.get("status", "not ended in this log's signed records"))
+    )
     return Section(
         "Run",
+        [
+            "From the aggregator's records that a verified checkpoint signature covers; "
+            "what comes after its last verified checkpoint is listed under Unverified records."
+        ],
         header=("item", "value"),
         rows=[
             ("run id", str(run_id)),
-            ("time (UTC)", f"{first} to {last}"),
-            ("status", str(end.get("status", "not ended in this log"))),
-            ("regions", ", ".join(start.get("regions", []))),
-            ("aggregator jurisdiction", str(start.get("aggregator_jurisdiction"))),
-            ("relay jurisdiction", str(start.get("relay_jurisdiction"))),
-            ("config hash", str(start.get("config_hash"))),
-            ("code", str(start.get("code_version"))),
-            ("aggregator key id", str(start.get("key_id"))),
+            ("time (UTC)", f"{_text(times[0])} to {_text(times[-1])}" if times else "-"),
+            ("status", status),
+            (
+                "regions",
+                note
+                if unsigned["start"]
+                else ", ".join(map(str, regions))
+                if isinstance(regions, list)
+                else "-",
+            ),
+            ("aggregator jurisdiction", of_start("aggregator_jurisdiction")),
+            ("relay jurisdiction", of_start("relay_jurisdiction")),
+            ("config hash", of_start("config_hash")),
+            ("code", of_start("code_version")),
+            ("aggregator key id", of_start("key_id")),
             ("aggregates published / withheld", f"{len(published)} / {len(withheld)}"),
-            ("final model digest", str(end.get("model_digest", "-"))),
+            ("final model digest", note if unsigned["end"] else _text(end.get("model_digest"))),
         ],
     )
 
@@ -131,99 +261,130 @@ def _logs_section(logs: Sequence[PartyLog]) -> Section:
             if verdict is None
             else ("OK" if verdict.ok else "FAIL: " + verdict.explain().split("\n", 1)[-1].strip())
         )
-        rows.append((log.actor, str(log.path), str(len(log.records)), status))
+        rows.append(
+            (
+                log.actor,
+                str(log.path),
+                str(len(log.records)),
+                f"{log.covered} (seq 0 to {log.covered - 1})" if log.covered else "none",
+                status,
+            )
+        )
     return Section(
         "Audit logs examined",
-        ["Each log is hash-chained and signed at checkpoints with its party's key."],
-        ("party", "file", "records", "verification"),
+        [
+            "Each log is hash-chained and signed at checkpoints with its party's key. Only the "
+            "records a verified checkpoint signature covers are facts in the tables below."
+        ],
+        ("party", "file", "records", "covered by a verified signature", "verification"),
         rows,
     )
 
 
 def _regions_section(
-    start: Mapping[str, Any], own: Mapping[str, Sequence[Record]], agg: Sequence[Record]
+    start: Mapping[str, Any],
+    own: Mapping[str, Sequence[Record]],
+    agg: Sequence[Record],
+    start_unsigned: bool,
 ) -> Section:
     rows = []
-    for region in start.get("regions", []):
+    regions = start.get("regions")
+    for region in regions if isinstance(regions, list) else []:
         records = own.get(region)
         accepted = [
-            r for r in agg if r["event"] == "update_accepted" and r["details"]["region"] == region
+            r
+            for r in agg
+            if r.get("event") == "update_accepted" and _details(r).get("region") == region
         ]
         declined = [
-            r for r in agg if r["event"] == "region_declined" and r["details"]["region"] == region
+            r
+            for r in agg
+            if r.get("event") == "region_declined" and _details(r).get("region") == region
         ]
         if records is None:
             trained = None
-            joined = None
+            joined: Mapping[str, Any] = {}
         else:
-            trained = [r for r in records if r["event"] == "trained"]
-            joined = _first(records, "run_joined")
-        last = trained[-1]["details"] if trained else {}
-        epsilon = (
-            f"{last['epsilon']:.3f} of {last['epsilon_budget']:g}"
-            if last.get("epsilon") is not None
+            trained = [r for r in records if r.get("event") == "trained"]
+            joined = _details(_first(records, "run_joined"))
+        last = _details(trained[-1]) if trained else {}
+        epsilon, budget = last.get("epsilon"), last.get("epsilon_budget")
+        spent = (
+            f"{epsilon:.3f} of {budget:g}"
+            if isinstance(epsilon, int | float) and isinstance(budget, int | float)
             else ("no DP" if trained else "-")
         )
         rows.append(
             (
-                region,
-                str((joined or {}).get("details", {}).get("jurisdiction") or "-"),
-                str((joined or {}).get("details", {}).get("policy_hash") or "-")[:12],
+                str(region),
+                str(joined.get("jurisdiction") or "-"),
+                str(joined.get("policy_hash") or "-")[:12],
                 str(len(accepted)),
                 str(len(declined)),
-                epsilon,
+                spent,
                 "yes" if records is not None else "no (log not given)",
             )
         )
+    paragraphs = [
+        "Epsilon is the dataset's cumulative spend after its last round in this run, "
+        "from the region's own log (its privacy ledger records the same)."
+    ]
+    if start_unsigned:
+        paragraphs.append(
+            "The aggregator's run_start record is not covered by a signature: the regions "
+            "of this run are not established (see Unverified records)."
+        )
     return Section(
         "Regions",
-        [
-            "Epsilon is the dataset's cumulative spend after its last round in this run, "
-            "from the region's own log (its privacy ledger records the same)."
-        ],
+        paragraphs,
         ("region", "jurisdiction", "policy", "updates accepted", "declined", "epsilon", "log"),
         rows,
     )
 
 
+def _receipt(record: Record) -> tuple[str, str, str]:
+    d = _details(record)
+    return (_round(record), str(d.get("region")), str(d.get("digest")))
+
+
 def _transfers_section(
-    agg: Sequence[Record], own: Mapping[str, Sequence[Record]], matched: Sequence[Any]
+    agg: Sequence[Record], own: Mapping[str, Sequence[Record]], agg_all: Sequence[Record]
 ) -> Section:
-    seen = {(t.round, t.region, t.digest) for t in matched}
-    received = {
-        (r["round"], r["details"]["region"], r["details"]["digest"])
-        for r in agg
-        if r["event"] == RECEIVED_EVENT
-    }
+    received = {_receipt(r) for r in agg if r.get("event") == RECEIVED_EVENT}
+    claimed = {_receipt(r) for r in agg_all if r.get("event") == RECEIVED_EVENT}
     rows = []
     for region, records in sorted(own.items()):
         for r in records:
-            if r["event"] not in SENT_EVENTS:
+            if r.get("event") not in SENT_EVENTS:
                 continue
-            d = r["details"]
-            key = (r["round"], region, d["digest"])
+            d = _details(r)
+            key = (_round(r), region, str(d.get("digest")))
             rows.append(
                 (
-                    str(r["round"]),
+                    _round(r),
                     region,
                     f"{d.get('destination', 'aggregator')} ({d.get('destination_jurisdiction')})",
-                    str(d["bytes"]),
-                    str(d["suite"]),
-                    d["digest"][:16],
-                    "yes" if key in seen else ("NO" if key not in received else "?"),
+                    _text(d.get("bytes")),
+                    _text(d.get("suite")),
+                    str(d.get("digest"))[:16],
+                    "yes"
+                    if key in received
+                    else "only in an unverified record"
+                    if key in claimed
+                    else "NO",
                 )
             )
     for r in agg:
-        d = r["details"]
-        if r["event"] == RECEIVED_EVENT and d["region"] not in own:
+        d = _details(r)
+        if r.get("event") == RECEIVED_EVENT and d.get("region") not in own:
             rows.append(
                 (
-                    str(r["round"]),
-                    d["region"],
+                    _round(r),
+                    str(d.get("region")),
                     "aggregator (as received)",
-                    str(d["bytes"]),
-                    str(d["suite"]),
-                    d["digest"][:16],
+                    _text(d.get("bytes")),
+                    _text(d.get("suite")),
+                    str(d.get("digest"))[:16],
                     "region log not given",
                 )
             )
@@ -238,54 +399,103 @@ def _transfers_section(
     )
 
 
+def _reasons(value: Any) -> str:
+    return "; ".join(map(str, value)) if isinstance(value, list) else _text(value)
+
+
 def _refusals_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) -> Section:
     rows = []
     for region, records in sorted(own.items()):
         for r in records:
-            if r["event"] == "declined":
-                rows.append((str(r["round"]), region, "declined", r["details"]["reason"]))
+            if r.get("event") == "declined":
+                rows.append((_round(r), region, "declined", _text(_details(r).get("reason"))))
     for r in agg:
-        d = r["details"]
-        if r["event"] == "update_rejected":
-            rows.append((str(r["round"]), "aggregator", f"rejected {d['region']}", d["reason"]))
-        elif r["event"] == "aggregate_withheld":
+        d, event = _details(r), r.get("event")
+        if event == "update_rejected":
             rows.append(
-                (str(r["round"]), "aggregator", "withheld aggregate", "; ".join(d["reasons"]))
+                (_round(r), "aggregator", f"rejected {d.get('region')}", _text(d.get("reason")))
             )
-        elif r["event"] == "region_declined" and d["region"] not in own:
-            rows.append((str(r["round"]), d["region"], "declined (as received)", d["reason"]))
+        elif event == "aggregate_withheld":
+            rows.append((_round(r), "aggregator", "withheld aggregate", _reasons(d.get("reasons"))))
+        elif event == "region_declined" and d.get("region") not in own:
+            rows.append(
+                (_round(r), str(d.get("region")), "declined (as received)", _text(d.get("reason")))
+            )
     return Section(
         "Refusals",
-        [] if rows else ["None: every region took part and every update was accepted."],
+        []
+        if rows
+        else ["None in the signed records: every region took part and every update was accepted."],
         ("round", "by", "what", "reasons") if rows else (),
         rows,
     )
 
 
-def _agreement_section(
-    start: Mapping[str, Any], own: Mapping[str, Sequence[Record]], problems: Sequence[str]
-) -> Section:
+def _config_disagreements(
+    start: Mapping[str, Any], own: Mapping[str, Sequence[Record]]
+) -> list[str]:
     lines = []
     config = start.get("config_hash")
     for region, records in sorted(own.items()):
         joined = _first(records, "run_joined")
         if joined is None:
             lines.append(f"{region}: its log has no record of this run.")
-        elif joined["details"].get("config_hash") != config:
+        elif _details(joined).get("config_hash") != config:
             lines.append(f"{region}: ran under another run config (hash differs).")
-    lines += problems
-    verdict = "The region and aggregator logs agree." if not lines else "The logs DISAGREE:"
-    return Section("Agreement between the logs", [verdict, *lines])
+    return lines
+
+
+def _agreement_section(disagreements: Sequence[str], witnessing: str) -> Section:
+    verdict = "The region and aggregator logs agree." if not disagreements else "The logs DISAGREE:"
+    return Section("Agreement between the logs", [verdict, *disagreements, witnessing])
+
+
+def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:
+    rows = []
+    elsewhere = 0
+    for log in logs:
+        for r in log.unverified:
+            if r.get("run_id") != run_id:
+                elsewhere += 1
+                continue
+            details = canonical(_details(r)).decode()
+            rows.append(
+                (
+                    log.actor,
+                    _text(r.get("seq")),
+                    _round(r),
+                    _text(r.get("event")),
+                    details if len(details) <= 160 else details[:157] + "...",
+                )
+            )
+    paragraphs = [
+        "UNVERIFIED: no verified checkpoint signature covers these records (they come after "
+        "their log's last verified checkpoint, or their log was not verified or failed). "
+        "They are what the file says, not established facts, and the tables above leave "
+        "them out. A log's last verified checkpoint record itself (its time, run and round) "
+        "is covered only by a later checkpoint or another party's witness."
+    ]
+    if not rows:
+        paragraphs = ["None: every record of this run is covered by a verified signature."]
+    if elsewhere:
+        paragraphs.append(f"{elsewhere} more unverified record(s) belong to other runs.")
+    return Section(
+        UNVERIFIED_TITLE,
+        paragraphs,
+        ("party", "seq", "round", "event", "details") if rows else (),
+        rows,
+    )
 
 
 def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[Record]]) -> Section:
     jurisdictions = sorted(
         {
-            str(j["details"].get("jurisdiction"))
+            str(_details(j).get("jurisdiction"))
             for records in own.values()
             if (j := _first(records, "run_joined")) is not None
         }
     )
+    policies = start.get("policy_hashes")
     return Section(
         "Record of processing and cross-border transfers",
         [
@@ -318,8 +528,9 @@ def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[R
             ),
             (
                 "policies (aggregator's copy)",
-                ", ".join(f"{j} {h[:12]}" for j, h in (start.get("policy_hashes") or {}).items())
-                or "none",
+                ", ".join(f"{j} {str(h)[:12]}" for j, h in policies.items())
+                if isinstance(policies, Mapping) and policies
+                else "none",
             ),
         ],
     )
@@ -384,17 +595,52 @@ def write_sections(run_id: int, sections: Sequence[Section], out_dir: Path) -> t
     return md, page
 
 
-def verify_and_report(
+@dataclass
+class Outcome:
+    """What ``fedciuic audit report`` found: whether each log verified, where the logs
+    disagree, the lines to print and the report written."""
+
+    run_id: int
+    verified: bool | None  # None: no keys, nothing verified
+    disagreements: list[str]
+    lines: list[str]
+    report: Path
+
+    @property
+    def exit_code(self) -> int:
+        if self.verified is False:
+            return EXIT_FAILED_VERIFICATION
+        return EXIT_DISAGREE if self.disagreements else EXIT_OK
+
+
+def check_and_report(
     paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
-) -> tuple[bool, list[str]]:
-    """Verify each log with its party's bundle from ``keys_dir`` (when given), write
-    the report, and say what was found: (all verified, lines to print)."""
+) -> Outcome:
+    """Verify each log with its party's bundle from ``keys_dir`` (when given), cross-check
+    the logs, write the report, and say what was found (``Outcome.exit_code``)."""
     logs = open_logs(paths, {})
     verify_logs(logs, keys_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in logs if log.verdict is not None]
-    md, _ = write_report(logs, out_dir, run_id)
+    if keys_dir is None:
+        lines.append(
+            "audit: logs not verified (no --keys): the report lists every record as unverified"
+        )
+    report = build_report(logs, run_id)
+    if report.disagreements:
+        lines.append(f"audit: the logs DISAGREE on run {report.run_id}:")
+        lines += [f"  {problem}" for problem in report.disagreements]
+    md, _ = write_sections(report.run_id, report.sections, out_dir)
     lines.append(f"compliance report: {md} (and .html)")
-    return all(log.verdict is None or log.verdict.ok for log in logs), lines
+    verified = None if keys_dir is None else all(log.verdict and log.verdict.ok for log in logs)
+    return Outcome(report.run_id, verified, report.disagreements, lines, md)
+
+
+def verify_and_report(
+    paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
+) -> tuple[bool, list[str]]:
+    """``check_and_report`` as (every log verified and the logs agree, lines to print)."""
+    outcome = check_and_report(paths, keys_dir, out_dir, run_id)
+    return outcome.exit_code == EXIT_OK, outcome.lines
 
 
 def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:

@@ -39,9 +39,10 @@ from fedciuic.crypto.keys import (
     load_keypair,
     private_key_path,
 )
+from fedciuic.errors import FedciuicError
 
 AGGREGATOR = "aggregator"
-GLOBAL_LABEL = b"fedciuic-global-model/1\x00"
+GLOBAL_LABEL = b"fedciuic-global-model/2\x00"
 
 
 def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
@@ -54,14 +55,41 @@ def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
     return digest.digest()
 
 
-def _global_message(run_id: int, server_round: int, arrays: Mapping[str, np.ndarray]) -> bytes:
-    return GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays)
+def _global_message(
+    run_id: int,
+    server_round: int,
+    arrays: Mapping[str, np.ndarray],
+    witness: tuple[int, str] | None,
+) -> bytes:
+    """Label | run id (u64) | round (u32) | model digest (32) | witness flag (u8), then
+    with the flag 1 the signer's audit checkpoint count (u64) and head (32)."""
+    tail = b"\x00"
+    if witness is not None:
+        tail = b"\x01" + struct.pack(">Q", witness[0]) + bytes.fromhex(witness[1])
+    return (
+        GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays) + tail
+    )
 
 
 def sign_global(
-    keypair: Keypair, run_id: int, server_round: int, arrays: Mapping[str, np.ndarray]
+    keypair: Keypair,
+    run_id: int,
+    server_round: int,
+    arrays: Mapping[str, np.ndarray],
+    witness: tuple[int, str] | None = None,
 ) -> bytes:
-    return keypair.sign(_global_message(run_id, server_round, arrays))
+    """The aggregator's signature over the global adapter it sends for this run and
+    round, and over the head of its audit log's latest signed checkpoint."""
+    return keypair.sign(_global_message(run_id, server_round, arrays, witness))
+
+
+REPLY_LABEL = b"fedciuic-reply/1\x00"
+
+
+def reply_message(run_id: int, server_round: int, fields: Mapping[str, object]) -> bytes:
+    """What a region signs for a reply: run, round and the canonical JSON of its fields."""
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return REPLY_LABEL + struct.pack(">QI", run_id, server_round) + body.encode()
 
 
 def update_payload(
@@ -72,19 +100,24 @@ def update_payload(
     return bytes(st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata))
 
 
-def read_update_payload(
-    payload: bytes,
-) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, str]]:
-    """Inverse of :func:`update_payload`; ``ValueError`` if it is not one."""
+class MalformedPayload(FedciuicError):
+    """An opened envelope whose plaintext is not a fedciuic update."""
+
+
+def read_update_payload(payload: bytes) -> tuple[dict[str, np.ndarray], object, object]:
+    """Inverse of :func:`update_payload`: the arrays, and the metrics and info exactly as
+    sent (still untrusted: the caller validates them). :class:`MalformedPayload` if the
+    plaintext is not safetensors with both in its metadata."""
     try:
         (size,) = struct.unpack_from("<Q", payload)
         header = json.loads(payload[8 : 8 + size])
-        metadata = header.get("__metadata__", {})
-        metrics = {k: float(v) for k, v in json.loads(metadata["metrics"]).items()}
-        info = {k: str(v) for k, v in json.loads(metadata["info"]).items()}
+        metadata = header["__metadata__"]
+        metrics = json.loads(metadata["metrics"])
+        info = json.loads(metadata["info"])
         arrays = st_load(payload)
-    except (struct.error, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"sealed payload is not a fedciuic update ({err})") from None
+    except Exception as err:
+        reason = f"{type(err).__name__}: {str(err)[:200]}"
+        raise MalformedPayload(f"sealed payload is not a fedciuic update ({reason})") from None
     return arrays, metrics, info
 
 
@@ -103,10 +136,12 @@ class RegionKeys:
         run_id: int,
         server_round: int,
         arrays: Mapping[str, np.ndarray],
+        witness: tuple[int, str] | None = None,
     ) -> None:
-        """Refuse a global adapter the aggregator did not sign for this run and round."""
+        """Refuse a global adapter (and audit head) the aggregator did not sign for this
+        run and round."""
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            _global_message(run_id, server_round, arrays), signature
+            _global_message(run_id, server_round, arrays, witness), signature
         ):
             raise KeyFileError(
                 f"region {self.keypair.bundle.party}: the global adapter of round "
@@ -162,8 +197,8 @@ class OpenedUpdate:
     """A region's update once opened: its content and the authenticated header facts."""
 
     arrays: dict[str, np.ndarray]
-    metrics: dict[str, float]
-    info: dict[str, str]
+    metrics: object  # untrusted until validated
+    info: object
     sender: PublicBundle
     suite: str
     policy_hash: str  # hex; "" when the region sealed without a policy
@@ -177,6 +212,25 @@ class AggregatorKeys:
     regions: dict[bytes, PublicBundle]
     max_size: int
     seen: set[tuple[int, int, bytes]] = field(default_factory=set)
+
+    def reply_sender(
+        self,
+        key_id: str,
+        signature: bytes,
+        *,
+        run_id: int,
+        server_round: int,
+        fields: Mapping[str, object],
+    ) -> PublicBundle:
+        """The region whose key signed this reply; :class:`InvalidEnvelope` otherwise."""
+        try:
+            sender = self.regions[bytes.fromhex(key_id)]
+            message = reply_message(run_id, server_round, fields)
+        except (KeyError, ValueError, TypeError):
+            raise InvalidEnvelope() from None
+        if not sender.verify(message, signature):
+            raise InvalidEnvelope()
+        return sender
 
     def open_update(
         self, envelope: bytes | bytearray, *, run_id: int, server_round: int

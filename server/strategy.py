@@ -18,8 +18,8 @@ Differences from ``FedAvg``, each for a reason:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -30,33 +30,90 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedciuic.aggregation import Bounds, apply_delta, check, make_aggregator
+from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
 from fedciuic.audit import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
-from fedciuic.compression import get_codec, layout_of, unflatten
+from fedciuic.compression import Codec, get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
 from fedciuic.policy import Decision, UpdateFacts
-from fedciuic.sealing import (
-    AggregatorKeys,
-    EnvelopeRejected,
-    InvalidEnvelope,
-    model_digest,
-    sign_global,
-)
+from fedciuic.sealing import AggregatorKeys, EnvelopeRejected, model_digest, sign_global
 
-#: Privacy figures a DP region reports with its update, recorded per round.
-PRIVACY_METRICS = (
-    "epsilon",
-    "epsilon-budget",
-    "delta",
-    "noise-multiplier",
-    "sample-rate",
-    "secure-mode",
-)
+REJECTED = "rejected"
+
+
+def _reason(err: Exception) -> str:
+    """A rejection's reason: the error's type and its message (or repr)."""
+    return f"{type(err).__name__}: {str(err)[:500]}"
+
+
+@dataclass(frozen=True)
+class _Header:
+    """Where an update comes from and under what terms: from its authenticated
+    envelope when sealed, from the clear reply in a lab run without sealing."""
+
+    region: str
+    jurisdiction: str
+    policy_hash: str
+    suite: str
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """A trained reply once authenticated, opened, validated and checked by policy."""
+
+    region: str
+    checked: Checked
+    metrics: protocol.TrainMetrics
+    info: dict[str, str]
+    header: _Header
+    update_bytes: int
+    upload_bytes: int
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """One reply's outcome, under the label it is recorded with."""
+
+    label: str
+    reply: protocol.Reply  # its status and reason are final
+    accepted: _Accepted | None = None
+    evaluated: protocol.EvalMetrics | None = None
+    claimed: str = ""
+    authenticated: bool = False
+
+    def entry(self) -> dict[str, Any]:
+        """What metrics.json records for this reply."""
+        if self.accepted is not None:
+            a = self.accepted
+            return {
+                "status": protocol.TRAINED,
+                "reason": "",
+                "norm": a.checked.norm,
+                "clipped": a.checked.clipped,
+                "loss": a.metrics.train_loss,
+                "num_examples": a.metrics.num_examples,
+                "steps": a.metrics.steps,
+                "data_fingerprint": a.info["data-fingerprint"],
+                "upload_bytes": a.upload_bytes,
+                "update_bytes": a.update_bytes,
+                **a.metrics.record(),
+            }
+        if self.evaluated is not None:
+            e = self.evaluated
+            return {
+                "status": protocol.EVALUATED,
+                "loss": e.eval_loss,
+                "perplexity": e.perplexity,
+                "num_examples": e.num_examples,
+            }
+        entry = {"status": self.reply.status, "reason": self.reply.reason}
+        if self.claimed != self.label:
+            entry["claimed_region"] = self.claimed
+        return entry
 
 
 class RegionalFedAvg(FedAvg):
@@ -134,9 +191,10 @@ class RegionalFedAvg(FedAvg):
         adapter: dict[str, np.ndarray] | None = None,
     ) -> Iterable[Message]:
         signature, signer = b"", ""
+        witness = self.audit.last_checkpoint() if self.audit is not None else None
         if self.keys is not None:
             adapter = protocol.unpack_arrays(arrays) if adapter is None else adapter
-            signature = sign_global(self.keys.keypair, self.run_id, server_round, adapter)
+            signature = sign_global(self.keys.keypair, self.run_id, server_round, adapter, witness)
             signer = self.keys.keypair.bundle.key_id.hex()
         content = protocol.instruction(
             arrays,
@@ -146,6 +204,7 @@ class RegionalFedAvg(FedAvg):
             signature=signature,
             signer=signer,
             federation_run=self.federation_run,
+            witness=witness,
         )
         self._asked = self.wait_for_regions(grid)
         return self._construct_messages(content, self._asked, kind)
@@ -165,20 +224,83 @@ class RegionalFedAvg(FedAvg):
 
     # -- aggregation --------------------------------------------------------------
 
-    def _read(self, replies: Iterable[Message]) -> list[protocol.Reply]:
-        """Parse the replies; a node asked this round that did not answer within
-        round-timeout (its process died, say) is a failed reply of its own."""
-        parsed = [protocol.read_reply(m, self.regions_by_node) for m in replies]
-        for reply in parsed:
-            if reply.status != "failed":
-                self.regions_by_node[reply.node_id] = reply.region
-        answered = {reply.node_id for reply in parsed}
-        for node_id in self._asked:
-            if node_id not in answered:
-                region = self.regions_by_node.get(node_id, f"node-{node_id}")
-                reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
-                parsed.append(protocol.Reply(node_id, region, "failed", reason=reason))
-        return parsed
+    def _replies(self, replies: Iterable[Message]) -> Iterator[Message | int]:
+        """Each reply, then the id of each node asked this round that did not answer
+        within round-timeout (its process died, say)."""
+        answered: set[int] = set()
+        for message in replies:
+            answered.add(message.metadata.src_node_id)
+            yield message
+        yield from (node for node in self._asked if node not in answered)
+
+    def _guarded(
+        self,
+        server_round: int,
+        item: Message | int,
+        judge: Callable[[protocol.Reply, str | None], _Judged],
+    ) -> _Judged:
+        """The one boundary per reply: *any* exception while reading, authenticating,
+        opening, decoding or validating a reply rejects that reply alone (its type
+        named in the record), and the round goes on with the others."""
+        if isinstance(item, int):
+            reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
+            return self._settle(protocol.failed(item, "", reason), None)
+        reply, sender = protocol.failed(item.metadata.src_node_id, "", ""), None
+        try:
+            reply = protocol.read_reply(item)
+            sender = self._authenticate(reply, server_round)
+            if sender is not None:
+                self._witnessed(server_round, sender, reply.witness)
+            return judge(reply, sender)
+        except Exception as err:  # the boundary: no reply stops the run
+            return self._settle(reply, sender, error=err)
+
+    def _settle(
+        self,
+        reply: protocol.Reply,
+        sender: str | None,
+        *,
+        error: Exception | None = None,
+        accepted: _Accepted | None = None,
+        evaluated: protocol.EvalMetrics | None = None,
+    ) -> _Judged:
+        """The reply's outcome under its label: the region its signature authenticates;
+        else the region this node authenticated as before; else ``node-ID``."""
+        label = sender or self.regions_by_node.get(reply.node_id) or f"node-{reply.node_id}"
+        if error is not None:
+            reply = replace(reply, status=REJECTED, reason=_reason(error))
+        return _Judged(
+            label,
+            reply,
+            accepted,
+            evaluated,
+            claimed=reply.region or label,
+            authenticated=bool(sender),
+        )
+
+    def _authenticate(self, reply: protocol.Reply, server_round: int) -> str | None:
+        """The region this reply comes from, by its signature; without sealing (a lab
+        run, nothing to authenticate with) the name it claims."""
+        if reply.status == protocol.FAILED:
+            return None
+        if self.keys is None:
+            return reply.region
+        if reply.status == protocol.DECLINED and not reply.signature:
+            # A region that could not load its keys declines unsigned: recorded under
+            # its node (or what the node authenticated as before), its claim noted.
+            return None
+        sender = self.keys.reply_sender(
+            reply.info.get(protocol.KEY_ID, ""),
+            reply.signature,
+            run_id=self.run_id,
+            server_round=server_round,
+            fields=reply.signed,
+        )
+        if sender.party != reply.region:
+            raise EnvelopeRejected(
+                f"reply names region {reply.region!r} but is signed by {sender.party!r}"
+            )
+        return sender.party
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -190,58 +312,19 @@ class RegionalFedAvg(FedAvg):
         bounds = Bounds(
             self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
         )
-        accepted: list[protocol.Reply] = []
-        for reply in self._read(replies):
-            self._note_arrival(server_round, reply)
-            reply, upload = self._unseal(reply, server_round)
-            entry: dict[str, Any] = {"status": reply.status, "reason": reply.reason}
-            if reply.status == protocol.TRAINED and self.policies is not None:
-                decision = self.policies.check_update(self._facts(reply))
-                self._decided(server_round, decision)
-                if not decision.accepted:
-                    reply = replace(reply, status="rejected", reason="; ".join(decision.reasons))
-                    entry = {"status": "rejected", "reason": reply.reason}
-            if reply.status == protocol.TRAINED:
-                try:
-                    checked = check(
-                        codec,
-                        self._update_bytes(reply),
-                        n,
-                        reply.metrics.get("num-examples", 0.0),
-                        bounds,
-                    )
-                except ValueError as err:
-                    entry = {"status": "rejected", "reason": str(err)}
-                else:
-                    accumulator.add(checked)
-                    accepted.append(reply)
-                    entry.update(norm=checked.norm, clipped=checked.clipped)
-                    entry.update(
-                        loss=reply.metrics["train-loss"],
-                        num_examples=int(reply.metrics["num-examples"]),
-                        steps=int(reply.metrics.get("steps", 0)),
-                        data_fingerprint=reply.info.get("data-fingerprint", ""),
-                        upload_bytes=upload,
-                        update_bytes=int(reply.metrics.get("update-bytes", 0)),
-                    )
-                    entry.update(
-                        {
-                            key.replace("-", "_"): reply.metrics[key]
-                            for key in PRIVACY_METRICS
-                            if key in reply.metrics
-                        }
-                    )
-            self._note_outcome(server_round, reply, entry)
-            level = INFO if entry["status"] == protocol.TRAINED else WARNING
-            log(
-                level,
-                "round %d: region %s %s %s",
+        labels: set[str] = set()
+        accepted: list[_Accepted] = []
+        for item in self._replies(replies):
+            judged = self._guarded(
                 server_round,
-                reply.region,
-                entry["status"],
-                entry.get("reason") or "",
+                item,
+                lambda r, sender: self._judge_train(server_round, r, sender, codec, n, bounds),
             )
-            self.recorder.record_train(server_round, reply.region, entry)
+            judged = self._record(server_round, judged, labels, self.recorder.record_train)
+            if judged.accepted is not None:
+                # Validated and recorded: only now does it count.
+                accumulator.add(judged.accepted.checked)
+                accepted.append(judged.accepted)
 
         withheld = self._withhold(server_round, accepted)
         if withheld:
@@ -251,7 +334,7 @@ class RegionalFedAvg(FedAvg):
                 server_round,
                 "; ".join(withheld),
             )
-            regions = [r.region for r in accepted]
+            regions = [a.region for a in accepted]
             self.recorder.record_aggregate(
                 server_round, {"published": False, "regions": regions, "reasons": withheld}
             )
@@ -262,16 +345,15 @@ class RegionalFedAvg(FedAvg):
 
         mean = unflatten(accumulator.mean(), layout)
         self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
-        weights = [r.metrics["num-examples"] for r in accepted]
-        loss = sum(r.metrics["train-loss"] * w for r, w in zip(accepted, weights, strict=True))
+        loss = sum(a.metrics.train_loss * a.metrics.num_examples for a in accepted)
         self.recorder.record_aggregate(
-            server_round, {"published": True, "regions": [r.region for r in accepted]}
+            server_round, {"published": True, "regions": [a.region for a in accepted]}
         )
         self.recorder.save()
         self._note(
             server_round,
             "aggregate_published",
-            regions=[r.region for r in accepted],
+            regions=[a.region for a in accepted],
             examples=accumulator.weight,
             model_digest=model_digest(self.global_adapter).hex(),
         )
@@ -284,6 +366,183 @@ class RegionalFedAvg(FedAvg):
             }
         )
         return protocol.pack_arrays(self.global_adapter), metrics
+
+    def _judge_train(
+        self,
+        server_round: int,
+        reply: protocol.Reply,
+        sender: str | None,
+        codec: Codec,
+        n: int,
+        bounds: Bounds,
+    ) -> _Judged:
+        """Open and validate one authenticated training reply into typed values; raises
+        on anything wrong with it (the boundary turns that into a rejection)."""
+        if reply.status in (protocol.FAILED, protocol.DECLINED):
+            return self._settle(reply, sender)
+        self._note_arrival(server_round, reply, sender or reply.region)
+        update, metrics, info, header = self._open(reply, server_round, sender)
+        facts = UpdateFacts(
+            region=header.region,
+            sender_jurisdiction=header.jurisdiction,
+            policy_hash=header.policy_hash,
+            epsilon=metrics.privacy.epsilon if metrics.privacy else None,
+            delta=metrics.privacy.delta if metrics.privacy else None,
+            suite=header.suite,
+            codec=codec_family(self.run.codec),
+            num_examples=metrics.num_examples,
+            max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
+            secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
+        )
+        if self.policies is not None:
+            decision = self.policies.check_update(facts)
+            self._decided(server_round, decision)
+            if not decision.accepted:
+                rejected = replace(
+                    reply,
+                    status=REJECTED,
+                    reason="; ".join(decision.reasons),
+                    info={**reply.info, protocol.POLICY_HASH: header.policy_hash},
+                )
+                return self._settle(rejected, header.region)
+        checked = check(codec, update, n, metrics.num_examples, bounds)
+        upload = len(reply.envelope) if reply.envelope is not None else len(update)
+        accepted = _Accepted(
+            header.region, checked, metrics, info, header, metrics.update_bytes, upload
+        )
+        return self._settle(
+            replace(reply, status=protocol.TRAINED), header.region, accepted=accepted
+        )
+
+    def _open(
+        self, reply: protocol.Reply, server_round: int, sender: str | None
+    ) -> tuple[bytes, protocol.TrainMetrics, dict[str, str], _Header]:
+        """The compressed update, its metrics and info, and the facts its policy is
+        checked against: from the authenticated envelope when sealed (refusing clear
+        updates when sealing is on), from the clear reply otherwise."""
+        if reply.status == protocol.TRAINED:
+            if self.keys is not None:
+                raise EnvelopeRejected("unsealed update refused")
+            info = protocol.parse_info(reply.info, protocol.TRAINED)
+            header = _Header(
+                sender or reply.region,
+                info[protocol.JURISDICTION],
+                info[protocol.POLICY_HASH],
+                UNSEALED,
+            )
+            arrays = reply.arrays or {}
+            metrics: object = reply.metrics
+        elif reply.status == protocol.SEALED:
+            if self.keys is None or reply.envelope is None:
+                raise EnvelopeRejected("sealed update, sealing is off")
+            opened = self.keys.open_update(
+                reply.envelope, run_id=self.run_id, server_round=server_round
+            )
+            if opened.sender.party != sender:
+                raise EnvelopeRejected(
+                    f"envelope sealed by {opened.sender.party!r} in a reply signed by {sender!r}"
+                )
+            info = protocol.parse_info(opened.info, protocol.TRAINED)
+            header = _Header(
+                opened.sender.party, opened.sender.jurisdiction, opened.policy_hash, opened.suite
+            )
+            arrays, metrics = opened.arrays, opened.metrics
+        else:
+            raise protocol.MalformedReply(f"status {reply.status!r} in a training reply")
+        if info["region"] != header.region:
+            raise EnvelopeRejected(
+                f"update names region {info['region']!r} but comes from {header.region!r}"
+            )
+        return self._update_bytes(arrays), protocol.parse_train_metrics(metrics), info, header
+
+    def _record(
+        self,
+        server_round: int,
+        judged: _Judged,
+        labels: set[str],
+        record: Callable[[int, str, dict[str, Any]], None],
+    ) -> _Judged:
+        """Record the outcome in metrics.json and the audit log; a second reply under a
+        label already taken this round is rejected, so no reply displaces or doubles
+        another's. If recording fails, the reply is rejected and recorded (best effort)
+        as such."""
+        if judged.label in labels:  # the recorder keeps it apart, under duplicates
+            if judged.accepted is not None or judged.evaluated is not None:
+                reason = f"a second reply from {judged.label} in round {server_round}"
+                judged = replace(
+                    judged,
+                    accepted=None,
+                    evaluated=None,
+                    reply=replace(judged.reply, status=REJECTED, reason=reason),
+                )
+        elif judged.authenticated:
+            # Which region a node is, for its replies that carry no signature (a
+            # timeout, a process that died): only what it authenticated as first.
+            self.regions_by_node.setdefault(judged.reply.node_id, judged.label)
+        labels.add(judged.label)
+        try:
+            entry = judged.entry()
+            if record == self.recorder.record_train:
+                self._note_outcome(server_round, judged, entry)
+            record(server_round, judged.label, entry)
+        except Exception as err:
+            judged = replace(
+                judged,
+                accepted=None,
+                evaluated=None,
+                reply=replace(judged.reply, status=REJECTED, reason=_reason(err)),
+            )
+            entry = judged.entry()
+            try:
+                record(server_round, judged.label, entry)
+            except Exception as again:
+                log(WARNING, "round %d: cannot record %s: %r", server_round, judged.label, again)
+        status = judged.reply.status
+        log(
+            INFO if status in (protocol.TRAINED, protocol.EVALUATED) else WARNING,
+            "round %d: region %s %s %s",
+            server_round,
+            judged.label,
+            status,
+            entry.get("reason") or "",
+        )
+        return judged
+
+    # -- evaluation ---------------------------------------------------------------
+
+    def _judge_eval(self, reply: protocol.Reply, sender: str | None) -> _Judged:
+        if reply.status == protocol.EVALUATED:
+            stats = protocol.parse_eval_metrics(reply.metrics)
+            return self._settle(reply, sender, evaluated=stats)
+        if reply.status in (protocol.FAILED, protocol.DECLINED):
+            return self._settle(reply, sender)
+        raise protocol.MalformedReply(f"status {reply.status!r} in an evaluation reply")
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        labels: set[str] = set()
+        evaluated: list[tuple[str, protocol.EvalMetrics]] = []
+        for item in self._replies(replies):
+            judged = self._guarded(server_round, item, self._judge_eval)
+            judged = self._record(server_round, judged, labels, self.recorder.record_eval)
+            if judged.evaluated is not None:
+                evaluated.append((judged.label, judged.evaluated))
+        if not evaluated:
+            self.recorder.save()
+            return None
+        total = sum(stats.num_examples for _, stats in evaluated)
+        loss = sum(stats.eval_loss * stats.num_examples for _, stats in evaluated) / total
+        overall = {
+            "loss": loss,
+            "perplexity": float(np.exp(min(loss, 50.0))),
+            "num_examples": int(total),
+        }
+        self.recorder.record_eval(server_round, "overall", overall)
+        self.recorder.save()
+        for label, stats in sorted(evaluated):
+            log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
+        return MetricRecord({"eval-loss": loss, "num-examples": total})
 
     # -- audit trail --------------------------------------------------------------------
 
@@ -301,176 +560,94 @@ class RegionalFedAvg(FedAvg):
         if self.audit is not None:
             self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
 
-    def _note_arrival(self, server_round: int, reply: protocol.Reply) -> None:
+    def _witnessed(self, server_round: int, region: str, witness: protocol.Witness | None) -> None:
+        """Record the head of the region's log that its signed reply carries, so that
+        truncating that log later shows in the cross-check (docs/audit.md)."""
+        if self.audit is not None and witness is not None:
+            self.audit.witness(
+                region,
+                witness.count,
+                witness.head,
+                run_id=self.federation_run,
+                server_round=server_round,
+            )
+
+    def _note_arrival(self, server_round: int, reply: protocol.Reply, region: str) -> None:
         """What crossed the relay, as received: its digest is what the region logged."""
         if reply.envelope is not None:
             data, suite = reply.envelope, "sealed"
-        elif reply.status == protocol.TRAINED and reply.arrays and protocol.UPDATE in reply.arrays:
+        elif reply.arrays and protocol.UPDATE in reply.arrays:
             data, suite = reply.arrays[protocol.UPDATE].tobytes(), UNSEALED
         else:
             return
         self._note(
             server_round,
             RECEIVED_EVENT,
-            region=reply.region,
+            region=region,
             digest=digest(data),
             bytes=len(data),
             suite=suite,
-            sender_key_id=reply.info.get("key-id", ""),
+            sender_key_id=reply.info.get(protocol.KEY_ID, ""),
         )
 
-    def _note_outcome(
-        self, server_round: int, reply: protocol.Reply, entry: dict[str, Any]
-    ) -> None:
-        status = entry["status"]
-        if status == protocol.TRAINED:
+    def _note_outcome(self, server_round: int, judged: _Judged, entry: dict[str, Any]) -> None:
+        status, region = entry["status"], judged.label
+        claimed = {"claimed_region": judged.claimed} if judged.claimed != region else {}
+        if judged.accepted is not None:
+            a = judged.accepted
             self._note(
                 server_round,
                 "update_accepted",
-                region=reply.region,
-                examples=entry["num_examples"],
-                epsilon=entry.get("epsilon"),
-                suite=reply.info.get(protocol.SUITE, ""),
-                policy_hash=reply.info.get(protocol.POLICY_HASH, ""),
+                region=region,
+                examples=a.metrics.num_examples,
+                epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
+                suite=a.header.suite,
+                policy_hash=a.header.policy_hash,
             )
         elif status == protocol.DECLINED:
-            self._note(server_round, "region_declined", region=reply.region, reason=entry["reason"])
-        else:
+            self._note(
+                server_round, "region_declined", region=region, reason=entry["reason"], **claimed
+            )
+        elif status in (REJECTED, protocol.FAILED):
             self._note(
                 server_round,
-                "update_rejected" if status == "rejected" else "reply_failed",
-                region=reply.region,
+                "update_rejected" if status == REJECTED else "reply_failed",
+                region=region,
                 reason=entry.get("reason", ""),
-                policy_hash=reply.info.get(protocol.POLICY_HASH, ""),
+                policy_hash=judged.reply.info.get(protocol.POLICY_HASH, ""),
+                **claimed,
             )
 
-    def _update_bytes(self, reply: protocol.Reply) -> bytes:
+    def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
         """The one compressed update a trained reply may carry, within the size cap."""
-        arrays = reply.arrays or {}
         if set(arrays) != {protocol.UPDATE}:
-            raise ValueError(f"a trained reply carries {sorted(arrays)}, expected ['update']")
+            raise protocol.MalformedReply(
+                f"a trained reply carries {sorted(arrays)[:8]}, expected ['update']"
+            )
         update = arrays[protocol.UPDATE]
         if update.dtype != np.uint8 or update.ndim != 1:
-            raise ValueError(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
+            raise protocol.MalformedReply(
+                f"update is {update.dtype}{list(update.shape)}, expected uint8[n]"
+            )
         if update.nbytes > self.run.max_update_bytes:
-            raise ValueError(
+            raise EnvelopeRejected(
                 f"update of {update.nbytes} bytes is over max-update-bytes "
                 f"{self.run.max_update_bytes}"
             )
         return update.tobytes()
 
-    def _facts(self, reply: protocol.Reply) -> UpdateFacts:
-        """What the sender's policy is checked against; for a sealed update, the
-        jurisdiction, suite and policy hash come from its authenticated envelope."""
-        metrics, info = reply.metrics, reply.info
-        return UpdateFacts(
-            region=reply.region,
-            sender_jurisdiction=info.get(protocol.JURISDICTION, ""),
-            policy_hash=info.get(protocol.POLICY_HASH, ""),
-            epsilon=metrics.get("epsilon"),
-            delta=metrics.get("delta"),
-            suite=info.get(protocol.SUITE, UNSEALED),
-            codec=codec_family(self.run.codec),
-            num_examples=int(metrics.get("num-examples", 0)),
-            max_grad_norm=metrics.get("max-grad-norm"),
-            secure_mode=bool(metrics["secure-mode"]) if "secure-mode" in metrics else None,
-        )
-
-    def _withhold(self, server_round: int, accepted: list[protocol.Reply]) -> list[str]:
+    def _withhold(self, server_round: int, accepted: list[_Accepted]) -> list[str]:
         """Why this round's aggregate must not be published; empty when it may be."""
         if not accepted:
             return ["no region's update was accepted"]
         if self.policies is None:
             return []
         decision = self.policies.check_aggregate(
-            {r.region: r.info.get(protocol.JURISDICTION, "") for r in accepted},
-            {r.region: int(r.metrics["num-examples"]) for r in accepted},
+            {a.region: a.header.jurisdiction for a in accepted},
+            {a.region: a.metrics.num_examples for a in accepted},
         )
         self._decided(server_round, decision)
         return list(decision.reasons)
-
-    def _unseal(self, reply: protocol.Reply, server_round: int) -> tuple[protocol.Reply, int]:
-        """Open a sealed update (refusing clear ones when sealing is on); also return
-        the bytes that crossed the relay for it."""
-        if reply.envelope is not None:
-            upload = len(reply.envelope)
-        else:
-            upload = sum(a.nbytes for a in (reply.arrays or {}).values())
-        if reply.status == protocol.TRAINED and self.keys is not None:
-            return replace(
-                reply, status="rejected", reason="unsealed update refused", arrays=None
-            ), upload
-        if reply.status == protocol.TRAINED:  # in the clear, whatever its info claims
-            return replace(reply, info={**reply.info, protocol.SUITE: UNSEALED}), upload
-        if reply.status != protocol.SEALED:
-            return reply, upload
-        if self.keys is None or reply.envelope is None:
-            return replace(reply, status="rejected", reason="sealed update, sealing is off"), upload
-        try:
-            opened = self.keys.open_update(
-                reply.envelope, run_id=self.run_id, server_round=server_round
-            )
-        except (InvalidEnvelope, EnvelopeRejected, ValueError) as err:
-            return replace(reply, status="rejected", reason=str(err)), upload
-        header = {
-            protocol.JURISDICTION: opened.sender.jurisdiction,
-            protocol.POLICY_HASH: opened.policy_hash,
-            protocol.SUITE: opened.suite,
-        }
-        return replace(
-            reply,
-            region=opened.sender.party,
-            status=protocol.TRAINED,
-            metrics=opened.metrics,
-            info={**opened.info, **header},
-            arrays=opened.arrays,
-            envelope=None,
-        ), upload
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        evaluated = []
-        for reply in self._read(replies):
-            if reply.status == protocol.EVALUATED:
-                evaluated.append(reply)
-                entry = {
-                    "status": reply.status,
-                    "loss": reply.metrics["eval-loss"],
-                    "perplexity": reply.metrics["perplexity"],
-                    "num_examples": int(reply.metrics["num-examples"]),
-                }
-            else:
-                entry = {"status": reply.status, "reason": reply.reason}
-                log(
-                    WARNING,
-                    "round %d: region %s did not evaluate: %s",
-                    server_round,
-                    reply.region,
-                    reply.reason,
-                )
-            self.recorder.record_eval(server_round, reply.region, entry)
-        if not evaluated:
-            self.recorder.save()
-            return None
-        total = sum(r.metrics["num-examples"] for r in evaluated)
-        loss = sum(r.metrics["eval-loss"] * r.metrics["num-examples"] for r in evaluated) / total
-        overall = {
-            "loss": loss,
-            "perplexity": float(np.exp(min(loss, 50.0))),
-            "num_examples": int(total),
-        }
-        self.recorder.record_eval(server_round, "overall", overall)
-        self.recorder.save()
-        for r in sorted(evaluated, key=lambda r: r.region):
-            log(
-                INFO,
-                "round %d: eval loss %-4s %.4f",
-                server_round,
-                r.region,
-                r.metrics["eval-loss"],
-            )
-        return MetricRecord({"eval-loss": loss, "num-examples": total})
 
     # -- the loop -----------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN, sig
         signer=signer_id,
     )
     reply = handler(Message(content, dst_node_id=2, message_type=kind), context)
-    return protocol.read_reply(reply, {})
+    return protocol.read_reply(reply)
 
 
 def test_region_trains_on_its_own_data_and_returns_a_delta(model, demo_root, tmp_path):

@@ -110,7 +110,8 @@ def test_failed_and_malformed_replies_are_rejected_alone(strategy):
     assert train["us"]["status"] == "rejected"
     assert "update has 5 entries, the adapter has 4" in train["us"]["reason"]
     assert train["node-14"] == {"status": "failed", "reason": "process died"}
-    assert train["node-15"]["status"] == "failed"
+    assert train["node-15"]["status"] == "rejected"
+    assert "MalformedReply" in train["node-15"]["reason"]
 
 
 def test_round_where_every_region_declines_leaves_the_model_unchanged(strategy):
@@ -206,12 +207,23 @@ def sealed_reply_from(
     policy_hash: str = "",
     suite: str = "xwing-aes256gcm",
     n: int = 4,
+    signed_round: int | None = None,
+    signed_run: int | None = None,
 ) -> RecordDict:
+    """A sealed reply as a region sends it; ``signed_*``: the run and round its reply
+    signature names, when they differ from its envelope's (a relayed old envelope)."""
     region = keypair.bundle.party
     payload = update_payload(
         protocol.update_arrays(encoded(value, n)),
-        metrics or {"num-examples": 10, "train-loss": 1.0},
-        {"region": region, "status": "trained", "data-fingerprint": "fp"},
+        metrics or {"num-examples": 10, "train-loss": 1.0, "steps": 1, "update-bytes": 16},
+        {
+            "region": region,
+            "status": "trained",
+            "reason": "",
+            "data-fingerprint": "fp",
+            "jurisdiction": "",
+            "policy-hash": policy_hash,
+        },
     )
     envelope = seal(
         payload,
@@ -223,7 +235,13 @@ def sealed_reply_from(
         policy_hash=bytes.fromhex(policy_hash),
         suite=suite,  # type: ignore[arg-type]
     )
-    return protocol.sealed_reply(region, envelope, keypair.bundle.key_id.hex())
+    content = protocol.sealed_reply(region, envelope, keypair.bundle.key_id.hex())
+    return protocol.sign_reply(
+        content,
+        keypair,
+        run_id=run_id if signed_run is None else signed_run,
+        server_round=server_round if signed_round is None else signed_round,
+    )
 
 
 def test_sealed_updates_are_opened_and_aggregated(sealed_strategy):
@@ -256,19 +274,25 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
     np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0)  # only eu's
     train = s.recorder.data["rounds"]["1"]["train"]
     assert train["eu"]["status"] == "trained"
-    assert train["cn"] == {
+    # signed for round 2: its reply signature does not verify in round 1, so nothing
+    # authenticates it as cn's and it is recorded under its node, its claim noted
+    assert train["node-13"] == {
         "status": "rejected",
-        "reason": "envelope is for round 2, this is round 1",
+        "reason": "InvalidEnvelope: invalid envelope",
+        "claimed_region": "cn",
     }
-    assert train["us"]["status"] == "rejected"
+    # tampered envelope in a reply us signed: us's reply, rejected
+    assert train["us"] == {"status": "rejected", "reason": "InvalidEnvelope: invalid envelope"}
+    # an unsigned update in the clear while sealing is on: nothing authenticates it
+    assert train["node-15"]["status"] == "rejected"
+    assert train["node-15"]["claimed_region"] == "us"
     duplicates = s.recorder.data["rounds"]["1"]["duplicates"]
     assert duplicates == [
         {
             "region": "eu",
             "status": "rejected",
-            "reason": "replay: a second envelope from eu in round 1",
+            "reason": "EnvelopeRejected: replay: a second envelope from eu in round 1",
         },
-        {"region": "us", "status": "rejected", "reason": "unsealed update refused"},
     ]
 
 
@@ -297,11 +321,27 @@ def test_global_adapter_is_signed_for_each_round(sealed_strategy):
 DP_METRICS = {
     "num-examples": 60,
     "train-loss": 1.0,
+    "steps": 5,
+    "update-bytes": 16,
     "epsilon": 7.9,
+    "epsilon-budget": 10.0,
     "delta": 1e-5,
+    "noise-multiplier": 1.1,
+    "sample-rate": 0.1,
     "max-grad-norm": 1.0,
-    "secure-mode": 0,
+    "secure-mode": 1,
 }
+NO_DP = dict.fromkeys(
+    (
+        "epsilon",
+        "epsilon-budget",
+        "delta",
+        "noise-multiplier",
+        "sample-rate",
+        "max-grad-norm",
+        "secure-mode",
+    )
+)
 
 
 @pytest.fixture
@@ -326,6 +366,8 @@ def from_region(
     n: int = 4,
     server_round: int = 1,
     run_id: int = 7,
+    signed_round: int | None = None,
+    signed_run: int | None = None,
     **changes,
 ) -> RecordDict:
     s, regions, folder = policed
@@ -339,6 +381,8 @@ def from_region(
         n=n,
         server_round=server_round,
         run_id=run_id,
+        signed_round=signed_round,
+        signed_run=signed_run,
     )
 
 
@@ -383,7 +427,7 @@ def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected
     [
         ({"delta": 1e-3}, "delta 0.001 > 1e-05 (privacy.max_delta)"),
         ({"max-grad-norm": 3.0}, "clipping norm 3 > 1 (privacy.max_clipping_norm)"),
-        ({"epsilon": None}, "no DP epsilon declared (privacy.dp_required)"),
+        (NO_DP, "no DP epsilon declared (privacy.dp_required)"),
     ],
 )
 def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, changes, rule):
@@ -421,7 +465,6 @@ def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(strate
     )
     clear = trained("eu", 1.0, 60)
     clear.config_records["info"]["jurisdiction"] = "EU"
-    clear.config_records["info"]["suite"] = "xwing-aes256gcm"  # a claim, not a seal
     arrays, _ = strategy.aggregate_train(1, [reply(11, clear)])
     assert arrays is None
     entry = strategy.recorder.data["rounds"]["1"]["train"]["eu"]
@@ -541,11 +584,11 @@ def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_pa
 HOSTILE = {
     "tampered ciphertext": (lambda p: tampered(from_region(p, "cn", 1.0)), "invalid envelope"),
     "replay from another round": (
-        lambda p: from_region(p, "cn", 1.0, server_round=2),
+        lambda p: from_region(p, "cn", 1.0, server_round=2, signed_round=1),
         "envelope is for round 2, this is round 1",
     ),
     "replay from another run": (
-        lambda p: from_region(p, "cn", 1.0, run_id=8),
+        lambda p: from_region(p, "cn", 1.0, run_id=8, signed_run=7),
         "envelope is for run 8",
     ),
     "NaN values": (lambda p: from_region(p, "cn", float("nan")), "NaN"),
@@ -554,7 +597,7 @@ HOSTILE = {
     "scaled by 100": (lambda p: from_region(p, "cn", 100.0), "over max-update-norm 50"),
     "oversized message": (lambda p: from_region(p, "cn", 1.0, n=300_000), "byte limit"),
     "implausible example count": (
-        lambda p: from_region(p, "cn", 1.0, **{"num-examples": 1e9}),  # type: ignore[arg-type]
+        lambda p: from_region(p, "cn", 1.0, **{"num-examples": 10**9}),
         "over max-examples",
     ),
 }

@@ -222,13 +222,15 @@ def open_envelope(
             f"envelope is for key {header.recipient.hex()}, not this aggregator's "
             f"{recipient.bundle.key_id.hex()}"
         )
-    keys = _keys(recipient.xwing.decapsulate(bytes(kem_ct)), header.suite)
     try:
+        # A malformed KEM share (an X25519 low-order point, say) fails inside
+        # decapsulation: one opaque answer for it too.
+        keys = _keys(recipient.xwing.decapsulate(bytes(kem_ct)), header.suite)
         if header.suite == "xwing-aes256gcm":
             payload = AESGCM(keys[:32]).decrypt(keys[32:], body, view[:header_end])
         else:
             payload = Fernet(base64.urlsafe_b64encode(keys)).decrypt(bytes(body))
-    except (InvalidTag, InvalidToken):
+    except (InvalidTag, InvalidToken, ValueError):
         raise InvalidEnvelope() from None
     return Opened(header, sender, payload)
 
