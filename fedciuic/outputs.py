@@ -2,13 +2,28 @@
 
 ``metrics.json`` is rewritten atomically after every round, so a crash leaves the
 last complete round on disk, never a half-written file.
+
+A run ends with one of these statuses (``run.status`` in metrics.json):
+
+* ``completed``: every round ran and at least one aggregate was published; the final
+  global adapter is saved in ``adapter/``.
+* ``no-aggregate``: every round ran but no aggregate was ever published (no region
+  trained, or every aggregate was withheld); the global adapter is the initial one
+  and is not saved. ``run.reasons`` says why, per region.
+* ``failed``: the run stopped on an error (``run.error``).
+* ``interrupted``: the run was stopped (a signal, or its process was killed) before
+  it ended; what it recorded up to then stays.
+* ``running``: still running, or its process died without a word (``fedciuic
+  simulate`` and ``start.sh`` mark such a run ``interrupted`` when they stop it).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +33,14 @@ METRICS_FILE = "metrics.json"
 ADAPTER_DIR = "adapter"
 SUMMARY_FILE = "summary.txt"
 
+RUNNING = "running"
+COMPLETED = "completed"
+NO_AGGREGATE = "no-aggregate"
+FAILED = "failed"
+INTERRUPTED = "interrupted"
+
+_saves = itertools.count()
+
 
 class RunRecorder:
     """Collects what happened in each round and writes it to ``directory``."""
@@ -26,9 +49,11 @@ class RunRecorder:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.data: dict[str, Any] = {
-            "run": {**run, "status": "running", "started": _now()},
+            "run": {**run, "status": RUNNING, "started": _now()},
             "rounds": {},
         }
+        # A signal handler may finish the run while the run's own thread saves it.
+        self._lock = threading.RLock()
         self.save()
 
     def _round(self, server_round: int) -> dict[str, Any]:
@@ -45,7 +70,12 @@ class RunRecorder:
             current["train"][region] = entry
 
     def record_eval(self, server_round: int, region: str, entry: dict[str, Any]) -> None:
-        self._round(server_round)["eval"][region] = entry
+        """Record a region's evaluation; a second one goes to ``duplicates``."""
+        current = self._round(server_round)
+        if region in current["eval"]:
+            current.setdefault("duplicates", []).append({"region": region, **entry})
+        else:
+            current["eval"][region] = entry
 
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
         self._round(server_round)["aggregate"] = entry
@@ -60,15 +90,86 @@ class RunRecorder:
         self._round(server_round).setdefault("decisions", []).append(decision)
 
     def finish(self, status: str, **extra: Any) -> None:
-        self.data["run"].update(status=status, finished=_now(), **extra)
-        self.save()
-        (self.directory / SUMMARY_FILE).write_text(summarize(self.data) + "\n", encoding="utf-8")
+        with self._lock:
+            self.data["run"].update(status=status, finished=_now(), **extra)
+            self.save()
+            _write_summary(self.directory, self.data)
+
+    def finish_unless_finished(self, status: str, **extra: Any) -> bool:
+        """Finish with ``status`` only if the run has not finished yet (an exit handler
+        that also runs after a normal end); True if it did."""
+        with self._lock:
+            if self.data["run"].get("status") != RUNNING:
+                return False
+            self.finish(status, **extra)
+            return True
 
     def save(self) -> None:
-        target = self.directory / METRICS_FILE
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, target)
+        with self._lock:
+            _write_json(self.directory / METRICS_FILE, self.data)
+
+
+def _write_json(target: Path, data: Mapping[str, Any]) -> None:
+    """Atomically: a temporary file of this writer's own, then a rename."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{next(_saves)}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def _write_summary(directory: Path, data: dict[str, Any]) -> None:
+    (directory / SUMMARY_FILE).write_text(summarize(data) + "\n", encoding="utf-8")
+
+
+def published_rounds(data: Mapping[str, Any]) -> list[int]:
+    """The rounds whose aggregate was published (the global adapter moved)."""
+    return sorted(
+        int(number)
+        for number, rnd in data.get("rounds", {}).items()
+        if isinstance(rnd, dict) and (rnd.get("aggregate") or {}).get("published") is True
+    )
+
+
+def no_aggregate_reasons(data: Mapping[str, Any]) -> list[str]:
+    """Why nothing was published, one line per region (its last status and reason in
+    each distinct form), then each withheld aggregate."""
+    rounds = data.get("rounds", {})
+    numbers = sorted(int(r) for r in rounds if int(r) > 0)
+    lines: list[str] = []
+    for region in data.get("run", {}).get("regions", []):
+        seen: dict[tuple[str, str], list[int]] = {}
+        for number in numbers:
+            entry = rounds[str(number)].get("train", {}).get(region)
+            if isinstance(entry, dict):
+                key = (str(entry.get("status", "?")), str(entry.get("reason") or ""))
+                seen.setdefault(key, []).append(number)
+        if not seen:
+            lines.append(f"{region}: no reply in any round")
+        for (status, reason), where in seen.items():
+            rounds_text = f"round{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
+            lines.append(f"{region}: {status} in {rounds_text}" + (f": {reason}" if reason else ""))
+    for number in numbers:
+        aggregate = rounds[str(number)].get("aggregate") or {}
+        if aggregate and not aggregate.get("published", True):
+            reasons = "; ".join(aggregate.get("reasons", [])) or "no reason recorded"
+            lines.append(f"aggregate withheld in round {number}: {reasons}")
+    return lines
+
+
+def mark_unfinished(run_dir: Path, reason: str) -> bool:
+    """Mark a run whose metrics.json still says ``running`` as ``interrupted`` (its
+    process is gone: a launcher stopped or lost it). True if it did."""
+    path = run_dir / METRICS_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    run = data.get("run") if isinstance(data, dict) else None
+    if not isinstance(run, dict) or run.get("status") != RUNNING:
+        return False
+    run.update(status=INTERRUPTED, finished=_now(), error=reason)
+    _write_json(path, data)
+    _write_summary(run_dir, data)
+    return True
 
 
 def _now() -> str:
@@ -165,6 +266,7 @@ def summarize(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> s
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
         lines.append(row.rstrip())
     lines += _policy_notes(data)
+    lines += outcome_lines(data)
     if run.get("adapter"):
         lines.append(f"adapter: {run['adapter']}")
     lines.append(f"metrics: {Path(run.get('output_dir', '.')) / METRICS_FILE}")
@@ -186,6 +288,8 @@ def _policy_notes(data: dict[str, Any]) -> list[str]:
                 else "OFF (enforce-policies = false: a lab baseline)"
             )
         )
+    if run.get("status") == NO_AGGREGATE:
+        return notes  # outcome_lines says why, per region
     seen = set()
     for number, rnd in sorted(data["rounds"].items(), key=lambda kv: int(kv[0])):
         aggregate = rnd.get("aggregate", {})
@@ -198,3 +302,32 @@ def _policy_notes(data: dict[str, Any]) -> list[str]:
                 seen.add(key)
                 notes.append(f"round {number}: {region} {entry['status']}: {entry['reason']}")
     return notes
+
+
+def outcome_lines(data: Mapping[str, Any]) -> list[str]:
+    """What a run that did not complete achieved, in words (nothing for a completed one)."""
+    run = data["run"]
+    status = run.get("status")
+    if status == NO_AGGREGATE:
+        total = run.get("config", {}).get("num-server-rounds", "?")
+        return [
+            f"NO AGGREGATE: none was published in {total} round(s), so nothing was trained: "
+            "the global adapter is still the initial one and was not saved. Why:",
+            *(f"  {line}" for line in run.get("reasons") or no_aggregate_reasons(data)),
+        ]
+    if status in (FAILED, INTERRUPTED):
+        rounds = data["rounds"]
+        ended = max((int(r) for r, v in rounds.items() if v.get("ended_at")), default=None)
+        begun = max((int(r) for r in rounds), default=None)
+        total = run.get("config", {}).get("num-server-rounds", "?")
+        where = (
+            "before round 0 ended"
+            if ended is None
+            else f"in round {begun} of {total}"
+            if begun is not None and begun > ended
+            else f"after round {ended} of {total}"
+        )
+        return [f"{status.upper()} {where}: {run.get('error') or 'no reason recorded'}"]
+    if status == RUNNING:
+        return ["RUNNING: the run has not finished (or its process died without a word)"]
+    return []
