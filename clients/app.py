@@ -110,6 +110,30 @@ class _Round:
             content = self._decline(err)
         return Message(content, reply_to=self.msg)
 
+    def witness_run_end(self) -> Message:
+        """Record the head of the aggregator's log after its ``run_end`` (checked against
+        its signature), sign our log, and answer with our own head, signed."""
+        try:
+            run, node = _configs(self.context)
+            notice = protocol.read_run_end(self.msg)
+            self.run_id = notice.federation_run or self.flower_run
+            self.audit = _audit(node)
+            if run.seal:
+                self.keys = _keys(run, node)
+                self.keys.check_run_end(
+                    notice.signature, notice.signer, self.flower_run, notice.witness
+                )
+                if self.audit is not None:
+                    self.audit.keypair = self.keys.keypair
+            if self.audit is not None:
+                self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
+                self.audit.checkpoint(run_id=self.run_id)
+            content = self._vouch(protocol.witnessed_reply(node.region))
+        except FedciuicError as err:
+            log(WARNING, "fedciuic: region cannot witness the run's end: %s", err)
+            content = protocol.decline_reply(_name(self.context), str(err))
+        return Message(content, reply_to=self.msg)
+
     def _vouch(self, content: RecordDict) -> RecordDict:
         """Carry the head of this region's latest signed audit checkpoint (the aggregator
         records it: truncating this log later shows) and, with sealing, sign the reply,
@@ -285,6 +309,12 @@ class _Round:
         )
         key_id = keys.keypair.bundle.key_id.hex()
         return protocol.sealed_reply(region, envelope, key_id)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """The aggregator's run-end notice: record its final audit head, answer with ours."""
+    return _Round(msg, context).witness_run_end()
 
 
 @app.train()

@@ -83,6 +83,19 @@ def sign_global(
     return keypair.sign(_global_message(run_id, server_round, arrays, witness))
 
 
+RUN_END_LABEL = b"fedciuic-run-end/1\x00"
+
+
+def _run_end_message(run_id: int, witness: tuple[int, str]) -> bytes:
+    """Label | run id (u64) | the aggregator's audit checkpoint count (u64) | head (32)."""
+    return RUN_END_LABEL + struct.pack(">QQ", run_id, witness[0]) + bytes.fromhex(witness[1])
+
+
+def sign_run_end(keypair: Keypair, run_id: int, witness: tuple[int, str]) -> bytes:
+    """The aggregator's signature over the head of its log once ``run_end`` is in it."""
+    return keypair.sign(_run_end_message(run_id, witness))
+
+
 REPLY_LABEL = b"fedciuic-reply/1\x00"
 
 
@@ -147,6 +160,18 @@ class RegionKeys:
                 f"region {self.keypair.bundle.party}: the global adapter of round "
                 f"{server_round} is not signed by the aggregator key "
                 f"{self.aggregator.key_id.hex()}; refusing to train on it"
+            )
+
+    def check_run_end(
+        self, signature: bytes, key_id: str, run_id: int, witness: tuple[int, str]
+    ) -> None:
+        """Refuse a run-end notice (the aggregator's final audit head) it did not sign."""
+        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
+            _run_end_message(run_id, witness), signature
+        ):
+            raise KeyFileError(
+                f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "
+                f"not signed by the aggregator key {self.aggregator.key_id.hex()}"
             )
 
     def seal_update(

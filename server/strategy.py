@@ -40,7 +40,13 @@ from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.outputs import RunRecorder
 from fedciuic.policy import Decision, UpdateFacts
-from fedciuic.sealing import AggregatorKeys, EnvelopeRejected, model_digest, sign_global
+from fedciuic.sealing import (
+    AggregatorKeys,
+    EnvelopeRejected,
+    model_digest,
+    sign_global,
+    sign_run_end,
+)
 
 REJECTED = "rejected"
 
@@ -648,6 +654,41 @@ class RegionalFedAvg(FedAvg):
         )
         self._decided(server_round, decision)
         return list(decision.reasons)
+
+    # -- the end of the run -------------------------------------------------------
+
+    def witness_run_end(self, grid: Grid, timeout: float) -> None:
+        """Once ``run_end`` is in the aggregator's log and signed: send each region that
+        head (signed), so that it records it, and record the head each one answers
+        with. Truncating any party's log back past the end of the run then shows in
+        the cross-check. Best effort: a region that does not answer is logged."""
+        if self.audit is None:
+            return
+        witness = self.audit.last_checkpoint()
+        if witness is None:
+            return
+        signature, signer = b"", ""
+        if self.keys is not None:
+            signature = sign_run_end(self.keys.keypair, self.run_id, witness)
+            signer = self.keys.keypair.bundle.key_id.hex()
+        notice = protocol.RunEndNotice(self.federation_run, witness, signature, signer)
+        nodes = sorted(grid.get_node_ids())
+        messages = self._construct_messages(
+            protocol.run_end_notice(notice), nodes, MessageType.QUERY
+        )
+        witnessed = []
+        for message in grid.send_and_receive(messages, timeout=timeout):
+            try:
+                reply = protocol.read_reply(message)
+                sender = self._authenticate(reply, 0)
+                if reply.status != protocol.WITNESSED or sender is None:
+                    raise protocol.MalformedReply(f"{reply.status} {reply.reason}".strip())
+                self._witnessed(None, sender, reply.witness)
+                witnessed.append(sender)
+            except Exception as err:  # the run has ended: note it, never fail it now
+                log(WARNING, "run end: a region's witness was not recorded (%s)", _reason(err))
+        self._note(None, "run_end_witnessed", regions=sorted(witnessed))
+        self._checkpoint(None)
 
     # -- the loop -----------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from fedciuic.train import EvalStats
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
+WITNESSED = "witnessed"  # a region's answer to the run-end notice
 ENVELOPE, UPDATE = "envelope", "update"
 JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
 #: Fields a region may add to any reply: its key id and signature over the reply (with
@@ -98,6 +99,14 @@ def _typed(config: Mapping[str, object], key: str, kind: type, default: object) 
     return value
 
 
+def _head(config: Mapping[str, object], what: str) -> tuple[int, str]:
+    """The aggregator's audit head that an instruction or notice carries."""
+    count, head = _typed(config, AUDIT_COUNT, int, None), _typed(config, AUDIT_HEAD, str, None)
+    if not 0 <= count < 2**63 or not re.fullmatch(r"[0-9a-f]{64}", head):
+        raise MalformedInstruction(f"malformed {what}: audit-count/audit-head")
+    return count, head
+
+
 def read_instruction(message: Message) -> Instruction:
     """The aggregator's instruction as typed values (it is untrusted until its
     signature is checked): :class:`MalformedInstruction` says what is wrong."""
@@ -111,10 +120,7 @@ def read_instruction(message: Message) -> Instruction:
         raise MalformedInstruction("malformed instruction: server-round or federation-run")
     witness = None
     if AUDIT_COUNT in config or AUDIT_HEAD in config:
-        count, head = _typed(config, AUDIT_COUNT, int, None), _typed(config, AUDIT_HEAD, str, None)
-        if not 0 <= count < 2**63 or not re.fullmatch(r"[0-9a-f]{64}", head):
-            raise MalformedInstruction("malformed instruction: audit-count/audit-head")
-        witness = (count, head)
+        witness = _head(config, "instruction")
     return Instruction(
         adapter=unpack_arrays(content.array_records[ARRAYS]),
         server_round=server_round,
@@ -123,6 +129,55 @@ def read_instruction(message: Message) -> Instruction:
         signer=_typed(config, "aggregator-key-id", str, ""),
         federation_run=federation_run,
         witness=witness,
+    )
+
+
+@dataclass(frozen=True)
+class RunEndNotice:
+    """After ``run_end``: the head of the aggregator's log, signed, for each region to
+    record (and answer with its own): the end of a run is witnessed like a round."""
+
+    federation_run: int
+    witness: tuple[int, str]
+    signature: bytes = b""
+    signer: str = ""
+
+
+def run_end_notice(notice: RunEndNotice) -> RecordDict:
+    count, head = notice.witness
+    return RecordDict(
+        {
+            CONFIG: ConfigRecord(
+                {
+                    "federation-run": notice.federation_run,
+                    AUDIT_COUNT: count,
+                    AUDIT_HEAD: head,
+                    "model-signature": notice.signature,
+                    "aggregator-key-id": notice.signer,
+                }
+            )
+        }
+    )
+
+
+def read_run_end(message: Message) -> RunEndNotice:
+    if CONFIG not in message.content.config_records:
+        raise MalformedInstruction("malformed run-end notice: no config record")
+    config = dict(message.content.config_records[CONFIG])
+    return RunEndNotice(
+        federation_run=_typed(config, "federation-run", int, 0),
+        witness=_head(config, "run-end notice"),
+        signature=_typed(config, "model-signature", bytes, b""),
+        signer=_typed(config, "aggregator-key-id", str, ""),
+    )
+
+
+def witnessed_reply(region: str) -> RecordDict:
+    return RecordDict(
+        {
+            METRICS: MetricRecord({}),
+            INFO: ConfigRecord({"region": region, "status": WITNESSED, "reason": ""}),
+        }
     )
 
 
@@ -235,6 +290,7 @@ INFO_KEYS: dict[str, frozenset[str]] = {
     SEALED: _BASE_INFO,
     EVALUATED: _BASE_INFO,
     DECLINED: _BASE_INFO,
+    WITNESSED: _BASE_INFO,
 }
 _MAX_COUNT = 2**53  # any count above this is not a count
 
