@@ -566,7 +566,9 @@ class RegionalFedAvg(FedAvg):
         if self.audit is not None:
             self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
 
-    def _witnessed(self, server_round: int, region: str, witness: protocol.Witness | None) -> None:
+    def _witnessed(
+        self, server_round: int | None, region: str, witness: protocol.Witness | None
+    ) -> None:
         """Record the head of the region's log that its signed reply carries, so that
         truncating that log later shows in the cross-check (docs/audit.md)."""
         if self.audit is not None and witness is not None:
