@@ -40,7 +40,17 @@ def _lab_policies(tmp_path_factory) -> None:
     POLICIES = lab_policies(tmp_path_factory.mktemp("policies"))
 
 
-def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN, signer=None):
+def call(
+    handler,
+    node_config,
+    run_overrides,
+    model,
+    kind=MessageType.TRAIN,
+    signer=None,
+    witness=None,
+    sent_witness=None,
+    config=None,
+):
     """Call a ClientApp handler as Flower would; unsealed unless the test seals, under
     the lab copy of its jurisdiction's policy unless the test names another."""
     run_config = {**app_config(), "local-steps": 2, "seal": False, **run_overrides}
@@ -52,7 +62,7 @@ def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN, sig
     adapter = model.adapter_state()
     signature, signer_id = b"", ""
     if signer is not None:
-        signature = sign_global(signer, 7, 1, adapter)
+        signature = sign_global(signer, 7, 1, adapter, witness)
         signer_id = signer.bundle.key_id.hex()
     content = protocol.instruction(
         protocol.pack_arrays(adapter),
@@ -61,7 +71,9 @@ def call(handler, node_config, run_overrides, model, kind=MessageType.TRAIN, sig
         config=ConfigRecord(),
         signature=signature,
         signer=signer_id,
+        witness=sent_witness or witness,
     )
+    content.config_records[protocol.CONFIG].update(config or {})
     reply = handler(Message(content, dst_node_id=2, message_type=kind), context)
     return protocol.read_reply(reply)
 
@@ -357,3 +369,95 @@ def test_a_corrupted_key_file_declines_sends_nothing_and_is_audited(
     declined = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
     assert "key_id: does not match" in declined[-1]["details"]["reason"]
     assert not (state / "privacy-ledger.jsonl").exists()
+
+
+# -- witnessing and signed replies --------------------------------------------------------
+
+HEAD = "cd" * 32
+
+
+def sealed_eval(model, node, keys_dir, **kwargs):
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    run = {"seal": True, "keys-dir": str(keys_dir)}
+    got = call(
+        client_app.evaluate, node, run, model, MessageType.EVALUATE, aggregator.keypair, **kwargs
+    )
+    return got, aggregator
+
+
+def test_the_region_records_the_aggregators_signed_head_and_signs_its_reply(
+    model, demo_root, tmp_path, keys_dir
+):
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
+    got, aggregator = sealed_eval(model, node, keys_dir, witness=(5, HEAD))
+    assert got.status == "evaluated"
+    sender = aggregator.reply_sender(
+        got.info[protocol.KEY_ID], got.signature, run_id=7, server_round=1, fields=got.signed
+    )
+    assert sender.party == "cn"
+    records = load_records(tmp_path / "audit.jsonl")
+    witnessed = [r["details"] for r in records if r["event"] == "witness"]
+    assert witnessed == [{"party": "aggregator", "count": 5, "head": HEAD}]
+    last = records[-1]
+    assert last["event"] == "checkpoint"
+    assert got.witness == protocol.Witness(last["details"]["count"], last["details"]["head"])
+
+
+def test_an_audit_head_the_aggregator_did_not_sign_is_refused(model, demo_root, tmp_path, keys_dir):
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
+    got, _ = sealed_eval(model, node, keys_dir, witness=(5, HEAD), sent_witness=(4, HEAD))
+    assert got.status == "declined" and "is not signed by the aggregator key" in got.reason
+    records = load_records(tmp_path / "audit.jsonl")
+    assert not [r for r in records if r["event"] == "witness"]
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"server-round": "1"}, "server-round"),
+        ({"server-round": True}, "server-round"),
+        ({"federation-run": 1.5}, "federation-run"),
+        ({"audit-count": 3}, "audit-head"),
+        ({"model-signature": "abc"}, "model-signature"),
+    ],
+)
+def test_a_malformed_instruction_is_declined_naming_the_field(
+    model, demo_root, tmp_path, config, field
+):
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(tmp_path)}
+    got = call(client_app.evaluate, node, {}, model, MessageType.EVALUATE, config=config)
+    assert got.status == "declined" and "malformed instruction" in got.reason
+    assert field in got.reason
+
+
+def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, tmp_path, keys_dir):
+    from fedciuic.sealing import sign_run_end
+
+    node = {"region": "eu", "data-path": str(demo_root / "eu"), "state-path": str(tmp_path)}
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    notice = protocol.RunEndNotice(
+        7,
+        (9, HEAD),
+        sign_run_end(aggregator.keypair, 7, (9, HEAD)),
+        aggregator.keypair.bundle.key_id.hex(),
+    )
+    run_config = {**app_config(), "seal": True, "keys-dir": str(keys_dir)}
+    node = {"policy": str(POLICIES / "eu.yaml"), **node}
+    context = Context(
+        run_id=7, node_id=2, node_config=node, state=RecordDict(), run_config=run_config
+    )
+    message = Message(protocol.run_end_notice(notice), dst_node_id=2, message_type="query")
+    got = protocol.read_reply(client_app.query(message, context))
+    assert got.status == protocol.WITNESSED
+    sender = aggregator.reply_sender(
+        got.info[protocol.KEY_ID], got.signature, run_id=7, server_round=0, fields=got.signed
+    )
+    assert sender.party == "eu"
+    records = load_records(tmp_path / "audit.jsonl")
+    assert records[-2]["event"] == "witness" and records[-2]["details"]["count"] == 9
+    assert records[-1]["event"] == "checkpoint"  # the witness is signed, not a dangling tail
+    assert verify(tmp_path / "audit.jsonl", load_bundle(keys_dir / "eu.pub.json")).ok
+    forged = protocol.RunEndNotice(7, (10, HEAD), notice.signature, notice.signer)
+    message = Message(protocol.run_end_notice(forged), dst_node_id=2, message_type="query")
+    refused = protocol.read_reply(client_app.query(message, context))
+    assert refused.status == "declined" and "not signed by the aggregator" in refused.reason
