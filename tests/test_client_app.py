@@ -433,7 +433,12 @@ def test_a_malformed_instruction_is_declined_naming_the_field(
 def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, tmp_path, keys_dir):
     from fedciuic.sealing import sign_run_end
 
-    node = {"region": "eu", "data-path": str(demo_root / "eu"), "state-path": str(tmp_path)}
+    node: dict[str, bool | float | int | str] = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path),
+        "policy": str(POLICIES / "eu.yaml"),
+    }
     aggregator = aggregator_keys(str(keys_dir), 2**28)
     notice = protocol.RunEndNotice(
         7,
@@ -442,7 +447,6 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, t
         aggregator.keypair.bundle.key_id.hex(),
     )
     run_config = {**app_config(), "seal": True, "keys-dir": str(keys_dir)}
-    node = {"policy": str(POLICIES / "eu.yaml"), **node}
     context = Context(
         run_id=7, node_id=2, node_config=node, state=RecordDict(), run_config=run_config
     )
