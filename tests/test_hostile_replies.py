@@ -420,3 +420,42 @@ def test_a_sealed_payload_from_update_payload_still_opens(policed):
     content = sealed_payload(policed, "cn", payload)
     s.aggregate_train(1, [reply(12, content)])
     assert s.recorder.data["rounds"]["1"]["train"]["cn"]["status"] == "trained"
+
+
+@pytest.mark.parametrize(
+    ("region", "policy"),
+    [("cn", b"\x01" * 16), ("cn", b"\x01" * 33), ("CN", b""), ("c n", b""), ("", b"")],
+)
+def test_an_authentic_envelope_with_a_malformed_header_is_an_invalid_envelope(
+    policed, region, policy
+):
+    """An opener checks the policy-hash length (0 or 32) and the region's charset, even
+    in an envelope whose signature verifies."""
+    s, regions, _ = policed
+    envelope = seal(
+        payload_with(),
+        sender=regions["cn"],
+        recipient=s.keys.keypair.bundle,
+        run_id=7,
+        server_round=1,
+        region=region,
+        policy_hash=policy,
+    )
+    with pytest.raises(InvalidEnvelope):
+        open_envelope(envelope, recipient=s.keys.keypair, senders=s.keys.regions)
+    with pytest.raises(InvalidEnvelope):  # and bytes after the signature
+        open_envelope(
+            bytes(
+                seal(
+                    payload_with(),
+                    sender=regions["cn"],
+                    recipient=s.keys.keypair.bundle,
+                    run_id=7,
+                    server_round=1,
+                    region="cn",
+                )
+            )
+            + b"\x00",
+            recipient=s.keys.keypair,
+            senders=s.keys.regions,
+        )

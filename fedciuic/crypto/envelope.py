@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from fedciuic.crypto.keys import Keypair, PublicBundle
+from fedciuic.crypto.keys import NAME_PATTERN, Keypair, PublicBundle
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.errors import FedciuicError
 
@@ -46,6 +47,7 @@ SUITES: dict[str, int] = {"xwing-aes256gcm": 1, "xwing-fernet": 2}
 SIG_SUITES: dict[str, int] = {"ed25519": 1, "ed25519+mldsa65": 2}
 SIGNED_LABEL = b"fedciuic-envelope-signature/1\x00"
 DEFAULT_MAX_SIZE = 1 << 30
+POLICY_HASH_SIZE = 32  # SHA-256; or no policy hash at all
 _FIXED = struct.Struct(">4sBBB16s16sQI")  # magic .. round
 
 
@@ -173,7 +175,13 @@ def parse_header(data: bytes | bytearray) -> tuple[Header, int]:
         policy_len = data[pos]
         policy = bytes(data[pos + 1 : pos + 1 + policy_len])
         pos += 1 + policy_len
-        if magic != MAGIC or version != VERSION or len(policy) != policy_len:
+        if (
+            magic != MAGIC
+            or version != VERSION
+            or policy_len not in (0, POLICY_HASH_SIZE)
+            or len(policy) != policy_len
+            or not re.fullmatch(NAME_PATTERN, region)
+        ):
             raise ValueError
         suite_name = {v: k for k, v in SUITES.items()}[suite]
         sig_name = {v: k for k, v in SIG_SUITES.items()}[sig]
