@@ -7,7 +7,7 @@ evaluates) and for the aggregator (each reply, then each aggregate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedciuic.config import NodeConfig, RunConfig
@@ -104,10 +104,18 @@ def enforce_region_policy(
     *,
     simulated: bool,
     aggregator_jurisdiction: str,
+    own_jurisdiction: str | None,
     projected_epsilon: float | None = None,
 ) -> tuple[LoadedPolicy, Decision] | None:
     """Load the region's policy and check the run against it; raise with every reason.
-    None only for a simulated lab baseline with enforce-policies off."""
+    None only for a simulated lab baseline with enforce-policies off.
+
+    ``own_jurisdiction`` is the jurisdiction in the region's own key (None without
+    sealing). A region obeys its own jurisdiction's policy, not one that happens to
+    allow the run: a mismatch declines before anything is trained or sent. Without a
+    key a simulated region is in :func:`simulated_jurisdiction`; a deployed region
+    without a key has only its node config's word for where it is.
+    """
     loaded = region_policy(run, node, simulated=simulated)
     if loaded is None:
         return None
@@ -118,9 +126,29 @@ def enforce_region_policy(
         projected_epsilon=projected_epsilon,
     )
     decision = check_run(node.region, loaded, terms)
+    mismatch = _jurisdiction_reason(node.region, loaded, own_jurisdiction, simulated=simulated)
+    if mismatch:
+        decision = replace(decision, outcome="decline", reasons=(mismatch, *decision.reasons))
     if not decision.accepted:
         raise PolicyRefusal(decision, loaded.path)
     return loaded, decision
+
+
+def _jurisdiction_reason(
+    region: str, loaded: LoadedPolicy, own: str | None, *, simulated: bool
+) -> str:
+    """Why this policy cannot bind this region ("" when it can)."""
+    source = "its key"
+    if own is None and simulated:
+        own, source = simulated_jurisdiction(region), "its simulated region name"
+    policy_jurisdiction = loaded.policy.jurisdiction
+    if own is None or own == policy_jurisdiction:
+        return ""
+    return (
+        f"{loaded.path} is the policy of {policy_jurisdiction}, but region {region} is in "
+        f"{own} ({source}): a region obeys its own jurisdiction's policy; give it the "
+        f"{own} policy (policy jurisdiction)"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Jurisdiction policies: one YAML per jurisdiction, validated once, checked at both ends.
 
 A policy says what may leave a region, under which guarantees, to where. It is a
-pydantic model (unknown fields are errors) loaded from YAML with every problem
-reported as ``file:line: field: message``. Its content hash is the SHA-256 of the
-canonical JSON of the validated model, so comments and layout do not change it.
+strict pydantic model (unknown fields are errors, a boolean is not a number, every
+bound is finite) loaded from strict YAML (no duplicate keys, tags, aliases or
+scalars that YAML 1.1 and 1.2 read differently: one meaning per file), with every
+problem reported as ``file:line: field: message``. Its content hash is the SHA-256
+of the canonical JSON of the validated model, so comments and layout do not change
+it and every process computes the same one.
 
 Checks are pure functions that return a :class:`Decision` with *every* reason,
 never just the first: the region checks a run before it trains, the aggregator
@@ -14,12 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import stat
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from fedciuic.errors import FedciuicError
 
@@ -95,11 +108,29 @@ class PolicyError(FedciuicError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Strict for every field, present and future: a boolean is not a number, a
+    quoted "8" is not a number, 2.5 is not a count, .inf and .nan are not bounds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _no_repeats(values: tuple[str, ...]) -> tuple[str, ...]:
+    repeated = sorted(v for v, n in Counter(values).items() if n > 1)
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} listed more than once; list each once")
+    return values
+
+
+#: Integers beyond 2**53 - 1 are not exact in JSON readers that use doubles.
+_MAX_INT = 2**53 - 1
+#: A list of distinct entries (a repeat means nothing, but would change the hash).
+_Distinct = AfterValidator(_no_repeats)
+#: A count that every JSON reader holds exactly.
+_Count = Annotated[int, Field(le=_MAX_INT)]
 
 
 class Transfers(_Section):
-    aggregator_jurisdictions: tuple[str, ...] = Field(min_length=1)
+    aggregator_jurisdictions: Annotated[tuple[str, ...], _Distinct] = Field(min_length=1)
     relay_in_third_country: bool
 
     @field_validator("aggregator_jurisdictions")
@@ -120,22 +151,24 @@ class Privacy(_Section):
 
 class Sealing(_Section):
     required: bool
-    allowed_suites: tuple[Literal["xwing-aes256gcm", "xwing-fernet"], ...] = Field(min_length=1)
-
-
-class Compression(_Section):
-    allowed_codecs: tuple[Literal["dense", "int8", "sign", "topk", "topk-int8"], ...] = Field(
-        min_length=1
+    allowed_suites: Annotated[tuple[Literal["xwing-aes256gcm", "xwing-fernet"], ...], _Distinct] = (
+        Field(min_length=1)
     )
 
 
+class Compression(_Section):
+    allowed_codecs: Annotated[
+        tuple[Literal["dense", "int8", "sign", "topk", "topk-int8"], ...], _Distinct
+    ] = Field(min_length=1)
+
+
 class Aggregation(_Section):
-    min_regions: int = Field(ge=1)
-    min_examples: int = Field(ge=0)
+    min_regions: _Count = Field(ge=1)
+    min_examples: _Count = Field(ge=0)
 
 
 class Audit(_Section):
-    retention_days: int = Field(ge=1)
+    retention_days: _Count = Field(ge=1)
     redact_paths: bool
 
 
@@ -144,13 +177,21 @@ class Policy(_Section):
 
     version: Literal[1]
     jurisdiction: str
-    laws: tuple[str, ...] = Field(min_length=1)
+    laws: Annotated[tuple[str, ...], _Distinct] = Field(min_length=1)
     transfers: Transfers
     privacy: Privacy
     sealing: Sealing
     compression: Compression
     aggregation: Aggregation
     audit: Audit
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _integer_one(cls, value: Any) -> Any:
+        # A Literal matches by equality, and True == 1.0 == 1: insist on the integer.
+        if type(value) is not int:
+            raise ValueError("version is the integer 1")
+        return value
 
     @field_validator("jurisdiction")
     @classmethod
@@ -160,7 +201,11 @@ class Policy(_Section):
 
     @property
     def content_hash(self) -> str:
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """SHA-256 of the canonical JSON of the validated policy (sorted keys, no
+        whitespace): the same in every process, whatever the file's layout."""
+        canonical = json.dumps(
+            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), allow_nan=False
+        )
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -174,6 +219,163 @@ def _check_known(values: tuple[str, ...]) -> None:
 
 # -- loading ------------------------------------------------------------------------------
 
+#: A policy is a few KB; anything this large is a mistake or an attack.
+MAX_POLICY_BYTES = 1024 * 1024
+#: A policy nests three levels deep; the bound keeps every parser away from recursion limits.
+MAX_POLICY_DEPTH = 32
+#: A policy holds about sixty values; the bound keeps parsing a large file cheap.
+MAX_POLICY_NODES = 10_000
+#: Problems reported per file; past this the rest are counted.
+_MAX_PROBLEMS = 50
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+# YAML 1.1 (PyYAML) and YAML 1.2 read some plain scalars differently (``NO`` is false
+# or a string, ``010`` is 8 or 10, ``1:30`` is 90 or a string): a policy may only use
+# the forms both read the same way, so that every reader finds one meaning.
+_PLAIN_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
+_PLAIN_FLOAT = re.compile(
+    r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+)
+_PLAIN_BOOL = frozenset({"true", "True", "TRUE", "false", "False", "FALSE"})
+# YAML 1.1 breaks lines at these, YAML 1.2 does not.
+_LINE_SEPARATORS = re.compile("[\x85\u2028\u2029]")
+# YAML 1.2 reads ``1e-5`` (no dot) as a number; YAML 1.1 as a string.
+_FLOAT_12 = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$")
+
+
+class _YamlProblem(Exception):
+    """One refusal of the strict loader, at a line and a place in the document."""
+
+    def __init__(self, line: int, where: str, message: str) -> None:
+        super().__init__(message)
+        self.line, self.where, self.message = line, where, message
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader restricted to plain YAML with one meaning.
+
+    Refused while composing (so nothing expands and nothing recurses past the
+    bound): explicit tags, anchors and aliases, nesting deeper than
+    :data:`MAX_POLICY_DEPTH`, more than :data:`MAX_POLICY_NODES` values.
+    Refused while constructing: duplicate and non-name keys (the last would
+    silently win), merge keys, and plain scalars that YAML 1.1 and 1.2 read
+    differently. Sequences become tuples, so the strict
+    model sees exactly what the file says.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self._path: list[str] = []
+        self._nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        line = event.start_mark.line + 1
+        if isinstance(index, yaml.ScalarNode):
+            self._path.append(str(index.value))
+        elif isinstance(index, int):
+            self._path.append(str(index))
+        else:
+            self._path.append("")  # a key, or the document itself
+        where = ".".join(p for p in self._path if p) or "(top level)"
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _YamlProblem(
+                line,
+                where,
+                "anchors (&name) and aliases (*name) are not allowed; write the value out in full",
+            )
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            raise _YamlProblem(
+                line,
+                where,
+                f"tag {tag.replace('tag:yaml.org,2002:', '!!')} is not allowed; a policy is "
+                "plain YAML: remove the tag",
+            )
+        self._nodes += 1
+        if self._nodes > MAX_POLICY_NODES:
+            raise _YamlProblem(
+                line,
+                where,
+                f"more than {MAX_POLICY_NODES} values; a policy holds about sixty: "
+                "use one of policies/ as a template",
+            )
+        if isinstance(event, yaml.CollectionStartEvent) and len(self._path) > MAX_POLICY_DEPTH:
+            raise _YamlProblem(
+                line,
+                where,
+                f"nested deeper than {MAX_POLICY_DEPTH} levels; a policy is a "
+                "mapping of sections, three levels deep",
+            )
+        node = super().compose_node(parent, index)
+        self._path.pop()
+        if node is None:  # PyYAML composes every scalar and collection event
+            raise _YamlProblem(line, where, "expected a value")
+        return node
+
+    def plain(self, node: yaml.Node, path: tuple[str, ...] = ()) -> Any:
+        """The Python value of a composed node: dicts, tuples, str, int, float, bool, None."""
+        where = ".".join(path) or "(top level)"
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, Any] = {}
+            lines: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                key_line = key_node.start_mark.line + 1
+                if key_node.tag == _MERGE_TAG:
+                    raise _YamlProblem(
+                        key_line, where, "merge keys (<<) are not allowed; write each field out"
+                    )
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _STR_TAG:
+                    raise _YamlProblem(
+                        key_line,
+                        where,
+                        "a key must be a field name such as privacy, not "
+                        f"{str(key_node.value)[:40]!r}",
+                    )
+                key = key_node.value
+                if key in lines:
+                    raise _YamlProblem(
+                        key_line,
+                        ".".join((*path, key)),
+                        f"duplicate key {key!r} (lines {lines[key]} and {key_line}); a policy "
+                        "says each thing once: keep one",
+                    )
+                lines[key] = key_line
+                out[key] = self.plain(value_node, (*path, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return tuple(self.plain(item, (*path, str(i))) for i, item in enumerate(node.value))
+        value = node.value
+        if node.tag == "tag:yaml.org,2002:int" and not _PLAIN_INT.fullmatch(value):
+            raise _YamlProblem(
+                line,
+                where,
+                f"{value!r} is read differently by YAML 1.1 and 1.2; write a "
+                "decimal integer such as 100, or quote it for text",
+            )
+        if node.tag == "tag:yaml.org,2002:float" and not _PLAIN_FLOAT.fullmatch(value):
+            raise _YamlProblem(
+                line,
+                where,
+                f"{value!r} is read differently by YAML 1.1 and 1.2; write a "
+                "number such as 8.0 or 1.0e-5, or quote it for text",
+            )
+        if node.tag == "tag:yaml.org,2002:bool" and value not in _PLAIN_BOOL:
+            raise _YamlProblem(
+                line,
+                where,
+                f"{value!r} is a boolean in YAML 1.1 and text in YAML 1.2; write "
+                f'true or false, or quote it for text ("{value}")',
+            )
+        if node.tag == "tag:yaml.org,2002:timestamp":
+            return value  # a string in YAML 1.2; no policy field is a date
+        return self.construct_object(node)
+
+
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+
 
 @dataclass(frozen=True)
 class LoadedPolicy:
@@ -185,43 +387,138 @@ class LoadedPolicy:
         return self.policy.content_hash
 
 
-def load_policy(path: Path) -> LoadedPolicy:
-    """Parse and validate a policy; every problem as ``file:line: field: message``."""
+def _read_text(path: Path) -> str:
+    """The file as text, bounded in size; bad bytes reported at their line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block or never end
+            raise PolicyError(f"{path}: not a regular file; a policy is a YAML file")
+        with path.open("rb") as file:
+            data = file.read(MAX_POLICY_BYTES + 1)
     except FileNotFoundError:
         raise PolicyError(
             f"{path}: no policy file here; copy one from policies/ and adapt it"
         ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise PolicyError(f"{path}: cannot read the policy ({err})") from None
+    except OSError as err:
+        raise PolicyError(f"{path}: cannot read the policy ({err.strerror or err})") from None
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(
+            f"{path}:1: (file): larger than {MAX_POLICY_BYTES // 1024} KiB; a policy is a few "
+            "KB of YAML: use one of policies/ as a template"
+        )
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise PolicyError(
+            f"{path}:{line}: (file): byte 0x{data[err.start]:02x} is not valid UTF-8; save the "
+            "policy as UTF-8 text"
+        ) from None
+    bad = yaml.reader.Reader.NON_PRINTABLE.search(text) or _LINE_SEPARATORS.search(text)
+    if bad is not None:
+        line = text.count("\n", 0, bad.start()) + 1
+        char = "a NUL byte" if bad.group() == "\0" else f"character U+{ord(bad.group()):04X}"
+        raise PolicyError(
+            f"{path}:{line}: (file): {char} is not allowed; a policy is plain text: remove it"
+        )
+    return text
+
+
+def _parse(path: Path, text: str) -> tuple[yaml.Node | None, Any]:
+    """The composed root node and its plain value, or a :class:`PolicyError`."""
+    loader = _StrictLoader(text)
+    try:
+        root = loader.get_single_node()
+        return root, None if root is None else loader.plain(root)
+    except _YamlProblem as err:
+        raise PolicyError(f"{path}:{err.line}: {err.where}: {err.message}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = f"{mark.line + 1}" if mark is not None else "1"
+        problem = ", ".join(str(part) for part in (err.context, err.problem) if part) or str(err)
+        raise PolicyError(f"{path}:{line}: YAML syntax error: {problem}; fix the syntax") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f"{mark.line + 1}" if mark is not None else "?"
-        problem = getattr(err, "problem", None) or str(err)
-        raise PolicyError(f"{path}:{line}: YAML syntax error: {problem}") from None
+        raise PolicyError(f"{path}:1: YAML syntax error: {err}") from None
+    finally:
+        loader.dispose()
+
+
+def load_policy(path: Path) -> LoadedPolicy:
+    """Parse and validate a policy; every problem as ``file:line: field: message``.
+
+    Fails closed with a :class:`PolicyError` and nothing else, whatever the file
+    holds: a policy that cannot be read binds nobody to anything, and a bug in a
+    parser must not become a traceback that stops a party.
+    """
+    try:
+        return _load(path)
+    except PolicyError:
+        raise
+    except Exception as err:
+        raise PolicyError(
+            f"{path}:1: (file): cannot load the policy ({type(err).__name__}: {err}); "
+            "compare it with one of policies/"
+        ) from None
+
+
+def _load(path: Path) -> LoadedPolicy:
+    root, data = _parse(path, _read_text(path))
     if data is None:
-        raise PolicyError(f"{path}:1: the policy file is empty")
+        raise PolicyError(f"{path}:1: the policy file is empty; start from one of policies/")
     if not isinstance(data, dict):
-        raise PolicyError(f"{path}:1: a policy is a mapping of sections, not {type(data).__name__}")
+        raise PolicyError(
+            f"{path}:1: a policy is a mapping of sections, not "
+            f"{type(data).__name__}; start from one of policies/"
+        )
     try:
         policy = Policy.model_validate(data)
     except ValidationError as err:
         problems = []
-        for item in err.errors():
+        errors = err.errors()
+        for item in errors[:_MAX_PROBLEMS]:
             loc = [str(p) for p in item["loc"]]
-            problems.append(f"{path}:{_line_of(root, loc)}: {'.'.join(loc)}: {item['msg']}")
+            problems.append(
+                f"{path}:{_line_of(root, loc)}: {'.'.join(loc) or '(top level)'}: " + _message(item)
+            )
+        if len(errors) > _MAX_PROBLEMS:
+            problems.append(f"{path}: ... and {len(errors) - _MAX_PROBLEMS} more problems")
         raise PolicyError(problems) from None
     return LoadedPolicy(policy, path)
+
+
+#: How to fix each kind of validation error, after pydantic's own message.
+_FIXES = {
+    "bool_type": "write true or false, unquoted",
+    "int_type": "write a whole number such as 2, unquoted",
+    "float_type": "write a number such as 8.0, unquoted",
+    "finite_number": "write a finite number (.inf, .nan and values beyond 1.8e308 are not bounds)",
+    "string_type": 'write text; quote values such as "NO" or "on"',
+    "missing": "add it (every section and field is required; see policies/)",
+    "extra_forbidden": "remove it, or fix its spelling",
+    "tuple_type": "write a list such as [a, b]",
+    "model_type": "write a mapping of its fields",
+}
+
+
+def _message(item: Any) -> str:
+    message = str(item["msg"])
+    value = item.get("input")
+    if item["type"] != "missing" and (value is None or isinstance(value, (bool, int, float, str))):
+        shown = json.dumps(value)
+        message += f", got {shown if len(shown) <= 40 else shown[:37] + '...'}"
+    fix = _FIXES.get(str(item["type"]))
+    if fix is None and str(item["type"]).startswith(("greater", "less")):
+        fix = "change the value"
+    return f"{message}: {fix}" if fix else message
 
 
 def _line_of(node: Any, loc: list[str]) -> int:
     """The 1-based line of the deepest YAML node on ``loc`` (the key itself if present)."""
     line = node.start_mark.line + 1 if node is not None else 1
     for part in loc:
+        if isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+            line = node.start_mark.line + 1
+            continue
         if not isinstance(node, yaml.MappingNode):
             break
         for key, value in node.value:
@@ -264,25 +561,36 @@ class PolicySet:
 
 
 def load_policies(directory: Path) -> PolicySet:
-    """Every ``*.yaml`` policy of a folder, by jurisdiction; unreadable files are listed."""
-    if not directory.is_dir():
+    """Every ``*.yaml`` policy of a folder, by jurisdiction; every problem is listed.
+
+    A bad file does not stop the others from loading: the caller decides whether
+    the problems refuse the run (``fedciuic simulate``) or only the regions whose
+    policy is missing (the aggregator).
+    """
+    try:
+        paths = sorted(directory.glob("*.yaml")) if directory.is_dir() else None
+    except OSError as err:
+        raise PolicyError(f"{directory}: cannot list the policies ({err})") from None
+    if paths is None:
         raise PolicyError(f"{directory}: no such folder of policies")
     found: dict[str, LoadedPolicy] = {}
+    doubled: dict[str, list[Path]] = {}
     problems: list[str] = []
-    for path in sorted(directory.glob("*.yaml")):
+    for path in paths:
         try:
             loaded = load_policy(path)
         except PolicyError as err:
-            problems.append(str(err))
+            problems.extend(err.problems)
             continue
         jurisdiction = loaded.policy.jurisdiction
-        if jurisdiction in found:
-            # Two policies for one jurisdiction: neither is trusted.
+        if jurisdiction in found or jurisdiction in doubled:
+            # Two policies for one jurisdiction: neither (nor a third) is trusted.
+            first = found.pop(jurisdiction, None)
+            doubled.setdefault(jurisdiction, [first.path] if first else []).append(path)
             problems.append(
-                f"{path}: a second policy for {jurisdiction} (also {found[jurisdiction].path}); "
-                "keep one"
+                f"{path}: a second policy for {jurisdiction} (also "
+                f"{', '.join(str(p) for p in doubled[jurisdiction][:-1])}); keep one"
             )
-            del found[jurisdiction]
             continue
         found[jurisdiction] = loaded
     return PolicySet(directory, found, tuple(problems))

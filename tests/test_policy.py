@@ -126,7 +126,7 @@ GOOD = RunTerms(
     epsilon_budget=8.0,
     delta=1e-5,
     max_grad_norm=1.0,
-    secure_mode=False,
+    secure_mode=True,
     seal=True,
     seal_suite="xwing-aes256gcm",
     codec="topk-int8",
@@ -180,7 +180,8 @@ def test_secure_rng_required(eu):
         ),
         eu.path,
     )
-    assert "privacy.secure_rng_required" in check_run("eu", strict, GOOD).reasons[0]
+    insecure = replace(GOOD, secure_mode=False)
+    assert "privacy.secure_rng_required" in check_run("eu", strict, insecure).reasons[0]
     assert check_run("eu", strict, replace(GOOD, secure_mode=True)).accepted
 
 
@@ -193,6 +194,7 @@ FACTS = UpdateFacts(
     suite="xwing-aes256gcm",
     codec="topk-int8",
     num_examples=500,
+    secure_mode=True,
 )
 
 UPDATE_RULES = [
