@@ -2,13 +2,21 @@
 
 Errors meant for the user print one line, ``fedciuic: error: <where>: <what>; <fix>``,
 and exit with status 2; there is no traceback for bad input.
+
+``fedciuic simulate`` exits with :data:`EXIT_OK` (0) when the run completed and every
+audit log verified, :data:`EXIT_AUDIT` (1) when a log failed verification,
+:data:`EXIT_ERROR` (2) on bad input or a failed run, :data:`EXIT_NO_AGGREGATE` (3)
+when every round ran but no aggregate was ever published (nothing trained; no adapter
+is saved), and 130 (SIGINT) or 143 (SIGTERM) when it was interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -19,6 +27,11 @@ from typing import Any
 from fedciuic import __version__
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError, FedciuicError, FederationError
+
+EXIT_OK = 0
+EXIT_AUDIT = 1
+EXIT_ERROR = 2
+EXIT_NO_AGGREGATE = 3
 
 EXAMPLES = """\
 examples:
@@ -33,6 +46,25 @@ examples:
   fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh
 """
 
+SIMULATE_EXIT = """\
+exit status:
+  0  the run completed and every party's audit log verified
+  1  an audit log failed verification
+  2  bad input, or the run failed
+  3  every round ran but no aggregate was ever published (no region trained, or every
+     aggregate was withheld): nothing was trained and no adapter was saved; the summary
+     says why, per region
+  130, 143  interrupted (SIGINT, SIGTERM); the run is marked "interrupted"
+"""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that every process we started is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
@@ -42,9 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FedciuicError as err:
         print(f"fedciuic: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
         print("fedciuic: interrupted", file=sys.stderr)
-        return 130
+        return 128 + int(signum)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the local simulation (one simulated SuperNode per region)",
         description="Start a simulation SuperLink on a free port, `flwr run` the app with one "
         "SuperNode per region, print the summary and stop every process it started.",
-        epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs",
+        epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs\n\n" + SIMULATE_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim.add_argument(
@@ -76,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--data-root",
         type=Path,
-        help="folder with one sub-folder of data per region (their privacy ledgers live "
-        "in DATA_ROOT/<region>/.fedciuic/); default: fresh demo corpora for this "
-        "invocation, under OUTPUT_DIR/.flower/",
+        help="folder with one sub-folder of data per region (their privacy ledgers, audit "
+        "logs and keys live in DATA_ROOT/<region>/.fedciuic/ and carry on from run to run); "
+        "default: fresh demo corpora for this invocation, under OUTPUT_DIR/.flower/",
     )
     sim.add_argument(
         "--compare-no-dp",
@@ -199,6 +232,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("directory", type=Path)
     demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
+
+    def _ledger_rebuild(args: argparse.Namespace) -> int:
+        from fedciuic.privacy import rebuild_ledger_command
+
+        return rebuild_ledger_command(args.state_path)
+
+    ledger_sub = _group(
+        sub,
+        "ledger",
+        "repair a region's privacy ledger",
+        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
+    )
+    rebuild = _command(
+        ledger_sub,
+        "rebuild",
+        _ledger_rebuild,
+        "rebuild a rolled-back privacy ledger from the region's audit log, keeping every release",
+        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
+        description="Rebuild STATE/privacy-ledger.jsonl from the ledger lines that the region's "
+        "audit log (STATE/audit.jsonl) witnessed, plus later releases the file still holds; "
+        "the result must match every witnessed chain head. The replaced file is kept next to "
+        "it as evidence (docs/privacy.md).",
+    )
+    rebuild.add_argument("--state-path", type=Path, required=True, metavar="STATE")
 
     ckpt = _command(
         sub,
@@ -322,6 +379,10 @@ def _parser() -> argparse.ArgumentParser:
         _audit_verify,
         "check a log's hash chain and signed checkpoints (exit 1 unless OK)",
         "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
+        "Check every record's hash and chain and every checkpoint's signature; print OK or "
+        "the first bad record. Exit status: 0 OK; 1 the log fails (a bad record, a torn "
+        "tail, or records after the last checkpoint); 2 an error (the log or the key "
+        "cannot be read).",
     )
     verify.add_argument("log", type=Path, metavar="LOG")
     verify.add_argument("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json")
@@ -344,6 +405,11 @@ def _parser() -> argparse.ArgumentParser:
         "write a run's compliance report (Markdown and HTML) from the logs",
         "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
         "--keys keys/ --out reports/",
+        "Verify each log (with --keys), cross-check them (transfers, run config, witnessed "
+        "checkpoints) and write the run's compliance report. Exit status: 0 the logs agree "
+        "and every log verified (or, without --keys, none was checked); 1 a log fails "
+        "verification; 2 an error (a log or key unreadable, no such run); 3 the logs "
+        "disagree.",
     )
     report.add_argument("logs", type=Path, nargs="+", metavar="LOG")
     report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
@@ -363,7 +429,9 @@ def _parser() -> argparse.ArgumentParser:
         "uploaded per round and every decision of the run (accepted, declined, rejected, "
         "withheld, with reasons) from the audit logs, then the compliance record. The "
         "plots are also written to RUN_DIR/report/*.png with their numbers in series.json. "
-        "Exit 1 if an audit log fails verification.",
+        "Exit 1 if an audit log fails verification. A run that did not end (running, "
+        "interrupted, failed) is reported from what its logs hold, with records no "
+        "signature covers yet listed as unverified.",
     )
     page.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)")
     page.add_argument(
@@ -453,9 +521,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.demo_data import write_demo_corpora
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model import ModelSpec, check_model_spec
-    from fedciuic.outputs import summarize
+    from fedciuic.outputs import COMPLETED, NO_AGGREGATE, summarize
     from fedciuic.progress import RunProgress
-    from fedciuic.sealing import aggregator_keys, generate_federation_keys
+    from fedciuic.sealing import aggregator_keys
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -483,28 +551,30 @@ def _simulate(args: argparse.Namespace) -> int:
         aggregator_keys(run.keys_dir, run.max_update_bytes)
     if run.enforce_policies:
         _check_policies(run)
+    data_root = None
+    if args.data_root is not None:
+        data_root = args.data_root.resolve()
+        _check_data_root(data_root, run.regions)
     output_dir.mkdir(parents=True, exist_ok=True)
     workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
-    if args.data_root is None:
+    if data_root is None:
         # Fresh demo datasets each time, so each demo starts with fresh privacy ledgers.
         data_root = workdir / "demo-data"
         write_demo_corpora(data_root, run.regions)
-    else:
-        data_root = args.data_root.resolve()
     overrides["data-root"] = str(data_root)
     if run.seal and not run.keys_dir:
-        overrides["keys-dir"] = str(
-            generate_federation_keys(workdir / "keys", run.regions, run.aggregator_jurisdiction)
-        )
-        # Fresh keys are a fresh aggregator: its audit log starts with them.
+        overrides["keys-dir"] = str(_simulation_keys(workdir / "keys", data_root, run))
+        # A fresh aggregator key is a fresh aggregator: its audit log starts with it.
         if not run.audit_dir:
             overrides["audit-dir"] = str(workdir / "audit")
     variants = [overrides]
     if args.compare_no_dp and run.dp:
         variants.append({**overrides, "dp": False, "enforce-policies": False})
 
-    run_ids = []
-    with LocalFederation(workdir, app) as federation:
+    run_ids: list[int] = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    federation = LocalFederation(workdir, app)
+    try:
         federation.start_superlink(simulation=True)
         for number, variant in enumerate(variants):
             label = "" if number == 0 else "baseline without DP"
@@ -528,15 +598,114 @@ def _simulate(args: argparse.Namespace) -> int:
                 if progress is not None:
                     progress.finish()
             run_ids.append(run_id)
+    finally:
+        # Every process we started, Ray's workers included, is gone before we go on;
+        # a run whose ServerApp did not end it is then marked interrupted.
+        left = federation.stop()
+        signal.signal(signal.SIGTERM, previous)
+        for unfinished in _settle_runs(federation, output_dir):
+            print(f"fedciuic: run {unfinished} did not end; marked interrupted", file=sys.stderr)
+        if left:
+            print(
+                "fedciuic: warning: these processes of the simulation would not stop: "
+                + ", ".join(f"{p.pid}" for p in left),
+                file=sys.stderr,
+            )
     results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
     print()
     print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
     for data in results:
-        if data["run"]["status"] != "completed":
+        if data["run"]["status"] not in (COMPLETED, NO_AGGREGATE):
             raise FederationError(
                 f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
             )
-    return _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
+    code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
+    if results[0]["run"]["status"] == NO_AGGREGATE:
+        print(
+            f"fedciuic: run {run_ids[0]} published no aggregate: nothing was trained "
+            f"(exit {EXIT_NO_AGGREGATE}; see the reasons above)",
+            file=sys.stderr,
+        )
+        return code or EXIT_NO_AGGREGATE
+    return code
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
+    """Runs this federation started (``flwr run`` printed their id) whose metrics.json
+    still says running once every process is gone: mark them interrupted."""
+    from fedciuic.flower.launch import STARTED_RUN
+    from fedciuic.outputs import mark_unfinished
+
+    marked = []
+    for log in sorted(federation.logs.glob("flwr-run-*.log")):
+        match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
+        if match and mark_unfinished(
+            output_dir / f"run-{match.group(1)}",
+            "its ServerApp ended without finishing the run (stopped or killed); "
+            "fedciuic simulate stopped the simulation",
+        ):
+            marked.append(int(match.group(1)))
+    return marked
+
+
+def _check_data_root(data_root: Path, regions: Sequence[str]) -> None:
+    """--data-root must be a folder holding at least one region's folder; a region
+    without one declines (and the others train), which is said before anything starts."""
+    fix = "each region reads --data-root/REGION (e.g. `fedciuic demo-data DIR` writes them)"
+    if not data_root.is_dir():
+        what = "is not a folder" if data_root.exists() else "no such folder"
+        raise ConfigError([f"--data-root: {data_root}: {what}; {fix}"])
+    missing = [r for r in regions if not (data_root / r).is_dir()]
+    if len(missing) == len(regions):
+        raise ConfigError(
+            [
+                f"--data-root: {data_root} has no folder for any region "
+                f"({', '.join(str(data_root / r) for r in regions)}); {fix}"
+            ]
+        )
+    for region in missing:
+        print(
+            f"fedciuic: warning: --data-root: no folder {data_root / region}: region "
+            f"{region} will decline",
+            file=sys.stderr,
+        )
+
+
+def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
+    """The keys-dir of a simulation: a fresh aggregator key for this invocation, and each
+    region's key, kept with its state (DATA_ROOT/REGION/.fedciuic/keys/) like its ledger
+    and audit log: made on the region's first run, re-used on every later one, so that
+    its audit log, which outlives runs, stays signed by one key."""
+    from fedciuic.compliance import simulated_jurisdiction
+    from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
+    from fedciuic.sealing import AGGREGATOR
+
+    write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)
+    for region in run.regions:
+        jurisdiction = simulated_jurisdiction(region)
+        if not (data_root / region).is_dir():
+            # It will decline; its state folder is not made for it (nor its data folder).
+            write_keys(Keypair.generate(region, jurisdiction), keys)
+            continue
+        kept = data_root / region / ".fedciuic" / "keys"
+        private = kept / f"{region}.key.json"
+        if not private.exists():
+            # (another simulation on this data root may make it just now: then use that)
+            with contextlib.suppress(KeyFileError):
+                write_keys(Keypair.generate(region, jurisdiction), kept)
+        keypair = load_keypair(private)
+        held = (keypair.bundle.party, keypair.bundle.jurisdiction)
+        if held != (region, jurisdiction):
+            raise KeyFileError(
+                f"--data-root:{private}: the key of {held[0]} ({held[1]}), not of region "
+                f"{region} ({jurisdiction}); move it away or use another --data-root"
+            )
+        write_keys(keypair, keys)  # the run's keys-dir, where a simulated region looks
+    return keys
 
 
 def _audit_after_simulation(run_dir: Path) -> int:
@@ -551,7 +720,7 @@ def _audit_after_simulation(run_dir: Path) -> int:
     lines.append(f"compliance report: {md} (and .html)")
     lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
     print("\n".join(lines))
-    return 1 if report.problems else 0
+    return EXIT_AUDIT if report.problems else EXIT_OK
 
 
 def _check_policies(run: RunConfig) -> None:
@@ -724,11 +893,11 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_report(args: argparse.Namespace) -> int:
-    from fedciuic.audit_report import verify_and_report
+    from fedciuic.audit_report import check_and_report
 
-    ok, lines = verify_and_report(args.logs, args.keys, args.out, args.run)
-    print("\n".join(lines))
-    return 0 if ok else 1
+    outcome = check_and_report(args.logs, args.keys, args.out, args.run)
+    print("\n".join(outcome.lines))
+    return outcome.exit_code
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -739,11 +908,22 @@ def _report(args: argparse.Namespace) -> int:
     )
     print(f"report: {report.html}")
     print(f"plots: {', '.join(str(p) for p in report.plots.values())}")
+    for note in report.notes:
+        print(f"note: {note}")
     if report.verified is None:
         print("audit logs: not verified (no public keys; pass --keys DIR)")
-    for problem in report.problems:
-        print(f"audit: {problem}", file=sys.stderr)
-    return 1 if report.problems else 0
+    # The same verdict lines as `fedciuic simulate` (start.sh ends with them).
+    for log in report.logs:
+        if log.verdict is None:
+            continue
+        verdict = log.verdict.explain()
+        if log.verdict.ok:
+            print(f"audit: {verdict}")
+        elif verdict in report.problems:
+            print(f"audit: {verdict}", file=sys.stderr)
+        else:  # the run did not end: its writer stopped before signing its last records
+            print(f"audit: (the run did not end; its tail is unverified) {verdict}")
+    return EXIT_AUDIT if report.problems else EXIT_OK
 
 
 if __name__ == "__main__":

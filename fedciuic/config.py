@@ -12,12 +12,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fedciuic.errors import ConfigError
 from fedciuic.policy import JURISDICTIONS
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+REPRODUCIBLE_NOISE_WARNING = (
+    "fedciuic: INSECURE: insecure-reproducible-noise = true: DP noise and Poisson sampling "
+    "are derived from the run config's seed, which the aggregator chooses: it can predict "
+    "and subtract the noise, so these updates have NO differential privacy against it. "
+    "For tests only; every shipped policy refuses it."
+)
 
 
 def _kebab(name: str) -> str:
@@ -89,7 +95,12 @@ class RunConfig(_Strict):
     target_delta: float = Field(default=1e-5, gt=0, lt=1)
     epsilon_budget: float = Field(default=8.0, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    secure_mode: bool = False
+    #: Opacus' secure noise (each draw a sum of Gaussians) from an unpredictable generator.
+    secure_mode: bool = True
+    #: Tests only: noise and Poisson sampling derived from ``seed``, which the aggregator
+    #: chooses, so it can predict and remove the noise. Needs secure-mode = false;
+    #: every shipped policy refuses it (privacy.secure_rng_required).
+    insecure_reproducible_noise: bool = False
     dp_accountant: Literal["prv", "rdp"] = "prv"
     dp_mode: Literal["hooks", "ghost"] = "hooks"
     # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
@@ -119,6 +130,32 @@ class RunConfig(_Strict):
     audit_dir: str = ""
     #: A run folder (output-dir/run-<id>) to resume from its last checkpoint.
     resume_from: str = ""
+
+    @field_validator("insecure_reproducible_noise")
+    @classmethod
+    def _check_noise(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("secure_mode", True):
+            raise ValueError(
+                "true needs secure-mode = false: reproducible noise is predictable by "
+                "whoever knows the run's seed (tests only)"
+            )
+        return value
+
+    @property
+    def noise_warning(self) -> str | None:
+        """What a process says at start about where DP noise comes from (None: secure)."""
+        if not self.dp:
+            return None
+        if self.insecure_reproducible_noise:
+            return REPRODUCIBLE_NOISE_WARNING
+        if not self.secure_mode:
+            return (
+                "fedciuic: secure-mode is OFF: DP noise and Poisson sampling come from "
+                "generators seeded by the operating system, but without Opacus' secure "
+                "noise (protection against floating-point attacks); set secure-mode = true "
+                "for production runs."
+            )
+        return None
 
     @field_validator("regions", mode="before")
     @classmethod

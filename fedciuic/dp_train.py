@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -21,13 +22,15 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic._opacus_logging import undo_opacus_basic_config
+from fedciuic.config import REPRODUCIBLE_NOISE_WARNING
 from fedciuic.model import AdapterModel
+from fedciuic.privacy import PrivacyError
 from fedciuic.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
 
 undo_opacus_basic_config()
 GradSampleMode = Literal["hooks", "ghost"]
 log = logging.getLogger(__name__)
-_warned_insecure = False
+_warned: set[str] = set()
 
 
 def _linear_norm_sample_any_rank(
@@ -51,47 +54,70 @@ def _linear_norm_sample_any_rank(
 GradSampleModuleFastGradientClipping.NORM_SAMPLERS[torch.nn.Linear] = _linear_norm_sample_any_rank
 
 
-def secure_generator() -> tuple[torch.Generator, str]:
-    """A generator for noise and sampling that nobody can replay, and what it is.
+def parameter_device(params: Iterable[torch.Tensor]) -> torch.device:
+    """The one device that holds every trainable parameter (where noise must be drawn).
+
+    Opacus draws each parameter's noise with one generator, on that parameter's
+    device; a generator on another device fails on the first step (a CPU generator
+    for CUDA parameters), so the trainable parameters must share one device.
+    """
+    devices = {p.device for p in params}
+    if not devices:
+        raise PrivacyError("DP-SGD: the model has no trainable parameters")
+    if len(devices) > 1:
+        raise PrivacyError(
+            "DP-SGD: the trainable parameters are spread over "
+            f"{', '.join(sorted(str(d) for d in devices))}; the adapters must sit on one "
+            "device so that their noise comes from one generator on it"
+        )
+    return devices.pop()
+
+
+def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generator, str]:
+    """A generator on ``device`` that nobody can replay, and what it is.
 
     Opacus' secure mode expects ``torchcsprng``, which has no build for current
-    PyTorch releases. Without it we seed PyTorch's generator with 64 bits from the
-    operating system's CSPRNG (``os.urandom``): unpredictable, but not itself a
-    CSPRNG. ``docs/privacy.md`` states this limit.
+    PyTorch releases (and only makes CPU generators). Otherwise we seed PyTorch's
+    generator for ``device`` with 64 bits from the operating system's CSPRNG
+    (``os.urandom``): unpredictable, but not itself a CSPRNG. ``docs/privacy.md``
+    states this limit.
     """
-    try:
-        import torchcsprng
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            import torchcsprng
 
-        gen: torch.Generator = torchcsprng.create_random_device_generator("/dev/urandom")
-        return gen, "torchcsprng"
-    except ImportError:
-        gen = torch.Generator()
-        gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
-        return gen, "torch generator seeded from os.urandom"
+            gen: torch.Generator = torchcsprng.create_random_device_generator("/dev/urandom")
+            return gen, "torchcsprng"
+        except ImportError:
+            pass
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return gen, f"torch generator on {device} seeded from os.urandom"
 
 
-def warn_insecure_once() -> None:
-    """Say once per process, loudly, that noise comes from a seeded PRNG."""
-    global _warned_insecure
-    if not _warned_insecure:
-        _warned_insecure = True
-        log.warning(
-            "fedciuic: secure-mode is OFF: DP noise and Poisson sampling use a seeded "
-            "pseudo-random generator. Fine for experiments; set secure-mode = true for "
-            "production runs."
-        )
+def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A reproducible generator on ``device`` (insecure-reproducible-noise, tests only)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def warn_once(message: str) -> None:
+    """Say ``message`` once per process, loudly (where the DP noise comes from)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 class _Engine(PrivacyEngine):  # type: ignore[misc]
-    """Opacus' engine with fedciuic's secure generator; accounting happens in the ledger."""
+    """Opacus' engine; fedciuic hands it its own generators, and accounting happens in
+    the ledger. Opacus' own secure mode would use one CPU generator for both sampling
+    and noise, so the engine stays in plain mode and the trainer sets the optimizer's
+    ``secure_mode`` (noise as a sum of Gaussians) itself."""
 
-    def __init__(self, secure_mode: bool) -> None:
+    def __init__(self) -> None:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # we say it once ourselves
+            warnings.simplefilter("ignore")  # we say it ourselves
             super().__init__(accountant="prv", secure_mode=False)
-        if secure_mode:
-            self.secure_mode = True
-            self.secure_rng, _ = secure_generator()
 
 
 class PrivateTrainer:
@@ -107,17 +133,31 @@ class PrivateTrainer:
         noise_multiplier: float,
         max_grad_norm: float,
         mode: GradSampleMode = "hooks",
-        secure_mode: bool = False,
-        seed: int = 0,
+        secure_mode: bool = True,
+        seed: int | None = None,
         optimizer: Optimizer = "adamw",
     ) -> None:
+        """``seed`` makes noise and sampling reproducible, and predictable to whoever
+        knows it: only for tests (run config ``insecure-reproducible-noise``), and
+        ignored in ``secure_mode``. Without it both generators are seeded from the
+        operating system, so no other party can predict or replay the noise."""
         self.model = model
         self.mode = mode
         self.blocks = blocks
-        engine = _Engine(secure_mode)
-        if not secure_mode:
-            warn_insecure_once()
-        noise_gen = None if secure_mode else torch.Generator().manual_seed(seed)
+        engine = _Engine()
+        device = parameter_device(model.trainable_parameters())
+        self.reproducible = seed is not None and not secure_mode
+        if seed is not None and not secure_mode:
+            warn_once(REPRODUCIBLE_NOISE_WARNING)
+            noise_gen = seeded_generator(device, seed)
+            sample_gen = seeded_generator("cpu", seed + 1)
+            self.generator_kind = f"torch generator on {device} seeded from the run config"
+        else:
+            # Noise is drawn where the parameters are; Poisson sampling runs on the CPU
+            # (Opacus' sampler draws a CPU tensor).
+            noise_gen, self.generator_kind = secure_generator(device)
+            sample_gen, _ = secure_generator("cpu")
+        self.noise_generator = noise_gen
         loader = DataLoader(TensorDataset(blocks), batch_size=batch_size)
         opt = make_optimizer(optimizer, model.trainable_parameters(), learning_rate)
         model.model.train()
@@ -142,12 +182,14 @@ class PrivateTrainer:
             self.hooks, self.optimizer, self.loader = made
             self.criterion = None
             self.net = model.model
-        if not secure_mode:
-            # Reproducible Poisson sampling, independent of the global torch RNG.
-            self.loader = switch_generator(
-                data_loader=self.loader, generator=torch.Generator().manual_seed(seed + 1)
-            )
+        # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks).
+        self.optimizer.secure_mode = secure_mode
+        self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
         self.sample_rate = 1.0 / len(loader)
+        #: DP-SGD steps taken (each one noised, empty batches included), and how many
+        #: of them had an empty Poisson batch.
+        self.steps_taken = 0
+        self.empty_steps = 0
 
     def step(self, batch: torch.Tensor) -> float:
         """One DP-SGD step on ``batch``; returns the batch loss."""
@@ -164,18 +206,35 @@ class PrivateTrainer:
         self.optimizer.step()
         return float(loss.detach())
 
+    def noise_step(self) -> None:
+        """A DP-SGD step on an empty Poisson batch: the clipped sum is zero, and the noise
+        is added and applied as on any other step. The accountant counts every step of
+        the sampled sequence, so skipping an empty one would release less noise than
+        accounted for (and reveal that the batch was empty)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.optimizer.params:
+            if self.mode == "ghost":
+                param.grad = torch.zeros_like(param)
+            else:
+                param.grad_sample = param.new_zeros((0, *param.shape))
+        self.optimizer.step()
+
     def run(self, steps: int) -> TrainStats:
-        """``steps`` steps on Poisson-sampled batches (an empty batch releases nothing)."""
+        """``steps`` DP-SGD steps on Poisson-sampled batches; an empty batch takes a
+        noise-only step (:meth:`noise_step`), as the accountant assumes."""
         losses: list[float] = []
         done = 0
         while done < steps:
             for (batch,) in self.loader:
                 if done == steps:
                     break
-                done += 1
                 if batch.shape[0] == 0:
-                    continue
-                losses.append(self.step(batch))
+                    self.noise_step()
+                    self.empty_steps += 1
+                else:
+                    losses.append(self.step(batch))
+                done += 1
+                self.steps_taken += 1
         mean = sum(losses) / len(losses) if losses else float("nan")
         return TrainStats(loss=mean, steps=steps, num_examples=self.blocks.shape[0])
 

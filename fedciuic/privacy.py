@@ -17,13 +17,17 @@ Google's ``dp-accounting`` (PLD and RDP respectively) in the tests.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +44,10 @@ undo_opacus_basic_config()
 Accountant = Literal["prv", "rdp"]
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
 LEDGER_FILE = "privacy-ledger.jsonl"
+#: Domain separation of the ledger's hash chain (see :func:`chain_head`).
+HEAD_LABEL = b"\x00fedciuic-privacy-ledger-head/1\x00"
+#: The region's audit event that witnesses each release (with ``details.ledger``).
+TRAINED_EVENT = "trained"
 
 #: One composition step: (noise multiplier, sample rate, number of steps).
 Step = tuple[float, float, int]
@@ -53,12 +61,29 @@ class BudgetExhausted(FedciuicError):
     """This round would take the region past its epsilon budget: it declines."""
 
 
+class RunBudgetExceeded(BudgetExhausted):
+    """This round would take what this run has actually spent past the run's cap."""
+
+
+class LedgerRolledBack(PrivacyError):
+    """The ledger holds fewer (or other) releases than the region's audit log witnessed:
+    an older copy was restored, or the file was truncated or replaced."""
+
+
 def epsilon_of(history: Sequence[Step], delta: float, accountant: Accountant) -> float:
-    """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``."""
+    """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``.
+
+    Cached: the policy check, the lifetime budget and the per-run cap ask about the
+    same histories, and a PRV accounting takes about 0.4 s on a CPU."""
+    return _epsilon(tuple((float(s), float(q), int(n)) for s, q, n in history), delta, accountant)
+
+
+@lru_cache(maxsize=256)
+def _epsilon(history: tuple[Step, ...], delta: float, accountant: Accountant) -> float:
     if not history:
         return 0.0
     acc = create_accountant(mechanism=accountant)
-    acc.history = [(float(s), float(q), int(n)) for s, q, n in history]
+    acc.history = list(history)
     return float(acc.get_epsilon(delta=delta))
 
 
@@ -113,8 +138,31 @@ class LedgerRound(_Record):
     delta: float = Field(gt=0, lt=1)
     epsilon: float = Field(ge=0)  # cumulative over the dataset's whole history
     secure_mode: bool
+    #: Noise derived from the run config's seed (insecure-reproducible-noise, tests only).
+    reproducible_noise: bool = False
     accountant_state: dict[str, Any]  # Opacus' accountant state_dict: {"history": [...]}
     time: str
+
+
+def chain_head(previous: str | None, line: bytes) -> str:
+    """The ledger's head after ``line``: ``SHA-256(label || line)`` for the header,
+    ``SHA-256(label || previous head || line)`` for each further line (without its
+    newline). The head after k releases names the first k + 1 lines exactly."""
+    prev = bytes.fromhex(previous) if previous is not None else b""
+    return hashlib.sha256(HEAD_LABEL + prev + line).hexdigest()
+
+
+@dataclass(frozen=True)
+class LedgerWitness:
+    """What the region's audit log says its ledger held: the most releases it saw (and
+    the head at that length), and the highest cumulative epsilon it recorded."""
+
+    source: Path
+    releases: int = 0
+    head: str = ""
+    epsilon: float = 0.0
+    #: For each witnessed release k: (head after k, the ledger's line k, its header line).
+    lines: dict[int, tuple[str, bytes, bytes]] = field(default_factory=dict)
 
 
 class PrivacyLedger:
@@ -122,13 +170,29 @@ class PrivacyLedger:
 
     Every write holds an exclusive ``flock`` on ``<ledger>.lock``, and every read
     under that lock re-validates the whole file, so two processes of one region
-    cannot interleave or lose records.
+    cannot interleave or lose records. Its lines form a hash chain (:func:`chain_head`)
+    whose head the region's audit log witnesses after each release, so that an older
+    copy of the ledger, or one cut short, is refused (:meth:`check_witness`).
     """
 
-    def __init__(self, path: Path, header: LedgerHeader, rounds: list[LedgerRound]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        header: LedgerHeader,
+        rounds: list[LedgerRound],
+        lines: list[bytes] | None = None,
+    ) -> None:
         self.path = path
         self.header = header
         self.rounds = rounds
+        if lines is None:
+            lines = [r.model_dump_json().encode() for r in [header, *rounds]]
+        #: The file's lines as written (without newlines): lines[0] is the header.
+        self.lines = lines
+        #: heads[k]: the chain head after k releases (heads[0] covers the header).
+        self.heads: list[str] = []
+        for line in lines:
+            self.heads.append(chain_head(self.heads[-1] if self.heads else None, line))
 
     # -- reading ----------------------------------------------------------------
 
@@ -141,54 +205,45 @@ class PrivacyLedger:
         dataset: str,
         delta: float,
         accountant: Accountant,
+        witness: LedgerWitness | None = None,
     ) -> PrivacyLedger:
-        """Load and check the ledger at ``path``, or start one for this dataset."""
+        """Load and check the ledger at ``path``, or start one for this dataset; with a
+        ``witness`` (see :func:`audit_witness`), refuse a ledger that was rolled back."""
         if path.exists():
             ledger = cls.load(path)
             ledger._check_matches(
                 region=region, dataset=dataset, delta=delta, accountant=accountant
             )
-            return ledger
-        header = LedgerHeader(
-            kind="header",
-            format=LEDGER_FORMAT,
-            region=region,
-            dataset=dataset,
-            delta=delta,
-            accountant=accountant,
-            created=_now(),
-        )
-        return cls(path, header, [])
+        else:
+            header = LedgerHeader(
+                kind="header",
+                format=LEDGER_FORMAT,
+                region=region,
+                dataset=dataset,
+                delta=delta,
+                accountant=accountant,
+                created=_now(),
+            )
+            ledger = cls(path, header, [])
+        if witness is not None:
+            ledger.check_witness(witness, exists=path.exists())
+        return ledger
 
     @classmethod
     def load(cls, path: Path) -> PrivacyLedger:
         """Parse and validate a ledger file; any damage is a :class:`PrivacyError`."""
-        fix = "restore it from a backup; never delete it to reset the budget"
         try:
             raw = path.read_bytes()
         except OSError as err:
             raise PrivacyError(f"{path}: cannot read the privacy ledger ({err.strerror})") from None
+        fix = _damage_fix(path)
         if raw and not raw.endswith(b"\n"):
             raise PrivacyError(f"{path}: the last line is truncated (no newline); {fix}")
-        lines = raw.decode("utf-8", errors="replace").splitlines()
+        lines = raw.split(b"\n")[:-1] if raw else []
         if not lines:
             raise PrivacyError(f"{path}: the privacy ledger is empty; {fix}")
-        header: LedgerHeader | None = None
-        rounds: list[LedgerRound] = []
-        for lineno, line in enumerate(lines, start=1):
-            try:
-                data = json.loads(line)
-                if lineno == 1:
-                    header = LedgerHeader.model_validate(data)
-                else:
-                    rounds.append(LedgerRound.model_validate(data))
-            except (ValueError, ValidationError) as err:
-                first = str(err).splitlines()[0]
-                raise PrivacyError(
-                    f"{path}:{lineno}: corrupted ledger record ({first}); {fix}"
-                ) from None
-        assert header is not None
-        ledger = cls(path, header, rounds)
+        header, rounds = _parse_lines(path, lines, fix)
+        ledger = cls(path, header, rounds, lines)
         ledger._check_chain(fix)
         return ledger
 
@@ -200,9 +255,11 @@ class PrivacyLedger:
         for lineno, rec in enumerate(self.rounds, start=2):
             history = [*history, [rec.noise_multiplier, rec.sample_rate, rec.steps]]
             got = rec.accountant_state.get("history")
-            if not isinstance(got, list) or [list(map(float, h)) for h in got] != [
-                list(map(float, h)) for h in history
-            ]:
+            try:
+                same = isinstance(got, list) and [list(map(float, h)) for h in got] == history
+            except (TypeError, ValueError):
+                same = False
+            if not same:
                 raise PrivacyError(
                     f"{self.path}:{lineno}: accountant history does not continue the "
                     f"previous records (edited or reordered); {fix}"
@@ -235,6 +292,43 @@ class PrivacyLedger:
                 f"{accountant}; set dp-accountant to {h.accountant!r} for this dataset"
             )
 
+    def check_witness(self, witness: LedgerWitness, *, exists: bool = True) -> None:
+        """Fail closed unless this ledger holds every release the audit log witnessed,
+        with the same chain head: an older copy, a truncated or deleted file, or a
+        ledger with other records under-reports what the dataset has spent."""
+        have = len(self.rounds)
+        found = (
+            "there is no ledger file"
+            if not exists
+            else f"the ledger has {have} release(s) (head {self.heads[-1][:16]}, epsilon "
+            f"{self.epsilon:.3f})"
+        )
+        rebuild = (
+            f"to recover, rebuild the ledger from the audit log with `fedciuic ledger rebuild "
+            f"--state-path {self.path.parent}`, which keeps every release the log witnessed and "
+            "moves this file aside as evidence; never restore an older copy or delete the "
+            "ledger to reset the budget. Nothing was trained or sent"
+        )
+        if witness.releases > have:
+            raise LedgerRolledBack(
+                f"privacy ledger {self.path} was rolled back: the audit log {witness.source} "
+                f"records {witness.releases} release(s) (head {witness.head[:16]}) but "
+                f"{found}: an older copy was restored or the file was truncated or "
+                f"deleted, so it under-reports the epsilon spent; {rebuild}"
+            )
+        if witness.releases and self.heads[witness.releases] != witness.head:
+            raise LedgerRolledBack(
+                f"privacy ledger {self.path} does not match its audit log: after release "
+                f"{witness.releases} the audit log {witness.source} records head "
+                f"{witness.head[:16]}, the ledger has {self.heads[witness.releases][:16]}: the "
+                f"file was replaced by another copy or its records were edited; {rebuild}"
+            )
+        if self.epsilon + 1e-9 < witness.epsilon:
+            raise LedgerRolledBack(
+                f"privacy ledger {self.path} was rolled back: the audit log {witness.source} "
+                f"records a cumulative epsilon of {witness.epsilon:.3f} but {found}; {rebuild}"
+            )
+
     # -- accounting ---------------------------------------------------------------
 
     @property
@@ -250,6 +344,17 @@ class PrivacyLedger:
         """Cumulative epsilon if ``step`` were released next."""
         return epsilon_of([*self.history, step], self.header.delta, self.header.accountant)
 
+    def run_history(self, run_id: int) -> list[Step]:
+        """The steps this run (federation run id) has actually released."""
+        return [
+            (r.noise_multiplier, r.sample_rate, r.steps) for r in self.rounds if r.run_id == run_id
+        ]
+
+    def run_epsilon_after(self, run_id: int, step: Step) -> float:
+        """What run ``run_id`` will have spent, on its own, if ``step`` is released next."""
+        history = [*self.run_history(run_id), step]
+        return epsilon_of(history, self.header.delta, self.header.accountant)
+
     # -- writing ------------------------------------------------------------------
 
     def append(self, record: LedgerRound) -> None:
@@ -258,12 +363,28 @@ class PrivacyLedger:
         lines = []
         if not self.path.exists():
             lines.append(self.header.model_dump_json())
-        lines.append(record.model_dump_json())
+        line = record.model_dump_json()
+        lines.append(line)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
             handle.flush()
             os.fsync(handle.fileno())
         self.rounds.append(record)
+        self.lines.append(line.encode())
+        self.heads.append(chain_head(self.heads[-1], self.lines[-1]))
+
+    def witness_record(self) -> dict[str, Any]:
+        """What the region's audit log keeps of the ledger after a release: the number of
+        releases and the chain head (checked on every open), and the last line and the
+        header, base64 (so that :func:`rebuild_ledger` can restore every release)."""
+        last = self.lines[-1] if self.rounds else b""
+        return {
+            "file": self.path.name,
+            "releases": len(self.rounds),
+            "head": self.heads[-1],
+            "line": base64.b64encode(last).decode("ascii"),
+            "header": base64.b64encode(self.lines[0]).decode("ascii"),
+        }
 
     def new_record(
         self,
@@ -274,6 +395,7 @@ class PrivacyLedger:
         max_grad_norm: float,
         secure_mode: bool,
         epsilon: float,
+        reproducible_noise: bool = False,
     ) -> LedgerRound:
         history = [[float(s), float(q), int(n)] for s, q, n in [*self.history, step]]
         return LedgerRound(
@@ -287,9 +409,204 @@ class PrivacyLedger:
             delta=self.header.delta,
             epsilon=epsilon,
             secure_mode=secure_mode,
+            reproducible_noise=reproducible_noise,
             accountant_state={"history": history, "mechanism": self.header.accountant},
             time=_now(),
         )
+
+
+def _parse_lines(
+    path: Path, lines: list[bytes], fix: str
+) -> tuple[LedgerHeader, list[LedgerRound]]:
+    """The header and the rounds of a ledger's lines; the first bad line is a
+    :class:`PrivacyError` naming ``path:LINE``."""
+    header: LedgerHeader | None = None
+    rounds: list[LedgerRound] = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            data = json.loads(line.decode("utf-8"))
+            if lineno == 1:
+                header = LedgerHeader.model_validate(data)
+            else:
+                rounds.append(LedgerRound.model_validate(data))
+        except (ValueError, ValidationError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise PrivacyError(
+                f"{path}:{lineno}: corrupted ledger record ({first}); {fix}"
+            ) from None
+    if header is None:
+        raise PrivacyError(f"{path}: the privacy ledger is empty; {fix}")
+    return header, rounds
+
+
+def _damage_fix(path: Path) -> str:
+    return (
+        "keep this file as evidence; if the region's audit log witnessed its releases, "
+        f"rebuild it with `fedciuic ledger rebuild --state-path {path.parent}`; never "
+        "delete the ledger or restore an older copy to reset the budget"
+    )
+
+
+# -- the audit log as the ledger's witness ----------------------------------------------
+
+
+def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitness | None:
+    """What the region's audit log (``STATE_PATH/audit.jsonl``) witnessed of this
+    dataset's ledger: the ``ledger`` details of its ``trained`` records (the most
+    releases, and the head at that length) and the highest cumulative epsilon they
+    recorded. None when there is no audit log. A log that cannot be read is an error:
+    without it a rollback cannot be ruled out."""
+    from fedciuic.audit import load_records
+
+    if not audit_path.exists():
+        return None
+    witness = LedgerWitness(audit_path)
+    releases, head, epsilon = 0, "", 0.0
+    lines: dict[int, tuple[str, bytes, bytes]] = {}
+    for record in load_records(audit_path):
+        details = record.get("details")
+        if record.get("event") != TRAINED_EVENT or not isinstance(details, dict):
+            continue
+        if record.get("actor") != region or details.get("data_fingerprint") != dataset:
+            continue
+        eps = details.get("epsilon")
+        if isinstance(eps, int | float) and math.isfinite(eps):
+            epsilon = max(epsilon, float(eps))
+        seen = _witnessed(details.get("ledger"))
+        if seen is None:
+            continue
+        count, at, line, header = seen
+        lines[count] = (at, line, header)
+        if count >= releases:  # the latest witness of the longest ledger
+            releases, head = count, at
+    return LedgerWitness(witness.source, releases, head, epsilon, lines)
+
+
+def _witnessed(value: object) -> tuple[int, str, bytes, bytes] | None:
+    if not isinstance(value, dict):
+        return None
+    count, head = value.get("releases"), value.get("head")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
+    if not isinstance(head, str) or len(head) != 64:
+        return None
+    try:
+        line = base64.b64decode(str(value.get("line", "")), validate=True)
+        header = base64.b64decode(str(value.get("header", "")), validate=True)
+    except (binascii.Error, ValueError):
+        line = header = b""
+    return count, head, line, header
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What :func:`rebuild_ledger` did."""
+
+    path: Path
+    releases: int
+    from_audit: int  # lines taken from the audit log
+    kept_aside: Path | None  # the file it replaced, kept as evidence
+    epsilon: float
+
+
+def rebuild_ledger(state_dir: Path) -> Rebuilt:
+    """Rebuild ``STATE_DIR/privacy-ledger.jsonl`` from the region's audit log after a
+    rollback: every release the audit log witnessed, plus any later ones the current
+    file still holds. The result must reproduce every witnessed chain head and pass
+    the ledger's own checks; the replaced file is kept next to it as evidence.
+    Nothing is ever dropped: a release known to neither is an error."""
+    from fedciuic.audit import REGION_LOG
+
+    path = state_dir / LEDGER_FILE
+    audit_path = state_dir / REGION_LOG
+    with locked(path):
+        current: list[bytes] = []
+        if path.exists():
+            raw = path.read_bytes()
+            current = _valid_prefix(raw.split(b"\n")[:-1])  # drops a torn last line
+        header_line = current[0] if current else b""
+        witness = _any_witness(audit_path, header_line)
+        if witness is None or not witness.lines:
+            raise PrivacyError(
+                f"{audit_path}: the audit log witnesses no release of this ledger, so there is "
+                f"nothing to rebuild {path} from; keep both files and investigate"
+            )
+        top = max(witness.lines)
+        header = witness.lines[top][2] or header_line
+        out = [header]
+        taken = 0
+        for k in range(1, max(top, len(current) - 1) + 1):
+            if k in witness.lines and witness.lines[k][1]:
+                out.append(witness.lines[k][1])
+                taken += 1
+            elif k < len(current):
+                out.append(current[k])
+            else:
+                raise PrivacyError(
+                    f"cannot rebuild {path}: release {k} is recorded neither in the ledger nor "
+                    f"in the audit log {audit_path}; its cost is unknown, so the ledger cannot "
+                    "be completed: keep both files and investigate"
+                )
+        header_rec, rounds = _parse_lines(path, out, "the rebuilt ledger is inconsistent")
+        heads = PrivacyLedger(path, header_rec, rounds, out).heads
+        for k, (head, _, _) in witness.lines.items():
+            if heads[k] != head:
+                raise PrivacyError(
+                    f"cannot rebuild {path}: after release {k} the rebuilt chain has head "
+                    f"{heads[k][:16]}, the audit log {audit_path} records {head[:16]}; keep "
+                    "both files and investigate"
+                )
+        tmp = path.with_name(path.name + ".rebuilt")
+        with open(tmp, "wb") as handle:
+            handle.write(b"".join(line + b"\n" for line in out))
+            handle.flush()
+            os.fsync(handle.fileno())
+        PrivacyLedger.load(tmp)  # the ledger's own checks, on what will be the ledger
+        aside = None
+        if path.exists():
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = path.with_name(f"{path.name}.rolled-back-{stamp}")
+            os.replace(path, aside)
+        os.replace(tmp, path)
+    return Rebuilt(path, len(rounds), taken, aside, rounds[-1].epsilon if rounds else 0.0)
+
+
+def _valid_prefix(lines: list[bytes]) -> list[bytes]:
+    """The lines of a damaged ledger up to its first line that is not a ledger record."""
+    kept: list[bytes] = []
+    for number, line in enumerate(lines):
+        try:
+            data = json.loads(line.decode("utf-8"))
+            (LedgerHeader if number == 0 else LedgerRound).model_validate(data)
+        except (ValueError, ValidationError):
+            break
+        kept.append(line)
+    return kept
+
+
+def _any_witness(audit_path: Path, header_line: bytes) -> LedgerWitness | None:
+    """The audit log's witness for the ledger whose header is ``header_line`` (or, with
+    no usable header, the one the audit log's last witness names)."""
+    from fedciuic.audit import load_records
+
+    candidates = [header_line]
+    if audit_path.exists():
+        for record in reversed(load_records(audit_path)):
+            details = record.get("details")
+            if record.get("event") == TRAINED_EVENT and isinstance(details, dict):
+                seen = _witnessed(details.get("ledger"))
+                if seen is not None and seen[3]:
+                    candidates.append(seen[3])
+                    break
+    for line in candidates:
+        try:
+            header = LedgerHeader.model_validate_json(line)
+        except ValidationError:
+            continue
+        witness = audit_witness(audit_path, region=header.region, dataset=header.dataset)
+        if witness is not None and witness.lines:
+            return witness
+    return None
 
 
 @contextlib.contextmanager
@@ -318,3 +635,15 @@ def locked(path: Path, timeout: float = 600.0) -> Iterator[None]:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def rebuild_ledger_command(state_path: Path) -> int:
+    """``fedciuic ledger rebuild --state-path DIR``: :func:`rebuild_ledger`, reported."""
+    done = rebuild_ledger(state_path.expanduser())
+    print(
+        f"rebuilt {done.path}: {done.releases} release(s), epsilon {done.epsilon:.3f} "
+        f"({done.from_audit} line(s) from the audit log)"
+    )
+    if done.kept_aside is not None:
+        print(f"the rolled-back file is kept as evidence: {done.kept_aside}")
+    return 0

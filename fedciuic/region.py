@@ -12,10 +12,12 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from fedciuic.audit import REGION_LOG
 from fedciuic.compression import (
     ErrorFeedback,
     compress_with_feedback,
@@ -26,7 +28,7 @@ from fedciuic.compression import (
 )
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data import RegionData, load_region_data
-from fedciuic.dp_train import PrivateTrainer
+from fedciuic.dp_train import PrivateTrainer, warn_once
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, ModelSpec
 from fedciuic.privacy import (
@@ -34,8 +36,11 @@ from fedciuic.privacy import (
     BudgetExhausted,
     PrivacyError,
     PrivacyLedger,
+    RunBudgetExceeded,
     Step,
+    audit_witness,
     calibrate_noise,
+    epsilon_of,
     locked,
     poisson_sample_rate,
 )
@@ -48,6 +53,16 @@ class BaseModelMismatch(FedciuicError):
 
 class AlreadyReleased(FedciuicError):
     """This round was released before and its update is gone: nothing is sent twice."""
+
+
+class RoundOutOfRange(FedciuicError):
+    """The aggregator asks for a round outside this run's 1..num-server-rounds: the
+    noise is calibrated for that many rounds, so nothing is released for it."""
+
+
+#: Slack for the accountant's numerics when a run's spend is compared with its cap
+#: (splitting one history into rounds changes PRV's epsilon by about 1e-8).
+CAP_TOLERANCE = 1e-6
 
 
 class SentUpdates:
@@ -93,6 +108,14 @@ class PrivacySpent:
     sample_rate: float
     secure_mode: bool
     max_grad_norm: float
+    #: What this run has spent on its own after this round, and the cap it is held to.
+    run_epsilon: float | None = None
+    run_epsilon_cap: float | None = None
+    #: Noise derived from the run config's seed (insecure-reproducible-noise, tests only).
+    reproducible_noise: bool = False
+    #: The ledger's position after this release (``PrivacyLedger.witness_record``), for
+    #: the region's audit log: the next open refuses a ledger rolled back behind it.
+    ledger: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +137,8 @@ class Region:
         self.run = run
         self.node = node
         self.name = node.region
-        self._projection: tuple[tuple[int, float, Step], float] | None = None
+        if run.noise_warning:
+            warn_once(run.noise_warning)
         self.model = AdapterModel(ModelSpec.from_run(run))
         self.data: RegionData = load_region_data(
             node.region,
@@ -141,13 +165,19 @@ class Region:
         server_round: int,
         base_fingerprint: str,
         run_id: int = 0,
+        max_run_epsilon: float | None = None,
     ) -> TrainOutcome:
         """Train from the global adapter and return ``local - global`` with statistics.
 
-        With DP on, the ledger is locked for the whole round: the budget check,
+        A round outside 1..num-server-rounds is refused (:class:`RoundOutOfRange`).
+        With DP on, the ledger is locked for the whole round: the budget checks,
         the training and the ledger record happen as one step, and the record is
-        on disk before the update leaves this function.
+        on disk before the update leaves this function. What run ``run_id`` has
+        actually spent, with this round, must stay within the run's target epsilon
+        and ``max_run_epsilon`` (the policy's ``max_epsilon_per_run``), and the
+        dataset's whole history within its budget.
         """
+        self.check_round(server_round)
         self._load_global(adapter, base_fingerprint)
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
@@ -163,7 +193,7 @@ class Region:
                 optimizer=self.run.optimizer,
             )
         else:
-            stats, privacy = self._train_private(server_round, run_id, seed)
+            stats, privacy = self._train_private(server_round, run_id, seed, max_run_epsilon)
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
         update = self._compress(delta, seed)
@@ -220,6 +250,23 @@ class Region:
                 r.run_id == run_id and r.round == server_round for r in self._ledger().rounds
             )
 
+    def check_round(self, server_round: int) -> None:
+        """Refuse a round number outside this run's 1..num-server-rounds: the noise is
+        calibrated for that many rounds, and an aggregator that asks for more would
+        take the run past its target epsilon."""
+        last = self.run.num_server_rounds
+        if not 1 <= server_round <= last:
+            raise RoundOutOfRange(
+                f"region {self.name}: round {server_round} is outside this run's rounds 1..{last} "
+                f"(run config num-server-rounds = {last}); the noise is calibrated for {last} "
+                "round(s), so nothing is trained or sent for it"
+            )
+
+    @property
+    def audit_path(self) -> Path:
+        """The region's audit log, which witnesses the ledger's head after each release."""
+        return self.node.state_dir / REGION_LOG
+
     def projected_epsilon(self) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),
         for the policy check before training; the ledger lock is held only to read."""
@@ -227,35 +274,37 @@ class Region:
             return None
         step = self.privacy_step()
         with locked(self.ledger_path):
-            return self._epsilon_after(self._ledger(), step)
-
-    def _epsilon_after(self, ledger: PrivacyLedger, step: Step) -> float:
-        """``ledger.epsilon_after(step)``, computed once for a given ledger state: the
-        policy check before training and the budget check under the lock ask the same
-        question, and a PRV accounting takes about 0.4 s on a CPU."""
-        key = (len(ledger.rounds), ledger.epsilon, step)
-        if self._projection is None or self._projection[0] != key:
-            self._projection = (key, ledger.epsilon_after(step))
-        return self._projection[1]
+            return self._ledger().epsilon_after(step)
 
     def _ledger(self) -> PrivacyLedger:
+        """The dataset's ledger, checked against what the region's audit log witnessed
+        (a ledger rolled back behind it is a :class:`~fedciuic.privacy.LedgerRolledBack`)."""
         return PrivacyLedger.open(
             self.ledger_path,
             region=self.name,
             dataset=self.data.fingerprint,
             delta=self.run.target_delta,
             accountant=self.run.dp_accountant,
+            witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
         )
 
+    def _run_cap(self, max_run_epsilon: float | None) -> tuple[float, str]:
+        """The per-run cap: the run's target epsilon, or the policy's if lower."""
+        cap, why = self.run.target_epsilon, f"{self.run.target_epsilon:g} (target-epsilon)"
+        if max_run_epsilon is not None and max_run_epsilon < cap:
+            cap, why = max_run_epsilon, f"{max_run_epsilon:g} (privacy.max_epsilon_per_run)"
+        return cap, why
+
     def _train_private(
-        self, server_round: int, run_id: int, seed: int
+        self, server_round: int, run_id: int, seed: int, max_run_epsilon: float | None
     ) -> tuple[TrainStats, PrivacySpent]:
         run = self.run
         budget = self.node.epsilon_budget or run.epsilon_budget
         step = self.privacy_step()
+        cap, cap_reason = self._run_cap(max_run_epsilon)
         with locked(self.ledger_path):
             ledger = self._ledger()
-            after = self._epsilon_after(ledger, step)
+            after = ledger.epsilon_after(step)
             if after > budget:
                 raise BudgetExhausted(
                     f"region {self.name}: this round would raise epsilon from "
@@ -263,6 +312,17 @@ class Region:
                     f"{budget:g} (delta {run.target_delta:g}, ledger {self.ledger_path}); "
                     "nothing was trained or sent"
                 )
+            spent = ledger.run_history(run_id)
+            run_after = ledger.run_epsilon_after(run_id, step)
+            if run_after > cap + CAP_TOLERANCE:
+                before = epsilon_of(spent, ledger.header.delta, ledger.header.accountant)
+                raise RunBudgetExceeded(
+                    f"region {self.name}: round {server_round} would raise what run {run_id} has "
+                    f"actually spent from epsilon {before:.3f} ({len(spent)} release(s) in "
+                    f"{self.ledger_path}) to {run_after:.3f}, over the per-run cap of "
+                    f"{cap_reason}; nothing was trained or sent"
+                )
+            reproducible = run.insecure_reproducible_noise
             trainer = PrivateTrainer(
                 self.model,
                 self.data.train,
@@ -272,13 +332,25 @@ class Region:
                 max_grad_norm=run.max_grad_norm,
                 mode=run.dp_mode,
                 secure_mode=run.secure_mode,
-                seed=seed,
+                # The run config's seed (which the aggregator chooses) never reaches the
+                # noise unless the run explicitly asks for insecure reproducible noise.
+                seed=seed if reproducible else None,
                 optimizer=run.optimizer,
             )
             try:
+                if trainer.sample_rate != step[1]:
+                    raise PrivacyError(
+                        f"region {self.name}: the trainer samples at rate {trainer.sample_rate:g}"
+                        f", the ledger would account {step[1]:g}; nothing was trained or sent"
+                    )
                 stats = trainer.run(run.local_steps)
             finally:
                 trainer.close()
+            if trainer.steps_taken != step[2]:
+                raise PrivacyError(
+                    f"region {self.name}: {trainer.steps_taken} DP-SGD steps were taken, "
+                    f"{step[2]} would be accounted; the update is not released"
+                )
             ledger.append(
                 ledger.new_record(
                     run_id=run_id,
@@ -287,9 +359,10 @@ class Region:
                     max_grad_norm=run.max_grad_norm,
                     secure_mode=run.secure_mode,
                     epsilon=after,
+                    reproducible_noise=reproducible,
                 )
             )
-        spent = PrivacySpent(
+        privacy = PrivacySpent(
             epsilon=after,
             epsilon_budget=budget,
             delta=run.target_delta,
@@ -297,8 +370,12 @@ class Region:
             sample_rate=step[1],
             secure_mode=run.secure_mode,
             max_grad_norm=run.max_grad_norm,
+            run_epsilon=run_after,
+            run_epsilon_cap=cap,
+            reproducible_noise=reproducible,
+            ledger=ledger.witness_record(),
         )
-        return stats, spent
+        return stats, privacy
 
     def evaluate(self, adapter: dict[str, np.ndarray], *, base_fingerprint: str) -> EvalStats:
         """Held-out loss of the global adapter on this region's evaluation blocks."""

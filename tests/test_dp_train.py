@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedciuic.dp_train import PrivateTrainer
+from fedciuic.dp_train import PrivateTrainer, parameter_device, secure_generator
 from fedciuic.model import AdapterModel, ModelSpec
+from fedciuic.privacy import PrivacyError
 from fedciuic.train import lm_loss
 
 BATCH = 8
@@ -49,7 +50,8 @@ def flat(model: AdapterModel) -> torch.Tensor:
 def dp_update(
     model, blocks, batch, *, noise, clip, mode="hooks", seed=0, secure_mode=False
 ) -> torch.Tensor:
-    """One DP-SGD step (SGD, lr 1) from the current adapters, which are then restored."""
+    """One DP-SGD step (SGD, lr 1) from the current adapters, which are then restored.
+    A ``seed`` without secure mode is the insecure reproducible noise meant for tests."""
     before = flat(model)
     trainer = PrivateTrainer(
         model,
@@ -154,3 +156,101 @@ def test_secure_mode_uses_an_unreplayable_generator(model, blocks):
     first = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1, secure_mode=True)
     second = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1, secure_mode=True)
     assert not torch.allclose(first, second)  # the seed is ignored in secure mode
+
+
+def test_secure_noise_is_the_default(model, blocks):
+    # No seed and no setting: noise from generators seeded by the OS, never replayable.
+    trainer = PrivateTrainer(
+        model, blocks, batch_size=BATCH, learning_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    try:
+        assert not trainer.reproducible and trainer.optimizer.secure_mode
+    finally:
+        trainer.close()
+    batch = blocks[:BATCH]
+    first = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=None, secure_mode=False)
+    second = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=None, secure_mode=False)
+    assert not torch.allclose(first, second)  # unpredictable even without secure mode
+
+
+def empty_batch_trainer(model, mode="hooks", seed=3):
+    # 4 examples at batch size 1: q = 1/4, so a batch is empty with probability 0.32.
+    return PrivateTrainer(
+        model,
+        torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1)),
+        batch_size=1,
+        learning_rate=1.0,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        mode=mode,
+        optimizer="sgd",
+        secure_mode=False,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_empty_poisson_batch_takes_noise_step(model, mode):
+    trainer = empty_batch_trainer(model, mode)
+    stepped = []
+    inner = trainer.optimizer.original_optimizer
+    original_step = inner.step
+
+    def counting_step(*args, **kwargs):
+        stepped.append(flat(model))
+        return original_step(*args, **kwargs)
+
+    inner.step = counting_step
+    try:
+        stats = trainer.run(40)
+    finally:
+        inner.step = original_step
+        trainer.close()
+    # Every accounted step took an optimizer step with noise, the empty batches included.
+    assert stats.steps == trainer.steps_taken == len(stepped) == 40
+    assert trainer.empty_steps >= 5  # P(empty) = 0.32: about 13 of 40
+    assert all(bool(p.isfinite().all()) for p in model.trainable_parameters())
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_an_empty_batch_step_moves_the_parameters_by_noise(model, mode):
+    trainer = empty_batch_trainer(model, mode)
+    try:
+        before = flat(model)
+        trainer.noise_step()
+        moved = flat(model) - before
+    finally:
+        trainer.close()
+    # SGD, lr 1: the update is the noise, std = sigma * C / expected batch size (1 here).
+    assert float(moved.abs().max()) > 0
+    assert float(moved.std()) == pytest.approx(1.0, rel=0.1)
+    assert float(moved.mean()) == pytest.approx(0.0, abs=0.05)
+
+
+def test_the_noise_generator_is_on_the_parameters_device(model, blocks):
+    assert parameter_device(model.trainable_parameters()) == torch.device("cpu")
+    meta = [torch.nn.Parameter(torch.empty(2, 3, device="meta")) for _ in range(2)]
+    assert parameter_device(meta) == torch.device("meta")
+    with pytest.raises(PrivacyError, match="spread over cpu, meta"):
+        parameter_device([*meta, torch.nn.Parameter(torch.zeros(1))])
+    gen, kind = secure_generator(torch.device("cpu"))
+    assert gen.device == torch.device("cpu") and "os.urandom" in kind
+    trainer = PrivateTrainer(
+        model, blocks, batch_size=BATCH, learning_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    try:
+        # The generator Opacus draws noise with is the one made for the parameters' device.
+        assert trainer.optimizer.generator is trainer.noise_generator
+        assert trainer.noise_generator.device == model.trainable_parameters()[0].device
+    finally:
+        trainer.close()
+
+
+def test_parameter_device_on_cuda_when_available():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    params = [torch.nn.Parameter(torch.zeros(3, device="cuda"))]
+    device = parameter_device(params)
+    gen, _ = secure_generator(device)
+    assert gen.device.type == "cuda"
+    torch.normal(0.0, 1.0, size=(3,), device=device, generator=gen)  # Opacus' draw
