@@ -31,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -143,15 +144,33 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _redact(value: Any, paths: Sequence[tuple[str, str]]) -> Any:
+def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
+    """Patterns that replace each path (as given, and resolved) by its label, only where
+    it stands as a whole path: a short relative ``data-path`` like ``eu`` must not
+    rewrite a region's name or a base64 string that happens to contain it."""
+    patterns = []
+    for path, label in paths:
+        if not path:
+            continue
+        forms = {path, str(Path(path).expanduser().resolve())}
+        for form in sorted(forms, key=len, reverse=True):
+            if "/" not in form:  # not recognisable as a path inside free text
+                continue
+            boundary = rf"(?<![\w./-]){re.escape(form.rstrip('/'))}(?=/|$|[^\w.-])"
+            patterns.append((re.compile(boundary), label))
+    patterns.sort(key=lambda p: -len(p[0].pattern))
+    return tuple(patterns)
+
+
+def _redact(value: Any, patterns: Sequence[tuple[re.Pattern[str], str]]) -> Any:
     if isinstance(value, str):
-        for path, label in paths:
-            value = value.replace(path, label)
+        for pattern, label in patterns:
+            value = pattern.sub(label, value)
         return value
     if isinstance(value, Mapping):
-        return {k: _redact(v, paths) for k, v in value.items()}
+        return {k: _redact(v, patterns) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_redact(v, paths) for v in value]
+        return [_redact(v, patterns) for v in value]
     return value
 
 
@@ -171,7 +190,7 @@ class AuditLog:
         self.path = path
         self.actor = actor
         self.keypair = keypair
-        self.redact = tuple(sorted(redact, key=lambda p: -len(p[0])))
+        self.redact = redaction(redact)
         self.checkpoint_every = checkpoint_every
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -548,3 +548,27 @@ def test_last_checkpoint_scans_back_across_chunk_boundaries(tmp_path, keys):
         cold = AuditLog(path, "eu", keys["eu"])
         assert cold.last_checkpoint() == expected == (1, load_records(path)[0]["hash"])
         cold.close()
+
+
+def test_redaction_replaces_whole_paths_only(tmp_path):
+    """A short relative data-path (``eu``) must not rewrite a region's name or base64;
+    an absolute path is redacted only where it stands as a whole path."""
+    from fedciuic.audit import AuditLog, load_records
+
+    data = tmp_path / "data" / "eu"
+    log = AuditLog(
+        tmp_path / "a.jsonl", "eu", None, redact=[("eu", "<data-path>"), (str(data), "<d>")]
+    )
+    log.append(
+        "note",
+        run_id=1,
+        region="eu",
+        blob="ZXUeuZXU=",
+        path=f"{data}/x.jsonl",
+        other=f"{data}2/x.jsonl",
+        message=f"cannot read {data}: gone",
+    )
+    details = load_records(tmp_path / "a.jsonl")[-1]["details"]
+    assert details["region"] == "eu" and details["blob"] == "ZXUeuZXU="
+    assert details["path"] == "<d>/x.jsonl" and details["message"] == "cannot read <d>: gone"
+    assert details["other"] == f"{data}2/x.jsonl"
