@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import stat
 from collections import Counter
@@ -787,6 +788,15 @@ def check_update(
         reasons.append(
             f"sender is in {facts.sender_jurisdiction}, the policy is {p.jurisdiction}'s"
         )
+    declared = {
+        "epsilon": facts.epsilon,
+        "delta": facts.delta,
+        "clipping norm": facts.max_grad_norm,
+    }
+    for name, value in declared.items():
+        # NaN compares false against every bound: a non-finite figure is a refusal
+        if value is not None and not math.isfinite(value):
+            reasons.append(f"declared {name} {value} is not a finite number")
     if facts.epsilon is None and p.privacy.dp_required:
         reasons.append("no DP epsilon declared (privacy.dp_required)")
     if facts.epsilon is not None and facts.epsilon > p.privacy.max_lifetime_epsilon:

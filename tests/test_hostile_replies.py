@@ -459,3 +459,28 @@ def test_an_authentic_envelope_with_a_malformed_header_is_an_invalid_envelope(
             recipient=s.keys.keypair,
             senders=s.keys.regions,
         )
+
+
+@pytest.mark.parametrize("field", ["epsilon", "delta", "max_grad_norm"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_policy_check_refuses_a_non_finite_declared_figure(policed, field, value):
+    """Behind the typed reply, the policy check itself fails closed on NaN and Inf."""
+    from fedciuic.policy import UpdateFacts
+
+    s, _, folder = policed
+    facts = UpdateFacts(
+        region="cn",
+        sender_jurisdiction="CN",
+        policy_hash=policy_hash(folder, "cn"),
+        epsilon=1.0,
+        delta=1e-6,
+        suite="xwing-aes256gcm",
+        codec="dense",
+        num_examples=60,
+        max_grad_norm=1.0,
+        secure_mode=True,
+    )
+    from dataclasses import replace
+
+    decision = s.policies.check_update(replace(facts, **{field: value}))
+    assert not decision.accepted and "is not a finite number" in "; ".join(decision.reasons)
