@@ -326,7 +326,9 @@ class RegionalFedAvg(FedAvg):
                 item,
                 lambda r, sender: self._judge_train(server_round, r, sender, codec, n, bounds),
             )
-            judged = self._record(server_round, judged, labels, self.recorder.record_train)
+            judged = self._record(
+                server_round, judged, labels, self.recorder.record_train, audited=True
+            )
             if judged.accepted is not None:
                 # Validated and recorded: only now does it count.
                 accumulator.add(judged.accepted.checked)
@@ -467,11 +469,13 @@ class RegionalFedAvg(FedAvg):
         judged: _Judged,
         labels: set[str],
         record: Callable[[int, str, dict[str, Any]], None],
+        *,
+        audited: bool,
     ) -> _Judged:
-        """Record the outcome in metrics.json and the audit log; a second reply under a
-        label already taken this round is rejected, so no reply displaces or doubles
-        another's. If recording fails, the reply is rejected and recorded (best effort)
-        as such."""
+        """Record the outcome in metrics.json (and, ``audited``, in the audit log); a
+        second reply under a label already taken this round is rejected, so no reply
+        displaces or doubles another's. If recording fails, the reply is rejected and
+        recorded (best effort) as such."""
         if judged.label in labels:  # the recorder keeps it apart, under duplicates
             if judged.accepted is not None or judged.evaluated is not None:
                 reason = f"a second reply from {judged.label} in round {server_round}"
@@ -488,7 +492,7 @@ class RegionalFedAvg(FedAvg):
         labels.add(judged.label)
         try:
             entry = judged.entry()
-            if record == self.recorder.record_train:
+            if audited:
                 self._note_outcome(server_round, judged, entry)
             record(server_round, judged.label, entry)
         except Exception as err:
@@ -531,7 +535,9 @@ class RegionalFedAvg(FedAvg):
         evaluated: list[tuple[str, protocol.EvalMetrics]] = []
         for item in self._replies(replies):
             judged = self._guarded(server_round, item, self._judge_eval)
-            judged = self._record(server_round, judged, labels, self.recorder.record_eval)
+            judged = self._record(
+                server_round, judged, labels, self.recorder.record_eval, audited=False
+            )
             if judged.evaluated is not None:
                 evaluated.append((judged.label, judged.evaluated))
         if not evaluated:
