@@ -39,20 +39,49 @@ from fedciuic.errors import ConfigError
 from fedciuic.flower.launch import (
     CONNECTION,
     FLOWER_ENV,
+    OWNER_ENV,
     STARTED_RUN,
     connection_toml,
     healthy,
+    owner_tag,
     running,
     stop_process_trees,
     tail,
     toml_pairs,
     toml_value,
 )
-from fedciuic.outputs import METRICS_FILE
+from fedciuic.outputs import (
+    COMPLETED,
+    METRICS_FILE,
+    NO_AGGREGATE,
+    RUNNING,
+    mark_unfinished,
+    no_aggregate_reasons,
+)
 from fedciuic.policy import JURISDICTIONS, LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.sealing import AGGREGATOR
 
 DEFAULT_PORT = 9092
+
+#: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
+#: ever published: nothing was trained (the same as `fedciuic simulate`).
+EXIT_NO_AGGREGATE = 3
+
+#: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
+#: logs and a redirected output read as plain text.
+PLAIN = (
+    "plain() {  # drop ANSI colour codes: Flower colours its log lines\n"
+    '  "$BIN/python" -u -c \'import re, sys\n'
+    'for line in iter(sys.stdin.readline, ""):\n'
+    '    sys.stdout.write(re.sub(r"\\x1b\\[[0-9;?]*[A-Za-z]", "", line))\n'
+    "    sys.stdout.flush()'\n"
+    "}\n"
+)
+
+
+def start_owner(directory: Path) -> str:
+    """The ``FEDCIUIC_LAUNCH`` value start.sh gives every process it starts."""
+    return owner_tag("start.sh", directory)
 
 
 @dataclass(frozen=True)
@@ -500,20 +529,23 @@ def _run_script(d: Deployment) -> str:
         d,
         "Submit the app to the SuperLink and stream its log; extra arguments go to `flwr run`,\n"
         '# e.g. --run-config "num-server-rounds=5 local-steps=50". Exit 0 only if the run '
-        "completed.",
+        "completed;\n"
+        f"# {EXIT_NO_AGGREGATE} if it published no aggregate (nothing trained), 1 otherwise.",
         d.aggregator,
     ) + (
         # Flower takes a TOML file or key=value pairs, not both: pass the file as pairs so
         # that the caller's --run-config can follow (later values win).
         f'PAIRS="$("$BIN/python" -m fedciuic.deploy run-config {_q(config)})"\n'
-        'LOG="$(mktemp)"\n'
+        + PLAIN
+        + 'LOG="$(mktemp)"\n'
         "trap 'rm -f \"$LOG\"' EXIT\n"
         "rc=0\n"
         f'"$BIN/flwr" run {_q(d.app)} {CONNECTION} --stream --run-config "$PAIRS" "$@" '
-        '2>&1 | tee "$LOG" || rc=$?\n'
-        f'if ! "$BIN/python" -m fedciuic.deploy check-run "$LOG" {_q(config)}; then\n'
-        '  [ "$rc" -ne 0 ] || rc=1\n'
-        "fi\n"
+        '2>&1 | plain | tee "$LOG" || rc=$?\n'
+        # 0 completed; 3 no aggregate published (nothing trained); 1 anything else.
+        "outcome=0\n"
+        f'"$BIN/python" -m fedciuic.deploy check-run "$LOG" {_q(config)} || outcome=$?\n'
+        '[ "$outcome" -eq 0 ] || rc=$outcome\n'
         'exit "$rc"\n'
     )
 
@@ -540,8 +572,13 @@ def _start_script(d: Deployment) -> str:
             d.directory,
             agg / "flwr-home",
         )
+        + PLAIN
         + f"""set -m  # each process started below leads its own process group
 DIR={_q(d.directory)}
+# Every process started below, and all they start, carries this mark: stop.sh stops
+# by it what outlived its parent.
+export {OWNER_ENV}={_q(start_owner(d.directory))}
+START=$(date +%s)
 mkdir -p "$DIR/pids" "$DIR/logs"
 if ! "$BIN/python" -m fedciuic.deploy running "$DIR/pids"; then
   echo "start.sh: an earlier start.sh is still running; stop it with: bash $DIR/stop.sh" >&2
@@ -555,15 +592,17 @@ stop_all() {{
   echo "start.sh: stopping every process it started"
   disown -a  # stopped by stop.sh, by PID: no job reports from this shell
   bash "$DIR/stop.sh" || true
+  # A run whose ServerApp was stopped before it ended must not stay "running".
+  "$BIN/python" -m fedciuic.deploy settle "$DIR/aggregator/runs" "$START" || true
   exit "$rc"
 }}
 trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-launch() {{  # NAME COMMAND...: in the background, logging to logs/NAME.log
+launch() {{  # NAME COMMAND...: in the background, logging to logs/NAME.log (no colours)
   local name=$1
   shift
-  "$@" >"$DIR/logs/$name.log" 2>&1 &
+  "$@" > >(plain >"$DIR/logs/$name.log") 2>&1 &
   echo "$!" >"$DIR/pids/$name.pid"
   echo "start.sh: $name (pid $!), log $DIR/logs/$name.log"
 }}
@@ -575,11 +614,21 @@ launch superlink bash {_q(agg / "start-superlink.sh")}
 # In the background, so that a signal to this script is handled at once.
 bash {_q(agg / "run.sh")} "$@" &
 echo "$!" >"$DIR/pids/flwr-run.pid"
-wait "$!"
+run_rc=0
+wait "$!" || run_rc=$?
 echo "start.sh: results in $DIR/aggregator/runs"
-# Every party's log is on this machine: the run report verifies and cross-checks them all.
-run_dir=$(ls -td "$DIR"/aggregator/runs/run-*/ | head -1)
-"$BIN/fedciuic" report "$run_dir" --keys {_q(agg / "keys")} {report_logs}
+# Every party's log is on this machine: the run report verifies and cross-checks them
+# all, and prints each log's verdict (as `fedciuic simulate` does), whatever the outcome.
+report_rc=0
+run_dir=$(ls -td "$DIR"/aggregator/runs/run-*/ 2>/dev/null | head -1 || true)
+if [ -n "$run_dir" ]; then
+  "$BIN/fedciuic" report "$run_dir" --keys {_q(agg / "keys")} {report_logs} || report_rc=$?
+fi
+# The run's outcome first (3: no aggregate was published), then the audit's.
+if [ "$run_rc" -ne 0 ]; then
+  exit "$run_rc"
+fi
+exit "$report_rc"
 """
     )
 
@@ -629,6 +678,10 @@ def next_steps(d: Deployment) -> str:
         "Everything on this machine, one command (stops every process when the run ends):",
         f"  bash {_q(top / 'start.sh')}",
         f'  bash {_q(top / "start.sh")} --run-config "num-server-rounds=5 local-steps=50"',
+        "Each run spends up to its target-epsilon (default 8) of each region's lifetime",
+        "budget (epsilon-budget, default 8): after a run at the default, another run on the",
+        "same data trains nothing (every region declines; start.sh exits 3). For two runs,",
+        'give each --run-config "target-epsilon=4.0".',
         "",
         f"One machine per party: copy {agg} to the aggregator and each",
         f"{top / 'regions'}/REGION to its region, at the same paths, then:",
@@ -760,7 +813,40 @@ def check_run(log: Path, config: Path) -> int:
         )
         return 1
     print(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
-    return 0 if status == "completed" else 1
+    if status == NO_AGGREGATE:
+        data = json.loads(metrics.read_text(encoding="utf-8"))
+        print(
+            f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
+            "trained and no adapter was saved. Why:\n"
+            + "\n".join(
+                f"  {line}" for line in data["run"].get("reasons") or no_aggregate_reasons(data)
+            ),
+            file=sys.stderr,
+        )
+        return EXIT_NO_AGGREGATE
+    return 0 if status == COMPLETED else 1
+
+
+def settle_runs(runs_dir: Path, since: float) -> list[Path]:
+    """Mark ``interrupted`` each run in ``runs_dir`` that still says ``running`` and was
+    written since ``since`` (Unix time): start.sh calls this once every process it
+    started is gone, so such a run can no longer end."""
+    marked = []
+    for metrics in sorted(runs_dir.glob(f"run-*/{METRICS_FILE}")):
+        try:
+            fresh = metrics.stat().st_mtime >= since - 1.0
+            status = json.loads(metrics.read_text(encoding="utf-8"))["run"]["status"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if (
+            fresh
+            and status == RUNNING
+            and mark_unfinished(
+                metrics.parent, "start.sh stopped the federation before the run ended"
+            )
+        ):
+            marked.append(metrics.parent)
+    return marked
 
 
 def tracked(pids_dir: Path) -> list[psutil.Process]:
@@ -784,7 +870,8 @@ def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
     """Stop every process named in ``pids_dir/*.pid`` and all its descendants, by PID
     (each leads its own process group: start.sh runs with set -m). Returns the roots."""
     roots = [proc.pid for proc in tracked(pids_dir)]
-    stop_process_trees(roots, grace)
+    # Also what outlived its parent: every process start.sh started carries its mark.
+    stop_process_trees(roots, grace, owner=start_owner(Path(os.path.abspath(pids_dir.parent))))
     return roots
 
 
@@ -803,13 +890,17 @@ def _main(argv: Sequence[str]) -> int:
         for proc in live:
             print(f"{args[0]}: process {proc.pid} ({proc.name()}) is running", file=sys.stderr)
         return 1 if live else 0
+    if action == "settle" and len(args) == 2:
+        for run_dir in settle_runs(Path(args[0]), float(args[1])):
+            print(f"start.sh: {run_dir.name} did not end; marked interrupted")
+        return 0
     if action == "stop" and len(args) == 1:
         stopped = stop_processes(Path(args[0]))
         print(f"stopped {len(stopped)} process group(s) named in {args[0]}")
         return 0
     print(
         "usage: python -m fedciuic.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
-        "| check-run LOG FILE | running PIDS_DIR | stop PIDS_DIR",
+        "| check-run LOG FILE | settle RUNS_DIR SINCE | running PIDS_DIR | stop PIDS_DIR",
         file=sys.stderr,
     )
     return 2

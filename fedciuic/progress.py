@@ -25,6 +25,13 @@ from fedciuic.outputs import METRICS_FILE, fmt_epsilon, fmt_number
 CLEAR_LINE = "\r\033[K"
 
 
+#: How the last line says a run's status (metrics.json's ``run.status``).
+ENDINGS = {
+    "no-aggregate": "ended with NO aggregate published (nothing trained)",
+    "running": "stopped before it ended",
+}
+
+
 def is_terminal(stream: IO[str]) -> bool:
     """A live status line only where it can be redrawn: a terminal that is not dumb."""
     isatty = getattr(stream, "isatty", None)
@@ -126,7 +133,8 @@ class RunProgress:
         elapsed = self.clock() - self.started
         if self.run_id is not None:
             status = self.metrics.get("run", {}).get("status", "ended")
-            self._line(f"{self.label}run {self.run_id} {status} after {elapsed:.0f} s")
+            said = ENDINGS.get(status, status)
+            self._line(f"{self.label}run {self.run_id} {said} after {elapsed:.0f} s")
 
     # -- output ---------------------------------------------------------------------
 

@@ -27,7 +27,9 @@ from fedciuic.audit import REGION_LOG, AuditError
 from fedciuic.audit_report import PartyLog, Section, build, open_logs, verify_logs
 from fedciuic.errors import ConfigError
 from fedciuic.outputs import (
+    COMPLETED,
     METRICS_FILE,
+    NO_AGGREGATE,
     epsilon_spent,
     final_eval,
     fmt_epsilon,
@@ -82,6 +84,7 @@ class RunReport:
     logs: list[PartyLog] = field(default_factory=list)  # read and verified once
     run_id: int = 0  # the audit logs' run id
     sections: list[Section] = field(default_factory=list)  # the compliance record
+    notes: list[str] = field(default_factory=list)  # what a run that did not end left
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -380,6 +383,7 @@ def render(
     sections: Sequence[Section],
     problems: Sequence[str],
     verified: bool | None,
+    notes: Sequence[str] = (),
 ) -> str:
     """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched."""
     e = html.escape
@@ -406,6 +410,7 @@ def render(
         )
         + f" &middot; codec {e(str(config.get('codec')))}</p>",
     ]
+    out += [f'<p class="bad">{e(note)}</p>' for note in notes]
     if verified is None:
         out.append(
             '<p class="bad">The audit logs were not verified: no public keys. '
@@ -468,21 +473,65 @@ def write_run_report(
     keys_dir: Path | None = None,
     out: Path | None = None,
 ) -> RunReport:
-    """Read the run and its audit logs, verify them when keys are at hand, write the page."""
+    """Read the run and its audit logs, verify them when keys are at hand, write the page.
+
+    A run that did not end (``running``, ``interrupted``, ``failed``) gets a page too,
+    of what its logs do show: no log at all (it stopped before opening one), no record of
+    this run, or records after the last signed checkpoint (its writer stopped before it
+    signed them; they are shown as unverified) are said in ``notes``, not failures. A
+    record that fails its hash or signature is a problem in any run.
+    """
     data = load_metrics(run_dir)
-    paths = audit_log_paths(data, audit_logs)
-    logs = open_logs(paths, {})
+    status = str(data["run"].get("status", "?"))
+    ended = status in (COMPLETED, NO_AGGREGATE)
+    notes: list[str] = []
+    if not ended:
+        notes.append(
+            f"This run did not end ({status}"
+            + (f": {data['run']['error']}" if data["run"].get("error") else "")
+            + "): the report shows what its metrics and audit logs hold up to where it stopped."
+        )
     run_id = federation_run(data)
+    try:
+        paths = audit_log_paths(data, audit_logs)
+        logs = open_logs(paths, {})
+    except (ConfigError, AuditError) as err:
+        # A log that is named but gone is an error in any run; no log named (the run
+        # failed before opening one) or an empty one is what a run that did not end left.
+        named = bool(data["run"].get("audit_log"))
+        if ended or audit_logs or (named and isinstance(err, ConfigError)):
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError([str(err)]) from None
+        paths, logs = [], []
+        reason = "; ".join(err.problems) if isinstance(err, ConfigError) else str(err)
+        notes.append(f"No audit log to read ({reason}): the run stopped before it wrote one.")
     configured = data["run"].get("config", {}).get("keys-dir")
     if keys_dir is None and configured and Path(configured).is_dir():
         keys_dir = Path(configured)
-    verify_logs(logs, keys_dir)
-    verified = None if keys_dir is None else all(log.verdict and log.verdict.ok for log in logs)
-    problems = [log.verdict.explain() for log in logs if log.verdict and not log.verdict.ok]
-    try:
-        _, sections = build(logs, run_id)
-    except AuditError as err:
-        raise ConfigError([f"{paths[0]}: {err}; pass the audit log of this run"]) from None
+    if logs:
+        verify_logs(logs, keys_dir)
+    problems = []
+    for log in logs:
+        if log.verdict is None or log.verdict.ok:
+            continue
+        if ended or log.verdict.problem:
+            problems.append(log.verdict.explain())
+        else:  # a tail no checkpoint covers yet: where the writer stopped
+            notes.append(
+                f"{log.path}: verified up to its last signed checkpoint (seq "
+                f"{log.verdict.verified_through}); what follows was written before the run "
+                "stopped and no signature covers it: it is listed as unverified."
+            )
+    verified = None if keys_dir is None or not logs else not problems
+    sections: list[Section] = []
+    if logs:
+        try:
+            _, sections = build(logs, run_id)
+        except AuditError as err:
+            if ended:
+                raise ConfigError([f"{paths[0]}: {err}; pass the audit log of this run"]) from None
+            notes.append(f"The audit logs hold no record of run {run_id} ({err}).")
     timeline = decisions(logs, run_id)
     values = series(data, timeline)
     pngs = {name: _png(fig) for name, fig in figures(values).items()}
@@ -496,5 +545,7 @@ def write_run_report(
     series_path = plots_dir / SERIES_FILE
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
     kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
-    page.write_text(render(data, timeline, pngs, kept, problems, verified), encoding="utf-8")
-    return RunReport(page, plots, series_path, verified, problems, logs, run_id, list(sections))
+    page.write_text(render(data, timeline, pngs, kept, problems, verified, notes), encoding="utf-8")
+    return RunReport(
+        page, plots, series_path, verified, problems, logs, run_id, list(sections), notes
+    )

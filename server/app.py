@@ -9,6 +9,7 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
+from flwr.supercore.exit import add_exit_handler
 
 from fedciuic.audit import AGGREGATOR_LOG, AuditLog, code_version, config_hash
 from fedciuic.checkpoint import Checkpoint, CheckpointError, load_checkpoint
@@ -17,7 +18,17 @@ from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.outputs import ADAPTER_DIR, RunRecorder, summarize
+from fedciuic.outputs import (
+    ADAPTER_DIR,
+    COMPLETED,
+    FAILED,
+    INTERRUPTED,
+    NO_AGGREGATE,
+    RunRecorder,
+    no_aggregate_reasons,
+    published_rounds,
+    summarize,
+)
 from fedciuic.policy import PolicyError
 from fedciuic.sealing import AggregatorKeys, aggregator_keys, model_digest
 from server.strategy import RegionalFedAvg
@@ -43,16 +54,18 @@ def main(grid: Grid, context: Context) -> None:
         },
     )
     log(INFO, "fedciuic: writing this run to %s", out_dir)
+    # SIGINT/SIGTERM: Flower runs its exit handlers, then exits; the run is then
+    # "interrupted", never "running" forever. (After a normal end it changes nothing.)
+    add_exit_handler(
+        lambda: _stopped(recorder, "stopped by a signal (SIGINT/SIGTERM) before it ended"),
+        run_before_force_exit=True,
+    )
     if not run.seal:
         log(WARNING, "fedciuic: sealing is OFF: updates cross the relay in the clear")
     if not run.dp:
         log(WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy")
-    elif not run.secure_mode:
-        log(
-            WARNING,
-            "fedciuic: secure-mode is OFF: DP noise comes from a seeded pseudo-random "
-            "generator. Fine for experiments; set secure-mode = true for production runs.",
-        )
+    elif run.noise_warning:
+        log(WARNING, run.noise_warning)
     audit = None
     try:
         audit = _audit_log(run)
@@ -83,17 +96,36 @@ def main(grid: Grid, context: Context) -> None:
             timeout=run.round_timeout,
             first_round=resumed.round + 1 if resumed else 1,
         )
-        model.load_adapter_state(strategy.global_adapter)
-        adapter = model.save_adapter(out_dir / ADAPTER_DIR)
         final = model_digest(strategy.global_adapter).hex()
-        audit.append("run_end", run_id=federation_run, status="completed", model_digest=final)
+        # Nothing published in any round: the global adapter is the initial one, and
+        # saving it would present an untrained model as this run's result.
+        status = COMPLETED if published_rounds(recorder.data) else NO_AGGREGATE
+        adapter = None
+        if status == COMPLETED:
+            model.load_adapter_state(strategy.global_adapter)
+            adapter = str(model.save_adapter(out_dir / ADAPTER_DIR))
+        audit.append("run_end", run_id=federation_run, status=status, model_digest=final)
         audit.checkpoint(run_id=federation_run)
+        strategy.witness_run_end(grid, run.round_timeout)
     except FedciuicError as err:
-        recorder.finish("failed", error=str(err))
+        recorder.finish(FAILED, error=str(err))
         log(ERROR, "fedciuic: %s", err)
         _run_failed(audit, context.run_id, err)
         raise SystemExit(1) from None
-    recorder.finish("completed", adapter=str(adapter))
+    except BaseException as err:
+        # Not a fedciuic error: a signal's SystemExit, or a bug. Say so in metrics.json.
+        if isinstance(err, KeyboardInterrupt | SystemExit):
+            _stopped(recorder, f"stopped ({type(err).__name__}) before it ended")
+        else:
+            recorder.finish_unless_finished(FAILED, error=f"{type(err).__name__}: {err}")
+        raise
+    if status == NO_AGGREGATE:
+        # The launchers (`fedciuic simulate`, run.sh) read this status and exit 3.
+        recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+        for line in summarize(recorder.data).splitlines():
+            log(WARNING, "%s", line)
+        return
+    recorder.finish(COMPLETED, adapter=adapter)
     for line in summarize(recorder.data).splitlines():
         log(INFO, "%s", line)
 
@@ -204,6 +236,19 @@ def _run_start(
         flower_run=flower_run,
         resumed_after_round=resumed.round if resumed else None,
     )
+
+
+def _stopped(recorder: RunRecorder, reason: str) -> None:
+    """Mark the run interrupted if it has not ended (metrics.json only: the audit log
+    belongs to the thread that was interrupted mid-way, and must not be written here)."""
+    for _ in range(3):  # the run's thread may be changing the record right now
+        try:
+            if recorder.finish_unless_finished(INTERRUPTED, error=reason):
+                log(WARNING, "fedciuic: run %s", reason)
+            return
+        except (RuntimeError, OSError) as err:
+            problem = err
+    log(ERROR, "fedciuic: cannot mark the run interrupted: %s", problem)
 
 
 def _run_failed(audit: AuditLog | None, run_id: int, err: FedciuicError) -> None:

@@ -129,3 +129,22 @@ def test_a_terminal_gets_one_live_line_redrawn_in_place(tmp_path):
     assert f"{CLEAR_LINE}regions eu, cn; 2 round(s)" in text
     progress.finish()
     assert out.getvalue().endswith(f"{CLEAR_LINE}run 7 completed after 3 s\n")
+
+
+def test_the_last_line_says_plainly_when_nothing_was_published_or_the_run_was_stopped(tmp_path):
+    for status, said in (
+        ("no-aggregate", "run 7 ended with NO aggregate published (nothing trained) after 0 s"),
+        ("running", "run 7 stopped before it ended after 0 s"),
+        ("interrupted", "run 7 interrupted after 0 s"),
+    ):
+        out = io.StringIO()
+        progress = RunProgress(out, tmp_path, live=False, clock=Clock())
+        log = tmp_path / "flwr-run.log"
+        log.write_text("Successfully started run 7\n")
+        data = metrics(0)
+        data["run"]["status"] = status
+        (tmp_path / "run-7").mkdir(exist_ok=True)
+        (tmp_path / "run-7" / "metrics.json").write_text(json.dumps(data))
+        progress.poll(log)
+        progress.finish()
+        assert out.getvalue().endswith(said + "\n"), out.getvalue()

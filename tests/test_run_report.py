@@ -50,6 +50,23 @@ def test_a_run_without_its_audit_log_asks_for_it(tmp_path, capsys):
     assert f"--audit-log {gone}: no such file" in capsys.readouterr().err
 
 
+def test_a_run_that_failed_before_its_audit_log_is_reported_from_what_there_is(tmp_path, capsys):
+    (tmp_path / "metrics.json").write_text(
+        json.dumps(
+            {
+                "run": {"run_id": 1, "status": "interrupted", "error": "SIGTERM", "config": {}},
+                "rounds": {},
+            }
+        )
+    )
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "note: This run did not end (interrupted: SIGTERM)" in out
+    assert "note: No audit log to read" in out
+    page = (tmp_path / "report.html").read_text()
+    assert "<b>interrupted</b>" in page and "No audit log to read" in page
+
+
 def test_the_timeline_has_every_refusal_once_from_either_side():
     aggregator = PartyLog(
         Path("aggregator.audit.jsonl"),

@@ -4,6 +4,16 @@ Used by ``fedciuic simulate``, the deployment example and the end-to-end tests, 
 that all three start Flower the same way. Every process and its descendants are
 stopped by PID (SIGTERM, then SIGKILL) when the :class:`LocalFederation` context
 exits, also when the body raised.
+
+A process tree is not enough: Ray (the simulation engine) starts its GCS, raylet and
+``ClientAppActor`` workers under the simulation process, and a worker whose raylet
+exits first is re-parented to init, out of every tree. So every process a
+:class:`LocalFederation` starts carries ``FEDCIUIC_LAUNCH=<nonce>:<workdir>`` in its
+environment, which Ray passes on to its workers; :meth:`LocalFederation.stop` stops
+every live process that carries its own value, and returns only when none is left.
+Ray also gets a temporary folder of this federation's own (``RAY_TMPDIR``), so that
+it starts a Ray instance of its own instead of joining one started with ``ray start``
+on the same machine, and another Ray on the machine is never touched.
 """
 
 from __future__ import annotations
@@ -12,14 +22,17 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +58,10 @@ FLOWER_ENV = {
 #: What ``flwr run`` prints once the SuperLink has accepted the run.
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")
 
+#: The variable that marks every process a launcher started (and all they start):
+#: ``<owner>:<folder>``; see :func:`owned_processes`.
+OWNER_ENV = "FEDCIUIC_LAUNCH"
+
 
 def running(proc: psutil.Process) -> bool:
     """Alive and not a zombie (an exited child its parent has not reaped yet)."""
@@ -54,33 +71,81 @@ def running(proc: psutil.Process) -> bool:
         return False
 
 
-def stop_process_trees(pids: Sequence[int], grace: float = 10.0) -> None:
-    """SIGTERM each process and all its descendants, SIGKILL whatever is left after
-    ``grace`` seconds, then SIGKILL each one's process group.
+def owner_tag(label: str, folder: Path) -> str:
+    """The ``FEDCIUIC_LAUNCH`` value of a launcher: who started it, and where."""
+    return f"{label}:{folder}"
+
+
+def owner_folder(tag: str) -> Path | None:
+    """The folder in a ``FEDCIUIC_LAUNCH`` value (the tests look for what a run left)."""
+    _, sep, folder = tag.partition(":")
+    return Path(folder) if sep and folder else None
+
+
+def owned_processes(owner: str) -> list[psutil.Process]:
+    """Live processes (not zombies) whose environment has ``FEDCIUIC_LAUNCH=owner``:
+    everything one launcher started, Ray's workers included, wherever they were
+    re-parented to. Processes of other users, which we may not read, are not ours; nor
+    is this process or any of its ancestors (stop.sh runs under the start.sh it stops)."""
+    found = []
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid not in spared and proc.environ().get(OWNER_ENV) == owner and running(proc):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def stop_process_trees(
+    pids: Sequence[int], grace: float = 10.0, owner: str | None = None
+) -> list[psutil.Process]:
+    """SIGTERM each process and all its descendants (and, given ``owner``, every process
+    that carries it), SIGKILL whatever is left after ``grace`` seconds, then SIGKILL each
+    one's process group; with ``owner``, sweep again until none is left (up to ``grace``
+    more seconds). Returns what could not be stopped (normally nothing).
 
     Descendants are listed before anything is signalled: Flower detaches some helpers
     into sessions of their own, which would be orphaned otherwise. Each process is
     expected to lead its own group, so what it left behind (a helper of a SuperNode
     that already exited, say) goes with the group.
     """
-    targets: list[psutil.Process] = []
+    targets: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             root = psutil.Process(pid)
-            targets += [root, *root.children(recursive=True)]
-    for proc in targets:
+            for proc in (root, *root.children(recursive=True)):
+                targets[proc.pid] = proc
+    for proc in owned_processes(owner) if owner else []:
+        targets.setdefault(proc.pid, proc)
+    for proc in targets.values():
         with contextlib.suppress(psutil.Error):
             proc.terminate()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(running(p) for p in targets):
+    while time.monotonic() < deadline and any(running(p) for p in targets.values()):
         time.sleep(0.2)
-    for proc in targets:
+    for proc in targets.values():
         if running(proc):
             with contextlib.suppress(psutil.Error):
                 proc.kill()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+    if not owner:
+        return []
+    # What outlived its parent (a Ray worker whose raylet exited first) or started
+    # while the others were stopping: kill it too, until nothing of ours is left.
+    deadline = time.monotonic() + grace
+    while left := owned_processes(owner):
+        if time.monotonic() > deadline:
+            return left
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(left, timeout=1)
+    return []
 
 
 def free_port() -> int:
@@ -129,10 +194,21 @@ class LocalFederation:
         self.runs = 0
         self.superlink_address = ""
         self.tls: ServerTls | None = None
+        self.owner = owner_tag(uuid.uuid4().hex[:12], self.workdir)
+        # Ray's sockets live in its temporary folder, whose path must stay short (a Unix
+        # socket path has at most 107 bytes): /tmp, not the workdir.
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="fedciuic-ray-", dir=_short_tmp()))
         # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
         # our interpreter's bin folder first so that they come from the same venv.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        self.env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.flwr_home), "PATH": path}
+        self.env = {
+            **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+            **FLOWER_ENV,
+            "FLWR_HOME": str(self.flwr_home),
+            "PATH": path,
+            OWNER_ENV: self.owner,
+            "RAY_TMPDIR": str(self.ray_tmp),
+        }
 
     def __enter__(self) -> LocalFederation:
         return self
@@ -168,12 +244,25 @@ class LocalFederation:
     def pids(self) -> list[int]:
         return [m.process.pid for m in self.processes]
 
-    def stop(self, grace: float = 10.0) -> None:
-        """Stop every process this object started and all their descendants, by PID."""
-        stop_process_trees([m.process.pid for m in reversed(self.processes)], grace)
+    def stop(self, grace: float = 10.0) -> list[psutil.Process]:
+        """Stop every process this object started, all their descendants and everything
+        else that carries its mark (Ray's workers), and wait until none is left; remove
+        Ray's temporary folder. Returns what could not be stopped (normally nothing)."""
+        left = stop_process_trees(
+            [m.process.pid for m in reversed(self.processes)], grace, owner=self.owner
+        )
         for managed in self.processes:
             if managed.process.poll() is None:
-                managed.process.wait(timeout=5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    managed.process.wait(timeout=5)
+        self.processes.clear()
+        if not left:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        return left
+
+    def owned(self) -> list[psutil.Process]:
+        """The live processes that carry this federation's mark."""
+        return owned_processes(self.owner)
 
     def kill(self, managed: Managed) -> None:
         """SIGKILL one process and everything it started (a crash, for fault tests);
@@ -371,6 +460,11 @@ class LocalFederation:
                 f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path)
             )
         return int(match.group(1)), text
+
+
+def _short_tmp() -> str | None:
+    """/tmp where it is a writable folder (short paths), else the system's default."""
+    return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK) else None
 
 
 def _echo(path: Path, shown: int, stream: IO[str] | None) -> int:

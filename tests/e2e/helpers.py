@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from fedciuic.flower.launch import LocalFederation, Managed
+from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
 from fedciuic.tls import generate_supernode_key
 
 
@@ -27,15 +27,36 @@ def eval_loss(data: dict[str, Any], server_round: int, region: str) -> float:
 
 
 def processes_under(folder: Path) -> list[psutil.Process]:
-    """Live processes whose working directory is inside ``folder``."""
+    """Live processes that belong to something started in ``folder``: their working
+    directory or an argument is inside it, or they carry the mark of a launcher whose
+    folder is inside it (``FEDCIUIC_LAUNCH``, which Ray's workers inherit wherever
+    they were re-parented to)."""
     found = []
+    me = psutil.Process().pid
+    where = str(folder)
     for proc in psutil.process_iter():
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and Path(proc.cwd()).is_relative_to(folder):
+            if proc.pid == me or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            launcher = owner_folder(proc.environ().get(OWNER_ENV, ""))
+            if (
+                Path(proc.cwd()).is_relative_to(folder)
+                or (launcher is not None and launcher.is_relative_to(folder))
+                or any(where in arg for arg in proc.cmdline())
+            ):
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
     return found
+
+
+def describe(processes: list[psutil.Process]) -> str:
+    """PID and command line of each process (for an assertion message)."""
+    lines = []
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"{proc.pid} {' '.join(proc.cmdline())[:160]}")
+    return "\n".join(lines)
 
 
 def alive(pids: list[int]) -> list[int]:

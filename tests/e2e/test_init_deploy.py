@@ -115,6 +115,12 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
         # start.sh ends with the run report, from every party's audit log, verified by its key.
         assert f"report: {metrics.parent / 'report.html'}\n" in output
         assert "not verified" not in output
+        # The same audit verdicts as `fedciuic simulate` prints, one per party's log.
+        assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
+        # Plain text: Flower's colour codes stay out of the output and the logs.
+        assert "\x1b[" not in output
+        for log in (directory / "logs").glob("*.log"):
+            assert "\x1b[" not in log.read_text(errors="replace"), log
         page = (metrics.parent / "report.html").read_text()
         assert "<b>completed</b>" in page and "not verified" not in page
         series = json.loads((metrics.parent / "report" / "series.json").read_text())

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,29 +18,29 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import byte_tokenizer
 from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT
-from tests.e2e.helpers import eval_loss, only_run, processes_under
+from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
 
 pytestmark = pytest.mark.e2e
 
 
+def _command(tmp_path: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fedciuic.cli",
+        "simulate",
+        "--app",
+        str(ROOT),
+        "--output-dir",
+        str(tmp_path / "runs"),
+        "--quiet",
+        *args,
+    ]
+
+
 def simulate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedciuic.cli",
-            "simulate",
-            "--app",
-            str(ROOT),
-            "--output-dir",
-            str(tmp_path / "runs"),
-            "--quiet",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
+        _command(tmp_path, *args), capture_output=True, text=True, timeout=900, cwd=tmp_path
     )
 
 
@@ -54,7 +57,10 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     run_dir = Path(data["run"]["output_dir"])
     assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     assert (run_dir / "summary.txt").exists()
-    assert not processes_under(tmp_path), "simulate left Flower processes running"
+    # Nothing it started is left: Flower's processes, Ray's GCS, raylet and
+    # ClientAppActor workers (found by the mark they inherit, wherever re-parented).
+    left = processes_under(tmp_path)
+    assert not left, "simulate left processes running:\n" + describe(left)
     # Every party's audit log verifies, and the regions' logs agree with the aggregator's.
     assert done.stdout.count("audit: OK: ") == 4, done.stdout
     (report,) = run_dir.glob("compliance-report-run-*.md")
@@ -218,3 +224,83 @@ def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(
     assert "Traceback" not in log
     data = only_run(out)
     assert data["run"]["status"] == "failed" and data["rounds"] == {}
+
+
+def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(tmp_path):
+    """The documented way to continue ledgers: the same --data-root again. Each region's
+    key is kept with its state, so its audit log, which outlives runs, verifies after
+    every run; once the budget is spent no region trains, and the run says so (exit 3,
+    no adapter), instead of "completed" with an untrained adapter."""
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu", "us"))
+    common = ("--regions", "eu,us", "--rounds", "1", "--data-root", str(data_root))
+    half = ("--run-config", "local-steps=2", "--run-config", "target-epsilon=4.0")
+    kept = data_root / "eu" / ".fedciuic" / "keys" / "eu.key.json"
+    for number in (1, 2):
+        done = simulate(tmp_path, *common, *half)
+        assert done.returncode == 0, f"run {number}:\n{done.stdout}{done.stderr}"
+        assert done.stdout.count("audit: OK: ") == 3, done.stdout  # aggregator, eu, us
+        assert "signed by another key" not in done.stdout
+        if number == 1:
+            key = kept.read_text()
+    assert kept.read_text() == key  # the same key for both runs
+
+    spent = simulate(tmp_path, *common, "--run-config", "local-steps=2")
+    assert spent.returncode == 3, spent.stdout + spent.stderr
+    assert spent.stdout.count("audit: OK: ") == 3, spent.stdout
+    (newest,) = [
+        p for p in (tmp_path / "runs").glob("run-*/metrics.json") if "no-aggregate" in p.read_text()
+    ]
+    data = json.loads(newest.read_text())
+    assert data["run"]["status"] == "no-aggregate" and data["run"]["adapter"] is None
+    assert not (newest.parent / "adapter").exists()
+    for region in ("eu", "us"):
+        assert data["rounds"]["1"]["train"][region]["status"] == "declined"
+        assert any(
+            line.startswith(f"{region}: declined in round 1: ") for line in data["run"]["reasons"]
+        )
+    assert "no-aggregate" in spent.stdout and "NO AGGREGATE: none was published" in spent.stdout
+    assert "published no aggregate: nothing was trained (exit 3" in spent.stderr
+    assert not processes_under(tmp_path)
+
+
+def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
+    """SIGTERM to `fedciuic simulate` mid-run: every process goes, metrics.json says
+    interrupted (not "running" forever), and `fedciuic report` describes what is there."""
+    runs = tmp_path / "runs"
+    process = subprocess.Popen(
+        _command(tmp_path, "--regions", "eu,us", "--rounds", "3", "--run-config", "local-steps=2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            found = list(runs.glob("run-*/metrics.json"))
+            if found and '"1"' in found[0].read_text():  # round 1 has begun
+                break
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "fedciuic: interrupted" in output
+    left = processes_under(tmp_path)
+    assert not left, "simulate left processes running:\n" + describe(left)
+    data = only_run(runs)
+    assert data["run"]["status"] == "interrupted", data["run"]
+    run_dir = Path(data["run"]["output_dir"])
+    assert "INTERRUPTED" in (run_dir / "summary.txt").read_text()
+    report = subprocess.run(
+        [sys.executable, "-m", "fedciuic.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "note: This run did not end (interrupted" in report.stdout
+    assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()

@@ -1,0 +1,272 @@
+"""What a run achieved, said plainly: no aggregate, interrupted, and the processes and
+keys a simulation leaves behind (none, and one per region)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fedciuic import deploy
+from fedciuic.cli import EXIT_ERROR, _simulation_keys, main
+from fedciuic.config import RunConfig
+from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
+from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
+from fedciuic.outputs import (
+    INTERRUPTED,
+    NO_AGGREGATE,
+    RunRecorder,
+    mark_unfinished,
+    no_aggregate_reasons,
+    published_rounds,
+    summarize,
+)
+from tests.conftest import app_config
+
+# -- no aggregate ---------------------------------------------------------------------
+
+
+def _declined_everywhere(tmp_path: Path) -> RunRecorder:
+    recorder = RunRecorder(
+        tmp_path,
+        {"run_id": 9, "regions": ["eu", "us"], "config": {"num-server-rounds": 2, "dp": False}},
+    )
+    for server_round in (1, 2):
+        recorder.record_train(
+            server_round, "eu", {"status": "declined", "reason": "over its budget 8"}
+        )
+        recorder.record_train(server_round, "us", {"status": "trained", "loss": 4.0})
+        recorder.record_aggregate(
+            server_round, {"published": False, "reasons": ["needs 2 regions, has 1"]}
+        )
+    return recorder
+
+
+def test_a_run_with_no_published_aggregate_says_why_per_region(tmp_path):
+    recorder = _declined_everywhere(tmp_path)
+    assert published_rounds(recorder.data) == []
+    reasons = no_aggregate_reasons(recorder.data)
+    assert reasons == [
+        "eu: declined in rounds 1, 2: over its budget 8",
+        "us: trained in rounds 1, 2",
+        "aggregate withheld in round 1: needs 2 regions, has 1",
+        "aggregate withheld in round 2: needs 2 regions, has 1",
+    ]
+    recorder.finish(NO_AGGREGATE, adapter=None, reasons=reasons)
+    text = (tmp_path / "summary.txt").read_text()
+    assert "fedciuic run 9: no-aggregate" in text
+    assert "NO AGGREGATE: none was published in 2 round(s)" in text
+    assert "  eu: declined in rounds 1, 2: over its budget 8" in text
+    assert "adapter:" not in text
+    recorder.record_aggregate(1, {"published": True, "regions": ["eu", "us"]})
+    assert published_rounds(recorder.data) == [1]
+
+
+def test_a_region_that_never_replied_is_named(tmp_path):
+    recorder = RunRecorder(tmp_path, {"run_id": 1, "regions": ["eu"], "config": {}})
+    recorder.record_train(1, "us", {"status": "trained"})
+    assert no_aggregate_reasons(recorder.data)[0] == "eu: no reply in any round"
+
+
+# -- interrupted ----------------------------------------------------------------------
+
+
+def test_interrupted_run_is_marked_interrupted_once_and_never_over_an_outcome(tmp_path):
+    recorder = RunRecorder(tmp_path, {"run_id": 3, "regions": ["eu"], "config": {}})
+    recorder.record_train(1, "eu", {"status": "trained"})
+    recorder.record_end(1)
+    recorder.record_train(2, "eu", {"status": "trained"})
+    assert recorder.finish_unless_finished(INTERRUPTED, error="stopped by SIGTERM")
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["run"]["status"] == "interrupted"
+    assert "INTERRUPTED in round 2 of ?: stopped by SIGTERM" in summarize(data)
+    # An exit handler after a normal end changes nothing.
+    assert not recorder.finish_unless_finished(INTERRUPTED, error="late")
+    assert not mark_unfinished(tmp_path, "late")
+    assert json.loads((tmp_path / "metrics.json").read_text())["run"]["error"] == (
+        "stopped by SIGTERM"
+    )
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_launcher_marks_a_run_its_process_left_running(tmp_path):
+    RunRecorder(tmp_path / "run-5", {"run_id": 5, "regions": ["eu"], "config": {}})
+    assert mark_unfinished(tmp_path / "run-5", "killed")
+    data = json.loads((tmp_path / "run-5" / "metrics.json").read_text())
+    assert (data["run"]["status"], data["run"]["error"]) == ("interrupted", "killed")
+    assert (
+        "INTERRUPTED before round 0 ended: killed"
+        in (tmp_path / "run-5" / "summary.txt").read_text()
+    )
+    assert not mark_unfinished(tmp_path / "no-such-run", "killed")
+
+
+def test_start_sh_settles_only_its_own_running_runs(tmp_path):
+    old = RunRecorder(tmp_path / "run-1", {"run_id": 1, "regions": [], "config": {}})
+    os.utime(old.directory / "metrics.json", (time.time() - 3600, time.time() - 3600))
+    since = time.time()
+    RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": [], "config": {}})
+    done = RunRecorder(tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}})
+    done.finish("completed")
+    assert deploy.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
+    status = {
+        p.parent.name: json.loads(p.read_text())["run"]["status"]
+        for p in tmp_path.glob("run-*/metrics.json")
+    }
+    assert status == {"run-1": "running", "run-2": "interrupted", "run-3": "completed"}
+
+
+def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    recorder = _declined_everywhere(runs / "run-77")
+    recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+    log = tmp_path / "flwr.log"
+    log.write_text("Successfully started run 77\n")
+    config = tmp_path / "run-config.toml"
+    config.write_text(f'output-dir = "{runs}"\n')
+    assert deploy.check_run(log, config) == deploy.EXIT_NO_AGGREGATE == 3
+    err = capsys.readouterr().err
+    assert "published no aggregate in any round" in err
+    assert "  eu: declined in rounds 1, 2: over its budget 8" in err
+
+
+def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(tmp_path):
+    d = deploy.init_deployment(
+        tmp_path / "fed", "eu,cn", demo_data=True, tls=False, app_dir=Path(".")
+    )
+    start = (d.directory / "start.sh").read_text()
+    run = (d.aggregator / "run.sh").read_text()
+    assert "| plain | tee" in run
+    assert '> >(plain >"$DIR/logs/$name.log")' in start
+    assert f"export {OWNER_ENV}=" in start
+    assert '"$BIN/fedciuic" report "$run_dir"' in start
+    assert "fedciuic.deploy settle" in start
+    # The filter itself: colour codes out, text kept.
+    plain = subprocess.run(
+        ["bash", "-c", deploy.PLAIN.replace("$BIN", str(Path(sys.executable).parent)) + "plain"],
+        input="\x1b[92mINFO \x1b[0m:      Starting\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plain.stdout == "INFO :      Starting\n", plain.stderr
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+def _orphan(tmp_path: Path, env: dict[str, str], name: str) -> int:
+    """A sleeper in a session of its own whose parent has exited (re-parented to init,
+    as a Ray worker whose raylet died first); returns its PID."""
+    pid_file = tmp_path / f"{name}.pid"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; "
+            f"p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))",
+        ],
+        env=env,
+        check=True,
+        timeout=60,
+    )
+    return int(pid_file.read_text())
+
+
+def test_simulate_leaves_no_ray_process_an_orphaned_worker_is_stopped_by_its_mark(tmp_path):
+    owner = owner_tag("test", tmp_path)
+    ours = _orphan(tmp_path, {**os.environ, OWNER_ENV: owner}, "ours")
+    other = _orphan(tmp_path, {**os.environ, OWNER_ENV: owner_tag("other", tmp_path)}, "other")
+    unmarked = _orphan(tmp_path, dict(os.environ), "unmarked")
+    try:
+        assert [p.pid for p in owned_processes(owner)] == [ours]
+        assert stop_process_trees([], grace=5, owner=owner) == []
+        assert not psutil.pid_exists(ours) or psutil.Process(ours).status() == "zombie"
+        # Another launcher's processes (another Ray on the machine) are left alone.
+        assert psutil.Process(other).is_running() and psutil.Process(unmarked).is_running()
+    finally:
+        for pid in (ours, other, unmarked):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+
+
+# -- simulate's input and keys ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "no-region-folder"])
+def test_a_bad_data_root_is_named_as_data_root_before_anything_starts(tmp_path, capsys, kind):
+    root = tmp_path / "data"
+    if kind == "file":
+        root.write_text("")
+    elif kind == "no-region-folder":
+        (root / "other").mkdir(parents=True)
+    out = tmp_path / "runs"
+    code = main(["simulate", "--data-root", str(root), "--output-dir", str(out), "--quiet"])
+    assert code == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedciuic: error: --data-root: {root}")
+    assert "data-path" not in err and len(err.strip().splitlines()) == 1
+    assert not (out / ".flower").exists()
+
+
+def _run(regions: str = "eu,us") -> RunConfig:
+    return RunConfig.from_user_config({**app_config(), "regions": regions}, source="test")
+
+
+def test_second_simulate_on_same_data_root_reuses_each_regions_key(tmp_path):
+    root = tmp_path / "data"
+    for region in ("eu", "us"):
+        (root / region).mkdir(parents=True)
+    first = _simulation_keys(tmp_path / "k1", root, _run())
+    second = _simulation_keys(tmp_path / "k2", root, _run())
+    for region in ("eu", "us"):
+        kept = load_keypair(root / region / ".fedciuic" / "keys" / f"{region}.key.json")
+        for keys in (first, second):
+            assert load_keypair(keys / f"{region}.key.json").bundle.key_id == kept.bundle.key_id
+    # The aggregator is fresh per invocation.
+    assert (
+        load_keypair(first / "aggregator.key.json").bundle.key_id
+        != load_keypair(second / "aggregator.key.json").bundle.key_id
+    )
+
+
+def test_a_region_without_a_folder_gets_a_key_but_no_state_folder(tmp_path):
+    root = tmp_path / "data"
+    (root / "eu").mkdir(parents=True)
+    keys = _simulation_keys(tmp_path / "k", root, _run())
+    assert (keys / "us.key.json").exists() and not (root / "us").exists()
+
+
+def test_a_kept_key_of_another_region_is_refused(tmp_path):
+    root = tmp_path / "data"
+    (root / "eu").mkdir(parents=True)
+    write_keys(Keypair.generate("us", "US"), root / "eu" / ".fedciuic" / "keys")
+    (root / "eu" / ".fedciuic" / "keys" / "us.key.json").rename(
+        root / "eu" / ".fedciuic" / "keys" / "eu.key.json"
+    )
+    with pytest.raises(KeyFileError, match="the key of us \\(US\\), not of region eu"):
+        _simulation_keys(tmp_path / "k", root, _run("eu"))
+
+
+def test_stop_sh_spares_itself_and_the_start_sh_it_runs_under(tmp_path):
+    owner = owner_tag("start.sh", tmp_path)
+    code = (
+        "import os; from fedciuic.flower.launch import owned_processes; "
+        f"print([p.pid for p in owned_processes({owner!r})], os.getppid())"
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -c {code!r}; true"],
+        env={**os.environ, OWNER_ENV: owner},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.startswith("[] "), done.stdout + done.stderr
