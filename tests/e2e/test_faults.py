@@ -21,7 +21,7 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
 from fedciuic.sealing import generate_federation_keys
 from fedciuic.tls import generate_server_tls
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
 from tests.e2e.helpers import alive, deployed_node, secure_supernode
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +59,21 @@ def final_adapter(out: Path) -> dict[str, np.ndarray]:
 
 def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
     keys = generate_federation_keys(tmp_path / "keys", REGIONS)
+    # "The same model" needs the same noise: reproducible noise, a test-only setting
+    # that every shipped policy refuses, so these lab copies allow it.
+    policies = tmp_path / "policies"
+    for jurisdiction in SHIPPED_POLICIES:
+        write_policy(
+            policies / f"{jurisdiction.lower()}.yaml",
+            jurisdiction,
+            privacy__secure_rng_required=False,
+        )
     common = {
         "num-server-rounds": 2,
         "keys-dir": str(keys),
-        "policies-dir": str(ROOT / "policies"),
+        "policies-dir": str(policies),
+        "secure-mode": False,
+        "insecure-reproducible-noise": True,
     }
 
     def config(name: str, **extra: object) -> dict[str, object]:
