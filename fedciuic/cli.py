@@ -716,11 +716,12 @@ def _audit_after_simulation(run_dir: Path) -> int:
 
     report = write_run_report(run_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
+    lines += [f"audit: the logs DISAGREE: {d}" for d in report.disagreements]
     md, _ = write_sections(report.run_id, report.sections, run_dir)
     lines.append(f"compliance report: {md} (and .html)")
     lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
     print("\n".join(lines))
-    return EXIT_AUDIT if report.problems else EXIT_OK
+    return EXIT_OK if report.ok else EXIT_AUDIT
 
 
 def _check_policies(run: RunConfig) -> None:
@@ -923,7 +924,9 @@ def _report(args: argparse.Namespace) -> int:
             print(f"audit: {verdict}", file=sys.stderr)
         else:  # the run did not end: its writer stopped before signing its last records
             print(f"audit: (the run did not end; its tail is unverified) {verdict}")
-    return EXIT_AUDIT if report.problems else EXIT_OK
+    for disagreement in report.disagreements:
+        print(f"audit: the logs DISAGREE: {disagreement}", file=sys.stderr)
+    return EXIT_OK if report.ok else EXIT_AUDIT
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.audit import REGION_LOG, AuditError
-from fedciuic.audit_report import PartyLog, Section, build, open_logs, verify_logs
+from fedciuic.audit_report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.errors import ConfigError
 from fedciuic.outputs import (
     COMPLETED,
@@ -85,6 +85,12 @@ class RunReport:
     run_id: int = 0  # the audit logs' run id
     sections: list[Section] = field(default_factory=list)  # the compliance record
     notes: list[str] = field(default_factory=list)  # what a run that did not end left
+    disagreements: list[str] = field(default_factory=list)  # where the logs contradict
+
+    @property
+    def ok(self) -> bool:
+        """Every log verified (or none could be) and the logs agree."""
+        return not self.problems and not self.disagreements
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -525,9 +531,11 @@ def write_run_report(
             )
     verified = None if keys_dir is None or not logs else not problems
     sections: list[Section] = []
+    disagreements: list[str] = []
     if logs:
         try:
-            _, sections = build(logs, run_id)
+            built = build_report(logs, run_id)
+            sections, disagreements = built.sections, built.disagreements
         except AuditError as err:
             if ended:
                 raise ConfigError([f"{paths[0]}: {err}; pass the audit log of this run"]) from None
@@ -545,7 +553,17 @@ def write_run_report(
     series_path = plots_dir / SERIES_FILE
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
     kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
-    page.write_text(render(data, timeline, pngs, kept, problems, verified, notes), encoding="utf-8")
+    shown = problems + [f"the logs disagree: {d}" for d in disagreements]
+    page.write_text(render(data, timeline, pngs, kept, shown, verified, notes), encoding="utf-8")
     return RunReport(
-        page, plots, series_path, verified, problems, logs, run_id, list(sections), notes
+        page,
+        plots,
+        series_path,
+        verified,
+        problems,
+        logs,
+        run_id,
+        list(sections),
+        notes,
+        disagreements,
     )

@@ -572,3 +572,28 @@ def test_redaction_replaces_whole_paths_only(tmp_path):
     assert details["region"] == "eu" and details["blob"] == "ZXUeuZXU="
     assert details["path"] == "<d>/x.jsonl" and details["message"] == "cannot read <d>: gone"
     assert details["other"] == f"{data}2/x.jsonl"
+
+
+def test_run_report_and_simulate_fail_when_the_logs_disagree(tmp_path, keys, capsys):
+    """`fedciuic report` (and so `simulate` and start.sh, which end with it) exits non-zero
+    on a truncated log that still verifies by itself: the witnesses disagree."""
+    from fedciuic.run_report import write_run_report
+
+    folder = federation(tmp_path, keys)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text(
+        json.dumps({"run": {"run_id": RUN, "status": "completed", "regions": []}, "rounds": {}})
+    )
+    logs = [folder / "aggregator.audit.jsonl", folder / "eu.jsonl", folder / "cn.jsonl"]
+    report = write_run_report(run_dir, audit_logs=logs, keys_dir=folder / "keys")
+    assert report.ok and not report.disagreements
+    cut_to_checkpoint(folder / "eu.jsonl", 2)
+    report = write_run_report(run_dir, audit_logs=logs, keys_dir=folder / "keys")
+    assert not report.problems  # eu's log verifies by itself
+    assert report.disagreements and "eu's log was truncated" in report.disagreements[0]
+    args = ["report", str(run_dir), "--keys", str(folder / "keys")]
+    for log in logs:
+        args += ["--audit-log", str(log)]
+    assert main(args) == 1
+    assert "the logs DISAGREE" in capsys.readouterr().err
