@@ -439,7 +439,10 @@ def _config_disagreements(
     for region, records in sorted(own.items()):
         joined = _first(records, "run_joined")
         if joined is None:
-            lines.append(f"{region}: its log has no record of this run.")
+            # A region that refused the run before joining it (its policy declined)
+            # has records of it but no run config to compare: no disagreement.
+            if not records:
+                lines.append(f"{region}: its log has no record of this run.")
         elif _details(joined).get("config_hash") != config:
             lines.append(f"{region}: ran under another run config (hash differs).")
     return lines

@@ -597,3 +597,27 @@ def test_run_report_and_simulate_fail_when_the_logs_disagree(tmp_path, keys, cap
         args += ["--audit-log", str(log)]
     assert main(args) == 1
     assert "the logs DISAGREE" in capsys.readouterr().err
+
+
+def test_a_region_that_declined_before_joining_is_no_disagreement(tmp_path, keys):
+    """cn's policy refused the run outright: its log holds its declines but no
+    run_joined (no run config to compare). That is agreement, not a contradiction."""
+    from fedciuic.audit_report import build_report, open_logs
+
+    agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    cn = AuditLog(tmp_path / "cn.jsonl", "cn", keys["cn"])
+    agg.append("run_start", run_id=RUN, regions=["cn"], config_hash="c" * 64)
+    cn.append("declined", run_id=RUN, server_round=1, reason="aggregator in US")
+    agg.append("region_declined", run_id=RUN, server_round=1, region="cn", reason="aggregator")
+    for log in (agg, cn):
+        log.checkpoint(run_id=RUN)
+        log.close()
+    logs = open_logs([tmp_path / "aggregator.audit.jsonl", tmp_path / "cn.jsonl"], {})
+    assert build_report(logs, RUN).disagreements == []
+    silent = AuditLog(tmp_path / "eu.jsonl", "eu", keys["eu"])
+    silent.append("run_joined", run_id=RUN + 1, config_hash="c" * 64)
+    silent.close()
+    logs = open_logs(
+        [tmp_path / "aggregator.audit.jsonl", tmp_path / "cn.jsonl", tmp_path / "eu.jsonl"], {}
+    )
+    assert build_report(logs, RUN).disagreements == ["eu: its log has no record of this run."]
