@@ -24,6 +24,11 @@ from typing import Literal, Protocol
 import numpy as np
 
 from fedciuic.compression import Codec, Sparse
+from fedciuic.errors import FedciuicError
+
+
+class ImplausibleUpdate(FedciuicError, ValueError):
+    """A well-formed update outside the bounds of a plausible one (rejected alone)."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,9 @@ def check(
 ) -> Checked:
     """Decode and validate one update; ``ValueError`` says what is wrong with it."""
     if not (weight >= 1 and math.isfinite(weight) and weight == int(weight)):
-        raise ValueError(f"num-examples must be a positive whole number, got {weight}")
+        raise ImplausibleUpdate(f"num-examples must be a positive whole number, got {weight}")
     if weight > bounds.max_examples:
-        raise ValueError(
+        raise ImplausibleUpdate(
             f"num-examples {weight:.0f} is over max-examples {bounds.max_examples}; an "
             "implausible count would dominate the weighted mean"
         )
@@ -65,7 +70,9 @@ def check(
     scale = 1.0
     if bounds.max_norm and norm > bounds.max_norm:
         if bounds.norm_action == "reject":
-            raise ValueError(f"update norm {norm:.4g} is over max-update-norm {bounds.max_norm:g}")
+            raise ImplausibleUpdate(
+                f"update norm {norm:.4g} is over max-update-norm {bounds.max_norm:g}"
+            )
         scale = bounds.max_norm / norm
     return Checked(decoded, weight, norm, scale)
 

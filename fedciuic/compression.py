@@ -35,6 +35,11 @@ MAGIC = b"FZ"
 CHUNK = 256  # entries per scale in int8 and sign
 
 
+class MalformedUpdate(FedciuicError, ValueError):
+    """An encoded update that is not what its codec writes (untrusted input: each
+    check names what is wrong, and the aggregator rejects that update alone)."""
+
+
 class ResidualError(FedciuicError):
     """The error-feedback residual on disk is corrupted or belongs to something else."""
 
@@ -73,18 +78,18 @@ def _pack_gaps(indices: np.ndarray) -> bytes:
 
 def _unpack_gaps(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
     if len(data) < 1:
-        raise ValueError("index block missing")
+        raise MalformedUpdate("index block missing")
     width = data[0]
     nbytes = math.ceil(k * width / 8)
     if not 1 <= width <= 32 or len(data) < 1 + nbytes:
-        raise ValueError("index block truncated or malformed")
+        raise MalformedUpdate("index block truncated or malformed")
     bits = np.unpackbits(np.frombuffer(data[1 : 1 + nbytes], np.uint8), bitorder="little")
     gaps = bits[: k * width].reshape(k, width).astype(np.int64) @ (
         np.int64(1) << np.arange(width, dtype=np.int64)
     )
     indices = np.cumsum(gaps + 1) - 1
     if k and (indices[-1] >= n):
-        raise ValueError(f"index {int(indices[-1])} out of range for {n} entries")
+        raise MalformedUpdate(f"index {int(indices[-1])} out of range for {n} entries")
     return indices, 1 + nbytes
 
 
@@ -110,7 +115,7 @@ def _int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
     n_chunks = math.ceil(n / CHUNK)
     need = 4 * n_chunks + n
     if len(body) < need:
-        raise ValueError("int8 body truncated")
+        raise MalformedUpdate("int8 body truncated")
     scales = np.frombuffer(body[: 4 * n_chunks], np.float32)
     q = np.frombuffer(body[4 * n_chunks : need], np.int8)
     _finite(scales, "int8 scales")
@@ -126,7 +131,7 @@ def _sign_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
     n_chunks = math.ceil(n / CHUNK)
     need = 4 * n_chunks + math.ceil(n / 8)
     if len(body) < need:
-        raise ValueError("sign body truncated")
+        raise MalformedUpdate("sign body truncated")
     scales = np.frombuffer(body[: 4 * n_chunks], np.float32)
     _finite(scales, "sign scales")
     bits = np.unpackbits(np.frombuffer(body[4 * n_chunks : need], np.uint8), bitorder="little")
@@ -136,7 +141,7 @@ def _sign_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
 
 def _finite(values: np.ndarray, what: str) -> None:
     if not np.all(np.isfinite(values)):
-        raise ValueError(f"{what} contain NaN or infinite values")
+        raise MalformedUpdate(f"{what} contain NaN or infinite values")
 
 
 # -- codecs -----------------------------------------------------------------------------
@@ -172,19 +177,19 @@ class Codec:
         """Parse and check an encoding of ``n`` entries; ``ValueError`` says what is wrong."""
         view = memoryview(data)
         if len(view) < HEADER.size:
-            raise ValueError("update shorter than its header")
+            raise MalformedUpdate("update shorter than its header")
         magic, ident, version, count, _ = HEADER.unpack_from(view)
         if magic != MAGIC or version != 1:
-            raise ValueError("not a fedciuic compressed update")
+            raise MalformedUpdate("not a fedciuic compressed update")
         if ident != self.ident:
-            raise ValueError(f"update uses codec id {ident}, the run uses {self.name!r}")
+            raise MalformedUpdate(f"update uses codec id {ident}, the run uses {self.name!r}")
         if count != n:
-            raise ValueError(f"update has {count} entries, the adapter has {n}")
+            raise MalformedUpdate(f"update has {count} entries, the adapter has {n}")
         body = view[HEADER.size :]
         indices: np.ndarray | None = None
         if self.ident == 1:
             if len(body) != 4 * n:
-                raise ValueError(f"dense body of {len(body)} bytes, expected {4 * n}")
+                raise MalformedUpdate(f"dense body of {len(body)} bytes, expected {4 * n}")
             values, used = np.frombuffer(body, np.float32), 4 * n
         elif self.ident == 2:
             values, used = _int8_decode(body, n)
@@ -192,21 +197,21 @@ class Codec:
             values, used = _sign_decode(body, n)
         else:
             if len(body) < 4:
-                raise ValueError("top-k count missing")
+                raise MalformedUpdate("top-k count missing")
             (k,) = struct.unpack_from("<I", body)
             if not 1 <= k <= n or k != self.k(n):
-                raise ValueError(f"top-k update keeps {k} entries, the run keeps {self.k(n)}")
+                raise MalformedUpdate(f"top-k update keeps {k} entries, the run keeps {self.k(n)}")
             indices, used_idx = _unpack_gaps(body[4:], k, n)
             rest = body[4 + used_idx :]
             if self.ident == 5:
                 values, used_vals = _int8_decode(rest, k)
             else:
                 if len(rest) < 4 * k:
-                    raise ValueError("top-k values truncated")
+                    raise MalformedUpdate("top-k values truncated")
                 values, used_vals = np.frombuffer(rest[: 4 * k], np.float32), 4 * k
             used = 4 + used_idx + used_vals
         if used != len(body):
-            raise ValueError(f"update has {len(body) - used} trailing bytes")
+            raise MalformedUpdate(f"update has {len(body) - used} trailing bytes")
         _finite(values, "update values")
         return Sparse(indices, values)
 
