@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedciuic.audit import AuditLog
-from fedciuic.cli import app_run_config
+from fedciuic.audit.log import AuditLog
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
-from fedciuic.demo_data import write_demo_corpora
-from fedciuic.region import Region
+from fedciuic.data.demo import write_demo_corpora
+from fedciuic.ops.cli import app_run_config
+from fedciuic.rounds.region import Region
 
 DIGEST = "ab" * 32
 ROOT = Path(__file__).resolve().parents[1]

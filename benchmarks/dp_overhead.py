@@ -25,9 +25,9 @@ from typing import Any
 import psutil
 import torch
 
-from fedciuic.dp_train import PrivateTrainer
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.train import lm_loss, make_optimizer
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.train import lm_loss, make_optimizer
+from fedciuic.privacy.dpsgd import PrivateTrainer
 
 MODES = ("non-dp", "hooks", "ghost")
 

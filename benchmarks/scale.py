@@ -24,10 +24,10 @@ from typing import Any
 
 import psutil
 
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.outputs import METRICS_FILE
-from fedciuic.sealing import generate_federation_keys
+from fedciuic.ops.outputs import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("eu", "cn", "us", "sg", "in")

@@ -19,14 +19,9 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
-from fedciuic.audit import REGION_LOG, AuditLog, code_version, config_hash, digest
-from fedciuic.compliance import PolicyRefusal, enforce_region_policy
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, digest
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.errors import FedciuicError
-from fedciuic.flower import protocol
-from fedciuic.policy import LoadedPolicy
-from fedciuic.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
-from fedciuic.sealing import (
+from fedciuic.crypto.sealing import (
     AGGREGATOR,
     MalformedPayload,
     RegionKeys,
@@ -34,6 +29,11 @@ from fedciuic.sealing import (
     region_keys,
     update_payload,
 )
+from fedciuic.errors import FedciuicError
+from fedciuic.flower import protocol
+from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
+from fedciuic.policy.rules import LoadedPolicy
+from fedciuic.rounds.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
 
 app = ClientApp()
 _LOGS: dict[Path, AuditLog] = {}

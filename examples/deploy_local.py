@@ -20,14 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
-from fedciuic.audit_report import verify_and_report
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
+from fedciuic.audit.report import verify_and_report
+from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
+from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.outputs import METRICS_FILE, summarize
-from fedciuic.policy import load_policies
-from fedciuic.sealing import generate_federation_keys
-from fedciuic.tls import generate_server_tls, generate_supernode_key
+from fedciuic.ops.outputs import METRICS_FILE, summarize
+from fedciuic.policy.rules import load_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from fedciuic.cli import main as fedciuic
-from fedciuic.policy import explain, load_policy
+from fedciuic.ops.cli import main as fedciuic
+from fedciuic.policy.rules import explain, load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 

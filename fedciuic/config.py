@@ -15,7 +15,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fedciuic.errors import ConfigError
-from fedciuic.policy import JURISDICTIONS
+from fedciuic.jurisdictions import JURISDICTIONS
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 REPRODUCIBLE_NOISE_WARNING = (

@@ -11,14 +11,13 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.supercore.exit import add_exit_handler
 
-from fedciuic.audit import AGGREGATOR_LOG, AuditLog, code_version, config_hash
-from fedciuic.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from fedciuic.compliance import AggregatorPolicies
+from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import RunConfig
+from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.outputs import (
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.ops.outputs import (
     ADAPTER_DIR,
     COMPLETED,
     FAILED,
@@ -29,8 +28,9 @@ from fedciuic.outputs import (
     published_rounds,
     summarize,
 )
-from fedciuic.policy import PolicyError
-from fedciuic.sealing import AggregatorKeys, aggregator_keys, model_digest
+from fedciuic.policy.binding import AggregatorPolicies
+from fedciuic.policy.rules import PolicyError
+from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()

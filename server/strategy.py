@@ -31,22 +31,22 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
-from fedciuic.audit import RECEIVED_EVENT, AuditLog, digest
-from fedciuic.checkpoint import Checkpoint, save_checkpoint
-from fedciuic.compliance import UNSEALED, AggregatorPolicies, codec_family
+from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compression import Codec, get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
-from fedciuic.errors import FederationError
-from fedciuic.flower import protocol
-from fedciuic.outputs import RunRecorder
-from fedciuic.policy import Decision, UpdateFacts
-from fedciuic.sealing import (
+from fedciuic.crypto.sealing import (
     AggregatorKeys,
     EnvelopeRejected,
     model_digest,
     sign_global,
     sign_run_end,
 )
+from fedciuic.errors import FederationError
+from fedciuic.flower import protocol
+from fedciuic.ops.outputs import RunRecorder
+from fedciuic.policy.binding import UNSEALED, AggregatorPolicies, codec_family
+from fedciuic.policy.rules import Decision, UpdateFacts
+from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
 
 REJECTED = "rejected"
 

@@ -13,7 +13,7 @@ import yaml
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedciuic.config import RunConfig
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.data.demo import write_demo_corpora
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_POLICIES = {"EU": "eu-gdpr.yaml", "CN": "cn-pipl.yaml", "US": "us-ccpa.yaml"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.audit import (
+from fedciuic.audit.log import (
     AuditLog,
     canonical,
     cross_check,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fedciuic.audit import (
+from fedciuic.audit.log import (
     GENESIS,
     WITNESS_EVENT,
     AuditError,
@@ -27,15 +27,15 @@ from fedciuic.audit import (
     verify,
     witness_check,
 )
-from fedciuic.audit_report import (
+from fedciuic.audit.report import (
     EXIT_DISAGREE,
     EXIT_FAILED_VERIFICATION,
     EXIT_OK,
     UNVERIFIED_TITLE,
     check_and_report,
 )
-from fedciuic.cli import main
 from fedciuic.crypto.keys import Keypair, write_keys
+from fedciuic.ops.cli import main
 
 RUN = 9
 ROUNDS = 3
@@ -356,7 +356,7 @@ def test_last_checkpoint_after_other_process_appended(tmp_path, keys):
     key_file = write_keys(keys["eu"], tmp_path / "keys")[0]
     script = (
         "import sys; from pathlib import Path\n"
-        "from fedciuic.audit import AuditLog\n"
+        "from fedciuic.audit.log import AuditLog\n"
         "from fedciuic.crypto.keys import load_keypair\n"
         "log = AuditLog(Path(sys.argv[1]), 'eu', load_keypair(Path(sys.argv[2])),"
         " checkpoint_every=10**6)\n"
@@ -553,7 +553,7 @@ def test_last_checkpoint_scans_back_across_chunk_boundaries(tmp_path, keys):
 def test_redaction_replaces_whole_paths_only(tmp_path):
     """A short relative data-path (``eu``) must not rewrite a region's name or base64;
     an absolute path is redacted only where it stands as a whole path."""
-    from fedciuic.audit import AuditLog, load_records
+    from fedciuic.audit.log import AuditLog, load_records
 
     data = tmp_path / "data" / "eu"
     log = AuditLog(
@@ -577,7 +577,7 @@ def test_redaction_replaces_whole_paths_only(tmp_path):
 def test_run_report_and_simulate_fail_when_the_logs_disagree(tmp_path, keys, capsys):
     """`fedciuic report` (and so `simulate` and start.sh, which end with it) exits non-zero
     on a truncated log that still verifies by itself: the witnesses disagree."""
-    from fedciuic.run_report import write_run_report
+    from fedciuic.ops.run_report import write_run_report
 
     folder = federation(tmp_path, keys)
     run_dir = tmp_path / "run"
@@ -602,7 +602,7 @@ def test_run_report_and_simulate_fail_when_the_logs_disagree(tmp_path, keys, cap
 def test_a_region_that_declined_before_joining_is_no_disagreement(tmp_path, keys):
     """cn's policy refused the run outright: its log holds its declines but no
     run_joined (no run config to compare). That is agreement, not a contradiction."""
-    from fedciuic.audit_report import build_report, open_logs
+    from fedciuic.audit.report import build_report, open_logs
 
     agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
     cn = AuditLog(tmp_path / "cn.jsonl", "cn", keys["cn"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedciuic.audit import AuditError, AuditLog
-from fedciuic.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from fedciuic.audit.log import AuditError, AuditLog
 from fedciuic.crypto.keys import Keypair
+from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 
 
 def ckpt(round_: int, value: float = 1.0) -> Checkpoint:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.audit import AuditLog
-from fedciuic.cli import _parser, main
+from fedciuic.audit.log import AuditLog
 from fedciuic.crypto.keys import Keypair, write_keys
+from fedciuic.ops.cli import _parser, main
 from tests.conftest import ROOT
 
 

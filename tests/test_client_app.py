@@ -14,13 +14,13 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients import app as client_app
-from fedciuic.audit import load_records, verify
+from fedciuic.audit.log import load_records, verify
 from fedciuic.compression import get_codec
 from fedciuic.crypto.keys import Keypair, load_bundle
+from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, sign_global
 from fedciuic.flower import protocol
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.policy import load_policy
-from fedciuic.sealing import aggregator_keys, generate_federation_keys, sign_global
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.policy.rules import load_policy
 from tests.conftest import ROOT, app_config, lab_policies, write_policy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -431,7 +431,7 @@ def test_a_malformed_instruction_is_declined_naming_the_field(
 
 
 def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, tmp_path, keys_dir):
-    from fedciuic.sealing import sign_run_end
+    from fedciuic.crypto.sealing import sign_run_end
 
     node: dict[str, bool | float | int | str] = {
         "region": "eu",

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedciuic.data import list_data_files, load_region_data
+from fedciuic.data.corpus import list_data_files, load_region_data
 from fedciuic.errors import DataError
-from fedciuic.model import byte_tokenizer
+from fedciuic.model.adapter import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.data.demo import write_demo_corpora
 from fedciuic.errors import ConfigError
 
 

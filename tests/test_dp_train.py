@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedciuic.dp_train import PrivateTrainer, parameter_device, secure_generator
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.privacy import PrivacyError
-from fedciuic.train import lm_loss
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.train import lm_loss
+from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, secure_generator
+from fedciuic.privacy.ledger import PrivacyError
 
 BATCH = 8
 

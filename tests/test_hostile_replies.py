@@ -22,7 +22,7 @@ import pytest
 from flwr.app import ConfigRecord, MessageType, MetricRecord, RecordDict
 from safetensors.numpy import save as st_save
 
-from fedciuic.audit import WITNESS_EVENT, load_records, verify
+from fedciuic.audit.log import WITNESS_EVENT, load_records, verify
 from fedciuic.crypto.envelope import (
     SIGNED_LABEL,
     InvalidEnvelope,
@@ -31,9 +31,9 @@ from fedciuic.crypto.envelope import (
     seal,
 )
 from fedciuic.crypto.keys import Keypair
+from fedciuic.crypto.sealing import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.flower import protocol
-from fedciuic.sealing import REPLY_LABEL, update_payload
 from tests.test_strategy import (  # noqa: F401 - fixtures
     DP_METRICS,
     audited,
@@ -465,7 +465,7 @@ def test_an_authentic_envelope_with_a_malformed_header_is_an_invalid_envelope(
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_policy_check_refuses_a_non_finite_declared_figure(policed, field, value):
     """Behind the typed reply, the policy check itself fails closed on NaN and Inf."""
-    from fedciuic.policy import UpdateFacts
+    from fedciuic.policy.rules import UpdateFacts
 
     s, _, folder = policed
     facts = UpdateFacts(

@@ -16,14 +16,14 @@ import psutil
 import pytest
 from flwr.common.config import parse_config_args
 
-from fedciuic import deploy
-from fedciuic.cli import main
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle, load_keypair
-from fedciuic.data import list_data_files
+from fedciuic.crypto.sealing import aggregator_keys
+from fedciuic.data.corpus import list_data_files
 from fedciuic.errors import DataError
-from fedciuic.policy import load_policy
-from fedciuic.sealing import aggregator_keys
+from fedciuic.ops import deploy
+from fedciuic.ops.cli import main
+from fedciuic.policy.rules import load_policy
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 
 REGIONS = ("eu", "cn", "us")
@@ -251,7 +251,7 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("fedciuic.tls.generate_server_tls", broken)
+    monkeypatch.setattr("fedciuic.crypto.tls.generate_server_tls", broken)
     with pytest.raises(OSError, match="disk full"):
         deploy.init_deployment(tmp_path / "dep", "eu", app_dir=ROOT)
     assert not (tmp_path / "dep").exists()

@@ -10,10 +10,10 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients import app as client_app
-from fedciuic.audit import REGION_LOG, load_records
+from fedciuic.audit.log import REGION_LOG, load_records
 from fedciuic.flower import protocol
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.privacy import LEDGER_FILE, PrivacyLedger, rebuild_ledger
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from tests.conftest import app_config, lab_policies
 
 pytestmark = pytest.mark.usefixtures("task_identity")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.audit import REGION_LOG, AuditLog
-from fedciuic.privacy import (
+from fedciuic.audit.log import REGION_LOG, AuditLog
+from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     LedgerRolledBack,
     PrivacyError,
@@ -207,7 +207,7 @@ def test_damaged_ledger_message_points_at_the_rebuild_not_a_backup(tmp_path):
 
 
 def test_the_rebuild_command_repairs_a_rolled_back_ledger(tmp_path, capsys):
-    from fedciuic.cli import main
+    from fedciuic.ops.cli import main
 
     release(tmp_path, 1)
     saved = (tmp_path / LEDGER_FILE).read_bytes()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedciuic.errors import ModelError
-from fedciuic.model import (
+from fedciuic.model.adapter import (
     ATTENTION_TARGETS,
     AdapterModel,
     ModelSpec,

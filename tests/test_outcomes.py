@@ -14,12 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedciuic import deploy
-from fedciuic.cli import EXIT_ERROR, _simulation_keys, main
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
-from fedciuic.outputs import (
+from fedciuic.ops import deploy
+from fedciuic.ops.cli import EXIT_ERROR, _simulation_keys, main
+from fedciuic.ops.outputs import (
     INTERRUPTED,
     NO_AGGREGATE,
     RunRecorder,
@@ -147,7 +147,7 @@ def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(t
     assert '> >(plain >"$DIR/logs/$name.log")' in start
     assert f"export {OWNER_ENV}=" in start
     assert '"$BIN/fedciuic" report "$run_dir"' in start
-    assert "fedciuic.deploy settle" in start
+    assert "fedciuic.ops.deploy settle" in start
     # The filter itself: colour codes out, text kept.
     plain = subprocess.run(
         ["bash", "-c", deploy.PLAIN.replace("$BIN", str(Path(sys.executable).parent)) + "plain"],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.policy import (
+from fedciuic.policy.rules import (
     LoadedPolicy,
     PolicyError,
     RunTerms,

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from fedciuic.compliance import AggregatorPolicies, PolicyRefusal, enforce_region_policy
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.policy import (
+from fedciuic.policy.binding import AggregatorPolicies, PolicyRefusal, enforce_region_policy
+from fedciuic.policy.rules import (
     MAX_POLICY_BYTES,
     MAX_POLICY_DEPTH,
     MAX_POLICY_NODES,
@@ -365,7 +365,7 @@ def test_a_list_entry_repeated_is_refused(tmp_path, old, new):
 # -- the hash ------------------------------------------------------------------------------
 
 _HASH_SCRIPT = (
-    "import sys; from pathlib import Path; from fedciuic.policy import load_policy; "
+    "import sys; from pathlib import Path; from fedciuic.policy.rules import load_policy; "
     "print(' '.join(load_policy(Path(p)).hash for p in sys.argv[1:]))"
 )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from fedciuic.privacy import (
+from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
     calibrate_noise,

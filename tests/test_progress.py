@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedciuic.progress import CLEAR_LINE, RunProgress, current_phase, format_round
+from fedciuic.ops.progress import CLEAR_LINE, RunProgress, current_phase, format_round
 
 
 def metrics(ended: int, *, train_of_next: bool = False) -> dict[str, Any]:

@@ -6,12 +6,12 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from fedciuic.audit import AuditLog
-from fedciuic.compliance import run_terms
+from fedciuic.audit.log import AuditLog
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import ConfigError
-from fedciuic.policy import check_run, load_policy
-from fedciuic.privacy import (
+from fedciuic.policy.binding import run_terms
+from fedciuic.policy.rules import check_run, load_policy
+from fedciuic.privacy.ledger import (
     BudgetExhausted,
     LedgerRolledBack,
     PrivacyError,
@@ -20,7 +20,7 @@ from fedciuic.privacy import (
     epsilon_of,
     rebuild_ledger,
 )
-from fedciuic.region import Region, RoundOutOfRange
+from fedciuic.rounds.region import Region, RoundOutOfRange
 from tests.conftest import ROOT
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.audit_report import PartyLog
-from fedciuic.cli import main
-from fedciuic.run_report import decisions, figures, series
+from fedciuic.audit.report import PartyLog
+from fedciuic.ops.cli import main
+from fedciuic.ops.run_report import decisions, figures, series
 
 
 def record(seq: int, actor: str, event: str, rnd: int | None, **details: Any) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def test_each_plot_draws_the_series_it_is_named_after():
             },
         },
     }
-    from fedciuic.run_report import Decision
+    from fedciuic.ops.run_report import Decision
 
     values = series(data, [Decision(1, "cn", "declined", "why", "cn")])
     assert values["eval_loss"]["cn"] == [[0, 5.2], [1, 4.2]]

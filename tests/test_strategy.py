@@ -11,24 +11,24 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
-from fedciuic.audit import AuditLog, load_records, verify
-from fedciuic.checkpoint import load_checkpoint
-from fedciuic.compliance import AggregatorPolicies
+from fedciuic.audit.log import AuditLog, load_records, verify
 from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair
-from fedciuic.errors import FederationError
-from fedciuic.flower import protocol
-from fedciuic.outputs import RunRecorder, summarize
-from fedciuic.policy import PolicyError, load_policy
-from fedciuic.region import TrainOutcome
-from fedciuic.sealing import (
+from fedciuic.crypto.sealing import (
     RegionKeys,
     aggregator_keys,
     generate_federation_keys,
     update_payload,
 )
-from fedciuic.train import EvalStats, TrainStats
+from fedciuic.errors import FederationError
+from fedciuic.flower import protocol
+from fedciuic.model.train import EvalStats, TrainStats
+from fedciuic.ops.outputs import RunRecorder, summarize
+from fedciuic.policy.binding import AggregatorPolicies
+from fedciuic.policy.rules import PolicyError, load_policy
+from fedciuic.rounds.checkpoint import load_checkpoint
+from fedciuic.rounds.region import TrainOutcome
 from server.strategy import RegionalFedAvg
 from tests.conftest import write_policy
 

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedciuic.crypto.keys import KeyFileError
-from fedciuic.tls import generate_server_tls, generate_supernode_key
+from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 
 
 def test_the_superlink_certificate_is_signed_by_the_ca_for_its_addresses(tmp_path):

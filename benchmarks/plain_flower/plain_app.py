@@ -12,12 +12,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedciuic.cli import app_run_config
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.dp_train import PrivateTrainer
 from fedciuic.flower.protocol import pack_arrays
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.region import Region
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.ops.cli import app_run_config
+from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.rounds.region import Region
 
 client = ClientApp()
 server = ServerApp()

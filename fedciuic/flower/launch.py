@@ -41,8 +41,8 @@ from typing import IO, Any
 
 import psutil
 
+from fedciuic.crypto.tls import ServerTls
 from fedciuic.errors import FederationError
-from fedciuic.tls import ServerTls
 
 CONNECTION = "fedciuic"
 

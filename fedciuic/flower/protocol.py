@@ -23,11 +23,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair
+from fedciuic.crypto.sealing import reply_message
 from fedciuic.errors import FedciuicError
-from fedciuic.policy import LoadedPolicy
-from fedciuic.region import TrainOutcome
-from fedciuic.sealing import reply_message
-from fedciuic.train import EvalStats
+from fedciuic.model.train import EvalStats
+from fedciuic.policy.rules import LoadedPolicy
+from fedciuic.rounds.region import TrainOutcome
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"

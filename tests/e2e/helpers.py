@@ -11,8 +11,8 @@ from typing import Any
 
 import psutil
 
+from fedciuic.crypto.tls import generate_supernode_key
 from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
-from fedciuic.tls import generate_supernode_key
 
 
 def only_run(output_dir: Path) -> dict[str, Any]:

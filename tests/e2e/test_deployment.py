@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
+from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
 from fedciuic.crypto.keys import load_bundle
-from fedciuic.data import load_region_data
+from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
+from fedciuic.data.corpus import load_region_data
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.model import byte_tokenizer
-from fedciuic.policy import load_policy
-from fedciuic.sealing import generate_federation_keys
-from fedciuic.tls import generate_server_tls, generate_supernode_key
+from fedciuic.model.adapter import byte_tokenizer
+from fedciuic.policy.rules import load_policy
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (
     RecordingProxy,

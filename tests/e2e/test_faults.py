@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedciuic.audit import REGION_LOG, load_records, verify
+from fedciuic.audit.log import REGION_LOG, load_records, verify
 from fedciuic.crypto.keys import load_bundle
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.tls import generate_server_tls
+from fedciuic.data.demo import write_demo_corpora
 from fedciuic.errors import FederationError
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
-from fedciuic.sealing import generate_federation_keys
-from fedciuic.tls import generate_server_tls
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
 from tests.e2e.helpers import alive, deployed_node, secure_supernode
 

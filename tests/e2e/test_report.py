@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from fedciuic.audit import load_records
+from fedciuic.audit.log import load_records
 from tests.conftest import ROOT
 from tests.e2e.helpers import only_run, processes_under
 
@@ -31,7 +31,7 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 def fedciuic(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fedciuic.cli", *args],
+        [sys.executable, "-m", "fedciuic.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.data import load_region_data
-from fedciuic.demo_data import write_demo_corpora
+from fedciuic.data.corpus import load_region_data
+from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.model import byte_tokenizer
-from fedciuic.privacy import LEDGER_FILE, PrivacyLedger
+from fedciuic.model.adapter import byte_tokenizer
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
 
@@ -27,7 +27,7 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "fedciuic.cli",
+        "fedciuic.ops.cli",
         "simulate",
         "--app",
         str(ROOT),
@@ -78,7 +78,7 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
         [
             sys.executable,
             "-m",
-            "fedciuic.cli",
+            "fedciuic.ops.cli",
             "audit",
             "verify",
             str(workdir / "audit" / "aggregator.audit.jsonl"),
@@ -296,7 +296,7 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     run_dir = Path(data["run"]["output_dir"])
     assert "INTERRUPTED" in (run_dir / "summary.txt").read_text()
     report = subprocess.run(
-        [sys.executable, "-m", "fedciuic.cli", "report", str(run_dir)],
+        [sys.executable, "-m", "fedciuic.ops.cli", "report", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
-from fedciuic.audit import REGION_LOG, AuditError
-from fedciuic.audit_report import PartyLog, Section, build_report, open_logs, verify_logs
+from fedciuic.audit.log import REGION_LOG, AuditError
+from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.errors import ConfigError
-from fedciuic.outputs import (
+from fedciuic.ops.outputs import (
     COMPLETED,
     METRICS_FILE,
     NO_AGGREGATE,

@@ -234,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
 
     def _ledger_rebuild(args: argparse.Namespace) -> int:
-        from fedciuic.privacy import rebuild_ledger_command
+        from fedciuic.privacy.ledger import rebuild_ledger_command
 
         return rebuild_ledger_command(args.state_path)
 
@@ -518,12 +518,12 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from fedciuic.demo_data import write_demo_corpora
+    from fedciuic.crypto.sealing import aggregator_keys
+    from fedciuic.data.demo import write_demo_corpora
     from fedciuic.flower.launch import LocalFederation
-    from fedciuic.model import ModelSpec, check_model_spec
-    from fedciuic.outputs import COMPLETED, NO_AGGREGATE, summarize
-    from fedciuic.progress import RunProgress
-    from fedciuic.sealing import aggregator_keys
+    from fedciuic.model.adapter import ModelSpec, check_model_spec
+    from fedciuic.ops.outputs import COMPLETED, NO_AGGREGATE, summarize
+    from fedciuic.ops.progress import RunProgress
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -638,7 +638,7 @@ def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
     """Runs this federation started (``flwr run`` printed their id) whose metrics.json
     still says running once every process is gone: mark them interrupted."""
     from fedciuic.flower.launch import STARTED_RUN
-    from fedciuic.outputs import mark_unfinished
+    from fedciuic.ops.outputs import mark_unfinished
 
     marked = []
     for log in sorted(federation.logs.glob("flwr-run-*.log")):
@@ -680,9 +680,9 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
     region's key, kept with its state (DATA_ROOT/REGION/.fedciuic/keys/) like its ledger
     and audit log: made on the region's first run, re-used on every later one, so that
     its audit log, which outlives runs, stays signed by one key."""
-    from fedciuic.compliance import simulated_jurisdiction
     from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
-    from fedciuic.sealing import AGGREGATOR
+    from fedciuic.crypto.sealing import AGGREGATOR
+    from fedciuic.jurisdictions import simulated_jurisdiction
 
     write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)
     for region in run.regions:
@@ -711,8 +711,8 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
 def _audit_after_simulation(run_dir: Path) -> int:
     """Verify every party's audit log (with the run's keys) once, then write the run's
     compliance report and its HTML report with plots from them."""
-    from fedciuic.audit_report import write_sections
-    from fedciuic.run_report import PLOTS_DIR, write_run_report
+    from fedciuic.audit.report import write_sections
+    from fedciuic.ops.run_report import PLOTS_DIR, write_run_report
 
     report = write_run_report(run_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
@@ -726,8 +726,8 @@ def _audit_after_simulation(run_dir: Path) -> int:
 
 def _check_policies(run: RunConfig) -> None:
     """Every simulated region's policy must load, or nothing starts."""
-    from fedciuic.compliance import simulated_jurisdiction
-    from fedciuic.policy import PolicyError, load_policies
+    from fedciuic.jurisdictions import simulated_jurisdiction
+    from fedciuic.policy.rules import PolicyError, load_policies
 
     policies = load_policies(Path(run.policies_dir))
     missing = [
@@ -741,7 +741,7 @@ def _check_policies(run: RunConfig) -> None:
 
 
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any]:
-    from fedciuic.outputs import METRICS_FILE
+    from fedciuic.ops.outputs import METRICS_FILE
 
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:
@@ -754,7 +754,7 @@ def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any
 
 
 def _init(args: argparse.Namespace) -> int:
-    from fedciuic.deploy import init_deployment, next_steps
+    from fedciuic.ops.deploy import init_deployment, next_steps
 
     deployment = init_deployment(
         args.directory,
@@ -773,7 +773,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _demo_data(args: argparse.Namespace) -> int:
-    from fedciuic.demo_data import write_demo_corpora
+    from fedciuic.data.demo import write_demo_corpora
 
     regions = tuple(r.strip() for r in args.regions.split(",") if r.strip())
     for region, folder in write_demo_corpora(args.directory, regions).items():
@@ -782,7 +782,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
-    from fedciuic.model import ModelSpec, save_checkpoint
+    from fedciuic.model.adapter import ModelSpec, save_checkpoint
 
     path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
@@ -813,7 +813,7 @@ def _keys_show(args: argparse.Namespace) -> int:
 
 
 def _policy_check(args: argparse.Namespace) -> int:
-    from fedciuic.policy import PolicyError, load_policy
+    from fedciuic.policy.rules import PolicyError, load_policy
 
     failed = 0
     for path in args.files:
@@ -829,14 +829,14 @@ def _policy_check(args: argparse.Namespace) -> int:
 
 
 def _policy_explain(args: argparse.Namespace) -> int:
-    from fedciuic.policy import explain, load_policy
+    from fedciuic.policy.rules import explain, load_policy
 
     print(explain(load_policy(args.file)))
     return 0
 
 
 def _policy_diff(args: argparse.Namespace) -> int:
-    from fedciuic.policy import diff, load_policy
+    from fedciuic.policy.rules import diff, load_policy
 
     a, b = load_policy(args.a), load_policy(args.b)
     lines = diff(a, b)
@@ -846,7 +846,7 @@ def _policy_diff(args: argparse.Namespace) -> int:
 
 
 def _tls_generate(args: argparse.Namespace) -> int:
-    from fedciuic.tls import generate_server_tls
+    from fedciuic.crypto.tls import generate_server_tls
 
     files = generate_server_tls(args.out, args.host, args.days)
     print(f"CA certificate (give it to every SuperNode and flwr user): {files.ca_cert}")
@@ -856,7 +856,7 @@ def _tls_generate(args: argparse.Namespace) -> int:
 
 
 def _tls_supernode_key(args: argparse.Namespace) -> int:
-    from fedciuic.tls import generate_supernode_key
+    from fedciuic.crypto.tls import generate_supernode_key
 
     private, public = generate_supernode_key(args.out, args.name)
     print(f"private key (--auth-supernode-private-key, stays with the SuperNode): {private}")
@@ -865,7 +865,7 @@ def _tls_supernode_key(args: argparse.Namespace) -> int:
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
-    from fedciuic.audit import verify
+    from fedciuic.audit.log import verify
     from fedciuic.crypto.keys import load_bundle
 
     verdict = verify(args.log, load_bundle(args.pubkey))
@@ -874,7 +874,7 @@ def _audit_verify(args: argparse.Namespace) -> int:
 
 
 def _audit_show(args: argparse.Namespace) -> int:
-    from fedciuic.audit import load_records
+    from fedciuic.audit.log import load_records
 
     for record in load_records(args.log):
         details = record.get("details") or {}
@@ -894,7 +894,7 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_report(args: argparse.Namespace) -> int:
-    from fedciuic.audit_report import check_and_report
+    from fedciuic.audit.report import check_and_report
 
     outcome = check_and_report(args.logs, args.keys, args.out, args.run)
     print("\n".join(outcome.lines))
@@ -902,7 +902,7 @@ def _audit_report(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fedciuic.run_report import write_run_report
+    from fedciuic.ops.run_report import write_run_report
 
     report = write_run_report(
         args.run_dir.resolve(), audit_logs=args.audit_log, keys_dir=args.keys, out=args.out

@@ -66,9 +66,7 @@ def _global_message(
     tail = b"\x00"
     if witness is not None:
         tail = b"\x01" + struct.pack(">Q", witness[0]) + bytes.fromhex(witness[1])
-    return (
-        GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays) + tail
-    )
+    return GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays) + tail
 
 
 def sign_global(
@@ -281,8 +279,8 @@ def generate_federation_keys(
 ) -> Path:
     """Keys for a local federation in one folder (simulation and loopback demos only:
     in a deployment each party generates its own and shares only its bundle)."""
-    from fedciuic.compliance import simulated_jurisdiction
     from fedciuic.crypto.keys import write_keys
+    from fedciuic.jurisdictions import simulated_jurisdiction
 
     write_keys(Keypair.generate(AGGREGATOR, aggregator_jurisdiction), directory)
     for region in regions:

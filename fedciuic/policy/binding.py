@@ -1,6 +1,6 @@
 """Jurisdiction policies applied to a run: which policy binds whom, and what a run asks.
 
-:mod:`fedciuic.policy` holds the schema and the pure checks; this module connects
+:mod:`fedciuic.policy.rules` holds the schema and the pure checks; this module connects
 them to the run and node configs, for the ClientApp (before a region trains or
 evaluates) and for the aggregator (each reply, then each aggregate).
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
-from fedciuic.policy import (
+from fedciuic.jurisdictions import simulated_jurisdiction
+from fedciuic.policy.rules import (
     Decision,
     LoadedPolicy,
     PolicyError,
@@ -38,11 +39,6 @@ class PolicyRefusal(FedciuicError):
         super().__init__(
             f"policy {path} ({decision.policy_hash[:12]}) declines: " + "; ".join(decision.reasons)
         )
-
-
-def simulated_jurisdiction(region: str) -> str:
-    """Simulated regions are named after their jurisdiction: ``eu`` is EU, ``cn`` is CN."""
-    return region.upper()
 
 
 def codec_family(codec: str) -> str:

@@ -36,65 +36,7 @@ from pydantic import (
 )
 
 from fedciuic.errors import FedciuicError
-
-#: Jurisdictions fedciuic knows (ISO 3166-1 alpha-2 codes, plus EU and EEA).
-JURISDICTIONS = frozenset(
-    {
-        "EU",
-        "EEA",
-        "AT",
-        "BE",
-        "BG",
-        "HR",
-        "CY",
-        "CZ",
-        "DK",
-        "EE",
-        "FI",
-        "FR",
-        "DE",
-        "GR",
-        "HU",
-        "IE",
-        "IT",
-        "LV",
-        "LT",
-        "LU",
-        "MT",
-        "NL",
-        "PL",
-        "PT",
-        "RO",
-        "SK",
-        "SI",
-        "ES",
-        "SE",
-        "IS",
-        "LI",
-        "NO",
-        "CH",
-        "GB",
-        "AD",
-        "AR",
-        "CA",
-        "FO",
-        "GG",
-        "IL",
-        "IM",
-        "JP",
-        "JE",
-        "NZ",
-        "KR",
-        "UY",
-        "US",
-        "CN",
-        "HK",
-        "SG",
-        "IN",
-        "AU",
-        "BR",
-    }
-)
+from fedciuic.jurisdictions import JURISDICTIONS
 
 
 class PolicyError(FedciuicError):

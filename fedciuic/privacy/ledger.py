@@ -2,7 +2,7 @@
 
 Three tiers, as in Opacus: pure functions (:func:`epsilon_of`, :func:`calibrate_noise`),
 a small stateful :class:`PrivacyLedger` that saves and loads itself, and the DP-SGD
-training step in :mod:`fedciuic.dp_train`.
+training step in :mod:`fedciuic.privacy.dpsgd`.
 
 Accounting is over the whole history of a region's dataset, across runs: the ledger
 holds every (noise multiplier, sample rate, steps) the dataset was trained with, and
@@ -36,8 +36,8 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedciuic._opacus_logging import undo_opacus_basic_config
 from fedciuic.errors import FedciuicError
+from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 
 undo_opacus_basic_config()
 
@@ -456,7 +456,7 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
     releases, and the head at that length) and the highest cumulative epsilon they
     recorded. None when there is no audit log. A log that cannot be read is an error:
     without it a rollback cannot be ruled out."""
-    from fedciuic.audit import load_records
+    from fedciuic.audit.log import load_records
 
     if not audit_path.exists():
         return None
@@ -515,7 +515,7 @@ def rebuild_ledger(state_dir: Path) -> Rebuilt:
     file still holds. The result must reproduce every witnessed chain head and pass
     the ledger's own checks; the replaced file is kept next to it as evidence.
     Nothing is ever dropped: a release known to neither is an error."""
-    from fedciuic.audit import REGION_LOG
+    from fedciuic.audit.log import REGION_LOG
 
     path = state_dir / LEDGER_FILE
     audit_path = state_dir / REGION_LOG
@@ -587,7 +587,7 @@ def _valid_prefix(lines: list[bytes]) -> list[bytes]:
 def _any_witness(audit_path: Path, header_line: bytes) -> LedgerWitness | None:
     """The audit log's witness for the ledger whose header is ``header_line`` (or, with
     no usable header, the one the audit log's last witness names)."""
-    from fedciuic.audit import load_records
+    from fedciuic.audit.log import load_records
 
     candidates = [header_line]
     if audit_path.exists():

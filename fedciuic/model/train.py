@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedciuic.model import AdapterModel
+from fedciuic.model.adapter import AdapterModel
 
 Optimizer = Literal["adamw", "sgd"]
 

@@ -8,7 +8,7 @@ public bundles are copied across. ``start.sh`` at the top runs every party on
 this machine in one command and stops every process it started when it ends.
 
 Everything is checked before anything is written: a refused deployment leaves
-nothing behind. The scripts call ``python -m fedciuic.deploy ACTION`` for the
+nothing behind. The scripts call ``python -m fedciuic.ops.deploy ACTION`` for the
 parts that are easier to get right in Python (health check, stopping process
 trees, reading a run's outcome).
 """
@@ -31,10 +31,10 @@ from typing import Any
 
 import psutil
 
-from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
-from fedciuic.compliance import simulated_jurisdiction
+from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair, bundle_path, write_keys
+from fedciuic.crypto.sealing import AGGREGATOR
 from fedciuic.errors import ConfigError
 from fedciuic.flower.launch import (
     CONNECTION,
@@ -50,7 +50,8 @@ from fedciuic.flower.launch import (
     toml_pairs,
     toml_value,
 )
-from fedciuic.outputs import (
+from fedciuic.jurisdictions import JURISDICTIONS, simulated_jurisdiction
+from fedciuic.ops.outputs import (
     COMPLETED,
     METRICS_FILE,
     NO_AGGREGATE,
@@ -58,8 +59,7 @@ from fedciuic.outputs import (
     mark_unfinished,
     no_aggregate_reasons,
 )
-from fedciuic.policy import JURISDICTIONS, LoadedPolicy, PolicyError, PolicySet, load_policies
-from fedciuic.sealing import AGGREGATOR
+from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
 
 DEFAULT_PORT = 9092
 
@@ -152,7 +152,7 @@ def parse_regions(regions: str | Sequence[str]) -> tuple[list[tuple[str, str]], 
 
 def _app_defaults(app: Path) -> tuple[dict[str, Any], list[str]]:
     """The app's run-config defaults, or why ``app`` is not a Flower app folder."""
-    from fedciuic.cli import app_run_config
+    from fedciuic.ops.cli import app_run_config
 
     try:
         return app_run_config(app), []
@@ -224,7 +224,7 @@ def init_deployment(
     Regions are ``name`` (jurisdiction: the name upper-cased) or ``name=JUR``.
     SuperNode ports are ``supernode_port_base + i`` (default: ``port + 1 + i``).
     """
-    from fedciuic.demo_data import FAMILIES
+    from fedciuic.data.demo import FAMILIES
 
     directory = Path(os.path.abspath(directory.expanduser()))
     app = app_dir.expanduser().resolve()
@@ -359,8 +359,8 @@ def _private_dir(path: Path) -> Path:
 
 
 def _write(d: Deployment, policies: PolicySet | None) -> None:
-    from fedciuic.demo_data import write_demo_corpora
-    from fedciuic.tls import generate_server_tls, generate_supernode_key
+    from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
+    from fedciuic.data.demo import write_demo_corpora
 
     agg = d.aggregator
     agg_keys = _private_dir(agg / "keys")
@@ -492,7 +492,7 @@ def _register_script(d: Deployment) -> str:
 
 
 def _data_check(data: Path, region: str) -> str:
-    # The same files fedciuic.data reads: *.jsonl and *.txt, hidden entries skipped.
+    # The same files fedciuic.data.corpus reads: *.jsonl and *.txt, hidden entries skipped.
     message = f"{region}: {data} holds no .jsonl or .txt files; put the region's data there"
     return (
         f"if [ -z \"$(find {_q(data)} -mindepth 1 -name '.*' -prune -o "
@@ -535,7 +535,7 @@ def _run_script(d: Deployment) -> str:
     ) + (
         # Flower takes a TOML file or key=value pairs, not both: pass the file as pairs so
         # that the caller's --run-config can follow (later values win).
-        f'PAIRS="$("$BIN/python" -m fedciuic.deploy run-config {_q(config)})"\n'
+        f'PAIRS="$("$BIN/python" -m fedciuic.ops.deploy run-config {_q(config)})"\n'
         + PLAIN
         + 'LOG="$(mktemp)"\n'
         "trap 'rm -f \"$LOG\"' EXIT\n"
@@ -544,7 +544,7 @@ def _run_script(d: Deployment) -> str:
         '2>&1 | plain | tee "$LOG" || rc=$?\n'
         # 0 completed; 3 no aggregate published (nothing trained); 1 anything else.
         "outcome=0\n"
-        f'"$BIN/python" -m fedciuic.deploy check-run "$LOG" {_q(config)} || outcome=$?\n'
+        f'"$BIN/python" -m fedciuic.ops.deploy check-run "$LOG" {_q(config)} || outcome=$?\n'
         '[ "$outcome" -eq 0 ] || rc=$outcome\n'
         'exit "$rc"\n'
     )
@@ -580,7 +580,7 @@ DIR={_q(d.directory)}
 export {OWNER_ENV}={_q(start_owner(d.directory))}
 START=$(date +%s)
 mkdir -p "$DIR/pids" "$DIR/logs"
-if ! "$BIN/python" -m fedciuic.deploy running "$DIR/pids"; then
+if ! "$BIN/python" -m fedciuic.ops.deploy running "$DIR/pids"; then
   echo "start.sh: an earlier start.sh is still running; stop it with: bash $DIR/stop.sh" >&2
   exit 1
 fi
@@ -593,7 +593,7 @@ stop_all() {{
   disown -a  # stopped by stop.sh, by PID: no job reports from this shell
   bash "$DIR/stop.sh" || true
   # A run whose ServerApp was stopped before it ended must not stay "running".
-  "$BIN/python" -m fedciuic.deploy settle "$DIR/aggregator/runs" "$START" || true
+  "$BIN/python" -m fedciuic.ops.deploy settle "$DIR/aggregator/runs" "$START" || true
   exit "$rc"
 }}
 trap stop_all EXIT
@@ -608,7 +608,7 @@ launch() {{  # NAME COMMAND...: in the background, logging to logs/NAME.log (no 
 }}
 
 launch superlink bash {_q(agg / "start-superlink.sh")}
-"$BIN/python" -m fedciuic.deploy wait-healthy {_q(f"{scheme}://{d.superlink}/health")} {ca} \\
+"$BIN/python" -m fedciuic.ops.deploy wait-healthy {_q(f"{scheme}://{d.superlink}/health")} {ca} \\
   "$DIR/pids/superlink.pid" "$DIR/logs/superlink.log"
 {register}{supernodes}
 # In the background, so that a signal to this script is handled at once.
@@ -639,7 +639,7 @@ def _stop_script(d: Deployment) -> str:
         "Stop every process start.sh started (pids/*.pid) and everything they started.",
         d.directory,
         d.aggregator / "flwr-home",
-    ) + (f'"$BIN/python" -m fedciuic.deploy stop {_q(d.directory / "pids")}\n')
+    ) + (f'"$BIN/python" -m fedciuic.ops.deploy stop {_q(d.directory / "pids")}\n')
 
 
 _DATA_README = """\
@@ -876,7 +876,7 @@ def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
 
 
 def _main(argv: Sequence[str]) -> int:
-    """``python -m fedciuic.deploy ACTION ARGS``, for the generated scripts."""
+    """``python -m fedciuic.ops.deploy ACTION ARGS``, for the generated scripts."""
     action, *args = argv or ["help"]
     if action == "run-config" and len(args) == 1:
         print(run_config_pairs(Path(args[0])))
@@ -899,7 +899,7 @@ def _main(argv: Sequence[str]) -> int:
         print(f"stopped {len(stopped)} process group(s) named in {args[0]}")
         return 0
     print(
-        "usage: python -m fedciuic.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
+        "usage: python -m fedciuic.ops.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
         "| check-run LOG FILE | settle RUNS_DIR SINCE | running PIDS_DIR | stop PIDS_DIR",
         file=sys.stderr,
     )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedciuic.audit import REGION_LOG
+from fedciuic.audit.log import REGION_LOG
 from fedciuic.compression import (
     ErrorFeedback,
     compress_with_feedback,
@@ -27,11 +27,12 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.data import RegionData, load_region_data
-from fedciuic.dp_train import PrivateTrainer, warn_once
+from fedciuic.data.corpus import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
-from fedciuic.model import AdapterModel, ModelSpec
-from fedciuic.privacy import (
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.train import EvalStats, TrainStats, evaluate, train_local
+from fedciuic.privacy.dpsgd import PrivateTrainer, warn_once
+from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     BudgetExhausted,
     PrivacyError,
@@ -44,7 +45,6 @@ from fedciuic.privacy import (
     locked,
     poisson_sample_rate,
 )
-from fedciuic.train import EvalStats, TrainStats, evaluate, train_local
 
 
 class BaseModelMismatch(FedciuicError):
@@ -278,7 +278,7 @@ class Region:
 
     def _ledger(self) -> PrivacyLedger:
         """The dataset's ledger, checked against what the region's audit log witnessed
-        (a ledger rolled back behind it is a :class:`~fedciuic.privacy.LedgerRolledBack`)."""
+        (a ledger rolled back behind it is a :class:`~fedciuic.privacy.ledger.LedgerRolledBack`)."""
         return PrivacyLedger.open(
             self.ledger_path,
             region=self.name,

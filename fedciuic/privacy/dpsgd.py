@@ -21,11 +21,11 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedciuic._opacus_logging import undo_opacus_basic_config
 from fedciuic.config import REPRODUCIBLE_NOISE_WARNING
-from fedciuic.model import AdapterModel
-from fedciuic.privacy import PrivacyError
-from fedciuic.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
+from fedciuic.model.adapter import AdapterModel
+from fedciuic.model.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
+from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
+from fedciuic.privacy.ledger import PrivacyError
 
 undo_opacus_basic_config()
 GradSampleMode = Literal["hooks", "ghost"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedciuic.audit import (
+from fedciuic.audit.log import (
     RECEIVED_EVENT,
     SENT_EVENTS,
     AuditError,
@@ -649,7 +649,7 @@ def verify_and_report(
 def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
     """Set each log's verdict, checked with its party's bundle from ``keys_dir``; with no
     keys the logs stay unverified (and reports say so)."""
-    from fedciuic.audit import verify
+    from fedciuic.audit.log import verify
     from fedciuic.crypto.keys import load_bundles
     from fedciuic.errors import ConfigError
 

@@ -1,0 +1,3 @@
+"""Operating fedciuic: the ``fedciuic`` command (``cli``), the deployment folder
+(``deploy``), a run's outputs, progress and reports (``outputs``, ``progress``,
+``run_report``). Imported by the command line, never by the library below it."""
