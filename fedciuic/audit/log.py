@@ -40,23 +40,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from fedciuic.audit.events import SENT_EVENTS, Event
 from fedciuic.crypto.keys import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 
 RECORD_LABEL = b"\x00fedciuic-audit-record/1\x00"
 CHECKPOINT_LABEL = b"\x01fedciuic-audit-checkpoint/1\x00"
 GENESIS = "0" * 64
-CHECKPOINT = "checkpoint"
-TORN_TAIL = "torn_tail_moved"
+CHECKPOINT = Event.CHECKPOINT
+TORN_TAIL = Event.TORN_TAIL
 #: A record of another party's signed checkpoint: details ``party``, ``count``, ``head``.
-WITNESS_EVENT = "witness"
+WITNESS_EVENT = Event.WITNESS
 FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
 #: A region's log, in its state-path; the aggregator's, in its audit folder.
 REGION_LOG = "audit.jsonl"
 AGGREGATOR_LOG = "aggregator.audit.jsonl"
 #: The events in which an update leaves a region, and arrives at the aggregator.
-SENT_EVENTS = ("update_sealed", "update_sent_clear")
-RECEIVED_EVENT = "update_received"
+RECEIVED_EVENT = Event.UPDATE_RECEIVED
 _TAIL_READ = 1 << 16
 
 

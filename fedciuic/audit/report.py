@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedciuic.audit.events import SENT_EVENTS, Event
 from fedciuic.audit.log import (
     RECEIVED_EVENT,
-    SENT_EVENTS,
     AuditError,
     Verdict,
     WitnessCheck,
@@ -109,7 +109,7 @@ def _runs(aggregator: PartyLog) -> list[int]:
     return [
         r["run_id"]
         for r in aggregator.records
-        if r.get("event") == "run_start" and isinstance(r.get("run_id"), int)
+        if r.get("event") == Event.RUN_START and isinstance(r.get("run_id"), int)
     ]
 
 
@@ -145,8 +145,8 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
     own = {name: of_run(log.verified) for name, log in regions.items()}
     agg_all = of_run(aggregator.records)
     own_all = {name: of_run(log.records) for name, log in regions.items()}
-    start = _details(_first(agg, "run_start"))
-    end = _details(_first(agg, "run_end"))
+    start = _details(_first(agg, Event.RUN_START))
+    end = _details(_first(agg, Event.RUN_END))
     check = cross_check(agg_all, own_all)
     witnesses = witness_check(
         {log.actor: log.records for log in logs},
@@ -154,11 +154,11 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
         covered={log.actor: log.covered for log in logs},
     )
     unsigned = {
-        "start": _first(agg_all, "run_start") is not None and not start,
-        "end": _first(agg_all, "run_end") is not None and not end,
+        "start": _first(agg_all, Event.RUN_START) is not None and not start,
+        "end": _first(agg_all, Event.RUN_END) is not None and not end,
     }
     disagreements = [
-        *_config_disagreements(_details(_first(agg_all, "run_start")), own_all),
+        *_config_disagreements(_details(_first(agg_all, Event.RUN_START)), own_all),
         *check.problems,
         *witnesses.problems,
     ]
@@ -208,8 +208,8 @@ def _overview(
     agg: Sequence[Record],
     unsigned: Mapping[str, bool],
 ) -> Section:
-    published = [r for r in agg if r.get("event") == "aggregate_published"]
-    withheld = [r for r in agg if r.get("event") == "aggregate_withheld"]
+    published = [r for r in agg if r.get("event") == Event.AGGREGATE_PUBLISHED]
+    withheld = [r for r in agg if r.get("event") == Event.AGGREGATE_WITHHELD]
     times = [r.get("time") for r in agg]
     note = "not covered by a signature (see Unverified records)"
 
@@ -294,19 +294,19 @@ def _regions_section(
         accepted = [
             r
             for r in agg
-            if r.get("event") == "update_accepted" and _details(r).get("region") == region
+            if r.get("event") == Event.UPDATE_ACCEPTED and _details(r).get("region") == region
         ]
         declined = [
             r
             for r in agg
-            if r.get("event") == "region_declined" and _details(r).get("region") == region
+            if r.get("event") == Event.REGION_DECLINED and _details(r).get("region") == region
         ]
         if records is None:
             trained = None
             joined: Mapping[str, Any] = {}
         else:
-            trained = [r for r in records if r.get("event") == "trained"]
-            joined = _details(_first(records, "run_joined"))
+            trained = [r for r in records if r.get("event") == Event.TRAINED]
+            joined = _details(_first(records, Event.RUN_JOINED))
         last = _details(trained[-1]) if trained else {}
         epsilon, budget = last.get("epsilon"), last.get("epsilon_budget")
         spent = (
@@ -407,17 +407,17 @@ def _refusals_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]
     rows = []
     for region, records in sorted(own.items()):
         for r in records:
-            if r.get("event") == "declined":
+            if r.get("event") == Event.DECLINED:
                 rows.append((_round(r), region, "declined", _text(_details(r).get("reason"))))
     for r in agg:
         d, event = _details(r), r.get("event")
-        if event == "update_rejected":
+        if event == Event.UPDATE_REJECTED:
             rows.append(
                 (_round(r), "aggregator", f"rejected {d.get('region')}", _text(d.get("reason")))
             )
-        elif event == "aggregate_withheld":
+        elif event == Event.AGGREGATE_WITHHELD:
             rows.append((_round(r), "aggregator", "withheld aggregate", _reasons(d.get("reasons"))))
-        elif event == "region_declined" and d.get("region") not in own:
+        elif event == Event.REGION_DECLINED and d.get("region") not in own:
             rows.append(
                 (_round(r), str(d.get("region")), "declined (as received)", _text(d.get("reason")))
             )
@@ -437,7 +437,7 @@ def _config_disagreements(
     lines = []
     config = start.get("config_hash")
     for region, records in sorted(own.items()):
-        joined = _first(records, "run_joined")
+        joined = _first(records, Event.RUN_JOINED)
         if joined is None:
             # A region that refused the run before joining it (its policy declined)
             # has records of it but no run config to compare: no disagreement.
@@ -495,7 +495,7 @@ def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[R
         {
             str(_details(j).get("jurisdiction"))
             for records in own.values()
-            if (j := _first(records, "run_joined")) is not None
+            if (j := _first(records, Event.RUN_JOINED)) is not None
         }
     )
     policies = start.get("policy_hashes")

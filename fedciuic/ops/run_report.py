@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditError
 from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.errors import ConfigError
@@ -46,13 +47,13 @@ SERIES_FILE = "series.json"
 PLOTS = ("eval_loss", "epsilon", "upload_bytes", "decisions")
 
 #: How each audit event reads on the timeline.
-AGGREGATOR_OUTCOMES = {
-    "update_accepted": "accepted",
-    "update_rejected": "rejected",
-    "region_declined": "declined",
-    "reply_failed": "failed",
-    "aggregate_published": "published",
-    "aggregate_withheld": "withheld",
+AGGREGATOR_OUTCOMES: dict[str, str] = {
+    Event.UPDATE_ACCEPTED: "accepted",
+    Event.UPDATE_REJECTED: "rejected",
+    Event.REGION_DECLINED: "declined",
+    Event.REPLY_FAILED: "failed",
+    Event.AGGREGATE_PUBLISHED: "published",
+    Event.AGGREGATE_WITHHELD: "withheld",
 }
 MARKERS = {
     "accepted": ("o", "#2ca02c"),
@@ -184,7 +185,7 @@ def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
             continue
         seen: set[tuple[int, str]] = set()
         for record in log.records:
-            if record.get("event") != "declined" or record.get("run_id") != run_id:
+            if record.get("event") != Event.DECLINED or record.get("run_id") != run_id:
                 continue
             key = (int(record["round"]), log.actor)
             if key in aggregator_saw or key in seen:

@@ -36,6 +36,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedciuic.audit.events import Event
 from fedciuic.errors import FedciuicError
 from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 
@@ -47,7 +48,7 @@ LEDGER_FILE = "privacy-ledger.jsonl"
 #: Domain separation of the ledger's hash chain (see :func:`chain_head`).
 HEAD_LABEL = b"\x00fedciuic-privacy-ledger-head/1\x00"
 #: The region's audit event that witnesses each release (with ``details.ledger``).
-TRAINED_EVENT = "trained"
+TRAINED_EVENT = Event.TRAINED
 
 #: One composition step: (noise multiplier, sample rate, number of steps).
 Step = tuple[float, float, int]

@@ -1,0 +1,41 @@
+"""Every audit event, named once: the writers (the apps, the round code) and the readers
+(the compliance report, the run report) use these names, never a string of their own.
+
+The details each event carries are listed in docs/audit.md ("Events"); a ``StrEnum``
+member is its own string, so a record written with it reads back as plain JSON.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Event(StrEnum):
+    # both parties
+    CHECKPOINT = "checkpoint"
+    TORN_TAIL = "torn_tail_moved"
+    WITNESS = "witness"
+    POLICY_DECISION = "policy_decision"
+    # the aggregator
+    RUN_START = "run_start"
+    RUN_END = "run_end"
+    RUN_END_WITNESSED = "run_end_witnessed"
+    UPDATE_RECEIVED = "update_received"
+    UPDATE_ACCEPTED = "update_accepted"
+    UPDATE_REJECTED = "update_rejected"
+    REGION_DECLINED = "region_declined"
+    REPLY_FAILED = "reply_failed"
+    AGGREGATE_PUBLISHED = "aggregate_published"
+    AGGREGATE_WITHHELD = "aggregate_withheld"
+    # a region
+    RUN_JOINED = "run_joined"
+    TRAINED = "trained"
+    UPDATE_SEALED = "update_sealed"
+    UPDATE_SENT_CLEAR = "update_sent_clear"
+    UPDATE_RESENT = "update_resent"
+    EVALUATED = "evaluated"
+    DECLINED = "declined"
+
+
+#: What a region logs when an update leaves it (sealed, or in the clear).
+SENT_EVENTS = (Event.UPDATE_SEALED, Event.UPDATE_SENT_CLEAR)
