@@ -15,29 +15,40 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedciuic.crypto.keys import NAME_PATTERN, Keypair
-from fedciuic.crypto.sealing import reply_message
+from fedciuic.crypto.keys import Keypair
 from fedciuic.errors import FedciuicError
 from fedciuic.model.train import EvalStats
 from fedciuic.policy.rules import LoadedPolicy
 from fedciuic.rounds.region import TrainOutcome
+from fedciuic.rounds.region_round import train_info as train_info  # re-exported
+from fedciuic.rounds.region_round import train_metrics as train_metrics
+from fedciuic.rounds.region_round import update_arrays as update_arrays
+from fedciuic.rounds.wire import (
+    AUDIT_COUNT,
+    AUDIT_HEAD,
+    DECLINED,
+    ENVELOPE,
+    EVALUATED,
+    SEALED,
+    MalformedReply,
+    Reply,
+    failed,
+    parse_reply,
+    sign_info,
+)
+from fedciuic.rounds.wire import KEY_ID as KEY_ID  # re-exported: the packers' callers use them
+from fedciuic.rounds.wire import UPDATE as UPDATE
+from fedciuic.rounds.wire import WITNESSED as WITNESSED
+from fedciuic.rounds.wire import Instruction as Instruction
+from fedciuic.rounds.wire import RunEndNotice as RunEndNotice
+from fedciuic.rounds.wire import Witness as Witness
 
-ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
-TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
-WITNESSED = "witnessed"  # a region's answer to the run-end notice
-ENVELOPE, UPDATE = "envelope", "update"
-JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
-#: Fields a region may add to any reply: its key id and signature over the reply (with
-#: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
-#: aggregator's instructions carry the head of its own log the same way.
-KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD = "key-id", "signature", "audit-count", "audit-head"
+ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"  # the records a message holds
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -77,17 +88,6 @@ def instruction(
 
 class MalformedInstruction(FedciuicError):
     """An instruction that is not what this protocol says (the region declines)."""
-
-
-@dataclass(frozen=True)
-class Instruction:
-    adapter: dict[str, np.ndarray]
-    server_round: int
-    base_fingerprint: str
-    signature: bytes = b""
-    signer: str = ""
-    federation_run: int = 0  # 0: this run started the federation
-    witness: tuple[int, str] | None = None
 
 
 def _typed(config: Mapping[str, object], key: str, kind: type, default: object) -> Any:
@@ -132,17 +132,6 @@ def read_instruction(message: Message) -> Instruction:
     )
 
 
-@dataclass(frozen=True)
-class RunEndNotice:
-    """After ``run_end``: the head of the aggregator's log, signed, for each region to
-    record (and answer with its own): the end of a run is witnessed like a round."""
-
-    federation_run: int
-    witness: tuple[int, str]
-    signature: bytes = b""
-    signer: str = ""
-
-
 def run_end_notice(notice: RunEndNotice) -> RecordDict:
     count, head = notice.witness
     return RecordDict(
@@ -181,41 +170,6 @@ def witnessed_reply(region: str) -> RecordDict:
     )
 
 
-def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
-    metrics: dict[str, int | float | list[int] | list[float]] = {
-        "num-examples": outcome.stats.num_examples,
-        "train-loss": outcome.stats.loss,
-        "steps": outcome.stats.steps,
-        "update-bytes": len(outcome.update),
-    }
-    if outcome.privacy is not None:
-        p = outcome.privacy
-        metrics.update(
-            {
-                "epsilon": p.epsilon,
-                "epsilon-budget": p.epsilon_budget,
-                "delta": p.delta,
-                "noise-multiplier": p.noise_multiplier,
-                "sample-rate": p.sample_rate,
-                "secure-mode": int(p.secure_mode),
-                "max-grad-norm": p.max_grad_norm,
-            }
-        )
-    return metrics
-
-
-def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dict[str, str]:
-    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
-    return {
-        "region": outcome.region,
-        "status": TRAINED,
-        "reason": "",
-        "data-fingerprint": outcome.data_fingerprint,
-        JURISDICTION: policy.policy.jurisdiction if policy else "",
-        POLICY_HASH: policy.hash if policy else "",
-    }
-
-
 def clear_reply(
     arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any], info: Mapping[str, str]
 ) -> RecordDict:
@@ -233,11 +187,6 @@ def train_reply(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> Re
     return clear_reply(
         update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
     )
-
-
-def update_arrays(update: bytes) -> dict[str, np.ndarray]:
-    """The compressed update as the one array a reply (or sealed payload) carries."""
-    return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
 
 
 def sealed_reply(region: str, envelope: bytes | bytearray, key_id: str) -> RecordDict:
@@ -278,185 +227,14 @@ def decline_reply(region: str, reason: str) -> RecordDict:
     )
 
 
-class MalformedReply(FedciuicError):
-    """A reply that is not what this protocol says; the message names the field."""
-
-
-_OPTIONAL_INFO = frozenset({KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD})
-_BASE_INFO = frozenset({"region", "status", "reason"})
-#: The exact info keys of each status (besides the optional ones above).
-INFO_KEYS: dict[str, frozenset[str]] = {
-    TRAINED: _BASE_INFO | {"data-fingerprint", JURISDICTION, POLICY_HASH},
-    SEALED: _BASE_INFO,
-    EVALUATED: _BASE_INFO,
-    DECLINED: _BASE_INFO,
-    WITNESSED: _BASE_INFO,
-}
-_MAX_COUNT = 2**53  # any count above this is not a count
-
-
-class _Strict(BaseModel):
-    """Untrusted numbers: exact types (a bool is no int, a float no int), finite, in range."""
-
-    model_config = ConfigDict(
-        strict=True,
-        extra="forbid",
-        allow_inf_nan=False,
-        frozen=True,
-        populate_by_name=True,
-        alias_generator=lambda name: name.replace("_", "-"),
-    )
-
-
-class PrivacyFigures(_Strict):
-    """What a DP region declares it spent and applied; all or none of them."""
-
-    epsilon: float = Field(ge=0)
-    epsilon_budget: float = Field(gt=0)
-    delta: float = Field(ge=0, lt=1)
-    noise_multiplier: float = Field(ge=0)
-    sample_rate: float = Field(gt=0, le=1)
-    secure_mode: int = Field(ge=0, le=1)
-    max_grad_norm: float = Field(gt=0)
-
-
-class TrainMetrics(_Strict):
-    num_examples: int = Field(ge=1, le=_MAX_COUNT)
-    train_loss: float = Field(ge=0)
-    steps: int = Field(ge=0, le=_MAX_COUNT)
-    update_bytes: int = Field(ge=0, le=_MAX_COUNT)
-    privacy: PrivacyFigures | None = None
-
-    def record(self) -> dict[str, float | int]:
-        """The figures as metrics.json stores them (privacy keys with underscores)."""
-        privacy = self.privacy.model_dump() if self.privacy else {}
-        return {k: v for k, v in privacy.items() if k != "max_grad_norm"}
-
-
-class EvalMetrics(_Strict):
-    num_examples: int = Field(ge=1, le=_MAX_COUNT)
-    eval_loss: float = Field(ge=0)
-    perplexity: float = Field(ge=0)
-
-
-class DeclineMetrics(_Strict):
-    num_examples: int = Field(ge=0, le=0)
-
-
-_PRIVACY_KEYS = frozenset(f.alias or k for k, f in PrivacyFigures.model_fields.items())
-
-
-def _problem(err: ValidationError, what: str) -> MalformedReply:
-    first = err.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or what
-    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return MalformedReply(f"malformed {what}: {where}: {first['msg']}{more}")
-
-
-def parse_train_metrics(metrics: object) -> TrainMetrics:
-    """A trained reply's metrics (clear, or from inside its envelope), validated."""
-    if not isinstance(metrics, Mapping):
-        raise MalformedReply(f"malformed metrics: an object expected, got {type(metrics).__name__}")
-    flat = dict(metrics)
-    privacy = {k: flat.pop(k) for k in list(flat) if k in _PRIVACY_KEYS}
-    try:
-        return TrainMetrics.model_validate(
-            {**flat, "privacy": PrivacyFigures.model_validate(privacy) if privacy else None}
-        )
-    except ValidationError as err:
-        raise _problem(err, "metrics") from None
-
-
-def parse_eval_metrics(metrics: Mapping[str, object]) -> EvalMetrics:
-    try:
-        return EvalMetrics.model_validate(dict(metrics))
-    except ValidationError as err:
-        raise _problem(err, "metrics") from None
-
-
-def parse_info(info: object, status: str) -> dict[str, str]:
-    """A reply's info with exactly the keys its status has; every value a string."""
-    if not isinstance(info, Mapping):
-        raise MalformedReply(f"malformed info: an object expected, got {type(info).__name__}")
-    expected = INFO_KEYS.get(status)
-    if expected is None:
-        raise MalformedReply(
-            f"malformed info: status {str(status)[:32]!r} is not one of {sorted(INFO_KEYS)}"
-        )
-    keys = set(info)
-    if not expected <= keys or keys - expected - _OPTIONAL_INFO:
-        raise MalformedReply(
-            f"malformed info: keys {sorted(map(str, keys))[:16]}, expected {sorted(expected)}"
-        )
-    clear = {k: v for k, v in info.items() if k not in (SIGNATURE, AUDIT_COUNT)}
-    for key, value in clear.items():
-        if not isinstance(value, str) or len(value) > 4096:
-            raise MalformedReply(f"malformed info: {key}: a string (at most 4096) expected")
-    if not re.fullmatch(NAME_PATTERN, clear["region"]):
-        raise MalformedReply(
-            f"malformed info: region {clear['region'][:40]!r} is not a region name"
-        )
-    return {str(k): str(v) for k, v in clear.items()}
-
-
-@dataclass(frozen=True)
-class Witness:
-    """The head of a party's latest signed audit checkpoint, as another party saw it."""
-
-    count: int
-    head: str
-
-
-def _witness(info: Mapping[str, object]) -> Witness | None:
-    count, head = info.get(AUDIT_COUNT), info.get(AUDIT_HEAD)
-    if count is None and head is None:
-        return None
-    if (
-        type(count) is not int
-        or not 0 <= count <= _MAX_COUNT
-        or not isinstance(head, str)
-        or not re.fullmatch(r"[0-9a-f]{64}", head)
-    ):
-        raise MalformedReply("malformed info: audit-count/audit-head: a count and a SHA-256 hex")
-    return Witness(count, head)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A region's reply as the aggregator sees it, parsed but not yet authenticated:
-    ``region`` is the name it *claims*."""
-
-    node_id: int
-    region: str
-    status: str  # trained | sealed | evaluated | declined | failed
-    reason: str = ""
-    metrics: dict[str, int | float] = field(default_factory=dict)
-    info: dict[str, str] = field(default_factory=dict)
-    arrays: dict[str, np.ndarray] | None = None
-    envelope: bytes | None = None
-    signature: bytes = b""
-    witness: Witness | None = None
-    signed: dict[str, object] = field(default_factory=dict)  # what the signature covers
-
-
-def signed_fields(info: Mapping[str, object], metrics: Mapping[str, object]) -> dict[str, object]:
-    """What a region's reply signature covers: everything it sends in the clear."""
-    return {
-        "info": {k: v for k, v in info.items() if k != SIGNATURE},
-        "metrics": dict(metrics),
-    }
-
-
 def sign_reply(
     content: RecordDict, keypair: Keypair, *, run_id: int, server_round: int
 ) -> RecordDict:
     """Add the region's key id and signature to a reply, so that the aggregator records
     it under the region its key names, never under the name it claims."""
-    info = content.config_records[INFO]
-    info[KEY_ID] = keypair.bundle.key_id.hex()
     metrics: Mapping[str, object] = content.metric_records.get(METRICS, {})
-    info[SIGNATURE] = keypair.sign(
-        reply_message(run_id, server_round, signed_fields(info, metrics))
+    sign_info(
+        content.config_records[INFO], metrics, keypair, run_id=run_id, server_round=server_round
     )
     return content
 
@@ -468,16 +246,9 @@ def add_witness(content: RecordDict, count: int, head: str) -> RecordDict:
     return content
 
 
-FAILED = "failed"
-
-
-def failed(node_id: int, region: str, reason: str) -> Reply:
-    return Reply(node_id, region, FAILED, reason=reason)
-
-
 def read_reply(message: Message) -> Reply:
-    """Parse a reply into typed values; :class:`MalformedReply` says what is wrong.
-    A Flower error (the region's process failed) is a ``failed`` reply."""
+    """Unpack a Flower reply into the plain :class:`Reply` (``rounds.wire`` validates
+    its fields); a Flower error (the region's process failed) is a ``failed`` reply."""
     node_id = message.metadata.src_node_id
     if message.has_error():
         return failed(node_id, "", message.error.reason or "unknown error")
@@ -487,42 +258,12 @@ def read_reply(message: Message) -> Reply:
             f"malformed reply: records {sorted(content.config_records)}, "
             f"{sorted(content.metric_records)}; expected info and metrics"
         )
-    raw_info = dict(content.config_records[INFO])
-    status = raw_info.get("status")
-    info = parse_info(raw_info, str(status))
-    status = info["status"]
-    signature = raw_info.get(SIGNATURE, b"")
-    if not isinstance(signature, bytes) or len(signature) > 16384:
-        raise MalformedReply("malformed info: signature: bytes expected")
-    metrics: dict[str, int | float] = {}
-    for key, value in (content.metric_records.get(METRICS) or {}).items():
-        if type(value) not in (int, float):
-            raise MalformedReply(f"malformed metrics: {key}: a number expected")
-        metrics[key] = value  # type: ignore[assignment]
     records = content.array_records
     if set(records) - {ARRAYS}:
         raise MalformedReply(f"malformed reply: array records {sorted(records)}")
-    arrays = unpack_arrays(records[ARRAYS]) if ARRAYS in records else None
-    envelope = None
-    if status == SEALED:
-        if arrays is None or set(arrays) != {ENVELOPE}:
-            raise MalformedReply("malformed reply: a sealed reply carries one array, envelope")
-        sealed = arrays[ENVELOPE]
-        if sealed.dtype != np.uint8 or sealed.ndim != 1:
-            raise MalformedReply("malformed reply: envelope: uint8[n] expected")
-        envelope, arrays = sealed.tobytes(), None
-    elif status != TRAINED and arrays is not None:
-        raise MalformedReply(f"malformed reply: a {status} reply carries no arrays")
-    return Reply(
+    return parse_reply(
         node_id,
-        info["region"],
-        info["status"],
-        info["reason"],
-        metrics,
-        info,
-        arrays,
-        envelope,
-        signature,
-        _witness(raw_info),
-        signed_fields(raw_info, metrics),
+        dict(content.config_records[INFO]),
+        dict(content.metric_records.get(METRICS) or {}),
+        unpack_arrays(records[ARRAYS]) if ARRAYS in records else None,
     )

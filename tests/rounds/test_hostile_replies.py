@@ -7,7 +7,7 @@ reply alone is rejected (in metrics.json and in the audit log, with the error's 
 and the published aggregate is exactly the honest regions' mean.
 """
 
-# ruff: noqa: F811 - the fixtures imported from test_strategy are parameters here
+# ruff: noqa: F811 - the fixtures imported from test_aggregator are parameters here
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, MessageType, MetricRecord, RecordDict
 from safetensors.numpy import save as st_save
 
 from fedciuic.audit.log import WITNESS_EVENT, load_records, verify
@@ -33,19 +32,24 @@ from fedciuic.crypto.envelope import (
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
-from fedciuic.flower import protocol
-from tests.test_strategy import (  # noqa: F401 - fixtures
+from fedciuic.rounds.wire import ENVELOPE, KEY_ID, SIGNATURE, signed_fields
+from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
+    Raw,
+    adapter_of,
     audited,
+    declined,
     encoded,
+    evaluated,
     from_region,
     policed,
     policy_hash,
     reply,
-    sealed_strategy,
+    sealed_envelope,
+    sealed_round,
+    signed,
+    update_arrays,
 )
-
-pytestmark = pytest.mark.usefixtures("task_identity")
 
 INFO = {
     "status": "trained",
@@ -56,11 +60,7 @@ INFO = {
 }
 
 
-def signed(content: RecordDict, keypair: Keypair, server_round: int = 1) -> RecordDict:
-    return protocol.sign_reply(content, keypair, run_id=7, server_round=server_round)
-
-
-def sealed_payload(policed, region: str, payload: bytes) -> RecordDict:
+def sealed_payload(policed, region: str, payload: bytes) -> Raw:
     """``payload`` sealed and signed by ``region``'s real keys: the envelope is authentic."""
     s, regions, folder = policed
     keypair = regions[region]
@@ -73,7 +73,7 @@ def sealed_payload(policed, region: str, payload: bytes) -> RecordDict:
         region=region,
         policy_hash=bytes.fromhex(policy_hash(folder, region)),
     )
-    return signed(protocol.sealed_reply(region, envelope, keypair.bundle.key_id.hex()), keypair)
+    return signed(sealed_envelope(region, envelope, keypair), keypair)
 
 
 def payload_with(metrics: Any = None, info: Any = None, value: float = 1.0) -> bytes:
@@ -99,37 +99,35 @@ def bad_offsets() -> bytes:
     return struct.pack("<Q", len(raw)) + raw + good[8 + size :]
 
 
-def low_order_share(policed) -> RecordDict:
+def low_order_share(policed) -> Raw:
     """cn's authentic envelope whose X25519 share is the all-zero (low-order) point,
     re-signed by cn: the signature verifies, decapsulation cannot compute a secret."""
     regions = policed[1]
     content = sealed_payload(policed, "cn", payload_with())
-    raw = bytearray(content.array_records[protocol.ARRAYS][protocol.ENVELOPE].numpy().tobytes())
+    assert content.arrays is not None
+    raw = bytearray(content.arrays[ENVELOPE].tobytes())
     _, header_end = parse_header(raw)
     kem_end = header_end + CIPHERTEXT_SIZE
     raw[kem_end - 32 : kem_end] = bytes(32)
     signature_size = regions["cn"].bundle.signature_size()
     body_end = len(raw) - 2 - signature_size
     raw[body_end + 2 :] = regions["cn"].sign(SIGNED_LABEL + hashlib.sha256(raw[:body_end]).digest())
-    return signed(
-        protocol.sealed_reply("cn", raw, regions["cn"].bundle.key_id.hex()), regions["cn"]
-    )
+    return signed(sealed_envelope("cn", raw, regions["cn"]), regions["cn"])
 
 
-def list_metric(keypair: Keypair) -> RecordDict:
-    content = protocol.decline_reply("cn", "no")
-    content[protocol.METRICS] = MetricRecord({"x": [1.0, 2.0]})
+def list_metric(keypair: Keypair) -> Raw:
+    content = declined("cn", "no")
+    content.metrics = {"x": [1.0, 2.0]}
     return signed(content, keypair)
 
 
-def clear_info(content: RecordDict, **changes: Any) -> RecordDict:
-    for key, value in changes.items():
-        content.config_records[protocol.INFO][key] = value
+def clear_info(content: Raw, **changes: Any) -> Raw:
+    content.info.update(changes)
     return content
 
 
 #: name -> (build the hostile reply, what its rejection reason names)
-HOSTILE: dict[str, tuple[Callable[[Any], RecordDict], str]] = {
+HOSTILE: dict[str, tuple[Callable[[Any], Raw], str]] = {
     "num-examples NaN": (
         lambda p: sealed_payload(p, "cn", payload_with(metrics_with(**{"num-examples": "NaN"}))),
         "num-examples",
@@ -212,9 +210,7 @@ HOSTILE: dict[str, tuple[Callable[[Any], RecordDict], str]] = {
         "malformed metrics: x: a number expected",
     ),
     "status unknown": (
-        lambda p: signed(
-            clear_info(protocol.decline_reply("cn", "no"), status="bogus"), p[1]["cn"]
-        ),
+        lambda p: signed(clear_info(declined("cn", "no"), status="bogus"), p[1]["cn"]),
         "status 'bogus'",
     ),
 }
@@ -225,7 +221,7 @@ def test_a_malformed_reply_is_rejected_alone_and_the_aggregate_is_the_honest_mea
     s = audited[0]
     make, reason = HOSTILE[case]
     hostile = make(audited)
-    arrays, _ = s.aggregate_train(
+    result = s.train(
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -233,8 +229,8 @@ def test_a_malformed_reply_is_rejected_alone_and_the_aggregate_is_the_honest_mea
             reply(13, from_region(audited, "us", 3.0)),
         ],
     )
-    assert arrays is not None  # eu and us meet the policies' minimums
-    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)  # (1 + 3) / 2
+    # eu and us meet the policies' minimums
+    np.testing.assert_allclose(adapter_of(result)["w"], 2.0)  # (1 + 3) / 2
     train = s.recorder.data["rounds"]["1"]["train"]
     assert train["eu"]["status"] == train["us"]["status"] == "trained"
     label = next(k for k in train if k not in ("eu", "us"))
@@ -258,7 +254,7 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
         return real(facts)
 
     monkeypatch.setattr(type(s.policies), "check_update", lambda self, facts: buggy(facts))
-    arrays, _ = s.aggregate_train(
+    result = s.train(
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -266,7 +262,7 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
             reply(13, from_region(audited, "us", 3.0)),
         ],
     )
-    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+    np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
     assert s.recorder.data["rounds"]["1"]["train"]["cn"] == {
         "status": "rejected",
         "reason": "KeyError: 'a bug'",
@@ -283,7 +279,7 @@ def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, 
         real(server_round, judged, entry)
 
     monkeypatch.setattr(s, "_note_outcome", failing)
-    arrays, _ = s.aggregate_train(
+    result = s.train(
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -291,7 +287,7 @@ def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, 
             reply(13, from_region(audited, "us", 3.0)),
         ],
     )
-    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)  # cn not counted
+    np.testing.assert_allclose(adapter_of(result)["w"], 2.0)  # cn not counted
     assert s.recorder.data["rounds"]["1"]["train"]["cn"]["reason"] == "OSError: disk full"
 
 
@@ -300,11 +296,11 @@ def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, 
 
 def test_garbage_labelled_eu_does_not_displace_eus_genuine_record(audited):
     s = audited[0]
-    garbage = protocol.decline_reply("eu", "garbage")
-    garbage.config_records[protocol.INFO]["status"] = "trained"  # unsigned, claims eu
+    garbage = declined("eu", "garbage")
+    garbage.info["status"] = "trained"  # unsigned, claims eu
     forged = from_region(audited, "cn", 50.0)  # cn's real reply, relabelled eu
-    forged.config_records[protocol.INFO]["region"] = "eu"
-    arrays, _ = s.aggregate_train(
+    forged.info["region"] = "eu"
+    result = s.train(
         1,
         [
             reply(21, garbage),  # first, so it would take eu's place if names were trusted
@@ -313,7 +309,7 @@ def test_garbage_labelled_eu_does_not_displace_eus_genuine_record(audited):
             reply(13, from_region(audited, "us", 3.0)),
         ],
     )
-    np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 2.0)
+    np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
     train = s.recorder.data["rounds"]["1"]["train"]
     assert train["eu"]["status"] == "trained" and train["eu"]["data_fingerprint"] == "fp"
     assert train["node-21"]["status"] == "rejected"  # malformed: not even parsed
@@ -323,9 +319,9 @@ def test_garbage_labelled_eu_does_not_displace_eus_genuine_record(audited):
 
 def test_a_reply_signed_by_one_region_naming_another_is_recorded_under_its_signer(audited):
     s, regions, _ = audited
-    content = protocol.decline_reply("eu", "I am eu")
+    content = declined("eu", "I am eu")
     signed(content, regions["cn"])  # cn's key signs a reply that says eu
-    s.aggregate_train(1, [reply(12, content), reply(11, from_region(audited, "eu", 1.0))])
+    s.train(1, [reply(12, content), reply(11, from_region(audited, "eu", 1.0))])
     train = s.recorder.data["rounds"]["1"]["train"]
     assert train["eu"]["status"] == "trained"
     assert train["node-12"]["status"] == "rejected"
@@ -334,36 +330,22 @@ def test_a_reply_signed_by_one_region_naming_another_is_recorded_under_its_signe
 
 def test_a_replayed_signed_reply_does_not_count_twice(audited):
     s, regions, _ = audited
-    stats = protocol.evaluate_reply("eu", _Stats(2.0, 10))  # type: ignore[arg-type]
-    signed(stats, regions["eu"])
-    again = RecordDict(
-        {
-            protocol.METRICS: MetricRecord(dict(stats.metric_records[protocol.METRICS])),
-            protocol.INFO: ConfigRecord(dict(stats.config_records[protocol.INFO])),
-        }
-    )
-    us = signed(protocol.evaluate_reply("us", _Stats(4.0, 10)), regions["us"])  # type: ignore[arg-type]
-    kind = MessageType.EVALUATE
-    metrics = s.aggregate_evaluate(
-        1, [reply(11, stats, kind), reply(12, again, kind), reply(13, us, kind)]
-    )
-    assert metrics is not None and metrics["eval-loss"] == pytest.approx(3.0)
+    stats = signed(evaluated("eu", 2.0, 10), regions["eu"])
+    again = Raw(dict(stats.info), dict(stats.metrics))
+    us = signed(evaluated("us", 4.0, 10), regions["us"])
+    result = s.evaluate(1, [reply(11, stats), reply(12, again), reply(13, us)])
+    assert result.loss == pytest.approx(3.0)
     round_ = s.recorder.data["rounds"]["1"]
     assert round_["duplicates"][0]["status"] == "rejected"
 
 
-class _Stats:
-    def __init__(self, loss: float, num_examples: int) -> None:
-        self.loss, self.num_examples, self.perplexity = loss, num_examples, float(np.exp(loss))
-
-
-def attacker_signed(content: RecordDict, keypair: Keypair) -> RecordDict:
+def attacker_signed(content: Raw, keypair: Keypair) -> Raw:
     """Signed with the attacker's own encoder, which lets NaN and Infinity through."""
-    info = content.config_records[protocol.INFO]
-    info[protocol.KEY_ID] = keypair.bundle.key_id.hex()
-    fields = protocol.signed_fields(info, content.metric_records[protocol.METRICS])
+    info = content.info
+    info[KEY_ID] = keypair.bundle.key_id.hex()
+    fields = signed_fields(info, content.metrics)
     body = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
-    info[protocol.SIGNATURE] = keypair.sign(REPLY_LABEL + struct.pack(">QI", 7, 1) + body)
+    info[SIGNATURE] = keypair.sign(REPLY_LABEL + struct.pack(">QI", 7, 1) + body)
     return content
 
 
@@ -381,13 +363,12 @@ def attacker_signed(content: RecordDict, keypair: Keypair) -> RecordDict:
 )
 def test_a_malformed_evaluation_is_rejected_alone(audited, metrics, field):
     s, regions, _ = audited
-    bad = protocol.evaluate_reply("cn", _Stats(1.0, 10))  # type: ignore[arg-type]
-    bad[protocol.METRICS] = MetricRecord(metrics)
+    bad = evaluated("cn", 1.0, 10)
+    bad.metrics = metrics
     attacker_signed(bad, regions["cn"])
-    eu = signed(protocol.evaluate_reply("eu", _Stats(2.0, 10)), regions["eu"])  # type: ignore[arg-type]
-    kind = MessageType.EVALUATE
-    result = s.aggregate_evaluate(1, [reply(11, eu, kind), reply(12, bad, kind)])
-    assert result is not None and result["eval-loss"] == pytest.approx(2.0)
+    eu = signed(evaluated("eu", 2.0, 10), regions["eu"])
+    result = s.evaluate(1, [reply(11, eu), reply(12, bad)])
+    assert result.loss == pytest.approx(2.0)
     evals = s.recorder.data["rounds"]["1"]["eval"]
     label = "node-12" if field == "InvalidEnvelope" else "cn"
     assert evals[label]["status"] == "rejected" and field in evals[label]["reason"]
@@ -396,9 +377,9 @@ def test_a_malformed_evaluation_is_rejected_alone(audited, metrics, field):
 def test_each_signed_reply_has_its_regions_audit_head_witnessed(audited):
     s, regions, _ = audited
     content = from_region(audited, "eu", 1.0)
-    protocol.add_witness(content, 3, "ab" * 32)
+    content.info.update({"audit-count": 3, "audit-head": "ab" * 32})
     signed(content, regions["eu"])
-    s.aggregate_train(1, [reply(11, content)])
+    s.train(1, [reply(11, content)])
     witnessed = [r for r in load_records(s.audit.path) if r["event"] == WITNESS_EVENT]
     assert [w["details"] for w in witnessed] == [{"party": "eu", "count": 3, "head": "ab" * 32}]
 
@@ -406,19 +387,18 @@ def test_each_signed_reply_has_its_regions_audit_head_witnessed(audited):
 def test_a_low_order_x25519_share_is_one_opaque_invalid_envelope(policed):
     s = policed[0]
     content = low_order_share(policed)
-    raw = content.array_records[protocol.ARRAYS][protocol.ENVELOPE].numpy().tobytes()
+    assert content.arrays is not None
+    raw = content.arrays[ENVELOPE].tobytes()
     with pytest.raises(InvalidEnvelope):
         open_envelope(raw, recipient=s.keys.keypair, senders=s.keys.regions)
 
 
 def test_a_sealed_payload_from_update_payload_still_opens(policed):
     """The honest path through the same reader: what a region writes, the aggregator reads."""
-    payload = update_payload(
-        protocol.update_arrays(encoded(1.0)), DP_METRICS, {"region": "cn", **INFO}
-    )
+    payload = update_payload(update_arrays(encoded(1.0)), DP_METRICS, {"region": "cn", **INFO})
     s = policed[0]
     content = sealed_payload(policed, "cn", payload)
-    s.aggregate_train(1, [reply(12, content)])
+    s.train(1, [reply(12, content)])
     assert s.recorder.data["rounds"]["1"]["train"]["cn"]["status"] == "trained"
 
 

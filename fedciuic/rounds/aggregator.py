@@ -1,0 +1,721 @@
+"""The aggregator's round, without Flower: replies in, one verdict per reply, then the
+round's aggregate published or withheld.
+
+Each reply goes through one boundary (:meth:`AggregatorRound._guarded`): read,
+authenticate (its signature names the region it is recorded under), open (sealed or
+clear), validate and check against its sender's policy. *Any* exception in there
+rejects that reply alone. Each outcome is then recorded (metrics.json and the audit
+log) before it counts; a second reply under a label already taken is rejected.
+
+Differences from plain FedAvg, each for a reason:
+
+* replies are adapter *deltas*, averaged by examples and applied to the global adapter;
+* a region that declines is a normal outcome: it is recorded and the round goes on;
+  a reply that fails or is malformed is rejected alone instead of skipping the round;
+* with policies, each update is checked against its sender's jurisdiction policy
+  (named in the envelope header) and an aggregate is published only when the
+  strictest minimum among its regions' policies is met; otherwise the global
+  adapter stays as it was for that round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
+from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
+from fedciuic.compression import Codec, get_codec, layout_of, unflatten
+from fedciuic.config import RunConfig
+from fedciuic.crypto.sealing import (
+    AggregatorKeys,
+    EnvelopeRejected,
+    model_digest,
+    sign_global,
+    sign_run_end,
+)
+from fedciuic.ops.outputs import RunRecorder
+from fedciuic.policy.binding import UNSEALED, AggregatorPolicies, codec_family
+from fedciuic.policy.rules import Decision, UpdateFacts
+from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.rounds.wire import (
+    DECLINED,
+    EVALUATED,
+    FAILED,
+    JURISDICTION,
+    KEY_ID,
+    POLICY_HASH,
+    REJECTED,
+    SEALED,
+    TRAINED,
+    UPDATE,
+    WITNESSED,
+    Arrival,
+    EvalMetrics,
+    MalformedReply,
+    NoReply,
+    Reply,
+    TrainMetrics,
+    Unread,
+    Witness,
+    failed,
+    parse_eval_metrics,
+    parse_info,
+    parse_train_metrics,
+)
+
+# Flower's logger, by name: the round's lines show with the rest of the run's output.
+_logger = logging.getLogger("flwr")
+
+
+def reason_of(err: Exception) -> str:
+    """A rejection's reason: the error's type and its message (or repr)."""
+    return f"{type(err).__name__}: {str(err)[:500]}"
+
+
+@dataclass(frozen=True)
+class Header:
+    """Where an update comes from and under what terms: from its authenticated
+    envelope when sealed, from the clear reply in a lab run without sealing."""
+
+    region: str
+    jurisdiction: str
+    policy_hash: str
+    suite: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A trained reply once authenticated, opened, validated and checked by policy."""
+
+    region: str
+    checked: Checked
+    metrics: TrainMetrics
+    info: dict[str, str]
+    header: Header
+    update_bytes: int
+    upload_bytes: int
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One reply's outcome, under the label it is recorded with: accepted (a trained
+    update that counts), evaluated, or its reply's final status and reason (declined,
+    failed, rejected)."""
+
+    label: str
+    reply: Reply  # its status and reason are final
+    accepted: Accepted | None = None
+    evaluated: EvalMetrics | None = None
+    claimed: str = ""
+    authenticated: bool = False
+
+    @property
+    def status(self) -> str:
+        return self.reply.status
+
+    @property
+    def reason(self) -> str:
+        return self.reply.reason
+
+    def entry(self) -> dict[str, Any]:
+        """What metrics.json records for this reply."""
+        if self.accepted is not None:
+            a = self.accepted
+            return {
+                "status": TRAINED,
+                "reason": "",
+                "norm": a.checked.norm,
+                "clipped": a.checked.clipped,
+                "loss": a.metrics.train_loss,
+                "num_examples": a.metrics.num_examples,
+                "steps": a.metrics.steps,
+                "data_fingerprint": a.info["data-fingerprint"],
+                "upload_bytes": a.upload_bytes,
+                "update_bytes": a.update_bytes,
+                **a.metrics.record(),
+            }
+        if self.evaluated is not None:
+            e = self.evaluated
+            return {
+                "status": EVALUATED,
+                "loss": e.eval_loss,
+                "perplexity": e.perplexity,
+                "num_examples": e.num_examples,
+            }
+        entry = {"status": self.reply.status, "reason": self.reply.reason}
+        if self.claimed != self.label:
+            entry["claimed_region"] = self.claimed
+        return entry
+
+
+@dataclass(frozen=True)
+class Published:
+    """The round's aggregate, applied to the global adapter."""
+
+    adapter: dict[str, np.ndarray]
+    regions: list[str]
+    examples: float
+    train_loss: float  # weighted by examples
+
+
+@dataclass(frozen=True)
+class Withheld:
+    """No aggregate this round: the global adapter is unchanged."""
+
+    regions: list[str]
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    replies: list[Judged]
+    aggregate: Published | Withheld
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    replies: list[Judged]
+    loss: float | None  # weighted by examples; None when no region evaluated
+    num_examples: int = 0
+
+
+@dataclass(frozen=True)
+class Signed:
+    """What the aggregator signs for the regions: the global adapter of a round (or the
+    end of the run) and the head of its own audit log, which the signature covers."""
+
+    signature: bytes
+    signer: str
+    witness: tuple[int, str] | None
+
+
+class AggregatorRound:
+    """The aggregator's side of each round, over plain :class:`Reply` values."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        *,
+        base_fingerprint: str,
+        recorder: RunRecorder,
+        keys: AggregatorKeys | None = None,
+        policies: AggregatorPolicies | None = None,
+        audit: AuditLog | None = None,
+        run_id: int = 0,
+        federation_run: int = 0,
+        checkpoints: Path | None = None,
+    ) -> None:
+        self.run = run
+        self.base_fingerprint = base_fingerprint
+        self.recorder = recorder
+        self.keys = keys
+        self.policies = policies
+        self.audit = audit
+        self.run_id = run_id  # Flower's: binds envelopes and signatures
+        self.federation_run = federation_run or run_id  # kept when a run is resumed
+        self.checkpoints = checkpoints
+        self.global_adapter: dict[str, np.ndarray] = {}
+        self.regions_by_node: dict[int, str] = {}
+
+    # -- instructions -------------------------------------------------------------
+
+    def sign_instruction(
+        self, server_round: int, adapter: Callable[[], Mapping[str, np.ndarray]]
+    ) -> Signed:
+        """The signature over a round's global adapter (with sealing) and the audit head
+        it carries; ``adapter`` is only called when there is something to sign with."""
+        signature, signer = b"", ""
+        witness = self.audit.last_checkpoint() if self.audit is not None else None
+        if self.keys is not None:
+            signature = sign_global(
+                self.keys.keypair, self.run_id, server_round, dict(adapter()), witness
+            )
+            signer = self.keys.keypair.bundle.key_id.hex()
+        return Signed(signature, signer, witness)
+
+    # -- the per-reply boundary ---------------------------------------------------
+
+    def _guarded(
+        self,
+        server_round: int,
+        item: Arrival,
+        judge: Callable[[Reply, str | None], Judged],
+    ) -> Judged:
+        """The one boundary per reply: *any* exception while reading, authenticating,
+        opening, decoding or validating a reply rejects that reply alone (its type
+        named in the record), and the round goes on with the others."""
+        if isinstance(item, NoReply):
+            reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
+            return self._settle(failed(item.node_id, "", reason), None)
+        reply, sender = failed(item.node_id, "", ""), None
+        try:
+            reply = item.read() if isinstance(item, Unread) else item
+            sender = self._authenticate(reply, server_round)
+            if sender is not None:
+                self._witnessed(server_round, sender, reply.witness)
+            return judge(reply, sender)
+        except Exception as err:  # the boundary: no reply stops the run
+            return self._settle(reply, sender, error=err)
+
+    def _settle(
+        self,
+        reply: Reply,
+        sender: str | None,
+        *,
+        error: Exception | None = None,
+        accepted: Accepted | None = None,
+        evaluated: EvalMetrics | None = None,
+    ) -> Judged:
+        """The reply's outcome under its label: the region its signature authenticates;
+        else the region this node authenticated as before; else ``node-ID``."""
+        label = sender or self.regions_by_node.get(reply.node_id) or f"node-{reply.node_id}"
+        if error is not None:
+            reply = replace(reply, status=REJECTED, reason=reason_of(error))
+        return Judged(
+            label,
+            reply,
+            accepted,
+            evaluated,
+            claimed=reply.region or label,
+            authenticated=bool(sender),
+        )
+
+    def _authenticate(self, reply: Reply, server_round: int) -> str | None:
+        """The region this reply comes from, by its signature; without sealing (a lab
+        run, nothing to authenticate with) the name it claims."""
+        if reply.status == FAILED:
+            return None
+        if self.keys is None:
+            return reply.region
+        if reply.status == DECLINED and not reply.signature:
+            # A region that could not load its keys declines unsigned: recorded under
+            # its node (or what the node authenticated as before), its claim noted.
+            return None
+        sender = self.keys.reply_sender(
+            reply.info.get(KEY_ID, ""),
+            reply.signature,
+            run_id=self.run_id,
+            server_round=server_round,
+            fields=reply.signed,
+        )
+        if sender.party != reply.region:
+            raise EnvelopeRejected(
+                f"reply names region {reply.region!r} but is signed by {sender.party!r}"
+            )
+        return sender.party
+
+    # -- training -----------------------------------------------------------------
+
+    def train(self, server_round: int, arrivals: Iterable[Arrival]) -> TrainResult:
+        """Judge and record each reply, accumulate the accepted ones, then publish the
+        aggregate (applied to ``global_adapter``) or withhold it."""
+        layout = layout_of(self.global_adapter)
+        n = sum(int(np.prod(shape)) for _, shape in layout)
+        accumulator = make_aggregator(self.run.aggregation, n)
+        codec = get_codec(self.run.codec)
+        bounds = Bounds(
+            self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
+        )
+        labels: set[str] = set()
+        judged_all: list[Judged] = []
+        accepted: list[Accepted] = []
+        for item in arrivals:
+            judged = self._guarded(
+                server_round,
+                item,
+                lambda r, sender: self._judge_train(server_round, r, sender, codec, n, bounds),
+            )
+            judged = self._record(
+                server_round, judged, labels, self.recorder.record_train, audited=True
+            )
+            judged_all.append(judged)
+            if judged.accepted is not None:
+                # Validated and recorded: only now does it count.
+                accumulator.add(judged.accepted.checked)
+                accepted.append(judged.accepted)
+
+        regions = [a.region for a in accepted]
+        withheld = self._withhold(server_round, accepted)
+        if withheld:
+            _logger.log(
+                WARNING,
+                "round %d: no aggregate published (%s); the global adapter is unchanged",
+                server_round,
+                "; ".join(withheld),
+            )
+            self.recorder.record_aggregate(
+                server_round, {"published": False, "regions": regions, "reasons": withheld}
+            )
+            self.recorder.save()
+            self._note(server_round, "aggregate_withheld", regions=regions, reasons=withheld)
+            self._checkpoint(server_round)
+            return TrainResult(judged_all, Withheld(regions, withheld))
+
+        mean = unflatten(accumulator.mean(), layout)
+        self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
+        loss = sum(a.metrics.train_loss * a.metrics.num_examples for a in accepted)
+        self.recorder.record_aggregate(server_round, {"published": True, "regions": regions})
+        self.recorder.save()
+        self._note(
+            server_round,
+            "aggregate_published",
+            regions=regions,
+            examples=accumulator.weight,
+            model_digest=model_digest(self.global_adapter).hex(),
+        )
+        self._checkpoint(server_round)
+        published = Published(
+            self.global_adapter, regions, accumulator.weight, loss / accumulator.weight
+        )
+        return TrainResult(judged_all, published)
+
+    def _judge_train(
+        self,
+        server_round: int,
+        reply: Reply,
+        sender: str | None,
+        codec: Codec,
+        n: int,
+        bounds: Bounds,
+    ) -> Judged:
+        """Open and validate one authenticated training reply into typed values; raises
+        on anything wrong with it (the boundary turns that into a rejection)."""
+        if reply.status in (FAILED, DECLINED):
+            return self._settle(reply, sender)
+        self._note_arrival(server_round, reply, sender or reply.region)
+        update, metrics, info, header = self._open(reply, server_round, sender)
+        facts = UpdateFacts(
+            region=header.region,
+            sender_jurisdiction=header.jurisdiction,
+            policy_hash=header.policy_hash,
+            epsilon=metrics.privacy.epsilon if metrics.privacy else None,
+            delta=metrics.privacy.delta if metrics.privacy else None,
+            suite=header.suite,
+            codec=codec_family(self.run.codec),
+            num_examples=metrics.num_examples,
+            max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
+            secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
+        )
+        if self.policies is not None:
+            decision = self.policies.check_update(facts)
+            self._decided(server_round, decision)
+            if not decision.accepted:
+                rejected = replace(
+                    reply,
+                    status=REJECTED,
+                    reason="; ".join(decision.reasons),
+                    info={**reply.info, POLICY_HASH: header.policy_hash},
+                )
+                return self._settle(rejected, header.region)
+        checked = check(codec, update, n, metrics.num_examples, bounds)
+        upload = len(reply.envelope) if reply.envelope is not None else len(update)
+        accepted = Accepted(
+            header.region, checked, metrics, info, header, metrics.update_bytes, upload
+        )
+        return self._settle(replace(reply, status=TRAINED), header.region, accepted=accepted)
+
+    def _open(
+        self, reply: Reply, server_round: int, sender: str | None
+    ) -> tuple[bytes, TrainMetrics, dict[str, str], Header]:
+        """The compressed update, its metrics and info, and the facts its policy is
+        checked against: from the authenticated envelope when sealed (refusing clear
+        updates when sealing is on), from the clear reply otherwise."""
+        if reply.status == TRAINED:
+            if self.keys is not None:
+                raise EnvelopeRejected("unsealed update refused")
+            info = parse_info(reply.info, TRAINED)
+            header = Header(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
+            arrays = reply.arrays or {}
+            metrics: object = reply.metrics
+        elif reply.status == SEALED:
+            if self.keys is None or reply.envelope is None:
+                raise EnvelopeRejected("sealed update, sealing is off")
+            opened = self.keys.open_update(
+                reply.envelope, run_id=self.run_id, server_round=server_round
+            )
+            if opened.sender.party != sender:
+                raise EnvelopeRejected(
+                    f"envelope sealed by {opened.sender.party!r} in a reply signed by {sender!r}"
+                )
+            info = parse_info(opened.info, TRAINED)
+            header = Header(
+                opened.sender.party, opened.sender.jurisdiction, opened.policy_hash, opened.suite
+            )
+            arrays, metrics = opened.arrays, opened.metrics
+        else:
+            raise MalformedReply(f"status {reply.status!r} in a training reply")
+        if info["region"] != header.region:
+            raise EnvelopeRejected(
+                f"update names region {info['region']!r} but comes from {header.region!r}"
+            )
+        return self._update_bytes(arrays), parse_train_metrics(metrics), info, header
+
+    def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
+        """The one compressed update a trained reply may carry, within the size cap."""
+        if set(arrays) != {UPDATE}:
+            raise MalformedReply(
+                f"a trained reply carries {sorted(arrays)[:8]}, expected ['update']"
+            )
+        update = arrays[UPDATE]
+        if update.dtype != np.uint8 or update.ndim != 1:
+            raise MalformedReply(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
+        if update.nbytes > self.run.max_update_bytes:
+            raise EnvelopeRejected(
+                f"update of {update.nbytes} bytes is over max-update-bytes "
+                f"{self.run.max_update_bytes}"
+            )
+        return update.tobytes()
+
+    def _withhold(self, server_round: int, accepted: list[Accepted]) -> list[str]:
+        """Why this round's aggregate must not be published; empty when it may be."""
+        if not accepted:
+            return ["no region's update was accepted"]
+        if self.policies is None:
+            return []
+        decision = self.policies.check_aggregate(
+            {a.region: a.header.jurisdiction for a in accepted},
+            {a.region: a.metrics.num_examples for a in accepted},
+        )
+        self._decided(server_round, decision)
+        return list(decision.reasons)
+
+    # -- recording ----------------------------------------------------------------
+
+    def _record(
+        self,
+        server_round: int,
+        judged: Judged,
+        labels: set[str],
+        record: Callable[[int, str, dict[str, Any]], None],
+        *,
+        audited: bool,
+    ) -> Judged:
+        """Record the outcome in metrics.json (and, ``audited``, in the audit log); a
+        second reply under a label already taken this round is rejected, so no reply
+        displaces or doubles another's. If recording fails, the reply is rejected and
+        recorded (best effort) as such."""
+        if judged.label in labels:  # the recorder keeps it apart, under duplicates
+            if judged.accepted is not None or judged.evaluated is not None:
+                reason = f"a second reply from {judged.label} in round {server_round}"
+                judged = replace(
+                    judged,
+                    accepted=None,
+                    evaluated=None,
+                    reply=replace(judged.reply, status=REJECTED, reason=reason),
+                )
+        elif judged.authenticated:
+            # Which region a node is, for its replies that carry no signature (a
+            # timeout, a process that died): only what it authenticated as first.
+            self.regions_by_node.setdefault(judged.reply.node_id, judged.label)
+        labels.add(judged.label)
+        try:
+            entry = judged.entry()
+            if audited:
+                self._note_outcome(server_round, judged, entry)
+            record(server_round, judged.label, entry)
+        except Exception as err:
+            judged = replace(
+                judged,
+                accepted=None,
+                evaluated=None,
+                reply=replace(judged.reply, status=REJECTED, reason=reason_of(err)),
+            )
+            entry = judged.entry()
+            try:
+                record(server_round, judged.label, entry)
+            except Exception as again:
+                _logger.log(
+                    WARNING, "round %d: cannot record %s: %r", server_round, judged.label, again
+                )
+        status = judged.reply.status
+        _logger.log(
+            INFO if status in (TRAINED, EVALUATED) else WARNING,
+            "round %d: region %s %s %s",
+            server_round,
+            judged.label,
+            status,
+            entry.get("reason") or "",
+        )
+        return judged
+
+    # -- evaluation ---------------------------------------------------------------
+
+    def _judge_eval(self, reply: Reply, sender: str | None) -> Judged:
+        if reply.status == EVALUATED:
+            stats = parse_eval_metrics(reply.metrics)
+            return self._settle(reply, sender, evaluated=stats)
+        if reply.status in (FAILED, DECLINED):
+            return self._settle(reply, sender)
+        raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
+
+    def evaluate(self, server_round: int, arrivals: Iterable[Arrival]) -> EvalResult:
+        """Judge and record each evaluation, then the examples-weighted overall loss."""
+        labels: set[str] = set()
+        judged_all: list[Judged] = []
+        evaluated: list[tuple[str, EvalMetrics]] = []
+        for item in arrivals:
+            judged = self._guarded(server_round, item, self._judge_eval)
+            judged = self._record(
+                server_round, judged, labels, self.recorder.record_eval, audited=False
+            )
+            judged_all.append(judged)
+            if judged.evaluated is not None:
+                evaluated.append((judged.label, judged.evaluated))
+        if not evaluated:
+            self.recorder.save()
+            return EvalResult(judged_all, None)
+        total = sum(stats.num_examples for _, stats in evaluated)
+        loss = sum(stats.eval_loss * stats.num_examples for _, stats in evaluated) / total
+        overall = {
+            "loss": loss,
+            "perplexity": float(np.exp(min(loss, 50.0))),
+            "num_examples": int(total),
+        }
+        self.recorder.record_eval(server_round, "overall", overall)
+        self.recorder.save()
+        for label, stats in sorted(evaluated):
+            _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
+        return EvalResult(judged_all, loss, total)
+
+    def end(self, server_round: int) -> None:
+        """The round is over: close its record and, after a training round, save the
+        checkpoint a run can resume from."""
+        self.recorder.record_end(server_round)
+        if server_round >= 1:
+            self.save_checkpoint(server_round)
+
+    # -- audit trail --------------------------------------------------------------
+
+    def _note(self, server_round: int | None, event: str, **details: Any) -> None:
+        if self.audit is not None:
+            self.audit.append(
+                event, run_id=self.federation_run, server_round=server_round, **details
+            )
+
+    def _decided(self, server_round: int, decision: Decision) -> None:
+        self.recorder.record_decision(server_round, decision.to_record())
+        self._note(server_round, "policy_decision", **decision.to_record())
+
+    def _checkpoint(self, server_round: int | None) -> None:
+        if self.audit is not None:
+            self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
+
+    def _witnessed(self, server_round: int | None, region: str, witness: Witness | None) -> None:
+        """Record the head of the region's log that its signed reply carries, so that
+        truncating that log later shows in the cross-check (docs/audit.md)."""
+        if self.audit is not None and witness is not None:
+            self.audit.witness(
+                region,
+                witness.count,
+                witness.head,
+                run_id=self.federation_run,
+                server_round=server_round,
+            )
+
+    def _note_arrival(self, server_round: int, reply: Reply, region: str) -> None:
+        """What crossed the relay, as received: its digest is what the region logged."""
+        if reply.envelope is not None:
+            data, suite = reply.envelope, "sealed"
+        elif reply.arrays and UPDATE in reply.arrays:
+            data, suite = reply.arrays[UPDATE].tobytes(), UNSEALED
+        else:
+            return
+        self._note(
+            server_round,
+            RECEIVED_EVENT,
+            region=region,
+            digest=digest(data),
+            bytes=len(data),
+            suite=suite,
+            sender_key_id=reply.info.get(KEY_ID, ""),
+        )
+
+    def _note_outcome(self, server_round: int, judged: Judged, entry: dict[str, Any]) -> None:
+        status, region = entry["status"], judged.label
+        claimed = {"claimed_region": judged.claimed} if judged.claimed != region else {}
+        if judged.accepted is not None:
+            a = judged.accepted
+            self._note(
+                server_round,
+                "update_accepted",
+                region=region,
+                examples=a.metrics.num_examples,
+                epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
+                suite=a.header.suite,
+                policy_hash=a.header.policy_hash,
+            )
+        elif status == DECLINED:
+            self._note(
+                server_round, "region_declined", region=region, reason=entry["reason"], **claimed
+            )
+        elif status in (REJECTED, FAILED):
+            self._note(
+                server_round,
+                "update_rejected" if status == REJECTED else "reply_failed",
+                region=region,
+                reason=entry.get("reason", ""),
+                policy_hash=judged.reply.info.get(POLICY_HASH, ""),
+                **claimed,
+            )
+
+    # -- the end of the run -------------------------------------------------------
+
+    def sign_run_end(self) -> Signed | None:
+        """Once ``run_end`` is in the log and signed: its head, signed, for each region
+        to record; None without an audit log or a signed checkpoint."""
+        if self.audit is None:
+            return None
+        witness = self.audit.last_checkpoint()
+        if witness is None:
+            return None
+        signature, signer = b"", ""
+        if self.keys is not None:
+            signature = sign_run_end(self.keys.keypair, self.run_id, witness)
+            signer = self.keys.keypair.bundle.key_id.hex()
+        return Signed(signature, signer, witness)
+
+    def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
+        """Record the head each region answers the run-end notice with, so that
+        truncating any party's log back past the end of the run shows in the
+        cross-check. Best effort: a reply that cannot be recorded is logged."""
+        witnessed = []
+        for item in replies:
+            try:
+                reply = item.read() if isinstance(item, Unread) else item
+                sender = self._authenticate(reply, 0)
+                if reply.status != WITNESSED or sender is None:
+                    raise MalformedReply(f"{reply.status} {reply.reason}".strip())
+                self._witnessed(None, sender, reply.witness)
+                witnessed.append(sender)
+            except Exception as err:  # the run has ended: note it, never fail it now
+                _logger.log(
+                    WARNING, "run end: a region's witness was not recorded (%s)", reason_of(err)
+                )
+        self._note(None, "run_end_witnessed", regions=sorted(witnessed))
+        self._checkpoint(None)
+        return witnessed
+
+    def save_checkpoint(self, server_round: int) -> None:
+        """The round is done: its adapter, records and the audit log's position."""
+        if self.checkpoints is None:
+            return
+        seq, head = self.audit.position() if self.audit is not None else (0, "")
+        save_checkpoint(
+            self.checkpoints,
+            Checkpoint(
+                federation_run=self.federation_run,
+                round=server_round,
+                base_fingerprint=self.base_fingerprint,
+                adapter=self.global_adapter,
+                audit_seq=seq,
+                audit_head=head,
+                rounds=self.recorder.data["rounds"],
+            ),
+        )

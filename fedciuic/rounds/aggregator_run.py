@@ -1,0 +1,265 @@
+"""The aggregator's run around its rounds, without Flower: the audit log, the keys and
+policies it holds (cross-checked), a resume from a checkpoint, ``run_start``, and the
+run's end (``run_end``, the adapter saved only when an aggregate was published, the
+final status in metrics.json)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from logging import ERROR, INFO, WARNING
+from pathlib import Path
+
+from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
+from fedciuic.config import RunConfig
+from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
+from fedciuic.errors import FedciuicError
+from fedciuic.model.adapter import AdapterModel
+from fedciuic.ops.outputs import (
+    ADAPTER_DIR,
+    COMPLETED,
+    FAILED,
+    INTERRUPTED,
+    NO_AGGREGATE,
+    RunRecorder,
+    no_aggregate_reasons,
+    published_rounds,
+    summarize,
+)
+from fedciuic.policy.binding import AggregatorPolicies
+from fedciuic.policy.rules import PolicyError
+from fedciuic.rounds.aggregator import AggregatorRound
+from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+
+# Flower's logger, by name: these lines show with the rest of the run's output.
+_logger = logging.getLogger("flwr")
+
+
+def warn_disabled(run: RunConfig) -> None:
+    """Say which protections this run goes without."""
+    if not run.seal:
+        _logger.log(WARNING, "fedciuic: sealing is OFF: updates cross the relay in the clear")
+    if not run.dp:
+        _logger.log(
+            WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy"
+        )
+    elif run.noise_warning:
+        _logger.log(WARNING, run.noise_warning)
+
+
+def audit_log(run: RunConfig) -> AuditLog:
+    """The aggregator's audit log; paths are redacted unless the policy of the
+    aggregator's own jurisdiction (when held) says otherwise."""
+    redact = [(str(run.output_path), "<output-dir>")]
+    redact += [
+        (d, f"<{name}>")
+        for name, d in (("keys-dir", run.keys_dir), ("policies-dir", run.policies_dir))
+        if d
+    ]
+    return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
+
+
+def load_policies(
+    run: RunConfig, keys: AggregatorKeys | None, recorder: RunRecorder
+) -> AggregatorPolicies | None:
+    """Every region's policy, as the aggregator holds them; None only for a lab baseline."""
+    if not run.enforce_policies:
+        _logger.log(
+            WARNING, "fedciuic: policies are OFF (enforce-policies = false): a lab baseline only"
+        )
+        recorder.data["run"]["policies"] = None
+        return None
+    if keys is not None and keys.keypair.bundle.jurisdiction != run.aggregator_jurisdiction:
+        raise PolicyError(
+            f"run config:aggregator-jurisdiction: {run.aggregator_jurisdiction}, but the "
+            f"aggregator's key says {keys.keypair.bundle.jurisdiction}; regions judge where the "
+            "aggregator sits by its key: make them agree"
+        )
+    policies = AggregatorPolicies.load(run)
+    for problem in policies.policies.problems:
+        _logger.log(
+            WARNING,
+            "fedciuic: unreadable policy, its region's updates will be rejected: %s",
+            problem,
+        )
+    recorder.data["run"]["policies"] = {
+        j: {"file": str(p.path), "hash": p.hash}
+        for j, p in sorted(policies.policies.by_jurisdiction.items())
+    }
+    return policies
+
+
+def resume(
+    run: RunConfig, base_fingerprint: str, audit: AuditLog, recorder: RunRecorder
+) -> Checkpoint | None:
+    """The checkpoint to resume from (resume-from), checked against this model and
+    against the audit log, which must still hold what the checkpoint saw."""
+    if not run.resume_from:
+        return None
+    checkpoint = load_checkpoint(Path(run.resume_from).expanduser())
+    if checkpoint.base_fingerprint != base_fingerprint:
+        raise CheckpointError(
+            f"run config:resume-from: {run.resume_from} was trained on another base model "
+            f"({checkpoint.base_fingerprint[:12]}, this one is {base_fingerprint[:12]}); use "
+            "the same model-preset and seed, or the same model-path"
+        )
+    if checkpoint.round >= run.num_server_rounds:
+        raise CheckpointError(
+            f"run config:resume-from: {run.resume_from} has completed round "
+            f"{checkpoint.round} of {run.num_server_rounds}; nothing is left to resume"
+        )
+    audit.check_continues(checkpoint.audit_seq, checkpoint.audit_head)
+    recorder.data["rounds"] = checkpoint.rounds
+    recorder.data["run"]["resumed_from"] = {
+        "federation_run": checkpoint.federation_run,
+        "round": checkpoint.round,
+        "checkpoint": run.resume_from,
+    }
+    _logger.log(
+        INFO,
+        "fedciuic: resuming run %d after round %d (%s)",
+        checkpoint.federation_run,
+        checkpoint.round,
+        run.resume_from,
+    )
+    return checkpoint
+
+
+def run_start(
+    audit: AuditLog,
+    run_id: int,
+    flower_run: int,
+    run: RunConfig,
+    keys: AggregatorKeys | None,
+    policies: AggregatorPolicies | None,
+    resumed: Checkpoint | None,
+) -> None:
+    own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
+    if own is not None and not own.policy.audit.redact_paths:
+        audit.redact = ()
+    audit.append(
+        "run_start",
+        run_id=run_id,
+        config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
+        code_version=code_version(),
+        regions=list(run.regions),
+        aggregator_jurisdiction=run.aggregator_jurisdiction,
+        relay_jurisdiction=run.relay,
+        key_id=keys.keypair.bundle.key_id.hex() if keys else None,
+        region_key_ids={b.party: kid.hex() for kid, b in keys.regions.items()} if keys else {},
+        policy_hashes=(
+            {j: p.hash for j, p in sorted(policies.policies.by_jurisdiction.items())}
+            if policies
+            else None
+        ),
+        flower_run=flower_run,
+        resumed_after_round=resumed.round if resumed else None,
+    )
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A run ready for its rounds: the aggregator's round, and where it starts."""
+
+    aggregator: AggregatorRound
+    resumed: Checkpoint | None
+
+    @property
+    def first_round(self) -> int:
+        return self.resumed.round + 1 if self.resumed else 1
+
+
+def open_run(
+    run: RunConfig, flower_run: int, audit: AuditLog, recorder: RunRecorder, base_fingerprint: str
+) -> Opened:
+    """Keys, policies (cross-checked against the keys), a resume, ``run_start``: the
+    aggregator's round for this run (checkpointed next to metrics.json)."""
+    keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
+    audit.keypair = keys.keypair if keys else None
+    policies = load_policies(run, keys, recorder)
+    resumed = resume(run, base_fingerprint, audit, recorder)
+    federation_run = resumed.federation_run if resumed else flower_run
+    run_start(audit, federation_run, flower_run, run, keys, policies, resumed)
+    aggregator = AggregatorRound(
+        run,
+        base_fingerprint=base_fingerprint,
+        recorder=recorder,
+        keys=keys,
+        policies=policies,
+        audit=audit,
+        run_id=flower_run,
+        federation_run=federation_run,
+        checkpoints=recorder.directory / "checkpoint",
+    )
+    return Opened(aggregator, resumed)
+
+
+@dataclass(frozen=True)
+class Ended:
+    status: str  # COMPLETED or NO_AGGREGATE
+    adapter: str | None  # where the final adapter was saved
+
+
+def end_run(aggregator: AggregatorRound, audit: AuditLog, model: AdapterModel) -> Ended:
+    """``run_end`` in the audit log, signed; the final adapter saved next to metrics.json
+    only when some round published an aggregate: otherwise it is the initial one, and
+    saving it would present an untrained model as this run's result."""
+    final = model_digest(aggregator.global_adapter).hex()
+    status = COMPLETED if published_rounds(aggregator.recorder.data) else NO_AGGREGATE
+    adapter = None
+    if status == COMPLETED:
+        model.load_adapter_state(aggregator.global_adapter)
+        adapter = str(model.save_adapter(aggregator.recorder.directory / ADAPTER_DIR))
+    audit.append("run_end", run_id=aggregator.federation_run, status=status, model_digest=final)
+    audit.checkpoint(run_id=aggregator.federation_run)
+    return Ended(status, adapter)
+
+
+def finish_run(recorder: RunRecorder, ended: Ended) -> None:
+    """The final status in metrics.json, and the run's summary in the log."""
+    if ended.status == NO_AGGREGATE:
+        # The launchers (`fedciuic simulate`, run.sh) read this status and exit 3.
+        recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+        for line in summarize(recorder.data).splitlines():
+            _logger.log(WARNING, "%s", line)
+        return
+    recorder.finish(COMPLETED, adapter=ended.adapter)
+    for line in summarize(recorder.data).splitlines():
+        _logger.log(INFO, "%s", line)
+
+
+def run_failed(
+    recorder: RunRecorder, audit: AuditLog | None, run_id: int, err: FedciuicError
+) -> None:
+    """A fedciuic error ended the run: in metrics.json and (best effort) the audit log."""
+    recorder.finish(FAILED, error=str(err))
+    _logger.log(ERROR, "fedciuic: %s", err)
+    if audit is None:
+        return
+    try:
+        audit.append("run_end", run_id=run_id, status="failed", error=str(err))
+        audit.checkpoint(run_id=run_id)
+    except FedciuicError as audit_err:  # the run has failed already; say so, go on
+        _logger.log(ERROR, "fedciuic: cannot write the audit log: %s", audit_err)
+
+
+def stopped(recorder: RunRecorder, reason: str) -> None:
+    """Mark the run interrupted if it has not ended (metrics.json only: the audit log
+    belongs to the thread that was interrupted mid-way, and must not be written here)."""
+    problem: Exception | None = None
+    for _ in range(3):  # the run's thread may be changing the record right now
+        try:
+            if recorder.finish_unless_finished(INTERRUPTED, error=reason):
+                _logger.log(WARNING, "fedciuic: run %s", reason)
+            return
+        except (RuntimeError, OSError) as err:
+            problem = err
+    _logger.log(ERROR, "fedciuic: cannot mark the run interrupted: %s", problem)
+
+
+def crashed(recorder: RunRecorder, err: BaseException) -> None:
+    """Not a fedciuic error: a signal's SystemExit, or a bug. Say so in metrics.json."""
+    if isinstance(err, KeyboardInterrupt | SystemExit):
+        stopped(recorder, f"stopped ({type(err).__name__}) before it ended")
+    else:
+        recorder.finish_unless_finished(FAILED, error=f"{type(err).__name__}: {err}")

@@ -1,0 +1,463 @@
+"""The region's whole round, without Flower: an instruction in, a typed outcome out.
+
+``handle_instruction`` takes the run's and the node's configs and the aggregator's
+:class:`~fedciuic.rounds.wire.Instruction` and returns a :class:`RegionReply`: the
+outcome (:class:`Declined`, :class:`Evaluated`, :class:`Sealed` or :class:`Clear`)
+and what the reply must be vouched with (the head of this region's latest signed
+audit checkpoint, and with sealing the keypair that signs it). ``witness_run_end``
+does the same for the aggregator's run-end notice (:class:`Witnessed`).
+
+Expected problems (bad data path, unknown region, mismatched base model, missing
+keys, a global adapter the aggregator did not sign, a run its jurisdiction's policy
+refuses) become a decline with every reason. With sealing on, an update leaves only
+inside an envelope whose header names the policy the region applied. Everything the
+region decides and sends is written to its audit log (in its state-path) and the log
+checkpointed before the outcome is returned; a log that cannot be written turns any
+outcome into a decline (fail closed). ``clients/app.py`` only packs the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, digest
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.crypto.keys import Keypair
+from fedciuic.crypto.sealing import (
+    AGGREGATOR,
+    MalformedPayload,
+    RegionKeys,
+    read_update_payload,
+    region_keys,
+    update_payload,
+)
+from fedciuic.errors import FedciuicError
+from fedciuic.model.train import EvalStats
+from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
+from fedciuic.policy.rules import LoadedPolicy
+from fedciuic.rounds.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
+from fedciuic.rounds.wire import (
+    JURISDICTION,
+    POLICY_HASH,
+    TRAINED,
+    UPDATE,
+    Instruction,
+    RunEndNotice,
+)
+
+_LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
+_LOGS: dict[Path, AuditLog] = {}
+_JOINED: set[tuple[Path, int]] = set()
+
+
+# -- the outcomes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A normal outcome, not an error: the region says why it sends nothing."""
+
+    region: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    region: str
+    stats: EvalStats
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A trained update inside an envelope only the aggregator opens."""
+
+    region: str
+    envelope: bytes | bytearray
+    key_id: str
+
+
+@dataclass(frozen=True)
+class Clear:
+    """A trained update in the clear (``seal = false`` only)."""
+
+    arrays: dict[str, np.ndarray]
+    metrics: dict[str, Any]
+    info: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Witnessed:
+    """The answer to the run-end notice: its head is recorded, ours comes back."""
+
+    region: str
+
+
+Outcome = Declined | Evaluated | Sealed | Clear | Witnessed
+
+
+@dataclass(frozen=True)
+class RegionReply:
+    """An outcome and what vouches for it: ``witness`` is the head of the region's latest
+    signed audit checkpoint (the aggregator records it: truncating the log later shows),
+    ``keypair`` (sealing on) signs the reply for ``flower_run`` and ``server_round``, so
+    that it is recorded under this region and no other."""
+
+    outcome: Outcome
+    witness: tuple[int, str] | None = None
+    keypair: Keypair | None = None
+    flower_run: int = 0
+    server_round: int = 0
+
+
+# -- what a trained reply carries -------------------------------------------------------
+
+
+def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        "num-examples": outcome.stats.num_examples,
+        "train-loss": outcome.stats.loss,
+        "steps": outcome.stats.steps,
+        "update-bytes": len(outcome.update),
+    }
+    if outcome.privacy is not None:
+        p = outcome.privacy
+        metrics.update(
+            {
+                "epsilon": p.epsilon,
+                "epsilon-budget": p.epsilon_budget,
+                "delta": p.delta,
+                "noise-multiplier": p.noise_multiplier,
+                "sample-rate": p.sample_rate,
+                "secure-mode": int(p.secure_mode),
+                "max-grad-norm": p.max_grad_norm,
+            }
+        )
+    return metrics
+
+
+def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dict[str, str]:
+    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
+    return {
+        "region": outcome.region,
+        "status": TRAINED,
+        "reason": "",
+        "data-fingerprint": outcome.data_fingerprint,
+        JURISDICTION: policy.policy.jurisdiction if policy else "",
+        POLICY_HASH: policy.hash if policy else "",
+    }
+
+
+def update_arrays(update: bytes) -> dict[str, np.ndarray]:
+    """The compressed update as the one array a reply (or sealed payload) carries."""
+    return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
+
+
+# -- reading the configs ------------------------------------------------------------------
+
+
+def read_configs(
+    run_config: Mapping[str, Any], node_config: Mapping[str, Any]
+) -> tuple[RunConfig, NodeConfig]:
+    run = RunConfig.from_user_config(run_config, source="run config")
+    return run, NodeConfig.resolve(node_config, run)
+
+
+def region_name(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> str:
+    """The region's name for a decline, even when its config is broken."""
+    try:
+        return read_configs(run_config, node_config)[1].region
+    except FedciuicError:
+        return str(node_config.get("region") or f"partition-{node_config.get('partition-id', '?')}")
+
+
+def unreadable(
+    run_config: Mapping[str, Any],
+    node_config: Mapping[str, Any],
+    err: FedciuicError,
+    *,
+    run_end: bool = False,
+) -> RegionReply:
+    """The decline when the configs or the message cannot be read: nothing is known to
+    log it in or sign it with."""
+    if run_end:
+        _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
+    else:
+        _LOG.warning("fedciuic: region declines: %s", err)
+    return RegionReply(Declined(region_name(run_config, node_config), str(err)))
+
+
+# -- the round ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _keys(run: RunConfig, node: NodeConfig) -> RegionKeys:
+    return region_keys(
+        node.region,
+        key_file=node.key_file,
+        aggregator_bundle=node.aggregator_bundle,
+        keys_dir=run.keys_dir,
+        suite=run.seal_suite,
+    )
+
+
+def _audit(node: NodeConfig) -> AuditLog | None:
+    """The region's audit log (one per state-path, kept open by this process); None
+    when its default place, inside a data-path that does not exist, cannot be made
+    without creating that data-path. Paths are redacted unless the policy says not."""
+    if not node.state_path and not Path(node.data_path).is_dir():
+        return None
+    path = node.state_dir / REGION_LOG
+    if path not in _LOGS:
+        redact = [(str(node.state_dir), "<state-path>"), (node.data_path, "<data-path>")]
+        _LOGS[path] = AuditLog(path, node.region, None, redact=redact)
+    return _LOGS[path]
+
+
+def handle_instruction(
+    run: RunConfig,
+    node: NodeConfig,
+    task: Instruction,
+    *,
+    training: bool,
+    flower_run: int,
+    simulated: bool,
+) -> RegionReply:
+    """One instruction handled by the region, from checks to reply, with its audit
+    trail. ``flower_run`` (Flower's run id) binds envelopes and signatures;
+    ``simulated``: Flower gave this node a partition id and no region of its own."""
+    return _Round(run, node, flower_run).handle(task, training=training, simulated=simulated)
+
+
+def witness_run_end(
+    run: RunConfig, node: NodeConfig, notice: RunEndNotice, *, flower_run: int
+) -> RegionReply:
+    """Record the head of the aggregator's log after its ``run_end`` (checked against
+    its signature), sign our log, and answer with our own head, signed."""
+    return _Round(run, node, flower_run).witness_run_end(notice)
+
+
+class _Round:
+    """One instruction handled by the region, from checks to reply, with its audit trail."""
+
+    def __init__(self, run: RunConfig, node: NodeConfig, flower_run: int) -> None:
+        self.run, self.node = run, node
+        # Flower's run id binds envelopes and signatures; the federation's run id (the
+        # same, unless this run resumes another) keys the ledger, the audit log and
+        # the updates kept for resending.
+        self.flower_run = self.run_id = flower_run
+        self.audit: AuditLog | None = None
+        self.keys: RegionKeys | None = None
+        self.server_round: int | None = None
+
+    def note(self, event: str, **details: object) -> None:
+        if self.audit is not None:
+            self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
+
+    def handle(self, task: Instruction, *, training: bool, simulated: bool) -> RegionReply:
+        """The outcome, once everything about it is in the audit log and signed; a log
+        that cannot be written turns any outcome into a decline (fail closed)."""
+        try:
+            outcome = self._handle(task, training, simulated)
+            if self.audit is not None:
+                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+        except FedciuicError as err:
+            outcome = self._decline(err)
+        try:
+            return self._vouch(outcome)
+        except FedciuicError as err:  # cannot read our own log: decline, unsigned
+            return RegionReply(self._decline(err))
+
+    def witness_run_end(self, notice: RunEndNotice) -> RegionReply:
+        try:
+            self.run_id = notice.federation_run or self.flower_run
+            self.audit = _audit(self.node)
+            if self.run.seal:
+                self.keys = _keys(self.run, self.node)
+                self.keys.check_run_end(
+                    notice.signature, notice.signer, self.flower_run, notice.witness
+                )
+                if self.audit is not None:
+                    self.audit.keypair = self.keys.keypair
+            if self.audit is not None:
+                self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
+                self.audit.checkpoint(run_id=self.run_id)
+            return self._vouch(Witnessed(self.node.region))
+        except FedciuicError as err:
+            _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
+            return RegionReply(Declined(self.node.region, str(err)))
+
+    def _vouch(self, outcome: Outcome) -> RegionReply:
+        head = self.audit.last_checkpoint() if self.audit is not None else None
+        return RegionReply(
+            outcome,
+            witness=head,
+            keypair=self.keys.keypair if self.keys is not None else None,
+            flower_run=self.flower_run,
+            server_round=self.server_round or 0,
+        )
+
+    def _decline(self, err: FedciuicError) -> Declined:
+        _LOG.warning("fedciuic: region declines: %s", err)
+        try:
+            if isinstance(err, PolicyRefusal):
+                self.note("policy_decision", **err.decision.to_record())
+            self.note("declined", reason=str(err))
+            if self.audit is not None:
+                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+        except FedciuicError as audit_err:
+            _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
+        return Declined(self.node.region, str(err))
+
+    def _handle(self, task: Instruction, training: bool, simulated: bool) -> Outcome:
+        run, node = self.run, self.node
+        self.server_round = task.server_round
+        self.run_id = task.federation_run or self.flower_run
+        self.audit = _audit(node)
+        keys = None
+        if run.seal:
+            keys = _keys(run, node)
+            if self.audit is not None:
+                self.audit.keypair = keys.keypair
+            keys.check_global(
+                task.signature,
+                task.signer,
+                self.flower_run,
+                task.server_round,
+                task.adapter,
+                task.witness,
+            )
+            self.keys = keys
+        if task.witness is not None and self.audit is not None:
+            self.audit.witness(
+                AGGREGATOR,
+                *task.witness,
+                run_id=self.run_id,
+                server_round=self.server_round,
+            )
+        region = open_region(run, node)
+        sent = SentUpdates(node.state_dir)
+        kept = sent.load(self.run_id, task.server_round) if training else None
+        # With sealing, where the aggregator sits is what its bundle (our copy) says.
+        destination = keys.aggregator.jurisdiction if keys else run.aggregator_jurisdiction
+        checked = enforce_region_policy(
+            run,
+            node,
+            simulated=simulated,
+            aggregator_jurisdiction=destination,
+            own_jurisdiction=keys.keypair.bundle.jurisdiction if keys else None,
+            projected_epsilon=region.projected_epsilon() if training and not kept else None,
+        )
+        policy = checked[0] if checked else None
+        if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
+            self.audit.redact = ()
+        self._join(keys, policy)
+        if checked is not None:
+            self.note("policy_decision", **checked[1].to_record())
+        if not training:
+            stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
+            self.note("evaluated", examples=stats.num_examples, loss=stats.loss)
+            return Evaluated(region.name, stats)
+        if kept is not None:
+            # This round was released before the aggregator restarted: the same update
+            # again, no second release and no second charge to the ledger.
+            self.note("update_resent", federation_run=self.run_id, flower_run=self.flower_run)
+            return self._send(region.name, kept, keys, policy, destination)
+        if region.released(self.run_id, task.server_round):
+            raise AlreadyReleased(
+                f"region {region.name}: round {task.server_round} of run {self.run_id} was "
+                "already released (the privacy ledger records it) and its update was not "
+                "kept; nothing is released twice, so this region sits out the round"
+            )
+        outcome = region.train_round(
+            task.adapter,
+            server_round=task.server_round,
+            base_fingerprint=task.base_fingerprint,
+            run_id=self.run_id,
+            max_run_epsilon=policy.policy.privacy.max_epsilon_per_run if policy else None,
+        )
+        self._note_trained(outcome)
+        payload = update_payload(
+            update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
+        )
+        sent.save(self.run_id, task.server_round, payload)
+        return self._send(region.name, payload, keys, policy, destination)
+
+    def _join(self, keys: RegionKeys | None, policy: LoadedPolicy | None) -> None:
+        if self.audit is None or (self.audit.path, self.run_id) in _JOINED:
+            return
+        _JOINED.add((self.audit.path, self.run_id))
+        self.note(
+            "run_joined",
+            config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
+            code_version=code_version(),
+            key_id=keys.keypair.bundle.key_id.hex() if keys else None,
+            aggregator_key_id=keys.aggregator.key_id.hex() if keys else None,
+            policy_hash=policy.hash if policy else None,
+            jurisdiction=policy.policy.jurisdiction if policy else None,
+        )
+
+    def _note_trained(self, outcome: TrainOutcome) -> None:
+        p = outcome.privacy
+        self.note(
+            "trained",
+            examples=outcome.stats.num_examples,
+            steps=outcome.stats.steps,
+            data_fingerprint=outcome.data_fingerprint,
+            epsilon=p.epsilon if p else None,
+            epsilon_budget=p.epsilon_budget if p else None,
+            delta=p.delta if p else None,
+            noise_multiplier=p.noise_multiplier if p else None,
+            run_epsilon=p.run_epsilon if p else None,
+            ledger=p.ledger if p else None,  # witnesses the ledger's head (docs/privacy.md)
+        )
+
+    def _send(
+        self,
+        region: str,
+        payload: bytes,
+        keys: RegionKeys | None,
+        policy: LoadedPolicy | None,
+        destination: str,
+    ) -> Sealed | Clear:
+        """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
+        policy_hash = policy.hash if policy else ""
+        if keys is None:
+            arrays, metrics, info = read_update_payload(payload)
+            update = arrays[UPDATE].tobytes()
+            self.note(
+                "update_sent_clear",
+                region=region,
+                digest=digest(update),
+                bytes=len(update),
+                suite="none",
+                destination_jurisdiction=destination,
+                policy_hash=policy_hash,
+            )
+            if not isinstance(metrics, dict) or not isinstance(info, dict):
+                raise MalformedPayload(f"region {region}: the kept update is not one")
+            return Clear(arrays, metrics, info)
+        envelope = keys.seal_update(
+            payload,
+            run_id=self.flower_run,
+            server_round=self.server_round or 0,
+            policy_hash=policy_hash,
+        )
+        self.note(
+            "update_sealed",
+            region=region,
+            digest=digest(envelope),
+            bytes=len(envelope),
+            suite=keys.suite,
+            destination=keys.aggregator.party,
+            destination_jurisdiction=destination,
+            aggregator_key_id=keys.aggregator.key_id.hex(),
+            policy_hash=policy_hash,
+        )
+        return Sealed(region, envelope, keys.keypair.bundle.key_id.hex())

@@ -1,0 +1,433 @@
+"""The region's round driven with plain dataclasses: no Flower Message, no task identity."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedciuic.audit.log import AuditError, AuditLog, load_records, verify
+from fedciuic.config import NodeConfig
+from fedciuic.crypto.keys import Keypair, load_bundle
+from fedciuic.crypto.sealing import (
+    AggregatorKeys,
+    aggregator_keys,
+    generate_federation_keys,
+    sign_global,
+    sign_run_end,
+)
+from fedciuic.errors import FedciuicError
+from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.policy.rules import load_policy
+from fedciuic.rounds.region_round import (
+    Clear,
+    Declined,
+    Evaluated,
+    RegionReply,
+    Sealed,
+    Witnessed,
+    handle_instruction,
+    read_configs,
+    unreadable,
+    witness_run_end,
+)
+from fedciuic.rounds.wire import Instruction, RunEndNotice
+from tests.conftest import ROOT, app_config, lab_policies, write_policy
+
+HEAD = "cd" * 32
+FLOWER_RUN = 7
+
+
+@pytest.fixture(scope="module")
+def model() -> AdapterModel:
+    return AdapterModel(ModelSpec())
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The lab copies of the shipped policies, one per region."""
+    return lab_policies(tmp_path_factory.mktemp("policies"))
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_federation_keys(tmp_path_factory.mktemp("keys"), ("eu", "cn", "us"))
+
+
+@pytest.fixture
+def run(model: AdapterModel, policies: Path):
+    """Run one round as the region would: unsealed unless the test seals, under the lab
+    copy of its jurisdiction's policy unless the test names another."""
+
+    def call(
+        node_config: dict[str, Any],
+        run_overrides: dict[str, Any] | None = None,
+        *,
+        training: bool = True,
+        signer: Keypair | None = None,
+        witness: tuple[int, str] | None = None,
+        sent_witness: tuple[int, str] | None = None,
+    ) -> RegionReply:
+        run_config = {**app_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
+        if "region" in node_config:
+            node_config = {"policy": str(policies / f"{node_config['region']}.yaml"), **node_config}
+        run_cfg, node = read_configs(run_config, node_config)
+        adapter = model.adapter_state()
+        signature, signer_id = b"", ""
+        if signer is not None:
+            signature = sign_global(signer, FLOWER_RUN, 1, adapter, witness)
+            signer_id = signer.bundle.key_id.hex()
+        task = Instruction(
+            adapter=adapter,
+            server_round=1,
+            base_fingerprint=model.base_fingerprint,
+            signature=signature,
+            signer=signer_id,
+            witness=sent_witness or witness,
+        )
+        return handle_instruction(
+            run_cfg,
+            node,
+            task,
+            training=training,
+            flower_run=FLOWER_RUN,
+            simulated=NodeConfig.is_simulated(node_config),
+        )
+
+    return call
+
+
+def sealed_run(keys_dir: Path) -> tuple[dict[str, Any], AggregatorKeys]:
+    return {"seal": True, "keys-dir": str(keys_dir)}, aggregator_keys(str(keys_dir), 2**28)
+
+
+def cn_node(demo_root: Path, state: Path, policy: Path | None = None) -> dict[str, str]:
+    node = {"region": "cn", "data-path": str(demo_root / "cn"), "state-path": str(state)}
+    if policy is not None:
+        node["policy"] = str(policy)
+    return node
+
+
+def declined(reply: RegionReply) -> Declined:
+    assert isinstance(reply.outcome, Declined), reply.outcome
+    return reply.outcome
+
+
+# -- training, sealing and what is logged before it leaves ---------------------------------
+
+
+def test_a_sealed_round_trains_seals_logs_and_is_vouched_for(
+    run, demo_root, tmp_path, keys_dir, policies
+):
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(cn_node(demo_root, tmp_path), run_overrides, signer=aggregator.keypair)
+    sealed = reply.outcome
+    assert isinstance(sealed, Sealed) and sealed.region == "cn"
+    opened = aggregator.open_update(sealed.envelope, run_id=FLOWER_RUN, server_round=1)
+    info, metrics = opened.info, opened.metrics  # untrusted until parsed: plain dicts here
+    assert isinstance(info, dict) and isinstance(metrics, dict)
+    assert opened.sender.party == "cn" and info["region"] == "cn"
+    assert set(opened.arrays) == {"update"} and metrics["num-examples"] > 0
+    # The header names the policy the region applied; the payload says so too.
+    cn_policy = load_policy(policies / "cn.yaml")
+    assert opened.policy_hash == cn_policy.hash == info["policy-hash"]
+    assert info["jurisdiction"] == "CN" and opened.suite == "xwing-aes256gcm"
+    assert sealed.key_id == load_bundle(keys_dir / "cn.pub.json").key_id.hex()
+    # Vouched: the region's keypair signs the reply for this run and round ...
+    assert reply.keypair is not None and reply.keypair.bundle.party == "cn"
+    assert (reply.flower_run, reply.server_round) == (FLOWER_RUN, 1)
+    # ... which carries the head of the checkpoint that closes the round's audit trail.
+    log = tmp_path / "audit.jsonl"
+    assert verify(log, load_bundle(keys_dir / "cn.pub.json")).ok
+    records = load_records(log)
+    events = [r["event"] for r in records]
+    assert events[-4:] == ["policy_decision", "trained", "update_sealed", "checkpoint"]
+    assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
+    details = records[-2]["details"]
+    assert details["digest"] == hashlib.sha256(sealed.envelope).hexdigest()
+    assert details["bytes"] == len(sealed.envelope)
+    assert details["destination_jurisdiction"] == "EU"
+    assert details["policy_hash"] == opened.policy_hash
+    assert records[-3]["details"]["epsilon"] == pytest.approx(metrics["epsilon"])
+
+
+def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
+    run, demo_root, tmp_path, policies
+):
+    reply = run(cn_node(demo_root, tmp_path))
+    clear = reply.outcome
+    assert isinstance(clear, Clear) and reply.keypair is None
+    assert set(clear.arrays) == {"update"} and clear.metrics["num-examples"] > 0
+    assert clear.info["policy-hash"] == load_policy(policies / "cn.yaml").hash
+    assert "update_sent_clear" in [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
+    evaluated = run(cn_node(demo_root, tmp_path), training=False).outcome
+    assert isinstance(evaluated, Evaluated) and evaluated.region == "cn"
+    assert evaluated.stats.num_examples > 0
+
+
+def test_a_released_round_is_resent_as_it_was_never_trained_twice(run, demo_root, tmp_path):
+    """A restarted aggregator asks again: the same update, no second ledger charge."""
+    node = cn_node(demo_root, tmp_path)
+    first = run(node).outcome
+    ledger = (tmp_path / "privacy-ledger.jsonl").read_text()
+    again = run(node).outcome
+    assert isinstance(first, Clear) and isinstance(again, Clear)
+    np.testing.assert_array_equal(again.arrays["update"], first.arrays["update"])
+    assert again.metrics == first.metrics
+    assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
+    assert "update_resent" in [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
+    # Without the kept update, the region sits out rather than release the round again.
+    for kept in (tmp_path / "sent").iterdir():
+        kept.unlink()
+    assert "was already released" in declined(run(node)).reason
+    assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
+
+
+def test_an_audit_log_that_cannot_be_written_turns_the_reply_into_a_decline(
+    run, demo_root, tmp_path, monkeypatch
+):
+    def refuse(self, **kwargs):
+        raise AuditError("disk full")
+
+    monkeypatch.setattr(AuditLog, "checkpoint", refuse)
+    reply = run(cn_node(demo_root, tmp_path))
+    assert declined(reply).reason == "disk full"
+
+
+# -- declines, with every reason ---------------------------------------------------------------
+
+
+def test_corrupted_ledger_declines_naming_the_file(run, demo_root, tmp_path):
+    (tmp_path / "privacy-ledger.jsonl").write_text('{"kind": "header"}\n')
+    reason = declined(run(cn_node(demo_root, tmp_path))).reason
+    assert "privacy-ledger.jsonl:1: corrupted ledger record" in reason
+
+
+def test_missing_data_path_declines_naming_the_region_and_path(run, tmp_path):
+    reply = run({"region": "eu", "data-path": str(tmp_path / "missing")}, training=False)
+    assert declined(reply).region == "eu"
+    assert f"data-path {tmp_path / 'missing'} does not exist" in declined(reply).reason
+    assert reply.witness is None  # no log to vouch with: its place does not exist
+
+
+def test_empty_dataset_declines(run, tmp_path):
+    (tmp_path / "eu").mkdir()
+    reply = run({"region": "eu", "data-path": str(tmp_path / "eu")})
+    assert "holds no .jsonl or .txt files" in declined(reply).reason
+
+
+def test_mismatched_base_model_declines(run, demo_root, tmp_path):
+    node = {"region": "eu", "data-path": str(demo_root / "eu"), "state-path": str(tmp_path)}
+    assert "base model fingerprint" in declined(run(node, {"seed": 5})).reason
+
+
+def test_a_config_that_cannot_be_read_declines_under_the_name_it_gives(demo_root):
+    run_config = {**app_config(), "seal": False}
+    node = {"region": "sg", "data-path": str(demo_root)}
+    with pytest.raises(FedciuicError, match="'sg' is not a region of this run") as caught:
+        read_configs(run_config, node)
+    reply = unreadable(run_config, node, caught.value)
+    assert declined(reply).region == "sg" and reply.keypair is None and reply.witness is None
+    assert "node config:region: 'sg' is not a region of this run" in declined(reply).reason
+
+
+def test_unsigned_global_adapter_is_refused(run, demo_root, tmp_path, keys_dir):
+    run_overrides, _ = sealed_run(keys_dir)
+    impostor = Keypair.generate("aggregator", "EU")
+    reply = run(cn_node(demo_root, tmp_path), run_overrides, signer=impostor)
+    assert "is not signed by the aggregator key" in declined(reply).reason
+    assert not (tmp_path / "privacy-ledger.jsonl").exists()  # nothing trained
+
+
+def test_an_audit_head_the_aggregator_did_not_sign_is_refused(run, demo_root, tmp_path, keys_dir):
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(
+        cn_node(demo_root, tmp_path),
+        run_overrides,
+        training=False,
+        signer=aggregator.keypair,
+        witness=(5, HEAD),
+        sent_witness=(4, HEAD),
+    )
+    assert "is not signed by the aggregator key" in declined(reply).reason
+    records = load_records(tmp_path / "audit.jsonl")
+    assert not [r for r in records if r["event"] == "witness"]
+
+
+def test_missing_keys_decline_and_nothing_is_sent_unsealed(run, demo_root, tmp_path):
+    reply = run(cn_node(demo_root, tmp_path), {"seal": True, "keys-dir": str(tmp_path / "none")})
+    assert "cn.key.json: no private key here" in declined(reply).reason
+
+
+def test_a_corrupted_key_file_declines_sends_nothing_and_is_audited(
+    run, demo_root, tmp_path, keys_dir
+):
+    keys = tmp_path / "keys"
+    shutil.copytree(keys_dir, keys)
+    private = keys / "cn.key.json"
+    data = json.loads(private.read_text())
+    data["xwing_seed"] = base64.b64encode(b"\x01" * 32).decode()  # no longer its key id
+    private.write_text(json.dumps(data))
+    private.chmod(0o600)
+    state = tmp_path / "state"
+    run_overrides, aggregator = sealed_run(keys)
+    reply = run(cn_node(demo_root, state), run_overrides, signer=aggregator.keypair)
+    assert f"{private}:key_id: does not match the keys in the file" in declined(reply).reason
+    logged = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
+    assert "key_id: does not match" in logged[-1]["details"]["reason"]
+    assert not (state / "privacy-ledger.jsonl").exists()
+
+
+def test_cn_declines_a_us_aggregator_with_every_reason_trains_nothing_and_logs_it(
+    run, demo_root, tmp_path
+):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    reply = run(node, {"aggregator-jurisdiction": "US", "relay-jurisdiction": "SG"})
+    reason = declined(reply).reason
+    assert "cn-pipl.yaml" in reason
+    for rule in (
+        "aggregator in US, CN's policy allows CN, EU (transfers.aggregator_jurisdictions)",
+        "relay in SG, a third country for CN (transfers.relay_in_third_country)",
+        "updates would leave unsealed (sealing.required)",
+    ):
+        assert rule in reason
+    assert not (tmp_path / "privacy-ledger.jsonl").exists()  # nothing trained
+    records = load_records(tmp_path / "audit.jsonl")
+    decision = [r for r in records if r["event"] == "policy_decision"]
+    assert decision[-1]["details"]["outcome"] == "decline"
+    assert len(decision[-1]["details"]["reasons"]) == 3  # aggregator, relay, unsealed
+    assert records[-1]["event"] == "checkpoint"
+
+
+def test_policy_refusal_also_stops_evaluation(run, demo_root, tmp_path):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    reply = run(node, {"aggregator-jurisdiction": "US"}, training=False)
+    assert "transfers.aggregator_jurisdictions" in declined(reply).reason
+
+
+def test_a_round_past_the_policys_lifetime_epsilon_is_declined_before_training(
+    run, demo_root, tmp_path
+):
+    policy = write_policy(
+        tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__max_lifetime_epsilon=0.5
+    )
+    reason = declined(run(cn_node(demo_root, tmp_path / "state", policy))).reason
+    assert "would raise the dataset's epsilon to" in reason
+    assert "over 0.5 (privacy.max_lifetime_epsilon)" in reason
+    assert "epsilon budget 8 > 0.5 (privacy.max_lifetime_epsilon)" in reason
+    assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+
+
+EU_TEXT = (ROOT / "policies" / "eu-gdpr.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (EU_TEXT.replace("dp_required: true", "dp_required: [true"), r"YAML syntax error"),
+        (
+            EU_TEXT.replace("min_regions: 2", "min_regions: two"),
+            r"aggregation\.min_regions: Input should be a valid integer",
+        ),
+        (EU_TEXT.replace("audit:", "audit:\n  shred: true"), r"audit\.shred: Extra inputs"),
+        (EU_TEXT.replace("  max_delta: 1.0e-5\n", ""), r"privacy\.max_delta: Field required"),
+        (EU_TEXT.replace("jurisdiction: EU", "jurisdiction: XX"), r"jurisdiction: .*unknown"),
+        ("", r"the policy file is empty"),
+    ],
+    ids=["syntax", "type", "unknown-field", "missing-field", "unknown-jurisdiction", "empty"],
+)
+def test_a_malformed_policy_names_file_line_field_and_the_region_does_not_train(
+    run, demo_root, tmp_path, content, message
+):
+    policy = tmp_path / "eu.yaml"
+    policy.write_text(content)
+    node = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path / "state"),
+        "policy": str(policy),
+    }
+    reason = declined(run(node)).reason
+    assert re.search(rf"{re.escape(str(policy))}:\d+: {message}", reason), reason
+    assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+
+
+def test_a_deployed_region_without_a_policy_sends_nothing_whatever_the_run_config_says(
+    run, demo_root
+):
+    node = {"region": "eu", "data-path": str(demo_root / "eu"), "policy": ""}
+    reply = run(node, {"enforce-policies": False})
+    assert "node config:policy: not set" in declined(reply).reason
+
+
+def test_a_decline_is_logged_with_every_reason_and_paths_redacted(run, demo_root, tmp_path):
+    node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
+    (tmp_path / "privacy-ledger.jsonl").write_text('{"kind": "header"}\n')
+    declined(run(node))
+    records = load_records(tmp_path / "audit.jsonl")
+    logged = [r for r in records if r["event"] == "declined"][-1]
+    assert "corrupted ledger record" in logged["details"]["reason"]
+    assert str(tmp_path) not in (tmp_path / "audit.jsonl").read_text()
+    assert "<state-path>/privacy-ledger.jsonl" in logged["details"]["reason"]
+    assert records[-1]["event"] == "checkpoint"
+
+
+# -- witnessing ------------------------------------------------------------------------------
+
+
+def test_the_region_records_the_aggregators_signed_head(run, demo_root, tmp_path, keys_dir):
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(
+        cn_node(demo_root, tmp_path),
+        run_overrides,
+        training=False,
+        signer=aggregator.keypair,
+        witness=(5, HEAD),
+    )
+    assert isinstance(reply.outcome, Evaluated) and reply.keypair is not None
+    records = load_records(tmp_path / "audit.jsonl")
+    witnessed = [r["details"] for r in records if r["event"] == "witness"]
+    assert witnessed == [{"party": "aggregator", "count": 5, "head": HEAD}]
+    assert records[-1]["event"] == "checkpoint"
+    assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
+
+
+def test_the_run_end_notice_is_witnessed_signed_and_answered(
+    demo_root, tmp_path, keys_dir, policies
+):
+    node_config = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path),
+        "policy": str(policies / "eu.yaml"),
+    }
+    run_cfg, node = read_configs(
+        {**app_config(), "seal": True, "keys-dir": str(keys_dir)}, node_config
+    )
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    notice = RunEndNotice(
+        FLOWER_RUN,
+        (9, HEAD),
+        sign_run_end(aggregator.keypair, FLOWER_RUN, (9, HEAD)),
+        aggregator.keypair.bundle.key_id.hex(),
+    )
+    reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
+    assert reply.outcome == Witnessed("eu")
+    assert reply.keypair is not None and reply.keypair.bundle.party == "eu"
+    assert reply.server_round == 0
+    records = load_records(tmp_path / "audit.jsonl")
+    assert records[-2]["event"] == "witness" and records[-2]["details"]["count"] == 9
+    assert records[-1]["event"] == "checkpoint"  # the witness is signed, not a dangling tail
+    assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
+    assert verify(tmp_path / "audit.jsonl", load_bundle(keys_dir / "eu.pub.json")).ok
+    forged = RunEndNotice(FLOWER_RUN, (10, HEAD), notice.signature, notice.signer)
+    refused = witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)
+    assert "not signed by the aggregator" in declined(refused).reason
+    assert refused.keypair is None and refused.witness is None
