@@ -24,7 +24,7 @@ from fedciuic.audit.log import AuditLog
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.data.demo import write_demo_corpora
-from fedciuic.ops.cli import app_run_config
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.rounds.region import Region
 
 DIGEST = "ab" * 32

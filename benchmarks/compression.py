@@ -23,7 +23,8 @@ from typing import Any
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.outputs import METRICS_FILE, final_eval, upload_bytes
+from fedciuic.ops.outputs import final_eval, upload_bytes
+from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = ["dense", "int8", "sign", "topk-int8:0.01", "topk-int8:0.015", "topk-int8:0.05"]

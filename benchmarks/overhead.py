@@ -26,7 +26,7 @@ from typing import Any
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.outputs import METRICS_FILE
+from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("eu", "cn", "us")

@@ -27,7 +27,7 @@ import psutil
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.outputs import METRICS_FILE
+from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("eu", "cn", "us", "sg", "in")

@@ -26,8 +26,9 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.outputs import METRICS_FILE, summarize
+from fedciuic.ops.outputs import summarize
 from fedciuic.policy.rules import load_policies
+from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

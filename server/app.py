@@ -15,7 +15,7 @@ from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.model.adapter import AdapterModel, ModelSpec
-from fedciuic.ops.outputs import RunRecorder
+from fedciuic.ops.outputs import summarize
 from fedciuic.rounds.aggregator_run import (
     audit_log,
     crashed,
@@ -26,6 +26,7 @@ from fedciuic.rounds.aggregator_run import (
     stopped,
     warn_disabled,
 )
+from fedciuic.rounds.record import RunRecorder
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()
@@ -47,6 +48,7 @@ def main(grid: Grid, context: Context) -> None:
             "config": run.model_dump(by_alias=True, mode="json"),
             "output_dir": str(out_dir),
         },
+        summary=summarize,
     )
     log(INFO, "fedciuic: writing this run to %s", out_dir)
     # SIGINT/SIGTERM: Flower runs its exit handlers, then exits; the run is then

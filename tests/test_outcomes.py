@@ -19,14 +19,13 @@ from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.ops import deploy
 from fedciuic.ops.cli import EXIT_ERROR, _simulation_keys, main
-from fedciuic.ops.outputs import (
+from fedciuic.ops.outputs import mark_unfinished, summarize
+from fedciuic.rounds.record import (
     INTERRUPTED,
     NO_AGGREGATE,
     RunRecorder,
-    mark_unfinished,
     no_aggregate_reasons,
     published_rounds,
-    summarize,
 )
 from tests.conftest import app_config
 
@@ -37,6 +36,7 @@ def _declined_everywhere(tmp_path: Path) -> RunRecorder:
     recorder = RunRecorder(
         tmp_path,
         {"run_id": 9, "regions": ["eu", "us"], "config": {"num-server-rounds": 2, "dp": False}},
+        summary=summarize,
     )
     for server_round in (1, 2):
         recorder.record_train(
@@ -70,7 +70,9 @@ def test_a_run_with_no_published_aggregate_says_why_per_region(tmp_path):
 
 
 def test_a_region_that_never_replied_is_named(tmp_path):
-    recorder = RunRecorder(tmp_path, {"run_id": 1, "regions": ["eu"], "config": {}})
+    recorder = RunRecorder(
+        tmp_path, {"run_id": 1, "regions": ["eu"], "config": {}}, summary=summarize
+    )
     recorder.record_train(1, "us", {"status": "trained"})
     assert no_aggregate_reasons(recorder.data)[0] == "eu: no reply in any round"
 
@@ -79,7 +81,9 @@ def test_a_region_that_never_replied_is_named(tmp_path):
 
 
 def test_interrupted_run_is_marked_interrupted_once_and_never_over_an_outcome(tmp_path):
-    recorder = RunRecorder(tmp_path, {"run_id": 3, "regions": ["eu"], "config": {}})
+    recorder = RunRecorder(
+        tmp_path, {"run_id": 3, "regions": ["eu"], "config": {}}, summary=summarize
+    )
     recorder.record_train(1, "eu", {"status": "trained"})
     recorder.record_end(1)
     recorder.record_train(2, "eu", {"status": "trained"})
@@ -97,7 +101,9 @@ def test_interrupted_run_is_marked_interrupted_once_and_never_over_an_outcome(tm
 
 
 def test_a_launcher_marks_a_run_its_process_left_running(tmp_path):
-    RunRecorder(tmp_path / "run-5", {"run_id": 5, "regions": ["eu"], "config": {}})
+    RunRecorder(
+        tmp_path / "run-5", {"run_id": 5, "regions": ["eu"], "config": {}}, summary=summarize
+    )
     assert mark_unfinished(tmp_path / "run-5", "killed")
     data = json.loads((tmp_path / "run-5" / "metrics.json").read_text())
     assert (data["run"]["status"], data["run"]["error"]) == ("interrupted", "killed")
@@ -109,11 +115,15 @@ def test_a_launcher_marks_a_run_its_process_left_running(tmp_path):
 
 
 def test_start_sh_settles_only_its_own_running_runs(tmp_path):
-    old = RunRecorder(tmp_path / "run-1", {"run_id": 1, "regions": [], "config": {}})
+    old = RunRecorder(
+        tmp_path / "run-1", {"run_id": 1, "regions": [], "config": {}}, summary=summarize
+    )
     os.utime(old.directory / "metrics.json", (time.time() - 3600, time.time() - 3600))
     since = time.time()
-    RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": [], "config": {}})
-    done = RunRecorder(tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}})
+    RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": [], "config": {}}, summary=summarize)
+    done = RunRecorder(
+        tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}}, summary=summarize
+    )
     done.finish("completed")
     assert deploy.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
     status = {

@@ -15,7 +15,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.flower.protocol import pack_arrays
 from fedciuic.model.adapter import AdapterModel, ModelSpec
-from fedciuic.ops.cli import app_run_config
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.rounds.region import Region
 

@@ -400,7 +400,7 @@ class AuditLog:
 
 def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     """The (count, head) of a checkpoint record's line, None for any other line."""
-    if b'"event":"checkpoint"' not in line:
+    if b'"event":"' + CHECKPOINT.encode() + b'"' not in line:
         return None
     try:
         record = json.loads(line)

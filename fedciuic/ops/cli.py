@@ -19,7 +19,6 @@ import re
 import signal
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from fedciuic import __version__
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError, FedciuicError, FederationError
+from fedciuic.ops.runconfig import app_run_config, parse_overrides
 
 EXIT_OK = 0
 EXIT_AUDIT = 1
@@ -486,44 +486,14 @@ def _command(
     return command
 
 
-def app_run_config(app: Path) -> dict[str, Any]:
-    """The run-config defaults declared in the app's pyproject.toml."""
-    pyproject = app / "pyproject.toml"
-    fix = "pass --app with the Flower app folder (the fedciuic repository)"
-    try:
-        with open(pyproject, "rb") as handle:
-            data = tomllib.load(handle)
-    except OSError as err:
-        raise ConfigError([f"--app:{pyproject}: cannot read ({err.strerror}); {fix}"]) from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError([f"--app:{pyproject}: invalid TOML ({err}); {fix}"]) from None
-    config = data.get("tool", {}).get("flwr", {}).get("app", {}).get("config")
-    if not isinstance(config, dict):
-        raise ConfigError([f"--app:{pyproject}: no [tool.flwr.app] with a config table; {fix}"])
-    return dict(config)
-
-
-def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs with TOML values (``rounds=3``, ``model-path='/x'``)."""
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError([f"--run-config {pair!r}: expected KEY=VALUE"])
-        try:
-            values[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            values[key.strip()] = raw  # a bare word is taken as a string
-    return values
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.crypto.sealing import aggregator_keys
     from fedciuic.data.demo import write_demo_corpora
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model.adapter import ModelSpec, check_model_spec
-    from fedciuic.ops.outputs import COMPLETED, NO_AGGREGATE, summarize
+    from fedciuic.ops.outputs import summarize
     from fedciuic.ops.progress import RunProgress
+    from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -741,7 +711,7 @@ def _check_policies(run: RunConfig) -> None:
 
 
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any]:
-    from fedciuic.ops.outputs import METRICS_FILE
+    from fedciuic.rounds.record import METRICS_FILE
 
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:

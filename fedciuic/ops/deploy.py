@@ -51,15 +51,15 @@ from fedciuic.flower.launch import (
     toml_value,
 )
 from fedciuic.jurisdictions import JURISDICTIONS, simulated_jurisdiction
-from fedciuic.ops.outputs import (
+from fedciuic.ops.outputs import mark_unfinished
+from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
+from fedciuic.rounds.record import (
     COMPLETED,
     METRICS_FILE,
     NO_AGGREGATE,
     RUNNING,
-    mark_unfinished,
     no_aggregate_reasons,
 )
-from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
 
 DEFAULT_PORT = 9092
 
@@ -152,7 +152,7 @@ def parse_regions(regions: str | Sequence[str]) -> tuple[list[tuple[str, str]], 
 
 def _app_defaults(app: Path) -> tuple[dict[str, Any], list[str]]:
     """The app's run-config defaults, or why ``app`` is not a Flower app folder."""
-    from fedciuic.ops.cli import app_run_config
+    from fedciuic.ops.runconfig import app_run_config
 
     try:
         return app_run_config(app), []

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedciuic.flower.launch import STARTED_RUN
-from fedciuic.ops.outputs import METRICS_FILE, fmt_epsilon, fmt_number
+from fedciuic.ops.outputs import fmt_epsilon, fmt_number
+from fedciuic.rounds.record import METRICS_FILE
 
 CLEAR_LINE = "\r\033[K"
 

@@ -27,16 +27,8 @@ from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditError
 from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.errors import ConfigError
-from fedciuic.ops.outputs import (
-    COMPLETED,
-    METRICS_FILE,
-    NO_AGGREGATE,
-    epsilon_spent,
-    final_eval,
-    fmt_epsilon,
-    fmt_number,
-    upload_bytes,
-)
+from fedciuic.ops.outputs import epsilon_spent, final_eval, fmt_epsilon, fmt_number, upload_bytes
+from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compression import Codec, get_codec, layout_of, unflatten
 from fedciuic.config import RunConfig
@@ -40,10 +41,10 @@ from fedciuic.crypto.sealing import (
     sign_global,
     sign_run_end,
 )
-from fedciuic.ops.outputs import RunRecorder
 from fedciuic.policy.binding import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.wire import (
     DECLINED,
     EVALUATED,
@@ -354,7 +355,7 @@ class AggregatorRound:
                 server_round, {"published": False, "regions": regions, "reasons": withheld}
             )
             self.recorder.save()
-            self._note(server_round, "aggregate_withheld", regions=regions, reasons=withheld)
+            self._note(server_round, Event.AGGREGATE_WITHHELD, regions=regions, reasons=withheld)
             self._checkpoint(server_round)
             return TrainResult(judged_all, Withheld(regions, withheld))
 
@@ -365,7 +366,7 @@ class AggregatorRound:
         self.recorder.save()
         self._note(
             server_round,
-            "aggregate_published",
+            Event.AGGREGATE_PUBLISHED,
             regions=regions,
             examples=accumulator.weight,
             model_digest=model_digest(self.global_adapter).hex(),
@@ -601,7 +602,7 @@ class AggregatorRound:
 
     def _decided(self, server_round: int, decision: Decision) -> None:
         self.recorder.record_decision(server_round, decision.to_record())
-        self._note(server_round, "policy_decision", **decision.to_record())
+        self._note(server_round, Event.POLICY_DECISION, **decision.to_record())
 
     def _checkpoint(self, server_round: int | None) -> None:
         if self.audit is not None:
@@ -644,7 +645,7 @@ class AggregatorRound:
             a = judged.accepted
             self._note(
                 server_round,
-                "update_accepted",
+                Event.UPDATE_ACCEPTED,
                 region=region,
                 examples=a.metrics.num_examples,
                 epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
@@ -653,12 +654,16 @@ class AggregatorRound:
             )
         elif status == DECLINED:
             self._note(
-                server_round, "region_declined", region=region, reason=entry["reason"], **claimed
+                server_round,
+                Event.REGION_DECLINED,
+                region=region,
+                reason=entry["reason"],
+                **claimed,
             )
         elif status in (REJECTED, FAILED):
             self._note(
                 server_round,
-                "update_rejected" if status == REJECTED else "reply_failed",
+                Event.UPDATE_REJECTED if status == REJECTED else Event.REPLY_FAILED,
                 region=region,
                 reason=entry.get("reason", ""),
                 policy_hash=judged.reply.info.get(POLICY_HASH, ""),
@@ -698,7 +703,7 @@ class AggregatorRound:
                 _logger.log(
                     WARNING, "run end: a region's witness was not recorded (%s)", reason_of(err)
                 )
-        self._note(None, "run_end_witnessed", regions=sorted(witnessed))
+        self._note(None, Event.RUN_END_WITNESSED, regions=sorted(witnessed))
         self._checkpoint(None)
         return witnessed
 

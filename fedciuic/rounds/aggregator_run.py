@@ -10,12 +10,17 @@ from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel
-from fedciuic.ops.outputs import (
+from fedciuic.policy.binding import AggregatorPolicies
+from fedciuic.policy.rules import PolicyError
+from fedciuic.rounds.aggregator import AggregatorRound
+from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from fedciuic.rounds.record import (
     ADAPTER_DIR,
     COMPLETED,
     FAILED,
@@ -24,12 +29,7 @@ from fedciuic.ops.outputs import (
     RunRecorder,
     no_aggregate_reasons,
     published_rounds,
-    summarize,
 )
-from fedciuic.policy.binding import AggregatorPolicies
-from fedciuic.policy.rules import PolicyError
-from fedciuic.rounds.aggregator import AggregatorRound
-from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
 # Flower's logger, by name: these lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -138,7 +138,7 @@ def run_start(
     if own is not None and not own.policy.audit.redact_paths:
         audit.redact = ()
     audit.append(
-        "run_start",
+        Event.RUN_START,
         run_id=run_id,
         config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
         code_version=code_version(),
@@ -210,22 +210,23 @@ def end_run(aggregator: AggregatorRound, audit: AuditLog, model: AdapterModel) -
     if status == COMPLETED:
         model.load_adapter_state(aggregator.global_adapter)
         adapter = str(model.save_adapter(aggregator.recorder.directory / ADAPTER_DIR))
-    audit.append("run_end", run_id=aggregator.federation_run, status=status, model_digest=final)
+    audit.append(Event.RUN_END, run_id=aggregator.federation_run, status=status, model_digest=final)
     audit.checkpoint(run_id=aggregator.federation_run)
     return Ended(status, adapter)
 
 
 def finish_run(recorder: RunRecorder, ended: Ended) -> None:
-    """The final status in metrics.json, and the run's summary in the log."""
+    """The final status in metrics.json, and the run's summary (the recorder's) in the log."""
+    level = INFO
     if ended.status == NO_AGGREGATE:
         # The launchers (`fedciuic simulate`, run.sh) read this status and exit 3.
         recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
-        for line in summarize(recorder.data).splitlines():
-            _logger.log(WARNING, "%s", line)
-        return
-    recorder.finish(COMPLETED, adapter=ended.adapter)
-    for line in summarize(recorder.data).splitlines():
-        _logger.log(INFO, "%s", line)
+        level = WARNING
+    else:
+        recorder.finish(COMPLETED, adapter=ended.adapter)
+    if recorder.summary is not None:
+        for line in recorder.summary(recorder.data).splitlines():
+            _logger.log(level, "%s", line)
 
 
 def run_failed(
@@ -237,7 +238,7 @@ def run_failed(
     if audit is None:
         return
     try:
-        audit.append("run_end", run_id=run_id, status="failed", error=str(err))
+        audit.append(Event.RUN_END, run_id=run_id, status="failed", error=str(err))
         audit.checkpoint(run_id=run_id)
     except FedciuicError as audit_err:  # the run has failed already; say so, go on
         _logger.log(ERROR, "fedciuic: cannot write the audit log: %s", audit_err)

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, digest
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
@@ -307,8 +308,8 @@ class _Round:
         _LOG.warning("fedciuic: region declines: %s", err)
         try:
             if isinstance(err, PolicyRefusal):
-                self.note("policy_decision", **err.decision.to_record())
-            self.note("declined", reason=str(err))
+                self.note(Event.POLICY_DECISION, **err.decision.to_record())
+            self.note(Event.DECLINED, reason=str(err))
             if self.audit is not None:
                 self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as audit_err:
@@ -359,15 +360,15 @@ class _Round:
             self.audit.redact = ()
         self._join(keys, policy)
         if checked is not None:
-            self.note("policy_decision", **checked[1].to_record())
+            self.note(Event.POLICY_DECISION, **checked[1].to_record())
         if not training:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
-            self.note("evaluated", examples=stats.num_examples, loss=stats.loss)
+            self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss)
             return Evaluated(region.name, stats)
         if kept is not None:
             # This round was released before the aggregator restarted: the same update
             # again, no second release and no second charge to the ledger.
-            self.note("update_resent", federation_run=self.run_id, flower_run=self.flower_run)
+            self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
             return self._send(region.name, kept, keys, policy, destination)
         if region.released(self.run_id, task.server_round):
             raise AlreadyReleased(
@@ -394,7 +395,7 @@ class _Round:
             return
         _JOINED.add((self.audit.path, self.run_id))
         self.note(
-            "run_joined",
+            Event.RUN_JOINED,
             config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
             code_version=code_version(),
             key_id=keys.keypair.bundle.key_id.hex() if keys else None,
@@ -406,7 +407,7 @@ class _Round:
     def _note_trained(self, outcome: TrainOutcome) -> None:
         p = outcome.privacy
         self.note(
-            "trained",
+            Event.TRAINED,
             examples=outcome.stats.num_examples,
             steps=outcome.stats.steps,
             data_fingerprint=outcome.data_fingerprint,
@@ -432,7 +433,7 @@ class _Round:
             arrays, metrics, info = read_update_payload(payload)
             update = arrays[UPDATE].tobytes()
             self.note(
-                "update_sent_clear",
+                Event.UPDATE_SENT_CLEAR,
                 region=region,
                 digest=digest(update),
                 bytes=len(update),
@@ -450,7 +451,7 @@ class _Round:
             policy_hash=policy_hash,
         )
         self.note(
-            "update_sealed",
+            Event.UPDATE_SEALED,
             region=region,
             digest=digest(envelope),
             bytes=len(envelope),

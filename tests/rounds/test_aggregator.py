@@ -17,7 +17,7 @@ from fedciuic.compression import get_codec
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
 from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, update_payload
-from fedciuic.ops.outputs import RunRecorder, summarize
+from fedciuic.ops.outputs import summarize
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError, load_policy
 from fedciuic.rounds.aggregator import (
@@ -28,6 +28,7 @@ from fedciuic.rounds.aggregator import (
     Withheld,
 )
 from fedciuic.rounds.aggregator_run import load_policies
+from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.wire import (
     ENVELOPE,
     Arrival,
