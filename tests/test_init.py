@@ -257,6 +257,45 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "dep").exists()
 
 
+def test_templates_render_only_with_exactly_their_placeholders(monkeypatch, tmp_path):
+    from fedciuic.ops import render
+
+    assert render.render("stop.sh", preamble="P", pids="/x") == (
+        "#!/usr/bin/env bash\n"
+        "# Stop every process start.sh started (pids/*.pid) and everything they started.\n"
+        'P\n"$BIN/python" -m fedciuic.ops.deploy stop /x\n'
+    )
+    with pytest.raises(KeyError, match="no value for: pids"):
+        render.render("stop.sh", preamble="P")
+    with pytest.raises(KeyError, match="no placeholder for: other"):
+        render.render("stop.sh", preamble="P", pids="/x", other="y")
+    # Notes (@@#) are not rendered; a stray @@ is an error, never rendered as is.
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "t").write_text("@@# note\na @@{b} $c ${d} @@@@\n")
+    (tmp_path / "templates" / "bad").write_text("a @@ b\n")
+    monkeypatch.setattr("importlib.resources.files", lambda package: tmp_path)
+    render._load.cache_clear()
+    try:
+        assert render.render("t", b="B") == "a B $c ${d} @@\n"
+        with pytest.raises(ValueError, match="template bad"):
+            render.render("bad")
+    finally:
+        render._load.cache_clear()
+
+
+def test_every_template_is_used_and_the_apps_import_none(tmp_path):
+    templates = ROOT / "fedciuic" / "ops" / "templates"
+    source = (ROOT / "fedciuic" / "ops" / "layout.py").read_text()
+    for template in templates.iterdir():
+        assert f'"{template.name}"' in source, template.name
+    # The FAB carries no templates (Flower admits no *.sh): the apps must not need them.
+    code = "import sys, server.app, clients.app; print(sorted(sys.modules))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "fedciuic.ops.render" not in loaded and "fedciuic.ops.layout" not in loaded
+
+
 def test_help_explains_every_option_and_ends_with_an_example(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["init", "--help"])

@@ -1,3 +1,4 @@
 """Operating fedciuic: the ``fedciuic`` command (``cli``), the deployment folder
-(``deploy``), a run's outputs, progress and reports (``outputs``, ``progress``,
+(``deploy``; the files it writes: ``layout``, rendered by ``render`` from
+``templates/``), a run's outputs, progress and reports (``outputs``, ``progress``,
 ``run_report``). Imported by the command line, never by the library below it."""

@@ -1,0 +1,424 @@
+"""What ``fedciuic init`` writes: the deployment's folders, keys, configs and scripts.
+
+:func:`write_deployment` lays out a :class:`Deployment` that :mod:`fedciuic.ops.deploy`
+has checked: one folder per party, private keys only in their party's folder. The
+scripts and READMEs are rendered from ``templates/`` (:mod:`fedciuic.ops.render`);
+this module only works out the values that go into them.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
+from fedciuic.crypto.keys import Keypair, bundle_path, write_keys
+from fedciuic.crypto.sealing import AGGREGATOR
+from fedciuic.flower.launch import (
+    CONNECTION,
+    FLOWER_ENV,
+    OWNER_ENV,
+    connection_toml,
+    owner_tag,
+    toml_value,
+)
+from fedciuic.ops.render import fragment, render
+from fedciuic.policy.rules import LoadedPolicy, PolicySet
+
+#: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
+#: ever published: nothing was trained (the same as `fedciuic simulate`).
+EXIT_NO_AGGREGATE = 3
+
+#: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
+#: logs and a redirected output read as plain text.
+PLAIN = render("_plain.sh")
+
+
+def start_owner(directory: Path) -> str:
+    """The ``FEDCIUIC_LAUNCH`` value start.sh gives every process it starts."""
+    return owner_tag("start.sh", directory)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region of the deployment: its jurisdiction, policy and SuperNode port."""
+
+    name: str
+    jurisdiction: str
+    policy: LoadedPolicy
+    port: int  # its SuperNode's local runtime API (ClientAppIo)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What ``fedciuic init`` wrote, and where."""
+
+    directory: Path
+    app: Path
+    regions: tuple[Region, ...]
+    aggregator_jurisdiction: str
+    host: str
+    port: int
+    tls: bool
+    demo_data: bool
+    bin_dir: Path  # the venv whose Flower executables the scripts run
+
+    @property
+    def aggregator(self) -> Path:
+        return self.directory / "aggregator"
+
+    def region_dir(self, name: str) -> Path:
+        return self.directory / "regions" / name
+
+    @property
+    def superlink(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def run_overrides(d: Deployment) -> dict[str, Any]:
+    """The run config ``run.sh`` submits on top of the app's defaults."""
+    agg = d.aggregator
+    return {
+        "regions": ",".join(r.name for r in d.regions),
+        "aggregator-jurisdiction": d.aggregator_jurisdiction,
+        "keys-dir": str(agg / "keys"),
+        "policies-dir": str(agg / "policies"),
+        "output-dir": str(agg / "runs"),
+        "audit-dir": str(agg / "audit"),
+        # Deployed regions read their node config's data-path, never a data-root.
+        "data-root": "",
+    }
+
+
+def _node_config(d: Deployment, region: Region) -> dict[str, str]:
+    here = d.region_dir(region.name)
+    return {
+        "region": region.name,
+        "data-path": str(here / "data"),
+        "state-path": str(here / "state"),
+        "key-file": str(here / "keys" / f"{region.name}.key.json"),
+        "aggregator-bundle": str(here / "keys" / f"{AGGREGATOR}.pub.json"),
+        "policy": str(here / region.policy.path.name),
+    }
+
+
+def _toml(values: dict[str, Any], comment: str) -> str:
+    lines = [f"# {line}".rstrip() for line in comment.splitlines()]
+    return "\n".join([*lines, *(f"{k} = {toml_value(v)}" for k, v in values.items())]) + "\n"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
+    """Write the checked deployment ``d`` into its (existing, empty) folder."""
+    from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
+    from fedciuic.data.demo import write_demo_corpora
+
+    agg = d.aggregator
+    agg_keys = _private_dir(agg / "keys")
+    write_keys(Keypair.generate(AGGREGATOR, d.aggregator_jurisdiction), agg_keys)
+    (agg / "policies").mkdir()
+    own = policies.get(d.aggregator_jurisdiction) if policies is not None else None
+    if own is not None:  # the aggregator's own policy, when there is one, redacts its log
+        shutil.copyfile(own.path, agg / "policies" / own.path.name)
+    if d.tls:
+        server = generate_server_tls(
+            _private_dir(agg / "certs"), list(dict.fromkeys([d.host, "127.0.0.1", "localhost"]))
+        )
+        _private_dir(agg / "auth")
+    for region in d.regions:
+        here = d.region_dir(region.name)
+        keys = _private_dir(here / "keys")
+        write_keys(Keypair.generate(region.name, region.jurisdiction), keys)
+        shutil.copyfile(bundle_path(keys, region.name), bundle_path(agg_keys, region.name))
+        shutil.copyfile(bundle_path(agg_keys, AGGREGATOR), bundle_path(keys, AGGREGATOR))
+        shutil.copyfile(region.policy.path, here / region.policy.path.name)
+        shutil.copyfile(region.policy.path, agg / "policies" / region.policy.path.name)
+        (here / "state").mkdir()
+        data = here / "data"
+        data.mkdir()
+        (data / "README.md").write_text(
+            render("data-README.md.tmpl", region=region.name), encoding="utf-8"
+        )
+        if d.demo_data:
+            with tempfile.TemporaryDirectory(dir=here) as tmp:
+                corpus = write_demo_corpora(Path(tmp), (region.name,))[region.name]
+                for file in corpus.iterdir():
+                    shutil.move(file, data / file.name)
+        if d.tls:
+            auth = _private_dir(here / "auth")
+            _, public = generate_supernode_key(auth, region.name)
+            shutil.copyfile(public, agg / "auth" / public.name)
+            shutil.copyfile(server.ca_cert, auth / "ca.pem")
+        (here / "node-config.toml").write_text(
+            _toml(
+                _node_config(d, region),
+                f"Node config of region {region.name} ({region.jurisdiction}): "
+                "flower-supernode --node-config FILE.\nGenerated by fedciuic init.",
+            ),
+            encoding="utf-8",
+        )
+        _script(here / "start-supernode.sh", _supernode_script(d, region))
+    (agg / "run-config.toml").write_text(
+        _toml(
+            run_overrides(d),
+            "Run-config overrides for `flwr run` (aggregator/run.sh); any other key of the "
+            "app's\n[tool.flwr.app.config] may be added. Generated by fedciuic init.",
+        ),
+        encoding="utf-8",
+    )
+    home = agg / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(connection_config(d), encoding="utf-8")
+    _script(agg / "start-superlink.sh", _superlink_script(d))
+    if d.tls:
+        _script(agg / "register-supernodes.sh", _register_script(d))
+    _script(agg / "run.sh", _run_script(d))
+    _script(d.directory / "start.sh", _start_script(d))
+    _script(d.directory / "stop.sh", _stop_script(d))
+    (d.directory / "README.md").write_text(_readme(d), encoding="utf-8")
+
+
+def connection_config(d: Deployment) -> str:
+    """``$FLWR_HOME/config.toml``: the ``fedciuic`` connection that ``flwr`` commands use."""
+    return connection_toml(d.superlink, d.aggregator / "certs" / "ca.pem" if d.tls else None)
+
+
+# -- scripts --------------------------------------------------------------------------
+
+
+def _q(path: Path | str) -> str:
+    return shlex.quote(str(path))
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text(body, encoding="utf-8")
+    path.chmod(0o755)
+
+
+def _preamble(d: Deployment, party: Path, flwr_home: Path | None = None) -> str:
+    return fragment(
+        "_preamble.sh",
+        flower_env=" ".join(f"{k}={_q(v)}" for k, v in FLOWER_ENV.items()),
+        flwr_home=_q(flwr_home or party / "flwr-home"),
+        bin=_q(d.bin_dir),
+        party=_q(party),
+    )
+
+
+def _superlink_script(d: Deployment) -> str:
+    certs = d.aggregator / "certs"
+    security = (
+        f"--ssl-ca-certfile {_q(certs / 'ca.pem')} --ssl-certfile {_q(certs / 'superlink.pem')} "
+        f"--ssl-keyfile {_q(certs / 'superlink.key')} --enable-supernode-auth"
+        if d.tls
+        else "--insecure"
+    )
+    return render(
+        "start-superlink.sh",
+        superlink=d.superlink,
+        preamble=_preamble(d, d.aggregator),
+        security=security,
+        host=_q(d.host),
+        port=d.port,
+    )
+
+
+def _register_script(d: Deployment) -> str:
+    registrations = [
+        fragment(
+            "_register-supernode.sh",
+            public_key=_q(d.aggregator / "auth" / f"{r.name}.auth.pub"),
+            connection=CONNECTION,
+            region=r.name,
+        )
+        for r in d.regions
+    ]
+    return render(
+        "register-supernodes.sh",
+        preamble=_preamble(d, d.aggregator),
+        registrations="\n".join(registrations),
+    )
+
+
+def _data_check(data: Path, region: str) -> str:
+    message = f"{region}: {data} holds no .jsonl or .txt files; put the region's data there"
+    return fragment(
+        "_data-check.sh", data=_q(data), message=_q(f"{message} (see {data}/README.md)")
+    )
+
+
+def _supernode_script(d: Deployment, region: Region) -> str:
+    here = d.region_dir(region.name)
+    security = (
+        f"--root-certificates {_q(here / 'auth' / 'ca.pem')} "
+        f"--auth-supernode-private-key {_q(here / 'auth' / f'{region.name}.auth.key')}"
+        if d.tls
+        else "--insecure"
+    )
+    return render(
+        "start-supernode.sh",
+        region=region.name,
+        policy=region.policy.path.name,
+        preamble=_preamble(d, here),
+        data_check=_data_check(here / "data", region.name),
+        security=security,
+        superlink=_q(d.superlink),
+        port=region.port,
+        node_config=_q(here / "node-config.toml"),
+    )
+
+
+def _run_script(d: Deployment) -> str:
+    config = _q(d.aggregator / "run-config.toml")
+    return render(
+        "run.sh",
+        no_aggregate=EXIT_NO_AGGREGATE,
+        preamble=_preamble(d, d.aggregator),
+        config=config,
+        plain=PLAIN.removesuffix("\n"),
+        app=_q(d.app),
+        connection=CONNECTION,
+    )
+
+
+def _start_script(d: Deployment) -> str:
+    agg = d.aggregator
+    scheme = "https" if d.tls else "http"
+    launches = [f"bash {_q(agg / 'register-supernodes.sh')}"] if d.tls else []
+    launches += [
+        fragment(
+            "_launch-supernode.sh",
+            region=r.name,
+            script=_q(d.region_dir(r.name) / "start-supernode.sh"),
+        )
+        for r in d.regions
+    ]
+    logs = [agg / "audit" / AGGREGATOR_LOG]
+    logs += [d.region_dir(r.name) / "state" / REGION_LOG for r in d.regions]
+    return render(
+        "start.sh",
+        preamble=_preamble(d, d.directory, agg / "flwr-home"),
+        plain=PLAIN.removesuffix("\n"),
+        dir=_q(d.directory),
+        owner_env=OWNER_ENV,
+        owner=_q(start_owner(d.directory)),
+        data_checks="\n".join(
+            _data_check(d.region_dir(r.name) / "data", r.name) for r in d.regions
+        ),
+        start_superlink=_q(agg / "start-superlink.sh"),
+        health_url=_q(f"{scheme}://{d.superlink}/health"),
+        ca=_q(agg / "certs" / "ca.pem") if d.tls else "''",
+        launch_supernodes="\n".join(launches),
+        run=_q(agg / "run.sh"),
+        keys=_q(agg / "keys"),
+        audit_logs=" ".join(f"--audit-log {_q(log)}" for log in logs),
+        no_aggregate=EXIT_NO_AGGREGATE,
+    )
+
+
+def _stop_script(d: Deployment) -> str:
+    return render(
+        "stop.sh",
+        preamble=_preamble(d, d.directory, d.aggregator / "flwr-home"),
+        pids=_q(d.directory / "pids"),
+    )
+
+
+# -- next steps and README ------------------------------------------------------------
+def next_steps(d: Deployment) -> str:
+    """The commands to run, in order: all parties here, or one machine per party."""
+    agg, top = d.aggregator, d.directory
+    width = max(len("aggregator"), *(len(f"region {r.name}") for r in d.regions)) + 1
+    mode = "TLS, SuperNode authentication" if d.tls else "INSECURE: no TLS, loopback only"
+    regions = ", ".join(f"{r.name} ({r.jurisdiction}, {r.policy.path.name})" for r in d.regions)
+    lines = [
+        f"Deployment in {top}",
+        f"  aggregator in {d.aggregator_jurisdiction}, SuperLink {d.superlink} ({mode})",
+        f"  regions: {regions}",
+        "",
+    ]
+    if not d.demo_data:
+        lines += [
+            'First put each region\'s data (*.jsonl with {"text": ...}, or *.txt) in '
+            + ", ".join(str(d.region_dir(r.name) / "data") for r in d.regions),
+            "",
+        ]
+    lines += [
+        "Everything on this machine, one command (stops every process when the run ends):",
+        f"  bash {_q(top / 'start.sh')}",
+        f'  bash {_q(top / "start.sh")} --run-config "num-server-rounds=5 local-steps=50"',
+        "Each run spends up to its target-epsilon (default 8) of each region's lifetime",
+        "budget (epsilon-budget, default 8): after a run at the default, another run on the",
+        "same data trains nothing (every region declines; start.sh exits 3). For two runs,",
+        'give each --run-config "target-epsilon=4.0".',
+        "",
+        f"One machine per party: copy {agg} to the aggregator and each",
+        f"{top / 'regions'}/REGION to its region, at the same paths, then:",
+        f"  {'aggregator':<{width}} bash {_q(agg / 'start-superlink.sh')}",
+    ]
+    if d.tls:
+        lines.append(f"  {'aggregator':<{width}} bash {_q(agg / 'register-supernodes.sh')}")
+    lines += [
+        f"  {f'region {r.name}':<{width}} bash {_q(d.region_dir(r.name) / 'start-supernode.sh')}"
+        for r in d.regions
+    ]
+    lines += [
+        f"  {'aggregator':<{width}} bash {_q(agg / 'run.sh')}",
+        "",
+        f"Results and report.html: {agg / 'runs'}/run-<id>/",
+        f"Who keeps which file: {top / 'README.md'}",
+    ]
+    if d.host in ("127.0.0.1", "localhost", "::1"):
+        lines.append(
+            f"(--host {d.host}: SuperNodes on other machines cannot reach this SuperLink;\n"
+            " for them, run fedciuic init with --host set to its address.)"
+        )
+    return "\n".join(lines)
+
+
+def _readme(d: Deployment) -> str:
+    region_rows = [
+        fragment(
+            "_readme-region.md.tmpl",
+            region=r.name,
+            jurisdiction=r.jurisdiction,
+            auth_key=f", `auth/{r.name}.auth.key`" if d.tls else "",
+            policy=r.policy.path.name,
+            port=r.port,
+        )
+        for r in d.regions
+    ]
+    return render(
+        "README.md.tmpl",
+        app=str(d.app),
+        bin=str(d.bin_dir),
+        next_steps=next_steps(d),
+        aggregator_jurisdiction=d.aggregator_jurisdiction,
+        aggregator_certs=", `certs/ca.key`, `certs/superlink.key`" if d.tls else "",
+        superlink=d.superlink,
+        region_rows="\n".join(region_rows),
+        security=fragment("_readme-tls.md.tmpl" if d.tls else "_readme-insecure.md.tmpl"),
+        connection=CONNECTION,
+    )
+
+
+__all__ = [
+    "EXIT_NO_AGGREGATE",
+    "PLAIN",
+    "Deployment",
+    "Region",
+    "connection_config",
+    "next_steps",
+    "run_overrides",
+    "start_owner",
+    "write_deployment",
+]

@@ -1,0 +1,58 @@
+"""The files ``fedciuic init`` writes, rendered from the templates in ``templates/``.
+
+A template is the file as written, with ``@@{name}`` where a value goes (``@@`` is
+not bash syntax, so ``$x`` and ``${x}`` stay bash's own) and ``@@@@`` for a literal
+``@@``. Lines starting with ``@@#`` are notes for whoever edits the template; they
+are not rendered. Every placeholder must be given a value and every value must
+have its placeholder: a mismatch raises, it never renders silently.
+
+Files named ``_*`` are fragments: parts of other templates (the scripts' common
+preamble, a block repeated per region), inserted with :func:`fragment`.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from functools import cache
+from importlib import resources
+
+_NOTE = re.compile(r"^@@#.*\n", re.MULTILINE)
+
+
+class _Template(string.Template):
+    delimiter = "@@"
+
+
+@cache
+def _load(name: str) -> _Template:
+    text = (resources.files("fedciuic.ops") / "templates" / name).read_text(encoding="utf-8")
+    template = _Template(_NOTE.sub("", text))
+    if not template.is_valid():
+        raise ValueError(f"template {name}: an @@ that is not @@{{name}}, @@name or @@@@")
+    return template
+
+
+def render(name: str, **values: str | int) -> str:
+    """Template ``name`` with ``values``; KeyError if one is missing or unused."""
+    template = _load(name)
+    wanted = set(template.get_identifiers())
+    missing, unused = wanted - values.keys(), values.keys() - wanted
+    if missing or unused:
+        raise KeyError(
+            f"template {name}: "
+            + "; ".join(
+                f"{what}: {', '.join(sorted(names))}"
+                for what, names in (("no value for", missing), ("no placeholder for", unused))
+                if names
+            )
+        )
+    return template.substitute(values)
+
+
+def fragment(name: str, **values: str | int) -> str:
+    """:func:`render` without the final line break: for a placeholder on a line of its own."""
+    return render(name, **values).removesuffix("\n")
+
+
+__all__ = ["fragment", "render"]

@@ -1,0 +1,1 @@
+launch supernode-@@{region} bash @@{script}

@@ -1,0 +1,1 @@
+"$BIN/flwr" supernode register @@{public_key} @@{connection} --name @@{region}
