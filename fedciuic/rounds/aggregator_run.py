@@ -238,7 +238,7 @@ def run_failed(
     if audit is None:
         return
     try:
-        audit.append(Event.RUN_END, run_id=run_id, status="failed", error=str(err))
+        audit.append(Event.RUN_END, run_id=run_id, status=FAILED, error=str(err))
         audit.checkpoint(run_id=run_id)
     except FedciuicError as audit_err:  # the run has failed already; say so, go on
         _logger.log(ERROR, "fedciuic: cannot write the audit log: %s", audit_err)
