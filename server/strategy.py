@@ -13,10 +13,11 @@ per-reply boundary), results packed, and Flower's own concerns:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from logging import INFO
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -25,7 +26,7 @@ from flwr.supercore import log
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.rounds.aggregator import AggregatorRound, Published
-from fedciuic.rounds.wire import NoReply, Unread
+from fedciuic.rounds.wire import NoReply, RunEndNotice, Unread
 
 
 class RegionalFedAvg(FedAvg):
@@ -73,10 +74,18 @@ class RegionalFedAvg(FedAvg):
         return sorted(nodes)
 
     def _messages(
-        self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, server_round: int, kind: str
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        server_round: int,
+        kind: str,
+        adapter: Callable[[], Mapping[str, np.ndarray]] | None = None,
     ) -> Iterable[Message]:
+        """The round's instruction to every region; ``adapter``: the arrays already
+        unpacked, when they are (signing needs them as NumPy)."""
         signed = self.aggregator.sign_instruction(
-            server_round, partial(protocol.unpack_arrays, arrays)
+            server_round, adapter or partial(protocol.unpack_arrays, arrays)
         )
         content = protocol.instruction(
             arrays,
@@ -95,7 +104,14 @@ class RegionalFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.aggregator.global_adapter = protocol.unpack_arrays(arrays)
-        return self._messages(grid, arrays, config, server_round, MessageType.TRAIN)
+        return self._messages(
+            grid,
+            arrays,
+            config,
+            server_round,
+            MessageType.TRAIN,
+            lambda: self.aggregator.global_adapter,
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -141,7 +157,7 @@ class RegionalFedAvg(FedAvg):
         signed = self.aggregator.sign_run_end()
         if signed is None or signed.witness is None:
             return
-        notice = protocol.RunEndNotice(
+        notice = RunEndNotice(
             self.aggregator.federation_run, signed.witness, signed.signature, signed.signer
         )
         nodes = sorted(grid.get_node_ids())

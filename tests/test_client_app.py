@@ -19,6 +19,7 @@ from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, s
 from fedciuic.flower import protocol
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.policy.rules import load_policy
+from fedciuic.rounds.wire import KEY_ID, WITNESSED, RunEndNotice, Witness
 from tests.conftest import app_config, lab_policies
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -98,7 +99,7 @@ def test_corrupted_ledger_declines_naming_the_file(model, demo_root, tmp_path):
     assert "privacy-ledger.jsonl:1: corrupted ledger record" in got.reason
     # A decline, too, carries the head of the checkpoint that logged it.
     last = load_records(tmp_path / "audit.jsonl")[-1]
-    assert got.witness == protocol.Witness(last["details"]["count"], last["details"]["head"])
+    assert got.witness == Witness(last["details"]["count"], last["details"]["head"])
 
 
 def test_unknown_region_declines_with_a_reason_and_sends_nothing(model, demo_root):
@@ -180,7 +181,7 @@ def test_the_region_records_the_aggregators_signed_head_and_signs_its_reply(
     got, aggregator = sealed_eval(model, node, keys_dir, witness=(5, HEAD))
     assert got.status == "evaluated"
     sender = aggregator.reply_sender(
-        got.info[protocol.KEY_ID], got.signature, run_id=7, server_round=1, fields=got.signed
+        got.info[KEY_ID], got.signature, run_id=7, server_round=1, fields=got.signed
     )
     assert sender.party == "cn"
     records = load_records(tmp_path / "audit.jsonl")
@@ -188,7 +189,7 @@ def test_the_region_records_the_aggregators_signed_head_and_signs_its_reply(
     assert witnessed == [{"party": "aggregator", "count": 5, "head": HEAD}]
     last = records[-1]
     assert last["event"] == "checkpoint"
-    assert got.witness == protocol.Witness(last["details"]["count"], last["details"]["head"])
+    assert got.witness == Witness(last["details"]["count"], last["details"]["head"])
 
 
 @pytest.mark.parametrize(
@@ -220,7 +221,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, t
         "policy": str(POLICIES / "eu.yaml"),
     }
     aggregator = aggregator_keys(str(keys_dir), 2**28)
-    notice = protocol.RunEndNotice(
+    notice = RunEndNotice(
         7,
         (9, HEAD),
         sign_run_end(aggregator.keypair, 7, (9, HEAD)),
@@ -232,16 +233,16 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(model, demo_root, t
     )
     message = Message(protocol.run_end_notice(notice), dst_node_id=2, message_type="query")
     got = protocol.read_reply(client_app.query(message, context))
-    assert got.status == protocol.WITNESSED
+    assert got.status == WITNESSED
     sender = aggregator.reply_sender(
-        got.info[protocol.KEY_ID], got.signature, run_id=7, server_round=0, fields=got.signed
+        got.info[KEY_ID], got.signature, run_id=7, server_round=0, fields=got.signed
     )
     assert sender.party == "eu"
     records = load_records(tmp_path / "audit.jsonl")
     assert records[-2]["event"] == "witness" and records[-2]["details"]["count"] == 9
     assert records[-1]["event"] == "checkpoint"  # the witness is signed, not a dangling tail
     assert verify(tmp_path / "audit.jsonl", load_bundle(keys_dir / "eu.pub.json")).ok
-    forged = protocol.RunEndNotice(7, (10, HEAD), notice.signature, notice.signer)
+    forged = RunEndNotice(7, (10, HEAD), notice.signature, notice.signer)
     message = Message(protocol.run_end_notice(forged), dst_node_id=2, message_type="query")
     refused = protocol.read_reply(client_app.query(message, context))
     assert refused.status == "declined" and "not signed by the aggregator" in refused.reason

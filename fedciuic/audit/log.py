@@ -83,7 +83,7 @@ def checkpoint_head(count: object, head: object) -> tuple[int, str]:
     if not _is_head(head):
         raise AuditError(f"checkpoint head: head {head!r:.80} is not 64 lower-case hex digits")
     if count == 0 and head != GENESIS:
-        raise AuditError("checkpoint head: count 0 must come with the genesis head (64 zeros)")
+        raise AuditError("checkpoint head: the genesis head (64 zeros for count 0) expected")
     return count, head
 
 
@@ -723,11 +723,10 @@ def _witness_details(details: object) -> tuple[str, int, str] | str:
     party, count, head = details.get("party"), details.get("count"), details.get("head")
     if not isinstance(party, str) or not party:
         return "party is not a party's name"
-    if not _is_count(count):
-        return f"count {count!r:.40} is not a non-negative integer"
-    if not _is_head(head) or (count == 0 and head != GENESIS):
-        return f"head {head!r:.80} is not 64 lower-case hex digits (64 zeros for count 0)"
-    return party, count, head
+    try:
+        return (party, *checkpoint_head(count, head))
+    except AuditError as err:  # the one check of a head received from another party
+        return str(err)
 
 
 def witness_check(

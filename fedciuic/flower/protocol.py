@@ -13,40 +13,33 @@ only its reason.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedciuic.audit.log import AuditError, checkpoint_head
 from fedciuic.crypto.keys import Keypair
 from fedciuic.errors import FedciuicError
 from fedciuic.model.train import EvalStats
-from fedciuic.policy.rules import LoadedPolicy
-from fedciuic.rounds.region import TrainOutcome
-from fedciuic.rounds.region_round import train_info as train_info  # re-exported
-from fedciuic.rounds.region_round import train_metrics as train_metrics
-from fedciuic.rounds.region_round import update_arrays as update_arrays
 from fedciuic.rounds.wire import (
     AUDIT_COUNT,
     AUDIT_HEAD,
     DECLINED,
     ENVELOPE,
     EVALUATED,
+    KEY_ID,
     SEALED,
+    WITNESSED,
+    Instruction,
     MalformedReply,
     Reply,
+    RunEndNotice,
     failed,
     parse_reply,
     sign_info,
 )
-from fedciuic.rounds.wire import KEY_ID as KEY_ID  # re-exported: the packers' callers use them
-from fedciuic.rounds.wire import UPDATE as UPDATE
-from fedciuic.rounds.wire import WITNESSED as WITNESSED
-from fedciuic.rounds.wire import Instruction as Instruction
-from fedciuic.rounds.wire import RunEndNotice as RunEndNotice
-from fedciuic.rounds.wire import Witness as Witness
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"  # the records a message holds
 
@@ -101,10 +94,10 @@ def _typed(config: Mapping[str, object], key: str, kind: type, default: object) 
 
 def _head(config: Mapping[str, object], what: str) -> tuple[int, str]:
     """The aggregator's audit head that an instruction or notice carries."""
-    count, head = _typed(config, AUDIT_COUNT, int, None), _typed(config, AUDIT_HEAD, str, None)
-    if not 0 <= count < 2**63 or not re.fullmatch(r"[0-9a-f]{64}", head):
-        raise MalformedInstruction(f"malformed {what}: audit-count/audit-head")
-    return count, head
+    try:
+        return checkpoint_head(config.get(AUDIT_COUNT), config.get(AUDIT_HEAD))
+    except AuditError as err:
+        raise MalformedInstruction(f"malformed {what}: {AUDIT_COUNT}/{AUDIT_HEAD}: {err}") from None
 
 
 def read_instruction(message: Message) -> Instruction:
@@ -183,21 +176,13 @@ def clear_reply(
     )
 
 
-def train_reply(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> RecordDict:
-    return clear_reply(
-        update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
-    )
-
-
 def sealed_reply(region: str, envelope: bytes | bytearray, key_id: str) -> RecordDict:
     """A sealed update: the envelope, and in the clear only who sent it."""
     return RecordDict(
         {
             ARRAYS: ArrayRecord({ENVELOPE: Array(np.frombuffer(envelope, dtype=np.uint8))}),
             METRICS: MetricRecord({}),
-            INFO: ConfigRecord(
-                {"region": region, "status": SEALED, "reason": "", "key-id": key_id}
-            ),
+            INFO: ConfigRecord({"region": region, "status": SEALED, "reason": "", KEY_ID: key_id}),
         }
     )
 

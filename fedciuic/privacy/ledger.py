@@ -461,7 +461,6 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
 
     if not audit_path.exists():
         return None
-    witness = LedgerWitness(audit_path)
     releases, head, epsilon = 0, "", 0.0
     lines: dict[int, tuple[str, bytes, bytes]] = {}
     for record in load_records(audit_path):
@@ -480,7 +479,7 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
         lines[count] = (at, line, header)
         if count >= releases:  # the latest witness of the longest ledger
             releases, head = count, at
-    return LedgerWitness(witness.source, releases, head, epsilon, lines)
+    return LedgerWitness(audit_path, releases, head, epsilon, lines)
 
 
 def _witnessed(value: object) -> tuple[int, str, bytes, bytes] | None:

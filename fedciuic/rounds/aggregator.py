@@ -95,13 +95,15 @@ class Header:
 class Accepted:
     """A trained reply once authenticated, opened, validated and checked by policy."""
 
-    region: str
     checked: Checked
     metrics: TrainMetrics
     info: dict[str, str]
     header: Header
-    update_bytes: int
-    upload_bytes: int
+    upload_bytes: int  # what crossed the relay: the envelope, or the clear update
+
+    @property
+    def region(self) -> str:
+        return self.header.region
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class Judged:
                 "steps": a.metrics.steps,
                 "data_fingerprint": a.info["data-fingerprint"],
                 "upload_bytes": a.upload_bytes,
-                "update_bytes": a.update_bytes,
+                "update_bytes": a.metrics.update_bytes,
                 **a.metrics.record(),
             }
         if self.evaluated is not None:
@@ -417,9 +419,7 @@ class AggregatorRound:
                 return self._settle(rejected, header.region)
         checked = check(codec, update, n, metrics.num_examples, bounds)
         upload = len(reply.envelope) if reply.envelope is not None else len(update)
-        accepted = Accepted(
-            header.region, checked, metrics, info, header, metrics.update_bytes, upload
-        )
+        accepted = Accepted(checked, metrics, info, header, upload)
         return self._settle(replace(reply, status=TRAINED), header.region, accepted=accepted)
 
     def _open(
@@ -431,7 +431,7 @@ class AggregatorRound:
         if reply.status == TRAINED:
             if self.keys is not None:
                 raise EnvelopeRejected("unsealed update refused")
-            info = parse_info(reply.info, TRAINED)
+            info = reply.info  # parse_reply checked its keys for a trained reply
             header = Header(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
             arrays = reply.arrays or {}
             metrics: object = reply.metrics

@@ -41,7 +41,7 @@ from fedciuic.crypto.sealing import (
 )
 from fedciuic.errors import FedciuicError
 from fedciuic.model.train import EvalStats
-from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
+from fedciuic.policy.binding import UNSEALED, PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
 from fedciuic.rounds.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
 from fedciuic.rounds.wire import (
@@ -275,17 +275,23 @@ class _Round:
         except FedciuicError as err:  # cannot read our own log: decline, unsigned
             return RegionReply(self._decline(err))
 
+    def _open(self, federation_run: int) -> RegionKeys | None:
+        """This region's audit log and, with sealing, its keys (which sign the log)."""
+        self.run_id = federation_run or self.flower_run
+        self.audit = _audit(self.node)
+        if not self.run.seal:
+            return None
+        keys = _keys(self.run, self.node)
+        if self.audit is not None:
+            self.audit.keypair = keys.keypair
+        return keys
+
     def witness_run_end(self, notice: RunEndNotice) -> RegionReply:
         try:
-            self.run_id = notice.federation_run or self.flower_run
-            self.audit = _audit(self.node)
-            if self.run.seal:
-                self.keys = _keys(self.run, self.node)
-                self.keys.check_run_end(
-                    notice.signature, notice.signer, self.flower_run, notice.witness
-                )
-                if self.audit is not None:
-                    self.audit.keypair = self.keys.keypair
+            keys = self._open(notice.federation_run)
+            if keys is not None:
+                keys.check_run_end(notice.signature, notice.signer, self.flower_run, notice.witness)
+                self.keys = keys
             if self.audit is not None:
                 self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
                 self.audit.checkpoint(run_id=self.run_id)
@@ -319,13 +325,8 @@ class _Round:
     def _handle(self, task: Instruction, training: bool, simulated: bool) -> Outcome:
         run, node = self.run, self.node
         self.server_round = task.server_round
-        self.run_id = task.federation_run or self.flower_run
-        self.audit = _audit(node)
-        keys = None
-        if run.seal:
-            keys = _keys(run, node)
-            if self.audit is not None:
-                self.audit.keypair = keys.keypair
+        keys = self._open(task.federation_run)
+        if keys is not None:
             keys.check_global(
                 task.signature,
                 task.signer,
@@ -437,7 +438,7 @@ class _Round:
                 region=region,
                 digest=digest(update),
                 bytes=len(update),
-                suite="none",
+                suite=UNSEALED,
                 destination_jurisdiction=destination,
                 policy_hash=policy_hash,
             )

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedciuic.audit.log import AuditError, checkpoint_head
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair
 from fedciuic.crypto.sealing import reply_message
 from fedciuic.errors import FedciuicError
@@ -115,10 +116,6 @@ class EvalMetrics(_Strict):
     perplexity: float = Field(ge=0)
 
 
-class DeclineMetrics(_Strict):
-    num_examples: int = Field(ge=0, le=0)
-
-
 _PRIVACY_KEYS = frozenset(f.alias or k for k, f in PrivacyFigures.model_fields.items())
 
 
@@ -184,17 +181,12 @@ class Witness:
 
 
 def _witness(info: Mapping[str, object]) -> Witness | None:
-    count, head = info.get(AUDIT_COUNT), info.get(AUDIT_HEAD)
-    if count is None and head is None:
+    if AUDIT_COUNT not in info and AUDIT_HEAD not in info:
         return None
-    if (
-        type(count) is not int
-        or not 0 <= count <= _MAX_COUNT
-        or not isinstance(head, str)
-        or not re.fullmatch(r"[0-9a-f]{64}", head)
-    ):
-        raise MalformedReply("malformed info: audit-count/audit-head: a count and a SHA-256 hex")
-    return Witness(count, head)
+    try:
+        return Witness(*checkpoint_head(info.get(AUDIT_COUNT), info.get(AUDIT_HEAD)))
+    except AuditError as err:
+        raise MalformedReply(f"malformed info: {AUDIT_COUNT}/{AUDIT_HEAD}: {err}") from None
 
 
 @dataclass(frozen=True)
