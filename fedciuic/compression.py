@@ -151,9 +151,18 @@ def _finite(values: np.ndarray, what: str) -> None:
 class Codec:
     """A named encoding of flat float32 deltas."""
 
-    name: str
+    name: str  # the spec it was parsed from: ``dense``, ``topk-int8:0.015``
     ident: int
     fraction: float = 1.0  # kept fraction, for top-k codecs
+
+    @property
+    def family(self) -> str:
+        """The name without its argument (``topk-int8:0.015`` is ``topk-int8``): what
+        policies allow or refuse."""
+        return self.name.partition(":")[0]
+
+    def __str__(self) -> str:
+        return self.name
 
     def k(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.fraction * n)))
@@ -239,9 +248,11 @@ CODECS: dict[str, Callable[[str], Codec]] = {
 }
 
 
-def get_codec(spec: str) -> Codec:
+def get_codec(spec: str | Codec) -> Codec:
     """``dense``, ``int8``, ``sign``, ``topk:0.01``, ``topk-int8:0.01``; else ``ValueError``
     naming the known ones (the run config turns it into ``run config:codec: ...``)."""
+    if isinstance(spec, Codec):
+        return spec
     name, _, arg = spec.partition(":")
     if name not in CODECS:
         raise ValueError(

@@ -10,10 +10,21 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
+from fedciuic.compression import Codec, get_codec
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -24,6 +35,16 @@ REPRODUCIBLE_NOISE_WARNING = (
     "and subtract the noise, so these updates have NO differential privacy against it. "
     "For tests only; every shipped policy refuses it."
 )
+
+
+#: A codec named in the run config, parsed once into its object (ValueError names the
+#: known codecs); written back as its name.
+CodecSpec = Annotated[
+    Codec,
+    BeforeValidator(get_codec),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string"}),
+]
 
 
 def _kebab(name: str) -> str:
@@ -109,7 +130,7 @@ class RunConfig(_Strict):
     keys_dir: str = ""
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
-    codec: str = "topk-int8:0.015"
+    codec: CodecSpec = get_codec("topk-int8:0.015")
     # Validation and aggregation of updates (docs/robustness.md): an update whose
     # decoded delta has a larger L2 norm is rejected (or clipped); 0 turns the bound off.
     max_update_norm: float = Field(default=50.0, ge=0)
@@ -172,14 +193,6 @@ class RunConfig(_Strict):
             raise ValueError(f"region names must be lower-case letters, digits, '-' or '_': {bad}")
         if len(set(value)) != len(value):
             raise ValueError(f"regions are listed twice: {list(value)}")
-        return value
-
-    @field_validator("codec")
-    @classmethod
-    def _check_codec(cls, value: str) -> str:
-        from fedciuic.compression import get_codec
-
-        get_codec(value)  # ValueError names the known codecs
         return value
 
     @field_validator("aggregation")

@@ -19,7 +19,9 @@ from fedciuic.rounds.region import Region
 
 @pytest.fixture
 def region(run_config, demo_root, tmp_path) -> Region:
-    run = run_config.model_copy(update={"local_steps": 2, "codec": "topk-int8:0.05", "dp": False})
+    run = run_config.model_copy(
+        update={"local_steps": 2, "codec": get_codec("topk-int8:0.05"), "dp": False}
+    )
     return Region(
         run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
     )

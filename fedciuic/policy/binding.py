@@ -41,11 +41,6 @@ class PolicyRefusal(FedciuicError):
         )
 
 
-def codec_family(codec: str) -> str:
-    """The codec's name without its argument (``topk-int8:0.015`` is ``topk-int8``)."""
-    return codec.partition(":")[0]
-
-
 def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> LoadedPolicy | None:
     """The policy this region obeys; None only in a simulation with enforce-policies off.
 
@@ -89,7 +84,7 @@ def run_terms(
         secure_mode=run.secure_mode,
         seal=run.seal,
         seal_suite=run.seal_suite,
-        codec=codec_family(run.codec),
+        codec=run.codec.family,
         projected_epsilon=projected_epsilon,
     )
 

@@ -32,7 +32,7 @@ import numpy as np
 from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
-from fedciuic.compression import Codec, get_codec, layout_of, unflatten
+from fedciuic.compression import Codec, layout_of, unflatten
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import (
     AggregatorKeys,
@@ -41,7 +41,7 @@ from fedciuic.crypto.sealing import (
     sign_global,
     sign_run_end,
 )
-from fedciuic.policy.binding import UNSEALED, AggregatorPolicies, codec_family
+from fedciuic.policy.binding import UNSEALED, AggregatorPolicies
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.rounds.record import RunRecorder
@@ -322,7 +322,7 @@ class AggregatorRound:
         layout = layout_of(self.global_adapter)
         n = sum(int(np.prod(shape)) for _, shape in layout)
         accumulator = make_aggregator(self.run.aggregation, n)
-        codec = get_codec(self.run.codec)
+        codec = self.run.codec
         bounds = Bounds(
             self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
         )
@@ -401,7 +401,7 @@ class AggregatorRound:
             epsilon=metrics.privacy.epsilon if metrics.privacy else None,
             delta=metrics.privacy.delta if metrics.privacy else None,
             suite=header.suite,
-            codec=codec_family(self.run.codec),
+            codec=self.run.codec.family,
             num_examples=metrics.num_examples,
             max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
             secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,

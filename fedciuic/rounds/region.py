@@ -22,7 +22,6 @@ from fedciuic.compression import (
     ErrorFeedback,
     compress_with_feedback,
     flatten,
-    get_codec,
     layout_id,
     layout_of,
 )
@@ -205,7 +204,7 @@ class Region:
         Compression runs after DP (post-processing costs no privacy) and before
         sealing (ciphertext does not compress).
         """
-        codec = get_codec(self.run.codec)
+        codec = self.run.codec
         vector = flatten(delta)
         safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
         feedback = ErrorFeedback(

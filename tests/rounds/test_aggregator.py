@@ -67,7 +67,7 @@ def adapter_of(result: TrainResult) -> dict[str, np.ndarray]:
 
 def make_round(run_config, folder: Path, **kwargs: Any) -> AggregatorRound:
     recorder = RunRecorder(folder, {"run_id": 7, "regions": list(run_config.regions)})
-    dense = run_config.model_copy(update={"codec": "dense"})  # updates below are dense
+    dense = run_config.model_copy(update={"codec": get_codec("dense")})  # updates below are dense
     a = AggregatorRound(dense, base_fingerprint="f" * 64, recorder=recorder, **kwargs)
     a.global_adapter = {k: v.copy() for k, v in GLOBAL.items()}
     return a
