@@ -167,7 +167,7 @@ def test_only_the_first_round_waits_for_missing_regions(strategy, monkeypatch):
 
 def test_sealed_replies_as_regions_pack_them_are_opened_and_aggregated(sealed_round):
     a, regions = sealed_round
-    agg = a.keys.keypair.bundle
+    agg = a.sealing.keys.keypair.bundle
 
     def sealed(region: str, value: float) -> RecordDict:
         raw = sealed_reply_from(regions[region], agg, value)
@@ -199,7 +199,7 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
         )
     ).content
     task = protocol.read_instruction(Message(content, dst_node_id=1, message_type="train"))
-    keys = RegionKeys(regions["eu"], a.keys.keypair.bundle, "xwing-aes256gcm")
+    keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
     keys.check_global(task.signature, task.signer, 7, 4, task.adapter)  # valid
     with pytest.raises(KeyFileError, match="not signed by the aggregator"):
         keys.check_global(task.signature, task.signer, 7, 5, task.adapter)  # another round

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
@@ -140,6 +141,28 @@ def _jurisdiction_reason(
         f"{own} ({source}): a region obeys its own jurisdiction's policy; give it the "
         f"{own} policy (policy jurisdiction)"
     )
+
+
+class PolicyGate(Protocol):
+    """Policy enforcement at the aggregator, as a stage present or absent: the round asks
+    it about each update and each aggregate; a decision, when it takes one, is recorded
+    and audited; None means none was taken (a lab baseline)."""
+
+    def check_update(self, facts: UpdateFacts) -> Decision | None: ...
+
+    def check_aggregate(
+        self, participants: dict[str, str], examples: dict[str, int]
+    ) -> Decision | None: ...
+
+
+class NotEnforced:
+    """``enforce-policies = false``: a lab baseline; no decision is taken or recorded."""
+
+    def check_update(self, facts: UpdateFacts) -> None:
+        return None
+
+    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> None:
+        return None
 
 
 @dataclass(frozen=True)

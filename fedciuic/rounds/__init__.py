@@ -8,15 +8,14 @@ from __future__ import annotations
 from fedciuic.rounds.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedciuic.rounds.region import Region, TrainOutcome, open_region
 from fedciuic.rounds.region_round import (
-    Clear,
     Declined,
     Evaluated,
     RegionReply,
-    Sealed,
     Witnessed,
     handle_instruction,
     witness_run_end,
 )
+from fedciuic.rounds.sealing import Clear, Sealed
 
 __all__ = [
     "Checkpoint",

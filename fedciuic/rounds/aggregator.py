@@ -34,26 +34,19 @@ from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compression import Codec, layout_of, unflatten
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import (
-    AggregatorKeys,
-    EnvelopeRejected,
-    model_digest,
-    sign_global,
-    sign_run_end,
-)
-from fedciuic.policy.binding import UNSEALED, AggregatorPolicies
+from fedciuic.crypto.sealing import EnvelopeRejected, model_digest
+from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.rounds.record import RunRecorder
+from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
 from fedciuic.rounds.wire import (
     DECLINED,
     EVALUATED,
     FAILED,
-    JURISDICTION,
     KEY_ID,
     POLICY_HASH,
     REJECTED,
-    SEALED,
     TRAINED,
     UPDATE,
     WITNESSED,
@@ -67,7 +60,6 @@ from fedciuic.rounds.wire import (
     Witness,
     failed,
     parse_eval_metrics,
-    parse_info,
     parse_train_metrics,
 )
 
@@ -78,17 +70,6 @@ _logger = logging.getLogger("flwr")
 def reason_of(err: Exception) -> str:
     """A rejection's reason: the error's type and its message (or repr)."""
     return f"{type(err).__name__}: {str(err)[:500]}"
-
-
-@dataclass(frozen=True)
-class Header:
-    """Where an update comes from and under what terms: from its authenticated
-    envelope when sealed, from the clear reply in a lab run without sealing."""
-
-    region: str
-    jurisdiction: str
-    policy_hash: str
-    suite: str
 
 
 @dataclass(frozen=True)
@@ -208,8 +189,8 @@ class AggregatorRound:
         *,
         base_fingerprint: str,
         recorder: RunRecorder,
-        keys: AggregatorKeys | None = None,
-        policies: AggregatorPolicies | None = None,
+        sealing: ReplySealing | None = None,
+        policies: PolicyGate | None = None,
         audit: AuditLog | None = None,
         run_id: int = 0,
         federation_run: int = 0,
@@ -218,8 +199,9 @@ class AggregatorRound:
         self.run = run
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
-        self.keys = keys
-        self.policies = policies
+        # The two stages, present or absent: without them, a lab run (clear, no policies).
+        self.sealing: ReplySealing = sealing or ClearReplies()
+        self.policies: PolicyGate = policies or NotEnforced()
         self.audit = audit
         self.run_id = run_id  # Flower's: binds envelopes and signatures
         self.federation_run = federation_run or run_id  # kept when a run is resumed
@@ -234,14 +216,9 @@ class AggregatorRound:
     ) -> Signed:
         """The signature over a round's global adapter (with sealing) and the audit head
         it carries; ``adapter`` is only called when there is something to sign with."""
-        signature, signer = b"", ""
         witness = self.audit.last_checkpoint() if self.audit is not None else None
-        if self.keys is not None:
-            signature = sign_global(
-                self.keys.keypair, self.run_id, server_round, dict(adapter()), witness
-            )
-            signer = self.keys.keypair.bundle.key_id.hex()
-        return Signed(signature, signer, witness)
+        signature = self.sealing.sign_global(self.run_id, server_round, adapter, witness)
+        return Signed(signature, self.sealing.signer, witness)
 
     # -- the per-reply boundary ---------------------------------------------------
 
@@ -295,24 +272,7 @@ class AggregatorRound:
         run, nothing to authenticate with) the name it claims."""
         if reply.status == FAILED:
             return None
-        if self.keys is None:
-            return reply.region
-        if reply.status == DECLINED and not reply.signature:
-            # A region that could not load its keys declines unsigned: recorded under
-            # its node (or what the node authenticated as before), its claim noted.
-            return None
-        sender = self.keys.reply_sender(
-            reply.info.get(KEY_ID, ""),
-            reply.signature,
-            run_id=self.run_id,
-            server_round=server_round,
-            fields=reply.signed,
-        )
-        if sender.party != reply.region:
-            raise EnvelopeRejected(
-                f"reply names region {reply.region!r} but is signed by {sender.party!r}"
-            )
-        return sender.party
+        return self.sealing.sender(reply, self.run_id, server_round)
 
     # -- training -----------------------------------------------------------------
 
@@ -406,8 +366,8 @@ class AggregatorRound:
             max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
             secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
         )
-        if self.policies is not None:
-            decision = self.policies.check_update(facts)
+        decision = self.policies.check_update(facts)
+        if decision is not None:
             self._decided(server_round, decision)
             if not decision.accepted:
                 rejected = replace(
@@ -426,37 +386,15 @@ class AggregatorRound:
         self, reply: Reply, server_round: int, sender: str | None
     ) -> tuple[bytes, TrainMetrics, dict[str, str], Header]:
         """The compressed update, its metrics and info, and the facts its policy is
-        checked against: from the authenticated envelope when sealed (refusing clear
-        updates when sealing is on), from the clear reply otherwise."""
-        if reply.status == TRAINED:
-            if self.keys is not None:
-                raise EnvelopeRejected("unsealed update refused")
-            info = reply.info  # parse_reply checked its keys for a trained reply
-            header = Header(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
-            arrays = reply.arrays or {}
-            metrics: object = reply.metrics
-        elif reply.status == SEALED:
-            if self.keys is None or reply.envelope is None:
-                raise EnvelopeRejected("sealed update, sealing is off")
-            opened = self.keys.open_update(
-                reply.envelope, run_id=self.run_id, server_round=server_round
-            )
-            if opened.sender.party != sender:
-                raise EnvelopeRejected(
-                    f"envelope sealed by {opened.sender.party!r} in a reply signed by {sender!r}"
-                )
-            info = parse_info(opened.info, TRAINED)
-            header = Header(
-                opened.sender.party, opened.sender.jurisdiction, opened.policy_hash, opened.suite
-            )
-            arrays, metrics = opened.arrays, opened.metrics
-        else:
-            raise MalformedReply(f"status {reply.status!r} in a training reply")
+        checked against, as the sealing stage hands them over."""
+        received = self.sealing.receive(reply, self.run_id, server_round, sender)
+        info, header = received.info, received.header
         if info["region"] != header.region:
             raise EnvelopeRejected(
                 f"update names region {info['region']!r} but comes from {header.region!r}"
             )
-        return self._update_bytes(arrays), parse_train_metrics(metrics), info, header
+        update = self._update_bytes(received.arrays)
+        return update, parse_train_metrics(received.metrics), info, header
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
         """The one compressed update a trained reply may carry, within the size cap."""
@@ -478,12 +416,12 @@ class AggregatorRound:
         """Why this round's aggregate must not be published; empty when it may be."""
         if not accepted:
             return ["no region's update was accepted"]
-        if self.policies is None:
-            return []
         decision = self.policies.check_aggregate(
             {a.region: a.header.jurisdiction for a in accepted},
             {a.region: a.metrics.num_examples for a in accepted},
         )
+        if decision is None:
+            return []
         self._decided(server_round, decision)
         return list(decision.reasons)
 
@@ -680,11 +618,8 @@ class AggregatorRound:
         witness = self.audit.last_checkpoint()
         if witness is None:
             return None
-        signature, signer = b"", ""
-        if self.keys is not None:
-            signature = sign_run_end(self.keys.keypair, self.run_id, witness)
-            signer = self.keys.keypair.bundle.key_id.hex()
-        return Signed(signature, signer, witness)
+        signature = self.sealing.sign_run_end(self.run_id, witness)
+        return Signed(signature, self.sealing.signer, witness)
 
     def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
         """Record the head each region answers the run-end notice with, so that

@@ -30,6 +30,7 @@ from fedciuic.rounds.record import (
     no_aggregate_reasons,
     published_rounds,
 )
+from fedciuic.rounds.sealing import ReplySealing, aggregator_sealing
 
 # Flower's logger, by name: these lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -130,7 +131,7 @@ def run_start(
     run_id: int,
     flower_run: int,
     run: RunConfig,
-    keys: AggregatorKeys | None,
+    sealing: ReplySealing,
     policies: AggregatorPolicies | None,
     resumed: Checkpoint | None,
 ) -> None:
@@ -145,8 +146,7 @@ def run_start(
         regions=list(run.regions),
         aggregator_jurisdiction=run.aggregator_jurisdiction,
         relay_jurisdiction=run.relay,
-        key_id=keys.keypair.bundle.key_id.hex() if keys else None,
-        region_key_ids={b.party: kid.hex() for kid, b in keys.regions.items()} if keys else {},
+        **sealing.run_start(),
         policy_hashes=(
             {j: p.hash for j, p in sorted(policies.policies.by_jurisdiction.items())}
             if policies
@@ -179,12 +179,13 @@ def open_run(
     policies = load_policies(run, keys, recorder)
     resumed = resume(run, base_fingerprint, audit, recorder)
     federation_run = resumed.federation_run if resumed else flower_run
-    run_start(audit, federation_run, flower_run, run, keys, policies, resumed)
+    sealing = aggregator_sealing(keys)
+    run_start(audit, federation_run, flower_run, run, sealing, policies, resumed)
     aggregator = AggregatorRound(
         run,
         base_fingerprint=base_fingerprint,
         recorder=recorder,
-        keys=keys,
+        sealing=sealing,
         policies=policies,
         audit=audit,
         run_id=flower_run,

@@ -28,22 +28,16 @@ from typing import Any
 import numpy as np
 
 from fedciuic.audit.events import Event
-from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, digest
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.sealing import (
-    AGGREGATOR,
-    MalformedPayload,
-    RegionKeys,
-    read_update_payload,
-    region_keys,
-    update_payload,
-)
+from fedciuic.crypto.sealing import AGGREGATOR, region_keys, update_payload
 from fedciuic.errors import FedciuicError
 from fedciuic.model.train import EvalStats
-from fedciuic.policy.binding import UNSEALED, PolicyRefusal, enforce_region_policy
+from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
 from fedciuic.rounds.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
+from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
 from fedciuic.rounds.wire import (
     JURISDICTION,
     POLICY_HASH,
@@ -73,24 +67,6 @@ class Declined:
 class Evaluated:
     region: str
     stats: EvalStats
-
-
-@dataclass(frozen=True)
-class Sealed:
-    """A trained update inside an envelope only the aggregator opens."""
-
-    region: str
-    envelope: bytes | bytearray
-    key_id: str
-
-
-@dataclass(frozen=True)
-class Clear:
-    """A trained update in the clear (``seal = false`` only)."""
-
-    arrays: dict[str, np.ndarray]
-    metrics: dict[str, Any]
-    info: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -198,14 +174,18 @@ def unreadable(
 
 
 @lru_cache(maxsize=4)
-def _keys(run: RunConfig, node: NodeConfig) -> RegionKeys:
-    return region_keys(
+def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
+    """The region's end of the sealing stage, its keys loaded once per process."""
+    if not run.seal:
+        return ClearRegion(run.aggregator_jurisdiction)
+    keys = region_keys(
         node.region,
         key_file=node.key_file,
         aggregator_bundle=node.aggregator_bundle,
         keys_dir=run.keys_dir,
         suite=run.seal_suite,
     )
+    return SealingRegion(keys)
 
 
 def _audit(node: NodeConfig) -> AuditLog | None:
@@ -254,7 +234,7 @@ class _Round:
         # the updates kept for resending.
         self.flower_run = self.run_id = flower_run
         self.audit: AuditLog | None = None
-        self.keys: RegionKeys | None = None
+        self.signer: Keypair | None = None  # once the aggregator's signature checked out
         self.server_round: int | None = None
 
     def note(self, event: str, **details: object) -> None:
@@ -275,23 +255,21 @@ class _Round:
         except FedciuicError as err:  # cannot read our own log: decline, unsigned
             return RegionReply(self._decline(err))
 
-    def _open(self, federation_run: int) -> RegionKeys | None:
-        """This region's audit log and, with sealing, its keys (which sign the log)."""
+    def _open(self, federation_run: int) -> RegionSealing:
+        """This region's audit log and its end of the sealing stage (whose keys, when
+        sealing, sign the log)."""
         self.run_id = federation_run or self.flower_run
         self.audit = _audit(self.node)
-        if not self.run.seal:
-            return None
-        keys = _keys(self.run, self.node)
+        sealing = _sealing(self.run, self.node)
         if self.audit is not None:
-            self.audit.keypair = keys.keypair
-        return keys
+            self.audit.keypair = sealing.keypair
+        return sealing
 
     def witness_run_end(self, notice: RunEndNotice) -> RegionReply:
         try:
-            keys = self._open(notice.federation_run)
-            if keys is not None:
-                keys.check_run_end(notice.signature, notice.signer, self.flower_run, notice.witness)
-                self.keys = keys
+            sealing = self._open(notice.federation_run)
+            sealing.check_run_end(notice, self.flower_run)
+            self.signer = sealing.keypair
             if self.audit is not None:
                 self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
                 self.audit.checkpoint(run_id=self.run_id)
@@ -305,7 +283,7 @@ class _Round:
         return RegionReply(
             outcome,
             witness=head,
-            keypair=self.keys.keypair if self.keys is not None else None,
+            keypair=self.signer,
             flower_run=self.flower_run,
             server_round=self.server_round or 0,
         )
@@ -325,17 +303,9 @@ class _Round:
     def _handle(self, task: Instruction, training: bool, simulated: bool) -> Outcome:
         run, node = self.run, self.node
         self.server_round = task.server_round
-        keys = self._open(task.federation_run)
-        if keys is not None:
-            keys.check_global(
-                task.signature,
-                task.signer,
-                self.flower_run,
-                task.server_round,
-                task.adapter,
-                task.witness,
-            )
-            self.keys = keys
+        sealing = self._open(task.federation_run)
+        sealing.check_global(task, self.flower_run)
+        self.signer = sealing.keypair
         if task.witness is not None and self.audit is not None:
             self.audit.witness(
                 AGGREGATOR,
@@ -346,20 +316,18 @@ class _Round:
         region = open_region(run, node)
         sent = SentUpdates(node.state_dir)
         kept = sent.load(self.run_id, task.server_round) if training else None
-        # With sealing, where the aggregator sits is what its bundle (our copy) says.
-        destination = keys.aggregator.jurisdiction if keys else run.aggregator_jurisdiction
         checked = enforce_region_policy(
             run,
             node,
             simulated=simulated,
-            aggregator_jurisdiction=destination,
-            own_jurisdiction=keys.keypair.bundle.jurisdiction if keys else None,
+            aggregator_jurisdiction=sealing.destination,
+            own_jurisdiction=sealing.own_jurisdiction,
             projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
         policy = checked[0] if checked else None
         if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
             self.audit.redact = ()
-        self._join(keys, policy)
+        self._join(sealing, policy)
         if checked is not None:
             self.note(Event.POLICY_DECISION, **checked[1].to_record())
         if not training:
@@ -370,7 +338,7 @@ class _Round:
             # This round was released before the aggregator restarted: the same update
             # again, no second release and no second charge to the ledger.
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
-            return self._send(region.name, kept, keys, policy, destination)
+            return self._send(region.name, kept, sealing, policy)
         if region.released(self.run_id, task.server_round):
             raise AlreadyReleased(
                 f"region {region.name}: round {task.server_round} of run {self.run_id} was "
@@ -389,9 +357,9 @@ class _Round:
             update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
         )
         sent.save(self.run_id, task.server_round, payload)
-        return self._send(region.name, payload, keys, policy, destination)
+        return self._send(region.name, payload, sealing, policy)
 
-    def _join(self, keys: RegionKeys | None, policy: LoadedPolicy | None) -> None:
+    def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None) -> None:
         if self.audit is None or (self.audit.path, self.run_id) in _JOINED:
             return
         _JOINED.add((self.audit.path, self.run_id))
@@ -399,8 +367,7 @@ class _Round:
             Event.RUN_JOINED,
             config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
             code_version=code_version(),
-            key_id=keys.keypair.bundle.key_id.hex() if keys else None,
-            aggregator_key_id=keys.aggregator.key_id.hex() if keys else None,
+            **sealing.joined(),
             policy_hash=policy.hash if policy else None,
             jurisdiction=policy.policy.jurisdiction if policy else None,
         )
@@ -421,45 +388,14 @@ class _Round:
         )
 
     def _send(
-        self,
-        region: str,
-        payload: bytes,
-        keys: RegionKeys | None,
-        policy: LoadedPolicy | None,
-        destination: str,
+        self, region: str, payload: bytes, sealing: RegionSealing, policy: LoadedPolicy | None
     ) -> Sealed | Clear:
         """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
-        policy_hash = policy.hash if policy else ""
-        if keys is None:
-            arrays, metrics, info = read_update_payload(payload)
-            update = arrays[UPDATE].tobytes()
-            self.note(
-                Event.UPDATE_SENT_CLEAR,
-                region=region,
-                digest=digest(update),
-                bytes=len(update),
-                suite=UNSEALED,
-                destination_jurisdiction=destination,
-                policy_hash=policy_hash,
-            )
-            if not isinstance(metrics, dict) or not isinstance(info, dict):
-                raise MalformedPayload(f"region {region}: the kept update is not one")
-            return Clear(arrays, metrics, info)
-        envelope = keys.seal_update(
+        return sealing.send(
+            region,
             payload,
-            run_id=self.flower_run,
+            flower_run=self.flower_run,
             server_round=self.server_round or 0,
-            policy_hash=policy_hash,
+            policy_hash=policy.hash if policy else "",
+            note=self.note,
         )
-        self.note(
-            Event.UPDATE_SEALED,
-            region=region,
-            digest=digest(envelope),
-            bytes=len(envelope),
-            suite=keys.suite,
-            destination=keys.aggregator.party,
-            destination_jurisdiction=destination,
-            aggregator_key_id=keys.aggregator.key_id.hex(),
-            policy_hash=policy_hash,
-        )
-        return Sealed(region, envelope, keys.keypair.bundle.key_id.hex())

@@ -29,6 +29,7 @@ from fedciuic.rounds.aggregator import (
 )
 from fedciuic.rounds.aggregator_run import load_policies
 from fedciuic.rounds.record import RunRecorder
+from fedciuic.rounds.sealing import SealedReplies
 from fedciuic.rounds.wire import (
     ENVELOPE,
     Arrival,
@@ -199,7 +200,10 @@ def test_an_evaluation_round_without_evaluations_has_no_loss(aggregator):
 def sealed_round(run_config, tmp_path) -> tuple[AggregatorRound, dict[str, Keypair]]:
     keys_dir = generate_federation_keys(tmp_path / "keys", ("eu", "cn", "us"))
     a = make_round(
-        run_config, tmp_path / "run", keys=aggregator_keys(str(keys_dir), 2**20), run_id=7
+        run_config,
+        tmp_path / "run",
+        sealing=SealedReplies(aggregator_keys(str(keys_dir), 2**20)),
+        run_id=7,
     )
     regions = {r: load_keypair(keys_dir / f"{r}.key.json") for r in ("eu", "cn", "us")}
     return a, regions
@@ -270,7 +274,7 @@ def tampered(raw: Raw) -> Raw:
 
 def test_sealed_updates_are_opened_and_aggregated(sealed_round):
     a, regions = sealed_round
-    agg = a.keys.keypair.bundle
+    agg = a.sealing.keys.keypair.bundle
     result = a.train(
         1,
         [
@@ -283,7 +287,7 @@ def test_sealed_updates_are_opened_and_aggregated(sealed_round):
 
 def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(sealed_round):
     a, regions = sealed_round
-    agg = a.keys.keypair.bundle
+    agg = a.sealing.keys.keypair.bundle
     good = sealed_reply_from(regions["eu"], agg, 1.0)
     result = a.train(
         1,
@@ -324,11 +328,11 @@ def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_
     a = sealed_round[0]
     plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, lambda: GLOBAL)
     assert (plain.signature, plain.signer, plain.witness) == (b"", "", None)
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.keys.keypair)
+    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_start", run_id=7)
     a.audit.checkpoint(run_id=7)
     terms = a.sign_instruction(4, lambda: GLOBAL)
-    assert terms.signer == a.keys.keypair.bundle.key_id.hex() and terms.signature
+    assert terms.signer == a.sealing.keys.keypair.bundle.key_id.hex() and terms.signature
     assert terms.witness == a.audit.last_checkpoint()
 
 
@@ -390,7 +394,7 @@ def from_region(
     metrics = {k: v for k, v in {**DP_METRICS, **changes}.items() if v is not None}
     return sealed_reply_from(
         regions[region],
-        a.keys.keypair.bundle,
+        a.sealing.keys.keypair.bundle,
         value,
         metrics=metrics,
         policy_hash=policy_hash(folder, region),
@@ -445,7 +449,7 @@ def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, chan
 
 def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed):
     a, regions, folder = policed
-    agg = a.keys.keypair.bundle
+    agg = a.sealing.keys.keypair.bundle
     wrong_policy = sealed_reply_from(
         regions["eu"], agg, 1.0, metrics=DP_METRICS, policy_hash=policy_hash(folder, "us")
     )
@@ -563,7 +567,7 @@ def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
 
 def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_path):
     a = policed[0]
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.keys.keypair)
+    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     good, bad = from_region(policed, "eu", 1.0), from_region(policed, "cn", 3.0, epsilon=20.0)
     a.train(1, [reply(11, good), reply(12, bad)])
     records = load_records(a.audit.path)
@@ -583,7 +587,7 @@ def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_pa
     envelope = good.arrays[ENVELOPE].tobytes()
     assert records[0]["details"]["digest"] == hashlib.sha256(envelope).hexdigest()
     assert "declared epsilon 20 > 8" in records[5]["details"]["reason"]
-    assert verify(a.audit.path, a.keys.keypair.bundle).ok
+    assert verify(a.audit.path, a.sealing.keys.keypair.bundle).ok
 
 
 # -- hostile input: rejected, audited, and the round goes on or ends explicitly ------------
@@ -613,7 +617,7 @@ HOSTILE = {
 @pytest.fixture
 def audited(policed, tmp_path):
     a = policed[0]
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.keys.keypair)
+    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     return policed
 
 
@@ -638,7 +642,7 @@ def test_a_hostile_update_is_rejected_and_audited_and_the_round_goes_on(audited,
         if r["event"] == "update_rejected" and r["details"]["region"] == "cn"
     ]
     assert len(rejected) == 1 and reason in rejected[0]["details"]["reason"], rejected
-    assert verify(a.audit.path, a.keys.keypair.bundle).ok
+    assert verify(a.audit.path, a.sealing.keys.keypair.bundle).ok
 
 
 @pytest.mark.parametrize("case", ["NaN values", "scaled by 100", "tampered ciphertext"])
@@ -686,7 +690,7 @@ def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, t
 def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_path):
     a, regions = sealed_round
     assert a.sign_run_end() is None  # no audit log: nothing to witness
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.keys.keypair)
+    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_end", run_id=7, status="completed")
     a.audit.checkpoint(run_id=7)
     terms = a.sign_run_end()

@@ -67,7 +67,7 @@ def sealed_payload(policed, region: str, payload: bytes) -> Raw:
     envelope = seal(
         payload,
         sender=keypair,
-        recipient=s.keys.keypair.bundle,
+        recipient=s.sealing.keys.keypair.bundle,
         run_id=7,
         server_round=1,
         region=region,
@@ -239,7 +239,7 @@ def test_a_malformed_reply_is_rejected_alone_and_the_aggregate_is_the_honest_mea
     rejected = [r for r in records if r["event"] == "update_rejected"]
     assert len(rejected) == 1 and reason in rejected[0]["details"]["reason"]
     assert [r["event"] for r in records][-2:] == ["aggregate_published", "checkpoint"]
-    assert verify(s.audit.path, s.keys.keypair.bundle).ok
+    assert verify(s.audit.path, s.sealing.keys.keypair.bundle).ok
 
 
 def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited, monkeypatch):
@@ -390,7 +390,7 @@ def test_a_low_order_x25519_share_is_one_opaque_invalid_envelope(policed):
     assert content.arrays is not None
     raw = content.arrays[ENVELOPE].tobytes()
     with pytest.raises(InvalidEnvelope):
-        open_envelope(raw, recipient=s.keys.keypair, senders=s.keys.regions)
+        open_envelope(raw, recipient=s.sealing.keys.keypair, senders=s.sealing.keys.regions)
 
 
 def test_a_sealed_payload_from_update_payload_still_opens(policed):
@@ -415,29 +415,29 @@ def test_an_authentic_envelope_with_a_malformed_header_is_an_invalid_envelope(
     envelope = seal(
         payload_with(),
         sender=regions["cn"],
-        recipient=s.keys.keypair.bundle,
+        recipient=s.sealing.keys.keypair.bundle,
         run_id=7,
         server_round=1,
         region=region,
         policy_hash=policy,
     )
     with pytest.raises(InvalidEnvelope):
-        open_envelope(envelope, recipient=s.keys.keypair, senders=s.keys.regions)
+        open_envelope(envelope, recipient=s.sealing.keys.keypair, senders=s.sealing.keys.regions)
     with pytest.raises(InvalidEnvelope):  # and bytes after the signature
         open_envelope(
             bytes(
                 seal(
                     payload_with(),
                     sender=regions["cn"],
-                    recipient=s.keys.keypair.bundle,
+                    recipient=s.sealing.keys.keypair.bundle,
                     run_id=7,
                     server_round=1,
                     region="cn",
                 )
             )
             + b"\x00",
-            recipient=s.keys.keypair,
-            senders=s.keys.regions,
+            recipient=s.sealing.keys.keypair,
+            senders=s.sealing.keys.regions,
         )
 
 

@@ -1,0 +1,373 @@
+"""Sealing as a stage of the round, present or absent, with both ends in one place.
+
+Like Flower's ``DifferentialPrivacyServerSideFixedClipping`` wrapper and its
+``fixedclipping_mod``, each end of the round is handed one object and never asks
+whether sealing is on:
+
+* the aggregator's end (:class:`ReplySealing`): :class:`SealedReplies` signs each
+  instruction, authenticates each reply by its signature and opens sealed updates
+  (refusing clear ones); :class:`ClearReplies`, for a lab run with ``seal = false``,
+  signs nothing, takes the region a reply names and reads clear updates (refusing
+  sealed ones);
+* the region's end (:class:`RegionSealing`): :class:`SealingRegion` checks the
+  aggregator's signatures and seals its update to the aggregator's key;
+  :class:`ClearRegion` checks nothing and sends the update in the clear.
+
+Which pair a run uses is chosen once, from ``seal`` in the run config, by
+:func:`aggregator_sealing` and :func:`region_sealing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedciuic.audit.events import Event
+from fedciuic.audit.log import digest
+from fedciuic.crypto.keys import Keypair
+from fedciuic.crypto.sealing import (
+    AggregatorKeys,
+    EnvelopeRejected,
+    MalformedPayload,
+    RegionKeys,
+    read_update_payload,
+    sign_global,
+    sign_run_end,
+)
+from fedciuic.policy.binding import UNSEALED
+from fedciuic.rounds.wire import (
+    DECLINED,
+    JURISDICTION,
+    KEY_ID,
+    POLICY_HASH,
+    SEALED,
+    TRAINED,
+    UPDATE,
+    Instruction,
+    MalformedReply,
+    Reply,
+    RunEndNotice,
+    parse_info,
+)
+
+Witness = tuple[int, str] | None
+Note = Callable[..., None]
+
+
+# -- the aggregator's end -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """Where an update comes from and under what terms: from its authenticated
+    envelope when sealed, from the clear reply in a lab run without sealing."""
+
+    region: str
+    jurisdiction: str
+    policy_hash: str
+    suite: str
+
+
+@dataclass(frozen=True)
+class Received:
+    """A trained reply's content as the aggregator received it; ``metrics`` and
+    ``arrays`` are untrusted until the round parses them."""
+
+    arrays: Mapping[str, np.ndarray]
+    metrics: object
+    info: dict[str, str]
+    header: Header
+
+
+class ReplySealing(Protocol):
+    """The aggregator's end of the sealing stage."""
+
+    @property
+    def signer(self) -> str:
+        """The key id that signs instructions (hex), or "" when nothing is signed."""
+
+    def sign_global(
+        self,
+        run_id: int,
+        server_round: int,
+        adapter: Callable[[], Mapping[str, np.ndarray]],
+        witness: Witness,
+    ) -> bytes: ...
+
+    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes: ...
+
+    def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
+        """The region a (non-failed) reply is recorded under, or None when nothing
+        names it: raises when a signature names another region."""
+
+    def receive(self, reply: Reply, run_id: int, server_round: int, sender: str | None) -> Received:
+        """A trained or sealed reply's content, or raises for the wrong kind."""
+
+    def run_start(self) -> dict[str, Any]:
+        """What ``run_start`` records about the keys."""
+
+
+@dataclass(frozen=True)
+class SealedReplies:
+    """Replies signed by their regions, updates sealed to the aggregator's key."""
+
+    keys: AggregatorKeys
+
+    @property
+    def signer(self) -> str:
+        return self.keys.keypair.bundle.key_id.hex()
+
+    def sign_global(
+        self,
+        run_id: int,
+        server_round: int,
+        adapter: Callable[[], Mapping[str, np.ndarray]],
+        witness: Witness,
+    ) -> bytes:
+        return sign_global(self.keys.keypair, run_id, server_round, dict(adapter()), witness)
+
+    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes:
+        return sign_run_end(self.keys.keypair, run_id, witness)
+
+    def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
+        if reply.status == DECLINED and not reply.signature:
+            # A region that could not load its keys declines unsigned: recorded under
+            # its node (or what the node authenticated as before), its claim noted.
+            return None
+        sender = self.keys.reply_sender(
+            reply.info.get(KEY_ID, ""),
+            reply.signature,
+            run_id=run_id,
+            server_round=server_round,
+            fields=reply.signed,
+        )
+        if sender.party != reply.region:
+            raise EnvelopeRejected(
+                f"reply names region {reply.region!r} but is signed by {sender.party!r}"
+            )
+        return sender.party
+
+    def receive(self, reply: Reply, run_id: int, server_round: int, sender: str | None) -> Received:
+        if reply.status == TRAINED:
+            raise EnvelopeRejected("unsealed update refused")
+        if reply.status != SEALED or reply.envelope is None:
+            raise MalformedReply(f"status {reply.status!r} in a training reply")
+        opened = self.keys.open_update(reply.envelope, run_id=run_id, server_round=server_round)
+        if opened.sender.party != sender:
+            raise EnvelopeRejected(
+                f"envelope sealed by {opened.sender.party!r} in a reply signed by {sender!r}"
+            )
+        header = Header(
+            opened.sender.party, opened.sender.jurisdiction, opened.policy_hash, opened.suite
+        )
+        return Received(opened.arrays, opened.metrics, parse_info(opened.info, TRAINED), header)
+
+    def run_start(self) -> dict[str, Any]:
+        return {
+            "key_id": self.signer,
+            "region_key_ids": {b.party: kid.hex() for kid, b in self.keys.regions.items()},
+        }
+
+
+class ClearReplies:
+    """A lab run with ``seal = false``: nothing signed, each reply taken at its word."""
+
+    signer = ""
+
+    def sign_global(
+        self,
+        run_id: int,
+        server_round: int,
+        adapter: Callable[[], Mapping[str, np.ndarray]],
+        witness: Witness,
+    ) -> bytes:
+        return b""
+
+    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes:
+        return b""
+
+    def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
+        return reply.region
+
+    def receive(self, reply: Reply, run_id: int, server_round: int, sender: str | None) -> Received:
+        if reply.status == SEALED:
+            raise EnvelopeRejected("sealed update, sealing is off")
+        if reply.status != TRAINED:
+            raise MalformedReply(f"status {reply.status!r} in a training reply")
+        info = reply.info  # parse_reply checked its keys for a trained reply
+        header = Header(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
+        return Received(reply.arrays or {}, reply.metrics, info, header)
+
+    def run_start(self) -> dict[str, Any]:
+        return {"key_id": None, "region_key_ids": {}}
+
+
+def aggregator_sealing(keys: AggregatorKeys | None) -> ReplySealing:
+    """The aggregator's end: sealed when the run has keys (``seal = true``)."""
+    return SealedReplies(keys) if keys is not None else ClearReplies()
+
+
+# -- the region's end -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A trained update inside an envelope only the aggregator opens."""
+
+    region: str
+    envelope: bytes | bytearray
+    key_id: str
+
+
+@dataclass(frozen=True)
+class Clear:
+    """A trained update in the clear (``seal = false`` only)."""
+
+    arrays: dict[str, np.ndarray]
+    metrics: dict[str, Any]
+    info: dict[str, str]
+
+
+class RegionSealing(Protocol):
+    """The region's end of the sealing stage."""
+
+    @property
+    def keypair(self) -> Keypair | None:
+        """What signs this region's replies and audit log; None when nothing does."""
+
+    @property
+    def destination(self) -> str:
+        """Where the aggregator sits: with sealing, what its key bundle says."""
+
+    @property
+    def own_jurisdiction(self) -> str | None:
+        """Where this region's key says it is; None without keys."""
+
+    def check_global(self, task: Instruction, flower_run: int) -> None: ...
+
+    def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None: ...
+
+    def joined(self) -> dict[str, Any]:
+        """What ``run_joined`` records about the keys."""
+
+    def send(
+        self,
+        region: str,
+        payload: bytes,
+        *,
+        flower_run: int,
+        server_round: int,
+        policy_hash: str,
+        note: Note,
+    ) -> Sealed | Clear:
+        """The update as it leaves the region, noted in the audit log before it does."""
+
+
+@dataclass(frozen=True)
+class SealingRegion:
+    """Checks the aggregator's signatures, seals updates to its key."""
+
+    keys: RegionKeys
+
+    @property
+    def keypair(self) -> Keypair:
+        return self.keys.keypair
+
+    @property
+    def destination(self) -> str:
+        return self.keys.aggregator.jurisdiction
+
+    @property
+    def own_jurisdiction(self) -> str:
+        return self.keys.keypair.bundle.jurisdiction
+
+    def check_global(self, task: Instruction, flower_run: int) -> None:
+        self.keys.check_global(
+            task.signature,
+            task.signer,
+            flower_run,
+            task.server_round,
+            task.adapter,
+            task.witness,
+        )
+
+    def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None:
+        self.keys.check_run_end(notice.signature, notice.signer, flower_run, notice.witness)
+
+    def joined(self) -> dict[str, Any]:
+        return {
+            "key_id": self.keys.keypair.bundle.key_id.hex(),
+            "aggregator_key_id": self.keys.aggregator.key_id.hex(),
+        }
+
+    def send(
+        self,
+        region: str,
+        payload: bytes,
+        *,
+        flower_run: int,
+        server_round: int,
+        policy_hash: str,
+        note: Note,
+    ) -> Sealed:
+        envelope = self.keys.seal_update(
+            payload, run_id=flower_run, server_round=server_round, policy_hash=policy_hash
+        )
+        note(
+            Event.UPDATE_SEALED,
+            region=region,
+            digest=digest(envelope),
+            bytes=len(envelope),
+            suite=self.keys.suite,
+            destination=self.keys.aggregator.party,
+            destination_jurisdiction=self.destination,
+            aggregator_key_id=self.keys.aggregator.key_id.hex(),
+            policy_hash=policy_hash,
+        )
+        return Sealed(region, envelope, self.keys.keypair.bundle.key_id.hex())
+
+
+@dataclass(frozen=True)
+class ClearRegion:
+    """A lab run with ``seal = false``: nothing checked, the update sent in the clear."""
+
+    destination: str  # where the run config says the aggregator sits
+    keypair: None = None
+    own_jurisdiction: None = None
+
+    def check_global(self, task: Instruction, flower_run: int) -> None:
+        return None
+
+    def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None:
+        return None
+
+    def joined(self) -> dict[str, Any]:
+        return {"key_id": None, "aggregator_key_id": None}
+
+    def send(
+        self,
+        region: str,
+        payload: bytes,
+        *,
+        flower_run: int,
+        server_round: int,
+        policy_hash: str,
+        note: Note,
+    ) -> Clear:
+        arrays, metrics, info = read_update_payload(payload)
+        update = arrays[UPDATE].tobytes()
+        note(
+            Event.UPDATE_SENT_CLEAR,
+            region=region,
+            digest=digest(update),
+            bytes=len(update),
+            suite=UNSEALED,
+            destination_jurisdiction=self.destination,
+            policy_hash=policy_hash,
+        )
+        if not isinstance(metrics, dict) or not isinstance(info, dict):
+            raise MalformedPayload(f"region {region}: the kept update is not one")
+        return Clear(arrays, metrics, info)
