@@ -9,7 +9,7 @@ import torch
 
 from fedciuic.data.corpus import list_data_files, load_region_data
 from fedciuic.errors import DataError
-from fedciuic.model.adapter import byte_tokenizer
+from fedciuic.model.presets import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()
 

@@ -11,11 +11,10 @@ from fedciuic.model.adapter import (
     ATTENTION_TARGETS,
     AdapterModel,
     ModelSpec,
-    byte_tokenizer,
     check_model_spec,
-    preset_config,
     save_checkpoint,
 )
+from fedciuic.model.presets import byte_tokenizer, preset_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.corpus import load_region_data
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.model.adapter import byte_tokenizer
+from fedciuic.model.presets import byte_tokenizer
 from fedciuic.policy.rules import load_policy
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (

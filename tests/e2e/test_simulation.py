@@ -15,7 +15,7 @@ import pytest
 from fedciuic.data.corpus import load_region_data
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.model.adapter import byte_tokenizer
+from fedciuic.model.presets import byte_tokenizer
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
