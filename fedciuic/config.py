@@ -97,6 +97,16 @@ class RunConfig(_Strict):
     model_path: str = ""
     lora_rank: int = Field(default=8, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1)
+    #: auto (attention projections of the model's family), auto+mlp (and the dense and
+    #: shared-expert MLPs), or a comma list of nn.Linear module names (docs/models.md).
+    lora_targets: str = Field(default="auto", min_length=1)
+    #: The frozen base's dtype: auto is bf16 on a GPU that has it, else fp32. Adapters
+    #: and optimizer state are always fp32.
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    #: nf4: a 4-bit base through bitsandbytes (QLoRA), CUDA only; DP over fp32 adapters.
+    quantization: Literal["none", "nf4"] = "none"
+    #: Recompute activations in the backward pass (less memory, about a third slower).
+    gradient_checkpointing: bool = False
     local_steps: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     learning_rate: float = Field(gt=0)

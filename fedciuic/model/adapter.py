@@ -1,52 +1,77 @@
-"""DeepSeek-V3 model factory with LoRA adapters: the only weights that train and travel.
+"""DeepSeek-family causal LMs with LoRA adapters: the only weights that train and travel.
 
 A model is either a named preset built with a seeded random init (no weights can be
-downloaded here, and every party must build the very same base) or a local
-checkpoint directory saved with ``save_pretrained``. LoRA adapters (peft) sit on the
-MLA attention projections; everything else, the MoE router included, stays frozen,
-because Opacus cannot compute per-sample gradients for the router and because only
-adapters should cross a border.
+downloaded here, and every party must build the very same base) or a local checkpoint
+directory (``model-path``) loaded with transformers' Auto classes: ``deepseek_v3``,
+``deepseek_v2``, ``qwen2`` and ``llama`` (the R1-Distill models), or another causal LM
+when ``lora-targets`` names its modules. LoRA adapters (peft) sit on the modules
+:mod:`fedciuic.model.families` picks; everything else, the MoE router and the routed
+experts included, stays frozen, in the run's ``dtype`` (or 4-bit), while adapters are
+fp32. The aggregator never loads the base: :class:`AdapterLayout` builds it on the
+``meta`` device for the adapter's names and shapes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
+import logging
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.numpy import save_file
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     AutoTokenizer,
-    DeepseekV3ForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from fedciuic.config import RunConfig
 from fedciuic.errors import ModelError
+from fedciuic.model.families import resolve_targets, target_names
+from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import byte_tokenizer, preset_config
 
 # peft calls a transformers property that transformers 5 deprecates; the warning is
 # noise for our users, who cannot act on it.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning
+)
 
-#: MLA projections of ``DeepseekV3Attention`` that carry adapters.
-ATTENTION_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_LOG = logging.getLogger("flwr")
+ADAPTER_NAME = "default"  # peft's name for the one adapter
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CHECKPOINT_FIX = (
+    "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
+)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which model to build: a preset (seeded random init) or a checkpoint directory."""
+    """Which model to build and how: a preset (seeded random init) or a checkpoint
+    directory, the adapter, and the base's precision."""
 
     preset: str = "tiny"
     path: str = ""
     lora_rank: int = 8
     lora_alpha: int = 16
     seed: int = 0
+    lora_targets: str = "auto"
+    dtype: str = "auto"
+    quantization: str = "none"
+    gradient_checkpointing: bool = False
 
     @classmethod
     def from_run(cls, run: RunConfig) -> ModelSpec:
@@ -56,6 +81,10 @@ class ModelSpec:
             lora_rank=run.lora_rank,
             lora_alpha=run.lora_alpha,
             seed=run.seed,
+            lora_targets=run.lora_targets,
+            dtype=run.dtype,
+            quantization=run.quantization,
+            gradient_checkpointing=run.gradient_checkpointing,
         )
 
 
@@ -70,58 +99,161 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_base(spec: ModelSpec) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
-    """Build the frozen base model and its tokenizer (no adapters yet)."""
-    if spec.path:
-        return _load_checkpoint(Path(spec.path).expanduser())
-    config = preset_config(spec.preset)
-    # Every party builds the same base from the same seed, without disturbing
-    # the caller's random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = DeepseekV3ForCausalLM(config)
-    return model, byte_tokenizer()
+def base_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The frozen base's dtype: ``auto`` is bf16 on a GPU that supports it, else fp32."""
+    if spec.dtype != "auto":
+        if spec.dtype not in DTYPES:
+            raise ModelError(
+                f"run config:dtype: unknown {spec.dtype!r}; use auto, bf16, fp16 or fp32"
+            )
+        return DTYPES[spec.dtype]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
-CHECKPOINT_FIX = (
-    "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
-)
-
-
-def check_model_spec(spec: ModelSpec) -> None:
-    """Fail fast, before any training, on an unknown preset or a non-checkpoint path."""
-    if not spec.path:
-        preset_config(spec.preset)
+def check_quantization(spec: ModelSpec, device: torch.device) -> None:
+    """``nf4`` needs CUDA (bitsandbytes) and a checkpoint to quantize while loading."""
+    if spec.quantization == "none":
         return
-    path = Path(spec.path).expanduser()
-    config_file = path / "config.json"
-    if not path.is_dir():
-        raise ModelError(f"run config:model-path: {path} is not a directory; {CHECKPOINT_FIX}")
-    try:
-        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError) as err:
+    if spec.quantization != "nf4":
+        raise ModelError(f"run config:quantization: unknown {spec.quantization!r}; use none or nf4")
+    if device.type != "cuda":
         raise ModelError(
-            f"{config_file}: cannot read a model config ({err}); {CHECKPOINT_FIX}"
-        ) from None
-    if model_type != "deepseek_v3":
+            "run config:quantization: nf4 needs a CUDA GPU (bitsandbytes 4-bit); this "
+            f'machine trains on {device.type}: set quantization = "none"'
+        )
+    if not spec.path:
         raise ModelError(
-            f"{config_file}:model_type: {model_type!r} is not 'deepseek_v3'; {CHECKPOINT_FIX}"
+            "run config:quantization: nf4 quantizes a checkpoint while loading it; set "
+            "model-path (fedciuic save-checkpoint writes one from a preset)"
         )
 
 
-def _load_checkpoint(path: Path) -> tuple[DeepseekV3ForCausalLM, PreTrainedTokenizerBase]:
-    check_model_spec(ModelSpec(path=str(path)))
+def check_model_spec(spec: ModelSpec) -> None:
+    """Fail fast, before any training, on an unknown preset or a folder that is not a
+    causal-LM checkpoint."""
+    if not spec.path:
+        preset_config(spec.preset)
+        return
+    _checkpoint_config(Path(spec.path).expanduser())
+
+
+def _checkpoint_config(path: Path) -> PretrainedConfig:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelError(f"run config:model-path: {path} is not a directory; {CHECKPOINT_FIX}")
+    if not config_file.is_file():
+        raise ModelError(f"run config:model-path: {path} has no config.json; {CHECKPOINT_FIX}")
     try:
-        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"run config:model-path: {path}: {first}; {CHECKPOINT_FIX}") from None
-    return model, tokenizer
+        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelError(f"{config_file}: {_first_line(err)}; {CHECKPOINT_FIX}") from None
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        raise ModelError(
+            f"{config_file}:model_type: {config.model_type!r} is not a causal language "
+            f"model transformers can load; {CHECKPOINT_FIX}"
+        )
+    return config
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelError(
+            f"run config:model-path: {path}: no usable tokenizer ({_first_line(err)}); the "
+            "checkpoint's own tokenizer must be saved beside it (tokenizer.save_pretrained)"
+        ) from None
+
+
+@dataclass
+class Base:
+    """A frozen base model, its tokenizer and its identity."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    model_type: str
+
+
+def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+    config = preset_config(spec.preset)
+    # Every party builds the same base from the same seed, without disturbing the
+    # caller's random state; then casts it (the init is always drawn in fp32).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model = model.to(device=device, dtype=dtype)
+    fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed)
+    return Base(model, byte_tokenizer(), fingerprint, config.model_type)
+
+
+def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+    path = Path(spec.path).expanduser()
+    config = _checkpoint_config(path)
+    tokenizer = _load_tokenizer(path)
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if device.type != "cpu":
+        kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU
+    if spec.quantization == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelError(
+            f"run config:model-path: {path}: {_first_line(err)}; {CHECKPOINT_FIX}"
+        ) from None
+    return Base(model, tokenizer, checkpoint_fingerprint(path), config.model_type)
+
+
+def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
+    """The frozen base on ``device`` in the spec's dtype (or 4-bit), and its tokenizer."""
+    device = device or default_device()
+    check_model_spec(spec)
+    check_quantization(spec, device)
+    dtype = base_dtype(spec, device)
+    base = _checkpoint_base(spec, dtype, device) if spec.path else _preset_base(spec, dtype, device)
+    base.model.requires_grad_(False)
+    return base
+
+
+def lora_config(spec: ModelSpec, targets: list[str], base: str = "") -> LoraConfig:
+    return LoraConfig(
+        r=spec.lora_rank,
+        lora_alpha=int(spec.lora_alpha),
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        base_model_name_or_path=base or None,
+    )
+
+
+def _with_adapters(model: PreTrainedModel, spec: ModelSpec, model_type: str) -> PeftModel:
+    targets = resolve_targets(model, model_type, spec.lora_targets)
+    # Adapters start from the same seed everywhere too (B = 0, A seeded).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed + 1)
+        peft_model = get_peft_model(model, lora_config(spec, targets, spec.path))
+    assert isinstance(peft_model, PeftModel)
+    return peft_model
 
 
 class AdapterModel:
-    """A DeepSeek-V3 base with LoRA adapters; only adapter tensors are read or written.
+    """A frozen base with fp32 LoRA adapters; only adapter tensors are read or written.
 
     The adapter state is a flat ``name -> float32 array`` mapping, the unit that is
     trained, sent, aggregated and saved.
@@ -130,22 +262,28 @@ class AdapterModel:
     def __init__(self, spec: ModelSpec, device: torch.device | None = None) -> None:
         self.spec = spec
         self.device = device or default_device()
-        base, self.tokenizer = build_base(spec)
-        self.base_fingerprint = fingerprint(base.state_dict())
-        lora = LoraConfig(
-            r=spec.lora_rank,
-            lora_alpha=int(spec.lora_alpha),
-            target_modules=list(ATTENTION_TARGETS),
-            lora_dropout=0.0,
-            bias="none",
-        )
-        # Adapters start from the same seed everywhere too (B = 0, A seeded).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed + 1)
-            peft_model = get_peft_model(base, lora)
-        assert isinstance(peft_model, PeftModel)
-        self.model: PeftModel = peft_model.to(self.device)
+        base = build_base(spec, self.device)
+        self.tokenizer = base.tokenizer
+        self.base_fingerprint = base.fingerprint
+        self.model: PeftModel = _with_adapters(base.model, spec, base.model_type)
+        for param in self.model.parameters():
+            if param.requires_grad:  # adapters (and so optimizer state) in fp32
+                param.data = param.data.to(device=self.device, dtype=torch.float32)
+        if spec.gradient_checkpointing:
+            enable_checkpointing(base.model)
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.targets = sorted(
+            {n.split(".lora_")[0].removeprefix("base_model.model.") for n in self._names}
+        )
+
+    def describe(self) -> str:
+        """One line for the start of a run: what is adapted and how much trains."""
+        c = self.counts()
+        return (
+            f"LoRA r={self.spec.lora_rank} on {len(self.targets)} modules "
+            f"({', '.join(target_names(self.targets))}): {c.trainable:,} trainable of "
+            f"{c.total:,} parameters, base in {next(self.model.parameters()).dtype}"
+        )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -174,7 +312,110 @@ class AdapterModel:
     def save_adapter(self, directory: Path) -> Path:
         """Write the adapter in peft's format (adapter_model.safetensors + config)."""
         self.model.save_pretrained(str(directory))
-        return directory / "adapter_model.safetensors"
+        return directory / ADAPTER_WEIGHTS
+
+
+@dataclass
+class AdapterLayout:
+    """The adapter's names, shapes and initial values, from the base built on the
+    ``meta`` device: what the aggregator needs, without the base's memory."""
+
+    spec: ModelSpec
+    fingerprint: str
+    shapes: dict[str, tuple[int, ...]]
+    targets: list[str]
+    initial: dict[str, np.ndarray] = field(repr=False)
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> AdapterLayout:
+        check_model_spec(spec)
+        if spec.path:
+            path = Path(spec.path).expanduser()
+            config = _checkpoint_config(path)
+            fingerprint = checkpoint_fingerprint(path)
+        else:
+            config = preset_config(spec.preset)
+            fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed)
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        targets = resolve_targets(base, config.model_type, spec.lora_targets)
+        with torch.device("meta"):
+            peft_model = get_peft_model(base, lora_config(spec, targets, spec.path))
+        shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
+        return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed))
+
+    def save(self, arrays: Mapping[str, np.ndarray], directory: Path) -> Path:
+        """The adapter in peft's format, loadable with ``PeftModel.from_pretrained``."""
+        check_same_layout(arrays, self.shapes, what="adapter")
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            name.replace(f".{ADAPTER_NAME}.", "."): np.ascontiguousarray(arrays[name], np.float32)
+            for name in self.shapes
+        }
+        save_file(tensors, str(directory / ADAPTER_WEIGHTS))
+        lora_config(self.spec, self.targets, self.spec.path).save_pretrained(str(directory))
+        return directory / ADAPTER_WEIGHTS
+
+
+def initial_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    """The global adapter before round 1, a function of the names, shapes and seed alone:
+    ``lora_A`` uniform in +-1/sqrt(fan_in) (peft's Kaiming default), ``lora_B`` zero, so
+    the adapted model starts as the base."""
+    rng = np.random.default_rng([seed, 1])
+    state: dict[str, np.ndarray] = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if ".lora_A." in name:
+            bound = 1.0 / np.sqrt(shape[-1])
+            state[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+        else:
+            state[name] = np.zeros(shape, np.float32)
+    return state
+
+
+# -- gradient checkpointing that Opacus' per-sample hooks survive --------------------------
+
+#: Opacus GradSampleModules whose hooks pause while a layer is recomputed (hooks mode).
+_PAUSED_DURING_RECOMPUTE: list[Any] = []
+
+
+@contextlib.contextmanager
+def pause_on_recompute(hooks: Any) -> Iterator[None]:
+    """While this is open, ``hooks`` (an Opacus GradSampleModule) skip the recompute of
+    checkpointed layers in the backward pass: each layer's per-sample gradient must use
+    the activations its forward recorded, once."""
+    _PAUSED_DURING_RECOMPUTE.append(hooks)
+    try:
+        yield
+    finally:
+        _PAUSED_DURING_RECOMPUTE.remove(hooks)
+
+
+@contextlib.contextmanager
+def _recompute() -> Iterator[None]:
+    paused = [h for h in _PAUSED_DURING_RECOMPUTE if h.hooks_enabled]
+    for hooks in paused:
+        hooks.hooks_enabled = False
+    try:
+        yield
+    finally:
+        for hooks in paused:
+            hooks.hooks_enabled = True
+
+
+def _contexts() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
+    return contextlib.nullcontext(), _recompute()
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing per decoder layer, the recompute marked so
+    that DP's per-sample hooks skip it (:func:`pause_on_recompute`)."""
+    checkpoint: Callable[..., Any] = partial(
+        torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=_contexts
+    )
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
 
 
 def check_same_layout(
@@ -190,26 +431,13 @@ def check_same_layout(
             raise ValueError(f"{what} {name}: shape {tuple(np.shape(got[name]))}, expected {shape}")
 
 
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over a state dict's names, shapes and bytes, in name order.
-
-    Parties compare it to make sure they fine-tune the very same base model.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\n".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def save_checkpoint(spec: ModelSpec, directory: Path) -> Path:
     """Save a preset's base model and tokenizer as a checkpoint directory.
 
     This is how the ``model-path`` loading route is exercised without downloads.
     """
-    model, tokenizer = build_base(spec)
+    base = build_base(spec, torch.device("cpu"))
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
+    base.model.save_pretrained(str(directory))
+    base.tokenizer.save_pretrained(str(directory))
     return directory

@@ -6,6 +6,7 @@ Opacus hooks are attached to the cached model for one round and removed after it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -22,7 +23,8 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import REPRODUCIBLE_NOISE_WARNING
-from fedciuic.model.adapter import AdapterModel
+from fedciuic.errors import ModelError
+from fedciuic.model.adapter import AdapterModel, pause_on_recompute
 from fedciuic.model.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
 from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
@@ -144,7 +146,13 @@ class PrivateTrainer:
         self.model = model
         self.mode = mode
         self.blocks = blocks
+        if mode == "ghost" and model.spec.gradient_checkpointing:
+            raise ModelError(
+                'run config:gradient-checkpointing: not with dp-mode = "ghost" (ghost '
+                'clipping runs its own second backward pass); use dp-mode = "hooks"'
+            )
         engine = _Engine()
+        self._stack = contextlib.ExitStack()
         device = parameter_device(model.trainable_parameters())
         self.reproducible = seed is not None and not secure_mode
         if seed is not None and not secure_mode:
@@ -182,6 +190,8 @@ class PrivateTrainer:
             self.hooks, self.optimizer, self.loader = made
             self.criterion = None
             self.net = model.model
+            # Checkpointed layers are recomputed in the backward pass: the hooks skip that.
+            self._stack.enter_context(pause_on_recompute(self.hooks))
         # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks).
         self.optimizer.secure_mode = secure_mode
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
@@ -240,6 +250,7 @@ class PrivateTrainer:
 
     def close(self) -> None:
         """Remove Opacus' hooks and per-sample buffers from the model."""
+        self._stack.close()
         if self.mode == "ghost":
             self.hooks._close()
         else:

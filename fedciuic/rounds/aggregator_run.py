@@ -15,7 +15,7 @@ from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_ha
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
-from fedciuic.model.adapter import AdapterModel
+from fedciuic.model.adapter import AdapterLayout
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError
 from fedciuic.rounds.aggregator import AggregatorRound
@@ -201,7 +201,7 @@ class Ended:
     adapter: str | None  # where the final adapter was saved
 
 
-def end_run(aggregator: AggregatorRound, audit: AuditLog, model: AdapterModel) -> Ended:
+def end_run(aggregator: AggregatorRound, audit: AuditLog, layout: AdapterLayout) -> Ended:
     """``run_end`` in the audit log, signed; the final adapter saved next to metrics.json
     only when some round published an aggregate: otherwise it is the initial one, and
     saving it would present an untrained model as this run's result."""
@@ -209,8 +209,8 @@ def end_run(aggregator: AggregatorRound, audit: AuditLog, model: AdapterModel) -
     status = COMPLETED if published_rounds(aggregator.recorder.data) else NO_AGGREGATE
     adapter = None
     if status == COMPLETED:
-        model.load_adapter_state(aggregator.global_adapter)
-        adapter = str(model.save_adapter(aggregator.recorder.directory / ADAPTER_DIR))
+        directory = aggregator.recorder.directory / ADAPTER_DIR
+        adapter = str(layout.save(aggregator.global_adapter, directory))
     audit.append(Event.RUN_END, run_id=aggregator.federation_run, status=status, model_digest=final)
     audit.checkpoint(run_id=aggregator.federation_run)
     return Ended(status, adapter)

@@ -7,6 +7,7 @@ what comes back. A region built once per process is reused across rounds.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ class Region:
         if run.noise_warning:
             warn_once(run.noise_warning)
         self.model = AdapterModel(ModelSpec.from_run(run))
+        logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(
             node.region,
             node.data_path,
