@@ -242,10 +242,27 @@ def lora_config(spec: ModelSpec, targets: list[str], base: str = "") -> LoraConf
     )
 
 
+@contextlib.contextmanager
+def _exact_targets() -> Iterator[None]:
+    """peft >= 0.18 renames targets on MoE models as if they were transformers-4 expert
+    names (any ``*.gate_proj`` becomes the fused routed experts), which would move the
+    adapters of DeepSeek's dense and shared-expert MLPs onto 3-D expert tensors that
+    Opacus cannot clip. The conversion only exists to load adapters trained under
+    transformers 4; our targets are exact module paths, so it is switched off here."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def _with_adapters(model: PreTrainedModel, spec: ModelSpec, model_type: str) -> PeftModel:
     targets = resolve_targets(model, model_type, spec.lora_targets)
     # Adapters start from the same seed everywhere too (B = 0, A seeded).
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _exact_targets():
         torch.manual_seed(spec.seed + 1)
         peft_model = get_peft_model(model, lora_config(spec, targets, spec.path))
     assert isinstance(peft_model, PeftModel)
@@ -339,7 +356,7 @@ class AdapterLayout:
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         targets = resolve_targets(base, config.model_type, spec.lora_targets)
-        with torch.device("meta"):
+        with torch.device("meta"), _exact_targets():
             peft_model = get_peft_model(base, lora_config(spec, targets, spec.path))
         shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
         return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed))
