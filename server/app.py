@@ -61,9 +61,9 @@ def main(grid: Grid, context: Context) -> None:
     audit: AuditLog | None = None
     try:
         audit = audit_log(run)
-        recorder.data["run"]["audit_log"] = str(audit.path)  # also for a run that fails
+        recorder.data.run.audit_log = str(audit.path)  # also for a run that fails
         model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
-        recorder.data["run"]["base_fingerprint"] = model.base_fingerprint
+        recorder.data.run.base_fingerprint = model.base_fingerprint
         opened = open_run(run, context.run_id, audit, recorder, model.base_fingerprint)
         strategy = RegionalFedAvg(opened.aggregator)
         strategy.start(

@@ -44,6 +44,7 @@ from fedciuic.crypto.sealing import (
 from fedciuic.policy.binding import UNSEALED, AggregatorPolicies, codec_family
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.rounds.metrics import OVERALL
 from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.wire import (
     DECLINED,
@@ -579,7 +580,7 @@ class AggregatorRound:
             "perplexity": float(np.exp(min(loss, 50.0))),
             "num_examples": int(total),
         }
-        self.recorder.record_eval(server_round, "overall", overall)
+        self.recorder.record_eval(server_round, OVERALL, overall)
         self.recorder.save()
         for label, stats in sorted(evaluated):
             _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
@@ -721,6 +722,6 @@ class AggregatorRound:
                 adapter=self.global_adapter,
                 audit_seq=seq,
                 audit_head=head,
-                rounds=self.recorder.data["rounds"],
+                rounds=self.recorder.data.rounds,
             ),
         )
