@@ -23,7 +23,8 @@ from typing import Any
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.outputs import final_eval, upload_bytes
+from fedciuic.ops.outputs import upload_bytes
+from fedciuic.rounds.metrics import OVERALL, load_metrics
 from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,23 +56,22 @@ def run_federation(codecs: list[str], rounds: int) -> dict[str, dict[str, Any]]:
                     federation_config={"num-supernodes": 3, "client-resources-num-cpus": 1},
                     timeout=1800,
                 )
-                metrics = json.loads((out / f"run-{run_id}" / METRICS_FILE).read_text())
+                metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
                 wire = [b for r in REGIONS for b in upload_bytes(metrics, r)]
                 payload = [
-                    int(e.get("update_bytes", 0))
-                    for rnd in metrics["rounds"].values()
-                    for e in rnd.get("train", {}).values()
-                    if "update_bytes" in e
+                    e.update_bytes
+                    for rnd in metrics.rounds.values()
+                    for e in rnd.train.values()
+                    if e.update_bytes is not None
                 ]
                 results[codec] = {
                     "wire_bytes": statistics.mean(wire),
                     "update_bytes": statistics.mean(payload) if payload else float("nan"),
-                    "final_eval_loss": final_eval(metrics)[1]["overall"]["loss"],
+                    "final_eval_loss": metrics.final_eval()[1][OVERALL].loss,
                     "eval_loss_per_round": [
-                        metrics["rounds"][str(r)]["eval"]["overall"]["loss"]
-                        for r in range(rounds + 1)
+                        metrics.rounds[r].eval[OVERALL].loss for r in range(rounds + 1)
                     ],
-                    "status": metrics["run"]["status"],
+                    "status": str(metrics.run.status),
                 }
                 print(f"  ran {codec}: {results[codec]}", file=sys.stderr)
     return results

@@ -26,6 +26,7 @@ from typing import Any
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,9 +71,9 @@ def main() -> int:
                     federation_config=SIMULATION,
                     timeout=1800,
                 )
-                metrics = json.loads((out / f"run-{run_id}" / METRICS_FILE).read_text())
+                metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
                 fedciuic_rounds += round_times(
-                    {r: v["ended_at"] for r, v in metrics["rounds"].items()}
+                    {str(r): v.ended_at for r, v in metrics.rounds.items() if v.ended_at}
                 )
                 timings = tmp / f"plain-{i}.json"
                 federation.run_app(

@@ -27,7 +27,9 @@ import psutil
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.rounds.wire import TRAINED
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("eu", "cn", "us", "sg", "in")
@@ -109,13 +111,11 @@ def run_scale(count: int, rounds: int) -> dict[str, Any]:
             total = time.monotonic() - started
             stop.set()
             sampler.join()
-        metrics = json.loads((out / f"run-{run_id}" / METRICS_FILE).read_text())
-    ended = [metrics["rounds"][str(r)]["ended_at"] for r in range(rounds + 1)]
+        metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
+    ended = [metrics.rounds[r].ended_at or 0.0 for r in range(rounds + 1)]
     per_round = [b - a for a, b in itertools.pairwise(ended)]
     trained = sum(
-        e.get("status") == "trained"
-        for r in range(1, rounds + 1)
-        for e in metrics["rounds"][str(r)]["train"].values()
+        e.status == TRAINED for r in range(1, rounds + 1) for e in metrics.rounds[r].train.values()
     )
     return {
         "regions": count,
@@ -123,7 +123,7 @@ def run_scale(count: int, rounds: int) -> dict[str, Any]:
         "total_s": total,
         "peak_mib": peak[0] / 2**20,
         "trained_updates": trained,
-        "status": metrics["run"]["status"],
+        "status": str(metrics.run.status),
     }
 
 

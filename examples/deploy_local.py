@@ -15,7 +15,6 @@ same commands by hand are in the README ("Deployment").
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,8 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.rules import load_policies
-from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.rounds.metrics import load_metrics
+from fedciuic.rounds.record import COMPLETED, METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def main() -> int:
                 echo=sys.stdout,
             )
         print("all Flower processes stopped")
-        data = json.loads((output_dir / f"run-{run_id}" / METRICS_FILE).read_text(encoding="utf-8"))
+        data = load_metrics(output_dir / f"run-{run_id}" / METRICS_FILE)
         print(summarize(data))
         # Each party's audit log, verified with its public key, and the run's report.
         ok, lines = verify_and_report(
@@ -106,7 +106,7 @@ def main() -> int:
             run_id,
         )
         print("\n".join(lines))
-    return 0 if data["run"]["status"] == "completed" and ok else 1
+    return 0 if data.run.status == COMPLETED and ok else 1
 
 
 if __name__ == "__main__":

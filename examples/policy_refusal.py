@@ -14,12 +14,13 @@ Run from the repository root, inside the project's venv:
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from fedciuic.ops.cli import main as fedciuic
 from fedciuic.policy.rules import explain, load_policy
+from fedciuic.rounds.metrics import load_metrics
+from fedciuic.rounds.record import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +49,15 @@ def main() -> int:
                 "--quiet",
             ]
         )
-        (metrics,) = out.glob("run-*/metrics.json")
-        data = json.loads(metrics.read_text(encoding="utf-8"))
-    cn = data["rounds"]["1"]["train"]["cn"]
-    print(f"\nThe CN region {cn['status']} round 1. Its reasons, one per rule:")
-    for reason in cn["reason"].partition("declines: ")[2].split("; "):
+        (metrics,) = out.glob(f"run-*/{METRICS_FILE}")
+        data = load_metrics(metrics)
+    cn = data.rounds[1].train["cn"]
+    print(f"\nThe CN region {cn.status} round 1. Its reasons, one per rule:")
+    for reason in (cn.reason or "").partition("declines: ")[2].split("; "):
         print(f"  - {reason}")
-    aggregate = data["rounds"]["1"]["aggregate"]
-    print(f"Aggregate published: {aggregate['published']}, from {', '.join(aggregate['regions'])}")
+    aggregate = data.rounds[1].aggregate
+    assert aggregate is not None
+    print(f"Aggregate published: {aggregate.published}, from {', '.join(aggregate.regions)}")
     return status
 
 

@@ -60,11 +60,11 @@ def main(grid: Grid, context: Context) -> None:
     audit: AuditLog | None = None
     try:
         audit = audit_log(run)
-        recorder.data["run"]["audit_log"] = str(audit.path)  # also for a run that fails
+        recorder.data.run.audit_log = str(audit.path)  # also for a run that fails
         # Adapter names, shapes and initial values from the base on the meta device: the
         # aggregator never holds the base model's weights.
         layout = AdapterLayout.of(ModelSpec.from_run(run))
-        recorder.data["run"]["base_fingerprint"] = layout.fingerprint
+        recorder.data.run.base_fingerprint = layout.fingerprint
         opened = open_run(run, context.run_id, audit, recorder, layout.fingerprint)
         strategy = RegionalFedAvg(opened.aggregator)
         strategy.start(

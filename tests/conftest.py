@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from flwr.supercore.task_identity import TaskIdentity
+from pydantic import BaseModel
 
 from fedciuic.config import RunConfig
 from fedciuic.data.demo import write_demo_corpora
@@ -23,6 +24,11 @@ SHIPPED_POLICIES = {"EU": "eu-gdpr.yaml", "CN": "cn-pipl.yaml", "US": "us-ccpa.y
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+def written(record: BaseModel) -> dict[str, Any]:
+    """A metrics.json record as the file holds it (what the writer set, nothing more)."""
+    return record.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 def app_config() -> dict[str, Any]:

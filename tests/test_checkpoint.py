@@ -9,6 +9,7 @@ import pytest
 from fedciuic.audit.log import AuditError, AuditLog
 from fedciuic.crypto.keys import Keypair
 from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from fedciuic.rounds.metrics import RoundRecord
 
 
 def ckpt(round_: int, value: float = 1.0) -> Checkpoint:
@@ -19,7 +20,7 @@ def ckpt(round_: int, value: float = 1.0) -> Checkpoint:
         adapter={"w": np.full(4, value, np.float32)},
         audit_seq=3,
         audit_head="a" * 64,
-        rounds={"1": {"train": {}}},
+        rounds={1: RoundRecord(train={}, ended_at=1.5)},
     )
 
 
@@ -28,6 +29,7 @@ def test_the_latest_checkpoint_is_loaded_and_older_ones_are_dropped(tmp_path):
     save_checkpoint(tmp_path / "checkpoint", ckpt(2, 2.0))
     loaded = load_checkpoint(tmp_path)  # the run folder or its checkpoint/ folder
     assert loaded.round == 2 and loaded.federation_run == 41
+    assert loaded.rounds == {1: RoundRecord(train={}, ended_at=1.5)}
     np.testing.assert_array_equal(loaded.adapter["w"], 2.0)
     assert [p.name for p in (tmp_path / "checkpoint").glob("round-*")] == ["round-0002"]
 

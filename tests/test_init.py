@@ -327,9 +327,9 @@ def test_check_run_reads_the_outcome_of_the_run_flwr_started(tmp_path, capsys):
     assert deploy.check_run(log, config) == 1  # no metrics.json
     metrics = tmp_path / "runs" / "run-42" / "metrics.json"
     metrics.parent.mkdir(parents=True)
-    metrics.write_text(json.dumps({"run": {"status": "failed"}}))
+    metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "failed"}}))
     assert deploy.check_run(log, config) == 1
-    metrics.write_text(json.dumps({"run": {"status": "completed"}}))
+    metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "completed"}}))
     assert deploy.check_run(log, config) == 0
 
 

@@ -20,7 +20,9 @@ from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_p
 from fedciuic.ops import deploy
 from fedciuic.ops.cli import EXIT_ERROR, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
+from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import (
+    COMPLETED,
     INTERRUPTED,
     NO_AGGREGATE,
     RunRecorder,
@@ -88,8 +90,8 @@ def test_interrupted_run_is_marked_interrupted_once_and_never_over_an_outcome(tm
     recorder.record_end(1)
     recorder.record_train(2, "eu", {"status": "trained"})
     assert recorder.finish_unless_finished(INTERRUPTED, error="stopped by SIGTERM")
-    data = json.loads((tmp_path / "metrics.json").read_text())
-    assert data["run"]["status"] == "interrupted"
+    data = load_metrics(tmp_path / "metrics.json")
+    assert data.run.status == "interrupted"
     assert "INTERRUPTED in round 2 of ?: stopped by SIGTERM" in summarize(data)
     # An exit handler after a normal end changes nothing.
     assert not recorder.finish_unless_finished(INTERRUPTED, error="late")
@@ -124,7 +126,7 @@ def test_start_sh_settles_only_its_own_running_runs(tmp_path):
     done = RunRecorder(
         tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}}, summary=summarize
     )
-    done.finish("completed")
+    done.finish(COMPLETED)
     assert deploy.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
     status = {
         p.parent.name: json.loads(p.read_text())["run"]["status"]

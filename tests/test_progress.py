@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic.ops.progress import CLEAR_LINE, RunProgress, current_phase, format_round
+from fedciuic.rounds.metrics import AggregateEntry, RunHeader, RunMetrics
 
 
 def metrics(ended: int, *, train_of_next: bool = False) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def test_each_finished_round_is_printed_once_as_plain_lines():
     out = io.StringIO()
     progress = RunProgress(out, Path("/nowhere"), live=False, clock=Clock())
     for ended in (0, 0, 1, 1, 2):
-        progress.update(metrics(ended))
+        progress.update(RunMetrics.model_validate(metrics(ended)))
     text = out.getvalue()
     assert "\r" not in text and "\033" not in text  # readable in a plain log
     assert text.count("regions eu, cn; 2 round(s); DP on") == 1
@@ -85,18 +86,21 @@ def test_each_finished_round_is_printed_once_as_plain_lines():
 
 
 def test_a_withheld_aggregate_says_so_with_its_reasons():
-    data = metrics(1)
-    data["rounds"]["1"]["aggregate"] = {"published": False, "reasons": ["needs 2 regions"]}
+    data = RunMetrics.model_validate(metrics(1))
+    data.rounds[1].aggregate = AggregateEntry(published=False, reasons=["needs 2 regions"])
     (first, *_) = format_round(data, 1, 2)
     assert first == "round 1/2 (10.0 s): aggregate WITHHELD: needs 2 regions"
 
 
 def test_the_phase_follows_what_is_recorded():
-    assert current_phase({"run": {"config": {"num-server-rounds": 2}}, "rounds": {}}).startswith(
+    started = {"run_id": 7, "status": "running", "config": {"num-server-rounds": 2}}
+    assert current_phase(RunMetrics(run=RunHeader.model_validate(started))).startswith(
         "round 0: evaluating"
     )
-    assert current_phase(metrics(0)) == "round 1/2: training in every region"
-    assert current_phase(metrics(0, train_of_next=True)).startswith("round 1/2: evaluating")
+    phase = current_phase(RunMetrics.model_validate(metrics(0)))
+    assert phase == "round 1/2: training in every region"
+    phase = current_phase(RunMetrics.model_validate(metrics(0, train_of_next=True)))
+    assert phase.startswith("round 1/2: evaluating")
 
 
 def test_a_plain_log_gets_a_heartbeat_not_a_redrawn_line(tmp_path):

@@ -11,6 +11,7 @@ import numpy as np
 from fedciuic.audit.report import PartyLog
 from fedciuic.ops.cli import main
 from fedciuic.ops.run_report import decisions, figures, series
+from fedciuic.rounds.metrics import RunMetrics
 
 
 def record(seq: int, actor: str, event: str, rnd: int | None, **details: Any) -> dict[str, Any]:
@@ -41,7 +42,12 @@ def test_a_missing_or_damaged_run_folder_is_one_line_naming_the_file(tmp_path, c
 def test_a_run_without_its_audit_log_asks_for_it(tmp_path, capsys):
     gone = tmp_path / "audit" / "aggregator.audit.jsonl"
     (tmp_path / "metrics.json").write_text(
-        json.dumps({"run": {"run_id": 1, "audit_log": str(gone), "config": {}}, "rounds": {}})
+        json.dumps(
+            {
+                "run": {"run_id": 1, "status": "completed", "audit_log": str(gone), "config": {}},
+                "rounds": {},
+            }
+        )
     )
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -105,21 +111,31 @@ def test_the_timeline_has_every_refusal_once_from_either_side():
 
 def test_each_plot_draws_the_series_it_is_named_after():
     data = {
-        "run": {"run_id": 9, "regions": ["eu", "cn"]},
+        "run": {"run_id": 9, "status": "completed", "regions": ["eu", "cn"]},
         "rounds": {
             "0": {"eval": {"eu": {"loss": 5.0}, "cn": {"loss": 5.2}, "overall": {"loss": 5.1}}},
             "1": {
                 "eval": {"eu": {"loss": 4.0}, "cn": {"loss": 4.2}, "overall": {"loss": 4.1}},
                 "train": {
-                    "eu": {"epsilon": 3.0, "epsilon_budget": 8.0, "upload_bytes": 2000},
-                    "cn": {"epsilon": 4.0, "epsilon_budget": 6.0, "upload_bytes": 2100},
+                    "eu": {
+                        "status": "trained",
+                        "epsilon": 3.0,
+                        "epsilon_budget": 8.0,
+                        "upload_bytes": 2000,
+                    },
+                    "cn": {
+                        "status": "trained",
+                        "epsilon": 4.0,
+                        "epsilon_budget": 6.0,
+                        "upload_bytes": 2100,
+                    },
                 },
             },
         },
     }
     from fedciuic.ops.run_report import Decision
 
-    values = series(data, [Decision(1, "cn", "declined", "why", "cn")])
+    values = series(RunMetrics.model_validate(data), [Decision(1, "cn", "declined", "why", "cn")])
     assert values["eval_loss"]["cn"] == [[0, 5.2], [1, 4.2]]
     assert values["epsilon"] == {"eu": [[1, 3.0]], "cn": [[1, 4.0]]}
     assert values["epsilon_budget"] == {"eu": 8.0, "cn": 6.0}

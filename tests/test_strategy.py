@@ -21,6 +21,7 @@ from fedciuic.rounds.aggregator import AggregatorRound
 from fedciuic.rounds.checkpoint import load_checkpoint
 from fedciuic.rounds.wire import Reply
 from server.strategy import RegionalFedAvg
+from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     GLOBAL,
     Raw,
@@ -72,21 +73,21 @@ def test_flower_errors_bad_records_and_silent_nodes_are_rejected_alone(strategy)
     )
     assert arrays is not None
     np.testing.assert_allclose(protocol.unpack_arrays(arrays)["w"], 1.0)
-    train = strategy.aggregator.recorder.data["rounds"]["1"]["train"]
-    assert train["node-14"] == {"status": "failed", "reason": "process died"}
-    assert train["node-15"]["status"] == "rejected"
-    assert "MalformedReply" in train["node-15"]["reason"]
-    assert train["node-16"]["status"] == "failed"
-    assert "no reply within round-timeout" in train["node-16"]["reason"]
+    train = strategy.aggregator.recorder.data.rounds[1].train
+    assert written(train["node-14"]) == {"status": "failed", "reason": "process died"}
+    assert train["node-15"].status == "rejected"
+    assert "MalformedReply" in train["node-15"].reason
+    assert train["node-16"].status == "failed"
+    assert "no reply within round-timeout" in train["node-16"].reason
 
 
 def test_round_where_every_region_declines_packs_nothing(strategy):
     arrays, metrics = strategy.aggregate_train(1, [reply(11, protocol.decline_reply("eu", "no"))])
     assert arrays is None and metrics is None
     np.testing.assert_array_equal(strategy.aggregator.global_adapter["w"], GLOBAL["w"])
-    data = strategy.aggregator.recorder.data["rounds"]["1"]
-    assert data["train"]["eu"] == {"status": "declined", "reason": "no"}
-    assert data["aggregate"]["published"] is False
+    data = strategy.aggregator.recorder.data.rounds[1]
+    assert written(data.train["eu"]) == {"status": "declined", "reason": "no"}
+    assert data.aggregate is not None and data.aggregate.published is False
 
 
 def test_evaluation_replies_are_unpacked_and_the_overall_loss_packed(strategy):
@@ -97,8 +98,8 @@ def test_evaluation_replies_are_unpacked_and_the_overall_loss_packed(strategy):
     metrics = strategy.aggregate_evaluate(0, replies)
     assert isinstance(metrics, MetricRecord) and metrics["eval-loss"] == pytest.approx(3.5)
     assert metrics["num-examples"] == 40
-    evals = strategy.aggregator.recorder.data["rounds"]["0"]["eval"]
-    assert evals["eu"]["loss"] == 2.0 and evals["overall"]["num_examples"] == 40
+    evals = strategy.aggregator.recorder.data.rounds[0].eval
+    assert evals["eu"].loss == 2.0 and evals["overall"].num_examples == 40
     none = strategy.aggregate_evaluate(1, [reply(11, protocol.decline_reply("eu", "no"))])
     assert none is None
 
@@ -255,10 +256,10 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path
     assert saved.round == 1 and saved.federation_run == 7
     resumed = looped(run_config, tmp_path / "resumed", 3)
     resumed.aggregator.federation_run = saved.federation_run
-    resumed.aggregator.recorder.data["rounds"] = saved.rounds
+    resumed.aggregator.recorder.data.rounds = saved.rounds
     final = resumed.start(regions_grid(), protocol.pack_arrays(saved.adapter), 3, 10.0, 2)
     np.testing.assert_array_equal(
         protocol.unpack_arrays(final)["w"], protocol.unpack_arrays(whole)["w"]
     )
-    assert sorted(resumed.aggregator.recorder.data["rounds"]) == ["0", "1", "2", "3"]
+    assert sorted(resumed.aggregator.recorder.data.rounds) == [0, 1, 2, 3]
     assert load_checkpoint(tmp_path / "resumed").round == 3

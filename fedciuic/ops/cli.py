@@ -21,12 +21,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError, FedciuicError, FederationError
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
+
+if TYPE_CHECKING:
+    from fedciuic.rounds.metrics import RunMetrics
 
 EXIT_OK = 0
 EXIT_AUDIT = 1
@@ -585,12 +588,10 @@ def _simulate(args: argparse.Namespace) -> int:
     print()
     print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
     for data in results:
-        if data["run"]["status"] not in (COMPLETED, NO_AGGREGATE):
-            raise FederationError(
-                f"run {data['run']['run_id']} {data['run']['status']}: {data['run'].get('error')}"
-            )
+        if data.run.status not in (COMPLETED, NO_AGGREGATE):
+            raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
     code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
-    if results[0]["run"]["status"] == NO_AGGREGATE:
+    if results[0].run.status == NO_AGGREGATE:
         print(
             f"fedciuic: run {run_ids[0]} published no aggregate: nothing was trained "
             f"(exit {EXIT_NO_AGGREGATE}; see the reasons above)",
@@ -710,17 +711,17 @@ def _check_policies(run: RunConfig) -> None:
         raise PolicyError(missing)
 
 
-def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> dict[str, Any]:
+def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
+    from fedciuic.rounds.metrics import MetricsError, load_metrics
     from fedciuic.rounds.record import METRICS_FILE
 
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:
-        data: dict[str, Any] = json.loads(metrics_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return load_metrics(metrics_file)
+    except MetricsError as err:
         raise FederationError(
-            f"run {run_id} wrote no metrics at {metrics_file}; see the logs in {workdir / 'logs'}"
+            f"run {run_id} wrote no usable metrics ({err}); see the logs in {workdir / 'logs'}"
         ) from None
-    return data
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ trees, reading a run's outcome).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -55,6 +54,7 @@ from fedciuic.ops.layout import (
 )
 from fedciuic.ops.outputs import mark_unfinished
 from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
+from fedciuic.rounds.metrics import MetricsError, load_metrics
 from fedciuic.rounds.record import (
     COMPLETED,
     METRICS_FILE,
@@ -307,23 +307,21 @@ def check_run(log: Path, config: Path) -> int:
         output = Path(tomllib.load(handle)["output-dir"])
     metrics = output / f"run-{match.group(1)}" / METRICS_FILE
     try:
-        status = json.loads(metrics.read_text(encoding="utf-8"))["run"]["status"]
-    except (OSError, ValueError, KeyError, TypeError):
+        data = load_metrics(metrics)
+    except MetricsError as err:
         print(
-            f"run.sh: run {match.group(1)} wrote no {metrics} (output-dir overridden?); see "
-            "the SuperLink's log",
+            f"run.sh: run {match.group(1)} wrote no usable metrics ({err}; output-dir "
+            "overridden?); see the SuperLink's log",
             file=sys.stderr,
         )
         return 1
+    status = data.run.status
     print(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
     if status == NO_AGGREGATE:
-        data = json.loads(metrics.read_text(encoding="utf-8"))
         print(
             f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
             "trained and no adapter was saved. Why:\n"
-            + "\n".join(
-                f"  {line}" for line in data["run"].get("reasons") or no_aggregate_reasons(data)
-            ),
+            + "\n".join(f"  {line}" for line in data.run.reasons or no_aggregate_reasons(data)),
             file=sys.stderr,
         )
         return EXIT_NO_AGGREGATE
@@ -338,8 +336,8 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
     for metrics in sorted(runs_dir.glob(f"run-*/{METRICS_FILE}")):
         try:
             fresh = metrics.stat().st_mtime >= since - 1.0
-            status = json.loads(metrics.read_text(encoding="utf-8"))["run"]["status"]
-        except (OSError, ValueError, KeyError, TypeError):
+            status = load_metrics(metrics).run.status
+        except (OSError, MetricsError):
             continue
         if (
             fresh

@@ -11,25 +11,32 @@ live status line, redrawn in place, saying what the run waits for.
 from __future__ import annotations
 
 import calendar
-import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from fedciuic.flower.launch import STARTED_RUN
 from fedciuic.ops.outputs import fmt_epsilon, fmt_number
-from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.rounds.metrics import (
+    OVERALL,
+    MetricsError,
+    RunHeader,
+    RunMetrics,
+    TrainEntry,
+    load_metrics,
+)
+from fedciuic.rounds.record import METRICS_FILE, NO_AGGREGATE, RUNNING
 
 CLEAR_LINE = "\r\033[K"
 
 
 #: How the last line says a run's status (metrics.json's ``run.status``).
-ENDINGS = {
-    "no-aggregate": "ended with NO aggregate published (nothing trained)",
-    "running": "stopped before it ended",
+ENDINGS: dict[str, str] = {
+    NO_AGGREGATE: "ended with NO aggregate published (nothing trained)",
+    RUNNING: "stopped before it ended",
 }
 
 
@@ -68,7 +75,7 @@ class RunProgress:
         self.last_note = self.started
         self.live_shown = False
         self.log_path: Path | None = None
-        self.metrics: dict[str, Any] = {}
+        self.metrics: RunMetrics | None = None
         self.metrics_stamp: tuple[int, int] | None = None
 
     # -- following a run ------------------------------------------------------------
@@ -90,12 +97,13 @@ class RunProgress:
             if match:
                 self.run_id = int(match.group(1))
                 self._line(f"{self.label}run {self.run_id} started")
-        if self._refresh():
+        if self._refresh() and self.metrics is not None:
             self.update(self.metrics)
 
     def _refresh(self) -> bool:
         """Re-read metrics.json only when it changed (the ServerApp replaces it after
-        each step); False while it is not there yet or nothing is new."""
+        each step, atomically); False while it is not there yet, nothing is new, or
+        what is there is not this run's yet."""
         if self.run_id is None:
             return False
         path = self.output_dir / f"run-{self.run_id}" / METRICS_FILE
@@ -104,22 +112,20 @@ class RunProgress:
             stamp = (stat.st_mtime_ns, stat.st_size)
             if stamp == self.metrics_stamp:
                 return False
-            self.metrics = json.loads(path.read_text("utf-8"))
-        except (OSError, ValueError):
+            self.metrics = load_metrics(path)
+        except (OSError, MetricsError):
             return False
         self.metrics_stamp = stamp
         return True
 
-    def update(self, data: Mapping[str, Any]) -> None:
+    def update(self, data: RunMetrics) -> None:
         """Print the header once and every round that has ended and is not printed yet."""
-        run = data.get("run", {})
-        if not self.header_done and run:
+        if not self.header_done:
             self.header_done = True
-            self._line(self.label + describe_run(run))
-        rounds = data.get("rounds", {})
-        total = int(run.get("config", {}).get("num-server-rounds", 0))
-        for number in sorted(int(r) for r in rounds):
-            if number in self.printed or "ended_at" not in rounds[str(number)]:
+            self._line(self.label + describe_run(data.run))
+        total = data.run.config.num_server_rounds or 0
+        for number, rnd in sorted(data.rounds.items()):
+            if number in self.printed or rnd.ended_at is None:
                 continue
             self.printed.add(number)
             first, *rest = format_round(data, number, total)
@@ -133,7 +139,7 @@ class RunProgress:
         self._clear()
         elapsed = self.clock() - self.started
         if self.run_id is not None:
-            status = self.metrics.get("run", {}).get("status", "ended")
+            status = self.metrics.run.status if self.metrics is not None else "ended"
             said = ENDINGS.get(status, status)
             self._line(f"{self.label}run {self.run_id} {said} after {elapsed:.0f} s")
 
@@ -175,84 +181,84 @@ class RunProgress:
 # -- formatting -------------------------------------------------------------------------
 
 
-def describe_run(run: Mapping[str, Any]) -> str:
-    config = run.get("config", {})
+def describe_run(run: RunHeader) -> str:
+    config = run.config
     dp = (
-        f"DP on (target epsilon {config.get('target-epsilon')}, delta {config.get('target-delta')})"
-        if config.get("dp")
+        f"DP on (target epsilon {config.target_epsilon}, delta {config.target_delta})"
+        if config.dp
         else "DP off"
     )
     return (
-        f"regions {', '.join(run.get('regions', []))}; {config.get('num-server-rounds')} "
-        f"round(s); {dp}; codec {config.get('codec')}; aggregator in "
-        f"{config.get('aggregator-jurisdiction')}; writing {run.get('output_dir')}"
+        f"regions {', '.join(run.regions)}; {config.num_server_rounds} "
+        f"round(s); {dp}; codec {config.codec}; aggregator in "
+        f"{config.aggregator_jurisdiction}; writing {run.output_dir}"
     )
 
 
-def current_phase(data: Mapping[str, Any]) -> str:
+def current_phase(data: RunMetrics) -> str:
     """What the run waits for now, from which steps of which round are recorded."""
-    rounds = data.get("rounds", {})
-    total = data.get("run", {}).get("config", {}).get("num-server-rounds", "?")
-    ended = [int(r) for r in rounds if "ended_at" in rounds[r]]
+    rounds = data.rounds
+    total = data.run.config.num_server_rounds or "?"
+    ended = [n for n, rnd in rounds.items() if rnd.ended_at is not None]
     if not ended:
         return "round 0: evaluating the initial adapter in every region"
     number = max(ended) + 1
-    if str(number) in rounds and rounds[str(number)].get("train"):
+    if number in rounds and rounds[number].train:
         return f"round {number}/{total}: evaluating the new adapter in every region"
     return f"round {number}/{total}: training in every region"
 
 
-def _seconds(data: Mapping[str, Any], number: int) -> float | None:
-    rounds = data["rounds"]
-    end = rounds[str(number)].get("ended_at")
+def _seconds(data: RunMetrics, number: int) -> float | None:
+    end = data.rounds[number].ended_at
+    begin: float | None = None
     if number == 0:
-        started = data.get("run", {}).get("started")
+        started = data.run.started
         begin = calendar.timegm(time.strptime(started, "%Y-%m-%dT%H:%M:%SZ")) if started else None
-    else:
-        begin = rounds.get(str(number - 1), {}).get("ended_at")
-    return float(end - begin) if end is not None and begin is not None else None
+    elif (previous := data.rounds.get(number - 1)) is not None:
+        begin = previous.ended_at
+    return end - begin if end is not None and begin is not None else None
 
 
-def format_round(data: Mapping[str, Any], number: int, total: int) -> list[str]:
+def format_round(data: RunMetrics, number: int, total: int) -> list[str]:
     """A finished round as plain lines: one per region, then the overall eval loss."""
-    run = data.get("run", {})
-    rnd = data["rounds"][str(number)]
-    evals = rnd.get("eval", {})
+    rnd = data.rounds[number]
+    evals = rnd.eval
     seconds = _seconds(data, number)
     took = f" ({seconds:.1f} s)" if seconds is not None else ""
-    regions = [*run.get("regions", [])]
-    regions += sorted(set(rnd.get("train", {})) - set(regions))
+    regions = [*data.run.regions]
+    regions += sorted(set(rnd.train) - set(regions))
+
+    def eval_loss(region: str) -> str:
+        entry = evals.get(region)
+        return fmt_number(entry.loss if entry is not None else None)
+
     if number == 0:
-        losses = "  ".join(
-            f"{r} {fmt_number(evals.get(r, {}).get('loss'))}" for r in [*regions, "overall"]
-        )
+        losses = "  ".join(f"{r} {eval_loss(r)}" for r in [*regions, OVERALL])
         return [f"round 0/{total} initial adapter{took}: eval loss  {losses}"]
-    aggregate = rnd.get("aggregate", {})
-    if not aggregate:
+    aggregate = rnd.aggregate
+    if aggregate is None:
         outcome = "no update to aggregate, the global adapter stays as it was"
-    elif aggregate.get("published", True):
+    elif aggregate.published:
         order = {region: i for i, region in enumerate(regions)}
-        included = sorted(aggregate.get("regions", []), key=lambda r: order.get(r, len(order)))
+        included = sorted(aggregate.regions, key=lambda r: order.get(r, len(order)))
         outcome = "aggregate published from " + ", ".join(included)
     else:
-        outcome = "aggregate WITHHELD: " + "; ".join(aggregate.get("reasons", []))
+        outcome = "aggregate WITHHELD: " + "; ".join(aggregate.reasons)
     lines = [
         f"round {number}/{total}{took}: {outcome}",
         f"  {'region':<8} {'status':<9} {'train loss':>10} {'eval loss':>9}  "
         f"{'epsilon':<13} {'upload':>8}",
     ]
     for region in regions:
-        train = rnd.get("train", {}).get(region, {})
-        epsilon = fmt_epsilon(train.get("epsilon"), train.get("epsilon_budget"))
-        upload = f"{train['upload_bytes']} B" if "upload_bytes" in train else "-"
-        loss = fmt_number(train.get("loss"))
-        evaluated = fmt_number(evals.get(region, {}).get("loss"))
+        train = rnd.train.get(region) or TrainEntry(status="no reply")
+        evaluated = evals.get(region)
+        epsilon = fmt_epsilon(train.epsilon, train.epsilon_budget)
+        upload = f"{train.upload_bytes} B" if train.upload_bytes is not None else "-"
         row = (
-            f"  {region:<8} {train.get('status', 'no reply'):<9} "
-            f"{loss:>10} {evaluated:>9}  {epsilon:<13} {upload:>8}"
+            f"  {region:<8} {train.status:<9} {fmt_number(train.loss):>10} "
+            f"{eval_loss(region):>9}  {epsilon:<13} {upload:>8}"
         )
-        reason = train.get("reason") or evals.get(region, {}).get("reason")
+        reason = train.reason or (evaluated.reason if evaluated else None)
         lines.append(row + (f"  {reason}" if reason else ""))
-    overall = fmt_number(evals.get("overall", {}).get("loss"))
-    lines.append(f"  {'overall':<8} {'':<9} {'':>10} {overall:>9}")
+    lines.append(f"  {OVERALL:<8} {'':<9} {'':>10} {eval_loss(OVERALL):>9}")
     return lines

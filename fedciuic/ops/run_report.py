@@ -27,7 +27,8 @@ from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditError
 from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.errors import ConfigError
-from fedciuic.ops.outputs import epsilon_spent, final_eval, fmt_epsilon, fmt_number, upload_bytes
+from fedciuic.ops.outputs import epsilon_spent, fmt_epsilon, fmt_number, upload_bytes
+from fedciuic.rounds.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
 from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
 
 if TYPE_CHECKING:
@@ -89,31 +90,22 @@ class RunReport:
 # -- reading a run ------------------------------------------------------------------------
 
 
-def load_metrics(run_dir: Path) -> dict[str, Any]:
-    """The run's metrics.json, or one clear error naming the file and the fix."""
+def load_run(run_dir: Path) -> RunMetrics:
+    """The run folder's metrics.json, or one clear error naming the file and the fix."""
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
         raise ConfigError([f"{run_dir}: no such folder; pass a run folder (OUTPUT_DIR/run-<id>/)"])
-    try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         raise ConfigError(
             [
                 f"{path}: not found; {run_dir} is not a run folder (a run writes "
-                "OUTPUT_DIR/run-<id>/metrics.json)"
+                f"OUTPUT_DIR/run-<id>/{METRICS_FILE})"
             ]
-        ) from None
-    except OSError as err:
-        raise ConfigError([f"{path}: cannot read ({err.strerror})"]) from None
-    except ValueError as err:
-        raise ConfigError([f"{path}: not valid JSON ({err}); the run folder is damaged"]) from None
-    for key in ("run", "rounds"):
-        if not isinstance(data.get(key), dict):
-            raise ConfigError([f"{path}:{key}: missing; not a fedciuic metrics file"])
-    return data
+        )
+    return load_metrics(path)
 
 
-def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path]:
+def audit_log_paths(data: RunMetrics, given: Sequence[Path]) -> list[Path]:
     """The logs to read: those given, else the aggregator's (metrics.json names it) and,
     in a simulation, each region's under data-root."""
     if given:
@@ -121,13 +113,12 @@ def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path
         if missing:
             raise ConfigError([f"--audit-log {p}: no such file" for p in missing])
         return list(given)
-    run = data["run"]
-    config = run.get("config", {})
-    if not run.get("audit_log"):
+    run = data.run
+    if not run.audit_log:
         raise ConfigError(
             [f"{METRICS_FILE}:run.audit_log: missing; pass --audit-log PATH (and the regions')"]
         )
-    aggregator = Path(run["audit_log"])
+    aggregator = Path(run.audit_log)
     if not aggregator.is_file():
         raise ConfigError(
             [
@@ -135,19 +126,15 @@ def audit_log_paths(data: Mapping[str, Any], given: Sequence[Path]) -> list[Path
                 "PATH (and the regions' logs)"
             ]
         )
-    regions = [
-        Path(config["data-root"]) / region / ".fedciuic" / REGION_LOG
-        for region in run.get("regions", [])
-        if config.get("data-root")
-    ]
+    data_root = run.config.data_root
+    regions = [Path(data_root) / r / ".fedciuic" / REGION_LOG for r in run.regions if data_root]
     return [aggregator, *(p for p in regions if p.is_file())]
 
 
-def federation_run(data: Mapping[str, Any]) -> int:
+def federation_run(data: RunMetrics) -> int:
     """The run id the audit logs use: the first run's, when this run resumed it."""
-    run = data["run"]
-    resumed = run.get("resumed_from") or {}
-    return int(resumed.get("federation_run") or run["run_id"])
+    resumed = data.run.resumed_from
+    return resumed.federation_run if resumed else data.run.run_id
 
 
 def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
@@ -188,34 +175,34 @@ def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
     return sorted(found, key=lambda d: (d.round, d.subject == "aggregate", d.subject))
 
 
-def series(data: Mapping[str, Any], timeline: Sequence[Decision]) -> dict[str, Any]:
+def series(data: RunMetrics, timeline: Sequence[Decision]) -> dict[str, Any]:
     """The numbers behind each plot (written to series.json; the tests read them)."""
-    run, rounds = data["run"], data["rounds"]
-    regions = list(run.get("regions", []))
-    numbers = sorted(int(r) for r in rounds)
+    regions = list(data.run.regions)
+    numbers = sorted(data.rounds)
     loss: dict[str, list[list[float]]] = {}
-    for name in [*regions, "overall"]:
-        points = [
-            [n, float(rounds[str(n)]["eval"][name]["loss"])]
-            for n in numbers
-            if "loss" in rounds[str(n)].get("eval", {}).get(name, {})
-        ]
+    for name in [*regions, OVERALL]:
+        points: list[list[float]] = []
+        for n in numbers:
+            entry = data.rounds[n].eval.get(name)
+            if entry is not None and entry.loss is not None:
+                points.append([n, entry.loss])
         if points:
             loss[name] = points
     epsilon: dict[str, list[list[float]]] = {}
     budget: dict[str, float] = {}
     sent: dict[str, list[list[int]]] = {}
     for region in regions:
-        trained = [(n, rounds[str(n)].get("train", {}).get(region, {})) for n in numbers]
-        spent = [(n, t) for n, t in trained if "epsilon" in t]
+        trained = data.trained(region)
+        spent = [(n, t.epsilon, t.epsilon_budget) for n, t in trained if t.epsilon is not None]
         if spent:
-            epsilon[region] = [[n, float(t["epsilon"])] for n, t in spent]
-            budget[region] = float(spent[-1][1].get("epsilon_budget", float("nan")))
-        uploads = [[n, int(t["upload_bytes"])] for n, t in trained if "upload_bytes" in t]
+            epsilon[region] = [[n, eps] for n, eps, _ in spent]
+            last_budget = spent[-1][2]
+            budget[region] = float("nan") if last_budget is None else last_budget
+        uploads = [[n, t.upload_bytes] for n, t in trained if t.upload_bytes is not None]
         if uploads:
             sent[region] = uploads
     return {
-        "run_id": run.get("run_id"),
+        "run_id": data.run.run_id,
         "regions": regions,
         "rounds": numbers,
         "eval_loss": loss,
@@ -245,7 +232,7 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     ax = fig.add_subplot()
     for name, points in values["eval_loss"].items():
         xs, ys = zip(*points, strict=True)
-        if name == "overall":
+        if name == OVERALL:
             ax.plot(xs, ys, "k--", label="overall (by examples)")
         else:
             ax.plot(xs, ys, "o-", color=colours.get(name), label=name)
@@ -351,13 +338,16 @@ def _table(
     return "\n".join(out) + "</table>"
 
 
-def _region_rows(data: Mapping[str, Any], timeline: Sequence[Decision]) -> list[list[str]]:
-    rounds = data["rounds"]
-    first = rounds.get("0", {}).get("eval", {})
-    _, last = final_eval(data)
+def _loss(entry: EvalEntry | None) -> float | None:
+    return entry.loss if entry is not None else None
+
+
+def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[str]]:
+    first = data.first_eval()
+    _, last = data.final_eval()
     rows = []
-    for region in data["run"].get("regions", []):
-        before, after = first.get(region, {}).get("loss"), last.get(region, {}).get("loss")
+    for region in data.run.regions:
+        before, after = _loss(first.get(region)), _loss(last.get(region))
         eps, budget = epsilon_spent(data, region)
         sent = upload_bytes(data, region)
         mine = [d for d in timeline if d.subject == region]
@@ -376,7 +366,7 @@ def _region_rows(data: Mapping[str, Any], timeline: Sequence[Decision]) -> list[
 
 
 def render(
-    data: Mapping[str, Any],
+    data: RunMetrics,
     timeline: Sequence[Decision],
     pngs: Mapping[str, bytes],
     sections: Sequence[Section],
@@ -386,28 +376,27 @@ def render(
 ) -> str:
     """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched."""
     e = html.escape
-    run = data["run"]
-    config = run.get("config", {})
-    last_round, _ = final_eval(data)
-    title = f"fedciuic run report: run {run.get('run_id')}"
-    status = str(run.get("status", "?"))
+    run, config = data.run, data.run.config
+    last_round, _ = data.final_eval()
+    title = f"fedciuic run report: run {run.run_id}"
+    status = str(run.status)
     out = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{e(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{e(title)}</h1>",
-        f'<p class="{"ok" if status == "completed" else "bad"}">Status: <b>{e(status)}</b>'
-        + (f": {e(str(run['error']))}" if run.get("error") else "")
-        + f" &middot; regions {e(', '.join(run.get('regions', [])))} &middot; "
-        f"{e(str(config.get('num-server-rounds')))} round(s) &middot; aggregator in "
-        f"{e(str(config.get('aggregator-jurisdiction')))} &middot; "
+        f'<p class="{"ok" if status == COMPLETED else "bad"}">Status: <b>{e(status)}</b>'
+        + (f": {e(run.error)}" if run.error else "")
+        + f" &middot; regions {e(', '.join(run.regions))} &middot; "
+        f"{e(str(config.num_server_rounds))} round(s) &middot; aggregator in "
+        f"{e(str(config.aggregator_jurisdiction))} &middot; "
         + (
-            f"DP on (target epsilon {e(str(config.get('target-epsilon')))}, delta "
-            f"{e(str(config.get('target-delta')))})"
-            if config.get("dp")
+            f"DP on (target epsilon {e(str(config.target_epsilon))}, delta "
+            f"{e(str(config.target_delta))})"
+            if config.dp
             else "DP off"
         )
-        + f" &middot; codec {e(str(config.get('codec')))}</p>",
+        + f" &middot; codec {e(str(config.codec))}</p>",
     ]
     out += [f'<p class="bad">{e(note)}</p>' for note in notes]
     if verified is None:
@@ -460,7 +449,7 @@ def render(
     out.append(
         f"<p><small>Written by fedciuic {e(__version__)} at "
         f"{e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))} from "
-        f"{e(str(run.get('output_dir', '')))}.</small></p></body></html>"
+        f"{e(run.output_dir or '')}.</small></p></body></html>"
     )
     return "\n".join(out) + "\n"
 
@@ -480,14 +469,14 @@ def write_run_report(
     signed them; they are shown as unverified) are said in ``notes``, not failures. A
     record that fails its hash or signature is a problem in any run.
     """
-    data = load_metrics(run_dir)
-    status = str(data["run"].get("status", "?"))
+    data = load_run(run_dir)
+    status = data.run.status
     ended = status in (COMPLETED, NO_AGGREGATE)
     notes: list[str] = []
     if not ended:
         notes.append(
             f"This run did not end ({status}"
-            + (f": {data['run']['error']}" if data["run"].get("error") else "")
+            + (f": {data.run.error}" if data.run.error else "")
             + "): the report shows what its metrics and audit logs hold up to where it stopped."
         )
     run_id = federation_run(data)
@@ -497,7 +486,7 @@ def write_run_report(
     except (ConfigError, AuditError) as err:
         # A log that is named but gone is an error in any run; no log named (the run
         # failed before opening one) or an empty one is what a run that did not end left.
-        named = bool(data["run"].get("audit_log"))
+        named = bool(data.run.audit_log)
         if ended or audit_logs or (named and isinstance(err, ConfigError)):
             if isinstance(err, ConfigError):
                 raise
@@ -505,7 +494,7 @@ def write_run_report(
         paths, logs = [], []
         reason = "; ".join(err.problems) if isinstance(err, ConfigError) else str(err)
         notes.append(f"No audit log to read ({reason}): the run stopped before it wrote one.")
-    configured = data["run"].get("config", {}).get("keys-dir")
+    configured = data.run.config.keys_dir
     if keys_dir is None and configured and Path(configured).is_dir():
         keys_dir = Path(configured)
     if logs:

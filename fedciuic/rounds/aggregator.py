@@ -38,6 +38,7 @@ from fedciuic.crypto.sealing import EnvelopeRejected, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.rounds.metrics import OVERALL
 from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
 from fedciuic.rounds.wire import (
@@ -517,7 +518,7 @@ class AggregatorRound:
             "perplexity": float(np.exp(min(loss, 50.0))),
             "num_examples": int(total),
         }
-        self.recorder.record_eval(server_round, "overall", overall)
+        self.recorder.record_eval(server_round, OVERALL, overall)
         self.recorder.save()
         for label, stats in sorted(evaluated):
             _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
@@ -656,6 +657,6 @@ class AggregatorRound:
                 adapter=self.global_adapter,
                 audit_seq=seq,
                 audit_head=head,
-                rounds=self.recorder.data["rounds"],
+                rounds=self.recorder.data.rounds,
             ),
         )

@@ -20,6 +20,7 @@ from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError
 from fedciuic.rounds.aggregator import AggregatorRound
 from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from fedciuic.rounds.metrics import PolicyHeld, ResumedFrom, RunStatus
 from fedciuic.rounds.record import (
     ADAPTER_DIR,
     COMPLETED,
@@ -68,7 +69,7 @@ def load_policies(
         _logger.log(
             WARNING, "fedciuic: policies are OFF (enforce-policies = false): a lab baseline only"
         )
-        recorder.data["run"]["policies"] = None
+        recorder.data.run.policies = None
         return None
     if keys is not None and keys.keypair.bundle.jurisdiction != run.aggregator_jurisdiction:
         raise PolicyError(
@@ -83,8 +84,8 @@ def load_policies(
             "fedciuic: unreadable policy, its region's updates will be rejected: %s",
             problem,
         )
-    recorder.data["run"]["policies"] = {
-        j: {"file": str(p.path), "hash": p.hash}
+    recorder.data.run.policies = {
+        j: PolicyHeld(file=str(p.path), hash=p.hash)
         for j, p in sorted(policies.policies.by_jurisdiction.items())
     }
     return policies
@@ -110,12 +111,12 @@ def resume(
             f"{checkpoint.round} of {run.num_server_rounds}; nothing is left to resume"
         )
     audit.check_continues(checkpoint.audit_seq, checkpoint.audit_head)
-    recorder.data["rounds"] = checkpoint.rounds
-    recorder.data["run"]["resumed_from"] = {
-        "federation_run": checkpoint.federation_run,
-        "round": checkpoint.round,
-        "checkpoint": run.resume_from,
-    }
+    recorder.data.rounds = checkpoint.rounds
+    recorder.data.run.resumed_from = ResumedFrom(
+        federation_run=checkpoint.federation_run,
+        round=checkpoint.round,
+        checkpoint=run.resume_from,
+    )
     _logger.log(
         INFO,
         "fedciuic: resuming run %d after round %d (%s)",
@@ -197,7 +198,7 @@ def open_run(
 
 @dataclass(frozen=True)
 class Ended:
-    status: str  # COMPLETED or NO_AGGREGATE
+    status: RunStatus  # COMPLETED or NO_AGGREGATE
     adapter: str | None  # where the final adapter was saved
 
 

@@ -16,12 +16,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from fedciuic.errors import FedciuicError
+from fedciuic.rounds.metrics import Rounds, dump_rounds, parse_rounds
 
 FORMAT = "fedciuic-checkpoint/1"
 LATEST = "LATEST"
@@ -41,7 +41,7 @@ class Checkpoint:
     adapter: dict[str, np.ndarray]
     audit_seq: int  # records in the aggregator's audit log when the checkpoint was taken
     audit_head: str
-    rounds: dict[str, Any]  # metrics.json "rounds" so far
+    rounds: Rounds  # metrics.json "rounds" so far
 
 
 def _fsync(path: Path) -> None:
@@ -69,7 +69,7 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
         "base_fingerprint": checkpoint.base_fingerprint,
         "adapter_sha256": _digest(folder / ADAPTER),
         "audit": {"seq": checkpoint.audit_seq, "head": checkpoint.audit_head},
-        "rounds": checkpoint.rounds,
+        "rounds": dump_rounds(checkpoint.rounds),
     }
     (folder / STATE).write_text(json.dumps(state, sort_keys=True), encoding="utf-8")
     for path in (folder / ADAPTER, folder / STATE, folder):
@@ -109,7 +109,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             adapter=dict(adapter),
             audit_seq=int(state["audit"]["seq"]),
             audit_head=str(state["audit"]["head"]),
-            rounds=dict(state["rounds"]),
+            rounds=parse_rounds(state["rounds"]),
         )
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(

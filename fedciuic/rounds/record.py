@@ -29,93 +29,122 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedciuic.rounds.metrics import (
+    AggregateEntry,
+    DecisionEntry,
+    Duplicate,
+    EvalEntry,
+    RoundRecord,
+    RunHeader,
+    RunMetrics,
+    RunStatus,
+    TrainEntry,
+)
+
 METRICS_FILE = "metrics.json"
 ADAPTER_DIR = "adapter"
 SUMMARY_FILE = "summary.txt"
 
-RUNNING = "running"
-COMPLETED = "completed"
-NO_AGGREGATE = "no-aggregate"
-FAILED = "failed"
-INTERRUPTED = "interrupted"
+RUNNING = RunStatus.RUNNING
+COMPLETED = RunStatus.COMPLETED
+NO_AGGREGATE = RunStatus.NO_AGGREGATE
+FAILED = RunStatus.FAILED
+INTERRUPTED = RunStatus.INTERRUPTED
 
 _saves = itertools.count()
 
 
 class RunRecorder:
-    """Collects what happened in each round and writes it to ``directory``."""
+    """Collects what happened in each round and writes it to ``directory``.
+
+    Entries come in as the dicts the aggregator builds and are validated into
+    :class:`RunMetrics` here, so a field the model does not name fails at the writer,
+    not later in a reader."""
 
     def __init__(
         self,
         directory: Path,
         run: dict[str, Any],
         *,
-        summary: Callable[[dict[str, Any]], str] | None = None,
+        summary: Callable[[RunMetrics], str] | None = None,
     ) -> None:
         self.directory = directory
         self.summary = summary  # writes SUMMARY_FILE when the run finishes
         directory.mkdir(parents=True, exist_ok=True)
-        self.data: dict[str, Any] = {
-            "run": {**run, "status": RUNNING, "started": utc_now()},
-            "rounds": {},
-        }
+        self.data = RunMetrics(
+            run=RunHeader.model_validate({**run, "status": RUNNING, "started": utc_now()}),
+            rounds={},
+        )
         # A signal handler may finish the run while the run's own thread saves it.
         self._lock = threading.RLock()
         self.save()
 
-    def _round(self, server_round: int) -> dict[str, Any]:
-        rounds: dict[str, dict[str, Any]] = self.data["rounds"]
-        return rounds.setdefault(str(server_round), {"train": {}, "eval": {}})
+    def _round(self, server_round: int) -> RoundRecord:
+        rounds = self.data.rounds
+        if server_round not in rounds:
+            rounds[server_round] = RoundRecord(train={}, eval={})
+        return rounds[server_round]
+
+    def _duplicate(self, current: RoundRecord, region: str, entry: dict[str, Any]) -> None:
+        current.duplicates = [
+            *current.duplicates,
+            Duplicate.model_validate({"region": region, **entry}),
+        ]
 
     def record_train(self, server_round: int, region: str, entry: dict[str, Any]) -> None:
         """Record a region's train reply; a second reply from the same region (a replay)
         goes to ``duplicates`` and never overwrites the first."""
         current = self._round(server_round)
-        if region in current["train"]:
-            current.setdefault("duplicates", []).append({"region": region, **entry})
+        if region in current.train:
+            self._duplicate(current, region, entry)
         else:
-            current["train"][region] = entry
+            current.train[region] = TrainEntry.model_validate(entry)
 
     def record_eval(self, server_round: int, region: str, entry: dict[str, Any]) -> None:
         """Record a region's evaluation; a second one goes to ``duplicates``."""
         current = self._round(server_round)
-        if region in current["eval"]:
-            current.setdefault("duplicates", []).append({"region": region, **entry})
+        if region in current.eval:
+            self._duplicate(current, region, entry)
         else:
-            current["eval"][region] = entry
+            current.eval[region] = EvalEntry.model_validate(entry)
 
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
-        self._round(server_round)["aggregate"] = entry
+        self._round(server_round).aggregate = AggregateEntry.model_validate(entry)
 
     def record_end(self, server_round: int) -> None:
         """When the round (training and evaluation) ended, as Unix time: per-round wall
         times are the differences."""
-        self._round(server_round)["ended_at"] = time.time()
+        self._round(server_round).ended_at = time.time()
 
     def record_decision(self, server_round: int, decision: dict[str, Any]) -> None:
         """A policy decision (accept or reject, every reason, the policy hash)."""
-        self._round(server_round).setdefault("decisions", []).append(decision)
+        current = self._round(server_round)
+        current.decisions = [*current.decisions, DecisionEntry.model_validate(decision)]
 
-    def finish(self, status: str, **extra: Any) -> None:
+    def finish(self, status: RunStatus, **extra: Any) -> None:
+        """End the run: ``status`` and the ``extra`` run fields (``error``, ``adapter``,
+        ``reasons``), saved, then the summary written."""
         with self._lock:
-            self.data["run"].update(status=status, finished=utc_now(), **extra)
+            run = self.data.run
+            for name, value in {"status": status, "finished": utc_now(), **extra}.items():
+                setattr(run, name, value)
             self.save()
             if self.summary is not None:
                 text = self.summary(self.data)
                 (self.directory / SUMMARY_FILE).write_text(text + "\n", encoding="utf-8")
 
-    def finish_unless_finished(self, status: str, **extra: Any) -> bool:
+    def finish_unless_finished(self, status: RunStatus, **extra: Any) -> bool:
         """Finish with ``status`` only if the run has not finished yet (an exit handler
         that also runs after a normal end); True if it did."""
         with self._lock:
-            if self.data["run"].get("status") != RUNNING:
+            if self.data.run.status != RUNNING:
                 return False
             self.finish(status, **extra)
             return True
 
     def save(self) -> None:
         with self._lock:
-            write_json(self.directory / METRICS_FILE, self.data)
+            save_metrics(self.directory / METRICS_FILE, self.data)
 
 
 def write_json(target: Path, data: Mapping[str, Any]) -> None:
@@ -125,37 +154,35 @@ def write_json(target: Path, data: Mapping[str, Any]) -> None:
     os.replace(tmp, target)
 
 
-def published_rounds(data: Mapping[str, Any]) -> list[int]:
+def save_metrics(target: Path, data: RunMetrics) -> None:
+    """metrics.json, atomically (readers poll it while a run writes)."""
+    write_json(target, data.dump())
+
+
+def published_rounds(data: RunMetrics) -> list[int]:
     """The rounds whose aggregate was published (the global adapter moved)."""
-    return sorted(
-        int(number)
-        for number, rnd in data.get("rounds", {}).items()
-        if isinstance(rnd, dict) and (rnd.get("aggregate") or {}).get("published") is True
-    )
+    return sorted(n for n, rnd in data.rounds.items() if rnd.aggregate and rnd.aggregate.published)
 
 
-def no_aggregate_reasons(data: Mapping[str, Any]) -> list[str]:
+def no_aggregate_reasons(data: RunMetrics) -> list[str]:
     """Why nothing was published, one line per region (its last status and reason in
     each distinct form), then each withheld aggregate."""
-    rounds = data.get("rounds", {})
-    numbers = sorted(int(r) for r in rounds if int(r) > 0)
+    numbers = sorted(n for n in data.rounds if n > 0)
     lines: list[str] = []
-    for region in data.get("run", {}).get("regions", []):
+    for region in data.run.regions:
         seen: dict[tuple[str, str], list[int]] = {}
-        for number in numbers:
-            entry = rounds[str(number)].get("train", {}).get(region)
-            if isinstance(entry, dict):
-                key = (str(entry.get("status", "?")), str(entry.get("reason") or ""))
-                seen.setdefault(key, []).append(number)
+        for number, entry in data.trained(region):
+            if number > 0:
+                seen.setdefault((entry.status, entry.reason or ""), []).append(number)
         if not seen:
             lines.append(f"{region}: no reply in any round")
         for (status, reason), where in seen.items():
             rounds_text = f"round{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
             lines.append(f"{region}: {status} in {rounds_text}" + (f": {reason}" if reason else ""))
     for number in numbers:
-        aggregate = rounds[str(number)].get("aggregate") or {}
-        if aggregate and not aggregate.get("published", True):
-            reasons = "; ".join(aggregate.get("reasons", [])) or "no reason recorded"
+        aggregate = data.rounds[number].aggregate
+        if aggregate is not None and not aggregate.published:
+            reasons = "; ".join(aggregate.reasons) or "no reason recorded"
             lines.append(f"aggregate withheld in round {number}: {reasons}")
     return lines
 

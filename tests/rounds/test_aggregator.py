@@ -28,6 +28,7 @@ from fedciuic.rounds.aggregator import (
     Withheld,
 )
 from fedciuic.rounds.aggregator_run import load_policies
+from fedciuic.rounds.metrics import PolicyHeld, RunSettings
 from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.sealing import SealedReplies
 from fedciuic.rounds.wire import (
@@ -40,7 +41,7 @@ from fedciuic.rounds.wire import (
     parse_reply,
     sign_info,
 )
-from tests.conftest import write_policy
+from tests.conftest import write_policy, written
 
 GLOBAL = {"w": np.zeros(4, np.float32)}
 
@@ -156,15 +157,15 @@ def test_failed_and_malformed_replies_are_rejected_alone(aggregator):
         ],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 1.0)
-    train = aggregator.recorder.data["rounds"]["1"]["train"]
-    assert train["cn"]["status"] == "rejected" and "NaN" in train["cn"]["reason"]
-    assert train["us"]["status"] == "rejected"
-    assert "update has 5 entries, the adapter has 4" in train["us"]["reason"]
-    assert train["node-14"] == {"status": "failed", "reason": "process died"}
-    assert train["node-15"]["status"] == "rejected"
-    assert "MalformedReply" in train["node-15"]["reason"]
-    assert train["node-16"]["status"] == "failed"
-    assert train["node-16"]["reason"].startswith("no reply within round-timeout (")
+    train = aggregator.recorder.data.rounds[1].train
+    assert train["cn"].status == "rejected" and "NaN" in train["cn"].reason
+    assert train["us"].status == "rejected"
+    assert "update has 5 entries, the adapter has 4" in train["us"].reason
+    assert written(train["node-14"]) == {"status": "failed", "reason": "process died"}
+    assert train["node-15"].status == "rejected"
+    assert "MalformedReply" in train["node-15"].reason
+    assert train["node-16"].status == "failed"
+    assert train["node-16"].reason.startswith("no reply within round-timeout (")
     verdicts = {j.label: (j.status, j.reason.split(":")[0]) for j in result.replies}
     assert verdicts["node-15"] == ("rejected", "MalformedReply")
 
@@ -174,7 +175,7 @@ def test_round_where_every_region_declines_leaves_the_model_unchanged(aggregator
     assert isinstance(result.aggregate, Withheld)
     assert result.aggregate.reasons == ["no region's update was accepted"]
     np.testing.assert_array_equal(aggregator.global_adapter["w"], GLOBAL["w"])
-    assert aggregator.recorder.data["rounds"]["1"]["aggregate"]["published"] is False
+    assert aggregator.recorder.data.rounds[1].aggregate.published is False
 
 
 def test_evaluation_is_recorded_per_region_and_overall(aggregator):
@@ -183,14 +184,14 @@ def test_evaluation_is_recorded_per_region_and_overall(aggregator):
     )
     assert isinstance(result, EvalResult) and result.loss == pytest.approx(3.5)
     assert result.num_examples == 40
-    evals = aggregator.recorder.data["rounds"]["0"]["eval"]
-    assert evals["eu"]["loss"] == 2.0 and evals["overall"]["num_examples"] == 40
+    evals = aggregator.recorder.data.rounds[0].eval
+    assert evals["eu"].loss == 2.0 and evals["overall"].num_examples == 40
 
 
 def test_an_evaluation_round_without_evaluations_has_no_loss(aggregator):
     result = aggregator.evaluate(0, [reply(11, declined("eu", "no"))])
     assert result.loss is None
-    assert aggregator.recorder.data["rounds"]["0"]["eval"]["eu"]["status"] == "declined"
+    assert aggregator.recorder.data.rounds[0].eval["eu"].status == "declined"
 
 
 # -- sealed updates --------------------------------------------------------------------
@@ -300,22 +301,25 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
         ],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 1.0)  # only eu's
-    train = a.recorder.data["rounds"]["1"]["train"]
-    assert train["eu"]["status"] == "trained"
+    train = a.recorder.data.rounds[1].train
+    assert train["eu"].status == "trained"
     # signed for round 2: its reply signature does not verify in round 1, so nothing
     # authenticates it as cn's and it is recorded under its node, its claim noted
-    assert train["node-13"] == {
+    assert written(train["node-13"]) == {
         "status": "rejected",
         "reason": "InvalidEnvelope: invalid envelope",
         "claimed_region": "cn",
     }
     # tampered envelope in a reply us signed: us's reply, rejected
-    assert train["us"] == {"status": "rejected", "reason": "InvalidEnvelope: invalid envelope"}
+    assert written(train["us"]) == {
+        "status": "rejected",
+        "reason": "InvalidEnvelope: invalid envelope",
+    }
     # an unsigned update in the clear while sealing is on: nothing authenticates it
-    assert train["node-15"]["status"] == "rejected"
-    assert train["node-15"]["claimed_region"] == "us"
-    duplicates = a.recorder.data["rounds"]["1"]["duplicates"]
-    assert duplicates == [
+    assert train["node-15"].status == "rejected"
+    assert train["node-15"].claimed_region == "us"
+    duplicates = a.recorder.data.rounds[1].duplicates
+    assert [written(d) for d in duplicates] == [
         {
             "region": "eu",
             "status": "rejected",
@@ -412,10 +416,10 @@ def test_updates_within_their_senders_policies_are_aggregated(policed):
         1, [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 3.0))]
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
-    decisions = a.recorder.data["rounds"]["1"]["decisions"]
-    assert [d["outcome"] for d in decisions] == ["accept", "accept", "accept"]
-    assert decisions[0]["policy_hash"] == policy_hash(policed[2], "eu")
-    assert decisions[2]["subject"] == "aggregate"
+    decisions = a.recorder.data.rounds[1].decisions
+    assert [d.outcome for d in decisions] == ["accept", "accept", "accept"]
+    assert decisions[0].policy_hash == policy_hash(policed[2], "eu")
+    assert decisions[2].subject == "aggregate"
 
 
 def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected(policed):
@@ -427,9 +431,9 @@ def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected
             reply(12, from_region(policed, "cn", 3.0, epsilon=9.5)),
         ],
     )
-    entry = a.recorder.data["rounds"]["1"]["train"]["cn"]
-    assert entry["status"] == "rejected"
-    assert "declared epsilon 9.5 > 8 (privacy.max_lifetime_epsilon)" in entry["reason"]
+    entry = a.recorder.data.rounds[1].train["cn"]
+    assert entry.status == "rejected"
+    assert "declared epsilon 9.5 > 8 (privacy.max_lifetime_epsilon)" in entry.reason
 
 
 @pytest.mark.parametrize(
@@ -443,8 +447,8 @@ def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected
 def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, changes, rule):
     a = policed[0]
     a.train(1, [reply(12, from_region(policed, "cn", 3.0, **changes))])
-    entry = a.recorder.data["rounds"]["1"]["train"]["cn"]
-    assert entry["status"] == "rejected" and rule in entry["reason"]
+    entry = a.recorder.data.rounds[1].train["cn"]
+    assert entry.status == "rejected" and rule in entry.reason
 
 
 def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed):
@@ -462,9 +466,9 @@ def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed
         suite="xwing-fernet",
     )
     a.train(1, [reply(11, wrong_policy), reply(12, fernet)])
-    train = a.recorder.data["rounds"]["1"]["train"]
-    assert "the aggregator holds" in train["eu"]["reason"]
-    assert "suite xwing-fernet not allowed (sealing.allowed_suites)" in train["cn"]["reason"]
+    train = a.recorder.data.rounds[1].train
+    assert "the aggregator holds" in train["eu"].reason
+    assert "suite xwing-fernet not allowed (sealing.allowed_suites)" in train["cn"].reason
 
 
 def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(aggregator, tmp_path):
@@ -477,9 +481,9 @@ def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(aggreg
     clear.info["jurisdiction"] = "EU"
     result = aggregator.train(1, [reply(11, clear)])
     assert isinstance(result.aggregate, Withheld)
-    entry = aggregator.recorder.data["rounds"]["1"]["train"]["eu"]
-    assert entry["status"] == "rejected"
-    assert "the update came unsealed (sealing.required)" in entry["reason"]
+    entry = aggregator.recorder.data.rounds[1].train["eu"]
+    assert entry.status == "rejected"
+    assert "the update came unsealed (sealing.required)" in entry.reason
 
 
 def test_a_refused_aggregate_leaves_the_global_model_unchanged(policed):
@@ -495,11 +499,11 @@ def test_a_refused_aggregate_leaves_the_global_model_unchanged(policed):
     )
     assert isinstance(result.aggregate, Withheld) and result.aggregate.regions == ["eu"]
     np.testing.assert_array_equal(a.global_adapter["w"], before["w"])
-    aggregate = a.recorder.data["rounds"]["1"]["aggregate"]
-    assert aggregate["published"] is False and aggregate["regions"] == ["eu"]
-    assert "the strictest policy needs 2 (aggregation.min_regions)" in aggregate["reasons"][0]
-    assert "the strictest policy needs 100 (aggregation.min_examples)" in aggregate["reasons"][1]
-    assert result.aggregate.reasons == aggregate["reasons"]
+    aggregate = a.recorder.data.rounds[1].aggregate
+    assert aggregate.published is False and aggregate.regions == ["eu"]
+    assert "the strictest policy needs 2 (aggregation.min_regions)" in aggregate.reasons[0]
+    assert "the strictest policy needs 100 (aggregation.min_examples)" in aggregate.reasons[1]
+    assert result.aggregate.reasons == aggregate.reasons
 
 
 def test_too_few_examples_withhold_the_aggregate(policed):
@@ -512,7 +516,7 @@ def test_too_few_examples_withhold_the_aggregate(policed):
         ],
     )
     assert isinstance(result.aggregate, Withheld)
-    reasons = a.recorder.data["rounds"]["1"]["aggregate"]["reasons"]
+    reasons = a.recorder.data.rounds[1].aggregate.reasons
     assert reasons == [
         "40 examples in the aggregate, the strictest policy needs 100 (aggregation.min_examples)"
     ]
@@ -524,9 +528,9 @@ def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
     (folder / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
     a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
     a.train(1, [reply(12, update)])
-    entry = a.recorder.data["rounds"]["1"]["train"]["cn"]
-    assert entry["status"] == "rejected"
-    assert "no readable policy for CN" in entry["reason"] and "cn.yaml:1" in entry["reason"]
+    entry = a.recorder.data.rounds[1].train["cn"]
+    assert entry.status == "rejected"
+    assert "no readable policy for CN" in entry.reason and "cn.yaml:1" in entry.reason
 
 
 def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
@@ -542,16 +546,15 @@ def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
         load_policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder)
         is None
     )
-    assert recorder.data["run"]["policies"] is None
+    assert recorder.data.run.policies is None
 
 
 def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
     a = policed[0]
-    a.recorder.data["run"].update(
-        config={"aggregator-jurisdiction": "EU"},
-        policies={"EU": {"file": "eu.yaml", "hash": "ab" * 32}},
-        regions=["eu", "cn"],
-    )
+    run = a.recorder.data.run
+    run.config = RunSettings(aggregator_jurisdiction="EU")
+    run.policies = {"EU": PolicyHeld(file="eu.yaml", hash="ab" * 32)}
+    run.regions = ["eu", "cn"]
     a.train(
         1,
         [
@@ -635,7 +638,7 @@ def test_a_hostile_update_is_rejected_and_audited_and_the_round_goes_on(audited,
     )
     # eu and us meet the policies' minimums
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
-    assert a.recorder.data["rounds"]["1"]["train"]["cn"]["status"] == "rejected"
+    assert a.recorder.data.rounds[1].train["cn"].status == "rejected"
     rejected = [
         r
         for r in load_records(a.audit.path)
@@ -664,8 +667,8 @@ def test_a_clipped_update_is_recorded_with_its_norm(policed):
         1,
         [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 100.0))],
     )
-    cn = a.recorder.data["rounds"]["1"]["train"]["cn"]
-    assert cn["clipped"] is True and cn["norm"] == pytest.approx(200.0)
+    cn = a.recorder.data.rounds[1].train["cn"]
+    assert cn.clipped is True and cn.norm == pytest.approx(200.0)
     # eu's delta (norm 2) is within the bound; cn's is scaled to norm 2: all ones.
     np.testing.assert_allclose(adapter_of(result)["w"], 1.0, rtol=1e-5)
 

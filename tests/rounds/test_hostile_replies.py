@@ -33,6 +33,7 @@ from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.rounds.wire import ENVELOPE, KEY_ID, SIGNATURE, signed_fields
+from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
     Raw,
@@ -231,10 +232,10 @@ def test_a_malformed_reply_is_rejected_alone_and_the_aggregate_is_the_honest_mea
     )
     # eu and us meet the policies' minimums
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)  # (1 + 3) / 2
-    train = s.recorder.data["rounds"]["1"]["train"]
-    assert train["eu"]["status"] == train["us"]["status"] == "trained"
+    train = s.recorder.data.rounds[1].train
+    assert train["eu"].status == train["us"].status == "trained"
     label = next(k for k in train if k not in ("eu", "us"))
-    assert train[label]["status"] == "rejected" and reason in train[label]["reason"], train
+    assert train[label].status == "rejected" and reason in train[label].reason, train
     records = load_records(s.audit.path)
     rejected = [r for r in records if r["event"] == "update_rejected"]
     assert len(rejected) == 1 and reason in rejected[0]["details"]["reason"]
@@ -263,7 +264,7 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
         ],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
-    assert s.recorder.data["rounds"]["1"]["train"]["cn"] == {
+    assert written(s.recorder.data.rounds[1].train["cn"]) == {
         "status": "rejected",
         "reason": "KeyError: 'a bug'",
     }
@@ -288,7 +289,7 @@ def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, 
         ],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)  # cn not counted
-    assert s.recorder.data["rounds"]["1"]["train"]["cn"]["reason"] == "OSError: disk full"
+    assert s.recorder.data.rounds[1].train["cn"].reason == "OSError: disk full"
 
 
 # -- whose record is it ------------------------------------------------------------------
@@ -310,11 +311,11 @@ def test_garbage_labelled_eu_does_not_displace_eus_genuine_record(audited):
         ],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
-    train = s.recorder.data["rounds"]["1"]["train"]
-    assert train["eu"]["status"] == "trained" and train["eu"]["data_fingerprint"] == "fp"
-    assert train["node-21"]["status"] == "rejected"  # malformed: not even parsed
-    assert train["node-22"]["claimed_region"] == "eu"  # its signature no longer verifies
-    assert "duplicates" not in s.recorder.data["rounds"]["1"]
+    train = s.recorder.data.rounds[1].train
+    assert train["eu"].status == "trained" and train["eu"].data_fingerprint == "fp"
+    assert train["node-21"].status == "rejected"  # malformed: not even parsed
+    assert train["node-22"].claimed_region == "eu"  # its signature no longer verifies
+    assert not s.recorder.data.rounds[1].duplicates
 
 
 def test_a_reply_signed_by_one_region_naming_another_is_recorded_under_its_signer(audited):
@@ -322,10 +323,10 @@ def test_a_reply_signed_by_one_region_naming_another_is_recorded_under_its_signe
     content = declined("eu", "I am eu")
     signed(content, regions["cn"])  # cn's key signs a reply that says eu
     s.train(1, [reply(12, content), reply(11, from_region(audited, "eu", 1.0))])
-    train = s.recorder.data["rounds"]["1"]["train"]
-    assert train["eu"]["status"] == "trained"
-    assert train["node-12"]["status"] == "rejected"
-    assert "signed by 'cn'" in train["node-12"]["reason"]
+    train = s.recorder.data.rounds[1].train
+    assert train["eu"].status == "trained"
+    assert train["node-12"].status == "rejected"
+    assert "signed by 'cn'" in train["node-12"].reason
 
 
 def test_a_replayed_signed_reply_does_not_count_twice(audited):
@@ -335,8 +336,7 @@ def test_a_replayed_signed_reply_does_not_count_twice(audited):
     us = signed(evaluated("us", 4.0, 10), regions["us"])
     result = s.evaluate(1, [reply(11, stats), reply(12, again), reply(13, us)])
     assert result.loss == pytest.approx(3.0)
-    round_ = s.recorder.data["rounds"]["1"]
-    assert round_["duplicates"][0]["status"] == "rejected"
+    assert s.recorder.data.rounds[1].duplicates[0].status == "rejected"
 
 
 def attacker_signed(content: Raw, keypair: Keypair) -> Raw:
@@ -369,9 +369,9 @@ def test_a_malformed_evaluation_is_rejected_alone(audited, metrics, field):
     eu = signed(evaluated("eu", 2.0, 10), regions["eu"])
     result = s.evaluate(1, [reply(11, eu), reply(12, bad)])
     assert result.loss == pytest.approx(2.0)
-    evals = s.recorder.data["rounds"]["1"]["eval"]
+    evals = s.recorder.data.rounds[1].eval
     label = "node-12" if field == "InvalidEnvelope" else "cn"
-    assert evals[label]["status"] == "rejected" and field in evals[label]["reason"]
+    assert evals[label].status == "rejected" and field in evals[label].reason
 
 
 def test_each_signed_reply_has_its_regions_audit_head_witnessed(audited):
@@ -399,7 +399,7 @@ def test_a_sealed_payload_from_update_payload_still_opens(policed):
     s = policed[0]
     content = sealed_payload(policed, "cn", payload)
     s.train(1, [reply(12, content)])
-    assert s.recorder.data["rounds"]["1"]["train"]["cn"]["status"] == "trained"
+    assert s.recorder.data.rounds[1].train["cn"].status == "trained"
 
 
 @pytest.mark.parametrize(

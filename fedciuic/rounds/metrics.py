@@ -1,0 +1,245 @@
+"""The typed model of ``metrics.json``: what :class:`~fedciuic.rounds.record.RunRecorder`
+writes and every reader (summary, progress, report, launchers, checkpoints) reads.
+
+Each field is named once here, so a writer and its readers cannot drift apart. The
+file keeps its shape: round numbers are JSON object keys (strings on disk, ints here),
+and a field the writer never set stays absent (``dump`` leaves out what is unset), so
+``"policies": null`` (policies off) still differs from no ``policies`` at all.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from fedciuic.errors import FedciuicError
+
+#: The label of a round's examples-weighted evaluation, beside the regions' own.
+OVERALL = "overall"
+
+
+class MetricsError(FedciuicError):
+    """A metrics.json that is missing, not JSON, or not what a fedciuic run writes."""
+
+
+class RunStatus(StrEnum):
+    """How a run ended (``run.status``); see :mod:`fedciuic.rounds.record`."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    NO_AGGREGATE = "no-aggregate"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class _Record(BaseModel):
+    """Named fields only (an unknown key is a different file, not a new figure);
+    assignments are validated, since the recorder fills records in as a run goes."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSettings(_Record):
+    """The run config as the run saw it (its keys, hyphenated). Open-ended: every
+    setting is kept; those that readers show are named."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        populate_by_name=True,
+        alias_generator=lambda name: name.replace("_", "-"),
+    )
+
+    num_server_rounds: int | None = None
+    dp: bool = False
+    target_epsilon: float | None = None
+    target_delta: float | None = None
+    secure_mode: bool | None = None
+    codec: str | None = None
+    aggregator_jurisdiction: str | None = None
+    data_root: str | None = None
+    keys_dir: str | None = None
+
+
+class PolicyHeld(_Record):
+    """A jurisdiction's policy as the aggregator held it."""
+
+    file: str
+    hash: str
+
+
+class ResumedFrom(_Record):
+    federation_run: int
+    round: int
+    checkpoint: str
+
+
+class RunHeader(_Record):
+    """The run as a whole (``run``): who, with which settings, and how it ended."""
+
+    run_id: int
+    status: RunStatus
+    started: str | None = None  # UTC, ISO 8601
+    finished: str | None = None
+    regions: list[str] = Field(default_factory=list)
+    config: RunSettings = Field(default_factory=RunSettings)
+    output_dir: str | None = None
+    audit_log: str | None = None
+    base_fingerprint: str | None = None
+    policies: dict[str, PolicyHeld] | None = None  # None: enforce-policies = false
+    resumed_from: ResumedFrom | None = None
+    adapter: str | None = None  # where the final adapter was saved
+    reasons: list[str] | None = None  # no-aggregate: why, per region
+    error: str | None = None  # failed or interrupted: why
+
+    @property
+    def policies_recorded(self) -> bool:
+        """Whether the run said which policies it held (None among them: none)."""
+        return "policies" in self.model_fields_set
+
+
+class TrainEntry(_Record):
+    """A region's training reply: its verdict and, when accepted, the update's figures
+    (the DP ones only from a region that trains under DP)."""
+
+    status: str  # a reply status, see fedciuic.rounds.wire
+    reason: str | None = None
+    claimed_region: str | None = None  # the name the reply claimed, when not its label
+    norm: float | None = None
+    clipped: bool | None = None
+    loss: float | None = None
+    num_examples: int | None = None
+    steps: int | None = None
+    data_fingerprint: str | None = None
+    upload_bytes: int | None = None
+    update_bytes: int | None = None
+    epsilon: float | None = None
+    epsilon_budget: float | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    sample_rate: float | None = None
+    secure_mode: int | None = None
+
+
+class EvalEntry(_Record):
+    """A region's evaluation, or the examples-weighted ``overall`` one (no status)."""
+
+    status: str | None = None
+    reason: str | None = None
+    claimed_region: str | None = None
+    loss: float | None = None
+    perplexity: float | None = None
+    num_examples: int | None = None
+
+
+class Duplicate(TrainEntry):
+    """A second reply from a region in one round: kept apart, never counted."""
+
+    region: str
+    perplexity: float | None = None  # when it was an evaluation
+
+
+class AggregateEntry(_Record):
+    published: bool
+    regions: list[str] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)  # why it was withheld
+
+
+class DecisionEntry(_Record):
+    """A policy decision, as :meth:`fedciuic.policy.rules.Decision.to_record` gives it."""
+
+    actor: str
+    subject: str
+    outcome: str
+    reasons: list[str]
+    policy_hash: str
+    details: dict[str, Any] | None = None
+
+
+class RoundRecord(_Record):
+    """One round: every region's reply, the aggregate, the decisions, when it ended."""
+
+    train: dict[str, TrainEntry] = Field(default_factory=dict)
+    eval: dict[str, EvalEntry] = Field(default_factory=dict)
+    aggregate: AggregateEntry | None = None
+    decisions: list[DecisionEntry] = Field(default_factory=list)
+    duplicates: list[Duplicate] = Field(default_factory=list)
+    ended_at: float | None = None  # Unix time
+
+
+#: The records of each round by number (a checkpoint carries them too).
+Rounds = dict[int, RoundRecord]
+_ROUNDS: TypeAdapter[Rounds] = TypeAdapter(Rounds)
+
+
+class RunMetrics(_Record):
+    """The whole of ``metrics.json``."""
+
+    run: RunHeader
+    rounds: Rounds = Field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON-ready form, as the file holds it."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    def final_eval(self) -> tuple[int, dict[str, EvalEntry]]:
+        """The last round with evaluation results, and those results."""
+        last = max((n for n, rnd in self.rounds.items() if rnd.eval), default=0)
+        rnd = self.rounds.get(last)
+        return last, rnd.eval if rnd else {}
+
+    def first_eval(self) -> dict[str, EvalEntry]:
+        """Round 0's evaluation: the initial adapter's."""
+        rnd = self.rounds.get(0)
+        return rnd.eval if rnd else {}
+
+    def trained(self, region: str) -> list[tuple[int, TrainEntry]]:
+        """A region's training replies, by round."""
+        return [
+            (n, self.rounds[n].train[region])
+            for n in sorted(self.rounds)
+            if region in self.rounds[n].train
+        ]
+
+
+def dump_rounds(rounds: Rounds) -> dict[str, Any]:
+    """Rounds in the JSON-ready form metrics.json (and a checkpoint) holds them."""
+    dumped: dict[str, Any] = _ROUNDS.dump_python(
+        rounds, mode="json", by_alias=True, exclude_unset=True
+    )
+    return dumped
+
+
+def parse_rounds(raw: object) -> Rounds:
+    """Rounds read back (a checkpoint's); raises ``ValidationError`` (a ValueError)."""
+    return _ROUNDS.validate_python(raw)
+
+
+def parse_metrics(raw: object, source: Path | str = "metrics.json") -> RunMetrics:
+    """``raw`` (a parsed metrics.json) as the model, or one line naming what is wrong."""
+    try:
+        return RunMetrics.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top)"
+        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise MetricsError(
+            f"{source}:{where}: {first['msg']}{more}; not a metrics file this fedciuic writes"
+        ) from None
+
+
+def load_metrics(path: Path) -> RunMetrics:
+    """A run's metrics.json, or a :class:`MetricsError` naming the file: missing,
+    unreadable, not JSON, or not what a run writes."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MetricsError(f"{path}: not found") from None
+    except OSError as err:
+        raise MetricsError(f"{path}: cannot read ({err.strerror})") from None
+    except ValueError as err:
+        raise MetricsError(f"{path}: not valid JSON ({err})") from None
+    return parse_metrics(raw, path)
