@@ -30,6 +30,7 @@ from fedciuic.errors import ConfigError
 from fedciuic.ops.outputs import epsilon_spent, fmt_epsilon, fmt_number, upload_bytes
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
 from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
+from fedciuic.rounds.wire import DECLINED, FAILED, REJECTED
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -42,21 +43,21 @@ PLOTS = ("eval_loss", "epsilon", "upload_bytes", "decisions")
 #: How each audit event reads on the timeline.
 AGGREGATOR_OUTCOMES: dict[str, str] = {
     Event.UPDATE_ACCEPTED: "accepted",
-    Event.UPDATE_REJECTED: "rejected",
-    Event.REGION_DECLINED: "declined",
-    Event.REPLY_FAILED: "failed",
+    Event.UPDATE_REJECTED: REJECTED,
+    Event.REGION_DECLINED: DECLINED,
+    Event.REPLY_FAILED: FAILED,
     Event.AGGREGATE_PUBLISHED: "published",
     Event.AGGREGATE_WITHHELD: "withheld",
 }
 MARKERS = {
     "accepted": ("o", "#2ca02c"),
     "published": ("*", "#1f77b4"),
-    "declined": ("^", "#ff7f0e"),
-    "rejected": ("X", "#d62728"),
-    "failed": ("s", "#7f7f7f"),
+    DECLINED: ("^", "#ff7f0e"),
+    REJECTED: ("X", "#d62728"),
+    FAILED: ("s", "#7f7f7f"),
     "withheld": ("D", "#9467bd"),
 }
-REFUSALS = ("declined", "rejected", "failed", "withheld")
+REFUSALS = (DECLINED, REJECTED, FAILED, "withheld")
 
 
 @dataclass
@@ -171,7 +172,7 @@ def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
                 continue
             seen.add(key)
             reason = (record.get("details") or {}).get("reason", "")
-            found.append(Decision(key[0], log.actor, "declined", reason, log.actor))
+            found.append(Decision(key[0], log.actor, DECLINED, reason, log.actor))
     return sorted(found, key=lambda d: (d.round, d.subject == "aggregate", d.subject))
 
 
