@@ -13,6 +13,7 @@ from fedciuic.config import NodeConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.rounds import region_round as rr
+from fedciuic.rounds.sealing import Clear, Sealed
 
 app = ClientApp()
 
@@ -23,9 +24,9 @@ def _content(outcome: rr.Outcome) -> RecordDict:
             return protocol.decline_reply(region, reason)
         case rr.Evaluated(region, stats):
             return protocol.evaluate_reply(region, stats)
-        case rr.Sealed(region, envelope, key_id):
+        case Sealed(region, envelope, key_id):
             return protocol.sealed_reply(region, envelope, key_id)
-        case rr.Clear(arrays, metrics, info):
+        case Clear(arrays, metrics, info):
             return protocol.clear_reply(arrays, metrics, info)
         case rr.Witnessed(region):
             return protocol.witnessed_reply(region)

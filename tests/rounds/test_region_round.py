@@ -27,17 +27,16 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.policy.rules import load_policy
 from fedciuic.rounds.region_round import (
-    Clear,
     Declined,
     Evaluated,
     RegionReply,
-    Sealed,
     Witnessed,
     handle_instruction,
     read_configs,
     unreadable,
     witness_run_end,
 )
+from fedciuic.rounds.sealing import Clear, Sealed
 from fedciuic.rounds.wire import Instruction, RunEndNotice
 from tests.conftest import ROOT, app_config, lab_policies, write_policy
 

@@ -3,8 +3,10 @@ checkpointing under DP, the cheap base identity, and the aggregator's meta layou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from fedciuic.model.adapter import (
     check_quantization,
     save_checkpoint,
 )
-from fedciuic.model.identity import checkpoint_fingerprint
+from fedciuic.model.identity import checkpoint_fingerprint, file_digest
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer
 
@@ -87,7 +89,7 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
         monkeypatch.setattr(adapter_module, "_PAUSED_DURING_RECOMPUTE", [])
         monkeypatch.setattr(
             "fedciuic.privacy.dpsgd.pause_on_recompute",
-            lambda hooks: adapter_module.contextlib.nullcontext(),
+            lambda hooks: contextlib.nullcontext(),
         )
     model = AdapterModel(ModelSpec(preset="tiny", gradient_checkpointing=checkpointing), device=CPU)
     blocks = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
@@ -103,9 +105,8 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
     )
     try:
         lm_loss(trainer.net, blocks[:4]).backward()
-        return {
-            n: p.grad_sample.clone() for n, p in model.model.named_parameters() if p.requires_grad
-        }
+        params = [(n, p) for n, p in model.model.named_parameters() if p.requires_grad]
+        return {n: getattr(p, "grad_sample").clone() for n, p in params}  # noqa: B009
     finally:
         trainer.close()
 
@@ -147,10 +148,12 @@ def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, mo
     first = checkpoint_fingerprint(path, cache=cache)
     assert json.loads(cache.read_text())  # one digest per file, by path
     reads: list[str] = []
-    real = adapter_module.checkpoint_fingerprint.__globals__["file_digest"]
-    monkeypatch.setattr(
-        "fedciuic.model.identity.file_digest", lambda f: reads.append(f.name) or real(f)
-    )
+
+    def counted(file: Path) -> str:
+        reads.append(file.name)
+        return file_digest(file)
+
+    monkeypatch.setattr("fedciuic.model.identity.file_digest", counted)
     assert checkpoint_fingerprint(path, cache=cache) == first and reads == []  # cached
     weights = path / "model.safetensors"
     data = bytearray(weights.read_bytes())

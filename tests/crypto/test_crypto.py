@@ -28,7 +28,7 @@ from fedciuic.crypto.keys import (
 from fedciuic.crypto.xwing import XWingPrivateKey, XWingPublicKey, combiner
 
 # The test vectors of draft-connolly-cfrg-xwing-kem (a copy of shared/vectors/).
-VECTORS = json.loads((Path(__file__).parent / "vectors" / "xwing-draft.json").read_text())
+VECTORS = json.loads((Path(__file__).parent.parent / "vectors" / "xwing-draft.json").read_text())
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=lambda v: v["sk"][:8])
