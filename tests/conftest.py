@@ -1,4 +1,5 @@
-"""Shared fixtures: the app's own run config, demo data, and an offline Flower env."""
+"""Shared fixtures: the app's own run config, demo data, an offline Flower env, and tiny
+checkpoints of each supported architecture (tokenizers cached in a session folder)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel
 
 from fedciuic.config import RunConfig
 from fedciuic.data.demo import write_demo_corpora
+from fedciuic.model.presets import TINY_FAMILIES, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_POLICIES = {"EU": "eu-gdpr.yaml", "CN": "cn-pipl.yaml", "US": "us-ccpa.yaml"}
@@ -39,6 +41,24 @@ def app_config() -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _flwr_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Trained tokenizers go to a session folder, never to the home folder's cache."""
+    root = tmp_path_factory.mktemp("fedciuic-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FEDCIUIC_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, _tokenizer_cache: Path
+) -> dict[str, Path]:
+    """A tiny random-init checkpoint of each supported architecture, built once."""
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    return {family: tiny_checkpoint(family, root / family) for family in TINY_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,42 @@
 """Named presets: DeepSeek-V3-shaped configs built with a seeded random init, and the
 tokenizers they use. No weights can be downloaded, and every party must build the
-very same base, so a preset is a config plus a seed."""
+very same base, so a preset is a config plus a seed.
+
+Also here: a byte-level BPE tokenizer trained locally on text that ships with CPython
+(:func:`bpe_tokenizer`, cached on disk), and tiny random-init checkpoints of each
+architecture the adapter supports (:func:`tiny_checkpoint`), for tests and examples.
+"""
+
+# DeepSeek's special tokens are spelt with FULLWIDTH VERTICAL LINE (｜) on purpose.
+# ruff: noqa: RUF001, RUF002, RUF003
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import DeepseekV3Config, PreTrainedTokenizerFast
+import tokenizers
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LlamaConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
+from fedciuic.data.demo import FAMILIES, module_docs
 from fedciuic.errors import ModelError
 
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
@@ -78,18 +106,38 @@ def _small() -> DeepseekV3Config:
     )
 
 
-#: Named presets; a config string picks one, an unknown name lists them all.
-PRESETS: dict[str, Callable[[], DeepseekV3Config]] = {"tiny": _tiny, "small": _small}
-
-
-def preset_config(name: str) -> DeepseekV3Config:
-    """Return the config of a named preset, or say which names exist."""
-    if name not in PRESETS:
-        raise ModelError(
-            f"run config:model-preset: unknown preset {name!r}; choose one of "
-            f"{', '.join(sorted(PRESETS))} or set model-path to a checkpoint directory"
-        )
-    return PRESETS[name]()
+def _realistic() -> DeepseekV3Config:
+    # About 207M parameters (103M active per token), for a GPU: the DeepSeek-V3 layout
+    # at small scale. 12 layers, the first dense; fine-grained MoE after it (16 routed
+    # experts of width 256, 4 per token, chosen within the 2 best of 4 groups) plus a
+    # shared expert; MLA with low-rank q (384) and kv (256). The vocabulary is the
+    # 8192-token BPE tokenizer's, whose special tokens take ids 0-4.
+    return DeepseekV3Config(
+        vocab_size=REALISTIC_VOCAB_SIZE,
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=256,
+        num_hidden_layers=12,
+        first_k_dense_replace=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=1,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=4096,
+        num_mtp_layers=0,
+        initializer_range=0.02,
+        bos_token_id=BPE_SPECIALS.index(BOS),
+        eos_token_id=BPE_SPECIALS.index(EOS),
+        pad_token_id=BPE_SPECIALS.index(PAD),
+    )
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -123,3 +171,342 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+# --- A byte-level BPE tokenizer trained locally ----------------------------------------
+
+#: DeepSeek's special tokens; the trainer gives them ids 0-4 in this order.
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+BPE_SPECIALS = (BOS, EOS, PAD, USER, ASSISTANT)
+
+#: Vocabulary of the ``realistic`` preset's tokenizer.
+REALISTIC_VOCAB_SIZE = 8192
+
+#: DeepSeek-R1's chat template, less its tool calls and ``<think>`` handling: the
+#: system prompts first (joined by blank lines), then ``<｜User｜>{content}`` per user
+#: turn and ``<｜Assistant｜>{content}<｜end▁of▁sentence｜>`` per assistant turn;
+#: ``add_generation_prompt`` opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% if add_generation_prompt is not defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}"
+    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% if ns.is_first_sp %}{% set ns.system_prompt = message['content'] %}"
+    "{% set ns.is_first_sp = false %}"
+    "{% else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}"
+    "{% endif %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ raise_exception('unknown chat role ' + message['role'] "
+    "+ '; use system, user or assistant') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+#: Bumped whenever the training text or recipe changes, so old caches are not reused.
+_BPE_RECIPE = 1
+#: Pairs seen fewer times are not merged; bounds the vocabulary the text supports.
+_BPE_MIN_FREQUENCY = 2
+_BPE_META = "fedciuic-tokenizer.json"
+
+
+def bpe_tokenizer(
+    vocab_size: int = REALISTIC_VOCAB_SIZE, *, cache_dir: Path | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template.
+
+    Trained locally (no download) on CPython's own documentation: the docstrings of
+    the demo corpora's module families (:data:`fedciuic.data.demo.FAMILIES`) and the
+    language reference topics of ``pydoc_data``. Any UTF-8 text round-trips (bytes
+    the merges do not cover stay single-byte tokens). Training is deterministic, but
+    the text depends on the Python build (its docstrings and optional modules), so
+    parties that must share a vocabulary must run the same Python; the cache key
+    names the Python and ``tokenizers`` versions. The fingerprint of the text and the
+    training time are written next to the tokenizer, in ``fedciuic-tokenizer.json``.
+
+    The first call trains (a couple of seconds for 8192 tokens, most of it reading the
+    docstrings) and saves the tokenizer under ``cache_dir/<key>/`` (by default
+    ``$FEDCIUIC_CACHE/tokenizers`` or else ``~/.cache/fedciuic/tokenizers``); later
+    calls load it from there. Special tokens have ids 0-4: bos, eos, pad, then the
+    chat role markers ``<｜User｜>`` and ``<｜Assistant｜>``.
+    """
+    if vocab_size < 256 + len(BPE_SPECIALS):
+        raise ModelError(
+            f"bpe tokenizer:vocab_size: {vocab_size} cannot hold the 256 bytes and "
+            f"{len(BPE_SPECIALS)} special tokens; ask for at least {256 + len(BPE_SPECIALS)}"
+        )
+    folder = (cache_dir or _default_cache_dir()) / _bpe_key(vocab_size)
+    if not (folder / "tokenizer.json").is_file():
+        _save_atomically(_train_bpe(vocab_size), folder)
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"{folder}: cannot load the cached tokenizer ({err}); delete the folder to retrain it"
+        ) from None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ModelError(f"{folder}: not a fast tokenizer; delete the folder to retrain it")
+    return tokenizer
+
+
+def _default_cache_dir() -> Path:
+    root = os.environ.get("FEDCIUIC_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "fedciuic"
+    return base / "tokenizers"
+
+
+def _bpe_key(vocab_size: int) -> str:
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    return f"bpe{vocab_size}-py{python}-tokenizers{tokenizers.__version__}-r{_BPE_RECIPE}"
+
+
+def bpe_training_text() -> list[str]:
+    """The texts the BPE tokenizer is trained on, in a fixed order (about 0.9M characters
+    on CPython 3.11)."""
+    texts = [doc for region in FAMILIES for doc in module_docs(FAMILIES[region])]
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # a Python stripped of pydoc's data
+        return texts
+    return texts + [topics[name] for name in sorted(topics)]
+
+
+def _train_bpe(vocab_size: int) -> PreTrainedTokenizerFast:
+    began = time.perf_counter()
+    texts = bpe_training_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=_BPE_MIN_FREQUENCY,
+        special_tokens=list(BPE_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ModelError(
+            f"bpe tokenizer:vocab_size: the training text supports only "
+            f"{tok.get_vocab_size()} tokens, not {vocab_size}; ask for at most that many"
+        )
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=[USER, ASSISTANT],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode()).digest())
+    tokenizer.init_kwargs["fedciuic"] = {
+        "texts": len(texts),
+        "chars": sum(len(text) for text in texts),
+        "text_sha256": digest.hexdigest(),
+        "python": sys.version.split()[0],
+        "tokenizers": tokenizers.__version__,
+        "train_seconds": round(time.perf_counter() - began, 3),
+    }
+    return tokenizer
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    # Written to a temporary folder beside the target, then renamed into place, so a
+    # reader never sees half a tokenizer; if another process got there first, its
+    # (identical) copy wins.
+    meta = tokenizer.init_kwargs.pop("fedciuic")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        tokenizer.save_pretrained(staging)
+        (staging / _BPE_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _realistic_tokenizer() -> PreTrainedTokenizerFast:
+    return bpe_tokenizer(REALISTIC_VOCAB_SIZE)
+
+
+# --- The preset table ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named base: its config (built with a seeded random init) and its tokenizer."""
+
+    config: Callable[[], PreTrainedConfig]
+    tokenizer: Callable[[], PreTrainedTokenizerFast]
+
+
+#: Named presets; a config string picks one, an unknown name lists them all.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(_tiny, byte_tokenizer),
+    "small": Preset(_small, byte_tokenizer),
+    "realistic": Preset(_realistic, _realistic_tokenizer),
+}
+
+
+def _preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ModelError(
+            f"run config:model-preset: unknown preset {name!r}; choose one of "
+            f"{', '.join(sorted(PRESETS))} or set model-path to a checkpoint directory"
+        )
+    return PRESETS[name]
+
+
+def preset_config(name: str) -> DeepseekV3Config:
+    """Return the config of a named preset, or say which names exist."""
+    config = _preset(name).config()
+    # Every preset is DeepSeek-V3-shaped today, and the adapter builds
+    # DeepseekV3ForCausalLM from it; Preset.config is typed wider for later presets.
+    if not isinstance(config, DeepseekV3Config):
+        raise ModelError(f"preset {name!r}: {type(config).__name__} is not a DeepSeek-V3 config")
+    return config
+
+
+def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    """Return the tokenizer of a named preset (the BPE one is trained on first use)."""
+    return _preset(name).tokenizer()
+
+
+# --- Tiny checkpoints of each supported architecture -----------------------------------
+
+#: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
+TINY_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen2", "llama")
+#: Vocabulary of the BPE tokenizer tiny checkpoints use unless given another.
+TINY_VOCAB_SIZE = 1024
+
+
+def tiny_checkpoint(
+    family: str,
+    directory: Path,
+    *,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Save a tiny random-init model of ``family`` and its tokenizer to ``directory``.
+
+    Two layers of width 64, a few hundred thousand parameters, built with
+    transformers' own config class for the architecture, so that
+    ``AutoModelForCausalLM`` and ``AutoTokenizer`` load the folder offline. The
+    tokenizer is ``bpe_tokenizer(1024)`` unless given; the model's vocabulary is its
+    length, and its bos/eos/pad ids are the tokenizer's. The same seed writes the
+    same weights.
+    """
+    if family not in _TINY_CONFIGS:
+        raise ModelError(
+            f"tiny checkpoint:family: unknown architecture {family!r}; "
+            f"choose one of {', '.join(TINY_FAMILIES)}"
+        )
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer(TINY_VOCAB_SIZE)
+    config = _TINY_CONFIGS[family](
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    # Seeded without disturbing the caller's random state, as presets are built.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    # Say there is no unknown token: AutoTokenizer loads a qwen2 folder with
+    # Qwen2Tokenizer, which would otherwise add "<|endoftext|>" as its unk token,
+    # one id past the model's vocabulary. (It also rebuilds Qwen's own pre-tokenizer,
+    # NFC normalisation and digit splitting, from the saved vocabulary and merges.)
+    config_file = directory / "tokenizer_config.json"
+    saved = json.loads(config_file.read_text(encoding="utf-8"))
+    saved.setdefault("unk_token", None)
+    config_file.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return directory
+
+
+_TINY_COMMON: dict[str, object] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+def _tiny_deepseek_v3(**ids: int | None) -> PreTrainedConfig:
+    # Like the tiny preset: layer 0 dense, layer 1 MoE; MLA with low-rank q and kv.
+    return DeepseekV3Config(
+        **_TINY_COMMON,  # type: ignore[arg-type]
+        **ids,  # type: ignore[arg-type]
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        num_mtp_layers=0,
+    )
+
+
+def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
+    # The V2-Lite layout: a plain q_proj (no q_lora_rank), low-rank kv, layer 0 dense,
+    # layer 1 MoE with routed and shared experts.
+    return DeepseekV2Config(
+        **_TINY_COMMON,  # type: ignore[arg-type]
+        **ids,  # type: ignore[arg-type]
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+def _tiny_qwen2(**ids: int | None) -> PreTrainedConfig:
+    return Qwen2Config(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
+
+
+def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
+    return LlamaConfig(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
+
+
+_TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
+    "deepseek_v3": _tiny_deepseek_v3,
+    "deepseek_v2": _tiny_deepseek_v2,
+    "qwen2": _tiny_qwen2,
+    "llama": _tiny_llama,
+}
