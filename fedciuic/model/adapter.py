@@ -39,7 +39,7 @@ from fedciuic.config import RunConfig
 from fedciuic.errors import ModelError
 from fedciuic.model.families import resolve_targets, target_names
 from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
-from fedciuic.model.presets import byte_tokenizer, preset_config
+from fedciuic.model.presets import preset_config, preset_tokenizer
 
 # peft calls a transformers property that transformers 5 deprecates; the warning is
 # noise for our users, who cannot act on it.
@@ -191,8 +191,9 @@ def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> B
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model = model.to(device=device, dtype=dtype)
-    fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed)
-    return Base(model, byte_tokenizer(), fingerprint, config.model_type)
+    tokenizer = preset_tokenizer(spec.preset)
+    fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer)
+    return Base(model, tokenizer, fingerprint, config.model_type)
 
 
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
@@ -352,7 +353,8 @@ class AdapterLayout:
             fingerprint = checkpoint_fingerprint(path)
         else:
             config = preset_config(spec.preset)
-            fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed)
+            tokenizer = preset_tokenizer(spec.preset)
+            fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer)
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         targets = resolve_targets(base, config.model_type, spec.lora_targets)

@@ -1,7 +1,8 @@
 """The base model's identity: every party must fine-tune the very same base.
 
-A checkpoint directory is identified by the SHA-256 of its config and weight files
-(``config.json``, ``*.safetensors``, ``*.bin``, the safetensors index), each file's
+A checkpoint directory is identified by the SHA-256 of its config, weight and
+tokenizer files (``config.json``, ``*.safetensors``, ``*.bin``, the index,
+``tokenizer.json``, the chat template), each file's
 digest cached by path, size, modification time and inode, so that a checkpoint that
 has not changed costs a ``stat`` per file instead of a pass over its weights. A preset
 is identified by what builds it: its name, config, seed and the torch version whose
@@ -19,10 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-#: Files whose bytes define a checkpoint's base model (the tokenizer is checked apart).
+#: Files whose bytes define a checkpoint's base model and how it reads text.
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-CONFIG_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+CONFIG_FILES = (
+    "config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
 _CHUNK = 16 * 2**20
 
 
@@ -53,9 +67,20 @@ def checkpoint_fingerprint(path: Path, *, cache: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def preset_fingerprint(name: str, config: Mapping[str, Any], seed: int) -> str:
-    """What builds a preset's weights: name, config, seed and torch's version."""
-    described = {"preset": name, "config": dict(config), "seed": seed, "torch": torch.__version__}
+def preset_fingerprint(
+    name: str, config: Mapping[str, Any], seed: int, tokenizer: PreTrainedTokenizerBase
+) -> str:
+    """What builds a preset's weights (name, config, seed, torch's version) and the
+    tokenizer it reads text with (trained locally, so it could differ by machine)."""
+    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    described = {
+        "preset": name,
+        "config": dict(config),
+        "seed": seed,
+        "torch": torch.__version__,
+        "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(b"fedciuic-preset-v1\n" + text.encode()).hexdigest()
 

@@ -304,3 +304,40 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     assert report.returncode == 0, report.stdout + report.stderr
     assert "note: This run did not end (interrupted" in report.stdout
     assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen2", "llama"])
+def test_each_architecture_trains_one_dp_round_of_a_two_region_simulation(
+    tmp_path, tiny_checkpoints, family
+):
+    """A checkpoint of each family, loaded from its folder with its own BPE tokenizer and
+    chat template: both regions train under DP and the global adapter covers the
+    family's attention projections."""
+    path = tiny_checkpoints[family]
+    done = simulate(
+        tmp_path,
+        "--regions",
+        "eu,cn",
+        "--rounds",
+        "1",
+        "--run-config",
+        f"model-path='{path}'",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    for region in ("eu", "cn"):
+        entry = data["rounds"]["1"]["train"][region]
+        assert entry["status"] == "trained", entry
+        assert entry["epsilon"] > 0
+    adapter = Path(data["run"]["output_dir"]) / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    adapted = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
+    want = {
+        "deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
+        "deepseek_v2": {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
+        "qwen2": {"q_proj", "k_proj", "v_proj", "o_proj"},
+        "llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
+    }[family]
+    assert adapted == want
+    assert config["base_model_name_or_path"] == str(path)
+    assert not processes_under(tmp_path)
