@@ -163,14 +163,31 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+#: A tokenizer's own files; without one, transformers 5 builds an empty tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FIX = "the checkpoint's own tokenizer must be saved beside it (tokenizer.save_pretrained)"
+
+
+def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(
+            f"run config:model-path: {path}: no usable tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); {TOKENIZER_FIX}"
+        )
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(
-            f"run config:model-path: {path}: no usable tokenizer ({_first_line(err)}); the "
-            "checkpoint's own tokenizer must be saved beside it (tokenizer.save_pretrained)"
+            f"run config:model-path: {path}: no usable tokenizer ({_first_line(err)}); "
+            f"{TOKENIZER_FIX}"
         ) from None
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ModelError(
+            f"run config:model-path: {path}: the tokenizer has {len(tokenizer)} tokens, the "
+            f"model's vocabulary {vocab} (config.json:vocab_size): they are not one checkpoint"
+        )
+    return tokenizer
 
 
 @dataclass
@@ -199,7 +216,7 @@ def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> B
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     path = Path(spec.path).expanduser()
     config = _checkpoint_config(path)
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _load_tokenizer(path, config)
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU

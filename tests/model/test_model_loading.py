@@ -197,3 +197,32 @@ def test_the_saved_global_adapter_loads_with_peft(tmp_path):
     for name, value in trained.items():
         np.testing.assert_array_equal(params[name].detach().numpy(), value)
     assert set(params) >= set(model.adapter_state())
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused_naming_the_folder(
+    tmp_path, tiny_checkpoints
+):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for file in tiny_checkpoints["qwen2"].iterdir():
+        if not file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (folder / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(ModelError, match=rf"{folder}: no usable tokenizer"):
+        AdapterModel(ModelSpec(path=str(folder)), device=CPU)
+
+
+@pytest.mark.parametrize(
+    ("family", "adapted"),
+    [
+        ("deepseek_v3", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
+        ("deepseek_v2", {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
+        ("qwen2", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("llama", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+    ],
+)
+def test_auto_targets_per_architecture(tiny_checkpoints, family, adapted):
+    spec = ModelSpec(path=str(tiny_checkpoints[family]))
+    model = AdapterModel(spec, device=CPU)
+    assert {t.rsplit(".", 1)[-1] for t in model.targets} == adapted
+    assert AdapterLayout.of(spec).shapes == {k: v.shape for k, v in model.adapter_state().items()}
+    assert model.tokenizer.chat_template  # the checkpoint's own

@@ -1,0 +1,173 @@
+"""The trainer on a CUDA GPU: tokens/s and peak GPU memory, DP-SGD vs non-DP, bf16 vs NF4.
+
+Runs the ``small`` preset and an R1-Distill-Qwen-shaped checkpoint (a random-init
+``qwen2`` model built and saved locally, since nothing is downloaded), each with and
+without DP, with the base in bf16 and as a 4-bit NF4 base, and prints one row per case
+plus the DP/non-DP ratio per model and precision. Each case runs in its own process
+so that peak memory is its own. ``bash scripts/gpu-check.sh`` installs bitsandbytes
+and runs it.
+
+    .venv/bin/python benchmarks/gpu.py [--steps 20] [--batch-size 8] [--seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedciuic.model.adapter import AdapterModel, ModelSpec, save_checkpoint
+from fedciuic.model.train import lm_loss, make_optimizer
+from fedciuic.privacy.dpsgd import PrivateTrainer
+
+DISTILL_SHAPE: dict[str, Any] = {  # R1-Distill-Qwen-1.5B's layout, fewer layers
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+
+
+def distill_checkpoint(directory: Path) -> Path:
+    """A random-init qwen2 model in R1-Distill-Qwen's shape, with the BPE tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fedciuic.model.presets import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), **DISTILL_SHAPE)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def measure(case: dict[str, Any]) -> dict[str, Any]:
+    """One case, in this process: steps of DP-SGD (hooks) or plain AdamW."""
+    spec = ModelSpec(
+        path=case["path"], dtype="bf16", quantization=case["quantization"], lora_rank=8
+    )
+    model = AdapterModel(spec, device=torch.device("cuda"))
+    vocab = len(model.tokenizer)
+    shape = (case["batch_size"] * 4, case["seq_len"])
+    blocks = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+    batch = blocks[: case["batch_size"]].cuda()
+    if case["dp"]:
+        trainer = PrivateTrainer(
+            model,
+            blocks,
+            batch_size=case["batch_size"],
+            learning_rate=1e-4,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+        step: Callable[[torch.Tensor], float] = trainer.step
+    else:
+        opt = make_optimizer("adamw", model.trainable_parameters(), 1e-4)
+
+        def plain(b: torch.Tensor) -> float:
+            loss = lm_loss(model.model, b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            return float(loss)
+
+        step = plain
+
+    step(batch)  # warm-up (kernels, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(case["steps"]):
+        step(batch)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = case["steps"] * case["batch_size"] * case["seq_len"]
+    return {
+        **case,
+        "tokens_per_s": tokens / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "trainable": model.counts().trainable,
+        "total": model.counts().total,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process's one case
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(measure(json.loads(args.case))))
+        return 0
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA GPU; this machine has none", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {
+            "small": save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small"),
+            "r1-distill-qwen-shape": distill_checkpoint(Path(tmp) / "distill"),
+        }
+        for name, path in models.items():
+            for quantization in ("none", "nf4"):
+                for dp in (False, True):
+                    case = {
+                        "model": name,
+                        "path": str(path),
+                        "quantization": quantization,
+                        "dp": dp,
+                        "steps": args.steps,
+                        "batch_size": args.batch_size,
+                        "seq_len": args.seq_len,
+                    }
+                    done = subprocess.run(
+                        [sys.executable, __file__, "--case", json.dumps(case)],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    )
+                    if done.returncode != 0:
+                        print(f"{name} {quantization} dp={dp}: FAILED\n{done.stderr[-2000:]}")
+                        continue
+                    rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"{'model':24} {'base':5} {'DP':5} {'tokens/s':>10} {'peak GiB':>9} {'DP/non-DP':>10}")
+    for row in rows:
+        base = next(
+            (
+                r
+                for r in rows
+                if r["model"] == row["model"]
+                and r["quantization"] == row["quantization"]
+                and not r["dp"]
+            ),
+            None,
+        )
+        ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and row["dp"] else ""
+        precision = "nf4" if row["quantization"] == "nf4" else "bf16"
+        print(
+            f"{row['model']:24} {precision:5} {row['dp']!s:5} {row['tokens_per_s']:10.0f} "
+            f"{row['peak_gib']:9.2f} {ratio:>10}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The trainer on a CUDA GPU (benchmarks/gpu.py): the small preset and an
+# R1-Distill-Qwen-shaped checkpoint, with and without DP, in bf16 and NF4.
+# Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "gpu-check: no CUDA GPU here (nvidia-smi not found)" >&2
+    exit 2
+fi
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/pip install -q -e '.[cuda]'
+exec .venv/bin/python benchmarks/gpu.py "$@"
