@@ -18,15 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from dp_overhead import make_step  # the same step as the CPU benchmark (scripts side by side)
 
 from fedciuic.model.adapter import AdapterModel, ModelSpec, save_checkpoint
-from fedciuic.model.train import lm_loss, make_optimizer
-from fedciuic.privacy.dpsgd import PrivateTrainer
 
 DISTILL_SHAPE: dict[str, Any] = {  # R1-Distill-Qwen-1.5B's layout, fewer layers
     "hidden_size": 1536,
@@ -62,28 +60,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     shape = (case["batch_size"] * 4, case["seq_len"])
     blocks = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
     batch = blocks[: case["batch_size"]].cuda()
-    if case["dp"]:
-        trainer = PrivateTrainer(
-            model,
-            blocks,
-            batch_size=case["batch_size"],
-            learning_rate=1e-4,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
-        step: Callable[[torch.Tensor], float] = trainer.step
-    else:
-        opt = make_optimizer("adamw", model.trainable_parameters(), 1e-4)
-
-        def plain(b: torch.Tensor) -> float:
-            loss = lm_loss(model.model, b)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            return float(loss)
-
-        step = plain
-
+    step = make_step("hooks" if case["dp"] else "non-dp", model, blocks, case["batch_size"])
     step(batch)  # warm-up (kernels, allocator)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
