@@ -341,3 +341,32 @@ def test_each_architecture_trains_one_dp_round_of_a_two_region_simulation(
     assert adapted == want
     assert config["base_model_name_or_path"] == str(path)
     assert not processes_under(tmp_path)
+
+
+def test_the_realistic_preset_trains_one_sealed_dp_round(tmp_path):
+    """The 207M-parameter DeepSeek-V3-shaped preset with its BPE tokenizer, end to end:
+    both regions train under DP and their sealed updates are aggregated."""
+    done = simulate(
+        tmp_path,
+        "--regions",
+        "eu,cn",
+        "--rounds",
+        "1",
+        "--run-config",
+        "model-preset='realistic'",
+        "--run-config",
+        "local-steps=2",
+        "--run-config",
+        "batch-size=4",
+        "--run-config",
+        "max-eval-examples=8",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    for region in ("eu", "cn"):
+        entry = data["rounds"]["1"]["train"][region]
+        assert entry["status"] == "trained" and entry["epsilon"] > 0, entry
+        assert entry["upload_bytes"] > 10_000  # a real update, sealed
+    assert done.stdout.count("audit: OK: ") == 3, done.stdout
+    assert not processes_under(tmp_path)
