@@ -14,7 +14,6 @@ fp32. The aggregator never loads the base: :class:`AdapterLayout` builds it on t
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,10 +47,8 @@ warnings.filterwarnings(
     "ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning
 )
 
-_LOG = logging.getLogger("flwr")
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECKPOINT_FIX = (
     "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
@@ -200,16 +197,25 @@ class Base:
     model_type: str
 
 
-def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, str]:
+    """A preset's config, tokenizer and fingerprint, without building its weights."""
     config = preset_config(spec.preset)
+    tokenizer = preset_tokenizer(spec.preset)
+    return (
+        config,
+        tokenizer,
+        preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer),
+    )
+
+
+def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+    config, tokenizer, fingerprint = _preset(spec)
     # Every party builds the same base from the same seed, without disturbing the
     # caller's random state; then casts it (the init is always drawn in fp32).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model = model.to(device=device, dtype=dtype)
-    tokenizer = preset_tokenizer(spec.preset)
-    fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer)
     return Base(model, tokenizer, fingerprint, config.model_type)
 
 
@@ -241,7 +247,6 @@ def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) 
 def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
     """The frozen base on ``device`` in the spec's dtype (or 4-bit), and its tokenizer."""
     device = device or default_device()
-    check_model_spec(spec)
     check_quantization(spec, device)
     dtype = base_dtype(spec, device)
     base = _checkpoint_base(spec, dtype, device) if spec.path else _preset_base(spec, dtype, device)
@@ -249,14 +254,14 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
     return base
 
 
-def lora_config(spec: ModelSpec, targets: list[str], base: str = "") -> LoraConfig:
+def lora_config(spec: ModelSpec, targets: list[str]) -> LoraConfig:
     return LoraConfig(
         r=spec.lora_rank,
         lora_alpha=int(spec.lora_alpha),
         target_modules=targets,
         lora_dropout=0.0,
         bias="none",
-        base_model_name_or_path=base or None,
+        base_model_name_or_path=spec.path or None,
     )
 
 
@@ -277,14 +282,17 @@ def _exact_targets() -> Iterator[None]:
         conversion.convert_peft_config_for_transformers = original
 
 
-def _with_adapters(model: PreTrainedModel, spec: ModelSpec, model_type: str) -> PeftModel:
+def _with_adapters(
+    model: PreTrainedModel, spec: ModelSpec, model_type: str
+) -> tuple[PeftModel, list[str]]:
+    """The model with adapters on the modules ``lora-targets`` picks, and their paths."""
     targets = resolve_targets(model, model_type, spec.lora_targets)
     # Adapters start from the same seed everywhere too (B = 0, A seeded).
     with torch.random.fork_rng(devices=[]), _exact_targets():
         torch.manual_seed(spec.seed + 1)
-        peft_model = get_peft_model(model, lora_config(spec, targets, spec.path))
+        peft_model = get_peft_model(model, lora_config(spec, targets))
     assert isinstance(peft_model, PeftModel)
-    return peft_model
+    return peft_model, targets
 
 
 class AdapterModel:
@@ -300,16 +308,13 @@ class AdapterModel:
         base = build_base(spec, self.device)
         self.tokenizer = base.tokenizer
         self.base_fingerprint = base.fingerprint
-        self.model: PeftModel = _with_adapters(base.model, spec, base.model_type)
+        self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
         for param in self.model.parameters():
             if param.requires_grad:  # adapters (and so optimizer state) in fp32
                 param.data = param.data.to(device=self.device, dtype=torch.float32)
         if spec.gradient_checkpointing:
             enable_checkpointing(base.model)
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        self.targets = sorted(
-            {n.split(".lora_")[0].removeprefix("base_model.model.") for n in self._names}
-        )
 
     def describe(self) -> str:
         """One line for the start of a run: what is adapted and how much trains."""
@@ -363,20 +368,15 @@ class AdapterLayout:
 
     @classmethod
     def of(cls, spec: ModelSpec) -> AdapterLayout:
-        check_model_spec(spec)
         if spec.path:
             path = Path(spec.path).expanduser()
             config = _checkpoint_config(path)
             fingerprint = checkpoint_fingerprint(path)
         else:
-            config = preset_config(spec.preset)
-            tokenizer = preset_tokenizer(spec.preset)
-            fingerprint = preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer)
+            config, _, fingerprint = _preset(spec)
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-        targets = resolve_targets(base, config.model_type, spec.lora_targets)
-        with torch.device("meta"), _exact_targets():
-            peft_model = get_peft_model(base, lora_config(spec, targets, spec.path))
+            peft_model, targets = _with_adapters(base, spec, config.model_type)
         shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
         return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed))
 
@@ -389,7 +389,7 @@ class AdapterLayout:
             for name in self.shapes
         }
         save_file(tensors, str(directory / ADAPTER_WEIGHTS))
-        lora_config(self.spec, self.targets, self.spec.path).save_pretrained(str(directory))
+        lora_config(self.spec, self.targets).save_pretrained(str(directory))
         return directory / ADAPTER_WEIGHTS
 
 

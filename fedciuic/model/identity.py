@@ -43,7 +43,7 @@ _CHUNK = 16 * 2**20
 def cache_dir() -> Path:
     """``$FEDCIUIC_CACHE``, else ``~/.cache/fedciuic``."""
     configured = os.environ.get("FEDCIUIC_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "fedciuic"
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "fedciuic"
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -126,6 +126,7 @@ class _DigestCache:
         """Atomically; a cache that cannot be written is only slower next time."""
         if not self.changed:
             return
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".digests.")
@@ -133,4 +134,5 @@ class _DigestCache:
                 json.dump(self.entries, handle, sort_keys=True)
             os.replace(tmp, self.path)
         except OSError:
-            pass
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)

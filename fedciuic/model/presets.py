@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -38,18 +37,25 @@ from transformers import (
 
 from fedciuic.data.demo import FAMILIES, module_docs
 from fedciuic.errors import ModelError
+from fedciuic.model.identity import cache_dir as fedciuic_cache
 
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIALS)
 
 
-def _tiny() -> DeepseekV3Config:
+def _tiny(
+    vocab_size: int = BYTE_VOCAB_SIZE,
+    bos_token_id: int | None = 256,
+    eos_token_id: int | None = 257,
+    pad_token_id: int | None = 258,
+) -> DeepseekV3Config:
     # Two layers keep the DeepSeek-V3 shape: layer 0 dense, layer 1 MoE with
     # 4 routed experts (2 per token) and a shared expert; MLA with low-rank q and kv.
     # initializer_range is raised from 0.02 so that a random base has logits an
-    # adapter can steer; with 0.02 the output layer is nearly flat.
+    # adapter can steer; with 0.02 the output layer is nearly flat. The tiny
+    # deepseek_v3 checkpoint is this config with its tokenizer's vocabulary and ids.
     return DeepseekV3Config(
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
@@ -70,9 +76,9 @@ def _tiny() -> DeepseekV3Config:
         max_position_embeddings=512,
         num_mtp_layers=0,
         initializer_range=0.1,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
     )
 
 
@@ -243,7 +249,7 @@ def bpe_tokenizer(
             f"bpe tokenizer:vocab_size: {vocab_size} cannot hold the 256 bytes and "
             f"{len(BPE_SPECIALS)} special tokens; ask for at least {256 + len(BPE_SPECIALS)}"
         )
-    folder = (cache_dir or _default_cache_dir()) / _bpe_key(vocab_size)
+    folder = (cache_dir or fedciuic_cache() / "tokenizers") / _bpe_key(vocab_size)
     if not (folder / "tokenizer.json").is_file():
         _save_atomically(_train_bpe(vocab_size), folder)
     try:
@@ -255,12 +261,6 @@ def bpe_tokenizer(
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ModelError(f"{folder}: not a fast tokenizer; delete the folder to retrain it")
     return tokenizer
-
-
-def _default_cache_dir() -> Path:
-    root = os.environ.get("FEDCIUIC_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "fedciuic"
-    return base / "tokenizers"
 
 
 def _bpe_key(vocab_size: int) -> str:
@@ -373,14 +373,9 @@ def _preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def preset_config(name: str) -> DeepseekV3Config:
+def preset_config(name: str) -> PreTrainedConfig:
     """Return the config of a named preset, or say which names exist."""
-    config = _preset(name).config()
-    # Every preset is DeepSeek-V3-shaped today, and the adapter builds
-    # DeepseekV3ForCausalLM from it; Preset.config is typed wider for later presets.
-    if not isinstance(config, DeepseekV3Config):
-        raise ModelError(f"preset {name!r}: {type(config).__name__} is not a DeepSeek-V3 config")
-    return config
+    return _preset(name).config()
 
 
 def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
@@ -454,28 +449,6 @@ _TINY_COMMON: dict[str, object] = {
 }
 
 
-def _tiny_deepseek_v3(**ids: int | None) -> PreTrainedConfig:
-    # Like the tiny preset: layer 0 dense, layer 1 MoE; MLA with low-rank q and kv.
-    return DeepseekV3Config(
-        **_TINY_COMMON,  # type: ignore[arg-type]
-        **ids,  # type: ignore[arg-type]
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        num_mtp_layers=0,
-    )
-
-
 def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
     # The V2-Lite layout: a plain q_proj (no q_lora_rank), low-rank kv, layer 0 dense,
     # layer 1 MoE with routed and shared experts.
@@ -505,7 +478,7 @@ def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
 
 
 _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
-    "deepseek_v3": _tiny_deepseek_v3,
+    "deepseek_v3": _tiny,
     "deepseek_v2": _tiny_deepseek_v2,
     "qwen2": _tiny_qwen2,
     "llama": _tiny_llama,
