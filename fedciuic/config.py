@@ -134,6 +134,21 @@ class RunConfig(_Strict):
     insecure_reproducible_noise: bool = False
     dp_accountant: Literal["prv", "rdp"] = "prv"
     dp_mode: Literal["hooks", "ghost"] = "hooks"
+    #: What one DP guarantee covers: one ``record``, or everything one ``user`` contributed
+    #: (user-level DP-SGD: users are sampled and each user's gradient is clipped; the
+    #: records name their user in ``user-id-field``). docs/privacy.md.
+    privacy_unit: Literal["record", "user"] = "record"
+    user_id_field: str = Field(default="user_id", min_length=1)
+    #: At most this many of one unit's examples (a user's records, a long record's
+    #: chunks) in a DP-SGD step; their mean gradient is clipped as one.
+    max_examples_per_unit: int = Field(default=4, ge=1, le=1024)
+    # A region's records (docs/data.md): the field names of each record shape.
+    text_field: str = Field(default="text", min_length=1)
+    prompt_field: str = Field(default="prompt", min_length=1)
+    response_field: str = Field(default="response", min_length=1)
+    messages_field: str = Field(default="messages", min_length=1)
+    #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
+    bad_rows: Literal["refuse", "skip"] = "refuse"
     # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
     seal: bool = True
     seal_suite: Literal["xwing-aes256gcm", "xwing-fernet"] = "xwing-aes256gcm"
