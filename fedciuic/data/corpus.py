@@ -1,141 +1,212 @@
-"""In-region data: read only the files under a region's own ``data-path``, tokenise locally.
+"""A region's data as training sees it: examples split by record, grouped by privacy unit.
 
-A region's data never leaves its ClientApp; this module is the only place that opens
-it. Every file is resolved and checked to lie inside ``data-path`` before it is
-opened, so a symlink cannot smuggle another region's data (or anything else) in.
+Each example is one record (or one seq-len chunk of a long text record), padded to the
+longest example of its batch with the attention mask off and no loss on the padding:
+documents never share a row, so none attends to another, and an example's gradient
+belongs to one record and one person (what DP-SGD clips). Packing several records into a
+row would save padding but give one row's gradient several owners.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.data.records import Fields
+from fedciuic.data.sources import discover, root_of
+from fedciuic.data.tokenized import (
+    BUCKET,
+    FEATURES,
+    IGNORE,
+    INPUT_IDS,
+    LABELS,
+    RECORD,
+    USER,
+    Summary,
+    Tokenized,
+    tokenized,
+)
 from fedciuic.errors import DataError
 
-#: File types a region may hold: JSON Lines (one ``{"text": ...}`` per line) and plain text.
-#: Files and folders whose names start with a dot are not data and are skipped.
-SUFFIXES = (".jsonl", ".txt")
+#: How many reasons a refusal quotes (``fedciuic data check`` lists them all).
+QUOTED = 3
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded examples: ids, labels (``-100``: no loss) and the attention mask."""
+
+    input_ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device)
+        )
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def of_ids(cls, input_ids: torch.Tensor) -> Batch:
+        """Unpadded rows with every token trained on (benchmarks and tests)."""
+        return cls(input_ids, input_ids, torch.ones_like(input_ids))
+
+
+@dataclass(frozen=True)
+class ExampleSet:
+    """Some rows of the memory-mapped examples, with the privacy unit each belongs to."""
+
+    table: datasets.Dataset
+    rows: np.ndarray  # [n] row numbers in ``table``
+    units: np.ndarray  # [n] the unit (record or user digest) of each row
+    pad_id: int
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @classmethod
+    def of_rows(
+        cls, rows: torch.Tensor, *, units: Sequence[int] | None = None, pad_id: int = 0
+    ) -> ExampleSet:
+        """Token rows held in memory, every token trained on, one unit per row unless
+        ``units`` says otherwise (benchmarks and tests that bring their own tokens)."""
+        ids = rows.tolist()
+        n = len(ids)
+        owners = list(range(n)) if units is None else [int(u) for u in units]
+        table = datasets.Dataset.from_dict(
+            {
+                INPUT_IDS: ids,
+                LABELS: ids,
+                RECORD: list(range(n)),
+                USER: owners,
+                BUCKET: [0.5] * n,
+            },
+            features=FEATURES,
+        )
+        return cls(table, np.arange(n), np.asarray(owners, dtype=np.int64), pad_id)
+
+    @property
+    def num_units(self) -> int:
+        return int(np.unique(self.units).shape[0])
+
+    def batch(self, positions: Sequence[int] | np.ndarray) -> Batch:
+        """The examples at ``positions`` (indices into this set), right-padded."""
+        picked = self.table[[int(self.rows[p]) for p in positions]]
+        ids, labels = picked[INPUT_IDS], picked[LABELS]
+        width = max(len(x) for x in ids)
+        shape = (len(ids), width)
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        label_ids = torch.full(shape, IGNORE, dtype=torch.long)
+        mask = torch.zeros(shape, dtype=torch.long)
+        for i, (row_ids, row_labels) in enumerate(zip(ids, labels, strict=True)):
+            n = len(row_ids)
+            input_ids[i, :n] = torch.as_tensor(row_ids, dtype=torch.long)
+            label_ids[i, :n] = torch.as_tensor(row_labels, dtype=torch.long)
+            mask[i, :n] = 1
+        return Batch(input_ids, label_ids, mask)
+
+    def batches(self, size: int) -> list[Batch]:
+        """The whole set in order, ``size`` examples at a time (evaluation)."""
+        return [
+            self.batch(range(start, min(start + size, len(self))))
+            for start in range(0, len(self), size)
+        ]
 
 
 @dataclass(frozen=True)
 class RegionData:
-    """A region's tokenised data: fixed-length blocks, split into train and held-out eval."""
+    """A region's examples, split into train and held-out eval by a hash of each record."""
 
     region: str
     root: Path
     files: tuple[str, ...]
     fingerprint: str
-    train: torch.Tensor  # [n_train, seq_len] token ids
-    eval: torch.Tensor  # [n_eval, seq_len] token ids
-
-
-def list_data_files(data_path: str | Path) -> list[Path]:
-    """List the region's data files (sorted), refusing anything that resolves outside it."""
-    root = Path(data_path).expanduser()
-    if not root.is_dir():
-        what = "does not exist" if not root.exists() else "is not a directory"
-        raise DataError(
-            f"data-path {root} {what}; create it with the region's .jsonl/.txt files "
-            "(or run `fedciuic demo-data DIR`) and pass it as data-path"
-        )
-    real_root = root.resolve()
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
-        # Hidden entries are not data: the region keeps its state (ledger) in .fedciuic/.
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        filenames = [f for f in filenames if not f.startswith(".")]
-        for name in sorted(dirnames) + sorted(filenames):
-            entry = Path(dirpath) / name
-            if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
-                raise DataError(
-                    f"{entry}: links outside data-path {real_root} (to {entry.resolve()}); "
-                    "a region reads only its own folder: copy the data in instead"
-                )
-        found.extend(Path(dirpath) / n for n in filenames if Path(n).suffix in SUFFIXES)
-        dirnames.sort()
-    if not found:
-        raise DataError(
-            f"data-path {real_root} holds no {' or '.join(SUFFIXES)} files; add the "
-            "region's text there"
-        )
-    return sorted(found)
-
-
-def read_documents(path: Path) -> list[str]:
-    """Read one file's documents: each JSON Lines record's ``text``, or a whole text file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            content = handle.read()
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror}); check its permissions") from None
-    if path.suffix == ".txt":
-        return [content] if content.strip() else []
-    docs = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{lineno}: expected an object like {{"text": "..."}}')
-        docs.append(record["text"])
-    return docs
+    unit: str  # the privacy unit the train set is grouped by: record or user
+    train: ExampleSet
+    eval: ExampleSet
+    summary: Summary
+    cache: Path  # the tokenised examples in the region's state-path
+    tokenised_now: bool  # False: read from the cache
 
 
 def load_region_data(
-    region: str,
-    data_path: str | Path,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    seq_len: int,
-    eval_fraction: float,
-    max_eval_examples: int,
+    run: RunConfig, node: NodeConfig, tokenizer: PreTrainedTokenizerBase
 ) -> RegionData:
-    """Tokenise a region's files into ``seq_len`` blocks and hold out every k-th block.
+    """Read, check and tokenise (once) a region's records, then split and group them.
 
-    The split depends only on the data (block order), so it is the same in every
-    round and every run, and evaluation never sees training blocks.
+    A record is held out for evaluation when the hash of its content falls below
+    ``eval-fraction``: the same records every round and run, whatever their order,
+    and duplicates of a record fall on the same side.
     """
-    files = list_data_files(data_path)
-    digest = hashlib.sha256()
-    ids: list[int] = []
-    eos = tokenizer.eos_token_id
-    root = Path(data_path).expanduser().resolve()
-    for path in files:
-        docs = read_documents(path)
-        digest.update(f"{path.relative_to(root)}\n".encode())
-        for doc in docs:
-            digest.update(hashlib.sha256(doc.encode()).digest())
-            ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                ids.append(int(eos))
-    n_blocks = len(ids) // seq_len
-    if n_blocks < 2:
-        raise DataError(
-            f"region {region}: data-path {root} has {len(ids)} tokens, fewer than the "
-            f"{2 * seq_len} needed for one training and one evaluation block of seq-len "
-            f"{seq_len}; add text or lower seq-len"
-        )
-    blocks = torch.tensor(ids[: n_blocks * seq_len], dtype=torch.long).view(n_blocks, seq_len)
-    every = max(2, round(1 / eval_fraction))
-    is_eval = (torch.arange(n_blocks) % every) == every - 1
-    if not bool(is_eval.any()):
-        is_eval[-1] = True
-    return RegionData(
-        region=region,
-        root=root,
-        files=tuple(str(p.relative_to(root)) for p in files),
-        fingerprint=digest.hexdigest(),
-        train=blocks[~is_eval],
-        eval=blocks[is_eval][:max_eval_examples],
+    root = root_of(node.data_path)
+    sources = discover(root)
+    data = tokenized(
+        sources,
+        tokenizer,
+        seq_len=run.seq_len,
+        fields=Fields.from_run(run),
+        state_dir=node.state_dir,
     )
+    summary = data.summary
+    # Padding is masked out of attention and loss: any id the model knows will do.
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    _refuse_bad_rows(run, node.region, root, summary)
+    units = _units(run, node.region, root, data)
+    buckets = data.examples.data.column(BUCKET).to_numpy()
+    held_out = buckets < run.eval_fraction
+    all_rows = np.arange(data.examples.num_rows)
+    train_rows, eval_rows = all_rows[~held_out], all_rows[held_out][: run.max_eval_examples]
+    if not len(train_rows) or not len(eval_rows):
+        which = "training" if not len(train_rows) else "held-out evaluation"
+        raise DataError(
+            f"region {node.region}: data-path {root} gives {data.examples.num_rows} example(s) "
+            f"from {summary.records} record(s), and none for {which} (eval-fraction "
+            f"{run.eval_fraction:g}); add records"
+        )
+    return RegionData(
+        region=node.region,
+        root=root,
+        files=tuple(s.name for s in sources),
+        fingerprint=summary.data_fingerprint,
+        unit=run.privacy_unit,
+        train=ExampleSet(data.examples, train_rows, units[train_rows], pad_id),
+        eval=ExampleSet(data.examples, eval_rows, units[eval_rows], pad_id),
+        summary=summary,
+        cache=data.folder,
+        tokenised_now=data.built,
+    )
+
+
+def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) -> None:
+    if not summary.bad_rows or run.bad_rows == "skip":
+        return
+    raise DataError(
+        f"region {region}: {summary.bad_rows} bad row(s) in data-path {root}: "
+        + "; ".join(summary.bad_reasons[:QUOTED])
+        + f'; fix them (`fedciuic data check {root}` lists them) or set bad-rows = "skip"'
+    )
+
+
+def _units(run: RunConfig, region: str, root: Path, data: Tokenized) -> np.ndarray:
+    """Each example's privacy unit: its record, or the user the record names."""
+    if run.privacy_unit == "record":
+        return np.asarray(data.examples.data.column(RECORD).to_numpy())
+    summary = data.summary
+    if summary.without_user:
+        raise DataError(
+            f"region {region}: {summary.without_user} record(s) in {root} name no user, e.g. "
+            + ", ".join(summary.without_user_where[:QUOTED])
+            + f': field {run.user_id_field} missing; privacy-unit = "user" needs it in every '
+            "record: add it, set user-id-field to your field's name, or set "
+            'privacy-unit = "record"'
+        )
+    return np.asarray(data.examples.data.column(USER).to_numpy())

@@ -37,7 +37,7 @@ from transformers import (
 
 from fedciuic.data.demo import FAMILIES, module_docs
 from fedciuic.errors import ModelError
-from fedciuic.model.identity import cache_dir as fedciuic_cache
+from fedciuic.digests import cache_dir as fedciuic_cache
 
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIALS)

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.data_loader import switch_generator
@@ -23,6 +24,7 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import REPRODUCIBLE_NOISE_WARNING
+from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel, pause_on_recompute
 from fedciuic.model.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
@@ -122,15 +124,38 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
             super().__init__(accountant="prv", secure_mode=False)
 
 
+class Units:
+    """The train set grouped by privacy unit: which examples each unit owns."""
+
+    def __init__(self, examples: ExampleSet) -> None:
+        _, inverse, counts = np.unique(examples.units, return_inverse=True, return_counts=True)
+        self.count = int(counts.shape[0])
+        self.order = np.argsort(inverse, kind="stable")
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.largest = int(counts.max()) if self.count else 0
+
+    def examples(self, unit: int) -> np.ndarray:
+        return self.order[self.offsets[unit] : self.offsets[unit + 1]]
+
+
 class PrivateTrainer:
-    """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done."""
+    """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
+
+    What is sampled and clipped is a privacy unit (a record, or every record of one
+    user): each step Poisson-samples units, takes up to ``max_examples_per_unit`` of
+    each sampled unit's examples, and clips the mean of their gradients as one
+    (user-level DP-SGD with user-level sampling, "ULS" in Chua et al. 2024). With one
+    example per unit this is Opacus' DP-SGD exactly; the accountant sees the units'
+    sample rate.
+    """
 
     def __init__(
         self,
         model: AdapterModel,
-        blocks: torch.Tensor,
+        examples: ExampleSet,
         *,
         batch_size: int,
+        max_examples_per_unit: int = 1,
         learning_rate: float,
         noise_multiplier: float,
         max_grad_norm: float,
@@ -145,11 +170,19 @@ class PrivateTrainer:
         operating system, so no other party can predict or replay the noise."""
         self.model = model
         self.mode = mode
-        self.blocks = blocks
+        self.examples = examples
+        self.units = Units(examples)
+        self.per_unit = min(max_examples_per_unit, self.units.largest)
         if mode == "ghost" and model.spec.gradient_checkpointing:
             raise ModelError(
                 'run config:gradient-checkpointing: not with dp-mode = "ghost" (ghost '
                 'clipping runs its own second backward pass); use dp-mode = "hooks"'
+            )
+        if mode == "ghost" and self.per_unit > 1:
+            raise ModelError(
+                'run config:dp-mode: "ghost" clips each example on its own, but this '
+                f"region's privacy units have up to {self.units.largest} examples; set "
+                'max-examples-per-unit = 1 (one example per unit and step) or dp-mode = "hooks"'
             )
         engine = _Engine()
         self._stack = contextlib.ExitStack()
@@ -166,7 +199,9 @@ class PrivateTrainer:
             noise_gen, self.generator_kind = secure_generator(device)
             sample_gen, _ = secure_generator("cpu")
         self.noise_generator = noise_gen
-        loader = DataLoader(TensorDataset(blocks), batch_size=batch_size)
+        self.sample_generator = sample_gen
+        # Opacus Poisson-samples the units' numbers; each step then gathers their examples.
+        loader = DataLoader(TensorDataset(torch.arange(self.units.count)), batch_size=batch_size)
         opt = make_optimizer(optimizer, model.trainable_parameters(), learning_rate)
         model.model.train()
         made: Any = engine.make_private(
@@ -201,8 +236,23 @@ class PrivateTrainer:
         self.steps_taken = 0
         self.empty_steps = 0
 
-    def step(self, batch: torch.Tensor) -> float:
-        """One DP-SGD step on ``batch``; returns the batch loss."""
+    def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+        """The sampled units' examples (at most ``per_unit`` each, drawn with the sampling
+        generator) as one batch, and the position of each example's unit in ``units``."""
+        positions: list[int] = []
+        owners: list[int] = []
+        for slot, unit in enumerate(units.tolist()):
+            owned = self.units.examples(int(unit))
+            if len(owned) > self.per_unit:
+                pick = torch.randperm(len(owned), generator=self.sample_generator)
+                owned = owned[pick[: self.per_unit].numpy()]
+            positions.extend(int(p) for p in owned)
+            owners.extend([slot] * len(owned))
+        return self.examples.batch(positions), torch.tensor(owners, dtype=torch.long)
+
+    def step(self, units: torch.Tensor) -> float:
+        """One DP-SGD step on the sampled ``units``; returns the batch loss."""
+        batch, owners = self.gather(units)
         batch = batch.to(self.model.device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.criterion is not None:  # ghost clipping: Opacus runs both backward passes
@@ -213,8 +263,23 @@ class PrivateTrainer:
         else:
             loss = lm_loss(self.net, batch)
         loss.backward()
+        if self.criterion is None and len(owners) > units.shape[0]:
+            self._per_unit_gradients(owners.to(self.model.device), units.shape[0])
         self.optimizer.step()
         return float(loss.detach())
+
+    def _per_unit_gradients(self, owners: torch.Tensor, count: int) -> None:
+        """Replace each parameter's per-example gradients by their mean per unit, so that
+        the optimizer clips (and the accountant counts) units, not examples."""
+        sizes = torch.bincount(owners, minlength=count).clamp(min=1)
+        for param in self.optimizer.params:
+            per_example = getattr(param, "grad_sample", None)
+            if per_example is None:
+                continue
+            summed = per_example.new_zeros((count, *per_example.shape[1:]))
+            summed.index_add_(0, owners, per_example)
+            view = (count,) + (1,) * (per_example.dim() - 1)
+            param.grad_sample = summed / sizes.view(view).to(summed.dtype)
 
     def noise_step(self) -> None:
         """A DP-SGD step on an empty Poisson batch: the clipped sum is zero, and the noise
@@ -235,18 +300,18 @@ class PrivateTrainer:
         losses: list[float] = []
         done = 0
         while done < steps:
-            for (batch,) in self.loader:
+            for (units,) in self.loader:
                 if done == steps:
                     break
-                if batch.shape[0] == 0:
+                if units.shape[0] == 0:
                     self.noise_step()
                     self.empty_steps += 1
                 else:
-                    losses.append(self.step(batch))
+                    losses.append(self.step(units))
                 done += 1
                 self.steps_taken += 1
         mean = sum(losses) / len(losses) if losses else float("nan")
-        return TrainStats(loss=mean, steps=steps, num_examples=self.blocks.shape[0])
+        return TrainStats(loss=mean, steps=steps, num_examples=len(self.examples))
 
     def close(self) -> None:
         """Remove Opacus' hooks and per-sample buffers from the model."""

@@ -141,14 +141,7 @@ class Region:
             warn_once(run.noise_warning)
         self.model = AdapterModel(ModelSpec.from_run(run))
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
-        self.data: RegionData = load_region_data(
-            node.region,
-            node.data_path,
-            self.model.tokenizer,
-            seq_len=run.seq_len,
-            eval_fraction=run.eval_fraction,
-            max_eval_examples=run.max_eval_examples,
-        )
+        self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
 
     def _load_global(self, adapter: dict[str, np.ndarray], base_fingerprint: str) -> None:
         if base_fingerprint != self.model.base_fingerprint:
@@ -228,12 +221,12 @@ class Region:
 
     def privacy_step(self) -> Step:
         """This run's per-round step: calibrated noise, Poisson rate, local steps."""
-        run, n = self.run, self.data.train.shape[0]
+        run, n = self.run, self.data.train.num_units
         if run.target_delta >= 1.0 / n:
             raise PrivacyError(
                 f"run config:target-delta: {run.target_delta:g} is not below 1/n = "
-                f"{1.0 / n:.3g} for region {self.name}'s {n} training examples; choose a "
-                "smaller delta"
+                f"{1.0 / n:.3g} for region {self.name}'s {n} training {run.privacy_unit}s; "
+                "choose a smaller delta"
             )
         rate = poisson_sample_rate(n, run.batch_size)
         planned = run.num_server_rounds * run.local_steps
@@ -328,6 +321,7 @@ class Region:
                 self.model,
                 self.data.train,
                 batch_size=run.batch_size,
+                max_examples_per_unit=run.max_examples_per_unit,
                 learning_rate=run.learning_rate,
                 noise_multiplier=step[0],
                 max_grad_norm=run.max_grad_norm,

@@ -22,7 +22,9 @@ from fedciuic.model.adapter import (
     check_quantization,
     save_checkpoint,
 )
-from fedciuic.model.identity import checkpoint_fingerprint, file_digest
+from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.digests import file_digest
+from fedciuic.model.identity import checkpoint_fingerprint
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer
 
@@ -59,7 +61,7 @@ def test_the_base_is_frozen_in_its_dtype_and_adapters_train_in_fp32():
     assert frozen == {torch.bfloat16}
     assert {p.dtype for p in model.trainable_parameters()} == {torch.float32}
     batch = torch.randint(0, 256, (2, 16))
-    loss = lm_loss(model.model, batch)
+    loss = lm_loss(model.model, Batch.of_ids(batch))
     loss.backward()
     assert all(
         p.grad is not None and p.grad.dtype == torch.float32 for p in model.trainable_parameters()
@@ -95,7 +97,7 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
     blocks = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     trainer = PrivateTrainer(
         model,
-        blocks,
+        ExampleSet.of_rows(blocks),
         batch_size=4,
         learning_rate=0.01,
         noise_multiplier=0.0,
@@ -104,7 +106,7 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
         seed=1,
     )
     try:
-        lm_loss(trainer.net, blocks[:4]).backward()
+        lm_loss(trainer.net, Batch.of_ids(blocks[:4])).backward()
         params = [(n, p) for n, p in model.model.named_parameters() if p.requires_grad]
         return {n: getattr(p, "grad_sample").clone() for n, p in params}  # noqa: B009
     finally:
@@ -133,7 +135,7 @@ def test_ghost_clipping_with_checkpointing_is_refused():
     with pytest.raises(ModelError, match="gradient-checkpointing: not with dp-mode"):
         PrivateTrainer(
             model,
-            torch.zeros((4, 8), dtype=torch.long),
+            ExampleSet.of_rows(torch.zeros((4, 8), dtype=torch.long)),
             batch_size=2,
             learning_rate=0.1,
             noise_multiplier=1.0,
@@ -153,7 +155,7 @@ def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, mo
         reads.append(file.name)
         return file_digest(file)
 
-    monkeypatch.setattr("fedciuic.model.identity.file_digest", counted)
+    monkeypatch.setattr("fedciuic.digests.file_digest", counted)
     assert checkpoint_fingerprint(path, cache=cache) == first and reads == []  # cached
     weights = path / "model.safetensors"
     data = bytearray(weights.read_bytes())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, secure_generator
@@ -38,7 +40,7 @@ def per_sample_grads(model: AdapterModel, batch: torch.Tensor) -> list[torch.Ten
     params = model.trainable_parameters()
     grads = []
     for row in batch:
-        loss = lm_loss(model.model, row[None])
+        loss = lm_loss(model.model, Batch.of_ids(row[None]))
         grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
     return grads
 
@@ -55,7 +57,7 @@ def dp_update(
     before = flat(model)
     trainer = PrivateTrainer(
         model,
-        blocks,
+        ExampleSet.of_rows(blocks),
         batch_size=BATCH,
         learning_rate=1.0,
         noise_multiplier=noise,
@@ -66,7 +68,7 @@ def dp_update(
         secure_mode=secure_mode,
     )
     try:
-        trainer.step(batch)
+        trainer.step(torch.arange(len(batch)))  # batch = blocks[:n]: units 0..n-1
     finally:
         trainer.close()
     update = flat(model) - before
@@ -96,7 +98,7 @@ def test_opacus_per_sample_gradients_equal_autograd_one_example_at_a_time(model,
     expected = per_sample_grads(model, batch)
     trainer = PrivateTrainer(
         model,
-        blocks,
+        ExampleSet.of_rows(blocks),
         batch_size=BATCH,
         learning_rate=1.0,
         noise_multiplier=0.0,
@@ -104,7 +106,7 @@ def test_opacus_per_sample_gradients_equal_autograd_one_example_at_a_time(model,
         optimizer="sgd",
     )
     try:
-        lm_loss(trainer.net, batch).backward()
+        lm_loss(trainer.net, Batch.of_ids(batch)).backward()
         got = torch.cat(
             [p.grad_sample.reshape(BATCH, -1) for p in model.trainable_parameters()], dim=1
         )
@@ -116,7 +118,7 @@ def test_opacus_per_sample_gradients_equal_autograd_one_example_at_a_time(model,
 def test_without_noise_and_clipping_the_update_equals_plain_sgd(model, blocks):
     batch = blocks[:BATCH]
     params = model.trainable_parameters()
-    grads = torch.autograd.grad(lm_loss(model.model, batch), params)
+    grads = torch.autograd.grad(lm_loss(model.model, Batch.of_ids(batch)), params)
     expected = -torch.cat([g.flatten() for g in grads])
     got = dp_update(model, blocks, batch, noise=0.0, clip=1e6)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
@@ -137,7 +139,7 @@ def test_noise_is_added_and_depends_on_the_seed(model, blocks):
 def test_hooks_are_removed_after_a_round(model, blocks):
     trainer = PrivateTrainer(
         model,
-        blocks,
+        ExampleSet.of_rows(blocks),
         batch_size=BATCH,
         learning_rate=0.01,
         noise_multiplier=1.0,
@@ -161,7 +163,12 @@ def test_secure_mode_uses_an_unreplayable_generator(model, blocks):
 def test_secure_noise_is_the_default(model, blocks):
     # No seed and no setting: noise from generators seeded by the OS, never replayable.
     trainer = PrivateTrainer(
-        model, blocks, batch_size=BATCH, learning_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0
+        model,
+        ExampleSet.of_rows(blocks),
+        batch_size=BATCH,
+        learning_rate=1.0,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
     )
     try:
         assert not trainer.reproducible and trainer.optimizer.secure_mode
@@ -177,7 +184,9 @@ def empty_batch_trainer(model, mode="hooks", seed=3):
     # 4 examples at batch size 1: q = 1/4, so a batch is empty with probability 0.32.
     return PrivateTrainer(
         model,
-        torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1)),
+        ExampleSet.of_rows(
+            torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+        ),
         batch_size=1,
         learning_rate=1.0,
         noise_multiplier=1.0,
@@ -236,7 +245,12 @@ def test_the_noise_generator_is_on_the_parameters_device(model, blocks):
     gen, kind = secure_generator(torch.device("cpu"))
     assert gen.device == torch.device("cpu") and "os.urandom" in kind
     trainer = PrivateTrainer(
-        model, blocks, batch_size=BATCH, learning_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0
+        model,
+        ExampleSet.of_rows(blocks),
+        batch_size=BATCH,
+        learning_rate=1.0,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
     )
     try:
         # The generator Opacus draws noise with is the one made for the parameters' device.
@@ -254,3 +268,79 @@ def test_parameter_device_on_cuda_when_available():
     gen, _ = secure_generator(device)
     assert gen.device.type == "cuda"
     torch.normal(0.0, 1.0, size=(3,), device=device, generator=gen)  # Opacus' draw
+
+
+#: Units of the user-level tests: 3 users own 2, 3 and 1 rows; 3 more own 1 each.
+OWNERS = [0, 0, 1, 1, 1, 2, 3, 4, 5]
+
+
+def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
+    """User-level DP-SGD: the clipped quantity is the mean of one user's gradients."""
+    rows = blocks[: len(OWNERS)]
+    grads = per_sample_grads(model, rows)
+    users = sorted(set(OWNERS))
+    means = [torch.stack([g for g, o in zip(grads, OWNERS) if o == u]).mean(0) for u in users]
+    clip = 0.5 * float(torch.stack([m.norm() for m in means]).median())
+    assert any(float(m.norm()) > clip for m in means), "the test must actually clip"
+    clipped = [m * min(1.0, clip / (float(m.norm()) + 1e-6)) for m in means]
+    # Opacus divides by the expected number of units per step: n_units * q.
+    expected_batch = len(users) / -(-len(users) // 2)
+    expected = -torch.stack(clipped).sum(0) / expected_batch
+    before = flat(model)
+    trainer = PrivateTrainer(
+        model,
+        ExampleSet.of_rows(rows, units=OWNERS),
+        batch_size=2,
+        max_examples_per_unit=3,
+        learning_rate=1.0,
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        optimizer="sgd",
+        secure_mode=False,
+        seed=0,
+    )
+    try:
+        assert trainer.units.count == len(users) and trainer.sample_rate == 1 / 3
+        trainer.step(torch.arange(len(users)))
+    finally:
+        trainer.close()
+    got = flat(model) - before
+    with torch.no_grad():
+        start = 0
+        for p in model.trainable_parameters():
+            p.copy_(before[start : start + p.numel()].view_as(p))
+            start += p.numel()
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
+
+
+def test_a_step_takes_at_most_max_examples_per_unit_of_a_user(model, blocks):
+    trainer = PrivateTrainer(
+        model,
+        ExampleSet.of_rows(blocks[: len(OWNERS)], units=OWNERS),
+        batch_size=2,
+        max_examples_per_unit=2,
+        learning_rate=1.0,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        secure_mode=False,
+        seed=0,
+    )
+    try:
+        batch, owners = trainer.gather(torch.tensor([1, 0]))  # users own 3 and 2 rows
+        assert owners.tolist() == [0, 0, 1, 1] and len(batch) == 4
+    finally:
+        trainer.close()
+
+
+def test_ghost_clipping_refuses_units_of_several_examples(model, blocks):
+    with pytest.raises(ModelError, match="max-examples-per-unit = 1"):
+        PrivateTrainer(
+            model,
+            ExampleSet.of_rows(blocks[: len(OWNERS)], units=OWNERS),
+            batch_size=2,
+            max_examples_per_unit=4,
+            learning_rate=1.0,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            mode="ghost",
+        )

@@ -1,0 +1,240 @@
+"""A region's records: their shapes, checked field by field, and the text each trains on.
+
+Four shapes, told apart per row by the fields present (names from the run config):
+
+- ``text``: ``{"text"}``; every token is trained on (continued pre-training).
+- ``prompt-response``: ``{"prompt", "response"}``, joined as they are; loss on the response.
+- ``alpaca``: ``{"instruction", "input", "output"}`` in Alpaca's prompt; loss on the output.
+- ``chat``: ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's
+  chat template; loss on the assistant turns only.
+
+A record renders to one string and the character spans whose tokens carry the loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from fedciuic.data.sources import json_kind
+from fedciuic.errors import DataError
+
+Shape = Literal["text", "prompt-response", "alpaca", "chat"]
+TEXT: Shape = "text"
+PROMPT_RESPONSE: Shape = "prompt-response"
+ALPACA: Shape = "alpaca"
+CHAT: Shape = "chat"
+SHAPES: tuple[Shape, ...] = (TEXT, PROMPT_RESPONSE, ALPACA, CHAT)
+
+#: Alpaca's field names (the Stanford Alpaca release) and its prompt.
+INSTRUCTION, INPUT, OUTPUT = "instruction", "input", "output"
+ALPACA_PREAMBLE = "Below is an instruction that describes a task"
+ALPACA_PROMPT = (
+    ALPACA_PREAMBLE + ". Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    ALPACA_PREAMBLE + ", paired with an input that provides further context. Write a "
+    "response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+#: Chat roles, and the one whose turns are trained on.
+ROLE, CONTENT = "role", "content"
+ASSISTANT = "assistant"
+ROLES = ("system", "user", ASSISTANT)
+#: What a problem about the record as a whole names as its field.
+WHOLE_RECORD = "record"
+
+
+class BadRecord(ValueError):
+    """One row's problem: ``field: message``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The field names of each shape in this federation's records (run config)."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    response: str = "response"
+    messages: str = "messages"
+    user_id: str = "user_id"
+
+    @classmethod
+    def from_run(cls, run: Any) -> Fields:
+        return cls(
+            text=run.text_field,
+            prompt=run.prompt_field,
+            response=run.response_field,
+            messages=run.messages_field,
+            user_id=run.user_id_field,
+        )
+
+
+@dataclass(frozen=True)
+class Record:
+    """A validated record: its shape, its strings, and the person it belongs to."""
+
+    shape: Shape
+    parts: tuple[str, ...] = ()  # text: (text,); prompt-response: (p, r); alpaca: (i, in, o)
+    messages: tuple[tuple[str, str], ...] = ()  # chat: (role, content) per turn
+    user: str | None = None
+
+    def digest(self) -> bytes:
+        """SHA-256 of the record's content: the held-out split is drawn from it."""
+        canonical = json.dumps([self.shape, self.parts, self.messages, self.user])
+        return hashlib.sha256(canonical.encode()).digest()
+
+
+def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
+    """Check one row and say what it is; :class:`BadRecord` names the field at fault."""
+    user = _user(values, fields.user_id)
+
+    def present(name: str) -> bool:
+        return values.get(name) is not None
+
+    if present(fields.messages):
+        return Record(CHAT, messages=_messages(values[fields.messages], fields.messages), user=user)
+    if present(fields.prompt) or present(fields.response):
+        prompt = _string(values, fields.prompt)
+        return Record(PROMPT_RESPONSE, (prompt, _string(values, fields.response)), user=user)
+    if present(INSTRUCTION) or present(OUTPUT):
+        extra = values.get(INPUT)
+        if extra is not None and not isinstance(extra, str):
+            raise BadRecord(INPUT, f"expected a string, got {json_kind(extra)}")
+        return Record(
+            ALPACA,
+            (_string(values, INSTRUCTION), extra or "", _string(values, OUTPUT)),
+            user=user,
+        )
+    if present(fields.text):
+        return Record(TEXT, (_string(values, fields.text),), user=user)
+    has = ", ".join(sorted(values)) or "no fields"
+    raise BadRecord(
+        WHOLE_RECORD,
+        f"no {fields.text}, {fields.prompt}/{fields.response}, {INSTRUCTION}/{OUTPUT} or "
+        f"{fields.messages} field (it has {has}); name your fields with the run config's "
+        "text-field, prompt-field, response-field or messages-field",
+    )
+
+
+def _string(values: Mapping[str, Any], name: str) -> str:
+    value = values.get(name)
+    if value is None:
+        raise BadRecord(name, "missing")
+    if not isinstance(value, str):
+        raise BadRecord(name, f"expected a string, got {json_kind(value)}")
+    if not value.strip():
+        raise BadRecord(name, "empty")
+    return value
+
+
+def _user(values: Mapping[str, Any], name: str) -> str | None:
+    value = values.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise BadRecord(name, f"expected a string or an integer, got {json_kind(value)}")
+    text = str(value)
+    if not text.strip():
+        raise BadRecord(name, "empty")
+    return text
+
+
+def _messages(value: Any, name: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise BadRecord(name, f"expected a non-empty array of turns, got {json_kind(value)}")
+    turns = []
+    for i, turn in enumerate(value):
+        at = f"{name}[{i}]"
+        if not isinstance(turn, Mapping):
+            raise BadRecord(
+                at, f'expected {{"{ROLE}": ..., "{CONTENT}": ...}}, got {json_kind(turn)}'
+            )
+        role, content = turn.get(ROLE), turn.get(CONTENT)
+        if role not in ROLES:
+            raise BadRecord(f"{at}.{ROLE}", f"{role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise BadRecord(f"{at}.{CONTENT}", f"expected a string, got {json_kind(content)}")
+        turns.append((str(role), content))
+    if not any(role == ASSISTANT and content.strip() for role, content in turns):
+        raise BadRecord(name, "no assistant turn with content: nothing to learn from")
+    return tuple(turns)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A record as the model reads it, and the character spans that carry the loss."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    #: Text records longer than seq-len are split into chunks; the others are cut.
+    chunked: bool
+
+
+class Renderer:
+    """Renders records for one tokenizer: its BOS/EOS tokens and its chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.bos = str(tokenizer.bos_token or "")
+        self.eos = str(tokenizer.eos_token or "")
+
+    def render(self, record: Record) -> Rendered:
+        if record.shape == CHAT:
+            return self._chat(record.messages)
+        if record.shape == TEXT:
+            prompt, response = self.bos, record.parts[0]
+        elif record.shape == PROMPT_RESPONSE:
+            prompt, response = self.bos + record.parts[0], record.parts[1]
+        else:
+            instruction, extra, output = record.parts
+            template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
+            prompt, response = (
+                self.bos + template.format(instruction=instruction, input=extra),
+                output,
+            )
+        text = prompt + response + self.eos
+        return Rendered(text, ((len(prompt), len(text)),), chunked=record.shape == TEXT)
+
+    def _template(self, turns: list[dict[str, str]], *, generation: bool) -> str:
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=generation
+            )
+        except ValueError as err:  # no template: a problem of the model, not of the row
+            raise DataError(
+                f"the model's tokenizer has no usable chat template ({err}); chat records "
+                "need one: use a checkpoint whose tokenizer_config.json or "
+                "chat_template.jinja has it, or write the records as prompt/response"
+            ) from None
+        except Exception as err:
+            raise BadRecord(WHOLE_RECORD, f"the chat template refuses it ({err})") from None
+        return str(rendered)
+
+    def _chat(self, messages: tuple[tuple[str, str], ...]) -> Rendered:
+        turns = [{ROLE: role, CONTENT: content} for role, content in messages]
+        full = self._template(turns, generation=False)
+        spans = []
+        for i, (role, _) in enumerate(messages):
+            if role != ASSISTANT:
+                continue
+            before = self._template(turns[:i], generation=True) if i else ""
+            through = self._template(turns[: i + 1], generation=False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise DataError(
+                    "the model's chat template does not render a conversation's first turns "
+                    "as a prefix of the whole, so its assistant turns cannot be located for "
+                    "the loss; use a prefix-stable template (docs/data.md)"
+                )
+            spans.append((len(before), len(through)))
+        return Rendered(full, tuple(spans), chunked=False)

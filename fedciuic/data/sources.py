@@ -1,0 +1,251 @@
+"""Where a region's records come from: the files under its own ``data-path``, read locally.
+
+A region's data never leaves its host; this module is the only place that opens it.
+Every entry is resolved and checked to lie inside ``data-path`` before it is read, so
+a symlink cannot smuggle another region's data (or anything else) in.
+
+JSON Lines and text files are read here line by line (each problem names its line, and
+a bad row can be skipped); JSON arrays, CSV and Parquet files and folders written by
+``Dataset.save_to_disk`` are read through Hugging Face ``datasets``, offline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Local files only, never the Hub: set before ``datasets`` is imported anywhere.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import datasets
+
+from fedciuic.errors import DataError
+
+datasets.disable_progress_bars()
+datasets.logging.set_verbosity(logging.CRITICAL)
+
+#: File types a region may hold, by suffix; each file is read by its kind.
+KINDS: dict[str, str] = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
+#: A folder written by ``Dataset.save_to_disk`` (it holds these two files).
+SAVED = "saved"
+SAVED_MARKERS = ("state.json", "dataset_info.json")
+DATASET_DICT_MARKER = "dataset_dict.json"
+#: The ``datasets`` builder that reads each kind it reads.
+_BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file (or saved dataset folder) of a region's data."""
+
+    path: Path  # resolved, inside data-path
+    name: str  # relative to data-path: what messages and the fingerprint say
+    kind: str
+
+    def files(self) -> list[Path]:
+        """The files whose bytes define this source (a saved folder's every file)."""
+        if self.kind != SAVED:
+            return [self.path]
+        return sorted(p for p in self.path.rglob("*") if p.is_file())
+
+    def where(self, index: int) -> str:
+        """``FILE:LINE`` (or ``FILE:row N`` where lines mean nothing) of row ``index``,
+        for kinds whose rows are numbered by :func:`read_rows` itself."""
+        if self.kind == "csv":
+            return f"{self.name}:{index + 2}"  # line 1 is the header
+        return f"{self.name}:row {index + 1}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row as read: its values, or why it could not be read at all."""
+
+    where: str  # FILE:LINE or FILE:row N
+    values: Mapping[str, Any] | None
+    error: str | None = None  # "field: message" or a message about the whole row
+
+
+def root_of(data_path: str | Path) -> Path:
+    """The region's data folder, resolved, or a :class:`DataError` saying what is wrong."""
+    root = Path(data_path).expanduser()
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise DataError(
+            f"data-path {root} {what}; create it with the region's data files "
+            f"({', '.join(KINDS)} or a save_to_disk folder; `fedciuic demo-data DIR` makes "
+            "demo data) and pass it as data-path"
+        )
+    return root.resolve()
+
+
+def discover(data_path: str | Path) -> list[Source]:
+    """The region's data sources (sorted), refusing anything that resolves outside it.
+
+    Hidden entries are not data (the region keeps its state in ``.fedciuic/``), nor are
+    files of other types (a README); a saved dataset folder is one source.
+    """
+    root = root_of(data_path)
+    found: list[Source] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        filenames = sorted(f for f in filenames if not f.startswith("."))
+        for name in dirnames + filenames:
+            _check_inside(here / name, root)
+        if DATASET_DICT_MARKER in filenames:
+            raise DataError(
+                f"{here.relative_to(root)}: a DatasetDict folder (several splits); save one "
+                "split there instead: dataset['train'].save_to_disk(PATH)"
+            )
+        if all(marker in filenames for marker in SAVED_MARKERS):
+            found.append(Source(here, str(here.relative_to(root)), SAVED))
+            dirnames[:] = []
+            continue
+        found.extend(
+            Source(here / f, str((here / f).relative_to(root)), KINDS[Path(f).suffix])
+            for f in filenames
+            if Path(f).suffix in KINDS
+        )
+    if not found:
+        raise DataError(
+            f"data-path {root} holds no data files ({', '.join(KINDS)} or a save_to_disk "
+            "folder); add the region's records there"
+        )
+    return sorted(found, key=lambda s: s.name)
+
+
+def _check_inside(entry: Path, root: Path) -> None:
+    if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+        raise DataError(
+            f"{entry}: links outside data-path {root} (to {entry.resolve()}); a region "
+            "reads only its own folder: copy the data in instead"
+        )
+
+
+def read_rows(source: Source, *, cache_dir: Path) -> Iterator[Row]:
+    """Each row of ``source`` with where it is; unreadable rows come with their reason."""
+    if source.kind == "jsonl":
+        yield from _jsonl_rows(source)
+    elif source.kind == "text":
+        yield from _text_rows(source)
+    else:
+        yield from _datasets_rows(source, cache_dir)
+
+
+def _jsonl_rows(source: Source) -> Iterator[Row]:
+    with _opened(source) as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{source.name}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield Row(where, None, _not_utf8(err, f"column {err.start + 1}"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield Row(where, None, f"invalid JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(value, dict):
+                yield Row(where, None, f"expected a JSON object, got {json_kind(value)}")
+                continue
+            yield Row(where, value)
+
+
+def _text_rows(source: Source) -> Iterator[Row]:
+    """A text file is one ``text`` record (an empty one is no record)."""
+    with _opened(source) as handle:
+        data = handle.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        yield Row(f"{source.name}:{line}", None, _not_utf8(err, f"byte {err.start}"))
+        return
+    if text.strip():
+        yield Row(f"{source.name}:1", {TEXT_KEY: text})
+
+
+#: The field a text file's content is read into (the default ``text-field``).
+TEXT_KEY = "text"
+
+
+def _datasets_rows(source: Source, cache_dir: Path) -> Iterator[Row]:
+    try:
+        if source.kind == SAVED:
+            loaded = datasets.load_from_disk(str(source.path))
+            if not isinstance(loaded, datasets.Dataset):
+                raise DataError(f"{source.name}: not one Dataset; save one split there")
+            table: Any = loaded
+        else:
+            table = datasets.load_dataset(
+                _BUILDERS[source.kind],
+                data_files=str(source.path),
+                split="train",
+                streaming=True,
+                cache_dir=str(cache_dir),
+            )
+        for index, values in enumerate(table):
+            yield Row(source.where(index), values)
+    except DataError:
+        raise
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{source.name}:{_line_of_bad_byte(source.path)}: {_not_utf8(err, 'there')}"
+        ) from None
+    except Exception as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise DataError(
+            f"{source.name}: cannot be read as {source.kind} ({reason[:300]}); check the "
+            "file (`fedciuic data check` lists what it reads)"
+        ) from None
+
+
+def _opened(source: Source) -> Any:
+    try:
+        return open(source.path, "rb")
+    except OSError as err:
+        raise DataError(
+            f"{source.name}: cannot read ({err.strerror}); check its permissions"
+        ) from None
+
+
+def _not_utf8(err: UnicodeDecodeError, at: str) -> str:
+    return f"not UTF-8 text ({err.reason} at {at}); save the file as UTF-8"
+
+
+def _line_of_bad_byte(path: Path) -> int:
+    """The line of the first byte that is not UTF-8 (for formats read by a library)."""
+    with open(path, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return 1
+
+
+def json_kind(value: object) -> str:
+    """How JSON would name ``value``'s type, for messages."""
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return names.get(type(value), type(value).__name__)
