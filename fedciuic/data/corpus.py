@@ -31,6 +31,7 @@ from fedciuic.data.tokenized import (
     USER,
     Summary,
     Tokenized,
+    data_fingerprint,
     tokenized,
 )
 from fedciuic.errors import DataError
@@ -138,14 +139,20 @@ class RegionData:
     tokenised_now: bool  # False: read from the cache
 
 
+def region_fingerprint(data_path: str | Path) -> str:
+    """The digest a region's ledger and reports name its data by (its files' bytes)."""
+    return data_fingerprint(discover(data_path))
+
+
 def load_region_data(
     run: RunConfig, node: NodeConfig, tokenizer: PreTrainedTokenizerBase
 ) -> RegionData:
     """Read, check and tokenise (once) a region's records, then split and group them.
 
     A record is held out for evaluation when the hash of its content falls below
-    ``eval-fraction``: the same records every round and run, whatever their order,
-    and duplicates of a record fall on the same side.
+    ``eval-fraction`` (in a region so small that none does, the lowest one): the same
+    records every round and run, whatever their order, and duplicates of a record fall
+    on the same side.
     """
     root = root_of(node.data_path)
     sources = discover(root)
@@ -161,8 +168,7 @@ def load_region_data(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     _refuse_bad_rows(run, node.region, root, summary)
     units = _units(run, node.region, root, data)
-    buckets = data.examples.data.column(BUCKET).to_numpy()
-    held_out = buckets < run.eval_fraction
+    held_out = _held_out(data.examples.data.column(BUCKET).to_numpy(), run.eval_fraction)
     all_rows = np.arange(data.examples.num_rows)
     train_rows, eval_rows = all_rows[~held_out], all_rows[held_out][: run.max_eval_examples]
     if not len(train_rows) or not len(eval_rows):
@@ -184,6 +190,15 @@ def load_region_data(
         cache=data.folder,
         tokenised_now=data.built,
     )
+
+
+def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
+    """Records whose bucket is below ``fraction``; when that is none (a small region), the
+    record with the lowest bucket, so that there is always something to evaluate on."""
+    held = buckets < fraction
+    if not held.any() and len(np.unique(buckets)) > 1:
+        held = buckets == buckets.min()
+    return np.asarray(held)
 
 
 def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) -> None:

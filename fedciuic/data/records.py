@@ -8,7 +8,7 @@ Four shapes, told apart per row by the fields present (names from the run config
 - ``chat``: ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's
   chat template; loss on the assistant turns only.
 
-A record renders to one string and the character spans whose tokens carry the loss.
+A record renders to pieces of text, each with or without loss.
 """
 
 from __future__ import annotations
@@ -173,12 +173,17 @@ def _messages(value: Any, name: str) -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True)
 class Rendered:
-    """A record as the model reads it, and the character spans that carry the loss."""
+    """A record as the model reads it: consecutive pieces of text, each with or without
+    loss. Pieces are tokenised one by one (as a prompt is at inference), so that no token
+    straddles the prompt and the response."""
 
-    text: str
-    spans: tuple[tuple[int, int], ...]
+    pieces: tuple[tuple[str, bool], ...]  # (text, trained)
     #: Text records longer than seq-len are split into chunks; the others are cut.
     chunked: bool
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.pieces)
 
 
 class Renderer:
@@ -203,8 +208,8 @@ class Renderer:
                 self.bos + template.format(instruction=instruction, input=extra),
                 output,
             )
-        text = prompt + response + self.eos
-        return Rendered(text, ((len(prompt), len(text)),), chunked=record.shape == TEXT)
+        pieces = ((prompt, False), (response + self.eos, True))
+        return Rendered(pieces, chunked=record.shape == TEXT)
 
     def _template(self, turns: list[dict[str, str]], *, generation: bool) -> str:
         try:
@@ -224,7 +229,8 @@ class Renderer:
     def _chat(self, messages: tuple[tuple[str, str], ...]) -> Rendered:
         turns = [{ROLE: role, CONTENT: content} for role, content in messages]
         full = self._template(turns, generation=False)
-        spans = []
+        pieces: list[tuple[str, bool]] = []
+        done = 0  # characters of ``full`` already in pieces
         for i, (role, _) in enumerate(messages):
             if role != ASSISTANT:
                 continue
@@ -236,5 +242,7 @@ class Renderer:
                     "as a prefix of the whole, so its assistant turns cannot be located for "
                     "the loss; use a prefix-stable template (docs/data.md)"
                 )
-            spans.append((len(before), len(through)))
-        return Rendered(full, tuple(spans), chunked=False)
+            pieces += [(full[done : len(before)], False), (full[len(before) : len(through)], True)]
+            done = len(through)
+        pieces.append((full[done:], False))
+        return Rendered(tuple((text, trained) for text, trained in pieces if text), chunked=False)

@@ -297,14 +297,11 @@ def _write_batch(
             counts.bad(item.where, str(err))
     if not kept:
         return
-    encoded = tokenizer(
-        [r.text for r in rendered], add_special_tokens=False, return_offsets_mapping=True
-    )
+    texts = [text for shown in rendered for text, _ in shown.pieces]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
     out: dict[str, list[object]] = {name: [] for name in FEATURES}
     summary = counts.summary
-    for item, shown, ids, offsets in zip(
-        kept, rendered, encoded["input_ids"], encoded["offset_mapping"], strict=True
-    ):
+    for item, shown in zip(kept, rendered, strict=True):
         summary.records += 1
         summary.shapes[item.record.shape] = summary.shapes.get(item.record.shape, 0) + 1
         user = None if item.record.user is None else user_key(item.record.user)
@@ -314,13 +311,15 @@ def _write_batch(
                 summary.without_user_where.append(item.where)
         else:
             counts.user_keys.add(user)
-        starts = np.asarray([start for start, _ in offsets], dtype=np.int64)
-        trained = np.zeros(len(ids), dtype=bool)
-        for begin, end in shown.spans:
-            trained |= (starts >= begin) & (starts < end)
+        ids: list[int] = []
+        trained: list[bool] = []
+        for _, on in shown.pieces:
+            piece = next(encoded)
+            ids += piece
+            trained += [on] * len(piece)
         ids_array = np.asarray(ids, dtype=np.int32)
-        labels = np.where(trained, ids_array, IGNORE).astype(np.int32)
-        pieces = _pieces(len(ids), seq_len, chunked=shown.chunked)
+        labels = np.where(np.asarray(trained, dtype=bool), ids_array, IGNORE).astype(np.int32)
+        pieces = _windows(len(ids), seq_len, chunked=shown.chunked)
         if not shown.chunked and len(ids) > seq_len:
             summary.truncated += 1
         wrote = 0
@@ -344,7 +343,7 @@ def _write_batch(
         writer.write_batch(out)
 
 
-def _pieces(length: int, seq_len: int, *, chunked: bool) -> list[tuple[int, int]]:
+def _windows(length: int, seq_len: int, *, chunked: bool) -> list[tuple[int, int]]:
     """A chunked record's seq-len pieces, or the first seq-len tokens of any other."""
     if not chunked:
         return [(0, min(length, seq_len))]

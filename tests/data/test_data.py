@@ -1,31 +1,138 @@
+"""A region's data: every format, bad rows, the tokenise-once cache, the split and the units."""
+
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import datasets
 import pytest
-import torch
 
-from fedciuic.data.corpus import list_data_files, load_region_data
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.data import corpus, tokenized
+from fedciuic.data.corpus import RegionData, load_region_data, region_fingerprint
+from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
-from fedciuic.model.presets import byte_tokenizer
-
-TOKENIZER = byte_tokenizer()
+from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
 
 
-def load(path: Path, seq_len: int = 16):
-    return load_region_data(
-        "eu", path, TOKENIZER, seq_len=seq_len, eval_fraction=0.25, max_eval_examples=1000
-    )
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bpe_tokenizer(TINY_VOCAB_SIZE)
 
 
-def write_region(root: Path, text: str = "Personal data stays in its region. " * 20) -> Path:
+#: One record of each shape, each from a named user.
+RECORDS: list[dict[str, Any]] = [
+    {"text": "Personal data stays in its region. " * 3, "user_id": "ana"},
+    {"prompt": "Where does the data stay? ", "response": "In its region.", "user_id": "ben"},
+    {"instruction": "Name the law.", "input": "", "output": "GDPR", "user_id": "ana"},
+    {"instruction": "Translate", "input": "Daten", "output": "data", "user_id": 7},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Who checks the policy?"},
+            {"role": "assistant", "content": "Both ends."},
+        ],
+        "user_id": "ben",
+    },
+]
+
+
+def run(**changes: Any) -> RunConfig:
+    values = {
+        "regions": "eu",
+        "num-server-rounds": 1,
+        "seed": 0,
+        "local-steps": 1,
+        "batch-size": 2,
+        "learning-rate": 0.1,
+        "seq-len": 128,
+        "max-eval-examples": 100,
+        "eval-fraction": 0.3,
+        "node-wait-timeout": 1.0,
+        "round-timeout": 1.0,
+        **changes,
+    }
+    return RunConfig.from_user_config(values, source="test")
+
+
+def load(root: Path, tokenizer: Any, **changes: Any) -> RegionData:
+    node = NodeConfig(region="eu", data_path=str(root), state_path=str(root.parent / "state"))
+    return load_region_data(run(**changes), node, tokenizer)
+
+
+def jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def flat(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as a CSV row holds it (no nested chat turns)."""
+    return {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record.items()}
+
+
+FLAT = [r for r in RECORDS if "messages" not in r]
+
+
+def write_format(root: Path, kind: str) -> int:
+    """``RECORDS`` (or their flat ones) in one file of ``kind``; returns how many."""
     root.mkdir(parents=True)
-    (root / "a.jsonl").write_text(json.dumps({"text": text}) + "\n\n" + json.dumps({"text": text}))
-    (root / "notes.txt").write_text(text)
-    (root / "ignored.csv").write_text("x,y\n")
-    return root
+    # One type per column, every column in every row (as a table holds them).
+    columns = sorted({k for r in RECORDS for k in r})
+    rows = [{k: r.get(k) for k in columns} | {"user_id": str(r["user_id"])} for r in RECORDS]
+    if kind == "jsonl":
+        jsonl(root / "a.jsonl", rows)
+    elif kind == "json":
+        (root / "a.json").write_text(json.dumps(rows), encoding="utf-8")
+    elif kind == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(root / "a.parquet"))
+    elif kind == "saved":
+        datasets.Dataset.from_list(rows).save_to_disk(str(root / "saved"))
+    elif kind == "csv":
+        flat_columns = sorted({k for r in FLAT for k in r})
+        table = [
+            {k: flat(r).get(k) for k in flat_columns} | {"user_id": str(r["user_id"])} for r in FLAT
+        ]
+        datasets.Dataset.from_list(table).to_csv(str(root / "a.csv"), index=False)
+        return len(FLAT)
+    return len(rows)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "saved", "csv"])
+def test_each_format_gives_every_record_shape(tmp_path, tokenizer, kind):
+    n = write_format(tmp_path / "eu", kind)
+    data = load(tmp_path / "eu", tokenizer, **{"eval-fraction": 0.01})
+    assert data.summary.records == n and data.summary.bad_rows == 0
+    want = {"text": 1, "prompt-response": 1, "alpaca": 2, "chat": 1}
+    if kind == "csv":
+        del want["chat"]
+    assert data.summary.shapes == want
+    assert data.summary.users == 3  # ana, ben and "7"
+    assert len(data.train) + len(data.eval) == data.summary.examples
+
+
+def test_text_files_are_one_record_each_and_other_files_are_not_data(tmp_path, tokenizer):
+    root = tmp_path / "eu"
+    root.mkdir()
+    (root / "notes.txt").write_text("Personal data stays in its region. " * 4)
+    (root / "more.txt").write_text("And so do its people. " * 4)
+    (root / "README.md").write_text("not data")
+    (root / ".fedciuic").mkdir()
+    (root / ".fedciuic" / "x.jsonl").write_text("{}")  # state, not data
+    assert [s.name for s in discover(root)] == ["more.txt", "notes.txt"]
+    data = load(root, tokenizer, **{"eval-fraction": 0.01, "seq-len": 16})
+    assert data.summary.records == 2 and data.summary.shapes == {"text": 2}
+    assert data.summary.examples > 2  # a long text record is split into seq-len chunks
+
+
+def test_a_dataset_dict_folder_is_refused_with_the_fix(tmp_path, tokenizer):
+    d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "x"}])})
+    d.save_to_disk(str(tmp_path / "eu" / "splits"))
+    with pytest.raises(DataError, match=r"splits: a DatasetDict .*save_to_disk"):
+        discover(tmp_path / "eu")
 
 
 class OpenRecorder:
@@ -50,89 +157,166 @@ class OpenRecorder:
             OpenRecorder.active.append(args[0])
 
 
-def test_reads_jsonl_and_txt_and_splits_train_from_eval(tmp_path):
-    text = "Personal data stays in its region. " * 20
-    data = load(write_region(tmp_path / "eu", text))
-    assert data.files == ("a.jsonl", "notes.txt")  # the .csv is not read
-    n_blocks = 3 * (len(text.encode()) + 1) // 16  # three documents, each + <eos>
-    assert data.train.shape == (n_blocks - n_blocks // 4, 16)
-    assert data.eval.shape == (n_blocks // 4, 16)  # every 4th block is held out
-
-
-def test_split_and_fingerprint_are_deterministic(tmp_path):
-    root = write_region(tmp_path / "eu")
-    a, b = load(root), load(root)
-    assert a.fingerprint == b.fingerprint
-    assert torch.equal(a.train, b.train) and torch.equal(a.eval, b.eval)
-    (root / "notes.txt").write_text("changed " * 100)
-    assert load(root).fingerprint != a.fingerprint
-
-
-def test_a_region_opens_only_files_under_its_own_data_path(tmp_path):
-    eu = write_region(tmp_path / "eu")
-    write_region(tmp_path / "cn", text="数据出境安全评估 " * 30)
+def test_a_region_opens_only_files_under_its_own_data_path_and_state(tmp_path, tokenizer):
+    eu = tmp_path / "regions" / "eu"
+    jsonl(eu / "a.jsonl", RECORDS)
+    jsonl(tmp_path / "regions" / "cn" / "a.jsonl", RECORDS)
     with OpenRecorder() as opened:
-        load(eu)
-    under_tmp = [p for p in opened if p.startswith(str(tmp_path))]
-    assert under_tmp, "the loader opened no data file at all"
-    for path in under_tmp:
+        load(eu, tokenizer)
+    assert any(p.startswith(str(eu)) for p in opened), "the loader opened no data file"
+    assert not [p for p in opened if p.startswith(str(tmp_path / "regions" / "cn"))]
+    for path in (p for p in opened if p.startswith(str(tmp_path / "regions" / "cn"))):
         assert Path(path).resolve().is_relative_to(eu.resolve()), path
 
 
-def test_symlink_to_another_regions_data_is_refused(tmp_path):
-    eu = write_region(tmp_path / "eu")
-    cn = write_region(tmp_path / "cn")
+def test_symlinks_out_of_the_data_path_are_refused(tmp_path, tokenizer):
+    eu = tmp_path / "eu"
+    cn = tmp_path / "cn"
+    jsonl(eu / "a.jsonl", RECORDS)
+    jsonl(cn / "a.jsonl", RECORDS)
     (eu / "borrowed.jsonl").symlink_to(cn / "a.jsonl")
     with OpenRecorder() as opened, pytest.raises(DataError, match="links outside data-path"):
-        load(eu)
+        load(eu, tokenizer)
     assert not [p for p in opened if p.startswith(str(cn))]
-
-
-def test_symlinked_folder_outside_is_refused(tmp_path):
-    eu = write_region(tmp_path / "eu")
-    cn = write_region(tmp_path / "cn")
+    (eu / "borrowed.jsonl").unlink()
     (eu / "more").symlink_to(cn, target_is_directory=True)
     with pytest.raises(DataError, match="links outside data-path"):
-        list_data_files(eu)
+        discover(eu)
 
 
-def test_missing_data_path_says_what_to_do(tmp_path):
-    with pytest.raises(DataError, match=r"data-path .*nope does not exist; create it"):
-        load(tmp_path / "nope")
-
-
-def test_data_path_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "f.txt").write_text("x")
-    with pytest.raises(DataError, match="is not a directory"):
-        load(tmp_path / "f.txt")
-
-
-def test_folder_without_data_files_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"text": "ok"}\n{broken\n', r"a\.jsonl:2: invalid JSON \(Expecting property name"),
+        (b'{"text": "ok"}\n\n{"prompt": "p"}\n', r"a\.jsonl:3: response: missing"),
+        (b'{"text": "ok"}\n{"text": 5}\n', r"a\.jsonl:2: text: expected a string, got a number"),
+        (b'{"text": "ok"}\n{"txt": "no"}\n', r"a\.jsonl:2: record: no text, prompt/response"),
+        (b'{"text": "ok"}\n{"text": "\xff"}\n', r"a\.jsonl:2: not UTF-8 text .*save the file as"),
+        (b'{"text": "ok"}\n[1]\n', r"a\.jsonl:2: expected a JSON object, got an array"),
+        (
+            b'{"messages": [{"role": "bot", "content": "x"}]}\n',
+            r"a\.jsonl:1: messages\[0\]\.role: 'bot' is not one of system, user, assistant",
+        ),
+    ],
+)
+def test_a_bad_row_is_refused_naming_file_line_and_field(tmp_path, tokenizer, content, message):
     (tmp_path / "eu").mkdir()
-    (tmp_path / "eu" / "readme.md").write_text("nothing")
-    with pytest.raises(DataError, match=r"holds no \.jsonl or \.txt files"):
-        load(tmp_path / "eu")
+    (tmp_path / "eu" / "a.jsonl").write_bytes(content)
+    with pytest.raises(DataError, match=message) as err:
+        load(tmp_path / "eu", tokenizer)
+    text = str(err.value)
+    assert "\n" not in text and 'bad-rows = "skip"' in text and "fedciuic data check" in text
 
 
-def test_too_little_text_is_refused_with_the_numbers(tmp_path):
+def test_bad_rows_can_be_skipped_and_are_counted(tmp_path, tokenizer):
+    jsonl(tmp_path / "eu" / "a.jsonl", [*RECORDS, {"text": 5}, {"prompt": "p"}])
+    data = load(tmp_path / "eu", tokenizer, **{"bad-rows": "skip", "eval-fraction": 0.01})
+    assert data.summary.records == len(RECORDS) and data.summary.bad_rows == 2
+    assert data.summary.bad_reasons == [
+        "a.jsonl:6: text: expected a string, got a number",
+        "a.jsonl:7: response: missing",
+    ]
+
+
+def test_a_csv_bad_row_names_its_line(tmp_path, tokenizer):
     (tmp_path / "eu").mkdir()
-    (tmp_path / "eu" / "a.txt").write_text("short")
-    with pytest.raises(DataError, match=r"region eu: .* has 6 tokens, fewer than the 32"):
-        load(tmp_path / "eu")
+    (tmp_path / "eu" / "a.csv").write_text("prompt,response\nhi,there\nalone,\n")
+    with pytest.raises(DataError, match=r"a\.csv:3: response: missing"):
+        load(tmp_path / "eu", tokenizer)
 
 
-def test_malformed_jsonl_names_file_and_line(tmp_path):
-    (tmp_path / "eu").mkdir()
-    (tmp_path / "eu" / "a.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
-    with pytest.raises(DataError, match=r"a\.jsonl:2: expected an object"):
-        load(tmp_path / "eu")
-    (tmp_path / "eu" / "a.jsonl").write_text('{"text": "ok"}\n{broken\n')
-    with pytest.raises(DataError, match=r"a\.jsonl:2: invalid JSON"):
-        load(tmp_path / "eu")
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda root: None, r"data-path .*eu does not exist; create it"),
+        (lambda root: root.mkdir(), r"holds no data files \(\.jsonl, \.json"),
+        (lambda root: root.write_text("x"), "is not a directory"),
+    ],
+)
+def test_a_missing_empty_or_wrong_data_path_says_what_to_do(tmp_path, tokenizer, setup, message):
+    setup(tmp_path / "eu")
+    with pytest.raises(DataError, match=message):
+        load(tmp_path / "eu", tokenizer)
 
 
-def test_non_utf8_file_is_named(tmp_path):
-    (tmp_path / "eu").mkdir()
-    (tmp_path / "eu" / "a.txt").write_bytes(b"\xff\xfe bad")
-    with pytest.raises(DataError, match=r"a\.txt: not UTF-8"):
-        load(tmp_path / "eu")
+def test_too_few_records_for_a_held_out_split_is_refused(tmp_path, tokenizer):
+    jsonl(tmp_path / "eu" / "a.jsonl", RECORDS[:1])
+    with pytest.raises(DataError, match=r"region eu: .*none for (training|held-out evaluation)"):
+        load(tmp_path / "eu", tokenizer)
+
+
+def test_user_level_privacy_needs_every_records_user_id(tmp_path, tokenizer):
+    jsonl(tmp_path / "eu" / "a.jsonl", [*RECORDS, {"text": "nobody's"}])
+    with pytest.raises(DataError) as err:
+        load(tmp_path / "eu", tokenizer, **{"privacy-unit": "user"})
+    text = str(err.value)
+    assert "1 record(s)" in text and "a.jsonl:6" in text and "field user_id missing" in text
+    assert 'privacy-unit = "record"' in text and "\n" not in text
+
+
+def test_the_privacy_unit_groups_examples_by_record_or_by_user(tmp_path, tokenizer):
+    rows = [{"text": f"record {i} " * 20, "user_id": f"u{i % 3}"} for i in range(30)]
+    jsonl(tmp_path / "eu" / "a.jsonl", rows)
+    by_record = load(tmp_path / "eu", tokenizer, **{"seq-len": 16})
+    by_user = load(tmp_path / "eu", tokenizer, **{"seq-len": 16, "privacy-unit": "user"})
+    n_train_records = len({int(u) for u in by_record.train.units})
+    assert by_record.train.num_units == n_train_records > 3  # long records: several chunks
+    assert len(by_record.train) > by_record.train.num_units
+    assert by_user.train.num_units == 3
+    assert by_user.unit == "user" and by_record.unit == "record"
+
+
+def test_the_held_out_split_is_by_record_content_not_position(tmp_path, tokenizer):
+    rows = [{"prompt": f"question {i}? ", "response": f"answer {i}."} for i in range(60)]
+    rows += rows[:5]  # duplicates fall on the same side as their originals
+    jsonl(tmp_path / "a" / "a.jsonl", rows)
+    jsonl(tmp_path / "b" / "a.jsonl", list(reversed(rows)))
+
+    def held_out(root: Path) -> set[str]:
+        data = load(root, tokenizer)
+        texts = {tokenizer.decode(data.eval.batch([i]).input_ids[0]) for i in range(len(data.eval))}
+        return texts
+
+    a, b = held_out(tmp_path / "a"), held_out(tmp_path / "b")
+    assert a == b and 5 <= len(a) <= 35  # eval-fraction 0.3 of 60 distinct records
+
+
+def test_the_second_load_reads_the_cache_without_tokenising(tmp_path, tokenizer, monkeypatch):
+    jsonl(tmp_path / "eu" / "a.jsonl", RECORDS * 4)
+    first = load(tmp_path / "eu", tokenizer)
+    assert first.tokenised_now and (first.cache / tokenized.EXAMPLES_FILE).exists()
+
+    def no_tokenising(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(tokenized, "write_examples", no_tokenising)
+    again = load(tmp_path / "eu", tokenizer)
+    assert not again.tokenised_now and again.cache == first.cache
+    assert again.train.batch(range(len(again.train))).input_ids.equal(
+        first.train.batch(range(len(first.train))).input_ids
+    )
+    monkeypatch.undo()
+    # Another seq-len, changed data, or a damaged cache: tokenised anew.
+    assert load(tmp_path / "eu", tokenizer, **{"seq-len": 32}).tokenised_now
+    (first.cache / tokenized.SUMMARY_FILE).write_text("{not json")
+    assert load(tmp_path / "eu", tokenizer).tokenised_now
+    jsonl(tmp_path / "eu" / "a.jsonl", RECORDS * 5)
+    changed = load(tmp_path / "eu", tokenizer)
+    assert changed.tokenised_now and changed.fingerprint != first.fingerprint
+    assert changed.fingerprint == region_fingerprint(tmp_path / "eu")
+    kept = [p for p in changed.cache.parent.iterdir() if not p.name.startswith(".")]
+    assert len(kept) <= tokenized.KEEP
+
+
+def test_the_cache_holds_no_user_id_or_text(tmp_path, tokenizer):
+    jsonl(tmp_path / "eu" / "a.jsonl", [{**r, "user_id": "secret-person-id"} for r in RECORDS])
+    data = load(tmp_path / "eu", tokenizer)
+    stored = (data.cache / tokenized.EXAMPLES_FILE).read_bytes()
+    stored += (data.cache / tokenized.SUMMARY_FILE).read_bytes()
+    assert b"secret-person-id" not in stored and b"Personal data" not in stored
+
+
+def test_the_demo_data_loads_at_user_level(demo_root, tokenizer, tmp_path):
+    node = NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
+    data = corpus.load_region_data(run(**{"privacy-unit": "user"}), node, tokenizer)
+    assert data.summary.bad_rows == 0 and data.train.num_units >= 10

@@ -8,6 +8,7 @@ from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_rec
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
+from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.corpus import load_region_data
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
@@ -73,18 +74,15 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
     captured = bytes(proxy.captured)
     for region in REGIONS:
         own = load_region_data(
-            region,
-            demo_root / region,
+            RunConfig.from_user_config(config, source="app config"),
+            NodeConfig(region=region, data_path=str(demo_root / region), state_path=str(tmp_path / "own")),
             byte_tokenizer(),
-            seq_len=config["seq-len"],
-            eval_fraction=config["eval-fraction"],
-            max_eval_examples=config["max-eval-examples"],
         )
         for server_round in ("1", "2"):
             entry = data["rounds"][server_round]["train"][region]
             assert entry["status"] == "trained"
             assert entry["data_fingerprint"] == own.fingerprint  # its own data, nobody else's
-            assert entry["num_examples"] == own.train.shape[0]
+            assert entry["num_examples"] == len(own.train)
             assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
         assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()
         assert eval_loss(data, 2, region) < eval_loss(data, 0, region)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.data.corpus import load_region_data
+from fedciuic.data.corpus import region_fingerprint
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.model.presets import byte_tokenizer
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
@@ -95,17 +94,10 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
 def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path):
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "cn", "us"))
-    eu = load_region_data(
-        "eu",
-        data_root / "eu",
-        byte_tokenizer(),
-        seq_len=64,
-        eval_fraction=0.1,
-        max_eval_examples=128,
-    )
+    eu_fingerprint = region_fingerprint(data_root / "eu")
     ledger_path = data_root / "eu" / ".fedciuic" / LEDGER_FILE
     ledger = PrivacyLedger.open(
-        ledger_path, region="eu", dataset=eu.fingerprint, delta=1e-5, accountant="prv"
+        ledger_path, region="eu", dataset=eu_fingerprint, delta=1e-5, accountant="prv"
     )
     step = (0.5, 0.01, 500)  # an earlier run that spent the whole budget
     ledger.append(

@@ -19,7 +19,7 @@ from flwr.common.config import parse_config_args
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import aggregator_keys
-from fedciuic.data.corpus import list_data_files
+from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.ops import deploy
 from fedciuic.ops.cli import main
@@ -174,7 +174,7 @@ def test_insecure_with_demo_data(tmp_path, capsys):
     with open(agg / "flwr-home" / "config.toml", "rb") as handle:
         assert tomllib.load(handle)["superlink"]["fedciuic"]["insecure"] is True
     # Demo data is data; the folder's README is not.
-    assert [p.name for p in list_data_files(dep / "regions" / "eu" / "data")] == ["docs.jsonl"]
+    assert [s.name for s in discover(dep / "regions" / "eu" / "data")] == ["docs.jsonl"]
     for script in dep.rglob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
@@ -188,7 +188,7 @@ def test_a_region_named_for_its_jurisdiction_and_the_aggregators_in_any_case(tmp
     text = (dep / "aggregator" / "run-config.toml").read_text()
     assert 'regions = "eu,paris"' in text and 'aggregator-jurisdiction = "EU"' in text
     with pytest.raises(DataError, match="holds no"):
-        list_data_files(paris / "data")  # its README is not data
+        discover(paris / "data")  # its README is not data
 
 
 @pytest.mark.parametrize(
