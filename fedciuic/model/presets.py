@@ -39,8 +39,57 @@ from fedciuic.data.demo import FAMILIES, module_docs
 from fedciuic.errors import ModelError
 from fedciuic.digests import cache_dir as fedciuic_cache
 
-BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
+BYTE_BOS, BYTE_EOS, BYTE_PAD = "<bos>", "<eos>", "<pad>"
+BYTE_SPECIALS = (BYTE_BOS, BYTE_EOS, BYTE_PAD)
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIALS)
+#: The byte tokenizer's chat role markers: plain text, as it has no tokens to spare.
+BYTE_USER, BYTE_ASSISTANT = "\n### User:\n", "\n### Assistant:\n"
+
+
+def chat_template(user: str, assistant: str, end_of_turn: str) -> str:
+    """DeepSeek-R1's chat template, less its tool calls and ``<think>`` handling, with
+    the given role markers: ``bos_token``, the system prompts (joined by blank lines),
+    then ``{user}{content}`` per user turn and ``{assistant}{content}{end_of_turn}`` per
+    assistant turn; ``add_generation_prompt`` opens an assistant turn.
+
+    Rendering is prefix-stable: the prompt before an assistant turn (the conversation
+    up to it, with ``add_generation_prompt``) is a prefix of the whole conversation's
+    rendering, so a trainer can find the tokens to learn by rendering prompts. Hence a
+    system turn after the conversation has begun is refused (DeepSeek would move it to
+    the front, changing what came before), as is a role other than system, user and
+    assistant.
+    """
+    user, assistant, end_of_turn = (_jinja_string(s) for s in (user, assistant, end_of_turn))
+    return (
+        "{% if add_generation_prompt is not defined %}{% set add_generation_prompt = false %}"
+        "{% endif %}"
+        "{% set ns = namespace(began=false, system=false) %}"
+        "{{ bos_token }}"
+        "{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{% if ns.began %}{{ raise_exception('a system turn must come before the first "
+        "user or assistant turn') }}{% endif %}"
+        "{% if ns.system %}{{ '\\n\\n' }}{% endif %}{% set ns.system = true %}"
+        "{{ message['content'] }}"
+        "{% elif message['role'] == 'user' %}{% set ns.began = true %}"
+        f"{{{{ {user} + message['content'] }}}}"
+        "{% elif message['role'] == 'assistant' %}{% set ns.began = true %}"
+        f"{{{{ {assistant} + message['content'] + {end_of_turn} }}}}"
+        "{% else %}"
+        "{{ raise_exception('unknown chat role ' + message['role'] "
+        "+ '; use system, user or assistant') }}"
+        "{% endif %}{% endfor %}"
+        f"{{% if add_generation_prompt %}}{{{{ {assistant} }}}}{{% endif %}}"
+    )
+
+
+def _jinja_string(text: str) -> str:
+    # A single-quoted Jinja string literal; Jinja reads backslash escapes in it.
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"'{escaped}'"
+
+
+#: The byte tokenizer's chat template (:func:`chat_template`).
+BYTE_CHAT_TEMPLATE = chat_template(BYTE_USER, BYTE_ASSISTANT, BYTE_EOS)
 
 
 def _tiny(
@@ -147,7 +196,8 @@ def _realistic() -> DeepseekV3Config:
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>).
+    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>) with a
+    chat template like the BPE tokenizer's, its role markers spelt as plain text.
 
     Built locally so presets need no download; any UTF-8 text round-trips.
     """
@@ -156,9 +206,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token=BYTE_BOS, eos_token=BYTE_EOS, pad_token=BYTE_PAD
     )
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -192,33 +244,12 @@ BPE_SPECIALS = (BOS, EOS, PAD, USER, ASSISTANT)
 #: Vocabulary of the ``realistic`` preset's tokenizer.
 REALISTIC_VOCAB_SIZE = 8192
 
-#: DeepSeek-R1's chat template, less its tool calls and ``<think>`` handling: the
-#: system prompts first (joined by blank lines), then ``<｜User｜>{content}`` per user
-#: turn and ``<｜Assistant｜>{content}<｜end▁of▁sentence｜>`` per assistant turn;
-#: ``add_generation_prompt`` opens an assistant turn.
-CHAT_TEMPLATE = (
-    "{% if add_generation_prompt is not defined %}{% set add_generation_prompt = false %}"
-    "{% endif %}"
-    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
-    "{% for message in messages %}{% if message['role'] == 'system' %}"
-    "{% if ns.is_first_sp %}{% set ns.system_prompt = message['content'] %}"
-    "{% set ns.is_first_sp = false %}"
-    "{% else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}"
-    "{% endif %}{% endif %}{% endfor %}"
-    "{{ bos_token }}{{ ns.system_prompt }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
-    "{% elif message['role'] != 'system' %}"
-    "{{ raise_exception('unknown chat role ' + message['role'] "
-    "+ '; use system, user or assistant') }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
+#: DeepSeek-R1's chat template with DeepSeek's markers (:func:`chat_template`).
+CHAT_TEMPLATE = chat_template(USER, ASSISTANT, EOS)
 
-#: Bumped whenever the training text or recipe changes, so old caches are not reused.
-_BPE_RECIPE = 1
+#: Bumped whenever the training text, recipe or chat template changes, so old caches
+#: are not reused.
+_BPE_RECIPE = 2
 #: Pairs seen fewer times are not merged; bounds the vocabulary the text supports.
 _BPE_MIN_FREQUENCY = 2
 _BPE_META = "fedciuic-tokenizer.json"

@@ -19,6 +19,10 @@ from fedciuic.model import presets
 from fedciuic.model.presets import (
     ASSISTANT,
     BOS,
+    BYTE_ASSISTANT,
+    BYTE_BOS,
+    BYTE_EOS,
+    BYTE_USER,
     BYTE_VOCAB_SIZE,
     EOS,
     PAD,
@@ -28,6 +32,8 @@ from fedciuic.model.presets import (
     USER,
     Preset,
     bpe_tokenizer,
+    byte_tokenizer,
+    chat_template,
     preset_config,
     preset_tokenizer,
     tiny_checkpoint,
@@ -49,9 +55,24 @@ ATTENTION_LINEARS = {
 }
 
 
+#: A conversation with a system prompt, two exchanges and text beyond ASCII.
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Grüße, 数据 🤖\n\tdone."},
+]
+
+
 @pytest.fixture(scope="module")
 def bpe():
     return bpe_tokenizer(TINY_VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizers(bpe):
+    return {"byte": byte_tokenizer(), "bpe": bpe}
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -75,12 +96,7 @@ def test_bpe_special_tokens_come_first_and_stay_whole(bpe):
 
 
 def test_chat_template_renders_deepseek_turns(bpe):
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Again"},
-    ]
+    messages = CONVERSATION[:4]
     turns = f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello!{EOS}{USER}Again"
     assert bpe.apply_chat_template(messages, tokenize=False) == turns
     prompt = bpe.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -89,15 +105,70 @@ def test_chat_template_renders_deepseek_turns(bpe):
     assert no_system == f"{BOS}{USER}Hi"
 
 
-def test_chat_template_joins_system_prompts_and_refuses_unknown_roles(bpe):
+def test_chat_template_joins_system_prompts_and_refuses_late_ones(bpe):
     messages = [
         {"role": "system", "content": "One."},
-        {"role": "user", "content": "Q"},
         {"role": "system", "content": "Two."},
+        {"role": "user", "content": "Q"},
     ]
     assert bpe.apply_chat_template(messages, tokenize=False) == f"{BOS}One.\n\nTwo.{USER}Q"
+    late = [messages[0], messages[2], messages[1]]
+    with pytest.raises(jinja2.TemplateError, match="system turn must come before"):
+        bpe.apply_chat_template(late, tokenize=False)
+
+
+@pytest.mark.parametrize("name", ["byte", "bpe"])
+def test_chat_templates_refuse_unknown_roles(chat_tokenizers, name):
     with pytest.raises(jinja2.TemplateError, match="unknown chat role tool"):
-        bpe.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        chat_tokenizers[name].apply_chat_template(
+            [{"role": "tool", "content": "x"}], tokenize=False
+        )
+
+
+def test_byte_chat_template_renders_turns_with_its_own_markers():
+    byte = byte_tokenizer()
+    assert byte.chat_template == chat_template(BYTE_USER, BYTE_ASSISTANT, BYTE_EOS)
+    turns = f"{BYTE_BOS}Be brief.{BYTE_USER}Hi{BYTE_ASSISTANT}Hello!{BYTE_EOS}{BYTE_USER}Again"
+    assert byte.apply_chat_template(CONVERSATION[:4], tokenize=False) == turns
+    prompt = byte.apply_chat_template(CONVERSATION[:4], tokenize=False, add_generation_prompt=True)
+    assert prompt == turns + BYTE_ASSISTANT
+    assert byte.apply_chat_template(CONVERSATION[1:2], tokenize=False) == f"{BYTE_BOS}{BYTE_USER}Hi"
+
+
+def test_both_tokenizers_share_one_template_builder(bpe):
+    assert bpe.chat_template == chat_template(USER, ASSISTANT, EOS)
+    quoted = chat_template("it's\\", "\n", "\\n'")
+    rendered = (
+        jinja2.Environment()
+        .from_string(quoted)
+        .render(messages=CONVERSATION[1:3], bos_token="", add_generation_prompt=True)
+    )
+    assert rendered == "it's\\Hi\nHello!\\n'\n"
+
+
+@pytest.mark.parametrize("name", ["byte", "bpe"])
+def test_chat_templates_are_prefix_stable(chat_tokenizers, name):
+    tok = chat_tokenizers[name]
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    answers = [i for i, message in enumerate(CONVERSATION) if message["role"] == "assistant"]
+    assert len(answers) == 2
+    for i in answers:
+        prompt = tok.apply_chat_template(
+            CONVERSATION[:i], tokenize=False, add_generation_prompt=True
+        )
+        assert whole.startswith(prompt), (i, prompt)
+        answered = tok.apply_chat_template(CONVERSATION[: i + 1], tokenize=False)
+        assert whole.startswith(answered) and answered.endswith(tok.eos_token)
+
+
+@pytest.mark.parametrize("name", ["byte", "bpe"])
+def test_rendered_chats_round_trip_through_the_tokenizer(chat_tokenizers, name):
+    tok = chat_tokenizers[name]
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids.count(tok.eos_token_id) == 2
+    assert ids[-1] == tok.eos_token_id
+    assert tok.decode(ids) == text
 
 
 def test_chat_template_is_saved_and_reloaded(bpe, tmp_path):

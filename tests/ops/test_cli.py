@@ -12,6 +12,7 @@ import pytest
 
 from fedciuic.audit.log import AuditLog
 from fedciuic.crypto.keys import Keypair, write_keys
+from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.ops.cli import _parser, main
 from tests.conftest import ROOT
 
@@ -57,7 +58,9 @@ def test_keys_errors_are_one_line_without_traceback(tmp_path, capsys):
 
 def test_demo_data_writes_one_folder_per_region(tmp_path, capsys):
     assert main(["demo-data", str(tmp_path), "--regions", "eu,cn"]) == 0
-    assert (tmp_path / "eu" / "docs.jsonl").exists() and (tmp_path / "cn" / "docs.jsonl").exists()
+    for region in ("eu", "cn"):
+        files = sorted(p.name for p in (tmp_path / region).iterdir())
+        assert files == sorted((CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE))
 
 
 POLICIES = ROOT / "policies"

@@ -19,6 +19,7 @@ from flwr.common.config import parse_config_args
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import aggregator_keys
+from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.ops import deploy
@@ -174,7 +175,8 @@ def test_insecure_with_demo_data(tmp_path, capsys):
     with open(agg / "flwr-home" / "config.toml", "rb") as handle:
         assert tomllib.load(handle)["superlink"]["fedciuic"]["insecure"] is True
     # Demo data is data; the folder's README is not.
-    assert [s.name for s in discover(dep / "regions" / "eu" / "data")] == ["docs.jsonl"]
+    data = [s.name for s in discover(dep / "regions" / "eu" / "data")]
+    assert data == sorted((CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE))
     for script in dep.rglob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
