@@ -81,11 +81,12 @@ class Summary(BaseModel):
 @dataclass
 class _Counts:
     summary: Summary
+    keep_reasons: int | None = MAX_REASONS
     user_keys: set[int] = field(default_factory=set)
 
     def bad(self, where: str, reason: str) -> None:
         self.summary.bad_rows += 1
-        if len(self.summary.bad_reasons) < MAX_REASONS:
+        if self.keep_reasons is None or len(self.summary.bad_reasons) < self.keep_reasons:
             self.summary.bad_reasons.append(f"{where}: {reason}")
 
 
@@ -150,6 +151,7 @@ def tokenized(
     seq_len: int,
     fields: Fields,
     state_dir: Path,
+    keep_reasons: int | None = MAX_REASONS,
 ) -> Tokenized:
     """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it."""
     fingerprint = data_fingerprint(sources)
@@ -173,6 +175,7 @@ def tokenized(
             folder=staging,
             summary=summary,
             scratch=root / ".datasets",
+            keep_reasons=keep_reasons,
         )
         if folder.exists():
             shutil.rmtree(folder)
@@ -219,9 +222,11 @@ def write_examples(
     folder: Path,
     summary: Summary,
     scratch: Path,
+    keep_reasons: int | None = MAX_REASONS,
 ) -> None:
-    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary)."""
-    counts = _Counts(summary)
+    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
+    the first ``keep_reasons`` bad rows' reasons are kept (None: all of them)."""
+    counts = _Counts(summary, keep_reasons)
     renderer = Renderer(tokenizer)
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:

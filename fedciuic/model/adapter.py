@@ -208,6 +208,14 @@ def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase,
     )
 
 
+def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer a region would read its data with, without building the model."""
+    if spec.path:
+        path = Path(spec.path).expanduser()
+        return _load_tokenizer(path, _checkpoint_config(path))
+    return preset_tokenizer(spec.preset)
+
+
 def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     config, tokenizer, fingerprint = _preset(spec)
     # Every party builds the same base from the same seed, without disturbing the

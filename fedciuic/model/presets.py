@@ -36,8 +36,8 @@ from transformers import (
 )
 
 from fedciuic.data.demo import FAMILIES, module_docs
-from fedciuic.errors import ModelError
 from fedciuic.digests import cache_dir as fedciuic_cache
+from fedciuic.errors import ModelError
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = "<bos>", "<eos>", "<pad>"
 BYTE_SPECIALS = (BYTE_BOS, BYTE_EOS, BYTE_PAD)

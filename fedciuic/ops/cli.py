@@ -31,6 +31,11 @@ from fedciuic.ops.runconfig import app_run_config, parse_overrides
 if TYPE_CHECKING:
     from fedciuic.rounds.metrics import RunMetrics
 
+#: `data check` options naming record fields (run config keys), with their defaults.
+DATA_FIELD_OPTIONS: dict[str, str] = {
+    name.replace("_", "-"): str(RunConfig.model_fields[name].default)
+    for name in ("text_field", "prompt_field", "response_field", "messages_field", "user_id_field")
+}
 EXIT_OK = 0
 EXIT_AUDIT = 1
 EXIT_ERROR = 2
@@ -40,7 +45,7 @@ EXAMPLES = """\
 examples:
   fedciuic simulate                          # 3 regions (eu, cn, us), demo data, CPU
   fedciuic simulate --rounds 5 --run-config local-steps=50
-  fedciuic simulate --data-root ./my-data    # my-data/<region>/*.jsonl|*.txt
+  fedciuic simulate --data-root ./my-data    # my-data/<region>/ (docs/data.md)
   fedciuic demo-data ./demo-data --regions eu,cn,us
   fedciuic save-checkpoint ./tiny-ckpt --preset tiny
   fedciuic policy check policies/*.yaml      # validate, file:line: field: message
@@ -235,6 +240,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("directory", type=Path)
     demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
+
+    data_sub = _group(
+        sub,
+        "data",
+        "check a region's data as a region reads it",
+        "fedciuic data check ./demo-data/eu",
+    )
+    data_check = _command(
+        data_sub,
+        "check",
+        _data_check,
+        "formats, record shapes, counts, one example with its masked part, and every bad "
+        "row as FILE:LINE: field: message (exit 1 if any)",
+        "fedciuic data check ./data/eu --model-path ./DeepSeek-R1-Distill-Qwen-7B",
+    )
+    data_check.add_argument("data_path", type=Path, metavar="DATA_PATH")
+    data_check.add_argument(
+        "--model-path",
+        default="",
+        help="the checkpoint whose tokenizer and chat template count and render the records "
+        "(default: the tiny preset's tokenizer)",
+    )
+    data_check.add_argument("--seq-len", type=int, default=512, help="default: 512")
+    for option, default in DATA_FIELD_OPTIONS.items():
+        data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
 
     def _ledger_rebuild(args: argparse.Namespace) -> int:
         from fedciuic.privacy.ledger import rebuild_ledger_command
@@ -750,6 +780,32 @@ def _demo_data(args: argparse.Namespace) -> int:
     for region, folder in write_demo_corpora(args.directory, regions).items():
         print(f"{region}: {folder}")
     return 0
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from fedciuic.data.check import check_data
+    from fedciuic.data.records import Fields
+    from fedciuic.model.adapter import ModelSpec, spec_tokenizer
+
+    if args.seq_len < 2:
+        raise ConfigError([f"--seq-len: {args.seq_len} is too short; use at least 2"])
+    spec = ModelSpec(path=args.model_path) if args.model_path else ModelSpec()
+    fields = Fields(
+        text=args.text_field,
+        prompt=args.prompt_field,
+        response=args.response_field,
+        messages=args.messages_field,
+        user_id=args.user_id_field,
+    )
+    checked = check_data(
+        args.data_path,
+        spec_tokenizer(spec),
+        seq_len=args.seq_len,
+        fields=fields,
+        tokenizer_name=f"tokenizer of {args.model_path}" if args.model_path else "tiny preset",
+    )
+    print("\n".join(checked.lines(fields.user_id)))
+    return 0 if checked.ok else 1
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:

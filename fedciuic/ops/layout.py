@@ -250,7 +250,7 @@ def _register_script(d: Deployment) -> str:
 
 
 def _data_check(data: Path, region: str) -> str:
-    message = f"{region}: {data} holds no .jsonl or .txt files; put the region's data there"
+    message = f"{region}: {data} holds no data files; put the region's data there"
     return fragment(
         "_data-check.sh", data=_q(data), message=_q(f"{message} (see {data}/README.md)")
     )
@@ -348,7 +348,8 @@ def next_steps(d: Deployment) -> str:
     ]
     if not d.demo_data:
         lines += [
-            'First put each region\'s data (*.jsonl with {"text": ...}, or *.txt) in '
+            "First put each region's data (JSON Lines, JSON, CSV, Parquet, text or a "
+            "save_to_disk folder; check it with `fedciuic data check DIR`) in "
             + ", ".join(str(d.region_dir(r.name) / "data") for r in d.regions),
             "",
         ]

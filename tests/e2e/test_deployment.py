@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
+from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
-from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.corpus import load_region_data
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
@@ -75,7 +75,9 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
     for region in REGIONS:
         own = load_region_data(
             RunConfig.from_user_config(config, source="app config"),
-            NodeConfig(region=region, data_path=str(demo_root / region), state_path=str(tmp_path / "own")),
+            NodeConfig(
+                region=region, data_path=str(demo_root / region), state_path=str(tmp_path / "own")
+            ),
             byte_tokenizer(),
         )
         for server_round in ("1", "2"):

@@ -135,7 +135,7 @@ def test_a_region_without_data_declines_and_the_others_train(tmp_path):
     data = only_run(tmp_path / "runs")
     train = data["rounds"]["1"]["train"]
     assert train["us"]["status"] == "declined"
-    assert "holds no .jsonl or .txt files" in train["us"]["reason"]
+    assert "holds no data files" in train["us"]["reason"]
     assert train["eu"]["status"] == train["cn"]["status"] == "trained"
     assert sorted(data["rounds"]["1"]["aggregate"]["regions"]) == ["cn", "eu"]
     assert not processes_under(tmp_path)

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.digests import file_digest
 from fedciuic.errors import ModelError
 from fedciuic.model import adapter as adapter_module
 from fedciuic.model.adapter import (
@@ -22,8 +24,6 @@ from fedciuic.model.adapter import (
     check_quantization,
     save_checkpoint,
 )
-from fedciuic.data.corpus import Batch, ExampleSet
-from fedciuic.digests import file_digest
 from fedciuic.model.identity import checkpoint_fingerprint
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer

@@ -366,7 +366,7 @@ def test_start_sh_refuses_before_starting_anything(tmp_path, capsys):
     dep = tmp_path / "dep"
     done = subprocess.run(["bash", str(dep / "start.sh")], capture_output=True, text=True)
     assert done.returncode == 1
-    assert f"eu: {dep / 'regions' / 'eu' / 'data'} holds no .jsonl or .txt files" in done.stderr
+    assert f"eu: {dep / 'regions' / 'eu' / 'data'} holds no data files" in done.stderr
     assert not list((dep / "pids").glob("*.pid"))
 
     for region in ("eu", "cn"):

@@ -279,7 +279,10 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
     rows = blocks[: len(OWNERS)]
     grads = per_sample_grads(model, rows)
     users = sorted(set(OWNERS))
-    means = [torch.stack([g for g, o in zip(grads, OWNERS) if o == u]).mean(0) for u in users]
+    means = [
+        torch.stack([g for g, o in zip(grads, OWNERS, strict=True) if o == u]).mean(0)
+        for u in users
+    ]
     clip = 0.5 * float(torch.stack([m.norm() for m in means]).median())
     assert any(float(m.norm()) > clip for m in means), "the test must actually clip"
     clipped = [m * min(1.0, clip / (float(m.norm()) + 1e-6)) for m in means]

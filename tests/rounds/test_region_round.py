@@ -219,7 +219,7 @@ def test_missing_data_path_declines_naming_the_region_and_path(run, tmp_path):
 def test_empty_dataset_declines(run, tmp_path):
     (tmp_path / "eu").mkdir()
     reply = run({"region": "eu", "data-path": str(tmp_path / "eu")})
-    assert "holds no .jsonl or .txt files" in declined(reply).reason
+    assert "holds no data files" in declined(reply).reason
 
 
 def test_mismatched_base_model_declines(run, demo_root, tmp_path):

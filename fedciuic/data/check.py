@@ -1,0 +1,118 @@
+"""``fedciuic data check``: what a region's data folder holds, read as a region reads it.
+
+The same discovery, validation and tokenisation as a training region, into a temporary
+folder (the region's own cache is left alone): formats and shapes found, counts of
+files, records, users and tokens, one training example with its masked part marked,
+and every bad row as ``FILE:LINE: field: message``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from fedciuic.data.records import Fields
+from fedciuic.data.sources import discover, root_of
+from fedciuic.data.tokenized import IGNORE, INPUT_IDS, LABELS, Summary, tokenized
+
+#: How the masked part (no loss) of the shown example is marked.
+MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
+
+
+@dataclass(frozen=True)
+class DataCheck:
+    root: Path
+    summary: Summary
+    example: str | None  # one training example, its masked part marked
+    seq_len: int
+    tokenizer: str  # what counted the tokens
+
+    @property
+    def ok(self) -> bool:
+        return not self.summary.bad_rows and self.summary.examples > 0
+
+    def lines(self, user_id_field: str) -> list[str]:
+        s = self.summary
+        kinds = ", ".join(f"{name} ({kind})" for name, kind in s.files.items())
+        shapes = ", ".join(f"{shape} {n}" for shape, n in sorted(s.shapes.items()))
+        if s.records and not s.without_user:
+            users = f"{s.users} (every record has {user_id_field})"
+        elif s.users:
+            users = (
+                f"{s.users}, but {s.without_user} record(s) have no {user_id_field} (e.g. "
+                f'{", ".join(s.without_user_where[:3])}): privacy-unit "user" would refuse them'
+            )
+        else:
+            users = f'none (no {user_id_field} field): privacy-unit "user" is not possible'
+        out = [
+            f"data-path: {self.root}",
+            f"files: {len(s.files)}: {kinds}",
+            f"records: {s.records} ({shapes or 'none'}); bad rows: {s.bad_rows}",
+            f"users: {users}",
+            f"examples: {s.examples} at seq-len {self.seq_len}; {s.truncated} record(s) cut "
+            f"at seq-len, {s.dropped} dropped (nothing left to train on within seq-len)",
+            f"tokens: {s.tokens:,}, {s.trained_tokens:,} of them trained on ({self.tokenizer})",
+        ]
+        if self.example is not None:
+            out += ["", f"one training example ({MASK_OPEN}masked: no loss{MASK_CLOSE}):"]
+            out += [self.example, ""]
+        if s.bad_rows:
+            out += [f"bad rows ({s.bad_rows}):", *s.bad_reasons]
+        return out
+
+
+def check_data(
+    data_path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int,
+    fields: Fields,
+    tokenizer_name: str,
+) -> DataCheck:
+    """Read and tokenise ``data_path`` as a region would; every bad row is listed."""
+    root = root_of(data_path)
+    sources = discover(root)
+    with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-") as scratch:
+        data = tokenized(
+            sources,
+            tokenizer,
+            seq_len=seq_len,
+            fields=fields,
+            state_dir=Path(scratch),
+            keep_reasons=None,
+        )
+        example = _example(data.examples, tokenizer)
+        return DataCheck(root, data.summary, example, seq_len, tokenizer_name)
+
+
+def _example(examples: object, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The first example with a masked prompt (else the first), decoded run by run."""
+    rows = getattr(examples, "num_rows", 0)
+    if not rows:
+        return None
+    chosen = None
+    for index in range(min(rows, 200)):
+        row = examples[index]  # type: ignore[index]
+        if any(label == IGNORE for label in row[LABELS][1:]):
+            chosen = row
+            break
+    row = chosen or examples[0]  # type: ignore[index]
+    parts: list[str] = []
+    run: list[int] = []
+    masked = None
+    for token, label in zip(row[INPUT_IDS], row[LABELS], strict=True):
+        is_masked = label == IGNORE
+        if masked is not None and is_masked != masked:
+            parts.append(_shown(tokenizer.decode(run), masked))
+            run = []
+        run.append(token)
+        masked = is_masked
+    parts.append(_shown(tokenizer.decode(run), bool(masked)))
+    return "".join(parts)
+
+
+def _shown(text: str, masked: bool) -> str:
+    return f"{MASK_OPEN}{text}{MASK_CLOSE}" if masked else text
