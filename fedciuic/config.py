@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,22 @@ from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+
+#: What one DP guarantee covers, weakest first: one record, or everything one user
+#: contributed. A guarantee per user is also one per record (a record has one user).
+PrivacyUnit = Literal["record", "user"]
+PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
+#: The unit where none is named: a policy without ``privacy.unit`` (at least record-level),
+#: and a ledger, reply or log written before units existed (all were record-level).
+DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
+
+
+def unit_covers(unit: PrivacyUnit, required: PrivacyUnit) -> bool:
+    """Whether DP per ``unit`` gives DP per ``required``: user-level implies record-level,
+    never the reverse (a user's many records each add to what is learnt about them)."""
+    return PRIVACY_UNITS.index(unit) >= PRIVACY_UNITS.index(required)
+
+
 REPRODUCIBLE_NOISE_WARNING = (
     "fedciuic: INSECURE: insecure-reproducible-noise = true: DP noise and Poisson sampling "
     "are derived from the run config's seed, which the aggregator chooses: it can predict "
@@ -137,7 +153,7 @@ class RunConfig(_Strict):
     #: What one DP guarantee covers: one ``record``, or everything one ``user`` contributed
     #: (user-level DP-SGD: users are sampled and each user's gradient is clipped; the
     #: records name their user in ``user-id-field``). docs/privacy.md.
-    privacy_unit: Literal["record", "user"] = "record"
+    privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     user_id_field: str = Field(default="user_id", min_length=1)
     #: At most this many of one unit's examples (a user's records, a long record's
     #: chunks) in a DP-SGD step; their mean gradient is clipped as one.

@@ -30,6 +30,7 @@ from fedciuic.audit.log import (
     load_records,
     witness_check,
 )
+from fedciuic.config import DEFAULT_PRIVACY_UNIT
 
 Record = Mapping[str, Any]
 
@@ -309,8 +310,10 @@ def _regions_section(
             joined = _details(_first(records, Event.RUN_JOINED))
         last = _details(trained[-1]) if trained else {}
         epsilon, budget = last.get("epsilon"), last.get("epsilon_budget")
+        # A log from before units has none: its rounds were record-level.
+        unit = last.get("unit") or DEFAULT_PRIVACY_UNIT
         spent = (
-            f"{epsilon:.3f} of {budget:g}"
+            f"{epsilon:.3f} of {budget:g} per {unit}"
             if isinstance(epsilon, int | float) and isinstance(budget, int | float)
             else ("no DP" if trained else "-")
         )
@@ -327,7 +330,8 @@ def _regions_section(
         )
     paragraphs = [
         "Epsilon is the dataset's cumulative spend after its last round in this run, "
-        "from the region's own log (its privacy ledger records the same)."
+        "from the region's own log (its privacy ledger records the same), per record or "
+        "per user: a guarantee per user covers all of one person's records together."
     ]
     if start_unsigned:
         paragraphs.append(

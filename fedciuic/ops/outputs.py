@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
 from fedciuic.rounds.record import (
     FAILED,
@@ -48,20 +49,25 @@ def fmt_number(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) and math.isfinite(value) else "-"
 
 
-def fmt_epsilon(epsilon: Any, budget: Any) -> str:
-    """Epsilon spent against the budget ("7.99 of 8"), or "-" without DP."""
+def fmt_epsilon(epsilon: Any, budget: Any, unit: PrivacyUnit | None = None) -> str:
+    """Epsilon spent against the budget, and what it is per ("7.99 of 8 per user"), or
+    "-" without DP. No unit recorded (a file from before units): per record."""
     if not isinstance(epsilon, int | float):
         return "-"
-    return f"{epsilon:.2f} of {budget if isinstance(budget, int | float) else float('nan'):g}"
+    limit = budget if isinstance(budget, int | float) else float("nan")
+    return f"{epsilon:.2f} of {limit:g} per {unit or DEFAULT_PRIVACY_UNIT}"
 
 
-def epsilon_spent(data: RunMetrics, region: str) -> tuple[float | None, float | None]:
-    """A region's cumulative epsilon after its last DP round in this run, and its budget."""
+def epsilon_spent(
+    data: RunMetrics, region: str
+) -> tuple[float | None, float | None, PrivacyUnit | None]:
+    """A region's cumulative epsilon after its last DP round in this run, its budget, and
+    what they are per."""
     for _, entry in reversed(data.trained(region)):
         if entry.epsilon is not None:
             budget = entry.epsilon_budget
-            return entry.epsilon, float("nan") if budget is None else budget
-    return None, None
+            return entry.epsilon, float("nan") if budget is None else budget, entry.unit
+    return None, None, None
 
 
 def upload_bytes(data: RunMetrics, region: str) -> list[int]:
@@ -84,7 +90,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
     header = (
         f"{'region':<8} {'eval before':>11} {'after r' + str(last_round):>9} {'change':>8}"
         + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
-        + (f" {'epsilon':>15}" if dp else "")
+        + (f" {'epsilon':>20}" if dp else "")
         + f" {'bytes/round':>11}"
         + "  rounds"
     )
@@ -92,8 +98,9 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         f"fedciuic run {run.run_id}: {run.status}, "
         f"{max(data.rounds, default=0)} round(s), regions {', '.join(run.regions)}, "
         + (
-            f"DP on (target epsilon {config.target_epsilon}, delta "
-            f"{config.target_delta}, secure-mode "
+            f"DP on (target epsilon {config.target_epsilon} per "
+            f"{config.privacy_unit or DEFAULT_PRIVACY_UNIT}, delta {config.target_delta}, "
+            "secure-mode "
             f"{'on' if config.secure_mode else 'OFF'})"
             if dp
             else "DP off"
@@ -111,8 +118,8 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
             gap = after - other if after is not None and other is not None else None
             row += f" {fmt_number(other):>8} {fmt_number(gap):>8}"
         if dp:
-            eps, budget = epsilon_spent(data, region)
-            row += f" {fmt_epsilon(eps, budget) if region != OVERALL else '':>15}"
+            eps, budget, unit = epsilon_spent(data, region)
+            row += f" {fmt_epsilon(eps, budget, unit) if region != OVERALL else '':>20}"
         sent = upload_bytes(data, region)
         row += f" {(f'{sum(sent) / len(sent):.0f}' if sent and region != OVERALL else ''):>11}"
         statuses = [entry.status for _, entry in data.trained(region)]

@@ -247,16 +247,16 @@ def format_round(data: RunMetrics, number: int, total: int) -> list[str]:
     lines = [
         f"round {number}/{total}{took}: {outcome}",
         f"  {'region':<8} {'status':<9} {'train loss':>10} {'eval loss':>9}  "
-        f"{'epsilon':<13} {'upload':>8}",
+        f"{'epsilon':<22} {'upload':>8}",
     ]
     for region in regions:
         train = rnd.train.get(region) or TrainEntry(status="no reply")
         evaluated = evals.get(region)
-        epsilon = fmt_epsilon(train.epsilon, train.epsilon_budget)
+        epsilon = fmt_epsilon(train.epsilon, train.epsilon_budget, train.unit)
         upload = f"{train.upload_bytes} B" if train.upload_bytes is not None else "-"
         row = (
             f"  {region:<8} {train.status:<9} {fmt_number(train.loss):>10} "
-            f"{eval_loss(region):>9}  {epsilon:<13} {upload:>8}"
+            f"{eval_loss(region):>9}  {epsilon:<22} {upload:>8}"
         )
         reason = train.reason or (evaluated.reason if evaluated else None)
         lines.append(row + (f"  {reason}" if reason else ""))

@@ -26,6 +26,7 @@ from fedciuic import __version__
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditError
 from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
+from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import ConfigError
 from fedciuic.ops.outputs import epsilon_spent, fmt_epsilon, fmt_number, upload_bytes
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
@@ -349,7 +350,7 @@ def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[st
     rows = []
     for region in data.run.regions:
         before, after = _loss(first.get(region)), _loss(last.get(region))
-        eps, budget = epsilon_spent(data, region)
+        eps, budget, unit = epsilon_spent(data, region)
         sent = upload_bytes(data, region)
         mine = [d for d in timeline if d.subject == region]
         counts = ", ".join(f"{o} x{n}" for o in MARKERS if (n := sum(d.outcome == o for d in mine)))
@@ -358,7 +359,7 @@ def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[st
                 region,
                 fmt_number(before),
                 fmt_number(after),
-                fmt_epsilon(eps, budget),
+                fmt_epsilon(eps, budget, unit),
                 f"{sum(sent) / len(sent):.0f}" if sent else "-",
                 counts or "-",
             ]
@@ -392,7 +393,8 @@ def render(
         f"{e(str(config.num_server_rounds))} round(s) &middot; aggregator in "
         f"{e(str(config.aggregator_jurisdiction))} &middot; "
         + (
-            f"DP on (target epsilon {e(str(config.target_epsilon))}, delta "
+            f"DP on (target epsilon {e(str(config.target_epsilon))} per "
+            f"{e(config.privacy_unit or DEFAULT_PRIVACY_UNIT)}, delta "
             f"{e(str(config.target_delta))})"
             if config.dp
             else "DP off"

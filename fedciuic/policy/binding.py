@@ -86,6 +86,7 @@ def run_terms(
         seal=run.seal,
         seal_suite=run.seal_suite,
         codec=run.codec.family,
+        privacy_unit=run.privacy_unit,
         projected_epsilon=projected_epsilon,
     )
 

@@ -35,6 +35,7 @@ from pydantic import (
     field_validator,
 )
 
+from fedciuic.config import DEFAULT_PRIVACY_UNIT, PRIVACY_UNITS, PrivacyUnit, unit_covers
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -90,6 +91,9 @@ class Privacy(_Section):
     max_delta: float = Field(gt=0, lt=1)
     max_clipping_norm: float = Field(gt=0)
     secure_rng_required: bool
+    #: The least a guarantee must cover: ``user`` requires user-level DP; ``record``
+    #: (or absent) accepts either, since user-level DP implies record-level.
+    unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
 
 
 class Sealing(_Section):
@@ -116,7 +120,8 @@ class Audit(_Section):
 
 
 class Policy(_Section):
-    """One jurisdiction's rules. Every section and field is required."""
+    """One jurisdiction's rules. Every section and field is required, except
+    ``privacy.unit`` (absent: record)."""
 
     version: Literal[1]
     jurisdiction: str
@@ -145,10 +150,13 @@ class Policy(_Section):
     @property
     def content_hash(self) -> str:
         """SHA-256 of the canonical JSON of the validated policy (sorted keys, no
-        whitespace): the same in every process, whatever the file's layout."""
-        canonical = json.dumps(
-            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), allow_nan=False
-        )
+        whitespace): the same in every process, whatever the file's layout. The default
+        ``privacy.unit`` is left out, so that a policy written before it existed keeps
+        the hash that audit logs and envelopes already name."""
+        data = self.model_dump(mode="json")
+        if self.privacy.unit == DEFAULT_PRIVACY_UNIT:
+            del data["privacy"]["unit"]
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -589,6 +597,8 @@ class RunTerms:
     seal: bool
     seal_suite: str
     codec: str  # the codec's base name: dense, int8, sign, topk, topk-int8
+    #: What one guarantee covers (the run's privacy-unit).
+    privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: The dataset's cumulative epsilon after this round (training only; None otherwise).
     projected_epsilon: float | None = None
 
@@ -665,6 +675,10 @@ def _privacy_reasons(p: Privacy, terms: RunTerms) -> list[str]:
             p.secure_rng_required and not terms.secure_mode,
             "secure-mode is off (privacy.secure_rng_required)",
         ),
+        (
+            not unit_covers(terms.privacy_unit, p.unit),
+            f"privacy unit {terms.privacy_unit}, policy requires {p.unit} (privacy.unit)",
+        ),
     ]
     return [reason for broken, reason in checks if broken]
 
@@ -699,6 +713,7 @@ class UpdateFacts:
     num_examples: int
     max_grad_norm: float | None = None
     secure_mode: bool | None = None
+    unit: PrivacyUnit | None = None  # what the declared epsilon is per; None without DP
 
 
 def check_update(
@@ -755,6 +770,12 @@ def check_update(
         )
     if facts.epsilon is not None and p.privacy.secure_rng_required and not facts.secure_mode:
         reasons.append("noise not from a secure RNG (privacy.secure_rng_required)")
+    if facts.epsilon is not None:
+        unit = facts.unit or DEFAULT_PRIVACY_UNIT  # undeclared: no more than record-level
+        if not unit_covers(unit, p.privacy.unit):
+            reasons.append(
+                f"declared privacy unit {unit}, policy requires {p.privacy.unit} (privacy.unit)"
+            )
     if facts.suite == "none":
         if p.sealing.required:
             reasons.append("the update came unsealed (sealing.required)")
@@ -816,6 +837,13 @@ def explain(loaded: LoadedPolicy) -> str:
         if v.dp_required
         else "Differential privacy is not required."
     )
+    unit = (
+        f"With DP, each guarantee must cover a whole {v.unit} (privacy-unit = {v.unit}): all "
+        "of one person's records together, not each record alone."
+        if not unit_covers(DEFAULT_PRIVACY_UNIT, v.unit)
+        else f"With DP, a guarantee per {v.unit} suffices (privacy-unit "
+        f"{' or '.join(PRIVACY_UNITS)})."
+    )
     sealing = (
         f"Updates leave only sealed, with {' or '.join(p.sealing.allowed_suites)}."
         if p.sealing.required
@@ -832,6 +860,7 @@ def explain(loaded: LoadedPolicy) -> str:
         f"Updates may go to an aggregator in: {', '.join(t.aggregator_jurisdictions)}.",
         relay,
         dp,
+        unit,
         sealing,
         f"Allowed compression codecs: {', '.join(p.compression.allowed_codecs)}.",
         f"An aggregate that includes this region is published only with at least "

@@ -37,6 +37,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedciuic.audit.events import Event
+from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
 from fedciuic.errors import FedciuicError
 from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 
@@ -115,7 +116,9 @@ class _Record(BaseModel):
 
 
 class LedgerHeader(_Record):
-    """First line of a ledger: whose dataset it accounts for, and under which delta."""
+    """First line of a ledger: whose dataset it accounts for, per which privacy unit and
+    under which delta. A ledger written before units existed has no ``unit``: it was
+    record-level, and its lines (and so its chain heads) stay as they were written."""
 
     kind: Literal["header"]
     format: Literal["fedciuic-privacy-ledger/1"]
@@ -123,6 +126,7 @@ class LedgerHeader(_Record):
     dataset: str = Field(min_length=64, max_length=64)  # SHA-256 of the region's data
     delta: float = Field(gt=0, lt=1)
     accountant: Accountant
+    unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     created: str
 
 
@@ -206,14 +210,16 @@ class PrivacyLedger:
         dataset: str,
         delta: float,
         accountant: Accountant,
+        unit: PrivacyUnit,
         witness: LedgerWitness | None = None,
     ) -> PrivacyLedger:
-        """Load and check the ledger at ``path``, or start one for this dataset; with a
-        ``witness`` (see :func:`audit_witness`), refuse a ledger that was rolled back."""
+        """Load and check the ledger at ``path``, or start one for this dataset per
+        ``unit``; with a ``witness`` (see :func:`audit_witness`), refuse a ledger that
+        was rolled back."""
         if path.exists():
             ledger = cls.load(path)
             ledger._check_matches(
-                region=region, dataset=dataset, delta=delta, accountant=accountant
+                region=region, dataset=dataset, delta=delta, accountant=accountant, unit=unit
             )
         else:
             header = LedgerHeader(
@@ -223,6 +229,7 @@ class PrivacyLedger:
                 dataset=dataset,
                 delta=delta,
                 accountant=accountant,
+                unit=unit,
                 created=_now(),
             )
             ledger = cls(path, header, [])
@@ -273,7 +280,7 @@ class PrivacyLedger:
             last_epsilon = rec.epsilon
 
     def _check_matches(
-        self, *, region: str, dataset: str, delta: float, accountant: Accountant
+        self, *, region: str, dataset: str, delta: float, accountant: Accountant, unit: PrivacyUnit
     ) -> None:
         h = self.header
         if h.dataset != dataset or h.region != region:
@@ -291,6 +298,14 @@ class PrivacyLedger:
             raise PrivacyError(
                 f"{self.path}: the ledger uses the {h.accountant} accountant, the run asks for "
                 f"{accountant}; set dp-accountant to {h.accountant!r} for this dataset"
+            )
+        if h.unit != unit:
+            # Releases per record say nothing per user (nor the reverse, for this
+            # accounting): one dataset's history cannot be composed across units.
+            raise PrivacyError(
+                f"{self.path}: the ledger accounts per {h.unit}, the run asks for privacy-unit "
+                f"{unit!r}; a dataset's accounting cannot mix units: set privacy-unit to "
+                f"{h.unit!r}, or give the {unit}-level runs their own state-path (and budget)"
             )
 
     def check_witness(self, witness: LedgerWitness, *, exists: bool = True) -> None:

@@ -47,6 +47,7 @@ from fedciuic.rounds.wire import (
     FAILED,
     KEY_ID,
     POLICY_HASH,
+    PRIVACY_UNIT,
     REJECTED,
     TRAINED,
     UPDATE,
@@ -366,6 +367,7 @@ class AggregatorRound:
             num_examples=metrics.num_examples,
             max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
             secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
+            unit=metrics.privacy.unit if metrics.privacy else None,
         )
         decision = self.policies.check_update(facts)
         if decision is not None:
@@ -395,7 +397,7 @@ class AggregatorRound:
                 f"update names region {info['region']!r} but comes from {header.region!r}"
             )
         update = self._update_bytes(received.arrays)
-        return update, parse_train_metrics(received.metrics), info, header
+        return update, parse_train_metrics(received.metrics, info[PRIVACY_UNIT]), info, header
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
         """The one compressed update a trained reply may carry, within the size cap."""
@@ -588,6 +590,7 @@ class AggregatorRound:
                 region=region,
                 examples=a.metrics.num_examples,
                 epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
+                unit=a.metrics.privacy.unit if a.metrics.privacy else None,
                 suite=a.header.suite,
                 policy_hash=a.header.policy_hash,
             )

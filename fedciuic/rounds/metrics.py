@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from fedciuic.config import PrivacyUnit
 from fedciuic.errors import FedciuicError
 
 #: The label of a round's examples-weighted evaluation, beside the regions' own.
@@ -58,6 +59,7 @@ class RunSettings(_Record):
     target_epsilon: float | None = None
     target_delta: float | None = None
     secure_mode: bool | None = None
+    privacy_unit: PrivacyUnit | None = None
     codec: str | None = None
     aggregator_jurisdiction: str | None = None
     data_root: str | None = None
@@ -116,6 +118,9 @@ class TrainEntry(_Record):
     data_fingerprint: str | None = None
     upload_bytes: int | None = None
     update_bytes: int | None = None
+    #: What ``epsilon`` is per (a record, or a user); absent in files from before units,
+    #: which were all record-level.
+    unit: PrivacyUnit | None = None
     epsilon: float | None = None
     epsilon_budget: float | None = None
     delta: float | None = None

@@ -26,7 +26,7 @@ from fedciuic.compression import (
     layout_id,
     layout_of,
 )
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
 from fedciuic.data.corpus import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
@@ -108,6 +108,8 @@ class PrivacySpent:
     sample_rate: float
     secure_mode: bool
     max_grad_norm: float
+    #: What one guarantee covers (the run's privacy-unit; the ledger accounts per it).
+    unit: PrivacyUnit
     #: What this run has spent on its own after this round, and the cap it is held to.
     run_epsilon: float | None = None
     run_epsilon_cap: float | None = None
@@ -279,6 +281,7 @@ class Region:
             dataset=self.data.fingerprint,
             delta=self.run.target_delta,
             accountant=self.run.dp_accountant,
+            unit=self.run.privacy_unit,
             witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
         )
 
@@ -365,6 +368,7 @@ class Region:
             sample_rate=step[1],
             secure_mode=run.secure_mode,
             max_grad_norm=run.max_grad_norm,
+            unit=run.privacy_unit,
             run_epsilon=run_after,
             run_epsilon_cap=cap,
             reproducible_noise=reproducible,

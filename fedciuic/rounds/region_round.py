@@ -41,6 +41,7 @@ from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, S
 from fedciuic.rounds.wire import (
     JURISDICTION,
     POLICY_HASH,
+    PRIVACY_UNIT,
     TRAINED,
     UPDATE,
     Instruction,
@@ -128,6 +129,7 @@ def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dic
         "data-fingerprint": outcome.data_fingerprint,
         JURISDICTION: policy.policy.jurisdiction if policy else "",
         POLICY_HASH: policy.hash if policy else "",
+        PRIVACY_UNIT: outcome.privacy.unit if outcome.privacy else "",
     }
 
 
@@ -380,6 +382,7 @@ class _Round:
             steps=outcome.stats.steps,
             data_fingerprint=outcome.data_fingerprint,
             epsilon=p.epsilon if p else None,
+            unit=p.unit if p else None,
             epsilon_budget=p.epsilon_budget if p else None,
             delta=p.delta if p else None,
             noise_multiplier=p.noise_multiplier if p else None,

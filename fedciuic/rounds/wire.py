@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from fedciuic.audit.log import AuditError, checkpoint_head
+from fedciuic.config import PRIVACY_UNITS, PrivacyUnit
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair
 from fedciuic.crypto.sealing import reply_message
 from fedciuic.errors import FedciuicError
@@ -24,6 +25,9 @@ FAILED = "failed"  # no usable reply: the region's process failed, or it never a
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
 ENVELOPE, UPDATE = "envelope", "update"
 JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
+#: A trained reply's privacy unit (what its epsilon is per), "" without DP. In the info,
+#: not the metrics, since Flower's metrics hold only numbers.
+PRIVACY_UNIT = "privacy-unit"
 #: Fields a region may add to any reply: its key id and signature over the reply (with
 #: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
 #: aggregator's instructions carry the head of its own log the same way.
@@ -63,7 +67,7 @@ _OPTIONAL_INFO = frozenset({KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD})
 _BASE_INFO = frozenset({"region", "status", "reason"})
 #: The exact info keys of each status (besides the optional ones above).
 INFO_KEYS: dict[str, frozenset[str]] = {
-    TRAINED: _BASE_INFO | {"data-fingerprint", JURISDICTION, POLICY_HASH},
+    TRAINED: _BASE_INFO | {"data-fingerprint", JURISDICTION, POLICY_HASH, PRIVACY_UNIT},
     SEALED: _BASE_INFO,
     EVALUATED: _BASE_INFO,
     DECLINED: _BASE_INFO,
@@ -86,8 +90,10 @@ class _Strict(BaseModel):
 
 
 class PrivacyFigures(_Strict):
-    """What a DP region declares it spent and applied; all or none of them."""
+    """What a DP region declares it spent and applied; all or none of them. ``unit``
+    comes from the reply's info (:data:`PRIVACY_UNIT`), the others from its metrics."""
 
+    unit: PrivacyUnit
     epsilon: float = Field(ge=0)
     epsilon_budget: float = Field(gt=0)
     delta: float = Field(ge=0, lt=1)
@@ -104,7 +110,7 @@ class TrainMetrics(_Strict):
     update_bytes: int = Field(ge=0, le=_MAX_COUNT)
     privacy: PrivacyFigures | None = None
 
-    def record(self) -> dict[str, float | int]:
+    def record(self) -> dict[str, float | int | str]:
         """The figures as metrics.json stores them (privacy keys with underscores)."""
         privacy = self.privacy.model_dump() if self.privacy else {}
         return {k: v for k, v in privacy.items() if k != "max_grad_norm"}
@@ -116,7 +122,10 @@ class EvalMetrics(_Strict):
     perplexity: float = Field(ge=0)
 
 
-_PRIVACY_KEYS = frozenset(f.alias or k for k, f in PrivacyFigures.model_fields.items())
+_PRIVACY_KEYS = frozenset(
+    f.alias or k for k, f in PrivacyFigures.model_fields.items() if k != "unit"
+)
+_UNIT: TypeAdapter[PrivacyUnit] = TypeAdapter(PrivacyUnit)
 
 
 def _problem(err: ValidationError, what: str) -> MalformedReply:
@@ -126,12 +135,27 @@ def _problem(err: ValidationError, what: str) -> MalformedReply:
     return MalformedReply(f"malformed {what}: {where}: {first['msg']}{more}")
 
 
-def parse_train_metrics(metrics: object) -> TrainMetrics:
-    """A trained reply's metrics (clear, or from inside its envelope), validated."""
+def parse_train_metrics(metrics: object, unit: str) -> TrainMetrics:
+    """A trained reply's metrics (clear, or from inside its envelope) and the privacy
+    unit its info declares (:data:`PRIVACY_UNIT`), validated: DP figures come with a
+    unit, and a unit only with DP figures."""
     if not isinstance(metrics, Mapping):
         raise MalformedReply(f"malformed metrics: an object expected, got {type(metrics).__name__}")
     flat = dict(metrics)
     privacy = {k: flat.pop(k) for k in list(flat) if k in _PRIVACY_KEYS}
+    if unit and not privacy:
+        raise MalformedReply(
+            f"malformed info: {PRIVACY_UNIT}: {unit[:40]!r} declared without DP figures; a "
+            'reply without DP declares ""'
+        )
+    if privacy:
+        try:
+            privacy["unit"] = _UNIT.validate_python(unit, strict=True)
+        except ValidationError:
+            raise MalformedReply(
+                f"malformed info: {PRIVACY_UNIT}: {unit[:40]!r} is not one of "
+                f"{', '.join(PRIVACY_UNITS)}"
+            ) from None
     try:
         return TrainMetrics.model_validate(
             {**flat, "privacy": PrivacyFigures.model_validate(privacy) if privacy else None}

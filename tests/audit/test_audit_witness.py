@@ -75,7 +75,11 @@ def federation(tmp_path: Path, keys: dict[str, Keypair]) -> Path:
         assert instruction is not None
         for r, log in regions.items():
             log.witness("aggregator", *instruction, run_id=RUN, server_round=rnd)
-            log.append("trained", run_id=RUN, server_round=rnd, epsilon=rnd, epsilon_budget=8.0)
+            # eu trains per user; cn's records are as a log from before units (per record)
+            unit = {"unit": "user"} if r == "eu" else {}
+            log.append(
+                "trained", run_id=RUN, server_round=rnd, epsilon=rnd, epsilon_budget=8.0, **unit
+            )
             digest = f"{rnd:02d}{r}".ljust(64, "0")
             log.append(
                 "update_sealed",
@@ -162,6 +166,11 @@ def test_honest_logs_witness_each_other_and_agree(tmp_path, keys, capsys):
     text = report_text(folder)
     assert "The region and aggregator logs agree." in text
     assert "20 witnessed checkpoint(s) still held" in text
+    # The regions table names what each epsilon is per (a log without a unit: record).
+    regions = text.split("## Regions", 1)[1]
+    eu_row = next(line for line in regions.splitlines() if line.startswith("| eu |"))
+    cn_row = next(line for line in regions.splitlines() if line.startswith("| cn |"))
+    assert "3.000 of 8 per user" in eu_row and "3.000 of 8 per record" in cn_row
 
 
 def test_truncated_region_log_is_caught_by_aggregator_witness(tmp_path, keys, capsys):

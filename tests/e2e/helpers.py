@@ -130,9 +130,19 @@ def secure_supernode(
     return federation.start_supernode(region, node_config, superlink=superlink, auth_key=private)
 
 
+def lab_policies_dir(state: Path) -> Path:
+    """The policies of a deployed lab federation whose regions keep their state in
+    ``state``: the shipped ones as record-level lab copies (the aggregator's
+    policies-dir, and each region's own file)."""
+    from tests.conftest import record_level_policies
+
+    return record_level_policies(state.parent / "policies")
+
+
 def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str, str]:
-    """A deployed region's node config: its data, state, keys and shipped policy."""
-    from tests.conftest import ROOT, SHIPPED_POLICIES
+    """A deployed region's node config: its data, state, keys and its jurisdiction's
+    policy (a record-level lab copy of the shipped one, :func:`lab_policies_dir`)."""
+    from tests.conftest import SHIPPED_POLICIES
 
     return {
         "region": region,
@@ -140,5 +150,5 @@ def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str,
         "state-path": str(state / region),
         "key-file": str(keys / f"{region}.key.json"),
         "aggregator-bundle": str(keys / "aggregator.pub.json"),
-        "policy": str(ROOT / "policies" / SHIPPED_POLICIES[region.upper()]),
+        "policy": str(lab_policies_dir(state) / SHIPPED_POLICIES[region.upper()]),
     }

@@ -19,6 +19,7 @@ from tests.e2e.helpers import (
     alive,
     deployed_node,
     eval_loss,
+    lab_policies_dir,
     only_run,
     secure_supernode,
 )
@@ -61,7 +62,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
-                "policies-dir": str(ROOT / "policies"),
+                "policies-dir": str(lab_policies_dir(tmp_path / "state")),
             },
             timeout=900,
         )
@@ -94,7 +95,9 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         assert key_id.encode() not in captured
         assert own.fingerprint.encode() not in captured
         # Each update was checked against its sender's shipped policy.
-        policy = load_policy(ROOT / "policies" / SHIPPED_POLICIES[region.upper()])
+        policy = load_policy(
+            lab_policies_dir(tmp_path / "state") / SHIPPED_POLICIES[region.upper()]
+        )
         assert bytes.fromhex(policy.hash) not in captured
         for server_round in ("1", "2"):
             (decision,) = [

@@ -22,7 +22,7 @@ from fedciuic.errors import FederationError
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
-from tests.e2e.helpers import alive, deployed_node, secure_supernode
+from tests.e2e.helpers import alive, deployed_node, lab_policies_dir, secure_supernode
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -179,7 +179,7 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
-                "policies-dir": str(ROOT / "policies"),
+                "policies-dir": str(lab_policies_dir(tmp_path / "state")),
                 "round-timeout": 90.0,
                 # Little training: this test is about a dropout, and the honest
                 # regions must finish well inside the timeout even on a slow machine.

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from fedciuic.flower.launch import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, record_level_policies
 from tests.e2e.helpers import alive, processes_under
 
 pytestmark = pytest.mark.e2e
@@ -68,6 +68,8 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
             "--regions",
             ",".join(REGIONS),
             "--demo-data",
+            "--policies",  # the run is record-level: lab copies of the shipped policies
+            str(record_level_policies(tmp_path / "policies")),
             "--port",
             str(free_port()),
             "--supernode-port-base",

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from fedciuic.audit.log import load_records
-from tests.conftest import ROOT
+from tests.conftest import ROOT, record_level_policies
 from tests.e2e.helpers import only_run, processes_under
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +55,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "local-steps=5",
         "--run-config",
         "aggregator-jurisdiction='US'",
+        "--run-config",  # the run is record-level: lab copies of the shipped policies
+        f"policies-dir='{record_level_policies(tmp / 'policies')}'",
         cwd=tmp,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -16,13 +16,16 @@ from fedciuic.data.corpus import region_fingerprint
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from tests.conftest import ROOT
+from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
 
 pytestmark = pytest.mark.e2e
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:
+    """``fedciuic simulate`` under record-level lab copies of the shipped policies (the
+    runs are record-level); a policies-dir in ``args`` comes later and wins."""
+    lab = record_level_policies(tmp_path / "lab-policies")
     return [
         sys.executable,
         "-m",
@@ -33,6 +36,8 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
         "--output-dir",
         str(tmp_path / "runs"),
         "--quiet",
+        "--run-config",
+        f"policies-dir='{lab}'",
         *args,
     ]
 
@@ -97,7 +102,12 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     eu_fingerprint = region_fingerprint(data_root / "eu")
     ledger_path = data_root / "eu" / ".fedciuic" / LEDGER_FILE
     ledger = PrivacyLedger.open(
-        ledger_path, region="eu", dataset=eu_fingerprint, delta=1e-5, accountant="prv"
+        ledger_path,
+        region="eu",
+        dataset=eu_fingerprint,
+        delta=1e-5,
+        accountant="prv",
+        unit=app_config()["privacy-unit"],
     )
     step = (0.5, 0.01, 500)  # an earlier run that spent the whole budget
     ledger.append(

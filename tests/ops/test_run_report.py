@@ -154,3 +154,35 @@ def test_each_plot_draws_the_series_it_is_named_after():
     (declined,) = drawn["decisions"].axes[0].collections
     assert declined.get_label() == "declined"
     assert np.asarray(declined.get_offsets()).tolist() == [[1.0, 1.0]]  # round 1, the row of cn
+
+
+def test_the_page_and_the_summary_name_what_each_epsilon_is_per():
+    """eu declares user-level DP; cn's entry is from before units (record-level)."""
+    from fedciuic.ops.outputs import summarize
+    from fedciuic.ops.run_report import PLOTS, render
+
+    data = RunMetrics.model_validate(
+        {
+            "run": {
+                "run_id": 9,
+                "status": "completed",
+                "regions": ["eu", "cn"],
+                "config": {"dp": True, "target-epsilon": 8.0, "privacy-unit": "user"},
+            },
+            "rounds": {
+                "1": {
+                    "train": {
+                        "eu": {"status": "trained", "epsilon": 3.0, "epsilon_budget": 8.0},
+                        "cn": {"status": "trained", "epsilon": 4.0, "epsilon_budget": 6.0},
+                    }
+                }
+            },
+        }
+    )
+    data.rounds[1].train["eu"].unit = "user"
+    page = render(data, [], dict.fromkeys(PLOTS, b""), [], [], None)
+    assert "target epsilon 8.0 per user" in page
+    assert "<td>3.00 of 8 per user</td>" in page and "<td>4.00 of 6 per record</td>" in page
+    summary = summarize(data)
+    assert "target epsilon 8.0 per user" in summary
+    assert "3.00 of 8 per user" in summary and "4.00 of 6 per record" in summary

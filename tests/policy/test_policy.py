@@ -15,6 +15,7 @@ from fedciuic.policy.rules import (
     check_aggregate,
     check_run,
     check_update,
+    explain,
     load_policies,
     load_policy,
 )
@@ -130,6 +131,7 @@ GOOD = RunTerms(
     seal=True,
     seal_suite="xwing-aes256gcm",
     codec="topk-int8",
+    privacy_unit="user",  # the shipped EU policy requires user-level DP
 )
 
 RUN_RULES = [
@@ -145,6 +147,7 @@ RUN_RULES = [
     ({"seal": False}, "sealing.required"),
     ({"seal_suite": "xwing-fernet"}, "sealing.allowed_suites"),
     ({"codec": "zstd"}, "compression.allowed_codecs"),
+    ({"privacy_unit": "record"}, "privacy unit record, policy requires user (privacy.unit)"),
 ]
 
 
@@ -195,6 +198,7 @@ FACTS = UpdateFacts(
     codec="topk-int8",
     num_examples=500,
     secure_mode=True,
+    unit="user",
 )
 
 UPDATE_RULES = [
@@ -209,6 +213,8 @@ UPDATE_RULES = [
     ({"max_grad_norm": 4.0}, "privacy.max_clipping_norm"),
     ({"max_grad_norm": 1.0}, None),
     ({"suite": "none"}, "the update came unsealed (sealing.required)"),
+    ({"unit": "record"}, "declared privacy unit record, policy requires user (privacy.unit)"),
+    ({"unit": None}, "declared privacy unit record, policy requires user (privacy.unit)"),
 ]
 
 
@@ -232,6 +238,42 @@ def test_aggregator_outside_the_senders_allowed_list_rejects(cn):
     assert "transfers.relay_in_third_country" in relayed.reasons[0]
 
 
+def test_a_record_level_policy_accepts_either_unit_and_user_implies_record(cn, eu):
+    """``privacy.unit`` is a least unit: record (or absent) accepts user-level DP too."""
+    assert cn.policy.privacy.unit == "record" and eu.policy.privacy.unit == "user"
+    for unit in ("record", "user"):
+        assert check_run("cn", cn, replace(GOOD, privacy_unit=unit)).accepted
+        facts = replace(FACTS, region="cn", sender_jurisdiction="CN", policy_hash=cn.hash)
+        assert check_update(cn, replace(facts, unit=unit), GOOD).accepted
+    # Without DP there is no unit to check: dp_required says what is wrong.
+    off = check_run("eu", eu, replace(GOOD, dp=False, privacy_unit="record"))
+    assert off.reasons == ("DP is off (privacy.dp_required)",)
+
+
+def test_privacy_unit_is_optional_absent_is_record_and_keeps_the_hash(tmp_path, cn):
+    explicit = tmp_path / "cn.yaml"
+    explicit.write_text(
+        edit(
+            (POLICIES / "cn-pipl.yaml").read_text(),
+            "  secure_rng_required: true\n",
+            "  secure_rng_required: true\n  unit: record\n",
+        )
+    )
+    assert load_policy(explicit).hash == cn.hash  # one meaning, one hash
+    user = tmp_path / "user.yaml"
+    user.write_text(edit(explicit.read_text(), "unit: record", "unit: user"))
+    assert load_policy(user).policy.privacy.unit == "user" and load_policy(user).hash != cn.hash
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(edit(explicit.read_text(), "unit: record", "unit: person"))
+    with pytest.raises(PolicyError, match=r"bad.yaml:\d+: privacy.unit: Input should be"):
+        load_policy(bad)
+
+
+def test_explain_names_the_privacy_unit(eu, cn):
+    assert "each guarantee must cover a whole user" in explain(eu)
+    assert "a guarantee per record suffices" in explain(cn)
+
+
 def test_no_readable_policy_rejects_fail_closed():
     decision = check_update(None, FACTS, GOOD, "eu.yaml:3: privacy: Field required")
     assert decision.outcome == "reject" and "no readable policy for EU" in decision.reasons[0]
@@ -252,3 +294,27 @@ def test_aggregate_needs_the_strictest_minimum(eu, cn, tmp_path):
 
 def test_shipped_files_are_the_ones_documented():
     assert sorted(p.name for p in Path(POLICIES).glob("*.yaml")) == sorted(SHIPPED)
+    assert sorted(p.name for p in (POLICIES / "health").glob("*.yaml")) == sorted(HEALTH)
+    readme = (POLICIES / "README.md").read_text()
+    for name in [*SHIPPED, *(f"health/{h}" for h in HEALTH)]:
+        assert f"`{name}`" in readme
+
+
+HEALTH = ["us-hipaa.yaml", "eu-ehds.yaml"]
+
+
+def test_the_health_policies_are_a_folder_of_their_own_that_requires_user_level_dp():
+    """policies/health/ is not read with policies/ (no second EU or US policy there),
+    and read on its own it is one policy per jurisdiction, each stricter than the
+    general one and requiring user-level DP."""
+    general = load_policies(POLICIES)
+    assert general.problems == () and general.require("EU").path == POLICIES / "eu-gdpr.yaml"
+    health = load_policies(POLICIES / "health")
+    assert health.problems == () and sorted(health.by_jurisdiction) == ["EU", "US"]
+    for jurisdiction, loaded in health.by_jurisdiction.items():
+        strict, usual = loaded.policy.privacy, general.require(jurisdiction).policy.privacy
+        assert strict.unit == "user"
+        assert strict.max_epsilon_per_run < usual.max_epsilon_per_run
+        assert strict.max_lifetime_epsilon < usual.max_lifetime_epsilon
+        record = check_run(jurisdiction.lower(), loaded, replace(GOOD, privacy_unit="record"))
+        assert any(r.endswith("(privacy.unit)") for r in record.reasons)

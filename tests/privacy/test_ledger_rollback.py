@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedciuic.audit.log import REGION_LOG, AuditLog
+from fedciuic.config import PrivacyUnit
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     LedgerRolledBack,
@@ -20,21 +21,24 @@ from fedciuic.privacy.ledger import (
 DATASET = "a" * 64
 
 
-def open_ledger(state: Path) -> PrivacyLedger:
+def open_ledger(state: Path, unit: PrivacyUnit = "record") -> PrivacyLedger:
     return PrivacyLedger.open(
         state / LEDGER_FILE,
         region="eu",
         dataset=DATASET,
         delta=1e-5,
         accountant="prv",
+        unit=unit,
         witness=audit_witness(state / REGION_LOG, region="eu", dataset=DATASET),
     )
 
 
-def release(state: Path, server_round: int, *, note: bool = True) -> PrivacyLedger:
+def release(
+    state: Path, server_round: int, *, note: bool = True, unit: PrivacyUnit = "record"
+) -> PrivacyLedger:
     """One released round as the ClientApp does it: the ledger record, then the audit
     log's ``trained`` event that witnesses the ledger's new head."""
-    ledger = open_ledger(state)
+    ledger = open_ledger(state, unit)
     step = (1.0, 0.01, 30)
     ledger.append(
         ledger.new_record(
@@ -55,6 +59,7 @@ def release(state: Path, server_round: int, *, note: bool = True) -> PrivacyLedg
                 server_round=server_round,
                 data_fingerprint=DATASET,
                 epsilon=ledger.epsilon,
+                unit=ledger.header.unit,
                 ledger=ledger.witness_record(),
             )
         finally:
@@ -110,7 +115,12 @@ def test_a_ledger_replaced_by_another_of_the_same_length_is_refused(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     fake = PrivacyLedger.open(
-        other / LEDGER_FILE, region="eu", dataset=DATASET, delta=1e-5, accountant="prv"
+        other / LEDGER_FILE,
+        region="eu",
+        dataset=DATASET,
+        delta=1e-5,
+        accountant="prv",
+        unit="record",
     )
     for server_round in (1, 2):
         step = (5.0, 0.01, 30)
@@ -221,3 +231,34 @@ def test_the_rebuild_command_repairs_a_rolled_back_ledger(tmp_path, capsys):
     empty.mkdir()
     assert main(["ledger", "rebuild", "--state-path", str(empty)]) == 2
     assert "witnesses no release" in capsys.readouterr().err
+
+
+def test_rebuild_restores_a_user_level_ledger_as_user_level(tmp_path):
+    release(tmp_path, 1, unit="user")
+    release(tmp_path, 2, unit="user")
+    (tmp_path / LEDGER_FILE).unlink()
+    done = rebuild_ledger(tmp_path)
+    assert done.releases == 2
+    assert open_ledger(tmp_path, "user").header.unit == "user"
+    with pytest.raises(PrivacyError, match="the ledger accounts per user"):
+        open_ledger(tmp_path, "record")
+
+
+def test_a_ledger_and_log_from_before_units_stay_readable_as_record_level(tmp_path):
+    """A header without ``unit`` (as written before units existed) keeps its bytes, so
+    the heads its audit log witnessed still match, and the rebuild restores it."""
+    path = tmp_path / LEDGER_FILE
+    header = PrivacyLedger.open(
+        path, region="eu", dataset=DATASET, delta=1e-5, accountant="prv", unit="record"
+    ).header
+    old = header.model_dump_json(exclude={"unit"}).encode()
+    assert b"unit" not in old
+    path.write_bytes(old + b"\n")
+    release(tmp_path, 1)
+    release(tmp_path, 2)
+    ledger = open_ledger(tmp_path)  # checked against the witnessed heads
+    assert ledger.header.unit == "record" and ledger.lines[0] == old
+    path.unlink()
+    rebuild_ledger(tmp_path)
+    assert path.read_bytes().split(b"\n")[0] == old
+    assert len(open_ledger(tmp_path).rounds) == 2

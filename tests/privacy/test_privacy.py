@@ -9,6 +9,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
+from fedciuic.config import PrivacyUnit
 from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
@@ -62,8 +63,12 @@ def test_poisson_rate_is_one_over_the_number_of_batches():
     assert poisson_sample_rate(100, 16) == pytest.approx(1 / 7)
 
 
-def open_ledger(path: Path, dataset: str = DATASET, delta: float = 1e-5) -> PrivacyLedger:
-    return PrivacyLedger.open(path, region="eu", dataset=dataset, delta=delta, accountant="prv")
+def open_ledger(
+    path: Path, dataset: str = DATASET, delta: float = 1e-5, unit: PrivacyUnit = "record"
+) -> PrivacyLedger:
+    return PrivacyLedger.open(
+        path, region="eu", dataset=dataset, delta=delta, accountant="prv", unit=unit
+    )
 
 
 def spend(ledger: PrivacyLedger, step=(1.0, 0.01, 30), server_round: int = 1) -> None:
@@ -77,6 +82,37 @@ def spend(ledger: PrivacyLedger, step=(1.0, 0.01, 30), server_round: int = 1) ->
             epsilon=ledger.epsilon_after(step),
         )
     )
+
+
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_a_user_level_ledger_accounts_at_the_user_rate_as_dp_accounting_does(tmp_path, kind):
+    """User-level DP-SGD samples users at q = batch_size / num_users: the ledger's epsilon
+    is dp-accounting's for that q (within the 5 % above), and larger than the
+    record-level epsilon of the same data, whose records outnumber its users."""
+    records, users, batch, steps, sigma, delta = 2322, 300, 16, 90, 1.0, 1e-5
+    step = (sigma, batch / users, steps)
+    path = tmp_path / "ledger.jsonl"
+    ledger = PrivacyLedger.open(
+        path, region="eu", dataset=DATASET, delta=delta, accountant=kind, unit="user"
+    )
+    spend(ledger, step)
+    kept = PrivacyLedger.load(path)
+    assert kept.header.unit == "user" and kept.history == [step]
+    assert kept.epsilon == pytest.approx(google([step], delta, kind), rel=0.05)
+    per_record = epsilon_of([(sigma, poisson_sample_rate(records, batch), steps)], delta, kind)
+    assert kept.epsilon > per_record
+
+
+def test_the_ledger_refuses_a_run_with_another_privacy_unit(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    spend(open_ledger(path))
+    with pytest.raises(PrivacyError) as err:
+        open_ledger(path, unit="user")
+    message = str(err.value)
+    assert message.startswith(f"{path}: the ledger accounts per record, the run asks for ")
+    assert "privacy-unit 'user'" in message and "set privacy-unit to 'record'" in message
+    assert "their own state-path" in message and "\n" not in message
+    assert open_ledger(path).epsilon > 0  # the record-level run goes on
 
 
 def test_ledger_survives_reopening_and_keeps_the_full_history(tmp_path):

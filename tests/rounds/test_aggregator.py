@@ -33,6 +33,7 @@ from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.sealing import SealedReplies
 from fedciuic.rounds.wire import (
     ENVELOPE,
+    PRIVACY_UNIT,
     Arrival,
     NoReply,
     Reply,
@@ -100,6 +101,7 @@ def trained(region: str, value: float, examples: int, n: int = 4) -> Raw:
             "data-fingerprint": "fp-" + region,
             "jurisdiction": "",
             "policy-hash": "",
+            PRIVACY_UNIT: "",
         },
         {"num-examples": examples, "train-loss": 1.0, "steps": 5, "update-bytes": len(update)},
         update_arrays(update),
@@ -231,13 +233,18 @@ def sealed_reply_from(
     n: int = 4,
     signed_round: int | None = None,
     signed_run: int | None = None,
+    unit: str | None = None,
 ) -> Raw:
     """A sealed reply as a region sends it; ``signed_*``: the run and round its reply
-    signature names, when they differ from its envelope's (a relayed old envelope)."""
+    signature names, when they differ from its envelope's (a relayed old envelope);
+    ``unit``: the privacy unit it declares (default: record with DP figures, else none)."""
     region = keypair.bundle.party
+    metrics = metrics or {"num-examples": 10, "train-loss": 1.0, "steps": 1, "update-bytes": 16}
+    if unit is None:
+        unit = "record" if "epsilon" in metrics else ""
     payload = update_payload(
         update_arrays(encoded(value, n)),
-        metrics or {"num-examples": 10, "train-loss": 1.0, "steps": 1, "update-bytes": 16},
+        metrics,
         {
             "region": region,
             "status": "trained",
@@ -245,6 +252,7 @@ def sealed_reply_from(
             "data-fingerprint": "fp",
             "jurisdiction": "",
             "policy-hash": policy_hash,
+            PRIVACY_UNIT: unit,
         },
     )
     envelope = seal(
@@ -392,6 +400,7 @@ def from_region(
     run_id: int = 7,
     signed_round: int | None = None,
     signed_run: int | None = None,
+    unit: Any = None,  # Any: callers spread metric dicts (**{"num-examples": 20}) here
     **changes,
 ) -> Raw:
     a, regions, folder = policed
@@ -407,6 +416,7 @@ def from_region(
         run_id=run_id,
         signed_round=signed_round,
         signed_run=signed_run,
+        unit=unit,
     )
 
 
@@ -708,3 +718,52 @@ def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_p
     assert [r["event"] for r in records][-3:] == ["witness", "run_end_witnessed", "checkpoint"]
     assert records[-3]["details"] == {"party": "eu", "count": 5, "head": head}
     assert records[-2]["details"]["regions"] == ["eu"]
+
+
+# -- the privacy unit ------------------------------------------------------------------
+
+
+@pytest.fixture
+def eu_requires_user(audited):
+    """The audited round, with the EU policy requiring user-level DP (as shipped)."""
+    a, _, folder = audited
+    write_policy(folder / "eu.yaml", "EU", privacy__unit="user")
+    a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
+    return audited
+
+
+def test_an_update_declaring_record_from_a_region_whose_policy_requires_user_is_rejected(
+    eu_requires_user,
+):
+    a = eu_requires_user[0]
+    a.train(
+        1,
+        [
+            reply(11, from_region(eu_requires_user, "eu", 1.0, unit="record")),
+            reply(12, from_region(eu_requires_user, "cn", 3.0)),
+        ],
+    )
+    entry = a.recorder.data.rounds[1].train["eu"]
+    assert entry.status == "rejected"
+    assert "declared privacy unit record, policy requires user (privacy.unit)" in entry.reason
+
+
+def test_metrics_and_the_audit_log_name_each_updates_privacy_unit(eu_requires_user):
+    a = eu_requires_user[0]
+    result = a.train(
+        1,
+        [
+            reply(11, from_region(eu_requires_user, "eu", 1.0, unit="user")),
+            reply(12, from_region(eu_requires_user, "cn", 3.0)),  # CN accepts record-level
+        ],
+    )
+    assert isinstance(result.aggregate, Published)
+    train = a.recorder.data.rounds[1].train
+    assert (train["eu"].unit, train["cn"].unit) == ("user", "record")
+    assert written(train["eu"])["unit"] == "user"
+    accepted = {
+        r["details"]["region"]: r["details"]["unit"]
+        for r in load_records(a.audit.path)
+        if r["event"] == "update_accepted"
+    }
+    assert accepted == {"eu": "user", "cn": "record"}

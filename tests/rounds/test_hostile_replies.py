@@ -32,10 +32,11 @@ from fedciuic.crypto.envelope import (
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
-from fedciuic.rounds.wire import ENVELOPE, KEY_ID, SIGNATURE, signed_fields
+from fedciuic.rounds.wire import ENVELOPE, KEY_ID, PRIVACY_UNIT, SIGNATURE, signed_fields
 from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
+    NO_DP,
     Raw,
     adapter_of,
     audited,
@@ -58,6 +59,7 @@ INFO = {
     "data-fingerprint": "fp",
     "jurisdiction": "",
     "policy-hash": "",
+    PRIVACY_UNIT: "record",
 }
 
 
@@ -200,6 +202,22 @@ HOSTILE: dict[str, tuple[Callable[[Any], Raw], str]] = {
             p, "cn", payload_with(metrics_with(**{"max-grad-norm": float("inf")}))
         ),
         "max-grad-norm",
+    ),
+    "privacy unit not a unit": (
+        lambda p: sealed_payload(
+            p, "cn", payload_with(info={"region": "cn", **INFO, PRIVACY_UNIT: "person"})
+        ),
+        "privacy-unit: 'person' is not one of record, user",
+    ),
+    "privacy figures without a unit": (
+        lambda p: sealed_payload(
+            p, "cn", payload_with(info={"region": "cn", **INFO, PRIVACY_UNIT: ""})
+        ),
+        "privacy-unit: '' is not one of record, user",
+    ),
+    "a unit without privacy figures": (
+        lambda p: sealed_payload(p, "cn", payload_with(metrics_with(**NO_DP))),
+        "privacy-unit: 'record' declared without DP figures",
     ),
     "half the privacy figures": (
         lambda p: sealed_payload(p, "cn", payload_with(metrics_with(**{"epsilon-budget": None}))),

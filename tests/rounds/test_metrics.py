@@ -26,6 +26,7 @@ from fedciuic.rounds.wire import PrivacyFigures, TrainMetrics
 def _trained_entry() -> dict[str, object]:
     """A trained reply's entry with every key the aggregator writes (Judged.entry)."""
     privacy = PrivacyFigures(
+        unit="user",
         epsilon=2.5,
         epsilon_budget=8.0,
         delta=1e-5,
@@ -95,6 +96,7 @@ def test_a_recorded_run_reads_back_as_the_same_model_and_the_same_file(tmp_path)
     assert raw["run"]["config"] == {"num-server-rounds": 1, "dp": True, "keys-dir": None, "seed": 3}
     assert raw["rounds"]["1"]["train"]["cn"] == {"status": "declined", "reason": "budget spent"}
     assert raw["rounds"]["1"]["train"]["eu"] == _trained_entry()
+    assert raw["rounds"]["1"]["train"]["eu"]["unit"] == "user"  # what its epsilon is per
     assert raw["rounds"]["0"]["eval"]["overall"] == {
         "loss": 5.0,
         "perplexity": 148.4,

@@ -26,6 +26,7 @@ from fedciuic.crypto.sealing import (
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.policy.rules import load_policy
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.rounds.region_round import (
     Declined,
     Evaluated,
@@ -37,7 +38,7 @@ from fedciuic.rounds.region_round import (
     witness_run_end,
 )
 from fedciuic.rounds.sealing import Clear, Sealed
-from fedciuic.rounds.wire import Instruction, RunEndNotice
+from fedciuic.rounds.wire import PRIVACY_UNIT, Instruction, RunEndNotice
 from tests.conftest import ROOT, app_config, lab_policies, write_policy
 
 HEAD = "cd" * 32
@@ -322,6 +323,36 @@ def test_a_round_past_the_policys_lifetime_epsilon_is_declined_before_training(
     assert "over 0.5 (privacy.max_lifetime_epsilon)" in reason
     assert "epsilon budget 8 > 0.5 (privacy.max_lifetime_epsilon)" in reason
     assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+
+
+def test_the_shipped_eu_policy_declines_a_record_level_run_before_training(
+    run, demo_root, tmp_path
+):
+    """GDPR protects persons (privacy.unit: user): a record-level run trains nothing."""
+    node = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path),
+        "policy": str(ROOT / "policies" / "eu-gdpr.yaml"),
+    }
+    reason = declined(run(node, {"privacy-unit": "record"})).reason
+    assert "eu-gdpr.yaml" in reason
+    assert "privacy unit record, policy requires user (privacy.unit)" in reason
+    assert not (tmp_path / LEDGER_FILE).exists()  # nothing trained, nothing accounted
+    records = load_records(tmp_path / "audit.jsonl")
+    (decision,) = [r for r in records if r["event"] == "policy_decision"]
+    assert decision["details"]["outcome"] == "decline"
+    assert not [r for r in records if r["event"] == "trained"]
+
+
+def test_a_round_declares_its_privacy_unit_in_the_reply_the_ledger_and_the_log(
+    run, demo_root, tmp_path
+):
+    clear = run(cn_node(demo_root, tmp_path)).outcome
+    assert isinstance(clear, Clear) and clear.info[PRIVACY_UNIT] == "record"
+    assert PrivacyLedger.load(tmp_path / LEDGER_FILE).header.unit == "record"
+    (trained,) = [r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "trained"]
+    assert trained["details"]["unit"] == "record"
 
 
 EU_TEXT = (ROOT / "policies" / "eu-gdpr.yaml").read_text()
