@@ -23,9 +23,29 @@ from pathlib import Path
 from aggregator_memory import _hwm_bytes  # scripts side by side
 
 WORDS = (
-    "account balance transfer card branch loan rate payment statement customer fee "
-    "policy claim patient record consent data region model update privacy budget"
-).split()
+    "account",
+    "balance",
+    "transfer",
+    "card",
+    "branch",
+    "loan",
+    "rate",
+    "payment",
+    "statement",
+    "customer",
+    "fee",
+    "policy",
+    "claim",
+    "patient",
+    "record",
+    "consent",
+    "data",
+    "region",
+    "model",
+    "update",
+    "privacy",
+    "budget",
+)
 
 
 def write_corpus(folder: Path, megabytes: float, seed: int = 0) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import torch
 
+from fedciuic.data.corpus import ExampleSet
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.train import lm_loss, make_optimizer
 from fedciuic.privacy.dpsgd import PrivateTrainer
@@ -35,11 +36,16 @@ MODES = ("non-dp", "hooks", "ghost")
 def make_step(
     mode: str, model: AdapterModel, blocks: torch.Tensor, batch_size: int
 ) -> Callable[[torch.Tensor], None]:
+    # Both sides read their examples the same way (rows of a memory-mapped table, padded
+    # per batch); ``batch`` is the first rows of ``blocks``, so the DP side steps on the
+    # same rows as units 0..B-1.
+    examples = ExampleSet.of_rows(blocks)
     if mode == "non-dp":
         opt = make_optimizer("adamw", model.trainable_parameters(), 1e-3)
 
         def step(batch: torch.Tensor) -> None:
-            loss = lm_loss(model.model, batch)
+            rows = examples.batch(range(batch.shape[0])).to(model.device)
+            loss = lm_loss(model.model, rows)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
@@ -47,14 +53,14 @@ def make_step(
         return step
     trainer = PrivateTrainer(
         model,
-        blocks,
+        examples,
         batch_size=batch_size,
         learning_rate=1e-3,
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         mode=mode,  # type: ignore[arg-type]
     )
-    return lambda batch: (trainer.step(batch), None)[1]
+    return lambda batch: (trainer.step(torch.arange(batch.shape[0])), None)[1]
 
 
 def setup(preset: str, batch_size: int, seq_len: int) -> tuple[AdapterModel, torch.Tensor]:

@@ -63,6 +63,7 @@ def train(msg: Message, context: Context) -> Message:
         max_grad_norm=region.run.max_grad_norm,
         mode=region.run.dp_mode,
         secure_mode=region.run.secure_mode,
+        max_examples_per_unit=region.run.max_examples_per_unit,
         seed=server_round,
         optimizer=region.run.optimizer,
     )

@@ -106,11 +106,11 @@ def _example(examples: object, tokenizer: PreTrainedTokenizerBase) -> str | None
     for token, label in zip(row[INPUT_IDS], row[LABELS], strict=True):
         is_masked = label == IGNORE
         if masked is not None and is_masked != masked:
-            parts.append(_shown(tokenizer.decode(run), masked))
+            parts.append(_shown(str(tokenizer.decode(run)), masked))
             run = []
         run.append(token)
         masked = is_masked
-    parts.append(_shown(tokenizer.decode(run), bool(masked)))
+    parts.append(_shown(str(tokenizer.decode(run)), bool(masked)))
     return "".join(parts)
 
 

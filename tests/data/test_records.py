@@ -64,11 +64,15 @@ def examples(tmp_path: Path, tokenizer: Any, rows: list[dict[str, Any]], **chang
 
 
 def trained_text(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
-    return tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE])
+    return str(
+        tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE])
+    )
 
 
 def untrained_text(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
-    return tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label == IGNORE])
+    return str(
+        tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label == IGNORE])
+    )
 
 
 FILLER = {"text": "filler so that the split has a second record " * 2}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedciuic.data.corpus import region_fingerprint
-from fedciuic.data.demo import write_demo_corpora
+from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
@@ -94,6 +94,45 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
         timeout=120,
     )
     assert verified.returncode == 0 and verified.stdout.startswith("OK: "), verified.stdout
+
+
+def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_path):
+    """Chat records only, privacy-unit = "user", the shipped EU policy (which requires
+    it): both regions train, and the ledger, metrics and both reports name the unit."""
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu", "cn"))
+    for region in ("eu", "cn"):
+        for name in (DOCS_FILE, INSTRUCTIONS_FILE):
+            (data_root / region / name).unlink()
+    done = simulate(
+        tmp_path,
+        "--rounds",
+        "1",
+        "--regions",
+        "eu,cn",
+        "--data-root",
+        str(data_root),
+        "--run-config",
+        "privacy-unit='user'",
+        "--run-config",
+        f"policies-dir='{ROOT / 'policies'}'",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    for region in ("eu", "cn"):
+        entry = data["rounds"]["1"]["train"][region]
+        assert entry["status"] == "trained" and entry["unit"] == "user", entry
+        header = json.loads(
+            (data_root / region / ".fedciuic" / LEDGER_FILE).read_text().split("\n")[0]
+        )
+        assert header["unit"] == "user"
+        assert f"\n{region} " in done.stdout and "per user" in done.stdout
+    run_dir = Path(data["run"]["output_dir"])
+    (report,) = run_dir.glob("compliance-report-run-*.md")
+    assert "per user" in report.read_text()
+    assert "per user" in (run_dir / "report.html").read_text()
+    assert not processes_under(tmp_path)
 
 
 def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path):
