@@ -16,6 +16,7 @@ from fedciuic.data.corpus import RegionData, load_region_data, region_fingerprin
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
+from tests.data.helpers import data_run
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +42,7 @@ RECORDS: list[dict[str, Any]] = [
 
 
 def run(**changes: Any) -> RunConfig:
-    values = {
-        "regions": "eu",
-        "num-server-rounds": 1,
-        "seed": 0,
-        "local-steps": 1,
-        "batch-size": 2,
-        "learning-rate": 0.1,
-        "seq-len": 128,
-        "max-eval-examples": 100,
-        "eval-fraction": 0.3,
-        "node-wait-timeout": 1.0,
-        "round-timeout": 1.0,
-        **changes,
-    }
-    return RunConfig.from_user_config(values, source="test")
+    return data_run(**changes)
 
 
 def load(root: Path, tokenizer: Any, **changes: Any) -> RegionData:

@@ -25,6 +25,7 @@ from fedciuic.errors import DataError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
 from fedciuic.model.train import example_losses, shifted_logits
+from tests.data.helpers import data_run
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +34,7 @@ def tokenizer():
 
 
 def _configs(tmp_path: Path, **changes: Any) -> tuple[RunConfig, NodeConfig]:
-    values = {
-        "regions": "eu",
-        "num-server-rounds": 1,
-        "seed": 0,
-        "local-steps": 1,
-        "batch-size": 2,
-        "learning-rate": 0.1,
-        "seq-len": 256,
-        "max-eval-examples": 100,
-        "eval-fraction": 0.01,
-        "node-wait-timeout": 1.0,
-        "round-timeout": 1.0,
-        **changes,
-    }
-    run = RunConfig.from_user_config(values, source="test")
+    run = data_run(**{"seq-len": 256, "eval-fraction": 0.01, **changes})
     root = tmp_path / "eu"
     return run, NodeConfig(region="eu", data_path=str(root), state_path=str(tmp_path / "state"))
 

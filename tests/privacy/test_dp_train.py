@@ -71,6 +71,11 @@ def dp_update(
         trainer.step(torch.arange(len(batch)))  # batch = blocks[:n]: units 0..n-1
     finally:
         trainer.close()
+    return restore(model, before)
+
+
+def restore(model: AdapterModel, before: torch.Tensor) -> torch.Tensor:
+    """Put the adapters back to ``before``; returns the update they had taken."""
     update = flat(model) - before
     with torch.no_grad():
         start = 0
@@ -307,12 +312,7 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
         trainer.step(torch.arange(len(users)))
     finally:
         trainer.close()
-    got = flat(model) - before
-    with torch.no_grad():
-        start = 0
-        for p in model.trainable_parameters():
-            p.copy_(before[start : start + p.numel()].view_as(p))
-            start += p.numel()
+    got = restore(model, before)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
 
 
