@@ -162,7 +162,8 @@ def _messages(value: Any, name: str) -> tuple[tuple[str, str], ...]:
             )
         role, content = turn.get(ROLE), turn.get(CONTENT)
         if role not in ROLES:
-            raise BadRecord(f"{at}.{ROLE}", f"{role!r} is not one of {', '.join(ROLES)}")
+            # The value is not repeated: a refusal's reason leaves the region.
+            raise BadRecord(f"{at}.{ROLE}", f"not one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise BadRecord(f"{at}.{CONTENT}", f"expected a string, got {json_kind(content)}")
         turns.append((str(role), content))
