@@ -36,7 +36,8 @@ FAMILIES = ("eu", "cn", "us", "sg", "in")
 
 
 def shard_corpora(folder: Path, count: int) -> tuple[str, ...]:
-    """``count`` regions r000, r001, ... each with a slice of one demo family's text."""
+    """``count`` regions r000, r001, ... each with a slice of one demo family's records
+    (whole records, their users kept: the demo's own JSON Lines)."""
     source = folder / "source"
     write_demo_corpora(source, FAMILIES)
     lines = {f: sorted((source / f).glob("*")) for f in FAMILIES}
@@ -53,8 +54,8 @@ def shard_corpora(folder: Path, count: int) -> tuple[str, ...]:
         for j, region in enumerate(members):
             mine = texts[family][j :: len(members)]
             (folder / region).mkdir(parents=True)
-            (folder / region / "text.jsonl").write_text(
-                "".join(json.dumps({"text": t}) + "\n" for t in mine), encoding="utf-8"
+            (folder / region / "records.jsonl").write_text(
+                "".join(t + "\n" for t in mine), encoding="utf-8"
             )
     return regions
 
