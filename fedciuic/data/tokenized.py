@@ -10,6 +10,7 @@ than memory streams through.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -177,9 +178,12 @@ def tokenized(
             scratch=root / ".datasets",
             keep_reasons=keep_reasons,
         )
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
+        # Another process of this region may have finished the same key meanwhile: its
+        # complete entry stays (readers may have it mapped); a broken one is replaced.
+        if _load(folder, key) is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # lost a race to a complete entry
+                os.replace(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _prune(root, keep=folder)
