@@ -307,3 +307,17 @@ def test_the_demo_data_loads_at_user_level(demo_root, tokenizer, tmp_path):
     node = NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
     data = corpus.load_region_data(run(**{"privacy-unit": "user"}), node, tokenizer)
     assert data.summary.bad_rows == 0 and data.train.num_units >= 10
+
+
+def test_two_loads_at_once_both_succeed_and_leave_one_cache(tmp_path, tokenizer):
+    """A deployed region can tokenise in two processes at once (train and evaluate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jsonl(tmp_path / "eu" / "a.jsonl", RECORDS * 20)
+    with ThreadPoolExecutor(2) as pool:
+        loaded = list(pool.map(lambda _: load(tmp_path / "eu", tokenizer), range(2)))
+    assert loaded[0].cache == loaded[1].cache
+    assert len(loaded[0].train) == len(loaded[1].train) > 0
+    entries = [p for p in loaded[0].cache.parent.iterdir() if not p.name.startswith(".")]
+    assert entries == [loaded[0].cache]
+    assert not [p for p in loaded[0].cache.parent.iterdir() if p.name.startswith(".building")]
