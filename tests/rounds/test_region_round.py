@@ -348,11 +348,13 @@ def test_the_shipped_eu_policy_declines_a_record_level_run_before_training(
 def test_a_round_declares_its_privacy_unit_in_the_reply_the_ledger_and_the_log(
     run, demo_root, tmp_path
 ):
+    unit = app_config()["privacy-unit"]  # the demo's: user
+    assert unit == "user"
     clear = run(cn_node(demo_root, tmp_path)).outcome
-    assert isinstance(clear, Clear) and clear.info[PRIVACY_UNIT] == "record"
-    assert PrivacyLedger.load(tmp_path / LEDGER_FILE).header.unit == "record"
+    assert isinstance(clear, Clear) and clear.info[PRIVACY_UNIT] == unit
+    assert PrivacyLedger.load(tmp_path / LEDGER_FILE).header.unit == unit
     (trained,) = [r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "trained"]
-    assert trained["details"]["unit"] == "record"
+    assert trained["details"]["unit"] == unit
 
 
 EU_TEXT = (ROOT / "policies" / "eu-gdpr.yaml").read_text()
