@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 from transformers import PreTrainedTokenizerBase
 
 from fedciuic.data.records import Fields
@@ -88,18 +89,12 @@ def check_data(
         return DataCheck(root, data.summary, example, seq_len, tokenizer_name)
 
 
-def _example(examples: object, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def _example(examples: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The first example with a masked prompt (else the first), decoded run by run."""
-    rows = getattr(examples, "num_rows", 0)
-    if not rows:
+    if not examples.num_rows:
         return None
-    chosen = None
-    for index in range(min(rows, 200)):
-        row = examples[index]  # type: ignore[index]
-        if any(label == IGNORE for label in row[LABELS][1:]):
-            chosen = row
-            break
-    row = chosen or examples[0]  # type: ignore[index]
+    first = (examples[i] for i in range(min(examples.num_rows, 200)))
+    row = next((r for r in first if IGNORE in r[LABELS][1:]), None) or examples[0]
     parts: list[str] = []
     run: list[int] = []
     masked = None

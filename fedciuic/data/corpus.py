@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import datasets
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
 from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
@@ -62,6 +63,20 @@ class Batch:
         return cls(input_ids, input_ids, torch.ones_like(input_ids))
 
 
+class Units:
+    """Examples grouped by privacy unit: which examples (positions) each unit owns."""
+
+    def __init__(self, owners: np.ndarray) -> None:
+        _, inverse, counts = np.unique(owners, return_inverse=True, return_counts=True)
+        self.count = int(counts.shape[0])
+        self.order = np.argsort(inverse, kind="stable")
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.largest = int(counts.max()) if self.count else 0
+
+    def examples(self, unit: int) -> np.ndarray:
+        return self.order[self.offsets[unit] : self.offsets[unit + 1]]
+
+
 @dataclass(frozen=True)
 class ExampleSet:
     """Some rows of the memory-mapped examples, with the privacy unit each belongs to."""
@@ -95,9 +110,14 @@ class ExampleSet:
         )
         return cls(table, np.arange(n), np.asarray(owners, dtype=np.int64), pad_id)
 
+    @cached_property
+    def grouped(self) -> Units:
+        """The set grouped by unit (computed once: DP-SGD samples units every round)."""
+        return Units(self.units)
+
     @property
     def num_units(self) -> int:
-        return int(np.unique(self.units).shape[0])
+        return self.grouped.count
 
     def batch(self, positions: Sequence[int] | np.ndarray) -> Batch:
         """The examples at ``positions`` (indices into this set), right-padded."""
@@ -131,7 +151,7 @@ class RegionData:
     root: Path
     files: tuple[str, ...]
     fingerprint: str
-    unit: str  # the privacy unit the train set is grouped by: record or user
+    unit: PrivacyUnit  # what the train set is grouped by: record or user
     train: ExampleSet
     eval: ExampleSet
     summary: Summary

@@ -25,7 +25,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fedciuic.config import RunConfig
+from fedciuic.data.records import (
+    ASSISTANT,
+    CONTENT,
+    INPUT,
+    INSTRUCTION,
+    OUTPUT,
+    ROLE,
+    SYSTEM,
+    USER,
+    Fields,
+)
 from fedciuic.errors import ConfigError
 
 #: Module families per region; each region's corpus is the docstrings of its family.
@@ -110,18 +120,10 @@ MAX_CHARS = 200_000
 #: tokenising a region a matter of seconds on one CPU core.
 MAX_RECORD_CHARS = 300_000
 
-_DEFAULTS = RunConfig.model_fields
-#: Field names of the record shapes, as the run config names them by default.
-USER_ID = _DEFAULTS["user_id_field"].default
-TEXT = _DEFAULTS["text_field"].default
-PROMPT = _DEFAULTS["prompt_field"].default
-RESPONSE = _DEFAULTS["response_field"].default
-MESSAGES = _DEFAULTS["messages_field"].default
-#: Alpaca's fields; ``input`` may be empty.
-INSTRUCTION, INPUT, OUTPUT = "instruction", "input", "output"
-#: Chat roles, and the keys of a chat message.
-SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
-ROLE, CONTENT = "role", "content"
+DEFAULT_FIELDS = Fields()
+#: The record fields as the run config names them by default, Alpaca's, and chat's.
+TEXT, PROMPT, RESPONSE = DEFAULT_FIELDS.text, DEFAULT_FIELDS.prompt, DEFAULT_FIELDS.response
+MESSAGES, USER_ID = DEFAULT_FIELDS.messages, DEFAULT_FIELDS.user_id
 
 #: A region's files: plain text, chat, and instruction records (Alpaca or prompt/response).
 DOCS_FILE, CHAT_FILE, INSTRUCTIONS_FILE = "docs.jsonl", "chat.jsonl", "instructions.jsonl"

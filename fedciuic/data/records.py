@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.data.sources import json_kind
+from fedciuic.config import RunConfig
 from fedciuic.errors import DataError
 
 Shape = Literal["text", "prompt-response", "alpaca", "chat"]
@@ -43,10 +43,10 @@ ALPACA_PROMPT_WITH_INPUT = (
     "response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 )
-#: Chat roles, and the one whose turns are trained on.
+#: Chat roles (the assistant's turns are trained on), and the keys of a chat message.
+SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
+ROLES = (SYSTEM, USER, ASSISTANT)
 ROLE, CONTENT = "role", "content"
-ASSISTANT = "assistant"
-ROLES = ("system", "user", ASSISTANT)
 #: What a problem about the record as a whole names as its field.
 WHOLE_RECORD = "record"
 
@@ -59,18 +59,21 @@ class BadRecord(ValueError):
         self.field = field
 
 
+_DEFAULTS = RunConfig.model_fields
+
+
 @dataclass(frozen=True)
 class Fields:
     """The field names of each shape in this federation's records (run config)."""
 
-    text: str = "text"
-    prompt: str = "prompt"
-    response: str = "response"
-    messages: str = "messages"
-    user_id: str = "user_id"
+    text: str = _DEFAULTS["text_field"].default
+    prompt: str = _DEFAULTS["prompt_field"].default
+    response: str = _DEFAULTS["response_field"].default
+    messages: str = _DEFAULTS["messages_field"].default
+    user_id: str = _DEFAULTS["user_id_field"].default
 
     @classmethod
-    def from_run(cls, run: Any) -> Fields:
+    def from_run(cls, run: RunConfig) -> Fields:
         return cls(
             text=run.text_field,
             prompt=run.prompt_field,
@@ -247,3 +250,15 @@ class Renderer:
             done = len(through)
         pieces.append((full[done:], False))
         return Rendered(tuple((text, trained) for text, trained in pieces if text), chunked=False)
+
+
+def json_kind(value: object) -> str:
+    """How JSON would name ``value``'s type, for messages."""
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return names.get(type(value), type(value).__name__)

@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 
+from fedciuic.data.records import json_kind
 from fedciuic.errors import DataError
 
 datasets.disable_progress_bars()
@@ -237,15 +238,3 @@ def _line_of_bad_byte(path: Path) -> int:
             except UnicodeDecodeError:
                 return lineno
     return 1
-
-
-def json_kind(value: object) -> str:
-    """How JSON would name ``value``'s type, for messages."""
-    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    if value is None:
-        return "null"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return names.get(type(value), type(value).__name__)

@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.data_loader import switch_generator
@@ -124,20 +123,6 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
             super().__init__(accountant="prv", secure_mode=False)
 
 
-class Units:
-    """The train set grouped by privacy unit: which examples each unit owns."""
-
-    def __init__(self, examples: ExampleSet) -> None:
-        _, inverse, counts = np.unique(examples.units, return_inverse=True, return_counts=True)
-        self.count = int(counts.shape[0])
-        self.order = np.argsort(inverse, kind="stable")
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        self.largest = int(counts.max()) if self.count else 0
-
-    def examples(self, unit: int) -> np.ndarray:
-        return self.order[self.offsets[unit] : self.offsets[unit + 1]]
-
-
 class PrivateTrainer:
     """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
 
@@ -171,7 +156,7 @@ class PrivateTrainer:
         self.model = model
         self.mode = mode
         self.examples = examples
-        self.units = Units(examples)
+        self.units = examples.grouped
         self.per_unit = min(max_examples_per_unit, self.units.largest)
         if mode == "ghost" and model.spec.gradient_checkpointing:
             raise ModelError(

@@ -8,27 +8,29 @@ import statistics
 import pytest
 
 from fedciuic.data.demo import (
-    ASSISTANT,
     CHAT_FILE,
-    CONTENT,
     DOCS_FILE,
-    INPUT,
-    INSTRUCTION,
     INSTRUCTIONS_FILE,
     MAX_RECORD_CHARS,
     MESSAGES,
-    OUTPUT,
     PROMPT,
     RECORDS_PER_USER,
     RESPONSE,
-    ROLE,
-    SYSTEM,
     TEXT,
-    USER,
     USER_ID,
     USERS_PER_REGION,
     summary,
     write_demo_corpora,
+)
+from fedciuic.data.records import (
+    ASSISTANT,
+    CONTENT,
+    INPUT,
+    INSTRUCTION,
+    OUTPUT,
+    ROLE,
+    SYSTEM,
+    USER,
 )
 from fedciuic.errors import ConfigError
 from fedciuic.model.presets import byte_tokenizer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -35,6 +37,22 @@ def _fresh(model):
     model.load_adapter_state(state)
 
 
+def make_trainer(
+    model: AdapterModel, rows: torch.Tensor, units: list[int] | None = None, **changes: Any
+) -> PrivateTrainer:
+    """DP-SGD on ``rows`` (one unit per row unless ``units`` says otherwise): batch size
+    ``BATCH``, learning rate, noise multiplier and clipping norm 1, unless ``changes``
+    say otherwise."""
+    settings: dict[str, Any] = {
+        "batch_size": BATCH,
+        "learning_rate": 1.0,
+        "noise_multiplier": 1.0,
+        "max_grad_norm": 1.0,
+        **changes,
+    }
+    return PrivateTrainer(model, ExampleSet.of_rows(rows, units=units), **settings)
+
+
 def per_sample_grads(model: AdapterModel, batch: torch.Tensor) -> list[torch.Tensor]:
     """Each example's gradient, by plain autograd on that example alone (flattened)."""
     params = model.trainable_parameters()
@@ -55,11 +73,9 @@ def dp_update(
     """One DP-SGD step (SGD, lr 1) from the current adapters, which are then restored.
     A ``seed`` without secure mode is the insecure reproducible noise meant for tests."""
     before = flat(model)
-    trainer = PrivateTrainer(
+    trainer = make_trainer(
         model,
-        ExampleSet.of_rows(blocks),
-        batch_size=BATCH,
-        learning_rate=1.0,
+        blocks,
         noise_multiplier=noise,
         max_grad_norm=clip,
         mode=mode,
@@ -101,15 +117,7 @@ def test_each_per_sample_gradient_is_clipped_to_max_grad_norm(model, blocks, mod
 def test_opacus_per_sample_gradients_equal_autograd_one_example_at_a_time(model, blocks):
     batch = blocks[:BATCH]
     expected = per_sample_grads(model, batch)
-    trainer = PrivateTrainer(
-        model,
-        ExampleSet.of_rows(blocks),
-        batch_size=BATCH,
-        learning_rate=1.0,
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        optimizer="sgd",
-    )
+    trainer = make_trainer(model, blocks, noise_multiplier=0.0, optimizer="sgd")
     try:
         lm_loss(trainer.net, Batch.of_ids(batch)).backward()
         got = torch.cat(
@@ -142,14 +150,7 @@ def test_noise_is_added_and_depends_on_the_seed(model, blocks):
 
 
 def test_hooks_are_removed_after_a_round(model, blocks):
-    trainer = PrivateTrainer(
-        model,
-        ExampleSet.of_rows(blocks),
-        batch_size=BATCH,
-        learning_rate=0.01,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
+    trainer = make_trainer(model, blocks, learning_rate=0.01)
     trainer.run(2)
     trainer.close()
     assert not model.model._forward_hooks
@@ -167,14 +168,7 @@ def test_secure_mode_uses_an_unreplayable_generator(model, blocks):
 
 def test_secure_noise_is_the_default(model, blocks):
     # No seed and no setting: noise from generators seeded by the OS, never replayable.
-    trainer = PrivateTrainer(
-        model,
-        ExampleSet.of_rows(blocks),
-        batch_size=BATCH,
-        learning_rate=1.0,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
+    trainer = make_trainer(model, blocks)
     try:
         assert not trainer.reproducible and trainer.optimizer.secure_mode
     finally:
@@ -187,19 +181,9 @@ def test_secure_noise_is_the_default(model, blocks):
 
 def empty_batch_trainer(model, mode="hooks", seed=3):
     # 4 examples at batch size 1: q = 1/4, so a batch is empty with probability 0.32.
-    return PrivateTrainer(
-        model,
-        ExampleSet.of_rows(
-            torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
-        ),
-        batch_size=1,
-        learning_rate=1.0,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        mode=mode,
-        optimizer="sgd",
-        secure_mode=False,
-        seed=seed,
+    rows = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+    return make_trainer(
+        model, rows, batch_size=1, mode=mode, optimizer="sgd", secure_mode=False, seed=seed
     )
 
 
@@ -249,14 +233,7 @@ def test_the_noise_generator_is_on_the_parameters_device(model, blocks):
         parameter_device([*meta, torch.nn.Parameter(torch.zeros(1))])
     gen, kind = secure_generator(torch.device("cpu"))
     assert gen.device == torch.device("cpu") and "os.urandom" in kind
-    trainer = PrivateTrainer(
-        model,
-        ExampleSet.of_rows(blocks),
-        batch_size=BATCH,
-        learning_rate=1.0,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
+    trainer = make_trainer(model, blocks)
     try:
         # The generator Opacus draws noise with is the one made for the parameters' device.
         assert trainer.optimizer.generator is trainer.noise_generator
@@ -295,12 +272,12 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
     expected_batch = len(users) / -(-len(users) // 2)
     expected = -torch.stack(clipped).sum(0) / expected_batch
     before = flat(model)
-    trainer = PrivateTrainer(
+    trainer = make_trainer(
         model,
-        ExampleSet.of_rows(rows, units=OWNERS),
+        rows,
+        units=OWNERS,
         batch_size=2,
         max_examples_per_unit=3,
-        learning_rate=1.0,
         noise_multiplier=0.0,
         max_grad_norm=clip,
         optimizer="sgd",
@@ -317,14 +294,12 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
 
 
 def test_a_step_takes_at_most_max_examples_per_unit_of_a_user(model, blocks):
-    trainer = PrivateTrainer(
+    trainer = make_trainer(
         model,
-        ExampleSet.of_rows(blocks[: len(OWNERS)], units=OWNERS),
+        blocks[: len(OWNERS)],
+        units=OWNERS,
         batch_size=2,
         max_examples_per_unit=2,
-        learning_rate=1.0,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
         secure_mode=False,
         seed=0,
     )
@@ -337,13 +312,11 @@ def test_a_step_takes_at_most_max_examples_per_unit_of_a_user(model, blocks):
 
 def test_ghost_clipping_refuses_units_of_several_examples(model, blocks):
     with pytest.raises(ModelError, match="max-examples-per-unit = 1"):
-        PrivateTrainer(
+        make_trainer(
             model,
-            ExampleSet.of_rows(blocks[: len(OWNERS)], units=OWNERS),
+            blocks[: len(OWNERS)],
+            units=OWNERS,
             batch_size=2,
             max_examples_per_unit=4,
-            learning_rate=1.0,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
             mode="ghost",
         )
