@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Local files only, never the Hub: set before ``datasets`` is imported anywhere.
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import datasets
 
 from fedciuic.data.records import json_kind
 from fedciuic.errors import DataError
 
+# Local files only, never the Hub. ``datasets`` reads HF_HUB_OFFLINE once, when first
+# imported (transformers may import it before this module does), so setting the
+# variable here would come too late: set the flag where loading reads it.
+datasets.config.HF_HUB_OFFLINE = True
+datasets.config.HF_DATASETS_OFFLINE = True
 datasets.disable_progress_bars()
 datasets.logging.set_verbosity(logging.CRITICAL)
 
@@ -135,12 +136,13 @@ def _check_inside(entry: Path, root: Path) -> None:
         )
 
 
-def read_rows(source: Source, *, cache_dir: Path) -> Iterator[Row]:
-    """Each row of ``source`` with where it is; unreadable rows come with their reason."""
+def read_rows(source: Source, *, cache_dir: Path, text_field: str) -> Iterator[Row]:
+    """Each row of ``source`` with where it is; unreadable rows come with their reason.
+    A text file's content is the ``text_field`` of its one record."""
     if source.kind == "jsonl":
         yield from _jsonl_rows(source)
     elif source.kind == "text":
-        yield from _text_rows(source)
+        yield from _text_rows(source, text_field)
     else:
         yield from _datasets_rows(source, cache_dir)
 
@@ -167,7 +169,7 @@ def _jsonl_rows(source: Source) -> Iterator[Row]:
             yield Row(where, value)
 
 
-def _text_rows(source: Source) -> Iterator[Row]:
+def _text_rows(source: Source, text_field: str) -> Iterator[Row]:
     """A text file is one ``text`` record (an empty one is no record)."""
     with _opened(source) as handle:
         data = handle.read()
@@ -178,11 +180,7 @@ def _text_rows(source: Source) -> Iterator[Row]:
         yield Row(f"{source.name}:{line}", None, _not_utf8(err, f"byte {err.start}"))
         return
     if text.strip():
-        yield Row(f"{source.name}:1", {TEXT_KEY: text})
-
-
-#: The field a text file's content is read into (the default ``text-field``).
-TEXT_KEY = "text"
+        yield Row(f"{source.name}:1", {text_field: text})
 
 
 def _datasets_rows(source: Source, cache_dir: Path) -> Iterator[Row]:

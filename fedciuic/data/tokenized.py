@@ -255,7 +255,9 @@ def _batches(
 ) -> Iterator[list[_Item]]:
     batch: list[_Item] = []
     for index, source in enumerate(sources):
-        for row_index, row in enumerate(read_rows(source, cache_dir=scratch)):
+        for row_index, row in enumerate(
+            read_rows(source, cache_dir=scratch, text_field=fields.text)
+        ):
             item = _parse(row, fields, counts)
             if item is None:
                 continue

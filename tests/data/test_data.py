@@ -115,6 +115,21 @@ def test_text_files_are_one_record_each_and_other_files_are_not_data(tmp_path, t
     assert data.summary.examples > 2  # a long text record is split into seq-len chunks
 
 
+def test_a_text_file_is_a_record_under_the_configured_text_field(tmp_path, tokenizer):
+    root = tmp_path / "eu"
+    root.mkdir()
+    (root / "a.txt").write_text("Personal data stays in its region. " * 4)
+    (root / "b.txt").write_text("And so do its people. " * 4)
+    data = load(root, tokenizer, **{"text-field": "body", "eval-fraction": 0.01})
+    assert data.summary.shapes == {"text": 2} and data.summary.bad_rows == 0
+
+
+def test_datasets_never_goes_online():
+    import datasets
+
+    assert datasets.config.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
+
+
 def test_a_dataset_dict_folder_is_refused_with_the_fix(tmp_path, tokenizer):
     d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "x"}])})
     d.save_to_disk(str(tmp_path / "eu" / "splits"))
