@@ -165,6 +165,15 @@ class RunConfig(_Strict):
     messages_field: str = Field(default="messages", min_length=1)
     #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
     bad_rows: Literal["refuse", "skip"] = "refuse"
+    # A region as a cluster (docs/cluster.md): local training as a torch.distributed
+    # job of this many processes (one per GPU; gloo on CPU); a node config's value wins.
+    train_processes: int = Field(default=1, ge=1, le=1024)
+    #: In simulation (no node config of their own): some regions' own count, as
+    #: ``"eu=2,us=1"``; deployed regions say it in their node config.
+    region_train_processes: tuple[tuple[str, int], ...] = ()
+    #: Seconds any collective set-up or operation between a region's training
+    #: processes may wait before the round fails for that region (never a hang).
+    collective_timeout: float = Field(default=600.0, gt=0)
     # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
     seal: bool = True
     seal_suite: Literal["xwing-aes256gcm", "xwing-fernet"] = "xwing-aes256gcm"
@@ -236,6 +245,33 @@ class RunConfig(_Strict):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value
 
+    @field_validator("region_train_processes", mode="before")
+    @classmethod
+    def _split_processes(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        table: list[tuple[str, int]] = []
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            region, sep, count = item.partition("=")
+            if not sep or not count.strip().isdigit():
+                raise ValueError(f"{item!r} is not REGION=COUNT; write it as \"eu=2,us=1\"")
+            table.append((region.strip(), int(count)))
+        return tuple(table)
+
+    @field_validator("region_train_processes")
+    @classmethod
+    def _check_processes(
+        cls, value: tuple[tuple[str, int], ...], info: ValidationInfo
+    ) -> tuple[tuple[str, int], ...]:
+        regions = info.data.get("regions", ())
+        unknown = [r for r, _ in value if r not in regions]
+        if unknown:
+            raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
+        small = [r for r, n in value if not 1 <= n <= 1024]
+        if small:
+            raise ValueError(f"{small}: a region runs 1 to 1024 training processes")
+        return value
+
     @field_validator("aggregation")
     @classmethod
     def _check_aggregation(cls, value: str) -> str:
@@ -304,6 +340,16 @@ class NodeConfig(_Strict):
     #: The region's jurisdiction policy (YAML). Required in deployment: a region
     #: without one sends nothing. In simulation: run config policies-dir.
     policy: str = ""
+    #: This region's training processes (its hardware); default: the run config's.
+    train_processes: int | None = Field(default=None, ge=1, le=1024)
+    #: ``in-process``: the ClientApp trains itself (a Ray actor keeps the region between
+    #: messages); ``service``: it hands work to the region's long-lived trainer
+    #: (``fedciuic trainer``), which holds the model and data once per run.
+    trainer: Literal["in-process", "service"] = "in-process"
+
+    def processes(self, run: RunConfig) -> int:
+        """How many training processes this region runs: the node's word, else the run's."""
+        return self.train_processes or run.train_processes
 
     @property
     def state_dir(self) -> Path:
@@ -334,7 +380,11 @@ class NodeConfig(_Strict):
                 raise ConfigError(
                     ["run config:data-root: empty; simulated regions read data-root/<region>"]
                 )
-            return cls(region=region, data_path=str(Path(run.data_root) / region))
+            return cls(
+                region=region,
+                data_path=str(Path(run.data_root) / region),
+                train_processes=dict(run.region_train_processes).get(region),
+            )
         raise ConfigError(
             [
                 "node config: neither region/data-path nor partition-id is set; start the "
