@@ -7,7 +7,9 @@ directory (``model-path``) loaded with transformers' Auto classes: ``deepseek_v3
 when ``lora-targets`` names its modules. LoRA adapters (peft) sit on the modules
 :mod:`fedciuic.model.families` picks; everything else, the MoE router and the routed
 experts included, stays frozen, in the run's ``dtype`` (or 4-bit), while adapters are
-fp32. The aggregator never loads the base: :class:`AdapterLayout` builds it on the
+fp32. On CPU the frozen base is memory-mapped read-only from one file per machine,
+which every process and region shares (:mod:`fedciuic.model.shared_base`). The
+aggregator never loads the base: :class:`AdapterLayout` builds it on the
 ``meta`` device for the adapter's names and shapes.
 """
 
@@ -39,6 +41,16 @@ from fedciuic.errors import ModelError
 from fedciuic.model.families import resolve_targets, target_names
 from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import preset_config, preset_tokenizer
+from fedciuic.model.shared_base import (
+    MappedFile,
+    assign,
+    cached_base_file,
+    checkpoint_weight_files,
+    mapped_tensors,
+    sharing_enabled,
+    skeleton,
+    state_names,
+)
 
 # peft calls a transformers property that transformers 5 deprecates; the warning is
 # noise for our users, who cannot act on it.
@@ -195,6 +207,14 @@ class Base:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     model_type: str
+    #: The read-only files the frozen weights are mapped from (none when not shared).
+    shared: list[MappedFile] = field(default_factory=list)
+
+
+def _shares(spec: ModelSpec, device: torch.device) -> bool:
+    """The base is mapped from one shared file on CPU (a GPU needs its own copy in device
+    memory; nf4 quantizes while loading), unless ``FEDCIUIC_SHARED_BASE=0``."""
+    return device.type == "cpu" and spec.quantization == "none" and sharing_enabled()
 
 
 def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, str]:
@@ -216,22 +236,62 @@ def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     return preset_tokenizer(spec.preset)
 
 
-def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
-    config, tokenizer, fingerprint = _preset(spec)
+def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     # Every party builds the same base from the same seed, without disturbing the
     # caller's random state; then casts it (the init is always drawn in fp32).
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    model = model.to(device=device, dtype=dtype)
-    return Base(model, tokenizer, fingerprint, config.model_type)
+        torch.manual_seed(seed)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    torch.nn.Module.to(model, dtype=dtype)
+    return model
+
+
+def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+    config, tokenizer, fingerprint = _preset(spec)
+    if not _shares(spec, device):
+        model = _seeded_model(config, spec.seed, dtype)
+        torch.nn.Module.to(model, device=device)
+        return Base(model, tokenizer, fingerprint, config.model_type)
+    file = cached_base_file(
+        fingerprint, dtype, lambda: _seeded_model(config, spec.seed, dtype).state_dict()
+    )
+    tensors, shared = mapped_tensors([file])
+    model = skeleton(config)
+    assign(model, tensors, file)
+    # The non-persistent buffers, as the private build casts them.
+    torch.nn.Module.to(model, dtype=dtype)
+    return Base(model, tokenizer, fingerprint, config.model_type, shared)
+
+
+def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
+    try:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelError(
+            f"run config:model-path: {path}: {_first_line(err)}; {CHECKPOINT_FIX}"
+        ) from None
+    return model
 
 
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     path = Path(spec.path).expanduser()
     config = _checkpoint_config(path)
     tokenizer = _load_tokenizer(path, config)
+    fingerprint = checkpoint_fingerprint(path)
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if _shares(spec, device):
+        # The checkpoint's own files when they are mapped as they are; else a copy
+        # converted once per machine (as from_pretrained loads it) in the cache.
+        files = checkpoint_weight_files(path, state_names(config), dtype) or [
+            cached_base_file(
+                fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict()
+            )
+        ]
+        tensors, shared = mapped_tensors(files)
+        model = skeleton(config, dtype)
+        assign(model, tensors, files[0])
+        torch.nn.Module.eval(model)  # as from_pretrained leaves it
+        return Base(model, tokenizer, fingerprint, config.model_type, shared)
     if device.type != "cpu":
         kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU
     if spec.quantization == "nf4":
@@ -243,13 +303,8 @@ def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) 
             bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16,
             bnb_4bit_use_double_quant=True,
         )
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelError(
-            f"run config:model-path: {path}: {_first_line(err)}; {CHECKPOINT_FIX}"
-        ) from None
-    return Base(model, tokenizer, checkpoint_fingerprint(path), config.model_type)
+    model = _from_pretrained(path, kwargs)
+    return Base(model, tokenizer, fingerprint, config.model_type)
 
 
 def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
@@ -316,6 +371,7 @@ class AdapterModel:
         base = build_base(spec, self.device)
         self.tokenizer = base.tokenizer
         self.base_fingerprint = base.fingerprint
+        self.shared = base.shared  # keeps the mapping this process shares alive
         self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
         for param in self.model.parameters():
             if param.requires_grad:  # adapters (and so optimizer state) in fp32
@@ -331,6 +387,17 @@ class AdapterModel:
             f"LoRA r={self.spec.lora_rank} on {len(self.targets)} modules "
             f"({', '.join(target_names(self.targets))}): {c.trainable:,} trainable of "
             f"{c.total:,} parameters, base in {next(self.model.parameters()).dtype}"
+        )
+
+    def private_bytes(self) -> int:
+        """Memory this model holds on its own: everything but the mapped base tensors
+        (the bound of the per-process region cache counts this)."""
+        mapped = {t.untyped_storage().data_ptr() for m in self.shared for t in m.tensors.values()}
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(
+            t.untyped_storage().nbytes()
+            for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values()
+            if t.untyped_storage().data_ptr() not in mapped and t.device.type != "meta"
         )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from fedciuic.privacy.ledger import (
     locked,
     poisson_sample_rate,
 )
+from fedciuic.rounds.region_cache import BoundedCache
 
 
 class BaseModelMismatch(FedciuicError):
@@ -387,7 +387,11 @@ class Region:
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
 
-@lru_cache(maxsize=4)
+#: This process's built regions, bounded by count and private memory (region_cache).
+REGIONS: BoundedCache[Region] = BoundedCache(lambda region: region.model.private_bytes())
+
+
 def open_region(run: RunConfig, node: NodeConfig) -> Region:
-    """Build (once per process) the region for this run and node config."""
-    return Region(run, node)
+    """Build (once per process, while the cache keeps it) the region for this run and
+    node config."""
+    return REGIONS.get((run, node), lambda: Region(run, node))

@@ -1,0 +1,101 @@
+"""The regions one process keeps built between messages, bounded by count and memory.
+
+A simulation actor serves whichever region Flower hands it, so it may end up holding
+every region. With the frozen base mapped from one shared file
+(:mod:`fedciuic.model.shared_base`) a region's own memory is its adapters, optimizer
+state, buffers and data: a few MiB on the ``realistic`` preset, so keeping several is
+cheap and saves rebuilding them each round. Without sharing (a GPU, nf4, or
+``FEDCIUIC_SHARED_BASE=0``) each region holds a whole base, which is what the memory
+bound is for. The rule: at most :data:`MAX_REGIONS` regions and at most
+``FEDCIUIC_REGION_CACHE_MIB`` (default :data:`DEFAULT_BUDGET_MIB`) MiB of their private
+memory; the least recently used go first, and the newest is always kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from fedciuic.errors import ConfigError
+
+#: Regions kept per process at most (the count bound).
+MAX_REGIONS = 4
+#: The memory bound's default, in MiB of what the cached regions hold privately.
+DEFAULT_BUDGET_MIB = 2048
+BUDGET_ENV = "FEDCIUIC_REGION_CACHE_MIB"
+
+T = TypeVar("T")
+
+
+def budget_bytes() -> int:
+    """``FEDCIUIC_REGION_CACHE_MIB`` in bytes, else the default."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if not text:
+        return DEFAULT_BUDGET_MIB * 2**20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if mib < 0:
+        raise ConfigError(
+            [f"environment:{BUDGET_ENV}: {text!r} is not a size in MiB; set a number >= 0"]
+        )
+    return int(mib * 2**20)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap that the last message's training freed back to the system (glibc
+    keeps it otherwise, so an actor would hold its largest step's activations between
+    messages, while another actor trains)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL(name).malloc_trim(0)
+
+
+class BoundedCache(Generic[T]):
+    """Least recently used values, at most ``count`` of them and ``budget`` bytes as
+    ``size_of`` measures them (the newest value is kept even alone over budget)."""
+
+    def __init__(
+        self, size_of: Callable[[T], int], count: int = MAX_REGIONS, budget: int | None = None
+    ) -> None:
+        self.size_of = size_of
+        self.count = count
+        self.budget = budget
+        self.entries: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], T]) -> T:
+        release_freed_memory()
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key][0]
+        value = build()
+        self.entries[key] = (value, self.size_of(value))
+        self._trim()
+        return value
+
+    def held_bytes(self) -> int:
+        return sum(size for _, size in self.entries.values())
+
+    def clear(self) -> None:
+        self.entries.clear()
+        gc.collect()
+
+    def _trim(self) -> None:
+        budget = self.budget if self.budget is not None else budget_bytes()
+        evicted = False
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.count or self.held_bytes() > budget
+        ):
+            self.entries.popitem(last=False)
+            evicted = True
+        if evicted:
+            gc.collect()  # peft models hold reference cycles; free the evicted base now
