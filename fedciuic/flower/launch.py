@@ -41,6 +41,7 @@ from typing import IO, Any
 
 import psutil
 
+from fedciuic.cluster.service import TrainerError, ping
 from fedciuic.crypto.tls import ServerTls
 from fedciuic.errors import FederationError
 
@@ -402,6 +403,19 @@ class LocalFederation:
             toml_pairs(node_config),
         ]
         return self._spawn(f"supernode-{name}", cmd)
+
+    def start_trainer(self, name: str, state_path: Path, timeout: float = 120.0) -> Managed:
+        """Start a region's ``fedciuic trainer`` on ``state_path`` (for a SuperNode whose
+        node config says ``trainer='service'``) and wait until it answers."""
+        managed = self._spawn(
+            f"trainer-{name}", [_bin("fedciuic"), "trainer", "--state-path", str(state_path)]
+        )
+        try:
+            ping(state_path, timeout, pid=managed.process.pid)
+        except TrainerError as err:
+            log = managed.log_path
+            raise FederationError(f"{err}; see {log}:\n{tail(log)}") from None
+        return managed
 
     def run_app(
         self,

@@ -14,7 +14,7 @@ only its reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -22,7 +22,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedciuic.audit.log import AuditError, checkpoint_head
 from fedciuic.crypto.keys import Keypair
 from fedciuic.errors import FedciuicError
-from fedciuic.model.train import EvalStats
 from fedciuic.rounds.wire import (
     AUDIT_COUNT,
     AUDIT_HEAD,
@@ -42,6 +41,10 @@ from fedciuic.rounds.wire import (
 )
 
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"  # the records a message holds
+
+if TYPE_CHECKING:  # torch: not for a ClientApp that hands its rounds to a trainer
+    from fedciuic.model.train import EvalStats
+    from fedciuic.rounds.region_round import RegionReply
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -228,6 +231,29 @@ def add_witness(content: RecordDict, count: int, head: str) -> RecordDict:
     """Carry the head of the sender's latest signed audit checkpoint."""
     info = content.config_records[INFO]
     info[AUDIT_COUNT], info[AUDIT_HEAD] = count, head
+    return content
+
+
+def region_reply(reply: RegionReply) -> RecordDict:
+    """A region's outcome as its Flower reply carries it, with the head of its audit
+    log; unsigned (:func:`sign_reply` signs it where the region's key is)."""
+    from fedciuic.rounds import region_round as rr
+    from fedciuic.rounds.sealing import Clear, Sealed
+
+    content: RecordDict
+    match reply.outcome:
+        case rr.Declined(region, reason):
+            content = decline_reply(region, reason)
+        case rr.Evaluated(region, stats):
+            content = evaluate_reply(region, stats)
+        case Sealed(region, envelope, key_id):
+            content = sealed_reply(region, envelope, key_id)
+        case Clear(arrays, metrics, info):
+            content = clear_reply(arrays, metrics, info)
+        case rr.Witnessed(region):
+            content = witnessed_reply(region)
+    if reply.witness is not None:
+        content = add_witness(content, *reply.witness)
     return content
 
 

@@ -482,6 +482,35 @@ def _parser() -> argparse.ArgumentParser:
         help="folder of PARTY.pub.json to verify the logs; default: the run's keys-dir",
     )
     page.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)")
+
+    trainer = _command(
+        sub,
+        "trainer",
+        _trainer,
+        "a region's long-lived trainer next to its SuperNode (node config trainer='service'): "
+        "the model, data and keys stay loaded for the whole run",
+        "fedciuic trainer --state-path regions/eu/state",
+        description="Serve the region whose state-path is STATE on the Unix socket "
+        "STATE/trainer/trainer.sock (folder 0700, socket and key 0600) until SIGTERM or "
+        "SIGINT. The region's ClientApp, which Flower starts anew for every message, hands "
+        "each message to it when its node config says trainer='service' (docs/cluster.md).",
+    )
+    trainer.add_argument("--state-path", type=Path, required=True, metavar="STATE")
+    trainer.add_argument(
+        "--ping",
+        action="store_true",
+        help="do not serve: exit 0 once a trainer answers for STATE (waiting up to --timeout)",
+    )
+    trainer.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"
+    )
+    trainer.add_argument(
+        "--pid",
+        type=int,
+        default=0,
+        help="with --ping: exit 0 only if the trainer that answers is this process "
+        "(a start script checks that its own trainer started)",
+    )
     return parser
 
 
@@ -926,6 +955,16 @@ def _audit_report(args: argparse.Namespace) -> int:
     outcome = check_and_report(args.logs, args.keys, args.out, args.run)
     print("\n".join(outcome.lines))
     return outcome.exit_code
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    from fedciuic.cluster.service import ping, serve
+
+    if not args.ping:
+        return serve(args.state_path)
+    answer = ping(args.state_path, args.timeout, pid=args.pid)
+    print(f"fedciuic: a trainer (pid {answer.pid}) serves {answer.state_path}")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -103,6 +103,9 @@ def _node_config(d: Deployment, region: Region) -> dict[str, str]:
         "key-file": str(here / "keys" / f"{region.name}.key.json"),
         "aggregator-bundle": str(here / "keys" / f"{AGGREGATOR}.pub.json"),
         "policy": str(here / region.policy.path.name),
+        # start-supernode.sh starts the region's trainer service: the model is loaded
+        # once per run, not once per message (fedciuic.cluster.service).
+        "trainer": "service",
     }
 
 
@@ -270,6 +273,7 @@ def _supernode_script(d: Deployment, region: Region) -> str:
         policy=region.policy.path.name,
         preamble=_preamble(d, here),
         data_check=_data_check(here / "data", region.name),
+        start_trainer=fragment("_start-trainer.sh", state=_q(here / "state")),
         security=security,
         superlink=_q(d.superlink),
         port=region.port,

@@ -6,18 +6,40 @@ written by ``record``)."""
 
 from __future__ import annotations
 
-from fedciuic.rounds.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedciuic.rounds.metrics import MetricsError, RoundRecord, RunMetrics, RunStatus, load_metrics
-from fedciuic.rounds.region import Region, TrainOutcome, open_region
-from fedciuic.rounds.region_round import (
-    Declined,
-    Evaluated,
-    RegionReply,
-    Witnessed,
-    handle_instruction,
-    witness_run_end,
-)
-from fedciuic.rounds.sealing import Clear, Sealed
+from importlib import import_module
+from typing import Any
+
+#: Where each name lives; imported on first use, so that importing one module of the
+#: package (``wire``, say: a ClientApp that hands its work to the region's trainer)
+#: does not import torch with ``region``.
+_WHERE = {
+    "Checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "MetricsError": "metrics",
+    "RoundRecord": "metrics",
+    "RunMetrics": "metrics",
+    "RunStatus": "metrics",
+    "load_metrics": "metrics",
+    "Region": "region",
+    "TrainOutcome": "region",
+    "open_region": "region",
+    "Declined": "region_round",
+    "Evaluated": "region_round",
+    "RegionReply": "region_round",
+    "Witnessed": "region_round",
+    "handle_instruction": "region_round",
+    "witness_run_end": "region_round",
+    "Clear": "sealing",
+    "Sealed": "sealing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "Checkpoint",

@@ -13,17 +13,21 @@ refuses) become a decline with every reason. With sealing on, an update leaves o
 inside an envelope whose header names the policy the region applied. Everything the
 region decides and sends is written to its audit log (in its state-path) and the log
 checkpointed before the outcome is returned; a log that cannot be written turns any
-outcome into a decline (fail closed). ``clients/app.py`` only packs the outcome.
+outcome into a decline (fail closed). ``fedciuic.flower.protocol.region_reply`` packs
+the outcome for Flower (in the ClientApp, or in the region's trainer service).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,10 +37,8 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import AGGREGATOR, region_keys, update_payload
 from fedciuic.errors import FedciuicError
-from fedciuic.model.train import EvalStats
 from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
-from fedciuic.rounds.region import AlreadyReleased, SentUpdates, TrainOutcome, open_region
 from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
 from fedciuic.rounds.wire import (
     JURISDICTION,
@@ -48,9 +50,18 @@ from fedciuic.rounds.wire import (
     RunEndNotice,
 )
 
+if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
+    # that a ClientApp whose trainer service does the work stays light
+    from fedciuic.model.train import EvalStats
+    from fedciuic.rounds.region import Region, TrainOutcome
+
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
 _JOINED: set[tuple[Path, int]] = set()
+#: One line per model load (region built: base loaded and verified, data tokenised) in
+#: the region's state dir, with the run and the process: how often a run paid for it.
+MODEL_LOADS = "model-loads.jsonl"
+_LOADED: weakref.WeakSet[Region] = weakref.WeakSet()
 
 
 # -- the outcomes ---------------------------------------------------------------------
@@ -190,6 +201,42 @@ def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
     return SealingRegion(keys)
 
 
+def signing_keypair(run: RunConfig, node: NodeConfig) -> Keypair | None:
+    """The keypair that signs this region's replies (None without sealing): what a
+    ClientApp whose trainer service handled the message signs with."""
+    return _sealing(run, node).keypair
+
+
+def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
+    """The region (built once per process and config), each build counted in
+    :data:`MODEL_LOADS` and logged, so that a deployment shows how often it reloads."""
+    from fedciuic.rounds.region import open_region
+
+    region = open_region(run, node)
+    if region not in _LOADED:
+        _LOADED.add(region)
+        loads = sum(1 for r in _LOADED if r.name == region.name)
+        _LOG.info("fedciuic: region %s: model loaded (%d in this process)", region.name, loads)
+        try:
+            node.state_dir.mkdir(parents=True, exist_ok=True)
+            line = {"region": region.name, "run": run_id, "pid": os.getpid()}
+            with open(node.state_dir / MODEL_LOADS, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(line) + "\n")
+        except OSError as err:  # a count, not a record: the round goes on
+            _LOG.warning("fedciuic: region %s: cannot count the model load: %s", region.name, err)
+    return region
+
+
+def model_loads(state_dir: Path, run_id: int | None = None) -> int:
+    """How many times the region in ``state_dir`` loaded its model (for ``run_id``)."""
+    try:
+        lines = (state_dir / MODEL_LOADS).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return 0
+    runs = [json.loads(line).get("run") for line in lines if line.strip()]
+    return sum(1 for r in runs if run_id is None or r == run_id)
+
+
 def _audit(node: NodeConfig) -> AuditLog | None:
     """The region's audit log (one per state-path, kept open by this process); None
     when its default place, inside a data-path that does not exist, cannot be made
@@ -315,7 +362,9 @@ class _Round:
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
-        region = open_region(run, node)
+        from fedciuic.rounds.region import AlreadyReleased, SentUpdates
+
+        region = _region(run, node, self.run_id)
         sent = SentUpdates(node.state_dir)
         kept = sent.load(self.run_id, task.server_round) if training else None
         checked = enforce_region_policy(

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients import app as client_app
 from fedciuic.audit.log import load_records, verify
+from fedciuic.cluster import service
 from fedciuic.compression import get_codec
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, sign_global
@@ -107,6 +108,23 @@ def test_unknown_region_declines_with_a_reason_and_sends_nothing(model, demo_roo
     assert got.status == "declined" and got.arrays is None
     assert got.region == "sg"
     assert "node config:region: 'sg' is not a region of this run" in got.reason
+
+
+def test_without_its_trainer_service_a_region_declines_naming_the_socket(
+    model, demo_root, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(service, "CONNECT_TIMEOUT", 0.2)
+    node = {
+        "region": "cn",
+        "data-path": str(demo_root / "cn"),
+        "state-path": str(tmp_path),
+        "trainer": "service",
+    }
+    got = call(client_app.train, node, {}, model)
+    assert got.status == "declined" and got.arrays is None and got.region == "cn"
+    assert f"no trainer answers at {tmp_path / 'trainer' / 'trainer.sock'}" in got.reason
+    assert f"start `fedciuic trainer --state-path {tmp_path}`" in got.reason
+    assert not (tmp_path / "audit.jsonl").exists()  # nothing trained here, nothing logged
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 # Region @@{region}'s SuperNode: trains on data/ under @@{policy}, runs until stopped.
 @@{preamble}
 @@{data_check}
-exec "$BIN/flower-supernode" @@{security} \
+@@{start_trainer}
+"$BIN/flower-supernode" @@{security} \
   --superlink @@{superlink} --host 127.0.0.1 --port @@{port} \
   --node-config @@{node_config} "$@"

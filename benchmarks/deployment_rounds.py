@@ -1,0 +1,154 @@
+"""Deployment round time against simulation, and model loads per region per run.
+
+Flower 1.41 starts a ClientApp process per message in a deployment; with node config
+``trainer = "in-process"`` each one loads the model, verifies the base and tokenises
+the data again. With ``trainer = "service"`` (``fedciuic trainer`` next to each
+SuperNode) the region's model is loaded once per run, as a simulation's Ray actor
+keeps it. This runs the same 2 regions x N rounds (same preset, demo data, DP-SGD,
+sealing, shipped policies) three ways on 127.0.0.1, one after the other:
+
+* deployment, ``trainer = "service"``: flower-superlink, a trainer and a
+  flower-supernode per region;
+* deployment, ``trainer = "in-process"`` (a ClientApp that trains itself);
+* simulation (one simulation SuperLink, 2 virtual SuperNodes).
+
+A round's wall time is read from the aggregator's per-round end times (round 0, the
+initial evaluation, is the start mark: it holds each mode's start-up); the run's
+wall time is ``flwr run``'s. Model loads are counted in each region's state dir
+(``model-loads.jsonl``). Target: deployment (service) / simulation <= 1.2x, and one
+model load per region per run.
+
+    .venv/bin/python benchmarks/deployment_rounds.py --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.data.demo import write_demo_corpora
+from fedciuic.flower.launch import LocalFederation
+from fedciuic.rounds.metrics import load_metrics
+from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.rounds.region_round import model_loads
+
+ROOT = Path(__file__).resolve().parents[1]
+REGIONS = ("eu", "cn")
+POLICIES = ROOT / "policies"
+SHIPPED = {"eu": "eu-gdpr.yaml", "cn": "cn-pipl.yaml", "us": "us-ccpa.yaml"}
+MODES = ("deployment-service", "deployment-in-process", "simulation")
+
+
+def round_times(ended: dict[str, float]) -> list[float]:
+    """Seconds per round 1..N from the end times of rounds 0..N."""
+    marks = [ended[str(r)] for r in sorted(int(k) for k in ended)]
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def _run_one(mode: str, tmp: Path, keys: Path, run_config: dict[str, Any]) -> dict[str, Any]:
+    data = tmp / mode / "data"  # fresh data: a fresh privacy ledger each time
+    write_demo_corpora(data, REGIONS)
+    out = tmp / mode / "runs"
+    config = {**run_config, "output-dir": str(out), "keys-dir": str(keys)}
+    simulated = mode == "simulation"
+    states = {
+        r: (data / r / ".fedciuic") if simulated else (tmp / mode / "state" / r) for r in REGIONS
+    }
+    with LocalFederation(tmp / mode / "work", ROOT) as federation:
+        # One CPU per region, as the simulation's client-resources-num-cpus gives its
+        # actors (Ray sets their torch threads so): regions share this machine's cores.
+        federation.env["OMP_NUM_THREADS"] = "1"
+        federation.start_superlink(simulation=simulated)
+        if not simulated:
+            for region in REGIONS:
+                node: dict[str, Any] = {
+                    "region": region,
+                    "data-path": str(data / region),
+                    "state-path": str(states[region]),
+                    "key-file": str(keys / f"{region}.key.json"),
+                    "aggregator-bundle": str(keys / "aggregator.pub.json"),
+                    "policy": str(POLICIES / SHIPPED[region]),
+                }
+                if mode == "deployment-service":
+                    federation.start_trainer(region, states[region])
+                    node["trainer"] = "service"
+                federation.start_supernode(region, node)
+        started = time.monotonic()
+        run_id, _ = federation.run_app(
+            {**config, "data-root": str(data) if simulated else ""},
+            federation_config={"num-supernodes": len(REGIONS), "client-resources-num-cpus": 1}
+            if simulated
+            else None,
+            timeout=3600,
+        )
+        run_s = time.monotonic() - started
+    metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
+    rounds = round_times({str(r): v.ended_at for r, v in metrics.rounds.items() if v.ended_at})
+    return {
+        "status": metrics.run.status,
+        "run_s": run_s,
+        "round_s": rounds,
+        "mean_round_s": statistics.mean(rounds) if rounds else float("nan"),
+        "model_loads": {r: model_loads(states[r], run_id) for r in REGIONS},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--preset", default="tiny", help="model-preset (default: tiny)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--local-steps", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    run_config = {
+        "num-server-rounds": args.rounds,
+        "local-steps": args.local_steps,
+        "model-preset": args.preset,
+        "regions": ",".join(REGIONS),
+        "policies-dir": str(POLICIES),
+    }
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fedciuic-bench-deploy-", dir="/tmp") as name:
+        tmp = Path(name)
+        keys = generate_federation_keys(tmp / "keys", REGIONS)
+        for mode in args.modes.split(","):
+            results[mode] = _run_one(mode, tmp, keys, run_config)
+            r = results[mode]
+            print(
+                f"{mode:<22} {r['status']:<10} run {r['run_s']:7.1f} s, rounds "
+                f"{', '.join(f'{s:.1f}' for s in r['round_s'])} s (mean {r['mean_round_s']:.1f} s),"
+                f" model loads per region {r['model_loads']}",
+                flush=True,
+            )
+    print(
+        f"\n2 regions x {args.rounds} rounds, preset {args.preset}, {args.local_steps} local steps"
+    )
+    sim = results.get("simulation")
+    for mode in ("deployment-service", "deployment-in-process"):
+        if sim and mode in results:
+            ratio = results[mode]["mean_round_s"] / sim["mean_round_s"]
+            run_ratio = results[mode]["run_s"] / sim["run_s"]
+            results[mode]["ratio"], results[mode]["run_ratio"] = ratio, run_ratio
+            verdict = "met" if ratio <= 1.2 else "NOT met"
+            print(
+                f"{mode} / simulation: round {ratio:.2f}x (target <= 1.2x: {verdict}), "
+                f"whole run {run_ratio:.2f}x"
+            )
+    for mode, r in results.items():
+        loads = max(r["model_loads"].values())
+        print(f"{mode}: model loads per region per run: {loads} (target 1)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""A region as a cluster: its long-lived trainer service and its training processes."""
