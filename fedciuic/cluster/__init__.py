@@ -1,1 +1,34 @@
-"""A region as a cluster: its long-lived trainer service and its training processes."""
+"""A region as a cluster: its local training as a ``torch.distributed`` job of
+several processes, and the region's long-lived trainer next to its SuperNode
+(:mod:`fedciuic.cluster.service`), which holds the model once per run (docs/cluster.md).
+
+:class:`TrainingCluster` loads lazily: ``python -m fedciuic.cluster.worker`` imports
+this package first, and must reach rank 0 before it imports the model libraries.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fedciuic.cluster.dist import ClusterError, World, check_placement
+from fedciuic.cluster.protocol import TrainCommand
+
+if TYPE_CHECKING:
+    from fedciuic.cluster.training import ClusterStats, TrainingCluster
+
+__all__ = [
+    "ClusterError",
+    "ClusterStats",
+    "TrainCommand",
+    "TrainingCluster",
+    "World",
+    "check_placement",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ClusterStats", "TrainingCluster"):
+        from fedciuic.cluster import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

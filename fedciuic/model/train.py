@@ -27,6 +27,36 @@ class TrainStats:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """This process's place among a region's training processes (``torch.distributed``
+    rank ``rank`` of ``size``); one process is ``Shard()``, and trains as it always did."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+#: One process: training as it always was (no process group).
+ONE_PROCESS = Shard()
+
+
+def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
+    """All-reduce (SUM) ``tensors`` in place over the default process group, as one
+    flat buffer (one collective per step, not one per adapter)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+@dataclass(frozen=True)
 class EvalStats:
     loss: float  # mean next-token cross-entropy over all held-out tokens
     num_examples: int
@@ -81,20 +111,41 @@ def train_local(
     learning_rate: float,
     generator: torch.Generator,
     optimizer: Optimizer = "adamw",
+    shard: Shard = ONE_PROCESS,
 ) -> TrainStats:
-    """Non-private training: ``steps`` steps on batches drawn by ``generator``."""
+    """Non-private training: ``steps`` steps on batches drawn by ``generator``.
+
+    With a ``shard`` of several processes, every rank draws the same global batch (the
+    generator is seeded alike) and trains on its share of it, its loss weighted by
+    that share; the gradients are summed over the ranks, so each step equals one
+    process's step on the whole batch and every rank ends with the same adapters.
+    """
     net = model.model
     net.train()
-    opt = make_optimizer(optimizer, model.trainable_parameters(), learning_rate)
+    params = model.trainable_parameters()
+    opt = make_optimizer(optimizer, params, learning_rate)
     losses = []
     for _ in range(steps):
         size = min(batch_size, len(examples))
         index = torch.randint(0, len(examples), (size,), generator=generator)
-        loss = lm_loss(net, examples.batch(index.tolist()).to(model.device))
+        mine = index[shard.rank :: shard.size]
         opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        if len(mine):
+            loss = lm_loss(net, examples.batch(mine.tolist()).to(model.device))
+            loss = loss * (len(mine) / size)
+            loss.backward()  # type: ignore[no-untyped-call]
+            value = loss.detach().reshape(1).clone()
+        else:
+            value = torch.zeros(1, device=model.device)
+        if shard.distributed:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            sum_across_ranks([*grads, value])
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(value))
     return TrainStats(loss=sum(losses) / len(losses), steps=steps, num_examples=len(examples))
 
 

@@ -22,11 +22,20 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedciuic.config import REPRODUCIBLE_NOISE_WARNING
+from fedciuic.config import REPRODUCIBLE_NOISE_WARNING, RunConfig
 from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel, pause_on_recompute
-from fedciuic.model.train import Optimizer, TrainStats, lm_loss, make_optimizer, shifted_logits
+from fedciuic.model.train import (
+    ONE_PROCESS,
+    Optimizer,
+    Shard,
+    TrainStats,
+    lm_loss,
+    make_optimizer,
+    shifted_logits,
+    sum_across_ranks,
+)
 from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
 
@@ -123,6 +132,64 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
             super().__init__(accountant="prv", secure_mode=False)
 
 
+class _AcrossRanks:
+    """Turns an Opacus DP optimizer into DP-DDP over the default process group.
+
+    Each rank clips its own units and sums them; rank 0 alone adds the noise; the
+    noised sum is scaled by the *global* expected batch (q x units, as one process
+    scales it) and summed over the ranks before the step. So the update is one
+    Gaussian mechanism on the global Poisson batch, as the ledger accounts it (Opacus'
+    ``DistributedDPOptimizer`` does the same, with per-rank expected batches).
+    """
+
+    rank: int
+    params: list[torch.nn.Parameter]
+    original_optimizer: torch.optim.Optimizer
+
+    def add_noise(self) -> None:
+        if self.rank == 0:
+            super().add_noise()  # type: ignore[misc]
+        else:
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)  # type: ignore[attr-defined]
+
+    def step(self, closure: Any = None) -> Any:
+        if self.pre_step(closure):  # type: ignore[attr-defined]
+            sum_across_ranks([p.grad for p in self.params if p.grad is not None])
+            return self.original_optimizer.step()
+        return None
+
+
+def _across_ranks(optimizer: Any, rank: int) -> Any:
+    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) made DP-DDP in place."""
+    cls = type(optimizer)
+    optimizer.__class__ = type(f"AcrossRanks{cls.__name__}", (_AcrossRanks, cls), {})
+    optimizer.rank = rank
+    return optimizer
+
+
+class _ShardSampler:
+    """Poisson sampling of this rank's units (index = rank mod ranks) at the global rate.
+
+    Each unit is in exactly one rank's shard and every rank samples its own units
+    independently at rate q, so the union over the ranks is a Poisson sample of all
+    units at q: the same mechanism as one process's sampler. Every rank yields the
+    same number of batches per pass (1/q, as Opacus), empty ones included.
+    """
+
+    def __init__(self, shard: Shard, count: int, rate: float, passes: int, gen: torch.Generator):
+        self.units = torch.arange(shard.rank, count, shard.size)
+        self.rate, self.passes, self.generator = rate, passes, gen
+
+    def __len__(self) -> int:
+        return self.passes
+
+    def __iter__(self) -> Any:
+        for _ in range(self.passes):
+            mask = torch.rand(len(self.units), generator=self.generator) < self.rate
+            yield (self.units[mask],)
+
+
 class PrivateTrainer:
     """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
 
@@ -132,6 +199,10 @@ class PrivateTrainer:
     (user-level DP-SGD with user-level sampling, "ULS" in Chua et al. 2024). With one
     example per unit this is Opacus' DP-SGD exactly; the accountant sees the units'
     sample rate.
+
+    With a ``shard`` of several ranks (DP-DDP, :class:`_AcrossRanks`) each rank samples
+    and clips its own units and rank 0 adds the noise once: the same epsilon as one
+    process with the same global batch and steps. Every rank takes every step.
     """
 
     def __init__(
@@ -148,6 +219,7 @@ class PrivateTrainer:
         secure_mode: bool = True,
         seed: int | None = None,
         optimizer: Optimizer = "adamw",
+        shard: Shard = ONE_PROCESS,
     ) -> None:
         """``seed`` makes noise and sampling reproducible, and predictable to whoever
         knows it: only for tests (run config ``insecure-reproducible-noise``), and
@@ -176,7 +248,7 @@ class PrivateTrainer:
         if seed is not None and not secure_mode:
             warn_once(REPRODUCIBLE_NOISE_WARNING)
             noise_gen = seeded_generator(device, seed)
-            sample_gen = seeded_generator("cpu", seed + 1)
+            sample_gen = seeded_generator("cpu", seed + 1 + shard.rank)
             self.generator_kind = f"torch generator on {device} seeded from the run config"
         else:
             # Noise is drawn where the parameters are; Poisson sampling runs on the CPU
@@ -216,10 +288,48 @@ class PrivateTrainer:
         self.optimizer.secure_mode = secure_mode
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
         self.sample_rate = 1.0 / len(loader)
+        self.shard = shard
+        if shard.distributed:
+            self.optimizer = _across_ranks(self.optimizer, shard.rank)
+            if self.criterion is not None:
+                self.criterion.optimizer = self.optimizer
+            self.loader = _ShardSampler(
+                shard, self.units.count, self.sample_rate, len(loader), sample_gen
+            )
         #: DP-SGD steps taken (each one noised, empty batches included), and how many
         #: of them had an empty Poisson batch.
         self.steps_taken = 0
         self.empty_steps = 0
+
+    @classmethod
+    def for_run(
+        cls,
+        model: AdapterModel,
+        examples: ExampleSet,
+        run: RunConfig,
+        *,
+        noise_multiplier: float,
+        seed: int,
+        shard: Shard = ONE_PROCESS,
+    ) -> PrivateTrainer:
+        """The trainer a region's round uses, with the run config's settings; ``seed``
+        reaches the noise only under insecure-reproducible-noise."""
+        return cls(
+            model,
+            examples,
+            batch_size=run.batch_size,
+            max_examples_per_unit=run.max_examples_per_unit,
+            learning_rate=run.learning_rate,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=run.max_grad_norm,
+            mode=run.dp_mode,
+            secure_mode=run.secure_mode,
+            # The run config's seed (which the aggregator chooses) never reaches the
+            # noise unless the run explicitly asks for insecure reproducible noise.
+            seed=seed if run.insecure_reproducible_noise else None,
+            optimizer=run.optimizer,
+            shard=shard,
+        )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
         """The sampled units' examples (at most ``per_unit`` each, drawn with the sampling

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from fedciuic.audit.log import REGION_LOG
+from fedciuic.cluster.protocol import TrainCommand
+from fedciuic.cluster.training import ClusterStats, TrainingCluster
 from fedciuic.compression import (
     ErrorFeedback,
     compress_with_feedback,
@@ -144,6 +146,32 @@ class Region:
         self.model = AdapterModel(ModelSpec.from_run(run))
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
+        #: With train-processes > 1: the region's training processes, started at its
+        #: first round, kept across rounds, and started again after one fails.
+        self._cluster: TrainingCluster | None = None
+
+    @property
+    def processes(self) -> int:
+        """How many processes train this region's rounds (node config wins)."""
+        return self.node.processes(self.run)
+
+    def _train_cluster(self, command: TrainCommand) -> ClusterStats:
+        """Train through the region's cluster (built now if needed); rank 0 is us."""
+        if self._cluster is None:
+            self._cluster = TrainingCluster(
+                self.run, self.node, self.model, self.data.train, self.data.fingerprint
+            )
+        try:
+            return self._cluster.train(command)
+        except BaseException:
+            self._cluster = None  # torn down by train(); the next round builds a new one
+            raise
+
+    def close(self) -> None:
+        """Stop the region's training processes, if any (they also die with us)."""
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
 
     def _load_global(self, adapter: dict[str, np.ndarray], base_fingerprint: str) -> None:
         if base_fingerprint != self.model.base_fingerprint:
@@ -178,7 +206,10 @@ class Region:
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
         privacy = None
-        if not self.run.dp:
+        if not self.run.dp and self.processes > 1:
+            command = TrainCommand(server_round=server_round, seed=seed, steps=self.run.local_steps)
+            stats = self._train_cluster(command).stats
+        elif not self.run.dp:
             stats = train_local(
                 self.model,
                 self.data.train,
@@ -320,34 +351,12 @@ class Region:
                     f"{cap_reason}; nothing was trained or sent"
                 )
             reproducible = run.insecure_reproducible_noise
-            trainer = PrivateTrainer(
-                self.model,
-                self.data.train,
-                batch_size=run.batch_size,
-                max_examples_per_unit=run.max_examples_per_unit,
-                learning_rate=run.learning_rate,
-                noise_multiplier=step[0],
-                max_grad_norm=run.max_grad_norm,
-                mode=run.dp_mode,
-                secure_mode=run.secure_mode,
-                # The run config's seed (which the aggregator chooses) never reaches the
-                # noise unless the run explicitly asks for insecure reproducible noise.
-                seed=seed if reproducible else None,
-                optimizer=run.optimizer,
-            )
-            try:
-                if trainer.sample_rate != step[1]:
-                    raise PrivacyError(
-                        f"region {self.name}: the trainer samples at rate {trainer.sample_rate:g}"
-                        f", the ledger would account {step[1]:g}; nothing was trained or sent"
-                    )
-                stats = trainer.run(run.local_steps)
-            finally:
-                trainer.close()
-            if trainer.steps_taken != step[2]:
+            stats, taken = self._train_dp(server_round, seed, step)
+            if taken != (step[2], step[2]):
                 raise PrivacyError(
-                    f"region {self.name}: {trainer.steps_taken} DP-SGD steps were taken, "
-                    f"{step[2]} would be accounted; the update is not released"
+                    f"region {self.name}: {taken[0]} to {taken[1]} DP-SGD steps were taken "
+                    f"(over {self.processes} training process(es)), {step[2]} would be "
+                    "accounted; the update is not released"
                 )
             ledger.append(
                 ledger.new_record(
@@ -376,8 +385,41 @@ class Region:
         )
         return stats, privacy
 
+    def _train_dp(
+        self, server_round: int, seed: int, step: Step
+    ) -> tuple[TrainStats, tuple[int, int]]:
+        """DP-SGD for ``step`` (noise, rate, steps), in this process or over the region's
+        cluster (DP-DDP: the same mechanism on the global batch); returns the stats
+        and the fewest and most steps any process took."""
+        run = self.run
+        if self.processes > 1:
+            command = TrainCommand(
+                server_round=server_round,
+                seed=seed,
+                dp=True,
+                steps=step[2],
+                noise_multiplier=step[0],
+                sample_rate=step[1],
+            )
+            done = self._train_cluster(command)
+            return done.stats, (done.fewest_steps, done.most_steps)
+        trainer = PrivateTrainer.for_run(
+            self.model, self.data.train, run, noise_multiplier=step[0], seed=seed
+        )
+        try:
+            if trainer.sample_rate != step[1]:
+                raise PrivacyError(
+                    f"region {self.name}: the trainer samples at rate {trainer.sample_rate:g}"
+                    f", the ledger would account {step[1]:g}; nothing was trained or sent"
+                )
+            stats = trainer.run(step[2])
+        finally:
+            trainer.close()
+        return stats, (trainer.steps_taken, trainer.steps_taken)
+
     def evaluate(self, adapter: dict[str, np.ndarray], *, base_fingerprint: str) -> EvalStats:
-        """Held-out loss of the global adapter on this region's evaluation blocks."""
+        """Held-out loss of the global adapter on this region's evaluation blocks
+        (on rank 0 alone: evaluation is cheap next to training, and adds no privacy cost)."""
         self._load_global(adapter, base_fingerprint)
         return evaluate(self.model, self.data.eval, batch_size=self.run.batch_size)
 

@@ -1,0 +1,199 @@
+"""A region's training processes as one ``torch.distributed`` world.
+
+The environment is torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the same code runs under
+processes the region spawns itself and under ``torchrun --nnodes`` on a Slurm or
+Kubernetes cluster. Every set-up waits at most ``collective-timeout`` seconds: a rank
+that cannot reach rank 0 fails with one line instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch._C._distributed_c10d import TCPStore
+
+from fedciuic.errors import FedciuicError
+
+#: The torchrun variables a rank reads (``World.from_env``).
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class ClusterError(FedciuicError):
+    """A region's training processes cannot be set up, or one of them failed."""
+
+
+class World(BaseModel):
+    """Where this process sits among the region's training processes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    local_rank: int = Field(default=0, ge=0)
+    local_world_size: int = Field(default=1, ge=1)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(ge=1, le=65535)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> World | None:
+        """The world torchrun (or a region) described in ``env``; None where ``RANK`` is unset."""
+        env = os.environ if env is None else env
+        if "RANK" not in env:
+            return None
+        missing = [k for k in ("WORLD_SIZE", "MASTER_PORT") if k not in env]
+        if missing:
+            raise ClusterError(
+                f"environment: RANK is set but {', '.join(missing)} is not; start the "
+                "training processes with torchrun, or set all of " + ", ".join(ENV_KEYS)
+            )
+        try:
+            world = cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env["MASTER_PORT"]),
+            )
+        except (ValueError, ValidationError) as err:
+            first = str(err).splitlines()[0]
+            raise ClusterError(
+                f"environment: bad torchrun variables ({first}); set {', '.join(ENV_KEYS)} "
+                "to integers (and MASTER_ADDR to a host name)"
+            ) from None
+        if world.rank >= world.world_size:
+            raise ClusterError(
+                f"environment: RANK {world.rank} is not below WORLD_SIZE {world.world_size}"
+            )
+        return world
+
+    def env(self) -> dict[str, str]:
+        """This world as torchrun's environment variables (for the processes we start)."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA training, ``gloo`` on the CPU."""
+    if device.type != "cuda":
+        return "gloo"
+    if not dist.is_nccl_available():
+        raise ClusterError(
+            "train-processes: this PyTorch build has no NCCL, which training several "
+            "processes on CUDA needs; install a CUDA build of PyTorch with NCCL, or set "
+            "train-processes = 1"
+        )
+    return "nccl"
+
+
+def placeable(device: torch.device) -> int:
+    """How many training processes this machine can place.
+
+    One per GPU on CUDA. On the CPU one per core: a gloo rank that gets no core of
+    its own stalls every collective of the others, and each rank's PyTorch already
+    uses several threads, so more processes than cores only slow the step down.
+    """
+    if device.type == "cuda":
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def check_placement(count: int, device: torch.device, *, key: str) -> None:
+    """Refuse more local training processes than the machine can place (``key`` is
+    where the count came from: ``node config:train-processes`` or ``run config:...``)."""
+    if count < 1:
+        raise ClusterError(f"{key}: {count}; a region runs at least 1 training process")
+    room = placeable(device)
+    if count > room:
+        what = f"{room} GPU(s)" if device.type == "cuda" else f"{room} CPU core(s)"
+        raise ClusterError(
+            f"{key}: {count} training processes, but this machine has {what} (one process "
+            f"each); set {key.rpartition(':')[2]} to at most {room}, or start the other "
+            "ranks on more nodes with torchrun"
+        )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a region's own world)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
+    """Rank 0 hosts the world's store at MASTER_ADDR:MASTER_PORT, the others connect to
+    it within ``timeout`` seconds (the run config's collective-timeout). The store
+    also carries the region's commands (:mod:`fedciuic.cluster.training`); ``what``
+    names the region or rank in errors."""
+    if dist.is_initialized():
+        raise ClusterError(
+            f"{what}: this process already belongs to a torch.distributed world; one "
+            "process trains one region's cluster at a time"
+        )
+    where = f"{world.master_addr}:{world.master_port}"
+    try:
+        return TCPStore(
+            world.master_addr,
+            world.master_port,
+            world.world_size,
+            is_master=world.rank == 0,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as err:
+        if world.rank == 0:
+            raise ClusterError(
+                f"{what}: rank 0 cannot listen on {where} ({first_line(err)}); choose a "
+                "free MASTER_PORT"
+            ) from None
+        raise ClusterError(
+            f"{what}: rank {world.rank} cannot reach rank 0 at {where} within "
+            f"{timeout:g} s (collective-timeout); check MASTER_ADDR and MASTER_PORT and "
+            "that rank 0 is running"
+        ) from None
+
+
+def form_group(world: World, store: TCPStore, *, backend: str, timeout: float, what: str) -> None:
+    """Join the default process group over ``store``; every collective in it then
+    waits at most ``timeout`` seconds."""
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except (RuntimeError, OSError) as err:
+        raise ClusterError(
+            f"{what}: rank {world.rank} could not form the {world.world_size}-process "
+            f"group at {world.master_addr}:{world.master_port} within {timeout:g} s "
+            f"(collective-timeout): {first_line(err)}; check that every rank started"
+        ) from None
+
+
+def leave() -> None:
+    """Destroy this process's process group, if any (after a failure too)."""
+    if dist.is_initialized():
+        # A broken group (a rank died) may refuse: nothing more to tidy then.
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group()
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

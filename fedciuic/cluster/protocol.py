@@ -1,0 +1,47 @@
+"""What a region's rank 0 and its other training processes say to each other.
+
+Kept free of the model and data libraries, so that a worker reaches the store (and
+a worker that cannot, says so) before it spends time importing them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+#: Store keys: the run and node config for the workers, each worker's readiness
+#: (with what it loaded), and the numbered commands.
+CONFIG_KEY = "fedciuic/config"
+READY_KEY = "fedciuic/ready/"
+JOINED_KEY = "fedciuic/joined/"
+COMMAND_KEY = "fedciuic/command/"
+#: Variables a region sets for the workers it starts (not set under torchrun).
+PARENT_ENV = "FEDCIUIC_PARENT_PID"
+TIMEOUT_ENV = "FEDCIUIC_COLLECTIVE_TIMEOUT"
+#: How often the watcher looks at the workers, and a worker at its parent.
+POLL_S = 0.2
+#: How long (at least) workers this region started may take to start Python, import
+#: the libraries and load the model and data: they are watched meanwhile, and one
+#: that dies fails the start at once. Collectives wait collective-timeout at most.
+START_S = 120.0
+
+
+class TrainCommand(BaseModel):
+    """One round's work for every rank (``stop`` ends the workers)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    op: Literal["train", "stop"] = "train"
+    server_round: int = 0
+    seed: int = 0
+    dp: bool = False
+    steps: int = 0
+    noise_multiplier: float = 0.0
+    sample_rate: float = 0.0
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """PyTorch threads per rank: the machine's cores shared among its ranks."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)

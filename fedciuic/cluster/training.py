@@ -1,0 +1,426 @@
+"""A region's local training as a ``torch.distributed`` job of several processes.
+
+Rank 0 is the region's own process (the ClientApp, Ray actor or trainer): it holds
+the ledger, seals and writes the audit log, and alone talks to Flower. The other
+ranks (:mod:`fedciuic.cluster.worker`) build the model and data once per run and
+then train on command. Commands travel through rank 0's ``TCPStore`` (a worker
+waits for the next one without a collective timeout, since rounds may be far
+apart); each round's work uses collectives, each bounded by ``collective-timeout``.
+Evaluation stays on rank 0 alone (:meth:`fedciuic.rounds.region.Region.evaluate`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+
+import fedciuic
+from fedciuic.cluster.dist import (
+    ClusterError,
+    World,
+    backend_for,
+    check_placement,
+    first_line,
+    form_group,
+    free_port,
+    leave,
+    open_store,
+)
+from fedciuic.cluster.protocol import (
+    COMMAND_KEY,
+    CONFIG_KEY,
+    JOINED_KEY,
+    PARENT_ENV,
+    POLL_S,
+    READY_KEY,
+    START_S,
+    TIMEOUT_ENV,
+    TrainCommand,
+    threads_per_rank,
+)
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.data.corpus import ExampleSet
+from fedciuic.model.adapter import AdapterModel
+from fedciuic.model.train import Shard, TrainStats, train_local
+from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.privacy.ledger import PrivacyError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """A round over all ranks: the stats rank 0 reports, and the step counts every
+    rank took (all equal, or the round is not released)."""
+
+    stats: TrainStats
+    fewest_steps: int
+    most_steps: int
+    empty_steps: int
+
+
+def processes_key(run: RunConfig, node: NodeConfig) -> str:
+    """Where this region's train-processes count came from, for error messages."""
+    if node.train_processes is None:
+        return "run config:train-processes"
+    if dict(run.region_train_processes).get(node.region) == node.train_processes:
+        return "run config:region-train-processes"
+    return "node config:train-processes"
+
+
+def train_rank(
+    model: AdapterModel, examples: ExampleSet, run: RunConfig, command: TrainCommand, shard: Shard
+) -> ClusterStats:
+    """This rank's part of one round; every rank calls it with the same command.
+
+    The adapters start from rank 0's (broadcast), so every rank ends each step
+    with the same weights. Returns the statistics summed over the ranks.
+    """
+    for param in model.trainable_parameters():
+        dist.broadcast(param.data, src=0)
+    if not command.dp:
+        stats = train_local(
+            model,
+            examples,
+            steps=command.steps,
+            batch_size=run.batch_size,
+            learning_rate=run.learning_rate,
+            generator=torch.Generator().manual_seed(command.seed),
+            optimizer=run.optimizer,
+            shard=shard,
+        )
+        taken, empty, loss_sum, counted = command.steps, 0, stats.loss * command.steps, 1.0
+    else:
+        trainer = PrivateTrainer.for_run(
+            model,
+            examples,
+            run,
+            noise_multiplier=command.noise_multiplier,
+            seed=command.seed,
+            shard=shard,
+        )
+        try:
+            if trainer.sample_rate != command.sample_rate:
+                raise PrivacyError(
+                    f"training process rank {shard.rank}: samples at rate "
+                    f"{trainer.sample_rate:g}, the ledger would account "
+                    f"{command.sample_rate:g}; nothing was trained or sent"
+                )
+            stats = trainer.run(command.steps)
+        finally:
+            trainer.close()
+        taken, empty = trainer.steps_taken, trainer.empty_steps
+        losses = taken - empty
+        loss_sum, counted = (stats.loss * losses, float(losses)) if losses else (0.0, 0.0)
+    bounds = torch.tensor([taken, -taken], dtype=torch.float64)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    sums = torch.tensor([loss_sum, counted, empty], dtype=torch.float64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # DP: the mean over the ranks' non-empty batches; otherwise every rank already
+    # holds the global batch's loss.
+    loss = stats.loss if not command.dp else float(sums[0] / sums[1]) if sums[1] else float("nan")
+    return ClusterStats(
+        stats=TrainStats(loss=loss, steps=command.steps, num_examples=len(examples)),
+        fewest_steps=int(-bounds[1]),
+        most_steps=int(bounds[0]),
+        empty_steps=int(sums[2]),
+    )
+
+
+@contextmanager
+def _threads(count: int):  # type: ignore[no-untyped-def]
+    """Share the CPU cores among a machine's ranks for the duration of a round."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def describe_exit(code: int) -> str:
+    """``signal 9`` or ``exit status 1``, as a worker's Popen return code says."""
+    if code < 0:
+        try:
+            return f"signal {-code}: {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+class TrainingCluster:
+    """Rank 0's handle on a region's training processes.
+
+    Without torchrun's variables in the environment it starts ``count - 1`` workers
+    on this machine (``python -m fedciuic.cluster.worker``); with them (``RANK=0``,
+    set by whoever launched the region under torchrun) it starts nothing and waits
+    for the other ranks to join. Workers die with this process. A worker that dies
+    fails the round with a :class:`ClusterError` naming it; the cluster is then torn
+    down, and the region builds a new one for its next round.
+    """
+
+    def __init__(
+        self,
+        run: RunConfig,
+        node: NodeConfig,
+        model: AdapterModel,
+        examples: ExampleSet,
+        data_fingerprint: str,
+    ) -> None:
+        self.run, self.node, self.model, self.examples = run, node, model, examples
+        self.name = f"region {node.region}"
+        self.fingerprints = (model.base_fingerprint, data_fingerprint)
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs = node.state_dir / "cluster"
+        self.world: World | None = None
+        self.store: TCPStore | None = None
+        self._seq = 0
+        self._dead: tuple[int, int, int] | None = None  # rank, pid, return code
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.store is not None
+
+    def start(self) -> None:
+        """Start (or join) the ranks, hand them the configs, and wait until every one
+        has loaded the model and data (collective-timeout, at least ``START_S`` for
+        workers started here, which are watched meanwhile)."""
+        timeout = self.run.collective_timeout
+        world = World.from_env()
+        count = self.node.processes(self.run)
+        if world is None:
+            check_placement(count, self.model.device, key=processes_key(self.run, self.node))
+            world = World(
+                rank=0,
+                world_size=count,
+                local_world_size=count,
+                master_addr="127.0.0.1",
+                master_port=free_port(),
+            )
+            self._spawn(world)
+        elif world.rank != 0:
+            raise ClusterError(
+                f"{self.name}: this process has RANK={world.rank}; the region's own process "
+                "must be rank 0 (start the others with python -m fedciuic.cluster.worker)"
+            )
+        else:  # launched under torchrun: the environment, not train-processes, says how many
+            check_placement(
+                world.local_world_size, self.model.device, key="environment:LOCAL_WORLD_SIZE"
+            )
+        self.world = world
+        self._closing.clear()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="fedciuic-ranks")
+        self._watcher.start()
+        try:
+            self.store = open_store(world, timeout=timeout, what=self.name)
+            # Workers we started are watched while they start and load (a dead one fails
+            # the start at once), so they may take longer than one collective.
+            starting = max(timeout, START_S) if self.workers else timeout
+            self._await(JOINED_KEY, world, starting, "start and reach rank 0's store")
+            form_group(
+                world,
+                self.store,
+                backend=backend_for(self.model.device),
+                timeout=timeout,
+                what=self.name,
+            )
+            config = {
+                "run": self.run.model_dump(mode="json", by_alias=True),
+                "node": self.node.model_dump(mode="json", by_alias=True),
+            }
+            self.store.set(CONFIG_KEY, json.dumps(config))
+            self._await(READY_KEY, world, starting, "load the model and data")
+            self._check_loaded(world)
+        except BaseException as err:
+            died = self._died()
+            self.close()
+            if died is not None:
+                raise self._death_error(died, "start-up") from err
+            raise
+
+    def _spawn(self, world: World) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        package_root = str(Path(fedciuic.__file__).resolve().parents[1])
+        path = os.environ.get("PYTHONPATH", "")
+        for rank in range(1, world.world_size):
+            env = {
+                **os.environ,
+                **world.model_copy(update={"rank": rank, "local_rank": rank}).env(),
+                PARENT_ENV: str(os.getpid()),
+                TIMEOUT_ENV: repr(self.run.collective_timeout),
+                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, path])),
+                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+            }
+            with open(self.logs / f"rank-{rank}.log", "wb") as out:
+                self.workers[rank] = subprocess.Popen(
+                    [sys.executable, "-m", "fedciuic.cluster.worker"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+
+    def _await(self, prefix: str, world: World, timeout: float, what: str) -> None:
+        """Wait until every other rank has set ``prefix<rank>`` (at most ``timeout``
+        seconds), failing at once if a worker we started dies meanwhile."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        for rank in range(1, world.world_size):
+            while not self.store.check([f"{prefix}{rank}"]):  # polled: no wait to log
+                if self._died() is not None:
+                    raise ClusterError(f"{self.name}: a training process died while starting")
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"{self.name}: training process rank {rank} did not {what} "
+                        f"within {timeout:g} s (run config collective-timeout, at least "
+                        f"{START_S:g} s for processes the region starts); see "
+                        f"{self.logs / f'rank-{rank}.log'}"
+                    )
+                time.sleep(POLL_S)
+
+    def _check_loaded(self, world: World) -> None:
+        assert self.store is not None
+        for rank in range(1, world.world_size):
+            loaded = tuple(json.loads(self.store.get(f"{READY_KEY}{rank}")))
+            if loaded != self.fingerprints:
+                raise ClusterError(
+                    f"{self.name}: training process rank {rank} loaded another base model "
+                    "or dataset (fingerprints differ from rank 0's); every rank must read "
+                    "the same model and the same data-path"
+                )
+
+    def _watch(self) -> None:
+        """Notice a dead worker at once and stop the others, so that rank 0's pending
+        collective fails at once (their sockets close) instead of at the timeout."""
+        while not self._closing.wait(POLL_S):
+            for rank, proc in self.workers.items():
+                code = proc.poll()
+                if code is not None and self._dead is None:
+                    self._dead = (rank, proc.pid, code)
+                    self._kill_all()
+
+    def _died(self) -> tuple[int, int, int] | None:
+        if self._dead is None:
+            for rank, proc in self.workers.items():
+                code = proc.poll()
+                if code is not None:
+                    self._dead = (rank, proc.pid, code)
+                    break
+        return self._dead
+
+    def _death_error(self, died: tuple[int, int, int], during: str) -> ClusterError:
+        rank, pid, code = died
+        tail = ""
+        try:
+            lines = (self.logs / f"rank-{rank}.log").read_text(errors="replace").splitlines()
+            last = [line for line in lines if line.strip()][-1:]
+            tail = f" (its log ends: {last[0][:200]})" if last and code > 0 else ""
+        except OSError:
+            pass
+        return ClusterError(
+            f"{self.name}: training process rank {rank} (pid {pid}) died "
+            f"({describe_exit(code)}) during {during}{tail}; the round fails for this region "
+            "and its training processes are started again for the next round"
+        )
+
+    def train(self, command: TrainCommand) -> ClusterStats:
+        """Run ``command`` on every rank (rank 0 here); the adapters end on rank 0's model.
+
+        Any failure tears the cluster down; a dead worker is named in a
+        :class:`ClusterError`, raised within collective-timeout seconds at most.
+        """
+        if self.started and self._died() is not None:
+            rank, pid, code = self._died() or (0, 0, 0)
+            log.warning(
+                "fedciuic: %s: training process rank %d (pid %d) died between rounds (%s); "
+                "starting the training processes again",
+                self.name,
+                rank,
+                pid,
+                describe_exit(code),
+            )
+            self.close()
+        if not self.started:
+            self.start()
+        assert self.world is not None and self.store is not None
+        during = f"round {command.server_round}"
+        try:
+            self._send(command)
+            with _threads(threads_per_rank(self.world.local_world_size)):
+                return train_rank(
+                    self.model,
+                    self.examples,
+                    self.run,
+                    command,
+                    Shard(rank=0, size=self.world.world_size),
+                )
+        except BaseException as err:
+            died = self._wait_for_death() if self.workers else None
+            self.close()
+            if died is not None:
+                raise self._death_error(died, during) from err
+            if isinstance(err, (RuntimeError, OSError)) and not isinstance(err, ClusterError):
+                raise ClusterError(
+                    f"{self.name}: training across {self.world.world_size} processes failed "
+                    f"during {during} ({first_line(err)}); "
+                    f"collective-timeout is {self.run.collective_timeout:g} s; the training "
+                    "processes are started again for the next round"
+                ) from err
+            raise
+
+    def _wait_for_death(self) -> tuple[int, int, int] | None:
+        """A failed collective usually means a worker is dying: give it a moment."""
+        deadline = time.monotonic() + 2.0
+        while self._died() is None and time.monotonic() < deadline:
+            time.sleep(POLL_S / 4)
+        return self._died()
+
+    def _send(self, command: TrainCommand) -> None:
+        assert self.store is not None
+        self.store.set(f"{COMMAND_KEY}{self._seq}", command.model_dump_json())
+        self._seq += 1
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (a stop command, then SIGKILL after ``timeout``), leave the
+        process group; afterwards no worker of this cluster is running."""
+        self._closing.set()
+        if self.store is not None and self.workers and self._dead is None:
+            with suppress(RuntimeError, OSError):
+                self._send(TrainCommand(op="stop"))
+        deadline = time.monotonic() + timeout
+        for proc in self.workers.values():
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        for proc in self.workers.values():
+            proc.wait()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
+        self._watcher = None
+        leave()
+        self.workers.clear()
+        self.store = None
+        self.world = None
+        self._dead = None
+        self._seq = 0
+
+    def _kill_all(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    proc.kill()

@@ -1,0 +1,138 @@
+"""A region's training process of rank > 0: ``python -m fedciuic.cluster.worker``.
+
+Started by the region itself (:class:`~fedciuic.cluster.training.TrainingCluster`),
+or on the region's other hosts with torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) pointing at
+the region's process, which is rank 0 and hosts the store (docs/cluster.md).
+It reads the run and node config from rank 0, builds the model and the data once,
+and then trains on rank 0's commands until told to stop, or until rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from fedciuic.cluster.dist import ClusterError, World, backend_for, form_group, leave, open_store
+from fedciuic.cluster.protocol import (
+    COMMAND_KEY,
+    CONFIG_KEY,
+    JOINED_KEY,
+    PARENT_ENV,
+    POLL_S,
+    READY_KEY,
+    TIMEOUT_ENV,
+    TrainCommand,
+    threads_per_rank,
+)
+from fedciuic.errors import FedciuicError
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Never outlive the region's process: the kernel kills us when it dies (Linux),
+    and a thread checks it too (other systems, and a parent gone before we asked)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(POLL_S)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="fedciuic-parent").start()
+
+
+def next_command(store: TCPStore, seq: int) -> TrainCommand:
+    """Wait (without a deadline: rounds may be far apart) for rank 0's command ``seq``;
+    a store that fails means rank 0 is gone."""
+    key = f"{COMMAND_KEY}{seq}"
+    try:
+        while not store.check([key]):  # polled: a timed-out wait would log each time
+            time.sleep(POLL_S)
+        return TrainCommand.model_validate_json(store.get(key))
+    except (RuntimeError, OSError):
+        raise ClusterError("rank 0 is gone (its store closed)") from None
+
+
+def device_for(world: World) -> torch.device:
+    """This rank's GPU (its local rank), or the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank)
+        return torch.device("cuda", world.local_rank)
+    return torch.device("cpu")
+
+
+def serve(world: World) -> None:
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        die_with_parent(int(parent))
+    timeout = float(os.environ.get(TIMEOUT_ENV, "600"))
+    device = device_for(world)
+    torch.set_num_threads(threads_per_rank(world.local_world_size))
+    what = f"rank {world.rank}"
+    store = open_store(world, timeout=timeout, what=what)
+    store.set(f"{JOINED_KEY}{world.rank}", "1")
+    form_group(world, store, backend=backend_for(device), timeout=timeout, what=what)
+    # The model and data libraries load after the rank has joined (a rank that cannot
+    # join says so first), while rank 0 waits for it to be ready.
+    from fedciuic.cluster.training import train_rank
+    from fedciuic.config import NodeConfig, RunConfig
+    from fedciuic.data.corpus import load_region_data
+    from fedciuic.model.adapter import AdapterModel, ModelSpec
+    from fedciuic.model.train import Shard
+
+    try:
+        store.wait([CONFIG_KEY], timedelta(seconds=timeout))
+        config = json.loads(store.get(CONFIG_KEY))
+        run = RunConfig.from_user_config(config["run"], source="run config")
+        node = NodeConfig.from_user_config(config["node"], source="node config")
+        model = AdapterModel(ModelSpec.from_run(run), device=device)
+        data = load_region_data(run, node, model.tokenizer)
+        store.set(
+            f"{READY_KEY}{world.rank}", json.dumps([model.base_fingerprint, data.fingerprint])
+        )
+        shard = Shard(rank=world.rank, size=world.world_size)
+        seq = 0
+        while True:
+            command = next_command(store, seq)
+            seq += 1
+            if command.op == "stop":
+                return
+            train_rank(model, data.train, run, command, shard)
+    finally:
+        leave()
+
+
+def main() -> int:
+    try:
+        world = World.from_env()
+        if world is None:
+            raise ClusterError(
+                "environment: RANK is not set; fedciuic.cluster.worker runs under torchrun "
+                "or is started by a region with train-processes > 1"
+            )
+        serve(world)
+    except FedciuicError as err:
+        print(f"fedciuic: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""A region trained by several processes (gloo on the CPU): DP-DDP equals one process
+with the same global batch, the ledger accounts the same, and a dead rank fails the
+round with one clear line, never a hang, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fedciuic.cluster import ClusterError, TrainCommand, TrainingCluster, World
+from fedciuic.cluster.dist import check_placement, free_port
+from fedciuic.cluster.protocol import TIMEOUT_ENV
+from fedciuic.cluster.training import processes_key
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.model.train import train_local
+from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
+from fedciuic.rounds.region import Region
+from tests.conftest import ROOT, app_config
+
+#: Every unit in every batch (q = 1), all of a unit's examples: sampling is then the
+#: same in one process and in two, so their updates must match.
+SETTINGS = {
+    "local-steps": 2,
+    "num-server-rounds": 3,
+    "batch-size": 100_000,
+    "privacy-unit": "record",
+    "max-examples-per-unit": 1024,
+    "optimizer": "sgd",
+    "learning-rate": 0.5,
+    "secure-mode": False,
+    "epsilon-budget": 1000.0,
+    "collective-timeout": 5.0,
+    "seq-len": 64,
+}
+#: Records in the region's small corpus (one unit each).
+RECORDS = 40
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def worker_pids(region: Region) -> list[int]:
+    cluster = region._cluster
+    return [] if cluster is None else [p.pid for p in cluster.workers.values()]
+
+
+@pytest.fixture(scope="module")
+def data_root(demo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small corpus (some of the demo's EU records), so that full batches are quick."""
+    root = tmp_path_factory.mktemp("small-data")
+    (root / "eu").mkdir()
+    lines = (demo_root / "eu" / "docs.jsonl").read_text().splitlines()[:RECORDS]
+    (root / "eu" / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def run(data_root: Path) -> RunConfig:
+    return RunConfig.from_user_config(
+        {**app_config(), "data-root": str(data_root), **SETTINGS}, source="test"
+    )
+
+
+def make_region(run: RunConfig, data_root: Path, state: Path, processes: int) -> Region:
+    node = NodeConfig(
+        region="eu",
+        data_path=str(data_root / "eu"),
+        state_path=str(state),
+        train_processes=processes,
+    )
+    return Region(run, node)
+
+
+@pytest.fixture(scope="module")
+def pair(
+    run: RunConfig, data_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Region]:
+    """A 2-process region, its cluster kept across the module's tests; every process
+    it started is gone afterwards."""
+    region = make_region(run, data_root, tmp_path_factory.mktemp("pair"), 2)
+    started: set[int] = set()
+    try:
+        yield region
+        started.update(worker_pids(region))
+    finally:
+        started.update(worker_pids(region))
+        region.close()
+    assert not [pid for pid in started if alive(pid)]
+
+
+def dp_command(region: Region, **changes: Any) -> TrainCommand:
+    rate = poisson_sample_rate(region.data.train.num_units, region.run.batch_size)
+    values: dict[str, Any] = {"dp": True, "steps": 2, "sample_rate": rate, "seed": 3}
+    return TrainCommand(**{**values, **changes})
+
+
+def test_two_processes_give_the_one_process_update(pair: Region, run: RunConfig) -> None:
+    start = pair.model.adapter_state()
+    pair._train_cluster(dp_command(pair, noise_multiplier=0.0))
+    two = pair.model.adapter_state()
+    pair.model.load_adapter_state(start)
+    trainer = PrivateTrainer.for_run(pair.model, pair.data.train, run, noise_multiplier=0.0, seed=3)
+    try:
+        trainer.run(2)
+    finally:
+        trainer.close()
+    one = pair.model.adapter_state()
+    pair.model.load_adapter_state(start)
+    assert any(np.abs(one[k] - start[k]).max() > 1e-4 for k in start)  # it trained
+    for name in start:
+        np.testing.assert_allclose(two[name] - start[name], one[name] - start[name], atol=2e-6)
+
+
+def test_two_processes_train_without_dp_as_one(pair: Region, run: RunConfig) -> None:
+    # Each rank takes its share of the same global batch; the gradients are summed.
+    start = pair.model.adapter_state()
+    two = pair._train_cluster(TrainCommand(steps=2, seed=5)).stats
+    after_two = pair.model.adapter_state()
+    pair.model.load_adapter_state(start)
+    one = train_local(
+        pair.model,
+        pair.data.train,
+        steps=2,
+        batch_size=run.batch_size,
+        learning_rate=run.learning_rate,
+        generator=torch.Generator().manual_seed(5),
+        optimizer=run.optimizer,
+    )
+    after_one = pair.model.adapter_state()
+    pair.model.load_adapter_state(start)
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    for name in start:
+        np.testing.assert_allclose(after_two[name], after_one[name], atol=2e-6)
+
+
+def test_noise_is_added_once(pair: Region, run: RunConfig) -> None:
+    # Noise that swamps every clipped gradient: one SGD step moves each coordinate by
+    # lr * N(0, (sigma C)^2) / B; noise from both ranks would be sqrt(2) times that.
+    sigma, units = 1000.0, pair.data.train.num_units
+    start = pair.model.adapter_state()
+    pair._train_cluster(dp_command(pair, noise_multiplier=sigma, steps=1))
+    moved = np.concatenate([(v - start[k]).ravel() for k, v in pair.model.adapter_state().items()])
+    pair.model.load_adapter_state(start)
+    scale = run.learning_rate * sigma * run.max_grad_norm / units
+    assert 0.93 < moved.std() / scale < 1.07
+
+
+def test_the_ledger_accounts_the_global_batch(
+    pair: Region, run: RunConfig, data_root: Path, tmp_path: Path
+) -> None:
+    alone = make_region(run, data_root, tmp_path, 1)
+    adapter = alone.model.adapter_state()
+    fingerprint = alone.model.base_fingerprint
+    one = alone.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=1)
+    assert alone._cluster is None  # one process: no process group, no subprocess
+    two = pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=1)
+    assert one.privacy is not None and two.privacy is not None
+    assert two.privacy.epsilon == pytest.approx(one.privacy.epsilon, rel=1e-9)
+    (a,) = PrivacyLedger.load(alone.ledger_path).rounds
+    (b,) = PrivacyLedger.load(pair.ledger_path).rounds
+    assert (a.noise_multiplier, a.sample_rate, a.steps) == (
+        b.noise_multiplier,
+        b.sample_rate,
+        b.steps,
+    )
+    assert a.epsilon == pytest.approx(b.epsilon, rel=1e-9)
+
+
+def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
+    pair: Region, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = pair.model.adapter_state()
+    fingerprint = pair.model.base_fingerprint
+    pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=2)
+    (victim,) = worker_pids(pair)
+    step = PrivateTrainer.step
+
+    def kill_then_step(self: PrivateTrainer, units: Any) -> float:
+        if alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        return step(self, units)
+
+    monkeypatch.setattr(PrivateTrainer, "step", kill_then_step)
+    began = time.monotonic()
+    with pytest.raises(
+        ClusterError,
+        match=rf"region eu: training process rank 1 \(pid {victim}\) died \(signal 9: SIGKILL\) "
+        "during round 2",
+    ):
+        pair.train_round(adapter, server_round=2, base_fingerprint=fingerprint, run_id=2)
+    assert time.monotonic() - began < pair.run.collective_timeout + 5
+    assert pair._cluster is None and not alive(victim)
+    ledger = PrivacyLedger.load(pair.ledger_path)
+    assert [(r.run_id, r.round) for r in ledger.rounds if r.run_id == 2] == [(2, 1)]
+    monkeypatch.undo()
+    third = pair.train_round(adapter, server_round=3, base_fingerprint=fingerprint, run_id=2)
+    assert third.stats.steps == 2
+    (fresh,) = worker_pids(pair)
+    assert fresh != victim and alive(fresh)
+
+
+def test_more_processes_than_cores_is_one_clear_line(pair: Region, run: RunConfig) -> None:
+    cores = os.cpu_count() or 1
+    node = pair.node.model_copy(update={"train_processes": cores + 1})
+    cluster = TrainingCluster(run, node, pair.model, pair.data.train, pair.data.fingerprint)
+    with pytest.raises(
+        ClusterError,
+        match=rf"^node config:train-processes: {cores + 1} training processes, but this "
+        rf"machine has {cores} CPU core\(s\).*set train-processes to at most {cores}",
+    ):
+        cluster.start()
+    assert not cluster.workers
+    with pytest.raises(ClusterError, match="run config:train-processes: 0; a region runs"):
+        check_placement(0, pair.model.device, key="run config:train-processes")
+
+
+def test_a_rank_that_cannot_reach_rank_0_fails_within_the_timeout() -> None:
+    world = World(rank=1, world_size=2, master_port=free_port())  # nobody listens there
+    env = {**os.environ, **world.env(), TIMEOUT_ENV: "1", "PYTHONPATH": str(ROOT)}
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "fedciuic.cluster.worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert re.search(
+        r"^fedciuic: rank 1: rank 1 cannot reach rank 0 at 127\.0\.0\.1:\d+ within 1 s "
+        r"\(collective-timeout\); check MASTER_ADDR and MASTER_PORT",
+        done.stderr,
+        re.MULTILINE,
+    ), done.stderr
+    assert time.monotonic() - began < 30  # python and torch start-up, then about 1 s
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"RANK": "1"}, "RANK is set but WORLD_SIZE, MASTER_PORT is not"),
+        ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "bad torchrun variables"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "RANK 2 is not below"),
+    ],
+)
+def test_bad_torchrun_environments_are_one_line(env: dict[str, str], problem: str) -> None:
+    with pytest.raises(ClusterError, match=problem):
+        World.from_env(env)
+
+
+def test_the_torchrun_environment_is_read() -> None:
+    env = World(rank=3, world_size=16, local_rank=3, local_world_size=8, master_port=29500)
+    assert World.from_env(env.env()) == env
+    assert World.from_env({}) is None
+
+
+def test_errors_name_where_the_count_was_set(run: RunConfig, data_root: Path) -> None:
+    node = NodeConfig(region="eu", data_path=str(data_root / "eu"))
+    simulated = run.model_copy(update={"region_train_processes": (("eu", 2),)})
+    assert processes_key(run, node) == "run config:train-processes"
+    counted = node.model_copy(update={"train_processes": 2})
+    assert processes_key(simulated, counted) == "run config:region-train-processes"
+    assert processes_key(run, counted) == "node config:train-processes"
