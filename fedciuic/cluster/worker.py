@@ -114,6 +114,12 @@ def serve(world: World) -> None:
             seq += 1
             if command.op == "stop":
                 return
+            # In the rank's log (STATE/cluster/rank-N.log): what it was doing if it dies.
+            print(
+                f"fedciuic: {what}: round {command.server_round}: training",
+                file=sys.stderr,
+                flush=True,
+            )
             train_rank(model, data.train, run, command, shard)
     finally:
         leave()

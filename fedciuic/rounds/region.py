@@ -430,7 +430,9 @@ class Region:
 
 
 #: This process's built regions, bounded by count and private memory (region_cache).
-REGIONS: BoundedCache[Region] = BoundedCache(lambda region: region.model.private_bytes())
+REGIONS: BoundedCache[Region] = BoundedCache(
+    lambda region: region.model.private_bytes(), close=Region.close
+)
 
 
 def open_region(run: RunConfig, node: NodeConfig) -> Region:

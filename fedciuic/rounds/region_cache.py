@@ -62,12 +62,19 @@ def release_freed_memory() -> None:
 
 class BoundedCache(Generic[T]):
     """Least recently used values, at most ``count`` of them and ``budget`` bytes as
-    ``size_of`` measures them (the newest value is kept even alone over budget)."""
+    ``size_of`` measures them (the newest value is kept even alone over budget);
+    ``close`` releases what an evicted value holds outside this process (its training
+    processes), which garbage collection alone would leave running."""
 
     def __init__(
-        self, size_of: Callable[[T], int], count: int = MAX_REGIONS, budget: int | None = None
+        self,
+        size_of: Callable[[T], int],
+        count: int = MAX_REGIONS,
+        budget: int | None = None,
+        close: Callable[[T], None] = lambda _: None,
     ) -> None:
         self.size_of = size_of
+        self.close = close
         self.count = count
         self.budget = budget
         self.entries: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
@@ -86,6 +93,8 @@ class BoundedCache(Generic[T]):
         return sum(size for _, size in self.entries.values())
 
     def clear(self) -> None:
+        for value, _ in self.entries.values():
+            self.close(value)
         self.entries.clear()
         gc.collect()
 
@@ -95,7 +104,8 @@ class BoundedCache(Generic[T]):
         while len(self.entries) > 1 and (
             len(self.entries) > self.count or self.held_bytes() > budget
         ):
-            self.entries.popitem(last=False)
+            _, (value, _) = self.entries.popitem(last=False)
+            self.close(value)
             evicted = True
         if evicted:
             gc.collect()  # peft models hold reference cycles; free the evicted base now
