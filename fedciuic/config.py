@@ -254,7 +254,7 @@ class RunConfig(_Strict):
         for item in filter(None, (part.strip() for part in value.split(","))):
             region, sep, count = item.partition("=")
             if not sep or not count.strip().isdigit():
-                raise ValueError(f"{item!r} is not REGION=COUNT; write it as \"eu=2,us=1\"")
+                raise ValueError(f'{item!r} is not REGION=COUNT; write it as "eu=2,us=1"')
             table.append((region.strip(), int(count)))
         return tuple(table)
 
