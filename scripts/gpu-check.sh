@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The trainer on a CUDA GPU (benchmarks/gpu.py): the small preset and an
-# R1-Distill-Qwen-shaped checkpoint, with and without DP, in bf16 and NF4.
+# R1-Distill-Qwen-shaped checkpoint, with and without DP, in bf16 and NF4; then one
+# region's DP round over every GPU here with NCCL (benchmarks/gpu_cluster.py).
 # Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,6 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/pip install -q -e '.[cuda]'
-exec .venv/bin/python benchmarks/gpu.py "$@"
+.venv/bin/python benchmarks/gpu.py "$@"
+# A region as a cluster: NCCL, one training process per GPU (docs/cluster.md).
+exec .venv/bin/python benchmarks/gpu_cluster.py --preset small

@@ -1,0 +1,96 @@
+"""One region's DP-SGD round as a cluster on this machine's GPUs (NCCL), or on the CPU.
+
+The code paths only a GPU machine runs (NCCL process groups, one process per GPU, the
+noise generator on CUDA) have no CPU test; this runs them: one region with
+``train-processes`` = every GPU here (at least 1), one DP-SGD round through
+:class:`~fedciuic.rounds.region.Region`, then the same round in one process, and
+prints both step times, the ledger's epsilon for each (they must be equal: the same
+global batch) and that every worker is gone. Without CUDA it runs the same with gloo
+on 2 CPU processes, which is what CI's tests cover.
+
+    .venv/bin/python benchmarks/gpu_cluster.py --preset small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.data.demo import write_demo_corpora
+from fedciuic.ops.runconfig import app_run_config
+from fedciuic.rounds.region import Region
+
+
+def one_round(run: RunConfig, data: Path, state: Path, processes: int) -> dict[str, object]:
+    node = NodeConfig(
+        region="eu", data_path=str(data), state_path=str(state), train_processes=processes
+    )
+    region = Region(run, node)
+    try:
+        started = time.perf_counter()
+        outcome = region.train_round(
+            region.model.adapter_state(),
+            server_round=1,
+            base_fingerprint=region.model.base_fingerprint,
+        )
+        seconds = time.perf_counter() - started
+        workers = [] if region._cluster is None else list(region._cluster.workers.values())
+    finally:
+        region.close()
+    assert outcome.privacy is not None
+    left = [w.pid for w in workers if w.poll() is None]
+    return {
+        "processes": processes,
+        "device": str(region.model.device),
+        "seconds_per_step": seconds / run.local_steps,
+        "epsilon": outcome.privacy.epsilon,
+        "workers_left": left,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    processes = gpus if gpus > 1 else 2 if gpus == 0 else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_demo_corpora(root / "data", ("eu",))
+        run = RunConfig.from_user_config(
+            {
+                **app_run_config(Path(__file__).resolve().parent.parent),
+                "model-preset": args.preset,
+                "local-steps": args.steps,
+                "collective-timeout": 300.0,
+                "data-root": str(root / "data"),
+            },
+            source="gpu_cluster",
+        )
+        rows = [
+            one_round(run, root / "data" / "eu", root / f"state-{n}", n)
+            for n in sorted({1, processes})
+        ]
+    for row in rows:
+        print(
+            f"{row['processes']} process(es) on {row['device']}: "
+            f"{row['seconds_per_step']:.3f} s/step, epsilon {row['epsilon']:.4f}, "
+            f"workers left {row['workers_left']}"
+        )
+    if len(rows) == 2:
+        same = abs(float(rows[0]["epsilon"]) - float(rows[1]["epsilon"])) < 1e-9  # type: ignore[arg-type]
+        print(f"same epsilon with {processes} processes as with 1: {same}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
