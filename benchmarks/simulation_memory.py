@@ -142,7 +142,7 @@ def run_mode(shared: bool, tmp: Path, cache: Path, args: argparse.Namespace) -> 
                     },
                     federation_config={
                         "num-supernodes": len(REGIONS),
-                        "client-resources-num-cpus": 1,
+                        "client-resources-num-cpus": args.cpus_per_region,
                     },
                     timeout=540,
                 )
@@ -182,6 +182,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--cpus-per-region",
+        type=int,
+        default=1,
+        help="Ray's client-resources-num-cpus: with all the cores, one region trains at a time",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     rows = []
@@ -189,7 +195,7 @@ def main() -> int:
         f"3-region simulation, realistic preset (dtype {args.dtype}), {args.rounds} round(s) x "
         f"{args.steps} DP-SGD step(s) of batch {args.batch_size} x {args.seq_len} tokens"
         f"{', gradient checkpointing' if args.gradient_checkpointing else ''}, "
-        "1 CPU per ClientApp, sampled every 0.2 s"
+        f"{args.cpus_per_region} CPU(s) per ClientApp, sampled every 0.2 s"
     )
     print(
         f"{'mode':>8} {'status':>10} {'s':>6} {'procs':>5} "
