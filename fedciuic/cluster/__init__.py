@@ -8,14 +8,24 @@ this package first, and must reach rank 0 before it imports the model libraries.
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from fedciuic.cluster.dist import ClusterError, World, check_placement
-from fedciuic.cluster.protocol import TrainCommand
-
 if TYPE_CHECKING:
+    from fedciuic.cluster.dist import ClusterError, World, check_placement
+    from fedciuic.cluster.protocol import TrainCommand
     from fedciuic.cluster.training import ClusterStats, TrainingCluster
 
+#: Each public name and its module, imported on first use: the ClientApp imports
+#: ``fedciuic.cluster.service`` without torch.
+_WHERE = {
+    "ClusterError": "dist",
+    "World": "dist",
+    "check_placement": "dist",
+    "TrainCommand": "protocol",
+    "ClusterStats": "training",
+    "TrainingCluster": "training",
+}
 __all__ = [
     "ClusterError",
     "ClusterStats",
@@ -27,8 +37,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ClusterStats", "TrainingCluster"):
-        from fedciuic.cluster import training
-
-        return getattr(training, name)
+    if name in _WHERE:
+        return getattr(import_module(f"fedciuic.cluster.{_WHERE[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

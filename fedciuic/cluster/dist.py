@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -125,13 +124,6 @@ def check_placement(count: int, device: torch.device, *, key: str) -> None:
             f"each); set {key.rpartition(':')[2]} to at most {room}, or start the other "
             "ranks on more nodes with torchrun"
         )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a region's own world)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def open_store(world: World, *, timeout: float, what: str) -> TCPStore:

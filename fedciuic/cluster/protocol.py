@@ -7,6 +7,7 @@ a worker that cannot, says so) before it spends time importing them.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -45,3 +46,11 @@ class TrainCommand(BaseModel):
 def threads_per_rank(local_world_size: int) -> int:
     """PyTorch threads per rank: the machine's cores shared among its ranks."""
     return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a region's own world, the
+    SuperLink and SuperNodes that ``fedciuic.flower.launch`` starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

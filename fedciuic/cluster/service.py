@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from fedciuic.crypto.keys import write_private
 from fedciuic.errors import FedciuicError
 
 if TYPE_CHECKING:  # the round code imports torch: the service imports it once it serves
@@ -362,12 +363,7 @@ def _write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` (mode 0600 from the start), replacing it atomically."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_private(tmp, data)
     os.replace(tmp, path)
 
 

@@ -35,7 +35,6 @@ from fedciuic.cluster.dist import (
     check_placement,
     first_line,
     form_group,
-    free_port,
     leave,
     open_store,
 )
@@ -49,14 +48,14 @@ from fedciuic.cluster.protocol import (
     START_S,
     TIMEOUT_ENV,
     TrainCommand,
+    free_port,
     threads_per_rank,
 )
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.corpus import ExampleSet
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import Shard, TrainStats, train_local
-from fedciuic.privacy.dpsgd import PrivateTrainer
-from fedciuic.privacy.ledger import PrivacyError
+from fedciuic.privacy.dpsgd import private_round
 
 log = logging.getLogger(__name__)
 
@@ -104,25 +103,18 @@ def train_rank(
         )
         taken, empty, loss_sum, counted = command.steps, 0, stats.loss * command.steps, 1.0
     else:
-        trainer = PrivateTrainer.for_run(
+        done = private_round(
             model,
             examples,
             run,
             noise_multiplier=command.noise_multiplier,
+            sample_rate=command.sample_rate,
+            steps=command.steps,
             seed=command.seed,
+            who=f"training process rank {shard.rank}",
             shard=shard,
         )
-        try:
-            if trainer.sample_rate != command.sample_rate:
-                raise PrivacyError(
-                    f"training process rank {shard.rank}: samples at rate "
-                    f"{trainer.sample_rate:g}, the ledger would account "
-                    f"{command.sample_rate:g}; nothing was trained or sent"
-                )
-            stats = trainer.run(command.steps)
-        finally:
-            trainer.close()
-        taken, empty = trainer.steps_taken, trainer.empty_steps
+        stats, taken, empty = done.stats, done.steps_taken, done.empty_steps
         losses = taken - empty
         loss_sum, counted = (stats.loss * losses, float(losses)) if losses else (0.0, 0.0)
     bounds = torch.tensor([taken, -taken], dtype=torch.float64)

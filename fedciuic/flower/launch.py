@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from typing import IO, Any
 
 import psutil
 
+from fedciuic.cluster.protocol import free_port
 from fedciuic.cluster.service import TrainerError, ping
 from fedciuic.crypto.tls import ServerTls
 from fedciuic.errors import FederationError
@@ -147,13 +147,6 @@ def stop_process_trees(
                 proc.kill()
         psutil.wait_procs(left, timeout=1)
     return []
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _bin(name: str) -> str:

@@ -11,6 +11,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -419,3 +420,43 @@ class PrivateTrainer:
             for attr in ("grad_sample", "_forward_counter", "summed_grad"):
                 if hasattr(param, attr):
                     delattr(param, attr)
+
+
+@dataclass(frozen=True)
+class PrivateRound:
+    """What one round of DP-SGD did: its statistics and the steps it took (each one
+    noised, empty Poisson batches included), which the ledger must match."""
+
+    stats: TrainStats
+    steps_taken: int
+    empty_steps: int
+
+
+def private_round(
+    model: AdapterModel,
+    examples: ExampleSet,
+    run: RunConfig,
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    seed: int,
+    who: str,
+    shard: Shard = ONE_PROCESS,
+) -> PrivateRound:
+    """``steps`` DP-SGD steps with the run's settings, as the ledger accounts them: a
+    trainer that would sample at another rate than ``sample_rate`` is refused before
+    any step (``who`` names the region or rank), and Opacus' hooks are removed after."""
+    trainer = PrivateTrainer.for_run(
+        model, examples, run, noise_multiplier=noise_multiplier, seed=seed, shard=shard
+    )
+    try:
+        if trainer.sample_rate != sample_rate:
+            raise PrivacyError(
+                f"{who}: the trainer samples at rate {trainer.sample_rate:g}, the ledger "
+                f"would account {sample_rate:g}; nothing was trained or sent"
+            )
+        stats = trainer.run(steps)
+    finally:
+        trainer.close()
+    return PrivateRound(stats, trainer.steps_taken, trainer.empty_steps)

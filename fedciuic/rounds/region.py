@@ -32,7 +32,7 @@ from fedciuic.data.corpus import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.train import EvalStats, TrainStats, evaluate, train_local
-from fedciuic.privacy.dpsgd import PrivateTrainer, warn_once
+from fedciuic.privacy.dpsgd import private_round, warn_once
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     BudgetExhausted,
@@ -403,19 +403,17 @@ class Region:
             )
             done = self._train_cluster(command)
             return done.stats, (done.fewest_steps, done.most_steps)
-        trainer = PrivateTrainer.for_run(
-            self.model, self.data.train, run, noise_multiplier=step[0], seed=seed
+        ran = private_round(
+            self.model,
+            self.data.train,
+            run,
+            noise_multiplier=step[0],
+            sample_rate=step[1],
+            steps=step[2],
+            seed=seed,
+            who=f"region {self.name}",
         )
-        try:
-            if trainer.sample_rate != step[1]:
-                raise PrivacyError(
-                    f"region {self.name}: the trainer samples at rate {trainer.sample_rate:g}"
-                    f", the ledger would account {step[1]:g}; nothing was trained or sent"
-                )
-            stats = trainer.run(step[2])
-        finally:
-            trainer.close()
-        return stats, (trainer.steps_taken, trainer.steps_taken)
+        return ran.stats, (ran.steps_taken, ran.steps_taken)
 
     def evaluate(self, adapter: dict[str, np.ndarray], *, base_fingerprint: str) -> EvalStats:
         """Held-out loss of the global adapter on this region's evaluation blocks

@@ -13,9 +13,9 @@ memory; the least recently used go first, and the newest is always kept.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 from collections import OrderedDict
@@ -49,15 +49,26 @@ def budget_bytes() -> int:
     return int(mib * 2**20)
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return trim
+
+
 def release_freed_memory() -> None:
     """Hand the heap that the last message's training freed back to the system (glibc
     keeps it otherwise, so an actor would hold its largest step's activations between
     messages, while another actor trains)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL(name).malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class BoundedCache(Generic[T]):

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from fedciuic.cluster import ClusterError, TrainCommand, TrainingCluster, World
-from fedciuic.cluster.dist import check_placement, free_port
-from fedciuic.cluster.protocol import TIMEOUT_ENV
+from fedciuic.cluster.dist import check_placement
+from fedciuic.cluster.protocol import TIMEOUT_ENV, free_port
 from fedciuic.cluster.training import processes_key
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.model.train import train_local

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedciuic.flower.launch import free_port
+from fedciuic.cluster.protocol import free_port
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e.helpers import alive, processes_under
 
