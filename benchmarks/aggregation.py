@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from report import Row, verdict
 
 from fedciuic.aggregation import Accumulator, Bounds, check
 from fedciuic.compression import get_codec
@@ -70,6 +71,56 @@ def scaling(rows: list[dict[str, Any]]) -> float:
             if count // 10 in mine and mine[count // 10] > 0:
                 worst = max(worst, seconds / (10 * mine[count // 10]))
     return worst
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    top = max(result["rows"], key=lambda r: (r["regions"], r["entries"]))
+    spread = scaling(result["rows"])
+    return [
+        [
+            "aggregation scaling",
+            f"10x the regions takes <= {spread:.2f} x 10 the time at every delta size; "
+            f"{top['regions']} x {top['entries']:,} entries: {top['seconds']:.1f} s, "
+            f"peak +{top['peak_mib']:.0f} MiB (flat in regions)",
+            "linear in total update size",
+            verdict(spread <= 1.2),
+        ]
+    ]
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    agg = result["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for n in sorted({r["entries"] for r in agg}):
+        mine = [r for r in agg if r["entries"] == n]
+        left.plot(
+            [r["update_bytes_total"] / 1e6 for r in mine],
+            [r["seconds"] for r in mine],
+            marker="o",
+            label=f"{n:,} entries",
+        )
+        right.plot(
+            [r["regions"] for r in mine],
+            [r["peak_mib"] for r in mine],
+            marker="o",
+            label=f"{n:,} entries",
+        )
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel("total update MB aggregated")
+    left.set_ylabel("seconds")
+    right.set_xscale("log")
+    right.set_xlabel("regions")
+    right.set_ylabel("peak memory added (MiB)")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    path = out / "aggregation.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def main() -> int:

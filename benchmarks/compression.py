@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from report import Row, verdict
+
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
@@ -75,6 +77,80 @@ def run_federation(codecs: list[str], rounds: int) -> dict[str, dict[str, Any]]:
                 }
                 print(f"  ran {codec}: {results[codec]}", file=sys.stderr)
     return results
+
+
+DEFAULT_CODEC = "topk-int8:0.015"  # pyproject.toml's run config
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    comm = result["codecs"]
+    dense = comm["dense"]
+    out: list[Row] = []
+    for codec in [c for c in comm if c != "dense"]:
+        r = comm[codec]
+        fewer = dense["update_bytes"] / r["update_bytes"]
+        wire = dense["wire_bytes"] / r["wire_bytes"]
+        loss = 100 * (r["final_eval_loss"] / dense["final_eval_loss"] - 1)
+        ok = fewer >= 100 and loss <= 2
+        default = codec == DEFAULT_CODEC
+        out.append(
+            [
+                f"communication, {codec}" + (" (the default)" if default else ""),
+                f"{fewer:.0f}x fewer update bytes ({wire:.1f}x on the wire), "
+                f"eval loss {loss:+.2f}% vs dense",
+                ">= 100x fewer, loss within 2%",
+                verdict(ok) if default else ("also meets it" if ok else "-"),
+            ]
+        )
+        if default:
+            out.append(
+                [
+                    f"upload on the wire, {codec}",
+                    f"{wire:.1f}x fewer bytes than dense, sealed "
+                    f"({r['wire_bytes']:.0f} vs {dense['wire_bytes']:.0f} B per round)",
+                    ">= 100x fewer",
+                    verdict(wire >= 100),
+                ]
+            )
+    return out
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    comm = result["codecs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(comm)
+    xs = range(len(names))
+    left.bar(
+        [x - 0.2 for x in xs],
+        [comm[c]["update_bytes"] for c in names],
+        0.4,
+        label="compressed update",
+    )
+    left.bar(
+        [x + 0.2 for x in xs],
+        [comm[c]["wire_bytes"] for c in names],
+        0.4,
+        label="sealed, on the wire",
+    )
+    left.set_xticks(list(xs), names)
+    left.set_yscale("log")
+    left.set_ylabel("bytes per region per round")
+    left.tick_params(axis="x", rotation=45)
+    left.legend()
+    for codec in names:
+        curve = comm[codec]["eval_loss_per_round"]
+        right.plot(range(len(curve)), curve, marker="o", label=codec)
+    right.set_xlabel("round")
+    right.set_xticks(range(len(comm[names[0]]["eval_loss_per_round"])))
+    right.set_ylabel("eval loss (all regions)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "communication.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 import torch
+from report import Row, verdict
 
 from fedciuic.data.corpus import ExampleSet
 from fedciuic.model.adapter import AdapterModel, ModelSpec
@@ -122,6 +123,24 @@ def _vm_hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for mode in ("hooks", "ghost"):
+        if mode in result["modes"]:
+            r = result["modes"][mode]
+            out.append(
+                [
+                    f"DP-SGD cost, {mode}",
+                    f"{r['time_ratio']:.2f}x time, {r['memory_ratio']:.2f}x memory of non-DP",
+                    "<= 1.5x time",
+                    verdict(r["time_ratio"] <= 1.5)
+                    if mode == "hooks"
+                    else "- (the default is hooks)",
+                ]
+            )
+    return out
 
 
 def main() -> int:

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from report import Row, verdict
+
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
@@ -39,6 +41,20 @@ def round_times(ended: dict[str, float]) -> list[float]:
     it includes each app's one-off start-up (models built, data loaded, workers warm)."""
     marks = [ended[str(r)] for r in sorted(int(k) for k in ended)]
     return [b - a for a, b in itertools.pairwise(marks)][1:]
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    spread = sorted(result["plain_rounds"] + result["fedciuic_rounds"])
+    return [
+        [
+            "end-to-end round vs plain Flower FedAvg",
+            f"{result['ratio']:.2f}x, medians {result['fedciuic_s']:.2f} s vs "
+            f"{result['plain_s']:.2f} s over {len(result['plain_rounds'])} rounds each "
+            f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: a noisy machine)",
+            "<= 1.10x",
+            verdict(result["ratio"] <= 1.10),
+        ]
+    ]
 
 
 def main() -> int:

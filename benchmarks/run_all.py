@@ -12,6 +12,7 @@ otherwise drift. Every target is reported as met, or as not met with the figure.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -22,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # the benchmark scripts, for their helpers
-DEFAULT_CODEC = "topk-int8:0.015"  # pyproject.toml's run config
+sys.path.insert(0, str(HERE))  # the benchmark scripts, for their rows and plots
+
+from report import Row  # noqa: E402
 
 #: name -> (script, arguments, arguments with --quick)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -66,207 +68,31 @@ def run(name: str, out: Path, quick: bool) -> dict[str, Any]:
     return data
 
 
-def verdict(met: bool) -> str:
-    return "met" if met else "**not met**"
-
-
-def table(results: dict[str, Any]) -> list[list[str]]:
-    """Rows of (figure, measured, target, verdict)."""
-    rows: list[list[str]] = []
-    comm = results.get("communication", {}).get("codecs", {})
-    if "dense" in comm:
-        dense = comm["dense"]
-        for codec in [c for c in comm if c != "dense"]:
-            r = comm[codec]
-            fewer = dense["update_bytes"] / r["update_bytes"]
-            wire = dense["wire_bytes"] / r["wire_bytes"]
-            loss = 100 * (r["final_eval_loss"] / dense["final_eval_loss"] - 1)
-            ok = fewer >= 100 and loss <= 2
-            default = codec == DEFAULT_CODEC
-            rows.append(
-                [
-                    f"communication, {codec}" + (" (the default)" if default else ""),
-                    f"{fewer:.0f}x fewer update bytes ({wire:.1f}x on the wire), "
-                    f"eval loss {loss:+.2f}% vs dense",
-                    ">= 100x fewer, loss within 2%",
-                    verdict(ok) if default else ("also meets it" if ok else "-"),
-                ]
-            )
-            if default:
-                rows.append(
-                    [
-                        f"upload on the wire, {codec}",
-                        f"{wire:.1f}x fewer bytes than dense, sealed "
-                        f"({r['wire_bytes']:.0f} vs {dense['wire_bytes']:.0f} B per round)",
-                        ">= 100x fewer",
-                        verdict(wire >= 100),
-                    ]
-                )
-    dp = results.get("dp", {}).get("modes", {})
-    for mode in ("hooks", "ghost"):
-        if mode in dp:
-            r = dp[mode]
-            rows.append(
-                [
-                    f"DP-SGD cost, {mode}",
-                    f"{r['time_ratio']:.2f}x time, {r['memory_ratio']:.2f}x memory of non-DP",
-                    "<= 1.5x time",
-                    verdict(r["time_ratio"] <= 1.5)
-                    if mode == "hooks"
-                    else "- (the default is hooks)",
-                ]
-            )
-    sealing = results.get("sealing", {}).get("sizes", {})
-    for size in ("1 MiB", "64 MiB"):
-        if size in sealing:
-            r = sealing[size]
-            rows.append(
-                [
-                    f"sealing at {size}",
-                    f"{r['envelope_ratio']:.2f} of raw AES-256-GCM "
-                    f"({r['envelope_mb_s']:.0f} vs {r['raw_mb_s']:.0f} MB/s); "
-                    f"X-Wing {results['sealing']['xwing_ms']:.2f} ms per update",
-                    ">= 0.80 of raw AES-GCM",
-                    verdict(r["envelope_ratio"] >= 0.8),
-                ]
-            )
-    agg = results.get("aggregation", {})
-    if "rows" in agg:
-        from aggregation import scaling
-
-        top = max(agg["rows"], key=lambda r: (r["regions"], r["entries"]))
-        spread = scaling(agg["rows"])
-        rows.append(
-            [
-                "aggregation scaling",
-                f"10x the regions takes <= {spread:.2f} x 10 the time at every delta size; "
-                f"{top['regions']} x {top['entries']:,} entries: {top['seconds']:.1f} s, "
-                f"peak +{top['peak_mib']:.0f} MiB (flat in regions)",
-                "linear in total update size",
-                verdict(spread <= 1.2),
-            ]
-        )
-    over = results.get("overhead", {})
-    if "ratio" in over:
-        spread = sorted(over["plain_rounds"] + over["fedciuic_rounds"])
-        rows.append(
-            [
-                "end-to-end round vs plain Flower FedAvg",
-                f"{over['ratio']:.2f}x, medians {over['fedciuic_s']:.2f} s vs "
-                f"{over['plain_s']:.2f} s over {len(over['plain_rounds'])} rounds each "
-                f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: a noisy machine)",
-                "<= 1.10x",
-                verdict(over["ratio"] <= 1.10),
-            ]
-        )
-    audit = results.get("audit", {})
-    if "ratio" in audit:
-        rows.append(
-            [
-                "audit log cost",
-                f"{100 * audit['ratio']:.2f}% of a demo round",
-                "< 2%",
-                verdict(audit["ratio"] < 0.02),
-            ]
-        )
-    for r in results.get("scale", {}).get("rows", []):
-        rows.append(
-            [
-                f"simulation, {r['regions']} regions",
-                f"{r['round_s']:.1f} s/round, peak {r['peak_mib']:.0f} MiB, "
-                f"{r['trained_updates']} updates, {r['status']}",
-                "runs on 2 cores",
-                verdict(r["status"] == "completed"),
-            ]
-        )
-    return rows
+def table(results: dict[str, Any]) -> list[Row]:
+    """Rows of (figure, measured, target, verdict), each from its script's ``rows``."""
+    out: list[Row] = []
+    for name, (script, _, _) in BENCHMARKS.items():
+        result = results.get(name)
+        if result and "error" not in result:
+            out += _module(script).rows(result)
+    return out
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    comm = results.get("communication", {}).get("codecs", {})
-    if comm:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        names = list(comm)
-        xs = range(len(names))
-        left.bar(
-            [x - 0.2 for x in xs],
-            [comm[c]["update_bytes"] for c in names],
-            0.4,
-            label="compressed update",
-        )
-        left.bar(
-            [x + 0.2 for x in xs],
-            [comm[c]["wire_bytes"] for c in names],
-            0.4,
-            label="sealed, on the wire",
-        )
-        left.set_xticks(list(xs), names)
-        left.set_yscale("log")
-        left.set_ylabel("bytes per region per round")
-        left.tick_params(axis="x", rotation=45)
-        left.legend()
-        for codec in names:
-            curve = comm[codec]["eval_loss_per_round"]
-            right.plot(range(len(curve)), curve, marker="o", label=codec)
-        right.set_xlabel("round")
-        right.set_xticks(range(len(comm[names[0]]["eval_loss_per_round"])))
-        right.set_ylabel("eval loss (all regions)")
-        right.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out / "communication.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
-    agg = results.get("aggregation", {}).get("rows", [])
-    if agg:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        for n in sorted({r["entries"] for r in agg}):
-            mine = [r for r in agg if r["entries"] == n]
-            left.plot(
-                [r["update_bytes_total"] / 1e6 for r in mine],
-                [r["seconds"] for r in mine],
-                marker="o",
-                label=f"{n:,} entries",
-            )
-            right.plot(
-                [r["regions"] for r in mine],
-                [r["peak_mib"] for r in mine],
-                marker="o",
-                label=f"{n:,} entries",
-            )
-        left.set_xscale("log")
-        left.set_yscale("log")
-        left.set_xlabel("total update MB aggregated")
-        left.set_ylabel("seconds")
-        right.set_xscale("log")
-        right.set_xlabel("regions")
-        right.set_ylabel("peak memory added (MiB)")
-        left.legend()
-        right.legend()
-        fig.tight_layout()
-        made.append(out / "aggregation.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
-    scale = results.get("scale", {}).get("rows", [])
-    if scale:
-        fig, left = plt.subplots(figsize=(6, 4))
-        counts = [r["regions"] for r in scale]
-        left.plot(counts, [r["round_s"] for r in scale], marker="o", color="tab:blue")
-        left.set_xlabel("simulated regions")
-        left.set_ylabel("seconds per round", color="tab:blue")
-        right = left.twinx()
-        right.plot(counts, [r["peak_mib"] for r in scale], marker="s", color="tab:red")
-        right.set_ylabel("peak memory (MiB)", color="tab:red")
-        fig.tight_layout()
-        made.append(out / "scale.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
+    made: list[Path] = []
+    for name, (script, _, _) in BENCHMARKS.items():
+        result = results.get(name)
+        plot = getattr(_module(script), "plot", None)
+        if result and "error" not in result and plot is not None:
+            made += plot(result, out)
     return made
+
+
+def _module(script: str) -> Any:
+    return importlib.import_module(Path(script).stem)
 
 
 def machine() -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from report import Row, verdict
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -126,6 +127,38 @@ def run_scale(count: int, rounds: int) -> dict[str, Any]:
         "trained_updates": trained,
         "status": str(metrics.run.status),
     }
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    return [
+        [
+            f"simulation, {r['regions']} regions",
+            f"{r['round_s']:.1f} s/round, peak {r['peak_mib']:.0f} MiB, "
+            f"{r['trained_updates']} updates, {r['status']}",
+            "runs on 2 cores",
+            verdict(r["status"] == "completed"),
+        ]
+        for r in result["rows"]
+    ]
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    scale = result["rows"]
+    fig, left = plt.subplots(figsize=(6, 4))
+    counts = [r["regions"] for r in scale]
+    left.plot(counts, [r["round_s"] for r in scale], marker="o", color="tab:blue")
+    left.set_xlabel("simulated regions")
+    left.set_ylabel("seconds per round", color="tab:blue")
+    right = left.twinx()
+    right.plot(counts, [r["peak_mib"] for r in scale], marker="s", color="tab:red")
+    right.set_ylabel("peak memory (MiB)", color="tab:red")
+    fig.tight_layout()
+    path = out / "scale.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def main() -> int:
