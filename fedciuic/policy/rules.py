@@ -35,6 +35,7 @@ from pydantic import (
     field_validator,
 )
 
+from fedciuic.compression import CodecFamily
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PRIVACY_UNITS, PrivacyUnit, unit_covers
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
@@ -104,9 +105,7 @@ class Sealing(_Section):
 
 
 class Compression(_Section):
-    allowed_codecs: Annotated[
-        tuple[Literal["dense", "int8", "sign", "topk", "topk-int8"], ...], _Distinct
-    ] = Field(min_length=1)
+    allowed_codecs: Annotated[tuple[CodecFamily, ...], _Distinct] = Field(min_length=1)
 
 
 class Aggregation(_Section):
@@ -596,7 +595,7 @@ class RunTerms:
     secure_mode: bool
     seal: bool
     seal_suite: str
-    codec: str  # the codec's base name: dense, int8, sign, topk, topk-int8
+    codec: str  # the codec's family (CodecFamily): dense, topk-int8, ...
     #: What one guarantee covers (the run's privacy-unit).
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: The dataset's cumulative epsilon after this round (training only; None otherwise).

@@ -1,0 +1,104 @@
+"""Value bodies: fp32, int8 and int4 with stochastic rounding, and sign, each with one
+fp32 scale per :data:`CHUNK` entries (pure NumPy, vectorised).
+
+Each ``decode`` checks that the body holds what its sizes say before reading it, and
+returns (values, bytes used).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from fedciuic.compression.errors import MalformedUpdate
+
+CHUNK = 256  # entries per scale
+
+
+def finite(values: np.ndarray, what: str) -> None:
+    if not np.all(np.isfinite(values)):
+        raise MalformedUpdate(f"{what} contain NaN or infinite values")
+
+
+def _chunk_scales(x: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    pad = (-x.size) % CHUNK
+    padded = np.pad(np.abs(x), (0, pad)).reshape(-1, CHUNK)
+    return reduce(padded).astype(np.float32)
+
+
+def _scales(body: memoryview, n: int, need: int, what: str) -> np.ndarray:
+    if len(body) < need:
+        raise MalformedUpdate(f"{what} body truncated")
+    scales = np.frombuffer(body[: 4 * math.ceil(n / CHUNK)], np.float32)
+    finite(scales, f"{what} scales")
+    return np.repeat(scales, CHUNK)[:n]
+
+
+def _quantise(x: np.ndarray, levels: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
+    """Scales ``max|chunk| / levels`` and ``q = clip(floor(x / scale + u), -levels, levels)``,
+    u uniform in [0, 1): unbiased, and ``|x - q * scale| < scale``."""
+    scales = _chunk_scales(x, lambda a: a.max(axis=1) / levels)
+    s = np.repeat(scales, CHUNK)[: x.size]
+    q = np.floor(x / np.where(s > 0, s, 1.0) + rng.random(x.size, dtype=np.float32))
+    return scales.tobytes(), np.clip(q, -levels, levels).astype(np.int8)
+
+
+def fp32_encode(x: np.ndarray, _: np.random.Generator) -> memoryview:
+    return x.data.cast("B")  # no copy: the caller joins it into the update once
+
+
+def fp32_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
+    if len(body) < 4 * n:
+        raise MalformedUpdate("fp32 values truncated")
+    return np.frombuffer(body[: 4 * n], np.float32), 4 * n
+
+
+def int8_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
+    scales, q = _quantise(x, 127, rng)
+    return scales + q.tobytes()
+
+
+def int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
+    head = 4 * math.ceil(n / CHUNK)
+    scales = _scales(body, n, head + n, "int8")
+    q = np.frombuffer(body[head : head + n], np.int8)
+    return (q.astype(np.float32) * scales).astype(np.float32), head + n
+
+
+def int4_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
+    """q in -7..7 stored as q + 8 (1..15), two per byte, the earlier entry in the low
+    nibble; an odd count pads with a 0 nibble."""
+    scales, q = _quantise(x, 7, rng)
+    nibbles = np.zeros(2 * math.ceil(x.size / 2), np.uint8)
+    nibbles[: x.size] = (q + 8).astype(np.uint8)
+    return scales + (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
+def int4_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
+    head = 4 * math.ceil(n / CHUNK)
+    need = head + math.ceil(n / 2)
+    scales = _scales(body, n, need, "int4")
+    packed = np.frombuffer(body[head:need], np.uint8)
+    nibbles = np.empty(2 * packed.size, np.uint8)
+    nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
+    if np.any(nibbles[:n] == 0) or np.any(nibbles[n:] != 0):
+        raise MalformedUpdate("int4 body holds a value outside -7..7 or a non-zero pad")
+    q = nibbles[:n].astype(np.int8) - 8
+    return (q.astype(np.float32) * scales).astype(np.float32), need
+
+
+def sign_encode(x: np.ndarray, _: np.random.Generator) -> bytes:
+    """One bit per entry (1 for x >= 0, LSB first) and the chunk's mean |x| as scale."""
+    counts = np.minimum(CHUNK, x.size - CHUNK * np.arange(math.ceil(x.size / CHUNK)))
+    scales = _chunk_scales(x, lambda a: a.sum(axis=1)) / counts  # a partial chunk's own mean
+    return scales.astype(np.float32).tobytes() + np.packbits(x >= 0, bitorder="little").tobytes()
+
+
+def sign_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
+    head = 4 * math.ceil(n / CHUNK)
+    need = head + math.ceil(n / 8)
+    scales = _scales(body, n, need, "sign")
+    bits = np.unpackbits(np.frombuffer(body[head:need], np.uint8), bitorder="little")
+    return ((bits[:n].astype(np.float32) * 2 - 1) * scales).astype(np.float32), need
