@@ -8,8 +8,8 @@ import sys
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # as run_all.py runs them: scripts, not a package
-from aggregation import scaling  # noqa: E402
-from run_all import table  # noqa: E402
+from aggregation import scaling
+from run_all import table
 
 
 def rows_of(results):
