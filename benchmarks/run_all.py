@@ -29,6 +29,7 @@ from report import Row  # noqa: E402
 
 #: name -> (script, arguments, arguments with --quick)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
+    "coding": ("coding.py", [], ["--entries", "2000000", "--repeats", "1"]),
     "dp": ("dp_overhead.py", [], ["--rounds", "2"]),
     "sealing": ("sealing.py", [], ["--repeats", "2"]),
     "aggregation": (
