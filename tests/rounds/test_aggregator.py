@@ -14,6 +14,7 @@ import pytest
 
 from fedciuic.audit.log import AuditLog, load_records, verify
 from fedciuic.compression import get_codec
+from fedciuic.compression.codecs import FORMAT, HEADER, MAGIC
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
 from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, update_payload
@@ -82,8 +83,10 @@ def aggregator(run_config, tmp_path) -> AggregatorRound:
 
 
 def encoded(value: float, n: int = 4) -> bytes:
-    """A dense-codec update of ``n`` entries, all ``value`` (the run's codec is dense)."""
-    return get_codec("dense").encode(np.full(n, value, np.float32), np.random.default_rng(0))
+    """A dense-codec update of ``n`` entries, all ``value`` (the run's codec is dense),
+    written by hand: a hostile region's NaN is one fedciuic's encoder would refuse."""
+    head = HEADER.pack(MAGIC, get_codec("dense").ident, FORMAT, n, 0)
+    return head + np.full(n, value, np.float32).tobytes()
 
 
 def update_arrays(update: bytes) -> dict[str, np.ndarray]:
