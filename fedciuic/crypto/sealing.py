@@ -115,11 +115,18 @@ class MalformedPayload(FedciuicError):
     """An opened envelope whose plaintext is not a fedciuic update."""
 
 
-def read_update_payload(payload: bytes) -> tuple[dict[str, np.ndarray], object, object]:
+def read_update_payload(
+    payload: bytes | bytearray,
+) -> tuple[dict[str, np.ndarray], object, object]:
     """Inverse of :func:`update_payload`: the arrays, and the metrics and info exactly as
     sent (still untrusted: the caller validates them). :class:`MalformedPayload` if the
-    plaintext is not safetensors with both in its metadata."""
+    plaintext is not safetensors with both in its metadata.
+
+    ``safetensors`` reads only ``bytes``: a ``bytearray`` (what an opened envelope of
+    several chunks holds) costs it one copy."""
     try:
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)
         (size,) = struct.unpack_from("<Q", payload)
         header = json.loads(payload[8 : 8 + size])
         metadata = header["__metadata__"]

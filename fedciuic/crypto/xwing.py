@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey, MLKEM768PublicKey
@@ -66,6 +67,13 @@ class XWingPrivateKey:
             X25519PrivateKey.from_private_bytes(expanded[64:96]),
         )
 
+    @cached_property
+    def _expanded(self) -> tuple[MLKEM768PrivateKey, X25519PrivateKey, bytes]:
+        """The expanded keys and ``pk_X``, made once per key (ML-KEM key generation from
+        the seed is most of a decapsulation's cost otherwise)."""
+        sk_m, sk_x = self._expand()
+        return sk_m, sk_x, sk_x.public_key().public_bytes_raw()
+
     def public_key(self) -> XWingPublicKey:
         sk_m, sk_x = self._expand()
         return XWingPublicKey(
@@ -77,11 +85,10 @@ class XWingPrivateKey:
         wrong ciphertext yields a wrong secret rather than an error."""
         if len(ciphertext) != CIPHERTEXT_SIZE:
             raise ValueError(f"an X-Wing ciphertext is {CIPHERTEXT_SIZE} bytes")
-        sk_m, sk_x = self._expand()
+        sk_m, sk_x, pk_x = self._expanded
         ct_m, ct_x = ciphertext[:MLKEM_CT_SIZE], ciphertext[MLKEM_CT_SIZE:]
         ss_m = sk_m.decapsulate(ct_m)
         ss_x = sk_x.exchange(X25519PublicKey.from_public_bytes(ct_x))
-        pk_x = sk_x.public_key().public_bytes_raw()
         return combiner(ss_m, ss_x, ct_x, pk_x)
 
 
@@ -97,6 +104,14 @@ class XWingPublicKey:
                 f"an X-Wing public key is {PUBLIC_KEY_SIZE} bytes, got {len(self.raw)}"
             )
 
+    @cached_property
+    def _parsed(self) -> tuple[MLKEM768PublicKey, X25519PublicKey]:
+        """The two public keys, parsed (and ML-KEM's checked) once per key."""
+        return (
+            MLKEM768PublicKey.from_public_bytes(self.raw[:MLKEM_PK_SIZE]),
+            X25519PublicKey.from_public_bytes(self.raw[MLKEM_PK_SIZE:]),
+        )
+
     def encapsulate(self) -> tuple[bytes, bytes]:
         """A fresh ``(shared_secret, ciphertext)``."""
         return self.encapsulate_with(X25519PrivateKey.generate())
@@ -104,9 +119,9 @@ class XWingPublicKey:
     def encapsulate_with(self, ephemeral: X25519PrivateKey) -> tuple[bytes, bytes]:
         """Encapsulate with a given X25519 ephemeral key (ML-KEM's randomness stays
         inside ``cryptography``, which offers no derandomised encapsulation)."""
-        pk_m = MLKEM768PublicKey.from_public_bytes(self.raw[:MLKEM_PK_SIZE])
+        pk_m, pk_x = self._parsed
         pk_x_raw = self.raw[MLKEM_PK_SIZE:]
         ss_m, ct_m = pk_m.encapsulate()
         ct_x = ephemeral.public_key().public_bytes_raw()
-        ss_x = ephemeral.exchange(X25519PublicKey.from_public_bytes(pk_x_raw))
+        ss_x = ephemeral.exchange(pk_x)
         return combiner(ss_m, ss_x, ct_x, pk_x_raw), ct_m + ct_x

@@ -23,7 +23,7 @@ from safetensors.numpy import save as st_save
 
 from fedciuic.audit.log import WITNESS_EVENT, load_records, verify
 from fedciuic.crypto.envelope import (
-    SIGNED_LABEL,
+    SIGNED_LABEL_V2,
     InvalidEnvelope,
     open_envelope,
     parse_header,
@@ -109,12 +109,17 @@ def low_order_share(policed) -> Raw:
     content = sealed_payload(policed, "cn", payload_with())
     assert content.arrays is not None
     raw = bytearray(content.arrays[ENVELOPE].tobytes())
-    _, header_end = parse_header(raw)
+    header, header_end = parse_header(raw)
     kem_end = header_end + CIPHERTEXT_SIZE
     raw[kem_end - 32 : kem_end] = bytes(32)
-    signature_size = regions["cn"].bundle.signature_size()
-    body_end = len(raw) - 2 - signature_size
-    raw[body_end + 2 :] = regions["cn"].sign(SIGNED_LABEL + hashlib.sha256(raw[:body_end]).digest())
+    body_end = len(raw) - regions["cn"].bundle.signature_size()
+    step = (1 << header.chunk_exponent) + 16  # a chunk of ciphertext and its GCM tag
+    digests = b"".join(
+        hashlib.sha256(raw[at : min(at + step, body_end)]).digest()
+        for at in range(kem_end, body_end, step)
+    )
+    signed_hash = hashlib.sha256(bytes(raw[:kem_end]) + digests).digest()
+    raw[body_end:] = regions["cn"].sign(SIGNED_LABEL_V2 + signed_hash)
     return signed(sealed_envelope("cn", raw, regions["cn"]), regions["cn"])
 
 
