@@ -134,13 +134,13 @@ class RegionalFedAvg(FedAvg):
         if not isinstance(result.aggregate, Published):
             return None, None
         published = result.aggregate
-        metrics = MetricRecord(
-            {
-                "train-loss": published.train_loss,
-                "num-examples": published.examples,
-                "regions": len(published.regions),
-            }
-        )
+        figures: dict[str, int | float | list[int] | list[float]] = {
+            "num-examples": published.examples,
+            "regions": len(published.regions),
+        }
+        if published.train_loss is not None:  # None: every region's steps were noise only
+            figures["train-loss"] = published.train_loss
+        metrics = MetricRecord(figures)
         return protocol.pack_arrays(published.adapter), metrics
 
     def aggregate_evaluate(

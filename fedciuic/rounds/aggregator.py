@@ -148,7 +148,7 @@ class Published:
     adapter: dict[str, np.ndarray]
     regions: list[str]
     examples: float
-    train_loss: float  # weighted by examples
+    train_loss: float | None  # weighted by examples, over the regions that report one
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,12 @@ class AggregatorRound:
 
         mean = unflatten(accumulator.mean(), layout)
         self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
-        loss = sum(a.metrics.train_loss * a.metrics.num_examples for a in accepted)
+        losses = [
+            (a.metrics.train_loss, a.metrics.num_examples)
+            for a in accepted
+            if a.metrics.train_loss is not None
+        ]
+        loss = sum(x * w for x, w in losses) / sum(w for _, w in losses) if losses else None
         self.recorder.record_aggregate(server_round, {"published": True, "regions": regions})
         self.recorder.save()
         self._note(
@@ -336,9 +341,7 @@ class AggregatorRound:
             model_digest=model_digest(self.global_adapter).hex(),
         )
         self._checkpoint(server_round)
-        published = Published(
-            self.global_adapter, regions, accumulator.weight, loss / accumulator.weight
-        )
+        published = Published(self.global_adapter, regions, accumulator.weight, loss)
         return TrainResult(judged_all, published)
 
     def _judge_train(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import weakref
 from collections.abc import Mapping
@@ -111,10 +112,11 @@ class RegionReply:
 def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
     metrics: dict[str, int | float | list[int] | list[float]] = {
         "num-examples": outcome.stats.num_examples,
-        "train-loss": outcome.stats.loss,
         "steps": outcome.stats.steps,
         "update-bytes": len(outcome.update),
     }
+    if math.isfinite(outcome.stats.loss):  # NaN: every step drew an empty batch
+        metrics["train-loss"] = outcome.stats.loss
     if outcome.privacy is not None:
         p = outcome.privacy
         metrics.update(

@@ -105,7 +105,8 @@ class PrivacyFigures(_Strict):
 
 class TrainMetrics(_Strict):
     num_examples: int = Field(ge=1, le=_MAX_COUNT)
-    train_loss: float = Field(ge=0)
+    #: None when every DP-SGD step of the round drew an empty Poisson batch (noise only).
+    train_loss: float | None = Field(default=None, ge=0)
     steps: int = Field(ge=0, le=_MAX_COUNT)
     update_bytes: int = Field(ge=0, le=_MAX_COUNT)
     privacy: PrivacyFigures | None = None

@@ -137,6 +137,17 @@ def test_deltas_are_averaged_by_examples_and_applied(aggregator):
     assert [j.status for j in result.replies] == ["trained", "trained"]
 
 
+def test_an_update_whose_steps_were_all_noise_is_aggregated_without_a_loss(aggregator):
+    # Every DP-SGD step drew an empty Poisson batch: no train loss, the update counts.
+    quiet = trained("cn", 4.0, 30)
+    del quiet.metrics["train-loss"]
+    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, quiet)])
+    assert isinstance(result.aggregate, Published) and result.aggregate.regions == ["eu", "cn"]
+    assert result.aggregate.train_loss == pytest.approx(1.0)  # over the regions with a loss
+    alone = aggregator.train(2, [reply(13, quiet)])
+    assert isinstance(alone.aggregate, Published) and alone.aggregate.train_loss is None
+
+
 def test_a_decline_is_recorded_and_the_others_are_aggregated(aggregator, tmp_path):
     result = aggregator.train(
         1, [reply(11, trained("eu", 2.0, 10)), reply(12, declined("cn", "budget spent"))]
