@@ -35,12 +35,12 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "aggregation": (
         "aggregation.py",
         [],
-        ["--counts", "10,100", "--sizes", "1000000", "--repeats", "1"],
+        ["--counts", "10,100", "--sizes", "1000000", "--repeats", "1", "--bound-repeats", "3"],
     ),
     "audit": ("audit.py", [], ["--rounds", "2"]),
     "communication": ("compression.py", [], ["--rounds", "2", "--codecs", "dense,topk-int8:0.015"]),
     "overhead": ("overhead.py", [], ["--rounds", "2", "--repeats", "1"]),
-    "scale": ("scale.py", [], ["--regions", "10"]),
+    "scale": ("scale.py", [], ["--regions", "4,8"]),
 }
 
 
