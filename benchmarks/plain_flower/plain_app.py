@@ -24,12 +24,16 @@ server = ServerApp()
 _REGIONS: dict[int, Region] = {}
 
 
+#: This app's own settings; every other key of its config is one of fedciuic's run-config
+#: keys, and overrides fedciuic's default (overhead.py sets them all for both apps).
+_OWN = ("timings-file", "fedciuic-root")
+
+
 def _run(context: Context) -> RunConfig:
     root = Path(str(context.run_config["fedciuic-root"]))
     values = {
         **app_run_config(root),
-        "num-server-rounds": context.run_config["num-server-rounds"],
-        "data-root": context.run_config["data-root"],
+        **{k: v for k, v in context.run_config.items() if k not in _OWN},
     }
     return RunConfig.from_user_config(values, source="plain baseline")
 
