@@ -30,7 +30,11 @@ from report import Row  # noqa: E402
 #: name -> (script, arguments, arguments with --quick)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "coding": ("coding.py", [], ["--entries", "2000000", "--repeats", "1"]),
-    "dp": ("dp_overhead.py", [], ["--rounds", "2"]),
+    "dp": (
+        "dp_overhead.py",
+        [],
+        ["--rounds", "2", "--steps", "1", "--memory-steps", "1", "--modes", "hooks"],
+    ),
     "sealing": ("sealing.py", [], ["--repeats", "2"]),
     "aggregation": (
         "aggregation.py",
@@ -39,7 +43,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     "audit": ("audit.py", [], ["--rounds", "2"]),
     "communication": ("compression.py", [], ["--rounds", "2", "--codecs", "dense,topk-int8:0.015"]),
-    "overhead": ("overhead.py", [], ["--rounds", "2", "--repeats", "1"]),
+    "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),
 }
 
