@@ -219,11 +219,11 @@ def rows(result: dict[str, Any]) -> list[Row]:
         if mode in result["modes"]:
             r = result["modes"][mode]
             memory = r["memory_ratio"]
+            memory_text = "memory not measured" if memory != memory else f"{memory:.2f}x memory"
             out.append(
                 [
                     f"DP-SGD cost, {mode}",
-                    f"{r['time_ratio']:.2f}x time, {memory:.2f}x memory of non-DP"
-                    f"{settings(result)}",
+                    f"{r['time_ratio']:.2f}x time, {memory_text} of non-DP{settings(result)}",
                     f"<= {target:g}x time",
                     verdict(r["time_ratio"] <= target)
                     if mode == "hooks"

@@ -42,7 +42,11 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
         ["--counts", "10,100", "--sizes", "1000000", "--repeats", "1", "--bound-repeats", "3"],
     ),
     "audit": ("audit.py", [], ["--rounds", "2"]),
-    "communication": ("compression.py", [], ["--rounds", "2", "--codecs", "dense,topk-int8:0.015"]),
+    "communication": (
+        "compression.py",
+        [],
+        ["--rounds", "2", "--codecs", "dense,default", "--max-eval-examples", "16"],
+    ),
     "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),
 }
