@@ -58,15 +58,6 @@ def test_combiner_is_sha3_of_the_draft_inputs():
     assert combiner(*args) == hashlib.sha3_256(b"".join(args) + b"\\.//^\\").digest()
 
 
-@pytest.fixture(scope="module")
-def parties():
-    return {
-        "aggregator": Keypair.generate("aggregator", "EU"),
-        "eu": Keypair.generate("eu", "EU"),
-        "cn": Keypair.generate("cn", "CN", "ed25519+mldsa65"),
-    }
-
-
 def sealed(parties, payload=b"delta bytes", region="eu", suite="xwing-aes256gcm", **kw):
     return seal(
         payload,

@@ -39,15 +39,6 @@ CHUNK = 1 << EXP
 TAG = 16
 
 
-@pytest.fixture(scope="module")
-def parties():
-    return {
-        "aggregator": Keypair.generate("aggregator", "EU"),
-        "eu": Keypair.generate("eu", "EU"),
-        "cn": Keypair.generate("cn", "CN", "ed25519+mldsa65"),
-    }
-
-
 def seal_as(parties, payload, region="eu", recipient="aggregator", **kw):
     return seal(
         payload,
