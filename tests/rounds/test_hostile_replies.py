@@ -158,8 +158,11 @@ HOSTILE: dict[str, tuple[Callable[[Any], Raw], str]] = {
         lambda p: sealed_payload(p, "cn", payload_with(metrics_with(steps=float("nan")))),
         "steps",
     ),
-    "train-loss missing": (
-        lambda p: sealed_payload(p, "cn", payload_with(metrics_with(**{"train-loss": None}))),
+    # Absent is legal (every step noise only); NaN is not.
+    "train-loss NaN": (
+        lambda p: sealed_payload(
+            p, "cn", payload_with(metrics_with(**{"train-loss": float("nan")}))
+        ),
         "train-loss",
     ),
     "an unknown metric": (
