@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from report import Row, verdict
+from report import Row, proc_bytes, verdict
 
 from fedciuic.aggregation import Accumulator, Bounds, check
 from fedciuic.compression import Codec, get_codec
@@ -74,19 +74,11 @@ def encoded_pool(codec: Codec, n: int, count: int) -> list[bytes]:
     ]
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def measure(codec: Codec, pool: list[bytes], n: int, count: int) -> dict[str, float]:
     """Seconds spent aggregating, bytes aggregated and the peak memory aggregation added."""
     with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
         handle.write("5")  # reset the peak RSS
-    before = _rss("VmRSS")
+    before = proc_bytes("/proc/self/status", "VmRSS")[0]
     start = clock()
     acc = Accumulator(n)
     total = 0
@@ -99,7 +91,7 @@ def measure(codec: Codec, pool: list[bytes], n: int, count: int) -> dict[str, fl
     return {
         "seconds": seconds,
         "update_bytes_total": float(total),
-        "peak_mib": (_rss("VmHWM") - before) / 2**20,
+        "peak_mib": (proc_bytes("/proc/self/status", "VmHWM")[0] - before) / 2**20,
         "model_mib": n * 8 / 2**20,  # the float64 accumulator
     }
 

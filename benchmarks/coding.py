@@ -16,14 +16,13 @@ import argparse
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
 
 import numpy as np
-from report import Row, verdict
+from report import Row, best_seconds, verdict
 
 from fedciuic.compression import get_codec
 from fedciuic.compression import indices as index_coding
@@ -49,15 +48,6 @@ def delta(shape: str, n: int, rng: np.random.Generator) -> np.ndarray:
 def v1_index_bytes(indices: np.ndarray) -> int:
     gaps = np.diff(indices, prepend=-1) - 1
     return 1 + math.ceil(indices.size * max(1, int(gaps.max()).bit_length()) / 8)
-
-
-def best_seconds(fn: Any, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def measure(n: int, density: float, repeats: int) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from typing import Any
 import psutil
 import torch
 from opacus.grad_sample.grad_sample_module import GradSampleModule
-from report import Row, verdict
+from report import Row, proc_bytes, verdict
 
 from fedciuic.data.corpus import ExampleSet
 from fedciuic.model.adapter import AdapterModel, ModelSpec
@@ -191,15 +191,7 @@ def peak_memory(args: argparse.Namespace, mode: str) -> float:
         handle.write("5")
     for _ in range(args.steps):
         step(batch)
-    return float(max(_vm_hwm() - base, 0))
-
-
-def _vm_hwm() -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return float(max(proc_bytes("/proc/self/status", "VmHWM")[0] - base, 0))
 
 
 def settings(result: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""What every benchmark script shares with ``run_all.py``: a table row and its verdict.
+"""What the benchmark scripts share: a table row and its verdict, best-of timing and
+/proc readings.
 
 Each script in ``run_all.BENCHMARKS`` defines ``rows(result) -> list[Row]`` (its lines
 of the README table, from the JSON it wrote with ``--json``) and may define
@@ -7,9 +8,37 @@ of the README table, from the JSON it wrote with ``--json``) and may define
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 #: (figure, measured, target, verdict)
 Row = list[str]
 
 
 def verdict(met: bool) -> str:
     return "met" if met else "**not met**"
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls: on a shared machine noise only adds time."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def proc_bytes(path: str, *fields: str) -> tuple[int, ...]:
+    """The ``Field: N kB`` lines of a /proc file (status, smaps_rollup) in bytes, in
+    the order asked; zeros once the process is gone."""
+    found = dict.fromkeys(fields, 0)
+    try:
+        with open(path, encoding="ascii") as handle:
+            for line in handle:
+                name, _, rest = line.partition(":")
+                if name in found:
+                    found[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return tuple(found[field] for field in fields)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from report import Row, verdict
+from report import Row, proc_bytes, verdict
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -101,21 +101,6 @@ def shard_corpora(folder: Path, count: int, users: int = 0) -> tuple[str, ...]:
                 "".join(t + "\n" for t in mine), encoding="utf-8"
             )
     return regions
-
-
-def _status(pid: int) -> tuple[int, int]:
-    """(VmRSS, VmHWM) of a process in bytes; (0, 0) once it is gone."""
-    rss = hwm = 0
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return rss, hwm
 
 
 def _cpu(pid: int) -> float:
@@ -204,7 +189,7 @@ class Sampler:
                         roles[pid] = _role(pid)
             rss_sum = pss_sum = alive = 0
             for pid in pids:
-                rss, hwm = _status(pid)
+                rss, hwm = proc_bytes(f"/proc/{pid}/status", "VmRSS", "VmHWM")
                 if not rss:
                     continue
                 alive += 1

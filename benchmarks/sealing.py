@@ -29,27 +29,17 @@ import argparse
 import hashlib
 import json
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from report import Row, verdict
+from report import Row, best_seconds, verdict
 
 from fedciuic.crypto.envelope import Suite, open_envelope, seal, workers
 from fedciuic.crypto.keys import Keypair
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 TARGET = 0.8
-
-
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def rows(result: dict[str, Any]) -> list[Row]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from report import proc_bytes
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -47,21 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("eu", "cn", "us")
 TARGET_GIB = 4.0
 GIB = 2**30
-
-
-def rollup(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in bytes, (0, 0) once it is gone."""
-    rss = pss = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("Rss:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("Pss:"):
-                    pss = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return rss, pss
 
 
 def command(pid: int) -> str:
@@ -106,7 +92,7 @@ def run_mode(shared: bool, tmp: Path, cache: Path, args: argparse.Namespace) -> 
                 while not stop.is_set():
                     if time.monotonic() - last_scan > 1.0:  # the tree changes slowly
                         pids, last_scan = sorted(tree(federation)), time.monotonic()
-                    sizes = [rollup(pid) for pid in pids]
+                    sizes = [proc_bytes(f"/proc/{pid}/smaps_rollup", "Rss", "Pss") for pid in pids]
                     peak["rss"] = max(peak["rss"], sum(r for r, _ in sizes))
                     if sum(p for _, p in sizes) > peak["pss"]:
                         peak["pss"] = sum(p for _, p in sizes)

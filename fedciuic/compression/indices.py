@@ -121,12 +121,13 @@ def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
         raise MalformedUpdate("index block: a block parameter has unknown bits set")
     widths, flagged = _layout(params, k)
     at = 4 + blocks
-    flag_len = math.ceil(int(np.count_nonzero(flagged)) / 8)
+    flag_count = int(np.count_nonzero(flagged))
+    flag_len = math.ceil(flag_count / 8)
     if len(data) < at + flag_len:
         raise MalformedUpdate("index block truncated")
     zero = np.zeros(k, bool)
     flag_bits = np.unpackbits(np.frombuffer(data[at : at + flag_len], np.uint8), bitorder="little")
-    zero[flagged] = flag_bits[: np.count_nonzero(flagged)].astype(bool)
+    zero[flagged] = flag_bits[:flag_count].astype(bool)
     at += flag_len
     coded = ~zero
     widths = widths[coded]
