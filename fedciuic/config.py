@@ -123,13 +123,44 @@ class RunConfig(_Strict):
     quantization: Literal["none", "nf4"] = "none"
     #: Recompute activations in the backward pass (less memory, about a third slower).
     gradient_checkpointing: bool = False
+    #: Local DP-SGD (or SGD) steps per round; with a local-time-budget, the most a round takes.
     local_steps: int = Field(ge=1)
+    #: Seconds of local training per round (0: off, every round takes local-steps). The
+    #: step count is planned from the budget before the first step (docs/heterogeneity.md).
+    local_time_budget: float = Field(default=0.0, ge=0)
+    #: FedProx: local training adds (mu / 2) * ||w - w_global||^2 (0: off). Data-independent,
+    #: so it costs no privacy (docs/privacy.md).
+    proximal_mu: float = Field(default=0.0, ge=0)
+    #: Tests and benchmarks only: some regions' training made this many times slower
+    #: (``"us=4"``), by sleeping after each step. Never set it in a real federation.
+    test_region_slowdown: tuple[tuple[str, float], ...] = ()
     batch_size: int = Field(ge=1)
     learning_rate: float = Field(gt=0)
     seq_len: int = Field(ge=8, le=32_768)
     max_eval_examples: int = Field(ge=1)
     eval_fraction: float = Field(gt=0, lt=1)
     server_learning_rate: float = Field(default=1.0, gt=0)
+    #: What the aggregator does with the aggregated delta (Reddi et al. 2021): ``none``
+    #: (add it, times server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
+    server_optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi"] = "none"
+    #: fedavgm's momentum; fedadam's and fedyogi's beta1.
+    server_momentum: float = Field(default=0.9, ge=0, lt=1)
+    #: fedadam's and fedyogi's beta2, and their adaptivity tau (Reddi et al.'s epsilon).
+    server_beta2: float = Field(default=0.99, ge=0, lt=1)
+    server_epsilon: float = Field(default=1e-3, gt=0)
+    #: ``sync``: each round waits for every asked region (up to round-timeout); ``buffered``:
+    #: a new global adapter as soon as buffer-size updates have arrived (FedBuff).
+    aggregation_mode: Literal["sync", "buffered"] = "sync"
+    #: Buffered mode: updates per published global adapter (at most the number of regions).
+    buffer_size: int = Field(default=2, ge=1)
+    #: Buffered mode: an update computed against a global adapter more than this many
+    #: versions old is rejected.
+    max_staleness: int = Field(default=4, ge=0)
+    #: A region that misses this many rounds in a row is marked unavailable: rounds stop
+    #: waiting for it until it answers again (0: never).
+    max_missed_rounds: int = Field(default=3, ge=0)
+    #: How many of the latest aggregator checkpoints to keep (resume-from may name any).
+    keep_checkpoints: int = Field(default=1, ge=1, le=10_000)
     data_root: str = ""
     output_dir: str = "runs"
     node_wait_timeout: float = Field(gt=0)
@@ -199,7 +230,8 @@ class RunConfig(_Strict):
     enforce_policies: bool = True
     #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
     audit_dir: str = ""
-    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint.
+    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint, or one of its
+    #: kept checkpoints (output-dir/run-<id>/checkpoint/round-NNNN).
     resume_from: str = ""
 
     @field_validator("insecure_reproducible_noise")
@@ -271,6 +303,51 @@ class RunConfig(_Strict):
         if small:
             raise ValueError(f"{small}: a region runs 1 to 1024 training processes")
         return value
+
+    @field_validator("test_region_slowdown", mode="before")
+    @classmethod
+    def _split_slowdown(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        table: list[tuple[str, float]] = []
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            region, sep, factor = item.partition("=")
+            try:
+                table.append((region.strip(), float(factor)))
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ValueError(f'{item!r} is not REGION=FACTOR; write it as "us=4"') from None
+        return tuple(table)
+
+    @field_validator("test_region_slowdown")
+    @classmethod
+    def _check_slowdown(
+        cls, value: tuple[tuple[str, float], ...], info: ValidationInfo
+    ) -> tuple[tuple[str, float], ...]:
+        regions = info.data.get("regions", ())
+        unknown = [r for r, _ in value if r not in regions]
+        if unknown:
+            raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
+        bad = [r for r, f in value if not 1 <= f <= 1000]
+        if bad:
+            raise ValueError(f"{bad}: a slowdown factor is 1 to 1000 (tests only)")
+        return value
+
+    @field_validator("buffer_size")
+    @classmethod
+    def _check_buffer(cls, value: int, info: ValidationInfo) -> int:
+        regions = info.data.get("regions", ())
+        if info.data.get("aggregation_mode") == "buffered" and value > len(regions):
+            raise ValueError(
+                f"{value} is more than the {len(regions)} regions of this run; a buffer holds "
+                f"at most one update per region: use 1 to {len(regions)}"
+            )
+        return value
+
+    def slowdown(self, region: str) -> float:
+        """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""
+        return dict(self.test_region_slowdown).get(region, 1.0)
 
     @field_validator("aggregation")
     @classmethod

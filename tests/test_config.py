@@ -61,3 +61,44 @@ def test_partition_without_region_is_refused(run_config):
 def test_node_config_with_nothing_says_how_to_start_a_supernode(run_config):
     with pytest.raises(ConfigError, match="--node-config"):
         NodeConfig.resolve({}, run_config)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("server-optimizer", "fedsgd", "'none', 'fedavgm', 'fedadam' or 'fedyogi'"),
+        ("aggregation-mode", "async", "'sync' or 'buffered'"),
+        ("local-time-budget", -1.0, "greater than or equal to 0"),
+        ("keep-checkpoints", 0, "greater than or equal to 1"),
+        ("max-missed-rounds", -2, "greater than or equal to 0"),
+        ("proximal-mu", -0.1, "greater than or equal to 0"),
+    ],
+)
+def test_bad_heterogeneity_settings_name_the_key_and_allowed_values(key, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_user_config({**app_config(), key: value}, source="run config")
+    assert info.value.problems == [
+        p for p in info.value.problems if p.startswith(f"run config:{key}:")
+    ]
+    assert len(info.value.problems) == 1
+    assert allowed in str(info.value)
+
+
+def test_a_buffer_larger_than_the_federation_is_refused_with_the_range():
+    values = {**app_config(), "aggregation-mode": "buffered", "buffer-size": 4}
+    with pytest.raises(ConfigError, match=r"run config:buffer-size: .*3 regions.*use 1 to 3"):
+        RunConfig.from_user_config(values, source="run config")
+    ok = RunConfig.from_user_config({**values, "buffer-size": 3}, source="run config")
+    assert ok.buffer_size == 3
+
+
+def test_slowdown_names_known_regions_and_factors():
+    run = RunConfig.from_user_config(
+        {**app_config(), "test-region-slowdown": "us=4"}, source="run config"
+    )
+    assert (run.slowdown("us"), run.slowdown("eu")) == (4.0, 1.0)
+    for bad, says in (("sg=2", "not regions"), ("us=0.5", "1 to 1000"), ("us", "REGION=FACTOR")):
+        with pytest.raises(ConfigError, match=f"run config:test-region-slowdown: .*{says}"):
+            RunConfig.from_user_config(
+                {**app_config(), "test-region-slowdown": bad}, source="run config"
+            )
