@@ -27,6 +27,8 @@ class Event(StrEnum):
     REPLY_FAILED = "reply_failed"
     AGGREGATE_PUBLISHED = "aggregate_published"
     AGGREGATE_WITHHELD = "aggregate_withheld"
+    REGION_UNAVAILABLE = "region_unavailable"  # missed max-missed-rounds in a row
+    REGION_REJOINED = "region_rejoined"  # answered again after being unavailable
     # a region
     RUN_JOINED = "run_joined"
     TRAINED = "trained"

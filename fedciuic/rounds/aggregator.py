@@ -22,14 +22,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
+from fedciuic.aggregation import (
+    Aggregator,
+    Bounds,
+    Checked,
+    ImplausibleUpdate,
+    apply_delta,
+    check,
+    make_aggregator,
+)
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compression import Codec, layout_of, unflatten
@@ -75,6 +83,27 @@ def reason_of(err: Exception) -> str:
 
 
 @dataclass(frozen=True)
+class Task:
+    """What a region was asked to train: the round its reply must be signed for (a
+    buffered region's own task number), and the global version it trains from."""
+
+    round: int
+    version: int
+
+
+@dataclass
+class Collecting:
+    """One aggregate being filled: the accepted updates so far, every judged reply, and
+    the labels already recorded (a second reply under one is rejected)."""
+
+    accumulator: Aggregator
+    n: int  # entries in the flat adapter
+    labels: set[str] = field(default_factory=set)
+    judged: list[Judged] = field(default_factory=list)
+    accepted: list[Accepted] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Accepted:
     """A trained reply once authenticated, opened, validated and checked by policy."""
 
@@ -101,6 +130,8 @@ class Judged:
     evaluated: EvalMetrics | None = None
     claimed: str = ""
     authenticated: bool = False
+    task: Task | None = None  # what a training reply answers
+    staleness: int = 0  # global versions published since its task was sent
 
     @property
     def status(self) -> str:
@@ -125,6 +156,7 @@ class Judged:
                 "data_fingerprint": a.info["data-fingerprint"],
                 "upload_bytes": a.upload_bytes,
                 "update_bytes": a.metrics.update_bytes,
+                **self._versions(),
                 **a.metrics.record(),
             }
         if self.evaluated is not None:
@@ -135,10 +167,17 @@ class Judged:
                 "perplexity": e.perplexity,
                 "num_examples": e.num_examples,
             }
-        entry = {"status": self.reply.status, "reason": self.reply.reason}
+        entry: dict[str, Any] = {"status": self.reply.status, "reason": self.reply.reason}
         if self.claimed != self.label:
             entry["claimed_region"] = self.claimed
-        return entry
+        return {**entry, **self._versions()}
+
+    def _versions(self) -> dict[str, int]:
+        """The global version an update was computed against, and how old it was (for an
+        update that arrived: accepted or rejected; a decline or failure carries none)."""
+        if self.task is None or self.reply.status not in (TRAINED, REJECTED):
+            return {}
+        return {"global_version": self.task.version, "staleness": self.staleness}
 
 
 @dataclass(frozen=True)
@@ -209,6 +248,8 @@ class AggregatorRound:
         self.federation_run = federation_run or run_id  # kept when a run is resumed
         self.checkpoints = checkpoints
         self.global_adapter: dict[str, np.ndarray] = {}
+        #: Aggregates published so far in this federation (the global adapter's version).
+        self.version = 0
         self.regions_by_node: dict[int, str] = {}
 
     # -- instructions -------------------------------------------------------------
@@ -229,17 +270,21 @@ class AggregatorRound:
         server_round: int,
         item: Arrival,
         judge: Callable[[Reply, str | None], Judged],
+        *,
+        signed_round: int | None = None,
     ) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
         opening, decoding or validating a reply rejects that reply alone (its type
-        named in the record), and the round goes on with the others."""
+        named in the record), and the round goes on with the others. ``signed_round``:
+        the round the reply must be signed for, when not ``server_round`` (a buffered
+        region's own task number)."""
         if isinstance(item, NoReply):
             reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
             return self._settle(failed(item.node_id, "", reason), None)
         reply, sender = failed(item.node_id, "", ""), None
         try:
             reply = item.read() if isinstance(item, Unread) else item
-            sender = self._authenticate(reply, server_round)
+            sender = self._authenticate(reply, signed_round or server_round)
             if sender is not None:
                 self._witnessed(server_round, sender, reply.witness)
             return judge(reply, sender)
@@ -278,34 +323,52 @@ class AggregatorRound:
 
     # -- training -----------------------------------------------------------------
 
+    def collecting(self) -> Collecting:
+        """An empty aggregate to fill with accepted updates (one per round or buffer)."""
+        n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
+        return Collecting(make_aggregator(self.run.aggregation, n), n)
+
     def train(self, server_round: int, arrivals: Iterable[Arrival]) -> TrainResult:
         """Judge and record each reply, accumulate the accepted ones, then publish the
         aggregate (applied to ``global_adapter``) or withhold it."""
-        layout = layout_of(self.global_adapter)
-        n = sum(int(np.prod(shape)) for _, shape in layout)
-        accumulator = make_aggregator(self.run.aggregation, n)
+        into = self.collecting()
+        task = Task(server_round, self.version)
+        for item in arrivals:
+            self.judge_train(server_round, item, task, into)
+        return TrainResult(into.judged, self.publish(server_round, into))
+
+    def judge_train(
+        self, server_round: int, item: Arrival, task: Task, into: Collecting
+    ) -> Judged:
+        """Judge one training reply to ``task``, record it under ``server_round`` (the
+        aggregate it may join) and, when accepted, add it to ``into``."""
         codec = self.run.codec
         bounds = Bounds(
             self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
         )
-        labels: set[str] = set()
-        judged_all: list[Judged] = []
-        accepted: list[Accepted] = []
-        for item in arrivals:
-            judged = self._guarded(
-                server_round,
-                item,
-                lambda r, sender: self._judge_train(server_round, r, sender, codec, n, bounds),
-            )
-            judged = self._record(
-                server_round, judged, labels, self.recorder.record_train, audited=True
-            )
-            judged_all.append(judged)
-            if judged.accepted is not None:
-                # Validated and recorded: only now does it count.
-                accumulator.add(judged.accepted.checked)
-                accepted.append(judged.accepted)
+        staleness = self.version - task.version
 
+        def judge(reply: Reply, sender: str | None) -> Judged:
+            return self._judge_train(
+                server_round, reply, sender, codec, into.n, bounds, task, staleness
+            )
+
+        judged = self._guarded(server_round, item, judge, signed_round=task.round)
+        judged = replace(judged, task=task, staleness=staleness)
+        judged = self._record(
+            server_round, judged, into.labels, self.recorder.record_train, audited=True
+        )
+        into.judged.append(judged)
+        if judged.accepted is not None:
+            # Validated and recorded: only now does it count.
+            into.accumulator.add(judged.accepted.checked)
+            into.accepted.append(judged.accepted)
+        return judged
+
+    def publish(self, server_round: int, into: Collecting) -> Published | Withheld:
+        """Apply the aggregate of ``into`` to the global adapter (a new version), or
+        withhold it when no update was accepted or a policy's minimum is not met."""
+        accepted = into.accepted
         regions = [a.region for a in accepted]
         withheld = self._withhold(server_round, accepted)
         if withheld:
@@ -316,33 +379,38 @@ class AggregatorRound:
                 "; ".join(withheld),
             )
             self.recorder.record_aggregate(
-                server_round, {"published": False, "regions": regions, "reasons": withheld}
+                server_round,
+                {"published": False, "regions": regions, "reasons": withheld},
             )
             self.recorder.save()
             self._note(server_round, Event.AGGREGATE_WITHHELD, regions=regions, reasons=withheld)
             self._checkpoint(server_round)
-            return TrainResult(judged_all, Withheld(regions, withheld))
+            return Withheld(regions, withheld)
 
-        mean = unflatten(accumulator.mean(), layout)
+        layout = layout_of(self.global_adapter)
+        mean = unflatten(into.accumulator.mean(), layout)
         self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
+        self.version += 1
         losses = [
             (a.metrics.train_loss, a.metrics.num_examples)
             for a in accepted
             if a.metrics.train_loss is not None
         ]
         loss = sum(x * w for x, w in losses) / sum(w for _, w in losses) if losses else None
-        self.recorder.record_aggregate(server_round, {"published": True, "regions": regions})
+        self.recorder.record_aggregate(
+            server_round, {"published": True, "regions": regions, "version": self.version}
+        )
         self.recorder.save()
         self._note(
             server_round,
             Event.AGGREGATE_PUBLISHED,
             regions=regions,
-            examples=accumulator.weight,
+            examples=into.accumulator.weight,
+            global_version=self.version,
             model_digest=model_digest(self.global_adapter).hex(),
         )
         self._checkpoint(server_round)
-        published = Published(self.global_adapter, regions, accumulator.weight, loss)
-        return TrainResult(judged_all, published)
+        return Published(self.global_adapter, regions, into.accumulator.weight, loss)
 
     def _judge_train(
         self,
@@ -352,13 +420,20 @@ class AggregatorRound:
         codec: Codec,
         n: int,
         bounds: Bounds,
+        task: Task,
+        staleness: int,
     ) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self._settle(reply, sender)
         self._note_arrival(server_round, reply, sender or reply.region)
-        update, metrics, info, header = self._open(reply, server_round, sender)
+        update, metrics, info, header = self._open(reply, task.round, sender)
+        if staleness > self.run.max_staleness:
+            raise ImplausibleUpdate(
+                f"computed against global version {task.version}, {staleness} versions old; "
+                f"over max-staleness {self.run.max_staleness}"
+            )
         facts = UpdateFacts(
             region=header.region,
             sender_jurisdiction=header.jurisdiction,
@@ -585,11 +660,14 @@ class AggregatorRound:
     def _note_outcome(self, server_round: int, judged: Judged, entry: dict[str, Any]) -> None:
         status, region = entry["status"], judged.label
         claimed = {"claimed_region": judged.claimed} if judged.claimed != region else {}
+        # Which global version a training reply was computed against (and how old it was).
+        claimed |= {k: entry[k] for k in ("global_version", "staleness") if k in entry}
         if judged.accepted is not None:
             a = judged.accepted
             self._note(
                 server_round,
                 Event.UPDATE_ACCEPTED,
+                **claimed,
                 region=region,
                 examples=a.metrics.num_examples,
                 epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,

@@ -115,6 +115,10 @@ class TrainEntry(_Record):
     loss: float | None = None
     num_examples: int | None = None
     steps: int | None = None
+    #: The global adapter's version the update was computed against, and how many
+    #: versions were published since (always 0 in sync mode).
+    global_version: int | None = None
+    staleness: int | None = None
     data_fingerprint: str | None = None
     upload_bytes: int | None = None
     update_bytes: int | None = None
@@ -150,6 +154,7 @@ class Duplicate(TrainEntry):
 class AggregateEntry(_Record):
     published: bool
     regions: list[str] = Field(default_factory=list)
+    version: int | None = None  # the global adapter's version once published
     reasons: list[str] = Field(default_factory=list)  # why it was withheld
 
 
@@ -172,6 +177,9 @@ class RoundRecord(_Record):
     aggregate: AggregateEntry | None = None
     decisions: list[DecisionEntry] = Field(default_factory=list)
     duplicates: list[Duplicate] = Field(default_factory=list)
+    #: Regions marked unavailable (missed max-missed-rounds in a row) or back this round.
+    unavailable: list[str] = Field(default_factory=list)
+    rejoined: list[str] = Field(default_factory=list)
     ended_at: float | None = None  # Unix time
 
 

@@ -331,6 +331,8 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
         "status": "rejected",
         "reason": "InvalidEnvelope: invalid envelope",
         "claimed_region": "cn",
+        "global_version": 0,  # what the round sent: every rejected update names it
+        "staleness": 0,
     }
     # tampered envelope in a reply us signed: us's reply, rejected
     assert written(train["us"]) == {

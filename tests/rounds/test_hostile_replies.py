@@ -293,6 +293,8 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
     assert written(s.recorder.data.rounds[1].train["cn"]) == {
         "status": "rejected",
         "reason": "KeyError: 'a bug'",
+        "global_version": 0,
+        "staleness": 0,
     }
 
 
