@@ -338,6 +338,8 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
     assert written(train["us"]) == {
         "status": "rejected",
         "reason": "InvalidEnvelope: invalid envelope",
+        "global_version": 0,
+        "staleness": 0,
     }
     # an unsigned update in the clear while sealing is on: nothing authenticates it
     assert train["node-15"].status == "rejected"
@@ -348,6 +350,8 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
             "region": "eu",
             "status": "rejected",
             "reason": "EnvelopeRejected: replay: a second envelope from eu in round 1",
+            "global_version": 0,
+            "staleness": 0,
         },
     ]
 
