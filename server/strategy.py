@@ -25,8 +25,9 @@ from flwr.supercore import log
 
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
-from fedciuic.rounds.aggregator import AggregatorRound, Published
-from fedciuic.rounds.wire import NoReply, RunEndNotice, Unread
+from fedciuic.flower.courier import Courier, Sent
+from fedciuic.rounds.aggregator import AggregatorRound, Collecting, Published, Task
+from fedciuic.rounds.wire import Arrival, NoReply, RunEndNotice, Unread
 
 
 class RegionalFedAvg(FedAvg):
@@ -45,8 +46,14 @@ class RegionalFedAvg(FedAvg):
         )
         self.aggregator = aggregator
         self.clock = clock
-        self._asked: list[int] = []  # the nodes this round's instructions went to
+        self.interval = 0.5  # seconds between pulls while waiting for replies
+        self.timeout = aggregator.run.round_timeout  # start() takes the run's
+        #: The nodes a round's replies are expected from, for Flower's Strategy
+        #: interface (aggregate_train/aggregate_evaluate with a round's replies at once).
+        self._asked: list[int] = []
         self._waited = False
+        #: Buffered mode: replies pulled after an aggregate filled, for the next one.
+        self._carried: list[tuple[Sent, Message]] = []
 
     def wait_for_regions(self, grid: Grid) -> list[int]:
         """All connected nodes, once every region is there or the deadline has passed.
@@ -77,13 +84,14 @@ class RegionalFedAvg(FedAvg):
         self,
         grid: Grid,
         arrays: ArrayRecord,
-        config: ConfigRecord,
         server_round: int,
         kind: str,
+        nodes: Iterable[int],
         adapter: Callable[[], Mapping[str, np.ndarray]] | None = None,
-    ) -> Iterable[Message]:
-        """The round's instruction to every region; ``adapter``: the arrays already
-        unpacked, when they are (signing needs them as NumPy)."""
+    ) -> list[Message]:
+        """The instruction for ``server_round`` (a buffered region's own task number) to
+        each of ``nodes``; ``adapter``: the arrays already unpacked, when they are
+        (signing needs them as NumPy)."""
         signed = self.aggregator.sign_instruction(
             server_round, adapter or partial(protocol.unpack_arrays, arrays)
         )
@@ -91,32 +99,107 @@ class RegionalFedAvg(FedAvg):
             arrays,
             server_round=server_round,
             base_fingerprint=self.aggregator.base_fingerprint,
-            config=config,
+            config=ConfigRecord(),
             signature=signed.signature,
             signer=signed.signer,
             federation_run=self.aggregator.federation_run,
             witness=signed.witness,
         )
-        self._asked = self.wait_for_regions(grid)
-        return self._construct_messages(content, self._asked, kind)
+        return list(self._construct_messages(content, list(nodes), kind))
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self.aggregator.global_adapter = protocol.unpack_arrays(arrays)
-        return self._messages(
-            grid,
-            arrays,
-            config,
-            server_round,
-            MessageType.TRAIN,
-            lambda: self.aggregator.global_adapter,
+    def _send(
+        self,
+        courier: Courier,
+        messages: Iterable[Message],
+        server_round: int,
+        task: Task | None = None,
+    ) -> list[int]:
+        """Push ``messages``; the nodes they went to."""
+        now = self.clock()
+        sent = courier.push(
+            (m, Sent(m.metadata.dst_node_id, m.metadata.message_type, server_round, task, now))
+            for m in messages
         )
+        return [s.node for s in sent]
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return self._messages(grid, arrays, config, server_round, MessageType.EVALUATE)
+    def _collect(
+        self, courier: Courier, asked: list[int], kind: str, server_round: int, timeout: float
+    ) -> tuple[list[Arrival], list[tuple[Sent, Message]], set[int]]:
+        """Replies to this round's ``kind`` from ``asked`` until every node the round
+        waits for has answered or ``timeout`` has passed; a node it waited for in vain
+        is a :class:`NoReply` (its message stays in flight). Also returns what else
+        arrived meanwhile (late replies to earlier rounds) and every node heard from."""
+        deadline = self.clock() + timeout
+        waiting = {n for n in asked if self.aggregator.waits_for(n)}
+        answered: set[int] = set()
+        mine: list[Arrival] = []
+        other: list[tuple[Sent, Message]] = []
+        while True:
+            for sent, message in courier.pull():
+                answered.add(sent.node)
+                if sent.kind == kind and sent.server_round == server_round:
+                    mine.append(Unread(sent.node, partial(protocol.read_reply, message)))
+                    waiting.discard(sent.node)
+                else:
+                    other.append((sent, message))
+            if not waiting or self.clock() >= deadline:
+                break
+            courier.wait()
+        mine += [NoReply(n) for n in sorted(waiting)]
+        return mine, other, answered
+
+    def _evaluate(
+        self, courier: Courier, grid: Grid, server_round: int, arrays: ArrayRecord, nodes: list[int]
+    ) -> set[int]:
+        """Every node in ``nodes`` evaluates ``arrays``; the nodes heard from."""
+        messages = self._messages(grid, arrays, server_round, MessageType.EVALUATE, nodes)
+        asked = self._send(courier, messages, server_round)
+        arrivals, late, heard = self._collect(
+            courier, asked, MessageType.EVALUATE, server_round, self.timeout
+        )
+        self._late(server_round, late, None)
+        self.aggregator.evaluate(server_round, arrivals)
+        return heard
+
+    def _late(
+        self, server_round: int, late: list[tuple[Sent, Message]], into: Collecting | None
+    ) -> None:
+        """Replies to earlier messages: an update is judged (against the version it was
+        computed from) into this round's aggregate, when there is one; anything else
+        only showed that its node is alive."""
+        for sent, message in late:
+            if sent.task is None or into is None:
+                continue
+            arrival = Unread(sent.node, partial(protocol.read_reply, message))
+            self.aggregator.judge_train(server_round, arrival, sent.task, into)
+
+    def _sync_round(self, courier: Courier, grid: Grid, server_round: int) -> None:
+        """Every connected region with nothing in flight trains from the current global
+        adapter; the round waits for all but the unavailable ones (up to round-timeout),
+        aggregates, then every idle region evaluates the result."""
+        a = self.aggregator
+        nodes = self.wait_for_regions(grid)
+        courier.forget_gone(nodes)
+        idle = [n for n in nodes if not courier.busy(n)]
+        arrays = protocol.pack_arrays(a.global_adapter)
+        task = Task(server_round, a.version)
+        messages = self._messages(
+            grid, arrays, server_round, MessageType.TRAIN, idle, lambda: a.global_adapter
+        )
+        asked = self._send(courier, messages, server_round, task)
+        arrivals, late, heard = self._collect(
+            courier, asked, MessageType.TRAIN, server_round, self.timeout
+        )
+        into = a.collecting()
+        self._late(server_round, late, into)
+        for arrival in arrivals:
+            a.judge_train(server_round, arrival, task, into)
+        a.publish(server_round, into)
+        arrays = protocol.pack_arrays(a.global_adapter)
+        idle = [n for n in nodes if not courier.busy(n)]
+        heard |= self._evaluate(courier, grid, server_round, arrays, idle)
+        a.heard(server_round, heard)
+        a.end(server_round)
 
     def _arrivals(self, replies: Iterable[Message]) -> Iterator[Unread | NoReply]:
         """Each reply, unread (the round reads it inside its boundary), then each node
@@ -169,6 +252,90 @@ class RegionalFedAvg(FedAvg):
             Unread(m.metadata.src_node_id, partial(protocol.read_reply, m)) for m in replies
         )
 
+    def _buffered(self, courier: Courier, grid: Grid, server_round: int) -> None:
+        """One buffered aggregate (FedBuff): every idle region that has not answered
+        since the last one is sent its next task from the current global adapter. The
+        aggregate is published as soon as buffer-size updates are accepted and the
+        policies allow it; after round-timeout without that, or once nothing more can
+        come, with what has arrived (if the policies allow). Each update is weighted by
+        its staleness (fedciuic.aggregation)."""
+        a, run = self.aggregator, self.aggregator.run
+        into = a.collecting()
+        heard: set[int] = set()
+        contributed: set[str] = set()  # one reply per region and aggregate
+        deadline = self.clock() + self.timeout
+        nodes = self.wait_for_regions(grid)
+        while True:
+            courier.forget_gone(nodes)
+            for node in nodes:
+                if not courier.busy(node):
+                    self._dispatch(courier, grid, server_round, node, contributed)
+            pulled, self._carried = self._carried + courier.pull(), []
+            for i, (sent, message) in enumerate(pulled):
+                if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+                    self._carried = pulled[i:]  # the next aggregate's, against the new version
+                    break
+                heard.add(sent.node)
+                arrival = Unread(sent.node, partial(protocol.read_reply, message))
+                if sent.task is None:  # an evaluation: how a new node says who it is
+                    a.evaluate(server_round, [arrival], overall=False)
+                    continue
+                judged = a.judge_train(server_round, arrival, sent.task, into)
+                a.tasks.done(judged.label)
+                contributed.add(judged.label)
+            if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+                break
+            expected = any(a.waits_for(s.node) for s in courier.in_flight.values())
+            more = expected or self._can_dispatch(nodes, courier, contributed)
+            if not more or self.clock() >= deadline:
+                break
+            courier.wait()
+            nodes = sorted(grid.get_node_ids())
+        a.publish(server_round, into)
+        # A region still within round-timeout of its task has not missed anything: a
+        # buffered aggregate is often shorter than a slow region's task.
+        now = self.clock()
+        working = {s.node for s in courier.in_flight.values() if now - s.at < self.timeout}
+        a.heard(server_round, heard | working)
+        a.end(server_round)
+
+    def _can_dispatch(self, nodes: list[int], courier: Courier, contributed: set[str]) -> bool:
+        """Whether some idle node could still be sent something in this aggregate."""
+        a = self.aggregator
+        for node in nodes:
+            region = a.regions_by_node.get(node)
+            if courier.busy(node):
+                continue
+            if region is None or (region not in contributed and a.tasks.can_send(region)):
+                return True
+        return False
+
+    def _dispatch(
+        self, courier: Courier, grid: Grid, server_round: int, node: int, contributed: set[str]
+    ) -> None:
+        """An idle node's next message: an evaluation when its region is not known yet
+        (its signed answer says which region it is), else its region's next task, if it
+        has one left and has not answered since the last aggregate."""
+        a = self.aggregator
+        region = a.regions_by_node.get(node)
+        arrays = protocol.pack_arrays(a.global_adapter)
+        if region is None:
+            messages = self._messages(grid, arrays, server_round, MessageType.EVALUATE, [node])
+            self._send(courier, messages, server_round)
+            return
+        if region in contributed:
+            return
+        task = a.tasks.send_again(region)
+        if task is None:
+            if not a.tasks.can_send(region):
+                return
+            task = a.tasks.send(region, a.version)
+        messages = self._messages(
+            grid, arrays, task.task, MessageType.TRAIN, [node], lambda: a.global_adapter
+        )
+        if not self._send(courier, messages, server_round, Task(task.task, task.version)):
+            a.tasks.done(region)
+
     def start(  # type: ignore[override]
         self,
         grid: Grid,
@@ -178,27 +345,27 @@ class RegionalFedAvg(FedAvg):
         first_round: int = 1,
     ) -> ArrayRecord:
         """Evaluate the initial adapter in every region (unless resuming), then run
-        rounds ``first_round`` to ``num_rounds``, checkpointing after each; return the
-        final global adapter."""
-        self.aggregator.global_adapter = protocol.unpack_arrays(initial_arrays)
-        arrays, empty = initial_arrays, ConfigRecord()
+        rounds (sync) or aggregates (buffered) ``first_round`` to ``num_rounds``,
+        checkpointing after each; a buffered run ends with every region evaluating the
+        final adapter. Returns the final global adapter."""
+        a = self.aggregator
+        a.global_adapter = protocol.unpack_arrays(initial_arrays)
+        self.timeout = timeout
+        courier = Courier(grid, clock=self.clock, interval=self.interval)
         if first_round == 1:
             log(INFO, "[ROUND 0] evaluating the initial adapter in every region")
-            replies = grid.send_and_receive(
-                self.configure_evaluate(0, arrays, empty, grid), timeout=timeout
-            )
-            self.aggregate_evaluate(0, replies)
-            self.aggregator.end(0)
+            nodes = self.wait_for_regions(grid)
+            a.heard(0, self._evaluate(courier, grid, 0, initial_arrays, nodes))
+            a.end(0)
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
-            replies = grid.send_and_receive(
-                self.configure_train(server_round, arrays, empty, grid), timeout=timeout
-            )
-            aggregated, _ = self.aggregate_train(server_round, replies)
-            arrays = aggregated if aggregated is not None else arrays
-            replies = grid.send_and_receive(
-                self.configure_evaluate(server_round, arrays, empty, grid), timeout=timeout
-            )
-            self.aggregate_evaluate(server_round, replies)
-            self.aggregator.end(server_round)
-        return arrays
+            if a.buffered:
+                self._buffered(courier, grid, server_round)
+            else:
+                self._sync_round(courier, grid, server_round)
+        if a.buffered:
+            log(INFO, "[END] evaluating the final adapter in every region")
+            final = protocol.pack_arrays(a.global_adapter)
+            self._evaluate(courier, grid, num_rounds, final, sorted(grid.get_node_ids()))
+            a.end(num_rounds)
+        return protocol.pack_arrays(a.global_adapter)

@@ -48,6 +48,7 @@ from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.rounds.metrics import OVERALL
 from fedciuic.rounds.record import RunRecorder
+from fedciuic.rounds.schedule import Availability, Changes, Tasks
 from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
 from fedciuic.rounds.wire import (
     DECLINED,
@@ -251,6 +252,8 @@ class AggregatorRound:
         #: Aggregates published so far in this federation (the global adapter's version).
         self.version = 0
         self.regions_by_node: dict[int, str] = {}
+        self.availability = Availability(run.regions, run.max_missed_rounds)
+        self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
 
     # -- instructions -------------------------------------------------------------
 
@@ -323,6 +326,25 @@ class AggregatorRound:
 
     # -- training -----------------------------------------------------------------
 
+    @property
+    def buffered(self) -> bool:
+        return self.run.aggregation_mode == "buffered"
+
+    @property
+    def max_staleness(self) -> int:
+        """Sync rounds take an update only against the current version; buffered mode
+        weighs older ones down, up to max-staleness versions."""
+        return self.run.max_staleness if self.buffered else 0
+
+    @property
+    def _staleness_rule(self) -> str:
+        if self.buffered:
+            return f"over max-staleness {self.run.max_staleness}"
+        return (
+            "a sync round uses an update only against the current global adapter "
+            '(aggregation-mode = "buffered" weighs older ones down)'
+        )
+
     def collecting(self) -> Collecting:
         """An empty aggregate to fill with accepted updates (one per round or buffer)."""
         n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
@@ -337,9 +359,7 @@ class AggregatorRound:
             self.judge_train(server_round, item, task, into)
         return TrainResult(into.judged, self.publish(server_round, into))
 
-    def judge_train(
-        self, server_round: int, item: Arrival, task: Task, into: Collecting
-    ) -> Judged:
+    def judge_train(self, server_round: int, item: Arrival, task: Task, into: Collecting) -> Judged:
         """Judge one training reply to ``task``, record it under ``server_round`` (the
         aggregate it may join) and, when accepted, add it to ``into``."""
         codec = self.run.codec
@@ -429,10 +449,10 @@ class AggregatorRound:
             return self._settle(reply, sender)
         self._note_arrival(server_round, reply, sender or reply.region)
         update, metrics, info, header = self._open(reply, task.round, sender)
-        if staleness > self.run.max_staleness:
+        if staleness > self.max_staleness:
             raise ImplausibleUpdate(
-                f"computed against global version {task.version}, {staleness} versions old; "
-                f"over max-staleness {self.run.max_staleness}"
+                f"computed against global version {task.version}, {staleness} version(s) "
+                f"old; {self._staleness_rule}"
             )
         facts = UpdateFacts(
             region=header.region,
@@ -492,6 +512,16 @@ class AggregatorRound:
                 f"{self.run.max_update_bytes}"
             )
         return update.tobytes()
+
+    def may_publish(self, into: Collecting) -> bool:
+        """Whether the policies would let ``into`` be published now (nothing recorded)."""
+        if not into.accepted:
+            return False
+        decision = self.policies.check_aggregate(
+            {a.region: a.header.jurisdiction for a in into.accepted},
+            {a.region: a.metrics.num_examples for a in into.accepted},
+        )
+        return decision is None or decision.accepted
 
     def _withhold(self, server_round: int, accepted: list[Accepted]) -> list[str]:
         """Why this round's aggregate must not be published; empty when it may be."""
@@ -565,6 +595,37 @@ class AggregatorRound:
         )
         return judged
 
+    # -- availability -------------------------------------------------------------
+
+    def heard(self, server_round: int, nodes: Iterable[int]) -> Changes:
+        """The round is over: the regions of ``nodes`` (those that replied, with
+        anything) answered it, the others missed it. Regions newly unavailable or back
+        are recorded in metrics.json and the audit log."""
+        answered = {self.regions_by_node[n] for n in nodes if n in self.regions_by_node}
+        changes = self.availability.round_ended(answered)
+        if changes.unavailable or changes.rejoined:
+            self.recorder.record_availability(server_round, changes.unavailable, changes.rejoined)
+            self.recorder.save()
+        for region in changes.unavailable:
+            missed = self.availability.missed[region]
+            _logger.log(
+                WARNING,
+                "round %d: region %s is unavailable (missed %d rounds in a row); rounds no "
+                "longer wait for it",
+                server_round,
+                region,
+                missed,
+            )
+            self._note(server_round, Event.REGION_UNAVAILABLE, region=region, missed_rounds=missed)
+        for region in changes.rejoined:
+            _logger.log(INFO, "round %d: region %s is back", server_round, region)
+            self._note(server_round, Event.REGION_REJOINED, region=region)
+        return changes
+
+    def waits_for(self, node: int) -> bool:
+        """Whether a round waits for this node's reply: not if its region is unavailable."""
+        return self.regions_by_node.get(node) not in self.availability.unavailable
+
     # -- evaluation ---------------------------------------------------------------
 
     def _judge_eval(self, reply: Reply, sender: str | None) -> Judged:
@@ -575,8 +636,12 @@ class AggregatorRound:
             return self._settle(reply, sender)
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
 
-    def evaluate(self, server_round: int, arrivals: Iterable[Arrival]) -> EvalResult:
-        """Judge and record each evaluation, then the examples-weighted overall loss."""
+    def evaluate(
+        self, server_round: int, arrivals: Iterable[Arrival], *, overall: bool = True
+    ) -> EvalResult:
+        """Judge and record each evaluation, then (``overall``) the examples-weighted
+        overall loss; without it, only the regions' own (a buffered aggregate's
+        evaluations by regions joining late are not every region's)."""
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
@@ -588,17 +653,16 @@ class AggregatorRound:
             judged_all.append(judged)
             if judged.evaluated is not None:
                 evaluated.append((judged.label, judged.evaluated))
-        if not evaluated:
+        if not evaluated or not overall:
             self.recorder.save()
             return EvalResult(judged_all, None)
         total = sum(stats.num_examples for _, stats in evaluated)
         loss = sum(stats.eval_loss * stats.num_examples for _, stats in evaluated) / total
-        overall = {
-            "loss": loss,
-            "perplexity": float(np.exp(min(loss, 50.0))),
-            "num_examples": int(total),
-        }
-        self.recorder.record_eval(server_round, OVERALL, overall)
+        self.recorder.record_eval(
+            server_round,
+            OVERALL,
+            {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "num_examples": total},
+        )
         self.recorder.save()
         for label, stats in sorted(evaluated):
             _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)

@@ -111,6 +111,14 @@ class RunRecorder:
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
         self._round(server_round).aggregate = AggregateEntry.model_validate(entry)
 
+    def record_availability(
+        self, server_round: int, unavailable: list[str], rejoined: list[str]
+    ) -> None:
+        """Regions marked unavailable, or back, at the end of this round."""
+        current = self._round(server_round)
+        current.unavailable = [*current.unavailable, *unavailable]
+        current.rejoined = [*current.rejoined, *rejoined]
+
     def record_end(self, server_round: int) -> None:
         """When the round (training and evaluation) ended, as Unix time: per-round wall
         times are the differences."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from fedciuic.compression import get_codec
 from fedciuic.crypto.keys import KeyFileError
 from fedciuic.crypto.sealing import RegionKeys
 from fedciuic.errors import FederationError
@@ -188,17 +189,13 @@ def test_sealed_replies_as_regions_pack_them_are_opened_and_aggregated(sealed_ro
 def test_global_adapter_is_signed_for_each_round(sealed_round):
     a, regions = sealed_round
     s = RegionalFedAvg(a)
-    content = next(
-        iter(
-            s._messages(
-                FakeGrid([1, 2, 3]),  # type: ignore[arg-type]
-                protocol.pack_arrays(GLOBAL),
-                ConfigRecord(),
-                4,
-                MessageType.TRAIN,
-            )
-        )
-    ).content
+    content = s._messages(
+        FakeGrid([1, 2, 3]),  # type: ignore[arg-type]
+        protocol.pack_arrays(GLOBAL),
+        4,
+        MessageType.TRAIN,
+        [1, 2, 3],
+    )[0].content
     task = protocol.read_instruction(Message(content, dst_node_id=1, message_type="train"))
     keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
     keys.check_global(task.signature, task.signer, 7, 4, task.adapter)  # valid
@@ -210,32 +207,64 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
 
 
 class RegionsGrid(FakeGrid):
-    """Two regions that each move the adapter half-way towards their own target."""
+    """Regions that each move the adapter half-way towards their own target; a region's
+    reply is ready ``delay`` pulls after its instruction (the grid's clock ticks once
+    per pull), and ``silent`` nodes never answer."""
 
-    def __init__(self) -> None:
-        self.targets = {11: ("eu", 1.0), 12: ("cn", 3.0)}
+    def __init__(self, targets: dict[int, tuple[str, float]] | None = None) -> None:
+        self.targets = targets or {11: ("eu", 1.0), 12: ("cn", 3.0)}
         super().__init__(list(self.targets))
+        self.delay: dict[int, int] = {}
+        self.silent: set[int] = set()
+        self.now = 0.0
+        self.pending: dict[str, tuple[float, Message]] = {}
+        self.sent: list[Message] = []
+
+    def _answer(self, message: Message) -> Message:
+        region, target = self.targets[message.metadata.dst_node_id]
+        if message.metadata.message_type == MessageType.TRAIN:
+            w = protocol.unpack_arrays(message.content.array_records["arrays"])["w"]
+            content = packed(trained(region, float(0.5 * (target - w[0])), 10))
+        else:
+            content = protocol.evaluate_reply(region, EvalStats(1.0, 10))
+        return Message(content, reply_to=message)
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            if node not in self.silent:
+                ready = self.now + self.delay.get(node, 0)
+                self.pending[message.metadata.message_id] = (ready, self._answer(message))
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.now += 1
+        ready = [i for i in message_ids if i in self.pending and self.pending[i][0] <= self.now]
+        return [self.pending.pop(i)[1] for i in ready]
 
     def send_and_receive(self, messages, timeout):
-        replies = []
-        for message in messages:
-            region, target = self.targets[message.metadata.dst_node_id]
-            if message.metadata.message_type == MessageType.TRAIN:
-                w = protocol.unpack_arrays(message.content.array_records["arrays"])["w"]
-                content = packed(trained(region, float(0.5 * (target - w[0])), 10))
-            else:
-                content = protocol.evaluate_reply(region, EvalStats(1.0, 10))
-            replies.append(Message(content, reply_to=message))
-        return replies
+        ids = self.push_messages(messages)
+        self.now += 10**6
+        return self.pull_messages(ids)
 
 
 def regions_grid() -> Any:
     return RegionsGrid()
 
 
-def looped(run_config, folder, rounds: int) -> RegionalFedAvg:
+def looped(run_config, folder, rounds: int, grid: RegionsGrid | None = None, **settings):
     run = run_config.model_copy(
-        update={"codec": "dense", "num_server_rounds": rounds, "regions": ("eu", "cn")}
+        update={
+            "codec": get_codec("dense"),
+            "num_server_rounds": rounds,
+            "regions": ("eu", "cn"),
+            "round_timeout": 50.0,
+            **settings,
+        }
     )
     aggregator = AggregatorRound(
         run,
@@ -244,7 +273,11 @@ def looped(run_config, folder, rounds: int) -> RegionalFedAvg:
         run_id=7,
         checkpoints=folder / "checkpoint",
     )
-    return RegionalFedAvg(aggregator)
+    strategy = RegionalFedAvg(aggregator)
+    strategy.interval = 0.0
+    if grid is not None:
+        strategy.clock = lambda: grid.now
+    return strategy
 
 
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path):
@@ -261,5 +294,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path
     np.testing.assert_array_equal(
         protocol.unpack_arrays(final)["w"], protocol.unpack_arrays(whole)["w"]
     )
+    # the regions' updates were accepted: 0 -> 1 -> 1.5 -> 1.75 (each half-way to 1 and 3)
+    np.testing.assert_allclose(protocol.unpack_arrays(whole)["w"], 1.75)
     assert sorted(resumed.aggregator.recorder.data.rounds) == [0, 1, 2, 3]
     assert load_checkpoint(tmp_path / "resumed").round == 3

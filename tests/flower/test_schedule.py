@@ -1,0 +1,212 @@
+"""The strategy's schedule over a fake grid with a clock: buffered aggregation (FedBuff),
+one task in flight per region, policy minimums per aggregate, and regions marked
+unavailable after missed rounds and back when they answer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Message, MessageType
+
+from fedciuic.audit.events import Event
+from fedciuic.audit.log import AuditLog
+from fedciuic.flower import protocol
+from fedciuic.policy.rules import Decision
+from fedciuic.rounds.schedule import Availability, Tasks
+from tests.flower.test_strategy import RegionsGrid, looped
+from tests.rounds.test_aggregator import GLOBAL
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+THREE = {11: ("eu", 1.0), 12: ("cn", 3.0), 13: ("us", 5.0)}
+
+
+class OneInFlight(RegionsGrid):
+    """Fails the test if a node is sent a training task while one is still in flight."""
+
+    def __init__(self, targets) -> None:
+        super().__init__(targets)
+        self.training: dict[int, str] = {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = super().push_messages(messages)
+        for message, mid in zip(messages, ids, strict=True):
+            if message.metadata.message_type == MessageType.TRAIN:
+                node = message.metadata.dst_node_id
+                assert node not in self.training, f"node {node} got a second task in flight"
+                self.training[node] = mid
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        for r in replies:
+            self.training = {
+                n: m for n, m in self.training.items() if m != r.metadata.reply_to_message_id
+            }
+        return replies
+
+
+def buffered(run_config, tmp_path, grid, rounds=4, **settings):
+    return looped(
+        run_config,
+        tmp_path,
+        rounds,
+        grid,
+        regions=("eu", "cn", "us"),
+        aggregation_mode="buffered",
+        buffer_size=2,
+        max_staleness=3,
+        **settings,
+    )
+
+
+def test_buffered_publishes_every_k_updates_and_the_slow_region_arrives_stale(run_config, tmp_path):
+    grid = OneInFlight(THREE)
+    grid.delay = {11: 1, 12: 1, 13: 3}  # us is slow
+    s = buffered(run_config, tmp_path, grid)
+    s.start(grid, protocol.pack_arrays(GLOBAL), 4, 50.0)
+    rounds = s.aggregator.recorder.data.rounds
+    for n in (1, 2, 3, 4):
+        aggregate = rounds[n].aggregate
+        assert aggregate is not None and aggregate.published and aggregate.version == n
+        assert len(aggregate.regions) == 2  # K = 2, one update per region and aggregate
+    assert s.aggregator.version == 4
+    # the fast regions fill the first aggregates; us's update, computed against version
+    # 0, lands later, with its version and staleness recorded
+    assert sorted(rounds[1].aggregate.regions) == ["cn", "eu"]
+    stale = [(n, e) for n in (2, 3, 4) for r, e in rounds[n].train.items() if r == "us"]
+    assert stale and stale[0][1].status == "trained"
+    n, entry = stale[0]
+    assert entry.global_version == 0 and entry.staleness == n - 1 >= 1
+    # every region evaluates the final adapter
+    assert {"eu", "cn", "us", "overall"} <= set(rounds[4].eval)
+
+
+def test_a_stale_update_is_weighted_one_over_root_one_plus_staleness(run_config, tmp_path):
+    grid = RegionsGrid(THREE)
+    grid.delay = {11: 1, 12: 1, 13: 7}
+    s = buffered(run_config, tmp_path, grid, rounds=2)
+    weights: list[tuple[str, float]] = []
+    add = s.aggregator.collecting
+
+    def spying():
+        into = add()
+        inner = into.accumulator.add
+
+        def record(checked):
+            weights.append((checked.update.values[0], checked.staleness_weight))
+            inner(checked)
+
+        into.accumulator.add = record
+        return into
+
+    s.aggregator.collecting = spying
+    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
+    rounds = s.aggregator.recorder.data.rounds
+    us = [rounds[n].train["us"] for n in (1, 2) if "us" in rounds[n].train]
+    assert us and us[0].staleness == 1
+    assert any(w == pytest.approx(1 / np.sqrt(2)) for _, w in weights)
+
+
+def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, tmp_path):
+    grid = OneInFlight(THREE)
+    grid.delay = {11: 1, 12: 1, 13: 5}
+    s = buffered(run_config, tmp_path, grid, rounds=3)
+
+    class AtLeastThree:
+        def check_update(self, facts):
+            return None
+
+        def check_aggregate(self, participants, examples):
+            if len(participants) >= 3:
+                return Decision("aggregator", "aggregate", "accept", (), "")
+            return Decision("aggregator", "aggregate", "reject", ("fewer than 3 regions",), "")
+
+    s.aggregator.policies = AtLeastThree()
+    s.start(grid, protocol.pack_arrays(GLOBAL), 3, 50.0)
+    for n in (1, 2, 3):
+        aggregate = s.aggregator.recorder.data.rounds[n].aggregate
+        assert aggregate is not None and aggregate.published
+        assert sorted(aggregate.regions) == ["cn", "eu", "us"]  # K = 2 was not enough
+
+
+def test_buffered_run_ends_when_regions_have_no_tasks_left(run_config, tmp_path):
+    grid = OneInFlight(THREE)
+    s = buffered(run_config, tmp_path, grid, rounds=2)
+    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
+    trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    per_node = {n: sum(1 for m in trains if m.metadata.dst_node_id == n) for n in THREE}
+    assert max(per_node.values()) <= 2  # each region's noise is calibrated for 2 rounds
+
+
+def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_config, tmp_path):
+    grid = RegionsGrid()
+    audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
+    s = looped(run_config, tmp_path, 5, grid, max_missed_rounds=2)
+    s.aggregator.audit = audit
+    held: list[tuple[str, tuple[float, Message]]] = []
+    original = grid.push_messages
+
+    def push(messages):
+        messages = list(messages)
+        ids = original(messages)
+        if 1 <= round_now[0] <= 2:  # cn goes quiet in rounds 1-2: its replies are held
+            for mid in list(grid.pending):
+                if grid.pending[mid][1].metadata.src_node_id == 12:
+                    held.append((mid, grid.pending.pop(mid)))
+        return ids
+
+    grid.push_messages = push  # type: ignore[method-assign]
+    round_now = [0]
+    ticks: dict[int, float] = {}
+    real_end = s.aggregator.end
+
+    def end(server_round):
+        ticks[server_round] = grid.now
+        real_end(server_round)
+        round_now[0] = server_round + 1
+        if server_round == 2:  # cn is back: its round-1 reply arrives in round 3
+            grid.pending.update({mid: (grid.now, reply) for mid, (_, reply) in held})
+
+    s.aggregator.end = end
+    s.start(grid, protocol.pack_arrays(GLOBAL), 5, 50.0)
+    rounds = s.aggregator.recorder.data.rounds
+    assert rounds[1].train["cn"].status == "failed"  # waited round-timeout for it
+    assert rounds[2].unavailable == ["cn"]
+    assert ticks[3] - ticks[2] < 50  # round 3 did not wait for the unavailable cn
+    # its late round-1 update is judged in round 3 and refused (a sync round takes only
+    # updates against the current version); answering at all brings it back
+    late = rounds[3].train["cn"]
+    assert late.status == "rejected" and "current global adapter" in (late.reason or "")
+    assert late.global_version == 0 and late.staleness == 2
+    assert rounds[3].rejoined == ["cn"]
+    assert rounds[4].train["cn"].status == "trained"
+    events = [json.loads(line) for line in audit.path.read_text().splitlines()]
+    kinds = [(e["event"], e.get("details", e).get("region")) for e in events]
+    assert (Event.REGION_UNAVAILABLE, "cn") in kinds and (Event.REGION_REJOINED, "cn") in kinds
+
+
+def test_availability_counts_consecutive_misses_only():
+    a = Availability(["eu", "cn"], 2)
+    assert a.round_ended({"eu"}).unavailable == []
+    assert a.round_ended({"eu", "cn"}).unavailable == []  # the count starts again
+    a.round_ended({"eu"})
+    assert a.round_ended({"eu"}).unavailable == ["cn"]
+    assert a.round_ended({"eu"}).unavailable == []  # marked once
+    assert a.round_ended({"cn", "eu"}).rejoined == ["cn"]
+    never = Availability(["eu"], 0)
+    for _ in range(5):
+        assert never.round_ended(set()).unavailable == []
+
+
+def test_tasks_keep_one_in_flight_and_stop_at_the_limit():
+    t = Tasks(["eu"], 2)
+    first = t.send("eu", 0)
+    assert (first.task, first.version) == (1, 0) and not t.can_send("eu")
+    t.done("eu")
+    assert t.send("eu", 3).task == 2
+    t.done("eu")
+    assert not t.can_send("eu") and t.exhausted()
