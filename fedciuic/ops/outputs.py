@@ -21,6 +21,7 @@ from fedciuic.rounds.record import (
     save_metrics,
     utc_now,
 )
+from fedciuic.rounds.wire import TRAINED
 
 
 def _write_summary(directory: Path, data: RunMetrics) -> None:
@@ -75,6 +76,13 @@ def upload_bytes(data: RunMetrics, region: str) -> list[int]:
     return [e.upload_bytes for _, e in data.trained(region) if e.upload_bytes is not None]
 
 
+def steps_per_round(data: RunMetrics, region: str) -> str:
+    """The local steps each of a region's accepted updates took, in round order, as
+    ``30/30/12`` (a local-time-budget makes them differ); ``-`` when none."""
+    steps = [str(e.steps) for _, e in data.trained(region) if e.status == TRAINED]
+    return "/".join(steps) or "-"
+
+
 def _loss(entry: EvalEntry | None) -> float | None:
     return entry.loss if entry is not None else None
 
@@ -92,6 +100,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
         + (f" {'epsilon':>20}" if dp else "")
         + f" {'bytes/round':>11}"
+        + f" {'steps/round':>12}"
         + "  rounds"
     )
     lines = [
@@ -122,6 +131,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
             row += f" {fmt_epsilon(eps, budget, unit) if region != OVERALL else '':>20}"
         sent = upload_bytes(data, region)
         row += f" {(f'{sum(sent) / len(sent):.0f}' if sent and region != OVERALL else ''):>11}"
+        row += f" {steps_per_round(data, region) if region != OVERALL else '':>12}"
         statuses = [entry.status for _, entry in data.trained(region)]
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
         lines.append(row.rstrip())

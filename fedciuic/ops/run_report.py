@@ -28,7 +28,13 @@ from fedciuic.audit.log import REGION_LOG, AuditError
 from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import ConfigError
-from fedciuic.ops.outputs import epsilon_spent, fmt_epsilon, fmt_number, upload_bytes
+from fedciuic.ops.outputs import (
+    epsilon_spent,
+    fmt_epsilon,
+    fmt_number,
+    steps_per_round,
+    upload_bytes,
+)
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
 from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
 from fedciuic.rounds.wire import DECLINED, FAILED, REJECTED
@@ -361,6 +367,7 @@ def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[st
                 fmt_number(after),
                 fmt_epsilon(eps, budget, unit),
                 f"{sum(sent) / len(sent):.0f}" if sent else "-",
+                steps_per_round(data, region),
                 counts or "-",
             ]
         )
@@ -421,6 +428,7 @@ def render(
                 f"after round {last_round}",
                 "epsilon",
                 "bytes per round",
+                "local steps per round",
                 "decisions",
             ),
             _region_rows(data, timeline),

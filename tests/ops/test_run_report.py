@@ -186,3 +186,29 @@ def test_the_page_and_the_summary_name_what_each_epsilon_is_per():
     summary = summarize(data)
     assert "target epsilon 8.0 per user" in summary
     assert "3.00 of 8 per user" in summary and "4.00 of 6 per record" in summary
+
+
+def test_the_page_and_the_summary_show_each_regions_steps_per_round():
+    """A local-time-budget gives regions different step counts: both outputs show them."""
+    from fedciuic.ops.outputs import summarize
+    from fedciuic.ops.run_report import PLOTS, render
+
+    def trained(steps: int) -> dict[str, Any]:
+        return {"status": "trained", "steps": steps}
+
+    data = RunMetrics.model_validate(
+        {
+            "run": {"run_id": 9, "status": "completed", "regions": ["eu", "us"], "config": {}},
+            "rounds": {
+                "1": {"train": {"eu": trained(30), "us": trained(8)}},
+                "2": {"train": {"eu": trained(30), "us": {"status": "failed"}}},
+                "3": {"train": {"eu": trained(29), "us": trained(7)}},
+            },
+        }
+    )
+    page = render(data, [], dict.fromkeys(PLOTS, b""), [], [], None)
+    assert "<th>local steps per round</th>" in page
+    assert "<td>30/30/29</td>" in page and "<td>8/7</td>" in page
+    lines = {line.split()[0]: line for line in summarize(data).splitlines()[1:4]}
+    assert "steps/round" in lines["region"]
+    assert "30/30/29" in lines["eu"] and "8/7" in lines["us"]
