@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregation import Bounds, Checked, apply_delta, check, make_aggregator
+from fedciuic.aggregation import Bounds, Checked, check, make_aggregator
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
-from fedciuic.compression import Codec, layout_of, unflatten
+from fedciuic.compression import Codec, layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import EnvelopeRejected, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
@@ -64,6 +64,7 @@ from fedciuic.rounds.wire import (
     parse_eval_metrics,
     parse_train_metrics,
 )
+from fedciuic.server_optim import ServerOptimizer
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -210,6 +211,9 @@ class AggregatorRound:
         self.checkpoints = checkpoints
         self.global_adapter: dict[str, np.ndarray] = {}
         self.regions_by_node: dict[int, str] = {}
+        # The step on each aggregate (server-optimizer); open_run restores it on resume.
+        self.server_optimizer = ServerOptimizer.from_run(run)
+        self.checkpoint_extra: dict[str, Any] = {}  # saved in each checkpoint as-is
 
     # -- instructions -------------------------------------------------------------
 
@@ -286,7 +290,11 @@ class AggregatorRound:
         accumulator = make_aggregator(self.run.aggregation, n)
         codec = self.run.codec
         bounds = Bounds(
-            self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
+            self.run.max_update_norm,
+            self.run.update_norm_action,
+            self.run.max_examples,
+            max_steps=self.run.local_steps,
+            max_staleness=self.run.max_staleness,
         )
         labels: set[str] = set()
         judged_all: list[Judged] = []
@@ -323,8 +331,7 @@ class AggregatorRound:
             self._checkpoint(server_round)
             return TrainResult(judged_all, Withheld(regions, withheld))
 
-        mean = unflatten(accumulator.mean(), layout)
-        self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
+        self.global_adapter = self.server_optimizer.step(self.global_adapter, accumulator.mean())
         losses = [
             (a.metrics.train_loss, a.metrics.num_examples)
             for a in accepted
@@ -383,7 +390,7 @@ class AggregatorRound:
                     info={**reply.info, POLICY_HASH: header.policy_hash},
                 )
                 return self._settle(rejected, header.region)
-        checked = check(codec, update, n, metrics.num_examples, bounds)
+        checked = check(codec, update, n, metrics.num_examples, bounds, steps=metrics.steps)
         upload = len(reply.envelope) if reply.envelope is not None else len(update)
         accepted = Accepted(checked, metrics, info, header, upload)
         return self._settle(replace(reply, status=TRAINED), header.region, accepted=accepted)
@@ -664,5 +671,8 @@ class AggregatorRound:
                 audit_seq=seq,
                 audit_head=head,
                 rounds=self.recorder.data.rounds,
+                optimizer=self.server_optimizer.state(),
+                extra=self.checkpoint_extra,
             ),
+            keep=self.run.keep_checkpoints,
         )
