@@ -12,11 +12,28 @@ For federations where a region may be malicious, ``median`` and
 unweighted: one region cannot drag the result far, at the price of keeping every
 delta in memory and of pulling honest but very different regions towards the
 middle (docs/robustness.md).
+
+Two per-update factors on top of the example weight ``n_i`` (p_i = n_i / sum n):
+
+* local steps ``tau_i`` (FedNova, Wang et al. 2020): regions that take different step
+  counts (a local-time-budget) would otherwise pull the mean towards the objective of
+  whoever stepped most. Each delta is normalised by its steps and the sum rescaled by
+  the mean step count: ``tau_eff * sum_i p_i delta_i / tau_i``, ``tau_eff = sum_i p_i
+  tau_i``. Equal steps give FedAvg exactly (bit for bit).
+* staleness ``s`` (buffered mode, FedBuff, Nguyen et al. 2022): ``w(s) = 1/sqrt(1+s)``
+  multiplies the contribution *without* renormalising (the denominator stays ``sum
+  n_i``), so a buffer of only stale updates moves the model less; ``s`` over
+  max-staleness is rejected.
+
+The robust rules apply the same factors to each row before the coordinate-wise
+median or trimmed mean: ``delta_i * tau_bar / tau_i * w(s_i)``, with ``tau_bar`` the
+unweighted mean step count (they are unweighted by examples too).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -38,16 +55,54 @@ class Bounds:
     max_norm: float = 0.0  # L2 norm of the decoded delta; 0: no bound
     norm_action: Literal["reject", "clip"] = "reject"
     max_examples: int = 10_000_000
+    max_steps: int = 0  # local steps an update may claim (the run's local-steps); 0: no cap
+    max_staleness: int = 0  # buffered mode: global versions an update's base may lag
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def staleness_weight(staleness: int) -> float:
+    """FedBuff's polynomial staleness weight ``1 / sqrt(1 + s)``: an update computed on an
+    older global adapter counts less, but still counts."""
+    return 1.0 / math.sqrt(1.0 + staleness)
+
+
+def check_staleness(staleness: int, max_staleness: int) -> None:
+    """Refuse an update whose base is more than ``max_staleness`` global versions old:
+    its delta points from a model too far from today's to help."""
+    if not (_whole(staleness) and staleness >= 0):
+        raise ImplausibleUpdate(f"staleness must be a whole number >= 0, got {staleness!r}")
+    if staleness > max_staleness:
+        raise ImplausibleUpdate(
+            f"update is {staleness} global versions old, over max-staleness {max_staleness}"
+        )
+
+
+def check_steps(steps: int, max_steps: int) -> None:
+    """Refuse an implausible step count: FedNova divides by it, so a region claiming
+    0 steps (or far more than it may take) would dominate or vanish from the mean."""
+    if not (_whole(steps) and steps >= 1):
+        raise ImplausibleUpdate(f"steps must be a whole number >= 1, got {steps!r}")
+    if max_steps and steps > max_steps:
+        raise ImplausibleUpdate(
+            f"update claims {steps} local steps, over local-steps {max_steps}; an "
+            "implausible count would dominate the step-normalised mean"
+        )
 
 
 @dataclass(frozen=True)
 class Checked:
-    """A decoded, validated update: its weight, L2 norm and the scale applied to it."""
+    """A decoded, validated update: its weight (examples), L2 norm, the scale applied to
+    it (a norm clip), the local steps it took and how stale its base is."""
 
     update: Sparse
     weight: float
     norm: float
     scale: float = 1.0
+    steps: int = 1
+    staleness: int = 0
 
     @property
     def clipped(self) -> bool:
@@ -55,9 +110,18 @@ class Checked:
 
 
 def check(
-    codec: Codec, data: bytes | bytearray | memoryview, n: int, weight: float, bounds: Bounds
+    codec: Codec,
+    data: bytes | bytearray | memoryview,
+    n: int,
+    weight: float,
+    bounds: Bounds,
+    *,
+    steps: int = 1,
+    staleness: int = 0,
 ) -> Checked:
     """Decode and validate one update; ``ValueError`` says what is wrong with it."""
+    check_steps(steps, bounds.max_steps)
+    check_staleness(staleness, bounds.max_staleness)
     if not (weight >= 1 and math.isfinite(weight) and weight == int(weight)):
         raise ImplausibleUpdate(f"num-examples must be a positive whole number, got {weight}")
     if weight > bounds.max_examples:
@@ -74,7 +138,7 @@ def check(
                 f"update norm {norm:.4g} is over max-update-norm {bounds.max_norm:g}"
             )
         scale = bounds.max_norm / norm
-    return Checked(decoded, weight, norm, scale)
+    return Checked(decoded, weight, norm, scale, steps, staleness)
 
 
 class Aggregator(Protocol):
@@ -87,23 +151,41 @@ class Aggregator(Protocol):
 
 
 class Accumulator:
-    """``sum_i w_i * delta_i`` over validated updates, then the weighted mean."""
+    """``sum_i n_i w(s_i) delta_i / tau_i`` over validated updates, then FedNova's
+    ``tau_eff`` times that over ``sum_i n_i``.
+
+    Steps are taken relative to the first update's (``tau_0 / tau_i``, rescaled by
+    ``tau_eff / tau_0`` at the end): with equal steps every factor is exactly 1, so
+    the result is today's FedAvg bit for bit.
+    """
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.total = np.zeros(n, dtype=np.float64)
-        self.weight = 0.0
+        self.weight = 0.0  # sum n_i
+        self.weighted_steps = 0.0  # sum n_i tau_i
+        self.first_steps = 0
         self.count = 0
 
     def add(self, checked: Checked) -> None:
-        checked.update.add_into(self.total, checked.weight * checked.scale)
+        if self.count == 0:
+            self.first_steps = checked.steps
+        factor = checked.weight * checked.scale * staleness_weight(checked.staleness)
+        if checked.steps != self.first_steps:
+            factor *= self.first_steps / checked.steps
+        checked.update.add_into(self.total, factor)
         self.weight += checked.weight
+        self.weighted_steps += checked.weight * checked.steps
         self.count += 1
 
     def mean(self) -> np.ndarray:
         if self.count == 0:
             raise ValueError("no update was added")
-        return (self.total / self.weight).astype(np.float32)
+        mean = self.total / self.weight
+        rescale = self.weighted_steps / (self.first_steps * self.weight)  # tau_eff / tau_0
+        if rescale != 1.0:
+            mean *= rescale
+        return mean.astype(np.float32)
 
 
 class Robust:
@@ -114,11 +196,18 @@ class Robust:
         self.trim = trim  # None: median
         self.rows: list[np.ndarray] = []
         self.weight = 0.0
+        self.steps: list[int] = []
         self.count = 0
 
     def add(self, checked: Checked) -> None:
-        self.rows.append(checked.update.dense(self.n) * np.float32(checked.scale))
+        # Rows relative to the first update's steps; the result is rescaled by
+        # tau_bar / tau_0 (both rules commute with a positive scale).
+        factor = checked.scale * staleness_weight(checked.staleness)
+        if self.steps and checked.steps != self.steps[0]:
+            factor *= self.steps[0] / checked.steps
+        self.rows.append(checked.update.dense(self.n) * np.float32(factor))
         self.weight += checked.weight
+        self.steps.append(checked.steps)
         self.count += 1
 
     def mean(self) -> np.ndarray:
@@ -130,6 +219,9 @@ class Robust:
         else:
             cut = int(self.trim * len(self.rows))
             middle = np.sort(stack, axis=0)[cut : len(self.rows) - cut].mean(axis=0)
+        rescale = sum(self.steps) / (len(self.steps) * self.steps[0])  # tau_bar / tau_0
+        if rescale != 1.0:
+            middle = middle * rescale
         return middle.astype(np.float32)
 
 

@@ -34,13 +34,12 @@ from fedciuic.aggregation import (
     Bounds,
     Checked,
     ImplausibleUpdate,
-    apply_delta,
     check,
     make_aggregator,
 )
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
-from fedciuic.compression import Codec, layout_of, unflatten
+from fedciuic.compression import Codec, layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import EnvelopeRejected, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
@@ -48,7 +47,7 @@ from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.rounds.metrics import OVERALL
 from fedciuic.rounds.record import RunRecorder
-from fedciuic.rounds.schedule import Availability, Changes, Tasks
+from fedciuic.rounds.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
 from fedciuic.rounds.wire import (
     DECLINED,
@@ -73,6 +72,7 @@ from fedciuic.rounds.wire import (
     parse_eval_metrics,
     parse_train_metrics,
 )
+from fedciuic.server_optim import ServerOptimizer
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -254,6 +254,8 @@ class AggregatorRound:
         self.regions_by_node: dict[int, str] = {}
         self.availability = Availability(run.regions, run.max_missed_rounds)
         self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
+        # The step on each aggregate (server-optimizer); open_run restores it on resume.
+        self.server_optimizer = ServerOptimizer.from_run(run)
 
     # -- instructions -------------------------------------------------------------
 
@@ -364,7 +366,11 @@ class AggregatorRound:
         aggregate it may join) and, when accepted, add it to ``into``."""
         codec = self.run.codec
         bounds = Bounds(
-            self.run.max_update_norm, self.run.update_norm_action, self.run.max_examples
+            self.run.max_update_norm,
+            self.run.update_norm_action,
+            self.run.max_examples,
+            max_steps=self.run.local_steps,
+            max_staleness=self.max_staleness,
         )
         staleness = self.version - task.version
 
@@ -407,9 +413,9 @@ class AggregatorRound:
             self._checkpoint(server_round)
             return Withheld(regions, withheld)
 
-        layout = layout_of(self.global_adapter)
-        mean = unflatten(into.accumulator.mean(), layout)
-        self.global_adapter = apply_delta(self.global_adapter, mean, self.run.server_learning_rate)
+        self.global_adapter = self.server_optimizer.step(
+            self.global_adapter, into.accumulator.mean()
+        )
         self.version += 1
         losses = [
             (a.metrics.train_loss, a.metrics.num_examples)
@@ -478,7 +484,9 @@ class AggregatorRound:
                     info={**reply.info, POLICY_HASH: header.policy_hash},
                 )
                 return self._settle(rejected, header.region)
-        checked = check(codec, update, n, metrics.num_examples, bounds)
+        checked = check(
+            codec, update, n, metrics.num_examples, bounds, steps=metrics.steps, staleness=staleness
+        )
         upload = len(reply.envelope) if reply.envelope is not None else len(update)
         accepted = Accepted(checked, metrics, info, header, upload)
         return self._settle(replace(reply, status=TRAINED), header.region, accepted=accepted)
@@ -621,6 +629,29 @@ class AggregatorRound:
             _logger.log(INFO, "round %d: region %s is back", server_round, region)
             self._note(server_round, Event.REGION_REJOINED, region=region)
         return changes
+
+    def schedule_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the schedule: the global version, who is
+        unavailable, and (buffered) each region's tasks."""
+        return {
+            "version": self.version,
+            "availability": self.availability.state(),
+            "tasks": self.tasks.state(),
+        }
+
+    def restore_schedule(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's schedule; one written before schedules existed has none (its
+        version is the number of aggregates its records show published)."""
+        if not state:
+            published = [r for r in self.recorder.data.rounds.values() if r.aggregate]
+            self.version = sum(1 for r in published if r.aggregate and r.aggregate.published)
+            return
+        try:
+            self.version = int(state["version"])
+            self.availability.restore(state["availability"])
+            self.tasks.restore(state["tasks"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ScheduleError(f"checkpoint: unreadable schedule ({err!r})") from None
 
     def waits_for(self, node: int) -> bool:
         """Whether a round waits for this node's reply: not if its region is unavailable."""
@@ -806,5 +837,8 @@ class AggregatorRound:
                 audit_seq=seq,
                 audit_head=head,
                 rounds=self.recorder.data.rounds,
+                optimizer=self.server_optimizer.state(),
+                extra=self.schedule_state(),
             ),
+            keep=self.run.keep_checkpoints,
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
+from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
@@ -32,6 +33,7 @@ from fedciuic.rounds.record import (
     published_rounds,
 )
 from fedciuic.rounds.sealing import ReplySealing, aggregator_sealing
+from fedciuic.server_optim import OptimizerStateError, ServerOptimizer
 
 # Flower's logger, by name: these lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -158,6 +160,56 @@ def run_start(
     )
 
 
+def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimizer:
+    """This run's server optimiser: fresh, or continuing the checkpoint's state. A
+    ``fedciuic-checkpoint/1`` has none: fine for ``none`` (it keeps no state), refused
+    for the others, whose moments would silently restart from zero."""
+    if resumed is None:
+        return ServerOptimizer.from_run(run)
+    where = run.resume_from or "the checkpoint"
+    if resumed.optimizer is None:
+        if run.server_optimizer == "none":
+            return ServerOptimizer.from_run(run)
+        raise CheckpointError(
+            f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
+            "is a checkpoint without server optimizer state (fedciuic-checkpoint/1); resume "
+            'it with server-optimizer = "none" or start a new run'
+        )
+    if resumed.optimizer.name != run.server_optimizer:
+        raise CheckpointError(
+            f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
+            f'continues a "{resumed.optimizer.name}" run; resume it with server-optimizer = '
+            f'"{resumed.optimizer.name}" or start a new run'
+        )
+    try:
+        optimizer = ServerOptimizer.from_state(run, resumed.optimizer, layout_of(resumed.adapter))
+    except OptimizerStateError as err:
+        raise CheckpointError(f"run config:resume-from: {where}: {err}") from None
+    changed = {
+        k: (v, optimizer.hyperparameters[k])
+        for k, v in resumed.optimizer.hyperparameters.items()
+        if optimizer.hyperparameters.get(k) != v
+    }
+    if changed:  # allowed (a schedule), but the run no longer repeats the killed one
+        _logger.log(
+            WARNING,
+            "fedciuic: resuming %s with other server optimizer settings: %s",
+            run.server_optimizer,
+            ", ".join(f"{k} {a:g} -> {b:g}" for k, (a, b) in sorted(changed.items())),
+        )
+    return optimizer
+
+
+def restore(
+    aggregator: AggregatorRound, resumed: Checkpoint, optimizer: ServerOptimizer | None = None
+) -> None:
+    """What a checkpoint carries besides the adapter: the server optimiser's state
+    (``optimizer``, when already made from it) and the schedule (the global version,
+    who is unavailable, buffered tasks) in its ``extra``."""
+    aggregator.server_optimizer = optimizer or server_optimizer(aggregator.run, resumed)
+    aggregator.restore_schedule(resumed.extra)
+
+
 @dataclass(frozen=True)
 class Opened:
     """A run ready for its rounds: the aggregator's round, and where it starts."""
@@ -179,6 +231,7 @@ def open_run(
     audit.keypair = keys.keypair if keys else None
     policies = load_policies(run, keys, recorder)
     resumed = resume(run, base_fingerprint, audit, recorder)
+    optimizer = server_optimizer(run, resumed)  # refused before run_start if it does not fit
     federation_run = resumed.federation_run if resumed else flower_run
     sealing = aggregator_sealing(keys)
     run_start(audit, federation_run, flower_run, run, sealing, policies, resumed)
@@ -193,6 +246,8 @@ def open_run(
         federation_run=federation_run,
         checkpoints=recorder.directory / "checkpoint",
     )
+    if resumed is not None:
+        restore(aggregator, resumed, optimizer)
     return Opened(aggregator, resumed)
 
 

@@ -21,6 +21,7 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.errors import FederationError
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.rounds.checkpoint import load_checkpoint
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
 from tests.e2e.helpers import alive, deployed_node, lab_policies_dir, secure_supernode
 
@@ -74,6 +75,9 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
         "policies-dir": str(policies),
         "secure-mode": False,
         "insecure-reproducible-noise": True,
+        # Server state that must survive the kill: FedAdam's moments (checkpointed).
+        "server-optimizer": "fedadam",
+        "server-learning-rate": 0.01,
     }
 
     def config(name: str, **extra: object) -> dict[str, object]:
@@ -111,6 +115,9 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
     assert not alive(pids)
     (killed,) = (tmp_path / "cut" / "runs").glob("run-*")
     assert not (killed / "adapter").exists()  # it never finished
+    at_kill = load_checkpoint(killed)
+    assert at_kill.round == 1 and at_kill.optimizer is not None
+    assert at_kill.optimizer.name == "fedadam" and at_kill.optimizer.steps == 1
 
     with LocalFederation(tmp_path / "work-resume", ROOT) as federation:
         federation.start_superlink(simulation=True)
@@ -127,6 +134,17 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
     assert sorted(whole) == sorted(resumed)
     for name in whole:
         np.testing.assert_allclose(resumed[name], whole[name], rtol=1e-6, atol=1e-7)
+    # The resumed run continued the killed run's FedAdam moments: step 2 of 2, and the
+    # same moments as the uninterrupted run's.
+    (resumed_run,) = set((tmp_path / "cut" / "runs").glob("run-*")) - {killed}
+    whole_state = load_checkpoint(next((tmp_path / "whole" / "runs").glob("run-*"))).optimizer
+    resumed_state = load_checkpoint(resumed_run).optimizer
+    assert whole_state is not None and resumed_state is not None
+    assert resumed_state.steps == whole_state.steps == 2
+    for moment in ("m", "v"):
+        np.testing.assert_allclose(
+            resumed_state.arrays[moment], whole_state.arrays[moment], rtol=1e-5, atol=1e-9
+        )
 
     for region in REGIONS:
         ledger = PrivacyLedger.load(tmp_path / "cut" / "data" / region / ".fedciuic" / LEDGER_FILE)

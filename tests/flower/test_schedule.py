@@ -5,15 +5,18 @@ unavailable after missed rounds and back when they answer."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import Message, MessageType
 
+from fedciuic.aggregation import Checked, staleness_weight
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AuditLog
 from fedciuic.flower import protocol
 from fedciuic.policy.rules import Decision
+from fedciuic.rounds.aggregator import Collecting
 from fedciuic.rounds.schedule import Availability, Tasks
 from tests.flower.test_strategy import RegionsGrid, looped
 from tests.rounds.test_aggregator import GLOBAL
@@ -54,7 +57,7 @@ def buffered(run_config, tmp_path, grid, rounds=4, **settings):
         run_config,
         tmp_path,
         rounds,
-        grid,
+        grid=grid,
         regions=("eu", "cn", "us"),
         aggregation_mode="buffered",
         buffer_size=2,
@@ -87,28 +90,46 @@ def test_buffered_publishes_every_k_updates_and_the_slow_region_arrives_stale(ru
 
 def test_a_stale_update_is_weighted_one_over_root_one_plus_staleness(run_config, tmp_path):
     grid = RegionsGrid(THREE)
-    grid.delay = {11: 1, 12: 1, 13: 7}
-    s = buffered(run_config, tmp_path, grid, rounds=2)
-    weights: list[tuple[str, float]] = []
-    add = s.aggregator.collecting
+    grid.delay = {11: 1, 12: 1, 13: 3}
+    s: Any = buffered(run_config, tmp_path, grid, rounds=3)
+    added: list[tuple[int, float]] = []
+    make = s.aggregator.collecting
 
-    def spying():
-        into = add()
+    def spying() -> Collecting:
+        into: Collecting = make()
         inner = into.accumulator.add
 
-        def record(checked):
-            weights.append((checked.update.values[0], checked.staleness_weight))
+        def add(checked: Checked) -> None:
+            added.append((checked.staleness, staleness_weight(checked.staleness)))
             inner(checked)
 
-        into.accumulator.add = record
+        into.accumulator.add = add  # type: ignore[method-assign]
         return into
 
     s.aggregator.collecting = spying
-    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
+    before, after = {}, {}
+    publish = s.aggregator.publish
+
+    def publishing(server_round: int, into: Collecting) -> Any:
+        before[server_round] = float(s.aggregator.global_adapter["w"][0])
+        result = publish(server_round, into)
+        after[server_round] = float(s.aggregator.global_adapter["w"][0])
+        return result
+
+    s.aggregator.publish = publishing
+    s.start(grid, protocol.pack_arrays(GLOBAL), 3, 50.0)
     rounds = s.aggregator.recorder.data.rounds
-    us = [rounds[n].train["us"] for n in (1, 2) if "us" in rounds[n].train]
-    assert us and us[0].staleness == 1
-    assert any(w == pytest.approx(1 / np.sqrt(2)) for _, w in weights)
+    n, us = next((n, rounds[n].train["us"]) for n in (2, 3) if "us" in rounds[n].train)
+    assert us.status == "trained" and us.staleness == n - 1 >= 1
+    assert (us.staleness, 1 / np.sqrt(1 + us.staleness)) in added
+    # the aggregate: sum of n_i w(s_i) delta_i over sum n_i (equal examples and steps);
+    # us moves half-way from version 0 (w = 0) to its target 5: a delta of 2.5
+    other = next(r for r in rounds[n].train if r != "us")
+    target = {"eu": 1.0, "cn": 3.0}[other]
+    base = before[n]
+    fresh = 0.5 * (target - base)  # computed against the current version
+    expected = base + (fresh + 2.5 / np.sqrt(1 + us.staleness)) / 2
+    assert after[n] == pytest.approx(expected, rel=1e-6)
 
 
 def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, tmp_path):
@@ -145,7 +166,7 @@ def test_buffered_run_ends_when_regions_have_no_tasks_left(run_config, tmp_path)
 def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_config, tmp_path):
     grid = RegionsGrid()
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
-    s = looped(run_config, tmp_path, 5, grid, max_missed_rounds=2)
+    s: Any = looped(run_config, tmp_path, 5, grid=grid, max_missed_rounds=2)
     s.aggregator.audit = audit
     held: list[tuple[str, tuple[float, Message]]] = []
     original = grid.push_messages

@@ -19,7 +19,8 @@ from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.model.train import EvalStats
 from fedciuic.rounds.aggregator import AggregatorRound
-from fedciuic.rounds.checkpoint import load_checkpoint
+from fedciuic.rounds.aggregator_run import restore
+from fedciuic.rounds.checkpoint import CheckpointError, load_checkpoint
 from fedciuic.rounds.wire import Reply
 from server.strategy import RegionalFedAvg
 from tests.conftest import written
@@ -256,12 +257,16 @@ def regions_grid() -> Any:
     return RegionsGrid()
 
 
-def looped(run_config, folder, rounds: int, grid: RegionsGrid | None = None, **settings):
+def looped(
+    run_config, folder, rounds: int, optimizer: str = "none", grid: Any = None, **settings: Any
+) -> RegionalFedAvg:
     run = run_config.model_copy(
         update={
-            "codec": get_codec("dense"),
+            "codec": get_codec("dense"),  # model_copy does not validate: not "dense"
             "num_server_rounds": rounds,
             "regions": ("eu", "cn"),
+            "server_optimizer": optimizer,
+            "server_learning_rate": 0.3 if optimizer == "fedadam" else 1.0,
             "round_timeout": 50.0,
             **settings,
         }
@@ -280,21 +285,45 @@ def looped(run_config, folder, rounds: int, grid: RegionsGrid | None = None, **s
     return strategy
 
 
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path):
+@pytest.mark.parametrize("optimizer", ["none", "fedadam"])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path, optimizer):
     start = protocol.pack_arrays(GLOBAL)
-    whole = looped(run_config, tmp_path / "whole", 3).start(regions_grid(), start, 3, 10.0)
+    whole = looped(run_config, tmp_path / "whole", 3, optimizer)
+    whole_final = protocol.unpack_arrays(whole.start(regions_grid(), start, 3, 10.0))["w"]
+    assert not np.allclose(whole_final, GLOBAL["w"])  # every round published an aggregate
     # "Killed" after round 1: a new strategy resumes from round 1's checkpoint.
-    looped(run_config, tmp_path / "cut", 3).start(regions_grid(), start, 1, 10.0)
+    looped(run_config, tmp_path / "cut", 3, optimizer).start(regions_grid(), start, 1, 10.0)
     saved = load_checkpoint(tmp_path / "cut")
     assert saved.round == 1 and saved.federation_run == 7
-    resumed = looped(run_config, tmp_path / "resumed", 3)
-    resumed.aggregator.federation_run = saved.federation_run
-    resumed.aggregator.recorder.data.rounds = saved.rounds
-    final = resumed.start(regions_grid(), protocol.pack_arrays(saved.adapter), 3, 10.0, 2)
-    np.testing.assert_array_equal(
-        protocol.unpack_arrays(final)["w"], protocol.unpack_arrays(whole)["w"]
-    )
-    # the regions' updates were accepted: 0 -> 1 -> 1.5 -> 1.75 (each half-way to 1 and 3)
-    np.testing.assert_allclose(protocol.unpack_arrays(whole)["w"], 1.75)
-    assert sorted(resumed.aggregator.recorder.data.rounds) == [0, 1, 2, 3]
+    assert saved.optimizer is not None and saved.optimizer.steps == 1
+
+    def resume(folder, *, fresh: bool = False) -> np.ndarray:
+        resumed = looped(run_config, folder, 3, optimizer)
+        resumed.aggregator.federation_run = saved.federation_run
+        resumed.aggregator.recorder.data.rounds = saved.rounds
+        if not fresh:  # what open_run does with the checkpoint
+            restore(resumed.aggregator, saved)
+        final = resumed.start(regions_grid(), protocol.pack_arrays(saved.adapter), 3, 10.0, 2)
+        return protocol.unpack_arrays(final)["w"]
+
+    assert resume(tmp_path / "resumed").tobytes() == whole_final.tobytes()
     assert load_checkpoint(tmp_path / "resumed").round == 3
+    ended = load_checkpoint(tmp_path / "resumed").optimizer
+    assert ended is not None and ended.steps == 3 and ended.name == optimizer
+    assert ended.meta() == load_checkpoint(tmp_path / "whole").optimizer.meta()  # type: ignore[union-attr]
+    # Without its state (moments from zero), a fedadam run would end elsewhere.
+    forgot = resume(tmp_path / "forgot", fresh=True)
+    assert np.array_equal(forgot, whole_final) == (optimizer == "none")
+
+
+def test_a_resume_under_another_server_optimizer_is_refused(run_config, tmp_path):
+    looped(run_config, tmp_path / "cut", 3, "fedadam").start(
+        regions_grid(), protocol.pack_arrays(GLOBAL), 1, 10.0
+    )
+    saved = load_checkpoint(tmp_path / "cut")
+    other = looped(run_config, tmp_path / "other", 3, "fedyogi")
+    with pytest.raises(CheckpointError, match='run config:server-optimizer: "fedyogi"'):
+        restore(other.aggregator, saved)
+    plain = looped(run_config, tmp_path / "plain", 3, "none")
+    with pytest.raises(CheckpointError, match='server-optimizer = "fedadam"'):
+        restore(plain.aggregator, saved)

@@ -720,6 +720,50 @@ def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, t
     np.testing.assert_allclose(saved.adapter["w"], 1.0)
 
 
+def test_the_checkpoint_carries_the_server_optimizer_and_the_schedule(run_config, tmp_path):
+    from fedciuic.rounds.checkpoint import load_checkpoint
+
+    adam = run_config.model_copy(update={"server_optimizer": "fedavgm", "keep_checkpoints": 2})
+    a = make_round(adam, tmp_path / "run", run_id=7, checkpoints=tmp_path / "run" / "cp")
+    for server_round in (1, 2, 3):
+        a.train(server_round, [reply(11, trained("eu", 1.0, 10))])
+        a.heard(server_round, [11])
+        a.end(server_round)
+    saved = load_checkpoint(tmp_path / "run" / "cp")
+    assert saved.extra["version"] == 3  # three aggregates published
+    assert saved.extra["availability"]["missed"] == {"eu": 0, "cn": 3, "us": 3}
+    assert saved.extra["availability"]["unavailable"] == ["cn", "us"]  # max-missed-rounds 3
+    again = make_round(adam, tmp_path / "again")
+    again.restore_schedule(saved.extra)
+    assert again.version == 3 and again.availability.unavailable == {"cn", "us"}
+    assert saved.optimizer is not None and saved.optimizer.name == "fedavgm"
+    assert saved.optimizer.steps == 3
+    np.testing.assert_allclose(saved.optimizer.arrays["m"], 1 + 0.9 + 0.81, rtol=1e-6)
+    np.testing.assert_allclose(saved.adapter["w"], 1 + 1.9 + 2.71, rtol=1e-6)
+    assert sorted(p.name for p in (tmp_path / "run" / "cp").glob("round-*")) == [
+        "round-0002",
+        "round-0003",
+    ]
+
+
+@pytest.mark.parametrize(("steps", "reason"), [(0, "got 0"), (31, "over local-steps 30")])
+def test_an_implausible_step_count_is_rejected_alone(aggregator, steps, reason):
+    bad = trained("cn", 9.0, 10)
+    bad.metrics["steps"] = steps
+    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, bad)])
+    cn = aggregator.recorder.data.rounds[1].train["cn"]
+    assert cn.status == "rejected" and "ImplausibleUpdate" in cn.reason and reason in cn.reason
+    np.testing.assert_allclose(adapter_of(result)["w"], 1.0)
+
+
+def test_regions_that_took_different_step_counts_are_normalised(aggregator):
+    slow, fast = trained("eu", 1.0, 10), trained("cn", 6.0, 10)
+    slow.metrics["steps"], fast.metrics["steps"] = 2, 6  # 0.5 and 1 per step
+    result = aggregator.train(1, [reply(11, slow), reply(12, fast)])
+    # tau_eff = 4; 4 * (0.5 * 0.5 + 0.5 * 1) = 3 (FedAvg: 3.5)
+    np.testing.assert_allclose(adapter_of(result)["w"], 3.0, rtol=1e-6)
+
+
 def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_path):
     a, regions = sealed_round
     assert a.sign_run_end() is None  # no audit log: nothing to witness

@@ -1,27 +1,65 @@
-"""Aggregator checkpoints: written whole or not at all, checked on load, and the
-audit log must still hold what a checkpoint saw."""
+"""Aggregator checkpoints: written whole or not at all, checked on load (the server
+optimiser's state too), the newest keep-checkpoints kept, resume-from any of them, and
+the audit log must still hold what a checkpoint saw."""
 
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from fedciuic.audit.log import AuditError, AuditLog
+from fedciuic.compression import layout_of
 from fedciuic.crypto.keys import Keypair
-from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from fedciuic.rounds.aggregator_run import resume, server_optimizer
+from fedciuic.rounds.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedciuic.rounds.metrics import RoundRecord
+from fedciuic.rounds.record import RunRecorder
+from fedciuic.server_optim import OptimizerState, ServerOptimizer
 
 
-def ckpt(round_: int, value: float = 1.0) -> Checkpoint:
+def ckpt(
+    round_: int,
+    value: float = 1.0,
+    optimizer: OptimizerState | None = None,
+    audit: tuple[int, str] = (3, "a" * 64),
+    **extra: object,
+) -> Checkpoint:
     return Checkpoint(
         federation_run=41,
         round=round_,
         base_fingerprint="f" * 64,
         adapter={"w": np.full(4, value, np.float32)},
-        audit_seq=3,
-        audit_head="a" * 64,
+        audit_seq=audit[0],
+        audit_head=audit[1],
         rounds={1: RoundRecord(train={}, ended_at=1.5)},
+        optimizer=optimizer,
+        extra=dict(extra),
     )
+
+
+ADAM = SimpleNamespace(
+    server_optimizer="fedadam",
+    server_learning_rate=0.1,
+    server_momentum=0.9,
+    server_beta2=0.99,
+    server_epsilon=1e-3,
+)
+
+
+def adam_state(steps: int = 2) -> OptimizerState:
+    opt = ServerOptimizer.from_run(ADAM)
+    x = {"w": np.ones(4, np.float32)}
+    for i in range(steps):
+        x = opt.step(x, np.array([1.0, -2.0, 0.5, i], np.float32))
+    return opt.state()
 
 
 def test_the_latest_checkpoint_is_loaded_and_older_ones_are_dropped(tmp_path):
@@ -68,3 +106,136 @@ def test_the_audit_log_must_continue_from_the_checkpoints_position(tmp_path):
         log.check_continues(seq, "b" * 64)
     with pytest.raises(AuditError, match="rewritten or replaced"):
         log.check_continues(99, head)
+
+
+def rounds_in(directory):
+    return sorted(p.name for p in directory.glob("round-*"))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_keep_checkpoints_keeps_exactly_the_newest_n(tmp_path, keep):
+    directory = tmp_path / "checkpoint"
+    for round_ in range(1, keep + 4):  # N + 3 rounds
+        save_checkpoint(directory, ckpt(round_, float(round_)), keep=keep)
+    newest = [f"round-{r:04d}" for r in range(4, keep + 4)]
+    assert rounds_in(directory) == newest
+    assert (directory / "LATEST").read_text().strip() == newest[-1]
+    assert load_checkpoint(tmp_path).round == keep + 3
+
+
+def test_resume_from_may_name_a_kept_round_folder(tmp_path):
+    directory = tmp_path / "checkpoint"
+    for round_ in (1, 2, 3):
+        save_checkpoint(directory, ckpt(round_, float(round_)), keep=3)
+    older = load_checkpoint(directory / "round-0002")
+    assert older.round == 2
+    np.testing.assert_array_equal(older.adapter["w"], 2.0)
+    assert load_checkpoint(directory).round == load_checkpoint(tmp_path).round == 3
+    with pytest.raises(CheckpointError, match=r"round-0009: no such checkpoint; kept rounds in "):
+        load_checkpoint(directory / "round-0009")
+    with pytest.raises(CheckpointError, match="round-0001, round-0002, round-0003"):
+        load_checkpoint(directory / "round-0009")
+
+
+def test_a_damaged_older_round_is_refused_naming_it_and_the_kept_ones(tmp_path):
+    directory = tmp_path / "checkpoint"
+    for round_ in (1, 2, 3):
+        save_checkpoint(directory, ckpt(round_, optimizer=adam_state()), keep=3)
+    (directory / "round-0002" / "adapter.safetensors").write_bytes(b"x" * 64)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(directory / "round-0002")
+    message = str(err.value)
+    assert "round-0002: damaged checkpoint" in message and "SHA-256" in message
+    assert "kept rounds in" in message and "round-0001, round-0002, round-0003" in message
+    assert load_checkpoint(tmp_path).round == 3  # LATEST is untouched
+    (directory / "round-0001" / "state.json").unlink()  # half-deleted by a kill
+    with pytest.raises(CheckpointError, match=r"round folder without state\.json"):
+        load_checkpoint(directory / "round-0001")
+
+
+def test_the_server_optimizer_state_and_extra_round_trip(tmp_path):
+    state = adam_state()
+    save_checkpoint(tmp_path, ckpt(1, optimizer=state, regions={"eu": {"version": 3}}))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.optimizer is not None
+    assert loaded.optimizer.meta() == state.meta() and loaded.optimizer.steps == 2
+    for name in ("m", "v"):
+        assert loaded.optimizer.arrays[name].tobytes() == state.arrays[name].tobytes()
+    assert loaded.extra == {"regions": {"eu": {"version": 3}}}
+    saved = json.loads((tmp_path / "round-0001" / "state.json").read_text())
+    assert saved["format"] == "fedciuic-checkpoint/2"
+    assert saved["optimizer"]["name"] == "fedadam" and len(saved["optimizer"]["sha256"]) == 64
+    opt = ServerOptimizer.from_state(ADAM, loaded.optimizer, layout_of(loaded.adapter))
+    assert opt.steps == 2
+
+
+def test_a_tampered_optimizer_state_is_refused(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1, optimizer=adam_state()))
+    path = tmp_path / "round-0001" / "optimizer.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # one bit of v
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="optimizer state does not match its recorded SHA"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_version_1_checkpoint_still_loads_without_optimizer_state(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1))
+    state_path = tmp_path / "round-0001" / "state.json"
+    state = json.loads(state_path.read_text())
+    del state["extra"]
+    state["format"] = "fedciuic-checkpoint/1"
+    state_path.write_text(json.dumps(state))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.round == 1 and loaded.optimizer is None and loaded.extra == {}
+    state["format"] = "fedciuic-checkpoint/9"
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="format 'fedciuic-checkpoint/9'"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_older_checkpoints_audit_position_is_a_prefix_the_log_continues(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", "aggregator", Keypair.generate("aggregator", "EU"))
+    directory = tmp_path / "checkpoint"
+    log.append("run_start", run_id=1)
+    for round_ in (1, 2, 3):
+        log.append("aggregate_published", run_id=1, server_round=round_)
+        save_checkpoint(directory, ckpt(round_, audit=log.position()), keep=3)
+    log.append("run_end", run_id=1)
+    for round_ in (1, 2, 3):
+        old = load_checkpoint(directory / f"round-{round_:04d}")
+        log.check_continues(old.audit_seq, old.audit_head)  # a prefix: fine
+    with pytest.raises(AuditError, match="no longer holds the record"):
+        log.check_continues(old.audit_seq, "b" * 64)
+
+
+def test_a_checkpoint_without_optimizer_state_resumes_only_under_none(run_config, tmp_path):
+    save_checkpoint(tmp_path, ckpt(1))  # as a fedciuic-checkpoint/1 reads: no state
+    old = load_checkpoint(tmp_path)
+    assert server_optimizer(run_config, old).name == "none"
+    adam = run_config.model_copy(
+        update={"server_optimizer": "fedadam", "resume_from": str(tmp_path)}
+    )
+    with pytest.raises(CheckpointError, match="without server optimizer state") as err:
+        server_optimizer(adam, old)
+    assert 'run config:server-optimizer: "fedadam"' in str(err.value)
+
+
+def test_resume_from_an_older_round_folder_passes_the_audit_check(run_config, tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", "aggregator", Keypair.generate("aggregator", "EU"))
+    directory = tmp_path / "run-1" / "checkpoint"
+    log.append("run_start", run_id=1)
+    for round_ in (1, 2, 3):
+        log.append("aggregate_published", run_id=1, server_round=round_)
+        save_checkpoint(directory, ckpt(round_, float(round_), audit=log.position()), keep=2)
+    assert rounds_in(directory) == ["round-0002", "round-0003"]
+    run = run_config.model_copy(
+        update={"resume_from": str(directory / "round-0002"), "num_server_rounds": 5}
+    )
+    recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
+    resumed = resume(run, "f" * 64, log, recorder)
+    assert resumed is not None and resumed.round == 2
+    np.testing.assert_array_equal(resumed.adapter["w"], 2.0)
+    gone = run.model_copy(update={"resume_from": str(directory / "round-0001")})
+    with pytest.raises(CheckpointError, match=r"kept rounds in .*: round-0002, round-0003"):
+        resume(gone, "f" * 64, log, recorder)
