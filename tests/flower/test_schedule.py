@@ -231,3 +231,42 @@ def test_tasks_keep_one_in_flight_and_stop_at_the_limit():
     assert t.send("eu", 3).task == 2
     t.done("eu")
     assert not t.can_send("eu") and t.exhausted()
+
+
+def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, tmp_path):
+    from fedciuic.rounds.aggregator_run import restore
+    from fedciuic.rounds.checkpoint import load_checkpoint
+
+    grid = OneInFlight(THREE)
+    grid.delay = {11: 1, 12: 1, 13: 3}
+    cut = buffered(run_config, tmp_path / "cut", grid, rounds=4)
+    cut.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)  # "killed" after aggregate 2
+    saved = load_checkpoint(tmp_path / "cut")
+    assert saved.round == 2 and saved.extra["version"] == 2
+    flying = saved.extra["tasks"]["in_flight"]
+    assert flying  # us (slow) was still training when the checkpoint was taken
+
+    again = OneInFlight(THREE)  # a new SuperLink: new message ids, nodes not known yet
+    resumed = buffered(run_config, tmp_path / "resumed", again, rounds=4)
+    resumed.aggregator.recorder.data.rounds = saved.rounds
+    restore(resumed.aggregator, saved)
+    resumed.start(again, protocol.pack_arrays(saved.adapter), 4, 50.0, 3)
+    a = resumed.aggregator
+    assert a.version == 4
+    kinds = [(m.metadata.dst_node_id, m.metadata.message_type) for m in again.sent]
+    first = {node: kind for node, kind in reversed(kinds)}
+    assert set(first.values()) == {MessageType.EVALUATE}  # each node says who it is first
+    trains = [
+        (m.metadata.dst_node_id, protocol.read_instruction(m).server_round)
+        for m in again.sent
+        if m.metadata.message_type == MessageType.TRAIN
+    ]
+    for region, (task, _version) in flying.items():
+        node = next(n for n, (r, _) in THREE.items() if r == region)
+        assert (node, task) == next(t for t in trains if t[0] == node)  # asked again
+    sent_before = saved.extra["tasks"]["sent"]
+    for node, (region, _) in THREE.items():
+        numbers = [t for n, t in trains if n == node]
+        assert numbers == sorted(numbers) and max(numbers, default=0) <= 4  # the noise's rounds
+        if numbers:  # numbering goes on from the checkpoint's, never from 1 again
+            assert numbers[0] == sent_before[region] + (0 if region in flying else 1)
