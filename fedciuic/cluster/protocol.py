@@ -38,9 +38,14 @@ class TrainCommand(BaseModel):
     server_round: int = 0
     seed: int = 0
     dp: bool = False
+    #: DP: exactly this many steps (rank 0 planned them); otherwise the most.
     steps: int = 0
     noise_multiplier: float = 0.0
     sample_rate: float = 0.0
+    #: Without DP: seconds of training, on rank 0's clock (0: all ``steps``).
+    time_budget: float = 0.0
+    #: test-region-slowdown's factor for this region, applied on every rank.
+    slowdown: float = 1.0
 
 
 def threads_per_rank(local_world_size: int) -> int:

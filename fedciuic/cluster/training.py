@@ -100,8 +100,11 @@ def train_rank(
             generator=torch.Generator().manual_seed(command.seed),
             optimizer=run.optimizer,
             shard=shard,
+            time_budget=command.time_budget,
+            slowdown=command.slowdown,
+            proximal_mu=run.proximal_mu,
         )
-        taken, empty, loss_sum, counted = command.steps, 0, stats.loss * command.steps, 1.0
+        taken, empty, loss_sum, counted = stats.steps, 0, stats.loss * stats.steps, 1.0
     else:
         done = private_round(
             model,
@@ -113,6 +116,7 @@ def train_rank(
             seed=command.seed,
             who=f"training process rank {shard.rank}",
             shard=shard,
+            slowdown=command.slowdown,
         )
         stats, taken, empty = done.stats, done.steps_taken, done.empty_steps
         losses = taken - empty
@@ -125,7 +129,7 @@ def train_rank(
     # holds the global batch's loss.
     loss = stats.loss if not command.dp else float(sums[0] / sums[1]) if sums[1] else float("nan")
     return ClusterStats(
-        stats=TrainStats(loss=loss, steps=command.steps, num_examples=len(examples)),
+        stats=TrainStats(loss=loss, steps=taken, num_examples=len(examples)),
         fewest_steps=int(-bounds[1]),
         most_steps=int(bounds[0]),
         empty_steps=int(sums[2]),

@@ -6,8 +6,10 @@ Pure PyTorch, no Flower: the ClientApp calls these with the region's data.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +19,13 @@ from fedciuic.data.tokenized import IGNORE
 from fedciuic.model.adapter import AdapterModel
 
 Optimizer = Literal["adamw", "sgd"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class TrainStats:
     loss: float  # mean training loss over the round's steps
-    steps: int
+    steps: int  # steps actually taken (with a local-time-budget, up to local-steps)
     num_examples: int  # examples available for training (the FedAvg weight)
 
 
@@ -54,6 +57,53 @@ def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def paced(step: Callable[[], T], slowdown: float = 1.0) -> tuple[T, float]:
+    """Run one local training step and return what it returned and its seconds.
+
+    With ``slowdown`` > 1 (run config test-region-slowdown, tests only) the step is
+    followed by a sleep of ``slowdown - 1`` times its duration, and the seconds include
+    it: every training loop and the time-budget calibration pace their steps here, so a
+    slowed region is slowed alike everywhere (docs/heterogeneity.md).
+    """
+    began = time.perf_counter()
+    result = step()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()  # the step's kernels, not just their launch
+    took = time.perf_counter() - began
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * took)
+    return result, took * max(slowdown, 1.0)
+
+
+def add_proximal_term(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float
+) -> torch.utils.hooks.RemovableHandle | None:
+    """FedProx: add ``mu * (w - w_start)`` to each parameter's gradient right before
+    ``optimizer`` updates it, ``w_start`` being the parameters now (the round's global
+    adapter); the gradient of ``(mu / 2) * ||w - w_start||^2``. None for ``mu = 0``.
+
+    A step pre-hook on the plain (inner) optimizer: under DP-SGD it runs after the
+    per-sample clipping, the noise and (DP-DDP) the sum over the ranks, so the term
+    never enters a clipped gradient: it is data-independent post-processing of the
+    privatized gradient and costs no privacy (docs/privacy.md). Remove the handle after
+    the round.
+    """
+    if mu == 0.0:
+        return None
+    anchors = [p.detach().clone() for p in params]
+
+    def hook(*_: object) -> None:
+        with torch.no_grad():
+            for param, anchor in zip(params, anchors, strict=True):
+                pull = (param - anchor).mul_(mu)
+                if param.grad is None:
+                    param.grad = pull
+                else:
+                    param.grad.add_(pull)
+
+    return optimizer.register_step_pre_hook(hook)
 
 
 @dataclass(frozen=True)
@@ -112,8 +162,19 @@ def train_local(
     generator: torch.Generator,
     optimizer: Optimizer = "adamw",
     shard: Shard = ONE_PROCESS,
+    time_budget: float = 0.0,
+    slowdown: float = 1.0,
+    proximal_mu: float = 0.0,
 ) -> TrainStats:
     """Non-private training: ``steps`` steps on batches drawn by ``generator``.
+
+    With a ``time_budget`` (seconds, > 0) ``steps`` is the cap: training stops after the
+    first step that ends past the budget (at least one step). No privacy is at stake
+    here, so the clock may decide; DP-SGD plans its count instead
+    (:func:`fedciuic.privacy.dpsgd.plan_private_steps`). Over several processes, rank
+    0's clock decides for all: its verdict rides the step's all-reduce, so every rank
+    stops after the same step. ``slowdown`` paces each step (:func:`paced`);
+    ``proximal_mu`` adds FedProx's term (:func:`add_proximal_term`).
 
     With a ``shard`` of several processes, every rank draws the same global batch (the
     generator is seeded alike) and trains on its share of it, its loss weighted by
@@ -124,8 +185,11 @@ def train_local(
     net.train()
     params = model.trainable_parameters()
     opt = make_optimizer(optimizer, params, learning_rate)
-    losses = []
-    for _ in range(steps):
+    prox = add_proximal_term(opt, params, proximal_mu)
+    deadline = time.monotonic() + time_budget if time_budget > 0 else math.inf
+
+    def one_step() -> tuple[float, bool]:
+        """The step's loss, and whether it is the round's last (rank 0's clock)."""
         size = min(batch_size, len(examples))
         index = torch.randint(0, len(examples), (size,), generator=generator)
         mine = index[shard.rank :: shard.size]
@@ -137,16 +201,30 @@ def train_local(
             value = loss.detach().reshape(1).clone()
         else:
             value = torch.zeros(1, device=model.device)
+        late = shard.rank == 0 and time.monotonic() >= deadline
         if shard.distributed:
             grads = []
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-            sum_across_ranks([*grads, value])
+            flag = torch.tensor([float(late)], device=model.device)
+            sum_across_ranks([*grads, value, flag])
+            late = bool(flag.item() > 0)
         opt.step()
-        losses.append(float(value))
-    return TrainStats(loss=sum(losses) / len(losses), steps=steps, num_examples=len(examples))
+        return float(value), late
+
+    losses: list[float] = []
+    try:
+        while len(losses) < steps:
+            (loss, late), _ = paced(one_step, slowdown)
+            losses.append(loss)
+            if late or (not shard.distributed and time.monotonic() >= deadline):
+                break
+    finally:
+        if prox is not None:
+            prox.remove()
+    return TrainStats(loss=sum(losses) / len(losses), steps=len(losses), num_examples=len(examples))
 
 
 @torch.no_grad()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -32,8 +34,10 @@ from fedciuic.model.train import (
     Optimizer,
     Shard,
     TrainStats,
+    add_proximal_term,
     lm_loss,
     make_optimizer,
+    paced,
     shifted_logits,
     sum_across_ranks,
 )
@@ -221,6 +225,7 @@ class PrivateTrainer:
         seed: int | None = None,
         optimizer: Optimizer = "adamw",
         shard: Shard = ONE_PROCESS,
+        proximal_mu: float = 0.0,
     ) -> None:
         """``seed`` makes noise and sampling reproducible, and predictable to whoever
         knows it: only for tests (run config ``insecure-reproducible-noise``), and
@@ -261,6 +266,10 @@ class PrivateTrainer:
         # Opacus Poisson-samples the units' numbers; each step then gathers their examples.
         loader = DataLoader(TensorDataset(torch.arange(self.units.count)), batch_size=batch_size)
         opt = make_optimizer(optimizer, model.trainable_parameters(), learning_rate)
+        # FedProx on the inner optimizer: after clipping, noise and the sum over ranks.
+        prox = add_proximal_term(opt, model.trainable_parameters(), proximal_mu)
+        if prox is not None:
+            self._stack.callback(prox.remove)
         model.model.train()
         made: Any = engine.make_private(
             module=model.model,
@@ -297,6 +306,8 @@ class PrivateTrainer:
             self.loader = _ShardSampler(
                 shard, self.units.count, self.sample_rate, len(loader), sample_gen
             )
+        self.max_examples_per_unit = max_examples_per_unit
+        self.batch_size = batch_size
         #: DP-SGD steps taken (each one noised, empty batches included), and how many
         #: of them had an empty Poisson batch.
         self.steps_taken = 0
@@ -330,6 +341,7 @@ class PrivateTrainer:
             seed=seed if run.insecure_reproducible_noise else None,
             optimizer=run.optimizer,
             shard=shard,
+            proximal_mu=run.proximal_mu,
         )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
@@ -349,6 +361,12 @@ class PrivateTrainer:
     def step(self, units: torch.Tensor) -> float:
         """One DP-SGD step on the sampled ``units``; returns the batch loss."""
         batch, owners = self.gather(units)
+        return self._step_batch(batch, owners, units.shape[0])
+
+    def _step_batch(self, batch: Batch, owners: torch.Tensor, count: int) -> float:
+        """One DP-SGD step on ``batch``, whose examples belong to ``count`` units
+        (``owners``: each example's unit): per-sample gradients, per-unit clipping,
+        noise and the optimizer's update. Real and calibration steps both come here."""
         batch = batch.to(self.model.device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.criterion is not None:  # ghost clipping: Opacus runs both backward passes
@@ -359,10 +377,44 @@ class PrivateTrainer:
         else:
             loss = lm_loss(self.net, batch)
         loss.backward()
-        if self.criterion is None and len(owners) > units.shape[0]:
-            self._per_unit_gradients(owners.to(self.model.device), units.shape[0])
+        if self.criterion is None and len(owners) > count:
+            self._per_unit_gradients(owners.to(self.model.device), count)
         self.optimizer.step()
         return float(loss.detach())
+
+    def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor, int]:
+        """A synthetic batch of the largest shape a step plans for, from public sizes
+        alone: batch-size units (at most the dataset's units, whose count the sample rate
+        already makes public) of max-examples-per-unit examples each (one with ghost
+        clipping), at most the dataset's examples (sent as the FedAvg weight), each of
+        ``seq_len`` random tokens, all labelled. Not clamped to the largest unit's size:
+        that is private (how many records one user has)."""
+        count = max(1, min(self.batch_size, self.units.count))
+        per_unit = 1 if self.mode == "ghost" else self.max_examples_per_unit
+        total = max(count, min(count * per_unit, len(self.examples)))
+        vocab = int(self.model.model.get_input_embeddings().num_embeddings)
+        ids = torch.randint(0, vocab, (total, seq_len), generator=torch.Generator().manual_seed(0))
+        return Batch.of_ids(ids), torch.arange(total) % count, count
+
+    def time_step(self, seq_len: int, slowdown: float = 1.0, tries: int = 2) -> float:
+        """Seconds of one full DP-SGD step (the faster of ``tries``; the first warms up)
+        on :meth:`worst_batch`, paced by ``slowdown`` as the round's steps are. The
+        adapters are restored and the optimizer's state dropped after: no trace is
+        left, and no private record is read."""
+        params = self.optimizer.params
+        saved = [p.detach().clone() for p in params]
+        batch, owners, count = self.worst_batch(seq_len)
+        try:
+            return min(
+                paced(partial(self._step_batch, batch, owners, count), slowdown)[1]
+                for _ in range(tries)
+            )
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.original_optimizer.state.clear()
+            with torch.no_grad():
+                for param, value in zip(params, saved, strict=True):
+                    param.copy_(value)
 
     def _per_unit_gradients(self, owners: torch.Tensor, count: int) -> None:
         """Replace each parameter's per-example gradients by their mean per unit, so that
@@ -390,9 +442,11 @@ class PrivateTrainer:
                 param.grad_sample = param.new_zeros((0, *param.shape))
         self.optimizer.step()
 
-    def run(self, steps: int) -> TrainStats:
+    def run(self, steps: int, slowdown: float = 1.0) -> TrainStats:
         """``steps`` DP-SGD steps on Poisson-sampled batches; an empty batch takes a
-        noise-only step (:meth:`noise_step`), as the accountant assumes."""
+        noise-only step (:meth:`noise_step`), as the accountant assumes. Exactly
+        ``steps``, never cut short by a clock (a stop that depends on the sampled records
+        is not what the ledger accounts); ``slowdown`` paces each (:func:`paced`)."""
         losses: list[float] = []
         done = 0
         while done < steps:
@@ -400,14 +454,14 @@ class PrivateTrainer:
                 if done == steps:
                     break
                 if units.shape[0] == 0:
-                    self.noise_step()
+                    paced(self.noise_step, slowdown)
                     self.empty_steps += 1
                 else:
-                    losses.append(self.step(units))
+                    losses.append(paced(partial(self.step, units), slowdown)[0])
                 done += 1
                 self.steps_taken += 1
         mean = sum(losses) / len(losses) if losses else float("nan")
-        return TrainStats(loss=mean, steps=steps, num_examples=len(self.examples))
+        return TrainStats(loss=mean, steps=self.steps_taken, num_examples=len(self.examples))
 
     def close(self) -> None:
         """Remove Opacus' hooks and per-sample buffers from the model."""
@@ -443,6 +497,7 @@ def private_round(
     seed: int,
     who: str,
     shard: Shard = ONE_PROCESS,
+    slowdown: float = 1.0,
 ) -> PrivateRound:
     """``steps`` DP-SGD steps with the run's settings, as the ledger accounts them: a
     trainer that would sample at another rate than ``sample_rate`` is refused before
@@ -456,7 +511,39 @@ def private_round(
                 f"{who}: the trainer samples at rate {trainer.sample_rate:g}, the ledger "
                 f"would account {sample_rate:g}; nothing was trained or sent"
             )
-        stats = trainer.run(steps)
+        stats = trainer.run(steps, slowdown)
     finally:
         trainer.close()
     return PrivateRound(stats, trainer.steps_taken, trainer.empty_steps)
+
+
+def plan_private_steps(
+    model: AdapterModel,
+    examples: ExampleSet,
+    run: RunConfig,
+    *,
+    noise_multiplier: float,
+    slowdown: float = 1.0,
+) -> int:
+    """How many DP-SGD steps this round takes: local-steps, or with a local-time-budget
+    as many as fit in it (1 to local-steps), planned before the first private step.
+
+    The count comes from timing a full DP-SGD step on a synthetic batch of the worst
+    shape (:meth:`PrivateTrainer.time_step`, on a trainer of its own that is then
+    dropped), so it depends on the hardware, its load and the config, never on which
+    records are sampled. Stopping on the clock instead would make the step count an
+    adaptive function of the private data, which composition accounting does not
+    cover (docs/privacy.md). The budget covers the training steps; this calibration
+    (two steps) comes on top of it.
+    """
+    if run.local_time_budget <= 0:
+        return run.local_steps
+    trainer = PrivateTrainer.for_run(
+        model, examples, run, noise_multiplier=noise_multiplier, seed=0
+    )
+    try:
+        seconds = trainer.time_step(run.seq_len, slowdown)
+    finally:
+        trainer.close()
+    fits = math.floor(run.local_time_budget / seconds) if seconds > 0 else run.local_steps
+    return max(1, min(run.local_steps, fits))

@@ -32,7 +32,7 @@ from fedciuic.data.corpus import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.train import EvalStats, TrainStats, evaluate, train_local
-from fedciuic.privacy.dpsgd import private_round, warn_once
+from fedciuic.privacy.dpsgd import plan_private_steps, private_round, warn_once
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     BudgetExhausted,
@@ -151,6 +151,11 @@ class Region:
         self._cluster: TrainingCluster | None = None
 
     @property
+    def slowdown(self) -> float:
+        """How many times slower this region trains (test-region-slowdown; tests only)."""
+        return self.run.slowdown(self.name)
+
+    @property
     def processes(self) -> int:
         """How many processes train this region's rounds (node config wins)."""
         return self.node.processes(self.run)
@@ -206,18 +211,28 @@ class Region:
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
         privacy = None
-        if not self.run.dp and self.processes > 1:
-            command = TrainCommand(server_round=server_round, seed=seed, steps=self.run.local_steps)
+        run = self.run
+        if not run.dp and self.processes > 1:
+            command = TrainCommand(
+                server_round=server_round,
+                seed=seed,
+                steps=run.local_steps,
+                time_budget=run.local_time_budget,
+                slowdown=self.slowdown,
+            )
             stats = self._train_cluster(command).stats
-        elif not self.run.dp:
+        elif not run.dp:
             stats = train_local(
                 self.model,
                 self.data.train,
-                steps=self.run.local_steps,
-                batch_size=self.run.batch_size,
-                learning_rate=self.run.learning_rate,
+                steps=run.local_steps,
+                batch_size=run.batch_size,
+                learning_rate=run.learning_rate,
                 generator=torch.Generator().manual_seed(seed),
-                optimizer=self.run.optimizer,
+                optimizer=run.optimizer,
+                time_budget=run.local_time_budget,
+                slowdown=self.slowdown,
+                proximal_mu=run.proximal_mu,
             )
         else:
             stats, privacy = self._train_private(server_round, run_id, seed, max_run_epsilon)
@@ -253,7 +268,9 @@ class Region:
         return self.node.state_dir / LEDGER_FILE
 
     def privacy_step(self) -> Step:
-        """This run's per-round step: calibrated noise, Poisson rate, local steps."""
+        """This run's per-round step at its most: calibrated noise, Poisson rate,
+        local-steps. The budget checks before a round use it (the worst case); with a
+        local-time-budget the ledger records the steps actually taken."""
         run, n = self.run, self.data.train.num_units
         if run.target_delta >= 1.0 / n:
             raise PrivacyError(
@@ -351,18 +368,27 @@ class Region:
                     f"{cap_reason}; nothing was trained or sent"
                 )
             reproducible = run.insecure_reproducible_noise
-            stats, taken = self._train_dp(server_round, seed, step)
-            if taken != (step[2], step[2]):
+            # With a local-time-budget: as many steps as fit, planned before the first
+            # private step from a synthetic one (never a clock stop: docs/privacy.md).
+            planned = plan_private_steps(
+                self.model, self.data.train, run, noise_multiplier=step[0], slowdown=self.slowdown
+            )
+            released: Step = (step[0], step[1], planned)
+            stats, taken = self._train_dp(server_round, seed, released)
+            if taken != (planned, planned) or stats.steps != planned:
                 raise PrivacyError(
                     f"region {self.name}: {taken[0]} to {taken[1]} DP-SGD steps were taken "
-                    f"(over {self.processes} training process(es)), {step[2]} would be "
-                    "accounted; the update is not released"
+                    f"(over {self.processes} training process(es)), {planned} were planned "
+                    "and would be accounted; the update is not released"
                 )
+            if planned != step[2]:  # fewer steps than the worst case checked: less epsilon
+                after = ledger.epsilon_after(released)
+                run_after = ledger.run_epsilon_after(run_id, released)
             ledger.append(
                 ledger.new_record(
                     run_id=run_id,
                     server_round=server_round,
-                    step=step,
+                    step=released,
                     max_grad_norm=run.max_grad_norm,
                     secure_mode=run.secure_mode,
                     epsilon=after,
@@ -400,6 +426,7 @@ class Region:
                 steps=step[2],
                 noise_multiplier=step[0],
                 sample_rate=step[1],
+                slowdown=self.slowdown,
             )
             done = self._train_cluster(command)
             return done.stats, (done.fewest_steps, done.most_steps)
@@ -412,6 +439,7 @@ class Region:
             steps=step[2],
             seed=seed,
             who=f"region {self.name}",
+            slowdown=self.slowdown,
         )
         return ran.stats, (ran.steps_taken, ran.steps_taken)
 

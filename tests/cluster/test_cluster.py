@@ -179,6 +179,28 @@ def test_the_ledger_accounts_the_global_batch(
     assert a.epsilon == pytest.approx(b.epsilon, rel=1e-9)
 
 
+def test_a_time_budget_is_planned_on_rank_0_for_every_rank(
+    pair: Region, run: RunConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DP: rank 0 plans one step (nothing fits the budget) and sends the count; both
+    # ranks take it, and the ledger records it. The noise stays calibrated for 2.
+    monkeypatch.setattr(pair, "run", run.model_copy(update={"local_time_budget": 1e-9}))
+    adapter = pair.model.adapter_state()
+    fingerprint = pair.model.base_fingerprint
+    out = pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=9)
+    pair.model.load_adapter_state(adapter)
+    record = PrivacyLedger.load(pair.ledger_path).rounds[-1]
+    assert (record.run_id, record.steps) == (9, 1) and out.stats.steps == 1
+    assert record.noise_multiplier == pair.privacy_step()[0]
+
+
+def test_without_dp_rank_0s_clock_stops_every_rank(pair: Region) -> None:
+    start = pair.model.adapter_state()
+    done = pair._train_cluster(TrainCommand(steps=5, seed=5, time_budget=1e-9))
+    pair.model.load_adapter_state(start)
+    assert done.stats.steps == done.fewest_steps == done.most_steps == 1
+
+
 def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
     pair: Region, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,3 +296,39 @@ def test_errors_name_where_the_count_was_set(run: RunConfig, data_root: Path) ->
     counted = node.model_copy(update={"train_processes": 2})
     assert processes_key(simulated, counted) == "run config:region-train-processes"
     assert processes_key(run, counted) == "node config:train-processes"
+
+
+def test_fedprox_over_two_processes_is_fedprox_in_one(
+    pair: Region, run: RunConfig, data_root: Path, tmp_path: Path
+) -> None:
+    # The term joins after the all-reduce, once per step on each rank: counted twice
+    # (or summed over the ranks) the second step would differ from one process's.
+    pair.close()  # a process is in one world at a time (the pair starts again if used)
+    prox = run.model_copy(update={"proximal_mu": 3.0})
+    region = make_region(prox, data_root, tmp_path, 2)
+    try:
+        start = region.model.adapter_state()
+        region._train_cluster(dp_command(region, noise_multiplier=0.0))
+        two = region.model.adapter_state()
+    finally:
+        pids = worker_pids(region)
+        region.close()
+    assert not [pid for pid in pids if alive(pid)]
+    after = {}
+    for mu in (3.0, 0.0):
+        region.model.load_adapter_state(start)
+        trainer = PrivateTrainer.for_run(
+            region.model,
+            region.data.train,
+            run.model_copy(update={"proximal_mu": mu}),
+            noise_multiplier=0.0,
+            seed=3,
+        )
+        try:
+            trainer.run(2)
+        finally:
+            trainer.close()
+        after[mu] = region.model.adapter_state()
+    for name in start:
+        np.testing.assert_allclose(two[name], after[3.0][name], atol=2e-6)
+    assert any(np.abs(after[3.0][k] - after[0.0][k]).max() > 1e-4 for k in start)
