@@ -138,7 +138,7 @@ class RegionalFedAvg(FedAvg):
             for sent, message in courier.pull():
                 answered.add(sent.node)
                 if sent.kind == kind and sent.server_round == server_round:
-                    mine.append(Unread(sent.node, partial(protocol.read_reply, message)))
+                    mine.append(Unread(sent.node, partial(protocol.read_reply, message, sent.node)))
                     waiting.discard(sent.node)
                 else:
                     other.append((sent, message))
@@ -170,7 +170,7 @@ class RegionalFedAvg(FedAvg):
         for sent, message in late:
             if sent.task is None or into is None:
                 continue
-            arrival = Unread(sent.node, partial(protocol.read_reply, message))
+            arrival = Unread(sent.node, partial(protocol.read_reply, message, sent.node))
             self.aggregator.judge_train(server_round, arrival, sent.task, into)
 
     def _sync_round(self, courier: Courier, grid: Grid, server_round: int) -> None:
@@ -276,7 +276,7 @@ class RegionalFedAvg(FedAvg):
                     self._carried = pulled[i:]  # the next aggregate's, against the new version
                     break
                 heard.add(sent.node)
-                arrival = Unread(sent.node, partial(protocol.read_reply, message))
+                arrival = Unread(sent.node, partial(protocol.read_reply, message, sent.node))
                 if sent.task is None:  # an evaluation: how a new node says who it is
                     a.evaluate(server_round, [arrival], overall=False)
                     continue

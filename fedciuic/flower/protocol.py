@@ -257,10 +257,13 @@ def region_reply(reply: RegionReply) -> RecordDict:
     return content
 
 
-def read_reply(message: Message) -> Reply:
+def read_reply(message: Message, node_id: int | None = None) -> Reply:
     """Unpack a Flower reply into the plain :class:`Reply` (``rounds.wire`` validates
-    its fields); a Flower error (the region's process failed) is a ``failed`` reply."""
-    node_id = message.metadata.src_node_id
+    its fields); a Flower error (the region's process failed) is a ``failed`` reply.
+    ``node_id``: the node the answered message went to, when known. An error the
+    SuperLink writes itself (the node stopped sending heartbeats) names the SuperLink
+    as its source, not the node."""
+    node_id = message.metadata.src_node_id if node_id is None else node_id
     if message.has_error():
         return failed(node_id, "", message.error.reason or "unknown error")
     content = message.content

@@ -212,7 +212,14 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
     assert data["run"]["status"] == "completed"
     train = data["rounds"]["1"]["train"]
     assert train["eu"]["status"] == train["cn"]["status"] == "trained"
-    assert train["us"] == {"status": "failed", "reason": "no reply within round-timeout (90s)"}
+    # Failed under its region's name: Flower's own error once the node's heartbeats stop
+    # (usually well before round-timeout), or no reply within round-timeout.
+    assert train["us"]["status"] == "failed", train["us"]
+    reason = train["us"]["reason"]
+    assert reason == "no reply within round-timeout (90s)" or reason.startswith(
+        "Error: Node Unavailable"
+    ), train
+    assert sorted(train) == ["cn", "eu", "us"]
     aggregate = data["rounds"]["1"]["aggregate"]
     assert aggregate["published"] and sorted(aggregate["regions"]) == ["cn", "eu"]
     assert took < 400, f"the run took {took:.0f}s"

@@ -411,3 +411,49 @@ def test_the_realistic_preset_trains_one_sealed_dp_round(tmp_path):
         assert entry["upload_bytes"] > 10_000  # a real update, sealed
     assert done.stdout.count("audit: OK: ") == 3, done.stdout
     assert not processes_under(tmp_path)
+
+
+def test_a_buffered_run_with_a_slow_region_time_budgets_and_fedadam(tmp_path):
+    """Real Flower processes with the heterogeneity settings together: buffered
+    aggregation (K = 2 of 3 regions), us made 4x slower under a local time budget,
+    fedadam on the server, two checkpoints kept (docs/heterogeneity.md)."""
+    settings = (
+        "aggregation-mode='buffered' buffer-size=2 max-staleness=8 "
+        "test-region-slowdown='us=4' local-steps=20 local-time-budget=1.5 "
+        "server-optimizer='fedadam' server-learning-rate=0.01 keep-checkpoints=2"
+    )
+    done = simulate(tmp_path, "--rounds", "3", "--run-config", settings)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    steps: dict[str, list[int]] = {"eu": [], "cn": [], "us": []}
+    for n in ("1", "2", "3"):
+        rnd = data["rounds"][n]
+        aggregate = rnd["aggregate"]
+        assert aggregate["published"] and aggregate["version"] == int(n), aggregate
+        assert len(aggregate["regions"]) >= 2  # K = 2; one update per region
+        for region, entry in rnd["train"].items():
+            if entry["status"] == "trained":
+                assert entry["global_version"] + entry["staleness"] == int(n) - 1
+                steps[region].append(entry["steps"])
+    assert steps["us"] and steps["eu"]
+    # the same budget buys the slowed region fewer steps: 1 <= us < eu <= local-steps
+    assert max(steps["us"]) < min(steps["eu"]) <= 20, steps
+    assert "steps/round" in done.stdout
+    # every region evaluated the final adapter
+    assert {"eu", "cn", "us", "overall"} <= set(data["rounds"]["3"]["eval"])
+    run_dir = Path(data["run"]["output_dir"])
+    kept = sorted(p.name for p in (run_dir / "checkpoint").glob("round-*"))
+    assert kept == ["round-0002", "round-0003"]
+    state = json.loads((run_dir / "checkpoint" / "round-0003" / "state.json").read_text())
+    assert state["optimizer"]["name"] == "fedadam" and state["optimizer"]["steps"] == 3
+    assert state["extra"]["version"] == 3
+    (workdir,) = (tmp_path / "runs" / ".flower").iterdir()
+    records = [
+        json.loads(line)
+        for line in (workdir / "audit" / "aggregator.audit.jsonl").read_text().splitlines()
+    ]
+    accepted = [r["details"] for r in records if r["event"] == "update_accepted"]
+    assert accepted and all("global_version" in d and "staleness" in d for d in accepted)
+    left = processes_under(tmp_path)
+    assert not left, "simulate left processes running:\n" + describe(left)
