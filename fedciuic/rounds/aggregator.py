@@ -453,7 +453,7 @@ class AggregatorRound:
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self._settle(reply, sender)
-        self._note_arrival(server_round, reply, sender or reply.region)
+        self._note_arrival(server_round, task, reply, sender or reply.region)
         update, metrics, info, header = self._open(reply, task.round, sender)
         if staleness > self.max_staleness:
             raise ImplausibleUpdate(
@@ -734,8 +734,10 @@ class AggregatorRound:
                 server_round=server_round,
             )
 
-    def _note_arrival(self, server_round: int, reply: Reply, region: str) -> None:
-        """What crossed the relay, as received: its digest is what the region logged."""
+    def _note_arrival(self, server_round: int, task: Task, reply: Reply, region: str) -> None:
+        """What crossed the relay, as received: its digest is what the region logged,
+        under the round the region sent it for (a buffered region's own task number;
+        ``aggregate`` then names the aggregate it arrived in)."""
         if reply.envelope is not None:
             data, suite = reply.envelope, "sealed"
         elif reply.arrays and UPDATE in reply.arrays:
@@ -743,13 +745,14 @@ class AggregatorRound:
         else:
             return
         self._note(
-            server_round,
+            task.round,
             RECEIVED_EVENT,
             region=region,
             digest=digest(data),
             bytes=len(data),
             suite=suite,
             sender_key_id=reply.info.get(KEY_ID, ""),
+            **({"aggregate": server_round} if task.round != server_round else {}),
         )
 
     def _note_outcome(self, server_round: int, judged: Judged, entry: dict[str, Any]) -> None:

@@ -417,12 +417,19 @@ def test_a_buffered_run_with_a_slow_region_time_budgets_and_fedadam(tmp_path):
     """Real Flower processes with the heterogeneity settings together: buffered
     aggregation (K = 2 of 3 regions), us made 4x slower under a local time budget,
     fedadam on the server, two checkpoints kept (docs/heterogeneity.md)."""
-    settings = (
-        "aggregation-mode='buffered' buffer-size=2 max-staleness=8 "
-        "test-region-slowdown='us=4' local-steps=20 local-time-budget=1.5 "
-        "server-optimizer='fedadam' server-learning-rate=0.01 keep-checkpoints=2"
-    )
-    done = simulate(tmp_path, "--rounds", "3", "--run-config", settings)
+    settings = [
+        "aggregation-mode='buffered'",
+        "buffer-size=2",
+        "max-staleness=8",
+        "test-region-slowdown='us=4'",
+        "local-steps=20",
+        "local-time-budget=1.5",
+        "server-optimizer='fedadam'",
+        "server-learning-rate=0.01",
+        "keep-checkpoints=2",
+    ]
+    flags = [arg for setting in settings for arg in ("--run-config", setting)]
+    done = simulate(tmp_path, "--rounds", "3", *flags)
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
