@@ -157,21 +157,27 @@ class RegionalFedAvg(FedAvg):
         arrivals, late, heard = self._collect(
             courier, asked, MessageType.EVALUATE, server_round, self.timeout
         )
-        self._late(server_round, late, None)
+        self._carried += late  # updates among them count in the next round
         self.aggregator.evaluate(server_round, arrivals)
         return heard
 
     def _late(
-        self, server_round: int, late: list[tuple[Sent, Message]], into: Collecting | None
+        self,
+        server_round: int,
+        late: list[tuple[Sent, Message]],
+        into: Collecting,
+        *,
+        after_end: bool = False,
     ) -> None:
-        """Replies to earlier messages: an update is judged (against the version it was
-        computed from) into this round's aggregate, when there is one; anything else
-        only showed that its node is alive."""
+        """Updates that answer earlier messages, judged (against the version they were
+        computed from) into this round's aggregate, or, ``after_end``, recorded as
+        arrived and refused: the run has no aggregate left for them. Every update that
+        arrives is logged as received, so the regions' and the aggregator's logs agree."""
         for sent, message in late:
-            if sent.task is None or into is None:
+            if sent.task is None:  # a late evaluation only showed that its node is alive
                 continue
             arrival = Unread(sent.node, partial(protocol.read_reply, message, sent.node))
-            self.aggregator.judge_train(server_round, arrival, sent.task, into)
+            self.aggregator.judge_train(server_round, arrival, sent.task, into, after_end=after_end)
 
     def _sync_round(self, courier: Courier, grid: Grid, server_round: int) -> None:
         """Every connected region with nothing in flight trains from the current global
@@ -191,6 +197,7 @@ class RegionalFedAvg(FedAvg):
             courier, asked, MessageType.TRAIN, server_round, self.timeout
         )
         into = a.collecting()
+        late, self._carried = self._carried + late, []
         self._late(server_round, late, into)
         for arrival in arrivals:
             a.judge_train(server_round, arrival, task, into)
@@ -367,5 +374,8 @@ class RegionalFedAvg(FedAvg):
             log(INFO, "[END] evaluating the final adapter in every region")
             final = protocol.pack_arrays(a.global_adapter)
             self._evaluate(courier, grid, num_rounds, final, sorted(grid.get_node_ids()))
+        late, self._carried = self._carried, []
+        self._late(num_rounds, late, a.collecting(), after_end=True)
+        if a.buffered or late:
             a.end(num_rounds)
         return protocol.pack_arrays(a.global_adapter)

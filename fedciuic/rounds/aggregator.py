@@ -361,9 +361,18 @@ class AggregatorRound:
             self.judge_train(server_round, item, task, into)
         return TrainResult(into.judged, self.publish(server_round, into))
 
-    def judge_train(self, server_round: int, item: Arrival, task: Task, into: Collecting) -> Judged:
+    def judge_train(
+        self,
+        server_round: int,
+        item: Arrival,
+        task: Task,
+        into: Collecting,
+        *,
+        after_end: bool = False,
+    ) -> Judged:
         """Judge one training reply to ``task``, record it under ``server_round`` (the
-        aggregate it may join) and, when accepted, add it to ``into``."""
+        aggregate it may join) and, when accepted, add it to ``into``. ``after_end``:
+        the run's last aggregate is out; the update is logged as received and refused."""
         codec = self.run.codec
         bounds = Bounds(
             self.run.max_update_norm,
@@ -376,7 +385,7 @@ class AggregatorRound:
 
         def judge(reply: Reply, sender: str | None) -> Judged:
             return self._judge_train(
-                server_round, reply, sender, codec, into.n, bounds, task, staleness
+                server_round, reply, sender, codec, into.n, bounds, task, staleness, after_end
             )
 
         judged = self._guarded(server_round, item, judge, signed_round=task.round)
@@ -448,12 +457,17 @@ class AggregatorRound:
         bounds: Bounds,
         task: Task,
         staleness: int,
+        after_end: bool = False,
     ) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self._settle(reply, sender)
         self._note_arrival(server_round, task, reply, sender or reply.region)
+        if after_end:
+            raise ImplausibleUpdate(
+                f"arrived after the run's last aggregate (round {server_round}); not used"
+            )
         update, metrics, info, header = self._open(reply, task.round, sender)
         if staleness > self.max_staleness:
             raise ImplausibleUpdate(

@@ -270,3 +270,20 @@ def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, 
         assert numbers == sorted(numbers) and max(numbers, default=0) <= 4  # the noise's rounds
         if numbers:  # numbering goes on from the checkpoint's, never from 1 again
             assert numbers[0] == sent_before[region] + (0 if region in flying else 1)
+
+
+def test_an_update_arriving_after_the_last_aggregate_is_logged_and_refused(
+    run_config, tmp_path
+):
+    grid = OneInFlight(THREE)
+    grid.delay = {11: 1, 12: 1, 13: 6}  # us answers only after the last aggregate
+    audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
+    s = buffered(run_config, tmp_path, grid, rounds=2)
+    s.aggregator.audit = audit
+    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
+    us = s.aggregator.recorder.data.rounds[2].train["us"]
+    assert us.status == "rejected" and "after the run's last aggregate" in (us.reason or "")
+    events = [json.loads(line) for line in audit.path.read_text().splitlines()]
+    received = [e for e in events if e["event"] == "update_received"]
+    assert "us" in {e["details"]["region"] for e in received}  # the logs agree it arrived
+    assert [e["round"] for e in received if e["details"]["region"] == "us"] == [1]  # its task
