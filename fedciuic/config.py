@@ -63,6 +63,19 @@ CodecSpec = Annotated[
 ]
 
 
+#: Run-config fields written as ``"eu=2,us=1"``: an example, each number's type and range.
+REGION_TABLES: dict[str, tuple[str, type[int] | type[float], float, float, str]] = {
+    "region_train_processes": (
+        "eu=2,us=1",
+        int,
+        1,
+        1024,
+        "a region's count of training processes",
+    ),
+    "test_region_slowdown": ("us=4", float, 1, 1000, "a slowdown factor (tests only)"),
+}
+
+
 def _kebab(name: str) -> str:
     return name.replace("_", "-")
 
@@ -277,61 +290,39 @@ class RunConfig(_Strict):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value
 
-    @field_validator("region_train_processes", mode="before")
+    @field_validator("region_train_processes", "test_region_slowdown", mode="before")
     @classmethod
-    def _split_processes(cls, value: Any) -> Any:
+    def _split_region_table(cls, value: Any, info: ValidationInfo) -> Any:
+        """``"eu=2,us=1"`` as (region, number) pairs."""
         if not isinstance(value, str):
             return value
-        table: list[tuple[str, int]] = []
-        for item in filter(None, (part.strip() for part in value.split(","))):
-            region, sep, count = item.partition("=")
-            if not sep or not count.strip().isdigit():
-                raise ValueError(f'{item!r} is not REGION=COUNT; write it as "eu=2,us=1"')
-            table.append((region.strip(), int(count)))
-        return tuple(table)
-
-    @field_validator("region_train_processes")
-    @classmethod
-    def _check_processes(
-        cls, value: tuple[tuple[str, int], ...], info: ValidationInfo
-    ) -> tuple[tuple[str, int], ...]:
-        regions = info.data.get("regions", ())
-        unknown = [r for r, _ in value if r not in regions]
-        if unknown:
-            raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
-        small = [r for r, n in value if not 1 <= n <= 1024]
-        if small:
-            raise ValueError(f"{small}: a region runs 1 to 1024 training processes")
-        return value
-
-    @field_validator("test_region_slowdown", mode="before")
-    @classmethod
-    def _split_slowdown(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
+        example, kind, *_ = REGION_TABLES[info.field_name or ""]
         table: list[tuple[str, float]] = []
         for item in filter(None, (part.strip() for part in value.split(","))):
-            region, sep, factor = item.partition("=")
+            region, sep, number = item.partition("=")
             try:
-                table.append((region.strip(), float(factor)))
+                table.append((region.strip(), kind(number.strip())))
             except ValueError:
                 sep = ""
             if not sep:
-                raise ValueError(f'{item!r} is not REGION=FACTOR; write it as "us=4"') from None
+                raise ValueError(
+                    f"{item!r} is not REGION={kind.__name__.upper()}; write it as {example!r}"
+                ) from None
         return tuple(table)
 
-    @field_validator("test_region_slowdown")
+    @field_validator("region_train_processes", "test_region_slowdown")
     @classmethod
-    def _check_slowdown(
+    def _check_region_table(
         cls, value: tuple[tuple[str, float], ...], info: ValidationInfo
     ) -> tuple[tuple[str, float], ...]:
         regions = info.data.get("regions", ())
         unknown = [r for r, _ in value if r not in regions]
         if unknown:
             raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
-        bad = [r for r, f in value if not 1 <= f <= 1000]
+        _, _, low, high, what = REGION_TABLES[info.field_name or ""]
+        bad = [r for r, n in value if not low <= n <= high]
         if bad:
-            raise ValueError(f"{bad}: a slowdown factor is 1 to 1000 (tests only)")
+            raise ValueError(f"{bad}: {what} is {low:g} to {high:g}")
         return value
 
     @field_validator("buffer_size")

@@ -97,7 +97,7 @@ def test_slowdown_names_known_regions_and_factors():
         {**app_config(), "test-region-slowdown": "us=4"}, source="run config"
     )
     assert (run.slowdown("us"), run.slowdown("eu")) == (4.0, 1.0)
-    for bad, says in (("sg=2", "not regions"), ("us=0.5", "1 to 1000"), ("us", "REGION=FACTOR")):
+    for bad, says in (("sg=2", "not regions"), ("us=0.5", "1 to 1000"), ("us", "REGION=FLOAT")):
         with pytest.raises(ConfigError, match=f"run config:test-region-slowdown: .*{says}"):
             RunConfig.from_user_config(
                 {**app_config(), "test-region-slowdown": bad}, source="run config"
