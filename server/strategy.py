@@ -306,6 +306,20 @@ class RegionalFedAvg(FedAvg):
         a.heard(server_round, heard | working)
         a.end(server_round)
 
+    def _drain(self, courier: Courier) -> None:
+        """Buffered mode's end: wait (up to round-timeout) for the updates still in
+        flight from available regions, so that each is logged as received (and refused:
+        no aggregate is left) rather than sent by the region and never heard of."""
+        deadline = self.clock() + self.timeout
+        while self.clock() < deadline:
+            self._carried += courier.pull()
+            if not any(
+                s.task is not None and self.aggregator.waits_for(s.node)
+                for s in courier.in_flight.values()
+            ):
+                return
+            courier.wait()
+
     def _can_dispatch(self, nodes: list[int], courier: Courier, contributed: set[str]) -> bool:
         """Whether some idle node could still be sent something in this aggregate."""
         a = self.aggregator
@@ -374,6 +388,7 @@ class RegionalFedAvg(FedAvg):
             log(INFO, "[END] evaluating the final adapter in every region")
             final = protocol.pack_arrays(a.global_adapter)
             self._evaluate(courier, grid, num_rounds, final, sorted(grid.get_node_ids()))
+            self._drain(courier)
         late, self._carried = self._carried, []
         self._late(num_rounds, late, a.collecting(), after_end=True)
         if a.buffered or late:
