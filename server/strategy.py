@@ -5,7 +5,13 @@ per-reply boundary), results packed, and Flower's own concerns:
 
 * waiting for regions to connect has a deadline (``node-wait-timeout``), so a run
   that expects more regions than exist stops with a message instead of hanging;
-* a node asked this round that does not answer within round-timeout is a failed reply;
+* messages go through a :class:`~fedciuic.flower.courier.Courier`: pushed once,
+  pulled whenever their reply comes, at most one in flight per node, so a late reply
+  is still judged (and logged) and a slow region is never sent a second task;
+* a node asked this round that does not answer within round-timeout is a failed
+  reply; a region that misses max-missed-rounds in a row is no longer waited for;
+* ``aggregation-mode = "buffered"``: FedBuff's loop instead of rounds
+  (docs/heterogeneity.md);
 * every region evaluates the initial adapter before round 1, so the run reports
   eval loss before and after training.
 """
@@ -52,7 +58,8 @@ class RegionalFedAvg(FedAvg):
         #: interface (aggregate_train/aggregate_evaluate with a round's replies at once).
         self._asked: list[int] = []
         self._waited = False
-        #: Buffered mode: replies pulled after an aggregate filled, for the next one.
+        #: Replies pulled but not yet judged: after a buffered aggregate filled, or
+        #: updates that arrived during an evaluation; the next aggregate takes them.
         self._carried: list[tuple[Sent, Message]] = []
 
     def wait_for_regions(self, grid: Grid) -> list[int]:
