@@ -140,10 +140,10 @@ class RunConfig(_Strict):
     local_steps: int = Field(ge=1)
     #: Seconds of local training per round (0: off, every round takes local-steps). The
     #: step count is planned from the budget before the first step (docs/heterogeneity.md).
-    local_time_budget: float = Field(default=0.0, ge=0)
+    local_time_budget: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     #: FedProx: local training adds (mu / 2) * ||w - w_global||^2 (0: off). Data-independent,
     #: so it costs no privacy (docs/privacy.md).
-    proximal_mu: float = Field(default=0.0, ge=0)
+    proximal_mu: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     #: Tests and benchmarks only: some regions' training made this many times slower
     #: (``"us=4"``), by sleeping after each step. Never set it in a real federation.
     test_region_slowdown: tuple[tuple[str, float], ...] = ()
@@ -152,7 +152,7 @@ class RunConfig(_Strict):
     seq_len: int = Field(ge=8, le=32_768)
     max_eval_examples: int = Field(ge=1)
     eval_fraction: float = Field(gt=0, lt=1)
-    server_learning_rate: float = Field(default=1.0, gt=0)
+    server_learning_rate: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     #: What the aggregator does with the aggregated delta (Reddi et al. 2021): ``none``
     #: (add it, times server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
     server_optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi"] = "none"
@@ -160,7 +160,7 @@ class RunConfig(_Strict):
     server_momentum: float = Field(default=0.9, ge=0, lt=1)
     #: fedadam's and fedyogi's beta2, and their adaptivity tau (Reddi et al.'s epsilon).
     server_beta2: float = Field(default=0.99, ge=0, lt=1)
-    server_epsilon: float = Field(default=1e-3, gt=0)
+    server_epsilon: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     #: ``sync``: each round waits for every asked region (up to round-timeout); ``buffered``:
     #: a new global adapter as soon as buffer-size updates have arrived (FedBuff).
     aggregation_mode: Literal["sync", "buffered"] = "sync"

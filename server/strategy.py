@@ -310,7 +310,8 @@ class RegionalFedAvg(FedAvg):
         # buffered aggregate is often shorter than a slow region's task.
         now = self.clock()
         working = {s.node for s in courier.in_flight.values() if now - s.at < self.timeout}
-        a.heard(server_round, heard | working)
+        finished = {n for n in nodes if a.regions_by_node.get(n) in a.tasks.finished()}
+        a.heard(server_round, heard | working | finished)
         a.end(server_round)
 
     def _drain(self, courier: Courier) -> None:

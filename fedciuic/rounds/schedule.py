@@ -112,9 +112,12 @@ class Tasks:
     def done(self, region: str) -> None:
         self.in_flight.pop(region, None)
 
-    def exhausted(self) -> bool:
-        """No region can be sent another task and none is in flight."""
-        return not self.in_flight and all(n >= self.limit for n in self.sent.values())
+    def finished(self) -> set[str]:
+        """Regions that have taken all their tasks and have none in flight: nothing
+        more is expected of them, so they miss nothing."""
+        return {
+            r for r, n in self.sent.items() if n >= self.limit and r not in self.in_flight
+        }
 
     def state(self) -> dict[str, Any]:
         return {

@@ -229,8 +229,9 @@ def test_tasks_keep_one_in_flight_and_stop_at_the_limit():
     assert (first.task, first.version) == (1, 0) and not t.can_send("eu")
     t.done("eu")
     assert t.send("eu", 3).task == 2
+    assert t.finished() == set()  # its last task is still in flight
     t.done("eu")
-    assert not t.can_send("eu") and t.exhausted()
+    assert not t.can_send("eu") and t.finished() == {"eu"}
 
 
 def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, tmp_path):
