@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from tests.conftest import ROOT
 
@@ -73,3 +74,43 @@ def test_the_committed_results_table_is_the_one_the_script_writes():
     written = (ROOT / "benchmarks" / "results" / "results.md").read_text()
     for row in table(results):
         assert "| " + " | ".join(row) + " |" in written
+
+
+def test_heterogeneity_rows_and_plots_follow_a_canned_result(tmp_path):
+    from heterogeneity import plot, rows
+
+    def mode(curve, reached):
+        return {"aggregates": len(curve) - 1, "curve": curve, "time_to_target": reached}
+
+    result: dict[str, Any] = {
+        "settings": {"local-steps": 8},
+        "time_to_target": {
+            "target": 5.5,
+            "local_time_budget": 4.2,
+            "modes": {
+                "sync": mode([[0, 5.8], [40, 5.6], [80, 5.4]], 80),
+                "budgeted": mode([[0, 5.8], [15, 5.6], [30, 5.45]], 30),
+                "buffered": mode([[0, 5.8], [10, 5.7], [20, 5.6]], None),  # not reached
+            },
+        },
+        "rounds_to_target": {
+            "fedadam_lr": 0.01,
+            "target": 5.5,
+            "curves": {"none": [5.8, 5.6, 5.5], "fedadam": [5.8, 5.4, 5.3]},
+            "rounds_to_target": {"none": 2, "fedadam": 1},
+        },
+    }
+    time_row, rounds_row = rows(result)
+    assert "budgeted 30 s (0.38x)" in time_row[1] and "buffered not reached" in time_row[1]
+    assert time_row[3] == "**not met**"  # buffered never got there
+    assert rounds_row[3] == "met"
+    result["time_to_target"]["modes"]["buffered"]["time_to_target"] = 20
+    assert rows(result)[0][3] == "met"
+    result["rounds_to_target"]["rounds_to_target"]["fedadam"] = 2  # as many rounds: not fewer
+    assert rows(result)[1][3] == "**not met**"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    made = plot(result, tmp_path)
+    assert [p.name for p in made] == ["heterogeneity_time.png", "heterogeneity_rounds.png"]
+    assert all(p.stat().st_size > 0 for p in made)
