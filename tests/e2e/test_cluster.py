@@ -33,7 +33,14 @@ def _ledger_rounds(data_root: Path, region: str) -> list[dict[str, object]]:
 
 
 def _workers(folder: Path) -> list[psutil.Process]:
-    return [p for p in processes_under(folder) if WORKER in " ".join(p.cmdline())]
+    found = []
+    for p in processes_under(folder):
+        try:
+            if WORKER in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:  # exited (or a zombie) since it was listed
+            continue
+    return found
 
 
 def _run(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, object], Path]:

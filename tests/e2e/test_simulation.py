@@ -248,7 +248,11 @@ def test_the_refusal_example_shows_cn_declining_a_us_aggregator(tmp_path):
     train = data["rounds"]["1"]["train"]
     assert train["cn"]["status"] == "declined"
     assert train["eu"]["status"] == train["us"]["status"] == "trained"
-    assert data["rounds"]["1"]["aggregate"] == {"published": True, "regions": ["eu", "us"]}
+    assert data["rounds"]["1"]["aggregate"] == {
+        "published": True,
+        "regions": ["eu", "us"],
+        "version": 1,
+    }
     assert not processes_under(tmp_path)
 
 
