@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from report import Row, proc_bytes, verdict
+from report import Row, proc_bytes, save_figure, verdict
 
 from fedciuic.aggregation import Accumulator, Bounds, check
 from fedciuic.compression import Codec, get_codec
@@ -257,10 +257,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     right.set_ylabel("peak memory added (MiB)")
     left.legend()
     right.legend()
-    fig.tight_layout()
-    path = out / "aggregation.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / "aggregation.png")
     paths = [path]
     b = result.get("bound")
     if b:
@@ -279,10 +276,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
             f"bandwidth {b['bandwidth']['best'] / 1e9:.1f} GB/s (one core)"
         )
         ax.legend(loc="lower right", fontsize=8)
-        fig.tight_layout()
-        path = out / "aggregation_bound.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = save_figure(fig, out / "aggregation_bound.png")
         paths.append(path)
     return paths
 

@@ -36,7 +36,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from report import Row, verdict
+from report import Row, save_figure, verdict
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -291,10 +291,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     setting = result.get("settings", {})
     right.set_title(f"{setting.get('model-preset', 'tiny')}, DP on (* the default)", fontsize=9)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "communication.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / "communication.png")
     return [path]
 
 

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from compression import bench_policies
-from report import Row, verdict
+from report import Row, save_figure, verdict
 
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
@@ -426,10 +426,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("eval loss (all regions, offline)")
         ax.set_title(f"tiny, DP on, {SLOW} {FACTOR}x slower", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / "heterogeneity_time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = save_figure(fig, out / "heterogeneity_time.png")
         made.append(path)
     p2 = result.get("rounds_to_target")
     if p2:
@@ -442,10 +439,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("eval loss (all regions)")
         ax.set_title("tiny, DP on, sync, no slowdown", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / "heterogeneity_rounds.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = save_figure(fig, out / "heterogeneity_rounds.png")
         made.append(path)
     return made
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 #: (figure, measured, target, verdict)
 Row = list[str]
@@ -42,3 +44,13 @@ def proc_bytes(path: str, *fields: str) -> tuple[int, ...]:
     except (OSError, ValueError):
         pass
     return tuple(found[field] for field in fields)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi, as every plot in results/) and close ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from report import Row, proc_bytes, verdict
+from report import Row, proc_bytes, save_figure, verdict
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -380,10 +380,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         f"{result['preset']} preset, {result['codec']}, LoRA r={result['lora_rank']}, "
         f"{result['steps']} DP-SGD step(s), 2 cores"
     )
-    fig.tight_layout()
-    path = out / "scale.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / "scale.png")
     return [path]
 
 
