@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -242,12 +241,3 @@ def make_aggregator(method: str, n: int) -> Aggregator:
         raise ValueError(f"trimmed-mean:{arg}: the trimmed fraction must be in [0, 0.5)")
     raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
 
-
-def apply_delta(
-    current: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], server_lr: float
-) -> dict[str, np.ndarray]:
-    """The next global adapter: ``current + server_lr * delta``."""
-    return {
-        name: (value + server_lr * delta[name]).astype(np.float32)
-        for name, value in current.items()
-    }

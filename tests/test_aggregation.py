@@ -10,7 +10,6 @@ from fedciuic.aggregation import (
     Accumulator,
     Bounds,
     ImplausibleUpdate,
-    apply_delta,
     check,
     check_staleness,
     make_aggregator,
@@ -107,11 +106,6 @@ def test_empty_accumulator_has_no_mean():
         Accumulator(3).mean()
     with pytest.raises(ValueError, match="no update"):
         make_aggregator("median", 3).mean()
-
-
-def test_apply_delta_scales_by_server_learning_rate():
-    out = apply_delta({"a": np.ones(3, np.float32)}, {"a": np.full(3, 2.0, np.float32)}, 0.5)
-    np.testing.assert_allclose(out["a"], 2.0)
 
 
 # -- FedNova: local steps, and FedBuff: staleness ----------------------------------------
