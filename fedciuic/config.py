@@ -27,6 +27,7 @@ from pydantic import (
 from fedciuic.compression import Codec, get_codec
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
+from fedciuic.server_optim import OptimizerName
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 
@@ -155,7 +156,7 @@ class RunConfig(_Strict):
     server_learning_rate: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     #: What the aggregator does with the aggregated delta (Reddi et al. 2021): ``none``
     #: (add it, times server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
-    server_optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi"] = "none"
+    server_optimizer: OptimizerName = "none"
     #: fedavgm's momentum; fedadam's and fedyogi's beta1.
     server_momentum: float = Field(default=0.9, ge=0, lt=1)
     #: fedadam's and fedyogi's beta2, and their adaptivity tau (Reddi et al.'s epsilon).

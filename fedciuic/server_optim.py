@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from fedciuic.compression import flatten, layout_id, layout_of, unflatten
 from fedciuic.errors import FedciuicError
 
-OPTIMIZERS = ("none", "fedavgm", "fedadam", "fedyogi")
+#: ``server-optimizer``'s values, named once (the run config's field uses this type).
+OptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 MOMENTS: dict[str, tuple[str, ...]] = {
     "none": (),
     "fedavgm": ("m",),
@@ -95,7 +97,7 @@ class ServerOptimizer:
 
     @classmethod
     def from_run(cls, run: Any) -> ServerOptimizer:
-        """Fresh, from a RunConfig's server-* keys."""
+        """Fresh, from a RunConfig's server-* keys (anything that has them)."""
         return cls(
             run.server_optimizer,
             learning_rate=run.server_learning_rate,
