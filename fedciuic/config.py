@@ -64,6 +64,10 @@ CodecSpec = Annotated[
 ]
 
 
+#: How the aggregator schedules work: rounds, or FedBuff's buffer (docs/heterogeneity.md).
+AggregationMode = Literal["sync", "buffered"]
+BUFFERED: AggregationMode = "buffered"
+
 #: Run-config fields written as ``"eu=2,us=1"``: an example, each number's type and range.
 REGION_TABLES: dict[str, tuple[str, type[int] | type[float], float, float, str]] = {
     "region_train_processes": (
@@ -164,7 +168,7 @@ class RunConfig(_Strict):
     server_epsilon: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     #: ``sync``: each round waits for every asked region (up to round-timeout); ``buffered``:
     #: a new global adapter as soon as buffer-size updates have arrived (FedBuff).
-    aggregation_mode: Literal["sync", "buffered"] = "sync"
+    aggregation_mode: AggregationMode = "sync"
     #: Buffered mode: updates per published global adapter (at most the number of regions).
     buffer_size: int = Field(default=2, ge=1)
     #: Buffered mode: an update computed against a global adapter more than this many
@@ -330,12 +334,16 @@ class RunConfig(_Strict):
     @classmethod
     def _check_buffer(cls, value: int, info: ValidationInfo) -> int:
         regions = info.data.get("regions", ())
-        if info.data.get("aggregation_mode") == "buffered" and value > len(regions):
+        if info.data.get("aggregation_mode") == BUFFERED and value > len(regions):
             raise ValueError(
                 f"{value} is more than the {len(regions)} regions of this run; a buffer holds "
                 f"at most one update per region: use 1 to {len(regions)}"
             )
         return value
+
+    @property
+    def buffered(self) -> bool:
+        return self.aggregation_mode == BUFFERED
 
     def slowdown(self, region: str) -> float:
         """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""

@@ -330,7 +330,7 @@ class AggregatorRound:
 
     @property
     def buffered(self) -> bool:
-        return self.run.aggregation_mode == "buffered"
+        return self.run.buffered
 
     @property
     def max_staleness(self) -> int:
