@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,22 @@ def processes_under(folder: Path) -> list[psutil.Process]:
         except (psutil.Error, OSError):
             continue
     return found
+
+
+def stop_everything(folder: Path, pids: Iterable[int] = ()) -> None:
+    """After a test failed half-way: kill the processes it started (``pids``, with their
+    children) and whatever still belongs to ``folder`` (a SuperLink or Ray worker that
+    a killed launcher left re-parented), and wait until they are gone."""
+    targets: list[psutil.Process] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(pid)
+            targets += [parent, *parent.children(recursive=True)]
+    targets += processes_under(folder)
+    for proc in targets:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(targets, timeout=10)
 
 
 def describe(processes: list[psutil.Process]) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.privacy.ledger import LEDGER_FILE
-from tests.e2e.helpers import describe, only_run, processes_under
+from tests.e2e.helpers import describe, only_run, processes_under, stop_everything
 from tests.e2e.test_simulation import _command
 
 pytestmark = pytest.mark.e2e
@@ -109,10 +109,9 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
                 break
             time.sleep(0.05)
         output, _ = sim.communicate(timeout=900)
-    finally:
-        if sim.poll() is None:
-            sim.kill()
-            sim.wait()
+    except BaseException:  # SIGKILL to simulate alone would orphan its SuperLink and Ray
+        stop_everything(tmp_path, [sim.pid])
+        raise
     assert killed, "no worker process was seen training eu's round 2"
     assert sim.returncode == 0, output
     data = only_run(tmp_path / "runs")

@@ -11,12 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fedciuic.cluster.protocol import free_port
 from tests.conftest import ROOT, record_level_policies
-from tests.e2e.helpers import alive, processes_under
+from tests.e2e.helpers import alive, processes_under, stop_everything
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn")
@@ -43,16 +42,7 @@ def _pids(directory: Path) -> list[int]:
 
 def _kill_everything(directory: Path) -> None:
     """Whatever start.sh left behind, even when the test failed half-way."""
-    targets: list[psutil.Process] = []
-    for pid in _pids(directory) if (directory / "pids").is_dir() else []:
-        with contextlib.suppress(psutil.Error):
-            parent = psutil.Process(pid)
-            targets += [parent, *parent.children(recursive=True)]
-    targets += processes_under(directory)
-    for proc in targets:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(targets, timeout=10)
+    stop_everything(directory, _pids(directory) if (directory / "pids").is_dir() else [])
 
 
 def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path):

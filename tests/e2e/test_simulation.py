@@ -17,7 +17,7 @@ from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
-from tests.e2e.helpers import describe, eval_loss, only_run, processes_under
+from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
 
 pytestmark = pytest.mark.e2e
 
@@ -329,9 +329,9 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
             time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    except BaseException:  # SIGKILL to simulate alone would orphan its SuperLink and Ray
+        stop_everything(tmp_path, [process.pid])
+        raise
     assert process.returncode == 128 + signal.SIGTERM, output
     assert "fedciuic: interrupted" in output
     left = processes_under(tmp_path)
