@@ -31,7 +31,7 @@ from flwr.supercore import log
 
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
-from fedciuic.flower.courier import Courier, Sent
+from fedciuic.flower.courier import Courier, Sent, unread
 from fedciuic.rounds.aggregator import AggregatorRound, Collecting, Published, Task
 from fedciuic.rounds.wire import Arrival, NoReply, RunEndNotice, Unread
 
@@ -145,7 +145,7 @@ class RegionalFedAvg(FedAvg):
             for sent, message in courier.pull():
                 answered.add(sent.node)
                 if sent.kind == kind and sent.server_round == server_round:
-                    mine.append(Unread(sent.node, partial(protocol.read_reply, message, sent.node)))
+                    mine.append(unread(sent, message))
                     waiting.discard(sent.node)
                 else:
                     other.append((sent, message))
@@ -183,7 +183,7 @@ class RegionalFedAvg(FedAvg):
         for sent, message in late:
             if sent.task is None:  # a late evaluation only showed that its node is alive
                 continue
-            arrival = Unread(sent.node, partial(protocol.read_reply, message, sent.node))
+            arrival = unread(sent, message)
             self.aggregator.judge_train(server_round, arrival, sent.task, into, after_end=after_end)
 
     def _sync_round(self, courier: Courier, grid: Grid, server_round: int) -> None:
@@ -290,7 +290,7 @@ class RegionalFedAvg(FedAvg):
                     self._carried = pulled[i:]  # the next aggregate's, against the new version
                     break
                 heard.add(sent.node)
-                arrival = Unread(sent.node, partial(protocol.read_reply, message, sent.node))
+                arrival = unread(sent, message)
                 if sent.task is None:  # an evaluation: how a new node says who it is
                     a.evaluate(server_round, [arrival], overall=False)
                     continue

@@ -13,11 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fedciuic.flower import protocol
 from fedciuic.rounds.aggregator import Task
+from fedciuic.rounds.wire import Unread
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,9 @@ class Courier:
 
     def wait(self) -> None:
         time.sleep(self.interval)
+
+
+def unread(sent: Sent, message: Message) -> Unread:
+    """A pulled reply, to be read inside the aggregator's per-reply boundary, filed under
+    the node its message went to (an error the SuperLink writes names itself instead)."""
+    return Unread(sent.node, partial(protocol.read_reply, message, sent.node))
