@@ -7,6 +7,7 @@ so that every value is checked in one place and all problems are reported at onc
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -262,6 +263,16 @@ class RunConfig(_Strict):
             )
         return value
 
+    def canonical_json(self) -> str:
+        """This config as the aggregator signs it into every instruction: kebab-case keys,
+        sorted, compact; :meth:`from_user_config` reads it back to the same config."""
+        values = self.model_dump(by_alias=True, mode="json")
+        for name in REGION_TABLES:
+            key = _kebab(name)
+            values[key] = ",".join(f"{region}={number}" for region, number in values[key])
+        values["regions"] = ",".join(values["regions"])
+        return json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
     @property
     def noise_warning(self) -> str | None:
         """What a process says at start about where DP noise comes from (None: secure)."""
@@ -397,11 +408,17 @@ class RunConfig(_Strict):
         )
 
 
-class NodeConfig(_Strict):
-    """What a SuperNode says about itself: which region it is and where its data lives.
+#: What Flower's simulation engine puts in each simulated node's config.
+SIMULATED_NODE = "partition-id"
 
-    In deployment both come from ``flower-supernode --node-config``; in simulation
-    Flower passes ``partition-id`` instead and the region comes from the run config.
+
+class NodeConfig(_Strict):
+    """Which region this is and where its data, state, keys and policy live.
+
+    In a deployment the region's agent reads it from its own file (``AgentConfig``,
+    ``fedciuic agent --config``), never from anything the aggregator ships; in
+    simulation Flower passes ``partition-id`` instead and the region comes from the
+    run config (one operator owns everything there).
     """
 
     region: str = Field(pattern=REGION_PATTERN)
@@ -419,10 +436,6 @@ class NodeConfig(_Strict):
     policy: str = ""
     #: This region's training processes (its hardware); default: the run config's.
     train_processes: int | None = Field(default=None, ge=1, le=1024)
-    #: ``in-process``: the ClientApp trains itself (a Ray actor keeps the region between
-    #: messages); ``service``: it hands work to the region's long-lived trainer
-    #: (``fedciuic trainer``), which holds the model and data once per run.
-    trainer: Literal["in-process", "service"] = "in-process"
 
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
@@ -435,7 +448,7 @@ class NodeConfig(_Strict):
     @staticmethod
     def is_simulated(node_config: Mapping[str, Any]) -> bool:
         """A simulated node: Flower gave it a partition id and no region of its own."""
-        return "region" not in node_config and "data-path" not in node_config
+        return SIMULATED_NODE in node_config and "region" not in node_config
 
     @classmethod
     def resolve(cls, node_config: Mapping[str, Any], run: RunConfig) -> NodeConfig:
@@ -451,8 +464,8 @@ class NodeConfig(_Strict):
                     ]
                 )
             return node
-        if "partition-id" in node_config:
-            region = run.region_for_partition(int(node_config["partition-id"]))
+        if SIMULATED_NODE in node_config:
+            region = run.region_for_partition(int(node_config[SIMULATED_NODE]))
             if not run.data_root:
                 raise ConfigError(
                     ["run config:data-root: empty; simulated regions read data-root/<region>"]

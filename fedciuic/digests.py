@@ -6,6 +6,7 @@ makes a file that has not changed cost a ``stat`` instead of a pass over its byt
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -73,3 +74,28 @@ class DigestCache:
         except OSError:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def code_digest(package: Path | None = None) -> str:
+    """SHA-256 over the installed fedciuic package's source files (``*.py`` and its
+    templates), each named by its path inside the package, in path order: which code
+    made an update, as the region's agent records it and signs it into every reply."""
+    root = package or Path(__file__).resolve().parent
+    digest = hashlib.sha256(b"fedciuic-code/1\x00")
+    for file in sorted(p for p in root.rglob("*") if _is_source(p, root)):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\x00")
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _is_source(path: Path, root: Path) -> bool:
+    parts = path.relative_to(root).parts
+    return path.is_file() and "__pycache__" not in parts and (
+        path.suffix == ".py" or "templates" in parts
+    )
+
+
+@functools.cache
+def installed_code() -> str:
+    """:func:`code_digest` of this process's fedciuic, computed once."""
+    return code_digest()

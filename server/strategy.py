@@ -24,16 +24,20 @@ from functools import partial
 from logging import INFO
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedciuic.crypto.sealing import TaskKind
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.flower.courier import Courier, Sent, unread
 from fedciuic.rounds.aggregator import AggregatorRound, Collecting, Published, Task
-from fedciuic.rounds.wire import Arrival, NoReply, RunEndNotice, Unread
+from fedciuic.rounds.wire import ARRAYS, CONFIG, Arrival, NoReply, Unread
+
+#: The task each Flower message type asks of a region (signed into its instruction).
+_TASKS = {MessageType.TRAIN: TaskKind.TRAIN, MessageType.EVALUATE: TaskKind.EVALUATE}
 
 
 class RegionalFedAvg(FedAvg):
@@ -47,8 +51,8 @@ class RegionalFedAvg(FedAvg):
             min_train_nodes=run.min_regions,
             min_evaluate_nodes=run.min_regions,
             min_available_nodes=run.min_regions,
-            arrayrecord_key=protocol.ARRAYS,
-            configrecord_key=protocol.CONFIG,
+            arrayrecord_key=ARRAYS,
+            configrecord_key=CONFIG,
         )
         self.aggregator = aggregator
         self.clock = clock
@@ -99,19 +103,10 @@ class RegionalFedAvg(FedAvg):
         """The instruction for ``server_round`` (a buffered region's own task number) to
         each of ``nodes``; ``adapter``: the arrays already unpacked, when they are
         (signing needs them as NumPy)."""
-        signed = self.aggregator.sign_instruction(
-            server_round, adapter or partial(protocol.unpack_arrays, arrays)
+        task = self.aggregator.sign_instruction(
+            server_round, _TASKS[kind], adapter() if adapter else protocol.unpack_arrays(arrays)
         )
-        content = protocol.instruction(
-            arrays,
-            server_round=server_round,
-            base_fingerprint=self.aggregator.base_fingerprint,
-            config=ConfigRecord(),
-            signature=signed.signature,
-            signer=signed.signer,
-            federation_run=self.aggregator.federation_run,
-            witness=signed.witness,
-        )
+        content = protocol.instruction(arrays, task)
         return list(self._construct_messages(content, list(nodes), kind))
 
     def _send(
@@ -251,12 +246,9 @@ class RegionalFedAvg(FedAvg):
     def witness_run_end(self, grid: Grid, timeout: float) -> None:
         """Once ``run_end`` is in the aggregator's log and signed: send each region that
         head (signed), and record the head each one answers with (best effort)."""
-        signed = self.aggregator.sign_run_end()
-        if signed is None or signed.witness is None:
+        notice = self.aggregator.sign_run_end()
+        if notice is None:
             return
-        notice = RunEndNotice(
-            self.aggregator.federation_run, signed.witness, signed.signature, signed.signer
-        )
         nodes = sorted(grid.get_node_ids())
         messages = self._construct_messages(
             protocol.run_end_notice(notice), nodes, MessageType.QUERY

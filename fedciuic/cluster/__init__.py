@@ -1,6 +1,6 @@
 """A region as a cluster: its local training as a ``torch.distributed`` job of
-several processes, and the region's long-lived trainer next to its SuperNode
-(:mod:`fedciuic.cluster.service`), which holds the model once per run (docs/cluster.md).
+several processes, started by the region's round (in its agent, or in simulation)
+(docs/cluster.md).
 
 :class:`TrainingCluster` loads lazily: ``python -m fedciuic.cluster.worker`` imports
 this package first, and must reach rank 0 before it imports the model libraries.
@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from fedciuic.cluster.protocol import TrainCommand
     from fedciuic.cluster.training import ClusterStats, TrainingCluster
 
-#: Each public name and its module, imported on first use: the ClientApp imports
-#: ``fedciuic.cluster.service`` without torch.
+#: Each public name and its module, imported on first use: a worker reaches rank 0
+#: before it imports torch.
 _WHERE = {
     "ClusterError": "dist",
     "World": "dist",

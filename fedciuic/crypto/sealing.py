@@ -14,6 +14,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,45 @@ from fedciuic.crypto.keys import (
 from fedciuic.errors import FedciuicError
 
 AGGREGATOR = "aggregator"
-GLOBAL_LABEL = b"fedciuic-global-model/2\x00"
+GLOBAL_LABEL = b"fedciuic-global-model/3\x00"
+RUN_END_LABEL = b"fedciuic-run-end/2\x00"
+#: Bytes of an instruction's nonce: each signed instruction is unique, so a region can
+#: refuse one it has already been handed (a replay).
+NONCE_BYTES = 16
+
+
+class TaskKind(StrEnum):
+    """What an instruction asks a region to do; signed with it, so that a relay cannot
+    turn an evaluation into a training round."""
+
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+    RUN_END = "run-end"
+
+
+_KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3}
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What an instruction asks besides the adapter, all under the aggregator's
+    signature: the kind of task, the run config the region is to apply (the SHA-256 of
+    its canonical JSON) and a nonce that makes the instruction single-use."""
+
+    kind: TaskKind
+    config_digest: bytes
+    nonce: bytes
+
+    def encode(self) -> bytes:
+        """Kind (u8) | config digest (32) | nonce (16)."""
+        if len(self.config_digest) != 32 or len(self.nonce) != NONCE_BYTES:
+            raise ValueError("terms: a 32-byte config digest and a 16-byte nonce expected")
+        return struct.pack(">B", _KIND_CODES[self.kind]) + self.config_digest + self.nonce
+
+
+def config_digest(run_config: str) -> bytes:
+    """The SHA-256 of a run config's canonical JSON, as an instruction carries it."""
+    return hashlib.sha256(run_config.encode()).digest()
 
 
 def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
@@ -55,18 +94,24 @@ def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
     return digest.digest()
 
 
+def _witness_tail(witness: tuple[int, str] | None) -> bytes:
+    """Witness flag (u8), then with the flag 1 the signer's audit checkpoint count (u64)
+    and head (32)."""
+    if witness is None:
+        return b"\x00"
+    return b"\x01" + struct.pack(">Q", witness[0]) + bytes.fromhex(witness[1])
+
+
 def _global_message(
     run_id: int,
     server_round: int,
     arrays: Mapping[str, np.ndarray],
+    terms: Terms,
     witness: tuple[int, str] | None,
 ) -> bytes:
-    """Label | run id (u64) | round (u32) | model digest (32) | witness flag (u8), then
-    with the flag 1 the signer's audit checkpoint count (u64) and head (32)."""
-    tail = b"\x00"
-    if witness is not None:
-        tail = b"\x01" + struct.pack(">Q", witness[0]) + bytes.fromhex(witness[1])
-    return GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays) + tail
+    """Label | run id (u64) | round (u32) | model digest (32) | terms | witness."""
+    head = GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays)
+    return head + terms.encode() + _witness_tail(witness)
 
 
 def sign_global(
@@ -74,24 +119,23 @@ def sign_global(
     run_id: int,
     server_round: int,
     arrays: Mapping[str, np.ndarray],
+    terms: Terms,
     witness: tuple[int, str] | None = None,
 ) -> bytes:
     """The aggregator's signature over the global adapter it sends for this run and
-    round, and over the head of its audit log's latest signed checkpoint."""
-    return keypair.sign(_global_message(run_id, server_round, arrays, witness))
+    round, the terms it asks it under, and the head of its audit log's latest signed
+    checkpoint."""
+    return keypair.sign(_global_message(run_id, server_round, arrays, terms, witness))
 
 
-RUN_END_LABEL = b"fedciuic-run-end/1\x00"
+def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str]) -> bytes:
+    """Label | run id (u64) | terms | the aggregator's audit checkpoint count and head."""
+    return RUN_END_LABEL + struct.pack(">Q", run_id) + terms.encode() + _witness_tail(witness)
 
 
-def _run_end_message(run_id: int, witness: tuple[int, str]) -> bytes:
-    """Label | run id (u64) | the aggregator's audit checkpoint count (u64) | head (32)."""
-    return RUN_END_LABEL + struct.pack(">QQ", run_id, witness[0]) + bytes.fromhex(witness[1])
-
-
-def sign_run_end(keypair: Keypair, run_id: int, witness: tuple[int, str]) -> bytes:
+def sign_run_end(keypair: Keypair, run_id: int, terms: Terms, witness: tuple[int, str]) -> bytes:
     """The aggregator's signature over the head of its log once ``run_end`` is in it."""
-    return keypair.sign(_run_end_message(run_id, witness))
+    return keypair.sign(_run_end_message(run_id, terms, witness))
 
 
 REPLY_LABEL = b"fedciuic-reply/1\x00"
@@ -109,6 +153,11 @@ def update_payload(
     """The plaintext of a sealed update: safetensors, metrics and info in its metadata."""
     metadata = {"metrics": json.dumps(metrics), "info": json.dumps(info)}
     return bytes(st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata))
+
+
+class NotSignedError(FedciuicError):
+    """An instruction or notice the aggregator did not sign as it stands: another run,
+    round or kind of task, other terms, another key, or altered on the way."""
 
 
 class MalformedPayload(FedciuicError):
@@ -154,27 +203,29 @@ class RegionKeys:
         run_id: int,
         server_round: int,
         arrays: Mapping[str, np.ndarray],
+        terms: Terms,
         witness: tuple[int, str] | None = None,
     ) -> None:
-        """Refuse a global adapter (and audit head) the aggregator did not sign for this
-        run and round."""
+        """Refuse a global adapter (with its terms and audit head) the aggregator did
+        not sign for this run, round and kind of task."""
+        message = _global_message(run_id, server_round, arrays, terms, witness)
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            _global_message(run_id, server_round, arrays, witness), signature
+            message, signature
         ):
-            raise KeyFileError(
-                f"region {self.keypair.bundle.party}: the global adapter of round "
+            raise NotSignedError(
+                f"region {self.keypair.bundle.party}: the {terms.kind} instruction of round "
                 f"{server_round} is not signed by the aggregator key "
-                f"{self.aggregator.key_id.hex()}; refusing to train on it"
+                f"{self.aggregator.key_id.hex()} for run {run_id}; refusing it"
             )
 
     def check_run_end(
-        self, signature: bytes, key_id: str, run_id: int, witness: tuple[int, str]
+        self, signature: bytes, key_id: str, run_id: int, terms: Terms, witness: tuple[int, str]
     ) -> None:
         """Refuse a run-end notice (the aggregator's final audit head) it did not sign."""
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            _run_end_message(run_id, witness), signature
+            _run_end_message(run_id, terms, witness), signature
         ):
-            raise KeyFileError(
+            raise NotSignedError(
                 f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "
                 f"not signed by the aggregator key {self.aggregator.key_id.hex()}"
             )
@@ -312,12 +363,18 @@ def aggregator_keys(keys_dir: str, max_size: int) -> AggregatorKeys:
 
 
 __all__ = [
+    "NONCE_BYTES",
     "AggregatorKeys",
     "EnvelopeRejected",
     "InvalidEnvelope",
+    "NotSignedError",
     "OpenedUpdate",
     "RegionKeys",
+    "TaskKind",
+    "Terms",
     "aggregator_keys",
+    "config_digest",
     "region_keys",
     "sign_global",
+    "sign_run_end",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -41,7 +42,6 @@ from typing import IO, Any
 import psutil
 
 from fedciuic.cluster.protocol import free_port
-from fedciuic.cluster.service import TrainerError, ping
 from fedciuic.crypto.tls import ServerTls
 from fedciuic.errors import FederationError
 
@@ -217,17 +217,30 @@ class LocalFederation:
 
     # -- processes ------------------------------------------------------------------
 
-    def _spawn(self, name: str, cmd: Sequence[str]) -> Managed:
+    def _spawn(
+        self, name: str, cmd: Sequence[str], *, user: str = "", home: Path | None = None
+    ) -> Managed:
+        """Start ``cmd`` in a session of its own, logging to logs/NAME.log; with ``user``
+        (this process must be root) as that OS user, with ``home`` as its FLWR_HOME and
+        working folder."""
         log_path = self.logs / f"{name}.log"
+        env = dict(self.env)
+        if home is not None:
+            env |= {"FLWR_HOME": str(home), "HOME": str(home)}
+        identity: dict[str, Any] = {}
+        if user:
+            entry = pwd.getpwnam(user)
+            identity = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
         handle = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
         try:
             process = subprocess.Popen(
                 list(cmd),
                 stdout=handle,
                 stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.workdir,
+                env=env,
+                cwd=home or self.workdir,
                 start_new_session=True,
+                **identity,
             )
         finally:
             handle.close()
@@ -377,12 +390,22 @@ class LocalFederation:
         *,
         superlink: str = "",
         auth_key: Path | None = None,
+        relay_user: str | None = None,
+        relay_home: Path | None = None,
     ) -> Managed:
         """Start one ``flower-supernode`` with its own ``--node-config`` (trusting the
-        SuperLink's CA when it serves TLS; authenticating with ``auth_key`` if given)."""
+        SuperLink's CA when it serves TLS; authenticating with ``auth_key`` if given).
+
+        The ClientApp (a deployed region's relay) runs where Flower puts it: in a process
+        the SuperNode starts as its own user, or, with ``relay_user`` (this process must
+        be root), the SuperNode runs with ``--isolation process`` and the relay's
+        ``flower-superexec`` (which starts each ``flwr-clientapp``) runs as that user,
+        with ``relay_home`` as its FLWR_HOME."""
         security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
         if auth_key is not None:
             security += ["--auth-supernode-private-key", str(auth_key)]
+        runtime_port = free_port()
+        isolation = ["--isolation", "process"] if relay_user is not None else []
         cmd = [
             _bin("flower-supernode"),
             *security,
@@ -391,21 +414,35 @@ class LocalFederation:
             "--host",
             "127.0.0.1",
             "--port",
-            str(free_port()),
+            str(runtime_port),
+            *isolation,
             "--node-config",
             toml_pairs(node_config),
         ]
-        return self._spawn(f"supernode-{name}", cmd)
+        managed = self._spawn(f"supernode-{name}", cmd)
+        if relay_user is not None:
+            home = relay_home or self.workdir / f"relay-{name}"
+            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            entry = pwd.getpwnam(relay_user)
+            os.chown(home, entry.pw_uid, entry.pw_gid)
+            self._spawn(
+                f"relay-{name}",
+                relay_command(f"127.0.0.1:{runtime_port}", managed.process.pid),
+                user=relay_user,
+                home=home,
+            )
+        return managed
 
-    def start_trainer(self, name: str, state_path: Path, timeout: float = 120.0) -> Managed:
-        """Start a region's ``fedciuic trainer`` on ``state_path`` (for a SuperNode whose
-        node config says ``trainer='service'``) and wait until it answers."""
-        managed = self._spawn(
-            f"trainer-{name}", [_bin("fedciuic"), "trainer", "--state-path", str(state_path)]
-        )
+    def start_agent(self, name: str, config: Path, timeout: float = 120.0) -> Managed:
+        """Start a region's ``fedciuic agent --config CONFIG`` and wait until it answers
+        on its socket."""
+        from fedciuic.agent.config import AgentConfig
+        from fedciuic.agent.service import AgentError, hello
+
+        managed = self._spawn(f"agent-{name}", [_bin("fedciuic"), "agent", "--config", str(config)])
         try:
-            ping(state_path, timeout, pid=managed.process.pid)
-        except TrainerError as err:
+            hello(AgentConfig.load(config).socket_path, timeout, pid=managed.process.pid)
+        except AgentError as err:
             log = managed.log_path
             raise FederationError(f"{err}; see {log}:\n{tail(log)}") from None
         return managed
@@ -467,6 +504,19 @@ class LocalFederation:
                 f"flwr run failed; see {managed.log_path}:\n" + tail(managed.log_path)
             )
         return int(match.group(1)), text
+
+
+def relay_command(runtime_address: str, supernode_pid: int) -> list[str]:
+    """Flower's ``flower-superexec`` for a SuperNode started with ``--isolation process``:
+    it starts each ``flwr-clientapp`` (the relay) as whoever runs it."""
+    return [
+        _bin("flower-superexec"),
+        "--insecure",
+        "--runtime-api-address",
+        runtime_address,
+        "--parent-pid",
+        str(supernode_pid),
+    ]
 
 
 def _short_tmp() -> str | None:

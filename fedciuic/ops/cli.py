@@ -483,33 +483,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     page.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)")
 
-    trainer = _command(
+    agent = _command(
         sub,
-        "trainer",
-        _trainer,
-        "a region's long-lived trainer next to its SuperNode (node config trainer='service'): "
-        "the model, data and keys stay loaded for the whole run",
-        "fedciuic trainer --state-path regions/eu/state",
-        description="Serve the region whose state-path is STATE on the Unix socket "
-        "STATE/trainer/trainer.sock (folder 0700, socket and key 0600) until SIGTERM or "
-        "SIGINT. The region's ClientApp, which Flower starts anew for every message, hands "
-        "each message to it when its node config says trainer='service' (docs/cluster.md).",
+        "agent",
+        _agent,
+        "a region's agent: the one process that holds its data, keys, ledger and policy, "
+        "trains, seals and signs; Flower's ClientApp only relays to it",
+        "fedciuic agent --config regions/eu/agent.toml",
+        description="Serve the region described by --config (a TOML file: region, data-path, "
+        "state-path, key-file, aggregator-bundle, policy, socket, relay-user, ...) on its "
+        "Unix socket until SIGTERM or SIGINT, or until the process that started it exits. "
+        "It acts only on instructions the aggregator signed, each once, under the region's "
+        "own policy and ledger; it refuses to start while the relay's OS user can read the "
+        "region's files (docs/cluster.md).",
     )
-    trainer.add_argument("--state-path", type=Path, required=True, metavar="STATE")
-    trainer.add_argument(
+    agent.add_argument("--config", type=Path, required=True, metavar="FILE")
+    agent.add_argument(
         "--ping",
         action="store_true",
-        help="do not serve: exit 0 once a trainer answers for STATE (waiting up to --timeout)",
+        help="do not serve: exit 0 once the agent answers on its socket (up to --timeout)",
     )
-    trainer.add_argument(
+    agent.add_argument(
         "--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"
     )
-    trainer.add_argument(
+    agent.add_argument(
         "--pid",
         type=int,
         default=0,
-        help="with --ping: exit 0 only if the trainer that answers is this process "
-        "(a start script checks that its own trainer started)",
+        help="with --ping: exit 0 only if the agent that answers is this process "
+        "(a start script checks that its own agent started)",
+    )
+    agent.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="keep serving after the process that started it exits (under a service "
+        "manager); by default the agent stops with its launcher",
     )
     return parser
 
@@ -957,13 +965,18 @@ def _audit_report(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
-def _trainer(args: argparse.Namespace) -> int:
-    from fedciuic.cluster.service import ping, serve
+def _agent(args: argparse.Namespace) -> int:
+    from fedciuic.agent.config import AgentConfig
+    from fedciuic.agent.service import hello, serve
 
     if not args.ping:
-        return serve(args.state_path)
-    answer = ping(args.state_path, args.timeout, pid=args.pid)
-    print(f"fedciuic: a trainer (pid {answer.pid}) serves {answer.state_path}")
+        return serve(args.config, exit_with_parent=not args.keep_running)
+    config = AgentConfig.load(args.config)
+    status = hello(config.socket_path, args.timeout, pid=args.pid)
+    print(
+        f"fedciuic: the agent of region {status.get('region')} (pid {status.get('pid')}, "
+        f"fedciuic {status.get('fedciuic')}) answers on {config.socket_path}"
+    )
     return 0
 
 

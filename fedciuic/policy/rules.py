@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from packaging.version import InvalidVersion, Version
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -118,9 +119,24 @@ class Audit(_Section):
     redact_paths: bool
 
 
+def _version(value: str) -> str:
+    try:
+        Version(value)
+    except InvalidVersion:
+        raise ValueError(f"{value!r} is not a version (e.g. 0.2.0)") from None
+    return value
+
+
+class Agent(_Section):
+    """What a region's agent must run (the code that makes and seals its updates)."""
+
+    #: The oldest fedciuic version a region's agent may run (PEP 440).
+    min_version: Annotated[str, AfterValidator(_version)]
+
+
 class Policy(_Section):
     """One jurisdiction's rules. Every section and field is required, except
-    ``privacy.unit`` (absent: record)."""
+    ``privacy.unit`` (absent: record) and ``agent`` (absent: any version)."""
 
     version: Literal[1]
     jurisdiction: str
@@ -131,6 +147,7 @@ class Policy(_Section):
     compression: Compression
     aggregation: Aggregation
     audit: Audit
+    agent: Agent | None = None
 
     @field_validator("version", mode="before")
     @classmethod
@@ -155,6 +172,8 @@ class Policy(_Section):
         data = self.model_dump(mode="json")
         if self.privacy.unit == DEFAULT_PRIVACY_UNIT:
             del data["privacy"]["unit"]
+        if self.agent is None:  # likewise for a policy that requires no agent version
+            del data["agent"]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -335,6 +354,27 @@ class LoadedPolicy:
     @property
     def hash(self) -> str:
         return self.policy.content_hash
+
+    def agent_too_old(self, version: str | None) -> str | None:
+        """Why an agent of fedciuic ``version`` (None: undeclared) may not serve under
+        this policy, or None when it may."""
+        rules = self.policy.agent
+        if rules is None:
+            return None
+        if version is None:
+            return f"agent version undeclared; agent.min_version is {rules.min_version}"
+        try:
+            if Version(version) >= Version(rules.min_version):
+                return None
+        except InvalidVersion:
+            return f"agent version {version[:32]!r} is not a version"
+        return f"agent fedciuic {version} < {rules.min_version} (agent.min_version)"
+
+    def check_agent(self, version: str) -> None:
+        """Refuse (naming the file) to serve under this policy with an older agent."""
+        reason = self.agent_too_old(version)
+        if reason is not None:
+            raise PolicyError(f"{self.path}: {reason}; upgrade the region's fedciuic")
 
 
 def _read_text(path: Path) -> str:
@@ -713,6 +753,7 @@ class UpdateFacts:
     max_grad_norm: float | None = None
     secure_mode: bool | None = None
     unit: PrivacyUnit | None = None  # what the declared epsilon is per; None without DP
+    agent_version: str | None = None  # the fedciuic version the reply says made it
 
 
 def check_update(
@@ -782,6 +823,8 @@ def check_update(
         reasons.append(f"suite {facts.suite} not allowed (sealing.allowed_suites)")
     if facts.codec not in p.compression.allowed_codecs:
         reasons.append(f"codec {facts.codec} not allowed (compression.allowed_codecs)")
+    if (too_old := loaded.agent_too_old(facts.agent_version)) is not None:
+        reasons.append(too_old)
     reasons += _transfer_reasons(p, run)
     return Decision(
         "aggregator",

@@ -21,6 +21,7 @@ Differences from plain FedAvg, each for a reason:
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
@@ -41,7 +42,7 @@ from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
 from fedciuic.compression import Codec, layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import EnvelopeRejected, model_digest
+from fedciuic.crypto.sealing import NONCE_BYTES, EnvelopeRejected, TaskKind, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
@@ -50,6 +51,8 @@ from fedciuic.rounds.record import RunRecorder
 from fedciuic.rounds.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
 from fedciuic.rounds.wire import (
+    AGENT_CODE,
+    AGENT_VERSION,
     DECLINED,
     EVALUATED,
     FAILED,
@@ -62,9 +65,11 @@ from fedciuic.rounds.wire import (
     WITNESSED,
     Arrival,
     EvalMetrics,
+    Instruction,
     MalformedReply,
     NoReply,
     Reply,
+    RunEndNotice,
     TrainMetrics,
     Unread,
     Witness,
@@ -119,6 +124,12 @@ class Accepted:
         return self.header.region
 
 
+def agent_identity(info: Mapping[str, object]) -> dict[str, str]:
+    """The code a reply says made it (its region agent's version and code digest)."""
+    keys = ((AGENT_VERSION, "agent_version"), (AGENT_CODE, "agent_code"))
+    return {name: str(info[key]) for key, name in keys if key in info}
+
+
 @dataclass(frozen=True)
 class Judged:
     """One reply's outcome, under the label it is recorded with: accepted (a trained
@@ -143,7 +154,10 @@ class Judged:
         return self.reply.reason
 
     def entry(self) -> dict[str, Any]:
-        """What metrics.json records for this reply."""
+        """What metrics.json records for this reply, with the code that made it."""
+        return {**self._entry(), **agent_identity(self.reply.info)}
+
+    def _entry(self) -> dict[str, Any]:
         if self.accepted is not None:
             a = self.accepted
             return {
@@ -212,16 +226,6 @@ class EvalResult:
     num_examples: int = 0
 
 
-@dataclass(frozen=True)
-class Signed:
-    """What the aggregator signs for the regions: the global adapter of a round (or the
-    end of the run) and the head of its own audit log, which the signature covers."""
-
-    signature: bytes
-    signer: str
-    witness: tuple[int, str] | None
-
-
 class AggregatorRound:
     """The aggregator's side of each round, over plain :class:`Reply` values."""
 
@@ -239,6 +243,8 @@ class AggregatorRound:
         checkpoints: Path | None = None,
     ) -> None:
         self.run = run
+        #: What every instruction carries and signs: the config the regions are to apply.
+        self.run_config = run.canonical_json()
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
         # The two stages, present or absent: without them, a lab run (clear, no policies).
@@ -260,13 +266,24 @@ class AggregatorRound:
     # -- instructions -------------------------------------------------------------
 
     def sign_instruction(
-        self, server_round: int, adapter: Callable[[], Mapping[str, np.ndarray]]
-    ) -> Signed:
-        """The signature over a round's global adapter (with sealing) and the audit head
-        it carries; ``adapter`` is only called when there is something to sign with."""
+        self, server_round: int, kind: TaskKind, adapter: Mapping[str, np.ndarray]
+    ) -> Instruction:
+        """A round's instruction: the global adapter, the kind of task, this run's config
+        and a fresh nonce, signed (with sealing) with the head of the audit log."""
         witness = self.audit.last_checkpoint() if self.audit is not None else None
-        signature = self.sealing.sign_global(self.run_id, server_round, adapter, witness)
-        return Signed(signature, self.sealing.signer, witness)
+        unsigned = Instruction(
+            adapter=dict(adapter),
+            server_round=server_round,
+            base_fingerprint=self.base_fingerprint,
+            kind=kind,
+            run_config=self.run_config,
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            signer=self.sealing.signer,
+            federation_run=self.federation_run,
+            witness=witness,
+        )
+        signature = self.sealing.sign_global(self.run_id, unsigned)
+        return replace(unsigned, signature=signature)
 
     # -- the per-reply boundary ---------------------------------------------------
 
@@ -486,6 +503,7 @@ class AggregatorRound:
             max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
             secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
             unit=metrics.privacy.unit if metrics.privacy else None,
+            agent_version=reply.info.get(AGENT_VERSION),
         )
         decision = self.policies.check_update(facts)
         if decision is not None:
@@ -766,6 +784,7 @@ class AggregatorRound:
             bytes=len(data),
             suite=suite,
             sender_key_id=reply.info.get(KEY_ID, ""),
+            **agent_identity(reply.info),
             **({"aggregate": server_round} if task.round != server_round else {}),
         )
 
@@ -807,7 +826,7 @@ class AggregatorRound:
 
     # -- the end of the run -------------------------------------------------------
 
-    def sign_run_end(self) -> Signed | None:
+    def sign_run_end(self) -> RunEndNotice | None:
         """Once ``run_end`` is in the log and signed: its head, signed, for each region
         to record; None without an audit log or a signed checkpoint."""
         if self.audit is None:
@@ -815,8 +834,14 @@ class AggregatorRound:
         witness = self.audit.last_checkpoint()
         if witness is None:
             return None
-        signature = self.sealing.sign_run_end(self.run_id, witness)
-        return Signed(signature, self.sealing.signer, witness)
+        unsigned = RunEndNotice(
+            self.federation_run,
+            witness,
+            run_config=self.run_config,
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            signer=self.sealing.signer,
+        )
+        return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
 
     def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
         """Record the head each region answers the run-end notice with, so that

@@ -131,6 +131,10 @@ class TrainEntry(_Record):
     noise_multiplier: float | None = None
     sample_rate: float | None = None
     secure_mode: int | None = None
+    #: Which code made the reply: the region agent's fedciuic version and code digest, as
+    #: its signed reply says (absent from replies that name none).
+    agent_version: str | None = None
+    agent_code: str | None = None
 
 
 class EvalEntry(_Record):
@@ -142,6 +146,8 @@ class EvalEntry(_Record):
     loss: float | None = None
     perplexity: float | None = None
     num_examples: int | None = None
+    agent_version: str | None = None
+    agent_code: str | None = None
 
 
 class Duplicate(TrainEntry):

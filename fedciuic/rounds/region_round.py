@@ -32,23 +32,36 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedciuic import __version__
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.sealing import AGGREGATOR, region_keys, update_payload
+from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
+from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
 from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
 from fedciuic.rounds.wire import (
+    AGENT_CODE,
+    AGENT_VERSION,
+    AUDIT_COUNT,
+    AUDIT_HEAD,
     JURISDICTION,
     POLICY_HASH,
     PRIVACY_UNIT,
     TRAINED,
     UPDATE,
     Instruction,
+    MalformedInstruction,
+    Records,
     RunEndNotice,
+    clear,
+    declined,
+    evaluated,
+    sealed,
+    witnessed,
 )
 
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
@@ -154,17 +167,25 @@ def update_arrays(update: bytes) -> dict[str, np.ndarray]:
 # -- reading the configs ------------------------------------------------------------------
 
 
+def read_run(task: Instruction | RunEndNotice) -> RunConfig:
+    """The run config an instruction carries under the aggregator's signature: the only
+    one a region applies."""
+    return RunConfig.from_user_config(task.run_settings(), source="run config")
+
+
 def read_configs(
-    run_config: Mapping[str, Any], node_config: Mapping[str, Any]
+    task: Instruction | RunEndNotice, node_config: Mapping[str, Any]
 ) -> tuple[RunConfig, NodeConfig]:
-    run = RunConfig.from_user_config(run_config, source="run config")
+    """The run config from the instruction, and this node's config resolved against it."""
+    run = read_run(task)
     return run, NodeConfig.resolve(node_config, run)
 
 
 def region_name(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> str:
     """The region's name for a decline, even when its config is broken."""
     try:
-        return read_configs(run_config, node_config)[1].region
+        run = RunConfig.from_user_config(run_config, source="run config")
+        return NodeConfig.resolve(node_config, run).region
     except FedciuicError:
         return str(node_config.get("region") or f"partition-{node_config.get('partition-id', '?')}")
 
@@ -239,7 +260,7 @@ def model_loads(state_dir: Path, run_id: int | None = None) -> int:
     return sum(1 for r in runs if run_id is None or r == run_id)
 
 
-def _audit(node: NodeConfig) -> AuditLog | None:
+def audit_log(node: NodeConfig) -> AuditLog | None:
     """The region's audit log (one per state-path, kept open by this process); None
     when its default place, inside a data-path that does not exist, cannot be made
     without creating that data-path. Paths are redacted unless the policy says not."""
@@ -257,14 +278,49 @@ def handle_instruction(
     node: NodeConfig,
     task: Instruction,
     *,
-    training: bool,
+    asked: TaskKind,
     flower_run: int,
     simulated: bool,
 ) -> RegionReply:
     """One instruction handled by the region, from checks to reply, with its audit
-    trail. ``flower_run`` (Flower's run id) binds envelopes and signatures;
-    ``simulated``: Flower gave this node a partition id and no region of its own."""
-    return _Round(run, node, flower_run).handle(task, training=training, simulated=simulated)
+    trail. ``run``: the config the instruction carries (:func:`read_run`); ``asked``:
+    what the message asked for (Flower's message type), which must be what the
+    aggregator signed; ``flower_run`` (Flower's run id) binds envelopes and
+    signatures; ``simulated``: Flower gave this node a partition id and no region of
+    its own."""
+    return _Round(run, node, flower_run).handle(task, asked=asked, simulated=simulated)
+
+
+def decline_signed(
+    node: NodeConfig,
+    keypair: Keypair,
+    task: Instruction | RunEndNotice,
+    flower_run: int,
+    err: FedciuicError,
+) -> RegionReply:
+    """A signed instruction the region declines before its round starts (a run config it
+    cannot read, a run it is not part of): logged and signed like any decline; unsigned
+    when the log cannot be written (fail closed)."""
+    _LOG.warning("fedciuic: region declines: %s", err)
+    server_round = task.server_round if isinstance(task, Instruction) else None
+    run_id = task.federation_run or flower_run
+    try:
+        audit = audit_log(node)
+        if audit is None:
+            raise FedciuicError(f"region {node.region}: no audit log")
+        audit.append(Event.DECLINED, run_id=run_id, server_round=server_round, reason=str(err))
+        audit.checkpoint(run_id=run_id, server_round=server_round)
+        head = audit.last_checkpoint()
+    except FedciuicError as audit_err:
+        _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
+        return RegionReply(Declined(node.region, str(err)))
+    return RegionReply(
+        Declined(node.region, str(err)),
+        witness=head,
+        keypair=keypair,
+        flower_run=flower_run,
+        server_round=server_round or 0,
+    )
 
 
 def witness_run_end(
@@ -292,11 +348,11 @@ class _Round:
         if self.audit is not None:
             self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
 
-    def handle(self, task: Instruction, *, training: bool, simulated: bool) -> RegionReply:
+    def handle(self, task: Instruction, *, asked: TaskKind, simulated: bool) -> RegionReply:
         """The outcome, once everything about it is in the audit log and signed; a log
         that cannot be written turns any outcome into a decline (fail closed)."""
         try:
-            outcome = self._handle(task, training, simulated)
+            outcome = self._handle(task, asked, simulated)
             if self.audit is not None:
                 self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
@@ -310,7 +366,7 @@ class _Round:
         """This region's audit log and its end of the sealing stage (whose keys, when
         sealing, sign the log)."""
         self.run_id = federation_run or self.flower_run
-        self.audit = _audit(self.node)
+        self.audit = audit_log(self.node)
         sealing = _sealing(self.run, self.node)
         if self.audit is not None:
             self.audit.keypair = sealing.keypair
@@ -321,6 +377,11 @@ class _Round:
             sealing = self._open(notice.federation_run)
             sealing.check_run_end(notice, self.flower_run)
             self.signer = sealing.keypair
+            if read_run(notice) != self.run:
+                raise MalformedInstruction(
+                    f"region {self.node.region}: the run config is not the one the "
+                    "aggregator signed into the run-end notice"
+                )
             if self.audit is not None:
                 self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
                 self.audit.checkpoint(run_id=self.run_id)
@@ -351,12 +412,23 @@ class _Round:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return Declined(self.node.region, str(err))
 
-    def _handle(self, task: Instruction, training: bool, simulated: bool) -> Outcome:
+    def _handle(self, task: Instruction, asked: TaskKind, simulated: bool) -> Outcome:
         run, node = self.run, self.node
         self.server_round = task.server_round
         sealing = self._open(task.federation_run)
         sealing.check_global(task, self.flower_run)
         self.signer = sealing.keypair
+        if task.kind != asked:
+            raise MalformedInstruction(
+                f"region {node.region}: a {asked} message carries a {task.kind} instruction; "
+                "refusing it"
+            )
+        if read_run(task) != run:
+            raise MalformedInstruction(
+                f"region {node.region}: the run config to apply is not the one the "
+                "aggregator signed into the instruction; refusing it"
+            )
+        training = task.kind == TaskKind.TRAIN
         if task.witness is not None and self.audit is not None:
             self.audit.witness(
                 AGGREGATOR,
@@ -420,6 +492,7 @@ class _Round:
             Event.RUN_JOINED,
             config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
             code_version=code_version(),
+            code=installed_code(),
             **sealing.joined(),
             policy_hash=policy.hash if policy else None,
             jurisdiction=policy.policy.jurisdiction if policy else None,
@@ -453,3 +526,34 @@ class _Round:
             policy_hash=policy.hash if policy else "",
             note=self.note,
         )
+
+
+# -- the reply ------------------------------------------------------------------------------
+
+
+def region_records(reply: RegionReply) -> Records:
+    """An outcome as its reply carries it: the head of this region's audit log, which
+    code made it (version and code digest), and the region's signature where the reply
+    names a keypair."""
+    match reply.outcome:
+        case Declined(region, reason):
+            records = declined(region, reason)
+        case Evaluated(region, stats):
+            records = evaluated(region, stats.num_examples, stats.loss, stats.perplexity)
+        case Sealed(region, envelope, key_id):
+            records = sealed(region, envelope, key_id)
+        case Clear(arrays, metrics, info):
+            records = clear(arrays, metrics, info)
+        case Witnessed(region):
+            records = witnessed(region)
+    vouched: dict[str, str | int | bytes] = {
+        **records.info,
+        AGENT_VERSION: __version__,
+        AGENT_CODE: installed_code(),
+    }
+    if reply.witness is not None:
+        vouched[AUDIT_COUNT], vouched[AUDIT_HEAD] = reply.witness
+    records = Records(vouched, records.metrics, records.arrays)
+    if reply.keypair is None:
+        return records
+    return records.sign(reply.keypair, run_id=reply.flower_run, server_round=reply.server_round)

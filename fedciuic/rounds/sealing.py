@@ -53,7 +53,6 @@ from fedciuic.rounds.wire import (
     parse_info,
 )
 
-Witness = tuple[int, str] | None
 Note = Callable[..., None]
 
 
@@ -89,15 +88,10 @@ class ReplySealing(Protocol):
     def signer(self) -> str:
         """The key id that signs instructions (hex), or "" when nothing is signed."""
 
-    def sign_global(
-        self,
-        run_id: int,
-        server_round: int,
-        adapter: Callable[[], Mapping[str, np.ndarray]],
-        witness: Witness,
-    ) -> bytes: ...
+    def sign_global(self, run_id: int, task: Instruction) -> bytes:
+        """The signature over an instruction (its adapter, terms and witness)."""
 
-    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes: ...
+    def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes: ...
 
     def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
         """The region a (non-failed) reply is recorded under, or None when nothing
@@ -120,17 +114,13 @@ class SealedReplies:
     def signer(self) -> str:
         return self.keys.keypair.bundle.key_id.hex()
 
-    def sign_global(
-        self,
-        run_id: int,
-        server_round: int,
-        adapter: Callable[[], Mapping[str, np.ndarray]],
-        witness: Witness,
-    ) -> bytes:
-        return sign_global(self.keys.keypair, run_id, server_round, dict(adapter()), witness)
+    def sign_global(self, run_id: int, task: Instruction) -> bytes:
+        return sign_global(
+            self.keys.keypair, run_id, task.server_round, task.adapter, task.terms, task.witness
+        )
 
-    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes:
-        return sign_run_end(self.keys.keypair, run_id, witness)
+    def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes:
+        return sign_run_end(self.keys.keypair, run_id, notice.terms, notice.witness)
 
     def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
         if reply.status == DECLINED and not reply.signature:
@@ -177,16 +167,10 @@ class ClearReplies:
 
     signer = ""
 
-    def sign_global(
-        self,
-        run_id: int,
-        server_round: int,
-        adapter: Callable[[], Mapping[str, np.ndarray]],
-        witness: Witness,
-    ) -> bytes:
+    def sign_global(self, run_id: int, task: Instruction) -> bytes:
         return b""
 
-    def sign_run_end(self, run_id: int, witness: tuple[int, str]) -> bytes:
+    def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes:
         return b""
 
     def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
@@ -291,11 +275,14 @@ class SealingRegion:
             flower_run,
             task.server_round,
             task.adapter,
+            task.terms,
             task.witness,
         )
 
     def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None:
-        self.keys.check_run_end(notice.signature, notice.signer, flower_run, notice.witness)
+        self.keys.check_run_end(
+            notice.signature, notice.signer, flower_run, notice.terms, notice.witness
+        )
 
     def joined(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,7 @@ into Flower messages."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -16,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from fedciuic.audit.log import AuditError, checkpoint_head
 from fedciuic.config import PRIVACY_UNITS, PrivacyUnit
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair
-from fedciuic.crypto.sealing import reply_message
+from fedciuic.crypto.sealing import (
+    NONCE_BYTES,
+    TaskKind,
+    Terms,
+    config_digest,
+    reply_message,
+)
 from fedciuic.errors import FedciuicError
 
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
@@ -24,6 +31,8 @@ WITNESSED = "witnessed"  # a region's answer to the run-end notice
 FAILED = "failed"  # no usable reply: the region's process failed, or it never answered
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
 ENVELOPE, UPDATE = "envelope", "update"
+#: The records a message holds (Flower's RecordDict keys; the agent's channel uses the same).
+ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
 #: A trained reply's privacy unit (what its epsilon is per), "" without DP. In the info,
 #: not the metrics, since Flower's metrics hold only numbers.
@@ -32,20 +41,35 @@ PRIVACY_UNIT = "privacy-unit"
 #: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
 #: aggregator's instructions carry the head of its own log the same way.
 KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD = "key-id", "signature", "audit-count", "audit-head"
+#: Which code made a reply: the region's fedciuic version and the SHA-256 of its installed
+#: code (``fedciuic.digests.code_digest``), in every reply, under its signature.
+AGENT_VERSION, AGENT_CODE = "agent-version", "agent-code"
 
 
 @dataclass(frozen=True)
 class Instruction:
     """What the aggregator sends a region each round (untrusted until its signature is
-    checked): the global adapter, signed, and the round's settings."""
+    checked): the global adapter and, under the same signature, the kind of task, the
+    run config the region is to apply (canonical JSON) and a single-use nonce."""
 
     adapter: dict[str, np.ndarray]
     server_round: int
     base_fingerprint: str
+    kind: TaskKind = TaskKind.TRAIN
+    run_config: str = "{}"
+    nonce: bytes = bytes(NONCE_BYTES)
     signature: bytes = b""
     signer: str = ""
     federation_run: int = 0  # 0: this run started the federation
     witness: tuple[int, str] | None = None
+
+    @property
+    def terms(self) -> Terms:
+        return Terms(self.kind, config_digest(self.run_config), self.nonce)
+
+    def run_settings(self) -> dict[str, Any]:
+        """The run config it carries, as a mapping (validated by ``RunConfig``)."""
+        return run_settings(self.run_config)
 
 
 @dataclass(frozen=True)
@@ -55,15 +79,158 @@ class RunEndNotice:
 
     federation_run: int
     witness: tuple[int, str]
+    run_config: str = "{}"
+    nonce: bytes = bytes(NONCE_BYTES)
     signature: bytes = b""
     signer: str = ""
+    kind: TaskKind = TaskKind.RUN_END
+
+    @property
+    def terms(self) -> Terms:
+        return Terms(TaskKind.RUN_END, config_digest(self.run_config), self.nonce)
+
+    def run_settings(self) -> dict[str, Any]:
+        return run_settings(self.run_config)
+
+
+#: Instruction and notice fields (the config record the aggregator sends).
+SERVER_ROUND, FEDERATION_RUN = "server-round", "federation-run"
+BASE_FINGERPRINT = "base-fingerprint"
+SIGNATURE_FIELD, SIGNER = "model-signature", "aggregator-key-id"
+TASK, RUN_CONFIG, NONCE = "task", "run-config", "nonce"
+#: A run config's canonical JSON is at most this long (an instruction's field).
+MAX_RUN_CONFIG = 1 << 16
+
+
+class MalformedInstruction(FedciuicError):
+    """An instruction that is not what this protocol says (the region declines)."""
+
+
+def run_settings(text: str) -> dict[str, Any]:
+    """A run config's canonical JSON as a mapping; :class:`MalformedInstruction` when
+    it is not a JSON object of scalars."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except ValueError as err:
+        raise MalformedInstruction(f"malformed instruction: {RUN_CONFIG}: {err}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, str | int | float | bool) for v in value.values()
+    ):
+        raise MalformedInstruction(
+            f"malformed instruction: {RUN_CONFIG}: a JSON object of scalars expected"
+        )
+    return value
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number")
+
+
+def _typed(config: Mapping[str, object], key: str, kind: type, default: object) -> Any:
+    value = config.get(key, default)
+    if type(value) is not kind:
+        raise MalformedInstruction(
+            f"malformed instruction: {key}: {kind.__name__} expected, got {type(value).__name__}"
+        )
+    return value
+
+
+def _head(config: Mapping[str, object], what: str) -> tuple[int, str]:
+    """The aggregator's audit head that an instruction or notice carries."""
+    try:
+        return checkpoint_head(config.get(AUDIT_COUNT), config.get(AUDIT_HEAD))
+    except AuditError as err:
+        raise MalformedInstruction(f"malformed {what}: {AUDIT_COUNT}/{AUDIT_HEAD}: {err}") from None
+
+
+def _terms(config: Mapping[str, object], what: str) -> tuple[TaskKind, str, bytes]:
+    try:
+        kind = TaskKind(_typed(config, TASK, str, None))
+    except ValueError:
+        raise MalformedInstruction(
+            f"malformed {what}: {TASK}: one of {', '.join(TaskKind)} expected"
+        ) from None
+    run_config = _typed(config, RUN_CONFIG, str, None)
+    nonce = _typed(config, NONCE, bytes, None)
+    if len(run_config) > MAX_RUN_CONFIG or len(nonce) != NONCE_BYTES:
+        raise MalformedInstruction(
+            f"malformed {what}: {RUN_CONFIG} (at most {MAX_RUN_CONFIG} characters) or "
+            f"{NONCE} ({NONCE_BYTES} bytes)"
+        )
+    return kind, run_config, nonce
+
+
+def parse_instruction(
+    config: Mapping[str, object], adapter: Mapping[str, np.ndarray]
+) -> Instruction:
+    """An instruction's fields as typed values (it is untrusted until its signature is
+    checked): :class:`MalformedInstruction` says what is wrong."""
+    server_round = _typed(config, SERVER_ROUND, int, None)
+    federation_run = _typed(config, FEDERATION_RUN, int, 0)
+    if not 0 <= server_round < 2**32 or not 0 <= federation_run < 2**64:
+        raise MalformedInstruction(f"malformed instruction: {SERVER_ROUND} or {FEDERATION_RUN}")
+    kind, run_config, nonce = _terms(config, "instruction")
+    if kind == TaskKind.RUN_END:
+        raise MalformedInstruction(f"malformed instruction: {TASK}: {kind} carries no adapter")
+    witness = None
+    if AUDIT_COUNT in config or AUDIT_HEAD in config:
+        witness = _head(config, "instruction")
+    return Instruction(
+        adapter=dict(adapter),
+        server_round=server_round,
+        base_fingerprint=_typed(config, BASE_FINGERPRINT, str, None),
+        kind=kind,
+        run_config=run_config,
+        nonce=nonce,
+        signature=_typed(config, SIGNATURE_FIELD, bytes, b""),
+        signer=_typed(config, SIGNER, str, ""),
+        federation_run=federation_run,
+        witness=witness,
+    )
+
+
+def parse_run_end(config: Mapping[str, object]) -> RunEndNotice:
+    """A run-end notice's fields as typed values (untrusted until its signature is checked)."""
+    kind, run_config, nonce = _terms(config, "run-end notice")
+    if kind != TaskKind.RUN_END:
+        raise MalformedInstruction(f"malformed run-end notice: {TASK}: {kind}")
+    federation_run = _typed(config, FEDERATION_RUN, int, 0)
+    if not 0 <= federation_run < 2**64:
+        raise MalformedInstruction(f"malformed run-end notice: {FEDERATION_RUN}")
+    return RunEndNotice(
+        federation_run=federation_run,
+        witness=_head(config, "run-end notice"),
+        run_config=run_config,
+        nonce=nonce,
+        signature=_typed(config, SIGNATURE_FIELD, bytes, b""),
+        signer=_typed(config, SIGNER, str, ""),
+    )
+
+
+def instruction_fields(task: Instruction | RunEndNotice) -> dict[str, str | int | bytes]:
+    """What an instruction or notice sends besides the adapter: the inverse of
+    :func:`parse_instruction` / :func:`parse_run_end`."""
+    fields: dict[str, str | int | bytes] = {
+        FEDERATION_RUN: task.federation_run,
+        TASK: str(task.kind),
+        RUN_CONFIG: task.run_config,
+        NONCE: task.nonce,
+        SIGNATURE_FIELD: task.signature,
+        SIGNER: task.signer,
+    }
+    if isinstance(task, Instruction):
+        fields[SERVER_ROUND] = task.server_round
+        fields[BASE_FINGERPRINT] = task.base_fingerprint
+    if task.witness is not None:
+        fields[AUDIT_COUNT], fields[AUDIT_HEAD] = task.witness
+    return fields
 
 
 class MalformedReply(FedciuicError):
     """A reply that is not what this protocol says; the message names the field."""
 
 
-_OPTIONAL_INFO = frozenset({KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD})
+_OPTIONAL_INFO = frozenset({KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD, AGENT_VERSION, AGENT_CODE})
 _BASE_INFO = frozenset({"region", "status", "reason"})
 #: The exact info keys of each status (besides the optional ones above).
 INFO_KEYS: dict[str, frozenset[str]] = {
@@ -195,6 +362,54 @@ def parse_info(info: object, status: str) -> dict[str, str]:
             f"malformed info: region {clear['region'][:40]!r} is not a region name"
         )
     return {str(k): str(v) for k, v in clear.items()}
+
+
+@dataclass(frozen=True)
+class Records:
+    """A reply's content as Flower carries it, without Flower: ``info`` (a config
+    record), ``metrics`` (a metric record) and, for an update, its arrays."""
+
+    info: dict[str, str | int | bytes]
+    metrics: dict[str, int | float] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] | None = None
+
+    def sign(self, keypair: Keypair, *, run_id: int, server_round: int) -> Records:
+        """The same records with the region's key id and signature in the info."""
+        info: dict[str, Any] = dict(self.info)
+        sign_info(info, self.metrics, keypair, run_id=run_id, server_round=server_round)
+        return Records(info, self.metrics, self.arrays)
+
+
+def declined(region: str, reason: str) -> Records:
+    """A normal outcome, not an error: the region says why it sends nothing."""
+    return Records({"region": region, "status": DECLINED, "reason": reason}, {"num-examples": 0})
+
+
+def evaluated(region: str, num_examples: int, loss: float, perplexity: float) -> Records:
+    return Records(
+        {"region": region, "status": EVALUATED, "reason": ""},
+        {"num-examples": num_examples, "eval-loss": loss, "perplexity": perplexity},
+    )
+
+
+def witnessed(region: str) -> Records:
+    return Records({"region": region, "status": WITNESSED, "reason": ""})
+
+
+def sealed(region: str, envelope: bytes | bytearray, key_id: str) -> Records:
+    """A sealed update: the envelope, and in the clear only who sent it."""
+    return Records(
+        {"region": region, "status": SEALED, "reason": "", KEY_ID: key_id},
+        {},
+        {ENVELOPE: np.frombuffer(envelope, dtype=np.uint8)},
+    )
+
+
+def clear(
+    arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any], info: Mapping[str, str]
+) -> Records:
+    """An update in the clear (``seal = false`` only)."""
+    return Records(dict(info), dict(metrics), dict(arrays))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""The region agent's own configuration: a TOML file the region writes and keeps.
+
+Everything a region promises is decided here, by the region, and by nothing the
+aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
+budget (the run config's ``epsilon-budget`` is never consulted), how many training
+processes it runs, the socket its relay reaches it on, and which OS user that relay
+runs as (whom the agent checks cannot read its files).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Self
+
+from pydantic import Field
+
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.errors import ConfigError
+
+#: The lifetime budget of a dataset whose agent config names none (the run config's
+#: default, fixed here so that no aggregator can raise it).
+DEFAULT_EPSILON_BUDGET = 8.0
+#: Keys whose values are paths: relative ones are read from the config file's folder.
+_PATHS = ("data_path", "state_path", "key_file", "aggregator_bundle", "policy", "socket")
+
+
+class AgentConfig(NodeConfig):
+    """``fedciuic agent --config agent.toml``: a node config with everything required
+    that a deployed region must hold itself, and the agent's own settings."""
+
+    epsilon_budget: float = Field(default=DEFAULT_EPSILON_BUDGET, gt=0)
+    key_file: str = Field(min_length=1)
+    aggregator_bundle: str = Field(min_length=1)
+    policy: str = Field(min_length=1)
+    train_processes: int = Field(default=1, ge=1, le=1024)
+    #: The Unix socket the relay reaches the agent on (its folder is the agent's).
+    socket: str = Field(min_length=1)
+    #: The OS user Flower's ClientApp (the relay) runs as; "" = the agent's own user, with
+    #: no OS-level separation (a warning at start, and on the record).
+    relay_user: str = ""
+    #: The largest request (the global adapter, in bytes) the agent reads.
+    max_request_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
+
+    @classmethod
+    def load(cls, path: Path | str) -> Self:
+        """Read and validate the file; :class:`ConfigError` names the file and the
+        field (or TOML's line) and the fix."""
+        file = Path(path).expanduser()
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+            raise ConfigError(
+                [f"{file}: cannot read the agent config ({why}); `fedciuic init` writes one"]
+            ) from None
+        try:
+            values = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError([f"{file}: not TOML ({err}); fix that line"]) from None
+        folder = file.resolve().parent
+        for name in _PATHS:
+            key = name.replace("_", "-")
+            if isinstance(values.get(key), str) and values[key]:
+                values[key] = str(folder / Path(values[key]).expanduser())
+        return cls.from_user_config(values, source=str(file))
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket)
+
+    def node_for(self, run: RunConfig) -> NodeConfig:
+        """This region as a round sees it, once the run names it among its regions."""
+        if self.region not in run.regions:
+            raise ConfigError(
+                [
+                    f"agent config:region: {self.region!r} is not a region of this run "
+                    f"({', '.join(run.regions)}); the aggregator lists the regions it "
+                    "federates in its run config"
+                ]
+            )
+        return NodeConfig.model_validate(self.model_dump(include=set(NodeConfig.model_fields)))
+
+
+__all__ = ["DEFAULT_EPSILON_BUDGET", "AgentConfig"]

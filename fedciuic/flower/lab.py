@@ -1,0 +1,49 @@
+"""Lab mode: a simulated region's round in the ClientApp's own process.
+
+``fedciuic simulate`` runs every party in one process tree that one operator owns, so
+the ClientApp may hold the region's data and keys there (Flower gave the node a
+``partition-id`` and the run config names its data root). Its guarantees assume that
+one operator; a deployment runs each region's round in the region's own agent
+(:mod:`fedciuic.agent.service`) and the ClientApp only relays.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MessageType
+
+from fedciuic.config import NodeConfig
+from fedciuic.crypto.sealing import TaskKind
+from fedciuic.errors import FedciuicError
+from fedciuic.flower import protocol
+from fedciuic.flower.relay import KINDS
+from fedciuic.rounds import region_round as rr
+from fedciuic.rounds.wire import RunEndNotice
+
+
+def handle(msg: Message, context: Context) -> Message:
+    """The region's reply to one message, packed for Flower."""
+    kind = TaskKind(KINDS[msg.metadata.message_type])
+    try:
+        task = (
+            protocol.read_run_end(msg)
+            if msg.metadata.message_type == MessageType.QUERY
+            else protocol.read_instruction(msg)
+        )
+        run, node = rr.read_configs(task, context.node_config)
+    except FedciuicError as err:
+        unread = rr.unreadable(
+            context.run_config, context.node_config, err, run_end=kind == TaskKind.RUN_END
+        )
+        return Message(protocol.region_reply(unread), reply_to=msg)
+    if isinstance(task, RunEndNotice):
+        reply = rr.witness_run_end(run, node, task, flower_run=context.run_id)
+    else:
+        reply = rr.handle_instruction(
+            run,
+            node,
+            task,
+            asked=kind,
+            flower_run=context.run_id,
+            simulated=NodeConfig.is_simulated(context.node_config),
+        )
+    return Message(protocol.region_reply(reply), reply_to=msg)
