@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
@@ -217,30 +216,17 @@ class LocalFederation:
 
     # -- processes ------------------------------------------------------------------
 
-    def _spawn(
-        self, name: str, cmd: Sequence[str], *, user: str = "", home: Path | None = None
-    ) -> Managed:
-        """Start ``cmd`` in a session of its own, logging to logs/NAME.log; with ``user``
-        (this process must be root) as that OS user, with ``home`` as its FLWR_HOME and
-        working folder."""
+    def _spawn(self, name: str, cmd: Sequence[str]) -> Managed:
         log_path = self.logs / f"{name}.log"
-        env = dict(self.env)
-        if home is not None:
-            env |= {"FLWR_HOME": str(home), "HOME": str(home)}
-        identity: dict[str, Any] = {}
-        if user:
-            entry = pwd.getpwnam(user)
-            identity = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
         handle = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
         try:
             process = subprocess.Popen(
                 list(cmd),
                 stdout=handle,
                 stderr=subprocess.STDOUT,
-                env=env,
-                cwd=home or self.workdir,
+                env=self.env,
+                cwd=self.workdir,
                 start_new_session=True,
-                **identity,
             )
         finally:
             handle.close()
@@ -397,10 +383,10 @@ class LocalFederation:
         SuperLink's CA when it serves TLS; authenticating with ``auth_key`` if given).
 
         The ClientApp (a deployed region's relay) runs where Flower puts it: in a process
-        the SuperNode starts as its own user, or, with ``relay_user`` (this process must
-        be root), the SuperNode runs with ``--isolation process`` and the relay's
-        ``flower-superexec`` (which starts each ``flwr-clientapp``) runs as that user,
-        with ``relay_home`` as its FLWR_HOME."""
+        the SuperNode starts as its own user, or, with ``relay_user``, the SuperNode runs
+        with ``--isolation process`` and the relay's ``flower-superexec`` (which starts each
+        ``flwr-clientapp``) runs as that user (this process must be root; "" runs it as
+        ourselves), with ``relay_home`` as its FLWR_HOME."""
         security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
         if auth_key is not None:
             security += ["--auth-supernode-private-key", str(auth_key)]
@@ -422,14 +408,8 @@ class LocalFederation:
         managed = self._spawn(f"supernode-{name}", cmd)
         if relay_user is not None:
             home = relay_home or self.workdir / f"relay-{name}"
-            home.mkdir(mode=0o700, parents=True, exist_ok=True)
-            entry = pwd.getpwnam(relay_user)
-            os.chown(home, entry.pw_uid, entry.pw_gid)
             self._spawn(
-                f"relay-{name}",
-                relay_command(f"127.0.0.1:{runtime_port}", managed.process.pid),
-                user=relay_user,
-                home=home,
+                f"relay-{name}", relay_command(relay_user, home, f"127.0.0.1:{runtime_port}")
             )
         return managed
 
@@ -506,16 +486,22 @@ class LocalFederation:
         return int(match.group(1)), text
 
 
-def relay_command(runtime_address: str, supernode_pid: int) -> list[str]:
-    """Flower's ``flower-superexec`` for a SuperNode started with ``--isolation process``:
-    it starts each ``flwr-clientapp`` (the relay) as whoever runs it."""
+def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
+    """Flower's ``flower-superexec`` for a SuperNode started with ``--isolation process``
+    (it starts each ``flwr-clientapp``: the relay), run as ``user`` with ``home`` as its
+    FLWR_HOME, as a deployment's start script runs it (``fedciuic.ops.deploy relay``)."""
     return [
+        sys.executable,
+        "-m",
+        "fedciuic.ops.deploy",
+        "relay",
+        user,
+        str(home),
+        "--",
         _bin("flower-superexec"),
         "--insecure",
         "--runtime-api-address",
         runtime_address,
-        "--parent-pid",
-        str(supernode_pid),
     ]
 
 

@@ -225,6 +225,14 @@ def _parser() -> argparse.ArgumentParser:
         help="no TLS and no SuperNode authentication: for loopback tests only",
     )
     init.add_argument(
+        "--relay-user",
+        metavar="USER",
+        help="the OS user each region's relay (Flower's ClientApp, which the aggregator "
+        "ships) runs as, created by start-supernode.sh if missing; it must not be able to "
+        'read the region\'s files (default: fedciuic-relay when run as root; "" otherwise: '
+        "the relay runs as the region's own user, with no OS separation)",
+    )
+    init.add_argument(
         "--demo-data",
         action="store_true",
         help="put the demo corpus in each region's data/ (regions eu, cn, us, sg, in); "
@@ -805,6 +813,7 @@ def _init(args: argparse.Namespace) -> int:
         supernode_port_base=args.supernode_port_base,
         tls=not args.insecure,
         demo_data=args.demo_data,
+        relay_user=args.relay_user,
     )
     print(next_steps(deployment))
     return 0

@@ -17,6 +17,7 @@ trees, reading a run's outcome).
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import sys
@@ -31,7 +32,7 @@ import psutil
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import NAME_PATTERN
 from fedciuic.crypto.sealing import AGGREGATOR
-from fedciuic.errors import ConfigError
+from fedciuic.errors import ConfigError, FedciuicError
 from fedciuic.flower.launch import (
     STARTED_RUN,
     healthy,
@@ -53,6 +54,13 @@ from fedciuic.ops.layout import (
     write_deployment,
 )
 from fedciuic.ops.outputs import mark_unfinished
+from fedciuic.ops.separation import (
+    check_runs,
+    default_relay_user,
+    ensure_user,
+    exec_as,
+    reachability_problem,
+)
 from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.rounds.metrics import MetricsError, load_metrics
 from fedciuic.rounds.record import (
@@ -150,6 +158,25 @@ def _region_policy(
     return loaded, []
 
 
+def _relay_problems(user: str) -> list[str]:
+    """Why ``user`` cannot be the relay's user here, if it cannot."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
+        return [f"--relay-user: {user!r} is not a user name (lower-case, at most 32 characters)"]
+    try:
+        if pwd.getpwnam(user).pw_uid in (0, os.geteuid()):
+            return [
+                f"--relay-user: {user} is root or yourself; the relay needs a user of its own"
+            ]
+    except KeyError:
+        if os.geteuid() != 0:
+            return [
+                f"--relay-user: no user {user}; create it (as root), or run init as root so "
+                "that start-supernode.sh creates it"
+            ]
+    problem = reachability_problem(user)
+    return [problem] if problem else []
+
+
 # -- init -----------------------------------------------------------------------------
 
 
@@ -164,11 +191,14 @@ def init_deployment(
     tls: bool = True,
     demo_data: bool = False,
     supernode_port_base: int | None = None,
+    relay_user: str | None = None,
 ) -> Deployment:
     """Check everything, then write the deployment folder; raise ConfigError with every problem.
 
     Regions are ``name`` (jurisdiction: the name upper-cased) or ``name=JUR``.
     SuperNode ports are ``supernode_port_base + i`` (default: ``port + 1 + i``).
+    ``relay_user``: the OS user each region's relay runs as (None: :data:`RELAY_USER`
+    for root, "" otherwise; "": the region's own user, no OS separation).
     """
     from fedciuic.data.demo import FAMILIES
 
@@ -204,6 +234,9 @@ def init_deployment(
             f"--supernode-port-base: {base} gives a SuperNode the SuperLink's --port {port}; "
             f"pick a base above {port} or below {port - len(parsed)}"
         )
+    relay = default_relay_user() if relay_user is None else relay_user.strip()
+    if relay:
+        problems += _relay_problems(relay)
     if demo_data:
         problems += [
             f"--demo-data: no demo corpus for region {name} (have {', '.join(FAMILIES)}); "
@@ -237,6 +270,7 @@ def init_deployment(
         tls=tls,
         demo_data=demo_data,
         bin_dir=Path(sys.executable).parent,
+        relay_user=relay,
     )
     if not problems:
         # The run config the aggregator will submit must be one the ServerApp accepts.
@@ -376,6 +410,23 @@ def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
     return roots
 
 
+def relay_setup(user: str, home: Path) -> int:
+    """Before a region's agent starts: the relay's user (made, as root, if missing) and
+    home, and a check that it can run the relay; or, without a user, a warning."""
+    if not user:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        print(
+            "start-supernode.sh: relay-user is empty: Flower's ClientApp (code the aggregator "
+            "ships) runs as this user and could read the region's files; run fedciuic init "
+            "as root (or with --relay-user) for a relay of its own",
+            file=sys.stderr,
+        )
+        return 0
+    ensure_user(user, home)
+    check_runs(user)
+    return 0
+
+
 def _main(argv: Sequence[str]) -> int:
     """``python -m fedciuic.ops.deploy ACTION ARGS``, for the generated scripts."""
     action, *args = argv or ["help"]
@@ -395,13 +446,18 @@ def _main(argv: Sequence[str]) -> int:
         for run_dir in settle_runs(Path(args[0]), float(args[1])):
             print(f"start.sh: {run_dir.name} did not end; marked interrupted")
         return 0
+    if action == "relay-setup" and len(args) == 2:
+        return relay_setup(args[0], Path(args[1]))
+    if action == "relay" and len(args) >= 4 and args[2] == "--":
+        exec_as(args[0], Path(args[1]), args[3:])  # returns only by raising
     if action == "stop" and len(args) == 1:
         stopped = stop_processes(Path(args[0]))
         print(f"stopped {len(stopped)} process group(s) named in {args[0]}")
         return 0
     print(
         "usage: python -m fedciuic.ops.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
-        "| check-run LOG FILE | settle RUNS_DIR SINCE | running PIDS_DIR | stop PIDS_DIR",
+        "| check-run LOG FILE | settle RUNS_DIR SINCE | running PIDS_DIR | stop PIDS_DIR "
+        "| relay-setup USER HOME | relay USER HOME -- COMMAND...",
         file=sys.stderr,
     )
     return 2
@@ -421,4 +477,9 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+    try:
+        code = _main(sys.argv[1:])
+    except FedciuicError as err:
+        print(f"fedciuic: {err}", file=sys.stderr)
+        code = 1
+    raise SystemExit(code)

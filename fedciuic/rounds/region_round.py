@@ -420,8 +420,8 @@ class _Round:
         self.signer = sealing.keypair
         if task.kind != asked:
             raise MalformedInstruction(
-                f"region {node.region}: a {asked} message carries a {task.kind} instruction; "
-                "refusing it"
+                f"region {node.region}: a {asked} message carries an instruction to "
+                f"{task.kind}; refusing it"
             )
         if read_run(task) != run:
             raise MalformedInstruction(

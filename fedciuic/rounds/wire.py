@@ -83,11 +83,14 @@ class RunEndNotice:
     nonce: bytes = bytes(NONCE_BYTES)
     signature: bytes = b""
     signer: str = ""
-    kind: TaskKind = TaskKind.RUN_END
+
+    @property
+    def kind(self) -> TaskKind:
+        return TaskKind.RUN_END
 
     @property
     def terms(self) -> Terms:
-        return Terms(TaskKind.RUN_END, config_digest(self.run_config), self.nonce)
+        return Terms(self.kind, config_digest(self.run_config), self.nonce)
 
     def run_settings(self) -> dict[str, Any]:
         return run_settings(self.run_config)

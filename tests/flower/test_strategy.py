@@ -6,6 +6,7 @@ round's own logic is tested with plain replies in tests/rounds/test_aggregator.p
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,15 +14,21 @@ import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedciuic.compression import get_codec
-from fedciuic.crypto.keys import KeyFileError
-from fedciuic.crypto.sealing import RegionKeys
+from fedciuic.crypto.sealing import (
+    NONCE_BYTES,
+    NotSignedError,
+    RegionKeys,
+    TaskKind,
+    Terms,
+    config_digest,
+)
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
-from fedciuic.model.train import EvalStats
+from fedciuic.rounds import wire
 from fedciuic.rounds.aggregator import AggregatorRound
 from fedciuic.rounds.aggregator_run import restore
 from fedciuic.rounds.checkpoint import CheckpointError, load_checkpoint
-from fedciuic.rounds.wire import Reply
+from fedciuic.rounds.wire import Instruction, Reply
 from server.strategy import RegionalFedAvg
 from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
@@ -50,7 +57,16 @@ def reply(node_id: int, content: RecordDict | Error, kind: str = MessageType.TRA
 def packed(raw: Raw) -> RecordDict:
     """A plain reply's fields in the records a region's Message carries."""
     assert raw.arrays is not None
-    return protocol.clear_reply(raw.arrays, raw.metrics, raw.info)
+    return protocol.content(wire.clear(raw.arrays, raw.metrics, raw.info))
+
+
+def evaluation(region: str, loss: float, examples: int) -> RecordDict:
+    """An evaluation reply as a region's Message carries it."""
+    return protocol.content(wire.evaluated(region, examples, loss, float(np.exp(loss))))
+
+
+def decline(region: str, reason: str) -> RecordDict:
+    return protocol.content(wire.declined(region, reason))
 
 
 def test_replies_are_unpacked_into_the_round_and_the_aggregate_packed(strategy):
@@ -84,7 +100,7 @@ def test_flower_errors_bad_records_and_silent_nodes_are_rejected_alone(strategy)
 
 
 def test_round_where_every_region_declines_packs_nothing(strategy):
-    arrays, metrics = strategy.aggregate_train(1, [reply(11, protocol.decline_reply("eu", "no"))])
+    arrays, metrics = strategy.aggregate_train(1, [reply(11, decline("eu", "no"))])
     assert arrays is None and metrics is None
     np.testing.assert_array_equal(strategy.aggregator.global_adapter["w"], GLOBAL["w"])
     data = strategy.aggregator.recorder.data.rounds[1]
@@ -94,22 +110,22 @@ def test_round_where_every_region_declines_packs_nothing(strategy):
 
 def test_evaluation_replies_are_unpacked_and_the_overall_loss_packed(strategy):
     replies = [
-        reply(11, protocol.evaluate_reply("eu", EvalStats(2.0, 10)), MessageType.EVALUATE),
-        reply(12, protocol.evaluate_reply("cn", EvalStats(4.0, 30)), MessageType.EVALUATE),
+        reply(11, evaluation("eu", 2.0, 10), MessageType.EVALUATE),
+        reply(12, evaluation("cn", 4.0, 30), MessageType.EVALUATE),
     ]
     metrics = strategy.aggregate_evaluate(0, replies)
     assert isinstance(metrics, MetricRecord) and metrics["eval-loss"] == pytest.approx(3.5)
     assert metrics["num-examples"] == 40
     evals = strategy.aggregator.recorder.data.rounds[0].eval
     assert evals["eu"].loss == 2.0 and evals["overall"].num_examples == 40
-    none = strategy.aggregate_evaluate(1, [reply(11, protocol.decline_reply("eu", "no"))])
+    none = strategy.aggregate_evaluate(1, [reply(11, decline("eu", "no"))])
     assert none is None
 
 
 def test_read_reply_gives_the_plain_reply(sealed_round):
     cn = sealed_round[1]["cn"]
-    content = protocol.sign_reply(
-        protocol.decline_reply("cn", "budget spent"), cn, run_id=7, server_round=1
+    content = protocol.content(
+        wire.declined("cn", "budget spent").sign(cn, run_id=7, server_round=1)
     )
     got = protocol.read_reply(reply(12, content))
     assert isinstance(got, Reply)
@@ -145,13 +161,27 @@ def test_enough_regions_after_the_deadline_go_ahead(strategy, monkeypatch):
 
 
 def test_instruction_round_trip():
-    content = protocol.instruction(
-        protocol.pack_arrays(GLOBAL), server_round=3, base_fingerprint="abc", config=ConfigRecord()
+    sent = Instruction(
+        adapter=GLOBAL,
+        server_round=3,
+        base_fingerprint="abc",
+        kind=TaskKind.EVALUATE,
+        run_config='{"local-steps":2}',
+        nonce=bytes(range(NONCE_BYTES)),
+        signature=b"sig",
+        signer="ab" * 16,
+        federation_run=5,
+        witness=(4, "cd" * 32),
     )
-    message = Message(content, dst_node_id=2, message_type=MessageType.TRAIN)
+    content = protocol.instruction(protocol.pack_arrays(GLOBAL), sent)
+    message = Message(content, dst_node_id=2, message_type=MessageType.EVALUATE)
     task = protocol.read_instruction(message)
     assert task.server_round == 3 and task.base_fingerprint == "abc"
     np.testing.assert_array_equal(task.adapter["w"], GLOBAL["w"])
+    assert task.kind == TaskKind.EVALUATE and task.run_settings() == {"local-steps": 2}
+    assert (task.nonce, task.signature, task.signer) == (sent.nonce, sent.signature, sent.signer)
+    assert (task.federation_run, task.witness) == (5, (4, "cd" * 32))
+    assert task.terms == sent.terms
 
 
 def test_only_the_first_round_waits_for_missing_regions(strategy, monkeypatch):
@@ -175,10 +205,10 @@ def test_sealed_replies_as_regions_pack_them_are_opened_and_aggregated(sealed_ro
     def sealed(region: str, value: float) -> RecordDict:
         raw = sealed_reply_from(regions[region], agg, value)
         assert raw.arrays is not None
-        content = protocol.sealed_reply(
+        records = wire.sealed(
             region, raw.arrays["envelope"].tobytes(), regions[region].bundle.key_id.hex()
         )
-        return protocol.sign_reply(content, regions[region], run_id=7, server_round=1)
+        return protocol.content(records.sign(regions[region], run_id=7, server_round=1))
 
     arrays, _ = RegionalFedAvg(a).aggregate_train(
         1, [reply(11, sealed("eu", 1.0)), reply(12, sealed("cn", 3.0))]
@@ -198,10 +228,34 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
         [1, 2, 3],
     )[0].content
     task = protocol.read_instruction(Message(content, dst_node_id=1, message_type="train"))
+    assert task.kind == TaskKind.TRAIN and task.run_config == a.run.canonical_json()
     keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
-    keys.check_global(task.signature, task.signer, 7, 4, task.adapter)  # valid
-    with pytest.raises(KeyFileError, match="not signed by the aggregator"):
-        keys.check_global(task.signature, task.signer, 7, 5, task.adapter)  # another round
+
+    def check(server_round: int, terms: Terms) -> None:
+        keys.check_global(
+            task.signature, task.signer, 7, server_round, task.adapter, terms, task.witness
+        )
+
+    check(4, task.terms)  # valid
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(5, task.terms)  # another round
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(4, replace(task.terms, kind=TaskKind.EVALUATE))  # another kind of task
+    other_nonce = bytes(b ^ 1 for b in task.nonce)
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(4, replace(task.terms, nonce=other_nonce))  # another nonce
+    other_config = config_digest(task.run_config + " ")
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(4, replace(task.terms, config_digest=other_config))  # another run config
+    # every instruction has a nonce of its own
+    again = s._messages(
+        FakeGrid([1]),  # type: ignore[arg-type]
+        protocol.pack_arrays(GLOBAL),
+        4,
+        MessageType.TRAIN,
+        [1],
+    )[0]
+    assert protocol.read_instruction(again).nonce != task.nonce
 
 
 # -- the round loop, checkpoints and resume --------------------------------------------
@@ -227,7 +281,7 @@ class RegionsGrid(FakeGrid):
             w = protocol.unpack_arrays(message.content.array_records["arrays"])["w"]
             content = packed(trained(region, float(0.5 * (target - w[0])), 10))
         else:
-            content = protocol.evaluate_reply(region, EvalStats(1.0, 10))
+            content = evaluation(region, 1.0, 10)
         return Message(content, reply_to=message)
 
     def push_messages(self, messages):

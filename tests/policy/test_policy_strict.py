@@ -390,17 +390,28 @@ def test_policy_hash_is_the_same_in_every_process_whatever_pythonhashseed():
 def test_policy_hash_is_the_sha256_of_the_canonical_json():
     import hashlib
 
+    def sha256(data: object) -> str:
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     loaded = load_policy(POLICIES / "eu-gdpr.yaml")
-    canonical = json.dumps(
-        loaded.policy.model_dump(mode="json"), sort_keys=True, separators=(",", ":")
-    )
-    assert loaded.hash == hashlib.sha256(canonical.encode()).hexdigest()
+    data = loaded.policy.model_dump(mode="json")
+    # No agent section (any agent version) is left out: shipped policies keep their hash.
+    assert data.pop("agent") is None
+    assert loaded.hash == sha256(data)
     # The default privacy.unit (record) is left out: older policies keep their hash.
     cn = load_policy(POLICIES / "cn-pipl.yaml")
     data = cn.policy.model_dump(mode="json")
     assert data["privacy"].pop("unit") == "record"
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    assert cn.hash == hashlib.sha256(canonical.encode()).hexdigest()
+    assert data.pop("agent") is None
+    assert cn.hash == sha256(data)
+    # An agent section, once there, is hashed like any other.
+    pinned = Policy.model_validate(
+        {**loaded.policy.model_dump(), "agent": {"min_version": "0.2.0"}}
+    )
+    data = pinned.model_dump(mode="json")
+    assert data["agent"] == {"min_version": "0.2.0"}
+    assert pinned.content_hash == sha256(data) != loaded.hash
 
 
 # -- bytes ---------------------------------------------------------------------------------

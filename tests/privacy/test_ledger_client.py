@@ -1,5 +1,7 @@
-"""The ClientApp's side of the privacy ledger: the audit log witnesses each release,
-a rolled-back ledger and rounds beyond the run are declined (read from the audit log)."""
+"""The region's side of the privacy ledger: the audit log witnesses each release,
+a rolled-back ledger and rounds beyond the run are declined (read from the audit log).
+The region's round is called as its agent calls it, with the run config the
+aggregator signs into each instruction."""
 
 from __future__ import annotations
 
@@ -7,16 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
-from clients import app as client_app
 from fedciuic.audit.log import REGION_LOG, load_records
-from fedciuic.flower import protocol
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.crypto.sealing import TaskKind
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
+from fedciuic.rounds.region_round import handle_instruction
+from fedciuic.rounds.wire import Instruction
 from tests.conftest import app_config, lab_policies
-
-pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +32,24 @@ def policies(tmp_path_factory) -> Path:
 
 def train(model, node, policies: Path, server_round: int, **run) -> dict[str, Any]:
     """A train instruction for ``server_round``; the region's last audit record."""
-    run_config = {**app_config(), "local-steps": 2, "seal": False, **run}
+    settings = {**app_config(), "local-steps": 2, "seal": False, **run}
+    run_config = RunConfig.from_user_config(settings, source="run config")
     node = {"policy": str(policies / f"{node['region']}.yaml"), **node}
-    context = Context(
-        run_id=7, node_id=2, node_config=node, state=RecordDict(), run_config=run_config
-    )
-    content = protocol.instruction(
-        protocol.pack_arrays(model.adapter_state()),
+    task = Instruction(
+        adapter=model.adapter_state(),
         server_round=server_round,
         base_fingerprint=model.base_fingerprint,
-        config=ConfigRecord(),
+        kind=TaskKind.TRAIN,
+        run_config=run_config.canonical_json(),
     )
-    client_app.train(Message(content, dst_node_id=2, message_type=MessageType.TRAIN), context)
+    handle_instruction(
+        run_config,
+        NodeConfig.resolve(node, run_config),
+        task,
+        asked=TaskKind.TRAIN,
+        flower_run=7,
+        simulated=False,
+    )
     records = load_records(Path(node["state-path"]) / REGION_LOG)
     return next(r for r in reversed(records) if r["event"] in ("trained", "declined"))
 

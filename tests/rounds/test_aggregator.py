@@ -17,7 +17,14 @@ from fedciuic.compression import get_codec
 from fedciuic.compression.codecs import FORMAT, HEADER, MAGIC
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
-from fedciuic.crypto.sealing import aggregator_keys, generate_federation_keys, update_payload
+from fedciuic.crypto.sealing import (
+    NotSignedError,
+    RegionKeys,
+    TaskKind,
+    aggregator_keys,
+    generate_federation_keys,
+    update_payload,
+)
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError, load_policy
@@ -357,15 +364,25 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
 
 
 def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_round, tmp_path):
-    a = sealed_round[0]
-    plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, lambda: GLOBAL)
+    a, regions = sealed_round
+    plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, TaskKind.TRAIN, GLOBAL)
     assert (plain.signature, plain.signer, plain.witness) == (b"", "", None)
     a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_start", run_id=7)
     a.audit.checkpoint(run_id=7)
-    terms = a.sign_instruction(4, lambda: GLOBAL)
-    assert terms.signer == a.sealing.keys.keypair.bundle.key_id.hex() and terms.signature
-    assert terms.witness == a.audit.last_checkpoint()
+    task = a.sign_instruction(4, TaskKind.TRAIN, GLOBAL)
+    assert task.signer == a.sealing.keys.keypair.bundle.key_id.hex() and task.signature
+    assert task.witness == a.audit.last_checkpoint()
+    assert (task.server_round, task.kind) == (4, TaskKind.TRAIN)
+    assert task.run_config == a.run.canonical_json()
+    keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
+    check = partial(keys.check_global, task.signature, task.signer, 7)
+    check(4, task.adapter, task.terms, task.witness)  # what it signed: round 4, this head
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(5, task.adapter, task.terms, task.witness)  # another round
+    assert task.witness is not None
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(4, task.adapter, task.terms, (task.witness[0] + 1, task.witness[1]))  # another head
 
 
 # -- jurisdiction policies ------------------------------------------------------------

@@ -6,7 +6,9 @@ import base64
 import hashlib
 import json
 import re
+import secrets
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,12 @@ import numpy as np
 import pytest
 
 from fedciuic.audit.log import AuditError, AuditLog, load_records, verify
-from fedciuic.config import NodeConfig
+from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.sealing import (
+    NONCE_BYTES,
     AggregatorKeys,
+    TaskKind,
     aggregator_keys,
     generate_federation_keys,
     sign_global,
@@ -64,39 +68,48 @@ def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def run(model: AdapterModel, policies: Path):
     """Run one round as the region would: unsealed unless the test seals, under the lab
-    copy of its jurisdiction's policy unless the test names another."""
+    copy of its jurisdiction's policy unless the test names another. The instruction
+    carries the run config (and the kind of task) that the aggregator signs; ``asked``:
+    what the message asks for, when not ``kind``; ``given``: changes to the run config
+    the round is handed, when not the one in the instruction."""
 
     def call(
         node_config: dict[str, Any],
         run_overrides: dict[str, Any] | None = None,
         *,
-        training: bool = True,
+        kind: TaskKind = TaskKind.TRAIN,
+        asked: TaskKind | None = None,
+        given: dict[str, Any] | None = None,
         signer: Keypair | None = None,
         witness: tuple[int, str] | None = None,
         sent_witness: tuple[int, str] | None = None,
     ) -> RegionReply:
-        run_config = {**app_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
+        settings = {**app_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
         if "region" in node_config:
             node_config = {"policy": str(policies / f"{node_config['region']}.yaml"), **node_config}
-        run_cfg, node = read_configs(run_config, node_config)
+        run_cfg = RunConfig.from_user_config(settings, source="run config")
         adapter = model.adapter_state()
-        signature, signer_id = b"", ""
-        if signer is not None:
-            signature = sign_global(signer, FLOWER_RUN, 1, adapter, witness)
-            signer_id = signer.bundle.key_id.hex()
         task = Instruction(
             adapter=adapter,
             server_round=1,
             base_fingerprint=model.base_fingerprint,
-            signature=signature,
-            signer=signer_id,
+            kind=kind,
+            run_config=run_cfg.canonical_json(),
+            nonce=secrets.token_bytes(NONCE_BYTES),
             witness=sent_witness or witness,
         )
+        if signer is not None:
+            signature = sign_global(signer, FLOWER_RUN, 1, adapter, task.terms, witness)
+            task = replace(task, signature=signature, signer=signer.bundle.key_id.hex())
+        applied, node = read_configs(task, node_config)
+        assert applied == run_cfg  # the run config the instruction carries
+        if given is not None:
+            applied = RunConfig.from_user_config({**settings, **given}, source="run config")
         return handle_instruction(
-            run_cfg,
+            applied,
             node,
             task,
-            training=training,
+            asked=kind if asked is None else asked,
             flower_run=FLOWER_RUN,
             simulated=NodeConfig.is_simulated(node_config),
         )
@@ -167,7 +180,7 @@ def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
     assert set(clear.arrays) == {"update"} and clear.metrics["num-examples"] > 0
     assert clear.info["policy-hash"] == load_policy(policies / "cn.yaml").hash
     assert "update_sent_clear" in [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
-    evaluated = run(cn_node(demo_root, tmp_path), training=False).outcome
+    evaluated = run(cn_node(demo_root, tmp_path), kind=TaskKind.EVALUATE).outcome
     assert isinstance(evaluated, Evaluated) and evaluated.region == "cn"
     assert evaluated.stats.num_examples > 0
 
@@ -211,7 +224,8 @@ def test_corrupted_ledger_declines_naming_the_file(run, demo_root, tmp_path):
 
 
 def test_missing_data_path_declines_naming_the_region_and_path(run, tmp_path):
-    reply = run({"region": "eu", "data-path": str(tmp_path / "missing")}, training=False)
+    node = {"region": "eu", "data-path": str(tmp_path / "missing")}
+    reply = run(node, kind=TaskKind.EVALUATE)
     assert declined(reply).region == "eu"
     assert f"data-path {tmp_path / 'missing'} does not exist" in declined(reply).reason
     assert reply.witness is None  # no log to vouch with: its place does not exist
@@ -228,11 +242,17 @@ def test_mismatched_base_model_declines(run, demo_root, tmp_path):
     assert "base model fingerprint" in declined(run(node, {"seed": 5})).reason
 
 
-def test_a_config_that_cannot_be_read_declines_under_the_name_it_gives(demo_root):
+def test_a_config_that_cannot_be_read_declines_under_the_name_it_gives(model, demo_root):
     run_config = {**app_config(), "seal": False}
+    task = Instruction(
+        adapter=model.adapter_state(),
+        server_round=1,
+        base_fingerprint=model.base_fingerprint,
+        run_config=RunConfig.from_user_config(run_config, source="test").canonical_json(),
+    )
     node = {"region": "sg", "data-path": str(demo_root)}
     with pytest.raises(FedciuicError, match="'sg' is not a region of this run") as caught:
-        read_configs(run_config, node)
+        read_configs(task, node)
     reply = unreadable(run_config, node, caught.value)
     assert declined(reply).region == "sg" and reply.keypair is None and reply.witness is None
     assert "node config:region: 'sg' is not a region of this run" in declined(reply).reason
@@ -251,7 +271,7 @@ def test_an_audit_head_the_aggregator_did_not_sign_is_refused(run, demo_root, tm
     reply = run(
         cn_node(demo_root, tmp_path),
         run_overrides,
-        training=False,
+        kind=TaskKind.EVALUATE,
         signer=aggregator.keypair,
         witness=(5, HEAD),
         sent_witness=(4, HEAD),
@@ -259,6 +279,47 @@ def test_an_audit_head_the_aggregator_did_not_sign_is_refused(run, demo_root, tm
     assert "is not signed by the aggregator key" in declined(reply).reason
     records = load_records(tmp_path / "audit.jsonl")
     assert not [r for r in records if r["event"] == "witness"]
+
+
+def test_an_evaluation_handed_over_as_a_training_round_is_declined_and_trains_nothing(
+    run, demo_root, tmp_path, keys_dir
+):
+    """The aggregator signs the kind of task: a relay cannot turn an evaluation into a
+    training round (a release the aggregator never asked for)."""
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(
+        cn_node(demo_root, tmp_path),
+        run_overrides,
+        kind=TaskKind.EVALUATE,
+        asked=TaskKind.TRAIN,
+        signer=aggregator.keypair,
+    )
+    reason = declined(reply).reason
+    assert re.search(r"a train message carries an instruction to evaluate", reason), reason
+    assert not (tmp_path / LEDGER_FILE).exists()  # nothing trained, nothing accounted
+    assert not (tmp_path / "sent").exists()  # nothing kept to resend
+    records = load_records(tmp_path / "audit.jsonl")
+    events = [r["event"] for r in records]
+    assert "trained" not in events and "evaluated" not in events
+    assert records[-2]["event"] == "declined" and records[-1]["event"] == "checkpoint"
+    assert reply.keypair is not None  # its signature checked out: the decline is signed
+
+
+def test_a_run_config_other_than_the_signed_one_is_declined(run, demo_root, tmp_path, keys_dir):
+    """The region applies the run config the aggregator signed into the instruction,
+    never another one it is handed."""
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(
+        cn_node(demo_root, tmp_path),
+        run_overrides,
+        given={"local-steps": 3},
+        signer=aggregator.keypair,
+    )
+    reason = declined(reply).reason
+    assert "the run config to apply is not the one the aggregator signed" in reason
+    assert not (tmp_path / LEDGER_FILE).exists()  # nothing trained
+    events = [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
+    assert "trained" not in events and "declined" in events
 
 
 def test_missing_keys_decline_and_nothing_is_sent_unsealed(run, demo_root, tmp_path):
@@ -308,7 +369,7 @@ def test_cn_declines_a_us_aggregator_with_every_reason_trains_nothing_and_logs_i
 
 def test_policy_refusal_also_stops_evaluation(run, demo_root, tmp_path):
     node = cn_node(demo_root, tmp_path, ROOT / "policies" / "cn-pipl.yaml")
-    reply = run(node, {"aggregator-jurisdiction": "US"}, training=False)
+    reply = run(node, {"aggregator-jurisdiction": "US"}, kind=TaskKind.EVALUATE)
     assert "transfers.aggregator_jurisdictions" in declined(reply).reason
 
 
@@ -419,7 +480,7 @@ def test_the_region_records_the_aggregators_signed_head(run, demo_root, tmp_path
     reply = run(
         cn_node(demo_root, tmp_path),
         run_overrides,
-        training=False,
+        kind=TaskKind.EVALUATE,
         signer=aggregator.keypair,
         witness=(5, HEAD),
     )
@@ -440,16 +501,18 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
         "state-path": str(tmp_path),
         "policy": str(policies / "eu.yaml"),
     }
-    run_cfg, node = read_configs(
-        {**app_config(), "seal": True, "keys-dir": str(keys_dir)}, node_config
-    )
+    settings = {**app_config(), "seal": True, "keys-dir": str(keys_dir)}
     aggregator = aggregator_keys(str(keys_dir), 2**28)
-    notice = RunEndNotice(
-        FLOWER_RUN,
-        (9, HEAD),
-        sign_run_end(aggregator.keypair, FLOWER_RUN, (9, HEAD)),
-        aggregator.keypair.bundle.key_id.hex(),
+    unsigned = RunEndNotice(
+        federation_run=FLOWER_RUN,
+        witness=(9, HEAD),
+        run_config=RunConfig.from_user_config(settings, source="test").canonical_json(),
+        nonce=secrets.token_bytes(NONCE_BYTES),
+        signer=aggregator.keypair.bundle.key_id.hex(),
     )
+    signature = sign_run_end(aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD))
+    notice = replace(unsigned, signature=signature)
+    run_cfg, node = read_configs(notice, node_config)
     reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
     assert reply.outcome == Witnessed("eu")
     assert reply.keypair is not None and reply.keypair.bundle.party == "eu"
@@ -459,7 +522,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
     assert records[-1]["event"] == "checkpoint"  # the witness is signed, not a dangling tail
     assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
     assert verify(tmp_path / "audit.jsonl", load_bundle(keys_dir / "eu.pub.json")).ok
-    forged = RunEndNotice(FLOWER_RUN, (10, HEAD), notice.signature, notice.signer)
+    forged = replace(notice, witness=(10, HEAD))
     refused = witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)
     assert "not signed by the aggregator" in declined(refused).reason
     assert refused.keypair is None and refused.witness is None

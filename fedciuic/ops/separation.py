@@ -1,0 +1,187 @@
+"""The relay's own OS user: Flower's ClientApp runs where it cannot read the region.
+
+A deployed region's ClientApp is code the aggregator ships. ``fedciuic init``, run as
+root, writes start scripts that run it (Flower's ``flower-superexec``, which starts
+each ``flwr-clientapp``) as an unprivileged user of its own (:data:`RELAY_USER` unless
+``--relay-user`` names another): created if missing, with a home of its own (its
+FLWR_HOME, where Flower unpacks the FAB), in no group of the region's. The region's
+data, state and key folders are its operator's, mode 0700; the agent refuses to serve
+while the relay's user can read them (:mod:`fedciuic.agent.access`).
+
+That user must still run Python: every folder on the way to the interpreter and to
+the installed packages must let others pass (``o+x``). :func:`closed_to_others` finds
+the first one that does not, so that ``init`` and the start script say which, and how
+to fix it, instead of a relay that dies at start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import pwd
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from fedciuic.errors import FedciuicError
+
+_PR_SET_PDEATHSIG = 1
+#: The relay's user when ``fedciuic init`` runs as root and names none.
+RELAY_USER = "fedciuic-relay"
+#: What the relay imports: Flower, NumPy and fedciuic's channel (never torch).
+RELAY_IMPORTS = "import flwr.supernode, numpy, fedciuic.flower.relay"
+
+
+class SeparationError(FedciuicError):
+    """The relay cannot run as its own user (who, where, and the fix)."""
+
+
+def default_relay_user() -> str:
+    """:data:`RELAY_USER` for a root operator (who can start processes as it); "" for
+    anyone else, whose relay runs as themselves (no OS separation; said at init)."""
+    return RELAY_USER if os.geteuid() == 0 else ""
+
+
+def interpreter_paths() -> list[Path]:
+    """What the relay's Python reads: its executable and standard library, and where
+    Flower and fedciuic are installed."""
+    import flwr
+
+    import fedciuic
+
+    return [
+        Path(sys.executable),
+        Path(sys.executable).resolve(),
+        Path(os.__file__).resolve().parent,
+        Path(flwr.__file__).resolve().parent,
+        Path(fedciuic.__file__).resolve().parent,
+    ]
+
+
+def closed_to_others(paths: Iterable[Path], *, read: bool = True) -> Path | None:
+    """The first folder on the way to any of ``paths`` (or, with ``read``, the path
+    itself) that a user in none of its groups may not pass or read; None when all are
+    open."""
+    for path in paths:
+        for step in [*reversed(path.parents), path]:
+            try:
+                mode = step.stat().st_mode
+            except OSError:
+                return step
+            needed = stat.S_IXOTH | (stat.S_IROTH if read and step == path else 0)
+            if mode & needed != needed:
+                return step
+    return None
+
+
+def reachability_problem(user: str) -> str | None:
+    """Why ``user`` could not run the relay from this install, or None."""
+    closed = closed_to_others(interpreter_paths())
+    if closed is None:
+        return None
+    return (
+        f"--relay-user {user}: that user cannot run this Python ({sys.executable}): {closed} "
+        "is closed to other users; open the folders on the way for passage (e.g. chmod o+x "
+        f"{closed}), or install fedciuic in a virtual environment other users can read (e.g. "
+        'under /opt), or pass --relay-user "" to run the relay as yourself (no OS '
+        "separation: a hostile ClientApp could read the region's files)"
+    )
+
+
+def ensure_user(name: str, home: Path) -> pwd.struct_passwd:
+    """The relay's user (created, as a system user with no login, if missing) and its
+    home (made, and given to it, mode 0700). Root only."""
+    if os.geteuid() != 0:
+        raise SeparationError(
+            f"relay-user {name}: starting the relay as another user needs root; run the "
+            'start script as root, or set relay-user = "" in agent.toml (no OS separation)'
+        )
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        done = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise SeparationError(
+                f"relay-user {name}: useradd failed ({done.stderr.strip()}); create the user "
+                "yourself"
+            ) from None
+        entry = pwd.getpwnam(name)
+    if entry.pw_uid == 0:
+        raise SeparationError(f"relay-user {name}: uid 0 is root; name an unprivileged user")
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    home.chmod(0o700)
+    return entry
+
+
+def check_runs(name: str) -> None:
+    """Run the relay's imports as ``name``: its Python must start and find Flower."""
+    entry = pwd.getpwnam(name)
+    done = subprocess.run(
+        [sys.executable, "-c", RELAY_IMPORTS],
+        capture_output=True,
+        text=True,
+        user=entry.pw_uid,
+        group=entry.pw_gid,
+        extra_groups=[],
+        cwd="/",
+        check=False,
+    )
+    if done.returncode != 0:
+        why = reachability_problem(name) or done.stderr.strip().splitlines()[-1:]
+        raise SeparationError(f"relay-user {name}: cannot run the relay: {why}")
+
+
+def exec_as(name: str, home: Path, command: Sequence[str]) -> None:
+    """Replace this process with ``command`` run as ``name`` (or as ourselves when
+    ``name`` is ""), with ``home`` as its HOME and FLWR_HOME and working folder."""
+    env = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home)}
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if name and (closed := closed_to_others([home.parent], read=False)) is not None:
+        raise SeparationError(
+            f"relay-user {name}: cannot reach its home {home}: {closed} is closed to other "
+            f"users; chmod o+x {closed}"
+        )
+    if name:
+        entry = ensure_user(name, home)
+        check_runs(name)
+        os.setgroups([])
+        os.setgid(entry.pw_gid)
+        os.setuid(entry.pw_uid)
+        env["USER"] = env["LOGNAME"] = name
+    # Flower's --parent-pid cannot watch a parent of another user (os.kill(pid, 0) is
+    # refused, which it takes for an exit): the kernel's parent-death signal can, set
+    # after the switch of user (which clears it) and kept across exec.
+    _die_with_parent()
+    os.chdir(home)
+    os.execve(command[0], list(command), env)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent exits (Linux; elsewhere a no-op)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+
+
+__all__ = [
+    "RELAY_USER",
+    "SeparationError",
+    "check_runs",
+    "closed_to_others",
+    "default_relay_user",
+    "ensure_user",
+    "exec_as",
+    "reachability_problem",
+]
