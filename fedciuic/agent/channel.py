@@ -113,7 +113,8 @@ def _tag(value: object, where: str) -> object:
 
 def encode(frame: Frame) -> tuple[bytes, list[memoryview]]:
     """The frame's prefix and header, and its arrays' bytes (sent without a copy)."""
-    arrays = {k: np.ascontiguousarray(v) for k, v in (frame.arrays or {}).items()}
+    # C order without np.ascontiguousarray, which turns a 0-d array into shape (1,).
+    arrays = {k: np.asarray(v, order="C") for k, v in (frame.arrays or {}).items()}
     header = {
         "protocol": PROTOCOL,
         "fedciuic": __version__,
@@ -133,7 +134,8 @@ def encode(frame: Frame) -> tuple[bytes, list[memoryview]]:
     text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(text) > MAX_HEADER:
         raise ChannelError(f"frame header of {len(text)} bytes (at most {MAX_HEADER})")
-    body = [a.data.cast("B") for a in arrays.values()]
+    # Flat first: a memoryview cannot cast an empty array of 2+ dims, shape (0, 4).
+    body = [a.reshape(-1).data.cast("B") for a in arrays.values()]
     prefix = _PREFIX.pack(MAGIC, len(text), sum(len(b) for b in body))
     return prefix + text, body
 
@@ -215,7 +217,7 @@ def _layout(value: object, body: int) -> list[tuple[str, np.dtype[Any], tuple[in
         if name in names:
             raise ChannelError(f"arrays: {name!r} twice")
         names.add(name)
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable
             raise ChannelError(
                 f"arrays.{name}: dtype {str(dtype)[:16]!r} is not one of {sorted(DTYPES)}"
             )
@@ -253,6 +255,7 @@ def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float = IO_T
         header = json.loads(
             bytes(_read(sock, header_size, "frame header")),
             parse_constant=_no_constant,
+            parse_float=_finite,
         )
     except (ValueError, RecursionError) as err:
         raise ChannelError(f"frame header: not JSON ({str(err)[:80]})") from None
@@ -286,6 +289,14 @@ def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float = IO_T
 
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not a number")
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float; 1e400 would be inf, which no frame carries."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:24]} is not a finite number")
+    return value
 
 
 # -- who is on the other end ------------------------------------------------------------------
@@ -363,7 +374,8 @@ def connect(path: Path, timeout: float) -> socket.socket:
                 sock.close()
                 raise
             break
-        except (ChannelError, FileNotFoundError, ConnectionRefusedError) as err:
+        # BlockingIOError (EAGAIN): the agent's listen backlog is full; it is busy, not gone.
+        except (ChannelError, FileNotFoundError, ConnectionRefusedError, BlockingIOError) as err:
             if time.monotonic() >= deadline:
                 raise ChannelError(
                     f"no agent answers on {path} within {timeout:g}s ({err}); start the "

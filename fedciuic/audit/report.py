@@ -168,7 +168,10 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
         _logs_section(logs),
         _regions_section(start, own, agg, unsigned["start"]),
         _transfers_section(agg, own, agg_all),
-        _refusals_section(agg, own),
+        _code_section(agg, own),
+        _refusals_section(
+            agg, own, {name: _refused_for(log.verified, run_id) for name, log in regions.items()}
+        ),
         _agreement_section(disagreements, _witness_summary(witnesses)),
         _unverified_section(logs, run_id),
         _record_of_processing(start, own),
@@ -403,16 +406,82 @@ def _transfers_section(
     )
 
 
+def _code_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) -> Section:
+    """Which code made each update: the agent version and code digest the region's signed
+    reply named (as the aggregator received it), against what the region recorded when
+    it joined the run."""
+    joined = {
+        region: str(_details(_first(records, Event.RUN_JOINED)).get("code", ""))
+        for region, records in own.items()
+    }
+    rows = []
+    for r in agg:
+        d = _details(r)
+        if r.get("event") != RECEIVED_EVENT:
+            continue
+        region, code = str(d.get("region")), str(d.get("agent_code", ""))
+        recorded = joined.get(region)
+        rows.append(
+            (
+                _round(r),
+                region,
+                _text(d.get("agent_version")),
+                code[:16] or "-",
+                "region log not given"
+                if recorded is None
+                else "yes"
+                if recorded and recorded == code
+                else "NO",
+            )
+        )
+    return Section(
+        "Code",
+        [
+            "Which code made each update that arrived: the region agent's fedciuic version and "
+            "the SHA-256 of its installed code, as its signed reply named them, and whether "
+            "that is the code the region's own log recorded for the run."
+        ],
+        ("round", "region", "agent version", "code digest", "as the region recorded")
+        if rows
+        else (),
+        sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
+    )
+
+
+def _refused_for(records: Sequence[Record], run_id: int) -> list[Record]:
+    """A region agent's refusals of requests that claimed this run."""
+    return [
+        r
+        for r in records
+        if r.get("event") == Event.REQUEST_REFUSED and _details(r).get("flower_run") == run_id
+    ]
+
+
 def _reasons(value: Any) -> str:
     return "; ".join(map(str, value)) if isinstance(value, list) else _text(value)
 
 
-def _refusals_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) -> Section:
+def _refusals_section(
+    agg: Sequence[Record],
+    own: Mapping[str, Sequence[Record]],
+    refused: Mapping[str, Sequence[Record]],
+) -> Section:
     rows = []
     for region, records in sorted(own.items()):
         for r in records:
             if r.get("event") == Event.DECLINED:
                 rows.append((_round(r), region, "declined", _text(_details(r).get("reason"))))
+    for region, records in sorted(refused.items()):
+        for r in records:
+            d = _details(r)
+            rows.append(
+                (
+                    _text(d.get("claimed_round")),
+                    region,
+                    f"refused a {_text(d.get('kind'))} request (pid {_text(d.get('peer_pid'))})",
+                    _text(d.get("reason")),
+                )
+            )
     for r in agg:
         d, event = _details(r), r.get("event")
         if event == Event.UPDATE_REJECTED:

@@ -413,6 +413,11 @@ class LocalFederation:
             )
         return managed
 
+    def start_script(self, name: str, script: Path, *args: str) -> Managed:
+        """Run one of a deployment's generated scripts (``fedciuic init``) in the background;
+        what it starts carries this federation's mark, so :meth:`stop` stops it all."""
+        return self._spawn(name, ["bash", str(script), *args])
+
     def start_agent(self, name: str, config: Path, timeout: float = 120.0) -> Managed:
         """Start a region's ``fedciuic agent --config CONFIG`` and wait until it answers
         on its socket."""
@@ -444,7 +449,7 @@ class LocalFederation:
         the streamed log. Overrides go through a TOML file
         so that paths need no shell quoting.
         """
-        overrides = self.workdir / "run-config.toml"
+        overrides = self.workdir / f"run-overrides-{self.runs + 1}.toml"
         overrides.write_text(
             "".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()), encoding="utf-8"
         )

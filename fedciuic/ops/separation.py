@@ -109,12 +109,13 @@ def ensure_user(name: str, home: Path) -> pwd.struct_passwd:
             text=True,
             check=False,
         )
-        if done.returncode != 0:
+        try:  # made by us, or by another region's script meanwhile
+            entry = pwd.getpwnam(name)
+        except KeyError:
             raise SeparationError(
                 f"relay-user {name}: useradd failed ({done.stderr.strip()}); create the user "
                 "yourself"
             ) from None
-        entry = pwd.getpwnam(name)
     if entry.pw_uid == 0:
         raise SeparationError(f"relay-user {name}: uid 0 is root; name an unprivileged user")
     home.mkdir(mode=0o700, parents=True, exist_ok=True)

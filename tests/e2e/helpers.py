@@ -13,7 +13,8 @@ from typing import Any
 import psutil
 
 from fedciuic.crypto.tls import generate_supernode_key
-from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
+from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder, toml_value
+from fedciuic.flower.relay import AGENT
 
 
 def only_run(output_dir: Path) -> dict[str, Any]:
@@ -134,6 +135,45 @@ class RecordingProxy:
         self.server.close()
 
 
+def agent_config(
+    folder: Path, region: str, data: Path, states: Path, keys: Path, relay_user: str = ""
+) -> Path:
+    """A deployed region's agent config (:func:`deployed_node`'s files, its state in
+    ``states/REGION``), written to ``folder/REGION.agent.toml``, with its socket in
+    ``folder/REGION/``."""
+    values = {
+        **deployed_node(region, data, states, keys),
+        "socket": str(folder / region / "agent.sock"),
+        "relay-user": relay_user,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{region}.agent.toml"
+    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
+    return path
+
+
+def start_region(
+    federation: LocalFederation,
+    region: str,
+    data: Path,
+    states: Path,
+    keys: Path,
+    *,
+    superlink: str = "",
+    auth_folder: Path | None = None,
+) -> tuple[Managed, Managed]:
+    """A deployed region (its state in ``states/REGION``): its agent (holding its data,
+    state, keys and policy), then a SuperNode whose node config names only the agent's
+    socket (registered with the SuperLink first when ``auth_folder`` is given). Returns
+    (agent, SuperNode)."""
+    agents = states.parent / "agents"
+    agent = federation.start_agent(region, agent_config(agents, region, data, states, keys))
+    node = {AGENT: str(agents / region / "agent.sock")}
+    if auth_folder is None:
+        return agent, federation.start_supernode(region, node, superlink=superlink)
+    return agent, secure_supernode(federation, auth_folder, region, node, superlink)
+
+
 def secure_supernode(
     federation: LocalFederation,
     folder: Path,
@@ -157,8 +197,9 @@ def lab_policies_dir(state: Path) -> Path:
 
 
 def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str, str]:
-    """A deployed region's node config: its data, state, keys and its jurisdiction's
-    policy (a record-level lab copy of the shipped one, :func:`lab_policies_dir`)."""
+    """A deployed region's own facts (its agent's, never its ClientApp's): its data,
+    state, keys and its jurisdiction's policy (a record-level lab copy of the shipped
+    one, :func:`lab_policies_dir`)."""
     from tests.conftest import SHIPPED_POLICIES
 
     return {

@@ -17,11 +17,10 @@ from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (
     RecordingProxy,
     alive,
-    deployed_node,
     eval_loss,
     lab_policies_dir,
     only_run,
-    secure_supernode,
+    start_region,
 )
 
 pytestmark = pytest.mark.e2e
@@ -42,19 +41,24 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         intruder_key, _ = generate_supernode_key(tmp_path / "auth", "intruder")
         intruder = federation.start_supernode(
             "intruder",
-            {"region": "us", "data-path": str(demo_root / "us")},
+            {"agent": str(tmp_path / "agent.sock")},
             superlink=f"127.0.0.1:{proxy.port}",
             auth_key=intruder_key,
         )
         assert federation.expect_exit(intruder, timeout=120) != 0
         assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         for region in REGIONS:
-            node = deployed_node(region, demo_root, tmp_path / "state", keys)
-            secure_supernode(
-                federation, tmp_path / "auth", region, node, superlink=f"127.0.0.1:{proxy.port}"
+            start_region(
+                federation,
+                region,
+                demo_root,
+                tmp_path / "state",
+                keys,
+                superlink=f"127.0.0.1:{proxy.port}",
+                auth_folder=tmp_path / "auth",
             )
         pids = federation.pids()
-        assert len(pids) == 4
+        assert len(pids) == 7  # the SuperLink, and each region's agent and SuperNode
         federation.run_app(
             {
                 "num-server-rounds": 2,
@@ -132,7 +136,7 @@ def test_every_process_is_stopped_when_the_body_fails(tmp_path, demo_root):
         LocalFederation(tmp_path / "work", ROOT) as federation,
     ):
         federation.start_superlink(simulation=False)
-        federation.start_supernode("eu", {"region": "eu", "data-path": str(demo_root / "eu")})
+        federation.start_supernode("eu", {"agent": str(tmp_path / "agent.sock")})
         pids = federation.pids()
         raise RuntimeError("test failure")
     assert len(pids) == 2

@@ -23,7 +23,7 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.rounds.checkpoint import load_checkpoint
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
-from tests.e2e.helpers import alive, deployed_node, lab_policies_dir, secure_supernode
+from tests.e2e.helpers import alive, lab_policies_dir, start_region
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -176,10 +176,16 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
         federation.start_superlink(simulation=False, tls=tls, supernode_auth=True)
         nodes = {}
         for region in REGIONS:
-            node = deployed_node(region, demo_root, tmp_path / "state", keys)
-            nodes[region] = secure_supernode(federation, tmp_path / "auth", region, node)
+            _, nodes[region] = start_region(
+                federation,
+                region,
+                demo_root,
+                tmp_path / "state",
+                keys,
+                auth_folder=tmp_path / "auth",
+            )
         us_log = tmp_path / "state" / "us" / REGION_LOG
-        # Kill the US SuperNode (and its ClientApp) as soon as it starts round 1.
+        # Kill the US SuperNode (and its relay) as soon as its agent starts round 1.
         when(
             lambda: (
                 us_log.exists()

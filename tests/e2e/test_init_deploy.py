@@ -64,6 +64,10 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
             str(free_port()),
             "--supernode-port-base",
             str(_free_ports(len(REGIONS))),
+            # The relay as the region's own user: this test is about TLS and start.sh;
+            # the relay's own OS user is test_trust_boundary.py's.
+            "--relay-user",
+            "",
         ],
         capture_output=True,
         text=True,
