@@ -1,22 +1,22 @@
 """Deployment round time against simulation, and model loads per region per run.
 
-Flower 1.41 starts a ClientApp process per message in a deployment; with node config
-``trainer = "in-process"`` each one loads the model, verifies the base and tokenises
-the data again. With ``trainer = "service"`` (``fedciuic trainer`` next to each
-SuperNode) the region's model is loaded once per run, as a simulation's Ray actor
-keeps it. This runs the same 2 regions x N rounds (same preset, demo data, DP-SGD,
-sealing, shipped policies) three ways on 127.0.0.1, one after the other:
+Each deployed region runs its own agent (``fedciuic agent``), which holds the model,
+data and keys for the whole run; Flower's ClientApp, started anew for every message,
+only relays to it. This runs the same 2 regions x N rounds (same preset, demo data,
+DP-SGD, sealing, shipped policies) on 127.0.0.1, one mode after the other:
 
-* deployment, ``trainer = "service"``: flower-superlink, a trainer and a
-  flower-supernode per region;
-* deployment, ``trainer = "in-process"`` (a ClientApp that trains itself);
-* simulation (one simulation SuperLink, 2 virtual SuperNodes).
+* ``deployment-agent``: flower-superlink, an agent and a flower-supernode per region,
+  the relay as the region's own user (Flower's default subprocess isolation);
+* ``deployment-relay-user`` (root only): the same with ``--isolation process`` and the
+  relay's ``flower-superexec`` as an OS user of its own (``--relay-user``, which
+  must exist and be able to run this Python), as ``fedciuic init`` deploys it;
+* ``simulation`` (one simulation SuperLink, 2 virtual SuperNodes).
 
 A round's wall time is read from the aggregator's per-round end times (round 0, the
 initial evaluation, is the start mark: it holds each mode's start-up); the run's
 wall time is ``flwr run``'s. Model loads are counted in each region's state dir
-(``model-loads.jsonl``). Target: deployment (service) / simulation <= 1.2x, and one
-model load per region per run.
+(``model-loads.jsonl``). Target: deployment / simulation <= 1.2x, and one model load
+per region per run.
 
     .venv/bin/python benchmarks/deployment_rounds.py --preset tiny
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,7 +35,8 @@ from typing import Any
 
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
-from fedciuic.flower.launch import LocalFederation
+from fedciuic.flower.launch import LocalFederation, toml_value
+from fedciuic.flower.relay import AGENT
 from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import METRICS_FILE
 from fedciuic.rounds.region_round import model_loads
@@ -43,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("eu", "cn")
 POLICIES = ROOT / "policies"
 SHIPPED = {"eu": "eu-gdpr.yaml", "cn": "cn-pipl.yaml", "us": "us-ccpa.yaml"}
-MODES = ("deployment-service", "deployment-in-process", "simulation")
+MODES = ("deployment-agent", "deployment-relay-user", "simulation")
+DEPLOYED = MODES[:2]
 
 
 def round_times(ended: dict[str, float]) -> list[float]:
@@ -52,7 +55,24 @@ def round_times(ended: dict[str, float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def _run_one(mode: str, tmp: Path, keys: Path, run_config: dict[str, Any]) -> dict[str, Any]:
+def _agent_config(tmp: Path, mode: str, region: str, data: Path, keys: Path) -> Path:
+    values = {
+        "region": region,
+        "data-path": str(data / region),
+        "state-path": str(tmp / mode / "state" / region),
+        "key-file": str(keys / f"{region}.key.json"),
+        "aggregator-bundle": str(keys / "aggregator.pub.json"),
+        "policy": str(POLICIES / SHIPPED[region]),
+        "socket": str(tmp / mode / "agents" / region / "agent.sock"),
+    }
+    path = tmp / mode / f"{region}.agent.toml"
+    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
+    return path
+
+
+def _run_one(
+    mode: str, tmp: Path, keys: Path, run_config: dict[str, Any], relay_user: str
+) -> dict[str, Any]:
     data = tmp / mode / "data"  # fresh data: a fresh privacy ledger each time
     write_demo_corpora(data, REGIONS)
     out = tmp / mode / "runs"
@@ -68,18 +88,21 @@ def _run_one(mode: str, tmp: Path, keys: Path, run_config: dict[str, Any]) -> di
         federation.start_superlink(simulation=simulated)
         if not simulated:
             for region in REGIONS:
-                node: dict[str, Any] = {
-                    "region": region,
-                    "data-path": str(data / region),
-                    "state-path": str(states[region]),
-                    "key-file": str(keys / f"{region}.key.json"),
-                    "aggregator-bundle": str(keys / "aggregator.pub.json"),
-                    "policy": str(POLICIES / SHIPPED[region]),
-                }
-                if mode == "deployment-service":
-                    federation.start_trainer(region, states[region])
-                    node["trainer"] = "service"
-                federation.start_supernode(region, node)
+                agent = _agent_config(tmp, mode, region, data, keys)
+                if mode == "deployment-relay-user":
+                    text = agent.read_text() + f"relay-user = {toml_value(relay_user)}\n"
+                    agent.write_text(text)
+                    for private in (data, tmp / mode / "state"):
+                        private.mkdir(parents=True, exist_ok=True)
+                        private.chmod(0o700)
+                federation.start_agent(region, agent)
+                node = {AGENT: str(tmp / mode / "agents" / region / "agent.sock")}
+                federation.start_supernode(
+                    region,
+                    node,
+                    relay_user=relay_user if mode == "deployment-relay-user" else None,
+                    relay_home=tmp / mode / "relay" / region,
+                )
         started = time.monotonic()
         run_id, _ = federation.run_app(
             {**config, "data-root": str(data) if simulated else ""},
@@ -106,6 +129,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument(
+        "--relay-user",
+        default="fedciuic-relay",
+        help="deployment-relay-user: the relay's OS user (default: fedciuic-relay)",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     run_config = {
@@ -116,11 +144,16 @@ def main() -> int:
         "policies-dir": str(POLICIES),
     }
     results: dict[str, Any] = {}
+    modes = args.modes.split(",")
+    if "deployment-relay-user" in modes and os.geteuid() != 0:
+        print("deployment-relay-user: skipped (needs root to run the relay as another user)")
+        modes.remove("deployment-relay-user")
     with tempfile.TemporaryDirectory(prefix="fedciuic-bench-deploy-", dir="/tmp") as name:
         tmp = Path(name)
+        tmp.chmod(0o711)  # the relay's user passes through to its home and the agents' sockets
         keys = generate_federation_keys(tmp / "keys", REGIONS)
-        for mode in args.modes.split(","):
-            results[mode] = _run_one(mode, tmp, keys, run_config)
+        for mode in modes:
+            results[mode] = _run_one(mode, tmp, keys, run_config, args.relay_user)
             r = results[mode]
             print(
                 f"{mode:<22} {r['status']:<10} run {r['run_s']:7.1f} s, rounds "
@@ -132,7 +165,7 @@ def main() -> int:
         f"\n2 regions x {args.rounds} rounds, preset {args.preset}, {args.local_steps} local steps"
     )
     sim = results.get("simulation")
-    for mode in ("deployment-service", "deployment-in-process"):
+    for mode in DEPLOYED:
         if sim and mode in results:
             ratio = results[mode]["mean_round_s"] / sim["mean_round_s"]
             run_ratio = results[mode]["run_s"] / sim["run_s"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import stat
 import subprocess
@@ -16,13 +17,15 @@ import psutil
 import pytest
 from flwr.common.config import parse_config_args
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.agent.config import AgentConfig
+from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import aggregator_keys
 from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
-from fedciuic.ops import deploy
+from fedciuic.flower.relay import AGENT
+from fedciuic.ops import deploy, separation
 from fedciuic.ops.cli import main
 from fedciuic.policy.rules import load_policy
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
@@ -31,8 +34,11 @@ REGIONS = ("eu", "cn", "us")
 
 
 def _init(tmp_path: Path, *extra: str, directory: Path | None = None) -> int:
+    """``fedciuic init``; the relay as the region's own user unless ``extra`` names one
+    (the relay's own OS user is tested below, on its own)."""
     target = directory or tmp_path / "dep"
-    return main(["init", str(target), "--app", str(ROOT), "--port", "19092", *extra])
+    relay = [] if "--relay-user" in extra else ["--relay-user", ""]
+    return main(["init", str(target), "--app", str(ROOT), "--port", "19092", *relay, *extra])
 
 
 def _mode(path: Path) -> int:
@@ -108,15 +114,26 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
         here = deployment / "regions" / region
         with open(here / "node-config.toml", "rb") as handle:
             values = tomllib.load(handle)
-        # Flower reads a --node-config that ends in .toml as a file.
+        # Flower reads a --node-config that ends in .toml as a file; the ClientApp (code
+        # the aggregator ships) learns only where the region's agent listens.
         assert parse_config_args([str(here / "node-config.toml")]) == values
-        node = NodeConfig.resolve(values, run)
+        assert values == {AGENT: str(here / "agent" / "agent.sock")}
+        agent = AgentConfig.load(here / "agent.toml")
+        node = agent.node_for(run)
         assert node.region == region and node.state_dir == here / "state"
-        for key in ("data-path", "state-path", "key-file", "aggregator-bundle", "policy"):
-            assert Path(values[key]).is_absolute() and Path(values[key]).exists(), key
+        assert agent.socket_path == here / "agent" / "agent.sock" and agent.relay_user == ""
+        assert agent.epsilon_budget == 8.0
+        for key in ("data_path", "state_path", "key_file", "aggregator_bundle", "policy"):
+            assert Path(getattr(agent, key)).is_absolute(), key
+            assert Path(getattr(agent, key)).exists(), key
         assert load_keypair(Path(node.key_file)).bundle.party == region
+        # What only the region may read is its own: data, state and keys are 0700.
+        for private in ("data", "state", "keys"):
+            assert _mode(here / private) == 0o700, private
         script = (here / "start-supernode.sh").read_text()
         assert f"--node-config {here / 'node-config.toml'}" in script
+        assert "--isolation process" in script
+        assert f"agent --config {here / 'agent.toml'}" in script
     scripts = [deployment / "regions" / r / "start-supernode.sh" for r in REGIONS]
     ports = [port for s in scripts for port in re.findall(r"--port (\d+)", s.read_text())]
     assert ports == ["19093", "19094", "19095"]  # one each, from --port + 1
@@ -255,7 +272,7 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr("fedciuic.crypto.tls.generate_server_tls", broken)
     with pytest.raises(OSError, match="disk full"):
-        deploy.init_deployment(tmp_path / "dep", "eu", app_dir=ROOT)
+        deploy.init_deployment(tmp_path / "dep", "eu", app_dir=ROOT, relay_user="")
     assert not (tmp_path / "dep").exists()
 
 
@@ -382,3 +399,53 @@ def test_start_sh_refuses_before_starting_anything(tmp_path, capsys):
     finally:
         earlier.kill()
         earlier.wait()
+
+
+# -- the relay's own OS user ------------------------------------------------------------
+
+
+def test_a_relay_user_that_is_root_or_yourself_is_refused(tmp_path, capsys):
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    for user in {"root", me}:
+        assert _init(tmp_path, "--regions", "eu", "--relay-user", user) == 2
+        assert f"--relay-user: {user} is root or yourself" in capsys.readouterr().err
+    assert not (tmp_path / "dep").exists()
+
+
+def test_a_relay_user_that_cannot_run_this_python_is_refused_naming_the_folder(
+    tmp_path, capsys, monkeypatch
+):
+    closed = tmp_path / "closed"
+    (closed / "venv" / "bin").mkdir(parents=True)
+    closed.chmod(0o700)
+    python = closed / "venv" / "bin" / "python"
+    python.touch(mode=0o755)
+    monkeypatch.setattr(separation, "interpreter_paths", lambda: [python])
+    # nobody exists everywhere; a user of its own is what matters, not which.
+    assert _init(tmp_path, "--regions", "eu", "--relay-user", "nobody") == 2
+    err = capsys.readouterr().err
+    first = separation.closed_to_others([python])  # the first closed folder on the way
+    assert first is not None and first in (closed, *closed.parents)
+    assert f"{first} is closed to other users" in err and f"chmod o+x {first}" in err
+    assert '--relay-user ""' in err  # and the way to run without the separation
+
+
+def test_with_a_relay_user_the_agent_config_names_it_and_the_script_drops_to_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(separation, "interpreter_paths", lambda: [Path("/")])
+    assert _init(tmp_path, "--regions", "eu", "--relay-user", "nobody", "--insecure") == 0
+    here = tmp_path / "dep" / "regions" / "eu"
+    assert AgentConfig.load(here / "agent.toml").relay_user == "nobody"
+    script = (here / "start-supernode.sh").read_text()
+    assert f"fedciuic.ops.deploy relay-setup nobody {here / 'relay'}" in script
+    assert f"fedciuic.ops.deploy relay nobody {here / 'relay'} --" in script
+    # The relay, started anew for every message, is the only one that runs as nobody.
+    assert script.index("relay-setup") < script.index("agent --config")
+
+
+def test_the_default_relay_user_is_its_own_only_for_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert separation.default_relay_user() == separation.RELAY_USER
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert separation.default_relay_user() == ""

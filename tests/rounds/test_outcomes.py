@@ -151,7 +151,7 @@ def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
 
 def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(tmp_path):
     d = deploy.init_deployment(
-        tmp_path / "fed", "eu,cn", demo_data=True, tls=False, app_dir=Path(".")
+        tmp_path / "fed", "eu,cn", demo_data=True, tls=False, app_dir=Path("."), relay_user=""
     )
     start = (d.directory / "start.sh").read_text()
     run = (d.aggregator / "run.sh").read_text()
