@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedciuic.policy.rules import (
+    Agent,
     LoadedPolicy,
     PolicyError,
     RunTerms,
@@ -318,3 +319,55 @@ def test_the_health_policies_are_a_folder_of_their_own_that_requires_user_level_
         assert strict.max_lifetime_epsilon < usual.max_lifetime_epsilon
         record = check_run(jurisdiction.lower(), loaded, replace(GOOD, privacy_unit="record"))
         assert any(r.endswith("(privacy.unit)") for r in record.reasons)
+
+
+# -- the agent's version ----------------------------------------------------------------
+
+
+def _requiring(loaded: LoadedPolicy, version: str) -> LoadedPolicy:
+    policy = loaded.policy.model_copy(update={"agent": Agent(min_version=version)})
+    return LoadedPolicy(policy, loaded.path)
+
+
+@pytest.mark.parametrize(
+    ("declared", "rule"),
+    [
+        ("0.3.0", None),
+        ("0.10.0", None),  # versions compare as versions, not as text
+        ("0.2.9", "agent fedciuic 0.2.9 < 0.3.0 (agent.min_version)"),
+        (None, "agent version undeclared"),
+        ("not-a-version", "is not a version"),
+    ],
+)
+def test_an_update_from_an_agent_older_than_the_senders_policy_requires_is_rejected(
+    eu, declared, rule
+):
+    strict = _requiring(eu, "0.3.0")
+    facts = replace(FACTS, policy_hash=strict.hash, agent_version=declared)
+    decision = check_update(strict, facts, GOOD)
+    if rule is None:
+        assert decision.accepted
+    else:
+        assert decision.outcome == "reject" and rule in decision.reasons[0]
+    # Without the section any version (or none) will do.
+    assert check_update(eu, replace(facts, policy_hash=eu.hash), GOOD).accepted
+
+
+def test_an_agent_refuses_to_serve_under_a_policy_it_is_too_old_for(eu, tmp_path):
+    too_old = _requiring(eu, "99.0")
+    with pytest.raises(PolicyError, match=r"agent fedciuic 0\.1\.0 < 99\.0.*upgrade"):
+        too_old.check_agent("0.1.0")
+    _requiring(eu, "0.1.0").check_agent("0.1.0")  # at the minimum: serves
+
+
+def test_the_agent_section_parses_a_version_and_changes_the_hash(tmp_path, eu):
+    text = (ROOT / "policies" / "eu-gdpr.yaml").read_text()
+    good = tmp_path / "good.yaml"
+    good.write_text(text + 'agent:\n  min_version: "0.2.0"\n')
+    loaded = load_policy(good)
+    assert loaded.policy.agent is not None and loaded.policy.agent.min_version == "0.2.0"
+    assert loaded.hash != load_policy(ROOT / "policies" / "eu-gdpr.yaml").hash
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text + "agent:\n  min_version: soon\n")
+    with pytest.raises(PolicyError, match="agent.min_version.*not a version"):
+        load_policy(bad)
