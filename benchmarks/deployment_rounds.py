@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedciuic.agent.config import AgentConfig
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
-from fedciuic.flower.launch import LocalFederation, toml_value
+from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
 from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import METRICS_FILE
@@ -55,18 +56,21 @@ def round_times(ended: dict[str, float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def _agent_config(tmp: Path, mode: str, region: str, data: Path, keys: Path) -> Path:
-    values = {
-        "region": region,
-        "data-path": str(data / region),
-        "state-path": str(tmp / mode / "state" / region),
-        "key-file": str(keys / f"{region}.key.json"),
-        "aggregator-bundle": str(keys / "aggregator.pub.json"),
-        "policy": str(POLICIES / SHIPPED[region]),
-        "socket": str(tmp / mode / "agents" / region / "agent.sock"),
-    }
+def _agent_config(
+    tmp: Path, mode: str, region: str, data: Path, keys: Path, relay_user: str
+) -> Path:
+    config = AgentConfig(
+        region=region,
+        data_path=str(data / region),
+        state_path=str(tmp / mode / "state" / region),
+        key_file=str(keys / f"{region}.key.json"),
+        aggregator_bundle=str(keys / "aggregator.pub.json"),
+        policy=str(POLICIES / SHIPPED[region]),
+        socket=str(tmp / mode / "agents" / region / "agent.sock"),
+        relay_user=relay_user,
+    )
     path = tmp / mode / f"{region}.agent.toml"
-    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
+    path.write_text(config.toml())
     return path
 
 
@@ -88,10 +92,9 @@ def _run_one(
         federation.start_superlink(simulation=simulated)
         if not simulated:
             for region in REGIONS:
-                agent = _agent_config(tmp, mode, region, data, keys)
-                if mode == "deployment-relay-user":
-                    text = agent.read_text() + f"relay-user = {toml_value(relay_user)}\n"
-                    agent.write_text(text)
+                own_user = mode == "deployment-relay-user"
+                agent = _agent_config(tmp, mode, region, data, keys, relay_user if own_user else "")
+                if own_user:
                     for private in (data, tmp / mode / "state"):
                         private.mkdir(parents=True, exist_ok=True)
                         private.chmod(0o700)

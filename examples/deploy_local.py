@@ -1,4 +1,6 @@
-"""Deployment on 127.0.0.1: a real flower-superlink, one flower-supernode per region, flwr run.
+"""Deployment on 127.0.0.1: a real flower-superlink, one agent and one flower-supernode per
+region, flwr run. Each region's agent (``fedciuic agent``) holds its data, state, keys and
+policy; the ClientApp only relays to it.
 
 By default the SuperLink serves TLS only (a CA and certificate made here with
 ``fedciuic tls generate``) and admits only registered SuperNodes (one EC P-384
@@ -19,12 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.audit.report import verify_and_report
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.flower.relay import AGENT
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.rules import load_policies
 from fedciuic.rounds.metrics import load_metrics
@@ -64,14 +68,22 @@ def main() -> int:
                 + ("insecure" if args.insecure else "TLS, SuperNode authentication")
             )
             for region in regions:
-                node = {
-                    "region": region,
-                    "data-path": str((data_root / region).resolve()),
-                    "state-path": str(Path(tmp) / "state" / region),
-                    "key-file": str(keys / f"{region}.key.json"),
-                    "aggregator-bundle": str(keys / "aggregator.pub.json"),
-                    "policy": str(policies.require(region.upper()).path),
-                }
+                # The region's agent holds its data, state, keys and policy; the ClientApp
+                # (code the aggregator ships) learns only where the agent listens.
+                agent = AgentConfig(
+                    region=region,
+                    data_path=str((data_root / region).resolve()),
+                    state_path=str(Path(tmp) / "state" / region),
+                    key_file=str(keys / f"{region}.key.json"),
+                    aggregator_bundle=str(keys / "aggregator.pub.json"),
+                    policy=str(policies.require(region.upper()).path),
+                    socket=str(Path(tmp) / "agents" / region / "agent.sock"),
+                )
+                config = Path(tmp) / f"{region}.agent.toml"
+                config.write_text(agent.toml())
+                started = federation.start_agent(region, config)
+                print(f"fedciuic agent {region} (pid {started.process.pid})")
+                node = {AGENT: agent.socket}
                 auth_key = None
                 if not args.insecure:
                     auth_key, public = generate_supernode_key(Path(tmp) / "auth", region)

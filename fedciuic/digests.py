@@ -90,8 +90,10 @@ def code_digest(package: Path | None = None) -> str:
 
 def _is_source(path: Path, root: Path) -> bool:
     parts = path.relative_to(root).parts
-    return path.is_file() and "__pycache__" not in parts and (
-        path.suffix == ".py" or "templates" in parts
+    return (
+        path.is_file()
+        and "__pycache__" not in parts
+        and (path.suffix == ".py" or "templates" in parts)
     )
 
 

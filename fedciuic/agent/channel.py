@@ -101,7 +101,9 @@ def mismatch(peer: tuple[int, str], what: str) -> str:
 # -- encoding -----------------------------------------------------------------------------
 
 
-def _tag(value: object, where: str) -> object:
+def _tag(value: object, where: str, numbers_only: bool = False) -> object:
+    if numbers_only and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ChannelError(f"{where}: a {type(value).__name__} cannot cross as a metric")
     if isinstance(value, bytes):
         return {"b64": base64.b64encode(value).decode()}
     if isinstance(value, float) and not math.isfinite(value):
@@ -124,13 +126,16 @@ def encode(frame: Frame) -> tuple[bytes, list[memoryview]]:
             for name, record in frame.config.items()
         },
         "metrics": {
-            name: {k: _tag(v, f"{name}.{k}") for k, v in record.items()}
+            name: {k: _tag(v, f"{name}.{k}", numbers_only=True) for k, v in record.items()}
             for name, record in frame.metrics.items()
         },
         "arrays": None
         if frame.arrays is None
         else [[k, a.dtype.str, list(a.shape)] for k, a in arrays.items()],
     }
+    for name, array in arrays.items():
+        if array.dtype.str not in DTYPES:
+            raise ChannelError(f"arrays.{name}: dtype {array.dtype} cannot cross the channel")
     text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(text) > MAX_HEADER:
         raise ChannelError(f"frame header of {len(text)} bytes (at most {MAX_HEADER})")
@@ -235,11 +240,11 @@ def _layout(value: object, body: int) -> list[tuple[str, np.dtype[Any], tuple[in
     return layout
 
 
-def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float = IO_TIMEOUT) -> Frame:
+def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float | None = None) -> Frame:
     """One frame, checked before its body is read; :class:`ChannelError` otherwise.
     ``wait``: how long its first bytes may take (the agent's work on a request); each
     read after that has :data:`IO_TIMEOUT`."""
-    sock.settimeout(wait)
+    sock.settimeout(IO_TIMEOUT if wait is None else wait)
     try:
         prefix = _read(sock, _PREFIX.size, "frame prefix")
     finally:

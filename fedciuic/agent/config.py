@@ -9,6 +9,7 @@ runs as (whom the agent checks cannot read its files).
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Self
@@ -64,6 +65,14 @@ class AgentConfig(NodeConfig):
             if isinstance(values.get(key), str) and values[key]:
                 values[key] = str(folder / Path(values[key]).expanduser())
         return cls.from_user_config(values, source=str(file))
+
+    def toml(self, comment: str = "") -> str:
+        """This config as the file :meth:`load` reads, headed by ``comment``."""
+        lines = [f"# {line}".rstrip() for line in comment.splitlines()]
+        for key, value in self.model_dump(by_alias=True, exclude_none=True).items():
+            text = json.dumps(value) if isinstance(value, str) else repr(value)
+            lines.append(f"{key} = {text.lower() if isinstance(value, bool) else text}")
+        return "\n".join(lines) + "\n"
 
     @property
     def socket_path(self) -> Path:

@@ -508,12 +508,14 @@ class AgentServer:
                 answer = self._answer(frame, peer)
                 try:
                     send(client, answer)
-                except (OSError, ChannelError) as err:
+                except OSError as err:
                     _LOG.warning(
                         "fedciuic: agent: the relay left before the answer (%s); what the "
                         "round did stays recorded",
                         err,
                     )
+                except ChannelError as err:
+                    _LOG.error("fedciuic: agent: the answer cannot be sent (%s)", err)
         finally:
             self.sessions.release()
 

@@ -66,17 +66,27 @@ _KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3}
 class Terms:
     """What an instruction asks besides the adapter, all under the aggregator's
     signature: the kind of task, the run config the region is to apply (the SHA-256 of
-    its canonical JSON) and a nonce that makes the instruction single-use."""
+    its canonical JSON), a nonce that makes the instruction single-use, the federation
+    run the region accounts it under (a resumed run keeps the first run's id) and the
+    base model the adapter belongs to."""
 
     kind: TaskKind
     config_digest: bytes
     nonce: bytes
+    federation_run: int = 0
+    base_fingerprint: str = ""
 
     def encode(self) -> bytes:
-        """Kind (u8) | config digest (32) | nonce (16)."""
-        if len(self.config_digest) != 32 or len(self.nonce) != NONCE_BYTES:
-            raise ValueError("terms: a 32-byte config digest and a 16-byte nonce expected")
-        return struct.pack(">B", _KIND_CODES[self.kind]) + self.config_digest + self.nonce
+        """Kind (u8) | config digest (32) | nonce (16) | federation run (u64) | base
+        fingerprint length (u16) and UTF-8 bytes."""
+        base = self.base_fingerprint.encode()
+        if len(self.config_digest) != 32 or len(self.nonce) != NONCE_BYTES or len(base) > 4096:
+            raise ValueError(
+                "terms: a 32-byte config digest, a 16-byte nonce and a base fingerprint of "
+                "at most 4096 bytes expected"
+            )
+        head = struct.pack(">B", _KIND_CODES[self.kind]) + self.config_digest + self.nonce
+        return head + struct.pack(">QH", self.federation_run, len(base)) + base
 
 
 def config_digest(run_config: str) -> bytes:
@@ -209,9 +219,7 @@ class RegionKeys:
         """Refuse a global adapter (with its terms and audit head) the aggregator did
         not sign for this run, round and kind of task."""
         message = _global_message(run_id, server_round, arrays, terms, witness)
-        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            message, signature
-        ):
+        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
             raise NotSignedError(
                 f"region {self.keypair.bundle.party}: the {terms.kind} instruction of round "
                 f"{server_round} is not signed by the aggregator key "
@@ -249,12 +257,13 @@ class RegionKeys:
 def region_keys(
     region: str, *, key_file: str, aggregator_bundle: str, keys_dir: str, suite: Suite
 ) -> RegionKeys:
-    """Load a region's keys from its node config, or from the run's keys-dir in simulation."""
+    """Load a region's keys from its agent config, or from the run's keys-dir in
+    simulation (lab mode: one operator holds every party's keys)."""
     if key_file or aggregator_bundle:
         private, bundle = Path(key_file), Path(aggregator_bundle)
         if not key_file or not aggregator_bundle:
             raise KeyFileError(
-                "node config: set both key-file and aggregator-bundle (sealing needs the "
+                "agent config: set both key-file and aggregator-bundle (sealing needs the "
                 "region's private key and the aggregator's public bundle)"
             )
     elif keys_dir:
@@ -262,8 +271,9 @@ def region_keys(
         bundle = bundle_path(Path(keys_dir), AGGREGATOR)
     else:
         raise KeyFileError(
-            f"region {region}: no keys to seal with; start the SuperNode with --node-config "
-            "\"... key-file='/keys/REGION.key.json' aggregator-bundle='/keys/aggregator.pub.json'\""
+            f"region {region}: no keys to seal with; name them in the region's agent.toml "
+            '(key-file = "/keys/REGION.key.json", aggregator-bundle = '
+            '"/keys/aggregator.pub.json")'
         )
     keypair = load_keypair(private)
     if keypair.bundle.party != region:

@@ -1,14 +1,18 @@
 """The layout of fedciuic's Flower messages, written and read in one place.
 
 Aggregator to region: ``arrays`` (the global adapter) and ``config``
-(``server-round``, ``base-fingerprint``, the aggregator's ``model-signature`` and
-``aggregator-key-id``). Region to aggregator, after training: with sealing on,
+(:func:`~fedciuic.rounds.wire.instruction_fields`: ``server-round``,
+``federation-run``, ``base-fingerprint``, ``task``, ``run-config``, ``nonce``, the
+aggregator's ``model-signature`` over all of them and ``aggregator-key-id``). A
+deployed region's ClientApp relays the message to the region's agent as it came
+(:mod:`fedciuic.flower.relay`). Region to aggregator, after training: with sealing on,
 ``arrays`` holds one uint8 array ``envelope`` and ``info`` only the region name,
 status ``sealed`` and key id; everything else (the compressed update, metrics,
 data fingerprint) is inside the envelope. With sealing off, ``arrays`` holds the
 compressed ``update``, with ``metrics`` and ``info`` in the clear. Evaluation
 replies carry ``metrics`` and ``info``. A region that declines sends no arrays,
-only its reason.
+only its reason. Every reply's info names the code that made it (``agent-version``,
+``agent-code``), under the region's signature.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from fedciuic.rounds.wire import (
     parse_run_end,
 )
 
-if TYPE_CHECKING:  # torch: not for a ClientApp that hands its rounds to a trainer
+if TYPE_CHECKING:  # torch: never for the relay (a deployed ClientApp)
     from fedciuic.rounds.region_round import RegionReply
 
 

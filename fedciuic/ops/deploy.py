@@ -164,9 +164,7 @@ def _relay_problems(user: str) -> list[str]:
         return [f"--relay-user: {user!r} is not a user name (lower-case, at most 32 characters)"]
     try:
         if pwd.getpwnam(user).pw_uid in (0, os.geteuid()):
-            return [
-                f"--relay-user: {user} is root or yourself; the relay needs a user of its own"
-            ]
+            return [f"--relay-user: {user} is root or yourself; the relay needs a user of its own"]
     except KeyError:
         if os.geteuid() != 0:
             return [

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedciuic.agent.config import DEFAULT_EPSILON_BUDGET
+from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.crypto.keys import Keypair, bundle_path, write_keys
 from fedciuic.crypto.sealing import AGGREGATOR
@@ -111,21 +111,19 @@ def _node_config(d: Deployment, region: Region) -> dict[str, str]:
     return {AGENT: str(agent_socket(d, region.name))}
 
 
-def _agent_config(d: Deployment, region: Region) -> dict[str, Any]:
+def _agent_config(d: Deployment, region: Region) -> AgentConfig:
     """Everything the region's agent holds, in a file only the region keeps."""
     here = d.region_dir(region.name)
-    return {
-        "region": region.name,
-        "data-path": str(here / "data"),
-        "state-path": str(here / "state"),
-        "key-file": str(here / "keys" / f"{region.name}.key.json"),
-        "aggregator-bundle": str(here / "keys" / f"{AGGREGATOR}.pub.json"),
-        "policy": str(here / region.policy.path.name),
-        "epsilon-budget": DEFAULT_EPSILON_BUDGET,
-        "train-processes": 1,
-        "socket": str(agent_socket(d, region.name)),
-        "relay-user": d.relay_user,
-    }
+    return AgentConfig(
+        region=region.name,
+        data_path=str(here / "data"),
+        state_path=str(here / "state"),
+        key_file=str(here / "keys" / f"{region.name}.key.json"),
+        aggregator_bundle=str(here / "keys" / f"{AGGREGATOR}.pub.json"),
+        policy=str(here / region.policy.path.name),
+        socket=str(agent_socket(d, region.name)),
+        relay_user=d.relay_user,
+    )
 
 
 def _toml(values: dict[str, Any], comment: str) -> str:
@@ -190,8 +188,7 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
             encoding="utf-8",
         )
         (here / AGENT_CONFIG).write_text(
-            _toml(
-                _agent_config(d, region),
+            _agent_config(d, region).toml(
                 f"Region {region.name}'s agent (fedciuic agent --config FILE): the only "
                 "process that reads\nits data, state, keys and policy. epsilon-budget is "
                 "this dataset's lifetime budget;\nno aggregator can raise it. relay-user: "

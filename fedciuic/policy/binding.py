@@ -45,16 +45,16 @@ class PolicyRefusal(FedciuicError):
 def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> LoadedPolicy | None:
     """The policy this region obeys; None only in a simulation with enforce-policies off.
 
-    A deployed region's policy comes from its own node config and nothing the
+    A deployed region's policy comes from its own agent config and nothing the
     aggregator's run config says can switch it off.
     """
     if node.policy:
         return load_policy(Path(node.policy).expanduser())
     if not simulated:
         raise PolicyError(
-            f"region {node.region}: node config:policy: not set; a region sends nothing without "
-            "its jurisdiction's policy: start the SuperNode with --node-config "
-            "\"... policy='/path/to/eu-gdpr.yaml'\" (fedciuic ships some in policies/)"
+            f"region {node.region}: agent config:policy: not set; a region sends nothing "
+            "without its jurisdiction's policy: name it in the region's agent.toml "
+            '(policy = "/path/to/eu-gdpr.yaml"; fedciuic ships some in policies/)'
         )
     if not run.enforce_policies:
         return None

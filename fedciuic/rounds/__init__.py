@@ -10,7 +10,7 @@ from importlib import import_module
 from typing import Any
 
 #: Where each name lives; imported on first use, so that importing one module of the
-#: package (``wire``, say: a ClientApp that hands its work to the region's trainer)
+#: package (``wire``, say: the relay, which imports no torch)
 #: does not import torch with ``region``.
 _WHERE = {
     "Checkpoint": "checkpoint",

@@ -13,8 +13,9 @@ refuses) become a decline with every reason. With sealing on, an update leaves o
 inside an envelope whose header names the policy the region applied. Everything the
 region decides and sends is written to its audit log (in its state-path) and the log
 checkpointed before the outcome is returned; a log that cannot be written turns any
-outcome into a decline (fail closed). ``fedciuic.flower.protocol.region_reply`` packs
-the outcome for Flower (in the ClientApp, or in the region's trainer service).
+outcome into a decline (fail closed). :func:`region_records` packs the outcome, signed,
+for the region's agent to answer with (``fedciuic.agent.service``), or for the ClientApp
+in simulation (lab mode).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from fedciuic.rounds.wire import (
 )
 
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
-    # that a ClientApp whose trainer service does the work stays light
+    # that importing the round (the agent at start) stays light
     from fedciuic.model.train import EvalStats
     from fedciuic.rounds.region import Region, TrainOutcome
 
@@ -222,12 +223,6 @@ def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
         suite=run.seal_suite,
     )
     return SealingRegion(keys)
-
-
-def signing_keypair(run: RunConfig, node: NodeConfig) -> Keypair | None:
-    """The keypair that signs this region's replies (None without sealing): what a
-    ClientApp whose trainer service handled the message signs with."""
-    return _sealing(run, node).keypair
 
 
 def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:

@@ -65,7 +65,13 @@ class Instruction:
 
     @property
     def terms(self) -> Terms:
-        return Terms(self.kind, config_digest(self.run_config), self.nonce)
+        return Terms(
+            self.kind,
+            config_digest(self.run_config),
+            self.nonce,
+            self.federation_run,
+            self.base_fingerprint,
+        )
 
     def run_settings(self) -> dict[str, Any]:
         """The run config it carries, as a mapping (validated by ``RunConfig``)."""
@@ -90,7 +96,7 @@ class RunEndNotice:
 
     @property
     def terms(self) -> Terms:
-        return Terms(self.kind, config_digest(self.run_config), self.nonce)
+        return Terms(self.kind, config_digest(self.run_config), self.nonce, self.federation_run)
 
     def run_settings(self) -> dict[str, Any]:
         return run_settings(self.run_config)

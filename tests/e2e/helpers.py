@@ -12,8 +12,9 @@ from typing import Any
 
 import psutil
 
+from fedciuic.agent.config import AgentConfig
 from fedciuic.crypto.tls import generate_supernode_key
-from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder, toml_value
+from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
 from fedciuic.flower.relay import AGENT
 
 
@@ -141,14 +142,13 @@ def agent_config(
     """A deployed region's agent config (:func:`deployed_node`'s files, its state in
     ``states/REGION``), written to ``folder/REGION.agent.toml``, with its socket in
     ``folder/REGION/``."""
-    values = {
-        **deployed_node(region, data, states, keys),
-        "socket": str(folder / region / "agent.sock"),
-        "relay-user": relay_user,
-    }
+    values = {**deployed_node(region, data, states, keys), "relay-user": relay_user}
+    config = AgentConfig.from_user_config(
+        {**values, "socket": str(folder / region / "agent.sock")}, source="test"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{region}.agent.toml"
-    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
+    path.write_text(config.toml())
     return path
 
 

@@ -369,5 +369,5 @@ def test_the_agent_section_parses_a_version_and_changes_the_hash(tmp_path, eu):
     assert loaded.hash != load_policy(ROOT / "policies" / "eu-gdpr.yaml").hash
     bad = tmp_path / "bad.yaml"
     bad.write_text(text + "agent:\n  min_version: soon\n")
-    with pytest.raises(PolicyError, match="agent.min_version.*not a version"):
+    with pytest.raises(PolicyError, match=r"agent\.min_version.*not a version"):
         load_policy(bad)

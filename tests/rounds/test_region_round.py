@@ -457,7 +457,7 @@ def test_a_deployed_region_without_a_policy_sends_nothing_whatever_the_run_confi
 ):
     node = {"region": "eu", "data-path": str(demo_root / "eu"), "policy": ""}
     reply = run(node, {"enforce-policies": False})
-    assert "node config:policy: not set" in declined(reply).reason
+    assert "agent config:policy: not set" in declined(reply).reason
 
 
 def test_a_decline_is_logged_with_every_reason_and_paths_redacted(run, demo_root, tmp_path):
