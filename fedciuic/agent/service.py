@@ -70,6 +70,7 @@ from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import RegionKeys, TaskKind
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
+from fedciuic.rounds.sealing import SealingRegion
 from fedciuic.rounds.wire import (
     CONFIG,
     INFO,
@@ -178,7 +179,7 @@ class RegionAgent:
             )
         aggregator = load_bundle(Path(config.aggregator_bundle))
         # Checks signatures only: the round seals with the suite its run config names.
-        self.verifier = RegionKeys(self.keypair, aggregator, "xwing-aes256gcm")
+        self.verifier = SealingRegion(RegionKeys(self.keypair, aggregator, "xwing-aes256gcm"))
         self.policy = load_policy(Path(config.policy))
         self.policy.check_agent(__version__)
         folder = config.state_dir / AGENT_DIR
@@ -261,20 +262,10 @@ class RegionAgent:
             task: Instruction | RunEndNotice
             if kind == TaskKind.RUN_END:
                 task = parse_run_end(config)
-                self.verifier.check_run_end(
-                    task.signature, task.signer, flower_run, task.terms, task.witness
-                )
+                self.verifier.check_run_end(task, flower_run)
             else:
                 task = parse_instruction(config, frame.arrays or {})
-                self.verifier.check_global(
-                    task.signature,
-                    task.signer,
-                    flower_run,
-                    task.server_round,
-                    task.adapter,
-                    task.terms,
-                    task.witness,
-                )
+                self.verifier.check_global(task, flower_run)
         except FedciuicError as err:  # malformed, or not signed as it stands
             raise Refused(str(err)) from None
         if task.kind != kind:

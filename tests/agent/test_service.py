@@ -825,3 +825,18 @@ def test_an_agent_whose_launcher_is_killed_stops_and_a_new_one_can_start(federat
             os.kill(pid, signal.SIGKILL)
         launcher.kill()
         launcher.wait()
+
+
+def test_a_region_of_two_training_processes_trains_through_its_agent(federation, tmp_path):
+    """train-processes is the agent's own (its hardware): the round runs as two gloo
+    ranks started by the agent, whatever the aggregator's run config says."""
+    config = AgentConfig.load(
+        federation.agent_toml(tmp_path, tmp_path / "agent" / "agent.sock", "train-processes = 2\n")
+    )
+    agent = RegionAgent(config)
+    answer = agent.answer(federation.instruction(run={"train-processes": 1}), ME)
+    assert answer.error == "" and vouched(federation, answer, 1)["status"] == "sealed"
+    (record,) = events(config, "trained")
+    assert record["details"]["steps"] == RUN["local-steps"]
+    ranks = sorted(p.name for p in (config.state_dir / "cluster").glob("rank-*.log"))
+    assert ranks == ["rank-1.log"], ranks  # rank 0 is the agent itself; rank 1 its worker

@@ -1,18 +1,22 @@
-"""A real deployment on 127.0.0.1: flower-superlink, one flower-supernode per region, flwr run."""
+"""A real deployment on 127.0.0.1: flower-superlink, and per region its agent and a
+flower-supernode whose ClientApp relays to it; flwr run."""
 
 from __future__ import annotations
 
 import pytest
 
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.corpus import load_region_data
+from fedciuic.digests import installed_code
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
 from fedciuic.policy.rules import load_policy
+from fedciuic.rounds.region_round import model_loads
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (
     RecordingProxy,
@@ -20,6 +24,7 @@ from tests.e2e.helpers import (
     eval_loss,
     lab_policies_dir,
     only_run,
+    processes_under,
     start_region,
 )
 
@@ -59,7 +64,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             )
         pids = federation.pids()
         assert len(pids) == 7  # the SuperLink, and each region's agent and SuperNode
-        federation.run_app(
+        run_id, _ = federation.run_app(
             {
                 "num-server-rounds": 2,
                 "local-steps": 10,  # enough for the loss to fall; three regions share 2 cores
@@ -72,9 +77,29 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         )
     proxy.stop()
     assert not alive(pids), "processes survived the federation"
+    assert not processes_under(tmp_path), "an agent or Flower process survived"
 
     data = only_run(out)
     assert data["run"]["status"] == "completed"
+    state = tmp_path / "state"
+    for region in REGIONS:
+        # Each region's agent held its model for the whole run: two train and about
+        # three evaluate messages, one model load; and it stopped with the federation.
+        assert model_loads(state / region) == model_loads(state / region, run_id) == 1
+        log = (tmp_path / "work" / "logs" / f"agent-{region}.log").read_text()
+        assert f"fedciuic: region {region}: model loaded (1 in this process)" in log
+        assert "fedciuic: agent stopped" in log
+        assert not (tmp_path / "agents" / region / "agent.sock").exists()
+        # Which code made each update: the agent's own, on the record at both ends.
+        for server_round in ("1", "2"):
+            entry = data["rounds"][server_round]["train"][region]
+            assert entry["agent_code"] == installed_code() and entry["agent_version"]
+        (started,) = [
+            r
+            for r in load_records(state / region / REGION_LOG)
+            if r["event"] == Event.AGENT_STARTED
+        ]
+        assert started["details"]["code"] == installed_code()
     config = app_config()
     captured = bytes(proxy.captured)
     for region in REGIONS:
