@@ -100,9 +100,13 @@ def _parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser(
         "simulate",
-        help="run the local simulation (one simulated SuperNode per region)",
+        help="run the local simulation (one simulated SuperNode per region; lab mode)",
         description="Start a simulation SuperLink on a free port, `flwr run` the app with one "
-        "SuperNode per region, print the summary and stop every process it started.",
+        "SuperNode per region, print the summary and stop every process it started.\n\n"
+        "Lab mode: every party runs in one process tree that you own, and each region's "
+        "round runs in its ClientApp; its guarantees assume that one operator. A "
+        "deployment (fedciuic init) runs each region's round in the region's own agent "
+        "and the ClientApp only relays (docs/cluster.md).",
         epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs\n\n" + SIMULATE_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
