@@ -194,6 +194,12 @@ class RegionAgent:
         audit.keypair = self.keypair
         self.audit = audit
 
+    def close(self) -> None:
+        """Stop the region's training processes (a cluster region's ranks)."""
+        from fedciuic.rounds.region_round import close_regions
+
+        close_regions()
+
     def started(self, relay: str) -> None:
         """The agent's start, on the record: which code serves the region, and whom the
         relay runs as."""
@@ -432,6 +438,8 @@ class AgentServer:
             self.socket_path.unlink(missing_ok=True)
         if self.busy.acquire(timeout=STOP_GRACE):
             self.busy.release()
+        if self.agent is not None:
+            self.agent.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -245,6 +245,13 @@ def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
     return region
 
 
+def close_regions() -> None:
+    """Stop the training processes of every region this process loaded (a stopping
+    agent; they would also die with it)."""
+    for region in list(_LOADED):
+        region.close()
+
+
 def model_loads(state_dir: Path, run_id: int | None = None) -> int:
     """How many times the region in ``state_dir`` loaded its model (for ``run_id``)."""
     try:

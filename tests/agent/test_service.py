@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+import torch
 
 from fedciuic import __version__
 from fedciuic.agent import channel, service
@@ -834,9 +835,14 @@ def test_a_region_of_two_training_processes_trains_through_its_agent(federation,
         federation.agent_toml(tmp_path, tmp_path / "agent" / "agent.sock", "train-processes = 2\n")
     )
     agent = RegionAgent(config)
-    answer = agent.answer(federation.instruction(run={"train-processes": 1}), ME)
-    assert answer.error == "" and vouched(federation, answer, 1)["status"] == "sealed"
-    (record,) = events(config, "trained")
-    assert record["details"]["steps"] == RUN["local-steps"]
-    ranks = sorted(p.name for p in (config.state_dir / "cluster").glob("rank-*.log"))
-    assert ranks == ["rank-1.log"], ranks  # rank 0 is the agent itself; rank 1 its worker
+    try:
+        answer = agent.answer(federation.instruction(run={"train-processes": 1}), ME)
+        assert answer.error == "" and vouched(federation, answer, 1)["status"] == "sealed"
+        (record,) = events(config, "trained")
+        assert record["details"]["steps"] == RUN["local-steps"]
+        ranks = sorted(p.name for p in (config.state_dir / "cluster").glob("rank-*.log"))
+        assert ranks == ["rank-1.log"], ranks  # rank 0 is the agent itself; rank 1 its worker
+        assert torch.distributed.is_initialized()  # the ranks stay up for the next round
+    finally:
+        agent.close()  # what a stopping agent does: its ranks go, this process leaves the world
+    assert not torch.distributed.is_initialized()
