@@ -374,7 +374,14 @@ class AgentServer:
 
     def start(self) -> None:
         """Check the region's files against the relay's user, own the state dir (one
-        agent per region), load the region, and listen."""
+        agent per region), load the region, and listen.
+
+        Everything the agent writes from here on (ledger, audit log, caches, kept
+        updates, the record of instructions) is private to its user, whatever the
+        umask it was started with: a check of the files at start would otherwise say
+        nothing of the files a round writes later."""
+        os.umask(0o077)
+        self.config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.relay.account is not None:
             check_private(self._private_paths(), self.relay.account)
         else:

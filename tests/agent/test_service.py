@@ -85,6 +85,16 @@ RUN = {**app_config(), "local-steps": 2, "seal": True, "epsilon-budget": 50.0}
 ME = Peer(os.getpid(), os.getuid(), os.getgid())
 
 
+@pytest.fixture(autouse=True)
+def _own_umask() -> Iterator[None]:
+    """An agent started in this process makes the process's umask 0o077 (its files are
+    private): each test gives the rest of the suite the umask it found."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    yield
+    os.umask(umask)
+
+
 # -- the federation: keys, policies, model ---------------------------------------------------
 
 
@@ -554,6 +564,8 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
     config = AgentConfig.load(toml)
     server = AgentServer(config, exit_with_parent=False)
     failed: list[BaseException] = []
+    umask = os.umask(0o022)  # the agent makes its own 0o077: give the process its own back
+    os.umask(umask)
 
     def run() -> None:
         try:
@@ -580,6 +592,7 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
         server.stopping.set()
         thread.join(30)
         shutil.rmtree(socket_root, ignore_errors=True)
+        os.umask(umask)
     assert not thread.is_alive() and not failed
     assert not config.socket_path.exists()  # removed at a clean stop
 
@@ -846,3 +859,23 @@ def test_a_region_of_two_training_processes_trains_through_its_agent(federation,
     finally:
         agent.close()  # what a stopping agent does: its ranks go, this process leaves the world
     assert not torch.distributed.is_initialized()
+
+
+def test_what_the_agent_writes_later_is_private_whatever_its_umask(federation, tmp_path):
+    """The start-up check sees the files that exist; the agent makes sure that what a
+    round writes afterwards (its state folder, ledger, audit log) is private too."""
+    config = AgentConfig.load(federation.agent_toml(tmp_path, tmp_path / "agent" / "agent.sock"))
+    previous = os.umask(0o022)
+    try:
+        server = AgentServer(config, exit_with_parent=False)
+        server.start()
+        try:
+            server.agent.answer(federation.instruction(), ME)  # type: ignore[union-attr]
+        finally:
+            server.close()
+    finally:
+        os.umask(previous)
+    written = [config.state_dir, *config.state_dir.rglob("*")]
+    assert len(written) > 3
+    loose = [p for p in written if p.stat().st_mode & 0o077 and not p.is_socket()]
+    assert not loose, loose
