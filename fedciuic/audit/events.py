@@ -37,6 +37,9 @@ class Event(StrEnum):
     UPDATE_RESENT = "update_resent"
     EVALUATED = "evaluated"
     DECLINED = "declined"
+    #: An update the region released (its epsilon spent) that the aggregator's signed
+    #: run-end notice lists no receipt of: spent, not delivered.
+    UPDATE_UNDELIVERED = "update_undelivered"
     # a region's agent (docs/cluster.md)
     AGENT_STARTED = "agent_started"  # its version, code digest and who the relay runs as
     REQUEST_REFUSED = "request_refused"  # a relay asked for what the aggregator did not sign

@@ -610,12 +610,23 @@ class Transfer:
     digest: str
 
 
+@dataclass(frozen=True)
+class Undelivered:
+    """An update a region logged as sent that the aggregator never received, and the
+    aggregator's own record of why (that region's reply failed in that round): its
+    release is spent, and nothing was delivered. No contradiction, but never silent."""
+
+    transfer: Transfer
+    reason: str
+
+
 @dataclass
 class CrossCheck:
     """Whether what regions logged as sent is what the aggregator logged as received."""
 
     matched: list[Transfer] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    undelivered: list[Undelivered] = field(default_factory=list)
 
     @property
     def agree(self) -> bool:
@@ -647,7 +658,15 @@ def cross_check(
     malformed is a problem, never an exception."""
     result = CrossCheck()
     received: set[Transfer] = set()
+    runs: set[int] = set()
+    failed: dict[tuple[int, int, str], str] = {}  # the aggregator's failed replies
     for r in aggregator:
+        run_id, details = r.get("run_id"), r.get("details")
+        if _is_count(run_id):
+            runs.add(run_id)  # a run the aggregator's log covers, receipts or none
+            if r.get("event") == Event.REPLY_FAILED and isinstance(details, Mapping):
+                key = (run_id, r.get("round"), details.get("region"))
+                failed[key] = str(details.get("reason", ""))  # type: ignore[index]
         if r.get("event") == RECEIVED_EVENT:
             t = _transfer(r, None)
             if t is None:
@@ -657,7 +676,6 @@ def cross_check(
                 )
             else:
                 received.add(t)
-    runs = {t.run_id for t in received}
     sent: set[Transfer] = set()
     for region, records in regions.items():
         for r in records:
@@ -673,6 +691,8 @@ def cross_check(
     for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region, t.digest)):
         if t in sent and t in received:
             result.matched.append(t)
+        elif t in sent and (t.run_id, t.round, t.region) in failed:
+            result.undelivered.append(Undelivered(t, failed[(t.run_id, t.round, t.region)]))
         elif t in sent and t.run_id in runs:
             result.problems.append(
                 f"run {t.run_id} round {t.round}: {t.region} logged sending {t.digest[:16]}, "

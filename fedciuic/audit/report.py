@@ -23,6 +23,7 @@ from fedciuic.audit.events import SENT_EVENTS, Event
 from fedciuic.audit.log import (
     RECEIVED_EVENT,
     AuditError,
+    Undelivered,
     Verdict,
     WitnessCheck,
     canonical,
@@ -168,11 +169,12 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
         _logs_section(logs),
         _regions_section(start, own, agg, unsigned["start"]),
         _transfers_section(agg, own, agg_all),
+        _undelivered_section(check.undelivered, own_all),
         _code_section(agg, own),
         _refusals_section(
             agg, own, {name: _refused_for(log.verified, run_id) for name, log in regions.items()}
         ),
-        _agreement_section(disagreements, _witness_summary(witnesses)),
+        _agreement_section(disagreements, _witness_summary(witnesses), len(check.undelivered)),
         _unverified_section(logs, run_id),
         _record_of_processing(start, own),
     ]
@@ -521,9 +523,71 @@ def _config_disagreements(
     return lines
 
 
-def _agreement_section(disagreements: Sequence[str], witnessing: str) -> Section:
+def _agreement_section(
+    disagreements: Sequence[str], witnessing: str, undelivered: int = 0
+) -> Section:
     verdict = "The region and aggregator logs agree." if not disagreements else "The logs DISAGREE:"
-    return Section("Agreement between the logs", [verdict, *disagreements, witnessing])
+    spent = (
+        [
+            f"{undelivered} update(s) left a region, spending its privacy budget, and never "
+            "reached the aggregator, which logged that region's reply as failed in that "
+            "round: see Spent, not delivered."
+        ]
+        if undelivered
+        else []
+    )
+    return Section("Agreement between the logs", [verdict, *spent, *disagreements, witnessing])
+
+
+def _undelivered_section(
+    undelivered: Sequence[Undelivered], own: Mapping[str, Sequence[Record]]
+) -> Section:
+    """Releases the aggregator never received: spent, not delivered, and why."""
+    rows = []
+    for item in undelivered:
+        t = item.transfer
+        records = own.get(t.region, [])
+        trained = [
+            _details(r)
+            for r in records
+            if r.get("event") == Event.TRAINED and r.get("round") == t.round
+        ]
+        epsilon = trained[-1].get("epsilon") if trained else None
+        known = any(
+            r.get("event") == Event.UPDATE_UNDELIVERED and _details(r).get("digest") == t.digest
+            for r in records
+        )
+        rows.append(
+            (
+                str(t.round),
+                t.region,
+                f"{epsilon:.3f}" if isinstance(epsilon, int | float) else "-",
+                t.digest[:16],
+                item.reason or "-",
+                "yes" if known else "no",
+            )
+        )
+    return Section(
+        "Spent, not delivered",
+        [
+            "Updates a region released (its ledger counts their epsilon) that the aggregator "
+            "never received, with the aggregator's record of why, and whether the region's "
+            "own log records it as undelivered (from the aggregator's signed run-end notice)."
+            if rows
+            else "None: every update that left a region reached the aggregator."
+        ],
+        (
+            "round",
+            "region",
+            "epsilon after it",
+            "digest",
+            "why (the aggregator's record)",
+            "region knows",
+        )
+        if rows
+        else (),
+        rows,
+    )
 
 
 def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:

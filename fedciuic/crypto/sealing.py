@@ -44,7 +44,7 @@ from fedciuic.errors import FedciuicError
 
 AGGREGATOR = "aggregator"
 GLOBAL_LABEL = b"fedciuic-global-model/3\x00"
-RUN_END_LABEL = b"fedciuic-run-end/2\x00"
+RUN_END_LABEL = b"fedciuic-run-end/3\x00"
 #: Bytes of an instruction's nonce: each signed instruction is unique, so a region can
 #: refuse one it has already been handed (a replay).
 NONCE_BYTES = 16
@@ -138,14 +138,22 @@ def sign_global(
     return keypair.sign(_global_message(run_id, server_round, arrays, terms, witness))
 
 
-def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str]) -> bytes:
-    """Label | run id (u64) | terms | the aggregator's audit checkpoint count and head."""
-    return RUN_END_LABEL + struct.pack(">Q", run_id) + terms.encode() + _witness_tail(witness)
+def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str], receipts: bytes) -> bytes:
+    """Label | run id (u64) | terms | receipts digest (32) | the aggregator's audit
+    checkpoint count and head."""
+    if len(receipts) != 32:
+        raise ValueError("run end: a 32-byte receipts digest expected")
+    head = RUN_END_LABEL + struct.pack(">Q", run_id) + terms.encode() + receipts
+    return head + _witness_tail(witness)
 
 
-def sign_run_end(keypair: Keypair, run_id: int, terms: Terms, witness: tuple[int, str]) -> bytes:
-    """The aggregator's signature over the head of its log once ``run_end`` is in it."""
-    return keypair.sign(_run_end_message(run_id, terms, witness))
+def sign_run_end(
+    keypair: Keypair, run_id: int, terms: Terms, witness: tuple[int, str], receipts: bytes
+) -> bytes:
+    """The aggregator's signature over the head of its log once ``run_end`` is in it, and
+    over what it received from each region in the run (``receipts``: the SHA-256 of their
+    canonical JSON), so that a region learns which of its releases never arrived."""
+    return keypair.sign(_run_end_message(run_id, terms, witness, receipts))
 
 
 REPLY_LABEL = b"fedciuic-reply/1\x00"
@@ -227,11 +235,18 @@ class RegionKeys:
             )
 
     def check_run_end(
-        self, signature: bytes, key_id: str, run_id: int, terms: Terms, witness: tuple[int, str]
+        self,
+        signature: bytes,
+        key_id: str,
+        run_id: int,
+        terms: Terms,
+        witness: tuple[int, str],
+        receipts: bytes,
     ) -> None:
-        """Refuse a run-end notice (the aggregator's final audit head) it did not sign."""
+        """Refuse a run-end notice (the aggregator's final audit head and receipts) it
+        did not sign."""
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            _run_end_message(run_id, terms, witness), signature
+            _run_end_message(run_id, terms, witness, receipts), signature
         ):
             raise NotSignedError(
                 f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "

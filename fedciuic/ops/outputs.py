@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
+from fedciuic.rounds import wire
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
 from fedciuic.rounds.record import (
     FAILED,
@@ -136,6 +137,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
         lines.append(row.rstrip())
     lines += _policy_notes(data)
+    lines += _undelivered_notes(data)
     lines += outcome_lines(data)
     if run.adapter:
         lines.append(f"adapter: {run.adapter}")
@@ -172,6 +174,30 @@ def _policy_notes(data: RunMetrics) -> list[str]:
                 seen.add(key)
                 notes.append(f"round {number}: {region} {entry.status}: {entry.reason}")
     return notes
+
+
+def _undelivered_notes(data: RunMetrics) -> list[str]:
+    """Training rounds a region did not answer in time: under DP, a region that trained
+    spent its epsilon on an update the aggregator never received. Only the region's own
+    log can say whether it did; the report reads it."""
+    missed = [
+        (number, region)
+        for number, rnd in sorted(data.rounds.items())
+        for region, entry in sorted(rnd.train.items())
+        if entry.status == wire.FAILED and (entry.reason or "").startswith(wire.NO_REPLY)
+    ]
+    if not missed or not data.run.config.dp:
+        return []
+    which = ", ".join(f"{region} in round {number}" for number, region in missed)
+    timeout = data.run.config.round_timeout
+    return [
+        f"SPENT, NOT DELIVERED?: no update arrived from {which} within round-timeout"
+        + (f" ({timeout:g}s)" if timeout else "")
+        + ". A region that trained for that round spent its "
+        "epsilon and the update never arrived (or arrived too late to count); its audit log "
+        "records the release, and `fedciuic report` with that log lists it under Spent, not "
+        "delivered. If the regions' rounds take longer than round-timeout, raise it."
+    ]
 
 
 def outcome_lines(data: RunMetrics) -> list[str]:

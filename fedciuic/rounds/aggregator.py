@@ -20,6 +20,7 @@ Differences from plain FedAvg, each for a reason:
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,7 @@ from fedciuic.aggregation import (
     make_aggregator,
 )
 from fedciuic.audit.events import Event
-from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest
+from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest, load_records
 from fedciuic.compression import Codec, layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import NONCE_BYTES, EnvelopeRejected, TaskKind, model_digest
@@ -57,6 +58,7 @@ from fedciuic.rounds.wire import (
     EVALUATED,
     FAILED,
     KEY_ID,
+    NO_REPLY,
     POLICY_HASH,
     PRIVACY_UNIT,
     REJECTED,
@@ -301,7 +303,7 @@ class AggregatorRound:
         the round the reply must be signed for, when not ``server_round`` (a buffered
         region's own task number)."""
         if isinstance(item, NoReply):
-            reason = f"no reply within round-timeout ({self.run.round_timeout:g}s)"
+            reason = f"{NO_REPLY} ({self.run.round_timeout:g}s)"
             return self._settle(failed(item.node_id, "", reason), None)
         reply, sender = failed(item.node_id, "", ""), None
         try:
@@ -840,8 +842,31 @@ class AggregatorRound:
             run_config=self.run_config,
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=self.sealing.signer,
+            receipts=self._receipts(),
         )
         return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
+
+    def _receipts(self) -> str:
+        """What this federation run received from each region (its log's
+        ``update_received`` records, resumed runs included), as canonical JSON."""
+        assert self.audit is not None
+        received: dict[str, list[tuple[int, str]]] = {}
+        for record in load_records(self.audit.path):
+            details = record.get("details")
+            if (
+                record.get("event") != RECEIVED_EVENT
+                or record.get("run_id") != self.federation_run
+                or not isinstance(details, dict)
+            ):
+                continue
+            region, digest_hex = details.get("region"), details.get("digest")
+            if isinstance(region, str) and isinstance(digest_hex, str):
+                received.setdefault(region, []).append((int(record.get("round") or 0), digest_hex))
+        return json.dumps(
+            {r: sorted(set(items)) for r, items in received.items()},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
         """Record the head each region answers the run-end notice with, so that

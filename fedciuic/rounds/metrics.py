@@ -64,6 +64,7 @@ class RunSettings(_Record):
     aggregator_jurisdiction: str | None = None
     data_root: str | None = None
     keys_dir: str | None = None
+    round_timeout: float | None = None
 
 
 class PolicyHeld(_Record):

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedciuic import __version__
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
+from fedciuic.audit.events import SENT_EVENTS, Event
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, load_records
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
@@ -385,12 +385,46 @@ class _Round:
                     "aggregator signed into the run-end notice"
                 )
             if self.audit is not None:
+                self._note_undelivered(notice)
                 self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
                 self.audit.checkpoint(run_id=self.run_id)
             return self._vouch(Witnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
             return RegionReply(Declined(self.node.region, str(err)))
+
+    def _note_undelivered(self, notice: RunEndNotice) -> None:
+        """Every update this region released in the federation run that the aggregator's
+        signed receipts do not list: its epsilon is spent, and it was never delivered."""
+        assert self.audit is not None
+        received = notice.received(self.node.region)
+        noted = set()
+        sent = []
+        for record in load_records(self.audit.path):
+            details = record.get("details")
+            if record.get("run_id") != self.run_id or not isinstance(details, dict):
+                continue
+            key = (record.get("round"), details.get("digest"))
+            if record.get("event") == Event.UPDATE_UNDELIVERED:
+                noted.add(key)
+            elif record.get("event") in SENT_EVENTS:
+                sent.append(key)
+        for server_round, sent_digest in sent:
+            if (server_round, sent_digest) in received | noted:
+                continue
+            self.audit.append(
+                Event.UPDATE_UNDELIVERED,
+                run_id=self.run_id,
+                server_round=server_round,
+                digest=sent_digest,
+                reason="the aggregator's signed run-end notice lists no receipt of it",
+            )
+            _LOG.warning(
+                "fedciuic: region %s: the update of round %s left the region (its epsilon "
+                "is spent) and never reached the aggregator",
+                self.node.region,
+                server_round,
+            )
 
     def _vouch(self, outcome: Outcome) -> RegionReply:
         head = self.audit.last_checkpoint() if self.audit is not None else None

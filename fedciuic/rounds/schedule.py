@@ -115,9 +115,7 @@ class Tasks:
     def finished(self) -> set[str]:
         """Regions that have taken all their tasks and have none in flight: nothing
         more is expected of them, so they miss nothing."""
-        return {
-            r for r, n in self.sent.items() if n >= self.limit and r not in self.in_flight
-        }
+        return {r for r, n in self.sent.items() if n >= self.limit and r not in self.in_flight}
 
     def state(self) -> dict[str, Any]:
         return {

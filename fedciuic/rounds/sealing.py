@@ -120,7 +120,9 @@ class SealedReplies:
         )
 
     def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes:
-        return sign_run_end(self.keys.keypair, run_id, notice.terms, notice.witness)
+        return sign_run_end(
+            self.keys.keypair, run_id, notice.terms, notice.witness, notice.receipts_digest
+        )
 
     def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
         if reply.status == DECLINED and not reply.signature:
@@ -281,7 +283,12 @@ class SealingRegion:
 
     def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None:
         self.keys.check_run_end(
-            notice.signature, notice.signer, flower_run, notice.terms, notice.witness
+            notice.signature,
+            notice.signer,
+            flower_run,
+            notice.terms,
+            notice.witness,
+            notice.receipts_digest,
         )
 
     def joined(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ into Flower messages."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping, MutableMapping
@@ -30,6 +31,8 @@ TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "seal
 WITNESSED = "witnessed"  # a region's answer to the run-end notice
 FAILED = "failed"  # no usable reply: the region's process failed, or it never answered
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
+#: Why a node asked in a round is a failed reply when it did not answer in time.
+NO_REPLY = "no reply within round-timeout"
 ENVELOPE, UPDATE = "envelope", "update"
 #: The records a message holds (Flower's RecordDict keys; the agent's channel uses the same).
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
@@ -81,7 +84,10 @@ class Instruction:
 @dataclass(frozen=True)
 class RunEndNotice:
     """After ``run_end``: the head of the aggregator's log, signed, for each region to
-    record (and answer with its own): the end of a run is witnessed like a round."""
+    record (and answer with its own): the end of a run is witnessed like a round. It
+    also lists what the aggregator received from each region in the federation run
+    (``receipts``: canonical JSON ``{region: [[round, digest], ...]}``), so that a
+    region records which of its releases never arrived."""
 
     federation_run: int
     witness: tuple[int, str]
@@ -89,6 +95,25 @@ class RunEndNotice:
     nonce: bytes = bytes(NONCE_BYTES)
     signature: bytes = b""
     signer: str = ""
+    receipts: str = "{}"
+
+    @property
+    def receipts_digest(self) -> bytes:
+        return hashlib.sha256(self.receipts.encode()).digest()
+
+    def received(self, region: str) -> set[tuple[int, str]]:
+        """The (round, digest) of each update the aggregator received from ``region``;
+        :class:`MalformedInstruction` when the field is not what it says."""
+        try:
+            value = json.loads(self.receipts, parse_constant=_no_constant)
+            entries = value.get(region, []) if isinstance(value, dict) else None
+            if not isinstance(entries, list):
+                raise ValueError("an object of lists expected")
+            return {(int(r), str(d)) for r, d in entries}
+        except (ValueError, TypeError) as err:
+            raise MalformedInstruction(
+                f"malformed run-end notice: {RECEIPTS}: {str(err)[:80]}"
+            ) from None
 
     @property
     def kind(self) -> TaskKind:
@@ -106,9 +131,11 @@ class RunEndNotice:
 SERVER_ROUND, FEDERATION_RUN = "server-round", "federation-run"
 BASE_FINGERPRINT = "base-fingerprint"
 SIGNATURE_FIELD, SIGNER = "model-signature", "aggregator-key-id"
-TASK, RUN_CONFIG, NONCE = "task", "run-config", "nonce"
+TASK, RUN_CONFIG, NONCE, RECEIPTS = "task", "run-config", "nonce", "receipts"
 #: A run config's canonical JSON is at most this long (an instruction's field).
 MAX_RUN_CONFIG = 1 << 16
+#: A run-end notice's receipts are at most this long (about 100 per region and round).
+MAX_RECEIPTS = 1 << 24
 
 
 class MalformedInstruction(FedciuicError):
@@ -206,6 +233,11 @@ def parse_run_end(config: Mapping[str, object]) -> RunEndNotice:
     federation_run = _typed(config, FEDERATION_RUN, int, 0)
     if not 0 <= federation_run < 2**64:
         raise MalformedInstruction(f"malformed run-end notice: {FEDERATION_RUN}")
+    receipts = _typed(config, RECEIPTS, str, None)
+    if len(receipts) > MAX_RECEIPTS:
+        raise MalformedInstruction(
+            f"malformed run-end notice: {RECEIPTS}: over {MAX_RECEIPTS} characters"
+        )
     return RunEndNotice(
         federation_run=federation_run,
         witness=_head(config, "run-end notice"),
@@ -213,6 +245,7 @@ def parse_run_end(config: Mapping[str, object]) -> RunEndNotice:
         nonce=nonce,
         signature=_typed(config, SIGNATURE_FIELD, bytes, b""),
         signer=_typed(config, SIGNER, str, ""),
+        receipts=receipts,
     )
 
 
@@ -230,6 +263,8 @@ def instruction_fields(task: Instruction | RunEndNotice) -> dict[str, str | int 
     if isinstance(task, Instruction):
         fields[SERVER_ROUND] = task.server_round
         fields[BASE_FINGERPRINT] = task.base_fingerprint
+    else:
+        fields[RECEIPTS] = task.receipts
     if task.witness is not None:
         fields[AUDIT_COUNT], fields[AUDIT_HEAD] = task.witness
     return fields

@@ -165,7 +165,13 @@ class Federation:
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=self.aggregator.keypair.bundle.key_id.hex(),
         )
-        signature = sign_run_end(self.aggregator.keypair, FLOWER_RUN, notice.terms, notice.witness)
+        signature = sign_run_end(
+            self.aggregator.keypair,
+            FLOWER_RUN,
+            notice.terms,
+            notice.witness,
+            notice.receipts_digest,
+        )
         notice = replace(notice, signature=signature)
         return Frame(
             meta={"kind": str(TaskKind.RUN_END), "flower-run": FLOWER_RUN},

@@ -84,3 +84,44 @@ def test_the_code_section_names_each_updates_agent_and_whether_the_region_record
     assert {row[1] for row in refused} == {"eu", "cn"}
     assert all("pid 4242" in row[2] and "acts only on" in row[3] for row in refused)
     assert not any("other run" in row[3] for row in refusals)  # another run's: not this one's
+
+
+def test_a_release_that_never_reached_the_aggregator_is_spent_not_delivered_not_agreement(
+    tmp_path, keys
+):
+    """The round timed out: eu released (epsilon spent) and the aggregator logged eu's
+    reply as failed. The report must say so, not "agree" and move on; a release the
+    aggregator has no record of at all stays a disagreement."""
+    agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    agg.append(Event.RUN_START, run_id=RUN, regions=["eu", "cn"], config_hash="c" * 64)
+    agg.append(
+        Event.REPLY_FAILED,
+        run_id=RUN,
+        server_round=1,
+        region="eu",
+        reason="no reply within round-timeout (600s)",
+    )
+    agg.checkpoint(run_id=RUN)
+    agg.close()
+    paths = [tmp_path / "aggregator.audit.jsonl"]
+    for region, digest in (("eu", "e" * 64), ("cn", "f" * 64)):
+        log = AuditLog(tmp_path / f"{region}.jsonl", region, keys[region])
+        log.append(Event.RUN_JOINED, run_id=RUN, config_hash="c" * 64)
+        log.append(Event.TRAINED, run_id=RUN, server_round=1, epsilon=2.6, epsilon_budget=8.0)
+        log.append(
+            Event.UPDATE_SEALED, run_id=RUN, server_round=1, region=region, digest=digest, bytes=9
+        )
+        if region == "eu":
+            log.append(Event.UPDATE_UNDELIVERED, run_id=RUN, server_round=1, digest=digest)
+        log.checkpoint(run_id=RUN)
+        log.close()
+        paths.append(tmp_path / f"{region}.jsonl")
+    parties = ("aggregator", "eu", "cn")
+    verdicts = {p: verify(p, keys[party].bundle) for p, party in zip(paths, parties, strict=True)}
+    report = build_report(open_logs(paths, verdicts), RUN)
+    (row,) = _section(report.sections, "Spent, not delivered").rows
+    assert row == ("1", "eu", "2.600", "e" * 16, "no reply within round-timeout (600s)", "yes")
+    agreement = _section(report.sections, "Agreement between the logs").paragraphs
+    assert any("1 update(s) left a region" in p for p in agreement), agreement
+    # cn's release has no record at the aggregator at all: that is a disagreement.
+    assert len(report.disagreements) == 1 and "cn logged sending" in report.disagreements[0]

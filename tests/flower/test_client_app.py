@@ -331,7 +331,7 @@ def run_end(keypair: Keypair, run_config: dict[str, Any], witness: tuple[int, st
         nonce=secrets.token_bytes(NONCE_BYTES),
         signer=keypair.bundle.key_id.hex(),
     )
-    signature = sign_run_end(keypair, RUN_ID, unsigned.terms, witness)
+    signature = sign_run_end(keypair, RUN_ID, unsigned.terms, witness, unsigned.receipts_digest)
     return replace(unsigned, signature=signature)
 
 

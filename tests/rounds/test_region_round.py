@@ -510,7 +510,9 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
         nonce=secrets.token_bytes(NONCE_BYTES),
         signer=aggregator.keypair.bundle.key_id.hex(),
     )
-    signature = sign_run_end(aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD))
+    signature = sign_run_end(
+        aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD), unsigned.receipts_digest
+    )
     notice = replace(unsigned, signature=signature)
     run_cfg, node = read_configs(notice, node_config)
     reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
@@ -526,3 +528,55 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
     refused = witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)
     assert "not signed by the aggregator" in declined(refused).reason
     assert refused.keypair is None and refused.witness is None
+
+
+def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once(
+    run, demo_root, tmp_path, keys_dir, policies
+):
+    """The region trained and sealed round 1; the aggregator's signed run-end notice
+    lists no receipt of it (the reply came too late): the region's own log says so, and
+    once, however often the notice comes."""
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(cn_node(demo_root, tmp_path), run_overrides, signer=aggregator.keypair)
+    assert isinstance(reply.outcome, Sealed)
+    (sent,) = [r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "update_sealed"]
+    node_config = {**cn_node(demo_root, tmp_path), "policy": str(policies / "cn.yaml")}
+    settings = {**app_config(), "local-steps": 2, "seal": False, **run_overrides}
+
+    def notice(receipts: dict[str, list[list[object]]]) -> RunEndNotice:
+        unsigned = RunEndNotice(
+            federation_run=FLOWER_RUN,
+            witness=(9, HEAD),
+            run_config=RunConfig.from_user_config(settings, source="test").canonical_json(),
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            signer=aggregator.keypair.bundle.key_id.hex(),
+            receipts=json.dumps(receipts),
+        )
+        signature = sign_run_end(
+            aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD), unsigned.receipts_digest
+        )
+        return replace(unsigned, signature=signature)
+
+    def undelivered() -> list[dict[str, Any]]:
+        records = load_records(tmp_path / "audit.jsonl")
+        return [r for r in records if r["event"] == "update_undelivered"]
+
+    delivered = notice({"cn": [[1, sent["details"]["digest"]]]})
+    run_cfg, node = read_configs(delivered, node_config)
+    assert witness_run_end(run_cfg, node, delivered, flower_run=FLOWER_RUN).outcome == Witnessed(
+        "cn"
+    )
+    assert undelivered() == []
+    missing = notice({"cn": [], "eu": [[1, sent["details"]["digest"]]]})  # another region's
+    for _ in range(2):
+        assert witness_run_end(run_cfg, node, missing, flower_run=FLOWER_RUN).outcome == (
+            Witnessed("cn")
+        )
+    (record,) = undelivered()
+    assert record["round"] == 1 and record["details"]["digest"] == sent["details"]["digest"]
+    assert "no receipt" in record["details"]["reason"]
+    # The receipts are signed: a relay cannot make a delivered update look lost.
+    forged = replace(delivered, receipts=json.dumps({"cn": []}))
+    assert "not signed" in declined(
+        witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)
+    ).reason
