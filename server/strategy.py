@@ -147,7 +147,7 @@ class RegionalFedAvg(FedAvg):
             if not waiting or self.clock() >= deadline:
                 break
             courier.wait()
-        mine += [NoReply(n) for n in sorted(waiting)]
+        mine += [NoReply(n, timeout) for n in sorted(waiting)]
         return mine, other, answered
 
     def _evaluate(
@@ -196,7 +196,7 @@ class RegionalFedAvg(FedAvg):
         )
         asked = self._send(courier, messages, server_round, task)
         arrivals, late, heard = self._collect(
-            courier, asked, MessageType.TRAIN, server_round, self.timeout
+            courier, asked, MessageType.TRAIN, server_round, a.train_wait(self.timeout)
         )
         into = a.collecting()
         late, self._carried = self._carried + late, []
@@ -269,7 +269,7 @@ class RegionalFedAvg(FedAvg):
         into = a.collecting()
         heard: set[int] = set()
         contributed: set[str] = set()  # one reply per region and aggregate
-        deadline = self.clock() + self.timeout
+        deadline = self.clock() + a.train_wait(self.timeout)
         nodes = self.wait_for_regions(grid)
         while True:
             courier.forget_gone(nodes)
@@ -301,7 +301,8 @@ class RegionalFedAvg(FedAvg):
         # A region still within round-timeout of its task has not missed anything: a
         # buffered aggregate is often shorter than a slow region's task.
         now = self.clock()
-        working = {s.node for s in courier.in_flight.values() if now - s.at < self.timeout}
+        wait = a.train_wait(self.timeout)
+        working = {s.node for s in courier.in_flight.values() if now - s.at < wait}
         finished = {n for n in nodes if a.regions_by_node.get(n) in a.tasks.finished()}
         a.heard(server_round, heard | working | finished)
         a.end(server_round)
@@ -310,7 +311,7 @@ class RegionalFedAvg(FedAvg):
         """Buffered mode's end: wait (up to round-timeout) for the updates still in
         flight from available regions, so that each is logged as received (and refused:
         no aggregate is left) rather than sent by the region and never heard of."""
-        deadline = self.clock() + self.timeout
+        deadline = self.clock() + self.aggregator.train_wait(self.timeout)
         while self.clock() < deadline:
             self._carried += courier.pull()
             if not any(

@@ -110,6 +110,9 @@ def add_proximal_term(
 class EvalStats:
     loss: float  # mean next-token cross-entropy over all held-out tokens
     num_examples: int
+    #: Seconds one local DP-SGD step takes on this region's hardware (a synthetic batch
+    #: of the worst shape, nothing private): the aggregator's rounds wait for the work.
+    step_seconds: float | None = None
 
     @property
     def perplexity(self) -> float:

@@ -538,12 +538,27 @@ def plan_private_steps(
     """
     if run.local_time_budget <= 0:
         return run.local_steps
-    trainer = PrivateTrainer.for_run(
-        model, examples, run, noise_multiplier=noise_multiplier, seed=0
-    )
-    try:
-        seconds = trainer.time_step(run.seq_len, slowdown)
-    finally:
-        trainer.close()
+    seconds = time_private_step(model, examples, run, noise_multiplier, slowdown)
     fits = math.floor(run.local_time_budget / seconds) if seconds > 0 else run.local_steps
     return max(1, min(run.local_steps, fits))
+
+
+def time_private_step(
+    model: AdapterModel,
+    examples: ExampleSet,
+    run: RunConfig,
+    noise_multiplier: float = 1.0,
+    slowdown: float = 1.0,
+) -> float:
+    """Seconds of one full DP-SGD step on this hardware (:meth:`PrivateTrainer.time_step`,
+    on a trainer of its own, then dropped), reading no record and leaving no trace: the
+    adapters are restored, and so is torch's random state (a reproducible run draws the
+    same numbers whether or not it timed a step)."""
+    with torch.random.fork_rng():
+        trainer = PrivateTrainer.for_run(
+            model, examples, run, noise_multiplier=noise_multiplier, seed=0
+        )
+        try:
+            return trainer.time_step(run.seq_len, slowdown)
+        finally:
+            trainer.close()

@@ -85,6 +85,11 @@ from fedciuic.server_optim import ServerOptimizer
 _logger = logging.getLogger("flwr")
 
 
+#: Seconds a training round waits beyond twice the regions' timed local work: Flower's
+#: polling, a ClientApp process per message, sealing and evaluation.
+WAIT_MARGIN = 120.0
+
+
 def reason_of(err: Exception) -> str:
     """A rejection's reason: the error's type and its message (or repr)."""
     return f"{type(err).__name__}: {str(err)[:500]}"
@@ -183,6 +188,7 @@ class Judged:
                 "loss": e.eval_loss,
                 "perplexity": e.perplexity,
                 "num_examples": e.num_examples,
+                **({"step_seconds": e.step_seconds} if e.step_seconds is not None else {}),
             }
         entry: dict[str, Any] = {"status": self.reply.status, "reason": self.reply.reason}
         if self.claimed != self.label:
@@ -262,6 +268,9 @@ class AggregatorRound:
         self.regions_by_node: dict[int, str] = {}
         self.availability = Availability(run.regions, run.max_missed_rounds)
         self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
+        #: Each region's timed local step (from its evaluations): what train_wait sizes on.
+        self.step_seconds: dict[str, float] = {}
+        self._wait_said = False
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
         self.server_optimizer = ServerOptimizer.from_run(run)
 
@@ -303,7 +312,7 @@ class AggregatorRound:
         the round the reply must be signed for, when not ``server_round`` (a buffered
         region's own task number)."""
         if isinstance(item, NoReply):
-            reason = f"{NO_REPLY} ({self.run.round_timeout:g}s)"
+            reason = f"{NO_REPLY} ({item.waited or self.run.round_timeout:g}s)"
             return self._settle(failed(item.node_id, "", reason), None)
         reply, sender = failed(item.node_id, "", ""), None
         try:
@@ -718,6 +727,8 @@ class AggregatorRound:
             judged_all.append(judged)
             if judged.evaluated is not None:
                 evaluated.append((judged.label, judged.evaluated))
+                if judged.evaluated.step_seconds is not None:
+                    self.step_seconds[judged.label] = judged.evaluated.step_seconds
         if not evaluated or not overall:
             self.recorder.save()
             return EvalResult(judged_all, None)
@@ -732,6 +743,36 @@ class AggregatorRound:
         for label, stats in sorted(evaluated):
             _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
         return EvalResult(judged_all, loss, total)
+
+    def train_wait(self, timeout: float) -> float:
+        """How long a training round waits for updates: ``timeout`` (round-timeout), or
+        longer when the regions' timed steps say their local work takes longer (twice the slowest
+        region's local steps, or its local-time-budget, plus :data:`WAIT_MARGIN` for
+        Flower), so that an update a region spent privacy on is not lost to the clock.
+        Said once, as a warning, when it is longer than round-timeout."""
+        run = self.run
+        if not self.step_seconds:
+            return timeout
+        region, slowest = max(self.step_seconds.items(), key=lambda item: item[1])
+        work = slowest * run.local_steps
+        if run.local_time_budget > 0:
+            work = min(work, run.local_time_budget)
+        wait = max(timeout, 2 * work + WAIT_MARGIN)
+        if wait > timeout and not self._wait_said:
+            self._wait_said = True
+            _logger.log(
+                WARNING,
+                "round-timeout %gs is shorter than the regions' local work: %s takes %.1fs per "
+                "DP-SGD step x %d step(s) (timed on its hardware); training rounds wait up to "
+                "%.0fs for updates. Raise round-timeout, or lower local-steps or set "
+                "local-time-budget, to change it",
+                timeout,
+                region,
+                slowest,
+                run.local_steps,
+                wait,
+            )
+        return wait
 
     def end(self, server_round: int) -> None:
         """The round is over: close its record and, after a training round, save the

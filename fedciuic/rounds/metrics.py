@@ -147,6 +147,8 @@ class EvalEntry(_Record):
     loss: float | None = None
     perplexity: float | None = None
     num_examples: int | None = None
+    #: The region's timed local DP-SGD step (what the aggregator's training wait sizes on).
+    step_seconds: float | None = None
     agent_version: str | None = None
     agent_code: str | None = None
 

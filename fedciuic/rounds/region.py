@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,12 @@ from fedciuic.data.corpus import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.train import EvalStats, TrainStats, evaluate, train_local
-from fedciuic.privacy.dpsgd import plan_private_steps, private_round, warn_once
+from fedciuic.privacy.dpsgd import (
+    plan_private_steps,
+    private_round,
+    time_private_step,
+    warn_once,
+)
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     BudgetExhausted,
@@ -149,6 +154,7 @@ class Region:
         #: With train-processes > 1: the region's training processes, started at its
         #: first round, kept across rounds, and started again after one fails.
         self._cluster: TrainingCluster | None = None
+        self._step_seconds: float | None = None
 
     @property
     def slowdown(self) -> float:
@@ -447,7 +453,19 @@ class Region:
         """Held-out loss of the global adapter on this region's evaluation blocks
         (on rank 0 alone: evaluation is cheap next to training, and adds no privacy cost)."""
         self._load_global(adapter, base_fingerprint)
-        return evaluate(self.model, self.data.eval, batch_size=self.run.batch_size)
+        stats = evaluate(self.model, self.data.eval, batch_size=self.run.batch_size)
+        return replace(stats, step_seconds=self.step_seconds())
+
+    def step_seconds(self) -> float | None:
+        """One local DP-SGD step's seconds here, timed once per run (None without DP):
+        what the aggregator sizes its wait for updates on (docs/heterogeneity.md)."""
+        if not self.run.dp:
+            return None
+        if self._step_seconds is None:
+            self._step_seconds = time_private_step(
+                self.model, self.data.train, self.run, slowdown=self.slowdown
+            )
+        return self._step_seconds
 
     def _round_seed(self, server_round: int) -> int:
         # Distinct, reproducible sampling per (run seed, region, round).

@@ -575,7 +575,9 @@ def region_records(reply: RegionReply) -> Records:
         case Declined(region, reason):
             records = declined(region, reason)
         case Evaluated(region, stats):
-            records = evaluated(region, stats.num_examples, stats.loss, stats.perplexity)
+            records = evaluated(
+                region, stats.num_examples, stats.loss, stats.perplexity, stats.step_seconds
+            )
         case Sealed(region, envelope, key_id):
             records = sealed(region, envelope, key_id)
         case Clear(arrays, metrics, info):

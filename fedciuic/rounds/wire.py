@@ -332,6 +332,8 @@ class EvalMetrics(_Strict):
     num_examples: int = Field(ge=1, le=_MAX_COUNT)
     eval_loss: float = Field(ge=0)
     perplexity: float = Field(ge=0)
+    #: Seconds of one local DP-SGD step on the region's hardware (absent without DP).
+    step_seconds: float | None = Field(default=None, gt=0, le=86_400)
 
 
 _PRIVACY_KEYS = frozenset(
@@ -429,11 +431,21 @@ def declined(region: str, reason: str) -> Records:
     return Records({"region": region, "status": DECLINED, "reason": reason}, {"num-examples": 0})
 
 
-def evaluated(region: str, num_examples: int, loss: float, perplexity: float) -> Records:
-    return Records(
-        {"region": region, "status": EVALUATED, "reason": ""},
-        {"num-examples": num_examples, "eval-loss": loss, "perplexity": perplexity},
-    )
+def evaluated(
+    region: str,
+    num_examples: int,
+    loss: float,
+    perplexity: float,
+    step_seconds: float | None = None,
+) -> Records:
+    metrics: dict[str, int | float] = {
+        "num-examples": num_examples,
+        "eval-loss": loss,
+        "perplexity": perplexity,
+    }
+    if step_seconds is not None:
+        metrics["step-seconds"] = step_seconds
+    return Records({"region": region, "status": EVALUATED, "reason": ""}, metrics)
 
 
 def witnessed(region: str) -> Records:
@@ -502,9 +514,11 @@ class Unread:
 
 @dataclass(frozen=True)
 class NoReply:
-    """A node asked this round that did not answer within round-timeout."""
+    """A node asked this round that did not answer in time: within ``waited`` seconds
+    (0: the run's round-timeout)."""
 
     node_id: int
+    waited: float = 0.0
 
 
 #: What the aggregator's round takes, one per node asked.

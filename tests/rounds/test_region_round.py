@@ -38,6 +38,7 @@ from fedciuic.rounds.region_round import (
     Witnessed,
     handle_instruction,
     read_configs,
+    region_records,
     unreadable,
     witness_run_end,
 )
@@ -183,6 +184,10 @@ def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
     evaluated = run(cn_node(demo_root, tmp_path), kind=TaskKind.EVALUATE).outcome
     assert isinstance(evaluated, Evaluated) and evaluated.region == "cn"
     assert evaluated.stats.num_examples > 0
+    # Under DP, a timed local step (what the aggregator's training wait sizes on).
+    assert evaluated.stats.step_seconds is not None and evaluated.stats.step_seconds > 0
+    packed = region_records(RegionReply(evaluated))
+    assert packed.metrics["step-seconds"] == evaluated.stats.step_seconds
 
 
 def test_a_released_round_is_resent_as_it_was_never_trained_twice(run, demo_root, tmp_path):
@@ -577,6 +582,7 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
     assert "no receipt" in record["details"]["reason"]
     # The receipts are signed: a relay cannot make a delivered update look lost.
     forged = replace(delivered, receipts=json.dumps({"cn": []}))
-    assert "not signed" in declined(
-        witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)
-    ).reason
+    assert (
+        "not signed"
+        in declined(witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)).reason
+    )
