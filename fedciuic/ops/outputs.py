@@ -10,6 +10,7 @@ from typing import Any
 
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
 from fedciuic.rounds import wire
+from fedciuic.rounds.checkpoint import CHECKPOINT_DIR, LATEST
 from fedciuic.rounds.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
 from fedciuic.rounds.record import (
     FAILED,
@@ -222,7 +223,17 @@ def outcome_lines(data: RunMetrics) -> list[str]:
             if begun is not None and begun > ended
             else f"after round {ended} of {total}"
         )
-        return [f"{status.upper()} {where}: {run.error or 'no reason recorded'}"]
+        lines = [f"{status.upper()} {where}: {run.error or 'no reason recorded'}"]
+        if ended is not None and ended > 0 and run.output_dir:
+            # The rounds it finished are checkpointed, and the regions spent their epsilon
+            # on them: a resumed run continues from there, releasing nothing twice.
+            checkpoint = Path(run.output_dir) / CHECKPOINT_DIR / LATEST
+            if checkpoint.exists():
+                lines.append(
+                    f"Resume it from round {ended + 1}: the same run config with "
+                    f"--run-config \"resume-from='{run.output_dir}'\" (docs/robustness.md)"
+                )
+        return lines
     if status == RUNNING:
         return ["RUNNING: the run has not finished (or its process died without a word)"]
     return []

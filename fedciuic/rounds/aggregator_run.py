@@ -20,7 +20,12 @@ from fedciuic.model.adapter import AdapterLayout
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError
 from fedciuic.rounds.aggregator import AggregatorRound
-from fedciuic.rounds.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from fedciuic.rounds.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+)
 from fedciuic.rounds.metrics import PolicyHeld, ResumedFrom, RunStatus
 from fedciuic.rounds.record import (
     ADAPTER_DIR,
@@ -244,7 +249,7 @@ def open_run(
         audit=audit,
         run_id=flower_run,
         federation_run=federation_run,
-        checkpoints=recorder.directory / "checkpoint",
+        checkpoints=recorder.directory / CHECKPOINT_DIR,
     )
     if resumed is not None:
         restore(aggregator, resumed, optimizer)

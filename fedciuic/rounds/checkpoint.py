@@ -34,6 +34,8 @@ from fedciuic.server_optim import OptimizerState
 FORMAT = "fedciuic-checkpoint/2"
 FORMATS = ("fedciuic-checkpoint/1", FORMAT)  # what load_checkpoint reads
 LATEST = "LATEST"
+#: A run's checkpoints, inside its output folder (run-<id>/checkpoint/).
+CHECKPOINT_DIR = "checkpoint"
 ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
