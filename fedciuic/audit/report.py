@@ -170,6 +170,8 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
         _regions_section(start, own, agg, unsigned["start"]),
         _transfers_section(agg, own, agg_all),
         _undelivered_section(check.undelivered, own_all),
+        _privacy_section(own),
+        _outside_dp_section(own),
         _code_section(agg, own),
         _refusals_section(
             agg, own, {name: _refused_for(log.verified, run_id) for name, log in regions.items()}
@@ -249,12 +251,36 @@ def _overview(
             ),
             ("aggregator jurisdiction", of_start("aggregator_jurisdiction")),
             ("relay jurisdiction", of_start("relay_jurisdiction")),
+            ("base model", _base_model(start) if not unsigned["start"] else note),
+            ("DP terms asked", _dp_terms(start.get("dp")) if not unsigned["start"] else note),
             ("config hash", of_start("config_hash")),
             ("code", of_start("code_version")),
             ("aggregator key id", of_start("key_id")),
             ("aggregates published / withheld", f"{len(published)} / {len(withheld)}"),
             ("final model digest", note if unsigned["end"] else _text(end.get("model_digest"))),
         ],
+    )
+
+
+def _base_model(start: Mapping[str, Any]) -> str:
+    """The frozen base every region trains on: its name and its fingerprint."""
+    model, fingerprint = start.get("model"), start.get("base_fingerprint")
+    if not model and not fingerprint:
+        return "-"
+    return f"{_text(model)} (fingerprint {str(fingerprint)[:16] or '-'})"
+
+
+def _dp_terms(dp: Any) -> str:
+    """The differential privacy the run config asked of every region."""
+    if not isinstance(dp, Mapping):
+        return "-"
+    if not dp.get("on"):
+        return "off"
+    return (
+        f"target epsilon {_text(dp.get('target_epsilon'))} per {_text(dp.get('unit'))} per run, "
+        f"delta {_text(dp.get('target_delta'))}, clipping norm "
+        f"{_text(dp.get('max_grad_norm'))}, secure noise "
+        f"{'on' if dp.get('secure_mode') else 'OFF'}"
     )
 
 
@@ -270,7 +296,7 @@ def _logs_section(logs: Sequence[PartyLog]) -> Section:
         rows.append(
             (
                 log.actor,
-                str(log.path),
+                log.path.name,  # the file's name: where it sits on this machine is no one's
                 str(len(log.records)),
                 f"{log.covered} (seq 0 to {log.covered - 1})" if log.covered else "none",
                 status,
@@ -446,6 +472,95 @@ def _code_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) ->
         ("round", "region", "agent version", "code digest", "as the region recorded")
         if rows
         else (),
+        sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
+    )
+
+
+def _privacy_section(own: Mapping[str, Sequence[Record]]) -> Section:
+    """Each region's DP-SGD parameters per round, from its own log."""
+    rows = []
+    for region, records in sorted(own.items()):
+        for r in records:
+            if r.get("event") != Event.TRAINED:
+                continue
+            d = _details(r)
+            if d.get("epsilon") is None:
+                continue
+            rows.append(
+                (
+                    _round(r),
+                    region,
+                    _text(d.get("noise_multiplier")),
+                    _text(d.get("sample_rate")),
+                    _text(d.get("max_grad_norm")),
+                    _text(d.get("steps")),
+                    _text(d.get("unit") or DEFAULT_PRIVACY_UNIT),
+                    _text(d.get("delta")),
+                    _text(d.get("epsilon")),
+                )
+            )
+    return Section(
+        "Privacy parameters",
+        [
+            "What each region's DP-SGD applied, per round, from its own log: the noise "
+            "multiplier, the sampling rate (expected fraction of its privacy units per "
+            "step), the clipping norm, the steps, the unit, and its dataset's cumulative "
+            "epsilon after the round at that delta."
+        ]
+        if rows
+        else ["No region's log records a DP round in this run."],
+        (
+            "round",
+            "region",
+            "noise multiplier",
+            "sampling rate",
+            "clipping norm",
+            "steps",
+            "unit",
+            "delta",
+            "epsilon after",
+        )
+        if rows
+        else (),
+        rows,
+    )
+
+
+def _outside_dp_section(own: Mapping[str, Sequence[Record]]) -> Section:
+    """The figures that leave a region beside its DP update, which DP does not cover
+    (docs/privacy.md): example counts, losses and sizes."""
+    rows = []
+    for region, records in sorted(own.items()):
+        for r in records:
+            d, event = _details(r), r.get("event")
+            if event == Event.TRAINED:
+                rows.append(
+                    (
+                        _round(r),
+                        region,
+                        "trained",
+                        f"{_text(d.get('examples'))} examples, {_text(d.get('steps'))} steps",
+                    )
+                )
+            elif event == Event.EVALUATED:
+                rows.append(
+                    (
+                        _round(r),
+                        region,
+                        "evaluated",
+                        f"{_text(d.get('examples'))} examples, eval loss {_text(d.get('loss'))}",
+                    )
+                )
+            elif event in SENT_EVENTS:
+                rows.append((_round(r), region, "update size", f"{_text(d.get('bytes'))} bytes"))
+    return Section(
+        "Figures sent outside DP",
+        [
+            "Besides its DP update, each reply carries figures DP does not protect: its "
+            "training example count (the aggregate's weight), its held-out loss and example "
+            "count, and the update's size (docs/privacy.md). From each region's own log."
+        ],
+        ("round", "region", "what", "figures") if rows else (),
         sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
     )
 
@@ -636,6 +751,7 @@ def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[R
         }
     )
     policies = start.get("policy_hashes")
+    retention = start.get("retention_days")
     return Section(
         "Record of processing and cross-border transfers",
         [
@@ -671,6 +787,12 @@ def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[R
                 ", ".join(f"{j} {str(h)[:12]}" for j, h in policies.items())
                 if isinstance(policies, Mapping) and policies
                 else "none",
+            ),
+            (
+                "retention of these records (the policies' audit.retention_days)",
+                ", ".join(f"{j} {_text(days)} days" for j, days in retention.items())
+                if isinstance(retention, Mapping) and retention
+                else "-",
             ),
         ],
     )

@@ -142,6 +142,7 @@ def run_start(
     sealing: ReplySealing,
     policies: AggregatorPolicies | None,
     resumed: Checkpoint | None,
+    base_fingerprint: str = "",
 ) -> None:
     own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
     if own is not None and not own.policy.audit.redact_paths:
@@ -162,6 +163,25 @@ def run_start(
         ),
         flower_run=flower_run,
         resumed_after_round=resumed.round if resumed else None,
+        # What a compliance officer signs for: the model, and the DP terms asked.
+        base_fingerprint=base_fingerprint,
+        model=run.model_preset if not run.model_path else Path(run.model_path).name,
+        dp={
+            "on": run.dp,
+            "target_epsilon": run.target_epsilon,
+            "target_delta": run.target_delta,
+            "max_grad_norm": run.max_grad_norm,
+            "unit": run.privacy_unit,
+            "secure_mode": run.secure_mode,
+        },
+        retention_days=(
+            {
+                j: p.policy.audit.retention_days
+                for j, p in sorted(policies.policies.by_jurisdiction.items())
+            }
+            if policies
+            else None
+        ),
     )
 
 
@@ -239,7 +259,7 @@ def open_run(
     optimizer = server_optimizer(run, resumed)  # refused before run_start if it does not fit
     federation_run = resumed.federation_run if resumed else flower_run
     sealing = aggregator_sealing(keys)
-    run_start(audit, federation_run, flower_run, run, sealing, policies, resumed)
+    run_start(audit, federation_run, flower_run, run, sealing, policies, resumed, base_fingerprint)
     aggregator = AggregatorRound(
         run,
         base_fingerprint=base_fingerprint,

@@ -546,6 +546,8 @@ class _Round:
             epsilon_budget=p.epsilon_budget if p else None,
             delta=p.delta if p else None,
             noise_multiplier=p.noise_multiplier if p else None,
+            sample_rate=p.sample_rate if p else None,
+            max_grad_norm=p.max_grad_norm if p else None,
             run_epsilon=p.run_epsilon if p else None,
             ledger=p.ledger if p else None,  # witnesses the ledger's head (docs/privacy.md)
         )
