@@ -7,11 +7,12 @@ so that every value is checked in one place and all problems are reported at onc
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 from pydantic import (
     BaseModel,
@@ -39,6 +40,10 @@ PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
 #: The unit where none is named: a policy without ``privacy.unit`` (at least record-level),
 #: and a ledger, reply or log written before units existed (all were record-level).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
+
+#: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
+#: prompt's start (``left``), so that the response fits.
+TruncationSide = Literal["right", "left"]
 
 
 def unit_covers(unit: PrivacyUnit, required: PrivacyUnit) -> bool:
@@ -90,6 +95,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid", frozen=True, alias_generator=_kebab, populate_by_name=True
     )
+    #: Set on a model, an unknown key is named as such with the nearest known key, or
+    #: else this hint on where the keys are (not pydantic's "Extra inputs are not
+    #: permitted").
+    unknown_key_hint: ClassVar[str | None] = None
 
     @classmethod
     def from_user_config(
@@ -109,21 +118,37 @@ class _Strict(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ConfigError(_describe(err, source)) from None
+            raise ConfigError(_describe(err, source, cls)) from None
 
 
-def _describe(err: ValidationError, source: str) -> list[str]:
+def _describe(err: ValidationError, source: str, model: type[_Strict]) -> list[str]:
     problems = []
     for item in err.errors():
         field = ".".join(str(p) for p in item["loc"]) or "(all)"
+        if item["type"] == "extra_forbidden" and model.unknown_key_hint is not None:
+            problems.append(f"{source}:{field}: {_unknown_key(field, model)}")
+            continue
         given = item.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
         problems.append(f"{source}:{field}: {item['msg']}{shown}")
     return problems
 
 
+def _unknown_key(key: str, model: type[_Strict]) -> str:
+    """An unknown key's problem and fix: the known key it is nearest to, if any."""
+    known = [field.alias or name for name, field in model.model_fields.items()]
+    nearest = difflib.get_close_matches(_kebab(key), known, n=1)
+    if nearest:
+        return f"unknown key; did you mean {nearest[0]}?"
+    return f"unknown key; remove it ({model.unknown_key_hint})"
+
+
 class RunConfig(_Strict):
     """The run config shared by the ServerApp and every ClientApp."""
+
+    unknown_key_hint: ClassVar[str | None] = (
+        "the run config's keys are those of pyproject.toml's [tool.flwr.app.config]"
+    )
 
     regions: tuple[str, ...] = Field(min_length=1)
     num_server_rounds: int = Field(ge=1, le=10_000)
@@ -215,6 +240,10 @@ class RunConfig(_Strict):
     messages_field: str = Field(default="messages", min_length=1)
     #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
     bad_rows: Literal["refuse", "skip"] = "refuse"
+    #: A non-text record longer than seq-len: ``right`` keeps its first seq-len tokens (a
+    #: record with no response token among them is dropped); ``left`` cuts its prompt from
+    #: the start so that the response fits (docs/data.md).
+    truncation_side: TruncationSide = "right"
     # A region as a cluster (docs/cluster.md): local training as a torch.distributed
     # job of this many processes (one per GPU; gloo on CPU); a node config's value wins.
     train_processes: int = Field(default=1, ge=1, le=1024)

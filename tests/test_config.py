@@ -22,9 +22,24 @@ def test_all_problems_are_reported_at_once_with_source_and_field():
         assert field in text
 
 
-def test_unknown_run_config_key_is_an_error():
-    with pytest.raises(ConfigError, match="run config:lerning-rate: Extra inputs"):
-        RunConfig.from_user_config({**app_config(), "lerning-rate": 0.1}, source="run config")
+def test_unknown_run_config_key_is_an_error_naming_the_nearest_known_one():
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_user_config(
+            {**app_config(), "lerning-rate": 0.1, "seq_length": 64}, source="run config"
+        )
+    assert info.value.problems == [
+        "run config:lerning-rate: unknown key; did you mean learning-rate?",
+        "run config:seq_length: unknown key; did you mean seq-len?",
+    ]
+
+
+def test_an_unknown_run_config_key_like_no_other_says_where_the_keys_are():
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_user_config({**app_config(), "zzz": 1}, source="run config")
+    assert info.value.problems == [
+        "run config:zzz: unknown key; remove it (the run config's keys are those of "
+        "pyproject.toml's [tool.flwr.app.config])"
+    ]
 
 
 def test_duplicate_regions_are_refused():

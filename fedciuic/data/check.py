@@ -15,9 +15,17 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from fedciuic.config import TruncationSide
 from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover, root_of
-from fedciuic.data.tokenized import IGNORE, INPUT_IDS, LABELS, Summary, tokenized
+from fedciuic.data.tokenized import (
+    IGNORE,
+    INPUT_IDS,
+    LABELS,
+    Summary,
+    dropped_for_length,
+    tokenized,
+)
 
 #: How the masked part (no loss) of the shown example is marked.
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -30,6 +38,7 @@ class DataCheck:
     example: str | None  # one training example, its masked part marked
     seq_len: int
     tokenizer: str  # what counted the tokens
+    truncation_side: TruncationSide = "right"
 
     @property
     def ok(self) -> bool:
@@ -57,6 +66,9 @@ class DataCheck:
             f"at seq-len, {s.dropped} dropped (nothing left to train on within seq-len)",
             f"tokens: {s.tokens:,}, {s.trained_tokens:,} of them trained on ({self.tokenizer})",
         ]
+        dropped = dropped_for_length(s, self.seq_len, self.truncation_side)
+        if dropped is not None:
+            out.append(f"  {dropped}")
         if self.example is not None:
             out += ["", f"one training example ({MASK_OPEN}masked: no loss{MASK_CLOSE}):"]
             out += [self.example, ""]
@@ -72,6 +84,7 @@ def check_data(
     seq_len: int,
     fields: Fields,
     tokenizer_name: str,
+    truncation_side: TruncationSide = "right",
 ) -> DataCheck:
     """Read and tokenise ``data_path`` as a region would; every bad row is listed."""
     root = root_of(data_path)
@@ -84,9 +97,10 @@ def check_data(
             fields=fields,
             state_dir=Path(scratch),
             keep_reasons=None,
+            truncation_side=truncation_side,
         )
         example = _example(data.examples, tokenizer)
-        return DataCheck(root, data.summary, example, seq_len, tokenizer_name)
+        return DataCheck(root, data.summary, example, seq_len, tokenizer_name, truncation_side)
 
 
 def _example(examples: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> str | None:

@@ -33,6 +33,7 @@ from fedciuic.data.tokenized import (
     Summary,
     Tokenized,
     data_fingerprint,
+    dropped_for_length,
     tokenized,
 )
 from fedciuic.errors import DataError
@@ -182,6 +183,7 @@ def load_region_data(
         seq_len=run.seq_len,
         fields=Fields.from_run(run),
         state_dir=node.state_dir,
+        truncation_side=run.truncation_side,
     )
     summary = data.summary
     # Padding is masked out of attention and loss: any id the model knows will do.
@@ -196,7 +198,8 @@ def load_region_data(
         raise DataError(
             f"region {node.region}: data-path {root} gives {data.examples.num_rows} example(s) "
             f"from {summary.records} record(s), and none for {which} (eval-fraction "
-            f"{run.eval_fraction:g}); add records"
+            f"{run.eval_fraction:g}); "
+            + (dropped_for_length(summary, run.seq_len, run.truncation_side) or "add records")
         )
     return RegionData(
         region=node.region,

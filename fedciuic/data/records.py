@@ -8,7 +8,7 @@ Four shapes, told apart per row by the fields present (names from the run config
 - ``chat``: ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's
   chat template; loss on the assistant turns only.
 
-A record renders to pieces of text, each with or without loss.
+A record renders to one or more examples, each pieces of text with or without loss.
 """
 
 from __future__ import annotations
@@ -175,19 +175,33 @@ def _messages(value: Any, name: str) -> tuple[tuple[str, str], ...]:
     return tuple(turns)
 
 
+#: A reasoning block, as DeepSeek-R1 and Qwen3 write one before their answer.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: What an answer without reasoning is given when the generation prompt opens a block:
+#: an empty one, ``<think>\n\n</think>\n\n`` (as Qwen3's template writes it with
+#: ``enable_thinking=False``, and as R1 answers when it does not reason).
+EMPTY_REASONING, AFTER_REASONING = "\n\n", "\n\n"
+#: Stands in for an assistant turn's content, to find where a template writes it.
+_SENTINEL = "fedciuic-assistant-turn-7c1e"
+#: The rule a chat template must follow for its assistant turns to be trained on.
+TEMPLATE_RULE = (
+    "rendered up to an assistant turn with add_generation_prompt=True, a template must give "
+    "the text it writes before that turn, or that text with a <think> block opened (which "
+    "the turn's reasoning then continues)"
+)
+
+Piece = tuple[str, bool]  # (text, trained)
+
+
 @dataclass(frozen=True)
 class Rendered:
-    """A record as the model reads it: consecutive pieces of text, each with or without
-    loss. Pieces are tokenised one by one (as a prompt is at inference), so that no token
-    straddles the prompt and the response."""
+    """A record as the model reads it: one or more rows (training examples), each of
+    consecutive pieces of text with or without loss. Pieces are tokenised one by one (as
+    a prompt is at inference), so that no token straddles the prompt and the response."""
 
-    pieces: tuple[tuple[str, bool], ...]  # (text, trained)
+    rows: tuple[tuple[Piece, ...], ...]
     #: Text records longer than seq-len are split into chunks; the others are cut.
     chunked: bool
-
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.pieces)
 
 
 class Renderer:
@@ -213,7 +227,7 @@ class Renderer:
                 output,
             )
         pieces = ((prompt, False), (response + self.eos, True))
-        return Rendered(pieces, chunked=record.shape == TEXT)
+        return Rendered((pieces,), chunked=record.shape == TEXT)
 
     def _template(self, turns: list[dict[str, str]], *, generation: bool) -> str:
         try:
@@ -231,25 +245,114 @@ class Renderer:
         return str(rendered)
 
     def _chat(self, messages: tuple[tuple[str, str], ...]) -> Rendered:
+        """Each assistant turn is trained after the very prompt the template gives it at
+        inference (the conversation before it, with ``add_generation_prompt``). Turns
+        share a row while each one's prompt continues the row so far (a prefix-stable
+        template: one row per conversation); otherwise a turn starts a row of its own,
+        as with templates that drop earlier turns' reasoning or open a reasoning block."""
         turns = [{ROLE: role, CONTENT: content} for role, content in messages]
-        full = self._template(turns, generation=False)
-        pieces: list[tuple[str, bool]] = []
-        done = 0  # characters of ``full`` already in pieces
+        rows: list[list[Piece]] = []
+        text = ""  # the current row's text
         for i, (role, _) in enumerate(messages):
             if role != ASSISTANT:
                 continue
-            before = self._template(turns[:i], generation=True) if i else ""
-            through = self._template(turns[: i + 1], generation=False)
-            if not (full.startswith(through) and through.startswith(before)):
-                raise DataError(
-                    "the model's chat template does not render a conversation's first turns "
-                    "as a prefix of the whole, so its assistant turns cannot be located for "
-                    "the loss; use a prefix-stable template (docs/data.md)"
-                )
-            pieces += [(full[done : len(before)], False), (full[len(before) : len(through)], True)]
-            done = len(through)
-        pieces.append((full[done:], False))
-        return Rendered(tuple((text, trained) for text, trained in pieces if text), chunked=False)
+            prompt, answer = self._turn(turns, i)
+            if rows and prompt.startswith(text):
+                rows[-1] += [(prompt[len(text) :], False), (answer, True)]
+            else:
+                rows.append([(prompt, False), (answer, True)])
+            text = prompt + answer
+        return Rendered(tuple(tuple(p for p in row if p[0]) for row in rows), chunked=False)
+
+    def _turn(self, turns: list[dict[str, str]], i: int) -> tuple[str, str]:
+        """The prompt before assistant turn ``i`` and what the model writes for it."""
+        content = turns[i][CONTENT]
+        before = turns[:i]
+        whole = self._template(turns[: i + 1], generation=False)
+        prompt = self._template(before, generation=True) if before else None
+        if prompt is not None and whole.startswith(prompt) and THINK_CLOSE not in content:
+            return prompt, whole[len(prompt) :]  # the common case: two renderings
+        # Where the template writes a turn's content: the text before and after it
+        # (not found if the template changes the content).
+        probe = self._template([*before, {ROLE: ASSISTANT, CONTENT: _SENTINEL}], generation=False)
+        found = probe.count(_SENTINEL) == 1
+        head, _, end = probe.partition(_SENTINEL)
+        if prompt is None:  # a conversation that opens with the assistant: no prompt
+            prompt = head if found else ""
+        if whole.startswith(prompt):
+            # The turn continues its prompt (perhaps with more that the template adds,
+            # such as Qwen3's reasoning block): train on the template's rendering of it.
+            answer = whole[len(prompt) :]
+            if (
+                THINK_CLOSE in content
+                and THINK_CLOSE not in answer
+                and found
+                and head == prompt
+                and whole.endswith(end)
+            ):
+                # The template drops the reasoning of the very turn being written (as
+                # R1's did before its prompt opened a block): the model still writes it.
+                answer = content + end
+            return prompt, answer
+        opened = prompt[len(head) :] if found and prompt.startswith(head) else ""
+        if opened.strip() != THINK_OPEN:
+            raise _unmaskable("its generation prompt is not how it begins an assistant turn")
+        return prompt, _after_opened(opened, content) + end
+
+
+def _after_opened(opened: str, content: str) -> str:
+    """What the model writes for ``content`` after a prompt that opened a reasoning block
+    with ``opened`` (R1's ``<think>`` and a newline): the rest of the reasoning, its end,
+    the answer.
+    The block's text is the content's up to its last ``</think>`` (with or without the
+    opening tag); an answer without one gets an empty block."""
+    if THINK_CLOSE in content:
+        reasoning, _, answer = content.rpartition(THINK_CLOSE)
+        reasoning = reasoning.lstrip().removeprefix(THINK_OPEN)
+    else:
+        reasoning, answer = EMPTY_REASONING, AFTER_REASONING + content
+    written = opened[opened.index(THINK_OPEN) + len(THINK_OPEN) :]  # after the tag: a newline
+    return reasoning.removeprefix(written) + THINK_CLOSE + answer
+
+
+def _unmaskable(problem: str) -> DataError:
+    return DataError(
+        "the model's chat template cannot be masked for training (the loss must fall on the "
+        f"assistant turns only): {problem}. The rule: {TEMPLATE_RULE}. Fix: give the "
+        "checkpoint the chat template it was trained with (tokenizer_config.json's "
+        "chat_template, or chat_template.jinja), or write the records as prompt/response "
+        '(docs/data.md, "Chat templates")'
+    )
+
+
+#: Conversations a chat template is tried on before any data is read: a user turn
+#: answered with reasoning, then another answered without (after a system turn, which
+#: some templates refuse).
+_PROBE = (
+    (USER, "Where does the data stay?"),
+    (ASSISTANT, f"{THINK_OPEN}\nThe policy says.\n{THINK_CLOSE}\n\nAt home."),
+    (USER, "And the relay?"),
+    (ASSISTANT, "It sees ciphertext."),
+)
+_PROBES = (((SYSTEM, "Be brief."), *_PROBE), _PROBE)
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse, before any record is read, a model whose chat template cannot be trained
+    on (:class:`DataError` naming the rule and the fix), as chat records would be."""
+    renderer = Renderer(tokenizer)
+    refused: BadRecord | None = None
+    for messages in _PROBES:
+        try:
+            renderer.render(Record(CHAT, messages=messages))
+            return
+        except BadRecord as err:  # the template refuses the conversation, e.g. its system turn
+            refused = err
+    raise DataError(
+        f"the model's chat template refuses a plain conversation ({refused}); give the "
+        "checkpoint the chat template it was trained with, or write the records as "
+        "prompt/response"
+    )
 
 
 def json_kind(value: object) -> str:

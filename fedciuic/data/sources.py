@@ -46,6 +46,8 @@ SAVED_MARKERS = ("state.json", "dataset_info.json")
 DATASET_DICT_MARKER = "dataset_dict.json"
 #: The ``datasets`` builder that reads each kind it reads.
 _BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
+#: Kinds read as a table: every row has every column (null where it has no value).
+TABLE_KINDS = (*_BUILDERS, SAVED)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ def _jsonl_rows(source: Source) -> Iterator[Row]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as err:
-                yield Row(where, None, f"invalid JSON ({err.msg} at column {err.colno})")
+                yield Row(where, None, f"invalid JSON ({_json_problem(err)})")
                 continue
             if not isinstance(value, dict):
                 yield Row(where, None, f"expected a JSON object, got {json_kind(value)}")
@@ -203,9 +205,8 @@ def _datasets_rows(source: Source, cache_dir: Path) -> Iterator[Row]:
     except DataError:
         raise
     except UnicodeDecodeError as err:
-        raise DataError(
-            f"{source.name}:{_line_of_bad_byte(source.path)}: {_not_utf8(err, 'there')}"
-        ) from None
+        line, column = _bad_byte(source.path)
+        raise DataError(f"{source.name}:{line}: {_not_utf8(err, f'column {column}')}") from None
     except Exception as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise DataError(
@@ -223,16 +224,24 @@ def _opened(source: Source) -> Any:
         ) from None
 
 
+def _json_problem(err: json.JSONDecodeError) -> str:
+    """The decoder's message and where: some of its messages end in "at" already
+    ("Unterminated string starting at")."""
+    at = "" if err.msg.endswith(" at") else " at"
+    return f"{err.msg}{at} column {err.colno}"
+
+
 def _not_utf8(err: UnicodeDecodeError, at: str) -> str:
     return f"not UTF-8 text ({err.reason} at {at}); save the file as UTF-8"
 
 
-def _line_of_bad_byte(path: Path) -> int:
-    """The line of the first byte that is not UTF-8 (for formats read by a library)."""
+def _bad_byte(path: Path) -> tuple[int, int]:
+    """The line and column (in bytes) of the first byte that is not UTF-8 (for formats
+    read by a library, whose error says neither)."""
     with open(path, "rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             try:
                 raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return lineno
-    return 1
+            except UnicodeDecodeError as err:
+                return lineno, err.start + 1
+    return 1, 1

@@ -3,9 +3,9 @@
 One row per training example: its token ids, its labels (``-100`` where no loss is
 taken), the record and person it comes from, and the record's split bucket. The file
 is keyed by everything that decides its content (the data's digest, the tokenizer, its
-chat template, seq-len, the field names), so a later round or run reads it back
-instead of tokenising again. Records are read and written in batches: a corpus larger
-than memory streams through.
+chat template, seq-len and truncation side, the field names), so a later round or run
+reads it back instead of tokenising again. Records are read and written in batches: a
+corpus larger than memory streams through.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -26,13 +27,25 @@ from datasets.arrow_writer import ArrowWriter
 from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.data.records import SHAPES, BadRecord, Fields, Record, Renderer, parse_record
-from fedciuic.data.sources import Row, Source, read_rows
+from fedciuic.config import TruncationSide
+from fedciuic.data.records import (
+    INSTRUCTION,
+    OUTPUT,
+    SHAPES,
+    WHOLE_RECORD,
+    BadRecord,
+    Fields,
+    Record,
+    Renderer,
+    parse_record,
+)
+from fedciuic.data.sources import TABLE_KINDS, Row, Source, read_rows
 from fedciuic.digests import DigestCache, cache_dir
 from fedciuic.errors import DataError
 
-#: Bumped when what a cached file holds changes.
-FORMAT = 1
+#: Bumped when what a cached file holds changes (2: a chat record may give several
+#: examples; no untrained text after its last assistant turn; length statistics).
+FORMAT = 2
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's ignore_index)
 EXAMPLES_FILE = "examples.arrow"
 SUMMARY_FILE = "summary.json"
@@ -41,6 +54,8 @@ KEEP = 3
 #: Reasons kept per problem kind (the counts are always complete).
 MAX_REASONS = 20
 _BATCH = 512
+#: Columns a problem of a table's columns lists.
+_SHOWN_COLUMNS = 20
 
 # Column names of the cached examples.
 INPUT_IDS, LABELS, RECORD, USER, BUCKET = "input_ids", "labels", "record", "user", "bucket"
@@ -72,6 +87,12 @@ class Summary(BaseModel):
     trained_tokens: int = 0  # tokens with a label
     truncated: int = 0  # non-text records cut at seq-len
     dropped: int = 0  # records left with no trained token within seq-len
+    #: Of the dropped records: the shortest prompt (tokens before the first trained one),
+    #: the seq-len that keeps a trained token of every one, and the one that keeps them
+    #: whole (None: none dropped).
+    dropped_shortest_prompt: int | None = None
+    dropped_keep_seq_len: int | None = None
+    dropped_whole_seq_len: int | None = None
     bad_rows: int = 0
     bad_reasons: list[str] = []  # "FILE:LINE: field: message", the first MAX_REASONS
     users: int = 0  # distinct user ids
@@ -80,15 +101,69 @@ class Summary(BaseModel):
 
 
 @dataclass
+class _Missing:
+    """A problem of a table's columns, which every one of its rows has."""
+
+    reason: int | None  # its line in bad_reasons (None: past the reasons kept)
+    message: str
+    rows: int = 1
+
+
+@dataclass
 class _Counts:
     summary: Summary
     keep_reasons: int | None = MAX_REASONS
     user_keys: set[int] = field(default_factory=set)
+    missing: dict[tuple[str, str], _Missing] = field(default_factory=dict)
 
-    def bad(self, where: str, reason: str) -> None:
+    def bad(self, where: str, reason: str) -> int | None:
+        """Count a bad row; the index of its reason if kept."""
         self.summary.bad_rows += 1
         if self.keep_reasons is None or len(self.summary.bad_reasons) < self.keep_reasons:
             self.summary.bad_reasons.append(f"{where}: {reason}")
+            return len(self.summary.bad_reasons) - 1
+        return None
+
+    def columns(self, source: Source, field: str, message: str) -> None:
+        """A table's row refused for its columns (a field the table has no column for):
+        every row is, so the file is named once with the count of its rows."""
+        key = (source.name, field)
+        if key in self.missing:
+            self.summary.bad_rows += 1
+            self.missing[key].rows += 1
+        else:
+            self.missing[key] = _Missing(self.bad(source.name, ""), message)
+
+    def finish(self) -> None:
+        """Write each column problem's reason, now that its rows are counted."""
+        for (name, column), gap in self.missing.items():
+            if gap.reason is not None:
+                self.summary.bad_reasons[gap.reason] = (
+                    f"{name}: {column}: in all {gap.rows:,} row(s): {gap.message}"
+                )
+
+
+@dataclass
+class _Lengths:
+    """Of the records dropped for length: prompts and the seq-len that would keep them."""
+
+    shortest_prompt: int | None = None
+    keep: int = 0
+    whole: int = 0
+
+    def add(self, prompt: int | None, longest: int) -> None:
+        self.whole = max(self.whole, longest)
+        if prompt is None:
+            return
+        self.keep = max(self.keep, prompt + 1)
+        if self.shortest_prompt is None or prompt < self.shortest_prompt:
+            self.shortest_prompt = prompt
+
+    def write(self, summary: Summary) -> None:
+        if summary.dropped:
+            summary.dropped_shortest_prompt = self.shortest_prompt
+            summary.dropped_keep_seq_len = max(self.keep, 2) if self.keep else None
+            summary.dropped_whole_seq_len = self.whole
 
 
 def data_fingerprint(sources: list[Source]) -> str:
@@ -123,13 +198,18 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    fingerprint: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, fields: Fields
+    fingerprint: str,
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    fields: Fields,
+    truncation_side: TruncationSide = "right",
 ) -> str:
     described = {
         "format": FORMAT,
         "data": fingerprint,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_len": seq_len,
+        "truncation_side": truncation_side,
         "fields": asdict(fields),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
@@ -153,10 +233,11 @@ def tokenized(
     fields: Fields,
     state_dir: Path,
     keep_reasons: int | None = MAX_REASONS,
+    truncation_side: TruncationSide = "right",
 ) -> Tokenized:
     """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it."""
     fingerprint = data_fingerprint(sources)
-    key = cache_key(fingerprint, tokenizer, seq_len, fields)
+    key = cache_key(fingerprint, tokenizer, seq_len, fields, truncation_side)
     root = state_dir / "data-cache"
     folder = root / key
     cached = _load(folder, key)
@@ -177,6 +258,7 @@ def tokenized(
             summary=summary,
             scratch=root / ".datasets",
             keep_reasons=keep_reasons,
+            truncation_side=truncation_side,
         )
         # Another process of this region may have finished the same key meanwhile: its
         # complete entry stays (readers may have it mapped); a broken one is replaced.
@@ -227,18 +309,23 @@ def write_examples(
     summary: Summary,
     scratch: Path,
     keep_reasons: int | None = MAX_REASONS,
+    truncation_side: TruncationSide = "right",
 ) -> None:
     """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
     the first ``keep_reasons`` bad rows' reasons are kept (None: all of them)."""
     counts = _Counts(summary, keep_reasons)
+    lengths = _Lengths()
     renderer = Renderer(tokenizer)
+    cut = _Cut(seq_len, truncation_side)
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:
         for batch in _batches(sources, fields, counts, scratch):
-            _write_batch(writer, batch, renderer, tokenizer, seq_len, counts)
+            _write_batch(writer, batch, renderer, tokenizer, cut, counts, lengths)
         writer.finalize()
     finally:
         writer.close()
+    counts.finish()
+    lengths.write(summary)
     summary.users = len(counts.user_keys)
     (folder / SUMMARY_FILE).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
 
@@ -258,7 +345,7 @@ def _batches(
         for row_index, row in enumerate(
             read_rows(source, cache_dir=scratch, text_field=fields.text)
         ):
-            item = _parse(row, fields, counts)
+            item = _parse(source, row, fields, counts)
             if item is None:
                 continue
             batch.append(_Item(row.where, index << _ROW_BITS | row_index, item))
@@ -269,15 +356,65 @@ def _batches(
         yield batch
 
 
-def _parse(row: Row, fields: Fields, counts: _Counts) -> Record | None:
+def _parse(source: Source, row: Row, fields: Fields, counts: _Counts) -> Record | None:
     if row.error is not None or row.values is None:
         counts.bad(row.where, row.error or "unreadable")
         return None
     try:
         return parse_record(row.values, fields)
     except BadRecord as err:
-        counts.bad(row.where, str(err))
+        problem = _of_columns(source, row.values, err, fields)
+        if problem is not None:
+            counts.columns(source, err.field, problem)
+        else:
+            counts.bad(row.where, str(err))
         return None
+
+
+def _of_columns(
+    source: Source, values: Mapping[str, Any], err: BadRecord, fields: Fields
+) -> str | None:
+    """What is wrong with a table's columns, if that is why ``err`` refused a row of it
+    (a table's rows have all its columns, null or not; a line of JSON Lines has its own)."""
+    if source.kind not in TABLE_KINDS:
+        return None
+    known = {fields.text, fields.prompt, fields.response, fields.messages, INSTRUCTION, OUTPUT}
+    if err.field == WHOLE_RECORD:
+        if known & set(values):
+            return None
+        return str(err).removeprefix(f"{WHOLE_RECORD}: ")
+    if err.field in values or err.field not in known:  # a value of the row, or within one
+        return None
+    names = sorted(values)
+    has = ", ".join(names[:_SHOWN_COLUMNS]) + (", ..." if len(names) > _SHOWN_COLUMNS else "")
+    return (
+        f"missing: the file has no such column (its columns: {has or 'none'}); add it, or name "
+        "yours with the run config's text-field, prompt-field, response-field or "
+        "messages-field"
+    )
+
+
+def dropped_for_length(summary: Summary, seq_len: int, side: TruncationSide) -> str | None:
+    """Why records were dropped for length, and what keeps them (None: none were)."""
+    if not summary.dropped:
+        return None
+    keep = (
+        f"the shortest prompt is {summary.dropped_shortest_prompt} tokens; seq-len "
+        f"{summary.dropped_keep_seq_len} keeps a part of every response, "
+        f"{summary.dropped_whole_seq_len} keeps them whole"
+        if summary.dropped_shortest_prompt is not None
+        else f"seq-len {summary.dropped_whole_seq_len} keeps them whole"
+    )
+    remedy = (
+        'raise seq-len, or set truncation-side = "left" to cut prompts from the start so '
+        "that the responses fit (docs/data.md)"
+        if side == "right"
+        else "raise seq-len"
+    )
+    return (
+        f"{summary.dropped} record(s) dropped for length: no token of their response fits "
+        f"in seq-len {seq_len} ({keep}); {remedy}"
+    )
 
 
 def user_key(user: str) -> int:
@@ -290,13 +427,38 @@ def bucket_of(record: Record) -> float:
     return int.from_bytes(record.digest()[:8], "big") / 2.0**64
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """How an example longer than seq-len is cut (docs/data.md)."""
+
+    seq_len: int
+    side: TruncationSide
+
+    def windows(
+        self, length: int, first_trained: int | None, *, chunked: bool
+    ) -> list[tuple[int, int]]:
+        """A chunked record's seq-len pieces; else one window of the example: its first
+        seq-len tokens, or (side "left") its last ones, its prompt cut from the start.
+        A response longer than the window keeps its start, after the prompt's last
+        tokens (at least half of seq-len, or the whole prompt if shorter)."""
+        seq_len = self.seq_len
+        if chunked:
+            return [(start, min(start + seq_len, length)) for start in range(0, length, seq_len)]
+        if length <= seq_len or self.side == "right" or first_trained is None:
+            return [(0, min(length, seq_len))]
+        context = min(first_trained, seq_len // 2)
+        start = min(length - seq_len, first_trained - context)
+        return [(start, start + seq_len)]
+
+
 def _write_batch(
     writer: ArrowWriter,
     batch: list[_Item],
     renderer: Renderer,
     tokenizer: PreTrainedTokenizerBase,
-    seq_len: int,
+    cut: _Cut,
     counts: _Counts,
+    lengths: _Lengths,
 ) -> None:
     rendered = []
     kept = []
@@ -308,7 +470,7 @@ def _write_batch(
             counts.bad(item.where, str(err))
     if not kept:
         return
-    texts = [text for shown in rendered for text, _ in shown.pieces]
+    texts = [text for shown in rendered for row in shown.rows for text, _ in row]
     encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
     out: dict[str, list[object]] = {name: [] for name in FEATURES}
     summary = counts.summary
@@ -322,43 +484,45 @@ def _write_batch(
                 summary.without_user_where.append(item.where)
         else:
             counts.user_keys.add(user)
-        ids: list[int] = []
-        trained: list[bool] = []
-        for _, on in shown.pieces:
-            piece = next(encoded)
-            ids += piece
-            trained += [on] * len(piece)
-        ids_array = np.asarray(ids, dtype=np.int32)
-        labels = np.where(np.asarray(trained, dtype=bool), ids_array, IGNORE).astype(np.int32)
-        pieces = _windows(len(ids), seq_len, chunked=shown.chunked)
-        if not shown.chunked and len(ids) > seq_len:
-            summary.truncated += 1
-        wrote = 0
         bucket = bucket_of(item.record)
-        for begin, end in pieces:
-            piece_labels = labels[begin:end]
-            if end - begin < 2 or not bool((piece_labels[1:] != IGNORE).any()):
-                continue  # nothing to predict in it
-            out[INPUT_IDS].append(ids_array[begin:end])
-            out[LABELS].append(piece_labels)
-            out[RECORD].append(item.record_key)
-            out[USER].append(user)
-            out[BUCKET].append(bucket)
-            summary.tokens += end - begin
-            summary.trained_tokens += int((piece_labels[1:] != IGNORE).sum())
-            wrote += 1
+        wrote = 0
+        truncated = False
+        prompt: int | None = None  # the shortest prompt of the record's examples
+        longest = 0
+        for row in shown.rows:
+            ids: list[int] = []
+            trained: list[bool] = []
+            for _, on in row:
+                piece = next(encoded)
+                ids += piece
+                trained += [on] * len(piece)
+            ids_array = np.asarray(ids, dtype=np.int32)
+            on_array = np.asarray(trained, dtype=bool)
+            labels = np.where(on_array, ids_array, IGNORE).astype(np.int32)
+            first = int(on_array.argmax()) if on_array.any() else None
+            if first is not None and (prompt is None or first < prompt):
+                prompt = first
+            longest = max(longest, len(ids))
+            truncated |= not shown.chunked and len(ids) > cut.seq_len
+            for begin, end in cut.windows(len(ids), first, chunked=shown.chunked):
+                piece_labels = labels[begin:end]
+                if end - begin < 2 or not bool((piece_labels[1:] != IGNORE).any()):
+                    continue  # nothing to predict in it
+                out[INPUT_IDS].append(ids_array[begin:end])
+                out[LABELS].append(piece_labels)
+                out[RECORD].append(item.record_key)
+                out[USER].append(user)
+                out[BUCKET].append(bucket)
+                summary.tokens += end - begin
+                summary.trained_tokens += int((piece_labels[1:] != IGNORE).sum())
+                wrote += 1
+        summary.truncated += int(truncated)
         summary.examples += wrote
         if not wrote:
             summary.dropped += 1
+            lengths.add(prompt, longest)
     if out[INPUT_IDS]:
         writer.write_batch(out)
-
-
-def _windows(length: int, seq_len: int, *, chunked: bool) -> list[tuple[int, int]]:
-    """A chunked record's seq-len pieces, or the first seq-len tokens of any other."""
-    if not chunked:
-        return [(0, min(length, seq_len))]
-    return [(start, min(start + seq_len, length)) for start in range(0, length, seq_len)]
 
 
 __all__ = ["SHAPES", "Summary", "Tokenized", "tokenized"]

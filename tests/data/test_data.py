@@ -12,7 +12,9 @@ import pytest
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data import corpus, tokenized
+from fedciuic.data.check import check_data
 from fedciuic.data.corpus import RegionData, load_region_data, region_fingerprint
+from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
@@ -336,3 +338,75 @@ def test_two_loads_at_once_both_succeed_and_leave_one_cache(tmp_path, tokenizer)
     entries = [p for p in loaded[0].cache.parent.iterdir() if not p.name.startswith(".")]
     assert entries == [loaded[0].cache]
     assert not [p for p in loaded[0].cache.parent.iterdir() if p.name.startswith(".building")]
+
+
+def table(root: Path, kind: str, rows: list[dict[str, Any]]) -> Path:
+    """``rows`` in one ``kind`` file (parquet or csv) under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    dataset = datasets.Dataset.from_list(rows)
+    if kind == "parquet":
+        dataset.to_parquet(str(root / "a.parquet"))
+    else:
+        dataset.to_csv(str(root / "a.csv"), index=False)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_a_table_missing_a_column_is_named_once_with_its_count_of_rows(tmp_path, tokenizer, kind):
+    rows = [{"prompt": f"question {i}? ", "user_id": f"u{i}"} for i in range(300)]
+    root = table(tmp_path / "eu", kind, rows)
+    checked = check_data(root, tokenizer, seq_len=64, fields=Fields(), tokenizer_name="bpe")
+    assert checked.summary.bad_rows == 300
+    assert checked.summary.bad_reasons == [
+        f"a.{kind}: response: in all 300 row(s): missing: the file has no such column (its "
+        "columns: prompt, user_id); add it, or name yours with the run config's text-field, "
+        "prompt-field, response-field or messages-field"
+    ]
+    with pytest.raises(DataError) as err:
+        load(root, tokenizer)
+    assert str(err.value).count("response: ") == 1 and "300 bad row(s)" in str(err.value)
+
+
+def test_a_table_with_no_known_column_is_named_once(tmp_path, tokenizer):
+    root = table(tmp_path / "eu", "parquet", [{"body": f"text {i}"} for i in range(50)])
+    checked = check_data(root, tokenizer, seq_len=64, fields=Fields(), tokenizer_name="bpe")
+    [reason] = checked.summary.bad_reasons
+    assert reason.startswith(
+        "a.parquet: record: in all 50 row(s): no text, prompt/response, instruction/output or "
+        "messages field (it has body); name your fields"
+    )
+
+
+def test_a_tables_null_values_and_bad_turns_are_still_named_row_by_row(tmp_path, tokenizer):
+    rows = [{"prompt": "q? ", "response": None if i in (2, 5) else "a."} for i in range(8)]
+    root = table(tmp_path / "eu", "parquet", rows)
+    chats = [
+        {"messages": [{"role": role, "content": "hi"}, {"role": "assistant", "content": "a"}]}
+        for role in ("user", "bot", "user")
+    ]
+    datasets.Dataset.from_list(chats).to_parquet(str(root / "b.parquet"))
+    checked = check_data(root, tokenizer, seq_len=64, fields=Fields(), tokenizer_name="bpe")
+    assert checked.summary.bad_reasons == [
+        "a.parquet:row 3: response: missing",
+        "a.parquet:row 6: response: missing",
+        "b.parquet:row 2: messages[0].role: not one of system, user, assistant",
+    ]
+
+
+def test_json_errors_say_where_without_repeating_at(tmp_path, tokenizer):
+    jsonl(tmp_path / "eu" / "a.jsonl", [{"text": "ok"}])
+    with open(tmp_path / "eu" / "a.jsonl", "a", encoding="utf-8") as handle:
+        handle.write('{"text": "ends the line\n{"text": "ends the file')
+    with pytest.raises(DataError) as err:
+        load(tmp_path / "eu", tokenizer)
+    assert "a.jsonl:2: invalid JSON (Invalid control character at column 24)" in str(err.value)
+    assert "a.jsonl:3: invalid JSON (Unterminated string starting at column 10)" in str(err.value)
+    assert "at at" not in str(err.value)
+    (tmp_path / "eu" / "a.jsonl").unlink()
+    (tmp_path / "eu" / "b.json").write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    # Read by datasets, whose error names no place: the line and column are found.
+    with pytest.raises(DataError) as err:
+        load(tmp_path / "eu", tokenizer)
+    assert str(err.value).startswith(
+        "b.json:2: not UTF-8 text (invalid start byte at column 11); save the file as UTF-8"
+    )
