@@ -7,7 +7,8 @@ and exit with status 2; there is no traceback for bad input.
 audit log verified, :data:`EXIT_AUDIT` (1) when a log failed verification,
 :data:`EXIT_ERROR` (2) on bad input or a failed run, :data:`EXIT_NO_AGGREGATE` (3)
 when every round ran but no aggregate was ever published (nothing trained; no adapter
-is saved), and 130 (SIGINT) or 143 (SIGTERM) when it was interrupted.
+is saved), and 130 (SIGINT) or 143 (SIGTERM) when it was interrupted before the run
+ended (once it has ended, an interruption still gets its report and its own status).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +63,20 @@ exit status:
   3  every round ran but no aggregate was ever published (no region trained, or every
      aggregate was withheld): nothing was trained and no adapter was saved; the summary
      says why, per region
-  130, 143  interrupted (SIGINT, SIGTERM); the run is marked "interrupted"
+  130, 143  interrupted (SIGINT, SIGTERM) before the run ended; the run is marked
+     "interrupted". Interrupted once it had ended (still stopping, or writing its
+     report): the report is written and the status is the run's, as above
+"""
+
+REPORT_EXIT = """\
+exit status:
+  0  the run completed and every audit log verified
+  1  an audit log failed verification, or could not be verified (no public keys:
+     pass --keys DIR), or the logs disagree: whatever the run's outcome
+  2  bad input: no run folder, a log or key that cannot be read
+  3  the run ended but published no aggregate: nothing was trained
+  4  the run did not end (interrupted, failed or still running): the report shows
+     what it left
 """
 
 
@@ -474,10 +488,10 @@ def _parser() -> argparse.ArgumentParser:
         "uploaded per round and every decision of the run (accepted, declined, rejected, "
         "withheld, with reasons) from the audit logs, then the compliance record. The "
         "plots are also written to RUN_DIR/report/*.png with their numbers in series.json. "
-        "Exit 1 if an audit log fails verification. A run that did not end (running, "
-        "interrupted, failed) is reported from what its logs hold, with records no "
-        "signature covers yet listed as unverified.",
+        "A run that did not end (running, interrupted, failed) is reported from what its "
+        "logs hold, with records no signature covers yet listed as unverified.",
     )
+    page.epilog = f"{page.epilog}\n\n{REPORT_EXIT}"
     page.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)")
     page.add_argument(
         "--audit-log",
@@ -624,6 +638,8 @@ def _simulate(args: argparse.Namespace) -> int:
         variants.append({**overrides, "dp": False, "enforce-policies": False})
 
     run_ids: list[int] = []
+    interrupt: KeyboardInterrupt | None = None
+    noted: list[int] = []  # SIGINT, SIGTERM that came while stopping or reporting
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     federation = LocalFederation(workdir, app)
     try:
@@ -650,26 +666,47 @@ def _simulate(args: argparse.Namespace) -> int:
                 if progress is not None:
                     progress.finish()
             run_ids.append(run_id)
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Interrupted)
+        interrupt = err
     finally:
-        # Every process we started, Ray's workers included, is gone before we go on;
-        # a run whose ServerApp did not end it is then marked interrupted.
-        left = federation.stop()
         signal.signal(signal.SIGTERM, previous)
-        for unfinished in _settle_runs(federation, output_dir):
-            print(f"fedciuic: run {unfinished} did not end; marked interrupted", file=sys.stderr)
+        # Every process we started, Ray's workers included, is gone before we go on (a
+        # second Ctrl-C does not cut this short); a run whose ServerApp did not end it
+        # is then marked interrupted.
+        with _signals_noted(noted):
+            left = federation.stop()
+            for unfinished in _settle_runs(federation, output_dir):
+                print(
+                    f"fedciuic: run {unfinished} did not end; marked interrupted", file=sys.stderr
+                )
         if left:
             print(
                 "fedciuic: warning: these processes of the simulation would not stop: "
                 + ", ".join(f"{p.pid}" for p in left),
                 file=sys.stderr,
             )
-    results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
-    print()
-    print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
-    for data in results:
-        if data.run.status not in (COMPLETED, NO_AGGREGATE):
-            raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
-    code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
+    if interrupt is not None:
+        # Interrupted after every run had ended (flwr run still streaming its end, the
+        # processes stopping): the runs' outcome stands, with their report.
+        run_ids = _ended_runs(federation, output_dir)
+        if len(run_ids) < len(variants):
+            raise interrupt
+        noted.insert(0, getattr(interrupt, "signum", signal.SIGINT))
+    with _signals_noted(noted):  # the report of runs that ended is written whole
+        results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
+        print()
+        print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
+        for data in results:
+            if data.run.status not in (COMPLETED, NO_AGGREGATE):
+                raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
+        code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
+    if noted:
+        print(
+            f"fedciuic: interrupted ({signal.Signals(noted[0]).name}) during clean-up, after "
+            f"run {run_ids[0]} had ended ({results[0].run.status}): its report is written and "
+            "the exit status is the run's",
+            file=sys.stderr,
+        )
     if results[0].run.status == NO_AGGREGATE:
         print(
             f"fedciuic: run {run_ids[0]} published no aggregate: nothing was trained "
@@ -682,6 +719,44 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _raise_interrupted(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_noted(noted: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM appended to ``noted`` instead of raised: for work that an
+    interruption must not cut short (stopping every process, a finished run's report)."""
+    kept = {
+        signum: signal.signal(signum, lambda number, _frame: noted.append(number))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
+    """The runs this federation started (``flwr run`` printed their id), in order, up
+    to the first that did not end (completed, or no aggregate)."""
+    from fedciuic.flower.launch import STARTED_RUN
+    from fedciuic.rounds.metrics import MetricsError, load_metrics
+    from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
+
+    ended = []
+    logs = federation.logs.glob("flwr-run-*.log")
+    for log in sorted(logs, key=lambda path: int(path.stem.rsplit("-", 1)[1])):
+        match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
+        if match is None:
+            break
+        try:
+            data = load_metrics(output_dir / f"run-{match.group(1)}" / METRICS_FILE)
+        except MetricsError:
+            break
+        if data.run.status not in (COMPLETED, NO_AGGREGATE):
+            break
+        ended.append(int(match.group(1)))
+    return ended
 
 
 def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
@@ -1018,7 +1093,7 @@ def _report(args: argparse.Namespace) -> int:
             print(f"audit: (the run did not end; its tail is unverified) {verdict}")
     for disagreement in report.disagreements:
         print(f"audit: the logs DISAGREE: {disagreement}", file=sys.stderr)
-    return EXIT_OK if report.ok else EXIT_AUDIT
+    return report.exit_code
 
 
 if __name__ == "__main__":

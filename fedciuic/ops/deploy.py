@@ -16,6 +16,7 @@ trees, reading a run's outcome).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -302,6 +303,19 @@ def init_deployment(
 # -- helpers the scripts call ---------------------------------------------------------
 
 
+def say(message: str, *, err: bool = False) -> None:
+    """Print one line for the scripts' user. A closed output (its reader gone: a ``| head``,
+    a ``| tee`` that Ctrl-C stopped) loses the line, never the work it reports, nor the
+    exit status: what cannot be written is dropped from then on."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        print(message, file=stream, flush=True)
+    except OSError:
+        # Python would fail again flushing it at exit (and exit 120): write nowhere.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 def run_config_pairs(path: Path) -> str:
     """A run-config TOML file as ``k=v`` pairs for ``flwr run --run-config``."""
     with open(path, "rb") as handle:
@@ -317,14 +331,14 @@ def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if superlink is None or not running(superlink):
-            print(f"start.sh: flower-superlink exited; {log}:\n{tail(log)}", file=sys.stderr)
+            say(f"start.sh: flower-superlink exited; {log}:\n{tail(log)}", err=True)
             return 1
         if healthy(url, ca or None):
             return 0
         time.sleep(0.3)
-    print(
+    say(
         f"start.sh: flower-superlink did not answer at {url} within {timeout:.0f}s; see {log}",
-        file=sys.stderr,
+        err=True,
     )
     return 1
 
@@ -333,7 +347,7 @@ def check_run(log: Path, config: Path) -> int:
     """0 if the run that ``flwr run`` started (its log) completed, else 1 with why."""
     match = STARTED_RUN.search(log.read_text(errors="replace"))
     if not match:
-        print("run.sh: flwr run started no run; see its output above", file=sys.stderr)
+        say("run.sh: flwr run started no run; see its output above", err=True)
         return 1
     with open(config, "rb") as handle:
         output = Path(tomllib.load(handle)["output-dir"])
@@ -341,23 +355,42 @@ def check_run(log: Path, config: Path) -> int:
     try:
         data = load_metrics(metrics)
     except MetricsError as err:
-        print(
+        say(
             f"run.sh: run {match.group(1)} wrote no usable metrics ({err}; output-dir "
             "overridden?); see the SuperLink's log",
-            file=sys.stderr,
+            err=True,
         )
         return 1
     status = data.run.status
-    print(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
+    say(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
     if status == NO_AGGREGATE:
-        print(
+        say(
             f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
             "trained and no adapter was saved. Why:\n"
             + "\n".join(f"  {line}" for line in data.run.reasons or no_aggregate_reasons(data)),
-            file=sys.stderr,
+            err=True,
         )
         return EXIT_NO_AGGREGATE
     return 0 if status == COMPLETED else 1
+
+
+def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
+    """The newest run in ``runs_dir`` written since ``since`` (Unix time: start.sh's
+    start), and its outcome as run.sh gives it: 0 completed, :data:`EXIT_NO_AGGREGATE`
+    no aggregate published, 1 not ended (running, interrupted, failed) or no such run."""
+    found: list[tuple[float, Path]] = []
+    for metrics in runs_dir.glob(f"run-*/{METRICS_FILE}"):
+        with contextlib.suppress(OSError):
+            if (mtime := metrics.stat().st_mtime) >= since - 1.0:
+                found.append((mtime, metrics.parent))
+    if not found:
+        return None, 1
+    run_dir = max(found)[1]
+    try:
+        status = load_metrics(run_dir / METRICS_FILE).run.status
+    except MetricsError:
+        return run_dir, 1
+    return run_dir, {COMPLETED: 0, NO_AGGREGATE: EXIT_NO_AGGREGATE}.get(status, 1)
 
 
 def settle_runs(runs_dir: Path, since: float) -> list[Path]:
@@ -413,11 +446,11 @@ def relay_setup(user: str, home: Path) -> int:
     home, and a check that it can run the relay; or, without a user, a warning."""
     if not user:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
-        print(
+        say(
             "start-supernode.sh: relay-user is empty: Flower's ClientApp (code the aggregator "
             "ships) runs as this user and could read the region's files; run fedciuic init "
             "as root (or with --relay-user) for a relay of its own",
-            file=sys.stderr,
+            err=True,
         )
         return 0
     ensure_user(user, home)
@@ -438,23 +471,29 @@ def _main(argv: Sequence[str]) -> int:
     if action == "running" and len(args) == 1:  # exit 1 if any tracked process is alive
         live = tracked(Path(args[0]))
         for proc in live:
-            print(f"{args[0]}: process {proc.pid} ({proc.name()}) is running", file=sys.stderr)
+            say(f"{args[0]}: process {proc.pid} ({proc.name()}) is running", err=True)
         return 1 if live else 0
     if action == "settle" and len(args) == 2:
         for run_dir in settle_runs(Path(args[0]), float(args[1])):
-            print(f"start.sh: {run_dir.name} did not end; marked interrupted")
+            say(f"start.sh: {run_dir.name} did not end; marked interrupted")
         return 0
+    if action == "last-run" and len(args) == 2:  # its folder, if any; exit: its outcome
+        last, outcome = last_run(Path(args[0]), float(args[1]))
+        if last is not None:
+            say(str(last))
+        return outcome
     if action == "relay-setup" and len(args) == 2:
         return relay_setup(args[0], Path(args[1]))
     if action == "relay" and len(args) >= 4 and args[2] == "--":
         exec_as(args[0], Path(args[1]), args[3:])  # returns only by raising
     if action == "stop" and len(args) == 1:
         stopped = stop_processes(Path(args[0]))
-        print(f"stopped {len(stopped)} process group(s) named in {args[0]}")
+        say(f"stopped {len(stopped)} process group(s) named in {args[0]}")
         return 0
     print(
         "usage: python -m fedciuic.ops.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
-        "| check-run LOG FILE | settle RUNS_DIR SINCE | running PIDS_DIR | stop PIDS_DIR "
+        "| check-run LOG FILE | settle RUNS_DIR SINCE | last-run RUNS_DIR SINCE "
+        "| running PIDS_DIR | stop PIDS_DIR "
         "| relay-setup USER HOME | relay USER HOME -- COMMAND...",
         file=sys.stderr,
     )
@@ -478,6 +517,6 @@ if __name__ == "__main__":
     try:
         code = _main(sys.argv[1:])
     except FedciuicError as err:
-        print(f"fedciuic: {err}", file=sys.stderr)
+        say(f"fedciuic: {err}", err=True)
         code = 1
     raise SystemExit(code)

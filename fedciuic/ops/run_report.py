@@ -66,6 +66,13 @@ MARKERS = {
 }
 REFUSALS = (DECLINED, REJECTED, FAILED, "withheld")
 
+#: ``fedciuic report``'s exit status (the numbers ``fedciuic simulate`` gives the same
+#: outcomes): 0 only for a run that completed with every log verified.
+EXIT_OK = 0
+EXIT_AUDIT = 1  # a log failed verification or could not be verified, or the logs disagree
+EXIT_NO_AGGREGATE = 3  # the run ended without publishing an aggregate: nothing trained
+EXIT_UNFINISHED = 4  # the run did not end: interrupted, failed, or still running
+
 
 @dataclass
 class Decision:
@@ -88,11 +95,23 @@ class RunReport:
     sections: list[Section] = field(default_factory=list)  # the compliance record
     notes: list[str] = field(default_factory=list)  # what a run that did not end left
     disagreements: list[str] = field(default_factory=list)  # where the logs contradict
+    status: str = COMPLETED  # the run's, from its metrics.json
 
     @property
     def ok(self) -> bool:
         """Every log verified (or none could be) and the logs agree."""
         return not self.problems and not self.disagreements
+
+    @property
+    def exit_code(self) -> int:
+        """The audit's verdict first (a log that fails or that no key could verify, logs
+        that disagree), then the run's outcome: :data:`EXIT_OK` only if the run
+        completed and every log verified."""
+        if not self.ok or (self.logs and self.verified is None):
+            return EXIT_AUDIT
+        if self.status == NO_AGGREGATE:
+            return EXIT_NO_AGGREGATE
+        return EXIT_OK if self.status == COMPLETED else EXIT_UNFINISHED
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -559,4 +578,5 @@ def write_run_report(
         list(sections),
         notes,
         disagreements,
+        status,
     )

@@ -15,6 +15,7 @@ import pytest
 from fedciuic.data.corpus import region_fingerprint
 from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.ops.run_report import EXIT_UNFINISHED
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
@@ -346,7 +347,8 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
         text=True,
         timeout=300,
     )
-    assert report.returncode == 0, report.stdout + report.stderr
+    # The run did not end: the report says so, and its exit code too.
+    assert report.returncode == EXIT_UNFINISHED, report.stdout + report.stderr
     assert "note: This run did not end (interrupted" in report.stdout
     assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()
 

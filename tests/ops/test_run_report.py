@@ -7,11 +7,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
+from fedciuic.audit.log import AuditLog
 from fedciuic.audit.report import PartyLog
+from fedciuic.crypto.keys import load_keypair
 from fedciuic.ops.cli import main
-from fedciuic.ops.run_report import decisions, figures, series
+from fedciuic.ops.run_report import (
+    EXIT_AUDIT,
+    EXIT_NO_AGGREGATE,
+    EXIT_OK,
+    EXIT_UNFINISHED,
+    decisions,
+    figures,
+    series,
+)
 from fedciuic.rounds.metrics import RunMetrics
+from tests.ops.test_cli import small_federation
 
 
 def record(seq: int, actor: str, event: str, rnd: int | None, **details: Any) -> dict[str, Any]:
@@ -65,12 +77,73 @@ def test_a_run_that_failed_before_its_audit_log_is_reported_from_what_there_is(t
             }
         )
     )
-    assert main(["report", str(tmp_path)]) == 0
+    assert main(["report", str(tmp_path)]) == EXIT_UNFINISHED
     out = capsys.readouterr().out
     assert "note: This run did not end (interrupted: SIGTERM)" in out
     assert "note: No audit log to read" in out
     page = (tmp_path / "report.html").read_text()
     assert "<b>interrupted</b>" in page and "No audit log to read" in page
+
+
+def _run_with_logs(tmp_path: Path, status: str, *, keys: bool = True) -> list[str]:
+    """small_federation's logs (run 9) and a run folder whose metrics.json says
+    ``status``; the `fedciuic report` arguments for it."""
+    folder, _ = small_federation(tmp_path / "logs")
+    run_dir = tmp_path / "run-9"
+    run_dir.mkdir()
+    run = {"run_id": 9, "status": status, "regions": ["eu", "cn"], "config": {}}
+    (run_dir / "metrics.json").write_text(json.dumps({"run": run, "rounds": {}}))
+    logs = [folder / name for name in ("aggregator.audit.jsonl", "eu.jsonl", "cn.jsonl")]
+    args = [str(run_dir), *(f"--audit-log={log}" for log in logs)]
+    return [*args, f"--keys={folder / 'keys'}"] if keys else args
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        ("completed", EXIT_OK),
+        ("no-aggregate", EXIT_NO_AGGREGATE),
+        ("interrupted", EXIT_UNFINISHED),
+        ("failed", EXIT_UNFINISHED),
+        ("running", EXIT_UNFINISHED),
+    ],
+)
+def test_report_exits_0_only_for_a_completed_run_whose_logs_all_verify(
+    tmp_path, capsys, status, code
+):
+    assert main(["report", *_run_with_logs(tmp_path, status)]) == code
+    assert capsys.readouterr().out.count("audit: OK: ") == 3
+
+
+def test_report_of_an_interrupted_run_with_an_unsigned_tail_exits_4_not_0(tmp_path, capsys):
+    """The writer stopped before signing its last records: FAIL, and not a success."""
+    args = _run_with_logs(tmp_path, "interrupted")
+    folder = tmp_path / "logs"
+    key = load_keypair(folder / "keys" / "aggregator.key.json")
+    log = AuditLog(folder / "aggregator.audit.jsonl", "aggregator", key)
+    log.append("round_start", run_id=9, server_round=2)  # no checkpoint covers it
+    log.close()
+    assert main(["report", *args]) == EXIT_UNFINISHED
+    assert "audit: (the run did not end; its tail is unverified) FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("status", ["completed", "interrupted"])
+def test_report_exits_1_for_a_log_that_fails_or_cannot_be_verified(tmp_path, capsys, status):
+    assert main(["report", *_run_with_logs(tmp_path, status, keys=False)]) == EXIT_AUDIT
+    assert "audit logs: not verified (no public keys; pass --keys DIR)" in capsys.readouterr().out
+    args = _run_with_logs(tmp_path / "forged", status)
+    eu = tmp_path / "forged" / "logs" / "eu.jsonl"
+    eu.write_text(eu.read_text().replace('"epsilon":4.0', '"epsilon":0.4'))
+    assert main(["report", *args]) == EXIT_AUDIT
+    assert f"audit: FAIL: {eu}" in capsys.readouterr().err
+
+
+def test_report_help_lists_its_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    for code in (EXIT_OK, EXIT_AUDIT, 2, EXIT_NO_AGGREGATE, EXIT_UNFINISHED):
+        assert f"\n  {code}  " in out.split("exit status:", 1)[1]
 
 
 def test_the_timeline_has_every_refusal_once_from_either_side():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,18 +19,19 @@ from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.ops import deploy
-from fedciuic.ops.cli import EXIT_ERROR, _simulation_keys, main
+from fedciuic.ops.cli import EXIT_ERROR, Interrupted, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
-from fedciuic.rounds.metrics import load_metrics
+from fedciuic.rounds.metrics import RunStatus, load_metrics
 from fedciuic.rounds.record import (
     COMPLETED,
     INTERRUPTED,
     NO_AGGREGATE,
+    RUNNING,
     RunRecorder,
     no_aggregate_reasons,
     published_rounds,
 )
-from tests.conftest import app_config
+from tests.conftest import ROOT, app_config
 
 # -- no aggregate ---------------------------------------------------------------------
 
@@ -155,10 +157,10 @@ def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(t
     )
     start = (d.directory / "start.sh").read_text()
     run = (d.aggregator / "run.sh").read_text()
-    assert "| plain | tee" in run
+    assert '| plain "$LOG"' in run  # the stream to run.sh's log first, then to stdout
     assert '> >(plain >"$DIR/logs/$name.log")' in start
     assert f"export {OWNER_ENV}=" in start
-    assert '"$BIN/fedciuic" report "$run_dir"' in start
+    assert '"$BIN/fedciuic" report "$1"' in start and 'report "$run_dir"' in start
     assert "fedciuic.ops.deploy settle" in start
     # The filter itself: colour codes out, text kept.
     plain = subprocess.run(
@@ -282,3 +284,91 @@ def test_stop_sh_spares_itself_and_the_start_sh_it_runs_under(tmp_path):
         timeout=60,
     )
     assert done.stdout.startswith("[] "), done.stdout + done.stderr
+
+
+# -- simulate interrupted ---------------------------------------------------------------
+
+
+class _Federation:
+    """LocalFederation's stand-in for `fedciuic simulate`: its `flwr run` records run 77,
+    which has ended as ``status`` (or is still running) when ``interrupt`` comes, while
+    `flwr run` still streams; with no ``interrupt`` it returns."""
+
+    status: RunStatus = COMPLETED
+    interrupt: BaseException | None = None
+
+    def __init__(self, workdir: Path, app: Path) -> None:
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True)
+
+    def start_superlink(self, **_: object) -> str:
+        return "127.0.0.1:1"
+
+    def run_app(self, run_config: dict[str, object], **_: object) -> tuple[int, str]:
+        (self.logs / "flwr-run-1.log").write_text("Successfully started run 77\n")
+        recorder = _declined_everywhere(Path(str(run_config["output-dir"])) / "run-77")
+        if self.status != RUNNING:
+            recorder.finish(self.status)
+        if self.interrupt is not None:
+            raise self.interrupt
+        return 77, ""
+
+    def stop(self) -> list[psutil.Process]:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("status", "interrupt", "code"),
+    [
+        (COMPLETED, KeyboardInterrupt(), 0),
+        (NO_AGGREGATE, Interrupted(signal.SIGTERM), 3),
+        (RUNNING, KeyboardInterrupt(), 130),  # before the run ended: interrupted
+    ],
+)
+def test_simulate_interrupted_after_its_run_ended_reports_it_and_exits_by_its_outcome(
+    tmp_path, capsys, monkeypatch, status, interrupt, code
+):
+    audited: list[Path] = []
+
+    def audit(run_dir: Path) -> int:
+        audited.append(run_dir)
+        return 0
+
+    monkeypatch.setattr(_Federation, "status", status)
+    monkeypatch.setattr(_Federation, "interrupt", interrupt)
+    monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
+    monkeypatch.setattr("fedciuic.ops.cli._audit_after_simulation", audit)
+    runs = tmp_path / "runs"
+    args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]
+    assert main([*args, "--quiet"]) == code
+    err = capsys.readouterr().err
+    run = load_metrics(runs / "run-77" / "metrics.json").run
+    if code == 130:
+        assert run.status == INTERRUPTED and not audited
+        assert "fedciuic: interrupted" in err and "during clean-up" not in err
+        return
+    assert run.status == status and audited == [runs / "run-77"]  # its report is written
+    name = signal.Signals(getattr(interrupt, "signum", signal.SIGINT)).name
+    assert f"fedciuic: interrupted ({name}) during clean-up, after run 77 had ended ({status})" in (
+        err
+    )
+
+
+def test_a_ctrl_c_while_simulate_writes_the_report_of_an_ended_run_is_noted_not_raised(
+    tmp_path, capsys, monkeypatch
+):
+    def audit(run_dir: Path) -> int:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, half-way through the report
+        (run_dir / "report.html").write_text("the whole report")
+        return 0
+
+    monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
+    monkeypatch.setattr("fedciuic.ops.cli._audit_after_simulation", audit)
+    runs = tmp_path / "runs"
+    args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]
+    assert main([*args, "--quiet"]) == 0
+    assert (runs / "run-77" / "report.html").read_text() == "the whole report"
+    assert "interrupted (SIGINT) during clean-up, after run 77 had ended" in (
+        capsys.readouterr().err
+    )
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was

@@ -13,6 +13,8 @@ SUPERNODE=
 RELAY=
 stop_region() {
   trap - EXIT
+  # A second Ctrl-C, or an output closed under it, does not cut the clean-up short.
+  trap '' INT TERM PIPE
   for pid in $RELAY $SUPERNODE $AGENT; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }

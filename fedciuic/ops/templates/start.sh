@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
 # The whole federation on this machine: SuperLink, one SuperNode per region, one run.
 # Extra arguments go to aggregator/run.sh. Every process started here is stopped on exit.
+# Exit status: run.sh's (0 completed, @@{no_aggregate} no aggregate, 1 otherwise), then the run
+# report's; 130 (SIGINT) or 143 (SIGTERM) when interrupted before the run ended.
 @@{preamble}
 @@{plain}
+# What this script and everything it starts print goes through two relays (stdout,
+# stderr) that outlive a closed output: a `| head`, or a `| tee` that Ctrl-C stopped,
+# stops nothing and cuts no clean-up short. They ignore SIGINT and SIGTERM, end once
+# everything writing to them has, and start before the mark below (stop.sh spares them).
+exec 2> >(trap '' INT TERM; plain >&2)
+ERR_RELAY=$!
+exec > >(trap '' INT TERM; plain)
+OUT_RELAY=$!
+relays_done() {  # close this script's output; give the relays 5 s to print what they hold
+  exec >&- 2>&-
+  local pid _
+  for pid in "$OUT_RELAY" "$ERR_RELAY"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  done
+}
+trap relays_done EXIT
 set -m  # each process started below leads its own process group
 DIR=@@{dir}
 # Every process started below, and all they start, carries this mark: stop.sh stops
@@ -17,19 +35,47 @@ fi
 rm -f "$DIR"/pids/*.pid
 @@{data_checks}
 
+SIGNAL=    # 130 or 143 once SIGINT or SIGTERM asked this script to stop
+REPORTED=  # the run report was written (not cut short by a Ctrl-C)
+report_rc=0
+report() {  # RUN_DIR: the run report; it verifies and cross-checks every party's log
+  report_rc=0
+  # In the background, as the run: a Ctrl-C comes to this script (not to the report,
+  # as it would to a foreground job of its own), which stops the report and writes it
+  # again, whole, in stop_all.
+  "$BIN/fedciuic" report "$1" --keys @@{keys} @@{audit_logs} &
+  wait "$!" || report_rc=$?
+  REPORTED=1
+}
 stop_all() {
-  local rc=$?
-  trap - EXIT INT TERM
-  echo "start.sh: stopping every process it started"
+  local rc=$? outcome=0 run_dir
+  trap - EXIT
+  # A second Ctrl-C, or an output closed under it, does not cut the clean-up short.
+  trap '' INT TERM PIPE
+  set +e
   disown -a  # stopped by stop.sh, by PID: no job reports from this shell
-  bash "$DIR/stop.sh" || true
+  echo "start.sh: stopping every process it started" >&2
+  bash "$DIR/stop.sh"
   # A run whose ServerApp was stopped before it ended must not stay "running".
-  "$BIN/python" -m fedciuic.ops.deploy settle "$DIR/aggregator/runs" "$START" || true
+  "$BIN/python" -m fedciuic.ops.deploy settle "$DIR/aggregator/runs" "$START"
+  if [ -n "$SIGNAL" ]; then
+    # Interrupted after the run had ended (flwr run or the report still at work): the
+    # run's outcome stands, with its report.
+    run_dir=$("$BIN/python" -m fedciuic.ops.deploy last-run "$DIR/aggregator/runs" "$START")
+    outcome=$?
+    if [ "$outcome" -eq 0 ] || [ "$outcome" -eq @@{no_aggregate} ]; then
+      echo "start.sh: interrupted during clean-up; the run had ended: $run_dir" >&2
+      [ -n "$REPORTED" ] || report "$run_dir"
+      rc=$outcome
+      [ "$rc" -ne 0 ] || rc=$report_rc
+    fi
+  fi
+  relays_done
   exit "$rc"
 }
 trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'SIGNAL=130; exit 130' INT
+trap 'SIGNAL=143; exit 143' TERM
 launch() {  # NAME COMMAND...: in the background, logging to logs/NAME.log (no colours)
   local name=$1
   shift
@@ -50,14 +96,14 @@ echo "$!" >"$DIR/pids/flwr-run.pid"
 run_rc=0
 wait "$!" || run_rc=$?
 echo "start.sh: results in $DIR/aggregator/runs"
-# Every party's log is on this machine: the run report verifies and cross-checks them
-# all, and prints each log's verdict (as `fedciuic simulate` does), whatever the outcome.
-report_rc=0
-run_dir=$(ls -td "$DIR"/aggregator/runs/run-*/ 2>/dev/null | head -1 || true)
+# Every party's log is on this machine: the report of this run (the one written since
+# this script started) prints each log's verdict, as `fedciuic simulate` does, whatever
+# the outcome.
+run_dir=$("$BIN/python" -m fedciuic.ops.deploy last-run "$DIR/aggregator/runs" "$START" || true)
 if [ -n "$run_dir" ]; then
-  "$BIN/fedciuic" report "$run_dir" --keys @@{keys} @@{audit_logs} || report_rc=$?
+  report "$run_dir"
 fi
-# The run's outcome first (@@{no_aggregate}: no aggregate was published), then the audit's.
+# The run's outcome first (@@{no_aggregate}: no aggregate was published), then the report's.
 if [ "$run_rc" -ne 0 ]; then
   exit "$run_rc"
 fi

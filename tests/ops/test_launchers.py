@@ -1,0 +1,441 @@
+"""The scripts `fedciuic init` writes, run for real with Flower and the agent replaced.
+
+Each deployment is rendered as a user gets it; only its ``BIN`` (the venv whose
+executables the scripts run) points at a folder of stand-ins: a SuperLink that answers
+``/health``, SuperNodes, agents and relays that sleep, a ``flwr run`` that records a
+run (``FAKE_STATUS``) and streams on, a ``fedciuic report`` that writes a page.
+``python`` is the real one, so every ``python -m fedciuic.ops.deploy`` step the scripts
+take (health check, stop, settle, the relay's user) is the real one.
+
+What is tested is how the scripts end: a closed stdout (``| head``, or a ``| tee``
+that Ctrl-C stopped) stops nothing and cuts no clean-up short, Ctrl-C stops every
+process they started and exits 130, and a Ctrl-C after the run ended leaves the run's
+outcome and its report standing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fedciuic.cluster.protocol import free_port
+from fedciuic.ops import deploy
+from fedciuic.rounds.metrics import load_metrics
+from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE
+from tests.e2e.helpers import describe, processes_under, stop_everything
+
+ROOT = Path(__file__).resolve().parents[2]
+REGIONS = ("eu", "cn")
+RUN_ID = 42
+
+FAKE_SUPERLINK = """\
+import http.server, sys
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+FAKE_FLWR = f"""\
+#!/usr/bin/env bash
+# flwr run: a run that records FAKE_STATUS (running, completed, no-aggregate), then
+# streams on (its ServerApp still at work) unless FAKE_EXIT is set; "none": no run.
+[ "$1" = run ] || exit 2
+[ "$FAKE_STATUS" != none ] || {{ echo "flwr run: the SuperLink refused the run" >&2; exit 1; }}
+echo "Successfully started run {RUN_ID}"
+record-run runs/run-{RUN_ID} "$FAKE_STATUS"
+echo "INFO :      run {RUN_ID} $FAKE_STATUS"
+[ -z "${{FAKE_EXIT:-}}" ] || exit 0
+exec sleep 300
+"""
+
+#: ``record-run DIR STATUS``: a run's metrics.json saying STATUS.
+RECORD_RUN = f"""\
+import sys
+from pathlib import Path
+
+from fedciuic.ops.outputs import summarize
+from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE, RunRecorder
+
+run = {{"run_id": {RUN_ID}, "regions": {list(REGIONS)!r}, "config": {{}}}}
+recorder = RunRecorder(Path(sys.argv[1]), run, summary=summarize)
+if sys.argv[2] == COMPLETED:
+    recorder.finish(COMPLETED)
+elif sys.argv[2] == NO_AGGREGATE:
+    recorder.finish(NO_AGGREGATE, adapter=None, reasons=["eu: declined in round 1"])
+"""
+
+FAKE_FEDCIUIC = """\
+#!/usr/bin/env bash
+case "$1" in
+  agent)
+    for arg in "$@"; do [ "$arg" != --ping ] || exit 0; done
+    exec sleep 300;;
+  report)
+    if [ -n "${FAKE_REPORT_SLOW:-}" ] && [ ! -e "$2/report-started" ]; then
+      touch "$2/report-started"
+      sleep 60  # the first report: long enough for a Ctrl-C
+    fi
+    touch "$2/report.html"
+    echo "report: ${2%/}/report.html"
+    exit "${FAKE_REPORT_RC:-0}";;
+esac
+exit 2
+"""
+
+
+def record(run_dir: Path, status: str) -> None:
+    """A run's metrics.json saying ``status``, as the fake ``flwr run`` leaves it."""
+    subprocess.run([sys.executable, "-c", RECORD_RUN, str(run_dir), status], check=True)
+
+
+def _script(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[Path]:
+    """An insecure demo deployment whose scripts run the stand-ins; whatever a test
+    leaves running is stopped after it."""
+    d = deploy.init_deployment(
+        tmp_path / "fed",
+        ",".join(REGIONS),
+        app_dir=ROOT,
+        tls=False,
+        demo_data=True,
+        relay_user="",
+        port=free_port(),
+    )
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    _script(fake / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    _script(fake / "flower-superlink", f"#!{sys.executable}\n{FAKE_SUPERLINK}")
+    for name in ("flower-supernode", "flower-superexec"):
+        _script(fake / name, "#!/bin/sh\nexec sleep 300\n")
+    _script(fake / "flwr", FAKE_FLWR)
+    _script(fake / "record-run", f"#!{sys.executable}\n{RECORD_RUN}")
+    _script(fake / "fedciuic", FAKE_FEDCIUIC)
+    for script in d.directory.rglob("*.sh"):
+        text = script.read_text()
+        assert str(d.bin_dir) in text, script
+        script.write_text(text.replace(str(d.bin_dir), str(fake)))
+    try:
+        yield d.directory
+    finally:
+        pids = [int(p.read_text()) for p in (d.directory / "pids").glob("*.pid")]
+        stop_everything(d.directory, pids)
+
+
+def _start(script: Path, **options: Any) -> subprocess.Popen[bytes]:
+    """``bash SCRIPT`` as a terminal's foreground job: a process group of its own."""
+    options["env"] = {**os.environ, **options.get("env", {})}
+    return subprocess.Popen(["bash", str(script)], start_new_session=True, **options)
+
+
+def _until(what: str, ready: Callable[[], bool], process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        code = process.poll()
+        assert code is None, f"{process.args!r} exited {code} before {what}"
+        assert time.monotonic() < deadline, f"no {what} within 60 s"
+        time.sleep(0.1)
+
+
+def _status(directory: Path) -> str | None:
+    metrics = directory / "aggregator" / "runs" / f"run-{RUN_ID}" / "metrics.json"
+    with contextlib.suppress(Exception):
+        return str(load_metrics(metrics).run.status)
+    return None
+
+
+def _ctrl_c(process: subprocess.Popen[bytes]) -> int:
+    """SIGINT to the job's process group, as Ctrl-C sends it; its exit status."""
+    os.killpg(process.pid, signal.SIGINT)
+    return process.wait(timeout=60)
+
+
+def _nothing_left(directory: Path) -> None:
+    left = processes_under(directory)
+    assert not left, "left running:\n" + describe(left)
+
+
+def test_start_sh_with_its_output_closed_at_once_runs_and_stops_everything_on_ctrl_c(federation):
+    """`start.sh |& head -c 0`: its stdout and stderr are gone before it prints a word."""
+    start = _start(
+        federation / "start.sh",
+        env={"FAKE_STATUS": "running"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert start.stdout is not None
+    start.stdout.close()
+    _until("the run", lambda: _status(federation) == "running", start)
+    assert _ctrl_c(start) == 130
+    _nothing_left(federation)
+    assert _status(federation) == "interrupted"  # settled, as a run stopped half-way is
+    assert not (federation / "aggregator" / "runs" / f"run-{RUN_ID}" / "report.html").exists()
+
+
+def test_start_sh_under_a_tee_that_ctrl_c_stopped_stops_everything(federation, tmp_path):
+    """`start.sh | tee log`, Ctrl-C: tee goes first, and start.sh's clean-up writes into a
+    closed pipe; what it says goes to stderr."""
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        start = _start(
+            federation / "start.sh",
+            env={"FAKE_STATUS": "running"},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+    assert start.stdout is not None
+    seen = b""
+    while b"Successfully started run" not in seen:
+        line = start.stdout.readline()
+        assert line, f"start.sh exited {start.wait(timeout=60)}:\n{seen.decode()}"
+        seen += line
+    _until("the run", lambda: _status(federation) == "running", start)
+    start.stdout.close()  # tee, stopped by the Ctrl-C
+    assert _ctrl_c(start) == 130, err.read_text()
+    _nothing_left(federation)
+    assert "start.sh: stopping every process it started" in err.read_text()
+    assert "interrupted during clean-up" not in err.read_text()
+    assert _status(federation) == "interrupted"
+
+
+@pytest.mark.parametrize(
+    ("status", "report_rc", "code"),
+    # The run's outcome first, then the report's (a log that fails verification).
+    [(COMPLETED, 0, 0), (NO_AGGREGATE, 1, deploy.EXIT_NO_AGGREGATE)],
+)
+def test_ctrl_c_after_the_run_ended_still_reports_it_and_exits_by_its_outcome(
+    federation, tmp_path, status, report_rc, code
+):
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        start = _start(
+            federation / "start.sh",
+            env={"FAKE_STATUS": str(status), "FAKE_REPORT_RC": str(report_rc)},
+            stdout=stdout,
+            stderr=stderr,
+        )
+    _until("the run's end", lambda: _status(federation) == status, start)
+    assert _ctrl_c(start) == code, err.read_text()
+    _nothing_left(federation)
+    run_dir = federation / "aggregator" / "runs" / f"run-{RUN_ID}"
+    assert f"start.sh: interrupted during clean-up; the run had ended: {run_dir}" in (
+        err.read_text()
+    )
+    assert (run_dir / "report.html").exists()
+    assert out.read_text().count(f"report: {run_dir}/report.html") == 1
+    assert _status(federation) == status  # not marked interrupted
+
+
+def test_a_ctrl_c_that_cuts_start_shs_report_short_gets_it_written_whole(federation, tmp_path):
+    """Ctrl-C reaches the report too (a foreground job, in start.sh's process group):
+    the clean-up writes it again, to its end, and start.sh exits by the run's outcome."""
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        start = _start(
+            federation / "start.sh",
+            env={"FAKE_STATUS": str(COMPLETED), "FAKE_EXIT": "1", "FAKE_REPORT_SLOW": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    run_dir = federation / "aggregator" / "runs" / f"run-{RUN_ID}"
+    _until("the report", (run_dir / "report-started").exists, start)
+    assert _ctrl_c(start) == 0, err.read_text()
+    assert (run_dir / "report.html").exists()
+    assert "interrupted during clean-up" in err.read_text()
+    _nothing_left(federation)
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(NO_AGGREGATE, deploy.EXIT_NO_AGGREGATE), ("none", 1)]
+)
+def test_start_sh_reports_the_run_it_started_and_exits_by_its_outcome(federation, status, code):
+    """No signal: the run ends, and flwr run with it. An older run in runs/ is never
+    reported as this one, also when flwr run started none."""
+    old = federation / "aggregator" / "runs" / "run-7"
+    record(old, COMPLETED)
+    os.utime(old / "metrics.json", (time.time() - 3600,) * 2)
+    done = subprocess.run(
+        ["bash", str(federation / "start.sh")],
+        env={**os.environ, "FAKE_STATUS": str(status), "FAKE_EXIT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stderr
+    run_dir = federation / "aggregator" / "runs" / f"run-{RUN_ID}"
+    assert (f"report: {run_dir}/report.html" in done.stdout) == (status != "none")
+    assert "report: " not in done.stdout.replace(f"report: {run_dir}/", "")
+    assert "interrupted" not in done.stderr
+    assert not (old / "report.html").exists()
+    _nothing_left(federation)
+
+
+def test_start_supernode_sh_with_its_output_closed_stops_its_three_processes_on_ctrl_c(
+    federation,
+):
+    here = federation / "regions" / "eu"
+    region = _start(here / "start-supernode.sh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert region.stdout is not None
+    region.stdout.close()
+
+    def three_up() -> bool:  # the agent, the SuperNode, the relay's flower-superexec
+        return [p.name() for p in processes_under(here)].count("sleep") == 3
+
+    _until("the agent, SuperNode and relay", three_up, region)
+    assert _ctrl_c(region) == 130
+    _nothing_left(here)
+
+
+def test_run_sh_with_its_output_closed_streams_the_run_to_its_end_and_exits_by_it(federation):
+    """`run.sh | head -c 1`: head is gone after one byte; the run's outcome still counts."""
+    done = subprocess.run(
+        f"set -o pipefail; bash {federation / 'aggregator' / 'run.sh'} | head -c 1",
+        shell=True,
+        executable="bash",
+        env={**os.environ, "FAKE_STATUS": str(COMPLETED), "FAKE_EXIT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (0, "S"), done.stderr
+
+
+def test_stop_sh_with_its_output_closed_stops_and_exits_0(federation):
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        (federation / "pids").mkdir()
+        (federation / "pids" / "sleeper.pid").write_text(f"{sleeper.pid}\n")
+        stop = subprocess.Popen(
+            ["bash", str(federation / "stop.sh")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        assert stop.stdout is not None
+        stop.stdout.close()
+        assert stop.wait(timeout=60) == 0
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_say_to_a_closed_output_drops_the_line_and_keeps_the_exit_status(closed):
+    code = (
+        "import sys; from fedciuic.ops.deploy import say; "
+        "say('one'); say('two'); say('three', err=True); sys.exit(7)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stderr is not None
+    gone, kept = (
+        (child.stdout, child.stderr) if closed == "stdout" else (child.stderr, child.stdout)
+    )
+    gone.close()  # before the child writes a word
+    assert child.wait(timeout=60) == 7
+    assert kept.read() == ("three\n" if closed == "stdout" else "one\ntwo\n")
+
+
+def test_last_run_is_the_newest_written_since_with_its_outcome(tmp_path):
+    runs = tmp_path / "runs"
+    assert deploy.last_run(runs, time.time()) == (None, 1)
+    record(runs / "run-1", COMPLETED)
+    os.utime(runs / "run-1" / "metrics.json", (time.time() - 3600,) * 2)
+    since = time.time()
+    assert deploy.last_run(runs, since) == (None, 1)  # before this start
+    record(runs / "run-2", "running")
+    assert deploy.last_run(runs, since) == (runs / "run-2", 1)
+    record(runs / "run-3", NO_AGGREGATE)
+    os.utime(runs / "run-3" / "metrics.json", (since + 5,) * 2)
+    assert deploy.last_run(runs, since) == (runs / "run-3", deploy.EXIT_NO_AGGREGATE)
+    record(runs / "run-4", COMPLETED)
+    os.utime(runs / "run-4" / "metrics.json", (since + 9,) * 2)
+    assert deploy.last_run(runs, since) == (runs / "run-4", 0)
+
+
+# -- the README's stop of Flower's own local SuperLink ----------------------------------
+
+
+def _readme_stop_line() -> str:
+    """The last line of the README's `flwr run` block: what stops the SuperLink that
+    `flwr run` started."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("flwr run . --stream", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()[-1].split("#", 1)[0].strip()
+
+
+def _flower_local_superlink(home: Path, fake_bin: Path) -> int:
+    """The SuperLink `flwr run` starts for the `local` connection, started by Flower's own
+    code as `flwr run` does (detached), with FLWR_HOME ``home``; the `flower-superlink`
+    it runs is the stand-in that answers /health. Returns its PID."""
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+    }
+    code = "from flwr.cli.local_superlink import _start_local_superlink; _start_local_superlink()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if f"{home}/local-superlink/superlink.log" in " ".join(proc.cmdline()):
+                found.append(int(proc.pid))
+    (pid,) = found
+    return pid
+
+
+def test_the_readme_stops_the_superlink_flwr_run_started_by_its_pid_and_no_other(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    _script(fake / "flower-superlink", f"#!{sys.executable}\n{FAKE_SUPERLINK}")
+    ours = _flower_local_superlink(tmp_path / "flwr-home", fake)
+    # Another user's (or another FLWR_HOME's) local SuperLink, with the same options.
+    other = _flower_local_superlink(tmp_path / "other-home", fake)
+    try:
+        line = _readme_stop_line()
+        # (A pkill by pattern would stop every such SuperLink here: never run it.)
+        assert "pkill" not in line and "killall" not in line
+        done = subprocess.run(
+            ["bash", "-c", line],
+            env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        psutil.wait_procs([psutil.Process(ours)], timeout=10)
+        assert not psutil.pid_exists(ours) or psutil.Process(ours).status() == "zombie"
+        assert psutil.Process(other).is_running()
+    finally:
+        for pid in (ours, other):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
