@@ -240,4 +240,3 @@ def make_aggregator(method: str, n: int) -> Aggregator:
             return Robust(n, trim)
         raise ValueError(f"trimmed-mean:{arg}: the trimmed fraction must be in [0, 0.5)")
     raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
-

@@ -180,7 +180,8 @@ class RunConfig(_Strict):
     test_region_slowdown: tuple[tuple[str, float], ...] = ()
     batch_size: int = Field(ge=1)
     learning_rate: float = Field(gt=0)
-    seq_len: int = Field(ge=8, le=32_768)
+    #: pyproject.toml's value too; `fedciuic data check` counts records at it by default.
+    seq_len: int = Field(default=256, ge=8, le=32_768)
     max_eval_examples: int = Field(ge=1)
     eval_fraction: float = Field(gt=0, lt=1)
     server_learning_rate: float = Field(default=1.0, gt=0, allow_inf_nan=False)

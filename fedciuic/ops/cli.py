@@ -288,7 +288,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the checkpoint whose tokenizer and chat template count and render the records "
         "(default: the tiny preset's tokenizer)",
     )
-    data_check.add_argument("--seq-len", type=int, default=512, help="default: 512")
+    seq_len = RunConfig.model_fields["seq_len"].default
+    data_check.add_argument(
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        help=f"the seq-len your run trains at (default: {seq_len}, the run config's)",
+    )
     for option, default in DATA_FIELD_OPTIONS.items():
         data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
 

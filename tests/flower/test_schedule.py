@@ -273,9 +273,7 @@ def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, 
             assert numbers[0] == sent_before[region] + (0 if region in flying else 1)
 
 
-def test_an_update_arriving_after_the_last_aggregate_is_logged_and_refused(
-    run_config, tmp_path
-):
+def test_an_update_arriving_after_the_last_aggregate_is_logged_and_refused(run_config, tmp_path):
     grid = OneInFlight(THREE)
     grid.delay = {11: 1, 12: 1, 13: 6}  # us answers only after the last aggregate
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
