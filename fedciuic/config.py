@@ -167,6 +167,11 @@ class RunConfig(_Strict):
     quantization: Literal["none", "nf4"] = "none"
     #: Recompute activations in the backward pass (less memory, about a third slower).
     gradient_checkpointing: bool = False
+    #: A model-path checkpoint whose weights are only pickle files (pytorch_model*.bin)
+    #: is refused unless this is true: unpickling runs code. It governs the launching
+    #: machine and simulated regions; a deployed region goes by its own agent config's
+    #: allow-pickle-weights, never by this (docs/models.md).
+    allow_pickle_weights: bool = False
     #: Local DP-SGD (or SGD) steps per round; with a local-time-budget, the most a round takes.
     local_steps: int = Field(ge=1)
     #: Seconds of local training per round (0: off, every round takes local-steps). The
@@ -214,7 +219,8 @@ class RunConfig(_Strict):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     # Differential privacy (DP-SGD with Opacus) in every region.
     dp: bool = True
-    target_epsilon: float = Field(default=8.0, gt=0)
+    #: Half the default lifetime budget: a trial run leaves room for more (docs/privacy.md).
+    target_epsilon: float = Field(default=4.0, gt=0)
     target_delta: float = Field(default=1e-5, gt=0, lt=1)
     epsilon_budget: float = Field(default=8.0, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
@@ -466,10 +472,21 @@ class NodeConfig(_Strict):
     policy: str = ""
     #: This region's training processes (its hardware); default: the run config's.
     train_processes: int | None = Field(default=None, ge=1, le=1024)
+    #: Whether this region may load a checkpoint whose weights are only pickle files
+    #: (unpickling runs code): its own word, from its agent config in a deployment;
+    #: None (simulation only): the run config's allow-pickle-weights.
+    allow_pickle_weights: bool | None = None
 
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
         return self.train_processes or run.train_processes
+
+    def allows_pickle_weights(self, run: RunConfig) -> bool:
+        """Whether this region loads pickle-only weights: the node's word, else (a
+        simulated region, whose one operator owns the run config) the run's."""
+        if self.allow_pickle_weights is None:
+            return run.allow_pickle_weights
+        return self.allow_pickle_weights
 
     @property
     def state_dir(self) -> Path:
@@ -485,6 +502,8 @@ class NodeConfig(_Strict):
         """Work out this node's region and data path, in deployment or simulation."""
         if "region" in node_config or "data-path" in node_config:
             node = cls.from_user_config(node_config, source="node config", ignore_unknown=True)
+            if node.allow_pickle_weights is None:  # a deployed node's own word, never the run's
+                node = node.model_copy(update={"allow_pickle_weights": False})
             if node.region not in run.regions:
                 raise ConfigError(
                     [

@@ -2,7 +2,8 @@
 
 Everything a region promises is decided here, by the region, and by nothing the
 aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
-budget (the run config's ``epsilon-budget`` is never consulted), how many training
+budget (the run config's ``epsilon-budget`` is never consulted), whether it loads
+pickle weights (``allow-pickle-weights``, likewise its own), how many training
 processes it runs, the socket its relay reaches it on, and which OS user that relay
 runs as (whom the agent checks cannot read its files).
 """
@@ -42,6 +43,10 @@ class AgentConfig(NodeConfig):
     relay_user: str = ""
     #: The largest request (the global adapter, in bytes) the agent reads.
     max_request_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
+    #: Load a model-path checkpoint whose weights are only pickle files (unpickling runs
+    #: code): the region's own choice; the run config's allow-pickle-weights is never
+    #: consulted, so no aggregator can turn it on.
+    allow_pickle_weights: bool = False
 
     @classmethod
     def load(cls, path: Path | str) -> Self:

@@ -202,7 +202,10 @@ class RegionAgent:
 
     def started(self, relay: str) -> None:
         """The agent's start, on the record: which code serves the region, and whom the
-        relay runs as."""
+        relay runs as; its log first pruned to its policy's retention."""
+        from fedciuic.audit.retention import enforce_at_start
+
+        enforce_at_start(self.audit, self.policy, _LOG, f"region {self.config.region}")
         self.audit.append(
             Event.AGENT_STARTED,
             run_id=0,

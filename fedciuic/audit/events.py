@@ -16,6 +16,9 @@ class Event(StrEnum):
     TORN_TAIL = "torn_tail_moved"
     WITNESS = "witness"
     POLICY_DECISION = "policy_decision"
+    #: Records past the party's retention period removed from the log's start; the
+    #: signed anchor a verifier starts the chain from (docs/audit.md, "Retention").
+    PRUNED = "audit_pruned"
     # the aggregator
     RUN_START = "run_start"
     RUN_END = "run_end"

@@ -21,6 +21,14 @@ by itself that it was cut back to an earlier checkpoint, so each party records i
 its own log, as a ``witness`` record, the latest signed checkpoint ``(count, head)``
 of every other party it hears from; ``witness_check`` then finds a log that no
 longer holds what another party saw it sign.
+
+Retention: ``AuditLog.prune`` removes the records older than the party's retention
+period from the log's start (a run with a record inside it is kept whole). It first
+appends an ``audit_pruned`` record naming the first record it keeps and the hash of
+the last one it removes, and a signed checkpoint after it; then it replaces the file
+by its kept records (atomically, by rename; writers in other processes reopen it). A
+verifier starts such a log's chain at the first record's ``prev``, and accepts it only
+when a verified signature covers the ``audit_pruned`` record that names that start.
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ CHECKPOINT = Event.CHECKPOINT
 TORN_TAIL = Event.TORN_TAIL
 #: A record of another party's signed checkpoint: details ``party``, ``count``, ``head``.
 WITNESS_EVENT = Event.WITNESS
+#: Records removed from the log's start, past retention: details ``first_kept`` (the
+#: seq of the first record kept), ``head`` (the hash of the last one removed),
+#: ``records``, ``first_time``, ``last_time``, ``older_than`` and why (the policy).
+PRUNED = Event.PRUNED
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
 #: A region's log, in its state-path; the aggregator's, in its audit folder.
 REGION_LOG = "audit.jsonl"
@@ -141,7 +154,43 @@ def code_version() -> str:
 
 
 def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime(TIME_FORMAT)
+
+
+def record_time(record: Mapping[str, Any]) -> datetime | None:
+    """When a record was written (its ``time``, UTC), None when it holds no valid time."""
+    value = record.get("time")
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
+def prune_cut(records: Sequence[Mapping[str, Any]], before: datetime) -> int:
+    """How many of a log's first records pruning at ``before`` removes: the records
+    written before it, up to the first that is not (or holds no valid time), less those
+    of a run that still has a record at or after that one: a run is kept whole."""
+    cut = next(
+        (i for i, r in enumerate(records) if (t := record_time(r)) is None or t >= before),
+        len(records),
+    )
+    kept_runs = {r.get("run_id") for r in records[cut:]} - {0, None}
+    return next((i for i in range(cut) if records[i].get("run_id") in kept_runs), cut)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What one ``AuditLog.prune`` removed: ``records`` records, seq ``first_seq`` to
+    ``first_kept - 1``, written from ``first_time`` to ``last_time`` (0 records: none was
+    past retention, and nothing was written)."""
+
+    records: int = 0
+    first_seq: int = 0
+    first_kept: int = 0
+    first_time: str = ""
+    last_time: str = ""
 
 
 def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
@@ -212,6 +261,125 @@ class AuditLog:
 
     def close(self) -> None:
         self._file.close()
+
+    def _replaced(self) -> bool:
+        """Whether the path now names another file than the one held open (a prune
+        replaced it). A log moved aside (the path gone) is written on where it is."""
+        try:
+            on_disk = os.stat(self.path)
+        except OSError:
+            return False
+        held = os.fstat(self._file.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino)
+
+    def _reopen(self) -> None:
+        """Hold the file the path names now; its tail is read again under the lock."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as err:
+            raise AuditError(f"{self.path}: cannot reopen the audit log ({err.strerror})") from None
+        old, self._file = self._file, os.fdopen(fd, "a+b")
+        old.close()
+        self._size, self._seq, self._head = -1, 0, GENESIS
+        self._last_checkpoint, self._checkpoint_scanned = None, 0
+
+    # -- retention --------------------------------------------------------------------
+
+    def prune(self, before: datetime, *, run_id: int = 0, **why: Any) -> Pruned:
+        """Remove the records written before ``before`` from the log's start (a run that
+        has a later record is kept whole; see ``prune_cut``) and return what went.
+
+        The log must verify with this party's key first (a log that fails is evidence:
+        nothing is removed). An ``audit_pruned`` record (``why``: the policy, its
+        retention) and a signed checkpoint are appended, then the file is replaced by
+        its kept records, atomically: a crash leaves the whole log or the pruned one.
+        Nothing is written when no record is past ``before``."""
+        if self.keypair is None:
+            raise AuditError(
+                f"{self.path}: not pruned: pruning is signed with the party's key, and "
+                "this log has none"
+            )
+        if before.tzinfo is None:  # record times are UTC
+            before = before.replace(tzinfo=UTC)
+        with self._locked():
+            self._file.seek(0)
+            first = record_time(_json_object(self._file.readline()))
+            if first is not None and first >= before:  # the usual case: read no further
+                return Pruned()
+            self._file.seek(0)
+            data = self._file.read(self._size)
+            lines = data.splitlines()
+            try:
+                records = [json.loads(line) for line in lines]
+                if not all(isinstance(r, dict) for r in records):
+                    raise ValueError("not a JSON object")
+            except ValueError:
+                raise AuditError(
+                    f"{self.path}: not pruned: a line is not an audit record; run "
+                    "`fedciuic audit verify` on it"
+                ) from None
+            cut = prune_cut(records, before)
+            if cut == 0:
+                return Pruned()
+            verdict = verify(self.path, self.keypair.bundle)
+            if verdict.problem is not None:
+                raise AuditError(
+                    f"{self.path}: not pruned: the log fails verification ({verdict.problem}); "
+                    "keep it as evidence and start a new log"
+                )
+            first, last = records[0], records[cut - 1]
+            pruned = Pruned(
+                records=cut,
+                first_seq=int(first["seq"]),
+                first_kept=int(last["seq"]) + 1,
+                first_time=str(first.get("time")),
+                last_time=str(last.get("time")),
+            )
+            details = {
+                "first_kept": pruned.first_kept,
+                "head": split_line(lines[cut - 1])[1],
+                "records": pruned.records,
+                "first_time": pruned.first_time,
+                "last_time": pruned.last_time,
+                "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
+                **why,
+                "carried": _carried(records[:cut], self.actor),
+            }
+            self._write(PRUNED, run_id, None, details)
+            self._checkpoint(run_id, None)
+            self._replace_from(sum(len(line) + 1 for line in lines[:cut]))
+        return pruned
+
+    def _replace_from(self, offset: int) -> None:
+        """Replace the file by its bytes from ``offset`` on: written to a side file,
+        fsync'ed, renamed over the log. Called under the lock, which waiting writers
+        hold on the old file: they find the path replaced and reopen it."""
+        self._file.seek(offset)
+        kept = self._file.read()
+        side = self.path.with_name(f"{self.path.name}.pruning-{time.time_ns()}")
+        mode = os.fstat(self._file.fileno()).st_mode & 0o777
+        try:
+            fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(out.fileno(), mode)
+                out.write(kept)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(side, self.path)
+            folder = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+        except OSError as err:
+            side.unlink(missing_ok=True)
+            raise AuditError(
+                f"{self.path}: the prune is recorded, but the file could not be replaced "
+                f"({err.strerror}); the log is whole: prune again"
+            ) from None
+        seq, head = self._seq, self._head
+        self._reopen()  # closing the old file lets the writers waiting on it go on
+        self._seq, self._head, self._size = seq, head, len(kept)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -398,6 +566,14 @@ class AuditLog:
             )
 
 
+def _json_object(line: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     """The (count, head) of a checkpoint record's line, None for any other line."""
     if b'"event":"' + CHECKPOINT.encode() + b'"' not in line:
@@ -420,7 +596,17 @@ class _Lock:
         self.log = log
 
     def __enter__(self) -> None:
-        fcntl.flock(self.log._file.fileno(), fcntl.LOCK_EX)
+        while True:
+            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_EX)
+            try:
+                if not self.log._replaced():
+                    break
+            except BaseException:
+                fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
+                raise
+            # Pruned by another process while we waited: write on where the path points.
+            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
+            self.log._reopen()
         try:
             self.log._sync_tail()
         except BaseException:
@@ -447,6 +633,8 @@ class Verdict:
     torn_tail: str | None = None
     unsigned_tail: int = 0  # records after the last checkpoint
     actor: str = ""
+    first_seq: int = 0  # the first record's seq: above 0 once records were pruned
+    pruned_by: int = -1  # seq of the audit_pruned record that accounts for them
 
     @property
     def ok(self) -> bool:
@@ -454,10 +642,11 @@ class Verdict:
 
     @property
     def covered(self) -> int:
-        """How many of the log's first records a verified checkpoint signature covers:
-        seq 0 to ``verified_through - 1`` (the checkpoint record itself, its time, run
-        and round, is covered only by a later checkpoint or another party's witness)."""
-        return max(self.verified_through, 0)
+        """How many of the file's first records a verified checkpoint signature covers:
+        seq ``first_seq`` to ``verified_through - 1`` (the checkpoint record itself, its
+        time, run and round, is covered only by a later checkpoint or another party's
+        witness)."""
+        return max(self.verified_through - self.first_seq, 0)
 
     def explain(self) -> str:
         covered = (
@@ -466,9 +655,15 @@ class Verdict:
             else "no checkpoint verified"
         )
         if self.ok:
+            pruned = (
+                f" (seq 0 to {self.first_seq - 1} pruned, as the signed audit_pruned record at "
+                f"seq {self.pruned_by} says)"
+                if self.first_seq
+                else ""
+            )
             return (
                 f"OK: {self.path}: {self.records} records ({self.actor}), {self.checkpoints} "
-                f"signed checkpoints, the last at seq {self.verified_through}"
+                f"signed checkpoints, the last at seq {self.verified_through}{pruned}"
             )
         lines = [f"FAIL: {self.path}: {covered}"]
         if self.problem:
@@ -509,6 +704,16 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
         return verdict
     expected, head = 0, GENESIS
     since = 0
+    # The hashes an audit_pruned record may name (of the last record it removed), as
+    # the file holds them: only those, not one per record.
+    named = set()
+    for line in lines:
+        if PRUNED.encode() in line:
+            details = _json_object(line).get("details")
+            found = details.get("first_kept") if isinstance(details, dict) else None
+            if _is_count(found):
+                named.add(found - 1)
+    held: dict[int, str] = {}
     for index, line in enumerate(lines):
         where = f"line {index + 1}"
         try:
@@ -517,12 +722,16 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
                 raise ValueError(f"missing fields {[f for f in FIELDS if f not in record]}")
             body, claimed = split_line(line)
             seq = record["seq"]
-            if not isinstance(seq, int):
-                raise ValueError("seq is not an integer")
+            if not _is_count(seq):
+                raise ValueError("seq is not a non-negative integer")
         except (ValueError, TypeError) as err:
             verdict.problem = f"{where}: not a fedciuic audit record ({err})"
             return verdict
         where = f"{where} (seq {seq}, {record['event']})"
+        if index == 0 and seq > 0 and _is_head(record["prev"]):
+            # Pruned, or cut: the chain starts here; an audit_pruned record must say so.
+            expected, head = seq, record["prev"]
+            verdict.first_seq = seq
         if record_hash(body) != claimed or record.get("hash") != claimed:
             verdict.problem = f"{where}: changed: its content does not match its hash"
             return verdict
@@ -551,11 +760,117 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
             verdict.checkpoints += 1
             verdict.verified_through = seq
             since = -1
+        elif record["event"] == PRUNED:
+            problem = _check_pruned(record["details"], seq, verdict.first_seq, held, lines[0])
+            if problem:
+                verdict.problem = f"{where}: {problem}"
+                return verdict
+            if verdict.pruned_by < 0 and record["details"]["first_kept"] == verdict.first_seq:
+                verdict.pruned_by = seq
         head, expected = claimed, expected + 1
+        if seq in named:
+            held[seq] = claimed
         since += 1
         verdict.records += 1
     verdict.unsigned_tail = since
+    if verdict.first_seq:
+        missing = f"line 1 (seq {verdict.first_seq}): deleted: seq 0 to {verdict.first_seq - 1}"
+        if verdict.pruned_by < 0:
+            verdict.problem = f"{missing} are missing, and no {PRUNED} record accounts for them"
+        elif verdict.pruned_by >= verdict.verified_through:
+            verdict.problem = (
+                f"{missing} are missing; the {PRUNED} record that accounts for them (seq "
+                f"{verdict.pruned_by}) is not covered by a verified signature"
+            )
+        if verdict.problem is not None:  # where the log starts is not established
+            verdict.verified_through = -1
     return verdict
+
+
+def _check_pruned(
+    details: Any, seq: int, first_seq: int, held: Mapping[int, str], first_line: bytes
+) -> str | None:
+    """What is wrong with an ``audit_pruned`` record at ``seq``, or None: it names a
+    first kept record at or before itself, and the hash of the record before that one,
+    which the log must still hold (or, where the log now starts, name as its ``prev``)."""
+    if not isinstance(details, dict):
+        return f"{PRUNED} record without details"
+    first_kept, head = details.get("first_kept"), details.get("head")
+    if not _is_count(first_kept) or not 0 < first_kept <= seq or not _is_head(head):
+        return f"malformed {PRUNED} record (first_kept, head)"
+    if first_kept > first_seq:  # the file still holds the last record it removed
+        if held.get(first_kept - 1) != head:
+            return (
+                f"the {PRUNED} record names head {head[:16]} for seq {first_kept - 1}, which "
+                "the log holds with another hash"
+            )
+    elif first_kept == first_seq and json.loads(first_line).get("prev") != head:
+        return f"the {PRUNED} record names another head than the first record's prev"
+    return None
+
+
+def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
+    """What must outlive a prune: per dataset, the ``trained`` details that witness its
+    privacy ledger's longest chain and its highest epsilon (the ledger's rollback check
+    reads them, docs/privacy.md), from the removed records and what earlier prunes
+    carried. Unchanged, so the check reads them as it read the records."""
+    best: dict[object, list[Mapping[str, Any]]] = {}
+    for r in with_carried(removed):
+        details = r.get("details")
+        if r.get("event") != Event.TRAINED or r.get("actor") != actor:
+            continue
+        if not isinstance(details, Mapping) or not isinstance(details.get("ledger"), Mapping):
+            continue
+        best.setdefault(details.get("data_fingerprint"), []).append(details)
+
+    def releases(d: Mapping[str, Any]) -> float:
+        count = d["ledger"].get("releases")
+        return count if _is_count(count) else -1
+
+    def epsilon(d: Mapping[str, Any]) -> float:
+        value = d.get("epsilon")
+        return float(value) if isinstance(value, int | float) else -1.0
+
+    out: list[Any] = []
+    for found in best.values():
+        for top in (max(found, key=releases), max(found, key=epsilon)):
+            if all(top is not kept for kept in out):
+                out.append(top)
+    return out
+
+
+def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
+    """The records, each ``audit_pruned`` one preceded by the ``trained`` details it
+    carried (as ``trained`` records of its actor): what readers of the ledger's witness
+    read, so that a prune never hides what a privacy ledger spent."""
+    for r in records:
+        details = r.get("details")
+        if r.get("event") == PRUNED and isinstance(details, Mapping):
+            carried = details.get("carried")
+            for item in carried if isinstance(carried, list) else []:
+                yield {**r, "event": Event.TRAINED, "details": item}
+        yield r
+
+
+def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The details of the ``audit_pruned`` record that accounts for a log's missing
+    first records (seq 0 to its first record's seq - 1), None when the log starts at
+    seq 0 or no such record says so. Records are untrusted: verify the log first."""
+    if not records:
+        return None
+    first, start = records[0], records[0].get("seq")
+    if not _is_count(start) or start == 0:
+        return None
+    for r in records:
+        details = r.get("details")
+        if (
+            r.get("event") == PRUNED
+            and isinstance(details, Mapping)
+            and details.get("first_kept") == start
+            and details.get("head") == first.get("prev")
+        ):
+            return details
+    return None
 
 
 def _seq_of(line: bytes) -> int | None:
@@ -725,6 +1040,8 @@ class WitnessCheck:
 
     matched: list[Witnessed] = field(default_factory=list)
     unchecked: list[Witnessed] = field(default_factory=list)  # that party's log not given
+    #: checkpoints whose records that party's log has since pruned past its retention
+    pruned: list[Witnessed] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -762,9 +1079,15 @@ def witness_check(
     and each log's witnesses of one party must never go back (a lower count, or
     another head for the same count).
     ``covered[party]`` is how many of that log's first records a verified signature
-    covers: a problem found by a witness record after them says so. Records are
-    untrusted: a malformed one is a problem, never an exception."""
+    covers: a problem found by a witness record after them says so. A checkpoint whose
+    last record a log has pruned (an ``audit_pruned`` record says so; verify the log to
+    trust it) cannot be checked: it is listed as pruned. Records are untrusted: a
+    malformed one is a problem, never an exception."""
     chains: dict[str, dict[int, str]] = {}
+    starts = {
+        party: records[0]["seq"] if pruned_from(records) is not None else 0
+        for party, records in logs.items()
+    }
     signed: dict[str, dict[int, tuple[object, object]]] = {}
     for party, records in logs.items():
         chain, checkpoints = chains.setdefault(party, {}), signed.setdefault(party, {})
@@ -809,11 +1132,14 @@ def witness_check(
             if party not in logs:
                 result.unchecked.append(witnessed)
                 continue
-            held = len(logs[party])
+            held = starts[party] + len(logs[party])  # the records it has had
             found = GENESIS if count == 0 else chains[party].get(count - 1)
             problem = None
             if count == 0:  # the empty log's head (a party with no checkpoint yet)
                 pass
+            elif count - 1 < starts[party]:  # past its retention: gone, and signed as gone
+                result.pruned.append(witnessed)
+                continue
             elif (found is None and count > held) or (found == head and count >= held):
                 problem = f"truncated: {seen}, but {_log_of(party)} holds only {held} records"
             elif found is None:

@@ -14,8 +14,9 @@ Written as Markdown and as HTML from one document model.
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ from fedciuic.audit.log import (
     canonical,
     cross_check,
     load_records,
+    pruned_from,
     witness_check,
 )
+from fedciuic.audit.retention import PRUNE_COMMAND, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
 
 Record = Mapping[str, Any]
@@ -73,8 +76,36 @@ class PartyLog:
         """The records no verified signature covers (after the last verified checkpoint,
         or all of them when the log was not verified or none of its checkpoints did);
         the verified checkpoint itself is in neither list."""
-        last = -1 if self.verdict is None else self.verdict.verified_through
-        return self.records[last + 1 :]
+        if self.verdict is None or self.verdict.verified_through < 0:
+            return self.records
+        return self.records[self.covered + 1 :]
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the log's first record: above 0 once older records were pruned."""
+        seq = self.records[0].get("seq") if self.records else 0
+        return seq if isinstance(seq, int) else 0
+
+    @property
+    def pruned(self) -> Mapping[str, Any] | None:
+        """The ``audit_pruned`` details that account for the records before the first
+        (verify the log to trust them), None when it was never pruned."""
+        return pruned_from(self.records)
+
+    @property
+    def jurisdiction(self) -> str | None:
+        """The party's jurisdiction as its own records name it (a region's latest
+        ``run_joined``, the aggregator's ``run_start``, or the policy of its latest
+        ``audit_pruned``)."""
+        key = "aggregator_jurisdiction" if self.actor == "aggregator" else "jurisdiction"
+        event = Event.RUN_START if self.actor == "aggregator" else Event.RUN_JOINED
+        for r in reversed(self.records):
+            found = _details(r).get(key) if r.get("event") == event else None
+            if r.get("event") == Event.PRUNED:  # the policy it was pruned by
+                found = _details(r).get("jurisdiction")
+            if isinstance(found, str) and found:
+                return found
+        return None
 
 
 @dataclass
@@ -84,6 +115,23 @@ class Report:
     run_id: int
     sections: list[Section]
     disagreements: list[str]
+
+    def redacted(self, redact: Callable[[str], str]) -> Report:
+        """The report with ``redact`` applied to every piece of text (local paths)."""
+        return Report(
+            self.run_id,
+            [redact_section(s, redact) for s in self.sections],
+            [redact(d) for d in self.disagreements],
+        )
+
+
+def redact_section(section: Section, redact: Callable[[str], str]) -> Section:
+    return replace(
+        section,
+        title=redact(section.title),
+        paragraphs=[redact(p) for p in section.paragraphs],
+        rows=[[redact(c) for c in row] for row in section.rows],
+    )
 
 
 def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[PartyLog]:
@@ -126,23 +174,45 @@ def build(logs: Sequence[PartyLog], run_id: int | None = None) -> tuple[int, lis
     return report.run_id, report.sections
 
 
-def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
+def build_report(
+    logs: Sequence[PartyLog], run_id: int | None = None, *, now: datetime | None = None
+) -> Report:
     """The report for ``run_id`` (default: the last run the aggregator started). Its
     tables hold only records a verified signature covers; the others are listed apart,
     as unverified. The agreement checks (transfers, run config, witnessed checkpoints)
-    read every record: a disagreement is one whether or not it is signed."""
+    read every record: a disagreement is one whether or not it is signed. A region log
+    pruned of every record of the run (past its retention) is left out of them, and
+    said so. Each log's records past its retention (at ``now``) are named."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
-    regions = {log.actor: log for log in logs if log.actor != "aggregator"}
     runs = _runs(aggregator)
     if not runs:
         raise AuditError(f"{aggregator.path}: no run_start record; not an aggregator's log")
     run_id = runs[-1] if run_id is None else run_id
     if run_id not in runs:
-        raise AuditError(f"run {run_id} is not in {aggregator.path}; runs there: {runs}")
+        pruned = (
+            f" (its records before seq {aggregator.first_seq} were pruned past retention)"
+            if aggregator.pruned is not None
+            else ""
+        )
+        raise AuditError(f"run {run_id} is not in {aggregator.path}{pruned}; runs there: {runs}")
 
     def of_run(records: Sequence[Record]) -> list[Record]:
         return [r for r in records if r.get("run_id") == run_id]
 
+    regions: dict[str, PartyLog] = {}
+    pruned_away: list[str] = []
+    for log in logs:
+        if log.actor == "aggregator":
+            continue
+        if log.pruned is not None and not of_run(log.records):
+            pruned_away.append(
+                f"{log.actor}'s log no longer holds this run: its records up to "
+                f"{_text(log.pruned.get('last_time'))} were pruned past its retention "
+                f"({_text(log.pruned.get('retention_days'))} days); it is left out of the "
+                "checks below."
+            )
+        else:
+            regions[log.actor] = log
     agg = of_run(aggregator.verified)
     own = {name: of_run(log.verified) for name, log in regions.items()}
     agg_all = of_run(aggregator.records)
@@ -166,7 +236,7 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
     ]
     sections = [
         _overview(run_id, start, end, agg, unsigned),
-        _logs_section(logs),
+        _logs_section(logs, start.get("retention_days"), now),
         _regions_section(start, own, agg, unsigned["start"]),
         _transfers_section(agg, own, agg_all),
         _undelivered_section(check.undelivered, own_all),
@@ -176,7 +246,9 @@ def build_report(logs: Sequence[PartyLog], run_id: int | None = None) -> Report:
         _refusals_section(
             agg, own, {name: _refused_for(log.verified, run_id) for name, log in regions.items()}
         ),
-        _agreement_section(disagreements, _witness_summary(witnesses), len(check.undelivered)),
+        _agreement_section(
+            disagreements, _witness_summary(witnesses), len(check.undelivered), pruned_away
+        ),
         _unverified_section(logs, run_id),
         _record_of_processing(start, own),
     ]
@@ -188,6 +260,12 @@ def _witness_summary(check: WitnessCheck) -> str:
     if check.unchecked:
         named = sorted({w.party for w in check.unchecked})
         parts.append(f"{len(check.unchecked)} not checked (no log given for {', '.join(named)})")
+    if check.pruned:
+        named = sorted({w.party for w in check.pruned})
+        parts.append(
+            f"{len(check.pruned)} no longer checkable ({', '.join(named)} pruned those "
+            "records past retention, as a signed audit_pruned record says)"
+        )
     if check.problems:
         parts.append(f"{len(check.problems)} not held or malformed (above)")
     return (
@@ -284,8 +362,9 @@ def _dp_terms(dp: Any) -> str:
     )
 
 
-def _logs_section(logs: Sequence[PartyLog]) -> Section:
+def _logs_section(logs: Sequence[PartyLog], retention: Any, now: datetime | None = None) -> Section:
     rows = []
+    overdue_lines = []
     for log in logs:
         verdict = log.verdict
         status = (
@@ -293,24 +372,74 @@ def _logs_section(logs: Sequence[PartyLog]) -> Section:
             if verdict is None
             else ("OK" if verdict.ok else "FAIL: " + verdict.explain().split("\n", 1)[-1].strip())
         )
+        first = log.first_seq
+        kept, late = _retention(log, retention, now)
+        if late:
+            overdue_lines.append(late)
         rows.append(
             (
                 log.actor,
                 log.path.name,  # the file's name: where it sits on this machine is no one's
                 str(len(log.records)),
-                f"{log.covered} (seq 0 to {log.covered - 1})" if log.covered else "none",
+                f"{log.covered} (seq {first} to {first + log.covered - 1})"
+                if log.covered
+                else "none",
                 status,
+                kept,
             )
         )
+    paragraphs = [
+        "Each log is hash-chained and signed at checkpoints with its party's key. Only the "
+        "records a verified checkpoint signature covers are facts in the tables below. "
+        "Each party's log is kept for its own jurisdiction's audit.retention_days, then "
+        "pruned: a signed audit_pruned record names what was removed, and the log still "
+        "verifies."
+    ]
+    if overdue_lines:
+        paragraphs += overdue_lines
     return Section(
         "Audit logs examined",
-        [
-            "Each log is hash-chained and signed at checkpoints with its party's key. Only the "
-            "records a verified checkpoint signature covers are facts in the tables below."
-        ],
-        ("party", "file", "records", "covered by a verified signature", "verification"),
+        paragraphs,
+        (
+            "party",
+            "file",
+            "records",
+            "covered by a verified signature",
+            "verification",
+            "retention",
+        ),
         rows,
     )
+
+
+def _retention(log: PartyLog, retention: Any, now: datetime | None) -> tuple[str, str]:
+    """A log's retention cell (its policy's period, what was pruned) and, when it holds
+    records past that period, a line saying so and how to prune them."""
+    jurisdiction = log.jurisdiction
+    days = retention.get(jurisdiction) if isinstance(retention, Mapping) else None
+    pruned = log.pruned
+    done = (
+        f"; seq 0 to {log.first_seq - 1} pruned (written {_text(pruned.get('first_time'))} to "
+        f"{_text(pruned.get('last_time'))})"
+        if pruned is not None
+        else ""
+    )
+    if not isinstance(days, int) or isinstance(days, bool):
+        return f"no retention period known for {jurisdiction or 'its jurisdiction'}{done}", ""
+    late = overdue(log.records, days, now)
+    if late is None:
+        return f"{days} days ({jurisdiction}): none past it{done}", ""
+    return (
+        f"{days} days ({jurisdiction}): {late.records} record(s) past it{done}",
+        f"{_log_name(log.actor)} keeps {late.records} record(s) older than {days} days, its "
+        f"policy's retention ({jurisdiction}), written {late.first_time} to "
+        f"{late.last_time}: prune with `{PRUNE_COMMAND}` (the party's own key and policy; "
+        "its agent, or the aggregator, does this when it starts).",
+    )
+
+
+def _log_name(party: str) -> str:
+    return "The aggregator's log" if party == "aggregator" else f"{party}'s log"
 
 
 def _regions_section(
@@ -639,7 +768,10 @@ def _config_disagreements(
 
 
 def _agreement_section(
-    disagreements: Sequence[str], witnessing: str, undelivered: int = 0
+    disagreements: Sequence[str],
+    witnessing: str,
+    undelivered: int = 0,
+    pruned_away: Sequence[str] = (),
 ) -> Section:
     verdict = "The region and aggregator logs agree." if not disagreements else "The logs DISAGREE:"
     spent = (
@@ -651,7 +783,10 @@ def _agreement_section(
         if undelivered
         else []
     )
-    return Section("Agreement between the logs", [verdict, *spent, *disagreements, witnessing])
+    return Section(
+        "Agreement between the logs",
+        [verdict, *spent, *disagreements, *pruned_away, witnessing],
+    )
 
 
 def _undelivered_section(

@@ -102,7 +102,8 @@ def serve(world: World) -> None:
         config = json.loads(store.get(CONFIG_KEY))
         run = RunConfig.from_user_config(config["run"], source="run config")
         node = NodeConfig.from_user_config(config["node"], source="node config")
-        model = AdapterModel(ModelSpec.from_run(run), device=device)
+        spec = ModelSpec.from_run(run, allow_pickle_weights=node.allows_pickle_weights(run))
+        model = AdapterModel(spec, device=device)
         data = load_region_data(run, node, model.tokenizer)
         store.set(
             f"{READY_KEY}{world.rank}", json.dumps([model.base_fingerprint, data.fingerprint])

@@ -3,7 +3,9 @@
 The same discovery, validation and tokenisation as a training region, into a temporary
 folder (the region's own cache is left alone): formats and shapes found, counts of
 files, records, users and tokens, one training example with its masked part marked,
-and every bad row as ``FILE:LINE: field: message``.
+and every bad row as ``FILE:LINE: field: message``. :func:`scan_data` is the bounded
+version a launcher runs before a run starts: every row read and checked, a sample
+tokenised, nothing written.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from fedciuic.data.tokenized import (
     IGNORE,
     INPUT_IDS,
     LABELS,
+    Scanned,
     Summary,
     dropped_for_length,
+    scan_examples,
     tokenized,
 )
 
 #: How the masked part (no loss) of the shown example is marked.
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
+#: Records :func:`scan_data` renders and tokenises (every row is read and checked).
+SCAN_SAMPLE = 256
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,33 @@ def check_data(
         )
         example = _example(data.examples, tokenizer)
         return DataCheck(root, data.summary, example, seq_len, tokenizer_name, truncation_side)
+
+
+def scan_data(
+    data_path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int,
+    fields: Fields,
+    sample: int = SCAN_SAMPLE,
+    truncation_side: TruncationSide = "right",
+) -> tuple[Path, Scanned]:
+    """Read and check every row of ``data_path``, rendering and tokenising the first
+    ``sample`` records; the folder (resolved) and what was found. A folder that does
+    not exist or holds no data raises :class:`~fedciuic.errors.DataError`; a file that
+    cannot be read is named in the result and the others are read on."""
+    root = root_of(data_path)
+    sources = discover(root)
+    with tempfile.TemporaryDirectory(prefix="fedciuic-data-scan-") as scratch:
+        return root, scan_examples(
+            sources,
+            tokenizer,
+            seq_len=seq_len,
+            fields=fields,
+            scratch=Path(scratch),
+            sample=sample,
+            truncation_side=truncation_side,
+        )
 
 
 def _example(examples: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> str | None:

@@ -224,27 +224,41 @@ def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
     return np.asarray(held)
 
 
-def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) -> None:
+def bad_rows_refusal(run: RunConfig, region: str, root: Path, summary: Summary) -> str | None:
+    """Why the region refuses its data for its bad rows (None: it does not)."""
     if not summary.bad_rows or run.bad_rows == "skip":
-        return
-    raise DataError(
+        return None
+    return (
         f"region {region}: {summary.bad_rows} bad row(s) in data-path {root}: "
         + "; ".join(summary.bad_reasons[:QUOTED])
         + f'; fix them (`fedciuic data check {root}` lists them) or set bad-rows = "skip"'
     )
 
 
+def users_refusal(run: RunConfig, region: str, root: Path, summary: Summary) -> str | None:
+    """Why the region refuses its data for records that name no user (None: it does not)."""
+    if run.privacy_unit == "record" or not summary.without_user:
+        return None
+    return (
+        f"region {region}: {summary.without_user} record(s) in {root} name no user, e.g. "
+        + ", ".join(summary.without_user_where[:QUOTED])
+        + f': field {run.user_id_field} missing; privacy-unit = "user" needs it in every '
+        "record: add it, set user-id-field to your field's name, or set "
+        'privacy-unit = "record"'
+    )
+
+
+def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) -> None:
+    refusal = bad_rows_refusal(run, region, root, summary)
+    if refusal is not None:
+        raise DataError(refusal)
+
+
 def _units(run: RunConfig, region: str, root: Path, data: Tokenized) -> np.ndarray:
     """Each example's privacy unit: its record, or the user the record names."""
     if run.privacy_unit == "record":
         return np.asarray(data.examples.data.column(RECORD).to_numpy())
-    summary = data.summary
-    if summary.without_user:
-        raise DataError(
-            f"region {region}: {summary.without_user} record(s) in {root} name no user, e.g. "
-            + ", ".join(summary.without_user_where[:QUOTED])
-            + f': field {run.user_id_field} missing; privacy-unit = "user" needs it in every '
-            "record: add it, set user-id-field to your field's name, or set "
-            'privacy-unit = "record"'
-        )
+    refusal = users_refusal(run, region, root, data.summary)
+    if refusal is not None:
+        raise DataError(refusal)
     return np.asarray(data.examples.data.column(USER).to_numpy())

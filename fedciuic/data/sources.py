@@ -50,6 +50,11 @@ _BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
 TABLE_KINDS = (*_BUILDERS, SAVED)
 
 
+class NoDataFiles(DataError):
+    """A region's data-path holds no file of a kind it reads: the region has no data
+    (as if its folder were missing), rather than data that is broken."""
+
+
 @dataclass(frozen=True)
 class Source:
     """One file (or saved dataset folder) of a region's data."""
@@ -123,7 +128,7 @@ def discover(data_path: str | Path) -> list[Source]:
             if Path(f).suffix in KINDS
         )
     if not found:
-        raise DataError(
+        raise NoDataFiles(
             f"data-path {root} holds no data files ({', '.join(KINDS)} or a save_to_disk "
             "folder); add the region's records there"
         )

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import numpy as np
@@ -451,8 +451,34 @@ class _Cut:
         return [(start, start + seq_len)]
 
 
+class _Writer(Protocol):
+    def write_batch(self, batch_examples: dict[str, list[Any]]) -> None: ...
+
+
+class _Discard:
+    """Where a scan's examples go: nowhere (only the counts are kept)."""
+
+    def write_batch(self, batch_examples: dict[str, list[Any]]) -> None:
+        del batch_examples
+
+
+def _count_record(counts: _Counts, item: _Item) -> int | None:
+    """Count a valid record (its shape and person); its user key, if it names one."""
+    summary = counts.summary
+    summary.records += 1
+    summary.shapes[item.record.shape] = summary.shapes.get(item.record.shape, 0) + 1
+    user = None if item.record.user is None else user_key(item.record.user)
+    if user is None:
+        summary.without_user += 1
+        if len(summary.without_user_where) < MAX_REASONS:
+            summary.without_user_where.append(item.where)
+    else:
+        counts.user_keys.add(user)
+    return user
+
+
 def _write_batch(
-    writer: ArrowWriter,
+    writer: _Writer,
     batch: list[_Item],
     renderer: Renderer,
     tokenizer: PreTrainedTokenizerBase,
@@ -475,15 +501,7 @@ def _write_batch(
     out: dict[str, list[object]] = {name: [] for name in FEATURES}
     summary = counts.summary
     for item, shown in zip(kept, rendered, strict=True):
-        summary.records += 1
-        summary.shapes[item.record.shape] = summary.shapes.get(item.record.shape, 0) + 1
-        user = None if item.record.user is None else user_key(item.record.user)
-        if user is None:
-            summary.without_user += 1
-            if len(summary.without_user_where) < MAX_REASONS:
-                summary.without_user_where.append(item.where)
-        else:
-            counts.user_keys.add(user)
+        user = _count_record(counts, item)
         bucket = bucket_of(item.record)
         wrote = 0
         truncated = False
@@ -525,4 +543,71 @@ def _write_batch(
         writer.write_batch(out)
 
 
-__all__ = ["SHAPES", "Summary", "Tokenized", "tokenized"]
+@dataclass(frozen=True)
+class Scanned:
+    """What a scan of a region's data found: every row read and checked, the first
+    ``sample`` valid records rendered and tokenised (nothing written)."""
+
+    #: Rows, records, shapes, users and bad rows: of every row read; examples, tokens,
+    #: cuts and drops: of the records rendered.
+    summary: Summary
+    sampled: int  # records rendered and tokenised
+    #: Sources that could not be read (each a :class:`DataError`'s message): the rows
+    #: before the problem are counted, the rest of that source is not.
+    unreadable: list[str]
+    #: A problem of the model met while rendering (its chat template): sampling stopped.
+    render_error: str | None
+
+
+def scan_examples(
+    sources: list[Source],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int,
+    fields: Fields,
+    scratch: Path,
+    sample: int,
+    keep_reasons: int | None = MAX_REASONS,
+    truncation_side: TruncationSide = "right",
+) -> Scanned:
+    """Read and check every row of ``sources`` as :func:`tokenized` does, but render and
+    tokenise only the first ``sample`` valid records, and write nothing: what a
+    launcher checks in seconds before a run starts. A source that cannot be read is
+    named, and the others are read on."""
+    summary = Summary(key="", data_fingerprint="", files={s.name: s.kind for s in sources})
+    counts = _Counts(summary, keep_reasons)
+    lengths = _Lengths()
+    renderer = Renderer(tokenizer)
+    cut = _Cut(seq_len, truncation_side)
+    sink = _Discard()
+    sampled = 0
+    unreadable: list[str] = []
+    render_error: str | None = None
+    for source in sources:
+        try:
+            for batch in _batches([source], fields, counts, scratch):
+                room = 0 if render_error is not None else max(sample - sampled, 0)
+                rest = batch[room:]
+                if room:
+                    bad, reasons = summary.bad_rows, len(summary.bad_reasons)
+                    try:
+                        _write_batch(sink, batch[:room], renderer, tokenizer, cut, counts, lengths)
+                        sampled += len(batch[:room])
+                    except DataError as err:  # the model's, not the rows': stop rendering
+                        # (raised before any of the batch is counted, but rows the
+                        # template refused on the way: those are counted as records)
+                        summary.bad_rows = bad
+                        del summary.bad_reasons[reasons:]
+                        render_error = str(err)
+                        rest = batch
+                for item in rest:
+                    _count_record(counts, item)
+        except DataError as err:
+            unreadable.append(str(err))
+    counts.finish()
+    lengths.write(summary)
+    summary.users = len(counts.user_keys)
+    return Scanned(summary, sampled, unreadable, render_error)
+
+
+__all__ = ["SHAPES", "Scanned", "Summary", "Tokenized", "scan_examples", "tokenized"]

@@ -16,6 +16,7 @@ aggregator never loads the base: :class:`AdapterLayout` builds it on the
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import (
     AutoConfig,
@@ -81,9 +84,15 @@ class ModelSpec:
     dtype: str = "auto"
     quantization: str = "none"
     gradient_checkpointing: bool = False
+    #: Load a checkpoint whose weights are only pickle files (unpickling runs code).
+    allow_pickle_weights: bool = False
 
     @classmethod
-    def from_run(cls, run: RunConfig) -> ModelSpec:
+    def from_run(cls, run: RunConfig, *, allow_pickle_weights: bool | None = None) -> ModelSpec:
+        """The run's model; ``allow_pickle_weights``: the permission of whoever loads it
+        (a region's own word), else the run config's."""
+        if allow_pickle_weights is None:
+            allow_pickle_weights = run.allow_pickle_weights
         return cls(
             preset=run.model_preset,
             path=run.model_path,
@@ -94,6 +103,7 @@ class ModelSpec:
             dtype=run.dtype,
             quantization=run.quantization,
             gradient_checkpointing=run.gradient_checkpointing,
+            allow_pickle_weights=allow_pickle_weights,
         )
 
 
@@ -148,6 +158,11 @@ def check_model_spec(spec: ModelSpec) -> None:
     _checkpoint_config(Path(spec.path).expanduser())
 
 
+def checkpoint_config(path: Path) -> PretrainedConfig:
+    """A checkpoint folder's config, or :class:`ModelError` naming what is wrong with it."""
+    return _checkpoint_config(path)
+
+
 def _checkpoint_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not path.is_dir():
@@ -172,30 +187,177 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+# -- the checkpoint's weights ----------------------------------------------------------------
+
+#: transformers' pickle weight files: ``pytorch_model.bin``, its shards and their index.
+PICKLE_WEIGHTS = "pytorch_model*.bin"
+
+
+def weight_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """A checkpoint folder's safetensors weight files and its pickle ones (adapters
+    excluded)."""
+    safe = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
+    return safe, sorted(path.glob(PICKLE_WEIGHTS))
+
+
+def pickle_refusal(path: Path, pickles: list[Path]) -> str:
+    """Why a checkpoint whose weights are only pickle files is not loaded, and the fix."""
+    shown = ", ".join(f.name for f in pickles[:2]) + (", ..." if len(pickles) > 2 else "")
+    return (
+        f"run config:model-path: {path}: its weights are only pickle files ({shown}), and "
+        "loading pickle runs code; convert them to safetensors once, where you trust them: "
+        'python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{path}').save_pretrained('{path}')\" (writes model.safetensors "
+        "beside them), or set allow-pickle-weights = true (the run config's for a "
+        "simulation, the region's agent config for a deployed region) to load them as they are"
+    )
+
+
+def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> list[str]:
+    """What is certainly wrong with a checkpoint's weights, from file names and the
+    safetensors headers alone (no tensor is read): none at all, only pickle (unless
+    ``allow_pickle``), or an embedding whose rows are not ``config.json:vocab_size``."""
+    safe, pickles = weight_files(path)
+    if not safe and not pickles:
+        return [
+            f"run config:model-path: {path}: no weights (model.safetensors, or "
+            f"model-*-of-*.safetensors shards); {CHECKPOINT_FIX}"
+        ]
+    if not safe:
+        return [] if allow_pickle else [pickle_refusal(path, pickles)]
+    vocab = getattr(config, "vocab_size", None)
+    for file in safe:
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if not name.endswith("embed_tokens.weight"):
+                        continue
+                    rows = weights.get_slice(name).get_shape()[0]
+                    if isinstance(vocab, int) and rows != vocab:
+                        return [
+                            f"run config:model-path: {file}: {name} has {rows} rows, "
+                            f"config.json:vocab_size says {vocab}: the config is not these "
+                            f"weights'; {CHECKPOINT_FIX}"
+                        ]
+                    return []
+        except (OSError, ValueError, safetensors.SafetensorError) as err:
+            return [
+                f"run config:model-path: {file}: not a safetensors file ({_first_line(err)}); "
+                f"{CHECKPOINT_FIX}"
+            ]
+    return []
+
+
+def check_weights(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> None:
+    """Refuse, before loading anything, weights that :func:`weight_problems` finds wrong."""
+    problems = weight_problems(path, config, allow_pickle=allow_pickle)
+    if problems:
+        raise ModelError("; ".join(problems))
+
+
+# -- the checkpoint's tokenizer --------------------------------------------------------------
+
 #: A tokenizer's own files; without one, transformers 5 builds an empty tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TOKENIZER_FIX = "the checkpoint's own tokenizer must be saved beside it (tokenizer.save_pretrained)"
+#: The special-token ids a config names, which must be rows of the model's embedding.
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+def open_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in checkpoint folder ``path``, not yet checked against its model."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
             f"run config:model-path: {path}: no usable tokenizer (none of "
             f"{', '.join(TOKENIZER_FILES)}); {TOKENIZER_FIX}"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            path, local_files_only=True
+        )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(
             f"run config:model-path: {path}: no usable tokenizer ({_first_line(err)}); "
             f"{TOKENIZER_FIX}"
         ) from None
+    return tokenizer
+
+
+def _ids(value: object) -> list[int]:
+    """A config's token id setting (one id, a list of them, or none) as a list."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def tokenizer_problems(
+    path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> list[str]:
+    """Where the tokenizer and the model certainly disagree, from config.json alone: a
+    token id past the embedding's rows, or a special-token id of config.json that is
+    no row of it, or (bos and eos) no token of the tokenizer."""
     vocab = getattr(config, "vocab_size", None)
-    if isinstance(vocab, int) and len(tokenizer) > vocab:
-        raise ModelError(
-            f"run config:model-path: {path}: the tokenizer has {len(tokenizer)} tokens, the "
-            f"model's vocabulary {vocab} (config.json:vocab_size): they are not one checkpoint"
+    if not isinstance(vocab, int):
+        return []
+    ids = tokenizer.get_vocab()
+    known = set(ids.values())
+    largest = max(known, default=-1)
+    problems = []
+    if largest >= vocab:
+        problems.append(
+            f"run config:model-path: {path}: the tokenizer has {len(tokenizer)} tokens (ids up "
+            f"to {largest}), the model's vocabulary {vocab} (config.json:vocab_size): they are "
+            f"not one checkpoint; {TOKENIZER_FIX}, or resize the model's embeddings to it"
         )
+    for name in SPECIAL_IDS:
+        # (a negative padding index counts from the end, as nn.Embedding takes it)
+        lowest = -vocab if name == "pad_token_id" else 0
+        for token_id in _ids(getattr(config, name, None)):
+            if not lowest <= token_id < vocab:
+                problems.append(
+                    f"run config:model-path: {path / 'config.json'}:{name}: {token_id} is "
+                    f"outside the model's vocabulary of {vocab}; {CHECKPOINT_FIX}"
+                )
+            elif name != "pad_token_id" and largest < vocab and token_id not in known:
+                problems.append(
+                    f"run config:model-path: {path / 'config.json'}:{name}: {token_id} is no "
+                    f"token of the tokenizer beside it ({len(tokenizer)} tokens): they are not "
+                    f"one checkpoint; {TOKENIZER_FIX}"
+                )
+    return problems
+
+
+def tokenizer_warnings(
+    path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> list[str]:
+    """Disagreements that are likely, not certain, mistakes: the tokenizer ends each
+    response with an eos token the model's configs do not stop at."""
+    eos = tokenizer.eos_token_id
+    stops = set(_ids(getattr(config, "eos_token_id", None)))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            said = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+            stops |= set(_ids(said))
+    if not isinstance(eos, int) or not stops or eos in stops:
+        return []
+    return [
+        f"model-path: {path}: the tokenizer's eos token {tokenizer.eos_token!r} (id {eos}) "
+        f"is not the model's (config.json:eos_token_id {sorted(stops)}): responses are trained "
+        "to end with a token generation does not stop at; check that the tokenizer is the "
+        "checkpoint's own"
+    ]
+
+
+def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    tokenizer = open_tokenizer(path)
+    problems = tokenizer_problems(path, config, tokenizer)
+    if problems:
+        raise ModelError("; ".join(problems))
     return tokenizer
 
 
@@ -276,9 +438,12 @@ def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     path = Path(spec.path).expanduser()
     config = _checkpoint_config(path)
+    check_weights(path, config, allow_pickle=spec.allow_pickle_weights)
     tokenizer = _load_tokenizer(path, config)
     fingerprint = checkpoint_fingerprint(path)
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if not spec.allow_pickle_weights:
+        kwargs["use_safetensors"] = True  # never unpickle, whatever the folder holds
     if _shares(spec, device):
         # The checkpoint's own files when they are mapped as they are; else a copy
         # converted once per machine (as from_pretrained loads it) in the cache.

@@ -47,6 +47,7 @@ examples:
   fedciuic simulate                          # 3 regions (eu, cn, us), demo data, CPU
   fedciuic simulate --rounds 5 --run-config local-steps=50
   fedciuic simulate --data-root ./my-data    # my-data/<region>/ (docs/data.md)
+  fedciuic budget --data-root ./my-data      # epsilon spent and left, per region
   fedciuic demo-data ./demo-data --regions eu,cn,us
   fedciuic save-checkpoint ./tiny-ckpt --preset tiny
   fedciuic policy check policies/*.yaml      # validate, file:line: field: message
@@ -59,7 +60,9 @@ SIMULATE_EXIT = """\
 exit status:
   0  the run completed and every party's audit log verified
   1  an audit log failed verification
-  2  bad input, or the run failed
+  2  bad input (found in seconds, before anything starts: the run config, the model,
+     its tokenizer or chat template, a region's data; every problem named), or the run
+     failed
   3  every round ran but no aggregate was ever published (no region trained, or every
      aggregate was withheld): nothing was trained and no adapter was saved; the summary
      says why, per region
@@ -298,6 +301,35 @@ def _parser() -> argparse.ArgumentParser:
     for option, default in DATA_FIELD_OPTIONS.items():
         data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
 
+    budget = _command(
+        sub,
+        "budget",
+        _budget,
+        "what each region's dataset has spent of its lifetime epsilon budget, and whether "
+        "a run's target still fits",
+        "fedciuic budget regions/eu/agent.toml regions/cn/agent.toml",
+        description="Read each dataset's privacy ledger (changing nothing) and print its "
+        "cumulative epsilon against its lifetime budget. A deployed region: give its agent "
+        "config (the budget is the agent's epsilon-budget). Simulation datasets: give "
+        "--data-root (the budget is the run config's epsilon-budget). Exit 1 when the "
+        "target does not fit in what a region has left.",
+    )
+    budget.add_argument(
+        "agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"
+    )
+    budget.add_argument(
+        "--data-root", type=Path, help="a simulation's --data-root (one folder per region)"
+    )
+    budget.add_argument("--regions", help="with --data-root: comma-separated (default: app's)")
+    budget.add_argument(
+        "--app", type=Path, default=Path("."), help="the app whose run config to read; default: ."
+    )
+    budget.add_argument(
+        "--target-epsilon",
+        type=float,
+        help="the run's target-epsilon to check against (default: the app's run config's)",
+    )
+
     def _ledger_rebuild(args: argparse.Namespace) -> int:
         from fedciuic.privacy.ledger import rebuild_ledger_command
 
@@ -321,6 +353,10 @@ def _parser() -> argparse.ArgumentParser:
         "it as evidence (docs/privacy.md).",
     )
     rebuild.add_argument("--state-path", type=Path, required=True, metavar="STATE")
+
+    from fedciuic.ops.preflight import add_command as add_preflight
+
+    add_preflight(sub, _command)
 
     ckpt = _command(
         sub,
@@ -480,6 +516,25 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
     report.add_argument("--run", type=int, help="run id (default: the aggregator's last run)")
     report.add_argument("--out", type=Path, default=Path("."), help="folder for the report")
+    prune = _command(
+        audit_sub,
+        "prune",
+        _audit_prune,
+        "remove a log's records past its policy's retention (signed: the log still verifies)",
+        "fedciuic audit prune eu/state/audit.jsonl --key eu/keys/eu.key.json "
+        "--policy eu/eu-gdpr.yaml",
+        "Remove the records older than the policy's audit.retention_days from the log's "
+        "start (a run with a later record is kept whole), after an audit_pruned record and "
+        "a checkpoint signed with the party's key: `fedciuic audit verify` still accepts the "
+        "log, and refuses one cut without them. The policy must be the party's own "
+        "jurisdiction's. A region's agent and the aggregator do this when they start.",
+    )
+    prune.add_argument("log", type=Path, metavar="LOG")
+    prune.add_argument("--key", type=Path, required=True, help="the party's PARTY.key.json")
+    prune.add_argument("--policy", type=Path, required=True, help="the party's own policy")
+    prune.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed, change nothing"
+    )
 
     page = _command(
         sub,
@@ -594,6 +649,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model.adapter import ModelSpec, check_model_spec
     from fedciuic.ops.outputs import summarize
+    from fedciuic.ops.preflight import check_simulation
     from fedciuic.ops.progress import RunProgress
     from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE
 
@@ -627,6 +683,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.data_root is not None:
         data_root = args.data_root.resolve()
         _check_data_root(data_root, run.regions)
+        if run.dp:
+            present = [r for r in run.regions if (data_root / r).is_dir()]
+            for line in _budget_lines(
+                _simulation_budgets(data_root, present, run), run.target_epsilon
+            ):
+                print(f"budget: {line}")
+    # The model, tokenizer, chat template and data, in seconds: exit 2 naming every problem.
+    check_simulation(run, data_root)
     output_dir.mkdir(parents=True, exist_ok=True)
     workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     if data_root is None:
@@ -842,14 +906,13 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
 def _audit_after_simulation(run_dir: Path) -> int:
     """Verify every party's audit log (with the run's keys) once, then write the run's
     compliance report and its HTML report with plots from them."""
-    from fedciuic.audit.report import write_sections
     from fedciuic.ops.run_report import PLOTS_DIR, write_run_report
 
-    report = write_run_report(run_dir)
+    report = write_run_report(run_dir)  # the compliance report too, next to report.html
     lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
     lines += [f"audit: the logs DISAGREE: {d}" for d in report.disagreements]
-    md, _ = write_sections(report.run_id, report.sections, run_dir)
-    lines.append(f"compliance report: {md} (and .html)")
+    if report.compliance is not None:
+        lines.append(f"compliance report: {report.compliance} (and .html)")
     lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
     print("\n".join(lines))
     return EXIT_OK if report.ok else EXIT_AUDIT
@@ -937,6 +1000,55 @@ def _data_check(args: argparse.Namespace) -> int:
     )
     print("\n".join(checked.lines(fields.user_id)))
     return 0 if checked.ok else 1
+
+
+def _budget(args: argparse.Namespace) -> int:
+    from fedciuic.agent.config import AgentConfig
+    from fedciuic.privacy.budget import budget_status
+
+    if bool(args.agent_configs) == (args.data_root is not None):
+        raise ConfigError(
+            ["fedciuic budget: give either agent configs (a deployment) or --data-root"]
+        )
+    run = RunConfig.from_user_config(app_run_config(args.app.resolve()), source="run config")
+    target = run.target_epsilon if args.target_epsilon is None else args.target_epsilon
+    if args.data_root is not None:
+        regions = [r for r in (args.regions or ",".join(run.regions)).split(",") if r]
+        found = _simulation_budgets(args.data_root.resolve(), regions, run)
+    else:
+        agents = [AgentConfig.load(path) for path in args.agent_configs]
+        found = [budget_status(a.region, a.state_dir, a.epsilon_budget) for a in agents]
+    print("\n".join(_budget_lines(found, target)))
+    return 0 if all(status.fits(target) for status in found) else 1
+
+
+def _simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) -> list[Any]:
+    """Each simulated region's spend: its dataset's state is DATA_ROOT/REGION/.fedciuic, its
+    budget the run config's epsilon-budget (simulation has no agent config)."""
+    from fedciuic.config import NodeConfig
+    from fedciuic.privacy.budget import budget_status
+
+    return [
+        budget_status(
+            region,
+            NodeConfig(region=region, data_path=str(data_root / region)).state_dir,
+            run.epsilon_budget,
+        )
+        for region in regions
+    ]
+
+
+def _budget_lines(found: Sequence[Any], target: float) -> list[str]:
+    """One line per region, and a note for each that a run at ``target`` would not fit."""
+    lines = [status.line() for status in found]
+    for status in found:
+        if not status.fits(target):
+            lines.append(
+                f"{status.region}: a run at target-epsilon {target:g} does not fit in the "
+                f"{status.remaining:.2f} left: it declines every round that would go past "
+                f"{status.budget:g}; lower target-epsilon, or train on a new dataset"
+            )
+    return lines
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
@@ -1059,6 +1171,13 @@ def _audit_report(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _audit_prune(args: argparse.Namespace) -> int:
+    from fedciuic.audit.retention import prune_log
+
+    print(prune_log(args.log, args.key, args.policy, dry_run=args.dry_run))
+    return 0
+
+
 def _agent(args: argparse.Namespace) -> int:
     from fedciuic.agent.config import AgentConfig
     from fedciuic.agent.service import hello, serve
@@ -1081,6 +1200,8 @@ def _report(args: argparse.Namespace) -> int:
         args.run_dir.resolve(), audit_logs=args.audit_log, keys_dir=args.keys, out=args.out
     )
     print(f"report: {report.html}")
+    if report.compliance is not None:  # as `fedciuic simulate` writes it
+        print(f"compliance report: {report.compliance} (and .html)")
     print(f"plots: {', '.join(str(p) for p in report.plots.values())}")
     for note in report.notes:
         print(f"note: {note}")

@@ -7,7 +7,15 @@ each region's budget, bytes uploaded per round, and a timeline of every decision
 accepted, declined, rejected, withheld, with the reasons), then the compliance
 record from the audit logs. The plots are PNGs embedded in the page, so the one
 file can be mailed to a regulator; they are also written to ``report/`` with the
-numbers behind them in ``report/series.json``.
+numbers behind them in ``report/series.json``. The compliance report
+(``compliance-report-run-<id>.md`` and ``.html``, as ``fedciuic simulate`` writes it)
+goes next to the page. Unless the aggregator's own policy sets ``audit.redact_paths:
+false``, nothing written shows a local path.
+
+Every region stays visible in a plot: each has its own colour, marker and dash, and
+regions whose curves are exactly the same (same data size and settings) say so in
+the legend and the caption, drawn over one another with nested hollow markers
+(never moved apart, which would misstate the figures).
 """
 
 from __future__ import annotations
@@ -16,16 +24,24 @@ import base64
 import html
 import io
 import json
+import re
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.audit.events import Event
-from fedciuic.audit.log import REGION_LOG, AuditError
-from fedciuic.audit.report import PartyLog, Section, build_report, open_logs, verify_logs
+from fedciuic.audit.log import REGION_LOG, AuditError, redaction
+from fedciuic.audit.report import (
+    PartyLog,
+    Section,
+    build_report,
+    open_logs,
+    verify_logs,
+    write_sections,
+)
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import ConfigError
 from fedciuic.ops.outputs import (
@@ -65,6 +81,20 @@ MARKERS = {
     "withheld": ("D", "#9467bd"),
 }
 REFUSALS = (DECLINED, REJECTED, FAILED, "withheld")
+#: Each region's marker and dash (with its colour): regions stay apart in print and in
+#: grey, and where their curves coincide.
+REGION_STYLES: tuple[tuple[str, Any], ...] = (
+    ("o", "-"),
+    ("s", "--"),
+    ("^", "-."),
+    ("D", (0, (1, 1))),
+    ("v", (0, (5, 1, 1, 1, 1, 1))),
+    ("P", (0, (3, 1))),
+    ("X", (0, (8, 2))),
+    ("*", (0, (1, 2, 4, 2))),
+)
+#: Plots that draw one curve per region: where two curves coincide, the caption says so.
+REGION_CURVES = ("eval_loss", "epsilon")
 
 #: ``fedciuic report``'s exit status (the numbers ``fedciuic simulate`` gives the same
 #: outcomes): 0 only for a run that completed with every log verified.
@@ -96,6 +126,7 @@ class RunReport:
     notes: list[str] = field(default_factory=list)  # what a run that did not end left
     disagreements: list[str] = field(default_factory=list)  # where the logs contradict
     status: str = COMPLETED  # the run's, from its metrics.json
+    compliance: Path | None = None  # compliance-report-run-<id>.md (and .html), if any
 
     @property
     def ok(self) -> bool:
@@ -243,6 +274,37 @@ def series(data: RunMetrics, timeline: Sequence[Decision]) -> dict[str, Any]:
 # -- plots --------------------------------------------------------------------------------
 
 
+def coincident(curves: Mapping[str, Any]) -> list[list[str]]:
+    """The groups of regions (in their order) whose curves are exactly the same points:
+    drawn over one another, they would look like one region."""
+    groups: dict[str, list[str]] = {}
+    for name, points in curves.items():
+        if name != OVERALL:
+            groups.setdefault(json.dumps(points), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _region_curve(
+    ax: Any,
+    points: Sequence[Sequence[float]],
+    region: str,
+    index: int,
+    label: str,
+    same: Sequence[str],
+) -> None:
+    """One region's curve in its own colour, marker and dash. In a group of identical
+    curves (``same``), hollow markers, the first region's largest, so that every region
+    shows at every point, and a label naming the others."""
+    xs, ys = zip(*points, strict=True)
+    marker, dash = REGION_STYLES[index % len(REGION_STYLES)]
+    style: dict[str, Any] = {}
+    if len(same) > 1:
+        nested = len(same) - 1 - same.index(region)
+        style = {"markersize": 5 + 3.5 * nested, "markerfacecolor": "none", "markeredgewidth": 1.5}
+        label += f" (identical to {', '.join(r for r in same if r != region)})"
+    ax.plot(xs, ys, marker=marker, linestyle=dash, color=f"C{index % 10}", label=label, **style)
+
+
 def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     """One matplotlib figure per plot, drawn off-screen."""
     import matplotlib
@@ -251,27 +313,34 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     from matplotlib.figure import Figure
 
     regions = list(values["regions"])
+    order = {r: i for i, r in enumerate(regions)}
     colours = {r: f"C{i % 10}" for i, r in enumerate(regions)}
     rounds = list(values["rounds"])
     out: dict[str, Figure] = {}
 
+    def same_as(curves: Mapping[str, Any]) -> dict[str, list[str]]:
+        return {name: group for group in coincident(curves) for name in group}
+
     fig = Figure(figsize=(7, 3.6), dpi=100)
     ax = fig.add_subplot()
+    same = same_as(values["eval_loss"])
     for name, points in values["eval_loss"].items():
-        xs, ys = zip(*points, strict=True)
         if name == OVERALL:
+            xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, "k--", label="overall (by examples)")
         else:
-            ax.plot(xs, ys, "o-", color=colours.get(name), label=name)
+            index = order.get(name, len(order))
+            _region_curve(ax, points, name, index, name, same.get(name, []))
     ax.set(xlabel="round (0 = before training)", ylabel="eval loss", title="Eval loss")
     _finish(fig, ax, rounds, values["eval_loss"])
     out["eval_loss"] = fig
 
     fig = Figure(figsize=(7, 3.6), dpi=100)
     ax = fig.add_subplot()
+    same = same_as(values["epsilon"])
     for region, points in values["epsilon"].items():
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, "o-", color=colours.get(region), label=f"{region} spent")
+        index = order.get(region, len(order))
+        _region_curve(ax, points, region, index, f"{region} spent", same.get(region, []))
     by_budget: dict[float, list[str]] = {}
     for region, budget in values["epsilon_budget"].items():
         by_budget.setdefault(budget, []).append(region)
@@ -325,6 +394,20 @@ def _finish(fig: Figure, ax: Any, rounds: Sequence[int], drawn: Any, empty: str 
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
+
+
+def curve_notes(values: Mapping[str, Any]) -> dict[str, str]:
+    """For each plot whose regions' curves coincide, what its caption adds."""
+    notes = {}
+    for name in REGION_CURVES:
+        groups = coincident(values.get(name, {}))
+        if groups:
+            notes[name] = " ".join(
+                f"{', '.join(group)}: identical curves, drawn over one another (each region "
+                "its own hollow marker)."
+                for group in groups
+            )
+    return notes
 
 
 def _png(fig: Figure) -> bytes:
@@ -401,10 +484,15 @@ def render(
     problems: Sequence[str],
     verified: bool | None,
     notes: Sequence[str] = (),
+    redact: Callable[[str], str] | None = None,
 ) -> str:
-    """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched."""
+    """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched.
+    ``redact`` takes local paths out of the texts from the run (its error, its folder);
+    the caller redacts the sections, problems, notes and reasons it passes."""
     e = html.escape
     run, config = data.run, data.run.config
+    shown = redact or (lambda text: text)
+    extra = curve_notes(series(data, timeline))
     last_round, _ = data.final_eval()
     title = f"fedciuic run report: run {run.run_id}"
     status = str(run.status)
@@ -414,7 +502,7 @@ def render(
         f"<title>{e(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{e(title)}</h1>",
         f'<p class="{"ok" if status == COMPLETED else "bad"}">Status: <b>{e(status)}</b>'
-        + (f": {e(run.error)}" if run.error else "")
+        + (f": {e(shown(run.error))}" if run.error else "")
         + f" &middot; regions {e(', '.join(run.regions))} &middot; "
         f"{e(str(config.num_server_rounds))} round(s) &middot; aggregator in "
         f"{e(str(config.aggregator_jurisdiction))} &middot; "
@@ -456,10 +544,11 @@ def render(
     ]
     for name in PLOTS:
         data_uri = base64.b64encode(pngs[name]).decode("ascii")
+        caption = f"{CAPTIONS[name]} {extra[name]}" if name in extra else CAPTIONS[name]
         out.append(
-            f'<figure id="{name}"><img alt="{e(CAPTIONS[name])}" '
+            f'<figure id="{name}"><img alt="{e(caption)}" '
             f'src="data:image/png;base64,{data_uri}">'
-            f"<figcaption>{e(CAPTIONS[name])}</figcaption></figure>"
+            f"<figcaption>{e(caption)}</figcaption></figure>"
         )
     refused = [d for d in timeline if d.outcome in REFUSALS]
     out.append(f"<h2>Decisions</h2><p>{len(timeline)} decision(s), {len(refused)} refusal(s).</p>")
@@ -479,9 +568,63 @@ def render(
     out.append(
         f"<p><small>Written by fedciuic {e(__version__)} at "
         f"{e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))} from "
-        f"{e(run.output_dir or '')}.</small></p></body></html>"
+        f"{e(shown(run.output_dir or ''))}.</small></p></body></html>"
     )
     return "\n".join(out) + "\n"
+
+
+#: An absolute path in free text that no known folder accounts for: its folders are
+#: replaced, its last part kept. Not one that opens a JSON string (a record's details,
+#: which its writer redacted by its own policy; base64 may start with a slash).
+_ABSOLUTE = re.compile(r"(?<![\w.~<>/:+=\"-])/(?:[^\s/\"'<>|:;,()\[\]=]+/)+(?=[^\s/\"'<>|])")
+
+
+def redacts_paths(data: RunMetrics) -> bool:
+    """Whether what the run's report shows must leave local paths out: yes, unless the
+    policy of the aggregator's jurisdiction, as the run held it (same hash), sets
+    ``audit.redact_paths: false``. The report is the aggregator's record."""
+    from fedciuic.policy.rules import PolicyError, load_policy
+
+    jurisdiction = data.run.config.aggregator_jurisdiction
+    held = (data.run.policies or {}).get(jurisdiction) if jurisdiction else None
+    if held is None:
+        return True
+    try:
+        loaded = load_policy(Path(held.file))
+    except PolicyError:
+        return True
+    return loaded.hash != held.hash or loaded.policy.audit.redact_paths
+
+
+def path_redactor(
+    data: RunMetrics, logs: Sequence[PartyLog], keys_dir: Path | None
+) -> Callable[[str], str] | None:
+    """What takes local paths out of the texts the report shows (None: the policy lets
+    them show): the run's folders by name (``<output-dir>``, ``<data-root>``,
+    ``<keys-dir>``), each audit log and policy by its file name, and any other absolute
+    path down to its last part (``<path>/name``)."""
+    if not redacts_paths(data):
+        return None
+    run = data.run
+    known = [(str(log.path), log.path.name) for log in logs]
+    known += [(held.file, Path(held.file).name) for held in (run.policies or {}).values()]
+    known += [
+        (str(folder), label)
+        for folder, label in (
+            (run.output_dir, "<output-dir>"),
+            (run.config.data_root, "<data-root>"),
+            (keys_dir or run.config.keys_dir, "<keys-dir>"),
+        )
+        if folder
+    ]
+    patterns = redaction(known)
+
+    def redact(text: str) -> str:
+        for pattern, label in patterns:
+            text = pattern.sub(label, text)
+        return _ABSOLUTE.sub("<path>/", text)
+
+    return redact
 
 
 def write_run_report(
@@ -542,17 +685,18 @@ def write_run_report(
                 "stopped and no signature covers it: it is listed as unverified."
             )
     verified = None if keys_dir is None or not logs else not problems
+    redact = path_redactor(data, logs, keys_dir) or (lambda text: text)
     sections: list[Section] = []
     disagreements: list[str] = []
     if logs:
         try:
-            built = build_report(logs, run_id)
+            built = build_report(logs, run_id).redacted(redact)
             sections, disagreements = built.sections, built.disagreements
         except AuditError as err:
             if ended:
                 raise ConfigError([f"{paths[0]}: {err}; pass the audit log of this run"]) from None
             notes.append(f"The audit logs hold no record of run {run_id} ({err}).")
-    timeline = decisions(logs, run_id)
+    timeline = [replace(d, reason=redact(d.reason)) for d in decisions(logs, run_id)]
     values = series(data, timeline)
     pngs = {name: _png(fig) for name, fig in figures(values).items()}
     page = out or run_dir / REPORT_FILE
@@ -564,9 +708,14 @@ def write_run_report(
         plots[name].write_bytes(png)
     series_path = plots_dir / SERIES_FILE
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
+    # The compliance report, as `fedciuic simulate` writes it: next to the page.
+    compliance = write_sections(run_id, sections, page.parent)[0] if sections else None
     kept = [s for s in sections if s.title != "Refusals"]  # the Decisions table has them all
-    shown = problems + [f"the logs disagree: {d}" for d in disagreements]
-    page.write_text(render(data, timeline, pngs, kept, shown, verified, notes), encoding="utf-8")
+    shown = [redact(p) for p in problems] + [f"the logs disagree: {d}" for d in disagreements]
+    page.write_text(
+        render(data, timeline, pngs, kept, shown, verified, [redact(n) for n in notes], redact),
+        encoding="utf-8",
+    )
     return RunReport(
         page,
         plots,
@@ -579,4 +728,5 @@ def write_run_report(
         notes,
         disagreements,
         status,
+        compliance,
     )

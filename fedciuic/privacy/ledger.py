@@ -472,13 +472,14 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
     releases, and the head at that length) and the highest cumulative epsilon they
     recorded. None when there is no audit log. A log that cannot be read is an error:
     without it a rollback cannot be ruled out."""
-    from fedciuic.audit.log import load_records
+    from fedciuic.audit.log import load_records, with_carried
 
     if not audit_path.exists():
         return None
     releases, head, epsilon = 0, "", 0.0
     lines: dict[int, tuple[str, bytes, bytes]] = {}
-    for record in load_records(audit_path):
+    # with_carried: a pruned audit log carries its last witness of each ledger forward.
+    for record in with_carried(load_records(audit_path)):
         details = record.get("details")
         if record.get("event") != TRAINED_EVENT or not isinstance(details, dict):
             continue
@@ -602,11 +603,11 @@ def _valid_prefix(lines: list[bytes]) -> list[bytes]:
 def _any_witness(audit_path: Path, header_line: bytes) -> LedgerWitness | None:
     """The audit log's witness for the ledger whose header is ``header_line`` (or, with
     no usable header, the one the audit log's last witness names)."""
-    from fedciuic.audit.log import load_records
+    from fedciuic.audit.log import load_records, with_carried
 
     candidates = [header_line]
     if audit_path.exists():
-        for record in reversed(load_records(audit_path)):
+        for record in reversed(list(with_carried(load_records(audit_path)))):
             details = record.get("details")
             if record.get("event") == TRAINED_EVENT and isinstance(details, dict):
                 seen = _witnessed(details.get("ledger"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
+from fedciuic.audit.retention import enforce_at_start
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
@@ -257,6 +258,9 @@ def open_run(
     policies = load_policies(run, keys, recorder)
     resumed = resume(run, base_fingerprint, audit, recorder)
     optimizer = server_optimizer(run, resumed)  # refused before run_start if it does not fit
+    # The aggregator's log is kept by its own jurisdiction's policy (docs/audit.md).
+    own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
+    enforce_at_start(audit, own, _logger, "aggregator")
     federation_run = resumed.federation_run if resumed else flower_run
     sealing = aggregator_sealing(keys)
     run_start(audit, federation_run, flower_run, run, sealing, policies, resumed, base_fingerprint)

@@ -148,7 +148,9 @@ class Region:
         self.name = node.region
         if run.noise_warning:
             warn_once(run.noise_warning)
-        self.model = AdapterModel(ModelSpec.from_run(run))
+        # Whether pickle weights load is the region's own word (its agent config).
+        spec = ModelSpec.from_run(run, allow_pickle_weights=node.allows_pickle_weights(run))
+        self.model = AdapterModel(spec)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
         #: With train-processes > 1: the region's training processes, started at its

@@ -503,6 +503,25 @@ def test_a_signed_instruction_for_a_run_the_region_does_not_take_is_declined(
     assert "replayed" in refused(agent, frame)  # declined, but acted on: once
 
 
+def test_a_run_config_that_allows_pickle_weights_does_not_make_the_region_load_them(
+    federation, agent, config, tiny_checkpoints, tmp_path
+):
+    """Loading pickle runs code: the aggregator's run config may say allow, but the
+    region goes by its own agent config (allow-pickle-weights, default false)."""
+    from tests.model.test_checkpoint_checks import pickle_only
+
+    assert config.allow_pickle_weights is False
+    pickled = pickle_only(tiny_checkpoints["qwen2"], tmp_path / "pickled")
+    run = {"model-path": str(pickled), "allow-pickle-weights": True}
+    frame = federation.instruction(server_round=5, run=run)
+    with nothing_trained(config):
+        answer = agent.answer(frame, ME)
+    info = vouched(federation, answer, server_round=5)
+    assert info["status"] == "declined"
+    assert f"{pickled}: its weights are only pickle files" in str(info["reason"])
+    assert events(config, "declined")[-1]["details"]["reason"] == info["reason"]
+
+
 @pytest.mark.parametrize(
     "lines",
     [

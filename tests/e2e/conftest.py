@@ -1,4 +1,5 @@
-"""End-to-end tests: the one test that needs a headless browser is skipped, with the
+"""End-to-end tests: each starts by timing this machine's pace (its waits follow it,
+tests/e2e/pace.py); the one test that needs a headless browser is skipped, with the
 reason, only where chromium is absent and scripts/test.sh could not install it."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import os
 import shutil
 
 import pytest
+
+from tests.e2e import pace
 
 #: Set by scripts/test.sh when scripts/setup-browser.sh could not install chromium.
 NO_CHROMIUM = "FEDCIUIC_NO_CHROMIUM"
@@ -19,3 +22,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "chromium" in item.name:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def paced(request: pytest.FixtureRequest) -> None:
+    """Time a training step now: the test's waits are stretched by the slowdown found."""
+    request.node.user_properties.append(("pace-factor", round(pace.calibrate(), 2)))

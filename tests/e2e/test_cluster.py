@@ -15,9 +15,10 @@ import pytest
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.privacy.ledger import LEDGER_FILE
 from tests.e2e.helpers import describe, only_run, processes_under, stop_everything
+from tests.e2e.pace import patient
 from tests.e2e.test_simulation import _command
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario]
 
 #: How a region's training worker shows in a process list (``python -m WORKER``).
 WORKER = "fedciuic.cluster.worker"
@@ -51,7 +52,7 @@ def _run(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, object], Path
         folder, "--rounds", "1", "--regions", "eu,cn", "--data-root", str(data_root), *FAST, *args
     )
     folder.mkdir(exist_ok=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=folder)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=patient(900), cwd=folder)
     assert done.returncode == 0, done.stdout + done.stderr
     left = processes_under(folder)
     assert not left, "the simulation left processes running:\n" + describe(left)
@@ -97,7 +98,7 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
     )
     killed: list[int] = []
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + patient(600)
         while time.monotonic() < deadline and sim.poll() is None:
             # Kill eu's worker while it trains round 2.
             workers = _workers(tmp_path)
@@ -108,7 +109,7 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
                     killed.append(worker.pid)
                 break
             time.sleep(0.05)
-        output, _ = sim.communicate(timeout=900)
+        output, _ = sim.communicate(timeout=patient(900))
     except BaseException:  # SIGKILL to simulate alone would orphan its SuperLink and Ray
         stop_everything(tmp_path, [sim.pid])
         raise

@@ -27,6 +27,7 @@ from tests.e2e.helpers import (
     processes_under,
     start_region,
 )
+from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -50,7 +51,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             superlink=f"127.0.0.1:{proxy.port}",
             auth_key=intruder_key,
         )
-        assert federation.expect_exit(intruder, timeout=120) != 0
+        assert federation.expect_exit(intruder, timeout=patient(120)) != 0
         assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         for region in REGIONS:
             start_region(
@@ -73,7 +74,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 "keys-dir": str(keys),
                 "policies-dir": str(lab_policies_dir(tmp_path / "state")),
             },
-            timeout=900,
+            timeout=patient(900),
         )
     proxy.stop()
     assert not alive(pids), "processes survived the federation"

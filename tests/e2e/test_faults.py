@@ -25,8 +25,9 @@ from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.rounds.checkpoint import load_checkpoint
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
 from tests.e2e.helpers import alive, lab_policies_dir, start_region
+from tests.e2e.pace import patient
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario]
 REGIONS = ("eu", "cn", "us")
 SIMULATION = {"num-supernodes": 3, "client-resources-num-cpus": 1}
 
@@ -35,7 +36,7 @@ def when(condition: Callable[[], bool], then: Callable[[], None], timeout: float
     """In the background: once ``condition`` holds, do ``then``."""
 
     def watch() -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + patient(timeout)
         while time.monotonic() < deadline:
             if condition():
                 then()
@@ -95,7 +96,7 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
         write_demo_corpora(tmp_path / name / "data", REGIONS)
     with LocalFederation(tmp_path / "work-whole", ROOT) as federation:
         federation.start_superlink(simulation=True)
-        federation.run_app(config("whole"), federation_config=SIMULATION, timeout=600)
+        federation.run_app(config("whole"), federation_config=SIMULATION, timeout=patient(600))
 
     cut = config("cut")
     states = [tmp_path / "cut" / "data" / r / ".fedciuic" for r in REGIONS]
@@ -112,7 +113,7 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
             federation.crash,
         )
         with pytest.raises(FederationError):
-            federation.run_app(cut, federation_config=SIMULATION, timeout=600)
+            federation.run_app(cut, federation_config=SIMULATION, timeout=patient(600))
     assert not alive(pids)
     (killed,) = (tmp_path / "cut" / "runs").glob("run-*")
     assert not (killed / "adapter").exists()  # it never finished
@@ -125,7 +126,7 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
         federation.run_app(
             {**config("cut", **{"resume-from": str(killed)})},
             federation_config=SIMULATION,
-            timeout=600,
+            timeout=patient(600),
         )
 
     whole, resumed = (
@@ -210,12 +211,12 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
                 # regions must finish well inside the timeout even on a slow machine.
                 "local-steps": 5,
             },
-            timeout=600,
+            timeout=patient(600),
         )
         took = time.monotonic() - started
         # US's agent outlived its relay: it finishes the round it began and seals its
         # update, which can no longer reach the aggregator.
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + patient(180)
         while not released(tmp_path / "state" / "us", 1) and time.monotonic() < deadline:
             time.sleep(0.5)
     assert nodes["us"].process.poll() is not None
@@ -234,7 +235,7 @@ def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):
     assert sorted(train) == ["cn", "eu", "us"]
     aggregate = data["rounds"]["1"]["aggregate"]
     assert aggregate["published"] and sorted(aggregate["regions"]) == ["cn", "eu"]
-    assert took < 400, f"the run took {took:.0f}s"
+    assert took < patient(400), f"the run took {took:.0f}s"
     # Its release is spent and was never delivered: the compliance report says so, with
     # the aggregator's reason, rather than that the logs simply agree.
     assert released(tmp_path / "state" / "us", 1), "us's agent sealed no update"

@@ -19,6 +19,7 @@ from fedciuic.ops.deploy import init_deployment
 from fedciuic.rounds.metrics import load_metrics
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e.helpers import alive, describe, processes_under, stop_everything
+from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn")
@@ -74,7 +75,7 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patient(120),
     )
     assert init.returncode == 0, init.stderr
     assert f"bash {directory / 'start.sh'}" in init.stdout
@@ -91,10 +92,10 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
     )
     try:
         try:
-            output, _ = start.communicate(timeout=300)
+            output, _ = start.communicate(timeout=patient(300))
         except subprocess.TimeoutExpired:
             start.send_signal(signal.SIGTERM)  # its trap stops what it started
-            output, _ = start.communicate(timeout=60)
+            output, _ = start.communicate(timeout=patient(60))
             pytest.fail(f"start.sh did not finish within 300 s:\n{output[-4000:]}")
         assert start.returncode == 0, output[-4000:]
         (metrics,) = sorted((directory / "aggregator" / "runs").glob("run-*/metrics.json"))
@@ -162,7 +163,7 @@ def test_ctrl_c_on_start_sh_whose_output_is_gone_stops_every_process_and_exits_1
     start.stdout.close()
     try:
         # As soon as the SuperNodes are up and the run is submitted: no training.
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + patient(45)
         while not (
             (directory / "pids" / "flwr-run.pid").exists()
             and sum("flower-supernode" in " ".join(p.cmdline()) for p in processes_under(directory))
@@ -172,7 +173,7 @@ def test_ctrl_c_on_start_sh_whose_output_is_gone_stops_every_process_and_exits_1
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.2)
         os.killpg(start.pid, signal.SIGINT)
-        assert start.wait(timeout=60) == 130, err.read_text()
+        assert start.wait(timeout=patient(60)) == 130, err.read_text()
         left = processes_under(directory)
         assert not left, "start.sh left processes running:\n" + describe(left)
         assert "start.sh: stopping every process it started" in err.read_text()

@@ -21,7 +21,9 @@ from PIL import Image
 
 from fedciuic.audit.log import load_records
 from tests.conftest import ROOT, record_level_policies
+from tests.e2e import pace
 from tests.e2e.helpers import only_run, processes_under
+from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +36,7 @@ def fedciuic(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Complete
         [sys.executable, "-m", "fedciuic.ops.cli", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patient(timeout),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
     )
@@ -42,6 +44,7 @@ def fedciuic(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pace.calibrate()  # before any test's own: this fixture's waits come first
     tmp = tmp_path_factory.mktemp("report-demo")
     done = fedciuic(
         "simulate",

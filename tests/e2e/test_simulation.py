@@ -19,6 +19,7 @@ from fedciuic.ops.run_report import EXIT_UNFINISHED
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
+from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,11 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
 
 def simulate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        _command(tmp_path, *args), capture_output=True, text=True, timeout=900, cwd=tmp_path
+        _command(tmp_path, *args),
+        capture_output=True,
+        text=True,
+        timeout=patient(900),
+        cwd=tmp_path,
     )
 
 
@@ -92,7 +97,7 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patient(120),
     )
     assert verified.returncode == 0 and verified.stdout.startswith("OK: "), verified.stdout
 
@@ -173,6 +178,9 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
         assert train["cn"]["status"] == train["us"]["status"] == "trained"
         assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "us"]
     assert ledger_path.read_text() == spent  # nothing more was spent
+    # ... and the launching machine said so before anything started.
+    assert "budget: eu: a run at target-epsilon 4 does not fit in the 0.00 left" in done.stdout
+    assert "budget: cn: nothing spent, budget 8" in done.stdout
     assert "declined x2" in done.stdout
 
 
@@ -239,7 +247,7 @@ def test_the_refusal_example_shows_cn_declining_a_us_aggregator(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=patient(900),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -264,7 +272,7 @@ def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(
         _, log = federation.run_app(
             {"output-dir": str(out), "model-path": str(tmp_path / "nope")},
             federation_config={"num-supernodes": 3, "client-resources-num-cpus": 1},
-            timeout=600,
+            timeout=patient(600),
         )
     assert f"fedciuic: run config:model-path: {tmp_path / 'nope'} is not a directory" in log
     assert "Traceback" not in log
@@ -272,26 +280,34 @@ def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(
     assert data["run"]["status"] == "failed" and data["rounds"] == {}
 
 
+@pytest.mark.scenario
 def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(tmp_path):
     """The documented way to continue ledgers: the same --data-root again. Each region's
     key is kept with its state, so its audit log, which outlives runs, verifies after
-    every run; once the budget is spent no region trains, and the run says so (exit 3,
-    no adapter), instead of "completed" with an untrained adapter."""
+    every run; the second run is told before it starts what the first spent, and a
+    target that no longer fits trains nothing and says so (exit 3, no adapter), instead
+    of "completed" with an untrained adapter."""
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "us"))
     common = ("--regions", "eu,us", "--rounds", "1", "--data-root", str(data_root))
-    half = ("--run-config", "local-steps=2", "--run-config", "target-epsilon=4.0")
     kept = data_root / "eu" / ".fedciuic" / "keys" / "eu.key.json"
-    for number in (1, 2):
-        done = simulate(tmp_path, *common, *half)
-        assert done.returncode == 0, f"run {number}:\n{done.stdout}{done.stderr}"
-        assert done.stdout.count("audit: OK: ") == 3, done.stdout  # aggregator, eu, us
-        assert "signed by another key" not in done.stdout
-        if number == 1:
-            key = kept.read_text()
-    assert kept.read_text() == key  # the same key for both runs
+    first = simulate(tmp_path, *common, "--run-config", "local-steps=2")  # the default target
+    assert first.returncode == 0, f"{first.stdout}{first.stderr}"
+    assert first.stdout.count("audit: OK: ") == 3, first.stdout  # aggregator, eu, us
+    assert "budget: eu: nothing spent, budget 8" in first.stdout
+    key = kept.read_text()
 
-    spent = simulate(tmp_path, *common, "--run-config", "local-steps=2")
+    whole = ("--run-config", "local-steps=2", "--run-config", "target-epsilon=8.0")
+    spent = simulate(tmp_path, *common, *whole)
+    assert kept.read_text() == key  # the same key for both runs
+    assert "signed by another key" not in spent.stdout
+    assert re.search(
+        r"^budget: eu: epsilon [\d.]+ of 8 spent per user \(delta 1e-05, 1 "
+        r"release\(s\) in 1 run\(s\)\), [\d.]+ left$",
+        spent.stdout,
+        re.M,
+    ), spent.stdout
+    assert "budget: eu: a run at target-epsilon 8 does not fit in the " in spent.stdout
     assert spent.returncode == 3, spent.stdout + spent.stderr
     assert spent.stdout.count("audit: OK: ") == 3, spent.stdout
     (newest,) = [
@@ -310,6 +326,7 @@ def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(t
     assert not processes_under(tmp_path)
 
 
+@pytest.mark.scenario
 def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     """SIGTERM to `fedciuic simulate` mid-run: every process goes, metrics.json says
     interrupted (not "running" forever), and `fedciuic report` describes what is there."""
@@ -322,14 +339,14 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
         cwd=tmp_path,
     )
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + patient(600)
         while time.monotonic() < deadline and process.poll() is None:
             found = list(runs.glob("run-*/metrics.json"))
             if found and '"1"' in found[0].read_text():  # round 1 has begun
                 break
             time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
+        output, _ = process.communicate(timeout=patient(120))
     except BaseException:  # SIGKILL to simulate alone would orphan its SuperLink and Ray
         stop_everything(tmp_path, [process.pid])
         raise
@@ -345,7 +362,7 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
         [sys.executable, "-m", "fedciuic.ops.cli", "report", str(run_dir)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     # The run did not end: the report says so, and its exit code too.
     assert report.returncode == EXIT_UNFINISHED, report.stdout + report.stderr
@@ -390,6 +407,7 @@ def test_each_architecture_trains_one_dp_round_of_a_two_region_simulation(
     assert not processes_under(tmp_path)
 
 
+@pytest.mark.scenario
 def test_the_realistic_preset_trains_one_sealed_dp_round(tmp_path):
     """The 207M-parameter DeepSeek-V3-shaped preset with its BPE tokenizer, end to end:
     both regions train under DP and their sealed updates are aggregated."""
@@ -419,6 +437,7 @@ def test_the_realistic_preset_trains_one_sealed_dp_round(tmp_path):
     assert not processes_under(tmp_path)
 
 
+@pytest.mark.scenario
 def test_a_buffered_run_with_a_slow_region_time_budgets_and_fedadam(tmp_path):
     """Real Flower processes with the heterogeneity settings together: buffered
     aggregation (K = 2 of 3 regions), us made 4x slower under a local time budget,

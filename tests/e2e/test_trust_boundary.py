@@ -47,7 +47,9 @@ from fedciuic.ops.separation import interpreter_paths
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, record_level_policies
+from tests.e2e import pace
 from tests.e2e.helpers import processes_under
+from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn")
@@ -318,6 +320,7 @@ def _metrics(runs: Path, run_id: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+    pace.calibrate()  # before any test's own: this fixture's waits come first
     # A folder others may pass through: the relay's user reaches its home and the
     # agent's socket there, and nothing else.
     top = Path(tempfile.mkdtemp(prefix="fedciuic-trust-", dir="/tmp"))
@@ -349,7 +352,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         try:
             with LocalFederation(d.aggregator, ROOT) as federation:
                 federation.start_script("superlink", d.aggregator / "start-superlink.sh")
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + patient(60)
                 while not healthy(f"http://{d.superlink}/health"):
                     federation.check_alive()
                     assert time.monotonic() < deadline, "the SuperLink did not come up"
@@ -360,7 +363,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
                     )
                 for name, app in (("altered", altered), ("foreign", foreign), ("honest", ROOT)):
                     config = {**base, **RUN} if name != "foreign" else {}
-                    run_id, _ = federation.run_app(config, app=app, timeout=900)
+                    run_id, _ = federation.run_app(config, app=app, timeout=patient(900))
                     runs[name] = {"id": run_id}
                     if name != "foreign":
                         runs[name] |= _metrics(Path(base["output-dir"]), run_id)

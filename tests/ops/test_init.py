@@ -139,6 +139,33 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
     assert ports == ["19093", "19094", "19095"]  # one each, from --port + 1
 
 
+#: Run-config keys a deployment sets for itself: where things are, who takes part. None
+#: of them changes what a region trains or spends.
+PLACES = {
+    "regions",
+    "aggregator-jurisdiction",
+    "keys-dir",
+    "policies-dir",
+    "output-dir",
+    "audit-dir",
+    "data-root",
+}
+
+
+def test_start_sh_trains_what_simulate_trains_for_the_same_setup(deployment):
+    """simulate and start.sh give the same numbers for the same setup: the deployment's run
+    config overrides only places and parties, and each agent's own settings (its budget,
+    its training processes) are what the app's run config gives a simulated region."""
+    with open(deployment / "aggregator" / "run-config.toml", "rb") as handle:
+        overrides = tomllib.load(handle)
+    assert set(overrides) <= PLACES, sorted(set(overrides) - PLACES)
+    run = RunConfig.from_user_config(app_config(), source="test")
+    for region in REGIONS:
+        agent = AgentConfig.load(deployment / "regions" / region / "agent.toml")
+        assert agent.epsilon_budget == run.epsilon_budget
+        assert agent.processes(run) == run.train_processes
+
+
 def test_flower_connection_and_scripts(deployment):
     agg = deployment / "aggregator"
     with open(agg / "flwr-home" / "config.toml", "rb") as handle:

@@ -3,7 +3,8 @@
 Each deployment is rendered as a user gets it; only its ``BIN`` (the venv whose
 executables the scripts run) points at a folder of stand-ins: a SuperLink that answers
 ``/health``, SuperNodes, agents and relays that sleep, a ``flwr run`` that records a
-run (``FAKE_STATUS``) and streams on, a ``fedciuic report`` that writes a page.
+run (``FAKE_STATUS``) and streams on, a ``fedciuic report`` that writes a page, a
+``fedciuic preflight`` that passes (tests/ops/test_preflight.py runs the real one).
 ``python`` is the real one, so every ``python -m fedciuic.ops.deploy`` step the scripts
 take (health check, stop, settle, the relay's user) is the real one.
 
@@ -88,6 +89,7 @@ elif sys.argv[2] == NO_AGGREGATE:
 FAKE_FEDCIUIC = """\
 #!/usr/bin/env bash
 case "$1" in
+  preflight) exit 0;;
   agent)
     for arg in "$@"; do [ "$arg" != --ping ] || exit 0; done
     exec sleep 300;;

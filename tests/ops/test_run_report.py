@@ -285,3 +285,157 @@ def test_the_page_and_the_summary_show_each_regions_steps_per_round():
     lines = {line.split()[0]: line for line in summarize(data).splitlines()[1:4]}
     assert "steps/round" in lines["region"]
     assert "30/30/29" in lines["eu"] and "8/7" in lines["us"]
+
+
+def _three_regions(epsilons: dict[str, float]) -> dict[str, Any]:
+    """Series of three regions: eval loss and epsilon per round, as ``epsilons`` scales."""
+    from fedciuic.ops.run_report import series
+
+    regions = list(epsilons)
+    rounds: dict[str, Any] = {}
+    for n in (1, 2, 3):
+        rounds[str(n)] = {
+            "eval": {r: {"loss": 5.0 - n} for r in regions},
+            "train": {
+                r: {"status": "trained", "epsilon": e * n, "epsilon_budget": 8.0}
+                for r, e in epsilons.items()
+            },
+        }
+    data = {"run": {"run_id": 9, "status": "completed", "regions": regions}, "rounds": rounds}
+    return series(RunMetrics.model_validate(data), [])
+
+
+def test_identical_epsilon_curves_still_show_and_name_every_region():
+    """Same data size and settings give three identical curves: each region keeps its
+    own legend entry, marker and dash, none is moved off its true values, and the
+    legend and the caption say they coincide."""
+    from fedciuic.ops.run_report import curve_notes
+
+    values = _three_regions({"eu": 1.0, "cn": 1.0, "us": 1.0})
+    drawn = figures(values)
+    ax = drawn["epsilon"].axes[0]
+    curves = [
+        line for line in ax.get_lines() if str(line.get_label()).split()[0] in values["regions"]
+    ]
+    assert [line.get_label() for line in curves] == [
+        "eu spent (identical to cn, us)",
+        "cn spent (identical to eu, us)",
+        "us spent (identical to eu, cn)",
+    ]
+    legend = ax.get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()][:3] == [c.get_label() for c in curves]
+    assert len({(c.get_marker(), str(c.get_linestyle()), c.get_color()) for c in curves}) == 3
+    assert all(np.asarray(c.get_ydata()).tolist() == [1.0, 2.0, 3.0] for c in curves)  # true
+    sizes = [c.get_markersize() for c in curves]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3  # nested
+    assert all(c.get_markerfacecolor() == "none" for c in curves)
+    loss = [line.get_label() for line in drawn["eval_loss"].axes[0].get_lines()]
+    assert loss == [
+        "eu (identical to cn, us)",
+        "cn (identical to eu, us)",
+        "us (identical to eu, cn)",
+    ]
+    notes = curve_notes(values)
+    assert notes["epsilon"].startswith("eu, cn, us: identical curves")
+    assert "eval_loss" in notes
+
+
+def test_curves_that_differ_are_labelled_by_region_alone():
+    from fedciuic.ops.run_report import curve_notes
+
+    values = _three_regions({"eu": 1.0, "cn": 1.0, "us": 2.0})
+    labels = [line.get_label() for line in figures(values)["epsilon"].axes[0].get_lines()]
+    assert labels[:3] == ["eu spent (identical to cn)", "cn spent (identical to eu)", "us spent"]
+    assert curve_notes(values)["epsilon"].startswith("eu, cn: identical curves")
+    assert "epsilon" not in curve_notes(_three_regions({"eu": 1.0, "cn": 2.0, "us": 3.0}))
+
+
+def test_the_page_caption_says_which_curves_coincide():
+    from fedciuic.ops.run_report import PLOTS, render
+
+    data = {
+        "run": {"run_id": 9, "status": "completed", "regions": ["eu", "cn"], "config": {}},
+        "rounds": {
+            "1": {
+                "train": {
+                    r: {"status": "trained", "epsilon": 2.0, "epsilon_budget": 8.0}
+                    for r in ("eu", "cn")
+                }
+            }
+        },
+    }
+    page = render(RunMetrics.model_validate(data), [], dict.fromkeys(PLOTS, b""), [], [], None)
+    assert "eu, cn: identical curves, drawn over one another" in page
+
+
+def test_report_writes_the_compliance_report_as_simulate_does(tmp_path, capsys):
+    """start.sh ends with `fedciuic report RUN_DIR --keys ...`: the deployment gets the
+    same compliance report file as a simulation, in the run folder."""
+    args = _run_with_logs(tmp_path, "completed")
+    assert main(["report", *args]) == EXIT_OK
+    run_dir = tmp_path / "run-9"
+    md = run_dir / "compliance-report-run-9.md"
+    assert f"compliance report: {md} (and .html)" in capsys.readouterr().out
+    text = md.read_text()
+    for title in (
+        "Run",
+        "Audit logs examined",
+        "Regions",
+        "Transfers",
+        "Refusals",
+        "Agreement between the logs",
+        "Record of processing and cross-border transfers",
+    ):
+        assert f"\n## {title}\n" in text
+    assert (run_dir / "compliance-report-run-9.html").read_text().startswith("<!doctype html>")
+
+
+def test_the_page_and_the_compliance_report_show_no_local_path(tmp_path, capsys):
+    """The aggregator's policy (EU) redacts paths: neither the page nor the compliance
+    report names where the run, its logs or keys sit, not even in a failure's text."""
+    args = _run_with_logs(tmp_path, "failed")
+    run_dir = tmp_path / "run-9"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["run"].update(
+        output_dir=str(tmp_path),
+        error=f"FileNotFoundError: {tmp_path}/adapters/missing.safetensors",
+    )
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    key = load_keypair(tmp_path / "logs" / "keys" / "aggregator.key.json")
+    log = AuditLog(tmp_path / "logs" / "aggregator.audit.jsonl", "aggregator", key)
+    log.append("round_start", run_id=9, server_round=2)  # unsigned: a note naming the log
+    log.close()
+    main(["report", *args])
+    capsys.readouterr()
+    page = (run_dir / "report.html").read_text()
+    assert "missing.safetensors" in page and "aggregator.audit.jsonl" in page
+    for written in (
+        page,
+        (run_dir / "compliance-report-run-9.md").read_text(),
+        (run_dir / "compliance-report-run-9.html").read_text(),
+        (run_dir / "report" / "series.json").read_text(),
+    ):
+        assert str(tmp_path) not in written
+
+
+def test_a_policy_that_allows_paths_lets_the_page_show_them(tmp_path, capsys):
+    from fedciuic.policy.rules import load_policy
+    from tests.conftest import ROOT
+
+    us = load_policy(ROOT / "policies" / "us-ccpa.yaml")  # audit.redact_paths: false
+    args = _run_with_logs(tmp_path, "completed")
+    run_dir = tmp_path / "run-9"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["run"]["output_dir"] = str(tmp_path)
+    metrics["run"]["config"]["aggregator-jurisdiction"] = "US"
+    metrics["run"]["policies"] = {"US": {"file": str(us.path), "hash": us.hash}}
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    main(["report", *args])
+    capsys.readouterr()
+    assert f"from {tmp_path}." in (run_dir / "report.html").read_text()
+    metrics["run"]["policies"]["US"]["hash"] = "0" * 64  # not the policy the run held
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    main(["report", *args])
+    capsys.readouterr()
+    assert str(tmp_path) not in (run_dir / "report.html").read_text()

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole federation on this machine: SuperLink, one SuperNode per region, one run.
 # Extra arguments go to aggregator/run.sh. Every process started here is stopped on exit.
-# Exit status: run.sh's (0 completed, @@{no_aggregate} no aggregate, 1 otherwise), then the run
-# report's; 130 (SIGINT) or 143 (SIGTERM) when interrupted before the run ended.
+# Exit status: 2 when `fedciuic preflight` finds bad input (the model, its tokenizer or chat
+# template, a region's data) before anything starts; else run.sh's (0 completed,
+# @@{no_aggregate} no aggregate, 1 otherwise), then the run report's; 130 (SIGINT) or 143
+# (SIGTERM) when interrupted before the run ended.
 @@{preamble}
 @@{plain}
 # What this script and everything it starts print goes through two relays (stdout,
@@ -34,6 +36,12 @@ if ! "$BIN/python" -m fedciuic.ops.deploy running "$DIR/pids"; then
 fi
 rm -f "$DIR"/pids/*.pid
 @@{data_checks}
+@@# What a run would otherwise find minutes in (the run config's model, its tokenizer and
+@@# chat template, each region's data, as its agent config names it), in seconds and
+@@# before any process starts; exit 2 naming every problem. "$@": run.sh's arguments,
+@@# whose --run-config values the run gets.
+"$BIN/fedciuic" preflight --app @@{app} --run-config-file @@{run_config} \
+  @@{agent_configs} -- "$@"
 
 SIGNAL=    # 130 or 143 once SIGINT or SIGTERM asked this script to stop
 REPORTED=  # the run report was written (not cut short by a Ctrl-C)
@@ -97,7 +105,8 @@ run_rc=0
 wait "$!" || run_rc=$?
 echo "start.sh: results in $DIR/aggregator/runs"
 # Every party's log is on this machine: the report of this run (the one written since
-# this script started) prints each log's verdict, as `fedciuic simulate` does, whatever
+# this script started) prints each log's verdict and writes the run's compliance report
+# (RUN_DIR/compliance-report-run-<id>.md and .html), as `fedciuic simulate` does, whatever
 # the outcome.
 run_dir=$("$BIN/python" -m fedciuic.ops.deploy last-run "$DIR/aggregator/runs" "$START" || true)
 if [ -n "$run_dir" ]; then

@@ -1,0 +1,470 @@
+"""Checks on the launching machine, in seconds, before a federation starts anything.
+
+A problem a region would only meet minutes into a run (after the SuperLink, the
+SuperNodes and the ServerApp have started, and every round has waited for replies that
+never come) is found here instead, and the launcher exits 2 ("bad input") naming each
+one on a line of its own, with the file or field and the fix:
+
+- the model: a ``model-path`` checkpoint with no weights, weights only in pickle files
+  (``pytorch_model.bin``: refused unless ``allow-pickle-weights``), an embedding that is
+  not ``config.json:vocab_size`` rows, no tokenizer, or a tokenizer that certainly is
+  not the model's (token ids past the embedding, special-token ids of config.json that
+  are no row of it or no token of the tokenizer); an eos token the model's configs do
+  not stop at is a warning (legitimate checkpoints do that);
+- the chat template, when any region's records are chat records (the demo data's are):
+  it must be one the loss can be masked for (:func:`~fedciuic.data.records.check_chat_template`).
+  Where no data is visible, a template that cannot be masked is a warning: records of
+  the other shapes never use it, so such a checkpoint is not wrong in itself;
+- each region's data that this machine holds: every row of every file read and checked
+  as the region will, and the first :data:`~fedciuic.data.check.SCAN_SAMPLE` records
+  rendered and tokenised (nothing is written; a region tokenises its whole data itself,
+  into its cache). A file that cannot be read, bad rows (unless ``bad-rows = "skip"``),
+  records without a user id under ``privacy-unit = "user"``: each is a problem. A region
+  whose folder holds no data files declines, as one without a folder does: a warning.
+
+``fedciuic simulate`` runs them before it starts any process; ``start.sh`` (a
+deployment on one machine) runs ``fedciuic preflight`` with the aggregator's run config
+and each region's agent config before it starts the SuperLink. These checks are the
+launcher's convenience: each region's agent still checks everything itself, by its own
+config, whatever a launcher found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedciuic.config import RunConfig
+from fedciuic.errors import ConfigError, DataError, ModelError
+from fedciuic.ops.runconfig import app_run_config, parse_overrides
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fedciuic.model.adapter import ModelSpec
+
+#: ``flwr run``'s pairs: ``k=v`` with a quoted or bare TOML value (as flwr parses them).
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+class PreflightError(ConfigError):
+    """Every problem found before anything started, one per line."""
+
+    def __str__(self) -> str:
+        if len(self.problems) == 1:
+            return self.problems[0]
+        lines = "\n".join(f"  {problem}" for problem in self.problems)
+        return f"{len(self.problems)} problems, found before anything started:\n{lines}"
+
+
+@dataclass
+class Findings:
+    """What the checks found: problems (nothing may start), warnings, and what was seen."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)  # what was checked, for the summary line
+
+    def problem(self, text: str) -> None:
+        if text not in self.problems:
+            self.problems.append(text)
+
+    def warning(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+
+@dataclass(frozen=True)
+class RegionFolder:
+    """A region's data as this machine sees it, and (deployed) its own pickle word."""
+
+    region: str
+    path: Path
+    #: A deployed region's agent config's allow-pickle-weights (None: simulated, the run's).
+    allow_pickle_weights: bool | None = None
+    source: str = ""  # the agent config it was read from, if any
+
+
+# -- the model ----------------------------------------------------------------------------
+
+
+def _where(spec: ModelSpec) -> str:
+    if spec.path:
+        return f"run config:model-path: {Path(spec.path).expanduser()}"
+    return f"run config:model-preset: {spec.preset}"
+
+
+def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase | None:
+    """The model's problems into ``findings``; the tokenizer regions would read with, if
+    it loads (checked or not: the data checks read with it either way)."""
+    from fedciuic.model import adapter
+    from fedciuic.model.presets import preset_tokenizer
+
+    if not spec.path:
+        try:
+            adapter.check_model_spec(spec)
+            tokenizer: PreTrainedTokenizerBase = preset_tokenizer(spec.preset)
+        except ModelError as err:
+            findings.problem(str(err))
+            return None
+        findings.seen.append(f"model-preset {spec.preset}")
+        return tokenizer
+    path = Path(spec.path).expanduser()
+    findings.seen.append(f"model-path {path}")
+    try:
+        config = adapter.checkpoint_config(path)
+    except ModelError as err:
+        findings.problem(str(err))
+        return None
+    for problem in adapter.weight_problems(path, config, allow_pickle=spec.allow_pickle_weights):
+        findings.problem(problem)
+    try:
+        tokenizer = adapter.open_tokenizer(path)
+    except ModelError as err:
+        findings.problem(str(err))
+        return None
+    for problem in adapter.tokenizer_problems(path, config, tokenizer):
+        findings.problem(problem)
+    for warning in adapter.tokenizer_warnings(path, config, tokenizer):
+        findings.warning(warning)
+    return tokenizer
+
+
+def check_template(
+    tokenizer: PreTrainedTokenizerBase, where: str, chat: bool | None, findings: Findings
+) -> bool:
+    """Whether the chat template can be masked: a problem when chat records need it
+    (``chat``), a warning when no data was seen (None) and the tokenizer has one, not
+    tried when the data has no chat records (False)."""
+    from fedciuic.data.records import check_chat_template
+
+    if chat is False or (chat is None and not getattr(tokenizer, "chat_template", None)):
+        return True
+    try:
+        check_chat_template(tokenizer)
+    except DataError as err:
+        if chat:
+            findings.problem(f"{where}: {err}")
+        else:
+            findings.warning(
+                f"{where}: {err}; regions whose records are chat records will refuse them"
+            )
+        return False
+    findings.seen.append("chat template")
+    return True
+
+
+def check_pickle_permissions(
+    spec: ModelSpec, regions: Sequence[RegionFolder], findings: Findings
+) -> None:
+    """Deployed regions load pickle-only weights only if their own agent configs say so:
+    each that does not would decline every round."""
+    from fedciuic.model.adapter import weight_files
+
+    if not spec.path:
+        return
+    path = Path(spec.path).expanduser()
+    if not path.is_dir():
+        return
+    safe, pickles = weight_files(path)
+    if safe or not pickles:
+        return
+    for folder in regions:
+        if folder.allow_pickle_weights is False:
+            findings.problem(
+                f"region {folder.region}: {folder.source}:allow-pickle-weights: false, and the "
+                f"weights of {path} are only pickle files: the region will refuse them; convert "
+                "them to safetensors, or set allow-pickle-weights = true in that agent config "
+                "if the region trusts them (then restart its agent)"
+            )
+
+
+# -- the data -----------------------------------------------------------------------------
+
+
+def check_region(
+    run: RunConfig,
+    folder: RegionFolder,
+    tokenizer: PreTrainedTokenizerBase | None,
+    findings: Findings,
+    *,
+    sample: int,
+) -> tuple[bool, bool, str | None]:
+    """One region's data into ``findings``: (has data, has chat records, a problem of
+    the model met while rendering it)."""
+    from fedciuic.data.check import scan_data
+    from fedciuic.data.corpus import bad_rows_refusal, users_refusal
+    from fedciuic.data.records import CHAT, Fields
+    from fedciuic.data.sources import NoDataFiles
+    from fedciuic.model.presets import preset_tokenizer
+
+    name = folder.region
+    try:
+        root, scanned = scan_data(
+            folder.path,
+            tokenizer or preset_tokenizer("tiny"),
+            seq_len=run.seq_len,
+            fields=Fields.from_run(run),
+            sample=sample if tokenizer is not None else 0,
+            truncation_side=run.truncation_side,
+        )
+    except NoDataFiles as err:
+        findings.warning(f"region {name}: {err}: region {name} will decline")
+        return False, False, None
+    except DataError as err:
+        findings.problem(f"region {name}: {err}")
+        return True, False, None
+    summary = scanned.summary
+    findings.seen.append(f"{name} ({summary.records:,} records, {scanned.sampled} tokenised)")
+    for message in scanned.unreadable:
+        findings.problem(f"region {name}: data-path {root}: {message}")
+    for refusal in (
+        bad_rows_refusal(run, name, root, summary),
+        users_refusal(run, name, root, summary),
+    ):
+        if refusal is not None:
+            findings.problem(refusal)
+    if summary.bad_rows and run.bad_rows == "skip":
+        findings.warning(
+            f"region {name}: {summary.bad_rows} bad row(s) in data-path {root} will be skipped "
+            '(bad-rows = "skip"); `fedciuic data check` lists them'
+        )
+    if not summary.records and not summary.bad_rows and not scanned.unreadable:
+        findings.problem(
+            f"region {name}: data-path {root} holds no records (its files are empty); add the "
+            "region's records there"
+        )
+    whole = scanned.sampled == summary.records and scanned.render_error is None
+    if whole and summary.records and not summary.examples:
+        from fedciuic.data.tokenized import dropped_for_length
+
+        findings.problem(
+            f"region {name}: data-path {root}: no record leaves anything to train on within "
+            f"seq-len {run.seq_len}; "
+            + (dropped_for_length(summary, run.seq_len, run.truncation_side) or "add records")
+        )
+    return True, summary.shapes.get(CHAT, 0) > 0, scanned.render_error
+
+
+# -- everything ---------------------------------------------------------------------------
+
+
+def preflight(
+    run: RunConfig,
+    regions: Sequence[RegionFolder] | None,
+    *,
+    chat: bool | None = None,
+    sample: int | None = None,
+) -> Findings:
+    """Every check, every problem: the model of ``run`` (as this machine loads it: the
+    run config's allow-pickle-weights), the chat template and ``regions``' data (None:
+    no data is visible here). ``chat``: whether chat records are known to come (the
+    demo data's are) whatever the visible data says."""
+    from fedciuic.data.check import SCAN_SAMPLE
+    from fedciuic.model.adapter import ModelSpec
+
+    findings = Findings()
+    spec = ModelSpec.from_run(run)
+    tokenizer = check_model(spec, findings)
+    render_errors: list[str] = []
+    if regions is not None:
+        present = chat_seen = False
+        for folder in regions:
+            has_data, has_chat, render_error = check_region(
+                run, folder, tokenizer, findings, sample=SCAN_SAMPLE if sample is None else sample
+            )
+            present |= has_data
+            chat_seen |= has_chat
+            if render_error is not None:
+                render_errors.append(render_error)
+        if regions and not present:
+            findings.problem(
+                "no region has data files ("
+                + ", ".join(f"{f.region}: {f.path}" for f in regions)
+                + "); put each region's records in its folder"
+            )
+        chat = chat_seen or bool(chat)
+        check_pickle_permissions(spec, regions, findings)
+    if tokenizer is not None and check_template(tokenizer, _where(spec), chat, findings):
+        for error in render_errors:  # (what the template check found otherwise covers them)
+            findings.problem(f"{_where(spec)}: {error}")
+    return findings
+
+
+def report(findings: Findings, started: float, *, quiet: bool = False) -> None:
+    """Warnings to stderr; :class:`PreflightError` with every problem, else (unless
+    ``quiet``) one line saying what was checked and how long it took."""
+    for warning in findings.warnings:
+        print(f"fedciuic: warning: {warning}", file=sys.stderr)
+    if findings.problems:
+        raise PreflightError(findings.problems)
+    if not quiet:
+        print(
+            f"preflight: ok: {', '.join(findings.seen) or 'nothing to check'} "
+            f"({time.monotonic() - started:.1f} s)"
+        )
+
+
+def check_simulation(run: RunConfig, data_root: Path | None) -> None:
+    """What ``fedciuic simulate`` checks before it starts any process: the model, and
+    the data under ``data_root`` of each region that has a folder there (None: the demo
+    corpora, made fresh and known good, whose chat records need the template)."""
+    started = time.monotonic()
+    if data_root is None:
+        findings = preflight(run, None, chat=True)
+    else:
+        folders = [RegionFolder(r, data_root / r) for r in run.regions if (data_root / r).is_dir()]
+        findings = preflight(run, folders)
+    report(findings, started, quiet=True)
+
+
+# -- fedciuic preflight -------------------------------------------------------------------
+
+
+def flwr_run_config(args: Sequence[str]) -> dict[str, Any]:
+    """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, as flwr reads
+    them: ``'k=v k2=v2'`` pairs, or a TOML file."""
+    values: dict[str, Any] = {}
+    given: list[str] = []
+    items = list(args)
+    for i, arg in enumerate(items):
+        if arg in ("--run-config", "-c") and i + 1 < len(items):
+            given.append(items[i + 1])
+        elif arg.startswith("--run-config="):
+            given.append(arg.partition("=")[2])
+    for text in given:
+        if text.endswith(".toml"):
+            values.update(_toml_file(Path(text), "--run-config"))
+            continue
+        for key, raw in _PAIR.findall(text):
+            values.update(parse_overrides([f"{key}={raw}"]))
+    return values
+
+
+def _toml_file(path: Path, option: str) -> dict[str, Any]:
+    try:
+        with open(path.expanduser(), "rb") as handle:
+            return dict(tomllib.load(handle))
+    except OSError as err:
+        raise ConfigError([f"{option}: {path}: cannot read ({err.strerror})"]) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError([f"{option}: {path}: not TOML ({err})"]) from None
+
+
+def _command(args: argparse.Namespace) -> int:
+    from fedciuic.agent.config import AgentConfig
+
+    started = time.monotonic()
+    if args.data_root is not None and args.agent_config:
+        raise ConfigError(["fedciuic preflight: give --data-root or --agent-config, not both"])
+    values = app_run_config(args.app.resolve())
+    if args.run_config_file is not None:
+        values.update(_toml_file(args.run_config_file, "--run-config-file"))
+    values.update(parse_overrides(args.run_config))
+    values.update(flwr_run_config(args.flwr_args))
+    run = RunConfig.from_user_config(values, source="run config")
+    folders: list[RegionFolder] | None = None
+    problems: list[str] = []
+    if args.data_root is not None:
+        root = args.data_root.resolve()
+        folders = [RegionFolder(r, root / r) for r in run.regions if (root / r).is_dir()]
+        for region in (r for r in run.regions if not (root / r).is_dir()):
+            print(
+                f"fedciuic: warning: --data-root: no folder {root / region}: region {region} "
+                "will decline",
+                file=sys.stderr,
+            )
+    elif args.agent_config:
+        folders = []
+        for file in args.agent_config:
+            try:
+                agent = AgentConfig.load(file)
+            except ConfigError as err:
+                problems += err.problems
+                continue
+            folders.append(
+                RegionFolder(
+                    agent.region, Path(agent.data_path), agent.allow_pickle_weights, str(file)
+                )
+            )
+    findings = preflight(run, folders)
+    findings.problems[:0] = problems
+    report(findings, started)
+    return 0
+
+
+def add_command(
+    sub: Any, command: Callable[..., argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    """``fedciuic preflight``, made with the CLI's own ``command`` helper."""
+    parser = command(
+        sub,
+        "preflight",
+        _command,
+        "check the model, tokenizer, chat template and data before a run starts (exit 2 "
+        "naming every problem)",
+        "fedciuic preflight --data-root ./my-data --run-config model-path='\"./ckpt\"'",
+        description="Check, in seconds and before anything starts, what a run would otherwise "
+        "find minutes in: the model-path checkpoint (weights present and not only pickle, "
+        "its tokenizer present and matching the model), the chat template (maskable, when "
+        "the data has chat records) and each region's data visible here (every row read "
+        "and checked, a sample tokenised). Exit 0 when all is well, 2 naming every "
+        "problem. `fedciuic simulate` runs the same checks; a deployment's start.sh runs "
+        "this command.",
+    )
+    parser.add_argument(
+        "--app", type=Path, default=Path("."), help="the Flower app folder (default: .)"
+    )
+    parser.add_argument(
+        "--run-config-file",
+        type=Path,
+        metavar="FILE",
+        help="run-config values (TOML) over the app's, e.g. aggregator/run-config.toml",
+    )
+    parser.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run-config value (TOML value), repeatable",
+    )
+    parser.add_argument(
+        "--data-root",
+        type=Path,
+        help="simulation datasets: one folder per region (DATA_ROOT/REGION)",
+    )
+    parser.add_argument(
+        "--agent-config",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a deployed region's agent config (its data-path and allow-pickle-weights), "
+        "repeatable",
+    )
+    parser.add_argument(
+        "flwr_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- FLWR_RUN_ARGS",
+        help="`flwr run` arguments the run will get (start.sh passes its own): their "
+        "--run-config values apply",
+    )
+    return parser
+
+
+__all__ = [
+    "Findings",
+    "PreflightError",
+    "RegionFolder",
+    "add_command",
+    "check_simulation",
+    "flwr_run_config",
+    "preflight",
+]

@@ -1,0 +1,106 @@
+"""`fedciuic budget`: each dataset's spend against its lifetime budget, read from its
+ledger before a run starts, and whether a run's target still fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedciuic.agent.config import AgentConfig
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.ops.cli import main
+from fedciuic.privacy.budget import budget_status
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from tests.conftest import ROOT, app_config
+
+DATASET = "ab" * 32
+
+
+def spend(state_dir: Path, region: str, steps: list[tuple[int, tuple[float, float, int]]]) -> float:
+    """Append releases (run id, step) to the region's ledger; its cumulative epsilon."""
+    ledger = PrivacyLedger.open(
+        state_dir / LEDGER_FILE,
+        region=region,
+        dataset=DATASET,
+        delta=1e-5,
+        accountant="prv",
+        unit="user",
+    )
+    for number, (run_id, step) in enumerate(steps, 1):
+        ledger.append(
+            ledger.new_record(
+                run_id=run_id,
+                server_round=number,
+                step=step,
+                max_grad_norm=1.0,
+                secure_mode=False,
+                epsilon=ledger.epsilon_after(step),
+            )
+        )
+    return ledger.epsilon
+
+
+def test_a_dataset_without_a_ledger_has_spent_nothing(tmp_path):
+    status = budget_status("eu", tmp_path / "state", 8.0)
+    assert status.spent == 0 and status.remaining == 8.0 and status.fits(8.0)
+    assert status.line().startswith("eu: nothing spent, budget 8 (no ledger yet at ")
+    assert not (tmp_path / "state").exists()  # reading creates nothing
+
+
+def test_a_ledgers_releases_runs_and_remaining_budget_are_read_as_recorded(tmp_path):
+    state = tmp_path / "state"
+    spent = spend(state, "eu", [(7, (1.0, 0.1, 30)), (7, (1.0, 0.1, 30)), (9, (1.0, 0.1, 30))])
+    before = (state / LEDGER_FILE).read_bytes()
+    status = budget_status("eu", state, 8.0)
+    assert (status.spent, status.releases, status.runs, status.unit) == (spent, 3, 2, "user")
+    assert status.remaining == pytest.approx(8.0 - spent)
+    assert f"epsilon {spent:.2f} of 8 spent per user" in status.line()
+    assert f"{8.0 - spent:.2f} left" in status.line()
+    assert (state / LEDGER_FILE).read_bytes() == before
+
+
+def test_a_target_that_does_not_fit_what_is_left_is_said_and_exits_1(tmp_path, capsys):
+    data_root = tmp_path / "data"
+    eu = NodeConfig(region="eu", data_path=str(data_root / "eu")).state_dir
+    spent = spend(eu, "eu", [(1, (1.0, 0.1, 90))])
+    assert 4.0 < spent < 8.0  # more than half the budget is gone
+    (data_root / "us").mkdir(parents=True)
+    args = ["budget", "--data-root", str(data_root), "--regions", "eu,us", "--app", str(ROOT)]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    target = app_config()["target-epsilon"]
+    assert f"eu: a run at target-epsilon {target:g} does not fit in the {8 - spent:.2f} left" in out
+    assert "us: nothing spent, budget 8" in out
+    assert main([*args, "--target-epsilon", f"{(8 - spent) * 0.9:.3f}"]) == 0
+
+
+def test_a_deployed_regions_budget_is_its_agent_configs_not_the_run_configs(tmp_path, capsys):
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        'region = "eu"\ndata-path = "data"\nstate-path = "state"\nkey-file = "k"\n'
+        'aggregator-bundle = "b"\npolicy = "p.yaml"\nsocket = "agent.sock"\n'
+        "epsilon-budget = 12.0\n"
+    )
+    agent = AgentConfig.load(config)
+    spent = spend(agent.state_dir, "eu", [(1, (1.0, 0.1, 90))])
+    assert RunConfig.model_fields["epsilon_budget"].default == 8.0 < spent + 4 <= 12.0
+    assert main(["budget", str(config), "--app", str(ROOT)]) == 0
+    assert f"eu: epsilon {spent:.2f} of 12 spent per user" in capsys.readouterr().out
+
+
+def test_a_damaged_ledger_is_one_clear_error_naming_it(tmp_path, capsys):
+    data_root = tmp_path / "data"
+    eu = NodeConfig(region="eu", data_path=str(data_root / "eu")).state_dir
+    spend(eu, "eu", [(1, (1.0, 0.1, 30))])
+    (eu / LEDGER_FILE).write_bytes((eu / LEDGER_FILE).read_bytes()[:-5])
+    assert (
+        main(["budget", "--data-root", str(data_root), "--regions", "eu", "--app", str(ROOT)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert str(eu / LEDGER_FILE) in err and "truncated" in err and "Traceback" not in err
+
+
+def test_budget_wants_agent_configs_or_a_data_root_not_both(tmp_path, capsys):
+    assert main(["budget", "--app", str(ROOT)]) == 2
+    assert "give either agent configs (a deployment) or --data-root" in capsys.readouterr().err
