@@ -4,6 +4,7 @@ checkpoints of each supported architecture (tokenizers cached in a session folde
 from __future__ import annotations
 
 import os
+import shutil
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +68,64 @@ def tiny_checkpoints(
 
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo corpora, written once and shared by the whole session: read-only. A test
+    that runs a region on them gives it a state-path of its own (or copies them), so
+    that no region state (audit log, ledger, data cache) lands here for later tests to
+    inherit; :func:`_demo_root_untouched` holds every test to that."""
     root = tmp_path_factory.mktemp("demo-data")
     write_demo_corpora(root, ("eu", "cn", "us"))
     return root
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """What ``root`` holds: each file's bytes (None for a folder or anything else)."""
+    return {
+        str(path.relative_to(root)): path.read_bytes() if path.is_file() else None
+        for path in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture(scope="session")
+def _demo_pristine(demo_root: Path) -> dict[str, bytes | None]:
+    return _tree(demo_root)
+
+
+@pytest.fixture(autouse=True)
+def _demo_root_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves anything in the shared :func:`demo_root` (the default
+    state dir of a region whose data-path is there is data-path/.fedciuic: an unsigned
+    audit log written there once made a later sealed test's log fail to verify), and put
+    the corpora back as written, so that what it left never reaches the next test."""
+    if "demo_root" not in request.fixturenames:
+        yield
+        return
+    root: Path = request.getfixturevalue("demo_root")
+    pristine: dict[str, bytes | None] = request.getfixturevalue("_demo_pristine")
+    yield
+    now = _tree(root)
+    added = list(now.keys() - pristine.keys())
+    altered = [name for name in pristine if name not in now or now[name] != pristine[name]]
+    if not added and not altered:
+        return
+    for name in sorted(added, reverse=True):  # a folder's contents before the folder
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    for name, data in pristine.items():  # sorted: a folder before its contents
+        if data is None:
+            (root / name).mkdir(parents=True, exist_ok=True)
+        elif now.get(name) != data:
+            (root / name).write_bytes(data)
+    # Name what the test left, not every file inside a folder it made.
+    tops = sorted(n for n in added if not any(n.startswith(f"{a}/") for a in added))
+    left = ", ".join([*tops, *(f"{n} (changed or removed)" for n in sorted(altered))])
+    pytest.fail(
+        f"the test wrote to the shared demo_root ({root}): {left}; give the region a "
+        "state-path under tmp_path or copy the corpora (restored as written for later tests)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 
 from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
+from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import Keypair, bundle_path, write_keys
 from fedciuic.crypto.sealing import AGGREGATOR
 from fedciuic.flower.launch import (
@@ -29,6 +30,7 @@ from fedciuic.flower.launch import (
 )
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.render import fragment, render
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.policy.rules import LoadedPolicy, PolicySet
 
 #: Each region's agent config, in its folder.
@@ -396,14 +398,18 @@ def next_steps(d: Deployment) -> str:
             + ", ".join(str(d.region_dir(r.name) / "data") for r in d.regions),
             "",
         ]
+    target = app_run_config(d.app).get(
+        "target-epsilon", RunConfig.model_fields["target_epsilon"].default
+    )
+    budget = AgentConfig.model_fields["epsilon_budget"].default
+    bin_dir = _q(d.bin_dir)
     lines += [
         "Everything on this machine, one command (stops every process when the run ends):",
         f"  bash {_q(top / 'start.sh')}",
         f'  bash {_q(top / "start.sh")} --run-config "num-server-rounds=5 local-steps=50"',
-        "Each run spends up to its target-epsilon (default 8) of each region's lifetime",
-        "budget (epsilon-budget, default 8): after a run at the default, another run on the",
-        "same data trains nothing (every region declines; start.sh exits 3). For two runs,",
-        'give each --run-config "target-epsilon=4.0".',
+        f"Each run spends up to its target-epsilon ({target:g} by default) of each region's",
+        f"lifetime budget (epsilon-budget in its agent.toml, {budget:g} by default). What each",
+        f"has spent and has left: {bin_dir}/fedciuic budget {top / 'regions'}/*/agent.toml",
         "",
         f"One machine per party: copy {agg} to the aggregator and each",
         f"{top / 'regions'}/REGION to its region, at the same paths, then:",

@@ -205,6 +205,11 @@ def test_next_steps_are_printed(tmp_path, capsys):
     assert f"bash {tmp_path / 'dep' / 'start.sh'}" in out
     assert f"bash {tmp_path / 'dep' / 'regions' / 'eu' / 'start-supernode.sh'}" in out
     assert "region's data" in out  # no --demo-data: data/ is the user's to fill
+    # What a run spends, as the app and the agent default it, and where to see the rest.
+    target, budget = app_config()["target-epsilon"], AgentConfig.model_fields["epsilon_budget"]
+    assert f"target-epsilon ({target:g} by default)" in out
+    assert f"{budget.default:g} by default" in out
+    assert f"fedciuic budget {tmp_path / 'dep' / 'regions'}/*/agent.toml" in out
 
 
 def test_insecure_with_demo_data(tmp_path, capsys):

@@ -458,9 +458,14 @@ def test_a_malformed_policy_names_file_line_field_and_the_region_does_not_train(
 
 
 def test_a_deployed_region_without_a_policy_sends_nothing_whatever_the_run_config_says(
-    run, demo_root
+    run, demo_root, tmp_path
 ):
-    node = {"region": "eu", "data-path": str(demo_root / "eu"), "policy": ""}
+    node = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path),  # not data-path/.fedciuic, in the shared corpora
+        "policy": "",
+    }
     reply = run(node, {"enforce-policies": False})
     assert "agent config:policy: not set" in declined(reply).reason
 
