@@ -312,7 +312,8 @@ def _parser() -> argparse.ArgumentParser:
         "cumulative epsilon against its lifetime budget. A deployed region: give its agent "
         "config (the budget is the agent's epsilon-budget). Simulation datasets: give "
         "--data-root (the budget is the run config's epsilon-budget). Exit 1 when the "
-        "target does not fit in what a region has left.",
+        "run (its target-epsilon, rounds and local steps; the sample rate of the dataset's "
+        "last release) would take a region past its budget.",
     )
     budget.add_argument(
         "agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"
@@ -325,9 +326,12 @@ def _parser() -> argparse.ArgumentParser:
         "--app", type=Path, default=Path("."), help="the app whose run config to read; default: ."
     )
     budget.add_argument(
-        "--target-epsilon",
-        type=float,
-        help="the run's target-epsilon to check against (default: the app's run config's)",
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), as "
+        "given to simulate or start.sh; repeatable",
     )
 
     def _ledger_rebuild(args: argparse.Namespace) -> int:
@@ -685,9 +689,10 @@ def _simulate(args: argparse.Namespace) -> int:
         _check_data_root(data_root, run.regions)
         if run.dp:
             present = [r for r in run.regions if (data_root / r).is_dir()]
-            for line in _budget_lines(
-                _simulation_budgets(data_root, present, run), run.target_epsilon
-            ):
+            _, lines = _budget_lines(
+                _simulation_budgets(data_root, present, run), run, run.target_epsilon
+            )
+            for line in lines:
                 print(f"budget: {line}")
     # The model, tokenizer, chat template and data, in seconds: exit 2 naming every problem.
     check_simulation(run, data_root)
@@ -1010,16 +1015,18 @@ def _budget(args: argparse.Namespace) -> int:
         raise ConfigError(
             ["fedciuic budget: give either agent configs (a deployment) or --data-root"]
         )
-    run = RunConfig.from_user_config(app_run_config(args.app.resolve()), source="run config")
-    target = run.target_epsilon if args.target_epsilon is None else args.target_epsilon
+    values = {**app_run_config(args.app.resolve()), **parse_overrides(args.run_config)}
+    run = RunConfig.from_user_config(values, source="run config")
+    target = run.target_epsilon
     if args.data_root is not None:
         regions = [r for r in (args.regions or ",".join(run.regions)).split(",") if r]
         found = _simulation_budgets(args.data_root.resolve(), regions, run)
     else:
         agents = [AgentConfig.load(path) for path in args.agent_configs]
         found = [budget_status(a.region, a.state_dir, a.epsilon_budget) for a in agents]
-    print("\n".join(_budget_lines(found, target)))
-    return 0 if all(status.fits(target) for status in found) else 1
+    fits, lines = _budget_lines(found, run, target)
+    print("\n".join(lines))
+    return 0 if fits else 1
 
 
 def _simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) -> list[Any]:
@@ -1038,17 +1045,18 @@ def _simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig)
     ]
 
 
-def _budget_lines(found: Sequence[Any], target: float) -> list[str]:
-    """One line per region, and a note for each that a run at ``target`` would not fit."""
-    lines = [status.line() for status in found]
+def _budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[bool, list[str]]:
+    """Whether a run of ``run``'s rounds and steps at ``target`` fits every region, and one
+    line per region (two where it has spent something, or where the run does not fit)."""
+    steps = run.num_server_rounds * run.local_steps
+    lines, every = [], True
     for status in found:
-        if not status.fits(target):
-            lines.append(
-                f"{status.region}: a run at target-epsilon {target:g} does not fit in the "
-                f"{status.remaining:.2f} left: it declines every round that would go past "
-                f"{status.budget:g}; lower target-epsilon, or train on a new dataset"
-            )
-    return lines
+        lines.append(status.line())
+        fits, line = status.run_line(target, steps)
+        every = every and fits
+        if status.unit is not None or not fits:
+            lines.append(line)
+    return every, lines
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:

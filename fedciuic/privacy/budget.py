@@ -7,11 +7,19 @@ Reading changes nothing: the ledger is parsed and checked as a round would open 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedciuic.config import PrivacyUnit
-from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.privacy.ledger import (
+    LEDGER_FILE,
+    Accountant,
+    PrivacyLedger,
+    Step,
+    calibrate_noise,
+    epsilon_of,
+)
 
 
 @dataclass(frozen=True)
@@ -24,18 +32,26 @@ class BudgetStatus:
     spent: float = 0.0  # cumulative epsilon at the ledger's delta; 0: nothing released
     unit: PrivacyUnit | None = None  # None: no ledger yet
     delta: float | None = None
-    releases: int = 0
+    accountant: Accountant | None = None
+    history: list[Step] = field(default_factory=list)
     runs: int = 0
 
     @property
     def remaining(self) -> float:
         return max(self.budget - self.spent, 0.0)
 
-    def fits(self, target: float) -> bool:
-        """Whether a run that spends at most ``target`` on its own fits in what is left. A
-        rule of thumb for the launching machine: composed, runs cost less than the sum of
-        their epsilons, and the region checks each round's exact cumulative epsilon."""
-        return self.spent + target <= self.budget + 1e-9
+    def after_run(self, target: float, steps: int) -> float:
+        """The dataset's cumulative epsilon after a whole run of ``steps`` DP-SGD steps at
+        ``target``, as the region accounts it: noise calibrated for the run alone at the
+        sample rate of the dataset's last release (same data, same batch size), composed
+        with its history. A dataset with no release: the run's own target."""
+        if not self.history or self.delta is None or self.accountant is None:
+            return target
+        rate = self.history[-1][1]
+        with warnings.catch_warnings():  # Opacus' RDP search notes its alpha range: not ours
+            warnings.simplefilter("ignore", UserWarning)
+            sigma = calibrate_noise(target, self.delta, rate, steps, self.accountant)
+        return epsilon_of([*self.history, (sigma, rate, steps)], self.delta, self.accountant)
 
     def line(self) -> str:
         if self.unit is None:
@@ -43,8 +59,23 @@ class BudgetStatus:
             return f"{self.region}: nothing spent, budget {self.budget:g} ({where})"
         return (
             f"{self.region}: epsilon {self.spent:.2f} of {self.budget:g} spent per {self.unit} "
-            f"(delta {self.delta:g}, {self.releases} release(s) in {self.runs} run(s)), "
+            f"(delta {self.delta:g}, {len(self.history)} release(s) in {self.runs} run(s)), "
             f"{self.remaining:.2f} left"
+        )
+
+    def run_line(self, target: float, steps: int) -> tuple[bool, str]:
+        """Whether a run at ``target`` of ``steps`` steps fits, and one line saying so."""
+        after = self.after_run(target, steps)
+        fits = after <= self.budget + 1e-9
+        line = (
+            f"{self.region}: a run at target-epsilon {target:g} ({steps} steps) would bring it "
+            f"to {after:.2f} of {self.budget:g}: "
+        )
+        if fits:
+            return True, line + "fits"
+        return False, line + (
+            f"does not fit (the region declines each round that would go past "
+            f"{self.budget:g}); lower target-epsilon, or train on a new dataset"
         )
 
 
@@ -63,6 +94,7 @@ def budget_status(region: str, state_dir: Path, budget: float) -> BudgetStatus:
         spent=ledger.epsilon,
         unit=ledger.header.unit,
         delta=ledger.header.delta,
-        releases=len(ledger.rounds),
+        accountant=ledger.header.accountant,
+        history=ledger.history,
         runs=len({r.run_id for r in ledger.rounds}),
     )

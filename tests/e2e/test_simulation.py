@@ -179,7 +179,12 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
         assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "us"]
     assert ledger_path.read_text() == spent  # nothing more was spent
     # ... and the launching machine said so before anything started.
-    assert "budget: eu: a run at target-epsilon 4 does not fit in the 0.00 left" in done.stdout
+    assert re.search(
+        r"^budget: eu: a run at target-epsilon 4 \(\d+ steps\) would bring it to [\d.]+ of 8: "
+        r"does not fit",
+        done.stdout,
+        re.M,
+    ), done.stdout
     assert "budget: cn: nothing spent, budget 8" in done.stdout
     assert "declined x2" in done.stdout
 
@@ -307,7 +312,8 @@ def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(t
         spent.stdout,
         re.M,
     ), spent.stdout
-    assert "budget: eu: a run at target-epsilon 8 does not fit in the " in spent.stdout
+    assert "budget: eu: a run at target-epsilon 8 (2 steps) would bring it to " in spent.stdout
+    assert ": does not fit (the region declines each round" in spent.stdout
     assert spent.returncode == 3, spent.stdout + spent.stderr
     assert spent.stdout.count("audit: OK: ") == 3, spent.stdout
     (newest,) = [

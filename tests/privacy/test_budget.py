@@ -3,6 +3,7 @@ ledger before a run starts, and whether a run's target still fits."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.ops.cli import main
 from fedciuic.privacy.budget import budget_status
-from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, calibrate_noise, epsilon_of
 from tests.conftest import ROOT, app_config
 
 DATASET = "ab" * 32
@@ -43,7 +44,9 @@ def spend(state_dir: Path, region: str, steps: list[tuple[int, tuple[float, floa
 
 def test_a_dataset_without_a_ledger_has_spent_nothing(tmp_path):
     status = budget_status("eu", tmp_path / "state", 8.0)
-    assert status.spent == 0 and status.remaining == 8.0 and status.fits(8.0)
+    assert status.spent == 0 and status.remaining == 8.0
+    assert status.after_run(8.0, 90) == 8.0 and status.run_line(8.0, 90)[0]
+    assert not status.run_line(8.5, 90)[0]
     assert status.line().startswith("eu: nothing spent, budget 8 (no ledger yet at ")
     assert not (tmp_path / "state").exists()  # reading creates nothing
 
@@ -53,26 +56,48 @@ def test_a_ledgers_releases_runs_and_remaining_budget_are_read_as_recorded(tmp_p
     spent = spend(state, "eu", [(7, (1.0, 0.1, 30)), (7, (1.0, 0.1, 30)), (9, (1.0, 0.1, 30))])
     before = (state / LEDGER_FILE).read_bytes()
     status = budget_status("eu", state, 8.0)
-    assert (status.spent, status.releases, status.runs, status.unit) == (spent, 3, 2, "user")
+    assert (status.spent, len(status.history), status.runs, status.unit) == (spent, 3, 2, "user")
     assert status.remaining == pytest.approx(8.0 - spent)
     assert f"epsilon {spent:.2f} of 8 spent per user" in status.line()
     assert f"{8.0 - spent:.2f} left" in status.line()
     assert (state / LEDGER_FILE).read_bytes() == before
 
 
-def test_a_target_that_does_not_fit_what_is_left_is_said_and_exits_1(tmp_path, capsys):
+def test_the_projection_is_the_regions_own_accounting_of_a_whole_run(tmp_path):
+    """A run's noise calibrated for its target alone, at the dataset's last sample rate,
+    composed with the history: less than spent + target, and what the ledger would hold."""
+    state = tmp_path / "state"
+    spend(state, "eu", [(1, (1.2, 0.1, 90))])
+    status = budget_status("eu", state, 8.0)
+    sigma = calibrate_noise(4.0, 1e-5, 0.1, 90, "prv")
+    composed = epsilon_of([(1.2, 0.1, 90), (sigma, 0.1, 90)], 1e-5, "prv")
+    assert status.after_run(4.0, 90) == pytest.approx(composed)
+    assert status.spent < composed < status.spent + 4.0  # composed, not added
+
+
+def test_a_run_that_does_not_fit_what_is_left_is_said_and_exits_1(tmp_path, capsys):
     data_root = tmp_path / "data"
     eu = NodeConfig(region="eu", data_path=str(data_root / "eu")).state_dir
-    spent = spend(eu, "eu", [(1, (1.0, 0.1, 90))])
-    assert 4.0 < spent < 8.0  # more than half the budget is gone
+    spent = spend(eu, "eu", [(1, (1.0, 0.1, 120))])
+    assert 7.0 < spent < 8.0  # most of the budget is gone
     (data_root / "us").mkdir(parents=True)
     args = ["budget", "--data-root", str(data_root), "--regions", "eu,us", "--app", str(ROOT)]
     assert main(args) == 1
     out = capsys.readouterr().out
-    target = app_config()["target-epsilon"]
-    assert f"eu: a run at target-epsilon {target:g} does not fit in the {8 - spent:.2f} left" in out
-    assert "us: nothing spent, budget 8" in out
-    assert main([*args, "--target-epsilon", f"{(8 - spent) * 0.9:.3f}"]) == 0
+    app = app_config()
+    steps = app["num-server-rounds"] * app["local-steps"]
+    target = app["target-epsilon"]
+    assert re.search(
+        rf"^eu: a run at target-epsilon {target:g} \({steps} steps\) would bring it to "
+        r"([\d.]+) of 8: does not fit \(the region declines each round that would go past 8\)",
+        out,
+        re.M,
+    ), out
+    assert "us: nothing spent, budget 8" in out and "us: a run" not in out
+    # A smaller run fits: fewer steps at a lower target.
+    small = ["--run-config", "target-epsilon=0.5", "--run-config", "local-steps=2"]
+    assert main([*args, *small]) == 0
+    assert "eu: a run at target-epsilon 0.5 (6 steps) would bring it to" in capsys.readouterr().out
 
 
 def test_a_deployed_regions_budget_is_its_agent_configs_not_the_run_configs(tmp_path, capsys):
