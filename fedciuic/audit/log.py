@@ -419,11 +419,13 @@ class AuditLog:
         *,
         run_id: int,
         server_round: int | None = None,
+        late: bool = False,
     ) -> str:
         """Record that ``party``'s latest signed checkpoint, as it showed it to us, is
         ``(count, head)`` (its ``last_checkpoint()``; ``(0, GENESIS)`` when it has none);
-        return the record's hash. The values come from another party: ``AuditError``
-        unless they are well-formed."""
+        return the record's hash. ``late``: shown in a reply handled after a newer one
+        of the same party (its count is lower, and not a rollback by itself). The values
+        come from another party: ``AuditError`` unless they are well-formed."""
         count, head = checkpoint_head(count, head)
         if not isinstance(party, str) or not party:
             raise AuditError(f"witness: party {party!r:.40} is not a party's name")
@@ -434,6 +436,7 @@ class AuditLog:
             party=party,
             count=count,
             head=head,
+            **({"late": True} if late else {}),
         )
 
     def _scan_checkpoints(self) -> None:
@@ -1076,8 +1079,8 @@ def witness_check(
     of ``logs`` (party -> its records, in file order): the witnessed party's log, when
     given, must still hold record ``count - 1`` with hash ``head`` and, at seq
     ``count``, the checkpoint that signed them (count 0, the empty log, always holds);
-    and each log's witnesses of one party must never go back (a lower count, or
-    another head for the same count).
+    and each log's witnesses of one party must never go back (a lower count, except in
+    a witness its writer marked ``late``; or another head for any count it witnessed).
     ``covered[party]`` is how many of that log's first records a verified signature
     covers: a problem found by a witness record after them says so. A checkpoint whose
     last record a log has pruned (an ``audit_pruned`` record says so; verify the log to
@@ -1101,6 +1104,7 @@ def witness_check(
     result = WitnessCheck()
     for name, records in logs.items():
         last: dict[str, tuple[int, str, object]] = {}  # party -> count, head, seq
+        heads: dict[str, dict[int, tuple[str, object]]] = {}  # party -> count -> head, seq
         for index, r in enumerate(records):
             if r.get("event") != WITNESS_EVENT or (
                 run_id is not None and r.get("run_id") != run_id
@@ -1118,16 +1122,23 @@ def witness_check(
                 continue
             party, count, head = parsed
             seq = r.get("seq")
+            # A reply the writer handled after a newer one of the same party (a late
+            # reply the courier kept) shows an older head: not a rollback by itself.
+            late = r["details"].get("late") is True
             seen = f"{at} witnessed {party}'s checkpoint count {count} head {head[:16]}…"
             before = last.get(party)
-            if before is not None and (
-                count < before[0] or (count == before[0] and head != before[1])
-            ):
+            same = heads.setdefault(party, {}).get(count)
+            earlier = (count, *same) if same is not None and same[0] != head else None
+            if earlier is None and not late and before is not None and count < before[0]:
+                earlier = before
+            if earlier is not None:
                 result.problems.append(
                     f"{party}'s log was rolled back or forked: {seen}, after witnessing count "
-                    f"{before[0]} head {before[1][:16]}… (seq {before[2]!r:.24}){unsigned}"
+                    f"{earlier[0]} head {earlier[1][:16]}… (seq {earlier[2]!r:.24}){unsigned}"
                 )
-            last[party] = (count, head, seq)
+            heads[party].setdefault(count, (head, seq))
+            if not late:
+                last[party] = (count, head, seq)
             witnessed = Witnessed(name, seq if isinstance(seq, int) else -1, party, count, head)
             if party not in logs:
                 result.unchecked.append(witnessed)

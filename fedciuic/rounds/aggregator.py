@@ -270,6 +270,8 @@ class AggregatorRound:
         self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
         #: Each region's timed local step (from its evaluations): what train_wait sizes on.
         self.step_seconds: dict[str, float] = {}
+        #: The highest checkpoint count each region's replies have shown in this run.
+        self.witnessed_counts: dict[str, int] = {}
         self._wait_said = False
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
         self.server_optimizer = ServerOptimizer.from_run(run)
@@ -801,13 +803,19 @@ class AggregatorRound:
         """Record the head of the region's log that its signed reply carries, so that
         truncating that log later shows in the cross-check (docs/audit.md)."""
         if self.audit is not None and witness is not None:
+            # A late reply (kept by the courier, handled after a newer one of the region)
+            # shows an older head: recorded as late, so that it is checked against the
+            # region's log but not read as the region going back.
+            highest = self.witnessed_counts.get(region, -1)
             self.audit.witness(
                 region,
                 witness.count,
                 witness.head,
                 run_id=self.federation_run,
                 server_round=server_round,
+                late=witness.count < highest,
             )
+            self.witnessed_counts[region] = max(highest, witness.count)
 
     def _note_arrival(self, server_round: int, task: Task, reply: Reply, region: str) -> None:
         """What crossed the relay, as received: its digest is what the region logged,

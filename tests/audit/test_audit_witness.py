@@ -36,6 +36,7 @@ from fedciuic.audit.report import (
 )
 from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.ops.cli import main
+from fedciuic.rounds.wire import Witness
 
 RUN = 9
 ROUNDS = 3
@@ -270,6 +271,45 @@ def test_a_rolled_back_region_is_caught_without_its_log(tmp_path, keys):
     assert check.problems[0].startswith("eu's log was rolled back or forked")
     assert "count 30 head bbbbbbbbbbbbbbbb…, after witnessing count 40" in check.problems[0]
     assert "count 30 head cccccccccccccccc…, after witnessing count 30" in check.problems[1]
+
+
+def test_a_late_reply_showing_an_older_head_is_checked_but_is_no_rollback(tmp_path, keys):
+    """A reply handled after a newer one of the same region (a late reply the courier
+    kept) shows an older head: the aggregator marks it late; it is checked against the
+    region's log like any witness, is not read as the region going back, and another
+    head for a count already witnessed is still a fork."""
+    log = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    log.append("run_start", run_id=RUN, regions=["eu"])
+    log.witness("eu", 40, "a" * 64, run_id=RUN, server_round=3)
+    log.witness("eu", 30, "b" * 64, run_id=RUN, server_round=2, late=True)
+    log.close()
+    check = witness_check({"aggregator": load_records(tmp_path / "aggregator.audit.jsonl")})
+    assert not check.problems and len(check.unchecked) == 2
+    log = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    log.witness("eu", 30, "c" * 64, run_id=RUN, server_round=2, late=True)
+    log.close()
+    (problem,) = witness_check(
+        {"aggregator": load_records(tmp_path / "aggregator.audit.jsonl")}
+    ).problems
+    assert problem.startswith("eu's log was rolled back or forked")
+    assert "count 30 head cccccccccccccccc…, after witnessing count 30 head bbbb" in problem
+
+
+def test_the_aggregator_marks_a_witness_older_than_one_it_recorded_late(tmp_path, keys):
+    from fedciuic.rounds.aggregator import AggregatorRound
+
+    log = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
+    agg = AggregatorRound.__new__(AggregatorRound)  # only what _witnessed uses
+    agg.audit, agg.federation_run, agg.witnessed_counts = log, RUN, {}
+    for count in (17, 15, 19):
+        agg._witnessed(None, "us", Witness(count, "d" * 64))
+    log.close()
+    marks = [
+        (r["details"]["count"], r["details"].get("late", False))
+        for r in load_records(tmp_path / "aggregator.audit.jsonl")
+        if r["event"] == "witness"
+    ]
+    assert marks == [(17, False), (15, True), (19, False)]
 
 
 @pytest.mark.parametrize(
