@@ -172,3 +172,33 @@ def lab_policies(directory: Path) -> Path:
             sealing__required=False,
         )
     return directory
+
+
+def signed_run_end(
+    keypair: Any,
+    federation_run: int,
+    run_config: dict[str, Any],
+    witness: tuple[int, str],
+    receipts: dict[str, list[list[object]]] | None = None,
+) -> Any:
+    """The aggregator's run-end notice over ``run_config`` (validated as a run config),
+    its log head ``witness`` and ``receipts``, signed with ``keypair``."""
+    import json
+    import secrets
+    from dataclasses import replace
+
+    from fedciuic.crypto.sealing import NONCE_BYTES, sign_run_end
+    from fedciuic.rounds.wire import RunEndNotice
+
+    unsigned = RunEndNotice(
+        federation_run=federation_run,
+        witness=witness,
+        run_config=RunConfig.from_user_config(run_config, source="run config").canonical_json(),
+        nonce=secrets.token_bytes(NONCE_BYTES),
+        signer=keypair.bundle.key_id.hex(),
+        receipts=json.dumps(receipts or {}),
+    )
+    signature = sign_run_end(
+        keypair, federation_run, unsigned.terms, witness, unsigned.receipts_digest
+    )
+    return replace(unsigned, signature=signature)

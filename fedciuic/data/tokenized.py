@@ -299,6 +299,13 @@ def _prune(root: Path, *, keep: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _finish(summary: Summary, counts: _Counts, lengths: _Lengths) -> None:
+    """What every record read adds up to, into ``summary``."""
+    counts.finish()
+    lengths.write(summary)
+    summary.users = len(counts.user_keys)
+
+
 def write_examples(
     sources: list[Source],
     tokenizer: PreTrainedTokenizerBase,
@@ -324,9 +331,7 @@ def write_examples(
         writer.finalize()
     finally:
         writer.close()
-    counts.finish()
-    lengths.write(summary)
-    summary.users = len(counts.user_keys)
+    _finish(summary, counts, lengths)
     (folder / SUMMARY_FILE).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
 
 
@@ -604,9 +609,7 @@ def scan_examples(
                     _count_record(counts, item)
         except DataError as err:
             unreadable.append(str(err))
-    counts.finish()
-    lengths.write(summary)
-    summary.users = len(counts.user_keys)
+    _finish(summary, counts, lengths)
     return Scanned(summary, sampled, unreadable, render_error)
 
 

@@ -32,7 +32,6 @@ config, whatever a launcher found.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import tomllib
@@ -49,9 +48,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from fedciuic.model.adapter import ModelSpec
-
-#: ``flwr run``'s pairs: ``k=v`` with a quoted or bare TOML value (as flwr parses them).
-_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
 class PreflightError(ConfigError):
@@ -329,22 +325,25 @@ def check_simulation(run: RunConfig, data_root: Path | None) -> None:
 
 
 def flwr_run_config(args: Sequence[str]) -> dict[str, Any]:
-    """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, as flwr reads
-    them: ``'k=v k2=v2'`` pairs, or a TOML file."""
+    """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, read by
+    Flower's own parser: ``'k=v k2=v2'`` pairs, or a TOML file."""
+    import click
+    from flwr.common.config import parse_config_args
+
     values: dict[str, Any] = {}
-    given: list[str] = []
     items = list(args)
     for i, arg in enumerate(items):
         if arg in ("--run-config", "-c") and i + 1 < len(items):
-            given.append(items[i + 1])
+            text = items[i + 1]
         elif arg.startswith("--run-config="):
-            given.append(arg.partition("=")[2])
-    for text in given:
-        if text.endswith(".toml"):
-            values.update(_toml_file(Path(text), "--run-config"))
+            text = arg.partition("=")[2]
+        else:
             continue
-        for key, raw in _PAIR.findall(text):
-            values.update(parse_overrides([f"{key}={raw}"]))
+        try:
+            values.update(parse_config_args([text]))
+        except (OSError, ValueError, click.ClickException) as err:
+            why = err.strerror if isinstance(err, OSError) else str(err)
+            raise ConfigError([f"--run-config {text!r}: {why}"]) from None
     return values
 
 

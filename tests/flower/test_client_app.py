@@ -35,7 +35,6 @@ from fedciuic.crypto.sealing import (
     aggregator_keys,
     generate_federation_keys,
     sign_global,
-    sign_run_end,
 )
 from fedciuic.digests import installed_code
 from fedciuic.flower import protocol, relay
@@ -55,7 +54,7 @@ from fedciuic.rounds.wire import (
     RunEndNotice,
     Witness,
 )
-from tests.conftest import app_config, lab_policies
+from tests.conftest import app_config, lab_policies, signed_run_end
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -324,15 +323,8 @@ def test_a_malformed_instruction_is_declined_naming_the_field(model, data_root, 
 
 def run_end(keypair: Keypair, run_config: dict[str, Any], witness: tuple[int, str]) -> RunEndNotice:
     """The aggregator's run-end notice, signed."""
-    unsigned = RunEndNotice(
-        federation_run=RUN_ID,
-        witness=witness,
-        run_config=RunConfig.from_user_config(run_config, source="run config").canonical_json(),
-        nonce=secrets.token_bytes(NONCE_BYTES),
-        signer=keypair.bundle.key_id.hex(),
-    )
-    signature = sign_run_end(keypair, RUN_ID, unsigned.terms, witness, unsigned.receipts_digest)
-    return replace(unsigned, signature=signature)
+    notice: RunEndNotice = signed_run_end(keypair, RUN_ID, run_config, witness)
+    return notice
 
 
 def test_the_run_end_notice_is_witnessed_signed_and_answered(model, data_root, keys_dir):

@@ -25,7 +25,6 @@ from fedciuic.crypto.sealing import (
     aggregator_keys,
     generate_federation_keys,
     sign_global,
-    sign_run_end,
 )
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
@@ -44,7 +43,7 @@ from fedciuic.rounds.region_round import (
 )
 from fedciuic.rounds.sealing import Clear, Sealed
 from fedciuic.rounds.wire import PRIVACY_UNIT, Instruction, RunEndNotice
-from tests.conftest import ROOT, app_config, lab_policies, write_policy
+from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, write_policy
 
 HEAD = "cd" * 32
 FLOWER_RUN = 7
@@ -513,17 +512,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
     }
     settings = {**app_config(), "seal": True, "keys-dir": str(keys_dir)}
     aggregator = aggregator_keys(str(keys_dir), 2**28)
-    unsigned = RunEndNotice(
-        federation_run=FLOWER_RUN,
-        witness=(9, HEAD),
-        run_config=RunConfig.from_user_config(settings, source="test").canonical_json(),
-        nonce=secrets.token_bytes(NONCE_BYTES),
-        signer=aggregator.keypair.bundle.key_id.hex(),
-    )
-    signature = sign_run_end(
-        aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD), unsigned.receipts_digest
-    )
-    notice = replace(unsigned, signature=signature)
+    notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD))
     run_cfg, node = read_configs(notice, node_config)
     reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
     assert reply.outcome == Witnessed("eu")
@@ -554,18 +543,10 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
     settings = {**app_config(), "local-steps": 2, "seal": False, **run_overrides}
 
     def notice(receipts: dict[str, list[list[object]]]) -> RunEndNotice:
-        unsigned = RunEndNotice(
-            federation_run=FLOWER_RUN,
-            witness=(9, HEAD),
-            run_config=RunConfig.from_user_config(settings, source="test").canonical_json(),
-            nonce=secrets.token_bytes(NONCE_BYTES),
-            signer=aggregator.keypair.bundle.key_id.hex(),
-            receipts=json.dumps(receipts),
+        signed: RunEndNotice = signed_run_end(
+            aggregator.keypair, FLOWER_RUN, settings, (9, HEAD), receipts
         )
-        signature = sign_run_end(
-            aggregator.keypair, FLOWER_RUN, unsigned.terms, (9, HEAD), unsigned.receipts_digest
-        )
-        return replace(unsigned, signature=signature)
+        return signed
 
     def undelivered() -> list[dict[str, Any]]:
         records = load_records(tmp_path / "audit.jsonl")
