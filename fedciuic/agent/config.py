@@ -4,7 +4,7 @@ Everything a region promises is decided here, by the region, and by nothing the
 aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
 budget (the run config's ``epsilon-budget`` is never consulted), whether it loads
 pickle weights (``allow-pickle-weights``, likewise its own), how many training
-processes it runs, the socket its relay reaches it on, and which OS user that relay
+processes and CPU threads it runs, the socket its relay reaches it on, and which OS user that relay
 runs as (whom the agent checks cannot read its files).
 """
 
@@ -36,6 +36,10 @@ class AgentConfig(NodeConfig):
     aggregator_bundle: str = Field(min_length=1)
     policy: str = Field(min_length=1)
     train_processes: int = Field(default=1, ge=1, le=1024)
+    #: CPU threads the agent's training and evaluation use (shared among its training
+    #: processes); 0 = one per core of this machine. Regions sharing a machine each set
+    #: their share (``fedciuic init`` does, for the regions it makes on one machine).
+    cpu_threads: int = Field(default=0, ge=0, le=4096)
     #: The Unix socket the relay reaches the agent on (its folder is the agent's).
     socket: str = Field(min_length=1)
     #: The OS user Flower's ClientApp (the relay) runs as; "" = the agent's own user, with

@@ -66,6 +66,7 @@ from fedciuic.agent.channel import (
 )
 from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.events import Event
+from fedciuic.cluster.protocol import share_cores
 from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import RegionKeys, TaskKind
 from fedciuic.digests import installed_code
@@ -394,6 +395,7 @@ class AgentServer:
                 "relay-user to an unprivileged user of its own (docs/cluster.md)"
             )
         self._lock()
+        share_cores(self.config.cpu_threads)
         self.agent = RegionAgent(self.config)
         self._listen()
         self.agent.started(self.relay.label)

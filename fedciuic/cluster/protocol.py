@@ -48,9 +48,34 @@ class TrainCommand(BaseModel):
     slowdown: float = 1.0
 
 
+#: The CPU cores this region may use (a region agent's ``cpu-threads``), for the
+#: training processes it starts; unset: all of the machine's.
+CORES_ENV = "FEDCIUIC_CPU_CORES"
+
+
+def cpu_cores() -> int:
+    """The cores this process's region may use: its agent's ``cpu-threads`` (inherited
+    by the ranks it starts), else the machine's."""
+    given = os.environ.get(CORES_ENV, "")
+    return int(given) if given.isdigit() and int(given) > 0 else os.cpu_count() or 1
+
+
+def share_cores(threads: int) -> None:
+    """Use ``threads`` CPU threads in this process and every rank it starts (0: the
+    machine's cores). Regions that share a machine each take their part: PyTorch's
+    default of one thread per core in every process oversubscribes the cores, and its
+    spinning threads then make each step several times slower than on a share."""
+    if threads <= 0:
+        return
+    import torch
+
+    os.environ[CORES_ENV] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def threads_per_rank(local_world_size: int) -> int:
-    """PyTorch threads per rank: the machine's cores shared among its ranks."""
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+    """PyTorch threads per rank: the region's cores shared among its ranks on this machine."""
+    return max(1, cpu_cores() // local_world_size)
 
 
 def free_port() -> int:

@@ -58,6 +58,9 @@ class Batch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def first(self, count: int) -> Batch:
+        return Batch(self.input_ids[:count], self.labels[:count], self.attention_mask[:count])
+
     @classmethod
     def of_ids(cls, input_ids: torch.Tensor) -> Batch:
         """Unpadded rows with every token trained on (benchmarks and tests)."""

@@ -45,6 +45,7 @@ from fedciuic.agent.service import (
     hello,
 )
 from fedciuic.audit.log import REGION_LOG, load_records, verify
+from fedciuic.cluster.protocol import CORES_ENV, threads_per_rank
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.sealing import (
@@ -584,9 +585,10 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
     socket_root = Path(tempfile.mkdtemp(prefix="fedciuic-agent-", dir="/tmp"))
     socket_root.chmod(0o711)
     toml = federation.agent_toml(
-        folder, socket_root / "agent" / "agent.sock", "max-request-bytes = 65536\n"
+        folder, socket_root / "agent" / "agent.sock", "max-request-bytes = 65536\ncpu-threads = 1\n"
     )
     config = AgentConfig.load(toml)
+    threads = torch.get_num_threads()
     server = AgentServer(config, exit_with_parent=False)
     failed: list[BaseException] = []
     umask = os.umask(0o022)  # the agent makes its own 0o077: give the process its own back
@@ -618,6 +620,8 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
         thread.join(30)
         shutil.rmtree(socket_root, ignore_errors=True)
         os.umask(umask)
+        torch.set_num_threads(threads)  # the agent's share was this process's
+        os.environ.pop(CORES_ENV, None)
     assert not thread.is_alive() and not failed
     assert not config.socket_path.exists()  # removed at a clean stop
 
@@ -627,6 +631,17 @@ def alive(served: Served) -> None:
     assert served.thread.is_alive()
     answer = served.hello()
     assert answer.error == "" and answer.config["status"]["pid"] == os.getpid()
+
+
+def test_the_agent_trains_on_its_cpu_threads_and_its_ranks_share_them(served):
+    assert served.config.cpu_threads == 1
+    seen: list[int] = []  # on a thread of its own, as each connection is served
+    worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    worker.start()
+    worker.join()
+    assert seen == [1]
+    assert os.environ[CORES_ENV] == "1"  # inherited by the training processes it starts
+    assert threads_per_rank(1) == threads_per_rank(2) == 1
 
 
 def test_the_server_refuses_to_serve_while_another_agent_holds_the_state(served):

@@ -123,6 +123,8 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
         assert node.region == region and node.state_dir == here / "state"
         assert agent.socket_path == here / "agent" / "agent.sock" and agent.relay_user == ""
         assert agent.epsilon_budget == 8.0
+        # The regions it makes start on this machine together: each takes a share.
+        assert agent.cpu_threads == max(1, (os.cpu_count() or 1) // len(REGIONS))
         for key in ("data_path", "state_path", "key_file", "aggregator_bundle", "policy"):
             assert Path(getattr(agent, key)).is_absolute(), key
             assert Path(getattr(agent, key)).exists(), key

@@ -229,7 +229,7 @@ def test_fedprox_is_added_after_clipping_and_noise(run, demo_root, tmp_path, mon
         np.testing.assert_allclose(after[name] - start[name], expected, atol=1e-5)
 
 
-def test_calibration_times_two_worst_shape_steps_and_restores(run, demo_root, tmp_path):
+def test_calibration_warms_up_on_one_example_then_times_the_worst_shape(run, demo_root, tmp_path):
     r = region(run, demo_root, tmp_path)
     trainer = PrivateTrainer.for_run(r.model, r.data.train, run, noise_multiplier=1.0, seed=0)
     calls: list[int] = []
@@ -243,7 +243,8 @@ def test_calibration_times_two_worst_shape_steps_and_restores(run, demo_root, tm
     try:
         start = r.model.adapter_state()
         seconds = trainer.time_step(run.seq_len, slowdown=1.0)
-        assert seconds > 0 and calls == [run.batch_size] * 2  # the worst shape, twice
+        worst = trainer.worst_batch(run.seq_len)[0]
+        assert seconds > 0 and calls == [1, len(worst)]  # a warm-up, then the worst shape
         assert diff(r.model.adapter_state(), start) == 0.0
         assert not trainer.optimizer.original_optimizer.state
     finally:
