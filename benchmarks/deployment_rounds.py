@@ -38,6 +38,7 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
+from fedciuic.ops.layout import cpu_share
 from fedciuic.rounds.metrics import load_metrics
 from fedciuic.rounds.record import METRICS_FILE
 from fedciuic.rounds.region_round import model_loads
@@ -68,6 +69,7 @@ def _agent_config(
         policy=str(POLICIES / SHIPPED[region]),
         socket=str(tmp / mode / "agents" / region / "agent.sock"),
         relay_user=relay_user,
+        cpu_threads=cpu_share(len(REGIONS)),
     )
     path = tmp / mode / f"{region}.agent.toml"
     path.write_text(config.toml())

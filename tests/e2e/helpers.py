@@ -16,6 +16,7 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.crypto.tls import generate_supernode_key
 from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
 from fedciuic.flower.relay import AGENT
+from fedciuic.ops.layout import cpu_share
 
 
 def only_run(output_dir: Path) -> dict[str, Any]:
@@ -136,13 +137,21 @@ class RecordingProxy:
         self.server.close()
 
 
+#: Regions an end-to-end deployment starts on this machine: each agent takes its share.
+REGIONS_HERE = 3
+
+
 def agent_config(
     folder: Path, region: str, data: Path, states: Path, keys: Path, relay_user: str = ""
 ) -> Path:
     """A deployed region's agent config (:func:`deployed_node`'s files, its state in
     ``states/REGION``), written to ``folder/REGION.agent.toml``, with its socket in
-    ``folder/REGION/``."""
-    values = {**deployed_node(region, data, states, keys), "relay-user": relay_user}
+    ``folder/REGION/`` and its share of this machine's cores."""
+    values = {
+        **deployed_node(region, data, states, keys),
+        "relay-user": relay_user,
+        "cpu-threads": cpu_share(REGIONS_HERE),
+    }
     config = AgentConfig.from_user_config(
         {**values, "socket": str(folder / region / "agent.sock")}, source="test"
     )
