@@ -43,8 +43,8 @@ from fedciuic.crypto.keys import (
 from fedciuic.errors import FedciuicError
 
 AGGREGATOR = "aggregator"
-GLOBAL_LABEL = b"fedciuic-global-model/3\x00"
-RUN_END_LABEL = b"fedciuic-run-end/3\x00"
+GLOBAL_LABEL = b"fedciuic-global-model/4\x00"
+RUN_END_LABEL = b"fedciuic-run-end/4\x00"
 #: Bytes of an instruction's nonce: each signed instruction is unique, so a region can
 #: refuse one it has already been handed (a replay).
 NONCE_BYTES = 16
@@ -67,26 +67,34 @@ class Terms:
     """What an instruction asks besides the adapter, all under the aggregator's
     signature: the kind of task, the run config the region is to apply (the SHA-256 of
     its canonical JSON), a nonce that makes the instruction single-use, the federation
-    run the region accounts it under (a resumed run keeps the first run's id) and the
-    base model the adapter belongs to."""
+    run the region accounts it under (a resumed run keeps the first run's id), the
+    base model the adapter belongs to, and the checkpoint a resumed run continued from
+    (its identity, the SHA-256 of its state; empty for a run that did not resume)."""
 
     kind: TaskKind
     config_digest: bytes
     nonce: bytes
     federation_run: int = 0
     base_fingerprint: str = ""
+    checkpoint: bytes = b""
 
     def encode(self) -> bytes:
         """Kind (u8) | config digest (32) | nonce (16) | federation run (u64) | base
-        fingerprint length (u16) and UTF-8 bytes."""
+        fingerprint length (u16) and UTF-8 bytes | checkpoint length (u8) and bytes."""
         base = self.base_fingerprint.encode()
-        if len(self.config_digest) != 32 or len(self.nonce) != NONCE_BYTES or len(base) > 4096:
+        if (
+            len(self.config_digest) != 32
+            or len(self.nonce) != NONCE_BYTES
+            or len(base) > 4096
+            or len(self.checkpoint) not in (0, 32)
+        ):
             raise ValueError(
-                "terms: a 32-byte config digest, a 16-byte nonce and a base fingerprint of "
-                "at most 4096 bytes expected"
+                "terms: a 32-byte config digest, a 16-byte nonce, a base fingerprint of "
+                "at most 4096 bytes and a checkpoint identity of 0 or 32 bytes expected"
             )
         head = struct.pack(">B", _KIND_CODES[self.kind]) + self.config_digest + self.nonce
-        return head + struct.pack(">QH", self.federation_run, len(base)) + base
+        tail = struct.pack(">B", len(self.checkpoint)) + self.checkpoint
+        return head + struct.pack(">QH", self.federation_run, len(base)) + base + tail
 
 
 def config_digest(run_config: str) -> bytes:

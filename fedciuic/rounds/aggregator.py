@@ -261,6 +261,9 @@ class AggregatorRound:
         self.audit = audit
         self.run_id = run_id  # Flower's: binds envelopes and signatures
         self.federation_run = federation_run or run_id  # kept when a run is resumed
+        #: The identity of the checkpoint this run resumed from ("" if it did not):
+        #: signed into every instruction, so each region's log witnesses it.
+        self.resumed_from = ""
         self.checkpoints = checkpoints
         self.global_adapter: dict[str, np.ndarray] = {}
         #: Aggregates published so far in this federation (the global adapter's version).
@@ -294,6 +297,7 @@ class AggregatorRound:
             signer=self.sealing.signer,
             federation_run=self.federation_run,
             witness=witness,
+            checkpoint=self.resumed_from,
         )
         signature = self.sealing.sign_global(self.run_id, unsigned)
         return replace(unsigned, signature=signature)
@@ -957,4 +961,5 @@ class AggregatorRound:
                 extra=self.schedule_state(),
             ),
             keep=self.run.keep_checkpoints,
+            keypair=self.audit.keypair if self.audit is not None else None,
         )

@@ -102,11 +102,13 @@ def load_policies(
 def resume(
     run: RunConfig, base_fingerprint: str, audit: AuditLog, recorder: RunRecorder
 ) -> Checkpoint | None:
-    """The checkpoint to resume from (resume-from), checked against this model and
-    against the audit log, which must still hold what the checkpoint saw."""
+    """The checkpoint to resume from (resume-from): signed by this aggregator's key when
+    the run has one, checked against this model and against the audit log, which must
+    still hold what the checkpoint saw."""
     if not run.resume_from:
         return None
-    checkpoint = load_checkpoint(Path(run.resume_from).expanduser())
+    signer = audit.keypair.bundle if audit.keypair is not None else None
+    checkpoint = load_checkpoint(Path(run.resume_from).expanduser(), signer)
     if checkpoint.base_fingerprint != base_fingerprint:
         raise CheckpointError(
             f"run config:resume-from: {run.resume_from} was trained on another base model "
@@ -164,6 +166,12 @@ def run_start(
         ),
         flower_run=flower_run,
         resumed_after_round=resumed.round if resumed else None,
+        # Which checkpoint it continued from (its identity, and the key that signed it).
+        checkpoint=(
+            {"identity": resumed.identity, "round": resumed.round, "signer": resumed.signer}
+            if resumed
+            else None
+        ),
         # What a compliance officer signs for: the model, and the DP terms asked.
         base_fingerprint=base_fingerprint,
         model=run.model_preset if not run.model_path else Path(run.model_path).name,
@@ -234,6 +242,7 @@ def restore(
     who is unavailable, buffered tasks) in its ``extra``."""
     aggregator.server_optimizer = optimizer or server_optimizer(aggregator.run, resumed)
     aggregator.restore_schedule(resumed.extra)
+    aggregator.resumed_from = resumed.identity
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,23 @@ opaque ``extra`` dict the aggregator fills), written and fsync'ed in full before
 ``keep`` deleted (never the one ``LATEST`` names): a process killed at any moment
 leaves a loadable ``LATEST``.
 
-``fedciuic-checkpoint/1`` folders (no optimiser state, no ``extra``) still load,
-with ``optimizer = None``.
+Each checkpoint is signed by the aggregator's key (``state.sig``: its signature over a
+label and the SHA-256 of ``state.json``, which holds both files' digests, the round,
+the schedule and the audit log's head): whoever can write the aggregator's disk but
+not its key cannot swap the model or roll it back unnoticed. The SHA-256 of
+``state.json`` is the checkpoint's identity, which a resumed run records in its audit
+log and signs into every instruction, so that each region's log witnesses which
+checkpoint the run continued from.
+
+A run with keys resumes only from a checkpoint its key signed. ``fedciuic-checkpoint/1``
+and ``/2`` folders (unsigned) load only where no key is given (inspection, and runs
+without sealing).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import os
@@ -27,18 +38,22 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from fedciuic.crypto.keys import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 from fedciuic.rounds.metrics import Rounds, dump_rounds, parse_rounds
 from fedciuic.server_optim import OptimizerState
 
-FORMAT = "fedciuic-checkpoint/2"
-FORMATS = ("fedciuic-checkpoint/1", FORMAT)  # what load_checkpoint reads
+FORMAT = "fedciuic-checkpoint/3"
+#: What load_checkpoint reads; only FORMAT is signed.
+FORMATS = ("fedciuic-checkpoint/1", "fedciuic-checkpoint/2", FORMAT)
 LATEST = "LATEST"
 #: A run's checkpoints, inside its output folder (run-<id>/checkpoint/).
 CHECKPOINT_DIR = "checkpoint"
 ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
+SIGNATURE = "state.sig"
+_SIGNED_LABEL = b"fedciuic-checkpoint/3\x00"
 _ROUND = re.compile(r"round-(\d{4,})")
 
 
@@ -57,6 +72,14 @@ class Checkpoint:
     rounds: Rounds  # metrics.json "rounds" so far
     optimizer: OptimizerState | None = None  # None: a /1 checkpoint (none had state)
     extra: dict[str, Any] = field(default_factory=dict)  # the aggregator's, JSON, as-is
+    #: Set when loaded: the SHA-256 of its state.json (hex), and the key id that signed
+    #: it ("" when unsigned).
+    identity: str = ""
+    signer: str = ""
+
+
+def _signed_message(state: bytes) -> bytes:
+    return _SIGNED_LABEL + hashlib.sha256(state).digest()
 
 
 def _fsync(path: Path) -> None:
@@ -71,9 +94,12 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_checkpoint(directory: Path, checkpoint: Checkpoint, keep: int = 1) -> Path:
-    """Write ``round-NNNN/`` in full, then point ``LATEST`` at it; then only the newest
-    ``keep`` rounds up to this one stay."""
+def save_checkpoint(
+    directory: Path, checkpoint: Checkpoint, keep: int = 1, keypair: Keypair | None = None
+) -> Path:
+    """Write ``round-NNNN/`` in full (signed by ``keypair``, the aggregator's, when the
+    run has keys), then point ``LATEST`` at it; then only the newest ``keep`` rounds up
+    to this one stay."""
     folder = directory / f"round-{checkpoint.round:04d}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -97,8 +123,17 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, keep: int = 1) -> P
             "sha256": _digest(folder / OPTIMIZER),
         }
         written.append(folder / OPTIMIZER)
-    (folder / STATE).write_text(json.dumps(state, sort_keys=True), encoding="utf-8")
-    for path in (*written, folder / STATE, folder):
+    if keypair is not None:
+        state["signer"] = keypair.bundle.key_id.hex()
+    body = json.dumps(state, sort_keys=True).encode()
+    (folder / STATE).write_bytes(body)
+    written.append(folder / STATE)
+    if keypair is not None:
+        (folder / SIGNATURE).write_text(
+            base64.b64encode(keypair.sign(_signed_message(body))).decode() + "\n"
+        )
+        written.append(folder / SIGNATURE)
+    for path in (*written, folder):
         _fsync(path)
     pointer = directory / (LATEST + ".tmp")
     pointer.write_text(folder.name + "\n", encoding="utf-8")
@@ -152,11 +187,40 @@ def checkpoint_folder(path: Path) -> Path:
     return directory / name
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """The checkpoint ``path`` names (see :func:`checkpoint_folder`), checked whole."""
+def _check_signature(folder: Path, body: bytes, state: Any, signer: PublicBundle) -> None:
+    """That ``signer`` (the aggregator's key) signed this state.json as it stands."""
+    fmt = state.get("format") if isinstance(state, dict) else None
+    if fmt != FORMAT or not state.get("signer"):
+        raise CheckpointError(
+            f"{folder}: an unsigned checkpoint ({fmt}); a run with keys resumes only from "
+            f"one its aggregator's key signed ({FORMAT}): start over, or resume from a "
+            "checkpoint this fedciuic wrote"
+        )
+    try:
+        signature = base64.b64decode((folder / SIGNATURE).read_bytes().strip(), validate=True)
+    except (OSError, binascii.Error, ValueError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not base64"
+        raise CheckpointError(
+            f"{folder / SIGNATURE}: the checkpoint's signature cannot be read ({why}); "
+            f"without it nothing shows who wrote the checkpoint: {_kept(folder.parent)}"
+        ) from None
+    if state.get("signer") != signer.key_id.hex() or not signer.verify(
+        _signed_message(body), signature
+    ):
+        raise CheckpointError(
+            f"{folder}: not signed by this aggregator's key ({signer.key_id.hex()[:16]}): "
+            "its files were changed after it was written, or another key wrote it; resume "
+            f"from another checkpoint or start over ({_kept(folder.parent)})"
+        )
+
+
+def load_checkpoint(path: Path, signer: PublicBundle | None = None) -> Checkpoint:
+    """The checkpoint ``path`` names (see :func:`checkpoint_folder`), checked whole;
+    with ``signer`` (the aggregator's public bundle), only one that key signed."""
     folder = checkpoint_folder(path)
     try:
-        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+        body = (folder / STATE).read_bytes()
+        state = json.loads(body.decode("utf-8"))
     except FileNotFoundError as err:
         raise CheckpointError(
             f"{err.filename}: no checkpoint here (a round folder without state.json); "
@@ -166,6 +230,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"{folder}: unreadable checkpoint ({err}); {_kept(folder.parent)}"
         ) from None
+    if signer is not None:
+        _check_signature(folder, body, state, signer)
     try:
         if not isinstance(state, dict) or state.get("format") not in FORMATS:
             fmt = state.get("format") if isinstance(state, dict) else None
@@ -199,6 +265,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
             rounds=parse_rounds(state["rounds"]),
             optimizer=optimizer,
             extra=extra,
+            identity=hashlib.sha256(body).hexdigest(),
+            signer=str(state.get("signer", "")) if signer is not None else "",
         )
     except (KeyError, TypeError, ValueError, OSError, AttributeError) as err:
         raise CheckpointError(

@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
-_JOINED: set[tuple[Path, int]] = set()
+_JOINED: set[tuple[Path, int, str]] = set()
 #: One line per model load (region built: base loaded and verified, data tokenised) in
 #: the region's state dir, with the run and the process: how often a run paid for it.
 MODEL_LOADS = "model-loads.jsonl"
@@ -488,7 +488,7 @@ class _Round:
         policy = checked[0] if checked else None
         if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
             self.audit.redact = ()
-        self._join(sealing, policy)
+        self._join(sealing, policy, task.checkpoint)
         if checked is not None:
             self.note(Event.POLICY_DECISION, **checked[1].to_record())
         if not training:
@@ -520,12 +520,15 @@ class _Round:
         sent.save(self.run_id, task.server_round, payload)
         return self._send(region.name, payload, sealing, policy)
 
-    def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None) -> None:
-        if self.audit is None or (self.audit.path, self.run_id) in _JOINED:
+    def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None, checkpoint: str) -> None:
+        """``run_joined`` once per run, and again when it resumes from a checkpoint: the
+        checkpoint's identity, as the aggregator signed it, goes on the region's record."""
+        if self.audit is None or (self.audit.path, self.run_id, checkpoint) in _JOINED:
             return
-        _JOINED.add((self.audit.path, self.run_id))
+        _JOINED.add((self.audit.path, self.run_id, checkpoint))
         self.note(
             Event.RUN_JOINED,
+            resumed_from_checkpoint=checkpoint or None,
             config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
             code_version=code_version(),
             code=installed_code(),

@@ -65,6 +65,8 @@ class Instruction:
     signer: str = ""
     federation_run: int = 0  # 0: this run started the federation
     witness: tuple[int, str] | None = None
+    #: The identity (hex SHA-256) of the checkpoint a resumed run continued from; "".
+    checkpoint: str = ""
 
     @property
     def terms(self) -> Terms:
@@ -74,6 +76,7 @@ class Instruction:
             self.nonce,
             self.federation_run,
             self.base_fingerprint,
+            bytes.fromhex(self.checkpoint),
         )
 
     def run_settings(self) -> dict[str, Any]:
@@ -132,6 +135,8 @@ SERVER_ROUND, FEDERATION_RUN = "server-round", "federation-run"
 BASE_FINGERPRINT = "base-fingerprint"
 SIGNATURE_FIELD, SIGNER = "model-signature", "aggregator-key-id"
 TASK, RUN_CONFIG, NONCE, RECEIPTS = "task", "run-config", "nonce", "receipts"
+RESUMED_FROM = "resumed-from-checkpoint"
+_IDENTITY = re.compile(r"[0-9a-f]{64}")
 #: A run config's canonical JSON is at most this long (an instruction's field).
 MAX_RUN_CONFIG = 1 << 16
 #: A run-end notice's receipts are at most this long (about 100 per region and round).
@@ -211,6 +216,11 @@ def parse_instruction(
     witness = None
     if AUDIT_COUNT in config or AUDIT_HEAD in config:
         witness = _head(config, "instruction")
+    checkpoint = _typed(config, RESUMED_FROM, str, "")
+    if checkpoint and not _IDENTITY.fullmatch(checkpoint):
+        raise MalformedInstruction(
+            f"malformed instruction: {RESUMED_FROM}: a checkpoint identity (64 hex digits)"
+        )
     return Instruction(
         adapter=dict(adapter),
         server_round=server_round,
@@ -222,6 +232,7 @@ def parse_instruction(
         signer=_typed(config, SIGNER, str, ""),
         federation_run=federation_run,
         witness=witness,
+        checkpoint=checkpoint,
     )
 
 
@@ -263,6 +274,8 @@ def instruction_fields(task: Instruction | RunEndNotice) -> dict[str, str | int 
     if isinstance(task, Instruction):
         fields[SERVER_ROUND] = task.server_round
         fields[BASE_FINGERPRINT] = task.base_fingerprint
+        if task.checkpoint:
+            fields[RESUMED_FROM] = task.checkpoint
     else:
         fields[RECEIPTS] = task.receipts
     if task.witness is not None:

@@ -168,6 +168,16 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
     starts = [r for r in load_records(aggregator_log) if r["event"] == "run_start"]
     assert len(starts) == 2 and starts[1]["details"]["resumed_after_round"] == 1
     assert starts[0]["run_id"] == starts[1]["run_id"]  # one federation run
+    # Which checkpoint it continued from, signed by the aggregator's key: on its record
+    # and, through the instructions it signed, on every region's.
+    signed = load_checkpoint(killed, load_bundle(keys / "aggregator.pub.json"))
+    assert starts[1]["details"]["checkpoint"]["identity"] == signed.identity
+    for region in REGIONS:
+        records = load_records(tmp_path / "cut" / "data" / region / ".fedciuic" / REGION_LOG)
+        joined = [
+            r["details"]["resumed_from_checkpoint"] for r in records if r["event"] == "run_joined"
+        ]
+        assert joined[-1] == signed.identity, (region, joined)
 
 
 def test_a_region_killed_mid_round_does_not_stall_the_run(tmp_path, demo_root):

@@ -311,6 +311,8 @@ def test_the_region_records_the_aggregators_signed_head_and_signs_its_reply(
         ({"task": "run-end"}, "task"),
         ({"nonce": b"\x01" * 3}, "nonce"),
         ({"run-config": "[1]"}, "run-config"),
+        ({"resumed-from-checkpoint": "ab"}, "resumed-from-checkpoint"),
+        ({"resumed-from-checkpoint": 7}, "resumed-from-checkpoint"),
     ],
 )
 def test_a_malformed_instruction_is_declined_naming_the_field(model, data_root, config, field):

@@ -4,11 +4,14 @@ the audit log must still hold what a checkpoint saw."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from fedciuic.audit.log import AuditError, AuditLog
 from fedciuic.compression import layout_of
@@ -163,7 +166,7 @@ def test_the_server_optimizer_state_and_extra_round_trip(tmp_path):
         assert loaded.optimizer.arrays[name].tobytes() == state.arrays[name].tobytes()
     assert loaded.extra == {"regions": {"eu": {"version": 3}}}
     saved = json.loads((tmp_path / "round-0001" / "state.json").read_text())
-    assert saved["format"] == "fedciuic-checkpoint/2"
+    assert saved["format"] == "fedciuic-checkpoint/3"
     assert saved["optimizer"]["name"] == "fedadam" and len(saved["optimizer"]["sha256"]) == 64
     opt = ServerOptimizer.from_state(ADAM, loaded.optimizer, layout_of(loaded.adapter))
     assert opt.steps == 2
@@ -227,7 +230,9 @@ def test_resume_from_an_older_round_folder_passes_the_audit_check(run_config, tm
     log.append("run_start", run_id=1)
     for round_ in (1, 2, 3):
         log.append("aggregate_published", run_id=1, server_round=round_)
-        save_checkpoint(directory, ckpt(round_, float(round_), audit=log.position()), keep=2)
+        save_checkpoint(
+            directory, ckpt(round_, float(round_), audit=log.position()), 2, log.keypair
+        )
     assert rounds_in(directory) == ["round-0002", "round-0003"]
     run = run_config.model_copy(
         update={"resume_from": str(directory / "round-0002"), "num_server_rounds": 5}
@@ -239,3 +244,83 @@ def test_resume_from_an_older_round_folder_passes_the_audit_check(run_config, tm
     gone = run.model_copy(update={"resume_from": str(directory / "round-0001")})
     with pytest.raises(CheckpointError, match=r"kept rounds in .*: round-0002, round-0003"):
         resume(gone, "f" * 64, log, recorder)
+
+
+AGGREGATOR_KEY = Keypair.generate("aggregator", "EU")
+
+
+def _resign_digest(folder: Path, name: str) -> None:
+    """What someone who can write the disk but holds no key can do: record the new
+    file's SHA-256 in state.json, as the checkpoint's own check expects."""
+    state_path = folder / "state.json"
+    state = json.loads(state_path.read_text())
+    state[name] = hashlib.sha256((folder / "adapter.safetensors").read_bytes()).hexdigest()
+    state_path.write_text(json.dumps(state, sort_keys=True))
+
+
+def test_a_signed_checkpoint_loads_with_its_identity_and_signer(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1, 1.0), keypair=AGGREGATOR_KEY)
+    loaded = load_checkpoint(tmp_path, AGGREGATOR_KEY.bundle)
+    body = (tmp_path / "round-0001" / "state.json").read_bytes()
+    assert loaded.identity == hashlib.sha256(body).hexdigest()
+    assert loaded.signer == AGGREGATOR_KEY.bundle.key_id.hex()
+
+
+def test_an_adapter_swapped_with_its_digest_recomputed_is_refused(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1, 1.0), keypair=AGGREGATOR_KEY)
+    save_file({"w": np.full(4, 9.0, np.float32)}, tmp_path / "round-0001" / "adapter.safetensors")
+    _resign_digest(tmp_path / "round-0001", "adapter_sha256")
+    assert load_checkpoint(tmp_path).adapter["w"][0] == 9.0  # the digest check alone passes
+    with pytest.raises(CheckpointError, match="not signed by this aggregator's key"):
+        load_checkpoint(tmp_path, AGGREGATOR_KEY.bundle)
+
+
+@pytest.mark.parametrize("field", ["round", "audit", "extra"])
+def test_any_change_to_the_signed_state_is_refused(tmp_path, field):
+    save_checkpoint(tmp_path, ckpt(2, 1.0, step=1), keypair=AGGREGATOR_KEY)
+    state_path = tmp_path / "round-0002" / "state.json"
+    state = json.loads(state_path.read_text())
+    state[field] = {"round": 1, "audit": {"seq": 1, "head": "b" * 64}, "extra": {"step": 0}}[field]
+    state_path.write_text(json.dumps(state, sort_keys=True))
+    with pytest.raises(CheckpointError, match="not signed by this aggregator's key"):
+        load_checkpoint(tmp_path, AGGREGATOR_KEY.bundle)
+
+
+def test_a_checkpoint_signed_by_another_key_or_unsigned_is_refused(tmp_path):
+    other = Keypair.generate("aggregator", "EU")
+    save_checkpoint(tmp_path / "other", ckpt(1), keypair=other)
+    with pytest.raises(CheckpointError, match="not signed by this aggregator's key"):
+        load_checkpoint(tmp_path / "other", AGGREGATOR_KEY.bundle)
+    save_checkpoint(tmp_path / "plain", ckpt(1))  # written without a key
+    with pytest.raises(CheckpointError, match=r"an unsigned checkpoint \(fedciuic-checkpoint/3\)"):
+        load_checkpoint(tmp_path / "plain", AGGREGATOR_KEY.bundle)
+    save_checkpoint(tmp_path / "bare", ckpt(1), keypair=AGGREGATOR_KEY)
+    (tmp_path / "bare" / "round-0001" / "state.sig").unlink()
+    with pytest.raises(CheckpointError, match="signature cannot be read"):
+        load_checkpoint(tmp_path / "bare", AGGREGATOR_KEY.bundle)
+
+
+def test_an_older_unsigned_format_is_refused_where_a_key_is_given(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1), keypair=AGGREGATOR_KEY)
+    state_path = tmp_path / "round-0001" / "state.json"
+    state = json.loads(state_path.read_text())
+    state["format"] = "fedciuic-checkpoint/2"  # a downgrade: /2 had no signature
+    state_path.write_text(json.dumps(state, sort_keys=True))
+    with pytest.raises(CheckpointError, match=r"unsigned checkpoint \(fedciuic-checkpoint/2\)"):
+        load_checkpoint(tmp_path, AGGREGATOR_KEY.bundle)
+
+
+def test_a_run_with_keys_resumes_only_from_what_its_key_signed(run_config, tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", "aggregator", AGGREGATOR_KEY)
+    log.append("run_start", run_id=1)
+    save_checkpoint(tmp_path / "cp", ckpt(1, 1.0, audit=log.position()), keypair=AGGREGATOR_KEY)
+    run = run_config.model_copy(
+        update={"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3}
+    )
+    recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
+    assert resume(run, "f" * 64, log, recorder) is not None
+    folder = tmp_path / "cp" / "round-0001"
+    save_file({"w": np.full(4, 7.0, np.float32)}, folder / "adapter.safetensors")
+    _resign_digest(folder, "adapter_sha256")
+    with pytest.raises(CheckpointError, match="not signed by this aggregator's key"):
+        resume(run, "f" * 64, log, recorder)

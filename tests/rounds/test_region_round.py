@@ -83,6 +83,8 @@ def run(model: AdapterModel, policies: Path):
         signer: Keypair | None = None,
         witness: tuple[int, str] | None = None,
         sent_witness: tuple[int, str] | None = None,
+        checkpoint: str = "",
+        sent_checkpoint: str | None = None,
     ) -> RegionReply:
         settings = {**app_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
         if "region" in node_config:
@@ -97,10 +99,13 @@ def run(model: AdapterModel, policies: Path):
             run_config=run_cfg.canonical_json(),
             nonce=secrets.token_bytes(NONCE_BYTES),
             witness=sent_witness or witness,
+            checkpoint=checkpoint,
         )
         if signer is not None:
             signature = sign_global(signer, FLOWER_RUN, 1, adapter, task.terms, witness)
             task = replace(task, signature=signature, signer=signer.bundle.key_id.hex())
+        if sent_checkpoint is not None:
+            task = replace(task, checkpoint=sent_checkpoint)
         applied, node = read_configs(task, node_config)
         assert applied == run_cfg  # the run config the instruction carries
         if given is not None:
@@ -283,6 +288,40 @@ def test_an_audit_head_the_aggregator_did_not_sign_is_refused(run, demo_root, tm
     assert "is not signed by the aggregator key" in declined(reply).reason
     records = load_records(tmp_path / "audit.jsonl")
     assert not [r for r in records if r["event"] == "witness"]
+
+
+def test_a_resumed_run_puts_the_checkpoint_it_continued_from_on_the_regions_record(
+    run, demo_root, tmp_path, keys_dir
+):
+    run_overrides, aggregator = sealed_run(keys_dir)
+    node = cn_node(demo_root, tmp_path)
+    identity = "c" * 64
+    for checkpoint in ("", identity):  # the run, then the same run resumed
+        reply = run(
+            node,
+            run_overrides,
+            kind=TaskKind.EVALUATE,
+            signer=aggregator.keypair,
+            checkpoint=checkpoint,
+        )
+        assert not isinstance(reply.outcome, Declined), reply.outcome
+    joined = [r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "run_joined"]
+    assert [r["details"]["resumed_from_checkpoint"] for r in joined] == [None, identity]
+
+
+def test_a_checkpoint_identity_the_aggregator_did_not_sign_is_refused(
+    run, demo_root, tmp_path, keys_dir
+):
+    run_overrides, aggregator = sealed_run(keys_dir)
+    reply = run(
+        cn_node(demo_root, tmp_path),
+        run_overrides,
+        kind=TaskKind.EVALUATE,
+        signer=aggregator.keypair,
+        checkpoint="c" * 64,
+        sent_checkpoint="d" * 64,  # a relay claims the run resumed from another one
+    )
+    assert "is not signed by the aggregator key" in declined(reply).reason
 
 
 def test_an_evaluation_handed_over_as_a_training_round_is_declined_and_trains_nothing(
