@@ -10,7 +10,9 @@ that cannot reach rank 0 fails with one line instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -126,37 +128,139 @@ def check_placement(count: int, device: torch.device, *, key: str) -> None:
         )
 
 
+#: Where a store listens when every rank is on this machine.
+LOOPBACK = "127.0.0.1"
+#: MASTER_ADDR values that mean every interface: refused for a multi-host store.
+WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def store_host(world: World) -> str:
+    """The address rank 0's store listens on and the other ranks connect to.
+
+    Loopback when every rank is on this machine (a region that starts its own workers),
+    whatever MASTER_ADDR says: nothing off the host needs the store. Otherwise
+    MASTER_ADDR, the interface the operator names for the other hosts.
+    """
+    if world.local_world_size < world.world_size:
+        return world.master_addr
+    try:
+        if ipaddress.ip_address(world.master_addr).is_loopback:
+            return world.master_addr
+    except ValueError:
+        pass
+    return LOOPBACK
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` names every interface (0.0.0.0, ::) rather than one."""
+    if host.strip() in WILDCARDS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def listen_socket(host: str, port: int, *, what: str) -> socket.socket:
+    """A socket listening on ``host``'s address only.
+
+    torch's ``TCPStore`` ignores its host name as master and listens on every
+    interface (``::``, dual-stack), so rank 0 binds the socket itself and hands it
+    over (``master_listen_fd``).
+    """
+    if is_wildcard(host):
+        raise ClusterError(
+            f"environment: MASTER_ADDR {host!r} names every interface: rank 0's store "
+            "would then take connections from any host, and anything that reaches it "
+            "reads and writes the region's keys; set MASTER_ADDR to the address of the "
+            "interface the region's other hosts reach this one on (docs/cluster.md)"
+        )
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+    except (OSError, UnicodeError) as err:
+        raise ClusterError(
+            f"{what}: MASTER_ADDR {host!r} does not resolve ({first_line(err)}); set it to "
+            "an address of this host"
+        ) from None
+    if is_wildcard(str(address[0])):
+        raise ClusterError(
+            f"environment: MASTER_ADDR {host!r} resolves to {address[0]}, every interface; "
+            "set it to the address of the interface the region's other hosts reach this "
+            "one on (docs/cluster.md)"
+        )
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
-    """Rank 0 hosts the world's store at MASTER_ADDR:MASTER_PORT, the others connect to
-    it within ``timeout`` seconds (the run config's collective-timeout). The store
-    also carries the region's commands (:mod:`fedciuic.cluster.training`); ``what``
-    names the region or rank in errors."""
+    """Rank 0 hosts the world's store on :func:`store_host`'s address, the others
+    connect to it within ``timeout`` seconds (the run config's collective-timeout).
+    The store also carries the region's commands (:mod:`fedciuic.cluster.training`),
+    each under a MAC (:mod:`fedciuic.cluster.auth`); ``what`` names the region or
+    rank in errors."""
     if dist.is_initialized():
         raise ClusterError(
             f"{what}: this process already belongs to a torch.distributed world; one "
             "process trains one region's cluster at a time"
         )
-    where = f"{world.master_addr}:{world.master_port}"
+    host = store_host(world)
+    where = f"{host}:{world.master_port}"
+    if world.rank != 0:
+        try:
+            return TCPStore(
+                host,
+                world.master_port,
+                world.world_size,
+                is_master=False,
+                timeout=timedelta(seconds=timeout),
+            )
+        except (RuntimeError, OSError):
+            raise ClusterError(
+                f"{what}: rank {world.rank} cannot reach rank 0 at {where} within "
+                f"{timeout:g} s (collective-timeout); check MASTER_ADDR and MASTER_PORT "
+                "(and LOCAL_WORLD_SIZE: ranks all on one host meet on loopback) and that "
+                "rank 0 is running"
+            ) from None
+    try:
+        sock = listen_socket(host, world.master_port, what=what)
+    except OSError as err:
+        raise ClusterError(
+            f"{what}: rank 0 cannot listen on {where} ({first_line(err)}); choose a free "
+            "MASTER_PORT"
+        ) from None
+    # The store owns (and closes) the descriptor it gets: give it a copy, and close
+    # that copy here only if the store failed without closing it (same socket inode;
+    # ours keeps the inode alive, so a reused descriptor number is never closed).
+    handed = os.dup(sock.fileno())
     try:
         return TCPStore(
-            world.master_addr,
+            host,
             world.master_port,
             world.world_size,
-            is_master=world.rank == 0,
+            is_master=True,
             timeout=timedelta(seconds=timeout),
             wait_for_workers=False,
+            master_listen_fd=handed,
         )
     except (RuntimeError, OSError) as err:
-        if world.rank == 0:
-            raise ClusterError(
-                f"{what}: rank 0 cannot listen on {where} ({first_line(err)}); choose a "
-                "free MASTER_PORT"
-            ) from None
+        with contextlib.suppress(OSError):
+            if os.fstat(handed).st_ino == os.fstat(sock.fileno()).st_ino:
+                os.close(handed)
         raise ClusterError(
-            f"{what}: rank {world.rank} cannot reach rank 0 at {where} within "
-            f"{timeout:g} s (collective-timeout); check MASTER_ADDR and MASTER_PORT and "
-            "that rank 0 is running"
+            f"{what}: rank 0 cannot serve its store on {where} ({first_line(err)}); "
+            "choose a free MASTER_PORT"
         ) from None
+    finally:
+        sock.close()
 
 
 def form_group(world: World, store: TCPStore, *, backend: str, timeout: float, what: str) -> None:

@@ -3,9 +3,10 @@
 Rank 0 is the region's own process (the ClientApp, Ray actor or trainer): it holds
 the ledger, seals and writes the audit log, and alone talks to Flower. The other
 ranks (:mod:`fedciuic.cluster.worker`) build the model and data once per run and
-then train on command. Commands travel through rank 0's ``TCPStore`` (a worker
-waits for the next one without a collective timeout, since rounds may be far
-apart); each round's work uses collectives, each bounded by ``collective-timeout``.
+then train on command. Commands travel through rank 0's ``TCPStore``, each under the
+cluster secret's MAC (:mod:`fedciuic.cluster.auth`; a worker waits for the next one
+without a collective timeout, since rounds may be far apart); each round's work uses
+collectives, each bounded by ``collective-timeout``.
 Evaluation stays on rank 0 alone (:meth:`fedciuic.rounds.region.Region.evaluate`).
 """
 
@@ -25,9 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 import fedciuic
+from fedciuic.cluster.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SealedStore,
+    StoreAuthError,
+    new_secret,
+    secret_from_env,
+)
 from fedciuic.cluster.dist import (
     ClusterError,
     World,
@@ -182,7 +190,7 @@ class TrainingCluster:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.logs = node.state_dir / "cluster"
         self.world: World | None = None
-        self.store: TCPStore | None = None
+        self.store: SealedStore | None = None
         self._seq = 0
         self._dead: tuple[int, int, int] | None = None  # rank, pid, return code
         self._closing = threading.Event()
@@ -208,7 +216,8 @@ class TrainingCluster:
                 master_addr="127.0.0.1",
                 master_port=free_port(),
             )
-            self._spawn(world)
+            secret = new_secret()  # this start's own: the workers get it from us
+            self._spawn(world, secret)
         elif world.rank != 0:
             raise ClusterError(
                 f"{self.name}: this process has RANK={world.rank}; the region's own process "
@@ -218,19 +227,24 @@ class TrainingCluster:
             check_placement(
                 world.local_world_size, self.model.device, key="environment:LOCAL_WORLD_SIZE"
             )
+            secret = secret_from_env()
         self.world = world
         self._closing.clear()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="fedciuic-ranks")
         self._watcher.start()
         try:
-            self.store = open_store(world, timeout=timeout, what=self.name)
+            self.store = SealedStore(
+                open_store(world, timeout=timeout, what=self.name), secret, what=self.name
+            )
             # Workers we started are watched while they start and load (a dead one fails
             # the start at once), so they may take longer than one collective.
             starting = max(timeout, START_S) if self.workers else timeout
             self._await(JOINED_KEY, world, starting, "start and reach rank 0's store")
+            for rank in range(1, world.world_size):
+                self.store.get(f"{JOINED_KEY}{rank}")  # a rank that holds the secret
             form_group(
                 world,
-                self.store,
+                self.store.raw,
                 backend=backend_for(self.model.device),
                 timeout=timeout,
                 what=self.name,
@@ -243,20 +257,24 @@ class TrainingCluster:
             self._await(READY_KEY, world, starting, "load the model and data")
             self._check_loaded(world)
         except BaseException as err:
+            if isinstance(err, StoreAuthError):
+                log.error("fedciuic: %s", err)
             died = self._died()
             self.close()
             if died is not None:
                 raise self._death_error(died, "start-up") from err
             raise
 
-    def _spawn(self, world: World) -> None:
+    def _spawn(self, world: World, secret: bytes) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         package_root = str(Path(fedciuic.__file__).resolve().parents[1])
         path = os.environ.get("PYTHONPATH", "")
+        inherited = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
         for rank in range(1, world.world_size):
             env = {
-                **os.environ,
+                **inherited,
                 **world.model_copy(update={"rank": rank, "local_rank": rank}).env(),
+                SECRET_ENV: secret.hex(),  # an environment only its user (and root) reads
                 PARENT_ENV: str(os.getpid()),
                 TIMEOUT_ENV: repr(self.run.collective_timeout),
                 "PYTHONPATH": os.pathsep.join(filter(None, [package_root, path])),

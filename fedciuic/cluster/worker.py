@@ -3,9 +3,11 @@
 Started by the region itself (:class:`~fedciuic.cluster.training.TrainingCluster`),
 or on the region's other hosts with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) pointing at
-the region's process, which is rank 0 and hosts the store (docs/cluster.md).
-It reads the run and node config from rank 0, builds the model and the data once,
-and then trains on rank 0's commands until told to stop, or until rank 0 is gone.
+the region's process, which is rank 0 and hosts the store (docs/cluster.md), and
+the region's cluster secret (``FEDCIUIC_CLUSTER_SECRET`` or ``_FILE``): it acts only
+on values in the store that carry its MAC (:mod:`fedciuic.cluster.auth`). It reads
+the run and node config from rank 0, builds the model and the data once, and then
+trains on rank 0's commands until told to stop, or until rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import time
 from datetime import timedelta
 
 import torch
-from torch._C._distributed_c10d import TCPStore
 
+from fedciuic.cluster.auth import SECRET_ENV, SealedStore, secret_from_env
 from fedciuic.cluster.dist import ClusterError, World, backend_for, form_group, leave, open_store
 from fedciuic.cluster.protocol import (
     COMMAND_KEY,
@@ -58,16 +60,18 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="fedciuic-parent").start()
 
 
-def next_command(store: TCPStore, seq: int) -> TrainCommand:
+def next_command(store: SealedStore, seq: int) -> TrainCommand:
     """Wait (without a deadline: rounds may be far apart) for rank 0's command ``seq``;
-    a store that fails means rank 0 is gone."""
+    a store that fails means rank 0 is gone, a command without the secret's MAC is
+    refused (:class:`~fedciuic.cluster.auth.StoreAuthError`)."""
     key = f"{COMMAND_KEY}{seq}"
     try:
         while not store.check([key]):  # polled: a timed-out wait would log each time
             time.sleep(POLL_S)
-        return TrainCommand.model_validate_json(store.get(key))
+        text = store.get(key)
     except (RuntimeError, OSError):
         raise ClusterError("rank 0 is gone (its store closed)") from None
+    return TrainCommand.model_validate_json(text)
 
 
 def device_for(world: World) -> torch.device:
@@ -82,13 +86,16 @@ def serve(world: World) -> None:
     parent = os.environ.get(PARENT_ENV)
     if parent:
         die_with_parent(int(parent))
+    # Nothing this rank starts needs the secret: out of the environment it goes.
+    secret = secret_from_env()
+    os.environ.pop(SECRET_ENV, None)
     timeout = float(os.environ.get(TIMEOUT_ENV, "600"))
     device = device_for(world)
     torch.set_num_threads(threads_per_rank(world.local_world_size))
     what = f"rank {world.rank}"
-    store = open_store(world, timeout=timeout, what=what)
+    store = SealedStore(open_store(world, timeout=timeout, what=what), secret, what=what)
     store.set(f"{JOINED_KEY}{world.rank}", "1")
-    form_group(world, store, backend=backend_for(device), timeout=timeout, what=what)
+    form_group(world, store.raw, backend=backend_for(device), timeout=timeout, what=what)
     # The model and data libraries load after the rank has joined (a rank that cannot
     # join says so first), while rank 0 waits for it to be ready.
     from fedciuic.cluster.training import train_rank

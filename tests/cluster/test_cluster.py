@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fedciuic.cluster import ClusterError, TrainCommand, TrainingCluster, World
+from fedciuic.cluster.auth import SECRET_ENV, new_secret
 from fedciuic.cluster.dist import check_placement
 from fedciuic.cluster.protocol import TIMEOUT_ENV, free_port
 from fedciuic.cluster.training import processes_key
@@ -251,7 +252,13 @@ def test_more_processes_than_cores_is_one_clear_line(pair: Region, run: RunConfi
 
 def test_a_rank_that_cannot_reach_rank_0_fails_within_the_timeout() -> None:
     world = World(rank=1, world_size=2, master_port=free_port())  # nobody listens there
-    env = {**os.environ, **world.env(), TIMEOUT_ENV: "1", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        **world.env(),
+        SECRET_ENV: new_secret().hex(),
+        TIMEOUT_ENV: "1",
+        "PYTHONPATH": str(ROOT),
+    }
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "fedciuic.cluster.worker"],
