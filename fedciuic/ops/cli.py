@@ -337,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     def _ledger_rebuild(args: argparse.Namespace) -> int:
         from fedciuic.privacy.ledger import rebuild_ledger_command
 
-        return rebuild_ledger_command(args.state_path)
+        return rebuild_ledger_command(args.state_path, args.aggregator_log)
 
     ledger_sub = _group(
         sub,
@@ -349,14 +349,26 @@ def _parser() -> argparse.ArgumentParser:
         ledger_sub,
         "rebuild",
         _ledger_rebuild,
-        "rebuild a rolled-back privacy ledger from the region's audit log, keeping every release",
+        "rebuild a rolled-back privacy ledger from every witness of it, keeping every release",
         "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
-        description="Rebuild STATE/privacy-ledger.jsonl from the ledger lines that the region's "
-        "audit log (STATE/audit.jsonl) witnessed, plus later releases the file still holds; "
-        "the result must match every witnessed chain head. The replaced file is kept next to "
-        "it as evidence (docs/privacy.md).",
+        description="Rebuild STATE/privacy-ledger.jsonl from the union of every witness of it: "
+        "the current file, the copies earlier rebuilds kept aside "
+        "(STATE/privacy-ledger.jsonl.rolled-back-*), the ledger lines the region's audit log "
+        "(STATE/audit.jsonl) witnessed and, with --aggregator-log, the epsilon the aggregator "
+        "recorded. Prints what each source shows and where each release came from. Refuses, "
+        "changing nothing, when two sources hold different releases at one position (two "
+        "ledgers for one dataset), a release is in none of them, or the result would show "
+        "less epsilon than a source. The replaced file is kept next to it as evidence "
+        "(docs/privacy.md).",
     )
     rebuild.add_argument("--state-path", type=Path, required=True, metavar="STATE")
+    rebuild.add_argument(
+        "--aggregator-log",
+        type=Path,
+        metavar="FILE",
+        help="the aggregator's aggregator.audit.jsonl: its accepted updates' epsilon for this "
+        "region is a floor the rebuilt ledger must reach (it holds no ledger lines)",
+    )
 
     from fedciuic.ops.preflight import add_command as add_preflight
 

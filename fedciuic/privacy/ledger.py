@@ -514,99 +514,263 @@ def _witnessed(value: object) -> tuple[int, str, bytes, bytes] | None:
     return count, head, line, header
 
 
+#: What a rebuild keeps of the file it replaced, next to it: ``privacy-ledger.jsonl``
+#: + this + a time stamp. Later rebuilds read these back as witnesses.
+KEPT_ASIDE = ".rolled-back-"
+
+
+@dataclass(frozen=True)
+class LedgerSource:
+    """One witness of a ledger that :func:`rebuild_ledger` read, and what it shows."""
+
+    path: Path
+    kind: str
+    releases: int  # the most releases it shows (0: it holds no ledger line)
+    epsilon: float  # the highest cumulative epsilon it records
+    damaged: int = 0  # lines that are not ledger records, skipped
+
+
+class RebuildRefused(PrivacyError):
+    """The sources of a rebuild disagree in a way no single ledger can hold; nothing
+    was changed. ``sources`` says what each showed (the command prints them)."""
+
+    def __init__(self, message: str, sources: Sequence[LedgerSource]) -> None:
+        super().__init__(message)
+        self.sources = tuple(sources)
+
+
 @dataclass(frozen=True)
 class Rebuilt:
     """What :func:`rebuild_ledger` did."""
 
     path: Path
     releases: int
-    from_audit: int  # lines taken from the audit log
+    from_audit: int  # releases whose line the region's audit log holds
     kept_aside: Path | None  # the file it replaced, kept as evidence
     epsilon: float
+    sources: tuple[LedgerSource, ...] = ()
+    #: origins[k - 1]: the sources that hold release k's line (in the order of sources)
+    origins: tuple[tuple[Path, ...], ...] = ()
 
 
-def rebuild_ledger(state_dir: Path) -> Rebuilt:
-    """Rebuild ``STATE_DIR/privacy-ledger.jsonl`` from the region's audit log after a
-    rollback: every release the audit log witnessed, plus any later ones the current
-    file still holds. The result must reproduce every witnessed chain head and pass
-    the ledger's own checks; the replaced file is kept next to it as evidence.
-    Nothing is ever dropped: a release known to neither is an error."""
+@dataclass
+class _Read:
+    """What one source holds, each line with where it was read (for the messages)."""
+
+    path: Path
+    kind: str
+    headers: dict[bytes, str] = field(default_factory=dict)
+    lines: dict[int, dict[bytes, str]] = field(default_factory=dict)  # release k -> line
+    heads: dict[int, dict[str, str]] = field(default_factory=dict)  # witnessed head after k
+    epsilon: float = 0.0
+    epsilon_at: str = ""
+    damaged: int = 0
+
+    def line(self, k: int, line: bytes, where: str) -> None:
+        self.lines.setdefault(k, {}).setdefault(line, where)
+
+    def spent(self, epsilon: float, where: str) -> None:
+        if epsilon > self.epsilon:
+            self.epsilon, self.epsilon_at = epsilon, where
+
+    def summary(self) -> LedgerSource:
+        releases = max([*self.lines, *self.heads], default=0)
+        return LedgerSource(self.path, self.kind, releases, self.epsilon, self.damaged)
+
+
+def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Rebuilt:
+    """Rebuild ``STATE_DIR/privacy-ledger.jsonl`` after a rollback or damage from every
+    witness of it: the current file, the files earlier rebuilds kept aside
+    (``privacy-ledger.jsonl.rolled-back-*``), the ledger lines and heads the region's
+    audit log witnessed, and, with ``aggregator_log``, the epsilon the aggregator's
+    log recorded for this region's updates (it holds no ledger lines: a floor only).
+
+    A recovery tool that dropped a release would hand part of the spent budget back,
+    so the result is the union of the sources, release by release (a release's
+    position is the length of its accountant history), and is refused, changing
+    nothing, unless it holds every release any source holds and shows at least the
+    epsilon each records: two sources with different releases at one position (two
+    ledgers for one dataset), a release in none of them, or an epsilon no line
+    reaches is a :class:`RebuildRefused` naming them. The result must reproduce every
+    witnessed chain head and pass the ledger's own checks; the replaced file is kept
+    next to it as evidence (under a name no earlier one has)."""
     from fedciuic.audit.log import REGION_LOG
 
     path = state_dir / LEDGER_FILE
     audit_path = state_dir / REGION_LOG
     with locked(path):
-        current: list[bytes] = []
-        if path.exists():
-            raw = path.read_bytes()
-            current = _valid_prefix(raw.split(b"\n")[:-1])  # drops a torn last line
-        header_line = current[0] if current else b""
-        witness = _any_witness(audit_path, header_line)
-        if witness is None or not witness.lines:
+        files = [_read_file(path, "current ledger")] if path.exists() else []
+        kept = [_read_file(p, "kept aside by an earlier rebuild") for p in _kept_aside(path)]
+        files += kept
+        header = _identity(files, audit_path)
+        audit = _read_audit(audit_path, header) if header is not None else None
+        reads = [*files, *([audit] if audit is not None else [])]
+        witnessed = audit is not None and bool(audit.lines or audit.heads)
+        if header is None or not (witnessed or any(r.lines for r in kept)):
             raise PrivacyError(
-                f"{audit_path}: the audit log witnesses no release of this ledger, so there is "
-                f"nothing to rebuild {path} from; keep both files and investigate"
+                f"{audit_path}: the audit log witnesses no release of this ledger and no "
+                f"earlier copy is kept aside, so there is nothing to rebuild {path} from; "
+                "keep both files and investigate"
             )
-        top = max(witness.lines)
-        header = witness.lines[top][2] or header_line
-        out = [header]
-        taken = 0
-        for k in range(1, max(top, len(current) - 1) + 1):
-            if k in witness.lines and witness.lines[k][1]:
-                out.append(witness.lines[k][1])
-                taken += 1
-            elif k < len(current):
-                out.append(current[k])
-            else:
-                raise PrivacyError(
-                    f"cannot rebuild {path}: release {k} is recorded neither in the ledger nor "
-                    f"in the audit log {audit_path}; its cost is unknown, so the ledger cannot "
-                    "be completed: keep both files and investigate"
-                )
-        header_rec, rounds = _parse_lines(path, out, "the rebuilt ledger is inconsistent")
-        heads = PrivacyLedger(path, header_rec, rounds, out).heads
-        for k, (head, _, _) in witness.lines.items():
-            if heads[k] != head:
-                raise PrivacyError(
-                    f"cannot rebuild {path}: after release {k} the rebuilt chain has head "
-                    f"{heads[k][:16]}, the audit log {audit_path} records {head[:16]}; keep "
-                    "both files and investigate"
-                )
+        if aggregator_log is not None:
+            reads.append(_read_aggregator(aggregator_log, header))
+        sources = [r.summary() for r in reads]
+        try:
+            out, origins = _union(path, reads)
+        except PrivacyError as err:
+            raise RebuildRefused(str(err), sources) from None
         tmp = path.with_name(path.name + ".rebuilt")
         with open(tmp, "wb") as handle:
             handle.write(b"".join(line + b"\n" for line in out))
             handle.flush()
             os.fsync(handle.fileno())
-        PrivacyLedger.load(tmp)  # the ledger's own checks, on what will be the ledger
+        try:
+            done = PrivacyLedger.load(tmp)  # the ledger's own checks, on what will be the ledger
+        except PrivacyError:
+            tmp.unlink()
+            raise
         aside = None
         if path.exists():
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            aside = path.with_name(f"{path.name}.rolled-back-{stamp}")
+            aside = _aside_name(path)
             os.replace(path, aside)
         os.replace(tmp, path)
-    return Rebuilt(path, len(rounds), taken, aside, rounds[-1].epsilon if rounds else 0.0)
+    from_audit = sum(audit is not None and audit.path in held for held in origins)
+    return Rebuilt(
+        path, len(done.rounds), from_audit, aside, done.epsilon, tuple(sources), tuple(origins)
+    )
 
 
-def _valid_prefix(lines: list[bytes]) -> list[bytes]:
-    """The lines of a damaged ledger up to its first line that is not a ledger record."""
-    kept: list[bytes] = []
-    for number, line in enumerate(lines):
+def _union(path: Path, reads: list[_Read]) -> tuple[list[bytes], list[tuple[Path, ...]]]:
+    """The ledger's lines that every source agrees with, and which sources hold each
+    release; a :class:`PrivacyError` naming the sources where no single ledger can."""
+    keep = "keep every file and investigate (nothing was changed)"
+    headers: dict[bytes, str] = {}
+    releases: dict[int, dict[bytes, list[tuple[Path, str]]]] = {}
+    for read in reads:
+        for line, where in read.headers.items():
+            headers.setdefault(line, where)
+        for k, variants in read.lines.items():
+            for line, where in variants.items():
+                releases.setdefault(k, {}).setdefault(line, []).append((read.path, where))
+    if len(headers) != 1:
+        if not headers:
+            raise PrivacyError(f"cannot rebuild {path}: no source holds its header line; {keep}")
+        (a, at_a), (b, at_b) = list(headers.items())[:2]
+        raise PrivacyError(
+            f"cannot rebuild {path}: two ledgers for one dataset: {at_a} and {at_b} hold "
+            f"different headers ({_describe(a)}; {_describe(b)}); each one's releases were "
+            f"spent on the dataset, and one ledger cannot hold both: {keep}"
+        )
+    for k in sorted(releases):
+        if len(releases[k]) > 1:
+            (a, held_a), (b, held_b) = list(releases[k].items())[:2]
+            raise PrivacyError(
+                f"cannot rebuild {path}: two ledgers for one dataset: release {k} is "
+                f"{_describe(a)} in {held_a[0][1]} but {_describe(b)} in {held_b[0][1]}; "
+                f"both were spent on the dataset, and one ledger cannot hold both: {keep}"
+            )
+    top = max([*releases, *(k for read in reads for k in read.heads)], default=0)
+    for k in range(1, top + 1):
+        if k not in releases:
+            names = ", ".join(str(read.path) for read in reads)
+            raise PrivacyError(
+                f"cannot rebuild {path}: release {k} is recorded in none of {names}; its "
+                f"cost is unknown, so the ledger cannot be completed: {keep}"
+            )
+    out = [next(iter(headers))] + [next(iter(releases[k])) for k in range(1, top + 1)]
+    fix = f"the sources' lines do not form one ledger: {keep}"
+    header_rec, rounds = _parse_lines(path, out, fix)
+    ledger = PrivacyLedger(path, header_rec, rounds, out)
+    ledger._check_chain(fix)
+    for read in reads:
+        for k, heads in read.heads.items():
+            for head, where in heads.items():
+                if ledger.heads[k] != head:
+                    raise PrivacyError(
+                        f"cannot rebuild {path}: after release {k}, {where} witnessed head "
+                        f"{head[:16]}, the releases the sources hold give {ledger.heads[k][:16]}: "
+                        f"it witnessed another ledger of this dataset (a fork); {keep}"
+                    )
+    for read in reads:
+        if read.epsilon > ledger.epsilon + 1e-9:
+            raise PrivacyError(
+                f"cannot rebuild {path}: {read.epsilon_at} records a cumulative epsilon of "
+                f"{read.epsilon:.3f}, the releases the sources hold reach {ledger.epsilon:.3f}: "
+                f"a release recorded there, whose ledger line no source holds, would be "
+                f"dropped; {keep}"
+            )
+    order = [read.path for read in reads]
+    origins = [
+        tuple(p for p in order if any(p == held for held, _ in releases[k][line]))
+        for k, line in enumerate(out[1:], start=1)
+    ]
+    return out, origins
+
+
+def _read_file(path: Path, kind: str) -> _Read:
+    """Every ledger line of a file, each placed by its own history's length: a damaged
+    line is skipped (counted), never the lines after it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise PrivacyError(
+            f"{path}: cannot read this copy of the privacy ledger ({err.strerror}); make it "
+            "readable: a rebuild reads every copy"
+        ) from None
+    read = _Read(path, kind)
+    pieces = raw.split(b"\n")
+    if pieces[-1] == b"":
+        pieces.pop()
+    for number, line in enumerate(pieces, start=1):
+        where = f"{path}:{number}"
         try:
-            data = json.loads(line.decode("utf-8"))
-            (LedgerHeader if number == 0 else LedgerRound).model_validate(data)
-        except (ValueError, ValidationError):
-            break
-        kept.append(line)
-    return kept
+            LedgerHeader.model_validate(json.loads(line.decode("utf-8")))
+        except ValueError:
+            pass
+        else:
+            read.headers.setdefault(line, where)
+            continue
+        found = _release_at(line)
+        if found is None:
+            read.damaged += 1
+            continue
+        read.line(found[0], line, where)
+        read.spent(found[1], where)
+    return read
 
 
-def _any_witness(audit_path: Path, header_line: bytes) -> LedgerWitness | None:
-    """The audit log's witness for the ledger whose header is ``header_line`` (or, with
-    no usable header, the one the audit log's last witness names)."""
+def _release_at(line: bytes) -> tuple[int, float] | None:
+    """A release line's position (its accountant history's length) and epsilon."""
+    try:
+        record = LedgerRound.model_validate(json.loads(line.decode("utf-8")))
+    except ValueError:
+        return None
+    history = record.accountant_state.get("history")
+    if not isinstance(history, list) or not history:
+        return None
+    return len(history), record.epsilon
+
+
+def _kept_aside(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(f"{path.name}{KEPT_ASIDE}*"))
+
+
+def _aside_name(path: Path) -> Path:
+    """A new name for the replaced file: never one an earlier rebuild's evidence has."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside, n = path.with_name(f"{path.name}{KEPT_ASIDE}{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}{KEPT_ASIDE}{stamp}-{n}"), n + 1
+    return aside
+
+
+def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
+    """Whose ledger this is: the first copy's header, or, with none readable, the
+    header the audit log's last witness names."""
     from fedciuic.audit.log import load_records, with_carried
 
-    candidates = [header_line]
-    if audit_path.exists():
+    candidates = [line for read in files for line in read.headers]
+    if not candidates and audit_path.exists():
         for record in reversed(list(with_carried(load_records(audit_path)))):
             details = record.get("details")
             if record.get("event") == TRAINED_EVENT and isinstance(details, dict):
@@ -616,13 +780,96 @@ def _any_witness(audit_path: Path, header_line: bytes) -> LedgerWitness | None:
                     break
     for line in candidates:
         try:
-            header = LedgerHeader.model_validate_json(line)
+            return LedgerHeader.model_validate_json(line)
         except ValidationError:
             continue
-        witness = audit_witness(audit_path, region=header.region, dataset=header.dataset)
-        if witness is not None and witness.lines:
-            return witness
     return None
+
+
+def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
+    """What the region's audit log witnessed of this dataset's ledger: the head after
+    each witnessed release, its line and header, and every epsilon it recorded."""
+    from fedciuic.audit.log import load_records, with_carried
+
+    if not audit_path.exists():
+        return None
+    read = _Read(audit_path, "region audit log")
+    for record in with_carried(load_records(audit_path)):
+        details = record.get("details")
+        if record.get("event") != TRAINED_EVENT or not isinstance(details, dict):
+            continue
+        if (
+            record.get("actor") != header.region
+            or details.get("data_fingerprint") != header.dataset
+        ):
+            continue
+        where = f"{audit_path} (record seq {record.get('seq')})"
+        eps = details.get("epsilon")
+        if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps):
+            read.spent(float(eps), where)
+        seen = _witnessed(details.get("ledger"))
+        if seen is None:
+            continue
+        count, head, line, header_line = seen
+        read.heads.setdefault(count, {}).setdefault(head, where)
+        if header_line:
+            read.headers.setdefault(header_line, where)
+        found = _release_at(line) if line else None
+        if found is not None and found[0] == count:
+            read.line(count, line, where)
+            read.spent(found[1], where)
+        elif line:
+            read.damaged += 1
+    return read
+
+
+def _read_aggregator(log_path: Path, header: LedgerHeader) -> _Read:
+    """The highest cumulative epsilon the aggregator's log recorded for this region's
+    accepted updates (per this ledger's unit; of this dataset, where the record names
+    it). The aggregator keeps no ledger line or head, so it can only refuse a rebuild
+    that would show less, never restore a release."""
+    from fedciuic.audit.events import Event
+    from fedciuic.audit.log import load_records
+
+    if not log_path.is_file():
+        raise PrivacyError(
+            f"{log_path}: no aggregator audit log there; give --aggregator-log the "
+            "aggregator's aggregator.audit.jsonl (in its audit folder), or leave it out"
+        )
+    read = _Read(log_path, "aggregator audit log, epsilon only")
+    for record in load_records(log_path):
+        details = record.get("details")
+        if record.get("event") != Event.UPDATE_ACCEPTED or not isinstance(details, dict):
+            continue
+        if details.get("region") != header.region:
+            continue
+        if details.get("unit", "record") != header.unit:  # no unit: logged before units
+            continue
+        if details.get("data_fingerprint", header.dataset) != header.dataset:
+            continue
+        eps = details.get("epsilon")
+        if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps):
+            where = (
+                f"{log_path} (record seq {record.get('seq')}: region {header.region}'s update "
+                f"of run {record.get('run_id')} round {record.get('round')})"
+            )
+            read.spent(float(eps), where)
+    return read
+
+
+def _describe(line: bytes) -> str:
+    """A ledger line in a few words, for a refusal that names two of them."""
+    try:
+        data = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return "unreadable"
+    if not isinstance(data, dict):
+        return "unreadable"
+    if data.get("kind") == "header":
+        return f"created {data.get('created')}"
+    eps = data.get("epsilon")
+    at = f"{eps:.3f}" if isinstance(eps, int | float) else "?"
+    return f"run {data.get('run_id')} round {data.get('round')} at epsilon {at}"
 
 
 @contextlib.contextmanager
@@ -653,13 +900,37 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def rebuild_ledger_command(state_path: Path) -> int:
-    """``fedciuic ledger rebuild --state-path DIR``: :func:`rebuild_ledger`, reported."""
-    done = rebuild_ledger(state_path.expanduser())
+def rebuild_ledger_command(state_path: Path, aggregator_log: Path | None = None) -> int:
+    """``fedciuic ledger rebuild --state-path DIR [--aggregator-log FILE]``:
+    :func:`rebuild_ledger`, with what each source showed, refused or not."""
+    try:
+        done = rebuild_ledger(
+            state_path.expanduser(),
+            aggregator_log=aggregator_log.expanduser() if aggregator_log is not None else None,
+        )
+    except RebuildRefused as err:
+        _print_sources(err.sources)
+        raise
+    _print_sources(done.sources)
+    k = 1
+    while k <= len(done.origins):
+        held, last = done.origins[k - 1], k
+        while last < len(done.origins) and done.origins[last] == held:
+            last += 1
+        which = f"release {k}" if last == k else f"releases {k}-{last}"
+        print(f"{which}: from {', '.join(p.name for p in held)}")
+        k = last + 1
     print(
-        f"rebuilt {done.path}: {done.releases} release(s), epsilon {done.epsilon:.3f} "
-        f"({done.from_audit} line(s) from the audit log)"
+        f"rebuilt {done.path}: {done.releases} release(s), epsilon {done.epsilon:.3f}, "
+        "not below any source's"
     )
     if done.kept_aside is not None:
         print(f"the rolled-back file is kept as evidence: {done.kept_aside}")
     return 0
+
+
+def _print_sources(sources: Sequence[LedgerSource]) -> None:
+    for s in sources:
+        shows = f"{s.releases} release(s)" if s.releases else "no ledger line"
+        damaged = f", {s.damaged} damaged line(s) skipped" if s.damaged else ""
+        print(f"source {s.path} ({s.kind}): {shows}, epsilon {s.epsilon:.3f}{damaged}")

@@ -858,6 +858,8 @@ class AggregatorRound:
                 examples=a.metrics.num_examples,
                 epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
                 unit=a.metrics.privacy.unit if a.metrics.privacy else None,
+                # Whose epsilon: a floor for that dataset's ledger rebuild (docs/privacy.md).
+                data_fingerprint=a.info["data-fingerprint"],
                 suite=a.header.suite,
                 policy_hash=a.header.policy_hash,
             )

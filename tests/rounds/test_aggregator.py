@@ -843,8 +843,9 @@ def test_metrics_and_the_audit_log_name_each_updates_privacy_unit(eu_requires_us
     assert (train["eu"].unit, train["cn"].unit) == ("user", "record")
     assert written(train["eu"])["unit"] == "user"
     accepted = {
-        r["details"]["region"]: r["details"]["unit"]
+        r["details"]["region"]: (r["details"]["unit"], r["details"]["data_fingerprint"])
         for r in load_records(a.audit.path)
         if r["event"] == "update_accepted"
     }
-    assert accepted == {"eu": "user", "cn": "record"}
+    # Unit and dataset: what a region's ledger rebuild reads this epsilon as a floor of.
+    assert accepted == {"eu": ("user", "fp"), "cn": ("record", "fp")}
