@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +205,36 @@ def signed_run_end(
         keypair, federation_run, unsigned.terms, witness, unsigned.receipts_digest
     )
     return replace(unsigned, signature=signature)
+
+
+#: Opens a FIFO for writing, and closes it, again and again after a delay: a reader
+#: blocked opening it (even one that holds the GIL) then sees its end.
+_RELEASE_FIFO = """
+import os, sys, time
+time.sleep(float(sys.argv[2]))
+while True:
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
+
+
+def within(seconds: float, call: Callable[[], object], *, fifo: Path) -> BaseException | None:
+    """What ``call`` raised (None: it returned); a call that waited on ``fifo`` for
+    ``seconds`` is released by another process, and fails the test rather than hang it."""
+    release = subprocess.Popen([sys.executable, "-c", _RELEASE_FIFO, str(fifo), str(seconds)])
+    began = time.monotonic()
+    outcome: BaseException | None = None
+    try:
+        call()
+    except Exception as err:  # handed to the test
+        outcome = err
+    finally:
+        waited = time.monotonic() - began
+        release.kill()
+        release.wait()
+    if waited >= seconds:
+        pytest.fail(f"waited {waited:.0f} s on the FIFO {fifo} (released by another process)")
+    return outcome

@@ -2,7 +2,9 @@
 
 A region's data never leaves its host; this module is the only place that opens it.
 Every entry is resolved and checked to lie inside ``data-path`` before it is read, so
-a symlink cannot smuggle another region's data (or anything else) in.
+a symlink cannot smuggle another region's data (or anything else) in, and every data
+file is checked to be a regular file (:func:`regular`): a FIFO would hang the region's
+round, a device or a broken link would fail deep inside a reader.
 
 JSON Lines and text files are read here line by line (each problem names its line, and
 a bad row can be skipped); JSON arrays, CSV and Parquet files and folders written by
@@ -23,6 +25,7 @@ import datasets
 
 from fedciuic.data.records import json_kind
 from fedciuic.errors import DataError
+from fedciuic.files import broken_link, not_regular
 
 # Local files only, never the Hub. ``datasets`` reads HF_HUB_OFFLINE once, when first
 # imported (transformers may import it before this module does), so setting the
@@ -112,6 +115,7 @@ def discover(data_path: str | Path) -> list[Source]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         filenames = sorted(f for f in filenames if not f.startswith("."))
         for name in dirnames + filenames:
+            _refuse(here / name, broken_link(here / name))
             _check_inside(here / name, root)
         if DATASET_DICT_MARKER in filenames:
             raise DataError(
@@ -119,13 +123,17 @@ def discover(data_path: str | Path) -> list[Source]:
                 "split there instead: dataset['train'].save_to_disk(PATH)"
             )
         if all(marker in filenames for marker in SAVED_MARKERS):
+            for name in filenames:  # what load_from_disk opens
+                regular(here / name)
             found.append(Source(here, str(here.relative_to(root)), SAVED))
             dirnames[:] = []
             continue
+        data_files = [f for f in filenames if Path(f).suffix in KINDS]
+        for name in data_files:
+            regular(here / name)
         found.extend(
             Source(here / f, str((here / f).relative_to(root)), KINDS[Path(f).suffix])
-            for f in filenames
-            if Path(f).suffix in KINDS
+            for f in data_files
         )
     if not found:
         raise NoDataFiles(
@@ -133,6 +141,20 @@ def discover(data_path: str | Path) -> list[Source]:
             "folder); add the region's records there"
         )
     return sorted(found, key=lambda s: s.name)
+
+
+def regular(path: Path) -> None:
+    """Refuse ``path`` unless it is a regular file: checked wherever a data file is
+    listed or opened, before anything opens it."""
+    _refuse(path, not_regular(path))
+
+
+def _refuse(path: Path, what: str | None) -> None:
+    if what is not None:
+        raise DataError(
+            f"{path}: {what}, not a regular file; a region reads only regular files in its "
+            "data-path: put the data file itself there, or remove this entry"
+        )
 
 
 def _check_inside(entry: Path, root: Path) -> None:
@@ -146,6 +168,8 @@ def _check_inside(entry: Path, root: Path) -> None:
 def read_rows(source: Source, *, cache_dir: Path, text_field: str) -> Iterator[Row]:
     """Each row of ``source`` with where it is; unreadable rows come with their reason.
     A text file's content is the ``text_field`` of its one record."""
+    if source.kind != SAVED:
+        regular(source.path)
     if source.kind == "jsonl":
         yield from _jsonl_rows(source)
     elif source.kind == "text":

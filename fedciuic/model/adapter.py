@@ -31,6 +31,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -38,9 +39,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from fedciuic.config import RunConfig
 from fedciuic.errors import ModelError
+from fedciuic.files import DIRECTORY, not_regular
 from fedciuic.model.families import resolve_targets, target_names
 from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import preset_config, preset_tokenizer
@@ -167,10 +170,13 @@ def _checkpoint_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not path.is_dir():
         raise ModelError(f"run config:model-path: {path} is not a directory; {CHECKPOINT_FIX}")
+    _check_folder(path)
     if not config_file.is_file():
         raise ModelError(f"run config:model-path: {path} has no config.json; {CHECKPOINT_FIX}")
     try:
-        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+        config: PretrainedConfig = AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(f"{config_file}: {_first_line(err)}; {CHECKPOINT_FIX}") from None
     mapping = AutoModelForCausalLM._model_mapping
@@ -180,6 +186,83 @@ def _checkpoint_config(path: Path) -> PretrainedConfig:
             f"model transformers can load; {CHECKPOINT_FIX}"
         )
     return config
+
+
+# -- what the folder holds, before transformers reads any of it ---------------------------
+
+#: The files whose ``auto_map`` names Python files of the checkpoint's own for
+#: transformers to import, and each one's field naming a class transformers has itself
+#: (which it then uses instead: that ``auto_map`` is never followed).
+CUSTOM_CODE = {"config.json": "model_type", "tokenizer_config.json": "tokenizer_class"}
+CUSTOM_CODE_FIX = (
+    "fedciuic never runs a checkpoint's own code: use a checkpoint of a supported "
+    "architecture without custom code, whose model_type (deepseek_v3, deepseek_v2, qwen2, "
+    "llama, or another causal LM) and tokenizer_class transformers has"
+)
+
+
+def _check_folder(path: Path) -> None:
+    """Refuse, before transformers is asked anything, a checkpoint folder that holds what
+    is not a regular file (a FIFO would hang loading) or that names code of its own to
+    run; transformers is also told never to trust such code."""
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as err:
+        raise ModelError(
+            f"run config:model-path: {path}: cannot list ({err.strerror}); check its permissions"
+        ) from None
+    for entry in entries:
+        what = not_regular(entry)
+        if what not in (None, DIRECTORY):
+            raise ModelError(
+                f"run config:model-path: {entry}: {what}, not a regular file; a checkpoint "
+                "folder holds regular files: put the file itself there, or remove this entry"
+            )
+    for name, field_name in CUSTOM_CODE.items():
+        refusal = _custom_code(path / name, field_name)
+        if refusal is not None:
+            raise ModelError(refusal)
+
+
+def _custom_code(file: Path, field_name: str) -> str | None:
+    """Why ``file``'s ``auto_map`` would make transformers import the folder's code (None:
+    it has none, or names a class transformers has, which it uses instead)."""
+    try:
+        settings = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # none, or unreadable: transformers' own error names it
+    if not isinstance(settings, dict) or "auto_map" not in settings:
+        return None
+    named = settings.get(field_name)
+    if isinstance(named, str) and _transformers_has(field_name, named):
+        return None
+    modules = ", ".join(_modules(settings["auto_map"])) or "a Python file"
+    return (
+        f"run config:model-path: {file}:auto_map: names code of the checkpoint's own "
+        f"({modules}) for {field_name} {named!r}, which transformers does not have: only "
+        f"that code could load it; {CUSTOM_CODE_FIX}"
+    )
+
+
+def _modules(auto_map: object) -> list[str]:
+    """The Python files an ``auto_map`` names: ``module.Class`` or ``repo--module.Class``
+    per Auto class (a tokenizer's is a pair, slow and fast, either of which may be null)."""
+    refs = list(auto_map.values()) if isinstance(auto_map, dict) else auto_map
+    if not isinstance(refs, list):
+        return []
+    flat = [r for ref in refs for r in (ref if isinstance(ref, list) else [ref])]
+    return sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in flat if isinstance(r, str)})
+
+
+def _transformers_has(field_name: str, named: str) -> bool:
+    """Whether transformers has the model type or tokenizer class ``named`` itself (a
+    tokenizer by either of its names, with and without ``Fast``, as it looks them up)."""
+    if field_name == "model_type":
+        return named in CONFIG_MAPPING
+    return any(
+        tokenizer_class_from_name(name) is not None
+        for name in (named, named.removesuffix("Fast"), f"{named.removesuffix('Fast')}Fast")
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -266,6 +349,7 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def open_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in checkpoint folder ``path``, not yet checked against its model."""
+    _check_folder(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
             f"run config:model-path: {path}: no usable tokenizer (none of "
@@ -273,7 +357,7 @@ def open_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         )
     try:
         tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            path, local_files_only=True
+            path, local_files_only=True, trust_remote_code=False
         )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(
@@ -403,7 +487,9 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
     # caller's random state; then casts it (the init is always drawn in fp32).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, trust_remote_code=False
+        )
     torch.nn.Module.to(model, dtype=dtype)
     return model
 
@@ -427,7 +513,9 @@ def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> B
 
 def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
     try:
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            path, trust_remote_code=False, **kwargs
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelError(
             f"run config:model-path: {path}: {_first_line(err)}; {CHECKPOINT_FIX}"
@@ -615,7 +703,7 @@ class AdapterLayout:
         else:
             config, _, fingerprint = _preset(spec)
         with torch.device("meta"):
-            base = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+            base = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
             peft_model, targets = _with_adapters(base, spec, config.model_type)
         shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
         return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed))

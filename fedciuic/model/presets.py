@@ -284,7 +284,7 @@ def bpe_tokenizer(
     if not (folder / "tokenizer.json").is_file():
         _save_atomically(_train_bpe(vocab_size), folder)
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ModelError(
             f"{folder}: cannot load the cached tokenizer ({err}); delete the folder to retrain it"
@@ -453,7 +453,7 @@ def tiny_checkpoint(
     # Seeded without disturbing the caller's random state, as presets are built.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

@@ -313,14 +313,16 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreT
     dtype while it is built (as ``from_pretrained`` builds it)."""
     kwargs = {"dtype": dtype} if dtype is not None else {}
     with _parameters_on_meta():
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, **kwargs)  # type: ignore[no-untyped-call]
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, trust_remote_code=False, **kwargs
+        )
     return model
 
 
 def state_names(config: PretrainedConfig) -> dict[str, torch.dtype]:
     """The names (and fp32-build dtypes) of the state dict a model of ``config`` loads."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
     return {name: t.dtype for name, t in model.state_dict().items()}
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
+from tests.conftest import within
 from tests.data.helpers import data_run
 
 
@@ -186,6 +189,51 @@ def test_symlinks_out_of_the_data_path_are_refused(tmp_path, tokenizer):
     (eu / "more").symlink_to(cn, target_is_directory=True)
     with pytest.raises(DataError, match="links outside data-path"):
         discover(eu)
+
+
+def test_a_fifo_named_like_a_data_file_is_refused_at_once_naming_it(tmp_path, tokenizer):
+    """Old code waited forever for a writer, in `fedciuic data check` and a region's round."""
+    eu = tmp_path / "eu"
+    jsonl(eu / "a.jsonl", RECORDS)
+    fifo = eu / "b.jsonl"
+    os.mkfifo(fifo)
+    fields = Fields.from_run(run())
+    for call in (
+        lambda: check_data(eu, tokenizer, seq_len=128, fields=fields, tokenizer_name="bpe"),
+        lambda: load(eu, tokenizer),
+    ):
+        refused = within(10, call, fifo=fifo)
+        assert isinstance(refused, DataError)
+        message = str(refused)
+        assert "\n" not in message
+        assert message.startswith(f"{fifo}: a FIFO (named pipe), not a regular file; ")
+        assert "put the data file itself there, or remove this entry" in message
+
+
+@pytest.mark.parametrize("entry", ["loop", "dangling", "socket"])
+def test_an_entry_that_is_no_data_file_is_refused_in_one_line_saying_what_it_is(
+    tmp_path, tokenizer, entry
+):
+    """Old code: a traceback for a symlink loop; the others were listed as data, then
+    "cannot read (...); check its permissions"."""
+    eu = tmp_path / "eu"
+    jsonl(eu / "a.jsonl", RECORDS)
+    bad = eu / "b.jsonl"
+    if entry == "loop":
+        bad.symlink_to(bad)
+        what = "a symlink loop"
+    elif entry == "dangling":
+        bad.symlink_to(eu / "gone.jsonl")
+        what = f"a dangling symlink (to {eu / 'gone.jsonl'}: No such file or directory)"
+    else:
+        with socket.socket(socket.AF_UNIX) as listening:
+            listening.bind(str(bad))
+        what = "a socket"
+    for call in (lambda: discover(eu), lambda: load(eu, tokenizer)):
+        with pytest.raises(DataError) as refused:
+            call()
+        assert "\n" not in str(refused.value)
+        assert str(refused.value).startswith(f"{bad}: {what}, not a regular file; ")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@ tokenizers that certainly do not belong to the model's config, all from files on
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fedciuic.agent.config import AgentConfig
 from fedciuic.config import NodeConfig, RunConfig
@@ -27,7 +29,7 @@ from fedciuic.model.adapter import (
     weight_problems,
 )
 from fedciuic.model.presets import byte_tokenizer
-from tests.conftest import app_config
+from tests.conftest import ROOT, app_config, within
 
 CPU = torch.device("cpu")
 
@@ -231,3 +233,140 @@ def test_an_eos_the_model_does_not_stop_at_is_a_warning_not_a_refusal(tiny_check
     generation["eos_token_id"] = [generation.get("eos_token_id", 1), 257]
     (folder / "generation_config.json").write_text(json.dumps(generation))
     assert tokenizer_warnings(folder, config, tokenizer) == []
+
+
+# -- what the folder holds: its own code, and what is not a regular file ---------------------
+
+#: A checkpoint's own Python file that leaves a mark wherever it is imported.
+OWN_CODE = """from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+class Config(PretrainedConfig):
+    model_type = "evil_lm"
+class Tokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+MODEL_CODE = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.CausalLM"}
+
+
+def with_own_code(source: Path, target: Path, file: str, changes: dict[str, Any]) -> Path:
+    """The checkpoint with ``evil.py`` beside it, and ``changes`` to ``file`` naming it."""
+    folder = copy_checkpoint(source, target)
+    (folder / "evil.py").write_text(OWN_CODE.format(marker=str(target.parent / "ran")))
+    settings = json.loads((folder / file).read_text(encoding="utf-8"))
+    (folder / file).write_text(json.dumps({**settings, **changes}), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def answers_yes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every prompt asked, each answered "y" (as a user who trusts the folder would)."""
+    asked: list[str] = []
+
+    def answer(prompt: object = "") -> str:
+        asked.append(str(prompt))
+        return "y"
+
+    monkeypatch.setattr("builtins.input", answer)
+    return asked
+
+
+@pytest.mark.parametrize(
+    ("file", "changes"),
+    [
+        ("config.json", {"model_type": "evil_lm", "auto_map": MODEL_CODE}),
+        (
+            "tokenizer_config.json",
+            {
+                "tokenizer_class": "EvilTokenizer",
+                "auto_map": {"AutoTokenizer": ["evil.Tokenizer", "evil.Tokenizer"]},
+            },
+        ),
+    ],
+)
+def test_a_folder_whose_config_names_code_of_its_own_is_refused_in_one_line_never_asking(
+    tiny_checkpoints, tmp_path, answers_yes, file, changes
+):
+    """Old code asked "Do you wish to run the custom code? [y/N]" for config.json, and
+    with "y" ran evil.py; it loaded tokenizer_config.json's as another class."""
+    folder = with_own_code(tiny_checkpoints["qwen2"], tmp_path / "ckpt", file, changes)
+    for load in (
+        lambda: AdapterModel(ModelSpec(path=str(folder)), device=CPU),
+        lambda: open_tokenizer(folder),
+    ):
+        with pytest.raises(ModelError) as refused:
+            load()
+        assert answers_yes == []
+        assert not (tmp_path / "ran").exists()
+        message = str(refused.value)
+        assert "\n" not in message
+        assert f"model-path: {folder / file}:auto_map: names code of the checkpoint's own " in (
+            message
+        )
+        assert "(evil.py)" in message and "without custom code" in message
+
+
+def test_an_auto_map_beside_an_architecture_transformers_has_is_never_followed(
+    tiny_checkpoints, tmp_path, answers_yes, monkeypatch
+):
+    """As DeepSeek-V2 and V3 are published (config.json's auto_map names their original
+    modeling files, model_type one transformers has): transformers' own classes load it,
+    and every load is told never to trust the folder's code."""
+    folder = with_own_code(
+        tiny_checkpoints["qwen2"], tmp_path / "ckpt", "config.json", {"auto_map": MODEL_CODE}
+    )
+    told: set[tuple[str, object]] = set()
+    for auto in (AutoConfig, AutoTokenizer, AutoModelForCausalLM):
+        original = auto.from_pretrained
+
+        def spy(*args: Any, _original: Any = original, _auto: Any = auto, **kwargs: Any) -> Any:
+            told.add((_auto.__name__, kwargs.get("trust_remote_code", "unsaid")))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", spy)
+    monkeypatch.setenv("FEDCIUIC_SHARED_BASE", "0")  # from_pretrained loads the weights
+    model = AdapterModel(ModelSpec(path=str(folder)), device=CPU)
+    assert type(model.model.get_base_model()).__module__.startswith("transformers.models.qwen2")
+    assert told == {
+        (auto, False) for auto in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
+    }
+    assert answers_yes == []
+    assert not (tmp_path / "ran").exists()
+
+
+def test_every_transformers_load_in_fedciuic_says_trust_remote_code_false():
+    """Defence in depth beside the refusal: no from_pretrained or from_config leaves
+    trust_remote_code to its default (which asks on a terminal)."""
+    calls = []
+    for source in sorted((ROOT / "fedciuic").rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("from_pretrained", "from_config")
+            ):
+                said = {k.arg: k.value for k in node.keywords}
+                trusted = said.get("trust_remote_code")
+                ok = isinstance(trusted, ast.Constant) and trusted.value is False
+                calls.append((f"{source.relative_to(ROOT)}:{node.lineno}", ok))
+    assert len(calls) >= 8
+    assert [where for where, ok in calls if not ok] == []
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer_config.json"])
+def test_a_fifo_in_the_checkpoint_folder_is_refused_at_once_naming_it(
+    tiny_checkpoints, tmp_path, name
+):
+    """Old code waited forever on a FIFO named model.safetensors (its header is read),
+    called a FIFO named config.json missing, and loaded the tokenizer without its
+    tokenizer_config.json."""
+    folder = copy_checkpoint(tiny_checkpoints["qwen2"], tmp_path / "ckpt")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    refused = within(
+        10, lambda: AdapterModel(ModelSpec(path=str(folder)), device=CPU), fifo=folder / name
+    )
+    assert isinstance(refused, ModelError)
+    message = str(refused)
+    assert "\n" not in message
+    assert f"model-path: {folder / name}: a FIFO (named pipe), not a regular file; " in message
