@@ -51,9 +51,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             superlink=f"127.0.0.1:{proxy.port}",
             auth_key=intruder_key,
         )
-        assert federation.expect_exit(intruder, timeout=patient(120)) != 0
-        assert "Failed to activate SuperNode" in intruder.log_path.read_text()
-        for region in REGIONS:
+        for region in REGIONS:  # while the intruder is being turned away
             start_region(
                 federation,
                 region,
@@ -63,6 +61,8 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
                 superlink=f"127.0.0.1:{proxy.port}",
                 auth_folder=tmp_path / "auth",
             )
+        assert federation.expect_exit(intruder, timeout=patient(120)) != 0
+        assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         pids = federation.pids()
         assert len(pids) == 7  # the SuperLink, and each region's agent and SuperNode
         run_id, _ = federation.run_app(

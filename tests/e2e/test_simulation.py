@@ -20,6 +20,7 @@ from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
 from tests.e2e.pace import patient
+from tests.rounds.test_each_family import TARGETS
 
 pytestmark = pytest.mark.e2e
 
@@ -376,13 +377,14 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen2", "llama"])
-def test_each_architecture_trains_one_dp_round_of_a_two_region_simulation(
-    tmp_path, tiny_checkpoints, family
+def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
+    tmp_path, tiny_checkpoints
 ):
-    """A checkpoint of each family, loaded from its folder with its own BPE tokenizer and
-    chat template: both regions train under DP and the global adapter covers the
-    family's attention projections."""
+    """A Qwen2 checkpoint shaped like DeepSeek-R1-Distill-Qwen, loaded from its folder with
+    its own BPE tokenizer and chat template through Flower: both regions train under DP
+    and the global adapter covers its attention projections. Every family trains a DP
+    round in a region in tests/rounds/test_each_family.py."""
+    family = "qwen2"
     path = tiny_checkpoints[family]
     done = simulate(
         tmp_path,
@@ -402,13 +404,7 @@ def test_each_architecture_trains_one_dp_round_of_a_two_region_simulation(
     adapter = Path(data["run"]["output_dir"]) / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     adapted = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
-    want = {
-        "deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
-        "deepseek_v2": {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
-        "qwen2": {"q_proj", "k_proj", "v_proj", "o_proj"},
-        "llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
-    }[family]
-    assert adapted == want
+    assert adapted == TARGETS[family]
     assert config["base_model_name_or_path"] == str(path)
     assert not processes_under(tmp_path)
 
