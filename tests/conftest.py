@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,15 @@ def written(record: BaseModel) -> dict[str, Any]:
 def app_config() -> dict[str, Any]:
     with open(ROOT / "pyproject.toml", "rb") as handle:
         return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal sends it, whoever started the suite: a shell that runs a job
+    in the background (``cmd &`` without job control) starts it with SIGINT ignored,
+    every process it starts inherits that, and a shell script cannot trap a signal
+    ignored at its entry, so the launchers' Ctrl-C tests would wait for nothing."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
