@@ -19,7 +19,8 @@ from fedciuic.errors import ModelError
 #: DeepSeek's multi-head latent attention: ``q_proj`` (V2-Lite, ``q_lora_rank`` unset) or
 #: ``q_a_proj``/``q_b_proj`` (V3, V2), then the compressed key/value projections.
 MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-#: Grouped-query attention of the R1-Distill models (Qwen2, Llama).
+#: Grouped-query attention of the R1-Distill models (Qwen2, Llama, and Qwen3, whose
+#: per-head q_norm/k_norm are RMSNorms, not projections: frozen with the base).
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: A dense or shared-expert SwiGLU MLP.
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -29,6 +30,7 @@ ATTENTION: dict[str, tuple[str, ...]] = {
     "deepseek_v3": MLA,
     "deepseek_v2": MLA,
     "qwen2": GQA,
+    "qwen3": GQA,
     "llama": GQA,
 }
 SUPPORTED = tuple(ATTENTION)

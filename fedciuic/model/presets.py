@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from fedciuic.data.demo import FAMILIES, module_docs
@@ -417,7 +418,7 @@ def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
 # --- Tiny checkpoints of each supported architecture -----------------------------------
 
 #: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
-TINY_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen2", "llama")
+TINY_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen2", "qwen3", "llama")
 #: Vocabulary of the BPE tokenizer tiny checkpoints use unless given another.
 TINY_VOCAB_SIZE = 1024
 
@@ -504,6 +505,12 @@ def _tiny_qwen2(**ids: int | None) -> PreTrainedConfig:
     return Qwen2Config(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
 
 
+def _tiny_qwen3(**ids: int | None) -> PreTrainedConfig:
+    # DeepSeek-R1-0528-Qwen3-8B's layout: GQA with an explicit head_dim and per-head
+    # RMSNorms on queries and keys.
+    return Qwen3Config(**_TINY_COMMON, **ids, num_key_value_heads=2, head_dim=16)  # type: ignore[arg-type]
+
+
 def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
     return LlamaConfig(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
 
@@ -512,5 +519,6 @@ _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "deepseek_v3": _tiny,
     "deepseek_v2": _tiny_deepseek_v2,
     "qwen2": _tiny_qwen2,
+    "qwen3": _tiny_qwen3,
     "llama": _tiny_llama,
 }

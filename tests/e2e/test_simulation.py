@@ -380,11 +380,11 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
 def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
     tmp_path, tiny_checkpoints
 ):
-    """A Qwen2 checkpoint shaped like DeepSeek-R1-Distill-Qwen, loaded from its folder with
-    its own BPE tokenizer and chat template through Flower: both regions train under DP
-    and the global adapter covers its attention projections. Every family trains a DP
+    """A Qwen3 checkpoint shaped like DeepSeek-R1-0528-Qwen3-8B, loaded from its folder
+    with its own BPE tokenizer and chat template through Flower: both regions train under
+    DP and the global adapter covers its attention projections. Every family trains a DP
     round in a region in tests/rounds/test_each_family.py."""
-    family = "qwen2"
+    family = "qwen3"
     path = tiny_checkpoints[family]
     done = simulate(
         tmp_path,

@@ -51,6 +51,7 @@ ATTENTION_LINEARS = {
     "deepseek_v3": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"],
     "deepseek_v2": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"],
     "qwen2": ["k_proj", "o_proj", "q_proj", "v_proj"],
+    "qwen3": ["k_proj", "o_proj", "q_proj", "v_proj"],
     "llama": ["k_proj", "o_proj", "q_proj", "v_proj"],
 }
 
@@ -299,6 +300,6 @@ def test_tiny_checkpoint_is_seeded_and_leaves_the_callers_random_state(tmp_path,
 
 
 def test_unknown_family_names_the_known_ones(tmp_path):
-    with pytest.raises(ModelError, match=r"'gpt2'.*deepseek_v3, deepseek_v2, qwen2, llama"):
+    with pytest.raises(ModelError, match=r"'gpt2'.*deepseek_v3, deepseek_v2, qwen2, qwen3, llama"):
         tiny_checkpoint("gpt2", tmp_path)
     assert not list(tmp_path.iterdir())
