@@ -28,6 +28,9 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 #: ``model_type`` -> the attention projections ``auto`` adapts.
 ATTENTION: dict[str, tuple[str, ...]] = {
     "deepseek_v3": MLA,
+    #: V3.1-Terminus / V3.2: MLA plus the sparse-attention indexer (``indexer.wq_b``,
+    #: ``wk``, ``weights_proj``), which picks the keys attended and stays frozen.
+    "deepseek_v32": MLA,
     "deepseek_v2": MLA,
     "qwen2": GQA,
     "qwen3": GQA,

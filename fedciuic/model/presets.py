@@ -29,6 +29,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV32Config,
     LlamaConfig,
     PreTrainedConfig,
     PreTrainedTokenizerFast,
@@ -418,7 +419,7 @@ def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
 # --- Tiny checkpoints of each supported architecture -----------------------------------
 
 #: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
-TINY_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen2", "qwen3", "llama")
+TINY_FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "qwen2", "qwen3", "llama")
 #: Vocabulary of the BPE tokenizer tiny checkpoints use unless given another.
 TINY_VOCAB_SIZE = 1024
 
@@ -501,6 +502,31 @@ def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
     )
 
 
+def _tiny_deepseek_v32(**ids: int | None) -> PreTrainedConfig:
+    # The V3 layout (layer 0 dense, layer 1 MoE, low-rank q and kv) plus V3.2's
+    # sparse-attention indexer, which keeps index_topk keys per query.
+    return DeepseekV32Config(
+        **_TINY_COMMON,  # type: ignore[arg-type]
+        **ids,  # type: ignore[arg-type]
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+    )
+
+
 def _tiny_qwen2(**ids: int | None) -> PreTrainedConfig:
     return Qwen2Config(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
 
@@ -517,6 +543,7 @@ def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
 
 _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "deepseek_v3": _tiny,
+    "deepseek_v32": _tiny_deepseek_v32,
     "deepseek_v2": _tiny_deepseek_v2,
     "qwen2": _tiny_qwen2,
     "qwen3": _tiny_qwen3,

@@ -217,6 +217,7 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_naming_the_folder(
     ("family", "adapted"),
     [
         ("deepseek_v3", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
+        ("deepseek_v32", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
         ("deepseek_v2", {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
         ("qwen2", {"q_proj", "k_proj", "v_proj", "o_proj"}),
         ("qwen3", {"q_proj", "k_proj", "v_proj", "o_proj"}),

@@ -49,6 +49,16 @@ TEXTS = [
 #: The nn.Linear leaves of each architecture's attention (what LoRA can target).
 ATTENTION_LINEARS = {
     "deepseek_v3": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"],
+    "deepseek_v32": [
+        "indexer.weights_proj",
+        "indexer.wk",
+        "indexer.wq_b",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "q_a_proj",
+        "q_b_proj",
+    ],
     "deepseek_v2": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"],
     "qwen2": ["k_proj", "o_proj", "q_proj", "v_proj"],
     "qwen3": ["k_proj", "o_proj", "q_proj", "v_proj"],
@@ -300,6 +310,8 @@ def test_tiny_checkpoint_is_seeded_and_leaves_the_callers_random_state(tmp_path,
 
 
 def test_unknown_family_names_the_known_ones(tmp_path):
-    with pytest.raises(ModelError, match=r"'gpt2'.*deepseek_v3, deepseek_v2, qwen2, qwen3, llama"):
+    with pytest.raises(
+        ModelError, match=r"'gpt2'.*deepseek_v3, deepseek_v32, deepseek_v2, qwen2, qwen3, llama"
+    ):
         tiny_checkpoint("gpt2", tmp_path)
     assert not list(tmp_path.iterdir())
