@@ -5,7 +5,12 @@ adds the dense and shared-expert MLPs, and a comma list names ``nn.Linear`` modu
 their last name. The MoE router is never adapted (it is not an ``nn.Linear`` in
 transformers 5, and Opacus cannot compute its per-sample gradients), and neither are the
 routed experts: transformers 5 stores them fused as 3-D tensors, out of reach of peft and
-Opacus (docs/models.md says what that means for quality).
+Opacus (docs/models.md says what that means for quality). The blocks in
+:data:`FROZEN_BLOCKS` (routed experts, sparse-attention indexers, V4's KV compressors)
+stay frozen even where their projections share a name with an attention projection,
+and an ``nn.Linear`` subclass with a forward of its own (V4's grouped output
+projection) is never adapted: peft's LoRA would add ``B @ A @ x`` as if it were a
+plain matrix product.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from fedciuic.errors import ModelError
 #: DeepSeek's multi-head latent attention: ``q_proj`` (V2-Lite, ``q_lora_rank`` unset) or
 #: ``q_a_proj``/``q_b_proj`` (V3, V2), then the compressed key/value projections.
 MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+#: DeepSeek-V4's attention projections (:data:`ATTENTION`).
+V4_ATTENTION = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
 #: Grouped-query attention of the R1-Distill models (Qwen2, Llama, and Qwen3, whose
 #: per-head q_norm/k_norm are RMSNorms, not projections: frozen with the base).
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -32,6 +39,12 @@ ATTENTION: dict[str, tuple[str, ...]] = {
     #: ``wk``, ``weights_proj``), which picks the keys attended and stays frozen.
     "deepseek_v32": MLA,
     "deepseek_v2": MLA,
+    #: V4: shared-KV attention (one ``kv_proj`` read as key and value), low-rank q, and
+    #: a grouped low-rank output (``o_a_proj``, a block-diagonal ``nn.Linear`` subclass,
+    #: stays frozen; ``o_b_proj`` mixes the groups). The hyper-connections (``attn_hc``,
+    #: ``ffn_hc``, ``hc_head``), the attention sinks and the compressors are parameters
+    #: of the frozen base.
+    "deepseek_v4": V4_ATTENTION,
     "qwen2": GQA,
     "qwen3": GQA,
     "llama": GQA,
@@ -40,18 +53,51 @@ SUPPORTED = tuple(ATTENTION)
 
 AUTO = "auto"
 AUTO_MLP = "auto+mlp"
-#: A module under this name holds routed experts: never adapted, even by a listed name.
-_EXPERTS = "experts"
+#: Modules under a block of one of these names stay frozen, even by a listed name:
+#: the block's name -> what it is, for the error that says so.
+FROZEN_BLOCKS: dict[str, str] = {
+    "experts": "the routed experts (fused 3-D tensors in transformers 5)",
+    "indexer": "the sparse-attention indexer (it picks the keys attended)",
+    "compressor": "DeepSeek-V4's KV compressor (it pools windows of keys)",
+}
+#: ``nn.Linear`` subclasses whose forward differs but which peft adapts as linear
+#: layers: the 4-bit and 8-bit bases of ``quantization = "nf4"``.
+_QUANTIZED_LINEAR = "bitsandbytes."
 
 
-def linear_modules(model: nn.Module) -> dict[str, str]:
-    """Every ``nn.Linear`` outside the routed experts: full path -> last name."""
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` that computes ``x @ W.T (+ b)``, so that peft's LoRA and
+    Opacus' per-sample gradients of the adapter are exact around it."""
+    kind = type(module)
+    return isinstance(module, nn.Linear) and (
+        kind.forward is nn.Linear.forward or kind.__module__.startswith(_QUANTIZED_LINEAR)
+    )
+
+
+def _why_frozen(path: str, module: nn.Module) -> str | None:
+    """Why the ``nn.Linear`` at ``path`` is never adapted, or None if it can be."""
+    for part in reversed(path.split(".")[:-1]):  # the innermost block says most
+        if part in FROZEN_BLOCKS:
+            return f"is in {FROZEN_BLOCKS[part]}"
+    if not _is_plain_linear(module):
+        return f"is a {type(module).__name__}, an nn.Linear with a forward of its own"
+    return None
+
+
+def _linears(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """Every ``nn.Linear``, split: adaptable full path -> last name, and frozen last
+    name -> why (the first found of that name)."""
     found: dict[str, str] = {}
+    frozen: dict[str, str] = {}
     for path, module in model.named_modules():
-        parts = path.split(".")
-        if isinstance(module, nn.Linear) and _EXPERTS not in parts[:-1]:
-            found[path] = parts[-1]
-    return found
+        if isinstance(module, nn.Linear):
+            name = path.rsplit(".", 1)[-1]
+            why = _why_frozen(path, module)
+            if why is None:
+                found[path] = name
+            else:
+                frozen.setdefault(name, f"{path} {why}")
+    return found, frozen
 
 
 def wanted_names(model_type: str, targets: str) -> tuple[str, ...]:
@@ -76,16 +122,18 @@ def wanted_names(model_type: str, targets: str) -> tuple[str, ...]:
 def resolve_targets(model: nn.Module, model_type: str, targets: str) -> list[str]:
     """The full paths of the modules to adapt; a listed name that matches no
     ``nn.Linear`` is an error naming the ones there are."""
-    linears = linear_modules(model)
+    linears, frozen = _linears(model)
     wanted = wanted_names(model_type, targets)
     present = set(linears.values())
     explicit = targets not in (AUTO, AUTO_MLP)
     missing = [name for name in wanted if name not in present]
     if explicit and missing:
+        why = "".join(f"; {frozen[name]}" for name in missing if name in frozen)
         raise ModelError(
-            f"run config:lora-targets: {', '.join(missing)} match no nn.Linear module of this "
-            f"{model_type} model (routed experts and the router cannot be adapted); its "
-            f"nn.Linear names are: {', '.join(sorted(present))}"
+            f"run config:lora-targets: {', '.join(missing)} match no adaptable nn.Linear "
+            f"module of this {model_type} model (the router, routed experts, indexers and "
+            f"compressors stay frozen{why}); its adaptable nn.Linear names are: "
+            f"{', '.join(sorted(present))}"
         )
     paths = [path for path, name in linears.items() if name in wanted]
     if not paths:

@@ -29,6 +29,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV4Config,
     DeepseekV32Config,
     LlamaConfig,
     PreTrainedConfig,
@@ -100,33 +101,15 @@ def _tiny(
     eos_token_id: int | None = 257,
     pad_token_id: int | None = 258,
 ) -> DeepseekV3Config:
-    # Two layers keep the DeepSeek-V3 shape: layer 0 dense, layer 1 MoE with
-    # 4 routed experts (2 per token) and a shared expert; MLA with low-rank q and kv.
-    # initializer_range is raised from 0.02 so that a random base has logits an
-    # adapter can steer; with 0.02 the output layer is nearly flat. The tiny
-    # deepseek_v3 checkpoint is this config with its tokenizer's vocabulary and ids.
+    # Two layers keep the DeepSeek-V3 shape (_TINY_V3_LAYOUT). initializer_range is
+    # raised from 0.02 so that a random base has logits an adapter can steer; with
+    # 0.02 the output layer is nearly flat. The tiny deepseek_v3 checkpoint is this
+    # config with its tokenizer's vocabulary and ids.
     return DeepseekV3Config(
+        **_TINY_COMMON,  # type: ignore[arg-type]
+        **_TINY_V3_LAYOUT,  # type: ignore[arg-type]
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        max_position_embeddings=512,
         num_mtp_layers=0,
-        initializer_range=0.1,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
@@ -419,7 +402,15 @@ def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
 # --- Tiny checkpoints of each supported architecture -----------------------------------
 
 #: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
-TINY_FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "qwen2", "qwen3", "llama")
+TINY_FAMILIES = (
+    "deepseek_v3",
+    "deepseek_v32",
+    "deepseek_v4",
+    "deepseek_v2",
+    "qwen2",
+    "qwen3",
+    "llama",
+)
 #: Vocabulary of the BPE tokenizer tiny checkpoints use unless given another.
 TINY_VOCAB_SIZE = 1024
 
@@ -456,6 +447,7 @@ def tiny_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
+        _spread_hash_routes(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -471,6 +463,17 @@ def tiny_checkpoint(
     return directory
 
 
+def _spread_hash_routes(model: torch.nn.Module) -> None:
+    """Give V4's hash routers (``tid2eid``: token id -> experts; a real checkpoint
+    ships the table, transformers initialises it to zeros) a random table, so that a
+    tiny checkpoint's tokens reach every expert."""
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor):
+            experts = int(getattr(module, "num_experts"))  # noqa: B009
+            table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in table]))
+
+
 _TINY_COMMON: dict[str, object] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -479,6 +482,25 @@ _TINY_COMMON: dict[str, object] = {
     "max_position_embeddings": 512,
     "initializer_range": 0.1,
     "tie_word_embeddings": False,
+}
+
+
+#: DeepSeek-V3's layout in two layers: layer 0 dense, layer 1 MoE with 4 routed experts
+#: (2 per token) and a shared expert; MLA with low-rank q and kv.
+_TINY_V3_LAYOUT: dict[str, object] = {
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
 }
 
 
@@ -507,23 +529,41 @@ def _tiny_deepseek_v32(**ids: int | None) -> PreTrainedConfig:
     # sparse-attention indexer, which keeps index_topk keys per query.
     return DeepseekV32Config(
         **_TINY_COMMON,  # type: ignore[arg-type]
+        **_TINY_V3_LAYOUT,  # type: ignore[arg-type]
         **ids,  # type: ignore[arg-type]
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
         index_topk=8,
         index_head_dim=16,
         index_n_heads=2,
+    )
+
+
+def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
+    # DeepSeek-V4's blocks, each at least once: a compressed-sparse-attention layer
+    # (its compressor with the lightning indexer) with a hash-routed MoE, then a heavily
+    # compressed one with a top-k-routed MoE; shared-KV attention with sinks, a sliding
+    # window shorter than the test rows, the grouped output projection and two
+    # hyper-connection streams. Compression rates shrink with the rows (2 and 4, were 4
+    # and 128), so that the compressors emit entries on a dozen tokens.
+    return DeepseekV4Config(
+        **_TINY_COMMON,  # type: ignore[arg-type]
+        **ids,  # type: ignore[arg-type]
+        moe_intermediate_size=32,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        hc_mult=2,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
     )
 
 
@@ -544,6 +584,7 @@ def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
 _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "deepseek_v3": _tiny,
     "deepseek_v32": _tiny_deepseek_v32,
+    "deepseek_v4": _tiny_deepseek_v4,
     "deepseek_v2": _tiny_deepseek_v2,
     "qwen2": _tiny_qwen2,
     "qwen3": _tiny_qwen3,

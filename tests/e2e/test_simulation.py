@@ -377,12 +377,13 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4", "qwen3"])
 def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
     tmp_path, tiny_checkpoints, family
 ):
     """The newest families' checkpoints (DeepSeek-V3.2, with its sparse-attention
-    indexer; R1-0528-Qwen3-8B), each loaded from its folder with its own BPE tokenizer and
+    indexer; DeepSeek-V4, with its compressors, hash routing and hyper-connections;
+    R1-0528-Qwen3-8B), each loaded from its folder with its own BPE tokenizer and
     chat template through Flower: both regions train under DP and the global adapter
     covers its attention projections. Every family trains a DP round in a region in
     tests/rounds/test_each_family.py."""

@@ -27,6 +27,8 @@ from fedciuic.model.adapter import (
 from fedciuic.model.identity import checkpoint_fingerprint
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer
+from tests.privacy.test_each_family_dp import opacus_grads
+from tests.rounds.test_each_family import TARGETS
 
 CPU = torch.device("cpu")
 
@@ -49,7 +51,9 @@ def test_auto_mlp_adds_the_dense_and_shared_expert_mlps_only():
 def test_listed_targets_are_used_and_a_name_that_matches_nothing_is_refused():
     model = AdapterModel(ModelSpec(preset="tiny", lora_targets="o_proj"), device=CPU)
     assert {t.rsplit(".", 1)[-1] for t in model.targets} == {"o_proj"}
-    with pytest.raises(ModelError, match=r"lora-targets: q_proj, k_proj match no nn\.Linear"):
+    with pytest.raises(
+        ModelError, match=r"lora-targets: q_proj, k_proj match no adaptable nn\.Linear"
+    ):
         AdapterModel(ModelSpec(preset="tiny", lora_targets="q_proj,k_proj,o_proj"), device=CPU)
     with pytest.raises(ModelError, match="lora-targets: empty"):
         AdapterModel(ModelSpec(preset="tiny", lora_targets=" , "), device=CPU)
@@ -94,40 +98,22 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
             lambda hooks: contextlib.nullcontext(),
         )
     model = AdapterModel(ModelSpec(preset="tiny", gradient_checkpointing=checkpointing), device=CPU)
-    blocks = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    trainer = PrivateTrainer(
-        model,
-        ExampleSet.of_rows(blocks),
-        batch_size=4,
-        learning_rate=0.01,
-        noise_multiplier=0.0,
-        max_grad_norm=1e6,
-        secure_mode=False,
-        seed=1,
+    return opacus_grads(
+        model, torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     )
-    try:
-        lm_loss(trainer.net, Batch.of_ids(blocks[:4])).backward()
-        params = [(n, p) for n, p in model.model.named_parameters() if p.requires_grad]
-        return {n: getattr(p, "grad_sample").clone() for n, p in params}  # noqa: B009
-    finally:
-        trainer.close()
 
 
 def test_gradient_checkpointing_gives_opacus_the_same_per_sample_gradients(monkeypatch):
     plain = _per_sample_grads(monkeypatch, checkpointing=False)
     checkpointed = _per_sample_grads(monkeypatch, checkpointing=True)
-    assert plain.keys() == checkpointed.keys()
-    for name in plain:
-        torch.testing.assert_close(plain[name], checkpointed[name])
+    torch.testing.assert_close(plain, checkpointed)
 
 
 def test_without_pausing_the_hooks_on_recompute_the_per_sample_gradients_break(monkeypatch):
     """The pause is what makes the test above pass (the test can fail)."""
     with pytest.raises(Exception):  # noqa: B017 - Opacus fails in one of several ways
         grads = _per_sample_grads(monkeypatch, checkpointing=True, pause=False)
-        plain = _per_sample_grads(monkeypatch, checkpointing=False)
-        for name in plain:
-            torch.testing.assert_close(plain[name], grads[name])
+        torch.testing.assert_close(_per_sample_grads(monkeypatch, checkpointing=False), grads)
 
 
 def test_ghost_clipping_with_checkpointing_is_refused():
@@ -213,20 +199,44 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_naming_the_folder(
         AdapterModel(ModelSpec(path=str(folder)), device=CPU)
 
 
-@pytest.mark.parametrize(
-    ("family", "adapted"),
-    [
-        ("deepseek_v3", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
-        ("deepseek_v32", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
-        ("deepseek_v2", {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}),
-        ("qwen2", {"q_proj", "k_proj", "v_proj", "o_proj"}),
-        ("qwen3", {"q_proj", "k_proj", "v_proj", "o_proj"}),
-        ("llama", {"q_proj", "k_proj", "v_proj", "o_proj"}),
-    ],
-)
+@pytest.mark.parametrize(("family", "adapted"), sorted(TARGETS.items()))
 def test_auto_targets_per_architecture(tiny_checkpoints, family, adapted):
     spec = ModelSpec(path=str(tiny_checkpoints[family]))
     model = AdapterModel(spec, device=CPU)
     assert {t.rsplit(".", 1)[-1] for t in model.targets} == adapted
     assert AdapterLayout.of(spec).shapes == {k: v.shape for k, v in model.adapter_state().items()}
     assert model.tokenizer.chat_template  # the checkpoint's own
+
+
+def test_frozen_blocks_stay_frozen_where_their_names_are_an_attention_projections(
+    tiny_checkpoints,
+):
+    # V4's compressors and indexers have their own kv_proj, q_b_proj and gate_proj.
+    spec = ModelSpec(path=str(tiny_checkpoints["deepseek_v4"]), lora_targets="auto+mlp")
+    model = AdapterModel(spec, device=CPU)
+    assert model.targets and all(
+        ".self_attn.compressor." not in t and ".mlp.experts." not in t for t in model.targets
+    )
+    assert {t.rsplit(".", 1)[-1] for t in model.targets if ".shared_experts." in t} == {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    assert not [n for n, _ in model.model.named_parameters() if "lora_" in n and "compressor" in n]
+
+
+@pytest.mark.parametrize(
+    ("family", "listed", "why"),
+    [
+        ("deepseek_v4", "o_a_proj", "o_a_proj is a DeepseekV4GroupedLinear, an nn.Linear with"),
+        ("deepseek_v4", "kv_proj,weights_proj", "is in the sparse-attention indexer"),
+        ("deepseek_v32", "wk", "indexer.wk is in the sparse-attention indexer"),
+    ],
+)
+def test_a_listed_target_in_a_frozen_block_is_refused_saying_why(
+    tiny_checkpoints, family, listed, why
+):
+    spec = ModelSpec(path=str(tiny_checkpoints[family]), lora_targets=listed)
+    with pytest.raises(ModelError, match="run config:lora-targets: ") as refused:
+        AdapterModel(spec, device=CPU)
+    assert why in str(refused.value)

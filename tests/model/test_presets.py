@@ -59,6 +59,21 @@ ATTENTION_LINEARS = {
         "q_a_proj",
         "q_b_proj",
     ],
+    # layer 0 is compressed sparse attention: its compressor pools windows of keys and
+    # holds the lightning indexer
+    "deepseek_v4": [
+        "compressor.gate_proj",
+        "compressor.indexer.gate_proj",
+        "compressor.indexer.kv_proj",
+        "compressor.indexer.q_b_proj",
+        "compressor.indexer.scorer.weights_proj",
+        "compressor.kv_proj",
+        "kv_proj",
+        "o_a_proj",
+        "o_b_proj",
+        "q_a_proj",
+        "q_b_proj",
+    ],
     "deepseek_v2": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"],
     "qwen2": ["k_proj", "o_proj", "q_proj", "v_proj"],
     "qwen3": ["k_proj", "o_proj", "q_proj", "v_proj"],
@@ -293,6 +308,15 @@ def test_tiny_deepseek_checkpoints_keep_their_moe_layouts(tiny_checkpoints):
     for config in (v3, v2):
         assert config.first_k_dense_replace == 1 < config.num_hidden_layers
         assert config.n_shared_experts >= 1 and config.n_routed_experts >= 4
+    v4 = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["deepseek_v4"])
+    assert v4.config.layer_types == [
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ]
+    assert v4.config.mlp_layer_types == ["hash_moe", "moe"] and v4.config.hc_mult > 1
+    # The hash router's token -> expert table reaches every expert, as a real one does.
+    routes = v4.model.layers[0].mlp.gate.tid2eid
+    assert set(routes.flatten().tolist()) == set(range(v4.config.n_routed_experts))
 
 
 def test_tiny_checkpoint_is_seeded_and_leaves_the_callers_random_state(tmp_path, bpe):
@@ -311,7 +335,8 @@ def test_tiny_checkpoint_is_seeded_and_leaves_the_callers_random_state(tmp_path,
 
 def test_unknown_family_names_the_known_ones(tmp_path):
     with pytest.raises(
-        ModelError, match=r"'gpt2'.*deepseek_v3, deepseek_v32, deepseek_v2, qwen2, qwen3, llama"
+        ModelError,
+        match=r"'gpt2'.*deepseek_v3, deepseek_v32, deepseek_v4, deepseek_v2, qwen2, qwen3, llama",
     ):
         tiny_checkpoint("gpt2", tmp_path)
     assert not list(tmp_path.iterdir())

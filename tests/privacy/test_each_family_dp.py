@@ -31,11 +31,13 @@ def _rows() -> torch.Tensor:
     return torch.randint(3, TINY_VOCAB_SIZE, (BATCH, 12), generator=gen)
 
 
-def _opacus(model: AdapterModel, rows: torch.Tensor) -> torch.Tensor:
+def opacus_grads(model: AdapterModel, rows: torch.Tensor) -> torch.Tensor:
+    """Opacus' per-sample gradients of ``model``'s adapters on ``rows`` in one batch:
+    one flat row per example."""
     trainer = PrivateTrainer(
         model,
         ExampleSet.of_rows(rows),
-        batch_size=BATCH,
+        batch_size=len(rows),
         learning_rate=0.01,
         noise_multiplier=0.0,
         max_grad_norm=1e6,
@@ -45,7 +47,10 @@ def _opacus(model: AdapterModel, rows: torch.Tensor) -> torch.Tensor:
     try:
         lm_loss(trainer.net, Batch.of_ids(rows)).backward()
         return torch.cat(
-            [getattr(p, "grad_sample").reshape(BATCH, -1) for p in model.trainable_parameters()],  # noqa: B009
+            [
+                getattr(p, "grad_sample").reshape(len(rows), -1)  # noqa: B009
+                for p in model.trainable_parameters()
+            ],
             dim=1,
         )
     finally:
@@ -71,7 +76,7 @@ def test_per_sample_gradients_equal_autograd_one_example_at_a_time(tiny_checkpoi
         ]
     )
     assert float(expected.abs().max()) > 0
-    torch.testing.assert_close(_opacus(model, rows), expected, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(opacus_grads(model, rows), expected, rtol=1e-3, atol=1e-6)
     # Only the adapters train: the router, norms and everything else stay frozen.
     frozen = [n for n, p in model.model.named_parameters() if not p.requires_grad]
     assert frozen and all("lora_" not in n for n in frozen)
@@ -81,8 +86,8 @@ def test_per_sample_gradients_equal_autograd_one_example_at_a_time(tiny_checkpoi
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_gradient_checkpointing_keeps_the_per_sample_gradients(tiny_checkpoints, family):
     rows = _rows()
-    plain = _opacus(_model(str(tiny_checkpoints[family])), rows)
-    checkpointed = _opacus(_model(str(tiny_checkpoints[family]), checkpointing=True), rows)
+    plain = opacus_grads(_model(str(tiny_checkpoints[family])), rows)
+    checkpointed = opacus_grads(_model(str(tiny_checkpoints[family]), checkpointing=True), rows)
     torch.testing.assert_close(checkpointed, plain, rtol=1e-4, atol=1e-7)
 
 

@@ -16,6 +16,7 @@ from fedciuic.rounds.region import Region
 TARGETS = {
     "deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
     "deepseek_v32": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
+    "deepseek_v4": {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"},
     "deepseek_v2": {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
     "qwen2": {"q_proj", "k_proj", "v_proj", "o_proj"},
     "qwen3": {"q_proj", "k_proj", "v_proj", "o_proj"},
