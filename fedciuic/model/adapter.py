@@ -44,7 +44,7 @@ from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 from fedciuic.config import RunConfig
 from fedciuic.errors import ModelError
 from fedciuic.files import DIRECTORY, not_regular
-from fedciuic.model.families import resolve_targets, target_names
+from fedciuic.model.families import frozen_parts, resolve_targets, target_names
 from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import preset_config, preset_tokenizer
 from fedciuic.model.shared_base import (
@@ -636,10 +636,12 @@ class AdapterModel:
     def describe(self) -> str:
         """One line for the start of a run: what is adapted and how much trains."""
         c = self.counts()
+        frozen = frozen_parts(self.model)
         return (
             f"LoRA r={self.spec.lora_rank} on {len(self.targets)} modules "
             f"({', '.join(target_names(self.targets))}): {c.trainable:,} trainable of "
             f"{c.total:,} parameters, base in {next(self.model.parameters()).dtype}"
+            + (f"; frozen with it: {', '.join(frozen)}" if frozen else "")
         )
 
     def private_bytes(self) -> int:

@@ -100,6 +100,23 @@ def _linears(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     return found, frozen
 
 
+#: What the start-of-run log names as frozen with the base when a model has it: the
+#: last part of a module's path -> the part's name.
+_NAMED_FROZEN = {
+    "gate": "the router",  # DeepSeek's MoE gate (mlp.gate), not a *_proj
+    "experts": "the routed experts",
+    "indexer": "the sparse-attention indexer",
+    "compressor": "the KV compressors",
+    "attn_hc": "the hyper-connections",
+}
+
+
+def frozen_parts(model: nn.Module) -> list[str]:
+    """The parts of this model's base that no adapter touches, by name, for the log."""
+    present = {path.rsplit(".", 1)[-1] for path, _ in model.named_modules()}
+    return [name for part, name in _NAMED_FROZEN.items() if part in present]
+
+
 def wanted_names(model_type: str, targets: str) -> tuple[str, ...]:
     """The last names that ``targets`` asks for on a ``model_type`` model."""
     if targets not in (AUTO, AUTO_MLP):

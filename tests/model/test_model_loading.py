@@ -240,3 +240,20 @@ def test_a_listed_target_in_a_frozen_block_is_refused_saying_why(
     with pytest.raises(ModelError, match="run config:lora-targets: ") as refused:
         AdapterModel(spec, device=CPU)
     assert why in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "named"),
+    [
+        (
+            "deepseek_v4",
+            "frozen with it: the router, the routed experts, the sparse-attention indexer, "
+            "the KV compressors, the hyper-connections",
+        ),
+        ("deepseek_v32", "frozen with it: the router, the routed experts, the sparse-attention"),
+        ("qwen3", None),
+    ],
+)
+def test_the_start_of_run_line_names_what_stays_frozen(tiny_checkpoints, family, named):
+    line = AdapterModel(ModelSpec(path=str(tiny_checkpoints[family])), device=CPU).describe()
+    assert (named in line) if named else ("frozen with it" not in line), line
