@@ -1,11 +1,12 @@
 """The trainer on a CUDA GPU: tokens/s and peak GPU memory, DP-SGD vs non-DP, bf16 vs NF4.
 
-Runs the ``small`` preset and an R1-Distill-Qwen-shaped checkpoint (a random-init
-``qwen2`` model built and saved locally, since nothing is downloaded), each with and
-without DP, with the base in bf16 and as a 4-bit NF4 base, and prints one row per case
-plus the DP/non-DP ratio per model and precision. Each case runs in its own process
-so that peak memory is its own. ``bash scripts/gpu-check.sh`` installs bitsandbytes
-and runs it.
+Runs the ``small`` preset and two checkpoints shaped as published distills, random-init
+and built and saved locally (nothing is downloaded), with fewer layers: R1-Distill-Qwen
+(``qwen2``, :data:`DISTILL_SHAPE`) and R1-0528-Qwen3-8B (``qwen3``, :data:`QWEN3_SHAPE`).
+Each runs with and without DP, with the base in bf16 and as a 4-bit NF4 base, adapters
+on ``lora-targets = auto``, and it prints one row per case plus the DP/non-DP ratio per
+model and precision. Each case runs in its own process so that peak memory is its own.
+``bash scripts/gpu-check.sh`` installs bitsandbytes and runs it.
 
     .venv/bin/python benchmarks/gpu.py [--steps 20] [--batch-size 8] [--seq-len 256]
 """
@@ -34,18 +35,37 @@ DISTILL_SHAPE: dict[str, Any] = {  # R1-Distill-Qwen-1.5B's layout, fewer layers
     "num_key_value_heads": 2,
     "max_position_embeddings": 4096,
 }
+QWEN3_SHAPE: dict[str, Any] = {  # DeepSeek-R1-0528-Qwen3-8B's layout, 4 of its 36 layers
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+#: checkpoint name -> (``model_type``, shape): what :func:`shaped_checkpoint` builds
+SHAPED: dict[str, tuple[str, dict[str, Any]]] = {
+    "r1-distill-qwen-shape": ("qwen2", DISTILL_SHAPE),
+    "r1-0528-qwen3-shape": ("qwen3", QWEN3_SHAPE),
+}
 
 
-def distill_checkpoint(directory: Path) -> Path:
-    """A random-init qwen2 model in R1-Distill-Qwen's shape, with the BPE tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def shaped_checkpoint(directory: Path, model_type: str, shape: dict[str, Any]) -> Path:
+    """A random-init ``model_type`` model of ``shape`` with the BPE tokenizer, saved in
+    bf16 (the dtype the cases load) as a checkpoint folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from fedciuic.model.presets import bpe_tokenizer
 
     tokenizer = bpe_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), **DISTILL_SHAPE)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **shape)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=torch.bfloat16, trust_remote_code=False
+    )
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -53,7 +73,11 @@ def distill_checkpoint(directory: Path) -> Path:
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """One case, in this process: steps of DP-SGD (hooks) or plain AdamW."""
     spec = ModelSpec(
-        path=case["path"], dtype="bf16", quantization=case["quantization"], lora_rank=8
+        path=case["path"],
+        dtype="bf16",
+        quantization=case["quantization"],
+        lora_rank=8,
+        lora_targets="auto",
     )
     model = AdapterModel(spec, device=torch.device("cuda"))
     vocab = len(model.tokenizer)
@@ -95,10 +119,9 @@ def main() -> int:
         return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {
-            "small": save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small"),
-            "r1-distill-qwen-shape": distill_checkpoint(Path(tmp) / "distill"),
-        }
+        models = {"small": save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")}
+        for name, (model_type, shape) in SHAPED.items():
+            models[name] = shaped_checkpoint(Path(tmp) / name, model_type, shape)
         for name, path in models.items():
             for quantization in ("none", "nf4"):
                 for dp in (False, True):

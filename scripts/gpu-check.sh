@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The trainer on a CUDA GPU (benchmarks/gpu.py): the small preset and an
-# R1-Distill-Qwen-shaped checkpoint, with and without DP, in bf16 and NF4; then one
-# region's DP round over every GPU here with NCCL (benchmarks/gpu_cluster.py).
+# The trainer on a CUDA GPU (benchmarks/gpu.py): the small preset and two random-init
+# checkpoints in published distills' layouts, fewer layers (R1-Distill-Qwen, qwen2;
+# R1-0528-Qwen3-8B, qwen3), LoRA on lora-targets = auto, with and without DP, in bf16
+# and NF4; then one region's DP round over every GPU here with NCCL
+# (benchmarks/gpu_cluster.py).
 # Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
