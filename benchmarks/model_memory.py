@@ -205,18 +205,11 @@ def _meta_model(shape: Shape) -> PreTrainedModel:
 
 
 def _adapter_targets(model: nn.Module, model_type: str) -> list[nn.Linear]:
-    """The modules ``lora-targets = auto`` adapts; for a family ``auto`` does not know
-    yet, the plain ``nn.Linear`` children of each ``self_attn``."""
-    from fedciuic.model.families import ATTENTION, resolve_targets
+    """The modules ``lora-targets = auto`` adapts."""
+    from fedciuic.model.families import resolve_targets
 
     linears = {p: m for p, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if model_type in ATTENTION:
-        return [linears[path] for path in resolve_targets(model, model_type, "auto")]
-    return [
-        module
-        for path, module in linears.items()
-        if type(module) is nn.Linear and path.rsplit(".", 2)[-2:-1] == ["self_attn"]
-    ]
+    return [linears[path] for path in resolve_targets(model, model_type, "auto")]
 
 
 def expert_lora(model: nn.Module) -> tuple[int, int, int]:
