@@ -4,7 +4,8 @@
 # R1-0528-Qwen3-8B, qwen3), LoRA on lora-targets = auto, with and without DP, in bf16
 # and NF4; then one region's DP round over every GPU here with NCCL
 # (benchmarks/gpu_cluster.py).
-# Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first.
+# Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first, at
+# constraints.txt's versions (torch and bitsandbytes are not in it: the CUDA build's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -14,7 +15,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/pip install -q -e '.[cuda]'
+.venv/bin/pip install -q -c constraints.txt -e '.[cuda]'
 .venv/bin/python benchmarks/gpu.py "$@"
 # A region as a cluster: NCCL, one training process per GPU (docs/cluster.md).
 exec .venv/bin/python benchmarks/gpu_cluster.py --preset small

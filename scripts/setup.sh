@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv and install fedciuic into it: torch first (the CPU wheel where one is
-# available locally), then the package with its dev extra. Re-runs only when
-# pyproject.toml changed. Needs nothing but Python >= 3.11.
+# available locally), then the package with its dev extra, every other dependency at
+# the exact version constraints.txt names (scripts/lock.sh refreshes it). Re-runs only
+# when pyproject.toml, constraints.txt or this script changed. Needs nothing but
+# Python >= 3.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,11 +13,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.fedciuic-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "fedciuic: installing $TORCH_SPEC, then fedciuic[dev] (a few minutes the first time)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$TORCH_SPEC"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
   echo "$want" > "$stamp"
 fi
