@@ -9,13 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.supercore.exit import add_exit_handler
 
-from fedciuic.audit.log import AuditLog
-from fedciuic.config import RunConfig
-from fedciuic.errors import FedciuicError
-from fedciuic.flower import protocol
-from fedciuic.model.adapter import AdapterLayout, ModelSpec
-from fedciuic.ops.outputs import summarize
-from fedciuic.rounds.aggregator_run import (
+from fedciuic.aggregator.run import (
     audit_log,
     crashed,
     end_run,
@@ -25,7 +19,13 @@ from fedciuic.rounds.aggregator_run import (
     stopped,
     warn_disabled,
 )
-from fedciuic.rounds.record import RunRecorder
+from fedciuic.audit.log import AuditLog
+from fedciuic.config import RunConfig
+from fedciuic.errors import FedciuicError
+from fedciuic.flower import protocol
+from fedciuic.model.adapter import AdapterLayout, ModelSpec
+from fedciuic.ops.outputs import summarize
+from fedciuic.record.recorder import RunRecorder
 from server.strategy import RegionalFedAvg
 
 app = ServerApp()

@@ -1,5 +1,5 @@
 """RegionalFedAvg: Flower's Message-API FedAvg template adapted to the aggregator's
-round in ``fedciuic.rounds.aggregator``, which judges, records and aggregates plain
+round in ``fedciuic.aggregator.round``, which judges, records and aggregates plain
 replies. Here: instructions built into Messages, replies unpacked (inside the round's
 per-reply boundary), results packed, and Flower's own concerns:
 
@@ -29,12 +29,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedciuic.aggregator.round import AggregatorRound, Collecting, Published, Task
 from fedciuic.crypto.sealing import TaskKind
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
 from fedciuic.flower.courier import Courier, Sent, unread
-from fedciuic.rounds.aggregator import AggregatorRound, Collecting, Published, Task
-from fedciuic.rounds.wire import ARRAYS, CONFIG, Arrival, NoReply, Unread
+from fedciuic.wire import ARRAYS, CONFIG, Arrival, NoReply, Unread
 
 #: The task each Flower message type asks of a region (signed into its instruction).
 _TASKS = {MessageType.TRAIN: TaskKind.TRAIN, MessageType.EVALUATE: TaskKind.EVALUATE}

@@ -18,9 +18,9 @@ from functools import partial
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fedciuic.aggregator.round import Task
 from fedciuic.flower import protocol
-from fedciuic.rounds.aggregator import Task
-from fedciuic.rounds.wire import Unread
+from fedciuic.wire import Unread
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ import pytest
 from flwr.app import Message, MessageType
 
 from fedciuic.aggregation import Checked, staleness_weight
+from fedciuic.aggregator.round import Collecting
+from fedciuic.aggregator.schedule import Availability, Tasks
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AuditLog
 from fedciuic.flower import protocol
 from fedciuic.policy.rules import Decision
-from fedciuic.rounds.aggregator import Collecting
-from fedciuic.rounds.schedule import Availability, Tasks
 from tests.flower.test_strategy import RegionsGrid, looped
 from tests.rounds.test_aggregator import GLOBAL
 
@@ -235,8 +235,8 @@ def test_tasks_keep_one_in_flight_and_stop_at_the_limit():
 
 
 def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, tmp_path):
-    from fedciuic.rounds.aggregator_run import restore
-    from fedciuic.rounds.checkpoint import load_checkpoint
+    from fedciuic.aggregator.checkpoint import load_checkpoint
+    from fedciuic.aggregator.run import restore
 
     grid = OneInFlight(THREE)
     grid.delay = {11: 1, 12: 1, 13: 3}

@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from fedciuic import wire
+from fedciuic.aggregator.checkpoint import CheckpointError, load_checkpoint
+from fedciuic.aggregator.round import AggregatorRound
+from fedciuic.aggregator.run import restore
 from fedciuic.compression import get_codec
 from fedciuic.crypto.sealing import (
     NONCE_BYTES,
@@ -24,11 +28,7 @@ from fedciuic.crypto.sealing import (
 )
 from fedciuic.errors import FederationError
 from fedciuic.flower import protocol
-from fedciuic.rounds import wire
-from fedciuic.rounds.aggregator import AggregatorRound
-from fedciuic.rounds.aggregator_run import restore
-from fedciuic.rounds.checkpoint import CheckpointError, load_checkpoint
-from fedciuic.rounds.wire import Instruction, Reply
+from fedciuic.wire import Instruction, Reply
 from server.strategy import RegionalFedAvg
 from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures

@@ -1,7 +1,7 @@
 """The region's whole round, without Flower: an instruction in, a typed outcome out.
 
 ``handle_instruction`` takes the run's and the node's configs and the aggregator's
-:class:`~fedciuic.rounds.wire.Instruction` and returns a :class:`RegionReply`: the
+:class:`~fedciuic.wire.Instruction` and returns a :class:`RegionReply`: the
 outcome (:class:`Declined`, :class:`Evaluated`, :class:`Sealed` or :class:`Clear`)
 and what the reply must be vouched with (the head of this region's latest signed
 audit checkpoint, and with sealing the keypair that signs it). ``witness_run_end``
@@ -43,8 +43,8 @@ from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
-from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
-from fedciuic.rounds.wire import (
+from fedciuic.stages.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     AUDIT_COUNT,
@@ -68,7 +68,7 @@ from fedciuic.rounds.wire import (
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
     # that importing the round (the agent at start) stays light
     from fedciuic.model.train import EvalStats
-    from fedciuic.rounds.region import Region, TrainOutcome
+    from fedciuic.region.trainer import Region, TrainOutcome
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
@@ -228,7 +228,7 @@ def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
 def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
     """The region (built once per process and config), each build counted in
     :data:`MODEL_LOADS` and logged, so that a deployment shows how often it reloads."""
-    from fedciuic.rounds.region import open_region
+    from fedciuic.region.trainer import open_region
 
     region = open_region(run, node)
     if region not in _LOADED:
@@ -472,7 +472,7 @@ class _Round:
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
-        from fedciuic.rounds.region import AlreadyReleased, SentUpdates
+        from fedciuic.region.trainer import AlreadyReleased, SentUpdates
 
         region = _region(run, node, self.run_id)
         sent = SentUpdates(node.state_dir)

@@ -39,6 +39,8 @@ from fedciuic.aggregation import (
     check,
     make_aggregator,
 )
+from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest, load_records
 from fedciuic.compression import Codec, layout_of
@@ -46,12 +48,11 @@ from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import NONCE_BYTES, EnvelopeRejected, TaskKind, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
-from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
-from fedciuic.rounds.metrics import OVERALL
-from fedciuic.rounds.record import RunRecorder
-from fedciuic.rounds.schedule import Availability, Changes, ScheduleError, Tasks
-from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
-from fedciuic.rounds.wire import (
+from fedciuic.record.metrics import OVERALL
+from fedciuic.record.recorder import RunRecorder
+from fedciuic.server_optim import ServerOptimizer
+from fedciuic.stages.sealing import ClearReplies, Header, ReplySealing
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     DECLINED,
@@ -79,7 +80,6 @@ from fedciuic.rounds.wire import (
     parse_eval_metrics,
     parse_train_metrics,
 )
-from fedciuic.server_optim import ServerOptimizer
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
