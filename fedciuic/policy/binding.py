@@ -145,25 +145,30 @@ def _jurisdiction_reason(
 
 
 class PolicyGate(Protocol):
-    """Policy enforcement at the aggregator, as a stage present or absent: the round asks
-    it about each update and each aggregate; a decision, when it takes one, is recorded
-    and audited; None means none was taken (a lab baseline)."""
+    """Policy enforcement at the aggregator, as a stage chosen once: the round asks it
+    about each update and each aggregate and always gets a decision; an enforced one is
+    recorded and audited."""
 
-    def check_update(self, facts: UpdateFacts) -> Decision | None: ...
+    def check_update(self, facts: UpdateFacts) -> Decision: ...
 
     def check_aggregate(
         self, participants: dict[str, str], examples: dict[str, int]
-    ) -> Decision | None: ...
+    ) -> Decision: ...
 
 
 class NotEnforced:
-    """``enforce-policies = false``: a lab baseline; no decision is taken or recorded."""
+    """``enforce-policies = false``: a lab baseline; every decision accepts and is not
+    enforced (so not recorded)."""
 
-    def check_update(self, facts: UpdateFacts) -> None:
-        return None
+    def check_update(self, facts: UpdateFacts) -> Decision:
+        return _not_enforced(f"update from {facts.region}")
 
-    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> None:
-        return None
+    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> Decision:
+        return _not_enforced("aggregate")
+
+
+def _not_enforced(subject: str) -> Decision:
+    return Decision("aggregator", subject, "accept", (), "", enforced=False)
 
 
 @dataclass(frozen=True)

@@ -165,3 +165,27 @@ def test_a_resume_under_another_server_optimizer_is_refused(run_config, tmp_path
     plain = looped(run_config, tmp_path / "plain", 3, Regions(), "none")
     with pytest.raises(CheckpointError, match='server-optimizer = "fedadam"'):
         restore(plain.aggregator, saved)
+
+
+def test_without_policies_every_decision_accepts_and_none_is_recorded_or_audited(
+    run_config, tmp_path
+):
+    from fedciuic.audit.events import Event
+    from fedciuic.audit.log import AuditLog, load_records
+
+    loop = looped(run_config, tmp_path, 1, Regions())
+    gate = loop.aggregator.policies
+    decision = gate.check_aggregate({"eu": "EU"}, {"eu": 1})
+    assert decision.accepted and not decision.enforced and decision.reasons == ()
+    loop.aggregator.audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
+    loop.run(GLOBAL, 1)
+    assert loop.aggregator.recorder.data.rounds[1].decisions == []
+    events = {r["event"] for r in load_records(tmp_path / "audit.jsonl")}
+    assert Event.UPDATE_ACCEPTED in events and Event.POLICY_DECISION not in events
+
+
+def test_without_an_audit_log_the_round_writes_and_witnesses_nothing(run_config, tmp_path):
+    loop = looped(run_config, tmp_path, 1, Regions())
+    loop.run(GLOBAL, 1)
+    assert loop.aggregator.sign_run_end() is None  # no head to hand the regions
+    assert load_checkpoint(tmp_path).audit_seq == 0

@@ -16,6 +16,7 @@ from fedciuic.aggregator.schedule import Availability, Tasks
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AuditLog
 from fedciuic.crypto.sealing import TaskKind
+from fedciuic.policy.binding import NotEnforced
 from fedciuic.policy.rules import Decision
 from tests.aggregator.fakes import THREE, Regions, looped
 from tests.rounds.test_aggregator import GLOBAL
@@ -127,10 +128,7 @@ def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, t
     grid.delay = {11: 1, 12: 1, 13: 5}
     s = buffered(run_config, tmp_path, grid, rounds=3)
 
-    class AtLeastThree:
-        def check_update(self, facts):
-            return None
-
+    class AtLeastThree(NotEnforced):
         def check_aggregate(self, participants, examples):
             if len(participants) >= 3:
                 return Decision("aggregator", "aggregate", "accept", (), "")
