@@ -35,7 +35,7 @@ import numpy as np
 
 from fedciuic import __version__
 from fedciuic.audit.events import SENT_EVENTS, Event
-from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, load_records
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
@@ -43,6 +43,7 @@ from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
 from fedciuic.policy.rules import LoadedPolicy
+from fedciuic.stages.audit import AuditTrail, NoAudit
 from fedciuic.stages.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
 from fedciuic.wire import (
     AGENT_CODE,
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
-_JOINED: set[tuple[Path, int, str]] = set()
+_JOINED: set[tuple[Path | None, int, str]] = set()
 #: One line per model load (region built: base loaded and verified, data tokenised) in
 #: the region's state dir, with the run and the process: how often a run paid for it.
 MODEL_LOADS = "model-loads.jsonl"
@@ -275,6 +276,12 @@ def audit_log(node: NodeConfig) -> AuditLog | None:
     return _LOGS[path]
 
 
+def _audit(node: NodeConfig) -> AuditTrail:
+    """The round's audit stage: the region's log, or none where it cannot have one
+    (:class:`NoAudit`: nothing the round says is then signed or witnessed)."""
+    return audit_log(node) or NoAudit()
+
+
 def handle_instruction(
     run: RunConfig,
     node: NodeConfig,
@@ -307,12 +314,12 @@ def decline_signed(
     server_round = task.server_round if isinstance(task, Instruction) else None
     run_id = task.federation_run or flower_run
     try:
-        audit = audit_log(node)
-        if audit is None:
-            raise FedciuicError(f"region {node.region}: no audit log")
+        audit = _audit(node)
         audit.append(Event.DECLINED, run_id=run_id, server_round=server_round, reason=str(err))
         audit.checkpoint(run_id=run_id, server_round=server_round)
         head = audit.last_checkpoint()
+        if head is None:
+            raise FedciuicError(f"region {node.region}: no audit log")
     except FedciuicError as audit_err:
         _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return RegionReply(Declined(node.region, str(err)))
@@ -342,21 +349,19 @@ class _Round:
         # same, unless this run resumes another) keys the ledger, the audit log and
         # the updates kept for resending.
         self.flower_run = self.run_id = flower_run
-        self.audit: AuditLog | None = None
+        self.audit: AuditTrail = NoAudit()
         self.signer: Keypair | None = None  # once the aggregator's signature checked out
         self.server_round: int | None = None
 
     def note(self, event: str, **details: object) -> None:
-        if self.audit is not None:
-            self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
+        self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
 
     def handle(self, task: Instruction, *, asked: TaskKind, simulated: bool) -> RegionReply:
         """The outcome, once everything about it is in the audit log and signed; a log
         that cannot be written turns any outcome into a decline (fail closed)."""
         try:
             outcome = self._handle(task, asked, simulated)
-            if self.audit is not None:
-                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+            self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
             outcome = self._decline(err)
         try:
@@ -368,10 +373,9 @@ class _Round:
         """This region's audit log and its end of the sealing stage (whose keys, when
         sealing, sign the log)."""
         self.run_id = federation_run or self.flower_run
-        self.audit = audit_log(self.node)
+        self.audit = _audit(self.node)
         sealing = _sealing(self.run, self.node)
-        if self.audit is not None:
-            self.audit.keypair = sealing.keypair
+        self.audit.keypair = sealing.keypair
         return sealing
 
     def witness_run_end(self, notice: RunEndNotice) -> RegionReply:
@@ -384,10 +388,9 @@ class _Round:
                     f"region {self.node.region}: the run config is not the one the "
                     "aggregator signed into the run-end notice"
                 )
-            if self.audit is not None:
-                self._note_undelivered(notice)
-                self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
-                self.audit.checkpoint(run_id=self.run_id)
+            self._note_undelivered(notice)
+            self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
+            self.audit.checkpoint(run_id=self.run_id)
             return self._vouch(Witnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
@@ -396,11 +399,10 @@ class _Round:
     def _note_undelivered(self, notice: RunEndNotice) -> None:
         """Every update this region released in the federation run that the aggregator's
         signed receipts do not list: its epsilon is spent, and it was never delivered."""
-        assert self.audit is not None
         received = notice.received(self.node.region)
         noted = set()
         sent = []
-        for record in load_records(self.audit.path):
+        for record in self.audit.records():
             details = record.get("details")
             if record.get("run_id") != self.run_id or not isinstance(details, dict):
                 continue
@@ -427,7 +429,7 @@ class _Round:
             )
 
     def _vouch(self, outcome: Outcome) -> RegionReply:
-        head = self.audit.last_checkpoint() if self.audit is not None else None
+        head = self.audit.last_checkpoint()
         return RegionReply(
             outcome,
             witness=head,
@@ -442,8 +444,7 @@ class _Round:
             if isinstance(err, PolicyRefusal):
                 self.note(Event.POLICY_DECISION, **err.decision.to_record())
             self.note(Event.DECLINED, reason=str(err))
-            if self.audit is not None:
-                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+            self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as audit_err:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return Declined(self.node.region, str(err))
@@ -465,7 +466,7 @@ class _Round:
                 "aggregator signed into the instruction; refusing it"
             )
         training = task.kind == TaskKind.TRAIN
-        if task.witness is not None and self.audit is not None:
+        if task.witness is not None:
             self.audit.witness(
                 AGGREGATOR,
                 *task.witness,
@@ -486,7 +487,7 @@ class _Round:
             projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
         policy = checked[0] if checked else None
-        if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
+        if policy is not None and not policy.policy.audit.redact_paths:
             self.audit.redact = ()
         self._join(sealing, policy, task.checkpoint)
         if checked is not None:
@@ -523,7 +524,7 @@ class _Round:
     def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None, checkpoint: str) -> None:
         """``run_joined`` once per run, and again when it resumes from a checkpoint: the
         checkpoint's identity, as the aggregator signed it, goes on the region's record."""
-        if self.audit is None or (self.audit.path, self.run_id, checkpoint) in _JOINED:
+        if (self.audit.path, self.run_id, checkpoint) in _JOINED:
             return
         _JOINED.add((self.audit.path, self.run_id, checkpoint))
         self.note(

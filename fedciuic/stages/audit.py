@@ -4,6 +4,8 @@ never asks whether there is a log."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Protocol
 
 from fedciuic.crypto.keys import Keypair
@@ -13,6 +15,13 @@ class AuditTrail(Protocol):
     """What a round writes to and reads from its party's audit log."""
 
     keypair: Keypair | None
+    #: The paths written as labels (``<data-path>``) instead (``audit.log.redaction``).
+    redact: tuple[tuple[re.Pattern[str], str], ...]
+
+    @property
+    def path(self) -> Path | None:
+        """Where the log is (None: nowhere)."""
+        ...
 
     def append(
         self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
@@ -42,6 +51,8 @@ class NoAudit:
     """No log: nothing is written, no head is ever witnessed or signed (a lab run)."""
 
     keypair: Keypair | None = None
+    redact: tuple[tuple[re.Pattern[str], str], ...] = ()
+    path = None
 
     def append(
         self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
