@@ -41,8 +41,7 @@ from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
-from fedciuic.policy.rules import LoadedPolicy
+from fedciuic.policy.binding import PolicyRefusal, RegionPolicy, enforce_region_policy
 from fedciuic.stages.audit import AuditTrail, NoAudit
 from fedciuic.stages.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
 from fedciuic.wire import (
@@ -148,15 +147,15 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
     return metrics
 
 
-def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dict[str, str]:
+def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
     """Who trained on what, under which policy (its hash also travels in a sealed header)."""
     return {
         "region": outcome.region,
         "status": TRAINED,
         "reason": "",
         "data-fingerprint": outcome.data_fingerprint,
-        JURISDICTION: policy.policy.jurisdiction if policy else "",
-        POLICY_HASH: policy.hash if policy else "",
+        JURISDICTION: policy.jurisdiction,
+        POLICY_HASH: policy.hash,
         PRIVACY_UNIT: outcome.privacy.unit if outcome.privacy else "",
     }
 
@@ -478,7 +477,7 @@ class _Round:
         region = _region(run, node, self.run_id)
         sent = SentUpdates(node.state_dir)
         kept = sent.load(self.run_id, task.server_round) if training else None
-        checked = enforce_region_policy(
+        policy = enforce_region_policy(
             run,
             node,
             simulated=simulated,
@@ -486,12 +485,11 @@ class _Round:
             own_jurisdiction=sealing.own_jurisdiction,
             projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
-        policy = checked[0] if checked else None
-        if policy is not None and not policy.policy.audit.redact_paths:
+        if not policy.redacts_paths:
             self.audit.redact = ()
         self._join(sealing, policy, task.checkpoint)
-        if checked is not None:
-            self.note(Event.POLICY_DECISION, **checked[1].to_record())
+        if policy.decision.enforced:
+            self.note(Event.POLICY_DECISION, **policy.decision.to_record())
         if not training:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
             self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss)
@@ -512,7 +510,7 @@ class _Round:
             server_round=task.server_round,
             base_fingerprint=task.base_fingerprint,
             run_id=self.run_id,
-            max_run_epsilon=policy.policy.privacy.max_epsilon_per_run if policy else None,
+            max_run_epsilon=policy.max_epsilon_per_run,
         )
         self._note_trained(outcome)
         payload = update_payload(
@@ -521,7 +519,7 @@ class _Round:
         sent.save(self.run_id, task.server_round, payload)
         return self._send(region.name, payload, sealing, policy)
 
-    def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None, checkpoint: str) -> None:
+    def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
         """``run_joined`` once per run, and again when it resumes from a checkpoint: the
         checkpoint's identity, as the aggregator signed it, goes on the region's record."""
         if (self.audit.path, self.run_id, checkpoint) in _JOINED:
@@ -534,8 +532,8 @@ class _Round:
             code_version=code_version(),
             code=installed_code(),
             **sealing.joined(),
-            policy_hash=policy.hash if policy else None,
-            jurisdiction=policy.policy.jurisdiction if policy else None,
+            policy_hash=policy.hash or None,  # none without a policy (a lab baseline)
+            jurisdiction=policy.jurisdiction or None,
         )
 
     def _note_trained(self, outcome: TrainOutcome) -> None:
@@ -557,7 +555,7 @@ class _Round:
         )
 
     def _send(
-        self, region: str, payload: bytes, sealing: RegionSealing, policy: LoadedPolicy | None
+        self, region: str, payload: bytes, sealing: RegionSealing, policy: RegionPolicy
     ) -> Sealed | Clear:
         """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
         return sealing.send(
@@ -565,7 +563,7 @@ class _Round:
             payload,
             flower_run=self.flower_run,
             server_round=self.server_round or 0,
-            policy_hash=policy.hash if policy else "",
+            policy_hash=policy.hash,
             note=self.note,
         )
 
