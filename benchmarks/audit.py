@@ -28,7 +28,7 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.ops.runconfig import app_run_config
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 DIGEST = "ab" * 32
 ROOT = Path(__file__).resolve().parents[1]

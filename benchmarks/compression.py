@@ -42,8 +42,8 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.outputs import upload_bytes
-from fedciuic.rounds.metrics import OVERALL, load_metrics
-from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.record.metrics import OVERALL, load_metrics
+from fedciuic.record.recorder import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

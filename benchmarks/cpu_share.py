@@ -34,7 +34,7 @@ def _region_steps(root: str, name: str, threads: int, args: argparse.Namespace) 
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.ops.runconfig import app_run_config
     from fedciuic.privacy.dpsgd import PrivateTrainer
-    from fedciuic.rounds.region import Region
+    from fedciuic.region.trainer import Region
 
     run = RunConfig.from_user_config(
         {

@@ -39,9 +39,9 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.layout import cpu_share
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import METRICS_FILE
-from fedciuic.rounds.region_round import model_loads
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import METRICS_FILE
+from fedciuic.region.round import model_loads
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("eu", "cn")

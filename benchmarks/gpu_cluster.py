@@ -3,7 +3,7 @@
 The code paths only a GPU machine runs (NCCL process groups, one process per GPU, the
 noise generator on CUDA) have no CPU test; this runs them: one region with
 ``train-processes`` = every GPU here (at least 1), one DP-SGD round through
-:class:`~fedciuic.rounds.region.Region`, then the same round in one process, and
+:class:`~fedciuic.region.trainer.Region`, then the same round in one process, and
 prints both step times, the ledger's epsilon for each (they must be equal: the same
 global batch) and that every worker is gone. Without CUDA it runs the same with gloo
 on 2 CPU processes, which is what CI's tests cover.
@@ -24,7 +24,7 @@ import torch
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.ops.runconfig import app_run_config
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 
 def one_round(run: RunConfig, data: Path, state: Path, processes: int) -> dict[str, object]:

@@ -82,6 +82,7 @@ from typing import Any
 from compression import bench_policies
 from report import Row, save_figure, verdict
 
+from fedciuic.aggregator.checkpoint import kept_rounds, load_checkpoint
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import NodeConfig, RunConfig
@@ -89,11 +90,10 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.runconfig import app_run_config
-from fedciuic.rounds.checkpoint import kept_rounds, load_checkpoint
-from fedciuic.rounds.metrics import OVERALL, RunMetrics, load_metrics
-from fedciuic.rounds.record import METRICS_FILE
-from fedciuic.rounds.region import open_region
-from fedciuic.rounds.wire import TRAINED
+from fedciuic.record.metrics import OVERALL, RunMetrics, load_metrics
+from fedciuic.record.recorder import METRICS_FILE
+from fedciuic.region.trainer import open_region
+from fedciuic.wire import TRAINED
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent

@@ -45,9 +45,9 @@ from report import Row, proc_bytes, save_figure, verdict
 from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import METRICS_FILE
-from fedciuic.rounds.wire import TRAINED
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import METRICS_FILE
+from fedciuic.wire import TRAINED
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("eu", "cn", "us", "sg", "in")

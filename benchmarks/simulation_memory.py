@@ -40,9 +40,9 @@ from fedciuic.crypto.sealing import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.shared_base import SHARE_ENV
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import METRICS_FILE
-from fedciuic.rounds.region_cache import BUDGET_ENV
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import METRICS_FILE
+from fedciuic.region.cache import BUDGET_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("eu", "cn", "us")

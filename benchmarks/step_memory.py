@@ -42,7 +42,7 @@ def one(preset: str, steps: int, batch: int, seq_len: int, overrides: dict[str, 
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data.demo import write_demo_corpora
     from fedciuic.ops.runconfig import app_run_config
-    from fedciuic.rounds.region import Region
+    from fedciuic.region.trainer import Region
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -28,7 +28,7 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import poisson_sample_rate
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 NOISE = 1.0
 

@@ -31,8 +31,8 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.rules import load_policies
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import COMPLETED, METRICS_FILE
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import COMPLETED, METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

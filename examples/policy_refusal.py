@@ -19,8 +19,8 @@ from pathlib import Path
 
 from fedciuic.ops.cli import main as fedciuic
 from fedciuic.policy.rules import explain, load_policy
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import METRICS_FILE
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""ServerApp: read the run config, open the aggregator's run, run its rounds, save."""
+"""ServerApp: read the run config, open the aggregator's run, hand its loop Flower's
+Grid (``fedciuic.aggregator.loop``), end the run."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.supercore.exit import add_exit_handler
 
-from fedciuic.audit.log import AuditLog
-from fedciuic.config import RunConfig
-from fedciuic.errors import FedciuicError
-from fedciuic.flower import protocol
-from fedciuic.model.adapter import AdapterLayout, ModelSpec
-from fedciuic.ops.outputs import summarize
-from fedciuic.rounds.aggregator_run import (
+from fedciuic.aggregator.loop import loop_for
+from fedciuic.aggregator.run import (
     audit_log,
     crashed,
     end_run,
@@ -25,8 +21,13 @@ from fedciuic.rounds.aggregator_run import (
     stopped,
     warn_disabled,
 )
-from fedciuic.rounds.record import RunRecorder
-from server.strategy import RegionalFedAvg
+from fedciuic.audit.log import AuditLog
+from fedciuic.config import RunConfig
+from fedciuic.errors import FedciuicError
+from fedciuic.flower.courier import FlowerTransport
+from fedciuic.model.adapter import AdapterLayout, ModelSpec
+from fedciuic.ops.outputs import summarize
+from fedciuic.record.recorder import RunRecorder
 
 app = ServerApp()
 
@@ -66,16 +67,14 @@ def main(grid: Grid, context: Context) -> None:
         layout = AdapterLayout.of(ModelSpec.from_run(run))
         recorder.data.run.base_fingerprint = layout.fingerprint
         opened = open_run(run, context.run_id, audit, recorder, layout.fingerprint)
-        strategy = RegionalFedAvg(opened.aggregator)
-        strategy.start(
-            grid,
-            protocol.pack_arrays(opened.resumed.adapter if opened.resumed else layout.initial),
+        loop = loop_for(opened.aggregator, FlowerTransport(grid))
+        loop.run(
+            opened.resumed.adapter if opened.resumed else layout.initial,
             num_rounds=run.num_server_rounds,
-            timeout=run.round_timeout,
             first_round=opened.first_round,
         )
         ended = end_run(opened.aggregator, audit, layout)
-        strategy.witness_run_end(grid, run.round_timeout)
+        loop.witness_run_end(run.round_timeout)
     except FedciuicError as err:
         run_failed(recorder, audit, context.run_id, err)
         raise SystemExit(1) from None

@@ -201,7 +201,7 @@ def signed_run_end(
     from dataclasses import replace
 
     from fedciuic.crypto.sealing import NONCE_BYTES, sign_run_end
-    from fedciuic.rounds.wire import RunEndNotice
+    from fedciuic.wire import RunEndNotice
 
     unsigned = RunEndNotice(
         federation_run=federation_run,

@@ -17,7 +17,7 @@ from fedciuic.flower.protocol import pack_arrays
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.ops.runconfig import app_run_config
 from fedciuic.privacy.dpsgd import PrivateTrainer
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 client = ClientApp()
 server = ServerApp()

@@ -20,7 +20,7 @@ is what the aggregator signed, and nothing else:
 
 Every refusal is written to the region's audit log (``request_refused``) and the agent
 keeps serving. A signed instruction is handled by the region's round
-(:mod:`fedciuic.rounds.region_round`: policy, ledger, DP training, compression,
+(:mod:`fedciuic.region.round`: policy, ledger, DP training, compression,
 sealing, audit); the agent signs the reply with the region's key and answers with
 the reply's records. The model, data and keys stay loaded between messages.
 
@@ -71,8 +71,8 @@ from fedciuic.crypto.keys import load_bundle, load_keypair
 from fedciuic.crypto.sealing import RegionKeys, TaskKind
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.rounds.sealing import SealingRegion
-from fedciuic.rounds.wire import (
+from fedciuic.stages.sealing import SealingRegion
+from fedciuic.wire import (
     CONFIG,
     INFO,
     METRICS,
@@ -168,8 +168,8 @@ class RegionAgent:
     aggregator did not sign, hands the rest to the region's round."""
 
     def __init__(self, config: AgentConfig) -> None:
+        import fedciuic.region.round as rr
         from fedciuic.policy.rules import load_policy
-        from fedciuic.rounds import region_round as rr
 
         self.config = config
         self.keypair = load_keypair(Path(config.key_file))
@@ -197,7 +197,7 @@ class RegionAgent:
 
     def close(self) -> None:
         """Stop the region's training processes (a cluster region's ranks)."""
-        from fedciuic.rounds.region_round import close_regions
+        from fedciuic.region.round import close_regions
 
         close_regions()
 
@@ -291,7 +291,7 @@ class RegionAgent:
         return task
 
     def _answer(self, frame: Frame, kind: object) -> Frame:
-        from fedciuic.rounds import region_round as rr
+        import fedciuic.region.round as rr
 
         if kind not in set(TaskKind):
             raise Refused(

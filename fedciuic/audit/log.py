@@ -480,6 +480,10 @@ class AuditLog:
                     "`fedciuic audit verify` on it before resuming"
                 )
 
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete record so far, parsed (:func:`load_records`)."""
+        return load_records(self.path)
+
     def checkpoint(self, *, run_id: int, server_round: int | None = None) -> None:
         """Sign everything so far and flush it to disk."""
         with self._locked():

@@ -7,7 +7,7 @@ then train on command. Commands travel through rank 0's ``TCPStore``, each under
 cluster secret's MAC (:mod:`fedciuic.cluster.auth`; a worker waits for the next one
 without a collective timeout, since rounds may be far apart); each round's work uses
 collectives, each bounded by ``collective-timeout``.
-Evaluation stays on rank 0 alone (:meth:`fedciuic.rounds.region.Region.evaluate`).
+Evaluation stays on rank 0 alone (:meth:`fedciuic.region.trainer.Region.evaluate`).
 """
 
 from __future__ import annotations

@@ -1,90 +1,68 @@
-"""Messages in flight between the aggregator and its regions, over Flower's Grid.
+"""The aggregator's loop over Flower's Grid: :class:`FlowerTransport` implements
+:class:`~fedciuic.aggregator.loop.Transport`.
 
 ``Grid.send_and_receive`` waits for a fixed set of replies and forgets the rest, so a
 region that answers late is never heard and a slow one is sent a second task while it
-still works on the first. The courier pushes each message once, remembers it by id
-until its reply is pulled (whenever that is), and says which nodes are busy: the
-aggregator sends a node nothing new while it has a message in flight, and a late reply
-still shows that its region is alive.
+still works on the first. The loop pushes each message once and pulls its reply by id
+whenever it comes (``fedciuic.aggregator.loop.Courier`` keeps what is in flight); this
+module only turns instructions into Flower Messages and Messages into unread replies.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from functools import partial
 
-from flwr.app import Message
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedciuic.crypto.sealing import TaskKind
 from fedciuic.flower import protocol
-from fedciuic.rounds.aggregator import Task
-from fedciuic.rounds.wire import Unread
+from fedciuic.wire import Instruction, RunEndNotice, Unread
+
+#: The Flower message type that carries each kind of task (signed into its instruction).
+MESSAGE_TYPES = {TaskKind.TRAIN: MessageType.TRAIN, TaskKind.EVALUATE: MessageType.EVALUATE}
 
 
-@dataclass(frozen=True)
-class Sent:
-    """A message in flight: to which node, what kind, in which round (or buffered
-    aggregate) it was sent, the training task it carries, and when."""
-
-    node: int
-    kind: str
-    server_round: int
-    task: Task | None
-    at: float
+def _messages(content: RecordDict, nodes: Sequence[int], message_type: str) -> list[Message]:
+    return [Message(content, dst_node_id=node, message_type=message_type) for node in nodes]
 
 
-class Courier:
-    """Push messages, pull whatever replies have come, know who is busy."""
-
-    def __init__(
-        self,
-        grid: Grid,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        interval: float = 0.5,
-    ) -> None:
-        self.grid = grid
-        self.clock = clock
-        self.interval = interval  # seconds between pulls while waiting
-        self.in_flight: dict[str, Sent] = {}
-
-    def busy(self, node: int) -> bool:
-        return any(sent.node == node for sent in self.in_flight.values())
-
-    def push(self, messages: Iterable[tuple[Message, Sent]]) -> list[Sent]:
-        """Push each message; what the SuperLink took is in flight from now on."""
-        batch = list(messages)
-        ids = list(self.grid.push_messages([message for message, _ in batch]))
-        pushed = []
-        for message_id, (_, sent) in zip(ids, batch, strict=False):
-            if message_id:
-                self.in_flight[message_id] = sent
-                pushed.append(sent)
-        return pushed
-
-    def pull(self) -> list[tuple[Sent, Message]]:
-        """The replies that have arrived, each with the message it answers."""
-        if not self.in_flight:
-            return []
-        got = []
-        for reply in self.grid.pull_messages(list(self.in_flight)):
-            sent = self.in_flight.pop(reply.metadata.reply_to_message_id, None)
-            if sent is not None:
-                got.append((sent, reply))
-        return got
-
-    def forget_gone(self, connected: Iterable[int]) -> None:
-        """A node that left the federation will not answer: nothing of it is in flight."""
-        alive = set(connected)
-        self.in_flight = {k: s for k, s in self.in_flight.items() if s.node in alive}
-
-    def wait(self) -> None:
-        time.sleep(self.interval)
-
-
-def unread(sent: Sent, message: Message) -> Unread:
+def unread(message: Message, node: int) -> Unread:
     """A pulled reply, to be read inside the aggregator's per-reply boundary, filed under
     the node its message went to (an error the SuperLink writes names itself instead)."""
-    return Unread(sent.node, partial(protocol.read_reply, message, sent.node))
+    return Unread(node, partial(protocol.read_reply, message, node))
+
+
+class FlowerTransport:
+    """Instructions as Flower Messages through the ServerApp's Grid."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def nodes(self) -> list[int]:
+        return sorted(self.grid.get_node_ids())
+
+    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
+        # The adapter is packed once for every node.
+        content = protocol.instruction(protocol.pack_arrays(instruction.adapter), instruction)
+        messages = _messages(content, nodes, MESSAGE_TYPES[instruction.kind])
+        ids = self.grid.push_messages(messages)
+        return {
+            message_id: message.metadata.dst_node_id
+            for message_id, message in zip(ids, messages, strict=False)
+            if message_id
+        }
+
+    def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
+        got = []
+        for reply in self.grid.pull_messages(list(in_flight)):
+            answers = reply.metadata.reply_to_message_id
+            if answers in in_flight:
+                got.append((answers, unread(reply, in_flight[answers])))
+        return got
+
+    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
+        messages = _messages(protocol.run_end_notice(notice), nodes, MessageType.QUERY)
+        replies = self.grid.send_and_receive(messages, timeout=timeout)
+        return [unread(m, m.metadata.src_node_id) for m in replies]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from flwr.app import Context, Message, MessageType
 
+import fedciuic.region.round as rr
 from fedciuic.config import NodeConfig
 from fedciuic.crypto.sealing import TaskKind
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.flower.relay import KINDS
-from fedciuic.rounds import region_round as rr
-from fedciuic.rounds.wire import RunEndNotice
+from fedciuic.wire import RunEndNotice
 
 
 def handle(msg: Message, context: Context) -> Message:

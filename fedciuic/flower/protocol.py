@@ -1,7 +1,7 @@
 """The layout of fedciuic's Flower messages, written and read in one place.
 
 Aggregator to region: ``arrays`` (the global adapter) and ``config``
-(:func:`~fedciuic.rounds.wire.instruction_fields`: ``server-round``,
+(:func:`~fedciuic.wire.instruction_fields`: ``server-round``,
 ``federation-run``, ``base-fingerprint``, ``task``, ``run-config``, ``nonce``, the
 aggregator's ``model-signature`` over all of them and ``aggregator-key-id``). A
 deployed region's ClientApp relays the message to the region's agent as it came
@@ -24,7 +24,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.typing import ConfigRecordValues
 
-from fedciuic.rounds.wire import (
+from fedciuic.wire import (
     ARRAYS,
     CONFIG,
     INFO,
@@ -43,7 +43,7 @@ from fedciuic.rounds.wire import (
 )
 
 if TYPE_CHECKING:  # torch: never for the relay (a deployed ClientApp)
-    from fedciuic.rounds.region_round import RegionReply
+    from fedciuic.region.round import RegionReply
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -61,7 +61,7 @@ def _config(values: Mapping[str, str | int | bytes]) -> ConfigRecord:
 def instruction(arrays: ArrayRecord, task: Instruction) -> RecordDict:
     """What the aggregator sends: the global adapter (``arrays``, the same values as
     ``task.adapter``, packed once for every node) and the instruction's signed fields
-    (:func:`~fedciuic.rounds.wire.instruction_fields`)."""
+    (:func:`~fedciuic.wire.instruction_fields`)."""
     return RecordDict({ARRAYS: arrays, CONFIG: _config(instruction_fields(task))})
 
 
@@ -99,13 +99,13 @@ def content(records: Records) -> RecordDict:
 def region_reply(reply: RegionReply) -> RecordDict:
     """A region's outcome as its Flower reply carries it: with its audit head and
     code identity, and signed where the reply names a keypair."""
-    from fedciuic.rounds.region_round import region_records
+    from fedciuic.region.round import region_records
 
     return content(region_records(reply))
 
 
 def read_reply(message: Message, node_id: int | None = None) -> Reply:
-    """Unpack a Flower reply into the plain :class:`Reply` (``rounds.wire`` validates
+    """Unpack a Flower reply into the plain :class:`Reply` (``fedciuic.wire`` validates
     its fields); a Flower error (the region's process failed) is a ``failed`` reply.
     ``node_id``: the node the answered message went to, when known. An error the
     SuperLink writes itself (the node stopped sending heartbeats) names the SuperLink

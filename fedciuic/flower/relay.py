@@ -35,7 +35,7 @@ from flwr.app.typing import ConfigRecordValues
 
 from fedciuic.agent.channel import ChannelError, Frame, Scalar, ask
 from fedciuic.crypto.sealing import TaskKind
-from fedciuic.rounds.wire import ARRAYS
+from fedciuic.wire import ARRAYS
 
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.
 AGENT = "agent"

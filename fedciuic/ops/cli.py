@@ -30,7 +30,7 @@ from fedciuic.errors import ConfigError, FedciuicError, FederationError
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 
 if TYPE_CHECKING:
-    from fedciuic.rounds.metrics import RunMetrics
+    from fedciuic.record.metrics import RunMetrics
 
 #: `data check` options naming record fields (run config keys), with their defaults.
 DATA_FIELD_OPTIONS: dict[str, str] = {
@@ -667,7 +667,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.ops.outputs import summarize
     from fedciuic.ops.preflight import check_simulation
     from fedciuic.ops.progress import RunProgress
-    from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE
+    from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -827,8 +827,8 @@ def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
     """The runs this federation started (``flwr run`` printed their id), in order, up
     to the first that did not end (completed, or no aggregate)."""
     from fedciuic.flower.launch import STARTED_RUN
-    from fedciuic.rounds.metrics import MetricsError, load_metrics
-    from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
+    from fedciuic.record.metrics import MetricsError, load_metrics
+    from fedciuic.record.recorder import COMPLETED, METRICS_FILE, NO_AGGREGATE
 
     ended = []
     logs = federation.logs.glob("flwr-run-*.log")
@@ -952,8 +952,8 @@ def _check_policies(run: RunConfig) -> None:
 
 
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
-    from fedciuic.rounds.metrics import MetricsError, load_metrics
-    from fedciuic.rounds.record import METRICS_FILE
+    from fedciuic.record.metrics import MetricsError, load_metrics
+    from fedciuic.record.recorder import METRICS_FILE
 
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:

@@ -63,8 +63,8 @@ from fedciuic.ops.separation import (
     reachability_problem,
 )
 from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
-from fedciuic.rounds.metrics import MetricsError, load_metrics
-from fedciuic.rounds.record import (
+from fedciuic.record.metrics import MetricsError, load_metrics
+from fedciuic.record.recorder import (
     COMPLETED,
     METRICS_FILE,
     NO_AGGREGATE,

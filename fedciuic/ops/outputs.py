@@ -1,5 +1,5 @@
 """A run's output folder for people: the summary, and the figures read from metrics.json
-(which :mod:`fedciuic.rounds.record` writes).
+(which :mod:`fedciuic.record.recorder` writes).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedciuic import wire
+from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
-from fedciuic.rounds import wire
-from fedciuic.rounds.checkpoint import CHECKPOINT_DIR, LATEST
-from fedciuic.rounds.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
-from fedciuic.rounds.record import (
+from fedciuic.record.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
+from fedciuic.record.recorder import (
     FAILED,
     INTERRUPTED,
     METRICS_FILE,
@@ -23,7 +23,7 @@ from fedciuic.rounds.record import (
     save_metrics,
     utc_now,
 )
-from fedciuic.rounds.wire import TRAINED
+from fedciuic.wire import TRAINED
 
 
 def _write_summary(directory: Path, data: RunMetrics) -> None:

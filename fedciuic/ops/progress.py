@@ -20,7 +20,7 @@ from typing import IO
 
 from fedciuic.flower.launch import STARTED_RUN
 from fedciuic.ops.outputs import fmt_epsilon, fmt_number
-from fedciuic.rounds.metrics import (
+from fedciuic.record.metrics import (
     OVERALL,
     MetricsError,
     RunHeader,
@@ -28,7 +28,7 @@ from fedciuic.rounds.metrics import (
     TrainEntry,
     load_metrics,
 )
-from fedciuic.rounds.record import METRICS_FILE, NO_AGGREGATE, RUNNING
+from fedciuic.record.recorder import METRICS_FILE, NO_AGGREGATE, RUNNING
 
 CLEAR_LINE = "\r\033[K"
 

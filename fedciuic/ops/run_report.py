@@ -51,9 +51,9 @@ from fedciuic.ops.outputs import (
     steps_per_round,
     upload_bytes,
 )
-from fedciuic.rounds.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
-from fedciuic.rounds.record import COMPLETED, METRICS_FILE, NO_AGGREGATE
-from fedciuic.rounds.wire import DECLINED, FAILED, REJECTED
+from fedciuic.record.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
+from fedciuic.record.recorder import COMPLETED, METRICS_FILE, NO_AGGREGATE
+from fedciuic.wire import DECLINED, FAILED, REJECTED
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

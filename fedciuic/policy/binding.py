@@ -91,6 +91,37 @@ def run_terms(
     )
 
 
+@dataclass(frozen=True)
+class RegionPolicy:
+    """The policy a region's round obeys, as the round uses it, and its decision on the
+    run. A simulated lab baseline (enforce-policies off) obeys none: no hash or
+    jurisdiction to declare, no cap beyond the run's own, paths redacted, and a decision
+    that accepts and was not enforced (so it is not audited)."""
+
+    hash: str
+    jurisdiction: str
+    max_epsilon_per_run: float | None
+    redacts_paths: bool
+    decision: Decision
+
+    @classmethod
+    def of(cls, loaded: LoadedPolicy, decision: Decision) -> RegionPolicy:
+        policy = loaded.policy
+        return cls(
+            loaded.hash,
+            policy.jurisdiction,
+            policy.privacy.max_epsilon_per_run,
+            policy.audit.redact_paths,
+            decision,
+        )
+
+    @classmethod
+    def none(cls, region: str) -> RegionPolicy:
+        return cls(
+            "", "", None, True, Decision(region, "run terms", "accept", (), "", enforced=False)
+        )
+
+
 def enforce_region_policy(
     run: RunConfig,
     node: NodeConfig,
@@ -99,9 +130,9 @@ def enforce_region_policy(
     aggregator_jurisdiction: str,
     own_jurisdiction: str | None,
     projected_epsilon: float | None = None,
-) -> tuple[LoadedPolicy, Decision] | None:
+) -> RegionPolicy:
     """Load the region's policy and check the run against it; raise with every reason.
-    None only for a simulated lab baseline with enforce-policies off.
+    :meth:`RegionPolicy.none` only for a simulated lab baseline with enforce-policies off.
 
     ``own_jurisdiction`` is the jurisdiction in the region's own key (None without
     sealing). A region obeys its own jurisdiction's policy, not one that happens to
@@ -111,7 +142,7 @@ def enforce_region_policy(
     """
     loaded = region_policy(run, node, simulated=simulated)
     if loaded is None:
-        return None
+        return RegionPolicy.none(node.region)
     terms = run_terms(
         run,
         aggregator_jurisdiction=aggregator_jurisdiction,
@@ -124,7 +155,7 @@ def enforce_region_policy(
         decision = replace(decision, outcome="decline", reasons=(mismatch, *decision.reasons))
     if not decision.accepted:
         raise PolicyRefusal(decision, loaded.path)
-    return loaded, decision
+    return RegionPolicy.of(loaded, decision)
 
 
 def _jurisdiction_reason(
@@ -145,25 +176,30 @@ def _jurisdiction_reason(
 
 
 class PolicyGate(Protocol):
-    """Policy enforcement at the aggregator, as a stage present or absent: the round asks
-    it about each update and each aggregate; a decision, when it takes one, is recorded
-    and audited; None means none was taken (a lab baseline)."""
+    """Policy enforcement at the aggregator, as a stage chosen once: the round asks it
+    about each update and each aggregate and always gets a decision; an enforced one is
+    recorded and audited."""
 
-    def check_update(self, facts: UpdateFacts) -> Decision | None: ...
+    def check_update(self, facts: UpdateFacts) -> Decision: ...
 
     def check_aggregate(
         self, participants: dict[str, str], examples: dict[str, int]
-    ) -> Decision | None: ...
+    ) -> Decision: ...
 
 
 class NotEnforced:
-    """``enforce-policies = false``: a lab baseline; no decision is taken or recorded."""
+    """``enforce-policies = false``: a lab baseline; every decision accepts and is not
+    enforced (so not recorded)."""
 
-    def check_update(self, facts: UpdateFacts) -> None:
-        return None
+    def check_update(self, facts: UpdateFacts) -> Decision:
+        return _not_enforced(f"update from {facts.region}")
 
-    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> None:
-        return None
+    def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> Decision:
+        return _not_enforced("aggregate")
+
+
+def _not_enforced(subject: str) -> Decision:
+    return Decision("aggregator", subject, "accept", (), "", enforced=False)
 
 
 @dataclass(frozen=True)

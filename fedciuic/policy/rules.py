@@ -599,6 +599,9 @@ class Decision:
     reasons: tuple[str, ...]
     policy_hash: str
     details: dict[str, Any] = field(default_factory=dict)
+    #: False: no policy was applied (``enforce-policies = false``, a lab baseline); such
+    #: a decision accepts, and is neither recorded nor audited.
+    enforced: bool = True
 
     @property
     def accepted(self) -> bool:

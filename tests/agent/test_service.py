@@ -60,7 +60,7 @@ from fedciuic.crypto.sealing import (
 from fedciuic.digests import installed_code
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from fedciuic.rounds.wire import (
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     CONFIG,

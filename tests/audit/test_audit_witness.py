@@ -36,7 +36,7 @@ from fedciuic.audit.report import (
 )
 from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.ops.cli import main
-from fedciuic.rounds.wire import Witness
+from fedciuic.wire import Witness
 
 RUN = 9
 ROUNDS = 3
@@ -296,7 +296,7 @@ def test_a_late_reply_showing_an_older_head_is_checked_but_is_no_rollback(tmp_pa
 
 
 def test_the_aggregator_marks_a_witness_older_than_one_it_recorded_late(tmp_path, keys):
-    from fedciuic.rounds.aggregator import AggregatorRound
+    from fedciuic.aggregator.round import AggregatorRound
 
     log = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
     agg = AggregatorRound.__new__(AggregatorRound)  # only what _witnessed uses

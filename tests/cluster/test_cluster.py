@@ -27,7 +27,7 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 from tests.conftest import ROOT, app_config
 
 #: Every unit in every batch (q = 1), all of a unit's examples: sampling is then the

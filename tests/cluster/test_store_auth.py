@@ -34,7 +34,7 @@ from fedciuic.cluster.auth import (
 from fedciuic.cluster.dist import LOOPBACK, form_group, open_store
 from fedciuic.cluster.protocol import COMMAND_KEY, CONFIG_KEY, READY_KEY, TIMEOUT_ENV, free_port
 from fedciuic.config import RunConfig
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 from tests.cluster.test_cluster import (  # noqa: F401 - fixtures
     alive,
     data_root,

@@ -16,7 +16,7 @@ from fedciuic.digests import installed_code
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
 from fedciuic.policy.rules import load_policy
-from fedciuic.rounds.region_round import model_loads
+from fedciuic.region.round import model_loads
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (
     RecordingProxy,

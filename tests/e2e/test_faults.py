@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records, verify
 from fedciuic.audit.report import build_report, open_logs
 from fedciuic.crypto.keys import load_bundle
@@ -22,7 +23,6 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.errors import FederationError
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from fedciuic.rounds.checkpoint import load_checkpoint
 from tests.conftest import ROOT, SHIPPED_POLICIES, write_policy
 from tests.e2e.helpers import alive, lab_policies_dir, start_region
 from tests.e2e.pace import patient

@@ -16,7 +16,7 @@ import pytest
 
 from fedciuic.cluster.protocol import free_port
 from fedciuic.ops.deploy import init_deployment
-from fedciuic.rounds.metrics import load_metrics
+from fedciuic.record.metrics import load_metrics
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e.helpers import alive, describe, processes_under, stop_everything
 from tests.e2e.pace import patient

@@ -64,7 +64,7 @@ MARKED = (
     "fedciuic/crypto/sealing.py",
     "fedciuic/crypto/envelope.py",
     "fedciuic/crypto/keys.py",
-    "fedciuic/rounds/region_round.py",
+    "fedciuic/region/round.py",
 )
 RUN = {"num-server-rounds": 1, "local-steps": 2, "target-epsilon": 2.0, "node-wait-timeout": 180}
 

@@ -41,7 +41,7 @@ from fedciuic.flower import protocol, relay
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE
-from fedciuic.rounds.wire import (
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     CONFIG,

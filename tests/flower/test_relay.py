@@ -13,11 +13,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from fedciuic.agent.channel import Frame
 from fedciuic.flower import protocol
 from fedciuic.flower.relay import reply_content, request
-from fedciuic.rounds.wire import ARRAYS, CONFIG, INFO, METRICS
+from fedciuic.wire import ARRAYS, CONFIG, INFO, METRICS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-HEAVY = ("torch", "transformers", "opacus", "peft", "datasets", "fedciuic.rounds.region_round")
+HEAVY = ("torch", "transformers", "opacus", "peft", "datasets", "fedciuic.region.round")
 
 
 def test_the_relay_imports_no_model_library_and_no_region_code():

@@ -23,7 +23,7 @@ from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.model.shared_base import SHARE_ENV, bases_dir, mapping_of
 from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
-from fedciuic.rounds.region_cache import BUDGET_ENV, BoundedCache, budget_bytes
+from fedciuic.region.cache import BUDGET_ENV, BoundedCache, budget_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

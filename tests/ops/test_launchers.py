@@ -31,8 +31,8 @@ import pytest
 
 from fedciuic.cluster.protocol import free_port
 from fedciuic.ops import deploy
-from fedciuic.rounds.metrics import load_metrics
-from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE
+from fedciuic.record.metrics import load_metrics
+from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE
 from tests.e2e.helpers import describe, processes_under, stop_everything
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ import sys
 from pathlib import Path
 
 from fedciuic.ops.outputs import summarize
-from fedciuic.rounds.record import COMPLETED, NO_AGGREGATE, RunRecorder
+from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE, RunRecorder
 
 run = {{"run_id": {RUN_ID}, "regions": {list(REGIONS)!r}, "config": {{}}}}
 recorder = RunRecorder(Path(sys.argv[1]), run, summary=summarize)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic.ops.progress import CLEAR_LINE, RunProgress, current_phase, format_round
-from fedciuic.rounds.metrics import AggregateEntry, RunHeader, RunMetrics
+from fedciuic.record.metrics import AggregateEntry, RunHeader, RunMetrics
 
 
 def metrics(ended: int, *, train_of_next: bool = False) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from fedciuic.ops.run_report import (
     figures,
     series,
 )
-from fedciuic.rounds.metrics import RunMetrics
+from fedciuic.record.metrics import RunMetrics
 from tests.ops.test_cli import small_federation
 
 

@@ -553,7 +553,7 @@ def test_a_region_with_its_own_jurisdictions_policy_is_checked_as_before(tmp_pat
         aggregator_jurisdiction="EU",
         own_jurisdiction="CN",
     )
-    assert checked is not None and checked[1].accepted
+    assert checked.decision.accepted and checked.decision.enforced and checked.jurisdiction == "CN"
     with pytest.raises(PolicyRefusal) as caught:  # every reason, the mismatch first
         enforce_region_policy(
             run_config,
@@ -566,3 +566,18 @@ def test_a_region_with_its_own_jurisdictions_policy_is_checked_as_before(tmp_pat
     assert (
         "is the policy of EU" in reasons[0] and "transfers.aggregator_jurisdictions" in reasons[1]
     )
+
+
+def test_a_lab_region_without_a_policy_obeys_none_and_its_decision_is_not_enforced(
+    tmp_path, run_config
+):
+    lab = run_config.model_copy(update={"enforce_policies": False})
+    none = enforce_region_policy(
+        lab,
+        NodeConfig(region="eu", data_path=str(tmp_path / "eu")),
+        simulated=True,
+        aggregator_jurisdiction="EU",
+        own_jurisdiction=None,
+    )
+    assert (none.hash, none.jurisdiction, none.max_epsilon_per_run) == ("", "", None)
+    assert none.redacts_paths and none.decision.accepted and not none.decision.enforced

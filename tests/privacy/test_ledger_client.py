@@ -15,8 +15,8 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.sealing import TaskKind
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
-from fedciuic.rounds.region_round import handle_instruction
-from fedciuic.rounds.wire import Instruction
+from fedciuic.region.round import handle_instruction
+from fedciuic.wire import Instruction
 from tests.conftest import app_config, lab_policies
 
 

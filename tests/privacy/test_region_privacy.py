@@ -20,7 +20,7 @@ from fedciuic.privacy.ledger import (
     epsilon_of,
     rebuild_ledger,
 )
-from fedciuic.rounds.region import Region, RoundOutOfRange
+from fedciuic.region.trainer import Region, RoundOutOfRange
 from tests.conftest import ROOT
 
 

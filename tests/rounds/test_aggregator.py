@@ -12,6 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedciuic.aggregator.round import (
+    AggregatorRound,
+    EvalResult,
+    Published,
+    TrainResult,
+    Withheld,
+)
+from fedciuic.aggregator.run import load_policies
 from fedciuic.audit.log import AuditLog, load_records, verify
 from fedciuic.compression import get_codec
 from fedciuic.compression.codecs import FORMAT, HEADER, MAGIC
@@ -28,18 +36,10 @@ from fedciuic.crypto.sealing import (
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError, load_policy
-from fedciuic.rounds.aggregator import (
-    AggregatorRound,
-    EvalResult,
-    Published,
-    TrainResult,
-    Withheld,
-)
-from fedciuic.rounds.aggregator_run import load_policies
-from fedciuic.rounds.metrics import PolicyHeld, RunSettings
-from fedciuic.rounds.record import RunRecorder
-from fedciuic.rounds.sealing import SealedReplies
-from fedciuic.rounds.wire import (
+from fedciuic.record.metrics import PolicyHeld, RunSettings
+from fedciuic.record.recorder import RunRecorder
+from fedciuic.stages.sealing import SealedReplies
+from fedciuic.wire import (
     ENVELOPE,
     PRIVACY_UNIT,
     Arrival,
@@ -724,7 +724,7 @@ def test_a_clipped_update_is_recorded_with_its_norm(policed):
 
 
 def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, tmp_path):
-    from fedciuic.rounds.checkpoint import load_checkpoint
+    from fedciuic.aggregator.checkpoint import load_checkpoint
 
     a = make_round(run_config, tmp_path / "run", run_id=7, checkpoints=tmp_path / "run" / "cp")
     a.evaluate(0, [reply(11, evaluated("eu", 1.0, 10))])
@@ -738,7 +738,7 @@ def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, t
 
 
 def test_the_checkpoint_carries_the_server_optimizer_and_the_schedule(run_config, tmp_path):
-    from fedciuic.rounds.checkpoint import load_checkpoint
+    from fedciuic.aggregator.checkpoint import load_checkpoint
 
     adam = run_config.model_copy(update={"server_optimizer": "fedavgm", "keep_checkpoints": 2})
     a = make_round(adam, tmp_path / "run", run_id=7, checkpoints=tmp_path / "run" / "cp")

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from fedciuic.audit.log import AuditError, AuditLog
-from fedciuic.compression import layout_of
-from fedciuic.crypto.keys import Keypair
-from fedciuic.rounds.aggregator_run import resume, server_optimizer
-from fedciuic.rounds.checkpoint import (
+from fedciuic.aggregator.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_checkpoint,
     save_checkpoint,
 )
-from fedciuic.rounds.metrics import RoundRecord
-from fedciuic.rounds.record import RunRecorder
+from fedciuic.aggregator.run import resume, server_optimizer
+from fedciuic.audit.log import AuditError, AuditLog
+from fedciuic.compression import layout_of
+from fedciuic.crypto.keys import Keypair
+from fedciuic.record.metrics import RoundRecord
+from fedciuic.record.recorder import RunRecorder
 from fedciuic.server_optim import OptimizerState, ServerOptimizer
 
 

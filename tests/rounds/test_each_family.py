@@ -10,7 +10,7 @@ import json
 import pytest
 
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 #: The attention projections each family's adapter covers.
 TARGETS = {

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.rules import Decision
-from fedciuic.rounds import MetricsError, RunMetrics, RunStatus, load_metrics
-from fedciuic.rounds.record import (
+from fedciuic.record.metrics import MetricsError, RunMetrics, RunStatus, load_metrics
+from fedciuic.record.recorder import (
     COMPLETED,
     INTERRUPTED,
     METRICS_FILE,
@@ -20,7 +20,7 @@ from fedciuic.rounds.record import (
     RunRecorder,
     no_aggregate_reasons,
 )
-from fedciuic.rounds.wire import PrivacyFigures, TrainMetrics
+from fedciuic.wire import PrivacyFigures, TrainMetrics
 
 
 def _trained_entry() -> dict[str, object]:
@@ -181,7 +181,7 @@ def test_load_metrics_names_the_file_and_what_is_wrong(tmp_path, content, said):
 
 
 def test_a_checkpoints_rounds_are_the_models(tmp_path):
-    from fedciuic.rounds.metrics import dump_rounds, parse_rounds
+    from fedciuic.record.metrics import dump_rounds, parse_rounds
 
     rounds = _recorded(tmp_path).data.rounds
     raw = json.loads((tmp_path / METRICS_FILE).read_text())["rounds"]

@@ -21,8 +21,8 @@ from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_p
 from fedciuic.ops import deploy
 from fedciuic.ops.cli import EXIT_ERROR, Interrupted, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
-from fedciuic.rounds.metrics import RunStatus, load_metrics
-from fedciuic.rounds.record import (
+from fedciuic.record.metrics import RunStatus, load_metrics
+from fedciuic.record.recorder import (
     COMPLETED,
     INTERRUPTED,
     NO_AGGREGATE,

@@ -14,7 +14,7 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import NodeConfig
-from fedciuic.rounds.region import Region
+from fedciuic.region.trainer import Region
 
 
 @pytest.fixture

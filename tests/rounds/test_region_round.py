@@ -30,7 +30,7 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from fedciuic.rounds.region_round import (
+from fedciuic.region.round import (
     Declined,
     Evaluated,
     RegionReply,
@@ -41,8 +41,8 @@ from fedciuic.rounds.region_round import (
     unreadable,
     witness_run_end,
 )
-from fedciuic.rounds.sealing import Clear, Sealed
-from fedciuic.rounds.wire import PRIVACY_UNIT, Instruction, RunEndNotice
+from fedciuic.stages.sealing import Clear, Sealed
+from fedciuic.wire import PRIVACY_UNIT, Instruction, RunEndNotice
 from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, write_policy
 
 HEAD = "cd" * 32

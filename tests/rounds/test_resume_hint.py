@@ -3,9 +3,9 @@ checkpointed, and the regions spent their epsilon on them."""
 
 from __future__ import annotations
 
+from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
 from fedciuic.ops.outputs import summarize
-from fedciuic.rounds.checkpoint import CHECKPOINT_DIR, LATEST
-from fedciuic.rounds.record import INTERRUPTED, RunRecorder
+from fedciuic.record.recorder import INTERRUPTED, RunRecorder
 
 
 def _interrupted_after_round_one(tmp_path) -> RunRecorder:

@@ -14,8 +14,8 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.model.train import paced, train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import BudgetExhausted, PrivacyLedger, epsilon_of
-from fedciuic.rounds.region import Region
-from fedciuic.rounds.region_round import train_metrics
+from fedciuic.region.round import train_metrics
+from fedciuic.region.trainer import Region
 
 #: Small steps (2 units of one short example each), so that a round takes a moment.
 SMALL = {
@@ -124,7 +124,7 @@ def test_the_worst_case_is_checked_before_planning(run, demo_root, tmp_path, mon
         planned.append(1)
         return 1
 
-    monkeypatch.setattr("fedciuic.rounds.region.plan_private_steps", plan)
+    monkeypatch.setattr("fedciuic.region.trainer.plan_private_steps", plan)
     before = r.model.adapter_state()
     with pytest.raises(BudgetExhausted, match="over the dataset's budget"):
         train(r)

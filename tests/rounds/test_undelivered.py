@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedciuic.ops.outputs import summarize
-from fedciuic.rounds.record import NO_AGGREGATE, RunRecorder, no_aggregate_reasons
+from fedciuic.record.recorder import NO_AGGREGATE, RunRecorder, no_aggregate_reasons
 
 
 def _timed_out(tmp_path: Path, dp: bool) -> RunRecorder:

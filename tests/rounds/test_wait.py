@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
+from fedciuic.aggregator.round import WAIT_MARGIN
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.dpsgd import time_private_step
-from fedciuic.rounds.aggregator import WAIT_MARGIN
 from tests.rounds.test_aggregator import evaluated, make_round, reply
 
 

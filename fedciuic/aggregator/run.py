@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
+from fedciuic.aggregator.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+)
+from fedciuic.aggregator.round import AggregatorRound
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
 from fedciuic.audit.retention import enforce_at_start
@@ -20,15 +27,8 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterLayout
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError
-from fedciuic.rounds.aggregator import AggregatorRound
-from fedciuic.rounds.checkpoint import (
-    CHECKPOINT_DIR,
-    Checkpoint,
-    CheckpointError,
-    load_checkpoint,
-)
-from fedciuic.rounds.metrics import PolicyHeld, ResumedFrom, RunStatus
-from fedciuic.rounds.record import (
+from fedciuic.record.metrics import PolicyHeld, ResumedFrom, RunStatus
+from fedciuic.record.recorder import (
     ADAPTER_DIR,
     COMPLETED,
     FAILED,
@@ -38,8 +38,8 @@ from fedciuic.rounds.record import (
     no_aggregate_reasons,
     published_rounds,
 )
-from fedciuic.rounds.sealing import ReplySealing, aggregator_sealing
 from fedciuic.server_optim import OptimizerStateError, ServerOptimizer
+from fedciuic.stages.sealing import ReplySealing, aggregator_sealing
 
 # Flower's logger, by name: these lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")

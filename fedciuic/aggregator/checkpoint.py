@@ -40,7 +40,7 @@ from safetensors.numpy import load_file, save_file
 
 from fedciuic.crypto.keys import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
-from fedciuic.rounds.metrics import Rounds, dump_rounds, parse_rounds
+from fedciuic.record.metrics import Rounds, dump_rounds, parse_rounds
 from fedciuic.server_optim import OptimizerState
 
 FORMAT = "fedciuic-checkpoint/3"

@@ -39,19 +39,21 @@ from fedciuic.aggregation import (
     check,
     make_aggregator,
 )
+from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.audit.events import Event
-from fedciuic.audit.log import RECEIVED_EVENT, AuditLog, digest, load_records
+from fedciuic.audit.log import RECEIVED_EVENT, digest
 from fedciuic.compression import Codec, layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import NONCE_BYTES, EnvelopeRejected, TaskKind, model_digest
 from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
-from fedciuic.rounds.checkpoint import Checkpoint, save_checkpoint
-from fedciuic.rounds.metrics import OVERALL
-from fedciuic.rounds.record import RunRecorder
-from fedciuic.rounds.schedule import Availability, Changes, ScheduleError, Tasks
-from fedciuic.rounds.sealing import ClearReplies, Header, ReplySealing
-from fedciuic.rounds.wire import (
+from fedciuic.record.metrics import OVERALL
+from fedciuic.record.recorder import RunRecorder
+from fedciuic.server_optim import ServerOptimizer
+from fedciuic.stages.audit import AuditTrail, NoAudit
+from fedciuic.stages.sealing import ClearReplies, Header, ReplySealing
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     DECLINED,
@@ -79,7 +81,6 @@ from fedciuic.rounds.wire import (
     parse_eval_metrics,
     parse_train_metrics,
 )
-from fedciuic.server_optim import ServerOptimizer
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")
@@ -245,7 +246,7 @@ class AggregatorRound:
         recorder: RunRecorder,
         sealing: ReplySealing | None = None,
         policies: PolicyGate | None = None,
-        audit: AuditLog | None = None,
+        audit: AuditTrail | None = None,
         run_id: int = 0,
         federation_run: int = 0,
         checkpoints: Path | None = None,
@@ -255,10 +256,10 @@ class AggregatorRound:
         self.run_config = run.canonical_json()
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
-        # The two stages, present or absent: without them, a lab run (clear, no policies).
+        # The stages, chosen once: without them, a lab run (clear, no policies, no log).
         self.sealing: ReplySealing = sealing or ClearReplies()
         self.policies: PolicyGate = policies or NotEnforced()
-        self.audit = audit
+        self.audit: AuditTrail = audit or NoAudit()
         self.run_id = run_id  # Flower's: binds envelopes and signatures
         self.federation_run = federation_run or run_id  # kept when a run is resumed
         #: The identity of the checkpoint this run resumed from ("" if it did not):
@@ -286,7 +287,7 @@ class AggregatorRound:
     ) -> Instruction:
         """A round's instruction: the global adapter, the kind of task, this run's config
         and a fresh nonce, signed (with sealing) with the head of the audit log."""
-        witness = self.audit.last_checkpoint() if self.audit is not None else None
+        witness = self.audit.last_checkpoint()
         unsigned = Instruction(
             adapter=dict(adapter),
             server_round=server_round,
@@ -523,16 +524,15 @@ class AggregatorRound:
             agent_version=reply.info.get(AGENT_VERSION),
         )
         decision = self.policies.check_update(facts)
-        if decision is not None:
-            self._decided(server_round, decision)
-            if not decision.accepted:
-                rejected = replace(
-                    reply,
-                    status=REJECTED,
-                    reason="; ".join(decision.reasons),
-                    info={**reply.info, POLICY_HASH: header.policy_hash},
-                )
-                return self._settle(rejected, header.region)
+        self._decided(server_round, decision)
+        if not decision.accepted:
+            rejected = replace(
+                reply,
+                status=REJECTED,
+                reason="; ".join(decision.reasons),
+                info={**reply.info, POLICY_HASH: header.policy_hash},
+            )
+            return self._settle(rejected, header.region)
         checked = check(
             codec, update, n, metrics.num_examples, bounds, steps=metrics.steps, staleness=staleness
         )
@@ -578,7 +578,7 @@ class AggregatorRound:
             {a.region: a.header.jurisdiction for a in into.accepted},
             {a.region: a.metrics.num_examples for a in into.accepted},
         )
-        return decision is None or decision.accepted
+        return decision.accepted
 
     def _withhold(self, server_round: int, accepted: list[Accepted]) -> list[str]:
         """Why this round's aggregate must not be published; empty when it may be."""
@@ -588,8 +588,6 @@ class AggregatorRound:
             {a.region: a.header.jurisdiction for a in accepted},
             {a.region: a.metrics.num_examples for a in accepted},
         )
-        if decision is None:
-            return []
         self._decided(server_round, decision)
         return list(decision.reasons)
 
@@ -790,23 +788,21 @@ class AggregatorRound:
     # -- audit trail --------------------------------------------------------------
 
     def _note(self, server_round: int | None, event: str, **details: Any) -> None:
-        if self.audit is not None:
-            self.audit.append(
-                event, run_id=self.federation_run, server_round=server_round, **details
-            )
+        self.audit.append(event, run_id=self.federation_run, server_round=server_round, **details)
 
     def _decided(self, server_round: int, decision: Decision) -> None:
-        self.recorder.record_decision(server_round, decision.to_record())
-        self._note(server_round, Event.POLICY_DECISION, **decision.to_record())
+        """An enforced policy decision, recorded and audited (one not enforced is not)."""
+        if decision.enforced:
+            self.recorder.record_decision(server_round, decision.to_record())
+            self._note(server_round, Event.POLICY_DECISION, **decision.to_record())
 
     def _checkpoint(self, server_round: int | None) -> None:
-        if self.audit is not None:
-            self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
+        self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
 
     def _witnessed(self, server_round: int | None, region: str, witness: Witness | None) -> None:
         """Record the head of the region's log that its signed reply carries, so that
         truncating that log later shows in the cross-check (docs/audit.md)."""
-        if self.audit is not None and witness is not None:
+        if witness is not None:
             # A late reply (kept by the courier, handled after a newer one of the region)
             # shows an older head: recorded as late, so that it is checked against the
             # region's log but not read as the region going back.
@@ -885,9 +881,7 @@ class AggregatorRound:
 
     def sign_run_end(self) -> RunEndNotice | None:
         """Once ``run_end`` is in the log and signed: its head, signed, for each region
-        to record; None without an audit log or a signed checkpoint."""
-        if self.audit is None:
-            return None
+        to record; None without a signed checkpoint (or any audit log)."""
         witness = self.audit.last_checkpoint()
         if witness is None:
             return None
@@ -904,9 +898,8 @@ class AggregatorRound:
     def _receipts(self) -> str:
         """What this federation run received from each region (its log's
         ``update_received`` records, resumed runs included), as canonical JSON."""
-        assert self.audit is not None
         received: dict[str, list[tuple[int, str]]] = {}
-        for record in load_records(self.audit.path):
+        for record in self.audit.records():
             details = record.get("details")
             if (
                 record.get("event") != RECEIVED_EVENT
@@ -948,7 +941,7 @@ class AggregatorRound:
         """The round is done: its adapter, records and the audit log's position."""
         if self.checkpoints is None:
             return
-        seq, head = self.audit.position() if self.audit is not None else (0, "")
+        seq, head = self.audit.position()
         save_checkpoint(
             self.checkpoints,
             Checkpoint(
@@ -963,5 +956,5 @@ class AggregatorRound:
                 extra=self.schedule_state(),
             ),
             keep=self.run.keep_checkpoints,
-            keypair=self.audit.keypair if self.audit is not None else None,
+            keypair=self.audit.keypair,
         )

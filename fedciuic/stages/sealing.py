@@ -38,7 +38,7 @@ from fedciuic.crypto.sealing import (
     sign_run_end,
 )
 from fedciuic.policy.binding import UNSEALED
-from fedciuic.rounds.wire import (
+from fedciuic.wire import (
     DECLINED,
     JURISDICTION,
     KEY_ID,

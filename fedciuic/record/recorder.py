@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedciuic.rounds.metrics import (
+from fedciuic.record.metrics import (
     AggregateEntry,
     DecisionEntry,
     Duplicate,

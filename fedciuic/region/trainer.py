@@ -51,7 +51,7 @@ from fedciuic.privacy.ledger import (
     locked,
     poisson_sample_rate,
 )
-from fedciuic.rounds.region_cache import BoundedCache
+from fedciuic.region.cache import BoundedCache
 
 
 class BaseModelMismatch(FedciuicError):

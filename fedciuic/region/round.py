@@ -1,7 +1,7 @@
 """The region's whole round, without Flower: an instruction in, a typed outcome out.
 
 ``handle_instruction`` takes the run's and the node's configs and the aggregator's
-:class:`~fedciuic.rounds.wire.Instruction` and returns a :class:`RegionReply`: the
+:class:`~fedciuic.wire.Instruction` and returns a :class:`RegionReply`: the
 outcome (:class:`Declined`, :class:`Evaluated`, :class:`Sealed` or :class:`Clear`)
 and what the reply must be vouched with (the head of this region's latest signed
 audit checkpoint, and with sealing the keypair that signs it). ``witness_run_end``
@@ -35,16 +35,16 @@ import numpy as np
 
 from fedciuic import __version__
 from fedciuic.audit.events import SENT_EVENTS, Event
-from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash, load_records
+from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.policy.binding import PolicyRefusal, enforce_region_policy
-from fedciuic.policy.rules import LoadedPolicy
-from fedciuic.rounds.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
-from fedciuic.rounds.wire import (
+from fedciuic.policy.binding import PolicyRefusal, RegionPolicy, enforce_region_policy
+from fedciuic.stages.audit import AuditTrail, NoAudit
+from fedciuic.stages.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
+from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     AUDIT_COUNT,
@@ -68,11 +68,11 @@ from fedciuic.rounds.wire import (
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
     # that importing the round (the agent at start) stays light
     from fedciuic.model.train import EvalStats
-    from fedciuic.rounds.region import Region, TrainOutcome
+    from fedciuic.region.trainer import Region, TrainOutcome
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
-_JOINED: set[tuple[Path, int, str]] = set()
+_JOINED: set[tuple[Path | None, int, str]] = set()
 #: One line per model load (region built: base loaded and verified, data tokenised) in
 #: the region's state dir, with the run and the process: how often a run paid for it.
 MODEL_LOADS = "model-loads.jsonl"
@@ -147,15 +147,15 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
     return metrics
 
 
-def train_info(outcome: TrainOutcome, policy: LoadedPolicy | None = None) -> dict[str, str]:
+def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
     """Who trained on what, under which policy (its hash also travels in a sealed header)."""
     return {
         "region": outcome.region,
         "status": TRAINED,
         "reason": "",
         "data-fingerprint": outcome.data_fingerprint,
-        JURISDICTION: policy.policy.jurisdiction if policy else "",
-        POLICY_HASH: policy.hash if policy else "",
+        JURISDICTION: policy.jurisdiction,
+        POLICY_HASH: policy.hash,
         PRIVACY_UNIT: outcome.privacy.unit if outcome.privacy else "",
     }
 
@@ -228,7 +228,7 @@ def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
 def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
     """The region (built once per process and config), each build counted in
     :data:`MODEL_LOADS` and logged, so that a deployment shows how often it reloads."""
-    from fedciuic.rounds.region import open_region
+    from fedciuic.region.trainer import open_region
 
     region = open_region(run, node)
     if region not in _LOADED:
@@ -275,6 +275,12 @@ def audit_log(node: NodeConfig) -> AuditLog | None:
     return _LOGS[path]
 
 
+def _audit(node: NodeConfig) -> AuditTrail:
+    """The round's audit stage: the region's log, or none where it cannot have one
+    (:class:`NoAudit`: nothing the round says is then signed or witnessed)."""
+    return audit_log(node) or NoAudit()
+
+
 def handle_instruction(
     run: RunConfig,
     node: NodeConfig,
@@ -307,12 +313,12 @@ def decline_signed(
     server_round = task.server_round if isinstance(task, Instruction) else None
     run_id = task.federation_run or flower_run
     try:
-        audit = audit_log(node)
-        if audit is None:
-            raise FedciuicError(f"region {node.region}: no audit log")
+        audit = _audit(node)
         audit.append(Event.DECLINED, run_id=run_id, server_round=server_round, reason=str(err))
         audit.checkpoint(run_id=run_id, server_round=server_round)
         head = audit.last_checkpoint()
+        if head is None:
+            raise FedciuicError(f"region {node.region}: no audit log")
     except FedciuicError as audit_err:
         _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return RegionReply(Declined(node.region, str(err)))
@@ -342,21 +348,19 @@ class _Round:
         # same, unless this run resumes another) keys the ledger, the audit log and
         # the updates kept for resending.
         self.flower_run = self.run_id = flower_run
-        self.audit: AuditLog | None = None
+        self.audit: AuditTrail = NoAudit()
         self.signer: Keypair | None = None  # once the aggregator's signature checked out
         self.server_round: int | None = None
 
     def note(self, event: str, **details: object) -> None:
-        if self.audit is not None:
-            self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
+        self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
 
     def handle(self, task: Instruction, *, asked: TaskKind, simulated: bool) -> RegionReply:
         """The outcome, once everything about it is in the audit log and signed; a log
         that cannot be written turns any outcome into a decline (fail closed)."""
         try:
             outcome = self._handle(task, asked, simulated)
-            if self.audit is not None:
-                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+            self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
             outcome = self._decline(err)
         try:
@@ -368,10 +372,9 @@ class _Round:
         """This region's audit log and its end of the sealing stage (whose keys, when
         sealing, sign the log)."""
         self.run_id = federation_run or self.flower_run
-        self.audit = audit_log(self.node)
+        self.audit = _audit(self.node)
         sealing = _sealing(self.run, self.node)
-        if self.audit is not None:
-            self.audit.keypair = sealing.keypair
+        self.audit.keypair = sealing.keypair
         return sealing
 
     def witness_run_end(self, notice: RunEndNotice) -> RegionReply:
@@ -384,10 +387,9 @@ class _Round:
                     f"region {self.node.region}: the run config is not the one the "
                     "aggregator signed into the run-end notice"
                 )
-            if self.audit is not None:
-                self._note_undelivered(notice)
-                self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
-                self.audit.checkpoint(run_id=self.run_id)
+            self._note_undelivered(notice)
+            self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
+            self.audit.checkpoint(run_id=self.run_id)
             return self._vouch(Witnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
@@ -396,11 +398,10 @@ class _Round:
     def _note_undelivered(self, notice: RunEndNotice) -> None:
         """Every update this region released in the federation run that the aggregator's
         signed receipts do not list: its epsilon is spent, and it was never delivered."""
-        assert self.audit is not None
         received = notice.received(self.node.region)
         noted = set()
         sent = []
-        for record in load_records(self.audit.path):
+        for record in self.audit.records():
             details = record.get("details")
             if record.get("run_id") != self.run_id or not isinstance(details, dict):
                 continue
@@ -427,7 +428,7 @@ class _Round:
             )
 
     def _vouch(self, outcome: Outcome) -> RegionReply:
-        head = self.audit.last_checkpoint() if self.audit is not None else None
+        head = self.audit.last_checkpoint()
         return RegionReply(
             outcome,
             witness=head,
@@ -442,8 +443,7 @@ class _Round:
             if isinstance(err, PolicyRefusal):
                 self.note(Event.POLICY_DECISION, **err.decision.to_record())
             self.note(Event.DECLINED, reason=str(err))
-            if self.audit is not None:
-                self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
+            self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as audit_err:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return Declined(self.node.region, str(err))
@@ -465,19 +465,19 @@ class _Round:
                 "aggregator signed into the instruction; refusing it"
             )
         training = task.kind == TaskKind.TRAIN
-        if task.witness is not None and self.audit is not None:
+        if task.witness is not None:
             self.audit.witness(
                 AGGREGATOR,
                 *task.witness,
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
-        from fedciuic.rounds.region import AlreadyReleased, SentUpdates
+        from fedciuic.region.trainer import AlreadyReleased, SentUpdates
 
         region = _region(run, node, self.run_id)
         sent = SentUpdates(node.state_dir)
         kept = sent.load(self.run_id, task.server_round) if training else None
-        checked = enforce_region_policy(
+        policy = enforce_region_policy(
             run,
             node,
             simulated=simulated,
@@ -485,12 +485,11 @@ class _Round:
             own_jurisdiction=sealing.own_jurisdiction,
             projected_epsilon=region.projected_epsilon() if training and not kept else None,
         )
-        policy = checked[0] if checked else None
-        if self.audit is not None and policy is not None and not policy.policy.audit.redact_paths:
+        if not policy.redacts_paths:
             self.audit.redact = ()
         self._join(sealing, policy, task.checkpoint)
-        if checked is not None:
-            self.note(Event.POLICY_DECISION, **checked[1].to_record())
+        if policy.decision.enforced:
+            self.note(Event.POLICY_DECISION, **policy.decision.to_record())
         if not training:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
             self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss)
@@ -511,7 +510,7 @@ class _Round:
             server_round=task.server_round,
             base_fingerprint=task.base_fingerprint,
             run_id=self.run_id,
-            max_run_epsilon=policy.policy.privacy.max_epsilon_per_run if policy else None,
+            max_run_epsilon=policy.max_epsilon_per_run,
         )
         self._note_trained(outcome)
         payload = update_payload(
@@ -520,10 +519,10 @@ class _Round:
         sent.save(self.run_id, task.server_round, payload)
         return self._send(region.name, payload, sealing, policy)
 
-    def _join(self, sealing: RegionSealing, policy: LoadedPolicy | None, checkpoint: str) -> None:
+    def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
         """``run_joined`` once per run, and again when it resumes from a checkpoint: the
         checkpoint's identity, as the aggregator signed it, goes on the region's record."""
-        if self.audit is None or (self.audit.path, self.run_id, checkpoint) in _JOINED:
+        if (self.audit.path, self.run_id, checkpoint) in _JOINED:
             return
         _JOINED.add((self.audit.path, self.run_id, checkpoint))
         self.note(
@@ -533,8 +532,8 @@ class _Round:
             code_version=code_version(),
             code=installed_code(),
             **sealing.joined(),
-            policy_hash=policy.hash if policy else None,
-            jurisdiction=policy.policy.jurisdiction if policy else None,
+            policy_hash=policy.hash or None,  # none without a policy (a lab baseline)
+            jurisdiction=policy.jurisdiction or None,
         )
 
     def _note_trained(self, outcome: TrainOutcome) -> None:
@@ -556,7 +555,7 @@ class _Round:
         )
 
     def _send(
-        self, region: str, payload: bytes, sealing: RegionSealing, policy: LoadedPolicy | None
+        self, region: str, payload: bytes, sealing: RegionSealing, policy: RegionPolicy
     ) -> Sealed | Clear:
         """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
         return sealing.send(
@@ -564,7 +563,7 @@ class _Round:
             payload,
             flower_run=self.flower_run,
             server_round=self.server_round or 0,
-            policy_hash=policy.hash if policy else "",
+            policy_hash=policy.hash,
             note=self.note,
         )
 

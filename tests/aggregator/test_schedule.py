@@ -1,4 +1,4 @@
-"""The strategy's schedule over a fake grid with a clock: buffered aggregation (FedBuff),
+"""The aggregator's schedules over a fake transport with a clock: buffered aggregation (FedBuff),
 one task in flight per region, policy minimums per aggregate, and regions marked
 unavailable after missed rounds and back when they answer."""
 
@@ -9,46 +9,38 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Message, MessageType
 
 from fedciuic.aggregation import Checked, staleness_weight
+from fedciuic.aggregator.round import Collecting
+from fedciuic.aggregator.schedule import Availability, Tasks
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AuditLog
-from fedciuic.flower import protocol
+from fedciuic.crypto.sealing import TaskKind
+from fedciuic.policy.binding import NotEnforced
 from fedciuic.policy.rules import Decision
-from fedciuic.rounds.aggregator import Collecting
-from fedciuic.rounds.schedule import Availability, Tasks
-from tests.flower.test_strategy import RegionsGrid, looped
+from tests.aggregator.fakes import THREE, Regions, looped
 from tests.rounds.test_aggregator import GLOBAL
 
-pytestmark = pytest.mark.usefixtures("task_identity")
 
-THREE = {11: ("eu", 1.0), 12: ("cn", 3.0), 13: ("us", 5.0)}
-
-
-class OneInFlight(RegionsGrid):
+class OneInFlight(Regions):
     """Fails the test if a node is sent a training task while one is still in flight."""
 
     def __init__(self, targets) -> None:
         super().__init__(targets)
         self.training: dict[int, str] = {}
 
-    def push_messages(self, messages):
-        messages = list(messages)
-        ids = super().push_messages(messages)
-        for message, mid in zip(messages, ids, strict=True):
-            if message.metadata.message_type == MessageType.TRAIN:
-                node = message.metadata.dst_node_id
+    def push(self, instruction, nodes):
+        taken = super().push(instruction, nodes)
+        if instruction.kind == TaskKind.TRAIN:
+            for mid, node in taken.items():
                 assert node not in self.training, f"node {node} got a second task in flight"
                 self.training[node] = mid
-        return ids
+        return taken
 
-    def pull_messages(self, message_ids):
-        replies = list(super().pull_messages(message_ids))
-        for r in replies:
-            self.training = {
-                n: m for n, m in self.training.items() if m != r.metadata.reply_to_message_id
-            }
+    def pull(self, in_flight):
+        replies = super().pull(in_flight)
+        answered = {mid for mid, _ in replies}
+        self.training = {n: m for n, m in self.training.items() if m not in answered}
         return replies
 
 
@@ -57,8 +49,7 @@ def buffered(run_config, tmp_path, grid, rounds=4, **settings):
         run_config,
         tmp_path,
         rounds,
-        grid=grid,
-        regions=("eu", "cn", "us"),
+        grid,
         aggregation_mode="buffered",
         buffer_size=2,
         max_staleness=3,
@@ -70,7 +61,7 @@ def test_buffered_publishes_every_k_updates_and_the_slow_region_arrives_stale(ru
     grid = OneInFlight(THREE)
     grid.delay = {11: 1, 12: 1, 13: 3}  # us is slow
     s = buffered(run_config, tmp_path, grid)
-    s.start(grid, protocol.pack_arrays(GLOBAL), 4, 50.0)
+    s.run(GLOBAL, 4)
     rounds = s.aggregator.recorder.data.rounds
     for n in (1, 2, 3, 4):
         aggregate = rounds[n].aggregate
@@ -89,7 +80,7 @@ def test_buffered_publishes_every_k_updates_and_the_slow_region_arrives_stale(ru
 
 
 def test_a_stale_update_is_weighted_one_over_root_one_plus_staleness(run_config, tmp_path):
-    grid = RegionsGrid(THREE)
+    grid = Regions(THREE)
     grid.delay = {11: 1, 12: 1, 13: 3}
     s: Any = buffered(run_config, tmp_path, grid, rounds=3)
     added: list[tuple[int, float]] = []
@@ -117,7 +108,7 @@ def test_a_stale_update_is_weighted_one_over_root_one_plus_staleness(run_config,
         return result
 
     s.aggregator.publish = publishing
-    s.start(grid, protocol.pack_arrays(GLOBAL), 3, 50.0)
+    s.run(GLOBAL, 3)
     rounds = s.aggregator.recorder.data.rounds
     n, us = next((n, rounds[n].train["us"]) for n in (2, 3) if "us" in rounds[n].train)
     assert us.status == "trained" and us.staleness == n - 1 >= 1
@@ -137,17 +128,14 @@ def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, t
     grid.delay = {11: 1, 12: 1, 13: 5}
     s = buffered(run_config, tmp_path, grid, rounds=3)
 
-    class AtLeastThree:
-        def check_update(self, facts):
-            return None
-
+    class AtLeastThree(NotEnforced):
         def check_aggregate(self, participants, examples):
             if len(participants) >= 3:
                 return Decision("aggregator", "aggregate", "accept", (), "")
             return Decision("aggregator", "aggregate", "reject", ("fewer than 3 regions",), "")
 
     s.aggregator.policies = AtLeastThree()
-    s.start(grid, protocol.pack_arrays(GLOBAL), 3, 50.0)
+    s.run(GLOBAL, 3)
     for n in (1, 2, 3):
         aggregate = s.aggregator.recorder.data.rounds[n].aggregate
         assert aggregate is not None and aggregate.published
@@ -157,30 +145,29 @@ def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, t
 def test_buffered_run_ends_when_regions_have_no_tasks_left(run_config, tmp_path):
     grid = OneInFlight(THREE)
     s = buffered(run_config, tmp_path, grid, rounds=2)
-    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
-    trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-    per_node = {n: sum(1 for m in trains if m.metadata.dst_node_id == n) for n in THREE}
+    s.run(GLOBAL, 2)
+    trains = grid.trains()
+    per_node = {n: sum(1 for node, _ in trains if node == n) for n in THREE}
     assert max(per_node.values()) <= 2  # each region's noise is calibrated for 2 rounds
 
 
 def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_config, tmp_path):
-    grid = RegionsGrid()
+    grid = Regions()
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
-    s: Any = looped(run_config, tmp_path, 5, grid=grid, max_missed_rounds=2)
+    s: Any = looped(run_config, tmp_path, 5, grid, max_missed_rounds=2)
     s.aggregator.audit = audit
-    held: list[tuple[str, tuple[float, Message]]] = []
-    original = grid.push_messages
+    held: list[tuple[str, tuple[float, int, Any]]] = []
+    original = grid.push
 
-    def push(messages):
-        messages = list(messages)
-        ids = original(messages)
+    def push(instruction, nodes):
+        taken = original(instruction, nodes)
         if 1 <= round_now[0] <= 2:  # cn goes quiet in rounds 1-2: its replies are held
             for mid in list(grid.pending):
-                if grid.pending[mid][1].metadata.src_node_id == 12:
+                if grid.pending[mid][1] == 12:
                     held.append((mid, grid.pending.pop(mid)))
-        return ids
+        return taken
 
-    grid.push_messages = push  # type: ignore[method-assign]
+    grid.push = push  # type: ignore[method-assign]
     round_now = [0]
     ticks: dict[int, float] = {}
     real_end = s.aggregator.end
@@ -190,10 +177,10 @@ def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_c
         real_end(server_round)
         round_now[0] = server_round + 1
         if server_round == 2:  # cn is back: its round-1 reply arrives in round 3
-            grid.pending.update({mid: (grid.now, reply) for mid, (_, reply) in held})
+            grid.pending.update({mid: (grid.now, node, a) for mid, (_, node, a) in held})
 
     s.aggregator.end = end
-    s.start(grid, protocol.pack_arrays(GLOBAL), 5, 50.0)
+    s.run(GLOBAL, 5)
     rounds = s.aggregator.recorder.data.rounds
     assert rounds[1].train["cn"].status == "failed"  # waited round-timeout for it
     assert rounds[2].unavailable == ["cn"]
@@ -235,13 +222,13 @@ def test_tasks_keep_one_in_flight_and_stop_at_the_limit():
 
 
 def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, tmp_path):
-    from fedciuic.rounds.aggregator_run import restore
-    from fedciuic.rounds.checkpoint import load_checkpoint
+    from fedciuic.aggregator.checkpoint import load_checkpoint
+    from fedciuic.aggregator.run import restore
 
     grid = OneInFlight(THREE)
     grid.delay = {11: 1, 12: 1, 13: 3}
     cut = buffered(run_config, tmp_path / "cut", grid, rounds=4)
-    cut.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)  # "killed" after aggregate 2
+    cut.run(GLOBAL, 2)  # "killed" after aggregate 2
     saved = load_checkpoint(tmp_path / "cut")
     assert saved.round == 2 and saved.extra["version"] == 2
     flying = saved.extra["tasks"]["in_flight"]
@@ -251,17 +238,13 @@ def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, 
     resumed = buffered(run_config, tmp_path / "resumed", again, rounds=4)
     resumed.aggregator.recorder.data.rounds = saved.rounds
     restore(resumed.aggregator, saved)
-    resumed.start(again, protocol.pack_arrays(saved.adapter), 4, 50.0, 3)
+    resumed.run(saved.adapter, 4, first_round=3)
     a = resumed.aggregator
     assert a.version == 4
-    kinds = [(m.metadata.dst_node_id, m.metadata.message_type) for m in again.sent]
+    kinds = [(node, instruction.kind) for node, instruction in again.sent]
     first = {node: kind for node, kind in reversed(kinds)}
-    assert set(first.values()) == {MessageType.EVALUATE}  # each node says who it is first
-    trains = [
-        (m.metadata.dst_node_id, protocol.read_instruction(m).server_round)
-        for m in again.sent
-        if m.metadata.message_type == MessageType.TRAIN
-    ]
+    assert set(first.values()) == {TaskKind.EVALUATE}  # each node says who it is first
+    trains = [(node, instruction.server_round) for node, instruction in again.trains()]
     for region, (task, _version) in flying.items():
         node = next(n for n, (r, _) in THREE.items() if r == region)
         assert (node, task) == next(t for t in trains if t[0] == node)  # asked again
@@ -279,7 +262,7 @@ def test_an_update_arriving_after_the_last_aggregate_is_logged_and_refused(run_c
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
     s = buffered(run_config, tmp_path, grid, rounds=2)
     s.aggregator.audit = audit
-    s.start(grid, protocol.pack_arrays(GLOBAL), 2, 50.0)
+    s.run(GLOBAL, 2)
     us = s.aggregator.recorder.data.rounds[2].train["us"]
     assert us.status == "rejected" and "after the run's last aggregate" in (us.reason or "")
     events = [json.loads(line) for line in audit.path.read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""The typed model of ``metrics.json``: what :class:`~fedciuic.rounds.record.RunRecorder`
+"""The typed model of ``metrics.json``: what :class:`~fedciuic.record.recorder.RunRecorder`
 writes and every reader (summary, progress, report, launchers, checkpoints) reads.
 
 Each field is named once here, so a writer and its readers cannot drift apart. The
@@ -28,7 +28,7 @@ class MetricsError(FedciuicError):
 
 
 class RunStatus(StrEnum):
-    """How a run ended (``run.status``); see :mod:`fedciuic.rounds.record`."""
+    """How a run ended (``run.status``); see :mod:`fedciuic.record.recorder`."""
 
     RUNNING = "running"
     COMPLETED = "completed"
@@ -108,7 +108,7 @@ class TrainEntry(_Record):
     """A region's training reply: its verdict and, when accepted, the update's figures
     (the DP ones only from a region that trains under DP)."""
 
-    status: str  # a reply status, see fedciuic.rounds.wire
+    status: str  # a reply status, see fedciuic.wire
     reason: str | None = None
     claimed_region: str | None = None  # the name the reply claimed, when not its label
     norm: float | None = None

@@ -1,0 +1,430 @@
+"""The aggregator's loop: which regions are asked what, when, and how long it waits for
+them, over a :class:`Transport` (Flower's Grid implements it in
+``fedciuic.flower.courier``; tests use a fake one with a clock of their own).
+
+* waiting for regions to connect has a deadline (``node-wait-timeout``), so a run
+  that expects more regions than exist stops with a message instead of hanging;
+* each message is pushed once and its reply pulled whenever it comes, at most one in
+  flight per node (:class:`Courier`), so a late reply is still judged (and logged) and a
+  slow region is never sent a second task;
+* a node asked this round that does not answer within round-timeout is a failed
+  reply; a region that misses max-missed-rounds in a row is no longer waited for;
+* ``aggregation-mode``, chosen once (:func:`loop_for`): synchronous rounds
+  (:class:`SyncLoop`) or FedBuff's buffered aggregates (:class:`BufferedLoop`,
+  docs/heterogeneity.md);
+* every region evaluates the initial adapter before round 1, so the run reports eval
+  loss before and after training.
+
+What each reply is worth, and what is published, is the round's
+(:class:`~fedciuic.aggregator.round.AggregatorRound`); this module only schedules.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fedciuic.aggregator.round import AggregatorRound, Collecting, Task
+from fedciuic.crypto.sealing import TaskKind
+from fedciuic.errors import FederationError
+from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread
+
+_logger = logging.getLogger("flwr")
+
+
+class Transport(Protocol):
+    """How the loop reaches the regions: nodes, messages pushed and replies pulled by id.
+
+    Replies come back :class:`Unread`: the round reads them inside its per-reply
+    boundary, so a malformed one is refused alone."""
+
+    def nodes(self) -> list[int]:
+        """The nodes connected now."""
+        ...
+
+    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
+        """Send ``instruction`` to each of ``nodes``: message id -> node, for each
+        message the federation took."""
+        ...
+
+    def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
+        """The replies that have come to messages in ``in_flight`` (id -> the node it
+        went to), each under the id it answers."""
+        ...
+
+    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
+        """Send ``notice`` to each of ``nodes``; the answers that come within
+        ``timeout``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A message in flight: to which node, what kind, in which round (or buffered
+    aggregate) it was sent, the training task it carries, and when."""
+
+    node: int
+    kind: TaskKind
+    server_round: int
+    task: Task | None
+    at: float
+
+
+class Courier:
+    """Push instructions, pull whatever replies have come, know who is busy: the
+    bookkeeping of messages in flight, over any :class:`Transport`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        interval: float = 0.5,
+    ) -> None:
+        self.transport = transport
+        self.clock = clock
+        self.sleep = sleep
+        self.interval = interval  # seconds between pulls while waiting
+        self.in_flight: dict[str, Sent] = {}
+
+    def busy(self, node: int) -> bool:
+        return any(sent.node == node for sent in self.in_flight.values())
+
+    def push(
+        self, instruction: Instruction, nodes: Sequence[int], server_round: int, task: Task | None
+    ) -> list[Sent]:
+        """Send ``instruction`` to ``nodes``; what the federation took is in flight."""
+        now = self.clock()
+        taken = self.transport.push(instruction, nodes)
+        sent = {
+            message_id: Sent(node, instruction.kind, server_round, task, now)
+            for message_id, node in taken.items()
+        }
+        self.in_flight.update(sent)
+        return list(sent.values())
+
+    def pull(self) -> list[tuple[Sent, Unread]]:
+        """The replies that have arrived, each with the message it answers."""
+        if not self.in_flight:
+            return []
+        got = []
+        nodes = {message_id: sent.node for message_id, sent in self.in_flight.items()}
+        for message_id, reply in self.transport.pull(nodes):
+            sent = self.in_flight.pop(message_id, None)
+            if sent is not None:
+                got.append((sent, reply))
+        return got
+
+    def forget_gone(self, connected: Iterable[int]) -> None:
+        """A node that left the federation will not answer: nothing of it is in flight."""
+        alive = set(connected)
+        self.in_flight = {k: s for k, s in self.in_flight.items() if s.node in alive}
+
+    def wait(self) -> None:
+        self.sleep(self.interval)
+
+
+class Loop:
+    """What both schedules share: regions connected within a deadline, instructions
+    signed and sent, replies collected until a deadline, late updates judged, the
+    initial evaluation and the run-end witness. A schedule implements
+    :meth:`one` (a round, or a buffered aggregate) and :meth:`finish`."""
+
+    def __init__(
+        self,
+        aggregator: AggregatorRound,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        interval: float = 0.5,
+    ) -> None:
+        self.aggregator = aggregator
+        self.transport = transport
+        self.clock = clock
+        self.sleep = sleep
+        self.courier = Courier(transport, clock=clock, sleep=sleep, interval=interval)
+        self.timeout = aggregator.run.round_timeout
+        self._waited = False
+        #: Replies pulled but not yet judged: after a buffered aggregate filled, or
+        #: updates that arrived during an evaluation; the next aggregate takes them.
+        self._carried: list[tuple[Sent, Unread]] = []
+
+    def run(
+        self, adapter: Mapping[str, np.ndarray], num_rounds: int, first_round: int = 1
+    ) -> dict[str, np.ndarray]:
+        """From the global ``adapter`` (the initial one, or a checkpoint's): evaluate it
+        in every region (unless resuming), then run rounds (or aggregates)
+        ``first_round`` to ``num_rounds``, checkpointing after each. Returns the final
+        global adapter."""
+        a = self.aggregator
+        a.global_adapter = dict(adapter)
+        if first_round == 1:
+            _logger.info("[ROUND 0] evaluating the initial adapter in every region")
+            a.heard(0, self._evaluate(0, self.wait_for_regions()))
+            a.end(0)
+        for server_round in range(first_round, num_rounds + 1):
+            _logger.info("[ROUND %d/%d]", server_round, num_rounds)
+            self.one(server_round)
+        self.finish(num_rounds)
+        return a.global_adapter
+
+    def one(self, server_round: int) -> None:
+        raise NotImplementedError
+
+    def finish(self, num_rounds: int) -> None:
+        """The run's last aggregate is out: updates still arriving are logged as
+        received and refused."""
+        late, self._carried = self._carried, []
+        self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
+        if late:
+            self.aggregator.end(num_rounds)
+
+    def wait_for_regions(self) -> list[int]:
+        """All connected nodes, once every region is there or the deadline has passed.
+
+        Only the first call waits the full ``node-wait-timeout``; later rounds take
+        the regions that are connected, so one region gone does not stall each round.
+        """
+        run = self.aggregator.run
+        expected = len(run.regions)
+        wait = 0.0 if self._waited else run.node_wait_timeout
+        self._waited = True
+        deadline = self.clock() + wait
+        nodes = self.transport.nodes()
+        while len(nodes) < expected and self.clock() < deadline:
+            _logger.info("Waiting for regions: %d of %d connected", len(nodes), expected)
+            self.sleep(1.0)
+            nodes = self.transport.nodes()
+        if len(nodes) < run.min_regions:
+            raise FederationError(
+                f"run config:node-wait-timeout: only {len(nodes)} of {expected} regions "
+                f"connected within {wait:.0f}s (min-regions is "
+                f"{run.min_regions}); start a SuperNode for each of "
+                f"{', '.join(run.regions)} or lower min-regions"
+            )
+        return sorted(nodes)
+
+    def _send(
+        self, kind: TaskKind, server_round: int, nodes: Sequence[int], task: Task | None = None
+    ) -> list[int]:
+        """The current global adapter to each of ``nodes``, as ``server_round``'s ``kind``
+        of task, signed for the training ``task``'s own number where there is one (a
+        buffered region's); the nodes it went to."""
+        a = self.aggregator
+        signed_round = task.round if task is not None else server_round
+        instruction = a.sign_instruction(signed_round, kind, a.global_adapter)
+        return [s.node for s in self.courier.push(instruction, nodes, server_round, task)]
+
+    def _collect(
+        self, asked: list[int], kind: TaskKind, server_round: int, timeout: float
+    ) -> tuple[list[Arrival], list[tuple[Sent, Unread]], set[int]]:
+        """Replies to this round's ``kind`` from ``asked`` until every node the round
+        waits for has answered or ``timeout`` has passed; a node it waited for in vain
+        is a :class:`NoReply` (its message stays in flight). Also returns what else
+        arrived meanwhile (late replies to earlier rounds) and every node heard from."""
+        deadline = self.clock() + timeout
+        waiting = {n for n in asked if self.aggregator.waits_for(n)}
+        answered: set[int] = set()
+        mine: list[Arrival] = []
+        other: list[tuple[Sent, Unread]] = []
+        while True:
+            for sent, reply in self.courier.pull():
+                answered.add(sent.node)
+                if sent.kind == kind and sent.server_round == server_round:
+                    mine.append(reply)
+                    waiting.discard(sent.node)
+                else:
+                    other.append((sent, reply))
+            if not waiting or self.clock() >= deadline:
+                break
+            self.courier.wait()
+        mine += [NoReply(n, timeout) for n in sorted(waiting)]
+        return mine, other, answered
+
+    def _evaluate(self, server_round: int, nodes: list[int]) -> set[int]:
+        """Every node in ``nodes`` evaluates the global adapter; the nodes heard from."""
+        asked = self._send(TaskKind.EVALUATE, server_round, nodes)
+        arrivals, late, heard = self._collect(asked, TaskKind.EVALUATE, server_round, self.timeout)
+        self._carried += late  # updates among them count in the next round
+        self.aggregator.evaluate(server_round, arrivals)
+        return heard
+
+    def _late(
+        self,
+        server_round: int,
+        late: list[tuple[Sent, Unread]],
+        into: Collecting,
+        *,
+        after_end: bool = False,
+    ) -> None:
+        """Updates that answer earlier messages, judged (against the version they were
+        computed from) into this round's aggregate, or, ``after_end``, recorded as
+        arrived and refused: the run has no aggregate left for them. Every update that
+        arrives is logged as received, so the regions' and the aggregator's logs agree."""
+        for sent, reply in late:
+            if sent.task is None:  # a late evaluation only showed that its node is alive
+                continue
+            self.aggregator.judge_train(server_round, reply, sent.task, into, after_end=after_end)
+
+    def witness_run_end(self, timeout: float) -> None:
+        """Once ``run_end`` is in the aggregator's log and signed: send each region that
+        head (signed), and record the head each one answers with (best effort)."""
+        notice = self.aggregator.sign_run_end()
+        if notice is None:
+            return
+        replies = self.transport.query(notice, sorted(self.transport.nodes()), timeout)
+        self.aggregator.run_end_witnessed(replies)
+
+
+class SyncLoop(Loop):
+    """Rounds: every region trains from the same global adapter, then evaluates it."""
+
+    def one(self, server_round: int) -> None:
+        """Every connected region with nothing in flight trains from the current global
+        adapter; the round waits for all but the unavailable ones (up to round-timeout),
+        aggregates, then every idle region evaluates the result."""
+        a, courier = self.aggregator, self.courier
+        nodes = self.wait_for_regions()
+        courier.forget_gone(nodes)
+        idle = [n for n in nodes if not courier.busy(n)]
+        task = Task(server_round, a.version)
+        asked = self._send(TaskKind.TRAIN, server_round, idle, task)
+        arrivals, late, heard = self._collect(
+            asked, TaskKind.TRAIN, server_round, a.train_wait(self.timeout)
+        )
+        into = a.collecting()
+        late, self._carried = self._carried + late, []
+        self._late(server_round, late, into)
+        for arrival in arrivals:
+            a.judge_train(server_round, arrival, task, into)
+        a.publish(server_round, into)
+        idle = [n for n in nodes if not courier.busy(n)]
+        heard |= self._evaluate(server_round, idle)
+        a.heard(server_round, heard)
+        a.end(server_round)
+
+
+class BufferedLoop(Loop):
+    """FedBuff: an aggregate is published as soon as buffer-size updates are in, each
+    weighted by its staleness (fedciuic.aggregation); regions train at their own pace."""
+
+    def one(self, server_round: int) -> None:
+        """One buffered aggregate: every idle region that has not answered since the last
+        one is sent its next task from the current global adapter. The aggregate is
+        published as soon as buffer-size updates are accepted and the policies allow it;
+        after round-timeout without that, or once nothing more can come, with what has
+        arrived (if the policies allow)."""
+        a, run, courier = self.aggregator, self.aggregator.run, self.courier
+        into = a.collecting()
+        heard: set[int] = set()
+        contributed: set[str] = set()  # one reply per region and aggregate
+        deadline = self.clock() + a.train_wait(self.timeout)
+        nodes = self.wait_for_regions()
+        while True:
+            courier.forget_gone(nodes)
+            for node in nodes:
+                if not courier.busy(node):
+                    self._dispatch(server_round, node, contributed)
+            pulled, self._carried = self._carried + courier.pull(), []
+            for i, (sent, reply) in enumerate(pulled):
+                if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+                    self._carried = pulled[i:]  # the next aggregate's, against the new version
+                    break
+                heard.add(sent.node)
+                if sent.task is None:  # an evaluation: how a new node says who it is
+                    a.evaluate(server_round, [reply], overall=False)
+                    continue
+                judged = a.judge_train(server_round, reply, sent.task, into)
+                a.tasks.done(judged.label)
+                contributed.add(judged.label)
+            if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+                break
+            expected = any(a.waits_for(s.node) for s in courier.in_flight.values())
+            more = expected or self._can_dispatch(nodes, contributed)
+            if not more or self.clock() >= deadline:
+                break
+            courier.wait()
+            nodes = sorted(self.transport.nodes())
+        a.publish(server_round, into)
+        # A region still within round-timeout of its task has not missed anything: a
+        # buffered aggregate is often shorter than a slow region's task.
+        now = self.clock()
+        wait = a.train_wait(self.timeout)
+        working = {s.node for s in courier.in_flight.values() if now - s.at < wait}
+        finished = {n for n in nodes if a.regions_by_node.get(n) in a.tasks.finished()}
+        a.heard(server_round, heard | working | finished)
+        a.end(server_round)
+
+    def finish(self, num_rounds: int) -> None:
+        """Every region evaluates the final adapter; then the updates still in flight
+        are waited for (up to round-timeout), each logged as received and refused."""
+        _logger.info("[END] evaluating the final adapter in every region")
+        self._evaluate(num_rounds, sorted(self.transport.nodes()))
+        self._drain()
+        late, self._carried = self._carried, []
+        self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
+        self.aggregator.end(num_rounds)
+
+    def _drain(self) -> None:
+        """Wait (up to round-timeout) for the updates still in flight from available
+        regions, so that each is logged as received (and refused: no aggregate is left)
+        rather than sent by the region and never heard of."""
+        a, courier = self.aggregator, self.courier
+        deadline = self.clock() + a.train_wait(self.timeout)
+        while self.clock() < deadline:
+            self._carried += courier.pull()
+            if not any(
+                s.task is not None and a.waits_for(s.node) for s in courier.in_flight.values()
+            ):
+                return
+            courier.wait()
+
+    def _can_dispatch(self, nodes: list[int], contributed: set[str]) -> bool:
+        """Whether some idle node could still be sent something in this aggregate."""
+        a = self.aggregator
+        for node in nodes:
+            region = a.regions_by_node.get(node)
+            if self.courier.busy(node):
+                continue
+            if region is None or (region not in contributed and a.tasks.can_send(region)):
+                return True
+        return False
+
+    def _dispatch(self, server_round: int, node: int, contributed: set[str]) -> None:
+        """An idle node's next message: an evaluation when its region is not known yet
+        (its signed answer says which region it is), else its region's next task, if it
+        has one left and has not answered since the last aggregate."""
+        a = self.aggregator
+        region = a.regions_by_node.get(node)
+        if region is None:
+            self._send(TaskKind.EVALUATE, server_round, [node])
+            return
+        if region in contributed:
+            return
+        task = a.tasks.send_again(region)
+        if task is None:
+            if not a.tasks.can_send(region):
+                return
+            task = a.tasks.send(region, a.version)
+        if not self._send(TaskKind.TRAIN, server_round, [node], Task(task.task, task.version)):
+            a.tasks.done(region)
+
+
+def loop_for(
+    aggregator: AggregatorRound,
+    transport: Transport,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    interval: float = 0.5,
+) -> Loop:
+    """The run's schedule, chosen once from ``aggregation-mode``."""
+    kind = BufferedLoop if aggregator.buffered else SyncLoop
+    return kind(aggregator, transport, clock=clock, sleep=sleep, interval=interval)
