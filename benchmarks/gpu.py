@@ -8,7 +8,7 @@ on ``lora-targets = auto``, and it prints one row per case plus the DP/non-DP ra
 model and precision. Each case runs in its own process so that peak memory is its own.
 ``bash scripts/gpu-check.sh`` installs bitsandbytes and runs it.
 
-    .venv/bin/python benchmarks/gpu.py [--steps 20] [--batch-size 8] [--seq-len 256]
+    .venv/bin/python benchmarks/gpu.py [--steps 20] [--batch-size 8] [--seq-len 256] [--model NAME]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def shaped_checkpoint(directory: Path, model_type: str, shape: dict[str, Any]) -
     bf16 (the dtype the cases load) as a checkpoint folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fedciuic.model.presets import bpe_tokenizer
+    from fedciuic.model.presets import bpe_tokenizer, save_tokenizer
 
     tokenizer = bpe_tokenizer()
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **shape)
@@ -66,7 +66,7 @@ def shaped_checkpoint(directory: Path, model_type: str, shape: dict[str, Any]) -
         config, dtype=torch.bfloat16, trust_remote_code=False
     )
     model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
     return directory
 
 
@@ -108,6 +108,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=["small", *SHAPED],
+        help="measure only this model (repeatable; default: every one)",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process's one case
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
     args = parser.parse_args()
@@ -119,9 +125,13 @@ def main() -> int:
         return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"small": save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")}
+        wanted = args.model or ["small", *SHAPED]
+        models = {}
+        if "small" in wanted:
+            models["small"] = save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")
         for name, (model_type, shape) in SHAPED.items():
-            models[name] = shaped_checkpoint(Path(tmp) / name, model_type, shape)
+            if name in wanted:
+                models[name] = shaped_checkpoint(Path(tmp) / name, model_type, shape)
         for name, path in models.items():
             for quantization in ("none", "nf4"):
                 for dp in (False, True):

@@ -451,16 +451,21 @@ def tiny_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    # Say there is no unknown token: AutoTokenizer loads a qwen2 folder with
-    # Qwen2Tokenizer, which would otherwise add "<|endoftext|>" as its unk token,
-    # one id past the model's vocabulary. (It also rebuilds Qwen's own pre-tokenizer,
-    # NFC normalisation and digit splitting, from the saved vocabulary and merges.)
-    config_file = directory / "tokenizer_config.json"
+    save_tokenizer(tok, directory)
+    return directory
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
+    """Save a locally trained tokenizer beside a model, saying it has no unknown token:
+    AutoTokenizer loads a qwen2 folder with Qwen2Tokenizer, which would otherwise add
+    "<|endoftext|>" as its unk token, one id past the model's vocabulary. (It also
+    rebuilds Qwen's own pre-tokenizer, NFC normalisation and digit splitting, from the
+    saved vocabulary and merges.)"""
+    tokenizer.save_pretrained(directory)
+    config_file = Path(directory) / "tokenizer_config.json"
     saved = json.loads(config_file.read_text(encoding="utf-8"))
     saved.setdefault("unk_token", None)
     config_file.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return directory
 
 
 def _spread_hash_routes(model: torch.nn.Module) -> None:

@@ -43,10 +43,15 @@ def test_nf4_leaves_the_fused_routed_experts_in_bf16():
     assert moe["expert_lora_r8_trainable"] == 256 * 58 * 8 * (11264 + 9216)
 
 
-def test_the_qwen3_shaped_checkpoint_loads_with_auto_targets(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "family"), [("r1-distill-qwen-shape", "qwen2"), ("r1-0528-qwen3-shape", "qwen3")]
+)
+def test_each_shaped_checkpoint_loads_with_auto_targets(tmp_path, name, family):
+    """Shrunk, each loads as the GPU check loads it (its tokenizer its vocabulary's:
+    a qwen2 folder's tokenizer would add an unknown token past it)."""
     from fedciuic.model.adapter import AdapterModel, ModelSpec
 
-    model_type, shape = gpu.SHAPED["r1-0528-qwen3-shape"]
+    model_type, shape = gpu.SHAPED[name]
     small = {
         **shape,
         "hidden_size": 64,
@@ -54,12 +59,12 @@ def test_the_qwen3_shaped_checkpoint_loads_with_auto_targets(tmp_path):
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        **({"head_dim": 16} if "head_dim" in shape else {}),
     }
-    path = gpu.shaped_checkpoint(tmp_path / "qwen3", model_type, small)
+    path = gpu.shaped_checkpoint(tmp_path / name, model_type, small)
     model = AdapterModel(
         ModelSpec(path=str(path), dtype="bf16", lora_targets="auto"), device=torch.device("cpu")
     )
-    assert model.model.config.model_type == "qwen3"
+    assert model.model.config.model_type == family
     # q, k, v, o of each layer: 8 x ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64))
     assert model.counts().trainable == 2 * 8 * (128 + 96 + 96 + 128)
