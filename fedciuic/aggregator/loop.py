@@ -29,7 +29,8 @@ from typing import Protocol
 
 import numpy as np
 
-from fedciuic.aggregator.round import AggregatorRound, Collecting, Task
+from fedciuic.aggregator.judge import Task
+from fedciuic.aggregator.round import AggregatorRound, Collecting
 from fedciuic.crypto.sealing import TaskKind
 from fedciuic.errors import FederationError
 from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread

@@ -1,7 +1,7 @@
 """The aggregator's round, without Flower: replies in, one verdict per reply, then the
 round's aggregate published or withheld.
 
-Each reply goes through one boundary (:meth:`AggregatorRound._guarded`): read,
+Each reply goes through one boundary (``fedciuic.aggregator.judge``): read,
 authenticate (its signature names the region it is recorded under), open (sealed or
 clear), validate and check against its sender's policy. *Any* exception in there
 rejects that reply alone. Each outcome is then recorded (metrics.json and the audit
@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -33,53 +34,31 @@ import numpy as np
 
 from fedciuic.aggregation import (
     Aggregator,
-    Bounds,
-    Checked,
-    ImplausibleUpdate,
-    check,
     make_aggregator,
 )
 from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
+from fedciuic.aggregator.journal import Filing, Journal
+from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import RECEIVED_EVENT, digest
-from fedciuic.compression import Codec, layout_of
+from fedciuic.audit.log import RECEIVED_EVENT
+from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import NONCE_BYTES, EnvelopeRejected, TaskKind, model_digest
-from fedciuic.policy.binding import UNSEALED, NotEnforced, PolicyGate
-from fedciuic.policy.rules import Decision, UpdateFacts
+from fedciuic.crypto.sealing import NONCE_BYTES, TaskKind
+from fedciuic.policy.binding import NotEnforced, PolicyGate
 from fedciuic.record.metrics import OVERALL
 from fedciuic.record.recorder import RunRecorder
 from fedciuic.server_optim import ServerOptimizer
 from fedciuic.stages.audit import AuditTrail, NoAudit
-from fedciuic.stages.sealing import ClearReplies, Header, ReplySealing
+from fedciuic.stages.sealing import ClearReplies, ReplySealing
 from fedciuic.wire import (
-    AGENT_CODE,
-    AGENT_VERSION,
-    DECLINED,
-    EVALUATED,
-    FAILED,
-    KEY_ID,
-    NO_REPLY,
-    POLICY_HASH,
-    PRIVACY_UNIT,
-    REJECTED,
-    TRAINED,
-    UPDATE,
     WITNESSED,
     Arrival,
     EvalMetrics,
     Instruction,
     MalformedReply,
-    NoReply,
     Reply,
     RunEndNotice,
-    TrainMetrics,
     Unread,
-    Witness,
-    failed,
-    parse_eval_metrics,
-    parse_train_metrics,
 )
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.
@@ -89,20 +68,6 @@ _logger = logging.getLogger("flwr")
 #: Seconds a training round waits beyond twice the regions' timed local work: Flower's
 #: polling, a ClientApp process per message, sealing and evaluation.
 WAIT_MARGIN = 120.0
-
-
-def reason_of(err: Exception) -> str:
-    """A rejection's reason: the error's type and its message (or repr)."""
-    return f"{type(err).__name__}: {str(err)[:500]}"
-
-
-@dataclass(frozen=True)
-class Task:
-    """What a region was asked to train: the round its reply must be signed for (a
-    buffered region's own task number), and the global version it trains from."""
-
-    round: int
-    version: int
 
 
 @dataclass
@@ -115,93 +80,6 @@ class Collecting:
     labels: set[str] = field(default_factory=set)
     judged: list[Judged] = field(default_factory=list)
     accepted: list[Accepted] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """A trained reply once authenticated, opened, validated and checked by policy."""
-
-    checked: Checked
-    metrics: TrainMetrics
-    info: dict[str, str]
-    header: Header
-    upload_bytes: int  # what crossed the relay: the envelope, or the clear update
-
-    @property
-    def region(self) -> str:
-        return self.header.region
-
-
-def agent_identity(info: Mapping[str, object]) -> dict[str, str]:
-    """The code a reply says made it (its region agent's version and code digest)."""
-    keys = ((AGENT_VERSION, "agent_version"), (AGENT_CODE, "agent_code"))
-    return {name: str(info[key]) for key, name in keys if key in info}
-
-
-@dataclass(frozen=True)
-class Judged:
-    """One reply's outcome, under the label it is recorded with: accepted (a trained
-    update that counts), evaluated, or its reply's final status and reason (declined,
-    failed, rejected)."""
-
-    label: str
-    reply: Reply  # its status and reason are final
-    accepted: Accepted | None = None
-    evaluated: EvalMetrics | None = None
-    claimed: str = ""
-    authenticated: bool = False
-    task: Task | None = None  # what a training reply answers
-    staleness: int = 0  # global versions published since its task was sent
-
-    @property
-    def status(self) -> str:
-        return self.reply.status
-
-    @property
-    def reason(self) -> str:
-        return self.reply.reason
-
-    def entry(self) -> dict[str, Any]:
-        """What metrics.json records for this reply, with the code that made it."""
-        return {**self._entry(), **agent_identity(self.reply.info)}
-
-    def _entry(self) -> dict[str, Any]:
-        if self.accepted is not None:
-            a = self.accepted
-            return {
-                "status": TRAINED,
-                "reason": "",
-                "norm": a.checked.norm,
-                "clipped": a.checked.clipped,
-                "loss": a.metrics.train_loss,
-                "num_examples": a.metrics.num_examples,
-                "steps": a.metrics.steps,
-                "data_fingerprint": a.info["data-fingerprint"],
-                "upload_bytes": a.upload_bytes,
-                "update_bytes": a.metrics.update_bytes,
-                **self._versions(),
-                **a.metrics.record(),
-            }
-        if self.evaluated is not None:
-            e = self.evaluated
-            return {
-                "status": EVALUATED,
-                "loss": e.eval_loss,
-                "perplexity": e.perplexity,
-                "num_examples": e.num_examples,
-                **({"step_seconds": e.step_seconds} if e.step_seconds is not None else {}),
-            }
-        entry: dict[str, Any] = {"status": self.reply.status, "reason": self.reply.reason}
-        if self.claimed != self.label:
-            entry["claimed_region"] = self.claimed
-        return {**entry, **self._versions()}
-
-    def _versions(self) -> dict[str, int]:
-        """The global version an update was computed against, and how old it was (for an
-        update that arrived: accepted or rejected; a decline or failure carries none)."""
-        if self.task is None or self.reply.status not in (TRAINED, REJECTED):
-            return {}
-        return {"global_version": self.task.version, "staleness": self.staleness}
 
 
 @dataclass(frozen=True)
@@ -303,63 +181,40 @@ class AggregatorRound:
         signature = self.sealing.sign_global(self.run_id, unsigned)
         return replace(unsigned, signature=signature)
 
-    # -- the per-reply boundary ---------------------------------------------------
+    @property
+    def judge(self) -> Judge:
+        """The per-reply boundary over the run's stages as they are now."""
+        return Judge(self.run, self.sealing, self.policies, self.run_id, self.regions_by_node)
 
-    def _guarded(
+    @property
+    def journal(self) -> Journal:
+        """The one writer of metrics.json and the audit log, for this federation run."""
+        return Journal(self.recorder, self.audit, self.federation_run, self.witnessed_counts)
+
+    def _file(
         self,
         server_round: int,
-        item: Arrival,
-        judge: Callable[[Reply, str | None], Judged],
+        judged: Judged,
+        labels: set[str],
+        filing: Filing,
         *,
-        signed_round: int | None = None,
+        audited: bool,
     ) -> Judged:
-        """The one boundary per reply: *any* exception while reading, authenticating,
-        opening, decoding or validating a reply rejects that reply alone (its type
-        named in the record), and the round goes on with the others. ``signed_round``:
-        the round the reply must be signed for, when not ``server_round`` (a buffered
-        region's own task number)."""
-        if isinstance(item, NoReply):
-            reason = f"{NO_REPLY} ({item.waited or self.run.round_timeout:g}s)"
-            return self._settle(failed(item.node_id, "", reason), None)
-        reply, sender = failed(item.node_id, "", ""), None
-        try:
-            reply = item.read() if isinstance(item, Unread) else item
-            sender = self._authenticate(reply, signed_round or server_round)
-            if sender is not None:
-                self._witnessed(server_round, sender, reply.witness)
-            return judge(reply, sender)
-        except Exception as err:  # the boundary: no reply stops the run
-            return self._settle(reply, sender, error=err)
-
-    def _settle(
-        self,
-        reply: Reply,
-        sender: str | None,
-        *,
-        error: Exception | None = None,
-        accepted: Accepted | None = None,
-        evaluated: EvalMetrics | None = None,
-    ) -> Judged:
-        """The reply's outcome under its label: the region its signature authenticates;
-        else the region this node authenticated as before; else ``node-ID``."""
-        label = sender or self.regions_by_node.get(reply.node_id) or f"node-{reply.node_id}"
-        if error is not None:
-            reply = replace(reply, status=REJECTED, reason=reason_of(error))
-        return Judged(
-            label,
-            reply,
-            accepted,
-            evaluated,
-            claimed=reply.region or label,
-            authenticated=bool(sender),
-        )
-
-    def _authenticate(self, reply: Reply, server_round: int) -> str | None:
-        """The region this reply comes from, by its signature; without sealing (a lab
-        run, nothing to authenticate with) the name it claims."""
-        if reply.status == FAILED:
-            return None
-        return self.sealing.sender(reply, self.run_id, server_round)
+        """A judged reply on the record under its label: a second reply under a label
+        already taken this round is rejected (the recorder keeps it apart, under
+        duplicates), so no reply displaces or doubles another's. Training replies are
+        audited (``audited``); evaluations only recorded."""
+        if judged.label in labels:
+            if judged.accepted is not None or judged.evaluated is not None:
+                judged = judged.refused(
+                    f"a second reply from {judged.label} in round {server_round}"
+                )
+        elif judged.authenticated:
+            # Which region a node is, for its replies that carry no signature (a
+            # timeout, a process that died): only what it authenticated as first.
+            self.regions_by_node.setdefault(judged.reply.node_id, judged.label)
+        labels.add(judged.label)
+        return self.journal.reply(server_round, judged, filing, audited=audited)
 
     # -- training -----------------------------------------------------------------
 
@@ -408,24 +263,21 @@ class AggregatorRound:
         """Judge one training reply to ``task``, record it under ``server_round`` (the
         aggregate it may join) and, when accepted, add it to ``into``. ``after_end``:
         the run's last aggregate is out; the update is logged as received and refused."""
-        codec = self.run.codec
-        bounds = Bounds(
-            self.run.max_update_norm,
-            self.run.update_norm_action,
-            self.run.max_examples,
-            max_steps=self.run.local_steps,
-            max_staleness=self.max_staleness,
-        )
         staleness = self.version - task.version
-
-        def judge(reply: Reply, sender: str | None) -> Judged:
-            return self._judge_train(
-                server_round, reply, sender, codec, into.n, bounds, task, staleness, after_end
-            )
-
-        judged = self._guarded(server_round, item, judge, signed_round=task.round)
+        judge = self.judge
+        update = partial(
+            judge.update,
+            server_round=server_round,
+            n=into.n,
+            task=task,
+            staleness=staleness,
+            max_staleness=self.max_staleness,
+            staleness_rule=self._staleness_rule,
+            after_end=after_end,
+        )
+        judged = judge.guarded(item, update, signed_round=task.round)
         judged = replace(judged, task=task, staleness=staleness)
-        judged = self._record(
+        judged = self._file(
             server_round, judged, into.labels, self.recorder.record_train, audited=True
         )
         into.judged.append(judged)
@@ -442,19 +294,7 @@ class AggregatorRound:
         regions = [a.region for a in accepted]
         withheld = self._withhold(server_round, accepted)
         if withheld:
-            _logger.log(
-                WARNING,
-                "round %d: no aggregate published (%s); the global adapter is unchanged",
-                server_round,
-                "; ".join(withheld),
-            )
-            self.recorder.record_aggregate(
-                server_round,
-                {"published": False, "regions": regions, "reasons": withheld},
-            )
-            self.recorder.save()
-            self._note(server_round, Event.AGGREGATE_WITHHELD, regions=regions, reasons=withheld)
-            self._checkpoint(server_round)
+            self.journal.withheld(server_round, regions, withheld)
             return Withheld(regions, withheld)
 
         self.global_adapter = self.server_optimizer.step(
@@ -467,108 +307,10 @@ class AggregatorRound:
             if a.metrics.train_loss is not None
         ]
         loss = sum(x * w for x, w in losses) / sum(w for _, w in losses) if losses else None
-        self.recorder.record_aggregate(
-            server_round, {"published": True, "regions": regions, "version": self.version}
+        self.journal.published(
+            server_round, regions, into.accumulator.weight, self.version, self.global_adapter
         )
-        self.recorder.save()
-        self._note(
-            server_round,
-            Event.AGGREGATE_PUBLISHED,
-            regions=regions,
-            examples=into.accumulator.weight,
-            global_version=self.version,
-            model_digest=model_digest(self.global_adapter).hex(),
-        )
-        self._checkpoint(server_round)
         return Published(self.global_adapter, regions, into.accumulator.weight, loss)
-
-    def _judge_train(
-        self,
-        server_round: int,
-        reply: Reply,
-        sender: str | None,
-        codec: Codec,
-        n: int,
-        bounds: Bounds,
-        task: Task,
-        staleness: int,
-        after_end: bool = False,
-    ) -> Judged:
-        """Open and validate one authenticated training reply into typed values; raises
-        on anything wrong with it (the boundary turns that into a rejection)."""
-        if reply.status in (FAILED, DECLINED):
-            return self._settle(reply, sender)
-        self._note_arrival(server_round, task, reply, sender or reply.region)
-        if after_end:
-            raise ImplausibleUpdate(
-                f"arrived after the run's last aggregate (round {server_round}); not used"
-            )
-        update, metrics, info, header = self._open(reply, task.round, sender)
-        if staleness > self.max_staleness:
-            raise ImplausibleUpdate(
-                f"computed against global version {task.version}, {staleness} version(s) "
-                f"old; {self._staleness_rule}"
-            )
-        facts = UpdateFacts(
-            region=header.region,
-            sender_jurisdiction=header.jurisdiction,
-            policy_hash=header.policy_hash,
-            epsilon=metrics.privacy.epsilon if metrics.privacy else None,
-            delta=metrics.privacy.delta if metrics.privacy else None,
-            suite=header.suite,
-            codec=self.run.codec.family,
-            num_examples=metrics.num_examples,
-            max_grad_norm=metrics.privacy.max_grad_norm if metrics.privacy else None,
-            secure_mode=bool(metrics.privacy.secure_mode) if metrics.privacy else None,
-            unit=metrics.privacy.unit if metrics.privacy else None,
-            agent_version=reply.info.get(AGENT_VERSION),
-        )
-        decision = self.policies.check_update(facts)
-        self._decided(server_round, decision)
-        if not decision.accepted:
-            rejected = replace(
-                reply,
-                status=REJECTED,
-                reason="; ".join(decision.reasons),
-                info={**reply.info, POLICY_HASH: header.policy_hash},
-            )
-            return self._settle(rejected, header.region)
-        checked = check(
-            codec, update, n, metrics.num_examples, bounds, steps=metrics.steps, staleness=staleness
-        )
-        upload = len(reply.envelope) if reply.envelope is not None else len(update)
-        accepted = Accepted(checked, metrics, info, header, upload)
-        return self._settle(replace(reply, status=TRAINED), header.region, accepted=accepted)
-
-    def _open(
-        self, reply: Reply, server_round: int, sender: str | None
-    ) -> tuple[bytes, TrainMetrics, dict[str, str], Header]:
-        """The compressed update, its metrics and info, and the facts its policy is
-        checked against, as the sealing stage hands them over."""
-        received = self.sealing.receive(reply, self.run_id, server_round, sender)
-        info, header = received.info, received.header
-        if info["region"] != header.region:
-            raise EnvelopeRejected(
-                f"update names region {info['region']!r} but comes from {header.region!r}"
-            )
-        update = self._update_bytes(received.arrays)
-        return update, parse_train_metrics(received.metrics, info[PRIVACY_UNIT]), info, header
-
-    def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
-        """The one compressed update a trained reply may carry, within the size cap."""
-        if set(arrays) != {UPDATE}:
-            raise MalformedReply(
-                f"a trained reply carries {sorted(arrays)[:8]}, expected ['update']"
-            )
-        update = arrays[UPDATE]
-        if update.dtype != np.uint8 or update.ndim != 1:
-            raise MalformedReply(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
-        if update.nbytes > self.run.max_update_bytes:
-            raise EnvelopeRejected(
-                f"update of {update.nbytes} bytes is over max-update-bytes "
-                f"{self.run.max_update_bytes}"
-            )
-        return update.tobytes()
 
     def may_publish(self, into: Collecting) -> bool:
         """Whether the policies would let ``into`` be published now (nothing recorded)."""
@@ -588,67 +330,8 @@ class AggregatorRound:
             {a.region: a.header.jurisdiction for a in accepted},
             {a.region: a.metrics.num_examples for a in accepted},
         )
-        self._decided(server_round, decision)
+        self.journal.decided(server_round, decision)
         return list(decision.reasons)
-
-    # -- recording ----------------------------------------------------------------
-
-    def _record(
-        self,
-        server_round: int,
-        judged: Judged,
-        labels: set[str],
-        record: Callable[[int, str, dict[str, Any]], None],
-        *,
-        audited: bool,
-    ) -> Judged:
-        """Record the outcome in metrics.json (and, ``audited``, in the audit log); a
-        second reply under a label already taken this round is rejected, so no reply
-        displaces or doubles another's. If recording fails, the reply is rejected and
-        recorded (best effort) as such."""
-        if judged.label in labels:  # the recorder keeps it apart, under duplicates
-            if judged.accepted is not None or judged.evaluated is not None:
-                reason = f"a second reply from {judged.label} in round {server_round}"
-                judged = replace(
-                    judged,
-                    accepted=None,
-                    evaluated=None,
-                    reply=replace(judged.reply, status=REJECTED, reason=reason),
-                )
-        elif judged.authenticated:
-            # Which region a node is, for its replies that carry no signature (a
-            # timeout, a process that died): only what it authenticated as first.
-            self.regions_by_node.setdefault(judged.reply.node_id, judged.label)
-        labels.add(judged.label)
-        try:
-            entry = judged.entry()
-            if audited:
-                self._note_outcome(server_round, judged, entry)
-            record(server_round, judged.label, entry)
-        except Exception as err:
-            judged = replace(
-                judged,
-                accepted=None,
-                evaluated=None,
-                reply=replace(judged.reply, status=REJECTED, reason=reason_of(err)),
-            )
-            entry = judged.entry()
-            try:
-                record(server_round, judged.label, entry)
-            except Exception as again:
-                _logger.log(
-                    WARNING, "round %d: cannot record %s: %r", server_round, judged.label, again
-                )
-        status = judged.reply.status
-        _logger.log(
-            INFO if status in (TRAINED, EVALUATED) else WARNING,
-            "round %d: region %s %s %s",
-            server_round,
-            judged.label,
-            status,
-            entry.get("reason") or "",
-        )
-        return judged
 
     # -- availability -------------------------------------------------------------
 
@@ -658,23 +341,7 @@ class AggregatorRound:
         are recorded in metrics.json and the audit log."""
         answered = {self.regions_by_node[n] for n in nodes if n in self.regions_by_node}
         changes = self.availability.round_ended(answered)
-        if changes.unavailable or changes.rejoined:
-            self.recorder.record_availability(server_round, changes.unavailable, changes.rejoined)
-            self.recorder.save()
-        for region in changes.unavailable:
-            missed = self.availability.missed[region]
-            _logger.log(
-                WARNING,
-                "round %d: region %s is unavailable (missed %d rounds in a row); rounds no "
-                "longer wait for it",
-                server_round,
-                region,
-                missed,
-            )
-            self._note(server_round, Event.REGION_UNAVAILABLE, region=region, missed_rounds=missed)
-        for region in changes.rejoined:
-            _logger.log(INFO, "round %d: region %s is back", server_round, region)
-            self._note(server_round, Event.REGION_REJOINED, region=region)
+        self.journal.availability(server_round, changes, self.availability.missed)
         return changes
 
     def schedule_state(self) -> dict[str, Any]:
@@ -706,14 +373,6 @@ class AggregatorRound:
 
     # -- evaluation ---------------------------------------------------------------
 
-    def _judge_eval(self, reply: Reply, sender: str | None) -> Judged:
-        if reply.status == EVALUATED:
-            stats = parse_eval_metrics(reply.metrics)
-            return self._settle(reply, sender, evaluated=stats)
-        if reply.status in (FAILED, DECLINED):
-            return self._settle(reply, sender)
-        raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
-
     def evaluate(
         self, server_round: int, arrivals: Iterable[Arrival], *, overall: bool = True
     ) -> EvalResult:
@@ -723,9 +382,10 @@ class AggregatorRound:
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
+        judge = self.judge
         for item in arrivals:
-            judged = self._guarded(server_round, item, self._judge_eval)
-            judged = self._record(
+            judged = judge.guarded(item, judge.evaluation, signed_round=server_round)
+            judged = self._file(
                 server_round, judged, labels, self.recorder.record_eval, audited=False
             )
             judged_all.append(judged)
@@ -785,98 +445,6 @@ class AggregatorRound:
         if server_round >= 1:
             self.save_checkpoint(server_round)
 
-    # -- audit trail --------------------------------------------------------------
-
-    def _note(self, server_round: int | None, event: str, **details: Any) -> None:
-        self.audit.append(event, run_id=self.federation_run, server_round=server_round, **details)
-
-    def _decided(self, server_round: int, decision: Decision) -> None:
-        """An enforced policy decision, recorded and audited (one not enforced is not)."""
-        if decision.enforced:
-            self.recorder.record_decision(server_round, decision.to_record())
-            self._note(server_round, Event.POLICY_DECISION, **decision.to_record())
-
-    def _checkpoint(self, server_round: int | None) -> None:
-        self.audit.checkpoint(run_id=self.federation_run, server_round=server_round)
-
-    def _witnessed(self, server_round: int | None, region: str, witness: Witness | None) -> None:
-        """Record the head of the region's log that its signed reply carries, so that
-        truncating that log later shows in the cross-check (docs/audit.md)."""
-        if witness is not None:
-            # A late reply (kept by the courier, handled after a newer one of the region)
-            # shows an older head: recorded as late, so that it is checked against the
-            # region's log but not read as the region going back.
-            highest = self.witnessed_counts.get(region, -1)
-            self.audit.witness(
-                region,
-                witness.count,
-                witness.head,
-                run_id=self.federation_run,
-                server_round=server_round,
-                late=witness.count < highest,
-            )
-            self.witnessed_counts[region] = max(highest, witness.count)
-
-    def _note_arrival(self, server_round: int, task: Task, reply: Reply, region: str) -> None:
-        """What crossed the relay, as received: its digest is what the region logged,
-        under the round the region sent it for (a buffered region's own task number;
-        ``aggregate`` then names the aggregate it arrived in)."""
-        if reply.envelope is not None:
-            data, suite = reply.envelope, "sealed"
-        elif reply.arrays and UPDATE in reply.arrays:
-            data, suite = reply.arrays[UPDATE].tobytes(), UNSEALED
-        else:
-            return
-        self._note(
-            task.round,
-            RECEIVED_EVENT,
-            region=region,
-            digest=digest(data),
-            bytes=len(data),
-            suite=suite,
-            sender_key_id=reply.info.get(KEY_ID, ""),
-            **agent_identity(reply.info),
-            **({"aggregate": server_round} if task.round != server_round else {}),
-        )
-
-    def _note_outcome(self, server_round: int, judged: Judged, entry: dict[str, Any]) -> None:
-        status, region = entry["status"], judged.label
-        claimed = {"claimed_region": judged.claimed} if judged.claimed != region else {}
-        # Which global version a training reply was computed against (and how old it was).
-        claimed |= {k: entry[k] for k in ("global_version", "staleness") if k in entry}
-        if judged.accepted is not None:
-            a = judged.accepted
-            self._note(
-                server_round,
-                Event.UPDATE_ACCEPTED,
-                **claimed,
-                region=region,
-                examples=a.metrics.num_examples,
-                epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
-                unit=a.metrics.privacy.unit if a.metrics.privacy else None,
-                # Whose epsilon: a floor for that dataset's ledger rebuild (docs/privacy.md).
-                data_fingerprint=a.info["data-fingerprint"],
-                suite=a.header.suite,
-                policy_hash=a.header.policy_hash,
-            )
-        elif status == DECLINED:
-            self._note(
-                server_round,
-                Event.REGION_DECLINED,
-                region=region,
-                reason=entry["reason"],
-                **claimed,
-            )
-        elif status in (REJECTED, FAILED):
-            self._note(
-                server_round,
-                Event.UPDATE_REJECTED if status == REJECTED else Event.REPLY_FAILED,
-                region=region,
-                reason=entry.get("reason", ""),
-                policy_hash=judged.reply.info.get(POLICY_HASH, ""),
-                **claimed,
-            )
-
     # -- the end of the run -------------------------------------------------------
 
     def sign_run_end(self) -> RunEndNotice | None:
@@ -921,20 +489,21 @@ class AggregatorRound:
         truncating any party's log back past the end of the run shows in the
         cross-check. Best effort: a reply that cannot be recorded is logged."""
         witnessed = []
+        journal = self.journal
         for item in replies:
             try:
                 reply = item.read() if isinstance(item, Unread) else item
-                sender = self._authenticate(reply, 0)
+                sender = self.judge.authenticate(reply, 0)
                 if reply.status != WITNESSED or sender is None:
                     raise MalformedReply(f"{reply.status} {reply.reason}".strip())
-                self._witnessed(None, sender, reply.witness)
+                if reply.witness is not None:
+                    journal.witness(None, sender, reply.witness)
                 witnessed.append(sender)
             except Exception as err:  # the run has ended: note it, never fail it now
                 _logger.log(
                     WARNING, "run end: a region's witness was not recorded (%s)", reason_of(err)
                 )
-        self._note(None, Event.RUN_END_WITNESSED, regions=sorted(witnessed))
-        self._checkpoint(None)
+        journal.run_end_witnessed(witnessed)
         return witnessed
 
     def save_checkpoint(self, server_round: int) -> None:

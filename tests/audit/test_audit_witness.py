@@ -36,6 +36,7 @@ from fedciuic.audit.report import (
 )
 from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.ops.cli import main
+from fedciuic.record.recorder import RunRecorder
 from fedciuic.wire import Witness
 
 RUN = 9
@@ -296,13 +297,12 @@ def test_a_late_reply_showing_an_older_head_is_checked_but_is_no_rollback(tmp_pa
 
 
 def test_the_aggregator_marks_a_witness_older_than_one_it_recorded_late(tmp_path, keys):
-    from fedciuic.aggregator.round import AggregatorRound
+    from fedciuic.aggregator.journal import Journal
 
     log = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
-    agg = AggregatorRound.__new__(AggregatorRound)  # only what _witnessed uses
-    agg.audit, agg.federation_run, agg.witnessed_counts = log, RUN, {}
+    journal = Journal(RunRecorder(tmp_path / "run", {"run_id": RUN}), log, RUN)
     for count in (17, 15, 19):
-        agg._witnessed(None, "us", Witness(count, "d" * 64))
+        journal.witness(None, "us", Witness(count, "d" * 64))
     log.close()
     marks = [
         (r["details"]["count"], r["details"].get("late", False))

@@ -299,15 +299,17 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
 
 
 def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, monkeypatch):
-    s = audited[0]
-    real = s._note_outcome
+    from fedciuic.aggregator.journal import Journal
 
-    def failing(server_round, judged, entry):
+    s = audited[0]
+    real = Journal._outcome
+
+    def failing(journal, server_round, judged, entry):
         if judged.label == "cn":
             raise OSError("disk full")
-        real(server_round, judged, entry)
+        real(journal, server_round, judged, entry)
 
-    monkeypatch.setattr(s, "_note_outcome", failing)
+    monkeypatch.setattr(Journal, "_outcome", failing)
     result = s.train(
         1,
         [

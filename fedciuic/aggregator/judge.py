@@ -1,0 +1,389 @@
+"""Judging one reply at the aggregator: the per-reply boundary (read, authenticate, open,
+staleness, policy, validate) as functions that return a :class:`Judged` and write
+nothing. What the record must show besides the outcome (the region's log head its reply
+carries, what crossed the relay, a policy decision) comes back in :class:`Noted`, in the
+order it was found, for the journal (``fedciuic.aggregator.journal``) to write.
+
+*Any* exception inside the boundary rejects that reply alone, its type named in the
+record, and the round goes on with the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
+from fedciuic.audit.log import checkpoint_head, digest
+from fedciuic.config import RunConfig
+from fedciuic.crypto.sealing import EnvelopeRejected
+from fedciuic.policy.binding import UNSEALED, PolicyGate
+from fedciuic.policy.rules import Decision, UpdateFacts
+from fedciuic.stages.sealing import Header, ReplySealing
+from fedciuic.wire import (
+    AGENT_CODE,
+    AGENT_VERSION,
+    DECLINED,
+    EVALUATED,
+    FAILED,
+    KEY_ID,
+    NO_REPLY,
+    POLICY_HASH,
+    PRIVACY_UNIT,
+    REJECTED,
+    TRAINED,
+    UPDATE,
+    Arrival,
+    EvalMetrics,
+    MalformedReply,
+    NoReply,
+    Reply,
+    TrainMetrics,
+    Unread,
+    Witness,
+    failed,
+    parse_eval_metrics,
+    parse_train_metrics,
+)
+
+
+def reason_of(err: Exception) -> str:
+    """A rejection's reason: the error's type and its message (or repr)."""
+    return f"{type(err).__name__}: {str(err)[:500]}"
+
+
+def agent_identity(info: Mapping[str, object]) -> dict[str, str]:
+    """The code a reply says made it (its region agent's version and code digest)."""
+    keys = ((AGENT_VERSION, "agent_version"), (AGENT_CODE, "agent_code"))
+    return {name: str(info[key]) for key, name in keys if key in info}
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a region was asked to train: the round its reply must be signed for (a
+    buffered region's own task number), and the global version it trains from."""
+
+    round: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Received:
+    """An update as it crossed the relay: its digest is what the region logged, under
+    the round the region sent it for (``task_round``, a buffered region's own task
+    number; ``aggregate``: the aggregate it arrived in, when that differs)."""
+
+    task_round: int
+    region: str
+    digest: str
+    bytes: int
+    suite: str
+    sender_key_id: str
+    agent: dict[str, str]
+    aggregate: int | None
+
+
+@dataclass
+class Noted:
+    """What judging a reply found for the record besides its outcome, in the order the
+    journal writes it: the head of the sender's log its signed reply carries, the update
+    as received, the policy decision on it."""
+
+    witness: tuple[str, Witness] | None = None
+    received: Received | None = None
+    decision: Decision | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A trained reply once authenticated, opened, validated and checked by policy."""
+
+    checked: Checked
+    metrics: TrainMetrics
+    info: dict[str, str]
+    header: Header
+    upload_bytes: int  # what crossed the relay: the envelope, or the clear update
+
+    @property
+    def region(self) -> str:
+        return self.header.region
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One reply's outcome, under the label it is recorded with: accepted (a trained
+    update that counts), evaluated, or its reply's final status and reason (declined,
+    failed, rejected)."""
+
+    label: str
+    reply: Reply  # its status and reason are final
+    accepted: Accepted | None = None
+    evaluated: EvalMetrics | None = None
+    claimed: str = ""
+    authenticated: bool = False
+    task: Task | None = None  # what a training reply answers
+    staleness: int = 0  # global versions published since its task was sent
+    noted: Noted = field(default_factory=Noted)
+
+    @property
+    def status(self) -> str:
+        return self.reply.status
+
+    @property
+    def reason(self) -> str:
+        return self.reply.reason
+
+    def entry(self) -> dict[str, Any]:
+        """What metrics.json records for this reply, with the code that made it."""
+        return {**self._entry(), **agent_identity(self.reply.info)}
+
+    def _entry(self) -> dict[str, Any]:
+        if self.accepted is not None:
+            a = self.accepted
+            return {
+                "status": TRAINED,
+                "reason": "",
+                "norm": a.checked.norm,
+                "clipped": a.checked.clipped,
+                "loss": a.metrics.train_loss,
+                "num_examples": a.metrics.num_examples,
+                "steps": a.metrics.steps,
+                "data_fingerprint": a.info["data-fingerprint"],
+                "upload_bytes": a.upload_bytes,
+                "update_bytes": a.metrics.update_bytes,
+                **self._versions(),
+                **a.metrics.record(),
+            }
+        if self.evaluated is not None:
+            e = self.evaluated
+            return {
+                "status": EVALUATED,
+                "loss": e.eval_loss,
+                "perplexity": e.perplexity,
+                "num_examples": e.num_examples,
+                **({"step_seconds": e.step_seconds} if e.step_seconds is not None else {}),
+            }
+        entry: dict[str, Any] = {"status": self.reply.status, "reason": self.reply.reason}
+        if self.claimed != self.label:
+            entry["claimed_region"] = self.claimed
+        return {**entry, **self._versions()}
+
+    def _versions(self) -> dict[str, int]:
+        """The global version an update was computed against, and how old it was (for an
+        update that arrived: accepted or rejected; a decline or failure carries none)."""
+        if self.task is None or self.reply.status not in (TRAINED, REJECTED):
+            return {}
+        return {"global_version": self.task.version, "staleness": self.staleness}
+
+    def refused(self, reason: str) -> Judged:
+        """This outcome turned into a rejection for ``reason``: it no longer counts."""
+        reply = replace(self.reply, status=REJECTED, reason=reason)
+        return replace(self, accepted=None, evaluated=None, reply=reply)
+
+
+#: One judging step inside the boundary: the reply read, its authenticated sender (or
+#: None), and where to note what it finds.
+Step = Callable[[Reply, str | None, Noted], Judged]
+
+
+@dataclass(frozen=True)
+class Judge:
+    """The boundary and its stages, over the run's config and its sealing and policy
+    stages; ``labels``: the region each node authenticated as before (for replies that
+    carry no signature)."""
+
+    run: RunConfig
+    sealing: ReplySealing
+    policies: PolicyGate
+    run_id: int
+    labels: Mapping[int, str]
+
+    def guarded(self, item: Arrival, step: Step, *, signed_round: int) -> Judged:
+        """The one boundary per reply: *any* exception while reading, authenticating,
+        opening, decoding or validating a reply rejects that reply alone (its type named
+        in the record). ``signed_round``: the round the reply must be signed for."""
+        noted = Noted()
+        if isinstance(item, NoReply):
+            reason = f"{NO_REPLY} ({item.waited or self.run.round_timeout:g}s)"
+            return self.settle(failed(item.node_id, "", reason), None, noted)
+        reply, sender = failed(item.node_id, "", ""), None
+        try:
+            reply = item.read() if isinstance(item, Unread) else item
+            sender = self.authenticate(reply, signed_round)
+            if sender is not None and reply.witness is not None:
+                checkpoint_head(reply.witness.count, reply.witness.head)  # untrusted
+                noted.witness = (sender, reply.witness)
+            return step(reply, sender, noted)
+        except Exception as err:  # the boundary: no reply stops the run
+            return self.settle(reply, sender, noted, error=err)
+
+    def settle(
+        self,
+        reply: Reply,
+        sender: str | None,
+        noted: Noted,
+        *,
+        error: Exception | None = None,
+        accepted: Accepted | None = None,
+        evaluated: EvalMetrics | None = None,
+    ) -> Judged:
+        """The reply's outcome under its label: the region its signature authenticates;
+        else the region this node authenticated as before; else ``node-ID``."""
+        label = sender or self.labels.get(reply.node_id) or f"node-{reply.node_id}"
+        if error is not None:
+            reply = replace(reply, status=REJECTED, reason=reason_of(error))
+        return Judged(
+            label,
+            reply,
+            accepted,
+            evaluated,
+            claimed=reply.region or label,
+            authenticated=bool(sender),
+            noted=noted,
+        )
+
+    def authenticate(self, reply: Reply, server_round: int) -> str | None:
+        """The region this reply comes from, by its signature; without sealing (a lab
+        run, nothing to authenticate with) the name it claims."""
+        if reply.status == FAILED:
+            return None
+        return self.sealing.sender(reply, self.run_id, server_round)
+
+    def evaluation(self, reply: Reply, sender: str | None, noted: Noted) -> Judged:
+        if reply.status == EVALUATED:
+            stats = parse_eval_metrics(reply.metrics)
+            return self.settle(reply, sender, noted, evaluated=stats)
+        if reply.status in (FAILED, DECLINED):
+            return self.settle(reply, sender, noted)
+        raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
+
+    def update(
+        self,
+        reply: Reply,
+        sender: str | None,
+        noted: Noted,
+        *,
+        server_round: int,
+        n: int,
+        task: Task,
+        staleness: int,
+        max_staleness: int,
+        staleness_rule: str,
+        after_end: bool,
+    ) -> Judged:
+        """Open and validate one authenticated training reply into typed values; raises
+        on anything wrong with it (the boundary turns that into a rejection)."""
+        if reply.status in (FAILED, DECLINED):
+            return self.settle(reply, sender, noted)
+        noted.received = received(server_round, task, reply, sender or reply.region)
+        if after_end:
+            raise ImplausibleUpdate(
+                f"arrived after the run's last aggregate (round {server_round}); not used"
+            )
+        update, metrics, info, header = self._open(reply, task.round, sender)
+        if staleness > max_staleness:
+            raise ImplausibleUpdate(
+                f"computed against global version {task.version}, {staleness} version(s) "
+                f"old; {staleness_rule}"
+            )
+        privacy = metrics.privacy
+        decision = self.policies.check_update(
+            UpdateFacts(
+                region=header.region,
+                sender_jurisdiction=header.jurisdiction,
+                policy_hash=header.policy_hash,
+                epsilon=privacy.epsilon if privacy else None,
+                delta=privacy.delta if privacy else None,
+                suite=header.suite,
+                codec=self.run.codec.family,
+                num_examples=metrics.num_examples,
+                max_grad_norm=privacy.max_grad_norm if privacy else None,
+                secure_mode=bool(privacy.secure_mode) if privacy else None,
+                unit=privacy.unit if privacy else None,
+                agent_version=reply.info.get(AGENT_VERSION),
+            )
+        )
+        noted.decision = decision
+        if not decision.accepted:
+            rejected = replace(
+                reply,
+                status=REJECTED,
+                reason="; ".join(decision.reasons),
+                info={**reply.info, POLICY_HASH: header.policy_hash},
+            )
+            return self.settle(rejected, header.region, noted)
+        checked = check(
+            self.run.codec,
+            update,
+            n,
+            metrics.num_examples,
+            self._bounds(max_staleness),
+            steps=metrics.steps,
+            staleness=staleness,
+        )
+        upload = len(reply.envelope) if reply.envelope is not None else len(update)
+        accepted = Accepted(checked, metrics, info, header, upload)
+        return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)
+
+    def _bounds(self, max_staleness: int) -> Bounds:
+        run = self.run
+        return Bounds(
+            run.max_update_norm,
+            run.update_norm_action,
+            run.max_examples,
+            max_steps=run.local_steps,
+            max_staleness=max_staleness,
+        )
+
+    def _open(
+        self, reply: Reply, server_round: int, sender: str | None
+    ) -> tuple[bytes, TrainMetrics, dict[str, str], Header]:
+        """The compressed update, its metrics and info, and the facts its policy is
+        checked against, as the sealing stage hands them over."""
+        opened = self.sealing.receive(reply, self.run_id, server_round, sender)
+        info, header = opened.info, opened.header
+        if info["region"] != header.region:
+            raise EnvelopeRejected(
+                f"update names region {info['region']!r} but comes from {header.region!r}"
+            )
+        update = self._update_bytes(opened.arrays)
+        return update, parse_train_metrics(opened.metrics, info[PRIVACY_UNIT]), info, header
+
+    def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
+        """The one compressed update a trained reply may carry, within the size cap."""
+        if set(arrays) != {UPDATE}:
+            raise MalformedReply(
+                f"a trained reply carries {sorted(arrays)[:8]}, expected ['update']"
+            )
+        update = arrays[UPDATE]
+        if update.dtype != np.uint8 or update.ndim != 1:
+            raise MalformedReply(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
+        if update.nbytes > self.run.max_update_bytes:
+            raise EnvelopeRejected(
+                f"update of {update.nbytes} bytes is over max-update-bytes "
+                f"{self.run.max_update_bytes}"
+            )
+        return update.tobytes()
+
+
+def received(server_round: int, task: Task, reply: Reply, region: str) -> Received | None:
+    """What crossed the relay, as received (None for a reply that carries no update)."""
+    if reply.envelope is not None:
+        data, suite = reply.envelope, "sealed"
+    elif reply.arrays and UPDATE in reply.arrays:
+        data, suite = reply.arrays[UPDATE].tobytes(), UNSEALED
+    else:
+        return None
+    return Received(
+        task_round=task.round,
+        region=region,
+        digest=digest(data),
+        bytes=len(data),
+        suite=suite,
+        sender_key_id=str(reply.info.get(KEY_ID, "")),
+        agent=agent_identity(reply.info),
+        aggregate=server_round if task.round != server_round else None,
+    )
