@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -212,6 +213,27 @@ class Journal:
         for region in changes.rejoined:
             _logger.log(INFO, "round %d: region %s is back", server_round, region)
             self.note(server_round, Event.REGION_REJOINED, region=region)
+
+    def receipts(self) -> str:
+        """What this federation run received from each region (the log's
+        ``update_received`` records, resumed runs included), as canonical JSON."""
+        received: dict[str, list[tuple[int, str]]] = {}
+        for record in self.audit.records():
+            details = record.get("details")
+            if (
+                record.get("event") != RECEIVED_EVENT
+                or record.get("run_id") != self.run_id
+                or not isinstance(details, dict)
+            ):
+                continue
+            region, digest_hex = details.get("region"), details.get("digest")
+            if isinstance(region, str) and isinstance(digest_hex, str):
+                received.setdefault(region, []).append((int(record.get("round") or 0), digest_hex))
+        return json.dumps(
+            {r: sorted(set(items)) for r, items in received.items()},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     def run_end_witnessed(self, witnessed: Iterable[str]) -> None:
         self.note(None, Event.RUN_END_WITNESSED, regions=sorted(witnessed))

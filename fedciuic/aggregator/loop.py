@@ -37,6 +37,10 @@ from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread
 
 _logger = logging.getLogger("flwr")
 
+#: Seconds a training round waits beyond twice the regions' timed local work: Flower's
+#: polling, a ClientApp process per message, sealing and evaluation.
+WAIT_MARGIN = 120.0
+
 
 class Transport(Protocol):
     """How the loop reaches the regions: nodes, messages pushed and replies pulled by id.
@@ -153,6 +157,7 @@ class Loop:
         self.courier = Courier(transport, clock=clock, sleep=sleep, interval=interval)
         self.timeout = aggregator.run.round_timeout
         self._waited = False
+        self._wait_said = False
         #: Replies pulled but not yet judged: after a buffered aggregate filled, or
         #: updates that arrived during an evaluation; the next aggregate takes them.
         self._carried: list[tuple[Sent, Unread]] = []
@@ -186,6 +191,35 @@ class Loop:
         self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
         if late:
             self.aggregator.end(num_rounds)
+
+    def train_wait(self) -> float:
+        """How long a training round waits for updates: round-timeout, or
+        longer when the regions' timed steps say their local work takes longer (twice the slowest
+        region's local steps, or its local-time-budget, plus :data:`WAIT_MARGIN` for
+        Flower), so that an update a region spent privacy on is not lost to the clock.
+        Said once, as a warning, when it is longer than round-timeout."""
+        run, timeout, timed = self.aggregator.run, self.timeout, self.aggregator.step_seconds
+        if not timed:
+            return timeout
+        region, slowest = max(timed.items(), key=lambda item: item[1])
+        work = slowest * run.local_steps
+        if run.local_time_budget > 0:
+            work = min(work, run.local_time_budget)
+        wait = max(timeout, 2 * work + WAIT_MARGIN)
+        if wait > timeout and not self._wait_said:
+            self._wait_said = True
+            _logger.warning(
+                "round-timeout %gs is shorter than the regions' local work: %s takes %.1fs per "
+                "DP-SGD step x %d step(s) (timed on its hardware); training rounds wait up to "
+                "%.0fs for updates. Raise round-timeout, or lower local-steps or set "
+                "local-time-budget, to change it",
+                timeout,
+                region,
+                slowest,
+                run.local_steps,
+                wait,
+            )
+        return wait
 
     def wait_for_regions(self) -> list[int]:
         """All connected nodes, once every region is there or the deadline has passed.
@@ -298,7 +332,7 @@ class SyncLoop(Loop):
         task = Task(server_round, a.version)
         asked = self._send(TaskKind.TRAIN, server_round, idle, task)
         arrivals, late, heard = self._collect(
-            asked, TaskKind.TRAIN, server_round, a.train_wait(self.timeout)
+            asked, TaskKind.TRAIN, server_round, self.train_wait()
         )
         into = a.collecting()
         late, self._carried = self._carried + late, []
@@ -326,7 +360,7 @@ class BufferedLoop(Loop):
         into = a.collecting()
         heard: set[int] = set()
         contributed: set[str] = set()  # one reply per region and aggregate
-        deadline = self.clock() + a.train_wait(self.timeout)
+        deadline = self.clock() + self.train_wait()
         nodes = self.wait_for_regions()
         while True:
             courier.forget_gone(nodes)
@@ -357,7 +391,7 @@ class BufferedLoop(Loop):
         # A region still within round-timeout of its task has not missed anything: a
         # buffered aggregate is often shorter than a slow region's task.
         now = self.clock()
-        wait = a.train_wait(self.timeout)
+        wait = self.train_wait()
         working = {s.node for s in courier.in_flight.values() if now - s.at < wait}
         finished = {n for n in nodes if a.regions_by_node.get(n) in a.tasks.finished()}
         a.heard(server_round, heard | working | finished)
@@ -378,7 +412,7 @@ class BufferedLoop(Loop):
         regions, so that each is logged as received (and refused: no aggregate is left)
         rather than sent by the region and never heard of."""
         a, courier = self.aggregator, self.courier
-        deadline = self.clock() + a.train_wait(self.timeout)
+        deadline = self.clock() + self.train_wait()
         while self.clock() < deadline:
             self._carried += courier.pull()
             if not any(

@@ -20,7 +20,6 @@ Differences from plain FedAvg, each for a reason:
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import Iterable, Mapping
@@ -40,11 +39,11 @@ from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.aggregator.journal import Filing, Journal
 from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
-from fedciuic.audit.log import RECEIVED_EVENT
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
 from fedciuic.crypto.sealing import NONCE_BYTES, TaskKind
 from fedciuic.policy.binding import NotEnforced, PolicyGate
+from fedciuic.policy.rules import Decision
 from fedciuic.record.metrics import OVERALL
 from fedciuic.record.recorder import RunRecorder
 from fedciuic.server_optim import ServerOptimizer
@@ -65,11 +64,6 @@ from fedciuic.wire import (
 _logger = logging.getLogger("flwr")
 
 
-#: Seconds a training round waits beyond twice the regions' timed local work: Flower's
-#: polling, a ClientApp process per message, sealing and evaluation.
-WAIT_MARGIN = 120.0
-
-
 @dataclass
 class Collecting:
     """One aggregate being filled: the accepted updates so far, every judged reply, and
@@ -80,6 +74,23 @@ class Collecting:
     labels: set[str] = field(default_factory=set)
     judged: list[Judged] = field(default_factory=list)
     accepted: list[Accepted] = field(default_factory=list)
+
+    def check(self, policies: PolicyGate) -> Decision:
+        """The policies' decision on publishing the accepted updates as they are now."""
+        return policies.check_aggregate(
+            {a.region: a.header.jurisdiction for a in self.accepted},
+            {a.region: a.metrics.num_examples for a in self.accepted},
+        )
+
+    def train_loss(self) -> float | None:
+        """The accepted updates' training loss, weighted by examples (None: no region
+        reports one, every step being noise only)."""
+        losses = [
+            (a.metrics.train_loss, a.metrics.num_examples)
+            for a in self.accepted
+            if a.metrics.train_loss is not None
+        ]
+        return sum(x * w for x, w in losses) / sum(w for _, w in losses) if losses else None
 
 
 @dataclass(frozen=True)
@@ -150,11 +161,11 @@ class AggregatorRound:
         self.regions_by_node: dict[int, str] = {}
         self.availability = Availability(run.regions, run.max_missed_rounds)
         self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
-        #: Each region's timed local step (from its evaluations): what train_wait sizes on.
+        #: Each region's timed local step (from its evaluations): what the loop's training
+        #: wait sizes on.
         self.step_seconds: dict[str, float] = {}
         #: The highest checkpoint count each region's replies have shown in this run.
         self.witnessed_counts: dict[str, int] = {}
-        self._wait_said = False
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
         self.server_optimizer = ServerOptimizer.from_run(run)
 
@@ -290,9 +301,8 @@ class AggregatorRound:
     def publish(self, server_round: int, into: Collecting) -> Published | Withheld:
         """Apply the aggregate of ``into`` to the global adapter (a new version), or
         withhold it when no update was accepted or a policy's minimum is not met."""
-        accepted = into.accepted
-        regions = [a.region for a in accepted]
-        withheld = self._withhold(server_round, accepted)
+        regions = [a.region for a in into.accepted]
+        withheld = self._withhold(server_round, into)
         if withheld:
             self.journal.withheld(server_round, regions, withheld)
             return Withheld(regions, withheld)
@@ -301,35 +311,19 @@ class AggregatorRound:
             self.global_adapter, into.accumulator.mean()
         )
         self.version += 1
-        losses = [
-            (a.metrics.train_loss, a.metrics.num_examples)
-            for a in accepted
-            if a.metrics.train_loss is not None
-        ]
-        loss = sum(x * w for x, w in losses) / sum(w for _, w in losses) if losses else None
-        self.journal.published(
-            server_round, regions, into.accumulator.weight, self.version, self.global_adapter
-        )
-        return Published(self.global_adapter, regions, into.accumulator.weight, loss)
+        weight = into.accumulator.weight
+        self.journal.published(server_round, regions, weight, self.version, self.global_adapter)
+        return Published(self.global_adapter, regions, weight, into.train_loss())
 
     def may_publish(self, into: Collecting) -> bool:
         """Whether the policies would let ``into`` be published now (nothing recorded)."""
-        if not into.accepted:
-            return False
-        decision = self.policies.check_aggregate(
-            {a.region: a.header.jurisdiction for a in into.accepted},
-            {a.region: a.metrics.num_examples for a in into.accepted},
-        )
-        return decision.accepted
+        return bool(into.accepted) and into.check(self.policies).accepted
 
-    def _withhold(self, server_round: int, accepted: list[Accepted]) -> list[str]:
+    def _withhold(self, server_round: int, into: Collecting) -> list[str]:
         """Why this round's aggregate must not be published; empty when it may be."""
-        if not accepted:
+        if not into.accepted:
             return ["no region's update was accepted"]
-        decision = self.policies.check_aggregate(
-            {a.region: a.header.jurisdiction for a in accepted},
-            {a.region: a.metrics.num_examples for a in accepted},
-        )
+        decision = into.check(self.policies)
         self.journal.decided(server_round, decision)
         return list(decision.reasons)
 
@@ -408,36 +402,6 @@ class AggregatorRound:
             _logger.log(INFO, "round %d: eval loss %-4s %.4f", server_round, label, stats.eval_loss)
         return EvalResult(judged_all, loss, total)
 
-    def train_wait(self, timeout: float) -> float:
-        """How long a training round waits for updates: ``timeout`` (round-timeout), or
-        longer when the regions' timed steps say their local work takes longer (twice the slowest
-        region's local steps, or its local-time-budget, plus :data:`WAIT_MARGIN` for
-        Flower), so that an update a region spent privacy on is not lost to the clock.
-        Said once, as a warning, when it is longer than round-timeout."""
-        run = self.run
-        if not self.step_seconds:
-            return timeout
-        region, slowest = max(self.step_seconds.items(), key=lambda item: item[1])
-        work = slowest * run.local_steps
-        if run.local_time_budget > 0:
-            work = min(work, run.local_time_budget)
-        wait = max(timeout, 2 * work + WAIT_MARGIN)
-        if wait > timeout and not self._wait_said:
-            self._wait_said = True
-            _logger.log(
-                WARNING,
-                "round-timeout %gs is shorter than the regions' local work: %s takes %.1fs per "
-                "DP-SGD step x %d step(s) (timed on its hardware); training rounds wait up to "
-                "%.0fs for updates. Raise round-timeout, or lower local-steps or set "
-                "local-time-budget, to change it",
-                timeout,
-                region,
-                slowest,
-                run.local_steps,
-                wait,
-            )
-        return wait
-
     def end(self, server_round: int) -> None:
         """The round is over: close its record and, after a training round, save the
         checkpoint a run can resume from."""
@@ -459,30 +423,9 @@ class AggregatorRound:
             run_config=self.run_config,
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=self.sealing.signer,
-            receipts=self._receipts(),
+            receipts=self.journal.receipts(),
         )
         return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
-
-    def _receipts(self) -> str:
-        """What this federation run received from each region (its log's
-        ``update_received`` records, resumed runs included), as canonical JSON."""
-        received: dict[str, list[tuple[int, str]]] = {}
-        for record in self.audit.records():
-            details = record.get("details")
-            if (
-                record.get("event") != RECEIVED_EVENT
-                or record.get("run_id") != self.federation_run
-                or not isinstance(details, dict)
-            ):
-                continue
-            region, digest_hex = details.get("region"), details.get("digest")
-            if isinstance(region, str) and isinstance(digest_hex, str):
-                received.setdefault(region, []).append((int(record.get("round") or 0), digest_hex))
-        return json.dumps(
-            {r: sorted(set(items)) for r, items in received.items()},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
 
     def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
         """Record the head each region answers the run-end notice with, so that

@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from fedciuic.aggregator.round import WAIT_MARGIN
+from fedciuic.aggregator.loop import WAIT_MARGIN, loop_for
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.dpsgd import time_private_step
+from tests.aggregator.fakes import Regions
 from tests.rounds.test_aggregator import evaluated, make_round, reply
 
 
@@ -24,22 +25,25 @@ def test_the_training_wait_grows_to_twice_the_slowest_regions_timed_work(
     run_config, tmp_path, caplog
 ):
     run = run_config.model_copy(update={"local_steps": 30, "round_timeout": 60.0})
-    a = make_round(run, tmp_path / "run")
-    assert a.train_wait(60.0) == 60.0  # nothing timed yet: round-timeout
+    loop = loop_for(make_round(run, tmp_path / "run"), Regions())
+    a = loop.aggregator
+    assert loop.train_wait() == 60.0  # nothing timed yet: round-timeout
     a.evaluate(0, [reply(11, _timed("eu", 2.0, 2.0)), reply(12, _timed("cn", 3.0, 10.0))])
     assert a.recorder.data.rounds[0].eval["cn"].step_seconds == 10.0
     with caplog.at_level(logging.WARNING):
-        assert a.train_wait(60.0) == pytest.approx(2 * 10.0 * 30 + WAIT_MARGIN)
-        a.train_wait(60.0)
+        assert loop.train_wait() == pytest.approx(2 * 10.0 * 30 + WAIT_MARGIN)
+        loop.train_wait()
     said = [r.getMessage() for r in caplog.records if "round-timeout" in r.getMessage()]
     assert len(said) == 1 and "cn takes 10.0s per DP-SGD step x 30 step(s)" in said[0]
     # Work that fits leaves round-timeout as it is; a time budget caps the work.
-    assert a.train_wait(3600.0) == 3600.0
-    budgeted = make_round(
-        run.model_copy(update={"local_time_budget": 100.0}), tmp_path / "budgeted"
+    loop.timeout = 3600.0
+    assert loop.train_wait() == 3600.0
+    budgeted = loop_for(
+        make_round(run.model_copy(update={"local_time_budget": 100.0}), tmp_path / "budgeted"),
+        Regions(),
     )
-    budgeted.evaluate(0, [reply(12, _timed("cn", 3.0, 10.0))])
-    assert budgeted.train_wait(60.0) == pytest.approx(2 * 100.0 + WAIT_MARGIN)
+    budgeted.aggregator.evaluate(0, [reply(12, _timed("cn", 3.0, 10.0))])
+    assert budgeted.train_wait() == pytest.approx(2 * 100.0 + WAIT_MARGIN)
 
 
 def test_a_step_seconds_that_is_not_a_positive_number_is_rejected_alone(run_config, tmp_path):
