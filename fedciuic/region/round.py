@@ -20,6 +20,7 @@ in simulation (lab mode).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -68,7 +69,8 @@ from fedciuic.wire import (
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
     # that importing the round (the agent at start) stays light
     from fedciuic.model.train import EvalStats
-    from fedciuic.region.trainer import Region, TrainOutcome
+    from fedciuic.privacy.ledger import PrivacyLedger
+    from fedciuic.region.trainer import Region, SentUpdates, TrainOutcome
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
@@ -472,18 +474,40 @@ class _Round:
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
-        from fedciuic.region.trainer import AlreadyReleased, SentUpdates
+        from fedciuic.region.trainer import SentUpdates
 
         region = _region(run, node, self.run_id)
         sent = SentUpdates(node.state_dir)
         kept = sent.load(self.run_id, task.server_round) if training else None
+        with contextlib.ExitStack() as session:
+            # One ledger for the round, opened and locked once: the projection for the
+            # policy check, the release check and the training all read it.
+            fresh = training and kept is None and run.dp
+            ledger = session.enter_context(region.ledger_session()) if fresh else None
+            return self._task(task, simulated, sealing, region, sent, kept, ledger)
+
+    def _task(
+        self,
+        task: Instruction,
+        simulated: bool,
+        sealing: RegionSealing,
+        region: Region,
+        sent: SentUpdates,
+        kept: bytes | None,
+        ledger: PrivacyLedger | None,
+    ) -> Outcome:
+        """The instruction's task once its signature and config are checked: the region's
+        policy on it, then evaluation, the update kept for this round, or training."""
+        from fedciuic.region.trainer import AlreadyReleased
+
+        run, node, training = self.run, self.node, task.kind == TaskKind.TRAIN
         policy = enforce_region_policy(
             run,
             node,
             simulated=simulated,
             aggregator_jurisdiction=sealing.destination,
             own_jurisdiction=sealing.own_jurisdiction,
-            projected_epsilon=region.projected_epsilon() if training and not kept else None,
+            projected_epsilon=region.projected_epsilon(ledger) if training and not kept else None,
         )
         if not policy.redacts_paths:
             self.audit.redact = ()
@@ -499,7 +523,7 @@ class _Round:
             # again, no second release and no second charge to the ledger.
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
             return self._send(region.name, kept, sealing, policy)
-        if region.released(self.run_id, task.server_round):
+        if region.released(self.run_id, task.server_round, ledger):
             raise AlreadyReleased(
                 f"region {region.name}: round {task.server_round} of run {self.run_id} was "
                 "already released (the privacy ledger records it) and its update was not "
@@ -511,6 +535,7 @@ class _Round:
             base_fingerprint=task.base_fingerprint,
             run_id=self.run_id,
             max_run_epsilon=policy.max_epsilon_per_run,
+            ledger=ledger,
         )
         self._note_trained(outcome)
         payload = update_payload(

@@ -6,10 +6,12 @@ what comes back. A region built once per process is reused across rounds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -203,6 +205,7 @@ class Region:
         base_fingerprint: str,
         run_id: int = 0,
         max_run_epsilon: float | None = None,
+        ledger: PrivacyLedger | None = None,
     ) -> TrainOutcome:
         """Train from the global adapter and return ``local - global`` with statistics.
 
@@ -212,7 +215,8 @@ class Region:
         on disk before the update leaves this function. What run ``run_id`` has
         actually spent, with this round, must stay within the run's target epsilon
         and ``max_run_epsilon`` (the policy's ``max_epsilon_per_run``), and the
-        dataset's whole history within its budget.
+        dataset's whole history within its budget. ``ledger``: the one a session
+        (:meth:`ledger_session`) holds for this round, else it is opened here.
         """
         self.check_round(server_round)
         self._load_global(adapter, base_fingerprint)
@@ -243,7 +247,9 @@ class Region:
                 proximal_mu=run.proximal_mu,
             )
         else:
-            stats, privacy = self._train_private(server_round, run_id, seed, max_run_epsilon)
+            stats, privacy = self._train_private(
+                server_round, run_id, seed, max_run_epsilon, ledger
+            )
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
         update = self._compress(delta, seed)
@@ -293,14 +299,24 @@ class Region:
         )
         return (noise, rate, run.local_steps)
 
-    def released(self, run_id: int, server_round: int) -> bool:
-        """Whether the ledger already records this round of this run (DP runs only)."""
-        if not self.run.dp or not self.ledger_path.exists():
-            return False
+    @contextlib.contextmanager
+    def ledger_session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
+        """The dataset's ledger, opened once (its audit log's witness of it read once)
+        and locked while the block runs, so that a round's projection for the policy
+        check, its release check and its training read one ledger. ``held``: the one a
+        session the caller opened holds already (the lock is not taken twice)."""
+        if held is not None:
+            yield held
+            return
         with locked(self.ledger_path):
-            return any(
-                r.run_id == run_id and r.round == server_round for r in self._ledger().rounds
-            )
+            yield self._ledger()
+
+    def released(self, run_id: int, server_round: int, ledger: PrivacyLedger | None = None) -> bool:
+        """Whether the ledger already records this round of this run (DP runs only)."""
+        if not self.run.dp or (ledger is None and not self.ledger_path.exists()):
+            return False
+        with self.ledger_session(ledger) as held:
+            return any(r.run_id == run_id and r.round == server_round for r in held.rounds)
 
     def check_round(self, server_round: int) -> None:
         """Refuse a round number outside this run's 1..num-server-rounds: the noise is
@@ -319,14 +335,14 @@ class Region:
         """The region's audit log, which witnesses the ledger's head after each release."""
         return self.node.state_dir / REGION_LOG
 
-    def projected_epsilon(self) -> float | None:
+    def projected_epsilon(self, ledger: PrivacyLedger | None = None) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),
-        for the policy check before training; the ledger lock is held only to read."""
+        for the policy check before training (``ledger``: a session's)."""
         if not self.run.dp:
             return None
         step = self.privacy_step()
-        with locked(self.ledger_path):
-            return self._ledger().epsilon_after(step)
+        with self.ledger_session(ledger) as held:
+            return held.epsilon_after(step)
 
     def _ledger(self) -> PrivacyLedger:
         """The dataset's ledger, checked against what the region's audit log witnessed
@@ -349,14 +365,18 @@ class Region:
         return cap, why
 
     def _train_private(
-        self, server_round: int, run_id: int, seed: int, max_run_epsilon: float | None
+        self,
+        server_round: int,
+        run_id: int,
+        seed: int,
+        max_run_epsilon: float | None,
+        held: PrivacyLedger | None,
     ) -> tuple[TrainStats, PrivacySpent]:
         run = self.run
         budget = self.node.epsilon_budget or run.epsilon_budget
         step = self.privacy_step()
         cap, cap_reason = self._run_cap(max_run_epsilon)
-        with locked(self.ledger_path):
-            ledger = self._ledger()
+        with self.ledger_session(held) as ledger:
             after = ledger.epsilon_after(step)
             if after > budget:
                 raise BudgetExhausted(

@@ -611,3 +611,23 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
         "not signed"
         in declined(witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN)).reason
     )
+
+
+def test_a_training_round_opens_its_ledger_once(run, demo_root, tmp_path, monkeypatch):
+    """The projection for the policy check, the release check and the training read one
+    ledger, opened (and its audit-log witness read) once, under one lock."""
+    from fedciuic.privacy import ledger as ledger_module
+
+    opened: list[Path] = []
+    real = ledger_module.PrivacyLedger.open
+
+    def counting(path, **kwargs):
+        opened.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(ledger_module.PrivacyLedger, "open", staticmethod(counting))
+    node = cn_node(demo_root, tmp_path)
+    assert isinstance(run(node).outcome, Clear)
+    assert opened == [tmp_path / "privacy-ledger.jsonl"]
+    opened.clear()  # a resent round (its update kept) does not open it at all
+    assert isinstance(run(node).outcome, Clear) and opened == []
