@@ -38,7 +38,7 @@ from typing import Any
 
 from report import Row, save_figure, verdict
 
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.outputs import upload_bytes

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic.agent.config import AgentConfig
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT

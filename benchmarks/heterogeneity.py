@@ -86,7 +86,7 @@ from fedciuic.aggregator.checkpoint import kept_rounds, load_checkpoint
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.runconfig import app_run_config

@@ -34,7 +34,7 @@ from typing import Any
 
 from report import Row, verdict
 
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.record.metrics import load_metrics

@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 from report import Row, proc_bytes, save_figure, verdict
 
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.record.metrics import load_metrics

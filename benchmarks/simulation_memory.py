@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 from report import proc_bytes
 
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.shared_base import SHARE_ENV

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+#: The exit codes of ``fedciuic`` commands, one meaning each (``fedciuic audit report``
+#: uses its own 3, EXIT_DISAGREE, for logs that verify but disagree).
+EXIT_OK = 0
+EXIT_AUDIT = 1  # a log failed verification or could not be verified, or the logs disagree
+EXIT_ERROR = 2  # bad input: a config, a path, a file (one line says which and the fix)
+EXIT_NO_AGGREGATE = 3  # the run ended without publishing an aggregate: nothing trained
+EXIT_UNFINISHED = 4  # the run did not end: interrupted, failed, or still running
+
 
 class FedciuicError(Exception):
     """Base class for errors meant for the user (printed as one line, no traceback)."""

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from fedciuic.audit.log import AuditError, checkpoint_head
 from fedciuic.config import PRIVACY_UNITS, PrivacyUnit
 from fedciuic.crypto.keys import NAME_PATTERN, Keypair
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NONCE_BYTES,
     TaskKind,
     Terms,

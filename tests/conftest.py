@@ -200,7 +200,7 @@ def signed_run_end(
     import secrets
     from dataclasses import replace
 
-    from fedciuic.crypto.sealing import NONCE_BYTES, sign_run_end
+    from fedciuic.crypto.parties import NONCE_BYTES, sign_run_end
     from fedciuic.wire import RunEndNotice
 
     unsigned = RunEndNotice(

@@ -68,7 +68,7 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.events import Event
 from fedciuic.cluster.protocol import share_cores
 from fedciuic.crypto.keys import load_bundle, load_keypair
-from fedciuic.crypto.sealing import RegionKeys, TaskKind
+from fedciuic.crypto.parties import RegionKeys, TaskKind
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.stages.sealing import SealingRegion

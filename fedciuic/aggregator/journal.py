@@ -18,7 +18,7 @@ from fedciuic.aggregator.judge import Judged, reason_of
 from fedciuic.aggregator.schedule import Changes
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import RECEIVED_EVENT
-from fedciuic.crypto.sealing import model_digest
+from fedciuic.crypto.parties import model_digest
 from fedciuic.policy.rules import Decision
 from fedciuic.record.recorder import RunRecorder
 from fedciuic.stages.audit import AuditTrail

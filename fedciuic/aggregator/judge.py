@@ -19,7 +19,7 @@ import numpy as np
 from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit.log import checkpoint_head, digest
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import EnvelopeRejected
+from fedciuic.crypto.parties import EnvelopeRejected
 from fedciuic.policy.binding import UNSEALED, PolicyGate
 from fedciuic.policy.rules import Decision, UpdateFacts
 from fedciuic.stages.sealing import Header, ReplySealing
@@ -71,7 +71,7 @@ class Task:
 
 
 @dataclass(frozen=True)
-class Received:
+class Receipt:
     """An update as it crossed the relay: its digest is what the region logged, under
     the round the region sent it for (``task_round``, a buffered region's own task
     number; ``aggregate``: the aggregate it arrived in, when that differs)."""
@@ -93,7 +93,7 @@ class Noted:
     as received, the policy decision on it."""
 
     witness: tuple[str, Witness] | None = None
-    received: Received | None = None
+    received: Receipt | None = None
     decision: Decision | None = None
 
 
@@ -186,7 +186,7 @@ class Judged:
 
 #: One judging step inside the boundary: the reply read, its authenticated sender (or
 #: None), and where to note what it finds.
-Step = Callable[[Reply, str | None, Noted], Judged]
+JudgingStep = Callable[[Reply, str | None, Noted], Judged]
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class Judge:
     run_id: int
     labels: Mapping[int, str]
 
-    def guarded(self, item: Arrival, step: Step, *, signed_round: int) -> Judged:
+    def guarded(self, item: Arrival, step: JudgingStep, *, signed_round: int) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
         opening, decoding or validating a reply rejects that reply alone (its type named
         in the record). ``signed_round``: the round the reply must be signed for."""
@@ -369,7 +369,7 @@ class Judge:
         return update.tobytes()
 
 
-def received(server_round: int, task: Task, reply: Reply, region: str) -> Received | None:
+def received(server_round: int, task: Task, reply: Reply, region: str) -> Receipt | None:
     """What crossed the relay, as received (None for a reply that carries no update)."""
     if reply.envelope is not None:
         data, suite = reply.envelope, "sealed"
@@ -377,7 +377,7 @@ def received(server_round: int, task: Task, reply: Reply, region: str) -> Receiv
         data, suite = reply.arrays[UPDATE].tobytes(), UNSEALED
     else:
         return None
-    return Received(
+    return Receipt(
         task_round=task.round,
         region=region,
         digest=digest(data),

@@ -41,7 +41,7 @@ from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import NONCE_BYTES, TaskKind
+from fedciuic.crypto.parties import NONCE_BYTES, TaskKind
 from fedciuic.policy.binding import NotEnforced, PolicyGate
 from fedciuic.policy.rules import Decision
 from fedciuic.record.metrics import OVERALL

@@ -22,7 +22,7 @@ from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_ha
 from fedciuic.audit.retention import enforce_at_start
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.sealing import AggregatorKeys, aggregator_keys, model_digest
+from fedciuic.crypto.parties import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterLayout
 from fedciuic.policy.binding import AggregatorPolicies

@@ -35,13 +35,12 @@ from fedciuic.audit.log import (
 )
 from fedciuic.audit.retention import PRUNE_COMMAND, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
+from fedciuic.errors import EXIT_AUDIT, EXIT_OK
 
 Record = Mapping[str, Any]
 
 #: ``fedciuic audit report``'s exit status (2 is every fedciuic command's error:
 #: a log or key that cannot be read, no aggregator log, no such run).
-EXIT_OK = 0  # every log verified (or none was checked: no keys) and the logs agree
-EXIT_FAILED_VERIFICATION = 1  # a log fails verification (whatever else was found)
 EXIT_DISAGREE = 3  # every log verified (or none was checked), but the logs disagree
 UNVERIFIED_TITLE = "Unverified records (not covered by a signature)"
 
@@ -1006,7 +1005,7 @@ class Outcome:
     @property
     def exit_code(self) -> int:
         if self.verified is False:
-            return EXIT_FAILED_VERIFICATION
+            return EXIT_AUDIT
         return EXIT_DISAGREE if self.disagreements else EXIT_OK
 
 

@@ -1,12 +1,13 @@
 """Everything cryptographic between the parties: X-Wing (``xwing``), the sealed
-envelope (``envelope``), key files (``keys``), sealing updates and signing what the
-aggregator sends (``sealing``), and the deployment's TLS and SuperNode keys (``tls``)."""
+envelope (``envelope``), key files (``keys``), each party's end of sealing updates and
+signing what the aggregator sends (``parties``), and the deployment's TLS and SuperNode
+keys (``tls``)."""
 
 from __future__ import annotations
 
 from fedciuic.crypto.envelope import EnvelopeRejected, InvalidEnvelope
 from fedciuic.crypto.keys import Keypair, PublicBundle
-from fedciuic.crypto.sealing import AggregatorKeys, RegionKeys, aggregator_keys, region_keys
+from fedciuic.crypto.parties import AggregatorKeys, RegionKeys, aggregator_keys, region_keys
 
 __all__ = [
     "AggregatorKeys",

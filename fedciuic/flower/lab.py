@@ -13,7 +13,7 @@ from flwr.app import Context, Message, MessageType
 
 import fedciuic.region.round as rr
 from fedciuic.config import NodeConfig
-from fedciuic.crypto.sealing import TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.flower.relay import KINDS

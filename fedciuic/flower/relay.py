@@ -34,7 +34,7 @@ from flwr.app import (
 from flwr.app.typing import ConfigRecordValues
 
 from fedciuic.agent.channel import ChannelError, Frame, Scalar, ask
-from fedciuic.crypto.sealing import TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.wire import ARRAYS
 
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.config import RunConfig
-from fedciuic.errors import ConfigError, FedciuicError, FederationError
+from fedciuic.errors import (
+    EXIT_AUDIT,
+    EXIT_NO_AGGREGATE,
+    EXIT_OK,
+    ConfigError,
+    FedciuicError,
+    FederationError,
+)
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 
 if TYPE_CHECKING:
@@ -37,10 +44,6 @@ DATA_FIELD_OPTIONS: dict[str, str] = {
     name.replace("_", "-"): str(RunConfig.model_fields[name].default)
     for name in ("text_field", "prompt_field", "response_field", "messages_field", "user_id_field")
 }
-EXIT_OK = 0
-EXIT_AUDIT = 1
-EXIT_ERROR = 2
-EXIT_NO_AGGREGATE = 3
 
 EXAMPLES = """\
 examples:
@@ -660,7 +663,7 @@ def _command(
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.sealing import aggregator_keys
+    from fedciuic.crypto.parties import aggregator_keys
     from fedciuic.data.demo import write_demo_corpora
     from fedciuic.flower.launch import LocalFederation
     from fedciuic.model.adapter import ModelSpec, check_model_spec
@@ -893,7 +896,7 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
     and audit log: made on the region's first run, re-used on every later one, so that
     its audit log, which outlives runs, stays signed by one key."""
     from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
-    from fedciuic.crypto.sealing import AGGREGATOR
+    from fedciuic.crypto.parties import AGGREGATOR
     from fedciuic.jurisdictions import simulated_jurisdiction
 
     write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)

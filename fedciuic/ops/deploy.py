@@ -32,7 +32,7 @@ import psutil
 
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import NAME_PATTERN
-from fedciuic.crypto.sealing import AGGREGATOR
+from fedciuic.crypto.parties import AGGREGATOR
 from fedciuic.errors import ConfigError, FedciuicError
 from fedciuic.flower.launch import (
     STARTED_RUN,

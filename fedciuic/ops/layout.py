@@ -20,7 +20,8 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import Keypair, bundle_path, write_keys
-from fedciuic.crypto.sealing import AGGREGATOR
+from fedciuic.crypto.parties import AGGREGATOR
+from fedciuic.errors import EXIT_NO_AGGREGATE
 from fedciuic.flower.launch import (
     CONNECTION,
     FLOWER_ENV,
@@ -38,7 +39,6 @@ from fedciuic.policy.rules import LoadedPolicy, PolicySet
 AGENT_CONFIG = "agent.toml"
 #: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
 #: ever published: nothing was trained (the same as `fedciuic simulate`).
-EXIT_NO_AGGREGATE = 3
 
 #: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
 #: logs and a redirected output read as plain text.

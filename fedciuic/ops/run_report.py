@@ -43,7 +43,7 @@ from fedciuic.audit.report import (
     write_sections,
 )
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
-from fedciuic.errors import ConfigError
+from fedciuic.errors import EXIT_AUDIT, EXIT_NO_AGGREGATE, EXIT_OK, EXIT_UNFINISHED, ConfigError
 from fedciuic.ops.outputs import (
     epsilon_spent,
     fmt_epsilon,
@@ -98,10 +98,6 @@ REGION_CURVES = ("eval_loss", "epsilon")
 
 #: ``fedciuic report``'s exit status (the numbers ``fedciuic simulate`` gives the same
 #: outcomes): 0 only for a run that completed with every log verified.
-EXIT_OK = 0
-EXIT_AUDIT = 1  # a log failed verification or could not be verified, or the logs disagree
-EXIT_NO_AGGREGATE = 3  # the run ended without publishing an aggregate: nothing trained
-EXIT_UNFINISHED = 4  # the run did not end: interrupted, failed, or still running
 
 
 @dataclass

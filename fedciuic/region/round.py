@@ -39,7 +39,7 @@ from fedciuic.audit.events import SENT_EVENTS, Event
 from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.sealing import AGGREGATOR, TaskKind, region_keys, update_payload
+from fedciuic.crypto.parties import AGGREGATOR, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.binding import PolicyRefusal, RegionPolicy, enforce_region_policy

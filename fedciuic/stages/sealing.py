@@ -28,7 +28,7 @@ import numpy as np
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import digest
 from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     AggregatorKeys,
     EnvelopeRejected,
     MalformedPayload,

@@ -48,7 +48,7 @@ from fedciuic.audit.log import REGION_LOG, load_records, verify
 from fedciuic.cluster.protocol import CORES_ENV, threads_per_rank
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NONCE_BYTES,
     AggregatorKeys,
     TaskKind,

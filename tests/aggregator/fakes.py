@@ -11,7 +11,7 @@ from typing import Any
 from fedciuic.aggregator.loop import Loop, loop_for
 from fedciuic.aggregator.round import AggregatorRound
 from fedciuic.compression import get_codec
-from fedciuic.crypto.sealing import TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.wire import Instruction, Reply, RunEndNotice, Unread, parse_reply
 from tests.rounds.test_aggregator import Raw, evaluated, make_round, trained
 

@@ -15,7 +15,7 @@ from fedciuic.aggregator.round import Collecting
 from fedciuic.aggregator.schedule import Availability, Tasks
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AuditLog
-from fedciuic.crypto.sealing import TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.policy.binding import NotEnforced
 from fedciuic.policy.rules import Decision
 from tests.aggregator.fakes import THREE, Regions, looped

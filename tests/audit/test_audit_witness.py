@@ -27,14 +27,9 @@ from fedciuic.audit.log import (
     verify,
     witness_check,
 )
-from fedciuic.audit.report import (
-    EXIT_DISAGREE,
-    EXIT_FAILED_VERIFICATION,
-    EXIT_OK,
-    UNVERIFIED_TITLE,
-    check_and_report,
-)
+from fedciuic.audit.report import EXIT_DISAGREE, UNVERIFIED_TITLE, check_and_report
 from fedciuic.crypto.keys import Keypair, write_keys
+from fedciuic.errors import EXIT_AUDIT, EXIT_OK
 from fedciuic.ops.cli import main
 from fedciuic.record.recorder import RunRecorder
 from fedciuic.wire import Witness
@@ -461,7 +456,7 @@ def test_report_exits_nonzero_when_logs_disagree(tmp_path, keys, capsys):
     assert "eu logged sending eeeeeeeeeeeeeeee, the aggregator logged no such update" in out
     # A log that fails verification: 1, whatever else is found.
     eu.write_bytes(original.replace(b'"loss":4.0', b'"loss":0.4'))
-    assert report(folder) == EXIT_FAILED_VERIFICATION == 1
+    assert report(folder) == EXIT_AUDIT == 1
     # An error: 2.
     assert report(folder, "aggregator.audit.jsonl", "missing.jsonl") == 2
     assert "missing.jsonl: no audit log here" in capsys.readouterr().err
@@ -488,7 +483,7 @@ def test_unsigned_tail_is_shown_unverified(tmp_path, keys, capsys):
     agg.append("update_rejected", run_id=RUN, server_round=2, region="cn", reason="FORGED-REASON")
     agg.append("aggregate_published", run_id=RUN, server_round=4, regions=["eu"])
     agg.close()
-    assert report(folder) == EXIT_FAILED_VERIFICATION
+    assert report(folder) == EXIT_AUDIT
     text = report_text(folder)
     tables, unverified = text.split(f"## {UNVERIFIED_TITLE}", 1)
     assert "FORGED-REASON" not in tables
@@ -537,7 +532,7 @@ def test_report_on_malformed_records_gives_problems_not_a_traceback(tmp_path, ke
     out = capsys.readouterr().out
     assert "the aggregator's log (seq " in out and "malformed update_received record" in out
     assert "eu's log (seq " in out and "malformed update_sealed record" in out
-    assert report(folder) == EXIT_FAILED_VERIFICATION
+    assert report(folder) == EXIT_AUDIT
     assert f"compliance-report-run-{RUN}.md" in capsys.readouterr().out
 
 

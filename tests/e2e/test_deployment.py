@@ -9,7 +9,7 @@ from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.corpus import load_region_data
 from fedciuic.digests import installed_code

@@ -17,7 +17,7 @@ from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records, verify
 from fedciuic.audit.report import build_report, open_logs
 from fedciuic.crypto.keys import load_bundle
-from fedciuic.crypto.sealing import generate_federation_keys
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.errors import FederationError

@@ -14,8 +14,8 @@ import pytest
 
 from fedciuic.data.corpus import region_fingerprint
 from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
+from fedciuic.errors import EXIT_UNFINISHED
 from fedciuic.flower.launch import LocalFederation
-from fedciuic.ops.run_report import EXIT_UNFINISHED
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything

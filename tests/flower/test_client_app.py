@@ -28,7 +28,7 @@ from fedciuic.audit.log import load_records, verify
 from fedciuic.compression import get_codec
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NONCE_BYTES,
     AggregatorKeys,
     TaskKind,

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
 
 from fedciuic import wire
 from fedciuic.aggregator.loop import SyncLoop
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NONCE_BYTES,
     NotSignedError,
     RegionKeys,

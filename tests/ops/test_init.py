@@ -20,7 +20,7 @@ from flwr.common.config import parse_config_args
 from fedciuic.agent.config import AgentConfig
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import load_bundle, load_keypair
-from fedciuic.crypto.sealing import aggregator_keys
+from fedciuic.crypto.parties import aggregator_keys
 from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError

@@ -12,12 +12,9 @@ import pytest
 from fedciuic.audit.log import AuditLog
 from fedciuic.audit.report import PartyLog
 from fedciuic.crypto.keys import load_keypair
+from fedciuic.errors import EXIT_AUDIT, EXIT_NO_AGGREGATE, EXIT_OK, EXIT_UNFINISHED
 from fedciuic.ops.cli import main
 from fedciuic.ops.run_report import (
-    EXIT_AUDIT,
-    EXIT_NO_AGGREGATE,
-    EXIT_OK,
-    EXIT_UNFINISHED,
     decisions,
     figures,
     series,

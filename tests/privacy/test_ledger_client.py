@@ -12,7 +12,7 @@ import pytest
 
 from fedciuic.audit.log import REGION_LOG, load_records
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.crypto.sealing import TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.model.adapter import AdapterModel, ModelSpec
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from fedciuic.region.round import handle_instruction

@@ -25,7 +25,7 @@ from fedciuic.compression import get_codec
 from fedciuic.compression.codecs import FORMAT, HEADER, MAGIC
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NotSignedError,
     RegionKeys,
     TaskKind,

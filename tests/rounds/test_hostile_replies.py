@@ -30,7 +30,7 @@ from fedciuic.crypto.envelope import (
     seal,
 )
 from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.sealing import REPLY_LABEL, update_payload
+from fedciuic.crypto.parties import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.wire import ENVELOPE, KEY_ID, PRIVACY_UNIT, SIGNATURE, signed_fields
 from tests.conftest import written

@@ -17,9 +17,10 @@ import pytest
 
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
+from fedciuic.errors import EXIT_ERROR
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.ops import deploy
-from fedciuic.ops.cli import EXIT_ERROR, Interrupted, _simulation_keys, main
+from fedciuic.ops.cli import Interrupted, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
 from fedciuic.record.metrics import RunStatus, load_metrics
 from fedciuic.record.recorder import (

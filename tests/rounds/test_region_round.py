@@ -18,7 +18,7 @@ import pytest
 from fedciuic.audit.log import AuditError, AuditLog, load_records, verify
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
-from fedciuic.crypto.sealing import (
+from fedciuic.crypto.parties import (
     NONCE_BYTES,
     AggregatorKeys,
     TaskKind,
