@@ -14,7 +14,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedciuic.config import NodeConfig
-from fedciuic.flower.relay import forward
+from fedciuic.flower import forward
 
 app = ClientApp()
 

@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from fedciuic.audit.log import AuditError, checkpoint_head
+from fedciuic.audit import AuditError, checkpoint_head
 from fedciuic.config import PRIVACY_UNITS, PrivacyUnit
-from fedciuic.crypto.keys import NAME_PATTERN, Keypair
-from fedciuic.crypto.parties import (
+from fedciuic.crypto import (
+    NAME_PATTERN,
     NONCE_BYTES,
+    Keypair,
     TaskKind,
     Terms,
     config_digest,

@@ -10,24 +10,24 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.supercore.exit import add_exit_handler
 
-from fedciuic.aggregator.loop import loop_for
-from fedciuic.aggregator.run import (
+from fedciuic.aggregator import (
     audit_log,
     crashed,
     end_run,
     finish_run,
+    loop_for,
     open_run,
     run_failed,
     stopped,
     warn_disabled,
 )
-from fedciuic.audit.log import AuditLog
+from fedciuic.audit import AuditLog
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
-from fedciuic.flower.courier import FlowerTransport
-from fedciuic.model.adapter import AdapterLayout, ModelSpec
-from fedciuic.ops.outputs import summarize
-from fedciuic.record.recorder import RunRecorder
+from fedciuic.flower import FlowerTransport
+from fedciuic.model import AdapterLayout, ModelSpec
+from fedciuic.ops import summarize
+from fedciuic.record import RunRecorder
 
 app = ServerApp()
 

@@ -7,3 +7,37 @@ aggregator ships, relays to it over :mod:`fedciuic.agent.channel`.
 :mod:`fedciuic.agent.access` checks that the relay's OS user cannot read the region's
 files. Importing this package imports none of them: the relay imports only the channel.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.agent.channel import ChannelError, Frame, Scalar, ask
+    from fedciuic.agent.config import AgentConfig
+    from fedciuic.agent.service import AgentError, hello, serve
+
+#: What other packages use, and the module each lives in: imported on first use.
+_WHERE = {
+    "AgentConfig": "config",
+    "AgentError": "service",
+    "ChannelError": "channel",
+    "Frame": "channel",
+    "Scalar": "channel",
+    "ask": "channel",
+    "hello": "service",
+    "serve": "service",
+}
+__all__ = [
+    "AgentConfig",
+    "AgentError",
+    "ChannelError",
+    "Frame",
+    "Scalar",
+    "ask",
+    "hello",
+    "serve",
+]
+__getattr__ = face(__name__, _WHERE)

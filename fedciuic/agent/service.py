@@ -65,13 +65,12 @@ from fedciuic.agent.channel import (
     send,
 )
 from fedciuic.agent.config import AgentConfig
-from fedciuic.audit.events import Event
-from fedciuic.cluster.protocol import share_cores
-from fedciuic.crypto.keys import load_bundle, load_keypair
-from fedciuic.crypto.parties import RegionKeys, TaskKind
+from fedciuic.audit import Event
+from fedciuic.cluster import share_cores
+from fedciuic.crypto import RegionKeys, TaskKind, load_bundle, load_keypair
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.stages.sealing import SealingRegion
+from fedciuic.stages import SealingRegion
 from fedciuic.wire import (
     CONFIG,
     INFO,
@@ -168,8 +167,8 @@ class RegionAgent:
     aggregator did not sign, hands the rest to the region's round."""
 
     def __init__(self, config: AgentConfig) -> None:
-        import fedciuic.region.round as rr
-        from fedciuic.policy.rules import load_policy
+        from fedciuic.policy import load_policy
+        from fedciuic.region import audit_log
 
         self.config = config
         self.keypair = load_keypair(Path(config.key_file))
@@ -186,7 +185,7 @@ class RegionAgent:
         folder = config.state_dir / AGENT_DIR
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.seen = SeenInstructions(folder / SEEN_FILE)
-        audit = rr.audit_log(config)
+        audit = audit_log(config)
         if audit is None:
             raise AgentError(
                 f"agent config:data-path: {config.data_path} is not a folder; put the "
@@ -197,14 +196,14 @@ class RegionAgent:
 
     def close(self) -> None:
         """Stop the region's training processes (a cluster region's ranks)."""
-        from fedciuic.region.round import close_regions
+        from fedciuic.region import close_regions
 
         close_regions()
 
     def started(self, relay: str) -> None:
         """The agent's start, on the record: which code serves the region, and whom the
         relay runs as; its log first pruned to its policy's retention."""
-        from fedciuic.audit.retention import enforce_at_start
+        from fedciuic.audit import enforce_at_start
 
         enforce_at_start(self.audit, self.policy, _LOG, f"region {self.config.region}")
         self.audit.append(
@@ -291,7 +290,13 @@ class RegionAgent:
         return task
 
     def _answer(self, frame: Frame, kind: object) -> Frame:
-        import fedciuic.region.round as rr
+        from fedciuic.region import (
+            decline_signed,
+            handle_instruction,
+            read_run,
+            region_records,
+            witness_run_end,
+        )
 
         if kind not in set(TaskKind):
             raise Refused(
@@ -301,19 +306,19 @@ class RegionAgent:
         task = self._verified(frame, TaskKind(str(kind)))
         flower_run = _run_of(frame)
         try:
-            run = rr.read_run(task)
+            run = read_run(task)
             node = self.config.node_for(run)
             _check_run(run)
         except FedciuicError as err:  # signed, but not a run this region takes part in
-            reply = rr.decline_signed(self.config, self.keypair, task, flower_run, err)
+            reply = decline_signed(self.config, self.keypair, task, flower_run, err)
         else:
             if isinstance(task, RunEndNotice):
-                reply = rr.witness_run_end(run, node, task, flower_run=flower_run)
+                reply = witness_run_end(run, node, task, flower_run=flower_run)
             else:
-                reply = rr.handle_instruction(
+                reply = handle_instruction(
                     run, node, task, asked=task.kind, flower_run=flower_run, simulated=False
                 )
-        records = rr.region_records(reply)
+        records = region_records(reply)
         return Frame(
             config={INFO: dict(records.info)},
             metrics={METRICS: dict(records.metrics)},

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from fedciuic.crypto.keys import Keypair, PublicBundle
+from fedciuic.crypto import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
-from fedciuic.record.metrics import Rounds, dump_rounds, parse_rounds
+from fedciuic.record import Rounds, dump_rounds, parse_rounds
 from fedciuic.server_optim import OptimizerState
 
 FORMAT = "fedciuic-checkpoint/3"

@@ -16,12 +16,11 @@ import numpy as np
 
 from fedciuic.aggregator.judge import Judged, reason_of
 from fedciuic.aggregator.schedule import Changes
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import RECEIVED_EVENT
-from fedciuic.crypto.parties import model_digest
-from fedciuic.policy.rules import Decision
-from fedciuic.record.recorder import RunRecorder
-from fedciuic.stages.audit import AuditTrail
+from fedciuic.audit import RECEIVED_EVENT, Event
+from fedciuic.crypto import model_digest
+from fedciuic.policy import Decision
+from fedciuic.record import RunRecorder
+from fedciuic.stages import AuditTrail
 from fedciuic.wire import DECLINED, EVALUATED, FAILED, POLICY_HASH, REJECTED, TRAINED, Witness
 
 # Flower's logger, by name: the round's lines show with the rest of the run's output.

@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 
 from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
-from fedciuic.audit.log import checkpoint_head, digest
+from fedciuic.audit import checkpoint_head, digest
 from fedciuic.config import RunConfig
-from fedciuic.crypto.parties import EnvelopeRejected
-from fedciuic.policy.binding import UNSEALED, PolicyGate
-from fedciuic.policy.rules import Decision, UpdateFacts
-from fedciuic.stages.sealing import Header, ReplySealing
+from fedciuic.crypto import EnvelopeRejected
+from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
+from fedciuic.stages import Header, ReplySealing
 from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,

@@ -31,7 +31,7 @@ import numpy as np
 
 from fedciuic.aggregator.judge import Task
 from fedciuic.aggregator.round import AggregatorRound, Collecting
-from fedciuic.crypto.parties import TaskKind
+from fedciuic.crypto import TaskKind
 from fedciuic.errors import FederationError
 from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread
 

@@ -41,14 +41,11 @@ from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.parties import NONCE_BYTES, TaskKind
-from fedciuic.policy.binding import NotEnforced, PolicyGate
-from fedciuic.policy.rules import Decision
-from fedciuic.record.metrics import OVERALL
-from fedciuic.record.recorder import RunRecorder
+from fedciuic.crypto import NONCE_BYTES, TaskKind
+from fedciuic.policy import Decision, NotEnforced, PolicyGate
+from fedciuic.record import OVERALL, RunRecorder
 from fedciuic.server_optim import ServerOptimizer
-from fedciuic.stages.audit import AuditTrail, NoAudit
-from fedciuic.stages.sealing import ClearReplies, ReplySealing
+from fedciuic.stages import AuditTrail, ClearReplies, NoAudit, ReplySealing
 from fedciuic.wire import (
     WITNESSED,
     Arrival,

@@ -17,29 +17,35 @@ from fedciuic.aggregator.checkpoint import (
     load_checkpoint,
 )
 from fedciuic.aggregator.round import AggregatorRound
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import AGGREGATOR_LOG, AuditLog, code_version, config_hash
-from fedciuic.audit.retention import enforce_at_start
+from fedciuic.audit import (
+    AGGREGATOR_LOG,
+    AuditLog,
+    Event,
+    code_version,
+    config_hash,
+    enforce_at_start,
+)
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig
-from fedciuic.crypto.parties import AggregatorKeys, aggregator_keys, model_digest
+from fedciuic.crypto import AggregatorKeys, aggregator_keys, model_digest
 from fedciuic.errors import FedciuicError
-from fedciuic.model.adapter import AdapterLayout
-from fedciuic.policy.binding import AggregatorPolicies
-from fedciuic.policy.rules import PolicyError
-from fedciuic.record.metrics import PolicyHeld, ResumedFrom, RunStatus
-from fedciuic.record.recorder import (
+from fedciuic.model import AdapterLayout
+from fedciuic.policy import AggregatorPolicies, PolicyError
+from fedciuic.record import (
     ADAPTER_DIR,
     COMPLETED,
     FAILED,
     INTERRUPTED,
     NO_AGGREGATE,
+    PolicyHeld,
+    ResumedFrom,
     RunRecorder,
+    RunStatus,
     no_aggregate_reasons,
     published_rounds,
 )
 from fedciuic.server_optim import OptimizerStateError, ServerOptimizer
-from fedciuic.stages.sealing import ReplySealing, aggregator_sealing
+from fedciuic.stages import ReplySealing, aggregator_sealing
 
 # Flower's logger, by name: these lines show with the rest of the run's output.
 _logger = logging.getLogger("flwr")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from fedciuic.audit.events import SENT_EVENTS, Event
-from fedciuic.crypto.keys import Keypair, PublicBundle
+from fedciuic.crypto import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 
 RECORD_LABEL = b"\x00fedciuic-audit-record/1\x00"

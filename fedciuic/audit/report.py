@@ -1043,7 +1043,7 @@ def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
     """Set each log's verdict, checked with its party's bundle from ``keys_dir``; with no
     keys the logs stay unverified (and reports say so)."""
     from fedciuic.audit.log import verify
-    from fedciuic.crypto.keys import load_bundles
+    from fedciuic.crypto import load_bundles
     from fedciuic.errors import ConfigError
 
     if keys_dir is None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fedciuic.audit.log import AuditError, AuditLog, Pruned, load_records, prune_cut, verify
 
 if TYPE_CHECKING:
-    from fedciuic.policy.rules import LoadedPolicy
+    from fedciuic.policy import LoadedPolicy
 
 PRUNE_COMMAND = "fedciuic audit prune LOG --key PARTY.key.json --policy POLICY.yaml"
 
@@ -106,8 +106,8 @@ def prune_log(
 ) -> str:
     """``fedciuic audit prune``: prune the log at ``path`` by ``policy_file`` (its party's
     own), signing with ``key_file``; what was done, in one line, and the log's verdict."""
-    from fedciuic.crypto.keys import load_keypair
-    from fedciuic.policy.rules import load_policy
+    from fedciuic.crypto import load_keypair
+    from fedciuic.policy import load_policy
 
     keypair = load_keypair(key_file)
     policy = load_policy(policy_file)

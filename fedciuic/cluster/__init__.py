@@ -8,23 +8,25 @@ this package first, and must reach rank 0 before it imports the model libraries.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedciuic.faces import face
 
 if TYPE_CHECKING:
     from fedciuic.cluster.dist import ClusterError, World, check_placement
-    from fedciuic.cluster.protocol import TrainCommand
+    from fedciuic.cluster.protocol import TrainCommand, free_port, share_cores
     from fedciuic.cluster.training import ClusterStats, TrainingCluster
 
-#: Each public name and its module, imported on first use: a worker reaches rank 0
-#: before it imports torch.
+#: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
     "ClusterError": "dist",
+    "ClusterStats": "training",
+    "TrainCommand": "protocol",
+    "TrainingCluster": "training",
     "World": "dist",
     "check_placement": "dist",
-    "TrainCommand": "protocol",
-    "ClusterStats": "training",
-    "TrainingCluster": "training",
+    "free_port": "protocol",
+    "share_cores": "protocol",
 }
 __all__ = [
     "ClusterError",
@@ -33,10 +35,7 @@ __all__ = [
     "TrainingCluster",
     "World",
     "check_placement",
+    "free_port",
+    "share_cores",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(import_module(f"fedciuic.cluster.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = face(__name__, _WHERE)

@@ -60,10 +60,9 @@ from fedciuic.cluster.protocol import (
     threads_per_rank,
 )
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.data.corpus import ExampleSet
-from fedciuic.model.adapter import AdapterModel
-from fedciuic.model.train import Shard, TrainStats, train_local
-from fedciuic.privacy.dpsgd import private_round
+from fedciuic.data import ExampleSet
+from fedciuic.model import AdapterModel, Shard, TrainStats, train_local
+from fedciuic.privacy import private_round
 
 log = logging.getLogger(__name__)
 

@@ -100,9 +100,8 @@ def serve(world: World) -> None:
     # join says so first), while rank 0 waits for it to be ready.
     from fedciuic.cluster.training import train_rank
     from fedciuic.config import NodeConfig, RunConfig
-    from fedciuic.data.corpus import load_region_data
-    from fedciuic.model.adapter import AdapterModel, ModelSpec
-    from fedciuic.model.train import Shard
+    from fedciuic.data import load_region_data
+    from fedciuic.model import AdapterModel, ModelSpec, Shard
 
     try:
         store.wait([CONFIG_KEY], timedelta(seconds=timeout))

@@ -8,26 +8,45 @@ wire format (``codecs``) and back. Top-k indices are coded near log2 C(n, k)
 (``indices``); values as fp32, int8, int4 or sign (``values``).
 """
 
-from fedciuic.compression.codecs import (
-    CODECS,
-    FORMAT,
-    Codec,
-    CodecFamily,
-    Sparse,
-    get_codec,
-)
-from fedciuic.compression.errors import MalformedUpdate, ResidualError
-from fedciuic.compression.feedback import (
-    RESIDUAL_FORMAT,
-    ErrorFeedback,
-    compress_with_feedback,
-    flatten,
-    layout_id,
-    layout_of,
-    unflatten,
-)
-from fedciuic.compression.values import CHUNK
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.compression.codecs import CODECS, FORMAT, Codec, CodecFamily, Sparse, get_codec
+    from fedciuic.compression.errors import MalformedUpdate, ResidualError
+    from fedciuic.compression.feedback import (
+        RESIDUAL_FORMAT,
+        ErrorFeedback,
+        compress_with_feedback,
+        flatten,
+        layout_id,
+        layout_of,
+        unflatten,
+    )
+    from fedciuic.compression.values import CHUNK
+
+#: What other packages use, and the module each lives in: imported on first use.
+_WHERE = {
+    "CHUNK": "values",
+    "CODECS": "codecs",
+    "Codec": "codecs",
+    "CodecFamily": "codecs",
+    "ErrorFeedback": "feedback",
+    "FORMAT": "codecs",
+    "MalformedUpdate": "errors",
+    "RESIDUAL_FORMAT": "feedback",
+    "ResidualError": "errors",
+    "Sparse": "codecs",
+    "compress_with_feedback": "feedback",
+    "flatten": "feedback",
+    "get_codec": "codecs",
+    "layout_id": "feedback",
+    "layout_of": "feedback",
+    "unflatten": "feedback",
+}
 __all__ = [
     "CHUNK",
     "CODECS",
@@ -46,3 +65,4 @@ __all__ = [
     "layout_of",
     "unflatten",
 ]
+__getattr__ = face(__name__, _WHERE)

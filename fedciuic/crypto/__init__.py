@@ -5,17 +5,106 @@ keys (``tls``)."""
 
 from __future__ import annotations
 
-from fedciuic.crypto.envelope import EnvelopeRejected, InvalidEnvelope
-from fedciuic.crypto.keys import Keypair, PublicBundle
-from fedciuic.crypto.parties import AggregatorKeys, RegionKeys, aggregator_keys, region_keys
+from typing import TYPE_CHECKING
 
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.crypto.envelope import EnvelopeRejected, InvalidEnvelope
+    from fedciuic.crypto.keys import (
+        NAME_PATTERN,
+        KeyFileError,
+        Keypair,
+        PublicBundle,
+        bundle_path,
+        load_bundle,
+        load_bundles,
+        load_keypair,
+        write_keys,
+    )
+    from fedciuic.crypto.parties import (
+        AGGREGATOR,
+        NONCE_BYTES,
+        AggregatorKeys,
+        MalformedPayload,
+        RegionKeys,
+        TaskKind,
+        Terms,
+        aggregator_keys,
+        config_digest,
+        model_digest,
+        read_update_payload,
+        region_keys,
+        reply_message,
+        sign_global,
+        sign_run_end,
+        update_payload,
+    )
+    from fedciuic.crypto.tls import ServerTls, generate_server_tls, generate_supernode_key
+
+#: What other packages use, and the module each lives in: imported on first use.
+_WHERE = {
+    "AGGREGATOR": "parties",
+    "AggregatorKeys": "parties",
+    "EnvelopeRejected": "envelope",
+    "InvalidEnvelope": "envelope",
+    "KeyFileError": "keys",
+    "Keypair": "keys",
+    "MalformedPayload": "parties",
+    "NAME_PATTERN": "keys",
+    "NONCE_BYTES": "parties",
+    "PublicBundle": "keys",
+    "RegionKeys": "parties",
+    "ServerTls": "tls",
+    "TaskKind": "parties",
+    "Terms": "parties",
+    "aggregator_keys": "parties",
+    "bundle_path": "keys",
+    "config_digest": "parties",
+    "generate_server_tls": "tls",
+    "generate_supernode_key": "tls",
+    "load_bundle": "keys",
+    "load_bundles": "keys",
+    "load_keypair": "keys",
+    "model_digest": "parties",
+    "read_update_payload": "parties",
+    "region_keys": "parties",
+    "reply_message": "parties",
+    "sign_global": "parties",
+    "sign_run_end": "parties",
+    "update_payload": "parties",
+    "write_keys": "keys",
+}
 __all__ = [
+    "AGGREGATOR",
+    "NAME_PATTERN",
+    "NONCE_BYTES",
     "AggregatorKeys",
     "EnvelopeRejected",
     "InvalidEnvelope",
+    "KeyFileError",
     "Keypair",
+    "MalformedPayload",
     "PublicBundle",
     "RegionKeys",
+    "ServerTls",
+    "TaskKind",
+    "Terms",
     "aggregator_keys",
+    "bundle_path",
+    "config_digest",
+    "generate_server_tls",
+    "generate_supernode_key",
+    "load_bundle",
+    "load_bundles",
+    "load_keypair",
+    "model_digest",
+    "read_update_payload",
     "region_keys",
+    "reply_message",
+    "sign_global",
+    "sign_run_end",
+    "update_payload",
+    "write_keys",
 ]
+__getattr__ = face(__name__, _WHERE)

@@ -3,7 +3,64 @@ corpora made locally from CPython's own documentation (``demo``)."""
 
 from __future__ import annotations
 
-from fedciuic.data.corpus import RegionData, load_region_data
-from fedciuic.data.demo import write_demo_corpora
+from typing import TYPE_CHECKING
 
-__all__ = ["RegionData", "load_region_data", "write_demo_corpora"]
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.data.check import SCAN_SAMPLE, check_data, scan_data
+    from fedciuic.data.corpus import (
+        Batch,
+        ExampleSet,
+        RegionData,
+        bad_rows_refusal,
+        load_region_data,
+        users_refusal,
+    )
+    from fedciuic.data.demo import FAMILIES, module_docs, write_demo_corpora
+    from fedciuic.data.records import CHAT, Fields, check_chat_template
+    from fedciuic.data.sources import NoDataFiles
+    from fedciuic.data.tokenized import IGNORE, dropped_for_length
+
+#: What other packages use, and the module each lives in: imported on first use.
+_WHERE = {
+    "Batch": "corpus",
+    "CHAT": "records",
+    "ExampleSet": "corpus",
+    "FAMILIES": "demo",
+    "Fields": "records",
+    "IGNORE": "tokenized",
+    "NoDataFiles": "sources",
+    "RegionData": "corpus",
+    "SCAN_SAMPLE": "check",
+    "bad_rows_refusal": "corpus",
+    "check_chat_template": "records",
+    "check_data": "check",
+    "dropped_for_length": "tokenized",
+    "load_region_data": "corpus",
+    "module_docs": "demo",
+    "scan_data": "check",
+    "users_refusal": "corpus",
+    "write_demo_corpora": "demo",
+}
+__all__ = [
+    "CHAT",
+    "FAMILIES",
+    "IGNORE",
+    "SCAN_SAMPLE",
+    "Batch",
+    "ExampleSet",
+    "Fields",
+    "NoDataFiles",
+    "RegionData",
+    "bad_rows_refusal",
+    "check_chat_template",
+    "check_data",
+    "dropped_for_length",
+    "load_region_data",
+    "module_docs",
+    "scan_data",
+    "users_refusal",
+    "write_demo_corpora",
+]
+__getattr__ = face(__name__, _WHERE)

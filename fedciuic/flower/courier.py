@@ -16,7 +16,7 @@ from functools import partial
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedciuic.crypto.parties import TaskKind
+from fedciuic.crypto import TaskKind
 from fedciuic.flower import protocol
 from fedciuic.wire import Instruction, RunEndNotice, Unread
 

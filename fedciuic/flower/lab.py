@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from flwr.app import Context, Message, MessageType
 
-import fedciuic.region.round as rr
 from fedciuic.config import NodeConfig
-from fedciuic.crypto.parties import TaskKind
+from fedciuic.crypto import TaskKind
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
 from fedciuic.flower.relay import KINDS
+from fedciuic.region import handle_instruction, read_configs, unreadable, witness_run_end
 from fedciuic.wire import RunEndNotice
 
 
@@ -29,16 +29,16 @@ def handle(msg: Message, context: Context) -> Message:
             if msg.metadata.message_type == MessageType.QUERY
             else protocol.read_instruction(msg)
         )
-        run, node = rr.read_configs(task, context.node_config)
+        run, node = read_configs(task, context.node_config)
     except FedciuicError as err:
-        unread = rr.unreadable(
+        unread = unreadable(
             context.run_config, context.node_config, err, run_end=kind == TaskKind.RUN_END
         )
         return Message(protocol.region_reply(unread), reply_to=msg)
     if isinstance(task, RunEndNotice):
-        reply = rr.witness_run_end(run, node, task, flower_run=context.run_id)
+        reply = witness_run_end(run, node, task, flower_run=context.run_id)
     else:
-        reply = rr.handle_instruction(
+        reply = handle_instruction(
             run,
             node,
             task,

@@ -40,8 +40,8 @@ from typing import IO, Any
 
 import psutil
 
-from fedciuic.cluster.protocol import free_port
-from fedciuic.crypto.tls import ServerTls
+from fedciuic.cluster import free_port
+from fedciuic.crypto import ServerTls
 from fedciuic.errors import FederationError
 
 CONNECTION = "fedciuic"
@@ -421,8 +421,7 @@ class LocalFederation:
     def start_agent(self, name: str, config: Path, timeout: float = 120.0) -> Managed:
         """Start a region's ``fedciuic agent --config CONFIG`` and wait until it answers
         on its socket."""
-        from fedciuic.agent.config import AgentConfig
-        from fedciuic.agent.service import AgentError, hello
+        from fedciuic.agent import AgentConfig, AgentError, hello
 
         managed = self._spawn(f"agent-{name}", [_bin("fedciuic"), "agent", "--config", str(config)])
         try:

@@ -43,7 +43,7 @@ from fedciuic.wire import (
 )
 
 if TYPE_CHECKING:  # torch: never for the relay (a deployed ClientApp)
-    from fedciuic.region.round import RegionReply
+    from fedciuic.region import RegionReply
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -99,7 +99,7 @@ def content(records: Records) -> RecordDict:
 def region_reply(reply: RegionReply) -> RecordDict:
     """A region's outcome as its Flower reply carries it: with its audit head and
     code identity, and signed where the reply names a keypair."""
-    from fedciuic.region.round import region_records
+    from fedciuic.region import region_records
 
     return content(region_records(reply))
 

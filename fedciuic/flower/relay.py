@@ -33,8 +33,8 @@ from flwr.app import (
 )
 from flwr.app.typing import ConfigRecordValues
 
-from fedciuic.agent.channel import ChannelError, Frame, Scalar, ask
-from fedciuic.crypto.parties import TaskKind
+from fedciuic.agent import ChannelError, Frame, Scalar, ask
+from fedciuic.crypto import TaskKind
 from fedciuic.wire import ARRAYS
 
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.

@@ -38,7 +38,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from fedciuic.data.demo import FAMILIES, module_docs
+from fedciuic.data import FAMILIES, module_docs
 from fedciuic.digests import cache_dir as fedciuic_cache
 from fedciuic.errors import ModelError
 

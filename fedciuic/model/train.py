@@ -14,8 +14,7 @@ from typing import Literal, TypeVar
 import torch
 import torch.nn.functional as F
 
-from fedciuic.data.corpus import Batch, ExampleSet
-from fedciuic.data.tokenized import IGNORE
+from fedciuic.data import IGNORE, Batch, ExampleSet
 from fedciuic.model.adapter import AdapterModel
 
 Optimizer = Literal["adamw", "sgd"]

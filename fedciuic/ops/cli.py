@@ -37,7 +37,7 @@ from fedciuic.errors import (
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 
 if TYPE_CHECKING:
-    from fedciuic.record.metrics import RunMetrics
+    from fedciuic.record import RunMetrics
 
 #: `data check` options naming record fields (run config keys), with their defaults.
 DATA_FIELD_OPTIONS: dict[str, str] = {
@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     def _ledger_rebuild(args: argparse.Namespace) -> int:
-        from fedciuic.privacy.ledger import rebuild_ledger_command
+        from fedciuic.privacy import rebuild_ledger_command
 
         return rebuild_ledger_command(args.state_path, args.aggregator_log)
 
@@ -663,14 +663,14 @@ def _command(
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.parties import aggregator_keys
-    from fedciuic.data.demo import write_demo_corpora
-    from fedciuic.flower.launch import LocalFederation
-    from fedciuic.model.adapter import ModelSpec, check_model_spec
+    from fedciuic.crypto import aggregator_keys
+    from fedciuic.data import write_demo_corpora
+    from fedciuic.flower import LocalFederation
+    from fedciuic.model import ModelSpec, check_model_spec
     from fedciuic.ops.outputs import summarize
     from fedciuic.ops.preflight import check_simulation
     from fedciuic.ops.progress import RunProgress
-    from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE
+    from fedciuic.record import COMPLETED, NO_AGGREGATE
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -829,9 +829,8 @@ def _signals_noted(noted: list[int]) -> Iterator[None]:
 def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
     """The runs this federation started (``flwr run`` printed their id), in order, up
     to the first that did not end (completed, or no aggregate)."""
-    from fedciuic.flower.launch import STARTED_RUN
-    from fedciuic.record.metrics import MetricsError, load_metrics
-    from fedciuic.record.recorder import COMPLETED, METRICS_FILE, NO_AGGREGATE
+    from fedciuic.flower import STARTED_RUN
+    from fedciuic.record import COMPLETED, METRICS_FILE, NO_AGGREGATE, MetricsError, load_metrics
 
     ended = []
     logs = federation.logs.glob("flwr-run-*.log")
@@ -852,7 +851,7 @@ def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
 def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
     """Runs this federation started (``flwr run`` printed their id) whose metrics.json
     still says running once every process is gone: mark them interrupted."""
-    from fedciuic.flower.launch import STARTED_RUN
+    from fedciuic.flower import STARTED_RUN
     from fedciuic.ops.outputs import mark_unfinished
 
     marked = []
@@ -895,8 +894,7 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
     region's key, kept with its state (DATA_ROOT/REGION/.fedciuic/keys/) like its ledger
     and audit log: made on the region's first run, re-used on every later one, so that
     its audit log, which outlives runs, stays signed by one key."""
-    from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
-    from fedciuic.crypto.parties import AGGREGATOR
+    from fedciuic.crypto import AGGREGATOR, KeyFileError, Keypair, load_keypair, write_keys
     from fedciuic.jurisdictions import simulated_jurisdiction
 
     write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)
@@ -941,7 +939,7 @@ def _audit_after_simulation(run_dir: Path) -> int:
 def _check_policies(run: RunConfig) -> None:
     """Every simulated region's policy must load, or nothing starts."""
     from fedciuic.jurisdictions import simulated_jurisdiction
-    from fedciuic.policy.rules import PolicyError, load_policies
+    from fedciuic.policy import PolicyError, load_policies
 
     policies = load_policies(Path(run.policies_dir))
     missing = [
@@ -955,8 +953,7 @@ def _check_policies(run: RunConfig) -> None:
 
 
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
-    from fedciuic.record.metrics import MetricsError, load_metrics
-    from fedciuic.record.recorder import METRICS_FILE
+    from fedciuic.record import METRICS_FILE, MetricsError, load_metrics
 
     metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:
@@ -988,7 +985,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _demo_data(args: argparse.Namespace) -> int:
-    from fedciuic.data.demo import write_demo_corpora
+    from fedciuic.data import write_demo_corpora
 
     regions = tuple(r.strip() for r in args.regions.split(",") if r.strip())
     for region, folder in write_demo_corpora(args.directory, regions).items():
@@ -997,9 +994,8 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from fedciuic.data.check import check_data
-    from fedciuic.data.records import Fields
-    from fedciuic.model.adapter import ModelSpec, spec_tokenizer
+    from fedciuic.data import Fields, check_data
+    from fedciuic.model import ModelSpec, spec_tokenizer
 
     if args.seq_len < 2:
         raise ConfigError([f"--seq-len: {args.seq_len} is too short; use at least 2"])
@@ -1023,8 +1019,8 @@ def _data_check(args: argparse.Namespace) -> int:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    from fedciuic.agent.config import AgentConfig
-    from fedciuic.privacy.budget import budget_status
+    from fedciuic.agent import AgentConfig
+    from fedciuic.privacy import budget_status
 
     if bool(args.agent_configs) == (args.data_root is not None):
         raise ConfigError(
@@ -1048,7 +1044,7 @@ def _simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig)
     """Each simulated region's spend: its dataset's state is DATA_ROOT/REGION/.fedciuic, its
     budget the run config's epsilon-budget (simulation has no agent config)."""
     from fedciuic.config import NodeConfig
-    from fedciuic.privacy.budget import budget_status
+    from fedciuic.privacy import budget_status
 
     return [
         budget_status(
@@ -1075,7 +1071,7 @@ def _budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
-    from fedciuic.model.adapter import ModelSpec, save_checkpoint
+    from fedciuic.model import ModelSpec, save_checkpoint
 
     path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
@@ -1083,7 +1079,7 @@ def _save_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.keys import NAME_PATTERN, Keypair, write_keys
+    from fedciuic.crypto import NAME_PATTERN, Keypair, write_keys
 
     if not re.match(NAME_PATTERN, args.party):
         raise ConfigError([f"--party: {args.party!r} must be lower-case letters, digits, - or _"])
@@ -1095,7 +1091,7 @@ def _keys_generate(args: argparse.Namespace) -> int:
 
 
 def _keys_show(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.keys import load_bundle, load_keypair
+    from fedciuic.crypto import load_bundle, load_keypair
 
     if args.file.name.endswith(".key.json"):
         bundle = load_keypair(args.file).bundle
@@ -1106,7 +1102,7 @@ def _keys_show(args: argparse.Namespace) -> int:
 
 
 def _policy_check(args: argparse.Namespace) -> int:
-    from fedciuic.policy.rules import PolicyError, load_policy
+    from fedciuic.policy import PolicyError, load_policy
 
     failed = 0
     for path in args.files:
@@ -1122,14 +1118,14 @@ def _policy_check(args: argparse.Namespace) -> int:
 
 
 def _policy_explain(args: argparse.Namespace) -> int:
-    from fedciuic.policy.rules import explain, load_policy
+    from fedciuic.policy import explain, load_policy
 
     print(explain(load_policy(args.file)))
     return 0
 
 
 def _policy_diff(args: argparse.Namespace) -> int:
-    from fedciuic.policy.rules import diff, load_policy
+    from fedciuic.policy import diff, load_policy
 
     a, b = load_policy(args.a), load_policy(args.b)
     lines = diff(a, b)
@@ -1139,7 +1135,7 @@ def _policy_diff(args: argparse.Namespace) -> int:
 
 
 def _tls_generate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.tls import generate_server_tls
+    from fedciuic.crypto import generate_server_tls
 
     files = generate_server_tls(args.out, args.host, args.days)
     print(f"CA certificate (give it to every SuperNode and flwr user): {files.ca_cert}")
@@ -1149,7 +1145,7 @@ def _tls_generate(args: argparse.Namespace) -> int:
 
 
 def _tls_supernode_key(args: argparse.Namespace) -> int:
-    from fedciuic.crypto.tls import generate_supernode_key
+    from fedciuic.crypto import generate_supernode_key
 
     private, public = generate_supernode_key(args.out, args.name)
     print(f"private key (--auth-supernode-private-key, stays with the SuperNode): {private}")
@@ -1158,8 +1154,8 @@ def _tls_supernode_key(args: argparse.Namespace) -> int:
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
-    from fedciuic.audit.log import verify
-    from fedciuic.crypto.keys import load_bundle
+    from fedciuic.audit import verify
+    from fedciuic.crypto import load_bundle
 
     verdict = verify(args.log, load_bundle(args.pubkey))
     print(verdict.explain())
@@ -1167,7 +1163,7 @@ def _audit_verify(args: argparse.Namespace) -> int:
 
 
 def _audit_show(args: argparse.Namespace) -> int:
-    from fedciuic.audit.log import load_records
+    from fedciuic.audit import load_records
 
     for record in load_records(args.log):
         details = record.get("details") or {}
@@ -1187,7 +1183,7 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_report(args: argparse.Namespace) -> int:
-    from fedciuic.audit.report import check_and_report
+    from fedciuic.audit import check_and_report
 
     outcome = check_and_report(args.logs, args.keys, args.out, args.run)
     print("\n".join(outcome.lines))
@@ -1195,15 +1191,14 @@ def _audit_report(args: argparse.Namespace) -> int:
 
 
 def _audit_prune(args: argparse.Namespace) -> int:
-    from fedciuic.audit.retention import prune_log
+    from fedciuic.audit import prune_log
 
     print(prune_log(args.log, args.key, args.policy, dry_run=args.dry_run))
     return 0
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from fedciuic.agent.config import AgentConfig
-    from fedciuic.agent.service import hello, serve
+    from fedciuic.agent import AgentConfig, hello, serve
 
     if not args.ping:
         return serve(args.config, exit_with_parent=not args.keep_running)

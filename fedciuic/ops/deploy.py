@@ -31,10 +31,9 @@ from typing import Any
 import psutil
 
 from fedciuic.config import RunConfig
-from fedciuic.crypto.keys import NAME_PATTERN
-from fedciuic.crypto.parties import AGGREGATOR
+from fedciuic.crypto import AGGREGATOR, NAME_PATTERN
 from fedciuic.errors import ConfigError, FedciuicError
-from fedciuic.flower.launch import (
+from fedciuic.flower import (
     STARTED_RUN,
     healthy,
     running,
@@ -62,13 +61,14 @@ from fedciuic.ops.separation import (
     exec_as,
     reachability_problem,
 )
-from fedciuic.policy.rules import LoadedPolicy, PolicyError, PolicySet, load_policies
-from fedciuic.record.metrics import MetricsError, load_metrics
-from fedciuic.record.recorder import (
+from fedciuic.policy import LoadedPolicy, PolicyError, PolicySet, load_policies
+from fedciuic.record import (
     COMPLETED,
     METRICS_FILE,
     NO_AGGREGATE,
     RUNNING,
+    MetricsError,
+    load_metrics,
     no_aggregate_reasons,
 )
 
@@ -199,7 +199,7 @@ def init_deployment(
     ``relay_user``: the OS user each region's relay runs as (None: :data:`RELAY_USER`
     for root, "" otherwise; "": the region's own user, no OS separation).
     """
-    from fedciuic.data.demo import FAMILIES
+    from fedciuic.data import FAMILIES
 
     directory = Path(os.path.abspath(directory.expanduser()))
     app = app_dir.expanduser().resolve()

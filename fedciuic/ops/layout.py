@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedciuic.agent.config import AgentConfig
-from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
+from fedciuic.agent import AgentConfig
+from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import RunConfig
-from fedciuic.crypto.keys import Keypair, bundle_path, write_keys
-from fedciuic.crypto.parties import AGGREGATOR
+from fedciuic.crypto import AGGREGATOR, Keypair, bundle_path, write_keys
 from fedciuic.errors import EXIT_NO_AGGREGATE
-from fedciuic.flower.launch import (
+from fedciuic.flower import (
+    AGENT,
     CONNECTION,
     FLOWER_ENV,
     OWNER_ENV,
@@ -30,10 +30,9 @@ from fedciuic.flower.launch import (
     owner_tag,
     toml_value,
 )
-from fedciuic.flower.relay import AGENT
 from fedciuic.ops.render import fragment, render
 from fedciuic.ops.runconfig import app_run_config
-from fedciuic.policy.rules import LoadedPolicy, PolicySet
+from fedciuic.policy import LoadedPolicy, PolicySet
 
 #: Each region's agent config, in its folder.
 AGENT_CONFIG = "agent.toml"
@@ -149,8 +148,8 @@ def _private_dir(path: Path) -> Path:
 
 def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
     """Write the checked deployment ``d`` into its (existing, empty) folder."""
-    from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
-    from fedciuic.data.demo import write_demo_corpora
+    from fedciuic.crypto import generate_server_tls, generate_supernode_key
+    from fedciuic.data import write_demo_corpora
 
     agg = d.aggregator
     agg_keys = _private_dir(agg / "keys")

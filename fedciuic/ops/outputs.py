@@ -9,16 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic import wire
-from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
+from fedciuic.aggregator import CHECKPOINT_DIR, LATEST
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
-from fedciuic.record.metrics import OVERALL, EvalEntry, MetricsError, RunMetrics, load_metrics
-from fedciuic.record.recorder import (
+from fedciuic.record import (
     FAILED,
     INTERRUPTED,
     METRICS_FILE,
     NO_AGGREGATE,
+    OVERALL,
     RUNNING,
     SUMMARY_FILE,
+    EvalEntry,
+    MetricsError,
+    RunMetrics,
+    load_metrics,
     no_aggregate_reasons,
     save_metrics,
     utc_now,

@@ -47,7 +47,7 @@ from fedciuic.ops.runconfig import app_run_config, parse_overrides
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fedciuic.model.adapter import ModelSpec
+    from fedciuic.model import ModelSpec
 
 
 class PreflightError(ConfigError):
@@ -100,8 +100,7 @@ def _where(spec: ModelSpec) -> str:
 def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase | None:
     """The model's problems into ``findings``; the tokenizer regions would read with, if
     it loads (checked or not: the data checks read with it either way)."""
-    from fedciuic.model import adapter
-    from fedciuic.model.presets import preset_tokenizer
+    from fedciuic.model import adapter, preset_tokenizer
 
     if not spec.path:
         try:
@@ -139,7 +138,7 @@ def check_template(
     """Whether the chat template can be masked: a problem when chat records need it
     (``chat``), a warning when no data was seen (None) and the tokenizer has one, not
     tried when the data has no chat records (False)."""
-    from fedciuic.data.records import check_chat_template
+    from fedciuic.data import check_chat_template
 
     if chat is False or (chat is None and not getattr(tokenizer, "chat_template", None)):
         return True
@@ -162,7 +161,7 @@ def check_pickle_permissions(
 ) -> None:
     """Deployed regions load pickle-only weights only if their own agent configs say so:
     each that does not would decline every round."""
-    from fedciuic.model.adapter import weight_files
+    from fedciuic.model import weight_files
 
     if not spec.path:
         return
@@ -195,11 +194,8 @@ def check_region(
 ) -> tuple[bool, bool, str | None]:
     """One region's data into ``findings``: (has data, has chat records, a problem of
     the model met while rendering it)."""
-    from fedciuic.data.check import scan_data
-    from fedciuic.data.corpus import bad_rows_refusal, users_refusal
-    from fedciuic.data.records import CHAT, Fields
-    from fedciuic.data.sources import NoDataFiles
-    from fedciuic.model.presets import preset_tokenizer
+    from fedciuic.data import CHAT, Fields, NoDataFiles, bad_rows_refusal, scan_data, users_refusal
+    from fedciuic.model import preset_tokenizer
 
     name = folder.region
     try:
@@ -239,7 +235,7 @@ def check_region(
         )
     whole = scanned.sampled == summary.records and scanned.render_error is None
     if whole and summary.records and not summary.examples:
-        from fedciuic.data.tokenized import dropped_for_length
+        from fedciuic.data import dropped_for_length
 
         findings.problem(
             f"region {name}: data-path {root}: no record leaves anything to train on within "
@@ -263,8 +259,8 @@ def preflight(
     run config's allow-pickle-weights), the chat template and ``regions``' data (None:
     no data is visible here). ``chat``: whether chat records are known to come (the
     demo data's are) whatever the visible data says."""
-    from fedciuic.data.check import SCAN_SAMPLE
-    from fedciuic.model.adapter import ModelSpec
+    from fedciuic.data import SCAN_SAMPLE
+    from fedciuic.model import ModelSpec
 
     findings = Findings()
     spec = ModelSpec.from_run(run)
@@ -358,7 +354,7 @@ def _toml_file(path: Path, option: str) -> dict[str, Any]:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from fedciuic.agent.config import AgentConfig
+    from fedciuic.agent import AgentConfig
 
     started = time.monotonic()
     if args.data_root is not None and args.agent_config:

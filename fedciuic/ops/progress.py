@@ -18,17 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from fedciuic.flower.launch import STARTED_RUN
+from fedciuic.flower import STARTED_RUN
 from fedciuic.ops.outputs import fmt_epsilon, fmt_number
-from fedciuic.record.metrics import (
+from fedciuic.record import (
+    METRICS_FILE,
+    NO_AGGREGATE,
     OVERALL,
+    RUNNING,
     MetricsError,
     RunHeader,
     RunMetrics,
     TrainEntry,
     load_metrics,
 )
-from fedciuic.record.recorder import METRICS_FILE, NO_AGGREGATE, RUNNING
 
 CLEAR_LINE = "\r\033[K"
 

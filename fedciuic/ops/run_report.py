@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import REGION_LOG, AuditError, redaction
-from fedciuic.audit.report import (
+from fedciuic.audit import (
+    REGION_LOG,
+    AuditError,
+    Event,
     PartyLog,
     Section,
     build_report,
     open_logs,
+    redaction,
     verify_logs,
     write_sections,
 )
@@ -51,8 +53,15 @@ from fedciuic.ops.outputs import (
     steps_per_round,
     upload_bytes,
 )
-from fedciuic.record.metrics import OVERALL, EvalEntry, RunMetrics, load_metrics
-from fedciuic.record.recorder import COMPLETED, METRICS_FILE, NO_AGGREGATE
+from fedciuic.record import (
+    COMPLETED,
+    METRICS_FILE,
+    NO_AGGREGATE,
+    OVERALL,
+    EvalEntry,
+    RunMetrics,
+    load_metrics,
+)
 from fedciuic.wire import DECLINED, FAILED, REJECTED
 
 if TYPE_CHECKING:
@@ -579,7 +588,7 @@ def redacts_paths(data: RunMetrics) -> bool:
     """Whether what the run's report shows must leave local paths out: yes, unless the
     policy of the aggregator's jurisdiction, as the run held it (same hash), sets
     ``audit.redact_paths: false``. The report is the aggregator's record."""
-    from fedciuic.policy.rules import PolicyError, load_policy
+    from fedciuic.policy import PolicyError, load_policy
 
     jurisdiction = data.run.config.aggregator_jurisdiction
     held = (data.run.policies or {}).get(jurisdiction) if jurisdiction else None

@@ -26,11 +26,11 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import REPRODUCIBLE_NOISE_WARNING, RunConfig
-from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.data import Batch, ExampleSet
 from fedciuic.errors import ModelError
-from fedciuic.model.adapter import AdapterModel, pause_on_recompute
-from fedciuic.model.train import (
+from fedciuic.model import (
     ONE_PROCESS,
+    AdapterModel,
     Optimizer,
     Shard,
     TrainStats,
@@ -38,6 +38,7 @@ from fedciuic.model.train import (
     lm_loss,
     make_optimizer,
     paced,
+    pause_on_recompute,
     shifted_logits,
     sum_across_ranks,
 )

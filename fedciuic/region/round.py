@@ -35,16 +35,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedciuic import __version__
-from fedciuic.audit.events import SENT_EVENTS, Event
-from fedciuic.audit.log import REGION_LOG, AuditLog, code_version, config_hash
+from fedciuic.audit import REGION_LOG, SENT_EVENTS, AuditLog, Event, code_version, config_hash
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.parties import AGGREGATOR, TaskKind, region_keys, update_payload
+from fedciuic.crypto import AGGREGATOR, Keypair, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.policy.binding import PolicyRefusal, RegionPolicy, enforce_region_policy
-from fedciuic.stages.audit import AuditTrail, NoAudit
-from fedciuic.stages.sealing import Clear, ClearRegion, RegionSealing, Sealed, SealingRegion
+from fedciuic.policy import PolicyRefusal, RegionPolicy, enforce_region_policy
+from fedciuic.stages import (
+    AuditTrail,
+    Clear,
+    ClearRegion,
+    NoAudit,
+    RegionSealing,
+    Sealed,
+    SealingRegion,
+)
 from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
@@ -68,8 +73,8 @@ from fedciuic.wire import (
 
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
     # that importing the round (the agent at start) stays light
-    from fedciuic.model.train import EvalStats
-    from fedciuic.privacy.ledger import PrivacyLedger
+    from fedciuic.model import EvalStats
+    from fedciuic.privacy import PrivacyLedger
     from fedciuic.region.trainer import Region, SentUpdates, TrainOutcome
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do

@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedciuic.audit.log import REGION_LOG
-from fedciuic.cluster.protocol import TrainCommand
-from fedciuic.cluster.training import ClusterStats, TrainingCluster
+from fedciuic.audit import REGION_LOG
+from fedciuic.cluster import ClusterStats, TrainCommand, TrainingCluster
 from fedciuic.compression import (
     ErrorFeedback,
     compress_with_feedback,
@@ -30,17 +29,10 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
-from fedciuic.data.corpus import RegionData, load_region_data
+from fedciuic.data import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
-from fedciuic.model.train import EvalStats, TrainStats, evaluate, train_local
-from fedciuic.privacy.dpsgd import (
-    plan_private_steps,
-    private_round,
-    time_private_step,
-    warn_once,
-)
-from fedciuic.privacy.ledger import (
+from fedciuic.model import AdapterModel, EvalStats, ModelSpec, TrainStats, evaluate, train_local
+from fedciuic.privacy import (
     LEDGER_FILE,
     BudgetExhausted,
     PrivacyError,
@@ -51,7 +43,11 @@ from fedciuic.privacy.ledger import (
     calibrate_noise,
     epsilon_of,
     locked,
+    plan_private_steps,
     poisson_sample_rate,
+    private_round,
+    time_private_step,
+    warn_once,
 )
 from fedciuic.region.cache import BoundedCache
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedciuic.crypto.keys import Keypair
+from fedciuic.crypto import Keypair
 
 
 class AuditTrail(Protocol):

@@ -25,19 +25,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedciuic.audit.events import Event
-from fedciuic.audit.log import digest
-from fedciuic.crypto.keys import Keypair
-from fedciuic.crypto.parties import (
+from fedciuic.audit import Event, digest
+from fedciuic.crypto import (
     AggregatorKeys,
     EnvelopeRejected,
+    Keypair,
     MalformedPayload,
     RegionKeys,
     read_update_payload,
     sign_global,
     sign_run_end,
 )
-from fedciuic.policy.binding import UNSEALED
+from fedciuic.policy import UNSEALED
 from fedciuic.wire import (
     DECLINED,
     JURISDICTION,

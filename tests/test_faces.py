@@ -1,0 +1,80 @@
+"""The library's packages have faces and no circles: every import from another package
+goes through that package's ``__init__`` (which lists what others use), every name a
+face lists resolves, and no two packages import each other, directly or round about
+(imports inside functions counted)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "fedciuic"
+PACKAGES = sorted(p.name for p in LIBRARY.iterdir() if (p / "__init__.py").is_file())
+#: Where the library is used from: the library itself and the two Flower apps.
+SOURCES = [f for folder in ("fedciuic", "server", "clients") for f in (ROOT / folder).rglob("*.py")]
+
+
+def _unit(path: Path) -> str:
+    """The package (or top-level module, or app) a file belongs to."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return parts[1] if parts[0] == "fedciuic" and len(parts) > 1 else parts[0]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports from the library (line, dotted name), anywhere."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] == "fedciuic"]
+
+
+def test_every_import_from_another_package_goes_through_its_face():
+    bypass = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in SOURCES
+        for line, module in _imports(path)
+        if len(parts := module.split(".")) > 2
+        and parts[1] in PACKAGES
+        and parts[1] != _unit(path)
+    ]
+    assert not bypass, "import these through the package's __init__:\n" + "\n".join(bypass)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_name_a_face_lists_is_its_modules_own(package):
+    face = importlib.import_module(f"fedciuic.{package}")
+    where = getattr(face, "_WHERE", {})
+    assert sorted(getattr(face, "__all__", [])) == sorted(where)
+    for name, module in where.items():
+        assert getattr(face, name) is getattr(
+            importlib.import_module(f"fedciuic.{package}.{module}"), name
+        )
+
+
+def test_no_two_packages_import_each_other_even_round_about():
+    uses: dict[str, set[str]] = {}
+    for path in SOURCES:
+        if path.relative_to(ROOT).parts[0] != "fedciuic":
+            continue
+        mine = _unit(path)
+        for _, module in _imports(path):
+            parts = module.split(".")
+            other = parts[1] if len(parts) > 1 else mine
+            if other != mine and (other in PACKAGES or (LIBRARY / f"{other}.py").is_file()):
+                uses.setdefault(mine, set()).add(other)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in uses.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(a for a in uses if reaches(a, a, {a}))
+    assert not circles, f"packages in an import circle: {circles} ({uses})"
