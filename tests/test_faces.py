@@ -40,9 +40,7 @@ def test_every_import_from_another_package_goes_through_its_face():
         f"{path.relative_to(ROOT)}:{line}: {module}"
         for path in SOURCES
         for line, module in _imports(path)
-        if len(parts := module.split(".")) > 2
-        and parts[1] in PACKAGES
-        and parts[1] != _unit(path)
+        if len(parts := module.split(".")) > 2 and parts[1] in PACKAGES and parts[1] != _unit(path)
     ]
     assert not bypass, "import these through the package's __init__:\n" + "\n".join(bypass)
 
@@ -78,3 +76,41 @@ def test_no_two_packages_import_each_other_even_round_about():
 
     circles = sorted(a for a in uses if reaches(a, a, {a}))
     assert not circles, f"packages in an import circle: {circles} ({uses})"
+
+
+def test_no_module_imports_itself_round_about():
+    """File level: each import of a face's name leads to the module that defines it;
+    no chain of imports (inside functions counted) comes back to where it started."""
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in LIBRARY.rglob("*.py")
+    }
+    faces = {
+        name: importlib.import_module(name).__dict__.get("_WHERE", {})
+        for name, path in modules.items()
+        if path.name == "__init__.py"
+    }
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                where = faces.get(node.module, {})
+                for alias in node.names:
+                    target = f"{node.module}.{where.get(alias.name, alias.name)}"
+                    edges.setdefault(name, set()).add(target if target in modules else node.module)
+
+    def back(start: str) -> bool:
+        seen, todo = set(), list(edges.get(start, ()))
+        while todo:
+            here = todo.pop()
+            if here == start:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo += edges.get(here, ())
+        return False
+
+    circles = sorted(m for m in edges if back(m))
+    assert not circles, f"modules in an import circle: {circles}"
