@@ -336,6 +336,20 @@ class TrainMetrics(_Strict):
     update_bytes: int = Field(ge=0, le=_MAX_COUNT)
     privacy: PrivacyFigures | None = None
 
+    def declared(self) -> dict[str, Any]:
+        """Its privacy as the policies check it and the audit log records it: epsilon,
+        delta, max_grad_norm, secure_mode and unit, each None without DP."""
+        p = self.privacy
+        if p is None:
+            return dict.fromkeys(("epsilon", "delta", "max_grad_norm", "secure_mode", "unit"))
+        return {
+            "epsilon": p.epsilon,
+            "delta": p.delta,
+            "max_grad_norm": p.max_grad_norm,
+            "secure_mode": bool(p.secure_mode),
+            "unit": p.unit,
+        }
+
     def record(self) -> dict[str, float | int | str]:
         """The figures as metrics.json stores them (privacy keys with underscores)."""
         privacy = self.privacy.model_dump() if self.privacy else {}

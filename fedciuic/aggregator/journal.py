@@ -131,8 +131,8 @@ class Journal:
                 **claimed,
                 region=region,
                 examples=a.metrics.num_examples,
-                epsilon=a.metrics.privacy.epsilon if a.metrics.privacy else None,
-                unit=a.metrics.privacy.unit if a.metrics.privacy else None,
+                epsilon=a.metrics.declared()["epsilon"],
+                unit=a.metrics.declared()["unit"],
                 # Whose epsilon: a floor for that dataset's ledger rebuild (docs/privacy.md).
                 data_fingerprint=a.info["data-fingerprint"],
                 suite=a.header.suite,

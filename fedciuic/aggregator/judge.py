@@ -288,21 +288,16 @@ class Judge:
                 f"computed against global version {task.version}, {staleness} version(s) "
                 f"old; {staleness_rule}"
             )
-        privacy = metrics.privacy
         decision = self.policies.check_update(
             UpdateFacts(
                 region=header.region,
                 sender_jurisdiction=header.jurisdiction,
                 policy_hash=header.policy_hash,
-                epsilon=privacy.epsilon if privacy else None,
-                delta=privacy.delta if privacy else None,
                 suite=header.suite,
                 codec=self.run.codec.family,
                 num_examples=metrics.num_examples,
-                max_grad_norm=privacy.max_grad_norm if privacy else None,
-                secure_mode=bool(privacy.secure_mode) if privacy else None,
-                unit=privacy.unit if privacy else None,
                 agent_version=reply.info.get(AGENT_VERSION),
+                **metrics.declared(),
             )
         )
         noted.decision = decision

@@ -163,7 +163,7 @@ def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
         "data-fingerprint": outcome.data_fingerprint,
         JURISDICTION: policy.jurisdiction,
         POLICY_HASH: policy.hash,
-        PRIVACY_UNIT: outcome.privacy.unit if outcome.privacy else "",
+        PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
     }
 
 
@@ -567,21 +567,14 @@ class _Round:
         )
 
     def _note_trained(self, outcome: TrainOutcome) -> None:
-        p = outcome.privacy
+        from fedciuic.region.trainer import released_record
+
         self.note(
             Event.TRAINED,
             examples=outcome.stats.num_examples,
             steps=outcome.stats.steps,
             data_fingerprint=outcome.data_fingerprint,
-            epsilon=p.epsilon if p else None,
-            unit=p.unit if p else None,
-            epsilon_budget=p.epsilon_budget if p else None,
-            delta=p.delta if p else None,
-            noise_multiplier=p.noise_multiplier if p else None,
-            sample_rate=p.sample_rate if p else None,
-            max_grad_norm=p.max_grad_norm if p else None,
-            run_epsilon=p.run_epsilon if p else None,
-            ledger=p.ledger if p else None,  # witnesses the ledger's head (docs/privacy.md)
+            **released_record(outcome.privacy),
         )
 
     def _send(

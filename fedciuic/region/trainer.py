@@ -125,6 +125,26 @@ class PrivacySpent:
     ledger: dict[str, Any] | None = None
 
 
+#: What the region's audit log records of a release's privacy (``trained``), in order.
+RELEASED = (
+    "epsilon",
+    "unit",
+    "epsilon_budget",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "max_grad_norm",
+    "run_epsilon",
+    "ledger",  # witnesses the ledger's head (docs/privacy.md)
+)
+
+
+def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
+    """A release's privacy as the region's audit log records it, each figure None
+    without DP."""
+    return {name: getattr(privacy, name, None) for name in RELEASED}
+
+
 @dataclass(frozen=True)
 class TrainOutcome:
     """What a region that took part sends back: its adapter delta and statistics."""
