@@ -30,7 +30,8 @@ def _hwm_bytes() -> int:
 def _child(what: str, preset: str) -> dict[str, float]:
     import torch
 
-    from fedciuic.model.adapter import AdapterLayout, AdapterModel, ModelSpec
+    from fedciuic.config import ModelSpec
+    from fedciuic.model.adapter import AdapterLayout, AdapterModel
     from fedciuic.model.presets import preset_tokenizer
 
     preset_tokenizer(preset)  # trained and cached once, outside the measurement

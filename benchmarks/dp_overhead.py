@@ -42,8 +42,9 @@ import torch
 from opacus.grad_sample.grad_sample_module import GradSampleModule
 from report import Row, proc_bytes, verdict
 
+from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import ExampleSet
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss, make_optimizer
 from fedciuic.privacy.dpsgd import PrivateTrainer
 

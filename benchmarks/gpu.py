@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from dp_overhead import make_step  # the same step as the CPU benchmark (scripts side by side)
 
-from fedciuic.model.adapter import AdapterModel, ModelSpec, save_checkpoint
+from fedciuic.config import ModelSpec
+from fedciuic.model.adapter import AdapterModel, save_checkpoint
 
 DISTILL_SHAPE: dict[str, Any] = {  # R1-Distill-Qwen-1.5B's layout, fewer layers
     "hidden_size": 1536,

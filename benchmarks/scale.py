@@ -385,7 +385,8 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 
 
 def adapter_entries(preset: str, rank: int) -> int:
-    from fedciuic.model.adapter import AdapterLayout, ModelSpec
+    from fedciuic.config import ModelSpec
+    from fedciuic.model.adapter import AdapterLayout
 
     layout = AdapterLayout.of(ModelSpec(preset=preset, lora_rank=rank, lora_alpha=2 * rank))
     return int(sum(a.size for a in layout.initial.values()))

@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
@@ -29,7 +30,7 @@ from pydantic import (
 from fedciuic.compression import Codec, get_codec
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
-from fedciuic.server_optim import OptimizerName
+from fedciuic.server_optim import OptimizerName, ServerSettings
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 
@@ -299,6 +300,47 @@ class RunConfig(_Strict):
             )
         return value
 
+    # -- sections: what each stage takes, from the flat keys (built on each access, so that
+    # -- a model_copy with other keys never carries a stale one)
+
+    @property
+    def model(self) -> ModelSpec:
+        """The model section: which base, which adapter, what precision."""
+        return ModelSpec(
+            preset=self.model_preset,
+            path=self.model_path,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            seed=self.seed,
+            lora_targets=self.lora_targets,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            gradient_checkpointing=self.gradient_checkpointing,
+            allow_pickle_weights=self.allow_pickle_weights,
+        )
+
+    @property
+    def fields(self) -> Fields:
+        """The data section's field names: where each shape of record keeps its parts."""
+        return Fields(
+            text=self.text_field,
+            prompt=self.prompt_field,
+            response=self.response_field,
+            messages=self.messages_field,
+            user_id=self.user_id_field,
+        )
+
+    @property
+    def server(self) -> ServerSettings:
+        """The server optimiser's section (``server-*`` keys)."""
+        return ServerSettings(
+            self.server_optimizer,
+            learning_rate=self.server_learning_rate,
+            momentum=self.server_momentum,
+            beta2=self.server_beta2,
+            epsilon=self.server_epsilon,
+        )
+
     def canonical_json(self) -> str:
         """This config as the aggregator signs it into every instruction: kebab-case keys,
         sorted, compact; :meth:`from_user_config` reads it back to the same config."""
@@ -530,3 +572,33 @@ class NodeConfig(_Strict):
                 "SuperNode with --node-config \"region='eu' data-path='/path/to/eu'\""
             ]
         )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to build and how: a preset (seeded random init) or a checkpoint
+    directory, the adapter, and the base's precision (:attr:`RunConfig.model`)."""
+
+    preset: str = "tiny"
+    path: str = ""
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    seed: int = 0
+    lora_targets: str = "auto"
+    dtype: str = "auto"
+    quantization: str = "none"
+    gradient_checkpointing: bool = False
+    #: Load a checkpoint whose weights are only pickle files (unpickling runs code).
+    allow_pickle_weights: bool = False
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The field names of each shape in this federation's records
+    (:attr:`RunConfig.fields`)."""
+
+    text: str = RunConfig.model_fields["text_field"].default
+    prompt: str = RunConfig.model_fields["prompt_field"].default
+    response: str = RunConfig.model_fields["response_field"].default
+    messages: str = RunConfig.model_fields["messages_field"].default
+    user_id: str = RunConfig.model_fields["user_id_field"].default

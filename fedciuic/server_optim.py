@@ -68,6 +68,18 @@ class OptimizerState:
         }
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """The optimiser the aggregator steps with on each aggregate
+    (``RunConfig.server``)."""
+
+    name: str
+    learning_rate: float
+    momentum: float
+    beta2: float
+    epsilon: float
+
+
 class ServerOptimizer:
     """One of :data:`OPTIMIZERS` over the flat adapter vector; moments are allocated
     (float32, zeros; ``v`` at ``tau^2``) on the first step, from that adapter's layout."""
@@ -96,14 +108,14 @@ class ServerOptimizer:
         self.moments: dict[str, np.ndarray] = {}
 
     @classmethod
-    def from_run(cls, run: Any) -> ServerOptimizer:
-        """Fresh, from a RunConfig's server-* keys (anything that has them)."""
+    def of(cls, settings: ServerSettings) -> ServerOptimizer:
+        """Fresh, from the run's server section (:attr:`RunConfig.server`)."""
         return cls(
-            run.server_optimizer,
-            learning_rate=run.server_learning_rate,
-            momentum=run.server_momentum,
-            beta2=run.server_beta2,
-            epsilon=run.server_epsilon,
+            settings.name,
+            learning_rate=settings.learning_rate,
+            momentum=settings.momentum,
+            beta2=settings.beta2,
+            epsilon=settings.epsilon,
         )
 
     @property
@@ -180,11 +192,14 @@ class ServerOptimizer:
 
     @classmethod
     def from_state(
-        cls, run: Any, state: OptimizerState, layout: list[tuple[str, tuple[int, ...]]]
+        cls,
+        settings: ServerSettings,
+        state: OptimizerState,
+        layout: list[tuple[str, tuple[int, ...]]],
     ) -> ServerOptimizer:
-        """The optimiser of this run (``run``'s server-* keys) continued from ``state``,
+        """The optimiser of this run (its server section) continued from ``state``,
         which must be of the same optimizer and for an adapter of ``layout``."""
-        fresh = cls.from_run(run)
+        fresh = cls.of(settings)
         if state.name != fresh.name:
             raise OptimizerStateError(
                 f'run config:server-optimizer: "{fresh.name}", but the checkpoint holds '

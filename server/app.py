@@ -25,7 +25,7 @@ from fedciuic.audit import AuditLog
 from fedciuic.config import RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import FlowerTransport
-from fedciuic.model import AdapterLayout, ModelSpec
+from fedciuic.model import AdapterLayout
 from fedciuic.ops import summarize
 from fedciuic.record import RunRecorder
 
@@ -64,7 +64,7 @@ def main(grid: Grid, context: Context) -> None:
         recorder.data.run.audit_log = str(audit.path)  # also for a run that fails
         # Adapter names, shapes and initial values from the base on the meta device: the
         # aggregator never holds the base model's weights.
-        layout = AdapterLayout.of(ModelSpec.from_run(run))
+        layout = AdapterLayout.of(run.model)
         recorder.data.run.base_fingerprint = layout.fingerprint
         opened = open_run(run, context.run_id, audit, recorder, layout.fingerprint)
         loop = loop_for(opened.aggregator, FlowerTransport(grid))

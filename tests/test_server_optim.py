@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from fedciuic.compression import layout_of
-from fedciuic.server_optim import OptimizerState, OptimizerStateError, ServerOptimizer
+from fedciuic.server_optim import (
+    OptimizerState,
+    OptimizerStateError,
+    ServerOptimizer,
+    ServerSettings,
+)
 
 X0 = {"a": np.array([1.0, -2.0], np.float32), "b": np.array([[0.5]], np.float32)}
 DELTAS = [np.array(d, np.float32) for d in ([1.0, 2.0, -1.0], [-1.0, 0.5, 0.01], [0.5, 0.5, 3.0])]
 
 
-def run(name: str, lr: float = 0.1, **changes: float) -> SimpleNamespace:
+def run(name: str, lr: float = 0.1, **changes: float) -> ServerSettings:
     values = {"momentum": 0.9, "beta2": 0.99, "epsilon": 1e-3, **changes}
-    return SimpleNamespace(
-        server_optimizer=name,
-        server_learning_rate=lr,
-        server_momentum=values["momentum"],
-        server_beta2=values["beta2"],
-        server_epsilon=values["epsilon"],
+    return ServerSettings(
+        name,
+        learning_rate=lr,
+        momentum=values["momentum"],
+        beta2=values["beta2"],
+        epsilon=values["epsilon"],
     )
 
 
@@ -36,7 +40,7 @@ def steps(opt: ServerOptimizer, count: int = 3) -> list[np.ndarray]:
 
 
 def test_none_adds_the_delta_times_the_learning_rate():
-    opt = ServerOptimizer.from_run(run("none", lr=0.5))
+    opt = ServerOptimizer.of(run("none", lr=0.5))
     x = opt.step(X0, DELTAS[0])
     np.testing.assert_allclose(x["a"], [1.5, -1.0])
     np.testing.assert_allclose(x["b"], [[0.0]])
@@ -50,7 +54,7 @@ def test_none_adds_the_delta_times_the_learning_rate():
 
 
 def test_fedavgm_by_hand():
-    got = steps(ServerOptimizer.from_run(run("fedavgm", lr=0.5)))
+    got = steps(ServerOptimizer.of(run("fedavgm", lr=0.5)))
     # m1 = d1 = [1, 2, -1]; x1 = x0 + 0.5 m1
     # m2 = 0.9 m1 + d2 = [-0.1, 2.3, -0.89]; x2 = x1 + 0.5 m2
     # m3 = 0.9 m2 + d3 = [0.41, 2.57, 2.199]; x3 = x2 + 0.5 m3
@@ -78,7 +82,7 @@ def reference(kind: str, lr=0.1, b1=0.9, b2=0.99, tau=1e-3) -> list[list[float]]
 
 @pytest.mark.parametrize("kind", ["fedadam", "fedyogi"])
 def test_adaptive_optimisers_by_hand(kind):
-    got = steps(ServerOptimizer.from_run(run(kind)))
+    got = steps(ServerOptimizer.of(run(kind)))
     for mine, ref in zip(got, reference(kind), strict=True):
         np.testing.assert_allclose(mine, ref, rtol=1e-5)
     # Step 1 by hand, first coordinate (d = 1): m = 0.1, v = 0.99e-6 + 0.01 (adam) or
@@ -90,16 +94,16 @@ def test_adaptive_optimisers_by_hand(kind):
 def test_adam_and_yogi_differ_once_the_delta_shrinks():
     adam, yogi = reference("fedadam"), reference("fedyogi")
     assert abs(adam[1][2] - yogi[1][2]) > 1e-4  # d = 0.01 after d = -1: v decays (adam) or not
-    got = steps(ServerOptimizer.from_run(run("fedyogi")), 2)
+    got = steps(ServerOptimizer.of(run("fedyogi")), 2)
     np.testing.assert_allclose(got[1], yogi[1], rtol=1e-5)
     assert abs(got[1][2] - adam[1][2]) > 1e-4
 
 
 @pytest.mark.parametrize("kind", ["none", "fedavgm", "fedadam", "fedyogi"])
 def test_state_round_trips_and_the_run_continues_bit_for_bit(kind):
-    whole = ServerOptimizer.from_run(run(kind))
+    whole = ServerOptimizer.of(run(kind))
     expected = steps(whole)[-1]
-    cut = ServerOptimizer.from_run(run(kind))
+    cut = ServerOptimizer.of(run(kind))
     x = X0
     for delta in DELTAS[:2]:
         x = cut.step(x, delta)
@@ -111,12 +115,12 @@ def test_state_round_trips_and_the_run_continues_bit_for_bit(kind):
     assert np.concatenate([last["a"], last["b"].ravel()]).tobytes() == expected.tobytes()
     assert resumed.steps == 3
     if kind in ("fedavgm", "fedadam"):  # a fresh state would not have ended there
-        fresh = ServerOptimizer.from_run(run(kind)).step(x, DELTAS[2])
+        fresh = ServerOptimizer.of(run(kind)).step(x, DELTAS[2])
         assert not np.array_equal(fresh["a"], last["a"])
 
 
 def test_a_state_of_another_optimizer_or_adapter_is_refused():
-    opt = ServerOptimizer.from_run(run("fedadam"))
+    opt = ServerOptimizer.of(run("fedadam"))
     opt.step(X0, DELTAS[0])
     state = opt.state()
     with pytest.raises(OptimizerStateError, match='run config:server-optimizer: "fedyogi"'):
@@ -137,7 +141,7 @@ def test_a_state_of_another_optimizer_or_adapter_is_refused():
 
 
 def test_moments_are_float32_and_updated_in_place():
-    opt = ServerOptimizer.from_run(run("fedadam"))
+    opt = ServerOptimizer.of(run("fedadam"))
     opt.step(X0, DELTAS[0])
     m, v = opt.moments["m"], opt.moments["v"]
     opt.step(X0, DELTAS[1])

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.flower.protocol import pack_arrays
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.ops.runconfig import app_run_config
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.region.trainer import Region
@@ -95,7 +95,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 @server.main()
 def main(grid: Grid, context: Context) -> None:
     run = _run(context)
-    model = AdapterModel(ModelSpec.from_run(run), device=torch.device("cpu"))
+    model = AdapterModel(run.model, device=torch.device("cpu"))
     ended: dict[int, float] = {}
 
     def mark(server_round: int, _: ArrayRecord) -> None:

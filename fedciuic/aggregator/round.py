@@ -164,7 +164,7 @@ class AggregatorRound:
         #: The highest checkpoint count each region's replies have shown in this run.
         self.witnessed_counts: dict[str, int] = {}
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
-        self.server_optimizer = ServerOptimizer.from_run(run)
+        self.server_optimizer = ServerOptimizer.of(run.server)
 
     # -- instructions -------------------------------------------------------------
 

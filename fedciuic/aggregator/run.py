@@ -205,11 +205,11 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
     ``fedciuic-checkpoint/1`` has none: fine for ``none`` (it keeps no state), refused
     for the others, whose moments would silently restart from zero."""
     if resumed is None:
-        return ServerOptimizer.from_run(run)
+        return ServerOptimizer.of(run.server)
     where = run.resume_from or "the checkpoint"
     if resumed.optimizer is None:
         if run.server_optimizer == "none":
-            return ServerOptimizer.from_run(run)
+            return ServerOptimizer.of(run.server)
         raise CheckpointError(
             f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
             "is a checkpoint without server optimizer state (fedciuic-checkpoint/1); resume "
@@ -222,7 +222,9 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
             f'"{resumed.optimizer.name}" or start a new run'
         )
     try:
-        optimizer = ServerOptimizer.from_state(run, resumed.optimizer, layout_of(resumed.adapter))
+        optimizer = ServerOptimizer.from_state(
+            run.server, resumed.optimizer, layout_of(resumed.adapter)
+        )
     except OptimizerStateError as err:
         raise CheckpointError(f"run config:resume-from: {where}: {err}") from None
     changed = {

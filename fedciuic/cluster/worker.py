@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -101,14 +102,14 @@ def serve(world: World) -> None:
     from fedciuic.cluster.training import train_rank
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data import load_region_data
-    from fedciuic.model import AdapterModel, ModelSpec, Shard
+    from fedciuic.model import AdapterModel, Shard
 
     try:
         store.wait([CONFIG_KEY], timedelta(seconds=timeout))
         config = json.loads(store.get(CONFIG_KEY))
         run = RunConfig.from_user_config(config["run"], source="run config")
         node = NodeConfig.from_user_config(config["node"], source="node config")
-        spec = ModelSpec.from_run(run, allow_pickle_weights=node.allows_pickle_weights(run))
+        spec = replace(run.model, allow_pickle_weights=node.allows_pickle_weights(run))
         model = AdapterModel(spec, device=device)
         data = load_region_data(run, node, model.tokenizer)
         store.set(

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         users_refusal,
     )
     from fedciuic.data.demo import FAMILIES, module_docs, write_demo_corpora
-    from fedciuic.data.records import CHAT, Fields, check_chat_template
+    from fedciuic.data.records import CHAT, check_chat_template
     from fedciuic.data.sources import NoDataFiles
     from fedciuic.data.tokenized import IGNORE, dropped_for_length
 
@@ -28,7 +28,6 @@ _WHERE = {
     "CHAT": "records",
     "ExampleSet": "corpus",
     "FAMILIES": "demo",
-    "Fields": "records",
     "IGNORE": "tokenized",
     "NoDataFiles": "sources",
     "RegionData": "corpus",
@@ -50,7 +49,6 @@ __all__ = [
     "SCAN_SAMPLE",
     "Batch",
     "ExampleSet",
-    "Fields",
     "NoDataFiles",
     "RegionData",
     "bad_rows_refusal",

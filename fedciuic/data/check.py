@@ -17,8 +17,7 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.config import TruncationSide
-from fedciuic.data.records import Fields
+from fedciuic.config import Fields, TruncationSide
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
     IGNORE,

@@ -20,7 +20,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
-from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
     BUCKET,
@@ -184,7 +183,7 @@ def load_region_data(
         sources,
         tokenizer,
         seq_len=run.seq_len,
-        fields=Fields.from_run(run),
+        fields=run.fields,
         state_dir=node.state_dir,
         truncation_side=run.truncation_side,
     )

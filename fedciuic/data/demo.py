@@ -25,17 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fedciuic.data.records import (
-    ASSISTANT,
-    CONTENT,
-    INPUT,
-    INSTRUCTION,
-    OUTPUT,
-    ROLE,
-    SYSTEM,
-    USER,
-    Fields,
-)
+from fedciuic.config import Fields
+from fedciuic.data.records import ASSISTANT, CONTENT, INPUT, INSTRUCTION, OUTPUT, ROLE, SYSTEM, USER
 from fedciuic.errors import ConfigError
 
 #: Module families per region; each region's corpus is the docstrings of its family.

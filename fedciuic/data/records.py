@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.config import RunConfig
+from fedciuic.config import Fields
 from fedciuic.errors import DataError
 
 Shape = Literal["text", "prompt-response", "alpaca", "chat"]
@@ -57,30 +57,6 @@ class BadRecord(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-_DEFAULTS = RunConfig.model_fields
-
-
-@dataclass(frozen=True)
-class Fields:
-    """The field names of each shape in this federation's records (run config)."""
-
-    text: str = _DEFAULTS["text_field"].default
-    prompt: str = _DEFAULTS["prompt_field"].default
-    response: str = _DEFAULTS["response_field"].default
-    messages: str = _DEFAULTS["messages_field"].default
-    user_id: str = _DEFAULTS["user_id_field"].default
-
-    @classmethod
-    def from_run(cls, run: RunConfig) -> Fields:
-        return cls(
-            text=run.text_field,
-            prompt=run.prompt_field,
-            response=run.response_field,
-            messages=run.messages_field,
-            user_id=run.user_id_field,
-        )
 
 
 @dataclass(frozen=True)

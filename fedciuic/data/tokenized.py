@@ -27,14 +27,13 @@ from datasets.arrow_writer import ArrowWriter
 from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.config import TruncationSide
+from fedciuic.config import Fields, TruncationSide
 from fedciuic.data.records import (
     INSTRUCTION,
     OUTPUT,
     SHAPES,
     WHOLE_RECORD,
     BadRecord,
-    Fields,
     Record,
     Renderer,
     parse_record,

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from fedciuic.model.adapter import (
         AdapterLayout,
         AdapterModel,
-        ModelSpec,
         check_model_spec,
         pause_on_recompute,
         save_checkpoint,
@@ -41,7 +40,6 @@ _WHERE = {
     "AdapterLayout": "adapter",
     "AdapterModel": "adapter",
     "EvalStats": "train",
-    "ModelSpec": "adapter",
     "ONE_PROCESS": "train",
     "Optimizer": "train",
     "Shard": "train",
@@ -66,7 +64,6 @@ __all__ = [
     "AdapterLayout",
     "AdapterModel",
     "EvalStats",
-    "ModelSpec",
     "Optimizer",
     "Shard",
     "TrainStats",

@@ -41,7 +41,7 @@ from transformers import (
 )
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-from fedciuic.config import RunConfig
+from fedciuic.config import ModelSpec
 from fedciuic.errors import ModelError
 from fedciuic.files import DIRECTORY, not_regular
 from fedciuic.model.families import frozen_parts, resolve_targets, target_names
@@ -71,43 +71,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECKPOINT_FIX = (
     "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
 )
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to build and how: a preset (seeded random init) or a checkpoint
-    directory, the adapter, and the base's precision."""
-
-    preset: str = "tiny"
-    path: str = ""
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    seed: int = 0
-    lora_targets: str = "auto"
-    dtype: str = "auto"
-    quantization: str = "none"
-    gradient_checkpointing: bool = False
-    #: Load a checkpoint whose weights are only pickle files (unpickling runs code).
-    allow_pickle_weights: bool = False
-
-    @classmethod
-    def from_run(cls, run: RunConfig, *, allow_pickle_weights: bool | None = None) -> ModelSpec:
-        """The run's model; ``allow_pickle_weights``: the permission of whoever loads it
-        (a region's own word), else the run config's."""
-        if allow_pickle_weights is None:
-            allow_pickle_weights = run.allow_pickle_weights
-        return cls(
-            preset=run.model_preset,
-            path=run.model_path,
-            lora_rank=run.lora_rank,
-            lora_alpha=run.lora_alpha,
-            seed=run.seed,
-            lora_targets=run.lora_targets,
-            dtype=run.dtype,
-            quantization=run.quantization,
-            gradient_checkpointing=run.gradient_checkpointing,
-            allow_pickle_weights=allow_pickle_weights,
-        )
 
 
 @dataclass(frozen=True)

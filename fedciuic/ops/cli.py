@@ -666,7 +666,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.crypto import aggregator_keys
     from fedciuic.data import write_demo_corpora
     from fedciuic.flower import LocalFederation
-    from fedciuic.model import ModelSpec, check_model_spec
+    from fedciuic.model import check_model_spec
     from fedciuic.ops.outputs import summarize
     from fedciuic.ops.preflight import check_simulation
     from fedciuic.ops.progress import RunProgress
@@ -693,7 +693,7 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["policies-dir"] = str(app / "policies")
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
-    check_model_spec(ModelSpec.from_run(run))
+    check_model_spec(run.model)
     if run.seal and run.keys_dir:
         aggregator_keys(run.keys_dir, run.max_update_bytes)
     if run.enforce_policies:
@@ -994,8 +994,9 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from fedciuic.data import Fields, check_data
-    from fedciuic.model import ModelSpec, spec_tokenizer
+    from fedciuic.config import Fields, ModelSpec
+    from fedciuic.data import check_data
+    from fedciuic.model import spec_tokenizer
 
     if args.seq_len < 2:
         raise ConfigError([f"--seq-len: {args.seq_len} is too short; use at least 2"])
@@ -1071,7 +1072,8 @@ def _budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
-    from fedciuic.model import ModelSpec, save_checkpoint
+    from fedciuic.config import ModelSpec
+    from fedciuic.model import save_checkpoint
 
     path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")

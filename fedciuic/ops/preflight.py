@@ -47,7 +47,7 @@ from fedciuic.ops.runconfig import app_run_config, parse_overrides
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fedciuic.model import ModelSpec
+    from fedciuic.config import ModelSpec
 
 
 class PreflightError(ConfigError):
@@ -194,7 +194,7 @@ def check_region(
 ) -> tuple[bool, bool, str | None]:
     """One region's data into ``findings``: (has data, has chat records, a problem of
     the model met while rendering it)."""
-    from fedciuic.data import CHAT, Fields, NoDataFiles, bad_rows_refusal, scan_data, users_refusal
+    from fedciuic.data import CHAT, NoDataFiles, bad_rows_refusal, scan_data, users_refusal
     from fedciuic.model import preset_tokenizer
 
     name = folder.region
@@ -203,7 +203,7 @@ def check_region(
             folder.path,
             tokenizer or preset_tokenizer("tiny"),
             seq_len=run.seq_len,
-            fields=Fields.from_run(run),
+            fields=run.fields,
             sample=sample if tokenizer is not None else 0,
             truncation_side=run.truncation_side,
         )
@@ -260,10 +260,9 @@ def preflight(
     no data is visible here). ``chat``: whether chat records are known to come (the
     demo data's are) whatever the visible data says."""
     from fedciuic.data import SCAN_SAMPLE
-    from fedciuic.model import ModelSpec
 
     findings = Findings()
-    spec = ModelSpec.from_run(run)
+    spec = run.model
     tokenizer = check_model(spec, findings)
     render_errors: list[str] = []
     if regions is not None:

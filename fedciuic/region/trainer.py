@@ -31,7 +31,7 @@ from fedciuic.compression import (
 from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
 from fedciuic.data import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
-from fedciuic.model import AdapterModel, EvalStats, ModelSpec, TrainStats, evaluate, train_local
+from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
 from fedciuic.privacy import (
     LEDGER_FILE,
     BudgetExhausted,
@@ -167,7 +167,7 @@ class Region:
         if run.noise_warning:
             warn_once(run.noise_warning)
         # Whether pickle weights load is the region's own word (its agent config).
-        spec = ModelSpec.from_run(run, allow_pickle_weights=node.allows_pickle_weights(run))
+        spec = replace(run.model, allow_pickle_weights=node.allows_pickle_weights(run))
         self.model = AdapterModel(spec)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)

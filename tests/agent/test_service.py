@@ -46,7 +46,7 @@ from fedciuic.agent.service import (
 )
 from fedciuic.audit.log import REGION_LOG, load_records, verify
 from fedciuic.cluster.protocol import CORES_ENV, threads_per_rank
-from fedciuic.config import RunConfig
+from fedciuic.config import ModelSpec, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
     NONCE_BYTES,
@@ -58,7 +58,7 @@ from fedciuic.crypto.parties import (
     sign_run_end,
 )
 from fedciuic.digests import installed_code
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.wire import (
     AGENT_CODE,

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.config import NodeConfig
+from fedciuic.config import Fields, ModelSpec, NodeConfig
 from fedciuic.data.corpus import ExampleSet, load_region_data
-from fedciuic.data.records import Fields, Renderer, check_chat_template, parse_record
+from fedciuic.data.records import Renderer, check_chat_template, parse_record
 from fedciuic.data.tokenized import IGNORE
 from fedciuic.errors import DataError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.presets import tiny_checkpoint
 from fedciuic.model.train import example_losses
 from tests.data.helpers import TEMPLATES, data_run, template, template_tokenizer

@@ -12,11 +12,10 @@ from typing import Any
 import datasets
 import pytest
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import Fields, NodeConfig, RunConfig
 from fedciuic.data import corpus, tokenized
 from fedciuic.data.check import check_data
 from fedciuic.data.corpus import RegionData, load_region_data, region_fingerprint
-from fedciuic.data.records import Fields
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
@@ -197,7 +196,7 @@ def test_a_fifo_named_like_a_data_file_is_refused_at_once_naming_it(tmp_path, to
     jsonl(eu / "a.jsonl", RECORDS)
     fifo = eu / "b.jsonl"
     os.mkfifo(fifo)
-    fields = Fields.from_run(run())
+    fields = run().fields
     for call in (
         lambda: check_data(eu, tokenizer, seq_len=128, fields=fields, tokenizer_name="bpe"),
         lambda: load(eu, tokenizer),

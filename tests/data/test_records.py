@@ -10,19 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import Fields, ModelSpec, NodeConfig, RunConfig
 from fedciuic.data.corpus import ExampleSet, load_region_data
 from fedciuic.data.records import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_WITH_INPUT,
     BadRecord,
-    Fields,
     Renderer,
     parse_record,
 )
 from fedciuic.data.tokenized import IGNORE
 from fedciuic.errors import DataError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
 from fedciuic.model.train import example_losses, shifted_logits
 from tests.data.helpers import data_run

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from fedciuic.config import NodeConfig
+from fedciuic.config import Fields, NodeConfig
 from fedciuic.data.check import check_data
 from fedciuic.data.corpus import RegionData, load_region_data
-from fedciuic.data.records import ALPACA_PROMPT, Fields
+from fedciuic.data.records import ALPACA_PROMPT
 from fedciuic.data.tokenized import IGNORE
 from fedciuic.errors import DataError
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer

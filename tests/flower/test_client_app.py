@@ -26,7 +26,7 @@ from fedciuic import __version__
 from fedciuic.agent import channel
 from fedciuic.audit.log import load_records, verify
 from fedciuic.compression import get_codec
-from fedciuic.config import RunConfig
+from fedciuic.config import ModelSpec, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
     NONCE_BYTES,
@@ -38,7 +38,7 @@ from fedciuic.crypto.parties import (
 )
 from fedciuic.digests import installed_code
 from fedciuic.flower import protocol, relay
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE
 from fedciuic.wire import (

@@ -17,11 +17,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fedciuic.agent.config import AgentConfig
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import ModelSpec, NodeConfig, RunConfig
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import (
     AdapterModel,
-    ModelSpec,
     checkpoint_config,
     open_tokenizer,
     tokenizer_problems,
@@ -135,8 +134,8 @@ def test_the_run_config_key_defaults_to_false_and_governs_the_launcher_and_simul
     assert app_config()["allow-pickle-weights"] is False
     assert RunConfig.model_fields["allow_pickle_weights"].default is False
     allowing = _run(**{"allow-pickle-weights": True})
-    assert ModelSpec.from_run(allowing).allow_pickle_weights is True
-    assert ModelSpec.from_run(_run()).allow_pickle_weights is False
+    assert allowing.model.allow_pickle_weights is True
+    assert _run().model.allow_pickle_weights is False
     simulated = NodeConfig.resolve({"partition-id": 0}, _run(**{"data-root": "/d"}))
     assert simulated.allows_pickle_weights(allowing) is True  # one operator owns both
 
@@ -157,12 +156,9 @@ def test_a_deployed_region_goes_by_its_own_word_never_the_run_configs(tmp_path):
     assert agent.allow_pickle_weights is False  # the agent's default
     node = agent.node_for(allowing)
     assert node.allows_pickle_weights(allowing) is False
-    assert (
-        ModelSpec.from_run(
-            allowing, allow_pickle_weights=node.allows_pickle_weights(allowing)
-        ).allow_pickle_weights
-        is False
-    )
+    # what the region's trainer builds: the run's model section, with the region's word
+    assert node.allows_pickle_weights(allowing) is False
+    assert allowing.model.allow_pickle_weights is True
     trusting = agent.model_copy(update={"allow_pickle_weights": True})
     assert trusting.node_for(_run()).allows_pickle_weights(_run()) is True
     # A node config that names its region (a deployed node) is never the run's either.

@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedciuic.config import ModelSpec
 from fedciuic.errors import ModelError
-from fedciuic.model.adapter import (
-    AdapterModel,
-    ModelSpec,
-    check_model_spec,
-    save_checkpoint,
-)
+from fedciuic.model.adapter import AdapterModel, check_model_spec, save_checkpoint
 from fedciuic.model.families import MLA as ATTENTION_TARGETS
 from fedciuic.model.presets import byte_tokenizer, preset_config
 

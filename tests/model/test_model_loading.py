@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.digests import file_digest
 from fedciuic.errors import ModelError
@@ -19,7 +20,6 @@ from fedciuic.model import adapter as adapter_module
 from fedciuic.model.adapter import (
     AdapterLayout,
     AdapterModel,
-    ModelSpec,
     base_dtype,
     check_quantization,
     save_checkpoint,

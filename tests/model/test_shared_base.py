@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import ExampleSet
 from fedciuic.digests import file_digest
 from fedciuic.errors import ConfigError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.shared_base import SHARE_ENV, bases_dir, mapping_of
 from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer

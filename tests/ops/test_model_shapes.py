@@ -49,7 +49,8 @@ def test_nf4_leaves_the_fused_routed_experts_in_bf16():
 def test_each_shaped_checkpoint_loads_with_auto_targets(tmp_path, name, family):
     """Shrunk, each loads as the GPU check loads it (its tokenizer its vocabulary's:
     a qwen2 folder's tokenizer would add an unknown token past it)."""
-    from fedciuic.model.adapter import AdapterModel, ModelSpec
+    from fedciuic.config import ModelSpec
+    from fedciuic.model.adapter import AdapterModel
 
     model_type, shape = gpu.SHAPED[name]
     small = {

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import torch
 
+from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.errors import ModelError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, secure_generator
 from fedciuic.privacy.ledger import PrivacyError

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import Batch, ExampleSet
-from fedciuic.model.adapter import AdapterLayout, AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterLayout, AdapterModel
 from fedciuic.model.presets import TINY_FAMILIES, TINY_VOCAB_SIZE
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer

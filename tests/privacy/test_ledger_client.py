@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from fedciuic.audit.log import REGION_LOG, load_records
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import ModelSpec, NodeConfig, RunConfig
 from fedciuic.crypto.parties import TaskKind
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from fedciuic.region.round import handle_instruction
 from fedciuic.wire import Instruction

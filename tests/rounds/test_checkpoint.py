@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from fedciuic.compression import layout_of
 from fedciuic.crypto.keys import Keypair
 from fedciuic.record.metrics import RoundRecord
 from fedciuic.record.recorder import RunRecorder
-from fedciuic.server_optim import OptimizerState, ServerOptimizer
+from fedciuic.server_optim import OptimizerState, ServerOptimizer, ServerSettings
 
 
 def ckpt(
@@ -48,17 +47,11 @@ def ckpt(
     )
 
 
-ADAM = SimpleNamespace(
-    server_optimizer="fedadam",
-    server_learning_rate=0.1,
-    server_momentum=0.9,
-    server_beta2=0.99,
-    server_epsilon=1e-3,
-)
+ADAM = ServerSettings("fedadam", learning_rate=0.1, momentum=0.9, beta2=0.99, epsilon=1e-3)
 
 
 def adam_state(steps: int = 2) -> OptimizerState:
-    opt = ServerOptimizer.from_run(ADAM)
+    opt = ServerOptimizer.of(ADAM)
     x = {"w": np.ones(4, np.float32)}
     for i in range(steps):
         x = opt.step(x, np.array([1.0, -2.0, 0.5, i], np.float32))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedciuic.audit.log import AuditError, AuditLog, load_records, verify
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import ModelSpec, NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
     NONCE_BYTES,
@@ -27,7 +27,7 @@ from fedciuic.crypto.parties import (
     sign_global,
 )
 from fedciuic.errors import FedciuicError
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region.round import (

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedciuic.aggregator.loop import WAIT_MARGIN, loop_for
-from fedciuic.model.adapter import AdapterModel, ModelSpec
+from fedciuic.config import ModelSpec
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.dpsgd import time_private_step
 from tests.aggregator.fakes import Regions
 from tests.rounds.test_aggregator import evaluated, make_round, reply
