@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (and chromium, for the report test) if needed, then lint, type-check and
 # run every test (end-to-end included). Arguments go to pytest (e.g. -m "not e2e").
-# About 23 min on an idle 2-core machine (README); -m "not scenario" skips the long e2e
+# About 25 min on an idle 2-core machine (README); -m "not scenario" skips the long e2e
 # scenarios, -m "not e2e" runs only the unit tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
