@@ -31,8 +31,8 @@ from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.rules import load_policies
-from fedciuic.record.metrics import load_metrics
-from fedciuic.record.recorder import COMPLETED, METRICS_FILE
+from fedciuic.record.metrics import RunStatus, load_metrics
+from fedciuic.record.recorder import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def main() -> int:
             run_id,
         )
         print("\n".join(lines))
-    return 0 if data.run.status == COMPLETED and ok else 1
+    return 0 if data.run.status == RunStatus.COMPLETED and ok else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from flwr.supercore import log
 from flwr.supercore.exit import add_exit_handler
 
 from fedciuic.aggregator import (
-    audit_log,
+    aggregator_log,
     crashed,
     end_run,
     finish_run,
@@ -60,7 +60,7 @@ def main(grid: Grid, context: Context) -> None:
     warn_disabled(run)
     audit: AuditLog | None = None
     try:
-        audit = audit_log(run)
+        audit = aggregator_log(run)
         recorder.data.run.audit_log = str(audit.path)  # also for a run that fails
         # Adapter names, shapes and initial values from the base on the meta device: the
         # aggregator never holds the base model's weights.

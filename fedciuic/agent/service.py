@@ -168,7 +168,7 @@ class RegionAgent:
 
     def __init__(self, config: AgentConfig) -> None:
         from fedciuic.policy import load_policy
-        from fedciuic.region import audit_log
+        from fedciuic.region import region_log
 
         self.config = config
         self.keypair = load_keypair(Path(config.key_file))
@@ -185,7 +185,7 @@ class RegionAgent:
         folder = config.state_dir / AGENT_DIR
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.seen = SeenInstructions(folder / SEEN_FILE)
-        audit = audit_log(config)
+        audit = region_log(config)
         if audit is None:
             raise AgentError(
                 f"agent config:data-path: {config.data_path} is not a folder; put the "

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
     from fedciuic.aggregator.loop import loop_for
     from fedciuic.aggregator.run import (
-        audit_log,
+        aggregator_log,
         crashed,
         end_run,
         finish_run,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "CHECKPOINT_DIR": "checkpoint",
     "LATEST": "checkpoint",
-    "audit_log": "run",
+    "aggregator_log": "run",
     "crashed": "run",
     "end_run": "run",
     "finish_run": "run",
@@ -42,7 +42,7 @@ _WHERE = {
 __all__ = [
     "CHECKPOINT_DIR",
     "LATEST",
-    "audit_log",
+    "aggregator_log",
     "crashed",
     "end_run",
     "finish_run",

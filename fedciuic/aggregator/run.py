@@ -33,10 +33,6 @@ from fedciuic.model import AdapterLayout
 from fedciuic.policy import AggregatorPolicies, PolicyError
 from fedciuic.record import (
     ADAPTER_DIR,
-    COMPLETED,
-    FAILED,
-    INTERRUPTED,
-    NO_AGGREGATE,
     PolicyHeld,
     ResumedFrom,
     RunRecorder,
@@ -63,7 +59,7 @@ def warn_disabled(run: RunConfig) -> None:
         _logger.log(WARNING, run.noise_warning)
 
 
-def audit_log(run: RunConfig) -> AuditLog:
+def aggregator_log(run: RunConfig) -> AuditLog:
     """The aggregator's audit log; paths are redacted unless the policy of the
     aggregator's own jurisdiction (when held) says otherwise."""
     redact = [(str(run.output_path), "<output-dir>")]
@@ -299,7 +295,7 @@ def open_run(
 
 @dataclass(frozen=True)
 class Ended:
-    status: RunStatus  # COMPLETED or NO_AGGREGATE
+    status: RunStatus  # RunStatus.COMPLETED or RunStatus.NO_AGGREGATE
     adapter: str | None  # where the final adapter was saved
 
 
@@ -308,9 +304,13 @@ def end_run(aggregator: AggregatorRound, audit: AuditLog, layout: AdapterLayout)
     only when some round published an aggregate: otherwise it is the initial one, and
     saving it would present an untrained model as this run's result."""
     final = model_digest(aggregator.global_adapter).hex()
-    status = COMPLETED if published_rounds(aggregator.recorder.data) else NO_AGGREGATE
+    status = (
+        RunStatus.COMPLETED
+        if published_rounds(aggregator.recorder.data)
+        else RunStatus.NO_AGGREGATE
+    )
     adapter = None
-    if status == COMPLETED:
+    if status == RunStatus.COMPLETED:
         directory = aggregator.recorder.directory / ADAPTER_DIR
         adapter = str(layout.save(aggregator.global_adapter, directory))
     audit.append(Event.RUN_END, run_id=aggregator.federation_run, status=status, model_digest=final)
@@ -321,12 +321,14 @@ def end_run(aggregator: AggregatorRound, audit: AuditLog, layout: AdapterLayout)
 def finish_run(recorder: RunRecorder, ended: Ended) -> None:
     """The final status in metrics.json, and the run's summary (the recorder's) in the log."""
     level = INFO
-    if ended.status == NO_AGGREGATE:
+    if ended.status == RunStatus.NO_AGGREGATE:
         # The launchers (`fedciuic simulate`, run.sh) read this status and exit 3.
-        recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+        recorder.finish(
+            RunStatus.NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data)
+        )
         level = WARNING
     else:
-        recorder.finish(COMPLETED, adapter=ended.adapter)
+        recorder.finish(RunStatus.COMPLETED, adapter=ended.adapter)
     if recorder.summary is not None:
         for line in recorder.summary(recorder.data).splitlines():
             _logger.log(level, "%s", line)
@@ -336,12 +338,12 @@ def run_failed(
     recorder: RunRecorder, audit: AuditLog | None, run_id: int, err: FedciuicError
 ) -> None:
     """A fedciuic error ended the run: in metrics.json and (best effort) the audit log."""
-    recorder.finish(FAILED, error=str(err))
+    recorder.finish(RunStatus.FAILED, error=str(err))
     _logger.log(ERROR, "fedciuic: %s", err)
     if audit is None:
         return
     try:
-        audit.append(Event.RUN_END, run_id=run_id, status=FAILED, error=str(err))
+        audit.append(Event.RUN_END, run_id=run_id, status=RunStatus.FAILED, error=str(err))
         audit.checkpoint(run_id=run_id)
     except FedciuicError as audit_err:  # the run has failed already; say so, go on
         _logger.log(ERROR, "fedciuic: cannot write the audit log: %s", audit_err)
@@ -353,7 +355,7 @@ def stopped(recorder: RunRecorder, reason: str) -> None:
     problem: Exception | None = None
     for _ in range(3):  # the run's thread may be changing the record right now
         try:
-            if recorder.finish_unless_finished(INTERRUPTED, error=reason):
+            if recorder.finish_unless_finished(RunStatus.INTERRUPTED, error=reason):
                 _logger.log(WARNING, "fedciuic: run %s", reason)
             return
         except (RuntimeError, OSError) as err:
@@ -366,4 +368,4 @@ def crashed(recorder: RunRecorder, err: BaseException) -> None:
     if isinstance(err, KeyboardInterrupt | SystemExit):
         stopped(recorder, f"stopped ({type(err).__name__}) before it ended")
     else:
-        recorder.finish_unless_finished(FAILED, error=f"{type(err).__name__}: {err}")
+        recorder.finish_unless_finished(RunStatus.FAILED, error=f"{type(err).__name__}: {err}")

@@ -670,7 +670,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.ops.outputs import summarize
     from fedciuic.ops.preflight import check_simulation
     from fedciuic.ops.progress import RunProgress
-    from fedciuic.record import COMPLETED, NO_AGGREGATE
+    from fedciuic.record import RunStatus
 
     app = args.app.resolve()
     overrides = parse_overrides(args.run_config)
@@ -787,7 +787,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print()
         print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
         for data in results:
-            if data.run.status not in (COMPLETED, NO_AGGREGATE):
+            if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
                 raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
         code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
     if noted:
@@ -797,7 +797,7 @@ def _simulate(args: argparse.Namespace) -> int:
             "the exit status is the run's",
             file=sys.stderr,
         )
-    if results[0].run.status == NO_AGGREGATE:
+    if results[0].run.status == RunStatus.NO_AGGREGATE:
         print(
             f"fedciuic: run {run_ids[0]} published no aggregate: nothing was trained "
             f"(exit {EXIT_NO_AGGREGATE}; see the reasons above)",
@@ -830,7 +830,7 @@ def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
     """The runs this federation started (``flwr run`` printed their id), in order, up
     to the first that did not end (completed, or no aggregate)."""
     from fedciuic.flower import STARTED_RUN
-    from fedciuic.record import COMPLETED, METRICS_FILE, NO_AGGREGATE, MetricsError, load_metrics
+    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
     ended = []
     logs = federation.logs.glob("flwr-run-*.log")
@@ -842,7 +842,7 @@ def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
             data = load_metrics(output_dir / f"run-{match.group(1)}" / METRICS_FILE)
         except MetricsError:
             break
-        if data.run.status not in (COMPLETED, NO_AGGREGATE):
+        if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
             break
         ended.append(int(match.group(1)))
     return ended

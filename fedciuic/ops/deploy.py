@@ -63,11 +63,9 @@ from fedciuic.ops.separation import (
 )
 from fedciuic.policy import LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.record import (
-    COMPLETED,
     METRICS_FILE,
-    NO_AGGREGATE,
-    RUNNING,
     MetricsError,
+    RunStatus,
     load_metrics,
     no_aggregate_reasons,
 )
@@ -363,7 +361,7 @@ def check_run(log: Path, config: Path) -> int:
         return 1
     status = data.run.status
     say(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
-    if status == NO_AGGREGATE:
+    if status == RunStatus.NO_AGGREGATE:
         say(
             f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
             "trained and no adapter was saved. Why:\n"
@@ -371,7 +369,7 @@ def check_run(log: Path, config: Path) -> int:
             err=True,
         )
         return EXIT_NO_AGGREGATE
-    return 0 if status == COMPLETED else 1
+    return 0 if status == RunStatus.COMPLETED else 1
 
 
 def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
@@ -390,7 +388,9 @@ def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
         status = load_metrics(run_dir / METRICS_FILE).run.status
     except MetricsError:
         return run_dir, 1
-    return run_dir, {COMPLETED: 0, NO_AGGREGATE: EXIT_NO_AGGREGATE}.get(status, 1)
+    return run_dir, {RunStatus.COMPLETED: 0, RunStatus.NO_AGGREGATE: EXIT_NO_AGGREGATE}.get(
+        status, 1
+    )
 
 
 def settle_runs(runs_dir: Path, since: float) -> list[Path]:
@@ -406,7 +406,7 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
             continue
         if (
             fresh
-            and status == RUNNING
+            and status == RunStatus.RUNNING
             and mark_unfinished(
                 metrics.parent, "start.sh stopped the federation before the run ended"
             )

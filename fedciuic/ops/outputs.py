@@ -12,16 +12,13 @@ from fedciuic import wire
 from fedciuic.aggregator import CHECKPOINT_DIR, LATEST
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
 from fedciuic.record import (
-    FAILED,
-    INTERRUPTED,
     METRICS_FILE,
-    NO_AGGREGATE,
     OVERALL,
-    RUNNING,
     SUMMARY_FILE,
     EvalEntry,
     MetricsError,
     RunMetrics,
+    RunStatus,
     load_metrics,
     no_aggregate_reasons,
     save_metrics,
@@ -43,9 +40,9 @@ def mark_unfinished(run_dir: Path, reason: str) -> bool:
         data = load_metrics(path)
     except MetricsError:
         return False
-    if data.run.status != RUNNING:
+    if data.run.status != RunStatus.RUNNING:
         return False
-    data.run.status, data.run.finished, data.run.error = INTERRUPTED, utc_now(), reason
+    data.run.status, data.run.finished, data.run.error = RunStatus.INTERRUPTED, utc_now(), reason
     save_metrics(path, data)
     _write_summary(run_dir, data)
     return True
@@ -165,7 +162,7 @@ def _policy_notes(data: RunMetrics) -> list[str]:
                 else "OFF (enforce-policies = false: a lab baseline)"
             )
         )
-    if run.status == NO_AGGREGATE:
+    if run.status == RunStatus.NO_AGGREGATE:
         return notes  # outcome_lines says why, per region
     seen = set()
     for number, rnd in sorted(data.rounds.items()):
@@ -210,13 +207,13 @@ def outcome_lines(data: RunMetrics) -> list[str]:
     run = data.run
     status = run.status
     total = run.config.num_server_rounds or "?"
-    if status == NO_AGGREGATE:
+    if status == RunStatus.NO_AGGREGATE:
         return [
             f"NO AGGREGATE: none was published in {total} round(s), so nothing was trained: "
             "the global adapter is still the initial one and was not saved. Why:",
             *(f"  {line}" for line in run.reasons or no_aggregate_reasons(data)),
         ]
-    if status in (FAILED, INTERRUPTED):
+    if status in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         rounds = data.rounds
         ended = max((n for n, rnd in rounds.items() if rnd.ended_at), default=None)
         begun = max(rounds, default=None)
@@ -238,6 +235,6 @@ def outcome_lines(data: RunMetrics) -> list[str]:
                     f"--run-config \"resume-from='{run.output_dir}'\" (docs/robustness.md)"
                 )
         return lines
-    if status == RUNNING:
+    if status == RunStatus.RUNNING:
         return ["RUNNING: the run has not finished (or its process died without a word)"]
     return []

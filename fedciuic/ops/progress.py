@@ -22,12 +22,11 @@ from fedciuic.flower import STARTED_RUN
 from fedciuic.ops.outputs import fmt_epsilon, fmt_number
 from fedciuic.record import (
     METRICS_FILE,
-    NO_AGGREGATE,
     OVERALL,
-    RUNNING,
     MetricsError,
     RunHeader,
     RunMetrics,
+    RunStatus,
     TrainEntry,
     load_metrics,
 )
@@ -37,8 +36,8 @@ CLEAR_LINE = "\r\033[K"
 
 #: How the last line says a run's status (metrics.json's ``run.status``).
 ENDINGS: dict[str, str] = {
-    NO_AGGREGATE: "ended with NO aggregate published (nothing trained)",
-    RUNNING: "stopped before it ended",
+    RunStatus.NO_AGGREGATE: "ended with NO aggregate published (nothing trained)",
+    RunStatus.RUNNING: "stopped before it ended",
 }
 
 

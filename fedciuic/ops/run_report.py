@@ -53,15 +53,7 @@ from fedciuic.ops.outputs import (
     steps_per_round,
     upload_bytes,
 )
-from fedciuic.record import (
-    COMPLETED,
-    METRICS_FILE,
-    NO_AGGREGATE,
-    OVERALL,
-    EvalEntry,
-    RunMetrics,
-    load_metrics,
-)
+from fedciuic.record import METRICS_FILE, OVERALL, EvalEntry, RunMetrics, RunStatus, load_metrics
 from fedciuic.wire import DECLINED, FAILED, REJECTED
 
 if TYPE_CHECKING:
@@ -130,7 +122,7 @@ class RunReport:
     sections: list[Section] = field(default_factory=list)  # the compliance record
     notes: list[str] = field(default_factory=list)  # what a run that did not end left
     disagreements: list[str] = field(default_factory=list)  # where the logs contradict
-    status: str = COMPLETED  # the run's, from its metrics.json
+    status: str = RunStatus.COMPLETED  # the run's, from its metrics.json
     compliance: Path | None = None  # compliance-report-run-<id>.md (and .html), if any
 
     @property
@@ -145,9 +137,9 @@ class RunReport:
         completed and every log verified."""
         if not self.ok or (self.logs and self.verified is None):
             return EXIT_AUDIT
-        if self.status == NO_AGGREGATE:
+        if self.status == RunStatus.NO_AGGREGATE:
             return EXIT_NO_AGGREGATE
-        return EXIT_OK if self.status == COMPLETED else EXIT_UNFINISHED
+        return EXIT_OK if self.status == RunStatus.COMPLETED else EXIT_UNFINISHED
 
 
 # -- reading a run ------------------------------------------------------------------------
@@ -506,7 +498,7 @@ def render(
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{e(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{e(title)}</h1>",
-        f'<p class="{"ok" if status == COMPLETED else "bad"}">Status: <b>{e(status)}</b>'
+        f'<p class="{"ok" if status == RunStatus.COMPLETED else "bad"}">Status: <b>{e(status)}</b>'
         + (f": {e(shown(run.error))}" if run.error else "")
         + f" &middot; regions {e(', '.join(run.regions))} &middot; "
         f"{e(str(config.num_server_rounds))} round(s) &middot; aggregator in "
@@ -649,7 +641,7 @@ def write_run_report(
     """
     data = load_run(run_dir)
     status = data.run.status
-    ended = status in (COMPLETED, NO_AGGREGATE)
+    ended = status in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE)
     notes: list[str] = []
     if not ended:
         notes.append(

@@ -25,12 +25,7 @@ if TYPE_CHECKING:
     )
     from fedciuic.record.recorder import (
         ADAPTER_DIR,
-        COMPLETED,
-        FAILED,
-        INTERRUPTED,
         METRICS_FILE,
-        NO_AGGREGATE,
-        RUNNING,
         SUMMARY_FILE,
         RunRecorder,
         no_aggregate_reasons,
@@ -42,16 +37,11 @@ if TYPE_CHECKING:
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
     "ADAPTER_DIR": "recorder",
-    "COMPLETED": "recorder",
     "EvalEntry": "metrics",
-    "FAILED": "recorder",
-    "INTERRUPTED": "recorder",
     "METRICS_FILE": "recorder",
     "MetricsError": "metrics",
-    "NO_AGGREGATE": "recorder",
     "OVERALL": "metrics",
     "PolicyHeld": "metrics",
-    "RUNNING": "recorder",
     "ResumedFrom": "metrics",
     "Rounds": "metrics",
     "RunHeader": "metrics",
@@ -70,13 +60,8 @@ _WHERE = {
 }
 __all__ = [
     "ADAPTER_DIR",
-    "COMPLETED",
-    "FAILED",
-    "INTERRUPTED",
     "METRICS_FILE",
-    "NO_AGGREGATE",
     "OVERALL",
-    "RUNNING",
     "SUMMARY_FILE",
     "EvalEntry",
     "MetricsError",

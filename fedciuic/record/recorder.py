@@ -45,11 +45,6 @@ METRICS_FILE = "metrics.json"
 ADAPTER_DIR = "adapter"
 SUMMARY_FILE = "summary.txt"
 
-RUNNING = RunStatus.RUNNING
-COMPLETED = RunStatus.COMPLETED
-NO_AGGREGATE = RunStatus.NO_AGGREGATE
-FAILED = RunStatus.FAILED
-INTERRUPTED = RunStatus.INTERRUPTED
 
 _saves = itertools.count()
 
@@ -72,7 +67,9 @@ class RunRecorder:
         self.summary = summary  # writes SUMMARY_FILE when the run finishes
         directory.mkdir(parents=True, exist_ok=True)
         self.data = RunMetrics(
-            run=RunHeader.model_validate({**run, "status": RUNNING, "started": utc_now()}),
+            run=RunHeader.model_validate(
+                {**run, "status": RunStatus.RUNNING, "started": utc_now()}
+            ),
             rounds={},
         )
         # A signal handler may finish the run while the run's own thread saves it.
@@ -145,7 +142,7 @@ class RunRecorder:
         """Finish with ``status`` only if the run has not finished yet (an exit handler
         that also runs after a normal end); True if it did."""
         with self._lock:
-            if self.data.run.status != RUNNING:
+            if self.data.run.status != RunStatus.RUNNING:
                 return False
             self.finish(status, **extra)
             return True

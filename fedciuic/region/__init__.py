@@ -12,12 +12,12 @@ from fedciuic.faces import face
 if TYPE_CHECKING:
     from fedciuic.region.round import (
         RegionReply,
-        audit_log,
         close_regions,
         decline_signed,
         handle_instruction,
         read_configs,
         read_run,
+        region_log,
         region_records,
         unreadable,
         witness_run_end,
@@ -26,24 +26,24 @@ if TYPE_CHECKING:
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
     "RegionReply": "round",
-    "audit_log": "round",
     "close_regions": "round",
     "decline_signed": "round",
     "handle_instruction": "round",
     "read_configs": "round",
     "read_run": "round",
+    "region_log": "round",
     "region_records": "round",
     "unreadable": "round",
     "witness_run_end": "round",
 }
 __all__ = [
     "RegionReply",
-    "audit_log",
     "close_regions",
     "decline_signed",
     "handle_instruction",
     "read_configs",
     "read_run",
+    "region_log",
     "region_records",
     "unreadable",
     "witness_run_end",

@@ -269,7 +269,7 @@ def model_loads(state_dir: Path, run_id: int | None = None) -> int:
     return sum(1 for r in runs if run_id is None or r == run_id)
 
 
-def audit_log(node: NodeConfig) -> AuditLog | None:
+def region_log(node: NodeConfig) -> AuditLog | None:
     """The region's audit log (one per state-path, kept open by this process); None
     when its default place, inside a data-path that does not exist, cannot be made
     without creating that data-path. Paths are redacted unless the policy says not."""
@@ -285,7 +285,7 @@ def audit_log(node: NodeConfig) -> AuditLog | None:
 def _audit(node: NodeConfig) -> AuditTrail:
     """The round's audit stage: the region's log, or none where it cannot have one
     (:class:`NoAudit`: nothing the round says is then signed or witnessed)."""
-    return audit_log(node) or NoAudit()
+    return region_log(node) or NoAudit()
 
 
 def handle_instruction(

@@ -31,8 +31,7 @@ import pytest
 
 from fedciuic.cluster.protocol import free_port
 from fedciuic.ops import deploy
-from fedciuic.record.metrics import load_metrics
-from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE
+from fedciuic.record.metrics import RunStatus, load_metrics
 from tests.e2e.helpers import describe, processes_under, stop_everything
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,14 +75,15 @@ import sys
 from pathlib import Path
 
 from fedciuic.ops.outputs import summarize
-from fedciuic.record.recorder import COMPLETED, NO_AGGREGATE, RunRecorder
+from fedciuic.record.metrics import RunStatus
+from fedciuic.record.recorder import RunRecorder
 
 run = {{"run_id": {RUN_ID}, "regions": {list(REGIONS)!r}, "config": {{}}}}
 recorder = RunRecorder(Path(sys.argv[1]), run, summary=summarize)
-if sys.argv[2] == COMPLETED:
-    recorder.finish(COMPLETED)
-elif sys.argv[2] == NO_AGGREGATE:
-    recorder.finish(NO_AGGREGATE, adapter=None, reasons=["eu: declined in round 1"])
+if sys.argv[2] == RunStatus.COMPLETED:
+    recorder.finish(RunStatus.COMPLETED)
+elif sys.argv[2] == RunStatus.NO_AGGREGATE:
+    recorder.finish(RunStatus.NO_AGGREGATE, adapter=None, reasons=["eu: declined in round 1"])
 """
 
 FAKE_FEDCIUIC = """\
@@ -228,7 +228,7 @@ def test_start_sh_under_a_tee_that_ctrl_c_stopped_stops_everything(federation, t
 @pytest.mark.parametrize(
     ("status", "report_rc", "code"),
     # The run's outcome first, then the report's (a log that fails verification).
-    [(COMPLETED, 0, 0), (NO_AGGREGATE, 1, deploy.EXIT_NO_AGGREGATE)],
+    [(RunStatus.COMPLETED, 0, 0), (RunStatus.NO_AGGREGATE, 1, deploy.EXIT_NO_AGGREGATE)],
 )
 def test_ctrl_c_after_the_run_ended_still_reports_it_and_exits_by_its_outcome(
     federation, tmp_path, status, report_rc, code
@@ -260,7 +260,11 @@ def test_a_ctrl_c_that_cuts_start_shs_report_short_gets_it_written_whole(federat
     with open(err, "wb") as stderr:
         start = _start(
             federation / "start.sh",
-            env={"FAKE_STATUS": str(COMPLETED), "FAKE_EXIT": "1", "FAKE_REPORT_SLOW": "1"},
+            env={
+                "FAKE_STATUS": str(RunStatus.COMPLETED),
+                "FAKE_EXIT": "1",
+                "FAKE_REPORT_SLOW": "1",
+            },
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
@@ -273,13 +277,13 @@ def test_a_ctrl_c_that_cuts_start_shs_report_short_gets_it_written_whole(federat
 
 
 @pytest.mark.parametrize(
-    ("status", "code"), [(NO_AGGREGATE, deploy.EXIT_NO_AGGREGATE), ("none", 1)]
+    ("status", "code"), [(RunStatus.NO_AGGREGATE, deploy.EXIT_NO_AGGREGATE), ("none", 1)]
 )
 def test_start_sh_reports_the_run_it_started_and_exits_by_its_outcome(federation, status, code):
     """No signal: the run ends, and flwr run with it. An older run in runs/ is never
     reported as this one, also when flwr run started none."""
     old = federation / "aggregator" / "runs" / "run-7"
-    record(old, COMPLETED)
+    record(old, RunStatus.COMPLETED)
     os.utime(old / "metrics.json", (time.time() - 3600,) * 2)
     done = subprocess.run(
         ["bash", str(federation / "start.sh")],
@@ -323,7 +327,7 @@ def test_run_sh_with_its_output_closed_streams_the_run_to_its_end_and_exits_by_i
         f"set -o pipefail; bash {federation / 'aggregator' / 'run.sh'} | head -c 1",
         shell=True,
         executable="bash",
-        env={**os.environ, "FAKE_STATUS": str(COMPLETED), "FAKE_EXIT": "1"},
+        env={**os.environ, "FAKE_STATUS": str(RunStatus.COMPLETED), "FAKE_EXIT": "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -372,16 +376,16 @@ def test_say_to_a_closed_output_drops_the_line_and_keeps_the_exit_status(closed)
 def test_last_run_is_the_newest_written_since_with_its_outcome(tmp_path):
     runs = tmp_path / "runs"
     assert deploy.last_run(runs, time.time()) == (None, 1)
-    record(runs / "run-1", COMPLETED)
+    record(runs / "run-1", RunStatus.COMPLETED)
     os.utime(runs / "run-1" / "metrics.json", (time.time() - 3600,) * 2)
     since = time.time()
     assert deploy.last_run(runs, since) == (None, 1)  # before this start
     record(runs / "run-2", "running")
     assert deploy.last_run(runs, since) == (runs / "run-2", 1)
-    record(runs / "run-3", NO_AGGREGATE)
+    record(runs / "run-3", RunStatus.NO_AGGREGATE)
     os.utime(runs / "run-3" / "metrics.json", (since + 5,) * 2)
     assert deploy.last_run(runs, since) == (runs / "run-3", deploy.EXIT_NO_AGGREGATE)
-    record(runs / "run-4", COMPLETED)
+    record(runs / "run-4", RunStatus.COMPLETED)
     os.utime(runs / "run-4" / "metrics.json", (since + 9,) * 2)
     assert deploy.last_run(runs, since) == (runs / "run-4", 0)
 

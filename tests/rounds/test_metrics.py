@@ -11,15 +11,7 @@ from pydantic import ValidationError
 from fedciuic.errors import FedciuicError
 from fedciuic.policy.rules import Decision
 from fedciuic.record.metrics import MetricsError, RunMetrics, RunStatus, load_metrics
-from fedciuic.record.recorder import (
-    COMPLETED,
-    INTERRUPTED,
-    METRICS_FILE,
-    NO_AGGREGATE,
-    RUNNING,
-    RunRecorder,
-    no_aggregate_reasons,
-)
+from fedciuic.record.recorder import METRICS_FILE, RunRecorder, no_aggregate_reasons
 from fedciuic.wire import PrivacyFigures, TrainMetrics
 
 
@@ -77,7 +69,9 @@ def _recorded(tmp_path):
     recorder.record_decision(1, decision.to_record())
     recorder.record_aggregate(1, {"published": False, "regions": ["eu"], "reasons": ["no"]})
     recorder.record_end(1)
-    recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+    recorder.finish(
+        RunStatus.NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data)
+    )
     return recorder
 
 
@@ -112,12 +106,17 @@ def test_a_recorded_run_reads_back_as_the_same_model_and_the_same_file(tmp_path)
     assert loaded.rounds[1].train["node-3"].claimed_region == "cn"
     assert loaded.rounds[1].aggregate is not None and not loaded.rounds[1].aggregate.published
     assert loaded.run.config.num_server_rounds == 1 and loaded.run.config.dp
-    assert loaded.run.status == NO_AGGREGATE
+    assert loaded.run.status == RunStatus.NO_AGGREGATE
     assert loaded.run.reasons == no_aggregate_reasons(loaded)
 
 
 def test_the_status_strings_on_disk_are_unchanged():
-    assert [RUNNING, COMPLETED, NO_AGGREGATE, INTERRUPTED] == [
+    assert [
+        RunStatus.RUNNING,
+        RunStatus.COMPLETED,
+        RunStatus.NO_AGGREGATE,
+        RunStatus.INTERRUPTED,
+    ] == [
         "running",
         "completed",
         "no-aggregate",
@@ -143,7 +142,7 @@ def test_the_recorder_refuses_an_entry_the_model_does_not_name(tmp_path):
     with pytest.raises(ValidationError, match="published"):
         recorder.record_aggregate(1, {"regions": ["eu"]})
     with pytest.raises(ValidationError, match="no_such_field"):
-        recorder.finish(COMPLETED, no_such_field=1)
+        recorder.finish(RunStatus.COMPLETED, no_such_field=1)
 
 
 @pytest.mark.parametrize(

@@ -23,15 +23,7 @@ from fedciuic.ops import deploy
 from fedciuic.ops.cli import Interrupted, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
 from fedciuic.record.metrics import RunStatus, load_metrics
-from fedciuic.record.recorder import (
-    COMPLETED,
-    INTERRUPTED,
-    NO_AGGREGATE,
-    RUNNING,
-    RunRecorder,
-    no_aggregate_reasons,
-    published_rounds,
-)
+from fedciuic.record.recorder import RunRecorder, no_aggregate_reasons, published_rounds
 from tests.conftest import ROOT, app_config
 
 # -- no aggregate ---------------------------------------------------------------------
@@ -64,7 +56,7 @@ def test_a_run_with_no_published_aggregate_says_why_per_region(tmp_path):
         "aggregate withheld in round 1: needs 2 regions, has 1",
         "aggregate withheld in round 2: needs 2 regions, has 1",
     ]
-    recorder.finish(NO_AGGREGATE, adapter=None, reasons=reasons)
+    recorder.finish(RunStatus.NO_AGGREGATE, adapter=None, reasons=reasons)
     text = (tmp_path / "summary.txt").read_text()
     assert "fedciuic run 9: no-aggregate" in text
     assert "NO AGGREGATE: none was published in 2 round(s)" in text
@@ -92,12 +84,12 @@ def test_interrupted_run_is_marked_interrupted_once_and_never_over_an_outcome(tm
     recorder.record_train(1, "eu", {"status": "trained"})
     recorder.record_end(1)
     recorder.record_train(2, "eu", {"status": "trained"})
-    assert recorder.finish_unless_finished(INTERRUPTED, error="stopped by SIGTERM")
+    assert recorder.finish_unless_finished(RunStatus.INTERRUPTED, error="stopped by SIGTERM")
     data = load_metrics(tmp_path / "metrics.json")
     assert data.run.status == "interrupted"
     assert "INTERRUPTED in round 2 of ?: stopped by SIGTERM" in summarize(data)
     # An exit handler after a normal end changes nothing.
-    assert not recorder.finish_unless_finished(INTERRUPTED, error="late")
+    assert not recorder.finish_unless_finished(RunStatus.INTERRUPTED, error="late")
     assert not mark_unfinished(tmp_path, "late")
     assert json.loads((tmp_path / "metrics.json").read_text())["run"]["error"] == (
         "stopped by SIGTERM"
@@ -129,7 +121,7 @@ def test_start_sh_settles_only_its_own_running_runs(tmp_path):
     done = RunRecorder(
         tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}}, summary=summarize
     )
-    done.finish(COMPLETED)
+    done.finish(RunStatus.COMPLETED)
     assert deploy.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
     status = {
         p.parent.name: json.loads(p.read_text())["run"]["status"]
@@ -141,7 +133,9 @@ def test_start_sh_settles_only_its_own_running_runs(tmp_path):
 def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
     runs = tmp_path / "runs"
     recorder = _declined_everywhere(runs / "run-77")
-    recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+    recorder.finish(
+        RunStatus.NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data)
+    )
     log = tmp_path / "flwr.log"
     log.write_text("Successfully started run 77\n")
     config = tmp_path / "run-config.toml"
@@ -295,7 +289,7 @@ class _Federation:
     which has ended as ``status`` (or is still running) when ``interrupt`` comes, while
     `flwr run` still streams; with no ``interrupt`` it returns."""
 
-    status: RunStatus = COMPLETED
+    status: RunStatus = RunStatus.COMPLETED
     interrupt: BaseException | None = None
 
     def __init__(self, workdir: Path, app: Path) -> None:
@@ -308,7 +302,7 @@ class _Federation:
     def run_app(self, run_config: dict[str, object], **_: object) -> tuple[int, str]:
         (self.logs / "flwr-run-1.log").write_text("Successfully started run 77\n")
         recorder = _declined_everywhere(Path(str(run_config["output-dir"])) / "run-77")
-        if self.status != RUNNING:
+        if self.status != RunStatus.RUNNING:
             recorder.finish(self.status)
         if self.interrupt is not None:
             raise self.interrupt
@@ -321,9 +315,9 @@ class _Federation:
 @pytest.mark.parametrize(
     ("status", "interrupt", "code"),
     [
-        (COMPLETED, KeyboardInterrupt(), 0),
-        (NO_AGGREGATE, Interrupted(signal.SIGTERM), 3),
-        (RUNNING, KeyboardInterrupt(), 130),  # before the run ended: interrupted
+        (RunStatus.COMPLETED, KeyboardInterrupt(), 0),
+        (RunStatus.NO_AGGREGATE, Interrupted(signal.SIGTERM), 3),
+        (RunStatus.RUNNING, KeyboardInterrupt(), 130),  # before the run ended: interrupted
     ],
 )
 def test_simulate_interrupted_after_its_run_ended_reports_it_and_exits_by_its_outcome(
@@ -345,7 +339,7 @@ def test_simulate_interrupted_after_its_run_ended_reports_it_and_exits_by_its_ou
     err = capsys.readouterr().err
     run = load_metrics(runs / "run-77" / "metrics.json").run
     if code == 130:
-        assert run.status == INTERRUPTED and not audited
+        assert run.status == RunStatus.INTERRUPTED and not audited
         assert "fedciuic: interrupted" in err and "during clean-up" not in err
         return
     assert run.status == status and audited == [runs / "run-77"]  # its report is written

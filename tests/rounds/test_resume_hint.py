@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
 from fedciuic.ops.outputs import summarize
-from fedciuic.record.recorder import INTERRUPTED, RunRecorder
+from fedciuic.record.metrics import RunStatus
+from fedciuic.record.recorder import RunRecorder
 
 
 def _interrupted_after_round_one(tmp_path) -> RunRecorder:
@@ -29,7 +30,7 @@ def test_an_interrupted_run_with_a_checkpoint_says_how_to_resume(tmp_path):
     recorder = _interrupted_after_round_one(tmp_path)
     (tmp_path / CHECKPOINT_DIR).mkdir()
     (tmp_path / CHECKPOINT_DIR / LATEST).write_text("round-0001\n")
-    recorder.finish(INTERRUPTED, error="stopped by SIGTERM")
+    recorder.finish(RunStatus.INTERRUPTED, error="stopped by SIGTERM")
     text = summarize(recorder.data)
     assert "INTERRUPTED in round 2 of 3: stopped by SIGTERM" in text
     hint = f"--run-config \"resume-from='{tmp_path}'\""
@@ -38,5 +39,5 @@ def test_an_interrupted_run_with_a_checkpoint_says_how_to_resume(tmp_path):
 
 def test_without_a_checkpoint_there_is_nothing_to_resume_and_nothing_said(tmp_path):
     recorder = _interrupted_after_round_one(tmp_path)
-    recorder.finish(INTERRUPTED, error="stopped by SIGTERM")
+    recorder.finish(RunStatus.INTERRUPTED, error="stopped by SIGTERM")
     assert "Resume" not in summarize(recorder.data)

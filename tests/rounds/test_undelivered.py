@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedciuic.ops.outputs import summarize
-from fedciuic.record.recorder import NO_AGGREGATE, RunRecorder, no_aggregate_reasons
+from fedciuic.record.metrics import RunStatus
+from fedciuic.record.recorder import RunRecorder, no_aggregate_reasons
 
 
 def _timed_out(tmp_path: Path, dp: bool) -> RunRecorder:
@@ -31,7 +32,9 @@ def test_a_round_no_region_answered_in_time_says_its_releases_may_be_spent_undel
     tmp_path,
 ):
     recorder = _timed_out(tmp_path, dp=True)
-    recorder.finish(NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data))
+    recorder.finish(
+        RunStatus.NO_AGGREGATE, adapter=None, reasons=no_aggregate_reasons(recorder.data)
+    )
     text = (tmp_path / "summary.txt").read_text()
     (line,) = [x for x in text.splitlines() if x.startswith("SPENT, NOT DELIVERED?")]
     assert "from cn in round 1, eu in round 1 within round-timeout (600s)" in line
