@@ -125,14 +125,15 @@ class Journal:
         claimed |= {k: entry[k] for k in ("global_version", "staleness") if k in entry}
         if judged.accepted is not None:
             a = judged.accepted
+            declared = a.metrics.declared()
             self.note(
                 server_round,
                 Event.UPDATE_ACCEPTED,
                 **claimed,
                 region=region,
                 examples=a.metrics.num_examples,
-                epsilon=a.metrics.declared()["epsilon"],
-                unit=a.metrics.declared()["unit"],
+                epsilon=declared["epsilon"],
+                unit=declared["unit"],
                 # Whose epsilon: a floor for that dataset's ledger rebuild (docs/privacy.md).
                 data_fingerprint=a.info["data-fingerprint"],
                 suite=a.header.suite,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
-from fedciuic.audit import checkpoint_head, digest
+from fedciuic.audit import digest
 from fedciuic.config import RunConfig
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
@@ -212,8 +212,7 @@ class Judge:
         try:
             reply = item.read() if isinstance(item, Unread) else item
             sender = self.authenticate(reply, signed_round)
-            if sender is not None and reply.witness is not None:
-                checkpoint_head(reply.witness.count, reply.witness.head)  # untrusted
+            if sender is not None and reply.witness is not None:  # validated when read
                 noted.witness = (sender, reply.witness)
             return step(reply, sender, noted)
         except Exception as err:  # the boundary: no reply stops the run

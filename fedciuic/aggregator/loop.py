@@ -187,10 +187,15 @@ class Loop:
     def finish(self, num_rounds: int) -> None:
         """The run's last aggregate is out: updates still arriving are logged as
         received and refused."""
+        if self._refuse_late(num_rounds):
+            self.aggregator.end(num_rounds)
+
+    def _refuse_late(self, num_rounds: int) -> bool:
+        """Every update carried past the last aggregate, recorded as arrived and refused;
+        whether there was any."""
         late, self._carried = self._carried, []
         self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
-        if late:
-            self.aggregator.end(num_rounds)
+        return bool(late)
 
     def train_wait(self) -> float:
         """How long a training round waits for updates: round-timeout, or
@@ -403,8 +408,7 @@ class BufferedLoop(Loop):
         _logger.info("[END] evaluating the final adapter in every region")
         self._evaluate(num_rounds, sorted(self.transport.nodes()))
         self._drain()
-        late, self._carried = self._carried, []
-        self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
+        self._refuse_late(num_rounds)
         self.aggregator.end(num_rounds)
 
     def _drain(self) -> None:
