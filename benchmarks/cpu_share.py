@@ -56,7 +56,7 @@ def _region_steps(root: str, name: str, threads: int, args: argparse.Namespace) 
     )
     region = Region(run, node)
     trainer = PrivateTrainer.for_run(
-        region.model, region.data.train, run, noise_multiplier=NOISE, seed=0
+        region.model, region.data.train, region.local, region.dp, noise_multiplier=NOISE, seed=0
     )
     try:
         trainer.run(1)  # warm-up

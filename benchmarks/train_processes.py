@@ -67,7 +67,9 @@ def region(preset: str, processes: int, root: Path, args: argparse.Namespace) ->
 def one_process(r: Region, steps: int) -> float:
     """Seconds per DP-SGD step of ``steps`` steps in this process alone."""
     rate = poisson_sample_rate(r.data.train.num_units, r.run.batch_size)
-    trainer = PrivateTrainer.for_run(r.model, r.data.train, r.run, noise_multiplier=NOISE, seed=0)
+    trainer = PrivateTrainer.for_run(
+        r.model, r.data.train, r.local, r.dp, noise_multiplier=NOISE, seed=0
+    )
     assert trainer.sample_rate == rate
     try:
         began = time.perf_counter()

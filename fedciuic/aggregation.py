@@ -42,6 +42,9 @@ import numpy as np
 from fedciuic.compression import Codec, Sparse
 from fedciuic.errors import FedciuicError
 
+#: What happens to an update over max-update-norm: refused, or scaled down to it.
+NormAction = Literal["reject", "clip"]
+
 
 class ImplausibleUpdate(FedciuicError, ValueError):
     """A well-formed update outside the bounds of a plausible one (rejected alone)."""
@@ -52,7 +55,7 @@ class Bounds:
     """What a plausible update looks like; anything else is rejected (or clipped)."""
 
     max_norm: float = 0.0  # L2 norm of the decoded delta; 0: no bound
-    norm_action: Literal["reject", "clip"] = "reject"
+    norm_action: NormAction = "reject"
     max_examples: int = 10_000_000
     max_steps: int = 0  # local steps an update may claim (the run's local-steps); 0: no cap
     max_staleness: int = 0  # buffered mode: global versions an update's base may lag

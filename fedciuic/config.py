@@ -8,12 +8,13 @@ so that every value is checked in one place and all problems are reported at onc
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, cast, get_args, get_type_hints
 
 from pydantic import (
     BaseModel,
@@ -27,7 +28,9 @@ from pydantic import (
     field_validator,
 )
 
+from fedciuic.aggregation import NormAction
 from fedciuic.compression import Codec, get_codec
+from fedciuic.crypto import Suite
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 from fedciuic.server_optim import OptimizerName, ServerSettings
@@ -45,6 +48,13 @@ DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
 #: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
 #: prompt's start (``left``), so that the response fits.
 TruncationSide = Literal["right", "left"]
+
+
+#: The DP accountant, how per-sample gradients are clipped, and the regions' local
+#: optimiser.
+Accountant = Literal["prv", "rdp"]
+DPMode = Literal["hooks", "ghost"]
+LocalOptimizer = Literal["adamw", "sgd"]
 
 
 def unit_covers(unit: PrivacyUnit, required: PrivacyUnit) -> bool:
@@ -217,7 +227,7 @@ class RunConfig(_Strict):
     node_wait_timeout: float = Field(gt=0)
     round_timeout: float = Field(gt=0)
     min_regions: int = Field(default=1, ge=1)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: LocalOptimizer = "adamw"
     # Differential privacy (DP-SGD with Opacus) in every region.
     dp: bool = True
     #: Half the default lifetime budget: a trial run leaves room for more (docs/privacy.md).
@@ -231,8 +241,8 @@ class RunConfig(_Strict):
     #: chooses, so it can predict and remove the noise. Needs secure-mode = false;
     #: every shipped policy refuses it (privacy.secure_rng_required).
     insecure_reproducible_noise: bool = False
-    dp_accountant: Literal["prv", "rdp"] = "prv"
-    dp_mode: Literal["hooks", "ghost"] = "hooks"
+    dp_accountant: Accountant = "prv"
+    dp_mode: DPMode = "hooks"
     #: What one DP guarantee covers: one ``record``, or everything one ``user`` contributed
     #: (user-level DP-SGD: users are sampled and each user's gradient is clipped; the
     #: records name their user in ``user-id-field``). docs/privacy.md.
@@ -263,7 +273,7 @@ class RunConfig(_Strict):
     collective_timeout: float = Field(default=600.0, gt=0)
     # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
     seal: bool = True
-    seal_suite: Literal["xwing-aes256gcm", "xwing-fernet"] = "xwing-aes256gcm"
+    seal_suite: Suite = "xwing-aes256gcm"
     keys_dir: str = ""
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
@@ -271,7 +281,7 @@ class RunConfig(_Strict):
     # Validation and aggregation of updates (docs/robustness.md): an update whose
     # decoded delta has a larger L2 norm is rejected (or clipped); 0 turns the bound off.
     max_update_norm: float = Field(default=50.0, ge=0)
-    update_norm_action: Literal["reject", "clip"] = "reject"
+    update_norm_action: NormAction = "reject"
     max_examples: int = Field(default=10_000_000, ge=1)
     aggregation: str = "fedavg"
     # Jurisdiction policies (policies/README.md). Where the aggregator (ServerApp)
@@ -305,30 +315,13 @@ class RunConfig(_Strict):
 
     @property
     def model(self) -> ModelSpec:
-        """The model section: which base, which adapter, what precision."""
-        return ModelSpec(
-            preset=self.model_preset,
-            path=self.model_path,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            seed=self.seed,
-            lora_targets=self.lora_targets,
-            dtype=self.dtype,
-            quantization=self.quantization,
-            gradient_checkpointing=self.gradient_checkpointing,
-            allow_pickle_weights=self.allow_pickle_weights,
-        )
+        """Which base, which adapter, what precision."""
+        return section(ModelSpec, self)
 
     @property
     def fields(self) -> Fields:
         """The data section's field names: where each shape of record keeps its parts."""
-        return Fields(
-            text=self.text_field,
-            prompt=self.prompt_field,
-            response=self.response_field,
-            messages=self.messages_field,
-            user_id=self.user_id_field,
-        )
+        return section(Fields, self)
 
     @property
     def server(self) -> ServerSettings:
@@ -340,6 +333,36 @@ class RunConfig(_Strict):
             beta2=self.server_beta2,
             epsilon=self.server_epsilon,
         )
+
+    @property
+    def privacy(self) -> Privacy:
+        """DP-SGD's section: the guarantee asked for and how the noise is drawn."""
+        return section(Privacy, self)
+
+    @property
+    def training(self) -> LocalTraining:
+        """A region's local training each round."""
+        return section(LocalTraining, self)
+
+    @property
+    def schedule(self) -> Schedule:
+        """Who the aggregator asks, when, and how long it waits."""
+        return section(Schedule, self)
+
+    @property
+    def sealing(self) -> SealSettings:
+        """Whether and how updates are sealed."""
+        return section(SealSettings, self)
+
+    @property
+    def policy(self) -> PolicySettings:
+        """Where the policies are and where the parties sit."""
+        return section(PolicySettings, self)
+
+    @property
+    def compression(self) -> UpdateRules:
+        """How an update is coded, and what the aggregator accepts of one."""
+        return section(UpdateRules, self)
 
     def canonical_json(self) -> str:
         """This config as the aggregator signs it into every instruction: kebab-case keys,
@@ -430,10 +453,6 @@ class RunConfig(_Strict):
             )
         return value
 
-    @property
-    def buffered(self) -> bool:
-        return self.aggregation_mode == BUFFERED
-
     def slowdown(self, region: str) -> float:
         """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""
         return dict(self.test_region_slowdown).get(region, 1.0)
@@ -455,11 +474,6 @@ class RunConfig(_Strict):
                 "EU, CN, US"
             )
         return value
-
-    @property
-    def relay(self) -> str:
-        """Where the relay sits: ``relay-jurisdiction``, or the aggregator's place."""
-        return self.relay_jurisdiction or self.aggregator_jurisdiction
 
     def region_for_partition(self, partition_id: int) -> str:
         """Map a simulation partition id to its region (``regions[partition_id]``)."""
@@ -575,12 +589,44 @@ class NodeConfig(_Strict):
 
 
 @dataclass(frozen=True)
+class Key:
+    """A section field's flat run-config field, where it is named otherwise
+    (``enabled: Annotated[bool, Key("dp")]``)."""
+
+    flat: str
+
+
+Section = TypeVar("Section")
+
+
+def section(kind: type[Section], run: RunConfig) -> Section:
+    """The section ``kind`` of ``run``: each field from the flat field of its own name, or
+    of the one its :class:`Key` names."""
+    return kind(**{name: getattr(run, flat) for name, flat in section_keys(kind)})
+
+
+def section_keys(kind: type) -> tuple[tuple[str, str], ...]:
+    """Each field of the section ``kind`` with the flat field it is read from."""
+    return _section_keys(cast(Hashable, kind))
+
+
+@functools.cache
+def _section_keys(kind: Any) -> tuple[tuple[str, str], ...]:
+    hints = get_type_hints(kind, include_extras=True)
+    names = []
+    for f in fields(kind):
+        keys = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Key)]
+        names.append((f.name, keys[0].flat if keys else f.name))
+    return tuple(names)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Which model to build and how: a preset (seeded random init) or a checkpoint
     directory, the adapter, and the base's precision (:attr:`RunConfig.model`)."""
 
-    preset: str = "tiny"
-    path: str = ""
+    preset: Annotated[str, Key("model_preset")] = "tiny"
+    path: Annotated[str, Key("model_path")] = ""
     lora_rank: int = 8
     lora_alpha: int = 16
     seed: int = 0
@@ -592,13 +638,105 @@ class ModelSpec:
     allow_pickle_weights: bool = False
 
 
+def _default(name: str) -> Any:
+    return RunConfig.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class Fields:
     """The field names of each shape in this federation's records
     (:attr:`RunConfig.fields`)."""
 
-    text: str = RunConfig.model_fields["text_field"].default
-    prompt: str = RunConfig.model_fields["prompt_field"].default
-    response: str = RunConfig.model_fields["response_field"].default
-    messages: str = RunConfig.model_fields["messages_field"].default
-    user_id: str = RunConfig.model_fields["user_id_field"].default
+    text: Annotated[str, Key("text_field")] = _default("text_field")
+    prompt: Annotated[str, Key("prompt_field")] = _default("prompt_field")
+    response: Annotated[str, Key("response_field")] = _default("response_field")
+    messages: Annotated[str, Key("messages_field")] = _default("messages_field")
+    user_id: Annotated[str, Key("user_id_field")] = _default("user_id_field")
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """DP-SGD in every region (:attr:`RunConfig.privacy`; docs/privacy.md)."""
+
+    enabled: Annotated[bool, Key("dp")]
+    target_epsilon: float
+    target_delta: float
+    epsilon_budget: float
+    max_grad_norm: float
+    secure_mode: bool
+    #: Tests only: noise derived from the run's seed (insecure-reproducible-noise).
+    reproducible_noise: Annotated[bool, Key("insecure_reproducible_noise")]
+    accountant: Annotated[Accountant, Key("dp_accountant")]
+    mode: Annotated[DPMode, Key("dp_mode")]
+    unit: Annotated[PrivacyUnit, Key("privacy_unit")]
+    max_examples_per_unit: int
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """A region's training each round (:attr:`RunConfig.training`)."""
+
+    steps: Annotated[int, Key("local_steps")]
+    time_budget: Annotated[float, Key("local_time_budget")]
+    batch_size: int
+    learning_rate: float
+    optimizer: LocalOptimizer
+    proximal_mu: float
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The aggregator's loop (:attr:`RunConfig.schedule`; docs/heterogeneity.md)."""
+
+    mode: Annotated[AggregationMode, Key("aggregation_mode")]
+    rounds: Annotated[int, Key("num_server_rounds")]
+    regions: tuple[str, ...]
+    min_regions: int
+    node_wait_timeout: float
+    round_timeout: float
+    buffer_size: int
+    max_staleness: int
+    max_missed_rounds: int
+
+    @property
+    def buffered(self) -> bool:
+        return self.mode == BUFFERED
+
+
+@dataclass(frozen=True)
+class SealSettings:
+    """Sealed updates (:attr:`RunConfig.sealing`; docs/envelope.md)."""
+
+    enabled: Annotated[bool, Key("seal")]
+    suite: Annotated[Suite, Key("seal_suite")]
+    keys_dir: str
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Jurisdiction policies (:attr:`RunConfig.policy`; policies/README.md)."""
+
+    enforce: Annotated[bool, Key("enforce_policies")]
+    directory: Annotated[str, Key("policies_dir")]
+    aggregator_jurisdiction: str
+    relay_jurisdiction: str
+
+    @property
+    def relay(self) -> str:
+        """Where the relay sits: ``relay-jurisdiction``, or the aggregator's place."""
+        return self.relay_jurisdiction or self.aggregator_jurisdiction
+
+
+@dataclass(frozen=True)
+class UpdateRules:
+    """How a region codes its update and what the aggregator accepts of one
+    (:attr:`RunConfig.compression`; docs/compression.md, docs/robustness.md)."""
+
+    codec: Codec
+    max_update_norm: float
+    norm_action: Annotated[NormAction, Key("update_norm_action")]
+    max_examples: int
+    #: The most bytes one compressed update may take (sealed or not).
+    max_update_bytes: int
+    aggregation: str

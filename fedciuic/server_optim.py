@@ -73,58 +73,37 @@ class ServerSettings:
     """The optimiser the aggregator steps with on each aggregate
     (``RunConfig.server``)."""
 
-    name: str
-    learning_rate: float
-    momentum: float
-    beta2: float
-    epsilon: float
+    name: str = "none"
+    learning_rate: float = 1.0
+    momentum: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-3
 
 
 class ServerOptimizer:
     """One of :data:`OPTIMIZERS` over the flat adapter vector; moments are allocated
     (float32, zeros; ``v`` at ``tau^2``) on the first step, from that adapter's layout."""
 
-    def __init__(
-        self,
-        name: str = "none",
-        *,
-        learning_rate: float = 1.0,
-        momentum: float = 0.9,
-        beta2: float = 0.99,
-        epsilon: float = 1e-3,
-    ) -> None:
-        if name not in MOMENTS:
+    def __init__(self, settings: ServerSettings) -> None:
+        """Fresh, from the run's server section (:attr:`RunConfig.server`)."""
+        if settings.name not in MOMENTS:
             raise OptimizerStateError(
-                f"unknown server optimizer {name!r}; use {', '.join(OPTIMIZERS)}"
+                f"unknown server optimizer {settings.name!r}; use {', '.join(OPTIMIZERS)}"
             )
-        self.name = name
-        self.learning_rate = learning_rate
-        self.momentum = momentum
-        self.beta2 = beta2
-        self.epsilon = epsilon
+        self.settings = settings
+        self.name = settings.name
         self.steps = 0
         self.layout = ""
         self.size = 0
         self.moments: dict[str, np.ndarray] = {}
 
-    @classmethod
-    def of(cls, settings: ServerSettings) -> ServerOptimizer:
-        """Fresh, from the run's server section (:attr:`RunConfig.server`)."""
-        return cls(
-            settings.name,
-            learning_rate=settings.learning_rate,
-            momentum=settings.momentum,
-            beta2=settings.beta2,
-            epsilon=settings.epsilon,
-        )
-
     @property
     def hyperparameters(self) -> dict[str, float]:
         return {
-            "learning_rate": self.learning_rate,
-            "momentum": self.momentum,
-            "beta2": self.beta2,
-            "epsilon": self.epsilon,
+            "learning_rate": self.settings.learning_rate,
+            "momentum": self.settings.momentum,
+            "beta2": self.settings.beta2,
+            "epsilon": self.settings.epsilon,
         }
 
     def _bind(self, layout: str, size: int) -> None:
@@ -132,7 +111,7 @@ class ServerOptimizer:
             self.layout, self.size = layout, size
             self.moments = {k: np.zeros(size, np.float32) for k in MOMENTS[self.name]}
             if "v" in self.moments:
-                self.moments["v"].fill(self.epsilon**2)
+                self.moments["v"].fill(self.settings.epsilon**2)
         elif (layout, size) != (self.layout, self.size):
             raise OptimizerStateError(
                 f"server optimizer state is for another adapter (layout {self.layout}, "
@@ -147,32 +126,36 @@ class ServerOptimizer:
         if d.size != x.size:
             raise OptimizerStateError(f"delta has {d.size} values, the adapter {x.size}")
         self._bind(layout_id(layout), x.size)
-        lr = self.learning_rate
+        lr, beta1, beta2 = (
+            self.settings.learning_rate,
+            self.settings.momentum,
+            self.settings.beta2,
+        )
         if self.name == "none":
             x += lr * d
         elif self.name == "fedavgm":
             m = self.moments["m"]
-            m *= self.momentum
+            m *= beta1
             m += d
             x += lr * m
         else:
             m, v = self.moments["m"], self.moments["v"]
-            m *= self.momentum
-            m += (1.0 - self.momentum) * d
+            m *= beta1
+            m += (1.0 - beta1) * d
             sq = np.square(d)
             if self.name == "fedadam":
-                v *= self.beta2
-                sq *= 1.0 - self.beta2
+                v *= beta2
+                sq *= 1.0 - beta2
                 v += sq
             else:  # fedyogi
                 sign = np.subtract(v, sq)
                 np.sign(sign, out=sign)
                 sign *= sq
-                sign *= 1.0 - self.beta2
+                sign *= 1.0 - beta2
                 v -= sign
                 del sign
             np.sqrt(v, out=sq)
-            sq += self.epsilon
+            sq += self.settings.epsilon
             np.divide(m, sq, out=sq)
             sq *= lr
             x += sq
@@ -199,7 +182,7 @@ class ServerOptimizer:
     ) -> ServerOptimizer:
         """The optimiser of this run (its server section) continued from ``state``,
         which must be of the same optimizer and for an adapter of ``layout``."""
-        fresh = cls.of(settings)
+        fresh = cls(settings)
         if state.name != fresh.name:
             raise OptimizerStateError(
                 f'run config:server-optimizer: "{fresh.name}", but the checkpoint holds '

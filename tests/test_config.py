@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, RunConfig, section_keys
 from fedciuic.errors import ConfigError
 from tests.conftest import app_config
 
@@ -117,3 +117,45 @@ def test_slowdown_names_known_regions_and_factors():
             RunConfig.from_user_config(
                 {**app_config(), "test-region-slowdown": bad}, source="run config"
             )
+
+
+SECTIONS = (
+    "model",
+    "fields",
+    "privacy",
+    "training",
+    "schedule",
+    "sealing",
+    "policy",
+    "compression",
+)
+
+
+@pytest.mark.parametrize("name", SECTIONS)
+def test_each_section_reads_its_flat_keys_and_follows_a_model_copy(name, run_config):
+    """A section field takes the value of its flat run-config key (its own name, or the one
+    its Key names), and a model_copy with another value is seen, never a stale section."""
+    run = run_config
+    before = getattr(run, name)
+    for section_field, flat in section_keys(type(before)):
+        assert flat in RunConfig.model_fields, f"{name}.{section_field} reads unknown {flat}"
+        assert getattr(before, section_field) == getattr(run, flat)
+    scalars = [
+        (section_field, flat)
+        for section_field, flat in section_keys(type(before))
+        if isinstance(getattr(run, flat), (bool, int, float, str))
+    ]
+    section_field, flat = scalars[0]
+    value = getattr(run, flat)
+    changed: object = not value if isinstance(value, bool) else value + value
+    copied = run.model_copy(update={flat: changed})
+    assert getattr(getattr(copied, name), section_field) == changed
+
+
+def test_no_two_sections_read_the_same_key(run_config):
+    run = run_config
+    seen: dict[str, str] = {}
+    for name in SECTIONS:
+        for _, flat in section_keys(type(getattr(run, name))):
+            assert flat not in seen, f"{flat} is read by both {seen[flat]} and {name}"
+            seen[flat] = name

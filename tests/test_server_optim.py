@@ -40,7 +40,7 @@ def steps(opt: ServerOptimizer, count: int = 3) -> list[np.ndarray]:
 
 
 def test_none_adds_the_delta_times_the_learning_rate():
-    opt = ServerOptimizer.of(run("none", lr=0.5))
+    opt = ServerOptimizer(run("none", lr=0.5))
     x = opt.step(X0, DELTAS[0])
     np.testing.assert_allclose(x["a"], [1.5, -1.0])
     np.testing.assert_allclose(x["b"], [[0.0]])
@@ -54,7 +54,7 @@ def test_none_adds_the_delta_times_the_learning_rate():
 
 
 def test_fedavgm_by_hand():
-    got = steps(ServerOptimizer.of(run("fedavgm", lr=0.5)))
+    got = steps(ServerOptimizer(run("fedavgm", lr=0.5)))
     # m1 = d1 = [1, 2, -1]; x1 = x0 + 0.5 m1
     # m2 = 0.9 m1 + d2 = [-0.1, 2.3, -0.89]; x2 = x1 + 0.5 m2
     # m3 = 0.9 m2 + d3 = [0.41, 2.57, 2.199]; x3 = x2 + 0.5 m3
@@ -82,7 +82,7 @@ def reference(kind: str, lr=0.1, b1=0.9, b2=0.99, tau=1e-3) -> list[list[float]]
 
 @pytest.mark.parametrize("kind", ["fedadam", "fedyogi"])
 def test_adaptive_optimisers_by_hand(kind):
-    got = steps(ServerOptimizer.of(run(kind)))
+    got = steps(ServerOptimizer(run(kind)))
     for mine, ref in zip(got, reference(kind), strict=True):
         np.testing.assert_allclose(mine, ref, rtol=1e-5)
     # Step 1 by hand, first coordinate (d = 1): m = 0.1, v = 0.99e-6 + 0.01 (adam) or
@@ -94,16 +94,16 @@ def test_adaptive_optimisers_by_hand(kind):
 def test_adam_and_yogi_differ_once_the_delta_shrinks():
     adam, yogi = reference("fedadam"), reference("fedyogi")
     assert abs(adam[1][2] - yogi[1][2]) > 1e-4  # d = 0.01 after d = -1: v decays (adam) or not
-    got = steps(ServerOptimizer.of(run("fedyogi")), 2)
+    got = steps(ServerOptimizer(run("fedyogi")), 2)
     np.testing.assert_allclose(got[1], yogi[1], rtol=1e-5)
     assert abs(got[1][2] - adam[1][2]) > 1e-4
 
 
 @pytest.mark.parametrize("kind", ["none", "fedavgm", "fedadam", "fedyogi"])
 def test_state_round_trips_and_the_run_continues_bit_for_bit(kind):
-    whole = ServerOptimizer.of(run(kind))
+    whole = ServerOptimizer(run(kind))
     expected = steps(whole)[-1]
-    cut = ServerOptimizer.of(run(kind))
+    cut = ServerOptimizer(run(kind))
     x = X0
     for delta in DELTAS[:2]:
         x = cut.step(x, delta)
@@ -115,12 +115,12 @@ def test_state_round_trips_and_the_run_continues_bit_for_bit(kind):
     assert np.concatenate([last["a"], last["b"].ravel()]).tobytes() == expected.tobytes()
     assert resumed.steps == 3
     if kind in ("fedavgm", "fedadam"):  # a fresh state would not have ended there
-        fresh = ServerOptimizer.of(run(kind)).step(x, DELTAS[2])
+        fresh = ServerOptimizer(run(kind)).step(x, DELTAS[2])
         assert not np.array_equal(fresh["a"], last["a"])
 
 
 def test_a_state_of_another_optimizer_or_adapter_is_refused():
-    opt = ServerOptimizer.of(run("fedadam"))
+    opt = ServerOptimizer(run("fedadam"))
     opt.step(X0, DELTAS[0])
     state = opt.state()
     with pytest.raises(OptimizerStateError, match='run config:server-optimizer: "fedyogi"'):
@@ -141,7 +141,7 @@ def test_a_state_of_another_optimizer_or_adapter_is_refused():
 
 
 def test_moments_are_float32_and_updated_in_place():
-    opt = ServerOptimizer.of(run("fedadam"))
+    opt = ServerOptimizer(run("fedadam"))
     opt.step(X0, DELTAS[0])
     m, v = opt.moments["m"], opt.moments["v"]
     opt.step(X0, DELTAS[1])

@@ -18,7 +18,7 @@ import numpy as np
 
 from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit import digest
-from fedciuic.config import RunConfig
+from fedciuic.config import UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
 from fedciuic.stages import Header, ReplySealing
@@ -190,11 +190,14 @@ JudgingStep = Callable[[Reply, str | None, Noted], Judged]
 
 @dataclass(frozen=True)
 class Judge:
-    """The boundary and its stages, over the run's config and its sealing and policy
-    stages; ``labels``: the region each node authenticated as before (for replies that
-    carry no signature)."""
+    """The boundary and its stages: what an update may be (``rules``; at most
+    ``max_steps`` local steps), the sealing and policy stages, and ``labels``: the region
+    each node authenticated as before (for replies that carry no signature).
+    ``timeout``: the round-timeout a missing reply is said to have waited."""
 
-    run: RunConfig
+    rules: UpdateRules
+    max_steps: int
+    timeout: float
     sealing: ReplySealing
     policies: PolicyGate
     run_id: int
@@ -206,7 +209,7 @@ class Judge:
         in the record). ``signed_round``: the round the reply must be signed for."""
         noted = Noted()
         if isinstance(item, NoReply):
-            reason = f"{NO_REPLY} ({item.waited or self.run.round_timeout:g}s)"
+            reason = f"{NO_REPLY} ({item.waited or self.timeout:g}s)"
             return self.settle(failed(item.node_id, "", reason), None, noted)
         reply, sender = failed(item.node_id, "", ""), None
         try:
@@ -293,7 +296,7 @@ class Judge:
                 sender_jurisdiction=header.jurisdiction,
                 policy_hash=header.policy_hash,
                 suite=header.suite,
-                codec=self.run.codec.family,
+                codec=self.rules.codec.family,
                 num_examples=metrics.num_examples,
                 agent_version=reply.info.get(AGENT_VERSION),
                 **metrics.declared(),
@@ -309,7 +312,7 @@ class Judge:
             )
             return self.settle(rejected, header.region, noted)
         checked = check(
-            self.run.codec,
+            self.rules.codec,
             update,
             n,
             metrics.num_examples,
@@ -322,12 +325,12 @@ class Judge:
         return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)
 
     def _bounds(self, max_staleness: int) -> Bounds:
-        run = self.run
+        rules = self.rules
         return Bounds(
-            run.max_update_norm,
-            run.update_norm_action,
-            run.max_examples,
-            max_steps=run.local_steps,
+            rules.max_update_norm,
+            rules.norm_action,
+            rules.max_examples,
+            max_steps=self.max_steps,
             max_staleness=max_staleness,
         )
 
@@ -354,10 +357,10 @@ class Judge:
         update = arrays[UPDATE]
         if update.dtype != np.uint8 or update.ndim != 1:
             raise MalformedReply(f"update is {update.dtype}{list(update.shape)}, expected uint8[n]")
-        if update.nbytes > self.run.max_update_bytes:
+        if update.nbytes > self.rules.max_update_bytes:
             raise EnvelopeRejected(
                 f"update of {update.nbytes} bytes is over max-update-bytes "
-                f"{self.run.max_update_bytes}"
+                f"{self.rules.max_update_bytes}"
             )
         return update.tobytes()
 

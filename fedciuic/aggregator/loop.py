@@ -31,6 +31,7 @@ import numpy as np
 
 from fedciuic.aggregator.judge import Task
 from fedciuic.aggregator.round import AggregatorRound, Collecting
+from fedciuic.config import Schedule
 from fedciuic.crypto import TaskKind
 from fedciuic.errors import FederationError
 from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread
@@ -155,12 +156,16 @@ class Loop:
         self.clock = clock
         self.sleep = sleep
         self.courier = Courier(transport, clock=clock, sleep=sleep, interval=interval)
-        self.timeout = aggregator.run.round_timeout
+        self.timeout = aggregator.schedule.round_timeout
         self._waited = False
         self._wait_said = False
         #: Replies pulled but not yet judged: after a buffered aggregate filled, or
         #: updates that arrived during an evaluation; the next aggregate takes them.
         self._carried: list[tuple[Sent, Unread]] = []
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.aggregator.schedule
 
     def run(
         self, adapter: Mapping[str, np.ndarray], num_rounds: int, first_round: int = 1
@@ -203,13 +208,14 @@ class Loop:
         region's local steps, or its local-time-budget, plus :data:`WAIT_MARGIN` for
         Flower), so that an update a region spent privacy on is not lost to the clock.
         Said once, as a warning, when it is longer than round-timeout."""
-        run, timeout, timed = self.aggregator.run, self.timeout, self.aggregator.step_seconds
+        local, timeout = self.aggregator.run.training, self.timeout
+        timed = self.aggregator.step_seconds
         if not timed:
             return timeout
         region, slowest = max(timed.items(), key=lambda item: item[1])
-        work = slowest * run.local_steps
-        if run.local_time_budget > 0:
-            work = min(work, run.local_time_budget)
+        work = slowest * local.steps
+        if local.time_budget > 0:
+            work = min(work, local.time_budget)
         wait = max(timeout, 2 * work + WAIT_MARGIN)
         if wait > timeout and not self._wait_said:
             self._wait_said = True
@@ -221,7 +227,7 @@ class Loop:
                 timeout,
                 region,
                 slowest,
-                run.local_steps,
+                local.steps,
                 wait,
             )
         return wait
@@ -232,9 +238,9 @@ class Loop:
         Only the first call waits the full ``node-wait-timeout``; later rounds take
         the regions that are connected, so one region gone does not stall each round.
         """
-        run = self.aggregator.run
-        expected = len(run.regions)
-        wait = 0.0 if self._waited else run.node_wait_timeout
+        schedule = self.schedule
+        expected = len(schedule.regions)
+        wait = 0.0 if self._waited else schedule.node_wait_timeout
         self._waited = True
         deadline = self.clock() + wait
         nodes = self.transport.nodes()
@@ -242,12 +248,12 @@ class Loop:
             _logger.info("Waiting for regions: %d of %d connected", len(nodes), expected)
             self.sleep(1.0)
             nodes = self.transport.nodes()
-        if len(nodes) < run.min_regions:
+        if len(nodes) < schedule.min_regions:
             raise FederationError(
                 f"run config:node-wait-timeout: only {len(nodes)} of {expected} regions "
                 f"connected within {wait:.0f}s (min-regions is "
-                f"{run.min_regions}); start a SuperNode for each of "
-                f"{', '.join(run.regions)} or lower min-regions"
+                f"{schedule.min_regions}); start a SuperNode for each of "
+                f"{', '.join(schedule.regions)} or lower min-regions"
             )
         return sorted(nodes)
 
@@ -361,7 +367,7 @@ class BufferedLoop(Loop):
         published as soon as buffer-size updates are accepted and the policies allow it;
         after round-timeout without that, or once nothing more can come, with what has
         arrived (if the policies allow)."""
-        a, run, courier = self.aggregator, self.aggregator.run, self.courier
+        a, schedule, courier = self.aggregator, self.schedule, self.courier
         into = a.collecting()
         heard: set[int] = set()
         contributed: set[str] = set()  # one reply per region and aggregate
@@ -374,7 +380,7 @@ class BufferedLoop(Loop):
                     self._dispatch(server_round, node, contributed)
             pulled, self._carried = self._carried + courier.pull(), []
             for i, (sent, reply) in enumerate(pulled):
-                if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+                if len(into.accepted) >= schedule.buffer_size and a.may_publish(into):
                     self._carried = pulled[i:]  # the next aggregate's, against the new version
                     break
                 heard.add(sent.node)
@@ -384,7 +390,7 @@ class BufferedLoop(Loop):
                 judged = a.judge_train(server_round, reply, sent.task, into)
                 a.tasks.done(judged.label)
                 contributed.add(judged.label)
-            if len(into.accepted) >= run.buffer_size and a.may_publish(into):
+            if len(into.accepted) >= schedule.buffer_size and a.may_publish(into):
                 break
             expected = any(a.waits_for(s.node) for s in courier.in_flight.values())
             more = expected or self._can_dispatch(nodes, contributed)
@@ -465,5 +471,5 @@ def loop_for(
     interval: float = 0.5,
 ) -> Loop:
     """The run's schedule, chosen once from ``aggregation-mode``."""
-    kind = BufferedLoop if aggregator.buffered else SyncLoop
+    kind = BufferedLoop if aggregator.schedule.buffered else SyncLoop
     return kind(aggregator, transport, clock=clock, sleep=sleep, interval=interval)

@@ -40,7 +40,7 @@ from fedciuic.aggregator.journal import Filing, Journal
 from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.compression import layout_of
-from fedciuic.config import RunConfig
+from fedciuic.config import RunConfig, Schedule
 from fedciuic.crypto import NONCE_BYTES, TaskKind
 from fedciuic.policy import Decision, NotEnforced, PolicyGate
 from fedciuic.record import OVERALL, RunRecorder
@@ -156,15 +156,15 @@ class AggregatorRound:
         #: Aggregates published so far in this federation (the global adapter's version).
         self.version = 0
         self.regions_by_node: dict[int, str] = {}
-        self.availability = Availability(run.regions, run.max_missed_rounds)
-        self.tasks = Tasks(run.regions, run.num_server_rounds)  # buffered mode
+        self.availability = Availability(self.schedule.regions, self.schedule.max_missed_rounds)
+        self.tasks = Tasks(self.schedule.regions, self.schedule.rounds)  # buffered mode
         #: Each region's timed local step (from its evaluations): what the loop's training
         #: wait sizes on.
         self.step_seconds: dict[str, float] = {}
         #: The highest checkpoint count each region's replies have shown in this run.
         self.witnessed_counts: dict[str, int] = {}
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
-        self.server_optimizer = ServerOptimizer.of(run.server)
+        self.server_optimizer = ServerOptimizer(run.server)
 
     # -- instructions -------------------------------------------------------------
 
@@ -192,7 +192,15 @@ class AggregatorRound:
     @property
     def judge(self) -> Judge:
         """The per-reply boundary over the run's stages as they are now."""
-        return Judge(self.run, self.sealing, self.policies, self.run_id, self.regions_by_node)
+        return Judge(
+            self.run.compression,
+            self.run.training.steps,
+            self.schedule.round_timeout,
+            self.sealing,
+            self.policies,
+            self.run_id,
+            self.regions_by_node,
+        )
 
     @property
     def journal(self) -> Journal:
@@ -227,19 +235,20 @@ class AggregatorRound:
     # -- training -----------------------------------------------------------------
 
     @property
-    def buffered(self) -> bool:
-        return self.run.buffered
+    def schedule(self) -> Schedule:
+        """Who is asked, when, and for how long (the run's schedule section)."""
+        return self.run.schedule
 
     @property
     def max_staleness(self) -> int:
         """Sync rounds take an update only against the current version; buffered mode
         weighs older ones down, up to max-staleness versions."""
-        return self.run.max_staleness if self.buffered else 0
+        return self.schedule.max_staleness if self.schedule.buffered else 0
 
     @property
     def _staleness_rule(self) -> str:
-        if self.buffered:
-            return f"over max-staleness {self.run.max_staleness}"
+        if self.schedule.buffered:
+            return f"over max-staleness {self.schedule.max_staleness}"
         return (
             "a sync round uses an update only against the current global adapter "
             '(aggregation-mode = "buffered" weighs older ones down)'
@@ -248,7 +257,7 @@ class AggregatorRound:
     def collecting(self) -> Collecting:
         """An empty aggregate to fill with accepted updates (one per round or buffer)."""
         n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
-        return Collecting(make_aggregator(self.run.aggregation, n), n)
+        return Collecting(make_aggregator(self.run.compression.aggregation, n), n)
 
     def train(self, server_round: int, arrivals: Iterable[Arrival]) -> TrainResult:
         """Judge and record each reply, accumulate the accepted ones, then publish the

@@ -49,9 +49,9 @@ _logger = logging.getLogger("flwr")
 
 def warn_disabled(run: RunConfig) -> None:
     """Say which protections this run goes without."""
-    if not run.seal:
+    if not run.sealing.enabled:
         _logger.log(WARNING, "fedciuic: sealing is OFF: updates cross the relay in the clear")
-    if not run.dp:
+    if not run.privacy.enabled:
         _logger.log(
             WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy"
         )
@@ -65,7 +65,7 @@ def aggregator_log(run: RunConfig) -> AuditLog:
     redact = [(str(run.output_path), "<output-dir>")]
     redact += [
         (d, f"<{name}>")
-        for name, d in (("keys-dir", run.keys_dir), ("policies-dir", run.policies_dir))
+        for name, d in (("keys-dir", run.sealing.keys_dir), ("policies-dir", run.policy.directory))
         if d
     ]
     return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
@@ -75,15 +75,16 @@ def load_policies(
     run: RunConfig, keys: AggregatorKeys | None, recorder: RunRecorder
 ) -> AggregatorPolicies | None:
     """Every region's policy, as the aggregator holds them; None only for a lab baseline."""
-    if not run.enforce_policies:
+    where = run.policy
+    if not where.enforce:
         _logger.log(
             WARNING, "fedciuic: policies are OFF (enforce-policies = false): a lab baseline only"
         )
         recorder.data.run.policies = None
         return None
-    if keys is not None and keys.keypair.bundle.jurisdiction != run.aggregator_jurisdiction:
+    if keys is not None and keys.keypair.bundle.jurisdiction != where.aggregator_jurisdiction:
         raise PolicyError(
-            f"run config:aggregator-jurisdiction: {run.aggregator_jurisdiction}, but the "
+            f"run config:aggregator-jurisdiction: {where.aggregator_jurisdiction}, but the "
             f"aggregator's key says {keys.keypair.bundle.jurisdiction}; regions judge where the "
             "aggregator sits by its key: make them agree"
         )
@@ -149,7 +150,8 @@ def run_start(
     resumed: Checkpoint | None,
     base_fingerprint: str = "",
 ) -> None:
-    own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
+    where, dp = run.policy, run.privacy
+    own = policies.policies.get(where.aggregator_jurisdiction) if policies else None
     if own is not None and not own.policy.audit.redact_paths:
         audit.redact = ()
     audit.append(
@@ -158,8 +160,8 @@ def run_start(
         config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
         code_version=code_version(),
         regions=list(run.regions),
-        aggregator_jurisdiction=run.aggregator_jurisdiction,
-        relay_jurisdiction=run.relay,
+        aggregator_jurisdiction=where.aggregator_jurisdiction,
+        relay_jurisdiction=where.relay,
         **sealing.run_start(),
         policy_hashes=(
             {j: p.hash for j, p in sorted(policies.policies.by_jurisdiction.items())}
@@ -178,12 +180,12 @@ def run_start(
         base_fingerprint=base_fingerprint,
         model=run.model_preset if not run.model_path else Path(run.model_path).name,
         dp={
-            "on": run.dp,
-            "target_epsilon": run.target_epsilon,
-            "target_delta": run.target_delta,
-            "max_grad_norm": run.max_grad_norm,
-            "unit": run.privacy_unit,
-            "secure_mode": run.secure_mode,
+            "on": dp.enabled,
+            "target_epsilon": dp.target_epsilon,
+            "target_delta": dp.target_delta,
+            "max_grad_norm": dp.max_grad_norm,
+            "unit": dp.unit,
+            "secure_mode": dp.secure_mode,
         },
         retention_days=(
             {
@@ -201,11 +203,11 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
     ``fedciuic-checkpoint/1`` has none: fine for ``none`` (it keeps no state), refused
     for the others, whose moments would silently restart from zero."""
     if resumed is None:
-        return ServerOptimizer.of(run.server)
+        return ServerOptimizer(run.server)
     where = run.resume_from or "the checkpoint"
     if resumed.optimizer is None:
         if run.server_optimizer == "none":
-            return ServerOptimizer.of(run.server)
+            return ServerOptimizer(run.server)
         raise CheckpointError(
             f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
             "is a checkpoint without server optimizer state (fedciuic-checkpoint/1); resume "
@@ -266,13 +268,18 @@ def open_run(
 ) -> Opened:
     """Keys, policies (cross-checked against the keys), a resume, ``run_start``: the
     aggregator's round for this run (checkpointed next to metrics.json)."""
-    keys = aggregator_keys(run.keys_dir, run.max_update_bytes) if run.seal else None
+    sealed = run.sealing
+    keys = (
+        aggregator_keys(sealed.keys_dir, run.compression.max_update_bytes)
+        if sealed.enabled
+        else None
+    )
     audit.keypair = keys.keypair if keys else None
     policies = load_policies(run, keys, recorder)
     resumed = resume(run, base_fingerprint, audit, recorder)
     optimizer = server_optimizer(run, resumed)  # refused before run_start if it does not fit
     # The aggregator's log is kept by its own jurisdiction's policy (docs/audit.md).
-    own = policies.policies.get(run.aggregator_jurisdiction) if policies else None
+    own = policies.policies.get(run.policy.aggregator_jurisdiction) if policies else None
     enforce_at_start(audit, own, _logger, "aggregator")
     federation_run = resumed.federation_run if resumed else flower_run
     sealing = aggregator_sealing(keys)

@@ -59,7 +59,7 @@ from fedciuic.cluster.protocol import (
     free_port,
     threads_per_rank,
 )
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import LocalTraining, NodeConfig, Privacy, RunConfig
 from fedciuic.data import ExampleSet
 from fedciuic.model import AdapterModel, Shard, TrainStats, train_local
 from fedciuic.privacy import private_round
@@ -88,7 +88,12 @@ def processes_key(run: RunConfig, node: NodeConfig) -> str:
 
 
 def train_rank(
-    model: AdapterModel, examples: ExampleSet, run: RunConfig, command: TrainCommand, shard: Shard
+    model: AdapterModel,
+    examples: ExampleSet,
+    local: LocalTraining,
+    dp: Privacy,
+    command: TrainCommand,
+    shard: Shard,
 ) -> ClusterStats:
     """This rank's part of one round; every rank calls it with the same command.
 
@@ -102,21 +107,22 @@ def train_rank(
             model,
             examples,
             steps=command.steps,
-            batch_size=run.batch_size,
-            learning_rate=run.learning_rate,
+            batch_size=local.batch_size,
+            learning_rate=local.learning_rate,
             generator=torch.Generator().manual_seed(command.seed),
-            optimizer=run.optimizer,
+            optimizer=local.optimizer,
             shard=shard,
             time_budget=command.time_budget,
             slowdown=command.slowdown,
-            proximal_mu=run.proximal_mu,
+            proximal_mu=local.proximal_mu,
         )
         taken, empty, loss_sum, counted = stats.steps, 0, stats.loss * stats.steps, 1.0
     else:
         done = private_round(
             model,
             examples,
-            run,
+            local,
+            dp,
             noise_multiplier=command.noise_multiplier,
             sample_rate=command.sample_rate,
             steps=command.steps,
@@ -378,7 +384,8 @@ class TrainingCluster:
                 return train_rank(
                     self.model,
                     self.examples,
-                    self.run,
+                    self.run.training,
+                    self.run.privacy,
                     command,
                     Shard(rank=0, size=self.world.world_size),
                 )

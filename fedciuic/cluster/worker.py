@@ -128,7 +128,7 @@ def serve(world: World) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-            train_rank(model, data.train, run, command, shard)
+            train_rank(model, data.train, run.training, run.privacy, command, shard)
     finally:
         leave()
 

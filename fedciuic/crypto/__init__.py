@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.crypto.envelope import EnvelopeRejected, InvalidEnvelope
+    from fedciuic.crypto.envelope import EnvelopeRejected, InvalidEnvelope, Suite
     from fedciuic.crypto.keys import (
         NAME_PATTERN,
         KeyFileError,
@@ -48,6 +48,7 @@ _WHERE = {
     "AggregatorKeys": "parties",
     "EnvelopeRejected": "envelope",
     "InvalidEnvelope": "envelope",
+    "Suite": "envelope",
     "KeyFileError": "keys",
     "Keypair": "keys",
     "MalformedPayload": "parties",
@@ -88,6 +89,7 @@ __all__ = [
     "PublicBundle",
     "RegionKeys",
     "ServerTls",
+    "Suite",
     "TaskKind",
     "Terms",
     "aggregator_keys",

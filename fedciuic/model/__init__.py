@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from fedciuic.model.train import (
         ONE_PROCESS,
         EvalStats,
-        Optimizer,
         Shard,
         TrainStats,
         add_proximal_term,
@@ -41,7 +40,6 @@ _WHERE = {
     "AdapterModel": "adapter",
     "EvalStats": "train",
     "ONE_PROCESS": "train",
-    "Optimizer": "train",
     "Shard": "train",
     "TrainStats": "train",
     "add_proximal_term": "train",
@@ -64,7 +62,6 @@ __all__ = [
     "AdapterLayout",
     "AdapterModel",
     "EvalStats",
-    "Optimizer",
     "Shard",
     "TrainStats",
     "add_proximal_term",

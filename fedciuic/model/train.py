@@ -9,15 +9,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from fedciuic.config import LocalOptimizer
 from fedciuic.data import IGNORE, Batch, ExampleSet
 from fedciuic.model.adapter import AdapterModel
 
-Optimizer = Literal["adamw", "sgd"]
 T = TypeVar("T")
 
 
@@ -119,7 +119,7 @@ class EvalStats:
 
 
 def make_optimizer(
-    name: Optimizer, params: list[torch.nn.Parameter], learning_rate: float
+    name: LocalOptimizer, params: list[torch.nn.Parameter], learning_rate: float
 ) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=learning_rate)
@@ -162,7 +162,7 @@ def train_local(
     batch_size: int,
     learning_rate: float,
     generator: torch.Generator,
-    optimizer: Optimizer = "adamw",
+    optimizer: LocalOptimizer = "adamw",
     shard: Shard = ONE_PROCESS,
     time_budget: float = 0.0,
     slowdown: float = 1.0,

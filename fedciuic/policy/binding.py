@@ -56,14 +56,15 @@ def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> Loade
             "without its jurisdiction's policy: name it in the region's agent.toml "
             '(policy = "/path/to/eu-gdpr.yaml"; fedciuic ships some in policies/)'
         )
-    if not run.enforce_policies:
+    settings = run.policy
+    if not settings.enforce:
         return None
-    if not run.policies_dir:
+    if not settings.directory:
         raise PolicyError(
             "run config:policies-dir: empty; simulated regions take their policy from that "
             "folder (fedciuic simulate uses the app's policies/)"
         )
-    return load_policies(Path(run.policies_dir)).require(simulated_jurisdiction(node.region))
+    return load_policies(Path(settings.directory)).require(simulated_jurisdiction(node.region))
 
 
 def run_terms(
@@ -73,20 +74,21 @@ def run_terms(
     epsilon_budget: float | None = None,
     projected_epsilon: float | None = None,
 ) -> RunTerms:
-    """What this run asks of a region, from the run config."""
+    """What this run asks of a region, from the run config's sections."""
+    dp, sealing = run.privacy, run.sealing
     return RunTerms(
         aggregator_jurisdiction=aggregator_jurisdiction,
-        relay_jurisdiction=run.relay_jurisdiction or aggregator_jurisdiction,
-        dp=run.dp,
-        target_epsilon=run.target_epsilon,
-        epsilon_budget=epsilon_budget or run.epsilon_budget,
-        delta=run.target_delta,
-        max_grad_norm=run.max_grad_norm,
-        secure_mode=run.secure_mode,
-        seal=run.seal,
-        seal_suite=run.seal_suite,
-        codec=run.codec.family,
-        privacy_unit=run.privacy_unit,
+        relay_jurisdiction=run.policy.relay_jurisdiction or aggregator_jurisdiction,
+        dp=dp.enabled,
+        target_epsilon=dp.target_epsilon,
+        epsilon_budget=epsilon_budget or dp.epsilon_budget,
+        delta=dp.target_delta,
+        max_grad_norm=dp.max_grad_norm,
+        secure_mode=dp.secure_mode,
+        seal=sealing.enabled,
+        seal_suite=sealing.suite,
+        codec=run.compression.codec.family,
+        privacy_unit=dp.unit,
         projected_epsilon=projected_epsilon,
     )
 
@@ -211,15 +213,16 @@ class AggregatorPolicies:
 
     @classmethod
     def load(cls, run: RunConfig) -> AggregatorPolicies:
-        if not run.policies_dir:
+        settings = run.policy
+        if not settings.directory:
             raise PolicyError(
                 "run config:policies-dir: empty; the aggregator checks every update against its "
                 "sender's policy: point it at a folder with one policy per jurisdiction "
                 "(policies/ ships EU, CN, US, SG, IN), or set enforce-policies = false for a "
                 "lab baseline"
             )
-        policies = load_policies(Path(run.policies_dir).expanduser())
-        terms = run_terms(run, aggregator_jurisdiction=run.aggregator_jurisdiction)
+        policies = load_policies(Path(settings.directory).expanduser())
+        terms = run_terms(run, aggregator_jurisdiction=settings.aggregator_jurisdiction)
         return cls(policies, terms)
 
     def check_update(self, facts: UpdateFacts) -> Decision:

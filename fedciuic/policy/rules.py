@@ -38,6 +38,7 @@ from pydantic import (
 
 from fedciuic.compression import CodecFamily
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, PRIVACY_UNITS, PrivacyUnit, unit_covers
+from fedciuic.crypto import Suite
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -100,9 +101,7 @@ class Privacy(_Section):
 
 class Sealing(_Section):
     required: bool
-    allowed_suites: Annotated[tuple[Literal["xwing-aes256gcm", "xwing-fernet"], ...], _Distinct] = (
-        Field(min_length=1)
-    )
+    allowed_suites: Annotated[tuple[Suite, ...], _Distinct] = Field(min_length=1)
 
 
 class Compression(_Section):

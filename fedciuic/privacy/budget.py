@@ -11,10 +11,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedciuic.config import PrivacyUnit
+from fedciuic.config import Accountant, PrivacyUnit
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
-    Accountant,
     PrivacyLedger,
     Step,
     calibrate_noise,

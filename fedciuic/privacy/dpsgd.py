@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from opacus import PrivacyEngine
@@ -25,13 +25,18 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedciuic.config import REPRODUCIBLE_NOISE_WARNING, RunConfig
+from fedciuic.config import (
+    REPRODUCIBLE_NOISE_WARNING,
+    DPMode,
+    LocalOptimizer,
+    LocalTraining,
+    Privacy,
+)
 from fedciuic.data import Batch, ExampleSet
 from fedciuic.errors import ModelError
 from fedciuic.model import (
     ONE_PROCESS,
     AdapterModel,
-    Optimizer,
     Shard,
     TrainStats,
     add_proximal_term,
@@ -46,7 +51,6 @@ from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
 
 undo_opacus_basic_config()
-GradSampleMode = Literal["hooks", "ghost"]
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -221,10 +225,10 @@ class PrivateTrainer:
         learning_rate: float,
         noise_multiplier: float,
         max_grad_norm: float,
-        mode: GradSampleMode = "hooks",
+        mode: DPMode = "hooks",
         secure_mode: bool = True,
         seed: int | None = None,
-        optimizer: Optimizer = "adamw",
+        optimizer: LocalOptimizer = "adamw",
         shard: Shard = ONE_PROCESS,
         proximal_mu: float = 0.0,
     ) -> None:
@@ -319,30 +323,31 @@ class PrivateTrainer:
         cls,
         model: AdapterModel,
         examples: ExampleSet,
-        run: RunConfig,
+        local: LocalTraining,
+        dp: Privacy,
         *,
         noise_multiplier: float,
         seed: int,
         shard: Shard = ONE_PROCESS,
     ) -> PrivateTrainer:
-        """The trainer a region's round uses, with the run config's settings; ``seed``
-        reaches the noise only under insecure-reproducible-noise."""
+        """The trainer a region's round uses, with the run's training and privacy
+        sections; ``seed`` reaches the noise only under insecure-reproducible-noise."""
         return cls(
             model,
             examples,
-            batch_size=run.batch_size,
-            max_examples_per_unit=run.max_examples_per_unit,
-            learning_rate=run.learning_rate,
+            batch_size=local.batch_size,
+            max_examples_per_unit=dp.max_examples_per_unit,
+            learning_rate=local.learning_rate,
             noise_multiplier=noise_multiplier,
-            max_grad_norm=run.max_grad_norm,
-            mode=run.dp_mode,
-            secure_mode=run.secure_mode,
+            max_grad_norm=dp.max_grad_norm,
+            mode=dp.mode,
+            secure_mode=dp.secure_mode,
             # The run config's seed (which the aggregator chooses) never reaches the
             # noise unless the run explicitly asks for insecure reproducible noise.
-            seed=seed if run.insecure_reproducible_noise else None,
-            optimizer=run.optimizer,
+            seed=seed if dp.reproducible_noise else None,
+            optimizer=local.optimizer,
             shard=shard,
-            proximal_mu=run.proximal_mu,
+            proximal_mu=local.proximal_mu,
         )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
@@ -489,7 +494,8 @@ class PrivateRound:
 def private_round(
     model: AdapterModel,
     examples: ExampleSet,
-    run: RunConfig,
+    local: LocalTraining,
+    dp: Privacy,
     *,
     noise_multiplier: float,
     sample_rate: float,
@@ -503,7 +509,7 @@ def private_round(
     trainer that would sample at another rate than ``sample_rate`` is refused before
     any step (``who`` names the region or rank), and Opacus' hooks are removed after."""
     trainer = PrivateTrainer.for_run(
-        model, examples, run, noise_multiplier=noise_multiplier, seed=seed, shard=shard
+        model, examples, local, dp, noise_multiplier=noise_multiplier, seed=seed, shard=shard
     )
     try:
         if trainer.sample_rate != sample_rate:
@@ -520,7 +526,8 @@ def private_round(
 def plan_private_steps(
     model: AdapterModel,
     examples: ExampleSet,
-    run: RunConfig,
+    local: LocalTraining,
+    dp: Privacy,
     *,
     noise_multiplier: float,
     slowdown: float = 1.0,
@@ -536,17 +543,18 @@ def plan_private_steps(
     cover (docs/privacy.md). The budget covers the training steps; this calibration
     (a one-example warm-up and one worst-shape step) comes on top of it.
     """
-    if run.local_time_budget <= 0:
-        return run.local_steps
-    seconds = time_private_step(model, examples, run, noise_multiplier, slowdown)
-    fits = math.floor(run.local_time_budget / seconds) if seconds > 0 else run.local_steps
-    return max(1, min(run.local_steps, fits))
+    if local.time_budget <= 0:
+        return local.steps
+    seconds = time_private_step(model, examples, local, dp, noise_multiplier, slowdown)
+    fits = math.floor(local.time_budget / seconds) if seconds > 0 else local.steps
+    return max(1, min(local.steps, fits))
 
 
 def time_private_step(
     model: AdapterModel,
     examples: ExampleSet,
-    run: RunConfig,
+    local: LocalTraining,
+    dp: Privacy,
     noise_multiplier: float = 1.0,
     slowdown: float = 1.0,
 ) -> float:
@@ -556,9 +564,9 @@ def time_private_step(
     same numbers whether or not it timed a step)."""
     with torch.random.fork_rng():
         trainer = PrivateTrainer.for_run(
-            model, examples, run, noise_multiplier=noise_multiplier, seed=0
+            model, examples, local, dp, noise_multiplier=noise_multiplier, seed=0
         )
         try:
-            return trainer.time_step(run.seq_len, slowdown)
+            return trainer.time_step(local.seq_len, slowdown)
         finally:
             trainer.close()

@@ -37,13 +37,12 @@ from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedciuic.audit import Event
-from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
+from fedciuic.config import DEFAULT_PRIVACY_UNIT, Accountant, PrivacyUnit
 from fedciuic.errors import FedciuicError
 from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
 
 undo_opacus_basic_config()
 
-Accountant = Literal["prv", "rdp"]
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
 LEDGER_FILE = "privacy-ledger.jsonl"
 #: Domain separation of the ledger's hash chain (see :func:`chain_head`).

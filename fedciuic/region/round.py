@@ -36,7 +36,7 @@ import numpy as np
 
 from fedciuic import __version__
 from fedciuic.audit import REGION_LOG, SENT_EVENTS, AuditLog, Event, code_version, config_hash
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, RunConfig, SealSettings
 from fedciuic.crypto import AGGREGATOR, Keypair, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
@@ -218,16 +218,18 @@ def unreadable(
 
 
 @lru_cache(maxsize=4)
-def _sealing(run: RunConfig, node: NodeConfig) -> RegionSealing:
+def _sealing(
+    settings: SealSettings, aggregator_jurisdiction: str, node: NodeConfig
+) -> RegionSealing:
     """The region's end of the sealing stage, its keys loaded once per process."""
-    if not run.seal:
-        return ClearRegion(run.aggregator_jurisdiction)
+    if not settings.enabled:
+        return ClearRegion(aggregator_jurisdiction)
     keys = region_keys(
         node.region,
         key_file=node.key_file,
         aggregator_bundle=node.aggregator_bundle,
-        keys_dir=run.keys_dir,
-        suite=run.seal_suite,
+        keys_dir=settings.keys_dir,
+        suite=settings.suite,
     )
     return SealingRegion(keys)
 
@@ -380,7 +382,7 @@ class _Round:
         sealing, sign the log)."""
         self.run_id = federation_run or self.flower_run
         self.audit = _audit(self.node)
-        sealing = _sealing(self.run, self.node)
+        sealing = _sealing(self.run.sealing, self.run.policy.aggregator_jurisdiction, self.node)
         self.audit.keypair = sealing.keypair
         return sealing
 

@@ -28,7 +28,7 @@ from fedciuic.compression import (
     layout_id,
     layout_of,
 )
-from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
+from fedciuic.config import LocalTraining, NodeConfig, Privacy, PrivacyUnit, RunConfig
 from fedciuic.data import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
@@ -177,6 +177,14 @@ class Region:
         self._step_seconds: float | None = None
 
     @property
+    def dp(self) -> Privacy:
+        return self.run.privacy
+
+    @property
+    def local(self) -> LocalTraining:
+        return self.run.training
+
+    @property
     def slowdown(self) -> float:
         """How many times slower this region trains (test-region-slowdown; tests only)."""
         return self.run.slowdown(self.name)
@@ -239,28 +247,28 @@ class Region:
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
         privacy = None
-        run = self.run
-        if not run.dp and self.processes > 1:
+        local = self.local
+        if not self.dp.enabled and self.processes > 1:
             command = TrainCommand(
                 server_round=server_round,
                 seed=seed,
-                steps=run.local_steps,
-                time_budget=run.local_time_budget,
+                steps=local.steps,
+                time_budget=local.time_budget,
                 slowdown=self.slowdown,
             )
             stats = self._train_cluster(command).stats
-        elif not run.dp:
+        elif not self.dp.enabled:
             stats = train_local(
                 self.model,
                 self.data.train,
-                steps=run.local_steps,
-                batch_size=run.batch_size,
-                learning_rate=run.learning_rate,
+                steps=local.steps,
+                batch_size=local.batch_size,
+                learning_rate=local.learning_rate,
                 generator=torch.Generator().manual_seed(seed),
-                optimizer=run.optimizer,
-                time_budget=run.local_time_budget,
+                optimizer=local.optimizer,
+                time_budget=local.time_budget,
                 slowdown=self.slowdown,
-                proximal_mu=run.proximal_mu,
+                proximal_mu=local.proximal_mu,
             )
         else:
             stats, privacy = self._train_private(
@@ -277,7 +285,7 @@ class Region:
         Compression runs after DP (post-processing costs no privacy) and before
         sealing (ciphertext does not compress).
         """
-        codec = self.run.codec
+        codec = self.run.compression.codec
         vector = flatten(delta)
         safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
         feedback = ErrorFeedback(
@@ -301,19 +309,17 @@ class Region:
         """This run's per-round step at its most: calibrated noise, Poisson rate,
         local-steps. The budget checks before a round use it (the worst case); with a
         local-time-budget the ledger records the steps actually taken."""
-        run, n = self.run, self.data.train.num_units
-        if run.target_delta >= 1.0 / n:
+        dp, local, n = self.dp, self.local, self.data.train.num_units
+        if dp.target_delta >= 1.0 / n:
             raise PrivacyError(
-                f"run config:target-delta: {run.target_delta:g} is not below 1/n = "
-                f"{1.0 / n:.3g} for region {self.name}'s {n} training {run.privacy_unit}s; "
+                f"run config:target-delta: {dp.target_delta:g} is not below 1/n = "
+                f"{1.0 / n:.3g} for region {self.name}'s {n} training {dp.unit}s; "
                 "choose a smaller delta"
             )
-        rate = poisson_sample_rate(n, run.batch_size)
-        planned = run.num_server_rounds * run.local_steps
-        noise = calibrate_noise(
-            run.target_epsilon, run.target_delta, rate, planned, run.dp_accountant
-        )
-        return (noise, rate, run.local_steps)
+        rate = poisson_sample_rate(n, local.batch_size)
+        planned = self.run.num_server_rounds * local.steps
+        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.accountant)
+        return (noise, rate, local.steps)
 
     @contextlib.contextmanager
     def ledger_session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
@@ -329,7 +335,7 @@ class Region:
 
     def released(self, run_id: int, server_round: int, ledger: PrivacyLedger | None = None) -> bool:
         """Whether the ledger already records this round of this run (DP runs only)."""
-        if not self.run.dp or (ledger is None and not self.ledger_path.exists()):
+        if not self.dp.enabled or (ledger is None and not self.ledger_path.exists()):
             return False
         with self.ledger_session(ledger) as held:
             return any(r.run_id == run_id and r.round == server_round for r in held.rounds)
@@ -354,7 +360,7 @@ class Region:
     def projected_epsilon(self, ledger: PrivacyLedger | None = None) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),
         for the policy check before training (``ledger``: a session's)."""
-        if not self.run.dp:
+        if not self.dp.enabled:
             return None
         step = self.privacy_step()
         with self.ledger_session(ledger) as held:
@@ -367,15 +373,16 @@ class Region:
             self.ledger_path,
             region=self.name,
             dataset=self.data.fingerprint,
-            delta=self.run.target_delta,
-            accountant=self.run.dp_accountant,
-            unit=self.run.privacy_unit,
+            delta=self.dp.target_delta,
+            accountant=self.dp.accountant,
+            unit=self.dp.unit,
             witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
         )
 
     def _run_cap(self, max_run_epsilon: float | None) -> tuple[float, str]:
         """The per-run cap: the run's target epsilon, or the policy's if lower."""
-        cap, why = self.run.target_epsilon, f"{self.run.target_epsilon:g} (target-epsilon)"
+        cap = self.dp.target_epsilon
+        why = f"{cap:g} (target-epsilon)"
         if max_run_epsilon is not None and max_run_epsilon < cap:
             cap, why = max_run_epsilon, f"{max_run_epsilon:g} (privacy.max_epsilon_per_run)"
         return cap, why
@@ -388,8 +395,8 @@ class Region:
         max_run_epsilon: float | None,
         held: PrivacyLedger | None,
     ) -> tuple[TrainStats, PrivacySpent]:
-        run = self.run
-        budget = self.node.epsilon_budget or run.epsilon_budget
+        dp = self.dp
+        budget = self.node.epsilon_budget or dp.epsilon_budget
         step = self.privacy_step()
         cap, cap_reason = self._run_cap(max_run_epsilon)
         with self.ledger_session(held) as ledger:
@@ -398,7 +405,7 @@ class Region:
                 raise BudgetExhausted(
                     f"region {self.name}: this round would raise epsilon from "
                     f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget "
-                    f"{budget:g} (delta {run.target_delta:g}, ledger {self.ledger_path}); "
+                    f"{budget:g} (delta {dp.target_delta:g}, ledger {self.ledger_path}); "
                     "nothing was trained or sent"
                 )
             spent = ledger.run_history(run_id)
@@ -411,11 +418,16 @@ class Region:
                     f"{self.ledger_path}) to {run_after:.3f}, over the per-run cap of "
                     f"{cap_reason}; nothing was trained or sent"
                 )
-            reproducible = run.insecure_reproducible_noise
+            reproducible = dp.reproducible_noise
             # With a local-time-budget: as many steps as fit, planned before the first
             # private step from a synthetic one (never a clock stop: docs/privacy.md).
             planned = plan_private_steps(
-                self.model, self.data.train, run, noise_multiplier=step[0], slowdown=self.slowdown
+                self.model,
+                self.data.train,
+                self.local,
+                dp,
+                noise_multiplier=step[0],
+                slowdown=self.slowdown,
             )
             released: Step = (step[0], step[1], planned)
             stats, taken = self._train_dp(server_round, seed, released)
@@ -433,8 +445,8 @@ class Region:
                     run_id=run_id,
                     server_round=server_round,
                     step=released,
-                    max_grad_norm=run.max_grad_norm,
-                    secure_mode=run.secure_mode,
+                    max_grad_norm=dp.max_grad_norm,
+                    secure_mode=dp.secure_mode,
                     epsilon=after,
                     reproducible_noise=reproducible,
                 )
@@ -442,12 +454,12 @@ class Region:
         privacy = PrivacySpent(
             epsilon=after,
             epsilon_budget=budget,
-            delta=run.target_delta,
+            delta=dp.target_delta,
             noise_multiplier=step[0],
             sample_rate=step[1],
-            secure_mode=run.secure_mode,
-            max_grad_norm=run.max_grad_norm,
-            unit=run.privacy_unit,
+            secure_mode=dp.secure_mode,
+            max_grad_norm=dp.max_grad_norm,
+            unit=dp.unit,
             run_epsilon=run_after,
             run_epsilon_cap=cap,
             reproducible_noise=reproducible,
@@ -461,7 +473,6 @@ class Region:
         """DP-SGD for ``step`` (noise, rate, steps), in this process or over the region's
         cluster (DP-DDP: the same mechanism on the global batch); returns the stats
         and the fewest and most steps any process took."""
-        run = self.run
         if self.processes > 1:
             command = TrainCommand(
                 server_round=server_round,
@@ -477,7 +488,8 @@ class Region:
         ran = private_round(
             self.model,
             self.data.train,
-            run,
+            self.local,
+            self.dp,
             noise_multiplier=step[0],
             sample_rate=step[1],
             steps=step[2],
@@ -491,17 +503,17 @@ class Region:
         """Held-out loss of the global adapter on this region's evaluation blocks
         (on rank 0 alone: evaluation is cheap next to training, and adds no privacy cost)."""
         self._load_global(adapter, base_fingerprint)
-        stats = evaluate(self.model, self.data.eval, batch_size=self.run.batch_size)
+        stats = evaluate(self.model, self.data.eval, batch_size=self.local.batch_size)
         return replace(stats, step_seconds=self.step_seconds())
 
     def step_seconds(self) -> float | None:
         """One local DP-SGD step's seconds here, timed once per run (None without DP):
         what the aggregator sizes its wait for updates on (docs/heterogeneity.md)."""
-        if not self.run.dp:
+        if not self.dp.enabled:
             return None
         if self._step_seconds is None:
             self._step_seconds = time_private_step(
-                self.model, self.data.train, self.run, slowdown=self.slowdown
+                self.model, self.data.train, self.local, self.dp, slowdown=self.slowdown
             )
         return self._step_seconds
 

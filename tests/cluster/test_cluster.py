@@ -113,7 +113,9 @@ def test_two_processes_give_the_one_process_update(pair: Region, run: RunConfig)
     pair._train_cluster(dp_command(pair, noise_multiplier=0.0))
     two = pair.model.adapter_state()
     pair.model.load_adapter_state(start)
-    trainer = PrivateTrainer.for_run(pair.model, pair.data.train, run, noise_multiplier=0.0, seed=3)
+    trainer = PrivateTrainer.for_run(
+        pair.model, pair.data.train, run.training, run.privacy, noise_multiplier=0.0, seed=3
+    )
     try:
         trainer.run(2)
     finally:
@@ -327,7 +329,8 @@ def test_fedprox_over_two_processes_is_fedprox_in_one(
         trainer = PrivateTrainer.for_run(
             region.model,
             region.data.train,
-            run.model_copy(update={"proximal_mu": mu}),
+            run.model_copy(update={"proximal_mu": mu}).training,
+            run.privacy,
             noise_multiplier=0.0,
             seed=3,
         )

@@ -51,7 +51,7 @@ ADAM = ServerSettings("fedadam", learning_rate=0.1, momentum=0.9, beta2=0.99, ep
 
 
 def adam_state(steps: int = 2) -> OptimizerState:
-    opt = ServerOptimizer.of(ADAM)
+    opt = ServerOptimizer(ADAM)
     x = {"w": np.ones(4, np.float32)}
     for i in range(steps):
         x = opt.step(x, np.array([1.0, -2.0, 0.5, i], np.float32))

@@ -215,7 +215,9 @@ def test_fedprox_is_added_after_clipping_and_noise(run, demo_root, tmp_path, mon
     )
     r = region(lab, demo_root, tmp_path)
     start = r.model.adapter_state()
-    trainer = PrivateTrainer.for_run(r.model, r.data.train, lab, noise_multiplier=0.0, seed=1)
+    trainer = PrivateTrainer.for_run(
+        r.model, r.data.train, r.local, r.dp, noise_multiplier=0.0, seed=1
+    )
     try:
         with torch.no_grad():
             for p in r.model.trainable_parameters():
@@ -231,7 +233,9 @@ def test_fedprox_is_added_after_clipping_and_noise(run, demo_root, tmp_path, mon
 
 def test_calibration_warms_up_on_one_example_then_times_the_worst_shape(run, demo_root, tmp_path):
     r = region(run, demo_root, tmp_path)
-    trainer = PrivateTrainer.for_run(r.model, r.data.train, run, noise_multiplier=1.0, seed=0)
+    trainer = PrivateTrainer.for_run(
+        r.model, r.data.train, r.local, r.dp, noise_multiplier=1.0, seed=0
+    )
     calls: list[int] = []
     original = trainer._step_batch
 

@@ -66,5 +66,5 @@ def test_timing_a_step_leaves_torchs_random_state_as_it_was(run_config, demo_roo
     data = load_region_data(run_config, node, byte_tokenizer())
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    assert time_private_step(model, data.train, run_config) > 0
+    assert time_private_step(model, data.train, run_config.training, run_config.privacy) > 0
     assert torch.equal(torch.get_rng_state(), before)
