@@ -26,7 +26,7 @@ import torch
 from dp_overhead import make_step  # the same step as the CPU benchmark (scripts side by side)
 
 from fedciuic.config import ModelSpec
-from fedciuic.model.adapter import AdapterModel, save_checkpoint
+from fedciuic.model.adapter import AdapterModel, save_model_checkpoint
 
 DISTILL_SHAPE: dict[str, Any] = {  # R1-Distill-Qwen-1.5B's layout, fewer layers
     "hidden_size": 1536,
@@ -129,7 +129,7 @@ def main() -> int:
         wanted = args.model or ["small", *SHAPED]
         models = {}
         if "small" in wanted:
-            models["small"] = save_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")
+            models["small"] = save_model_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")
         for name, (model_type, shape) in SHAPED.items():
             if name in wanted:
                 models[name] = shaped_checkpoint(Path(tmp) / name, model_type, shape)

@@ -335,9 +335,9 @@ class RunConfig(_Strict):
         )
 
     @property
-    def privacy(self) -> Privacy:
+    def privacy(self) -> DPSettings:
         """DP-SGD's section: the guarantee asked for and how the noise is drawn."""
-        return section(Privacy, self)
+        return section(DPSettings, self)
 
     @property
     def training(self) -> LocalTraining:
@@ -596,10 +596,10 @@ class Key:
     flat: str
 
 
-Section = TypeVar("Section")
+_Section = TypeVar("_Section")
 
 
-def section(kind: type[Section], run: RunConfig) -> Section:
+def section(kind: type[_Section], run: RunConfig) -> _Section:
     """The section ``kind`` of ``run``: each field from the flat field of its own name, or
     of the one its :class:`Key` names."""
     return kind(**{name: getattr(run, flat) for name, flat in section_keys(kind)})
@@ -655,7 +655,7 @@ class Fields:
 
 
 @dataclass(frozen=True)
-class Privacy:
+class DPSettings:
     """DP-SGD in every region (:attr:`RunConfig.privacy`; docs/privacy.md)."""
 
     enabled: Annotated[bool, Key("dp")]

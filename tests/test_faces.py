@@ -114,3 +114,31 @@ def test_no_module_imports_itself_round_about():
 
     circles = sorted(m for m in edges if back(m))
     assert not circles, f"modules in an import circle: {circles}"
+
+
+#: Verbs a module is called by (``worker.main``, ``channel.encode``), never imported bare
+#: next to another module's, and type variables.
+MODULE_VERBS = {"main", "serve", "log", "encode", "render", "T"}
+
+
+def test_each_public_name_is_defined_in_one_module():
+    """A class, constant or function is defined once: two definitions under one name are
+    two meanings a reader (and an import) can confuse."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for name in names:
+                if not name.startswith("_") and name not in MODULE_VERBS:
+                    where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"defined in more than one module (rename one): {twice}"

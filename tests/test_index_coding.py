@@ -12,7 +12,7 @@ import pytest
 
 from fedciuic.compression import CODECS, CodecFamily, MalformedUpdate, get_codec
 from fedciuic.compression import indices as coding
-from fedciuic.compression.codecs import HEADER, MAGIC, top_k
+from fedciuic.compression.codecs import HEADER, UPDATE_MAGIC, top_k
 
 N = 200_000
 RNG = np.random.default_rng(7)
@@ -229,7 +229,7 @@ def test_a_format_1_update_still_decodes():
     x = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
     codec = get_codec("topk:0.05")
     top = top_k(x, codec.k(x.size))
-    v1 = HEADER.pack(MAGIC, codec.ident, 1, x.size, 0) + struct.pack("<I", top.size)
+    v1 = HEADER.pack(UPDATE_MAGIC, codec.ident, 1, x.size, 0) + struct.pack("<I", top.size)
     got = codec.decode(v1 + _v1_gaps(top) + x[top].tobytes(), x.size)
     np.testing.assert_array_equal(
         got.dense(x.size), get_codec("topk:0.05").decode(codec.encode(x, RNG), x.size).dense(x.size)

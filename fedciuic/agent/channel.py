@@ -3,7 +3,7 @@
 Whoever connects to an agent (the region's relay, Flower's ClientApp) is untrusted
 code, so nothing that crosses the channel is executed or unpickled: a frame is
 
-    MAGIC (4) | header length (u32) | body length (u64) | header (JSON) | body
+    FRAME_MAGIC (4) | header length (u32) | body length (u64) | header (JSON) | body
 
 where the header is a JSON object holding the protocol and fedciuic versions, the
 frame's own fields (``kind``, ``flower-run``, ``error``), its records as Flower's
@@ -11,7 +11,7 @@ frame's own fields (``kind``, ``flower-run``, ``error``), its records as Flower'
 records of numbers) and the list of its arrays (name, dtype, shape), whose bytes follow
 in the body in that order. Every limit is checked before anything is read into
 memory: a header over :data:`MAX_HEADER`, a body over the reader's ``max_body``, a
-dtype outside :data:`DTYPES`, arrays whose sizes do not add up to the body, a value
+dtype outside :data:`WIRE_DTYPES`, arrays whose sizes do not add up to the body, a value
 that is not a scalar: each is a :class:`ChannelError` that names what is wrong.
 
 One request and one answer per connection. Both carry :data:`PROTOCOL`; a frame of
@@ -42,7 +42,7 @@ from fedciuic.errors import FedciuicError
 
 #: Never changes, nor does the prefix after it: a peer of another protocol is still read
 #: far enough to name its version.
-MAGIC = b"FCAG"
+FRAME_MAGIC = b"FCAG"
 #: Bumped whenever a frame's layout or meaning changes: both ends must agree. (1 was
 #: ``fedciuic trainer``'s pickled channel, which this replaces.)
 PROTOCOL = 2
@@ -55,11 +55,11 @@ _MAX_SOCKET_PATH = 107
 #: Each read or write once connected (seconds): a peer that stalls is dropped.
 IO_TIMEOUT = 30.0
 #: The array types an instruction or a reply carries.
-DTYPES = frozenset(
+WIRE_DTYPES = frozenset(
     np.dtype(t).str
     for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64", "bool")
 )
-_KINDS = ", ".join(sorted(DTYPES))
+_KINDS = ", ".join(sorted(WIRE_DTYPES))
 #: What a relay may ask an agent: the kinds of task the aggregator signs, and ``hello``.
 HELLO = "hello"
 #: Config values: what Flower's ConfigRecord holds, bar lists; metric values: numbers.
@@ -134,14 +134,14 @@ def encode(frame: Frame) -> tuple[bytes, list[memoryview]]:
         else [[k, a.dtype.str, list(a.shape)] for k, a in arrays.items()],
     }
     for name, array in arrays.items():
-        if array.dtype.str not in DTYPES:
+        if array.dtype.str not in WIRE_DTYPES:
             raise ChannelError(f"arrays.{name}: dtype {array.dtype} cannot cross the channel")
     text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(text) > MAX_HEADER:
         raise ChannelError(f"frame header of {len(text)} bytes (at most {MAX_HEADER})")
     # Flat first: a memoryview cannot cast an empty array of 2+ dims, shape (0, 4).
     body = [a.reshape(-1).data.cast("B") for a in arrays.values()]
-    prefix = _PREFIX.pack(MAGIC, len(text), sum(len(b) for b in body))
+    prefix = _PREFIX.pack(FRAME_MAGIC, len(text), sum(len(b) for b in body))
     return prefix + text, body
 
 
@@ -222,9 +222,9 @@ def _layout(value: object, body: int) -> list[tuple[str, np.dtype[Any], tuple[in
         if name in names:
             raise ChannelError(f"arrays: {name!r} twice")
         names.add(name)
-        if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable
+        if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:  # a list is unhashable
             raise ChannelError(
-                f"arrays.{name}: dtype {str(dtype)[:16]!r} is not one of {sorted(DTYPES)}"
+                f"arrays.{name}: dtype {str(dtype)[:16]!r} is not one of {sorted(WIRE_DTYPES)}"
             )
         if (
             not isinstance(shape, list)
@@ -250,7 +250,7 @@ def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float | None
     finally:
         sock.settimeout(IO_TIMEOUT)
     magic, header_size, body_size = _PREFIX.unpack(prefix)
-    if magic != MAGIC:
+    if magic != FRAME_MAGIC:
         raise ChannelError("not a fedciuic agent frame (bad magic)")
     if header_size > MAX_HEADER:
         raise ChannelError(f"frame header of {header_size} bytes (at most {MAX_HEADER})")
@@ -416,12 +416,12 @@ def ask(path: Path, frame: Frame, *, timeout: float, connect_timeout: float = 10
 
 
 __all__ = [
-    "DTYPES",
     "HELLO",
     "IO_TIMEOUT",
     "MAX_BODY",
     "MAX_HEADER",
     "PROTOCOL",
+    "WIRE_DTYPES",
     "ChannelError",
     "Frame",
     "Peer",

@@ -43,9 +43,9 @@ from fedciuic.errors import FedciuicError
 from fedciuic.record import Rounds, dump_rounds, parse_rounds
 from fedciuic.server_optim import OptimizerState
 
-FORMAT = "fedciuic-checkpoint/3"
-#: What load_checkpoint reads; only FORMAT is signed.
-FORMATS = ("fedciuic-checkpoint/1", "fedciuic-checkpoint/2", FORMAT)
+CHECKPOINT_FORMAT = "fedciuic-checkpoint/3"
+#: What load_checkpoint reads; only CHECKPOINT_FORMAT is signed.
+FORMATS = ("fedciuic-checkpoint/1", "fedciuic-checkpoint/2", CHECKPOINT_FORMAT)
 LATEST = "LATEST"
 #: A run's checkpoints, inside its output folder (run-<id>/checkpoint/).
 CHECKPOINT_DIR = "checkpoint"
@@ -105,7 +105,7 @@ def save_checkpoint(
     folder.mkdir(parents=True)
     save_file({k: np.ascontiguousarray(v) for k, v in checkpoint.adapter.items()}, folder / ADAPTER)
     state: dict[str, Any] = {
-        "format": FORMAT,
+        "format": CHECKPOINT_FORMAT,
         "federation_run": checkpoint.federation_run,
         "round": checkpoint.round,
         "base_fingerprint": checkpoint.base_fingerprint,
@@ -190,10 +190,10 @@ def checkpoint_folder(path: Path) -> Path:
 def _check_signature(folder: Path, body: bytes, state: Any, signer: PublicBundle) -> None:
     """That ``signer`` (the aggregator's key) signed this state.json as it stands."""
     fmt = state.get("format") if isinstance(state, dict) else None
-    if fmt != FORMAT or not state.get("signer"):
+    if fmt != CHECKPOINT_FORMAT or not state.get("signer"):
         raise CheckpointError(
             f"{folder}: an unsigned checkpoint ({fmt}); a run with keys resumes only from "
-            f"one its aggregator's key signed ({FORMAT}): start over, or resume from a "
+            f"one its aggregator's key signed ({CHECKPOINT_FORMAT}): start over, or resume from a "
             "checkpoint this fedciuic wrote"
         )
     try:

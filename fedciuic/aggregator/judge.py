@@ -21,7 +21,7 @@ from fedciuic.audit import digest
 from fedciuic.config import UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
-from fedciuic.stages import Header, ReplySealing
+from fedciuic.stages import Provenance, ReplySealing
 from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
@@ -103,7 +103,7 @@ class Accepted:
     checked: Checked
     metrics: TrainMetrics
     info: dict[str, str]
-    header: Header
+    header: Provenance
     upload_bytes: int  # what crossed the relay: the envelope, or the clear update
 
     @property
@@ -336,7 +336,7 @@ class Judge:
 
     def _open(
         self, reply: Reply, server_round: int, sender: str | None
-    ) -> tuple[bytes, TrainMetrics, dict[str, str], Header]:
+    ) -> tuple[bytes, TrainMetrics, dict[str, str], Provenance]:
         """The compressed update, its metrics and info, and the facts its policy is
         checked against, as the sealing stage hands them over."""
         opened = self.sealing.receive(reply, self.run_id, server_round, sender)

@@ -71,7 +71,7 @@ def aggregator_log(run: RunConfig) -> AuditLog:
     return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
 
 
-def load_policies(
+def held_policies(
     run: RunConfig, keys: AggregatorKeys | None, recorder: RunRecorder
 ) -> AggregatorPolicies | None:
     """Every region's policy, as the aggregator holds them; None only for a lab baseline."""
@@ -252,7 +252,7 @@ def restore(
 
 
 @dataclass(frozen=True)
-class Opened:
+class OpenedRun:
     """A run ready for its rounds: the aggregator's round, and where it starts."""
 
     aggregator: AggregatorRound
@@ -265,7 +265,7 @@ class Opened:
 
 def open_run(
     run: RunConfig, flower_run: int, audit: AuditLog, recorder: RunRecorder, base_fingerprint: str
-) -> Opened:
+) -> OpenedRun:
     """Keys, policies (cross-checked against the keys), a resume, ``run_start``: the
     aggregator's round for this run (checkpointed next to metrics.json)."""
     sealed = run.sealing
@@ -275,7 +275,7 @@ def open_run(
         else None
     )
     audit.keypair = keys.keypair if keys else None
-    policies = load_policies(run, keys, recorder)
+    policies = held_policies(run, keys, recorder)
     resumed = resume(run, base_fingerprint, audit, recorder)
     optimizer = server_optimizer(run, resumed)  # refused before run_start if it does not fit
     # The aggregator's log is kept by its own jurisdiction's policy (docs/audit.md).
@@ -297,7 +297,7 @@ def open_run(
     )
     if resumed is not None:
         restore(aggregator, resumed, optimizer)
-    return Opened(aggregator, resumed)
+    return OpenedRun(aggregator, resumed)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from fedciuic.audit.retention import PRUNE_COMMAND, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import EXIT_AUDIT, EXIT_OK
 
-Record = Mapping[str, Any]
+AuditRecord = Mapping[str, Any]
 
 #: ``fedciuic audit report``'s exit status (2 is every fedciuic command's error:
 #: a log or key that cannot be read, no aggregator log, no such run).
@@ -57,7 +57,7 @@ class Section:
 class PartyLog:
     path: Path
     actor: str
-    records: Sequence[Record]
+    records: Sequence[AuditRecord]
     verdict: Verdict | None = None
 
     @property
@@ -66,12 +66,12 @@ class PartyLog:
         return 0 if self.verdict is None else self.verdict.covered
 
     @property
-    def verified(self) -> Sequence[Record]:
+    def verified(self) -> Sequence[AuditRecord]:
         """The records a verified checkpoint signature covers: the only facts."""
         return self.records[: self.covered]
 
     @property
-    def unverified(self) -> Sequence[Record]:
+    def unverified(self) -> Sequence[AuditRecord]:
         """The records no verified signature covers (after the last verified checkpoint,
         or all of them when the log was not verified or none of its checkpoints did);
         the verified checkpoint itself is in neither list."""
@@ -162,7 +162,7 @@ def _runs(aggregator: PartyLog) -> list[int]:
     ]
 
 
-def _details(record: Record | None) -> Mapping[str, Any]:
+def _details(record: AuditRecord | None) -> Mapping[str, Any]:
     details = None if record is None else record.get("details")
     return details if isinstance(details, Mapping) else {}
 
@@ -195,7 +195,7 @@ def build_report(
         )
         raise AuditError(f"run {run_id} is not in {aggregator.path}{pruned}; runs there: {runs}")
 
-    def of_run(records: Sequence[Record]) -> list[Record]:
+    def of_run(records: Sequence[AuditRecord]) -> list[AuditRecord]:
         return [r for r in records if r.get("run_id") == run_id]
 
     regions: dict[str, PartyLog] = {}
@@ -274,7 +274,7 @@ def _witness_summary(check: WitnessCheck) -> str:
     )
 
 
-def _first(records: Sequence[Record], event: str) -> Record | None:
+def _first(records: Sequence[AuditRecord], event: str) -> AuditRecord | None:
     return next((r for r in records if r.get("event") == event), None)
 
 
@@ -282,7 +282,7 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _round(record: Record) -> str:
+def _round(record: AuditRecord) -> str:
     return _text(record.get("round"))
 
 
@@ -290,7 +290,7 @@ def _overview(
     run_id: int,
     start: Mapping[str, Any],
     end: Mapping[str, Any],
-    agg: Sequence[Record],
+    agg: Sequence[AuditRecord],
     unsigned: Mapping[str, bool],
 ) -> Section:
     published = [r for r in agg if r.get("event") == Event.AGGREGATE_PUBLISHED]
@@ -443,8 +443,8 @@ def _log_name(party: str) -> str:
 
 def _regions_section(
     start: Mapping[str, Any],
-    own: Mapping[str, Sequence[Record]],
-    agg: Sequence[Record],
+    own: Mapping[str, Sequence[AuditRecord]],
+    agg: Sequence[AuditRecord],
     start_unsigned: bool,
 ) -> Section:
     rows = []
@@ -505,13 +505,15 @@ def _regions_section(
     )
 
 
-def _receipt(record: Record) -> tuple[str, str, str]:
+def _receipt(record: AuditRecord) -> tuple[str, str, str]:
     d = _details(record)
     return (_round(record), str(d.get("region")), str(d.get("digest")))
 
 
 def _transfers_section(
-    agg: Sequence[Record], own: Mapping[str, Sequence[Record]], agg_all: Sequence[Record]
+    agg: Sequence[AuditRecord],
+    own: Mapping[str, Sequence[AuditRecord]],
+    agg_all: Sequence[AuditRecord],
 ) -> Section:
     received = {_receipt(r) for r in agg if r.get("event") == RECEIVED_EVENT}
     claimed = {_receipt(r) for r in agg_all if r.get("event") == RECEIVED_EVENT}
@@ -562,7 +564,7 @@ def _transfers_section(
     )
 
 
-def _code_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) -> Section:
+def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """Which code made each update: the agent version and code digest the region's signed
     reply named (as the aggregator received it), against what the region recorded when
     it joined the run."""
@@ -604,7 +606,7 @@ def _code_section(agg: Sequence[Record], own: Mapping[str, Sequence[Record]]) ->
     )
 
 
-def _privacy_section(own: Mapping[str, Sequence[Record]]) -> Section:
+def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """Each region's DP-SGD parameters per round, from its own log."""
     rows = []
     for region, records in sorted(own.items()):
@@ -654,7 +656,7 @@ def _privacy_section(own: Mapping[str, Sequence[Record]]) -> Section:
     )
 
 
-def _outside_dp_section(own: Mapping[str, Sequence[Record]]) -> Section:
+def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """The figures that leave a region beside its DP update, which DP does not cover
     (docs/privacy.md): example counts, losses and sizes."""
     rows = []
@@ -693,7 +695,7 @@ def _outside_dp_section(own: Mapping[str, Sequence[Record]]) -> Section:
     )
 
 
-def _refused_for(records: Sequence[Record], run_id: int) -> list[Record]:
+def _refused_for(records: Sequence[AuditRecord], run_id: int) -> list[AuditRecord]:
     """A region agent's refusals of requests that claimed this run."""
     return [
         r
@@ -707,9 +709,9 @@ def _reasons(value: Any) -> str:
 
 
 def _refusals_section(
-    agg: Sequence[Record],
-    own: Mapping[str, Sequence[Record]],
-    refused: Mapping[str, Sequence[Record]],
+    agg: Sequence[AuditRecord],
+    own: Mapping[str, Sequence[AuditRecord]],
+    refused: Mapping[str, Sequence[AuditRecord]],
 ) -> Section:
     rows = []
     for region, records in sorted(own.items()):
@@ -750,7 +752,7 @@ def _refusals_section(
 
 
 def _config_disagreements(
-    start: Mapping[str, Any], own: Mapping[str, Sequence[Record]]
+    start: Mapping[str, Any], own: Mapping[str, Sequence[AuditRecord]]
 ) -> list[str]:
     lines = []
     config = start.get("config_hash")
@@ -789,7 +791,7 @@ def _agreement_section(
 
 
 def _undelivered_section(
-    undelivered: Sequence[Undelivered], own: Mapping[str, Sequence[Record]]
+    undelivered: Sequence[Undelivered], own: Mapping[str, Sequence[AuditRecord]]
 ) -> Section:
     """Releases the aggregator never received: spent, not delivered, and why."""
     rows = []
@@ -876,7 +878,9 @@ def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:
     )
 
 
-def _record_of_processing(start: Mapping[str, Any], own: Mapping[str, Sequence[Record]]) -> Section:
+def _record_of_processing(
+    start: Mapping[str, Any], own: Mapping[str, Sequence[AuditRecord]]
+) -> Section:
     jurisdictions = sorted(
         {
             str(_details(j).get("jurisdiction"))
@@ -992,7 +996,7 @@ def write_sections(run_id: int, sections: Sequence[Section], out_dir: Path) -> t
 
 
 @dataclass
-class Outcome:
+class ReportOutcome:
     """What ``fedciuic audit report`` found: whether each log verified, where the logs
     disagree, the lines to print and the report written."""
 
@@ -1011,9 +1015,9 @@ class Outcome:
 
 def check_and_report(
     paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
-) -> Outcome:
+) -> ReportOutcome:
     """Verify each log with its party's bundle from ``keys_dir`` (when given), cross-check
-    the logs, write the report, and say what was found (``Outcome.exit_code``)."""
+    the logs, write the report, and say what was found (``ReportOutcome.exit_code``)."""
     logs = open_logs(paths, {})
     verify_logs(logs, keys_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in logs if log.verdict is not None]
@@ -1028,7 +1032,7 @@ def check_and_report(
     md, _ = write_sections(report.run_id, report.sections, out_dir)
     lines.append(f"compliance report: {md} (and .html)")
     verified = None if keys_dir is None else all(log.verdict and log.verdict.ok for log in logs)
-    return Outcome(report.run_id, verified, report.disagreements, lines, md)
+    return ReportOutcome(report.run_id, verified, report.disagreements, lines, md)
 
 
 def verify_and_report(

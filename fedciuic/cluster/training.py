@@ -59,7 +59,7 @@ from fedciuic.cluster.protocol import (
     free_port,
     threads_per_rank,
 )
-from fedciuic.config import LocalTraining, NodeConfig, Privacy, RunConfig
+from fedciuic.config import DPSettings, LocalTraining, NodeConfig, RunConfig
 from fedciuic.data import ExampleSet
 from fedciuic.model import AdapterModel, Shard, TrainStats, train_local
 from fedciuic.privacy import private_round
@@ -91,7 +91,7 @@ def train_rank(
     model: AdapterModel,
     examples: ExampleSet,
     local: LocalTraining,
-    dp: Privacy,
+    dp: DPSettings,
     command: TrainCommand,
     shard: Shard,
 ) -> ClusterStats:

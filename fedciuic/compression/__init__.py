@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.compression.codecs import CODECS, FORMAT, Codec, CodecFamily, Sparse, get_codec
+    from fedciuic.compression.codecs import (
+        CODECS,
+        UPDATE_FORMAT,
+        Codec,
+        CodecFamily,
+        Sparse,
+        get_codec,
+    )
     from fedciuic.compression.errors import MalformedUpdate, ResidualError
     from fedciuic.compression.feedback import (
         RESIDUAL_FORMAT,
@@ -35,7 +42,7 @@ _WHERE = {
     "Codec": "codecs",
     "CodecFamily": "codecs",
     "ErrorFeedback": "feedback",
-    "FORMAT": "codecs",
+    "UPDATE_FORMAT": "codecs",
     "MalformedUpdate": "errors",
     "RESIDUAL_FORMAT": "feedback",
     "ResidualError": "errors",
@@ -50,8 +57,8 @@ _WHERE = {
 __all__ = [
     "CHUNK",
     "CODECS",
-    "FORMAT",
     "RESIDUAL_FORMAT",
+    "UPDATE_FORMAT",
     "Codec",
     "CodecFamily",
     "ErrorFeedback",

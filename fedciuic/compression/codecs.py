@@ -5,7 +5,7 @@ Every encoding starts with the same 10-byte header::
     magic "FZ" | codec id (u8) | format version (u8) | n (u32 LE, entries) | reserved (u16)
 
 then the codec's body (little-endian throughout; ``docs/compression.md``). Encoders
-write :data:`FORMAT`; decoders also read format 1 (its top-k indices differ), so an
+write :data:`UPDATE_FORMAT`; decoders also read format 1 (its top-k indices differ), so an
 update sealed before an upgrade still opens.
 """
 
@@ -24,8 +24,8 @@ from fedciuic.compression import values as value_coding
 from fedciuic.compression.errors import MalformedUpdate
 
 HEADER = struct.Struct("<2sBBIH")
-MAGIC = b"FZ"
-FORMAT = 2
+UPDATE_MAGIC = b"FZ"
+UPDATE_FORMAT = 2
 READS = (1, 2)
 
 Encode = Callable[[np.ndarray, np.random.Generator], bytes | memoryview]
@@ -95,7 +95,7 @@ class Codec:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if not np.isfinite(x).all():
             raise ValueError("the delta to compress has NaN or infinite entries")
-        head = HEADER.pack(MAGIC, self.ident, FORMAT, x.size, 0)
+        head = HEADER.pack(UPDATE_MAGIC, self.ident, UPDATE_FORMAT, x.size, 0)
         if not self.sparse:
             return b"".join((head, self.values.encode(x, rng)))
         k = self.k(x.size)
@@ -110,7 +110,7 @@ class Codec:
         if len(view) < HEADER.size:
             raise MalformedUpdate("update shorter than its header")
         magic, ident, version, count, _ = HEADER.unpack_from(view)
-        if magic != MAGIC:
+        if magic != UPDATE_MAGIC:
             raise MalformedUpdate("not a fedciuic compressed update")
         if version not in READS:
             raise MalformedUpdate(
@@ -133,7 +133,7 @@ class Codec:
             (k,) = struct.unpack_from("<I", body)
             if not 1 <= k <= n or k != self.k(n):
                 raise MalformedUpdate(f"top-k update keeps {k} entries, the run keeps {self.k(n)}")
-            read = index_coding.decode if version == FORMAT else index_coding.decode_v1
+            read = index_coding.decode if version == UPDATE_FORMAT else index_coding.decode_v1
             indices, used_idx = read(body[4:], k, n)
             values, used_vals = self.values.decode(body[4 + used_idx :], k)
             used = 4 + used_idx + used_vals

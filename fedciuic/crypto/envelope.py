@@ -55,7 +55,7 @@ from fedciuic.crypto.keys import NAME_PATTERN, Keypair, PublicBundle
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
 from fedciuic.errors import FedciuicError
 
-MAGIC = b"FCEV"
+ENVELOPE_MAGIC = b"FCEV"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 Suite = Literal["xwing-aes256gcm", "xwing-fernet"]
@@ -111,7 +111,7 @@ class Header:
             raise ValueError("region and policy hash are at most 255 bytes")
         head = (
             _FIXED.pack(
-                MAGIC,
+                ENVELOPE_MAGIC,
                 self.version,
                 SUITES[self.suite],
                 SIG_SUITES[self.signature],
@@ -312,7 +312,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> tuple[Header, int]:
             exponent, length = _SIZES.unpack_from(data, pos)
             pos += _SIZES.size
         if (
-            magic != MAGIC
+            magic != ENVELOPE_MAGIC
             or version not in READABLE_VERSIONS
             or policy_len not in (0, POLICY_HASH_SIZE)
             or len(policy) != policy_len

@@ -257,14 +257,14 @@ def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
     for region in regions:
         folder = root / region
         folder.mkdir(parents=True, exist_ok=True)
-        for name, records in region_records(region).items():
+        for name, records in demo_records(region).items():
             lines = [json.dumps(record, ensure_ascii=False) for record in records]
             (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
         folders[region] = folder
     return folders
 
 
-def region_records(region: str) -> dict[str, list[dict[str, Any]]]:
+def demo_records(region: str) -> dict[str, list[dict[str, Any]]]:
     """A region's records per file: its users' questions about its module family."""
     return _Writer(region, documented(FAMILIES[region])).records()
 

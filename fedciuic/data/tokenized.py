@@ -44,10 +44,10 @@ from fedciuic.errors import DataError
 
 #: Bumped when what a cached file holds changes (2: a chat record may give several
 #: examples; no untrained text after its last assistant turn; length statistics).
-FORMAT = 2
+CACHE_FORMAT = 2
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's ignore_index)
 EXAMPLES_FILE = "examples.arrow"
-SUMMARY_FILE = "summary.json"
+CACHE_SUMMARY = "summary.json"
 #: Cached tokenisations a region keeps (the newest); older ones are removed.
 KEEP = 3
 #: Reasons kept per problem kind (the counts are always complete).
@@ -76,7 +76,7 @@ class Summary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: str
-    format: int = FORMAT
+    format: int = CACHE_FORMAT
     data_fingerprint: str
     files: dict[str, str]  # name -> kind
     records: int = 0
@@ -204,7 +204,7 @@ def cache_key(
     truncation_side: TruncationSide = "right",
 ) -> str:
     described = {
-        "format": FORMAT,
+        "format": CACHE_FORMAT,
         "data": fingerprint,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_len": seq_len,
@@ -277,8 +277,8 @@ def tokenized(
 def _load(folder: Path, key: str) -> tuple[datasets.Dataset, Summary] | None:
     """A complete cache entry for ``key``, or None (anything else is rebuilt, never trusted)."""
     try:
-        summary = Summary.model_validate_json((folder / SUMMARY_FILE).read_text(encoding="utf-8"))
-        if summary.key != key or summary.format != FORMAT:
+        summary = Summary.model_validate_json((folder / CACHE_SUMMARY).read_text(encoding="utf-8"))
+        if summary.key != key or summary.format != CACHE_FORMAT:
             return None
         examples = datasets.Dataset.from_file(str(folder / EXAMPLES_FILE))
     except (OSError, ValueError, ValidationError):
@@ -331,7 +331,7 @@ def write_examples(
     finally:
         writer.close()
     _finish(summary, counts, lengths)
-    (folder / SUMMARY_FILE).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
+    (folder / CACHE_SUMMARY).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
 
 
 @dataclass(frozen=True)

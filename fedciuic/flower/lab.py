@@ -15,14 +15,14 @@ from fedciuic.config import NodeConfig
 from fedciuic.crypto import TaskKind
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
-from fedciuic.flower.relay import KINDS
+from fedciuic.flower.relay import MESSAGE_KINDS
 from fedciuic.region import handle_instruction, read_configs, unreadable, witness_run_end
 from fedciuic.wire import RunEndNotice
 
 
 def handle(msg: Message, context: Context) -> Message:
     """The region's reply to one message, packed for Flower."""
-    kind = TaskKind(KINDS[msg.metadata.message_type])
+    kind = TaskKind(MESSAGE_KINDS[msg.metadata.message_type])
     try:
         task = (
             protocol.read_run_end(msg)

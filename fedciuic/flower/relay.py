@@ -40,7 +40,7 @@ from fedciuic.wire import ARRAYS
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.
 AGENT = "agent"
 #: What each Flower message type asks the agent (the kinds of task it verifies).
-KINDS = {
+MESSAGE_KINDS = {
     MessageType.TRAIN: TaskKind.TRAIN,
     MessageType.EVALUATE: TaskKind.EVALUATE,
     MessageType.QUERY: TaskKind.RUN_END,
@@ -92,7 +92,7 @@ def request(message: Message, run_id: int) -> Frame:
         arrays = {}
         for record in content.array_records.values():
             arrays.update({name: array.numpy() for name, array in record.items()})
-    kind = KINDS.get(message.metadata.message_type, message.metadata.message_type)
+    kind = MESSAGE_KINDS.get(message.metadata.message_type, message.metadata.message_type)
     return Frame(
         meta={"kind": str(kind), "flower-run": run_id},
         config={
@@ -129,4 +129,12 @@ def forward(message: Message, context: Context) -> Message:
     return Message(reply_content(answer), reply_to=message)
 
 
-__all__ = ["AGENT", "KINDS", "RelayError", "agent_socket", "forward", "reply_content", "request"]
+__all__ = [
+    "AGENT",
+    "MESSAGE_KINDS",
+    "RelayError",
+    "agent_socket",
+    "forward",
+    "reply_content",
+    "request",
+]

@@ -760,7 +760,7 @@ def check_same_layout(
             raise ValueError(f"{what} {name}: shape {tuple(np.shape(got[name]))}, expected {shape}")
 
 
-def save_checkpoint(spec: ModelSpec, directory: Path) -> Path:
+def save_model_checkpoint(spec: ModelSpec, directory: Path) -> Path:
     """Save a preset's base model and tokenizer as a checkpoint directory.
 
     This is how the ``model-path`` loading route is exercised without downloads.

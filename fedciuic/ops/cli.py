@@ -1073,9 +1073,9 @@ def _budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
     from fedciuic.config import ModelSpec
-    from fedciuic.model import save_checkpoint
+    from fedciuic.model import save_model_checkpoint
 
-    path = save_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
+    path = save_model_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
     return 0
 

@@ -45,8 +45,8 @@ from fedciuic.jurisdictions import JURISDICTIONS, simulated_jurisdiction
 from fedciuic.ops.layout import (
     EXIT_NO_AGGREGATE,
     PLAIN,
+    DeployedRegion,
     Deployment,
-    Region,
     connection_config,
     next_steps,
     run_overrides,
@@ -249,14 +249,14 @@ def init_deployment(
             f"--policies:{policies_path}: no such folder; pass --policies DIR with one policy "
             "YAML per jurisdiction (the shipped ones are in the app's policies/)"
         )
-    loaded: list[Region] = []
+    loaded: list[DeployedRegion] = []
     for (name, jurisdiction), node_port in zip(parsed, ports, strict=True):
         policy, policy_problems = _region_policy(
             name, jurisdiction, policies_path, policies, aggregator
         )
         problems += policy_problems
         if policy is not None:
-            loaded.append(Region(name, jurisdiction, policy, node_port))
+            loaded.append(DeployedRegion(name, jurisdiction, policy, node_port))
     deployment = Deployment(
         directory=directory,
         app=app,
@@ -341,7 +341,7 @@ def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 
     return 1
 
 
-def check_run(log: Path, config: Path) -> int:
+def check_run_log(log: Path, config: Path) -> int:
     """0 if the run that ``flwr run`` started (its log) completed, else 1 with why."""
     match = STARTED_RUN.search(log.read_text(errors="replace"))
     if not match:
@@ -467,7 +467,7 @@ def _main(argv: Sequence[str]) -> int:
     if action == "wait-healthy" and len(args) == 4:
         return wait_healthy(args[0], args[1], Path(args[2]), Path(args[3]))
     if action == "check-run" and len(args) == 2:
-        return check_run(Path(args[0]), Path(args[1]))
+        return check_run_log(Path(args[0]), Path(args[1]))
     if action == "running" and len(args) == 1:  # exit 1 if any tracked process is alive
         live = tracked(Path(args[0]))
         for proc in live:
@@ -504,8 +504,8 @@ __all__ = [
     "DEFAULT_PORT",
     "EXIT_NO_AGGREGATE",
     "PLAIN",
+    "DeployedRegion",
     "Deployment",
-    "Region",
     "connection_config",
     "init_deployment",
     "next_steps",

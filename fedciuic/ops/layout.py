@@ -50,7 +50,7 @@ def start_owner(directory: Path) -> str:
 
 
 @dataclass(frozen=True)
-class Region:
+class DeployedRegion:
     """One region of the deployment: its jurisdiction, policy and SuperNode port."""
 
     name: str
@@ -65,7 +65,7 @@ class Deployment:
 
     directory: Path
     app: Path
-    regions: tuple[Region, ...]
+    regions: tuple[DeployedRegion, ...]
     aggregator_jurisdiction: str
     host: str
     port: int
@@ -102,18 +102,18 @@ def run_overrides(d: Deployment) -> dict[str, Any]:
     }
 
 
-def agent_socket(d: Deployment, region: str) -> Path:
+def region_socket(d: Deployment, region: str) -> Path:
     """The region agent's socket (its folder is the agent's, mode 0711)."""
     return d.region_dir(region) / "agent" / "agent.sock"
 
 
-def _node_config(d: Deployment, region: Region) -> dict[str, str]:
+def _node_config(d: Deployment, region: DeployedRegion) -> dict[str, str]:
     """What the SuperNode tells the ClientApp (the relay): the agent's socket, nothing
     of the region's data, state or keys."""
-    return {AGENT: str(agent_socket(d, region.name))}
+    return {AGENT: str(region_socket(d, region.name))}
 
 
-def _agent_config(d: Deployment, region: Region) -> AgentConfig:
+def _agent_config(d: Deployment, region: DeployedRegion) -> AgentConfig:
     """Everything the region's agent holds, in a file only the region keeps."""
     here = d.region_dir(region.name)
     return AgentConfig(
@@ -123,7 +123,7 @@ def _agent_config(d: Deployment, region: Region) -> AgentConfig:
         key_file=str(here / "keys" / f"{region.name}.key.json"),
         aggregator_bundle=str(here / "keys" / f"{AGGREGATOR}.pub.json"),
         policy=str(here / region.policy.path.name),
-        socket=str(agent_socket(d, region.name)),
+        socket=str(region_socket(d, region.name)),
         relay_user=d.relay_user,
         cpu_threads=cpu_share(len(d.regions)),
     )
@@ -299,7 +299,7 @@ def _data_check(data: Path, region: str) -> str:
     )
 
 
-def _supernode_script(d: Deployment, region: Region) -> str:
+def _supernode_script(d: Deployment, region: DeployedRegion) -> str:
     here = d.region_dir(region.name)
     agent = here / AGENT_CONFIG
     security = (
@@ -472,8 +472,8 @@ def _readme(d: Deployment) -> str:
 __all__ = [
     "EXIT_NO_AGGREGATE",
     "PLAIN",
+    "DeployedRegion",
     "Deployment",
-    "Region",
     "connection_config",
     "next_steps",
     "run_overrides",

@@ -102,7 +102,7 @@ REGION_CURVES = ("eval_loss", "epsilon")
 
 
 @dataclass
-class Decision:
+class ReportedDecision:
     round: int
     subject: str  # a region, or "aggregate"
     outcome: str
@@ -192,11 +192,11 @@ def federation_run(data: RunMetrics) -> int:
     return resumed.federation_run if resumed else data.run.run_id
 
 
-def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
+def decisions(logs: Sequence[PartyLog], run_id: int) -> list[ReportedDecision]:
     """Every decision of the run, from the audit logs: the aggregator's view of every
     update and aggregate, plus declines only a region's own log holds (an evaluation
     declined, a reply that never arrived)."""
-    found: list[Decision] = []
+    found: list[ReportedDecision] = []
     aggregator_saw: set[tuple[int, str]] = set()
     for log in logs:
         if log.actor != "aggregator":
@@ -212,7 +212,9 @@ def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
             reason = details.get("reason") or "; ".join(details.get("reasons", []))
             if outcome == "published":
                 reason = "from " + ", ".join(details.get("regions", []))
-            found.append(Decision(int(record["round"]), subject, outcome, reason, "aggregator"))
+            found.append(
+                ReportedDecision(int(record["round"]), subject, outcome, reason, "aggregator")
+            )
             aggregator_saw.add((int(record["round"]), subject))
     for log in logs:
         if log.actor == "aggregator":
@@ -226,11 +228,11 @@ def decisions(logs: Sequence[PartyLog], run_id: int) -> list[Decision]:
                 continue
             seen.add(key)
             reason = (record.get("details") or {}).get("reason", "")
-            found.append(Decision(key[0], log.actor, DECLINED, reason, log.actor))
+            found.append(ReportedDecision(key[0], log.actor, DECLINED, reason, log.actor))
     return sorted(found, key=lambda d: (d.round, d.subject == "aggregate", d.subject))
 
 
-def series(data: RunMetrics, timeline: Sequence[Decision]) -> dict[str, Any]:
+def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, Any]:
     """The numbers behind each plot (written to series.json; the tests read them)."""
     regions = list(data.run.regions)
     numbers = sorted(data.rounds)
@@ -449,7 +451,7 @@ def _loss(entry: EvalEntry | None) -> float | None:
     return entry.loss if entry is not None else None
 
 
-def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[str]]:
+def _region_rows(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> list[list[str]]:
     first = data.first_eval()
     _, last = data.final_eval()
     rows = []
@@ -475,7 +477,7 @@ def _region_rows(data: RunMetrics, timeline: Sequence[Decision]) -> list[list[st
 
 def render(
     data: RunMetrics,
-    timeline: Sequence[Decision],
+    timeline: Sequence[ReportedDecision],
     pngs: Mapping[str, bytes],
     sections: Sequence[Section],
     problems: Sequence[str],

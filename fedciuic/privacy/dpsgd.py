@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedciuic.config import (
     REPRODUCIBLE_NOISE_WARNING,
     DPMode,
+    DPSettings,
     LocalOptimizer,
     LocalTraining,
-    Privacy,
 )
 from fedciuic.data import Batch, ExampleSet
 from fedciuic.errors import ModelError
@@ -324,7 +324,7 @@ class PrivateTrainer:
         model: AdapterModel,
         examples: ExampleSet,
         local: LocalTraining,
-        dp: Privacy,
+        dp: DPSettings,
         *,
         noise_multiplier: float,
         seed: int,
@@ -495,7 +495,7 @@ def private_round(
     model: AdapterModel,
     examples: ExampleSet,
     local: LocalTraining,
-    dp: Privacy,
+    dp: DPSettings,
     *,
     noise_multiplier: float,
     sample_rate: float,
@@ -527,7 +527,7 @@ def plan_private_steps(
     model: AdapterModel,
     examples: ExampleSet,
     local: LocalTraining,
-    dp: Privacy,
+    dp: DPSettings,
     *,
     noise_multiplier: float,
     slowdown: float = 1.0,
@@ -554,7 +554,7 @@ def time_private_step(
     model: AdapterModel,
     examples: ExampleSet,
     local: LocalTraining,
-    dp: Privacy,
+    dp: DPSettings,
     noise_multiplier: float = 1.0,
     slowdown: float = 1.0,
 ) -> float:

@@ -5,7 +5,7 @@
 outcome (:class:`Declined`, :class:`Evaluated`, :class:`Sealed` or :class:`Clear`)
 and what the reply must be vouched with (the head of this region's latest signed
 audit checkpoint, and with sealing the keypair that signs it). ``witness_run_end``
-does the same for the aggregator's run-end notice (:class:`Witnessed`).
+does the same for the aggregator's run-end notice (:class:`RunEndWitnessed`).
 
 Expected problems (bad data path, unknown region, mismatched base model, missing
 keys, a global adapter the aggregator did not sign, a run its jurisdiction's policy
@@ -104,13 +104,13 @@ class Evaluated:
 
 
 @dataclass(frozen=True)
-class Witnessed:
+class RunEndWitnessed:
     """The answer to the run-end notice: its head is recorded, ours comes back."""
 
     region: str
 
 
-Outcome = Declined | Evaluated | Sealed | Clear | Witnessed
+RoundOutcome = Declined | Evaluated | Sealed | Clear | RunEndWitnessed
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class RegionReply:
     ``keypair`` (sealing on) signs the reply for ``flower_run`` and ``server_round``, so
     that it is recorded under this region and no other."""
 
-    outcome: Outcome
+    outcome: RoundOutcome
     witness: tuple[int, str] | None = None
     keypair: Keypair | None = None
     flower_run: int = 0
@@ -399,7 +399,7 @@ class _Round:
             self._note_undelivered(notice)
             self.audit.witness(AGGREGATOR, *notice.witness, run_id=self.run_id)
             self.audit.checkpoint(run_id=self.run_id)
-            return self._vouch(Witnessed(self.node.region))
+            return self._vouch(RunEndWitnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
             return RegionReply(Declined(self.node.region, str(err)))
@@ -436,7 +436,7 @@ class _Round:
                 server_round,
             )
 
-    def _vouch(self, outcome: Outcome) -> RegionReply:
+    def _vouch(self, outcome: RoundOutcome) -> RegionReply:
         head = self.audit.last_checkpoint()
         return RegionReply(
             outcome,
@@ -457,7 +457,7 @@ class _Round:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return Declined(self.node.region, str(err))
 
-    def _handle(self, task: Instruction, asked: TaskKind, simulated: bool) -> Outcome:
+    def _handle(self, task: Instruction, asked: TaskKind, simulated: bool) -> RoundOutcome:
         run, node = self.run, self.node
         self.server_round = task.server_round
         sealing = self._open(task.federation_run)
@@ -502,7 +502,7 @@ class _Round:
         sent: SentUpdates,
         kept: bytes | None,
         ledger: PrivacyLedger | None,
-    ) -> Outcome:
+    ) -> RoundOutcome:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation, the update kept for this round, or training."""
         from fedciuic.region.trainer import AlreadyReleased
@@ -611,7 +611,7 @@ def region_records(reply: RegionReply) -> Records:
             records = sealed(region, envelope, key_id)
         case Clear(arrays, metrics, info):
             records = clear(arrays, metrics, info)
-        case Witnessed(region):
+        case RunEndWitnessed(region):
             records = witnessed(region)
     vouched: dict[str, str | int | bytes] = {
         **records.info,

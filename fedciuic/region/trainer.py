@@ -28,7 +28,7 @@ from fedciuic.compression import (
     layout_id,
     layout_of,
 )
-from fedciuic.config import LocalTraining, NodeConfig, Privacy, PrivacyUnit, RunConfig
+from fedciuic.config import DPSettings, LocalTraining, NodeConfig, PrivacyUnit, RunConfig
 from fedciuic.data import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
@@ -177,7 +177,7 @@ class Region:
         self._step_seconds: float | None = None
 
     @property
-    def dp(self) -> Privacy:
+    def dp(self) -> DPSettings:
         return self.run.privacy
 
     @property

@@ -59,7 +59,7 @@ Note = Callable[..., None]
 
 
 @dataclass(frozen=True)
-class Header:
+class Provenance:
     """Where an update comes from and under what terms: from its authenticated
     envelope when sealed, from the clear reply in a lab run without sealing."""
 
@@ -77,7 +77,7 @@ class Received:
     arrays: Mapping[str, np.ndarray]
     metrics: object
     info: dict[str, str]
-    header: Header
+    header: Provenance
 
 
 class ReplySealing(Protocol):
@@ -151,7 +151,7 @@ class SealedReplies:
             raise EnvelopeRejected(
                 f"envelope sealed by {opened.sender.party!r} in a reply signed by {sender!r}"
             )
-        header = Header(
+        header = Provenance(
             opened.sender.party, opened.sender.jurisdiction, opened.policy_hash, opened.suite
         )
         return Received(opened.arrays, opened.metrics, parse_info(opened.info, TRAINED), header)
@@ -183,7 +183,7 @@ class ClearReplies:
         if reply.status != TRAINED:
             raise MalformedReply(f"status {reply.status!r} in a training reply")
         info = reply.info  # parse_reply checked its keys for a trained reply
-        header = Header(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
+        header = Provenance(sender or reply.region, info[JURISDICTION], info[POLICY_HASH], UNSEALED)
         return Received(reply.arrays or {}, reply.metrics, info, header)
 
     def run_start(self) -> dict[str, Any]:

@@ -21,14 +21,14 @@ import pytest
 from fedciuic import __version__
 from fedciuic.agent import channel
 from fedciuic.agent.channel import (
-    DTYPES,
-    MAGIC,
+    FRAME_MAGIC,
     MAX_ARRAYS,
     MAX_HEADER,
     MAX_ITEMS,
     MAX_NAME,
     MAX_RECORDS,
     PROTOCOL,
+    WIRE_DTYPES,
     ChannelError,
     Frame,
     ask,
@@ -75,7 +75,7 @@ def raw(
     head: dict[str, Any] | bytes,
     body: bytes = b"",
     *,
-    magic: bytes = MAGIC,
+    magic: bytes = FRAME_MAGIC,
     header_size: int | None = None,
     body_size: int | None = None,
 ) -> bytes:
@@ -131,7 +131,7 @@ def roundtrip(frame: Frame) -> Frame:
 def test_a_frame_of_every_kind_of_value_crosses_intact():
     arrays: dict[str, np.ndarray] = {
         f"a-{np.dtype(kind).name}": np.arange(6).reshape(2, 3).astype(kind)
-        for kind in sorted(DTYPES)
+        for kind in sorted(WIRE_DTYPES)
     }
     arrays |= {
         "scalar": np.array(3.5, dtype=np.float64),  # 0-d
@@ -374,18 +374,22 @@ def test_a_hostile_frame_is_refused_naming_what_is_wrong(data, says):
     ("prefix", "says"),
     [
         pytest.param(
-            PREFIX.pack(MAGIC, MAX_HEADER + 1, 0),
+            PREFIX.pack(FRAME_MAGIC, MAX_HEADER + 1, 0),
             f"frame header of {MAX_HEADER + 1} bytes (at most {MAX_HEADER})",
             id="header",
         ),
         pytest.param(
-            PREFIX.pack(MAGIC, 2**32 - 1, 0), f"frame header of {2**32 - 1} bytes", id="max-header"
+            PREFIX.pack(FRAME_MAGIC, 2**32 - 1, 0),
+            f"frame header of {2**32 - 1} bytes",
+            id="max-header",
         ),
         pytest.param(
-            PREFIX.pack(MAGIC, 10, 1001), "frame body of 1001 bytes (at most 1000)", id="body"
+            PREFIX.pack(FRAME_MAGIC, 10, 1001), "frame body of 1001 bytes (at most 1000)", id="body"
         ),
         pytest.param(
-            PREFIX.pack(MAGIC, 10, 2**64 - 1), f"frame body of {2**64 - 1} bytes", id="max-body"
+            PREFIX.pack(FRAME_MAGIC, 10, 2**64 - 1),
+            f"frame body of {2**64 - 1} bytes",
+            id="max-body",
         ),
     ],
 )
@@ -398,7 +402,7 @@ def test_an_announced_size_over_its_limit_is_refused_before_it_is_read(prefix, s
 
 
 def test_the_default_body_limit_refuses_a_body_over_two_gib():
-    assert "frame body of" in refused(PREFIX.pack(MAGIC, 2, channel.MAX_BODY + 1) + b"{}")
+    assert "frame body of" in refused(PREFIX.pack(FRAME_MAGIC, 2, channel.MAX_BODY + 1) + b"{}")
 
 
 def test_a_body_within_max_body_is_read():
@@ -417,9 +421,11 @@ def test_a_body_within_max_body_is_read():
         pytest.param(
             b"", "the connection closed in the frame prefix (0 of 16 bytes)", id="nothing"
         ),
-        pytest.param(MAGIC + b"\x00", "closed in the frame prefix (5 of 16 bytes)", id="prefix"),
         pytest.param(
-            PREFIX.pack(MAGIC, 100, 0) + b'{"protocol"',
+            FRAME_MAGIC + b"\x00", "closed in the frame prefix (5 of 16 bytes)", id="prefix"
+        ),
+        pytest.param(
+            PREFIX.pack(FRAME_MAGIC, 100, 0) + b'{"protocol"',
             "the connection closed in the frame header (11 of 100 bytes)",
             id="header",
         ),
@@ -443,7 +449,7 @@ def test_a_peer_that_sends_nothing_is_an_error_within_the_wait():
 def test_a_peer_that_stalls_mid_frame_is_an_error_within_the_io_timeout(monkeypatch):
     monkeypatch.setattr(channel, "IO_TIMEOUT", 0.3)
     began = time.monotonic()
-    stalled_header = PREFIX.pack(MAGIC, 100, 0) + b'{"prot'
+    stalled_header = PREFIX.pack(FRAME_MAGIC, 100, 0) + b'{"prot'
     assert "no answer within 0.3s (frame header)" in refused(stalled_header, wait=5)
     stalled_body = raw(header(arrays=ARRAY), bytes(16))[:-3]
     assert "no answer within 0.3s (array a)" in refused(stalled_body, wait=5)

@@ -349,7 +349,7 @@ def test_the_second_load_reads_the_cache_without_tokenising(tmp_path, tokenizer,
     monkeypatch.undo()
     # Another seq-len, changed data, or a damaged cache: tokenised anew.
     assert load(tmp_path / "eu", tokenizer, **{"seq-len": 32}).tokenised_now
-    (first.cache / tokenized.SUMMARY_FILE).write_text("{not json")
+    (first.cache / tokenized.CACHE_SUMMARY).write_text("{not json")
     assert load(tmp_path / "eu", tokenizer).tokenised_now
     jsonl(tmp_path / "eu" / "a.jsonl", RECORDS * 5)
     changed = load(tmp_path / "eu", tokenizer)
@@ -363,7 +363,7 @@ def test_the_cache_holds_no_user_id_or_text(tmp_path, tokenizer):
     jsonl(tmp_path / "eu" / "a.jsonl", [{**r, "user_id": "secret-person-id"} for r in RECORDS])
     data = load(tmp_path / "eu", tokenizer)
     stored = (data.cache / tokenized.EXAMPLES_FILE).read_bytes()
-    stored += (data.cache / tokenized.SUMMARY_FILE).read_bytes()
+    stored += (data.cache / tokenized.CACHE_SUMMARY).read_bytes()
     assert b"secret-person-id" not in stored and b"Personal data" not in stored
 
 

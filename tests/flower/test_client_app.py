@@ -138,7 +138,7 @@ def send(
         adapter=adapter,
         server_round=1,
         base_fingerprint=model.base_fingerprint,
-        kind=task_kind or relay.KINDS[kind],
+        kind=task_kind or relay.MESSAGE_KINDS[kind],
         run_config=run.canonical_json(),
         nonce=secrets.token_bytes(NONCE_BYTES),
         witness=sent_witness or witness,

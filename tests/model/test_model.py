@@ -8,7 +8,7 @@ import torch
 
 from fedciuic.config import ModelSpec
 from fedciuic.errors import ModelError
-from fedciuic.model.adapter import AdapterModel, check_model_spec, save_checkpoint
+from fedciuic.model.adapter import AdapterModel, check_model_spec, save_model_checkpoint
 from fedciuic.model.families import MLA as ATTENTION_TARGETS
 from fedciuic.model.presets import byte_tokenizer, preset_config
 
@@ -92,7 +92,7 @@ def test_adapter_state_round_trip_and_layout_check(tiny):
 
 def test_checkpoint_save_and_load_round_trip(tmp_path):
     spec = ModelSpec(preset="tiny", seed=3)
-    path = save_checkpoint(spec, tmp_path / "ckpt")
+    path = save_model_checkpoint(spec, tmp_path / "ckpt")
     from_preset = AdapterModel(spec, device=torch.device("cpu"))
     from_path = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
     again = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))

@@ -22,7 +22,7 @@ from fedciuic.model.adapter import (
     AdapterModel,
     base_dtype,
     check_quantization,
-    save_checkpoint,
+    save_model_checkpoint,
 )
 from fedciuic.model.identity import checkpoint_fingerprint
 from fedciuic.model.train import lm_loss
@@ -131,7 +131,7 @@ def test_ghost_clipping_with_checkpointing_is_refused():
 
 
 def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, monkeypatch):
-    path = save_checkpoint(ModelSpec(preset="tiny"), tmp_path / "ckpt")
+    path = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "ckpt")
     cache = tmp_path / "digests.json"
     first = checkpoint_fingerprint(path, cache=cache)
     assert json.loads(cache.read_text())  # one digest per file, by path
@@ -156,7 +156,7 @@ def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, mo
 def test_the_aggregator_layout_matches_the_regions_model_without_loading_the_base(tmp_path):
     for spec in (
         ModelSpec(preset="tiny", lora_targets="auto+mlp"),
-        ModelSpec(path=str(save_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c"))),
+        ModelSpec(path=str(save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c"))),
     ):
         layout = AdapterLayout.of(spec)
         model = AdapterModel(spec, device=CPU)
@@ -170,7 +170,7 @@ def test_the_saved_global_adapter_loads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = save_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c")
+    ckpt = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c")
     spec = ModelSpec(path=str(ckpt), lora_targets="o_proj")
     layout = AdapterLayout.of(spec)
     trained = {k: v + 0.5 for k, v in layout.initial.items()}

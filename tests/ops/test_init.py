@@ -375,15 +375,15 @@ def test_check_run_reads_the_outcome_of_the_run_flwr_started(tmp_path, capsys):
     config.write_text(f'output-dir = "{tmp_path / "runs"}"\n')
     log = tmp_path / "log"
     log.write_text("nothing started\n")
-    assert deploy.check_run(log, config) == 1
+    assert deploy.check_run_log(log, config) == 1
     log.write_text("Successfully started run 42\n")
-    assert deploy.check_run(log, config) == 1  # no metrics.json
+    assert deploy.check_run_log(log, config) == 1  # no metrics.json
     metrics = tmp_path / "runs" / "run-42" / "metrics.json"
     metrics.parent.mkdir(parents=True)
     metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "failed"}}))
-    assert deploy.check_run(log, config) == 1
+    assert deploy.check_run_log(log, config) == 1
     metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "completed"}}))
-    assert deploy.check_run(log, config) == 0
+    assert deploy.check_run_log(log, config) == 0
 
 
 def test_stop_ends_each_process_tree_named_in_pids_and_spares_reused_pids(tmp_path):

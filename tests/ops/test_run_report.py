@@ -203,9 +203,11 @@ def test_each_plot_draws_the_series_it_is_named_after():
             },
         },
     }
-    from fedciuic.ops.run_report import Decision
+    from fedciuic.ops.run_report import ReportedDecision
 
-    values = series(RunMetrics.model_validate(data), [Decision(1, "cn", "declined", "why", "cn")])
+    values = series(
+        RunMetrics.model_validate(data), [ReportedDecision(1, "cn", "declined", "why", "cn")]
+    )
     assert values["eval_loss"]["cn"] == [[0, 5.2], [1, 4.2]]
     assert values["epsilon"] == {"eu": [[1, 3.0]], "cn": [[1, 4.0]]}
     assert values["epsilon_budget"] == {"eu": 8.0, "cn": 6.0}

@@ -19,10 +19,10 @@ from fedciuic.aggregator.round import (
     TrainResult,
     Withheld,
 )
-from fedciuic.aggregator.run import load_policies
+from fedciuic.aggregator.run import held_policies
 from fedciuic.audit.log import AuditLog, load_records, verify
 from fedciuic.compression import get_codec
-from fedciuic.compression.codecs import FORMAT, HEADER, MAGIC
+from fedciuic.compression.codecs import HEADER, UPDATE_FORMAT, UPDATE_MAGIC
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
 from fedciuic.crypto.parties import (
@@ -92,7 +92,7 @@ def aggregator(run_config, tmp_path) -> AggregatorRound:
 def encoded(value: float, n: int = 4) -> bytes:
     """A dense-codec update of ``n`` entries, all ``value`` (the run's codec is dense),
     written by hand: a hostile region's NaN is one fedciuic's encoder would refuse."""
-    head = HEADER.pack(MAGIC, get_codec("dense").ident, FORMAT, n, 0)
+    head = HEADER.pack(UPDATE_MAGIC, get_codec("dense").ident, UPDATE_FORMAT, n, 0)
     return head + np.full(n, value, np.float32).tobytes()
 
 
@@ -586,11 +586,11 @@ def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
     recorder = RunRecorder(tmp_path / "run", {"run_id": 7})
     keys = aggregator_keys(str(generate_federation_keys(tmp_path / "keys", ("eu",), "US")), 2**20)
     with pytest.raises(PolicyError, match="run config:policies-dir: empty"):
-        load_policies(run_config.model_copy(update={"policies_dir": ""}), None, recorder)
+        held_policies(run_config.model_copy(update={"policies_dir": ""}), None, recorder)
     with pytest.raises(PolicyError, match="aggregator-jurisdiction: EU, but the aggregator's key"):
-        load_policies(run_config.model_copy(update={"policies_dir": str(tmp_path)}), keys, recorder)
+        held_policies(run_config.model_copy(update={"policies_dir": str(tmp_path)}), keys, recorder)
     assert (
-        load_policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder)
+        held_policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder)
         is None
     )
     assert recorder.data.run.policies is None

@@ -140,7 +140,7 @@ def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
     log.write_text("Successfully started run 77\n")
     config = tmp_path / "run-config.toml"
     config.write_text(f'output-dir = "{runs}"\n')
-    assert deploy.check_run(log, config) == deploy.EXIT_NO_AGGREGATE == 3
+    assert deploy.check_run_log(log, config) == deploy.EXIT_NO_AGGREGATE == 3
     err = capsys.readouterr().err
     assert "published no aggregate in any round" in err
     assert "  eu: declined in rounds 1, 2: over its budget 8" in err

@@ -34,7 +34,7 @@ from fedciuic.region.round import (
     Declined,
     Evaluated,
     RegionReply,
-    Witnessed,
+    RunEndWitnessed,
     handle_instruction,
     read_configs,
     region_records,
@@ -554,7 +554,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
     notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD))
     run_cfg, node = read_configs(notice, node_config)
     reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
-    assert reply.outcome == Witnessed("eu")
+    assert reply.outcome == RunEndWitnessed("eu")
     assert reply.keypair is not None and reply.keypair.bundle.party == "eu"
     assert reply.server_round == 0
     records = load_records(tmp_path / "audit.jsonl")
@@ -593,14 +593,14 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
 
     delivered = notice({"cn": [[1, sent["details"]["digest"]]]})
     run_cfg, node = read_configs(delivered, node_config)
-    assert witness_run_end(run_cfg, node, delivered, flower_run=FLOWER_RUN).outcome == Witnessed(
-        "cn"
-    )
+    assert witness_run_end(
+        run_cfg, node, delivered, flower_run=FLOWER_RUN
+    ).outcome == RunEndWitnessed("cn")
     assert undelivered() == []
     missing = notice({"cn": [], "eu": [[1, sent["details"]["digest"]]]})  # another region's
     for _ in range(2):
         assert witness_run_end(run_cfg, node, missing, flower_run=FLOWER_RUN).outcome == (
-            Witnessed("cn")
+            RunEndWitnessed("cn")
         )
     (record,) = undelivered()
     assert record["round"] == 1 and record["details"]["digest"] == sent["details"]["digest"]
