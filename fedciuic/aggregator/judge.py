@@ -23,6 +23,7 @@ from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
 from fedciuic.stages import Header, ReplySealing
 from fedciuic.wire import (
+    ADAPTER_MODE,
     AGENT_CODE,
     AGENT_VERSION,
     DECLINED,
@@ -282,6 +283,12 @@ class Judge:
                 f"arrived after the run's last aggregate (round {server_round}); not used"
             )
         update, metrics, info, header = self._open(reply, task.round, sender)
+        if info[ADAPTER_MODE] != self.run.adapter_mode:
+            raise ImplausibleUpdate(
+                f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "
+                f"{self.run.adapter_mode!r}: its delta is of other tensors; the region must "
+                "train in the run's adapter-mode"
+            )
         if staleness > max_staleness:
             raise ImplausibleUpdate(
                 f"computed against global version {task.version}, {staleness} version(s) "

@@ -458,6 +458,7 @@ class AggregatorRound:
                 round=server_round,
                 base_fingerprint=self.base_fingerprint,
                 adapter=self.global_adapter,
+                adapter_mode=self.run.adapter_mode,
                 audit_seq=seq,
                 audit_head=head,
                 rounds=self.recorder.data.rounds,
