@@ -14,7 +14,7 @@ import torch
 
 from fedciuic.aggregation import Bounds, check, make_aggregator
 from fedciuic.compression import get_codec
-from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, RunConfig
+from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, NodeConfig, RunConfig
 from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.model.adapter import (
     ADAPTER_MODE_FILE,
@@ -29,8 +29,12 @@ from fedciuic.model.adapter import (
 )
 from fedciuic.model.presets import TINY_FAMILIES, TINY_VOCAB_SIZE, preset_config
 from fedciuic.model.train import lm_loss, train_local
+from fedciuic.policy.binding import RegionPolicy
 from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.region.round import train_info
+from fedciuic.region.trainer import Region
 from fedciuic.server_optim import ServerOptimizer
+from fedciuic.wire import ADAPTER_MODE
 from tests.privacy.test_each_family_dp import opacus_grads
 
 CPU = torch.device("cpu")
@@ -250,3 +254,28 @@ def test_the_saved_adapter_loads_with_peft_and_computes_the_trained_models_outpu
     base = AutoModelForCausalLM.from_pretrained(ckpt)
     with torch.no_grad():
         assert float((want - base(input_ids=rows).logits).abs().max()) > 1e-4  # it learnt
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
+    run_config, demo_root, tmp_path, mode
+):
+    run = run_config.model_copy(update={"adapter_mode": mode, "local_steps": 2, "seq_len": 64})
+    layout = AdapterLayout.of(run.model)  # the aggregator's
+    region = Region(
+        run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
+    )
+    try:
+        installed = region.model.fixed_state()
+        outcome = region.train_round(
+            layout.initial, server_round=1, base_fingerprint=layout.fingerprint, run_id=5
+        )
+    finally:
+        region.close()
+    assert all(np.array_equal(v, layout.fixed[k]) for k, v in installed.items())
+    assert outcome.privacy is not None and outcome.stats.steps == 2
+    assert {k: v.shape for k, v in outcome.delta.items()} == layout.shapes
+    assert any(np.any(v) for v in outcome.delta.values())
+    size = sum(v.size for v in layout.initial.values())
+    run.codec.decode(outcome.update, size)  # refused unless it has the mode's size
+    assert train_info(outcome, RegionPolicy.none("eu"))[ADAPTER_MODE] == mode
