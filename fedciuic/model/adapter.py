@@ -799,7 +799,7 @@ class AdapterLayout:
     shapes: dict[str, tuple[int, ...]]
     targets: list[str]
     initial: dict[str, np.ndarray] = field(repr=False)
-    factors: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    factors: dict[str, tuple[int, ...]] = field(repr=False)
 
     @classmethod
     def of(cls, spec: ModelSpec) -> AdapterLayout:
