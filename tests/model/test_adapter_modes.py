@@ -193,6 +193,19 @@ def test_per_sample_gradients_equal_autograd_in_the_fixed_factor_modes(
     torch.testing.assert_close(opacus_grads(model, rows), expected, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+def test_gradient_checkpointing_keeps_the_per_sample_gradients_in_each_mode(mode):
+    rows = _rows(0, 3)
+    grads = []
+    for checkpointing in (False, True):
+        spec = ModelSpec(preset="tiny", adapter_mode=mode, gradient_checkpointing=checkpointing)
+        model = AdapterModel(spec, CPU)
+        model.load_adapter_state({k: v + 0.01 for k, v in model.adapter_state().items()})
+        grads.append(opacus_grads(model, rows))
+    assert float(grads[0].abs().max()) > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("dp_mode", ["hooks", "ghost"])
 def test_dp_sgd_moves_only_the_trained_tensors(dp_mode):
     model = AdapterModel(_spec("lora-sb"), CPU)
