@@ -45,6 +45,14 @@ PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
 #: and a ledger, reply or log written before units existed (all were record-level).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
 
+#: What a region's adapter trains and sends, and so what the aggregator averages
+#: (docs/models.md, "Adapter update modes"): ``lora`` trains LoRA's A and B, averaged
+#: factor-wise (inexact: a mean of products is not the product of the means);
+#: ``lora-fa`` (FFA-LoRA) trains B only, A fixed; ``lora-sb`` (Fed-SB) trains an r x r
+#: matrix between fixed A and B. Both fixed-factor modes average exactly.
+AdapterMode = Literal["lora", "lora-fa", "lora-sb"]
+ADAPTER_MODES: tuple[AdapterMode, ...] = get_args(AdapterMode)
+
 #: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
 #: prompt's start (``left``), so that the response fits.
 TruncationSide = Literal["right", "left"]
@@ -171,6 +179,10 @@ class RunConfig(_Strict):
     #: auto (attention projections of the model's family), auto+mlp (and the dense and
     #: shared-expert MLPs), or a comma list of nn.Linear module names (docs/models.md).
     lora_targets: str = Field(default="auto", min_length=1)
+    #: What each region trains and sends: ``lora`` (A and B, averaged factor-wise:
+    #: inexact), ``lora-fa`` (B only, A fixed: exact), ``lora-sb`` (an r x r matrix
+    #: between fixed A and B: exact). The same for every region (docs/models.md).
+    adapter_mode: AdapterMode = "lora"
     #: The frozen base's dtype: auto is bf16 on a GPU that has it, else fp32. Adapters
     #: and optimizer state are always fp32.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -631,6 +643,9 @@ class ModelSpec:
     lora_alpha: int = 16
     seed: int = 0
     lora_targets: str = "auto"
+    #: What trains and travels (:data:`AdapterMode`); the fixed factors are derived from
+    #: the seed by every party.
+    adapter_mode: AdapterMode = "lora"
     dtype: str = "auto"
     quantization: str = "none"
     gradient_checkpointing: bool = False

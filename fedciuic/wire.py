@@ -41,6 +41,9 @@ JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
 #: A trained reply's privacy unit (what its epsilon is per), "" without DP. In the info,
 #: not the metrics, since Flower's metrics hold only numbers.
 PRIVACY_UNIT = "privacy-unit"
+#: A trained reply's adapter-mode (what its update's tensors are): the aggregator refuses
+#: an update trained in a mode other than the run's, naming the key.
+ADAPTER_MODE = "adapter-mode"
 #: Fields a region may add to any reply: its key id and signature over the reply (with
 #: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
 #: aggregator's instructions carry the head of its own log the same way.
@@ -292,7 +295,8 @@ _OPTIONAL_INFO = frozenset({KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD, AGENT_VE
 _BASE_INFO = frozenset({"region", "status", "reason"})
 #: The exact info keys of each status (besides the optional ones above).
 INFO_KEYS: dict[str, frozenset[str]] = {
-    TRAINED: _BASE_INFO | {"data-fingerprint", JURISDICTION, POLICY_HASH, PRIVACY_UNIT},
+    TRAINED: _BASE_INFO
+    | {"data-fingerprint", JURISDICTION, POLICY_HASH, PRIVACY_UNIT, ADAPTER_MODE},
     SEALED: _BASE_INFO,
     EVALUATED: _BASE_INFO,
     DECLINED: _BASE_INFO,

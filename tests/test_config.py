@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fedciuic.config import NodeConfig, RunConfig, section_keys
@@ -159,3 +161,15 @@ def test_no_two_sections_read_the_same_key(run_config):
         for _, flat in section_keys(type(getattr(run, name))):
             assert flat not in seen, f"{flat} is read by both {seen[flat]} and {name}"
             seen[flat] = name
+
+
+def test_the_adapter_mode_is_signed_with_the_run_config_and_reaches_the_model(run_config):
+    sb = run_config.model_copy(update={"adapter_mode": "lora-sb"})
+    assert json.loads(sb.canonical_json())["adapter-mode"] == "lora-sb"
+    assert sb.canonical_json() != run_config.canonical_json()  # the hash tells them apart
+    assert RunConfig.from_user_config(json.loads(sb.canonical_json()), source="x") == sb
+    assert sb.model.adapter_mode == "lora-sb" and run_config.model.adapter_mode == "lora"
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_user_config({**app_config(), "adapter-mode": "dora"}, source="run config")
+    (problem,) = info.value.problems
+    assert problem.startswith("run config:adapter-mode: Input should be 'lora', 'lora-fa' or")

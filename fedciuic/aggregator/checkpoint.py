@@ -2,10 +2,10 @@
 
 A checkpoint is a folder ``round-NNNN/`` with the global adapter and the server
 optimiser's state (two safetensors files) and ``state.json`` (the federation's run
-id, the round, the base-model fingerprint, both files' SHA-256, the optimiser's name
-and hyperparameters, the audit log's position, the run's records so far, and an
-opaque ``extra`` dict the aggregator fills), written and fsync'ed in full before
-``LATEST`` is atomically pointed at it. Only then are folders beyond the newest
+id, the round, the base-model fingerprint, the adapter-mode, both files' SHA-256, the
+optimiser's name and hyperparameters, the audit log's position, the run's records so
+far, and an opaque ``extra`` dict the aggregator fills), written and fsync'ed in full
+before ``LATEST`` is atomically pointed at it. Only then are folders beyond the newest
 ``keep`` deleted (never the one ``LATEST`` names): a process killed at any moment
 leaves a loadable ``LATEST``.
 
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from fedciuic.config import ADAPTER_MODES, AdapterMode
 from fedciuic.crypto import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 from fedciuic.record import Rounds, dump_rounds, parse_rounds
@@ -72,6 +73,9 @@ class Checkpoint:
     rounds: Rounds  # metrics.json "rounds" so far
     optimizer: OptimizerState | None = None  # None: a /1 checkpoint (none had state)
     extra: dict[str, Any] = field(default_factory=dict)  # the aggregator's, JSON, as-is
+    #: What the adapter's tensors are (the run's adapter-mode): a resume under another
+    #: mode is refused. Checkpoints written before modes existed were all ``lora``.
+    adapter_mode: AdapterMode = "lora"
     #: Set when loaded: the SHA-256 of its state.json (hex), and the key id that signed
     #: it ("" when unsigned).
     identity: str = ""
@@ -109,6 +113,7 @@ def save_checkpoint(
         "federation_run": checkpoint.federation_run,
         "round": checkpoint.round,
         "base_fingerprint": checkpoint.base_fingerprint,
+        "adapter_mode": checkpoint.adapter_mode,
         "adapter_sha256": _digest(folder / ADAPTER),
         "audit": {"seq": checkpoint.audit_seq, "head": checkpoint.audit_head},
         "rounds": dump_rounds(checkpoint.rounds),
@@ -255,6 +260,9 @@ def load_checkpoint(path: Path, signer: PublicBundle | None = None) -> Checkpoin
         extra = state.get("extra", {})
         if not isinstance(extra, dict):
             raise ValueError(f"extra is a {type(extra).__name__}, not an object")
+        mode = state.get("adapter_mode", "lora")
+        if mode not in ADAPTER_MODES:
+            raise ValueError(f"adapter_mode {str(mode)[:40]!r} is not one of {ADAPTER_MODES}")
         return Checkpoint(
             federation_run=int(state["federation_run"]),
             round=int(state["round"]),
@@ -265,6 +273,7 @@ def load_checkpoint(path: Path, signer: PublicBundle | None = None) -> Checkpoin
             rounds=parse_rounds(state["rounds"]),
             optimizer=optimizer,
             extra=extra,
+            adapter_mode=mode,
             identity=hashlib.sha256(body).hexdigest(),
             signer=str(state.get("signer", "")) if signer is not None else "",
         )

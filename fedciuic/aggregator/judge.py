@@ -18,11 +18,12 @@ import numpy as np
 
 from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit import digest
-from fedciuic.config import UpdateRules
+from fedciuic.config import AdapterMode, UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
 from fedciuic.stages import Provenance, ReplySealing
 from fedciuic.wire import (
+    ADAPTER_MODE,
     AGENT_CODE,
     AGENT_VERSION,
     DECLINED,
@@ -190,12 +191,13 @@ JudgingStep = Callable[[Reply, str | None, Noted], Judged]
 
 @dataclass(frozen=True)
 class Judge:
-    """The boundary and its stages: what an update may be (``rules``; at most
-    ``max_steps`` local steps), the sealing and policy stages, and ``labels``: the region
-    each node authenticated as before (for replies that carry no signature).
-    ``timeout``: the round-timeout a missing reply is said to have waited."""
+    """The boundary and its stages: what an update may be (``rules``; of the run's
+    ``adapter_mode``, at most ``max_steps`` local steps), the sealing and policy stages,
+    and ``labels``: the region each node authenticated as before (for replies that carry
+    no signature). ``timeout``: the round-timeout a missing reply is said to have waited."""
 
     rules: UpdateRules
+    adapter_mode: AdapterMode
     max_steps: int
     timeout: float
     sealing: ReplySealing
@@ -285,6 +287,12 @@ class Judge:
                 f"arrived after the run's last aggregate (round {server_round}); not used"
             )
         update, metrics, info, header = self._open(reply, task.round, sender)
+        if info[ADAPTER_MODE] != self.adapter_mode:
+            raise ImplausibleUpdate(
+                f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "
+                f"{self.adapter_mode!r}: its delta is of other tensors; the region must "
+                "train in the run's adapter-mode"
+            )
         if staleness > max_staleness:
             raise ImplausibleUpdate(
                 f"computed against global version {task.version}, {staleness} version(s) "

@@ -194,6 +194,7 @@ class AggregatorRound:
         """The per-reply boundary over the run's stages as they are now."""
         return Judge(
             self.run.compression,
+            self.run.adapter_mode,
             self.run.training.steps,
             self.schedule.round_timeout,
             self.sealing,
@@ -467,6 +468,7 @@ class AggregatorRound:
                 round=server_round,
                 base_fingerprint=self.base_fingerprint,
                 adapter=self.global_adapter,
+                adapter_mode=self.run.adapter_mode,
                 audit_seq=seq,
                 audit_head=head,
                 rounds=self.recorder.data.rounds,

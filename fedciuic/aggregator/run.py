@@ -118,6 +118,12 @@ def resume(
             f"({checkpoint.base_fingerprint[:12]}, this one is {base_fingerprint[:12]}); use "
             "the same model-preset and seed, or the same model-path"
         )
+    if checkpoint.adapter_mode != run.adapter_mode:
+        raise CheckpointError(
+            f"run config:adapter-mode: {run.adapter_mode!r}, but resume-from {run.resume_from} "
+            f"holds an adapter trained in {checkpoint.adapter_mode!r} (other tensors); resume "
+            f"it with adapter-mode = {checkpoint.adapter_mode!r} or start a new run"
+        )
     if checkpoint.round >= run.num_server_rounds:
         raise CheckpointError(
             f"run config:resume-from: {run.resume_from} has completed round "

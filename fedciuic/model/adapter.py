@@ -11,6 +11,12 @@ fp32. On CPU the frozen base is memory-mapped read-only from one file per machin
 which every process and region shares (:mod:`fedciuic.model.shared_base`). The
 aggregator never loads the base: :class:`AdapterLayout` builds it on the
 ``meta`` device for the adapter's names and shapes.
+
+What trains and travels depends on ``adapter-mode`` (docs/models.md): LoRA's A and B
+(``lora``), B alone with A fixed (``lora-fa``), or an r x r matrix R between fixed A
+and B (``lora-sb``). The fixed factors are a function of the adapter's names, shapes
+and seed (:func:`fixed_factors`), derived by every party, never sent; the saved adapter
+is always standard LoRA factors (:func:`lora_factors`), which peft loads.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 import safetensors
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import (
@@ -41,7 +48,7 @@ from transformers import (
 )
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-from fedciuic.config import ModelSpec
+from fedciuic.config import AdapterMode, ModelSpec
 from fedciuic.errors import ModelError
 from fedciuic.files import DIRECTORY, not_regular
 from fedciuic.model.families import frozen_parts, resolve_targets, target_names
@@ -67,6 +74,14 @@ warnings.filterwarnings(
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: Beside a saved adapter: the adapter-mode it was trained in (peft's config has no place
+#: for it, and the weights are standard LoRA factors whatever the mode).
+ADAPTER_MODE_FILE = "fedciuic_adapter.json"
+#: The end of the names of an adapted module's parameters, after the module's path:
+#: peft's A and B, and lora-sb's trained r x r matrix inside peft's B slot (:class:`RThenB`).
+LORA_A = f".lora_A.{ADAPTER_NAME}.weight"
+LORA_B = f".lora_B.{ADAPTER_NAME}.weight"
+LORA_R = f".lora_B.{ADAPTER_NAME}.lora_R.weight"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECKPOINT_FIX = (
     "point model-path at a folder written by save_pretrained (config.json, weights, tokenizer)"
@@ -564,21 +579,130 @@ def _exact_targets() -> Iterator[None]:
 def _with_adapters(
     model: PreTrainedModel, spec: ModelSpec, model_type: str
 ) -> tuple[PeftModel, list[str]]:
-    """The model with adapters on the modules ``lora-targets`` picks, and their paths."""
+    """The model with adapters on the modules ``lora-targets`` picks, shaped for the
+    spec's adapter-mode, and their paths."""
     targets = resolve_targets(model, model_type, spec.lora_targets)
     # Adapters start from the same seed everywhere too (B = 0, A seeded).
     with torch.random.fork_rng(devices=[]), _exact_targets():
         torch.manual_seed(spec.seed + 1)
         peft_model = get_peft_model(model, lora_config(spec, targets))
     assert isinstance(peft_model, PeftModel)
+    _apply_mode(peft_model, spec.adapter_mode)
     return peft_model, targets
+
+
+class RThenB(torch.nn.Linear):
+    """lora-sb's ``lora_B``: the fixed B (this layer's own frozen weight, under peft's
+    name) applied after ``lora_R``, the trained r x r matrix, so that the module's delta
+    is ``scaling * B R A``. ``lora_R`` is a plain ``nn.Linear``, whose per-sample
+    gradients Opacus computes; peft has no such layer, so a saved adapter folds R into
+    A (:func:`lora_factors`)."""
+
+    def __init__(self, fixed: torch.nn.Linear) -> None:
+        rank, weight = fixed.in_features, fixed.weight
+        where = {"device": weight.device, "dtype": weight.dtype}
+        super().__init__(rank, fixed.out_features, bias=False, **where)
+        self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        self.lora_R = torch.nn.Linear(rank, rank, bias=False, **where)
+        torch.nn.init.zeros_(self.lora_R.weight)  # R = 0: the model starts as the base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.lora_R(x))
+
+
+def _apply_mode(model: PeftModel, mode: AdapterMode) -> None:
+    """Freeze what ``mode`` fixes (lora-fa: A; lora-sb: A and B, with R put between
+    them); ``lora`` trains peft's A and B as they are."""
+    if mode == "lora":
+        return
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
+            continue
+        fixed_b = layer.lora_B[ADAPTER_NAME]
+        if not isinstance(fixed_b, torch.nn.Linear):
+            raise ModelError(
+                f"run config:adapter-mode: {mode} adapts nn.Linear modules only; "
+                f'{type(layer).__name__} is not one: use adapter-mode = "lora" or other '
+                "lora-targets"
+            )
+        layer.lora_A[ADAPTER_NAME].requires_grad_(False)
+        if mode == "lora-sb":
+            layer.lora_B[ADAPTER_NAME] = RThenB(fixed_b)
+
+
+def factor_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """peft's A and B of every adapted module (trained or fixed), by name."""
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith((LORA_A, LORA_B))}
+
+
+def fixed_factors(
+    mode: AdapterMode, shapes: Mapping[str, tuple[int, ...]], seed: int
+) -> dict[str, np.ndarray]:
+    """The factors ``mode`` keeps fixed, from the names and shapes of every module's A
+    and B (:func:`factor_shapes`) and the seed alone: every party derives the same ones,
+    and none depends on data, so choosing them costs no privacy. lora-fa: A as ``lora``
+    starts it (:func:`initial_adapter`). lora-sb: A with orthonormal rows and B with
+    orthonormal columns (Haar-random, from the seed): B R A then moves the weight by
+    R's own scale, in directions spread over the whole matrix."""
+    if mode == "lora":
+        return {}
+    if mode == "lora-fa":
+        return {n: v for n, v in initial_adapter(shapes, seed).items() if n.endswith(LORA_A)}
+    rng = np.random.default_rng([seed, 2])
+    return {name: _orthonormal(rng, shapes[name]) for name in sorted(shapes)}
+
+
+def _orthonormal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """A random ``rows x cols`` matrix with orthonormal columns (rows >= cols) or rows:
+    the Q of a Gaussian's QR, its signs fixed by R's diagonal (so Haar-distributed)."""
+    rows, cols = shape
+    gaussian = rng.standard_normal((max(rows, cols), min(rows, cols)))
+    q, r = np.linalg.qr(gaussian)
+    q *= np.where(np.diag(r) < 0, -1.0, 1.0)
+    return np.ascontiguousarray(q if rows >= cols else q.T, np.float32)
+
+
+def lora_factors(
+    mode: AdapterMode, trained: Mapping[str, np.ndarray], fixed: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The adapter as standard LoRA factors, A and B of every module, which peft loads:
+    ``lora`` as trained, lora-fa's B with its fixed A, lora-sb's R folded into A (A' =
+    R A, B' = B: the same ``scaling * B R A``, and peft has no form with R)."""
+    if mode != "lora-sb":
+        return {**fixed, **trained}
+    factors = dict(fixed)
+    for name, r in trained.items():
+        a = name.removesuffix(LORA_R) + LORA_A
+        factors[a] = (np.asarray(r, np.float64) @ np.asarray(fixed[a], np.float64)).astype(
+            np.float32
+        )
+    return factors
+
+
+def write_adapter(
+    spec: ModelSpec, targets: list[str], factors: Mapping[str, np.ndarray], directory: Path
+) -> Path:
+    """Standard LoRA ``factors`` (:func:`lora_factors`) in peft's format, loadable with
+    ``PeftModel.from_pretrained``, with the adapter-mode they were trained in beside them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name.replace(f".{ADAPTER_NAME}.", "."): np.ascontiguousarray(value, np.float32)
+        for name, value in factors.items()
+    }
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS))
+    lora_config(spec, targets).save_pretrained(str(directory))
+    (directory / ADAPTER_MODE_FILE).write_text(
+        json.dumps({"adapter-mode": spec.adapter_mode}) + "\n", encoding="utf-8"
+    )
+    return directory / ADAPTER_WEIGHTS
 
 
 class AdapterModel:
     """A frozen base with fp32 LoRA adapters; only adapter tensors are read or written.
 
-    The adapter state is a flat ``name -> float32 array`` mapping, the unit that is
-    trained, sent, aggregated and saved.
+    The adapter state is a flat ``name -> float32 array`` mapping of the tensors the
+    adapter-mode trains, the unit that is trained, sent, aggregated and checkpointed;
+    the mode's fixed factors are installed here, from the spec, when the model is built.
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device | None = None) -> None:
@@ -589,20 +713,23 @@ class AdapterModel:
         self.base_fingerprint = base.fingerprint
         self.shared = base.shared  # keeps the mapping this process shares alive
         self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
-        for param in self.model.parameters():
-            if param.requires_grad:  # adapters (and so optimizer state) in fp32
+        for name, param in self.model.named_parameters():
+            if param.requires_grad or ".lora_" in name:  # adapters (and optimizer state) in fp32
                 param.data = param.data.to(device=self.device, dtype=torch.float32)
         if spec.gradient_checkpointing:
             enable_checkpointing(base.model)
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        fixed = fixed_factors(spec.adapter_mode, factor_shapes(self.model), spec.seed)
+        self._fixed_names = sorted(fixed)
+        self._copy_in(fixed)
 
     def describe(self) -> str:
         """One line for the start of a run: what is adapted and how much trains."""
         c = self.counts()
         frozen = frozen_parts(self.model)
         return (
-            f"LoRA r={self.spec.lora_rank} on {len(self.targets)} modules "
-            f"({', '.join(target_names(self.targets))}): {c.trainable:,} trainable of "
+            f"LoRA r={self.spec.lora_rank} ({self.spec.adapter_mode}) on {len(self.targets)} "
+            f"modules ({', '.join(target_names(self.targets))}): {c.trainable:,} trainable of "
             f"{c.total:,} parameters, base in {next(self.model.parameters()).dtype}"
             + (f"; frozen with it: {', '.join(frozen)}" if frozen else "")
         )
@@ -628,36 +755,51 @@ class AdapterModel:
             trainable=sum(p.numel() for p in params if p.requires_grad),
         )
 
-    def adapter_state(self) -> dict[str, np.ndarray]:
-        """Copy the adapter tensors out as float32 NumPy arrays."""
+    def _copy_out(self, names: list[str]) -> dict[str, np.ndarray]:
         params = dict(self.model.named_parameters())
-        return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in self._names}
+        return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in names}
+
+    def _copy_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in arrays.items():
+                params[name].copy_(torch.from_numpy(np.asarray(value)))
+
+    def adapter_state(self) -> dict[str, np.ndarray]:
+        """Copy the trained adapter tensors out as float32 NumPy arrays."""
+        return self._copy_out(self._names)
+
+    def fixed_state(self) -> dict[str, np.ndarray]:
+        """The adapter-mode's fixed factors as installed (none for ``lora``)."""
+        return self._copy_out(self._fixed_names)
 
     def load_adapter_state(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Overwrite the adapters; keys and shapes must match exactly."""
+        """Overwrite the trained adapter tensors; keys and shapes must match exactly."""
         params = dict(self.model.named_parameters())
         shapes = {name: tuple(params[name].shape) for name in self._names}
         check_same_layout(arrays, shapes, what="adapter")
-        with torch.no_grad():
-            for name in self._names:
-                params[name].copy_(torch.from_numpy(np.asarray(arrays[name])))
+        self._copy_in({name: arrays[name] for name in self._names})
 
     def save_adapter(self, directory: Path) -> Path:
-        """Write the adapter in peft's format (adapter_model.safetensors + config)."""
-        self.model.save_pretrained(str(directory))
-        return directory / ADAPTER_WEIGHTS
+        """Write the adapter in peft's format (adapter_model.safetensors + config), as
+        standard LoRA factors whatever the adapter-mode."""
+        factors = lora_factors(self.spec.adapter_mode, self.adapter_state(), self.fixed_state())
+        return write_adapter(self.spec, self.targets, factors, directory)
 
 
 @dataclass
 class AdapterLayout:
     """The adapter's names, shapes and initial values, from the base built on the
-    ``meta`` device: what the aggregator needs, without the base's memory."""
+    ``meta`` device: what the aggregator needs, without the base's memory. ``shapes``
+    and ``initial`` are the trained tensors; ``factors`` the shapes of every module's A
+    and B, from which the mode's fixed factors are derived (:attr:`fixed`)."""
 
     spec: ModelSpec
     fingerprint: str
     shapes: dict[str, tuple[int, ...]]
     targets: list[str]
     initial: dict[str, np.ndarray] = field(repr=False)
+    factors: dict[str, tuple[int, ...]] = field(repr=False)
 
     @classmethod
     def of(cls, spec: ModelSpec) -> AdapterLayout:
@@ -671,25 +813,26 @@ class AdapterLayout:
             base = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
             peft_model, targets = _with_adapters(base, spec, config.model_type)
         shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
-        return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed))
+        initial = initial_adapter(shapes, spec.seed)
+        return cls(spec, fingerprint, shapes, targets, initial, factor_shapes(peft_model))
+
+    @property
+    def fixed(self) -> dict[str, np.ndarray]:
+        """The adapter-mode's fixed factors, as every region installs them."""
+        return fixed_factors(self.spec.adapter_mode, self.factors, self.spec.seed)
 
     def save(self, arrays: Mapping[str, np.ndarray], directory: Path) -> Path:
-        """The adapter in peft's format, loadable with ``PeftModel.from_pretrained``."""
+        """The adapter in peft's format, loadable with ``PeftModel.from_pretrained``:
+        standard LoRA factors whatever the adapter-mode (:func:`lora_factors`)."""
         check_same_layout(arrays, self.shapes, what="adapter")
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            name.replace(f".{ADAPTER_NAME}.", "."): np.ascontiguousarray(arrays[name], np.float32)
-            for name in self.shapes
-        }
-        save_file(tensors, str(directory / ADAPTER_WEIGHTS))
-        lora_config(self.spec, self.targets).save_pretrained(str(directory))
-        return directory / ADAPTER_WEIGHTS
+        factors = lora_factors(self.spec.adapter_mode, arrays, self.fixed)
+        return write_adapter(self.spec, self.targets, factors, directory)
 
 
 def initial_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
     """The global adapter before round 1, a function of the names, shapes and seed alone:
-    ``lora_A`` uniform in +-1/sqrt(fan_in) (peft's Kaiming default), ``lora_B`` zero, so
-    the adapted model starts as the base."""
+    ``lora_A`` uniform in +-1/sqrt(fan_in) (peft's Kaiming default), everything else
+    (``lora_B``, lora-sb's R) zero, so the adapted model starts as the base."""
     rng = np.random.default_rng([seed, 1])
     state: dict[str, np.ndarray] = {}
     for name in sorted(shapes):

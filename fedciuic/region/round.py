@@ -51,6 +51,7 @@ from fedciuic.stages import (
     SealingRegion,
 )
 from fedciuic.wire import (
+    ADAPTER_MODE,
     AGENT_CODE,
     AGENT_VERSION,
     AUDIT_COUNT,
@@ -164,6 +165,7 @@ def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
         JURISDICTION: policy.jurisdiction,
         POLICY_HASH: policy.hash,
         PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
+        ADAPTER_MODE: outcome.adapter_mode,
     }
 
 

@@ -28,7 +28,14 @@ from fedciuic.compression import (
     layout_id,
     layout_of,
 )
-from fedciuic.config import DPSettings, LocalTraining, NodeConfig, PrivacyUnit, RunConfig
+from fedciuic.config import (
+    AdapterMode,
+    DPSettings,
+    LocalTraining,
+    NodeConfig,
+    PrivacyUnit,
+    RunConfig,
+)
 from fedciuic.data import RegionData, load_region_data
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
@@ -155,6 +162,8 @@ class TrainOutcome:
     data_fingerprint: str
     privacy: PrivacySpent | None = None
     update: bytes = b""  # the delta (plus the old residual) encoded with the run's codec
+    #: What the delta's tensors are: the adapter-mode the region's model trains in.
+    adapter_mode: AdapterMode = "lora"
 
 
 class Region:
@@ -277,7 +286,15 @@ class Region:
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
         update = self._compress(delta, seed)
-        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy, update)
+        return TrainOutcome(
+            self.name,
+            delta,
+            stats,
+            self.data.fingerprint,
+            privacy,
+            update,
+            self.model.spec.adapter_mode,
+        )
 
     def _compress(self, delta: dict[str, np.ndarray], seed: int) -> bytes:
         """Encode the delta with error feedback; the residual stays on the region's disk.

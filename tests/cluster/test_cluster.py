@@ -342,3 +342,32 @@ def test_fedprox_over_two_processes_is_fedprox_in_one(
     for name in start:
         np.testing.assert_allclose(two[name], after[3.0][name], atol=2e-6)
     assert any(np.abs(after[3.0][k] - after[0.0][k]).max() > 1e-4 for k in start)
+
+
+def test_two_processes_train_lora_sb_as_one(
+    pair: Region, run: RunConfig, data_root: Path, tmp_path: Path
+) -> None:
+    """Each worker derives the fixed factors itself: the R they train is rank 0's alone."""
+    pair.close()  # one cluster per process at a time (a later round would rebuild it)
+    sb = run.model_copy(update={"adapter_mode": "lora-sb"})
+    region = make_region(sb, data_root, tmp_path, 2)
+    try:
+        start = region.model.adapter_state()
+        region._train_cluster(dp_command(region, noise_multiplier=0.0))
+        two = region.model.adapter_state()
+    finally:
+        region.close()
+    region.model.load_adapter_state(start)
+    model, examples = region.model, region.data.train
+    trainer = PrivateTrainer.for_run(
+        model, examples, sb.training, sb.privacy, noise_multiplier=0.0, seed=3
+    )
+    try:
+        trainer.run(2)
+    finally:
+        trainer.close()
+    one = region.model.adapter_state()
+    assert all(name.endswith(".lora_R.weight") for name in start)
+    assert any(np.abs(one[k] - start[k]).max() > 1e-4 for k in start)  # it trained
+    for name in start:
+        np.testing.assert_allclose(two[name], one[name], atol=2e-6)

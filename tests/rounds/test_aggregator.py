@@ -40,6 +40,7 @@ from fedciuic.record.metrics import PolicyHeld, RunSettings
 from fedciuic.record.recorder import RunRecorder
 from fedciuic.stages.sealing import SealedReplies
 from fedciuic.wire import (
+    ADAPTER_MODE,
     ENVELOPE,
     PRIVACY_UNIT,
     Arrival,
@@ -112,6 +113,7 @@ def trained(region: str, value: float, examples: int, n: int = 4) -> Raw:
             "jurisdiction": "",
             "policy-hash": "",
             PRIVACY_UNIT: "",
+            ADAPTER_MODE: "lora",
         },
         {"num-examples": examples, "train-loss": 1.0, "steps": 5, "update-bytes": len(update)},
         update_arrays(update),
@@ -274,6 +276,7 @@ def sealed_reply_from(
             "jurisdiction": "",
             "policy-hash": policy_hash,
             PRIVACY_UNIT: unit,
+            ADAPTER_MODE: "lora",
         },
     )
     envelope = seal(
@@ -770,6 +773,16 @@ def test_an_implausible_step_count_is_rejected_alone(aggregator, steps, reason):
     result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, bad)])
     cn = aggregator.recorder.data.rounds[1].train["cn"]
     assert cn.status == "rejected" and "ImplausibleUpdate" in cn.reason and reason in cn.reason
+    np.testing.assert_allclose(adapter_of(result)["w"], 1.0)
+
+
+def test_an_update_trained_in_another_adapter_mode_is_refused_in_one_line(aggregator):
+    other = trained("cn", 9.0, 10)  # the same size, so only the declared mode tells
+    other.info[ADAPTER_MODE] = "lora-sb"
+    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, other)])
+    cn = aggregator.recorder.data.rounds[1].train["cn"]
+    assert cn.status == "rejected" and "\n" not in cn.reason
+    assert "adapter-mode 'lora-sb', this run's is 'lora'" in cn.reason
     np.testing.assert_allclose(adapter_of(result)["w"], 1.0)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +318,31 @@ def test_a_run_with_keys_resumes_only_from_what_its_key_signed(run_config, tmp_p
     _resign_digest(folder, "adapter_sha256")
     with pytest.raises(CheckpointError, match="not signed by this aggregator's key"):
         resume(run, "f" * 64, log, recorder)
+
+
+def test_an_adapter_saved_in_one_mode_is_refused_at_resume_under_another(run_config, tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", "aggregator", AGGREGATOR_KEY)
+    log.append("run_start", run_id=1)
+    saved = replace(ckpt(1, 1.0, audit=log.position()), adapter_mode="lora-fa")
+    save_checkpoint(tmp_path / "cp", saved, keypair=AGGREGATOR_KEY)
+    assert load_checkpoint(tmp_path / "cp").adapter_mode == "lora-fa"
+    run = run_config.model_copy(
+        update={"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3}
+    )
+    recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
+    with pytest.raises(CheckpointError) as err:
+        resume(run, "f" * 64, log, recorder)
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("run config:adapter-mode: 'lora', but resume-from")
+    assert "'lora-fa'" in str(err.value)
+    same = run.model_copy(update={"adapter_mode": "lora-fa"})
+    assert resume(same, "f" * 64, log, recorder) is not None
+
+
+def test_a_checkpoint_written_before_adapter_modes_reads_as_lora(tmp_path):
+    save_checkpoint(tmp_path, ckpt(1))
+    state_path = tmp_path / "round-0001" / "state.json"
+    state = json.loads(state_path.read_text())
+    del state["adapter_mode"]
+    state_path.write_text(json.dumps(state, sort_keys=True))
+    assert load_checkpoint(tmp_path).adapter_mode == "lora"

@@ -32,7 +32,7 @@ from fedciuic.crypto.envelope import (
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.parties import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
-from fedciuic.wire import ENVELOPE, KEY_ID, PRIVACY_UNIT, SIGNATURE, signed_fields
+from fedciuic.wire import ADAPTER_MODE, ENVELOPE, KEY_ID, PRIVACY_UNIT, SIGNATURE, signed_fields
 from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
@@ -60,6 +60,7 @@ INFO = {
     "jurisdiction": "",
     "policy-hash": "",
     PRIVACY_UNIT: "record",
+    ADAPTER_MODE: "lora",
 }
 
 

@@ -1,0 +1,294 @@
+"""Adapter update modes (adapter-mode): what each trains and sends, that the fixed-factor
+modes average exactly (the published change to every adapted weight is the
+example-weighted mean of the regions' changes) while ``lora`` does not, that DP-SGD's
+per-sample gradients are right in each, and that the saved adapter loads with peft and
+computes what the trained model computes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedciuic.aggregation import Bounds, check, make_aggregator
+from fedciuic.compression import get_codec
+from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, NodeConfig, RunConfig
+from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.model.adapter import (
+    ADAPTER_MODE_FILE,
+    LORA_A,
+    LORA_B,
+    LORA_R,
+    AdapterLayout,
+    AdapterModel,
+    build_base,
+    lora_factors,
+    save_model_checkpoint,
+)
+from fedciuic.model.presets import TINY_FAMILIES, TINY_VOCAB_SIZE, preset_config
+from fedciuic.model.train import lm_loss, train_local
+from fedciuic.policy.binding import RegionPolicy
+from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.region.round import train_info
+from fedciuic.region.trainer import Region
+from fedciuic.server_optim import ServerOptimizer
+from fedciuic.wire import ADAPTER_MODE
+from tests.privacy.test_each_family_dp import opacus_grads
+
+CPU = torch.device("cpu")
+#: Three regions: their example counts (the FedAvg weights) and data seeds.
+REGIONS = ((12, 1), (30, 2), (60, 3))
+#: Token ids every model here embeds (the tiny preset's and the tiny checkpoints').
+VOCAB = min(TINY_VOCAB_SIZE, preset_config("tiny").vocab_size)
+
+
+def _spec(mode: AdapterMode) -> ModelSpec:
+    return ModelSpec(preset="tiny", adapter_mode=mode)
+
+
+@pytest.fixture(scope="module", params=ADAPTER_MODES)
+def built(request: pytest.FixtureRequest) -> tuple[AdapterModel, AdapterLayout]:
+    spec = _spec(request.param)
+    return AdapterModel(spec, device=CPU), AdapterLayout.of(spec)
+
+
+def _rows(seed: int, count: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (count, 12), generator=gen)
+
+
+def _scaling(spec: ModelSpec) -> float:
+    return spec.lora_alpha / spec.lora_rank
+
+
+def effective(factors: dict[str, np.ndarray], scaling: float) -> dict[str, np.ndarray]:
+    """Each adapted module's weight change ``scaling * B A``, in float64."""
+    return {
+        name.removesuffix(LORA_A): scaling
+        * (factors[name.removesuffix(LORA_A) + LORA_B].astype(np.float64) @ factors[name])
+        for name in factors
+        if name.endswith(LORA_A)
+    }
+
+
+def test_each_mode_trains_and_sends_only_its_own_tensors(built):
+    model, layout = built
+    mode = model.spec.adapter_mode
+    trained, fixed = model.adapter_state(), model.fixed_state()
+    assert layout.shapes == {k: v.shape for k, v in trained.items()}
+    suffix = {"lora": (LORA_A, LORA_B), "lora-fa": (LORA_B,), "lora-sb": (LORA_R,)}[mode]
+    assert trained and all(name.endswith(suffix) for name in trained)
+    # The fixed factors are derived, the same, by the aggregator (meta device) and regions.
+    assert sorted(fixed) == sorted(layout.fixed)
+    assert all(np.array_equal(fixed[k], layout.fixed[k]) for k in fixed)
+    assert not any(p.requires_grad for n, p in model.model.named_parameters() if n in fixed)
+    assert not fixed if mode == "lora" else fixed
+    if mode == "lora-fa":  # A as lora starts it
+        lora = AdapterLayout.of(_spec("lora")).initial
+        assert all(np.array_equal(v, lora[k]) for k, v in fixed.items())
+    if mode == "lora-sb":  # orthonormal rows (A) and columns (B); R = 0
+        for name, value in fixed.items():
+            gram = value @ value.T if name.endswith(LORA_A) else value.T @ value
+            np.testing.assert_allclose(gram, np.eye(len(gram)), atol=1e-5)
+        assert all(not np.any(v) for v in layout.initial.values())
+        r = model.spec.lora_rank
+        assert all(v.shape == (r, r) for v in trained.values())
+
+
+def test_each_mode_starts_as_the_base(built):
+    model, layout = built
+    rows = _rows(0, 2)
+    model.load_adapter_state(layout.initial)
+    base = build_base(model.spec, CPU).model
+    with torch.no_grad():
+        torch.testing.assert_close(model.model(input_ids=rows).logits, base(input_ids=rows).logits)
+
+
+def _aggregate(run: RunConfig, start: dict[str, np.ndarray], deltas, weights):
+    """The aggregator's path: each delta encoded with the run's codec, decoded and
+    validated, averaged by examples, and stepped onto the global adapter."""
+    names = sorted(start)
+    n = sum(start[k].size for k in names)
+    into = make_aggregator(run.aggregation, n)
+    for delta, weight in zip(deltas, weights, strict=True):
+        flat = np.concatenate([delta[k].reshape(-1) for k in names])
+        data = run.codec.encode(flat, np.random.default_rng(0))
+        into.add(check(run.codec, data, n, weight, Bounds()))
+    return ServerOptimizer(run.server).step(start, into.mean())
+
+
+def test_the_published_weight_change_is_the_example_weighted_mean_in_the_exact_modes(
+    built, run_config
+):
+    model, layout = built
+    mode, scaling = model.spec.adapter_mode, _scaling(model.spec)
+    run = run_config.model_copy(update={"codec": get_codec("dense"), "adapter_mode": mode})
+    rng = np.random.default_rng(5)
+    # A global adapter some rounds in: every trained tensor away from its start.
+    start = {
+        k: v + rng.normal(0, 0.02, v.shape).astype(np.float32) for k, v in layout.initial.items()
+    }
+    fixed = layout.fixed
+    before = effective(lora_factors(mode, start, fixed), scaling)
+    deltas, changes, weights = [], [], []
+    for count, seed in REGIONS:
+        model.load_adapter_state(start)
+        train_local(
+            model,
+            ExampleSet.of_rows(_rows(seed, count)),
+            steps=3,
+            batch_size=4,
+            learning_rate=0.05,
+            generator=torch.Generator().manual_seed(seed),
+            optimizer="sgd",
+        )
+        end = model.adapter_state()
+        deltas.append({k: end[k] - start[k] for k in start})
+        after = effective(lora_factors(mode, end, model.fixed_state()), scaling)
+        changes.append({k: after[k] - before[k] for k in before})
+        weights.append(count)
+    published = effective(
+        lora_factors(mode, _aggregate(run, start, deltas, weights), fixed), scaling
+    )
+    total = sum(weights)
+    errors = []
+    for module, old in before.items():
+        want = sum(w * c[module] for w, c in zip(weights, changes, strict=True)) / total
+        got = published[module] - old
+        assert np.linalg.norm(want) > 0
+        errors.append(np.linalg.norm(got - want) / np.linalg.norm(want))
+    worst = max(errors)
+    if mode == "lora":  # A and B averaged apart: the mean of products is not the product
+        assert worst > 1e-3, worst
+    else:
+        assert worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_per_sample_gradients_equal_autograd_in_the_fixed_factor_modes(
+    tiny_checkpoints, family, mode
+):
+    model = AdapterModel(ModelSpec(path=str(tiny_checkpoints[family]), adapter_mode=mode), CPU)
+    state = model.adapter_state()  # B or R away from zero: every factor matters
+    model.load_adapter_state({k: v + 0.01 for k, v in state.items()})
+    rows = _rows(0, 3)
+    params = model.trainable_parameters()
+    expected = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(
+                        lm_loss(model.model, Batch.of_ids(r[None])), params
+                    )
+                ]
+            )
+            for r in rows
+        ]
+    )
+    assert float(expected.abs().max()) > 0
+    torch.testing.assert_close(opacus_grads(model, rows), expected, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+def test_gradient_checkpointing_keeps_the_per_sample_gradients_in_each_mode(mode):
+    rows = _rows(0, 3)
+    grads = []
+    for checkpointing in (False, True):
+        spec = ModelSpec(preset="tiny", adapter_mode=mode, gradient_checkpointing=checkpointing)
+        model = AdapterModel(spec, CPU)
+        model.load_adapter_state({k: v + 0.01 for k, v in model.adapter_state().items()})
+        grads.append(opacus_grads(model, rows))
+    assert float(grads[0].abs().max()) > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dp_mode", ["hooks", "ghost"])
+def test_dp_sgd_moves_only_the_trained_tensors(dp_mode):
+    model = AdapterModel(_spec("lora-sb"), CPU)
+    fixed, start = model.fixed_state(), model.adapter_state()
+    trainer = PrivateTrainer(
+        model,
+        ExampleSet.of_rows(_rows(1, 16)),
+        batch_size=8,
+        learning_rate=0.05,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        mode=dp_mode,
+        secure_mode=False,
+        seed=3,
+    )
+    try:
+        trainer.run(2)
+    finally:
+        trainer.close()
+    assert all(np.array_equal(v, fixed[k]) for k, v in model.fixed_state().items())
+    assert any(not np.array_equal(v, start[k]) for k, v in model.adapter_state().items())
+
+
+@pytest.mark.parametrize("mode", ADAPTER_MODES)
+def test_the_saved_adapter_loads_with_peft_and_computes_the_trained_models_output(tmp_path, mode):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "base")
+    spec = ModelSpec(path=str(ckpt), adapter_mode=mode)
+    model = AdapterModel(spec, CPU)
+    train_local(
+        model,
+        ExampleSet.of_rows(_rows(1, 8)),
+        steps=3,
+        batch_size=4,
+        learning_rate=0.05,
+        generator=torch.Generator().manual_seed(0),
+    )
+    rows = _rows(2, 2)
+    model.model.eval()
+    with torch.no_grad():
+        want = model.model(input_ids=rows).logits
+    # The aggregator's export (meta-device layout) and the region's own write the same.
+    layout = AdapterLayout.of(spec)
+    layout.save(model.adapter_state(), tmp_path / "global")
+    model.save_adapter(tmp_path / "region")
+    for folder in ("global", "region"):
+        assert json.loads((tmp_path / folder / ADAPTER_MODE_FILE).read_text()) == {
+            "adapter-mode": mode
+        }
+        loaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(ckpt), tmp_path / folder
+        )
+        loaded.eval()
+        with torch.no_grad():
+            got = loaded(input_ids=rows).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(ckpt)
+    with torch.no_grad():
+        assert float((want - base(input_ids=rows).logits).abs().max()) > 1e-4  # it learnt
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
+    run_config, demo_root, tmp_path, mode
+):
+    run = run_config.model_copy(update={"adapter_mode": mode, "local_steps": 2, "seq_len": 64})
+    layout = AdapterLayout.of(run.model)  # the aggregator's
+    region = Region(
+        run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
+    )
+    try:
+        installed = region.model.fixed_state()
+        outcome = region.train_round(
+            layout.initial, server_round=1, base_fingerprint=layout.fingerprint, run_id=5
+        )
+    finally:
+        region.close()
+    assert all(np.array_equal(v, layout.fixed[k]) for k, v in installed.items())
+    assert outcome.privacy is not None and outcome.stats.steps == 2
+    assert {k: v.shape for k, v in outcome.delta.items()} == layout.shapes
+    assert any(np.any(v) for v in outcome.delta.values())
+    size = sum(v.size for v in layout.initial.values())
+    run.codec.decode(outcome.update, size)  # refused unless it has the mode's size
+    assert train_info(outcome, RegionPolicy.none("eu"))[ADAPTER_MODE] == mode
