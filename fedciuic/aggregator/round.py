@@ -109,12 +109,6 @@ class Withheld:
 
 
 @dataclass(frozen=True)
-class TrainResult:
-    replies: list[Judged]
-    aggregate: Published | Withheld
-
-
-@dataclass(frozen=True)
 class EvalResult:
     replies: list[Judged]
     loss: float | None  # weighted by examples; None when no region evaluated
@@ -259,15 +253,6 @@ class AggregatorRound:
         """An empty aggregate to fill with accepted updates (one per round or buffer)."""
         n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
         return Collecting(make_aggregator(self.run.compression.aggregation, n), n)
-
-    def train(self, server_round: int, arrivals: Iterable[Arrival]) -> TrainResult:
-        """Judge and record each reply, accumulate the accepted ones, then publish the
-        aggregate (applied to ``global_adapter``) or withhold it."""
-        into = self.collecting()
-        task = Task(server_round, self.version)
-        for item in arrivals:
-            self.judge_train(server_round, item, task, into)
-        return TrainResult(into.judged, self.publish(server_round, into))
 
     def judge_train(
         self,

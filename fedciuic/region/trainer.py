@@ -22,6 +22,7 @@ import torch
 from fedciuic.audit import REGION_LOG
 from fedciuic.cluster import ClusterStats, TrainCommand, TrainingCluster
 from fedciuic.compression import (
+    Codec,
     ErrorFeedback,
     compress_with_feedback,
     flatten,
@@ -166,6 +167,27 @@ class TrainOutcome:
     adapter_mode: AdapterMode = "lora"
 
 
+def compress_update(
+    delta: dict[str, np.ndarray], codec: Codec, state_dir: Path, seed: int
+) -> bytes:
+    """The delta encoded with error feedback; the residual stays on the region's disk
+    (``state_dir``), one per codec.
+
+    Compression runs after DP (post-processing costs no privacy) and before
+    sealing (ciphertext does not compress).
+    """
+    vector = flatten(delta)
+    safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
+    feedback = ErrorFeedback(
+        state_dir / f"residual-{safe}.bin", codec, layout_id(layout_of(delta)), vector.size
+    )
+    update, residual = compress_with_feedback(
+        vector, feedback.load(), codec, np.random.default_rng(seed)
+    )
+    feedback.save(residual)
+    return update
+
+
 class Region:
     """A region's model and data, loaded from its own data-path only."""
 
@@ -285,7 +307,7 @@ class Region:
             )
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
-        update = self._compress(delta, seed)
+        update = compress_update(delta, self.run.compression.codec, self.node.state_dir, seed)
         return TrainOutcome(
             self.name,
             delta,
@@ -295,28 +317,6 @@ class Region:
             update,
             self.model.spec.adapter_mode,
         )
-
-    def _compress(self, delta: dict[str, np.ndarray], seed: int) -> bytes:
-        """Encode the delta with error feedback; the residual stays on the region's disk.
-
-        Compression runs after DP (post-processing costs no privacy) and before
-        sealing (ciphertext does not compress).
-        """
-        codec = self.run.compression.codec
-        vector = flatten(delta)
-        safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
-        feedback = ErrorFeedback(
-            self.node.state_dir / f"residual-{safe}.bin",
-            codec,
-            layout_id(layout_of(delta)),
-            vector.size,
-        )
-        residual = feedback.load()
-        update, residual = compress_with_feedback(
-            vector, residual, codec, np.random.default_rng(seed)
-        )
-        feedback.save(residual)
-        return update
 
     @property
     def ledger_path(self) -> Path:

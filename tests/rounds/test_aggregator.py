@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -12,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedciuic.aggregator.judge import Judged, Task
 from fedciuic.aggregator.round import (
     AggregatorRound,
     EvalResult,
     Published,
-    TrainResult,
     Withheld,
 )
 from fedciuic.aggregator.run import held_policies
@@ -75,6 +76,23 @@ def reply(node_id: int, raw: Raw | Reply) -> Arrival:
 def adapter_of(result: TrainResult) -> dict[str, np.ndarray]:
     assert isinstance(result.aggregate, Published), result.aggregate
     return result.aggregate.adapter
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    replies: list[Judged]
+    aggregate: Published | Withheld
+
+
+def train_round(a: AggregatorRound, server_round: int, arrivals: Iterable[Arrival]) -> TrainResult:
+    """One synchronous round's replies judged and its aggregate published (or withheld),
+    with the round's own steps as the production loop calls them (SyncLoop.one), minus
+    its waiting."""
+    into = a.collecting()
+    task = Task(server_round, a.version)
+    for item in arrivals:
+        a.judge_train(server_round, item, task, into)
+    return TrainResult(into.judged, a.publish(server_round, into))
 
 
 def make_round(run_config, folder: Path, **kwargs: Any) -> AggregatorRound:
@@ -137,8 +155,8 @@ def signed(raw: Raw, keypair: Keypair, server_round: int = 1, run_id: int = 7) -
 
 
 def test_deltas_are_averaged_by_examples_and_applied(aggregator):
-    result = aggregator.train(
-        1, [reply(11, trained("eu", 1.0, 10)), reply(12, trained("cn", 4.0, 30))]
+    result = train_round(
+        aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, trained("cn", 4.0, 30))]
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 0.25 * 1 + 0.75 * 4)
     assert isinstance(result.aggregate, Published) and len(result.aggregate.regions) == 2
@@ -150,16 +168,18 @@ def test_an_update_whose_steps_were_all_noise_is_aggregated_without_a_loss(aggre
     # Every DP-SGD step drew an empty Poisson batch: no train loss, the update counts.
     quiet = trained("cn", 4.0, 30)
     del quiet.metrics["train-loss"]
-    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, quiet)])
+    result = train_round(aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, quiet)])
     assert isinstance(result.aggregate, Published) and result.aggregate.regions == ["eu", "cn"]
     assert result.aggregate.train_loss == pytest.approx(1.0)  # over the regions with a loss
-    alone = aggregator.train(2, [reply(13, quiet)])
+    alone = train_round(aggregator, 2, [reply(13, quiet)])
     assert isinstance(alone.aggregate, Published) and alone.aggregate.train_loss is None
 
 
 def test_a_decline_is_recorded_and_the_others_are_aggregated(aggregator, tmp_path):
-    result = aggregator.train(
-        1, [reply(11, trained("eu", 2.0, 10)), reply(12, declined("cn", "budget spent"))]
+    result = train_round(
+        aggregator,
+        1,
+        [reply(11, trained("eu", 2.0, 10)), reply(12, declined("cn", "budget spent"))],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -170,7 +190,8 @@ def test_a_decline_is_recorded_and_the_others_are_aggregated(aggregator, tmp_pat
 def test_failed_and_malformed_replies_are_rejected_alone(aggregator):
     bad_shape = trained("us", 1.0, 10, n=5)  # one entry too many for the adapter
     nan = trained("cn", float("nan"), 10)
-    result = aggregator.train(
+    result = train_round(
+        aggregator,
         1,
         [
             reply(11, trained("eu", 1.0, 10)),
@@ -196,7 +217,7 @@ def test_failed_and_malformed_replies_are_rejected_alone(aggregator):
 
 
 def test_round_where_every_region_declines_leaves_the_model_unchanged(aggregator):
-    result = aggregator.train(1, [reply(11, declined("eu", "no"))])
+    result = train_round(aggregator, 1, [reply(11, declined("eu", "no"))])
     assert isinstance(result.aggregate, Withheld)
     assert result.aggregate.reasons == ["no region's update was accepted"]
     np.testing.assert_array_equal(aggregator.global_adapter["w"], GLOBAL["w"])
@@ -308,7 +329,8 @@ def tampered(raw: Raw) -> Raw:
 def test_sealed_updates_are_opened_and_aggregated(sealed_round):
     a, regions = sealed_round
     agg = a.sealing.keys.keypair.bundle
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, sealed_reply_from(regions["eu"], agg, 1.0)),
@@ -322,7 +344,8 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
     a, regions = sealed_round
     agg = a.sealing.keys.keypair.bundle
     good = sealed_reply_from(regions["eu"], agg, 1.0)
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, good),
@@ -462,8 +485,10 @@ def from_region(
 
 def test_updates_within_their_senders_policies_are_aggregated(policed):
     a = policed[0]
-    result = a.train(
-        1, [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 3.0))]
+    result = train_round(
+        a,
+        1,
+        [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 3.0))],
     )
     np.testing.assert_allclose(adapter_of(result)["w"], 2.0)
     decisions = a.recorder.data.rounds[1].decisions
@@ -474,7 +499,8 @@ def test_updates_within_their_senders_policies_are_aggregated(policed):
 
 def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected(policed):
     a = policed[0]
-    a.train(
+    train_round(
+        a,
         1,
         [
             reply(11, from_region(policed, "eu", 1.0)),
@@ -496,7 +522,7 @@ def test_an_update_whose_declared_epsilon_exceeds_its_senders_policy_is_rejected
 )
 def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, changes, rule):
     a = policed[0]
-    a.train(1, [reply(12, from_region(policed, "cn", 3.0, **changes))])
+    train_round(a, 1, [reply(12, from_region(policed, "cn", 3.0, **changes))])
     entry = a.recorder.data.rounds[1].train["cn"]
     assert entry.status == "rejected" and rule in entry.reason
 
@@ -515,7 +541,7 @@ def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed
         policy_hash=policy_hash(folder, "cn"),
         suite="xwing-fernet",
     )
-    a.train(1, [reply(11, wrong_policy), reply(12, fernet)])
+    train_round(a, 1, [reply(11, wrong_policy), reply(12, fernet)])
     train = a.recorder.data.rounds[1].train
     assert "the aggregator holds" in train["eu"].reason
     assert "suite xwing-fernet not allowed (sealing.allowed_suites)" in train["cn"].reason
@@ -529,7 +555,7 @@ def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(aggreg
     )
     clear = trained("eu", 1.0, 60)
     clear.info["jurisdiction"] = "EU"
-    result = aggregator.train(1, [reply(11, clear)])
+    result = train_round(aggregator, 1, [reply(11, clear)])
     assert isinstance(result.aggregate, Withheld)
     entry = aggregator.recorder.data.rounds[1].train["eu"]
     assert entry.status == "rejected"
@@ -540,7 +566,8 @@ def test_a_refused_aggregate_leaves_the_global_model_unchanged(policed):
     a = policed[0]
     before = {k: v.copy() for k, v in a.global_adapter.items()}
     # One region accepted, the other rejected: the shipped policies need 2 regions.
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, from_region(policed, "eu", 1.0)),
@@ -558,7 +585,8 @@ def test_a_refused_aggregate_leaves_the_global_model_unchanged(policed):
 
 def test_too_few_examples_withhold_the_aggregate(policed):
     a = policed[0]
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, from_region(policed, "eu", 1.0, **{"num-examples": 20})),
@@ -577,7 +605,7 @@ def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
     update = from_region(policed, "cn", 3.0)
     (folder / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
     a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
-    a.train(1, [reply(12, update)])
+    train_round(a, 1, [reply(12, update)])
     entry = a.recorder.data.rounds[1].train["cn"]
     assert entry.status == "rejected"
     assert "no readable policy for CN" in entry.reason and "cn.yaml:1" in entry.reason
@@ -605,7 +633,8 @@ def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
     run.config = RunSettings(aggregator_jurisdiction="EU")
     run.policies = {"EU": PolicyHeld(file="eu.yaml", hash="ab" * 32)}
     run.regions = ["eu", "cn"]
-    a.train(
+    train_round(
+        a,
         1,
         [
             reply(11, from_region(policed, "eu", 1.0)),
@@ -622,7 +651,7 @@ def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_pa
     a = policed[0]
     a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     good, bad = from_region(policed, "eu", 1.0), from_region(policed, "cn", 3.0, epsilon=20.0)
-    a.train(1, [reply(11, good), reply(12, bad)])
+    train_round(a, 1, [reply(11, good), reply(12, bad)])
     records = load_records(a.audit.path)
     events = [(r["event"], r["details"].get("region")) for r in records]
     assert events == [
@@ -678,7 +707,8 @@ def audited(policed, tmp_path):
 def test_a_hostile_update_is_rejected_and_audited_and_the_round_goes_on(audited, case):
     a = audited[0]
     make, reason = HOSTILE[case]
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -703,7 +733,9 @@ def test_below_the_minimums_the_round_ends_explicitly_and_the_model_is_untouched
     a = audited[0]
     before = a.global_adapter["w"].copy()
     make, _ = HOSTILE[case]
-    result = a.train(1, [reply(11, from_region(audited, "eu", 1.0)), reply(12, make(audited))])
+    result = train_round(
+        a, 1, [reply(11, from_region(audited, "eu", 1.0)), reply(12, make(audited))]
+    )
     assert isinstance(result.aggregate, Withheld)
     np.testing.assert_array_equal(a.global_adapter["w"], before)
     events = [r["event"] for r in load_records(a.audit.path)]
@@ -713,7 +745,8 @@ def test_below_the_minimums_the_round_ends_explicitly_and_the_model_is_untouched
 def test_a_clipped_update_is_recorded_with_its_norm(policed):
     a = policed[0]
     a.run = a.run.model_copy(update={"update_norm_action": "clip", "max_update_norm": 2.0})
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [reply(11, from_region(policed, "eu", 1.0)), reply(12, from_region(policed, "cn", 100.0))],
     )
@@ -733,7 +766,7 @@ def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, t
     a.evaluate(0, [reply(11, evaluated("eu", 1.0, 10))])
     a.end(0)
     assert not (tmp_path / "run" / "cp").exists()  # the initial evaluation saves none
-    a.train(1, [reply(11, trained("eu", 1.0, 10))])
+    train_round(a, 1, [reply(11, trained("eu", 1.0, 10))])
     a.end(1)
     saved = load_checkpoint(tmp_path / "run" / "cp")
     assert saved.round == 1 and saved.federation_run == 7
@@ -746,7 +779,7 @@ def test_the_checkpoint_carries_the_server_optimizer_and_the_schedule(run_config
     adam = run_config.model_copy(update={"server_optimizer": "fedavgm", "keep_checkpoints": 2})
     a = make_round(adam, tmp_path / "run", run_id=7, checkpoints=tmp_path / "run" / "cp")
     for server_round in (1, 2, 3):
-        a.train(server_round, [reply(11, trained("eu", 1.0, 10))])
+        train_round(a, server_round, [reply(11, trained("eu", 1.0, 10))])
         a.heard(server_round, [11])
         a.end(server_round)
     saved = load_checkpoint(tmp_path / "run" / "cp")
@@ -770,7 +803,7 @@ def test_the_checkpoint_carries_the_server_optimizer_and_the_schedule(run_config
 def test_an_implausible_step_count_is_rejected_alone(aggregator, steps, reason):
     bad = trained("cn", 9.0, 10)
     bad.metrics["steps"] = steps
-    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, bad)])
+    result = train_round(aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, bad)])
     cn = aggregator.recorder.data.rounds[1].train["cn"]
     assert cn.status == "rejected" and "ImplausibleUpdate" in cn.reason and reason in cn.reason
     np.testing.assert_allclose(adapter_of(result)["w"], 1.0)
@@ -779,7 +812,7 @@ def test_an_implausible_step_count_is_rejected_alone(aggregator, steps, reason):
 def test_an_update_trained_in_another_adapter_mode_is_refused_in_one_line(aggregator):
     other = trained("cn", 9.0, 10)  # the same size, so only the declared mode tells
     other.info[ADAPTER_MODE] = "lora-sb"
-    result = aggregator.train(1, [reply(11, trained("eu", 1.0, 10)), reply(12, other)])
+    result = train_round(aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, other)])
     cn = aggregator.recorder.data.rounds[1].train["cn"]
     assert cn.status == "rejected" and "\n" not in cn.reason
     assert "adapter-mode 'lora-sb', this run's is 'lora'" in cn.reason
@@ -789,7 +822,7 @@ def test_an_update_trained_in_another_adapter_mode_is_refused_in_one_line(aggreg
 def test_regions_that_took_different_step_counts_are_normalised(aggregator):
     slow, fast = trained("eu", 1.0, 10), trained("cn", 6.0, 10)
     slow.metrics["steps"], fast.metrics["steps"] = 2, 6  # 0.5 and 1 per step
-    result = aggregator.train(1, [reply(11, slow), reply(12, fast)])
+    result = train_round(aggregator, 1, [reply(11, slow), reply(12, fast)])
     # tau_eff = 4; 4 * (0.5 * 0.5 + 0.5 * 1) = 3 (FedAvg: 3.5)
     np.testing.assert_allclose(adapter_of(result)["w"], 3.0, rtol=1e-6)
 
@@ -830,7 +863,8 @@ def test_an_update_declaring_record_from_a_region_whose_policy_requires_user_is_
     eu_requires_user,
 ):
     a = eu_requires_user[0]
-    a.train(
+    train_round(
+        a,
         1,
         [
             reply(11, from_region(eu_requires_user, "eu", 1.0, unit="record")),
@@ -844,7 +878,8 @@ def test_an_update_declaring_record_from_a_region_whose_policy_requires_user_is_
 
 def test_metrics_and_the_audit_log_name_each_updates_privacy_unit(eu_requires_user):
     a = eu_requires_user[0]
-    result = a.train(
+    result = train_round(
+        a,
         1,
         [
             reply(11, from_region(eu_requires_user, "eu", 1.0, unit="user")),

@@ -50,6 +50,7 @@ from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     sealed_envelope,
     sealed_round,
     signed,
+    train_round,
     update_arrays,
 )
 
@@ -249,7 +250,8 @@ def test_a_malformed_reply_is_rejected_alone_and_the_aggregate_is_the_honest_mea
     s = audited[0]
     make, reason = HOSTILE[case]
     hostile = make(audited)
-    result = s.train(
+    result = train_round(
+        s,
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -282,7 +284,8 @@ def test_any_exception_inside_the_reply_boundary_rejects_only_that_reply(audited
         return real(facts)
 
     monkeypatch.setattr(type(s.policies), "check_update", lambda self, facts: buggy(facts))
-    result = s.train(
+    result = train_round(
+        s,
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -311,7 +314,8 @@ def test_a_failure_to_record_a_reply_rejects_it_instead_of_counting_it(audited, 
         real(journal, server_round, judged, entry)
 
     monkeypatch.setattr(Journal, "_outcome", failing)
-    result = s.train(
+    result = train_round(
+        s,
         1,
         [
             reply(11, from_region(audited, "eu", 1.0)),
@@ -332,7 +336,8 @@ def test_garbage_labelled_eu_does_not_displace_eus_genuine_record(audited):
     garbage.info["status"] = "trained"  # unsigned, claims eu
     forged = from_region(audited, "cn", 50.0)  # cn's real reply, relabelled eu
     forged.info["region"] = "eu"
-    result = s.train(
+    result = train_round(
+        s,
         1,
         [
             reply(21, garbage),  # first, so it would take eu's place if names were trusted
@@ -353,7 +358,7 @@ def test_a_reply_signed_by_one_region_naming_another_is_recorded_under_its_signe
     s, regions, _ = audited
     content = declined("eu", "I am eu")
     signed(content, regions["cn"])  # cn's key signs a reply that says eu
-    s.train(1, [reply(12, content), reply(11, from_region(audited, "eu", 1.0))])
+    train_round(s, 1, [reply(12, content), reply(11, from_region(audited, "eu", 1.0))])
     train = s.recorder.data.rounds[1].train
     assert train["eu"].status == "trained"
     assert train["node-12"].status == "rejected"
@@ -410,7 +415,7 @@ def test_each_signed_reply_has_its_regions_audit_head_witnessed(audited):
     content = from_region(audited, "eu", 1.0)
     content.info.update({"audit-count": 3, "audit-head": "ab" * 32})
     signed(content, regions["eu"])
-    s.train(1, [reply(11, content)])
+    train_round(s, 1, [reply(11, content)])
     witnessed = [r for r in load_records(s.audit.path) if r["event"] == WITNESS_EVENT]
     assert [w["details"] for w in witnessed] == [{"party": "eu", "count": 3, "head": "ab" * 32}]
 
@@ -429,7 +434,7 @@ def test_a_sealed_payload_from_update_payload_still_opens(policed):
     payload = update_payload(update_arrays(encoded(1.0)), DP_METRICS, {"region": "cn", **INFO})
     s = policed[0]
     content = sealed_payload(policed, "cn", payload)
-    s.train(1, [reply(12, content)])
+    train_round(s, 1, [reply(12, content)])
     assert s.recorder.data.rounds[1].train["cn"].status == "trained"
 
 
