@@ -288,7 +288,7 @@ class Region:
         )
         residual = feedback.load()
         update, residual = compress_with_feedback(
-            vector, residual, codec, np.random.default_rng(seed)
+            vector, residual, codec, rounding_rng(self.run, seed)
         )
         feedback.save(residual)
         return update
@@ -509,6 +509,21 @@ class Region:
         # Distinct, reproducible sampling per (run seed, region, round).
         key = f"{self.run.seed}:{self.name}:{server_round}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+
+
+def rounding_rng(run: RunConfig, seed: int) -> np.random.Generator:
+    """The generator of a codec's stochastic rounding: seeded from the round's seed (a
+    stream of its own) where the round is reproducible anyway (no DP, or
+    insecure-reproducible-noise), else from os entropy like the DP noise. Rounding
+    happens after DP, so it costs no privacy either way; this only keeps it from being
+    a stream the aggregator (who picks the seed) can replay."""
+    if run.dp and not run.insecure_reproducible_noise:
+        return np.random.default_rng()
+    return np.random.default_rng([seed, ROUNDING_STREAM])
+
+
+#: Distinguishes the rounding generator from anything else seeded with a round's seed.
+ROUNDING_STREAM = 2
 
 
 #: This process's built regions, bounded by count and private memory (region_cache).
