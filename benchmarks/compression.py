@@ -13,6 +13,13 @@ ratios to ``dense``, and the eval loss per round (all regions, example-weighted)
 
     .venv/bin/python benchmarks/compression.py                  # realistic, 5 rounds
     .venv/bin/python benchmarks/compression.py --preset tiny --rounds 3
+    .venv/bin/python benchmarks/compression.py --base random    # issue 20's random base
+
+The runs fine-tune a base that has learned language first (``--base pretrained``, the
+default on ``realistic``): the preset pretrained once on public text by ``pretrain.py``
+(its default budget, built on first use, then cached), loaded through ``model-path``;
+``--base random`` fine-tunes the seeded random init as issue 20 did (the default on
+the other presets), and ``--base PATH`` any checkpoint folder.
 
 On the ``realistic`` preset the adapter is LoRA r=64 on the attention projections:
 6.9 M entries, 27.6 MB dense (the issue's reference delta, 13.8 M entries, is r=128
@@ -32,10 +39,10 @@ import statistics
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from pretrain import MINUTES, Recipe, app_config, pretrained_base
 from report import Row, save_figure, verdict
 
 from fedciuic.crypto.parties import generate_federation_keys
@@ -93,8 +100,22 @@ TARGET_GAP_PCT = 2.0
 
 def default_codec() -> str:
     """The run config's ``codec`` in pyproject.toml: the codec a federation gets."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    return str(config["tool"]["flwr"]["app"]["config"]["codec"])
+    return str(app_config()["codec"])
+
+
+def base_of(choice: str | None, settings: dict[str, Any]) -> dict[str, Any]:
+    """What the runs fine-tune (``--base``): ``pretrained`` (the default on ``realistic``)
+    adds the pretrained base's ``model-path``, built now if it is not cached; a folder is
+    used as it is; ``random`` (the default elsewhere) keeps the preset's random init."""
+    preset = settings["model-preset"]
+    choice = choice or ("pretrained" if preset == "realistic" else "random")
+    if choice == "random":
+        return {"kind": "random"}
+    if choice != "pretrained":
+        return {"kind": "checkpoint", "path": str(Path(choice).expanduser().resolve())}
+    path, record = pretrained_base(Recipe(preset, None, MINUTES[preset]), settings)
+    figures = ("steps", "tokens_seen", "train_seconds", "before", "after")
+    return {"kind": "pretrained", "path": str(path), **{k: record[k] for k in figures}}
 
 
 def bench_policies(dest: Path) -> Path:
@@ -108,6 +129,16 @@ def bench_policies(dest: Path) -> Path:
             encoding="utf-8",
         )
     return dest
+
+
+def _base_words(base: dict[str, Any]) -> str:
+    if base["kind"] == "pretrained":
+        return (
+            f"pretrained ({base['steps']} steps, {base['train_seconds'] / 60:.0f} min; its demo "
+            f"eval loss {base['before']['demo_eval_loss']:.2f} -> "
+            f"{base['after']['demo_eval_loss']:.2f}; benchmarks/pretrain.py)"
+        )
+    return f"checkpoint {base['path']}" if base["kind"] == "checkpoint" else "random init"
 
 
 def run_federation(
@@ -222,8 +253,11 @@ def rows(result: dict[str, Any]) -> list[Row]:
     setting = result.get("settings", {})
     default = result.get("default_codec", "")
     aggressive = min((c for c in comm if c != "dense"), key=lambda c: comm[c]["wire_bytes"])
+    base = result.get("base", {"kind": "random"})
     where = (
-        f"{setting.get('model-preset', 'tiny')} preset, LoRA r={setting.get('lora-rank', 8)} "
+        f"{setting.get('model-preset', 'tiny')} preset"
+        + (f" ({base['kind']} base)" if base["kind"] != "random" else "")
+        + f", LoRA r={setting.get('lora-rank', 8)} "
         f"({dense['update_bytes'] / 1e6:.1f} MB dense), "
         f"{len(str(setting.get('regions', 'eu,cn,us')).split(','))} regions, "
         f"{setting.get('num-server-rounds', '?')} rounds, DP on"
@@ -310,12 +344,19 @@ def main() -> int:
     parser.add_argument("--max-eval-examples", type=int)
     parser.add_argument("--dtype")
     parser.add_argument("--max-update-norm", type=float)
+    parser.add_argument(
+        "--base",
+        help="pretrained (default on realistic), random (elsewhere) or a checkpoint folder",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     settings: dict[str, Any] = {"model-preset": args.preset, "num-server-rounds": args.rounds}
     for key, value in PRESETS[args.preset].items():
         given = getattr(args, key.replace("-", "_"))
         settings[key] = value if given is None else given
+    base = base_of(args.base, settings)
+    if "path" in base:
+        settings["model-path"] = base["path"]
     default = default_codec()
     given = args.codecs.split(",") if args.codecs else CODECS[args.preset]
     given = [default if c == "default" else c for c in given]
@@ -331,6 +372,7 @@ def main() -> int:
         f"{dense['noise_multiplier']}, reproducible noise), sealed; {seconds:.0f} s"
     )
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"base: {_base_words(base)}")
     print(
         f"{'codec':<20} {'on the wire':>12} {'ratio':>7} {'update':>10} {'ratio':>7} "
         f"{'vs dense':>9} {'kept':>5}  eval loss per round"
@@ -354,6 +396,7 @@ def main() -> int:
             json.dumps(
                 {
                     "settings": settings,
+                    "base": base,
                     "default_codec": default,
                     "best_margin": best,
                     "most_aggressive_meeting": aggressive,

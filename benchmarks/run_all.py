@@ -45,7 +45,11 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "communication": (
         "compression.py",
         [],
-        ["--rounds", "2", "--codecs", "dense,default", "--max-eval-examples", "16"],
+        # --quick skips pretraining the base (15 min on 2 cores the first time).
+        [
+            *("--rounds", "2", "--codecs", "dense,default", "--max-eval-examples", "16"),
+            *("--base", "random"),
+        ],
     ),
     "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),

@@ -10,6 +10,7 @@ import pytest
 from fedciuic.compression import (
     CHUNK,
     ErrorFeedback,
+    MalformedUpdate,
     ResidualError,
     compress_with_feedback,
     get_codec,
@@ -17,7 +18,19 @@ from fedciuic.compression import (
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError
 
-SPECS = ["dense", "int8", "sign", "topk:0.05", "topk-int8:0.05", "topk-int4:0.05", "topk-sign:0.05"]
+SPECS = [
+    "dense",
+    "int8",
+    "int4",
+    "int2",
+    "sign",
+    "topk:0.05",
+    "topk-int8:0.05",
+    "topk-int4:0.05",
+    "topk-sign:0.05",
+]
+#: The dense stochastic-rounding codecs and their largest level (values -L..L).
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 N = 3 * CHUNK + 17  # a partial last chunk
 
 
@@ -40,18 +53,93 @@ def chunk_max(x: np.ndarray) -> np.ndarray:
     return np.repeat(pad.max(axis=1), CHUNK)[: x.size]
 
 
-def test_int8_error_is_below_one_quantisation_step(x):
-    codec = get_codec("int8")
+def step_of(x: np.ndarray, spec: str) -> np.ndarray:
+    """Each entry's quantisation step, as the encoder computes it (float32)."""
+    return (chunk_max(x).astype(np.float32) / np.float32(LEVELS[spec])).astype(np.float32)
+
+
+@pytest.mark.parametrize("spec", LEVELS)
+def test_dense_quantised_error_is_below_one_step(x, spec):
+    codec = get_codec(spec)
     sent = codec.decode(codec.encode(x, np.random.default_rng(0)), N).dense(N)
-    step = chunk_max(x) / 127  # documented bound: |error| < max|chunk| / 127
-    assert np.all(np.abs(sent - x) <= step * (1 + 1e-6))
+    assert np.all(np.abs(sent - x) <= step_of(x, spec) * (1 + 1e-6))  # documented bound
+    assert np.allclose(sent / step_of(x, spec), np.round(sent / step_of(x, spec)), atol=1e-3)
 
 
-def test_int8_stochastic_rounding_is_unbiased(x):
-    codec = get_codec("int8")
+@pytest.mark.parametrize("spec", LEVELS)
+def test_dense_stochastic_rounding_is_unbiased(spec):
+    """The mean of M encodings converges to x: each entry rounds to one of its two
+    neighbouring levels with the probabilities that make it exact in expectation, so
+    its error has mean 0 and variance ``step**2 r (1 - r)`` (r: x's fraction of a step)."""
     rng = np.random.default_rng(0)
-    mean = np.mean([codec.decode(codec.encode(x, rng), N).dense(N) for _ in range(400)], axis=0)
-    assert np.abs(mean - x).max() < 0.2 * (chunk_max(x) / 127).max()
+    x = rng.standard_normal(N).astype(np.float32)
+    x[5] = 0.0  # on a level: always exact
+    codec, m = get_codec(spec), 2000
+    sent = np.stack([codec.decode(codec.encode(x, rng), N).dense(N) for _ in range(m)])
+    err = sent.astype(np.float64) - x
+    step = step_of(x, spec).astype(np.float64)
+    r = x / step - np.floor(x / step)
+    variance = step**2 * r * (1 - r)
+    assert np.all(err[:, 5] == 0)
+    # Per entry, the mean error is within 5 standard errors of 0 ...
+    standard_error = np.sqrt(variance / m)
+    assert np.all(np.abs(err.mean(0)) <= 5 * standard_error + 1e-7 * step)
+    # ... and over all entries no bias shows (a z-score of the summed error) ...
+    assert abs(err.mean(0).sum()) <= 5 * np.sqrt(variance.sum() / m)
+    # ... while the squared error is what unbiased rounding costs, at most step**2 / 4.
+    mse = (err**2).mean(0)
+    assert abs(mse.sum() / variance.sum() - 1) < 0.05
+    assert np.all(mse <= step**2 / 4 * 1.2 + 1e-12)
+
+
+@pytest.mark.parametrize("spec", LEVELS)
+@pytest.mark.parametrize("n", [1, 3, CHUNK, CHUNK + 1, 3 * CHUNK + 17])
+def test_dense_quantised_round_trip_shape_and_size(spec, n):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    codec = get_codec(spec)
+    blob = codec.encode(x, np.random.default_rng(1))
+    width = {"int8": 8, "int4": 4, "int2": 2}[spec]
+    assert len(blob) == 10 + 4 * -(-n // CHUNK) + -(-n * width // 8)  # docs/compression.md
+    got = codec.decode(blob, n)
+    assert got.indices is None and got.values.shape == (n,) and got.values.dtype == np.float32
+    assert np.all(np.abs(got.dense(n) - x) <= step_of(x, spec) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize(("spec", "levels"), [("int4", "-7..7"), ("int2", "-1..1")])
+def test_a_packed_code_of_zero_or_a_non_zero_pad_is_refused(x, spec, levels):
+    codec = get_codec(spec)
+    blob = bytearray(codec.encode(x, np.random.default_rng(0)))
+    first = 10 + 4 * -(-N // CHUNK)  # the first packed byte
+    bad = bytearray(blob)
+    bad[first] &= 0xF0 if spec == "int4" else 0xFC  # the first entry's code: 0
+    with pytest.raises(MalformedUpdate, match=f"{spec} body holds a value outside {levels}"):
+        codec.decode(bytes(bad), N)
+    bad = bytearray(blob)
+    bad[-1] |= 0x80  # N % 4 == 1: the last byte's top bits are pad
+    with pytest.raises(MalformedUpdate, match="non-zero pad"):
+        codec.decode(bytes(bad), N)
+    with pytest.raises(MalformedUpdate, match=f"{spec} body truncated"):
+        codec.decode(bytes(blob[:-1]), N)
+    with pytest.raises(MalformedUpdate, match="the run uses 'int8'"):
+        get_codec("int8").decode(bytes(blob), N)
+
+
+@pytest.mark.parametrize("spec", LEVELS)
+def test_error_feedback_with_dense_quantisers_delays_nothing_for_long(spec):
+    """Over many rounds what was sent plus the last residual is every delta summed, and
+    the residual stays below one step of what was encoded: it does not build up."""
+    rng = np.random.default_rng(6)
+    codec = get_codec(spec)
+    residual = np.zeros(N, np.float32)
+    total_sent, total_delta = np.zeros(N, np.float64), np.zeros(N, np.float64)
+    for _ in range(30):
+        delta = rng.uniform(-1, 1, N).astype(np.float32)  # a flat, DP-like delta
+        target = delta + residual
+        blob, residual = compress_with_feedback(delta, residual, codec, rng)
+        total_sent += codec.decode(blob, N).dense(N)
+        total_delta += delta
+        assert np.all(np.abs(residual) <= step_of(target, spec) * (1 + 1e-6))
+    np.testing.assert_allclose(total_sent + residual, total_delta, rtol=0, atol=1e-4)
 
 
 def test_sign_error_is_within_its_bound(x):
@@ -99,12 +187,12 @@ def test_wrong_length_is_rejected(x, spec):
         codec.decode(blob + b"\0", N)
 
 
-@pytest.mark.parametrize("spec", ["dense", "topk:0.05", "int8"])
+@pytest.mark.parametrize("spec", ["dense", "topk:0.05", "int8", "int4", "int2"])
 def test_non_finite_values_are_rejected(x, spec):
     codec = get_codec(spec)
     blob = bytearray(codec.encode(x, np.random.default_rng(0)))
-    # Overwrite the last float32 (a value or, for int8, a scale) with NaN.
-    at = len(blob) - 4 if spec != "int8" else 10
+    # Overwrite the last float32 (a value) or, for the quantisers, the first scale with NaN.
+    at = 10 if spec in LEVELS else len(blob) - 4
     blob[at : at + 4] = struct.pack("<f", float("nan"))
     with pytest.raises(ValueError, match="NaN or infinite"):
         codec.decode(bytes(blob), N)

@@ -28,19 +28,17 @@ UPDATE_MAGIC = b"FZ"
 UPDATE_FORMAT = 2
 READS = (1, 2)
 
-Encode = Callable[[np.ndarray, np.random.Generator], bytes | memoryview]
-Decode = Callable[[memoryview, int], tuple[np.ndarray, int]]
-
 
 @dataclass(frozen=True)
 class _Values:
-    encode: Encode
-    decode: Decode
+    encode: value_coding.Encode
+    decode: value_coding.Decode
 
 
 FP32 = _Values(value_coding.fp32_encode, value_coding.fp32_decode)
 INT8 = _Values(value_coding.int8_encode, value_coding.int8_decode)
 INT4 = _Values(value_coding.int4_encode, value_coding.int4_decode)
+INT2 = _Values(value_coding.int2_encode, value_coding.int2_decode)
 SIGN = _Values(value_coding.sign_encode, value_coding.sign_decode)
 
 
@@ -185,13 +183,17 @@ def _topk(name: str, ident: int, values: _Values) -> Callable[[str], Codec]:
 
 
 #: A codec's name without its argument: what a policy's ``allowed_codecs`` lists.
-CodecFamily = Literal["dense", "int8", "sign", "topk", "topk-int8", "topk-int4", "topk-sign"]
+CodecFamily = Literal[
+    "dense", "int8", "int4", "int2", "sign", "topk", "topk-int8", "topk-int4", "topk-sign"
+]
 
 #: Registry (its keys are exactly :data:`CodecFamily`): a name, or ``name:fraction``
 #: for top-k codecs. Ids are wire values: never reuse one.
 CODECS: dict[str, Callable[[str], Codec]] = {
     "dense": lambda _: Codec("dense", 1, FP32),
     "int8": lambda _: Codec("int8", 2, INT8),
+    "int4": lambda _: Codec("int4", 8, INT4),
+    "int2": lambda _: Codec("int2", 9, INT2),
     "sign": lambda _: Codec("sign", 4, SIGN),
     "topk": _topk("topk", 3, FP32),
     "topk-int8": _topk("topk-int8", 5, INT8),

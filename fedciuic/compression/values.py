@@ -1,5 +1,6 @@
-"""Value bodies: fp32, int8 and int4 with stochastic rounding, and sign, each with one
-fp32 scale per :data:`CHUNK` entries (pure NumPy, vectorised).
+"""Value bodies: fp32; int8, int4 and int2 with stochastic rounding (unbiased); and
+sign; each but fp32 with one fp32 scale per :data:`CHUNK` entries (pure NumPy,
+vectorised).
 
 Each ``decode`` checks that the body holds what its sizes say before reading it, and
 returns (values, bytes used).
@@ -15,6 +16,10 @@ import numpy as np
 from fedciuic.compression.errors import MalformedUpdate
 
 CHUNK = 256  # entries per scale
+
+#: A value body's encoder (the rng drives stochastic rounding) and decoder.
+Encode = Callable[[np.ndarray, np.random.Generator], bytes | memoryview]
+Decode = Callable[[memoryview, int], tuple[np.ndarray, int]]
 
 
 def finite(values: np.ndarray, what: str) -> None:
@@ -67,26 +72,40 @@ def int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
     return (q.astype(np.float32) * scales).astype(np.float32), head + n
 
 
-def int4_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
-    """q in -7..7 stored as q + 8 (1..15), two per byte, the earlier entry in the low
-    nibble; an odd count pads with a 0 nibble."""
-    scales, q = _quantise(x, 7, rng)
-    nibbles = np.zeros(2 * math.ceil(x.size / 2), np.uint8)
-    nibbles[: x.size] = (q + 8).astype(np.uint8)
-    return scales + (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+def _packed(width: int) -> tuple[Encode, Decode]:
+    """The encode and decode of ``width``-bit values (4: -7..7, 2: -1..1), stochastically
+    rounded like int8 and stored as ``q + 2**(width-1)``, ``8 // width`` per byte, the
+    earlier entry in the lower bits; the last byte pads with 0 codes, and a 0 code in
+    place of a value (which no encoder writes) is malformed."""
+    what, offset, per = f"int{width}", 1 << (width - 1), 8 // width
+    levels, mask = offset - 1, (1 << width) - 1
+    shifts = np.arange(0, 8, width, dtype=np.uint8)
+
+    def encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
+        scales, q = _quantise(x, levels, rng)
+        codes = np.zeros(per * math.ceil(x.size / per), np.uint8)
+        codes[: x.size] = (q + offset).astype(np.uint8)
+        packed: np.ndarray = np.bitwise_or.reduce(codes.reshape(-1, per) << shifts, axis=1)
+        return scales + packed.astype(np.uint8).tobytes()
+
+    def decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
+        head = 4 * math.ceil(n / CHUNK)
+        need = head + math.ceil(n / per)
+        scales = _scales(body, n, need, what)
+        packed = np.frombuffer(body[head:need], np.uint8)
+        codes = ((packed[:, None] >> shifts) & mask).ravel()
+        if np.any(codes[:n] == 0) or np.any(codes[n:] != 0):
+            raise MalformedUpdate(
+                f"{what} body holds a value outside -{levels}..{levels} or a non-zero pad"
+            )
+        q = codes[:n].astype(np.int8) - offset
+        return (q.astype(np.float32) * scales).astype(np.float32), need
+
+    return encode, decode
 
 
-def int4_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
-    head = 4 * math.ceil(n / CHUNK)
-    need = head + math.ceil(n / 2)
-    scales = _scales(body, n, need, "int4")
-    packed = np.frombuffer(body[head:need], np.uint8)
-    nibbles = np.empty(2 * packed.size, np.uint8)
-    nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
-    if np.any(nibbles[:n] == 0) or np.any(nibbles[n:] != 0):
-        raise MalformedUpdate("int4 body holds a value outside -7..7 or a non-zero pad")
-    q = nibbles[:n].astype(np.int8) - 8
-    return (q.astype(np.float32) * scales).astype(np.float32), need
+int4_encode, int4_decode = _packed(4)
+int2_encode, int2_decode = _packed(2)
 
 
 def sign_encode(x: np.ndarray, _: np.random.Generator) -> bytes:

@@ -167,11 +167,27 @@ class TrainOutcome:
     adapter_mode: AdapterMode = "lora"
 
 
+def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
+    """The generator of a codec's stochastic rounding: seeded from the round's seed (a
+    stream of its own) where the round is reproducible anyway (no DP, or
+    insecure-reproducible-noise), else from os entropy like the DP noise. Rounding
+    happens after DP, so it costs no privacy either way; this only keeps it from being
+    a stream the aggregator (who picks the seed) can replay."""
+    if dp.enabled and not dp.reproducible_noise:
+        return np.random.default_rng()
+    return np.random.default_rng([seed, ROUNDING_STREAM])
+
+
+#: Distinguishes the rounding generator from anything else seeded with a round's seed.
+ROUNDING_STREAM = 2
+
+
 def compress_update(
-    delta: dict[str, np.ndarray], codec: Codec, state_dir: Path, seed: int
+    delta: dict[str, np.ndarray], codec: Codec, state_dir: Path, rng: np.random.Generator
 ) -> bytes:
-    """The delta encoded with error feedback; the residual stays on the region's disk
-    (``state_dir``), one per codec.
+    """The delta encoded with error feedback (``rng``: the codec's stochastic rounding,
+    :func:`rounding_rng`); the residual stays on the region's disk (``state_dir``), one
+    per codec.
 
     Compression runs after DP (post-processing costs no privacy) and before
     sealing (ciphertext does not compress).
@@ -181,9 +197,7 @@ def compress_update(
     feedback = ErrorFeedback(
         state_dir / f"residual-{safe}.bin", codec, layout_id(layout_of(delta)), vector.size
     )
-    update, residual = compress_with_feedback(
-        vector, feedback.load(), codec, np.random.default_rng(seed)
-    )
+    update, residual = compress_with_feedback(vector, feedback.load(), codec, rng)
     feedback.save(residual)
     return update
 
@@ -307,7 +321,9 @@ class Region:
             )
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
-        update = compress_update(delta, self.run.compression.codec, self.node.state_dir, seed)
+        update = compress_update(
+            delta, self.run.compression.codec, self.node.state_dir, rounding_rng(self.dp, seed)
+        )
         return TrainOutcome(
             self.name,
             delta,

@@ -14,7 +14,7 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import NodeConfig
-from fedciuic.region.trainer import Region
+from fedciuic.region.trainer import Region, rounding_rng
 
 
 @pytest.fixture
@@ -53,3 +53,20 @@ def test_a_corrupted_residual_stops_the_region(region, tmp_path):
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ResidualError, match=r"residual-topk-int8_0\.05\.bin: corrupted residual"):
         train(region, 2)
+
+
+def test_rounding_is_replayable_only_where_the_round_is(run_config):
+    """A codec's stochastic rounding comes from os entropy under secure DP noise (not a
+    stream the aggregator, who picks the seed, can replay), else from the round's seed
+    on a stream of its own."""
+
+    def draws(**update) -> list[np.ndarray]:
+        run = run_config.model_copy(update=update)
+        return [rounding_rng(run.privacy, 1234).random(4) for _ in range(2)]
+
+    first, second = draws(dp=True, secure_mode=True, insecure_reproducible_noise=False)
+    assert not np.array_equal(first, second)
+    for update in ({"dp": False}, {"dp": True, "insecure_reproducible_noise": True}):
+        first, second = draws(**update)
+        np.testing.assert_array_equal(first, second)
+        assert not np.array_equal(first, np.random.default_rng(1234).random(4))
