@@ -321,18 +321,10 @@ class Region:
             )
         end = self.model.adapter_state()
         delta = {name: end[name] - start[name] for name in start}
-        update = compress_update(
-            delta, self.run.compression.codec, self.node.state_dir, rounding_rng(self.dp, seed)
-        )
-        return TrainOutcome(
-            self.name,
-            delta,
-            stats,
-            self.data.fingerprint,
-            privacy,
-            update,
-            self.model.spec.adapter_mode,
-        )
+        rng = rounding_rng(self.dp, seed)
+        update = compress_update(delta, self.run.compression.codec, self.node.state_dir, rng)
+        mode = self.model.spec.adapter_mode
+        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy, update, mode)
 
     @property
     def ledger_path(self) -> Path:
