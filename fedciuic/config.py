@@ -52,6 +52,9 @@ DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
 #: matrix between fixed A and B. Both fixed-factor modes average exactly.
 AdapterMode = Literal["lora", "lora-fa", "lora-sb"]
 ADAPTER_MODES: tuple[AdapterMode, ...] = get_args(AdapterMode)
+#: The mode where none is named: the run config's default, and a reply, checkpoint or
+#: policy from before modes existed (all trained LoRA's A and B).
+DEFAULT_ADAPTER_MODE: AdapterMode = ADAPTER_MODES[0]
 
 #: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
 #: prompt's start (``left``), so that the response fits.
@@ -182,7 +185,7 @@ class RunConfig(_Strict):
     #: What each region trains and sends: ``lora`` (A and B, averaged factor-wise:
     #: inexact), ``lora-fa`` (B only, A fixed: exact), ``lora-sb`` (an r x r matrix
     #: between fixed A and B: exact). The same for every region (docs/models.md).
-    adapter_mode: AdapterMode = "lora"
+    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: The frozen base's dtype: auto is bf16 on a GPU that has it, else fp32. Adapters
     #: and optimizer state are always fp32.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -645,7 +648,7 @@ class ModelSpec:
     lora_targets: str = "auto"
     #: What trains and travels (:data:`AdapterMode`); the fixed factors are derived from
     #: the seed by every party.
-    adapter_mode: AdapterMode = "lora"
+    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     dtype: str = "auto"
     quantization: str = "none"
     gradient_checkpointing: bool = False

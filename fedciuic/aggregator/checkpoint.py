@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from fedciuic.config import ADAPTER_MODES, AdapterMode
+from fedciuic.config import ADAPTER_MODES, DEFAULT_ADAPTER_MODE, AdapterMode
 from fedciuic.crypto import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 from fedciuic.record import Rounds, dump_rounds, parse_rounds
@@ -75,7 +75,7 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)  # the aggregator's, JSON, as-is
     #: What the adapter's tensors are (the run's adapter-mode): a resume under another
     #: mode is refused. Checkpoints written before modes existed were all ``lora``.
-    adapter_mode: AdapterMode = "lora"
+    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: Set when loaded: the SHA-256 of its state.json (hex), and the key id that signed
     #: it ("" when unsigned).
     identity: str = ""
@@ -260,7 +260,7 @@ def load_checkpoint(path: Path, signer: PublicBundle | None = None) -> Checkpoin
         extra = state.get("extra", {})
         if not isinstance(extra, dict):
             raise ValueError(f"extra is a {type(extra).__name__}, not an object")
-        mode = state.get("adapter_mode", "lora")
+        mode = state.get("adapter_mode", DEFAULT_ADAPTER_MODE)
         if mode not in ADAPTER_MODES:
             raise ValueError(f"adapter_mode {str(mode)[:40]!r} is not one of {ADAPTER_MODES}")
         return Checkpoint(

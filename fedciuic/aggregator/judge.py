@@ -306,6 +306,7 @@ class Judge:
                 suite=header.suite,
                 codec=self.rules.codec.family,
                 num_examples=metrics.num_examples,
+                adapter_mode=info[ADAPTER_MODE],
                 agent_version=reply.info.get(AGENT_VERSION),
                 **metrics.declared(),
             )

@@ -88,6 +88,7 @@ def run_terms(
         seal=sealing.enabled,
         seal_suite=sealing.suite,
         codec=run.compression.codec.family,
+        adapter_mode=run.adapter_mode,
         privacy_unit=dp.unit,
         projected_epsilon=projected_epsilon,
     )

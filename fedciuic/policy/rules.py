@@ -37,7 +37,15 @@ from pydantic import (
 )
 
 from fedciuic.compression import CodecFamily
-from fedciuic.config import DEFAULT_PRIVACY_UNIT, PRIVACY_UNITS, PrivacyUnit, unit_covers
+from fedciuic.config import (
+    ADAPTER_MODES,
+    DEFAULT_ADAPTER_MODE,
+    DEFAULT_PRIVACY_UNIT,
+    PRIVACY_UNITS,
+    AdapterMode,
+    PrivacyUnit,
+    unit_covers,
+)
 from fedciuic.crypto import Suite
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
@@ -106,6 +114,11 @@ class Sealing(_Section):
 
 class Compression(_Section):
     allowed_codecs: Annotated[tuple[CodecFamily, ...], _Distinct] = Field(min_length=1)
+    #: What a region may send besides how it is coded: which tensors of the adapter
+    #: (adapter-mode, docs/models.md). Unset: every mode.
+    allowed_adapter_modes: Annotated[tuple[AdapterMode, ...], _Distinct] = Field(
+        default=ADAPTER_MODES, min_length=1
+    )
 
 
 class Aggregation(_Section):
@@ -166,11 +179,14 @@ class Policy(_Section):
     def content_hash(self) -> str:
         """SHA-256 of the canonical JSON of the validated policy (sorted keys, no
         whitespace): the same in every process, whatever the file's layout. The default
-        ``privacy.unit`` is left out, so that a policy written before it existed keeps
-        the hash that audit logs and envelopes already name."""
+        ``privacy.unit`` and ``compression.allowed_adapter_modes`` (every mode) are left
+        out, so that a policy written before they existed keeps the hash that audit logs
+        and envelopes already name."""
         data = self.model_dump(mode="json")
         if self.privacy.unit == DEFAULT_PRIVACY_UNIT:
             del data["privacy"]["unit"]
+        if set(self.compression.allowed_adapter_modes) == set(ADAPTER_MODES):
+            del data["compression"]["allowed_adapter_modes"]
         if self.agent is None:  # likewise for a policy that requires no agent version
             del data["agent"]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -638,6 +654,8 @@ class RunTerms:
     seal: bool
     seal_suite: str
     codec: str  # the codec's family (CodecFamily): dense, topk-int8, ...
+    #: Which adapter tensors travel (the run's adapter-mode).
+    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: What one guarantee covers (the run's privacy-unit).
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: The dataset's cumulative epsilon after this round (training only; None otherwise).
@@ -663,6 +681,7 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
             f"codec {terms.codec} not in {', '.join(p.compression.allowed_codecs)} "
             "(compression.allowed_codecs)"
         )
+    reasons += _mode_reasons(p, terms.adapter_mode)
     return Decision(
         actor=region,
         subject="run terms",
@@ -670,6 +689,15 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
         reasons=tuple(reasons),
         policy_hash=loaded.hash,
     )
+
+
+def _mode_reasons(p: Policy, mode: str) -> list[str]:
+    """Which tensors of the adapter travel is the codec's other half: both are what the
+    region sends."""
+    allowed = p.compression.allowed_adapter_modes
+    if mode in allowed:
+        return []
+    return [f"adapter-mode {mode} not in {', '.join(allowed)} (compression.allowed_adapter_modes)"]
 
 
 def _transfer_reasons(p: Policy, terms: RunTerms) -> list[str]:
@@ -752,6 +780,7 @@ class UpdateFacts:
     suite: str  # "none" for an update that came unsealed
     codec: str  # the codec's base name
     num_examples: int
+    adapter_mode: str = DEFAULT_ADAPTER_MODE  # the reply's own (the judge matched the run's)
     max_grad_norm: float | None = None
     secure_mode: bool | None = None
     unit: PrivacyUnit | None = None  # what the declared epsilon is per; None without DP
@@ -825,6 +854,7 @@ def check_update(
         reasons.append(f"suite {facts.suite} not allowed (sealing.allowed_suites)")
     if facts.codec not in p.compression.allowed_codecs:
         reasons.append(f"codec {facts.codec} not allowed (compression.allowed_codecs)")
+    reasons += _mode_reasons(p, facts.adapter_mode)
     if (too_old := loaded.agent_too_old(facts.agent_version)) is not None:
         reasons.append(too_old)
     reasons += _transfer_reasons(p, run)
@@ -906,7 +936,8 @@ def explain(loaded: LoadedPolicy) -> str:
         dp,
         unit,
         sealing,
-        f"Allowed compression codecs: {', '.join(p.compression.allowed_codecs)}.",
+        f"Allowed compression codecs: {', '.join(p.compression.allowed_codecs)}; adapter "
+        f"modes: {', '.join(p.compression.allowed_adapter_modes)}.",
         f"An aggregate that includes this region is published only with at least "
         f"{a.min_regions} regions and {a.min_examples} training examples in it.",
         f"Audit records are kept {p.audit.retention_days} days"

@@ -30,6 +30,7 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import (
+    DEFAULT_ADAPTER_MODE,
     AdapterMode,
     DPSettings,
     LocalTraining,
@@ -164,7 +165,7 @@ class TrainOutcome:
     privacy: PrivacySpent | None = None
     update: bytes = b""  # the delta (plus the old residual) encoded with the run's codec
     #: What the delta's tensors are: the adapter-mode the region's model trains in.
-    adapter_mode: AdapterMode = "lora"
+    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
 
 
 def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:

@@ -371,3 +371,35 @@ def test_the_agent_section_parses_a_version_and_changes_the_hash(tmp_path, eu):
     bad.write_text(text + "agent:\n  min_version: soon\n")
     with pytest.raises(PolicyError, match=r"agent\.min_version.*not a version"):
         load_policy(bad)
+
+
+def test_a_policy_can_allow_only_exact_adapter_modes_on_both_ends(tmp_path, eu):
+    """The adapter-mode is the codec's other half: a policy that lists the modes it
+    allows declines a run in another one and rejects its update; absent, every mode is
+    allowed and the hash is the one the file had before modes existed."""
+    exact = tmp_path / "eu.yaml"
+    exact.write_text(
+        edit(
+            EU,
+            "  allowed_codecs:",
+            "  allowed_adapter_modes: [lora-fa, lora-sb]\n  allowed_codecs:",
+        )
+    )
+    loaded = load_policy(exact)
+    assert loaded.hash != eu.hash
+    assert check_run("eu", eu, replace(GOOD, adapter_mode="lora-sb")).outcome == "accept"
+    assert check_run("eu", loaded, replace(GOOD, adapter_mode="lora-sb")).outcome == "accept"
+    declined = check_run("eu", loaded, GOOD)
+    assert declined.reasons == (
+        "adapter-mode lora not in lora-fa, lora-sb (compression.allowed_adapter_modes)",
+    )
+    rejected = check_update(loaded, replace(FACTS, policy_hash=loaded.hash), GOOD)
+    assert rejected.outcome == "reject" and any(
+        "compression.allowed_adapter_modes" in r for r in rejected.reasons
+    )
+    fa = replace(FACTS, adapter_mode="lora-fa", policy_hash=loaded.hash)
+    assert check_update(loaded, fa, GOOD).accepted
+    unknown = tmp_path / "bad.yaml"
+    unknown.write_text(edit(exact.read_text(), "[lora-fa, lora-sb]", "[dora]"))
+    with pytest.raises(PolicyError, match=r"bad.yaml:\d+: compression.allowed_adapter_modes"):
+        load_policy(unknown)

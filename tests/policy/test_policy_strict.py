@@ -396,14 +396,17 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
 
     loaded = load_policy(POLICIES / "eu-gdpr.yaml")
     data = loaded.policy.model_dump(mode="json")
-    # No agent section (any agent version) is left out: shipped policies keep their hash.
+    # No agent section (any agent version) is left out: shipped policies keep their hash;
+    # so is allowed_adapter_modes when it allows every mode.
     assert data.pop("agent") is None
+    assert set(data["compression"].pop("allowed_adapter_modes")) == {"lora", "lora-fa", "lora-sb"}
     assert loaded.hash == sha256(data)
     # The default privacy.unit (record) is left out: older policies keep their hash.
     cn = load_policy(POLICIES / "cn-pipl.yaml")
     data = cn.policy.model_dump(mode="json")
     assert data["privacy"].pop("unit") == "record"
     assert data.pop("agent") is None
+    data["compression"].pop("allowed_adapter_modes")
     assert cn.hash == sha256(data)
     # An agent section, once there, is hashed like any other.
     pinned = Policy.model_validate(
@@ -411,6 +414,7 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     )
     data = pinned.model_dump(mode="json")
     assert data["agent"] == {"min_version": "0.2.0"}
+    data["compression"].pop("allowed_adapter_modes")  # every mode: left out, as above
     assert pinned.content_hash == sha256(data) != loaded.hash
 
 
