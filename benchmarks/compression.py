@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -141,6 +142,20 @@ def _base_words(base: dict[str, Any]) -> str:
     return f"checkpoint {base['path']}" if base["kind"] == "checkpoint" else "random init"
 
 
+#: An entry's adapter-mode and codec: ``MODE/CODEC`` (``lora-fa/int4``), or a codec alone
+#: (``lora``, today's factor-wise A and B); ``no-dp`` is dense lora without DP and without
+#: policies (they require DP): the reference a DP run is measured against.
+NO_DP = "no-dp"
+
+
+def entry_settings(entry: str) -> dict[str, Any]:
+    """The run-config keys one benchmark entry changes."""
+    if entry == NO_DP:
+        return {"codec": "dense", "adapter-mode": "lora", "dp": False, "enforce-policies": False}
+    mode, _, codec = entry.rpartition("/")
+    return {"codec": codec, "adapter-mode": mode or "lora"}
+
+
 def run_federation(
     codecs: list[str], settings: dict[str, Any], partial: Path | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -158,14 +173,13 @@ def run_federation(
             federation.start_superlink(simulation=True)
             for codec in codecs:
                 # Same data for every codec, each with its own fresh privacy ledger.
-                data = Path(tmp) / f"data-{codec.replace(':', '_')}"
+                data = Path(tmp) / f"data-{re.sub(r'[^a-z0-9.-]', '_', codec)}"
                 write_demo_corpora(data, regions)
                 out = Path(tmp) / "runs"
                 started = time.monotonic()
                 run_id, _ = federation.run_app(
                     {
                         **settings,
-                        "codec": codec,
                         "data-root": str(data),
                         "output-dir": str(out),
                         "keys-dir": str(keys),
@@ -173,6 +187,7 @@ def run_federation(
                         "audit-dir": str(Path(tmp) / "audit"),
                         "secure-mode": False,
                         "insecure-reproducible-noise": True,
+                        **entry_settings(codec),
                     },
                     federation_config={
                         "num-supernodes": len(regions),
@@ -236,7 +251,7 @@ def recommend(comm: dict[str, dict[str, Any]]) -> tuple[str | None, str | None]:
     that meets them): the margin is the smaller of the two targets' slacks, each as a
     fraction of its target (bytes: ratio / 100 - 1; loss: 1 - gap / 2 %)."""
     dense = comm["dense"]
-    ok = [c for c in comm if c != "dense" and _meets(comm[c], dense)]
+    ok = [c for c in comm if c not in ("dense", NO_DP) and _meets(comm[c], dense)]
     if not ok:
         return None, None
 
@@ -252,7 +267,9 @@ def rows(result: dict[str, Any]) -> list[Row]:
     dense = comm["dense"]
     setting = result.get("settings", {})
     default = result.get("default_codec", "")
-    aggressive = min((c for c in comm if c != "dense"), key=lambda c: comm[c]["wire_bytes"])
+    aggressive = min(
+        (c for c in comm if c not in ("dense", NO_DP)), key=lambda c: comm[c]["wire_bytes"]
+    )
     base = result.get("base", {"kind": "random"})
     where = (
         f"{setting.get('model-preset', 'tiny')} preset"
@@ -263,7 +280,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
         f"{setting.get('num-server-rounds', '?')} rounds, DP on"
     )
     out: list[Row] = []
-    for codec in [c for c in comm if c != "dense"]:
+    for codec in [c for c in comm if c not in ("dense", NO_DP)]:
         r = comm[codec]
         wire = dense["wire_bytes"] / r["wire_bytes"]
         update = dense["update_bytes"] / r["update_bytes"]
