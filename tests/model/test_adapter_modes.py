@@ -15,7 +15,7 @@ import torch
 from fedciuic.aggregation import Bounds, check, make_aggregator
 from fedciuic.compression import get_codec
 from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, NodeConfig, RunConfig
-from fedciuic.data.corpus import Batch, ExampleSet
+from fedciuic.data.corpus import ExampleSet
 from fedciuic.model.adapter import (
     ADAPTER_MODE_FILE,
     LORA_A,
@@ -28,14 +28,14 @@ from fedciuic.model.adapter import (
     save_model_checkpoint,
 )
 from fedciuic.model.presets import TINY_FAMILIES, TINY_VOCAB_SIZE, preset_config
-from fedciuic.model.train import lm_loss, train_local
+from fedciuic.model.train import train_local
 from fedciuic.policy.binding import RegionPolicy
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.region.round import train_info
 from fedciuic.region.trainer import Region
 from fedciuic.server_optim import ServerOptimizer
 from fedciuic.wire import ADAPTER_MODE
-from tests.privacy.test_each_family_dp import opacus_grads
+from tests.privacy.test_each_family_dp import autograd_grads, opacus_grads
 
 CPU = torch.device("cpu")
 #: Three regions: their example counts (the FedAvg weights) and data seeds.
@@ -175,20 +175,7 @@ def test_per_sample_gradients_equal_autograd_in_the_fixed_factor_modes(
     state = model.adapter_state()  # B or R away from zero: every factor matters
     model.load_adapter_state({k: v + 0.01 for k, v in state.items()})
     rows = _rows(0, 3)
-    params = model.trainable_parameters()
-    expected = torch.stack(
-        [
-            torch.cat(
-                [
-                    g.flatten()
-                    for g in torch.autograd.grad(
-                        lm_loss(model.model, Batch.of_ids(r[None])), params
-                    )
-                ]
-            )
-            for r in rows
-        ]
-    )
+    expected = autograd_grads(model, rows)
     assert float(expected.abs().max()) > 0
     torch.testing.assert_close(opacus_grads(model, rows), expected, rtol=1e-3, atol=1e-6)
 

@@ -58,12 +58,11 @@ def opacus_grads(model: AdapterModel, rows: torch.Tensor) -> torch.Tensor:
         trainer.close()
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_per_sample_gradients_equal_autograd_one_example_at_a_time(tiny_checkpoints, family):
-    rows = _rows()
-    model = _model(str(tiny_checkpoints[family]))
+def autograd_grads(model: AdapterModel, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's gradient of the trainable parameters, one example at a time: what
+    Opacus' per-sample gradients must equal."""
     params = model.trainable_parameters()
-    expected = torch.stack(
+    return torch.stack(
         [
             torch.cat(
                 [
@@ -76,6 +75,13 @@ def test_per_sample_gradients_equal_autograd_one_example_at_a_time(tiny_checkpoi
             for r in rows
         ]
     )
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_per_sample_gradients_equal_autograd_one_example_at_a_time(tiny_checkpoints, family):
+    rows = _rows()
+    model = _model(str(tiny_checkpoints[family]))
+    expected = autograd_grads(model, rows)
     assert float(expected.abs().max()) > 0
     torch.testing.assert_close(opacus_grads(model, rows), expected, rtol=1e-3, atol=1e-6)
     # Only the adapters train: the router, norms and everything else stay frozen.
