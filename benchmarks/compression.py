@@ -100,8 +100,11 @@ TARGET_GAP_PCT = 2.0
 
 
 def default_codec() -> str:
-    """The run config's ``codec`` in pyproject.toml: the codec a federation gets."""
-    return str(app_config()["codec"])
+    """What a federation sends by default (pyproject.toml): its ``codec``, after its
+    ``adapter-mode`` unless that is ``lora`` (``lora-sb/int8``), as entries are named."""
+    config = app_config()
+    mode = config.get("adapter-mode", "lora")
+    return f"{mode}/{config['codec']}" if mode != "lora" else str(config["codec"])
 
 
 def base_of(choice: str | None, settings: dict[str, Any]) -> dict[str, Any]:
@@ -334,6 +337,8 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     left.tick_params(axis="x", rotation=30)
     left.legend(fontsize=8)
     for codec, label in zip(names, labels, strict=True):
+        if codec == NO_DP:  # without clipping it may diverge and take the axis with it
+            continue
         curve = comm[codec]["eval_loss_per_round"]
         right.plot(range(len(curve)), curve, marker="o", label=label)
     right.set_xlabel("round")

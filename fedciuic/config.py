@@ -292,7 +292,7 @@ class RunConfig(_Strict):
     keys_dir: str = ""
     max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
     # Compression of each update after DP, before sealing (docs/compression.md).
-    codec: CodecSpec = get_codec("topk-int4:0.025")
+    codec: CodecSpec = get_codec("int8")
     # Validation and aggregation of updates (docs/robustness.md): an update whose
     # decoded delta has a larger L2 norm is rejected (or clipped); 0 turns the bound off.
     max_update_norm: float = Field(default=50.0, ge=0)
