@@ -42,9 +42,18 @@ def written(record: BaseModel) -> dict[str, Any]:
     return record.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
+#: What the unit tests' run config pins whatever the app's defaults are (run_config).
+FIXTURE_UPDATES = {"adapter-mode": "lora", "codec": "topk-int4:0.025"}
+
+
 def app_config() -> dict[str, Any]:
     with open(ROOT / "pyproject.toml", "rb") as handle:
         return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+def unit_config() -> dict[str, Any]:
+    """The app's run config with the unit tests' pins (:data:`FIXTURE_UPDATES`)."""
+    return {**app_config(), **FIXTURE_UPDATES}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -143,7 +152,14 @@ def _demo_root_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture
 def run_config(demo_root: Path, tmp_path: Path) -> RunConfig:
-    values = {**app_config(), "data-root": str(demo_root), "output-dir": str(tmp_path / "runs")}
+    """The app's run config over the demo data, in factor-wise ``lora`` with a top-k codec:
+    the layout the unit tests' hand-made updates and adapters are built in (each test of
+    another mode or codec says so; the e2e tests run the app's own defaults)."""
+    values = {
+        **unit_config(),
+        "data-root": str(demo_root),
+        "output-dir": str(tmp_path / "runs"),
+    }
     return RunConfig.from_user_config(values, source="test")
 
 

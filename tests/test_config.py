@@ -6,7 +6,7 @@ import pytest
 
 from fedciuic.config import NodeConfig, RunConfig, section_keys
 from fedciuic.errors import ConfigError
-from tests.conftest import app_config
+from tests.conftest import app_config, unit_config
 
 
 def test_app_defaults_are_a_valid_run_config():
@@ -15,7 +15,7 @@ def test_app_defaults_are_a_valid_run_config():
 
 
 def test_all_problems_are_reported_at_once_with_source_and_field():
-    values = {**app_config(), "num-server-rounds": 0, "learning-rate": -1, "regions": "EU,cn"}
+    values = {**unit_config(), "num-server-rounds": 0, "learning-rate": -1, "regions": "EU,cn"}
     with pytest.raises(ConfigError) as info:
         RunConfig.from_user_config(values, source="run config")
     text = str(info.value)
@@ -27,7 +27,7 @@ def test_all_problems_are_reported_at_once_with_source_and_field():
 def test_unknown_run_config_key_is_an_error_naming_the_nearest_known_one():
     with pytest.raises(ConfigError) as info:
         RunConfig.from_user_config(
-            {**app_config(), "lerning-rate": 0.1, "seq_length": 64}, source="run config"
+            {**unit_config(), "lerning-rate": 0.1, "seq_length": 64}, source="run config"
         )
     assert info.value.problems == [
         "run config:lerning-rate: unknown key; did you mean learning-rate?",
@@ -37,7 +37,7 @@ def test_unknown_run_config_key_is_an_error_naming_the_nearest_known_one():
 
 def test_an_unknown_run_config_key_like_no_other_says_where_the_keys_are():
     with pytest.raises(ConfigError) as info:
-        RunConfig.from_user_config({**app_config(), "zzz": 1}, source="run config")
+        RunConfig.from_user_config({**unit_config(), "zzz": 1}, source="run config")
     assert info.value.problems == [
         "run config:zzz: unknown key; remove it (the run config's keys are those of "
         "pyproject.toml's [tool.flwr.app.config])"
@@ -46,7 +46,7 @@ def test_an_unknown_run_config_key_like_no_other_says_where_the_keys_are():
 
 def test_duplicate_regions_are_refused():
     with pytest.raises(ConfigError, match="listed twice"):
-        RunConfig.from_user_config({**app_config(), "regions": "eu,eu"}, source="run config")
+        RunConfig.from_user_config({**unit_config(), "regions": "eu,eu"}, source="run config")
 
 
 def test_deployment_node_config_names_region_and_data_path(run_config):
@@ -93,7 +93,7 @@ def test_node_config_with_nothing_says_how_to_start_a_supernode(run_config):
 )
 def test_bad_heterogeneity_settings_name_the_key_and_allowed_values(key, value, allowed):
     with pytest.raises(ConfigError) as info:
-        RunConfig.from_user_config({**app_config(), key: value}, source="run config")
+        RunConfig.from_user_config({**unit_config(), key: value}, source="run config")
     assert info.value.problems == [
         p for p in info.value.problems if p.startswith(f"run config:{key}:")
     ]
@@ -102,7 +102,7 @@ def test_bad_heterogeneity_settings_name_the_key_and_allowed_values(key, value, 
 
 
 def test_a_buffer_larger_than_the_federation_is_refused_with_the_range():
-    values = {**app_config(), "aggregation-mode": "buffered", "buffer-size": 4}
+    values = {**unit_config(), "aggregation-mode": "buffered", "buffer-size": 4}
     with pytest.raises(ConfigError, match=r"run config:buffer-size: .*3 regions.*use 1 to 3"):
         RunConfig.from_user_config(values, source="run config")
     ok = RunConfig.from_user_config({**values, "buffer-size": 3}, source="run config")
@@ -111,13 +111,13 @@ def test_a_buffer_larger_than_the_federation_is_refused_with_the_range():
 
 def test_slowdown_names_known_regions_and_factors():
     run = RunConfig.from_user_config(
-        {**app_config(), "test-region-slowdown": "us=4"}, source="run config"
+        {**unit_config(), "test-region-slowdown": "us=4"}, source="run config"
     )
     assert (run.slowdown("us"), run.slowdown("eu")) == (4.0, 1.0)
     for bad, says in (("sg=2", "not regions"), ("us=0.5", "1 to 1000"), ("us", "REGION=FLOAT")):
         with pytest.raises(ConfigError, match=f"run config:test-region-slowdown: .*{says}"):
             RunConfig.from_user_config(
-                {**app_config(), "test-region-slowdown": bad}, source="run config"
+                {**unit_config(), "test-region-slowdown": bad}, source="run config"
             )
 
 
@@ -170,6 +170,6 @@ def test_the_adapter_mode_is_signed_with_the_run_config_and_reaches_the_model(ru
     assert RunConfig.from_user_config(json.loads(sb.canonical_json()), source="x") == sb
     assert sb.model.adapter_mode == "lora-sb" and run_config.model.adapter_mode == "lora"
     with pytest.raises(ConfigError) as info:
-        RunConfig.from_user_config({**app_config(), "adapter-mode": "dora"}, source="run config")
+        RunConfig.from_user_config({**unit_config(), "adapter-mode": "dora"}, source="run config")
     (problem,) = info.value.problems
     assert problem.startswith("run config:adapter-mode: Input should be 'lora', 'lora-fa' or")

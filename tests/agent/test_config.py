@@ -10,7 +10,7 @@ import pytest
 from fedciuic.agent.config import DEFAULT_EPSILON_BUDGET, AgentConfig
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError
-from tests.conftest import app_config
+from tests.conftest import unit_config
 
 GOOD = """\
 # A region's agent
@@ -42,7 +42,7 @@ def problems(path: Path) -> list[str]:
 
 
 def run_config(**overrides: object) -> RunConfig:
-    return RunConfig.from_user_config({**app_config(), **overrides}, source="run config")
+    return RunConfig.from_user_config({**unit_config(), **overrides}, source="run config")
 
 
 def test_a_good_file_reads_with_paths_relative_to_its_own_folder(tmp_path, monkeypatch):

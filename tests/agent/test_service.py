@@ -75,14 +75,14 @@ from fedciuic.wire import (
     instruction_fields,
     signed_fields,
 )
-from tests.conftest import ROOT, app_config, record_level_policies
+from tests.conftest import ROOT, record_level_policies, unit_config
 
 FLOWER_RUN = 7
 NOBODY = 65534
 HEAD = "cd" * 32
 #: The aggregator's run: sealed, two local steps, and a lifetime budget of 50 that the
 #: agent's own (8, its default) overrides.
-RUN = {**app_config(), "local-steps": 2, "seal": True, "epsilon-budget": 50.0}
+RUN = {**unit_config(), "local-steps": 2, "seal": True, "epsilon-budget": 50.0}
 ME = Peer(os.getpid(), os.getuid(), os.getgid())
 
 

@@ -28,7 +28,7 @@ from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
 from fedciuic.region.trainer import Region
-from tests.conftest import ROOT, app_config
+from tests.conftest import ROOT, unit_config
 
 #: Every unit in every batch (q = 1), all of a unit's examples: sampling is then the
 #: same in one process and in two, so their updates must match.
@@ -71,7 +71,7 @@ def data_root(demo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture(scope="module")
 def run(data_root: Path) -> RunConfig:
     return RunConfig.from_user_config(
-        {**app_config(), "data-root": str(data_root), **SETTINGS}, source="test"
+        {**unit_config(), "data-root": str(data_root), **SETTINGS}, source="test"
     )
 
 

@@ -54,7 +54,7 @@ from fedciuic.wire import (
     RunEndNotice,
     Witness,
 )
-from tests.conftest import app_config, lab_policies, signed_run_end
+from tests.conftest import lab_policies, signed_run_end, unit_config
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -100,7 +100,7 @@ def state_of(data_root: Path, region: str) -> Path:
 def settings(data_root: Path | None, **overrides: Any) -> dict[str, Any]:
     """The run config, as Flower's Context gives it and the aggregator signs it:
     unsealed unless the test seals, under the lab copies of the policies."""
-    values = {**app_config(), "local-steps": 2, "seal": False, "policies-dir": str(POLICIES)}
+    values = {**unit_config(), "local-steps": 2, "seal": False, "policies-dir": str(POLICIES)}
     if data_root is not None:
         values["data-root"] = str(data_root)
     return {**values, **overrides}
@@ -172,7 +172,7 @@ def test_region_trains_on_its_own_data_and_returns_a_delta(model, data_root):
     assert got.status == "trained" and got.region == "cn"
     assert got.arrays is not None and set(got.arrays) == {"update"}
     n = sum(v.size for v in model.adapter_state().values())
-    codec = get_codec(app_config()["codec"])
+    codec = get_codec(unit_config()["codec"])
     delta = codec.decode(got.arrays["update"].tobytes(), n).dense(n)
     assert np.abs(delta).sum() > 0
     assert got.metrics["num-examples"] > 0 and got.metrics["steps"] == 2

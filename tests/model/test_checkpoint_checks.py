@@ -28,7 +28,7 @@ from fedciuic.model.adapter import (
     weight_problems,
 )
 from fedciuic.model.presets import byte_tokenizer
-from tests.conftest import ROOT, app_config, within
+from tests.conftest import ROOT, app_config, unit_config, within
 
 CPU = torch.device("cpu")
 
@@ -127,7 +127,7 @@ def test_loading_never_unpickles_unless_allowed_whatever_the_folder_holds(
 
 
 def _run(**changes: object) -> RunConfig:
-    return RunConfig.from_user_config({**app_config(), **changes}, source="test")
+    return RunConfig.from_user_config({**unit_config(), **changes}, source="test")
 
 
 def test_the_run_config_key_defaults_to_false_and_governs_the_launcher_and_simulation():

@@ -28,7 +28,7 @@ from fedciuic.flower.relay import AGENT
 from fedciuic.ops import deploy, separation
 from fedciuic.ops.cli import main
 from fedciuic.policy.rules import load_policy
-from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
+from tests.conftest import ROOT, SHIPPED_POLICIES, app_config, unit_config
 
 REGIONS = ("eu", "cn", "us")
 
@@ -98,7 +98,7 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
     agg = deployment / "aggregator"
     with open(agg / "run-config.toml", "rb") as handle:
         overrides = tomllib.load(handle)
-    run = RunConfig.from_user_config({**app_config(), **overrides}, source="test")
+    run = RunConfig.from_user_config({**unit_config(), **overrides}, source="test")
     assert run.regions == REGIONS and run.aggregator_jurisdiction == "EU"
     assert Path(run.keys_dir) == agg / "keys" and Path(run.policies_dir) == agg / "policies"
     assert Path(run.output_dir) == agg / "runs" and Path(run.audit_dir) == agg / "audit"

@@ -18,7 +18,7 @@ from fedciuic.data.demo import CHAT_FILE, write_demo_corpora
 from fedciuic.model.adapter import open_tokenizer
 from fedciuic.ops.cli import main
 from fedciuic.ops.preflight import RegionFolder, flwr_run_config, preflight
-from tests.conftest import ROOT, app_config
+from tests.conftest import ROOT, unit_config
 from tests.model.test_checkpoint_checks import copy_checkpoint, pickle_only
 
 #: A chat template whose generation prompt is not how it writes an assistant turn.
@@ -76,7 +76,7 @@ def model_path(path: Path) -> list[str]:
 
 
 def _run(**changes: object) -> RunConfig:
-    return RunConfig.from_user_config({**app_config(), **changes}, source="test")
+    return RunConfig.from_user_config({**unit_config(), **changes}, source="test")
 
 
 @pytest.mark.parametrize(

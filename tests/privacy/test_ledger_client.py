@@ -17,7 +17,7 @@ from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from fedciuic.region.round import handle_instruction
 from fedciuic.wire import Instruction
-from tests.conftest import app_config, lab_policies
+from tests.conftest import lab_policies, unit_config
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def policies(tmp_path_factory) -> Path:
 
 def train(model, node, policies: Path, server_round: int, **run) -> dict[str, Any]:
     """A train instruction for ``server_round``; the region's last audit record."""
-    settings = {**app_config(), "local-steps": 2, "seal": False, **run}
+    settings = {**unit_config(), "local-steps": 2, "seal": False, **run}
     run_config = RunConfig.from_user_config(settings, source="run config")
     node = {"policy": str(policies / f"{node['region']}.yaml"), **node}
     task = Instruction(

@@ -24,7 +24,7 @@ from fedciuic.ops.cli import Interrupted, _simulation_keys, main
 from fedciuic.ops.outputs import mark_unfinished, summarize
 from fedciuic.record.metrics import RunStatus, load_metrics
 from fedciuic.record.recorder import RunRecorder, no_aggregate_reasons, published_rounds
-from tests.conftest import ROOT, app_config
+from tests.conftest import ROOT, unit_config
 
 # -- no aggregate ---------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ def test_a_bad_data_root_is_named_as_data_root_before_anything_starts(tmp_path, 
 
 
 def _run(regions: str = "eu,us") -> RunConfig:
-    return RunConfig.from_user_config({**app_config(), "regions": regions}, source="test")
+    return RunConfig.from_user_config({**unit_config(), "regions": regions}, source="test")
 
 
 def test_second_simulate_on_same_data_root_reuses_each_regions_key(tmp_path):

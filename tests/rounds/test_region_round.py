@@ -43,7 +43,7 @@ from fedciuic.region.round import (
 )
 from fedciuic.stages.sealing import Clear, Sealed
 from fedciuic.wire import PRIVACY_UNIT, Instruction, RunEndNotice
-from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, write_policy
+from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, unit_config, write_policy
 
 HEAD = "cd" * 32
 FLOWER_RUN = 7
@@ -86,7 +86,7 @@ def run(model: AdapterModel, policies: Path):
         checkpoint: str = "",
         sent_checkpoint: str | None = None,
     ) -> RegionReply:
-        settings = {**app_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
+        settings = {**unit_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
         if "region" in node_config:
             node_config = {"policy": str(policies / f"{node_config['region']}.yaml"), **node_config}
         run_cfg = RunConfig.from_user_config(settings, source="run config")
@@ -252,7 +252,7 @@ def test_mismatched_base_model_declines(run, demo_root, tmp_path):
 
 
 def test_a_config_that_cannot_be_read_declines_under_the_name_it_gives(model, demo_root):
-    run_config = {**app_config(), "seal": False}
+    run_config = {**unit_config(), "seal": False}
     task = Instruction(
         adapter=model.adapter_state(),
         server_round=1,
@@ -549,7 +549,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
         "state-path": str(tmp_path),
         "policy": str(policies / "eu.yaml"),
     }
-    settings = {**app_config(), "seal": True, "keys-dir": str(keys_dir)}
+    settings = {**unit_config(), "seal": True, "keys-dir": str(keys_dir)}
     aggregator = aggregator_keys(str(keys_dir), 2**28)
     notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD))
     run_cfg, node = read_configs(notice, node_config)
@@ -579,7 +579,7 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
     assert isinstance(reply.outcome, Sealed)
     (sent,) = [r for r in load_records(tmp_path / "audit.jsonl") if r["event"] == "update_sealed"]
     node_config = {**cn_node(demo_root, tmp_path), "policy": str(policies / "cn.yaml")}
-    settings = {**app_config(), "local-steps": 2, "seal": False, **run_overrides}
+    settings = {**unit_config(), "local-steps": 2, "seal": False, **run_overrides}
 
     def notice(receipts: dict[str, list[list[object]]]) -> RunEndNotice:
         signed: RunEndNotice = signed_run_end(
