@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from fedciuic.config import RunConfig
 from fedciuic.data.corpus import region_fingerprint
 from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.errors import EXIT_UNFINISHED
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.model.adapter import AdapterLayout
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
@@ -433,10 +436,15 @@ def test_the_realistic_preset_trains_one_sealed_dp_round(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
+    # A real update: the default codec (int8) spends a byte on every trained entry of the
+    # default adapter-mode's adapter, and the envelope holds it sealed.
+    run = RunConfig.from_user_config({**app_config(), "model-preset": "realistic"}, source="t")
+    assert run.compression.codec.name == "int8"
+    trained = sum(math.prod(shape) for shape in AdapterLayout.of(run.model).shapes.values())
     for region in ("eu", "cn"):
         entry = data["rounds"]["1"]["train"][region]
         assert entry["status"] == "trained" and entry["epsilon"] > 0, entry
-        assert entry["upload_bytes"] > 10_000  # a real update, sealed
+        assert entry["upload_bytes"] > entry["update_bytes"] >= trained, entry
     assert done.stdout.count("audit: OK: ") == 3, done.stdout
     assert not processes_under(tmp_path)
 
