@@ -340,9 +340,12 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         if codec == NO_DP:  # without clipping it may diverge and take the axis with it
             continue
         curve = comm[codec]["eval_loss_per_round"]
-        right.plot(range(len(curve)), curve, marker="o", label=label)
-    right.set_xlabel("round")
-    right.set_xticks(range(len(comm[names[0]]["eval_loss_per_round"])))
+        # Eval loss against the sealed bytes each region has sent so far (round r: r x
+        # its bytes per round): what a byte of upload buys, entry against entry.
+        sent = [r * comm[codec]["wire_bytes"] for r in range(len(curve))]
+        right.plot(sent[1:], curve[1:], marker="o", label=label)
+    right.set_xscale("log")
+    right.set_xlabel("sealed bytes sent per region, cumulative (rounds 1, 2, ...)")
     right.set_ylabel("eval loss (all regions)")
     setting = result.get("settings", {})
     right.set_title(f"{setting.get('model-preset', 'tiny')}, DP on (* the default)", fontsize=9)
