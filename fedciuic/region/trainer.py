@@ -168,6 +168,10 @@ class TrainOutcome:
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
 
 
+#: Distinguishes the rounding generator from anything else seeded with a round's seed.
+ROUNDING_STREAM = 2
+
+
 def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
     """The generator of a codec's stochastic rounding: seeded from the round's seed (a
     stream of its own) where the round is reproducible anyway (no DP, or
@@ -177,10 +181,6 @@ def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
     if dp.enabled and not dp.reproducible_noise:
         return np.random.default_rng()
     return np.random.default_rng([seed, ROUNDING_STREAM])
-
-
-#: Distinguishes the rounding generator from anything else seeded with a round's seed.
-ROUNDING_STREAM = 2
 
 
 def compress_update(
