@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 
 import numpy as np
@@ -215,6 +217,42 @@ def test_topk_fraction_outside_zero_one_is_refused(run_config, spec):
     values = {**run_config.model_dump(by_alias=True), "codec": spec}
     with pytest.raises(ConfigError, match=r"run config:codec: .*(fraction|needs)"):
         RunConfig.from_user_config(values, source="run config")
+
+
+def test_a_round_compressed_again_starts_from_the_residual_before_it(tmp_path, x):
+    """The file keeps the residual a round left and the one it started from: the same
+    round again (its first attempt never committed) starts where the first did."""
+    codec, path = get_codec("topk:0.05"), tmp_path / "residual.bin"
+
+    def at(tag: str) -> ErrorFeedback:
+        return ErrorFeedback(path, codec, "layout1", N, tag)
+
+    first, second, third = x, 2 * x, 3 * x
+    at("run-1-round-1").save(first)
+    np.testing.assert_array_equal(at("run-1-round-1").load(), np.zeros(N))  # again: none before
+    np.testing.assert_array_equal(at("run-1-round-2").load(), first)
+    at("run-1-round-2").save(second)
+    np.testing.assert_array_equal(at("run-1-round-2").load(), first)
+    at("run-1-round-2").save(third)  # the round once more: what it started from stays
+    np.testing.assert_array_equal(at("run-1-round-2").load(), first)
+    np.testing.assert_array_equal(at("run-1-round-3").load(), third)
+    np.testing.assert_array_equal(at("run-2-round-1").load(), third)  # carried to a new run
+
+
+def test_a_residual_of_the_untagged_format_is_still_read(tmp_path, x):
+    data = x.astype(np.float32).tobytes()
+    meta = json.dumps(
+        {
+            "format": "fedciuic-residual/1",
+            "codec": "topk:0.05",
+            "layout": "layout1",
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    ).encode()
+    path = tmp_path / "residual.bin"
+    path.write_bytes(struct.pack("<I", len(meta)) + meta + data)
+    feedback = ErrorFeedback(path, get_codec("topk:0.05"), "layout1", N, "run-1-round-1")
+    np.testing.assert_array_equal(feedback.load(), x)
 
 
 def test_residual_survives_and_corruption_is_refused(tmp_path, x):

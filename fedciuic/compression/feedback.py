@@ -9,6 +9,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +43,72 @@ def unflatten(
     return out
 
 
-RESIDUAL_FORMAT = "fedciuic-residual/1"
+RESIDUAL_FORMAT = "fedciuic-residual/2"
+#: Files written before residuals were tagged with their round: one residual, no tag.
+_UNTAGGED_FORMAT = "fedciuic-residual/1"
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A residual file's content: the residual after round ``tag`` and the one before it."""
+
+    tag: str | None
+    current: np.ndarray
+    previous: np.ndarray | None
 
 
 class ErrorFeedback:
-    """A region's residual, kept at ``path`` between rounds and runs."""
+    """A region's residual, kept at ``path`` between rounds and runs.
 
-    def __init__(self, path: Path, codec: Codec, layout: str, n: int) -> None:
+    ``round_tag`` names the round it serves. The file keeps the residual after that
+    round and the one before it, so that a round trained again (the region stopped
+    after compressing and before its release committed) starts from the same residual
+    as the first attempt, not from the one that attempt left behind.
+    """
+
+    def __init__(self, path: Path, codec: Codec, layout: str, n: int, round_tag: str = "") -> None:
         self.path, self.codec, self.layout, self.n = path, codec, layout, n
+        self.round_tag = round_tag
 
     def load(self) -> np.ndarray:
-        if not self.path.exists():
+        """The residual to add to this round's delta."""
+        stored = self._read()
+        if stored is None:
             return np.zeros(self.n, np.float32)
+        if self.round_tag and stored.tag == self.round_tag:
+            before = stored.previous
+            return np.zeros(self.n, np.float32) if before is None else before.copy()
+        return stored.current.copy()
+
+    def save(self, residual: np.ndarray) -> None:
+        """Keep ``residual`` as this round's, and the residual before it (atomic)."""
+        stored = self._read()
+        if stored is None:
+            previous = None
+        elif self.round_tag and stored.tag == self.round_tag:
+            previous = stored.previous  # the same round again: the same residual before it
+        else:
+            previous = stored.current
+        current = np.ascontiguousarray(residual, np.float32).tobytes()
+        data = current + (b"" if previous is None else previous.tobytes())
+        meta = json.dumps(
+            {
+                "format": RESIDUAL_FORMAT,
+                "codec": self.codec.name,
+                "layout": self.layout,
+                "tag": self.round_tag,
+                "previous": previous is not None,
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        ).encode()
+        tmp = self.path.with_suffix(".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(struct.pack("<I", len(meta)) + meta + data)
+        tmp.replace(self.path)
+
+    def _read(self) -> _Stored | None:
+        if not self.path.exists():
+            return None
         fix = "delete it to start over (its content is only delayed update, not privacy state)"
         try:
             raw = self.path.read_bytes()
@@ -64,7 +119,8 @@ class ErrorFeedback:
         except (struct.error, ValueError, OSError) as err:
             raise ResidualError(f"{self.path}: unreadable residual ({err}); {fix}") from None
         if (
-            meta.get("format") != RESIDUAL_FORMAT
+            not isinstance(meta, dict)
+            or meta.get("format") not in (RESIDUAL_FORMAT, _UNTAGGED_FORMAT)
             or meta.get("sha256") != hashlib.sha256(data).hexdigest()
         ):
             raise ResidualError(f"{self.path}: corrupted residual (checksum); {fix}")
@@ -73,24 +129,16 @@ class ErrorFeedback:
                 f"{self.path}: residual of codec {meta.get('codec')!r} and adapter layout "
                 f"{meta.get('layout')}, this run uses {self.codec.name!r} and {self.layout}; {fix}"
             )
-        if vector.size != self.n or not np.all(np.isfinite(vector)):
+        has_previous = meta.get("previous") is True
+        tag = meta.get("tag")
+        if (
+            vector.size != self.n * (2 if has_previous else 1)
+            or not np.all(np.isfinite(vector))
+            or not (tag is None or isinstance(tag, str))
+        ):
             raise ResidualError(f"{self.path}: residual has the wrong size or bad values; {fix}")
-        return vector.copy()
-
-    def save(self, residual: np.ndarray) -> None:
-        data = np.ascontiguousarray(residual, np.float32).tobytes()
-        meta = json.dumps(
-            {
-                "format": RESIDUAL_FORMAT,
-                "codec": self.codec.name,
-                "layout": self.layout,
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        ).encode()
-        tmp = self.path.with_suffix(".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(struct.pack("<I", len(meta)) + meta + data)
-        tmp.replace(self.path)
+        current, previous = vector[: self.n], vector[self.n :] if has_previous else None
+        return _Stored(tag, current, previous)
 
 
 def compress_with_feedback(

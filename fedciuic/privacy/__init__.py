@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from fedciuic.privacy.ledger import (
         LEDGER_FILE,
         BudgetExhausted,
+        LedgerRound,
         PrivacyError,
         PrivacyLedger,
         RunBudgetExceeded,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "BudgetExhausted": "ledger",
     "LEDGER_FILE": "ledger",
+    "LedgerRound": "ledger",
     "PrivacyError": "ledger",
     "PrivacyLedger": "ledger",
     "PrivateTrainer": "dpsgd",
@@ -55,6 +57,7 @@ _WHERE = {
 __all__ = [
     "LEDGER_FILE",
     "BudgetExhausted",
+    "LedgerRound",
     "PrivacyError",
     "PrivacyLedger",
     "PrivateTrainer",

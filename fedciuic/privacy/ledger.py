@@ -388,15 +388,20 @@ class PrivacyLedger:
         self.lines.append(line.encode())
         self.heads.append(chain_head(self.heads[-1], self.lines[-1]))
 
-    def witness_record(self) -> dict[str, Any]:
+    def witness_record(self, pending: LedgerRound | None = None) -> dict[str, Any]:
         """What the region's audit log keeps of the ledger after a release: the number of
         releases and the chain head (checked on every open), and the last line and the
-        header, base64 (so that :func:`rebuild_ledger` can restore every release)."""
+        header, base64 (so that :func:`rebuild_ledger` can restore every release).
+        ``pending``: the record about to be appended, for the ledger as it will be then."""
         last = self.lines[-1] if self.rounds else b""
+        releases, head = len(self.rounds), self.heads[-1]
+        if pending is not None:
+            last = pending.model_dump_json().encode()
+            releases, head = releases + 1, chain_head(head, last)
         return {
             "file": self.path.name,
-            "releases": len(self.rounds),
-            "head": self.heads[-1],
+            "releases": releases,
+            "head": head,
             "line": base64.b64encode(last).decode("ascii"),
             "header": base64.b64encode(self.lines[0]).decode("ascii"),
         }

@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedciuic import __version__
-from fedciuic.audit import REGION_LOG, SENT_EVENTS, AuditLog, Event, code_version, config_hash
+from fedciuic.audit import (
+    REGION_LOG,
+    SENT_EVENTS,
+    AuditLog,
+    Event,
+    code_version,
+    config_hash,
+    load_records,
+)
 from fedciuic.config import NodeConfig, RunConfig, SealSettings
 from fedciuic.crypto import AGGREGATOR, Keypair, TaskKind, region_keys, update_payload
 from fedciuic.digests import installed_code
@@ -76,7 +84,7 @@ if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains
     # that importing the round (the agent at start) stays light
     from fedciuic.model import EvalStats
     from fedciuic.privacy import PrivacyLedger
-    from fedciuic.region.trainer import Region, SentUpdates, TrainOutcome
+    from fedciuic.region.trainer import Kept, Region, SentUpdates, TrainOutcome
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
@@ -166,6 +174,19 @@ def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
         POLICY_HASH: policy.hash,
         PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
         ADAPTER_MODE: outcome.adapter_mode,
+    }
+
+
+def trained_record(outcome: TrainOutcome) -> dict[str, Any]:
+    """What the region's audit log records of a release (kept with the update, so that
+    a region stopped before it noted the release notes it when it resends)."""
+    from fedciuic.region.trainer import released_record
+
+    return {
+        "examples": outcome.stats.num_examples,
+        "steps": outcome.stats.steps,
+        "data_fingerprint": outcome.data_fingerprint,
+        **released_record(outcome.privacy),
     }
 
 
@@ -491,8 +512,14 @@ class _Round:
         with contextlib.ExitStack() as session:
             # One ledger for the round, opened and locked once: the projection for the
             # policy check, the release check and the training all read it.
-            fresh = training and kept is None and run.dp
-            ledger = session.enter_context(region.ledger_session()) if fresh else None
+            private = training and run.dp
+            ledger = session.enter_context(region.ledger_session()) if private else None
+            committed = ledger is None or region.released(self.run_id, task.server_round, ledger)
+            if kept is not None and not committed:
+                # Kept, then the region stopped before the ledger recorded it (the
+                # commit): it never left, so it is dropped and the round trained again.
+                sent.drop(self.run_id, task.server_round)
+                kept = None
             return self._task(task, simulated, sealing, region, sent, kept, ledger)
 
     def _task(
@@ -502,12 +529,12 @@ class _Round:
         sealing: RegionSealing,
         region: Region,
         sent: SentUpdates,
-        kept: bytes | None,
+        kept: Kept | None,
         ledger: PrivacyLedger | None,
     ) -> RoundOutcome:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation, the update kept for this round, or training."""
-        from fedciuic.region.trainer import AlreadyReleased
+        from fedciuic.region.trainer import AlreadyReleased, Kept
 
         run, node, training = self.run, self.node, task.kind == TaskKind.TRAIN
         policy = enforce_region_policy(
@@ -530,14 +557,25 @@ class _Round:
         if kept is not None:
             # This round was released before the aggregator restarted: the same update
             # again, no second release and no second charge to the ledger.
+            if kept.trained is not None and not self._noted_trained():
+                self.note(Event.TRAINED, **kept.trained)  # stopped before it was noted
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
-            return self._send(region.name, kept, sealing, policy)
+            return self._send(region.name, kept.payload, sealing, policy)
         if region.released(self.run_id, task.server_round, ledger):
             raise AlreadyReleased(
                 f"region {region.name}: round {task.server_round} of run {self.run_id} was "
                 "already released (the privacy ledger records it) and its update was not "
                 "kept; nothing is released twice, so this region sits out the round"
             )
+        payload = b""
+
+        def keep(trained: TrainOutcome) -> None:
+            """On disk before the ledger commits the release (resent after a restart)."""
+            nonlocal payload
+            info = train_info(trained, policy)
+            payload = update_payload(update_arrays(trained.update), train_metrics(trained), info)
+            sent.save(self.run_id, task.server_round, Kept(payload, trained_record(trained)))
+
         outcome = region.train_round(
             task.adapter,
             server_round=task.server_round,
@@ -545,12 +583,9 @@ class _Round:
             run_id=self.run_id,
             max_run_epsilon=policy.max_epsilon_per_run,
             ledger=ledger,
+            keep=keep,
         )
         self._note_trained(outcome)
-        payload = update_payload(
-            update_arrays(outcome.update), train_metrics(outcome), train_info(outcome, policy)
-        )
-        sent.save(self.run_id, task.server_round, payload)
         return self._send(region.name, payload, sealing, policy)
 
     def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
@@ -571,14 +606,18 @@ class _Round:
         )
 
     def _note_trained(self, outcome: TrainOutcome) -> None:
-        from fedciuic.region.trainer import released_record
+        self.note(Event.TRAINED, **trained_record(outcome))
 
-        self.note(
-            Event.TRAINED,
-            examples=outcome.stats.num_examples,
-            steps=outcome.stats.steps,
-            data_fingerprint=outcome.data_fingerprint,
-            **released_record(outcome.privacy),
+    def _noted_trained(self) -> bool:
+        """Whether the audit log records this round's release of this run."""
+        path = self.audit.path
+        if path is None or not path.exists():
+            return False
+        return any(
+            r.get("event") == Event.TRAINED
+            and r.get("run_id") == self.run_id
+            and r.get("round") == self.server_round
+            for r in load_records(path)
         )
 
     def _send(

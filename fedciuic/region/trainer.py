@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_
 from fedciuic.privacy import (
     LEDGER_FILE,
     BudgetExhausted,
+    LedgerRound,
     PrivacyError,
     PrivacyLedger,
     RunBudgetExceeded,
@@ -79,6 +82,23 @@ class RoundOutOfRange(FedciuicError):
 CAP_TOLERANCE = 1e-6
 
 
+#: Opens a kept update's file: the region's record of the round, then the payload.
+KEPT_MAGIC = b"fedciuic-kept/1\n"
+
+
+class KeptUpdateError(FedciuicError):
+    """A kept update that cannot be read back."""
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A released round as the region kept it: the payload it sends, and what its audit
+    log records of the release (``trained``; None in a file kept before it was)."""
+
+    payload: bytes
+    trained: dict[str, Any] | None
+
+
 class SentUpdates:
     """The update a region released for each round of the current run, kept on its own
     disk so that a restarted aggregator gets the same update again instead of a second
@@ -90,22 +110,46 @@ class SentUpdates:
     def _path(self, run_id: int, server_round: int) -> Path:
         return self.dir / f"run-{run_id}-round-{server_round}.update"
 
-    def load(self, run_id: int, server_round: int) -> bytes | None:
+    def load(self, run_id: int, server_round: int) -> Kept | None:
+        path = self._path(run_id, server_round)
         try:
-            return self._path(run_id, server_round).read_bytes()
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        if not raw.startswith(KEPT_MAGIC):
+            return Kept(raw, None)  # kept by an earlier version: the payload alone
+        try:
+            (size,) = struct.unpack_from("<I", raw, len(KEPT_MAGIC))
+            start = len(KEPT_MAGIC) + 4
+            record = json.loads(raw[start : start + size])
+            payload = raw[start + size :]
+            if not isinstance(record, dict) or not isinstance(record.get("trained"), dict):
+                raise ValueError("no record of the release")
+            if record.get("sha256") != hashlib.sha256(payload).hexdigest():
+                raise ValueError("the update does not match its checksum")
+        except (struct.error, ValueError) as err:
+            raise KeptUpdateError(
+                f"{path}: unreadable kept update ({err}); it holds round {server_round}, "
+                "which was released: without it this region sits that round out"
+            ) from None
+        return Kept(payload, record["trained"])
 
-    def save(self, run_id: int, server_round: int, payload: bytes) -> None:
-        """Write before the update leaves (fsync'ed); other runs' updates are dropped."""
+    def drop(self, run_id: int, server_round: int) -> None:
+        """Forget an update that was kept but never released."""
+        self._path(run_id, server_round).unlink(missing_ok=True)
+
+    def save(self, run_id: int, server_round: int, kept: Kept) -> None:
+        """Write before the release commits (fsync'ed); other runs' updates are dropped."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.glob("run-*.update"):
             if not old.name.startswith(f"run-{run_id}-round-"):
                 old.unlink(missing_ok=True)
+        digest = hashlib.sha256(kept.payload).hexdigest()
+        record = json.dumps({"trained": kept.trained or {}, "sha256": digest}).encode()
         target = self._path(run_id, server_round)
         tmp = target.with_suffix(".tmp")
         with open(tmp, "wb") as handle:
-            handle.write(payload)
+            handle.write(KEPT_MAGIC + struct.pack("<I", len(record)) + record + kept.payload)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -184,11 +228,16 @@ def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
 
 
 def compress_update(
-    delta: dict[str, np.ndarray], codec: Codec, state_dir: Path, rng: np.random.Generator
+    delta: dict[str, np.ndarray],
+    codec: Codec,
+    state_dir: Path,
+    rng: np.random.Generator,
+    round_tag: str = "",
 ) -> bytes:
     """The delta encoded with error feedback (``rng``: the codec's stochastic rounding,
     :func:`rounding_rng`); the residual stays on the region's disk (``state_dir``), one
-    per codec.
+    per codec, with the one before ``round_tag``'s round (a round trained again starts
+    from that).
 
     Compression runs after DP (post-processing costs no privacy) and before
     sealing (ciphertext does not compress).
@@ -196,7 +245,11 @@ def compress_update(
     vector = flatten(delta)
     safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
     feedback = ErrorFeedback(
-        state_dir / f"residual-{safe}.bin", codec, layout_id(layout_of(delta)), vector.size
+        state_dir / f"residual-{safe}.bin",
+        codec,
+        layout_id(layout_of(delta)),
+        vector.size,
+        round_tag,
     )
     update, residual = compress_with_feedback(vector, feedback.load(), codec, rng)
     feedback.save(residual)
@@ -276,6 +329,7 @@ class Region:
         run_id: int = 0,
         max_run_epsilon: float | None = None,
         ledger: PrivacyLedger | None = None,
+        keep: Callable[[TrainOutcome], None] | None = None,
     ) -> TrainOutcome:
         """Train from the global adapter and return ``local - global`` with statistics.
 
@@ -287,14 +341,46 @@ class Region:
         and ``max_run_epsilon`` (the policy's ``max_epsilon_per_run``), and the
         dataset's whole history within its budget. ``ledger``: the one a session
         (:meth:`ledger_session`) holds for this round, else it is opened here.
+
+        ``keep`` writes the outcome to disk before the ledger records the release (the
+        commit): a region stopped at any point either has no record, and trains the
+        round again from the same residual, or has both, and sends the kept update.
         """
         self.check_round(server_round)
         self._load_global(adapter, base_fingerprint)
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
-        privacy = None
+        with contextlib.ExitStack() as session:
+            held = session.enter_context(self.ledger_session(ledger)) if self.dp.enabled else None
+            if held is None:
+                stats, privacy, record = self._train_clear(server_round, seed), None, None
+            else:
+                stats, privacy, record = self._train_private(
+                    server_round, run_id, seed, max_run_epsilon, held
+                )
+            end = self.model.adapter_state()
+            delta = {name: end[name] - start[name] for name in start}
+            update = compress_update(
+                delta,
+                self.run.compression.codec,
+                self.node.state_dir,
+                rounding_rng(self.dp, seed),
+                round_tag=f"run-{run_id}-round-{server_round}",
+            )
+            mode = self.model.spec.adapter_mode
+            outcome = TrainOutcome(
+                self.name, delta, stats, self.data.fingerprint, privacy, update, mode
+            )
+            if keep is not None:
+                keep(outcome)
+            if held is not None and record is not None:
+                held.append(record)  # the commit: fsync'ed before anything is released
+        return outcome
+
+    def _train_clear(self, server_round: int, seed: int) -> TrainStats:
+        """A round without DP, in this process or over the region's cluster."""
         local = self.local
-        if not self.dp.enabled and self.processes > 1:
+        if self.processes > 1:
             command = TrainCommand(
                 server_round=server_round,
                 seed=seed,
@@ -302,30 +388,19 @@ class Region:
                 time_budget=local.time_budget,
                 slowdown=self.slowdown,
             )
-            stats = self._train_cluster(command).stats
-        elif not self.dp.enabled:
-            stats = train_local(
-                self.model,
-                self.data.train,
-                steps=local.steps,
-                batch_size=local.batch_size,
-                learning_rate=local.learning_rate,
-                generator=torch.Generator().manual_seed(seed),
-                optimizer=local.optimizer,
-                time_budget=local.time_budget,
-                slowdown=self.slowdown,
-                proximal_mu=local.proximal_mu,
-            )
-        else:
-            stats, privacy = self._train_private(
-                server_round, run_id, seed, max_run_epsilon, ledger
-            )
-        end = self.model.adapter_state()
-        delta = {name: end[name] - start[name] for name in start}
-        rng = rounding_rng(self.dp, seed)
-        update = compress_update(delta, self.run.compression.codec, self.node.state_dir, rng)
-        mode = self.model.spec.adapter_mode
-        return TrainOutcome(self.name, delta, stats, self.data.fingerprint, privacy, update, mode)
+            return self._train_cluster(command).stats
+        return train_local(
+            self.model,
+            self.data.train,
+            steps=local.steps,
+            batch_size=local.batch_size,
+            learning_rate=local.learning_rate,
+            generator=torch.Generator().manual_seed(seed),
+            optimizer=local.optimizer,
+            time_budget=local.time_budget,
+            slowdown=self.slowdown,
+            proximal_mu=local.proximal_mu,
+        )
 
     @property
     def ledger_path(self) -> Path:
@@ -419,64 +494,63 @@ class Region:
         run_id: int,
         seed: int,
         max_run_epsilon: float | None,
-        held: PrivacyLedger | None,
-    ) -> tuple[TrainStats, PrivacySpent]:
+        ledger: PrivacyLedger,
+    ) -> tuple[TrainStats, PrivacySpent, LedgerRound]:
+        """DP-SGD under the budget checks, against the ledger the round holds locked;
+        returns the record that commits the release, for the caller to append."""
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
         step = self.privacy_step()
         cap, cap_reason = self._run_cap(max_run_epsilon)
-        with self.ledger_session(held) as ledger:
-            after = ledger.epsilon_after(step)
-            if after > budget:
-                raise BudgetExhausted(
-                    f"region {self.name}: this round would raise epsilon from "
-                    f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget "
-                    f"{budget:g} (delta {dp.target_delta:g}, ledger {self.ledger_path}); "
-                    "nothing was trained or sent"
-                )
-            spent = ledger.run_history(run_id)
-            run_after = ledger.run_epsilon_after(run_id, step)
-            if run_after > cap + CAP_TOLERANCE:
-                before = epsilon_of(spent, ledger.header.delta, ledger.header.accountant)
-                raise RunBudgetExceeded(
-                    f"region {self.name}: round {server_round} would raise what run {run_id} has "
-                    f"actually spent from epsilon {before:.3f} ({len(spent)} release(s) in "
-                    f"{self.ledger_path}) to {run_after:.3f}, over the per-run cap of "
-                    f"{cap_reason}; nothing was trained or sent"
-                )
-            reproducible = dp.reproducible_noise
-            # With a local-time-budget: as many steps as fit, planned before the first
-            # private step from a synthetic one (never a clock stop: docs/privacy.md).
-            planned = plan_private_steps(
-                self.model,
-                self.data.train,
-                self.local,
-                dp,
-                noise_multiplier=step[0],
-                slowdown=self.slowdown,
+        after = ledger.epsilon_after(step)
+        if after > budget:
+            raise BudgetExhausted(
+                f"region {self.name}: this round would raise epsilon from "
+                f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget "
+                f"{budget:g} (delta {dp.target_delta:g}, ledger {self.ledger_path}); "
+                "nothing was trained or sent"
             )
-            released: Step = (step[0], step[1], planned)
-            stats, taken = self._train_dp(server_round, seed, released)
-            if taken != (planned, planned) or stats.steps != planned:
-                raise PrivacyError(
-                    f"region {self.name}: {taken[0]} to {taken[1]} DP-SGD steps were taken "
-                    f"(over {self.processes} training process(es)), {planned} were planned "
-                    "and would be accounted; the update is not released"
-                )
-            if planned != step[2]:  # fewer steps than the worst case checked: less epsilon
-                after = ledger.epsilon_after(released)
-                run_after = ledger.run_epsilon_after(run_id, released)
-            ledger.append(
-                ledger.new_record(
-                    run_id=run_id,
-                    server_round=server_round,
-                    step=released,
-                    max_grad_norm=dp.max_grad_norm,
-                    secure_mode=dp.secure_mode,
-                    epsilon=after,
-                    reproducible_noise=reproducible,
-                )
+        spent = ledger.run_history(run_id)
+        run_after = ledger.run_epsilon_after(run_id, step)
+        if run_after > cap + CAP_TOLERANCE:
+            before = epsilon_of(spent, ledger.header.delta, ledger.header.accountant)
+            raise RunBudgetExceeded(
+                f"region {self.name}: round {server_round} would raise what run {run_id} has "
+                f"actually spent from epsilon {before:.3f} ({len(spent)} release(s) in "
+                f"{self.ledger_path}) to {run_after:.3f}, over the per-run cap of "
+                f"{cap_reason}; nothing was trained or sent"
             )
+        reproducible = dp.reproducible_noise
+        # With a local-time-budget: as many steps as fit, planned before the first
+        # private step from a synthetic one (never a clock stop: docs/privacy.md).
+        planned = plan_private_steps(
+            self.model,
+            self.data.train,
+            self.local,
+            dp,
+            noise_multiplier=step[0],
+            slowdown=self.slowdown,
+        )
+        released: Step = (step[0], step[1], planned)
+        stats, taken = self._train_dp(server_round, seed, released)
+        if taken != (planned, planned) or stats.steps != planned:
+            raise PrivacyError(
+                f"region {self.name}: {taken[0]} to {taken[1]} DP-SGD steps were taken "
+                f"(over {self.processes} training process(es)), {planned} were planned "
+                "and would be accounted; the update is not released"
+            )
+        if planned != step[2]:  # fewer steps than the worst case checked: less epsilon
+            after = ledger.epsilon_after(released)
+            run_after = ledger.run_epsilon_after(run_id, released)
+        record = ledger.new_record(
+            run_id=run_id,
+            server_round=server_round,
+            step=released,
+            max_grad_norm=dp.max_grad_norm,
+            secure_mode=dp.secure_mode,
+            epsilon=after,
+            reproducible_noise=reproducible,
+        )
         privacy = PrivacySpent(
             epsilon=after,
             epsilon_budget=budget,
@@ -489,9 +563,9 @@ class Region:
             run_epsilon=run_after,
             run_epsilon_cap=cap,
             reproducible_noise=reproducible,
-            ledger=ledger.witness_record(),
+            ledger=ledger.witness_record(record),  # once the record is appended
         )
-        return stats, privacy
+        return stats, privacy, record
 
     def _train_dp(
         self, server_round: int, seed: int, step: Step

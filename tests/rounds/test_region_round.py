@@ -212,6 +212,21 @@ def test_a_released_round_is_resent_as_it_was_never_trained_twice(run, demo_root
     assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
 
 
+def test_a_damaged_kept_update_declines_naming_its_file_and_charges_nothing(
+    run, demo_root, tmp_path
+):
+    node = cn_node(demo_root, tmp_path)
+    assert isinstance(run(node).outcome, Clear)
+    ledger = (tmp_path / "privacy-ledger.jsonl").read_text()
+    (kept,) = (tmp_path / "sent").iterdir()
+    whole = kept.read_bytes()
+    for damaged in (whole[:20], whole[:-1]):  # cut inside its record; inside the update
+        kept.write_bytes(damaged)
+        reason = declined(run(node)).reason
+        assert kept.name in reason and "unreadable kept update" in reason
+        assert (tmp_path / "privacy-ledger.jsonl").read_text() == ledger
+
+
 def test_an_audit_log_that_cannot_be_written_turns_the_reply_into_a_decline(
     run, demo_root, tmp_path, monkeypatch
 ):
@@ -629,5 +644,6 @@ def test_a_training_round_opens_its_ledger_once(run, demo_root, tmp_path, monkey
     node = cn_node(demo_root, tmp_path)
     assert isinstance(run(node).outcome, Clear)
     assert opened == [tmp_path / "privacy-ledger.jsonl"]
-    opened.clear()  # a resent round (its update kept) does not open it at all
-    assert isinstance(run(node).outcome, Clear) and opened == []
+    opened.clear()  # a resent round (its update kept) opens it once, to see it released
+    assert isinstance(run(node).outcome, Clear)
+    assert opened == [tmp_path / "privacy-ledger.jsonl"]
