@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.aggregation import Bounds, check, make_aggregator
+from fedciuic.aggregation import Bounds, check, make_aggregator, staleness_weight
 from fedciuic.compression import get_codec
 from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, NodeConfig, RunConfig
 from fedciuic.data.corpus import ExampleSet
@@ -31,6 +31,7 @@ from fedciuic.model.presets import TINY_FAMILIES, TINY_VOCAB_SIZE, preset_config
 from fedciuic.model.train import train_local
 from fedciuic.policy.binding import RegionPolicy
 from fedciuic.privacy.dpsgd import PrivateTrainer
+from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.round import train_info
 from fedciuic.region.trainer import Region
 from fedciuic.server_optim import ServerOptimizer
@@ -106,16 +107,19 @@ def test_each_mode_starts_as_the_base(built):
         torch.testing.assert_close(model.model(input_ids=rows).logits, base(input_ids=rows).logits)
 
 
-def _aggregate(run: RunConfig, start: dict[str, np.ndarray], deltas, weights):
+def _aggregate(run: RunConfig, start: dict[str, np.ndarray], deltas, weights, staleness=None):
     """The aggregator's path: each delta encoded with the run's codec, decoded and
-    validated, averaged by examples, and stepped onto the global adapter."""
+    validated, averaged by examples (FedBuff-weighted by ``staleness`` where given), and
+    stepped onto the global adapter by the run's server optimiser."""
     names = sorted(start)
     n = sum(start[k].size for k in names)
     into = make_aggregator(run.aggregation, n)
-    for delta, weight in zip(deltas, weights, strict=True):
+    stale = staleness or [0] * len(deltas)
+    bounds = Bounds(max_staleness=max(stale))
+    for delta, weight, late in zip(deltas, weights, stale, strict=True):
         flat = np.concatenate([delta[k].reshape(-1) for k in names])
         data = run.codec.encode(flat, np.random.default_rng(0))
-        into.add(check(run.codec, data, n, weight, Bounds()))
+        into.add(check(run.codec, data, n, weight, bounds, staleness=late))
     return ServerOptimizer(run.server).step(start, into.mean())
 
 
@@ -279,3 +283,87 @@ def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
     size = sum(v.size for v in layout.initial.values())
     run.codec.decode(outcome.update, size)  # refused unless it has the mode's size
     assert train_info(outcome, RegionPolicy.none("eu"))[ADAPTER_MODE] == mode
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+@pytest.mark.parametrize("server", ["none", "fedadam"])
+def test_buffered_and_server_optimised_rounds_stay_exact_in_the_fixed_factor_modes(
+    mode, server, run_config
+):
+    """FedBuff's staleness weights are linear in what is summed, so the published change
+    to every adapted weight is the staleness- and example-weighted mean of the regions'
+    changes; a server optimiser steps the trained tensors alone (the fixed factors never
+    move) and publishes exactly the weight change of its step."""
+    spec = _spec(mode)
+    layout, scaling = AdapterLayout.of(spec), _scaling(spec)
+    run = run_config.model_copy(
+        update={
+            "codec": get_codec("dense"),
+            "adapter_mode": mode,
+            "server_optimizer": server,
+            "server_learning_rate": 1.0 if server == "none" else 0.01,
+        }
+    )
+    rng = np.random.default_rng(7)
+    start = {k: rng.normal(0, 0.02, v.shape).astype(np.float32) for k, v in layout.initial.items()}
+    deltas = [
+        {k: rng.normal(0, 0.01, v.shape).astype(np.float32) for k, v in start.items()}
+        for _ in REGIONS
+    ]
+    weights, staleness = [count for count, _ in REGIONS], [0, 3, 8]
+    published = _aggregate(run, start, deltas, weights, staleness)
+    fixed = layout.fixed
+
+    def change(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        before = effective(lora_factors(mode, start, fixed), scaling)
+        after = effective(lora_factors(mode, adapter, fixed), scaling)
+        return {k: after[k] - before[k] for k in before}
+
+    coefficients = [w * staleness_weight(s) for w, s in zip(weights, staleness, strict=True)]
+    assert sorted(published) == sorted(layout.shapes)  # no fixed factor among them
+    if server == "none":
+        regions = [change({k: start[k] + d[k] for k in start}) for d in deltas]
+        for module, value in change(published).items():
+            want = sum(c * r[module] for c, r in zip(coefficients, regions, strict=True))
+            want = want / sum(weights)
+            np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-9)
+    else:  # Adam steps from the same weighted mean of the trained tensors
+        names = sorted(start)
+        mean = sum(
+            c * np.concatenate([d[k].reshape(-1) for k in names]).astype(np.float64)
+            for c, d in zip(coefficients, deltas, strict=True)
+        ) / sum(weights)
+        want = ServerOptimizer(run.server).step(start, np.asarray(mean, np.float32))
+        for name in names:
+            np.testing.assert_allclose(published[name], want[name], rtol=1e-5, atol=1e-8)
+            assert np.all(published[name] != start[name])  # elementwise: every entry moves
+
+
+@pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])
+def test_a_time_budgeted_dp_round_in_each_fixed_factor_mode_records_the_steps_it_took(
+    run_config, demo_root, tmp_path, mode
+):
+    run = run_config.model_copy(
+        update={
+            "adapter_mode": mode,
+            "local_steps": 6,
+            "seq_len": 32,
+            "batch_size": 2,
+            "num_server_rounds": 1,
+            "dp_accountant": "rdp",
+            "local_time_budget": 60.0,
+        }
+    )
+    layout = AdapterLayout.of(run.model)
+    region = Region(
+        run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
+    )
+    try:
+        outcome = region.train_round(
+            layout.initial, server_round=1, base_fingerprint=layout.fingerprint, run_id=5
+        )
+        (record,) = PrivacyLedger.load(region.ledger_path).rounds
+    finally:
+        region.close()
+    assert 1 <= outcome.stats.steps == record.steps <= run.local_steps
+    assert {k: v.shape for k, v in outcome.delta.items()} == layout.shapes
