@@ -324,18 +324,15 @@ def test_buffered_and_server_optimised_rounds_stay_exact_in_the_fixed_factor_mod
     if server == "none":
         regions = [change({k: start[k] + d[k] for k in start}) for d in deltas]
         for module, value in change(published).items():
-            want = sum(c * r[module] for c, r in zip(coefficients, regions, strict=True))
-            want = want / sum(weights)
-            np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-9)
+            mixed = np.stack([c * r[module] for c, r in zip(coefficients, regions, strict=True)])
+            np.testing.assert_allclose(value, mixed.sum(0) / sum(weights), rtol=1e-4, atol=1e-9)
     else:  # Adam steps from the same weighted mean of the trained tensors
         names = sorted(start)
-        mean = sum(
-            c * np.concatenate([d[k].reshape(-1) for k in names]).astype(np.float64)
-            for c, d in zip(coefficients, deltas, strict=True)
-        ) / sum(weights)
-        want = ServerOptimizer(run.server).step(start, np.asarray(mean, np.float32))
+        rows = np.stack([np.concatenate([d[k].reshape(-1) for k in names]) for d in deltas])
+        mean = np.asarray(coefficients, np.float64) @ rows.astype(np.float64) / sum(weights)
+        stepped = ServerOptimizer(run.server).step(start, mean.astype(np.float32))
         for name in names:
-            np.testing.assert_allclose(published[name], want[name], rtol=1e-5, atol=1e-8)
+            np.testing.assert_allclose(published[name], stepped[name], rtol=1e-5, atol=1e-8)
             assert np.all(published[name] != start[name])  # elementwise: every entry moves
 
 
