@@ -191,6 +191,22 @@ def record_level_policies(directory: Path) -> Path:
     return directory
 
 
+def train_instruction(model: Any, run_config: RunConfig, server_round: int) -> Any:
+    """An unsigned instruction to train ``server_round`` from ``model``'s adapter (a
+    :class:`~fedciuic.wire.Instruction`)."""
+    from fedciuic.crypto.parties import NONCE_BYTES, TaskKind
+    from fedciuic.wire import Instruction
+
+    return Instruction(
+        adapter=model.adapter_state(),
+        server_round=server_round,
+        base_fingerprint=model.base_fingerprint,
+        kind=TaskKind.TRAIN,
+        run_config=run_config.canonical_json(),
+        nonce=os.urandom(NONCE_BYTES),
+    )
+
+
 def lab_policies(directory: Path) -> Path:
     """EU, CN and US lab copies for record-level runs, in which updates may also cross
     unsealed (tests that do not exercise sealing skip its cost)."""

@@ -16,8 +16,7 @@ from fedciuic.crypto.parties import TaskKind
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from fedciuic.region.round import handle_instruction
-from fedciuic.wire import Instruction
-from tests.conftest import lab_policies, unit_config
+from tests.conftest import lab_policies, train_instruction, unit_config
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,7 @@ def train(model, node, policies: Path, server_round: int, **run) -> dict[str, An
     settings = {**unit_config(), "local-steps": 2, "seal": False, **run}
     run_config = RunConfig.from_user_config(settings, source="run config")
     node = {"policy": str(policies / f"{node['region']}.yaml"), **node}
-    task = Instruction(
-        adapter=model.adapter_state(),
-        server_round=server_round,
-        base_fingerprint=model.base_fingerprint,
-        kind=TaskKind.TRAIN,
-        run_config=run_config.canonical_json(),
-    )
+    task = train_instruction(model, run_config, server_round)
     handle_instruction(
         run_config,
         NodeConfig.resolve(node, run_config),

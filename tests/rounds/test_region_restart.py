@@ -6,7 +6,6 @@ as a new process starts without them)."""
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +15,14 @@ import pytest
 from fedciuic.audit import SENT_EVENTS, Event, load_records
 from fedciuic.compression import ErrorFeedback
 from fedciuic.config import RunConfig
-from fedciuic.crypto.parties import NONCE_BYTES, TaskKind
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region import round as region_round
 from fedciuic.region.round import handle_instruction, read_configs
 from fedciuic.region.trainer import REGIONS, SentUpdates
 from fedciuic.stages.sealing import Clear
-from fedciuic.wire import Instruction
-from tests.conftest import SHIPPED_POLICIES, unit_config, write_policy
+from tests.conftest import SHIPPED_POLICIES, train_instruction, unit_config, write_policy
 
 SETTINGS = {
     **unit_config(),
@@ -85,14 +83,7 @@ def train(
     update the region sends."""
     run = RunConfig.from_user_config({**SETTINGS, "dp": dp}, source="run config")
     model = AdapterModel(run.model)
-    task = Instruction(
-        adapter=model.adapter_state(),
-        server_round=server_round,
-        base_fingerprint=model.base_fingerprint,
-        kind=TaskKind.TRAIN,
-        run_config=run.canonical_json(),
-        nonce=secrets.token_bytes(NONCE_BYTES),
-    )
+    task = train_instruction(model, run, server_round)
     node_config = {
         "region": "cn",
         "data-path": str(demo_root / "cn"),
