@@ -147,14 +147,24 @@ def _base_words(base: dict[str, Any]) -> str:
 
 #: An entry's adapter-mode and codec: ``MODE/CODEC`` (``lora-fa/int4``), or a codec alone
 #: (``lora``, today's factor-wise A and B); ``no-dp`` is dense lora without DP and without
-#: policies (they require DP): the reference a DP run is measured against.
+#: policies (they require DP): the reference a DP run is measured against, and
+#: ``no-dp@LR`` the same at learning rate LR (without DP's clipping, the DP runs' rate
+#: can be too large).
 NO_DP = "no-dp"
+
+
+def is_reference(entry: str) -> bool:
+    return entry == NO_DP or entry.startswith(NO_DP + "@")
 
 
 def entry_settings(entry: str) -> dict[str, Any]:
     """The run-config keys one benchmark entry changes."""
-    if entry == NO_DP:
-        return {"codec": "dense", "adapter-mode": "lora", "dp": False, "enforce-policies": False}
+    if is_reference(entry):
+        reference = {"codec": "dense", "adapter-mode": "lora", "dp": False}
+        _, _, rate = entry.partition("@")
+        return {**reference, "enforce-policies": False} | (
+            {"learning-rate": float(rate)} if rate else {}
+        )
     mode, _, codec = entry.rpartition("/")
     return {"codec": codec, "adapter-mode": mode or "lora"}
 
@@ -254,7 +264,7 @@ def recommend(comm: dict[str, dict[str, Any]]) -> tuple[str | None, str | None]:
     that meets them): the margin is the smaller of the two targets' slacks, each as a
     fraction of its target (bytes: ratio / 100 - 1; loss: 1 - gap / 2 %)."""
     dense = comm["dense"]
-    ok = [c for c in comm if c not in ("dense", NO_DP) and _meets(comm[c], dense)]
+    ok = [c for c in comm if c != "dense" and not is_reference(c) and _meets(comm[c], dense)]
     if not ok:
         return None, None
 
@@ -271,7 +281,8 @@ def rows(result: dict[str, Any]) -> list[Row]:
     setting = result.get("settings", {})
     default = result.get("default_codec", "")
     aggressive = min(
-        (c for c in comm if c not in ("dense", NO_DP)), key=lambda c: comm[c]["wire_bytes"]
+        (c for c in comm if c != "dense" and not is_reference(c)),
+        key=lambda c: comm[c]["wire_bytes"],
     )
     base = result.get("base", {"kind": "random"})
     where = (
@@ -283,7 +294,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
         f"{setting.get('num-server-rounds', '?')} rounds, DP on"
     )
     out: list[Row] = []
-    for codec in [c for c in comm if c not in ("dense", NO_DP)]:
+    for codec in [c for c in comm if c != "dense" and not is_reference(c)]:
         r = comm[codec]
         wire = dense["wire_bytes"] / r["wire_bytes"]
         update = dense["update_bytes"] / r["update_bytes"]
@@ -337,7 +348,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     left.tick_params(axis="x", rotation=30)
     left.legend(fontsize=8)
     for codec, label in zip(names, labels, strict=True):
-        if codec == NO_DP:  # without clipping it may diverge and take the axis with it
+        if is_reference(codec):  # without clipping it may diverge and take the axis with it
             continue
         curve = comm[codec]["eval_loss_per_round"]
         # Eval loss against the sealed bytes each region has sent so far (round r: r x

@@ -10,6 +10,7 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # as run_all.py runs them: scripts, not a package
 from aggregation import scaling
+from compression import entry_settings
 from run_all import table
 
 
@@ -114,3 +115,11 @@ def test_heterogeneity_rows_and_plots_follow_a_canned_result(tmp_path):
     made = plot(result, tmp_path)
     assert [p.name for p in made] == ["heterogeneity_time.png", "heterogeneity_rounds.png"]
     assert all(p.stat().st_size > 0 for p in made)
+
+
+def test_a_compression_entry_names_its_mode_codec_and_reference_rate():
+    assert entry_settings("lora-sb/int8") == {"codec": "int8", "adapter-mode": "lora-sb"}
+    assert entry_settings("topk-int4:0.025") == {"codec": "topk-int4:0.025", "adapter-mode": "lora"}
+    reference = entry_settings("no-dp@0.001")
+    assert reference["dp"] is False and reference["learning-rate"] == 0.001
+    assert "learning-rate" not in entry_settings("no-dp")
