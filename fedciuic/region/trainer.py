@@ -125,6 +125,8 @@ class SentUpdates:
             payload = raw[start + size :]
             if not isinstance(record, dict) or not isinstance(record.get("trained"), dict):
                 raise ValueError("no record of the release")
+            if not set(record["trained"]) <= set(TRAINED_FIELDS):
+                raise ValueError(f"a record of the release with fields {sorted(record['trained'])}")
             if record.get("sha256") != hashlib.sha256(payload).hexdigest():
                 raise ValueError("the update does not match its checksum")
         except (struct.error, ValueError) as err:
@@ -190,6 +192,11 @@ RELEASED = (
     "run_epsilon",
     "ledger",  # witnesses the ledger's head (docs/privacy.md)
 )
+
+
+#: What a region's audit log records of a release (``trained``), figures of the
+#: training and then of its privacy.
+TRAINED_FIELDS = ("examples", "steps", "data_fingerprint", *RELEASED)
 
 
 def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from fedciuic.region.round import (
     unreadable,
     witness_run_end,
 )
+from fedciuic.region.trainer import Kept, SentUpdates
 from fedciuic.stages.sealing import Clear, Sealed
 from fedciuic.wire import PRIVACY_UNIT, Instruction, RunEndNotice
 from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, unit_config, write_policy
@@ -220,7 +221,11 @@ def test_a_damaged_kept_update_declines_naming_its_file_and_charges_nothing(
     ledger = (tmp_path / "privacy-ledger.jsonl").read_text()
     (kept,) = (tmp_path / "sent").iterdir()
     whole = kept.read_bytes()
-    for damaged in (whole[:20], whole[:-1]):  # cut inside its record; inside the update
+    store = SentUpdates(tmp_path)
+    store.save(FLOWER_RUN, 1, Kept(b"update", {"run_id": 1}))  # a field a record never has
+    foreign = kept.read_bytes()
+    # Cut inside its record; inside the update; a record of other fields.
+    for damaged in (whole[:20], whole[:-1], foreign):
         kept.write_bytes(damaged)
         reason = declined(run(node)).reason
         assert kept.name in reason and "unreadable kept update" in reason
