@@ -58,6 +58,11 @@ class PrivacyError(FedciuicError):
     """A DP setting or a privacy ledger is invalid; the region must not train."""
 
 
+#: Slack for the accountant's numerics when a run's spend is compared with its cap
+#: (splitting one history into rounds changes PRV's epsilon by about 1e-8).
+CAP_TOLERANCE = 1e-6
+
+
 class BudgetExhausted(FedciuicError):
     """This round would take the region past its epsilon budget: it declines."""
 
@@ -369,6 +374,32 @@ class PrivacyLedger:
         """What run ``run_id`` will have spent, on its own, if ``step`` is released next."""
         history = [*self.run_history(run_id), step]
         return epsilon_of(history, self.header.delta, self.header.accountant)
+
+    def admit(
+        self, step: Step, *, budget: float, run_id: int, server_round: int, cap: tuple[float, str]
+    ) -> tuple[float, float]:
+        """The dataset's and run ``run_id``'s epsilon if ``step`` is released next, or
+        :class:`BudgetExhausted` over the dataset's ``budget`` and
+        :class:`RunBudgetExceeded` over the run's ``cap`` (its value and where it is set)."""
+        after = self.epsilon_after(step)
+        where = f"delta {self.header.delta:g}, ledger {self.path}"
+        if after > budget:
+            raise BudgetExhausted(
+                f"region {self.header.region}: this round would raise epsilon from "
+                f"{self.epsilon:.3f} to {after:.3f}, over the dataset's budget {budget:g} "
+                f"({where}); nothing was trained or sent"
+            )
+        spent = self.run_history(run_id)
+        run_after = self.run_epsilon_after(run_id, step)
+        if run_after > cap[0] + CAP_TOLERANCE:
+            before = epsilon_of(spent, self.header.delta, self.header.accountant)
+            raise RunBudgetExceeded(
+                f"region {self.header.region}: round {server_round} would raise what run "
+                f"{run_id} has actually spent from epsilon {before:.3f} ({len(spent)} "
+                f"release(s) in {self.path}) to {run_after:.3f}, over the per-run cap of "
+                f"{cap[1]}; nothing was trained or sent"
+            )
+        return after, run_after
 
     # -- writing ------------------------------------------------------------------
 

@@ -45,15 +45,12 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
 from fedciuic.privacy import (
     LEDGER_FILE,
-    BudgetExhausted,
     LedgerRound,
     PrivacyError,
     PrivacyLedger,
-    RunBudgetExceeded,
     Step,
     audit_witness,
     calibrate_noise,
-    epsilon_of,
     locked,
     plan_private_steps,
     poisson_sample_rate,
@@ -75,11 +72,6 @@ class AlreadyReleased(FedciuicError):
 class RoundOutOfRange(FedciuicError):
     """The aggregator asks for a round outside this run's 1..num-server-rounds: the
     noise is calibrated for that many rounds, so nothing is released for it."""
-
-
-#: Slack for the accountant's numerics when a run's spend is compared with its cap
-#: (splitting one history into rounds changes PRV's epsilon by about 1e-8).
-CAP_TOLERANCE = 1e-6
 
 
 #: Opens a kept update's file: the region's record of the round, then the payload.
@@ -261,6 +253,14 @@ def compress_update(
     update, residual = compress_with_feedback(vector, feedback.load(), codec, rng)
     feedback.save(residual)
     return update
+
+
+def run_cap(target_epsilon: float, max_run_epsilon: float | None) -> tuple[float, str]:
+    """The per-run cap and where it is set: the run's target epsilon, or the policy's
+    if lower."""
+    if max_run_epsilon is not None and max_run_epsilon < target_epsilon:
+        return max_run_epsilon, f"{max_run_epsilon:g} (privacy.max_epsilon_per_run)"
+    return target_epsilon, f"{target_epsilon:g} (target-epsilon)"
 
 
 class Region:
@@ -487,14 +487,6 @@ class Region:
             witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
         )
 
-    def _run_cap(self, max_run_epsilon: float | None) -> tuple[float, str]:
-        """The per-run cap: the run's target epsilon, or the policy's if lower."""
-        cap = self.dp.target_epsilon
-        why = f"{cap:g} (target-epsilon)"
-        if max_run_epsilon is not None and max_run_epsilon < cap:
-            cap, why = max_run_epsilon, f"{max_run_epsilon:g} (privacy.max_epsilon_per_run)"
-        return cap, why
-
     def _train_private(
         self,
         server_round: int,
@@ -508,25 +500,10 @@ class Region:
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
         step = self.privacy_step()
-        cap, cap_reason = self._run_cap(max_run_epsilon)
-        after = ledger.epsilon_after(step)
-        if after > budget:
-            raise BudgetExhausted(
-                f"region {self.name}: this round would raise epsilon from "
-                f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget "
-                f"{budget:g} (delta {dp.target_delta:g}, ledger {self.ledger_path}); "
-                "nothing was trained or sent"
-            )
-        spent = ledger.run_history(run_id)
-        run_after = ledger.run_epsilon_after(run_id, step)
-        if run_after > cap + CAP_TOLERANCE:
-            before = epsilon_of(spent, ledger.header.delta, ledger.header.accountant)
-            raise RunBudgetExceeded(
-                f"region {self.name}: round {server_round} would raise what run {run_id} has "
-                f"actually spent from epsilon {before:.3f} ({len(spent)} release(s) in "
-                f"{self.ledger_path}) to {run_after:.3f}, over the per-run cap of "
-                f"{cap_reason}; nothing was trained or sent"
-            )
+        cap = run_cap(dp.target_epsilon, max_run_epsilon)
+        after, run_after = ledger.admit(
+            step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
+        )
         reproducible = dp.reproducible_noise
         # With a local-time-budget: as many steps as fit, planned before the first
         # private step from a synthetic one (never a clock stop: docs/privacy.md).
@@ -568,7 +545,7 @@ class Region:
             max_grad_norm=dp.max_grad_norm,
             unit=dp.unit,
             run_epsilon=run_after,
-            run_epsilon_cap=cap,
+            run_epsilon_cap=cap[0],
             reproducible_noise=reproducible,
             ledger=ledger.witness_record(record),  # once the record is appended
         )
