@@ -142,3 +142,18 @@ def test_each_public_name_is_defined_in_one_module():
                     where.setdefault(name, []).append(str(path.relative_to(ROOT)))
     twice = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert not twice, f"defined in more than one module (rename one): {twice}"
+
+
+#: Issue 33's bound: a class past it owns more than one thing and is to be split.
+MAX_CLASS_LINES = 350
+
+
+def test_no_class_is_longer_than_the_bound():
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)"
+        for path in SOURCES
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+        and (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_CLASS_LINES
+    ]
+    assert not long, long
