@@ -1,0 +1,140 @@
+"""Pairwise masking in the ring of integers modulo 2^bits: each region's fixed-point
+update plus a self mask plus one mask per other region, added towards a higher
+index and subtracted towards a lower one, so that the pair masks cancel in the sum.
+What the aggregator sums is then the regions' sum plus their self masks, which it
+removes once the survivors' self-mask seeds are revealed; a region that dropped after
+masking leaves its pair masks with the survivors uncancelled, and those come off with
+the pair seeds recovered from their shares (SecAgg, Bonawitz et al. 2017).
+
+Integer arithmetic throughout: the unmasked sum equals the plain sum of the encoded
+updates exactly. Masks are SHAKE-256 streams of 32-byte seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedciuic.errors import FedciuicError
+
+#: Domain separation of the two kinds of mask, versioned with the stream's layout.
+_SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
+
+
+class RingTooSmall(FedciuicError):
+    """A sum of this many clipped, scaled updates could wrap around the ring."""
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Integers modulo 2^bits, held as uint64 (every sum is exact mod 2^64, and
+    2^bits divides 2^64)."""
+
+    bits: int
+
+    def __post_init__(self) -> None:
+        if not 8 <= self.bits <= 62:
+            raise ValueError(f"a ring of {self.bits} bits: 8 to 62 are supported")
+
+    @property
+    def mask(self) -> np.uint64:
+        return np.uint64((1 << self.bits) - 1)
+
+    def reduce(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(values, np.uint64) & self.mask
+
+
+def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
+    """``size`` ring elements drawn from ``seed`` (SHAKE-256; ``kind``: self or pair)."""
+    raw = hashlib.shake_256(kind + seed).digest(8 * size)
+    return ring.reduce(np.frombuffer(raw, dtype="<u8"))
+
+
+def mask(
+    encoded: np.ndarray,
+    *,
+    me: int,
+    self_seed: bytes,
+    pair_seeds: Mapping[int, bytes],
+    ring: Ring,
+) -> np.ndarray:
+    """Region ``me``'s masked vector: ``encoded`` plus its self mask, plus each pair mask
+    towards a higher-numbered region, minus each towards a lower-numbered one."""
+    if me in pair_seeds:
+        raise ValueError(f"region {me} has a pair seed with itself")
+    size = encoded.size
+    out = ring.reduce(encoded) + stream(self_seed, size, ring, _SELF)
+    for other, seed in pair_seeds.items():
+        pair = stream(seed, size, ring, _PAIR)
+        out = out + pair if me < other else out - pair
+    return ring.reduce(out)
+
+
+def unmask(
+    total: np.ndarray,
+    *,
+    survivors: Collection[int],
+    self_seeds: Mapping[int, bytes],
+    dropped_pairs: Mapping[tuple[int, int], bytes],
+    ring: Ring,
+) -> np.ndarray:
+    """The survivors' plain sum from ``total``, the sum of their masked vectors: their
+    self masks (``self_seeds``, one per survivor) come off, and so does each pair mask a
+    survivor shares with a region that dropped after masking (``dropped_pairs``, keyed
+    (survivor, dropped))."""
+    if set(self_seeds) != set(survivors):
+        raise ValueError("one self seed per survivor, and none for a region that dropped")
+    for i, j in dropped_pairs:
+        if i not in survivors or j in survivors:
+            raise ValueError(f"pair ({i}, {j}) is not (survivor, dropped)")
+    size = total.size
+    out = ring.reduce(total)
+    for seed in self_seeds.values():
+        out = out - stream(seed, size, ring, _SELF)
+    for (i, j), seed in dropped_pairs.items():
+        pair = stream(seed, size, ring, _PAIR)
+        out = out - pair if i < j else out + pair  # what survivor i added towards j
+    return ring.reduce(out)
+
+
+def ring_sum(vectors: Collection[np.ndarray], ring: Ring) -> np.ndarray:
+    """The sum of ring vectors, modulo 2^bits."""
+    return ring.reduce(np.asarray(np.sum(np.stack(list(vectors)), axis=0, dtype=np.uint64)))
+
+
+def to_ring(
+    values: np.ndarray,
+    *,
+    clip: float,
+    scale: float,
+    regions: int,
+    ring: Ring,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """A float update as ring elements: clipped to L2 norm ``clip``, times ``scale``,
+    stochastically rounded (unbiased), negatives as their complement. Refused unless
+    the sum of ``regions`` such updates cannot wrap (:class:`RingTooSmall`)."""
+    largest = regions * (clip * scale + 1)
+    if largest >= 2 ** (ring.bits - 1):
+        raise RingTooSmall(
+            f"{regions} region(s) x (clip {clip:g} x scale {scale:g} + 1) = {largest:.3g} "
+            f"does not fit a signed {ring.bits}-bit sum; use more bits or a smaller scale"
+        )
+    x = np.asarray(values, np.float64)
+    norm = float(np.linalg.norm(x))
+    if norm > clip:
+        x = x * (clip / norm)
+    scaled = x * scale
+    low = np.floor(scaled)
+    rounded = low + (rng.random(scaled.shape) < scaled - low)
+    return ring.reduce(rounded.astype(np.int64).astype(np.uint64))
+
+
+def from_ring(total: np.ndarray, *, scale: float, ring: Ring) -> np.ndarray:
+    """A ring sum back to floats: the upper half of the ring is negative."""
+    signed = np.asarray(total, np.uint64).astype(np.int64)
+    signed = np.where(signed >= 2 ** (ring.bits - 1), signed - 2**ring.bits, signed)
+    return signed.astype(np.float64) / scale
