@@ -69,26 +69,26 @@ class ErrorFeedback:
     def __init__(self, path: Path, codec: Codec, layout: str, n: int, round_tag: str = "") -> None:
         self.path, self.codec, self.layout, self.n = path, codec, layout, n
         self.round_tag = round_tag
+        self._before: np.ndarray | None = None  # what load found before this round
+        self._loaded = False
 
     def load(self) -> np.ndarray:
-        """The residual to add to this round's delta."""
+        """The residual to add to this round's delta (remembered for :meth:`save`)."""
         stored = self._read()
         if stored is None:
-            return np.zeros(self.n, np.float32)
-        if self.round_tag and stored.tag == self.round_tag:
-            before = stored.previous
-            return np.zeros(self.n, np.float32) if before is None else before.copy()
-        return stored.current.copy()
+            before = None
+        elif self.round_tag and stored.tag == self.round_tag:
+            before = stored.previous  # the same round again: the same residual before it
+        else:
+            before = stored.current
+        self._before, self._loaded = before, True
+        return np.zeros(self.n, np.float32) if before is None else before.copy()
 
     def save(self, residual: np.ndarray) -> None:
         """Keep ``residual`` as this round's, and the residual before it (atomic)."""
-        stored = self._read()
-        if stored is None:
-            previous = None
-        elif self.round_tag and stored.tag == self.round_tag:
-            previous = stored.previous  # the same round again: the same residual before it
-        else:
-            previous = stored.current
+        if not self._loaded:
+            self.load()
+        previous = self._before
         current = np.ascontiguousarray(residual, np.float32).tobytes()
         data = current + (b"" if previous is None else previous.tobytes())
         meta = json.dumps(

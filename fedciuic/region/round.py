@@ -177,19 +177,6 @@ def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
     }
 
 
-def trained_record(outcome: TrainOutcome) -> dict[str, Any]:
-    """What the region's audit log records of a release (kept with the update, so that
-    a region stopped before it noted the release notes it when it resends)."""
-    from fedciuic.region.trainer import released_record
-
-    return {
-        "examples": outcome.stats.num_examples,
-        "steps": outcome.stats.steps,
-        "data_fingerprint": outcome.data_fingerprint,
-        **released_record(outcome.privacy),
-    }
-
-
 def update_arrays(update: bytes) -> dict[str, np.ndarray]:
     """The compressed update as the one array a reply (or sealed payload) carries."""
     return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
@@ -514,8 +501,11 @@ class _Round:
             # policy check, the release check and the training all read it.
             private = training and run.dp
             ledger = session.enter_context(region.ledger_session()) if private else None
-            committed = ledger is None or region.released(self.run_id, task.server_round, ledger)
-            if kept is not None and not committed:
+            if (
+                kept is not None
+                and ledger is not None
+                and not region.released(self.run_id, task.server_round, ledger)
+            ):
                 # Kept, then the region stopped before the ledger recorded it (the
                 # commit): it never left, so it is dropped and the round trained again.
                 sent.drop(self.run_id, task.server_round)
@@ -534,7 +524,7 @@ class _Round:
     ) -> RoundOutcome:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation, the update kept for this round, or training."""
-        from fedciuic.region.trainer import AlreadyReleased, Kept
+        from fedciuic.region.trainer import AlreadyReleased, Kept, trained_record
 
         run, node, training = self.run, self.node, task.kind == TaskKind.TRAIN
         policy = enforce_region_policy(
@@ -606,6 +596,8 @@ class _Round:
         )
 
     def _note_trained(self, outcome: TrainOutcome) -> None:
+        from fedciuic.region.trainer import trained_record
+
         self.note(Event.TRAINED, **trained_record(outcome))
 
     def _noted_trained(self) -> bool:

@@ -188,13 +188,23 @@ RELEASED = (
 
 #: What a region's audit log records of a release (``trained``), figures of the
 #: training and then of its privacy.
-TRAINED_FIELDS = ("examples", "steps", "data_fingerprint", *RELEASED)
+TRAINING_FIELDS = ("examples", "steps", "data_fingerprint")
+TRAINED_FIELDS = (*TRAINING_FIELDS, *RELEASED)
 
 
 def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
     """A release's privacy as the region's audit log records it, each figure None
     without DP."""
     return {name: getattr(privacy, name, None) for name in RELEASED}
+
+
+def trained_record(outcome: TrainOutcome) -> dict[str, Any]:
+    """What the region's audit log records of a release (:data:`TRAINED_FIELDS`), kept
+    with the update so that a region stopped before it noted the release notes it when
+    it resends."""
+    stats = outcome.stats
+    training = (stats.num_examples, stats.steps, outcome.data_fingerprint)
+    return dict(zip(TRAINING_FIELDS, training, strict=True)) | released_record(outcome.privacy)
 
 
 @dataclass(frozen=True)
@@ -380,7 +390,7 @@ class Region:
             )
             if keep is not None:
                 keep(outcome)
-            if held is not None and record is not None:
+            if held is not None and record is not None:  # record: a DP round's, under held
                 held.append(record)  # the commit: fsync'ed before anything is released
         return outcome
 
