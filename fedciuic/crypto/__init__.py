@@ -41,9 +41,19 @@ if TYPE_CHECKING:
         update_payload,
     )
     from fedciuic.crypto.tls import ServerTls, generate_server_tls, generate_supernode_key
+    from fedciuic.crypto.xwing import (
+        CIPHERTEXT_SIZE,
+        PUBLIC_KEY_SIZE,
+        XWingPrivateKey,
+        XWingPublicKey,
+    )
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "CIPHERTEXT_SIZE": "xwing",
+    "PUBLIC_KEY_SIZE": "xwing",
+    "XWingPrivateKey": "xwing",
+    "XWingPublicKey": "xwing",
     "AGGREGATOR": "parties",
     "AggregatorKeys": "parties",
     "EnvelopeRejected": "envelope",
@@ -78,8 +88,10 @@ _WHERE = {
 }
 __all__ = [
     "AGGREGATOR",
+    "CIPHERTEXT_SIZE",
     "NAME_PATTERN",
     "NONCE_BYTES",
+    "PUBLIC_KEY_SIZE",
     "AggregatorKeys",
     "EnvelopeRejected",
     "InvalidEnvelope",
@@ -92,6 +104,8 @@ __all__ = [
     "Suite",
     "TaskKind",
     "Terms",
+    "XWingPrivateKey",
+    "XWingPublicKey",
     "aggregator_keys",
     "bundle_path",
     "config_digest",

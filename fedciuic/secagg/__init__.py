@@ -1,7 +1,12 @@
-"""Secure aggregation's arithmetic (issue 35, first layer): fixed-point encoding in a
-ring of 2^bits, pairwise and self masks that cancel in the sum (``masking``), and
-Shamir sharing of the mask seeds for dropout recovery (``shamir``). No messages yet:
-the protocol rounds on Flower's Message API build on these."""
+"""Secure aggregation (docs/secure-aggregation.md): the aggregator learns the sum of the
+regions' updates and nothing else.
+
+* ``masking``: fixed point in a ring of 2^bits, pair and self masks that cancel in the sum;
+* ``shamir``: Shamir shares of the mask seeds, for regions that drop;
+* ``messages``: the session and each phase's messages, typed and signed;
+* ``seeds``: what a region's seeds give, sealed between regions with X-Wing;
+* ``region`` / ``aggregator``: the two ends of a secure sum;
+* ``local``: a secure sum in one process (tests, benchmark)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
+    from fedciuic.secagg.aggregator import Refusal, SecureSum, SumWithheld
+    from fedciuic.secagg.local import run_secure_sum
     from fedciuic.secagg.masking import (
         Ring,
         RingTooSmall,
@@ -19,6 +26,8 @@ if TYPE_CHECKING:
         to_ring,
         unmask,
     )
+    from fedciuic.secagg.messages import Phase, SecAggError, Session
+    from fedciuic.secagg.region import SecureSumRegion
     from fedciuic.secagg.shamir import (
         SEED_BYTES,
         MalformedShare,
@@ -30,6 +39,14 @@ if TYPE_CHECKING:
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "Phase": "messages",
+    "Refusal": "aggregator",
+    "SecAggError": "messages",
+    "SecureSum": "aggregator",
+    "SecureSumRegion": "region",
+    "Session": "messages",
+    "SumWithheld": "aggregator",
+    "run_secure_sum": "local",
     "MalformedShare": "shamir",
     "NotEnoughShares": "shamir",
     "Ring": "masking",
@@ -48,13 +65,21 @@ __all__ = [
     "SEED_BYTES",
     "MalformedShare",
     "NotEnoughShares",
+    "Phase",
+    "Refusal",
     "Ring",
     "RingTooSmall",
+    "SecAggError",
+    "SecureSum",
+    "SecureSumRegion",
+    "Session",
     "Share",
+    "SumWithheld",
     "combine",
     "from_ring",
     "mask",
     "ring_sum",
+    "run_secure_sum",
     "split",
     "to_ring",
     "unmask",

@@ -1,0 +1,270 @@
+"""The aggregator's end of the secure sum: it relays what the regions send each other,
+checks every message it takes (typed, signed by the region it names, for this session
+and phase, once), and in the end learns the survivors' sum and nothing else.
+
+Each phase ends with the regions that took part in it; a phase that ends with fewer
+than the threshold withholds the sum (:class:`SumWithheld`), on the record. A message that
+fails a check is refused alone and kept in :attr:`SecureSum.refused` with its reason,
+for the audit log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from fedciuic.crypto import PublicBundle
+from fedciuic.errors import FedciuicError
+from fedciuic.secagg.masking import Ring, ring_sum, unmask
+from fedciuic.secagg.messages import (
+    Advert,
+    Consent,
+    FromRegion,
+    Masked,
+    Phase,
+    Reveal,
+    SealedItem,
+    SecAggError,
+    Session,
+    Shares,
+    parse,
+    to_sign,
+)
+from fedciuic.secagg.region import (
+    consent_content,
+    reveal_content,
+    sealed_content,
+    wire_dtype,
+)
+from fedciuic.secagg.seeds import (
+    PAIR,
+    SEALED_PAIR,
+    SEALED_SHARES,
+    ephemeral,
+    open_with,
+    pair_seed,
+)
+from fedciuic.secagg.shamir import (
+    PRIME,
+    SEED_BYTES,
+    MalformedShare,
+    NotEnoughShares,
+    Share,
+    combine,
+)
+
+_M = TypeVar("_M", bound=FromRegion)
+_T = TypeVar("_T")
+
+
+class SumWithheld(FedciuicError):
+    """Fewer regions than the threshold at some phase: the sum is not computed."""
+
+    def __init__(self, phase: Phase, got: int, needed: int) -> None:
+        self.phase, self.got, self.needed = phase, got, needed
+        super().__init__(
+            f"secure sum withheld at {phase.value}: {got} region(s), the threshold is {needed}"
+        )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A message the aggregator did not take, and why."""
+
+    phase: Phase
+    region: str
+    reason: str
+
+
+@dataclass
+class SecureSum:
+    """One session's messages as the aggregator has taken them, phase by phase."""
+
+    session: Session
+    bundles: Mapping[str, PublicBundle]
+    refused: list[Refusal] = field(default_factory=list)
+    adverts: dict[str, Advert] = field(default_factory=dict)
+    shares: dict[str, Shares] = field(default_factory=dict)
+    vectors: dict[str, np.ndarray] = field(default_factory=dict)
+    consents: dict[str, Consent] = field(default_factory=dict)
+    reveals: dict[str, Reveal] = field(default_factory=dict)
+
+    # -- phase by phase ------------------------------------------------------------------
+
+    def take_adverts(self, replies: Iterable[object]) -> tuple[Advert, ...]:
+        """The adverts taken (U1), which every region that joined is sent."""
+
+        def check(region: str, advert: Advert) -> Advert:
+            self._check(Phase.ADVERT, region, {"key": advert.key}, advert.signature)
+            return advert
+
+        self._take(Phase.ADVERT, Advert, replies, self.session.regions, self.adverts, check)
+        return tuple(self.adverts[r] for r in sorted(self.adverts))
+
+    def take_shares(self, replies: Iterable[object]) -> tuple[str, ...]:
+        """The regions whose shares were taken (U2)."""
+
+        def check(region: str, shares: Shares) -> Shares:
+            expected = sorted(set(self.adverts) - {region})
+            if sorted(item.to for item in shares.items) != expected:
+                raise SecAggError(f"items for {[i.to for i in shares.items]}, not for {expected}")
+            for item in shares.items:
+                self._check_item(region, item)
+            return shares
+
+        self._take(Phase.SHARES, Shares, replies, self.adverts, self.shares, check)
+        return tuple(sorted(self.shares))
+
+    def items_for(self, region: str) -> tuple[SealedItem, ...]:
+        """What the regions that shared sealed to ``region``, for it to mask with."""
+        return tuple(i for s in self.shares.values() for i in s.items if i.to == region)
+
+    def take_masked(self, replies: Iterable[object]) -> tuple[str, ...]:
+        """The survivors (U3): the regions whose masked vectors were taken."""
+        ring = Ring(self.session.bits)
+        dtype = wire_dtype(ring)
+
+        def check(region: str, masked: Masked) -> np.ndarray:
+            if len(masked.vector) != self.session.size * dtype.itemsize:
+                raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.size} values")
+            self._check(Phase.MASKED, region, {"vector": masked.vector}, masked.signature)
+            values = np.frombuffer(masked.vector, dtype=dtype).astype(np.uint64)
+            if np.any(values > ring.mask):
+                raise SecAggError(f"values outside the ring of {ring.bits} bits")
+            return values
+
+        self._take(Phase.MASKED, Masked, replies, self.shares, self.vectors, check)
+        return tuple(sorted(self.vectors))
+
+    def take_consents(self, replies: Iterable[object]) -> tuple[Consent, ...]:
+        """The consents on the survivors taken, which every survivor is shown."""
+        survivors = tuple(sorted(self.vectors))
+
+        def check(region: str, consent: Consent) -> Consent:
+            if consent.survivors != survivors:
+                raise SecAggError("a consent on another survivor set")
+            self._check(Phase.CONSENT, region, consent_content(survivors), consent.signature)
+            return consent
+
+        self._take(Phase.CONSENT, Consent, replies, self.vectors, self.consents, check)
+        return tuple(self.consents[r] for r in sorted(self.consents))
+
+    def take_reveals(self, replies: Iterable[object]) -> np.ndarray:
+        """The survivors' plain sum (ring elements), from a threshold of reveals."""
+        survivors = set(self.vectors)
+        dropped = set(self.shares) - survivors
+
+        def check(region: str, reveal: Reveal) -> Reveal:
+            if set(reveal.self_shares) != survivors or set(reveal.key_shares) != dropped:
+                raise SecAggError("shares for other regions than the survivors and the dropped")
+            values = [*reveal.self_shares.values(), *reveal.key_shares.values()]
+            if any(not 0 <= v < PRIME for v in values):
+                raise SecAggError("a share outside the field")
+            self._check(Phase.REVEAL, region, reveal_content(reveal), reveal.signature)
+            return reveal
+
+        self._take(Phase.REVEAL, Reveal, replies, self.consents, self.reveals, check)
+        return self._unmask(survivors, dropped)
+
+    # -- the sum ---------------------------------------------------------------------
+
+    def _unmask(self, survivors: set[str], dropped: set[str]) -> np.ndarray:
+        s = self.session
+        sid = s.sid()
+        self_seeds = {s.index(r): self._recover(r, self_seed=True) for r in survivors}
+        pairs: dict[tuple[int, int], bytes] = {}
+        for gone in dropped:
+            key_seed = self._recover(gone, self_seed=False)
+            eph = ephemeral(key_seed, sid)
+            for survivor in survivors:
+                if s.index(gone) < s.index(survivor):
+                    seed = pair_seed(key_seed, sid, gone, survivor)
+                else:
+                    item = next(i for i in self.shares[survivor].items if i.to == gone)
+                    assert item.pair is not None  # checked when taken
+                    seed = open_with(
+                        eph,
+                        item.pair,
+                        size=SEED_BYTES,
+                        sid=sid,
+                        purpose=PAIR,
+                        sender=survivor,
+                        to=gone,
+                    )
+                pairs[s.index(survivor), s.index(gone)] = seed
+        ring = Ring(s.bits)
+        return unmask(
+            ring_sum(list(self.vectors.values()), ring),
+            survivors=[s.index(r) for r in survivors],
+            self_seeds=self_seeds,
+            dropped_pairs=pairs,
+            ring=ring,
+        )
+
+    def _recover(self, region: str, *, self_seed: bool) -> bytes:
+        """``region``'s self seed (or key seed) from the shares the reveals hold."""
+        shares = [
+            Share(
+                self.session.index(holder),
+                (v.self_shares if self_seed else v.key_shares)[region],
+            )
+            for holder, v in self.reveals.items()
+        ]
+        try:
+            return combine(shares, self.session.threshold)
+        except (MalformedShare, NotEnoughShares) as err:
+            raise SecAggError(
+                f"secure sum: the seed of {region} does not come back: {err}"
+            ) from None
+
+    # -- checks ----------------------------------------------------------------------
+
+    def _take(
+        self,
+        phase: Phase,
+        model: type[_M],
+        replies: Iterable[object],
+        allowed: Collection[str],
+        taken: dict[str, _T],
+        check: Callable[[str, _M], _T],
+    ) -> None:
+        """Take each reply: parsed, from a region expected in ``phase`` and not yet heard
+        in it, passing ``check``; one that fails is refused alone, on the record. Then
+        withhold the sum if fewer than the threshold were taken."""
+        for raw in replies:
+            region = "?"
+            try:
+                message = parse(model, raw, phase)
+                region = message.region
+                if region not in allowed:
+                    raise SecAggError(f"{region!r} is not expected in this phase")
+                if region in taken:
+                    raise SecAggError(f"a second {phase.value} from {region!r} (a replay?)")
+                taken[region] = check(region, message)
+            except SecAggError as err:
+                self.refused.append(Refusal(phase, region, str(err)))
+        if len(taken) < self.session.threshold:
+            raise SumWithheld(phase, len(taken), self.session.threshold)
+
+    def _check(
+        self, phase: Phase, region: str, content: Mapping[str, object], signature: bytes
+    ) -> None:
+        bundle = self.bundles.get(region)
+        if bundle is None or not bundle.verify(
+            to_sign(self.session, phase, region, content), signature
+        ):
+            raise SecAggError(f"not signed by {region!r} for this session and phase")
+
+    def _check_item(self, region: str, item: SealedItem) -> None:
+        s = self.session
+        if item.sender != region:
+            raise SecAggError(f"an item from {item.sender!r} in the shares of {region!r}")
+        owns = s.index(region) < s.index(item.to)
+        if len(item.shares) != SEALED_SHARES or (item.pair is not None) != owns:
+            raise SecAggError(f"the item for {item.to!r} has the wrong shape")
+        if item.pair is not None and len(item.pair) != SEALED_PAIR:
+            raise SecAggError(f"the pair seed for {item.to!r} has the wrong size")
+        self._check(Phase.SHARES, region, sealed_content(item), item.signature)

@@ -1,0 +1,172 @@
+"""The secure sum's messages, typed and validated (pydantic) before either end uses them,
+and what each signature covers.
+
+Every message a region sends is signed with its long-lived identity key over the
+session id (:meth:`Session.sid`: the run, the round, the regions, the threshold, the
+ring and the vector length), the phase and the message's content, so that a relay (or
+an aggregator) cannot replay one from another round, move one to another phase, or
+attribute one to another region without the signature failing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
+from fedciuic.errors import FedciuicError
+
+#: Domain separation of every signed secure-sum message, versioned with this layout.
+DOMAIN = "fedciuic-secagg/1"
+
+#: Ring sizes offered: 8 to 62 bits (:class:`~fedciuic.secagg.masking.Ring`).
+MIN_BITS, MAX_BITS = 8, 62
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class Phase(StrEnum):
+    """The secure sum's phases, in order: each region takes part in each at most once."""
+
+    ADVERT = "advert"  # ephemeral key, signed
+    SHARES = "shares"  # seed shares and pair seeds, sealed to each peer
+    MASKED = "masked"  # the masked vector
+    CONSENT = "consent"  # signature on the survivors
+    REVEAL = "reveal"  # shares that unmask the survivors' sum
+
+
+class SecAggError(FedciuicError):
+    """A secure-sum message or request that is refused: the reason names the phase, the
+    region and what was wrong."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+
+class Session(Message):
+    """What one secure sum is over: the aggregator proposes it, each region checks it
+    against its own policy before taking part."""
+
+    run_id: int = Field(ge=0)
+    server_round: int = Field(ge=0)
+    regions: tuple[Name, ...]
+    threshold: int
+    bits: int = Field(ge=MIN_BITS, le=MAX_BITS)
+    size: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Session:
+        if list(self.regions) != sorted(set(self.regions)):
+            raise ValueError("regions must be sorted and distinct")
+        if len(self.regions) < 2:
+            raise ValueError("a secure sum needs at least 2 regions")
+        # More than half: two different survivor sets cannot both gather a threshold
+        # of signatures, so every honest region unmasks the same set (docs).
+        if not len(self.regions) // 2 < self.threshold <= len(self.regions):
+            raise ValueError(
+                f"threshold {self.threshold} is not more than half of the "
+                f"{len(self.regions)} regions (and at most all of them)"
+            )
+        return self
+
+    def index(self, region: str) -> int:
+        """The region's position, from 1 (Shamir's holder; who adds and who subtracts)."""
+        return self.regions.index(region) + 1
+
+    def sid(self) -> bytes:
+        """The session id every signature in this secure sum covers."""
+        return hashlib.sha256(signable(DOMAIN, self.model_dump())).digest()
+
+
+class FromRegion(Message):
+    """A message a region sends the aggregator, under its name."""
+
+    region: Name
+
+
+class Advert(FromRegion):
+    """A region's ephemeral X-Wing key for this session (its pair seeds come sealed to
+    it; it is derived from the region's secret key seed, so it is recoverable only from a
+    threshold of that seed's shares)."""
+
+    key: bytes = Field(min_length=PUBLIC_KEY_SIZE, max_length=PUBLIC_KEY_SIZE)
+    signature: bytes
+
+
+class SealedItem(Message):
+    """From one region to another: the sender's seed shares sealed to the recipient's
+    identity key, and (from the lower-numbered of the two) their pair seed sealed to the
+    recipient's ephemeral key."""
+
+    sender: Name
+    to: Name
+    shares: bytes
+    pair: bytes | None = None
+    signature: bytes
+
+
+class Shares(FromRegion):
+    items: tuple[SealedItem, ...]
+
+
+class Masked(FromRegion):
+    vector: bytes
+    signature: bytes
+
+
+class Consent(FromRegion):
+    """A region's signature on the survivors: those whose masked vectors are summed."""
+
+    survivors: tuple[Name, ...]
+    signature: bytes
+
+
+class Reveal(FromRegion):
+    """A region's shares for the unmasking: of the self-mask seed of each survivor, of
+    the key seed of each region that dropped after sharing; never both for one region."""
+
+    self_shares: dict[Name, int]
+    key_shares: dict[Name, int]
+    signature: bytes
+
+
+_M = TypeVar("_M", bound=Message)
+
+
+def signable(*parts: Any) -> bytes:
+    """A signable encoding of what a signature covers."""
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_bytes).encode()
+
+
+def _bytes(value: object) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).hex()
+    raise TypeError(f"{type(value).__name__} is not signable")
+
+
+def to_sign(session: Session, phase: Phase, region: str, content: Mapping[str, Any]) -> bytes:
+    """What a region signs in ``phase`` of ``session``."""
+    return signable(DOMAIN, session.sid(), phase.value, region, dict(content))
+
+
+def parse(model: type[_M], data: object, phase: Phase) -> _M:
+    """An untrusted message as its typed value, or :class:`SecAggError` naming the phase
+    and the first bad field."""
+    try:
+        if isinstance(data, bytes | str):
+            return model.model_validate_json(data)
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or model.__name__
+        raise SecAggError(
+            f"secure sum, {phase.value}: malformed {model.__name__} ({where}: {first['msg']})"
+        ) from None

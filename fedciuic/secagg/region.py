@@ -1,0 +1,380 @@
+"""A region's end of the secure sum: it runs in the region's own agent, with the
+region's identity key and its peers' public bundles, and takes each phase once, in
+order, checking everything the aggregator relays before using it.
+
+What protects the region's update, and where it is checked:
+
+* the session is one the region agrees to (it is named, its peers are known, the
+  threshold is more than half and at least the region's policy minimum);
+* every advert, sealed item and consent it uses is signed by the region it names, for
+  this session and phase (a relay cannot replay, reorder or inject one);
+* it masks only when it holds an item from every other region said to have shared
+  (a missing one is named: something dropped it);
+* it reveals once per session, and only with a threshold of signatures on the very
+  survivor set it signed itself: the shares of a survivor's self seed, of a dropped
+  region's key seed, never both for one region (the aggregator cannot ask for the shares
+  of a region that did send).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedciuic.crypto import Keypair, PublicBundle, XWingPrivateKey, XWingPublicKey
+from fedciuic.secagg.masking import Ring, mask
+from fedciuic.secagg.messages import (
+    Advert,
+    Consent,
+    Masked,
+    Phase,
+    Reveal,
+    SealedItem,
+    SecAggError,
+    Session,
+    Shares,
+    to_sign,
+)
+from fedciuic.secagg.seeds import (
+    PAIR,
+    SHARE_BYTES,
+    SHARES,
+    ephemeral,
+    open_with,
+    pair_seed,
+    seal_to,
+    share_bytes,
+    share_value,
+)
+from fedciuic.secagg.shamir import SEED_BYTES, split
+
+
+def vector_bytes(values: np.ndarray, ring: Ring) -> bytes:
+    """Ring elements on the wire: the narrowest unsigned width that holds ``bits``."""
+    return np.asarray(values, np.uint64).astype(wire_dtype(ring)).tobytes()
+
+
+def wire_dtype(ring: Ring) -> np.dtype:
+    width = next(w for w in (8, 16, 32, 64) if ring.bits <= w)
+    return np.dtype(f"<u{width // 8}")
+
+
+def consent_content(survivors: Sequence[str]) -> dict[str, object]:
+    return {"survivors": list(survivors)}
+
+
+def sealed_content(item: SealedItem) -> dict[str, object]:
+    return {"to": item.to, "shares": item.shares, "pair": item.pair}
+
+
+def reveal_content(reveal: Reveal) -> dict[str, object]:
+    return {"self": reveal.self_shares, "key": reveal.key_shares}
+
+
+@dataclass
+class _Sum:
+    """One session as this region sees it."""
+
+    session: Session
+    encoded: np.ndarray
+    self_seed: bytes
+    key_seed: bytes
+    done: Phase
+    keys: dict[str, XWingPublicKey] = field(default_factory=dict)  # ephemeral, by region
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)  # (b, k) shares held
+    shared: tuple[str, ...] = ()  # who sent shares (U2)
+    survivors: tuple[str, ...] = ()  # the set this region signed (U3)
+
+
+class SecureSumRegion:
+    """A region's secure sums, one per session id, each phase at most once."""
+
+    def __init__(
+        self, keypair: Keypair, peers: Mapping[str, PublicBundle], *, min_regions: int = 2
+    ) -> None:
+        self.keypair = keypair
+        self.me = keypair.bundle.party
+        self.peers = dict(peers)
+        self.min_regions = min_regions
+        self._sums: dict[bytes, _Sum] = {}
+
+    # -- phases ----------------------------------------------------------------------
+
+    def advertise(self, session: Session, encoded: np.ndarray) -> Advert:
+        """Join ``session`` with this region's encoded (ring) update: its ephemeral key."""
+        self._check_session(session, encoded)
+        sid = session.sid()
+        if sid in self._sums:
+            raise self._refuse(session, Phase.ADVERT, "this session was already joined")
+        state = _Sum(
+            session,
+            Ring(session.bits).reduce(encoded),
+            os.urandom(SEED_BYTES),
+            os.urandom(SEED_BYTES),
+            Phase.ADVERT,
+        )
+        self._sums[sid] = state
+        key = ephemeral(state.key_seed, sid).public_key().raw
+        return Advert(
+            region=self.me, key=key, signature=self._sign(session, Phase.ADVERT, {"key": key})
+        )
+
+    def share(self, session: Session, adverts: Sequence[Advert]) -> Shares:
+        """Given the adverts of the regions that joined (U1), seal this region's seed
+        shares to each of them, and each pair seed it owns to its other region."""
+        state = self._state(session, Phase.SHARES)
+        sid = session.sid()
+        joined = {}
+        for advert in adverts:
+            if advert.region in joined or advert.region not in session.regions:
+                raise self._refuse(
+                    session, Phase.SHARES, f"advert of {advert.region!r} is unexpected"
+                )
+            self._verify(
+                session, Phase.ADVERT, advert.region, {"key": advert.key}, advert.signature
+            )
+            joined[advert.region] = XWingPublicKey(advert.key)
+        mine = ephemeral(state.key_seed, sid).public_key().raw
+        if self.me not in joined or joined[self.me].raw != mine:
+            raise self._refuse(
+                session, Phase.SHARES, "this region's own advert is missing or altered"
+            )
+        self._enough(session, Phase.SHARES, joined, "regions joined")
+        state.keys = joined
+        holders = {r: session.index(r) for r in sorted(joined)}
+        b_shares = split(state.self_seed, session.threshold, list(holders.values()))
+        k_shares = split(state.key_seed, session.threshold, list(holders.values()))
+        items = []
+        for (region, _), b, k in zip(holders.items(), b_shares, k_shares, strict=True):
+            if region == self.me:
+                state.held[self.me] = (b.value, k.value)
+                continue
+            plain = share_bytes(b.value) + share_bytes(k.value)
+            sealed = seal_to(
+                self.peers[region].xwing, plain, sid=sid, purpose=SHARES, sender=self.me, to=region
+            )
+            pair = None
+            if session.index(self.me) < session.index(region):
+                seed = pair_seed(state.key_seed, sid, self.me, region)
+                pair = seal_to(
+                    joined[region], seed, sid=sid, purpose=PAIR, sender=self.me, to=region
+                )
+            unsigned = SealedItem(
+                sender=self.me, to=region, shares=sealed, pair=pair, signature=b""
+            )
+            signature = self._sign(session, Phase.SHARES, sealed_content(unsigned))
+            items.append(unsigned.model_copy(update={"signature": signature}))
+        state.done = Phase.SHARES
+        return Shares(region=self.me, items=tuple(items))
+
+    def masked(
+        self, session: Session, shared: Sequence[str], items: Sequence[SealedItem]
+    ) -> Masked:
+        """Given who shared (U2) and the items they sealed to this region, the masked
+        vector: its update, its self mask, and a pair mask with each of them."""
+        state = self._state(session, Phase.MASKED)
+        sid = session.sid()
+        shared = tuple(shared)
+        if len(set(shared)) != len(shared) or not set(shared) <= set(state.keys):
+            raise self._refuse(
+                session, Phase.MASKED, "the regions said to have shared did not all join"
+            )
+        if self.me not in shared:
+            raise self._refuse(
+                session, Phase.MASKED, "this region shared, but is not named as having shared"
+            )
+        self._enough(session, Phase.MASKED, shared, "regions shared")
+        by_sender = {}
+        for item in items:
+            if item.to != self.me or item.sender not in shared or item.sender in by_sender:
+                raise self._refuse(
+                    session,
+                    Phase.MASKED,
+                    f"an item from {item.sender!r} to {item.to!r} is unexpected",
+                )
+            self._verify(session, Phase.SHARES, item.sender, sealed_content(item), item.signature)
+            by_sender[item.sender] = item
+        missing = sorted(set(shared) - set(by_sender) - {self.me})
+        if missing:
+            raise self._refuse(
+                session,
+                Phase.MASKED,
+                f"no shares from {', '.join(missing)}: they were dropped on the way",
+            )
+        own_key = self.keypair.xwing
+        eph = ephemeral(state.key_seed, sid)
+        pairs = {}
+        for sender, item in by_sender.items():
+            plain = open_with(
+                own_key,
+                item.shares,
+                size=2 * SHARE_BYTES,
+                sid=sid,
+                purpose=SHARES,
+                sender=sender,
+                to=self.me,
+            )
+            state.held[sender] = (
+                share_value(plain[:SHARE_BYTES]),
+                share_value(plain[SHARE_BYTES:]),
+            )
+            pairs[session.index(sender)] = self._pair(session, state, eph, item)
+        state.shared = shared
+        vector = mask(
+            state.encoded,
+            me=session.index(self.me),
+            self_seed=state.self_seed,
+            pair_seeds=pairs,
+            ring=Ring(session.bits),
+        )
+        data = vector_bytes(vector, Ring(session.bits))
+        state.done = Phase.MASKED
+        return Masked(
+            region=self.me,
+            vector=data,
+            signature=self._sign(session, Phase.MASKED, {"vector": data}),
+        )
+
+    def consent(self, session: Session, survivors: Sequence[str]) -> Consent:
+        """Sign the survivors (U3): those whose masked vectors the aggregator summed."""
+        state = self._state(session, Phase.CONSENT)
+        survivors = tuple(survivors)
+        if len(set(survivors)) != len(survivors) or not set(survivors) <= set(state.shared):
+            raise self._refuse(
+                session, Phase.CONSENT, "the survivors are not all regions that shared"
+            )
+        if self.me not in survivors:
+            raise self._refuse(
+                session,
+                Phase.CONSENT,
+                "this region sent its masked vector but is named dropped: the relay or the "
+                "aggregator dropped it",
+            )
+        self._enough(session, Phase.CONSENT, survivors, "survivors")
+        state.survivors = survivors
+        state.done = Phase.CONSENT
+        content = consent_content(survivors)
+        return Consent(
+            region=self.me,
+            survivors=survivors,
+            signature=self._sign(session, Phase.CONSENT, content),
+        )
+
+    def reveal(
+        self, session: Session, survivors: Sequence[str], consents: Sequence[Consent]
+    ) -> Reveal:
+        """The shares that unmask the survivors' sum, once, given a threshold of
+        signatures on the survivor set this region signed."""
+        state = self._state(session, Phase.REVEAL)
+        survivors = tuple(survivors)
+        if survivors != state.survivors:
+            raise self._refuse(
+                session, Phase.REVEAL, "asked to unmask another survivor set than the one it signed"
+            )
+        signed = set()
+        for consent in consents:
+            if consent.region not in state.shared or consent.survivors != survivors:
+                raise self._refuse(
+                    session, Phase.REVEAL, f"the consent of {consent.region!r} is not for this set"
+                )
+            self._verify(
+                session,
+                Phase.CONSENT,
+                consent.region,
+                consent_content(survivors),
+                consent.signature,
+            )
+            signed.add(consent.region)
+        self._enough(session, Phase.REVEAL, signed, "signatures on the survivors")
+        state.done = Phase.REVEAL
+        dropped = [r for r in state.shared if r not in survivors]
+        unsigned = Reveal(
+            region=self.me,
+            self_shares={r: state.held[r][0] for r in survivors},
+            key_shares={r: state.held[r][1] for r in dropped},
+            signature=b"",
+        )
+        signature = self._sign(session, Phase.REVEAL, reveal_content(unsigned))
+        return unsigned.model_copy(update={"signature": signature})
+
+    # -- checks ----------------------------------------------------------------------
+
+    def _pair(self, session: Session, state: _Sum, eph: XWingPrivateKey, item: SealedItem) -> bytes:
+        sid = session.sid()
+        if session.index(self.me) < session.index(item.sender):
+            if item.pair is not None:
+                raise self._refuse(
+                    session, Phase.MASKED, f"{item.sender} sent a pair seed it does not own"
+                )
+            return pair_seed(state.key_seed, sid, self.me, item.sender)
+        if item.pair is None:
+            raise self._refuse(session, Phase.MASKED, f"{item.sender} sent no pair seed")
+        return open_with(
+            eph, item.pair, size=SEED_BYTES, sid=sid, purpose=PAIR, sender=item.sender, to=self.me
+        )
+
+    def _check_session(self, session: Session, encoded: np.ndarray) -> None:
+        if self.me not in session.regions:
+            raise self._refuse(session, Phase.ADVERT, "this region is not in the session")
+        unknown = sorted(set(session.regions) - set(self.peers) - {self.me})
+        if unknown:
+            raise self._refuse(
+                session,
+                Phase.ADVERT,
+                f"no public bundle for {', '.join(unknown)}; add each peer's REGION.pub.json",
+            )
+        if session.threshold < self.min_regions:
+            raise self._refuse(
+                session,
+                Phase.ADVERT,
+                f"threshold {session.threshold} is below this region's minimum of "
+                f"{self.min_regions} regions in a secure sum",
+            )
+        if encoded.shape != (session.size,):
+            raise self._refuse(
+                session, Phase.ADVERT, f"the update has {encoded.size} values, not {session.size}"
+            )
+
+    def _state(self, session: Session, phase: Phase) -> _Sum:
+        state = self._sums.get(session.sid())
+        if state is None:
+            raise self._refuse(session, phase, "this region did not join this session")
+        order = list(Phase)
+        if order.index(phase) != order.index(state.done) + 1:
+            raise self._refuse(session, phase, f"this region's last phase was {state.done.value}")
+        return state
+
+    def _enough(self, session: Session, phase: Phase, regions: object, what: str) -> None:
+        count = len(regions)  # type: ignore[arg-type]
+        if count < session.threshold:
+            raise self._refuse(
+                session, phase, f"{count} {what}, fewer than the threshold {session.threshold}"
+            )
+
+    def _sign(self, session: Session, phase: Phase, content: Mapping[str, object]) -> bytes:
+        return self.keypair.sign(to_sign(session, phase, self.me, content))
+
+    def _verify(
+        self,
+        session: Session,
+        phase: Phase,
+        region: str,
+        content: Mapping[str, object],
+        signature: bytes,
+    ) -> None:
+        bundle = self.keypair.bundle if region == self.me else self.peers.get(region)
+        if bundle is None or not bundle.verify(to_sign(session, phase, region, content), signature):
+            raise self._refuse(
+                session,
+                phase,
+                f"the {phase.value} of {region!r} is not signed by {region!r} for this session",
+            )
+
+    def _refuse(self, session: Session, phase: Phase, reason: str) -> SecAggError:
+        return SecAggError(
+            f"region {self.me}: secure sum of run {session.run_id} round {session.server_round}, "
+            f"{phase.value}: {reason}; refusing"
+        )
