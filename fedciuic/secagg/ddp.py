@@ -1,0 +1,150 @@
+"""Distributed DP for the secure sum: each region adds a share of Skellam noise to its
+integer update before masking, so that the sum the aggregator learns carries the whole
+Skellam mechanism (a sum of independent Skellam draws is Skellam), and no party sees a
+region's update with less than its share of noise on it.
+
+The privacy unit is a region's whole update in a round (clipped to L2 norm ``clip``):
+this protects everything a region contributed, against the aggregator, as long as at
+least ``threshold`` regions that do not collude with it add their share. A region
+that trusts no one else keeps local DP-SGD (per record or per person) and adds this on
+top, or not at all.
+
+The accountant is Rényi DP: the Skellam mechanism's bound (Agarwal, Kairouz and Liu,
+NeurIPS 2021, Theorem 3.5) at the L2 and L1 sensitivities that conditional stochastic
+rounding guarantees (Kairouz, Liu and Steinke, ICML 2021), composed over rounds and
+converted to (epsilon, delta) as Opacus does (Balle et al. 2020).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from opacus.accountants.analysis.rdp import get_privacy_spent
+
+from fedciuic.errors import FedciuicError
+from fedciuic.secagg.masking import Ring
+
+#: Integer Rényi orders (the Skellam bound holds for integer orders).
+ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
+#: Conditional rounding retries until the rounded norm is within the bound that holds
+#: with probability 1 - beta per try (DDGauss' choice of beta).
+BETA = math.exp(-0.5)
+_TRIES = 100
+#: Noise beyond this many standard deviations is treated as impossible when sizing the ring.
+_TAIL = 12.0
+
+
+class RoundingFailed(FedciuicError):
+    """Conditional rounding did not meet its norm bound in many tries (it should in one
+    or two): the update is not released."""
+
+
+@dataclass(frozen=True)
+class DistributedDp:
+    """One secure sum's noise: ``noise_multiplier`` times ``clip`` is the standard
+    deviation per value of the noise in a sum of ``threshold`` honest regions' shares."""
+
+    clip: float
+    scale: float  # ring units per unit of the update
+    noise_multiplier: float
+    threshold: int
+    dim: int
+
+    @property
+    def central_variance(self) -> float:
+        """The noise variance per value in the sum, in ring units, from ``threshold``
+        regions' shares."""
+        return (self.noise_multiplier * self.clip * self.scale) ** 2
+
+    @property
+    def share_variance(self) -> float:
+        return self.central_variance / self.threshold
+
+    @property
+    def l2(self) -> float:
+        """The L2 norm a region's rounded update is held to (ring units)."""
+        c = self.clip * self.scale
+        bound = (
+            c**2 + self.dim / 4 + math.sqrt(2 * math.log(1 / BETA)) * (c + math.sqrt(self.dim) / 2)
+        )
+        return min(math.sqrt(bound), c + math.sqrt(self.dim))
+
+    @property
+    def l1(self) -> float:
+        """An integer vector's L1 norm is at most its squared L2 norm, and at most
+        sqrt(dim) times its L2 norm."""
+        return min(self.l2**2, math.sqrt(self.dim) * self.l2)
+
+    def fits(self, regions: int, ring: Ring) -> bool:
+        """Whether a sum of ``regions`` noised updates stays inside the signed ring."""
+        noise = _TAIL * math.sqrt(regions * self.share_variance)
+        return bool(regions * self.l2 + noise < 2 ** (ring.bits - 1))
+
+    def rdp(self, honest: int) -> list[float]:
+        """Rényi DP of one sum, at :data:`ORDERS`, when ``honest`` regions' shares are
+        noise the adversary does not know."""
+        return skellam_rdp(ORDERS, l1=self.l1, l2=self.l2, variance=honest * self.share_variance)
+
+    def epsilon(self, rounds: int, delta: float, honest: int | None = None) -> float:
+        """Epsilon at ``delta`` of ``rounds`` sums, each with ``honest`` regions' noise
+        unknown to the adversary (the aggregator alone: ``threshold``; colluding with k
+        regions: ``threshold - k``)."""
+        honest = self.threshold if honest is None else honest
+        if honest < 1:
+            return math.inf
+        return epsilon_of(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
+
+
+def skellam_rdp(orders: Sequence[int], *, l1: float, l2: float, variance: float) -> list[float]:
+    """The Skellam mechanism's Rényi DP at integer ``orders``, for a shift of L1 norm
+    ``l1`` and L2 norm ``l2``, with noise of ``variance`` per value (Agarwal et al. 2021,
+    Theorem 3.5)."""
+    mu = variance
+    return [
+        a * l2**2 / (2 * mu) + min(((2 * a - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
+        for a in orders
+    ]
+
+
+def epsilon_of(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+    eps, _ = get_privacy_spent(orders=list(orders), rdp=list(rdp), delta=delta)
+    return float(eps)
+
+
+def noise_rng() -> np.random.Generator:
+    """A generator seeded with 256 bits from the operating system per use (NumPy's
+    PCG64: unpredictable, not a cryptographic generator; docs/secure-aggregation.md)."""
+    return np.random.default_rng(secrets.randbits(256))
+
+
+def skellam(size: int, variance: float, rng: np.random.Generator) -> np.ndarray:
+    """Symmetric Skellam draws of ``variance``: Poisson(variance/2) - Poisson(variance/2)."""
+    half = variance / 2
+    return rng.poisson(half, size).astype(np.int64) - rng.poisson(half, size).astype(np.int64)
+
+
+def encode(
+    values: np.ndarray, ddp: DistributedDp, ring: Ring, rng: np.random.Generator
+) -> np.ndarray:
+    """A region's update as ring elements with its noise share: clipped, scaled,
+    conditionally rounded (to the L2 bound the accountant assumes), plus Skellam."""
+    x = np.asarray(values, np.float64).ravel()
+    if x.size != ddp.dim:
+        raise ValueError(f"an update of {x.size} values, the sum is over {ddp.dim}")
+    norm = float(np.linalg.norm(x))
+    if norm > ddp.clip:
+        x = x * (ddp.clip / norm)
+    scaled = x * ddp.scale
+    low = np.floor(scaled)
+    for _ in range(_TRIES):
+        rounded = (low + (rng.random(scaled.shape) < scaled - low)).astype(np.int64)
+        if float(np.linalg.norm(rounded)) <= ddp.l2:
+            break
+    else:
+        raise RoundingFailed(f"no rounding within the L2 bound {ddp.l2:.1f} in {_TRIES} tries")
+    noisy = rounded + skellam(x.size, ddp.share_variance, rng)
+    return ring.reduce(noisy.astype(np.uint64))
