@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from fedciuic.secagg.seeds import (
     share_value,
 )
 from fedciuic.secagg.shamir import SEED_BYTES, split
+from fedciuic.secagg.store import SessionStore, StoredSum
 
 
 def vector_bytes(values: np.ndarray, ring: Ring) -> bytes:
@@ -74,32 +75,24 @@ def reveal_content(reveal: Reveal) -> dict[str, object]:
     return {"self": reveal.self_shares, "key": reveal.key_shares}
 
 
-@dataclass
-class _Sum:
-    """One session as this region sees it."""
-
-    session: Session
-    encoded: np.ndarray
-    self_seed: bytes
-    key_seed: bytes
-    done: Phase
-    keys: dict[str, XWingPublicKey] = field(default_factory=dict)  # ephemeral, by region
-    held: dict[str, tuple[int, int]] = field(default_factory=dict)  # (b, k) shares held
-    shared: tuple[str, ...] = ()  # who sent shares (U2)
-    survivors: tuple[str, ...] = ()  # the set this region signed (U3)
-
-
 class SecureSumRegion:
-    """A region's secure sums, one per session id, each phase at most once."""
+    """A region's secure sums, one per session id, each phase at most once; with a
+    ``store`` (the region's state folder), across restarts too."""
 
     def __init__(
-        self, keypair: Keypair, peers: Mapping[str, PublicBundle], *, min_regions: int = 2
+        self,
+        keypair: Keypair,
+        peers: Mapping[str, PublicBundle],
+        *,
+        min_regions: int = 2,
+        store: Path | None = None,
     ) -> None:
         self.keypair = keypair
         self.me = keypair.bundle.party
         self.peers = dict(peers)
         self.min_regions = min_regions
-        self._sums: dict[bytes, _Sum] = {}
+        self.store = SessionStore(store) if store is not None else None
+        self._sums: dict[bytes, StoredSum] = {}
 
     # -- phases ----------------------------------------------------------------------
 
@@ -107,16 +100,16 @@ class SecureSumRegion:
         """Join ``session`` with this region's encoded (ring) update: its ephemeral key."""
         self._check_session(session, encoded)
         sid = session.sid()
-        if sid in self._sums:
+        if self._known(sid) is not None:
             raise self._refuse(session, Phase.ADVERT, "this session was already joined")
-        state = _Sum(
-            session,
-            Ring(session.bits).reduce(encoded),
-            os.urandom(SEED_BYTES),
-            os.urandom(SEED_BYTES),
-            Phase.ADVERT,
+        state = StoredSum(
+            session=session,
+            done=Phase.ADVERT,
+            encoded=Ring(session.bits).reduce(encoded).astype("<u8").tobytes(),
+            self_seed=os.urandom(SEED_BYTES),
+            key_seed=os.urandom(SEED_BYTES),
         )
-        self._sums[sid] = state
+        self._commit(state)
         key = ephemeral(state.key_seed, sid).public_key().raw
         return Advert(
             region=self.me, key=key, signature=self._sign(session, Phase.ADVERT, {"key": key})
@@ -143,14 +136,14 @@ class SecureSumRegion:
                 session, Phase.SHARES, "this region's own advert is missing or altered"
             )
         self._enough(session, Phase.SHARES, joined, "regions joined")
-        state.keys = joined
         holders = {r: session.index(r) for r in sorted(joined)}
         b_shares = split(state.self_seed, session.threshold, list(holders.values()))
         k_shares = split(state.key_seed, session.threshold, list(holders.values()))
         items = []
+        held = {}
         for (region, _), b, k in zip(holders.items(), b_shares, k_shares, strict=True):
             if region == self.me:
-                state.held[self.me] = (b.value, k.value)
+                held[self.me] = (b.value, k.value)
                 continue
             plain = share_bytes(b.value) + share_bytes(k.value)
             sealed = seal_to(
@@ -167,7 +160,8 @@ class SecureSumRegion:
             )
             signature = self._sign(session, Phase.SHARES, sealed_content(unsigned))
             items.append(unsigned.model_copy(update={"signature": signature}))
-        state.done = Phase.SHARES
+        keys = {r: key.raw for r, key in joined.items()}
+        self._commit(state.model_copy(update={"done": Phase.SHARES, "keys": keys, "held": held}))
         return Shares(region=self.me, items=tuple(items))
 
     def masked(
@@ -207,6 +201,7 @@ class SecureSumRegion:
         own_key = self.keypair.xwing
         eph = ephemeral(state.key_seed, sid)
         pairs = {}
+        held = dict(state.held)
         for sender, item in by_sender.items():
             plain = open_with(
                 own_key,
@@ -217,21 +212,22 @@ class SecureSumRegion:
                 sender=sender,
                 to=self.me,
             )
-            state.held[sender] = (
+            held[sender] = (
                 share_value(plain[:SHARE_BYTES]),
                 share_value(plain[SHARE_BYTES:]),
             )
             pairs[session.index(sender)] = self._pair(session, state, eph, item)
-        state.shared = shared
         vector = mask(
-            state.encoded,
+            state.values(),
             me=session.index(self.me),
             self_seed=state.self_seed,
             pair_seeds=pairs,
             ring=Ring(session.bits),
         )
         data = vector_bytes(vector, Ring(session.bits))
-        state.done = Phase.MASKED
+        self._commit(
+            state.model_copy(update={"done": Phase.MASKED, "held": held, "shared": shared})
+        )
         return Masked(
             region=self.me,
             vector=data,
@@ -254,8 +250,7 @@ class SecureSumRegion:
                 "aggregator dropped it",
             )
         self._enough(session, Phase.CONSENT, survivors, "survivors")
-        state.survivors = survivors
-        state.done = Phase.CONSENT
+        self._commit(state.model_copy(update={"done": Phase.CONSENT, "survivors": survivors}))
         content = consent_content(survivors)
         return Consent(
             region=self.me,
@@ -289,7 +284,6 @@ class SecureSumRegion:
             )
             signed.add(consent.region)
         self._enough(session, Phase.REVEAL, signed, "signatures on the survivors")
-        state.done = Phase.REVEAL
         dropped = [r for r in state.shared if r not in survivors]
         unsigned = Reveal(
             region=self.me,
@@ -298,11 +292,16 @@ class SecureSumRegion:
             signature=b"",
         )
         signature = self._sign(session, Phase.REVEAL, reveal_content(unsigned))
+        # on the record before the shares leave: its seeds, and the shares it holds of
+        # others', are gone, and it answers no other reveal in this session
+        self._commit(StoredSum(session=session, done=Phase.REVEAL, survivors=survivors))
         return unsigned.model_copy(update={"signature": signature})
 
     # -- checks ----------------------------------------------------------------------
 
-    def _pair(self, session: Session, state: _Sum, eph: XWingPrivateKey, item: SealedItem) -> bytes:
+    def _pair(
+        self, session: Session, state: StoredSum, eph: XWingPrivateKey, item: SealedItem
+    ) -> bytes:
         sid = session.sid()
         if session.index(self.me) < session.index(item.sender):
             if item.pair is not None:
@@ -338,8 +337,25 @@ class SecureSumRegion:
                 session, Phase.ADVERT, f"the update has {encoded.size} values, not {session.size}"
             )
 
-    def _state(self, session: Session, phase: Phase) -> _Sum:
-        state = self._sums.get(session.sid())
+    def _known(self, sid: bytes) -> StoredSum | None:
+        if sid not in self._sums and self.store is not None:
+            stored = self.store.load(sid)
+            if stored is not None:
+                self._sums[sid] = stored
+        return self._sums.get(sid)
+
+    def _commit(self, state: StoredSum) -> None:
+        """The session's new state: on disk (with a store) before any message leaves."""
+        sid = state.session.sid()
+        if self.store is not None:
+            self.store.save(sid, state)
+        self._sums[sid] = state
+
+    def _state(self, session: Session, phase: Phase) -> StoredSum:
+        try:
+            state = self._known(session.sid())
+        except SecAggError as err:
+            raise self._refuse(session, phase, str(err)) from None
         if state is None:
             raise self._refuse(session, phase, "this region did not join this session")
         order = list(Phase)

@@ -11,21 +11,15 @@ import json
 import numpy as np
 import pytest
 
-from fedciuic.crypto import Keypair
 from fedciuic.secagg import Ring, ring_sum
 from fedciuic.secagg.aggregator import SecureSum, SumWithheld
 from fedciuic.secagg.local import run_secure_sum
 from fedciuic.secagg.messages import Phase, SecAggError, Session
 from fedciuic.secagg.region import SecureSumRegion
+from tests.secagg.conftest import NAMES
 
-NAMES = ("at", "br", "cn", "de", "eu", "fr", "gb", "us")
 RING = Ring(32)
 SIZE = 300
-
-
-@pytest.fixture(scope="module")
-def keys() -> dict[str, Keypair]:
-    return {n: Keypair.generate(n, "EU") for n in NAMES}
 
 
 def federation(

@@ -1,0 +1,89 @@
+"""A region's secure sums on disk, one file per session, so that a region's agent that
+restarts mid-sum goes on from its last phase, and never answers a phase twice: the file
+is written (and flushed) before the phase's message leaves. Once the region has
+revealed its shares, the file keeps only that fact; its seeds and shares are gone.
+
+The folder is the region's own state (mode 0700, files 0600): its seeds are as secret
+as its keys.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedciuic.secagg.messages import Name, Phase, SecAggError, Session
+
+#: The folder under a region's state-path.
+SECAGG_DIR = "secagg"
+_FORMAT = "fedciuic-secagg-state/1"
+
+
+class StoredSum(BaseModel):
+    """One session as the region left it after its last phase."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", ser_json_bytes="hex", val_json_bytes="hex"
+    )
+
+    format: str = Field(pattern=f"^{_FORMAT}$", default=_FORMAT)
+    session: Session
+    done: Phase
+    encoded: bytes = b""  # uint64 little-endian; empty once revealed
+    self_seed: bytes = b""
+    key_seed: bytes = b""
+    keys: dict[Name, bytes] = {}
+    held: dict[Name, tuple[int, int]] = {}
+    shared: tuple[Name, ...] = ()
+    survivors: tuple[Name, ...] = ()
+
+    def values(self) -> np.ndarray:
+        return np.frombuffer(self.encoded, dtype="<u8").copy()
+
+
+class SessionStore:
+    """The files of one region's secure sums."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, sid: bytes) -> Path:
+        return self.folder / f"{sid.hex()}.json"
+
+    def save(self, sid: bytes, state: StoredSum) -> None:
+        """Replace the session's file, flushed to disk before this returns."""
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        target = self.path(sid)
+        tmp = target.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(state.model_dump_json())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+
+    def load(self, sid: bytes) -> StoredSum | None:
+        """The session's state, or None when this region never joined it; a damaged file
+        is refused naming it (the region takes no further part in that sum)."""
+        path = self.path(sid)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise SecAggError(f"{path}: unreadable ({err.strerror})") from None
+        try:
+            state = StoredSum.model_validate_json(text)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "file"
+            raise SecAggError(
+                f"{path}: damaged ({where}: {first['msg']}); this region takes no further "
+                "part in that secure sum"
+            ) from None
+        if state.session.sid() != sid:
+            raise SecAggError(f"{path}: holds another session; this region takes no part in it")
+        return state
