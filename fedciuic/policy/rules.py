@@ -121,9 +121,44 @@ class Compression(_Section):
     )
 
 
+#: Whether a region's update may reach the aggregator alone (``allowed``) or only inside
+#: a secure sum, where the aggregator learns the regions' sum and nothing else
+#: (``required``; docs/secure-aggregation.md).
+SecureAggregation = Literal["required", "allowed"]
+DEFAULT_SECURE: SecureAggregation = "allowed"
+#: The fewest regions a secure sum may be unmasked from, unless a policy says more.
+DEFAULT_MIN_SECURE_REGIONS = 2
+
+
 class Aggregation(_Section):
     min_regions: _Count = Field(ge=1)
     min_examples: _Count = Field(ge=0)
+    secure: SecureAggregation = DEFAULT_SECURE
+    #: The fewest regions a secure sum holding this region's update is unmasked from
+    #: (its threshold: fewer survivors and the sum is withheld).
+    min_secure_regions: _Count = Field(default=DEFAULT_MIN_SECURE_REGIONS, ge=2)
+    #: Whether noise the regions of a secure sum share (distributed DP) may stand in for
+    #: local DP-SGD where privacy.dp_required: it protects a region's update against the
+    #: aggregator only while enough regions in the sum do not collude with it.
+    distributed_dp: bool = False
+
+    def secure_reasons(self, secure: bool, threshold: int) -> list[str]:
+        """What a run (or an update) breaks of this section's secure-aggregation rules:
+        ``secure``: whether updates travel in a secure sum; ``threshold``: the fewest
+        regions it is unmasked from."""
+        if not secure:
+            if self.secure == "required":
+                return [
+                    "updates would reach the aggregator one by one, not inside a secure sum "
+                    "(aggregation.secure: required)"
+                ]
+            return []
+        if threshold < self.min_secure_regions:
+            return [
+                f"a secure sum unmasked from {threshold} region(s), the policy needs "
+                f"{self.min_secure_regions} (aggregation.min_secure_regions)"
+            ]
+        return []
 
 
 class Audit(_Section):
@@ -189,8 +224,20 @@ class Policy(_Section):
             del data["compression"]["allowed_adapter_modes"]
         if self.agent is None:  # likewise for a policy that requires no agent version
             del data["agent"]
+        aggregation = data["aggregation"]  # and for one written before secure aggregation
+        for key, default in _SECURE_DEFAULTS.items():
+            if aggregation[key] == default:
+                del aggregation[key]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+#: The secure-aggregation keys' defaults, left out of a policy's hash.
+_SECURE_DEFAULTS: dict[str, object] = {
+    "secure": DEFAULT_SECURE,
+    "min_secure_regions": DEFAULT_MIN_SECURE_REGIONS,
+    "distributed_dp": False,
+}
 
 
 def _check_known(values: tuple[str, ...]) -> None:
@@ -660,13 +707,18 @@ class RunTerms:
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: The dataset's cumulative epsilon after this round (training only; None otherwise).
     projected_epsilon: float | None = None
+    #: Whether updates travel inside a secure sum, unmasked from at least
+    #: ``secure_threshold`` regions, and whether shared (distributed) noise is added there.
+    secure_aggregation: bool = False
+    secure_threshold: int = 0
+    distributed_dp: bool = False
 
 
 def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
     """The region's check before it trains: every rule the run breaks, or accept."""
     p = loaded.policy
     reasons = _transfer_reasons(p, terms)
-    reasons += _privacy_reasons(p.privacy, terms)
+    reasons += _privacy_reasons(p, terms)
     if terms.projected_epsilon is not None:
         reasons += _budget_reasons(p.privacy, terms, terms.projected_epsilon)
     if p.sealing.required and not terms.seal:
@@ -682,6 +734,7 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
             "(compression.allowed_codecs)"
         )
     reasons += _mode_reasons(p, terms.adapter_mode)
+    reasons += p.aggregation.secure_reasons(terms.secure_aggregation, terms.secure_threshold)
     return Decision(
         actor=region,
         subject="run terms",
@@ -720,9 +773,22 @@ def _transfer_reasons(p: Policy, terms: RunTerms) -> list[str]:
     return reasons
 
 
-def _privacy_reasons(p: Privacy, terms: RunTerms) -> list[str]:
+def _privacy_reasons(p: Policy, terms: RunTerms) -> list[str]:
     if not terms.dp:
-        return ["DP is off (privacy.dp_required)"] if p.dp_required else []
+        if not p.privacy.dp_required:
+            return []
+        if terms.distributed_dp and terms.secure_aggregation:
+            if p.aggregation.distributed_dp:
+                return []
+            return [
+                "local DP-SGD is off and distributed DP may not stand in for it "
+                "(privacy.dp_required, aggregation.distributed_dp)"
+            ]
+        return ["DP is off (privacy.dp_required)"]
+    return _dp_sgd_reasons(p.privacy, terms)
+
+
+def _dp_sgd_reasons(p: Privacy, terms: RunTerms) -> list[str]:
     checks = [
         (
             terms.target_epsilon > p.max_epsilon_per_run,
@@ -785,6 +851,9 @@ class UpdateFacts:
     secure_mode: bool | None = None
     unit: PrivacyUnit | None = None  # what the declared epsilon is per; None without DP
     agent_version: str | None = None  # the fedciuic version the reply says made it
+    #: Whether the update came inside a secure sum (unmasked from ``secure_threshold``).
+    secure_sum: bool = False
+    secure_threshold: int = 0
 
 
 def check_update(
@@ -855,6 +924,7 @@ def check_update(
     if facts.codec not in p.compression.allowed_codecs:
         reasons.append(f"codec {facts.codec} not allowed (compression.allowed_codecs)")
     reasons += _mode_reasons(p, facts.adapter_mode)
+    reasons += p.aggregation.secure_reasons(facts.secure_sum, facts.secure_threshold)
     if (too_old := loaded.agent_too_old(facts.agent_version)) is not None:
         reasons.append(too_old)
     reasons += _transfer_reasons(p, run)

@@ -403,3 +403,62 @@ def test_a_policy_can_allow_only_exact_adapter_modes_on_both_ends(tmp_path, eu):
     unknown.write_text(edit(exact.read_text(), "[lora-fa, lora-sb]", "[dora]"))
     with pytest.raises(PolicyError, match=r"bad.yaml:\d+: compression.allowed_adapter_modes"):
         load_policy(unknown)
+
+
+# -- secure aggregation ------------------------------------------------------------------
+
+
+def with_aggregation(loaded: LoadedPolicy, **change: object) -> LoadedPolicy:
+    aggregation = loaded.policy.aggregation.model_copy(update=change)
+    return LoadedPolicy(loaded.policy.model_copy(update={"aggregation": aggregation}), loaded.path)
+
+
+SECURE = replace(GOOD, secure_aggregation=True, secure_threshold=3)
+
+
+def test_a_policy_requiring_secure_aggregation_is_refused_by_both_ends_without_it(eu):
+    strict = with_aggregation(eu, secure="required", min_secure_regions=3)
+    run = check_run("eu", strict, GOOD)
+    assert run.reasons == (
+        "updates would reach the aggregator one by one, not inside a secure sum "
+        "(aggregation.secure: required)",
+    )
+    facts = replace(FACTS, policy_hash=strict.hash)
+    assert "(aggregation.secure: required)" in check_update(strict, facts, GOOD).reasons[0]
+    assert check_run("eu", strict, SECURE).accepted
+    secure_facts = replace(facts, secure_sum=True, secure_threshold=3)
+    assert check_update(strict, secure_facts, GOOD).accepted
+    fewer = check_run("eu", strict, replace(SECURE, secure_threshold=2))
+    assert fewer.reasons == (
+        "a secure sum unmasked from 2 region(s), the policy needs 3 "
+        "(aggregation.min_secure_regions)",
+    )
+
+
+def test_distributed_dp_stands_in_for_dp_sgd_only_where_the_policy_allows_it(eu):
+    shared_noise = replace(SECURE, dp=False, distributed_dp=True)
+    assert check_run("eu", eu, shared_noise).reasons == (
+        "local DP-SGD is off and distributed DP may not stand in for it "
+        "(privacy.dp_required, aggregation.distributed_dp)",
+    )
+    assert check_run("eu", with_aggregation(eu, distributed_dp=True), shared_noise).accepted
+    # without a secure sum there is nothing to share the noise in
+    alone = replace(shared_noise, secure_aggregation=False)
+    assert check_run("eu", with_aggregation(eu, distributed_dp=True), alone).reasons == (
+        "DP is off (privacy.dp_required)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("  secure: maybe\n", r"aggregation\.secure: Input should be 'required' or 'allowed'"),
+        ("  min_secure_regions: 1\n", r"aggregation\.min_secure_regions: Input should be greater"),
+        ("  distributed_dp: yes\n", r"aggregation\.distributed_dp"),
+    ],
+)
+def test_a_malformed_secure_aggregation_key_is_refused_naming_it(tmp_path, line, message):
+    path = tmp_path / "p.yaml"
+    path.write_text(edit(EU, "aggregation:\n", "aggregation:\n" + line))
+    with pytest.raises(PolicyError, match=rf"p\.yaml:\d+: {message}"):
+        load_policy(path)

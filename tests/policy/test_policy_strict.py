@@ -34,6 +34,7 @@ from tests.conftest import ROOT
 POLICIES = ROOT / "policies"
 EU = (POLICIES / "eu-gdpr.yaml").read_text()
 EU_HASH = load_policy(POLICIES / "eu-gdpr.yaml").hash
+SECURE_KEYS = ("secure", "min_secure_regions", "distributed_dp")
 
 
 def refusal(tmp_path: Path, content: str | bytes, name: str = "p.yaml") -> str:
@@ -54,8 +55,14 @@ def line_of(text: str, needle: str) -> int:
     return text[: text.index(needle)].count("\n") + 1
 
 
+#: Fields a shipped policy may leave out (their defaults), added where a test sets them.
+OPTIONAL = {"min_secure_regions": "  min_secure_regions: 2\n"}
+
+
 def set_field(text: str, name: str, value: str) -> str:
     """``text`` with the value of the (unique) field ``name`` replaced."""
+    if name in OPTIONAL and f"{name}:" not in text:
+        text = text.replace("aggregation:\n", "aggregation:\n" + OPTIONAL[name])
     new, count = re.subn(rf"(?m)^(\s*{name}:) .*$", rf"\g<1> {value}", text)
     assert count == 1, name
     return new
@@ -286,8 +293,8 @@ def numeric_fields() -> list[str]:
 NUMERIC = numeric_fields()
 
 
-def test_numeric_fields_are_the_seven_bounds():
-    assert len(NUMERIC) == 7 and "aggregation.min_regions" in NUMERIC
+def test_numeric_fields_are_the_eight_bounds():
+    assert len(NUMERIC) == 8 and "aggregation.min_secure_regions" in NUMERIC
 
 
 @pytest.mark.parametrize("dotted", NUMERIC)
@@ -400,6 +407,9 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     # so is allowed_adapter_modes when it allows every mode.
     assert data.pop("agent") is None
     assert set(data["compression"].pop("allowed_adapter_modes")) == {"lora", "lora-fa", "lora-sb"}
+    # and so are the secure-aggregation keys at their defaults
+    secure = {k: data["aggregation"].pop(k) for k in SECURE_KEYS}
+    assert secure == {"secure": "allowed", "min_secure_regions": 2, "distributed_dp": False}
     assert loaded.hash == sha256(data)
     # The default privacy.unit (record) is left out: older policies keep their hash.
     cn = load_policy(POLICIES / "cn-pipl.yaml")
@@ -407,6 +417,8 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     assert data["privacy"].pop("unit") == "record"
     assert data.pop("agent") is None
     data["compression"].pop("allowed_adapter_modes")
+    for key in SECURE_KEYS:
+        data["aggregation"].pop(key)
     assert cn.hash == sha256(data)
     # An agent section, once there, is hashed like any other.
     pinned = Policy.model_validate(
@@ -415,7 +427,19 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     data = pinned.model_dump(mode="json")
     assert data["agent"] == {"min_version": "0.2.0"}
     data["compression"].pop("allowed_adapter_modes")  # every mode: left out, as above
+    for key in SECURE_KEYS:
+        data["aggregation"].pop(key)
     assert pinned.content_hash == sha256(data) != loaded.hash
+    # So is a secure-aggregation key set away from its default.
+    dumped = loaded.policy.model_dump()
+    dumped["aggregation"] = {**dumped["aggregation"], "secure": "required"}
+    strict = Policy.model_validate(dumped)
+    data = strict.model_dump(mode="json")
+    data.pop("agent")
+    data["compression"].pop("allowed_adapter_modes")
+    data["aggregation"].pop("min_secure_regions")
+    data["aggregation"].pop("distributed_dp")
+    assert strict.content_hash == sha256(data) != loaded.hash
 
 
 # -- bytes ---------------------------------------------------------------------------------
