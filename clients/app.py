@@ -14,6 +14,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedciuic.config import NodeConfig
+from fedciuic.crypto import TaskKind
 from fedciuic.flower import forward
 
 app = ClientApp()
@@ -40,4 +41,10 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """The aggregator's run-end notice: the region records its final audit head."""
+    return _handle(msg, context)
+
+
+@app.query(TaskKind.SECAGG)
+def secure_sum(msg: Message, context: Context) -> Message:
+    """One phase of a secure sum (docs/secure-aggregation.md)."""
     return _handle(msg, context)

@@ -165,6 +165,82 @@ def _unknown_key(key: str, model: type[_Strict]) -> str:
     return f"unknown key; remove it ({model.unknown_key_hint})"
 
 
+def _split_region_table(value: Any, info: ValidationInfo) -> Any:
+    """``"eu=2,us=1"`` as (region, number) pairs."""
+    if not isinstance(value, str):
+        return value
+    example, kind, *_ = REGION_TABLES[info.field_name or ""]
+    table: list[tuple[str, float]] = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        region, sep, number = item.partition("=")
+        try:
+            table.append((region.strip(), kind(number.strip())))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(
+                f"{item!r} is not REGION={kind.__name__.upper()}; write it as {example!r}"
+            ) from None
+    return tuple(table)
+
+
+def _check_region_table(
+    value: tuple[tuple[str, float], ...], info: ValidationInfo
+) -> tuple[tuple[str, float], ...]:
+    regions = info.data.get("regions", ())
+    unknown = [r for r, _ in value if r not in regions]
+    if unknown:
+        raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
+    _, _, low, high, what = REGION_TABLES[info.field_name or ""]
+    bad = [r for r, n in value if not low <= n <= high]
+    if bad:
+        raise ValueError(f"{bad}: {what} is {low:g} to {high:g}")
+    return value
+
+
+def _check_secure(value: bool, info: ValidationInfo) -> bool:
+    """What a secure sum needs of the rest of the run (docs/secure-aggregation.md)."""
+    if not value:
+        return value
+    data = info.data
+    needs = [
+        (data.get("aggregation_mode") == "sync", 'aggregation-mode = "sync" (one sum a round)'),
+        (
+            data.get("aggregation") == "fedavg",
+            'aggregation = "fedavg": a robust rule (median, trimmed mean) needs each update, '
+            "and with secure aggregation the aggregator sees only their sum",
+        ),
+        (data.get("seal", True), "seal = true (the regions sign and seal what they send)"),
+        (
+            data.get("max_update_norm", 0) > 0,
+            "max-update-norm > 0 (each region clips its update to it before masking)",
+        ),
+    ]
+    missing = [need for ok, need in needs if not ok]
+    if missing:
+        raise ValueError("true needs " + "; ".join(missing))
+    return value
+
+
+def _check_secure_threshold(value: int, info: ValidationInfo) -> int:
+    regions = len(info.data.get("regions", ()))
+    if value and not regions // 2 < value <= regions:
+        raise ValueError(
+            f"{value}: a secure sum is unmasked from more than half of the {regions} regions "
+            f"and at most all of them: use {regions // 2 + 1} to {regions} (0: {regions // 2 + 1})"
+        )
+    return value
+
+
+def _check_noise_share(value: float, info: ValidationInfo) -> float:
+    if value and not info.data.get("secure_aggregation"):
+        raise ValueError(
+            f"{value:g} needs secure-aggregation = true: distributed noise is shared among "
+            "the regions of a secure sum"
+        )
+    return value
+
+
 class RunConfig(_Strict):
     """The run config shared by the ServerApp and every ClientApp."""
 
@@ -314,6 +390,20 @@ class RunConfig(_Strict):
     #: A run folder (output-dir/run-<id>) to resume from its last checkpoint, or one of its
     #: kept checkpoints (output-dir/run-<id>/checkpoint/round-NNNN).
     resume_from: str = ""
+    # Secure aggregation (docs/secure-aggregation.md): the aggregator learns the sum of
+    # the regions' updates (each clipped to max-update-norm in its region) and no more.
+    secure_aggregation: bool = False
+    #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
+    secure_threshold: int = Field(default=0, ge=0)
+    #: Bits per value of a masked update: the ring the sum is taken in.
+    secure_ring_bits: int = Field(default=32, ge=16, le=62)
+    #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
+    #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
+    distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    _secure = field_validator("secure_aggregation")(_check_secure)
+    _threshold = field_validator("secure_threshold")(_check_secure_threshold)
+    _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
 
     @field_validator("insecure_reproducible_noise")
     @classmethod
@@ -375,6 +465,11 @@ class RunConfig(_Strict):
         return section(PolicySettings, self)
 
     @property
+    def secure(self) -> SecureSettings:
+        """Secure aggregation: whether, from how many regions, how many bits, what noise."""
+        return section(SecureSettings, self)
+
+    @property
     def compression(self) -> UpdateRules:
         """How an update is coded, and what the aggregator accepts of one."""
         return section(UpdateRules, self)
@@ -422,40 +517,8 @@ class RunConfig(_Strict):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value
 
-    @field_validator("region_train_processes", "test_region_slowdown", mode="before")
-    @classmethod
-    def _split_region_table(cls, value: Any, info: ValidationInfo) -> Any:
-        """``"eu=2,us=1"`` as (region, number) pairs."""
-        if not isinstance(value, str):
-            return value
-        example, kind, *_ = REGION_TABLES[info.field_name or ""]
-        table: list[tuple[str, float]] = []
-        for item in filter(None, (part.strip() for part in value.split(","))):
-            region, sep, number = item.partition("=")
-            try:
-                table.append((region.strip(), kind(number.strip())))
-            except ValueError:
-                sep = ""
-            if not sep:
-                raise ValueError(
-                    f"{item!r} is not REGION={kind.__name__.upper()}; write it as {example!r}"
-                ) from None
-        return tuple(table)
-
-    @field_validator("region_train_processes", "test_region_slowdown")
-    @classmethod
-    def _check_region_table(
-        cls, value: tuple[tuple[str, float], ...], info: ValidationInfo
-    ) -> tuple[tuple[str, float], ...]:
-        regions = info.data.get("regions", ())
-        unknown = [r for r, _ in value if r not in regions]
-        if unknown:
-            raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
-        _, _, low, high, what = REGION_TABLES[info.field_name or ""]
-        bad = [r for r, n in value if not low <= n <= high]
-        if bad:
-            raise ValueError(f"{bad}: {what} is {low:g} to {high:g}")
-        return value
+    _split_tables = field_validator(*REGION_TABLES, mode="before")(_split_region_table)
+    _check_tables = field_validator(*REGION_TABLES)(_check_region_table)
 
     @field_validator("buffer_size")
     @classmethod
@@ -538,6 +601,10 @@ class NodeConfig(_Strict):
     #: in simulation they come from the run config's keys-dir.
     key_file: str = ""
     aggregator_bundle: str = ""
+    #: The folder of the other regions' public bundles (REGION.pub.json), which secure
+    #: aggregation verifies their messages with; "" = aggregator-bundle's folder (in
+    #: simulation: the run config's keys-dir).
+    peer_bundles: str = ""
     #: The region's jurisdiction policy (YAML). Required in deployment: a region
     #: without one sends nothing. In simulation: run config policies-dir.
     policy: str = ""
@@ -758,3 +825,22 @@ class UpdateRules:
     #: The most bytes one compressed update may take (sealed or not).
     max_update_bytes: int
     aggregation: str
+
+
+@dataclass(frozen=True)
+class SecureSettings:
+    """Secure aggregation (:attr:`RunConfig.secure`; docs/secure-aggregation.md)."""
+
+    enabled: Annotated[bool, Key("secure_aggregation")]
+    configured_threshold: Annotated[int, Key("secure_threshold")]
+    ring_bits: Annotated[int, Key("secure_ring_bits")]
+    noise_multiplier: Annotated[float, Key("distributed_noise_multiplier")]
+    #: What each region clips its update to before masking.
+    clip: Annotated[float, Key("max_update_norm")]
+    regions: tuple[str, ...]
+
+    @property
+    def threshold(self) -> int:
+        """The fewest regions a secure sum is unmasked from: secure-threshold, or more
+        than half of the run's regions (at least 2)."""
+        return self.configured_threshold or max(2, len(self.regions) // 2 + 1)

@@ -30,6 +30,10 @@ from fedciuic.errors import FedciuicError
 
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
 WITNESSED = "witnessed"  # a region's answer to the run-end notice
+#: A region's answer in one phase of a secure sum: the phase's message (signed by the
+#: region for its session) as the reply's one array, its SHA-256 under the reply's signature.
+SECURE = "secure"
+SECAGG_REQUEST, SECAGG_ANSWER, SECAGG_DIGEST = "secagg-request", "secagg-answer", "secagg-digest"
 FAILED = "failed"  # no usable reply: the region's process failed, or it never answered
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
 #: Why a node asked in a round is a failed reply when it did not answer in time.
@@ -301,6 +305,7 @@ INFO_KEYS: dict[str, frozenset[str]] = {
     EVALUATED: _BASE_INFO,
     DECLINED: _BASE_INFO,
     WITNESSED: _BASE_INFO,
+    SECURE: _BASE_INFO | {SECAGG_DIGEST},
 }
 _MAX_COUNT = 2**53  # any count above this is not a count
 
@@ -493,6 +498,19 @@ def sealed(region: str, envelope: bytes | bytearray, key_id: str) -> Records:
     )
 
 
+def secure_answer(region: str, data: bytes) -> Records:
+    """A region's message in one phase of a secure sum."""
+    return Records(
+        {"region": region, "status": SECURE, "reason": "", SECAGG_DIGEST: digest_of(data)},
+        {},
+        {SECAGG_ANSWER: np.frombuffer(data, dtype=np.uint8)},
+    )
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def clear(
     arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any], info: Mapping[str, str]
 ) -> Records:
@@ -612,6 +630,16 @@ def parse_reply(
         if sealed.dtype != np.uint8 or sealed.ndim != 1:
             raise MalformedReply("malformed reply: envelope: uint8[n] expected")
         envelope, clear = sealed.tobytes(), None
+    elif status == SECURE:
+        answer = (clear or {}).get(SECAGG_ANSWER)
+        if clear is None or set(clear) != {SECAGG_ANSWER} or answer is None:
+            raise MalformedReply(
+                f"malformed reply: a {SECURE} reply carries one array, {SECAGG_ANSWER}"
+            )
+        if answer.dtype != np.uint8 or answer.ndim != 1:
+            raise MalformedReply(f"malformed reply: {SECAGG_ANSWER}: uint8[n] expected")
+        if digest_of(answer.tobytes()) != info[SECAGG_DIGEST]:
+            raise MalformedReply(f"malformed reply: {SECAGG_ANSWER} does not match {SECAGG_DIGEST}")
     elif status != TRAINED and clear is not None:
         raise MalformedReply(f"malformed reply: a {status} reply carries no arrays")
     return Reply(

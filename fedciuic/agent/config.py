@@ -24,7 +24,15 @@ from fedciuic.errors import ConfigError
 #: default, fixed here so that no aggregator can raise it).
 DEFAULT_EPSILON_BUDGET = 8.0
 #: Keys whose values are paths: relative ones are read from the config file's folder.
-_PATHS = ("data_path", "state_path", "key_file", "aggregator_bundle", "policy", "socket")
+_PATHS = (
+    "data_path",
+    "state_path",
+    "key_file",
+    "aggregator_bundle",
+    "peer_bundles",
+    "policy",
+    "socket",
+)
 
 
 class AgentConfig(NodeConfig):

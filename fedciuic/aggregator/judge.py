@@ -101,7 +101,7 @@ class Noted:
 class Accepted:
     """A trained reply once authenticated, opened, validated and checked by policy."""
 
-    checked: Checked
+    checked: Checked | None  # None in a secure round: the update travels masked
     metrics: TrainMetrics
     info: dict[str, str]
     header: Provenance
@@ -146,8 +146,7 @@ class Judged:
             return {
                 "status": TRAINED,
                 "reason": "",
-                "norm": a.checked.norm,
-                "clipped": a.checked.clipped,
+                **({"norm": a.checked.norm, "clipped": a.checked.clipped} if a.checked else {}),
                 "loss": a.metrics.train_loss,
                 "num_examples": a.metrics.num_examples,
                 "steps": a.metrics.steps,
@@ -204,6 +203,9 @@ class Judge:
     policies: PolicyGate
     run_id: int
     labels: Mapping[int, str]
+    #: With secure aggregation, the fewest regions a secure sum is unmasked from (0: none):
+    #: a trained reply then carries no update, only what the policies check.
+    secure_threshold: int = 0
 
     def guarded(self, item: Arrival, step: JudgingStep, *, signed_round: int) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
@@ -275,17 +277,15 @@ class Judge:
         staleness: int,
         max_staleness: int,
         staleness_rule: str,
-        after_end: bool,
+        refuse: str,
     ) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
         noted.received = received(server_round, task, reply, sender or reply.region)
-        if after_end:
-            raise ImplausibleUpdate(
-                f"arrived after the run's last aggregate (round {server_round}); not used"
-            )
+        if refuse:  # it arrived where it cannot be used: logged as received, refused
+            raise ImplausibleUpdate(refuse)
         update, metrics, info, header = self._open(reply, task.round, sender)
         if info[ADAPTER_MODE] != self.adapter_mode:
             raise ImplausibleUpdate(
@@ -308,6 +308,8 @@ class Judge:
                 num_examples=metrics.num_examples,
                 adapter_mode=info[ADAPTER_MODE],
                 agent_version=reply.info.get(AGENT_VERSION),
+                secure_sum=self.secure_threshold > 0,
+                secure_threshold=self.secure_threshold,
                 **metrics.declared(),
             )
         )
@@ -320,6 +322,12 @@ class Judge:
                 info={**reply.info, POLICY_HASH: header.policy_hash},
             )
             return self.settle(rejected, header.region, noted)
+        upload = len(reply.envelope) if reply.envelope is not None else len(update)
+        if self.secure_threshold:  # its update comes masked, in the round's secure sum
+            accepted = Accepted(None, metrics, info, header, upload)
+            return self.settle(
+                replace(reply, status=TRAINED), header.region, noted, accepted=accepted
+            )
         checked = check(
             self.rules.codec,
             update,
@@ -329,7 +337,6 @@ class Judge:
             steps=metrics.steps,
             staleness=staleness,
         )
-        upload = len(reply.envelope) if reply.envelope is not None else len(update)
         accepted = Accepted(checked, metrics, info, header, upload)
         return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)
 
@@ -354,7 +361,12 @@ class Judge:
             raise EnvelopeRejected(
                 f"update names region {info['region']!r} but comes from {header.region!r}"
             )
-        update = self._update_bytes(opened.arrays)
+        update = self._update_bytes(opened.arrays) if not self.secure_threshold else b""
+        if self.secure_threshold and opened.arrays:
+            raise MalformedReply(
+                "with secure aggregation a trained reply carries no update (it travels "
+                "masked, in the round's secure sum)"
+            )
         return update, parse_train_metrics(opened.metrics, info[PRIVACY_UNIT]), info, header
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:

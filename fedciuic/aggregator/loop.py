@@ -11,7 +11,8 @@ them, over a :class:`Transport` (Flower's Grid implements it in
   reply; a region that misses max-missed-rounds in a row is no longer waited for;
 * ``aggregation-mode``, chosen once (:func:`loop_for`): synchronous rounds
   (:class:`SyncLoop`) or FedBuff's buffered aggregates (:class:`BufferedLoop`,
-  docs/heterogeneity.md);
+  docs/heterogeneity.md); with ``secure-aggregation``, sync rounds whose aggregate is
+  a secure sum (``fedciuic.aggregator.secure``);
 * every region evaluates the initial adapter before round 1, so the run reports eval
   loss before and after training.
 
@@ -199,7 +200,8 @@ class Loop:
         """Every update carried past the last aggregate, recorded as arrived and refused;
         whether there was any."""
         late, self._carried = self._carried, []
-        self._late(num_rounds, late, self.aggregator.collecting(), after_end=True)
+        after_end = f"arrived after the run's last aggregate (round {num_rounds}); not used"
+        self._late(num_rounds, late, self.aggregator.collecting(), refuse=after_end)
         return bool(late)
 
     def train_wait(self) -> float:
@@ -308,16 +310,16 @@ class Loop:
         late: list[tuple[Sent, Unread]],
         into: Collecting,
         *,
-        after_end: bool = False,
+        refuse: str = "",
     ) -> None:
         """Updates that answer earlier messages, judged (against the version they were
-        computed from) into this round's aggregate, or, ``after_end``, recorded as
-        arrived and refused: the run has no aggregate left for them. Every update that
-        arrives is logged as received, so the regions' and the aggregator's logs agree."""
+        computed from) into this round's aggregate, or, with a ``refuse`` reason,
+        recorded as arrived and refused for it. Every update that arrives is logged as
+        received, so the regions' and the aggregator's logs agree."""
         for sent, reply in late:
             if sent.task is None:  # a late evaluation only showed that its node is alive
                 continue
-            self.aggregator.judge_train(server_round, reply, sent.task, into, after_end=after_end)
+            self.aggregator.judge_train(server_round, reply, sent.task, into, refuse=refuse)
 
     def witness_run_end(self, timeout: float) -> None:
         """Once ``run_end`` is in the aggregator's log and signed: send each region that
@@ -471,5 +473,9 @@ def loop_for(
     interval: float = 0.5,
 ) -> Loop:
     """The run's schedule, chosen once from ``aggregation-mode``."""
-    kind = BufferedLoop if aggregator.schedule.buffered else SyncLoop
+    kind: type[Loop] = BufferedLoop if aggregator.schedule.buffered else SyncLoop
+    if aggregator.run.secure.enabled:  # sync rounds only (the run config checks)
+        from fedciuic.aggregator.secure import SecureLoop
+
+        kind = SecureLoop
     return kind(aggregator, transport, clock=clock, sleep=sleep, interval=interval)

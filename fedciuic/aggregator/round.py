@@ -195,6 +195,7 @@ class AggregatorRound:
             self.policies,
             self.run_id,
             self.regions_by_node,
+            self.run.secure.threshold if self.run.secure.enabled else 0,
         )
 
     @property
@@ -261,11 +262,12 @@ class AggregatorRound:
         task: Task,
         into: Collecting,
         *,
-        after_end: bool = False,
+        refuse: str = "",
     ) -> Judged:
         """Judge one training reply to ``task``, record it under ``server_round`` (the
-        aggregate it may join) and, when accepted, add it to ``into``. ``after_end``:
-        the run's last aggregate is out; the update is logged as received and refused."""
+        aggregate it may join) and, when accepted, add it to ``into``. ``refuse``: why it
+        cannot be used where it arrived (the run's last aggregate is out, a secure round
+        takes only its own updates); it is logged as received and refused for that."""
         staleness = self.version - task.version
         judge = self.judge
         update = partial(
@@ -276,7 +278,7 @@ class AggregatorRound:
             staleness=staleness,
             max_staleness=self.max_staleness,
             staleness_rule=self._staleness_rule,
-            after_end=after_end,
+            refuse=refuse,
         )
         judged = judge.guarded(item, update, signed_round=task.round)
         judged = replace(judged, task=task, staleness=staleness)
@@ -285,25 +287,38 @@ class AggregatorRound:
         )
         into.judged.append(judged)
         if judged.accepted is not None:
-            # Validated and recorded: only now does it count.
-            into.accumulator.add(judged.accepted.checked)
+            # Validated and recorded: only now does it count (in a secure round, in the
+            # secure sum instead).
+            if judged.accepted.checked is not None:
+                into.accumulator.add(judged.accepted.checked)
             into.accepted.append(judged.accepted)
         return judged
 
-    def publish(self, server_round: int, into: Collecting) -> Published | Withheld:
+    def publish(
+        self,
+        server_round: int,
+        into: Collecting,
+        *,
+        mean: np.ndarray | None = None,
+        withheld: Iterable[str] = (),
+    ) -> Published | Withheld:
         """Apply the aggregate of ``into`` to the global adapter (a new version), or
-        withhold it when no update was accepted or a policy's minimum is not met."""
+        withhold it when no update was accepted or a policy's minimum is not met. A
+        secure round hands over the ``mean`` of its sum (or why it is ``withheld``)."""
         regions = [a.region for a in into.accepted]
-        withheld = self._withhold(server_round, into)
-        if withheld:
-            self.journal.withheld(server_round, regions, withheld)
-            return Withheld(regions, withheld)
+        reasons = list(withheld) or self._withhold(server_round, into)
+        if reasons:
+            self.journal.withheld(server_round, regions, reasons)
+            return Withheld(regions, reasons)
 
-        self.global_adapter = self.server_optimizer.step(
-            self.global_adapter, into.accumulator.mean()
-        )
+        delta = into.accumulator.mean() if mean is None else mean
+        self.global_adapter = self.server_optimizer.step(self.global_adapter, delta)
         self.version += 1
-        weight = into.accumulator.weight
+        weight = (
+            into.accumulator.weight
+            if mean is None
+            else float(sum(a.metrics.num_examples for a in into.accepted))
+        )
         self.journal.published(server_round, regions, weight, self.version, self.global_adapter)
         return Published(self.global_adapter, regions, weight, into.train_loss())
 

@@ -32,12 +32,21 @@ class Event(StrEnum):
     AGGREGATE_WITHHELD = "aggregate_withheld"
     REGION_UNAVAILABLE = "region_unavailable"  # missed max-missed-rounds in a row
     REGION_REJOINED = "region_rejoined"  # answered again after being unavailable
+    #: A secure sum: who joined, shared, survived and revealed, what was refused, and
+    #: whether the sum was unmasked or withheld (docs/secure-aggregation.md).
+    SECURE_SUM = "secure_sum"
     # a region
     RUN_JOINED = "run_joined"
     TRAINED = "trained"
     UPDATE_SEALED = "update_sealed"
     UPDATE_SENT_CLEAR = "update_sent_clear"
     UPDATE_RESENT = "update_resent"
+    # a region's phases of a secure sum (docs/secure-aggregation.md)
+    SECURE_JOINED = "secure_joined"
+    SECURE_SHARED = "secure_shared"
+    SECURE_MASKED = "secure_masked"
+    SECURE_CONSENTED = "secure_consented"
+    SECURE_REVEALED = "secure_revealed"
     EVALUATED = "evaluated"
     DECLINED = "declined"
     #: An update the region released (its epsilon spent) that the aggregator's signed

@@ -57,9 +57,12 @@ class TaskKind(StrEnum):
     TRAIN = "train"
     EVALUATE = "evaluate"
     RUN_END = "run-end"
+    #: One phase of a secure sum (docs/secure-aggregation.md): the request it carries is
+    #: the instruction's one array, under the aggregator's signature.
+    SECAGG = "secagg"
 
 
-_KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3}
+_KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3, TaskKind.SECAGG: 4}
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,15 @@ from flwr.serverapp import Grid
 
 from fedciuic.crypto import TaskKind
 from fedciuic.flower import protocol
+from fedciuic.flower.relay import SECAGG_MESSAGE
 from fedciuic.wire import Instruction, RunEndNotice, Unread
 
 #: The Flower message type that carries each kind of task (signed into its instruction).
-MESSAGE_TYPES = {TaskKind.TRAIN: MessageType.TRAIN, TaskKind.EVALUATE: MessageType.EVALUATE}
+MESSAGE_TYPES = {
+    TaskKind.TRAIN: MessageType.TRAIN,
+    TaskKind.EVALUATE: MessageType.EVALUATE,
+    TaskKind.SECAGG: SECAGG_MESSAGE,
+}
 
 
 def _messages(content: RecordDict, nodes: Sequence[int], message_type: str) -> list[Message]:

@@ -40,10 +40,13 @@ from fedciuic.wire import ARRAYS
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.
 AGENT = "agent"
 #: What each Flower message type asks the agent (the kinds of task it verifies).
+#: A secure sum's phases travel as Flower queries of their own action.
+SECAGG_MESSAGE = f"{MessageType.QUERY}.{TaskKind.SECAGG}"
 MESSAGE_KINDS = {
     MessageType.TRAIN: TaskKind.TRAIN,
     MessageType.EVALUATE: TaskKind.EVALUATE,
     MessageType.QUERY: TaskKind.RUN_END,
+    SECAGG_MESSAGE: TaskKind.SECAGG,
 }
 #: The Flower error code of a message the relay could not deliver.
 UNDELIVERED = 1
@@ -132,6 +135,7 @@ def forward(message: Message, context: Context) -> Message:
 __all__ = [
     "AGENT",
     "MESSAGE_KINDS",
+    "SECAGG_MESSAGE",
     "RelayError",
     "agent_socket",
     "forward",

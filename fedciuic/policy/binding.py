@@ -15,6 +15,7 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import simulated_jurisdiction
 from fedciuic.policy.rules import (
+    DEFAULT_MIN_SECURE_REGIONS,
     Decision,
     LoadedPolicy,
     PolicyError,
@@ -91,6 +92,9 @@ def run_terms(
         adapter_mode=run.adapter_mode,
         privacy_unit=dp.unit,
         projected_epsilon=projected_epsilon,
+        secure_aggregation=run.secure.enabled,
+        secure_threshold=run.secure.threshold if run.secure.enabled else 0,
+        distributed_dp=run.secure.enabled and run.secure.noise_multiplier > 0,
     )
 
 
@@ -106,6 +110,8 @@ class RegionPolicy:
     max_epsilon_per_run: float | None
     redacts_paths: bool
     decision: Decision
+    #: The fewest regions a secure sum holding this region's update is unmasked from.
+    min_secure_regions: int = DEFAULT_MIN_SECURE_REGIONS
 
     @classmethod
     def of(cls, loaded: LoadedPolicy, decision: Decision) -> RegionPolicy:
@@ -116,6 +122,7 @@ class RegionPolicy:
             policy.privacy.max_epsilon_per_run,
             policy.audit.redact_paths,
             decision,
+            policy.aggregation.min_secure_regions,
         )
 
     @classmethod

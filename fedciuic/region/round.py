@@ -45,7 +45,14 @@ from fedciuic.audit import (
     load_records,
 )
 from fedciuic.config import NodeConfig, RunConfig, SealSettings
-from fedciuic.crypto import AGGREGATOR, Keypair, TaskKind, region_keys, update_payload
+from fedciuic.crypto import (
+    AGGREGATOR,
+    Keypair,
+    TaskKind,
+    read_update_payload,
+    region_keys,
+    update_payload,
+)
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy import PolicyRefusal, RegionPolicy, enforce_region_policy
@@ -77,6 +84,7 @@ from fedciuic.wire import (
     declined,
     evaluated,
     sealed,
+    secure_answer,
     witnessed,
 )
 
@@ -119,7 +127,15 @@ class RunEndWitnessed:
     region: str
 
 
-RoundOutcome = Declined | Evaluated | Sealed | Clear | RunEndWitnessed
+@dataclass(frozen=True)
+class SecureAnswer:
+    """A region's message in one phase of a secure sum (its JSON)."""
+
+    region: str
+    data: bytes
+
+
+RoundOutcome = Declined | Evaluated | Sealed | Clear | RunEndWitnessed | SecureAnswer
 
 
 @dataclass(frozen=True)
@@ -491,6 +507,8 @@ class _Round:
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
+        if task.kind == TaskKind.SECAGG:
+            return self._secure_phase(task, sealing, simulated)
         from fedciuic.region.trainer import SentUpdates
 
         region = _region(run, node, self.run_id)
@@ -550,7 +568,7 @@ class _Round:
             if kept.trained is not None and not self._noted_trained():
                 self.note(Event.TRAINED, **kept.trained)  # stopped before it was noted
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
-            return self._send(region.name, kept.payload, sealing, policy)
+            return self._send(region.name, self._leaving(kept.payload), sealing, policy)
         if region.released(self.run_id, task.server_round, ledger):
             raise AlreadyReleased(
                 f"region {region.name}: round {task.server_round} of run {self.run_id} was "
@@ -576,7 +594,64 @@ class _Round:
             keep=keep,
         )
         self._note_trained(outcome)
-        return self._send(region.name, payload, sealing, policy)
+        return self._send(region.name, self._leaving(payload), sealing, policy)
+
+    def _leaving(self, payload: bytes) -> bytes:
+        """What leaves after training: the update; with secure aggregation only its
+        metrics and info, for the aggregator to check against the region's policy (the
+        update leaves masked, in the secure sum)."""
+        if not self.run.secure.enabled:
+            return payload
+        _, metrics, info = read_update_payload(payload)
+        return update_payload({}, metrics, info)  # type: ignore[arg-type]
+
+    def _secure_phase(
+        self, task: Instruction, sealing: RegionSealing, simulated: bool
+    ) -> SecureAnswer:
+        """One phase of a secure sum (:mod:`fedciuic.region.secure`), under the region's
+        policy: the run's terms are checked again, and the session against them."""
+        from fedciuic.region.secure import secure_phase
+        from fedciuic.region.trainer import SentUpdates
+        from fedciuic.secagg import SecAggError
+
+        node = self.node
+        if sealing.keypair is None or not self.run.secure.enabled:
+            raise SecAggError(
+                f"region {node.region}: a secure-sum instruction in a run without secure "
+                "aggregation (or without the region's keys); refusing it"
+            )
+        policy = enforce_region_policy(
+            self.run,
+            node,
+            simulated=simulated,
+            aggregator_jurisdiction=sealing.destination,
+            own_jurisdiction=sealing.own_jurisdiction,
+        )
+        if not policy.redacts_paths:
+            self.audit.redact = ()
+        self._join(sealing, policy, task.checkpoint)
+        sent = SentUpdates(node.state_dir)
+
+        def kept() -> bytes:
+            found = sent.load(self.run_id, task.server_round)
+            if found is None:
+                raise SecAggError(
+                    f"region {node.region}: no update kept for round {task.server_round}: "
+                    "it did not train this round"
+                )
+            return found.payload
+
+        data = secure_phase(
+            self.run,
+            node,
+            task,
+            keypair=sealing.keypair,
+            min_regions=policy.min_secure_regions,
+            run_id=self.run_id,
+            kept=kept,
+            note=self.note,
+        )
+        return SecureAnswer(node.region, data)
 
     def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
         """``run_joined`` once per run, and again when it resumes from a checkpoint: the
@@ -646,6 +721,8 @@ def region_records(reply: RegionReply) -> Records:
             records = clear(arrays, metrics, info)
         case RunEndWitnessed(region):
             records = witnessed(region)
+        case SecureAnswer(region, data):
+            records = secure_answer(region, data)
     vouched: dict[str, str | int | bytes] = {
         **records.info,
         AGENT_VERSION: __version__,

@@ -26,7 +26,7 @@ import numpy as np
 from opacus.accountants.analysis.rdp import get_privacy_spent
 
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.masking import Ring
+from fedciuic.secagg.masking import Ring, RingTooSmall
 
 #: Integer Rényi orders (the Skellam bound holds for integer orders).
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
@@ -148,3 +148,19 @@ def encode(
         raise RoundingFailed(f"no rounding within the L2 bound {ddp.l2:.1f} in {_TRIES} tries")
     noisy = rounded + skellam(x.size, ddp.share_variance, rng)
     return ring.reduce(noisy.astype(np.uint64))
+
+
+def scale_for(
+    *, regions: int, threshold: int, clip: float, noise: float, dim: int, ring: Ring
+) -> float:
+    """The finest fixed-point scale (a power of two) at which a sum of ``regions``
+    clipped, rounded and noised updates fits the signed ring; :class:`RingTooSmall`
+    when none does (more bits are needed)."""
+    for exponent in range(ring.bits, -31, -1):
+        scale = 2.0**exponent
+        if DistributedDp(clip, scale, noise, threshold, dim).fits(regions, ring):
+            return scale
+    raise RingTooSmall(
+        f"a sum of {regions} updates of {dim} values clipped to {clip:g} does not fit "
+        f"{ring.bits} bits at any scale; raise secure-ring-bits"
+    )

@@ -61,6 +61,11 @@ class Session(Message):
     threshold: int
     bits: int = Field(ge=MIN_BITS, le=MAX_BITS)
     size: int = Field(ge=1)
+    #: What each region clips its update to, the fixed point's scale (ring units per
+    #: unit), and the distributed noise multiplier (0: none): the same for every region.
+    clip: float = Field(gt=0, allow_inf_nan=False)
+    scale: float = Field(gt=0, allow_inf_nan=False)
+    noise: float = Field(ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> Session:
@@ -170,3 +175,16 @@ def parse(model: type[_M], data: object, phase: Phase) -> _M:
         raise SecAggError(
             f"secure sum, {phase.value}: malformed {model.__name__} ({where}: {first['msg']})"
         ) from None
+
+
+class Request(Message):
+    """What the aggregator asks a region in one phase of a session (inside its signed
+    instruction): the session, and what that phase works on."""
+
+    phase: Phase
+    session: Session
+    adverts: tuple[Advert, ...] = ()  # shares: the regions that joined
+    shared: tuple[Name, ...] = ()  # masked: the regions that shared
+    items: tuple[SealedItem, ...] = ()  # masked: what they sealed to this region
+    survivors: tuple[Name, ...] = ()  # consent, reveal
+    consents: tuple[Consent, ...] = ()  # reveal

@@ -100,7 +100,7 @@ class SecureSumRegion:
         """Join ``session`` with this region's encoded (ring) update: its ephemeral key."""
         self._check_session(session, encoded)
         sid = session.sid()
-        if self._known(sid) is not None:
+        if self._known(session) is not None:
             raise self._refuse(session, Phase.ADVERT, "this session was already joined")
         state = StoredSum(
             session=session,
@@ -337,23 +337,32 @@ class SecureSumRegion:
                 session, Phase.ADVERT, f"the update has {encoded.size} values, not {session.size}"
             )
 
-    def _known(self, sid: bytes) -> StoredSum | None:
+    def joined_round(self, session: Session) -> bool:
+        """Whether this region joined a session of ``session``'s run and round."""
+        if self.store is not None:
+            return self.store.joined(session.run_id, session.server_round)
+        return any(
+            (s.session.run_id, s.session.server_round) == (session.run_id, session.server_round)
+            for s in self._sums.values()
+        )
+
+    def _known(self, session: Session) -> StoredSum | None:
+        sid = session.sid()
         if sid not in self._sums and self.store is not None:
-            stored = self.store.load(sid)
+            stored = self.store.load(session)
             if stored is not None:
                 self._sums[sid] = stored
         return self._sums.get(sid)
 
     def _commit(self, state: StoredSum) -> None:
         """The session's new state: on disk (with a store) before any message leaves."""
-        sid = state.session.sid()
         if self.store is not None:
-            self.store.save(sid, state)
-        self._sums[sid] = state
+            self.store.save(state)
+        self._sums[state.session.sid()] = state
 
     def _state(self, session: Session, phase: Phase) -> StoredSum:
         try:
-            state = self._known(session.sid())
+            state = self._known(session)
         except SecAggError as err:
             raise self._refuse(session, phase, str(err)) from None
         if state is None:

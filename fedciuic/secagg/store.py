@@ -50,13 +50,17 @@ class SessionStore:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def path(self, sid: bytes) -> Path:
-        return self.folder / f"{sid.hex()}.json"
+    def path(self, session: Session) -> Path:
+        return self.folder / f"{session.run_id}-{session.server_round}-{session.sid().hex()}.json"
 
-    def save(self, sid: bytes, state: StoredSum) -> None:
+    def joined(self, run_id: int, server_round: int) -> bool:
+        """Whether this region joined any session of this run's round."""
+        return any(self.folder.glob(f"{run_id}-{server_round}-*.json"))
+
+    def save(self, state: StoredSum) -> None:
         """Replace the session's file, flushed to disk before this returns."""
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        target = self.path(sid)
+        target = self.path(state.session)
         tmp = target.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -65,10 +69,10 @@ class SessionStore:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
 
-    def load(self, sid: bytes) -> StoredSum | None:
+    def load(self, session: Session) -> StoredSum | None:
         """The session's state, or None when this region never joined it; a damaged file
         is refused naming it (the region takes no further part in that sum)."""
-        path = self.path(sid)
+        path = self.path(session)
         try:
             text = path.read_text()
         except FileNotFoundError:
@@ -84,6 +88,6 @@ class SessionStore:
                 f"{path}: damaged ({where}: {first['msg']}); this region takes no further "
                 "part in that secure sum"
             ) from None
-        if state.session.sid() != sid:
+        if state.session != session:
             raise SecAggError(f"{path}: holds another session; this region takes no part in it")
         return state

@@ -31,6 +31,7 @@ from fedciuic.crypto import (
     EnvelopeRejected,
     Keypair,
     MalformedPayload,
+    PublicBundle,
     RegionKeys,
     read_update_payload,
     sign_global,
@@ -102,6 +103,10 @@ class ReplySealing(Protocol):
     def run_start(self) -> dict[str, Any]:
         """What ``run_start`` records about the keys."""
 
+    def bundles(self) -> dict[str, PublicBundle]:
+        """Each region's public bundle, by region (secure aggregation verifies the
+        regions' messages with them); none when nothing is signed."""
+
 
 @dataclass(frozen=True)
 class SealedReplies:
@@ -162,6 +167,9 @@ class SealedReplies:
             "region_key_ids": {b.party: kid.hex() for kid, b in self.keys.regions.items()},
         }
 
+    def bundles(self) -> dict[str, PublicBundle]:
+        return {b.party: b for b in self.keys.regions.values()}
+
 
 class ClearReplies:
     """A lab run with ``seal = false``: nothing signed, each reply taken at its word."""
@@ -188,6 +196,9 @@ class ClearReplies:
 
     def run_start(self) -> dict[str, Any]:
         return {"key_id": None, "region_key_ids": {}}
+
+    def bundles(self) -> dict[str, PublicBundle]:
+        return {}
 
 
 def aggregator_sealing(keys: AggregatorKeys | None) -> ReplySealing:

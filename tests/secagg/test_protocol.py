@@ -33,6 +33,9 @@ def federation(
         threshold=threshold,
         bits=RING.bits,
         size=SIZE,
+        clip=1.0,
+        scale=1.0,
+        noise=0.0,
     )
     bundles = {r: keys[r].bundle for r in names}
     regions = {
@@ -227,7 +230,17 @@ def test_a_session_a_region_does_not_agree_to_is_refused(keys):
     ):
         stranger.advertise(session, encoded["at"])
     with pytest.raises(ValueError, match="threshold 1 is not more than half of the 3 regions"):
-        Session(run_id=1, server_round=1, regions=("a", "b", "c"), threshold=1, bits=32, size=4)
+        Session(
+            run_id=1,
+            server_round=1,
+            regions=("a", "b", "c"),
+            threshold=1,
+            bits=32,
+            size=4,
+            clip=1.0,
+            scale=1.0,
+            noise=0.0,
+        )
 
 
 def test_an_altered_sealed_share_does_not_open(keys):

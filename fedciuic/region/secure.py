@@ -1,0 +1,172 @@
+"""A region's part in a secure sum, phase by phase, inside its own round (and so its
+own agent in a deployment): the aggregator's signed request in, the region's signed
+message out, each phase on the region's audit log (docs/secure-aggregation.md).
+
+The session the aggregator proposes is checked against the run config the aggregator
+signed (ring, clip, noise, threshold) and against the region's policy (its minimum
+number of regions in a secure sum) before the region joins; the update it masks is the
+one it kept when it trained the round (its ledger already charged for it), decoded,
+clipped, rounded and, with distributed DP, given its share of the noise. A region joins
+at most one session per round: two sums over different sets of regions would give an
+update away by their difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from fedciuic.audit import Event, digest
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
+from fedciuic.secagg import Phase, Ring, SecAggError, SecureSumRegion, Session
+from fedciuic.secagg.ddp import DistributedDp, encode, noise_rng
+from fedciuic.secagg.messages import FromRegion, Request, parse
+from fedciuic.secagg.store import SECAGG_DIR
+from fedciuic.wire import SECAGG_REQUEST, UPDATE, Instruction
+
+#: The audit events of each phase, in a region's log.
+PHASE_EVENTS = {
+    Phase.ADVERT: Event.SECURE_JOINED,
+    Phase.SHARES: Event.SECURE_SHARED,
+    Phase.MASKED: Event.SECURE_MASKED,
+    Phase.CONSENT: Event.SECURE_CONSENTED,
+    Phase.REVEAL: Event.SECURE_REVEALED,
+}
+#: (delta) the distributed-DP epsilon is stated at.
+DISTRIBUTED_DELTA = 1e-5
+
+Note = Callable[..., None]
+
+
+def request_of(task: Instruction) -> Request:
+    """The request a signed secure-sum instruction carries (its one array)."""
+    if set(task.adapter) != {SECAGG_REQUEST}:
+        raise SecAggError(
+            f"a secure-sum instruction carries {sorted(task.adapter)[:4]}, not [{SECAGG_REQUEST!r}]"
+        )
+    data = task.adapter[SECAGG_REQUEST]
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise SecAggError(f"{SECAGG_REQUEST}: uint8[n] expected")
+    return parse(Request, data.tobytes(), Phase.ADVERT)
+
+
+def peers_of(run: RunConfig, node: NodeConfig, me: str) -> dict[str, PublicBundle]:
+    """The other regions' public bundles: node config peer-bundles, else the folder of
+    the aggregator's bundle, else (simulation) the run's keys-dir."""
+    folder = node.peer_bundles or (
+        str(Path(node.aggregator_bundle).parent) if node.aggregator_bundle else run.sealing.keys_dir
+    )
+    bundles = load_bundles(Path(folder)) if folder else {}
+    return {b.party: b for b in bundles.values() if b.party not in (me, AGGREGATOR)}
+
+
+def check_session(session: Session, run: RunConfig, *, run_id: int, server_round: int) -> None:
+    """The session is this round's, on the terms the aggregator signed into the run."""
+    secure = run.secure
+    expected = {
+        "run": (session.run_id, run_id),
+        "round": (session.server_round, server_round),
+        "ring bits": (session.bits, secure.ring_bits),
+        "clip (max-update-norm)": (session.clip, secure.clip),
+        "noise (distributed-noise-multiplier)": (session.noise, secure.noise_multiplier),
+    }
+    wrong = [f"{k} {got!r}, not {want!r}" for k, (got, want) in expected.items() if got != want]
+    if session.threshold < secure.threshold:
+        wrong.append(f"threshold {session.threshold}, below secure-threshold {secure.threshold}")
+    if wrong:
+        raise SecAggError(
+            "the secure-sum session is not on the run's terms: " + "; ".join(wrong) + "; refusing"
+        )
+
+
+def distributed(session: Session) -> DistributedDp:
+    return DistributedDp(
+        session.clip, session.scale, session.noise, session.threshold, session.size
+    )
+
+
+def encoded_update(kept_payload: bytes, run: RunConfig, session: Session) -> np.ndarray:
+    """The update this region kept for the round, as the ring elements it masks: decoded
+    (the run's codec), clipped to the session's clip, rounded at its scale, noised."""
+    arrays, _, _ = read_update_payload(kept_payload)
+    update = run.compression.codec.decode(arrays[UPDATE].tobytes(), session.size)
+    flat = update.dense(session.size)
+    ddp = distributed(session)
+    ring = Ring(session.bits)
+    if not ddp.fits(len(session.regions), ring):
+        raise SecAggError(
+            f"a sum of {len(session.regions)} updates at scale {session.scale:g} can wrap "
+            f"around {session.bits} bits; refusing"
+        )
+    return encode(flat, ddp, ring, noise_rng())
+
+
+def secure_phase(
+    run: RunConfig,
+    node: NodeConfig,
+    task: Instruction,
+    *,
+    keypair: Keypair,
+    min_regions: int,
+    run_id: int,
+    kept: Callable[[], bytes],
+    note: Note,
+) -> bytes:
+    """This region's message for the phase ``task`` asks for (its JSON), noted on the
+    region's audit log before it leaves; :class:`SecAggError` refuses."""
+    request = request_of(task)
+    session = request.session
+    check_session(session, run, run_id=run_id, server_round=task.server_round)
+    region = SecureSumRegion(
+        keypair,
+        peers_of(run, node, keypair.bundle.party),
+        min_regions=min_regions,
+        store=node.state_dir / SECAGG_DIR,
+    )
+    sid = session.sid().hex()
+    details: dict[str, object] = {"session": sid, "phase": request.phase.value}
+    message: FromRegion
+    match request.phase:
+        case Phase.ADVERT:
+            if region.joined_round(session):
+                raise SecAggError(
+                    f"this region already joined a secure sum for round {session.server_round}; "
+                    "it joins one per round (two sums would give its update away)"
+                )
+            message = region.advertise(session, encoded_update(kept(), run, session))
+            ddp = distributed(session)
+            details |= {
+                "regions": list(session.regions),
+                "threshold": session.threshold,
+                "ring_bits": session.bits,
+                "noise_multiplier": session.noise,
+            }
+            if session.noise > 0:
+                # against the aggregator alone, and with all but one region colluding
+                details["epsilon_distributed"] = ddp.epsilon(1, DISTRIBUTED_DELTA)
+                details["epsilon_distributed_collusion"] = ddp.epsilon(1, DISTRIBUTED_DELTA, 1)
+                details["delta_distributed"] = DISTRIBUTED_DELTA
+        case Phase.SHARES:
+            message = region.share(session, request.adverts)
+            details["regions"] = sorted(a.region for a in request.adverts)
+        case Phase.MASKED:
+            masked = region.masked(session, request.shared, request.items)
+            details |= {"shared": list(request.shared), "digest": digest(masked.vector)}
+            message = masked
+        case Phase.CONSENT:
+            message = region.consent(session, request.survivors)
+            details["survivors"] = list(request.survivors)
+        case Phase.REVEAL:
+            reveal = region.reveal(session, request.survivors, request.consents)
+            details |= {
+                "survivors": list(request.survivors),
+                "consents": sorted(c.region for c in request.consents),
+                "self_shares_of": sorted(reveal.self_shares),
+                "key_shares_of": sorted(reveal.key_shares),
+            }
+            message = reveal
+    note(PHASE_EVENTS[request.phase], **details)
+    return message.model_dump_json().encode()

@@ -1,0 +1,202 @@
+"""Secure rounds end to end in one process: real regions (tiny model, demo data, DP,
+sealed and signed, their policies) behind the aggregator's real loop, the messages of
+each phase packed and read as a region's reply is. The published delta is the mean of
+the updates the regions kept, within the fixed point's rounding; the aggregator's
+record holds who took part and no region's update; a region that drops after masking
+is recovered from, and too few withhold the round on the record."""
+
+from __future__ import annotations
+
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedciuic.aggregator import aggregator_log, end_run, loop_for, open_run
+from fedciuic.audit import Event, load_records
+from fedciuic.config import RunConfig
+from fedciuic.crypto import TaskKind, read_update_payload
+from fedciuic.crypto.parties import generate_federation_keys
+from fedciuic.model import AdapterLayout
+from fedciuic.record import RunRecorder
+from fedciuic.region import handle_instruction, read_configs, region_records
+from fedciuic.region.trainer import SentUpdates
+from fedciuic.secagg import Phase
+from fedciuic.wire import Instruction, RunEndNotice, Unread, parse_reply
+from tests.conftest import unit_config, write_policy
+
+RUN = 7
+REGIONS = ("eu", "cn", "us")
+
+
+class Lab:
+    """Each region's round run in this process when its node is sent a message (as
+    Flower's simulation would, without its processes); ``silent`` regions stop answering
+    at the phase named."""
+
+    def __init__(self, run: RunConfig, silent: dict[str, Phase] | None = None) -> None:
+        self.run = run
+        self.silent = silent or {}
+        self.replies: dict[str, Unread] = {}
+        self.gone: set[str] = set()
+        self.count = 0
+
+    def nodes(self) -> list[int]:
+        return list(range(1, len(REGIONS) + 1))
+
+    def _quiet(self, region: str, instruction: Instruction) -> bool:
+        if region in self.gone:
+            return True
+        if instruction.kind != TaskKind.SECAGG or region not in self.silent:
+            return False
+        from fedciuic.region.secure import request_of
+
+        if request_of(instruction).phase == self.silent[region]:
+            self.gone.add(region)
+            return True
+        return False
+
+    def push(self, instruction: Instruction, nodes: list[int]) -> dict[str, int]:
+        taken = {}
+        for node in nodes:
+            run, node_config = read_configs(instruction, {"partition-id": node - 1})
+            self.count += 1
+            message_id = f"m{self.count}"
+            taken[message_id] = node
+            if self._quiet(node_config.region, instruction):
+                continue
+            reply = handle_instruction(
+                run,
+                node_config,
+                instruction,
+                asked=instruction.kind,
+                flower_run=RUN,
+                simulated=True,
+            )
+            records = region_records(reply)
+            self.replies[message_id] = Unread(
+                node, partial(parse_reply, node, records.info, records.metrics, records.arrays)
+            )
+        return taken
+
+    def pull(self, in_flight: dict[str, int]) -> list[tuple[str, Unread]]:
+        return [(m, self.replies.pop(m)) for m in list(in_flight) if m in self.replies]
+
+    def query(self, notice: RunEndNotice, nodes: list[int], timeout: float) -> list[Unread]:
+        return []
+
+
+@pytest.fixture
+def lab_run(demo_root: Path, tmp_path: Path):
+    """A run config for three regions on copies of the demo data, with keys and policies."""
+    data = tmp_path / "data"
+    shutil.copytree(demo_root, data)
+    keys = generate_federation_keys(tmp_path / "keys", REGIONS)
+    policies = tmp_path / "policies"
+    for jurisdiction in ("EU", "CN", "US"):
+        write_policy(policies / f"{jurisdiction.lower()}.yaml", jurisdiction)
+
+    def make(**changes: Any) -> RunConfig:
+        values = {
+            **unit_config(),
+            "regions": ",".join(REGIONS),
+            "data-root": str(data),
+            "keys-dir": str(keys),
+            "policies-dir": str(policies),
+            "output-dir": str(tmp_path / "runs"),
+            "num-server-rounds": 1,
+            "local-steps": 2,
+            "round-timeout": 5.0,
+            "node-wait-timeout": 1.0,
+            "secure-aggregation": True,
+            "max-update-norm": 10.0,
+            **changes,
+        }
+        return RunConfig.from_user_config(values, source="run config")
+
+    return make
+
+
+def run_rounds(
+    run: RunConfig, lab: Lab
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Path]:
+    """The initial and the final global adapter, and the aggregator's audit log."""
+    audit = aggregator_log(run)
+    recorder = RunRecorder(
+        run.output_path / f"run-{RUN}", {"run_id": RUN, "regions": list(REGIONS)}
+    )
+    layout = AdapterLayout.of(run.model)
+    opened = open_run(run, RUN, audit, recorder, layout.fingerprint)
+    loop = loop_for(opened.aggregator, lab, sleep=lambda _: None, interval=0.0)
+    final = loop.run(layout.initial, num_rounds=run.num_server_rounds)
+    end_run(opened.aggregator, audit, layout)
+    audit.close()
+    return layout.initial, final, audit.path
+
+
+def kept_update(run: RunConfig, region: str, size: int) -> np.ndarray:
+    """What the region kept of its round-1 update, decoded with the run's codec."""
+    state = Path(run.data_root) / region / ".fedciuic"
+    kept = SentUpdates(state).load(RUN, 1)
+    assert kept is not None
+    arrays, _, _ = read_update_payload(kept.payload)
+    return run.compression.codec.decode(arrays["update"].tobytes(), size).dense(size)
+
+
+def flat(adapter: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([adapter[k].reshape(-1) for k in sorted(adapter)]).astype(np.float64)
+
+
+def secure_sums(path: Path) -> list[dict[str, Any]]:
+    return [r["details"] for r in load_records(path) if r["event"] == Event.SECURE_SUM]
+
+
+def test_a_secure_round_publishes_the_mean_of_the_kept_updates(lab_run):
+    run = lab_run()
+    initial, final, log = run_rounds(run, Lab(run))
+    [summed] = secure_sums(log)
+    assert summed["outcome"] == "unmasked" and summed["survivors"] == sorted(REGIONS)
+    assert summed["refused"] == [] and summed["dropped"] == []
+    delta = flat(final) - flat(initial)
+    mean = np.mean([kept_update(run, r, delta.size) for r in REGIONS], axis=0)
+    # rounding: each value within one step of the fixed point (per region, averaged)
+    np.testing.assert_allclose(delta, mean, atol=2 / summed["scale"])
+    assert np.abs(mean).max() > 100 / summed["scale"]  # the updates are not all rounding
+    # the aggregator's log holds no region's update: no record carries an array of them
+    for record in load_records(log):
+        assert "update" not in record.get("details", {})
+
+
+def test_a_region_dropping_after_masking_is_recovered_from(lab_run):
+    run = lab_run(**{"secure-threshold": 2})
+    initial, final, log = run_rounds(run, Lab(run, silent={"cn": Phase.CONSENT}))
+    [summed] = secure_sums(log)
+    assert summed["survivors"] == ["cn", "eu", "us"]  # cn's masked vector is in the sum
+    assert summed["revealed"] == ["eu", "us"] and summed["outcome"] == "unmasked"
+    delta = flat(final) - flat(initial)
+    mean = np.mean([kept_update(run, r, delta.size) for r in REGIONS], axis=0)
+    np.testing.assert_allclose(delta, mean, atol=2 / summed["scale"])
+
+
+def test_a_region_dropping_before_masking_leaves_the_others_sum(lab_run):
+    run = lab_run(**{"secure-threshold": 2})
+    initial, final, log = run_rounds(run, Lab(run, silent={"us": Phase.MASKED}))
+    [summed] = secure_sums(log)
+    assert summed["survivors"] == ["cn", "eu"] and summed["dropped"] == ["us"]
+    delta = flat(final) - flat(initial)
+    mean = np.mean([kept_update(run, r, delta.size) for r in ("eu", "cn")], axis=0)
+    np.testing.assert_allclose(delta, mean, atol=2 / summed["scale"])
+
+
+def test_fewer_survivors_than_the_threshold_withhold_the_round_on_the_record(lab_run):
+    run = lab_run(**{"secure-threshold": 3})
+    initial, final, log = run_rounds(run, Lab(run, silent={"us": Phase.MASKED}))
+    [summed] = secure_sums(log)
+    assert summed["outcome"] == "withheld" and summed["revealed"] == []
+    assert "withheld at masked: 2 region(s), the threshold is 3" in summed["reasons"][0]
+    np.testing.assert_array_equal(flat(final), flat(initial))
+    withheld = [r for r in load_records(log) if r["event"] == Event.AGGREGATE_WITHHELD]
+    assert withheld and "secure sum" in withheld[0]["details"]["reasons"][0]
