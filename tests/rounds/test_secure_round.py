@@ -8,6 +8,7 @@ is recovered from, and too few withhold the round on the record."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class Lab:
             return True
         return False
 
-    def push(self, instruction: Instruction, nodes: list[int]) -> dict[str, int]:
+    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
         taken = {}
         for node in nodes:
             run, node_config = read_configs(instruction, {"partition-id": node - 1})
@@ -82,10 +83,10 @@ class Lab:
             )
         return taken
 
-    def pull(self, in_flight: dict[str, int]) -> list[tuple[str, Unread]]:
+    def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
         return [(m, self.replies.pop(m)) for m in list(in_flight) if m in self.replies]
 
-    def query(self, notice: RunEndNotice, nodes: list[int], timeout: float) -> list[Unread]:
+    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
         return []
 
 
