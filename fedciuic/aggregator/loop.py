@@ -12,7 +12,7 @@ them, over a :class:`Transport` (Flower's Grid implements it in
 * ``aggregation-mode``, chosen once (:func:`loop_for`): synchronous rounds
   (:class:`SyncLoop`) or FedBuff's buffered aggregates (:class:`BufferedLoop`,
   docs/heterogeneity.md); with ``secure-aggregation``, sync rounds whose aggregate is
-  a secure sum (``fedciuic.aggregator.secure``);
+  a secure sum (:class:`SecureLoop`);
 * every region evaluates the initial adapter before round 1, so the run reports eval
   loss before and after training.
 
@@ -30,15 +30,40 @@ from typing import Protocol
 
 import numpy as np
 
-from fedciuic.aggregator.judge import Task
-from fedciuic.aggregator.round import AggregatorRound, Collecting
+from fedciuic.aggregator.judge import Task, reason_of
+from fedciuic.aggregator.round import AggregatorRound, Collecting, run_end_witnessed
+from fedciuic.audit import Event
 from fedciuic.config import Schedule
 from fedciuic.crypto import TaskKind
 from fedciuic.errors import FederationError
-from fedciuic.wire import Arrival, Instruction, NoReply, RunEndNotice, Unread
+from fedciuic.secagg import (
+    Phase,
+    Refusal,
+    Request,
+    Ring,
+    RingTooSmall,
+    SecAggError,
+    SecureSum,
+    Session,
+    SumWithheld,
+    scale_for,
+)
+from fedciuic.wire import (
+    DECLINED,
+    SECAGG_ANSWER,
+    SECAGG_REQUEST,
+    SECURE,
+    Arrival,
+    Instruction,
+    NoReply,
+    RunEndNotice,
+    Unread,
+)
 
 _logger = logging.getLogger("flwr")
 
+#: Why a training reply that answers an earlier round is not used in a secure round.
+LATE = "arrived after its round's secure sum; a secure round sums only its own updates"
 #: Seconds a training round waits beyond twice the regions' timed local work: Flower's
 #: polling, a ClientApp process per message, sealing and evaluation.
 WAIT_MARGIN = 120.0
@@ -328,7 +353,7 @@ class Loop:
         if notice is None:
             return
         replies = self.transport.query(notice, sorted(self.transport.nodes()), timeout)
-        self.aggregator.run_end_witnessed(replies)
+        run_end_witnessed(self.aggregator, replies)
 
 
 class SyncLoop(Loop):
@@ -464,6 +489,184 @@ class BufferedLoop(Loop):
             a.tasks.done(region)
 
 
+class SecureLoop(SyncLoop):
+    """Sync rounds whose aggregate is the mean of a secure sum (``secure-aggregation``;
+    docs/secure-aggregation.md): each region's trained reply carries what its policy is
+    checked against and no update; the regions accepted then run a secure sum
+    (:mod:`fedciuic.secagg`) through five more signed exchanges (adverts, shares, masked
+    vectors, consents, reveals), the aggregator relaying what they send each other, and
+    the survivors' mean (unweighted: weights would need each update) is published, or
+    the round withheld; the whole sum is one ``secure_sum`` record."""
+
+    def one(self, server_round: int) -> None:
+        a, courier = self.aggregator, self.courier
+        nodes = self.wait_for_regions()
+        courier.forget_gone(nodes)
+        idle = [n for n in nodes if not courier.busy(n)]
+        task = Task(server_round, a.version)
+        asked = self._send(TaskKind.TRAIN, server_round, idle, task)
+        arrivals, late, heard = self._collect(
+            asked, TaskKind.TRAIN, server_round, self.train_wait()
+        )
+        into = a.collecting()
+        late, self._carried = self._carried + late, []
+        self._late(server_round, late, into, refuse=LATE)
+        for arrival in arrivals:
+            a.judge_train(server_round, arrival, task, into)
+        heard |= self.secure_sum(server_round, into)
+        idle = [n for n in nodes if not courier.busy(n)]
+        heard |= self._evaluate(server_round, idle)
+        a.heard(server_round, heard)
+        a.end(server_round)
+
+    def secure_sum(self, server_round: int, into: Collecting) -> set[int]:
+        """The secure sum of the accepted regions' updates, published or withheld; the
+        nodes heard from."""
+        a = self.aggregator
+        settings = a.run.secure
+        accepted = sorted(acc.region for acc in into.accepted)
+        details: dict[str, object] = {"accepted": accepted, "threshold": settings.threshold}
+        heard: set[int] = set()
+        mean, reasons = None, []
+        survivors: tuple[str, ...] = ()
+        secure: SecureSum | None = None
+        try:
+            session = self._session(server_round, accepted, into.n)
+            details |= {"session": session.sid().hex(), "scale": session.scale}
+            secure = SecureSum(session, a.sealing.bundles())
+            survivors, total = self._phases(server_round, session, secure, heard)
+            mean = secure.mean(total)
+        except (SumWithheld, SecAggError, RingTooSmall) as err:
+            reasons = [f"secure sum: {err}"]
+            survivors = ()
+        if secure is not None:
+            details |= secure.record()
+        details["outcome"] = "withheld" if reasons else "unmasked"
+        if reasons:
+            details["reasons"] = reasons
+        a.journal.note(server_round, Event.SECURE_SUM, **details)
+        summed = Collecting(into.accumulator, into.n, into.labels, into.judged)
+        summed.accepted = [acc for acc in into.accepted if acc.region in survivors]
+        a.publish(server_round, summed, mean=mean, withheld=reasons)
+        return heard
+
+    def _session(self, server_round: int, regions: list[str], size: int) -> Session:
+        a = self.aggregator
+        settings = a.run.secure
+        if len(regions) < settings.threshold:
+            raise SumWithheld(Phase.ADVERT, len(regions), settings.threshold)
+        ring = Ring(settings.ring_bits)
+        scale = scale_for(
+            regions=len(regions),
+            threshold=settings.threshold,
+            clip=settings.clip,
+            noise=settings.noise_multiplier,
+            dim=size,
+            ring=ring,
+        )
+        return Session(
+            run_id=a.federation_run,
+            server_round=server_round,
+            regions=tuple(regions),
+            threshold=settings.threshold,
+            bits=ring.bits,
+            size=size,
+            clip=settings.clip,
+            scale=scale,
+            noise=settings.noise_multiplier,
+        )
+
+    def _phases(
+        self, server_round: int, session: Session, secure: SecureSum, heard: set[int]
+    ) -> tuple[tuple[str, ...], np.ndarray]:
+        """The five exchanges; the survivors and their sum (ring elements)."""
+
+        def ask(phase: Phase, requests: Mapping[str, Request]) -> list[bytes]:
+            return self._exchange(server_round, phase, requests, secure, heard)
+
+        def request(phase: Phase, **fields: object) -> Request:
+            return Request.model_validate({"phase": phase, "session": session, **fields})
+
+        adverts = secure.take_adverts(
+            ask(Phase.ADVERT, {r: request(Phase.ADVERT) for r in session.regions})
+        )
+        shared = secure.take_shares(
+            ask(Phase.SHARES, {v.region: request(Phase.SHARES, adverts=adverts) for v in adverts})
+        )
+        survivors = secure.take_masked(
+            ask(
+                Phase.MASKED,
+                {
+                    r: request(Phase.MASKED, shared=shared, items=secure.items_for(r))
+                    for r in shared
+                },
+            )
+        )
+        # every region that shared is shown the survivors: one that sent its masked vector
+        # and is named dropped refuses, and says so on its record
+        consents = secure.take_consents(
+            ask(Phase.CONSENT, {r: request(Phase.CONSENT, survivors=survivors) for r in shared})
+        )
+        total = secure.take_reveals(
+            ask(
+                Phase.REVEAL,
+                {
+                    c.region: request(Phase.REVEAL, survivors=survivors, consents=consents)
+                    for c in consents
+                },
+            )
+        )
+        return survivors, total
+
+    def _exchange(
+        self,
+        server_round: int,
+        phase: Phase,
+        requests: Mapping[str, Request],
+        secure: SecureSum,
+        heard: set[int],
+    ) -> list[bytes]:
+        """Each region its request, signed; the messages of those that answer within
+        round-timeout, each from the region its signature names. A region that declines,
+        or whose answer is not what it should be, is refused on the record."""
+        a, courier = self.aggregator, self.courier
+        node_of = {region: node for node, region in a.regions_by_node.items()}
+        pushed: dict[int, str] = {}
+        for region, req in requests.items():
+            node = node_of.get(region)
+            if node is None or courier.busy(node):
+                secure.refused.append(Refusal(phase, region, "not reachable (busy or gone)"))
+                continue
+            data = np.frombuffer(req.model_dump_json().encode(), dtype=np.uint8)
+            instruction = a.sign_instruction(server_round, TaskKind.SECAGG, {SECAGG_REQUEST: data})
+            for sent in courier.push(instruction, [node], server_round, None):
+                pushed[sent.node] = region
+        arrivals, late, answered = self._collect(
+            list(pushed), TaskKind.SECAGG, server_round, self.timeout
+        )
+        self._carried += late
+        heard |= answered
+        messages = []
+        for arrival in arrivals:
+            region = pushed[arrival.node_id]
+            if isinstance(arrival, NoReply):
+                secure.refused.append(Refusal(phase, region, "no answer within round-timeout"))
+                continue
+            try:
+                reply = arrival.read() if isinstance(arrival, Unread) else arrival
+                sender = a.judge.authenticate(reply, server_round)
+                if sender != region:
+                    raise SecAggError(f"the answer is signed by {sender!r}")
+                if reply.status == DECLINED:
+                    raise SecAggError(f"declined: {reply.reason}")
+                if reply.status != SECURE or reply.arrays is None:
+                    raise SecAggError(f"a {reply.status!r} reply")
+                messages.append(reply.arrays[SECAGG_ANSWER].tobytes())
+            except Exception as err:  # one region's answer, refused alone
+                secure.refused.append(Refusal(phase, region, reason_of(err)))
+        return messages
+
+
 def loop_for(
     aggregator: AggregatorRound,
     transport: Transport,
@@ -475,7 +678,5 @@ def loop_for(
     """The run's schedule, chosen once from ``aggregation-mode``."""
     kind: type[Loop] = BufferedLoop if aggregator.schedule.buffered else SyncLoop
     if aggregator.run.secure.enabled:  # sync rounds only (the run config checks)
-        from fedciuic.aggregator.secure import SecureLoop
-
         kind = SecureLoop
     return kind(aggregator, transport, clock=clock, sleep=sleep, interval=interval)

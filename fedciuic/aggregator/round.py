@@ -434,28 +434,6 @@ class AggregatorRound:
         )
         return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
 
-    def run_end_witnessed(self, replies: Iterable[Reply | Unread]) -> list[str]:
-        """Record the head each region answers the run-end notice with, so that
-        truncating any party's log back past the end of the run shows in the
-        cross-check. Best effort: a reply that cannot be recorded is logged."""
-        witnessed = []
-        journal = self.journal
-        for item in replies:
-            try:
-                reply = item.read() if isinstance(item, Unread) else item
-                sender = self.judge.authenticate(reply, 0)
-                if reply.status != WITNESSED or sender is None:
-                    raise MalformedReply(f"{reply.status} {reply.reason}".strip())
-                if reply.witness is not None:
-                    journal.witness(None, sender, reply.witness)
-                witnessed.append(sender)
-            except Exception as err:  # the run has ended: note it, never fail it now
-                _logger.log(
-                    WARNING, "run end: a region's witness was not recorded (%s)", reason_of(err)
-                )
-        journal.run_end_witnessed(witnessed)
-        return witnessed
-
     def save_checkpoint(self, server_round: int) -> None:
         """The round is done: its adapter, records and the audit log's position."""
         if self.checkpoints is None:
@@ -478,3 +456,26 @@ class AggregatorRound:
             keep=self.run.keep_checkpoints,
             keypair=self.audit.keypair,
         )
+
+
+def run_end_witnessed(aggregator: AggregatorRound, replies: Iterable[Reply | Unread]) -> list[str]:
+    """Record the head each region answers the run-end notice with, so that
+    truncating any party's log back past the end of the run shows in the
+    cross-check. Best effort: a reply that cannot be recorded is logged."""
+    witnessed = []
+    journal = aggregator.journal
+    for item in replies:
+        try:
+            reply = item.read() if isinstance(item, Unread) else item
+            sender = aggregator.judge.authenticate(reply, 0)
+            if reply.status != WITNESSED or sender is None:
+                raise MalformedReply(f"{reply.status} {reply.reason}".strip())
+            if reply.witness is not None:
+                journal.witness(None, sender, reply.witness)
+            witnessed.append(sender)
+        except Exception as err:  # the run has ended: note it, never fail it now
+            _logger.log(
+                WARNING, "run end: a region's witness was not recorded (%s)", reason_of(err)
+            )
+    journal.run_end_witnessed(witnessed)
+    return witnessed

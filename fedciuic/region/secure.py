@@ -21,10 +21,20 @@ import numpy as np
 from fedciuic.audit import Event, digest
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
-from fedciuic.secagg import Phase, Ring, SecAggError, SecureSumRegion, Session
-from fedciuic.secagg.ddp import DistributedDp, encode, noise_rng
-from fedciuic.secagg.messages import FromRegion, Request, parse
-from fedciuic.secagg.store import SECAGG_DIR
+from fedciuic.secagg import (
+    SECAGG_DIR,
+    DistributedDp,
+    FromRegion,
+    Phase,
+    Request,
+    Ring,
+    SecAggError,
+    SecureSumRegion,
+    Session,
+    noise_rng,
+    noised,
+    parse,
+)
 from fedciuic.wire import SECAGG_REQUEST, UPDATE, Instruction
 
 #: The audit events of each phase, in a region's log.
@@ -37,8 +47,6 @@ PHASE_EVENTS = {
 }
 #: (delta) the distributed-DP epsilon is stated at.
 DISTRIBUTED_DELTA = 1e-5
-
-Note = Callable[..., None]
 
 
 def request_of(task: Instruction) -> Request:
@@ -101,7 +109,7 @@ def encoded_update(kept_payload: bytes, run: RunConfig, session: Session) -> np.
             f"a sum of {len(session.regions)} updates at scale {session.scale:g} can wrap "
             f"around {session.bits} bits; refusing"
         )
-    return encode(flat, ddp, ring, noise_rng())
+    return noised(flat, ddp, ring, noise_rng())
 
 
 def secure_phase(
@@ -113,7 +121,7 @@ def secure_phase(
     min_regions: int,
     run_id: int,
     kept: Callable[[], bytes],
-    note: Note,
+    note: Callable[..., None],
 ) -> bytes:
     """This region's message for the phase ``task`` asks for (its JSON), noted on the
     region's audit log before it leaves; :class:`SecAggError` refuses."""

@@ -4,6 +4,8 @@ regions' updates and nothing else.
 * ``masking``: fixed point in a ring of 2^bits, pair and self masks that cancel in the sum;
 * ``shamir``: Shamir shares of the mask seeds, for regions that drop;
 * ``messages``: the session and each phase's messages, typed and signed;
+* ``ddp``: distributed DP (Skellam noise shares, the accountant), the fixed-point scale;
+* ``store``: a region's secure sums on disk;
 * ``seeds``: what a region's seeds give, sealed between regions with X-Wing;
 * ``region`` / ``aggregator``: the two ends of a secure sum;
 * ``local``: a secure sum in one process (tests, benchmark)."""
@@ -16,6 +18,7 @@ from fedciuic.faces import face
 
 if TYPE_CHECKING:
     from fedciuic.secagg.aggregator import Refusal, SecureSum, SumWithheld
+    from fedciuic.secagg.ddp import DistributedDp, noise_rng, noised, scale_for
     from fedciuic.secagg.local import run_secure_sum
     from fedciuic.secagg.masking import (
         Ring,
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
         to_ring,
         unmask,
     )
-    from fedciuic.secagg.messages import Phase, SecAggError, Session
+    from fedciuic.secagg.messages import FromRegion, Phase, Request, SecAggError, Session, parse
     from fedciuic.secagg.region import SecureSumRegion
     from fedciuic.secagg.shamir import (
         SEED_BYTES,
@@ -36,9 +39,18 @@ if TYPE_CHECKING:
         combine,
         split,
     )
+    from fedciuic.secagg.store import SECAGG_DIR
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "DistributedDp": "ddp",
+    "FromRegion": "messages",
+    "Request": "messages",
+    "SECAGG_DIR": "store",
+    "noise_rng": "ddp",
+    "noised": "ddp",
+    "parse": "messages",
+    "scale_for": "ddp",
     "Phase": "messages",
     "Refusal": "aggregator",
     "SecAggError": "messages",
@@ -62,11 +74,15 @@ _WHERE = {
     "unmask": "masking",
 }
 __all__ = [
+    "SECAGG_DIR",
     "SEED_BYTES",
+    "DistributedDp",
+    "FromRegion",
     "MalformedShare",
     "NotEnoughShares",
     "Phase",
     "Refusal",
+    "Request",
     "Ring",
     "RingTooSmall",
     "SecAggError",
@@ -78,8 +94,12 @@ __all__ = [
     "combine",
     "from_ring",
     "mask",
+    "noise_rng",
+    "noised",
+    "parse",
     "ring_sum",
     "run_secure_sum",
+    "scale_for",
     "split",
     "to_ring",
     "unmask",

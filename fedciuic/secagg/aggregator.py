@@ -10,6 +10,7 @@ for the audit log.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -18,7 +19,8 @@ import numpy as np
 
 from fedciuic.crypto import PublicBundle
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.masking import Ring, ring_sum, unmask
+from fedciuic.secagg.ddp import DistributedDp
+from fedciuic.secagg.masking import Ring, from_ring, unmask
 from fedciuic.secagg.messages import (
     Advert,
     Consent,
@@ -56,6 +58,8 @@ from fedciuic.secagg.shamir import (
     combine,
 )
 
+#: Standard deviations of the noise a sum's norm may carry before it is out of range.
+_SPREAD = 6.0
 _M = TypeVar("_M", bound=FromRegion)
 _T = TypeVar("_T")
 
@@ -88,7 +92,10 @@ class SecureSum:
     refused: list[Refusal] = field(default_factory=list)
     adverts: dict[str, Advert] = field(default_factory=dict)
     shares: dict[str, Shares] = field(default_factory=dict)
-    vectors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The regions whose masked vectors were taken (U3), each added to ``total`` as it
+    #: comes: no masked vector is kept on its own.
+    masked: dict[str, bool] = field(default_factory=dict)
+    total: np.ndarray | None = None
     consents: dict[str, Consent] = field(default_factory=dict)
     reveals: dict[str, Reveal] = field(default_factory=dict)
 
@@ -127,21 +134,22 @@ class SecureSum:
         ring = Ring(self.session.bits)
         dtype = wire_dtype(ring)
 
-        def check(region: str, masked: Masked) -> np.ndarray:
+        def check(region: str, masked: Masked) -> bool:
             if len(masked.vector) != self.session.size * dtype.itemsize:
                 raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.size} values")
             self._check(Phase.MASKED, region, {"vector": masked.vector}, masked.signature)
             values = np.frombuffer(masked.vector, dtype=dtype).astype(np.uint64)
             if np.any(values > ring.mask):
                 raise SecAggError(f"values outside the ring of {ring.bits} bits")
-            return values
+            self.total = ring.reduce(values if self.total is None else self.total + values)
+            return True
 
-        self._take(Phase.MASKED, Masked, replies, self.shares, self.vectors, check)
-        return tuple(sorted(self.vectors))
+        self._take(Phase.MASKED, Masked, replies, self.shares, self.masked, check)
+        return tuple(sorted(self.masked))
 
     def take_consents(self, replies: Iterable[object]) -> tuple[Consent, ...]:
         """The consents on the survivors taken, which every survivor is shown."""
-        survivors = tuple(sorted(self.vectors))
+        survivors = tuple(sorted(self.masked))
 
         def check(region: str, consent: Consent) -> Consent:
             if consent.survivors != survivors:
@@ -149,12 +157,12 @@ class SecureSum:
             self._check(Phase.CONSENT, region, consent_content(survivors), consent.signature)
             return consent
 
-        self._take(Phase.CONSENT, Consent, replies, self.vectors, self.consents, check)
+        self._take(Phase.CONSENT, Consent, replies, self.masked, self.consents, check)
         return tuple(self.consents[r] for r in sorted(self.consents))
 
     def take_reveals(self, replies: Iterable[object]) -> np.ndarray:
         """The survivors' plain sum (ring elements), from a threshold of reveals."""
-        survivors = set(self.vectors)
+        survivors = set(self.masked)
         dropped = set(self.shares) - survivors
 
         def check(region: str, reveal: Reveal) -> Reveal:
@@ -196,8 +204,9 @@ class SecureSum:
                     )
                 pairs[s.index(survivor), s.index(gone)] = seed
         ring = Ring(s.bits)
+        assert self.total is not None  # a threshold (2 or more) of masked vectors came
         return unmask(
-            ring_sum(list(self.vectors.values()), ring),
+            self.total,
             survivors=[s.index(r) for r in survivors],
             self_seeds=self_seeds,
             dropped_pairs=pairs,
@@ -219,6 +228,39 @@ class SecureSum:
             raise SecAggError(
                 f"secure sum: the seed of {region} does not come back: {err}"
             ) from None
+
+    def mean(self, total: np.ndarray) -> np.ndarray:
+        """The survivors' mean update from their unmasked sum, once the sum is in range:
+        each region clipped its update before masking, so a sum past that many clipped
+        updates (and their noise) means some region's vector is not what it declared."""
+        s = self.session
+        summed = from_ring(total, scale=1.0, ring=Ring(s.bits))  # ring units
+        ddp = DistributedDp(s.clip, s.scale, s.noise, s.threshold, s.size)
+        n = len(self.masked)
+        bound = n * ddp.l2 + _SPREAD * math.sqrt(s.size * n * ddp.share_variance)
+        norm = float(np.linalg.norm(summed))
+        if norm > bound:
+            raise SecAggError(
+                f"the sum of {n} updates has norm {norm / s.scale:.4g}, over the "
+                f"{bound / s.scale:.4g} that {n} updates clipped to {s.clip:g} (and their "
+                "noise) can reach: some region's masked vector is not what it declared"
+            )
+        return summed / s.scale / n
+
+    def record(self) -> dict[str, object]:
+        """Who took part in each phase, and what was refused, for the audit log."""
+        return {
+            "joined": sorted(self.adverts),
+            "shared": sorted(self.shares),
+            "survivors": sorted(self.masked),
+            "dropped": sorted(set(self.shares) - set(self.masked)),
+            "consents": sorted(self.consents),
+            "revealed": sorted(self.reveals),
+            "refused": [
+                {"phase": r.phase.value, "region": r.region, "reason": r.reason[:300]}
+                for r in self.refused
+            ],
+        }
 
     # -- checks ----------------------------------------------------------------------
 

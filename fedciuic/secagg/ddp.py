@@ -96,7 +96,7 @@ class DistributedDp:
         honest = self.threshold if honest is None else honest
         if honest < 1:
             return math.inf
-        return epsilon_of(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
+        return rdp_epsilon(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
 
 
 def skellam_rdp(orders: Sequence[int], *, l1: float, l2: float, variance: float) -> list[float]:
@@ -110,7 +110,7 @@ def skellam_rdp(orders: Sequence[int], *, l1: float, l2: float, variance: float)
     ]
 
 
-def epsilon_of(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+def rdp_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
     eps, _ = get_privacy_spent(orders=list(orders), rdp=list(rdp), delta=delta)
     return float(eps)
 
@@ -127,7 +127,7 @@ def skellam(size: int, variance: float, rng: np.random.Generator) -> np.ndarray:
     return rng.poisson(half, size).astype(np.int64) - rng.poisson(half, size).astype(np.int64)
 
 
-def encode(
+def noised(
     values: np.ndarray, ddp: DistributedDp, ring: Ring, rng: np.random.Generator
 ) -> np.ndarray:
     """A region's update as ring elements with its noise share: clipped, scaled,

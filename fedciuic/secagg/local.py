@@ -52,6 +52,8 @@ class Run:
 
     aggregator: SecureSum
     sent: dict[str, int] = field(default_factory=dict)
+    #: Bytes each region sent in each phase.
+    by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     refusals: dict[str, str] = field(default_factory=dict)
@@ -86,7 +88,9 @@ def run_secure_sum(
             except SecAggError as err:
                 run.refusals[region] = str(err)
                 continue
-            run.sent[region] = run.sent.get(region, 0) + wire_size(message)
+            size = wire_size(message)
+            run.sent[region] = run.sent.get(region, 0) + size
+            run.by_phase.setdefault(phase.value, {})[region] = size
             data = relay(phase, region, message.model_dump_json().encode())  # type: ignore[attr-defined]
             if data is not None:
                 replies.append(data)

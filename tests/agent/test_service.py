@@ -436,7 +436,7 @@ def test_a_request_of_an_unknown_kind_is_refused_and_audited(federation, agent, 
     meta = {"flower-run": FLOWER_RUN} if kind is None else {**frame.meta, "kind": kind}
     reason = refused(agent, replace(frame, meta=meta))
     assert reason.startswith(says)
-    assert "acts only on what the aggregator signs (train, evaluate, run-end)" in reason
+    assert "acts only on what the aggregator signs (train, evaluate, run-end, secagg)" in reason
     assert events(config, "request_refused")[-1]["details"]["kind"] == (
         "" if kind is None else str(kind)
     )

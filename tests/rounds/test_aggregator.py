@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ from fedciuic.aggregator.round import (
     EvalResult,
     Published,
     Withheld,
+    run_end_witnessed,
 )
 from fedciuic.aggregator.run import held_policies
 from fedciuic.audit.log import AuditLog, load_records, verify
@@ -840,7 +841,8 @@ def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_p
     eu.info.update({"audit-count": 5, "audit-head": head})
     signed(eu, regions["eu"], server_round=0)
     unsigned = Raw({"region": "cn", "status": "witnessed", "reason": ""}, {})
-    assert a.run_end_witnessed([reply(11, eu), reply(12, unsigned)]) == ["eu"]
+    answers = cast(list[Unread], [reply(11, eu), reply(12, unsigned)])
+    assert run_end_witnessed(a, answers) == ["eu"]
     records = load_records(a.audit.path)
     assert [r["event"] for r in records][-3:] == ["witness", "run_end_witnessed", "checkpoint"]
     assert records[-3]["details"] == {"party": "eu", "count": 5, "head": head}

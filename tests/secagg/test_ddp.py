@@ -12,7 +12,7 @@ from scipy.special import ive, logsumexp
 from scipy.stats import skellam as scipy_skellam
 
 from fedciuic.secagg import Ring, from_ring, ring_sum
-from fedciuic.secagg.ddp import ORDERS, DistributedDp, encode, epsilon_of, skellam_rdp
+from fedciuic.secagg.ddp import ORDERS, DistributedDp, noised, rdp_epsilon, skellam_rdp
 
 DELTA = 1e-5
 
@@ -69,8 +69,8 @@ def test_the_accountant_is_within_5_percent_of_the_exact_epsilon_and_never_below
     orders = [a for a in ORDERS if a <= 128]
     l2 = float(np.linalg.norm(shift))
     l1 = float(np.abs(shift).sum())
-    bound = epsilon_of(orders, skellam_rdp(orders, l1=l1, l2=l2, variance=variance), DELTA)
-    exact = epsilon_of(orders, exact_rdp(shift, variance, orders), DELTA)
+    bound = rdp_epsilon(orders, skellam_rdp(orders, l1=l1, l2=l2, variance=variance), DELTA)
+    exact = rdp_epsilon(orders, exact_rdp(shift, variance, orders), DELTA)
     assert exact <= bound <= 1.05 * exact
 
 
@@ -81,7 +81,7 @@ def test_the_decoded_sum_carries_the_target_noise():
     assert ddp.fits(n, ring)
     rng = np.random.default_rng(0)
     updates = [rng.normal(0, 1 / math.sqrt(dim), dim) * 0.9 for _ in range(n)]
-    encoded = [encode(u, ddp, ring, rng) for u in updates]
+    encoded = [noised(u, ddp, ring, rng) for u in updates]
     total = from_ring(ring_sum(encoded, ring), scale=ddp.scale, ring=ring)
     error = (total - np.sum(updates, axis=0)) * ddp.scale
     expected = n * ddp.share_variance + n / 6  # the shares' noise, and rounding's
@@ -97,7 +97,7 @@ def test_a_rounded_update_stays_within_the_accounted_norm():
     no_noise = DistributedDp(clip=1.0, scale=300.0, noise_multiplier=1e-9, threshold=2, dim=dim)
     ring = Ring(32)
     for _ in range(20):
-        rounded = from_ring(encode(big, no_noise, ring, rng), scale=1.0, ring=ring)
+        rounded = from_ring(noised(big, no_noise, ring, rng), scale=1.0, ring=ring)
         assert np.linalg.norm(rounded) <= ddp.l2
 
 

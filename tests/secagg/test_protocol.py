@@ -14,7 +14,7 @@ import pytest
 from fedciuic.secagg import Ring, ring_sum
 from fedciuic.secagg.aggregator import SecureSum, SumWithheld
 from fedciuic.secagg.local import run_secure_sum
-from fedciuic.secagg.messages import Phase, SecAggError, Session
+from fedciuic.secagg.messages import Masked, Phase, SecAggError, Session
 from fedciuic.secagg.region import SecureSumRegion
 from tests.secagg.conftest import NAMES
 
@@ -56,11 +56,18 @@ def plain(encoded, who) -> np.ndarray:
 @pytest.mark.parametrize("n", range(2, 9))
 def test_the_unmasked_sum_is_the_plain_sum_exactly(keys, n):
     session, regions, encoded, bundles = federation(keys, n, n // 2 + 1)
-    total, run = run_secure_sum(session, regions, encoded, bundles)
+    relayed = {}
+
+    def keep(phase, region, data):
+        relayed[phase, region] = data
+        return data
+
+    total, run = run_secure_sum(session, regions, encoded, bundles, relay=keep)
     np.testing.assert_array_equal(total, plain(encoded, session.regions))
     assert not run.aggregator.refused and not run.refusals
-    for r in session.regions:  # what the aggregator holds of one region is masked
-        assert not np.array_equal(run.aggregator.vectors[r], encoded[r])
+    for r in session.regions:  # what the aggregator receives of one region is masked
+        vector = Masked.model_validate_json(relayed[Phase.MASKED, r]).vector
+        assert not np.array_equal(np.frombuffer(vector, "<u4"), encoded[r])
 
 
 @pytest.mark.parametrize("dropped", [("cn",), ("at", "eu")])
@@ -71,7 +78,7 @@ def test_regions_dropping_after_masking_leave_the_survivors_sum(keys, dropped):
     )
     survivors = [r for r in session.regions if r not in dropped]
     np.testing.assert_array_equal(total, plain(encoded, survivors))
-    assert set(run.aggregator.vectors) == set(survivors)
+    assert set(run.aggregator.masked) == set(survivors)
 
 
 def test_a_survivor_silent_while_unmasking_is_recovered_from_the_others(keys):
