@@ -206,6 +206,8 @@ class Judge:
     #: With secure aggregation, the fewest regions a secure sum is unmasked from (0: none):
     #: a trained reply then carries no update, only what the policies check.
     secure_threshold: int = 0
+    #: Whether the regions add distributed noise in the secure sum.
+    distributed_dp: bool = False
 
     def guarded(self, item: Arrival, step: JudgingStep, *, signed_round: int) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
@@ -310,6 +312,7 @@ class Judge:
                 agent_version=reply.info.get(AGENT_VERSION),
                 secure_sum=self.secure_threshold > 0,
                 secure_threshold=self.secure_threshold,
+                distributed_dp=self.distributed_dp,
                 **metrics.declared(),
             )
         )

@@ -196,6 +196,7 @@ class AggregatorRound:
             self.run_id,
             self.regions_by_node,
             self.run.secure.threshold if self.run.secure.enabled else 0,
+            self.run.secure.enabled and self.run.secure.noise_multiplier > 0,
         )
 
     @property

@@ -240,6 +240,7 @@ def build_report(
         _transfers_section(agg, own, agg_all),
         _undelivered_section(check.undelivered, own_all),
         _privacy_section(own),
+        *_secure_section(agg, own),
         _outside_dp_section(own),
         _code_section(agg, own),
         _refusals_section(
@@ -654,6 +655,66 @@ def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
         else (),
         rows,
     )
+
+
+def _names(value: Any) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) and value else "-"
+
+
+def _secure_section(
+    agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]
+) -> list[Section]:
+    """Each secure sum (none: no section): who joined, whose masked vectors were summed,
+    who dropped and who revealed, as the aggregator recorded it, and which regions'
+    own logs record sending a masked vector for that session."""
+    sums = [r for r in agg if r.get("event") == Event.SECURE_SUM]
+    if not sums:
+        return []
+    masked: dict[str, list[str]] = {}
+    for region, records in sorted(own.items()):
+        for r in records:
+            if r.get("event") == Event.SECURE_MASKED:
+                masked.setdefault(str(_details(r).get("session")), []).append(region)
+    rows = []
+    for r in sums:
+        d = _details(r)
+        session = str(d.get("session", ""))
+        rows.append(
+            (
+                _round(r),
+                _text(d.get("outcome")),
+                _names(d.get("joined")),
+                _names(d.get("survivors")),
+                _names(d.get("dropped")),
+                _names(d.get("revealed")),
+                _names(masked.get(session, [])),
+                str(len(d.get("refused") or [])),
+            )
+        )
+    return [
+        Section(
+            "Secure sums",
+            [
+                "The aggregator learned only each sum: every region masked its update, and "
+                "the masks came off only in the sum of the survivors' (docs/"
+                "secure-aggregation.md). Survivors: whose masked vectors were summed; "
+                "dropped: shared seeds but sent no masked vector; revealed: sent the shares "
+                "that unmasked the sum; masked (regions' logs): the regions whose own logs "
+                "record sending a masked vector for that sum."
+            ],
+            (
+                "round",
+                "outcome",
+                "joined",
+                "survivors",
+                "dropped",
+                "revealed",
+                "masked (regions' logs)",
+                "refused messages",
+            ),
+            rows,
+        )
+    ]
 
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:

@@ -851,9 +851,11 @@ class UpdateFacts:
     secure_mode: bool | None = None
     unit: PrivacyUnit | None = None  # what the declared epsilon is per; None without DP
     agent_version: str | None = None  # the fedciuic version the reply says made it
-    #: Whether the update came inside a secure sum (unmasked from ``secure_threshold``).
+    #: Whether the update came inside a secure sum (unmasked from ``secure_threshold``),
+    #: with distributed noise.
     secure_sum: bool = False
     secure_threshold: int = 0
+    distributed_dp: bool = False
 
 
 def check_update(
@@ -894,7 +896,8 @@ def check_update(
         # NaN compares false against every bound: a non-finite figure is a refusal
         if value is not None and not math.isfinite(value):
             reasons.append(f"declared {name} {value} is not a finite number")
-    if facts.epsilon is None and p.privacy.dp_required:
+    shared_noise = facts.distributed_dp and facts.secure_sum and p.aggregation.distributed_dp
+    if facts.epsilon is None and p.privacy.dp_required and not shared_noise:
         reasons.append("no DP epsilon declared (privacy.dp_required)")
     if facts.epsilon is not None and facts.epsilon > p.privacy.max_lifetime_epsilon:
         reasons.append(

@@ -16,7 +16,7 @@ import pytest
 
 from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.events import Event
-from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
+from fedciuic.audit.log import REGION_LOG, cross_check, load_records, verify
 from fedciuic.config import RunConfig
 from fedciuic.crypto import load_bundle, read_update_payload
 from fedciuic.crypto.parties import generate_federation_keys
@@ -53,10 +53,12 @@ def flat(adapter: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([adapter[k].reshape(-1) for k in sorted(adapter)]).astype(np.float64)
 
 
-def check_secure_round(run_dir: Path, states: dict[str, Path], audit: Path) -> None:
+def check_secure_round(run_dir: Path, states: dict[str, Path]) -> Path:
     """The round's delta is the mean of what the regions kept; the aggregator received
-    metrics only; the secure sum is on every party's record."""
+    metrics only; the secure sum is on every party's record. Returns the aggregator's
+    audit log."""
     data = only_run(run_dir.parent)
+    audit = Path(data["run"]["audit_log"])
     assert data["run"]["status"] == "completed"
     run = RunConfig.from_user_config({**app_config(), **SECURE}, source="run config")
     run_id = data["run"]["run_id"]
@@ -79,6 +81,7 @@ def check_secure_round(run_dir: Path, states: dict[str, Path], audit: Path) -> N
         assert entry["upload_bytes"] < METRICS_ONLY
         events = [r["event"] for r in load_records(state / REGION_LOG)]
         assert all(events.count(e) == 1 for e in PHASES), (region, events)
+    return audit
 
 
 def test_a_secure_simulation_publishes_the_mean_of_the_regions_updates(tmp_path):
@@ -96,7 +99,7 @@ def test_a_secure_simulation_publishes_the_mean_of_the_regions_updates(tmp_path)
     assert not processes_under(tmp_path)
     (run_dir,) = (tmp_path / "runs").glob("run-*")
     states = {r: data_root / r / ".fedciuic" for r in REGIONS}
-    check_secure_round(run_dir, states, tmp_path / "runs" / "audit" / AGGREGATOR_LOG)
+    check_secure_round(run_dir, states)
 
 
 def test_a_secure_deployment_publishes_the_mean_and_every_log_agrees(tmp_path, demo_root):
@@ -119,8 +122,7 @@ def test_a_secure_deployment_publishes_the_mean_and_every_log_agrees(tmp_path, d
     assert not alive(pids) and not processes_under(tmp_path)
     (run_dir,) = out.glob("run-*")
     states = {r: state / r for r in REGIONS}
-    aggregator = out / "audit" / AGGREGATOR_LOG
-    check_secure_round(run_dir, states, aggregator)
+    aggregator = check_secure_round(run_dir, states)
     for party, path in [
         ("aggregator", aggregator),
         *((r, s / REGION_LOG) for r, s in states.items()),

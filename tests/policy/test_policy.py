@@ -449,6 +449,19 @@ def test_distributed_dp_stands_in_for_dp_sgd_only_where_the_policy_allows_it(eu)
     )
 
 
+def test_the_aggregator_takes_distributed_dp_for_dp_sgd_only_where_the_policy_allows_it(eu):
+    shared = replace(FACTS, policy_hash=eu.hash, epsilon=None, delta=None, max_grad_norm=None)
+    shared = replace(shared, unit=None, secure_mode=None, secure_sum=True, secure_threshold=3)
+    assert (
+        "privacy.dp_required"
+        in check_update(eu, replace(shared, distributed_dp=True), GOOD).reasons[0]
+    )
+    lenient = with_aggregation(eu, distributed_dp=True)
+    shared = replace(shared, policy_hash=lenient.hash)
+    assert check_update(lenient, replace(shared, distributed_dp=True), GOOD).accepted
+    assert "privacy.dp_required" in check_update(lenient, shared, GOOD).reasons[0]
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

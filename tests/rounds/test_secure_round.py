@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from fedciuic.aggregator import aggregator_log, end_run, loop_for, open_run
-from fedciuic.audit import Event, load_records
+from fedciuic.audit import REGION_LOG, Event, load_records, verify
+from fedciuic.audit.report import build_report, open_logs
 from fedciuic.config import RunConfig
-from fedciuic.crypto import TaskKind, read_update_payload
+from fedciuic.crypto import TaskKind, load_bundle, read_update_payload
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.model import AdapterLayout
 from fedciuic.record import RunRecorder
@@ -190,6 +191,18 @@ def test_a_region_dropping_before_masking_leaves_the_others_sum(lab_run):
     delta = flat(final) - flat(initial)
     mean = np.mean([kept_update(run, r, delta.size) for r in ("eu", "cn")], axis=0)
     np.testing.assert_allclose(delta, mean, atol=2 / summed["scale"])
+    # the compliance report shows the sum, and which regions' own logs sent a masked vector
+    paths = [log, *(Path(run.data_root) / r / ".fedciuic" / REGION_LOG for r in REGIONS)]
+    keys = Path(run.sealing.keys_dir)
+    verdicts = {
+        path: verify(path, load_bundle(keys / f"{party}.pub.json"))
+        for path, party in zip(paths, ("aggregator", *REGIONS), strict=True)
+    }
+    report = build_report(open_logs(paths, verdicts), RUN)
+    [section] = [s for s in report.sections if s.title == "Secure sums"]
+    assert section.rows == [
+        ("1", "unmasked", "cn, eu, us", "cn, eu", "us", "cn, eu", "cn, eu", "2")
+    ]
 
 
 def test_fewer_survivors_than_the_threshold_withhold_the_round_on_the_record(lab_run):
@@ -201,3 +214,22 @@ def test_fewer_survivors_than_the_threshold_withhold_the_round_on_the_record(lab
     np.testing.assert_array_equal(flat(final), flat(initial))
     withheld = [r for r in load_records(log) if r["event"] == Event.AGGREGATE_WITHHELD]
     assert withheld and "secure sum" in withheld[0]["details"]["reasons"][0]
+
+
+def test_distributed_noise_is_in_the_sum_and_each_region_records_its_epsilon(lab_run):
+    z, clip, threshold = 0.01, 10.0, 2
+    run = lab_run(**{"distributed-noise-multiplier": z, "secure-threshold": threshold})
+    initial, final, log = run_rounds(run, Lab(run))
+    [summed] = secure_sums(log)
+    delta = flat(final) - flat(initial)
+    mean = np.mean([kept_update(run, r, delta.size) for r in REGIONS], axis=0)
+    # three regions' shares of variance (z clip)^2 / t each, in the mean of three
+    expected = z * clip * np.sqrt(len(REGIONS) / threshold) / len(REGIONS)
+    assert abs(np.std(delta - mean) / expected - 1) < 0.1
+    assert abs(np.mean(delta - mean)) < 4 * expected / np.sqrt(delta.size)
+    assert summed["outcome"] == "unmasked"
+    for region in REGIONS:
+        records = load_records(Path(run.data_root) / region / ".fedciuic" / REGION_LOG)
+        [joined] = [r["details"] for r in records if r["event"] == Event.SECURE_JOINED]
+        assert joined["noise_multiplier"] == z
+        assert 0 < joined["epsilon_distributed"] < joined["epsilon_distributed_collusion"]
