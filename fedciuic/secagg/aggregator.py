@@ -39,7 +39,6 @@ from fedciuic.secagg.region import (
     consent_content,
     reveal_content,
     sealed_content,
-    wire_dtype,
 )
 from fedciuic.secagg.seeds import (
     PAIR,
@@ -132,13 +131,12 @@ class SecureSum:
     def take_masked(self, replies: Iterable[object]) -> tuple[str, ...]:
         """The survivors (U3): the regions whose masked vectors were taken."""
         ring = Ring(self.session.bits)
-        dtype = wire_dtype(ring)
 
         def check(region: str, masked: Masked) -> bool:
-            if len(masked.vector) != self.session.size * dtype.itemsize:
+            if len(masked.vector) != self.session.size * ring.width:
                 raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.size} values")
             self._check(Phase.MASKED, region, {"vector": masked.vector}, masked.signature)
-            values = np.frombuffer(masked.vector, dtype=dtype).astype(np.uint64)
+            values = ring.unpack(masked.vector)
             if np.any(values > ring.mask):
                 raise SecAggError(f"values outside the ring of {ring.bits} bits")
             self.total = ring.reduce(values if self.total is None else self.total + values)

@@ -46,11 +46,28 @@ class Ring:
     def reduce(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(values, np.uint64) & self.mask
 
+    @property
+    def width(self) -> int:
+        """Bytes per element on the wire: ``bits`` rounded up to whole bytes."""
+        return (self.bits + 7) // 8
+
+    def pack(self, values: np.ndarray) -> bytes:
+        """Elements as :attr:`width` little-endian bytes each."""
+        raw = np.ascontiguousarray(np.asarray(values, "<u8")).view(np.uint8).reshape(-1, 8)
+        return np.ascontiguousarray(raw[:, : self.width]).tobytes()
+
+    def unpack(self, data: bytes) -> np.ndarray:
+        """:meth:`pack`'s inverse (``len(data)`` a multiple of :attr:`width`)."""
+        raw = np.frombuffer(data, np.uint8).reshape(-1, self.width)
+        wide = np.zeros((raw.shape[0], 8), np.uint8)
+        wide[:, : self.width] = raw
+        return wide.view("<u8").reshape(-1)
+
 
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
     """``size`` ring elements drawn from ``seed`` (SHAKE-256; ``kind``: self or pair)."""
-    raw = hashlib.shake_256(kind + seed).digest(8 * size)
-    return ring.reduce(np.frombuffer(raw, dtype="<u8"))
+    raw = hashlib.shake_256(kind + seed).digest(ring.width * size)
+    return ring.reduce(ring.unpack(raw))
 
 
 def mask(

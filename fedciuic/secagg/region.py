@@ -53,16 +53,6 @@ from fedciuic.secagg.shamir import SEED_BYTES, split
 from fedciuic.secagg.store import SessionStore, StoredSum
 
 
-def vector_bytes(values: np.ndarray, ring: Ring) -> bytes:
-    """Ring elements on the wire: the narrowest unsigned width that holds ``bits``."""
-    return np.asarray(values, np.uint64).astype(wire_dtype(ring)).tobytes()
-
-
-def wire_dtype(ring: Ring) -> np.dtype:
-    width = next(w for w in (8, 16, 32, 64) if ring.bits <= w)
-    return np.dtype(f"<u{width // 8}")
-
-
 def consent_content(survivors: Sequence[str]) -> dict[str, object]:
     return {"survivors": list(survivors)}
 
@@ -224,7 +214,7 @@ class SecureSumRegion:
             pair_seeds=pairs,
             ring=Ring(session.bits),
         )
-        data = vector_bytes(vector, Ring(session.bits))
+        data = Ring(session.bits).pack(vector)
         self._commit(
             state.model_copy(update={"done": Phase.MASKED, "held": held, "shared": shared})
         )

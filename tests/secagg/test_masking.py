@@ -148,3 +148,12 @@ def test_a_clipped_update_keeps_its_direction_and_the_rounding_is_unbiased():
     ]
     mean = np.mean(draws, axis=0)
     np.testing.assert_allclose(mean, 0.25, atol=5 * 0.05 / np.sqrt(2_000))
+
+
+@pytest.mark.parametrize("bits", [8, 12, 16, 20, 24, 31, 32, 40, 62])
+def test_ring_elements_travel_in_whole_bytes_and_come_back_exactly(bits):
+    ring = Ring(bits)
+    values = ring.reduce(np.random.default_rng(bits).integers(0, 2**63, 1000, dtype=np.uint64))
+    data = ring.pack(values)
+    assert len(data) == 1000 * ((bits + 7) // 8)
+    np.testing.assert_array_equal(ring.unpack(data), values)

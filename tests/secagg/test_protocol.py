@@ -67,7 +67,7 @@ def test_the_unmasked_sum_is_the_plain_sum_exactly(keys, n):
     assert not run.aggregator.refused and not run.refusals
     for r in session.regions:  # what the aggregator receives of one region is masked
         vector = Masked.model_validate_json(relayed[Phase.MASKED, r]).vector
-        assert not np.array_equal(np.frombuffer(vector, "<u4"), encoded[r])
+        assert not np.array_equal(RING.unpack(vector), encoded[r])
 
 
 @pytest.mark.parametrize("dropped", [("cn",), ("at", "eu")])
