@@ -153,10 +153,16 @@ def secure_phase(
                 "noise_multiplier": session.noise,
             }
             if session.noise > 0:
-                # against the aggregator alone, and with all but one region colluding
-                details["epsilon_distributed"] = ddp.epsilon(1, DISTRIBUTED_DELTA)
-                details["epsilon_distributed_collusion"] = ddp.epsilon(1, DISTRIBUTED_DELTA, 1)
-                details["delta_distributed"] = DISTRIBUTED_DELTA
+                # this round's, and the run's so far (every sum it joined composed),
+                # against the aggregator alone and with all but one region colluding
+                joined = region.rounds_joined(session.run_id)
+                details |= {
+                    "epsilon_distributed": ddp.epsilon(1, DISTRIBUTED_DELTA),
+                    "epsilon_distributed_collusion": ddp.epsilon(1, DISTRIBUTED_DELTA, 1),
+                    "epsilon_distributed_run": ddp.epsilon(joined, DISTRIBUTED_DELTA),
+                    "epsilon_distributed_run_collusion": ddp.epsilon(joined, DISTRIBUTED_DELTA, 1),
+                    "delta_distributed": DISTRIBUTED_DELTA,
+                }
         case Phase.SHARES:
             message = region.share(session, request.adverts)
             details["regions"] = sorted(a.region for a in request.adverts)

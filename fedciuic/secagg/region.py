@@ -327,6 +327,14 @@ class SecureSumRegion:
                 session, Phase.ADVERT, f"the update has {encoded.size} values, not {session.size}"
             )
 
+    def rounds_joined(self, run_id: int) -> int:
+        """How many rounds of run ``run_id`` this region joined a secure sum in."""
+        if self.store is not None:
+            return self.store.rounds_joined(run_id)
+        return len(
+            {s.session.server_round for s in self._sums.values() if s.session.run_id == run_id}
+        )
+
     def joined_round(self, session: Session) -> bool:
         """Whether this region joined a session of ``session``'s run and round."""
         if self.store is not None:

@@ -57,6 +57,10 @@ class SessionStore:
         """Whether this region joined any session of this run's round."""
         return any(self.folder.glob(f"{run_id}-{server_round}-*.json"))
 
+    def rounds_joined(self, run_id: int) -> int:
+        """How many rounds of this run this region joined a secure sum in."""
+        return len({p.name.split("-")[1] for p in self.folder.glob(f"{run_id}-*-*.json")})
+
     def save(self, state: StoredSum) -> None:
         """Replace the session's file, flushed to disk before this returns."""
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)

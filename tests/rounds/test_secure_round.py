@@ -233,3 +233,4 @@ def test_distributed_noise_is_in_the_sum_and_each_region_records_its_epsilon(lab
         [joined] = [r["details"] for r in records if r["event"] == Event.SECURE_JOINED]
         assert joined["noise_multiplier"] == z
         assert 0 < joined["epsilon_distributed"] < joined["epsilon_distributed_collusion"]
+        assert joined["epsilon_distributed_run"] == joined["epsilon_distributed"]  # one round

@@ -80,3 +80,16 @@ def test_a_damaged_state_file_is_refused_naming_it(keys, tmp_path):
     fresh = restarted(regions, session, tmp_path)["at"]
     with pytest.raises(SecAggError, match=rf"{file}: damaged .*takes no further part"):
         fresh.share(session, adverts)
+
+
+def test_a_region_counts_the_rounds_of_a_run_it_joined_a_sum_in(keys, tmp_path):
+    """What its distributed-DP epsilon for the run composes over."""
+    for i, server_round in enumerate((1, 2, 2, 3)):  # round 2 twice: two sessions, one round
+        session, regions, encoded, _ = federation(keys, 3, 2, server_round=server_round)
+        if i == 2:
+            session = session.model_copy(update={"threshold": 3})
+        region = SecureSumRegion(keys["at"], regions["at"].peers, store=tmp_path / "at")
+        region.advertise(session, encoded["at"])
+    assert len(list((tmp_path / "at").iterdir())) == 4
+    assert region.joined_round(session) and region.rounds_joined(7) == 3
+    assert region.rounds_joined(8) == 0
