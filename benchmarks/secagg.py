@@ -37,7 +37,7 @@ import numpy as np
 
 from fedciuic.compression import get_codec
 from fedciuic.config import AdapterMode, ModelSpec
-from fedciuic.crypto import Keypair, update_payload
+from fedciuic.crypto import Keypair, read_update_payload, update_payload
 from fedciuic.crypto.envelope import open_envelope, seal
 from fedciuic.model import AdapterLayout
 from fedciuic.secagg import (
@@ -76,7 +76,8 @@ def updates(n: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
 
 def plain_round(size: int, n: int, rng: np.random.Generator) -> dict[str, float]:
     """A plain round's upload per region: the update coded int8, sealed; and the time to
-    code and seal it (a region) and open and decode it (the aggregator, per update)."""
+    code and seal it (a region) and to open, decode and add it (the aggregator, for
+    ``n`` updates)."""
     sender, aggregator = Keypair.generate("r00", "EU"), Keypair.generate("aggregator", "EU")
     codec = get_codec("int8")
     x = updates(1, size, rng)[0].astype(np.float32)
@@ -100,7 +101,9 @@ def plain_round(size: int, n: int, rng: np.random.Generator) -> dict[str, float]
         senders={sender.bundle.key_id: sender.bundle},
         max_size=1 << 34,
     )
-    assert opened.payload
+    arrays, _, _ = read_update_payload(opened.payload)
+    total = np.zeros(size, np.float32)
+    codec.decode(arrays["update"].tobytes(), size).add_into(total, 1.0)
     aggregator_s = time.perf_counter() - start
     return {"bytes": len(sealed), "region_s": region_s, "aggregator_s": aggregator_s * n}
 

@@ -359,6 +359,9 @@ class Loop:
 class SyncLoop(Loop):
     """Rounds: every region trains from the same global adapter, then evaluates it."""
 
+    #: Why an update that answers an earlier round is refused ("": it joins this one).
+    late_refusal = ""
+
     def one(self, server_round: int) -> None:
         """Every connected region with nothing in flight trains from the current global
         adapter; the round waits for all but the unavailable ones (up to round-timeout),
@@ -374,14 +377,19 @@ class SyncLoop(Loop):
         )
         into = a.collecting()
         late, self._carried = self._carried + late, []
-        self._late(server_round, late, into)
+        self._late(server_round, late, into, refuse=self.late_refusal)
         for arrival in arrivals:
             a.judge_train(server_round, arrival, task, into)
-        a.publish(server_round, into)
+        heard |= self.aggregate(server_round, into)
         idle = [n for n in nodes if not courier.busy(n)]
         heard |= self._evaluate(server_round, idle)
         a.heard(server_round, heard)
         a.end(server_round)
+
+    def aggregate(self, server_round: int, into: Collecting) -> set[int]:
+        """Publish the round's aggregate (or withhold it); the nodes heard from doing so."""
+        self.aggregator.publish(server_round, into)
+        return set()
 
 
 class BufferedLoop(Loop):
@@ -498,28 +506,9 @@ class SecureLoop(SyncLoop):
     the survivors' mean (unweighted: weights would need each update) is published, or
     the round withheld; the whole sum is one ``secure_sum`` record."""
 
-    def one(self, server_round: int) -> None:
-        a, courier = self.aggregator, self.courier
-        nodes = self.wait_for_regions()
-        courier.forget_gone(nodes)
-        idle = [n for n in nodes if not courier.busy(n)]
-        task = Task(server_round, a.version)
-        asked = self._send(TaskKind.TRAIN, server_round, idle, task)
-        arrivals, late, heard = self._collect(
-            asked, TaskKind.TRAIN, server_round, self.train_wait()
-        )
-        into = a.collecting()
-        late, self._carried = self._carried + late, []
-        self._late(server_round, late, into, refuse=LATE)
-        for arrival in arrivals:
-            a.judge_train(server_round, arrival, task, into)
-        heard |= self.secure_sum(server_round, into)
-        idle = [n for n in nodes if not courier.busy(n)]
-        heard |= self._evaluate(server_round, idle)
-        a.heard(server_round, heard)
-        a.end(server_round)
+    late_refusal = LATE
 
-    def secure_sum(self, server_round: int, into: Collecting) -> set[int]:
+    def aggregate(self, server_round: int, into: Collecting) -> set[int]:
         """The secure sum of the accepted regions' updates, published or withheld; the
         nodes heard from."""
         a = self.aggregator

@@ -49,6 +49,14 @@ def federation(
     return session, regions, encoded, bundles
 
 
+def through_masking(session, regions, encoded, bundles) -> tuple[str, ...]:
+    """Adverts, shares and masked vectors, every region taking part: the survivors."""
+    agg = SecureSum(session, bundles)
+    adverts = agg.take_adverts([regions[r].advertise(session, encoded[r]) for r in session.regions])
+    shared = agg.take_shares([regions[r].share(session, adverts) for r in session.regions])
+    return agg.take_masked([regions[r].masked(session, shared, agg.items_for(r)) for r in shared])
+
+
 def plain(encoded, who) -> np.ndarray:
     return ring_sum([encoded[r] for r in who], RING)
 
@@ -189,12 +197,7 @@ def test_an_aggregator_asking_for_the_shares_of_a_region_that_sent_is_refused(ke
 
 def test_an_aggregator_showing_regions_different_survivors_gets_no_shares(keys):
     session, regions, encoded, bundles = federation(keys, 5, 3)
-    agg = SecureSum(session, bundles)
-    adverts = agg.take_adverts([regions[r].advertise(session, encoded[r]) for r in session.regions])
-    shared = agg.take_shares([regions[r].share(session, adverts) for r in session.regions])
-    survivors = agg.take_masked(
-        [regions[r].masked(session, shared, agg.items_for(r)) for r in shared]
-    )
+    survivors = through_masking(session, regions, encoded, bundles)
     # "at", "br" are shown the full set; "cn", "de", "eu" a set without "at"
     without_at = tuple(r for r in survivors if r != "at")
     split = [regions[r].consent(session, survivors) for r in ("at", "br")]
@@ -215,12 +218,7 @@ def test_an_aggregator_showing_regions_different_survivors_gets_no_shares(keys):
 
 def test_forged_consents_are_refused(keys):
     session, regions, encoded, bundles = federation(keys, 3, 2)
-    agg = SecureSum(session, bundles)
-    adverts = agg.take_adverts([regions[r].advertise(session, encoded[r]) for r in session.regions])
-    shared = agg.take_shares([regions[r].share(session, adverts) for r in session.regions])
-    survivors = agg.take_masked(
-        [regions[r].masked(session, shared, agg.items_for(r)) for r in shared]
-    )
+    survivors = through_masking(session, regions, encoded, bundles)
     mine = regions["at"].consent(session, survivors)
     forged = mine.model_copy(update={"region": "br"})
     with pytest.raises(SecAggError, match="the consent of 'br' is not signed by 'br'"):
