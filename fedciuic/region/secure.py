@@ -23,7 +23,6 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
 from fedciuic.secagg import (
     SECAGG_DIR,
-    DistributedDp,
     FromRegion,
     Phase,
     Request,
@@ -34,6 +33,7 @@ from fedciuic.secagg import (
     noise_rng,
     noised,
     parse,
+    rotate,
 )
 from fedciuic.wire import SECAGG_REQUEST, UPDATE, Instruction
 
@@ -90,26 +90,24 @@ def check_session(session: Session, run: RunConfig, *, run_id: int, server_round
         )
 
 
-def distributed(session: Session) -> DistributedDp:
-    return DistributedDp(
-        session.clip, session.scale, session.noise, session.threshold, session.size
-    )
-
-
 def encoded_update(kept_payload: bytes, run: RunConfig, session: Session) -> np.ndarray:
     """The update this region kept for the round, as the ring elements it masks: decoded
-    (the run's codec), clipped to the session's clip, rounded at its scale, noised."""
+    (the run's codec), clipped to the session's clip, rotated (the session's random
+    rotation), rounded at its scale, noised."""
     arrays, _, _ = read_update_payload(kept_payload)
     update = run.compression.codec.decode(arrays[UPDATE].tobytes(), session.size)
-    flat = update.dense(session.size)
-    ddp = distributed(session)
+    ddp = session.distributed()
     ring = Ring(session.bits)
     if not ddp.fits(len(session.regions), ring):
         raise SecAggError(
             f"a sum of {len(session.regions)} updates at scale {session.scale:g} can wrap "
             f"around {session.bits} bits; refusing"
         )
-    return noised(flat, ddp, ring, noise_rng())
+    flat = update.dense(session.size).astype(np.float64)
+    norm = float(np.linalg.norm(flat))
+    if norm > session.clip:  # clipped before the rotation (which keeps the norm)
+        flat *= session.clip / norm
+    return noised(rotate(flat, session.sid()), ddp, ring, noise_rng())
 
 
 def secure_phase(
@@ -145,7 +143,7 @@ def secure_phase(
                     "it joins one per round (two sums would give its update away)"
                 )
             message = region.advertise(session, encoded_update(kept(), run, session))
-            ddp = distributed(session)
+            ddp = session.distributed()
             details |= {
                 "regions": list(session.regions),
                 "threshold": session.threshold,

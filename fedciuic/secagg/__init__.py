@@ -4,6 +4,7 @@ regions' updates and nothing else.
 * ``masking``: fixed point in a ring of 2^bits, pair and self masks that cancel in the sum;
 * ``shamir``: Shamir shares of the mask seeds, for regions that drop;
 * ``messages``: the session and each phase's messages, typed and signed;
+* ``rotation``: the random rotation that lets few bits carry the sum;
 * ``ddp``: distributed DP (Skellam noise shares, the accountant), the fixed-point scale;
 * ``store``: a region's secure sums on disk;
 * ``seeds``: what a region's seeds give, sealed between regions with X-Wing;
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     )
     from fedciuic.secagg.messages import FromRegion, Phase, Request, SecAggError, Session, parse
     from fedciuic.secagg.region import SecureSumRegion
+    from fedciuic.secagg.rotation import padded, rotate, unrotate
     from fedciuic.secagg.shamir import (
         SEED_BYTES,
         MalformedShare,
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "padded": "rotation",
+    "rotate": "rotation",
+    "unrotate": "rotation",
     "DistributedDp": "ddp",
     "FromRegion": "messages",
     "Request": "messages",
@@ -96,12 +101,15 @@ __all__ = [
     "mask",
     "noise_rng",
     "noised",
+    "padded",
     "parse",
     "ring_sum",
+    "rotate",
     "run_secure_sum",
     "scale_for",
     "split",
     "to_ring",
     "unmask",
+    "unrotate",
 ]
 __getattr__ = face(__name__, _WHERE)

@@ -19,7 +19,6 @@ import numpy as np
 
 from fedciuic.crypto import PublicBundle
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.ddp import DistributedDp
 from fedciuic.secagg.masking import Ring, from_ring, unmask
 from fedciuic.secagg.messages import (
     Advert,
@@ -40,6 +39,7 @@ from fedciuic.secagg.region import (
     reveal_content,
     sealed_content,
 )
+from fedciuic.secagg.rotation import unrotate
 from fedciuic.secagg.seeds import (
     PAIR,
     SEALED_PAIR,
@@ -133,8 +133,8 @@ class SecureSum:
         ring = Ring(self.session.bits)
 
         def check(region: str, masked: Masked) -> bool:
-            if len(masked.vector) != self.session.size * ring.width:
-                raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.size} values")
+            if len(masked.vector) != self.session.length * ring.width:
+                raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.length} values")
             self._check(Phase.MASKED, region, {"vector": masked.vector}, masked.signature)
             values = ring.unpack(masked.vector)
             if np.any(values > ring.mask):
@@ -228,14 +228,15 @@ class SecureSum:
             ) from None
 
     def mean(self, total: np.ndarray) -> np.ndarray:
-        """The survivors' mean update from their unmasked sum, once the sum is in range:
-        each region clipped its update before masking, so a sum past that many clipped
-        updates (and their noise) means some region's vector is not what it declared."""
+        """The survivors' mean update from their unmasked sum, once the sum is in range,
+        turned back from the session's rotation. Each region clipped its update before
+        masking, so a sum past that many clipped updates (and their noise) means some
+        region's vector is not what it declared, or a value wrapped around the ring."""
         s = self.session
         summed = from_ring(total, scale=1.0, ring=Ring(s.bits))  # ring units
-        ddp = DistributedDp(s.clip, s.scale, s.noise, s.threshold, s.size)
+        ddp = s.distributed()
         n = len(self.masked)
-        bound = n * ddp.l2 + _SPREAD * math.sqrt(s.size * n * ddp.share_variance)
+        bound = n * ddp.l2 + _SPREAD * math.sqrt(s.length * n * ddp.share_variance)
         norm = float(np.linalg.norm(summed))
         if norm > bound:
             raise SecAggError(
@@ -243,7 +244,7 @@ class SecureSum:
                 f"{bound / s.scale:.4g} that {n} updates clipped to {s.clip:g} (and their "
                 "noise) can reach: some region's masked vector is not what it declared"
             )
-        return summed / s.scale / n
+        return unrotate(summed / s.scale / n, s.sid(), s.size)
 
     def record(self) -> dict[str, object]:
         """Who took part in each phase, and what was refused, for the audit log."""

@@ -30,12 +30,13 @@ from fedciuic.secagg.masking import Ring, RingTooSmall
 
 #: Integer Rényi orders (the Skellam bound holds for integer orders).
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
+#: The largest Poisson mean NumPy draws exactly enough: its sampler holds the variance
+#: within 0.1% up to 1e10 and drifts past about 1e13 (30% high at 7e14).
+POISSON_LIMIT = 1e11
 #: Conditional rounding retries until the rounded norm is within the bound that holds
 #: with probability 1 - beta per try (DDGauss' choice of beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
-#: Noise beyond this many standard deviations is treated as impossible when sizing the ring.
-_TAIL = 12.0
 
 
 class RoundingFailed(FedciuicError):
@@ -80,9 +81,15 @@ class DistributedDp:
         return min(self.l2**2, math.sqrt(self.dim) * self.l2)
 
     def fits(self, regions: int, ring: Ring) -> bool:
-        """Whether a sum of ``regions`` noised updates stays inside the signed ring."""
-        noise = _TAIL * math.sqrt(regions * self.share_variance)
-        return bool(regions * self.l2 + noise < 2 ** (ring.bits - 1))
+        """Whether a sum of ``regions`` rotated, rounded, noised updates stays inside the
+        signed ring. Each value of a randomly rotated update of norm ``clip`` is about
+        ``clip / sqrt(dim)``, beyond :func:`spread` times that with a chance under one in
+        a billion per update; rounding adds at most 1; the noise's own spread on top. (A
+        value that wraps anyway puts the sum out of range, and it is not published.)"""
+        k = spread(self.dim)
+        value = self.clip * self.scale / math.sqrt(self.dim)
+        noise = k * math.sqrt(regions * self.share_variance)
+        return bool(regions * (k * value + 1) + noise < 2 ** (ring.bits - 1))
 
     def rdp(self, honest: int) -> list[float]:
         """Rényi DP of one sum, at :data:`ORDERS`, when ``honest`` regions' shares are
@@ -97,6 +104,12 @@ class DistributedDp:
         if honest < 1:
             return math.inf
         return rdp_epsilon(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
+
+
+def spread(dim: int) -> float:
+    """How many standard deviations no value of a ``dim``-value rotated update exceeds,
+    but with a chance under 1e-9 (Hoeffding: 2 exp(-k^2 / 2) per value)."""
+    return math.sqrt(2 * math.log(2 * dim * 1e9))
 
 
 def skellam_rdp(orders: Sequence[int], *, l1: float, l2: float, variance: float) -> list[float]:
@@ -124,6 +137,11 @@ def noise_rng() -> np.random.Generator:
 def skellam(size: int, variance: float, rng: np.random.Generator) -> np.ndarray:
     """Symmetric Skellam draws of ``variance``: Poisson(variance/2) - Poisson(variance/2)."""
     half = variance / 2
+    if half > POISSON_LIMIT:
+        raise ValueError(
+            f"Skellam noise of variance {variance:.3g}: past {2 * POISSON_LIMIT:.0e}, NumPy's "
+            "Poisson draws are not exact; use a smaller fixed-point scale"
+        )
     return rng.poisson(half, size).astype(np.int64) - rng.poisson(half, size).astype(np.int64)
 
 
@@ -154,11 +172,13 @@ def scale_for(
     *, regions: int, threshold: int, clip: float, noise: float, dim: int, ring: Ring
 ) -> float:
     """The finest fixed-point scale (a power of two) at which a sum of ``regions``
-    clipped, rounded and noised updates fits the signed ring; :class:`RingTooSmall`
+    clipped, rounded and noised updates fits the signed ring, and the noise shares are
+    exact Skellam draws (:data:`POISSON_LIMIT`); :class:`RingTooSmall`
     when none does (more bits are needed)."""
     for exponent in range(ring.bits, -31, -1):
         scale = 2.0**exponent
-        if DistributedDp(clip, scale, noise, threshold, dim).fits(regions, ring):
+        ddp = DistributedDp(clip, scale, noise, threshold, dim)
+        if ddp.fits(regions, ring) and ddp.share_variance / 2 <= POISSON_LIMIT:
             return scale
     raise RingTooSmall(
         f"a sum of {regions} updates of {dim} values clipped to {clip:g} does not fit "

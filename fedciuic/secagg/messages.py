@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
+from fedciuic.secagg.ddp import DistributedDp
+from fedciuic.secagg.rotation import padded
 
 #: Domain separation of every signed secure-sum message, versioned with this layout.
 DOMAIN = "fedciuic-secagg/1"
@@ -81,6 +83,16 @@ class Session(Message):
                 f"{len(self.regions)} regions (and at most all of them)"
             )
         return self
+
+    @property
+    def length(self) -> int:
+        """The masked vector's length: the update's ``size`` rotated, a power of two
+        (:mod:`fedciuic.secagg.rotation`)."""
+        return padded(self.size)
+
+    def distributed(self) -> DistributedDp:
+        """The fixed point and noise every region of the session applies."""
+        return DistributedDp(self.clip, self.scale, self.noise, self.threshold, self.length)
 
     def index(self, region: str) -> int:
         """The region's position, from 1 (Shamir's holder; who adds and who subtracts)."""

@@ -322,9 +322,11 @@ class SecureSumRegion:
                 f"threshold {session.threshold} is below this region's minimum of "
                 f"{self.min_regions} regions in a secure sum",
             )
-        if encoded.shape != (session.size,):
+        if encoded.shape != (session.length,):
             raise self._refuse(
-                session, Phase.ADVERT, f"the update has {encoded.size} values, not {session.size}"
+                session,
+                Phase.ADVERT,
+                f"the update has {encoded.size} values, not {session.length}",
             )
 
     def rounds_joined(self, run_id: int) -> int:

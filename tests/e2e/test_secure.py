@@ -34,6 +34,7 @@ from tests.e2e.helpers import (
 )
 from tests.e2e.pace import patient
 from tests.e2e.test_simulation import _command
+from tests.rounds.test_secure_round import assert_published, flat
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")
@@ -49,10 +50,6 @@ PHASES = (
 )
 
 
-def flat(adapter: dict[str, np.ndarray]) -> np.ndarray:
-    return np.concatenate([adapter[k].reshape(-1) for k in sorted(adapter)]).astype(np.float64)
-
-
 def check_secure_round(run_dir: Path, states: dict[str, Path]) -> Path:
     """The round's delta is the mean of what the regions kept; the aggregator received
     metrics only; the secure sum is on every party's record. Returns the aggregator's
@@ -65,7 +62,8 @@ def check_secure_round(run_dir: Path, states: dict[str, Path]) -> Path:
     (summed,) = [r["details"] for r in load_records(audit) if r["event"] == Event.SECURE_SUM]
     assert summed["outcome"] == "unmasked" and summed["survivors"] == sorted(REGIONS)
     initial = AdapterLayout.of(run.model).initial
-    delta = flat(load_checkpoint(run_dir).adapter) - flat(initial)
+    final = load_checkpoint(run_dir).adapter
+    delta = flat(final) - flat(initial)
     kept = []
     for region, state in states.items():
         found = SentUpdates(state).load(run_id, 1)
@@ -73,7 +71,7 @@ def check_secure_round(run_dir: Path, states: dict[str, Path]) -> Path:
         arrays, _, _ = read_update_payload(found.payload)
         kept.append(run.compression.codec.decode(arrays["update"].tobytes(), delta.size))
     mean = np.mean([k.dense(delta.size) for k in kept], axis=0)
-    np.testing.assert_allclose(delta, mean, atol=2 / summed["scale"])
+    assert_published(delta, mean, summed["scale"], final, initial)
     assert np.abs(mean).max() > 100 / summed["scale"]
     for region, state in states.items():
         entry = data["rounds"]["1"]["train"][region]

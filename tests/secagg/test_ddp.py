@@ -12,7 +12,16 @@ from scipy.special import ive, logsumexp
 from scipy.stats import skellam as scipy_skellam
 
 from fedciuic.secagg import Ring, from_ring, ring_sum
-from fedciuic.secagg.ddp import ORDERS, DistributedDp, noised, rdp_epsilon, skellam_rdp
+from fedciuic.secagg.ddp import (
+    ORDERS,
+    POISSON_LIMIT,
+    DistributedDp,
+    noised,
+    rdp_epsilon,
+    scale_for,
+    skellam,
+    skellam_rdp,
+)
 
 DELTA = 1e-5
 
@@ -111,3 +120,16 @@ def test_colluding_regions_raise_epsilon_and_a_sum_without_honest_noise_has_none
 def test_a_ring_too_small_for_the_sum_is_seen():
     ddp = DistributedDp(clip=1.0, scale=2.0**16, noise_multiplier=1.0, threshold=2, dim=100)
     assert not ddp.fits(8, Ring(18)) and ddp.fits(8, Ring(24))
+
+
+def test_skellam_draws_have_their_variance_up_to_the_limit_and_are_refused_past_it():
+    rng = np.random.default_rng(2)
+    for variance in (1e4, 2 * POISSON_LIMIT):
+        draws = skellam(200_000, variance, rng).astype(np.float64)
+        assert abs(draws.var() / variance - 1) < 0.02
+    with pytest.raises(ValueError, match="not exact; use a smaller fixed-point scale"):
+        skellam(10, 4 * POISSON_LIMIT, rng)
+    # the scale a session is given keeps its shares within the limit
+    ring = Ring(62)
+    scale = scale_for(regions=3, threshold=2, clip=10.0, noise=1.0, dim=1024, ring=ring)
+    assert DistributedDp(10.0, scale, 1.0, 2, 1024).share_variance / 2 <= POISSON_LIMIT

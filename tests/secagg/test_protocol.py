@@ -19,7 +19,7 @@ from fedciuic.secagg.region import SecureSumRegion
 from tests.secagg.conftest import NAMES
 
 RING = Ring(32)
-SIZE = 300
+SIZE = 256
 
 
 def federation(
