@@ -40,13 +40,11 @@ from fedciuic.secagg import (
     Phase,
     Refusal,
     Request,
-    Ring,
     RingTooSmall,
     SecAggError,
     SecureSum,
     Session,
     SumWithheld,
-    scale_for,
 )
 from fedciuic.wire import (
     DECLINED,
@@ -544,24 +542,14 @@ class SecureLoop(SyncLoop):
         settings = a.run.secure
         if len(regions) < settings.threshold:
             raise SumWithheld(Phase.ADVERT, len(regions), settings.threshold)
-        ring = Ring(settings.ring_bits)
-        scale = scale_for(
-            regions=len(regions),
-            threshold=settings.threshold,
-            clip=settings.clip,
-            noise=settings.noise_multiplier,
-            dim=size,
-            ring=ring,
-        )
-        return Session(
+        return Session.propose(
             run_id=a.federation_run,
             server_round=server_round,
             regions=tuple(regions),
             threshold=settings.threshold,
-            bits=ring.bits,
+            bits=settings.ring_bits,
             size=size,
             clip=settings.clip,
-            scale=scale,
             noise=settings.noise_multiplier,
         )
 

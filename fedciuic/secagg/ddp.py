@@ -54,6 +54,8 @@ class DistributedDp:
     noise_multiplier: float
     threshold: int
     dim: int
+    #: The length of the blocks the update was rotated in (0: the whole ``dim``).
+    block: int = 0
 
     @property
     def central_variance(self) -> float:
@@ -82,12 +84,13 @@ class DistributedDp:
 
     def fits(self, regions: int, ring: Ring) -> bool:
         """Whether a sum of ``regions`` rotated, rounded, noised updates stays inside the
-        signed ring. Each value of a randomly rotated update of norm ``clip`` is about
-        ``clip / sqrt(dim)``, beyond :func:`spread` times that with a chance under one in
-        a billion per update; rounding adds at most 1; the noise's own spread on top. (A
-        value that wraps anyway puts the sum out of range, and it is not published.)"""
+        signed ring. Each value of a randomly rotated block is about the block's norm (at
+        most ``clip``) over sqrt(its length), beyond :func:`spread` times that with a
+        chance under one in a billion per update; rounding adds at most 1; the noise's
+        own spread on top. (A value that wraps anyway puts the sum out of range, and it
+        is not published.)"""
         k = spread(self.dim)
-        value = self.clip * self.scale / math.sqrt(self.dim)
+        value = self.clip * self.scale / math.sqrt(self.block or self.dim)
         noise = k * math.sqrt(regions * self.share_variance)
         return bool(regions * (k * value + 1) + noise < 2 ** (ring.bits - 1))
 
@@ -169,7 +172,14 @@ def noised(
 
 
 def scale_for(
-    *, regions: int, threshold: int, clip: float, noise: float, dim: int, ring: Ring
+    *,
+    regions: int,
+    threshold: int,
+    clip: float,
+    noise: float,
+    dim: int,
+    block: int = 0,
+    ring: Ring,
 ) -> float:
     """The finest fixed-point scale (a power of two) at which a sum of ``regions``
     clipped, rounded and noised updates fits the signed ring, and the noise shares are
@@ -177,7 +187,7 @@ def scale_for(
     when none does (more bits are needed)."""
     for exponent in range(ring.bits, -31, -1):
         scale = 2.0**exponent
-        ddp = DistributedDp(clip, scale, noise, threshold, dim)
+        ddp = DistributedDp(clip, scale, noise, threshold, dim, block)
         if ddp.fits(regions, ring) and ddp.share_variance / 2 <= POISSON_LIMIT:
             return scale
     raise RingTooSmall(

@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.ddp import DistributedDp
-from fedciuic.secagg.rotation import padded
+from fedciuic.secagg.ddp import DistributedDp, scale_for
+from fedciuic.secagg.masking import Ring
+from fedciuic.secagg.rotation import block, padded
 
 #: Domain separation of every signed secure-sum message, versioned with this layout.
 DOMAIN = "fedciuic-secagg/1"
@@ -84,15 +85,53 @@ class Session(Message):
             )
         return self
 
+    @classmethod
+    def propose(
+        cls,
+        *,
+        run_id: int,
+        server_round: int,
+        regions: tuple[str, ...],
+        threshold: int,
+        bits: int,
+        size: int,
+        clip: float,
+        noise: float,
+    ) -> Session:
+        """The aggregator's session, at the finest scale its sum fits the ring at
+        (:class:`~fedciuic.secagg.masking.RingTooSmall` when none does)."""
+        scale = scale_for(
+            regions=len(regions),
+            threshold=threshold,
+            clip=clip,
+            noise=noise,
+            dim=padded(size),
+            block=block(size),
+            ring=Ring(bits),
+        )
+        return cls(
+            run_id=run_id,
+            server_round=server_round,
+            regions=regions,
+            threshold=threshold,
+            bits=bits,
+            size=size,
+            clip=clip,
+            scale=scale,
+            noise=noise,
+        )
+
     @property
     def length(self) -> int:
-        """The masked vector's length: the update's ``size`` rotated, a power of two
+        """The masked vector's length: the update's ``size`` rotated, in whole blocks
         (:mod:`fedciuic.secagg.rotation`)."""
         return padded(self.size)
 
     def distributed(self) -> DistributedDp:
         """The fixed point and noise every region of the session applies."""
-        return DistributedDp(self.clip, self.scale, self.noise, self.threshold, self.length)
+        return DistributedDp(
+            self.clip, self.scale, self.noise, self.threshold, self.length, block(self.size)
+        )
 
     def index(self, region: str) -> int:
         """The region's position, from 1 (Shamir's holder; who adds and who subtracts)."""
