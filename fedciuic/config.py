@@ -396,7 +396,7 @@ class RunConfig(_Strict):
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
     #: Bits per value of a masked update: the ring the sum is taken in.
-    secure_ring_bits: int = Field(default=32, ge=16, le=62)
+    secure_ring_bits: int = Field(default=24, ge=12, le=62)
     #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
