@@ -45,6 +45,7 @@ from fedciuic.secagg import (
     SecureSum,
     Session,
     SumWithheld,
+    unpack_answer,
 )
 from fedciuic.wire import (
     DECLINED,
@@ -558,7 +559,7 @@ class SecureLoop(SyncLoop):
     ) -> tuple[tuple[str, ...], np.ndarray]:
         """The five exchanges; the survivors and their sum (ring elements)."""
 
-        def ask(phase: Phase, requests: Mapping[str, Request]) -> list[bytes]:
+        def ask(phase: Phase, requests: Mapping[str, Request]) -> list[object]:
             return self._exchange(server_round, phase, requests, secure, heard)
 
         def request(phase: Phase, **fields: object) -> Request:
@@ -602,7 +603,7 @@ class SecureLoop(SyncLoop):
         requests: Mapping[str, Request],
         secure: SecureSum,
         heard: set[int],
-    ) -> list[bytes]:
+    ) -> list[object]:
         """Each region its request, signed; the messages of those that answer within
         round-timeout, each from the region its signature names. A region that declines,
         or whose answer is not what it should be, is refused on the record."""
@@ -623,7 +624,7 @@ class SecureLoop(SyncLoop):
         )
         self._carried += late
         heard |= answered
-        messages = []
+        messages: list[object] = []
         for arrival in arrivals:
             region = pushed[arrival.node_id]
             if isinstance(arrival, NoReply):
@@ -638,7 +639,7 @@ class SecureLoop(SyncLoop):
                     raise SecAggError(f"declined: {reply.reason}")
                 if reply.status != SECURE or reply.arrays is None:
                     raise SecAggError(f"a {reply.status!r} reply")
-                messages.append(reply.arrays[SECAGG_ANSWER].tobytes())
+                messages.append(unpack_answer(reply.arrays[SECAGG_ANSWER].tobytes(), phase))
             except Exception as err:  # one region's answer, refused alone
                 secure.refused.append(Refusal(phase, region, reason_of(err)))
         return messages

@@ -32,6 +32,7 @@ from fedciuic.secagg import (
     Session,
     noise_rng,
     noised,
+    pack_answer,
     parse,
     rotate,
 )
@@ -121,7 +122,7 @@ def secure_phase(
     kept: Callable[[], bytes],
     note: Callable[..., None],
 ) -> bytes:
-    """This region's message for the phase ``task`` asks for (its JSON), noted on the
+    """This region's message for the phase ``task`` asks for (as it travels), noted on the
     region's audit log before it leaves; :class:`SecAggError` refuses."""
     request = request_of(task)
     session = request.session
@@ -181,4 +182,4 @@ def secure_phase(
             }
             message = reveal
     note(PHASE_EVENTS[request.phase], **details)
-    return message.model_dump_json().encode()
+    return pack_answer(message)

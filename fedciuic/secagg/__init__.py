@@ -30,7 +30,16 @@ if TYPE_CHECKING:
         to_ring,
         unmask,
     )
-    from fedciuic.secagg.messages import FromRegion, Phase, Request, SecAggError, Session, parse
+    from fedciuic.secagg.messages import (
+        FromRegion,
+        Phase,
+        Request,
+        SecAggError,
+        Session,
+        pack_answer,
+        parse,
+        unpack_answer,
+    )
     from fedciuic.secagg.region import SecureSumRegion
     from fedciuic.secagg.rotation import padded, rotate, unrotate
     from fedciuic.secagg.shamir import (
@@ -45,6 +54,8 @@ if TYPE_CHECKING:
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "pack_answer": "messages",
+    "unpack_answer": "messages",
     "padded": "rotation",
     "rotate": "rotation",
     "unrotate": "rotation",
@@ -101,6 +112,7 @@ __all__ = [
     "mask",
     "noise_rng",
     "noised",
+    "pack_answer",
     "padded",
     "parse",
     "ring_sum",
@@ -110,6 +122,7 @@ __all__ = [
     "split",
     "to_ring",
     "unmask",
+    "unpack_answer",
     "unrotate",
 ]
 __getattr__ = face(__name__, _WHERE)

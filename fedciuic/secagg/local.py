@@ -1,6 +1,8 @@
-"""A secure sum run in one process, its messages passed as their JSON: what the tests
-and the benchmark drive, with regions that stop answering at a chosen phase. Flower's
-relay takes its place in a federation; the two ends are the same objects."""
+"""A secure sum run in one process, each request and answer passed as it travels (the
+request's JSON, the answer packed): what the tests and the benchmark drive, with regions
+that stop answering at a chosen phase. In a federation Flower carries them (the
+aggregator's loop, ``fedciuic.aggregator.loop.SecureLoop``); the two ends are the same
+objects."""
 
 from __future__ import annotations
 
@@ -10,11 +12,18 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
-from pydantic import BaseModel
 
 from fedciuic.crypto import PublicBundle
-from fedciuic.secagg.aggregator import SecureSum
-from fedciuic.secagg.messages import Phase, SecAggError, Session
+from fedciuic.secagg.aggregator import Refusal, SecureSum
+from fedciuic.secagg.messages import (
+    FromRegion,
+    Phase,
+    Request,
+    SecAggError,
+    Session,
+    pack_answer,
+    unpack_answer,
+)
 from fedciuic.secagg.region import SecureSumRegion
 
 _T = TypeVar("_T")
@@ -25,24 +34,6 @@ Tamper = Callable[[Phase, str, bytes], bytes | None]
 
 def honest(phase: Phase, region: str, data: bytes) -> bytes | None:
     return data
-
-
-def wire_size(message: object) -> int:
-    """The bytes a message carries, as a binary wire would: each byte field as is, each
-    share 66 bytes, each name as text (JSON's base64 is not counted)."""
-    if isinstance(message, BaseModel):
-        return sum(wire_size(getattr(message, name)) for name in type(message).model_fields)
-    if isinstance(message, bytes):
-        return len(message)
-    if isinstance(message, str):
-        return len(message.encode())
-    if isinstance(message, int):
-        return 66 if message.bit_length() > 64 else 8
-    if isinstance(message, dict):
-        return sum(wire_size(k) + wire_size(v) for k, v in message.items())
-    if isinstance(message, tuple | list):
-        return sum(wire_size(v) for v in message)
-    return 0
 
 
 @dataclass
@@ -75,29 +66,47 @@ def run_secure_sum(
     run = Run(SecureSum(session, bundles))
     agg = run.aggregator
 
-    def ask(phase: Phase, who: list[str], call: Callable[[str], object], given: int) -> list[bytes]:
+    def ask(phase: Phase, requests: Mapping[str, Request]) -> list[object]:
+        """Each region its request (counted as the JSON it travels as); the answers,
+        packed, through the relay and unpacked as the aggregator's loop does."""
         start = time.perf_counter()
         quiet.update((silent or {}).get(phase, set()))
-        replies = []
-        for region in who:
+        replies: list[object] = []
+        for region, request in requests.items():
             if region in quiet:
                 continue
-            run.received[region] = run.received.get(region, 0) + given
+            run.received[region] = run.received.get(region, 0) + len(request.model_dump_json())
             try:
-                message = call(region)
+                message = answer(regions[region], request)
             except SecAggError as err:
                 run.refusals[region] = str(err)
                 continue
-            size = wire_size(message)
-            run.sent[region] = run.sent.get(region, 0) + size
-            run.by_phase.setdefault(phase.value, {})[region] = size
-            data = relay(phase, region, message.model_dump_json().encode())  # type: ignore[attr-defined]
-            if data is not None:
-                replies.append(data)
+            packed = pack_answer(message)
+            run.sent[region] = run.sent.get(region, 0) + len(packed)
+            run.by_phase.setdefault(phase.value, {})[region] = len(packed)
+            data = relay(phase, region, packed)
+            if data is None:
+                continue
+            try:
+                replies.append(unpack_answer(data, phase))
+            except SecAggError as err:
+                run.aggregator.refused.append(Refusal(phase, region, str(err)))
         run.seconds[phase.value] = time.perf_counter() - start
         return replies
 
-    def timed(phase: Phase, take: Callable[[list[bytes]], _T], replies: list[bytes]) -> _T:
+    def answer(region: SecureSumRegion, request: Request) -> FromRegion:
+        match request.phase:
+            case Phase.ADVERT:
+                return region.advertise(session, encoded[region.me])
+            case Phase.SHARES:
+                return region.share(session, request.adverts)
+            case Phase.MASKED:
+                return region.masked(session, request.shared, request.items)
+            case Phase.CONSENT:
+                return region.consent(session, request.survivors)
+        return region.reveal(session, request.survivors, request.consents)
+
+    def timed(phase: Phase, take: Callable[[list[object]], _T], replies: list[object]) -> _T:
         """The aggregator's part of a phase, timed apart from the regions'."""
         start = time.perf_counter()
         try:
@@ -105,28 +114,25 @@ def run_secure_sum(
         finally:
             run.seconds[f"aggregator {phase.value}"] = time.perf_counter() - start
 
-    joined = list(session.regions)
+    def request(phase: Phase, **fields: object) -> Request:
+        return Request.model_validate({"phase": phase, "session": session, **fields})
+
     adverts = timed(
         Phase.ADVERT,
         agg.take_adverts,
-        ask(Phase.ADVERT, joined, lambda r: regions[r].advertise(session, encoded[r]), 0),
+        ask(Phase.ADVERT, {r: request(Phase.ADVERT) for r in session.regions}),
     )
-    to_share = [a.region for a in adverts]
     shared = timed(
         Phase.SHARES,
         agg.take_shares,
-        ask(
-            Phase.SHARES, to_share, lambda r: regions[r].share(session, adverts), wire_size(adverts)
-        ),
+        ask(Phase.SHARES, {a.region: request(Phase.SHARES, adverts=adverts) for a in adverts}),
     )
     survivors = timed(
         Phase.MASKED,
         agg.take_masked,
         ask(
             Phase.MASKED,
-            list(shared),
-            lambda r: regions[r].masked(session, shared, agg.items_for(r)),
-            wire_size(shared) + max(wire_size(agg.items_for(r)) for r in shared),
+            {r: request(Phase.MASKED, shared=shared, items=agg.items_for(r)) for r in shared},
         ),
     )
     # every region that shared is shown the survivors: one named dropped that did send
@@ -134,16 +140,17 @@ def run_secure_sum(
     consents = timed(
         Phase.CONSENT,
         agg.take_consents,
-        ask(Phase.CONSENT, list(shared), lambda r: regions[r].consent(session, survivors), 0),
+        ask(Phase.CONSENT, {r: request(Phase.CONSENT, survivors=survivors) for r in shared}),
     )
     total = timed(
         Phase.REVEAL,
         agg.take_reveals,
         ask(
             Phase.REVEAL,
-            [c.region for c in consents],
-            lambda r: regions[r].reveal(session, survivors, consents),
-            wire_size(consents),
+            {
+                c.region: request(Phase.REVEAL, survivors=survivors, consents=consents)
+                for c in consents
+            },
         ),
     )
     return total, run

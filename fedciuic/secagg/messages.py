@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
@@ -239,3 +240,30 @@ class Request(Message):
     items: tuple[SealedItem, ...] = ()  # masked: what they sealed to this region
     survivors: tuple[Name, ...] = ()  # consent, reveal
     consents: tuple[Consent, ...] = ()  # reveal
+
+
+#: An answer on the wire: its JSON's length (u32, little-endian), the JSON, and the masked
+#: vector's bytes as they are (a masked vector in JSON would be base64: a third larger).
+_HEAD = struct.Struct("<I")
+
+
+def pack_answer(message: FromRegion) -> bytes:
+    """A region's message as it travels."""
+    blob = message.vector if isinstance(message, Masked) else b""
+    head = message.model_copy(update={"vector": b""}) if blob else message
+    text = head.model_dump_json().encode()
+    return _HEAD.pack(len(text)) + text + blob
+
+
+def unpack_answer(data: bytes, phase: Phase) -> bytes | Masked:
+    """:func:`pack_answer`'s inverse: the message's JSON (parsed where it is taken), or a
+    masked vector's message whole; :class:`SecAggError` when it is neither."""
+    if len(data) < _HEAD.size or _HEAD.unpack_from(data)[0] > len(data) - _HEAD.size:
+        raise SecAggError(f"secure sum, {phase.value}: a truncated answer")
+    (size,) = _HEAD.unpack_from(data)
+    text, blob = data[_HEAD.size : _HEAD.size + size], data[_HEAD.size + size :]
+    if phase != Phase.MASKED:
+        if blob:
+            raise SecAggError(f"secure sum, {phase.value}: bytes past the answer")
+        return text
+    return parse(Masked, text, phase).model_copy(update={"vector": blob})

@@ -6,15 +6,13 @@ caught; an aggregator that asks for the shares of a region that did send is refu
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from fedciuic.secagg import Ring, ring_sum
 from fedciuic.secagg.aggregator import SecureSum, SumWithheld
 from fedciuic.secagg.local import run_secure_sum
-from fedciuic.secagg.messages import Masked, Phase, SecAggError, Session
+from fedciuic.secagg.messages import Masked, Phase, SecAggError, Session, unpack_answer
 from fedciuic.secagg.region import SecureSumRegion
 from tests.secagg.conftest import NAMES
 
@@ -74,7 +72,10 @@ def test_the_unmasked_sum_is_the_plain_sum_exactly(keys, n):
     np.testing.assert_array_equal(total, plain(encoded, session.regions))
     assert not run.aggregator.refused and not run.refusals
     for r in session.regions:  # what the aggregator receives of one region is masked
-        vector = Masked.model_validate_json(relayed[Phase.MASKED, r]).vector
+        masked = unpack_answer(relayed[Phase.MASKED, r], Phase.MASKED)
+        assert isinstance(masked, Masked)  # its vector travels as bytes, not in its JSON
+        vector = masked.vector
+        assert len(relayed[Phase.MASKED, r]) < len(vector) + 1024
         assert not np.array_equal(RING.unpack(vector), encoded[r])
 
 
@@ -146,19 +147,26 @@ def test_a_message_moved_to_another_phase_or_sent_twice_is_refused(keys):
         regions["at"].masked(session, session.regions, ())
 
 
-def test_a_relay_that_alters_a_message_is_caught(keys):
+@pytest.mark.parametrize(
+    ("phase", "alteration", "refusal"),
+    [
+        (Phase.MASKED, lambda d: d[:-4] + b"\0\0\0\0", "not signed by 'br'"),
+        (Phase.MASKED, lambda d: d[:-1], "bytes, not 256 values"),
+        (Phase.MASKED, lambda d: d[:3], "a truncated answer"),
+        (Phase.ADVERT, lambda d: d + b"x", "bytes past the answer"),
+        (Phase.ADVERT, lambda d: d.replace(b'"br"', b'"cn"'), "not signed by 'cn'"),
+    ],
+)
+def test_a_relay_that_alters_a_message_is_caught(keys, phase, alteration, refusal):
     session, regions, encoded, bundles = federation(keys, 3, 2)
 
-    def alter(phase, region, data):
-        if phase == Phase.MASKED and region == "br":
-            message = json.loads(data)
-            message["vector"] = message["vector"][:-4] + "AAA="
-            return json.dumps(message).encode()
-        return data
+    def alter(at, region, data):
+        return alteration(data) if (at, region) == (phase, "br") else data
 
     total, run = run_secure_sum(session, regions, encoded, bundles, relay=alter)
-    assert [(r.phase, r.region) for r in run.aggregator.refused] == [(Phase.MASKED, "br")]
-    np.testing.assert_array_equal(total, plain(encoded, ["at", "cn"]))
+    [refused] = run.aggregator.refused
+    assert refused.phase == phase and refusal in refused.reason
+    np.testing.assert_array_equal(total, plain(encoded, ["at", "cn"]))  # the sum goes on
 
 
 def test_a_dropped_share_is_named_by_the_region_that_misses_it(keys):
