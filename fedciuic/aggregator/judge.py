@@ -364,16 +364,19 @@ class Judge:
             raise EnvelopeRejected(
                 f"update names region {info['region']!r} but comes from {header.region!r}"
             )
-        update = self._update_bytes(opened.arrays) if not self.secure_threshold else b""
-        if self.secure_threshold and opened.arrays:
-            raise MalformedReply(
-                "with secure aggregation a trained reply carries no update (it travels "
-                "masked, in the round's secure sum)"
-            )
+        update = self._update_bytes(opened.arrays)
         return update, parse_train_metrics(opened.metrics, info[PRIVACY_UNIT]), info, header
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
-        """The one compressed update a trained reply may carry, within the size cap."""
+        """The one compressed update a trained reply may carry, within the size cap; in a
+        secure round none (it travels masked, in the round's secure sum)."""
+        if self.secure_threshold:
+            if arrays:
+                raise MalformedReply(
+                    "with secure aggregation a trained reply carries no update (it travels "
+                    "masked, in the round's secure sum)"
+                )
+            return b""
         if set(arrays) != {UPDATE}:
             raise MalformedReply(
                 f"a trained reply carries {sorted(arrays)[:8]}, expected ['update']"

@@ -522,7 +522,10 @@ class SecureLoop(SyncLoop):
             session = self._session(server_round, accepted, into.n)
             details |= {"session": session.sid().hex(), "scale": session.scale}
             secure = SecureSum(session, a.sealing.bundles())
-            survivors, total = self._phases(server_round, session, secure, heard)
+            total = secure.run(
+                lambda phase, requests: self._exchange(server_round, phase, requests, secure, heard)
+            )
+            survivors = tuple(sorted(secure.masked))
             mean = secure.mean(total)
         except (SumWithheld, SecAggError, RingTooSmall) as err:
             reasons = [f"secure sum: {err}"]
@@ -553,48 +556,6 @@ class SecureLoop(SyncLoop):
             clip=settings.clip,
             noise=settings.noise_multiplier,
         )
-
-    def _phases(
-        self, server_round: int, session: Session, secure: SecureSum, heard: set[int]
-    ) -> tuple[tuple[str, ...], np.ndarray]:
-        """The five exchanges; the survivors and their sum (ring elements)."""
-
-        def ask(phase: Phase, requests: Mapping[str, Request]) -> list[object]:
-            return self._exchange(server_round, phase, requests, secure, heard)
-
-        def request(phase: Phase, **fields: object) -> Request:
-            return Request.model_validate({"phase": phase, "session": session, **fields})
-
-        adverts = secure.take_adverts(
-            ask(Phase.ADVERT, {r: request(Phase.ADVERT) for r in session.regions})
-        )
-        shared = secure.take_shares(
-            ask(Phase.SHARES, {v.region: request(Phase.SHARES, adverts=adverts) for v in adverts})
-        )
-        survivors = secure.take_masked(
-            ask(
-                Phase.MASKED,
-                {
-                    r: request(Phase.MASKED, shared=shared, items=secure.items_for(r))
-                    for r in shared
-                },
-            )
-        )
-        # every region that shared is shown the survivors: one that sent its masked vector
-        # and is named dropped refuses, and says so on its record
-        consents = secure.take_consents(
-            ask(Phase.CONSENT, {r: request(Phase.CONSENT, survivors=survivors) for r in shared})
-        )
-        total = secure.take_reveals(
-            ask(
-                Phase.REVEAL,
-                {
-                    c.region: request(Phase.REVEAL, survivors=survivors, consents=consents)
-                    for c in consents
-                },
-            )
-        )
-        return survivors, total
 
     def _exchange(
         self,

@@ -30,6 +30,7 @@ from fedciuic.secagg import (
     SecAggError,
     SecureSumRegion,
     Session,
+    SessionStore,
     noise_rng,
     noised,
     pack_answer,
@@ -104,11 +105,8 @@ def encoded_update(kept_payload: bytes, run: RunConfig, session: Session) -> np.
             f"a sum of {len(session.regions)} updates at scale {session.scale:g} can wrap "
             f"around {session.bits} bits; refusing"
         )
-    flat = update.dense(session.size).astype(np.float64)
-    norm = float(np.linalg.norm(flat))
-    if norm > session.clip:  # clipped before the rotation (which keeps the norm)
-        flat *= session.clip / norm
-    return noised(rotate(flat, session.sid()), ddp, ring, noise_rng())
+    # noised clips the rotated update: the rotation keeps its norm
+    return noised(rotate(update.dense(session.size), session.sid()), ddp, ring, noise_rng())
 
 
 def secure_phase(
@@ -127,18 +125,17 @@ def secure_phase(
     request = request_of(task)
     session = request.session
     check_session(session, run, run_id=run_id, server_round=task.server_round)
+    folder = node.state_dir / SECAGG_DIR
+    sums = SessionStore(folder)
     region = SecureSumRegion(
-        keypair,
-        peers_of(run, node, keypair.bundle.party),
-        min_regions=min_regions,
-        store=node.state_dir / SECAGG_DIR,
+        keypair, peers_of(run, node, keypair.bundle.party), min_regions=min_regions, store=folder
     )
     sid = session.sid().hex()
     details: dict[str, object] = {"session": sid, "phase": request.phase.value}
     message: FromRegion
     match request.phase:
         case Phase.ADVERT:
-            if region.joined_round(session):
+            if sums.joined(session.run_id, session.server_round):
                 raise SecAggError(
                     f"this region already joined a secure sum for round {session.server_round}; "
                     "it joins one per round (two sums would give its update away)"
@@ -154,7 +151,7 @@ def secure_phase(
             if session.noise > 0:
                 # this round's, and the run's so far (every sum it joined composed),
                 # against the aggregator alone and with all but one region colluding
-                joined = region.rounds_joined(session.run_id)
+                joined = sums.rounds_joined(session.run_id)
                 details |= {
                     "epsilon_distributed": ddp.epsilon(1, DISTRIBUTED_DELTA),
                     "epsilon_distributed_collusion": ddp.epsilon(1, DISTRIBUTED_DELTA, 1),

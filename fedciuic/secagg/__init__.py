@@ -50,10 +50,11 @@ if TYPE_CHECKING:
         combine,
         split,
     )
-    from fedciuic.secagg.store import SECAGG_DIR
+    from fedciuic.secagg.store import SECAGG_DIR, SessionStore
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "SessionStore": "store",
     "pack_answer": "messages",
     "unpack_answer": "messages",
     "padded": "rotation",
@@ -105,6 +106,7 @@ __all__ = [
     "SecureSum",
     "SecureSumRegion",
     "Session",
+    "SessionStore",
     "Share",
     "SumWithheld",
     "combine",

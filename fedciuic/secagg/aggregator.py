@@ -26,6 +26,7 @@ from fedciuic.secagg.messages import (
     FromRegion,
     Masked,
     Phase,
+    Request,
     Reveal,
     SealedItem,
     SecAggError,
@@ -36,6 +37,7 @@ from fedciuic.secagg.messages import (
 )
 from fedciuic.secagg.region import (
     consent_content,
+    masked_content,
     reveal_content,
     sealed_content,
 )
@@ -59,6 +61,9 @@ from fedciuic.secagg.shamir import (
 
 #: Standard deviations of the noise a sum's norm may carry before it is out of range.
 _SPREAD = 6.0
+#: How the aggregator reaches the regions in one phase: each region's request in, the
+#: answers that came back out (Flower's relay in a federation, a call in one process).
+Ask = Callable[[Phase, Mapping[str, Request]], list[object]]
 _M = TypeVar("_M", bound=FromRegion)
 _T = TypeVar("_T")
 
@@ -98,6 +103,33 @@ class SecureSum:
     consents: dict[str, Consent] = field(default_factory=dict)
     reveals: dict[str, Reveal] = field(default_factory=dict)
 
+    def run(self, ask: Ask) -> np.ndarray:
+        """The five phases, each region its request through ``ask`` and each phase's
+        answers taken; the survivors' sum (ring elements). Every region that shared is
+        shown the survivors: one that sent its masked vector and is named dropped
+        refuses, and says so on its record."""
+
+        def request(phase: Phase, **fields: object) -> Request:
+            return Request.model_validate({"phase": phase, "session": self.session, **fields})
+
+        regions = self.session.regions
+        adverts = self.take_adverts(ask(Phase.ADVERT, {r: request(Phase.ADVERT) for r in regions}))
+        shared = self.take_shares(
+            ask(Phase.SHARES, {a.region: request(Phase.SHARES, adverts=adverts) for a in adverts})
+        )
+        items = {r: self.items_for(r) for r in shared}
+        survivors = self.take_masked(
+            ask(
+                Phase.MASKED,
+                {r: request(Phase.MASKED, shared=shared, items=items[r]) for r in shared},
+            )
+        )
+        consents = self.take_consents(
+            ask(Phase.CONSENT, {r: request(Phase.CONSENT, survivors=survivors) for r in shared})
+        )
+        reveal = request(Phase.REVEAL, survivors=survivors, consents=consents)
+        return self.take_reveals(ask(Phase.REVEAL, {c.region: reveal for c in consents}))
+
     # -- phase by phase ------------------------------------------------------------------
 
     def take_adverts(self, replies: Iterable[object]) -> tuple[Advert, ...]:
@@ -135,7 +167,7 @@ class SecureSum:
         def check(region: str, masked: Masked) -> bool:
             if len(masked.vector) != self.session.length * ring.width:
                 raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.length} values")
-            self._check(Phase.MASKED, region, {"vector": masked.vector}, masked.signature)
+            self._check(Phase.MASKED, region, masked_content(masked.vector), masked.signature)
             values = ring.unpack(masked.vector)
             if np.any(values > ring.mask):
                 raise SecAggError(f"values outside the ring of {ring.bits} bits")

@@ -26,7 +26,7 @@ import numpy as np
 from opacus.accountants.analysis.rdp import get_privacy_spent
 
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.masking import Ring, RingTooSmall
+from fedciuic.secagg.masking import Ring, RingTooSmall, clip_norm, round_stochastically
 
 #: Integer Rényi orders (the Skellam bound holds for integer orders).
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
@@ -156,13 +156,9 @@ def noised(
     x = np.asarray(values, np.float64).ravel()
     if x.size != ddp.dim:
         raise ValueError(f"an update of {x.size} values, the sum is over {ddp.dim}")
-    norm = float(np.linalg.norm(x))
-    if norm > ddp.clip:
-        x = x * (ddp.clip / norm)
-    scaled = x * ddp.scale
-    low = np.floor(scaled)
+    scaled = clip_norm(x, ddp.clip) * ddp.scale
     for _ in range(_TRIES):
-        rounded = (low + (rng.random(scaled.shape) < scaled - low)).astype(np.int64)
+        rounded = round_stochastically(scaled, rng)
         if float(np.linalg.norm(rounded)) <= ddp.l2:
             break
     else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
@@ -25,8 +24,6 @@ from fedciuic.secagg.messages import (
     unpack_answer,
 )
 from fedciuic.secagg.region import SecureSumRegion
-
-_T = TypeVar("_T")
 
 #: Between a region's reply and the aggregator: a relay may alter what it carries.
 Tamper = Callable[[Phase, str, bytes], bytes | None]
@@ -66,9 +63,20 @@ def run_secure_sum(
     run = Run(SecureSum(session, bundles))
     agg = run.aggregator
 
+    #: The phase whose answers the aggregator is taking, and since when.
+    taking: list[tuple[Phase, float]] = []
+
+    def settle() -> None:
+        """The aggregator's part of the last phase asked: from its answers' arrival to
+        the next phase's requests (or the end)."""
+        if taking:
+            phase, since = taking.pop()
+            run.seconds[f"aggregator {phase.value}"] = time.perf_counter() - since
+
     def ask(phase: Phase, requests: Mapping[str, Request]) -> list[object]:
         """Each region its request (counted as the JSON it travels as); the answers,
         packed, through the relay and unpacked as the aggregator's loop does."""
+        settle()
         start = time.perf_counter()
         quiet.update((silent or {}).get(phase, set()))
         replies: list[object] = []
@@ -92,6 +100,7 @@ def run_secure_sum(
             except SecAggError as err:
                 run.aggregator.refused.append(Refusal(phase, region, str(err)))
         run.seconds[phase.value] = time.perf_counter() - start
+        taking.append((phase, time.perf_counter()))
         return replies
 
     def answer(region: SecureSumRegion, request: Request) -> FromRegion:
@@ -106,51 +115,8 @@ def run_secure_sum(
                 return region.consent(session, request.survivors)
         return region.reveal(session, request.survivors, request.consents)
 
-    def timed(phase: Phase, take: Callable[[list[object]], _T], replies: list[object]) -> _T:
-        """The aggregator's part of a phase, timed apart from the regions'."""
-        start = time.perf_counter()
-        try:
-            return take(replies)
-        finally:
-            run.seconds[f"aggregator {phase.value}"] = time.perf_counter() - start
-
-    def request(phase: Phase, **fields: object) -> Request:
-        return Request.model_validate({"phase": phase, "session": session, **fields})
-
-    adverts = timed(
-        Phase.ADVERT,
-        agg.take_adverts,
-        ask(Phase.ADVERT, {r: request(Phase.ADVERT) for r in session.regions}),
-    )
-    shared = timed(
-        Phase.SHARES,
-        agg.take_shares,
-        ask(Phase.SHARES, {a.region: request(Phase.SHARES, adverts=adverts) for a in adverts}),
-    )
-    survivors = timed(
-        Phase.MASKED,
-        agg.take_masked,
-        ask(
-            Phase.MASKED,
-            {r: request(Phase.MASKED, shared=shared, items=agg.items_for(r)) for r in shared},
-        ),
-    )
-    # every region that shared is shown the survivors: one named dropped that did send
-    # refuses, and says so on its record
-    consents = timed(
-        Phase.CONSENT,
-        agg.take_consents,
-        ask(Phase.CONSENT, {r: request(Phase.CONSENT, survivors=survivors) for r in shared}),
-    )
-    total = timed(
-        Phase.REVEAL,
-        agg.take_reveals,
-        ask(
-            Phase.REVEAL,
-            {
-                c.region: request(Phase.REVEAL, survivors=survivors, consents=consents)
-                for c in consents
-            },
-        ),
-    )
+    try:
+        total = agg.run(ask)
+    finally:
+        settle()
     return total, run

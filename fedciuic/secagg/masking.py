@@ -20,6 +20,8 @@ import numpy as np
 
 from fedciuic.errors import FedciuicError
 
+#: Ring sizes offered, in bits: every sum stays exact in uint64, and a signed value fits.
+MIN_BITS, MAX_BITS = 8, 62
 #: Domain separation of the two kinds of mask, versioned with the stream's layout.
 _SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
 
@@ -36,8 +38,8 @@ class Ring:
     bits: int
 
     def __post_init__(self) -> None:
-        if not 8 <= self.bits <= 62:
-            raise ValueError(f"a ring of {self.bits} bits: 8 to 62 are supported")
+        if not MIN_BITS <= self.bits <= MAX_BITS:
+            raise ValueError(f"a ring of {self.bits} bits: {MIN_BITS} to {MAX_BITS} are supported")
 
     @property
     def mask(self) -> np.uint64:
@@ -140,14 +142,23 @@ def to_ring(
             f"{regions} region(s) x (clip {clip:g} x scale {scale:g} + 1) = {largest:.3g} "
             f"does not fit a signed {ring.bits}-bit sum; use more bits or a smaller scale"
         )
+    rounded = round_stochastically(clip_norm(values, clip) * scale, rng)
+    return ring.reduce(rounded.astype(np.uint64))
+
+
+def clip_norm(values: np.ndarray, clip: float) -> np.ndarray:
+    """``values`` (as float64) scaled down to L2 norm ``clip`` when longer."""
     x = np.asarray(values, np.float64)
     norm = float(np.linalg.norm(x))
-    if norm > clip:
-        x = x * (clip / norm)
-    scaled = x * scale
+    return x * (clip / norm) if norm > clip else x
+
+
+def round_stochastically(scaled: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each value to the integer below or above it, up with probability its fraction
+    (unbiased), as int64 (negatives become their complement in the ring)."""
     low = np.floor(scaled)
-    rounded = low + (rng.random(scaled.shape) < scaled - low)
-    return ring.reduce(rounded.astype(np.int64).astype(np.uint64))
+    rounded: np.ndarray = (low + (rng.random(scaled.shape) < scaled - low)).astype(np.int64)
+    return rounded
 
 
 def from_ring(total: np.ndarray, *, scale: float, ring: Ring) -> np.ndarray:

@@ -3,9 +3,10 @@ and what each signature covers.
 
 Every message a region sends is signed with its long-lived identity key over the
 session id (:meth:`Session.sid`: the run, the round, the regions, the threshold, the
-ring and the vector length), the phase and the message's content, so that a relay (or
-an aggregator) cannot replay one from another round, move one to another phase, or
-attribute one to another region without the signature failing.
+ring, the vector length, the clip, the scale and the noise), the phase and the
+message's content, so that a relay (or an aggregator) cannot replay one from another
+round, move one to another phase, or attribute one to another region without the
+signature failing.
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
 from fedciuic.secagg.ddp import DistributedDp, scale_for
-from fedciuic.secagg.masking import Ring
+from fedciuic.secagg.masking import MAX_BITS, MIN_BITS, Ring
 from fedciuic.secagg.rotation import block, padded
 
 #: Domain separation of every signed secure-sum message, versioned with this layout.
 DOMAIN = "fedciuic-secagg/1"
-
-#: Ring sizes offered: 8 to 62 bits (:class:`~fedciuic.secagg.masking.Ring`).
-MIN_BITS, MAX_BITS = 8, 62
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 

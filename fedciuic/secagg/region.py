@@ -18,8 +18,9 @@ What protects the region's update, and where it is checked:
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,12 @@ def sealed_content(item: SealedItem) -> dict[str, object]:
     return {"to": item.to, "shares": item.shares, "pair": item.pair}
 
 
+def masked_content(vector: bytes) -> dict[str, object]:
+    """What a masked vector's signature covers: its SHA-256 (signing the vector itself
+    would hex-encode megabytes into the signed text on both ends)."""
+    return {"vector": hashlib.sha256(vector).digest()}
+
+
 def reveal_content(reveal: Reveal) -> dict[str, object]:
     return {"self": reveal.self_shares, "key": reveal.key_shares}
 
@@ -83,6 +90,7 @@ class SecureSumRegion:
         self.min_regions = min_regions
         self.store = SessionStore(store) if store is not None else None
         self._sums: dict[bytes, StoredSum] = {}
+        self._updates: dict[bytes, np.ndarray] = {}  # encoded, until masked
 
     # -- phases ----------------------------------------------------------------------
 
@@ -95,10 +103,13 @@ class SecureSumRegion:
         state = StoredSum(
             session=session,
             done=Phase.ADVERT,
-            encoded=Ring(session.bits).reduce(encoded).astype("<u8").tobytes(),
             self_seed=os.urandom(SEED_BYTES),
             key_seed=os.urandom(SEED_BYTES),
         )
+        vector = Ring(session.bits).reduce(encoded)
+        self._updates[sid] = vector
+        if self.store is not None:
+            self.store.save_update(session, vector)
         self._commit(state)
         key = ephemeral(state.key_seed, sid).public_key().raw
         return Advert(
@@ -208,7 +219,7 @@ class SecureSumRegion:
             )
             pairs[session.index(sender)] = self._pair(session, state, eph, item)
         vector = mask(
-            state.values(),
+            self._update(session),
             me=session.index(self.me),
             self_seed=state.self_seed,
             pair_seeds=pairs,
@@ -218,10 +229,13 @@ class SecureSumRegion:
         self._commit(
             state.model_copy(update={"done": Phase.MASKED, "held": held, "shared": shared})
         )
+        self._updates.pop(sid, None)  # masked and on its way: not needed again
+        if self.store is not None:
+            self.store.drop_update(session)
         return Masked(
             region=self.me,
             vector=data,
-            signature=self._sign(session, Phase.MASKED, {"vector": data}),
+            signature=self._sign(session, Phase.MASKED, masked_content(data)),
         )
 
     def consent(self, session: Session, survivors: Sequence[str]) -> Consent:
@@ -329,23 +343,6 @@ class SecureSumRegion:
                 f"the update has {encoded.size} values, not {session.length}",
             )
 
-    def rounds_joined(self, run_id: int) -> int:
-        """How many rounds of run ``run_id`` this region joined a secure sum in."""
-        if self.store is not None:
-            return self.store.rounds_joined(run_id)
-        return len(
-            {s.session.server_round for s in self._sums.values() if s.session.run_id == run_id}
-        )
-
-    def joined_round(self, session: Session) -> bool:
-        """Whether this region joined a session of ``session``'s run and round."""
-        if self.store is not None:
-            return self.store.joined(session.run_id, session.server_round)
-        return any(
-            (s.session.run_id, s.session.server_round) == (session.run_id, session.server_round)
-            for s in self._sums.values()
-        )
-
     def _known(self, session: Session) -> StoredSum | None:
         sid = session.sid()
         if sid not in self._sums and self.store is not None:
@@ -353,6 +350,20 @@ class SecureSumRegion:
             if stored is not None:
                 self._sums[sid] = stored
         return self._sums.get(sid)
+
+    def _update(self, session: Session) -> np.ndarray:
+        """The encoded update this region joined ``session`` with."""
+        sid = session.sid()
+        if sid not in self._updates and self.store is not None:
+            try:
+                found = self.store.load_update(session)
+            except SecAggError as err:
+                raise self._refuse(session, Phase.MASKED, str(err)) from None
+            if found is not None:
+                self._updates[sid] = found
+        if sid not in self._updates:
+            raise self._refuse(session, Phase.MASKED, "the update it joined with is gone")
+        return self._updates[sid]
 
     def _commit(self, state: StoredSum) -> None:
         """The session's new state: on disk (with a store) before any message leaves."""
@@ -372,8 +383,8 @@ class SecureSumRegion:
             raise self._refuse(session, phase, f"this region's last phase was {state.done.value}")
         return state
 
-    def _enough(self, session: Session, phase: Phase, regions: object, what: str) -> None:
-        count = len(regions)  # type: ignore[arg-type]
+    def _enough(self, session: Session, phase: Phase, regions: Collection[str], what: str) -> None:
+        count = len(regions)
         if count < session.threshold:
             raise self._refuse(
                 session, phase, f"{count} {what}, fewer than the threshold {session.threshold}"

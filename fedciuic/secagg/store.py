@@ -1,7 +1,9 @@
 """A region's secure sums on disk, one file per session, so that a region's agent that
 restarts mid-sum goes on from its last phase, and never answers a phase twice: the file
-is written (and flushed) before the phase's message leaves. Once the region has
-revealed its shares, the file keeps only that fact; its seeds and shares are gone.
+is written (and flushed) before the phase's message leaves. The update it joined with
+is a file of its own, written once and removed once it is masked. Once the region has
+revealed its shares, the session's file keeps only that fact; its seeds and shares are
+gone.
 
 The folder is the region's own state (mode 0700, files 0600): its seeds are as secret
 as its keys.
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedciuic.secagg.masking import Ring
 from fedciuic.secagg.messages import Name, Phase, SecAggError, Session
 
 #: The folder under a region's state-path.
@@ -32,16 +35,12 @@ class StoredSum(BaseModel):
     format: str = Field(pattern=f"^{_FORMAT}$", default=_FORMAT)
     session: Session
     done: Phase
-    encoded: bytes = b""  # uint64 little-endian; empty once revealed
     self_seed: bytes = b""
     key_seed: bytes = b""
     keys: dict[Name, bytes] = {}
     held: dict[Name, tuple[int, int]] = {}
     shared: tuple[Name, ...] = ()
     survivors: tuple[Name, ...] = ()
-
-    def values(self) -> np.ndarray:
-        return np.frombuffer(self.encoded, dtype="<u8").copy()
 
 
 class SessionStore:
@@ -63,12 +62,39 @@ class SessionStore:
 
     def save(self, state: StoredSum) -> None:
         """Replace the session's file, flushed to disk before this returns."""
+        self._write(self.path(state.session), state.model_dump_json().encode())
+
+    def save_update(self, session: Session, encoded: np.ndarray) -> None:
+        """The encoded update a region joined with, written once (beside the session's
+        small file, which each phase rewrites) and kept until it is masked."""
+        self._write(self._update_path(session), Ring(session.bits).pack(encoded))
+
+    def load_update(self, session: Session) -> np.ndarray | None:
+        path = self._update_path(session)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        ring = Ring(session.bits)
+        if len(data) != session.length * ring.width:
+            raise SecAggError(
+                f"{path}: damaged ({len(data)} bytes, not {session.length} values); this "
+                "region takes no further part in that secure sum"
+            )
+        return ring.unpack(data)
+
+    def drop_update(self, session: Session) -> None:
+        self._update_path(session).unlink(missing_ok=True)
+
+    def _update_path(self, session: Session) -> Path:
+        return self.path(session).with_suffix(".update")
+
+    def _write(self, target: Path, data: bytes) -> None:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        target = self.path(state.session)
         tmp = target.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(state.model_dump_json())
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
