@@ -1,0 +1,41 @@
+"""In-region de-identification: Presidio finds direct identifiers in a region's texts
+before they are tokenised, and replaces them by typed placeholders or keyed pseudonyms
+(docs/deidentification.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.deid.dictionary import Dictionary, load_dictionary
+    from fedciuic.deid.entities import DIRECT, DIRECT_WORD, ENTITIES, NER_ONLY, parse_entities
+    from fedciuic.deid.pipeline import (
+        REPLACEMENTS,
+        DeidSpec,
+        Findings,
+        Replacement,
+        Scrubber,
+    )
+    from fedciuic.deid.secret import SECRET_FILE, key_id, region_secret
+
+_WHERE = {
+    "DIRECT": "entities",
+    "DIRECT_WORD": "entities",
+    "DeidSpec": "pipeline",
+    "Dictionary": "dictionary",
+    "ENTITIES": "entities",
+    "Findings": "pipeline",
+    "NER_ONLY": "entities",
+    "REPLACEMENTS": "pipeline",
+    "Replacement": "pipeline",
+    "SECRET_FILE": "secret",
+    "Scrubber": "pipeline",
+    "key_id": "secret",
+    "load_dictionary": "dictionary",
+    "parse_entities": "entities",
+    "region_secret": "secret",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = face(__name__, _WHERE)
