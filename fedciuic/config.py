@@ -31,6 +31,7 @@ from pydantic import (
 from fedciuic.aggregation import NormAction
 from fedciuic.compression import Codec, get_codec
 from fedciuic.crypto import Suite
+from fedciuic.deid import DIRECT_WORD, SECRET_FILE, Replacement, parse_entities
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 from fedciuic.server_optim import OptimizerName, ServerSettings
@@ -401,9 +402,36 @@ class RunConfig(_Strict):
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
+    # De-identification in each region before its texts are tokenised
+    # (docs/deidentification.md).
+    #: Scrub identifiers from every text field a record trains on.
+    deidentify: bool = True
+    #: Which identifiers: entity types, or ``direct`` for every pattern-found type.
+    deid_entities: tuple[str, ...] = (DIRECT_WORD,)
+    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
+    #: region's secret: stable within a region, different across regions).
+    deid_replacement: Replacement = "placeholder"
+    #: Simulation only: a folder of dictionaries, ``REGION.txt`` each (a deployed region
+    #: names its own in its agent config's deid-dictionary).
+    deid_dictionaries: str = ""
+
     _secure = field_validator("secure_aggregation")(_check_secure)
     _threshold = field_validator("secure_threshold")(_check_secure_threshold)
     _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
+
+    @field_validator("deid_entities", mode="before")
+    @classmethod
+    def _split_entities(cls, value: Any) -> Any:
+        return tuple(value.split(",")) if isinstance(value, str) else value
+
+    @field_validator("deid_entities")
+    @classmethod
+    def _check_entities(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        parse_entities(value)  # ValueError names the known types
+        names = tuple(v.strip() for v in value if v.strip())
+        if not names:
+            raise ValueError('no entity type; name some, or "direct", or set deidentify = false')
+        return names
 
     @field_validator("insecure_reproducible_noise")
     @classmethod
@@ -470,6 +498,11 @@ class RunConfig(_Strict):
         return section(SecureSettings, self)
 
     @property
+    def deid(self) -> DeidSettings:
+        """De-identification: whether, which identifiers, replaced by what."""
+        return section(DeidSettings, self)
+
+    @property
     def compression(self) -> UpdateRules:
         """How an update is coded, and what the aggregator accepts of one."""
         return section(UpdateRules, self)
@@ -482,6 +515,7 @@ class RunConfig(_Strict):
             key = _kebab(name)
             values[key] = ",".join(f"{region}={number}" for region, number in values[key])
         values["regions"] = ",".join(values["regions"])
+        values["deid-entities"] = ",".join(values["deid-entities"])
         return json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @property
@@ -614,6 +648,15 @@ class NodeConfig(_Strict):
     #: (unpickling runs code): its own word, from its agent config in a deployment;
     #: None (simulation only): the run config's allow-pickle-weights.
     allow_pickle_weights: bool | None = None
+    #: The region's dictionary of names to scrub (one per line); in simulation:
+    #: the run config's deid-dictionaries/REGION.txt, if there is one.
+    deid_dictionary: str = ""
+    #: The region's pseudonym key file; default state-path/deid-secret.key (made on
+    #: first use).
+    deid_secret: str = ""
+    #: A spaCy pipeline the region installed (a package name or a folder), which then
+    #: finds PERSON and LOCATION too; "" scrubs by patterns and the dictionary alone.
+    deid_ner_model: str = ""
 
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
@@ -629,6 +672,15 @@ class NodeConfig(_Strict):
     @property
     def state_dir(self) -> Path:
         return Path(self.state_path or Path(self.data_path) / ".fedciuic").expanduser()
+
+    @property
+    def deid_secret_path(self) -> Path:
+        """Where the region's pseudonym key is (made there on first use)."""
+        return (
+            Path(self.deid_secret).expanduser()
+            if self.deid_secret
+            else (self.state_dir / SECRET_FILE)
+        )
 
     @staticmethod
     def is_simulated(node_config: Mapping[str, Any]) -> bool:
@@ -657,10 +709,14 @@ class NodeConfig(_Strict):
                 raise ConfigError(
                     ["run config:data-root: empty; simulated regions read data-root/<region>"]
                 )
+            dictionary = Path(run.deid_dictionaries) / f"{region}.txt"
             return cls(
                 region=region,
                 data_path=str(Path(run.data_root) / region),
                 train_processes=dict(run.region_train_processes).get(region),
+                deid_dictionary=str(dictionary)
+                if run.deid_dictionaries and dictionary.is_file()
+                else "",
             )
         raise ConfigError(
             [
@@ -825,6 +881,22 @@ class UpdateRules:
     #: The most bytes one compressed update may take (sealed or not).
     max_update_bytes: int
     aggregation: str
+
+
+@dataclass(frozen=True)
+class DeidSettings:
+    """De-identification before tokenising (:attr:`RunConfig.deid`;
+    docs/deidentification.md)."""
+
+    enabled: Annotated[bool, Key("deidentify")]
+    #: As listed (``direct`` included); :attr:`types` expands them.
+    listed: Annotated[tuple[str, ...], Key("deid_entities")]
+    replacement: Annotated[Replacement, Key("deid_replacement")]
+
+    @property
+    def entities(self) -> tuple[str, ...]:
+        """The entity types scrubbed, expanded and in canonical order (none when off)."""
+        return parse_entities(self.listed) if self.enabled else ()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedciuic.config import NodeConfig, PrivacyUnit, RunConfig
+from fedciuic.data.scrubbing import node_scrubber
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
     BUCKET,
@@ -186,6 +187,7 @@ def load_region_data(
         fields=run.fields,
         state_dir=node.state_dir,
         truncation_side=run.truncation_side,
+        scrubber=node_scrubber(run.deid, node),
     )
     summary = data.summary
     # Padding is masked out of attention and loss: any id the model knows will do.

@@ -19,13 +19,16 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
 from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from fedciuic.deid import Scrubber
 
 from fedciuic.config import Fields, TruncationSide
 from fedciuic.data.records import (
@@ -38,13 +41,15 @@ from fedciuic.data.records import (
     Renderer,
     parse_record,
 )
+from fedciuic.data.scrubbing import Scrubbed, scrub_record
 from fedciuic.data.sources import TABLE_KINDS, Row, Source, read_rows
 from fedciuic.digests import DigestCache, cache_dir
 from fedciuic.errors import DataError
 
 #: Bumped when what a cached file holds changes (2: a chat record may give several
-#: examples; no untrained text after its last assistant turn; length statistics).
-CACHE_FORMAT = 2
+#: examples; no untrained text after its last assistant turn; length statistics;
+#: 3: de-identified text, and what de-identification replaced).
+CACHE_FORMAT = 3
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's ignore_index)
 EXAMPLES_FILE = "examples.arrow"
 CACHE_SUMMARY = "summary.json"
@@ -97,6 +102,8 @@ class Summary(BaseModel):
     users: int = 0  # distinct user ids
     without_user: int = 0  # records that name no user
     without_user_where: list[str] = []  # the first MAX_REASONS of them
+    #: What de-identification replaced before tokenising (None: it was off).
+    deid: Scrubbed | None = None
 
 
 @dataclass
@@ -202,9 +209,14 @@ def cache_key(
     seq_len: int,
     fields: Fields,
     truncation_side: TruncationSide = "right",
+    scrubber: Scrubber | None = None,
 ) -> str:
+    """What decides a cache entry's content: the data, tokenizer, lengths, field names
+    and de-identification (its config hash covers its entities, replacement, key id,
+    dictionary and recognizer versions)."""
     described = {
         "format": CACHE_FORMAT,
+        "deid": scrubber.identity["config_hash"] if scrubber is not None else None,
         "data": fingerprint,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_len": seq_len,
@@ -233,10 +245,13 @@ def tokenized(
     state_dir: Path,
     keep_reasons: int | None = MAX_REASONS,
     truncation_side: TruncationSide = "right",
+    scrubber: Scrubber | None = None,
 ) -> Tokenized:
-    """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it."""
+    """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it
+    (each text de-identified first by ``scrubber``, if given: the cache never holds an
+    identifier it finds)."""
     fingerprint = data_fingerprint(sources)
-    key = cache_key(fingerprint, tokenizer, seq_len, fields, truncation_side)
+    key = cache_key(fingerprint, tokenizer, seq_len, fields, truncation_side, scrubber)
     root = state_dir / "data-cache"
     folder = root / key
     cached = _load(folder, key)
@@ -258,6 +273,7 @@ def tokenized(
             scratch=root / ".datasets",
             keep_reasons=keep_reasons,
             truncation_side=truncation_side,
+            scrubber=scrubber,
         )
         # Another process of this region may have finished the same key meanwhile: its
         # complete entry stays (readers may have it mapped); a broken one is replaced.
@@ -316,21 +332,27 @@ def write_examples(
     scratch: Path,
     keep_reasons: int | None = MAX_REASONS,
     truncation_side: TruncationSide = "right",
+    scrubber: Scrubber | None = None,
 ) -> None:
-    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
-    the first ``keep_reasons`` bad rows' reasons are kept (None: all of them)."""
+    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary),
+    de-identified by ``scrubber`` if given; the first ``keep_reasons`` bad rows' reasons
+    are kept (None: all of them)."""
     counts = _Counts(summary, keep_reasons)
     lengths = _Lengths()
     renderer = Renderer(tokenizer)
     cut = _Cut(seq_len, truncation_side)
+    if scrubber is not None:
+        scrubber.findings.clear()
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:
-        for batch in _batches(sources, fields, counts, scratch):
+        for batch in _batches(sources, fields, counts, scratch, scrubber):
             _write_batch(writer, batch, renderer, tokenizer, cut, counts, lengths)
         writer.finalize()
     finally:
         writer.close()
     _finish(summary, counts, lengths)
+    if scrubber is not None:
+        summary.deid = Scrubbed.of(scrubber)
     (folder / CACHE_SUMMARY).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
 
 
@@ -342,7 +364,11 @@ class _Item:
 
 
 def _batches(
-    sources: list[Source], fields: Fields, counts: _Counts, scratch: Path
+    sources: list[Source],
+    fields: Fields,
+    counts: _Counts,
+    scratch: Path,
+    scrubber: Scrubber | None = None,
 ) -> Iterator[list[_Item]]:
     batch: list[_Item] = []
     for index, source in enumerate(sources):
@@ -352,6 +378,8 @@ def _batches(
             item = _parse(source, row, fields, counts)
             if item is None:
                 continue
+            if scrubber is not None:  # before anything is rendered, counted or hashed
+                item = scrub_record(item, scrubber, row.where, source.name)
             batch.append(_Item(row.where, index << _ROW_BITS | row_index, item))
             if len(batch) == _BATCH:
                 yield batch

@@ -37,5 +37,21 @@ _WHERE = {
     "parse_entities": "entities",
     "region_secret": "secret",
 }
-__all__ = sorted(_WHERE)
+__all__ = [
+    "DIRECT",
+    "DIRECT_WORD",
+    "ENTITIES",
+    "NER_ONLY",
+    "REPLACEMENTS",
+    "SECRET_FILE",
+    "DeidSpec",
+    "Dictionary",
+    "Findings",
+    "Replacement",
+    "Scrubber",
+    "key_id",
+    "load_dictionary",
+    "parse_entities",
+    "region_secret",
+]
 __getattr__ = face(__name__, _WHERE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,7 @@ def load_dictionary(path: Path) -> Dictionary:
     try:
         size = path.stat().st_size
         if size > MAX_DICTIONARY_BYTES:
-            raise ConfigError(
-                [f"{path}: {size:,} bytes, over {MAX_DICTIONARY_BYTES:,}; {FIX}"]
-            )
+            raise ConfigError([f"{path}: {size:,} bytes, over {MAX_DICTIONARY_BYTES:,}; {FIX}"])
         data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
@@ -51,15 +50,19 @@ def load_dictionary(path: Path) -> Dictionary:
     except IsADirectoryError:
         raise ConfigError([f"{path}: is a folder; deid-dictionary names a file"]) from None
     except OSError as err:
-        raise ConfigError([f"{path}: cannot read ({err.strerror}); check its permissions"]) from None
+        raise ConfigError(
+            [f"{path}: cannot read ({err.strerror}); check its permissions"]
+        ) from None
     entries: list[str] = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             line = raw.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError as err:
             raise ConfigError(
-                [f"{path}:{number}: not UTF-8 (byte {err.start + 1} of the line); save the "
-                 "file as UTF-8"]
+                [
+                    f"{path}:{number}: not UTF-8 (byte {err.start + 1} of the line); save the "
+                    "file as UTF-8"
+                ]
             ) from None
         entry = line.strip()
         if not entry or entry.startswith(COMMENT):
@@ -71,6 +74,14 @@ def load_dictionary(path: Path) -> Dictionary:
     if not entries:
         raise ConfigError([f"{path}: no entries; {FIX}, or remove deid-dictionary"])
     return Dictionary(path, tuple(entries), hashlib.sha256(data).hexdigest())
+
+
+def dictionary_pattern(entries: tuple[str, ...]) -> re.Pattern[str]:
+    """One pattern for every entry: whole, case-insensitive, at word boundaries, the
+    longest first (a full name wins over the surname it starts with)."""
+    ordered = sorted(set(entries), key=len, reverse=True)
+    alternatives = "|".join(re.escape(e) for e in ordered)
+    return re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
 
 
 def _problem(entry: str) -> str:

@@ -13,25 +13,26 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib.metadata import version
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from presidio_analyzer import AnalyzerEngine, RecognizerRegistry, RecognizerResult
-from presidio_analyzer.nlp_engine import NlpEngine, NoOpNlpEngine, SpacyNlpEngine
-from presidio_analyzer.predefined_recognizers import SpacyRecognizer
-from presidio_anonymizer import AnonymizerEngine
-from presidio_anonymizer.entities import OperatorConfig
-
-from fedciuic.deid.dictionary import Dictionary
+from fedciuic.deid.dictionary import Dictionary, dictionary_pattern
 from fedciuic.deid.entities import DICTIONARY, NER_ONLY, PLACEHOLDERS
-from fedciuic.deid.recognizers import (
-    LANGUAGE,
-    RECOGNIZERS_VERSION,
-    DictionaryRecognizer,
-    pattern_recognizers,
-)
 from fedciuic.deid.secret import key_id
 from fedciuic.errors import ConfigError
+
+if TYPE_CHECKING:  # Presidio takes seconds to import: only a pass that scrubs does
+    from presidio_analyzer import AnalyzerEngine
+    from presidio_analyzer.nlp_engine import NlpEngine
+    from presidio_anonymizer import AnonymizerEngine
+    from presidio_anonymizer.entities import OperatorConfig
+
+#: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
+#: pipeline's identity (the tokenisation cache's key and the audit record).
+RECOGNIZERS_VERSION = 1
+#: The one language recognizers are built for and texts analysed in.
+LANGUAGE = "en"
 
 Replacement = Literal["placeholder", "pseudonym"]
 REPLACEMENTS: tuple[Replacement, ...] = ("placeholder", "pseudonym")
@@ -91,6 +92,14 @@ class Findings:
     records: int = 0  # records with at least one identifier
     examples: list[str] | None = None  # None: none are kept (training)
 
+    def clear(self) -> None:
+        """Forget what was found (a new pass over the data starts)."""
+        self.counts.clear()
+        self.by_file.clear()
+        self.records = 0
+        if self.examples is not None:
+            self.examples.clear()
+
     def add(
         self,
         where: str,
@@ -122,35 +131,52 @@ def masked_context(text: str, found: list[tuple[str, int, int]]) -> str:
 
 
 class Scrubber:
-    """Finds and replaces identifiers in texts, counting what it replaced."""
+    """Finds and replaces identifiers in texts, counting what it replaced. Presidio's
+    engines are built on the first text (a cached tokenisation needs only the identity)."""
 
     def __init__(self, spec: DeidSpec) -> None:
         self.spec = spec
         self.identity = spec.identity()
-        registry = RecognizerRegistry(supported_languages=[LANGUAGE])
-        for recognizer in pattern_recognizers(spec.entities):
-            registry.add_recognizer(recognizer)
-        if DICTIONARY in spec.entities and spec.dictionary is not None:
-            registry.add_recognizer(DictionaryRecognizer(spec.dictionary.entries))
         self._ner = bool(spec.ner_model) and bool(set(NER_ONLY) & set(spec.entities))
-        if self._ner:
-            registry.add_recognizer(SpacyRecognizer(supported_language=LANGUAGE))
-        self._analyzer = AnalyzerEngine(
-            registry=registry,
-            nlp_engine=_nlp_engine(spec.ner_model if self._ner else ""),
-            supported_languages=[LANGUAGE],
-            default_score_threshold=MIN_SCORE,
-        )
-        self._anonymizer = AnonymizerEngine()
-        self._operators = {e: self._operator(e) for e in spec.entities}
         self._dictionary = (
-            DictionaryRecognizer(spec.dictionary.entries)._pattern
+            dictionary_pattern(spec.dictionary.entries)
             if spec.dictionary is not None and DICTIONARY in spec.entities
             else None
         )
         self.findings = Findings()
 
+    @cached_property
+    def _engines(self) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig]]:
+        from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+        from presidio_anonymizer import AnonymizerEngine
+
+        from fedciuic.deid.recognizers import DictionaryRecognizer, pattern_recognizers
+
+        spec = self.spec
+        registry = RecognizerRegistry(supported_languages=[LANGUAGE])
+        for recognizer in pattern_recognizers(spec.entities):
+            registry.add_recognizer(recognizer)
+        if self._dictionary is not None:
+            registry.add_recognizer(DictionaryRecognizer(self._dictionary))
+        if self._ner:
+            registry.add_recognizer(SpacyRecognizer(supported_language=LANGUAGE))
+        analyzer = AnalyzerEngine(
+            registry=registry,
+            nlp_engine=_nlp_engine(spec.ner_model if self._ner else ""),
+            supported_languages=[LANGUAGE],
+            default_score_threshold=MIN_SCORE,
+        )
+        anonymizer = AnonymizerEngine()  # type: ignore[no-untyped-call]
+        return (
+            analyzer,
+            anonymizer,
+            {e: self._operator(e) for e in spec.entities},
+        )
+
     def _operator(self, entity: str) -> OperatorConfig:
+        from presidio_anonymizer.entities import OperatorConfig
+
         stem = PLACEHOLDERS[entity]
         if self.spec.replacement == "placeholder":
             return OperatorConfig("replace", {"new_value": f"<{stem}>"})
@@ -172,12 +198,14 @@ class Scrubber:
         """``text`` with every identifier replaced; the findings counted under ``file``."""
         if not text or not self._may_hold(text):
             return text
-        results: list[RecognizerResult] = self._analyzer.analyze(
-            text, language=LANGUAGE, entities=list(self.spec.entities)
-        )
+        analyzer, anonymizer, operators = self._engines
+        results = analyzer.analyze(text, language=LANGUAGE, entities=list(self.spec.entities))
         if not results:
             return text
-        done = self._anonymizer.anonymize(text, results, operators=self._operators)
+        from presidio_anonymizer.entities import RecognizerResult
+
+        found = [RecognizerResult(r.entity_type, r.start, r.end, r.score) for r in results]
+        done = anonymizer.anonymize(text, found, operators=operators)
         replaced = [item.entity_type for item in done.items]
         spans = sorted(((r.entity_type, r.start, r.end) for r in results), key=lambda f: f[1])
         self.findings.add(where, file, replaced, text, spans)
@@ -186,6 +214,8 @@ class Scrubber:
 
 def _nlp_engine(ner_model: str) -> NlpEngine:
     """No NLP at all (patterns need none), or the region's named spaCy pipeline."""
+    from presidio_analyzer.nlp_engine import NoOpNlpEngine, SpacyNlpEngine
+
     if not ner_model:
         engine: NlpEngine = NoOpNlpEngine(models=[{"lang_code": LANGUAGE, "model_name": "none"}])
         engine.load()

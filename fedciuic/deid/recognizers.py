@@ -50,12 +50,8 @@ from fedciuic.deid.entities import (
     URL,
     US_SSN,
 )
+from fedciuic.deid.pipeline import LANGUAGE
 
-#: The one language recognizers are built for and texts analysed in.
-LANGUAGE = "en"
-#: Bumped whenever a recognizer of this module changes what it finds: it is part of the
-#: pipeline's identity (the tokenisation cache's key and the audit record).
-RECOGNIZERS_VERSION = 1
 #: Regions whose numbering plans the phone recognizer tries (international numbers with
 #: a + are found whatever the region).
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "PL", "SE", "FI", "CN", "SG", "IN")
@@ -91,7 +87,9 @@ class CnResidentIdRecognizer(PatternRecognizer):
     def __init__(self) -> None:
         super().__init__(
             supported_entity=CN_RESIDENT_ID,
-            patterns=[Pattern("cn resident id", r"(?<![0-9A-Za-z])\d{17}[\dXx](?![0-9A-Za-z])", 0.5)],
+            patterns=[
+                Pattern("cn resident id", r"(?<![0-9A-Za-z])\d{17}[\dXx](?![0-9A-Za-z])", 0.5)
+            ],
             supported_language=LANGUAGE,
             name="CnResidentIdRecognizer",
         )
@@ -115,7 +113,7 @@ class FastPhoneRecognizer(PhoneRecognizer):
         found: list[RecognizerResult] = []
         for run in _PHONE_RUN.finditer(text):
             lo, hi = max(0, run.start() - _PHONE_MARGIN), min(len(text), run.end() + _PHONE_MARGIN)
-            for result in super().analyze(text[lo:hi], entities, nlp_artifacts):
+            for result in super().analyze(text[lo:hi], entities, nlp_artifacts):  # type: ignore[arg-type]
                 result.start += lo
                 result.end += lo
                 found.append(result)
@@ -160,8 +158,14 @@ class PersonalUrlRecognizer(PatternRecognizer):
     def __init__(self) -> None:
         segment = rf"/(?:{_PERSONAL_SEGMENTS})/[^\s/?#<>\"'()]+"
         patterns = [
-            Pattern("url personal segment", rf"(?i){_URL_START}{_URL_REST}?{segment}{_URL_REST}", 0.6),
-            Pattern("url tilde or handle", rf"(?i){_URL_START}{_URL_REST}?/[~@][^\s/?#<>\"'()]+{_URL_REST}", 0.6),
+            Pattern(
+                "url personal segment", rf"(?i){_URL_START}{_URL_REST}?{segment}{_URL_REST}", 0.6
+            ),
+            Pattern(
+                "url tilde or handle",
+                rf"(?i){_URL_START}{_URL_REST}?/[~@][^\s/?#<>\"'()]+{_URL_REST}",
+                0.6,
+            ),
             Pattern(
                 "url personal query",
                 rf"(?i){_URL_START}{_URL_REST}?[?&](?:{_PERSONAL_QUERY})={_URL_REST}",
@@ -200,10 +204,8 @@ class DictionaryRecognizer(EntityRecognizer):
     """The region's own list of names (customers, account holders): each found whole,
     case-insensitively, at word boundaries."""
 
-    def __init__(self, entries: tuple[str, ...]) -> None:
-        ordered = sorted(set(entries), key=len, reverse=True)  # the longest name wins
-        alternatives = "|".join(re.escape(e) for e in ordered)
-        self._pattern = re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self._pattern = pattern  # dictionary_pattern's
         super().__init__(
             supported_entities=[DICTIONARY],
             supported_language=LANGUAGE,

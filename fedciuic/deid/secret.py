@@ -23,7 +23,9 @@ def region_secret(path: Path) -> bytes:
     except FileNotFoundError:
         return _create(path)
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError([f"{path}: cannot read the pseudonym key ({err}); check the file"]) from None
+        raise ConfigError(
+            [f"{path}: cannot read the pseudonym key ({err}); check the file"]
+        ) from None
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -47,7 +49,7 @@ def key_id(key: bytes) -> str:
 def _create(path: Path) -> bytes:
     key = secrets.token_bytes(KEY_BYTES)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write(key.hex() + "\n")

@@ -1,0 +1,101 @@
+"""A region's records de-identified before they are tokenised: the region's scrubber,
+built from the run's de-identification settings and the region's own dictionary, key
+and NER model (never anything the aggregator ships), and each record's text fields
+passed through it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from fedciuic.config import DeidSettings, NodeConfig
+from fedciuic.data.records import Record
+from fedciuic.errors import ConfigError
+
+if TYPE_CHECKING:  # Presidio takes seconds to import: only a region that scrubs does
+    from fedciuic.deid import Scrubber
+
+
+class Scrubbed(BaseModel):
+    """What de-identification replaced in a region's data, kept with its tokenised cache:
+    the pipeline's identity and counts by entity type and by file; never a value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    identity: dict[str, Any]
+    counts: dict[str, int] = {}
+    files: dict[str, dict[str, int]] = {}
+    records: int = 0  # records with at least one identifier replaced
+
+    @classmethod
+    def of(cls, scrubber: Scrubber) -> Scrubbed:
+        found = scrubber.findings
+        return cls(
+            identity=scrubber.identity,
+            counts=dict(sorted(found.counts.items())),
+            files={f: dict(sorted(c.items())) for f, c in sorted(found.by_file.items())},
+            records=found.records,
+        )
+
+
+def region_scrubber(
+    settings: DeidSettings,
+    *,
+    dictionary: str = "",
+    secret: Path,
+    ner_model: str = "",
+    examples: bool = False,
+) -> Scrubber | None:
+    """The scrubber a region applies (None: de-identification is off); ``examples``
+    keeps a few masked examples of what it found (``fedciuic data check``)."""
+    entities = settings.entities
+    if not entities:
+        return None
+    from fedciuic.deid import NER_ONLY, DeidSpec, Scrubber, load_dictionary, region_secret
+
+    needs_ner = [e for e in entities if e in NER_ONLY]
+    if needs_ner and not ner_model:
+        raise ConfigError(
+            [
+                f"deid-entities: {', '.join(needs_ner)} can only be found by a NER model: "
+                "name one the region installed in its deid-ner-model (agent config), or "
+                "drop them from deid-entities"
+            ]
+        )
+    spec = DeidSpec(
+        entities,
+        settings.replacement,
+        region_secret(secret),
+        load_dictionary(Path(dictionary).expanduser()) if dictionary else None,
+        ner_model,
+    )
+    scrubber = Scrubber(spec)
+    if examples:
+        scrubber.findings.examples = []
+    return scrubber
+
+
+def node_scrubber(settings: DeidSettings, node: NodeConfig) -> Scrubber | None:
+    """:func:`region_scrubber` with the region's own dictionary, key and model."""
+    return region_scrubber(
+        settings,
+        dictionary=node.deid_dictionary,
+        secret=node.deid_secret_path,
+        ner_model=node.deid_ner_model,
+    )
+
+
+def scrub_record(record: Record, scrubber: Scrubber, where: str, file: str) -> Record:
+    """``record`` with every text field de-identified (roles and the user id are kept:
+    the user id never reaches the cache, only its digest)."""
+    before = scrubber.findings.counts.total()
+    parts = tuple(scrubber.scrub(p, where=where, file=file) for p in record.parts)
+    messages = tuple(
+        (role, scrubber.scrub(content, where=where, file=file)) for role, content in record.messages
+    )
+    if scrubber.findings.counts.total() != before:
+        scrubber.findings.records += 1
+    return replace(record, parts=parts, messages=messages)
