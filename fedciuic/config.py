@@ -233,6 +233,16 @@ def _check_secure_threshold(value: int, info: ValidationInfo) -> int:
     return value
 
 
+def _entity_list(value: Any) -> tuple[str, ...]:
+    """``"direct,PERSON"`` (or a list) as entity type names, each known."""
+    names = tuple(v.strip() for v in (value.split(",") if isinstance(value, str) else value))
+    names = tuple(v for v in names if v)
+    parse_entities(names)  # ValueError names the known types
+    if not names:
+        raise ValueError('no entity type; name some, or "direct", or set deidentify = false')
+    return names
+
+
 def _check_noise_share(value: float, info: ValidationInfo) -> float:
     if value and not info.data.get("secure_aggregation"):
         raise ValueError(
@@ -402,36 +412,17 @@ class RunConfig(_Strict):
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
-    # De-identification in each region before its texts are tokenised
-    # (docs/deidentification.md).
-    #: Scrub identifiers from every text field a record trains on.
+    # De-identification before tokenising (:class:`DeidSettings`; simulation: a folder
+    # of REGION.txt dictionaries, a deployed region names its own deid-dictionary).
     deidentify: bool = True
-    #: Which identifiers: entity types, or ``direct`` for every pattern-found type.
     deid_entities: tuple[str, ...] = (DIRECT_WORD,)
-    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
-    #: region's secret: stable within a region, different across regions).
     deid_replacement: Replacement = "placeholder"
-    #: Simulation only: a folder of dictionaries, ``REGION.txt`` each (a deployed region
-    #: names its own in its agent config's deid-dictionary).
     deid_dictionaries: str = ""
 
+    _entities = field_validator("deid_entities", mode="before")(_entity_list)
     _secure = field_validator("secure_aggregation")(_check_secure)
     _threshold = field_validator("secure_threshold")(_check_secure_threshold)
     _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
-
-    @field_validator("deid_entities", mode="before")
-    @classmethod
-    def _split_entities(cls, value: Any) -> Any:
-        return tuple(value.split(",")) if isinstance(value, str) else value
-
-    @field_validator("deid_entities")
-    @classmethod
-    def _check_entities(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        parse_entities(value)  # ValueError names the known types
-        names = tuple(v.strip() for v in value if v.strip())
-        if not names:
-            raise ValueError('no entity type; name some, or "direct", or set deidentify = false')
-        return names
 
     @field_validator("insecure_reproducible_noise")
     @classmethod
@@ -889,8 +880,10 @@ class DeidSettings:
     docs/deidentification.md)."""
 
     enabled: Annotated[bool, Key("deidentify")]
-    #: As listed (``direct`` included); :attr:`types` expands them.
+    #: As listed (``direct``: every pattern-found type); :attr:`entities` expands them.
     listed: Annotated[tuple[str, ...], Key("deid_entities")]
+    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
+    #: region's secret: stable within a region, different across regions).
     replacement: Annotated[Replacement, Key("deid_replacement")]
 
     @property

@@ -26,6 +26,7 @@ from fedciuic.crypto import (
     config_digest,
     reply_message,
 )
+from fedciuic.deid import parse_entities
 from fedciuic.errors import FedciuicError
 
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
@@ -48,6 +49,9 @@ PRIVACY_UNIT = "privacy-unit"
 #: A trained reply's adapter-mode (what its update's tensors are): the aggregator refuses
 #: an update trained in a mode other than the run's, naming the key.
 ADAPTER_MODE = "adapter-mode"
+#: A trained reply's de-identification: the entity types scrubbed from the region's texts
+#: before it trained, comma-separated ("" when off); checked against its policy.
+DEID_ENTITIES = "deid-entities"
 #: Fields a region may add to any reply: its key id and signature over the reply (with
 #: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
 #: aggregator's instructions carry the head of its own log the same way.
@@ -300,7 +304,7 @@ _BASE_INFO = frozenset({"region", "status", "reason"})
 #: The exact info keys of each status (besides the optional ones above).
 INFO_KEYS: dict[str, frozenset[str]] = {
     TRAINED: _BASE_INFO
-    | {"data-fingerprint", JURISDICTION, POLICY_HASH, PRIVACY_UNIT, ADAPTER_MODE},
+    | {"data-fingerprint", JURISDICTION, POLICY_HASH, PRIVACY_UNIT, ADAPTER_MODE, DEID_ENTITIES},
     SEALED: _BASE_INFO,
     EVALUATED: _BASE_INFO,
     DECLINED: _BASE_INFO,
@@ -413,6 +417,20 @@ def parse_train_metrics(metrics: object, unit: str) -> TrainMetrics:
         )
     except ValidationError as err:
         raise _problem(err, "metrics") from None
+
+
+def parse_deid_entities(value: str) -> tuple[str, ...]:
+    """A trained reply's declared de-identification (:data:`DEID_ENTITIES`), validated."""
+    names = tuple(v for v in value.split(",") if v) if value else ()
+    try:
+        parsed = parse_entities(names)
+    except ValueError as err:
+        raise MalformedReply(f"malformed info: {DEID_ENTITIES}: {err}") from None
+    if len(parsed) != len(names):
+        raise MalformedReply(
+            f"malformed info: {DEID_ENTITIES}: {value[:80]!r} repeats or abbreviates entity types"
+        )
+    return parsed
 
 
 def parse_eval_metrics(metrics: Mapping[str, object]) -> EvalMetrics:

@@ -30,6 +30,8 @@ _PATHS = (
     "key_file",
     "aggregator_bundle",
     "peer_bundles",
+    "deid_dictionary",
+    "deid_secret",
     "policy",
     "socket",
 )

@@ -27,6 +27,7 @@ from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
     DECLINED,
+    DEID_ENTITIES,
     EVALUATED,
     FAILED,
     KEY_ID,
@@ -45,6 +46,7 @@ from fedciuic.wire import (
     Unread,
     Witness,
     failed,
+    parse_deid_entities,
     parse_eval_metrics,
     parse_train_metrics,
 )
@@ -313,6 +315,7 @@ class Judge:
                 secure_sum=self.secure_threshold > 0,
                 secure_threshold=self.secure_threshold,
                 distributed_dp=self.distributed_dp,
+                deid_entities=parse_deid_entities(info[DEID_ENTITIES]),
                 **metrics.declared(),
             )
         )

@@ -38,6 +38,10 @@ class Event(StrEnum):
     # a region
     RUN_JOINED = "run_joined"
     TRAINED = "trained"
+    #: What de-identification replaced in the texts a round trains on: the pipeline's
+    #: identity (config hash, entity types, recognizer versions) and counts per entity
+    #: type and per file, never a value (docs/deidentification.md).
+    DATA_DEIDENTIFIED = "data_deidentified"
     UPDATE_SEALED = "update_sealed"
     UPDATE_SENT_CLEAR = "update_sent_clear"
     UPDATE_RESENT = "update_resent"

@@ -240,6 +240,7 @@ def build_report(
         _transfers_section(agg, own, agg_all),
         _undelivered_section(check.undelivered, own_all),
         _privacy_section(own),
+        _deid_section(own),
         *_secure_section(agg, own),
         _outside_dp_section(own),
         _code_section(agg, own),
@@ -650,6 +651,66 @@ def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
             "unit",
             "delta",
             "epsilon after",
+        )
+        if rows
+        else (),
+        rows,
+    )
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
+    """What each region's de-identification replaced before each round it trained, from
+    its own log: the pipeline (config hash, replacement, Presidio's version) and counts
+    per entity type; a region that trained with none is named."""
+    rows = []
+    for region, records in sorted(own.items()):
+        scrubbed = {
+            _round(r): _details(r) for r in records if r.get("event") == Event.DATA_DEIDENTIFIED
+        }
+        for r in records:
+            if r.get("event") != Event.TRAINED:
+                continue
+            d = scrubbed.get(_round(r))
+            if d is None:
+                rows.append((_round(r), region, "none", "-", "-", "-", "not de-identified"))
+                continue
+            identity = _mapping(d.get("identity"))
+            recognizers = _mapping(identity.get("recognizers"))
+            counts = _mapping(d.get("counts"))
+            rows.append(
+                (
+                    _round(r),
+                    region,
+                    _text(identity.get("config_hash"))[:12],
+                    _text(identity.get("replacement")),
+                    _text(recognizers.get("presidio-analyzer")),
+                    _text(d.get("records")),
+                    ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing found",
+                )
+            )
+    return Section(
+        "De-identification",
+        [
+            "What each region replaced in its texts before it trained, per round, from its "
+            "own log (docs/deidentification.md): the pipeline's config hash (entity types, "
+            "replacement, recognizer versions, dictionary, key), the replacement, Presidio's "
+            "version, the records with an identifier, and the identifiers replaced per "
+            "entity type. No value is ever recorded."
+        ]
+        if rows
+        else ["No region's log records a round it trained in this run."],
+        (
+            "round",
+            "region",
+            "pipeline",
+            "replacement",
+            "presidio",
+            "records with identifiers",
+            "identifiers replaced",
         )
         if rows
         else (),

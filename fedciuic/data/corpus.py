@@ -162,6 +162,12 @@ class RegionData:
     cache: Path  # the tokenised examples in the region's state-path
     tokenised_now: bool  # False: read from the cache
 
+    @property
+    def deidentified(self) -> tuple[str, ...]:
+        """The entity types scrubbed from the texts the examples were made of."""
+        deid = self.summary.deid
+        return tuple(deid.identity["entities"]) if deid is not None else ()
+
 
 def region_fingerprint(data_path: str | Path) -> str:
     """The digest a region's ledger and reports name its data by (its files' bytes)."""

@@ -13,12 +13,12 @@ if TYPE_CHECKING:
     from fedciuic.deid.entities import DIRECT, DIRECT_WORD, ENTITIES, NER_ONLY, parse_entities
     from fedciuic.deid.pipeline import (
         REPLACEMENTS,
+        DeidFindings,
         DeidSpec,
-        Findings,
         Replacement,
         Scrubber,
     )
-    from fedciuic.deid.secret import SECRET_FILE, key_id, region_secret
+    from fedciuic.deid.secret import SECRET_FILE, region_secret, secret_id
 
 _WHERE = {
     "DIRECT": "entities",
@@ -26,13 +26,13 @@ _WHERE = {
     "DeidSpec": "pipeline",
     "Dictionary": "dictionary",
     "ENTITIES": "entities",
-    "Findings": "pipeline",
+    "DeidFindings": "pipeline",
     "NER_ONLY": "entities",
     "REPLACEMENTS": "pipeline",
     "Replacement": "pipeline",
     "SECRET_FILE": "secret",
     "Scrubber": "pipeline",
-    "key_id": "secret",
+    "secret_id": "secret",
     "load_dictionary": "dictionary",
     "parse_entities": "entities",
     "region_secret": "secret",
@@ -44,14 +44,14 @@ __all__ = [
     "NER_ONLY",
     "REPLACEMENTS",
     "SECRET_FILE",
+    "DeidFindings",
     "DeidSpec",
     "Dictionary",
-    "Findings",
     "Replacement",
     "Scrubber",
-    "key_id",
     "load_dictionary",
     "parse_entities",
     "region_secret",
+    "secret_id",
 ]
 __getattr__ = face(__name__, _WHERE)

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+#: The one language recognizers are built for and texts analysed in (the patterns do not
+#: depend on it).
+LANGUAGE = "en"
+#: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
+#: pipeline's identity (the tokenisation cache's key and the audit record).
+RECOGNIZERS_VERSION = 1
+
 EMAIL_ADDRESS = "EMAIL_ADDRESS"
 PHONE_NUMBER = "PHONE_NUMBER"
 CN_RESIDENT_ID = "CN_RESIDENT_ID"

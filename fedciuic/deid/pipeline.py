@@ -18,8 +18,14 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedciuic.deid.dictionary import Dictionary, dictionary_pattern
-from fedciuic.deid.entities import DICTIONARY, NER_ONLY, PLACEHOLDERS
-from fedciuic.deid.secret import key_id
+from fedciuic.deid.entities import (
+    DICTIONARY,
+    LANGUAGE,
+    NER_ONLY,
+    PLACEHOLDERS,
+    RECOGNIZERS_VERSION,
+)
+from fedciuic.deid.secret import secret_id
 from fedciuic.errors import ConfigError
 
 if TYPE_CHECKING:  # Presidio takes seconds to import: only a pass that scrubs does
@@ -28,11 +34,6 @@ if TYPE_CHECKING:  # Presidio takes seconds to import: only a pass that scrubs d
     from presidio_anonymizer import AnonymizerEngine
     from presidio_anonymizer.entities import OperatorConfig
 
-#: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
-#: pipeline's identity (the tokenisation cache's key and the audit record).
-RECOGNIZERS_VERSION = 1
-#: The one language recognizers are built for and texts analysed in.
-LANGUAGE = "en"
 
 Replacement = Literal["placeholder", "pseudonym"]
 REPLACEMENTS: tuple[Replacement, ...] = ("placeholder", "pseudonym")
@@ -44,7 +45,7 @@ PSEUDONYM_HEX = 8
 #: The packages whose versions decide what is found (the pipeline's identity).
 PACKAGES = ("presidio-analyzer", "presidio-anonymizer", "phonenumbers", "tldextract")
 #: Masked examples a check keeps, and the context shown either side of one.
-EXAMPLES = 5
+MASKED_EXAMPLES = 5
 _CONTEXT = 32
 #: A text with none of these (nor a dictionary entry) holds no pattern's identifier:
 #: every pattern type has a digit, an @, or a URL's start.
@@ -73,7 +74,7 @@ class DeidSpec:
             "dictionary_entries": len(self.dictionary.entries) if self.dictionary else 0,
             "recognizers": {"fedciuic": RECOGNIZERS_VERSION}
             | {name: version(name) for name in PACKAGES},
-            "key_id": key_id(self.key) if self.replacement == "pseudonym" else "",
+            "key_id": secret_id(self.key) if self.replacement == "pseudonym" else "",
         }
         hashed = described | {
             "dictionary": self.dictionary.keyed_digest(self.key) if self.dictionary else ""
@@ -83,7 +84,7 @@ class DeidSpec:
 
 
 @dataclass
-class Findings:
+class DeidFindings:
     """What scrubbing found, by entity type and by file; values are never kept, only
     (when asked) a few examples with every identifier masked."""
 
@@ -112,7 +113,7 @@ class Findings:
         ``spans`` are where they were (entity, start, end), for a masked example."""
         self.counts.update(replaced)
         self.by_file.setdefault(file, Counter()).update(replaced)
-        if self.examples is not None and spans and len(self.examples) < EXAMPLES:
+        if self.examples is not None and spans and len(self.examples) < MASKED_EXAMPLES:
             self.examples.append(f"{where}: {spans[0][0]}: {masked_context(text, spans)}")
 
 
@@ -143,7 +144,7 @@ class Scrubber:
             if spec.dictionary is not None and DICTIONARY in spec.entities
             else None
         )
-        self.findings = Findings()
+        self.findings = DeidFindings()
 
     @cached_property
     def _engines(self) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig]]:

@@ -44,13 +44,13 @@ from fedciuic.deid.entities import (
     IBAN_CODE,
     IP_ADDRESS,
     IT_FISCAL_CODE,
+    LANGUAGE,
     PHONE_NUMBER,
     PL_PESEL,
     SE_PERSONNUMMER,
     URL,
     US_SSN,
 )
-from fedciuic.deid.pipeline import LANGUAGE
 
 #: Regions whose numbering plans the phone recognizer tries (international numbers with
 #: a + are found whatever the region).

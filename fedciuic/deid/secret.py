@@ -41,7 +41,7 @@ def region_secret(path: Path) -> bytes:
     return key
 
 
-def key_id(key: bytes) -> str:
+def secret_id(key: bytes) -> str:
     """A public name of the key (never the key): pseudonyms made under one id match."""
     return hashlib.sha256(b"fedciuic-deid-key\n" + key).hexdigest()[:16]
 

@@ -95,6 +95,7 @@ def run_terms(
         secure_aggregation=run.secure.enabled,
         secure_threshold=run.secure.threshold if run.secure.enabled else 0,
         distributed_dp=run.secure.enabled and run.secure.noise_multiplier > 0,
+        deid_entities=run.deid.entities,
     )
 
 

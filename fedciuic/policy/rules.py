@@ -47,6 +47,7 @@ from fedciuic.config import (
     unit_covers,
 )
 from fedciuic.crypto import Suite
+from fedciuic.deid import parse_entities
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -161,6 +162,35 @@ class Aggregation(_Section):
         return []
 
 
+def _entity_list(values: tuple[str, ...]) -> tuple[str, ...]:
+    parse_entities(values)  # ValueError names the known types
+    return values
+
+
+class Deidentification(_Section):
+    """Whether identifiers must be scrubbed from a region's texts before it trains on
+    them, and which (entity types, or ``direct`` for every pattern-found one;
+    docs/deidentification.md)."""
+
+    required: bool
+    entities: Annotated[tuple[str, ...], _Distinct, AfterValidator(_entity_list)] = Field(
+        min_length=1
+    )
+
+    def reasons(self, scrubbed: tuple[str, ...]) -> list[str]:
+        """What a run (or an update) that scrubbed ``scrubbed`` breaks of this section."""
+        if not self.required:
+            return []
+        if not scrubbed:
+            return ["de-identification is off (deidentification.required)"]
+        missing = [e for e in parse_entities(self.entities) if e not in scrubbed]
+        if missing:
+            return [
+                f"de-identification does not scrub {', '.join(missing)} (deidentification.entities)"
+            ]
+        return []
+
+
 class Audit(_Section):
     retention_days: _Count = Field(ge=1)
     redact_paths: bool
@@ -195,6 +225,8 @@ class Policy(_Section):
     aggregation: Aggregation
     audit: Audit
     agent: Agent | None = None
+    #: Absent: de-identification is not required.
+    deidentification: Deidentification | None = None
 
     @field_validator("version", mode="before")
     @classmethod
@@ -222,8 +254,9 @@ class Policy(_Section):
             del data["privacy"]["unit"]
         if set(self.compression.allowed_adapter_modes) == set(ADAPTER_MODES):
             del data["compression"]["allowed_adapter_modes"]
-        if self.agent is None:  # likewise for a policy that requires no agent version
-            del data["agent"]
+        for optional in ("agent", "deidentification"):  # likewise for sections absent
+            if data[optional] is None:
+                del data[optional]
         aggregation = data["aggregation"]  # and for one written before secure aggregation
         for key, default in _SECURE_DEFAULTS.items():
             if aggregation[key] == default:
@@ -712,6 +745,8 @@ class RunTerms:
     secure_aggregation: bool = False
     secure_threshold: int = 0
     distributed_dp: bool = False
+    #: The entity types de-identification scrubs in each region (none: it is off).
+    deid_entities: tuple[str, ...] = ()
 
 
 def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
@@ -735,6 +770,7 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
         )
     reasons += _mode_reasons(p, terms.adapter_mode)
     reasons += p.aggregation.secure_reasons(terms.secure_aggregation, terms.secure_threshold)
+    reasons += _deid_reasons(p, terms.deid_entities)
     return Decision(
         actor=region,
         subject="run terms",
@@ -742,6 +778,10 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
         reasons=tuple(reasons),
         policy_hash=loaded.hash,
     )
+
+
+def _deid_reasons(p: Policy, scrubbed: tuple[str, ...]) -> list[str]:
+    return p.deidentification.reasons(scrubbed) if p.deidentification is not None else []
 
 
 def _mode_reasons(p: Policy, mode: str) -> list[str]:
@@ -856,6 +896,8 @@ class UpdateFacts:
     secure_sum: bool = False
     secure_threshold: int = 0
     distributed_dp: bool = False
+    #: The entity types the region declares it scrubbed before training (none: off).
+    deid_entities: tuple[str, ...] = ()
 
 
 def check_update(
@@ -928,6 +970,7 @@ def check_update(
         reasons.append(f"codec {facts.codec} not allowed (compression.allowed_codecs)")
     reasons += _mode_reasons(p, facts.adapter_mode)
     reasons += p.aggregation.secure_reasons(facts.secure_sum, facts.secure_threshold)
+    reasons += _deid_reasons(p, facts.deid_entities)
     if (too_old := loaded.agent_too_old(facts.agent_version)) is not None:
         reasons.append(too_old)
     reasons += _transfer_reasons(p, run)
@@ -1013,11 +1056,22 @@ def explain(loaded: LoadedPolicy) -> str:
         f"modes: {', '.join(p.compression.allowed_adapter_modes)}.",
         f"An aggregate that includes this region is published only with at least "
         f"{a.min_regions} regions and {a.min_examples} training examples in it.",
+        _explain_deid(p.deidentification),
         f"Audit records are kept {p.audit.retention_days} days"
         + (", with file paths redacted." if p.audit.redact_paths else "."),
         "These are defaults to adapt with your counsel, not legal advice.",
     ]
     return "\n".join(lines)
+
+
+def _explain_deid(d: Deidentification | None) -> str:
+    if d is None or not d.required:
+        return "De-identification before training is not required."
+    return (
+        "Before training, the region must replace these identifiers in its texts: "
+        + ", ".join(parse_entities(d.entities))
+        + " (deid-entities)."
+    )
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -71,6 +71,7 @@ from fedciuic.wire import (
     AGENT_VERSION,
     AUDIT_COUNT,
     AUDIT_HEAD,
+    DEID_ENTITIES,
     JURISDICTION,
     POLICY_HASH,
     PRIVACY_UNIT,
@@ -190,6 +191,7 @@ def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
         POLICY_HASH: policy.hash,
         PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
         ADAPTER_MODE: outcome.adapter_mode,
+        DEID_ENTITIES: ",".join(outcome.deidentified),
     }
 
 
@@ -575,6 +577,9 @@ class _Round:
                 "already released (the privacy ledger records it) and its update was not "
                 "kept; nothing is released twice, so this region sits out the round"
             )
+        deid = region.data.summary.deid
+        if deid is not None:  # what the texts of this round's training were scrubbed of
+            self.note(Event.DATA_DEIDENTIFIED, **deid.model_dump())
         payload = b""
 
         def keep(trained: TrainOutcome) -> None:

@@ -219,6 +219,8 @@ class TrainOutcome:
     update: bytes = b""  # the delta (plus the old residual) encoded with the run's codec
     #: What the delta's tensors are: the adapter-mode the region's model trains in.
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
+    #: The entity types scrubbed from the texts it trained on (none: not de-identified).
+    deidentified: tuple[str, ...] = ()
 
 
 #: Distinguishes the rounding generator from anything else seeded with a round's seed.
@@ -386,7 +388,14 @@ class Region:
             )
             mode = self.model.spec.adapter_mode
             outcome = TrainOutcome(
-                self.name, delta, stats, self.data.fingerprint, privacy, update, mode
+                self.name,
+                delta,
+                stats,
+                self.data.fingerprint,
+                privacy,
+                update,
+                mode,
+                self.data.deidentified,
             )
             if keep is not None:
                 keep(outcome)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fedciuic.deid import DIRECT
 from fedciuic.policy.rules import (
     Agent,
     LoadedPolicy,
@@ -133,10 +134,16 @@ GOOD = RunTerms(
     seal_suite="xwing-aes256gcm",
     codec="topk-int8",
     privacy_unit="user",  # the shipped EU policy requires user-level DP
+    deid_entities=DIRECT,  # the shipped EU and CN policies require de-identification
 )
 
 RUN_RULES = [
     ({}, None),
+    ({"deid_entities": ()}, "de-identification is off (deidentification.required)"),
+    (
+        {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER")},
+        "does not scrub CN_RESIDENT_ID, US_SSN",
+    ),
     ({"aggregator_jurisdiction": "CN"}, "transfers.aggregator_jurisdictions"),
     ({"aggregator_jurisdiction": "US"}, None),
     ({"relay_jurisdiction": "SG"}, None),  # EU allows ciphertext via a third-country relay
@@ -200,10 +207,13 @@ FACTS = UpdateFacts(
     num_examples=500,
     secure_mode=True,
     unit="user",
+    deid_entities=DIRECT,
 )
 
 UPDATE_RULES = [
     ({}, None),
+    ({"deid_entities": ()}, "de-identification is off (deidentification.required)"),
+    ({"deid_entities": DIRECT[1:]}, "does not scrub EMAIL_ADDRESS (deidentification.entities)"),
     ({"epsilon": 17.0}, "declared epsilon 17 > 16"),
     ({"epsilon": None}, "privacy.dp_required"),
     ({"delta": 1e-3}, "privacy.max_delta"),

@@ -35,6 +35,7 @@ from fedciuic.crypto.parties import (
     generate_federation_keys,
     update_payload,
 )
+from fedciuic.deid import DIRECT
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError, load_policy
@@ -43,6 +44,7 @@ from fedciuic.record.recorder import RunRecorder
 from fedciuic.stages.sealing import SealedReplies
 from fedciuic.wire import (
     ADAPTER_MODE,
+    DEID_ENTITIES,
     ENVELOPE,
     PRIVACY_UNIT,
     Arrival,
@@ -133,6 +135,7 @@ def trained(region: str, value: float, examples: int, n: int = 4) -> Raw:
             "policy-hash": "",
             PRIVACY_UNIT: "",
             ADAPTER_MODE: "lora",
+            DEID_ENTITIES: "",
         },
         {"num-examples": examples, "train-loss": 1.0, "steps": 5, "update-bytes": len(update)},
         update_arrays(update),
@@ -299,6 +302,7 @@ def sealed_reply_from(
             "policy-hash": policy_hash,
             PRIVACY_UNIT: unit,
             ADAPTER_MODE: "lora",
+            DEID_ENTITIES: ",".join(DIRECT),  # as a default run's region scrubs
         },
     )
     envelope = seal(
