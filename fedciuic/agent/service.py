@@ -379,7 +379,9 @@ class AgentServer:
 
     def _private_paths(self) -> list[Path]:
         c = self.config
-        return [Path(c.data_path), c.state_dir, Path(c.key_file)]
+        paths = [Path(c.data_path), c.state_dir, Path(c.key_file), c.deid_secret_path]
+        # The names the region scrubs are personal data too.
+        return paths + ([Path(c.deid_dictionary)] if c.deid_dictionary else [])
 
     def start(self) -> None:
         """Check the region's files against the relay's user, own the state dir (one

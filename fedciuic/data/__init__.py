@@ -18,7 +18,9 @@ if TYPE_CHECKING:
         users_refusal,
     )
     from fedciuic.data.demo import FAMILIES, module_docs, write_demo_corpora
+    from fedciuic.data.demo_pii import DEMO_DICTIONARIES
     from fedciuic.data.records import CHAT, check_chat_template
+    from fedciuic.data.scrubbing import Scrubbed, region_scrubber
     from fedciuic.data.sources import NoDataFiles
     from fedciuic.data.tokenized import IGNORE, dropped_for_length
 
@@ -26,17 +28,20 @@ if TYPE_CHECKING:
 _WHERE = {
     "Batch": "corpus",
     "CHAT": "records",
+    "DEMO_DICTIONARIES": "demo_pii",
     "ExampleSet": "corpus",
     "FAMILIES": "demo",
     "IGNORE": "tokenized",
     "NoDataFiles": "sources",
     "RegionData": "corpus",
     "SCAN_SAMPLE": "check",
+    "Scrubbed": "scrubbing",
     "bad_rows_refusal": "corpus",
     "check_chat_template": "records",
     "check_data": "check",
     "dropped_for_length": "tokenized",
     "load_region_data": "corpus",
+    "region_scrubber": "scrubbing",
     "module_docs": "demo",
     "scan_data": "check",
     "users_refusal": "corpus",
@@ -44,6 +49,7 @@ _WHERE = {
 }
 __all__ = [
     "CHAT",
+    "DEMO_DICTIONARIES",
     "FAMILIES",
     "IGNORE",
     "SCAN_SAMPLE",
@@ -51,12 +57,14 @@ __all__ = [
     "ExampleSet",
     "NoDataFiles",
     "RegionData",
+    "Scrubbed",
     "bad_rows_refusal",
     "check_chat_template",
     "check_data",
     "dropped_for_length",
     "load_region_data",
     "module_docs",
+    "region_scrubber",
     "scan_data",
     "users_refusal",
     "write_demo_corpora",

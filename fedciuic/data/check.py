@@ -13,11 +13,13 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 from transformers import PreTrainedTokenizerBase
 
 from fedciuic.config import Fields, TruncationSide
+from fedciuic.data.scrubbing import Scrubbed
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
     IGNORE,
@@ -29,6 +31,9 @@ from fedciuic.data.tokenized import (
     scan_examples,
     tokenized,
 )
+
+if TYPE_CHECKING:
+    from fedciuic.deid import Scrubber
 
 #: How the masked part (no loss) of the shown example is marked.
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -44,6 +49,8 @@ class DataCheck:
     seq_len: int
     tokenizer: str  # what counted the tokens
     truncation_side: TruncationSide = "right"
+    #: A few of what de-identification found, every identifier masked.
+    deid_examples: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -77,9 +84,33 @@ class DataCheck:
         if self.example is not None:
             out += ["", f"one training example ({MASK_OPEN}masked: no loss{MASK_CLOSE}):"]
             out += [self.example, ""]
+        out += deid_lines(s.deid, self.deid_examples)
         if s.bad_rows:
             out += [f"bad rows ({s.bad_rows}):", *s.bad_reasons]
         return out
+
+
+def _counted(counts: dict[str, int]) -> str:
+    return ", ".join(f"{entity} {n}" for entity, n in sorted(counts.items())) or "none"
+
+
+def deid_lines(deid: Scrubbed | None, examples: tuple[str, ...]) -> list[str]:
+    """What de-identification would replace before training: counts by entity type and
+    by file, and a few examples with the identifiers masked."""
+    if deid is None:
+        return ["de-identification: off (nothing would be scrubbed)", ""]
+    identity = deid.identity
+    found = sum(deid.counts.values())
+    out = [
+        f"de-identification ({identity['replacement']}, {len(identity['entities'])} entity "
+        f"type(s), pipeline {identity['config_hash'][:12]}): {found} identifier(s) would be "
+        f"replaced in {deid.records} record(s)",
+        f"  by entity type: {_counted(deid.counts)}",
+        *(f"  {file}: {_counted(counts)}" for file, counts in deid.files.items()),
+    ]
+    if examples:
+        out += ["  examples (identifiers masked):", *(f"    {e}" for e in examples)]
+    return [*out, ""]
 
 
 def check_data(
@@ -90,8 +121,10 @@ def check_data(
     fields: Fields,
     tokenizer_name: str,
     truncation_side: TruncationSide = "right",
+    scrubber: Scrubber | None = None,
 ) -> DataCheck:
-    """Read and tokenise ``data_path`` as a region would; every bad row is listed."""
+    """Read, de-identify (with ``scrubber``) and tokenise ``data_path`` as a region
+    would; every bad row is listed."""
     root = root_of(data_path)
     sources = discover(root)
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-") as scratch:
@@ -103,9 +136,19 @@ def check_data(
             state_dir=Path(scratch),
             keep_reasons=None,
             truncation_side=truncation_side,
+            scrubber=scrubber,
         )
         example = _example(data.examples, tokenizer)
-        return DataCheck(root, data.summary, example, seq_len, tokenizer_name, truncation_side)
+        found = scrubber.findings.examples if scrubber is not None else None
+        return DataCheck(
+            root,
+            data.summary,
+            example,
+            seq_len,
+            tokenizer_name,
+            truncation_side,
+            tuple(found or ()),
+        )
 
 
 def scan_data(

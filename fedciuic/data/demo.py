@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from fedciuic.config import Fields
+from fedciuic.data.demo_pii import DEMO_DICTIONARIES, sign_questions
 from fedciuic.data.records import ASSISTANT, CONTENT, INPUT, INSTRUCTION, OUTPUT, ROLE, SYSTEM, USER
 from fedciuic.errors import ConfigError
 
@@ -247,7 +248,8 @@ def _modules(names: tuple[str, ...]) -> list[ModuleType]:
 
 def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
     """Write each region's ``docs.jsonl``, ``chat.jsonl`` and ``instructions.jsonl``
-    under ``root/<region>/`` and return the folders."""
+    under ``root/<region>/`` (a few chats signed with synthetic identifiers) and the
+    names they use in ``root/deid-dictionaries/<region>.txt``; return the folders."""
     unknown = [r for r in regions if r not in FAMILIES]
     if unknown:
         raise ConfigError(
@@ -257,9 +259,18 @@ def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
     for region in regions:
         folder = root / region
         folder.mkdir(parents=True, exist_ok=True)
-        for name, records in demo_records(region).items():
-            lines = [json.dumps(record, ensure_ascii=False) for record in records]
+        records = demo_records(region)
+        names = sign_questions(region, records[CHAT_FILE], USER_ID)
+        for name, rows in records.items():
+            lines = [json.dumps(record, ensure_ascii=False) for record in rows]
             (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        dictionaries = root / DEMO_DICTIONARIES
+        dictionaries.mkdir(exist_ok=True)
+        (dictionaries / f"{region}.txt").write_text(
+            f"# Demo customers of region {region} (synthetic), one per line\n"
+            + "".join(f"{n}\n" for n in names),
+            encoding="utf-8",
+        )
         folders[region] = folder
     return folders
 

@@ -98,6 +98,17 @@ class CnResidentIdRecognizer(PatternRecognizer):
         return cn_resident_id_valid(pattern_text)
 
 
+def _not_a_phone(text: str, run: re.Match[str]) -> bool:
+    """A run that is a number rather than a phone number: a decimal's digits, or a bare
+    run of digits with no + and no separator (an amount, a count, a constant; a
+    mainland China mobile written so is found by :class:`CnMobileRecognizer`)."""
+    before, after = text[max(0, run.start() - 2) : run.start()], text[run.end() : run.end() + 2]
+    if re.fullmatch(r"\d\.", before) or before.endswith(".") or re.fullmatch(r"\.\d", after):
+        return True
+    digits = run.group()
+    return digits.isdigit() or re.fullmatch(r"\d+\.\d+", digits) is not None
+
+
 class FastPhoneRecognizer(PhoneRecognizer):
     """Presidio's phone recognizer (``phonenumbers``, every region of
     :data:`PHONE_REGIONS`), run only on the runs of digits that could be a number:
@@ -112,6 +123,8 @@ class FastPhoneRecognizer(PhoneRecognizer):
     ) -> list[RecognizerResult]:
         found: list[RecognizerResult] = []
         for run in _PHONE_RUN.finditer(text):
+            if _not_a_phone(text, run):
+                continue
             lo, hi = max(0, run.start() - _PHONE_MARGIN), min(len(text), run.end() + _PHONE_MARGIN)
             for result in super().analyze(text[lo:hi], entities, nlp_artifacts):  # type: ignore[arg-type]
                 result.start += lo

@@ -19,6 +19,7 @@ import json
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.config import RunConfig
+from fedciuic.deid import REPLACEMENTS
 from fedciuic.errors import (
     EXIT_AUDIT,
     EXIT_NO_AGGREGATE,
@@ -44,6 +46,18 @@ DATA_FIELD_OPTIONS: dict[str, str] = {
     name.replace("_", "-"): str(RunConfig.model_fields[name].default)
     for name in ("text_field", "prompt_field", "response_field", "messages_field", "user_id_field")
 }
+
+#: `data check` options of de-identification: the run config's two, the agent config's two.
+DEID_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("deid-entities", ",".join(RunConfig.model_fields["deid_entities"].default), "entity types"),
+    (
+        "deid-replacement",
+        RunConfig.model_fields["deid_replacement"].default,
+        "placeholder or pseudonym",
+    ),
+    ("deid-dictionary", "", "the region's dictionary of names, one per line"),
+    ("deid-ner-model", "", "a spaCy pipeline the region installed (PERSON, LOCATION)"),
+)
 
 EXAMPLES = """\
 examples:
@@ -303,6 +317,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     for option, default in DATA_FIELD_OPTIONS.items():
         data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
+    data_check.add_argument(
+        "--no-deidentify",
+        action="store_true",
+        help="check the data as a run with deidentify = false reads it (nothing scrubbed)",
+    )
+    for option, default, what in DEID_OPTIONS:
+        data_check.add_argument(
+            f"--{option}",
+            default=default,
+            choices=REPLACEMENTS if option == "deid-replacement" else None,
+            help=f"{what} (default: {default!r})",
+        )
 
     budget = _command(
         sub,
@@ -664,7 +690,7 @@ def _command(
 
 def _simulate(args: argparse.Namespace) -> int:
     from fedciuic.crypto import aggregator_keys
-    from fedciuic.data import write_demo_corpora
+    from fedciuic.data import DEMO_DICTIONARIES, write_demo_corpora
     from fedciuic.flower import LocalFederation
     from fedciuic.model import check_model_spec
     from fedciuic.ops.outputs import summarize
@@ -718,6 +744,11 @@ def _simulate(args: argparse.Namespace) -> int:
         data_root = workdir / "demo-data"
         write_demo_corpora(data_root, run.regions)
     overrides["data-root"] = str(data_root)
+    dictionaries = data_root / DEMO_DICTIONARIES
+    if run.deidentify and not run.deid_dictionaries and dictionaries.is_dir():
+        # Where `fedciuic demo-data` (and the demo above) writes each region's names.
+        print(f"de-identification: each region's dictionary from {dictionaries}/REGION.txt")
+        overrides["deid-dictionaries"] = str(dictionaries)
     if run.seal and not run.keys_dir:
         overrides["keys-dir"] = str(_simulation_keys(workdir / "keys", data_root, run))
         # A fresh aggregator key is a fresh aggregator: its audit log starts with it.
@@ -994,8 +1025,9 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from fedciuic.config import Fields, ModelSpec
-    from fedciuic.data import check_data
+    from fedciuic.config import DeidSettings, Fields, ModelSpec
+    from fedciuic.data import check_data, region_scrubber
+    from fedciuic.deid import parse_entities
     from fedciuic.model import spec_tokenizer
 
     if args.seq_len < 2:
@@ -1008,13 +1040,28 @@ def _data_check(args: argparse.Namespace) -> int:
         messages=args.messages_field,
         user_id=args.user_id_field,
     )
-    checked = check_data(
-        args.data_path,
-        spec_tokenizer(spec),
-        seq_len=args.seq_len,
-        fields=fields,
-        tokenizer_name=f"tokenizer of {args.model_path}" if args.model_path else "tiny preset",
-    )
+    listed = tuple(e.strip() for e in args.deid_entities.split(",") if e.strip())
+    try:
+        parse_entities(listed)
+    except ValueError as err:
+        raise ConfigError([f"--deid-entities: {err}"]) from None
+    settings = DeidSettings(not args.no_deidentify, listed, args.deid_replacement)
+    with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-key-") as scratch:
+        scrubber = region_scrubber(
+            settings,
+            dictionary=args.deid_dictionary,
+            secret=Path(scratch) / "key",  # a throwaway: pseudonyms here are examples
+            ner_model=args.deid_ner_model,
+            examples=True,
+        )
+        checked = check_data(
+            args.data_path,
+            spec_tokenizer(spec),
+            seq_len=args.seq_len,
+            fields=fields,
+            tokenizer_name=f"tokenizer of {args.model_path}" if args.model_path else "tiny preset",
+            scrubber=scrubber,
+        )
     print("\n".join(checked.lines(fields.user_id)))
     return 0 if checked.ok else 1
 

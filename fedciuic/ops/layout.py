@@ -36,6 +36,8 @@ from fedciuic.policy import LoadedPolicy, PolicySet
 
 #: Each region's agent config, in its folder.
 AGENT_CONFIG = "agent.toml"
+#: A demo region's dictionary of its synthetic customers' names, beside its agent config.
+DEMO_DICTIONARY_FILE = "deid-dictionary.txt"
 #: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
 #: ever published: nothing was trained (the same as `fedciuic simulate`).
 
@@ -126,6 +128,8 @@ def _agent_config(d: Deployment, region: DeployedRegion) -> AgentConfig:
         socket=str(region_socket(d, region.name)),
         relay_user=d.relay_user,
         cpu_threads=cpu_share(len(d.regions)),
+        # The demo's names to scrub (the region's own list: never in the FAB or data/).
+        deid_dictionary=str(here / DEMO_DICTIONARY_FILE) if d.demo_data else "",
     )
 
 
@@ -149,7 +153,7 @@ def _private_dir(path: Path) -> Path:
 def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
     """Write the checked deployment ``d`` into its (existing, empty) folder."""
     from fedciuic.crypto import generate_server_tls, generate_supernode_key
-    from fedciuic.data import write_demo_corpora
+    from fedciuic.data import DEMO_DICTIONARIES, write_demo_corpora
 
     agg = d.aggregator
     agg_keys = _private_dir(agg / "keys")
@@ -182,6 +186,9 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
                 corpus = write_demo_corpora(Path(tmp), (region.name,))[region.name]
                 for file in corpus.iterdir():
                     shutil.move(file, data / file.name)
+                names = Path(tmp) / DEMO_DICTIONARIES / f"{region.name}.txt"
+                shutil.move(names, here / DEMO_DICTIONARY_FILE)
+                (here / DEMO_DICTIONARY_FILE).chmod(0o600)  # names: the region's alone
         if d.tls:
             auth = _private_dir(here / "auth")
             _, public = generate_supernode_key(auth, region.name)
