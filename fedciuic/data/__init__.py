@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fedciuic.data.demo import FAMILIES, module_docs, write_demo_corpora
     from fedciuic.data.demo_pii import DEMO_DICTIONARIES
     from fedciuic.data.records import CHAT, check_chat_template
-    from fedciuic.data.scrubbing import Scrubbed, region_scrubber
+    from fedciuic.data.scrubbing import Scrubbed, check_deid, region_scrubber
     from fedciuic.data.sources import NoDataFiles
     from fedciuic.data.tokenized import IGNORE, dropped_for_length
 
@@ -39,6 +39,7 @@ _WHERE = {
     "bad_rows_refusal": "corpus",
     "check_chat_template": "records",
     "check_data": "check",
+    "check_deid": "scrubbing",
     "dropped_for_length": "tokenized",
     "load_region_data": "corpus",
     "region_scrubber": "scrubbing",
@@ -61,6 +62,7 @@ __all__ = [
     "bad_rows_refusal",
     "check_chat_template",
     "check_data",
+    "check_deid",
     "dropped_for_length",
     "load_region_data",
     "module_docs",

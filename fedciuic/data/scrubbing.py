@@ -16,7 +16,7 @@ from fedciuic.data.records import Record
 from fedciuic.errors import ConfigError
 
 if TYPE_CHECKING:  # Presidio takes seconds to import: only a region that scrubs does
-    from fedciuic.deid import Scrubber
+    from fedciuic.deid import Dictionary, Scrubber
 
 
 class Scrubbed(BaseModel):
@@ -41,6 +41,23 @@ class Scrubbed(BaseModel):
         )
 
 
+def check_deid(settings: DeidSettings, *, dictionary: str, ner_model: str) -> Dictionary | None:
+    """What a region's de-identification needs of it, checked (its dictionary read):
+    :class:`ConfigError` names the key or ``FILE:LINE``; the dictionary, if named."""
+    from fedciuic.deid import NER_ONLY, load_dictionary
+
+    needs_ner = [e for e in settings.entities if e in NER_ONLY]
+    if needs_ner and not ner_model:
+        raise ConfigError(
+            [
+                f"deid-entities: {', '.join(needs_ner)} can only be found by a NER model: "
+                "name one the region installed in its deid-ner-model (agent config), or "
+                "drop them from deid-entities"
+            ]
+        )
+    return load_dictionary(Path(dictionary).expanduser()) if dictionary else None
+
+
 def region_scrubber(
     settings: DeidSettings,
     *,
@@ -54,25 +71,12 @@ def region_scrubber(
     entities = settings.entities
     if not entities:
         return None
-    from fedciuic.deid import NER_ONLY, DeidSpec, Scrubber, load_dictionary, region_secret
+    from fedciuic.deid import DeidSpec, Scrubber, region_secret
 
-    needs_ner = [e for e in entities if e in NER_ONLY]
-    if needs_ner and not ner_model:
-        raise ConfigError(
-            [
-                f"deid-entities: {', '.join(needs_ner)} can only be found by a NER model: "
-                "name one the region installed in its deid-ner-model (agent config), or "
-                "drop them from deid-entities"
-            ]
-        )
-    spec = DeidSpec(
-        entities,
-        settings.replacement,
-        region_secret(secret),
-        load_dictionary(Path(dictionary).expanduser()) if dictionary else None,
-        ner_model,
+    names = check_deid(settings, dictionary=dictionary, ner_model=ner_model)
+    scrubber = Scrubber(
+        DeidSpec(entities, settings.replacement, region_secret(secret), names, ner_model)
     )
-    scrubber = Scrubber(spec)
     if examples:
         scrubber.findings.examples = []
     return scrubber

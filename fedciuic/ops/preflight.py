@@ -184,6 +184,22 @@ def check_pickle_permissions(
 # -- the data -----------------------------------------------------------------------------
 
 
+def _check_deid(run: RunConfig, region: str, findings: Findings) -> None:
+    """A simulated region's de-identification: its dictionary (deid-dictionaries) read
+    and the entity types it can find, before any process starts."""
+    from fedciuic.data import check_deid
+
+    if not run.deidentify:
+        return
+    names = Path(run.deid_dictionaries) / f"{region}.txt" if run.deid_dictionaries else None
+    try:
+        check_deid(
+            run.deid, dictionary=str(names) if names and names.is_file() else "", ner_model=""
+        )
+    except ConfigError as err:
+        findings.problem(f"region {region}: {err}")
+
+
 def check_region(
     run: RunConfig,
     folder: RegionFolder,
@@ -198,6 +214,7 @@ def check_region(
     from fedciuic.model import preset_tokenizer
 
     name = folder.region
+    _check_deid(run, name, findings)
     try:
         root, scanned = scan_data(
             folder.path,

@@ -278,3 +278,42 @@ def test_every_command_explains_its_options_with_an_example(command, capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert "example" in out and "fedciuic " in out.split("example", 1)[1]
+
+
+def test_data_check_reports_what_it_would_scrub_with_the_identifiers_masked(tmp_path, capsys):
+    """Counts per entity type and per file, and masked examples: never a value."""
+    assert main(["demo-data", str(tmp_path), "--regions", "cn"]) == 0
+    names = tmp_path / "deid-dictionaries" / "cn.txt"
+    capsys.readouterr()
+    assert main(["data", "check", str(tmp_path / "cn"), "--deid-dictionary", str(names)]) == 0
+    out = capsys.readouterr().out
+    signed = [
+        line for line in (tmp_path / "cn" / CHAT_FILE).read_text().splitlines() if "I am" in line
+    ]
+    n = len(signed)
+    assert n > 0
+    summary = re.search(r"^de-identification \(placeholder, 15 entity type\(s\), .*\n", out, re.M)
+    assert summary and f"in {n} record(s)" in summary.group(), out
+    each = f"CN_RESIDENT_ID {n}, DICTIONARY {n}, EMAIL_ADDRESS {n}, PHONE_NUMBER {n}"
+    assert f"  by entity type: {each}\n" in out
+    assert f"  {CHAT_FILE}: {each}\n" in out
+    examples = out.split("examples (identifiers masked):\n")[1].split("\n\n")[0].splitlines()
+    assert examples and all(line.startswith(f"    {CHAT_FILE}:") for line in examples)
+    for name in names.read_text().splitlines()[1:]:
+        assert name not in out  # a dictionary name is shown masked only
+    assert "@example.org" not in out and "+86" not in out
+    assert main(["data", "check", str(tmp_path / "cn"), "--no-deidentify"]) == 0
+    assert "de-identification: off (nothing would be scrubbed)" in capsys.readouterr().out
+
+
+def test_data_check_refuses_an_unknown_entity_type_and_a_malformed_dictionary(tmp_path, capsys):
+    assert main(["demo-data", str(tmp_path), "--regions", "eu"]) == 0
+    capsys.readouterr()
+    assert main(["data", "check", str(tmp_path / "eu"), "--deid-entities", "EMAIL"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--deid-entities: unknown entity type 'EMAIL'" in err
+    bad = tmp_path / "names.txt"
+    bad.write_text("Zhang Wei\nJane\tRoe\n", encoding="utf-8")
+    assert main(["data", "check", str(tmp_path / "eu"), "--deid-dictionary", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}:2: holds a control character" in err, err

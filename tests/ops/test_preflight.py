@@ -177,6 +177,25 @@ def test_good_input_passes_and_the_checks_read_every_row_but_tokenise_a_sample(
     assert "chat template" in findings.seen
 
 
+def test_a_malformed_dictionary_or_ner_only_type_is_named_before_anything_starts(
+    data_root, tmp_path
+):
+    names = tmp_path / "dictionaries"
+    names.mkdir()
+    (names / "eu.txt").write_text("Zhang Wei\nX\n", encoding="utf-8")
+    folders = [RegionFolder("eu", data_root / "eu"), RegionFolder("cn", data_root / "cn")]
+    problems = preflight(_run(**{"deid-dictionaries": str(names)}), folders).problems
+    assert problems == [
+        f"region eu: {names / 'eu.txt'}:2: entry of 1 character(s), the least is 2; one name "
+        "per line, # for a comment (docs/deidentification.md)"
+    ]
+    person = preflight(_run(**{"deid-entities": "direct,PERSON"}), folders[:1]).problems
+    assert person == [
+        "region eu: deid-entities: PERSON can only be found by a NER model: name one the "
+        "region installed in its deid-ner-model (agent config), or drop them from deid-entities"
+    ]
+
+
 def test_bad_rows_skipped_and_records_without_users_follow_the_run_config(data_root):
     with open(data_root / "eu" / "docs.jsonl", "a", encoding="utf-8") as handle:
         handle.write('{"text": 5, "user_id": "x"}\n{"text": "no user here"}\n')

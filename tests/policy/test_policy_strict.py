@@ -609,3 +609,30 @@ def test_a_lab_region_without_a_policy_obeys_none_and_its_decision_is_not_enforc
     )
     assert (none.hash, none.jurisdiction, none.max_epsilon_per_run) == ("", "", None)
     assert none.redacts_paths and none.decision.accepted and not none.decision.enforced
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"deidentify": False}, "de-identification is off (deidentification.required)"),
+        (
+            {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER")},
+            "de-identification does not scrub CN_RESIDENT_ID, US_SSN, CREDIT_CARD, IBAN_CODE, "
+            "IP_ADDRESS, URL, ES_NIF, ES_NIE, IT_FISCAL_CODE, PL_PESEL, "
+            "FI_PERSONAL_IDENTITY_CODE, SE_PERSONNUMMER, DICTIONARY (deidentification.entities)",
+        ),
+    ],
+)
+def test_a_region_whose_policy_requires_scrubbing_refuses_a_run_without_it(
+    tmp_path, run_config, changes, reason
+):
+    """The shipped CN policy requires the direct identifiers scrubbed: one line, naming
+    the policy field; the default run scrubs them and is accepted."""
+    cn = node(tmp_path, "cn", "cn-pipl.yaml")
+    terms = {"aggregator_jurisdiction": "CN", "own_jurisdiction": "CN", "simulated": True}
+    assert enforce_region_policy(run_config, cn, **terms).decision.accepted  # type: ignore[arg-type]
+    with pytest.raises(PolicyRefusal) as caught:
+        enforce_region_policy(run_config.model_copy(update=changes), cn, **terms)  # type: ignore[arg-type]
+    assert caught.value.decision.reasons == (reason,)
+    message = str(caught.value)
+    assert "\n" not in message and message.endswith(reason), message

@@ -282,10 +282,12 @@ def sealed_reply_from(
     signed_round: int | None = None,
     signed_run: int | None = None,
     unit: str | None = None,
+    deid: str = ",".join(DIRECT),  # as a default run's region scrubs
 ) -> Raw:
     """A sealed reply as a region sends it; ``signed_*``: the run and round its reply
     signature names, when they differ from its envelope's (a relayed old envelope);
-    ``unit``: the privacy unit it declares (default: record with DP figures, else none)."""
+    ``unit``: the privacy unit it declares (default: record with DP figures, else none);
+    ``deid``: the entity types it declares it scrubbed."""
     region = keypair.bundle.party
     metrics = metrics or {"num-examples": 10, "train-loss": 1.0, "steps": 1, "update-bytes": 16}
     if unit is None:
@@ -302,7 +304,7 @@ def sealed_reply_from(
             "policy-hash": policy_hash,
             PRIVACY_UNIT: unit,
             ADAPTER_MODE: "lora",
-            DEID_ENTITIES: ",".join(DIRECT),  # as a default run's region scrubs
+            DEID_ENTITIES: deid,
         },
     )
     envelope = seal(
@@ -469,6 +471,7 @@ def from_region(
     signed_round: int | None = None,
     signed_run: int | None = None,
     unit: Any = None,  # Any: callers spread metric dicts (**{"num-examples": 20}) here
+    deid: Any = ",".join(DIRECT),  # Any: as unit
     **changes,
 ) -> Raw:
     a, regions, folder = policed
@@ -485,6 +488,7 @@ def from_region(
         signed_round=signed_round,
         signed_run=signed_run,
         unit=unit,
+        deid=deid,
     )
 
 
@@ -530,6 +534,33 @@ def test_updates_breaking_their_senders_privacy_rules_are_rejected(policed, chan
     train_round(a, 1, [reply(12, from_region(policed, "cn", 3.0, **changes))])
     entry = a.recorder.data.rounds[1].train["cn"]
     assert entry.status == "rejected" and rule in entry.reason
+
+
+@pytest.mark.parametrize(
+    ("declared", "rule"),
+    [
+        ("", "de-identification is off (deidentification.required)"),
+        ("EMAIL_ADDRESS,PHONE_NUMBER", "does not scrub CN_RESIDENT_ID, US_SSN"),
+        ("EMAIL", "malformed info: deid-entities: unknown entity type 'EMAIL'"),
+        ("EMAIL_ADDRESS,EMAIL_ADDRESS", "malformed info: deid-entities: 'EMAIL_ADDRESS,EMAIL"),
+        ("direct", "malformed info: deid-entities: 'direct' repeats or abbreviates"),
+    ],
+)
+def test_an_update_not_scrubbed_as_its_senders_policy_requires_is_rejected(policed, declared, rule):
+    """The sealed reply declares what its region scrubbed; the aggregator parses it and
+    checks it against the sender's policy (the shipped CN and EU ones require it)."""
+    a = policed[0]
+    train_round(
+        a,
+        1,
+        [
+            reply(11, from_region(policed, "eu", 1.0)),
+            reply(12, from_region(policed, "cn", 3.0, deid=declared)),
+        ],
+    )
+    train = a.recorder.data.rounds[1].train
+    assert train["eu"].status == "trained"
+    assert train["cn"].status == "rejected" and rule in train["cn"].reason, train["cn"].reason
 
 
 def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed):

@@ -1,0 +1,181 @@
+"""The de-identification pipeline on its own: every supported type found and replaced,
+checks keeping look-alikes, pseudonyms keyed by the region, the region's key and NER."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from fedciuic.deid import DIRECT, DeidSpec, Scrubber, load_dictionary, region_secret
+from fedciuic.errors import ConfigError
+
+KEY = bytes(range(32))
+
+#: One value of every pattern type, as people write it, and its placeholder.
+PLANTED = {
+    "EMAIL_ADDRESS": ("jane.roe@example.org", "<EMAIL>"),
+    "PHONE_NUMBER": ("+44 20 7946 0958", "<PHONE>"),
+    "CN_RESIDENT_ID": ("11010519491231002X", "<CN_ID>"),
+    "US_SSN": ("536-22-8745", "<SSN>"),
+    "CREDIT_CARD": ("4111 1111 1111 1111", "<CARD>"),
+    "IBAN_CODE": ("DE89370400440532013000", "<IBAN>"),
+    "IP_ADDRESS": ("192.168.17.42", "<IP>"),
+    "URL": ("https://forum.example.com/users/jane-roe", "<URL>"),
+    "ES_NIF": ("12345678Z", "<ES_NIF>"),
+    "IT_FISCAL_CODE": ("RSSMRA85T10A562S", "<IT_FISCAL_CODE>"),
+    "PL_PESEL": ("44051401359", "<PL_PESEL>"),
+    "FI_PERSONAL_IDENTITY_CODE": ("131052-308T", "<FI_ID>"),
+    "DICTIONARY": ("Zhang Wei", "<NAME>"),
+}
+#: Mainland China mobiles as people write them (no country code, spaces, +86).
+CN_MOBILES = ("13812345678", "138 1234 5678", "+86 138-1234-5678", "0086 13912345678")
+
+
+def scrubber(replacement: str = "placeholder", key: bytes = KEY, **kw: object) -> Scrubber:
+    return Scrubber(DeidSpec(DIRECT, replacement, key, kw.pop("dictionary", None), **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def placeholder(tmp_path_factory: pytest.TempPathFactory) -> Scrubber:
+    names = tmp_path_factory.mktemp("dict") / "names.txt"
+    names.write_text("# customers\nZhang Wei\nJane Roe Holdings\n", encoding="utf-8")
+    return scrubber(dictionary=load_dictionary(names))
+
+
+@pytest.mark.parametrize("entity", sorted(PLANTED))
+def test_every_supported_type_is_found_and_replaced_by_its_placeholder(placeholder, entity):
+    value, shown = PLANTED[entity]
+    text = f"Please note: {value} is on file, thanks."
+    out = placeholder.scrub(text)
+    assert value not in out
+    assert out == f"Please note: {shown} is on file, thanks."
+
+
+@pytest.mark.parametrize("number", CN_MOBILES)
+def test_mainland_china_mobile_numbers_are_phone_numbers(placeholder, number):
+    assert placeholder.scrub(f"call {number} today") == "call <PHONE> today"
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        "order 4111111111111112 shipped",  # 16 digits failing Luhn: an order number
+        "ref 11010519491231002Y",  # a resident ID's shape with the wrong check character
+        "IBAN DE89370400440532013001",  # an IBAN's shape failing ISO 7064
+        "NIF 12345678A",  # a Spanish NIF with the wrong letter
+        "see https://docs.python.org/3/library/os.html and os.path.join",  # no person in it
+        "pi is 3.14159265358979 and e is 2.718281828",  # decimals are not phone numbers
+        "Emin=-425000000, Emax=425000000",  # bare digit runs are not phone numbers
+        "Zhang Weiqiang wrote it",  # a dictionary entry only as a whole word
+    ],
+)
+def test_checks_keep_look_alikes(placeholder, kept):
+    assert placeholder.scrub(kept) == kept
+
+
+def test_counts_are_per_entity_type_and_file_and_never_hold_a_value(placeholder):
+    placeholder.findings.clear()
+    placeholder.scrub("mail jane.roe@example.org or a@example.com", file="chat.jsonl")
+    placeholder.scrub("card 4111 1111 1111 1111", file="docs.jsonl")
+    found = placeholder.findings
+    assert found.counts == {"EMAIL_ADDRESS": 2, "CREDIT_CARD": 1}
+    assert found.by_file == {"chat.jsonl": {"EMAIL_ADDRESS": 2}, "docs.jsonl": {"CREDIT_CARD": 1}}
+
+
+def test_masked_examples_show_the_shape_and_not_the_value():
+    s = scrubber()
+    s.findings.examples = []
+    s.scrub("write to jane.roe@example.org now", where="chat.jsonl:3")
+    (example,) = s.findings.examples
+    assert example == "chat.jsonl:3: EMAIL_ADDRESS: write to ****.***@*******.*** now"
+
+
+def test_pseudonyms_are_stable_within_a_region_and_differ_across_regions():
+    eu, eu_again, cn = (
+        scrubber("pseudonym"),
+        scrubber("pseudonym"),
+        scrubber("pseudonym", b"c" * 32),
+    )
+    text = "jane.roe@example.org"
+    first = eu.scrub(text)
+    assert first.startswith("<EMAIL_") and text not in first
+    assert eu.scrub(text) == first == eu_again.scrub(text)
+    assert eu.scrub("Jane.Roe@Example.org") == first  # the same address, as written otherwise
+    assert eu.scrub("john.roe@example.org") != first
+    assert cn.scrub(text) != first
+
+
+def test_the_identity_covers_the_config_and_holds_no_key_or_value(tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("Zhang Wei\n", encoding="utf-8")
+    base = scrubber().identity
+    assert base["recognizers"]["presidio-analyzer"] and base["entities"] == list(DIRECT)
+    assert scrubber("pseudonym").identity["config_hash"] != base["config_hash"]
+    listed = scrubber(dictionary=load_dictionary(names)).identity
+    assert listed["config_hash"] != base["config_hash"] and listed["dictionary_entries"] == 1
+    assert KEY.hex() not in str(listed) and "Zhang" not in str(listed)
+
+
+def test_the_region_key_is_made_once_private_and_a_damaged_one_is_refused(tmp_path):
+    path = tmp_path / "state" / "deid-secret.key"
+    key = region_secret(path)
+    assert region_secret(path) == key and len(key) == 32
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    path.write_text("not hex\n")
+    with pytest.raises(ConfigError, match=rf"{path}: not a pseudonym key \(64 hex digits\)"):
+        region_secret(path)
+
+
+def test_a_named_ner_model_finds_names_and_a_missing_one_is_refused(tmp_path):
+    import spacy
+
+    nlp = spacy.blank("en")
+    ruler = nlp.add_pipe("entity_ruler")
+    ruler.add_patterns([{"label": "PERSON", "pattern": "Alice Moreau"}])  # type: ignore[attr-defined]
+    nlp.to_disk(tmp_path / "ner")
+    spec = DeidSpec(
+        ("PERSON", "EMAIL_ADDRESS"), "placeholder", KEY, ner_model=str(tmp_path / "ner")
+    )
+    assert Scrubber(spec).scrub("Alice Moreau wrote") == "<PERSON> wrote"
+    missing = DeidSpec(("PERSON",), "placeholder", KEY, ner_model=str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="deid-ner-model: cannot load spaCy pipeline"):
+        Scrubber(missing).scrub("Alice Moreau wrote")
+
+
+def test_nothing_is_downloaded(monkeypatch):
+    """Presidio's e-mail recognizer fetches the public suffix list unless told not to."""
+    import socket
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("de-identification tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert scrubber().scrub("mail jane@example.co.uk") == "mail <EMAIL>"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"Zhang Wei\nX\n", ":2: entry of 1 character(s), the least is 2"),
+        (b"Zhang Wei\nJane\tRoe\n", ":2: holds a control character"),
+        (b"# names\n\nZhang Wei\n\xff\xfe\n", ":4: not UTF-8"),
+        (b"Zhang Wei\n---\n", ":2: no letter or digit in the entry"),
+        (b"# only a comment\n", ": no entries"),
+    ],
+)
+def test_a_malformed_dictionary_is_refused_naming_file_and_line(tmp_path, content, problem):
+    path = tmp_path / "customers.txt"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_dictionary(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}{problem}"), message
+    assert "\n" not in message
+
+
+def test_a_missing_dictionary_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"no such dictionary file; check deid-dictionary"):
+        load_dictionary(Path(tmp_path / "none.txt"))
