@@ -118,6 +118,10 @@ def encoded(value: float, n: int = 4) -> bytes:
     return head + np.full(n, value, np.float32).tobytes()
 
 
+#: What a default run's region declares it scrubbed.
+SCRUBBED = ",".join(DIRECT)
+
+
 def update_arrays(update: bytes) -> dict[str, np.ndarray]:
     return {"update": np.frombuffer(update, dtype=np.uint8)}
 
@@ -282,7 +286,7 @@ def sealed_reply_from(
     signed_round: int | None = None,
     signed_run: int | None = None,
     unit: str | None = None,
-    deid: str = ",".join(DIRECT),  # as a default run's region scrubs
+    deid: str = SCRUBBED,
 ) -> Raw:
     """A sealed reply as a region sends it; ``signed_*``: the run and round its reply
     signature names, when they differ from its envelope's (a relayed old envelope);
@@ -471,7 +475,7 @@ def from_region(
     signed_round: int | None = None,
     signed_run: int | None = None,
     unit: Any = None,  # Any: callers spread metric dicts (**{"num-examples": 20}) here
-    deid: Any = ",".join(DIRECT),  # Any: as unit
+    deid: Any = SCRUBBED,  # Any: as unit
     **changes,
 ) -> Raw:
     a, regions, folder = policed
