@@ -160,8 +160,9 @@ _PERSONAL_SEGMENTS = (
     "home|in|pub"
 )
 _PERSONAL_QUERY = "user|username|uid|userid|email|mail|name|account|customer|patient|phone"
-_URL_START = r"(?:https?://|www\.)[^\s/?#<>\"'()]+"
-_URL_REST = r"[^\s<>\"'()]*"
+#: Bounded, so that a long run of non-space text costs linear time, never quadratic.
+_URL_START = r"(?:https?://|www\.)[^\s/?#<>\"'()]{1,253}"
+_URL_REST = r"[^\s<>\"'()]{0,1024}"
 
 
 class PersonalUrlRecognizer(PatternRecognizer):

@@ -179,3 +179,13 @@ def test_a_malformed_dictionary_is_refused_naming_file_and_line(tmp_path, conten
 def test_a_missing_dictionary_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"no such dictionary file; check deid-dictionary"):
         load_dictionary(Path(tmp_path / "none.txt"))
+
+
+def test_dictionary_names_are_found_in_scripts_written_without_spaces(tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("王伟\nZhang Wei\nZhang Wei Holdings\n", encoding="utf-8")
+    s = scrubber(dictionary=load_dictionary(names))
+    assert s.scrub("客户王伟的账户") == "客户<NAME>的账户"
+    assert s.scrub("zhang wei holdings and Zhang Wei") == "<NAME> and <NAME>"  # longest first
+    assert s.scrub("Zhang Weiqiang") == "Zhang Weiqiang"
+    assert s.findings.counts == {"DICTIONARY": 3}
