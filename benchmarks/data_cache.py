@@ -27,6 +27,8 @@ from pathlib import Path
 
 from aggregator_memory import _hwm_bytes  # scripts side by side
 
+from fedciuic.deid import cn_check_character
+
 RESULTS = Path(__file__).parent / "results" / "data_cache.json"
 
 WORDS = (
@@ -55,14 +57,11 @@ WORDS = (
 )
 
 
-_CN_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
-
-
 def _signature(rng: random.Random) -> str:
     """A synthetic name, e-mail, mainland China mobile and resident ID (valid check digit)."""
     body = f"110105{rng.randint(1950, 2005)}{rng.randint(1, 12):02d}{rng.randint(1, 28):02d}"
     body += f"{rng.randint(0, 999):03d}"
-    check = "10X98765432"[sum(int(d) * w for d, w in zip(body, _CN_WEIGHTS, strict=True)) % 11]
+    check = cn_check_character(body)
     name = f"user{rng.randrange(10**6)}"
     return (
         f"I am {name} ({name}@example.org, +86 139 {rng.randint(1000, 9999)} "

@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 from fedciuic.data.records import CONTENT, ROLE, USER
+from fedciuic.deid import cn_check_character
 
 #: Where the demo corpora keep each region's dictionary of its (synthetic) names, under
 #: the demo root: ``REGION.txt``.
@@ -18,14 +19,12 @@ DEMO_DICTIONARIES = "deid-dictionaries"
 SIGNING_SHARE = 0.1
 _FIRST = ("Mei", "Jonas", "Amara", "Luca", "Sofia", "Wei", "Priya", "Tomas", "Hana", "Omar")
 _LAST = ("Lindqvist", "Okafor", "Brennan", "Castellano", "Zhou", "Varga", "Moreau", "Tanaka")
-_CN_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 
 def _cn_resident_id(rng: random.Random) -> str:
     body = f"110105{rng.randint(1950, 2005)}{rng.randint(1, 12):02d}{rng.randint(1, 28):02d}"
     body += f"{rng.randint(0, 999):03d}"
-    total = sum(int(d) * w for d, w in zip(body, _CN_WEIGHTS, strict=True))
-    return body + "10X98765432"[total % 11]
+    return body + cn_check_character(body)
 
 
 def _iban_de(rng: random.Random) -> str:

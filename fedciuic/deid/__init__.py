@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
+    from fedciuic.deid.checks import cn_check_character, cn_resident_id_valid
     from fedciuic.deid.dictionary import Dictionary, load_dictionary
     from fedciuic.deid.entities import DIRECT, DIRECT_WORD, ENTITIES, NER_ONLY, parse_entities
     from fedciuic.deid.pipeline import (
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from fedciuic.deid.secret import SECRET_FILE, region_secret, secret_id
 
 _WHERE = {
+    "cn_check_character": "checks",
+    "cn_resident_id_valid": "checks",
     "DIRECT": "entities",
     "DIRECT_WORD": "entities",
     "DeidSpec": "pipeline",
@@ -49,6 +52,8 @@ __all__ = [
     "Dictionary",
     "Replacement",
     "Scrubber",
+    "cn_check_character",
+    "cn_resident_id_valid",
     "load_dictionary",
     "parse_entities",
     "region_secret",

@@ -11,7 +11,6 @@ Every recognizer is built for one analysis language: the patterns do not depend 
 
 from __future__ import annotations
 
-import datetime
 import functools
 import re
 
@@ -33,6 +32,7 @@ from presidio_analyzer.predefined_recognizers import (
     UsSsnRecognizer,
 )
 
+from fedciuic.deid.checks import cn_resident_id_valid
 from fedciuic.deid.entities import (
     CN_RESIDENT_ID,
     CREDIT_CARD,
@@ -60,25 +60,6 @@ PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "PL", "SE", "FI", "CN
 _PHONE_RUN = re.compile(r"[+(]?\d[\d \t().\-/]{5,}\d")
 #: Characters either side of a run given to ``phonenumbers`` with it.
 _PHONE_MARGIN = 2
-
-_CN_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
-_CN_CHECK = "10X98765432"
-
-
-def cn_resident_id_valid(text: str) -> bool:
-    """Whether ``text`` is an 18-character mainland China resident ID: a birth date that
-    exists and GB 11643-1999's ISO 7064 MOD 11-2 check character."""
-    value = text.upper()
-    if len(value) != 18 or not value[:17].isdigit():
-        return False
-    try:
-        born = datetime.date(int(value[6:10]), int(value[10:12]), int(value[12:14]))
-    except ValueError:
-        return False
-    if born.year < 1900 or born > datetime.date.today():
-        return False
-    total = sum(int(d) * w for d, w in zip(value[:17], _CN_WEIGHTS, strict=True))
-    return _CN_CHECK[total % 11] == value[17]
 
 
 class CnResidentIdRecognizer(PatternRecognizer):

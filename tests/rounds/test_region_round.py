@@ -26,6 +26,7 @@ from fedciuic.crypto.parties import (
     generate_federation_keys,
     sign_global,
 )
+from fedciuic.deid import DIRECT
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
@@ -167,7 +168,21 @@ def test_a_sealed_round_trains_seals_logs_and_is_vouched_for(
     assert verify(log, load_bundle(keys_dir / "cn.pub.json")).ok
     records = load_records(log)
     events = [r["event"] for r in records]
-    assert events[-4:] == ["policy_decision", "trained", "update_sealed", "checkpoint"]
+    assert events[-5:] == [
+        "policy_decision",
+        "data_deidentified",
+        "trained",
+        "update_sealed",
+        "checkpoint",
+    ]
+    # What the texts were scrubbed of before training: the pipeline and counts, declared
+    # to the aggregator under the seal, recorded in the region's own log (the demo's
+    # synthetic identifiers; no value).
+    assert info["deid-entities"] == ",".join(DIRECT)
+    scrubbed = records[-4]["details"]
+    assert scrubbed["identity"]["entities"] == list(DIRECT)
+    assert scrubbed["counts"]["EMAIL_ADDRESS"] > 0 and scrubbed["records"] > 0
+    assert "@example.org" not in json.dumps(records)
     assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
     details = records[-2]["details"]
     assert details["digest"] == hashlib.sha256(sealed.envelope).hexdigest()
