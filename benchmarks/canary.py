@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from report import Row, verdict  # scripts side by side
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.data.demo import CHAT_FILE, write_demo_corpora
@@ -522,6 +523,53 @@ def parameters(
     }
 
 
+#: What each setting is held to: the kinds of canary whose mean exposure must be at
+#: chance (within two standard deviations of a mean over the kind's canaries).
+AT_CHANCE = {"DP only": KINDS, "scrub only": (IDENTIFIER,), "DP + scrub": KINDS}
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    """The README's rows: each setting's mean and max exposure per kind, against chance."""
+    p = result["parameters"]
+    chance, ceiling = p["chance_exposure"], p["exposure_ceiling"]
+    # a mean over n canaries of a kind spreads sd / sqrt(n) around chance
+    bound = {
+        kind: chance + 2 * p["chance_exposure_sd"] / math.sqrt(p["canaries"][kind])
+        for kind in KINDS
+    }
+    out: list[Row] = []
+    for row in result["settings"]:
+        if row["setting"] == UNTRAINED:
+            continue
+        s = row["summary"]
+        held = AT_CHANCE.get(row["setting"], ())
+        measured = (
+            f"identifiers {s[IDENTIFIER]['mean']:.2f} mean / {s[IDENTIFIER]['max']:.2f} max bits, "
+            f"secret sentences {s[SECRET]['mean']:.2f} / {s[SECRET]['max']:.2f} (chance "
+            f"{chance:.2f}, ceiling {ceiling:.2f}); eval loss {row['eval_loss']:.3f}"
+            + (f", epsilon {row['epsilon']:.2f}" if row.get("epsilon") else "")
+        )
+        target = (
+            "mean exposure at chance (<= "
+            + ", ".join(f"{bound[kind]:.2f} bits for {kind}s" for kind in held)
+            + ")"
+            if held
+            else "reported (the baseline)"
+        )
+        met = all(s[kind]["mean"] <= bound[kind] for kind in held)
+        out.append(
+            [
+                f"canary exposure, {row['setting']}; tiny preset, {sum(p['canaries'].values())} "
+                f"canaries at k = {', '.join(map(str, p['k']))}, N = {p['candidates']}, "
+                f"{p['steps']} steps",
+                measured,
+                target,
+                verdict(met) if held else "reported",
+            ]
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--k", default="1,4,16", help="repetitions of each canary, comma list")
@@ -536,7 +584,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 150 steps, N=200")
     parser.add_argument("--only", default=",".join(SETTINGS), help="settings, comma list")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--json", type=Path, help="where run_all.py wants it (as --out)")
     args = parser.parse_args()
+    if args.json is not None:
+        args.out = args.json
     args.k = [int(k) for k in str(args.k).split(",")]
     if args.quick:
         args.steps, args.candidates = 150, 200

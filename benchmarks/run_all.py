@@ -54,6 +54,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),
     "heterogeneity": ("heterogeneity.py", [], ["--quick"]),
+    "canary": ("canary.py", [], ["--quick"]),
 }
 
 

@@ -32,11 +32,20 @@ from fedciuic.crypto.envelope import (
 from fedciuic.crypto.keys import Keypair
 from fedciuic.crypto.parties import REPLY_LABEL, update_payload
 from fedciuic.crypto.xwing import CIPHERTEXT_SIZE
-from fedciuic.wire import ADAPTER_MODE, ENVELOPE, KEY_ID, PRIVACY_UNIT, SIGNATURE, signed_fields
+from fedciuic.wire import (
+    ADAPTER_MODE,
+    DEID_ENTITIES,
+    ENVELOPE,
+    KEY_ID,
+    PRIVACY_UNIT,
+    SIGNATURE,
+    signed_fields,
+)
 from tests.conftest import written
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
     NO_DP,
+    SCRUBBED,
     Raw,
     adapter_of,
     audited,
@@ -62,6 +71,7 @@ INFO = {
     "policy-hash": "",
     PRIVACY_UNIT: "record",
     ADAPTER_MODE: "lora",
+    DEID_ENTITIES: SCRUBBED,
 }
 
 
