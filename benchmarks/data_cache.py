@@ -70,10 +70,12 @@ def _signature(rng: random.Random) -> str:
 
 
 def write_corpus(
-    folder: Path, megabytes: float, seed: int = 0, identifiers: float = 0.0
+    folder: Path, megabytes: float, seed: int = 0, identifiers: float = 0.0, numbers: float = 0.0
 ) -> tuple[int, int]:
     """Chat records from 5,000 users until the file reaches ``megabytes``, a share
-    ``identifiers`` of them signed; the records and the signed records written."""
+    ``identifiers`` of them signed, a share ``numbers`` of the answers with an amount and
+    a date (text a scrubber must analyse: it skips text with no digit, @ or URL); the
+    records and the signed records written."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     target = int(megabytes * 2**20)
@@ -85,6 +87,9 @@ def write_corpus(
                 question = _signature(rng) + question
                 signed += 1
             answer = " ".join(rng.choices(WORDS, k=rng.randint(20, 200)))
+            if rng.random() < numbers:
+                answer += f" of {rng.randint(1, 99_999):,}.{rng.randint(0, 99):02d} on 2026-"
+                answer += f"{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
             record = {
                 "messages": [
                     {"role": "user", "content": question + "?"},
@@ -150,10 +155,12 @@ def _in_process(
     return result
 
 
-def measure(megabytes: float, preset: str, seq_len: int, identifiers: float) -> dict[str, float]:
+def measure(
+    megabytes: float, preset: str, seq_len: int, identifiers: float, numbers: float
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-bench-") as tmp:
         data, state = Path(tmp) / "data", Path(tmp) / "state"
-        records, signed = write_corpus(data, megabytes, identifiers=identifiers)
+        records, signed = write_corpus(data, megabytes, identifiers=identifiers, numbers=numbers)
         plain = _in_process(data, Path(tmp) / "plain-state", preset, seq_len, deidentify=False)
         first = _in_process(data, state, preset, seq_len)
         second = _in_process(data, state, preset, seq_len)
@@ -164,6 +171,7 @@ def measure(megabytes: float, preset: str, seq_len: int, identifiers: float) -> 
         "corpus_mb": megabytes,
         "records": records,
         "signed_records": signed,
+        "numbers_share": numbers,
         "identifiers_replaced": first["identifiers"],
         "examples": first["examples"],
         "tokens": first["tokens"],
@@ -192,8 +200,11 @@ def main() -> int:
     parser.add_argument("--preset", default="realistic")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--identifiers", type=float, default=0.05, help="share of signed records")
+    parser.add_argument(
+        "--numbers", type=float, default=1.0, help="share of answers with an amount and a date"
+    )
     args = parser.parse_args()
-    result = measure(args.mb, args.preset, args.seq_len, args.identifiers)
+    result = measure(args.mb, args.preset, args.seq_len, args.identifiers, args.numbers)
     print(json.dumps(result, indent=1))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
