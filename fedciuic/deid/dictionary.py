@@ -4,6 +4,7 @@ than half-used."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import hmac
 import re
@@ -55,7 +56,8 @@ def load_dictionary(path: Path) -> Dictionary:
             [f"{path}: cannot read ({err.strerror}); check its permissions"]
         ) from None
     entries: list[str] = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    # A byte-order mark (as Windows editors save UTF-8) is no part of the first name.
+    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
         try:
             line = raw.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError as err:

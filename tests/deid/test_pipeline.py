@@ -176,6 +176,12 @@ def test_a_malformed_dictionary_is_refused_naming_file_and_line(tmp_path, conten
     assert "\n" not in message
 
 
+def test_a_dictionary_saved_with_a_byte_order_mark_and_crlf_reads_its_names(tmp_path):
+    path = tmp_path / "customers.txt"
+    path.write_bytes(b"\xef\xbb\xbfZhang Wei\r\nJane Roe\r\n")
+    assert load_dictionary(path).entries == ("Zhang Wei", "Jane Roe")
+
+
 def test_a_missing_dictionary_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"no such dictionary file; check deid-dictionary"):
         load_dictionary(Path(tmp_path / "none.txt"))

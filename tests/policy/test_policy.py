@@ -485,3 +485,27 @@ def test_a_malformed_secure_aggregation_key_is_refused_naming_it(tmp_path, line,
     path.write_text(edit(EU, "aggregation:\n", "aggregation:\n" + line))
     with pytest.raises(PolicyError, match=rf"p\.yaml:\d+: {message}"):
         load_policy(path)
+
+
+@pytest.mark.parametrize(
+    ("new", "message"),
+    [
+        ("required: true\n  entities: [EMAIL]", r"entities: Value error, unknown entity type"),
+        ("required: true\n  entities: []", r"entities: Tuple should have at least 1 item"),
+        ("required: true\n  entities: [URL, URL]", r"entities: .*URL listed more than once"),
+        ("required: 1\n  entities: [direct]", r"required: Input should be a valid boolean"),
+    ],
+)
+def test_a_malformed_deidentification_section_is_refused_naming_its_line_and_field(
+    tmp_path, new, message
+):
+    path = tmp_path / "p.yaml"
+    path.write_text(edit(EU, "  required: true\n  entities: [direct]\n", f"  {new}\n"))
+    with pytest.raises(PolicyError, match=rf"p\.yaml:\d+: deidentification\.{message}"):
+        load_policy(path)
+
+
+def test_a_policy_without_a_deidentification_section_requires_none(eu):
+    absent = LoadedPolicy(eu.policy.model_copy(update={"deidentification": None}), eu.path)
+    assert check_run("eu", absent, replace(GOOD, deid_entities=())).accepted
+    assert not check_run("eu", eu, replace(GOOD, deid_entities=())).accepted
