@@ -40,10 +40,13 @@ def region(root: Path) -> NodeConfig:
     rows: dict[str, list[dict[str, Any]]] = {
         "chat.jsonl": [chat],
         "alpaca.jsonl": [{"instruction": SIGNED, "input": SIGNED, "output": SIGNED}],
-        "pairs.jsonl": [{"prompt": SIGNED, "response": SIGNED}],
     }
     for name, records in rows.items():
         (data / name).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    # A table read through `datasets` (streamed: no Arrow copy of the raw rows is kept).
+    datasets.Dataset.from_list([{"prompt": SIGNED, "response": SIGNED}]).to_csv(
+        str(data / "pairs.csv"), index=False
+    )
     (data / "notes.txt").write_text(SIGNED * 2, encoding="utf-8")
     names = root / "customers.txt"
     names.write_text("Zhang Wei\n", encoding="utf-8")
@@ -69,7 +72,9 @@ def test_planted_identifiers_of_every_type_and_shape_never_reach_the_cache(tmp_p
     cached = datasets.Dataset.from_file(str(data.cache / EXAMPLES_FILE))
     text = squeezed(" ".join(tokenizer.decode(row[INPUT_IDS]) for row in cached))
     assert "<email>" in text and "<cn_id>" in text and "<name>" in text
-    raw = b"".join(p.read_bytes() for p in data.cache.rglob("*") if p.is_file())
+    # Nothing the region keeps in its state (the cache, its scratch, file digests) holds one.
+    state = Path(node.state_path)
+    raw = b"".join(p.read_bytes() for p in state.rglob("*") if p.is_file())
     for value in VALUES:
         assert squeezed(value) not in text, value
         assert value.encode() not in raw, value
@@ -79,7 +84,7 @@ def test_planted_identifiers_of_every_type_and_shape_never_reach_the_cache(tmp_p
     assert deid is not None and deid.records == 4
     expected = {entity: 9 for entity in PLANTED} | {"PHONE_NUMBER": 9 * (1 + len(CN_MOBILES))}
     assert deid.counts == expected
-    assert set(deid.files) == {"chat.jsonl", "alpaca.jsonl", "pairs.jsonl", "notes.txt"}
+    assert set(deid.files) == {"chat.jsonl", "alpaca.jsonl", "pairs.csv", "notes.txt"}
     assert data.deidentified == tuple(deid.identity["entities"])
 
 
