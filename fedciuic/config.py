@@ -31,7 +31,7 @@ from pydantic import (
 from fedciuic.aggregation import NormAction
 from fedciuic.compression import Codec, get_codec
 from fedciuic.crypto import Suite
-from fedciuic.deid import DIRECT_WORD, SECRET_FILE, Replacement, parse_entities
+from fedciuic.deid import DIRECT_WORD, SECRET_FILE, Replacement, listed_entities, parse_entities
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 from fedciuic.server_optim import OptimizerName, ServerSettings
@@ -233,16 +233,6 @@ def _check_secure_threshold(value: int, info: ValidationInfo) -> int:
     return value
 
 
-def _entity_list(value: Any) -> tuple[str, ...]:
-    """``"direct,PERSON"`` (or a list) as entity type names, each known."""
-    names = tuple(v.strip() for v in (value.split(",") if isinstance(value, str) else value))
-    names = tuple(v for v in names if v)
-    parse_entities(names)  # ValueError names the known types
-    if not names:
-        raise ValueError('no entity type; name some, or "direct", or set deidentify = false')
-    return names
-
-
 def _check_noise_share(value: float, info: ValidationInfo) -> float:
     if value and not info.data.get("secure_aggregation"):
         raise ValueError(
@@ -419,7 +409,7 @@ class RunConfig(_Strict):
     deid_replacement: Replacement = "placeholder"
     deid_dictionaries: str = ""
 
-    _entities = field_validator("deid_entities", mode="before")(_entity_list)
+    _entities = field_validator("deid_entities", mode="before")(listed_entities)
     _secure = field_validator("secure_aggregation")(_check_secure)
     _threshold = field_validator("secure_threshold")(_check_secure_threshold)
     _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
@@ -603,6 +593,13 @@ class RunConfig(_Strict):
         )
 
 
+def simulated_dictionary(run: RunConfig, region: str) -> str:
+    """A simulated region's dictionary: deid-dictionaries/REGION.txt if there is one
+    ("": none; a deployed region names its own in its agent config)."""
+    path = Path(run.deid_dictionaries) / f"{region}.txt"
+    return str(path) if run.deid_dictionaries and path.is_file() else ""
+
+
 #: What Flower's simulation engine puts in each simulated node's config.
 SIMULATED_NODE = "partition-id"
 
@@ -700,14 +697,11 @@ class NodeConfig(_Strict):
                 raise ConfigError(
                     ["run config:data-root: empty; simulated regions read data-root/<region>"]
                 )
-            dictionary = Path(run.deid_dictionaries) / f"{region}.txt"
             return cls(
                 region=region,
                 data_path=str(Path(run.data_root) / region),
                 train_processes=dict(run.region_train_processes).get(region),
-                deid_dictionary=str(dictionary)
-                if run.deid_dictionaries and dictionary.is_file()
-                else "",
+                deid_dictionary=simulated_dictionary(run, region),
             )
         raise ConfigError(
             [

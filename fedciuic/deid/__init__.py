@@ -11,7 +11,14 @@ from fedciuic.faces import face
 if TYPE_CHECKING:
     from fedciuic.deid.checks import cn_check_character, cn_resident_id_valid
     from fedciuic.deid.dictionary import Dictionary, load_dictionary
-    from fedciuic.deid.entities import DIRECT, DIRECT_WORD, ENTITIES, NER_ONLY, parse_entities
+    from fedciuic.deid.entities import (
+        DIRECT,
+        DIRECT_WORD,
+        ENTITIES,
+        NER_ONLY,
+        listed_entities,
+        parse_entities,
+    )
     from fedciuic.deid.pipeline import (
         REPLACEMENTS,
         DeidFindings,
@@ -36,6 +43,7 @@ _WHERE = {
     "SECRET_FILE": "secret",
     "Scrubber": "pipeline",
     "secret_id": "secret",
+    "listed_entities": "entities",
     "load_dictionary": "dictionary",
     "parse_entities": "entities",
     "region_secret": "secret",
@@ -54,6 +62,7 @@ __all__ = [
     "Scrubber",
     "cn_check_character",
     "cn_resident_id_valid",
+    "listed_entities",
     "load_dictionary",
     "parse_entities",
     "region_secret",

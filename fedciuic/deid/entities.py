@@ -90,6 +90,17 @@ NER_ONLY = (PERSON, LOCATION)
 DIRECT_WORD = "direct"
 
 
+def listed_entities(value: str | Iterable[str]) -> tuple[str, ...]:
+    """``"direct,PERSON"`` (or a list) as the entity type names listed, each checked
+    (``ValueError`` names an unknown one, or says none is listed)."""
+    parts = value.split(",") if isinstance(value, str) else value
+    names = tuple(name for name in (part.strip() for part in parts) if name)
+    parse_entities(names)
+    if not names:
+        raise ValueError(f'no entity type; name some, or "{DIRECT_WORD}"')
+    return names
+
+
 def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
     """Entity types as listed (``direct`` standing for :data:`DIRECT`), in their canonical
     order; an unknown name raises ``ValueError`` naming the known ones."""

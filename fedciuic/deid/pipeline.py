@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib.metadata import version
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fedciuic.deid.dictionary import Dictionary, dictionary_pattern
 from fedciuic.deid.entities import (
@@ -29,7 +29,7 @@ from fedciuic.deid.secret import secret_id
 from fedciuic.errors import ConfigError
 
 if TYPE_CHECKING:  # Presidio takes seconds to import: only a pass that scrubs does
-    from presidio_analyzer import AnalyzerEngine
+    from presidio_analyzer import AnalyzerEngine, RecognizerResult
     from presidio_analyzer.nlp_engine import NlpEngine
     from presidio_anonymizer import AnonymizerEngine
     from presidio_anonymizer.entities import OperatorConfig
@@ -101,20 +101,18 @@ class DeidFindings:
         if self.examples is not None:
             self.examples.clear()
 
-    def add(
-        self,
-        where: str,
-        file: str,
-        replaced: list[str],
-        text: str,
-        spans: list[tuple[str, int, int]],
-    ) -> None:
-        """Count the identifiers replaced in ``text`` (read at ``where``, of ``file``);
-        ``spans`` are where they were (entity, start, end), for a masked example."""
+    def add(self, file: str, replaced: list[str]) -> None:
+        """Count the identifiers (their entity types) replaced in a text of ``file``."""
         self.counts.update(replaced)
         self.by_file.setdefault(file, Counter()).update(replaced)
-        if self.examples is not None and spans and len(self.examples) < MASKED_EXAMPLES:
-            self.examples.append(f"{where}: {spans[0][0]}: {masked_context(text, spans)}")
+
+    def example(self, where: str, text: str, results: list[RecognizerResult]) -> None:
+        """Keep ``text`` (read at ``where``) as an example, every identifier the analyzer
+        found in it masked, while fewer than :data:`MASKED_EXAMPLES` are kept."""
+        if self.examples is None or len(self.examples) >= MASKED_EXAMPLES:
+            return
+        spans = sorted(((r.entity_type, r.start, r.end) for r in results), key=lambda f: f[1])
+        self.examples.append(f"{where}: {spans[0][0]}: {masked_context(text, spans)}")
 
 
 def masked_context(text: str, found: list[tuple[str, int, int]]) -> str:
@@ -203,13 +201,12 @@ class Scrubber:
         results = analyzer.analyze(text, language=LANGUAGE, entities=list(self.spec.entities))
         if not results:
             return text
-        from presidio_anonymizer.entities import RecognizerResult
-
-        found = [RecognizerResult(r.entity_type, r.start, r.end, r.score) for r in results]
-        done = anonymizer.anonymize(text, found, operators=operators)
-        replaced = [item.entity_type for item in done.items]
-        spans = sorted(((r.entity_type, r.start, r.end) for r in results), key=lambda f: f[1])
-        self.findings.add(where, file, replaced, text, spans)
+        # The anonymizer reads the analyzer's results as they are (its own class has the
+        # same fields): the cast is for the type checker only.
+        done = anonymizer.anonymize(text, cast(Any, results), operators=operators)
+        self.findings.add(file, [item.entity_type for item in done.items])
+        if self.findings.examples is not None:
+            self.findings.example(where, text, results)
         return str(done.text)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import tldextract
 from presidio_analyzer import EntityRecognizer, Pattern, PatternRecognizer, RecognizerResult
@@ -84,7 +85,7 @@ def _not_a_phone(text: str, run: re.Match[str]) -> bool:
     run of digits with no + and no separator (an amount, a count, a constant; a
     mainland China mobile written so is found by :class:`CnMobileRecognizer`)."""
     before, after = text[max(0, run.start() - 2) : run.start()], text[run.end() : run.end() + 2]
-    if re.fullmatch(r"\d\.", before) or before.endswith(".") or re.fullmatch(r"\.\d", after):
+    if before.endswith(".") or re.fullmatch(r"\.\d", after):
         return True
     digits = run.group()
     return digits.isdigit() or re.fullmatch(r"\d+\.\d+", digits) is not None
@@ -174,9 +175,6 @@ class PersonalUrlRecognizer(PatternRecognizer):
             name="PersonalUrlRecognizer",
         )
 
-    def invalidate_result(self, pattern_text: str) -> bool:
-        return False
-
 
 @functools.cache
 def _offline_tld() -> tldextract.TLDExtract:
@@ -222,22 +220,33 @@ class DictionaryRecognizer(EntityRecognizer):
         ]
 
 
+#: Presidio's recognizers fedciuic uses as they are, built for :data:`LANGUAGE`.
+_PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
+    US_SSN: UsSsnRecognizer,
+    CREDIT_CARD: CreditCardRecognizer,
+    IBAN_CODE: IbanRecognizer,
+    IP_ADDRESS: IpRecognizer,
+    ES_NIF: EsNifRecognizer,
+    ES_NIE: EsNieRecognizer,
+    IT_FISCAL_CODE: ItFiscalCodeRecognizer,
+    PL_PESEL: PlPeselRecognizer,
+    FI_PERSONAL_IDENTITY_CODE: FiPersonalIdentityCodeRecognizer,
+    SE_PERSONNUMMER: SePersonnummerRecognizer,
+}
+#: fedciuic's own (the dictionary's is built apart, from the region's entries).
+_OWN: dict[str, tuple[Callable[[], EntityRecognizer], ...]] = {
+    EMAIL_ADDRESS: (OfflineEmailRecognizer,),
+    PHONE_NUMBER: (FastPhoneRecognizer, CnMobileRecognizer),
+    CN_RESIDENT_ID: (CnResidentIdRecognizer,),
+    URL: (PersonalUrlRecognizer,),
+}
+
+
 def pattern_recognizers(entities: tuple[str, ...]) -> list[EntityRecognizer]:
-    """The pattern recognizers of ``entities`` (the dictionary's is built apart)."""
-    made: dict[str, list[EntityRecognizer]] = {
-        EMAIL_ADDRESS: [OfflineEmailRecognizer()],
-        PHONE_NUMBER: [FastPhoneRecognizer(), CnMobileRecognizer()],
-        CN_RESIDENT_ID: [CnResidentIdRecognizer()],
-        US_SSN: [UsSsnRecognizer(supported_language=LANGUAGE)],
-        CREDIT_CARD: [CreditCardRecognizer(supported_language=LANGUAGE)],
-        IBAN_CODE: [IbanRecognizer(supported_language=LANGUAGE)],
-        IP_ADDRESS: [IpRecognizer(supported_language=LANGUAGE)],
-        URL: [PersonalUrlRecognizer()],
-        ES_NIF: [EsNifRecognizer(supported_language=LANGUAGE)],
-        ES_NIE: [EsNieRecognizer(supported_language=LANGUAGE)],
-        IT_FISCAL_CODE: [ItFiscalCodeRecognizer(supported_language=LANGUAGE)],
-        PL_PESEL: [PlPeselRecognizer(supported_language=LANGUAGE)],
-        FI_PERSONAL_IDENTITY_CODE: [FiPersonalIdentityCodeRecognizer(supported_language=LANGUAGE)],
-        SE_PERSONNUMMER: [SePersonnummerRecognizer(supported_language=LANGUAGE)],
-    }
-    return [r for entity in entities for r in made.get(entity, [])]
+    """The pattern recognizers of ``entities``, made only for those."""
+    made: list[EntityRecognizer] = []
+    for entity in entities:
+        if entity in _PRESIDIO:
+            made.append(_PRESIDIO[entity](supported_language=LANGUAGE))
+        made += [kind() for kind in _OWN.get(entity, ())]
+    return made

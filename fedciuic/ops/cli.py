@@ -1027,7 +1027,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 def _data_check(args: argparse.Namespace) -> int:
     from fedciuic.config import DeidSettings, Fields, ModelSpec
     from fedciuic.data import check_data, region_scrubber
-    from fedciuic.deid import parse_entities
+    from fedciuic.deid import listed_entities
     from fedciuic.model import spec_tokenizer
 
     if args.seq_len < 2:
@@ -1040,9 +1040,8 @@ def _data_check(args: argparse.Namespace) -> int:
         messages=args.messages_field,
         user_id=args.user_id_field,
     )
-    listed = tuple(e.strip() for e in args.deid_entities.split(",") if e.strip())
     try:
-        parse_entities(listed)
+        listed = listed_entities(args.deid_entities)
     except ValueError as err:
         raise ConfigError([f"--deid-entities: {err}"]) from None
     settings = DeidSettings(not args.no_deidentify, listed, args.deid_replacement)

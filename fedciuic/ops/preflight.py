@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedciuic.config import RunConfig
+from fedciuic.config import RunConfig, simulated_dictionary
 from fedciuic.errors import ConfigError, DataError, ModelError
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 
@@ -191,11 +191,8 @@ def _check_deid(run: RunConfig, region: str, findings: Findings) -> None:
 
     if not run.deidentify:
         return
-    names = Path(run.deid_dictionaries) / f"{region}.txt" if run.deid_dictionaries else None
     try:
-        check_deid(
-            run.deid, dictionary=str(names) if names and names.is_file() else "", ner_model=""
-        )
+        check_deid(run.deid, dictionary=simulated_dictionary(run, region), ner_model="")
     except ConfigError as err:
         findings.problem(f"region {region}: {err}")
 

@@ -47,7 +47,7 @@ from fedciuic.config import (
     unit_covers,
 )
 from fedciuic.crypto import Suite
-from fedciuic.deid import parse_entities
+from fedciuic.deid import listed_entities, parse_entities
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -162,18 +162,13 @@ class Aggregation(_Section):
         return []
 
 
-def _entity_list(values: tuple[str, ...]) -> tuple[str, ...]:
-    parse_entities(values)  # ValueError names the known types
-    return values
-
-
 class Deidentification(_Section):
     """Whether identifiers must be scrubbed from a region's texts before it trains on
     them, and which (entity types, or ``direct`` for every pattern-found one;
     docs/deidentification.md)."""
 
     required: bool
-    entities: Annotated[tuple[str, ...], _Distinct, AfterValidator(_entity_list)] = Field(
+    entities: Annotated[tuple[str, ...], _Distinct, AfterValidator(listed_entities)] = Field(
         min_length=1
     )
 
