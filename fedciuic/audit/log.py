@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -42,14 +43,14 @@ import os
 import re
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from fedciuic.audit.events import SENT_EVENTS, Event
-from fedciuic.crypto import Keypair, PublicBundle
+from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 
 RECORD_LABEL = b"\x00fedciuic-audit-record/1\x00"
@@ -70,6 +71,9 @@ REGION_LOG = "audit.jsonl"
 AGGREGATOR_LOG = "aggregator.audit.jsonl"
 #: The events in which an update leaves a region, and arrives at the aggregator.
 RECEIVED_EVENT = Event.UPDATE_RECEIVED
+#: The side file a prune writes the kept records to before renaming it over the log:
+#: ``<log>.pruning-<ns>``. One left by a process killed mid-prune is swept at the next open.
+PRUNING_SUFFIX = ".pruning-"
 _TAIL_READ = 1 << 16
 
 
@@ -168,16 +172,130 @@ def record_time(record: Mapping[str, Any]) -> datetime | None:
         return None
 
 
-def prune_cut(records: Sequence[Mapping[str, Any]], before: datetime) -> int:
+def prune_cut(
+    records: Sequence[Mapping[str, Any]], before: datetime, limit: int | None = None
+) -> int:
     """How many of a log's first records pruning at ``before`` removes: the records
-    written before it, up to the first that is not (or holds no valid time), less those
-    of a run that still has a record at or after that one: a run is kept whole."""
+    written before it, up to the first that is not (or holds no valid time) or record
+    ``limit`` (what the party's declared policies allow), less those of a run that still
+    has a record at or after that one: a run is kept whole."""
     cut = next(
         (i for i, r in enumerate(records) if (t := record_time(r)) is None or t >= before),
         len(records),
     )
+    if limit is not None:
+        cut = min(cut, max(limit, 0))
     kept_runs = {r.get("run_id") for r in records[cut:]} - {0, None}
     return next((i for i in range(cut) if records[i].get("run_id") in kept_runs), cut)
+
+
+#: How far a prune may go into a log's records (an index) and, when that stops it short
+#: of its cut-off, why: what the party's declared policies allow (``retention.bound``).
+#: It raises ``AuditError`` to refuse the prune altogether.
+Limit = Callable[[Sequence[Mapping[str, Any]]], tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A policy a party declared to the others, as its own log records it: a region's
+    in its ``run_joined`` and its own ``policy_decision`` records, the aggregator's (one
+    per jurisdiction it holds a policy for) in ``run_start``; and those an
+    ``audit_pruned`` record carried out of what it removed. ``retention_days`` is known
+    where the record names it (the aggregator's ``run_start``, or a prune by that very
+    policy); ``first_time`` and ``last_time`` span the records that declared it."""
+
+    policy_hash: str
+    jurisdiction: str | None
+    retention_days: int | None
+    first_time: str
+    last_time: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "policy_hash": self.policy_hash,
+            "jurisdiction": self.jurisdiction,
+            "retention_days": self.retention_days,
+            "first_time": self.first_time,
+            "last_time": self.last_time,
+        }
+
+
+def _days(value: object) -> int | None:
+    return value if _is_count(value) and value > 0 else None
+
+
+def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | None]]:
+    """The ``(policy_hash, jurisdiction, retention_days)`` one record declares (see
+    ``Declared``); none for any other record. Records are untrusted: what is malformed
+    declares nothing."""
+    details, event, actor = record.get("details"), record.get("event"), record.get("actor")
+    if not isinstance(details, Mapping):
+        return []
+    if event == Event.RUN_START:
+        hashes, days = details.get("policy_hashes"), details.get("retention_days")
+        if not isinstance(hashes, Mapping):
+            return []
+        days = days if isinstance(days, Mapping) else {}
+        return [
+            (h, j, _days(days.get(j)))
+            for j, h in hashes.items()
+            if isinstance(j, str) and isinstance(h, str) and h
+        ]
+    found, where = details.get("policy_hash"), details.get("jurisdiction")
+    own = event == Event.RUN_JOINED or (
+        # the aggregator's decisions name the sender's policy, not its own
+        event == Event.POLICY_DECISION and details.get("actor") == actor != AGGREGATOR
+    )
+    if not own or not isinstance(found, str) or not found:
+        return []
+    return [(found, where if isinstance(where, str) and where else None, None)]
+
+
+def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
+    """Every policy a log's records declare (``Declared``), with those its
+    ``audit_pruned`` records carried, one per (hash, jurisdiction), in the order they
+    were first declared. A prune by a declared policy tells its retention."""
+    seen: dict[tuple[str, str | None], dict[str, Any]] = {}
+    told: dict[str, int] = {}  # policy hash -> retention days, from a prune by it
+
+    def add(h: str, j: str | None, days: int | None, first: str, last: str) -> None:
+        entry = seen.setdefault((h, j), {"retention_days": None})
+        entry["retention_days"] = entry["retention_days"] or days
+        entry["first_time"] = min(filter(None, (entry.get("first_time"), first)), default="")
+        entry["last_time"] = max(filter(None, (entry.get("last_time"), last)), default="")
+
+    for r in records:
+        when = r.get("time") if isinstance(r.get("time"), str) else ""
+        details = r.get("details")
+        if r.get("event") == PRUNED and isinstance(details, Mapping):
+            carried = details.get("declared")
+            for item in carried if isinstance(carried, list) else []:
+                if not isinstance(item, Mapping) or not isinstance(item.get("policy_hash"), str):
+                    continue
+                j, first, last = (item.get(k) for k in ("jurisdiction", "first_time", "last_time"))
+                add(
+                    item["policy_hash"],
+                    j if isinstance(j, str) and j else None,
+                    _days(item.get("retention_days")),
+                    first if isinstance(first, str) else "",
+                    last if isinstance(last, str) else "",
+                )
+            by, days = details.get("policy_hash"), _days(details.get("retention_days"))
+            if isinstance(by, str) and days is not None:
+                told.setdefault(by, days)
+        for h, j, days in declared_in(r):
+            add(h, j, days, str(when), str(when))
+    found = [
+        Declared(
+            h,
+            j,
+            entry["retention_days"] or told.get(h),
+            entry["first_time"],
+            entry["last_time"],
+        )
+        for (h, j), entry in seen.items()
+    ]
+    return sorted(found, key=lambda d: d.first_time)
 
 
 @dataclass(frozen=True)
@@ -191,6 +309,8 @@ class Pruned:
     first_kept: int = 0
     first_time: str = ""
     last_time: str = ""
+    #: Why records past the cut-off were kept (a ``Limit`` stopped the prune), or "".
+    held: str = ""
 
 
 def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
@@ -258,6 +378,34 @@ class AuditLog:
         # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
         self._last_checkpoint: tuple[int, str] | None = None
         self._checkpoint_scanned = 0
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the side files of a prune killed before its rename (``PRUNING_SUFFIX``).
+        Under the lock of the file the path names, no prune of it is under way: a side
+        file there is a copy of records the log still holds whole, and nothing else."""
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            while self._replaced():  # pruned meanwhile: hold the file the path names
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+                self._reopen()
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+            self._remove_side_files()
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+
+    def _remove_side_files(self) -> None:
+        """``_sweep``'s work, for a caller that holds the lock."""
+        stem = self.path.name + PRUNING_SUFFIX
+        try:
+            names = os.listdir(self.path.parent)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(stem) and name[len(stem) :].isdigit():
+                # One that cannot be removed (another owner's) changes nothing here.
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path.parent / name)
 
     def close(self) -> None:
         self._file.close()
@@ -285,15 +433,20 @@ class AuditLog:
 
     # -- retention --------------------------------------------------------------------
 
-    def prune(self, before: datetime, *, run_id: int = 0, **why: Any) -> Pruned:
+    def prune(
+        self, before: datetime, *, run_id: int = 0, limit: Limit | None = None, **why: Any
+    ) -> Pruned:
         """Remove the records written before ``before`` from the log's start (a run that
-        has a later record is kept whole; see ``prune_cut``) and return what went.
+        has a later record is kept whole; see ``prune_cut``), and not past what ``limit``
+        allows (the party's declared policies; it may refuse), and return what went.
 
         The log must verify with this party's key first (a log that fails is evidence:
         nothing is removed). An ``audit_pruned`` record (``why``: the policy, its
-        retention) and a signed checkpoint are appended, then the file is replaced by
-        its kept records, atomically: a crash leaves the whole log or the pruned one.
-        Nothing is written when no record is past ``before``."""
+        retention; ``declared``: the policies the removed records declared, so that
+        they stay on the record) and a signed checkpoint are appended, then the file is
+        replaced by its kept records, atomically: a crash leaves the whole log or the
+        pruned one (and a side file the next open removes). Nothing is written when no
+        record is past ``before``."""
         if self.keypair is None:
             raise AuditError(
                 f"{self.path}: not pruned: pruning is signed with the party's key, and "
@@ -318,9 +471,15 @@ class AuditLog:
                     f"{self.path}: not pruned: a line is not an audit record; run "
                     "`fedciuic audit verify` on it"
                 ) from None
-            cut = prune_cut(records, before)
-            if cut == 0:
+            self._remove_side_files()
+            due = prune_cut(records, before)
+            if due == 0:
                 return Pruned()
+            stop, why_stopped = limit(records) if limit is not None else (due, "")
+            cut = prune_cut(records, before, stop)
+            held = why_stopped if cut < due else ""
+            if cut == 0:
+                return Pruned(held=held)
             verdict = verify(self.path, self.keypair.bundle)
             if verdict.problem is not None:
                 raise AuditError(
@@ -334,6 +493,7 @@ class AuditLog:
                 first_kept=int(last["seq"]) + 1,
                 first_time=str(first.get("time")),
                 last_time=str(last.get("time")),
+                held=held,
             )
             details = {
                 "first_kept": pruned.first_kept,
@@ -344,6 +504,7 @@ class AuditLog:
                 "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
                 **why,
                 "carried": _carried(records[:cut], self.actor),
+                "declared": [d.to_record() for d in declarations(records[:cut])],
             }
             self._write(PRUNED, run_id, None, details)
             self._checkpoint(run_id, None)
@@ -356,7 +517,7 @@ class AuditLog:
         hold on the old file: they find the path replaced and reopen it."""
         self._file.seek(offset)
         kept = self._file.read()
-        side = self.path.with_name(f"{self.path.name}.pruning-{time.time_ns()}")
+        side = self.path.with_name(f"{self.path.name}{PRUNING_SUFFIX}{time.time_ns()}")
         mode = os.fstat(self._file.fileno()).st_mode & 0o777
         try:
             fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -1005,7 +1166,7 @@ def cross_check(
                 t = _transfer(r, region)
                 if t is None:
                     result.problems.append(
-                        f"{_log_of(region)} (seq {r.get('seq')!r:.24}): malformed "
+                        f"{log_of(region)} (seq {r.get('seq')!r:.24}): malformed "
                         f"{r.get('event')} record"
                     )
                 else:
@@ -1056,8 +1217,9 @@ class WitnessCheck:
         return not self.problems
 
 
-def _log_of(party: str) -> str:
-    return "the aggregator's log" if party == "aggregator" else f"{party}'s log"
+def log_of(party: str) -> str:
+    """How messages name a party's log."""
+    return "the aggregator's log" if party == AGGREGATOR else f"{party}'s log"
 
 
 def _witness_details(details: object) -> tuple[str, int, str] | str:
@@ -1114,7 +1276,7 @@ def witness_check(
                 run_id is not None and r.get("run_id") != run_id
             ):
                 continue
-            at = f"{_log_of(name)} (seq {r.get('seq')!r:.24})"
+            at = f"{log_of(name)} (seq {r.get('seq')!r:.24})"
             unsigned = (
                 " (this witness record is not covered by a signature)"
                 if covered is not None and index >= covered.get(name, 0)
@@ -1156,17 +1318,17 @@ def witness_check(
                 result.pruned.append(witnessed)
                 continue
             elif (found is None and count > held) or (found == head and count >= held):
-                problem = f"truncated: {seen}, but {_log_of(party)} holds only {held} records"
+                problem = f"truncated: {seen}, but {log_of(party)} holds only {held} records"
             elif found is None:
-                problem = f"rewritten: {seen}, but {_log_of(party)} has no record seq {count - 1}"
+                problem = f"rewritten: {seen}, but {log_of(party)} has no record seq {count - 1}"
             elif found != head:
                 problem = (
-                    f"truncated or rewritten: {seen}, which {_log_of(party)} no longer holds "
+                    f"truncated or rewritten: {seen}, which {log_of(party)} no longer holds "
                     f"(its seq {count - 1} has hash {found[:16]}…)"
                 )
             elif signed[party].get(count) != (count, head):
                 problem = (
-                    f"truncated or rewritten: {seen}; {_log_of(party)} still holds the records "
+                    f"truncated or rewritten: {seen}; {log_of(party)} still holds the records "
                     f"it signed, but not that checkpoint (seq {count})"
                 )
             if problem is None:

@@ -33,7 +33,7 @@ from fedciuic.audit.log import (
     pruned_from,
     witness_check,
 )
-from fedciuic.audit.retention import PRUNE_COMMAND, overdue
+from fedciuic.audit.retention import PRUNE_COMMAND, check_retention, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import EXIT_AUDIT, EXIT_OK
 
@@ -181,7 +181,10 @@ def build_report(
     as unverified. The agreement checks (transfers, run config, witnessed checkpoints)
     read every record: a disagreement is one whether or not it is signed. A region log
     pruned of every record of the run (past its retention) is left out of them, and
-    said so. Each log's records past its retention (at ``now``) are named."""
+    said so, once ``check_retention`` finds its prune bound to the policy the region
+    declared: records inside that policy's retention that are gone, or a prune by
+    another policy, are disagreements naming the party. Each log's records past its
+    retention (at ``now``) are named."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
     runs = _runs(aggregator)
     if not runs:
@@ -200,6 +203,7 @@ def build_report(
 
     regions: dict[str, PartyLog] = {}
     pruned_away: list[str] = []
+    erased = check_retention({log.actor: log.records for log in logs}, now)
     for log in logs:
         if log.actor == "aggregator":
             continue
@@ -207,8 +211,11 @@ def build_report(
             pruned_away.append(
                 f"{log.actor}'s log no longer holds this run: its records up to "
                 f"{_text(log.pruned.get('last_time'))} were pruned past its retention "
-                f"({_text(log.pruned.get('retention_days'))} days); it is left out of the "
-                "checks below."
+                f"({_text(log.pruned.get('retention_days'))} days, the policy it declared); "
+                "it is left out of the checks below."
+                if not any(e.party == log.actor for e in erased)
+                else f"{log.actor}'s log no longer holds this run, and its prune is not "
+                "bound to the policy it declared (above); it is left out of the checks below."
             )
         else:
             regions[log.actor] = log
@@ -232,6 +239,7 @@ def build_report(
         *_config_disagreements(_details(_first(agg_all, Event.RUN_START)), own_all),
         *check.problems,
         *witnesses.problems,
+        *(e.problem for e in erased),
     ]
     sections = [
         _overview(run_id, start, end, agg, unsigned),

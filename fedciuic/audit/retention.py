@@ -3,9 +3,11 @@
 record anchors what is kept, so the pruned log still verifies).
 
 Which policy: a region's log by the region's own policy, the aggregator's by the
-policy of the aggregator's jurisdiction. The agent prunes its region's log when it
-starts, the aggregator its own log when a run starts; ``fedciuic audit prune`` does it
-for any log (docs/audit.md, "Retention").
+policy of the aggregator's jurisdiction; and in both cases only by a policy the log
+declared to the other parties (``bound``): a copy edited to a shorter retention is
+refused, since the others hold the party to what it declared. The agent prunes its
+region's log when it starts, the aggregator its own log when a run starts;
+``fedciuic audit prune`` does it for any log (docs/audit.md, "Retention").
 """
 
 from __future__ import annotations
@@ -17,7 +19,22 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedciuic.audit.log import AuditError, AuditLog, Pruned, load_records, prune_cut, verify
+from fedciuic.audit.events import Event
+from fedciuic.audit.log import (
+    AuditError,
+    AuditLog,
+    Declared,
+    Limit,
+    Pruned,
+    declarations,
+    declared_in,
+    load_records,
+    log_of,
+    prune_cut,
+    record_time,
+    verify,
+)
+from fedciuic.crypto import AGGREGATOR
 
 if TYPE_CHECKING:
     from fedciuic.policy import LoadedPolicy
@@ -30,9 +47,77 @@ def cutoff(days: int, now: datetime | None = None) -> datetime:
     return (now or datetime.now(UTC)) - timedelta(days=days)
 
 
+def in_force(declared: Sequence[Declared], when: datetime | None) -> Declared | None:
+    """The declared policy in force at ``when``: the last one declared at or before it,
+    else the first one declared (records older than any declaration fall under it)."""
+    if not declared:
+        return None
+    at = [d for d in declared if when is not None and _time(d.first_time) <= when]
+    return at[-1] if at else declared[0]
+
+
+def _time(value: str) -> datetime:
+    found = record_time({"time": value})
+    return found if found is not None else datetime.max.replace(tzinfo=UTC)
+
+
+def bound(policy: LoadedPolicy, path: Path, now: datetime | None = None) -> Limit:
+    """What a prune of the log at ``path`` by ``policy`` may remove (``AuditLog.prune``'s
+    ``limit``): a prune is bound to the policies the log declared to the other parties.
+
+    It refuses a policy the log never declared (an edited copy has another hash), when
+    the log declared any policy of that jurisdiction. It stops before the first record
+    that falls under another declared policy (its run's, else the one in force when it
+    was written) unless that policy's retention, where the log records it, is past too:
+    a prune never removes what a declared policy still keeps."""
+    rules, now = policy.policy, now or datetime.now(UTC)
+
+    def limit(records: Sequence[Mapping[str, Any]]) -> tuple[int, str]:
+        own = [d for d in declarations(records) if d.jurisdiction in (rules.jurisdiction, None)]
+        if not own:  # nothing on the record binds this log (it never declared a policy)
+            return len(records), ""
+        if policy.hash not in {d.policy_hash for d in own}:
+            latest = max(own, key=lambda d: d.last_time)
+            raise AuditError(
+                f"{path}: not pruned: {policy.path} is policy {policy.hash[:12]}, but the "
+                f"policy this log declared to the other parties is {latest.policy_hash[:12]} "
+                f"({latest.jurisdiction or rules.jurisdiction}, last declared "
+                f"{latest.last_time}); a prune is bound to the declared policy and its "
+                "audit.retention_days: prune with the policy you declared (`fedciuic policy "
+                "check FILE` prints a file's hash)"
+            )
+        by_hash = {d.policy_hash: d for d in own}
+        by_run: dict[object, Declared] = {}  # each run's own declaration, where it has one
+        for r in records:
+            for found, where, _ in declared_in(r):
+                if where in (rules.jurisdiction, None) and r.get("run_id") not in (0, None):
+                    by_run[r.get("run_id")] = by_hash[found]
+        before = cutoff(rules.audit.retention_days, now)
+        for index, r in enumerate(records):
+            when = record_time(r)
+            if when is None or when >= before:  # the prune's own cut-off stops here
+                break
+            governs = by_run.get(r.get("run_id")) or in_force(own, when)
+            if governs is None or governs.policy_hash == policy.hash:
+                continue
+            days = governs.retention_days
+            if days is not None and when is not None and when < cutoff(days, now):
+                continue  # past the retention of the policy it falls under, too
+            return index, (
+                f"seq {r.get('seq')} on (run {r.get('run_id')}) fall under policy "
+                f"{governs.policy_hash[:12]}, which this log declared for them"
+                + (f" ({days} days)" if days is not None else "")
+                + ": prune them with that policy"
+            )
+        return len(records), ""
+
+    return limit
+
+
 def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None) -> Pruned:
     """Prune ``log`` by ``policy``, which must be its party's own jurisdiction's (the
-    key says which): every record older than the policy's ``audit.retention_days``."""
+    key says which) and one the log declared (``bound``): every record older than the
+    policy's ``audit.retention_days`` that no other declared policy still keeps."""
     rules = policy.policy
     held = log.keypair.bundle.jurisdiction if log.keypair is not None else None
     if held is not None and held != rules.jurisdiction:
@@ -43,6 +128,7 @@ def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None)
     days = rules.audit.retention_days
     return log.prune(
         cutoff(days, now),
+        limit=bound(policy, log.path, now),
         retention_days=days,
         jurisdiction=rules.jurisdiction,
         policy=policy.path.name,
@@ -72,6 +158,8 @@ def enforce_at_start(
             pruned.last_time,
             policy.path.name,
         )
+    if pruned.held:
+        logger.warning("fedciuic: %s: audit records past retention kept: %s", who, pruned.held)
     return pruned
 
 
@@ -86,11 +174,15 @@ class Overdue:
 
 
 def overdue(
-    records: Sequence[Mapping[str, Any]], days: int, now: datetime | None = None
+    records: Sequence[Mapping[str, Any]],
+    days: int,
+    now: datetime | None = None,
+    limit: int | None = None,
 ) -> Overdue | None:
     """The records of a log that are past a retention of ``days`` (those ``prune`` would
-    remove: a run with a later record is kept whole), None when there are none."""
-    cut = prune_cut(records, cutoff(days, now))
+    remove: a run with a later record is kept whole; none from record ``limit`` on),
+    None when there are none."""
+    cut = prune_cut(records, cutoff(days, now), limit)
     if cut == 0:
         return None
     return Overdue(cut, str(records[0].get("time")), str(records[cut - 1].get("time")), days)
@@ -105,7 +197,8 @@ def prune_log(
     now: datetime | None = None,
 ) -> str:
     """``fedciuic audit prune``: prune the log at ``path`` by ``policy_file`` (its party's
-    own), signing with ``key_file``; what was done, in one line, and the log's verdict."""
+    own, and the one it declared: ``bound`` refuses any other, even with nothing to
+    prune), signing with ``key_file``; what was done, in one line, and the log's verdict."""
     from fedciuic.crypto import load_keypair
     from fedciuic.policy import load_policy
 
@@ -114,25 +207,253 @@ def prune_log(
     if not path.is_file():
         raise AuditError(f"{path}: no audit log here")
     days = policy.policy.audit.retention_days
+    stop, held = bound(policy, path, now)(load_records(path))  # refuses an undeclared policy
+    kept = f"; kept: {held}" if held else ""
     if dry_run:
-        found = overdue(load_records(path), days, now)
+        found = overdue(load_records(path), days, now, stop)
         if found is None:
             return (
-                f"{path}: no record older than {days} days ({policy.path.name}): nothing to prune"
+                f"{path}: no record older than {days} days ({policy.path.name}): nothing to "
+                f"prune{kept}"
             )
         return (
             f"{path}: would prune {found.records} record(s) older than {days} days "
-            f"({found.first_time} to {found.last_time}, {policy.path.name})"
+            f"({found.first_time} to {found.last_time}, {policy.path.name}){kept}"
         )
     log = AuditLog(path, keypair.bundle.party, keypair)
     try:
         pruned = enforce(log, policy, now=now)
     finally:
         log.close()
+    kept = f"; kept: {pruned.held}" if pruned.held else ""
     if not pruned.records:
-        return f"{path}: no record older than {days} days ({policy.path.name}): nothing pruned"
+        return (
+            f"{path}: no record older than {days} days ({policy.path.name}): nothing pruned{kept}"
+        )
     return (
         f"{path}: pruned {pruned.records} record(s) older than {days} days "
         f"(seq {pruned.first_seq} to {pruned.first_kept - 1}, {pruned.first_time} to "
-        f"{pruned.last_time}), per {policy.path.name}\n" + verify(path, keypair.bundle).explain()
+        f"{pruned.last_time}), per {policy.path.name}{kept}\n"
+        + verify(path, keypair.bundle).explain()
     )
+
+
+# -- what the report checks: each prune against the policy its party declared ------------
+
+#: How long after a party's last record of a run another party may record its signed
+#: reply to it (a reply judged at the end of its round, clocks a little apart): records
+#: the other party saw at time T were written no earlier than T minus this.
+EVIDENCE_SLACK = timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Erased:
+    """Records a party's log no longer holds that its declared policy still keeps (or a
+    prune no declared policy binds): ``run_id`` is the run whose records are gone, None
+    for what is wrong with an ``audit_pruned`` record itself."""
+
+    party: str
+    run_id: int | None
+    problem: str
+
+
+def _details(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    details = record.get("details")
+    return details if isinstance(details, Mapping) else {}
+
+
+def _parse(value: object) -> datetime | None:
+    return record_time({"time": value})
+
+
+def _jurisdiction(
+    party: str, records: Sequence[Mapping[str, Any]], aggregator: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """Where ``party`` is, as the aggregator's log records it: its own jurisdiction at
+    ``run_start`` for the aggregator; for a region, the jurisdiction of the policy its
+    replies declared (the aggregator holds one per jurisdiction), else what the
+    region's own ``run_joined`` records say."""
+    found: str | None = None
+    if party == AGGREGATOR:
+        for r in aggregator:
+            where = _details(r).get("aggregator_jurisdiction")
+            if r.get("event") == Event.RUN_START and isinstance(where, str) and where:
+                found = where
+        return found
+    held = {h: j for r in aggregator for h, j, _ in declared_in(r)}
+    for r in aggregator:
+        details = _details(r)
+        if details.get("region") == party and details.get("policy_hash") in held:
+            found = held[details["policy_hash"]]
+    if found is None:
+        own = [d.jurisdiction for d in declarations(records) if d.jurisdiction]
+        found = own[-1] if own else None
+    return found
+
+
+def _key_ids(records: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The key ids that signed a log's checkpoints."""
+    return {
+        str(_details(r).get("key_id"))
+        for r in records
+        if r.get("event") == Event.CHECKPOINT and _details(r).get("key_id")
+    }
+
+
+def _key_in_run(party: str, run_id: object, logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The key ``party`` used in run ``run_id``, as another party recorded it ("" when
+    none did): the aggregator's ``run_start`` names each region's, each region's
+    ``run_joined`` the aggregator's."""
+    for other, records in logs.items():
+        for r in records:
+            if r.get("run_id") != run_id or other == party:
+                continue
+            details = _details(r)
+            if party == AGGREGATOR and r.get("event") == Event.RUN_JOINED:
+                found = details.get("aggregator_key_id")
+            elif other == AGGREGATOR and r.get("event") == Event.RUN_START:
+                ids = details.get("region_key_ids")
+                found = ids.get(party) if isinstance(ids, Mapping) else None
+            else:
+                continue
+            if isinstance(found, str) and found:
+                return found
+    return ""
+
+
+def _prune_problems(
+    party: str,
+    records: Sequence[Mapping[str, Any]],
+    where: str | None,
+    declared: Sequence[Declared],
+) -> list[Erased]:
+    """Each ``audit_pruned`` record of ``party``'s log, against the policies it declared
+    (``declared``: those the aggregator's log holds for its jurisdiction ``where``)."""
+    out = []
+    for r in records:
+        if r.get("event") != Event.PRUNED:
+            continue
+        d = _details(r)
+        used, used_where, used_days = (
+            d.get("policy_hash"),
+            d.get("jurisdiction"),
+            d.get("retention_days"),
+        )
+        at, last = record_time(r), _parse(d.get("last_time"))
+        label = f"{log_of(party)} (audit_pruned seq {r.get('seq')!r:.24}, {r.get('time')!s:.32})"
+        if not declared:
+            out.append(
+                Erased(
+                    party,
+                    None,
+                    f"{label}: pruned by policy {str(used)[:12]} ({used_days!s:.12} days), but no "
+                    f"policy of {party}'s jurisdiction ({where or 'unknown'}) is on the "
+                    "aggregator's record: nothing binds the retention it applied",
+                )
+            )
+            continue
+        issues = []
+        if used_where != where:
+            issues.append(f"pruned by the policy of {used_where!s:.32}, but {party} is in {where}")
+        match = next((p for p in declared if p.policy_hash == used), None)
+        if match is None:
+            named = ", ".join(f"{p.policy_hash[:12]} ({p.retention_days} days)" for p in declared)
+            issues.append(
+                f"pruned by policy {str(used)[:12]} ({used_days!s:.12} days), which is not "
+                f"the policy {party} declared ({named}, as the aggregator's log records it)"
+            )
+        governs = match or in_force(declared, at)
+        days = governs.retention_days if governs is not None else None
+        if days is None:
+            issues.append("the declared policy's retention_days is not on the record")
+        elif at is None or last is None or last >= at - timedelta(days=days):
+            kept_by = f"{party}'s declared policy {governs.policy_hash[:12]}" if governs else ""
+            issues.append(
+                f"it removed records written up to {d.get('last_time')!s:.32}, inside the "
+                f"{days} days {kept_by} keeps them: records inside the declared retention "
+                "are gone"
+            )
+        if issues:
+            out.append(Erased(party, None, f"{label}: " + "; ".join(issues)))
+    return out
+
+
+def _gone(
+    party: str,
+    logs: Mapping[str, Sequence[Mapping[str, Any]]],
+    declared: Sequence[Declared],
+    now: datetime,
+) -> list[Erased]:
+    """The runs another party saw ``party`` sign (its ``witness`` records) that
+    ``party``'s log no longer holds, though its declared retention still keeps them:
+    with or without an ``audit_pruned`` record. A run signed with another key than the
+    log's (a log moved aside after a rotation) is another log's to hold."""
+    records = logs[party]
+    held = {r.get("run_id") for r in records}
+    keys = _key_ids(records)
+    first = record_time(records[0]) if records else None
+    pruned = bool(records) and records[0].get("seq") not in (0, None)
+    seen: dict[object, tuple[datetime, str, object]] = {}
+    for other, theirs in logs.items():
+        if other == party:
+            continue
+        for r in theirs:
+            run, when = r.get("run_id"), record_time(r)
+            if (
+                r.get("event") != Event.WITNESS
+                or _details(r).get("party") != party
+                or run in held
+                or run in (0, None)
+                or when is None
+            ):
+                continue
+            if run not in seen or when > seen[run][0]:
+                seen[run] = (when, other, r.get("seq"))
+    out = []
+    for run, (when, other, seq) in sorted(seen.items(), key=lambda item: item[1][0]):
+        key = _key_in_run(party, run, logs)
+        if key and keys and key not in keys:
+            continue  # signed with another key: that key's log holds it
+        if not (pruned or (first is not None and first <= when) or (key and key in keys)):
+            continue  # a log begun after the run, with nothing to say it is the same log
+        governs = in_force(declared, when)
+        days = governs.retention_days if governs is not None else None
+        saw = f"{log_of(other)} (witness seq {seq!r:.24}) saw {party} sign on {when:%Y-%m-%d %H:%M}"
+        if governs is None or days is None:
+            problem = (
+                f"{log_of(party)} no longer holds run {run}, which {saw}, and no policy "
+                f"{party} declared is on the aggregator's record to say how long it keeps it"
+            )
+        elif now < when - EVIDENCE_SLACK + timedelta(days=days):
+            problem = (
+                f"{log_of(party)} no longer holds run {run}, which {saw}; {party}'s declared "
+                f"policy {governs.policy_hash[:12]} ({governs.jurisdiction}) keeps its records "
+                f"{days} days, to {when + timedelta(days=days):%Y-%m-%d}: records inside the "
+                "declared retention are gone"
+            )
+        else:
+            continue
+        out.append(Erased(party, run if isinstance(run, int) else None, problem))
+    return out
+
+
+def check_retention(
+    logs: Mapping[str, Sequence[Mapping[str, Any]]], now: datetime | None = None
+) -> list[Erased]:
+    """What retention cannot explain in the parties' logs (party -> its records, with
+    the aggregator's): each ``audit_pruned`` record must name the policy its party
+    declared (as the aggregator's log records it: the policy it holds for the party's
+    jurisdiction, which the party's replies name) and that jurisdiction, and remove
+    only records older than that policy's ``retention_days`` when it ran; and a run
+    another party saw a party sign must still be in that party's log while its
+    declared retention keeps it. Records are untrusted: verify the logs first."""
+    now = now or datetime.now(UTC)
+    aggregator = logs.get(AGGREGATOR, [])
+    held = declarations(aggregator)  # the policy of every jurisdiction it held, and when
+    out = []
+    for party, records in logs.items():
+        where = _jurisdiction(party, records, aggregator)
+        declared = [d for d in held if where is not None and d.jurisdiction == where]
+        out += _prune_problems(party, records, where, declared)
+        out += _gone(party, logs, declared, now)
+    return out

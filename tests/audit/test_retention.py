@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -28,11 +27,12 @@ from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.ops.cli import main
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import audit_witness
+from tests.audit.conftest import T0
 from tests.conftest import ROOT
 
 EU_POLICY = ROOT / "policies" / "eu-gdpr.yaml"  # audit.retention_days: 1826
+EU_HASH = load_policy(EU_POLICY).hash
 DAYS = 1826
-T0 = datetime(2020, 1, 1, tzinfo=UTC)
 NOW = T0 + timedelta(days=DAYS + 300)  # runs 1 and 2 (days 100, 200) are past retention
 
 
@@ -41,21 +41,13 @@ def key() -> Keypair:
     return Keypair.generate("eu", "EU")
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[datetime]]:
-    """The time the log writes into each record, set by the test."""
-    now = [T0]
-    monkeypatch.setattr(audit_log, "_now", lambda: now[0].strftime(audit_log.TIME_FORMAT))
-    yield now
-
-
 def write_runs(path: Path, key: Keypair, clock: list[datetime], days: list[int]) -> None:
-    """One run per entry of ``days`` (written that many days after T0): joined,
-    trained (witnessing the region's privacy ledger), checkpointed."""
+    """One run per entry of ``days`` (written that many days after T0): joined under
+    the EU policy, trained (witnessing the region's privacy ledger), checkpointed."""
     log = AuditLog(path, "eu", key)
     for run, day in enumerate(days, 1):
         clock[0] = T0 + timedelta(days=day)
-        log.append("run_joined", run_id=run, server_round=1, jurisdiction="EU")
+        log.append("run_joined", run_id=run, server_round=1, jurisdiction="EU", policy_hash=EU_HASH)
         log.append(
             "trained",
             run_id=run,
@@ -318,9 +310,21 @@ def test_a_region_log_pruned_of_a_run_is_left_out_of_its_checks_and_said_so(tmp_
     eu = AuditLog(tmp_path / "eu.jsonl", "eu", key)
     clock[0] = T0 + timedelta(days=100)
     aggregator.append(
-        "run_start", run_id=1, regions=["eu"], config_hash="c" * 64, retention_days={"EU": DAYS}
+        "run_start",
+        run_id=1,
+        regions=["eu"],
+        config_hash="c" * 64,
+        policy_hashes={"EU": EU_HASH},
+        retention_days={"EU": DAYS},
     )
-    eu.append("run_joined", run_id=1, server_round=1, config_hash="c" * 64, jurisdiction="EU")
+    eu.append(
+        "run_joined",
+        run_id=1,
+        server_round=1,
+        config_hash="c" * 64,
+        jurisdiction="EU",
+        policy_hash=EU_HASH,
+    )
     eu.append("update_sealed", run_id=1, server_round=1, region="eu", digest="d" * 64)
     aggregator.append("update_received", run_id=1, server_round=1, region="eu", digest="d" * 64)
     for log in (aggregator, eu):
@@ -342,5 +346,6 @@ def test_a_region_log_pruned_of_a_run_is_left_out_of_its_checks_and_said_so(tmp_
     assert report.disagreements == []
     text = to_markdown(1, report.sections)
     assert "eu's log no longer holds this run: its records up to 2020-04-10" in text
+    assert "(1826 days, the policy it declared)" in text
     row = "| eu | eu.jsonl | 4 | 3 (seq 3 to 5) | OK | 1826 days (EU): none past it; seq 0 to 2 "
     assert row + "pruned" in text
