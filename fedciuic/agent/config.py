@@ -4,8 +4,9 @@ Everything a region promises is decided here, by the region, and by nothing the
 aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
 budget (the run config's ``epsilon-budget`` is never consulted), whether it loads
 pickle weights (``allow-pickle-weights``, likewise its own), how many training
-processes and CPU threads it runs, the socket its relay reaches it on, and which OS user that relay
-runs as (whom the agent checks cannot read its files).
+processes and CPU threads it runs, the socket its relay reaches it on, which OS user that relay
+runs as (whom the agent checks cannot read its files), and whom it trusts as its peers in a
+secure sum (``peer-bundles``: the bundles its own operator enrolled, checked at start).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Self
 from pydantic import Field
 
 from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.crypto import AGGREGATOR, KeyFileError, PublicBundle, load_bundle
 from fedciuic.errors import ConfigError
 
 #: The lifetime budget of a dataset whose agent config names none (the run config's
@@ -83,7 +85,53 @@ class AgentConfig(NodeConfig):
             key = name.replace("_", "-")
             if isinstance(values.get(key), str) and values[key]:
                 values[key] = str(folder / Path(values[key]).expanduser())
-        return cls.from_user_config(values, source=str(file))
+        config = cls.from_user_config(values, source=str(file))
+        problems = config.peer_problems(str(file))
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    def peer_problems(self, source: str) -> list[str]:
+        """Why ``peer-bundles`` is not a folder of this region's peers' bundles, if it is
+        not: missing, a bundle that does not load, the region's own or the aggregator's
+        (a peer the aggregator could pose as), or one not named for its peer. "" (no peers: the
+        region declines every secure sum) is fine."""
+        if not self.peer_bundles:
+            return []
+        key = f"{source}:peer-bundles"
+        folder = Path(self.peer_bundles)
+        if not folder.is_dir():
+            return [
+                f"{key}: {folder} is not a folder; make it and put each peer region's "
+                "REGION.pub.json in it (as that region's operator gave it to you, its "
+                'fingerprint checked), or set peer-bundles = "" (no secure sums)'
+            ]
+        aggregator = _key_id(Path(self.aggregator_bundle))
+        problems: list[str] = []
+        for path in sorted(folder.glob("*.pub.json")):
+            try:
+                bundle = load_bundle(path)
+            except KeyFileError as err:
+                problems.append(f"{key}: {err}")
+                continue
+            if bundle.party == self.region:
+                problems.append(
+                    f"{key}: {path} is this region's own bundle; only its peers' belong in "
+                    "peer-bundles: remove it"
+                )
+            elif bundle.party == AGGREGATOR or bundle.key_id == aggregator:
+                problems.append(
+                    f"{key}: {path} is the aggregator's bundle, and the aggregator is never "
+                    "a peer in a secure sum (it could pose as one and learn this region's "
+                    "update): remove it"
+                )
+            elif path.name != f"{bundle.party}.pub.json":
+                # one file per peer, named for it: two bundles for one peer cannot hide
+                problems.append(
+                    f"{key}: {path} holds {bundle.party!r}'s bundle; name it "
+                    f"{bundle.party}.pub.json, or remove it if it is not the peer you enrolled"
+                )
+        return problems
 
     def toml(self, comment: str = "") -> str:
         """This config as the file :meth:`load` reads, headed by ``comment``."""
@@ -108,6 +156,16 @@ class AgentConfig(NodeConfig):
                 ]
             )
         return NodeConfig.model_validate(self.model_dump(include=set(NodeConfig.model_fields)))
+
+
+def _key_id(path: Path) -> bytes | None:
+    """The key id of the bundle at ``path``, if it loads (the agent refuses one that does
+    not, naming it, when it starts)."""
+    try:
+        bundle: PublicBundle = load_bundle(path)
+    except (KeyFileError, OSError):
+        return None
+    return bundle.key_id
 
 
 __all__ = ["DEFAULT_EPSILON_BUDGET", "AgentConfig"]

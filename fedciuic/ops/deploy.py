@@ -49,17 +49,23 @@ from fedciuic.ops.layout import (
     Deployment,
     connection_config,
     next_steps,
+    region_socket,
+    relay_home,
     run_overrides,
     start_owner,
     write_deployment,
 )
 from fedciuic.ops.outputs import mark_unfinished
 from fedciuic.ops.separation import (
+    SeparationError,
     check_runs,
     default_relay_user,
     ensure_user,
     exec_as,
+    exec_tied,
+    reach_problem,
     reachability_problem,
+    relay_folders,
 )
 from fedciuic.policy import LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.record import (
@@ -157,8 +163,9 @@ def _region_policy(
     return loaded, []
 
 
-def _relay_problems(user: str) -> list[str]:
-    """Why ``user`` cannot be the relay's user here, if it cannot."""
+def _relay_problems(user: str, folders: dict[str, Path]) -> list[str]:
+    """Why ``user`` cannot be the relay's user here, if it cannot: it must run this
+    Python and reach ``folders`` (what each is: the folder)."""
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
         return [f"--relay-user: {user!r} is not a user name (lower-case, at most 32 characters)"]
     try:
@@ -170,8 +177,8 @@ def _relay_problems(user: str) -> list[str]:
                 f"--relay-user: no user {user}; create it (as root), or run init as root so "
                 "that start-supernode.sh creates it"
             ]
-    problem = reachability_problem(user)
-    return [problem] if problem else []
+    problems = [reachability_problem(user), reach_problem(user, folders, "--relay-user")]
+    return [p for p in problems if p]
 
 
 # -- init -----------------------------------------------------------------------------
@@ -232,8 +239,6 @@ def init_deployment(
             f"pick a base above {port} or below {port - len(parsed)}"
         )
     relay = default_relay_user() if relay_user is None else relay_user.strip()
-    if relay:
-        problems += _relay_problems(relay)
     if demo_data:
         problems += [
             f"--demo-data: no demo corpus for region {name} (have {', '.join(FAMILIES)}); "
@@ -269,6 +274,15 @@ def init_deployment(
         bin_dir=Path(sys.executable).parent,
         relay_user=relay,
     )
+    if relay:
+        # Each region's relay home and agent socket (in folders init makes passable):
+        # the folders above them must let the relay's user through too.
+        folders: dict[str, Path] = {}
+        for region in deployment.regions:
+            folders |= relay_folders(
+                relay_home(deployment, region.name), region_socket(deployment, region.name)
+            )
+        problems += _relay_problems(relay, folders)
     if not problems:
         # The run config the aggregator will submit must be one the ServerApp accepts.
         try:
@@ -281,7 +295,10 @@ def init_deployment(
         raise ConfigError(problems)
 
     existed = directory.is_dir()
+    made = [f for f in (directory, *directory.parents) if not f.exists()]
     directory.mkdir(parents=True, exist_ok=True)
+    for folder in made:  # whatever the umask: the relay's user passes through them
+        folder.chmod(0o755)
     try:
         write_deployment(deployment, policies)
     except BaseException:
@@ -441,8 +458,9 @@ def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
     return roots
 
 
-def relay_setup(user: str, home: Path) -> int:
-    """Before a region's agent starts: the relay's user (made, as root, if missing) and
+def relay_setup(user: str, home: Path, socket: Path) -> int:
+    """Before a region's agent starts: a check that the relay's user can reach its home
+    and the agent's socket (``socket``), that user (made, as root, if missing) and its
     home, and a check that it can run the relay; or, without a user, a warning."""
     if not user:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -453,6 +471,9 @@ def relay_setup(user: str, home: Path) -> int:
             err=True,
         )
         return 0
+    problem = reach_problem(user, relay_folders(home, socket))
+    if problem:
+        raise SeparationError(problem)
     ensure_user(user, home)
     check_runs(user)
     return 0
@@ -482,10 +503,13 @@ def _main(argv: Sequence[str]) -> int:
         if last is not None:
             say(str(last))
         return outcome
-    if action == "relay-setup" and len(args) == 2:
-        return relay_setup(args[0], Path(args[1]))
-    if action == "relay" and len(args) >= 4 and args[2] == "--":
-        exec_as(args[0], Path(args[1]), args[3:])  # returns only by raising
+    if action == "relay-setup" and len(args) == 3:
+        return relay_setup(args[0], Path(args[1]), Path(args[2]))
+    # PARENT: the launcher's PID ($$), which the command dies with (returns only by raising)
+    if action == "relay" and len(args) >= 5 and args[3] == "--" and args[2].isdigit():
+        exec_as(args[0], Path(args[1]), args[4:], parent=int(args[2]))
+    if action == "tied" and len(args) >= 3 and args[1] == "--" and args[0].isdigit():
+        exec_tied(args[2:], parent=int(args[0]))
     if action == "stop" and len(args) == 1:
         stopped = stop_processes(Path(args[0]))
         say(f"stopped {len(stopped)} process group(s) named in {args[0]}")
@@ -494,7 +518,8 @@ def _main(argv: Sequence[str]) -> int:
         "usage: python -m fedciuic.ops.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
         "| check-run LOG FILE | settle RUNS_DIR SINCE | last-run RUNS_DIR SINCE "
         "| running PIDS_DIR | stop PIDS_DIR "
-        "| relay-setup USER HOME | relay USER HOME -- COMMAND...",
+        "| relay-setup USER HOME SOCKET | relay USER HOME PARENT -- COMMAND... "
+        "| tied PARENT -- COMMAND...",
         file=sys.stderr,
     )
     return 2

@@ -19,7 +19,7 @@ from typing import Any
 from fedciuic.agent import AgentConfig
 from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import RunConfig
-from fedciuic.crypto import AGGREGATOR, Keypair, bundle_path, write_keys
+from fedciuic.crypto import AGGREGATOR, Keypair, bundle_path, load_bundle, write_keys
 from fedciuic.errors import EXIT_NO_AGGREGATE
 from fedciuic.flower import (
     AGENT,
@@ -36,6 +36,9 @@ from fedciuic.policy import LoadedPolicy, PolicySet
 
 #: Each region's agent config, in its folder.
 AGENT_CONFIG = "agent.toml"
+#: Each region's folder of its peers' public bundles (its operator's copies, enrolled
+#: by the region itself): what its agent trusts in a secure sum, and nothing else.
+PEERS_DIR = "peers"
 #: A demo region's dictionary of its synthetic customers' names, beside its agent config.
 DEMO_DICTIONARY_FILE = "deid-dictionary.txt"
 #: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
@@ -109,6 +112,11 @@ def region_socket(d: Deployment, region: str) -> Path:
     return d.region_dir(region) / "agent" / "agent.sock"
 
 
+def relay_home(d: Deployment, region: str) -> Path:
+    """The home of the region's relay user (its FLWR_HOME, where Flower unpacks the app)."""
+    return d.region_dir(region) / "relay"
+
+
 def _node_config(d: Deployment, region: DeployedRegion) -> dict[str, str]:
     """What the SuperNode tells the ClientApp (the relay): the agent's socket, nothing
     of the region's data, state or keys."""
@@ -124,6 +132,7 @@ def _agent_config(d: Deployment, region: DeployedRegion) -> AgentConfig:
         state_path=str(here / "state"),
         key_file=str(here / "keys" / f"{region.name}.key.json"),
         aggregator_bundle=str(here / "keys" / f"{AGGREGATOR}.pub.json"),
+        peer_bundles=str(here / PEERS_DIR),
         policy=str(here / region.policy.path.name),
         socket=str(region_socket(d, region.name)),
         relay_user=d.relay_user,
@@ -167,6 +176,9 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
             _private_dir(agg / "certs"), list(dict.fromkeys([d.host, "127.0.0.1", "localhost"]))
         )
         _private_dir(agg / "auth")
+    # The relay passes through to its home and the agent's socket, whatever the umask.
+    (d.directory / "regions").mkdir(mode=0o755)
+    (d.directory / "regions").chmod(0o755)
     for region in d.regions:
         here = d.region_dir(region.name)
         keys = _private_dir(here / "keys")
@@ -175,7 +187,7 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
         shutil.copyfile(bundle_path(agg_keys, AGGREGATOR), bundle_path(keys, AGGREGATOR))
         shutil.copyfile(region.policy.path, here / region.policy.path.name)
         shutil.copyfile(region.policy.path, agg / "policies" / region.policy.path.name)
-        here.chmod(0o755)  # the relay passes through to its home and the agent's socket
+        here.chmod(0o755)
         _private_dir(here / "state")
         data = _private_dir(here / "data")
         (data / "README.md").write_text(
@@ -217,6 +229,7 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
             encoding="utf-8",
         )
         _script(here / "start-supernode.sh", _supernode_script(d, region))
+    _enrol_peers(d)
     (agg / "run-config.toml").write_text(
         _toml(
             run_overrides(d),
@@ -235,6 +248,28 @@ def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
     _script(d.directory / "start.sh", _start_script(d))
     _script(d.directory / "stop.sh", _stop_script(d))
     (d.directory / "README.md").write_text(_readme(d), encoding="utf-8")
+
+
+def _enrol_peers(d: Deployment) -> None:
+    """Each region's copies of the other regions' public bundles, in its peers/: what a
+    region's operator does by hand in a federation of several organisations (copy each
+    peer's bundle over a channel they trust, compare its fingerprint out of band; the
+    README lists them). Never the aggregator's to hand out at run time."""
+    for region in d.regions:
+        peers = _private_dir(d.region_dir(region.name) / PEERS_DIR)
+        for peer in d.regions:
+            if peer.name != region.name:
+                own = bundle_path(d.region_dir(peer.name) / "keys", peer.name)
+                shutil.copyfile(own, bundle_path(peers, peer.name))
+
+
+def fingerprints(d: Deployment) -> dict[str, str]:
+    """Each party's public bundle's key id (the fingerprint its peers compare), by party."""
+    parties = {AGGREGATOR: d.aggregator / "keys"}
+    parties |= {r.name: d.region_dir(r.name) / "keys" for r in d.regions}
+    return {
+        name: load_bundle(bundle_path(keys, name)).key_id.hex() for name, keys in parties.items()
+    }
 
 
 def connection_config(d: Deployment) -> str:
@@ -323,8 +358,13 @@ def _supernode_script(d: Deployment, region: DeployedRegion) -> str:
         data_check=_data_check(here / "data", region.name),
         agent=_q(agent),
         relay_user=_q(d.relay_user),
-        relay_home=_q(here / "relay"),
+        relay_home=_q(relay_home(d, region.name)),
+        socket=_q(region_socket(d, region.name)),
         as_user=f"as {d.relay_user}" if d.relay_user else "as this user (no OS separation)",
+        # (a user name is letters, digits, - and _: safe inside the script's quotes)
+        relay=f"relay (flower-superexec as {d.relay_user})"
+        if d.relay_user
+        else "relay (flower-superexec)",
         security=security,
         superlink=_q(d.superlink),
         port=region.port,
@@ -462,8 +502,17 @@ def _readme(d: Deployment) -> str:
         )
         for r in d.regions
     ]
+    bundles = {AGGREGATOR: bundle_path(Path("aggregator") / "keys", AGGREGATOR)}
+    bundles |= {r.name: bundle_path(Path("regions") / r.name / "keys", r.name) for r in d.regions}
+    rows = [
+        fragment(
+            "_readme-fingerprint.md.tmpl", party=party, key_id=key_id, bundle=str(bundles[party])
+        )
+        for party, key_id in fingerprints(d).items()
+    ]
     return render(
         "README.md.tmpl",
+        fingerprints="\n".join(rows),
         app=str(d.app),
         bin=str(d.bin_dir),
         next_steps=next_steps(d),
@@ -477,12 +526,17 @@ def _readme(d: Deployment) -> str:
 
 
 __all__ = [
+    "AGENT_CONFIG",
     "EXIT_NO_AGGREGATE",
+    "PEERS_DIR",
     "PLAIN",
     "DeployedRegion",
     "Deployment",
     "connection_config",
+    "fingerprints",
     "next_steps",
+    "region_socket",
+    "relay_home",
     "run_overrides",
     "start_owner",
     "write_deployment",

@@ -8,10 +8,18 @@ FLWR_HOME, where Flower unpacks the FAB), in no group of the region's. The regio
 data, state and key folders are its operator's, mode 0700; the agent refuses to serve
 while the relay's user can read them (:mod:`fedciuic.agent.access`).
 
-That user must still run Python: every folder on the way to the interpreter and to
-the installed packages must let others pass (``o+x``). :func:`closed_to_others` finds
-the first one that does not, so that ``init`` and the start script say which, and how
-to fix it, instead of a relay that dies at start.
+That user must still run Python and reach its own home and the agent's socket: every
+folder on the way to the interpreter, the installed packages (where fedciuic is
+installed from the app's folder, as an editable install is, that folder too), the
+region's folder (the home and the socket are in it) must let others pass (``o+x``).
+:func:`closed_to_others` finds the first one that does not, so that ``init`` and the
+start script say which, and how to fix it, instead of a relay that dies at start.
+(The app itself is not among them: Flower hands the relay the app as a FAB, which it
+unpacks in its home.)
+
+The SuperNode and the relay carry the kernel's parent-death signal (:func:`exec_tied`,
+:func:`exec_as`): a start script killed with SIGKILL, which can clean up nothing,
+still takes them with it, and the SuperNode's port is free for the next start.
 """
 
 from __future__ import annotations
@@ -75,6 +83,38 @@ def closed_to_others(paths: Iterable[Path], *, read: bool = True) -> Path | None
             needed = stat.S_IXOTH | (stat.S_IROTH if read and step == path else 0)
             if mode & needed != needed:
                 return step
+    return None
+
+
+def first_closed(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` (``path`` too, as far as it exists) that a
+    user in none of its groups may not pass; None when all are open. Folders that do not
+    exist yet are left out: whoever makes them makes them passable."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return closed_to_others([existing], read=False)
+
+
+def relay_folders(home: Path, socket: Path) -> dict[str, Path]:
+    """What the relay's user must pass through to, by what it is: the folder its home
+    is made in (the home itself is its own) and the folder of the agent's socket's
+    folder (the agent makes that one passable)."""
+    return {f"its home {home}": home.parent, f"the agent's socket {socket}": socket.parent.parent}
+
+
+def reach_problem(user: str, folders: dict[str, Path], source: str = "relay-user") -> str | None:
+    """Why ``user`` could not reach one of ``folders`` (what it is: the folder), or None:
+    one line naming the first closed folder and the fix (``source``: where the user is
+    named, the agent config's key or init's option)."""
+    for what, folder in folders.items():
+        closed = first_closed(folder)
+        if closed is not None:
+            return (
+                f"{source} {user}: cannot reach {what}: {closed} is closed to other users; "
+                f"chmod o+x {closed} (let others pass through it), or keep the deployment in "
+                "a folder others may pass through"
+            )
     return None
 
 
@@ -142,16 +182,15 @@ def check_runs(name: str) -> None:
         raise SeparationError(f"relay-user {name}: cannot run the relay: {why}")
 
 
-def exec_as(name: str, home: Path, command: Sequence[str]) -> None:
+def exec_as(name: str, home: Path, command: Sequence[str], parent: int) -> None:
     """Replace this process with ``command`` run as ``name`` (or as ourselves when
-    ``name`` is ""), with ``home`` as its HOME and FLWR_HOME and working folder."""
+    ``name`` is ""), with ``home`` as its HOME and FLWR_HOME and working folder, dying
+    with its parent, process ``parent`` (its launcher's own word: by the time Python
+    gets here, a parent killed meanwhile would have been replaced)."""
     env = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home)}
+    if name and (problem := reach_problem(name, {f"its home {home}": home.parent})):
+        raise SeparationError(problem)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if name and (closed := closed_to_others([home.parent], read=False)) is not None:
-        raise SeparationError(
-            f"relay-user {name}: cannot reach its home {home}: {closed} is closed to other "
-            f"users; chmod o+x {closed}"
-        )
     if name:
         entry = ensure_user(name, home)
         check_runs(name)
@@ -162,18 +201,30 @@ def exec_as(name: str, home: Path, command: Sequence[str]) -> None:
     # Flower's --parent-pid cannot watch a parent of another user (os.kill(pid, 0) is
     # refused, which it takes for an exit): the kernel's parent-death signal can, set
     # after the switch of user (which clears it) and kept across exec.
-    _die_with_parent()
+    _die_with_parent(parent)
     os.chdir(home)
     os.execve(command[0], list(command), env)
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when its parent exits (Linux; elsewhere a no-op)."""
+def exec_tied(command: Sequence[str], parent: int) -> None:
+    """Replace this process with ``command``, which the kernel stops (SIGTERM) when its
+    parent, process ``parent``, exits, however it exits: the SuperNode under its start
+    script."""
+    _die_with_parent(parent)
+    os.execvp(command[0], list(command))
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent exits (Linux; elsewhere a no-op); exit at
+    once if ``parent`` (its parent when it started) is no longer its parent, since the
+    signal only covers a death after it is set."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         return
+    if os.getppid() != parent:
+        raise SystemExit(143)  # as if the signal had come: its parent is gone
 
 
 __all__ = [
@@ -184,5 +235,9 @@ __all__ = [
     "default_relay_user",
     "ensure_user",
     "exec_as",
+    "exec_tied",
+    "first_closed",
+    "reach_problem",
     "reachability_problem",
+    "relay_folders",
 ]

@@ -3,12 +3,14 @@ relative to the file, and a lifetime budget that no run config can raise."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from fedciuic.agent.config import DEFAULT_EPSILON_BUDGET, AgentConfig
 from fedciuic.config import RunConfig
+from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.errors import ConfigError
 from tests.conftest import unit_config
 
@@ -151,3 +153,90 @@ def test_the_node_a_round_sees_is_the_agents_own(tmp_path):
     assert node.region == "eu" and node.data_path == config.data_path
     assert node.state_dir == config.state_dir and node.key_file == config.key_file
     assert node.policy == config.policy and node.train_processes == 3
+
+
+# -- peer-bundles: whom the region trusts in a secure sum -------------------------------
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    """eu's keys folder (its key, the aggregator's bundle) as GOOD names it, and, apart,
+    the bundles of every party of a federation of eu, cn and us."""
+    every = generate_federation_keys(tmp_path / "every", ("eu", "cn", "us"))
+    own = tmp_path / "region" / "keys"
+    own.mkdir(parents=True)
+    for name in ("aggregator.pub.json", "eu.pub.json", "eu.key.json"):
+        shutil.copy2(every / name, own / name)
+    return every
+
+
+def peers(tmp_path: Path, keys: Path, *names: str, as_: dict[str, str] | None = None) -> Path:
+    """An agent config whose peer-bundles folder holds the bundles ``names`` (each under
+    its own name unless ``as_`` gives another)."""
+    folder = tmp_path / "region" / "peers"
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copyfile(
+            keys / f"{name}.pub.json", folder / (as_ or {}).get(name, f"{name}.pub.json")
+        )
+    return write(tmp_path, GOOD + 'peer-bundles = "peers"\n')
+
+
+def test_enrolled_peers_and_no_peers_are_fine(tmp_path, keys):
+    path = peers(tmp_path, keys, "cn", "us")
+    assert Path(AgentConfig.load(path).peer_bundles) == (tmp_path / "region" / "peers").resolve()
+    assert AgentConfig.load(peers(tmp_path, keys)).peer_bundles  # cn and us: unchanged
+    empty = tmp_path / "region" / "peers"
+    for bundle in empty.iterdir():
+        bundle.unlink()
+    AgentConfig.load(path)  # an empty folder: no peers (the region declines secure sums)
+    AgentConfig.load(write(tmp_path, GOOD + 'peer-bundles = ""\n'))  # no folder: the same
+
+
+def test_a_missing_peer_folder_is_named_with_the_fix(tmp_path):
+    path = write(tmp_path, GOOD + 'peer-bundles = "peers"\n')
+    (problem,) = problems(path)
+    assert problem.startswith(
+        f"{path}:peer-bundles: {(tmp_path / 'region' / 'peers').resolve()} is not a folder; "
+    )
+    assert 'peer-bundles = ""' in problem
+
+
+@pytest.mark.parametrize(
+    ("names", "renamed", "says"),
+    [
+        (("cn", "eu"), {}, "eu.pub.json is this region's own bundle; only its peers' belong"),
+        (("cn", "aggregator"), {}, "aggregator.pub.json is the aggregator's bundle"),
+        (
+            ("cn", "us"),
+            {"us": "zz.pub.json"},
+            "zz.pub.json holds 'us''s bundle; name it us.pub.json",
+        ),
+    ],
+)
+def test_a_peer_folder_with_the_regions_own_the_aggregators_or_a_misnamed_bundle_is_refused(
+    tmp_path, keys, names, renamed, says
+):
+    path = peers(tmp_path, keys, *names, as_=renamed)
+    (problem,) = problems(path)
+    assert problem.startswith(f"{path}:peer-bundles: {(tmp_path / 'region' / 'peers').resolve()}/")
+    assert says in problem, problem
+
+
+def test_a_peer_bundle_that_does_not_load_is_named(tmp_path, keys):
+    path = peers(tmp_path, keys, "cn")
+    bundle = tmp_path / "region" / "peers" / "cn.pub.json"
+    bundle.write_text(bundle.read_text().replace('"key_id": "', '"key_id": "00'), encoding="utf-8")
+    (problem,) = problems(path)
+    assert problem.startswith(f"{path}:peer-bundles: {bundle.resolve()}")
+
+
+def test_the_aggregators_keys_under_a_peers_name_are_refused_by_their_key(tmp_path, keys):
+    """The party in a bundle is not covered by its key id: the aggregator's keys relabelled
+    as a peer's are still the aggregator's."""
+    path = peers(tmp_path, keys)
+    forged = tmp_path / "region" / "peers" / "us.pub.json"
+    text = (keys / "aggregator.pub.json").read_text()
+    forged.write_text(text.replace('"party": "aggregator"', '"party": "us"'), encoding="utf-8")
+    (problem,) = problems(path)
+    assert f"{forged.resolve()} is the aggregator's bundle" in problem

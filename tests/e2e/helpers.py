@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
+import stat
+import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from fedciuic.agent.config import AgentConfig
+from fedciuic.crypto import AGGREGATOR
 from fedciuic.crypto.tls import generate_supernode_key
 from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
 from fedciuic.flower.relay import AGENT
@@ -149,6 +153,7 @@ def agent_config(
     ``folder/REGION/`` and its share of this machine's cores."""
     values = {
         **deployed_node(region, data, states, keys),
+        "peer-bundles": str(enrol_peers(keys, region, folder / f"{region}.peers")),
         "relay-user": relay_user,
         "cpu-threads": cpu_share(REGIONS_HERE),
     }
@@ -159,6 +164,16 @@ def agent_config(
     path = folder / f"{region}.agent.toml"
     path.write_text(config.toml())
     return path
+
+
+def enrol_peers(keys: Path, region: str, folder: Path) -> Path:
+    """``folder`` holding copies of the other regions' public bundles in ``keys`` (not
+    the region's own, not the aggregator's): its operator's enrolment of its peers."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for bundle in keys.glob("*.pub.json"):
+        if bundle.name not in (f"{region}.pub.json", f"{AGGREGATOR}.pub.json"):
+            shutil.copyfile(bundle, folder / bundle.name)
+    return folder
 
 
 def start_region(
@@ -219,3 +234,35 @@ def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str,
         "aggregator-bundle": str(keys / "aggregator.pub.json"),
         "policy": str(lab_policies_dir(state) / SHIPPED_POLICIES[region.upper()]),
     }
+
+
+@contextlib.contextmanager
+def passable_to_others(paths: Iterable[Path]) -> Iterator[None]:
+    """Let other users pass through (o+x) every folder on the way to ``paths`` that does
+    not let them (a Python under /root, say), and restore each mode afterwards: what a
+    relay user of its own needs to run this install."""
+    changed: dict[Path, int] = {}
+    for path in paths:
+        for step in reversed(path.parents):
+            mode = step.stat().st_mode
+            if not mode & stat.S_IXOTH and step not in changed:
+                changed[step] = stat.S_IMODE(mode)
+                step.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for step, mode in changed.items():
+            step.chmod(mode)
+
+
+@contextlib.contextmanager
+def open_folder(prefix: str) -> Iterator[Path]:
+    """A fresh folder in /tmp that other users may pass through (not list), removed
+    afterwards: a deployment whose relay runs as its own user lives in one (pytest's
+    tmp_path is closed to other users)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    folder.chmod(0o711)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -6,11 +6,14 @@ import json
 import os
 import pwd
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -92,6 +95,32 @@ def test_each_party_gets_its_keys_policy_and_scripts(deployment):
             for k in (f"auth/{r}.auth.key", f"keys/{r}.key.json")
         ),
     ]
+
+
+def test_each_region_trusts_its_enrolled_peers_and_the_readme_lists_every_fingerprint(
+    deployment,
+):
+    """A secure sum needs each region's peers' bundles: its own operator's copies in its
+    peers/ (never the aggregator's, never its own), which its agent config names; the
+    README lists each party's fingerprint and how a region enrols its peers."""
+    readme = (deployment / "README.md").read_text()
+    for region in REGIONS:
+        here = deployment / "regions" / region
+        agent = AgentConfig.load(here / "agent.toml")
+        assert Path(agent.peer_bundles) == here / "peers" and _mode(here / "peers") == 0o700
+        others = sorted(r for r in REGIONS if r != region)
+        assert sorted(p.name for p in (here / "peers").iterdir()) == [
+            f"{r}.pub.json" for r in others
+        ]
+        for peer in others:
+            assert (here / "peers" / f"{peer}.pub.json").read_bytes() == (
+                deployment / "regions" / peer / "keys" / f"{peer}.pub.json"
+            ).read_bytes()
+        key_id = load_bundle(here / "keys" / f"{region}.pub.json").key_id.hex()
+        assert f"| {region} | `{key_id}` | `regions/{region}/keys/{region}.pub.json` |" in readme
+    key_id = load_bundle(deployment / "aggregator" / "keys" / "aggregator.pub.json").key_id.hex()
+    assert f"| aggregator | `{key_id}` |" in readme
+    assert "regions/REGION/peers/" in readme and "fedciuic keys show peers/PEER.pub.json" in readme
 
 
 def test_run_config_validates_and_node_configs_name_existing_files(deployment):
@@ -464,18 +493,99 @@ def test_a_relay_user_that_cannot_run_this_python_is_refused_naming_the_folder(
     assert '--relay-user ""' in err  # and the way to run without the separation
 
 
-def test_with_a_relay_user_the_agent_config_names_it_and_the_script_drops_to_it(
-    tmp_path, monkeypatch
-):
+@pytest.fixture
+def passable(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder other users may pass through (not list), as a deployment with a relay
+    user of its own needs (pytest's own tmp_path is closed to them); and a Python they
+    may run."""
     monkeypatch.setattr(separation, "interpreter_paths", lambda: [Path("/")])
-    assert _init(tmp_path, "--regions", "eu", "--relay-user", "nobody", "--insecure") == 0
-    here = tmp_path / "dep" / "regions" / "eu"
+    folder = Path(tempfile.mkdtemp(prefix="fedciuic-init-", dir="/tmp"))
+    folder.chmod(0o711)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_with_a_relay_user_the_agent_config_names_it_and_the_script_drops_to_it(passable):
+    dep = passable / "dep"
+    assert _init(dep, "--regions", "eu", "--relay-user", "nobody", "--insecure", directory=dep) == 0
+    here = dep / "regions" / "eu"
     assert AgentConfig.load(here / "agent.toml").relay_user == "nobody"
     script = (here / "start-supernode.sh").read_text()
-    assert f"fedciuic.ops.deploy relay-setup nobody {here / 'relay'}" in script
-    assert f"fedciuic.ops.deploy relay nobody {here / 'relay'} --" in script
+    socket = here / "agent" / "agent.sock"
+    assert f"fedciuic.ops.deploy relay-setup nobody {here / 'relay'} {socket}" in script
+    assert f"fedciuic.ops.deploy relay nobody {here / 'relay'} $$ --" in script
     # The relay, started anew for every message, is the only one that runs as nobody.
     assert script.index("relay-setup") < script.index("agent --config")
+    # The SuperNode dies with the script, as the relay does.
+    assert 'fedciuic.ops.deploy tied $$ -- "$BIN/flower-supernode"' in script
+
+
+def test_init_where_the_relay_user_cannot_pass_is_refused_naming_the_folder(passable, capsys):
+    """Every folder above the regions' relay homes and agent sockets must let the relay's
+    user pass: one that does not is named, with the fix, and nothing is written."""
+    closed = passable / "closed"
+    closed.mkdir(mode=0o700)
+    closed.chmod(0o700)
+    dep = closed / "a" / "dep"
+    assert _init(dep, "--regions", "eu,cn", "--relay-user", "nobody", directory=dep) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedciuic: error: ") and err.count("\n") == 1, err
+    assert f"--relay-user nobody: cannot reach its home {dep / 'regions' / 'eu' / 'relay'}" in err
+    assert f"{closed} is closed to other users; chmod o+x {closed}" in err
+    assert not (closed / "a").exists()
+    # An empty DIR of its own that others cannot pass is named itself.
+    closed.chmod(0o711)
+    (closed / "a").mkdir(mode=0o700)
+    (closed / "a").chmod(0o700)
+    assert _init(dep, "--regions", "eu", "--relay-user", "nobody", directory=closed / "a") == 2
+    assert f"{closed / 'a'} is closed to other users" in capsys.readouterr().err
+    # Without a relay user of its own (the relay runs as the region), any folder will do.
+    assert _init(dep, "--regions", "eu", directory=closed / "a") == 0
+
+
+def test_the_folders_init_makes_let_the_relay_pass_whatever_the_umask(passable):
+    dep = passable / "made" / "by" / "init"
+    old = os.umask(0o077)
+    try:
+        assert _init(dep, "--regions", "eu", "--relay-user", "nobody", directory=dep) == 0
+    finally:
+        os.umask(old)
+    for folder in (passable / "made", passable / "made" / "by", dep, dep / "regions"):
+        assert _mode(folder) == 0o755, folder
+    here = dep / "regions" / "eu"
+    for folder in separation.relay_folders(here / "relay", here / "agent" / "agent.sock").values():
+        assert separation.first_closed(folder) is None, folder
+    for private in ("data", "state", "keys", "peers"):
+        assert _mode(here / private) == 0o700, private
+
+
+def test_relay_setup_refuses_a_home_or_socket_the_relay_cannot_reach_before_making_anything(
+    passable,
+):
+    """At each start too (a folder closed since init): one line naming it and the fix,
+    before the user, its home or the agent is made."""
+    region = passable / "regions" / "eu"
+    region.mkdir(parents=True)
+    (passable / "regions").chmod(0o700)
+    home, socket = region / "relay", region / "agent" / "agent.sock"
+    with pytest.raises(separation.SeparationError) as refused:
+        deploy.relay_setup("fedciuic-no-such-user", home, socket)
+    message = str(refused.value)
+    assert message == (
+        f"relay-user fedciuic-no-such-user: cannot reach its home {home}: "
+        f"{passable / 'regions'} is closed to other users; chmod o+x {passable / 'regions'} "
+        "(let others pass through it), or keep the deployment in a folder others may pass "
+        "through"
+    )
+    assert not home.exists()
+    (passable / "regions").chmod(0o755)
+    region.chmod(0o700)  # the agent's socket is in the region's folder too
+    with pytest.raises(separation.SeparationError, match=f"cannot reach its home {home}: {region}"):
+        deploy.relay_setup("fedciuic-no-such-user", home, socket)
+    problem = separation.reach_problem("x", {"the agent's socket": socket.parent.parent})
+    assert problem is not None and f"{region} is closed" in problem
 
 
 def test_the_default_relay_user_is_its_own_only_for_root(monkeypatch):

@@ -30,12 +30,22 @@ import psutil
 import pytest
 
 from fedciuic.cluster.protocol import free_port
-from fedciuic.ops import deploy
+from fedciuic.ops import deploy, separation
+from fedciuic.ops.separation import interpreter_paths
 from fedciuic.record.metrics import RunStatus, load_metrics
-from tests.e2e.helpers import describe, processes_under, stop_everything
+from tests.e2e.helpers import (
+    describe,
+    open_folder,
+    passable_to_others,
+    processes_under,
+    stop_everything,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 REGIONS = ("eu", "cn")
+#: A relay user of its own that every system has (its home here is made, as root, by
+#: the scripts, and removed with the folder).
+RELAY_USER = "nobody"
 RUN_ID = 42
 
 FAKE_SUPERLINK = """\
@@ -86,13 +96,47 @@ elif sys.argv[2] == RunStatus.NO_AGGREGATE:
     recorder.finish(RunStatus.NO_AGGREGATE, adapter=None, reasons=["eu: declined in round 1"])
 """
 
+#: A SuperNode that holds its port, as Flower's does: a second one on it fails at once.
+FAKE_SUPERNODE = """\
+import socket, sys, time
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+held = socket.socket()
+try:
+    held.bind(("127.0.0.1", port))
+except OSError as err:
+    sys.exit(f"flower-supernode: 127.0.0.1:{port}: {err.strerror}")
+held.listen()
+time.sleep(300)
+"""
+
+#: A relay that runs (or, with FAKE_RELAY_FAILS, says why it cannot and exits 1).
+FAKE_SUPEREXEC = """\
+import os, sys, time
+
+if os.environ.get("FAKE_RELAY_FAILS"):
+    sys.exit("flower-superexec: " + os.environ["FAKE_RELAY_FAILS"])
+time.sleep(300)
+"""
+
 FAKE_FEDCIUIC = """\
 #!/usr/bin/env bash
 case "$1" in
   preflight) exit 0;;
   agent)
-    for arg in "$@"; do [ "$arg" != --ping ] || exit 0; done
-    exec sleep 300;;
+    for arg in "$@"; do
+      if [ "$arg" = --ping ]; then
+        # FAKE_CLOSE: a folder closed to other users once the agent is up (before the relay)
+        [ -z "${FAKE_CLOSE:-}" ] || chmod 700 "$FAKE_CLOSE"
+        exit 0
+      fi
+    done
+    # As the real agent (tests/agent/test_service.py): it stops once its launcher is gone.
+    exec "$(dirname "$0")/python" -c '
+import os, time
+parent = os.getppid()
+while os.getppid() == parent:
+    time.sleep(0.2)' fake-agent "$@";;
   report)
     if [ -n "${FAKE_REPORT_SLOW:-}" ] && [ ! -e "$2/report-started" ]; then
       touch "$2/report-started"
@@ -116,25 +160,23 @@ def _script(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-@pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Path]:
-    """An insecure demo deployment whose scripts run the stand-ins; whatever a test
-    leaves running is stopped after it."""
+def _fake_deployment(folder: Path, relay_user: str = "") -> Path:
+    """An insecure demo deployment in ``folder`` whose scripts run the stand-ins."""
     d = deploy.init_deployment(
-        tmp_path / "fed",
+        folder / "fed",
         ",".join(REGIONS),
         app_dir=ROOT,
         tls=False,
         demo_data=True,
-        relay_user="",
+        relay_user=relay_user,
         port=free_port(),
     )
-    fake = tmp_path / "bin"
+    fake = folder / "bin"
     fake.mkdir()
     _script(fake / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     _script(fake / "flower-superlink", f"#!{sys.executable}\n{FAKE_SUPERLINK}")
-    for name in ("flower-supernode", "flower-superexec"):
-        _script(fake / name, "#!/bin/sh\nexec sleep 300\n")
+    _script(fake / "flower-supernode", f"#!{sys.executable}\n{FAKE_SUPERNODE}")
+    _script(fake / "flower-superexec", f"#!{sys.executable}\n{FAKE_SUPEREXEC}")
     _script(fake / "flwr", FAKE_FLWR)
     _script(fake / "record-run", f"#!{sys.executable}\n{RECORD_RUN}")
     _script(fake / "fedciuic", FAKE_FEDCIUIC)
@@ -142,11 +184,37 @@ def federation(tmp_path: Path) -> Iterator[Path]:
         text = script.read_text()
         assert str(d.bin_dir) in text, script
         script.write_text(text.replace(str(d.bin_dir), str(fake)))
+    return d.directory
+
+
+def _stop(directory: Path) -> None:
+    """Whatever a test left running."""
+    pids = [int(p.read_text()) for p in (directory / "pids").glob("*.pid")]
+    stop_everything(directory, pids)
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[Path]:
+    """An insecure demo deployment whose scripts run the stand-ins, its relay as the
+    region's own user; whatever a test leaves running is stopped after it."""
+    directory = _fake_deployment(tmp_path)
     try:
-        yield d.directory
+        yield directory
     finally:
-        pids = [int(p.read_text()) for p in (d.directory / "pids").glob("*.pid")]
-        stop_everything(d.directory, pids)
+        _stop(directory)
+
+
+@pytest.fixture
+def relayed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The same, with a relay user of its own (``nobody``), in a folder other users may
+    pass through."""
+    monkeypatch.setattr(separation, "interpreter_paths", lambda: [Path("/")])  # checked below
+    with open_folder("fedciuic-launchers-") as folder:
+        directory = _fake_deployment(folder, RELAY_USER)
+        try:
+            yield directory
+        finally:
+            _stop(directory)
 
 
 def _start(script: Path, **options: Any) -> subprocess.Popen[bytes]:
@@ -301,6 +369,43 @@ def test_start_sh_reports_the_run_it_started_and_exits_by_its_outcome(federation
     _nothing_left(federation)
 
 
+#: A region's three processes, by the mark in their command lines once they run.
+ROLES = {"agent": "fake-agent", "SuperNode": "flower-supernode", "relay": "flower-superexec"}
+#: How start-supernode.sh names each when it stops (its relay as the region's own user).
+STOPPED = {
+    "agent": "its agent",
+    "SuperNode": "its SuperNode (flower-supernode)",
+    "relay": "its relay (flower-superexec)",
+}
+
+
+def _roles(here: Path) -> dict[str, psutil.Process]:
+    """The region's agent, SuperNode and relay that run (each once it has exec'd: not
+    the wrapper that starts it)."""
+    found = {}
+    for process in processes_under(here):
+        with contextlib.suppress(psutil.Error):  # one may end between list and look
+            line = " ".join(process.cmdline())
+            for role, mark in ROLES.items():
+                if mark in line and "fedciuic.ops.deploy" not in line and "--ping" not in line:
+                    found[role] = process
+    return found
+
+
+def _gone(here: Path, within: float = 15.0) -> float:
+    """Seconds until nothing of the region runs (fails after ``within``)."""
+    started = time.monotonic()
+    while processes_under(here):
+        if time.monotonic() - started > within:
+            _nothing_left(here)
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _last_line(path: Path) -> str:
+    return path.read_text().rstrip("\n").splitlines()[-1]
+
+
 def test_start_supernode_sh_with_its_output_closed_stops_its_three_processes_on_ctrl_c(
     federation,
 ):
@@ -308,17 +413,124 @@ def test_start_supernode_sh_with_its_output_closed_stops_its_three_processes_on_
     region = _start(here / "start-supernode.sh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert region.stdout is not None
     region.stdout.close()
-
-    def three_up() -> bool:  # the agent, the SuperNode, the relay's flower-superexec
-        names = []
-        for process in processes_under(here):
-            with contextlib.suppress(psutil.Error):  # one may end between list and look
-                names.append(process.name())
-        return names.count("sleep") == 3
-
-    _until("the agent, SuperNode and relay", three_up, region)
+    _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
     assert _ctrl_c(region) == 130
     _nothing_left(here)
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_when_one_of_a_regions_three_processes_dies_the_script_stops_the_others_saying_which(
+    federation, tmp_path, role
+):
+    """A region that looks alive but cannot answer keeps a round waiting to its timeout:
+    once its agent, SuperNode or relay is gone, the other two stop too, at once."""
+    here = federation / "regions" / "eu"
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        region = _start(here / "start-supernode.sh", stdout=subprocess.DEVNULL, stderr=stderr)
+    _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
+    _roles(here)[role].kill()
+    assert region.wait(timeout=30) == 128 + signal.SIGKILL
+    assert _last_line(err) == (
+        f"start-supernode.sh: region eu stops: {STOPPED[role]} exited (killed by SIGKILL); "
+        "stopping the others so that Flower sees the node offline"
+    )
+    assert _gone(here) < 5
+
+
+def test_a_relay_that_exits_stops_the_region_after_its_own_line(federation, tmp_path):
+    here = federation / "regions" / "eu"
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        region = _start(
+            here / "start-supernode.sh",
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={"FAKE_RELAY_FAILS": "cannot start: this is why"},
+        )
+    assert region.wait(timeout=30) == 1
+    lines = err.read_text().splitlines()
+    assert lines[-2:] == [
+        "flower-superexec: cannot start: this is why",
+        "start-supernode.sh: region eu stops: its relay (flower-superexec) exited (exit status "
+        "1; its own lines above say why); stopping the others so that Flower sees the node "
+        "offline",
+    ]
+    assert _gone(here) < 5
+
+
+@pytest.mark.parametrize("moment", [0.0, 0.5, 1.0, 1.5, "all up"])
+def test_a_kill_9_of_start_supernode_sh_at_any_moment_leaves_nothing_and_it_starts_again_at_once(
+    federation, moment
+):
+    """kill -9 runs no clean-up: the SuperNode and the relay carry the kernel's
+    parent-death signal, the agent watches its launcher; the SuperNode's port is free for
+    the next start (a SuperNode left running would hold it: "address already in use")."""
+    here = federation / "regions" / "eu"
+    script = here / "start-supernode.sh"
+    region = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if moment == "all up":
+        _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
+    else:
+        time.sleep(float(moment))
+    region.kill()
+    region.wait(timeout=10)
+    _gone(here)
+    again = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _until("the region started again", lambda: len(_roles(here)) == 3, again)
+    assert _ctrl_c(again) == 130
+    _nothing_left(here)
+
+
+def test_a_region_whose_relay_cannot_reach_its_home_stops_at_start_naming_the_folder(relayed):
+    """A folder closed to other users since init: the start script says which, and how to
+    open it, in one line and within seconds, before it starts anything."""
+    here = relayed / "regions" / "eu"
+    relayed.chmod(0o700)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["bash", str(here / "start-supernode.sh")], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"fedciuic: relay-user {RELAY_USER}: cannot reach its home {here / 'relay'}: {relayed} "
+        f"is closed to other users; chmod o+x {relayed} (let others pass through it), or keep "
+        "the deployment in a folder others may pass through"
+    ]
+    assert took < 15, took
+    _nothing_left(here)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="not root: the relay cannot run as another user")
+def test_a_relay_that_cannot_start_stops_its_region_within_seconds_naming_the_folder(
+    relayed, tmp_path
+):
+    """The folder closed once the agent is up: the relay (as its own user) refuses in one
+    line naming the folder and the fix, and the script stops the agent and the SuperNode
+    at once (not at the aggregator's round-timeout), saying that the relay stopped."""
+    here = relayed / "regions" / "eu"
+    err = tmp_path / "stderr"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(passable_to_others(interpreter_paths()))
+        stderr = stack.enter_context(open(err, "wb"))
+        region = _start(
+            here / "start-supernode.sh",
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={"FAKE_CLOSE": str(relayed)},
+        )
+        assert region.wait(timeout=60) == 1, err.read_text()
+    lines = err.read_text().splitlines()
+    assert lines[-2:] == [
+        f"fedciuic: relay-user {RELAY_USER}: cannot reach its home {here / 'relay'}: {relayed} "
+        f"is closed to other users; chmod o+x {relayed} (let others pass through it), or keep "
+        "the deployment in a folder others may pass through",
+        f"start-supernode.sh: region eu stops: its relay (flower-superexec as {RELAY_USER}) "
+        "exited (exit status 1; its own lines above say why); stopping the others so that "
+        "Flower sees the node offline",
+    ]
+    assert _gone(here) < 5
 
 
 def test_run_sh_with_its_output_closed_streams_the_run_to_its_end_and_exits_by_it(federation):
