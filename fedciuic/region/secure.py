@@ -64,11 +64,12 @@ def request_of(task: Instruction) -> Request:
 
 
 def peers_of(run: RunConfig, node: NodeConfig, me: str) -> dict[str, PublicBundle]:
-    """The other regions' public bundles: node config peer-bundles, else the folder of
-    the aggregator's bundle, else (simulation) the run's keys-dir."""
-    folder = node.peer_bundles or (
-        str(Path(node.aggregator_bundle).parent) if node.aggregator_bundle else run.sealing.keys_dir
-    )
+    """The other regions' public bundles: node config peer-bundles (the folder its
+    operator enrolled them in); a region with keys of its own and none has no peers (it
+    declines every secure sum, naming them), never the aggregator's folder or anything
+    the aggregator hands out; in simulation (one operator, every key) the run's keys-dir."""
+    deployed = bool(node.key_file or node.aggregator_bundle)
+    folder = node.peer_bundles or ("" if deployed else run.sealing.keys_dir)
     bundles = load_bundles(Path(folder)) if folder else {}
     return {b.party: b for b in bundles.values() if b.party not in (me, AGGREGATOR)}
 

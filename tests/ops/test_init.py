@@ -31,6 +31,7 @@ from fedciuic.flower.relay import AGENT
 from fedciuic.ops import deploy, separation
 from fedciuic.ops.cli import main
 from fedciuic.policy.rules import load_policy
+from fedciuic.region.secure import peers_of
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config, unit_config
 
 REGIONS = ("eu", "cn", "us")
@@ -104,11 +105,21 @@ def test_each_region_trusts_its_enrolled_peers_and_the_readme_lists_every_finger
     peers/ (never the aggregator's, never its own), which its agent config names; the
     README lists each party's fingerprint and how a region enrols its peers."""
     readme = (deployment / "README.md").read_text()
+    with open(deployment / "aggregator" / "run-config.toml", "rb") as handle:
+        run = RunConfig.from_user_config({**unit_config(), **tomllib.load(handle)}, source="test")
     for region in REGIONS:
         here = deployment / "regions" / region
         agent = AgentConfig.load(here / "agent.toml")
         assert Path(agent.peer_bundles) == here / "peers" and _mode(here / "peers") == 0o700
         others = sorted(r for r in REGIONS if r != region)
+        # What a secure round reads: these, and without them none: never what lies
+        # beside the aggregator's bundle (here, a peer's bundle put there).
+        node = agent.node_for(run)
+        assert sorted(peers_of(run, node, region)) == others
+        stray = here / "keys" / f"{others[0]}.pub.json"
+        shutil.copyfile(here / "peers" / stray.name, stray)
+        assert peers_of(run, node.model_copy(update={"peer_bundles": ""}), region) == {}
+        stray.unlink()
         assert sorted(p.name for p in (here / "peers").iterdir()) == [
             f"{r}.pub.json" for r in others
         ]
