@@ -172,6 +172,13 @@ def record_time(record: Mapping[str, Any]) -> datetime | None:
         return None
 
 
+def run_of(record: Mapping[str, Any]) -> int | None:
+    """A record's run id, None when it is not a non-negative integer (records are
+    untrusted: a list there must not become a dictionary key)."""
+    value = record.get("run_id")
+    return value if _is_count(value) else None
+
+
 def prune_cut(
     records: Sequence[Mapping[str, Any]], before: datetime, limit: int | None = None
 ) -> int:
@@ -185,8 +192,8 @@ def prune_cut(
     )
     if limit is not None:
         cut = min(cut, max(limit, 0))
-    kept_runs = {r.get("run_id") for r in records[cut:]} - {0, None}
-    return next((i for i in range(cut) if records[i].get("run_id") in kept_runs), cut)
+    kept_runs = {run_of(r) for r in records[cut:]} - {0, None}
+    return next((i for i in range(cut) if run_of(records[i]) in kept_runs), cut)
 
 
 #: How far a prune may go into a log's records (an index) and, when that stops it short

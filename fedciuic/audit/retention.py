@@ -32,6 +32,7 @@ from fedciuic.audit.log import (
     log_of,
     prune_cut,
     record_time,
+    run_of,
     verify,
 )
 from fedciuic.crypto import AGGREGATOR
@@ -61,19 +62,23 @@ def _time(value: str) -> datetime:
     return found if found is not None else datetime.max.replace(tzinfo=UTC)
 
 
-def bound(policy: LoadedPolicy, path: Path, now: datetime | None = None) -> Limit:
-    """What a prune of the log at ``path`` by ``policy`` may remove (``AuditLog.prune``'s
-    ``limit``): a prune is bound to the policies the log declared to the other parties.
+def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = None) -> Limit:
+    """What a prune of ``party``'s log at ``path`` by ``policy`` may remove
+    (``AuditLog.prune``'s ``limit``): a prune is bound to the policies the log declared
+    to the other parties (a region's own; the aggregator's for its own jurisdiction).
 
     It refuses a policy the log never declared (an edited copy has another hash), when
-    the log declared any policy of that jurisdiction. It stops before the first record
-    that falls under another declared policy (its run's, else the one in force when it
-    was written) unless that policy's retention, where the log records it, is past too:
-    a prune never removes what a declared policy still keeps."""
+    the log declared any. It stops before the first record that falls under another
+    declared policy (its run's, else the one in force when it was written) unless that
+    policy's retention, where the log records it, is past too: a prune never removes
+    what a declared policy still keeps."""
     rules, now = policy.policy, now or datetime.now(UTC)
 
+    def mine(where: str | None) -> bool:
+        return party != AGGREGATOR or where == rules.jurisdiction
+
     def limit(records: Sequence[Mapping[str, Any]]) -> tuple[int, str]:
-        own = [d for d in declarations(records) if d.jurisdiction in (rules.jurisdiction, None)]
+        own = [d for d in declarations(records) if mine(d.jurisdiction)]
         if not own:  # nothing on the record binds this log (it never declared a policy)
             return len(records), ""
         if policy.hash not in {d.policy_hash for d in own}:
@@ -87,24 +92,25 @@ def bound(policy: LoadedPolicy, path: Path, now: datetime | None = None) -> Limi
                 "check FILE` prints a file's hash)"
             )
         by_hash = {d.policy_hash: d for d in own}
-        by_run: dict[object, Declared] = {}  # each run's own declaration, where it has one
+        by_run: dict[int, Declared] = {}  # each run's own declaration, where it has one
         for r in records:
+            run = run_of(r)
             for found, where, _ in declared_in(r):
-                if where in (rules.jurisdiction, None) and r.get("run_id") not in (0, None):
-                    by_run[r.get("run_id")] = by_hash[found]
+                if mine(where) and run:
+                    by_run[run] = by_hash[found]
         before = cutoff(rules.audit.retention_days, now)
         for index, r in enumerate(records):
-            when = record_time(r)
+            when, run = record_time(r), run_of(r)
             if when is None or when >= before:  # the prune's own cut-off stops here
                 break
-            governs = by_run.get(r.get("run_id")) or in_force(own, when)
+            governs = (by_run.get(run) if run else None) or in_force(own, when)
             if governs is None or governs.policy_hash == policy.hash:
                 continue
             days = governs.retention_days
-            if days is not None and when is not None and when < cutoff(days, now):
+            if days is not None and when < cutoff(days, now):
                 continue  # past the retention of the policy it falls under, too
             return index, (
-                f"seq {r.get('seq')} on (run {r.get('run_id')}) fall under policy "
+                f"seq {r.get('seq')} on (run {run}) fall under policy "
                 f"{governs.policy_hash[:12]}, which this log declared for them"
                 + (f" ({days} days)" if days is not None else "")
                 + ": prune them with that policy"
@@ -114,21 +120,27 @@ def bound(policy: LoadedPolicy, path: Path, now: datetime | None = None) -> Limi
     return limit
 
 
+def check_jurisdiction(policy: LoadedPolicy, path: Path, party: str, where: str) -> None:
+    """Refuse ``policy`` for the log at ``path`` unless it is the policy of the party's
+    own jurisdiction ``where`` (its key says which)."""
+    if where != policy.policy.jurisdiction:
+        raise AuditError(
+            f"{policy.path}: the policy of {policy.policy.jurisdiction}, but {path} is the log "
+            f"of {party} in {where}: each party's log is kept by its own jurisdiction's policy"
+        )
+
+
 def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None) -> Pruned:
     """Prune ``log`` by ``policy``, which must be its party's own jurisdiction's (the
     key says which) and one the log declared (``bound``): every record older than the
     policy's ``audit.retention_days`` that no other declared policy still keeps."""
     rules = policy.policy
-    held = log.keypair.bundle.jurisdiction if log.keypair is not None else None
-    if held is not None and held != rules.jurisdiction:
-        raise AuditError(
-            f"{policy.path}: the policy of {rules.jurisdiction}, but {log.path} is the log of "
-            f"{log.actor} in {held}: each party's log is kept by its own jurisdiction's policy"
-        )
+    if log.keypair is not None:
+        check_jurisdiction(policy, log.path, log.actor, log.keypair.bundle.jurisdiction)
     days = rules.audit.retention_days
     return log.prune(
         cutoff(days, now),
-        limit=bound(policy, log.path, now),
+        limit=bound(policy, log.path, log.actor, now),
         retention_days=days,
         jurisdiction=rules.jurisdiction,
         policy=policy.path.name,
@@ -207,7 +219,9 @@ def prune_log(
     if not path.is_file():
         raise AuditError(f"{path}: no audit log here")
     days = policy.policy.audit.retention_days
-    stop, held = bound(policy, path, now)(load_records(path))  # refuses an undeclared policy
+    check_jurisdiction(policy, path, keypair.bundle.party, keypair.bundle.jurisdiction)
+    limit = bound(policy, path, keypair.bundle.party, now)
+    stop, held = limit(load_records(path))  # refuses a policy the log did not declare
     kept = f"; kept: {held}" if held else ""
     if dry_run:
         found = overdue(load_records(path), days, now, stop)
@@ -283,8 +297,9 @@ def _jurisdiction(
     held = {h: j for r in aggregator for h, j, _ in declared_in(r)}
     for r in aggregator:
         details = _details(r)
-        if details.get("region") == party and details.get("policy_hash") in held:
-            found = held[details["policy_hash"]]
+        declared = details.get("policy_hash")
+        if details.get("region") == party and isinstance(declared, str) and declared in held:
+            found = held[declared]
     if found is None:
         own = [d.jurisdiction for d in declarations(records) if d.jurisdiction]
         found = own[-1] if own else None
@@ -386,35 +401,53 @@ def _gone(
 ) -> list[Erased]:
     """The runs another party saw ``party`` sign (its ``witness`` records) that
     ``party``'s log no longer holds, though its declared retention still keeps them:
-    with or without an ``audit_pruned`` record. A run signed with another key than the
-    log's (a log moved aside after a rotation) is another log's to hold."""
+    with or without an ``audit_pruned`` record. And a region's run that its log holds
+    only in part: a region checkpoints each reply's records in the reply's run, so a
+    witnessed checkpoint whose records are pruned must take its whole run with it. A
+    run signed with another key than the log's (a log moved aside after a rotation) is
+    another log's to hold."""
     records = logs[party]
-    held = {r.get("run_id") for r in records}
+    held = {run_of(r) for r in records}
     keys = _key_ids(records)
     first = record_time(records[0]) if records else None
-    pruned = bool(records) and records[0].get("seq") not in (0, None)
-    seen: dict[object, tuple[datetime, str, object]] = {}
+    start = records[0].get("seq") if records else 0
+    start = start if isinstance(start, int) else 0
+    seen: dict[int, tuple[datetime, str, object]] = {}
+    split: dict[int, tuple[str, object, int]] = {}
     for other, theirs in logs.items():
         if other == party:
             continue
         for r in theirs:
-            run, when = r.get("run_id"), record_time(r)
-            if (
-                r.get("event") != Event.WITNESS
-                or _details(r).get("party") != party
-                or run in held
-                or run in (0, None)
-                or when is None
-            ):
+            run, when, details = run_of(r), record_time(r), _details(r)
+            if r.get("event") != Event.WITNESS or details.get("party") != party:
                 continue
-            if run not in seen or when > seen[run][0]:
-                seen[run] = (when, other, r.get("seq"))
+            if not run or when is None:
+                continue
+            count = details.get("count")
+            if run not in held:
+                if run not in seen or when > seen[run][0]:
+                    seen[run] = (when, other, r.get("seq"))
+            elif party != AGGREGATOR and isinstance(count, int) and 0 < count <= start:
+                split.setdefault(run, (other, r.get("seq"), count))
     out = []
+    for run, (other, seq, count) in sorted(split.items()):
+        key = _key_in_run(party, run, logs)
+        if key and keys and key not in keys:
+            continue
+        out.append(
+            Erased(
+                party,
+                run,
+                f"{log_of(party)} holds run {run} only in part: {log_of(other)} (witness seq "
+                f"{seq!r:.24}) saw {party} sign {count} records in that run, and its records "
+                f"before seq {start} are gone; a prune keeps a run whole",
+            )
+        )
     for run, (when, other, seq) in sorted(seen.items(), key=lambda item: item[1][0]):
         key = _key_in_run(party, run, logs)
         if key and keys and key not in keys:
             continue  # signed with another key: that key's log holds it
-        if not (pruned or (first is not None and first <= when) or (key and key in keys)):
+        if not (start or (first is not None and first <= when) or (key and key in keys)):
             continue  # a log begun after the run, with nothing to say it is the same log
         governs = in_force(declared, when)
         days = governs.retention_days if governs is not None else None
@@ -433,7 +466,7 @@ def _gone(
             )
         else:
             continue
-        out.append(Erased(party, run if isinstance(run, int) else None, problem))
+        out.append(Erased(party, run, problem))
     return out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import fedciuic.audit.log as audit_log
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import (
     AGGREGATOR_LOG,
@@ -31,7 +32,7 @@ from fedciuic.audit.log import (
     verify,
 )
 from fedciuic.audit.report import EXIT_DISAGREE
-from fedciuic.audit.retention import cutoff, enforce, enforce_at_start
+from fedciuic.audit.retention import check_retention, cutoff, enforce, enforce_at_start
 from fedciuic.crypto import AGGREGATOR
 from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.errors import EXIT_OK
@@ -400,6 +401,64 @@ def test_a_prune_by_the_declared_policy_past_its_retention_is_no_disagreement(fe
     assert code == EXIT_OK, text
     assert "eu's log no longer holds this run" in text
     assert "(1826 days, the policy it declared); it is left out of the checks below" in text
+
+
+def test_the_report_flags_a_run_a_region_holds_only_in_part(federation, capsys, monkeypatch):
+    """A region's own code cuts inside a run (keeping its last records, so the run looks
+    held): the checkpoint the aggregator saw it sign in that run is gone with its
+    records, which no prune by the rules does."""
+    federation.run(1, NOW - timedelta(days=3))
+    signed = load_records(federation.eu_log)[3]  # the checkpoint eu signed in run 1
+    assert signed["event"] == Event.CHECKPOINT and signed["run_id"] == 1
+    monkeypatch.setattr(audit_log, "prune_cut", lambda records, before, limit=None: 3)
+    federation.prune_by("eu", NOW - timedelta(days=1), 1, "EU", federation.policy.hash)
+    code, text = federation.report(1, capsys)
+    assert code == EXIT_DISAGREE, text
+    assert (
+        "eu's log holds run 1 only in part: the aggregator's log (witness seq 2) saw eu sign "
+        "3 records in that run, and its records before seq 3 are gone"
+    ) in text
+
+
+def test_a_log_moved_aside_after_a_key_rotation_is_no_disagreement(federation, capsys):
+    """Run 1 was signed with the region's old key, whose log was moved aside; the new
+    log does not hold it, and is not asked to."""
+    federation.run(1, NOW - timedelta(days=3))
+    federation.eu_log.rename(federation.eu_log.with_name("audit.old.jsonl"))
+    for old in federation.keys.glob("eu.*.json"):
+        old.unlink()
+    federation.eu = Keypair.generate("eu", "EU")
+    write_keys(federation.eu, federation.keys)
+    federation.run(2, NOW - timedelta(days=1))
+    code, text = federation.report(2, capsys)
+    assert code == EXIT_OK, text
+    assert "no longer holds run 1" not in text
+
+
+def test_hostile_records_are_problems_for_the_retention_check_not_exceptions():
+    """Every field the check reads may be anything: the report must still come out."""
+    junk: list[object] = [None, [], {}, "x", -1, True, [1], {"a": 1}, 1e300]
+    for value in junk:
+        details = {
+            "policy_hash": value,
+            "jurisdiction": value,
+            "retention_days": value,
+            "last_time": value,
+            "declared": [value, {"policy_hash": "h", "retention_days": value}],
+            "policy_hashes": {"EU": value} if value is not None else value,
+            "party": value,
+            "count": value,
+            "region": value,
+            "region_key_ids": value,
+            "key_id": value,
+        }
+        records = [
+            {"seq": value, "time": value, "run_id": value, "event": event, "details": details}
+            for event in (*Event, "?")
+        ]
+        logs = {AGGREGATOR: records, "eu": records, "cn": [{"details": value}]}
+        assert isinstance(check_retention(logs, NOW), list)
+        assert isinstance(audit_log.declarations(records), list)
 
 
 # -- a prune killed mid-way -----------------------------------------------------------------
