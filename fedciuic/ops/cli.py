@@ -552,10 +552,11 @@ def _parser() -> argparse.ArgumentParser:
         "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
         "--keys keys/ --out reports/",
         "Verify each log (with --keys), cross-check them (transfers, run config, witnessed "
-        "checkpoints) and write the run's compliance report. Exit status: 0 the logs agree "
-        "and every log verified (or, without --keys, none was checked); 1 a log fails "
-        "verification; 2 an error (a log or key unreadable, no such run); 3 the logs "
-        "disagree.",
+        "checkpoints, and every prune against the policy its party declared) and write the "
+        "run's compliance report. Exit status: 0 the logs agree and every log verified (or, "
+        "without --keys, none was checked); 1 a log fails verification; 2 an error (a log or "
+        "key unreadable, no such run); 3 the logs disagree (records inside a party's "
+        "declared retention gone among them).",
     )
     report.add_argument("logs", type=Path, nargs="+", metavar="LOG")
     report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
@@ -572,11 +573,15 @@ def _parser() -> argparse.ArgumentParser:
         "start (a run with a later record is kept whole), after an audit_pruned record and "
         "a checkpoint signed with the party's key: `fedciuic audit verify` still accepts the "
         "log, and refuses one cut without them. The policy must be the party's own "
-        "jurisdiction's. A region's agent and the aggregator do this when they start.",
+        "jurisdiction's and the one its log declared to the other parties (an edited copy "
+        "is refused); records another declared policy still keeps are kept. A region's "
+        "agent and the aggregator do this when they start.",
     )
     prune.add_argument("log", type=Path, metavar="LOG")
     prune.add_argument("--key", type=Path, required=True, help="the party's PARTY.key.json")
-    prune.add_argument("--policy", type=Path, required=True, help="the party's own policy")
+    prune.add_argument(
+        "--policy", type=Path, required=True, help="the party's own policy, as it declared it"
+    )
     prune.add_argument(
         "--dry-run", action="store_true", help="say what would be removed, change nothing"
     )
