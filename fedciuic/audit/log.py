@@ -161,14 +161,21 @@ def _now() -> str:
     return datetime.now(UTC).strftime(TIME_FORMAT)
 
 
+#: ``TIME_FORMAT`` as its writer fills it (zero-padded, microseconds): read with a
+#: pattern, since pruning and the report read the time of every record of a log.
+_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z", re.ASCII)
+
+
 def record_time(record: Mapping[str, Any]) -> datetime | None:
     """When a record was written (its ``time``, UTC), None when it holds no valid time."""
     value = record.get("time")
-    if not isinstance(value, str):
+    found = _TIME.fullmatch(value) if isinstance(value, str) else None
+    if found is None:
         return None
+    year, month, day, hour, minute, second, micro = map(int, found.groups())
     try:
-        return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
-    except ValueError:
+        return datetime(year, month, day, hour, minute, second, micro, tzinfo=UTC)
+    except ValueError:  # e.g. month 13
         return None
 
 
@@ -186,12 +193,10 @@ def prune_cut(
     written before it, up to the first that is not (or holds no valid time) or record
     ``limit`` (what the party's declared policies allow), less those of a run that still
     has a record at or after that one: a run is kept whole."""
+    end = len(records) if limit is None else max(0, min(limit, len(records)))
     cut = next(
-        (i for i, r in enumerate(records) if (t := record_time(r)) is None or t >= before),
-        len(records),
+        (i for i in range(end) if (t := record_time(records[i])) is None or t >= before), end
     )
-    if limit is not None:
-        cut = min(cut, max(limit, 0))
     kept_runs = {run_of(r) for r in records[cut:]} - {0, None}
     return next((i for i in range(cut) if run_of(records[i]) in kept_runs), cut)
 

@@ -12,6 +12,7 @@ region's log when it starts, the aggregator its own log when a run starts;
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ def in_force(declared: Sequence[Declared], when: datetime | None) -> Declared | 
     return at[-1] if at else declared[0]
 
 
+@functools.lru_cache(maxsize=256)  # a few declarations, read once per record pruned
 def _time(value: str) -> datetime:
     found = record_time({"time": value})
     return found if found is not None else datetime.max.replace(tzinfo=UTC)
@@ -72,7 +74,7 @@ def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = N
     declared policy (its run's, else the one in force when it was written) unless that
     policy's retention, where the log records it, is past too: a prune never removes
     what a declared policy still keeps."""
-    rules, now = policy.policy, now or datetime.now(UTC)
+    rules, now, hashed = policy.policy, now or datetime.now(UTC), policy.hash
 
     def mine(where: str | None) -> bool:
         return party != AGGREGATOR or where == rules.jurisdiction
@@ -81,10 +83,10 @@ def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = N
         own = [d for d in declarations(records) if mine(d.jurisdiction)]
         if not own:  # nothing on the record binds this log (it never declared a policy)
             return len(records), ""
-        if policy.hash not in {d.policy_hash for d in own}:
+        if hashed not in {d.policy_hash for d in own}:
             latest = max(own, key=lambda d: d.last_time)
             raise AuditError(
-                f"{path}: not pruned: {policy.path} is policy {policy.hash[:12]}, but the "
+                f"{path}: not pruned: {policy.path} is policy {hashed[:12]}, but the "
                 f"policy this log declared to the other parties is {latest.policy_hash[:12]} "
                 f"({latest.jurisdiction or rules.jurisdiction}, last declared "
                 f"{latest.last_time}); a prune is bound to the declared policy and its "
@@ -104,7 +106,7 @@ def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = N
             if when is None or when >= before:  # the prune's own cut-off stops here
                 break
             governs = (by_run.get(run) if run else None) or in_force(own, when)
-            if governs is None or governs.policy_hash == policy.hash:
+            if governs is None or governs.policy_hash == hashed:
                 continue
             days = governs.retention_days
             if days is not None and when < cutoff(days, now):
@@ -315,25 +317,27 @@ def _key_ids(records: Sequence[Mapping[str, Any]]) -> set[str]:
     }
 
 
-def _key_in_run(party: str, run_id: object, logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """The key ``party`` used in run ``run_id``, as another party recorded it ("" when
-    none did): the aggregator's ``run_start`` names each region's, each region's
-    ``run_joined`` the aggregator's."""
+def _run_keys(logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[tuple[str, int], str]:
+    """The key each party used in each run, as another party recorded it: the
+    aggregator's ``run_start`` names each region's, each region's ``run_joined`` the
+    aggregator's. The first record of a (party, run) names it."""
+    found: dict[tuple[str, int], str] = {}
     for other, records in logs.items():
         for r in records:
-            if r.get("run_id") != run_id or other == party:
+            run, details, event = run_of(r), _details(r), r.get("event")
+            if not run:
                 continue
-            details = _details(r)
-            if party == AGGREGATOR and r.get("event") == Event.RUN_JOINED:
-                found = details.get("aggregator_key_id")
-            elif other == AGGREGATOR and r.get("event") == Event.RUN_START:
+            if event == Event.RUN_JOINED and other != AGGREGATOR:
+                named = {AGGREGATOR: details.get("aggregator_key_id")}
+            elif event == Event.RUN_START and other == AGGREGATOR:
                 ids = details.get("region_key_ids")
-                found = ids.get(party) if isinstance(ids, Mapping) else None
+                named = dict(ids) if isinstance(ids, Mapping) else {}
             else:
                 continue
-            if isinstance(found, str) and found:
-                return found
-    return ""
+            for party, key in named.items():
+                if isinstance(party, str) and isinstance(key, str) and key:
+                    found.setdefault((party, run), key)
+    return found
 
 
 def _prune_problems(
@@ -397,6 +401,7 @@ def _gone(
     party: str,
     logs: Mapping[str, Sequence[Mapping[str, Any]]],
     declared: Sequence[Declared],
+    run_keys: Mapping[tuple[str, int], str],
     now: datetime,
 ) -> list[Erased]:
     """The runs another party saw ``party`` sign (its ``witness`` records) that
@@ -431,7 +436,7 @@ def _gone(
                 split.setdefault(run, (other, r.get("seq"), count))
     out = []
     for run, (other, seq, count) in sorted(split.items()):
-        key = _key_in_run(party, run, logs)
+        key = run_keys.get((party, run), "")
         if key and keys and key not in keys:
             continue
         out.append(
@@ -444,7 +449,7 @@ def _gone(
             )
         )
     for run, (when, other, seq) in sorted(seen.items(), key=lambda item: item[1][0]):
-        key = _key_in_run(party, run, logs)
+        key = run_keys.get((party, run), "")
         if key and keys and key not in keys:
             continue  # signed with another key: that key's log holds it
         if not (start or (first is not None and first <= when) or (key and key in keys)):
@@ -483,10 +488,11 @@ def check_retention(
     now = now or datetime.now(UTC)
     aggregator = logs.get(AGGREGATOR, [])
     held = declarations(aggregator)  # the policy of every jurisdiction it held, and when
+    run_keys = _run_keys(logs)
     out = []
     for party, records in logs.items():
         where = _jurisdiction(party, records, aggregator)
         declared = [d for d in held if where is not None and d.jurisdiction == where]
         out += _prune_problems(party, records, where, declared)
-        out += _gone(party, logs, declared, now)
+        out += _gone(party, logs, declared, run_keys, now)
     return out
