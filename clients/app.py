@@ -13,6 +13,7 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedciuic.agent import HELLO
 from fedciuic.config import NodeConfig
 from fedciuic.crypto import TaskKind
 from fedciuic.flower import forward
@@ -41,6 +42,13 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """The aggregator's run-end notice: the region records its final audit head."""
+    return _handle(msg, context)
+
+
+@app.query(HELLO)
+def hello(msg: Message, context: Context) -> Message:
+    """Which region this node serves (nothing secret): the aggregator signs each
+    instruction for the region it goes to."""
     return _handle(msg, context)
 
 

@@ -216,6 +216,12 @@ def _check_secure(value: bool, info: ValidationInfo) -> bool:
             data.get("max_update_norm", 0) > 0,
             "max-update-norm > 0 (each region clips its update to it before masking)",
         ),
+        (
+            not getattr(data.get("codec"), "sparse", False),
+            f"a dense codec, not codec = {str(data.get('codec'))!r}: each region's top-k "
+            "keeps its own coordinates, and a coordinate only one region kept would carry "
+            "that region's value alone in the unmasked sum",
+        ),
     ]
     missing = [need for ok, need in needs if not ok]
     if missing:

@@ -79,6 +79,8 @@ class Instruction:
     witness: tuple[int, str] | None = None
     #: The identity (hex SHA-256) of the checkpoint a resumed run continued from; "".
     checkpoint: str = ""
+    #: The region it is for (signed): any other refuses it.
+    recipient: str = ""
 
     @property
     def terms(self) -> Terms:
@@ -89,6 +91,7 @@ class Instruction:
             self.federation_run,
             self.base_fingerprint,
             bytes.fromhex(self.checkpoint),
+            self.recipient,
         )
 
     def run_settings(self) -> dict[str, Any]:
@@ -111,6 +114,8 @@ class RunEndNotice:
     signature: bytes = b""
     signer: str = ""
     receipts: str = "{}"
+    #: The region it is for (signed): any other refuses it.
+    recipient: str = ""
 
     @property
     def receipts_digest(self) -> bytes:
@@ -136,7 +141,13 @@ class RunEndNotice:
 
     @property
     def terms(self) -> Terms:
-        return Terms(self.kind, config_digest(self.run_config), self.nonce, self.federation_run)
+        return Terms(
+            self.kind,
+            config_digest(self.run_config),
+            self.nonce,
+            self.federation_run,
+            recipient=self.recipient,
+        )
 
     def run_settings(self) -> dict[str, Any]:
         return run_settings(self.run_config)
@@ -147,8 +158,10 @@ SERVER_ROUND, FEDERATION_RUN = "server-round", "federation-run"
 BASE_FINGERPRINT = "base-fingerprint"
 SIGNATURE_FIELD, SIGNER = "model-signature", "aggregator-key-id"
 TASK, RUN_CONFIG, NONCE, RECEIPTS = "task", "run-config", "nonce", "receipts"
+RECIPIENT = "recipient"
 RESUMED_FROM = "resumed-from-checkpoint"
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(NAME_PATTERN)
 #: A run config's canonical JSON is at most this long (an instruction's field).
 MAX_RUN_CONFIG = 1 << 16
 #: A run-end notice's receipts are at most this long (about 100 per region and round).
@@ -213,6 +226,13 @@ def _terms(config: Mapping[str, object], what: str) -> tuple[TaskKind, str, byte
     return kind, run_config, nonce
 
 
+def _recipient(config: Mapping[str, object], what: str) -> str:
+    recipient = _typed(config, RECIPIENT, str, None)
+    if not _NAME.fullmatch(recipient):
+        raise MalformedInstruction(f"malformed {what}: {RECIPIENT}: a region name expected")
+    return str(recipient)
+
+
 def parse_instruction(
     config: Mapping[str, object], adapter: Mapping[str, np.ndarray]
 ) -> Instruction:
@@ -245,6 +265,7 @@ def parse_instruction(
         federation_run=federation_run,
         witness=witness,
         checkpoint=checkpoint,
+        recipient=_recipient(config, "instruction"),
     )
 
 
@@ -269,6 +290,7 @@ def parse_run_end(config: Mapping[str, object]) -> RunEndNotice:
         signature=_typed(config, SIGNATURE_FIELD, bytes, b""),
         signer=_typed(config, SIGNER, str, ""),
         receipts=receipts,
+        recipient=_recipient(config, "run-end notice"),
     )
 
 
@@ -282,6 +304,7 @@ def instruction_fields(task: Instruction | RunEndNotice) -> dict[str, str | int 
         NONCE: task.nonce,
         SIGNATURE_FIELD: task.signature,
         SIGNER: task.signer,
+        RECIPIENT: task.recipient,
     }
     if isinstance(task, Instruction):
         fields[SERVER_ROUND] = task.server_round

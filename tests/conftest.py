@@ -225,9 +225,12 @@ def signed_run_end(
     run_config: dict[str, Any],
     witness: tuple[int, str],
     receipts: dict[str, list[list[object]]] | None = None,
+    *,
+    recipient: str,
 ) -> Any:
     """The aggregator's run-end notice over ``run_config`` (validated as a run config),
-    its log head ``witness`` and ``receipts``, signed with ``keypair``."""
+    its log head ``witness`` and ``receipts``, signed with ``keypair`` for the region
+    ``recipient``."""
     import json
     import secrets
     from dataclasses import replace
@@ -242,6 +245,7 @@ def signed_run_end(
         nonce=secrets.token_bytes(NONCE_BYTES),
         signer=keypair.bundle.key_id.hex(),
         receipts=json.dumps(receipts or {}),
+        recipient=recipient,
     )
     signature = sign_run_end(
         keypair, federation_run, unsigned.terms, witness, unsigned.receipts_digest

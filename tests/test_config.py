@@ -173,3 +173,23 @@ def test_the_adapter_mode_is_signed_with_the_run_config_and_reaches_the_model(ru
         RunConfig.from_user_config({**unit_config(), "adapter-mode": "dora"}, source="run config")
     (problem,) = info.value.problems
     assert problem.startswith("run config:adapter-mode: Input should be 'lora', 'lora-fa' or")
+
+
+@pytest.mark.parametrize(
+    "codec", ["topk:0.1", "topk-int8:0.015", "topk-int4:0.025", "topk-sign:0.2"]
+)
+def test_a_secure_sum_refuses_a_per_region_sparse_codec_at_start_naming_codec(codec):
+    """Each region's top-k keeps coordinates of its own: one that only one region kept
+    would carry that region's value alone in the unmasked sum."""
+    values = {**app_config(), "secure-aggregation": True, "codec": codec}
+    with pytest.raises(ConfigError) as caught:
+        RunConfig.from_user_config(values, source="run config")
+    [problem] = caught.value.problems
+    assert problem.startswith("run config:secure-aggregation:")
+    assert f"not codec = {codec!r}" in problem and "alone in the unmasked sum" in problem
+
+
+@pytest.mark.parametrize("codec", ["dense", "int8", "int4", "int2", "sign"])
+def test_a_secure_sum_takes_every_dense_codec(codec):
+    values = {**app_config(), "secure-aggregation": True, "codec": codec}
+    assert RunConfig.from_user_config(values, source="run config").secure.enabled

@@ -15,12 +15,23 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.agent.channel import ChannelError, Frame, Scalar, ask
+    from fedciuic.agent.channel import (
+        HELLO,
+        HELLO_RECORD,
+        HELLO_REGION,
+        ChannelError,
+        Frame,
+        Scalar,
+        ask,
+    )
     from fedciuic.agent.config import AgentConfig
     from fedciuic.agent.service import AgentError, hello, serve
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
+    "HELLO": "channel",
+    "HELLO_RECORD": "channel",
+    "HELLO_REGION": "channel",
     "AgentConfig": "config",
     "AgentError": "service",
     "ChannelError": "channel",
@@ -31,6 +42,9 @@ _WHERE = {
     "serve": "service",
 }
 __all__ = [
+    "HELLO",
+    "HELLO_RECORD",
+    "HELLO_REGION",
     "AgentConfig",
     "AgentError",
     "ChannelError",

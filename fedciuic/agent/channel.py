@@ -62,6 +62,9 @@ WIRE_DTYPES = frozenset(
 _KINDS = ", ".join(sorted(WIRE_DTYPES))
 #: What a relay may ask an agent: the kinds of task the aggregator signs, and ``hello``.
 HELLO = "hello"
+#: A hello's answer: one config record of the region's name (what the aggregator
+#: addresses its instructions to), its version, pid and code; nothing secret.
+HELLO_RECORD, HELLO_REGION = "status", "region"
 #: Config values: what Flower's ConfigRecord holds, bar lists; metric values: numbers.
 Scalar = str | int | float | bool | bytes
 Number = int | float
@@ -417,6 +420,8 @@ def ask(path: Path, frame: Frame, *, timeout: float, connect_timeout: float = 10
 
 __all__ = [
     "HELLO",
+    "HELLO_RECORD",
+    "HELLO_REGION",
     "IO_TIMEOUT",
     "MAX_BODY",
     "MAX_HEADER",

@@ -54,6 +54,8 @@ from fedciuic import __version__
 from fedciuic.agent.access import Account, check_private
 from fedciuic.agent.channel import (
     HELLO,
+    HELLO_RECORD,
+    HELLO_REGION,
     IO_TIMEOUT,
     ChannelError,
     Frame,
@@ -219,8 +221,8 @@ class RegionAgent:
     def hello(self) -> Frame:
         return Frame(
             config={
-                "status": {
-                    "region": self.config.region,
+                HELLO_RECORD: {
+                    HELLO_REGION: self.config.region,
                     "pid": os.getpid(),
                     "fedciuic": __version__,
                     "code": installed_code(),
@@ -583,7 +585,7 @@ def hello(socket_path: Path, timeout: float, pid: int = 0) -> dict[str, Any]:
             time.sleep(0.3)
     if answer.error:
         raise AgentError(f"the agent on {socket_path}: {answer.error}")
-    status = dict(answer.config.get("status", {}))
+    status = dict(answer.config.get(HELLO_RECORD, {}))
     if pid and status.get("pid") != pid:
         raise AgentError(
             f"{socket_path} is served by another agent (pid {status.get('pid')!r}), not pid "

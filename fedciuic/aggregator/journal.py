@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -156,6 +156,14 @@ class Journal:
                 policy_hash=judged.reply.info.get(POLICY_HASH, ""),
                 **claimed,
             )
+
+    def secure_sum(
+        self, server_round: int, details: Mapping[str, Any], sent: Mapping[str, int]
+    ) -> None:
+        """A secure round's sum on the record, and in each region's train entry the
+        bytes it sent in it."""
+        self.note(server_round, Event.SECURE_SUM, **details)
+        self.recorder.record_secure_bytes(server_round, sent)
 
     def withheld(self, server_round: int, regions: list[str], reasons: list[str]) -> None:
         _logger.log(

@@ -14,7 +14,10 @@ them, over a :class:`Transport` (Flower's Grid implements it in
   docs/heterogeneity.md); with ``secure-aggregation``, sync rounds whose aggregate is
   a secure sum (:class:`SecureLoop`);
 * every region evaluates the initial adapter before round 1, so the run reports eval
-  loss before and after training.
+  loss before and after training;
+* every instruction is signed for the region it goes to: a node is asked once which
+  region it serves (:meth:`Transport.identify`) before it is first sent one, and
+  thereafter goes by the region its signed replies name.
 
 What each reply is worth, and what is published, is the round's
 (:class:`~fedciuic.aggregator.round.AggregatorRound`); this module only schedules.
@@ -32,7 +35,6 @@ import numpy as np
 
 from fedciuic.aggregator.judge import Task, reason_of
 from fedciuic.aggregator.round import AggregatorRound, Collecting, run_end_witnessed
-from fedciuic.audit import Event
 from fedciuic.config import Schedule
 from fedciuic.crypto import TaskKind
 from fedciuic.errors import FederationError
@@ -78,9 +80,15 @@ class Transport(Protocol):
         """The nodes connected now."""
         ...
 
-    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
-        """Send ``instruction`` to each of ``nodes``: message id -> node, for each
-        message the federation took."""
+    def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
+        """The region each of ``nodes`` says it serves, for those that say within
+        ``timeout``. Unauthenticated, and need not be: every instruction is signed for
+        its region, so a false answer only gets its node instructions it refuses."""
+        ...
+
+    def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
+        """Send each node its instruction: message id -> node, for each message the
+        federation took."""
         ...
 
     def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
@@ -88,9 +96,8 @@ class Transport(Protocol):
         went to), each under the id it answers."""
         ...
 
-    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
-        """Send ``notice`` to each of ``nodes``; the answers that come within
-        ``timeout``."""
+    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]:
+        """Send each node its notice; the answers that come within ``timeout``."""
         ...
 
 
@@ -128,13 +135,13 @@ class Courier:
         return any(sent.node == node for sent in self.in_flight.values())
 
     def push(
-        self, instruction: Instruction, nodes: Sequence[int], server_round: int, task: Task | None
+        self, instructions: Mapping[int, Instruction], server_round: int, task: Task | None
     ) -> list[Sent]:
-        """Send ``instruction`` to ``nodes``; what the federation took is in flight."""
+        """Send each node its instruction; what the federation took is in flight."""
         now = self.clock()
-        taken = self.transport.push(instruction, nodes)
+        taken = self.transport.push(instructions)
         sent = {
-            message_id: Sent(node, instruction.kind, server_round, task, now)
+            message_id: Sent(node, instructions[node].kind, server_round, task, now)
             for message_id, node in taken.items()
         }
         self.in_flight.update(sent)
@@ -187,6 +194,10 @@ class Loop:
         #: Replies pulled but not yet judged: after a buffered aggregate filled, or
         #: updates that arrived during an evaluation; the next aggregate takes them.
         self._carried: list[tuple[Sent, Unread]] = []
+        #: The region each node said it serves, and the round each unknown node was
+        #: last asked in (asked at most once a round).
+        self._claimed: dict[int, str] = {}
+        self._asked: dict[int, int] = {}
 
     @property
     def schedule(self) -> Schedule:
@@ -283,16 +294,44 @@ class Loop:
             )
         return sorted(nodes)
 
+    def addresses(self, nodes: Sequence[int], server_round: int) -> dict[int, str]:
+        """The region each of ``nodes`` is addressed as: the one its signed replies
+        name, else the one it said it serves; a node that has said neither is asked
+        (once a round) and left out until it answers."""
+        unknown = [
+            n for n in nodes if self.region_at(n) is None and self._asked.get(n) != server_round
+        ]
+        if unknown:
+            self._asked.update(dict.fromkeys(unknown, server_round))
+            claimed = self.transport.identify(unknown, self.timeout)
+            for node, region in claimed.items():
+                if region in self.schedule.regions:
+                    self._claimed[node] = region
+                else:
+                    _logger.warning(
+                        "node %d says it serves %r, not a region of this run", node, region
+                    )
+        return {n: r for n in nodes if (r := self.region_at(n))}
+
+    def region_at(self, node: int) -> str | None:
+        """The region ``node`` is addressed as: the one its signed replies name, else
+        the one it said it serves."""
+        return self.aggregator.regions_by_node.get(node) or self._claimed.get(node)
+
     def _send(
         self, kind: TaskKind, server_round: int, nodes: Sequence[int], task: Task | None = None
     ) -> list[int]:
-        """The current global adapter to each of ``nodes``, as ``server_round``'s ``kind``
-        of task, signed for the training ``task``'s own number where there is one (a
-        buffered region's); the nodes it went to."""
+        """The current global adapter to each of ``nodes`` whose region is known, as
+        ``server_round``'s ``kind`` of task, each signed for its region and for the
+        training ``task``'s own number where there is one (a buffered region's); the
+        nodes it went to."""
         a = self.aggregator
         signed_round = task.round if task is not None else server_round
-        instruction = a.sign_instruction(signed_round, kind, a.global_adapter)
-        return [s.node for s in self.courier.push(instruction, nodes, server_round, task)]
+        instructions = {
+            node: a.sign_instruction(signed_round, kind, a.global_adapter, region)
+            for node, region in self.addresses(nodes, server_round).items()
+        }
+        return [s.node for s in self.courier.push(instructions, server_round, task)]
 
     def _collect(
         self, asked: list[int], kind: TaskKind, server_round: int, timeout: float
@@ -348,11 +387,14 @@ class Loop:
     def witness_run_end(self, timeout: float) -> None:
         """Once ``run_end`` is in the aggregator's log and signed: send each region that
         head (signed), and record the head each one answers with (best effort)."""
-        notice = self.aggregator.sign_run_end()
-        if notice is None:
+        a = self.aggregator
+        # the nodes whose region is known: those that never said took no part
+        known = {n: r for n in sorted(self.transport.nodes()) if (r := self.region_at(n))}
+        notices = a.sign_run_end(set(known.values()))
+        if not notices:
             return
-        replies = self.transport.query(notice, sorted(self.transport.nodes()), timeout)
-        run_end_witnessed(self.aggregator, replies)
+        replies = self.transport.query({n: notices[r] for n, r in known.items()}, timeout)
+        run_end_witnessed(a, replies)
 
 
 class SyncLoop(Loop):
@@ -409,6 +451,7 @@ class BufferedLoop(Loop):
         nodes = self.wait_for_regions()
         while True:
             courier.forget_gone(nodes)
+            self.addresses(nodes, server_round)  # nodes new to the run say their region
             for node in nodes:
                 if not courier.busy(node):
                     self._dispatch(server_round, node, contributed)
@@ -418,7 +461,7 @@ class BufferedLoop(Loop):
                     self._carried = pulled[i:]  # the next aggregate's, against the new version
                     break
                 heard.add(sent.node)
-                if sent.task is None:  # an evaluation: how a new node says who it is
+                if sent.task is None:  # an evaluation's reply, late
                     a.evaluate(server_round, [reply], overall=False)
                     continue
                 judged = a.judge_train(server_round, reply, sent.task, into)
@@ -469,23 +512,19 @@ class BufferedLoop(Loop):
         """Whether some idle node could still be sent something in this aggregate."""
         a = self.aggregator
         for node in nodes:
-            region = a.regions_by_node.get(node)
-            if self.courier.busy(node):
+            region = self.region_at(node)
+            if self.courier.busy(node) or region is None:
                 continue
-            if region is None or (region not in contributed and a.tasks.can_send(region)):
+            if region not in contributed and a.tasks.can_send(region):
                 return True
         return False
 
     def _dispatch(self, server_round: int, node: int, contributed: set[str]) -> None:
-        """An idle node's next message: an evaluation when its region is not known yet
-        (its signed answer says which region it is), else its region's next task, if it
-        has one left and has not answered since the last aggregate."""
+        """An idle node's next message: its region's next task, if it has one left and
+        has not answered since the last aggregate (none while its region is unknown)."""
         a = self.aggregator
-        region = a.regions_by_node.get(node)
-        if region is None:
-            self._send(TaskKind.EVALUATE, server_round, [node])
-            return
-        if region in contributed:
+        region = self.region_at(node)
+        if region is None or region in contributed:
             return
         task = a.tasks.send_again(region)
         if task is None:
@@ -515,6 +554,7 @@ class SecureLoop(SyncLoop):
         accepted = sorted(acc.region for acc in into.accepted)
         details: dict[str, object] = {"accepted": accepted, "threshold": settings.threshold}
         heard: set[int] = set()
+        sent: dict[str, int] = {}  # bytes of each region's answers, every phase
         mean, reasons = None, []
         survivors: tuple[str, ...] = ()
         secure: SecureSum | None = None
@@ -523,7 +563,9 @@ class SecureLoop(SyncLoop):
             details |= {"session": session.sid().hex(), "scale": session.scale}
             secure = SecureSum(session, a.sealing.bundles())
             total = secure.run(
-                lambda phase, requests: self._exchange(server_round, phase, requests, secure, heard)
+                lambda phase, requests: self._exchange(
+                    server_round, phase, requests, secure, heard, sent
+                )
             )
             survivors = tuple(sorted(secure.masked))
             mean = secure.mean(total)
@@ -535,7 +577,8 @@ class SecureLoop(SyncLoop):
         details["outcome"] = "withheld" if reasons else "unmasked"
         if reasons:
             details["reasons"] = reasons
-        a.journal.note(server_round, Event.SECURE_SUM, **details)
+        details["bytes"] = dict(sorted(sent.items()))
+        a.journal.secure_sum(server_round, details, sent)
         summed = Collecting(into.accumulator, into.n, into.labels, into.judged)
         summed.accepted = [acc for acc in into.accepted if acc.region in survivors]
         a.publish(server_round, summed, mean=mean, withheld=reasons)
@@ -564,10 +607,12 @@ class SecureLoop(SyncLoop):
         requests: Mapping[str, Request],
         secure: SecureSum,
         heard: set[int],
+        sent: dict[str, int],
     ) -> list[object]:
         """Each region its request, signed; the messages of those that answer within
-        round-timeout, each from the region its signature names. A region that declines,
-        or whose answer is not what it should be, is refused on the record."""
+        round-timeout, each from the region its signature names (its bytes counted in
+        ``sent``). A region that declines, or whose answer is not what it should be, is
+        refused on the record."""
         a, courier = self.aggregator, self.courier
         node_of = {region: node for node, region in a.regions_by_node.items()}
         pushed: dict[int, str] = {}
@@ -577,9 +622,11 @@ class SecureLoop(SyncLoop):
                 secure.refused.append(Refusal(phase, region, "not reachable (busy or gone)"))
                 continue
             data = np.frombuffer(req.model_dump_json().encode(), dtype=np.uint8)
-            instruction = a.sign_instruction(server_round, TaskKind.SECAGG, {SECAGG_REQUEST: data})
-            for sent in courier.push(instruction, [node], server_round, None):
-                pushed[sent.node] = region
+            instruction = a.sign_instruction(
+                server_round, TaskKind.SECAGG, {SECAGG_REQUEST: data}, region
+            )
+            for message in courier.push({node: instruction}, server_round, None):
+                pushed[message.node] = region
         arrivals, late, answered = self._collect(
             list(pushed), TaskKind.SECAGG, server_round, self.timeout
         )
@@ -600,7 +647,9 @@ class SecureLoop(SyncLoop):
                     raise SecAggError(f"declined: {reply.reason}")
                 if reply.status != SECURE or reply.arrays is None:
                     raise SecAggError(f"a {reply.status!r} reply")
-                messages.append(unpack_answer(reply.arrays[SECAGG_ANSWER].tobytes(), phase))
+                answer = reply.arrays[SECAGG_ANSWER].tobytes()
+                sent[region] = sent.get(region, 0) + len(answer)
+                messages.append(unpack_answer(answer, phase))
             except Exception as err:  # one region's answer, refused alone
                 secure.refused.append(Refusal(phase, region, reason_of(err)))
         return messages

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         CodecFamily,
         Sparse,
         get_codec,
+        update_entries,
     )
     from fedciuic.compression.errors import MalformedUpdate, ResidualError
     from fedciuic.compression.feedback import (
@@ -54,6 +55,7 @@ _WHERE = {
     "layout_id": "feedback",
     "layout_of": "feedback",
     "unflatten": "feedback",
+    "update_entries": "codecs",
 }
 __all__ = [
     "CHUNK",
@@ -72,5 +74,6 @@ __all__ = [
     "layout_id",
     "layout_of",
     "unflatten",
+    "update_entries",
 ]
 __getattr__ = face(__name__, _WHERE)

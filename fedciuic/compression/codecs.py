@@ -29,6 +29,18 @@ UPDATE_FORMAT = 2
 READS = (1, 2)
 
 
+def update_entries(data: bytes | bytearray | memoryview) -> int:
+    """How many entries an encoded update holds, by its header (the size it was made
+    at); :class:`MalformedUpdate` when it has no fedciuic header."""
+    view = memoryview(data)
+    if len(view) < HEADER.size:
+        raise MalformedUpdate("update shorter than its header")
+    magic, _, _, count, _ = HEADER.unpack_from(view)
+    if magic != UPDATE_MAGIC:
+        raise MalformedUpdate("not a fedciuic compressed update")
+    return int(count)
+
+
 @dataclass(frozen=True)
 class _Values:
     encode: value_coding.Encode
@@ -105,11 +117,8 @@ class Codec:
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> Sparse:
         """Parse and check an encoding of ``n`` entries; ``ValueError`` says what is wrong."""
         view = memoryview(data)
-        if len(view) < HEADER.size:
-            raise MalformedUpdate("update shorter than its header")
-        magic, ident, version, count, _ = HEADER.unpack_from(view)
-        if magic != UPDATE_MAGIC:
-            raise MalformedUpdate("not a fedciuic compressed update")
+        count = update_entries(view)
+        _, ident, version, _, _ = HEADER.unpack_from(view)
         if version not in READS:
             raise MalformedUpdate(
                 f"update in wire format {version}; this fedciuic reads formats "

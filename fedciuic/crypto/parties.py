@@ -43,8 +43,9 @@ from fedciuic.crypto.keys import (
 from fedciuic.errors import FedciuicError
 
 AGGREGATOR = "aggregator"
-GLOBAL_LABEL = b"fedciuic-global-model/4\x00"
-RUN_END_LABEL = b"fedciuic-run-end/4\x00"
+#: Version 5: the terms name the recipient region.
+GLOBAL_LABEL = b"fedciuic-global-model/5\x00"
+RUN_END_LABEL = b"fedciuic-run-end/5\x00"
 #: Bytes of an instruction's nonce: each signed instruction is unique, so a region can
 #: refuse one it has already been handed (a replay).
 NONCE_BYTES = 16
@@ -71,8 +72,10 @@ class Terms:
     signature: the kind of task, the run config the region is to apply (the SHA-256 of
     its canonical JSON), a nonce that makes the instruction single-use, the federation
     run the region accounts it under (a resumed run keeps the first run's id), the
-    base model the adapter belongs to, and the checkpoint a resumed run continued from
-    (its identity, the SHA-256 of its state; empty for a run that did not resume)."""
+    base model the adapter belongs to, the checkpoint a resumed run continued from
+    (its identity, the SHA-256 of its state; empty for a run that did not resume), and
+    the region it is for: nonces are each agent's own, so without its recipient an
+    instruction meant for one region could be handed to another."""
 
     kind: TaskKind
     config_digest: bytes
@@ -80,24 +83,30 @@ class Terms:
     federation_run: int = 0
     base_fingerprint: str = ""
     checkpoint: bytes = b""
+    recipient: str = ""  # "": addressed to no region, acted on by none
 
     def encode(self) -> bytes:
         """Kind (u8) | config digest (32) | nonce (16) | federation run (u64) | base
-        fingerprint length (u16) and UTF-8 bytes | checkpoint length (u8) and bytes."""
+        fingerprint length (u16) and UTF-8 bytes | checkpoint length (u8) and bytes |
+        recipient length (u8) and UTF-8 bytes."""
         base = self.base_fingerprint.encode()
+        recipient = self.recipient.encode()
         if (
             len(self.config_digest) != 32
             or len(self.nonce) != NONCE_BYTES
             or len(base) > 4096
             or len(self.checkpoint) not in (0, 32)
+            or len(recipient) > 255
         ):
             raise ValueError(
                 "terms: a 32-byte config digest, a 16-byte nonce, a base fingerprint of "
-                "at most 4096 bytes and a checkpoint identity of 0 or 32 bytes expected"
+                "at most 4096 bytes, a checkpoint identity of 0 or 32 bytes and a recipient "
+                "of at most 255 bytes expected"
             )
         head = struct.pack(">B", _KIND_CODES[self.kind]) + self.config_digest + self.nonce
         tail = struct.pack(">B", len(self.checkpoint)) + self.checkpoint
-        return head + struct.pack(">QH", self.federation_run, len(base)) + base + tail
+        to = struct.pack(">B", len(recipient)) + recipient
+        return head + struct.pack(">QH", self.federation_run, len(base)) + base + tail + to
 
 
 def config_digest(run_config: str) -> bytes:
@@ -189,6 +198,10 @@ class NotSignedError(FedciuicError):
     round or kind of task, other terms, another key, or altered on the way."""
 
 
+class Misaddressed(NotSignedError):
+    """An instruction or notice the aggregator signed for another region."""
+
+
 class MalformedPayload(FedciuicError):
     """An opened envelope whose plaintext is not a fedciuic update."""
 
@@ -244,6 +257,17 @@ class RegionKeys:
                 f"{server_round} is not signed by the aggregator key "
                 f"{self.aggregator.key_id.hex()} for run {run_id}; refusing it"
             )
+        self._addressed(terms, f"the {terms.kind} instruction of round {server_round}")
+
+    def _addressed(self, terms: Terms, what: str) -> None:
+        """Refuse what the aggregator signed for another region."""
+        me = self.keypair.bundle.party
+        if terms.recipient != me:
+            raise Misaddressed(
+                f"region {me}: {what} is addressed to "
+                f"{repr(terms.recipient) if terms.recipient else 'no region'}, not to this "
+                "region; refusing it (the relay handed it to the wrong region)"
+            )
 
     def check_run_end(
         self,
@@ -263,6 +287,7 @@ class RegionKeys:
                 f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "
                 f"not signed by the aggregator key {self.aggregator.key_id.hex()}"
             )
+        self._addressed(terms, f"the run-end notice of run {run_id}")
 
     def seal_update(
         self, payload: bytes, *, run_id: int, server_round: int, policy_hash: str = ""
@@ -403,6 +428,7 @@ __all__ = [
     "AggregatorKeys",
     "EnvelopeRejected",
     "InvalidEnvelope",
+    "Misaddressed",
     "NotSignedError",
     "OpenedUpdate",
     "RegionKeys",

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import partial
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedciuic.crypto import TaskKind
 from fedciuic.flower import protocol
-from fedciuic.flower.relay import SECAGG_MESSAGE
+from fedciuic.flower.relay import HELLO_MESSAGE, SECAGG_MESSAGE
 from fedciuic.wire import Instruction, RunEndNotice, Unread
 
 #: The Flower message type that carries each kind of task (signed into its instruction).
@@ -48,10 +48,23 @@ class FlowerTransport:
     def nodes(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
 
-    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
-        # The adapter is packed once for every node.
-        content = protocol.instruction(protocol.pack_arrays(instruction.adapter), instruction)
-        messages = _messages(content, nodes, MESSAGE_TYPES[instruction.kind])
+    def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
+        messages = _messages(RecordDict(), nodes, HELLO_MESSAGE)
+        replies = self.grid.send_and_receive(messages, timeout=timeout)
+        named = {m.metadata.src_node_id: protocol.read_hello(m) for m in replies}
+        return {node: region for node, region in named.items() if region is not None}
+
+    def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
+        # Each node its own instruction (signed for its region), the adapter they share
+        # packed once.
+        packed: dict[tuple[tuple[str, int], ...], ArrayRecord] = {}
+        messages = []
+        for node, task in instructions.items():
+            same = tuple((name, id(array)) for name, array in task.adapter.items())
+            if same not in packed:
+                packed[same] = protocol.pack_arrays(task.adapter)
+            content = protocol.instruction(packed[same], task)
+            messages += _messages(content, [node], MESSAGE_TYPES[task.kind])
         ids = self.grid.push_messages(messages)
         return {
             message_id: message.metadata.dst_node_id
@@ -67,7 +80,11 @@ class FlowerTransport:
                 got.append((answers, unread(reply, in_flight[answers])))
         return got
 
-    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
-        messages = _messages(protocol.run_end_notice(notice), nodes, MessageType.QUERY)
+    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]:
+        messages = [
+            m
+            for node, notice in notices.items()
+            for m in _messages(protocol.run_end_notice(notice), [node], MessageType.QUERY)
+        ]
         replies = self.grid.send_and_receive(messages, timeout=timeout)
         return [unread(m, m.metadata.src_node_id) for m in replies]

@@ -15,13 +15,22 @@ from fedciuic.config import NodeConfig
 from fedciuic.crypto import TaskKind
 from fedciuic.errors import FedciuicError
 from fedciuic.flower import protocol
-from fedciuic.flower.relay import MESSAGE_KINDS
-from fedciuic.region import handle_instruction, read_configs, unreadable, witness_run_end
+from fedciuic.flower.relay import HELLO_MESSAGE, MESSAGE_KINDS
+from fedciuic.region import (
+    handle_instruction,
+    read_configs,
+    region_name,
+    unreadable,
+    witness_run_end,
+)
 from fedciuic.wire import RunEndNotice
 
 
 def handle(msg: Message, context: Context) -> Message:
     """The region's reply to one message, packed for Flower."""
+    if msg.metadata.message_type == HELLO_MESSAGE:  # which region (as an agent says it)
+        region = region_name(context.run_config, context.node_config)
+        return Message(protocol.hello(region), reply_to=msg)
     kind = TaskKind(MESSAGE_KINDS[msg.metadata.message_type])
     try:
         task = (

@@ -17,6 +17,7 @@ only its reason. Every reply's info names the code that made it (``agent-version
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.typing import ConfigRecordValues
 
+from fedciuic.agent import HELLO_RECORD, HELLO_REGION
+from fedciuic.crypto import NAME_PATTERN
 from fedciuic.wire import (
     ARRAYS,
     CONFIG,
@@ -44,6 +47,8 @@ from fedciuic.wire import (
 
 if TYPE_CHECKING:  # torch: never for the relay (a deployed ClientApp)
     from fedciuic.region import RegionReply
+
+_NAME = re.compile(NAME_PATTERN)
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -74,6 +79,20 @@ def read_instruction(message: Message) -> Instruction:
     return parse_instruction(
         dict(content.config_records[CONFIG]), unpack_arrays(content.array_records[ARRAYS])
     )
+
+
+def hello(region: str) -> RecordDict:
+    """A node's answer to the aggregator's hello: the region it serves (as a region's
+    agent answers it)."""
+    return RecordDict({HELLO_RECORD: _config({HELLO_REGION: region})})
+
+
+def read_hello(message: Message) -> str | None:
+    """The region a node's hello answer names (untrusted), or None when it names none."""
+    if message.has_error() or HELLO_RECORD not in message.content.config_records:
+        return None
+    region = message.content.config_records[HELLO_RECORD].get(HELLO_REGION)
+    return region if isinstance(region, str) and _NAME.fullmatch(region) else None
 
 
 def run_end_notice(notice: RunEndNotice) -> RecordDict:

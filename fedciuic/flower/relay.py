@@ -33,7 +33,7 @@ from flwr.app import (
 )
 from flwr.app.typing import ConfigRecordValues
 
-from fedciuic.agent import ChannelError, Frame, Scalar, ask
+from fedciuic.agent import HELLO, ChannelError, Frame, Scalar, ask
 from fedciuic.crypto import TaskKind
 from fedciuic.wire import ARRAYS
 
@@ -42,6 +42,9 @@ AGENT = "agent"
 #: What each Flower message type asks the agent (the kinds of task it verifies).
 #: A secure sum's phases travel as Flower queries of their own action.
 SECAGG_MESSAGE = f"{MessageType.QUERY}.{TaskKind.SECAGG}"
+#: The aggregator asking a node which region it serves (the agent's ``hello``; unsigned,
+#: costs the region nothing), before it sends the node an instruction signed for it.
+HELLO_MESSAGE = f"{MessageType.QUERY}.{HELLO}"
 MESSAGE_KINDS = {
     MessageType.TRAIN: TaskKind.TRAIN,
     MessageType.EVALUATE: TaskKind.EVALUATE,
@@ -95,7 +98,8 @@ def request(message: Message, run_id: int) -> Frame:
         arrays = {}
         for record in content.array_records.values():
             arrays.update({name: array.numpy() for name, array in record.items()})
-    kind = MESSAGE_KINDS.get(message.metadata.message_type, message.metadata.message_type)
+    message_type = message.metadata.message_type
+    kind = HELLO if message_type == HELLO_MESSAGE else MESSAGE_KINDS.get(message_type, message_type)
     return Frame(
         meta={"kind": str(kind), "flower-run": run_id},
         config={
@@ -134,6 +138,7 @@ def forward(message: Message, context: Context) -> Message:
 
 __all__ = [
     "AGENT",
+    "HELLO_MESSAGE",
     "MESSAGE_KINDS",
     "SECAGG_MESSAGE",
     "RelayError",

@@ -75,8 +75,9 @@ def epsilon_spent(
 
 
 def upload_bytes(data: RunMetrics, region: str) -> list[int]:
-    """Bytes a region's accepted updates took on the wire, one entry per round."""
-    return [e.upload_bytes for _, e in data.trained(region) if e.upload_bytes is not None]
+    """Bytes a region sent the aggregator, one entry per round it sent something: its
+    update and, in a secure round, its secure-sum messages (``TrainEntry.sent_bytes``)."""
+    return [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
 
 
 def steps_per_round(data: RunMetrics, region: str) -> str:

@@ -254,7 +254,7 @@ def format_round(data: RunMetrics, number: int, total: int) -> list[str]:
         train = rnd.train.get(region) or TrainEntry(status="no reply")
         evaluated = evals.get(region)
         epsilon = fmt_epsilon(train.epsilon, train.epsilon_budget, train.unit)
-        upload = f"{train.upload_bytes} B" if train.upload_bytes is not None else "-"
+        upload = f"{train.sent_bytes} B" if train.sent_bytes is not None else "-"
         row = (
             f"  {region:<8} {train.status:<9} {fmt_number(train.loss):>10} "
             f"{eval_loss(region):>9}  {epsilon:<22} {upload:>8}"

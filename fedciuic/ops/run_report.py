@@ -255,7 +255,7 @@ def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, 
             epsilon[region] = [[n, eps] for n, eps, _ in spent]
             last_budget = spent[-1][2]
             budget[region] = float("nan") if last_budget is None else last_budget
-        uploads = [[n, t.upload_bytes] for n, t in trained if t.upload_bytes is not None]
+        uploads = [[n, t.sent_bytes] for n, t in trained if t.sent_bytes is not None]
         if uploads:
             sent[region] = uploads
     return {
@@ -359,7 +359,7 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
         xs, ys = zip(*points, strict=True)
         shifted = [x - 0.4 + width * (i + 0.5) for x in xs]
         ax.bar(shifted, ys, width=width, color=colours.get(region), label=region)
-    ax.set(xlabel="round", ylabel="bytes (sealed update)", title="Bytes uploaded per round")
+    ax.set(xlabel="round", ylabel="bytes sent", title="Bytes each region sent per round")
     _finish(fig, ax, rounds, uploads, empty="no update was sent")
     out["upload_bytes"] = fig
 
@@ -421,7 +421,11 @@ CAPTIONS = {
     "eval_loss": "Eval loss of the global adapter on each region's held-out split, per round.",
     "epsilon": "Cumulative epsilon of each region's dataset (its privacy ledger) against "
     "its lifetime budget.",
-    "upload_bytes": "Bytes of each region's sealed, compressed update as it crossed the relay.",
+    "upload_bytes": (
+        "Bytes each region sent per round as they crossed the relay: its sealed, compressed "
+        "update, or in a secure round its sealed metrics and its secure-sum messages (the "
+        "masked vector among them)."
+    ),
     "decisions": "Every decision of the run, from the audit logs: updates accepted, declined "
     "by their region, rejected by the aggregator, aggregates published or withheld.",
 }

@@ -123,6 +123,9 @@ class TrainEntry(_Record):
     data_fingerprint: str | None = None
     upload_bytes: int | None = None
     update_bytes: int | None = None
+    #: In a secure round: the bytes of the region's answers in the secure sum (its
+    #: masked vector and the other phases' messages), sent besides its trained reply.
+    secure_bytes: int | None = None
     #: What ``epsilon`` is per (a record, or a user); absent in files from before units,
     #: which were all record-level.
     unit: PrivacyUnit | None = None
@@ -136,6 +139,14 @@ class TrainEntry(_Record):
     #: its signed reply says (absent from replies that name none).
     agent_version: str | None = None
     agent_code: str | None = None
+
+    @property
+    def sent_bytes(self) -> int | None:
+        """Every byte the region sent the aggregator for the round: its trained reply's
+        update (in a secure round, only its metrics) and its secure-sum messages."""
+        if self.upload_bytes is None and self.secure_bytes is None:
+            return None
+        return (self.upload_bytes or 0) + (self.secure_bytes or 0)
 
 
 class EvalEntry(_Record):

@@ -105,6 +105,13 @@ class RunRecorder:
         else:
             current.eval[region] = EvalEntry.model_validate(entry)
 
+    def record_secure_bytes(self, server_round: int, sent: Mapping[str, int]) -> None:
+        """What each region sent in the round's secure sum, beside its trained reply."""
+        current = self._round(server_round)
+        for region, size in sent.items():
+            if region in current.train:
+                current.train[region].secure_bytes = size
+
     def record_aggregate(self, server_round: int, entry: dict[str, Any]) -> None:
         self._round(server_round).aggregate = AggregateEntry.model_validate(entry)
 

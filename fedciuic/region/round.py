@@ -652,6 +652,8 @@ class _Round:
             task,
             keypair=sealing.keypair,
             min_regions=policy.min_secure_regions,
+            # the region's guarantee where it has no DP-SGD of its own
+            max_epsilon=None if self.run.dp else policy.max_epsilon_per_run,
             run_id=self.run_id,
             kept=kept,
             note=self.note,

@@ -3,8 +3,10 @@ own agent in a deployment): the aggregator's signed request in, the region's sig
 message out, each phase on the region's audit log (docs/secure-aggregation.md).
 
 The session the aggregator proposes is checked against the run config the aggregator
-signed (ring, clip, noise, threshold) and against the region's policy (its minimum
-number of regions in a secure sum) before the region joins; the update it masks is the
+signed (its regions among the run's, ring, clip, noise, the exact threshold, and the
+scale those give), against the update the region kept (its size), and against the
+region's policy (its minimum number of regions in a secure sum, its per-run epsilon for
+the distributed noise) before the region joins; the update it masks is the
 one it kept when it trained the round (its ledger already charged for it), decoded,
 clipped, rounded and, with distributed DP, given its share of the noise. A region joins
 at most one session per round: two sums over different sets of regions would give an
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fedciuic.audit import Event, digest
+from fedciuic.compression import Sparse, update_entries
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
 from fedciuic.secagg import (
@@ -27,6 +30,7 @@ from fedciuic.secagg import (
     Phase,
     Request,
     Ring,
+    RingTooSmall,
     SecAggError,
     SecureSumRegion,
     Session,
@@ -74,31 +78,101 @@ def peers_of(run: RunConfig, node: NodeConfig, me: str) -> dict[str, PublicBundl
     return {b.party: b for b in bundles.values() if b.party not in (me, AGGREGATOR)}
 
 
-def check_session(session: Session, run: RunConfig, *, run_id: int, server_round: int) -> None:
-    """The session is this round's, on the terms the aggregator signed into the run."""
+def check_session(
+    session: Session,
+    run: RunConfig,
+    *,
+    run_id: int,
+    server_round: int,
+    kept_size: int | None = None,
+) -> None:
+    """The session is this round's, over regions of the signed run, with every term the
+    aggregator signed into the run, the size of the update this region kept (when
+    ``kept_size`` is given) and the fixed-point scale those give: each field is one
+    the aggregator could otherwise choose to learn more than the sum (a session padded
+    with identities it holds, a finer threshold) or to weaken the noise the region's
+    record states (a smaller scale). :class:`SecAggError` names every field that is
+    not, and what it should be."""
     secure = run.secure
-    expected = {
+    wrong = []
+    outside = [r for r in session.regions if r not in secure.regions]
+    if outside:
+        wrong.append(
+            f"regions: {', '.join(outside)} not among the signed run's regions "
+            f"({', '.join(secure.regions)})"
+        )
+    expected: dict[str, tuple[object, object]] = {
         "run": (session.run_id, run_id),
         "round": (session.server_round, server_round),
-        "ring bits": (session.bits, secure.ring_bits),
+        "ring bits (secure-ring-bits)": (session.bits, secure.ring_bits),
         "clip (max-update-norm)": (session.clip, secure.clip),
         "noise (distributed-noise-multiplier)": (session.noise, secure.noise_multiplier),
+        "threshold (secure-threshold, or more than half of the signed regions)": (
+            session.threshold,
+            secure.threshold,
+        ),
     }
-    wrong = [f"{k} {got!r}, not {want!r}" for k, (got, want) in expected.items() if got != want]
-    if session.threshold < secure.threshold:
-        wrong.append(f"threshold {session.threshold}, below secure-threshold {secure.threshold}")
+    if kept_size is not None:
+        expected["size (the values of the update this region kept)"] = (session.size, kept_size)
+    wrong += [f"{k} {got!r}, not {want!r}" for k, (got, want) in expected.items() if got != want]
+    if not wrong:  # the scale these terms give (Session.propose's own)
+        try:
+            scale = Session.propose(**session.terms()).scale
+        except RingTooSmall as err:
+            wrong.append(f"scale: none fits ({err})")
+        else:
+            if session.scale != scale:
+                wrong.append(
+                    f"scale {session.scale!r}, not {scale!r} (the finest fixed point at "
+                    "which the signed ring holds the sum)"
+                )
     if wrong:
         raise SecAggError(
             "the secure-sum session is not on the run's terms: " + "; ".join(wrong) + "; refusing"
         )
 
 
-def encoded_update(kept_payload: bytes, run: RunConfig, session: Session) -> np.ndarray:
-    """The update this region kept for the round, as the ring elements it masks: decoded
-    (the run's codec), clipped to the session's clip, rotated (the session's random
-    rotation), rounded at its scale, noised."""
+def check_distributed_epsilon(
+    session: Session, *, rounds: int, max_epsilon: float | None
+) -> dict[str, float]:
+    """The distributed-DP epsilons this region's record states for joining ``session``
+    (its ``rounds``-th sum of the run): this round's and the run's, against the
+    aggregator alone and with all but one region colluding. :class:`SecAggError` when
+    the run's, against the aggregator alone, is above ``max_epsilon``: the policy's
+    ``privacy.max_epsilon_per_run`` where the distributed noise is the region's DP (the
+    run has no DP-SGD); None: no bound (DP-SGD bounds the region's releases)."""
+    if session.noise == 0:
+        return {}
+    ddp = session.distributed()
+    figures = {
+        "epsilon_distributed": ddp.epsilon(1, DISTRIBUTED_DELTA),
+        "epsilon_distributed_collusion": ddp.epsilon(1, DISTRIBUTED_DELTA, 1),
+        "epsilon_distributed_run": ddp.epsilon(rounds, DISTRIBUTED_DELTA),
+        "epsilon_distributed_run_collusion": ddp.epsilon(rounds, DISTRIBUTED_DELTA, 1),
+        "delta_distributed": DISTRIBUTED_DELTA,
+    }
+    run_epsilon = figures["epsilon_distributed_run"]
+    if max_epsilon is not None and not run_epsilon <= max_epsilon:
+        raise SecAggError(
+            f"the secure sum's distributed epsilon over this run would be {run_epsilon:.3g} "
+            f"(delta {DISTRIBUTED_DELTA:g}), over the policy's {max_epsilon:g} "
+            "(privacy.max_epsilon_per_run); refusing to join it"
+        )
+    return figures
+
+
+def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
+    """The update this region kept for the round, decoded with the run's codec, and its
+    size (values)."""
     arrays, _, _ = read_update_payload(kept_payload)
-    update = run.compression.codec.decode(arrays[UPDATE].tobytes(), session.size)
+    data = arrays[UPDATE].tobytes()
+    size = update_entries(data)
+    return run.compression.codec.decode(data, size), size
+
+
+def encoded_update(update: Sparse, session: Session) -> np.ndarray:
+    """The region's update as the ring elements it masks: clipped to the session's clip,
+    rotated (the session's random rotation), rounded at its scale, noised."""
     ddp = session.distributed()
     ring = Ring(session.bits)
     if not ddp.fits(len(session.regions), ring):
@@ -117,15 +191,17 @@ def secure_phase(
     *,
     keypair: Keypair,
     min_regions: int,
+    max_epsilon: float | None,
     run_id: int,
     kept: Callable[[], bytes],
     note: Callable[..., None],
 ) -> bytes:
     """This region's message for the phase ``task`` asks for (as it travels), noted on the
-    region's audit log before it leaves; :class:`SecAggError` refuses."""
+    region's audit log (with its size) before it leaves; :class:`SecAggError` refuses."""
     request = request_of(task)
     session = request.session
-    check_session(session, run, run_id=run_id, server_round=task.server_round)
+    update, size = kept_values(kept(), run) if request.phase == Phase.ADVERT else (None, None)
+    check_session(session, run, run_id=run_id, server_round=task.server_round, kept_size=size)
     folder = node.state_dir / SECAGG_DIR
     sums = SessionStore(folder)
     region = SecureSumRegion(
@@ -141,25 +217,19 @@ def secure_phase(
                     f"this region already joined a secure sum for round {session.server_round}; "
                     "it joins one per round (two sums would give its update away)"
                 )
-            message = region.advertise(session, encoded_update(kept(), run, session))
-            ddp = session.distributed()
+            # this round's epsilon, and the run's so far (every sum it joined composed)
+            epsilons = check_distributed_epsilon(
+                session, rounds=sums.rounds_joined(session.run_id) + 1, max_epsilon=max_epsilon
+            )
+            assert update is not None  # read above, for the advert
+            message = region.advertise(session, encoded_update(update, session))
             details |= {
                 "regions": list(session.regions),
                 "threshold": session.threshold,
                 "ring_bits": session.bits,
                 "noise_multiplier": session.noise,
+                **epsilons,
             }
-            if session.noise > 0:
-                # this round's, and the run's so far (every sum it joined composed),
-                # against the aggregator alone and with all but one region colluding
-                joined = sums.rounds_joined(session.run_id)
-                details |= {
-                    "epsilon_distributed": ddp.epsilon(1, DISTRIBUTED_DELTA),
-                    "epsilon_distributed_collusion": ddp.epsilon(1, DISTRIBUTED_DELTA, 1),
-                    "epsilon_distributed_run": ddp.epsilon(joined, DISTRIBUTED_DELTA),
-                    "epsilon_distributed_run_collusion": ddp.epsilon(joined, DISTRIBUTED_DELTA, 1),
-                    "delta_distributed": DISTRIBUTED_DELTA,
-                }
         case Phase.SHARES:
             message = region.share(session, request.adverts)
             details["regions"] = sorted(a.region for a in request.adverts)
@@ -179,5 +249,6 @@ def secure_phase(
                 "key_shares_of": sorted(reveal.key_shares),
             }
             message = reveal
-    note(PHASE_EVENTS[request.phase], **details)
-    return pack_answer(message)
+    data = pack_answer(message)
+    note(PHASE_EVENTS[request.phase], **details, bytes=len(data))
+    return data

@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
@@ -69,12 +76,20 @@ class Session(Message):
     scale: float = Field(gt=0, allow_inf_nan=False)
     noise: float = Field(ge=0, allow_inf_nan=False)
 
+    @field_validator("regions")
+    @classmethod
+    def _distinct(cls, regions: tuple[str, ...]) -> tuple[str, ...]:
+        twice = sorted({r for r in regions if regions.count(r) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        if list(regions) != sorted(regions):
+            raise ValueError("not in sorted order")
+        if len(regions) < 2:
+            raise ValueError("a secure sum needs at least 2 regions")
+        return regions
+
     @model_validator(mode="after")
     def _check(self) -> Session:
-        if list(self.regions) != sorted(set(self.regions)):
-            raise ValueError("regions must be sorted and distinct")
-        if len(self.regions) < 2:
-            raise ValueError("a secure sum needs at least 2 regions")
         # More than half: two different survivor sets cannot both gather a threshold
         # of signatures, so every honest region unmasks the same set (docs).
         if not len(self.regions) // 2 < self.threshold <= len(self.regions):
@@ -119,6 +134,10 @@ class Session(Message):
             scale=scale,
             noise=noise,
         )
+
+    def terms(self) -> dict[str, Any]:
+        """What :meth:`propose` takes: every field but the scale it derives from them."""
+        return self.model_dump(exclude={"scale"})
 
     @property
     def length(self) -> int:

@@ -133,12 +133,15 @@ class Federation:
         signed_run: int = FLOWER_RUN,
         signed_round: int | None = None,
         asked: str | None = None,
+        recipient: str = "eu",
+        adapter: dict[str, np.ndarray] | None = None,
     ) -> Frame:
         """A request as the relay forwards it: the instruction the aggregator signed
-        (for ``signed_run`` and ``signed_round``, by ``signer``), asked as ``asked``."""
+        (for ``signed_run`` and ``signed_round``, by ``signer``, for ``recipient``),
+        asked as ``asked``; ``adapter``: the arrays it carries (default: the model's)."""
         keypair = signer or self.aggregator.keypair
         settings = RunConfig.from_user_config({**RUN, **(run or {})}, source="run config")
-        adapter = self.model.adapter_state()
+        adapter = self.model.adapter_state() if adapter is None else adapter
         task = Instruction(
             adapter=adapter,
             server_round=server_round,
@@ -147,6 +150,7 @@ class Federation:
             run_config=settings.canonical_json(),
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=keypair.bundle.key_id.hex(),
+            recipient=recipient,
         )
         round_signed = server_round if signed_round is None else signed_round
         signature = sign_global(keypair, signed_run, round_signed, adapter, task.terms)
@@ -157,7 +161,7 @@ class Federation:
             arrays=adapter,
         )
 
-    def run_end(self) -> Frame:
+    def run_end(self, recipient: str = "eu") -> Frame:
         settings = RunConfig.from_user_config(RUN, source="run config")
         notice = RunEndNotice(
             federation_run=0,
@@ -165,6 +169,7 @@ class Federation:
             run_config=settings.canonical_json(),
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=self.aggregator.keypair.bundle.key_id.hex(),
+            recipient=recipient,
         )
         signature = sign_run_end(
             self.aggregator.keypair,
@@ -409,6 +414,10 @@ NOT_SIGNED: list[Any] = [  # each: the federation -> a frame the agent must refu
     pytest.param(
         lambda f: altered_fields(f.instruction(), **{"base-fingerprint": "0" * 64}),
         id="base-changed",
+    ),
+    pytest.param(
+        lambda f: altered_fields(f.instruction(recipient="cn"), recipient="eu"),
+        id="recipient-changed",
     ),
 ]
 

@@ -36,6 +36,7 @@ class Regions:
         self.now = 0.0
         self.pending: dict[str, tuple[float, int, Answer]] = {}
         self.sent: list[tuple[int, Instruction]] = []
+        self.identified: list[int] = []  # every node that said its region, each time
 
     def nodes(self) -> list[int]:
         return list(self.connected)
@@ -51,9 +52,14 @@ class Regions:
             return trained(region, float(0.5 * (target - instruction.adapter["w"][0])), 10)
         return evaluated(region, 1.0, 10)
 
-    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
+    def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
+        """Each node's region (a silent one says nothing)."""
+        self.identified += [n for n in nodes if n not in self.silent]
+        return {n: self.targets[n][0] for n in nodes if n not in self.silent}
+
+    def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
         taken = {}
-        for node in nodes:
+        for node, instruction in instructions.items():
             message_id = f"m{len(self.sent)}"
             self.sent.append((node, instruction))
             answer = None if node in self.silent else self.answer(node, instruction)
@@ -77,7 +83,7 @@ class Regions:
             got.append((message_id, answer))
         return got
 
-    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
+    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]:
         return []
 
     def trains(self) -> list[tuple[int, Instruction]]:

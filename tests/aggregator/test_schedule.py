@@ -29,10 +29,10 @@ class OneInFlight(Regions):
         super().__init__(targets)
         self.training: dict[int, str] = {}
 
-    def push(self, instruction, nodes):
-        taken = super().push(instruction, nodes)
-        if instruction.kind == TaskKind.TRAIN:
-            for mid, node in taken.items():
+    def push(self, instructions):
+        taken = super().push(instructions)
+        for mid, node in taken.items():
+            if instructions[node].kind == TaskKind.TRAIN:
                 assert node not in self.training, f"node {node} got a second task in flight"
                 self.training[node] = mid
         return taken
@@ -159,8 +159,8 @@ def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_c
     held: list[tuple[str, tuple[float, int, Any]]] = []
     original = grid.push
 
-    def push(instruction, nodes):
-        taken = original(instruction, nodes)
+    def push(instructions):
+        taken = original(instructions)
         if 1 <= round_now[0] <= 2:  # cn goes quiet in rounds 1-2: its replies are held
             for mid in list(grid.pending):
                 if grid.pending[mid][1] == 12:
@@ -241,9 +241,9 @@ def test_a_resumed_buffered_run_continues_versions_and_task_numbers(run_config, 
     resumed.run(saved.adapter, 4, first_round=3)
     a = resumed.aggregator
     assert a.version == 4
-    kinds = [(node, instruction.kind) for node, instruction in again.sent]
-    first = {node: kind for node, kind in reversed(kinds)}
-    assert set(first.values()) == {TaskKind.EVALUATE}  # each node says who it is first
+    # each node is asked once which region it serves, then sent instructions for it
+    assert sorted(again.identified) == sorted(THREE)
+    assert all(i.recipient == THREE[node][0] for node, i in again.sent)
     trains = [(node, instruction.server_round) for node, instruction in again.trains()]
     for region, (task, _version) in flying.items():
         node = next(n for n, (r, _) in THREE.items() if r == region)

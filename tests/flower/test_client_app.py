@@ -41,6 +41,7 @@ from fedciuic.flower import protocol, relay
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE
+from fedciuic.region import region_name
 from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
@@ -127,11 +128,13 @@ def send(
     witness: tuple[int, str] | None = None,
     sent_witness: tuple[int, str] | None = None,
     config: dict[str, Any] | None = None,
+    recipient: str | None = None,
 ) -> Message:
     """Call a ClientApp handler as Flower would, with the instruction the aggregator
     sends: the kind of task Flower's message type names (unless ``task_kind``), the run
     config signed into it, signed by ``signer`` (with ``witness``; ``sent_witness``: the
-    head sent instead, when not the one signed); ``config``: fields sent instead."""
+    head sent instead, when not the one signed) for the node's region (or
+    ``recipient``); ``config``: fields sent instead."""
     run = RunConfig.from_user_config(run_config, source="run config")
     adapter = model.adapter_state()
     task = Instruction(
@@ -142,6 +145,7 @@ def send(
         run_config=run.canonical_json(),
         nonce=secrets.token_bytes(NONCE_BYTES),
         witness=sent_witness or witness,
+        recipient=recipient or region_name(run_config, node_config),
     )
     if signer is not None:
         signature = sign_global(signer, RUN_ID, 1, adapter, task.terms, witness)
@@ -325,7 +329,7 @@ def test_a_malformed_instruction_is_declined_naming_the_field(model, data_root, 
 
 def run_end(keypair: Keypair, run_config: dict[str, Any], witness: tuple[int, str]) -> RunEndNotice:
     """The aggregator's run-end notice, signed."""
-    notice: RunEndNotice = signed_run_end(keypair, RUN_ID, run_config, witness)
+    notice: RunEndNotice = signed_run_end(keypair, RUN_ID, run_config, witness, recipient="eu")
     return notice
 
 

@@ -27,6 +27,7 @@ from fedciuic.crypto.parties import (
 )
 from fedciuic.flower import protocol
 from fedciuic.flower.courier import FlowerTransport
+from fedciuic.flower.relay import HELLO_MESSAGE
 from fedciuic.wire import Instruction, MalformedReply, Reply
 from tests.aggregator.fakes import Regions, looped
 from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
@@ -80,7 +81,12 @@ class Grid:
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     def send_and_receive(self, messages, timeout):
-        return []
+        """Each node's hello answered with its region, as its agent would."""
+        return [
+            Message(protocol.hello(self.regions.targets[m.metadata.dst_node_id][0]), reply_to=m)
+            for m in messages
+            if m.metadata.message_type == HELLO_MESSAGE
+        ]
 
 
 def test_a_run_over_flowers_grid_ends_where_it_does_over_any_transport(run_config, tmp_path):
@@ -110,7 +116,7 @@ def test_flower_errors_and_malformed_records_are_read_inside_the_boundary():
     }.get(node)
     grid = Grid(regions)
     transport = FlowerTransport(grid)  # type: ignore[arg-type]
-    taken = transport.push(INSTRUCTION, [14, 15, 16])
+    taken = transport.push(dict.fromkeys([14, 15, 16], INSTRUCTION))
     assert sorted(taken.values()) == [14, 15, 16]
     pulled = {taken[mid]: unread for mid, unread in transport.pull(taken)}
     assert set(pulled) == {14, 15}  # 16 has not answered (yet)
@@ -145,6 +151,7 @@ INSTRUCTION = Instruction(
     signer="ab" * 16,
     federation_run=5,
     witness=(4, "cd" * 32),
+    recipient="cn",
 )
 
 
@@ -157,7 +164,7 @@ def test_instruction_round_trip():
     np.testing.assert_array_equal(task.adapter["w"], GLOBAL["w"])
     assert task.kind == TaskKind.EVALUATE and task.run_settings() == {"local-steps": 2}
     assert (task.nonce, task.signature, task.signer) == (sent.nonce, sent.signature, sent.signer)
-    assert (task.federation_run, task.witness) == (5, (4, "cd" * 32))
+    assert (task.federation_run, task.witness, task.recipient) == (5, (4, "cd" * 32), "cn")
     assert task.terms == sent.terms
 
 
@@ -194,8 +201,11 @@ def test_sealed_replies_as_regions_pack_them_are_opened_and_aggregated(sealed_ro
 def test_global_adapter_is_signed_for_each_round(sealed_round):
     a, regions = sealed_round
     grid = Grid()
-    FlowerTransport(grid).push(a.sign_instruction(4, TaskKind.TRAIN, GLOBAL), [11, 12])  # type: ignore[arg-type]
+    FlowerTransport(grid).push(  # type: ignore[arg-type]
+        {n: a.sign_instruction(4, TaskKind.TRAIN, GLOBAL, r) for n, r in ((11, "eu"), (12, "cn"))}
+    )
     task = protocol.read_instruction(grid.pushed[0])
+    assert [protocol.read_instruction(m).recipient for m in grid.pushed] == ["eu", "cn"]
     assert grid.pushed[0].metadata.message_type == MessageType.TRAIN
     assert task.kind == TaskKind.TRAIN and task.run_config == a.run.canonical_json()
     keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
@@ -217,6 +227,6 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
     with pytest.raises(NotSignedError, match="not signed by the aggregator"):
         check(4, replace(task.terms, config_digest=other_config))  # another run config
     # every instruction has a nonce of its own
-    FlowerTransport(grid).push(a.sign_instruction(4, TaskKind.TRAIN, GLOBAL), [11])  # type: ignore[arg-type]
+    FlowerTransport(grid).push({11: a.sign_instruction(4, TaskKind.TRAIN, GLOBAL, "eu")})  # type: ignore[arg-type]
     again = grid.pushed[-1]
     assert protocol.read_instruction(again).nonce != task.nonce

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +28,7 @@ from fedciuic.compression.codecs import HEADER, UPDATE_FORMAT, UPDATE_MAGIC
 from fedciuic.crypto.envelope import seal
 from fedciuic.crypto.keys import Keypair, PublicBundle, load_keypair
 from fedciuic.crypto.parties import (
+    Misaddressed,
     NotSignedError,
     RegionKeys,
     TaskKind,
@@ -402,12 +403,12 @@ def test_sealed_path_rejects_replays_wrong_rounds_tampering_and_clear_updates(se
 
 def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_round, tmp_path):
     a, regions = sealed_round
-    plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, TaskKind.TRAIN, GLOBAL)
+    plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, TaskKind.TRAIN, GLOBAL, "eu")
     assert (plain.signature, plain.signer, plain.witness) == (b"", "", None)
     a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_start", run_id=7)
     a.audit.checkpoint(run_id=7)
-    task = a.sign_instruction(4, TaskKind.TRAIN, GLOBAL)
+    task = a.sign_instruction(4, TaskKind.TRAIN, GLOBAL, "eu")
     assert task.signer == a.sealing.keys.keypair.bundle.key_id.hex() and task.signature
     assert task.witness == a.audit.last_checkpoint()
     assert (task.server_round, task.kind) == (4, TaskKind.TRAIN)
@@ -420,6 +421,11 @@ def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_
     assert task.witness is not None
     with pytest.raises(NotSignedError, match="not signed by the aggregator"):
         check(4, task.adapter, task.terms, (task.witness[0] + 1, task.witness[1]))  # another head
+    with pytest.raises(NotSignedError, match="not signed by the aggregator"):
+        check(4, task.adapter, replace(task.terms, recipient="cn"), task.witness)  # re-addressed
+    cn = RegionKeys(regions["cn"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
+    with pytest.raises(Misaddressed, match="round 4 is addressed to 'eu', not to this region"):
+        cn.check_global(task.signature, task.signer, 7, 4, task.adapter, task.terms, task.witness)
 
 
 # -- jurisdiction policies ------------------------------------------------------------
@@ -869,12 +875,25 @@ def test_regions_that_took_different_step_counts_are_normalised(aggregator):
 
 def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_path):
     a, regions = sealed_round
-    assert a.sign_run_end() is None  # no audit log: nothing to witness
+    assert a.sign_run_end(["eu", "cn"]) == {}  # no audit log: nothing to witness
     a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_end", run_id=7, status="completed")
     a.audit.checkpoint(run_id=7)
-    terms = a.sign_run_end()
-    assert terms is not None and terms.witness == a.audit.last_checkpoint() and terms.signature
+    notices = a.sign_run_end(["eu", "cn"])
+    assert {n.recipient for n in notices.values()} == set(notices) == {"eu", "cn"}
+    assert notices["eu"].nonce != notices["cn"].nonce
+    for notice in notices.values():
+        assert notice.witness == a.audit.last_checkpoint() and notice.signature
+    keys = RegionKeys(regions["eu"], a.sealing.keys.keypair.bundle, "xwing-aes256gcm")
+    for region, notice in notices.items():
+        check = partial(
+            keys.check_run_end, notice.signature, notice.signer, 7, notice.terms, notice.witness
+        )
+        if region == "eu":
+            check(notice.receipts_digest)
+        else:  # signed, for cn: eu refuses it
+            with pytest.raises(Misaddressed, match="is addressed to 'cn', not to this region"):
+                check(notice.receipts_digest)
     head = "cd" * 32
     eu = Raw({"region": "eu", "status": "witnessed", "reason": ""}, {})
     eu.info.update({"audit-count": 5, "audit-head": head})

@@ -38,6 +38,7 @@ from fedciuic.region.round import (
     RunEndWitnessed,
     handle_instruction,
     read_configs,
+    region_name,
     region_records,
     unreadable,
     witness_run_end,
@@ -87,6 +88,7 @@ def run(model: AdapterModel, policies: Path):
         sent_witness: tuple[int, str] | None = None,
         checkpoint: str = "",
         sent_checkpoint: str | None = None,
+        recipient: str | None = None,
     ) -> RegionReply:
         settings = {**unit_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
         if "region" in node_config:
@@ -102,6 +104,7 @@ def run(model: AdapterModel, policies: Path):
             nonce=secrets.token_bytes(NONCE_BYTES),
             witness=sent_witness or witness,
             checkpoint=checkpoint,
+            recipient=recipient or region_name(settings, node_config),
         )
         if signer is not None:
             signature = sign_global(signer, FLOWER_RUN, 1, adapter, task.terms, witness)
@@ -586,7 +589,7 @@ def test_the_run_end_notice_is_witnessed_signed_and_answered(
     }
     settings = {**unit_config(), "seal": True, "keys-dir": str(keys_dir)}
     aggregator = aggregator_keys(str(keys_dir), 2**28)
-    notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD))
+    notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD), recipient="eu")
     run_cfg, node = read_configs(notice, node_config)
     reply = witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN)
     assert reply.outcome == RunEndWitnessed("eu")
@@ -618,7 +621,7 @@ def test_a_release_the_run_end_receipts_do_not_list_is_recorded_undelivered_once
 
     def notice(receipts: dict[str, list[list[object]]]) -> RunEndNotice:
         signed: RunEndNotice = signed_run_end(
-            aggregator.keypair, FLOWER_RUN, settings, (9, HEAD), receipts
+            aggregator.keypair, FLOWER_RUN, settings, (9, HEAD), receipts, recipient="cn"
         )
         return signed
 

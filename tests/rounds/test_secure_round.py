@@ -23,8 +23,11 @@ from fedciuic.config import RunConfig
 from fedciuic.crypto import TaskKind, load_bundle, read_update_payload
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.model import AdapterLayout
-from fedciuic.record import RunRecorder
+from fedciuic.ops.outputs import upload_bytes
+from fedciuic.record import METRICS_FILE, RunRecorder
+from fedciuic.record.metrics import load_metrics
 from fedciuic.region import handle_instruction, read_configs, region_records
+from fedciuic.region.secure import PHASE_EVENTS
 from fedciuic.region.trainer import SentUpdates
 from fedciuic.secagg import Phase
 from fedciuic.wire import Instruction, RunEndNotice, Unread, parse_reply
@@ -61,9 +64,12 @@ class Lab:
             return True
         return False
 
-    def push(self, instruction: Instruction, nodes: Sequence[int]) -> dict[str, int]:
+    def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
+        return {node: REGIONS[node - 1] for node in nodes}
+
+    def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
         taken = {}
-        for node in nodes:
+        for node, instruction in instructions.items():
             run, node_config = read_configs(instruction, {"partition-id": node - 1})
             self.count += 1
             message_id = f"m{self.count}"
@@ -87,7 +93,7 @@ class Lab:
     def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
         return [(m, self.replies.pop(m)) for m in list(in_flight) if m in self.replies]
 
-    def query(self, notice: RunEndNotice, nodes: Sequence[int], timeout: float) -> list[Unread]:
+    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]:
         return []
 
 
@@ -114,6 +120,7 @@ def lab_run(demo_root: Path, tmp_path: Path):
             "round-timeout": 5.0,
             "node-wait-timeout": 1.0,
             "secure-aggregation": True,
+            "codec": "int8",  # dense: a secure sum refuses a per-region top-k
             "max-update-norm": 10.0,
             **changes,
         }
@@ -248,3 +255,27 @@ def test_distributed_noise_is_in_the_sum_and_each_region_records_its_epsilon(lab
         assert joined["noise_multiplier"] == z
         assert 0 < joined["epsilon_distributed"] < joined["epsilon_distributed_collusion"]
         assert joined["epsilon_distributed_run"] == joined["epsilon_distributed"]  # one round
+
+
+def test_the_bytes_each_region_sent_count_its_secure_sum_messages(lab_run):
+    """A secure region's trained reply carries its metrics only: what it sent is mostly
+    its masked vector and the other phases' messages, on every party's record and in
+    the run's figures."""
+    run = lab_run(**{"secure-threshold": 2})
+    _, _, log = run_rounds(run, Lab(run, silent={"us": Phase.CONSENT}))
+    [summed] = secure_sums(log)
+    metrics = load_metrics(run.output_path / f"run-{RUN}" / METRICS_FILE)
+    size = sum(int(np.prod(s)) for s in AdapterLayout.of(run.model).shapes.values())
+    for region in REGIONS:
+        records = load_records(Path(run.data_root) / region / ".fedciuic" / REGION_LOG)
+        phases = {r["event"]: r["details"] for r in records if r["event"] in PHASE_EVENTS.values()}
+        # us went silent after masking: it sent its advert, shares and masked vector
+        assert len(phases) == (3 if region == "us" else 5), region
+        # 24 ring bits: 3 bytes a value of the (padded) update
+        assert phases[Event.SECURE_MASKED]["bytes"] > 3 * size
+        own = sum(p["bytes"] for p in phases.values())
+        assert summed["bytes"][region] == own  # what the aggregator received of it
+        entry = metrics.rounds[1].train[region]
+        assert entry.secure_bytes == own and entry.upload_bytes is not None
+        assert entry.sent_bytes == entry.upload_bytes + own > 10 * entry.upload_bytes
+        assert upload_bytes(metrics, region) == [entry.sent_bytes]
