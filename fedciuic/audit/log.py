@@ -26,7 +26,10 @@ Retention: ``AuditLog.prune`` removes the records older than the party's retenti
 period from the log's start (a run with a record inside it is kept whole). It first
 appends an ``audit_pruned`` record naming the first record it keeps and the hash of
 the last one it removes, and a signed checkpoint after it; then it replaces the file
-by its kept records (atomically, by rename; writers in other processes reopen it). A
+by its kept records (atomically, by rename; writers in other processes reopen it; the
+side file of a prune killed before its rename is removed at the next open). Which
+records it may remove is bound by the policies the log declared (``declarations``;
+``retention.bound``), and the ``audit_pruned`` record carries them forward. A
 verifier starts such a log's chain at the first record's ``prev``, and accepts it only
 when a verified signature covers the ``audit_pruned`` record that names that start.
 """
@@ -213,8 +216,8 @@ class Declared:
     in its ``run_joined`` and its own ``policy_decision`` records, the aggregator's (one
     per jurisdiction it holds a policy for) in ``run_start``; and those an
     ``audit_pruned`` record carried out of what it removed. ``retention_days`` is known
-    where the record names it (the aggregator's ``run_start``, or a prune by that very
-    policy); ``first_time`` and ``last_time`` span the records that declared it."""
+    where the record names it (the aggregator's ``run_start``); ``first_time`` and
+    ``last_time`` span the records that declared it."""
 
     policy_hash: str
     jurisdiction: str | None
@@ -266,9 +269,8 @@ def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | 
 def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
     """Every policy a log's records declare (``Declared``), with those its
     ``audit_pruned`` records carried, one per (hash, jurisdiction), in the order they
-    were first declared. A prune by a declared policy tells its retention."""
+    were first declared."""
     seen: dict[tuple[str, str | None], dict[str, Any]] = {}
-    told: dict[str, int] = {}  # policy hash -> retention days, from a prune by it
 
     def add(h: str, j: str | None, days: int | None, first: str, last: str) -> None:
         entry = seen.setdefault((h, j), {"retention_days": None})
@@ -292,19 +294,10 @@ def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
                     first if isinstance(first, str) else "",
                     last if isinstance(last, str) else "",
                 )
-            by, days = details.get("policy_hash"), _days(details.get("retention_days"))
-            if isinstance(by, str) and days is not None:
-                told.setdefault(by, days)
         for h, j, days in declared_in(r):
             add(h, j, days, str(when), str(when))
     found = [
-        Declared(
-            h,
-            j,
-            entry["retention_days"] or told.get(h),
-            entry["first_time"],
-            entry["last_time"],
-        )
+        Declared(h, j, entry["retention_days"], entry["first_time"], entry["last_time"])
         for (h, j), entry in seen.items()
     ]
     return sorted(found, key=lambda d: d.first_time)
@@ -414,7 +407,7 @@ class AuditLog:
         except OSError:
             return
         for name in names:
-            if name.startswith(stem) and name[len(stem) :].isdigit():
+            if name.startswith(stem) and re.fullmatch("[0-9]+", name[len(stem) :]):
                 # One that cannot be removed (another owner's) changes nothing here.
                 with contextlib.suppress(OSError):
                     os.unlink(self.path.parent / name)
