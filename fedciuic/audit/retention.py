@@ -278,6 +278,10 @@ def _details(record: Mapping[str, Any]) -> Mapping[str, Any]:
     return details if isinstance(details, Mapping) else {}
 
 
+def _who(party: str) -> str:
+    return "the aggregator" if party == AGGREGATOR else party
+
+
 def _parse(value: object) -> datetime | None:
     return record_time({"time": value})
 
@@ -366,27 +370,31 @@ def _prune_problems(
                     party,
                     None,
                     f"{label}: pruned by policy {str(used)[:12]} ({used_days!s:.12} days), but no "
-                    f"policy of {party}'s jurisdiction ({where or 'unknown'}) is on the "
+                    f"policy of {_who(party)}'s jurisdiction ({where or 'unknown'}) is on the "
                     "aggregator's record: nothing binds the retention it applied",
                 )
             )
             continue
         issues = []
         if used_where != where:
-            issues.append(f"pruned by the policy of {used_where!s:.32}, but {party} is in {where}")
+            issues.append(
+                f"pruned by the policy of {used_where!s:.32}, but {_who(party)} is in {where}"
+            )
         match = next((p for p in declared if p.policy_hash == used), None)
         if match is None:
             named = ", ".join(f"{p.policy_hash[:12]} ({p.retention_days} days)" for p in declared)
             issues.append(
                 f"pruned by policy {str(used)[:12]} ({used_days!s:.12} days), which is not "
-                f"the policy {party} declared ({named}, as the aggregator's log records it)"
+                f"the policy {_who(party)} declared ({named}, as the aggregator's log records it)"
             )
         governs = match or in_force(declared, at)
         days = governs.retention_days if governs is not None else None
         if days is None:
             issues.append("the declared policy's retention_days is not on the record")
         elif at is None or last is None or last >= at - timedelta(days=days):
-            kept_by = f"{party}'s declared policy {governs.policy_hash[:12]}" if governs else ""
+            kept_by = (
+                f"{_who(party)}'s declared policy {governs.policy_hash[:12]}" if governs else ""
+            )
             issues.append(
                 f"it removed records written up to {d.get('last_time')!s:.32}, inside the "
                 f"{days} days {kept_by} keeps them: records inside the declared retention "
@@ -456,15 +464,18 @@ def _gone(
             continue  # a log begun after the run, with nothing to say it is the same log
         governs = in_force(declared, when)
         days = governs.retention_days if governs is not None else None
-        saw = f"{log_of(other)} (witness seq {seq!r:.24}) saw {party} sign on {when:%Y-%m-%d %H:%M}"
+        saw = (
+            f"{log_of(other)} (witness seq {seq!r:.24}) saw {_who(party)} sign on "
+            f"{when:%Y-%m-%d %H:%M}"
+        )
         if governs is None or days is None:
             problem = (
                 f"{log_of(party)} no longer holds run {run}, which {saw}, and no policy "
-                f"{party} declared is on the aggregator's record to say how long it keeps it"
+                f"{_who(party)} declared is on the aggregator's record to say how long it keeps it"
             )
         elif now < when - EVIDENCE_SLACK + timedelta(days=days):
             problem = (
-                f"{log_of(party)} no longer holds run {run}, which {saw}; {party}'s declared "
+                f"{log_of(party)} no longer holds run {run}, which {saw}; {_who(party)}'s declared "
                 f"policy {governs.policy_hash[:12]} ({governs.jurisdiction}) keeps its records "
                 f"{days} days, to {when + timedelta(days=days):%Y-%m-%d}: records inside the "
                 "declared retention are gone"

@@ -383,7 +383,7 @@ def test_the_report_flags_the_aggregators_log_pruned_by_an_edited_policy(federat
     assert code == EXIT_DISAGREE, text
     assert "FAIL" not in text
     assert "the aggregator's log (audit_pruned seq" in text
-    assert "which is not the policy aggregator declared" in text
+    assert "which is not the policy the aggregator declared" in text
     assert "the aggregator's log no longer holds run 1, which eu's log (witness seq 0)" in text
 
 
