@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.audit.events import SENT_EVENTS, Event
+    from fedciuic.audit.events import SECURE_SENT_EVENTS, SENT_EVENTS, Event
     from fedciuic.audit.log import (
         AGGREGATOR_LOG,
         RECEIVED_EVENT,
@@ -45,6 +45,7 @@ _WHERE = {
     "PartyLog": "report",
     "RECEIVED_EVENT": "log",
     "REGION_LOG": "log",
+    "SECURE_SENT_EVENTS": "events",
     "SENT_EVENTS": "events",
     "Section": "report",
     "build_report": "report",
@@ -67,6 +68,7 @@ __all__ = [
     "AGGREGATOR_LOG",
     "RECEIVED_EVENT",
     "REGION_LOG",
+    "SECURE_SENT_EVENTS",
     "SENT_EVENTS",
     "AuditError",
     "AuditLog",

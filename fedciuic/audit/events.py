@@ -63,3 +63,11 @@ class Event(StrEnum):
 
 #: What a region logs when an update leaves it (sealed, or in the clear).
 SENT_EVENTS = (Event.UPDATE_SEALED, Event.UPDATE_SENT_CLEAR)
+#: What a region logs as each of its secure-sum messages leaves it, in phase order.
+SECURE_SENT_EVENTS = (
+    Event.SECURE_JOINED,
+    Event.SECURE_SHARED,
+    Event.SECURE_MASKED,
+    Event.SECURE_CONSENTED,
+    Event.SECURE_REVEALED,
+)

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedciuic.audit.events import SENT_EVENTS, Event
+from fedciuic.audit.events import SECURE_SENT_EVENTS, SENT_EVENTS, Event
 from fedciuic.audit.log import (
     RECEIVED_EVENT,
     AuditError,
@@ -740,10 +740,17 @@ def _secure_section(
     if not sums:
         return []
     masked: dict[str, list[str]] = {}
+    sent: dict[str, dict[str, int]] = {}  # session -> region -> bytes its messages took
     for region, records in sorted(own.items()):
         for r in records:
+            d = _details(r)
+            session = str(d.get("session"))
             if r.get("event") == Event.SECURE_MASKED:
-                masked.setdefault(str(_details(r).get("session")), []).append(region)
+                masked.setdefault(session, []).append(region)
+            size = d.get("bytes")
+            if r.get("event") in SECURE_SENT_EVENTS and type(size) is int:
+                mine = sent.setdefault(session, {})
+                mine[region] = mine.get(region, 0) + size
     rows = []
     for r in sums:
         d = _details(r)
@@ -757,6 +764,7 @@ def _secure_section(
                 _names(d.get("dropped")),
                 _names(d.get("revealed")),
                 _names(masked.get(session, [])),
+                ", ".join(f"{k} {v:,}" for k, v in sorted(sent.get(session, {}).items())) or "-",
                 str(len(d.get("refused") or [])),
             )
         )
@@ -769,7 +777,9 @@ def _secure_section(
                 "secure-aggregation.md). Survivors: whose masked vectors were summed; "
                 "dropped: shared seeds but sent no masked vector; revealed: sent the shares "
                 "that unmasked the sum; masked (regions' logs): the regions whose own logs "
-                "record sending a masked vector for that sum."
+                "record sending a masked vector for that sum; bytes sent: what each region's "
+                "log records its messages in that sum took (its masked vector among them), "
+                "besides its trained reply."
             ],
             (
                 "round",
@@ -779,6 +789,7 @@ def _secure_section(
                 "dropped",
                 "revealed",
                 "masked (regions' logs)",
+                "bytes sent (regions' logs)",
                 "refused messages",
             ),
             rows,

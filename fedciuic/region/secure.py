@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedciuic.audit import Event, digest
+from fedciuic.audit import SECURE_SENT_EVENTS, digest
 from fedciuic.compression import Sparse, update_entries
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
@@ -44,13 +44,7 @@ from fedciuic.secagg import (
 from fedciuic.wire import SECAGG_REQUEST, UPDATE, Instruction
 
 #: The audit events of each phase, in a region's log.
-PHASE_EVENTS = {
-    Phase.ADVERT: Event.SECURE_JOINED,
-    Phase.SHARES: Event.SECURE_SHARED,
-    Phase.MASKED: Event.SECURE_MASKED,
-    Phase.CONSENT: Event.SECURE_CONSENTED,
-    Phase.REVEAL: Event.SECURE_REVEALED,
-}
+PHASE_EVENTS = dict(zip(Phase, SECURE_SENT_EVENTS, strict=True))
 #: (delta) the distributed-DP epsilon is stated at.
 DISTRIBUTED_DELTA = 1e-5
 
