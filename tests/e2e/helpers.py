@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from fedciuic.agent.config import AgentConfig
+from fedciuic.cluster.protocol import free_port
 from fedciuic.crypto import AGGREGATOR
 from fedciuic.crypto.tls import generate_supernode_key
 from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
@@ -266,3 +267,19 @@ def open_folder(prefix: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports on 127.0.0.1 (``fedciuic init``'s
+    SuperNode ports are BASE + i)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,26 +17,11 @@ from fedciuic.cluster.protocol import free_port
 from fedciuic.ops.deploy import init_deployment
 from fedciuic.record.metrics import load_metrics
 from tests.conftest import ROOT, record_level_policies
-from tests.e2e.helpers import alive, describe, processes_under, stop_everything
+from tests.e2e.helpers import alive, describe, free_ports, processes_under, stop_everything
 from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn")
-
-
-def _free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (SuperNode ports are BASE + i)."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _pids(directory: Path) -> list[int]:
@@ -67,7 +51,7 @@ def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path)
             "--port",
             str(free_port()),
             "--supernode-port-base",
-            str(_free_ports(len(REGIONS))),
+            str(free_ports(len(REGIONS))),
             # The relay as the region's own user: this test is about TLS and start.sh;
             # the relay's own OS user is test_trust_boundary.py's.
             "--relay-user",
@@ -144,7 +128,7 @@ def test_ctrl_c_on_start_sh_whose_output_is_gone_stops_every_process_and_exits_1
         ",".join(REGIONS),
         app_dir=ROOT,
         port=free_port(),
-        supernode_port_base=_free_ports(len(REGIONS)),
+        supernode_port_base=free_ports(len(REGIONS)),
         tls=False,
         demo_data=True,
         relay_user="",

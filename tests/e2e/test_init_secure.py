@@ -1,0 +1,264 @@
+"""A secure sum on the deployment `fedciuic init` writes, run by its own `start.sh`.
+
+Three regions, each with its real agent, SuperNode and relay (as an OS user of its own
+where the test runs as root), a real SuperLink, `secure-aggregation = true`. Each
+region trusts as peers only the bundles init enrolled in its `peers/` (nothing the
+aggregator hands out), and the round publishes the mean of the updates the regions
+kept. A second run kills one region's `start-supernode.sh` (kill -9: no clean-up runs)
+once its masked vector is in: nothing of that region keeps running, and the aggregator
+still publishes the survivors' sum, recovered with the others' shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedciuic.aggregator.checkpoint import load_checkpoint
+from fedciuic.audit.events import Event
+from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records
+from fedciuic.cluster.protocol import free_port
+from fedciuic.config import RunConfig
+from fedciuic.crypto import load_bundle, read_update_payload
+from fedciuic.model import AdapterLayout
+from fedciuic.ops.separation import interpreter_paths
+from fedciuic.region.trainer import SentUpdates
+from tests.conftest import ROOT, app_config, record_level_policies
+from tests.e2e.helpers import (
+    describe,
+    free_ports,
+    open_folder,
+    passable_to_others,
+    processes_under,
+    stop_everything,
+)
+from tests.e2e.pace import patient
+from tests.rounds.test_secure_round import assert_published, flat
+
+pytestmark = [pytest.mark.e2e, pytest.mark.scenario]
+REGIONS = ("eu", "cn", "us")
+#: The region the second run kills once its masked vector is in.
+DROPPED = "cn"
+#: A relay user of this test's own, made by the deployment's scripts (as root) and
+#: removed afterwards if this test made it; without root the relay runs as the region.
+RELAY = "fedciuic-e2e-secagg"
+AS_ROOT = os.geteuid() == 0
+#: What start.sh passes to the run. A dead region's node is refused by Flower once its
+#: heartbeats stop, or waited for up to round-timeout.
+SECURE = {
+    "secure-aggregation": True,
+    "num-server-rounds": 1,
+    "local-steps": 4,
+    "target-epsilon": 2.0,
+    "round-timeout": 240.0,
+}
+
+
+@pytest.fixture(scope="module")
+def place() -> Iterator[Path]:
+    """A folder other users may pass through, the relay's user (where root) able to run
+    this install, and that user removed afterwards if the deployment's scripts made it."""
+    existed = True
+    try:
+        pwd.getpwnam(RELAY)
+    except KeyError:
+        existed = False
+    with contextlib.ExitStack() as stack:
+        if AS_ROOT:
+            stack.enter_context(passable_to_others(interpreter_paths()))
+        yield stack.enter_context(open_folder("fedciuic-secure-"))
+    if AS_ROOT and not existed:
+        subprocess.run(["userdel", RELAY], capture_output=True, check=False)
+
+
+def _init(folder: Path) -> Path:
+    """`fedciuic init` of three demo regions in ``folder``/federation."""
+    directory = folder / "federation"
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("fedciuic")),
+            "init",
+            str(directory),
+            "--app",
+            str(ROOT),
+            "--regions",
+            ",".join(REGIONS),
+            "--demo-data",
+            "--policies",  # the run is record-level: lab copies of the shipped policies
+            str(record_level_policies(folder / "policies")),
+            "--port",
+            str(free_port()),
+            "--supernode-port-base",
+            str(free_ports(len(REGIONS))),
+            "--relay-user",
+            RELAY if AS_ROOT else "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=patient(120),
+    )
+    assert done.returncode == 0, done.stderr
+    return directory
+
+
+def _start(directory: Path, folder: Path) -> subprocess.Popen[str]:
+    overrides = " ".join(f"{k}={str(v).lower()}" for k, v in SECURE.items())
+    return subprocess.Popen(
+        ["bash", str(directory / "start.sh"), "--run-config", overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "FLWR_HOME": str(folder / "flwr-home")},
+        cwd=folder,
+        start_new_session=True,
+    )
+
+
+def _finish(start: subprocess.Popen[str]) -> str:
+    """start.sh's output once it ends (SIGTERM, which its trap turns into stopping
+    everything, if it runs too long)."""
+    try:
+        output, _ = start.communicate(timeout=patient(900))
+    except subprocess.TimeoutExpired:
+        start.send_signal(signal.SIGTERM)
+        output, _ = start.communicate(timeout=patient(60))
+        pytest.fail(f"start.sh did not finish within 900 s:\n{output[-4000:]}")
+    return output
+
+
+def _kill_everything(start: subprocess.Popen[str], directory: Path) -> None:
+    """Whatever start.sh left behind, even when the test failed half-way."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(start.pid, signal.SIGKILL)
+    pids = [int(p.read_text()) for p in (directory / "pids").glob("*.pid")]
+    stop_everything(directory, pids)
+
+
+def _the_run(directory: Path) -> tuple[dict[str, Any], Path]:
+    (metrics,) = sorted((directory / "aggregator" / "runs").glob("run-*/metrics.json"))
+    data: dict[str, Any] = json.loads(metrics.read_text())
+    return data, metrics.parent
+
+
+def _secure_sum(directory: Path) -> dict[str, Any]:
+    log = directory / "aggregator" / "audit" / AGGREGATOR_LOG
+    (summed,) = [r["details"] for r in load_records(log) if r["event"] == Event.SECURE_SUM]
+    details: dict[str, Any] = summed
+    return details
+
+
+def _published_is_the_mean_of(
+    directory: Path, data: dict[str, Any], run_dir: Path, regions: tuple[str, ...]
+) -> None:
+    """The round's published delta is the mean of the updates ``regions`` kept."""
+    run = RunConfig.from_user_config({**app_config(), **SECURE}, source="run config")
+    initial = AdapterLayout.of(run.model).initial
+    final = load_checkpoint(run_dir).adapter
+    delta = flat(final) - flat(initial)
+    kept = []
+    for region in regions:
+        found = SentUpdates(directory / "regions" / region / "state").load(data["run"]["run_id"], 1)
+        assert found is not None, region
+        arrays, _, _ = read_update_payload(found.payload)
+        decoded = run.compression.codec.decode(arrays["update"].tobytes(), delta.size)
+        kept.append(decoded.dense(delta.size))
+    mean = np.mean(kept, axis=0)
+    scale = _secure_sum(directory)["scale"]
+    assert_published(delta, mean, scale, final, initial)
+    assert np.abs(mean).max() > 100 / scale  # a sum worth checking, not rounding noise
+
+
+def _events(directory: Path, region: str) -> list[str]:
+    try:
+        return [
+            r["event"] for r in load_records(directory / "regions" / region / "state" / REGION_LOG)
+        ]
+    except Exception:  # not written yet, or mid-write
+        return []
+
+
+def test_init_and_start_sh_run_a_secure_round_with_only_enrolled_peers(place):
+    directory = _init(place / "whole")
+    readme = (directory / "README.md").read_text()
+    for region in REGIONS:
+        here = directory / "regions" / region
+        assert sorted(p.name for p in (here / "peers").iterdir()) == sorted(
+            f"{r}.pub.json" for r in REGIONS if r != region
+        )
+        key_id = load_bundle(here / "keys" / f"{region}.pub.json").key_id.hex()
+        assert f"| {region} | `{key_id}` |" in readme
+    start = _start(directory, place / "whole")
+    try:
+        output = _finish(start)
+        assert start.returncode == 0, output[-4000:]
+        data, run_dir = _the_run(directory)
+        assert data["run"]["status"] == "completed", output[-4000:]
+        summed = _secure_sum(directory)
+        assert summed["outcome"] == "unmasked" and summed["survivors"] == sorted(REGIONS)
+        _published_is_the_mean_of(directory, data, run_dir, REGIONS)
+        for region in REGIONS:
+            events = _events(directory, region)
+            assert events.count(Event.SECURE_REVEALED) == 1, (region, events)
+        assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
+        assert not processes_under(directory), describe(processes_under(directory))
+    finally:
+        _kill_everything(start, directory)
+
+
+def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(place):
+    """kill -9 of the region's start-supernode.sh once the aggregator has its masked
+    vector (it was asked to consent: only a region whose masked vector arrived is): the
+    others' shares recover the sum of all three, and nothing of the region runs on."""
+    directory = _init(place / "dropout")
+    here = directory / "regions" / DROPPED
+    killed: dict[str, Any] = {}
+
+    def kill_once_masked() -> None:
+        deadline = time.monotonic() + patient(900)
+        while time.monotonic() < deadline:
+            if Event.SECURE_CONSENTED in _events(directory, DROPPED):
+                script = int((directory / "pids" / f"supernode-{DROPPED}.pid").read_text())
+                os.kill(script, signal.SIGKILL)  # the script alone: it runs no clean-up
+                at = time.monotonic()
+                while processes_under(here) and time.monotonic() - at < 30:
+                    time.sleep(0.1)
+                killed["left"] = describe(processes_under(here))
+                killed["took"] = time.monotonic() - at
+                return
+            time.sleep(0.1)
+
+    start = _start(directory, place / "dropout")
+    watcher = threading.Thread(target=kill_once_masked, daemon=True)
+    watcher.start()
+    try:
+        output = _finish(start)
+        watcher.join(timeout=60)
+        assert "took" in killed, f"{DROPPED} never consented:\n{output[-4000:]}"
+        assert not killed["left"], f"left running after the kill:\n{killed['left']}"
+        assert killed["took"] < 10, killed
+        data, run_dir = _the_run(directory)
+        assert data["run"]["status"] == "completed", output[-4000:]
+        summed = _secure_sum(directory)
+        assert summed["outcome"] == "unmasked", summed
+        assert summed["survivors"] == sorted(REGIONS), summed  # its masked vector is in
+        others = sorted(r for r in REGIONS if r != DROPPED)
+        assert summed["revealed"] == others, summed  # recovered without it
+        _published_is_the_mean_of(directory, data, run_dir, REGIONS)
+        # The run completed and every party's log (the killed region's too) verifies.
+        assert start.returncode == 0, output[-4000:]
+        assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
+    finally:
+        _kill_everything(start, directory)
