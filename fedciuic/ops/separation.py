@@ -97,9 +97,9 @@ def first_closed(path: Path) -> Path | None:
 
 
 def relay_folders(home: Path, socket: Path) -> dict[str, Path]:
-    """What the relay's user must pass through to, by what it is: the folder its home
-    is made in (the home itself is its own) and the folder of the agent's socket's
-    folder (the agent makes that one passable)."""
+    """What the relay's user must pass through, by what it leads to: the folder its home
+    is made in (the home itself is the user's own) and the one the agent's socket
+    folder is in (the agent makes the socket folder passable itself)."""
     return {f"its home {home}": home.parent, f"the agent's socket {socket}": socket.parent.parent}
 
 
