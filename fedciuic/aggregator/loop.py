@@ -51,6 +51,7 @@ from fedciuic.secagg import (
 )
 from fedciuic.wire import (
     DECLINED,
+    FAILED,
     SECAGG_ANSWER,
     SECAGG_REQUEST,
     SECURE,
@@ -388,13 +389,15 @@ class Loop:
         """Once ``run_end`` is in the aggregator's log and signed: send each region that
         head (signed), and record the head each one answers with (best effort)."""
         a = self.aggregator
-        # the nodes whose region is known: those that never said took no part
-        known = {n: r for n in sorted(self.transport.nodes()) if (r := self.region_at(n))}
-        notices = a.sign_run_end(set(known.values()))
-        if not notices:
-            return
-        replies = self.transport.query({n: notices[r] for n, r in known.items()}, timeout)
-        run_end_witnessed(a, replies)
+        # the nodes whose region is known (those that never said took no part), each
+        # the notice signed for its region
+        notices = {
+            n: notice
+            for n in sorted(self.transport.nodes())
+            if (r := self.region_at(n)) and (notice := a.sign_run_end(r)) is not None
+        }
+        if notices:
+            run_end_witnessed(a, self.transport.query(notices, timeout))
 
 
 class SyncLoop(Loop):
@@ -640,6 +643,8 @@ class SecureLoop(SyncLoop):
                 continue
             try:
                 reply = arrival.read() if isinstance(arrival, Unread) else arrival
+                if reply.status == FAILED:  # Flower's error: the node or its relay failed
+                    raise SecAggError(f"no answer: {reply.reason}")
                 sender = a.judge.authenticate(reply, server_round)
                 if sender != region:
                     raise SecAggError(f"the answer is signed by {sender!r}")

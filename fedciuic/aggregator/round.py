@@ -172,7 +172,6 @@ class AggregatorRound:
         """A round's instruction for the region ``recipient``: the global adapter, the
         kind of task, this run's config and a fresh nonce, signed (with sealing) with the
         head of the audit log."""
-        witness = self.audit.last_checkpoint()
         unsigned = Instruction(
             adapter=dict(adapter),
             server_round=server_round,
@@ -182,7 +181,7 @@ class AggregatorRound:
             nonce=secrets.token_bytes(NONCE_BYTES),
             signer=self.sealing.signer,
             federation_run=self.federation_run,
-            witness=witness,
+            witness=self.audit.last_checkpoint(),
             checkpoint=self.resumed_from,
             recipient=recipient,
         )
@@ -425,27 +424,22 @@ class AggregatorRound:
 
     # -- the end of the run -------------------------------------------------------
 
-    def sign_run_end(self, recipients: Iterable[str]) -> dict[str, RunEndNotice]:
-        """Once ``run_end`` is in the log and signed: its head, signed for each of
-        ``recipients`` to record; none without a signed checkpoint (or any audit log)."""
+    def sign_run_end(self, recipient: str) -> RunEndNotice | None:
+        """Once ``run_end`` is in the log and signed: its head, signed for the region
+        ``recipient`` to record; None without a signed checkpoint (or any audit log)."""
         witness = self.audit.last_checkpoint()
         if witness is None:
-            return {}
-        receipts = self.journal.receipts()
-        notices = {}
-        for region in recipients:
-            unsigned = RunEndNotice(
-                self.federation_run,
-                witness,
-                run_config=self.run_config,
-                nonce=secrets.token_bytes(NONCE_BYTES),
-                signer=self.sealing.signer,
-                receipts=receipts,
-                recipient=region,
-            )
-            signature = self.sealing.sign_run_end(self.run_id, unsigned)
-            notices[region] = replace(unsigned, signature=signature)
-        return notices
+            return None
+        unsigned = RunEndNotice(
+            self.federation_run,
+            witness,
+            run_config=self.run_config,
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            signer=self.sealing.signer,
+            receipts=self.journal.receipts(),
+            recipient=recipient,
+        )
+        return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
 
     def save_checkpoint(self, server_round: int) -> None:
         """The round is done: its adapter, records and the audit log's position."""

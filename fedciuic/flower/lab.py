@@ -30,7 +30,7 @@ def handle(msg: Message, context: Context) -> Message:
     """The region's reply to one message, packed for Flower."""
     if msg.metadata.message_type == HELLO_MESSAGE:  # which region (as an agent says it)
         region = region_name(context.run_config, context.node_config)
-        return Message(protocol.hello(region), reply_to=msg)
+        return Message(protocol.hello_answer(region), reply_to=msg)
     kind = TaskKind(MESSAGE_KINDS[msg.metadata.message_type])
     try:
         task = (

@@ -81,7 +81,7 @@ def read_instruction(message: Message) -> Instruction:
     )
 
 
-def hello(region: str) -> RecordDict:
+def hello_answer(region: str) -> RecordDict:
     """A node's answer to the aggregator's hello: the region it serves (as a region's
     agent answers it)."""
     return RecordDict({HELLO_RECORD: _config({HELLO_REGION: region})})

@@ -22,7 +22,6 @@ import json
 import os
 import pwd
 import shutil
-import stat
 import subprocess
 import tempfile
 import textwrap
@@ -48,7 +47,7 @@ from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e import pace
-from tests.e2e.helpers import processes_under
+from tests.e2e.helpers import passable_to_others, processes_under
 from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
@@ -136,6 +135,7 @@ def _handle(msg: Message, context: Context) -> Message:
 app.train()(_handle)
 app.evaluate()(_handle)
 app.query()(_handle)
+app.query("hello")(forward)  # which region the node serves: the aggregator asks first
 """
 
 FOREIGN_CLIENT = """
@@ -269,24 +269,6 @@ def _foreign_app(folder: Path, markers: Path, targets: list[str]) -> Path:
 
 
 @contextlib.contextmanager
-def _passable(paths: list[Path]) -> Iterator[None]:
-    """Let other users pass through (o+x) every folder on the way to ``paths`` that does
-    not let them (a Python under /root, say), and restore each mode afterwards."""
-    changed: dict[Path, int] = {}
-    for path in paths:
-        for step in reversed(path.parents):
-            mode = step.stat().st_mode
-            if not mode & stat.S_IXOTH and step not in changed:
-                changed[step] = stat.S_IMODE(mode)
-                step.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
-    try:
-        yield
-    finally:
-        for step, mode in changed.items():
-            step.chmod(mode)
-
-
-@contextlib.contextmanager
 def _relay_user() -> Iterator[str]:
     """The relay's user name (made by the deployment's own scripts), removed afterwards
     if this test made it; "" without root."""
@@ -331,7 +313,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     with contextlib.ExitStack() as stack:
         user = stack.enter_context(_relay_user())
         if user:
-            stack.enter_context(_passable(interpreter_paths()))
+            stack.enter_context(passable_to_others(interpreter_paths()))
         d = init_deployment(
             top / "federation",
             ",".join(REGIONS),

@@ -83,7 +83,9 @@ class Grid:
     def send_and_receive(self, messages, timeout):
         """Each node's hello answered with its region, as its agent would."""
         return [
-            Message(protocol.hello(self.regions.targets[m.metadata.dst_node_id][0]), reply_to=m)
+            Message(
+                protocol.hello_answer(self.regions.targets[m.metadata.dst_node_id][0]), reply_to=m
+            )
             for m in messages
             if m.metadata.message_type == HELLO_MESSAGE
         ]

@@ -30,21 +30,29 @@ from fedciuic.region import handle_instruction, read_configs, region_records
 from fedciuic.region.secure import PHASE_EVENTS
 from fedciuic.region.trainer import SentUpdates
 from fedciuic.secagg import Phase
-from fedciuic.wire import Instruction, RunEndNotice, Unread, parse_reply
+from fedciuic.wire import Instruction, RunEndNotice, Unread, failed, parse_reply
 from tests.conftest import unit_config, write_policy
 
 RUN = 7
+#: What Flower's error says of a node that stopped answering.
+UNAVAILABLE = "Node Unavailable"
 REGIONS = ("eu", "cn", "us")
 
 
 class Lab:
     """Each region's round run in this process when its node is sent a message (as
     Flower's simulation would, without its processes); ``silent`` regions stop answering
-    at the phase named."""
+    at the phase named, ``dead`` ones answer with Flower's error from it on."""
 
-    def __init__(self, run: RunConfig, silent: dict[str, Phase] | None = None) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        silent: dict[str, Phase] | None = None,
+        dead: dict[str, Phase] | None = None,
+    ) -> None:
         self.run = run
         self.silent = silent or {}
+        self.dead = dead or {}
         self.replies: dict[str, Unread] = {}
         self.gone: set[str] = set()
         self.count = 0
@@ -52,14 +60,14 @@ class Lab:
     def nodes(self) -> list[int]:
         return list(range(1, len(REGIONS) + 1))
 
-    def _quiet(self, region: str, instruction: Instruction) -> bool:
+    def _quiet(self, region: str, instruction: Instruction, at: dict[str, Phase]) -> bool:
         if region in self.gone:
             return True
-        if instruction.kind != TaskKind.SECAGG or region not in self.silent:
+        if instruction.kind != TaskKind.SECAGG or region not in at:
             return False
         from fedciuic.region.secure import request_of
 
-        if request_of(instruction).phase == self.silent[region]:
+        if request_of(instruction).phase == at[region]:
             self.gone.add(region)
             return True
         return False
@@ -74,7 +82,10 @@ class Lab:
             self.count += 1
             message_id = f"m{self.count}"
             taken[message_id] = node
-            if self._quiet(node_config.region, instruction):
+            if self._quiet(node_config.region, instruction, self.dead):
+                self.replies[message_id] = Unread(node, partial(failed, node, "", UNAVAILABLE))
+                continue
+            if self._quiet(node_config.region, instruction, self.silent):
                 continue
             reply = handle_instruction(
                 run,
@@ -206,9 +217,15 @@ def test_a_region_dropping_after_masking_is_recovered_from(lab_run):
 
 def test_a_region_dropping_before_masking_leaves_the_others_sum(lab_run):
     run = lab_run(**{"secure-threshold": 2})
-    initial, final, log = run_rounds(run, Lab(run, silent={"us": Phase.MASKED}))
+    initial, final, log = run_rounds(run, Lab(run, dead={"us": Phase.MASKED}))
     [summed] = secure_sums(log)
     assert summed["survivors"] == ["cn", "eu"] and summed["dropped"] == ["us"]
+    # us's node is gone: Flower's error, named as it is (not as an unsigned answer)
+    assert {
+        "phase": "masked",
+        "region": "us",
+        "reason": f"SecAggError: no answer: {UNAVAILABLE}",
+    } in summed["refused"]
     delta = flat(final) - flat(initial)
     mean = np.mean([kept_update(run, r, delta.size) for r in ("eu", "cn")], axis=0)
     assert_published(delta, mean, summed["scale"], final, initial)
@@ -222,7 +239,7 @@ def test_a_region_dropping_before_masking_leaves_the_others_sum(lab_run):
     report = build_report(open_logs(paths, verdicts), RUN)
     [section] = [s for s in report.sections if s.title == "Secure sums"]
     [row] = section.rows
-    assert row[:7] + row[8:] == (
+    assert (*row[:7], *row[8:]) == (
         "1",
         "unmasked",
         "cn, eu, us",
