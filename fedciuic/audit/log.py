@@ -26,19 +26,19 @@ Retention: ``AuditLog.prune`` removes the records older than the party's retenti
 period from the log's start (a run with a record inside it is kept whole). It first
 appends an ``audit_pruned`` record naming the first record it keeps and the hash of
 the last one it removes, and a signed checkpoint after it; then it replaces the file
-by its kept records (atomically, by rename; writers in other processes reopen it; the
-side file of a prune killed before its rename is removed at the next open). Which
-records it may remove is bound by the policies the log declared (``declarations``;
-``retention.bound``), and the ``audit_pruned`` record carries them forward. A
-verifier starts such a log's chain at the first record's ``prev``, and accepts it only
-when a verified signature covers the ``audit_pruned`` record that names that start.
+by its kept records (atomically, by rename, ``pruning``; writers in other processes
+reopen it; the side file of a prune killed before its rename is removed at the next
+open). Which records it may remove is bound by the policies the log declared
+(``declarations``; ``retention.bound``), and the ``audit_pruned`` record carries them
+forward. A verifier starts such a log's chain at the first record's ``prev``, and
+accepts it only when a verified signature covers the ``audit_pruned`` record that names
+that start.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from fedciuic.audit.events import SENT_EVENTS, Event
+from fedciuic.audit.pruning import PRUNING_SUFFIX as PRUNING_SUFFIX  # users import it from here
+from fedciuic.audit.pruning import remove_side_files, replace_with, replaced
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 
@@ -74,9 +76,6 @@ REGION_LOG = "audit.jsonl"
 AGGREGATOR_LOG = "aggregator.audit.jsonl"
 #: The events in which an update leaves a region, and arrives at the aggregator.
 RECEIVED_EVENT = Event.UPDATE_RECEIVED
-#: The side file a prune writes the kept records to before renaming it over the log:
-#: ``<log>.pruning-<ns>``. One left by a process killed mid-prune is swept at the next open.
-PRUNING_SUFFIX = ".pruning-"
 _TAIL_READ = 1 << 16
 
 
@@ -317,6 +316,44 @@ class Pruned:
     #: Why records past the cut-off were kept (a ``Limit`` stopped the prune), or "".
     held: str = ""
 
+    @classmethod
+    def removing(cls, removed: Sequence[Mapping[str, Any]], held: str = "") -> Pruned:
+        """What removing ``removed`` (a log's first records, one at least) removes."""
+        first, last = removed[0], removed[-1]
+        return cls(
+            records=len(removed),
+            first_seq=int(first["seq"]),
+            first_kept=int(last["seq"]) + 1,
+            first_time=str(first.get("time")),
+            last_time=str(last.get("time")),
+            held=held,
+        )
+
+
+def _pruned_details(
+    pruned: Pruned,
+    removed: Sequence[Mapping[str, Any]],
+    head: str,
+    before: datetime,
+    actor: str,
+    why: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The details of the ``audit_pruned`` record of ``pruned``: where the kept chain
+    starts (``first_kept``, and ``head``, the hash of the last record removed), the
+    cut-off and ``why`` (the policy), and what must outlive the removed records: the
+    privacy ledger's witnesses (``carried``) and the policies they declared."""
+    return {
+        "first_kept": pruned.first_kept,
+        "head": head,
+        "records": pruned.records,
+        "first_time": pruned.first_time,
+        "last_time": pruned.last_time,
+        "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
+        **why,
+        "carried": _carried(removed, actor),
+        "declared": [d.to_record() for d in declarations(removed)],
+    }
+
 
 def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
     """Patterns that replace each path (as given, and resolved) by its label, only where
@@ -383,47 +420,13 @@ class AuditLog:
         # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
         self._last_checkpoint: tuple[int, str] | None = None
         self._checkpoint_scanned = 0
-        self._sweep()
-
-    def _sweep(self) -> None:
-        """Remove the side files of a prune killed before its rename (``PRUNING_SUFFIX``).
-        Under the lock of the file the path names, no prune of it is under way: a side
-        file there is a copy of records the log still holds whole, and nothing else."""
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
-        try:
-            while self._replaced():  # pruned meanwhile: hold the file the path names
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-                self._reopen()
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
-            self._remove_side_files()
-        finally:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-
-    def _remove_side_files(self) -> None:
-        """``_sweep``'s work, for a caller that holds the lock."""
-        stem = self.path.name + PRUNING_SUFFIX
-        try:
-            names = os.listdir(self.path.parent)
-        except OSError:
-            return
-        for name in names:
-            if name.startswith(stem) and re.fullmatch("[0-9]+", name[len(stem) :]):
-                # One that cannot be removed (another owner's) changes nothing here.
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path.parent / name)
+        # Under the lock no prune of this log is under way: a side file is one a killed
+        # prune left. The tail is left for the first write to read, as ever.
+        with _Lock(self, sync=False):
+            remove_side_files(self.path)
 
     def close(self) -> None:
         self._file.close()
-
-    def _replaced(self) -> bool:
-        """Whether the path now names another file than the one held open (a prune
-        replaced it). A log moved aside (the path gone) is written on where it is."""
-        try:
-            on_disk = os.stat(self.path)
-        except OSError:
-            return False
-        held = os.fstat(self._file.fileno())
-        return (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino)
 
     def _reopen(self) -> None:
         """Hold the file the path names now; its tail is read again under the lock."""
@@ -465,8 +468,7 @@ class AuditLog:
             if first is not None and first >= before:  # the usual case: read no further
                 return Pruned()
             self._file.seek(0)
-            data = self._file.read(self._size)
-            lines = data.splitlines()
+            lines = self._file.read(self._size).splitlines()
             try:
                 records = [json.loads(line) for line in lines]
                 if not all(isinstance(r, dict) for r in records):
@@ -476,7 +478,7 @@ class AuditLog:
                     f"{self.path}: not pruned: a line is not an audit record; run "
                     "`fedciuic audit verify` on it"
                 ) from None
-            self._remove_side_files()
+            remove_side_files(self.path)
             due = prune_cut(records, before)
             if due == 0:
                 return Pruned()
@@ -491,54 +493,24 @@ class AuditLog:
                     f"{self.path}: not pruned: the log fails verification ({verdict.problem}); "
                     "keep it as evidence and start a new log"
                 )
-            first, last = records[0], records[cut - 1]
-            pruned = Pruned(
-                records=cut,
-                first_seq=int(first["seq"]),
-                first_kept=int(last["seq"]) + 1,
-                first_time=str(first.get("time")),
-                last_time=str(last.get("time")),
-                held=held,
-            )
-            details = {
-                "first_kept": pruned.first_kept,
-                "head": split_line(lines[cut - 1])[1],
-                "records": pruned.records,
-                "first_time": pruned.first_time,
-                "last_time": pruned.last_time,
-                "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
-                **why,
-                "carried": _carried(records[:cut], self.actor),
-                "declared": [d.to_record() for d in declarations(records[:cut])],
-            }
+            removed, head = records[:cut], split_line(lines[cut - 1])[1]
+            pruned = Pruned.removing(removed, held)
+            details = _pruned_details(pruned, removed, head, before, self.actor, why)
             self._write(PRUNED, run_id, None, details)
             self._checkpoint(run_id, None)
             self._replace_from(sum(len(line) + 1 for line in lines[:cut]))
         return pruned
 
     def _replace_from(self, offset: int) -> None:
-        """Replace the file by its bytes from ``offset`` on: written to a side file,
-        fsync'ed, renamed over the log. Called under the lock, which waiting writers
-        hold on the old file: they find the path replaced and reopen it."""
+        """Replace the file by its bytes from ``offset`` on (``pruning.replace_with``).
+        Called under the lock, which waiting writers hold on the old file: they find the
+        path replaced and reopen it."""
         self._file.seek(offset)
         kept = self._file.read()
-        side = self.path.with_name(f"{self.path.name}{PRUNING_SUFFIX}{time.time_ns()}")
         mode = os.fstat(self._file.fileno()).st_mode & 0o777
         try:
-            fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                os.fchmod(out.fileno(), mode)
-                out.write(kept)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(side, self.path)
-            folder = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(folder)
-            finally:
-                os.close(folder)
+            replace_with(self.path, kept, mode)
         except OSError as err:
-            side.unlink(missing_ok=True)
             raise AuditError(
                 f"{self.path}: the prune is recorded, but the file could not be replaced "
                 f"({err.strerror}); the log is whole: prune again"
@@ -765,14 +737,18 @@ def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
 
 
 class _Lock:
-    def __init__(self, log: AuditLog) -> None:
+    """The log's file locked: the one its path names (reopened when a prune replaced it
+    while we waited), its tail read again unless ``sync`` is off (at open)."""
+
+    def __init__(self, log: AuditLog, *, sync: bool = True) -> None:
         self.log = log
+        self.sync = sync
 
     def __enter__(self) -> None:
         while True:
             fcntl.flock(self.log._file.fileno(), fcntl.LOCK_EX)
             try:
-                if not self.log._replaced():
+                if not replaced(self.log.path, self.log._file.fileno()):
                     break
             except BaseException:
                 fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
@@ -781,7 +757,8 @@ class _Lock:
             fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
             self.log._reopen()
         try:
-            self.log._sync_tail()
+            if self.sync:
+                self.log._sync_tail()
         except BaseException:
             fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
             raise
