@@ -7,6 +7,8 @@ import json
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
@@ -267,6 +269,41 @@ def open_folder(prefix: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def init_demo(
+    directory: Path, regions: Iterable[str], policies: Path, relay_user: str
+) -> subprocess.CompletedProcess[str]:
+    """`fedciuic init` of ``regions`` with the demo data into ``directory``, under
+    ``policies`` (a run that is record-level: lab copies of the shipped ones), on free
+    loopback ports, the relay as ``relay_user`` ("": the region's own user)."""
+    from tests.conftest import ROOT
+    from tests.e2e.pace import patient
+
+    names = list(regions)
+    return subprocess.run(
+        [
+            str(Path(sys.executable).with_name("fedciuic")),
+            "init",
+            str(directory),
+            "--app",
+            str(ROOT),
+            "--regions",
+            ",".join(names),
+            "--demo-data",
+            "--policies",
+            str(policies),
+            "--port",
+            str(free_port()),
+            "--supernode-port-base",
+            str(free_ports(len(names))),
+            "--relay-user",
+            relay_user,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=patient(120),
+    )
 
 
 def free_ports(count: int) -> int:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,14 @@ from fedciuic.cluster.protocol import free_port
 from fedciuic.ops.deploy import init_deployment
 from fedciuic.record.metrics import load_metrics
 from tests.conftest import ROOT, record_level_policies
-from tests.e2e.helpers import alive, describe, free_ports, processes_under, stop_everything
+from tests.e2e.helpers import (
+    alive,
+    describe,
+    free_ports,
+    init_demo,
+    processes_under,
+    stop_everything,
+)
 from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
@@ -35,32 +41,9 @@ def _kill_everything(directory: Path) -> None:
 
 def test_init_then_start_sh_runs_a_tls_federation_and_stops_everything(tmp_path):
     directory = tmp_path / "federation"
-    fedciuic = Path(sys.executable).with_name("fedciuic")
-    init = subprocess.run(
-        [
-            str(fedciuic),
-            "init",
-            str(directory),
-            "--app",
-            str(ROOT),
-            "--regions",
-            ",".join(REGIONS),
-            "--demo-data",
-            "--policies",  # the run is record-level: lab copies of the shipped policies
-            str(record_level_policies(tmp_path / "policies")),
-            "--port",
-            str(free_port()),
-            "--supernode-port-base",
-            str(free_ports(len(REGIONS))),
-            # The relay as the region's own user: this test is about TLS and start.sh;
-            # the relay's own OS user is test_trust_boundary.py's.
-            "--relay-user",
-            "",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=patient(120),
-    )
+    # The relay as the region's own user: this test is about TLS and start.sh; the
+    # relay's own OS user is test_trust_boundary.py's.
+    init = init_demo(directory, REGIONS, record_level_policies(tmp_path / "policies"), "")
     assert init.returncode == 0, init.stderr
     assert f"bash {directory / 'start.sh'}" in init.stdout
 

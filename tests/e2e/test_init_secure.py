@@ -17,7 +17,6 @@ import os
 import pwd
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,16 +29,15 @@ import pytest
 from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records
-from fedciuic.cluster.protocol import free_port
 from fedciuic.config import RunConfig
 from fedciuic.crypto import load_bundle, read_update_payload
 from fedciuic.model import AdapterLayout
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.region.trainer import SentUpdates
-from tests.conftest import ROOT, app_config, record_level_policies
+from tests.conftest import app_config, record_level_policies
 from tests.e2e.helpers import (
     describe,
-    free_ports,
+    init_demo,
     open_folder,
     passable_to_others,
     processes_under,
@@ -87,29 +85,8 @@ def place() -> Iterator[Path]:
 def _init(folder: Path) -> Path:
     """`fedciuic init` of three demo regions in ``folder``/federation."""
     directory = folder / "federation"
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("fedciuic")),
-            "init",
-            str(directory),
-            "--app",
-            str(ROOT),
-            "--regions",
-            ",".join(REGIONS),
-            "--demo-data",
-            "--policies",  # the run is record-level: lab copies of the shipped policies
-            str(record_level_policies(folder / "policies")),
-            "--port",
-            str(free_port()),
-            "--supernode-port-base",
-            str(free_ports(len(REGIONS))),
-            "--relay-user",
-            RELAY if AS_ROOT else "",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=patient(120),
-    )
+    policies = record_level_policies(folder / "policies")
+    done = init_demo(directory, REGIONS, policies, RELAY if AS_ROOT else "")
     assert done.returncode == 0, done.stderr
     return directory
 
