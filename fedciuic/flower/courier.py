@@ -10,6 +10,7 @@ module only turns instructions into Flower Messages and Messages into unread rep
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 
@@ -21,6 +22,8 @@ from fedciuic.flower import protocol
 from fedciuic.flower.relay import HELLO_MESSAGE, SECAGG_MESSAGE
 from fedciuic.wire import Instruction, RunEndNotice, Unread
 
+#: Seconds between pulls while the nodes' hellos are awaited.
+POLL = 0.2
 #: The Flower message type that carries each kind of task (signed into its instruction).
 MESSAGE_TYPES = {
     TaskKind.TRAIN: MessageType.TRAIN,
@@ -49,9 +52,17 @@ class FlowerTransport:
         return sorted(self.grid.get_node_ids())
 
     def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
-        messages = _messages(RecordDict(), nodes, HELLO_MESSAGE)
-        replies = self.grid.send_and_receive(messages, timeout=timeout)
-        named = {m.metadata.src_node_id: protocol.read_hello(m) for m in replies}
+        # Pushed and pulled here rather than by Grid.send_and_receive, which polls every
+        # 3 s: a hello is answered in about as long as a ClientApp takes to start.
+        ids = self.grid.push_messages(_messages(RecordDict(), nodes, HELLO_MESSAGE))
+        waiting, named = {i for i in ids if i}, {}
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(waiting)):
+                waiting.discard(reply.metadata.reply_to_message_id)
+                named[reply.metadata.src_node_id] = protocol.read_hello(reply)
+            if waiting:
+                time.sleep(POLL)
         return {node: region for node, region in named.items() if region is not None}
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
