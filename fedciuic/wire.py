@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -161,7 +161,6 @@ TASK, RUN_CONFIG, NONCE, RECEIPTS = "task", "run-config", "nonce", "receipts"
 RECIPIENT = "recipient"
 RESUMED_FROM = "resumed-from-checkpoint"
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
-_NAME = re.compile(NAME_PATTERN)
 #: A run config's canonical JSON is at most this long (an instruction's field).
 MAX_RUN_CONFIG = 1 << 16
 #: A run-end notice's receipts are at most this long (about 100 per region and round).
@@ -226,9 +225,15 @@ def _terms(config: Mapping[str, object], what: str) -> tuple[TaskKind, str, byte
     return kind, run_config, nonce
 
 
+def is_region_name(value: object) -> TypeGuard[str]:
+    """Whether an untrusted value is a party's name (what keys, replies and instructions
+    name regions by)."""
+    return isinstance(value, str) and re.fullmatch(NAME_PATTERN, value) is not None
+
+
 def _recipient(config: Mapping[str, object], what: str) -> str:
     recipient = _typed(config, RECIPIENT, str, None)
-    if not _NAME.fullmatch(recipient):
+    if not is_region_name(recipient):
         raise MalformedInstruction(f"malformed {what}: {RECIPIENT}: a region name expected")
     return str(recipient)
 
@@ -481,7 +486,7 @@ def parse_info(info: object, status: str) -> dict[str, str]:
     for key, value in clear.items():
         if not isinstance(value, str) or len(value) > 4096:
             raise MalformedReply(f"malformed info: {key}: a string (at most 4096) expected")
-    if not re.fullmatch(NAME_PATTERN, clear["region"]):
+    if not is_region_name(clear["region"]):
         raise MalformedReply(
             f"malformed info: region {clear['region'][:40]!r} is not a region name"
         )

@@ -36,7 +36,7 @@ import numpy as np
 from fedciuic.aggregator.judge import Task, reason_of
 from fedciuic.aggregator.round import AggregatorRound, Collecting, run_end_witnessed
 from fedciuic.config import Schedule
-from fedciuic.crypto import TaskKind
+from fedciuic.crypto import TaskKind, model_digest
 from fedciuic.errors import FederationError
 from fedciuic.secagg import (
     Phase,
@@ -328,9 +328,12 @@ class Loop:
         nodes it went to."""
         a = self.aggregator
         signed_round = task.round if task is not None else server_round
+        addressed = self.addresses(nodes, server_round)
+        # one adapter signed for each region: hashed once (nothing to sign without sealing)
+        digest = model_digest(a.global_adapter) if addressed and a.sealing.signer else None
         instructions = {
-            node: a.sign_instruction(signed_round, kind, a.global_adapter, region)
-            for node, region in self.addresses(nodes, server_round).items()
+            node: a.sign_instruction(signed_round, kind, a.global_adapter, region, digest)
+            for node, region in addressed.items()
         }
         return [s.node for s in self.courier.push(instructions, server_round, task)]
 
@@ -391,13 +394,11 @@ class Loop:
         a = self.aggregator
         # the nodes whose region is known (those that never said took no part), each
         # the notice signed for its region
-        notices = {
-            n: notice
-            for n in sorted(self.transport.nodes())
-            if (r := self.region_at(n)) and (notice := a.sign_run_end(r)) is not None
-        }
+        known = {n: r for n in sorted(self.transport.nodes()) if (r := self.region_at(n))}
+        notices = a.sign_run_end(set(known.values()))
         if notices:
-            run_end_witnessed(a, self.transport.query(notices, timeout))
+            replies = self.transport.query({n: notices[r] for n, r in known.items()}, timeout)
+            run_end_witnessed(a, replies)
 
 
 class SyncLoop(Loop):

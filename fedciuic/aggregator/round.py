@@ -168,10 +168,11 @@ class AggregatorRound:
         kind: TaskKind,
         adapter: Mapping[str, np.ndarray],
         recipient: str,
+        digest: bytes | None = None,
     ) -> Instruction:
-        """A round's instruction for the region ``recipient``: the global adapter, the
-        kind of task, this run's config and a fresh nonce, signed (with sealing) with the
-        head of the audit log."""
+        """A round's instruction for the region ``recipient``: the global adapter (its
+        ``digest`` when known), the kind of task, this run's config and a fresh nonce,
+        signed (with sealing) with the head of the audit log."""
         unsigned = Instruction(
             adapter=dict(adapter),
             server_round=server_round,
@@ -185,8 +186,7 @@ class AggregatorRound:
             checkpoint=self.resumed_from,
             recipient=recipient,
         )
-        signature = self.sealing.sign_global(self.run_id, unsigned)
-        return replace(unsigned, signature=signature)
+        return replace(unsigned, signature=self.sealing.sign_global(self.run_id, unsigned, digest))
 
     @property
     def judge(self) -> Judge:
@@ -424,22 +424,20 @@ class AggregatorRound:
 
     # -- the end of the run -------------------------------------------------------
 
-    def sign_run_end(self, recipient: str) -> RunEndNotice | None:
-        """Once ``run_end`` is in the log and signed: its head, signed for the region
-        ``recipient`` to record; None without a signed checkpoint (or any audit log)."""
+    def sign_run_end(self, recipients: Iterable[str]) -> dict[str, RunEndNotice]:
+        """Once ``run_end`` is in the log and signed: its head and receipts (read once),
+        signed for each of ``recipients``; none without a signed checkpoint (or log)."""
         witness = self.audit.last_checkpoint()
         if witness is None:
-            return None
-        unsigned = RunEndNotice(
-            self.federation_run,
-            witness,
-            run_config=self.run_config,
-            nonce=secrets.token_bytes(NONCE_BYTES),
-            signer=self.sealing.signer,
-            receipts=self.journal.receipts(),
-            recipient=recipient,
-        )
-        return replace(unsigned, signature=self.sealing.sign_run_end(self.run_id, unsigned))
+            return {}
+        run, signer, receipts = self.federation_run, self.sealing.signer, self.journal.receipts()
+        notice = RunEndNotice(run, witness, self.run_config, signer=signer, receipts=receipts)
+        signed = {}
+        for region in recipients:
+            unsigned = replace(notice, nonce=secrets.token_bytes(NONCE_BYTES), recipient=region)
+            signature = self.sealing.sign_run_end(self.run_id, unsigned)
+            signed[region] = replace(unsigned, signature=signature)
+        return signed
 
     def save_checkpoint(self, server_round: int) -> None:
         """The round is done: its adapter, records and the audit log's position."""

@@ -170,7 +170,11 @@ _TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z",
 
 def record_time(record: Mapping[str, Any]) -> datetime | None:
     """When a record was written (its ``time``, UTC), None when it holds no valid time."""
-    value = record.get("time")
+    return parse_time(record.get("time"))
+
+
+def parse_time(value: object) -> datetime | None:
+    """A time as records write it (UTC, microseconds, ``Z``), None when it is not one."""
     found = _TIME.fullmatch(value) if isinstance(value, str) else None
     if found is None:
         return None
@@ -179,6 +183,13 @@ def record_time(record: Mapping[str, Any]) -> datetime | None:
         return datetime(year, month, day, hour, minute, second, micro, tzinfo=UTC)
     except ValueError:  # e.g. month 13
         return None
+
+
+def details_of(record: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A record's details, empty when it has none that are a mapping (records are
+    untrusted)."""
+    details = None if record is None else record.get("details")
+    return details if isinstance(details, Mapping) else {}
 
 
 def run_of(record: Mapping[str, Any]) -> int | None:

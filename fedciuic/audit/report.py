@@ -29,6 +29,7 @@ from fedciuic.audit.log import (
     WitnessCheck,
     canonical,
     cross_check,
+    details_of,
     load_records,
     pruned_from,
     witness_check,
@@ -99,9 +100,9 @@ class PartyLog:
         key = "aggregator_jurisdiction" if self.actor == "aggregator" else "jurisdiction"
         event = Event.RUN_START if self.actor == "aggregator" else Event.RUN_JOINED
         for r in reversed(self.records):
-            found = _details(r).get(key) if r.get("event") == event else None
+            found = details_of(r).get(key) if r.get("event") == event else None
             if r.get("event") == Event.PRUNED:  # the policy it was pruned by
-                found = _details(r).get("jurisdiction")
+                found = details_of(r).get("jurisdiction")
             if isinstance(found, str) and found:
                 return found
         return None
@@ -162,11 +163,6 @@ def _runs(aggregator: PartyLog) -> list[int]:
     ]
 
 
-def _details(record: AuditRecord | None) -> Mapping[str, Any]:
-    details = None if record is None else record.get("details")
-    return details if isinstance(details, Mapping) else {}
-
-
 def build(logs: Sequence[PartyLog], run_id: int | None = None) -> tuple[int, list[Section]]:
     """The report's sections for ``run_id`` (default: the last run the aggregator started)."""
     report = build_report(logs, run_id)
@@ -223,8 +219,8 @@ def build_report(
     own = {name: of_run(log.verified) for name, log in regions.items()}
     agg_all = of_run(aggregator.records)
     own_all = {name: of_run(log.records) for name, log in regions.items()}
-    start = _details(_first(agg, Event.RUN_START))
-    end = _details(_first(agg, Event.RUN_END))
+    start = details_of(_first(agg, Event.RUN_START))
+    end = details_of(_first(agg, Event.RUN_END))
     check = cross_check(agg_all, own_all)
     witnesses = witness_check(
         {log.actor: log.records for log in logs},
@@ -236,7 +232,7 @@ def build_report(
         "end": _first(agg_all, Event.RUN_END) is not None and not end,
     }
     disagreements = [
-        *_config_disagreements(_details(_first(agg_all, Event.RUN_START)), own_all),
+        *_config_disagreements(details_of(_first(agg_all, Event.RUN_START)), own_all),
         *check.problems,
         *witnesses.problems,
         *(e.problem for e in erased),
@@ -464,20 +460,20 @@ def _regions_section(
         accepted = [
             r
             for r in agg
-            if r.get("event") == Event.UPDATE_ACCEPTED and _details(r).get("region") == region
+            if r.get("event") == Event.UPDATE_ACCEPTED and details_of(r).get("region") == region
         ]
         declined = [
             r
             for r in agg
-            if r.get("event") == Event.REGION_DECLINED and _details(r).get("region") == region
+            if r.get("event") == Event.REGION_DECLINED and details_of(r).get("region") == region
         ]
         if records is None:
             trained = None
             joined: Mapping[str, Any] = {}
         else:
             trained = [r for r in records if r.get("event") == Event.TRAINED]
-            joined = _details(_first(records, Event.RUN_JOINED))
-        last = _details(trained[-1]) if trained else {}
+            joined = details_of(_first(records, Event.RUN_JOINED))
+        last = details_of(trained[-1]) if trained else {}
         epsilon, budget = last.get("epsilon"), last.get("epsilon_budget")
         # A log from before units has none: its rounds were record-level.
         unit = last.get("unit") or DEFAULT_PRIVACY_UNIT
@@ -516,7 +512,7 @@ def _regions_section(
 
 
 def _receipt(record: AuditRecord) -> tuple[str, str, str]:
-    d = _details(record)
+    d = details_of(record)
     return (_round(record), str(d.get("region")), str(d.get("digest")))
 
 
@@ -532,7 +528,7 @@ def _transfers_section(
         for r in records:
             if r.get("event") not in SENT_EVENTS:
                 continue
-            d = _details(r)
+            d = details_of(r)
             key = (_round(r), region, str(d.get("digest")))
             rows.append(
                 (
@@ -550,7 +546,7 @@ def _transfers_section(
                 )
             )
     for r in agg:
-        d = _details(r)
+        d = details_of(r)
         if r.get("event") == RECEIVED_EVENT and d.get("region") not in own:
             rows.append(
                 (
@@ -579,12 +575,12 @@ def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRe
     reply named (as the aggregator received it), against what the region recorded when
     it joined the run."""
     joined = {
-        region: str(_details(_first(records, Event.RUN_JOINED)).get("code", ""))
+        region: str(details_of(_first(records, Event.RUN_JOINED)).get("code", ""))
         for region, records in own.items()
     }
     rows = []
     for r in agg:
-        d = _details(r)
+        d = details_of(r)
         if r.get("event") != RECEIVED_EVENT:
             continue
         region, code = str(d.get("region")), str(d.get("agent_code", ""))
@@ -623,7 +619,7 @@ def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
         for r in records:
             if r.get("event") != Event.TRAINED:
                 continue
-            d = _details(r)
+            d = details_of(r)
             if d.get("epsilon") is None:
                 continue
             rows.append(
@@ -677,7 +673,7 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     rows = []
     for region, records in sorted(own.items()):
         scrubbed = {
-            _round(r): _details(r) for r in records if r.get("event") == Event.DATA_DEIDENTIFIED
+            _round(r): details_of(r) for r in records if r.get("event") == Event.DATA_DEIDENTIFIED
         }
         for r in records:
             if r.get("event") != Event.TRAINED:
@@ -743,7 +739,7 @@ def _secure_section(
     sent: dict[str, dict[str, int]] = {}  # session -> region -> bytes its messages took
     for region, records in sorted(own.items()):
         for r in records:
-            d = _details(r)
+            d = details_of(r)
             session = str(d.get("session"))
             if r.get("event") == Event.SECURE_MASKED:
                 masked.setdefault(session, []).append(region)
@@ -753,7 +749,7 @@ def _secure_section(
                 mine[region] = mine.get(region, 0) + size
     rows = []
     for r in sums:
-        d = _details(r)
+        d = details_of(r)
         session = str(d.get("session", ""))
         rows.append(
             (
@@ -803,7 +799,7 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     rows = []
     for region, records in sorted(own.items()):
         for r in records:
-            d, event = _details(r), r.get("event")
+            d, event = details_of(r), r.get("event")
             if event == Event.TRAINED:
                 rows.append(
                     (
@@ -841,7 +837,7 @@ def _refused_for(records: Sequence[AuditRecord], run_id: int) -> list[AuditRecor
     return [
         r
         for r in records
-        if r.get("event") == Event.REQUEST_REFUSED and _details(r).get("flower_run") == run_id
+        if r.get("event") == Event.REQUEST_REFUSED and details_of(r).get("flower_run") == run_id
     ]
 
 
@@ -858,10 +854,10 @@ def _refusals_section(
     for region, records in sorted(own.items()):
         for r in records:
             if r.get("event") == Event.DECLINED:
-                rows.append((_round(r), region, "declined", _text(_details(r).get("reason"))))
+                rows.append((_round(r), region, "declined", _text(details_of(r).get("reason"))))
     for region, records in sorted(refused.items()):
         for r in records:
-            d = _details(r)
+            d = details_of(r)
             rows.append(
                 (
                     _text(d.get("claimed_round")),
@@ -871,7 +867,7 @@ def _refusals_section(
                 )
             )
     for r in agg:
-        d, event = _details(r), r.get("event")
+        d, event = details_of(r), r.get("event")
         if event == Event.UPDATE_REJECTED:
             rows.append(
                 (_round(r), "aggregator", f"rejected {d.get('region')}", _text(d.get("reason")))
@@ -904,7 +900,7 @@ def _config_disagreements(
             # has records of it but no run config to compare: no disagreement.
             if not records:
                 lines.append(f"{region}: its log has no record of this run.")
-        elif _details(joined).get("config_hash") != config:
+        elif details_of(joined).get("config_hash") != config:
             lines.append(f"{region}: ran under another run config (hash differs).")
     return lines
 
@@ -940,13 +936,13 @@ def _undelivered_section(
         t = item.transfer
         records = own.get(t.region, [])
         trained = [
-            _details(r)
+            details_of(r)
             for r in records
             if r.get("event") == Event.TRAINED and r.get("round") == t.round
         ]
         epsilon = trained[-1].get("epsilon") if trained else None
         known = any(
-            r.get("event") == Event.UPDATE_UNDELIVERED and _details(r).get("digest") == t.digest
+            r.get("event") == Event.UPDATE_UNDELIVERED and details_of(r).get("digest") == t.digest
             for r in records
         )
         rows.append(
@@ -990,7 +986,7 @@ def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:
             if r.get("run_id") != run_id:
                 elsewhere += 1
                 continue
-            details = canonical(_details(r)).decode()
+            details = canonical(details_of(r)).decode()
             rows.append(
                 (
                     log.actor,
@@ -1024,7 +1020,7 @@ def _record_of_processing(
 ) -> Section:
     jurisdictions = sorted(
         {
-            str(_details(j).get("jurisdiction"))
+            str(details_of(j).get("jurisdiction"))
             for records in own.values()
             if (j := _first(records, Event.RUN_JOINED)) is not None
         }

@@ -29,8 +29,10 @@ from fedciuic.audit.log import (
     Pruned,
     declarations,
     declared_in,
+    details_of,
     load_records,
     log_of,
+    parse_time,
     prune_cut,
     record_time,
     run_of,
@@ -60,7 +62,7 @@ def in_force(declared: Sequence[Declared], when: datetime | None) -> Declared | 
 
 @functools.lru_cache(maxsize=256)  # a few declarations, read once per record pruned
 def _time(value: str) -> datetime:
-    found = record_time({"time": value})
+    found = parse_time(value)
     return found if found is not None else datetime.max.replace(tzinfo=UTC)
 
 
@@ -273,17 +275,8 @@ class Erased:
     problem: str
 
 
-def _details(record: Mapping[str, Any]) -> Mapping[str, Any]:
-    details = record.get("details")
-    return details if isinstance(details, Mapping) else {}
-
-
 def _who(party: str) -> str:
     return "the aggregator" if party == AGGREGATOR else party
-
-
-def _parse(value: object) -> datetime | None:
-    return record_time({"time": value})
 
 
 def _jurisdiction(
@@ -296,13 +289,13 @@ def _jurisdiction(
     found: str | None = None
     if party == AGGREGATOR:
         for r in aggregator:
-            where = _details(r).get("aggregator_jurisdiction")
+            where = details_of(r).get("aggregator_jurisdiction")
             if r.get("event") == Event.RUN_START and isinstance(where, str) and where:
                 found = where
         return found
     held = {h: j for r in aggregator for h, j, _ in declared_in(r)}
     for r in aggregator:
-        details = _details(r)
+        details = details_of(r)
         declared = details.get("policy_hash")
         if details.get("region") == party and isinstance(declared, str) and declared in held:
             found = held[declared]
@@ -315,9 +308,9 @@ def _jurisdiction(
 def _key_ids(records: Sequence[Mapping[str, Any]]) -> set[str]:
     """The key ids that signed a log's checkpoints."""
     return {
-        str(_details(r).get("key_id"))
+        str(details_of(r).get("key_id"))
         for r in records
-        if r.get("event") == Event.CHECKPOINT and _details(r).get("key_id")
+        if r.get("event") == Event.CHECKPOINT and details_of(r).get("key_id")
     }
 
 
@@ -328,7 +321,7 @@ def _run_keys(logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[tuple[str
     found: dict[tuple[str, int], str] = {}
     for other, records in logs.items():
         for r in records:
-            run, details, event = run_of(r), _details(r), r.get("event")
+            run, details, event = run_of(r), details_of(r), r.get("event")
             if not run:
                 continue
             if event == Event.RUN_JOINED and other != AGGREGATOR:
@@ -356,13 +349,13 @@ def _prune_problems(
     for r in records:
         if r.get("event") != Event.PRUNED:
             continue
-        d = _details(r)
+        d = details_of(r)
         used, used_where, used_days = (
             d.get("policy_hash"),
             d.get("jurisdiction"),
             d.get("retention_days"),
         )
-        at, last = record_time(r), _parse(d.get("last_time"))
+        at, last = record_time(r), parse_time(d.get("last_time"))
         label = f"{log_of(party)} (audit_pruned seq {r.get('seq')!r:.24}, {r.get('time')!s:.32})"
         if not declared:
             out.append(
@@ -431,7 +424,7 @@ def _gone(
         if other == party:
             continue
         for r in theirs:
-            run, when, details = run_of(r), record_time(r), _details(r)
+            run, when, details = run_of(r), record_time(r), details_of(r)
             if r.get("event") != Event.WITNESS or details.get("party") != party:
                 continue
             if not run or when is None:

@@ -135,12 +135,12 @@ def _witness_tail(witness: tuple[int, str] | None) -> bytes:
 def _global_message(
     run_id: int,
     server_round: int,
-    arrays: Mapping[str, np.ndarray],
+    digest: bytes,
     terms: Terms,
     witness: tuple[int, str] | None,
 ) -> bytes:
     """Label | run id (u64) | round (u32) | model digest (32) | terms | witness."""
-    head = GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + model_digest(arrays)
+    head = GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + digest
     return head + terms.encode() + _witness_tail(witness)
 
 
@@ -151,11 +151,14 @@ def sign_global(
     arrays: Mapping[str, np.ndarray],
     terms: Terms,
     witness: tuple[int, str] | None = None,
+    digest: bytes | None = None,
 ) -> bytes:
     """The aggregator's signature over the global adapter it sends for this run and
     round, the terms it asks it under, and the head of its audit log's latest signed
-    checkpoint."""
-    return keypair.sign(_global_message(run_id, server_round, arrays, terms, witness))
+    checkpoint. ``digest``: the adapter's :func:`model_digest`, when the caller has it
+    (one adapter signed for each region is hashed once)."""
+    digest = model_digest(arrays) if digest is None else digest
+    return keypair.sign(_global_message(run_id, server_round, digest, terms, witness))
 
 
 def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str], receipts: bytes) -> bytes:
@@ -250,7 +253,7 @@ class RegionKeys:
     ) -> None:
         """Refuse a global adapter (with its terms and audit head) the aggregator did
         not sign for this run, round and kind of task."""
-        message = _global_message(run_id, server_round, arrays, terms, witness)
+        message = _global_message(run_id, server_round, model_digest(arrays), terms, witness)
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
             raise NotSignedError(
                 f"region {self.keypair.bundle.party}: the {terms.kind} instruction of round "

@@ -17,7 +17,6 @@ only its reason. Every reply's info names the code that made it (``agent-version
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.app.typing import ConfigRecordValues
 
 from fedciuic.agent import HELLO_RECORD, HELLO_REGION
-from fedciuic.crypto import NAME_PATTERN
 from fedciuic.wire import (
     ARRAYS,
     CONFIG,
@@ -40,6 +38,7 @@ from fedciuic.wire import (
     RunEndNotice,
     failed,
     instruction_fields,
+    is_region_name,
     parse_instruction,
     parse_reply,
     parse_run_end,
@@ -47,8 +46,6 @@ from fedciuic.wire import (
 
 if TYPE_CHECKING:  # torch: never for the relay (a deployed ClientApp)
     from fedciuic.region import RegionReply
-
-_NAME = re.compile(NAME_PATTERN)
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -92,7 +89,7 @@ def read_hello(message: Message) -> str | None:
     if message.has_error() or HELLO_RECORD not in message.content.config_records:
         return None
     region = message.content.config_records[HELLO_RECORD].get(HELLO_REGION)
-    return region if isinstance(region, str) and _NAME.fullmatch(region) else None
+    return region if is_region_name(region) else None
 
 
 def run_end_notice(notice: RunEndNotice) -> RecordDict:

@@ -88,8 +88,9 @@ class ReplySealing(Protocol):
     def signer(self) -> str:
         """The key id that signs instructions (hex), or "" when nothing is signed."""
 
-    def sign_global(self, run_id: int, task: Instruction) -> bytes:
-        """The signature over an instruction (its adapter, terms and witness)."""
+    def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
+        """The signature over an instruction (its adapter, terms and witness); ``digest``:
+        its adapter's, when the caller has it."""
 
     def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes: ...
 
@@ -118,9 +119,10 @@ class SealedReplies:
     def signer(self) -> str:
         return self.keys.keypair.bundle.key_id.hex()
 
-    def sign_global(self, run_id: int, task: Instruction) -> bytes:
+    def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
+        keypair, adapter = self.keys.keypair, task.adapter
         return sign_global(
-            self.keys.keypair, run_id, task.server_round, task.adapter, task.terms, task.witness
+            keypair, run_id, task.server_round, adapter, task.terms, task.witness, digest
         )
 
     def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes:
@@ -176,7 +178,7 @@ class ClearReplies:
 
     signer = ""
 
-    def sign_global(self, run_id: int, task: Instruction) -> bytes:
+    def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
         return b""
 
     def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes:

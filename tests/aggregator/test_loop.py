@@ -187,5 +187,5 @@ def test_without_policies_every_decision_accepts_and_none_is_recorded_or_audited
 def test_without_an_audit_log_the_round_writes_and_witnesses_nothing(run_config, tmp_path):
     loop = looped(run_config, tmp_path, 1, Regions())
     loop.run(GLOBAL, 1)
-    assert loop.aggregator.sign_run_end("eu") is None  # no head to hand the regions
+    assert loop.aggregator.sign_run_end(["eu"]) == {}  # no head to hand the regions
     assert load_checkpoint(tmp_path).audit_seq == 0

@@ -875,11 +875,11 @@ def test_regions_that_took_different_step_counts_are_normalised(aggregator):
 
 def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_path):
     a, regions = sealed_round
-    assert a.sign_run_end("eu") is None  # no audit log: nothing to witness
+    assert a.sign_run_end(["eu"]) == {}  # no audit log: nothing to witness
     a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
     a.audit.append("run_end", run_id=7, status="completed")
     a.audit.checkpoint(run_id=7)
-    notices = {region: a.sign_run_end(region) for region in ("eu", "cn")}
+    notices = a.sign_run_end(["eu", "cn"])
     assert {n.recipient for n in notices.values()} == set(notices) == {"eu", "cn"}
     assert notices["eu"].nonce != notices["cn"].nonce
     for notice in notices.values():
