@@ -1117,7 +1117,7 @@ def _budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[
         lines.append(status.line())
         fits, line = status.run_line(target, steps)
         every = every and fits
-        if status.unit is not None or not fits:
+        if line and (status.unit is not None or not fits):
             lines.append(line)
     return every, lines
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from fedciuic.config import Accountant, PrivacyUnit
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
+    PrivacyError,
     PrivacyLedger,
     Step,
     calibrate_noise,
@@ -34,6 +35,9 @@ class BudgetStatus:
     accountant: Accountant | None = None
     history: list[Step] = field(default_factory=list)
     runs: int = 0
+    #: Why the ledger cannot be read (damaged, unreadable): that region declines every
+    #: round with this reason, the others are unaffected.
+    problem: str = ""
 
     @property
     def remaining(self) -> float:
@@ -53,6 +57,8 @@ class BudgetStatus:
         return epsilon_of([*self.history, (sigma, rate, steps)], self.delta, self.accountant)
 
     def line(self) -> str:
+        if self.problem:
+            return f"{self.region}: {self.problem} (the region declines every round until it is fixed)"
         if self.unit is None:
             where = f"no ledger yet at {self.ledger}"
             return f"{self.region}: nothing spent, budget {self.budget:g} ({where})"
@@ -64,6 +70,8 @@ class BudgetStatus:
 
     def run_line(self, target: float, steps: int) -> tuple[bool, str]:
         """Whether a run at ``target`` of ``steps`` steps fits, and one line saying so."""
+        if self.problem:  # line() said why: no run fits
+            return False, ""
         after = self.after_run(target, steps)
         fits = after <= self.budget + 1e-9
         line = (
@@ -80,12 +88,16 @@ class BudgetStatus:
 
 def budget_status(region: str, state_dir: Path, budget: float) -> BudgetStatus:
     """The spend of the dataset whose state folder is ``state_dir``. A missing ledger is a
-    dataset that has released nothing; a damaged one is a ``PrivacyError`` naming the file
-    and the fix, as when a round opens it."""
+    dataset that has released nothing; a damaged one is a status whose ``problem`` names
+    the file and the fix, as when a round opens it (one region's damage is its own: the
+    others' lines and runs go on)."""
     path = state_dir / LEDGER_FILE
     if not path.exists():
         return BudgetStatus(region, path, budget)
-    ledger = PrivacyLedger.load(path)
+    try:
+        ledger = PrivacyLedger.load(path)
+    except PrivacyError as err:
+        return BudgetStatus(region, path, budget, problem=str(err))
     return BudgetStatus(
         region,
         path,

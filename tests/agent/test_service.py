@@ -513,6 +513,23 @@ def test_a_signed_instruction_for_a_run_the_region_does_not_take_is_declined(
     assert "replayed" in refused(agent, frame)  # declined, but acted on: once
 
 
+def test_a_damaged_ledger_declines_each_round_with_the_reason_and_the_agent_serves_on(
+    federation, agent, config
+):
+    path = config.state_dir / LEDGER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"kind": "header"}\n')
+    for server_round in (5, 6):
+        frame = federation.instruction(server_round=server_round)
+        with nothing_trained(config):
+            answer = agent.answer(frame, ME)
+        assert answer.error == ""  # a signed decline: the relay and aggregator go on
+        info = vouched(federation, answer, server_round=server_round)
+        assert info["status"] == "declined"
+        assert f"{LEDGER_FILE}:1: corrupted ledger record" in str(info["reason"])
+    assert path.read_text() == '{"kind": "header"}\n'  # kept as evidence
+
+
 def test_a_run_config_that_allows_pickle_weights_does_not_make_the_region_load_them(
     federation, agent, config, tiny_checkpoints, tmp_path
 ):

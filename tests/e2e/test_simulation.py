@@ -204,16 +204,40 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     assert "declined x2" in done.stdout
 
 
-def test_a_region_without_data_declines_and_the_others_train(tmp_path):
+def _no_data(data_root: Path) -> None:
+    (data_root / "us").mkdir()
+
+
+def _damaged_ledger(data_root: Path) -> None:
+    write_demo_corpora(data_root, ("us",))
+    ledger = data_root / "us" / ".fedciuic" / LEDGER_FILE
+    ledger.parent.mkdir()
+    ledger.write_text('{"not": "a ledger header"}\n')
+
+
+@pytest.mark.parametrize(
+    ("fault", "preview", "reason"),
+    [
+        (_no_data, "nothing spent", "holds no data files"),
+        (_damaged_ledger, f"{LEDGER_FILE}:1", f"{LEDGER_FILE}:1"),
+    ],
+    ids=["no data", "damaged ledger"],
+)
+def test_a_region_whose_data_or_ledger_is_unusable_declines_and_the_others_train(
+    tmp_path, fault, preview, reason
+):
+    """One region's fault stays in that region: the budget preview shows it as that
+    region's line, it declines with the reason, the others train."""
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "cn"))
-    (data_root / "us").mkdir()
+    fault(data_root)
     done = simulate(tmp_path, "--rounds", "1", "--data-root", str(data_root))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(rf"^budget: us: .*{re.escape(preview)}", done.stdout, re.M), done.stdout
     data = only_run(tmp_path / "runs")
     train = data["rounds"]["1"]["train"]
     assert train["us"]["status"] == "declined"
-    assert "holds no data files" in train["us"]["reason"]
+    assert reason in train["us"]["reason"]
     assert train["eu"]["status"] == train["cn"]["status"] == "trained"
     assert sorted(data["rounds"]["1"]["aggregate"]["regions"]) == ["cn", "eu"]
     assert not processes_under(tmp_path)

@@ -114,16 +114,19 @@ def test_a_deployed_regions_budget_is_its_agent_configs_not_the_run_configs(tmp_
     assert f"eu: epsilon {spent:.2f} of 12 spent per user" in capsys.readouterr().out
 
 
-def test_a_damaged_ledger_is_one_clear_error_naming_it(tmp_path, capsys):
+def test_a_damaged_ledger_is_its_regions_line_and_the_others_are_still_shown(tmp_path, capsys):
     data_root = tmp_path / "data"
     eu = NodeConfig(region="eu", data_path=str(data_root / "eu")).state_dir
     spend(eu, "eu", [(1, (1.0, 0.1, 30))])
     (eu / LEDGER_FILE).write_bytes((eu / LEDGER_FILE).read_bytes()[:-5])
-    assert (
-        main(["budget", "--data-root", str(data_root), "--regions", "eu", "--app", str(ROOT)]) == 2
-    )
-    err = capsys.readouterr().err
-    assert str(eu / LEDGER_FILE) in err and "truncated" in err and "Traceback" not in err
+    (data_root / "us").mkdir(parents=True)
+    args = ["budget", "--data-root", str(data_root), "--regions", "eu,us", "--app", str(ROOT)]
+    assert main(args) == 1  # a run does not fit a region that cannot read its ledger
+    out = capsys.readouterr().out
+    (eu_line,) = [line for line in out.splitlines() if line.startswith("eu:")]
+    assert str(eu / LEDGER_FILE) in eu_line and "truncated" in eu_line
+    assert eu_line.endswith("(the region declines every round until it is fixed)")
+    assert "us: nothing spent, budget 8" in out and "Traceback" not in out
 
 
 def test_budget_wants_agent_configs_or_a_data_root_not_both(tmp_path, capsys):
