@@ -1,12 +1,17 @@
 """Presidio recognizers for every entity type fedciuic scrubs, all offline.
 
-Presidio's own pattern recognizers are used where they validate what they find (cards,
-IBANs, SSNs, IPs, e-mail, phone numbers through ``phonenumbers``, the Spanish, Italian,
-Polish, Finnish and Swedish identity numbers); fedciuic adds what Presidio lacks: the
-mainland China resident ID with its GB 11643-1999 check digit, mainland China mobile
-numbers written without a country code, URLs whose path names a person (Presidio's URL
-recognizer flags every dotted word, ``os.path`` included), and the region's dictionary.
-Every recognizer is built for one analysis language: the patterns do not depend on it.
+Presidio's own pattern recognizers are used where they validate what they find (IBANs,
+SSNs, IPs, e-mail, phone numbers through ``phonenumbers``, the Spanish, Italian, Polish,
+Finnish and Swedish identity numbers); fedciuic adds what Presidio lacks: card numbers of
+every network, also inside Chinese text (:mod:`fedciuic.deid.cards`), the mainland China
+resident ID with its GB 11643-1999 check digit, mainland China mobile numbers written
+without a country code, URLs whose path names a person (Presidio's URL recognizer flags
+every dotted word, ``os.path`` included), and the region's dictionary. Every recognizer is
+built for one analysis language: the patterns do not depend on it.
+
+Whatever is found in a number is kept when it is only part of a longer token
+(:class:`WholeTokens`): the PESEL inside ``2.718281828459045``, the phone number inside
+``INV-2019-004512`` or ``10.1234/5678901``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import tldextract
 from presidio_analyzer import EntityRecognizer, Pattern, PatternRecognizer, RecognizerResult
 from presidio_analyzer.nlp_engine import NlpArtifacts
 from presidio_analyzer.predefined_recognizers import (
-    CreditCardRecognizer,
     EmailRecognizer,
     EsNieRecognizer,
     EsNifRecognizer,
@@ -33,6 +37,7 @@ from presidio_analyzer.predefined_recognizers import (
     UsSsnRecognizer,
 )
 
+from fedciuic.deid.cards import find_cards
 from fedciuic.deid.checks import cn_resident_id_valid
 from fedciuic.deid.entities import (
     CN_RESIDENT_ID,
@@ -80,15 +85,166 @@ class CnResidentIdRecognizer(PatternRecognizer):
         return cn_resident_id_valid(pattern_text)
 
 
+class CardRecognizer(EntityRecognizer):
+    """Payment card numbers of every network, by IIN range, length and Luhn
+    (:data:`fedciuic.deid.cards.NETWORKS`), with or without a word boundary."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            supported_entities=[CREDIT_CARD], supported_language=LANGUAGE, name="CardRecognizer"
+        )
+
+    def load(self) -> None:
+        return None
+
+    def analyze(
+        self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
+    ) -> list[RecognizerResult]:
+        del nlp_artifacts
+        if CREDIT_CARD not in entities:
+            return []
+        return [RecognizerResult(CREDIT_CARD, c.start, c.end, 1.0) for c in find_cards(text)]
+
+
 def _not_a_phone(text: str, run: re.Match[str]) -> bool:
-    """A run that is a number rather than a phone number: a decimal's digits, or a bare
-    run of digits with no + and no separator (an amount, a count, a constant; a
-    mainland China mobile written so is found by :class:`CnMobileRecognizer`)."""
+    """A run that is a number rather than a phone number: a decimal's digits, a bare run
+    of digits with no + and no separator (an amount, a count, a constant; a mainland
+    China mobile written so is found by :class:`CnMobileRecognizer`), or digits grouped
+    in thousands (``1 234 567 890``)."""
     before, after = text[max(0, run.start() - 2) : run.start()], text[run.end() : run.end() + 2]
     if before.endswith(".") or re.fullmatch(r"\.\d", after):
         return True
     digits = run.group()
-    return digits.isdigit() or re.fullmatch(r"\d+\.\d+", digits) is not None
+    return (
+        digits.isdigit()
+        or re.fullmatch(r"\d+\.\d+", digits) is not None
+        or _THOUSANDS.fullmatch(digits) is not None
+    )
+
+
+#: An amount grouped in thousands: one or two leading digits, then groups of three.
+_THOUSANDS = re.compile(r"[1-9]\d?(?: \d{3}){2,}")
+#: Words that name the number after them as a reference, not a phone number: invoices,
+#: orders, tickets, bibliographic and part numbers, in the regions' languages.
+_REFERENCE_WORDS = (
+    r"invoice|inv|order|ord|po|ref|reference|ticket|case|claim|isbn|issn|doi|pmid|arxiv|"
+    r"sku|part|p/n|serial|s/n|tracking|version|ver|build|release|page|pages|pp|"
+    r"rechnung\w*|bestell\w*|auftrag\w*|facture|commande|fattura|ordine|factura|pedido"
+)
+_NAMED_REFERENCE = re.compile(
+    rf"(?i)(?:(?<![^\W\d_])(?:{_REFERENCE_WORDS})|订单|发票|单号|编号)\.?\s*"
+    r"(?:(?:no|nr|n[°º]|num|number|nummer|numéro|número|numero)\b\.?\s*)?[:#]?\s*$|#\s*$"
+)
+#: A date (year first or last) at the start of a finding.
+_LEADING_DATE = re.compile(
+    r"\[?(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
+    r"|(?:0?[1-9]|[12]\d|3[01])[-/.](?:0?[1-9]|1[0-2])[-/.]\d{4})(?!\d)"
+)
+
+
+def _reference_or_date(text: str, start: int, end: int) -> bool:
+    """A phone-shaped finding that is a reference or a date: named by the word before it
+    (``invoice 2024-000123``, ``Order #123-4567890``, ``ISBN 0-306-40615-2``) or starting
+    with a date (``2024-03-15 10``)."""
+    return (
+        _NAMED_REFERENCE.search(text, max(0, start - 32), start) is not None
+        or _LEADING_DATE.match(text, start, end) is not None
+    )
+
+
+def _code_not_ip(text: str, start: int, end: int) -> bool:
+    """An IPv6-shaped finding with no digit in it: a scoped name in code (``a::b``,
+    ``dead::beef``, ``[::]``), not an address."""
+    found = text[start:end]
+    return ":" in found and not any(c.isdecimal() for c in found)
+
+
+def _continues_token(char: str) -> bool:
+    """Whether ``char`` continues a word or number of a script written with spaces: a
+    letter of Latin, Greek or Cyrillic, a digit, ``_``. Chinese and Japanese text runs
+    into numbers without a space (``卡号6222...``): its characters do not."""
+    return char == "_" or char.isdecimal() or (char.isalpha() and ord(char) < 0x0530)
+
+
+#: Separators that make one token of what is on both sides: a hyphen or slash joins
+#: letters and digits (``INV-2019-004512``, ``10.1234/5678901``), a '.' or ':' joins digits
+#: (``2.718281828459045``, ``10:20:30``).
+NUMBER_JOINERS = "-/.:"
+
+
+def inside_token(text: str, start: int, end: int, joiners: str = NUMBER_JOINERS) -> bool:
+    """Whether ``text[start:end]`` starts or ends inside a longer token: a letter or digit
+    right beside it, or one beside a joining separator beside it.
+
+    >>> inside_token("e ~ 2.718281828459045", 7, 18), inside_token("PESEL 44051401359", 6, 17)
+    (True, False)
+    >>> inside_token("INV-2019-004512", 4, 15), inside_token("卡号4111111111111111", 2, 18)
+    (True, False)
+    """
+    if start > 0 and _joined(text[start - 1], text[start - 2] if start > 1 else "", joiners):
+        return True
+    return end < len(text) and _joined(text[end], text[end + 1 : end + 2], joiners)
+
+
+def _joined(beside: str, beyond: str, joiners: str) -> bool:
+    """Whether ``beside`` (the character next to a finding), followed by ``beyond``,
+    makes the finding part of a longer token."""
+    if _continues_token(beside):
+        return True
+    if not beyond or beside not in joiners:
+        return False
+    return beyond.isdecimal() if beside in ".:" else _continues_token(beyond)
+
+
+class WholeTokens(EntityRecognizer):
+    """A recognizer whose findings are kept only where they are whole tokens (not
+    :func:`inside_token`) and not ``also_kept`` by a rule of their type. A wrapper, so that
+    one rule holds for every recognizer of numbers, Presidio's and fedciuic's; it answers
+    to the wrapped one's id, so that Presidio's context words still apply."""
+
+    def __init__(
+        self,
+        inner: EntityRecognizer,
+        *,
+        joiners: str = NUMBER_JOINERS,
+        also_kept: Callable[[str, int, int], bool] | None = None,
+    ) -> None:
+        self.inner = inner
+        self._joiners = joiners
+        self._also_kept = also_kept
+        super().__init__(
+            supported_entities=inner.get_supported_entities(),
+            supported_language=inner.get_supported_language(),
+            name=str(getattr(inner, "name", "")),
+            context=inner.context,
+        )
+        self._id = inner.id  # results carry the wrapped recognizer's id
+
+    def load(self) -> None:
+        return None
+
+    def analyze(
+        self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
+    ) -> list[RecognizerResult]:
+        found: list[RecognizerResult] = self.inner.analyze(text, entities, nlp_artifacts)  # type: ignore[arg-type]
+        return [
+            r
+            for r in found
+            if not inside_token(text, r.start, r.end, self._joiners)
+            and not (self._also_kept is not None and self._also_kept(text, r.start, r.end))
+        ]
+
+    def enhance_using_context(
+        self,
+        text: str,
+        raw_recognizer_results: list[RecognizerResult],
+        other_raw_recognizer_results: list[RecognizerResult],
+        nlp_artifacts: NlpArtifacts,
+        context: list[str] | None = None,
+    ) -> list[RecognizerResult]:
+        return self.inner.enhance_using_context(
+            text, raw_recognizer_results, other_raw_recognizer_results, nlp_artifacts, context
+        )
 
 
 class FastPhoneRecognizer(PhoneRecognizer):
@@ -223,7 +379,6 @@ class DictionaryRecognizer(EntityRecognizer):
 #: Presidio's recognizers fedciuic uses as they are, built for :data:`LANGUAGE`.
 _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     US_SSN: UsSsnRecognizer,
-    CREDIT_CARD: CreditCardRecognizer,
     IBAN_CODE: IbanRecognizer,
     IP_ADDRESS: IpRecognizer,
     ES_NIF: EsNifRecognizer,
@@ -233,10 +388,31 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     FI_PERSONAL_IDENTITY_CODE: FiPersonalIdentityCodeRecognizer,
     SE_PERSONNUMMER: SePersonnummerRecognizer,
 }
+#: The types found in numbers: every recognizer of one is wrapped in :class:`WholeTokens`,
+#: with its separators and its own rule (IPs take '/24' and ':8080' after them).
+_IN_NUMBERS: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
+    PHONE_NUMBER: (NUMBER_JOINERS, _reference_or_date),
+    IP_ADDRESS: (".", _code_not_ip),
+} | {
+    entity: (NUMBER_JOINERS, None)
+    for entity in (
+        CREDIT_CARD,
+        CN_RESIDENT_ID,
+        US_SSN,
+        IBAN_CODE,
+        ES_NIF,
+        ES_NIE,
+        IT_FISCAL_CODE,
+        PL_PESEL,
+        FI_PERSONAL_IDENTITY_CODE,
+        SE_PERSONNUMMER,
+    )
+}
 #: fedciuic's own (the dictionary's is built apart, from the region's entries).
 _OWN: dict[str, tuple[Callable[[], EntityRecognizer], ...]] = {
     EMAIL_ADDRESS: (OfflineEmailRecognizer,),
     PHONE_NUMBER: (FastPhoneRecognizer, CnMobileRecognizer),
+    CREDIT_CARD: (CardRecognizer,),
     CN_RESIDENT_ID: (CnResidentIdRecognizer,),
     URL: (PersonalUrlRecognizer,),
 }
@@ -246,7 +422,10 @@ def pattern_recognizers(entities: tuple[str, ...]) -> list[EntityRecognizer]:
     """The pattern recognizers of ``entities``, made only for those."""
     made: list[EntityRecognizer] = []
     for entity in entities:
-        if entity in _PRESIDIO:
-            made.append(_PRESIDIO[entity](supported_language=LANGUAGE))
-        made += [kind() for kind in _OWN.get(entity, ())]
+        found_by = [_PRESIDIO[entity](supported_language=LANGUAGE)] if entity in _PRESIDIO else []
+        found_by += [kind() for kind in _OWN.get(entity, ())]
+        if entity in _IN_NUMBERS:
+            joiners, rule = _IN_NUMBERS[entity]
+            found_by = [WholeTokens(r, joiners=joiners, also_kept=rule) for r in found_by]
+        made += found_by
     return made
