@@ -41,6 +41,7 @@ from fedciuic.deid.cards import find_cards
 from fedciuic.deid.checks import cn_resident_id_valid
 from fedciuic.deid.entities import (
     CN_RESIDENT_ID,
+    CONTEXT_NAME,
     CREDIT_CARD,
     DICTIONARY,
     EMAIL_ADDRESS,
@@ -57,6 +58,7 @@ from fedciuic.deid.entities import (
     URL,
     US_SSN,
 )
+from fedciuic.deid.names import find_names
 
 #: Regions whose numbering plans the phone recognizer tries (international numbers with
 #: a + are found whatever the region).
@@ -66,6 +68,8 @@ PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "PL", "SE", "FI", "CN
 _PHONE_RUN = re.compile(r"[+(]?\d[\d \t().\-/]{5,}\d")
 #: Characters either side of a run given to ``phonenumbers`` with it.
 _PHONE_MARGIN = 2
+#: An extension written after a number (``x45``, ``ext. 45``), given with it.
+_EXTENSION = re.compile(r"[ \t]?(?:x|ext\.?|extension)[ \t]?\d{1,6}(?!\d)", re.IGNORECASE)
 
 
 class CnResidentIdRecognizer(PatternRecognizer):
@@ -122,41 +126,58 @@ def _not_a_phone(text: str, run: re.Match[str]) -> bool:
     )
 
 
-#: An amount grouped in thousands: one or two leading digits, then groups of three.
-_THOUSANDS = re.compile(r"[1-9]\d?(?: \d{3}){2,}")
-#: Words that name the number after them as a reference, not a phone number: invoices,
-#: orders, tickets, bibliographic and part numbers, in the regions' languages.
+#: An amount grouped in thousands: ``12.345.678`` (the run stops before a decimal comma),
+#: ``1 234 567 890`` (a space after one or two digits: ``612 345 678`` is a phone number).
+_THOUSANDS = re.compile(r"[1-9]\d{0,2}(?:\.\d{3})+|[1-9]\d?(?: \d{3}){2,}")
+#: Words that name the number after them as a reference or a product's code: invoices,
+#: orders, tickets, bibliographic, part and article numbers, in the regions' languages.
 _REFERENCE_WORDS = (
     r"invoice|inv|order|ord|po|ref|reference|ticket|case|claim|isbn|issn|doi|pmid|arxiv|"
     r"sku|part|p/n|serial|s/n|tracking|version|ver|build|release|page|pages|pp|"
-    r"rechnung\w*|bestell\w*|auftrag\w*|facture|commande|fattura|ordine|factura|pedido"
+    r"ean|gtin|upc|barcode|art|article|"
+    r"rechnung\w*|bestell\w*|auftrag\w*|artikel\w*|facture|commande|fattura|ordine|"
+    r"factura|pedido|albar[aá]n"
 )
 _NAMED_REFERENCE = re.compile(
-    rf"(?i)(?:(?<![^\W\d_])(?:{_REFERENCE_WORDS})|订单|发票|单号|编号)\.?\s*"
-    r"(?:(?:no|nr|n[°º]|num|number|nummer|numéro|número|numero)\b\.?\s*)?[:#]?\s*$|#\s*$"
+    rf"(?i)(?:(?<![^\W\d_])(?:{_REFERENCE_WORDS})|订单|发票|单号|编号|条码|条形码)\.?\s*"
+    r"(?:(?:no|nr|n[°º]|num|number|nummer|numéro|número|numero)\b\.?\s*)?[:#]?\s*$"
 )
 #: A date (year first or last) at the start of a finding.
 _LEADING_DATE = re.compile(
     r"\[?(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
     r"|(?:0?[1-9]|[12]\d|3[01])[-/.](?:0?[1-9]|1[0-2])[-/.]\d{4})(?!\d)"
 )
+#: A version's marker before an IPv4-shaped number (``rv:1.9.5.20``).
+_VERSION_MARK = re.compile(r"(?i)(?<![^\W\d_])(?:v|rv|ver|version|release|build)\s*[:=]?\s*$")
+
+
+def _named_reference(text: str, start: int, end: int) -> bool:
+    """A finding named as a reference by the words before it: ``invoice 2024-000123``,
+    ``ISBN 0-306-40615-2``, ``EAN 5716241543590``, ``订单号13812345678``."""
+    del end
+    return _NAMED_REFERENCE.search(text, max(0, start - 32), start) is not None
 
 
 def _reference_or_date(text: str, start: int, end: int) -> bool:
-    """A phone-shaped finding that is a reference or a date: named by the word before it
-    (``invoice 2024-000123``, ``Order #123-4567890``, ``ISBN 0-306-40615-2``) or starting
-    with a date (``2024-03-15 10``)."""
+    """A phone-shaped finding that is a reference or a date: named so
+    (:func:`_named_reference`), numbered (``Order #123-4567890``) or starting with a date
+    (``2024-03-15 10``)."""
     return (
-        _NAMED_REFERENCE.search(text, max(0, start - 32), start) is not None
+        _named_reference(text, start, end)
+        or text[max(0, start - 3) : start].rstrip().endswith("#")
         or _LEADING_DATE.match(text, start, end) is not None
     )
 
 
-def _code_not_ip(text: str, start: int, end: int) -> bool:
-    """An IPv6-shaped finding with no digit in it: a scoped name in code (``a::b``,
-    ``dead::beef``, ``[::]``), not an address."""
+def _not_an_address(text: str, start: int, end: int) -> bool:
+    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``), or
+    an IPv6 shape with fewer than three groups or no digit, as code writes them
+    (``a::b``, ``arr[::2]``, ``dead::beef``; the loopback ``::1`` names no one either)."""
     found = text[start:end]
-    return ":" in found and not any(c.isdecimal() for c in found)
+    if ":" not in found:
+        return _VERSION_MARK.search(text, max(0, start - 10), start) is not None
+    groups = [g for g in re.split(r"[:/%.]", found) if g]
+    return len(groups) < 3 or not any(c.isdecimal() for c in found)
 
 
 def _continues_token(char: str) -> bool:
@@ -263,7 +284,9 @@ class FastPhoneRecognizer(PhoneRecognizer):
         for run in _PHONE_RUN.finditer(text):
             if _not_a_phone(text, run):
                 continue
-            lo, hi = max(0, run.start() - _PHONE_MARGIN), min(len(text), run.end() + _PHONE_MARGIN)
+            extension = _EXTENSION.match(text, run.end())
+            end = extension.end() if extension else run.end()
+            lo, hi = max(0, run.start() - _PHONE_MARGIN), min(len(text), end + _PHONE_MARGIN)
             for result in super().analyze(text[lo:hi], entities, nlp_artifacts):  # type: ignore[arg-type]
                 result.start += lo
                 result.end += lo
@@ -376,6 +399,32 @@ class DictionaryRecognizer(EntityRecognizer):
         ]
 
 
+class ContextNameRecognizer(EntityRecognizer):
+    """Names found offline by their context (:func:`fedciuic.deid.names.find_names`)."""
+
+    #: Above the pipeline's threshold, below a dictionary's 1.0 (which wins a tie).
+    SCORE = 0.6
+
+    def __init__(self) -> None:
+        super().__init__(
+            supported_entities=[CONTEXT_NAME],
+            supported_language=LANGUAGE,
+            name="ContextNameRecognizer",
+        )
+
+    def load(self) -> None:
+        return None
+
+    def analyze(
+        self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
+    ) -> list[RecognizerResult]:
+        del nlp_artifacts
+        if CONTEXT_NAME not in entities:
+            return []
+        spans = sorted(set(find_names(text)))
+        return [RecognizerResult(CONTEXT_NAME, s, e, self.SCORE) for s, e in spans]
+
+
 #: Presidio's recognizers fedciuic uses as they are, built for :data:`LANGUAGE`.
 _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     US_SSN: UsSsnRecognizer,
@@ -392,20 +441,21 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
 #: with its separators and its own rule (IPs take '/24' and ':8080' after them).
 _IN_NUMBERS: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
     PHONE_NUMBER: (NUMBER_JOINERS, _reference_or_date),
-    IP_ADDRESS: (".", _code_not_ip),
+    IP_ADDRESS: (".", _not_an_address),
+    # Luhn and PESEL's or a personnummer's checks pass one number in ten or so
+    CREDIT_CARD: (NUMBER_JOINERS, _named_reference),
+    PL_PESEL: (NUMBER_JOINERS, _named_reference),
+    SE_PERSONNUMMER: (NUMBER_JOINERS, _named_reference),
 } | {
     entity: (NUMBER_JOINERS, None)
     for entity in (
-        CREDIT_CARD,
         CN_RESIDENT_ID,
         US_SSN,
         IBAN_CODE,
         ES_NIF,
         ES_NIE,
         IT_FISCAL_CODE,
-        PL_PESEL,
         FI_PERSONAL_IDENTITY_CODE,
-        SE_PERSONNUMMER,
     )
 }
 #: fedciuic's own (the dictionary's is built apart, from the region's entries).
@@ -415,6 +465,7 @@ _OWN: dict[str, tuple[Callable[[], EntityRecognizer], ...]] = {
     CREDIT_CARD: (CardRecognizer,),
     CN_RESIDENT_ID: (CnResidentIdRecognizer,),
     URL: (PersonalUrlRecognizer,),
+    CONTEXT_NAME: (ContextNameRecognizer,),
 }
 
 
