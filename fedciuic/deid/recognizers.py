@@ -217,11 +217,27 @@ def _joined(beside: str, beyond: str, joiners: str) -> bool:
     return beyond.isdecimal() if beside in ".:" else _continues_token(beyond)
 
 
+#: A letter of a script written without spaces between words and numbers (Chinese,
+#: Japanese, Korean, Thai...): where a pattern needs a word boundary, it reads a space.
+_UNSPACED_LETTER = re.compile(r"[^\W\d_\u0000-\u052f]")
+
+
+@functools.lru_cache(maxsize=2)
+def _unglued(text: str) -> str:
+    """``text`` with every letter of a script written without spaces read as a space
+    (made once per text for all the recognizers that read it so)."""
+    return _UNSPACED_LETTER.sub(" ", text)
+
+
 class WholeTokens(EntityRecognizer):
     """A recognizer whose findings are kept only where they are whole tokens (not
     :func:`inside_token`) and not ``also_kept`` by a rule of their type. A wrapper, so that
     one rule holds for every recognizer of numbers, Presidio's and fedciuic's; it answers
-    to the wrapped one's id, so that Presidio's context words still apply."""
+    to the wrapped one's id, so that Presidio's context words still apply.
+
+    With ``unglued``, the wrapped recognizer reads the text with every letter of a script
+    written without spaces as a space (offsets do not move): Presidio's patterns start
+    and end at word boundaries, and Python's ``\\b`` sees none in ``客户123-45-6789的``."""
 
     def __init__(
         self,
@@ -229,10 +245,12 @@ class WholeTokens(EntityRecognizer):
         *,
         joiners: str = NUMBER_JOINERS,
         also_kept: Callable[[str, int, int], bool] | None = None,
+        unglued: bool = False,
     ) -> None:
         self.inner = inner
         self._joiners = joiners
         self._also_kept = also_kept
+        self._unglued = unglued
         super().__init__(
             supported_entities=inner.get_supported_entities(),
             supported_language=inner.get_supported_language(),
@@ -247,11 +265,13 @@ class WholeTokens(EntityRecognizer):
     def analyze(
         self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
     ) -> list[RecognizerResult]:
-        found: list[RecognizerResult] = self.inner.analyze(text, entities, nlp_artifacts)  # type: ignore[arg-type]
+        read = _unglued(text) if self._unglued else text
+        found: list[RecognizerResult] = self.inner.analyze(read, entities, nlp_artifacts)  # type: ignore[arg-type]
         return [
             r
             for r in found
-            if not inside_token(text, r.start, r.end, self._joiners)
+            if read[r.start : r.end] == text[r.start : r.end]  # no letter read as a space
+            and not inside_token(text, r.start, r.end, self._joiners)
             and not (self._also_kept is not None and self._also_kept(text, r.start, r.end))
         ]
 
@@ -437,9 +457,11 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     FI_PERSONAL_IDENTITY_CODE: FiPersonalIdentityCodeRecognizer,
     SE_PERSONNUMMER: SePersonnummerRecognizer,
 }
-#: The types found in numbers: every recognizer of one is wrapped in :class:`WholeTokens`,
-#: with its separators and its own rule (IPs take '/24' and ':8080' after them).
-_IN_NUMBERS: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
+#: The types patterns find as tokens of running text (all but names and URLs): every
+#: recognizer of one is wrapped in :class:`WholeTokens`, with its separators and its own
+#: rule (IPs take '/24' and ':8080' after them), and Presidio's patterns read Chinese
+#: text unglued.
+_TOKEN_RULES: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
     PHONE_NUMBER: (NUMBER_JOINERS, _reference_or_date),
     IP_ADDRESS: (".", _not_an_address),
     # Luhn and PESEL's or a personnummer's checks pass one number in ten or so
@@ -449,6 +471,7 @@ _IN_NUMBERS: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
 } | {
     entity: (NUMBER_JOINERS, None)
     for entity in (
+        EMAIL_ADDRESS,
         CN_RESIDENT_ID,
         US_SSN,
         IBAN_CODE,
@@ -475,8 +498,13 @@ def pattern_recognizers(entities: tuple[str, ...]) -> list[EntityRecognizer]:
     for entity in entities:
         found_by = [_PRESIDIO[entity](supported_language=LANGUAGE)] if entity in _PRESIDIO else []
         found_by += [kind() for kind in _OWN.get(entity, ())]
-        if entity in _IN_NUMBERS:
-            joiners, rule = _IN_NUMBERS[entity]
-            found_by = [WholeTokens(r, joiners=joiners, also_kept=rule) for r in found_by]
+        if entity in _TOKEN_RULES:
+            joiners, rule = _TOKEN_RULES[entity]
+            found_by = [
+                WholeTokens(
+                    r, joiners=joiners, also_kept=rule, unglued=isinstance(r, PatternRecognizer)
+                )
+                for r in found_by
+            ]
         made += found_by
     return made
