@@ -4,11 +4,12 @@ a number failing Luhn, or part of a longer run of digits, is kept."""
 
 from __future__ import annotations
 
+import doctest
 import random
 
 import pytest
 
-from fedciuic.deid import DIRECT, DeidSpec, Scrubber
+from fedciuic.deid import DIRECT, DeidSpec, Scrubber, cards
 from fedciuic.deid.cards import NETWORKS, find_cards, luhn_digit, luhn_valid, network_of
 
 #: (network, prefix, length): both ends of every range, every length class.
@@ -160,6 +161,10 @@ def test_a_card_inside_a_longer_run_of_digits_is_kept(scrubber, name, prefix, le
     ]
     for text in longer:
         assert "<CARD>" not in scrubber.scrub(f"see {text} here"), text
+
+
+def test_the_modules_examples_hold():
+    assert doctest.testmod(cards).failed == 0
 
 
 def test_presidios_recognizer_is_not_registered(scrubber):
