@@ -31,7 +31,15 @@ from pydantic import (
 from fedciuic.aggregation import NormAction
 from fedciuic.compression import Codec, get_codec
 from fedciuic.crypto import Suite
-from fedciuic.deid import DIRECT_WORD, SECRET_FILE, Replacement, listed_entities, parse_entities
+from fedciuic.deid import (
+    DIRECT_WORD,
+    NAMES_WORD,
+    SECRET_FILE,
+    Replacement,
+    found_entities,
+    listed_entities,
+    parse_entities,
+)
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
 from fedciuic.server_optim import OptimizerName, ServerSettings
@@ -411,7 +419,7 @@ class RunConfig(_Strict):
     # De-identification before tokenising (:class:`DeidSettings`; simulation: a folder
     # of REGION.txt dictionaries, a deployed region names its own deid-dictionary).
     deidentify: bool = True
-    deid_entities: tuple[str, ...] = (DIRECT_WORD,)
+    deid_entities: tuple[str, ...] = (DIRECT_WORD, NAMES_WORD)
     deid_replacement: Replacement = "placeholder"
     deid_dictionaries: str = ""
 
@@ -599,11 +607,20 @@ class RunConfig(_Strict):
         )
 
 
+#: The folder of a simulation's data root that holds its regions' dictionaries
+#: (REGION.txt) when deid-dictionaries names none: where the demo data keeps them.
+SIMULATED_DICTIONARIES = "deid-dictionaries"
+
+
 def simulated_dictionary(run: RunConfig, region: str) -> str:
-    """A simulated region's dictionary: deid-dictionaries/REGION.txt if there is one
-    ("": none; a deployed region names its own in its agent config)."""
-    path = Path(run.deid_dictionaries) / f"{region}.txt"
-    return str(path) if run.deid_dictionaries and path.is_file() else ""
+    """A simulated region's dictionary: deid-dictionaries/REGION.txt (deid-dictionaries
+    empty: data-root/deid-dictionaries/REGION.txt) if there is one ("": none; a deployed
+    region names its own in its agent config)."""
+    folder = run.deid_dictionaries or (
+        str(Path(run.data_root) / SIMULATED_DICTIONARIES) if run.data_root else ""
+    )
+    path = Path(folder) / f"{region}.txt"
+    return str(path) if folder and path.is_file() else ""
 
 
 #: What Flower's simulation engine puts in each simulated node's config.
@@ -651,6 +668,16 @@ class NodeConfig(_Strict):
     #: A spaCy pipeline the region installed (a package name or a folder), which then
     #: finds PERSON and LOCATION too; "" scrubs by patterns and the dictionary alone.
     deid_ner_model: str = ""
+
+    def deid_entities(self, run: RunConfig) -> tuple[str, ...]:
+        """The entity types this region scrubs, declares and is held to: the run's
+        deid-entities it has the means for (DICTIONARY needs its deid-dictionary, PERSON
+        and LOCATION its deid-ner-model)."""
+        return found_entities(
+            run.deid.entities,
+            dictionary=bool(self.deid_dictionary),
+            ner_model=bool(self.deid_ner_model),
+        )
 
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
@@ -880,7 +907,8 @@ class DeidSettings:
     docs/deidentification.md)."""
 
     enabled: Annotated[bool, Key("deidentify")]
-    #: As listed (``direct``: every pattern-found type); :attr:`entities` expands them.
+    #: As listed (``direct``: every pattern-found type, ``names``: person names);
+    #: :attr:`entities` expands them.
     listed: Annotated[tuple[str, ...], Key("deid_entities")]
     #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
     #: region's secret: stable within a region, different across regions).

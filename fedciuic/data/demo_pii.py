@@ -9,12 +9,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from fedciuic.config import SIMULATED_DICTIONARIES
 from fedciuic.data.records import CONTENT, ROLE, USER
 from fedciuic.deid import cn_check_character
 
 #: Where the demo corpora keep each region's dictionary of its (synthetic) names, under
-#: the demo root: ``REGION.txt``.
-DEMO_DICTIONARIES = "deid-dictionaries"
+#: the demo root: ``REGION.txt`` (where a simulation looks by default).
+DEMO_DICTIONARIES = SIMULATED_DICTIONARIES
 #: The share of a region's users who sign a question.
 SIGNING_SHARE = 0.1
 _FIRST = ("Mei", "Jonas", "Amara", "Luca", "Sofia", "Wei", "Priya", "Tomas", "Hana", "Omar")

@@ -43,10 +43,13 @@ class Scrubbed(BaseModel):
 
 def check_deid(settings: DeidSettings, *, dictionary: str, ner_model: str) -> Dictionary | None:
     """What a region's de-identification needs of it, checked (its dictionary read):
-    :class:`ConfigError` names the key or ``FILE:LINE``; the dictionary, if named."""
+    :class:`ConfigError` names the key or ``FILE:LINE``; the dictionary, if named. A type
+    only a NER model finds, listed by its name, needs one; ``names`` does not (without a
+    dictionary or a model it finds names by their context alone, which a policy that
+    requires names refuses)."""
     from fedciuic.deid import NER_ONLY, load_dictionary
 
-    needs_ner = [e for e in settings.entities if e in NER_ONLY]
+    needs_ner = [e for e in settings.listed if e in NER_ONLY] if settings.enabled else []
     if needs_ner and not ner_model:
         raise ConfigError(
             [
@@ -71,11 +74,13 @@ def region_scrubber(
     entities = settings.entities
     if not entities:
         return None
-    from fedciuic.deid import DeidSpec, Scrubber, region_secret
+    from fedciuic.deid import DeidSpec, Scrubber, found_entities, region_secret
 
     names = check_deid(settings, dictionary=dictionary, ner_model=ner_model)
+    # What the region can find is what it scrubs and declares (NodeConfig.deid_entities).
+    found = found_entities(entities, dictionary=names is not None, ner_model=bool(ner_model))
     scrubber = Scrubber(
-        DeidSpec(entities, settings.replacement, region_secret(secret), names, ner_model)
+        DeidSpec(found, settings.replacement, region_secret(secret), names, ner_model)
     )
     if examples:
         scrubber.findings.examples = []

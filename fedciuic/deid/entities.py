@@ -4,8 +4,10 @@ configs list, and the placeholder each is replaced by.
 Every type here is found by a pattern with a check where its format has one (Luhn for
 cards, ISO 7064 for IBANs, GB 11643's check digit for mainland China resident IDs, the
 national check digits of the EU identity numbers), so that an order number or a
-reference that merely looks like one is kept. ``PERSON`` and ``LOCATION`` need a named
-NER model (``deid-ner-model``); the region's dictionary finds the names it lists.
+reference that merely looks like one is kept. Names are a class of their own
+(``names``): the region's dictionary finds the names it lists, a named NER model
+(``deid-ner-model``) finds ``PERSON`` and ``LOCATION``, and fedciuic's offline recognizers
+find names by their context (``Mr. Smith``, ``Dear Anna,``, a signature line, ``王伟先生``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 LANGUAGE = "en"
 #: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
 #: pipeline's identity (the tokenisation cache's key and the audit record).
-RECOGNIZERS_VERSION = 1
+RECOGNIZERS_VERSION = 2
 
 EMAIL_ADDRESS = "EMAIL_ADDRESS"
 PHONE_NUMBER = "PHONE_NUMBER"
@@ -36,6 +38,9 @@ FI_PERSONAL_IDENTITY_CODE = "FI_PERSONAL_IDENTITY_CODE"
 SE_PERSONNUMMER = "SE_PERSONNUMMER"
 #: An entry of the region's own dictionary (its customers', account holders' names).
 DICTIONARY = "DICTIONARY"
+#: A name found offline by its context: after an honorific or a salutation, in a
+#: signature line, a Chinese surname in a naming context (``fedciuic/deid/names.py``).
+CONTEXT_NAME = "CONTEXT_NAME"
 #: Found only by a named NER model.
 PERSON = "PERSON"
 LOCATION = "LOCATION"
@@ -57,6 +62,7 @@ PLACEHOLDERS: dict[str, str] = {
     FI_PERSONAL_IDENTITY_CODE: "FI_ID",
     SE_PERSONNUMMER: "SE_ID",
     DICTIONARY: "NAME",
+    CONTEXT_NAME: "NAME",
     PERSON: "PERSON",
     LOCATION: "LOCATION",
 }
@@ -70,8 +76,8 @@ EU_NATIONAL_IDS = (
     FI_PERSONAL_IDENTITY_CODE,
     SE_PERSONNUMMER,
 )
-#: Direct identifiers found by patterns alone: what ``deid-entities = "direct"`` means,
-#: and what the shipped PIPL and GDPR policies require.
+#: Direct identifiers found by patterns alone: what ``direct`` means in ``deid-entities``
+#: and in a policy (the shipped PIPL and GDPR policies require it, and ``names``).
 DIRECT: tuple[str, ...] = (
     EMAIL_ADDRESS,
     PHONE_NUMBER,
@@ -82,39 +88,88 @@ DIRECT: tuple[str, ...] = (
     IP_ADDRESS,
     URL,
     *EU_NATIONAL_IDS,
-    DICTIONARY,
 )
+#: Person names: what ``names`` means in ``deid-entities``. A region scrubs those it has
+#: the means for (:func:`found_entities`).
+NAMES: tuple[str, ...] = (DICTIONARY, PERSON, CONTEXT_NAME)
+#: What meets a policy's ``names``: a dictionary of the region's names, or a NER model
+#: (the context recognizers alone miss most names, docs/deidentification.md).
+NAME_SOURCES = (DICTIONARY, PERSON)
 #: Types only a named NER model finds.
 NER_ONLY = (PERSON, LOCATION)
-#: The word a run config or policy uses for :data:`DIRECT`.
+#: The word a run config or policy uses for :data:`DIRECT`, and for :data:`NAMES`.
 DIRECT_WORD = "direct"
+NAMES_WORD = "names"
+#: The class words, each standing for its types.
+CLASSES: dict[str, tuple[str, ...]] = {DIRECT_WORD: DIRECT, NAMES_WORD: NAMES}
 
 
 def listed_entities(value: str | Iterable[str]) -> tuple[str, ...]:
-    """``"direct,PERSON"`` (or a list) as the entity type names listed, each checked
+    """``"direct,names"`` (or a list) as the entity type names listed, each checked
     (``ValueError`` names an unknown one, or says none is listed)."""
     parts = value.split(",") if isinstance(value, str) else value
     names = tuple(name for name in (part.strip() for part in parts) if name)
     parse_entities(names)
     if not names:
-        raise ValueError(f'no entity type; name some, or "{DIRECT_WORD}"')
+        raise ValueError(f'no entity type; name some, or "{DIRECT_WORD},{NAMES_WORD}"')
     return names
 
 
 def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
-    """Entity types as listed (``direct`` standing for :data:`DIRECT`), in their canonical
-    order; an unknown name raises ``ValueError`` naming the known ones."""
+    """Entity types as listed (``direct`` standing for :data:`DIRECT`, ``names`` for
+    :data:`NAMES`), in their canonical order; an unknown name raises ``ValueError``
+    naming the known ones."""
     wanted: set[str] = set()
     for value in values:
         name = value.strip()
         if not name:
             continue
-        if name == DIRECT_WORD:
-            wanted.update(DIRECT)
+        if name in CLASSES:
+            wanted.update(CLASSES[name])
         elif name in PLACEHOLDERS:
             wanted.add(name)
         else:
             raise ValueError(
-                f"unknown entity type {name[:40]!r}; known: {DIRECT_WORD}, {', '.join(ENTITIES)}"
+                f"unknown entity type {name[:40]!r}; known: {', '.join(CLASSES)}, "
+                f"{', '.join(ENTITIES)}"
             )
     return tuple(e for e in ENTITIES if e in wanted)
+
+
+def found_entities(
+    entities: tuple[str, ...], *, dictionary: bool, ner_model: bool
+) -> tuple[str, ...]:
+    """What a region scrubs of ``entities``: the types it can find. ``DICTIONARY`` only
+    with a dictionary (a loaded one is never empty), ``PERSON`` and ``LOCATION`` only
+    with a NER model; this is what it declares, and what its policy is checked against.
+
+    >>> found_entities(parse_entities(["names"]), dictionary=False, ner_model=False)
+    ('CONTEXT_NAME',)
+    """
+    cannot = (() if dictionary else (DICTIONARY,)) + (() if ner_model else NER_ONLY)
+    return tuple(e for e in entities if e not in cannot)
+
+
+def requirement_reasons(listed: tuple[str, ...], scrubbed: tuple[str, ...]) -> list[str]:
+    """Why ``scrubbed`` does not meet a requirement listed as ``listed`` (a policy's
+    ``deidentification.entities``): every type listed must be scrubbed, ``direct`` each of
+    :data:`DIRECT`, and ``names`` one of :data:`NAME_SOURCES` (a dictionary or a model:
+    the offline context recognizers alone do not meet it)."""
+    required = parse_entities(name for name in listed if name != NAMES_WORD)
+    reasons = []
+    missing = [e for e in required if e not in scrubbed]
+    if missing:
+        reasons.append(
+            f"de-identification does not scrub {', '.join(missing)} (deidentification.entities)"
+        )
+    if NAMES_WORD in listed and not set(NAME_SOURCES) & set(scrubbed):
+        reasons.append(
+            f"names are required (deidentification.entities: {NAMES_WORD}) but this region "
+            + (
+                "has neither a name dictionary nor a NER model: set"
+                if CONTEXT_NAME in scrubbed
+                else f"does not scrub them: list {NAMES_WORD} in the run's deid-entities, and set"
+            )
+            + " deid-dictionary or deid-ner-model in its agent config"
+        )
+    return reasons

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fedciuic.deid.dictionary import Dictionary, dictionary_pattern
 from fedciuic.deid.entities import (
+    CONTEXT_NAME,
     DICTIONARY,
     LANGUAGE,
     NER_ONLY,
     PLACEHOLDERS,
     RECOGNIZERS_VERSION,
 )
+from fedciuic.deid.names import may_hold_name
 from fedciuic.deid.secret import secret_id
 from fedciuic.errors import ConfigError
 
@@ -137,6 +139,7 @@ class Scrubber:
         self.spec = spec
         self.identity = spec.identity()
         self._ner = bool(spec.ner_model) and bool(set(NER_ONLY) & set(spec.entities))
+        self._names = CONTEXT_NAME in spec.entities
         self._dictionary = (
             dictionary_pattern(spec.dictionary.entries)
             if spec.dictionary is not None and DICTIONARY in spec.entities
@@ -145,7 +148,13 @@ class Scrubber:
         self.findings = DeidFindings()
 
     @cached_property
-    def _engines(self) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig]]:
+    def _engines(
+        self,
+    ) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig], list[str]]:
+        """The analyzer, the anonymizer, each type's operator, and the types to ask the
+        analyzer for: only those a recognizer was registered for (Presidio warns once per
+        text of any other, and means to refuse them), so never the dictionary's without a
+        dictionary nor a NER model's without one."""
         from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
         from presidio_analyzer.predefined_recognizers import SpacyRecognizer
         from presidio_anonymizer import AnonymizerEngine
@@ -167,10 +176,12 @@ class Scrubber:
             default_score_threshold=MIN_SCORE,
         )
         anonymizer = AnonymizerEngine()  # type: ignore[no-untyped-call]
+        supported = set(analyzer.get_supported_entities(language=LANGUAGE))
         return (
             analyzer,
             anonymizer,
             {e: self._operator(e) for e in spec.entities},
+            [e for e in spec.entities if e in supported],
         )
 
     def _operator(self, entity: str) -> OperatorConfig:
@@ -180,10 +191,12 @@ class Scrubber:
         if self.spec.replacement == "placeholder":
             return OperatorConfig("replace", {"new_value": f"<{stem}>"})
         key = self.spec.key
+        # A name found by its context is keyed as the dictionary's: one pseudonym a name.
+        keyed = DICTIONARY if entity == CONTEXT_NAME else entity
 
         def pseudonym(value: str) -> str:
             normal = "".join(c for c in value.casefold() if c.isalnum() or c in "@.")
-            mac = hmac.new(key, f"{entity}\n{normal}".encode(), hashlib.sha256)
+            mac = hmac.new(key, f"{keyed}\n{normal}".encode(), hashlib.sha256)
             return f"<{stem}_{mac.hexdigest()[:PSEUDONYM_HEX]}>"
 
         return OperatorConfig("custom", {"lambda": pseudonym})
@@ -191,14 +204,18 @@ class Scrubber:
     def _may_hold(self, text: str) -> bool:
         if self._ner or _MAY_HOLD.search(text):
             return True
+        if self._names and may_hold_name(text):
+            return True
         return self._dictionary is not None and self._dictionary.search(text) is not None
 
     def scrub(self, text: str, *, where: str = "", file: str = "") -> str:
         """``text`` with every identifier replaced; the findings counted under ``file``."""
         if not text or not self._may_hold(text):
             return text
-        analyzer, anonymizer, operators = self._engines
-        results = analyzer.analyze(text, language=LANGUAGE, entities=list(self.spec.entities))
+        analyzer, anonymizer, operators, asked = self._engines
+        if not asked:  # Presidio reads no entities as every one it knows
+            return text
+        results = analyzer.analyze(text, language=LANGUAGE, entities=asked)
         if not results:
             return text
         # The anonymizer reads the analyzer's results as they are (its own class has the

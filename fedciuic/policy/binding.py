@@ -74,8 +74,11 @@ def run_terms(
     aggregator_jurisdiction: str,
     epsilon_budget: float | None = None,
     projected_epsilon: float | None = None,
+    deid_entities: tuple[str, ...] | None = None,
 ) -> RunTerms:
-    """What this run asks of a region, from the run config's sections."""
+    """What this run asks of a region, from the run config's sections; ``deid_entities``
+    is what the region scrubs of the run's (:meth:`NodeConfig.deid_entities`; None: all
+    the run lists)."""
     dp, sealing = run.privacy, run.sealing
     return RunTerms(
         aggregator_jurisdiction=aggregator_jurisdiction,
@@ -95,7 +98,7 @@ def run_terms(
         secure_aggregation=run.secure.enabled,
         secure_threshold=run.secure.threshold if run.secure.enabled else 0,
         distributed_dp=run.secure.enabled and run.secure.noise_multiplier > 0,
-        deid_entities=run.deid.entities,
+        deid_entities=run.deid.entities if deid_entities is None else deid_entities,
     )
 
 
@@ -159,6 +162,7 @@ def enforce_region_policy(
         aggregator_jurisdiction=aggregator_jurisdiction,
         epsilon_budget=node.epsilon_budget,
         projected_epsilon=projected_epsilon,
+        deid_entities=node.deid_entities(run),
     )
     decision = check_run(node.region, loaded, terms)
     mismatch = _jurisdiction_reason(node.region, loaded, own_jurisdiction, simulated=simulated)

@@ -47,7 +47,7 @@ from fedciuic.config import (
     unit_covers,
 )
 from fedciuic.crypto import Suite
-from fedciuic.deid import listed_entities, parse_entities
+from fedciuic.deid import NAMES_WORD, listed_entities, parse_entities, requirement_reasons
 from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import JURISDICTIONS
 
@@ -164,8 +164,8 @@ class Aggregation(_Section):
 
 class Deidentification(_Section):
     """Whether identifiers must be scrubbed from a region's texts before it trains on
-    them, and which (entity types, or ``direct`` for every pattern-found one;
-    docs/deidentification.md)."""
+    them, and which (entity types, ``direct`` for every pattern-found one, ``names`` for
+    a name dictionary or a NER model; docs/deidentification.md)."""
 
     required: bool
     entities: Annotated[tuple[str, ...], _Distinct, AfterValidator(listed_entities)] = Field(
@@ -178,12 +178,7 @@ class Deidentification(_Section):
             return []
         if not scrubbed:
             return ["de-identification is off (deidentification.required)"]
-        missing = [e for e in parse_entities(self.entities) if e not in scrubbed]
-        if missing:
-            return [
-                f"de-identification does not scrub {', '.join(missing)} (deidentification.entities)"
-            ]
-        return []
+        return requirement_reasons(self.entities, scrubbed)
 
 
 class Audit(_Section):
@@ -1062,9 +1057,15 @@ def explain(loaded: LoadedPolicy) -> str:
 def _explain_deid(d: Deidentification | None) -> str:
     if d is None or not d.required:
         return "De-identification before training is not required."
+    parts = [", ".join(parse_entities(e for e in d.entities if e != NAMES_WORD))]
+    if NAMES_WORD in d.entities:
+        parts.append(
+            "names, found by the region's own name dictionary or NER model (deid-dictionary, "
+            "deid-ner-model)"
+        )
     return (
         "Before training, the region must replace these identifiers in its texts: "
-        + ", ".join(parse_entities(d.entities))
+        + "; ".join(p for p in parts if p)
         + " (deid-entities)."
     )
 

@@ -30,12 +30,14 @@ PLANTED = {
     "FI_PERSONAL_IDENTITY_CODE": ("131052-308T", "<FI_ID>"),
     "DICTIONARY": ("Zhang Wei", "<NAME>"),
 }
+#: The pattern types and the dictionary (``direct`` no longer holds it: ``names`` does).
+SCRUBBED = (*DIRECT, "DICTIONARY")
 #: Mainland China mobiles as people write them (no country code, spaces, +86).
 CN_MOBILES = ("13812345678", "138 1234 5678", "+86 138-1234-5678", "0086 13912345678")
 
 
 def scrubber(replacement: str = "placeholder", key: bytes = KEY, **kw: object) -> Scrubber:
-    return Scrubber(DeidSpec(DIRECT, replacement, key, kw.pop("dictionary", None), **kw))  # type: ignore[arg-type]
+    return Scrubber(DeidSpec(SCRUBBED, replacement, key, kw.pop("dictionary", None), **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,7 @@ def test_the_identity_covers_the_config_and_holds_no_key_or_value(tmp_path):
     names = tmp_path / "names.txt"
     names.write_text("Zhang Wei\n", encoding="utf-8")
     base = scrubber().identity
-    assert base["recognizers"]["presidio-analyzer"] and base["entities"] == list(DIRECT)
+    assert base["recognizers"]["presidio-analyzer"] and base["entities"] == list(SCRUBBED)
     assert scrubber("pseudonym").identity["config_hash"] != base["config_hash"]
     listed = scrubber(dictionary=load_dictionary(names)).identity
     assert listed["config_hash"] != base["config_hash"] and listed["dictionary_entries"] == 1

@@ -121,6 +121,15 @@ def cn() -> LoadedPolicy:
     return load_policy(POLICIES / "cn-pipl.yaml")
 
 
+#: What a region with a dictionary scrubs of the default deid-entities (direct, names).
+SCRUBBED = (*DIRECT, "DICTIONARY", "CONTEXT_NAME")
+#: The one line a region without a dictionary or NER model is declined with.
+NO_NAMES = (
+    "names are required (deidentification.entities: names) but this region has neither "
+    "a name dictionary nor a NER model: set deid-dictionary or deid-ner-model in its "
+    "agent config"
+)
+
 GOOD = RunTerms(
     aggregator_jurisdiction="EU",
     relay_jurisdiction="EU",
@@ -134,15 +143,24 @@ GOOD = RunTerms(
     seal_suite="xwing-aes256gcm",
     codec="topk-int8",
     privacy_unit="user",  # the shipped EU policy requires user-level DP
-    deid_entities=DIRECT,  # the shipped EU and CN policies require de-identification
+    deid_entities=SCRUBBED,  # the shipped EU and CN policies require de-identification
 )
 
 RUN_RULES = [
     ({}, None),
     ({"deid_entities": ()}, "de-identification is off (deidentification.required)"),
     (
-        {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER")},
+        {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER", "DICTIONARY")},
         "does not scrub CN_RESIDENT_ID, US_SSN",
+    ),
+    ({"deid_entities": (*DIRECT, "CONTEXT_NAME")}, NO_NAMES),
+    ({"deid_entities": (*DIRECT, "PERSON")}, None),  # a NER model meets names
+    ({"deid_entities": (*DIRECT, "DICTIONARY")}, None),
+    (
+        {"deid_entities": DIRECT},
+        "names are required (deidentification.entities: names) but this region does not "
+        "scrub them: list names in the run's deid-entities, and set deid-dictionary or "
+        "deid-ner-model in its agent config",
     ),
     ({"aggregator_jurisdiction": "CN"}, "transfers.aggregator_jurisdictions"),
     ({"aggregator_jurisdiction": "US"}, None),
@@ -207,13 +225,18 @@ FACTS = UpdateFacts(
     num_examples=500,
     secure_mode=True,
     unit="user",
-    deid_entities=DIRECT,
+    deid_entities=SCRUBBED,
 )
 
 UPDATE_RULES = [
     ({}, None),
     ({"deid_entities": ()}, "de-identification is off (deidentification.required)"),
-    ({"deid_entities": DIRECT[1:]}, "does not scrub EMAIL_ADDRESS (deidentification.entities)"),
+    (
+        {"deid_entities": SCRUBBED[1:]},
+        "does not scrub EMAIL_ADDRESS (deidentification.entities)",
+    ),
+    ({"deid_entities": (*DIRECT, "CONTEXT_NAME")}, NO_NAMES),  # refused at this end too
+    ({"deid_entities": (*DIRECT, "PERSON", "CONTEXT_NAME")}, None),
     ({"epsilon": 17.0}, "declared epsilon 17 > 16"),
     ({"epsilon": None}, "privacy.dp_required"),
     ({"delta": 1e-3}, "privacy.max_delta"),
@@ -494,13 +517,14 @@ def test_a_malformed_secure_aggregation_key_is_refused_naming_it(tmp_path, line,
         ("required: true\n  entities: []", r"entities: Tuple should have at least 1 item"),
         ("required: true\n  entities: [URL, URL]", r"entities: .*URL listed more than once"),
         ("required: 1\n  entities: [direct]", r"required: Input should be a valid boolean"),
+        ("required: true\n  entities: [names, NAMES]", r"entities: Value error, unknown"),
     ],
 )
 def test_a_malformed_deidentification_section_is_refused_naming_its_line_and_field(
     tmp_path, new, message
 ):
     path = tmp_path / "p.yaml"
-    path.write_text(edit(EU, "  required: true\n  entities: [direct]\n", f"  {new}\n"))
+    path.write_text(edit(EU, "  required: true\n  entities: [direct, names]\n", f"  {new}\n"))
     with pytest.raises(PolicyError, match=rf"p\.yaml:\d+: deidentification\.{message}"):
         load_policy(path)
 

@@ -541,8 +541,12 @@ def test_three_policies_for_one_jurisdiction_trust_none(tmp_path):
 
 
 def node(tmp_path: Path, region: str, policy: str) -> NodeConfig:
+    """A deployed region with its policy and its dictionary of names."""
     return NodeConfig(
-        region=region, data_path=str(tmp_path / region), policy=str(POLICIES / policy)
+        region=region,
+        data_path=str(tmp_path / region),
+        policy=str(POLICIES / policy),
+        deid_dictionary=str(tmp_path / "names.txt"),
     )
 
 
@@ -616,18 +620,19 @@ def test_a_lab_region_without_a_policy_obeys_none_and_its_decision_is_not_enforc
     [
         ({"deidentify": False}, "de-identification is off (deidentification.required)"),
         (
-            {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER")},
+            {"deid_entities": ("EMAIL_ADDRESS", "PHONE_NUMBER", "names")},
             "de-identification does not scrub CN_RESIDENT_ID, US_SSN, CREDIT_CARD, IBAN_CODE, "
             "IP_ADDRESS, URL, ES_NIF, ES_NIE, IT_FISCAL_CODE, PL_PESEL, "
-            "FI_PERSONAL_IDENTITY_CODE, SE_PERSONNUMMER, DICTIONARY (deidentification.entities)",
+            "FI_PERSONAL_IDENTITY_CODE, SE_PERSONNUMMER (deidentification.entities)",
         ),
     ],
 )
 def test_a_region_whose_policy_requires_scrubbing_refuses_a_run_without_it(
     tmp_path, run_config, changes, reason
 ):
-    """The shipped CN policy requires the direct identifiers scrubbed: one line, naming
-    the policy field; the default run scrubs them and is accepted."""
+    """The shipped CN policy requires the direct identifiers and names scrubbed: one
+    line, naming the policy field; the default run scrubs them (the region has its
+    dictionary) and is accepted."""
     cn = node(tmp_path, "cn", "cn-pipl.yaml")
     terms = {"aggregator_jurisdiction": "CN", "own_jurisdiction": "CN", "simulated": True}
     assert enforce_region_policy(run_config, cn, **terms).decision.accepted  # type: ignore[arg-type]
@@ -636,3 +641,30 @@ def test_a_region_whose_policy_requires_scrubbing_refuses_a_run_without_it(
     assert caught.value.decision.reasons == (reason,)
     message = str(caught.value)
     assert "\n" not in message and message.endswith(reason), message
+
+
+@pytest.mark.parametrize(("region", "policy"), [("cn", "cn-pipl.yaml"), ("eu", "eu-gdpr.yaml")])
+def test_a_region_without_a_name_dictionary_or_ner_model_declines_under_the_shipped_policies(
+    tmp_path, run_config, region, policy
+):
+    """The shipped CN and EU policies require names: finding them by context alone does
+    not meet it; a dictionary or a NER model does. One line, naming the policy field and
+    both agent keys."""
+    run = run_config.model_copy(update={"privacy_unit": "user"})  # the EU policy's unit
+    bare = node(tmp_path, region, policy).model_copy(update={"deid_dictionary": ""})
+    terms = {
+        "aggregator_jurisdiction": region.upper(),
+        "own_jurisdiction": region.upper(),
+        "simulated": True,
+    }
+    with pytest.raises(PolicyRefusal) as caught:
+        enforce_region_policy(run, bare, **terms)  # type: ignore[arg-type]
+    assert caught.value.decision.reasons == (
+        "names are required (deidentification.entities: names) but this region has neither "
+        "a name dictionary nor a NER model: set deid-dictionary or deid-ner-model in its "
+        "agent config",
+    )
+    assert bare.deid_entities(run)[-1] == "CONTEXT_NAME"
+    for means in ({"deid_dictionary": str(tmp_path / "names.txt")}, {"deid_ner_model": "ner"}):
+        equipped = bare.model_copy(update=means)
+        assert enforce_region_policy(run, equipped, **terms).decision.accepted  # type: ignore[arg-type]

@@ -1,0 +1,306 @@
+"""Person names found offline, by the words around them (``CONTEXT_NAME``): no model, no
+list of the region's names, so only where the context says a name follows.
+
+- After an honorific: ``Mr. Smith``, ``Dr Anna Keller``, ``Frau Müller``, ``M. Dupont``,
+  ``Mme de Staël``, ``Sra. García``, ``Sig.ra Rossi``, ``Dott. Bianchi``.
+- After a salutation: ``Dear Anna,`` (a letter's salutations need no comma after the
+  name), ``Hi John!`` (a chat greeting's name must end the greeting: ``Hello World
+  program`` is kept), ``Liebe Jana``, ``Chère Louise``, ``Hola Marta,``, ``Ciao Luca,``.
+- In a signature line: one to four capitalised words alone on the line after a sign-off
+  (``Best regards,`` ``Thanks,`` ``Mit freundlichen Grüßen`` ``Cordialement``
+  ``Saludos`` ``Cordiali saluti``), or after it on the same line with a comma
+  (``Thanks, Bob``).
+- Chinese: a surname of the standard list (the common single surnames and the compound
+  ones such as 欧阳, 司马, 诸葛) and one or two characters, before a title (王伟先生,
+  黎淑珍女士, 张经理) or after a naming word (我叫唐荣, 客户王伟, 姓名 and a colon).
+
+Only the name is replaced, never its context (``Mr. <NAME>``, ``<NAME>先生``). Words that
+follow these contexts without being names (``Dear Sir``, ``Hi Team``, ``Mr. President``,
+``Mr. Right``, ``Dr. Who``, 项目经理, 历史老师, 高级经理) are kept by short lists of such
+words; a name in lower case, without a context, or in a context not listed here is
+missed (docs/deidentification.md says what each finds and misses). Pure functions, no
+Presidio (``ContextNameRecognizer`` in ``recognizers.py`` wraps them), so that the
+pipeline's cheap test imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def _listed(words: str) -> frozenset[str]:
+    """The words of a list written as text, one space or line apart."""
+    return frozenset(words.split())
+
+
+# -- Latin-script names --------------------------------------------------------------------
+
+_EXTENDED_A = [chr(c) for c in range(0x100, 0x180)]
+_UPPER = "A-ZÀ-ÖØ-Þ" + "".join(c for c in _EXTENDED_A if c.isupper())
+_LOWER = "a-zß-öø-ÿ" + "".join(c for c in _EXTENDED_A if c.islower())
+#: One capitalised word of a name: ``Anna``, ``Müller``, ``O'Brien``, ``McDonald``,
+#: ``Jean-Pierre``; never a word in capitals (``IT``), never a digit.
+_WORD = (
+    rf"(?:[{_UPPER}]['\u2019])?[{_UPPER}][{_LOWER}]+(?:[{_UPPER}][{_LOWER}]+)?"
+    rf"(?:-[{_UPPER}][{_LOWER}]+)*"
+)
+_INITIAL = rf"[{_UPPER}]\."
+#: The lower-case particles inside names (``van der Berg``, ``de la Cruz``, ``von Trapp``).
+_PARTICLE = (
+    r"(?:van|von|der|den|de|del|della|delle|dei|degli|di|da|du|des|dos|das|do|le|la|ten|"
+    r"ter|zu|zur|y|i|e|bin|ibn|al|el|af|av)"
+)
+_GAP = r"[ \t]+"
+#: Honorifics, case as written (``dr.`` in lower case is rarely a title).
+_TITLES = (
+    r"Mrs\.?|Mr\.?|Ms\.?|Mx\.?|Miss|Dr\.?|Prof\.?|Professor|Herr|Frau|"
+    r"Mme\.?|Mlle\.?|M\.|Madame|Mademoiselle|Monsieur|Sra\.?|Srta\.?|Sr\.|Señora|Señorita|"
+    r"Señor|Doña|Dña\.|Dra\.|Sig\.ra|Sig\.na|Sig\.|Signora|Signorina|Signor|Dott\.ssa|"
+    r"Dott\.|Dr\.ssa|Prof\.ssa|Avv\.|Ing\."
+)
+#: One to four words (initials and particles between them), on one line; a title ends
+#: it (``Sr. García y Sra. Núñez`` is two names).
+_NAME = (
+    rf"(?:{_PARTICLE}{_GAP}){{0,2}}(?:{_WORD}|{_INITIAL})"
+    rf"(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t])(?:{_WORD}|{_INITIAL})){{0,3}}"
+)
+
+_TITLED = rf"(?<![\w.])(?:{_TITLES})(?:{_GAP}(?:{_TITLES})){{0,2}}{_GAP}"
+_HONORIFIC = re.compile(rf"{_TITLED}(?P<name>{_NAME})")
+
+#: A letter's salutations: what follows in capitals is a name (or a title, or a word of
+#: :data:`_NOT_NAMES` such as ``Sir``).
+_LETTER = (
+    r"Dear|Dearest|Liebe|Lieber|Sehr geehrte|Sehr geehrter|Cher|Chère|Chers|Chères|"
+    r"Querido|Querida|Estimado|Estimada|Caro|Cara|Carissimo|Carissima|Gentile|"
+    r"Gentilissimo|Gentilissima|Egregio|Egregia"
+)
+#: A chat's greetings: the name must end the greeting (a comma, !, ?, . or the line's end).
+_GREETING = (
+    r"Hi|Hello|Hey|Hiya|Howdy|Greetings|Good morning|Good afternoon|Good evening|Hallo|"
+    r"Moin|Servus|Guten Morgen|Guten Tag|Guten Abend|Bonjour|Bonsoir|Salut|Coucou|Hola|"
+    r"Buenos días|Buenas tardes|Buenas noches|Buenas|Ciao|Salve|Buongiorno|Buonasera"
+)
+_END = r"(?=[ \t]*(?:[,!:;.?\r\n]|\Z))"
+#: A letter's salutation starts a line or a sentence (``die Liebe Gottes`` is kept).
+_SALUTATION = re.compile(
+    rf"(?:^|(?<=[.!?:;,]))[ \t]*(?i:{_LETTER}){_GAP}(?:(?:{_TITLES}){_GAP})*(?P<name>{_NAME})",
+    re.MULTILINE,
+)
+_GREETED = re.compile(
+    rf"(?<!\w)(?i:{_GREETING})[ \t]*,?{_GAP}(?:(?:{_TITLES}){_GAP})*(?P<name>{_NAME}){_END}"
+)
+
+_SIGN_OFF = (
+    r"Regards|Best regards|Kind regards|Warm regards|Warmest regards|Best wishes|Best|"
+    r"All the best|Thanks|Thank you|Thanks again|Many thanks|Cheers|Sincerely|"
+    r"Sincerely yours|Yours sincerely|Yours truly|Yours faithfully|Respectfully|Cordially|"
+    r"Love|Take care|Mit freundlichen Grüßen|Freundliche Grüße|Viele Grüße|Beste Grüße|"
+    r"Liebe Grüße|Herzliche Grüße|Schöne Grüße|Grüße|Gruß|LG|MfG|VG|Vielen Dank|Danke|"
+    r"Cordialement|Bien cordialement|Bien à vous|Salutations|Sincères salutations|"
+    r"Amicalement|Bises|Merci|Saludos|Un saludo|Saludos cordiales|Atentamente|Un abrazo|"
+    r"Gracias|Cordiali saluti|Distinti saluti|Saluti|Un saluto|Grazie|A presto"
+)
+#: A sign-off starting its line (or a sentence), then the name: on the next line, or
+#: after a comma on the same one; the name ends its line (a comma may follow: a role).
+_SIGNATURE = re.compile(
+    rf"(?:^[ \t]*|(?<=[.!?])[ \t]+)(?:(?i:{_SIGN_OFF})"
+    rf"(?:[ \t]*,[ \t]*(?:\r?\n[ \t]*)?|[ \t]*[!.]?[ \t]*\r?\n[ \t]*)|--[ \t]*\r?\n[ \t]*)"
+    rf"(?P<name>{_NAME})(?=[ \t]*[.!]?[ \t]*(?:\r?\n|\Z|,))",
+    re.MULTILINE,
+)
+
+#: Capitalised words that follow these contexts without naming a person: pronouns and
+#: articles starting a sentence, roles and groups (``Dear Customer``, ``Hi Team``, ``Mr.
+#: President``), greetings' objects (``Hello World``), days, and a few set phrases
+#: (``Mr. Right``, ``Dr. Who``), in the five languages of the contexts.
+_NOT_NAMES = _listed(
+    """
+    The A An This That These Those It Its He She We They You Your Yours I My Our Their His
+    Her Him Us Me There Here Who What When Where Why How Which And But Or Nor If So Then Also
+    As At In On Of For To From With By Is Are Was Were Be Been Not No Yes Please Thanks
+    Thank All Any Some Each Every Everyone Everybody Anyone Someone Somebody Nobody None
+    Again Back Now Today Tomorrow Yesterday Soon Later Morning Afternoon Evening Night Day
+    Monday Tuesday Wednesday Thursday Friday Saturday Sunday Weekend
+    Sir Sirs Madam Ma'am Gentlemen Ladies Lady Guys Folks Friend Friends Colleague
+    Colleagues Team Teams Group Staff Crew Community Family Everyone World Universe Earth
+    America Customer Customers Client Clients User Users Member Members Partner Partners
+    Valued Hiring Manager Managers Director Directors Committee Board Editor Editors
+    Reviewer Reviewers Applicant Applicants Candidate Candidates Sales Support Service
+    Services Admin Administrator Owner Owners Recipient Recipients Reader Readers Student
+    Students Parent Parents Patient Patients Doctor Doctors Professor President Vice
+    Chairman Chairwoman Chair Speaker Secretary Minister Mayor Governor Senator Officer
+    Chief Head General Commissioner Justice Judge Engineer Developer Developers Analyst
+    Consultant Associate Right Wrong Fix Know Nice Good Great Fine Well Bank Company
+    Department Dept Office Account Accounts Holder Subscriber Subscribers Shopper Guest
+    Guests Visitor Visitors Sender Attendees Participant Participants Anonymous Unknown
+    Damen Herren Kollegen Kolleginnen Kunde Kundin Kunden Doktor Bürgermeister Präsident
+    Alle Sie Ihr Ihre Der Die Das Ein Eine Und Mit Vielen Dank Grüße Gruß Freunde Leute
+    Mitglieder Nutzer Leserinnen Leser Eltern Kinder Mitarbeiter Mitarbeiterinnen Gäste
+    Teilnehmer Teilnehmerinnen Nachbarn Out
+    Messieurs Mesdames Cliente Tous Toutes Le La Les Un Une Et Docteur Président Directeur
+    Directrice Ami Amie Amis Collègue Collègues Équipe Utilisateur Abonné
+    Señor Señora Señores Señoras Clientes Todos Todas El Los Las Una Y Doctora Presidente
+    Director Directora Amigo Amiga Amigos Equipo Usuario Usuarios
+    Signore Signora Signori Clienti Tutti Il Lo Gli Dottore Dottoressa Direttore Amico
+    Amica Amici Collega Colleghi Utente Utenti
+    """
+)
+
+# -- Chinese names ------------------------------------------------------------------------
+
+#: Compound surnames (复姓), tried before the single ones.
+_COMPOUND_SURNAMES = _listed(
+    "欧阳 司马 诸葛 上官 东方 皇甫 尉迟 公孙 慕容 令狐 长孙 宇文 司徒 夏侯 轩辕 端木 独孤 "
+    "南宫 西门 呼延 闻人 澹台 公羊 赫连 钟离 宗政 濮阳 太史 申屠 东郭 拓跋 万俟 司空 左丘 "
+    "仲孙 单于 淳于 完颜 乐正 鲜于 巫马 公冶 梁丘 漆雕 第五"
+)
+#: The common single surnames (about the 160 most frequent of the standard list, less
+#: those that are chiefly function words or word parts in running text: 于, 向, 和, 时,
+#: 司, 管, 车, 全, 房, 席, 班, 乐, 区, 项, 海, 南, 吉).
+_SURNAMES = (
+    "王李张刘陈杨黄赵吴周徐孙马朱胡郭何高林罗郑梁谢宋唐许韩冯邓曹彭曾肖田董袁潘蒋蔡余杜"
+    "叶程苏魏吕丁任沈姚卢姜崔钟谭陆汪范金石廖贾夏韦付傅方白邹孟熊秦邱江尹薛闫阎段雷侯龙"
+    "史陶黎贺顾毛郝龚邵万钱严覃武戴莫孔汤常温康施文牛樊葛邢安齐易乔伍庞颜倪庄聂章鲁岳翟"
+    "殷詹申欧耿关兰焦俞左柳甘祝包宁尚符舒阮柯纪梅童凌毕单季裴霍涂成苗谷盛曲翁冉骆蓝路游"
+    "辛靳柴蒙鲍华喻祁蒲滕屈饶解牟艾尤阳穆农卓古缪简连麦褚娄窦戚岑景党宫费卜冷晏卫米柏宗"
+)
+_HAN = r"[\u4e00-\u9fff]"
+_SURNAME = "(?:" + "|".join(sorted(_COMPOUND_SURNAMES)) + f"|[{_SURNAMES}])"
+#: Titles after a name (王伟先生, 张经理): the surname alone may precede them.
+_CN_TITLES = "先生|女士|小姐|经理|老师|医生|律师|教授|主任|总监|行长|同学"
+#: Words before a name (我叫唐荣, 客户王伟, 姓名 and a colon): a given name must follow.
+_CN_SAYS = "我叫|我是|名叫|叫做|客户|患者|病人"
+#: Form fields, a colon after them or not (姓名 and a colon, 联系人).
+_CN_FIELDS = "姓名|联系人|收件人|收货人|持卡人|户名|申请人|借款人|投保人|被保险人|负责人|经办人"
+_CN_MARKERS = f"{_CN_SAYS}|(?:{_CN_FIELDS})[ \t]*[\uff1a:]?[ \t]*"
+#: Characters (almost) never in a given name: particles, pronouns, verbs and the nouns of
+#: titles, units and places that follow a name in running text.
+_NOT_GIVEN = set(
+    "的了是在和与及或们个位些这那各每某其此也都就又再很太最已将要想会能该说讲问来去到给"
+    "把被让对向从为以由而但因所年号时先女经医律教主总同行姐级目域部门科务司公品产管销售"
+    "财客户服组校院局处室厅副代助吗呢吧啊哦呀我你他她它您咱有没不还并且即则之于着过得地"
+    "打买卖做用找看听写读走办请联系电话码账卡额钱款费今昨省市县镇村州"
+)
+_CN_TITLED = re.compile(rf"(?P<surname>{_SURNAME})(?P<given>{_HAN}{{0,2}}?)(?={_CN_TITLES})")
+_CN_MARKED = re.compile(rf"(?:{_CN_MARKERS})(?P<surname>{_SURNAME})(?P<given>{_HAN}{{1,2}})")
+#: Words that start with a surname's character (高级经理, 方面, 许多同学), and words that
+#: end with one (历史老师, 语文老师, 基金经理): not names.
+_CN_WORDS = _listed(
+    """
+    高级 高中 高兴 高速 高度 高效 高端 高校 高层 方面 方法 方式 方案 方向 方便 金额 金融 金牌
+    金卡 王国 安全 安排 安装 安心 安徽 明天 明白 明年 黄金 黄色 白色 白天 马上 文件 文化 文章
+    文字 常常 常见 常用 常规 成功 成为 成本 成员 成绩 成立 成都 江湖 江苏 江西 万一 关于 关系
+    关注 关键 关闭 程序 程度 史上 华人 华为 周末 周期 周围 周年 余额 余下 石油 包括 包含 申请
+    任何 任务 任意 连接 路上 温度 康复 许多 许久 许可 谢谢 董事 司机 夏天 夏季 杜绝 范围 叶子
+    牛奶 毛巾 毛病 孙子 胡说 胡同 何时 何况 何必 郑重 韩国 曾经 付款 付出 付费 段落 严格 严重
+    武器 武术 武汉 颜色 欧元 欧洲 左右 左边 祝福 祝贺 宁可 宁愿 宁夏 尚未 符合 舒服 纪念 纪律
+    童年 凌晨 毕业 毕竟 单位 单独 季度 季节 蓝色 游戏 辛苦 解决 解释 尤其 阳光 农业 农民 卓越
+    古代 简单 简历 连续 甘肃 郑州 温州 常州 徐州 苏州 罗马 熊猫 陆续 焦点 施工 龙头 雷达 钟头
+    历史 语文 中文 英文 日文 法文 德文 韩文 论文 课文 天文 人文 主任 基金 千金 其余 账房 车间
+    """
+)
+
+
+def _kept_words(name: str, start: int) -> tuple[int, int] | None:
+    """The span of ``name``'s words up to the first that names no one (None: the first
+    does), its trailing particles and initials dropped."""
+    end = start
+    for word in re.finditer(r"\S+", name):
+        if word.group() in _NOT_NAMES:
+            break
+        if not re.fullmatch(_PARTICLE, word.group()):
+            end = start + word.end()
+    if end == start:
+        return None
+    # A lone initial ("M. A.") is no name.
+    if re.fullmatch(_INITIAL, name[: end - start]):
+        return None
+    return start, end
+
+
+def _chinese(text: str) -> list[tuple[int, int]]:
+    titled = []
+    for match in _CN_TITLED.finditer(text):
+        start, end = match.start(), match.end()
+        # 高级经理, 许多同学 (a word that starts with the surname's character), 历史老师,
+        # 基金经理 (one that ends with it): no name.
+        left = text[max(0, start - 1) : start + 1]
+        if text[start : start + 2] in _CN_WORDS or left in _CN_WORDS:
+            continue
+        if not any(c in _NOT_GIVEN for c in match.group("given")):
+            titled.append((start, end))
+    marked = []
+    for match in _CN_MARKED.finditer(text):
+        start, end = match.start("surname"), match.end()
+        # Two characters of given name unless the second never is one (客户王伟的).
+        given = match.group("given")
+        if given[-1] in _NOT_GIVEN:
+            given, end = given[:-1], end - 1
+        if not given or any(c in _NOT_GIVEN for c in given):
+            continue
+        if text[start : start + 2] in _CN_WORDS or text[start:end] in _CN_WORDS:
+            continue
+        if not any(s < end and start < e for s, e in titled):  # 我是王小姐: the title's
+            marked.append((start, end))
+    return titled + marked
+
+
+def _last_words(*alternatives: str) -> frozenset[str]:
+    """The last word of each context (``regards`` of ``Best regards``, ``ra`` of
+    ``Sig.ra``), in lower case: the word a capital follows."""
+    return frozenset(
+        re.findall(r"\w+", phrase)[-1].lower() for phrase in "|".join(alternatives).split("|")
+    )
+
+
+#: Each Latin pattern, and the words one of which a text holds before a capital if the
+#: pattern can match it (:data:`_BEFORE_CAPITAL`): patterns are tried only then.
+_LATIN = (
+    (_HONORIFIC, _last_words(_TITLES)),
+    (_SALUTATION, _last_words(_LETTER)),
+    (_GREETED, _last_words(_GREETING)),
+    (_SIGNATURE, _last_words(_SIGN_OFF)),
+)
+_TRIGGERS = frozenset().union(*(triggers for _, triggers in _LATIN))
+#: A word, then a name's first letter after a space or a line break (a comma, a period
+#: or ! between): a capital, then a lower-case letter, an apostrophe or an initial's
+#: period (``you I`` is not); possessive, so that a word that is not is given up at once.
+_BEFORE_CAPITAL = re.compile(rf"(?<!\w)(\w++)[,!.]?+\s++(?=[{_UPPER}][{_LOWER}'\u2019.])")
+_WORDS = re.compile(r"\w+")
+#: A signature's delimiter line (``-- ``).
+_DELIMITER = re.compile(r"^--[ \t]*\r?$", re.MULTILINE)
+_CN_HINT = re.compile(f"{_CN_TITLES}|{_CN_SAYS}|{_CN_FIELDS}")  # literals: fast
+
+
+def _latin(text: str) -> list[tuple[int, int]]:
+    if _TRIGGERS.isdisjoint(_WORDS.findall(text.lower())) and not _DELIMITER.search(text):
+        return []
+    before = set(map(str.lower, _BEFORE_CAPITAL.findall(text)))
+    signed = _DELIMITER.search(text) is not None
+    found = []
+    for pattern, triggers in _LATIN:
+        if triggers.isdisjoint(before) and not (signed and pattern is _SIGNATURE):
+            continue
+        for match in pattern.finditer(text):
+            span = _kept_words(match.group("name"), match.start("name"))
+            if span is not None:
+                found.append(span)
+    return found
+
+
+def find_names(text: str) -> list[tuple[int, int]]:
+    """The spans of the names found in ``text`` by their context (they may overlap)."""
+    return _latin(text) + (_chinese(text) if _CN_HINT.search(text) else [])
+
+
+def may_hold_name(text: str) -> bool:
+    """Whether ``text`` has a context a name is found in: a context's last word before a
+    capital, a signature's delimiter line, or a Chinese title or naming word. A cheap
+    test before the whole analysis: a text holds none of the contexts' words (most
+    do not), or none is followed by a capital (``thank you for``)."""
+    if _CN_HINT.search(text) or _DELIMITER.search(text):
+        return True
+    if _TRIGGERS.isdisjoint(_WORDS.findall(text.lower())):
+        return False
+    return not _TRIGGERS.isdisjoint(map(str.lower, _BEFORE_CAPITAL.findall(text)))
