@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "scale": ("scale.py", [], ["--regions", "4,8"]),
     "heterogeneity": ("heterogeneity.py", [], ["--quick"]),
     "canary": ("canary.py", [], ["--quick"]),
+    "deidentification": ("deidentification.py", [], ["--quick"]),
 }
 
 
