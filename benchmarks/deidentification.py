@@ -189,6 +189,8 @@ class Language:
     clean_ask: tuple[str, ...]
     clean_tell: tuple[str, ...]
     space: str = " "  # what joins sentences
+    #: Titles used with a surname alone, where they differ (Spanish: Don takes a first name).
+    surname_titles: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
 
 EN = Language(
@@ -504,10 +506,11 @@ ES = Language(
         "La oficina llamará antes del fin de semana.",
     ),
     system="Eres un asistente de atención al cliente de un banco.",
-    titles=(("Sr.", "Don", "D."), ("Sra.", "Doña", "Dña.")),
+    titles=(("Don", "D.", "Sr. D."), ("Doña", "Dña.", "Sra. Dña.")),
+    surname_titles=(("Sr.",), ("Sra.",)),
     names={
         "title + full name": (
-            "{body} Por favor, reenvíelo a{l| la} {t} {x}.",
+            "{body} Por favor, reenvíelo a {t} {x}.",
             "{t} {x} nos pidió que lo revisáramos. {body}",
             "Ayer hablé con {t} {x}. {body}",
         ),
@@ -921,7 +924,10 @@ def name_record(
     agent = context != "self-introduction" and rng.random() < 0.4
     body = rng.choice(lang.replies if agent else lang.questions)
     value = surname if context == "title + surname" else full
-    title = rng.choice(lang.titles[female])
+    titles = lang.titles
+    if context == "title + surname" and lang.surname_titles is not None:
+        titles = lang.surname_titles
+    title = rng.choice(titles[female])
     line = filled(rng.choice(lang.names[context]), female, t=title, body=body, x=value)
     values = {"text": line} if shape == "text" else shaped(lang, rng, shape, line, agent)
     return values, Planted("name", context, value, title if "title" in context else ""), full
@@ -975,6 +981,9 @@ def generate(records: int, clean: int, seed: int) -> tuple[list[Doc], list[str]]
                 shape = SHAPES[(i // kinds + li) % len(SHAPES)]
                 values, planted = identifier_record(fakers, rng, locale, entity, i, shape)
             docs.append(Doc(rid, locale, shape, values, planted))
+        # Clean text from its own generators: the same whatever the identifiers drew.
+        fake, rng = Faker(locale), Random(f"{seed}-{locale}-clean")
+        fake.seed_instance(f"{seed}-{locale}-clean")
         share = clean // len(LOCALES) + (li < clean % len(LOCALES))
         for i in range(share):
             kind = CLEAN_KINDS[i % len(CLEAN_KINDS)]
