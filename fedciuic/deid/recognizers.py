@@ -136,10 +136,11 @@ _REFERENCE_WORDS = (
     r"sku|part|p/n|serial|s/n|tracking|version|ver|build|release|page|pages|pp|"
     r"ean|gtin|upc|barcode|art|article|"
     r"rechnung\w*|bestell\w*|auftrag\w*|artikel\w*|facture|commande|fattura|ordine|"
-    r"factura|pedido|albar[aá]n"
+    r"factura|pedido|albar[aá]n|fedex|ups|usps|dhl|tnt|gls|dpd|sendung\w*|suivi|spedizione|"
+    r"env[ií]o"
 )
 _NAMED_REFERENCE = re.compile(
-    rf"(?i)(?:(?<![^\W\d_])(?:{_REFERENCE_WORDS})|订单|发票|单号|编号|条码|条形码)\.?\s*"
+    rf"(?i)(?:(?<![^\W\d_])(?:{_REFERENCE_WORDS})|订单|发票|单号|编号|条码|条形码|顺丰|快递|运单)\.?\s*"
     r"(?:(?:no|nr|n[°º]|num|number|nummer|numéro|número|numero)\b\.?\s*)?[:#]?\s*$"
 )
 #: A date (year first or last) at the start of a finding.
@@ -147,35 +148,65 @@ _LEADING_DATE = re.compile(
     r"\[?(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
     r"|(?:0?[1-9]|[12]\d|3[01])[-/.](?:0?[1-9]|1[0-2])[-/.]\d{4})(?!\d)"
 )
-#: A version's marker before an IPv4-shaped number (``rv:1.9.5.20``).
-_VERSION_MARK = re.compile(r"(?i)(?<![^\W\d_])(?:v|rv|ver|version|release|build)\s*[:=]?\s*$")
+#: A version's marker before an IPv4-shaped number (``rv:1.9.5.20``,
+#: ``AssemblyVersion("1.2.3.4")``, ``"version": "1.2.3.4"``).
+_VERSION_MARK = re.compile(
+    r"(?i)(?:version|release|build|(?<![^\W\d_])(?:v|rv|ver))[\s:=\"'(\[]{0,4}$"
+)
+#: The result of a calculation before a number: ``2**40 = ``, ``a * b = ``, ``20! = ``.
+_CALCULATED = re.compile(r"[\d)!²³]\s*[=≈]\s*$")
+#: An IPv4 address or network (found as an IP, or kept as a version).
+_IPV4_SHAPE = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}(?:/\d{1,2})?")
+#: A unit after a number makes it a quantity (``299 792 458 m/s``, ``12 345 678 kr``).
+_UNIT_AFTER = re.compile(
+    r"\s?(?:[%‰€$£¥元円]|°[CF]?|(?:m/s|km/h|[kMGT]?(?:m|g|s|Hz|J|W|Wh|V|Pa|B|bit|bytes?)"
+    r"|kr|zł|EUR|USD|CNY|GBP|PLN|SEK|CHF|JPY)(?![^\W\d_]))"
+)
 
 
 def _named_reference(text: str, start: int, end: int) -> bool:
-    """A finding named as a reference by the words before it: ``invoice 2024-000123``,
-    ``ISBN 0-306-40615-2``, ``EAN 5716241543590``, ``订单号13812345678``."""
+    """A finding named as a reference by the words before it (``invoice 2024-000123``,
+    ``ISBN 0-306-40615-2``, ``EAN 5716241543590``, ``订单号13812345678``), or the result
+    of a calculation (``a * b = 6557470319842``)."""
     del end
-    return _NAMED_REFERENCE.search(text, max(0, start - 32), start) is not None
+    before = max(0, start - 32)
+    return (
+        _NAMED_REFERENCE.search(text, before, start) is not None
+        or _CALCULATED.search(text, before, start) is not None
+    )
+
+
+def _dotted_version(found: str) -> bool:
+    """Three or more groups of digits joined by dots, one of a single digit: a version
+    (``114.0.6914.14``, ``0.16.164``), where phone numbers written with dots group by two
+    or more (``06.12.34.56.78``, ``212.555.0123``)."""
+    groups = found.split(".")
+    return len(groups) >= 3 and all(g.isdecimal() for g in groups) and min(map(len, groups)) == 1
 
 
 def _reference_or_date(text: str, start: int, end: int) -> bool:
-    """A phone-shaped finding that is a reference or a date: named so
-    (:func:`_named_reference`), numbered (``Order #123-4567890``) or starting with a date
-    (``2024-03-15 10``)."""
+    """A phone-shaped finding that is no phone number: a reference
+    (:func:`_named_reference`, or numbered: ``Order #123-4567890``), a date at its start
+    (``2024-03-15 10``), a version (``Chrome 114.0.6914.14``), an IPv4 address or network
+    (``192.168.1.0/24``) or a quantity (``299 792 458 m/s``)."""
     return (
         _named_reference(text, start, end)
         or text[max(0, start - 3) : start].rstrip().endswith("#")
         or _LEADING_DATE.match(text, start, end) is not None
+        or _dotted_version(text[start:end])
+        or _IPV4_SHAPE.fullmatch(text, start, end) is not None
+        or _UNIT_AFTER.match(text, end) is not None
     )
 
 
 def _not_an_address(text: str, start: int, end: int) -> bool:
-    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``), or
-    an IPv6 shape with fewer than three groups or no digit, as code writes them
-    (``a::b``, ``arr[::2]``, ``dead::beef``; the loopback ``::1`` names no one either)."""
+    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``,
+    ``AssemblyVersion("16.36.7.0")``), or an IPv6 shape with fewer than three groups or
+    no digit, as code writes them (``a::b``, ``arr[::2]``, ``dead::beef``; the loopback
+    ``::1`` names no one either). Any other IPv4 shape is an address, ``1.2.3.4`` too."""
     found = text[start:end]
     if ":" not in found:
-        return _VERSION_MARK.search(text, max(0, start - 10), start) is not None
+        return _VERSION_MARK.search(text, max(0, start - 24), start) is not None
     groups = [g for g in re.split(r"[:/%.]", found) if g]
     return len(groups) < 3 or not any(c.isdecimal() for c in found)
 
