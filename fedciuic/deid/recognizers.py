@@ -159,7 +159,7 @@ _CALCULATED = re.compile(r"[\d)!²³]\s*[=≈]\s*$")
 _IPV4_SHAPE = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}(?:/\d{1,2})?")
 #: A unit after a number makes it a quantity (``299 792 458 m/s``, ``12 345 678 kr``).
 _UNIT_AFTER = re.compile(
-    r"\s?(?:[%‰€$£¥元円]|°[CF]?|(?:m/s|km/h|[kMGT]?(?:m|g|s|Hz|J|W|Wh|V|Pa|B|bit|bytes?)"
+    r"\s?(?:[%‰€$£¥元円]|°[CF]?|(?:m/s|km/h|[kMGT]?(?:m|g|s|Hz|Wh|Pa|bit|bytes?)|[kMGT][JWVB]"
     r"|kr|zł|EUR|USD|CNY|GBP|PLN|SEK|CHF|JPY)(?![^\W\d_]))"
 )
 
@@ -184,7 +184,7 @@ def _dotted_version(found: str) -> bool:
     return len(groups) >= 3 and all(g.isdecimal() for g in groups) and min(map(len, groups)) == 1
 
 
-def _reference_or_date(text: str, start: int, end: int) -> bool:
+def _phone_shaped_number(text: str, start: int, end: int) -> bool:
     """A phone-shaped finding that is no phone number: a reference
     (:func:`_named_reference`, or numbered: ``Order #123-4567890``), a date at its start
     (``2024-03-15 10``), a version (``Chrome 114.0.6914.14``), an IPv4 address or network
@@ -493,7 +493,7 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
 #: rule (IPs take '/24' and ':8080' after them), and Presidio's patterns read Chinese
 #: text unglued.
 _TOKEN_RULES: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
-    PHONE_NUMBER: (NUMBER_JOINERS, _reference_or_date),
+    PHONE_NUMBER: (NUMBER_JOINERS, _phone_shaped_number),
     IP_ADDRESS: (".", _not_an_address),
     # Luhn and PESEL's or a personnummer's checks pass one number in ten or so
     CREDIT_CARD: (NUMBER_JOINERS, _named_reference),
