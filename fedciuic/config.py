@@ -69,6 +69,13 @@ DEFAULT_ADAPTER_MODE: AdapterMode = ADAPTER_MODES[0]
 #: prompt's start (``left``), so that the response fits.
 TruncationSide = Literal["right", "left"]
 
+#: The largest record a region reads, in bytes, where nothing says otherwise: room for a
+#: long chat (1 MiB is some 250,000 tokens of English); a larger record is dropped and
+#: counted, never read whole (docs/data.md, "Long records").
+DEFAULT_MAX_RECORD_BYTES = 1 << 20
+#: The limit's bounds: at most 1 GiB (what it guards a region's memory against).
+MAX_RECORD_BYTES_LIMIT = 1 << 30
+
 
 #: The DP accountant, how per-sample gradients are clipped, and the regions' local
 #: optimiser.
@@ -368,6 +375,9 @@ class RunConfig(_Strict):
     #: record with no response token among them is dropped); ``left`` cuts its prompt from
     #: the start so that the response fits (docs/data.md).
     truncation_side: TruncationSide = "right"
+    #: A record larger than this (bytes in its file) is dropped and counted, never read
+    #: whole; a deployed region goes by its agent config's own (docs/data.md).
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     # A region as a cluster (docs/cluster.md): local training as a torch.distributed
     # job of this many processes (one per GPU; gloo on CPU); a node config's value wins.
     train_processes: int = Field(default=1, ge=1, le=1024)
@@ -668,6 +678,9 @@ class NodeConfig(_Strict):
     #: A spaCy pipeline the region installed (a package name or a folder), which then
     #: finds PERSON and LOCATION too; "" scrubs by patterns and the dictionary alone.
     deid_ner_model: str = ""
+    #: The largest record this region reads (its memory's to decide); None (simulation
+    #: only): the run config's max-record-bytes.
+    max_record_bytes: int | None = Field(default=None, ge=1, le=MAX_RECORD_BYTES_LIMIT)
 
     def deid_entities(self, run: RunConfig) -> tuple[str, ...]:
         """The entity types this region scrubs, declares and is held to: the run's
@@ -682,6 +695,10 @@ class NodeConfig(_Strict):
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
         return self.train_processes or run.train_processes
+
+    def record_limit(self, run: RunConfig) -> int:
+        """The largest record this region reads: the node's word, else the run's."""
+        return self.max_record_bytes or run.max_record_bytes
 
     def allows_pickle_weights(self, run: RunConfig) -> bool:
         """Whether this region loads pickle-only weights: the node's word, else (a

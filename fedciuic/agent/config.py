@@ -4,9 +4,10 @@ Everything a region promises is decided here, by the region, and by nothing the
 aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
 budget (the run config's ``epsilon-budget`` is never consulted), whether it loads
 pickle weights (``allow-pickle-weights``, likewise its own), how many training
-processes and CPU threads it runs, the socket its relay reaches it on, which OS user that relay
-runs as (whom the agent checks cannot read its files), and whom it trusts as its peers in a
-secure sum (``peer-bundles``: the bundles its own operator enrolled, checked at start).
+processes and CPU threads it runs, the largest record it reads (``max-record-bytes``),
+the socket its relay reaches it on, which OS user that relay runs as (whom the agent
+checks cannot read its files), and whom it trusts as its peers in a secure sum
+(``peer-bundles``: the bundles its own operator enrolled, checked at start).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Self
 
 from pydantic import Field
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import (
+    DEFAULT_MAX_RECORD_BYTES,
+    MAX_RECORD_BYTES_LIMIT,
+    NodeConfig,
+    RunConfig,
+)
 from fedciuic.crypto import AGGREGATOR, KeyFileError, PublicBundle, load_bundle
 from fedciuic.errors import ConfigError
 
@@ -59,6 +65,10 @@ class AgentConfig(NodeConfig):
     relay_user: str = ""
     #: The largest request (the global adapter, in bytes) the agent reads.
     max_request_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
+    #: The largest record (bytes in its file) the region reads from its data; a larger
+    #: one is dropped and counted. Its memory's to decide: the run config's
+    #: max-record-bytes is never consulted, so no aggregator can raise it.
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     #: Load a model-path checkpoint whose weights are only pickle files (unpickling runs
     #: code): the region's own choice; the run config's allow-pickle-weights is never
     #: consulted, so no aggregator can turn it on.

@@ -42,6 +42,9 @@ class Event(StrEnum):
     #: identity (config hash, entity types, recognizer versions) and counts per entity
     #: type and per file, never a value (docs/deidentification.md).
     DATA_DEIDENTIFIED = "data_deidentified"
+    #: Records over the region's max-record-bytes, dropped unread from what a round
+    #: trains on: the limit, how many, how many per file (docs/data.md).
+    RECORDS_OVERSIZED = "records_oversized"
     UPDATE_SEALED = "update_sealed"
     UPDATE_SENT_CLEAR = "update_sent_clear"
     UPDATE_RESENT = "update_resent"

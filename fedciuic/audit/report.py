@@ -245,6 +245,7 @@ def build_report(
         _undelivered_section(check.undelivered, own_all),
         _privacy_section(own),
         _deid_section(own),
+        _oversized_section(own),
         *_secure_section(agg, own),
         _outside_dp_section(own),
         _code_section(agg, own),
@@ -718,6 +719,39 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
         )
         if rows
         else (),
+        rows,
+    )
+
+
+def _oversized_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
+    """The records each region dropped unread for their size before each round it
+    trained, from its own log: its limit, how many, how many per file."""
+    rows = []
+    for region, records in sorted(own.items()):
+        for r in records:
+            if r.get("event") != Event.RECORDS_OVERSIZED:
+                continue
+            d = details_of(r)
+            files = _mapping(d.get("files"))
+            rows.append(
+                (
+                    _round(r),
+                    region,
+                    _text(d.get("max_record_bytes")),
+                    _text(d.get("records")),
+                    ", ".join(f"{name} {n}" for name, n in sorted(files.items())) or "-",
+                )
+            )
+    return Section(
+        "Long records",
+        [
+            "Records over a region's max-record-bytes, dropped unread from what it trained "
+            'on, per round, from its own log (docs/data.md, "Long records"): the limit in '
+            "bytes, how many, and how many per file."
+        ]
+        if rows
+        else ["No region's log records a record dropped for its size in this run."],
+        ("round", "region", "max-record-bytes", "records dropped", "per file") if rows else (),
         rows,
     )
 

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from fedciuic.data.records import CHAT, check_chat_template
     from fedciuic.data.scrubbing import Scrubbed, check_deid, region_scrubber
     from fedciuic.data.sources import NoDataFiles
-    from fedciuic.data.tokenized import IGNORE, dropped_for_length
+    from fedciuic.data.tokenized import (
+        IGNORE,
+        dropped_for_length,
+        dropped_for_size,
+        oversized_details,
+    )
 
 #: What other packages use, and the module each lives in: imported on first use.
 _WHERE = {
@@ -41,9 +46,11 @@ _WHERE = {
     "check_data": "check",
     "check_deid": "scrubbing",
     "dropped_for_length": "tokenized",
+    "dropped_for_size": "tokenized",
     "load_region_data": "corpus",
     "region_scrubber": "scrubbing",
     "module_docs": "demo",
+    "oversized_details": "tokenized",
     "scan_data": "check",
     "users_refusal": "corpus",
     "write_demo_corpora": "demo",
@@ -64,8 +71,10 @@ __all__ = [
     "check_data",
     "check_deid",
     "dropped_for_length",
+    "dropped_for_size",
     "load_region_data",
     "module_docs",
+    "oversized_details",
     "region_scrubber",
     "scan_data",
     "users_refusal",

@@ -3,9 +3,9 @@
 The same discovery, validation and tokenisation as a training region, into a temporary
 folder (the region's own cache is left alone): formats and shapes found, counts of
 files, records, users and tokens, one training example with its masked part marked,
-and every bad row as ``FILE:LINE: field: message``. :func:`scan_data` is the bounded
-version a launcher runs before a run starts: every row read and checked, a sample
-tokenised, nothing written.
+every bad row as ``FILE:LINE: field: message``, and the records over max-record-bytes
+(dropped unread) per file. :func:`scan_data` is the bounded version a launcher runs
+before a run starts: every row read and checked, a sample tokenised, nothing written.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from fedciuic.config import Fields, TruncationSide
+from fedciuic.config import DEFAULT_MAX_RECORD_BYTES, Fields, TruncationSide
 from fedciuic.data.scrubbing import Scrubbed
 from fedciuic.data.sources import discover, root_of
 from fedciuic.data.tokenized import (
@@ -73,6 +73,7 @@ class DataCheck:
             f"data-path: {self.root}",
             f"files: {len(s.files)}: {kinds}",
             f"records: {s.records} ({shapes or 'none'}); bad rows: {s.bad_rows}",
+            oversized_line(s),
             f"users: {users}",
             f"examples: {s.examples} at seq-len {self.seq_len}; {s.truncated} record(s) cut "
             f"at seq-len, {s.dropped} dropped (nothing left to train on within seq-len)",
@@ -87,7 +88,22 @@ class DataCheck:
         out += deid_lines(s.deid, self.deid_examples)
         if s.bad_rows:
             out += [f"bad rows ({s.bad_rows}):", *s.bad_reasons]
+        if s.oversized:
+            out += [
+                f"records over max-record-bytes ({sum(s.oversized.values())}, dropped unread):",
+                *s.oversized_where,
+            ]
         return out
+
+
+def oversized_line(summary: Summary) -> str:
+    """The records dropped unread for their size, per file."""
+    files = ", ".join(f"{name} {n}" for name, n in summary.oversized.items())
+    return (
+        f"over max-record-bytes ({summary.max_record_bytes:,} bytes): "
+        f"{sum(summary.oversized.values())} record(s) dropped unread"
+        + (f" ({files})" if files else "")
+    )
 
 
 def _counted(counts: dict[str, int]) -> str:
@@ -122,9 +138,10 @@ def check_data(
     tokenizer_name: str,
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> DataCheck:
     """Read, de-identify (with ``scrubber``) and tokenise ``data_path`` as a region
-    would; every bad row is listed."""
+    would; every bad row is listed, and every record over ``max_record_bytes`` counted."""
     root = root_of(data_path)
     sources = discover(root)
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-") as scratch:
@@ -137,6 +154,7 @@ def check_data(
             keep_reasons=None,
             truncation_side=truncation_side,
             scrubber=scrubber,
+            max_record_bytes=max_record_bytes,
         )
         example = _example(data.examples, tokenizer)
         found = scrubber.findings.examples if scrubber is not None else None
@@ -159,23 +177,22 @@ def scan_data(
     fields: Fields,
     sample: int = SCAN_SAMPLE,
     truncation_side: TruncationSide = "right",
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[Path, Scanned]:
     """Read and check every row of ``data_path``, rendering and tokenising the first
     ``sample`` records; the folder (resolved) and what was found. A folder that does
     not exist or holds no data raises :class:`~fedciuic.errors.DataError`; a file that
     cannot be read is named in the result and the others are read on."""
     root = root_of(data_path)
-    sources = discover(root)
-    with tempfile.TemporaryDirectory(prefix="fedciuic-data-scan-") as scratch:
-        return root, scan_examples(
-            sources,
-            tokenizer,
-            seq_len=seq_len,
-            fields=fields,
-            scratch=Path(scratch),
-            sample=sample,
-            truncation_side=truncation_side,
-        )
+    return root, scan_examples(
+        discover(root),
+        tokenizer,
+        seq_len=seq_len,
+        fields=fields,
+        sample=sample,
+        truncation_side=truncation_side,
+        max_record_bytes=max_record_bytes,
+    )
 
 
 def _example(examples: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> str | None:

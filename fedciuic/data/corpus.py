@@ -34,6 +34,7 @@ from fedciuic.data.tokenized import (
     Tokenized,
     data_fingerprint,
     dropped_for_length,
+    dropped_for_size,
     tokenized,
 )
 from fedciuic.errors import DataError
@@ -194,6 +195,7 @@ def load_region_data(
         state_dir=node.state_dir,
         truncation_side=run.truncation_side,
         scrubber=node_scrubber(run.deid, node),
+        max_record_bytes=node.record_limit(run),
     )
     summary = data.summary
     # Padding is masked out of attention and loss: any id the model knows will do.
@@ -209,7 +211,11 @@ def load_region_data(
             f"region {node.region}: data-path {root} gives {data.examples.num_rows} example(s) "
             f"from {summary.records} record(s), and none for {which} (eval-fraction "
             f"{run.eval_fraction:g}); "
-            + (dropped_for_length(summary, run.seq_len, run.truncation_side) or "add records")
+            + (
+                dropped_for_length(summary, run.seq_len, run.truncation_side)
+                or dropped_for_size(summary)
+                or "add records"
+            )
         )
     return RegionData(
         region=node.region,

@@ -6,23 +6,40 @@ a symlink cannot smuggle another region's data (or anything else) in, and every 
 file is checked to be a regular file (:func:`regular`): a FIFO would hang the region's
 round, a device or a broken link would fail deep inside a reader.
 
-JSON Lines and text files are read here line by line (each problem names its line, and
-a bad row can be skipped); JSON arrays, CSV and Parquet files and folders written by
-``Dataset.save_to_disk`` are read through Hugging Face ``datasets``, offline.
+Every format is read here a record at a time, and a record over ``max-record-bytes`` is
+never read whole (:mod:`fedciuic.data.bounded`): JSON Lines line by line, a JSON array
+element by element, CSV record by record (each problem names its line, and a bad row can
+be skipped), Parquet files by pyarrow and folders written by ``Dataset.save_to_disk`` by
+Hugging Face ``datasets`` (offline), in Arrow batches whose rows are measured before any
+becomes a Python object.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from fedciuic.data.bounded import (
+    Malformed,
+    Piece,
+    csv_records,
+    json_array,
+    lines,
+    row_bytes,
+    skip_bom,
+)
 from fedciuic.data.records import json_kind
 from fedciuic.errors import DataError
 from fedciuic.files import broken_link, not_regular
@@ -47,10 +64,8 @@ KINDS: dict[str, str] = {
 SAVED = "saved"
 SAVED_MARKERS = ("state.json", "dataset_info.json")
 DATASET_DICT_MARKER = "dataset_dict.json"
-#: The ``datasets`` builder that reads each kind it reads.
-_BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet"}
 #: Kinds read as a table: every row has every column (null where it has no value).
-TABLE_KINDS = (*_BUILDERS, SAVED)
+TABLE_KINDS = ("csv", "parquet", SAVED)
 
 
 class NoDataFiles(DataError):
@@ -73,10 +88,8 @@ class Source:
         return sorted(p for p in self.path.rglob("*") if p.is_file())
 
     def where(self, index: int) -> str:
-        """``FILE:LINE`` (or ``FILE:row N`` where lines mean nothing) of row ``index``,
-        for kinds whose rows are numbered by :func:`read_rows` itself."""
-        if self.kind == "csv":
-            return f"{self.name}:{index + 2}"  # line 1 is the header
+        """``FILE:row N`` of row ``index``, for kinds whose rows have no line (a JSON
+        array's elements, Parquet's and a saved dataset's rows)."""
         return f"{self.name}:row {index + 1}"
 
 
@@ -87,6 +100,8 @@ class Row:
     where: str  # FILE:LINE or FILE:row N
     values: Mapping[str, Any] | None
     error: str | None = None  # "field: message" or a message about the whole row
+    #: Its size in bytes when it is over max-record-bytes (then it was not read).
+    oversized: int | None = None
 
 
 def root_of(data_path: str | Path) -> Path:
@@ -165,43 +180,170 @@ def _check_inside(entry: Path, root: Path) -> None:
         )
 
 
-def read_rows(source: Source, *, cache_dir: Path, text_field: str) -> Iterator[Row]:
-    """Each row of ``source`` with where it is; unreadable rows come with their reason.
-    A text file's content is the ``text_field`` of its one record."""
+def read_rows(source: Source, *, text_field: str, max_bytes: int) -> Iterator[Row]:
+    """Each row of ``source`` with where it is; unreadable rows come with their reason,
+    and rows over ``max_bytes`` with only their size: they are never read whole
+    (:mod:`fedciuic.data.bounded`). A text file's content is the ``text_field`` of its
+    one record."""
     if source.kind != SAVED:
         regular(source.path)
     if source.kind == "jsonl":
-        yield from _jsonl_rows(source)
+        yield from _jsonl_rows(source, max_bytes)
+    elif source.kind == "json":
+        yield from _json_rows(source, text_field, max_bytes)
+    elif source.kind == "csv":
+        yield from _csv_rows(source, max_bytes)
     elif source.kind == "text":
-        yield from _text_rows(source, text_field)
+        yield from _text_rows(source, text_field, max_bytes)
     else:
-        yield from _datasets_rows(source, cache_dir)
+        yield from _table_rows(source, max_bytes)
 
 
-def _jsonl_rows(source: Source) -> Iterator[Row]:
+def _jsonl_rows(source: Source, max_bytes: int) -> Iterator[Row]:
     with _opened(source) as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            where = f"{source.name}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield Row(where, None, _not_utf8(err, f"column {err.start + 1}"))
-                continue
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield Row(where, None, f"invalid JSON ({_json_problem(err)})")
-                continue
-            if not isinstance(value, dict):
-                yield Row(where, None, f"expected a JSON object, got {json_kind(value)}")
-                continue
-            yield Row(where, value)
+        skip_bom(handle)
+        yield from _json_lines(source, handle, max_bytes)
 
 
-def _text_rows(source: Source, text_field: str) -> Iterator[Row]:
+def _json_lines(source: Source, handle: io.BufferedReader, max_bytes: int) -> Iterator[Row]:
+    for piece in lines(handle, max_bytes):
+        where = f"{source.name}:{piece.line}"
+        if piece.data is None:
+            yield Row(where, None, oversized=piece.size)
+            continue
+        try:
+            line = piece.data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield Row(where, None, _not_utf8(err, f"column {err.start + 1}"))
+            continue
+        if line.strip():
+            yield _object(where, line, line=None)
+
+
+def _object(where: str, text: str, *, line: int | None) -> Row:
+    """The row a JSON object is (``line``: the file's line the text starts on, where
+    that is not ``where``'s)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return Row(where, None, f"invalid JSON ({_json_problem(err, line)})")
+    if not isinstance(value, dict):
+        return Row(where, None, f"expected a JSON object, got {json_kind(value)}")
+    return Row(where, value)
+
+
+def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:
+    """A JSON array's elements (each an object, or a string: a text record); a file
+    that is not an array is read as JSON Lines."""
+    with _opened(source) as handle:
+        skip_bom(handle)
+        if _first_byte(handle) != b"[":
+            yield from _json_lines(source, handle, max_bytes)
+            return
+        try:
+            for index, piece in enumerate(json_array(handle, max_bytes)):
+                where = source.where(index)
+                if piece.data is None:
+                    yield Row(where, None, oversized=piece.size)
+                    continue
+                try:
+                    text = piece.data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    line = piece.line + piece.data.count(b"\n", 0, err.start)
+                    yield Row(where, None, _not_utf8(err, f"line {line}"))
+                    continue
+                if text.startswith('"'):
+                    row = _object(where, f'{{"{_TEXT}": {text}}}', line=piece.line)
+                    values = row.values and {text_field: row.values[_TEXT]}
+                    yield Row(where, values, row.error)
+                else:
+                    yield _object(where, text, line=piece.line)
+        except Malformed as err:
+            raise DataError(
+                f"{source.name}:{err.line}: not one JSON array ({err}); fix the file, or "
+                "write one object per line (JSON Lines, .jsonl)"
+            ) from None
+
+
+#: The key a JSON array's string element is read under (then renamed to text-field).
+_TEXT = "text"
+
+
+def _first_byte(handle: io.BufferedReader) -> bytes:
+    """The first byte of ``handle`` that is not whitespace (b"" if none); the handle is
+    left where it was."""
+    start = handle.tell()
+    found = b""
+    while chunk := handle.read(4096):
+        found = chunk.lstrip(b" \t\r\n")[:1]
+        if found:
+            break
+    handle.seek(start)
+    return found
+
+
+def _csv_rows(source: Source, max_bytes: int) -> Iterator[Row]:
+    """A CSV file's rows, by its header's names; an empty cell is null (no value)."""
+    # csv's own limit on a field (process-wide; 128 KiB by default) must not refuse what
+    # max-record-bytes lets through: a record over it never reaches csv.
+    if csv.field_size_limit() < max_bytes:
+        csv.field_size_limit(max_bytes)
+    header: list[str] | None = None
+    with _opened(source) as handle:
+        skip_bom(handle)
+        for piece in csv_records(handle, max_bytes):
+            where = f"{source.name}:{piece.line}"
+            row = _csv_row(where, piece, header)
+            if isinstance(row, list):
+                header = row
+            elif row is not None:
+                yield row
+
+
+def _csv_row(where: str, piece: Piece, header: list[str] | None) -> Row | list[str] | None:
+    """The row of one CSV record, or (``header`` None) the header's names; None for a
+    blank line. A problem of the header is the file's (:class:`DataError`)."""
+    problem = None
+    fields: list[str] = []
+    if piece.data is None:
+        problem = f"over max-record-bytes ({piece.size:,} bytes)"
+    else:
+        try:
+            text = piece.data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = piece.line + piece.data.count(b"\n", 0, err.start)
+            column = err.start - piece.data.rfind(b"\n", 0, err.start)
+            problem = _not_utf8(err, f"column {column}")
+            where = f"{where.rpartition(':')[0]}:{line}"
+        else:
+            if not text.strip():
+                return None
+            try:
+                fields = next(csv.reader((text,)))
+            except csv.Error as err:
+                problem = f"not CSV ({err}); quote a field that holds a quote or a line break"
+    if header is None:
+        if problem is None and len(set(fields)) < len(fields):
+            problem = "a column named twice"
+        if problem is not None:
+            raise DataError(f"{where}: the header: {problem}; fix the file's first line")
+        return fields
+    if piece.data is None:
+        return Row(where, None, oversized=piece.size)
+    if problem is None and len(fields) > len(header):
+        problem = f"{len(fields)} fields, and the header names {len(header)}"
+    if problem is not None:
+        return Row(where, None, problem)
+    values = zip_longest(header, fields)  # a short row's missing cells are null
+    return Row(where, {name: value or None for name, value in values if name is not None})
+
+
+def _text_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:
     """A text file is one ``text`` record (an empty one is no record)."""
+    size = source.path.stat().st_size
+    if size > max_bytes:
+        yield Row(f"{source.name}:1", None, oversized=size)
+        return
     with _opened(source) as handle:
         data = handle.read()
     try:
@@ -214,34 +356,44 @@ def _text_rows(source: Source, text_field: str) -> Iterator[Row]:
         yield Row(f"{source.name}:1", {text_field: text})
 
 
-def _datasets_rows(source: Source, cache_dir: Path) -> Iterator[Row]:
+#: Rows of a Parquet file or saved dataset made Python objects at a time (each at most
+#: max-record-bytes).
+_TABLE_BATCH = 64
+
+
+def _table_rows(source: Source, max_bytes: int) -> Iterator[Row]:
+    """A Parquet file's or saved dataset's rows, a batch at a time: each row's size is
+    read from the Arrow arrays (:func:`row_bytes`), and only rows within ``max_bytes``
+    become Python objects."""
+    index = 0
     try:
-        if source.kind == SAVED:
-            loaded = datasets.load_from_disk(str(source.path))
-            if not isinstance(loaded, datasets.Dataset):
-                raise DataError(f"{source.name}: not one Dataset; save one split there")
-            table: Any = loaded
-        else:
-            table = datasets.load_dataset(
-                _BUILDERS[source.kind],
-                data_files=str(source.path),
-                split="train",
-                streaming=True,
-                cache_dir=str(cache_dir),
-            )
-        for index, values in enumerate(table):
-            yield Row(source.where(index), values)
+        for batch in _arrow_batches(source):
+            sizes = row_bytes(batch)
+            over = sizes > max_bytes
+            kept = iter(batch.filter(pa.array(~over)).to_pylist() if not over.all() else ())
+            for size, too_long in zip(sizes.tolist(), over.tolist(), strict=True):
+                where = source.where(index)
+                index += 1
+                yield Row(where, None, oversized=size) if too_long else Row(where, next(kept))
     except DataError:
         raise
-    except UnicodeDecodeError as err:
-        line, column = _bad_byte(source.path)
-        raise DataError(f"{source.name}:{line}: {_not_utf8(err, f'column {column}')}") from None
     except Exception as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise DataError(
             f"{source.name}: cannot be read as {source.kind} ({reason[:300]}); check the "
             "file (`fedciuic data check` lists what it reads)"
         ) from None
+
+
+def _arrow_batches(source: Source) -> Iterator[pa.RecordBatch]:
+    if source.kind == "parquet":
+        yield from pq.ParquetFile(source.path).iter_batches(batch_size=_TABLE_BATCH)
+        return
+    loaded = datasets.load_from_disk(str(source.path))  # memory-mapped
+    if not isinstance(loaded, datasets.Dataset):
+        raise DataError(f"{source.name}: not one Dataset; save one split there")
+    for table in loaded.with_format("arrow").iter(batch_size=_TABLE_BATCH):
+        yield from table.to_batches()
 
 
 def _opened(source: Source) -> Any:
@@ -253,24 +405,15 @@ def _opened(source: Source) -> Any:
         ) from None
 
 
-def _json_problem(err: json.JSONDecodeError) -> str:
-    """The decoder's message and where: some of its messages end in "at" already
-    ("Unterminated string starting at")."""
+def _json_problem(err: json.JSONDecodeError, line: int | None = None) -> str:
+    """The decoder's message and where (``line``: the file's line the decoded text
+    starts on; None: its column in a line of its own); some of the decoder's messages
+    end in "at" already ("Unterminated string starting at")."""
     at = "" if err.msg.endswith(" at") else " at"
-    return f"{err.msg}{at} column {err.colno}"
+    if line is None:
+        return f"{err.msg}{at} column {err.colno}"
+    return f"{err.msg}{at} line {line + err.lineno - 1}"
 
 
 def _not_utf8(err: UnicodeDecodeError, at: str) -> str:
     return f"not UTF-8 text ({err.reason} at {at}); save the file as UTF-8"
-
-
-def _bad_byte(path: Path) -> tuple[int, int]:
-    """The line and column (in bytes) of the first byte that is not UTF-8 (for formats
-    read by a library, whose error says neither)."""
-    with open(path, "rb") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                return lineno, err.start + 1
-    return 1, 1

@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 if TYPE_CHECKING:
     from fedciuic.deid import Scrubber
 
-from fedciuic.config import Fields, TruncationSide
+from fedciuic.config import DEFAULT_MAX_RECORD_BYTES, Fields, TruncationSide
 from fedciuic.data.records import (
     INSTRUCTION,
     OUTPUT,
@@ -48,8 +48,9 @@ from fedciuic.errors import DataError
 
 #: Bumped when what a cached file holds changes (2: a chat record may give several
 #: examples; no untrained text after its last assistant turn; length statistics;
-#: 3: de-identified text, and what de-identification replaced).
-CACHE_FORMAT = 3
+#: 3: de-identified text, and what de-identification replaced; 4: records over
+#: max-record-bytes dropped and counted, JSON and CSV read by fedciuic).
+CACHE_FORMAT = 4
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's ignore_index)
 EXAMPLES_FILE = "examples.arrow"
 CACHE_SUMMARY = "summary.json"
@@ -102,6 +103,11 @@ class Summary(BaseModel):
     users: int = 0  # distinct user ids
     without_user: int = 0  # records that name no user
     without_user_where: list[str] = []  # the first MAX_REASONS of them
+    #: The largest record read (bytes in its file); records over it were dropped unread:
+    #: how many per file, and the first MAX_REASONS as "FILE:LINE (N bytes)".
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    oversized: dict[str, int] = {}
+    oversized_where: list[str] = []
     #: What de-identification replaced before tokenising (None: it was off).
     deid: Scrubbed | None = None
 
@@ -129,6 +135,13 @@ class _Counts:
             self.summary.bad_reasons.append(f"{where}: {reason}")
             return len(self.summary.bad_reasons) - 1
         return None
+
+    def oversized(self, source: Source, row: Row) -> None:
+        """Count a record dropped unread for its size."""
+        summary = self.summary
+        summary.oversized[source.name] = summary.oversized.get(source.name, 0) + 1
+        if len(summary.oversized_where) < MAX_REASONS:
+            summary.oversized_where.append(f"{row.where} ({row.oversized:,} bytes)")
 
     def columns(self, source: Source, field: str, message: str) -> None:
         """A table's row refused for its columns (a field the table has no column for):
@@ -210,12 +223,14 @@ def cache_key(
     fields: Fields,
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> str:
-    """What decides a cache entry's content: the data, tokenizer, lengths, field names
-    and de-identification (its config hash covers its entities, replacement, key id,
-    dictionary and recognizer versions)."""
+    """What decides a cache entry's content: the data, tokenizer, lengths, field names,
+    the largest record read and de-identification (its config hash covers its entities,
+    replacement, key id, dictionary and recognizer versions)."""
     described = {
         "format": CACHE_FORMAT,
+        "max_record_bytes": max_record_bytes,
         "deid": scrubber.identity["config_hash"] if scrubber is not None else None,
         "data": fingerprint,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -246,12 +261,15 @@ def tokenized(
     keep_reasons: int | None = MAX_REASONS,
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Tokenized:
     """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it
     (each text de-identified first by ``scrubber``, if given: the cache never holds an
-    identifier it finds)."""
+    identifier it finds; a record over ``max_record_bytes`` is dropped unread)."""
     fingerprint = data_fingerprint(sources)
-    key = cache_key(fingerprint, tokenizer, seq_len, fields, truncation_side, scrubber)
+    key = cache_key(
+        fingerprint, tokenizer, seq_len, fields, truncation_side, scrubber, max_record_bytes
+    )
     root = state_dir / "data-cache"
     folder = root / key
     cached = _load(folder, key)
@@ -261,7 +279,10 @@ def tokenized(
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
         summary = Summary(
-            key=key, data_fingerprint=fingerprint, files={s.name: s.kind for s in sources}
+            key=key,
+            data_fingerprint=fingerprint,
+            files={s.name: s.kind for s in sources},
+            max_record_bytes=max_record_bytes,
         )
         write_examples(
             sources,
@@ -270,7 +291,6 @@ def tokenized(
             fields=fields,
             folder=staging,
             summary=summary,
-            scratch=root / ".datasets",
             keep_reasons=keep_reasons,
             truncation_side=truncation_side,
             scrubber=scrubber,
@@ -329,7 +349,6 @@ def write_examples(
     fields: Fields,
     folder: Path,
     summary: Summary,
-    scratch: Path,
     keep_reasons: int | None = MAX_REASONS,
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
@@ -345,7 +364,7 @@ def write_examples(
         scrubber.findings.clear()
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:
-        for batch in _batches(sources, fields, counts, scratch, scrubber):
+        for batch in _batches(sources, fields, counts, scrubber):
             _write_batch(writer, batch, renderer, tokenizer, cut, counts, lengths)
         writer.finalize()
     finally:
@@ -367,14 +386,12 @@ def _batches(
     sources: list[Source],
     fields: Fields,
     counts: _Counts,
-    scratch: Path,
     scrubber: Scrubber | None = None,
 ) -> Iterator[list[_Item]]:
     batch: list[_Item] = []
+    limit = counts.summary.max_record_bytes
     for index, source in enumerate(sources):
-        for row_index, row in enumerate(
-            read_rows(source, cache_dir=scratch, text_field=fields.text)
-        ):
+        for row_index, row in enumerate(read_rows(source, text_field=fields.text, max_bytes=limit)):
             item = _parse(source, row, fields, counts)
             if item is None:
                 continue
@@ -389,6 +406,9 @@ def _batches(
 
 
 def _parse(source: Source, row: Row, fields: Fields, counts: _Counts) -> Record | None:
+    if row.oversized is not None:
+        counts.oversized(source, row)
+        return None
     if row.error is not None or row.values is None:
         counts.bad(row.where, row.error or "unreadable")
         return None
@@ -447,6 +467,31 @@ def dropped_for_length(summary: Summary, seq_len: int, side: TruncationSide) -> 
         f"{summary.dropped} record(s) dropped for length: no token of their response fits "
         f"in seq-len {seq_len} ({keep}); {remedy}"
     )
+
+
+def dropped_for_size(summary: Summary, quoted: int = 3) -> str | None:
+    """The records dropped unread for their size, per file, and the first ``quoted`` of
+    them (None: none were)."""
+    if not summary.oversized:
+        return None
+    files = ", ".join(f"{name} {n}" for name, n in summary.oversized.items())
+    return (
+        f"{sum(summary.oversized.values())} record(s) over max-record-bytes "
+        f"({summary.max_record_bytes:,} bytes) dropped unread ({files}), e.g. "
+        + ", ".join(summary.oversized_where[:quoted])
+    )
+
+
+def oversized_details(summary: Summary) -> dict[str, Any] | None:
+    """What a region's audit log records of the records it dropped for their size: the
+    limit, how many, how many per file (None: none were)."""
+    if not summary.oversized:
+        return None
+    return {
+        "max_record_bytes": summary.max_record_bytes,
+        "records": sum(summary.oversized.values()),
+        "files": dict(summary.oversized),
+    }
 
 
 def user_key(user: str) -> int:
@@ -597,16 +642,21 @@ def scan_examples(
     *,
     seq_len: int,
     fields: Fields,
-    scratch: Path,
     sample: int,
     keep_reasons: int | None = MAX_REASONS,
     truncation_side: TruncationSide = "right",
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Scanned:
     """Read and check every row of ``sources`` as :func:`tokenized` does, but render and
     tokenise only the first ``sample`` valid records, and write nothing: what a
     launcher checks in seconds before a run starts. A source that cannot be read is
     named, and the others are read on."""
-    summary = Summary(key="", data_fingerprint="", files={s.name: s.kind for s in sources})
+    summary = Summary(
+        key="",
+        data_fingerprint="",
+        files={s.name: s.kind for s in sources},
+        max_record_bytes=max_record_bytes,
+    )
     counts = _Counts(summary, keep_reasons)
     lengths = _Lengths()
     renderer = Renderer(tokenizer)
@@ -617,7 +667,7 @@ def scan_examples(
     render_error: str | None = None
     for source in sources:
         try:
-            for batch in _batches([source], fields, counts, scratch):
+            for batch in _batches([source], fields, counts):
                 room = 0 if render_error is not None else max(sample - sampled, 0)
                 rest = batch[room:]
                 if room:

@@ -315,6 +315,15 @@ def _parser() -> argparse.ArgumentParser:
         default=seq_len,
         help=f"the seq-len your run trains at (default: {seq_len}, the run config's)",
     )
+    record_bytes = RunConfig.model_fields["max_record_bytes"].default
+    data_check.add_argument(
+        "--max-record-bytes",
+        type=int,
+        default=record_bytes,
+        help="the largest record the region reads, in bytes; larger ones are dropped unread "
+        f"and counted (default: {record_bytes}, the run config's; a deployed region's "
+        "agent.toml has its own)",
+    )
     for option, default in DATA_FIELD_OPTIONS.items():
         data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
     data_check.add_argument(
@@ -1030,13 +1039,21 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from fedciuic.config import DeidSettings, Fields, ModelSpec
+    from fedciuic.config import MAX_RECORD_BYTES_LIMIT, DeidSettings, Fields, ModelSpec
     from fedciuic.data import check_data, region_scrubber
     from fedciuic.deid import listed_entities
     from fedciuic.model import spec_tokenizer
 
     if args.seq_len < 2:
         raise ConfigError([f"--seq-len: {args.seq_len} is too short; use at least 2"])
+    if not 1 <= args.max_record_bytes <= MAX_RECORD_BYTES_LIMIT:
+        raise ConfigError(
+            [
+                f"--max-record-bytes: {args.max_record_bytes} is not a size from 1 to "
+                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is "
+                f"{RunConfig.model_fields['max_record_bytes'].default}"
+            ]
+        )
     spec = ModelSpec(path=args.model_path) if args.model_path else ModelSpec()
     fields = Fields(
         text=args.text_field,
@@ -1065,6 +1082,7 @@ def _data_check(args: argparse.Namespace) -> int:
             fields=fields,
             tokenizer_name=f"tokenizer of {args.model_path}" if args.model_path else "tiny preset",
             scrubber=scrubber,
+            max_record_bytes=args.max_record_bytes,
         )
     print("\n".join(checked.lines(fields.user_id)))
     return 0 if checked.ok else 1

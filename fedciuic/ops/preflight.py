@@ -86,6 +86,8 @@ class RegionFolder:
     #: A deployed region's agent config's allow-pickle-weights (None: simulated, the run's).
     allow_pickle_weights: bool | None = None
     source: str = ""  # the agent config it was read from, if any
+    #: A deployed region's agent config's max-record-bytes (None: simulated, the run's).
+    max_record_bytes: int | None = None
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -220,6 +222,7 @@ def check_region(
             fields=run.fields,
             sample=sample if tokenizer is not None else 0,
             truncation_side=run.truncation_side,
+            max_record_bytes=folder.max_record_bytes or run.max_record_bytes,
         )
     except NoDataFiles as err:
         findings.warning(f"region {name}: {err}: region {name} will decline")
@@ -242,7 +245,18 @@ def check_region(
             f"region {name}: {summary.bad_rows} bad row(s) in data-path {root} will be skipped "
             '(bad-rows = "skip"); `fedciuic data check` lists them'
         )
-    if not summary.records and not summary.bad_rows and not scanned.unreadable:
+    if summary.oversized:
+        from fedciuic.data import dropped_for_size
+
+        dropped = f"region {name}: data-path {root}: {dropped_for_size(summary)}"
+        if summary.records:
+            findings.warning(dropped)
+        else:
+            findings.problem(
+                f"{dropped}; no record is left: raise max-record-bytes (a deployed "
+                "region's own is in its agent.toml)"
+            )
+    elif not summary.records and not summary.bad_rows and not scanned.unreadable:
         findings.problem(
             f"region {name}: data-path {root} holds no records (its files are empty); add the "
             "region's records there"
@@ -399,7 +413,11 @@ def _command(args: argparse.Namespace) -> int:
                 continue
             folders.append(
                 RegionFolder(
-                    agent.region, Path(agent.data_path), agent.allow_pickle_weights, str(file)
+                    agent.region,
+                    Path(agent.data_path),
+                    agent.allow_pickle_weights,
+                    str(file),
+                    agent.max_record_bytes,
                 )
             )
     findings = preflight(run, folders)

@@ -544,6 +544,7 @@ class _Round:
     ) -> RoundOutcome:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation, the update kept for this round, or training."""
+        from fedciuic.data import oversized_details
         from fedciuic.region.trainer import AlreadyReleased, Kept, trained_record
 
         run, node, training = self.run, self.node, task.kind == TaskKind.TRAIN
@@ -580,6 +581,9 @@ class _Round:
         deid = region.data.summary.deid
         if deid is not None:  # what the texts of this round's training were scrubbed of
             self.note(Event.DATA_DEIDENTIFIED, **deid.model_dump())
+        oversized = oversized_details(region.data.summary)
+        if oversized is not None:  # records this round's training never read
+            self.note(Event.RECORDS_OVERSIZED, **oversized)
         payload = b""
 
         def keep(trained: TrainOutcome) -> None:

@@ -446,14 +446,15 @@ def test_json_errors_say_where_without_repeating_at(tmp_path, tokenizer):
         handle.write('{"text": "ends the line\n{"text": "ends the file')
     with pytest.raises(DataError) as err:
         load(tmp_path / "eu", tokenizer)
-    assert "a.jsonl:2: invalid JSON (Invalid control character at column 24)" in str(err.value)
+    assert "a.jsonl:2: invalid JSON (Unterminated string starting at column 10)" in str(err.value)
     assert "a.jsonl:3: invalid JSON (Unterminated string starting at column 10)" in str(err.value)
     assert "at at" not in str(err.value)
     (tmp_path / "eu" / "a.jsonl").unlink()
     (tmp_path / "eu" / "b.json").write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
-    # Read by datasets, whose error names no place: the line and column are found.
+    # JSON Lines in a .json file: read line by line too, each problem named by its line.
     with pytest.raises(DataError) as err:
         load(tmp_path / "eu", tokenizer)
-    assert str(err.value).startswith(
+    assert (
         "b.json:2: not UTF-8 text (invalid start byte at column 11); save the file as UTF-8"
+        in str(err.value)
     )
