@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
+import shutil
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,17 +18,22 @@ import pyarrow.parquet as pq
 import pytest
 
 from fedciuic.agent.config import AgentConfig
-from fedciuic.audit.log import AuditLog
-from fedciuic.config import DEFAULT_MAX_RECORD_BYTES, Fields, NodeConfig, RunConfig
+from fedciuic.audit.log import AuditLog, load_records
+from fedciuic.config import DEFAULT_MAX_RECORD_BYTES, Fields, ModelSpec, NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair, write_keys
+from fedciuic.crypto.parties import NONCE_BYTES, TaskKind
 from fedciuic.data import bounded
 from fedciuic.data.check import check_data, scan_data
 from fedciuic.data.corpus import load_region_data
 from fedciuic.data.sources import discover, read_rows
 from fedciuic.errors import ConfigError, DataError
+from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.presets import TINY_VOCAB_SIZE, bpe_tokenizer
 from fedciuic.ops.cli import main
-from tests.conftest import app_config, unit_config
+from fedciuic.region.round import handle_instruction, read_configs
+from fedciuic.stages.sealing import Clear
+from fedciuic.wire import Instruction
+from tests.conftest import app_config, lab_policies, unit_config
 from tests.data.helpers import data_run
 
 LIMIT = 4096
@@ -315,6 +322,50 @@ def test_data_check_takes_the_limit_and_refuses_a_bad_one(tmp_path, capsys):
     assert "over max-record-bytes (4,096 bytes): 1 record(s) dropped unread (a.jsonl 1)" in out
     assert main(["data", "check", str(tmp_path), "--max-record-bytes", "0"]) == 2
     assert "--max-record-bytes: 0 is not a size from 1 to" in capsys.readouterr().err
+
+
+# -- the audit log and report ------------------------------------------------------------
+
+
+def test_a_region_that_trains_logs_the_records_it_dropped_before_the_round(tmp_path, demo_root):
+    data = tmp_path / "cn"
+    shutil.copytree(demo_root / "cn", data, ignore=shutil.ignore_patterns(".*"))
+    with open(data / "pasted.jsonl", "w", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "log line, " * (DEFAULT_MAX_RECORD_BYTES // 10)}) + "\n")
+    run = RunConfig.from_user_config(
+        {**unit_config(), "local-steps": 1, "seal": False}, source="run config"
+    )
+    node_config = {
+        "region": "cn",
+        "data-path": str(data),
+        "state-path": str(tmp_path / "state"),
+        "policy": str(lab_policies(tmp_path / "policies") / "cn.yaml"),
+        "deid-dictionary": str(demo_root / "deid-dictionaries" / "cn.txt"),
+    }
+    model = AdapterModel(ModelSpec())
+    task = Instruction(
+        adapter=model.adapter_state(),
+        server_round=1,
+        base_fingerprint=model.base_fingerprint,
+        kind=TaskKind.TRAIN,
+        run_config=run.canonical_json(),
+        nonce=secrets.token_bytes(NONCE_BYTES),
+        recipient="cn",
+    )
+    applied, node = read_configs(task, node_config)
+    reply = handle_instruction(
+        applied, node, task, asked=TaskKind.TRAIN, flower_run=7, simulated=False
+    )
+    assert isinstance(reply.outcome, Clear), reply.outcome
+    records = load_records(tmp_path / "state" / "audit.jsonl")
+    [dropped] = [r for r in records if r["event"] == "records_oversized"]
+    assert dropped["details"] == {
+        "max_record_bytes": DEFAULT_MAX_RECORD_BYTES,
+        "records": 1,
+        "files": {"pasted.jsonl": 1},
+    }
+    events = [r["event"] for r in records]
+    assert events.index("records_oversized") < events.index("trained")
 
 
 # -- the audit report --------------------------------------------------------------------
