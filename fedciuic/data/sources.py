@@ -217,19 +217,23 @@ def _json_lines(source: Source, handle: io.BufferedReader, max_bytes: int) -> It
             yield Row(where, None, _not_utf8(err, f"column {err.start + 1}"))
             continue
         if line.strip():
-            yield _object(where, line, line=None)
+            yield _json_row(where, line)
 
 
-def _object(where: str, text: str, *, line: int | None) -> Row:
-    """The row a JSON object is (``line``: the file's line the text starts on, where
-    that is not ``where``'s)."""
+def _json_row(where: str, text: str, *, line: int | None = None, text_field: str = "") -> Row:
+    """The row a JSON value is: an object, or (given a ``text_field``) a string, the
+    text of a text record. ``line``: the file's line the text starts on, where that is
+    not ``where``'s."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         return Row(where, None, f"invalid JSON ({_json_problem(err, line)})")
-    if not isinstance(value, dict):
-        return Row(where, None, f"expected a JSON object, got {json_kind(value)}")
-    return Row(where, value)
+    if isinstance(value, dict):
+        return Row(where, value)
+    if isinstance(value, str) and text_field:
+        return Row(where, {text_field: value})
+    expected = "a JSON object" + (" or string" if text_field else "")
+    return Row(where, None, f"expected {expected}, got {json_kind(value)}")
 
 
 def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:
@@ -252,21 +256,12 @@ def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]
                     line = piece.line + piece.data.count(b"\n", 0, err.start)
                     yield Row(where, None, _not_utf8(err, f"line {line}"))
                     continue
-                if text.startswith('"'):
-                    row = _object(where, f'{{"{_TEXT}": {text}}}', line=piece.line)
-                    values = row.values and {text_field: row.values[_TEXT]}
-                    yield Row(where, values, row.error)
-                else:
-                    yield _object(where, text, line=piece.line)
+                yield _json_row(where, text, line=piece.line, text_field=text_field)
         except Malformed as err:
             raise DataError(
                 f"{source.name}:{err.line}: not one JSON array ({err}); fix the file, or "
                 "write one object per line (JSON Lines, .jsonl)"
             ) from None
-
-
-#: The key a JSON array's string element is read under (then renamed to text-field).
-_TEXT = "text"
 
 
 def _first_byte(handle: io.BufferedReader) -> bytes:
@@ -292,50 +287,44 @@ def _csv_rows(source: Source, max_bytes: int) -> Iterator[Row]:
     with _opened(source) as handle:
         skip_bom(handle)
         for piece in csv_records(handle, max_bytes):
-            where = f"{source.name}:{piece.line}"
-            row = _csv_row(where, piece, header)
-            if isinstance(row, list):
-                header = row
-            elif row is not None:
-                yield row
+            where, fields, problem = _csv_fields(source, piece)
+            if fields is None and problem is None:
+                continue  # a blank line
+            if header is None:  # the header's problems are the file's
+                if fields is not None and len(set(fields)) < len(fields):
+                    problem = "a column named twice"
+                if fields is None or problem is not None:
+                    raise DataError(f"{where}: the header: {problem}; fix the file's first line")
+                header = fields
+            elif piece.data is None:
+                yield Row(where, None, oversized=piece.size)
+            elif fields is None or problem is not None:
+                yield Row(where, None, problem)
+            elif len(fields) > len(header):
+                yield Row(where, None, f"{len(fields)} fields, and the header names {len(header)}")
+            else:
+                cells = zip_longest(header, fields)  # a short row's missing cells are null
+                yield Row(where, {name: value or None for name, value in cells if name})
 
 
-def _csv_row(where: str, piece: Piece, header: list[str] | None) -> Row | list[str] | None:
-    """The row of one CSV record, or (``header`` None) the header's names; None for a
-    blank line. A problem of the header is the file's (:class:`DataError`)."""
-    problem = None
-    fields: list[str] = []
+def _csv_fields(source: Source, piece: Piece) -> tuple[str, list[str] | None, str | None]:
+    """Where a CSV record is (its first line, or the line of a byte that is not UTF-8),
+    its fields (None: none, a blank line or a problem) and its problem."""
+    where = f"{source.name}:{piece.line}"
     if piece.data is None:
-        problem = f"over max-record-bytes ({piece.size:,} bytes)"
-    else:
-        try:
-            text = piece.data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            line = piece.line + piece.data.count(b"\n", 0, err.start)
-            column = err.start - piece.data.rfind(b"\n", 0, err.start)
-            problem = _not_utf8(err, f"column {column}")
-            where = f"{where.rpartition(':')[0]}:{line}"
-        else:
-            if not text.strip():
-                return None
-            try:
-                fields = next(csv.reader((text,)))
-            except csv.Error as err:
-                problem = f"not CSV ({err}); quote a field that holds a quote or a line break"
-    if header is None:
-        if problem is None and len(set(fields)) < len(fields):
-            problem = "a column named twice"
-        if problem is not None:
-            raise DataError(f"{where}: the header: {problem}; fix the file's first line")
-        return fields
-    if piece.data is None:
-        return Row(where, None, oversized=piece.size)
-    if problem is None and len(fields) > len(header):
-        problem = f"{len(fields)} fields, and the header names {len(header)}"
-    if problem is not None:
-        return Row(where, None, problem)
-    values = zip_longest(header, fields)  # a short row's missing cells are null
-    return Row(where, {name: value or None for name, value in values if name is not None})
+        return where, None, f"over max-record-bytes ({piece.size:,} bytes)"
+    try:
+        text = piece.data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = piece.line + piece.data.count(b"\n", 0, err.start)
+        column = err.start - piece.data.rfind(b"\n", 0, err.start)
+        return f"{source.name}:{line}", None, _not_utf8(err, f"column {column}")
+    if not text.strip():
+        return where, None, None
+    try:
+        return where, next(csv.reader((text,))), None
+    except csv.Error as err:
+        return where, None, f"not CSV ({err}); quote a field that holds a quote or a line break"
 
 
 def _text_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:

@@ -169,6 +169,19 @@ def test_csv_reads_on_after_a_long_multiline_record_and_names_later_lines(tmp_pa
     assert summary.bad_reasons == ["a.csv:205: response: missing"]
 
 
+def test_csv_problems_name_their_line_and_a_bom_is_not_part_of_the_header(tmp_path, tokenizer):
+    text = b'\xef\xbb\xbfprompt,response\nq1? ,a1.\nq2? ,a2.,more\nq3? ,"a\xff"\n"q4? ",a4.\n'
+    (tmp_path / "a.csv").write_bytes(text)
+    summary = check(tmp_path, tokenizer).summary
+    assert summary.records == 2 and summary.bad_reasons == [
+        "a.csv:3: 3 fields, and the header names 2",
+        "a.csv:4: not UTF-8 text (invalid start byte at column 8); save the file as UTF-8",
+    ]
+    (tmp_path / "a.csv").write_text("prompt,prompt\nq,a\n")
+    with pytest.raises(DataError, match=r"a\.csv:1: the header: a column named twice"):
+        check(tmp_path, tokenizer)
+
+
 def test_a_broken_json_array_names_its_file_and_line(tmp_path, tokenizer):
     (tmp_path / "a.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n')
     with pytest.raises(DataError, match=r"a\.json:4: not one JSON array \(the array does not end"):
