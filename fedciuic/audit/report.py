@@ -36,6 +36,7 @@ from fedciuic.audit.log import (
 )
 from fedciuic.audit.retention import PRUNE_COMMAND, check_retention, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
+from fedciuic.deid import entity_label
 from fedciuic.errors import EXIT_AUDIT, EXIT_OK
 
 AuditRecord = Mapping[str, Any]
@@ -694,7 +695,8 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
                     _text(identity.get("replacement")),
                     _text(recognizers.get("presidio-analyzer")),
                     _text(d.get("records")),
-                    ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing found",
+                    ", ".join(f"{entity_label(k)} {v}" for k, v in sorted(counts.items()))
+                    or "nothing found",
                 )
             )
     return Section(

@@ -31,6 +31,7 @@ from fedciuic.data.tokenized import (
     scan_examples,
     tokenized,
 )
+from fedciuic.deid import entity_label
 
 if TYPE_CHECKING:
     from fedciuic.deid import Scrubber
@@ -107,7 +108,7 @@ def oversized_line(summary: Summary) -> str:
 
 
 def _counted(counts: dict[str, int]) -> str:
-    return ", ".join(f"{entity} {n}" for entity, n in sorted(counts.items())) or "none"
+    return ", ".join(f"{entity_label(e)} {n}" for e, n in sorted(counts.items())) or "none"
 
 
 def deid_lines(deid: Scrubbed | None, examples: tuple[str, ...]) -> list[str]:

@@ -102,6 +102,19 @@ DIRECT_WORD = "direct"
 NAMES_WORD = "names"
 #: The class words, each standing for its types.
 CLASSES: dict[str, tuple[str, ...]] = {DIRECT_WORD: DIRECT, NAMES_WORD: NAMES}
+#: What the types whose names do not say it are, as reports show them.
+LABELS: dict[str, str] = {
+    DICTIONARY: "names, dictionary",
+    CONTEXT_NAME: "names, by context",
+    PERSON: "names, NER",
+    LOCATION: "places, NER",
+}
+
+
+def entity_label(entity: str) -> str:
+    """An entity type as a report shows it: ``DICTIONARY (names, dictionary)``,
+    ``EMAIL_ADDRESS``."""
+    return f"{entity} ({LABELS[entity]})" if entity in LABELS else entity
 
 
 def listed_entities(value: str | Iterable[str]) -> tuple[str, ...]:

@@ -110,6 +110,22 @@ _SIGNATURE = re.compile(
     re.MULTILINE,
 )
 
+#: Saying one's name: a name of one word or more follows these (``My name is Anna``).
+_NAMED = (
+    r"[Mm]y name is|[Cc]all me|[Jj]e m'appelle|[Mm]on nom est|[Ii]ch heiße|"
+    r"[Ii]ch heisse|[Mm]ein Name ist|[Mm]e llamo|[Mm]i nombre es|[Mm]i chiamo|"
+    r"[Ii]l mio nome è|Full name:|Full Name:|Customer name:|Name:|Nom:|Nombre:|Nome:|"
+    r"Vorname:|Nachname:"
+)
+#: Introducing oneself, where a capitalised word may also be no name (``I am Canadian``,
+#: ``This is Python``): only a first name and a surname count (``I am Mei Okafor``).
+_INTRODUCED = r"I am|I'm|I\u2019m|[Tt]his is|[Jj]e suis|[Ii]ch bin|[Ss]oy|[Ss]ono"
+_FULL_NAME = rf"{_WORD}(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t]){_WORD}){{1,3}}"
+_SELF = re.compile(
+    rf"(?<!\w)(?:(?:{_NAMED})[ \t]*(?P<name>{_NAME})"
+    rf"|(?:{_INTRODUCED}){_GAP}(?P<full>{_FULL_NAME}))"
+)
+
 #: Capitalised words that follow these contexts without naming a person: pronouns and
 #: articles starting a sentence, roles and groups (``Dear Customer``, ``Hi Team``, ``Mr.
 #: President``), greetings' objects (``Hello World``), days, and a few set phrases
@@ -249,9 +265,8 @@ def _chinese(text: str) -> list[tuple[int, int]]:
 def _last_words(*alternatives: str) -> frozenset[str]:
     """The last word of each context (``regards`` of ``Best regards``, ``ra`` of
     ``Sig.ra``), in lower case: the word a capital follows."""
-    return frozenset(
-        re.findall(r"\w+", phrase)[-1].lower() for phrase in "|".join(alternatives).split("|")
-    )
+    phrases = re.sub(r"\[(\w)\w\]", r"\1", "|".join(alternatives)).split("|")  # [Mm]y: My
+    return frozenset(re.findall(r"\w+", phrase)[-1].lower() for phrase in phrases)
 
 
 #: Each Latin pattern, and the words one of which a text holds before a capital if the
@@ -261,12 +276,13 @@ _LATIN = (
     (_SALUTATION, _last_words(_LETTER)),
     (_GREETED, _last_words(_GREETING)),
     (_SIGNATURE, _last_words(_SIGN_OFF)),
+    (_SELF, _last_words(_NAMED, _INTRODUCED)),
 )
 _TRIGGERS = frozenset().union(*(triggers for _, triggers in _LATIN))
-#: A word, then a name's first letter after a space or a line break (a comma, a period
-#: or ! between): a capital, then a lower-case letter, an apostrophe or an initial's
+#: A word, then a name's first letter after a space or a line break (a comma, a period,
+#: ! or a colon between): a capital, then a lower-case letter, an apostrophe or an initial's
 #: period (``you I`` is not); possessive, so that a word that is not is given up at once.
-_BEFORE_CAPITAL = re.compile(rf"(?<!\w)(\w++)[,!.]?+\s++(?=[{_UPPER}][{_LOWER}'\u2019.])")
+_BEFORE_CAPITAL = re.compile(rf"(?<!\w)(\w++)[,!.:]?+\s++(?=[{_UPPER}][{_LOWER}'\u2019.])")
 _WORDS = re.compile(r"\w+")
 #: A signature's delimiter line (``-- ``).
 _DELIMITER = re.compile(r"^--[ \t]*\r?$", re.MULTILINE)
@@ -283,7 +299,8 @@ def _latin(text: str) -> list[tuple[int, int]]:
         if triggers.isdisjoint(before) and not (signed and pattern is _SIGNATURE):
             continue
         for match in pattern.finditer(text):
-            span = _kept_words(match.group("name"), match.start("name"))
+            group = "name" if match.group("name") is not None else "full"
+            span = _kept_words(match.group(group), match.start(group))
             if span is not None:
                 found.append(span)
     return found

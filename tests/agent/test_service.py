@@ -118,6 +118,8 @@ class Federation:
             f'key-file = "{self.keys / "eu.key.json"}"\n'
             f'aggregator-bundle = "{self.keys / "aggregator.pub.json"}"\n'
             f'policy = "{self.policies / "eu-gdpr.yaml"}"\n'
+            # the shipped policy requires names: the region's dictionary of them
+            f'deid-dictionary = "{self.data / "deid-dictionaries" / "eu.txt"}"\n'
             f'socket = "{socket_path}"\n' + extra,
             encoding="utf-8",
         )

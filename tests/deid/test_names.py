@@ -56,6 +56,12 @@ def scrubber() -> Scrubber:
         ("Saludos,\nSofía Castellano", ["Sofía Castellano"]),
         ("Cordiali saluti\nLuca Moretti", ["Luca Moretti"]),
         ("Sincerely,\nHana Tanaka, CFO", ["Hana Tanaka"]),
+        # saying one's name (a first name and a surname after "I am")
+        ("I am Mei Okafor (mei.okafor@example.org); my order is late", ["Mei Okafor"]),
+        ("My name is Anna.", ["Anna"]),
+        ("Name: John Smith", ["John Smith"]),
+        ("Ich heiße Jana Varga", ["Jana Varga"]),
+        ("Sono Marco Rossi", ["Marco Rossi"]),
         # Chinese: a surname and one or two characters in a naming context
         ("王伟先生您好", ["王伟"]),
         ("黎淑珍女士的账户", ["黎淑珍"]),
@@ -98,6 +104,10 @@ def test_each_form_finds_the_name_and_only_the_name(text, names):
         "Thanks, Python is great",
         "Regards,\nThe Support Team",
         "Best,\n2024-03-01",
+        "I am Canadian",  # one word after "I am": too often no name
+        "This is Python code",
+        "name: Build and test",  # a YAML key, not a form's field
+        "I am Not Sure",
         # lower case is missed, by design: no context can tell
         "dear john, see you",
         # Chinese without a naming context, or a word that starts or ends with a surname

@@ -197,3 +197,50 @@ def test_dictionary_names_are_found_in_scripts_written_without_spaces(tmp_path):
     assert s.scrub("zhang wei holdings and Zhang Wei") == "<NAME> and <NAME>"  # longest first
     assert s.scrub("Zhang Weiqiang") == "Zhang Weiqiang"
     assert s.findings.counts == {"DICTIONARY": 3}
+
+
+#: What a region without a dictionary or a NER model may be given (``direct,names`` and
+#: the NER types): the analyzer has recognizers for some of them only.
+UNFOUNDABLE = (*DIRECT, "DICTIONARY", "CONTEXT_NAME", "PERSON", "LOCATION")
+TEXTS = (
+    "mail jane.roe@example.org",
+    "Dear Mr. Smith, call +44 20 7946 0958",
+    "客户王伟的卡号 4111 1111 1111 1111",
+    "order 42 shipped on 2024-03-01",
+)
+
+
+def test_presidio_is_asked_only_for_types_a_recognizer_supports(monkeypatch):
+    """Presidio warns once per text of a type without a recognizer, and says it will
+    refuse them: asked only for supported ones, scrubbing works either way."""
+    from presidio_analyzer import AnalyzerEngine
+
+    analyze = AnalyzerEngine.analyze
+
+    def strict(self, text, language, entities=None, **kw):
+        unsupported = set(entities or ()) - set(self.get_supported_entities(language))
+        if unsupported:
+            raise ValueError(f"Entity {sorted(unsupported)} has no recognizer")
+        return analyze(self, text, language, entities=entities, **kw)
+
+    monkeypatch.setattr(AnalyzerEngine, "analyze", strict)
+    s = Scrubber(DeidSpec(UNFOUNDABLE, "placeholder", KEY))
+    assert [s.scrub(t) for t in TEXTS] == [
+        "mail <EMAIL>",
+        "Dear Mr. <NAME>, call <PHONE>",
+        "客户<NAME>的卡号 <CARD>",
+        "order 42 shipped on 2024-03-01",
+    ]
+    assert Scrubber(DeidSpec(("DICTIONARY",), "placeholder", KEY)).scrub("Zhang Wei 42") == (
+        "Zhang Wei 42"  # nothing to ask for: Presidio reads no types as all it knows
+    )
+
+
+def test_no_per_text_warning_without_a_dictionary_or_model(caplog):
+    s = Scrubber(DeidSpec(UNFOUNDABLE, "placeholder", KEY))
+    with caplog.at_level("WARNING"):
+        for _ in range(50):
+            for text in TEXTS:
+                s.scrub(text)
+    assert not [r for r in caplog.records if "corresponding recognizer" in r.getMessage()]
+    assert s.findings.counts["EMAIL_ADDRESS"] == 50

@@ -91,6 +91,8 @@ def data_root(demo_root: Path, tmp_path: Path) -> Path:
     root = tmp_path / "data"
     for region in ("eu", "cn"):
         shutil.copytree(demo_root / region, root / region)
+    # their dictionaries of names, where a simulation looks (the policies require names)
+    shutil.copytree(demo_root / "deid-dictionaries", root / "deid-dictionaries")
     return root
 
 
@@ -186,6 +188,29 @@ def test_region_trains_on_its_own_data_and_returns_a_delta(model, data_root):
     assert got.info[AGENT_VERSION] == __version__ and got.info[AGENT_CODE] == installed_code()
 
 
+def test_a_region_without_its_dictionary_declines_under_its_policy_and_the_others_train(
+    model, data_root, tmp_path
+):
+    """The CN and EU policies require names: a simulated region without its REGION.txt in
+    deid-dictionaries (and no NER model) declines before it trains, in one line naming the
+    policy field and both agent keys; a region with its dictionary trains."""
+    names = tmp_path / "names"
+    names.mkdir()
+    shutil.copy(data_root / "deid-dictionaries" / "eu.txt", names / "eu.txt")
+    run = settings(data_root, **{"deid-dictionaries": str(names), "privacy-unit": "user"})
+    cn = call(client_app.train, CN, run, model)
+    assert cn.status == "declined" and cn.arrays is None
+    assert cn.reason.endswith(
+        ": names are required (deidentification.entities: names) but this region has "
+        "neither a name dictionary nor a NER model: set deid-dictionary or deid-ner-model "
+        "in its agent config"
+    ), cn.reason
+    assert not (state_of(data_root, "cn") / LEDGER_FILE).exists()  # nothing trained
+    eu = call(client_app.train, EU, run, model)
+    assert eu.status == "trained", eu.reason
+    assert eu.info["deid-entities"].split(",")[-2:] == ["DICTIONARY", "CONTEXT_NAME"]
+
+
 def test_the_region_evaluates_the_global_adapter(model, data_root):
     got = call(client_app.evaluate, CN, settings(data_root), model, MessageType.EVALUATE)
     assert got.status == "evaluated" and got.region == "cn" and got.arrays is None
@@ -227,6 +252,7 @@ def test_a_simulated_region_takes_its_jurisdictions_policy_from_policies_dir(
     def root(name: str) -> Path:
         folder = tmp_path / name
         shutil.copytree(demo_root / "cn", folder / "cn")
+        shutil.copytree(demo_root / "deid-dictionaries", folder / "deid-dictionaries")
         return folder
 
     run = settings(root("a"))

@@ -292,9 +292,13 @@ def test_data_check_reports_what_it_would_scrub_with_the_identifiers_masked(tmp_
     ]
     n = len(signed)
     assert n > 0
-    summary = re.search(r"^de-identification \(placeholder, 15 entity type\(s\), .*\n", out, re.M)
+    # direct's 14 types, the dictionary and names by context (no NER model)
+    summary = re.search(r"^de-identification \(placeholder, 16 entity type\(s\), .*\n", out, re.M)
     assert summary and f"in {n} record(s)" in summary.group(), out
-    each = f"CN_RESIDENT_ID {n}, DICTIONARY {n}, EMAIL_ADDRESS {n}, PHONE_NUMBER {n}"
+    each = (
+        f"CN_RESIDENT_ID {n}, DICTIONARY (names, dictionary) {n}, EMAIL_ADDRESS {n}, "
+        f"PHONE_NUMBER {n}"
+    )
     assert f"  by entity type: {each}\n" in out
     assert f"  {CHAT_FILE}: {each}\n" in out
     examples = out.split("examples (identifiers masked):\n")[1].split("\n\n")[0].splitlines()

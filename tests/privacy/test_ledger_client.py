@@ -33,7 +33,13 @@ def train(model, node, policies: Path, server_round: int, **run) -> dict[str, An
     """A train instruction for ``server_round``; the region's last audit record."""
     settings = {**unit_config(), "local-steps": 2, "seal": False, **run}
     run_config = RunConfig.from_user_config(settings, source="run config")
-    node = {"policy": str(policies / f"{node['region']}.yaml"), **node}
+    # the region's dictionary of names (the demo's, beside its data): the policies require names
+    names = Path(node["data-path"]).parent / "deid-dictionaries" / f"{node['region']}.txt"
+    node = {
+        "policy": str(policies / f"{node['region']}.yaml"),
+        "deid-dictionary": str(names),
+        **node,
+    }
     task = train_instruction(model, run_config, server_round)
     handle_instruction(
         run_config,

@@ -119,8 +119,8 @@ def encoded(value: float, n: int = 4) -> bytes:
     return head + np.full(n, value, np.float32).tobytes()
 
 
-#: What a default run's region declares it scrubbed.
-SCRUBBED = ",".join(DIRECT)
+#: What a default run's region with its dictionary declares it scrubbed.
+SCRUBBED = ",".join((*DIRECT, "DICTIONARY", "CONTEXT_NAME"))
 
 
 def update_arrays(update: bytes) -> dict[str, np.ndarray]:

@@ -506,7 +506,7 @@ def test_the_policy_check_refuses_a_non_finite_declared_figure(policed, field, v
         num_examples=60,
         max_grad_norm=1.0,
         secure_mode=True,
-        deid_entities=DIRECT,
+        deid_entities=(*DIRECT, "DICTIONARY"),
     )
     from dataclasses import replace
 

@@ -89,6 +89,7 @@ def train(
         "data-path": str(demo_root / "cn"),
         "state-path": str(state),
         "policy": str(policies / "cn.yaml"),
+        "deid-dictionary": str(demo_root / "deid-dictionaries" / "cn.txt"),  # names required
     }
     applied, node = read_configs(task, node_config)
     reply = handle_instruction(

@@ -69,9 +69,10 @@ def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def run(model: AdapterModel, policies: Path):
+def run(model: AdapterModel, policies: Path, demo_root: Path):
     """Run one round as the region would: unsealed unless the test seals, under the lab
-    copy of its jurisdiction's policy unless the test names another. The instruction
+    copy of its jurisdiction's policy unless the test names another, a deployed region
+    with the demo's dictionary of its names (the policies require names). The instruction
     carries the run config (and the kind of task) that the aggregator signs; ``asked``:
     what the message asks for, when not ``kind``; ``given``: changes to the run config
     the round is handed, when not the one in the instruction."""
@@ -92,7 +93,12 @@ def run(model: AdapterModel, policies: Path):
     ) -> RegionReply:
         settings = {**unit_config(), "local-steps": 2, "seal": False, **(run_overrides or {})}
         if "region" in node_config:
-            node_config = {"policy": str(policies / f"{node_config['region']}.yaml"), **node_config}
+            region = node_config["region"]
+            node_config = {
+                "policy": str(policies / f"{region}.yaml"),
+                "deid-dictionary": str(demo_root / "deid-dictionaries" / f"{region}.txt"),
+                **node_config,
+            }
         run_cfg = RunConfig.from_user_config(settings, source="run config")
         adapter = model.adapter_state()
         task = Instruction(
@@ -181,9 +187,11 @@ def test_a_sealed_round_trains_seals_logs_and_is_vouched_for(
     # What the texts were scrubbed of before training: the pipeline and counts, declared
     # to the aggregator under the seal, recorded in the region's own log (the demo's
     # synthetic identifiers; no value).
-    assert info["deid-entities"] == ",".join(DIRECT)
+    # (the demo's dictionary, data-root/deid-dictionaries/cn.txt, meets the policy's names)
+    declared = (*DIRECT, "DICTIONARY", "CONTEXT_NAME")
+    assert info["deid-entities"] == ",".join(declared)
     scrubbed = records[-4]["details"]
-    assert scrubbed["identity"]["entities"] == list(DIRECT)
+    assert scrubbed["identity"]["entities"] == list(declared)
     assert scrubbed["counts"]["EMAIL_ADDRESS"] > 0 and scrubbed["records"] > 0
     assert "@example.org" not in json.dumps(records)
     assert reply.witness == (records[-1]["details"]["count"], records[-1]["details"]["head"])
