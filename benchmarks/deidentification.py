@@ -1642,6 +1642,10 @@ def markdown(result: dict[str, Any]) -> str:
         " planted). Partial: caught, but four letters or digits of it in a row (two for a "
         "Chinese name) are still there.",
         "",
+        "| figure | measured | target | verdict |",
+        "| --- | --- | --- | --- |",
+        *("| " + " | ".join(row) + " |" for row in rows(result)),
+        "",
         "## Pattern types (the default region: `direct`"
         + (f" + {', '.join(s['offline_name_types'])}" if s["offline_name_types"] else "")
         + ", no dictionary)",
@@ -1687,7 +1691,9 @@ def markdown(result: dict[str, Any]) -> str:
         + (", ".join(f"{k} {v}" for k, v in clean["fired"].items()) or "none")
         + "; by kind of text: "
         + (", ".join(f"{k} {v}" for k, v in clean["changed_by_kind"].items()) or "none")
-        + ".",
+        + " (of "
+        + ", ".join(f"{k} {v}" for k, v in clean["kinds"].items())
+        + ").",
         "",
         *(f"- {e}" for e in clean["examples"]),
         "",
