@@ -1,12 +1,13 @@
 """A long record stays within a region's memory: it is dropped unread, in every format.
 
 For each format, writes a region's folder of two short records and one long one (a
-chat turn of ``--mb`` MiB in JSON Lines, a JSON array and CSV; a Parquet cell of each
-of ``--parquet-mb`` MiB), then loads it as a region does (``load_region_data``: read,
-check, render, tokenise, cache; de-identification off, to measure the reading), each in
-its own process: the peak RSS above what the process held once its tokenizer was
-loaded (the region's baseline), the records dropped for their size and kept, and the
-time. Writes results/long_records.json.
+chat turn of ``--mb`` MiB in JSON Lines, a JSON array, CSV and a folder written by
+``Dataset.save_to_disk``; a Parquet cell of each of ``--parquet-mb`` MiB), then loads it
+as a region does (``load_region_data``: read, check, render, tokenise, cache;
+de-identification off, to measure the reading), each in its own process: the peak RSS
+above what the process held once its tokenizer was loaded (the region's baseline), the
+records dropped for their size and kept, and the time. Writes
+results/long_records.json.
 
     .venv/bin/python benchmarks/long_records.py [--mb 256] [--parquet-mb 64,256]
 
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "long_records.json"
-FORMATS = ("jsonl", "json", "csv", "parquet")
+FORMATS = ("jsonl", "json", "csv", "parquet", "saved")
 SHORT = [
     {"prompt": "Where does the data stay? ", "response": "In its region.", "user_id": "ana"},
     {"prompt": "Who checks the policy? ", "response": "Both ends.", "user_id": "ben"},
@@ -66,6 +67,7 @@ def write_region(folder: Path, kind: str, size: int) -> None:
             _repeat(handle, PASTE.replace('"', '""').encode(), size)
             handle.write(b'",cy\n"Who checks the policy? ",Both ends.,ben\n')
     else:
+        import datasets
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -82,8 +84,12 @@ def write_region(folder: Path, kind: str, size: int) -> None:
             ],
             "user_id": "cy",
         }
-        pq.write_table(pa.Table.from_pylist([rows[0], chat, rows[1]]), folder / "a.parquet")
-        del cell, chat
+        table = pa.Table.from_pylist([rows[0], chat, rows[1]])
+        if kind == "parquet":
+            pq.write_table(table, folder / "a.parquet")
+        else:
+            datasets.Dataset(table).save_to_disk(str(folder / "saved"))
+        del cell, chat, table
 
 
 def _rss(field: str) -> int:
