@@ -81,18 +81,16 @@ def _csv(root: Path) -> tuple[str, str, int]:
 
 
 def _parquet(root: Path) -> tuple[str, str, int]:
-    chat = {
-        "messages": [
-            {"role": "user", "content": "Summarise this."},
-            {"role": "assistant", "content": LONG_TEXT},
-        ],
-        "user_id": "cy",
-    }
+    turns = [
+        {"role": "user", "content": "Summarise this."},
+        {"role": "assistant", "content": LONG_TEXT},
+    ]
+    chat = {"messages": turns, "user_id": "cy"}
     rows = [{"messages": [{"role": "user", "content": r["prompt"]},
                           {"role": "assistant", "content": r["response"]}],
              "user_id": r["user_id"]} for r in SHORT]  # fmt: skip
     pq.write_table(pa.Table.from_pylist([rows[0], chat, rows[1]]), root / "a.parquet")
-    size = sum(len(t["role"]) + len(t["content"].encode()) for t in chat["messages"]) + 2
+    size = sum(len(t["role"]) + len(t["content"].encode()) for t in turns) + 2
     return "a.parquet", "a.parquet:row 2", size
 
 
