@@ -6,11 +6,11 @@ es_ES, it_IT, zh_CN) and this script places each in a sentence of that locale's
 language, one identifier per record, in every record shape a region reads: chat (JSON
 Lines, ``messages``), Alpaca (a JSON array, ``instruction``/``input``/``output``),
 prompt/response (CSV) and text (JSON Lines), one folder per locale, with clean records
-(code, maths, invoices, references, dates, amounts, versions, tracking numbers) beside
-them. Each pass reads those files as a region does (``fedciuic.data.sources``:
-``discover`` and ``read_rows``; ``records.parse_record``) and scrubs every record with
-``fedciuic.data.scrubbing.scrub_record``, the call a region's tokenisation and
-``fedciuic data check`` make: the measure is the product, not a stand-in.
+(letters with no person in them, code, maths, invoices, references, dates, amounts,
+versions, tracking numbers) beside them. Each pass reads those files as a region does
+(``fedciuic.data.sources``: ``discover`` and ``read_rows``; ``records.parse_record``) and
+scrubs every record with ``fedciuic.data.scrubbing.scrub_record``, the call a region's
+tokenisation and ``fedciuic data check`` make: the measure is the product, not a stand-in.
 
 - **Caught**: the identifier's value no longer appears verbatim anywhere in its
   scrubbed record. **Partial**: caught, but a piece of it is still there (four
@@ -24,9 +24,11 @@ them. Each pass reads those files as a region does (``fedciuic.data.sources``:
 - **Pass 3, a NER model**: a spaCy pipeline with ``PERSON`` if one is installed (names (c));
   otherwise reported as not installed.
 
-Name precision is counted per replacement: the text each name placeholder replaced is
-recovered from the original and the scrubbed record, and counts as a real name when it
-overlaps the name planted there.
+Name precision is counted per replacement, over every record (the clean letters' roles
+and team signatures included): the text each name placeholder replaced is recovered from
+the original and the scrubbed record, and counts as a real name when it overlaps the
+name planted there. Seeded throughout, except that Faker's zh_CN resident IDs count ages
+back from today.
 
     .venv/bin/python benchmarks/deidentification.py [--records 2000] [--clean 1200] [--seed 0]
 """
@@ -990,6 +992,8 @@ def generate(records: int, clean: int, seed: int) -> tuple[list[Doc], list[str]]
             item = CLEAN[kind](fake, rng, locale)
             agent = rng.random() < 0.35
             line = filled(rng.choice(lang.clean_tell if agent else lang.clean_ask), x=item)
+            if kind == "letter":  # a whole message already
+                line = item
             shape = SHAPES[(i // len(CLEAN_KINDS) + li) % len(SHAPES)]
             rid = f"{locale}-clean-{i:05d}"
             values = shaped(lang, rng, shape, line, agent)
@@ -1197,7 +1201,106 @@ def _tracking(fake: Faker, rng: Random, locale: str) -> str:
     return rng.choice(variants)
 
 
+@dataclass(frozen=True)
+class Letter:
+    """A locale's letters with no person in them: greetings to a role, closings signed by
+    a team, and sentences whose words sit where names do (a title before a role, a
+    Chinese surname character starting an ordinary word before 经理 or 客户)."""
+
+    greetings: tuple[str, ...]
+    closings: tuple[str, ...]
+    lines: tuple[str, ...]
+
+
+LETTERS = {
+    "en_US": Letter(
+        ("Dear Customer,", "Dear Sir or Madam,", "Dear Valued Customer,", "Hi team,"),
+        (
+            "Best regards,\nThe Support Team",
+            "Kind regards,\nCustomer Service",
+            "Thanks,\nBilling Department",
+            "Sincerely,\nYour Bank",
+        ),
+        (
+            "Dear Mr. President,",
+            "Please ask Dr. Google less and your branch more.",
+            "The Customer Service Manager will reply.",
+        ),
+    ),
+    "de_DE": Letter(
+        ("Sehr geehrte Damen und Herren,", "Liebe Kundin, lieber Kunde,", "Hallo zusammen,"),
+        (
+            "Mit freundlichen Grüßen\nIhr Kundenservice",
+            "Viele Grüße\nDas Support-Team",
+            "Beste Grüße,\nIhre Filiale",
+        ),
+        (
+            "Sehr geehrte Frau Direktorin,",
+            "Sehr geehrter Herr Vorsitzender,",
+            "Die Filialleitung meldet sich bei Ihnen.",
+        ),
+    ),
+    "fr_FR": Letter(
+        ("Madame, Monsieur,", "Bonjour à tous,", "Cher client,"),
+        (
+            "Cordialement,\nLe service client",
+            "Bien à vous,\nL'équipe Facturation",
+            "Bien cordialement,\nVotre agence",
+        ),
+        (
+            "Monsieur le Directeur,",
+            "Madame la Présidente,",
+            "Le Service Réclamations vous répondra.",
+        ),
+    ),
+    "es_ES": Letter(
+        ("Estimado cliente:", "Hola equipo,", "Estimados señores:"),
+        (
+            "Un saludo,\nEl equipo de soporte",
+            "Atentamente,\nDepartamento de Atención al Cliente",
+            "Saludos cordiales,\nSu oficina",
+        ),
+        (
+            "Señor Director:",
+            "Estimada Sra. Directora:",
+            "El Servicio de Reclamaciones le contestará.",
+        ),
+    ),
+    "it_IT": Letter(
+        ("Gentile cliente,", "Buongiorno a tutti,", "Spettabile Ditta,"),
+        (
+            "Cordiali saluti,\nIl Servizio Clienti",
+            "Distinti saluti,\nUfficio Reclami",
+            "Un saluto,\nLa sua filiale",
+        ),
+        (
+            "Gentile Signor Direttore,",
+            "Egregio Sig. Presidente,",
+            "L'Ufficio Reclami le risponderà.",
+        ),
+    ),
+    "zh_CN": Letter(
+        ("尊敬的客户：", "亲爱的用户：", "各位同事：", "您好！"),
+        ("此致\n敬礼\n客户服务中心", "——客服部", "谢谢！\n信用卡中心"),
+        (
+            "王府井支行的经理今天不在。",
+            "黄金客户享受专属优惠。",
+            "白金卡客户请到二楼办理。",
+            "马上联系客户经理。",
+            "高新区客户请到三号窗口。",
+        ),
+    ),
+}
+
+
+def _letter(fake: Faker, rng: Random, locale: str) -> str:
+    lang, letter = LANGUAGES[locale], LETTERS[locale]
+    body = lang.space.join((rng.choice(letter.lines), rng.choice(lang.questions)))
+    return f"{rng.choice(letter.greetings)}\n\n{body}\n\n{rng.choice(letter.closings)}"
+
+
 CLEAN: dict[str, Callable[[Faker, Random, str], str]] = {
+    "letter": _letter,
     "code": _code,
     "maths": _maths,
     "invoice": _invoice,
@@ -1417,14 +1520,14 @@ def clean_precision(docs: list[Doc], done: Pass) -> dict[str, Any]:
     ]
     fired: Counter[str] = Counter()
     by_kind: Counter[str] = Counter()
-    examples: list[str] = []
+    seen: Counter[str] = Counter()
     for doc in changed:
         result = done.seen[doc.rid]
         fired.update(result.found)
         by_kind[doc.clean] += 1
         for stem, segment in replaced(result.original, result.scrubbed) or []:
-            if len(examples) < 25:
-                examples.append(f"{doc.clean}, {doc.locale}: {segment!r} -> <{stem}>")
+            seen[f"{doc.clean}, {doc.locale}: {segment!r} -> <{stem}>"] += 1
+    examples = [f"{what} (x{n})" if n > 1 else what for what, n in seen.most_common(25)]
     return {
         "records": len(clean),
         "changed": len(changed),
