@@ -69,9 +69,10 @@ DEFAULT_ADAPTER_MODE: AdapterMode = ADAPTER_MODES[0]
 #: prompt's start (``left``), so that the response fits.
 TruncationSide = Literal["right", "left"]
 
-#: The largest record a region reads, in bytes, where nothing says otherwise: room for a
-#: long chat (1 MiB is some 250,000 tokens of English); a larger record is dropped and
-#: counted, never read whole (docs/data.md, "Long records").
+#: The run config's max-record-bytes: the largest record (bytes in its file) a region
+#: reads, room for a long chat (1 MiB is some 250,000 tokens of English); a larger record
+#: is dropped and counted, never read whole, and a deployed region goes by its agent
+#: config's own (docs/data.md, "Long records").
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
 #: The limit's bounds: at most 1 GiB (what it guards a region's memory against).
 MAX_RECORD_BYTES_LIMIT = 1 << 30
@@ -375,8 +376,6 @@ class RunConfig(_Strict):
     #: record with no response token among them is dropped); ``left`` cuts its prompt from
     #: the start so that the response fits (docs/data.md).
     truncation_side: TruncationSide = "right"
-    #: A record larger than this (bytes in its file) is dropped and counted, never read
-    #: whole; a deployed region goes by its agent config's own (docs/data.md).
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     # A region as a cluster (docs/cluster.md): local training as a torch.distributed
     # job of this many processes (one per GPU; gloo on CPU); a node config's value wins.

@@ -5,7 +5,7 @@ an attachment pasted into a chat). Read whole, such a record is copied several t
 (its bytes, its text, its parsed values, a library's own copies) and takes the region
 past its memory: a 32 MB line once took a region past 6 GiB. Each reader here knows a
 record's size before it keeps the record: one over the limit is scanned past in pieces
-of :data:`CHUNK` bytes, and only its size and place are kept.
+of :data:`READ_BYTES` bytes, and only its size and place are kept.
 
 - JSON Lines: :func:`lines`, each line read with a bounded ``readline``.
 - A JSON array: :func:`json_array`, the array's elements found by a scanner that tracks
@@ -28,11 +28,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 #: Bytes read at a time while scanning (and past a record over the limit).
-CHUNK = 1 << 20
+READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
-class Piece:
+class RawRecord:
     """One record as the file holds it: its bytes, or (``data`` None, it was over the
     limit) only how many there were."""
 
@@ -67,25 +67,25 @@ def _tail(tail: bytes, piece: bytes) -> bytes:
     return piece[-2:] if len(piece) >= 2 else (tail + piece)[-2:]
 
 
-def lines(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
+def lines(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
     """Each line of ``handle``; a line over ``limit`` bytes is read no further than
-    ``limit`` + 2 bytes and then scanned to its end, :data:`CHUNK` bytes at a time."""
+    ``limit`` + 2 bytes and then scanned to its end, :data:`READ_BYTES` bytes at a time."""
     lineno = 0
     while raw := handle.readline(limit + 2):  # the line and its "\r\n", if it fits
         lineno += 1
         if raw.endswith(b"\n") or len(raw) < limit + 2:  # whole (the last may have no \n)
             size = len(raw) - _line_break(raw)
-            yield Piece(lineno, size, raw[:size] if size <= limit else None)
+            yield RawRecord(lineno, size, raw[:size] if size <= limit else None)
             continue
         size, tail = len(raw), raw[-2:]
-        while piece := handle.readline(CHUNK):
+        while piece := handle.readline(READ_BYTES):
             size, tail = size + len(piece), _tail(tail, piece)
             if piece.endswith(b"\n"):
                 break
-        yield Piece(lineno, size - _line_break(tail), None)
+        yield RawRecord(lineno, size - _line_break(tail), None)
 
 
-def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
+def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
     """Each record of a CSV file: its lines, joined while a quoted field is open (an odd
     count of ``"`` so far: a quote inside a quoted field is written twice). A record
     over ``limit`` bytes is read past (:func:`_skip_csv`) and not kept."""
@@ -96,7 +96,7 @@ def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
         size = quotes = 0
         tail = b""
         over = False
-        while piece := handle.readline(CHUNK):
+        while piece := handle.readline(READ_BYTES):
             parts.append(piece)
             size, tail = size + len(piece), _tail(tail, piece)
             quotes += piece.count(b'"')
@@ -115,9 +115,9 @@ def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
             lineno += 1  # the last line, without a line break
         length = size - _line_break(tail)
         if over or length > limit:
-            yield Piece(first, length, None)
+            yield RawRecord(first, length, None)
         else:
-            yield Piece(first, length, b"".join(parts)[:length])
+            yield RawRecord(first, length, b"".join(parts)[:length])
 
 
 #: The rest of a quoted field up to its closing quote (a quote written twice is one of
@@ -132,7 +132,7 @@ def _skip_csv(handle: io.BufferedReader, inside: bool, tail: bytes) -> tuple[int
     before). The handle is left at the next record."""
     size = lines = 0
     skip = 0  # a quote's second half, the next chunk's first byte
-    while chunk := handle.read(CHUNK):
+    while chunk := handle.read(READ_BYTES):
         pos, end = skip, len(chunk)
         skip = 0
         while pos < end:
@@ -189,10 +189,10 @@ class _Element:
             if self.size - self.spaces > self.limit:
                 self.parts = None
 
-    def piece(self) -> Piece:
+    def record(self) -> RawRecord:
         size = self.size - self.spaces
         data = None if self.parts is None else b"".join(self.parts)[:size]
-        return Piece(self.line, size, data)
+        return RawRecord(self.line, size, data)
 
 
 class _Lines:
@@ -214,7 +214,7 @@ class _Lines:
         return self.line
 
 
-def json_array(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
+def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
     """Each element of the JSON array ``handle`` holds (a file that starts with ``[``),
     found without parsing it: an element over ``limit`` bytes is scanned past and not
     kept. :class:`Malformed` when the file is not one array."""
@@ -224,7 +224,7 @@ def json_array(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
     depth = 0
     in_string = escaped = False
     element: _Element | None = None
-    while chunk := handle.read(CHUNK):
+    while chunk := handle.read(READ_BYTES):
         lines.read(chunk)
         pos, size = 0, len(chunk)
         begin = 0  # where the element's bytes start in this chunk
@@ -276,7 +276,7 @@ def json_array(handle: io.BufferedReader, limit: int) -> Iterator[Piece]:
             else:  # "," or "]" of the array: the element ends
                 assert element is not None
                 element.add(chunk[begin:at])
-                yield element.piece()
+                yield element.record()
                 element, first = None, False
                 state = "value" if char == b"," else "done"
         if element is not None:

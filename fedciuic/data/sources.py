@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from fedciuic.data.bounded import (
     Malformed,
-    Piece,
+    RawRecord,
     csv_records,
     json_array,
     lines,
@@ -307,7 +307,7 @@ def _csv_rows(source: Source, max_bytes: int) -> Iterator[Row]:
                 yield Row(where, {name: value or None for name, value in cells if name})
 
 
-def _csv_fields(source: Source, piece: Piece) -> tuple[str, list[str] | None, str | None]:
+def _csv_fields(source: Source, piece: RawRecord) -> tuple[str, list[str] | None, str | None]:
     """Where a CSV record is (its first line, or the line of a byte that is not UTF-8),
     its fields (None: none, a blank line or a problem) and its problem."""
     where = f"{source.name}:{piece.line}"

@@ -198,7 +198,7 @@ def test_a_json_array_of_strings_is_text_records(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 1 << 20])
 def test_the_json_array_scanner_finds_every_element_whatever_the_chunks(monkeypatch, chunk):
-    monkeypatch.setattr(bounded, "CHUNK", chunk)
+    monkeypatch.setattr(bounded, "READ_BYTES", chunk)
     values: list[Any] = [
         {"text": 'a,]}"\\', "n": [1, {"x": "]"}]},
         's,]\\"{',
@@ -217,7 +217,7 @@ def test_the_json_array_scanner_finds_every_element_whatever_the_chunks(monkeypa
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 64, 1 << 20])
 def test_the_csv_splitter_reads_past_a_long_record_whatever_the_chunks(monkeypatch, chunk):
-    monkeypatch.setattr(bounded, "CHUNK", chunk)
+    monkeypatch.setattr(bounded, "READ_BYTES", chunk)
     long = b'"' + b'say ""hi"", then\r\n""bye""' * 4 + b'"'  # quotes written twice, lines
     data = b'a,b\n1,"x\ny"\r\n2,' + long + b'\r\n3,""""\n\n4,' + long + b"\n5,end"
     pieces = list(bounded.csv_records(io.BufferedReader(io.BytesIO(data)), 20))
