@@ -31,7 +31,7 @@ from fedciuic.data.tokenized import (
     scan_examples,
     tokenized,
 )
-from fedciuic.deid import entity_label
+from fedciuic.deid import CONTEXT_NAME, NAME_SOURCES, entity_label
 
 if TYPE_CHECKING:
     from fedciuic.deid import Scrubber
@@ -125,6 +125,12 @@ def deid_lines(deid: Scrubbed | None, examples: tuple[str, ...]) -> list[str]:
         f"  by entity type: {_counted(deid.counts)}",
         *(f"  {file}: {_counted(counts)}" for file, counts in deid.files.items()),
     ]
+    scrubbed = set(identity["entities"])
+    if CONTEXT_NAME in scrubbed and not scrubbed & set(NAME_SOURCES):
+        out.append(
+            "  names: by their context only (no deid-dictionary, no deid-ner-model): a "
+            "policy that requires names (the shipped CN and EU ones) declines this region"
+        )
     if examples:
         out += ["  examples (identifiers masked):", *(f"    {e}" for e in examples)]
     return [*out, ""]

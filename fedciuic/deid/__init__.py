@@ -12,9 +12,11 @@ if TYPE_CHECKING:
     from fedciuic.deid.checks import cn_check_character, cn_resident_id_valid
     from fedciuic.deid.dictionary import Dictionary, load_dictionary
     from fedciuic.deid.entities import (
+        CONTEXT_NAME,
         DIRECT,
         DIRECT_WORD,
         ENTITIES,
+        NAME_SOURCES,
         NAMES,
         NAMES_WORD,
         NER_ONLY,
@@ -36,12 +38,14 @@ if TYPE_CHECKING:
 _WHERE = {
     "cn_check_character": "checks",
     "cn_resident_id_valid": "checks",
+    "CONTEXT_NAME": "entities",
     "DIRECT": "entities",
     "DIRECT_WORD": "entities",
     "DeidSpec": "pipeline",
     "Dictionary": "dictionary",
     "ENTITIES": "entities",
     "DeidFindings": "pipeline",
+    "NAME_SOURCES": "entities",
     "NAMES": "entities",
     "NAMES_WORD": "entities",
     "NER_ONLY": "entities",
@@ -59,11 +63,13 @@ _WHERE = {
     "region_secret": "secret",
 }
 __all__ = [
+    "CONTEXT_NAME",
     "DIRECT",
     "DIRECT_WORD",
     "ENTITIES",
     "NAMES",
     "NAMES_WORD",
+    "NAME_SOURCES",
     "NER_ONLY",
     "REPLACEMENTS",
     "SECRET_FILE",

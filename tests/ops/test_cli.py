@@ -308,6 +308,12 @@ def test_data_check_reports_what_it_would_scrub_with_the_identifiers_masked(tmp_
     assert "@example.org" not in out and "+86" not in out
     assert main(["data", "check", str(tmp_path / "cn"), "--no-deidentify"]) == 0
     assert "de-identification: off (nothing would be scrubbed)" in capsys.readouterr().out
+    # Without the dictionary the names are found by their context ("I am First Last"),
+    # and the check says what a policy that requires names makes of that.
+    assert main(["data", "check", str(tmp_path / "cn")]) == 0
+    out = capsys.readouterr().out
+    assert f"CONTEXT_NAME (names, by context) {n}" in out
+    assert "  names: by their context only (no deid-dictionary, no deid-ner-model)" in out
 
 
 def test_data_check_refuses_an_unknown_entity_type_and_a_malformed_dictionary(tmp_path, capsys):
