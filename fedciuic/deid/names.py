@@ -10,6 +10,8 @@ list of the region's names, so only where the context says a name follows.
   (``Best regards,`` ``Thanks,`` ``Mit freundlichen Grüßen`` ``Cordialement``
   ``Saludos`` ``Cordiali saluti``), or after it on the same line with a comma
   (``Thanks, Bob``).
+- Saying one's name: ``My name is Anna``, ``Name: John Smith``, ``Ich heiße Jana``;
+  after ``I am``, ``This is``, ``Sono`` a first name and a surname (``I am Mei Okafor``).
 - Chinese: a surname of the standard list (the common single surnames and the compound
   ones such as 欧阳, 司马, 诸葛) and one or two characters, before a title (王伟先生,
   黎淑珍女士, 张经理) or after a naming word (我叫唐荣, 客户王伟, 姓名 and a colon).
@@ -171,9 +173,9 @@ _COMPOUND_SURNAMES = _listed(
     "南宫 西门 呼延 闻人 澹台 公羊 赫连 钟离 宗政 濮阳 太史 申屠 东郭 拓跋 万俟 司空 左丘 "
     "仲孙 单于 淳于 完颜 乐正 鲜于 巫马 公冶 梁丘 漆雕 第五"
 )
-#: The common single surnames (about the 160 most frequent of the standard list, less
-#: those that are chiefly function words or word parts in running text: 于, 向, 和, 时,
-#: 司, 管, 车, 全, 房, 席, 班, 乐, 区, 项, 海, 南, 吉).
+#: The common single surnames (205 of the most frequent of the standard list, less those
+#: that are chiefly function words or word parts in running text: 于, 向, 和, 时, 司, 管,
+#: 车, 全, 房, 席, 班, 乐, 区, 项, 海, 南, 吉).
 _SURNAMES = (
     "王李张刘陈杨黄赵吴周徐孙马朱胡郭何高林罗郑梁谢宋唐许韩冯邓曹彭曾肖田董袁潘蒋蔡余杜"
     "叶程苏魏吕丁任沈姚卢姜崔钟谭陆汪范金石廖贾夏韦付傅方白邹孟熊秦邱江尹薛闫阎段雷侯龙"
