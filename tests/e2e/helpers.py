@@ -225,8 +225,9 @@ def lab_policies_dir(state: Path) -> Path:
 
 def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str, str]:
     """A deployed region's own facts (its agent's, never its ClientApp's): its data,
-    state, keys and its jurisdiction's policy (a record-level lab copy of the shipped
-    one, :func:`lab_policies_dir`)."""
+    state, keys, its jurisdiction's policy (a record-level lab copy of the shipped
+    one, :func:`lab_policies_dir`) and its dictionary of names (the demo's, which the
+    CN and EU policies' names require)."""
     from tests.conftest import SHIPPED_POLICIES
 
     return {
@@ -236,6 +237,7 @@ def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str,
         "key-file": str(keys / f"{region}.key.json"),
         "aggregator-bundle": str(keys / "aggregator.pub.json"),
         "policy": str(lab_policies_dir(state) / SHIPPED_POLICIES[region.upper()]),
+        "deid-dictionary": str(data / "deid-dictionaries" / f"{region}.txt"),
     }
 
 
