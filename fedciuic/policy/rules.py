@@ -1060,13 +1060,12 @@ def _explain_deid(d: Deidentification | None) -> str:
     parts = [", ".join(parse_entities(e for e in d.entities if e != NAMES_WORD))]
     if NAMES_WORD in d.entities:
         parts.append(
-            "names, found by the region's own name dictionary or NER model (deid-dictionary, "
-            "deid-ner-model)"
+            "names, found by its own name dictionary or NER model (deid-dictionary or "
+            "deid-ner-model in its agent config)"
         )
     return (
-        "Before training, the region must replace these identifiers in its texts: "
-        + "; ".join(p for p in parts if p)
-        + " (deid-entities)."
+        "Before training, the region must replace these identifiers in its texts "
+        "(deid-entities): " + "; and ".join(p for p in parts if p) + "."
     )
 
 

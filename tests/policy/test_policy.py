@@ -308,6 +308,13 @@ def test_explain_names_the_privacy_unit(eu, cn):
     assert "a guarantee per record suffices" in explain(cn)
 
 
+def test_explain_says_names_need_a_dictionary_or_a_ner_model(cn):
+    assert (
+        "SE_PERSONNUMMER; and names, found by its own name dictionary or NER model "
+        "(deid-dictionary or deid-ner-model in its agent config)."
+    ) in explain(cn)
+
+
 def test_no_readable_policy_rejects_fail_closed():
     decision = check_update(None, FACTS, GOOD, "eu.yaml:3: privacy: Field required")
     assert decision.outcome == "reject" and "no readable policy for EU" in decision.reasons[0]
