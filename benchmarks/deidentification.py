@@ -1223,7 +1223,7 @@ LETTERS = {
         ),
         (
             "Dear Mr. President,",
-            "Please ask Dr. Google less and your branch more.",
+            "Our Relationship Manager will call you.",
             "The Customer Service Manager will reply.",
         ),
     ),
@@ -1311,6 +1311,9 @@ CLEAN: dict[str, Callable[[Faker, Random, str], str]] = {
     "tracking": _tracking,
 }
 CLEAN_KINDS = tuple(CLEAN)
+#: The clean text the <= 2 % target is for (issue 46: identifier-shaped numbers in
+#: ordinary text); the letters are reported apart, and count in the names' precision.
+NUMBER_KINDS = tuple(k for k in CLEAN_KINDS if k != "letter")
 
 
 # --- Scrubbing through the region's own read path ------------------------------------
@@ -1512,9 +1515,10 @@ def name_precision(docs: list[Doc], done: Pass, types: Iterable[str]) -> dict[st
     }
 
 
-def clean_precision(docs: list[Doc], done: Pass) -> dict[str, Any]:
+def clean_precision(docs: list[Doc], done: Pass, kinds: Iterable[str]) -> dict[str, Any]:
     """How many clean records were changed, by what, and by which kind of clean text."""
-    clean = [d for d in docs if d.planted is None]
+    wanted = tuple(kinds)
+    clean = [d for d in docs if d.planted is None and d.clean in wanted]
     changed: list[Doc] = [
         d for d in clean if done.seen[d.rid].scrubbed != done.seen[d.rid].original
     ]
@@ -1534,7 +1538,7 @@ def clean_precision(docs: list[Doc], done: Pass) -> dict[str, Any]:
         "share": len(changed) / len(clean) if clean else None,
         "fired": dict(fired.most_common()),
         "changed_by_kind": dict(by_kind.most_common()),
-        "kinds": {k: sum(d.clean == k for d in clean) for k in CLEAN_KINDS},
+        "kinds": {k: sum(d.clean == k for d in clean) for k in wanted},
         "examples": examples,
     }
 
@@ -1679,8 +1683,9 @@ def _measure(args: argparse.Namespace, warnings: _Warnings) -> dict[str, Any]:
             "offline": names_result(docs, default, offline),
             "model": model,
         },
-        "clean": clean_precision(docs, default),
-        "clean_with_dictionary": clean_precision(docs, listed),
+        "clean": clean_precision(docs, default, NUMBER_KINDS),
+        "letters": clean_precision(docs, default, ("letter",)),
+        "clean_with_dictionary": clean_precision(docs, listed, CLEAN_KINDS),
         "throughput": {
             "records": len(default.seen),
             "bytes": size,
@@ -1730,6 +1735,7 @@ def _recall_table(rows: list[dict[str, Any]], first: str, target: str) -> list[s
 def markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     names, clean, speed = result["names"], result["clean"], result["throughput"]
+    letters = result["letters"]
     offline = names["offline"]
     lines = [
         "# De-identification benchmark",
@@ -1800,6 +1806,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *(f"- {e}" for e in clean["examples"]),
         "",
+        f"Letters with no person in them (greetings to a role, closings signed by a team; "
+        f"reported, and counted in the names' precision): {letters['changed']} of "
+        f"{letters['records']} changed; fired: "
+        + (", ".join(f"{k} {v}" for k, v in letters["fired"].items()) or "none")
+        + ".",
+        "",
+        *(f"- {e}" for e in letters["examples"]),
+        "",
         "## Throughput",
         "",
         f"{speed['records']:,} records ({speed['bytes'] / 1e6:.2f} MB) read and scrubbed in "
@@ -1820,6 +1834,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
     offline = names["offline"]
     precision = (offline.get("precision") or {}).get("precision")
     clean, speed = result["clean"], result["throughput"]
+    letters = result.get("letters")
     n = result["settings"]["identifiers"]
     return [
         [
@@ -1844,11 +1859,25 @@ def rows(result: dict[str, Any]) -> list[Row]:
             "reported",
         ],
         [
-            "clean records changed by de-identification (code, maths, invoices, references)",
+            "clean records changed by de-identification (code, maths, invoices, references, "
+            "dates, amounts, versions, tracking numbers)",
             f"{clean['share']:.1%} of {clean['records']}",
             f"<= {CLEAN_TARGET:.0%}",
             verdict(clean["share"] <= CLEAN_TARGET),
         ],
+        *(
+            [
+                [
+                    "letters with no person in them changed (greetings to a role, closings "
+                    "signed by a team)",
+                    f"{letters['share']:.1%} of {letters['records']}",
+                    "reported",
+                    "reported",
+                ]
+            ]
+            if letters
+            else []
+        ),
         [
             "de-identification throughput (read + scrub, one core)",
             f"{speed['records_per_s']:.0f} records/s, {speed['mb_per_s']:.2f} MB/s",

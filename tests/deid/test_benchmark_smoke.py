@@ -90,13 +90,14 @@ def _canned(recall: float, names: float, share: float) -> dict[str, Any]:
             "offline": {"total": {"recall": 0.5}, "precision": {"precision": 0.99}},
         },
         "clean": {"share": share, "records": 1200},
+        "letters": {"share": 0.3, "records": 138},
         "throughput": {"records_per_s": 600.0, "mb_per_s": 0.13},
     }
 
 
 def test_verdicts_follow_the_figures_and_only_target_rows_count():
     met = bench.rows(_canned(recall=1.0, names=0.96, share=0.015))
-    assert [row[3] for row in met] == ["met", "met", "reported", "met", "reported"]
+    assert [row[3] for row in met] == ["met", "met", "reported", "met", "reported", "reported"]
     assert "precision 0.990" in met[2][1]
     missed = bench.rows(_canned(recall=0.98, names=0.9, share=0.03))
     assert [row[3] for row in missed][:4] == [
@@ -113,7 +114,7 @@ def test_a_small_run_reads_and_scrubs_every_record_as_a_region_does():
     assert result["throughput"]["records"] == 12 * len(bench.LOCALES) + 12
     cells = [row["total"] for row in result["recall"]]
     assert sum(c["n"] for c in cells) + result["names"]["dictionary"]["total"]["n"] == 72
-    assert result["clean"]["records"] == 12
+    assert result["clean"]["records"] + result["letters"]["records"] == 12
     report = bench.markdown(result)
     assert "| entity: kind |" in report and "## Clean text" in report
-    assert len(bench.rows(result)) == 5
+    assert len(bench.rows(result)) == 6
