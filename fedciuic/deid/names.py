@@ -13,8 +13,9 @@ list of the region's names, so only where the context says a name follows.
 - Saying one's name: ``My name is Anna``, ``Name: John Smith``, ``Ich heiße Jana``;
   after ``I am``, ``This is``, ``Sono`` a first name and a surname (``I am Mei Okafor``).
 - Chinese: a surname of the standard list (the common single surnames and the compound
-  ones such as 欧阳, 司马, 诸葛) and one or two characters, before a title (王伟先生,
-  黎淑珍女士, 张经理) or after a naming word (我叫唐荣, 客户王伟, 姓名 and a colon).
+  ones such as 欧阳, 司马, 诸葛) and one or two characters, before a title or a greeting
+  (王伟先生, 黎淑珍女士, 张经理, 王伟你好), after a naming word (我叫唐荣, 客户王伟,
+  亲爱的李娜, 姓名 and a colon), or alone on the line after a closing (此致 敬礼) or a dash.
 
 Only the name is replaced, never its context (``Mr. <NAME>``, ``<NAME>先生``). Words that
 follow these contexts without being names (``Dear Sir``, ``Hi Team``, ``Mr. President``,
@@ -58,8 +59,11 @@ _TITLES = (
     r"Mrs\.?|Mr\.?|Ms\.?|Mx\.?|Miss|Dr\.?|Prof\.?|Professor|Herr|Frau|"
     r"Mme\.?|Mlle\.?|M\.|Madame|Mademoiselle|Monsieur|Sra\.?|Srta\.?|Sr\.|Señora|Señorita|"
     r"Señor|Doña|Dña\.|Dra\.|Sig\.ra|Sig\.na|Sig\.|Signora|Signorina|Signor|Dott\.ssa|"
-    r"Dott\.|Dr\.ssa|Prof\.ssa|Avv\.|Ing\."
+    r"Dott\.|Dr\.ssa|Prof\.ssa|Avv\.|Ing\.|Don|Dipl\.-Ing\.|Dipl\.-Kfm\.|Dipl\.-Kffr\.|Mag\."
 )
+#: Degrees and generations after a name (``Anna Keller M.Sc.``, ``John Smith Jr.``): no
+#: part of it, allowed before the end of a greeting or a signature line.
+_AFTER_NAME = r"(?:[ \t]+(?:(?:[A-Z][A-Za-z]{0,4}\.){1,3}[A-Za-z]*|MBA|PhD|MD|DDS|CPA|II|III))*"
 #: One to four words (initials and particles between them), on one line; a title ends
 #: it (``Sr. García y Sra. Núñez`` is two names).
 _NAME = (
@@ -68,7 +72,10 @@ _NAME = (
 )
 
 _TITLED = rf"(?<![\w.])(?:{_TITLES})(?:{_GAP}(?:{_TITLES})){{0,2}}{_GAP}"
-_HONORIFIC = re.compile(rf"{_TITLED}(?P<name>{_NAME})")
+#: A first name and a surname (at least two words).
+_FULL_NAME = rf"{_WORD}(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t]){_WORD}){{1,3}}"
+#: ``D.`` (Spanish ``Don``) is a title only before a full name (``vitamin D. Take``).
+_HONORIFIC = re.compile(rf"{_TITLED}(?P<name>{_NAME})|(?<![\w.])D\.{_GAP}(?P<full>{_FULL_NAME})")
 
 #: A letter's salutations: what follows in capitals is a name (or a title, or a word of
 #: :data:`_NOT_NAMES` such as ``Sir``).
@@ -83,7 +90,7 @@ _GREETING = (
     r"Moin|Servus|Guten Morgen|Guten Tag|Guten Abend|Bonjour|Bonsoir|Salut|Coucou|Hola|"
     r"Buenos días|Buenas tardes|Buenas noches|Buenas|Ciao|Salve|Buongiorno|Buonasera"
 )
-_END = r"(?=[ \t]*(?:[,!:;.?\r\n]|\Z))"
+_END = rf"(?={_AFTER_NAME}[ \t]*(?:[,!:;.?\r\n]|\Z))"
 #: A letter's salutation starts a line or a sentence (``die Liebe Gottes`` is kept).
 _SALUTATION = re.compile(
     rf"(?:^|(?<=[.!?:;,]))[ \t]*(?i:{_LETTER}){_GAP}(?:(?:{_TITLES}){_GAP})*(?P<name>{_NAME})",
@@ -108,7 +115,8 @@ _SIGN_OFF = (
 _SIGNATURE = re.compile(
     rf"(?:^[ \t]*|(?<=[.!?])[ \t]+)(?:(?i:{_SIGN_OFF})"
     rf"(?:[ \t]*,[ \t]*(?:\r?\n[ \t]*)?|[ \t]*[!.]?[ \t]*\r?\n[ \t]*)|--[ \t]*\r?\n[ \t]*)"
-    rf"(?P<name>{_NAME})(?=[ \t]*[.!]?[ \t]*(?:\r?\n|\Z|,))",
+    rf"(?:(?:{_TITLES}){_GAP})*(?P<name>{_NAME})"
+    rf"(?={_AFTER_NAME}[ \t]*[.!]?[ \t]*(?:\r?\n|\Z|,))",
     re.MULTILINE,
 )
 
@@ -122,7 +130,6 @@ _NAMED = (
 #: Introducing oneself, where a capitalised word may also be no name (``I am Canadian``,
 #: ``This is Python``): only a first name and a surname count (``I am Mei Okafor``).
 _INTRODUCED = r"I am|I'm|I\u2019m|[Tt]his is|[Jj]e suis|[Ii]ch bin|[Ss]oy|[Ss]ono"
-_FULL_NAME = rf"{_WORD}(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t]){_WORD}){{1,3}}"
 _SELF = re.compile(
     rf"(?<!\w)(?:(?:{_NAMED})[ \t]*(?P<name>{_NAME})"
     rf"|(?:{_INTRODUCED}){_GAP}(?P<full>{_FULL_NAME}))"
@@ -162,6 +169,21 @@ _NOT_NAMES = _listed(
     Director Directora Amigo Amiga Amigos Equipo Usuario Usuarios
     Signore Signora Signori Clienti Tutti Il Lo Gli Dottore Dottoressa Direttore Amico
     Amica Amici Collega Colleghi Utente Utenti
+    Billing Accounting Finance Marketing Legal Compliance Operations Management
+    Administration Reception Helpdesk Desk Care Relations Resources Human Claims
+    Complaints Collections Security Fraud Risk Treasury Payments Cards Lending Mortgage
+    Mortgages Loans Branch Headquarters Council Chairperson Inc Ltd LLC Corp Corporation
+    GmbH AG SA SpA SRL SL Co Jr Sr
+    Abteilung Kundenservice Kundendienst Kundenbetreuung Geschäftsführung
+    Geschäftsleitung Leitung Vertrieb Buchhaltung Verwaltung Vorstand Vorsitzender
+    Vorsitzende Direktor Direktorin Leiter Leiterin Filiale Zentrale Sachbearbeiter
+    Sachbearbeiterin Berater Beraterin Service Support
+    Direction Département Présidente Comptabilité Agence Conseiller Conseillère
+    Responsable Gérant Gérante Clientèle Réclamations
+    Departamento Atención Servicio Dirección Gerente Gerencia Administración Contabilidad
+    Oficina Sucursal Reclamaciones Presidenta Asesor Asesora
+    Ufficio Reclami Servizio Direzione Direttrice Amministrazione Assistenza Sportello
+    Responsabile Consulente Presidentessa
     """
 )
 
@@ -185,12 +207,19 @@ _SURNAMES = (
 )
 _HAN = r"[\u4e00-\u9fff]"
 _SURNAME = "(?:" + "|".join(sorted(_COMPOUND_SURNAMES)) + f"|[{_SURNAMES}])"
-#: Titles after a name (王伟先生, 张经理): the surname alone may precede them.
+#: Titles after a name (王伟先生, 张经理): the surname alone may precede them; and a
+#: greeting after one (王伟你好).
 _CN_TITLES = "先生|女士|小姐|经理|老师|医生|律师|教授|主任|总监|行长|同学"
-#: Words before a name (我叫唐荣, 客户王伟, 姓名 and a colon): a given name must follow.
-_CN_SAYS = "我叫|我是|名叫|叫做|客户|患者|病人"
+_CN_HELLO = "你好|您好"
+#: Words before a name (我叫唐荣, 客户王伟, 亲爱的李娜, 姓名 and a colon): a given name
+#: must follow.
+_CN_SAYS = "我叫|我是|名叫|叫做|本人|客户|患者|病人|亲爱的|尊敬的"
 #: Form fields, a colon after them or not (姓名 and a colon, 联系人).
-_CN_FIELDS = "姓名|联系人|收件人|收货人|持卡人|户名|申请人|借款人|投保人|被保险人|负责人|经办人"
+_CN_FIELDS = (
+    "姓名|联系人|收件人|收货人|持卡人|户名|申请人|借款人|投保人|被保险人|负责人|经办人|专员|客服"
+)
+#: A letter's closing (此致 敬礼, 谢谢) or a dash, a name alone on the line after it.
+_CN_SIGN_OFF = "敬礼|此致|谢谢|多谢|祝好|顺祝商祺|顺颂商祺|顺颂时祺"
 _CN_MARKERS = f"{_CN_SAYS}|(?:{_CN_FIELDS})[ \t]*[\uff1a:]?[ \t]*"
 #: Characters (almost) never in a given name: particles, pronouns, verbs and the nouns of
 #: titles, units and places that follow a name in running text.
@@ -200,8 +229,24 @@ _NOT_GIVEN = set(
     "财客户服组校院局处室厅副代助吗呢吧啊哦呀我你他她它您咱有没不还并且即则之于着过得地"
     "打买卖做用找看听写读走办请联系电话码账卡额钱款费今昨省市县镇村州"
 )
-_CN_TITLED = re.compile(rf"(?P<surname>{_SURNAME})(?P<given>{_HAN}{{0,2}}?)(?={_CN_TITLES})")
+_CN_TITLED = re.compile(
+    rf"(?P<surname>{_SURNAME})(?P<given>{_HAN}{{0,2}}?)"
+    rf"(?={_CN_TITLES}|[\uff0c,]?[ \t]*(?:{_CN_HELLO}))"
+)
 _CN_MARKED = re.compile(rf"(?:{_CN_MARKERS})(?P<surname>{_SURNAME})(?P<given>{_HAN}{{1,2}})")
+_CN_SIGNED = re.compile(
+    rf"(?:(?:{_CN_SIGN_OFF})[\uff01!\u3002\uff0c,]?[ \t]*\r?\n|^[ \t]*\u2014{{1,2}})[ \t]*"
+    rf"(?P<surname>{_SURNAME})(?P<given>{_HAN}{{1,2}})[ \t]*(?=\r?\n|\Z)",
+    re.MULTILINE,
+)
+#: Words that follow a name (客户唐荣反映): their first character is not the name's.
+_CN_AFTER = _listed(
+    """
+    反映 反馈 表示 投诉 咨询 办理 申请 提出 询问 致电 前来 到店 同意 确认 签字 需要 希望
+    认为 觉得 发现 收到 告知 通知 联系 预约 开户 存款 取款 转账 还款 贷款 提交 填写 持有
+    名下 女儿 儿子 丈夫 妻子 父亲 母亲 称其 声称 报案 挂失 来电 来访 今天 昨天 明天
+    """
+)
 #: Words that start with a surname's character (高级经理, 方面, 许多同学), and words that
 #: end with one (历史老师, 语文老师, 基金经理): not names.
 _CN_WORDS = _listed(
@@ -220,21 +265,19 @@ _CN_WORDS = _listed(
 )
 
 
-def _kept_words(name: str, start: int) -> tuple[int, int] | None:
-    """The span of ``name``'s words up to the first that names no one (None: the first
-    does), its trailing particles and initials dropped."""
+def _kept_words(name: str, start: int, least: int = 1) -> tuple[int, int] | None:
+    """The span of ``name``'s words up to the first that names no one, its trailing
+    particles and initials dropped (``Anna Keller B.`` of ``B.Sc.``); None where fewer
+    than ``least`` words of a name are left (``M. A.``; ``D. Take Care`` for a full
+    name)."""
     end = start
+    words = 0
     for word in re.finditer(r"\S+", name):
         if word.group() in _NOT_NAMES:
             break
-        if not re.fullmatch(_PARTICLE, word.group()):
-            end = start + word.end()
-    if end == start:
-        return None
-    # A lone initial ("M. A.") is no name.
-    if re.fullmatch(_INITIAL, name[: end - start]):
-        return None
-    return start, end
+        if re.fullmatch(_WORD, word.group()):
+            end, words = start + word.end(), words + 1
+    return (start, end) if words >= least else None
 
 
 def _chinese(text: str) -> list[tuple[int, int]]:
@@ -249,11 +292,12 @@ def _chinese(text: str) -> list[tuple[int, int]]:
         if not any(c in _NOT_GIVEN for c in match.group("given")):
             titled.append((start, end))
     marked = []
-    for match in _CN_MARKED.finditer(text):
-        start, end = match.start("surname"), match.end()
-        # Two characters of given name unless the second never is one (客户王伟的).
+    for match in (*_CN_MARKED.finditer(text), *_CN_SIGNED.finditer(text)):
+        start, end = match.start("surname"), match.end("given")
+        # Two characters of given name unless the second never is one (客户王伟的) or
+        # starts a word that follows names (客户唐荣反映).
         given = match.group("given")
-        if given[-1] in _NOT_GIVEN:
+        if len(given) == 2 and (given[-1] in _NOT_GIVEN or text[end - 1 : end + 1] in _CN_AFTER):
             given, end = given[:-1], end - 1
         if not given or any(c in _NOT_GIVEN for c in given):
             continue
@@ -274,7 +318,7 @@ def _last_words(*alternatives: str) -> frozenset[str]:
 #: Each Latin pattern, and the words one of which a text holds before a capital if the
 #: pattern can match it (:data:`_BEFORE_CAPITAL`): patterns are tried only then.
 _LATIN = (
-    (_HONORIFIC, _last_words(_TITLES)),
+    (_HONORIFIC, _last_words(_TITLES, "D")),
     (_SALUTATION, _last_words(_LETTER)),
     (_GREETED, _last_words(_GREETING)),
     (_SIGNATURE, _last_words(_SIGN_OFF)),
@@ -282,17 +326,20 @@ _LATIN = (
 )
 _TRIGGERS = frozenset().union(*(triggers for _, triggers in _LATIN))
 #: A word, then the word after it where that may start a name, past a space or a line
-#: break (a comma, a period, ! or a colon between): a capital, then a lower-case letter,
-#: an apostrophe or an initial's period (``you I`` is not), looked at, not taken (it may
-#: be a context itself: ``Dear Mr. Smith``); possessive, so that a word that is not is
-#: given up at once.
+#: break (a comma, a period, ! or a colon between; particles may follow: ``Mme de``): a
+#: capital, then a lower-case letter, an apostrophe or an initial's period (``you I`` is
+#: not), looked at, not taken (it may be a context itself: ``Dear Mr. Smith``);
+#: possessive, so that a word that is not is given up at once.
 _BEFORE_CAPITAL = re.compile(
-    rf"(?<!\w)(\w++)[,!.:]?+\s++(?=([{_UPPER}][{_LOWER}'\u2019.][\w'\u2019-]*+))"
+    rf"(?<!\w)(\w++)[,!.:]?+\s++(?:{_PARTICLE}[ \t]++){{0,2}}"
+    rf"(?=([{_UPPER}][{_LOWER}'\u2019.][\w'\u2019-]*+))"
 )
 _WORDS = re.compile(r"\w+")
 #: A signature's delimiter line (``-- ``).
 _DELIMITER = re.compile(r"^--[ \t]*\r?$", re.MULTILINE)
-_CN_HINT = re.compile(f"{_CN_TITLES}|{_CN_SAYS}|{_CN_FIELDS}")  # literals: fast
+_CN_HINT = re.compile(  # literals: fast
+    f"{_CN_TITLES}|{_CN_HELLO}|{_CN_SAYS}|{_CN_FIELDS}|{_CN_SIGN_OFF}|\u2014"
+)
 
 
 def _latin(text: str) -> list[tuple[int, int]]:
@@ -311,8 +358,9 @@ def _latin(text: str) -> list[tuple[int, int]]:
         if triggers.isdisjoint(before) and not (signed and pattern is _SIGNATURE):
             continue
         for match in pattern.finditer(text):
+            # a name, or a full name (after D., I am): two words of it at least
             group = "name" if match.group("name") is not None else "full"
-            span = _kept_words(match.group(group), match.start(group))
+            span = _kept_words(match.group(group), match.start(group), 1 + (group == "full"))
             if span is not None:
                 found.append(span)
     return found

@@ -38,6 +38,7 @@ def scrubber() -> Scrubber:
         ("Srta. López", ["López"]),
         ("la Sig.ra Rossi e il Sig. Bianchi", ["Bianchi", "Rossi"]),
         ("Dott. Esposito", ["Esposito"]),
+        ("D. Juan Pérez García y Don Pedro Sánchez", ["Juan Pérez García", "Pedro Sánchez"]),
         # salutations
         ("Dear Todd Meyer, your order shipped.", ["Todd Meyer"]),
         ("Dear Anna\nthanks for writing", ["Anna"]),
@@ -56,6 +57,8 @@ def scrubber() -> Scrubber:
         ("Saludos,\nSofía Castellano", ["Sofía Castellano"]),
         ("Cordiali saluti\nLuca Moretti", ["Luca Moretti"]),
         ("Sincerely,\nHana Tanaka, CFO", ["Hana Tanaka"]),
+        ("Mit freundlichen Grüßen\nDipl.-Ing. Jana Ziegert M.Sc.", ["Jana Ziegert"]),
+        ("Best regards,\nJohn Smith Jr.", ["John Smith"]),
         # saying one's name (a first name and a surname after "I am")
         ("I am Mei Okafor (mei.okafor@example.org); my order is late", ["Mei Okafor"]),
         ("My name is Anna.", ["Anna"]),
@@ -72,6 +75,14 @@ def scrubber() -> Scrubber:
         ("姓名\uff1a欧阳娜娜", ["欧阳娜娜"]),
         ("联系人: 司马光", ["司马光"]),
         ("诸葛亮老师", ["诸葛亮"]),
+        ("本人梁鑫\uff0c申请开户", ["梁鑫"]),
+        ("客户唐荣反映\uff1a卡被锁", ["唐荣"]),  # 反映 follows names: no part of one
+        ("亲爱的李娜\uff1a", ["李娜"]),
+        ("王伟\uff0c你好\uff01", ["王伟"]),
+        ("此致\n敬礼\n黎淑珍", ["黎淑珍"]),
+        ("谢谢\uff01\n王磊", ["王磊"]),
+        ("请尽快处理\n\u2014\u2014唐荣", ["唐荣"]),
+        ("客服专员\uff1a张英", ["张英"]),
     ],
 )
 def test_each_form_finds_the_name_and_only_the_name(text, names):
@@ -101,6 +112,11 @@ def test_each_form_finds_the_name_and_only_the_name(text, names):
         "Die Liebe Gottes ist groß.",  # a letter's salutation starts a line or a sentence
         "Mo.\u2013Fr. Geöffnet",
         "Don't Miss Out!",
+        "Take vitamin D. Take Care",  # D. is Don only before a first name and a surname
+        "Madame la Présidente,",
+        "Saludos,\nDepartamento de Atención al Cliente",
+        "Mit freundlichen Grüßen\nDie Direktorin",
+        "Regards,\nBilling Team",
         "Thanks, Python is great",
         "Regards,\nThe Support Team",
         "Best,\n2024-03-01",
@@ -120,6 +136,9 @@ def test_each_form_finds_the_name_and_only_the_name(text, names):
         "我是中国人",
         "我是高中生",
         "各位女士先生",
+        "大家好",
+        "历史老师您好",
+        "此致\n敬礼\n客户服务部",
     ],
 )
 def test_ordinary_text_is_kept(kept):
