@@ -658,7 +658,7 @@ def test_a_region_without_a_name_dictionary_or_ner_model_declines_under_the_ship
         "simulated": True,
     }
     with pytest.raises(PolicyRefusal) as caught:
-        enforce_region_policy(run, bare, **terms)  # type: ignore[arg-type]
+        enforce_region_policy(run, bare, **terms)
     assert caught.value.decision.reasons == (
         "names are required (deidentification.entities: names) but this region has neither "
         "a name dictionary nor a NER model: set deid-dictionary or deid-ner-model in its "
@@ -667,4 +667,4 @@ def test_a_region_without_a_name_dictionary_or_ner_model_declines_under_the_ship
     assert bare.deid_entities(run)[-1] == "CONTEXT_NAME"
     for means in ({"deid_dictionary": str(tmp_path / "names.txt")}, {"deid_ner_model": "ner"}):
         equipped = bare.model_copy(update=means)
-        assert enforce_region_policy(run, equipped, **terms).decision.accepted  # type: ignore[arg-type]
+        assert enforce_region_policy(run, equipped, **terms).decision.accepted
