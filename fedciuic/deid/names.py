@@ -59,7 +59,7 @@ _TITLES = (
     r"Mrs\.?|Mr\.?|Ms\.?|Mx\.?|Miss|Dr\.?|Prof\.?|Professor|Herr|Frau|"
     r"Mme\.?|Mlle\.?|M\.|Madame|Mademoiselle|Monsieur|Sra\.?|Srta\.?|Sr\.|Señora|Señorita|"
     r"Señor|Doña|Dña\.|Dra\.|Sig\.ra|Sig\.na|Sig\.|Signora|Signorina|Signor|Dott\.ssa|"
-    r"Dott\.|Dr\.ssa|Prof\.ssa|Avv\.|Ing\.|Don|Dipl\.-Ing\.|Dipl\.-Kfm\.|Dipl\.-Kffr\.|Mag\."
+    r"Dott\.|Dr\.ssa|Prof\.ssa|Avv\.|Ing\.|Maître|Don|Dipl\.-Ing\.|Dipl\.-Kfm\.|Dipl\.-Kffr\.|Mag\."
 )
 #: Degrees and generations after a name (``Anna Keller M.Sc.``, ``John Smith Jr.``): no
 #: part of it, allowed before the end of a greeting or a signature line.
@@ -184,6 +184,22 @@ _NOT_NAMES = _listed(
     Oficina Sucursal Reclamaciones Presidenta Asesor Asesora
     Ufficio Reclami Servizio Direzione Direttrice Amministrazione Assistenza Sportello
     Responsabile Consulente Presidentessa
+    Mayoress Sheriff Captain Colonel Lieutenant Sergeant Commander Admiral Ambassador
+    Consul Chancellor Dean Principal Rector Provost Bishop Father Reverend Pastor Rabbi
+    Imam Inspector Detective Constable Agent Nurse Coach Lawyer Attorney Counsel Notary
+    Bürgermeisterin Präsidentin Doktorin Professorin Ministerin Kanzler Kanzlerin Rektor
+    Rektorin Dekan Dekanin Richter Richterin Notar Notarin Anwalt Anwältin Arzt Ärztin
+    Pfarrer Pfarrerin Kommissar Kommissarin Botschafter Botschafterin Konsul Chef Chefin
+    Abgeordneter Abgeordnete Senator Senatorin Kapitän Oberst Hauptmann Leutnant
+    Maire Ministre Professeur Ingénieur Médecin Juge Notaire Avocat Avocate Commissaire
+    Curé Abbé Ambassadeur Recteur Doyen Député Députée Sénateur Sénatrice Capitaine Colonel
+    Général Maître
+    Alcalde Alcaldesa Ministro Ministra Profesor Profesora Ingeniero Ingeniera Médico Médica
+    Juez Jueza Notario Notaria Abogado Abogada Comisario Comisaria Embajador Embajadora
+    Decano Decana Diputado Diputada Senadora Capitán Coronel Teniente Sargento Padre
+    Sindaco Sindaca Ministra Professore Professoressa Ingegnere Medico Giudice Notaio
+    Avvocato Avvocata Commissario Ambasciatore Rettore Preside Deputato Deputata Senatore
+    Senatrice Capitano Colonnello Tenente Sergente Onorevole
     """
 )
 
@@ -213,7 +229,7 @@ _CN_TITLES = "先生|女士|小姐|经理|老师|医生|律师|教授|主任|总
 _CN_HELLO = "你好|您好"
 #: Words before a name (我叫唐荣, 客户王伟, 亲爱的李娜, 姓名 and a colon): a given name
 #: must follow.
-_CN_SAYS = "我叫|我是|名叫|叫做|本人|客户|患者|病人|亲爱的|尊敬的"
+_CN_SAYS = "我的名字是|我的名字叫|我叫|我是|名叫|叫做|在下|本人|客户|患者|病人|亲爱的|尊敬的"
 #: Form fields, a colon after them or not (姓名 and a colon, 联系人).
 _CN_FIELDS = (
     "姓名|联系人|收件人|收货人|持卡人|户名|申请人|借款人|投保人|被保险人|负责人|经办人|专员|客服"

@@ -83,6 +83,9 @@ def scrubber() -> Scrubber:
         ("谢谢\uff01\n王磊", ["王磊"]),
         ("请尽快处理\n\u2014\u2014唐荣", ["唐荣"]),
         ("客服专员\uff1a张英", ["张英"]),
+        ("Maître Dupont représente la cliente", ["Dupont"]),
+        ("我的名字是黎淑珍", ["黎淑珍"]),
+        ("在下唐荣", ["唐荣"]),
     ],
 )
 def test_each_form_finds_the_name_and_only_the_name(text, names):
@@ -138,6 +141,13 @@ def test_each_form_finds_the_name_and_only_the_name(text, names):
         "各位女士先生",
         "大家好",
         "历史老师您好",
+        # an office after a title or a salutation names no one (a class of words)
+        "Sehr geehrte Frau Bürgermeisterin,",
+        "Gentile Sig. Sindaco,",
+        "Monsieur le Maire,",
+        "Estimado Sr. Alcalde:",
+        "Dear Captain,",
+        "Herr Kommissar, bitte",
         "此致\n敬礼\n客户服务部",
     ],
 )
