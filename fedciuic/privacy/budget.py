@@ -58,7 +58,8 @@ class BudgetStatus:
 
     def line(self) -> str:
         if self.problem:
-            return f"{self.region}: {self.problem} (the region declines every round until it is fixed)"
+            fixed = "the region declines every round until it is fixed"
+            return f"{self.region}: {self.problem} ({fixed})"
         if self.unit is None:
             where = f"no ledger yet at {self.ledger}"
             return f"{self.region}: nothing spent, budget {self.budget:g} ({where})"
