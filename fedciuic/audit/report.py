@@ -290,6 +290,19 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+#: How each kind of measured figure is printed, to what it means (the logs and their JSON
+#: keep the exact value): noise multipliers and sampling rates to 3 significant digits,
+#: epsilon to 2 decimals, delta as 1e-05.
+_FIGURES = {"noise": ".3g", "rate": ".3g", "epsilon": ".2f", "delta": "g"}
+
+
+def _figure(value: Any, kind: str) -> str:
+    """A figure of the ``kind`` in ``_FIGURES``; anything not a number as it is."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return _text(value)
+    return format(value, _FIGURES[kind])
+
+
 def _round(record: AuditRecord) -> str:
     return _text(record.get("round"))
 
@@ -628,13 +641,13 @@ def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
                 (
                     _round(r),
                     region,
-                    _text(d.get("noise_multiplier")),
-                    _text(d.get("sample_rate")),
+                    _figure(d.get("noise_multiplier"), "noise"),
+                    _figure(d.get("sample_rate"), "rate"),
                     _text(d.get("max_grad_norm")),
                     _text(d.get("steps")),
                     _text(d.get("unit") or DEFAULT_PRIVACY_UNIT),
-                    _text(d.get("delta")),
-                    _text(d.get("epsilon")),
+                    _figure(d.get("delta"), "delta"),
+                    _figure(d.get("epsilon"), "epsilon"),
                 )
             )
     return Section(
