@@ -47,7 +47,7 @@ from fedciuic.model import (
     shifted_logits,
     sum_across_ranks,
 )
-from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
+from fedciuic.opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
 
 undo_opacus_basic_config()

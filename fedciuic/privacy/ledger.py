@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fedciuic.audit import Event
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, Accountant, PrivacyUnit
 from fedciuic.errors import FedciuicError
-from fedciuic.privacy._opacus_logging import undo_opacus_basic_config
+from fedciuic.opacus_logging import undo_opacus_basic_config
 
 undo_opacus_basic_config()
 

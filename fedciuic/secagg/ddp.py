@@ -26,7 +26,10 @@ import numpy as np
 from opacus.accountants.analysis.rdp import get_privacy_spent
 
 from fedciuic.errors import FedciuicError
+from fedciuic.opacus_logging import undo_opacus_basic_config
 from fedciuic.secagg.masking import Ring, RingTooSmall, clip_norm, round_stochastically
+
+undo_opacus_basic_config()  # the aggregator's process imports Opacus here first
 
 #: Integer Rényi orders (the Skellam bound holds for integer orders).
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))

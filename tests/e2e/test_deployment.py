@@ -3,6 +3,8 @@ flower-supernode whose ClientApp relays to it; flwr run."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fedciuic.audit.events import Event
@@ -65,7 +67,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         assert "Failed to activate SuperNode" in intruder.log_path.read_text()
         pids = federation.pids()
         assert len(pids) == 7  # the SuperLink, and each region's agent and SuperNode
-        run_id, _ = federation.run_app(
+        run_id, streamed = federation.run_app(
             {
                 "num-server-rounds": 2,
                 "local-steps": 10,  # enough for the loss to fall; three regions share 2 cores
@@ -139,6 +141,10 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
     assert len(captured) > 100_000
     superlink_log = (tmp_path / "work" / "logs" / "superlink.log").read_text()
     assert "No SuperNode found with the given public key" in superlink_log  # the intruder
+    # The ServerApp's lines, as `flwr run --stream` shows them, once each in Flower's
+    # format: no second copy through Opacus' root handler ("%m/%d/%Y %H:%M:%S:INFO:").
+    assert streamed.count("fedciuic: writing this run to") == 1
+    assert not re.search(r"^\d\d/\d\d/\d{4} \d\d:\d\d:\d\d:[A-Z]+:", streamed, re.M)
 
     # The audit logs: each verifies with its party's key, and what every region logged
     # as sent is what the aggregator logged as received (6 updates, by digest).
