@@ -10,7 +10,7 @@ record, and the round goes on with the others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -185,20 +185,9 @@ class Judged:
         return replace(self, accepted=None, evaluated=None, reply=reply)
 
 
-@dataclass(frozen=True)
-class Training:
-    """What a training reply is judged against: the aggregate it may join
-    (``server_round``, of ``n`` entries), the ``task`` it answers, how stale it is and may
-    be (``staleness_rule`` says why), and ``refuse``: why it cannot be used where it
-    arrived ("" when it can)."""
-
-    server_round: int
-    n: int
-    task: Task
-    staleness: int
-    max_staleness: int
-    staleness_rule: str
-    refuse: str = ""
+#: One judging step inside the boundary: the reply read, its authenticated sender (or
+#: None), and where to note what it finds.
+JudgingStep = Callable[[Reply, str | None, Noted], Judged]
 
 
 @dataclass(frozen=True)
@@ -222,13 +211,10 @@ class Judge:
     #: Whether the regions add distributed noise in the secure sum.
     distributed_dp: bool = False
 
-    def guarded(
-        self, item: Arrival, *, signed_round: int, training: Training | None = None
-    ) -> Judged:
+    def guarded(self, item: Arrival, step: JudgingStep, *, signed_round: int) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
         opening, decoding or validating a reply rejects that reply alone (its type named
-        in the record). ``signed_round``: the round the reply must be signed for;
-        ``training``: what a training reply is judged against (None: an evaluation)."""
+        in the record). ``signed_round``: the round the reply must be signed for."""
         noted = Noted()
         if isinstance(item, NoReply):
             reason = f"{NO_REPLY} ({item.waited or self.timeout:g}s)"
@@ -239,9 +225,7 @@ class Judge:
             sender = self.authenticate(reply, signed_round)
             if sender is not None and reply.witness is not None:  # validated when read
                 noted.witness = (sender, reply.witness)
-            if training is None:
-                return self.evaluation(reply, sender, noted)
-            return self.update(reply, sender, noted, training)
+            return step(reply, sender, noted)
         except Exception as err:  # the boundary: no reply stops the run
             return self.settle(reply, sender, noted, error=err)
 
@@ -285,27 +269,38 @@ class Judge:
             return self.settle(reply, sender, noted)
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
 
-    def update(self, reply: Reply, sender: str | None, noted: Noted, training: Training) -> Judged:
+    def update(
+        self,
+        reply: Reply,
+        sender: str | None,
+        noted: Noted,
+        *,
+        server_round: int,
+        n: int,
+        task: Task,
+        staleness: int,
+        max_staleness: int,
+        staleness_rule: str,
+        refuse: str,
+    ) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
-        noted.received = received(
-            training.server_round, training.task, reply, sender or reply.region
-        )
-        if training.refuse:  # it arrived where it cannot be used: logged as received, refused
-            raise ImplausibleUpdate(training.refuse)
-        update, metrics, info, header = self._open(reply, training.task.round, sender)
+        noted.received = received(server_round, task, reply, sender or reply.region)
+        if refuse:  # it arrived where it cannot be used: logged as received, refused
+            raise ImplausibleUpdate(refuse)
+        update, metrics, info, header = self._open(reply, task.round, sender)
         if info[ADAPTER_MODE] != self.adapter_mode:
             raise ImplausibleUpdate(
                 f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "
                 f"{self.adapter_mode!r}: its delta is of other tensors; the region must "
                 "train in the run's adapter-mode"
             )
-        if training.staleness > training.max_staleness:
+        if staleness > max_staleness:
             raise ImplausibleUpdate(
-                f"computed against global version {training.task.version}, "
-                f"{training.staleness} version(s) old; {training.staleness_rule}"
+                f"computed against global version {task.version}, {staleness} version(s) "
+                f"old; {staleness_rule}"
             )
         decision = self.policies.check_update(
             UpdateFacts(
@@ -342,11 +337,11 @@ class Judge:
         checked = check(
             self.rules.codec,
             update,
-            training.n,
+            n,
             metrics.num_examples,
-            self._bounds(training.max_staleness),
+            self._bounds(max_staleness),
             steps=metrics.steps,
-            staleness=training.staleness,
+            staleness=staleness,
         )
         accepted = Accepted(checked, metrics, info, header, upload)
         return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)

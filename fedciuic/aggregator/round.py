@@ -24,7 +24,7 @@ import logging
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import partial
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from fedciuic.aggregation import (
 )
 from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.aggregator.journal import Filing, Journal
-from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, Training, reason_of
+from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig, Schedule
@@ -115,16 +115,6 @@ class EvalResult:
     num_examples: int = 0
 
 
-#: What the judge and the journal are built from: replacing one (a test swapping a stage)
-#: builds them again on their next use.
-_BUILT_FROM = frozenset(
-    {
-        *("run", "sealing", "policies", "run_id", "regions_by_node"),  # the judge's
-        *("recorder", "audit", "federation_run", "witnessed_counts"),  # the journal's
-    }
-)
-
-
 class AggregatorRound:
     """The aggregator's side of each round, over plain :class:`Reply` values."""
 
@@ -170,12 +160,6 @@ class AggregatorRound:
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
         self.server_optimizer = ServerOptimizer(run.server)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name in _BUILT_FROM:
-            self.__dict__.pop("judge", None)
-            self.__dict__.pop("journal", None)
-
     # -- instructions -------------------------------------------------------------
 
     def sign_instruction(
@@ -204,10 +188,9 @@ class AggregatorRound:
         )
         return replace(unsigned, signature=self.sealing.sign_global(self.run_id, unsigned, digest))
 
-    @cached_property
+    @property
     def judge(self) -> Judge:
-        """The per-reply boundary over the run's stages (built once; it reads
-        ``regions_by_node`` by reference, so it sees each node as it authenticates)."""
+        """The per-reply boundary over the run's stages as they are now."""
         return Judge(
             self.run.compression,
             self.run.adapter_mode,
@@ -221,10 +204,9 @@ class AggregatorRound:
             self.run.secure.enabled and self.run.secure.noise_multiplier > 0,
         )
 
-    @cached_property
+    @property
     def journal(self) -> Journal:
-        """The one writer of metrics.json and the audit log, for this federation run
-        (built once; it keeps ``witnessed_counts`` by reference)."""
+        """The one writer of metrics.json and the audit log, for this federation run."""
         return Journal(self.recorder, self.audit, self.federation_run, self.witnessed_counts)
 
     def _file(
@@ -293,16 +275,18 @@ class AggregatorRound:
         cannot be used where it arrived (the run's last aggregate is out, a secure round
         takes only its own updates); it is logged as received and refused for that."""
         staleness = self.version - task.version
-        training = Training(
-            server_round,
-            into.n,
-            task,
-            staleness,
-            self.max_staleness,
-            self._staleness_rule,
-            refuse,
+        judge = self.judge
+        update = partial(
+            judge.update,
+            server_round=server_round,
+            n=into.n,
+            task=task,
+            staleness=staleness,
+            max_staleness=self.max_staleness,
+            staleness_rule=self._staleness_rule,
+            refuse=refuse,
         )
-        judged = self.judge.guarded(item, signed_round=task.round, training=training)
+        judged = judge.guarded(item, update, signed_round=task.round)
         judged = replace(judged, task=task, staleness=staleness)
         judged = self._file(
             server_round, judged, into.labels, self.recorder.record_train, audited=True
@@ -405,8 +389,9 @@ class AggregatorRound:
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
+        judge = self.judge
         for item in arrivals:
-            judged = self.judge.guarded(item, signed_round=server_round)
+            judged = judge.guarded(item, judge.evaluation, signed_round=server_round)
             judged = self._file(
                 server_round, judged, labels, self.recorder.record_eval, audited=False
             )
