@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import tldextract
 from presidio_analyzer import EntityRecognizer, Pattern, PatternRecognizer, RecognizerResult
@@ -423,16 +423,16 @@ class OfflineEmailRecognizer(EmailRecognizer):
         return _offline_tld()(pattern_text.rsplit("@", 1)[-1]).fqdn != ""
 
 
-class DictionaryRecognizer(EntityRecognizer):
-    """The region's own list of names (customers, account holders): each found whole,
-    case-insensitively, at word boundaries."""
+class _SpanRecognizer(EntityRecognizer):
+    """One entity type found by a function of the text alone (no NLP artifacts): the
+    spans it returns, each at one score."""
 
-    def __init__(self, pattern: re.Pattern[str]) -> None:
-        self._pattern = pattern  # dictionary_pattern's
+    def __init__(
+        self, entity: str, score: float, find: Callable[[str], Iterable[tuple[int, int]]]
+    ) -> None:
+        self._entity, self._score, self._find = entity, score, find
         super().__init__(
-            supported_entities=[DICTIONARY],
-            supported_language=LANGUAGE,
-            name="DictionaryRecognizer",
+            supported_entities=[entity], supported_language=LANGUAGE, name=type(self).__name__
         )
 
     def load(self) -> None:
@@ -442,38 +442,28 @@ class DictionaryRecognizer(EntityRecognizer):
         self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
     ) -> list[RecognizerResult]:
         del nlp_artifacts
-        if DICTIONARY not in entities:
+        if self._entity not in entities:
             return []
-        return [
-            RecognizerResult(DICTIONARY, m.start(), m.end(), 1.0)
-            for m in self._pattern.finditer(text)
-        ]
+        spans = sorted(set(self._find(text)))
+        return [RecognizerResult(self._entity, s, e, self._score) for s, e in spans]
 
 
-class ContextNameRecognizer(EntityRecognizer):
+class DictionaryRecognizer(_SpanRecognizer):
+    """The region's own list of names (customers, account holders): each found whole,
+    case-insensitively, at word boundaries."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:  # dictionary_pattern's
+        super().__init__(DICTIONARY, 1.0, lambda text: (m.span() for m in pattern.finditer(text)))
+
+
+class ContextNameRecognizer(_SpanRecognizer):
     """Names found offline by their context (:func:`fedciuic.deid.names.find_names`)."""
 
     #: Above the pipeline's threshold, below a dictionary's 1.0 (which wins a tie).
     SCORE = 0.6
 
     def __init__(self) -> None:
-        super().__init__(
-            supported_entities=[CONTEXT_NAME],
-            supported_language=LANGUAGE,
-            name="ContextNameRecognizer",
-        )
-
-    def load(self) -> None:
-        return None
-
-    def analyze(
-        self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
-    ) -> list[RecognizerResult]:
-        del nlp_artifacts
-        if CONTEXT_NAME not in entities:
-            return []
-        spans = sorted(set(find_names(text)))
-        return [RecognizerResult(CONTEXT_NAME, s, e, self.SCORE) for s, e in spans]
+        super().__init__(CONTEXT_NAME, self.SCORE, find_names)
 
 
 #: Presidio's recognizers fedciuic uses as they are, built for :data:`LANGUAGE`.
