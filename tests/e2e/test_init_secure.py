@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedciuic.agent.service import STOP_GRACE
 from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records
@@ -202,6 +203,8 @@ def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(
     directory = _init(place / "dropout")
     here = directory / "regions" / DROPPED
     killed: dict[str, Any] = {}
+    # The agent lets the request in hand finish (up to STOP_GRACE) before it exits.
+    window = STOP_GRACE + patient(15)
 
     def kill_once_masked() -> None:
         deadline = time.monotonic() + patient(900)
@@ -210,7 +213,7 @@ def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(
                 script = int((directory / "pids" / f"supernode-{DROPPED}.pid").read_text())
                 os.kill(script, signal.SIGKILL)  # the script alone: it runs no clean-up
                 at = time.monotonic()
-                while processes_under(here) and time.monotonic() - at < 30:
+                while processes_under(here) and time.monotonic() - at < window:
                     time.sleep(0.1)
                 killed["left"] = describe(processes_under(here))
                 killed["took"] = time.monotonic() - at
@@ -222,10 +225,9 @@ def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(
     watcher.start()
     try:
         output = _finish(start)
-        watcher.join(timeout=60)
+        watcher.join(timeout=window + 30)
         assert "took" in killed, f"{DROPPED} never consented:\n{output[-4000:]}"
         assert not killed["left"], f"left running after the kill:\n{killed['left']}"
-        assert killed["took"] < 10, killed
         data, run_dir = _the_run(directory)
         assert data["run"]["status"] == "completed", output[-4000:]
         summed = _secure_sum(directory)
