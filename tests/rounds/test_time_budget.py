@@ -69,7 +69,7 @@ def test_paced_steps_sleep_their_slowdown_and_report_it() -> None:
     result, seconds = paced(step, slowdown=4.0)
     wall = time.perf_counter() - began
     assert result == "done"
-    assert 0.2 <= seconds < 0.4 and 0.2 <= wall < 0.4
+    assert 0.2 <= seconds <= wall < 2.0  # a loaded machine may oversleep, never undersleep
 
 
 def test_a_slowed_region_plans_fewer_steps_and_its_ledger_records_them(
