@@ -9,14 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from fedciuic.compression import (
-    CHUNK,
-    ErrorFeedback,
-    MalformedUpdate,
-    ResidualError,
-    compress_with_feedback,
-    get_codec,
-)
+from fedciuic.compression import ErrorFeedback, compress_with_feedback, get_codec
+from fedciuic.compression.errors import MalformedUpdate, ResidualError
+from fedciuic.compression.values import CHUNK
 from fedciuic.config import RunConfig
 from fedciuic.errors import ConfigError
 

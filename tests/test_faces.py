@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fedciuic.faces import listed
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "fedciuic"
 PACKAGES = sorted(p.name for p in LIBRARY.iterdir() if (p / "__init__.py").is_file())
@@ -47,9 +49,19 @@ def test_every_import_from_another_package_goes_through_its_face():
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_name_a_face_lists_is_its_modules_own(package):
+    """Each name is written once, as ``name as name`` (the re-export mypy and ruff read),
+    and is the very object its module defines."""
     face = importlib.import_module(f"fedciuic.{package}")
-    where = getattr(face, "_WHERE", {})
-    assert sorted(getattr(face, "__all__", [])) == sorted(where)
+    tree = ast.parse((LIBRARY / package / "__init__.py").read_text(encoding="utf-8"))
+    mine = f"fedciuic.{package}."
+    shown = [
+        alias
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(mine)
+        for alias in node.names
+    ]
+    assert [a.name for a in shown if a.asname != a.name] == []
+    where = listed(f"fedciuic.{package}")
     for name, module in where.items():
         assert getattr(face, name) is getattr(
             importlib.import_module(f"fedciuic.{package}.{module}"), name
@@ -85,11 +97,7 @@ def test_no_module_imports_itself_round_about():
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
         for p in LIBRARY.rglob("*.py")
     }
-    faces = {
-        name: importlib.import_module(name).__dict__.get("_WHERE", {})
-        for name, path in modules.items()
-        if path.name == "__init__.py"
-    }
+    faces = {name: listed(name) for name, path in modules.items() if path.name == "__init__.py"}
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         if path.name == "__init__.py":

@@ -10,9 +10,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fedciuic.compression import CODECS, CodecFamily, MalformedUpdate, get_codec
+from fedciuic.compression import CodecFamily, get_codec
 from fedciuic.compression import indices as coding
-from fedciuic.compression.codecs import HEADER, UPDATE_MAGIC, top_k
+from fedciuic.compression.codecs import CODECS, HEADER, UPDATE_MAGIC, top_k
+from fedciuic.compression.errors import MalformedUpdate
 
 N = 200_000
 RNG = np.random.default_rng(7)

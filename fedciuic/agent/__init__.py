@@ -8,50 +8,14 @@ aggregator ships, relays to it over :mod:`fedciuic.agent.channel`.
 files. Importing this package imports none of them: the relay imports only the channel.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.agent.channel import (
-        HELLO,
-        HELLO_RECORD,
-        HELLO_REGION,
-        ChannelError,
-        Frame,
-        Scalar,
-        ask,
-    )
-    from fedciuic.agent.config import AgentConfig
-    from fedciuic.agent.service import AgentError, hello, serve
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "HELLO": "channel",
-    "HELLO_RECORD": "channel",
-    "HELLO_REGION": "channel",
-    "AgentConfig": "config",
-    "AgentError": "service",
-    "ChannelError": "channel",
-    "Frame": "channel",
-    "Scalar": "channel",
-    "ask": "channel",
-    "hello": "service",
-    "serve": "service",
-}
-__all__ = [
-    "HELLO",
-    "HELLO_RECORD",
-    "HELLO_REGION",
-    "AgentConfig",
-    "AgentError",
-    "ChannelError",
-    "Frame",
-    "Scalar",
-    "ask",
-    "hello",
-    "serve",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.agent.channel import HELLO as HELLO
+from fedciuic.agent.channel import HELLO_RECORD as HELLO_RECORD
+from fedciuic.agent.channel import HELLO_REGION as HELLO_REGION
+from fedciuic.agent.channel import ChannelError as ChannelError
+from fedciuic.agent.channel import Frame as Frame
+from fedciuic.agent.channel import Scalar as Scalar
+from fedciuic.agent.channel import ask as ask
+from fedciuic.agent.config import AgentConfig as AgentConfig
+from fedciuic.agent.service import AgentError as AgentError
+from fedciuic.agent.service import hello as hello
+from fedciuic.agent.service import serve as serve

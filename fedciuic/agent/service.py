@@ -67,11 +67,12 @@ from fedciuic.agent.channel import (
     send,
 )
 from fedciuic.agent.config import AgentConfig
-from fedciuic.audit import Event
+from fedciuic.audit import Event, enforce_at_start
 from fedciuic.cluster import share_cores
 from fedciuic.crypto import RegionKeys, TaskKind, load_bundle, load_keypair
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
+from fedciuic.policy import load_policy
 from fedciuic.stages import SealingRegion
 from fedciuic.wire import (
     CONFIG,
@@ -169,7 +170,6 @@ class RegionAgent:
     aggregator did not sign, hands the rest to the region's round."""
 
     def __init__(self, config: AgentConfig) -> None:
-        from fedciuic.policy import load_policy
         from fedciuic.region import region_log
 
         self.config = config
@@ -205,8 +205,6 @@ class RegionAgent:
     def started(self, relay: str) -> None:
         """The agent's start, on the record: which code serves the region, and whom the
         relay runs as; its log first pruned to its policy's retention."""
-        from fedciuic.audit import enforce_at_start
-
         enforce_at_start(self.audit, self.policy, _LOG, f"region {self.config.region}")
         self.audit.append(
             Event.AGENT_STARTED,

@@ -5,51 +5,14 @@ validate, judge, record; then publish or withhold), ``run`` (a run's start, resu
 end), ``schedule`` (availability and buffered tasks) and ``checkpoint`` (the signed state
 a run resumes from)."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR, LATEST
-    from fedciuic.aggregator.loop import loop_for
-    from fedciuic.aggregator.run import (
-        aggregator_log,
-        crashed,
-        end_run,
-        finish_run,
-        open_run,
-        run_failed,
-        stopped,
-        warn_disabled,
-    )
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "CHECKPOINT_DIR": "checkpoint",
-    "LATEST": "checkpoint",
-    "aggregator_log": "run",
-    "crashed": "run",
-    "end_run": "run",
-    "finish_run": "run",
-    "loop_for": "loop",
-    "open_run": "run",
-    "run_failed": "run",
-    "stopped": "run",
-    "warn_disabled": "run",
-}
-__all__ = [
-    "CHECKPOINT_DIR",
-    "LATEST",
-    "aggregator_log",
-    "crashed",
-    "end_run",
-    "finish_run",
-    "loop_for",
-    "open_run",
-    "run_failed",
-    "stopped",
-    "warn_disabled",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR as CHECKPOINT_DIR
+from fedciuic.aggregator.checkpoint import LATEST as LATEST
+from fedciuic.aggregator.loop import loop_for as loop_for
+from fedciuic.aggregator.run import aggregator_log as aggregator_log
+from fedciuic.aggregator.run import crashed as crashed
+from fedciuic.aggregator.run import end_run as end_run
+from fedciuic.aggregator.run import finish_run as finish_run
+from fedciuic.aggregator.run import open_run as open_run
+from fedciuic.aggregator.run import run_failed as run_failed
+from fedciuic.aggregator.run import stopped as stopped
+from fedciuic.aggregator.run import warn_disabled as warn_disabled

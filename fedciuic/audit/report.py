@@ -32,12 +32,14 @@ from fedciuic.audit.log import (
     details_of,
     load_records,
     pruned_from,
+    verify,
     witness_check,
 )
 from fedciuic.audit.retention import PRUNE_COMMAND, check_retention, overdue
 from fedciuic.config import DEFAULT_PRIVACY_UNIT
+from fedciuic.crypto import load_bundles
 from fedciuic.deid import entity_label
-from fedciuic.errors import EXIT_AUDIT, EXIT_OK
+from fedciuic.errors import EXIT_AUDIT, EXIT_OK, ConfigError
 
 AuditRecord = Mapping[str, Any]
 
@@ -1232,10 +1234,6 @@ def verify_and_report(
 def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
     """Set each log's verdict, checked with its party's bundle from ``keys_dir``; with no
     keys the logs stay unverified (and reports say so)."""
-    from fedciuic.audit.log import verify
-    from fedciuic.crypto import load_bundles
-    from fedciuic.errors import ConfigError
-
     if keys_dir is None:
         return
     bundles = {b.party: b for b in load_bundles(keys_dir).values()}

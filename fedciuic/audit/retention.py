@@ -38,7 +38,8 @@ from fedciuic.audit.log import (
     run_of,
     verify,
 )
-from fedciuic.crypto import AGGREGATOR
+from fedciuic.crypto import AGGREGATOR, load_keypair
+from fedciuic.policy import load_policy
 
 if TYPE_CHECKING:
     from fedciuic.policy import LoadedPolicy
@@ -215,9 +216,6 @@ def prune_log(
     """``fedciuic audit prune``: prune the log at ``path`` by ``policy_file`` (its party's
     own, and the one it declared: ``bound`` refuses any other, even with nothing to
     prune), signing with ``key_file``; what was done, in one line, and the log's verdict."""
-    from fedciuic.crypto import load_keypair
-    from fedciuic.policy import load_policy
-
     keypair = load_keypair(key_file)
     policy = load_policy(policy_file)
     if not path.is_file():

@@ -9,71 +9,14 @@ log2 C(n, k) (``indices``); values as fp32, int8, int4, int2 (each stochasticall
 rounded, unbiased) or sign (``values``).
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.compression.codecs import (
-        CODECS,
-        UPDATE_FORMAT,
-        Codec,
-        CodecFamily,
-        Sparse,
-        get_codec,
-        update_entries,
-    )
-    from fedciuic.compression.errors import MalformedUpdate, ResidualError
-    from fedciuic.compression.feedback import (
-        RESIDUAL_FORMAT,
-        ErrorFeedback,
-        compress_with_feedback,
-        flatten,
-        layout_id,
-        layout_of,
-        unflatten,
-    )
-    from fedciuic.compression.values import CHUNK
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "CHUNK": "values",
-    "CODECS": "codecs",
-    "Codec": "codecs",
-    "CodecFamily": "codecs",
-    "ErrorFeedback": "feedback",
-    "UPDATE_FORMAT": "codecs",
-    "MalformedUpdate": "errors",
-    "RESIDUAL_FORMAT": "feedback",
-    "ResidualError": "errors",
-    "Sparse": "codecs",
-    "compress_with_feedback": "feedback",
-    "flatten": "feedback",
-    "get_codec": "codecs",
-    "layout_id": "feedback",
-    "layout_of": "feedback",
-    "unflatten": "feedback",
-    "update_entries": "codecs",
-}
-__all__ = [
-    "CHUNK",
-    "CODECS",
-    "RESIDUAL_FORMAT",
-    "UPDATE_FORMAT",
-    "Codec",
-    "CodecFamily",
-    "ErrorFeedback",
-    "MalformedUpdate",
-    "ResidualError",
-    "Sparse",
-    "compress_with_feedback",
-    "flatten",
-    "get_codec",
-    "layout_id",
-    "layout_of",
-    "unflatten",
-    "update_entries",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.compression.codecs import Codec as Codec
+from fedciuic.compression.codecs import CodecFamily as CodecFamily
+from fedciuic.compression.codecs import Sparse as Sparse
+from fedciuic.compression.codecs import get_codec as get_codec
+from fedciuic.compression.codecs import update_entries as update_entries
+from fedciuic.compression.feedback import ErrorFeedback as ErrorFeedback
+from fedciuic.compression.feedback import compress_with_feedback as compress_with_feedback
+from fedciuic.compression.feedback import flatten as flatten
+from fedciuic.compression.feedback import layout_id as layout_id
+from fedciuic.compression.feedback import layout_of as layout_of
+from fedciuic.compression.feedback import unflatten as unflatten

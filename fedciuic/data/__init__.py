@@ -1,83 +1,32 @@
 """A region's data, read only under its own ``data-path`` (``corpus``), and the demo
 corpora made locally from CPython's own documentation (``demo``)."""
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.data.check import SCAN_SAMPLE, check_data, scan_data
-    from fedciuic.data.corpus import (
-        Batch,
-        ExampleSet,
-        RegionData,
-        bad_rows_refusal,
-        load_region_data,
-        users_refusal,
-    )
-    from fedciuic.data.demo import FAMILIES, module_docs, write_demo_corpora
-    from fedciuic.data.demo_pii import DEMO_DICTIONARIES
-    from fedciuic.data.records import CHAT, check_chat_template
-    from fedciuic.data.scrubbing import Scrubbed, check_deid, region_scrubber
-    from fedciuic.data.sources import NoDataFiles
-    from fedciuic.data.tokenized import (
-        IGNORE,
-        dropped_for_length,
-        dropped_for_size,
-        oversized_details,
-    )
+    from fedciuic.data.check import SCAN_SAMPLE as SCAN_SAMPLE
+    from fedciuic.data.check import check_data as check_data
+    from fedciuic.data.check import scan_data as scan_data
+    from fedciuic.data.corpus import Batch as Batch
+    from fedciuic.data.corpus import ExampleSet as ExampleSet
+    from fedciuic.data.corpus import RegionData as RegionData
+    from fedciuic.data.corpus import bad_rows_refusal as bad_rows_refusal
+    from fedciuic.data.corpus import load_region_data as load_region_data
+    from fedciuic.data.corpus import users_refusal as users_refusal
+    from fedciuic.data.demo import FAMILIES as FAMILIES
+    from fedciuic.data.demo import module_docs as module_docs
+    from fedciuic.data.demo import write_demo_corpora as write_demo_corpora
+    from fedciuic.data.demo_pii import DEMO_DICTIONARIES as DEMO_DICTIONARIES
+    from fedciuic.data.records import CHAT as CHAT
+    from fedciuic.data.records import check_chat_template as check_chat_template
+    from fedciuic.data.scrubbing import check_deid as check_deid
+    from fedciuic.data.scrubbing import region_scrubber as region_scrubber
+    from fedciuic.data.sources import NoDataFiles as NoDataFiles
+    from fedciuic.data.tokenized import IGNORE as IGNORE
+    from fedciuic.data.tokenized import dropped_for_length as dropped_for_length
+    from fedciuic.data.tokenized import dropped_for_size as dropped_for_size
+    from fedciuic.data.tokenized import oversized_details as oversized_details
 
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "Batch": "corpus",
-    "CHAT": "records",
-    "DEMO_DICTIONARIES": "demo_pii",
-    "ExampleSet": "corpus",
-    "FAMILIES": "demo",
-    "IGNORE": "tokenized",
-    "NoDataFiles": "sources",
-    "RegionData": "corpus",
-    "SCAN_SAMPLE": "check",
-    "Scrubbed": "scrubbing",
-    "bad_rows_refusal": "corpus",
-    "check_chat_template": "records",
-    "check_data": "check",
-    "check_deid": "scrubbing",
-    "dropped_for_length": "tokenized",
-    "dropped_for_size": "tokenized",
-    "load_region_data": "corpus",
-    "region_scrubber": "scrubbing",
-    "module_docs": "demo",
-    "oversized_details": "tokenized",
-    "scan_data": "check",
-    "users_refusal": "corpus",
-    "write_demo_corpora": "demo",
-}
-__all__ = [
-    "CHAT",
-    "DEMO_DICTIONARIES",
-    "FAMILIES",
-    "IGNORE",
-    "SCAN_SAMPLE",
-    "Batch",
-    "ExampleSet",
-    "NoDataFiles",
-    "RegionData",
-    "Scrubbed",
-    "bad_rows_refusal",
-    "check_chat_template",
-    "check_data",
-    "check_deid",
-    "dropped_for_length",
-    "dropped_for_size",
-    "load_region_data",
-    "module_docs",
-    "oversized_details",
-    "region_scrubber",
-    "scan_data",
-    "users_refusal",
-    "write_demo_corpora",
-]
-__getattr__ = face(__name__, _WHERE)
+__getattr__ = face(__name__)  # each name imported on first use

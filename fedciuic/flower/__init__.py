@@ -3,66 +3,19 @@
 Everything else in :mod:`fedciuic` is plain Python, PyTorch and NumPy.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.flower.courier import FlowerTransport
-    from fedciuic.flower.launch import (
-        CONNECTION,
-        FLOWER_ENV,
-        OWNER_ENV,
-        STARTED_RUN,
-        LocalFederation,
-        connection_toml,
-        healthy,
-        owner_tag,
-        running,
-        stop_process_trees,
-        tail,
-        toml_pairs,
-        toml_value,
-    )
-    from fedciuic.flower.relay import AGENT, forward
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "AGENT": "relay",
-    "CONNECTION": "launch",
-    "FLOWER_ENV": "launch",
-    "FlowerTransport": "courier",
-    "LocalFederation": "launch",
-    "OWNER_ENV": "launch",
-    "STARTED_RUN": "launch",
-    "connection_toml": "launch",
-    "forward": "relay",
-    "healthy": "launch",
-    "owner_tag": "launch",
-    "running": "launch",
-    "stop_process_trees": "launch",
-    "tail": "launch",
-    "toml_pairs": "launch",
-    "toml_value": "launch",
-}
-__all__ = [
-    "AGENT",
-    "CONNECTION",
-    "FLOWER_ENV",
-    "OWNER_ENV",
-    "STARTED_RUN",
-    "FlowerTransport",
-    "LocalFederation",
-    "connection_toml",
-    "forward",
-    "healthy",
-    "owner_tag",
-    "running",
-    "stop_process_trees",
-    "tail",
-    "toml_pairs",
-    "toml_value",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.flower.courier import FlowerTransport as FlowerTransport
+from fedciuic.flower.launch import CONNECTION as CONNECTION
+from fedciuic.flower.launch import FLOWER_ENV as FLOWER_ENV
+from fedciuic.flower.launch import OWNER_ENV as OWNER_ENV
+from fedciuic.flower.launch import STARTED_RUN as STARTED_RUN
+from fedciuic.flower.launch import LocalFederation as LocalFederation
+from fedciuic.flower.launch import connection_toml as connection_toml
+from fedciuic.flower.launch import healthy as healthy
+from fedciuic.flower.launch import owner_tag as owner_tag
+from fedciuic.flower.launch import running as running
+from fedciuic.flower.launch import stop_process_trees as stop_process_trees
+from fedciuic.flower.launch import tail as tail
+from fedciuic.flower.launch import toml_pairs as toml_pairs
+from fedciuic.flower.launch import toml_value as toml_value
+from fedciuic.flower.relay import AGENT as AGENT
+from fedciuic.flower.relay import forward as forward

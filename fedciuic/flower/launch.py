@@ -40,6 +40,7 @@ from typing import IO, Any
 
 import psutil
 
+from fedciuic.agent import AgentConfig, AgentError, hello
 from fedciuic.cluster import free_port
 from fedciuic.crypto import ServerTls
 from fedciuic.errors import FederationError
@@ -421,8 +422,6 @@ class LocalFederation:
     def start_agent(self, name: str, config: Path, timeout: float = 120.0) -> Managed:
         """Start a region's ``fedciuic agent --config CONFIG`` and wait until it answers
         on its socket."""
-        from fedciuic.agent import AgentConfig, AgentError, hello
-
         managed = self._spawn(f"agent-{name}", [_bin("fedciuic"), "agent", "--config", str(config)])
         try:
             hello(AgentConfig.load(config).socket_path, timeout, pid=managed.process.pid)

@@ -2,81 +2,30 @@
 only weights that train and travel (``adapter``), and local training and evaluation on
 a region's blocks (``train``). Pure PyTorch, no Flower."""
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.model.adapter import (
-        AdapterLayout,
-        AdapterModel,
-        check_model_spec,
-        pause_on_recompute,
-        save_model_checkpoint,
-        spec_tokenizer,
-        weight_files,
-    )
-    from fedciuic.model.presets import preset_tokenizer
-    from fedciuic.model.train import (
-        ONE_PROCESS,
-        EvalStats,
-        Shard,
-        TrainStats,
-        add_proximal_term,
-        evaluate,
-        lm_loss,
-        make_optimizer,
-        paced,
-        shifted_logits,
-        sum_across_ranks,
-        train_local,
-    )
+    from fedciuic.model.adapter import AdapterLayout as AdapterLayout
+    from fedciuic.model.adapter import AdapterModel as AdapterModel
+    from fedciuic.model.adapter import check_model_spec as check_model_spec
+    from fedciuic.model.adapter import pause_on_recompute as pause_on_recompute
+    from fedciuic.model.adapter import save_model_checkpoint as save_model_checkpoint
+    from fedciuic.model.adapter import spec_tokenizer as spec_tokenizer
+    from fedciuic.model.adapter import weight_files as weight_files
+    from fedciuic.model.presets import preset_tokenizer as preset_tokenizer
+    from fedciuic.model.train import ONE_PROCESS as ONE_PROCESS
+    from fedciuic.model.train import EvalStats as EvalStats
+    from fedciuic.model.train import Shard as Shard
+    from fedciuic.model.train import TrainStats as TrainStats
+    from fedciuic.model.train import add_proximal_term as add_proximal_term
+    from fedciuic.model.train import evaluate as evaluate
+    from fedciuic.model.train import lm_loss as lm_loss
+    from fedciuic.model.train import make_optimizer as make_optimizer
+    from fedciuic.model.train import paced as paced
+    from fedciuic.model.train import shifted_logits as shifted_logits
+    from fedciuic.model.train import sum_across_ranks as sum_across_ranks
+    from fedciuic.model.train import train_local as train_local
 
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "AdapterLayout": "adapter",
-    "AdapterModel": "adapter",
-    "EvalStats": "train",
-    "ONE_PROCESS": "train",
-    "Shard": "train",
-    "TrainStats": "train",
-    "add_proximal_term": "train",
-    "check_model_spec": "adapter",
-    "evaluate": "train",
-    "lm_loss": "train",
-    "make_optimizer": "train",
-    "paced": "train",
-    "pause_on_recompute": "adapter",
-    "preset_tokenizer": "presets",
-    "save_model_checkpoint": "adapter",
-    "shifted_logits": "train",
-    "spec_tokenizer": "adapter",
-    "sum_across_ranks": "train",
-    "train_local": "train",
-    "weight_files": "adapter",
-}
-__all__ = [
-    "ONE_PROCESS",
-    "AdapterLayout",
-    "AdapterModel",
-    "EvalStats",
-    "Shard",
-    "TrainStats",
-    "add_proximal_term",
-    "check_model_spec",
-    "evaluate",
-    "lm_loss",
-    "make_optimizer",
-    "paced",
-    "pause_on_recompute",
-    "preset_tokenizer",
-    "save_model_checkpoint",
-    "shifted_logits",
-    "spec_tokenizer",
-    "sum_across_ranks",
-    "train_local",
-    "weight_files",
-]
-__getattr__ = face(__name__, _WHERE)
+__getattr__ = face(__name__)  # each name imported on first use

@@ -19,7 +19,15 @@ from typing import Any
 from fedciuic.agent import AgentConfig
 from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
 from fedciuic.config import RunConfig
-from fedciuic.crypto import AGGREGATOR, Keypair, bundle_path, load_bundle, write_keys
+from fedciuic.crypto import (
+    AGGREGATOR,
+    Keypair,
+    bundle_path,
+    generate_server_tls,
+    generate_supernode_key,
+    load_bundle,
+    write_keys,
+)
 from fedciuic.errors import EXIT_NO_AGGREGATE
 from fedciuic.flower import (
     AGENT,
@@ -161,7 +169,6 @@ def _private_dir(path: Path) -> Path:
 
 def write_deployment(d: Deployment, policies: PolicySet | None) -> None:
     """Write the checked deployment ``d`` into its (existing, empty) folder."""
-    from fedciuic.crypto import generate_server_tls, generate_supernode_key
     from fedciuic.data import DEMO_DICTIONARIES, write_demo_corpora
 
     agg = d.aggregator

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedciuic.agent import AgentConfig
 from fedciuic.config import RunConfig, simulated_dictionary
 from fedciuic.errors import ConfigError, DataError, ModelError
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
@@ -381,8 +382,6 @@ def _toml_file(path: Path, option: str) -> dict[str, Any]:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from fedciuic.agent import AgentConfig
-
     started = time.monotonic()
     if args.data_root is not None and args.agent_config:
         raise ConfigError(["fedciuic preflight: give --data-root or --agent-config, not both"])

@@ -53,6 +53,7 @@ from fedciuic.ops.outputs import (
     steps_per_round,
     upload_bytes,
 )
+from fedciuic.policy import PolicyError, load_policy
 from fedciuic.record import METRICS_FILE, OVERALL, EvalEntry, RunMetrics, RunStatus, load_metrics
 from fedciuic.wire import DECLINED, FAILED, REJECTED
 
@@ -586,8 +587,6 @@ def redacts_paths(data: RunMetrics) -> bool:
     """Whether what the run's report shows must leave local paths out: yes, unless the
     policy of the aggregator's jurisdiction, as the run held it (same hash), sets
     ``audit.redact_paths: false``. The report is the aggregator's record."""
-    from fedciuic.policy import PolicyError, load_policy
-
     jurisdiction = data.run.config.aggregator_jurisdiction
     held = (data.run.policies or {}).get(jurisdiction) if jurisdiction else None
     if held is None:

@@ -36,7 +36,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedciuic.audit import Event
+from fedciuic.audit import REGION_LOG, Event, load_records, with_carried
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, Accountant, PrivacyUnit
 from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
@@ -507,8 +507,6 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
     releases, and the head at that length) and the highest cumulative epsilon they
     recorded. None when there is no audit log. A log that cannot be read is an error:
     without it a rollback cannot be ruled out."""
-    from fedciuic.audit import load_records, with_carried
-
     if not audit_path.exists():
         return None
     releases, head, epsilon = 0, "", 0.0
@@ -629,8 +627,6 @@ def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Re
     reaches is a :class:`RebuildRefused` naming them. The result must reproduce every
     witnessed chain head and pass the ledger's own checks; the replaced file is kept
     next to it as evidence (under a name no earlier one has)."""
-    from fedciuic.audit import REGION_LOG
-
     path = state_dir / LEDGER_FILE
     audit_path = state_dir / REGION_LOG
     with locked(path):
@@ -802,8 +798,6 @@ def _aside_name(path: Path) -> Path:
 def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
     """Whose ledger this is: the first copy's header, or, with none readable, the
     header the audit log's last witness names."""
-    from fedciuic.audit import load_records, with_carried
-
     candidates = [line for read in files for line in read.headers]
     if not candidates and audit_path.exists():
         for record in reversed(list(with_carried(load_records(audit_path)))):
@@ -824,8 +818,6 @@ def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
 def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
     """What the region's audit log witnessed of this dataset's ledger: the head after
     each witnessed release, its line and header, and every epsilon it recorded."""
-    from fedciuic.audit import load_records, with_carried
-
     if not audit_path.exists():
         return None
     read = _Read(audit_path, "region audit log")
@@ -863,8 +855,6 @@ def _read_aggregator(log_path: Path, header: LedgerHeader) -> _Read:
     accepted updates (per this ledger's unit; of this dataset, where the record names
     it). The aggregator keeps no ledger line or head, so it can only refuse a rebuild
     that would show less, never restore a release."""
-    from fedciuic.audit import Event, load_records
-
     if not log_path.is_file():
         raise PrivacyError(
             f"{log_path}: no aggregator audit log there; give --aggregator-log the "

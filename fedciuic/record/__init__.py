@@ -1,84 +1,24 @@
 """A run's ``metrics.json``: its schema (``metrics``, what ``ops/`` reads) and its
 writer (``recorder``)."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.record.metrics import (
-        OVERALL,
-        EvalEntry,
-        MetricsError,
-        PolicyHeld,
-        ResumedFrom,
-        Rounds,
-        RunHeader,
-        RunMetrics,
-        RunStatus,
-        TrainEntry,
-        dump_rounds,
-        load_metrics,
-        parse_rounds,
-    )
-    from fedciuic.record.recorder import (
-        ADAPTER_DIR,
-        METRICS_FILE,
-        SUMMARY_FILE,
-        RunRecorder,
-        no_aggregate_reasons,
-        published_rounds,
-        save_metrics,
-        utc_now,
-    )
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "ADAPTER_DIR": "recorder",
-    "EvalEntry": "metrics",
-    "METRICS_FILE": "recorder",
-    "MetricsError": "metrics",
-    "OVERALL": "metrics",
-    "PolicyHeld": "metrics",
-    "ResumedFrom": "metrics",
-    "Rounds": "metrics",
-    "RunHeader": "metrics",
-    "RunMetrics": "metrics",
-    "RunRecorder": "recorder",
-    "RunStatus": "metrics",
-    "SUMMARY_FILE": "recorder",
-    "TrainEntry": "metrics",
-    "dump_rounds": "metrics",
-    "load_metrics": "metrics",
-    "no_aggregate_reasons": "recorder",
-    "parse_rounds": "metrics",
-    "published_rounds": "recorder",
-    "save_metrics": "recorder",
-    "utc_now": "recorder",
-}
-__all__ = [
-    "ADAPTER_DIR",
-    "METRICS_FILE",
-    "OVERALL",
-    "SUMMARY_FILE",
-    "EvalEntry",
-    "MetricsError",
-    "PolicyHeld",
-    "ResumedFrom",
-    "Rounds",
-    "RunHeader",
-    "RunMetrics",
-    "RunRecorder",
-    "RunStatus",
-    "TrainEntry",
-    "dump_rounds",
-    "load_metrics",
-    "no_aggregate_reasons",
-    "parse_rounds",
-    "published_rounds",
-    "save_metrics",
-    "utc_now",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.record.metrics import OVERALL as OVERALL
+from fedciuic.record.metrics import EvalEntry as EvalEntry
+from fedciuic.record.metrics import MetricsError as MetricsError
+from fedciuic.record.metrics import PolicyHeld as PolicyHeld
+from fedciuic.record.metrics import ResumedFrom as ResumedFrom
+from fedciuic.record.metrics import Rounds as Rounds
+from fedciuic.record.metrics import RunHeader as RunHeader
+from fedciuic.record.metrics import RunMetrics as RunMetrics
+from fedciuic.record.metrics import RunStatus as RunStatus
+from fedciuic.record.metrics import TrainEntry as TrainEntry
+from fedciuic.record.metrics import dump_rounds as dump_rounds
+from fedciuic.record.metrics import load_metrics as load_metrics
+from fedciuic.record.metrics import parse_rounds as parse_rounds
+from fedciuic.record.recorder import ADAPTER_DIR as ADAPTER_DIR
+from fedciuic.record.recorder import METRICS_FILE as METRICS_FILE
+from fedciuic.record.recorder import SUMMARY_FILE as SUMMARY_FILE
+from fedciuic.record.recorder import RunRecorder as RunRecorder
+from fedciuic.record.recorder import no_aggregate_reasons as no_aggregate_reasons
+from fedciuic.record.recorder import published_rounds as published_rounds
+from fedciuic.record.recorder import save_metrics as save_metrics
+from fedciuic.record.recorder import utc_now as utc_now

@@ -3,52 +3,21 @@ an instruction in, checks, keys, policy, training, sealing, its audit trail, and
 outcome out), ``trainer`` (the model, data and DP part of it) and ``cache`` (the regions
 a process keeps open between rounds)."""
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.region.round import (
-        RegionReply,
-        close_regions,
-        decline_signed,
-        handle_instruction,
-        read_configs,
-        read_run,
-        region_log,
-        region_name,
-        region_records,
-        unreadable,
-        witness_run_end,
-    )
+    from fedciuic.region.round import RegionReply as RegionReply
+    from fedciuic.region.round import close_regions as close_regions
+    from fedciuic.region.round import decline_signed as decline_signed
+    from fedciuic.region.round import handle_instruction as handle_instruction
+    from fedciuic.region.round import read_configs as read_configs
+    from fedciuic.region.round import read_run as read_run
+    from fedciuic.region.round import region_log as region_log
+    from fedciuic.region.round import region_name as region_name
+    from fedciuic.region.round import region_records as region_records
+    from fedciuic.region.round import unreadable as unreadable
+    from fedciuic.region.round import witness_run_end as witness_run_end
 
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "RegionReply": "round",
-    "close_regions": "round",
-    "decline_signed": "round",
-    "handle_instruction": "round",
-    "read_configs": "round",
-    "read_run": "round",
-    "region_log": "round",
-    "region_name": "round",
-    "region_records": "round",
-    "unreadable": "round",
-    "witness_run_end": "round",
-}
-__all__ = [
-    "RegionReply",
-    "close_regions",
-    "decline_signed",
-    "handle_instruction",
-    "read_configs",
-    "read_run",
-    "region_log",
-    "region_name",
-    "region_records",
-    "unreadable",
-    "witness_run_end",
-]
-__getattr__ = face(__name__, _WHERE)
+__getattr__ = face(__name__)  # each name imported on first use

@@ -11,120 +11,33 @@ regions' updates and nothing else.
 * ``region`` / ``aggregator``: the two ends of a secure sum;
 * ``local``: a secure sum in one process (tests, benchmark)."""
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
-    from fedciuic.secagg.aggregator import Refusal, SecureSum, SumWithheld
-    from fedciuic.secagg.ddp import DistributedDp, noise_rng, noised, scale_for
-    from fedciuic.secagg.local import run_secure_sum
-    from fedciuic.secagg.masking import (
-        Ring,
-        RingTooSmall,
-        from_ring,
-        mask,
-        ring_sum,
-        to_ring,
-        unmask,
-    )
-    from fedciuic.secagg.messages import (
-        FromRegion,
-        Phase,
-        Request,
-        SecAggError,
-        Session,
-        pack_answer,
-        parse,
-        unpack_answer,
-    )
-    from fedciuic.secagg.region import SecureSumRegion
-    from fedciuic.secagg.rotation import padded, rotate, unrotate
-    from fedciuic.secagg.shamir import (
-        SEED_BYTES,
-        MalformedShare,
-        NotEnoughShares,
-        Share,
-        combine,
-        split,
-    )
-    from fedciuic.secagg.store import SECAGG_DIR, SessionStore
+    from fedciuic.secagg.aggregator import Refusal as Refusal
+    from fedciuic.secagg.aggregator import SecureSum as SecureSum
+    from fedciuic.secagg.aggregator import SumWithheld as SumWithheld
+    from fedciuic.secagg.ddp import noise_rng as noise_rng
+    from fedciuic.secagg.ddp import noised as noised
+    from fedciuic.secagg.local import run_secure_sum as run_secure_sum
+    from fedciuic.secagg.masking import Ring as Ring
+    from fedciuic.secagg.masking import RingTooSmall as RingTooSmall
+    from fedciuic.secagg.masking import from_ring as from_ring
+    from fedciuic.secagg.masking import ring_sum as ring_sum
+    from fedciuic.secagg.messages import FromRegion as FromRegion
+    from fedciuic.secagg.messages import Phase as Phase
+    from fedciuic.secagg.messages import Request as Request
+    from fedciuic.secagg.messages import SecAggError as SecAggError
+    from fedciuic.secagg.messages import Session as Session
+    from fedciuic.secagg.messages import pack_answer as pack_answer
+    from fedciuic.secagg.messages import parse as parse
+    from fedciuic.secagg.messages import unpack_answer as unpack_answer
+    from fedciuic.secagg.region import SecureSumRegion as SecureSumRegion
+    from fedciuic.secagg.rotation import rotate as rotate
+    from fedciuic.secagg.rotation import unrotate as unrotate
+    from fedciuic.secagg.store import SECAGG_DIR as SECAGG_DIR
+    from fedciuic.secagg.store import SessionStore as SessionStore
 
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "SessionStore": "store",
-    "pack_answer": "messages",
-    "unpack_answer": "messages",
-    "padded": "rotation",
-    "rotate": "rotation",
-    "unrotate": "rotation",
-    "DistributedDp": "ddp",
-    "FromRegion": "messages",
-    "Request": "messages",
-    "SECAGG_DIR": "store",
-    "noise_rng": "ddp",
-    "noised": "ddp",
-    "parse": "messages",
-    "scale_for": "ddp",
-    "Phase": "messages",
-    "Refusal": "aggregator",
-    "SecAggError": "messages",
-    "SecureSum": "aggregator",
-    "SecureSumRegion": "region",
-    "Session": "messages",
-    "SumWithheld": "aggregator",
-    "run_secure_sum": "local",
-    "MalformedShare": "shamir",
-    "NotEnoughShares": "shamir",
-    "Ring": "masking",
-    "RingTooSmall": "masking",
-    "SEED_BYTES": "shamir",
-    "Share": "shamir",
-    "ring_sum": "masking",
-    "combine": "shamir",
-    "from_ring": "masking",
-    "to_ring": "masking",
-    "mask": "masking",
-    "split": "shamir",
-    "unmask": "masking",
-}
-__all__ = [
-    "SECAGG_DIR",
-    "SEED_BYTES",
-    "DistributedDp",
-    "FromRegion",
-    "MalformedShare",
-    "NotEnoughShares",
-    "Phase",
-    "Refusal",
-    "Request",
-    "Ring",
-    "RingTooSmall",
-    "SecAggError",
-    "SecureSum",
-    "SecureSumRegion",
-    "Session",
-    "SessionStore",
-    "Share",
-    "SumWithheld",
-    "combine",
-    "from_ring",
-    "mask",
-    "noise_rng",
-    "noised",
-    "pack_answer",
-    "padded",
-    "parse",
-    "ring_sum",
-    "rotate",
-    "run_secure_sum",
-    "scale_for",
-    "split",
-    "to_ring",
-    "unmask",
-    "unpack_answer",
-    "unrotate",
-]
-__getattr__ = face(__name__, _WHERE)
+__getattr__ = face(__name__)  # each name imported on first use

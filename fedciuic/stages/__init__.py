@@ -1,51 +1,14 @@
 """What each end of a round is handed once per run and never asks about again:
 ``sealing`` (sealed or clear, both ends) and ``audit`` (a log, or none)."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from fedciuic.faces import face
-
-if TYPE_CHECKING:
-    from fedciuic.stages.audit import AuditTrail, NoAudit
-    from fedciuic.stages.sealing import (
-        Clear,
-        ClearRegion,
-        ClearReplies,
-        Provenance,
-        RegionSealing,
-        ReplySealing,
-        Sealed,
-        SealingRegion,
-        aggregator_sealing,
-    )
-
-#: What other packages use, and the module each lives in: imported on first use.
-_WHERE = {
-    "AuditTrail": "audit",
-    "Clear": "sealing",
-    "ClearRegion": "sealing",
-    "ClearReplies": "sealing",
-    "Provenance": "sealing",
-    "NoAudit": "audit",
-    "RegionSealing": "sealing",
-    "ReplySealing": "sealing",
-    "Sealed": "sealing",
-    "SealingRegion": "sealing",
-    "aggregator_sealing": "sealing",
-}
-__all__ = [
-    "AuditTrail",
-    "Clear",
-    "ClearRegion",
-    "ClearReplies",
-    "NoAudit",
-    "Provenance",
-    "RegionSealing",
-    "ReplySealing",
-    "Sealed",
-    "SealingRegion",
-    "aggregator_sealing",
-]
-__getattr__ = face(__name__, _WHERE)
+from fedciuic.stages.audit import AuditTrail as AuditTrail
+from fedciuic.stages.audit import NoAudit as NoAudit
+from fedciuic.stages.sealing import Clear as Clear
+from fedciuic.stages.sealing import ClearRegion as ClearRegion
+from fedciuic.stages.sealing import ClearReplies as ClearReplies
+from fedciuic.stages.sealing import Provenance as Provenance
+from fedciuic.stages.sealing import RegionSealing as RegionSealing
+from fedciuic.stages.sealing import ReplySealing as ReplySealing
+from fedciuic.stages.sealing import Sealed as Sealed
+from fedciuic.stages.sealing import SealingRegion as SealingRegion
+from fedciuic.stages.sealing import aggregator_sealing as aggregator_sealing

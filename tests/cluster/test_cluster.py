@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.cluster import ClusterError, TrainCommand, TrainingCluster, World
+from fedciuic.cluster import TrainCommand, TrainingCluster
 from fedciuic.cluster.auth import SECRET_ENV, new_secret
-from fedciuic.cluster.dist import check_placement
+from fedciuic.cluster.dist import ClusterError, World, check_placement
 from fedciuic.cluster.protocol import TIMEOUT_ENV, free_port
 from fedciuic.cluster.training import processes_key
 from fedciuic.config import NodeConfig, RunConfig

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from fedciuic.cluster import ClusterError, TrainCommand, TrainingCluster, World
+from fedciuic.cluster import TrainCommand, TrainingCluster
 from fedciuic.cluster.auth import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -31,7 +31,7 @@ from fedciuic.cluster.auth import (
     new_secret,
     secret_from_env,
 )
-from fedciuic.cluster.dist import LOOPBACK, form_group, open_store
+from fedciuic.cluster.dist import LOOPBACK, ClusterError, World, form_group, open_store
 from fedciuic.cluster.protocol import COMMAND_KEY, CONFIG_KEY, READY_KEY, TIMEOUT_ENV, free_port
 from fedciuic.config import RunConfig
 from fedciuic.region.trainer import Region

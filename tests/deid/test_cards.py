@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from fedciuic.deid import DIRECT, DeidSpec, Scrubber, cards
+from fedciuic.deid import DeidSpec, Scrubber, cards
 from fedciuic.deid.cards import NETWORKS, find_cards, luhn_digit, luhn_valid, network_of
+from fedciuic.deid.entities import DIRECT
 
 #: (network, prefix, length): both ends of every range, every length class.
 CASES = [

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.deid import DIRECT, DeidSpec, Scrubber, load_dictionary, region_secret
+from fedciuic.deid import DeidSpec, Scrubber, load_dictionary, region_secret
+from fedciuic.deid.entities import DIRECT
 from fedciuic.errors import ConfigError
 
 KEY = bytes(range(32))

@@ -12,8 +12,9 @@ import doctest
 
 import pytest
 
-from fedciuic.deid import DIRECT, DeidSpec, Scrubber
+from fedciuic.deid import DeidSpec, Scrubber
 from fedciuic.deid import recognizers as recognizers_module
+from fedciuic.deid.entities import DIRECT
 
 #: Clean text by kind: each comes back unchanged.
 CLEAN = {

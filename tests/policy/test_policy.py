@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.deid import DIRECT
+from fedciuic.deid.entities import DIRECT
 from fedciuic.policy.rules import (
     Agent,
     LoadedPolicy,

@@ -10,22 +10,17 @@ import os
 import numpy as np
 import pytest
 
-from fedciuic.secagg import (
+from fedciuic.secagg import Ring, RingTooSmall, from_ring, ring_sum
+from fedciuic.secagg.masking import mask, to_ring, unmask
+from fedciuic.secagg.shamir import (
+    PRIME,
     SEED_BYTES,
     MalformedShare,
     NotEnoughShares,
-    Ring,
-    RingTooSmall,
     Share,
     combine,
-    from_ring,
-    mask,
-    ring_sum,
     split,
-    to_ring,
-    unmask,
 )
-from fedciuic.secagg.shamir import PRIME
 
 RING = Ring(32)
 SIZE = 1_000

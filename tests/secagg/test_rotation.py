@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedciuic.secagg import Ring, Session, from_ring, padded, ring_sum, rotate, unrotate
+from fedciuic.secagg import Ring, Session, from_ring, ring_sum, rotate, unrotate
 from fedciuic.secagg.ddp import noised
-from fedciuic.secagg.rotation import MAX_BLOCK, block
+from fedciuic.secagg.rotation import MAX_BLOCK, block, padded
 
 SEED = b"session id"
 
