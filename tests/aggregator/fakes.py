@@ -13,7 +13,7 @@ from fedciuic.aggregator.round import AggregatorRound
 from fedciuic.compression import get_codec
 from fedciuic.crypto.parties import TaskKind
 from fedciuic.wire import Instruction, Reply, RunEndNotice, Unread, parse_reply
-from tests.rounds.test_aggregator import Raw, evaluated, make_round, trained
+from tests.aggregator.test_aggregator import Raw, evaluated, make_round, trained
 
 #: What a fake region answers: fields as a region sends them, a reply already read, or
 #: one still to read (inside the round's boundary).

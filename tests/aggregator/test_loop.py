@@ -1,7 +1,7 @@
 """The aggregator's production loop over a fake transport with a clock: regions waited
 for within a deadline, each round's replies (failed, malformed, silent, declined) judged
 alone, evaluations, and a resumed run that ends where an uninterrupted one does. The
-judging itself is tested with plain replies in tests/rounds/test_aggregator.py; Flower's
+judging itself is tested with plain replies in tests/aggregator/test_aggregator.py; Flower's
 transport in tests/flower/test_transport.py."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from fedciuic.aggregator.run import restore
 from fedciuic.errors import FederationError
 from fedciuic.wire import MalformedReply, Unread, failed
 from tests.aggregator.fakes import THREE, Regions, looped
+from tests.aggregator.test_aggregator import GLOBAL, declined, evaluated
 from tests.conftest import written
-from tests.rounds.test_aggregator import GLOBAL, declined, evaluated
 
 
 def test_the_schedule_is_chosen_once_from_the_aggregation_mode(run_config, tmp_path):

@@ -19,7 +19,7 @@ from fedciuic.crypto.parties import TaskKind
 from fedciuic.policy.binding import NotEnforced
 from fedciuic.policy.rules import Decision
 from tests.aggregator.fakes import THREE, Regions, looped
-from tests.rounds.test_aggregator import GLOBAL
+from tests.aggregator.test_aggregator import GLOBAL
 
 
 class OneInFlight(Regions):

@@ -35,6 +35,7 @@ from fedciuic.crypto import load_bundle, read_update_payload
 from fedciuic.model import AdapterLayout
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.region.trainer import SentUpdates
+from tests.aggregator.test_secure_round import assert_published, flat
 from tests.conftest import app_config, record_level_policies
 from tests.e2e.helpers import (
     describe,
@@ -45,7 +46,6 @@ from tests.e2e.helpers import (
     stop_everything,
 )
 from tests.e2e.pace import patient
-from tests.rounds.test_secure_round import assert_published, flat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.scenario]
 REGIONS = ("eu", "cn", "us")

@@ -24,6 +24,7 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model import AdapterLayout
 from fedciuic.region.trainer import SentUpdates
+from tests.aggregator.test_secure_round import assert_published, flat
 from tests.conftest import ROOT, app_config
 from tests.e2e.helpers import (
     alive,
@@ -34,7 +35,6 @@ from tests.e2e.helpers import (
 )
 from tests.e2e.pace import patient
 from tests.e2e.test_simulation import _command
-from tests.rounds.test_secure_round import assert_published, flat
 
 pytestmark = pytest.mark.e2e
 REGIONS = ("eu", "cn", "us")

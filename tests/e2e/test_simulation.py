@@ -23,7 +23,7 @@ from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, app_config, record_level_policies
 from tests.e2e.helpers import describe, eval_loss, only_run, processes_under, stop_everything
 from tests.e2e.pace import patient
-from tests.rounds.test_each_family import TARGETS
+from tests.region.test_each_family import TARGETS
 
 pytestmark = pytest.mark.e2e
 
@@ -424,7 +424,7 @@ def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
     R1-0528-Qwen3-8B), each loaded from its folder with its own BPE tokenizer and
     chat template through Flower: both regions train under DP and the global adapter
     covers its attention projections. Every family trains a DP round in a region in
-    tests/rounds/test_each_family.py."""
+    tests/region/test_each_family.py."""
     path = tiny_checkpoints[family]
     done = simulate(
         tmp_path,

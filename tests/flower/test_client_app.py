@@ -3,7 +3,7 @@
 Simulated (Flower gave the node a ``partition-id``, lab mode), the app runs the region's
 round in its own process: what the Context and the Message give the round, and how its
 outcome is packed (the round's own behaviour is tested without Flower in
-tests/rounds/test_region_round.py). Deployed, the app is only a relay to the region's
+tests/region/test_round.py). Deployed, the app is only a relay to the region's
 agent: it holds no data, state or keys, and says so (tests/agent has the agent's side).
 """
 

@@ -30,7 +30,7 @@ from fedciuic.flower.courier import FlowerTransport
 from fedciuic.flower.relay import HELLO_MESSAGE
 from fedciuic.wire import Instruction, MalformedReply, Reply
 from tests.aggregator.fakes import Regions, looped
-from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
+from tests.aggregator.test_aggregator import (  # noqa: F401 - fixtures
     GLOBAL,
     Raw,
     sealed_reply_from,

@@ -28,7 +28,7 @@ from fedciuic.model.identity import checkpoint_fingerprint
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from tests.privacy.test_each_family_dp import opacus_grads
-from tests.rounds.test_each_family import TARGETS
+from tests.region.test_each_family import TARGETS
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from fedciuic.config import ModelSpec
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.dpsgd import time_private_step
 from tests.aggregator.fakes import Regions
-from tests.rounds.test_aggregator import evaluated, make_round, reply
+from tests.aggregator.test_aggregator import evaluated, make_round, reply
 
 
 def _timed(region: str, loss: float, seconds: float):

@@ -41,8 +41,7 @@ from fedciuic.wire import (
     SIGNATURE,
     signed_fields,
 )
-from tests.conftest import written
-from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
+from tests.aggregator.test_aggregator import (  # noqa: F401 - fixtures
     DP_METRICS,
     NO_DP,
     SCRUBBED,
@@ -62,6 +61,7 @@ from tests.rounds.test_aggregator import (  # noqa: F401 - fixtures
     train_round,
     update_arrays,
 )
+from tests.conftest import written
 
 INFO = {
     "status": "trained",
