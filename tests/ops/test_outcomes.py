@@ -20,8 +20,9 @@ from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.errors import EXIT_ERROR
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.ops import deploy
-from fedciuic.ops.cli import Interrupted, _simulation_keys, main
+from fedciuic.ops.cli import main
 from fedciuic.ops.outputs import mark_unfinished, summarize
+from fedciuic.ops.simulate import Interrupted, _simulation_keys
 from fedciuic.record.metrics import RunStatus, load_metrics
 from fedciuic.record.recorder import RunRecorder, no_aggregate_reasons, published_rounds
 from tests.conftest import ROOT, unit_config
@@ -332,7 +333,7 @@ def test_simulate_interrupted_after_its_run_ended_reports_it_and_exits_by_its_ou
     monkeypatch.setattr(_Federation, "status", status)
     monkeypatch.setattr(_Federation, "interrupt", interrupt)
     monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
-    monkeypatch.setattr("fedciuic.ops.cli._audit_after_simulation", audit)
+    monkeypatch.setattr("fedciuic.ops.simulate._audit_after_simulation", audit)
     runs = tmp_path / "runs"
     args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]
     assert main([*args, "--quiet"]) == code
@@ -358,7 +359,7 @@ def test_a_ctrl_c_while_simulate_writes_the_report_of_an_ended_run_is_noted_not_
         return 0
 
     monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
-    monkeypatch.setattr("fedciuic.ops.cli._audit_after_simulation", audit)
+    monkeypatch.setattr("fedciuic.ops.simulate._audit_after_simulation", audit)
     runs = tmp_path / "runs"
     args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]
     assert main([*args, "--quiet"]) == 0

@@ -1,0 +1,376 @@
+"""``fedciuic simulate``: the local simulation (lab mode), kept apart from the command's
+parser because it alone starts processes, handles signals and stops what it started.
+
+It exits with :data:`EXIT_OK` (0) when the run completed and every audit log verified,
+:data:`EXIT_AUDIT` (1) when a log failed verification, :data:`EXIT_ERROR` (2) on bad input
+or a failed run, :data:`EXIT_NO_AGGREGATE` (3) when every round ran but no aggregate was
+ever published (nothing trained; no adapter is saved), and 130 (SIGINT) or 143 (SIGTERM)
+when it was interrupted before the run ended (once it has ended, an interruption still
+gets its report and its own status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedciuic.config import RunConfig
+from fedciuic.errors import EXIT_AUDIT, EXIT_NO_AGGREGATE, EXIT_OK, ConfigError, FederationError
+from fedciuic.ops.runconfig import app_run_config, parse_overrides
+
+if TYPE_CHECKING:
+    from fedciuic.record import RunMetrics
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that every process we started is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def simulate(args: argparse.Namespace) -> int:
+    from fedciuic.crypto import aggregator_keys
+    from fedciuic.data import DEMO_DICTIONARIES, write_demo_corpora
+    from fedciuic.flower import LocalFederation
+    from fedciuic.model import check_model_spec
+    from fedciuic.ops.outputs import summarize
+    from fedciuic.ops.preflight import check_simulation
+    from fedciuic.ops.progress import RunProgress
+    from fedciuic.record import RunStatus
+
+    app = args.app.resolve()
+    overrides = parse_overrides(args.run_config)
+    if args.regions:
+        overrides["regions"] = args.regions
+    if args.rounds is not None:
+        overrides["num-server-rounds"] = args.rounds
+    output_dir = args.output_dir.resolve()
+    overrides["output-dir"] = str(output_dir)
+    defaults = app_run_config(app)
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConfigError(
+            [
+                f"--run-config:{k}: unknown key; known: {', '.join(sorted(defaults))}"
+                for k in unknown
+            ]
+        )
+    if not defaults.get("policies-dir") and "policies-dir" not in overrides:
+        overrides["policies-dir"] = str(app / "policies")
+    # Validate everything here, before any process starts.
+    run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
+    check_model_spec(run.model)
+    if run.seal and run.keys_dir:
+        aggregator_keys(run.keys_dir, run.max_update_bytes)
+    if run.enforce_policies:
+        _check_policies(run)
+    data_root = None
+    if args.data_root is not None:
+        data_root = args.data_root.resolve()
+        _check_data_root(data_root, run.regions)
+        if run.dp:
+            present = [r for r in run.regions if (data_root / r).is_dir()]
+            _, lines = budget_lines(
+                simulation_budgets(data_root, present, run), run, run.target_epsilon
+            )
+            for line in lines:
+                print(f"budget: {line}")
+    # The model, tokenizer, chat template and data, in seconds: exit 2 naming every problem.
+    check_simulation(run, data_root)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
+    if data_root is None:
+        # Fresh demo datasets each time, so each demo starts with fresh privacy ledgers.
+        data_root = workdir / "demo-data"
+        write_demo_corpora(data_root, run.regions)
+    overrides["data-root"] = str(data_root)
+    dictionaries = data_root / DEMO_DICTIONARIES
+    if run.deidentify and not run.deid_dictionaries and dictionaries.is_dir():
+        # Where `fedciuic demo-data` (and the demo above) writes each region's names.
+        print(f"de-identification: each region's dictionary from {dictionaries}/REGION.txt")
+        overrides["deid-dictionaries"] = str(dictionaries)
+    if run.seal and not run.keys_dir:
+        overrides["keys-dir"] = str(_simulation_keys(workdir / "keys", data_root, run))
+        # A fresh aggregator key is a fresh aggregator: its audit log starts with it.
+        if not run.audit_dir:
+            overrides["audit-dir"] = str(workdir / "audit")
+    variants = [overrides]
+    if args.compare_no_dp and run.dp:
+        variants.append({**overrides, "dp": False, "enforce-policies": False})
+
+    run_ids: list[int] = []
+    interrupt: KeyboardInterrupt | None = None
+    noted: list[int] = []  # SIGINT, SIGTERM that came while stopping or reporting
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    federation = LocalFederation(workdir, app)
+    try:
+        federation.start_superlink(simulation=True)
+        for number, variant in enumerate(variants):
+            label = "" if number == 0 else "baseline without DP"
+            progress = (
+                None
+                if args.quiet or args.verbose
+                else RunProgress(sys.stdout, output_dir, label=label)
+            )
+            try:
+                run_id, _ = federation.run_app(
+                    variant,
+                    federation_config={
+                        "num-supernodes": len(run.regions),
+                        "client-resources-num-cpus": 1,
+                    },
+                    timeout=args.timeout,
+                    echo=sys.stdout if args.verbose else None,
+                    on_poll=progress.poll if progress else None,
+                )
+            finally:
+                if progress is not None:
+                    progress.finish()
+            run_ids.append(run_id)
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Interrupted)
+        interrupt = err
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        # Every process we started, Ray's workers included, is gone before we go on (a
+        # second Ctrl-C does not cut this short); a run whose ServerApp did not end it
+        # is then marked interrupted.
+        with _signals_noted(noted):
+            left = federation.stop()
+            for unfinished in _settle_runs(federation, output_dir):
+                print(
+                    f"fedciuic: run {unfinished} did not end; marked interrupted", file=sys.stderr
+                )
+        if left:
+            print(
+                "fedciuic: warning: these processes of the simulation would not stop: "
+                + ", ".join(f"{p.pid}" for p in left),
+                file=sys.stderr,
+            )
+    if interrupt is not None:
+        # Interrupted after every run had ended (flwr run still streaming its end, the
+        # processes stopping): the runs' outcome stands, with their report.
+        run_ids = _ended_runs(federation, output_dir)
+        if len(run_ids) < len(variants):
+            raise interrupt
+        noted.insert(0, getattr(interrupt, "signum", signal.SIGINT))
+    with _signals_noted(noted):  # the report of runs that ended is written whole
+        results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
+        print()
+        print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
+        for data in results:
+            if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
+                raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
+        code = _audit_after_simulation(output_dir / f"run-{run_ids[0]}")
+    if noted:
+        print(
+            f"fedciuic: interrupted ({signal.Signals(noted[0]).name}) during clean-up, after "
+            f"run {run_ids[0]} had ended ({results[0].run.status}): its report is written and "
+            "the exit status is the run's",
+            file=sys.stderr,
+        )
+    if results[0].run.status == RunStatus.NO_AGGREGATE:
+        print(
+            f"fedciuic: run {run_ids[0]} published no aggregate: nothing was trained "
+            f"(exit {EXIT_NO_AGGREGATE}; see the reasons above)",
+            file=sys.stderr,
+        )
+        return code or EXIT_NO_AGGREGATE
+    return code
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_noted(noted: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM appended to ``noted`` instead of raised: for work that an
+    interruption must not cut short (stopping every process, a finished run's report)."""
+    kept = {
+        signum: signal.signal(signum, lambda number, _frame: noted.append(number))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
+    """The runs this federation started (``flwr run`` printed their id), in order, up
+    to the first that did not end (completed, or no aggregate)."""
+    from fedciuic.flower import STARTED_RUN
+    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
+
+    ended = []
+    logs = federation.logs.glob("flwr-run-*.log")
+    for log in sorted(logs, key=lambda path: int(path.stem.rsplit("-", 1)[1])):
+        match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
+        if match is None:
+            break
+        try:
+            data = load_metrics(output_dir / f"run-{match.group(1)}" / METRICS_FILE)
+        except MetricsError:
+            break
+        if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
+            break
+        ended.append(int(match.group(1)))
+    return ended
+
+
+def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
+    """Runs this federation started (``flwr run`` printed their id) whose metrics.json
+    still says running once every process is gone: mark them interrupted."""
+    from fedciuic.flower import STARTED_RUN
+    from fedciuic.ops.outputs import mark_unfinished
+
+    marked = []
+    for log in sorted(federation.logs.glob("flwr-run-*.log")):
+        match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
+        if match and mark_unfinished(
+            output_dir / f"run-{match.group(1)}",
+            "its ServerApp ended without finishing the run (stopped or killed); "
+            "fedciuic simulate stopped the simulation",
+        ):
+            marked.append(int(match.group(1)))
+    return marked
+
+
+def _check_data_root(data_root: Path, regions: Sequence[str]) -> None:
+    """--data-root must be a folder holding at least one region's folder; a region
+    without one declines (and the others train), which is said before anything starts."""
+    fix = "each region reads --data-root/REGION (e.g. `fedciuic demo-data DIR` writes them)"
+    if not data_root.is_dir():
+        what = "is not a folder" if data_root.exists() else "no such folder"
+        raise ConfigError([f"--data-root: {data_root}: {what}; {fix}"])
+    missing = [r for r in regions if not (data_root / r).is_dir()]
+    if len(missing) == len(regions):
+        raise ConfigError(
+            [
+                f"--data-root: {data_root} has no folder for any region "
+                f"({', '.join(str(data_root / r) for r in regions)}); {fix}"
+            ]
+        )
+    for region in missing:
+        print(
+            f"fedciuic: warning: --data-root: no folder {data_root / region}: region "
+            f"{region} will decline",
+            file=sys.stderr,
+        )
+
+
+def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
+    """The keys-dir of a simulation: a fresh aggregator key for this invocation, and each
+    region's key, kept with its state (DATA_ROOT/REGION/.fedciuic/keys/) like its ledger
+    and audit log: made on the region's first run, re-used on every later one, so that
+    its audit log, which outlives runs, stays signed by one key."""
+    from fedciuic.crypto import AGGREGATOR, KeyFileError, Keypair, load_keypair, write_keys
+    from fedciuic.jurisdictions import simulated_jurisdiction
+
+    write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)
+    for region in run.regions:
+        jurisdiction = simulated_jurisdiction(region)
+        if not (data_root / region).is_dir():
+            # It will decline; its state folder is not made for it (nor its data folder).
+            write_keys(Keypair.generate(region, jurisdiction), keys)
+            continue
+        kept = data_root / region / ".fedciuic" / "keys"
+        private = kept / f"{region}.key.json"
+        if not private.exists():
+            # (another simulation on this data root may make it just now: then use that)
+            with contextlib.suppress(KeyFileError):
+                write_keys(Keypair.generate(region, jurisdiction), kept)
+        keypair = load_keypair(private)
+        held = (keypair.bundle.party, keypair.bundle.jurisdiction)
+        if held != (region, jurisdiction):
+            raise KeyFileError(
+                f"--data-root:{private}: the key of {held[0]} ({held[1]}), not of region "
+                f"{region} ({jurisdiction}); move it away or use another --data-root"
+            )
+        write_keys(keypair, keys)  # the run's keys-dir, where a simulated region looks
+    return keys
+
+
+def _audit_after_simulation(run_dir: Path) -> int:
+    """Verify every party's audit log (with the run's keys) once, then write the run's
+    compliance report and its HTML report with plots from them."""
+    from fedciuic.ops.run_report import PLOTS_DIR, write_run_report
+
+    report = write_run_report(run_dir)  # the compliance report too, next to report.html
+    lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
+    lines += [f"audit: the logs DISAGREE: {d}" for d in report.disagreements]
+    if report.compliance is not None:
+        lines.append(f"compliance report: {report.compliance} (and .html)")
+    lines.append(f"run report: {report.html} (plots in {report.html.parent / PLOTS_DIR})")
+    print("\n".join(lines))
+    return EXIT_OK if report.ok else EXIT_AUDIT
+
+
+def _check_policies(run: RunConfig) -> None:
+    """Every simulated region's policy must load, or nothing starts."""
+    from fedciuic.jurisdictions import simulated_jurisdiction
+    from fedciuic.policy import PolicyError, load_policies
+
+    policies = load_policies(Path(run.policies_dir))
+    missing = [
+        f"region {r} (simulated regions are named after their jurisdiction): "
+        + policies.missing(simulated_jurisdiction(r))
+        for r in run.regions
+        if policies.get(simulated_jurisdiction(r)) is None
+    ]
+    if missing:
+        raise PolicyError(missing)
+
+
+def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
+    from fedciuic.record import METRICS_FILE, MetricsError, load_metrics
+
+    metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
+    try:
+        return load_metrics(metrics_file)
+    except MetricsError as err:
+        raise FederationError(
+            f"run {run_id} wrote no usable metrics ({err}); see the logs in {workdir / 'logs'}"
+        ) from None
+
+
+def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) -> list[Any]:
+    """Each simulated region's spend: its dataset's state is DATA_ROOT/REGION/.fedciuic, its
+    budget the run config's epsilon-budget (simulation has no agent config)."""
+    from fedciuic.config import NodeConfig
+    from fedciuic.privacy import budget_status
+
+    return [
+        budget_status(
+            region,
+            NodeConfig(region=region, data_path=str(data_root / region)).state_dir,
+            run.epsilon_budget,
+        )
+        for region in regions
+    ]
+
+
+def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[bool, list[str]]:
+    """Whether a run of ``run``'s rounds and steps at ``target`` fits every region, and one
+    line per region (two where it has spent something, or where the run does not fit)."""
+    steps = run.num_server_rounds * run.local_steps
+    lines, every = [], True
+    for status in found:
+        lines.append(status.line())
+        fits, line = status.run_line(target, steps)
+        every = every and fits
+        if line and (status.unit is not None or not fits):
+            lines.append(line)
+    return every, lines
+
+
+__all__ = ["Interrupted", "budget_lines", "simulate", "simulation_budgets"]
