@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from report import Row, proc_bytes, save_figure, verdict
 
-from fedciuic.aggregation import Accumulator, Bounds, check
+from fedciuic.aggregator.aggregation import Accumulator, Bounds, check
 from fedciuic.compression import Codec, get_codec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,6 @@ from pydantic import (
     field_validator,
 )
 
-from fedciuic.aggregation import NormAction
 from fedciuic.compression import Codec, get_codec
 from fedciuic.crypto import Suite
 from fedciuic.deid import (
@@ -42,9 +41,44 @@ from fedciuic.deid import (
 )
 from fedciuic.errors import ConfigError
 from fedciuic.jurisdictions import JURISDICTIONS
-from fedciuic.server_optim import OptimizerName, ServerSettings
 
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+
+#: What happens to an update over max-update-norm: refused, or scaled down to it.
+NormAction = Literal["reject", "clip"]
+#: ``server-optimizer``'s values, named once (the run config's field uses this type).
+OptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+
+
+def aggregation_rule(method: str) -> tuple[str, float | None]:
+    """``fedavg``, ``median`` or ``trimmed-mean:F`` (F in [0, 0.5): trimmed at each end),
+    read into the rule's name and its trimmed fraction (None: none or the median)."""
+    name, _, arg = method.partition(":")
+    if name in ("fedavg", "median") and not arg:
+        return name, None
+    if name == "trimmed-mean":
+        try:
+            trim = float(arg)
+        except ValueError:
+            trim = -1.0
+        if 0 <= trim < 0.5:
+            return name, trim
+        raise ValueError(f"trimmed-mean:{arg}: the trimmed fraction must be in [0, 0.5)")
+    raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The optimiser the aggregator steps with on each aggregate
+    (``RunConfig.server``)."""
+
+    name: str = "none"
+    learning_rate: float = 1.0
+    momentum: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-3
+
 
 #: What one DP guarantee covers, weakest first: one record, or everything one user
 #: contributed. A guarantee per user is also one per record (a record has one user).
@@ -576,9 +610,7 @@ class RunConfig(_Strict):
     @field_validator("aggregation")
     @classmethod
     def _check_aggregation(cls, value: str) -> str:
-        from fedciuic.aggregation import make_aggregator
-
-        make_aggregator(value, 1)  # ValueError names the known rules
+        aggregation_rule(value)  # ValueError names the known rules
         return value
 
     @field_validator("aggregator_jurisdiction", "relay_jurisdiction")

@@ -2,8 +2,9 @@
 when: synchronous rounds or buffered aggregates, over a ``Transport`` that Flower's Grid
 implements in ``fedciuic.flower.courier``), ``round`` (per reply: authenticate, open,
 validate, judge, record; then publish or withhold), ``run`` (a run's start, resume and
-end), ``schedule`` (availability and buffered tasks) and ``checkpoint`` (the signed state
-a run resumes from)."""
+end), ``schedule`` (availability and buffered tasks), ``checkpoint`` (the signed state
+a run resumes from), ``aggregation`` (updates checked and decoded into one accumulator,
+or a robust rule) and ``server_optim`` (the server's step on the aggregate)."""
 
 from fedciuic.aggregator.checkpoint import CHECKPOINT_DIR as CHECKPOINT_DIR
 from fedciuic.aggregator.checkpoint import LATEST as LATEST

@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from fedciuic.aggregator.server_optim import OptimizerState
 from fedciuic.config import ADAPTER_MODES, DEFAULT_ADAPTER_MODE, AdapterMode
 from fedciuic.crypto import Keypair, PublicBundle
 from fedciuic.errors import FedciuicError
 from fedciuic.record import Rounds, dump_rounds, parse_rounds
-from fedciuic.server_optim import OptimizerState
 
 CHECKPOINT_FORMAT = "fedciuic-checkpoint/3"
 #: What load_checkpoint reads; only CHECKPOINT_FORMAT is signed.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregation import Bounds, Checked, ImplausibleUpdate, check
+from fedciuic.aggregator.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit import digest
 from fedciuic.config import AdapterMode, UpdateRules
 from fedciuic.crypto import EnvelopeRejected

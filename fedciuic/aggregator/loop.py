@@ -439,7 +439,7 @@ class SyncLoop(Loop):
 
 class BufferedLoop(Loop):
     """FedBuff: an aggregate is published as soon as buffer-size updates are in, each
-    weighted by its staleness (fedciuic.aggregation); regions train at their own pace."""
+    weighted by its staleness (aggregator/aggregation.py); regions train at their own pace."""
 
     def one(self, server_round: int) -> None:
         """One buffered aggregate: every idle region that has not answered since the last

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregation import (
+from fedciuic.aggregator.aggregation import (
     Aggregator,
     make_aggregator,
 )
@@ -39,12 +39,12 @@ from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.aggregator.journal import Filing, Journal
 from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
+from fedciuic.aggregator.server_optim import ServerOptimizer
 from fedciuic.compression import layout_of
 from fedciuic.config import RunConfig, Schedule
 from fedciuic.crypto import NONCE_BYTES, TaskKind
 from fedciuic.policy import Decision, NotEnforced, PolicyGate
 from fedciuic.record import OVERALL, RunRecorder
-from fedciuic.server_optim import ServerOptimizer
 from fedciuic.stages import AuditTrail, ClearReplies, NoAudit, ReplySealing
 from fedciuic.wire import (
     WITNESSED,

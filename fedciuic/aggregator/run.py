@@ -17,6 +17,7 @@ from fedciuic.aggregator.checkpoint import (
     load_checkpoint,
 )
 from fedciuic.aggregator.round import AggregatorRound
+from fedciuic.aggregator.server_optim import OptimizerStateError, ServerOptimizer
 from fedciuic.audit import (
     AGGREGATOR_LOG,
     AuditLog,
@@ -40,7 +41,6 @@ from fedciuic.record import (
     no_aggregate_reasons,
     published_rounds,
 )
-from fedciuic.server_optim import OptimizerStateError, ServerOptimizer
 from fedciuic.stages import ReplySealing, aggregator_sealing
 
 # Flower's logger, by name: these lines show with the rest of the run's output.

@@ -36,7 +36,7 @@ from fedciuic.crypto.parties import (
     generate_federation_keys,
     update_payload,
 )
-from fedciuic.deid import DIRECT
+from fedciuic.deid.entities import DIRECT
 from fedciuic.ops.outputs import summarize
 from fedciuic.policy.binding import AggregatorPolicies
 from fedciuic.policy.rules import PolicyError, load_policy

@@ -20,12 +20,13 @@ from fedciuic.aggregator.checkpoint import (
     save_checkpoint,
 )
 from fedciuic.aggregator.run import resume, server_optimizer
+from fedciuic.aggregator.server_optim import OptimizerState, ServerOptimizer
 from fedciuic.audit.log import AuditError, AuditLog
 from fedciuic.compression import layout_of
+from fedciuic.config import ServerSettings
 from fedciuic.crypto.keys import Keypair
 from fedciuic.record.metrics import RoundRecord
 from fedciuic.record.recorder import RunRecorder
-from fedciuic.server_optim import OptimizerState, ServerOptimizer, ServerSettings
 
 
 def ckpt(

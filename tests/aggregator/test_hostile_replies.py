@@ -491,7 +491,7 @@ def test_an_authentic_envelope_with_a_malformed_header_is_an_invalid_envelope(
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_policy_check_refuses_a_non_finite_declared_figure(policed, field, value):
     """Behind the typed reply, the policy check itself fails closed on NaN and Inf."""
-    from fedciuic.deid import DIRECT
+    from fedciuic.deid.entities import DIRECT
     from fedciuic.policy.rules import UpdateFacts
 
     s, _, folder = policed

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedciuic.aggregation import Checked, staleness_weight
+from fedciuic.aggregator.aggregation import Checked, staleness_weight
 from fedciuic.aggregator.round import Collecting
 from fedciuic.aggregator.schedule import Availability, Tasks
 from fedciuic.audit.events import Event

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.aggregation import Bounds, check, make_aggregator, staleness_weight
+from fedciuic.aggregator.aggregation import Bounds, check, make_aggregator, staleness_weight
+from fedciuic.aggregator.server_optim import ServerOptimizer
 from fedciuic.compression import get_codec
 from fedciuic.config import ADAPTER_MODES, AdapterMode, ModelSpec, NodeConfig, RunConfig
 from fedciuic.data.corpus import ExampleSet
@@ -34,7 +35,6 @@ from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.round import train_info
 from fedciuic.region.trainer import Region
-from fedciuic.server_optim import ServerOptimizer
 from fedciuic.wire import ADAPTER_MODE
 from tests.privacy.test_each_family_dp import autograd_grads, opacus_grads
 

@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedciuic.compression import (
-    ErrorFeedback,
-    ResidualError,
-    flatten,
-    get_codec,
-    layout_id,
-    layout_of,
-)
+from fedciuic.compression import ErrorFeedback, flatten, get_codec, layout_id, layout_of
+from fedciuic.compression.errors import ResidualError
 from fedciuic.config import NodeConfig
 from fedciuic.region.trainer import Region, rounding_rng
 

@@ -26,7 +26,7 @@ from fedciuic.crypto.parties import (
     generate_federation_keys,
     sign_global,
 )
-from fedciuic.deid import DIRECT
+from fedciuic.deid.entities import DIRECT
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy

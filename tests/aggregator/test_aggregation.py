@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedciuic.aggregation import (
+from fedciuic.aggregator.aggregation import (
     Accumulator,
     Bounds,
     ImplausibleUpdate,

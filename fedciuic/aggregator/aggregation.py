@@ -35,15 +35,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from fedciuic.compression import Codec, Sparse
+from fedciuic.config import NormAction, aggregation_rule
 from fedciuic.errors import FedciuicError
-
-#: What happens to an update over max-update-norm: refused, or scaled down to it.
-NormAction = Literal["reject", "clip"]
 
 
 class ImplausibleUpdate(FedciuicError, ValueError):
@@ -228,18 +226,6 @@ class Robust:
 
 
 def make_aggregator(method: str, n: int) -> Aggregator:
-    """``fedavg``, ``median`` or ``trimmed-mean:F`` (F in [0, 0.5): trimmed at each end)."""
-    name, _, arg = method.partition(":")
-    if name == "fedavg" and not arg:
-        return Accumulator(n)
-    if name == "median" and not arg:
-        return Robust(n, None)
-    if name == "trimmed-mean":
-        try:
-            trim = float(arg)
-        except ValueError:
-            trim = -1.0
-        if 0 <= trim < 0.5:
-            return Robust(n, trim)
-        raise ValueError(f"trimmed-mean:{arg}: the trimmed fraction must be in [0, 0.5)")
-    raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
+    """The rule ``method`` names (:func:`fedciuic.config.aggregation_rule` reads it)."""
+    name, trim = aggregation_rule(method)
+    return Accumulator(n) if name == "fedavg" else Robust(n, trim)

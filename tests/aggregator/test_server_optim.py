@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from fedciuic.compression import layout_of
-from fedciuic.server_optim import (
+from fedciuic.aggregator.server_optim import (
     OptimizerState,
     OptimizerStateError,
     ServerOptimizer,
-    ServerSettings,
 )
+from fedciuic.compression import layout_of
+from fedciuic.config import ServerSettings
 
 X0 = {"a": np.array([1.0, -2.0], np.float32), "b": np.array([[0.5]], np.float32)}
 DELTAS = [np.array(d, np.float32) for d in ([1.0, 2.0, -1.0], [-1.0, 0.5, 0.01], [0.5, 0.5, 3.0])]

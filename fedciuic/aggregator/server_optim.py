@@ -23,16 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
 from fedciuic.compression import flatten, layout_id, layout_of, unflatten
+from fedciuic.config import OPTIMIZERS, ServerSettings
 from fedciuic.errors import FedciuicError
 
-#: ``server-optimizer``'s values, named once (the run config's field uses this type).
-OptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
-OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 MOMENTS: dict[str, tuple[str, ...]] = {
     "none": (),
     "fedavgm": ("m",),
@@ -66,18 +64,6 @@ class OptimizerState:
             "layout": self.layout,
             "size": self.size,
         }
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The optimiser the aggregator steps with on each aggregate
-    (``RunConfig.server``)."""
-
-    name: str = "none"
-    learning_rate: float = 1.0
-    momentum: float = 0.9
-    beta2: float = 0.99
-    epsilon: float = 1e-3
 
 
 class ServerOptimizer:
