@@ -6,7 +6,7 @@
 For each adapter size (the ``realistic`` preset's trained entries: ``lora-sb``, the
 default mode, and ``lora``, LoRA r=64 on the attention projections) and each number of
 regions, one secure sum runs through both real ends of the protocol
-(``fedciuic.secagg.local``: every message signed, sealed where it says, passed as JSON
+(``fedciuic.secagg.lab``: every message signed, sealed where it says, passed as JSON
 and parsed back): with every region there, and with a tenth of them (at least one)
 dropping after they shared, before their masked vectors. Printed per case:
 

@@ -9,7 +9,7 @@ regions' updates and nothing else.
 * ``store``: a region's secure sums on disk;
 * ``seeds``: what a region's seeds give, sealed between regions with X-Wing;
 * ``region`` / ``aggregator``: the two ends of a secure sum;
-* ``local``: a secure sum in one process (tests, benchmark)."""
+* ``lab``: a secure sum in one process, for the tests and the benchmark (never a federation)."""
 
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fedciuic.secagg.aggregator import SumWithheld as SumWithheld
     from fedciuic.secagg.ddp import noise_rng as noise_rng
     from fedciuic.secagg.ddp import noised as noised
-    from fedciuic.secagg.local import run_secure_sum as run_secure_sum
+    from fedciuic.secagg.lab import run_secure_sum as run_secure_sum
     from fedciuic.secagg.masking import Ring as Ring
     from fedciuic.secagg.masking import RingTooSmall as RingTooSmall
     from fedciuic.secagg.masking import from_ring as from_ring

@@ -32,14 +32,12 @@ from fedciuic.secagg.messages import (
     SecAggError,
     Session,
     Shares,
-    parse,
-    to_sign,
-)
-from fedciuic.secagg.region import (
     consent_content,
     masked_content,
+    parse,
     reveal_content,
     sealed_content,
+    to_sign,
 )
 from fedciuic.secagg.rotation import unrotate
 from fedciuic.secagg.seeds import (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
@@ -229,6 +229,28 @@ def _bytes(value: object) -> str:
 def to_sign(session: Session, phase: Phase, region: str, content: Mapping[str, Any]) -> bytes:
     """What a region signs in ``phase`` of ``session``."""
     return signable(DOMAIN, session.sid(), phase.value, region, dict(content))
+
+
+# What each phase's signature covers (besides the session, phase and region), the same
+# text at both ends: the region signs it, the aggregator and the other regions check it.
+
+
+def consent_content(survivors: Sequence[str]) -> dict[str, object]:
+    return {"survivors": list(survivors)}
+
+
+def sealed_content(item: SealedItem) -> dict[str, object]:
+    return {"to": item.to, "shares": item.shares, "pair": item.pair}
+
+
+def masked_content(vector: bytes) -> dict[str, object]:
+    """What a masked vector's signature covers: its SHA-256 (signing the vector itself
+    would hex-encode megabytes into the signed text on both ends)."""
+    return {"vector": hashlib.sha256(vector).digest()}
+
+
+def reveal_content(reveal: Reveal) -> dict[str, object]:
+    return {"self": reveal.self_shares, "key": reveal.key_shares}
 
 
 def parse(model: type[_M], data: object, phase: Phase) -> _M:

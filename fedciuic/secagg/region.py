@@ -18,7 +18,6 @@ What protects the region's update, and where it is checked:
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +36,10 @@ from fedciuic.secagg.messages import (
     SecAggError,
     Session,
     Shares,
+    consent_content,
+    masked_content,
+    reveal_content,
+    sealed_content,
     to_sign,
 )
 from fedciuic.secagg.seeds import (
@@ -52,24 +55,6 @@ from fedciuic.secagg.seeds import (
 )
 from fedciuic.secagg.shamir import SEED_BYTES, split
 from fedciuic.secagg.store import SessionStore, StoredSum
-
-
-def consent_content(survivors: Sequence[str]) -> dict[str, object]:
-    return {"survivors": list(survivors)}
-
-
-def sealed_content(item: SealedItem) -> dict[str, object]:
-    return {"to": item.to, "shares": item.shares, "pair": item.pair}
-
-
-def masked_content(vector: bytes) -> dict[str, object]:
-    """What a masked vector's signature covers: its SHA-256 (signing the vector itself
-    would hex-encode megabytes into the signed text on both ends)."""
-    return {"vector": hashlib.sha256(vector).digest()}
-
-
-def reveal_content(reveal: Reveal) -> dict[str, object]:
-    return {"self": reveal.self_shares, "key": reveal.key_shares}
 
 
 class SecureSumRegion:

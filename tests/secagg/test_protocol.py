@@ -11,7 +11,7 @@ import pytest
 
 from fedciuic.secagg import Ring, ring_sum
 from fedciuic.secagg.aggregator import SecureSum, SumWithheld
-from fedciuic.secagg.local import run_secure_sum
+from fedciuic.secagg.lab import run_secure_sum
 from fedciuic.secagg.messages import Masked, Phase, SecAggError, Session, unpack_answer
 from fedciuic.secagg.region import SecureSumRegion
 from tests.secagg.conftest import NAMES
