@@ -910,6 +910,24 @@ class Schedule:
     def buffered(self) -> bool:
         return self.mode == BUFFERED
 
+    @property
+    def staleness_allowed(self) -> int:
+        """Sync rounds take an update only against the current version; buffered mode
+        weighs older ones down, up to max-staleness versions."""
+        return self.max_staleness if self.buffered else 0
+
+    def staleness_refused(self, version: int, staleness: int) -> str:
+        """Why an update computed against global ``version``, ``staleness`` versions
+        old, is refused."""
+        if self.buffered:
+            rule = f"over max-staleness {self.max_staleness}"
+        else:
+            rule = (
+                "a sync round uses an update only against the current global adapter "
+                '(aggregation-mode = "buffered" weighs older ones down)'
+            )
+        return f"computed against global version {version}, {staleness} version(s) old; {rule}"
+
 
 @dataclass(frozen=True)
 class SealSettings:

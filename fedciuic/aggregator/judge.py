@@ -10,7 +10,7 @@ record, and the round goes on with the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from fedciuic.aggregator.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit import digest
-from fedciuic.config import AdapterMode, UpdateRules
+from fedciuic.config import AdapterMode, Schedule, UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
 from fedciuic.stages import Provenance, ReplySealing
@@ -185,9 +185,19 @@ class Judged:
         return replace(self, accepted=None, evaluated=None, reply=reply)
 
 
-#: One judging step inside the boundary: the reply read, its authenticated sender (or
-#: None), and where to note what it finds.
-JudgingStep = Callable[[Reply, str | None, Noted], Judged]
+@dataclass(frozen=True)
+class Training:
+    """What a training reply is judged against: the aggregate it may join
+    (``server_round``, of ``n`` entries), the ``task`` it answers, how stale it is, the
+    ``schedule`` that says how stale it may be, and ``refuse``: why it cannot be used
+    where it arrived ("" when it can)."""
+
+    server_round: int
+    n: int
+    task: Task
+    staleness: int
+    schedule: Schedule
+    refuse: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,10 +221,13 @@ class Judge:
     #: Whether the regions add distributed noise in the secure sum.
     distributed_dp: bool = False
 
-    def guarded(self, item: Arrival, step: JudgingStep, *, signed_round: int) -> Judged:
+    def guarded(
+        self, item: Arrival, *, signed_round: int, training: Training | None = None
+    ) -> Judged:
         """The one boundary per reply: *any* exception while reading, authenticating,
         opening, decoding or validating a reply rejects that reply alone (its type named
-        in the record). ``signed_round``: the round the reply must be signed for."""
+        in the record). ``signed_round``: the round the reply must be signed for;
+        ``training``: what a training reply is judged against (None: an evaluation)."""
         noted = Noted()
         if isinstance(item, NoReply):
             reason = f"{NO_REPLY} ({item.waited or self.timeout:g}s)"
@@ -225,7 +238,9 @@ class Judge:
             sender = self.authenticate(reply, signed_round)
             if sender is not None and reply.witness is not None:  # validated when read
                 noted.witness = (sender, reply.witness)
-            return step(reply, sender, noted)
+            if training is None:
+                return self.evaluation(reply, sender, noted)
+            return self.update(reply, sender, noted, training)
         except Exception as err:  # the boundary: no reply stops the run
             return self.settle(reply, sender, noted, error=err)
 
@@ -269,38 +284,26 @@ class Judge:
             return self.settle(reply, sender, noted)
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
 
-    def update(
-        self,
-        reply: Reply,
-        sender: str | None,
-        noted: Noted,
-        *,
-        server_round: int,
-        n: int,
-        task: Task,
-        staleness: int,
-        max_staleness: int,
-        staleness_rule: str,
-        refuse: str,
-    ) -> Judged:
+    def update(self, reply: Reply, sender: str | None, noted: Noted, training: Training) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
         on anything wrong with it (the boundary turns that into a rejection)."""
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
-        noted.received = received(server_round, task, reply, sender or reply.region)
-        if refuse:  # it arrived where it cannot be used: logged as received, refused
-            raise ImplausibleUpdate(refuse)
-        update, metrics, info, header = self._open(reply, task.round, sender)
+        noted.received = received(
+            training.server_round, training.task, reply, sender or reply.region
+        )
+        if training.refuse:  # it arrived where it cannot be used: logged as received, refused
+            raise ImplausibleUpdate(training.refuse)
+        update, metrics, info, header = self._open(reply, training.task.round, sender)
         if info[ADAPTER_MODE] != self.adapter_mode:
             raise ImplausibleUpdate(
                 f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "
                 f"{self.adapter_mode!r}: its delta is of other tensors; the region must "
                 "train in the run's adapter-mode"
             )
-        if staleness > max_staleness:
+        if training.staleness > training.schedule.staleness_allowed:
             raise ImplausibleUpdate(
-                f"computed against global version {task.version}, {staleness} version(s) "
-                f"old; {staleness_rule}"
+                training.schedule.staleness_refused(training.task.version, training.staleness)
             )
         decision = self.policies.check_update(
             UpdateFacts(
@@ -337,11 +340,11 @@ class Judge:
         checked = check(
             self.rules.codec,
             update,
-            n,
+            training.n,
             metrics.num_examples,
-            self._bounds(max_staleness),
+            self._bounds(training.schedule.staleness_allowed),
             steps=metrics.steps,
-            staleness=staleness,
+            staleness=training.staleness,
         )
         accepted = Accepted(checked, metrics, info, header, upload)
         return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)

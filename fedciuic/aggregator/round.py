@@ -24,7 +24,6 @@ import logging
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from fedciuic.aggregator.aggregation import (
 )
 from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.aggregator.journal import Filing, Journal
-from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, reason_of
+from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, Training, reason_of
 from fedciuic.aggregator.schedule import Availability, Changes, ScheduleError, Tasks
 from fedciuic.aggregator.server_optim import ServerOptimizer
 from fedciuic.compression import layout_of
@@ -115,6 +114,10 @@ class EvalResult:
     num_examples: int = 0
 
 
+#: What the judge and the journal are built from (:meth:`AggregatorRound.use`).
+_BUILT_FROM = frozenset({"run", "sealing", "policies", "audit", "federation_run"})
+
+
 class AggregatorRound:
     """The aggregator's side of each round, over plain :class:`Reply` values."""
 
@@ -159,6 +162,37 @@ class AggregatorRound:
         self.witnessed_counts: dict[str, int] = {}
         # The step on each aggregate (server-optimizer); open_run restores it on resume.
         self.server_optimizer = ServerOptimizer(run.server)
+        self._build()
+
+    def use(self, **parts: Any) -> None:
+        """Replace what this round was built with (``run``, a stage, ``federation_run``)
+        and build its judge and journal again from it: they are built once, not per use."""
+        for name, value in parts.items():
+            if name not in _BUILT_FROM:
+                raise TypeError(f"{name!r} is not one of {sorted(_BUILT_FROM)}")
+            setattr(self, name, value)
+        self._build()
+
+    def _build(self) -> None:
+        secure = self.run.secure
+        #: The per-reply boundary over the run's stages (it reads ``regions_by_node``
+        #: by reference, so it sees each node as it authenticates).
+        self.judge = Judge(
+            self.run.compression,
+            self.run.adapter_mode,
+            self.run.training.steps,
+            self.schedule.round_timeout,
+            self.sealing,
+            self.policies,
+            self.run_id,
+            self.regions_by_node,
+            secure.threshold if secure.enabled else 0,
+            secure.enabled and secure.noise_multiplier > 0,
+        )
+        #: The one writer of metrics.json and the audit log, for this federation run.
+        self.journal = Journal(
+            self.recorder, self.audit, self.federation_run, self.witnessed_counts
+        )
 
     # -- instructions -------------------------------------------------------------
 
@@ -187,27 +221,6 @@ class AggregatorRound:
             recipient=recipient,
         )
         return replace(unsigned, signature=self.sealing.sign_global(self.run_id, unsigned, digest))
-
-    @property
-    def judge(self) -> Judge:
-        """The per-reply boundary over the run's stages as they are now."""
-        return Judge(
-            self.run.compression,
-            self.run.adapter_mode,
-            self.run.training.steps,
-            self.schedule.round_timeout,
-            self.sealing,
-            self.policies,
-            self.run_id,
-            self.regions_by_node,
-            self.run.secure.threshold if self.run.secure.enabled else 0,
-            self.run.secure.enabled and self.run.secure.noise_multiplier > 0,
-        )
-
-    @property
-    def journal(self) -> Journal:
-        """The one writer of metrics.json and the audit log, for this federation run."""
-        return Journal(self.recorder, self.audit, self.federation_run, self.witnessed_counts)
 
     def _file(
         self,
@@ -241,21 +254,6 @@ class AggregatorRound:
         """Who is asked, when, and for how long (the run's schedule section)."""
         return self.run.schedule
 
-    @property
-    def max_staleness(self) -> int:
-        """Sync rounds take an update only against the current version; buffered mode
-        weighs older ones down, up to max-staleness versions."""
-        return self.schedule.max_staleness if self.schedule.buffered else 0
-
-    @property
-    def _staleness_rule(self) -> str:
-        if self.schedule.buffered:
-            return f"over max-staleness {self.schedule.max_staleness}"
-        return (
-            "a sync round uses an update only against the current global adapter "
-            '(aggregation-mode = "buffered" weighs older ones down)'
-        )
-
     def collecting(self) -> Collecting:
         """An empty aggregate to fill with accepted updates (one per round or buffer)."""
         n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
@@ -275,18 +273,8 @@ class AggregatorRound:
         cannot be used where it arrived (the run's last aggregate is out, a secure round
         takes only its own updates); it is logged as received and refused for that."""
         staleness = self.version - task.version
-        judge = self.judge
-        update = partial(
-            judge.update,
-            server_round=server_round,
-            n=into.n,
-            task=task,
-            staleness=staleness,
-            max_staleness=self.max_staleness,
-            staleness_rule=self._staleness_rule,
-            refuse=refuse,
-        )
-        judged = judge.guarded(item, update, signed_round=task.round)
+        training = Training(server_round, into.n, task, staleness, self.schedule, refuse)
+        judged = self.judge.guarded(item, signed_round=task.round, training=training)
         judged = replace(judged, task=task, staleness=staleness)
         judged = self._file(
             server_round, judged, into.labels, self.recorder.record_train, audited=True
@@ -389,9 +377,8 @@ class AggregatorRound:
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
-        judge = self.judge
         for item in arrivals:
-            judged = judge.guarded(item, judge.evaluation, signed_round=server_round)
+            judged = self.judge.guarded(item, signed_round=server_round)
             judged = self._file(
                 server_round, judged, labels, self.recorder.record_eval, audited=False
             )

@@ -405,7 +405,7 @@ def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_
     a, regions = sealed_round
     plain = make_round(a.run, tmp_path / "plain").sign_instruction(1, TaskKind.TRAIN, GLOBAL, "eu")
     assert (plain.signature, plain.signer, plain.witness) == (b"", "", None)
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
+    a.use(audit=AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair))
     a.audit.append("run_start", run_id=7)
     a.audit.checkpoint(run_id=7)
     task = a.sign_instruction(4, TaskKind.TRAIN, GLOBAL, "eu")
@@ -463,7 +463,7 @@ def policed(sealed_round, tmp_path) -> tuple[AggregatorRound, dict[str, Keypair]
     folder = tmp_path / "policies"
     for jurisdiction in ("EU", "CN", "US"):
         write_policy(folder / f"{jurisdiction.lower()}.yaml", jurisdiction)
-    a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
+    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
     return a, regions, folder
 
 
@@ -596,8 +596,10 @@ def test_a_header_naming_another_policy_or_a_forbidden_suite_is_rejected(policed
 def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(aggregator, tmp_path):
     folder = tmp_path / "policies"
     write_policy(folder / "eu.yaml", "EU")
-    aggregator.policies = AggregatorPolicies.load(
-        aggregator.run.model_copy(update={"policies_dir": str(folder)})
+    aggregator.use(
+        policies=AggregatorPolicies.load(
+            aggregator.run.model_copy(update={"policies_dir": str(folder)})
+        ),
     )
     clear = trained("eu", 1.0, 60)
     clear.info["jurisdiction"] = "EU"
@@ -650,7 +652,7 @@ def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
     a, _, folder = policed
     update = from_region(policed, "cn", 3.0)
     (folder / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
-    a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
+    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
     train_round(a, 1, [reply(12, update)])
     entry = a.recorder.data.rounds[1].train["cn"]
     assert entry.status == "rejected"
@@ -695,7 +697,7 @@ def test_the_summary_names_policies_withheld_aggregates_and_refusals(policed):
 
 def test_the_aggregator_logs_each_arrival_decision_and_aggregate(policed, tmp_path):
     a = policed[0]
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
+    a.use(audit=AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair))
     good, bad = from_region(policed, "eu", 1.0), from_region(policed, "cn", 3.0, epsilon=20.0)
     train_round(a, 1, [reply(11, good), reply(12, bad)])
     records = load_records(a.audit.path)
@@ -745,7 +747,7 @@ HOSTILE = {
 @pytest.fixture
 def audited(policed, tmp_path):
     a = policed[0]
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
+    a.use(audit=AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair))
     return policed
 
 
@@ -790,7 +792,7 @@ def test_below_the_minimums_the_round_ends_explicitly_and_the_model_is_untouched
 
 def test_a_clipped_update_is_recorded_with_its_norm(policed):
     a = policed[0]
-    a.run = a.run.model_copy(update={"update_norm_action": "clip", "max_update_norm": 2.0})
+    a.use(run=a.run.model_copy(update={"update_norm_action": "clip", "max_update_norm": 2.0}))
     result = train_round(
         a,
         1,
@@ -876,7 +878,7 @@ def test_regions_that_took_different_step_counts_are_normalised(aggregator):
 def test_the_run_end_is_witnessed_by_the_regions_that_answer(sealed_round, tmp_path):
     a, regions = sealed_round
     assert a.sign_run_end(["eu"]) == {}  # no audit log: nothing to witness
-    a.audit = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair)
+    a.use(audit=AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", a.sealing.keys.keypair))
     a.audit.append("run_end", run_id=7, status="completed")
     a.audit.checkpoint(run_id=7)
     notices = a.sign_run_end(["eu", "cn"])
@@ -915,7 +917,7 @@ def eu_requires_user(audited):
     """The audited round, with the EU policy requiring user-level DP (as shipped)."""
     a, _, folder = audited
     write_policy(folder / "eu.yaml", "EU", privacy__unit="user")
-    a.policies = AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)}))
+    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
     return audited
 
 

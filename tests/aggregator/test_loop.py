@@ -31,7 +31,7 @@ def test_waiting_for_missing_regions_ends_at_the_deadline(run_config, tmp_path):
     regions = Regions(THREE)
     regions.connected = [11]
     loop = looped(run_config, tmp_path, 1, regions, min_regions=2, node_wait_timeout=5.0)
-    loop.aggregator.run = loop.aggregator.run.model_copy(update={"regions": ("eu", "cn", "us")})
+    loop.aggregator.use(run=loop.aggregator.run.model_copy(update={"regions": ("eu", "cn", "us")}))
     with pytest.raises(FederationError, match=r"only 1 of 3 regions connected within 5s"):
         loop.wait_for_regions()
     assert regions.now == pytest.approx(5.0, abs=1.0)
@@ -140,7 +140,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_config, tmp_path
 
     def resume(folder, *, fresh: bool = False) -> np.ndarray:
         resumed = looped(run_config, folder, 3, Regions(), optimizer)
-        resumed.aggregator.federation_run = saved.federation_run
+        resumed.aggregator.use(federation_run=saved.federation_run)
         resumed.aggregator.recorder.data.rounds = saved.rounds
         if not fresh:  # what open_run does with the checkpoint
             restore(resumed.aggregator, saved)
@@ -177,7 +177,7 @@ def test_without_policies_every_decision_accepts_and_none_is_recorded_or_audited
     gate = loop.aggregator.policies
     decision = gate.check_aggregate({"eu": "EU"}, {"eu": 1})
     assert decision.accepted and not decision.enforced and decision.reasons == ()
-    loop.aggregator.audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
+    loop.aggregator.use(audit=AuditLog(tmp_path / "audit.jsonl", "aggregator", None))
     loop.run(GLOBAL, 1)
     assert loop.aggregator.recorder.data.rounds[1].decisions == []
     events = {r["event"] for r in load_records(tmp_path / "audit.jsonl")}

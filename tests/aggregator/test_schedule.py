@@ -134,7 +134,7 @@ def test_buffered_aggregates_wait_for_the_policies_minimum_regions(run_config, t
                 return Decision("aggregator", "aggregate", "accept", (), "")
             return Decision("aggregator", "aggregate", "reject", ("fewer than 3 regions",), "")
 
-    s.aggregator.policies = AtLeastThree()
+    s.aggregator.use(policies=AtLeastThree())
     s.run(GLOBAL, 3)
     for n in (1, 2, 3):
         aggregate = s.aggregator.recorder.data.rounds[n].aggregate
@@ -155,7 +155,7 @@ def test_a_silent_region_is_marked_unavailable_and_rejoins_when_it_answers(run_c
     grid = Regions()
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
     s: Any = looped(run_config, tmp_path, 5, grid, max_missed_rounds=2)
-    s.aggregator.audit = audit
+    s.aggregator.use(audit=audit)
     held: list[tuple[str, tuple[float, int, Any]]] = []
     original = grid.push
 
@@ -261,7 +261,7 @@ def test_an_update_arriving_after_the_last_aggregate_is_logged_and_refused(run_c
     grid.delay = {11: 1, 12: 1, 13: 6}  # us answers only after the last aggregate
     audit = AuditLog(tmp_path / "audit.jsonl", "aggregator", None)
     s = buffered(run_config, tmp_path, grid, rounds=2)
-    s.aggregator.audit = audit
+    s.aggregator.use(audit=audit)
     s.run(GLOBAL, 2)
     us = s.aggregator.recorder.data.rounds[2].train["us"]
     assert us.status == "rejected" and "after the run's last aggregate" in (us.reason or "")
