@@ -10,6 +10,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -82,8 +83,9 @@ class Instruction:
     #: The region it is for (signed): any other refuses it.
     recipient: str = ""
 
-    @property
+    @cached_property
     def terms(self) -> Terms:
+        """What its signature binds (the config's digest computed once)."""
         return Terms(
             self.kind,
             config_digest(self.run_config),
@@ -139,8 +141,9 @@ class RunEndNotice:
     def kind(self) -> TaskKind:
         return TaskKind.RUN_END
 
-    @property
+    @cached_property
     def terms(self) -> Terms:
+        """What its signature binds (the config's digest computed once)."""
         return Terms(
             self.kind,
             config_digest(self.run_config),
