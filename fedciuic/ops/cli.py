@@ -13,7 +13,8 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,13 @@ from fedciuic import __version__
 from fedciuic.config import RunConfig
 from fedciuic.deid import REPLACEMENTS
 from fedciuic.errors import ConfigError, FedciuicError
+from fedciuic.ops.preflight import add_command as add_preflight
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 from fedciuic.ops.simulate import Interrupted, budget_lines, simulate, simulation_budgets
+
+#: `data check`'s --seq-len and --max-record-bytes defaults: the run config's.
+_SEQ_LEN = RunConfig.model_fields["seq_len"].default
+_RECORD_BYTES = RunConfig.model_fields["max_record_bytes"].default
 
 #: `data check` options naming record fields (run config keys), with their defaults.
 DATA_FIELD_OPTIONS: dict[str, str] = {
@@ -83,6 +89,39 @@ exit status:
 """
 
 
+@dataclass(frozen=True)
+class Arg:
+    """One option or positional of a command: ``add_argument``'s arguments, as data."""
+
+    names: tuple[str, ...]
+    options: Mapping[str, Any]
+
+
+def arg(*names: str, **options: Any) -> Arg:
+    """An :class:`Arg`, written as the ``add_argument`` call it stands for."""
+    return Arg(names, options)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A row of :data:`COMMANDS`: ``path`` under ``fedciuic`` (``("keys", "generate")``),
+    its one-line help and example. One without a handler is a command with actions, whose
+    rows follow it. A tuple among ``arguments`` is a mutually exclusive group; ``exits``
+    (exit statuses) follows the example."""
+
+    path: tuple[str, ...]
+    help: str
+    example: str
+    handler: Callable[[argparse.Namespace], int] | None = None
+    description: str | None = None
+    arguments: tuple[Arg | tuple[Arg, ...], ...] = ()
+    exits: str = ""
+
+
+#: A command that its own module adds (``fedciuic preflight``), given :func:`_command`.
+Adder = Callable[[Any, Callable[..., argparse.ArgumentParser]], argparse.ArgumentParser]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -98,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``fedciuic`` parser, made from :data:`COMMANDS` in their order."""
     parser = argparse.ArgumentParser(
         prog="fedciuic",
         description="Federated fine-tuning of DeepSeek models across jurisdictions.",
@@ -105,541 +145,29 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"fedciuic {__version__}")
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
-
-    sim = sub.add_parser(
-        "simulate",
-        help="run the local simulation (one simulated SuperNode per region; lab mode)",
-        description="Start a simulation SuperLink on a free port, `flwr run` the app with one "
-        "SuperNode per region, print the summary and stop every process it started.\n\n"
-        "Lab mode: every party runs in one process tree that you own, and each region's "
-        "round runs in its ClientApp; its guarantees assume that one operator. A "
-        "deployment (fedciuic init) runs each region's round in the region's own agent "
-        "and the ClientApp only relays (docs/cluster.md).",
-        epilog="example:\n  fedciuic simulate --rounds 3 --output-dir runs\n\n" + SIMULATE_EXIT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sim.add_argument(
-        "--app",
-        type=Path,
-        default=Path("."),
-        help="the Flower app folder (with pyproject.toml); default: .",
-    )
-    sim.add_argument("--regions", help="comma-separated regions, e.g. eu,cn,us")
-    sim.add_argument("--rounds", type=int, help="number of server rounds")
-    sim.add_argument(
-        "--data-root",
-        type=Path,
-        help="folder with one sub-folder of data per region (their privacy ledgers, audit "
-        "logs and keys live in DATA_ROOT/<region>/.fedciuic/ and carry on from run to run); "
-        "default: fresh demo corpora for this invocation, under OUTPUT_DIR/.flower/",
-    )
-    sim.add_argument(
-        "--compare-no-dp",
-        action="store_true",
-        help="also run the same federation without DP (a lab baseline, so without "
-        "policies, which require DP) and show the gap",
-    )
-    sim.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("runs"),
-        help="where each run writes run-<id>/ (default: runs)",
-    )
-    sim.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a run-config value (TOML value), repeatable",
-    )
-    sim.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="seconds before the whole run is stopped (default: 1800)",
-    )
-    shown = sim.add_mutually_exclusive_group()
-    shown.add_argument("--quiet", action="store_true", help="print only the summary")
-    shown.add_argument(
-        "--verbose",
-        action="store_true",
-        help="stream Flower's own log instead of the per-round progress",
-    )
-    sim.set_defaults(handler=simulate)
-
-    init = _command(
-        sub,
-        "init",
-        _init,
-        "write a deployment folder: keys, certificates, policies and start scripts per party",
-        "fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh",
-        description="Write DIR with one folder per party (DIR/aggregator, DIR/regions/REGION),\n"
-        "each holding only what that party needs (its private keys stay in it), and the\n"
-        "scripts that start the SuperLink, each SuperNode and the run.\n\n"
-        "`bash DIR/start.sh` runs the whole federation on this machine and stops every\n"
-        "process it started when it ends; DIR/README.md has the commands for one machine\n"
-        "per party. Nothing is written unless every check passes.",
-    )
-    init.add_argument(
-        "directory",
-        type=Path,
-        metavar="DIR",
-        help="the deployment folder to create; must not exist or be empty",
-    )
-    init.add_argument(
-        "--regions",
-        default="eu,cn,us",
-        help="comma-separated regions; a region's jurisdiction is its name upper-cased "
-        "(eu is EU) unless given as NAME=JUR, e.g. paris=EU (default: eu,cn,us)",
-    )
-    init.add_argument(
-        "--aggregator-jurisdiction",
-        default="EU",
-        metavar="JUR",
-        help="where the aggregator (and its SuperLink) sits; written into its key and the "
-        "run config, and every region's policy must allow it (default: EU)",
-    )
-    init.add_argument(
-        "--app",
-        type=Path,
-        default=Path("."),
-        help="the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)",
-    )
-    init.add_argument(
-        "--policies",
-        type=Path,
-        metavar="DIR",
-        help="folder with one policy YAML per jurisdiction; each region gets a copy of its "
-        "own (default: APP/policies)",
-    )
-    init.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the name or address SuperNodes reach the SuperLink at; the SuperLink listens "
-        "there and its TLS certificate names it (default: 127.0.0.1)",
-    )
-    init.add_argument(
-        "--port",
-        type=int,
-        default=9092,
-        help="the SuperLink's port (Fleet, Control and runtime APIs) (default: 9092)",
-    )
-    init.add_argument(
-        "--supernode-port-base",
-        type=int,
-        metavar="PORT",
-        help="each SuperNode's local runtime API port is PORT + i, for the i-th region "
-        "(default: --port + 1)",
-    )
-    init.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no TLS and no SuperNode authentication: for loopback tests only",
-    )
-    init.add_argument(
-        "--relay-user",
-        metavar="USER",
-        help="the OS user each region's relay (Flower's ClientApp, which the aggregator "
-        "ships) runs as, created by start-supernode.sh if missing; it must not be able to "
-        'read the region\'s files (default: fedciuic-relay when run as root; "" otherwise: '
-        "the relay runs as the region's own user, with no OS separation)",
-    )
-    init.add_argument(
-        "--demo-data",
-        action="store_true",
-        help="put the demo corpus in each region's data/ (regions eu, cn, us, sg, in); "
-        "otherwise data/ is empty and says what to put there",
-    )
-
-    demo = _command(
-        sub,
-        "demo-data",
-        _demo_data,
-        "write the deterministic demo corpora, one folder per region",
-        "fedciuic demo-data ./demo-data --regions eu,cn,us",
-    )
-    demo.add_argument("directory", type=Path)
-    demo.add_argument("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)")
-
-    data_sub = _group(
-        sub,
-        "data",
-        "check a region's data as a region reads it",
-        "fedciuic data check ./demo-data/eu",
-    )
-    data_check = _command(
-        data_sub,
-        "check",
-        _data_check,
-        "formats, record shapes, counts, one example with its masked part, and every bad "
-        "row as FILE:LINE: field: message (exit 1 if any)",
-        "fedciuic data check ./data/eu --model-path ./DeepSeek-R1-Distill-Qwen-7B",
-    )
-    data_check.add_argument("data_path", type=Path, metavar="DATA_PATH")
-    data_check.add_argument(
-        "--model-path",
-        default="",
-        help="the checkpoint whose tokenizer and chat template count and render the records "
-        "(default: the tiny preset's tokenizer)",
-    )
-    seq_len = RunConfig.model_fields["seq_len"].default
-    data_check.add_argument(
-        "--seq-len",
-        type=int,
-        default=seq_len,
-        help=f"the seq-len your run trains at (default: {seq_len}, the run config's)",
-    )
-    record_bytes = RunConfig.model_fields["max_record_bytes"].default
-    data_check.add_argument(
-        "--max-record-bytes",
-        type=int,
-        default=record_bytes,
-        help="the largest record the region reads, in bytes; larger ones are dropped unread "
-        f"and counted (default: {record_bytes}, the run config's; a deployed region's "
-        "agent.toml has its own)",
-    )
-    for option, default in DATA_FIELD_OPTIONS.items():
-        data_check.add_argument(f"--{option}", default=default, help=f"default: {default}")
-    data_check.add_argument(
-        "--no-deidentify",
-        action="store_true",
-        help="check the data as a run with deidentify = false reads it (nothing scrubbed)",
-    )
-    for option, default, what in DEID_OPTIONS:
-        data_check.add_argument(
-            f"--{option}",
-            default=default,
-            choices=REPLACEMENTS if option == "deid-replacement" else None,
-            help=f"{what} (default: {default!r})",
+    where: dict[tuple[str, ...], Any] = {
+        (): parser.add_subparsers(required=True, metavar="COMMAND")
+    }
+    for entry in COMMANDS:
+        if not isinstance(entry, Command):
+            entry(where[()], _command)  # a module's own command
+            continue
+        *parent, name = entry.path
+        if entry.handler is None:
+            where[entry.path] = _group(where[tuple(parent)], name, entry.help, entry.example)
+            continue
+        command = _command(
+            where[tuple(parent)], name, entry.handler, entry.help, entry.example, entry.description
         )
-
-    budget = _command(
-        sub,
-        "budget",
-        _budget,
-        "what each region's dataset has spent of its lifetime epsilon budget, and whether "
-        "a run's target still fits",
-        "fedciuic budget regions/eu/agent.toml regions/cn/agent.toml",
-        description="Read each dataset's privacy ledger (changing nothing) and print its "
-        "cumulative epsilon against its lifetime budget. A deployed region: give its agent "
-        "config (the budget is the agent's epsilon-budget). Simulation datasets: give "
-        "--data-root (the budget is the run config's epsilon-budget). Exit 1 when the "
-        "run (its target-epsilon, rounds and local steps; the sample rate of the dataset's "
-        "last release) would take a region past its budget.",
-    )
-    budget.add_argument(
-        "agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"
-    )
-    budget.add_argument(
-        "--data-root", type=Path, help="a simulation's --data-root (one folder per region)"
-    )
-    budget.add_argument("--regions", help="with --data-root: comma-separated (default: app's)")
-    budget.add_argument(
-        "--app", type=Path, default=Path("."), help="the app whose run config to read; default: ."
-    )
-    budget.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), as "
-        "given to simulate or start.sh; repeatable",
-    )
-
-    def _ledger_rebuild(args: argparse.Namespace) -> int:
-        from fedciuic.privacy import rebuild_ledger_command
-
-        return rebuild_ledger_command(args.state_path, args.aggregator_log)
-
-    ledger_sub = _group(
-        sub,
-        "ledger",
-        "repair a region's privacy ledger",
-        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
-    )
-    rebuild = _command(
-        ledger_sub,
-        "rebuild",
-        _ledger_rebuild,
-        "rebuild a rolled-back privacy ledger from every witness of it, keeping every release",
-        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
-        description="Rebuild STATE/privacy-ledger.jsonl from the union of every witness of it: "
-        "the current file, the copies earlier rebuilds kept aside "
-        "(STATE/privacy-ledger.jsonl.rolled-back-*), the ledger lines the region's audit log "
-        "(STATE/audit.jsonl) witnessed and, with --aggregator-log, the epsilon the aggregator "
-        "recorded. Prints what each source shows and where each release came from. Refuses, "
-        "changing nothing, when two sources hold different releases at one position (two "
-        "ledgers for one dataset), a release is in none of them, or the result would show "
-        "less epsilon than a source. The replaced file is kept next to it as evidence "
-        "(docs/privacy.md).",
-    )
-    rebuild.add_argument("--state-path", type=Path, required=True, metavar="STATE")
-    rebuild.add_argument(
-        "--aggregator-log",
-        type=Path,
-        metavar="FILE",
-        help="the aggregator's aggregator.audit.jsonl: its accepted updates' epsilon for this "
-        "region is a floor the rebuilt ledger must reach (it holds no ledger lines)",
-    )
-
-    from fedciuic.ops.preflight import add_command as add_preflight
-
-    add_preflight(sub, _command)
-
-    ckpt = _command(
-        sub,
-        "save-checkpoint",
-        _save_checkpoint,
-        "save a preset's base model and tokenizer as a checkpoint (for model-path)",
-        "fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
-        "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
-    )
-    ckpt.add_argument("directory", type=Path)
-    ckpt.add_argument("--preset", default="tiny")
-    ckpt.add_argument("--seed", type=int, default=0)
-
-    keys_sub = _group(
-        sub,
-        "keys",
-        "generate and show party keys (X-Wing + signatures)",
-        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
-    )
-    gen = _command(
-        keys_sub,
-        "generate",
-        _keys_generate,
-        "write PARTY.key.json (mode 0600) and PARTY.pub.json",
-        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
-        description="Generate a party's X-Wing decapsulation key and signing key. The private "
-        "file is created with mode 0600 and never overwritten; give the public bundle "
-        "(PARTY.pub.json) to the other parties.",
-    )
-    gen.add_argument("--party", required=True, help="aggregator, or the region's name (eu, cn...)")
-    gen.add_argument("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN")
-    gen.add_argument("--out", type=Path, required=True, help="folder for the two files")
-    gen.add_argument(
-        "--signature",
-        choices=["ed25519", "ed25519+mldsa65"],
-        default="ed25519",
-        help="Ed25519, or a hybrid Ed25519 + ML-DSA-65 signature (default: ed25519)",
-    )
-    show = _command(
-        keys_sub,
-        "show",
-        _keys_show,
-        "print a public bundle (or the bundle of a private key file)",
-        "fedciuic keys show keys/eu.pub.json",
-    )
-    show.add_argument("file", type=Path)
-
-    policy_sub = _group(
-        sub,
-        "policy",
-        "check, explain and compare jurisdiction policies",
-        "fedciuic policy check policies/*.yaml",
-    )
-    check = _command(
-        policy_sub,
-        "check",
-        _policy_check,
-        "validate policy files (exit 1 if any is invalid)",
-        "fedciuic policy check policies/*.yaml",
-    )
-    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
-    explain = _command(
-        policy_sub,
-        "explain",
-        _policy_explain,
-        "what a policy allows, in plain language",
-        "fedciuic policy explain policies/cn-pipl.yaml",
-    )
-    explain.add_argument("file", type=Path, metavar="FILE")
-    diff = _command(
-        policy_sub,
-        "diff",
-        _policy_diff,
-        "every rule that differs between two policies (exit 1 if any)",
-        "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
-    )
-    diff.add_argument("a", type=Path, metavar="A")
-    diff.add_argument("b", type=Path, metavar="B")
-
-    tls_sub = _group(
-        sub,
-        "tls",
-        "certificates for a TLS SuperLink, SuperNode auth keys",
-        "fedciuic tls generate --out certs/ --host 127.0.0.1",
-    )
-    server = _command(
-        tls_sub,
-        "generate",
-        _tls_generate,
-        "write a CA (ca.pem, ca.key) and the SuperLink's certificate and key",
-        "fedciuic tls generate --out certs/ --host superlink.example.org --host 10.0.0.5",
-    )
-    server.add_argument("--out", type=Path, required=True, help="folder for the files")
-    server.add_argument(
-        "--host",
-        action="append",
-        required=True,
-        help="a name or address the SuperLink is reached at (repeatable)",
-    )
-    server.add_argument("--days", type=int, default=365, help="validity (default: 365)")
-    node_key = _command(
-        tls_sub,
-        "supernode-key",
-        _tls_supernode_key,
-        "write a SuperNode's authentication key pair (register the .pub with flwr)",
-        "fedciuic tls supernode-key --name eu --out auth/\n"
-        "  flwr supernode register auth/eu.auth.pub",
-    )
-    node_key.add_argument("--name", required=True, help="the SuperNode's region, e.g. eu")
-    node_key.add_argument("--out", type=Path, required=True, help="folder for the two files")
-
-    audit_sub = _group(
-        sub,
-        "audit",
-        "verify, read and report on tamper-evident audit logs",
-        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
-    )
-    verify = _command(
-        audit_sub,
-        "verify",
-        _audit_verify,
-        "check a log's hash chain and signed checkpoints (exit 1 unless OK)",
-        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
-        "Check every record's hash and chain and every checkpoint's signature; print OK or "
-        "the first bad record. Exit status: 0 OK; 1 the log fails (a bad record, a torn "
-        "tail, or records after the last checkpoint); 2 an error (the log or the key "
-        "cannot be read).",
-    )
-    verify.add_argument("log", type=Path, metavar="LOG")
-    verify.add_argument("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json")
-    show = _command(
-        audit_sub,
-        "show",
-        _audit_show,
-        "print a log's records, filtered",
-        "fedciuic audit show runs/audit/aggregator.audit.jsonl --region cn --round 2",
-    )
-    show.add_argument("log", type=Path, metavar="LOG")
-    show.add_argument("--region", help="records by or about this region")
-    show.add_argument("--round", type=int, help="records of this round")
-    show.add_argument("--event", help="records of this event type, e.g. update_rejected")
-    show.add_argument("--run", type=int, help="records of this run id")
-    report = _command(
-        audit_sub,
-        "report",
-        _audit_report,
-        "write a run's compliance report (Markdown and HTML) from the logs",
-        "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
-        "--keys keys/ --out reports/",
-        "Verify each log (with --keys), cross-check them (transfers, run config, witnessed "
-        "checkpoints, and every prune against the policy its party declared) and write the "
-        "run's compliance report. Exit status: 0 the logs agree and every log verified (or, "
-        "without --keys, none was checked); 1 a log fails verification; 2 an error (a log or "
-        "key unreadable, no such run); 3 the logs disagree (records inside a party's "
-        "declared retention gone among them).",
-    )
-    report.add_argument("logs", type=Path, nargs="+", metavar="LOG")
-    report.add_argument("--keys", type=Path, help="folder of PARTY.pub.json to verify each log")
-    report.add_argument("--run", type=int, help="run id (default: the aggregator's last run)")
-    report.add_argument("--out", type=Path, default=Path("."), help="folder for the report")
-    prune = _command(
-        audit_sub,
-        "prune",
-        _audit_prune,
-        "remove a log's records past its policy's retention (signed: the log still verifies)",
-        "fedciuic audit prune eu/state/audit.jsonl --key eu/keys/eu.key.json "
-        "--policy eu/eu-gdpr.yaml",
-        "Remove the records older than the policy's audit.retention_days from the log's "
-        "start (a run with a later record is kept whole), after an audit_pruned record and "
-        "a checkpoint signed with the party's key: `fedciuic audit verify` still accepts the "
-        "log, and refuses one cut without them. The policy must be the party's own "
-        "jurisdiction's and the one its log declared to the other parties (an edited copy "
-        "is refused); records another declared policy still keeps are kept. A region's "
-        "agent and the aggregator do this when they start.",
-    )
-    prune.add_argument("log", type=Path, metavar="LOG")
-    prune.add_argument("--key", type=Path, required=True, help="the party's PARTY.key.json")
-    prune.add_argument(
-        "--policy", type=Path, required=True, help="the party's own policy, as it declared it"
-    )
-    prune.add_argument(
-        "--dry-run", action="store_true", help="say what would be removed, change nothing"
-    )
-
-    page = _command(
-        sub,
-        "report",
-        _report,
-        "write a run's HTML report with plots (loss, epsilon, bytes, decisions)",
-        "fedciuic report runs/run-1234567890\n"
-        "  fedciuic report runs/run-1234567890 --keys keys/ "
-        "--audit-log audit/aggregator.audit.jsonl",
-        description="Write RUN_DIR/report.html: one self-contained page (plots embedded) "
-        "with each region's eval loss per round, epsilon against its budget, bytes "
-        "uploaded per round and every decision of the run (accepted, declined, rejected, "
-        "withheld, with reasons) from the audit logs, then the compliance record. The "
-        "plots are also written to RUN_DIR/report/*.png with their numbers in series.json. "
-        "A run that did not end (running, interrupted, failed) is reported from what its "
-        "logs hold, with records no signature covers yet listed as unverified.",
-    )
-    page.epilog = f"{page.epilog}\n\n{REPORT_EXIT}"
-    page.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)")
-    page.add_argument(
-        "--audit-log",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="LOG",
-        help="an audit log to read (repeatable); default: the aggregator's log named in "
-        "metrics.json and, for a simulation, each region's log under data-root",
-    )
-    page.add_argument(
-        "--keys",
-        type=Path,
-        help="folder of PARTY.pub.json to verify the logs; default: the run's keys-dir",
-    )
-    page.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)")
-
-    agent = _command(
-        sub,
-        "agent",
-        _agent,
-        "a region's agent: the one process that holds its data, keys, ledger and policy, "
-        "trains, seals and signs; Flower's ClientApp only relays to it",
-        "fedciuic agent --config regions/eu/agent.toml",
-        description="Serve the region described by --config (a TOML file: region, data-path, "
-        "state-path, key-file, aggregator-bundle, policy, socket, relay-user, ...) on its "
-        "Unix socket until SIGTERM or SIGINT, or until the process that started it exits. "
-        "It acts only on instructions the aggregator signed, each once, under the region's "
-        "own policy and ledger; it refuses to start while the relay's OS user can read the "
-        "region's files (docs/cluster.md).",
-    )
-    agent.add_argument("--config", type=Path, required=True, metavar="FILE")
-    agent.add_argument(
-        "--ping",
-        action="store_true",
-        help="do not serve: exit 0 once the agent answers on its socket (up to --timeout)",
-    )
-    agent.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"
-    )
-    agent.add_argument(
-        "--pid",
-        type=int,
-        default=0,
-        help="with --ping: exit 0 only if the agent that answers is this process "
-        "(a start script checks that its own agent started)",
-    )
-    agent.add_argument(
-        "--keep-running",
-        action="store_true",
-        help="keep serving after the process that started it exits (under a service "
-        "manager); by default the agent stops with its launcher",
-    )
+        if entry.exits:
+            command.epilog = f"{command.epilog}\n\n{entry.exits}"
+        for argument in entry.arguments:
+            if isinstance(argument, Arg):
+                command.add_argument(*argument.names, **argument.options)
+                continue
+            exclusive = command.add_mutually_exclusive_group()
+            for one in argument:
+                exclusive.add_argument(*one.names, **one.options)
     return parser
 
 
@@ -718,8 +246,7 @@ def _data_check(args: argparse.Namespace) -> int:
         raise ConfigError(
             [
                 f"--max-record-bytes: {args.max_record_bytes} is not a size from 1 to "
-                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is "
-                f"{RunConfig.model_fields['max_record_bytes'].default}"
+                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is {_RECORD_BYTES}"
             ]
         )
     spec = ModelSpec(path=args.model_path) if args.model_path else ModelSpec()
@@ -776,6 +303,12 @@ def _budget(args: argparse.Namespace) -> int:
     fits, lines = budget_lines(found, run, target)
     print("\n".join(lines))
     return 0 if fits else 1
+
+
+def _ledger_rebuild(args: argparse.Namespace) -> int:
+    from fedciuic.privacy import rebuild_ledger_command
+
+    return rebuild_ledger_command(args.state_path, args.aggregator_log)
 
 
 def _save_checkpoint(args: argparse.Namespace) -> int:
@@ -948,6 +481,536 @@ def _report(args: argparse.Namespace) -> int:
     for disagreement in report.disagreements:
         print(f"audit: the logs DISAGREE: {disagreement}", file=sys.stderr)
     return report.exit_code
+
+
+#: Every command of ``fedciuic``, in the order ``--help`` lists them.
+COMMANDS: tuple[Command | Adder, ...] = (
+    Command(
+        ("simulate",),
+        "run the local simulation (one simulated SuperNode per region; lab mode)",
+        "fedciuic simulate --rounds 3 --output-dir runs",
+        simulate,
+        exits=SIMULATE_EXIT,
+        description="Start a simulation SuperLink on a free port, `flwr run` the app with one "
+        "SuperNode per region, print the summary and stop every process it started.\n\n"
+        "Lab mode: every party runs in one process tree that you own, and each region's "
+        "round runs in its ClientApp; its guarantees assume that one operator. A "
+        "deployment (fedciuic init) runs each region's round in the region's own agent "
+        "and the ClientApp only relays (docs/cluster.md).",
+        arguments=(
+            arg(
+                "--app",
+                type=Path,
+                default=Path("."),
+                help="the Flower app folder (with pyproject.toml); default: .",
+            ),
+            arg("--regions", help="comma-separated regions, e.g. eu,cn,us"),
+            arg("--rounds", type=int, help="number of server rounds"),
+            arg(
+                "--data-root",
+                type=Path,
+                help="folder with one sub-folder of data per region (their privacy ledgers, audit "
+                "logs and keys live in DATA_ROOT/<region>/.fedciuic/ and carry on from run to "
+                "run); default: fresh demo corpora for this invocation, under OUTPUT_DIR/.flower/",
+            ),
+            arg(
+                "--compare-no-dp",
+                action="store_true",
+                help="also run the same federation without DP (a lab baseline, so without "
+                "policies, which require DP) and show the gap",
+            ),
+            arg(
+                "--output-dir",
+                type=Path,
+                default=Path("runs"),
+                help="where each run writes run-<id>/ (default: runs)",
+            ),
+            arg(
+                "--run-config",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="override a run-config value (TOML value), repeatable",
+            ),
+            arg(
+                "--timeout",
+                type=float,
+                default=1800.0,
+                help="seconds before the whole run is stopped (default: 1800)",
+            ),
+            (
+                arg("--quiet", action="store_true", help="print only the summary"),
+                arg(
+                    "--verbose",
+                    action="store_true",
+                    help="stream Flower's own log instead of the per-round progress",
+                ),
+            ),
+        ),
+    ),
+    Command(
+        ("init",),
+        "write a deployment folder: keys, certificates, policies and start scripts per party",
+        "fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh",
+        _init,
+        description="Write DIR with one folder per party (DIR/aggregator, DIR/regions/REGION),\n"
+        "each holding only what that party needs (its private keys stay in it), and the\n"
+        "scripts that start the SuperLink, each SuperNode and the run.\n\n"
+        "`bash DIR/start.sh` runs the whole federation on this machine and stops every\n"
+        "process it started when it ends; DIR/README.md has the commands for one machine\n"
+        "per party. Nothing is written unless every check passes.",
+        arguments=(
+            arg(
+                "directory",
+                type=Path,
+                metavar="DIR",
+                help="the deployment folder to create; must not exist or be empty",
+            ),
+            arg(
+                "--regions",
+                default="eu,cn,us",
+                help="comma-separated regions; a region's jurisdiction is its name upper-cased "
+                "(eu is EU) unless given as NAME=JUR, e.g. paris=EU (default: eu,cn,us)",
+            ),
+            arg(
+                "--aggregator-jurisdiction",
+                default="EU",
+                metavar="JUR",
+                help="where the aggregator (and its SuperLink) sits; written into its key and the "
+                "run config, and every region's policy must allow it (default: EU)",
+            ),
+            arg(
+                "--app",
+                type=Path,
+                default=Path("."),
+                help="the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)",
+            ),
+            arg(
+                "--policies",
+                type=Path,
+                metavar="DIR",
+                help="folder with one policy YAML per jurisdiction; each region gets a copy of its "
+                "own (default: APP/policies)",
+            ),
+            arg(
+                "--host",
+                default="127.0.0.1",
+                help="the name or address SuperNodes reach the SuperLink at; the SuperLink listens "
+                "there and its TLS certificate names it (default: 127.0.0.1)",
+            ),
+            arg(
+                "--port",
+                type=int,
+                default=9092,
+                help="the SuperLink's port (Fleet, Control and runtime APIs) (default: 9092)",
+            ),
+            arg(
+                "--supernode-port-base",
+                type=int,
+                metavar="PORT",
+                help="each SuperNode's local runtime API port is PORT + i, for the i-th region "
+                "(default: --port + 1)",
+            ),
+            arg(
+                "--insecure",
+                action="store_true",
+                help="no TLS and no SuperNode authentication: for loopback tests only",
+            ),
+            arg(
+                "--relay-user",
+                metavar="USER",
+                help="the OS user each region's relay (Flower's ClientApp, which the aggregator "
+                "ships) runs as, created by start-supernode.sh if missing; it must not be able to "
+                'read the region\'s files (default: fedciuic-relay when run as root; "" otherwise: '
+                "the relay runs as the region's own user, with no OS separation)",
+            ),
+            arg(
+                "--demo-data",
+                action="store_true",
+                help="put the demo corpus in each region's data/ (regions eu, cn, us, sg, in); "
+                "otherwise data/ is empty and says what to put there",
+            ),
+        ),
+    ),
+    Command(
+        ("demo-data",),
+        "write the deterministic demo corpora, one folder per region",
+        "fedciuic demo-data ./demo-data --regions eu,cn,us",
+        _demo_data,
+        arguments=(
+            arg("directory", type=Path),
+            arg("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)"),
+        ),
+    ),
+    Command(
+        ("data",),
+        "check a region's data as a region reads it",
+        "fedciuic data check ./demo-data/eu",
+    ),
+    Command(
+        ("data", "check"),
+        "formats, record shapes, counts, one example with its masked part, and every bad "
+        "row as FILE:LINE: field: message (exit 1 if any)",
+        "fedciuic data check ./data/eu --model-path ./DeepSeek-R1-Distill-Qwen-7B",
+        _data_check,
+        arguments=(
+            arg("data_path", type=Path, metavar="DATA_PATH"),
+            arg(
+                "--model-path",
+                default="",
+                help="the checkpoint whose tokenizer and chat template count and render the "
+                "records (default: the tiny preset's tokenizer)",
+            ),
+            arg(
+                "--seq-len",
+                type=int,
+                default=_SEQ_LEN,
+                help=f"the seq-len your run trains at (default: {_SEQ_LEN}, the run config's)",
+            ),
+            arg(
+                "--max-record-bytes",
+                type=int,
+                default=_RECORD_BYTES,
+                help="the largest record the region reads, in bytes; larger ones are dropped "
+                f"unread and counted (default: {_RECORD_BYTES}, the run config's; a deployed "
+                "region's agent.toml has its own)",
+            ),
+            *(
+                arg(f"--{option}", default=default, help=f"default: {default}")
+                for option, default in DATA_FIELD_OPTIONS.items()
+            ),
+            arg(
+                "--no-deidentify",
+                action="store_true",
+                help="check the data as a run with deidentify = false reads it (nothing scrubbed)",
+            ),
+            *(
+                arg(
+                    f"--{option}",
+                    default=default,
+                    choices=REPLACEMENTS if option == "deid-replacement" else None,
+                    help=f"{what} (default: {default!r})",
+                )
+                for option, default, what in DEID_OPTIONS
+            ),
+        ),
+    ),
+    Command(
+        ("budget",),
+        "what each region's dataset has spent of its lifetime epsilon budget, and whether "
+        "a run's target still fits",
+        "fedciuic budget regions/eu/agent.toml regions/cn/agent.toml",
+        _budget,
+        description="Read each dataset's privacy ledger (changing nothing) and print its "
+        "cumulative epsilon against its lifetime budget. A deployed region: give its agent "
+        "config (the budget is the agent's epsilon-budget). Simulation datasets: give "
+        "--data-root (the budget is the run config's epsilon-budget). Exit 1 when the "
+        "run (its target-epsilon, rounds and local steps; the sample rate of the dataset's "
+        "last release) would take a region past its budget.",
+        arguments=(
+            arg("agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"),
+            arg(
+                "--data-root", type=Path, help="a simulation's --data-root (one folder per region)"
+            ),
+            arg("--regions", help="with --data-root: comma-separated (default: app's)"),
+            arg(
+                "--app",
+                type=Path,
+                default=Path("."),
+                help="the app whose run config to read; default: .",
+            ),
+            arg(
+                "--run-config",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), "
+                "as given to simulate or start.sh; repeatable",
+            ),
+        ),
+    ),
+    Command(
+        ("ledger",),
+        "repair a region's privacy ledger",
+        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
+    ),
+    Command(
+        ("ledger", "rebuild"),
+        "rebuild a rolled-back privacy ledger from every witness of it, keeping every release",
+        "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
+        _ledger_rebuild,
+        description="Rebuild STATE/privacy-ledger.jsonl from the union of every witness of it: "
+        "the current file, the copies earlier rebuilds kept aside "
+        "(STATE/privacy-ledger.jsonl.rolled-back-*), the ledger lines the region's audit log "
+        "(STATE/audit.jsonl) witnessed and, with --aggregator-log, the epsilon the aggregator "
+        "recorded. Prints what each source shows and where each release came from. Refuses, "
+        "changing nothing, when two sources hold different releases at one position (two "
+        "ledgers for one dataset), a release is in none of them, or the result would show "
+        "less epsilon than a source. The replaced file is kept next to it as evidence "
+        "(docs/privacy.md).",
+        arguments=(
+            arg("--state-path", type=Path, required=True, metavar="STATE"),
+            arg(
+                "--aggregator-log",
+                type=Path,
+                metavar="FILE",
+                help="the aggregator's aggregator.audit.jsonl: its accepted updates' epsilon for "
+                "this region is a floor the rebuilt ledger must reach (it holds no ledger lines)",
+            ),
+        ),
+    ),
+    add_preflight,
+    Command(
+        ("save-checkpoint",),
+        "save a preset's base model and tokenizer as a checkpoint (for model-path)",
+        "fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
+        "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
+        _save_checkpoint,
+        arguments=(
+            arg("directory", type=Path),
+            arg("--preset", default="tiny"),
+            arg("--seed", type=int, default=0),
+        ),
+    ),
+    Command(
+        ("keys",),
+        "generate and show party keys (X-Wing + signatures)",
+        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
+    ),
+    Command(
+        ("keys", "generate"),
+        "write PARTY.key.json (mode 0600) and PARTY.pub.json",
+        "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
+        _keys_generate,
+        description="Generate a party's X-Wing decapsulation key and signing key. The private "
+        "file is created with mode 0600 and never overwritten; give the public bundle "
+        "(PARTY.pub.json) to the other parties.",
+        arguments=(
+            arg("--party", required=True, help="aggregator, or the region's name (eu, cn...)"),
+            arg("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN"),
+            arg("--out", type=Path, required=True, help="folder for the two files"),
+            arg(
+                "--signature",
+                choices=["ed25519", "ed25519+mldsa65"],
+                default="ed25519",
+                help="Ed25519, or a hybrid Ed25519 + ML-DSA-65 signature (default: ed25519)",
+            ),
+        ),
+    ),
+    Command(
+        ("keys", "show"),
+        "print a public bundle (or the bundle of a private key file)",
+        "fedciuic keys show keys/eu.pub.json",
+        _keys_show,
+        arguments=(arg("file", type=Path),),
+    ),
+    Command(
+        ("policy",),
+        "check, explain and compare jurisdiction policies",
+        "fedciuic policy check policies/*.yaml",
+    ),
+    Command(
+        ("policy", "check"),
+        "validate policy files (exit 1 if any is invalid)",
+        "fedciuic policy check policies/*.yaml",
+        _policy_check,
+        arguments=(arg("files", type=Path, nargs="+", metavar="FILE"),),
+    ),
+    Command(
+        ("policy", "explain"),
+        "what a policy allows, in plain language",
+        "fedciuic policy explain policies/cn-pipl.yaml",
+        _policy_explain,
+        arguments=(arg("file", type=Path, metavar="FILE"),),
+    ),
+    Command(
+        ("policy", "diff"),
+        "every rule that differs between two policies (exit 1 if any)",
+        "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
+        _policy_diff,
+        arguments=(
+            arg("a", type=Path, metavar="A"),
+            arg("b", type=Path, metavar="B"),
+        ),
+    ),
+    Command(
+        ("tls",),
+        "certificates for a TLS SuperLink, SuperNode auth keys",
+        "fedciuic tls generate --out certs/ --host 127.0.0.1",
+    ),
+    Command(
+        ("tls", "generate"),
+        "write a CA (ca.pem, ca.key) and the SuperLink's certificate and key",
+        "fedciuic tls generate --out certs/ --host superlink.example.org --host 10.0.0.5",
+        _tls_generate,
+        arguments=(
+            arg("--out", type=Path, required=True, help="folder for the files"),
+            arg(
+                "--host",
+                action="append",
+                required=True,
+                help="a name or address the SuperLink is reached at (repeatable)",
+            ),
+            arg("--days", type=int, default=365, help="validity (default: 365)"),
+        ),
+    ),
+    Command(
+        ("tls", "supernode-key"),
+        "write a SuperNode's authentication key pair (register the .pub with flwr)",
+        "fedciuic tls supernode-key --name eu --out auth/\n"
+        "  flwr supernode register auth/eu.auth.pub",
+        _tls_supernode_key,
+        arguments=(
+            arg("--name", required=True, help="the SuperNode's region, e.g. eu"),
+            arg("--out", type=Path, required=True, help="folder for the two files"),
+        ),
+    ),
+    Command(
+        ("audit",),
+        "verify, read and report on tamper-evident audit logs",
+        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
+    ),
+    Command(
+        ("audit", "verify"),
+        "check a log's hash chain and signed checkpoints (exit 1 unless OK)",
+        "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
+        _audit_verify,
+        description="Check every record's hash and chain and every checkpoint's signature; print "
+        "OK or the first bad record. Exit status: 0 OK; 1 the log fails (a bad record, a torn "
+        "tail, or records after the last checkpoint); 2 an error (the log or the key "
+        "cannot be read).",
+        arguments=(
+            arg("log", type=Path, metavar="LOG"),
+            arg("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json"),
+        ),
+    ),
+    Command(
+        ("audit", "show"),
+        "print a log's records, filtered",
+        "fedciuic audit show runs/audit/aggregator.audit.jsonl --region cn --round 2",
+        _audit_show,
+        arguments=(
+            arg("log", type=Path, metavar="LOG"),
+            arg("--region", help="records by or about this region"),
+            arg("--round", type=int, help="records of this round"),
+            arg("--event", help="records of this event type, e.g. update_rejected"),
+            arg("--run", type=int, help="records of this run id"),
+        ),
+    ),
+    Command(
+        ("audit", "report"),
+        "write a run's compliance report (Markdown and HTML) from the logs",
+        "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
+        "--keys keys/ --out reports/",
+        _audit_report,
+        description="Verify each log (with --keys), cross-check them (transfers, run config, "
+        "witnessed checkpoints, and every prune against the policy its party declared) and write "
+        "the run's compliance report. Exit status: 0 the logs agree and every log verified (or, "
+        "without --keys, none was checked); 1 a log fails verification; 2 an error (a log or "
+        "key unreadable, no such run); 3 the logs disagree (records inside a party's "
+        "declared retention gone among them).",
+        arguments=(
+            arg("logs", type=Path, nargs="+", metavar="LOG"),
+            arg("--keys", type=Path, help="folder of PARTY.pub.json to verify each log"),
+            arg("--run", type=int, help="run id (default: the aggregator's last run)"),
+            arg("--out", type=Path, default=Path("."), help="folder for the report"),
+        ),
+    ),
+    Command(
+        ("audit", "prune"),
+        "remove a log's records past its policy's retention (signed: the log still verifies)",
+        "fedciuic audit prune eu/state/audit.jsonl --key eu/keys/eu.key.json "
+        "--policy eu/eu-gdpr.yaml",
+        _audit_prune,
+        description="Remove the records older than the policy's audit.retention_days from the "
+        "log's start (a run with a later record is kept whole), after an audit_pruned record and "
+        "a checkpoint signed with the party's key: `fedciuic audit verify` still accepts the "
+        "log, and refuses one cut without them. The policy must be the party's own "
+        "jurisdiction's and the one its log declared to the other parties (an edited copy "
+        "is refused); records another declared policy still keeps are kept. A region's "
+        "agent and the aggregator do this when they start.",
+        arguments=(
+            arg("log", type=Path, metavar="LOG"),
+            arg("--key", type=Path, required=True, help="the party's PARTY.key.json"),
+            arg(
+                "--policy",
+                type=Path,
+                required=True,
+                help="the party's own policy, as it declared it",
+            ),
+            arg("--dry-run", action="store_true", help="say what would be removed, change nothing"),
+        ),
+    ),
+    Command(
+        ("report",),
+        "write a run's HTML report with plots (loss, epsilon, bytes, decisions)",
+        "fedciuic report runs/run-1234567890\n"
+        "  fedciuic report runs/run-1234567890 --keys keys/ "
+        "--audit-log audit/aggregator.audit.jsonl",
+        _report,
+        exits=REPORT_EXIT,
+        description="Write RUN_DIR/report.html: one self-contained page (plots embedded) "
+        "with each region's eval loss per round, epsilon against its budget, bytes "
+        "uploaded per round and every decision of the run (accepted, declined, rejected, "
+        "withheld, with reasons) from the audit logs, then the compliance record. The "
+        "plots are also written to RUN_DIR/report/*.png with their numbers in series.json. "
+        "A run that did not end (running, interrupted, failed) is reported from what its "
+        "logs hold, with records no signature covers yet listed as unverified.",
+        arguments=(
+            arg("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)"),
+            arg(
+                "--audit-log",
+                type=Path,
+                action="append",
+                default=[],
+                metavar="LOG",
+                help="an audit log to read (repeatable); default: the aggregator's log named in "
+                "metrics.json and, for a simulation, each region's log under data-root",
+            ),
+            arg(
+                "--keys",
+                type=Path,
+                help="folder of PARTY.pub.json to verify the logs; default: the run's keys-dir",
+            ),
+            arg("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)"),
+        ),
+    ),
+    Command(
+        ("agent",),
+        "a region's agent: the one process that holds its data, keys, ledger and policy, "
+        "trains, seals and signs; Flower's ClientApp only relays to it",
+        "fedciuic agent --config regions/eu/agent.toml",
+        _agent,
+        description="Serve the region described by --config (a TOML file: region, data-path, "
+        "state-path, key-file, aggregator-bundle, policy, socket, relay-user, ...) on its "
+        "Unix socket until SIGTERM or SIGINT, or until the process that started it exits. "
+        "It acts only on instructions the aggregator signed, each once, under the region's "
+        "own policy and ledger; it refuses to start while the relay's OS user can read the "
+        "region's files (docs/cluster.md).",
+        arguments=(
+            arg("--config", type=Path, required=True, metavar="FILE"),
+            arg(
+                "--ping",
+                action="store_true",
+                help="do not serve: exit 0 once the agent answers on its socket (up to --timeout)",
+            ),
+            arg("--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"),
+            arg(
+                "--pid",
+                type=int,
+                default=0,
+                help="with --ping: exit 0 only if the agent that answers is this process "
+                "(a start script checks that its own agent started)",
+            ),
+            arg(
+                "--keep-running",
+                action="store_true",
+                help="keep serving after the process that started it exits (under a service "
+                "manager); by default the agent stops with its launcher",
+            ),
+        ),
+    ),
+)
 
 
 if __name__ == "__main__":
