@@ -1,7 +1,8 @@
 """A region's side of the round, without Flower: ``round`` (the region's whole round:
-an instruction in, checks, keys, policy, training, sealing, its audit trail, and a typed
-outcome out), ``trainer`` (the model, data and DP part of it) and ``cache`` (the regions
-a process keeps open between rounds)."""
+an instruction in, checks, keys, policy, sealing, its audit trail, and a typed outcome
+out), ``trainer`` (the model, data, DP and privacy ledger, and the release of the
+round's update: kept, charged to the ledger, noted), ``secure`` (its part in a secure
+sum) and ``cache`` (the regions a process keeps open between rounds)."""
 
 from typing import TYPE_CHECKING
 

@@ -20,10 +20,8 @@ in simulation (lab mode).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 import weakref
 from collections.abc import Mapping
@@ -31,8 +29,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from fedciuic import __version__
 from fedciuic.audit import (
@@ -42,7 +38,6 @@ from fedciuic.audit import (
     Event,
     code_version,
     config_hash,
-    load_records,
 )
 from fedciuic.config import NodeConfig, RunConfig, SealSettings
 from fedciuic.crypto import (
@@ -66,17 +61,10 @@ from fedciuic.stages import (
     SealingRegion,
 )
 from fedciuic.wire import (
-    ADAPTER_MODE,
     AGENT_CODE,
     AGENT_VERSION,
     AUDIT_COUNT,
     AUDIT_HEAD,
-    DEID_ENTITIES,
-    JURISDICTION,
-    POLICY_HASH,
-    PRIVACY_UNIT,
-    TRAINED,
-    UPDATE,
     Instruction,
     MalformedInstruction,
     Records,
@@ -92,8 +80,7 @@ from fedciuic.wire import (
 if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
     # that importing the round (the agent at start) stays light
     from fedciuic.model import EvalStats
-    from fedciuic.privacy import PrivacyLedger
-    from fedciuic.region.trainer import Kept, Region, SentUpdates, TrainOutcome
+    from fedciuic.region.trainer import Region, Release
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
@@ -151,53 +138,6 @@ class RegionReply:
     keypair: Keypair | None = None
     flower_run: int = 0
     server_round: int = 0
-
-
-# -- what a trained reply carries -------------------------------------------------------
-
-
-def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
-    metrics: dict[str, int | float | list[int] | list[float]] = {
-        "num-examples": outcome.stats.num_examples,
-        "steps": outcome.stats.steps,
-        "update-bytes": len(outcome.update),
-    }
-    if math.isfinite(outcome.stats.loss):  # NaN: every step drew an empty batch
-        metrics["train-loss"] = outcome.stats.loss
-    if outcome.privacy is not None:
-        p = outcome.privacy
-        metrics.update(
-            {
-                "epsilon": p.epsilon,
-                "epsilon-budget": p.epsilon_budget,
-                "delta": p.delta,
-                "noise-multiplier": p.noise_multiplier,
-                "sample-rate": p.sample_rate,
-                "secure-mode": int(p.secure_mode),
-                "max-grad-norm": p.max_grad_norm,
-            }
-        )
-    return metrics
-
-
-def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
-    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
-    return {
-        "region": outcome.region,
-        "status": TRAINED,
-        "reason": "",
-        "data-fingerprint": outcome.data_fingerprint,
-        JURISDICTION: policy.jurisdiction,
-        POLICY_HASH: policy.hash,
-        PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
-        ADAPTER_MODE: outcome.adapter_mode,
-        DEID_ENTITIES: ",".join(outcome.deidentified),
-    }
-
-
-def update_arrays(update: bytes) -> dict[str, np.ndarray]:
-    """The compressed update as the one array a reply (or sealed payload) carries."""
-    return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
 
 
 # -- reading the configs ------------------------------------------------------------------
@@ -509,28 +449,24 @@ class _Round:
                 run_id=self.run_id,
                 server_round=self.server_round,
             )
-        if task.kind == TaskKind.SECAGG:
-            return self._secure_phase(task, sealing, simulated)
-        from fedciuic.region.trainer import SentUpdates
+        if task.kind == TaskKind.SECAGG:  # a phase of the secure sum (region/secure.py)
+            from fedciuic.region.secure import secure_keypair, secure_phase
 
+            keypair = secure_keypair(run, node, sealing.keypair)
+            policy = self._policy(sealing, simulated, task.checkpoint)
+            data = secure_phase(
+                run, node, task, keypair=keypair, policy=policy, run_id=self.run_id, note=self.note
+            )
+            return SecureAnswer(node.region, data)
         region = _region(run, node, self.run_id)
-        sent = SentUpdates(node.state_dir)
-        kept = sent.load(self.run_id, task.server_round) if training else None
-        with contextlib.ExitStack() as session:
-            # One ledger for the round, opened and locked once: the projection for the
-            # policy check, the release check and the training all read it.
-            private = training and run.dp
-            ledger = session.enter_context(region.ledger_session()) if private else None
-            if (
-                kept is not None
-                and ledger is not None
-                and not region.released(self.run_id, task.server_round, ledger)
-            ):
-                # Kept, then the region stopped before the ledger recorded it (the
-                # commit): it never left, so it is dropped and the round trained again.
-                sent.drop(self.run_id, task.server_round)
-                kept = None
-            return self._task(task, simulated, sealing, region, sent, kept, ledger)
+        if not training:
+            return self._task(task, simulated, sealing, region, None)
+        from fedciuic.region.trainer import Release
+
+        with Release.open(
+            region, self.audit, run_id=self.run_id, server_round=task.server_round
+        ) as release:
+            return self._task(task, simulated, sealing, region, release)
 
     def _task(
         self,
@@ -538,72 +474,23 @@ class _Round:
         simulated: bool,
         sealing: RegionSealing,
         region: Region,
-        sent: SentUpdates,
-        kept: Kept | None,
-        ledger: PrivacyLedger | None,
+        release: Release | None,
     ) -> RoundOutcome:
         """The instruction's task once its signature and config are checked: the region's
-        policy on it, then evaluation, the update kept for this round, or training."""
-        from fedciuic.data import oversized_details
-        from fedciuic.region.trainer import AlreadyReleased, Kept, trained_record
-
-        run, node, training = self.run, self.node, task.kind == TaskKind.TRAIN
-        policy = enforce_region_policy(
-            run,
-            node,
-            simulated=simulated,
-            aggregator_jurisdiction=sealing.destination,
-            own_jurisdiction=sealing.own_jurisdiction,
-            projected_epsilon=region.projected_epsilon(ledger) if training and not kept else None,
-        )
-        if not policy.redacts_paths:
-            self.audit.redact = ()
-        self._join(sealing, policy, task.checkpoint)
+        policy on it, then evaluation (``release``: None), or the round's update from
+        its release (kept from before, or trained now), sealed."""
+        projected = None if release is None else release.projected_epsilon
+        policy = self._policy(sealing, simulated, task.checkpoint, projected)
         if policy.decision.enforced:
             self.note(Event.POLICY_DECISION, **policy.decision.to_record())
-        if not training:
+        if release is None:
             stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
             self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss)
             return Evaluated(region.name, stats)
-        if kept is not None:
-            # This round was released before the aggregator restarted: the same update
-            # again, no second release and no second charge to the ledger.
-            if kept.trained is not None and not self._noted_trained():
-                self.note(Event.TRAINED, **kept.trained)  # stopped before it was noted
+        released = release.send(task, policy)
+        if released.resent:
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
-            return self._send(region.name, self._leaving(kept.payload), sealing, policy)
-        if region.released(self.run_id, task.server_round, ledger):
-            raise AlreadyReleased(
-                f"region {region.name}: round {task.server_round} of run {self.run_id} was "
-                "already released (the privacy ledger records it) and its update was not "
-                "kept; nothing is released twice, so this region sits out the round"
-            )
-        deid = region.data.summary.deid
-        if deid is not None:  # what the texts of this round's training were scrubbed of
-            self.note(Event.DATA_DEIDENTIFIED, **deid.model_dump())
-        oversized = oversized_details(region.data.summary)
-        if oversized is not None:  # records this round's training never read
-            self.note(Event.RECORDS_OVERSIZED, **oversized)
-        payload = b""
-
-        def keep(trained: TrainOutcome) -> None:
-            """On disk before the ledger commits the release (resent after a restart)."""
-            nonlocal payload
-            info = train_info(trained, policy)
-            payload = update_payload(update_arrays(trained.update), train_metrics(trained), info)
-            sent.save(self.run_id, task.server_round, Kept(payload, trained_record(trained)))
-
-        outcome = region.train_round(
-            task.adapter,
-            server_round=task.server_round,
-            base_fingerprint=task.base_fingerprint,
-            run_id=self.run_id,
-            max_run_epsilon=policy.max_epsilon_per_run,
-            ledger=ledger,
-            keep=keep,
-        )
-        self._note_trained(outcome)
-        return self._send(region.name, self._leaving(payload), sealing, policy)
+        return self._send(region.name, self._leaving(released.payload), sealing, policy)
 
     def _leaving(self, payload: bytes) -> bytes:
         """What leaves after training: the update; with secure aggregation only its
@@ -614,55 +501,27 @@ class _Round:
         _, metrics, info = read_update_payload(payload)
         return update_payload({}, metrics, info)  # type: ignore[arg-type]
 
-    def _secure_phase(
-        self, task: Instruction, sealing: RegionSealing, simulated: bool
-    ) -> SecureAnswer:
-        """One phase of a secure sum (:mod:`fedciuic.region.secure`), under the region's
-        policy: the run's terms are checked again, and the session against them."""
-        from fedciuic.region.secure import secure_phase
-        from fedciuic.region.trainer import SentUpdates
-        from fedciuic.secagg import SecAggError
-
-        node = self.node
-        if sealing.keypair is None or not self.run.secure.enabled:
-            raise SecAggError(
-                f"region {node.region}: a secure-sum instruction in a run without secure "
-                "aggregation (or without the region's keys); refusing it"
-            )
+    def _policy(
+        self,
+        sealing: RegionSealing,
+        simulated: bool,
+        checkpoint: str,
+        projected_epsilon: float | None = None,
+    ) -> RegionPolicy:
+        """The region's policy on this run (its verdict: a refusal declines), then the
+        run joined on its log under it."""
         policy = enforce_region_policy(
             self.run,
-            node,
+            self.node,
             simulated=simulated,
             aggregator_jurisdiction=sealing.destination,
             own_jurisdiction=sealing.own_jurisdiction,
+            projected_epsilon=projected_epsilon,
         )
         if not policy.redacts_paths:
             self.audit.redact = ()
-        self._join(sealing, policy, task.checkpoint)
-        sent = SentUpdates(node.state_dir)
-
-        def kept() -> bytes:
-            found = sent.load(self.run_id, task.server_round)
-            if found is None:
-                raise SecAggError(
-                    f"region {node.region}: no update kept for round {task.server_round}: "
-                    "it did not train this round"
-                )
-            return found.payload
-
-        data = secure_phase(
-            self.run,
-            node,
-            task,
-            keypair=sealing.keypair,
-            min_regions=policy.min_secure_regions,
-            # the region's guarantee where it has no DP-SGD of its own
-            max_epsilon=None if self.run.dp else policy.max_epsilon_per_run,
-            run_id=self.run_id,
-            kept=kept,
-            note=self.note,
-        )
-        return SecureAnswer(node.region, data)
+        self._join(sealing, policy, checkpoint)
+        return policy
 
     def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
         """``run_joined`` once per run, and again when it resumes from a checkpoint: the
@@ -679,23 +538,6 @@ class _Round:
             **sealing.joined(),
             policy_hash=policy.hash or None,  # none without a policy (a lab baseline)
             jurisdiction=policy.jurisdiction or None,
-        )
-
-    def _note_trained(self, outcome: TrainOutcome) -> None:
-        from fedciuic.region.trainer import trained_record
-
-        self.note(Event.TRAINED, **trained_record(outcome))
-
-    def _noted_trained(self) -> bool:
-        """Whether the audit log records this round's release of this run."""
-        path = self.audit.path
-        if path is None or not path.exists():
-            return False
-        return any(
-            r.get("event") == Event.TRAINED
-            and r.get("run_id") == self.run_id
-            and r.get("round") == self.server_round
-            for r in load_records(path)
         )
 
     def _send(

@@ -11,6 +11,9 @@ one it kept when it trained the round (its ledger already charged for it), decod
 clipped, rounded and, with distributed DP, given its share of the noise. A region joins
 at most one session per round: two sums over different sets of regions would give an
 update away by their difference.
+
+The round (:mod:`fedciuic.region.round`) checks the instruction's signature and applies
+the region's policy; everything else of a phase is here (:func:`secure_phase`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fedciuic.audit import SECURE_SENT_EVENTS, digest
 from fedciuic.compression import Sparse, update_entries
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle, load_bundles, read_update_payload
+from fedciuic.policy import RegionPolicy
 from fedciuic.secagg import (
     SECAGG_DIR,
     FromRegion,
@@ -155,6 +159,31 @@ def check_distributed_epsilon(
     return figures
 
 
+def secure_keypair(run: RunConfig, node: NodeConfig, keypair: Keypair | None) -> Keypair:
+    """The keypair the region takes part in a secure sum with: :class:`SecAggError` in a
+    run without secure aggregation, or without the region's keys."""
+    if keypair is None or not run.secure.enabled:
+        raise SecAggError(
+            f"region {node.region}: a secure-sum instruction in a run without secure "
+            "aggregation (or without the region's keys); refusing it"
+        )
+    return keypair
+
+
+def kept_payload(node: NodeConfig, run_id: int, server_round: int) -> bytes:
+    """The update this region kept when it trained the round (the trainer's record of
+    its release); :class:`SecAggError` when it did not train it."""
+    from fedciuic.region.trainer import SentUpdates  # torch: loaded where a region trains
+
+    found = SentUpdates(node.state_dir).load(run_id, server_round)
+    if found is None:
+        raise SecAggError(
+            f"region {node.region}: no update kept for round {server_round}: "
+            "it did not train this round"
+        )
+    return found.payload
+
+
 def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
     """The update this region kept for the round, decoded with the run's codec, and its
     size (values)."""
@@ -184,22 +213,30 @@ def secure_phase(
     task: Instruction,
     *,
     keypair: Keypair,
-    min_regions: int,
-    max_epsilon: float | None,
+    policy: RegionPolicy,
     run_id: int,
-    kept: Callable[[], bytes],
     note: Callable[..., None],
 ) -> bytes:
-    """This region's message for the phase ``task`` asks for (as it travels), noted on the
-    region's audit log (with its size) before it leaves; :class:`SecAggError` refuses."""
+    """This region's message for the phase ``task`` asks for (as it travels), under the
+    region's ``policy`` (its minimum number of regions in a sum and, where the run has
+    no DP-SGD of its own, its per-run epsilon), noted on the region's audit log (with
+    its size) before it leaves; :class:`SecAggError` refuses."""
     request = request_of(task)
     session = request.session
-    update, size = kept_values(kept(), run) if request.phase == Phase.ADVERT else (None, None)
+    # the region's guarantee where it has no DP-SGD of its own
+    max_epsilon = None if run.dp else policy.max_epsilon_per_run
+    if request.phase == Phase.ADVERT:
+        update, size = kept_values(kept_payload(node, run_id, task.server_round), run)
+    else:
+        update, size = None, None
     check_session(session, run, run_id=run_id, server_round=task.server_round, kept_size=size)
     folder = node.state_dir / SECAGG_DIR
     sums = SessionStore(folder)
     region = SecureSumRegion(
-        keypair, peers_of(run, node, keypair.bundle.party), min_regions=min_regions, store=folder
+        keypair,
+        peers_of(run, node, keypair.bundle.party),
+        min_regions=policy.min_secure_regions,
+        store=folder,
     )
     sid = session.sid().hex()
     details: dict[str, object] = {"session": sid, "phase": request.phase.value}

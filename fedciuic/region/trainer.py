@@ -1,7 +1,11 @@
-"""One region's side of a round: check, train on in-region data, return the delta.
+"""One region's model, data, DP and privacy ledger, and the release of its updates.
 
-No Flower here: the ClientApp unpacks a Message, calls :class:`Region`, and packs
-what comes back. A region built once per process is reused across rounds.
+No Flower and no protocol here: the round (:mod:`fedciuic.region.round`) checks the
+instruction, applies the region's policy, seals and records; it asks :class:`Region` to
+evaluate, and a :class:`Release` for the round's update (:meth:`Release.send`), the one
+place a release is noted: the update kept for resending, the ledger's record (the
+commit) and the ``trained`` note on the region's audit log that witnesses it. A region
+built once per process is reused across rounds.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -21,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedciuic.audit import REGION_LOG
+from fedciuic.audit import REGION_LOG, Event, load_records
 from fedciuic.cluster import ClusterStats, TrainCommand, TrainingCluster
 from fedciuic.compression import (
     Codec,
@@ -40,9 +45,11 @@ from fedciuic.config import (
     PrivacyUnit,
     RunConfig,
 )
-from fedciuic.data import RegionData, load_region_data
+from fedciuic.crypto import update_payload
+from fedciuic.data import RegionData, load_region_data, oversized_details
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
+from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
     LEDGER_FILE,
     LedgerRound,
@@ -59,6 +66,17 @@ from fedciuic.privacy import (
     warn_once,
 )
 from fedciuic.region.cache import BoundedCache
+from fedciuic.stages import AuditTrail
+from fedciuic.wire import (
+    ADAPTER_MODE,
+    DEID_ENTITIES,
+    JURISDICTION,
+    POLICY_HASH,
+    PRIVACY_UNIT,
+    TRAINED,
+    UPDATE,
+    Instruction,
+)
 
 
 class BaseModelMismatch(FedciuicError):
@@ -221,6 +239,53 @@ class TrainOutcome:
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: The entity types scrubbed from the texts it trained on (none: not de-identified).
     deidentified: tuple[str, ...] = ()
+
+
+# -- what a trained reply carries -------------------------------------------------------
+
+
+def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        "num-examples": outcome.stats.num_examples,
+        "steps": outcome.stats.steps,
+        "update-bytes": len(outcome.update),
+    }
+    if math.isfinite(outcome.stats.loss):  # NaN: every step drew an empty batch
+        metrics["train-loss"] = outcome.stats.loss
+    if outcome.privacy is not None:
+        p = outcome.privacy
+        metrics.update(
+            {
+                "epsilon": p.epsilon,
+                "epsilon-budget": p.epsilon_budget,
+                "delta": p.delta,
+                "noise-multiplier": p.noise_multiplier,
+                "sample-rate": p.sample_rate,
+                "secure-mode": int(p.secure_mode),
+                "max-grad-norm": p.max_grad_norm,
+            }
+        )
+    return metrics
+
+
+def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
+    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
+    return {
+        "region": outcome.region,
+        "status": TRAINED,
+        "reason": "",
+        "data-fingerprint": outcome.data_fingerprint,
+        JURISDICTION: policy.jurisdiction,
+        POLICY_HASH: policy.hash,
+        PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
+        ADAPTER_MODE: outcome.adapter_mode,
+        DEID_ENTITIES: ",".join(outcome.deidentified),
+    }
+
+
+def update_arrays(update: bytes) -> dict[str, np.ndarray]:
+    """The compressed update as the one array a reply (or sealed payload) carries."""
+    return {UPDATE: np.frombuffer(update, dtype=np.uint8)}
 
 
 #: Distinguishes the rounding generator from anything else seeded with a round's seed.
@@ -460,13 +525,6 @@ class Region:
         with locked(self.ledger_path):
             yield self._ledger()
 
-    def released(self, run_id: int, server_round: int, ledger: PrivacyLedger | None = None) -> bool:
-        """Whether the ledger already records this round of this run (DP runs only)."""
-        if not self.dp.enabled or (ledger is None and not self.ledger_path.exists()):
-            return False
-        with self.ledger_session(ledger) as held:
-            return any(r.run_id == run_id and r.round == server_round for r in held.rounds)
-
     def check_round(self, server_round: int) -> None:
         """Refuse a round number outside this run's 1..num-server-rounds: the noise is
         calibrated for that many rounds, and an aggregator that asks for more would
@@ -624,6 +682,138 @@ class Region:
         # Distinct, reproducible sampling per (run seed, region, round).
         key = f"{self.run.seed}:{self.name}:{server_round}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class Released:
+    """A round's update as it leaves (:meth:`Release.send`): the payload the region
+    released, and whether it released it before (its kept update, sent again)."""
+
+    payload: bytes
+    resent: bool = False
+
+
+class Release:
+    """One training round's release: the only place a region notes one. The update is
+    kept on the region's disk before the ledger records the release (the commit, under
+    the ledger the round holds locked), and the release is then noted on the region's
+    audit log (``trained``, which witnesses the ledger's head); a round released before
+    sends its kept update again, never a second release.
+
+    Open it with :meth:`open` once the instruction is checked: ``projected_epsilon``
+    is the figure the policy check needs, then :meth:`send` gives the round's update."""
+
+    def __init__(
+        self,
+        region: Region,
+        audit: AuditTrail,
+        sent: SentUpdates,
+        kept: Kept | None,
+        *,
+        run_id: int,
+        server_round: int,
+        ledger: PrivacyLedger | None,
+    ) -> None:
+        self.region, self.audit, self.sent, self.ledger = region, audit, sent, ledger
+        self.run_id, self.server_round = run_id, server_round
+        if kept is not None and ledger is not None and not self.released():
+            # Kept, then the region stopped before the ledger recorded it (the
+            # commit): it never left, so it is dropped and the round trained again.
+            sent.drop(run_id, server_round)
+            kept = None
+        self.kept = kept
+        #: The dataset's cumulative epsilon if it trains this round, for the policy
+        #: check (None without DP, or when the kept update is sent again).
+        self.projected_epsilon = region.projected_epsilon(ledger) if kept is None else None
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(
+        cls, region: Region, audit: AuditTrail, *, run_id: int, server_round: int
+    ) -> Iterator[Release]:
+        """The round's release, with what the region kept of it; with DP, one ledger
+        for the round, opened and locked once: the projection for the policy check, the
+        release check and the training all read it."""
+        sent = SentUpdates(region.node.state_dir)
+        kept = sent.load(run_id, server_round)
+        with contextlib.ExitStack() as session:
+            private = region.dp.enabled
+            ledger = session.enter_context(region.ledger_session()) if private else None
+            yield cls(
+                region, audit, sent, kept, run_id=run_id, server_round=server_round, ledger=ledger
+            )
+
+    def note(self, event: str, **details: object) -> None:
+        self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
+
+    def released(self) -> bool:
+        """Whether the ledger already records this round of this run (DP runs only)."""
+        region = self.region
+        if not region.dp.enabled or (self.ledger is None and not region.ledger_path.exists()):
+            return False
+        with region.ledger_session(self.ledger) as held:
+            return any(
+                r.run_id == self.run_id and r.round == self.server_round for r in held.rounds
+            )
+
+    def send(self, task: Instruction, policy: RegionPolicy) -> Released:
+        """The round's update under ``policy``: the kept one again, or trained now and
+        released (kept, committed to the ledger, noted); :class:`AlreadyReleased` when
+        the ledger records the round and its update is gone."""
+        region = self.region
+        if self.kept is not None:
+            # This round was released before the aggregator restarted: the same update
+            # again, no second release and no second charge to the ledger.
+            if self.kept.trained is not None and not self._noted_trained():
+                self._note_trained(self.kept.trained)  # stopped before it was noted
+            return Released(self.kept.payload, resent=True)
+        if self.released():
+            raise AlreadyReleased(
+                f"region {region.name}: round {self.server_round} of run {self.run_id} was "
+                "already released (the privacy ledger records it) and its update was not "
+                "kept; nothing is released twice, so this region sits out the round"
+            )
+        deid = region.data.summary.deid
+        if deid is not None:  # what the texts of this round's training were scrubbed of
+            self.note(Event.DATA_DEIDENTIFIED, **deid.model_dump())
+        oversized = oversized_details(region.data.summary)
+        if oversized is not None:  # records this round's training never read
+            self.note(Event.RECORDS_OVERSIZED, **oversized)
+        payload = b""
+
+        def keep(trained: TrainOutcome) -> None:
+            """On disk before the ledger commits the release (resent after a restart)."""
+            nonlocal payload
+            info = train_info(trained, policy)
+            payload = update_payload(update_arrays(trained.update), train_metrics(trained), info)
+            self.sent.save(self.run_id, self.server_round, Kept(payload, trained_record(trained)))
+
+        outcome = region.train_round(
+            task.adapter,
+            server_round=self.server_round,
+            base_fingerprint=task.base_fingerprint,
+            run_id=self.run_id,
+            max_run_epsilon=policy.max_epsilon_per_run,
+            ledger=self.ledger,
+            keep=keep,
+        )
+        self._note_trained(trained_record(outcome))
+        return Released(payload)
+
+    def _note_trained(self, record: dict[str, Any]) -> None:
+        self.note(Event.TRAINED, **record)
+
+    def _noted_trained(self) -> bool:
+        """Whether the audit log records this round's release of this run."""
+        path = self.audit.path
+        if path is None or not path.exists():
+            return False
+        return any(
+            r.get("event") == Event.TRAINED
+            and r.get("run_id") == self.run_id
+            and r.get("round") == self.server_round
+            for r in load_records(path)
+        )
 
 
 #: This process's built regions, bounded by count and private memory (region_cache).

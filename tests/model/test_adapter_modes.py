@@ -33,8 +33,7 @@ from fedciuic.model.train import train_local
 from fedciuic.policy.binding import RegionPolicy
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger
-from fedciuic.region.round import train_info
-from fedciuic.region.trainer import Region
+from fedciuic.region.trainer import Region, train_info
 from fedciuic.wire import ADAPTER_MODE
 from tests.privacy.test_each_family_dp import autograd_grads, opacus_grads
 

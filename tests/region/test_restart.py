@@ -20,7 +20,7 @@ from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region import round as region_round
 from fedciuic.region.round import handle_instruction, read_configs
-from fedciuic.region.trainer import REGIONS, SentUpdates
+from fedciuic.region.trainer import REGIONS, Release, SentUpdates
 from fedciuic.stages.sealing import Clear
 from tests.conftest import SHIPPED_POLICIES, train_instruction, unit_config, write_policy
 
@@ -44,7 +44,7 @@ WRITES = {
     "residual saved": (ErrorFeedback, "save"),
     "update kept": (SentUpdates, "save"),
     "release recorded in the ledger": (PrivacyLedger, "append"),
-    "release noted in the audit log": (region_round._Round, "_note_trained"),
+    "release noted in the audit log": (Release, "_note_trained"),
 }
 
 

@@ -14,8 +14,7 @@ from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.model.train import paced, train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import BudgetExhausted, PrivacyLedger, epsilon_of
-from fedciuic.region.round import train_metrics
-from fedciuic.region.trainer import Region
+from fedciuic.region.trainer import Region, train_metrics
 
 #: Small steps (2 units of one short example each), so that a round takes a moment.
 SMALL = {
