@@ -344,7 +344,7 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("fedciuic.crypto.tls.generate_server_tls", broken)
+    monkeypatch.setattr("fedciuic.ops.layout.generate_server_tls", broken)
     with pytest.raises(OSError, match="disk full"):
         deploy.init_deployment(tmp_path / "dep", "eu", app_dir=ROOT, relay_user="")
     assert not (tmp_path / "dep").exists()

@@ -332,7 +332,7 @@ def test_simulate_interrupted_after_its_run_ended_reports_it_and_exits_by_its_ou
 
     monkeypatch.setattr(_Federation, "status", status)
     monkeypatch.setattr(_Federation, "interrupt", interrupt)
-    monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
+    monkeypatch.setattr("fedciuic.flower.LocalFederation", _Federation)
     monkeypatch.setattr("fedciuic.ops.simulate._audit_after_simulation", audit)
     runs = tmp_path / "runs"
     args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]
@@ -358,7 +358,7 @@ def test_a_ctrl_c_while_simulate_writes_the_report_of_an_ended_run_is_noted_not_
         (run_dir / "report.html").write_text("the whole report")
         return 0
 
-    monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", _Federation)
+    monkeypatch.setattr("fedciuic.flower.LocalFederation", _Federation)
     monkeypatch.setattr("fedciuic.ops.simulate._audit_after_simulation", audit)
     runs = tmp_path / "runs"
     args = ["simulate", "--app", str(ROOT), "--regions", "eu,us", "--output-dir", str(runs)]

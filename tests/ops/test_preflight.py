@@ -63,7 +63,7 @@ def no_federation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a federation was started")
 
-    monkeypatch.setattr("fedciuic.flower.launch.LocalFederation", refuse)
+    monkeypatch.setattr("fedciuic.flower.LocalFederation", refuse)
 
 
 def simulate(out: Path, data_root: Path | None, *args: str) -> int:
