@@ -1,4 +1,5 @@
-"""Operating fedciuic: the ``fedciuic`` command (``cli``), the deployment folder
+"""Operating fedciuic: the ``fedciuic`` command (``cli``, its parser; ``commands``, what
+each does; ``simulate``), the deployment folder
 (``deploy``; the files it writes: ``layout``, rendered by ``render`` from
 ``templates/``), a run's outputs, progress and reports (``outputs``, ``progress``,
 ``run_report``). Imported by the command line, never by the library below it."""

@@ -8,11 +8,8 @@ its exit statuses, is :mod:`fedciuic.ops.simulate`.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +18,10 @@ from typing import Any
 from fedciuic import __version__
 from fedciuic.config import RunConfig
 from fedciuic.deid import REPLACEMENTS
-from fedciuic.errors import ConfigError, FedciuicError
+from fedciuic.errors import FedciuicError
+from fedciuic.ops import commands
 from fedciuic.ops.preflight import add_command as add_preflight
-from fedciuic.ops.runconfig import app_run_config, parse_overrides
-from fedciuic.ops.simulate import Interrupted, budget_lines, simulate, simulation_budgets
+from fedciuic.ops.simulate import Interrupted, simulate
 
 #: `data check`'s --seq-len and --max-record-bytes defaults: the run config's.
 _SEQ_LEN = RunConfig.model_fields["seq_len"].default
@@ -205,284 +202,6 @@ def _command(
     return command
 
 
-def _init(args: argparse.Namespace) -> int:
-    from fedciuic.ops.deploy import init_deployment, next_steps
-
-    deployment = init_deployment(
-        args.directory,
-        args.regions,
-        aggregator_jurisdiction=args.aggregator_jurisdiction,
-        app_dir=args.app,
-        policies_dir=args.policies,
-        host=args.host,
-        port=args.port,
-        supernode_port_base=args.supernode_port_base,
-        tls=not args.insecure,
-        demo_data=args.demo_data,
-        relay_user=args.relay_user,
-    )
-    print(next_steps(deployment))
-    return 0
-
-
-def _demo_data(args: argparse.Namespace) -> int:
-    from fedciuic.data import write_demo_corpora
-
-    regions = tuple(r.strip() for r in args.regions.split(",") if r.strip())
-    for region, folder in write_demo_corpora(args.directory, regions).items():
-        print(f"{region}: {folder}")
-    return 0
-
-
-def _data_check(args: argparse.Namespace) -> int:
-    from fedciuic.config import MAX_RECORD_BYTES_LIMIT, DeidSettings, Fields, ModelSpec
-    from fedciuic.data import check_data, region_scrubber
-    from fedciuic.deid import listed_entities
-    from fedciuic.model import spec_tokenizer
-
-    if args.seq_len < 2:
-        raise ConfigError([f"--seq-len: {args.seq_len} is too short; use at least 2"])
-    if not 1 <= args.max_record_bytes <= MAX_RECORD_BYTES_LIMIT:
-        raise ConfigError(
-            [
-                f"--max-record-bytes: {args.max_record_bytes} is not a size from 1 to "
-                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is {_RECORD_BYTES}"
-            ]
-        )
-    spec = ModelSpec(path=args.model_path) if args.model_path else ModelSpec()
-    fields = Fields(
-        text=args.text_field,
-        prompt=args.prompt_field,
-        response=args.response_field,
-        messages=args.messages_field,
-        user_id=args.user_id_field,
-    )
-    try:
-        listed = listed_entities(args.deid_entities)
-    except ValueError as err:
-        raise ConfigError([f"--deid-entities: {err}"]) from None
-    settings = DeidSettings(not args.no_deidentify, listed, args.deid_replacement)
-    with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-key-") as scratch:
-        scrubber = region_scrubber(
-            settings,
-            dictionary=args.deid_dictionary,
-            secret=Path(scratch) / "key",  # a throwaway: pseudonyms here are examples
-            ner_model=args.deid_ner_model,
-            examples=True,
-        )
-        checked = check_data(
-            args.data_path,
-            spec_tokenizer(spec),
-            seq_len=args.seq_len,
-            fields=fields,
-            tokenizer_name=f"tokenizer of {args.model_path}" if args.model_path else "tiny preset",
-            scrubber=scrubber,
-            max_record_bytes=args.max_record_bytes,
-        )
-    print("\n".join(checked.lines(fields.user_id)))
-    return 0 if checked.ok else 1
-
-
-def _budget(args: argparse.Namespace) -> int:
-    from fedciuic.agent import AgentConfig
-    from fedciuic.privacy import budget_status
-
-    if bool(args.agent_configs) == (args.data_root is not None):
-        raise ConfigError(
-            ["fedciuic budget: give either agent configs (a deployment) or --data-root"]
-        )
-    values = {**app_run_config(args.app.resolve()), **parse_overrides(args.run_config)}
-    run = RunConfig.from_user_config(values, source="run config")
-    target = run.target_epsilon
-    if args.data_root is not None:
-        regions = [r for r in (args.regions or ",".join(run.regions)).split(",") if r]
-        found = simulation_budgets(args.data_root.resolve(), regions, run)
-    else:
-        agents = [AgentConfig.load(path) for path in args.agent_configs]
-        found = [budget_status(a.region, a.state_dir, a.epsilon_budget) for a in agents]
-    fits, lines = budget_lines(found, run, target)
-    print("\n".join(lines))
-    return 0 if fits else 1
-
-
-def _ledger_rebuild(args: argparse.Namespace) -> int:
-    from fedciuic.privacy import rebuild_ledger_command
-
-    return rebuild_ledger_command(args.state_path, args.aggregator_log)
-
-
-def _save_checkpoint(args: argparse.Namespace) -> int:
-    from fedciuic.config import ModelSpec
-    from fedciuic.model import save_model_checkpoint
-
-    path = save_model_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
-    print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
-    return 0
-
-
-def _keys_generate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto import NAME_PATTERN, Keypair, write_keys
-
-    if not re.match(NAME_PATTERN, args.party):
-        raise ConfigError([f"--party: {args.party!r} must be lower-case letters, digits, - or _"])
-    keypair = Keypair.generate(args.party, args.jurisdiction, args.signature)
-    private, public = write_keys(keypair, args.out)
-    print(f"private key: {private} (mode 600; keep it on this party's machine)")
-    print(f"public bundle: {public} (key id {keypair.bundle.key_id.hex()})")
-    return 0
-
-
-def _keys_show(args: argparse.Namespace) -> int:
-    from fedciuic.crypto import load_bundle, load_keypair
-
-    if args.file.name.endswith(".key.json"):
-        bundle = load_keypair(args.file).bundle
-    else:
-        bundle = load_bundle(args.file)
-    print(bundle.to_file().model_dump_json(indent=2))
-    return 0
-
-
-def _policy_check(args: argparse.Namespace) -> int:
-    from fedciuic.policy import PolicyError, load_policy
-
-    failed = 0
-    for path in args.files:
-        try:
-            loaded = load_policy(path)
-        except PolicyError as err:
-            failed += 1
-            for problem in err.problems:
-                print(problem, file=sys.stderr)
-        else:
-            print(f"{path}: ok ({loaded.policy.jurisdiction}, policy {loaded.hash[:12]})")
-    return 1 if failed else 0
-
-
-def _policy_explain(args: argparse.Namespace) -> int:
-    from fedciuic.policy import explain, load_policy
-
-    print(explain(load_policy(args.file)))
-    return 0
-
-
-def _policy_diff(args: argparse.Namespace) -> int:
-    from fedciuic.policy import diff, load_policy
-
-    a, b = load_policy(args.a), load_policy(args.b)
-    lines = diff(a, b)
-    print(f"--- {args.a} ({a.hash[:12]})\n+++ {args.b} ({b.hash[:12]})")
-    print("\n".join(lines) if lines else "no differences")
-    return 1 if lines else 0
-
-
-def _tls_generate(args: argparse.Namespace) -> int:
-    from fedciuic.crypto import generate_server_tls
-
-    files = generate_server_tls(args.out, args.host, args.days)
-    print(f"CA certificate (give it to every SuperNode and flwr user): {files.ca_cert}")
-    print(f"SuperLink certificate and key: {files.server_cert}, {files.server_key}")
-    print(f"CA key (keep offline): {args.out / 'ca.key'}")
-    return 0
-
-
-def _tls_supernode_key(args: argparse.Namespace) -> int:
-    from fedciuic.crypto import generate_supernode_key
-
-    private, public = generate_supernode_key(args.out, args.name)
-    print(f"private key (--auth-supernode-private-key, stays with the SuperNode): {private}")
-    print(f"public key (flwr supernode register {public}): {public}")
-    return 0
-
-
-def _audit_verify(args: argparse.Namespace) -> int:
-    from fedciuic.audit import verify
-    from fedciuic.crypto import load_bundle
-
-    verdict = verify(args.log, load_bundle(args.pubkey))
-    print(verdict.explain())
-    return 0 if verdict.ok else 1
-
-
-def _audit_show(args: argparse.Namespace) -> int:
-    from fedciuic.audit import load_records
-
-    for record in load_records(args.log):
-        details = record.get("details") or {}
-        if (
-            (args.region and args.region not in (record.get("actor"), details.get("region")))
-            or (args.round is not None and record.get("round") != args.round)
-            or (args.event and record.get("event") != args.event)
-            or (args.run is not None and record.get("run_id") != args.run)
-        ):
-            continue
-        print(
-            f"{record.get('seq'):>5} {record.get('time')} run {record.get('run_id')} "
-            f"round {record.get('round')} {record.get('actor')} {record.get('event')} "
-            + json.dumps(details, sort_keys=True)
-        )
-    return 0
-
-
-def _audit_report(args: argparse.Namespace) -> int:
-    from fedciuic.audit import check_and_report
-
-    outcome = check_and_report(args.logs, args.keys, args.out, args.run)
-    print("\n".join(outcome.lines))
-    return outcome.exit_code
-
-
-def _audit_prune(args: argparse.Namespace) -> int:
-    from fedciuic.audit import prune_log
-
-    print(prune_log(args.log, args.key, args.policy, dry_run=args.dry_run))
-    return 0
-
-
-def _agent(args: argparse.Namespace) -> int:
-    from fedciuic.agent import AgentConfig, hello, serve
-
-    if not args.ping:
-        return serve(args.config, exit_with_parent=not args.keep_running)
-    config = AgentConfig.load(args.config)
-    status = hello(config.socket_path, args.timeout, pid=args.pid)
-    print(
-        f"fedciuic: the agent of region {status.get('region')} (pid {status.get('pid')}, "
-        f"fedciuic {status.get('fedciuic')}) answers on {config.socket_path}"
-    )
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from fedciuic.ops.run_report import write_run_report
-
-    report = write_run_report(
-        args.run_dir.resolve(), audit_logs=args.audit_log, keys_dir=args.keys, out=args.out
-    )
-    print(f"report: {report.html}")
-    if report.compliance is not None:  # as `fedciuic simulate` writes it
-        print(f"compliance report: {report.compliance} (and .html)")
-    print(f"plots: {', '.join(str(p) for p in report.plots.values())}")
-    for note in report.notes:
-        print(f"note: {note}")
-    if report.verified is None:
-        print("audit logs: not verified (no public keys; pass --keys DIR)")
-    # The same verdict lines as `fedciuic simulate` (start.sh ends with them).
-    for log in report.logs:
-        if log.verdict is None:
-            continue
-        verdict = log.verdict.explain()
-        if log.verdict.ok:
-            print(f"audit: {verdict}")
-        elif verdict in report.problems:
-            print(f"audit: {verdict}", file=sys.stderr)
-        else:  # the run did not end: its writer stopped before signing its last records
-            print(f"audit: (the run did not end; its tail is unverified) {verdict}")
-    for disagreement in report.disagreements:
-        print(f"audit: the logs DISAGREE: {disagreement}", file=sys.stderr)
-    return report.exit_code
-
-
 #: Every command of ``fedciuic``, in the order ``--help`` lists them.
 COMMANDS: tuple[Command | Adder, ...] = (
     Command(
@@ -552,7 +271,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("init",),
         "write a deployment folder: keys, certificates, policies and start scripts per party",
         "fedciuic init ./federation --regions eu,cn,us --demo-data && bash ./federation/start.sh",
-        _init,
+        commands.init,
         description="Write DIR with one folder per party (DIR/aggregator, DIR/regions/REGION),\n"
         "each holding only what that party needs (its private keys stay in it), and the\n"
         "scripts that start the SuperLink, each SuperNode and the run.\n\n"
@@ -636,7 +355,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("demo-data",),
         "write the deterministic demo corpora, one folder per region",
         "fedciuic demo-data ./demo-data --regions eu,cn,us",
-        _demo_data,
+        commands.demo_data,
         arguments=(
             arg("directory", type=Path),
             arg("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)"),
@@ -652,7 +371,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "formats, record shapes, counts, one example with its masked part, and every bad "
         "row as FILE:LINE: field: message (exit 1 if any)",
         "fedciuic data check ./data/eu --model-path ./DeepSeek-R1-Distill-Qwen-7B",
-        _data_check,
+        commands.data_check,
         arguments=(
             arg("data_path", type=Path, metavar="DATA_PATH"),
             arg(
@@ -700,7 +419,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "what each region's dataset has spent of its lifetime epsilon budget, and whether "
         "a run's target still fits",
         "fedciuic budget regions/eu/agent.toml regions/cn/agent.toml",
-        _budget,
+        commands.budget,
         description="Read each dataset's privacy ledger (changing nothing) and print its "
         "cumulative epsilon against its lifetime budget. A deployed region: give its agent "
         "config (the budget is the agent's epsilon-budget). Simulation datasets: give "
@@ -738,7 +457,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("ledger", "rebuild"),
         "rebuild a rolled-back privacy ledger from every witness of it, keeping every release",
         "fedciuic ledger rebuild --state-path data/eu/.fedciuic",
-        _ledger_rebuild,
+        commands.ledger_rebuild,
         description="Rebuild STATE/privacy-ledger.jsonl from the union of every witness of it: "
         "the current file, the copies earlier rebuilds kept aside "
         "(STATE/privacy-ledger.jsonl.rolled-back-*), the ledger lines the region's audit log "
@@ -765,7 +484,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "save a preset's base model and tokenizer as a checkpoint (for model-path)",
         "fedciuic save-checkpoint ./tiny-ckpt --preset tiny\n"
         "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
-        _save_checkpoint,
+        commands.save_preset_checkpoint,
         arguments=(
             arg("directory", type=Path),
             arg("--preset", default="tiny"),
@@ -781,7 +500,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("keys", "generate"),
         "write PARTY.key.json (mode 0600) and PARTY.pub.json",
         "fedciuic keys generate --party eu --jurisdiction EU --out keys/",
-        _keys_generate,
+        commands.keys_generate,
         description="Generate a party's X-Wing decapsulation key and signing key. The private "
         "file is created with mode 0600 and never overwritten; give the public bundle "
         "(PARTY.pub.json) to the other parties.",
@@ -801,7 +520,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("keys", "show"),
         "print a public bundle (or the bundle of a private key file)",
         "fedciuic keys show keys/eu.pub.json",
-        _keys_show,
+        commands.keys_show,
         arguments=(arg("file", type=Path),),
     ),
     Command(
@@ -813,21 +532,21 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("policy", "check"),
         "validate policy files (exit 1 if any is invalid)",
         "fedciuic policy check policies/*.yaml",
-        _policy_check,
+        commands.policy_check,
         arguments=(arg("files", type=Path, nargs="+", metavar="FILE"),),
     ),
     Command(
         ("policy", "explain"),
         "what a policy allows, in plain language",
         "fedciuic policy explain policies/cn-pipl.yaml",
-        _policy_explain,
+        commands.policy_explain,
         arguments=(arg("file", type=Path, metavar="FILE"),),
     ),
     Command(
         ("policy", "diff"),
         "every rule that differs between two policies (exit 1 if any)",
         "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
-        _policy_diff,
+        commands.policy_diff,
         arguments=(
             arg("a", type=Path, metavar="A"),
             arg("b", type=Path, metavar="B"),
@@ -842,7 +561,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("tls", "generate"),
         "write a CA (ca.pem, ca.key) and the SuperLink's certificate and key",
         "fedciuic tls generate --out certs/ --host superlink.example.org --host 10.0.0.5",
-        _tls_generate,
+        commands.tls_generate,
         arguments=(
             arg("--out", type=Path, required=True, help="folder for the files"),
             arg(
@@ -859,7 +578,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "write a SuperNode's authentication key pair (register the .pub with flwr)",
         "fedciuic tls supernode-key --name eu --out auth/\n"
         "  flwr supernode register auth/eu.auth.pub",
-        _tls_supernode_key,
+        commands.tls_supernode_key,
         arguments=(
             arg("--name", required=True, help="the SuperNode's region, e.g. eu"),
             arg("--out", type=Path, required=True, help="folder for the two files"),
@@ -874,7 +593,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("audit", "verify"),
         "check a log's hash chain and signed checkpoints (exit 1 unless OK)",
         "fedciuic audit verify runs/audit/aggregator.audit.jsonl --pubkey keys/aggregator.pub.json",
-        _audit_verify,
+        commands.audit_verify,
         description="Check every record's hash and chain and every checkpoint's signature; print "
         "OK or the first bad record. Exit status: 0 OK; 1 the log fails (a bad record, a torn "
         "tail, or records after the last checkpoint); 2 an error (the log or the key "
@@ -888,7 +607,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         ("audit", "show"),
         "print a log's records, filtered",
         "fedciuic audit show runs/audit/aggregator.audit.jsonl --region cn --round 2",
-        _audit_show,
+        commands.audit_show,
         arguments=(
             arg("log", type=Path, metavar="LOG"),
             arg("--region", help="records by or about this region"),
@@ -902,7 +621,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "write a run's compliance report (Markdown and HTML) from the logs",
         "fedciuic audit report runs/audit/aggregator.audit.jsonl data/*/.fedciuic/audit.jsonl "
         "--keys keys/ --out reports/",
-        _audit_report,
+        commands.audit_report,
         description="Verify each log (with --keys), cross-check them (transfers, run config, "
         "witnessed checkpoints, and every prune against the policy its party declared) and write "
         "the run's compliance report. Exit status: 0 the logs agree and every log verified (or, "
@@ -921,7 +640,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "remove a log's records past its policy's retention (signed: the log still verifies)",
         "fedciuic audit prune eu/state/audit.jsonl --key eu/keys/eu.key.json "
         "--policy eu/eu-gdpr.yaml",
-        _audit_prune,
+        commands.audit_prune,
         description="Remove the records older than the policy's audit.retention_days from the "
         "log's start (a run with a later record is kept whole), after an audit_pruned record and "
         "a checkpoint signed with the party's key: `fedciuic audit verify` still accepts the "
@@ -947,7 +666,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "fedciuic report runs/run-1234567890\n"
         "  fedciuic report runs/run-1234567890 --keys keys/ "
         "--audit-log audit/aggregator.audit.jsonl",
-        _report,
+        commands.html_report,
         exits=REPORT_EXIT,
         description="Write RUN_DIR/report.html: one self-contained page (plots embedded) "
         "with each region's eval loss per round, epsilon against its budget, bytes "
@@ -980,7 +699,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "a region's agent: the one process that holds its data, keys, ledger and policy, "
         "trains, seals and signs; Flower's ClientApp only relays to it",
         "fedciuic agent --config regions/eu/agent.toml",
-        _agent,
+        commands.agent,
         description="Serve the region described by --config (a TOML file: region, data-path, "
         "state-path, key-file, aggregator-bundle, policy, socket, relay-user, ...) on its "
         "Unix socket until SIGTERM or SIGINT, or until the process that started it exits. "
