@@ -1,7 +1,8 @@
 """One region's model, data, DP and privacy ledger, and the release of its updates.
 
 No Flower and no protocol here: the round (:mod:`fedciuic.region.round`) checks the
-instruction, applies the region's policy, seals and records; it asks :class:`Region` to
+instruction, applies the region's policy, seals and records; it asks :class:`Region` (the
+model and data, trained with DP against the dataset's :class:`RegionLedger`) to
 evaluate, and a :class:`Release` for the round's update (:meth:`Release.send`), the one
 place a release is noted: the update kept for resending, the ledger's record (the
 commit) and the ``trained`` note on the region's audit log that witnesses it. A region
@@ -340,6 +341,78 @@ def run_cap(target_epsilon: float, max_run_epsilon: float | None) -> tuple[float
     return target_epsilon, f"{target_epsilon:g} (target-epsilon)"
 
 
+class RegionLedger:
+    """The privacy ledger of a region's training data, in its state dir: opened against
+    what the region's audit log witnessed of it (a ledger rolled back behind it is a
+    :class:`~fedciuic.privacy.ledger.LedgerRolledBack`) and locked while a round reads
+    and charges it; and the step a round of this run is charged at its most."""
+
+    def __init__(self, run: RunConfig, node: NodeConfig, data: RegionData) -> None:
+        self.run, self.node, self.data, self.name = run, node, data, node.region
+
+    @property
+    def dp(self) -> DPSettings:
+        return self.run.privacy
+
+    @property
+    def path(self) -> Path:
+        return self.node.state_dir / LEDGER_FILE
+
+    @property
+    def audit_path(self) -> Path:
+        """The region's audit log, which witnesses the ledger's head after each release."""
+        return self.node.state_dir / REGION_LOG
+
+    def step(self) -> Step:
+        """This run's per-round step at its most: calibrated noise, Poisson rate,
+        local-steps. The budget checks before a round use it (the worst case); with a
+        local-time-budget the ledger records the steps actually taken."""
+        dp, local, n = self.dp, self.run.training, self.data.train.num_units
+        if dp.target_delta >= 1.0 / n:
+            raise PrivacyError(
+                f"run config:target-delta: {dp.target_delta:g} is not below 1/n = "
+                f"{1.0 / n:.3g} for region {self.name}'s {n} training {dp.unit}s; "
+                "choose a smaller delta"
+            )
+        rate = poisson_sample_rate(n, local.batch_size)
+        planned = self.run.num_server_rounds * local.steps
+        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.accountant)
+        return (noise, rate, local.steps)
+
+    @contextlib.contextmanager
+    def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
+        """The dataset's ledger, opened once (its audit log's witness of it read once)
+        and locked while the block runs, so that a round's projection for the policy
+        check, its release check and its training read one ledger. ``held``: the one a
+        session the caller opened holds already (the lock is not taken twice)."""
+        if held is not None:
+            yield held
+            return
+        with locked(self.path):
+            yield self._open()
+
+    def projected(self, ledger: PrivacyLedger | None = None) -> float | None:
+        """The dataset's cumulative epsilon if it trains one more round (None without DP),
+        for the policy check before training (``ledger``: a session's)."""
+        if not self.dp.enabled:
+            return None
+        step = self.step()
+        with self.session(ledger) as held:
+            return held.epsilon_after(step)
+
+    def _open(self) -> PrivacyLedger:
+        """The dataset's ledger, checked against what the region's audit log witnessed."""
+        return PrivacyLedger.open(
+            self.path,
+            region=self.name,
+            dataset=self.data.fingerprint,
+            delta=self.dp.target_delta,
+            accountant=self.dp.accountant,
+            unit=self.dp.unit,
+            witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
+        )
+
+
 class Region:
     """A region's model and data, loaded from its own data-path only."""
 
@@ -354,6 +427,7 @@ class Region:
         self.model = AdapterModel(spec)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
+        self.ledger = RegionLedger(run, node, self.data)
         #: With train-processes > 1: the region's training processes, started at its
         #: first round, kept across rounds, and started again after one fails.
         self._cluster: TrainingCluster | None = None
@@ -424,7 +498,7 @@ class Region:
         actually spent, with this round, must stay within the run's target epsilon
         and ``max_run_epsilon`` (the policy's ``max_epsilon_per_run``), and the
         dataset's whole history within its budget. ``ledger``: the one a session
-        (:meth:`ledger_session`) holds for this round, else it is opened here.
+        (:meth:`RegionLedger.session`) holds for this round, else it is opened here.
 
         ``keep`` writes the outcome to disk before the ledger records the release (the
         commit): a region stopped at any point either has no record, and trains the
@@ -435,7 +509,7 @@ class Region:
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
         with contextlib.ExitStack() as session:
-            held = session.enter_context(self.ledger_session(ledger)) if self.dp.enabled else None
+            held = session.enter_context(self.ledger.session(ledger)) if self.dp.enabled else None
             if held is None:
                 stats, privacy, record = self._train_clear(server_round, seed), None, None
             else:
@@ -495,35 +569,11 @@ class Region:
 
     @property
     def ledger_path(self) -> Path:
-        return self.node.state_dir / LEDGER_FILE
+        return self.ledger.path
 
     def privacy_step(self) -> Step:
-        """This run's per-round step at its most: calibrated noise, Poisson rate,
-        local-steps. The budget checks before a round use it (the worst case); with a
-        local-time-budget the ledger records the steps actually taken."""
-        dp, local, n = self.dp, self.local, self.data.train.num_units
-        if dp.target_delta >= 1.0 / n:
-            raise PrivacyError(
-                f"run config:target-delta: {dp.target_delta:g} is not below 1/n = "
-                f"{1.0 / n:.3g} for region {self.name}'s {n} training {dp.unit}s; "
-                "choose a smaller delta"
-            )
-        rate = poisson_sample_rate(n, local.batch_size)
-        planned = self.run.num_server_rounds * local.steps
-        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.accountant)
-        return (noise, rate, local.steps)
-
-    @contextlib.contextmanager
-    def ledger_session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
-        """The dataset's ledger, opened once (its audit log's witness of it read once)
-        and locked while the block runs, so that a round's projection for the policy
-        check, its release check and its training read one ledger. ``held``: the one a
-        session the caller opened holds already (the lock is not taken twice)."""
-        if held is not None:
-            yield held
-            return
-        with locked(self.ledger_path):
-            yield self._ledger()
+        """This run's per-round step at its most (:meth:`RegionLedger.step`)."""
+        return self.ledger.step()
 
     def check_round(self, server_round: int) -> None:
         """Refuse a round number outside this run's 1..num-server-rounds: the noise is
@@ -539,30 +589,11 @@ class Region:
 
     @property
     def audit_path(self) -> Path:
-        """The region's audit log, which witnesses the ledger's head after each release."""
-        return self.node.state_dir / REGION_LOG
+        return self.ledger.audit_path
 
     def projected_epsilon(self, ledger: PrivacyLedger | None = None) -> float | None:
-        """The dataset's cumulative epsilon if it trains one more round (None without DP),
-        for the policy check before training (``ledger``: a session's)."""
-        if not self.dp.enabled:
-            return None
-        step = self.privacy_step()
-        with self.ledger_session(ledger) as held:
-            return held.epsilon_after(step)
-
-    def _ledger(self) -> PrivacyLedger:
-        """The dataset's ledger, checked against what the region's audit log witnessed
-        (a ledger rolled back behind it is a :class:`~fedciuic.privacy.ledger.LedgerRolledBack`)."""
-        return PrivacyLedger.open(
-            self.ledger_path,
-            region=self.name,
-            dataset=self.data.fingerprint,
-            delta=self.dp.target_delta,
-            accountant=self.dp.accountant,
-            unit=self.dp.unit,
-            witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
-        )
+        """The dataset's epsilon after one more round (:meth:`RegionLedger.projected`)."""
+        return self.ledger.projected(ledger)
 
     def _train_private(
         self,
@@ -738,7 +769,7 @@ class Release:
         kept = sent.load(run_id, server_round)
         with contextlib.ExitStack() as session:
             private = region.dp.enabled
-            ledger = session.enter_context(region.ledger_session()) if private else None
+            ledger = session.enter_context(region.ledger.session()) if private else None
             yield cls(
                 region, audit, sent, kept, run_id=run_id, server_round=server_round, ledger=ledger
             )
@@ -751,7 +782,7 @@ class Release:
         region = self.region
         if not region.dp.enabled or (self.ledger is None and not region.ledger_path.exists()):
             return False
-        with region.ledger_session(self.ledger) as held:
+        with region.ledger.session(self.ledger) as held:
             return any(
                 r.run_id == self.run_id and r.round == self.server_round for r in held.rounds
             )
