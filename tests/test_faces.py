@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +168,35 @@ def test_no_class_is_longer_than_the_bound():
         and (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_CLASS_LINES
     ]
     assert not long, long
+
+
+#: What a light face must not import: the model libraries (seconds each, and the relay
+#: and every `fedciuic` command would pay for them).
+HEAVY = ("torch", "transformers", "peft", "opacus", "datasets", "presidio_analyzer")
+
+
+def _eager(package: str) -> bool:
+    source = (LIBRARY / package / "__init__.py").read_text(encoding="utf-8")
+    return "__getattr__ = face(" not in source
+
+
+def _heavy_after(module: str) -> list[str]:
+    """The model libraries a fresh interpreter holds once it has imported ``module``."""
+    loaded = f"[m for m in {HEAVY!r} if m in sys.modules]"
+    probe = f"import {module}, json, sys; print(json.dumps({loaded}))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    return list(json.loads(done.stdout))
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if _eager(p)])
+def test_a_face_that_imports_at_once_imports_no_model_library(package):
+    """A light package's face imports its names at once; one whose modules reach torch
+    (the aggregator's round, a run's summary) loads them on first use instead."""
+    assert _heavy_after(f"fedciuic.{package}") == []
+
+
+def test_the_command_line_imports_no_model_library():
+    """Every `fedciuic` command (start.sh runs several) starts without torch."""
+    assert _heavy_after("fedciuic.ops.cli") == []

@@ -4,4 +4,11 @@ each does; ``simulate``), the deployment folder
 ``templates/``), a run's outputs, progress and reports (``outputs``, ``progress``,
 ``run_report``). Imported by the command line, never by the library below it."""
 
-from fedciuic.ops.outputs import summarize as summarize
+from typing import TYPE_CHECKING
+
+from fedciuic.faces import face
+
+if TYPE_CHECKING:
+    from fedciuic.ops.outputs import summarize as summarize
+
+__getattr__ = face(__name__)  # each name imported on first use: torch is behind them
