@@ -36,7 +36,7 @@ def _child(what: str, preset: str) -> dict[str, float]:
 
     preset_tokenizer(preset)  # trained and cached once, outside the measurement
     before = _hwm_bytes()
-    spec = ModelSpec(preset=preset)
+    spec = ModelSpec(model_preset=preset)
     if what == "aggregator":
         layout = AdapterLayout.of(spec)
         adapter = sum(a.nbytes for a in layout.initial.values())

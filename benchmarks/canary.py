@@ -282,7 +282,7 @@ def plant(
                 )
                 raw = parse_record(canary.record(), run.fields)
                 scrubbed = scrub_record(raw, scrubber, "", "")
-                if min(bucket_of(raw), bucket_of(scrubbed)) >= run.eval_fraction:
+                if min(bucket_of(raw), bucket_of(scrubbed)) >= run.data.eval_fraction:
                     break
             # What scrubbing does to it: an identifier's answer changes, a sentence's not.
             changed = scrubbed.messages[1][1] != raw.messages[1][1]
@@ -430,14 +430,20 @@ def train_setting(
     try:
         model = region.model
         scorer = scorer or Scorer(region, canaries, args.candidates, args.seed)
-        row: dict[str, Any] = {"setting": name, "dp": run.dp, "deidentify": run.deidentify}
+        row: dict[str, Any] = {
+            "setting": name,
+            "dp": run.privacy.dp,
+            "deidentify": run.deid.deidentify,
+        }
         deid = region.data.summary.deid
         row["scrubbed"] = deid.counts if deid is not None else {}
         row["train_examples"] = len(region.data.train)
         row["eval_examples"] = len(region.data.eval)
         if name != UNTRAINED:
             row |= train(region)
-        row["eval_loss"] = evaluate(model, region.data.eval, batch_size=run.batch_size).loss
+        row["eval_loss"] = evaluate(
+            model, region.data.eval, batch_size=run.training.batch_size
+        ).loss
         row["canaries"] = scorer.exposures(region, canaries)
     finally:
         region.close()
@@ -489,7 +495,7 @@ def parameters(
     private = next((r for r in rows if r["dp"]), {})
     n = args.candidates
     return {
-        "preset": config.model_preset,
+        "preset": config.model.model_preset,
         "region": REGION,
         "k": args.k,
         "canaries": {kind: sum(c.fmt.kind == kind for c in canaries) for kind in KINDS},
@@ -499,21 +505,21 @@ def parameters(
         "exposure_ceiling": math.log2(n + 1),
         "chance_exposure": chance_exposure(n)[0],
         "chance_exposure_sd": chance_exposure(n)[1],
-        "rounds": config.num_server_rounds,
-        "steps": config.local_steps,
-        "learning_rate": config.learning_rate,
-        "optimizer": config.optimizer,
-        "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
-        "adapter_mode": config.adapter_mode,
-        "lora_rank": config.lora_rank,
-        "lora_targets": config.lora_targets,
-        "deid_entities": list(config.deid_entities),
-        "deid_replacement": config.deid_replacement,
-        "privacy_unit": config.privacy_unit,
-        "max_examples_per_unit": config.max_examples_per_unit,
-        "max_grad_norm": config.max_grad_norm,
-        "target_epsilon": config.target_epsilon,
+        "rounds": config.schedule.num_server_rounds,
+        "steps": config.training.local_steps,
+        "learning_rate": config.training.learning_rate,
+        "optimizer": config.training.optimizer,
+        "batch_size": config.training.batch_size,
+        "seq_len": config.training.seq_len,
+        "adapter_mode": config.model.adapter_mode,
+        "lora_rank": config.model.lora_rank,
+        "lora_targets": config.model.lora_targets,
+        "deid_entities": list(config.deid.deid_entities),
+        "deid_replacement": config.deid.deid_replacement,
+        "privacy_unit": config.privacy.privacy_unit,
+        "max_examples_per_unit": config.privacy.max_examples_per_unit,
+        "max_grad_norm": config.privacy.max_grad_norm,
+        "target_epsilon": config.privacy.target_epsilon,
         "epsilon": private.get("epsilon"),
         "delta": private.get("delta"),
         "noise_multiplier": private.get("noise_multiplier"),

@@ -113,20 +113,22 @@ def _child(
 
     tokenizer = preset_tokenizer(preset)
     before = _hwm_bytes()
-    run = RunConfig(
-        regions=("eu",),
-        num_server_rounds=1,
-        seed=0,
-        local_steps=1,
-        batch_size=8,
-        learning_rate=0.1,
-        seq_len=seq_len,
-        max_eval_examples=128,
-        eval_fraction=0.01,
-        node_wait_timeout=1,
-        round_timeout=1,
-        privacy_unit="user",
-        deidentify=deidentify,
+    run = RunConfig.model_validate(
+        {
+            "regions": ("eu",),
+            "num_server_rounds": 1,
+            "seed": 0,
+            "local_steps": 1,
+            "batch_size": 8,
+            "learning_rate": 0.1,
+            "seq_len": seq_len,
+            "max_eval_examples": 128,
+            "eval_fraction": 0.01,
+            "node_wait_timeout": 1,
+            "round_timeout": 1,
+            "privacy_unit": "user",
+            "deidentify": deidentify,
+        }
     )
     node = NodeConfig(region="eu", data_path=str(data), state_path=str(state))
     start = time.perf_counter()

@@ -1360,7 +1360,7 @@ def scrub_all(root: Path, scrubber: Scrubber, name: str) -> Pass:
     with tempfile.TemporaryDirectory(prefix="fedciuic-deid-bench-") as scratch:
         # read_rows' options as this version has them (a datasets cache folder before
         # issue 46's bounded reading, the record size limit after it).
-        options: dict[str, Any] = {"text_field": fields.text}
+        options: dict[str, Any] = {"text_field": fields.text_field}
         accepted = inspect.signature(read_rows).parameters
         if "cache_dir" in accepted:
             options["cache_dir"] = Path(scratch)

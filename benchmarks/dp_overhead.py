@@ -119,7 +119,7 @@ def make_step(
 
 def spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
-        preset=args.preset,
+        model_preset=args.preset,
         lora_rank=args.lora_rank,
         lora_alpha=2 * args.lora_rank,
         lora_targets=args.lora_targets,

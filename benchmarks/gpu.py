@@ -74,7 +74,7 @@ def shaped_checkpoint(directory: Path, model_type: str, shape: dict[str, Any]) -
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """One case, in this process: steps of DP-SGD (hooks) or plain AdamW."""
     spec = ModelSpec(
-        path=case["path"],
+        model_path=case["path"],
         dtype="bf16",
         quantization=case["quantization"],
         lora_rank=8,
@@ -129,7 +129,9 @@ def main() -> int:
         wanted = args.model or ["small", *SHAPED]
         models = {}
         if "small" in wanted:
-            models["small"] = save_model_checkpoint(ModelSpec(preset="small"), Path(tmp) / "small")
+            models["small"] = save_model_checkpoint(
+                ModelSpec(model_preset="small"), Path(tmp) / "small"
+            )
         for name, (model_type, shape) in SHAPED.items():
             if name in wanted:
                 models[name] = shaped_checkpoint(Path(tmp) / name, model_type, shape)

@@ -48,7 +48,7 @@ def one_round(run: RunConfig, data: Path, state: Path, processes: int) -> dict[s
     return {
         "processes": processes,
         "device": str(region.model.device),
-        "seconds_per_step": seconds / run.local_steps,
+        "seconds_per_step": seconds / run.training.local_steps,
         "epsilon": outcome.privacy.epsilon,
         "workers_left": left,
     }

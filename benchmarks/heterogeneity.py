@@ -215,7 +215,7 @@ def make_evaluator(config: dict[str, Any]) -> Any:
     values = {**app_run_config(ROOT), **config, "test-region-slowdown": ""}
     run = RunConfig.from_user_config(values, source="benchmark run config")
     regions = [
-        open_region(run, NodeConfig(region=r, data_path=str(Path(run.data_root) / r)))
+        open_region(run, NodeConfig(region=r, data_path=str(Path(run.data.data_root) / r)))
         for r in REGIONS
     ]
 

@@ -105,19 +105,21 @@ def _child(data: Path, state: Path) -> dict[str, object]:
     from fedciuic.model.presets import preset_tokenizer
 
     tokenizer = preset_tokenizer("tiny")
-    run = RunConfig(
-        regions=("eu",),
-        num_server_rounds=1,
-        seed=0,
-        local_steps=1,
-        batch_size=2,
-        learning_rate=0.1,
-        seq_len=256,
-        max_eval_examples=128,
-        eval_fraction=0.3,
-        node_wait_timeout=1,
-        round_timeout=1,
-        deidentify=False,
+    run = RunConfig.model_validate(
+        {
+            "regions": ("eu",),
+            "num_server_rounds": 1,
+            "seed": 0,
+            "local_steps": 1,
+            "batch_size": 2,
+            "learning_rate": 0.1,
+            "seq_len": 256,
+            "max_eval_examples": 128,
+            "eval_fraction": 0.3,
+            "node_wait_timeout": 1,
+            "round_timeout": 1,
+            "deidentify": False,
+        }
     )
     node = NodeConfig(region="eu", data_path=str(data), state_path=str(state))
     baseline = _rss("VmRSS")

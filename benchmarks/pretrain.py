@@ -249,7 +249,7 @@ def train(recipe: Recipe, rows: torch.Tensor) -> dict[str, Any]:
     device = default_device()
     dtype = recipe.compute_dtype(device)
     with _private_base():  # the random init every party builds, in fp32 master weights
-        spec = ModelSpec(preset=recipe.preset, seed=recipe.seed, dtype="fp32")
+        spec = ModelSpec(model_preset=recipe.preset, seed=recipe.seed, dtype="fp32")
         model = build_base(spec, device).model.requires_grad_(True).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, betas=(0.9, 0.95), fused=True)
@@ -326,7 +326,7 @@ def base_losses(
                 region=region, data_path=str(Path(tmp) / region), state_path=f"{tmp}/{region}-state"
             )
             data = load_region_data(run, node, model.tokenizer)
-            stats = evaluate(model, data.eval, batch_size=run.batch_size)
+            stats = evaluate(model, data.eval, batch_size=run.training.batch_size)
             regions[region], examples[region] = round(stats.loss, 4), stats.num_examples
     demo = sum(regions[r] * examples[r] for r in regions) / sum(examples.values())
     return {

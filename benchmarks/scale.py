@@ -388,7 +388,7 @@ def adapter_entries(preset: str, rank: int) -> int:
     from fedciuic.config import ModelSpec
     from fedciuic.model.adapter import AdapterLayout
 
-    layout = AdapterLayout.of(ModelSpec(preset=preset, lora_rank=rank, lora_alpha=2 * rank))
+    layout = AdapterLayout.of(ModelSpec(model_preset=preset, lora_rank=rank, lora_alpha=2 * rank))
     return int(sum(a.size for a in layout.initial.values()))
 
 

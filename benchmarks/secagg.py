@@ -59,7 +59,7 @@ CLIP = 1.0
 
 
 def size_of(mode: AdapterMode) -> int:
-    layout = AdapterLayout.of(ModelSpec(preset="realistic", adapter_mode=mode, lora_rank=64))
+    layout = AdapterLayout.of(ModelSpec(model_preset="realistic", adapter_mode=mode, lora_rank=64))
     return sum(int(np.prod(a.shape)) for a in layout.initial.values())
 
 

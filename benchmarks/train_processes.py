@@ -66,7 +66,7 @@ def region(preset: str, processes: int, root: Path, args: argparse.Namespace) ->
 
 def one_process(r: Region, steps: int) -> float:
     """Seconds per DP-SGD step of ``steps`` steps in this process alone."""
-    rate = poisson_sample_rate(r.data.train.num_units, r.run.batch_size)
+    rate = poisson_sample_rate(r.data.train.num_units, r.run.training.batch_size)
     trainer = PrivateTrainer.for_run(
         r.model, r.data.train, r.local, r.dp, noise_multiplier=NOISE, seed=0
     )
@@ -81,7 +81,7 @@ def one_process(r: Region, steps: int) -> float:
 
 def two_processes(r: Region, steps: int) -> float:
     """Seconds per DP-SGD step of ``steps`` steps over the region's 2 processes."""
-    rate = poisson_sample_rate(r.data.train.num_units, r.run.batch_size)
+    rate = poisson_sample_rate(r.data.train.num_units, r.run.training.batch_size)
     command = TrainCommand(dp=True, noise_multiplier=NOISE, sample_rate=rate, seed=1, steps=steps)
     began = time.perf_counter()
     r._train_cluster(command)

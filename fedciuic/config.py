@@ -8,13 +8,11 @@ so that every value is checked in one place and all problems are reported at onc
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import re
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, cast, get_args, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 from pydantic import (
     BaseModel,
@@ -26,6 +24,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from fedciuic.compression import Codec, get_codec
@@ -66,18 +65,6 @@ def aggregation_rule(method: str) -> tuple[str, float | None]:
             return name, trim
         raise ValueError(f"trimmed-mean:{arg}: the trimmed fraction must be in [0, 0.5)")
     raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The optimiser the aggregator steps with on each aggregate
-    (``RunConfig.server``)."""
-
-    name: str = "none"
-    learning_rate: float = 1.0
-    momentum: float = 0.9
-    beta2: float = 0.99
-    epsilon: float = 1e-3
 
 
 #: What one DP guarantee covers, weakest first: one record, or everything one user
@@ -174,6 +161,11 @@ class _Strict(BaseModel):
     unknown_key_hint: ClassVar[str | None] = None
 
     @classmethod
+    def known_keys(cls) -> list[str]:
+        """The keys a user writes (kebab-case)."""
+        return [field.alias or name for name, field in cls.model_fields.items()]
+
+    @classmethod
     def from_user_config(
         cls, values: Mapping[str, Any], *, source: str, ignore_unknown: bool = False
     ) -> Self:
@@ -186,7 +178,7 @@ class _Strict(BaseModel):
         """
         data = dict(values)
         if ignore_unknown:
-            known = {field.alias or name for name, field in cls.model_fields.items()}
+            known = cls.known_keys()
             data = {k: v for k, v in data.items() if k in known}
         try:
             return cls.model_validate(data)
@@ -195,9 +187,18 @@ class _Strict(BaseModel):
 
 
 def _describe(err: ValidationError, source: str, model: type[_Strict]) -> list[str]:
-    problems = []
+    """Each problem as ``source:key: message``, by the flat key a user wrote (a section's
+    field by its own key; a check across sections names its key in its message)."""
+    problems: list[str] = []
     for item in err.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "(all)"
+        loc = [str(p) for p in item["loc"]]
+        if not loc and item["type"] == "value_error":
+            text = item["msg"].removeprefix("Value error, ")
+            problems.extend(f"{source}:{line}" for line in text.splitlines())
+            continue
+        if len(loc) > 1 and loc[0] in model.model_fields:
+            loc = loc[1:]
+        field = ".".join(loc) or "(all)"
         if item["type"] == "extra_forbidden" and model.unknown_key_hint is not None:
             problems.append(f"{source}:{field}: {_unknown_key(field, model)}")
             continue
@@ -209,8 +210,7 @@ def _describe(err: ValidationError, source: str, model: type[_Strict]) -> list[s
 
 def _unknown_key(key: str, model: type[_Strict]) -> str:
     """An unknown key's problem and fix: the known key it is nearest to, if any."""
-    known = [field.alias or name for name, field in model.model_fields.items()]
-    nearest = difflib.get_close_matches(_kebab(key), known, n=1)
+    nearest = difflib.get_close_matches(_kebab(key), model.known_keys(), n=1)
     if nearest:
         return f"unknown key; did you mean {nearest[0]}?"
     return f"unknown key; remove it ({model.unknown_key_hint})"
@@ -235,60 +235,6 @@ def _split_region_table(value: Any, info: ValidationInfo) -> Any:
     return tuple(table)
 
 
-def _check_region_table(
-    value: tuple[tuple[str, float], ...], info: ValidationInfo
-) -> tuple[tuple[str, float], ...]:
-    regions = info.data.get("regions", ())
-    unknown = [r for r, _ in value if r not in regions]
-    if unknown:
-        raise ValueError(f"{unknown} are not regions of this run ({', '.join(regions)})")
-    _, _, low, high, what = REGION_TABLES[info.field_name or ""]
-    bad = [r for r, n in value if not low <= n <= high]
-    if bad:
-        raise ValueError(f"{bad}: {what} is {low:g} to {high:g}")
-    return value
-
-
-def _check_secure(value: bool, info: ValidationInfo) -> bool:
-    """What a secure sum needs of the rest of the run (docs/secure-aggregation.md)."""
-    if not value:
-        return value
-    data = info.data
-    needs = [
-        (data.get("aggregation_mode") == "sync", 'aggregation-mode = "sync" (one sum a round)'),
-        (
-            data.get("aggregation") == "fedavg",
-            'aggregation = "fedavg": a robust rule (median, trimmed mean) needs each update, '
-            "and with secure aggregation the aggregator sees only their sum",
-        ),
-        (data.get("seal", True), "seal = true (the regions sign and seal what they send)"),
-        (
-            data.get("max_update_norm", 0) > 0,
-            "max-update-norm > 0 (each region clips its update to it before masking)",
-        ),
-        (
-            not getattr(data.get("codec"), "sparse", False),
-            f"a dense codec, not codec = {str(data.get('codec'))!r}: each region's top-k "
-            "keeps its own coordinates, and a coordinate only one region kept would carry "
-            "that region's value alone in the unmasked sum",
-        ),
-    ]
-    missing = [need for ok, need in needs if not ok]
-    if missing:
-        raise ValueError("true needs " + "; ".join(missing))
-    return value
-
-
-def _check_secure_threshold(value: int, info: ValidationInfo) -> int:
-    regions = len(info.data.get("regions", ()))
-    if value and not regions // 2 < value <= regions:
-        raise ValueError(
-            f"{value}: a secure sum is unmasked from more than half of the {regions} regions "
-            f"and at most all of them: use {regions // 2 + 1} to {regions} (0: {regions // 2 + 1})"
-        )
-    return value
-
-
 def _check_noise_share(value: float, info: ValidationInfo) -> float:
     if value and not info.data.get("secure_aggregation"):
         raise ValueError(
@@ -298,18 +244,17 @@ def _check_noise_share(value: float, info: ValidationInfo) -> float:
     return value
 
 
-class RunConfig(_Strict):
-    """The run config shared by the ServerApp and every ClientApp."""
+class ModelSpec(_Strict):
+    """Which base, which adapter, what precision (:attr:`RunConfig.model`): a preset
+    (seeded random init) or a checkpoint directory."""
 
-    unknown_key_hint: ClassVar[str | None] = (
-        "the run config's keys are those of pyproject.toml's [tool.flwr.app.config]"
-    )
+    model_config = ConfigDict(protected_namespaces=())
 
-    regions: tuple[str, ...] = Field(min_length=1)
-    num_server_rounds: int = Field(ge=1, le=10_000)
-    seed: int = Field(ge=0)
     model_preset: str = "tiny"
     model_path: str = ""
+    #: The run's seed: the preset's random init and the fixed adapter factors, which every
+    #: party derives from it (required in a run config).
+    seed: int = Field(default=0, ge=0)
     lora_rank: int = Field(default=8, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1)
     #: auto (attention projections of the model's family), auto+mlp (and the dense and
@@ -331,35 +276,86 @@ class RunConfig(_Strict):
     #: machine and simulated regions; a deployed region goes by its own agent config's
     #: allow-pickle-weights, never by this (docs/models.md).
     allow_pickle_weights: bool = False
+
+
+class Fields(_Strict):
+    """The field names of each shape in this federation's records (docs/data.md)."""
+
+    text_field: str = Field(default="text", min_length=1)
+    prompt_field: str = Field(default="prompt", min_length=1)
+    response_field: str = Field(default="response", min_length=1)
+    messages_field: str = Field(default="messages", min_length=1)
+    #: Where a record names its user (user-level DP, privacy-unit = "user").
+    user_id_field: str = Field(default="user_id", min_length=1)
+
+
+class DataSettings(_Strict):
+    """How a region reads its records and holds some back (docs/data.md)."""
+
+    #: Simulation: data-root/<region> is each region's data.
+    data_root: str = ""
+    #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
+    bad_rows: Literal["refuse", "skip"] = "refuse"
+    #: A non-text record longer than seq-len: ``right`` keeps its first seq-len tokens (a
+    #: record with no response token among them is dropped); ``left`` cuts its prompt from
+    #: the start so that the response fits (docs/data.md).
+    truncation_side: TruncationSide = "right"
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
+    max_eval_examples: int = Field(ge=1)
+    eval_fraction: float = Field(gt=0, lt=1)
+
+
+class LocalTraining(_Strict):
+    """A region's training each round."""
+
     #: Local DP-SGD (or SGD) steps per round; with a local-time-budget, the most a round takes.
     local_steps: int = Field(ge=1)
     #: Seconds of local training per round (0: off, every round takes local-steps). The
     #: step count is planned from the budget before the first step (docs/heterogeneity.md).
     local_time_budget: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    batch_size: int = Field(ge=1)
+    learning_rate: float = Field(gt=0)
+    optimizer: LocalOptimizer = "adamw"
     #: FedProx: local training adds (mu / 2) * ||w - w_global||^2 (0: off). Data-independent,
     #: so it costs no privacy (docs/privacy.md).
     proximal_mu: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: pyproject.toml's value too; `fedciuic data check` counts records at it by default.
+    seq_len: int = Field(default=256, ge=8, le=32_768)
     #: Tests and benchmarks only: some regions' training made this many times slower
     #: (``"us=4"``), by sleeping after each step. Never set it in a real federation.
     test_region_slowdown: tuple[tuple[str, float], ...] = ()
-    batch_size: int = Field(ge=1)
-    learning_rate: float = Field(gt=0)
-    #: pyproject.toml's value too; `fedciuic data check` counts records at it by default.
-    seq_len: int = Field(default=256, ge=8, le=32_768)
-    max_eval_examples: int = Field(ge=1)
-    eval_fraction: float = Field(gt=0, lt=1)
+
+    _split_tables = field_validator("test_region_slowdown", mode="before")(_split_region_table)
+
+    def slowdown(self, region: str) -> float:
+        """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""
+        return dict(self.test_region_slowdown).get(region, 1.0)
+
+
+class ServerSettings(_Strict):
+    """The optimiser the aggregator steps with on each aggregate (Reddi et al. 2021)."""
+
     server_learning_rate: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    #: What the aggregator does with the aggregated delta (Reddi et al. 2021): ``none``
-    #: (add it, times server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
+    #: What the aggregator does with the aggregated delta: ``none`` (add it, times
+    #: server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
     server_optimizer: OptimizerName = "none"
     #: fedavgm's momentum; fedadam's and fedyogi's beta1.
     server_momentum: float = Field(default=0.9, ge=0, lt=1)
     #: fedadam's and fedyogi's beta2, and their adaptivity tau (Reddi et al.'s epsilon).
     server_beta2: float = Field(default=0.99, ge=0, lt=1)
     server_epsilon: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
+
+
+class Schedule(_Strict):
+    """The aggregator's loop (docs/heterogeneity.md)."""
+
+    num_server_rounds: int = Field(ge=1, le=10_000)
     #: ``sync``: each round waits for every asked region (up to round-timeout); ``buffered``:
     #: a new global adapter as soon as buffer-size updates have arrived (FedBuff).
     aggregation_mode: AggregationMode = "sync"
+    min_regions: int = Field(default=1, ge=1)
+    node_wait_timeout: float = Field(gt=0)
+    round_timeout: float = Field(gt=0)
     #: Buffered mode: updates per published global adapter (at most the number of regions).
     buffer_size: int = Field(default=2, ge=1)
     #: Buffered mode: an update computed against a global adapter more than this many
@@ -368,15 +364,33 @@ class RunConfig(_Strict):
     #: A region that misses this many rounds in a row is marked unavailable: rounds stop
     #: waiting for it until it answers again (0: never).
     max_missed_rounds: int = Field(default=3, ge=0)
-    #: How many of the latest aggregator checkpoints to keep (resume-from may name any).
-    keep_checkpoints: int = Field(default=1, ge=1, le=10_000)
-    data_root: str = ""
-    output_dir: str = "runs"
-    node_wait_timeout: float = Field(gt=0)
-    round_timeout: float = Field(gt=0)
-    min_regions: int = Field(default=1, ge=1)
-    optimizer: LocalOptimizer = "adamw"
-    # Differential privacy (DP-SGD with Opacus) in every region.
+
+    @property
+    def buffered(self) -> bool:
+        return self.aggregation_mode == BUFFERED
+
+    @property
+    def staleness_allowed(self) -> int:
+        """Sync rounds take an update only against the current version; buffered mode
+        weighs older ones down, up to max-staleness versions."""
+        return self.max_staleness if self.buffered else 0
+
+    def staleness_refused(self, version: int, staleness: int) -> str:
+        """Why an update computed against global ``version``, ``staleness`` versions
+        old, is refused."""
+        if self.buffered:
+            rule = f"over max-staleness {self.max_staleness}"
+        else:
+            rule = (
+                "a sync round uses an update only against the current global adapter "
+                '(aggregation-mode = "buffered" weighs older ones down)'
+            )
+        return f"computed against global version {version}, {staleness} version(s) old; {rule}"
+
+
+class DPSettings(_Strict):
+    """DP-SGD (with Opacus) in every region (docs/privacy.md)."""
+
     dp: bool = True
     #: Half the default lifetime budget: a trial run leaves room for more (docs/privacy.md).
     target_epsilon: float = Field(default=4.0, gt=0)
@@ -395,81 +409,9 @@ class RunConfig(_Strict):
     #: (user-level DP-SGD: users are sampled and each user's gradient is clipped; the
     #: records name their user in ``user-id-field``). docs/privacy.md.
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
-    user_id_field: str = Field(default="user_id", min_length=1)
     #: At most this many of one unit's examples (a user's records, a long record's
     #: chunks) in a DP-SGD step; their mean gradient is clipped as one.
     max_examples_per_unit: int = Field(default=4, ge=1, le=1024)
-    # A region's records (docs/data.md): the field names of each record shape.
-    text_field: str = Field(default="text", min_length=1)
-    prompt_field: str = Field(default="prompt", min_length=1)
-    response_field: str = Field(default="response", min_length=1)
-    messages_field: str = Field(default="messages", min_length=1)
-    #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
-    bad_rows: Literal["refuse", "skip"] = "refuse"
-    #: A non-text record longer than seq-len: ``right`` keeps its first seq-len tokens (a
-    #: record with no response token among them is dropped); ``left`` cuts its prompt from
-    #: the start so that the response fits (docs/data.md).
-    truncation_side: TruncationSide = "right"
-    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
-    # A region as a cluster (docs/cluster.md): local training as a torch.distributed
-    # job of this many processes (one per GPU; gloo on CPU); a node config's value wins.
-    train_processes: int = Field(default=1, ge=1, le=1024)
-    #: In simulation (no node config of their own): some regions' own count, as
-    #: ``"eu=2,us=1"``; deployed regions say it in their node config.
-    region_train_processes: tuple[tuple[str, int], ...] = ()
-    #: Seconds any collective set-up or operation between a region's training
-    #: processes may wait before the round fails for that region (never a hang).
-    collective_timeout: float = Field(default=600.0, gt=0)
-    # Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md).
-    seal: bool = True
-    seal_suite: Suite = "xwing-aes256gcm"
-    keys_dir: str = ""
-    max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
-    # Compression of each update after DP, before sealing (docs/compression.md).
-    codec: CodecSpec = get_codec("int8")
-    # Validation and aggregation of updates (docs/robustness.md): an update whose
-    # decoded delta has a larger L2 norm is rejected (or clipped); 0 turns the bound off.
-    max_update_norm: float = Field(default=50.0, ge=0)
-    update_norm_action: NormAction = "reject"
-    max_examples: int = Field(default=10_000_000, ge=1)
-    aggregation: str = "fedavg"
-    # Jurisdiction policies (policies/README.md). Where the aggregator (ServerApp)
-    # and the relay (SuperLink) sit; the relay defaults to the aggregator's place.
-    aggregator_jurisdiction: str = "EU"
-    relay_jurisdiction: str = ""
-    #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
-    #: in simulation also where each region finds its own.
-    policies_dir: str = ""
-    #: Off only for lab baselines: in simulation it switches both ends off; a deployed
-    #: region always enforces the policy its own node config names.
-    enforce_policies: bool = True
-    #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
-    audit_dir: str = ""
-    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint, or one of its
-    #: kept checkpoints (output-dir/run-<id>/checkpoint/round-NNNN).
-    resume_from: str = ""
-    # Secure aggregation (docs/secure-aggregation.md): the aggregator learns the sum of
-    # the regions' updates (each clipped to max-update-norm in its region) and no more.
-    secure_aggregation: bool = False
-    #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
-    secure_threshold: int = Field(default=0, ge=0)
-    #: Bits per value of a masked update: the ring the sum is taken in.
-    secure_ring_bits: int = Field(default=24, ge=12, le=62)
-    #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
-    #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
-    distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-
-    # De-identification before tokenising (:class:`DeidSettings`; simulation: a folder
-    # of REGION.txt dictionaries, a deployed region names its own deid-dictionary).
-    deidentify: bool = True
-    deid_entities: tuple[str, ...] = (DIRECT_WORD, NAMES_WORD)
-    deid_replacement: Replacement = "placeholder"
-    deid_dictionaries: str = ""
-
-    _entities = field_validator("deid_entities", mode="before")(listed_entities)
-    _secure = field_validator("secure_aggregation")(_check_secure)
-    _threshold = field_validator("secure_threshold")(_check_secure_threshold)
-    _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
 
     @field_validator("insecure_reproducible_noise")
     @classmethod
@@ -480,81 +422,6 @@ class RunConfig(_Strict):
                 "whoever knows the run's seed (tests only)"
             )
         return value
-
-    # -- sections: what each stage takes, from the flat keys (built on each access, so that
-    # -- a model_copy with other keys never carries a stale one)
-
-    @property
-    def model(self) -> ModelSpec:
-        """Which base, which adapter, what precision."""
-        return section(ModelSpec, self)
-
-    @property
-    def fields(self) -> Fields:
-        """The data section's field names: where each shape of record keeps its parts."""
-        return section(Fields, self)
-
-    @property
-    def server(self) -> ServerSettings:
-        """The server optimiser's section (``server-*`` keys)."""
-        return ServerSettings(
-            self.server_optimizer,
-            learning_rate=self.server_learning_rate,
-            momentum=self.server_momentum,
-            beta2=self.server_beta2,
-            epsilon=self.server_epsilon,
-        )
-
-    @property
-    def privacy(self) -> DPSettings:
-        """DP-SGD's section: the guarantee asked for and how the noise is drawn."""
-        return section(DPSettings, self)
-
-    @property
-    def training(self) -> LocalTraining:
-        """A region's local training each round."""
-        return section(LocalTraining, self)
-
-    @property
-    def schedule(self) -> Schedule:
-        """Who the aggregator asks, when, and how long it waits."""
-        return section(Schedule, self)
-
-    @property
-    def sealing(self) -> SealSettings:
-        """Whether and how updates are sealed."""
-        return section(SealSettings, self)
-
-    @property
-    def policy(self) -> PolicySettings:
-        """Where the policies are and where the parties sit."""
-        return section(PolicySettings, self)
-
-    @property
-    def secure(self) -> SecureSettings:
-        """Secure aggregation: whether, from how many regions, how many bits, what noise."""
-        return section(SecureSettings, self)
-
-    @property
-    def deid(self) -> DeidSettings:
-        """De-identification: whether, which identifiers, replaced by what."""
-        return section(DeidSettings, self)
-
-    @property
-    def compression(self) -> UpdateRules:
-        """How an update is coded, and what the aggregator accepts of one."""
-        return section(UpdateRules, self)
-
-    def canonical_json(self) -> str:
-        """This config as the aggregator signs it into every instruction: kebab-case keys,
-        sorted, compact; :meth:`from_user_config` reads it back to the same config."""
-        values = self.model_dump(by_alias=True, mode="json")
-        for name in REGION_TABLES:
-            key = _kebab(name)
-            values[key] = ",".join(f"{region}={number}" for region, number in values[key])
-        values["regions"] = ",".join(values["regions"])
-        values["deid-entities"] = ",".join(values["deid-entities"])
-        return json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @property
     def noise_warning(self) -> str | None:
@@ -571,6 +438,237 @@ class RunConfig(_Strict):
                 "for production runs."
             )
         return None
+
+
+class ClusterSettings(_Strict):
+    """A region as a cluster (docs/cluster.md): local training as a torch.distributed job
+    of this many processes (one per GPU; gloo on CPU); a node config's value wins."""
+
+    train_processes: int = Field(default=1, ge=1, le=1024)
+    #: In simulation (no node config of their own): some regions' own count, as
+    #: ``"eu=2,us=1"``; deployed regions say it in their node config.
+    region_train_processes: tuple[tuple[str, int], ...] = ()
+    #: Seconds any collective set-up or operation between a region's training
+    #: processes may wait before the round fails for that region (never a hang).
+    collective_timeout: float = Field(default=600.0, gt=0)
+
+    _split_tables = field_validator("region_train_processes", mode="before")(_split_region_table)
+
+
+class SealSettings(_Strict):
+    """Sealed updates: X-Wing + AES-256-GCM (or Fernet), signed (docs/envelope.md)."""
+
+    seal: bool = True
+    seal_suite: Suite = "xwing-aes256gcm"
+    keys_dir: str = ""
+
+
+class UpdateRules(_Strict):
+    """How a region codes its update after DP, before sealing, and what the aggregator
+    accepts of one (docs/compression.md, docs/robustness.md)."""
+
+    codec: CodecSpec = get_codec("int8")
+    #: An update whose decoded delta has a larger L2 norm is rejected (or clipped); 0 turns
+    #: the bound off. With secure aggregation each region clips its update to it.
+    max_update_norm: float = Field(default=50.0, ge=0)
+    update_norm_action: NormAction = "reject"
+    max_examples: int = Field(default=10_000_000, ge=1)
+    #: The most bytes one compressed update may take (sealed or not).
+    max_update_bytes: int = Field(default=256 * 2**20, ge=1024)
+    aggregation: str = "fedavg"
+
+    @field_validator("aggregation")
+    @classmethod
+    def _check_aggregation(cls, value: str) -> str:
+        aggregation_rule(value)  # ValueError names the known rules
+        return value
+
+
+class PolicySettings(_Strict):
+    """Jurisdiction policies (policies/README.md): where they are and where the aggregator
+    (ServerApp) and the relay (SuperLink) sit; the relay defaults to the aggregator's place."""
+
+    #: Off only for lab baselines: in simulation it switches both ends off; a deployed
+    #: region always enforces the policy its own node config names.
+    enforce_policies: bool = True
+    #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
+    #: in simulation also where each region finds its own.
+    policies_dir: str = ""
+    aggregator_jurisdiction: str = "EU"
+    relay_jurisdiction: str = ""
+
+    @field_validator("aggregator_jurisdiction", "relay_jurisdiction")
+    @classmethod
+    def _check_jurisdiction(cls, value: str) -> str:
+        if value and value not in JURISDICTIONS:
+            raise ValueError(
+                f"unknown jurisdiction {value!r}; use an ISO 3166-1 code (or EU, EEA) such as "
+                "EU, CN, US"
+            )
+        return value
+
+    @property
+    def relay(self) -> str:
+        """Where the relay sits: ``relay-jurisdiction``, or the aggregator's place."""
+        return self.relay_jurisdiction or self.aggregator_jurisdiction
+
+
+class SecureSettings(_Strict):
+    """Secure aggregation (docs/secure-aggregation.md): the aggregator learns the sum of
+    the regions' updates (each clipped to max-update-norm in its region) and no more."""
+
+    secure_aggregation: bool = False
+    #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
+    secure_threshold: int = Field(default=0, ge=0)
+    #: Bits per value of a masked update: the ring the sum is taken in.
+    secure_ring_bits: int = Field(default=24, ge=12, le=62)
+    #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
+    #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
+    distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
+
+
+class DeidSettings(_Strict):
+    """De-identification before tokenising (docs/deidentification.md; simulation: a folder
+    of REGION.txt dictionaries, a deployed region names its own deid-dictionary)."""
+
+    deidentify: bool = True
+    #: As listed (``direct``: every pattern-found type, ``names``: person names);
+    #: :attr:`entities` expands them.
+    deid_entities: tuple[str, ...] = (DIRECT_WORD, NAMES_WORD)
+    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
+    #: region's secret: stable within a region, different across regions).
+    deid_replacement: Replacement = "placeholder"
+    deid_dictionaries: str = ""
+
+    _entities = field_validator("deid_entities", mode="before")(listed_entities)
+
+    @property
+    def entities(self) -> tuple[str, ...]:
+        """The entity types scrubbed, expanded and in canonical order (none when off)."""
+        return parse_entities(self.deid_entities) if self.deidentify else ()
+
+
+class OutputSettings(_Strict):
+    """Where a run writes, what it keeps, and what it resumes from."""
+
+    output_dir: str = "runs"
+    #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
+    audit_dir: str = ""
+    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint, or one of its
+    #: kept checkpoints (output-dir/run-<id>/checkpoint/round-NNNN).
+    resume_from: str = ""
+    #: How many of the latest aggregator checkpoints to keep (resume-from may name any).
+    keep_checkpoints: int = Field(default=1, ge=1, le=10_000)
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve()
+
+    @property
+    def audit_path(self) -> Path:
+        return (
+            Path(self.audit_dir).expanduser().resolve()
+            if self.audit_dir
+            else (self.output_path / "audit")
+        )
+
+
+class RunConfig(_Strict):
+    """The run config shared by the ServerApp and every ClientApp: Flower's flat kebab
+    keys (pyproject.toml's [tool.flwr.app.config]), each filled once into the section
+    :data:`RUN_KEYS` names, under its own name."""
+
+    unknown_key_hint: ClassVar[str | None] = (
+        "the run config's keys are those of pyproject.toml's [tool.flwr.app.config]"
+    )
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return list(RUN_KEYS)
+
+    regions: tuple[str, ...] = Field(min_length=1)
+    model: ModelSpec
+    fields: Fields = Fields()
+    data: DataSettings
+    training: LocalTraining
+    server: ServerSettings = ServerSettings()
+    schedule: Schedule
+    privacy: DPSettings = DPSettings()
+    cluster: ClusterSettings = ClusterSettings()
+    sealing: SealSettings = SealSettings()
+    compression: UpdateRules = UpdateRules()
+    policy: PolicySettings = PolicySettings()
+    secure: SecureSettings = SecureSettings()
+    deid: DeidSettings = DeidSettings()
+    output: OutputSettings = OutputSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, values: Any) -> Any:
+        """Flower's flat keys into their sections (a section given whole stays as is)."""
+        if not isinstance(values, Mapping):
+            return values
+        nested: dict[str, Any] = {}
+        for key, value in values.items():
+            place = RUN_KEYS.get(key) or RUN_KEYS.get(_kebab(key))
+            if place is None or not place[0]:
+                nested[key] = value
+            else:
+                nested.setdefault(place[0], {})[_kebab(place[1])] = value
+        missing = [key for key in _REQUIRED_KEYS if key not in values and _snake(key) not in values]
+        if missing and "model" not in values:
+            raise ValueError("\n".join(f"{key}: Field required" for key in missing))
+        for name in RunConfig.model_fields:
+            if name != "regions":
+                nested.setdefault(name, {})
+        return nested
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Self:
+        """The checks that read keys of more than one section, each named by its key."""
+        problems = [
+            *_check_region_tables(self),
+            *_check_secure(self),
+            *_check_buffer(self),
+        ]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def flat(self) -> dict[str, Any]:
+        """Flower's flat form: every key under its kebab-case name, JSON values."""
+        values: dict[str, Any] = {}
+        for name, value in self.model_dump(by_alias=True, mode="json").items():
+            if isinstance(value, dict):
+                values.update(value)
+            else:
+                values[name] = value
+        return values
+
+    def canonical_json(self) -> str:
+        """This config as the aggregator signs it into every instruction: the flat
+        kebab-case keys, sorted, compact; :meth:`from_user_config` reads it back to the
+        same config."""
+        values = self.flat()
+        for name in REGION_TABLES:
+            key = _kebab(name)
+            values[key] = ",".join(f"{region}={number}" for region, number in values[key])
+        values["regions"] = ",".join(values["regions"])
+        values["deid-entities"] = ",".join(values["deid-entities"])
+        return json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def updated(self, **keys: Any) -> RunConfig:
+        """This config with some keys changed (snake or kebab names), validated again."""
+        return type(self).model_validate({**self.flat(), **keys})
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; a change of keys goes through :meth:`updated` (validated, into its
+        section), never pydantic's unvalidated update of a top-level field."""
+        if update:
+            raise TypeError("RunConfig.model_copy(update=...): use run.updated(key=value)")
+        return super().model_copy(deep=deep)
 
     @field_validator("regions", mode="before")
     @classmethod
@@ -589,39 +687,11 @@ class RunConfig(_Strict):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value
 
-    _split_tables = field_validator(*REGION_TABLES, mode="before")(_split_region_table)
-    _check_tables = field_validator(*REGION_TABLES)(_check_region_table)
-
-    @field_validator("buffer_size")
-    @classmethod
-    def _check_buffer(cls, value: int, info: ValidationInfo) -> int:
-        regions = info.data.get("regions", ())
-        if info.data.get("aggregation_mode") == BUFFERED and value > len(regions):
-            raise ValueError(
-                f"{value} is more than the {len(regions)} regions of this run; a buffer holds "
-                f"at most one update per region: use 1 to {len(regions)}"
-            )
-        return value
-
-    def slowdown(self, region: str) -> float:
-        """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""
-        return dict(self.test_region_slowdown).get(region, 1.0)
-
-    @field_validator("aggregation")
-    @classmethod
-    def _check_aggregation(cls, value: str) -> str:
-        aggregation_rule(value)  # ValueError names the known rules
-        return value
-
-    @field_validator("aggregator_jurisdiction", "relay_jurisdiction")
-    @classmethod
-    def _check_jurisdiction(cls, value: str) -> str:
-        if value and value not in JURISDICTIONS:
-            raise ValueError(
-                f"unknown jurisdiction {value!r}; use an ISO 3166-1 code (or EU, EEA) such as "
-                "EU, CN, US"
-            )
-        return value
+    @property
+    def unmask_threshold(self) -> int:
+        """The fewest regions a secure sum is unmasked from: secure-threshold, or more
+        than half of the run's regions (at least 2)."""
+        return self.secure.secure_threshold or max(2, len(self.regions) // 2 + 1)
 
     def region_for_partition(self, partition_id: int) -> str:
         """Map a simulation partition id to its region (``regions[partition_id]``)."""
@@ -635,17 +705,107 @@ class RunConfig(_Strict):
             )
         return self.regions[partition_id]
 
-    @property
-    def output_path(self) -> Path:
-        return Path(self.output_dir).expanduser().resolve()
 
-    @property
-    def audit_path(self) -> Path:
-        return (
-            Path(self.audit_dir).expanduser().resolve()
-            if self.audit_dir
-            else (self.output_path / "audit")
+def _snake(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _sections() -> dict[str, tuple[str, str]]:
+    table: dict[str, tuple[str, str]] = {"regions": ("", "regions")}
+    for name, field in RunConfig.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, _Strict):
+            for inner in kind.model_fields:
+                table[_kebab(inner)] = (name, inner)
+    return table
+
+
+#: The one alias table: each flat run-config key (kebab-case) with its section and its
+#: field there, always the key's own name ("" for a top-level key).
+RUN_KEYS: dict[str, tuple[str, str]] = _sections()
+#: Keys a run config must give though their section has a default (the run's seed).
+_REQUIRED_KEYS = ("seed",)
+
+
+def run_key_required(key: str) -> bool:
+    """Whether a run config must give the flat key ``key`` (it has no default)."""
+    section, name = RUN_KEYS[key]
+    kind: type[BaseModel] = RunConfig
+    if section:
+        kind = RunConfig.model_fields[section].annotation  # type: ignore[assignment]
+    return key in _REQUIRED_KEYS or kind.model_fields[name].is_required()
+
+
+def _problem(key: str, message: str, value: Any) -> str:
+    return f"{_kebab(key)}: Value error, {message} (got {value!r})"
+
+
+def _check_region_tables(run: RunConfig) -> list[str]:
+    problems = []
+    tables = {
+        "region_train_processes": run.cluster.region_train_processes,
+        "test_region_slowdown": run.training.test_region_slowdown,
+    }
+    for name, value in tables.items():
+        unknown = [r for r, _ in value if r not in run.regions]
+        _, _, low, high, what = REGION_TABLES[name]
+        bad = [r for r, n in value if not low <= n <= high]
+        if unknown:
+            message = f"{unknown} are not regions of this run ({', '.join(run.regions)})"
+            problems.append(_problem(name, message, value))
+        elif bad:
+            problems.append(_problem(name, f"{bad}: {what} is {low:g} to {high:g}", value))
+    return problems
+
+
+def _check_secure(run: RunConfig) -> list[str]:
+    """What a secure sum needs of the rest of the run (docs/secure-aggregation.md)."""
+    problems = []
+    secure, regions = run.secure, len(run.regions)
+    if secure.secure_aggregation:
+        needs = [
+            (not run.schedule.buffered, 'aggregation-mode = "sync" (one sum a round)'),
+            (
+                run.compression.aggregation == "fedavg",
+                'aggregation = "fedavg": a robust rule (median, trimmed mean) needs each update, '
+                "and with secure aggregation the aggregator sees only their sum",
+            ),
+            (run.sealing.seal, "seal = true (the regions sign and seal what they send)"),
+            (
+                run.compression.max_update_norm > 0,
+                "max-update-norm > 0 (each region clips its update to it before masking)",
+            ),
+            (
+                not run.compression.codec.sparse,
+                f"a dense codec, not codec = {str(run.compression.codec)!r}: each region's "
+                "top-k keeps its own coordinates, and a coordinate only one region kept would "
+                "carry that region's value alone in the unmasked sum",
+            ),
+        ]
+        missing = [need for ok, need in needs if not ok]
+        if missing:
+            problems.append(
+                _problem("secure_aggregation", "true needs " + "; ".join(missing), True)
+            )
+    value = secure.secure_threshold
+    if value and not regions // 2 < value <= regions:
+        message = (
+            f"{value}: a secure sum is unmasked from more than half of the {regions} regions "
+            f"and at most all of them: use {regions // 2 + 1} to {regions} (0: {regions // 2 + 1})"
         )
+        problems.append(_problem("secure_threshold", message, value))
+    return problems
+
+
+def _check_buffer(run: RunConfig) -> list[str]:
+    value, regions = run.schedule.buffer_size, len(run.regions)
+    if run.schedule.buffered and value > regions:
+        message = (
+            f"{value} is more than the {regions} regions of this run; a buffer holds "
+            f"at most one update per region: use 1 to {regions}"
+        )
+        return [_problem("buffer_size", message, value)]
+    return []
 
 
 #: The folder of a simulation's data root that holds its regions' dictionaries
@@ -657,8 +817,8 @@ def simulated_dictionary(run: RunConfig, region: str) -> str:
     """A simulated region's dictionary: deid-dictionaries/REGION.txt (deid-dictionaries
     empty: data-root/deid-dictionaries/REGION.txt) if there is one ("": none; a deployed
     region names its own in its agent config)."""
-    folder = run.deid_dictionaries or (
-        str(Path(run.data_root) / SIMULATED_DICTIONARIES) if run.data_root else ""
+    folder = run.deid.deid_dictionaries or (
+        str(Path(run.data.data_root) / SIMULATED_DICTIONARIES) if run.data.data_root else ""
     )
     path = Path(folder) / f"{region}.txt"
     return str(path) if folder and path.is_file() else ""
@@ -725,17 +885,17 @@ class NodeConfig(_Strict):
 
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
-        return self.train_processes or run.train_processes
+        return self.train_processes or run.cluster.train_processes
 
     def record_limit(self, run: RunConfig) -> int:
         """The largest record this region reads: the node's word, else the run's."""
-        return self.max_record_bytes or run.max_record_bytes
+        return self.max_record_bytes or run.data.max_record_bytes
 
     def allows_pickle_weights(self, run: RunConfig) -> bool:
         """Whether this region loads pickle-only weights: the node's word, else (a
         simulated region, whose one operator owns the run config) the run's."""
         if self.allow_pickle_weights is None:
-            return run.allow_pickle_weights
+            return run.model.allow_pickle_weights
         return self.allow_pickle_weights
 
     @property
@@ -774,14 +934,14 @@ class NodeConfig(_Strict):
             return node
         if SIMULATED_NODE in node_config:
             region = run.region_for_partition(int(node_config[SIMULATED_NODE]))
-            if not run.data_root:
+            if not run.data.data_root:
                 raise ConfigError(
                     ["run config:data-root: empty; simulated regions read data-root/<region>"]
                 )
             return cls(
                 region=region,
-                data_path=str(Path(run.data_root) / region),
-                train_processes=dict(run.region_train_processes).get(region),
+                data_path=str(Path(run.data.data_root) / region),
+                train_processes=dict(run.cluster.region_train_processes).get(region),
                 deid_dictionary=simulated_dictionary(run, region),
             )
         raise ConfigError(
@@ -790,216 +950,3 @@ class NodeConfig(_Strict):
                 "SuperNode with --node-config \"region='eu' data-path='/path/to/eu'\""
             ]
         )
-
-
-@dataclass(frozen=True)
-class Key:
-    """A section field's flat run-config field, where it is named otherwise
-    (``enabled: Annotated[bool, Key("dp")]``)."""
-
-    flat: str
-
-
-_Section = TypeVar("_Section")
-
-
-def section(kind: type[_Section], run: RunConfig) -> _Section:
-    """The section ``kind`` of ``run``: each field from the flat field of its own name, or
-    of the one its :class:`Key` names."""
-    return kind(**{name: getattr(run, flat) for name, flat in section_keys(kind)})
-
-
-def section_keys(kind: type) -> tuple[tuple[str, str], ...]:
-    """Each field of the section ``kind`` with the flat field it is read from."""
-    return _section_keys(cast(Hashable, kind))
-
-
-@functools.cache
-def _section_keys(kind: Any) -> tuple[tuple[str, str], ...]:
-    hints = get_type_hints(kind, include_extras=True)
-    names = []
-    for f in fields(kind):
-        keys = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Key)]
-        names.append((f.name, keys[0].flat if keys else f.name))
-    return tuple(names)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to build and how: a preset (seeded random init) or a checkpoint
-    directory, the adapter, and the base's precision (:attr:`RunConfig.model`)."""
-
-    preset: Annotated[str, Key("model_preset")] = "tiny"
-    path: Annotated[str, Key("model_path")] = ""
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    seed: int = 0
-    lora_targets: str = "auto"
-    #: What trains and travels (:data:`AdapterMode`); the fixed factors are derived from
-    #: the seed by every party.
-    adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
-    dtype: str = "auto"
-    quantization: str = "none"
-    gradient_checkpointing: bool = False
-    #: Load a checkpoint whose weights are only pickle files (unpickling runs code).
-    allow_pickle_weights: bool = False
-
-
-def _default(name: str) -> Any:
-    return RunConfig.model_fields[name].default
-
-
-@dataclass(frozen=True)
-class Fields:
-    """The field names of each shape in this federation's records
-    (:attr:`RunConfig.fields`)."""
-
-    text: Annotated[str, Key("text_field")] = _default("text_field")
-    prompt: Annotated[str, Key("prompt_field")] = _default("prompt_field")
-    response: Annotated[str, Key("response_field")] = _default("response_field")
-    messages: Annotated[str, Key("messages_field")] = _default("messages_field")
-    user_id: Annotated[str, Key("user_id_field")] = _default("user_id_field")
-
-
-@dataclass(frozen=True)
-class DPSettings:
-    """DP-SGD in every region (:attr:`RunConfig.privacy`; docs/privacy.md)."""
-
-    enabled: Annotated[bool, Key("dp")]
-    target_epsilon: float
-    target_delta: float
-    epsilon_budget: float
-    max_grad_norm: float
-    secure_mode: bool
-    #: Tests only: noise derived from the run's seed (insecure-reproducible-noise).
-    reproducible_noise: Annotated[bool, Key("insecure_reproducible_noise")]
-    accountant: Annotated[Accountant, Key("dp_accountant")]
-    mode: Annotated[DPMode, Key("dp_mode")]
-    unit: Annotated[PrivacyUnit, Key("privacy_unit")]
-    max_examples_per_unit: int
-
-
-@dataclass(frozen=True)
-class LocalTraining:
-    """A region's training each round (:attr:`RunConfig.training`)."""
-
-    steps: Annotated[int, Key("local_steps")]
-    time_budget: Annotated[float, Key("local_time_budget")]
-    batch_size: int
-    learning_rate: float
-    optimizer: LocalOptimizer
-    proximal_mu: float
-    seq_len: int
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The aggregator's loop (:attr:`RunConfig.schedule`; docs/heterogeneity.md)."""
-
-    mode: Annotated[AggregationMode, Key("aggregation_mode")]
-    rounds: Annotated[int, Key("num_server_rounds")]
-    regions: tuple[str, ...]
-    min_regions: int
-    node_wait_timeout: float
-    round_timeout: float
-    buffer_size: int
-    max_staleness: int
-    max_missed_rounds: int
-
-    @property
-    def buffered(self) -> bool:
-        return self.mode == BUFFERED
-
-    @property
-    def staleness_allowed(self) -> int:
-        """Sync rounds take an update only against the current version; buffered mode
-        weighs older ones down, up to max-staleness versions."""
-        return self.max_staleness if self.buffered else 0
-
-    def staleness_refused(self, version: int, staleness: int) -> str:
-        """Why an update computed against global ``version``, ``staleness`` versions
-        old, is refused."""
-        if self.buffered:
-            rule = f"over max-staleness {self.max_staleness}"
-        else:
-            rule = (
-                "a sync round uses an update only against the current global adapter "
-                '(aggregation-mode = "buffered" weighs older ones down)'
-            )
-        return f"computed against global version {version}, {staleness} version(s) old; {rule}"
-
-
-@dataclass(frozen=True)
-class SealSettings:
-    """Sealed updates (:attr:`RunConfig.sealing`; docs/envelope.md)."""
-
-    enabled: Annotated[bool, Key("seal")]
-    suite: Annotated[Suite, Key("seal_suite")]
-    keys_dir: str
-
-
-@dataclass(frozen=True)
-class PolicySettings:
-    """Jurisdiction policies (:attr:`RunConfig.policy`; policies/README.md)."""
-
-    enforce: Annotated[bool, Key("enforce_policies")]
-    directory: Annotated[str, Key("policies_dir")]
-    aggregator_jurisdiction: str
-    relay_jurisdiction: str
-
-    @property
-    def relay(self) -> str:
-        """Where the relay sits: ``relay-jurisdiction``, or the aggregator's place."""
-        return self.relay_jurisdiction or self.aggregator_jurisdiction
-
-
-@dataclass(frozen=True)
-class UpdateRules:
-    """How a region codes its update and what the aggregator accepts of one
-    (:attr:`RunConfig.compression`; docs/compression.md, docs/robustness.md)."""
-
-    codec: Codec
-    max_update_norm: float
-    norm_action: Annotated[NormAction, Key("update_norm_action")]
-    max_examples: int
-    #: The most bytes one compressed update may take (sealed or not).
-    max_update_bytes: int
-    aggregation: str
-
-
-@dataclass(frozen=True)
-class DeidSettings:
-    """De-identification before tokenising (:attr:`RunConfig.deid`;
-    docs/deidentification.md)."""
-
-    enabled: Annotated[bool, Key("deidentify")]
-    #: As listed (``direct``: every pattern-found type, ``names``: person names);
-    #: :attr:`entities` expands them.
-    listed: Annotated[tuple[str, ...], Key("deid_entities")]
-    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
-    #: region's secret: stable within a region, different across regions).
-    replacement: Annotated[Replacement, Key("deid_replacement")]
-
-    @property
-    def entities(self) -> tuple[str, ...]:
-        """The entity types scrubbed, expanded and in canonical order (none when off)."""
-        return parse_entities(self.listed) if self.enabled else ()
-
-
-@dataclass(frozen=True)
-class SecureSettings:
-    """Secure aggregation (:attr:`RunConfig.secure`; docs/secure-aggregation.md)."""
-
-    enabled: Annotated[bool, Key("secure_aggregation")]
-    configured_threshold: Annotated[int, Key("secure_threshold")]
-    ring_bits: Annotated[int, Key("secure_ring_bits")]
-    noise_multiplier: Annotated[float, Key("distributed_noise_multiplier")]
-    #: What each region clips its update to before masking.
-    clip: Annotated[float, Key("max_update_norm")]
-    regions: tuple[str, ...]
-
-    @property
-    def threshold(self) -> int:
-        """The fewest regions a secure sum is unmasked from: secure-threshold, or more
-        than half of the run's regions (at least 2)."""
-        return self.configured_threshold or max(2, len(self.regions) // 2 + 1)

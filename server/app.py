@@ -39,13 +39,13 @@ def main(grid: Grid, context: Context) -> None:
     except FedciuicError as err:
         log(ERROR, "fedciuic: %s", err)
         raise SystemExit(1) from None
-    out_dir = run.output_path / f"run-{context.run_id}"
+    out_dir = run.output.output_path / f"run-{context.run_id}"
     recorder = RunRecorder(
         out_dir,
         {
             "run_id": context.run_id,
             "regions": list(run.regions),
-            "config": run.model_dump(by_alias=True, mode="json"),
+            "config": run.flat(),
             "output_dir": str(out_dir),
         },
         summary=summarize,
@@ -70,11 +70,11 @@ def main(grid: Grid, context: Context) -> None:
         loop = loop_for(opened.aggregator, FlowerTransport(grid))
         loop.run(
             opened.resumed.adapter if opened.resumed else layout.initial,
-            num_rounds=run.num_server_rounds,
+            num_rounds=run.schedule.num_server_rounds,
             first_round=opened.first_round,
         )
         ended = end_run(opened.aggregator, audit, layout)
-        loop.witness_run_end(run.round_timeout)
+        loop.witness_run_end(run.schedule.round_timeout)
     except FedciuicError as err:
         run_failed(recorder, audit, context.run_id, err)
         raise SystemExit(1) from None

@@ -202,14 +202,14 @@ def test_codec_mismatch_is_rejected(x):
 
 
 def test_unknown_codec_lists_the_known_ones(run_config):
-    values = {**run_config.model_dump(by_alias=True), "codec": "zip"}
+    values = {**run_config.flat(), "codec": "zip"}
     with pytest.raises(ConfigError, match=r"run config:codec: .*unknown codec 'zip'; known: dense"):
         RunConfig.from_user_config(values, source="run config")
 
 
 @pytest.mark.parametrize("spec", ["topk:0", "topk:1.5", "topk:-0.1", "topk-int8:x", "topk"])
 def test_topk_fraction_outside_zero_one_is_refused(run_config, spec):
-    values = {**run_config.model_dump(by_alias=True), "codec": spec}
+    values = {**run_config.flat(), "codec": spec}
     with pytest.raises(ConfigError, match=r"run config:codec: .*(fraction|needs)"):
         RunConfig.from_user_config(values, source="run config")
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fedciuic.agent.config import AgentConfig
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import RUN_KEYS, NodeConfig, RunConfig, run_key_required
 from tests.conftest import ROOT, app_config
 
 README = ROOT / "README.md"
@@ -189,17 +189,9 @@ def model_defaults() -> dict[str, Any]:
     """``RunConfig``'s own defaults, as a run config writes them (kebab-case keys, JSON
     values: a codec by its name, a region table as ``eu=2``); NOT_SET where a field has
     none. Built from the app's values for the required fields only."""
-    names = aliases(RunConfig)
-    required = {
-        key: v
-        for key, v in app_defaults().items()
-        if RunConfig.model_fields[names[key]].is_required()
-    }
+    required = {key: v for key, v in app_defaults().items() if run_key_required(key)}
     values = json.loads(RunConfig.from_user_config(required, source="test").canonical_json())
-    return {
-        key: (NOT_SET if RunConfig.model_fields[names[key]].is_required() else values[key])
-        for key in names
-    }
+    return {key: (NOT_SET if run_key_required(key) else values[key]) for key in RUN_KEYS}
 
 
 def app_values_as_model_writes_them() -> dict[str, Any]:
@@ -220,7 +212,7 @@ def test_the_readme_lists_every_run_config_key_and_no_other():
     assert not missing, (
         f"README.md ## Configuration does not list {missing} (pyproject.toml has them)"
     )
-    unknown = sorted(set(listed) - set(aliases(RunConfig)))
+    unknown = sorted(set(listed) - set(RUN_KEYS))
     assert not unknown, f"README.md lists {unknown}, which RunConfig does not have"
 
 
@@ -230,7 +222,7 @@ def test_each_documented_run_config_default_is_the_apps(path, section, first):
     app = app_defaults()
     wrong = []
     for key, (where, stated, _) in table(path, section, first).items():
-        assert key in aliases(RunConfig), f"{where}: {key} is not a RunConfig key"
+        assert key in RUN_KEYS, f"{where}: {key} is not a RunConfig key"
         assert key in app, f"{where}: {key} is not in pyproject.toml's [tool.flwr.app.config]"
         if not same(stated, app[key]):
             wrong.append(

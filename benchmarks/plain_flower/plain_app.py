@@ -43,7 +43,7 @@ def _region(context: Context) -> Region:
     if partition not in _REGIONS:
         run = _run(context)
         name = run.regions[partition]
-        node = NodeConfig(region=name, data_path=str(Path(run.data_root) / name))
+        node = NodeConfig(region=name, data_path=str(Path(run.data.data_root) / name))
         _REGIONS[partition] = Region(run, node)
     return _REGIONS[partition]
 
@@ -61,15 +61,15 @@ def train(msg: Message, context: Context) -> Message:
     trainer = PrivateTrainer(
         region.model,
         region.data.train,
-        batch_size=region.run.batch_size,
-        learning_rate=region.run.learning_rate,
+        batch_size=region.run.training.batch_size,
+        learning_rate=region.run.training.learning_rate,
         noise_multiplier=noise,
-        max_grad_norm=region.run.max_grad_norm,
-        mode=region.run.dp_mode,
-        secure_mode=region.run.secure_mode,
-        max_examples_per_unit=region.run.max_examples_per_unit,
+        max_grad_norm=region.run.privacy.max_grad_norm,
+        mode=region.run.privacy.dp_mode,
+        secure_mode=region.run.privacy.secure_mode,
+        max_examples_per_unit=region.run.privacy.max_examples_per_unit,
         seed=server_round,
-        optimizer=region.run.optimizer,
+        optimizer=region.run.training.optimizer,
     )
     try:
         stats = trainer.run(steps)
@@ -105,8 +105,8 @@ def main(grid: Grid, context: Context) -> None:
     strategy.start(
         grid,
         pack_arrays(model.adapter_state()),
-        num_rounds=run.num_server_rounds,
-        timeout=run.round_timeout,
+        num_rounds=run.schedule.num_server_rounds,
+        timeout=run.schedule.round_timeout,
         evaluate_fn=mark,
     )
     Path(str(context.run_config["timings-file"])).write_text(json.dumps(ended))

@@ -151,10 +151,6 @@ class AgentConfig(NodeConfig):
             lines.append(f"{key} = {text.lower() if isinstance(value, bool) else text}")
         return "\n".join(lines) + "\n"
 
-    @property
-    def socket_path(self) -> Path:
-        return Path(self.socket)
-
     def node_for(self, run: RunConfig) -> NodeConfig:
         """This region as a round sees it, once the run names it among its regions."""
         if self.region not in run.regions:

@@ -69,6 +69,7 @@ from fedciuic.agent.channel import (
 from fedciuic.agent.config import AgentConfig
 from fedciuic.audit import Event, enforce_at_start
 from fedciuic.cluster import share_cores
+from fedciuic.config import RunConfig
 from fedciuic.crypto import RegionKeys, TaskKind, load_bundle, load_keypair
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
@@ -326,13 +327,13 @@ class RegionAgent:
         )
 
 
-def _check_run(run: Any) -> None:
+def _check_run(run: RunConfig) -> None:
     """What a region's agent takes from no aggregator, whatever the policy says."""
-    if not run.seal:
+    if not run.sealing.seal:
         raise MalformedInstruction(
             "run config:seal: false; a region's agent sends only sealed, signed updates"
         )
-    if run.insecure_reproducible_noise:
+    if run.privacy.insecure_reproducible_noise:
         raise MalformedInstruction(
             "run config:insecure-reproducible-noise: true; noise derived from the "
             "aggregator's seed is no privacy against it (tests only)"
@@ -363,7 +364,7 @@ class AgentServer:
 
     def __init__(self, config: AgentConfig, *, exit_with_parent: bool = True) -> None:
         self.config = config
-        self.socket_path = config.socket_path.expanduser().absolute()
+        self.socket_path = Path(config.socket).expanduser().absolute()
         self.lock_path = config.state_dir / AGENT_DIR / LOCK_FILE
         self.stopping = threading.Event()
         self.busy = threading.Lock()  # one request at a time

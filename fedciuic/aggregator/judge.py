@@ -353,7 +353,7 @@ class Judge:
         rules = self.rules
         return Bounds(
             rules.max_update_norm,
-            rules.norm_action,
+            rules.update_norm_action,
             rules.max_examples,
             max_steps=self.max_steps,
             max_staleness=max_staleness,

@@ -251,9 +251,9 @@ class Loop:
         if not timed:
             return timeout
         region, slowest = max(timed.items(), key=lambda item: item[1])
-        work = slowest * local.steps
-        if local.time_budget > 0:
-            work = min(work, local.time_budget)
+        work = slowest * local.local_steps
+        if local.local_time_budget > 0:
+            work = min(work, local.local_time_budget)
         wait = max(timeout, 2 * work + WAIT_MARGIN)
         if wait > timeout and not self._wait_said:
             self._wait_said = True
@@ -265,7 +265,7 @@ class Loop:
                 timeout,
                 region,
                 slowest,
-                local.steps,
+                local.local_steps,
                 wait,
             )
         return wait
@@ -277,7 +277,7 @@ class Loop:
         the regions that are connected, so one region gone does not stall each round.
         """
         schedule = self.schedule
-        expected = len(schedule.regions)
+        expected = len(self.aggregator.run.regions)
         wait = 0.0 if self._waited else schedule.node_wait_timeout
         self._waited = True
         deadline = self.clock() + wait
@@ -291,7 +291,7 @@ class Loop:
                 f"run config:node-wait-timeout: only {len(nodes)} of {expected} regions "
                 f"connected within {wait:.0f}s (min-regions is "
                 f"{schedule.min_regions}); start a SuperNode for each of "
-                f"{', '.join(schedule.regions)} or lower min-regions"
+                f"{', '.join(self.aggregator.run.regions)} or lower min-regions"
             )
         return sorted(nodes)
 
@@ -306,7 +306,7 @@ class Loop:
             self._asked.update(dict.fromkeys(unknown, server_round))
             claimed = self.transport.identify(unknown, self.timeout)
             for node, region in claimed.items():
-                if region in self.schedule.regions:
+                if region in self.aggregator.run.regions:
                     self._claimed[node] = region
                 else:
                     _logger.warning(
@@ -554,9 +554,8 @@ class SecureLoop(SyncLoop):
         """The secure sum of the accepted regions' updates, published or withheld; the
         nodes heard from."""
         a = self.aggregator
-        settings = a.run.secure
         accepted = sorted(acc.region for acc in into.accepted)
-        details: dict[str, object] = {"accepted": accepted, "threshold": settings.threshold}
+        details: dict[str, object] = {"accepted": accepted, "threshold": a.run.unmask_threshold}
         heard: set[int] = set()
         sent: dict[str, int] = {}  # bytes of each region's answers, every phase
         mean, reasons = None, []
@@ -591,17 +590,17 @@ class SecureLoop(SyncLoop):
     def _session(self, server_round: int, regions: list[str], size: int) -> Session:
         a = self.aggregator
         settings = a.run.secure
-        if len(regions) < settings.threshold:
-            raise SumWithheld(Phase.ADVERT, len(regions), settings.threshold)
+        if len(regions) < a.run.unmask_threshold:
+            raise SumWithheld(Phase.ADVERT, len(regions), a.run.unmask_threshold)
         return Session.propose(
             run_id=a.federation_run,
             server_round=server_round,
             regions=tuple(regions),
-            threshold=settings.threshold,
-            bits=settings.ring_bits,
+            threshold=a.run.unmask_threshold,
+            bits=settings.secure_ring_bits,
             size=size,
-            clip=settings.clip,
-            noise=settings.noise_multiplier,
+            clip=a.run.compression.max_update_norm,
+            noise=settings.distributed_noise_multiplier,
         )
 
     def _exchange(
@@ -671,6 +670,6 @@ def loop_for(
 ) -> Loop:
     """The run's schedule, chosen once from ``aggregation-mode``."""
     kind: type[Loop] = BufferedLoop if aggregator.schedule.buffered else SyncLoop
-    if aggregator.run.secure.enabled:  # sync rounds only (the run config checks)
+    if aggregator.run.secure.secure_aggregation:  # sync rounds only (the run config checks)
         kind = SecureLoop
     return kind(aggregator, transport, clock=clock, sleep=sleep, interval=interval)

@@ -153,8 +153,8 @@ class AggregatorRound:
         #: Aggregates published so far in this federation (the global adapter's version).
         self.version = 0
         self.regions_by_node: dict[int, str] = {}
-        self.availability = Availability(self.schedule.regions, self.schedule.max_missed_rounds)
-        self.tasks = Tasks(self.schedule.regions, self.schedule.rounds)  # buffered mode
+        self.availability = Availability(self.run.regions, self.schedule.max_missed_rounds)
+        self.tasks = Tasks(self.run.regions, self.schedule.num_server_rounds)  # buffered mode
         #: Each region's timed local step (from its evaluations): what the loop's training
         #: wait sizes on.
         self.step_seconds: dict[str, float] = {}
@@ -179,15 +179,15 @@ class AggregatorRound:
         #: by reference, so it sees each node as it authenticates).
         self.judge = Judge(
             self.run.compression,
-            self.run.adapter_mode,
-            self.run.training.steps,
+            self.run.model.adapter_mode,
+            self.run.training.local_steps,
             self.schedule.round_timeout,
             self.sealing,
             self.policies,
             self.run_id,
             self.regions_by_node,
-            secure.threshold if secure.enabled else 0,
-            secure.enabled and secure.noise_multiplier > 0,
+            self.run.unmask_threshold if secure.secure_aggregation else 0,
+            secure.secure_aggregation and secure.distributed_noise_multiplier > 0,
         )
         #: The one writer of metrics.json and the audit log, for this federation run.
         self.journal = Journal(
@@ -438,14 +438,14 @@ class AggregatorRound:
                 round=server_round,
                 base_fingerprint=self.base_fingerprint,
                 adapter=self.global_adapter,
-                adapter_mode=self.run.adapter_mode,
+                adapter_mode=self.run.model.adapter_mode,
                 audit_seq=seq,
                 audit_head=head,
                 rounds=self.recorder.data.rounds,
                 optimizer=self.server_optimizer.state(),
                 extra=self.schedule_state(),
             ),
-            keep=self.run.keep_checkpoints,
+            keep=self.run.output.keep_checkpoints,
             keypair=self.audit.keypair,
         )
 

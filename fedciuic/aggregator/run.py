@@ -49,26 +49,29 @@ _logger = logging.getLogger("flwr")
 
 def warn_disabled(run: RunConfig) -> None:
     """Say which protections this run goes without."""
-    if not run.sealing.enabled:
+    if not run.sealing.seal:
         _logger.log(WARNING, "fedciuic: sealing is OFF: updates cross the relay in the clear")
-    if not run.privacy.enabled:
+    if not run.privacy.dp:
         _logger.log(
             WARNING, "fedciuic: DP is OFF: regions send updates without differential privacy"
         )
-    elif run.noise_warning:
-        _logger.log(WARNING, run.noise_warning)
+    elif run.privacy.noise_warning:
+        _logger.log(WARNING, run.privacy.noise_warning)
 
 
 def aggregator_log(run: RunConfig) -> AuditLog:
     """The aggregator's audit log; paths are redacted unless the policy of the
     aggregator's own jurisdiction (when held) says otherwise."""
-    redact = [(str(run.output_path), "<output-dir>")]
+    redact = [(str(run.output.output_path), "<output-dir>")]
     redact += [
         (d, f"<{name}>")
-        for name, d in (("keys-dir", run.sealing.keys_dir), ("policies-dir", run.policy.directory))
+        for name, d in (
+            ("keys-dir", run.sealing.keys_dir),
+            ("policies-dir", run.policy.policies_dir),
+        )
         if d
     ]
-    return AuditLog(run.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
+    return AuditLog(run.output.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
 
 
 def held_policies(
@@ -76,7 +79,7 @@ def held_policies(
 ) -> AggregatorPolicies | None:
     """Every region's policy, as the aggregator holds them; None only for a lab baseline."""
     where = run.policy
-    if not where.enforce:
+    if not where.enforce_policies:
         _logger.log(
             WARNING, "fedciuic: policies are OFF (enforce-policies = false): a lab baseline only"
         )
@@ -108,40 +111,41 @@ def resume(
     """The checkpoint to resume from (resume-from): signed by this aggregator's key when
     the run has one, checked against this model and against the audit log, which must
     still hold what the checkpoint saw."""
-    if not run.resume_from:
+    if not run.output.resume_from:
         return None
     signer = audit.keypair.bundle if audit.keypair is not None else None
-    checkpoint = load_checkpoint(Path(run.resume_from).expanduser(), signer)
+    checkpoint = load_checkpoint(Path(run.output.resume_from).expanduser(), signer)
     if checkpoint.base_fingerprint != base_fingerprint:
         raise CheckpointError(
-            f"run config:resume-from: {run.resume_from} was trained on another base model "
+            f"run config:resume-from: {run.output.resume_from} was trained on another base model "
             f"({checkpoint.base_fingerprint[:12]}, this one is {base_fingerprint[:12]}); use "
             "the same model-preset and seed, or the same model-path"
         )
-    if checkpoint.adapter_mode != run.adapter_mode:
+    if checkpoint.adapter_mode != run.model.adapter_mode:
         raise CheckpointError(
-            f"run config:adapter-mode: {run.adapter_mode!r}, but resume-from {run.resume_from} "
+            f"run config:adapter-mode: {run.model.adapter_mode!r}, but resume-from "
+            f"{run.output.resume_from} "
             f"holds an adapter trained in {checkpoint.adapter_mode!r} (other tensors); resume "
             f"it with adapter-mode = {checkpoint.adapter_mode!r} or start a new run"
         )
-    if checkpoint.round >= run.num_server_rounds:
+    if checkpoint.round >= run.schedule.num_server_rounds:
         raise CheckpointError(
-            f"run config:resume-from: {run.resume_from} has completed round "
-            f"{checkpoint.round} of {run.num_server_rounds}; nothing is left to resume"
+            f"run config:resume-from: {run.output.resume_from} has completed round "
+            f"{checkpoint.round} of {run.schedule.num_server_rounds}; nothing is left to resume"
         )
     audit.check_continues(checkpoint.audit_seq, checkpoint.audit_head)
     recorder.data.rounds = checkpoint.rounds
     recorder.data.run.resumed_from = ResumedFrom(
         federation_run=checkpoint.federation_run,
         round=checkpoint.round,
-        checkpoint=run.resume_from,
+        checkpoint=run.output.resume_from,
     )
     _logger.log(
         INFO,
         "fedciuic: resuming run %d after round %d (%s)",
         checkpoint.federation_run,
         checkpoint.round,
-        run.resume_from,
+        run.output.resume_from,
     )
     return checkpoint
 
@@ -163,7 +167,7 @@ def run_start(
     audit.append(
         Event.RUN_START,
         run_id=run_id,
-        config_hash=config_hash(run.model_dump(by_alias=True, mode="json")),
+        config_hash=config_hash(run.flat()),
         code_version=code_version(),
         regions=list(run.regions),
         aggregator_jurisdiction=where.aggregator_jurisdiction,
@@ -184,13 +188,15 @@ def run_start(
         ),
         # What a compliance officer signs for: the model, and the DP terms asked.
         base_fingerprint=base_fingerprint,
-        model=run.model_preset if not run.model_path else Path(run.model_path).name,
+        model=run.model.model_preset
+        if not run.model.model_path
+        else Path(run.model.model_path).name,
         dp={
-            "on": dp.enabled,
+            "on": dp.dp,
             "target_epsilon": dp.target_epsilon,
             "target_delta": dp.target_delta,
             "max_grad_norm": dp.max_grad_norm,
-            "unit": dp.unit,
+            "unit": dp.privacy_unit,
             "secure_mode": dp.secure_mode,
         },
         retention_days=(
@@ -210,18 +216,20 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
     for the others, whose moments would silently restart from zero."""
     if resumed is None:
         return ServerOptimizer(run.server)
-    where = run.resume_from or "the checkpoint"
+    where = run.output.resume_from or "the checkpoint"
     if resumed.optimizer is None:
-        if run.server_optimizer == "none":
+        if run.server.server_optimizer == "none":
             return ServerOptimizer(run.server)
         raise CheckpointError(
-            f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
+            f'run config:server-optimizer: "{run.server.server_optimizer}", but resume-from '
+            f"{where} "
             "is a checkpoint without server optimizer state (fedciuic-checkpoint/1); resume "
             'it with server-optimizer = "none" or start a new run'
         )
-    if resumed.optimizer.name != run.server_optimizer:
+    if resumed.optimizer.name != run.server.server_optimizer:
         raise CheckpointError(
-            f'run config:server-optimizer: "{run.server_optimizer}", but resume-from {where} '
+            f'run config:server-optimizer: "{run.server.server_optimizer}", but resume-from '
+            f"{where} "
             f'continues a "{resumed.optimizer.name}" run; resume it with server-optimizer = '
             f'"{resumed.optimizer.name}" or start a new run'
         )
@@ -240,7 +248,7 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
         _logger.log(
             WARNING,
             "fedciuic: resuming %s with other server optimizer settings: %s",
-            run.server_optimizer,
+            run.server.server_optimizer,
             ", ".join(f"{k} {a:g} -> {b:g}" for k, (a, b) in sorted(changed.items())),
         )
     return optimizer
@@ -276,9 +284,7 @@ def open_run(
     aggregator's round for this run (checkpointed next to metrics.json)."""
     sealed = run.sealing
     keys = (
-        aggregator_keys(sealed.keys_dir, run.compression.max_update_bytes)
-        if sealed.enabled
-        else None
+        aggregator_keys(sealed.keys_dir, run.compression.max_update_bytes) if sealed.seal else None
     )
     audit.keypair = keys.keypair if keys else None
     policies = held_policies(run, keys, recorder)

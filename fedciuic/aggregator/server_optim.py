@@ -72,12 +72,13 @@ class ServerOptimizer:
 
     def __init__(self, settings: ServerSettings) -> None:
         """Fresh, from the run's server section (:attr:`RunConfig.server`)."""
-        if settings.name not in MOMENTS:
+        if settings.server_optimizer not in MOMENTS:
             raise OptimizerStateError(
-                f"unknown server optimizer {settings.name!r}; use {', '.join(OPTIMIZERS)}"
+                f"unknown server optimizer {settings.server_optimizer!r}; "
+                f"use {', '.join(OPTIMIZERS)}"
             )
         self.settings = settings
-        self.name = settings.name
+        self.name = settings.server_optimizer
         self.steps = 0
         self.layout = ""
         self.size = 0
@@ -86,10 +87,10 @@ class ServerOptimizer:
     @property
     def hyperparameters(self) -> dict[str, float]:
         return {
-            "learning_rate": self.settings.learning_rate,
-            "momentum": self.settings.momentum,
-            "beta2": self.settings.beta2,
-            "epsilon": self.settings.epsilon,
+            "learning_rate": self.settings.server_learning_rate,
+            "momentum": self.settings.server_momentum,
+            "beta2": self.settings.server_beta2,
+            "epsilon": self.settings.server_epsilon,
         }
 
     def _bind(self, layout: str, size: int) -> None:
@@ -97,7 +98,7 @@ class ServerOptimizer:
             self.layout, self.size = layout, size
             self.moments = {k: np.zeros(size, np.float32) for k in MOMENTS[self.name]}
             if "v" in self.moments:
-                self.moments["v"].fill(self.settings.epsilon**2)
+                self.moments["v"].fill(self.settings.server_epsilon**2)
         elif (layout, size) != (self.layout, self.size):
             raise OptimizerStateError(
                 f"server optimizer state is for another adapter (layout {self.layout}, "
@@ -113,9 +114,9 @@ class ServerOptimizer:
             raise OptimizerStateError(f"delta has {d.size} values, the adapter {x.size}")
         self._bind(layout_id(layout), x.size)
         lr, beta1, beta2 = (
-            self.settings.learning_rate,
-            self.settings.momentum,
-            self.settings.beta2,
+            self.settings.server_learning_rate,
+            self.settings.server_momentum,
+            self.settings.server_beta2,
         )
         if self.name == "none":
             x += lr * d
@@ -141,7 +142,7 @@ class ServerOptimizer:
                 v -= sign
                 del sign
             np.sqrt(v, out=sq)
-            sq += self.settings.epsilon
+            sq += self.settings.server_epsilon
             np.divide(m, sq, out=sq)
             sq *= lr
             x += sq

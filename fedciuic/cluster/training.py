@@ -82,7 +82,7 @@ def processes_key(run: RunConfig, node: NodeConfig) -> str:
     """Where this region's train-processes count came from, for error messages."""
     if node.train_processes is None:
         return "run config:train-processes"
-    if dict(run.region_train_processes).get(node.region) == node.train_processes:
+    if dict(run.cluster.region_train_processes).get(node.region) == node.train_processes:
         return "run config:region-train-processes"
     return "node config:train-processes"
 
@@ -209,7 +209,7 @@ class TrainingCluster:
         """Start (or join) the ranks, hand them the configs, and wait until every one
         has loaded the model and data (collective-timeout, at least ``START_S`` for
         workers started here, which are watched meanwhile)."""
-        timeout = self.run.collective_timeout
+        timeout = self.run.cluster.collective_timeout
         world = World.from_env()
         count = self.node.processes(self.run)
         if world is None:
@@ -255,7 +255,7 @@ class TrainingCluster:
                 what=self.name,
             )
             config = {
-                "run": self.run.model_dump(mode="json", by_alias=True),
+                "run": self.run.flat(),
                 "node": self.node.model_dump(mode="json", by_alias=True),
             }
             self.store.set(CONFIG_KEY, json.dumps(config))
@@ -281,7 +281,7 @@ class TrainingCluster:
                 **world.model_copy(update={"rank": rank, "local_rank": rank}).env(),
                 SECRET_ENV: secret.hex(),  # an environment only its user (and root) reads
                 PARENT_ENV: str(os.getpid()),
-                TIMEOUT_ENV: repr(self.run.collective_timeout),
+                TIMEOUT_ENV: repr(self.run.cluster.collective_timeout),
                 "PYTHONPATH": os.pathsep.join(filter(None, [package_root, path])),
                 "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
             }
@@ -398,8 +398,8 @@ class TrainingCluster:
                 raise ClusterError(
                     f"{self.name}: training across {self.world.world_size} processes failed "
                     f"during {during} ({first_line(err)}); "
-                    f"collective-timeout is {self.run.collective_timeout:g} s; the training "
-                    "processes are started again for the next round"
+                    f"collective-timeout is {self.run.cluster.collective_timeout:g} s; the "
+                    "training processes are started again for the next round"
                 ) from err
             raise
 

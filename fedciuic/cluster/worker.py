@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -109,7 +108,9 @@ def serve(world: World) -> None:
         config = json.loads(store.get(CONFIG_KEY))
         run = RunConfig.from_user_config(config["run"], source="run config")
         node = NodeConfig.from_user_config(config["node"], source="node config")
-        spec = replace(run.model, allow_pickle_weights=node.allows_pickle_weights(run))
+        spec = run.model.model_copy(
+            update={"allow_pickle_weights": node.allows_pickle_weights(run)}
+        )
         model = AdapterModel(spec, device=device)
         data = load_region_data(run, node, model.tokenizer)
         store.set(

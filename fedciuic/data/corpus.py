@@ -190,10 +190,10 @@ def load_region_data(
     data = tokenized(
         sources,
         tokenizer,
-        seq_len=run.seq_len,
+        seq_len=run.training.seq_len,
         fields=run.fields,
         state_dir=node.state_dir,
-        truncation_side=run.truncation_side,
+        truncation_side=run.data.truncation_side,
         scrubber=node_scrubber(run.deid, node),
         max_record_bytes=node.record_limit(run),
     )
@@ -202,17 +202,17 @@ def load_region_data(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     _refuse_bad_rows(run, node.region, root, summary)
     units = _units(run, node.region, root, data)
-    held_out = _held_out(data.examples.data.column(BUCKET).to_numpy(), run.eval_fraction)
+    held_out = _held_out(data.examples.data.column(BUCKET).to_numpy(), run.data.eval_fraction)
     all_rows = np.arange(data.examples.num_rows)
-    train_rows, eval_rows = all_rows[~held_out], all_rows[held_out][: run.max_eval_examples]
+    train_rows, eval_rows = all_rows[~held_out], all_rows[held_out][: run.data.max_eval_examples]
     if not len(train_rows) or not len(eval_rows):
         which = "training" if not len(train_rows) else "held-out evaluation"
         raise DataError(
             f"region {node.region}: data-path {root} gives {data.examples.num_rows} example(s) "
             f"from {summary.records} record(s), and none for {which} (eval-fraction "
-            f"{run.eval_fraction:g}); "
+            f"{run.data.eval_fraction:g}); "
             + (
-                dropped_for_length(summary, run.seq_len, run.truncation_side)
+                dropped_for_length(summary, run.training.seq_len, run.data.truncation_side)
                 or dropped_for_size(summary)
                 or "add records"
             )
@@ -222,7 +222,7 @@ def load_region_data(
         root=root,
         files=tuple(s.name for s in sources),
         fingerprint=summary.data_fingerprint,
-        unit=run.privacy_unit,
+        unit=run.privacy.privacy_unit,
         train=ExampleSet(data.examples, train_rows, units[train_rows], pad_id),
         eval=ExampleSet(data.examples, eval_rows, units[eval_rows], pad_id),
         summary=summary,
@@ -242,7 +242,7 @@ def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
 
 def bad_rows_refusal(run: RunConfig, region: str, root: Path, summary: Summary) -> str | None:
     """Why the region refuses its data for its bad rows (None: it does not)."""
-    if not summary.bad_rows or run.bad_rows == "skip":
+    if not summary.bad_rows or run.data.bad_rows == "skip":
         return None
     return (
         f"region {region}: {summary.bad_rows} bad row(s) in data-path {root}: "
@@ -253,12 +253,12 @@ def bad_rows_refusal(run: RunConfig, region: str, root: Path, summary: Summary) 
 
 def users_refusal(run: RunConfig, region: str, root: Path, summary: Summary) -> str | None:
     """Why the region refuses its data for records that name no user (None: it does not)."""
-    if run.privacy_unit == "record" or not summary.without_user:
+    if run.privacy.privacy_unit == "record" or not summary.without_user:
         return None
     return (
         f"region {region}: {summary.without_user} record(s) in {root} name no user, e.g. "
         + ", ".join(summary.without_user_where[:QUOTED])
-        + f': field {run.user_id_field} missing; privacy-unit = "user" needs it in every '
+        + f': field {run.fields.user_id_field} missing; privacy-unit = "user" needs it in every '
         "record: add it, set user-id-field to your field's name, or set "
         'privacy-unit = "record"'
     )
@@ -272,7 +272,7 @@ def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) 
 
 def _units(run: RunConfig, region: str, root: Path, data: Tokenized) -> np.ndarray:
     """Each example's privacy unit: its record, or the user the record names."""
-    if run.privacy_unit == "record":
+    if run.privacy.privacy_unit == "record":
         return np.asarray(data.examples.data.column(RECORD).to_numpy())
     refusal = users_refusal(run, region, root, data.summary)
     if refusal is not None:

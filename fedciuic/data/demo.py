@@ -114,8 +114,12 @@ MAX_RECORD_CHARS = 300_000
 
 DEFAULT_FIELDS = Fields()
 #: The record fields as the run config names them by default, Alpaca's, and chat's.
-TEXT, PROMPT, RESPONSE = DEFAULT_FIELDS.text, DEFAULT_FIELDS.prompt, DEFAULT_FIELDS.response
-MESSAGES, USER_ID = DEFAULT_FIELDS.messages, DEFAULT_FIELDS.user_id
+TEXT, PROMPT, RESPONSE = (
+    DEFAULT_FIELDS.text_field,
+    DEFAULT_FIELDS.prompt_field,
+    DEFAULT_FIELDS.response_field,
+)
+MESSAGES, USER_ID = DEFAULT_FIELDS.messages_field, DEFAULT_FIELDS.user_id_field
 
 #: A region's files: plain text, chat, and instruction records (Alpaca or prompt/response).
 DOCS_FILE, CHAT_FILE, INSTRUCTIONS_FILE = "docs.jsonl", "chat.jsonl", "instructions.jsonl"

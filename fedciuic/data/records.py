@@ -76,16 +76,20 @@ class Record:
 
 def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
     """Check one row and say what it is; :class:`BadRecord` names the field at fault."""
-    user = _user(values, fields.user_id)
+    user = _user(values, fields.user_id_field)
 
     def present(name: str) -> bool:
         return values.get(name) is not None
 
-    if present(fields.messages):
-        return Record(CHAT, messages=_messages(values[fields.messages], fields.messages), user=user)
-    if present(fields.prompt) or present(fields.response):
-        prompt = _string(values, fields.prompt)
-        return Record(PROMPT_RESPONSE, (prompt, _string(values, fields.response)), user=user)
+    if present(fields.messages_field):
+        return Record(
+            CHAT,
+            messages=_messages(values[fields.messages_field], fields.messages_field),
+            user=user,
+        )
+    if present(fields.prompt_field) or present(fields.response_field):
+        prompt = _string(values, fields.prompt_field)
+        return Record(PROMPT_RESPONSE, (prompt, _string(values, fields.response_field)), user=user)
     if present(INSTRUCTION) or present(OUTPUT):
         extra = values.get(INPUT)
         if extra is not None and not isinstance(extra, str):
@@ -95,13 +99,14 @@ def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
             (_string(values, INSTRUCTION), extra or "", _string(values, OUTPUT)),
             user=user,
         )
-    if present(fields.text):
-        return Record(TEXT, (_string(values, fields.text),), user=user)
+    if present(fields.text_field):
+        return Record(TEXT, (_string(values, fields.text_field),), user=user)
     has = ", ".join(sorted(values)) or "no fields"
     raise BadRecord(
         WHOLE_RECORD,
-        f"no {fields.text}, {fields.prompt}/{fields.response}, {INSTRUCTION}/{OUTPUT} or "
-        f"{fields.messages} field (it has {has}); name your fields with the run config's "
+        f"no {fields.text_field}, {fields.prompt_field}/{fields.response_field}, "
+        f"{INSTRUCTION}/{OUTPUT} or "
+        f"{fields.messages_field} field (it has {has}); name your fields with the run config's "
         "text-field, prompt-field, response-field or messages-field",
     )
 

@@ -49,7 +49,7 @@ def check_deid(settings: DeidSettings, *, dictionary: str, ner_model: str) -> Di
     requires names refuses)."""
     from fedciuic.deid import NER_ONLY, load_dictionary
 
-    needs_ner = [e for e in settings.listed if e in NER_ONLY] if settings.enabled else []
+    needs_ner = [e for e in settings.deid_entities if e in NER_ONLY] if settings.deidentify else []
     if needs_ner and not ner_model:
         raise ConfigError(
             [
@@ -80,7 +80,7 @@ def region_scrubber(
     # What the region can find is what it scrubs and declares (NodeConfig.deid_entities).
     found = found_entities(entities, dictionary=names is not None, ner_model=bool(ner_model))
     scrubber = Scrubber(
-        DeidSpec(found, settings.replacement, region_secret(secret), names, ner_model)
+        DeidSpec(found, settings.deid_replacement, region_secret(secret), names, ner_model)
     )
     if examples:
         scrubber.findings.examples = []

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -236,7 +236,7 @@ def cache_key(
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_len": seq_len,
         "truncation_side": truncation_side,
-        "fields": asdict(fields),
+        "fields": fields.model_dump(),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -391,7 +391,9 @@ def _batches(
     batch: list[_Item] = []
     limit = counts.summary.max_record_bytes
     for index, source in enumerate(sources):
-        for row_index, row in enumerate(read_rows(source, text_field=fields.text, max_bytes=limit)):
+        for row_index, row in enumerate(
+            read_rows(source, text_field=fields.text_field, max_bytes=limit)
+        ):
             item = _parse(source, row, fields, counts)
             if item is None:
                 continue
@@ -430,7 +432,14 @@ def _of_columns(
     (a table's rows have all its columns, null or not; a line of JSON Lines has its own)."""
     if source.kind not in TABLE_KINDS:
         return None
-    known = {fields.text, fields.prompt, fields.response, fields.messages, INSTRUCTION, OUTPUT}
+    known = {
+        fields.text_field,
+        fields.prompt_field,
+        fields.response_field,
+        fields.messages_field,
+        INSTRUCTION,
+        OUTPUT,
+    }
     if err.field == WHOLE_RECORD:
         if known & set(values):
             return None

@@ -424,7 +424,7 @@ class LocalFederation:
         on its socket."""
         managed = self._spawn(f"agent-{name}", [_bin("fedciuic"), "agent", "--config", str(config)])
         try:
-            hello(AgentConfig.load(config).socket_path, timeout, pid=managed.process.pid)
+            hello(Path(AgentConfig.load(config).socket), timeout, pid=managed.process.pid)
         except AgentError as err:
             log = managed.log_path
             raise FederationError(f"{err}; see {log}:\n{tail(log)}") from None

@@ -123,7 +123,7 @@ def check_quantization(spec: ModelSpec, device: torch.device) -> None:
             "run config:quantization: nf4 needs a CUDA GPU (bitsandbytes 4-bit); this "
             f'machine trains on {device.type}: set quantization = "none"'
         )
-    if not spec.path:
+    if not spec.model_path:
         raise ModelError(
             "run config:quantization: nf4 quantizes a checkpoint while loading it; set "
             "model-path (fedciuic save-checkpoint writes one from a preset)"
@@ -133,10 +133,10 @@ def check_quantization(spec: ModelSpec, device: torch.device) -> None:
 def check_model_spec(spec: ModelSpec) -> None:
     """Fail fast, before any training, on an unknown preset or a folder that is not a
     causal-LM checkpoint."""
-    if not spec.path:
-        preset_config(spec.preset)
+    if not spec.model_path:
+        preset_config(spec.model_preset)
         return
-    _checkpoint_config(Path(spec.path).expanduser())
+    _checkpoint_config(Path(spec.model_path).expanduser())
 
 
 def checkpoint_config(path: Path) -> PretrainedConfig:
@@ -443,21 +443,21 @@ def _shares(spec: ModelSpec, device: torch.device) -> bool:
 
 def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, str]:
     """A preset's config, tokenizer and fingerprint, without building its weights."""
-    config = preset_config(spec.preset)
-    tokenizer = preset_tokenizer(spec.preset)
+    config = preset_config(spec.model_preset)
+    tokenizer = preset_tokenizer(spec.model_preset)
     return (
         config,
         tokenizer,
-        preset_fingerprint(spec.preset, config.to_dict(), spec.seed, tokenizer),
+        preset_fingerprint(spec.model_preset, config.to_dict(), spec.seed, tokenizer),
     )
 
 
 def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     """The tokenizer a region would read its data with, without building the model."""
-    if spec.path:
-        path = Path(spec.path).expanduser()
+    if spec.model_path:
+        path = Path(spec.model_path).expanduser()
         return _load_tokenizer(path, _checkpoint_config(path))
-    return preset_tokenizer(spec.preset)
+    return preset_tokenizer(spec.model_preset)
 
 
 def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
@@ -502,7 +502,7 @@ def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
 
 
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
-    path = Path(spec.path).expanduser()
+    path = Path(spec.model_path).expanduser()
     config = _checkpoint_config(path)
     check_weights(path, config, allow_pickle=spec.allow_pickle_weights)
     tokenizer = _load_tokenizer(path, config)
@@ -543,7 +543,11 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
     device = device or default_device()
     check_quantization(spec, device)
     dtype = base_dtype(spec, device)
-    base = _checkpoint_base(spec, dtype, device) if spec.path else _preset_base(spec, dtype, device)
+    base = (
+        _checkpoint_base(spec, dtype, device)
+        if spec.model_path
+        else _preset_base(spec, dtype, device)
+    )
     base.model.requires_grad_(False)
     return base
 
@@ -555,7 +559,7 @@ def lora_config(spec: ModelSpec, targets: list[str]) -> LoraConfig:
         target_modules=targets,
         lora_dropout=0.0,
         bias="none",
-        base_model_name_or_path=spec.path or None,
+        base_model_name_or_path=spec.model_path or None,
     )
 
 
@@ -803,8 +807,8 @@ class AdapterLayout:
 
     @classmethod
     def of(cls, spec: ModelSpec) -> AdapterLayout:
-        if spec.path:
-            path = Path(spec.path).expanduser()
+        if spec.model_path:
+            path = Path(spec.model_path).expanduser()
             config = _checkpoint_config(path)
             fingerprint = checkpoint_fingerprint(path)
         else:

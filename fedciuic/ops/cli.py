@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic import __version__
-from fedciuic.config import RunConfig
+from fedciuic.config import DataSettings, DeidSettings, Fields, LocalTraining
 from fedciuic.deid import REPLACEMENTS
 from fedciuic.errors import FedciuicError
 from fedciuic.ops import commands
@@ -24,23 +24,16 @@ from fedciuic.ops.preflight import add_command as add_preflight
 from fedciuic.ops.simulate import Interrupted, simulate
 
 #: `data check`'s --seq-len and --max-record-bytes defaults: the run config's.
-_SEQ_LEN = RunConfig.model_fields["seq_len"].default
-_RECORD_BYTES = RunConfig.model_fields["max_record_bytes"].default
+_SEQ_LEN = LocalTraining.model_fields["seq_len"].default
+_RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
 
 #: `data check` options naming record fields (run config keys), with their defaults.
-DATA_FIELD_OPTIONS: dict[str, str] = {
-    name.replace("_", "-"): str(RunConfig.model_fields[name].default)
-    for name in ("text_field", "prompt_field", "response_field", "messages_field", "user_id_field")
-}
+DATA_FIELD_OPTIONS: dict[str, str] = Fields().model_dump(by_alias=True)
 
 #: `data check` options of de-identification: the run config's two, the agent config's two.
 DEID_OPTIONS: tuple[tuple[str, str, str], ...] = (
-    ("deid-entities", ",".join(RunConfig.model_fields["deid_entities"].default), "entity types"),
-    (
-        "deid-replacement",
-        RunConfig.model_fields["deid_replacement"].default,
-        "placeholder or pseudonym",
-    ),
+    ("deid-entities", ",".join(DeidSettings().deid_entities), "entity types"),
+    ("deid-replacement", DeidSettings().deid_replacement, "placeholder or pseudonym"),
     ("deid-dictionary", "", "the region's dictionary of names, one per line"),
     ("deid-ner-model", "", "a spaCy pipeline the region installed (PERSON, LOCATION)"),
 )

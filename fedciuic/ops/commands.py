@@ -13,13 +13,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fedciuic.config import RunConfig
+from fedciuic.config import DataSettings, RunConfig
 from fedciuic.errors import ConfigError
 from fedciuic.ops.runconfig import app_run_config, parse_overrides
 from fedciuic.ops.simulate import budget_lines, simulation_budgets
 
 #: `data check`'s --max-record-bytes default: the run config's.
-_RECORD_BYTES = RunConfig.model_fields["max_record_bytes"].default
+_RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
 
 
 def init(args: argparse.Namespace) -> int:
@@ -66,19 +66,23 @@ def data_check(args: argparse.Namespace) -> int:
                 f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is {_RECORD_BYTES}"
             ]
         )
-    spec = ModelSpec(path=args.model_path) if args.model_path else ModelSpec()
+    spec = ModelSpec(model_path=args.model_path) if args.model_path else ModelSpec()
     fields = Fields(
-        text=args.text_field,
-        prompt=args.prompt_field,
-        response=args.response_field,
-        messages=args.messages_field,
-        user_id=args.user_id_field,
+        text_field=args.text_field,
+        prompt_field=args.prompt_field,
+        response_field=args.response_field,
+        messages_field=args.messages_field,
+        user_id_field=args.user_id_field,
     )
     try:
         listed = listed_entities(args.deid_entities)
     except ValueError as err:
         raise ConfigError([f"--deid-entities: {err}"]) from None
-    settings = DeidSettings(not args.no_deidentify, listed, args.deid_replacement)
+    settings = DeidSettings(
+        deidentify=not args.no_deidentify,
+        deid_entities=listed,
+        deid_replacement=args.deid_replacement,
+    )
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-key-") as scratch:
         scrubber = region_scrubber(
             settings,
@@ -96,7 +100,7 @@ def data_check(args: argparse.Namespace) -> int:
             scrubber=scrubber,
             max_record_bytes=args.max_record_bytes,
         )
-    print("\n".join(checked.lines(fields.user_id)))
+    print("\n".join(checked.lines(fields.user_id_field)))
     return 0 if checked.ok else 1
 
 
@@ -110,7 +114,7 @@ def budget(args: argparse.Namespace) -> int:
         )
     values = {**app_run_config(args.app.resolve()), **parse_overrides(args.run_config)}
     run = RunConfig.from_user_config(values, source="run config")
-    target = run.target_epsilon
+    target = run.privacy.target_epsilon
     if args.data_root is not None:
         regions = [r for r in (args.regions or ",".join(run.regions)).split(",") if r]
         found = simulation_budgets(args.data_root.resolve(), regions, run)
@@ -132,7 +136,9 @@ def save_preset_checkpoint(args: argparse.Namespace) -> int:
     from fedciuic.config import ModelSpec
     from fedciuic.model import save_model_checkpoint
 
-    path = save_model_checkpoint(ModelSpec(preset=args.preset, seed=args.seed), args.directory)
+    path = save_model_checkpoint(
+        ModelSpec(model_preset=args.preset, seed=args.seed), args.directory
+    )
     print(f"saved preset {args.preset!r} (seed {args.seed}) to {path}")
     return 0
 
@@ -262,10 +268,10 @@ def agent(args: argparse.Namespace) -> int:
     if not args.ping:
         return serve(args.config, exit_with_parent=not args.keep_running)
     config = AgentConfig.load(args.config)
-    status = hello(config.socket_path, args.timeout, pid=args.pid)
+    status = hello(Path(config.socket), args.timeout, pid=args.pid)
     print(
         f"fedciuic: the agent of region {status.get('region')} (pid {status.get('pid')}, "
-        f"fedciuic {status.get('fedciuic')}) answers on {config.socket_path}"
+        f"fedciuic {status.get('fedciuic')}) answers on {Path(config.socket)}"
     )
     return 0
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from fedciuic.agent import AgentConfig
 from fedciuic.audit import AGGREGATOR_LOG, REGION_LOG
-from fedciuic.config import RunConfig
+from fedciuic.config import DPSettings
 from fedciuic.crypto import (
     AGGREGATOR,
     Keypair,
@@ -463,9 +463,7 @@ def next_steps(d: Deployment) -> str:
             + ", ".join(str(d.region_dir(r.name) / "data") for r in d.regions),
             "",
         ]
-    target = app_run_config(d.app).get(
-        "target-epsilon", RunConfig.model_fields["target_epsilon"].default
-    )
+    target = app_run_config(d.app).get("target-epsilon", DPSettings().target_epsilon)
     budget = AgentConfig.model_fields["epsilon_budget"].default
     bin_dir = _q(d.bin_dir)
     lines += [

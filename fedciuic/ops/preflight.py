@@ -95,9 +95,9 @@ class RegionFolder:
 
 
 def _where(spec: ModelSpec) -> str:
-    if spec.path:
-        return f"run config:model-path: {Path(spec.path).expanduser()}"
-    return f"run config:model-preset: {spec.preset}"
+    if spec.model_path:
+        return f"run config:model-path: {Path(spec.model_path).expanduser()}"
+    return f"run config:model-preset: {spec.model_preset}"
 
 
 def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase | None:
@@ -105,16 +105,16 @@ def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase 
     it loads (checked or not: the data checks read with it either way)."""
     from fedciuic.model import adapter, preset_tokenizer
 
-    if not spec.path:
+    if not spec.model_path:
         try:
             adapter.check_model_spec(spec)
-            tokenizer: PreTrainedTokenizerBase = preset_tokenizer(spec.preset)
+            tokenizer: PreTrainedTokenizerBase = preset_tokenizer(spec.model_preset)
         except ModelError as err:
             findings.problem(str(err))
             return None
-        findings.seen.append(f"model-preset {spec.preset}")
+        findings.seen.append(f"model-preset {spec.model_preset}")
         return tokenizer
-    path = Path(spec.path).expanduser()
+    path = Path(spec.model_path).expanduser()
     findings.seen.append(f"model-path {path}")
     try:
         config = adapter.checkpoint_config(path)
@@ -166,9 +166,9 @@ def check_pickle_permissions(
     each that does not would decline every round."""
     from fedciuic.model import weight_files
 
-    if not spec.path:
+    if not spec.model_path:
         return
-    path = Path(spec.path).expanduser()
+    path = Path(spec.model_path).expanduser()
     if not path.is_dir():
         return
     safe, pickles = weight_files(path)
@@ -192,7 +192,7 @@ def _check_deid(run: RunConfig, region: str, findings: Findings) -> None:
     and the entity types it can find, before any process starts."""
     from fedciuic.data import check_deid
 
-    if not run.deidentify:
+    if not run.deid.deidentify:
         return
     try:
         check_deid(run.deid, dictionary=simulated_dictionary(run, region), ner_model="")
@@ -219,11 +219,11 @@ def check_region(
         root, scanned = scan_data(
             folder.path,
             tokenizer or preset_tokenizer("tiny"),
-            seq_len=run.seq_len,
+            seq_len=run.training.seq_len,
             fields=run.fields,
             sample=sample if tokenizer is not None else 0,
-            truncation_side=run.truncation_side,
-            max_record_bytes=folder.max_record_bytes or run.max_record_bytes,
+            truncation_side=run.data.truncation_side,
+            max_record_bytes=folder.max_record_bytes or run.data.max_record_bytes,
         )
     except NoDataFiles as err:
         findings.warning(f"region {name}: {err}: region {name} will decline")
@@ -241,7 +241,7 @@ def check_region(
     ):
         if refusal is not None:
             findings.problem(refusal)
-    if summary.bad_rows and run.bad_rows == "skip":
+    if summary.bad_rows and run.data.bad_rows == "skip":
         findings.warning(
             f"region {name}: {summary.bad_rows} bad row(s) in data-path {root} will be skipped "
             '(bad-rows = "skip"); `fedciuic data check` lists them'
@@ -268,8 +268,11 @@ def check_region(
 
         findings.problem(
             f"region {name}: data-path {root}: no record leaves anything to train on within "
-            f"seq-len {run.seq_len}; "
-            + (dropped_for_length(summary, run.seq_len, run.truncation_side) or "add records")
+            f"seq-len {run.training.seq_len}; "
+            + (
+                dropped_for_length(summary, run.training.seq_len, run.data.truncation_side)
+                or "add records"
+            )
         )
     return True, summary.shapes.get(CHAT, 0) > 0, scanned.render_error
 

@@ -68,18 +68,18 @@ def simulate(args: argparse.Namespace) -> int:
     # Validate everything here, before any process starts.
     run = RunConfig.from_user_config({**defaults, **overrides}, source="run config")
     check_model_spec(run.model)
-    if run.seal and run.keys_dir:
-        aggregator_keys(run.keys_dir, run.max_update_bytes)
-    if run.enforce_policies:
+    if run.sealing.seal and run.sealing.keys_dir:
+        aggregator_keys(run.sealing.keys_dir, run.compression.max_update_bytes)
+    if run.policy.enforce_policies:
         _check_policies(run)
     data_root = None
     if args.data_root is not None:
         data_root = args.data_root.resolve()
         _check_data_root(data_root, run.regions)
-        if run.dp:
+        if run.privacy.dp:
             present = [r for r in run.regions if (data_root / r).is_dir()]
             _, lines = budget_lines(
-                simulation_budgets(data_root, present, run), run, run.target_epsilon
+                simulation_budgets(data_root, present, run), run, run.privacy.target_epsilon
             )
             for line in lines:
                 print(f"budget: {line}")
@@ -93,17 +93,17 @@ def simulate(args: argparse.Namespace) -> int:
         write_demo_corpora(data_root, run.regions)
     overrides["data-root"] = str(data_root)
     dictionaries = data_root / DEMO_DICTIONARIES
-    if run.deidentify and not run.deid_dictionaries and dictionaries.is_dir():
+    if run.deid.deidentify and not run.deid.deid_dictionaries and dictionaries.is_dir():
         # Where `fedciuic demo-data` (and the demo above) writes each region's names.
         print(f"de-identification: each region's dictionary from {dictionaries}/REGION.txt")
         overrides["deid-dictionaries"] = str(dictionaries)
-    if run.seal and not run.keys_dir:
+    if run.sealing.seal and not run.sealing.keys_dir:
         overrides["keys-dir"] = str(_simulation_keys(workdir / "keys", data_root, run))
         # A fresh aggregator key is a fresh aggregator: its audit log starts with it.
-        if not run.audit_dir:
+        if not run.output.audit_dir:
             overrides["audit-dir"] = str(workdir / "audit")
     variants = [overrides]
-    if args.compare_no_dp and run.dp:
+    if args.compare_no_dp and run.privacy.dp:
         variants.append({**overrides, "dp": False, "enforce-policies": False})
 
     run_ids: list[int] = []
@@ -276,7 +276,7 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
     from fedciuic.crypto import AGGREGATOR, KeyFileError, Keypair, load_keypair, write_keys
     from fedciuic.jurisdictions import simulated_jurisdiction
 
-    write_keys(Keypair.generate(AGGREGATOR, run.aggregator_jurisdiction), keys)
+    write_keys(Keypair.generate(AGGREGATOR, run.policy.aggregator_jurisdiction), keys)
     for region in run.regions:
         jurisdiction = simulated_jurisdiction(region)
         if not (data_root / region).is_dir():
@@ -320,7 +320,7 @@ def _check_policies(run: RunConfig) -> None:
     from fedciuic.jurisdictions import simulated_jurisdiction
     from fedciuic.policy import PolicyError, load_policies
 
-    policies = load_policies(Path(run.policies_dir))
+    policies = load_policies(Path(run.policy.policies_dir))
     missing = [
         f"region {r} (simulated regions are named after their jurisdiction): "
         + policies.missing(simulated_jurisdiction(r))
@@ -353,7 +353,7 @@ def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) 
         budget_status(
             region,
             NodeConfig(region=region, data_path=str(data_root / region)).state_dir,
-            run.epsilon_budget,
+            run.privacy.epsilon_budget,
         )
         for region in regions
     ]
@@ -362,7 +362,7 @@ def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) 
 def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[bool, list[str]]:
     """Whether a run of ``run``'s rounds and steps at ``target`` fits every region, and one
     line per region (two where it has spent something, or where the run does not fit)."""
-    steps = run.num_server_rounds * run.local_steps
+    steps = run.schedule.num_server_rounds * run.training.local_steps
     lines, every = [], True
     for status in found:
         lines.append(status.line())

@@ -58,14 +58,14 @@ def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> Loade
             '(policy = "/path/to/eu-gdpr.yaml"; fedciuic ships some in policies/)'
         )
     settings = run.policy
-    if not settings.enforce:
+    if not settings.enforce_policies:
         return None
-    if not settings.directory:
+    if not settings.policies_dir:
         raise PolicyError(
             "run config:policies-dir: empty; simulated regions take their policy from that "
             "folder (fedciuic simulate uses the app's policies/)"
         )
-    return load_policies(Path(settings.directory)).require(simulated_jurisdiction(node.region))
+    return load_policies(Path(settings.policies_dir)).require(simulated_jurisdiction(node.region))
 
 
 def run_terms(
@@ -83,21 +83,22 @@ def run_terms(
     return RunTerms(
         aggregator_jurisdiction=aggregator_jurisdiction,
         relay_jurisdiction=run.policy.relay_jurisdiction or aggregator_jurisdiction,
-        dp=dp.enabled,
+        dp=dp.dp,
         target_epsilon=dp.target_epsilon,
         epsilon_budget=epsilon_budget or dp.epsilon_budget,
         delta=dp.target_delta,
         max_grad_norm=dp.max_grad_norm,
         secure_mode=dp.secure_mode,
-        seal=sealing.enabled,
-        seal_suite=sealing.suite,
+        seal=sealing.seal,
+        seal_suite=sealing.seal_suite,
         codec=run.compression.codec.family,
-        adapter_mode=run.adapter_mode,
-        privacy_unit=dp.unit,
+        adapter_mode=run.model.adapter_mode,
+        privacy_unit=dp.privacy_unit,
         projected_epsilon=projected_epsilon,
-        secure_aggregation=run.secure.enabled,
-        secure_threshold=run.secure.threshold if run.secure.enabled else 0,
-        distributed_dp=run.secure.enabled and run.secure.noise_multiplier > 0,
+        secure_aggregation=run.secure.secure_aggregation,
+        secure_threshold=run.unmask_threshold if run.secure.secure_aggregation else 0,
+        distributed_dp=run.secure.secure_aggregation
+        and run.secure.distributed_noise_multiplier > 0,
         deid_entities=run.deid.entities if deid_entities is None else deid_entities,
     )
 
@@ -227,14 +228,14 @@ class AggregatorPolicies:
     @classmethod
     def load(cls, run: RunConfig) -> AggregatorPolicies:
         settings = run.policy
-        if not settings.directory:
+        if not settings.policies_dir:
             raise PolicyError(
                 "run config:policies-dir: empty; the aggregator checks every update against its "
                 "sender's policy: point it at a folder with one policy per jurisdiction "
                 "(policies/ ships EU, CN, US, SG, IN), or set enforce-policies = false for a "
                 "lab baseline"
             )
-        policies = load_policies(Path(settings.directory).expanduser())
+        policies = load_policies(Path(settings.policies_dir).expanduser())
         terms = run_terms(run, aggregator_jurisdiction=settings.aggregator_jurisdiction)
         return cls(policies, terms)
 

@@ -340,11 +340,11 @@ class PrivateTrainer:
             learning_rate=local.learning_rate,
             noise_multiplier=noise_multiplier,
             max_grad_norm=dp.max_grad_norm,
-            mode=dp.mode,
+            mode=dp.dp_mode,
             secure_mode=dp.secure_mode,
             # The run config's seed (which the aggregator chooses) never reaches the
             # noise unless the run explicitly asks for insecure reproducible noise.
-            seed=seed if dp.reproducible_noise else None,
+            seed=seed if dp.insecure_reproducible_noise else None,
             optimizer=local.optimizer,
             shard=shard,
             proximal_mu=local.proximal_mu,
@@ -543,11 +543,11 @@ def plan_private_steps(
     cover (docs/privacy.md). The budget covers the training steps; this calibration
     (a one-example warm-up and one worst-shape step) comes on top of it.
     """
-    if local.time_budget <= 0:
-        return local.steps
+    if local.local_time_budget <= 0:
+        return local.local_steps
     seconds = time_private_step(model, examples, local, dp, noise_multiplier, slowdown)
-    fits = math.floor(local.time_budget / seconds) if seconds > 0 else local.steps
-    return max(1, min(local.steps, fits))
+    fits = math.floor(local.local_time_budget / seconds) if seconds > 0 else local.local_steps
+    return max(1, min(local.local_steps, fits))
 
 
 def time_private_step(

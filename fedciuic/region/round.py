@@ -190,14 +190,14 @@ def _sealing(
     settings: SealSettings, aggregator_jurisdiction: str, node: NodeConfig
 ) -> RegionSealing:
     """The region's end of the sealing stage, its keys loaded once per process."""
-    if not settings.enabled:
+    if not settings.seal:
         return ClearRegion(aggregator_jurisdiction)
     keys = region_keys(
         node.region,
         key_file=node.key_file,
         aggregator_bundle=node.aggregator_bundle,
         keys_dir=settings.keys_dir,
-        suite=settings.suite,
+        suite=settings.seal_suite,
     )
     return SealingRegion(keys)
 
@@ -496,7 +496,7 @@ class _Round:
         """What leaves after training: the update; with secure aggregation only its
         metrics and info, for the aggregator to check against the region's policy (the
         update leaves masked, in the secure sum)."""
-        if not self.run.secure.enabled:
+        if not self.run.secure.secure_aggregation:
             return payload
         _, metrics, info = read_update_payload(payload)
         return update_payload({}, metrics, info)  # type: ignore[arg-type]
@@ -532,7 +532,7 @@ class _Round:
         self.note(
             Event.RUN_JOINED,
             resumed_from_checkpoint=checkpoint or None,
-            config_hash=config_hash(self.run.model_dump(by_alias=True, mode="json")),
+            config_hash=config_hash(self.run.flat()),
             code_version=code_version(),
             code=installed_code(),
             **sealing.joined(),

@@ -93,21 +93,24 @@ def check_session(
     not, and what it should be."""
     secure = run.secure
     wrong = []
-    outside = [r for r in session.regions if r not in secure.regions]
+    outside = [r for r in session.regions if r not in run.regions]
     if outside:
         wrong.append(
             f"regions: {', '.join(outside)} not among the signed run's regions "
-            f"({', '.join(secure.regions)})"
+            f"({', '.join(run.regions)})"
         )
     expected: dict[str, tuple[object, object]] = {
         "run": (session.run_id, run_id),
         "round": (session.server_round, server_round),
-        "ring bits (secure-ring-bits)": (session.bits, secure.ring_bits),
-        "clip (max-update-norm)": (session.clip, secure.clip),
-        "noise (distributed-noise-multiplier)": (session.noise, secure.noise_multiplier),
+        "ring bits (secure-ring-bits)": (session.bits, secure.secure_ring_bits),
+        "clip (max-update-norm)": (session.clip, run.compression.max_update_norm),
+        "noise (distributed-noise-multiplier)": (
+            session.noise,
+            secure.distributed_noise_multiplier,
+        ),
         "threshold (secure-threshold, or more than half of the signed regions)": (
             session.threshold,
-            secure.threshold,
+            run.unmask_threshold,
         ),
     }
     if kept_size is not None:
@@ -162,7 +165,7 @@ def check_distributed_epsilon(
 def secure_keypair(run: RunConfig, node: NodeConfig, keypair: Keypair | None) -> Keypair:
     """The keypair the region takes part in a secure sum with: :class:`SecAggError` in a
     run without secure aggregation, or without the region's keys."""
-    if keypair is None or not run.secure.enabled:
+    if keypair is None or not run.secure.secure_aggregation:
         raise SecAggError(
             f"region {node.region}: a secure-sum instruction in a run without secure "
             "aggregation (or without the region's keys); refusing it"
@@ -224,7 +227,7 @@ def secure_phase(
     request = request_of(task)
     session = request.session
     # the region's guarantee where it has no DP-SGD of its own
-    max_epsilon = None if run.dp else policy.max_epsilon_per_run
+    max_epsilon = None if run.privacy.dp else policy.max_epsilon_per_run
     if request.phase == Phase.ADVERT:
         update, size = kept_values(kept_payload(node, run_id, task.server_round), run)
     else:

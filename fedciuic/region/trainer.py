@@ -299,7 +299,7 @@ def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
     insecure-reproducible-noise), else from os entropy like the DP noise. Rounding
     happens after DP, so it costs no privacy either way; this only keeps it from being
     a stream the aggregator (who picks the seed) can replay."""
-    if dp.enabled and not dp.reproducible_noise:
+    if dp.dp and not dp.insecure_reproducible_noise:
         return np.random.default_rng()
     return np.random.default_rng([seed, ROUNDING_STREAM])
 
@@ -371,13 +371,13 @@ class RegionLedger:
         if dp.target_delta >= 1.0 / n:
             raise PrivacyError(
                 f"run config:target-delta: {dp.target_delta:g} is not below 1/n = "
-                f"{1.0 / n:.3g} for region {self.name}'s {n} training {dp.unit}s; "
+                f"{1.0 / n:.3g} for region {self.name}'s {n} training {dp.privacy_unit}s; "
                 "choose a smaller delta"
             )
         rate = poisson_sample_rate(n, local.batch_size)
-        planned = self.run.num_server_rounds * local.steps
-        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.accountant)
-        return (noise, rate, local.steps)
+        planned = self.run.schedule.num_server_rounds * local.local_steps
+        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant)
+        return (noise, rate, local.local_steps)
 
     @contextlib.contextmanager
     def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
@@ -394,7 +394,7 @@ class RegionLedger:
     def projected(self, ledger: PrivacyLedger | None = None) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),
         for the policy check before training (``ledger``: a session's)."""
-        if not self.dp.enabled:
+        if not self.dp.dp:
             return None
         step = self.step()
         with self.session(ledger) as held:
@@ -407,8 +407,8 @@ class RegionLedger:
             region=self.name,
             dataset=self.data.fingerprint,
             delta=self.dp.target_delta,
-            accountant=self.dp.accountant,
-            unit=self.dp.unit,
+            accountant=self.dp.dp_accountant,
+            unit=self.dp.privacy_unit,
             witness=audit_witness(self.audit_path, region=self.name, dataset=self.data.fingerprint),
         )
 
@@ -420,10 +420,12 @@ class Region:
         self.run = run
         self.node = node
         self.name = node.region
-        if run.noise_warning:
-            warn_once(run.noise_warning)
+        if run.privacy.noise_warning:
+            warn_once(run.privacy.noise_warning)
         # Whether pickle weights load is the region's own word (its agent config).
-        spec = replace(run.model, allow_pickle_weights=node.allows_pickle_weights(run))
+        spec = run.model.model_copy(
+            update={"allow_pickle_weights": node.allows_pickle_weights(run)}
+        )
         self.model = AdapterModel(spec)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
@@ -444,7 +446,7 @@ class Region:
     @property
     def slowdown(self) -> float:
         """How many times slower this region trains (test-region-slowdown; tests only)."""
-        return self.run.slowdown(self.name)
+        return self.run.training.slowdown(self.name)
 
     @property
     def processes(self) -> int:
@@ -509,7 +511,7 @@ class Region:
         start = self.model.adapter_state()
         seed = self._round_seed(server_round)
         with contextlib.ExitStack() as session:
-            held = session.enter_context(self.ledger.session(ledger)) if self.dp.enabled else None
+            held = session.enter_context(self.ledger.session(ledger)) if self.dp.dp else None
             if held is None:
                 stats, privacy, record = self._train_clear(server_round, seed), None, None
             else:
@@ -549,20 +551,20 @@ class Region:
             command = TrainCommand(
                 server_round=server_round,
                 seed=seed,
-                steps=local.steps,
-                time_budget=local.time_budget,
+                steps=local.local_steps,
+                time_budget=local.local_time_budget,
                 slowdown=self.slowdown,
             )
             return self._train_cluster(command).stats
         return train_local(
             self.model,
             self.data.train,
-            steps=local.steps,
+            steps=local.local_steps,
             batch_size=local.batch_size,
             learning_rate=local.learning_rate,
             generator=torch.Generator().manual_seed(seed),
             optimizer=local.optimizer,
-            time_budget=local.time_budget,
+            time_budget=local.local_time_budget,
             slowdown=self.slowdown,
             proximal_mu=local.proximal_mu,
         )
@@ -579,7 +581,7 @@ class Region:
         """Refuse a round number outside this run's 1..num-server-rounds: the noise is
         calibrated for that many rounds, and an aggregator that asks for more would
         take the run past its target epsilon."""
-        last = self.run.num_server_rounds
+        last = self.run.schedule.num_server_rounds
         if not 1 <= server_round <= last:
             raise RoundOutOfRange(
                 f"region {self.name}: round {server_round} is outside this run's rounds 1..{last} "
@@ -612,7 +614,7 @@ class Region:
         after, run_after = ledger.admit(
             step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
         )
-        reproducible = dp.reproducible_noise
+        reproducible = dp.insecure_reproducible_noise
         # With a local-time-budget: as many steps as fit, planned before the first
         # private step from a synthetic one (never a clock stop: docs/privacy.md).
         planned = plan_private_steps(
@@ -651,7 +653,7 @@ class Region:
             sample_rate=step[1],
             secure_mode=dp.secure_mode,
             max_grad_norm=dp.max_grad_norm,
-            unit=dp.unit,
+            unit=dp.privacy_unit,
             run_epsilon=run_after,
             run_epsilon_cap=cap[0],
             reproducible_noise=reproducible,
@@ -701,7 +703,7 @@ class Region:
     def step_seconds(self) -> float | None:
         """One local DP-SGD step's seconds here, timed once per run (None without DP):
         what the aggregator sizes its wait for updates on (docs/heterogeneity.md)."""
-        if not self.dp.enabled:
+        if not self.dp.dp:
             return None
         if self._step_seconds is None:
             self._step_seconds = time_private_step(
@@ -711,7 +713,7 @@ class Region:
 
     def _round_seed(self, server_round: int) -> int:
         # Distinct, reproducible sampling per (run seed, region, round).
-        key = f"{self.run.seed}:{self.name}:{server_round}".encode()
+        key = f"{self.run.model.seed}:{self.name}:{server_round}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
 
@@ -768,7 +770,7 @@ class Release:
         sent = SentUpdates(region.node.state_dir)
         kept = sent.load(run_id, server_round)
         with contextlib.ExitStack() as session:
-            private = region.dp.enabled
+            private = region.dp.dp
             ledger = session.enter_context(region.ledger.session()) if private else None
             yield cls(
                 region, audit, sent, kept, run_id=run_id, server_round=server_round, ledger=ledger
@@ -780,7 +782,7 @@ class Release:
     def released(self) -> bool:
         """Whether the ledger already records this round of this run (DP runs only)."""
         region = self.region
-        if not region.dp.enabled or (self.ledger is None and not region.ledger_path.exists()):
+        if not region.dp.dp or (self.ledger is None and not region.ledger_path.exists()):
             return False
         with region.ledger.session(self.ledger) as held:
             return any(

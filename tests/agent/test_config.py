@@ -58,7 +58,7 @@ def test_a_good_file_reads_with_paths_relative_to_its_own_folder(tmp_path, monke
     assert Path(config.key_file) == here / "keys" / "eu.key.json"
     assert Path(config.aggregator_bundle) == here / "keys" / "aggregator.pub.json"
     assert Path(config.policy) == here / "eu-gdpr.yaml"
-    assert config.socket_path == here / "agent" / "agent.sock"
+    assert Path(config.socket) == here / "agent" / "agent.sock"
     assert config.relay_user == "fedciuic-relay" and config.max_request_bytes == 65536
     assert config.train_processes == 1 and config.epsilon_budget == DEFAULT_EPSILON_BUDGET
 

@@ -598,7 +598,7 @@ class Served:
 
     @property
     def socket(self) -> Path:
-        return self.config.socket_path
+        return Path(self.config.socket)
 
     def hello(self, timeout: float = 10.0) -> Frame:
         return ask(self.socket, Frame(meta={"kind": "hello"}), timeout=timeout, connect_timeout=5)
@@ -637,7 +637,7 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
         thread = threading.Thread(target=run, name="agent", daemon=True)
         thread.start()
         try:
-            hello(config.socket_path, 60)
+            hello(Path(config.socket), 60)
         except AgentError:
             thread.join(1)
             raise AssertionError(f"the agent did not start: {failed}") from None
@@ -651,7 +651,7 @@ def served(federation: Federation, tmp_path_factory: pytest.TempPathFactory) -> 
         torch.set_num_threads(threads)  # the agent's share was this process's
         os.environ.pop(CORES_ENV, None)
     assert not thread.is_alive() and not failed
-    assert not config.socket_path.exists()  # removed at a clean stop
+    assert not Path(config.socket).exists()  # removed at a clean stop
 
 
 def alive(served: Served) -> None:
@@ -882,7 +882,7 @@ def test_an_agent_whose_launcher_is_killed_stops_and_a_new_one_can_start(federat
     assert launcher.stdout is not None
     pid = int(launcher.stdout.readline())
     try:
-        status = hello(config.socket_path, 60, pid=pid)
+        status = hello(Path(config.socket), 60, pid=pid)
         assert status["region"] == "eu" and status["pid"] == pid
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
@@ -892,7 +892,7 @@ def test_an_agent_whose_launcher_is_killed_stops_and_a_new_one_can_start(federat
         assert exited(pid), log.read_text()
         output = log.read_text()
         assert "its launcher exited; stopping" in output and "agent stopped" in output
-        assert not config.socket_path.exists()
+        assert not Path(config.socket).exists()
         # The state is free: a new agent takes it.
         again = AgentServer(config, exit_with_parent=False)
         again.start()

@@ -99,8 +99,8 @@ def looped(
     **settings: Any,
 ) -> Loop:
     """The production loop of a run of ``rounds`` over ``regions``, on their clock."""
-    run = run_config.model_copy(
-        update={
+    run = run_config.updated(
+        **{
             "codec": get_codec("dense"),  # model_copy does not validate: not "dense"
             "num_server_rounds": rounds,
             "regions": tuple(region for region, _ in regions.targets.values()),

@@ -101,7 +101,7 @@ def train_round(a: AggregatorRound, server_round: int, arrivals: Iterable[Arriva
 
 def make_round(run_config, folder: Path, **kwargs: Any) -> AggregatorRound:
     recorder = RunRecorder(folder, {"run_id": 7, "regions": list(run_config.regions)})
-    dense = run_config.model_copy(update={"codec": get_codec("dense")})  # updates below are dense
+    dense = run_config.updated(**{"codec": get_codec("dense")})  # updates below are dense
     a = AggregatorRound(dense, base_fingerprint="f" * 64, recorder=recorder, **kwargs)
     a.global_adapter = {k: v.copy() for k, v in GLOBAL.items()}
     return a
@@ -463,7 +463,7 @@ def policed(sealed_round, tmp_path) -> tuple[AggregatorRound, dict[str, Keypair]
     folder = tmp_path / "policies"
     for jurisdiction in ("EU", "CN", "US"):
         write_policy(folder / f"{jurisdiction.lower()}.yaml", jurisdiction)
-    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
+    a.use(policies=AggregatorPolicies.load(a.run.updated(**{"policies_dir": str(folder)})))
     return a, regions, folder
 
 
@@ -597,9 +597,7 @@ def test_an_unsealed_update_is_rejected_where_the_policy_requires_sealing(aggreg
     folder = tmp_path / "policies"
     write_policy(folder / "eu.yaml", "EU")
     aggregator.use(
-        policies=AggregatorPolicies.load(
-            aggregator.run.model_copy(update={"policies_dir": str(folder)})
-        ),
+        policies=AggregatorPolicies.load(aggregator.run.updated(**{"policies_dir": str(folder)})),
     )
     clear = trained("eu", 1.0, 60)
     clear.info["jurisdiction"] = "EU"
@@ -652,7 +650,7 @@ def test_a_region_whose_policy_the_aggregator_cannot_read_is_rejected(policed):
     a, _, folder = policed
     update = from_region(policed, "cn", 3.0)
     (folder / "cn.yaml").write_text("version: 1\njurisdiction: CN\n")
-    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
+    a.use(policies=AggregatorPolicies.load(a.run.updated(**{"policies_dir": str(folder)})))
     train_round(a, 1, [reply(12, update)])
     entry = a.recorder.data.rounds[1].train["cn"]
     assert entry.status == "rejected"
@@ -665,13 +663,10 @@ def test_the_aggregator_refuses_to_start_without_policies_or_in_the_wrong_place(
     recorder = RunRecorder(tmp_path / "run", {"run_id": 7})
     keys = aggregator_keys(str(generate_federation_keys(tmp_path / "keys", ("eu",), "US")), 2**20)
     with pytest.raises(PolicyError, match="run config:policies-dir: empty"):
-        held_policies(run_config.model_copy(update={"policies_dir": ""}), None, recorder)
+        held_policies(run_config.updated(**{"policies_dir": ""}), None, recorder)
     with pytest.raises(PolicyError, match="aggregator-jurisdiction: EU, but the aggregator's key"):
-        held_policies(run_config.model_copy(update={"policies_dir": str(tmp_path)}), keys, recorder)
-    assert (
-        held_policies(run_config.model_copy(update={"enforce_policies": False}), keys, recorder)
-        is None
-    )
+        held_policies(run_config.updated(**{"policies_dir": str(tmp_path)}), keys, recorder)
+    assert held_policies(run_config.updated(**{"enforce_policies": False}), keys, recorder) is None
     assert recorder.data.run.policies is None
 
 
@@ -792,7 +787,7 @@ def test_below_the_minimums_the_round_ends_explicitly_and_the_model_is_untouched
 
 def test_a_clipped_update_is_recorded_with_its_norm(policed):
     a = policed[0]
-    a.use(run=a.run.model_copy(update={"update_norm_action": "clip", "max_update_norm": 2.0}))
+    a.use(run=a.run.updated(**{"update_norm_action": "clip", "max_update_norm": 2.0}))
     result = train_round(
         a,
         1,
@@ -824,7 +819,7 @@ def test_each_training_round_ends_with_a_checkpoint_to_resume_from(run_config, t
 def test_the_checkpoint_carries_the_server_optimizer_and_the_schedule(run_config, tmp_path):
     from fedciuic.aggregator.checkpoint import load_checkpoint
 
-    adam = run_config.model_copy(update={"server_optimizer": "fedavgm", "keep_checkpoints": 2})
+    adam = run_config.updated(**{"server_optimizer": "fedavgm", "keep_checkpoints": 2})
     a = make_round(adam, tmp_path / "run", run_id=7, checkpoints=tmp_path / "run" / "cp")
     for server_round in (1, 2, 3):
         train_round(a, server_round, [reply(11, trained("eu", 1.0, 10))])
@@ -917,7 +912,7 @@ def eu_requires_user(audited):
     """The audited round, with the EU policy requiring user-level DP (as shipped)."""
     a, _, folder = audited
     write_policy(folder / "eu.yaml", "EU", privacy__unit="user")
-    a.use(policies=AggregatorPolicies.load(a.run.model_copy(update={"policies_dir": str(folder)})))
+    a.use(policies=AggregatorPolicies.load(a.run.updated(**{"policies_dir": str(folder)})))
     return audited
 
 

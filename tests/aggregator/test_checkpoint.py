@@ -49,7 +49,13 @@ def ckpt(
     )
 
 
-ADAM = ServerSettings("fedadam", learning_rate=0.1, momentum=0.9, beta2=0.99, epsilon=1e-3)
+ADAM = ServerSettings(
+    server_optimizer="fedadam",
+    server_learning_rate=0.1,
+    server_momentum=0.9,
+    server_beta2=0.99,
+    server_epsilon=1e-3,
+)
 
 
 def adam_state(steps: int = 2) -> OptimizerState:
@@ -211,9 +217,7 @@ def test_a_checkpoint_without_optimizer_state_resumes_only_under_none(run_config
     save_checkpoint(tmp_path, ckpt(1))  # as a fedciuic-checkpoint/1 reads: no state
     old = load_checkpoint(tmp_path)
     assert server_optimizer(run_config, old).name == "none"
-    adam = run_config.model_copy(
-        update={"server_optimizer": "fedadam", "resume_from": str(tmp_path)}
-    )
+    adam = run_config.updated(**{"server_optimizer": "fedadam", "resume_from": str(tmp_path)})
     with pytest.raises(CheckpointError, match="without server optimizer state") as err:
         server_optimizer(adam, old)
     assert 'run config:server-optimizer: "fedadam"' in str(err.value)
@@ -229,14 +233,14 @@ def test_resume_from_an_older_round_folder_passes_the_audit_check(run_config, tm
             directory, ckpt(round_, float(round_), audit=log.position()), 2, log.keypair
         )
     assert rounds_in(directory) == ["round-0002", "round-0003"]
-    run = run_config.model_copy(
-        update={"resume_from": str(directory / "round-0002"), "num_server_rounds": 5}
+    run = run_config.updated(
+        **{"resume_from": str(directory / "round-0002"), "num_server_rounds": 5}
     )
     recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
     resumed = resume(run, "f" * 64, log, recorder)
     assert resumed is not None and resumed.round == 2
     np.testing.assert_array_equal(resumed.adapter["w"], 2.0)
-    gone = run.model_copy(update={"resume_from": str(directory / "round-0001")})
+    gone = run.updated(**{"resume_from": str(directory / "round-0001")})
     with pytest.raises(CheckpointError, match=r"kept rounds in .*: round-0002, round-0003"):
         resume(gone, "f" * 64, log, recorder)
 
@@ -309,9 +313,7 @@ def test_a_run_with_keys_resumes_only_from_what_its_key_signed(run_config, tmp_p
     log = AuditLog(tmp_path / "a.jsonl", "aggregator", AGGREGATOR_KEY)
     log.append("run_start", run_id=1)
     save_checkpoint(tmp_path / "cp", ckpt(1, 1.0, audit=log.position()), keypair=AGGREGATOR_KEY)
-    run = run_config.model_copy(
-        update={"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3}
-    )
+    run = run_config.updated(**{"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3})
     recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
     assert resume(run, "f" * 64, log, recorder) is not None
     folder = tmp_path / "cp" / "round-0001"
@@ -327,16 +329,14 @@ def test_an_adapter_saved_in_one_mode_is_refused_at_resume_under_another(run_con
     saved = replace(ckpt(1, 1.0, audit=log.position()), adapter_mode="lora-fa")
     save_checkpoint(tmp_path / "cp", saved, keypair=AGGREGATOR_KEY)
     assert load_checkpoint(tmp_path / "cp").adapter_mode == "lora-fa"
-    run = run_config.model_copy(
-        update={"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3}
-    )
+    run = run_config.updated(**{"resume_from": str(tmp_path / "cp"), "num_server_rounds": 3})
     recorder = RunRecorder(tmp_path / "run-2", {"run_id": 2, "regions": list(run.regions)})
     with pytest.raises(CheckpointError) as err:
         resume(run, "f" * 64, log, recorder)
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("run config:adapter-mode: 'lora', but resume-from")
     assert "'lora-fa'" in str(err.value)
-    same = run.model_copy(update={"adapter_mode": "lora-fa"})
+    same = run.updated(**{"adapter_mode": "lora-fa"})
     assert resume(same, "f" * 64, log, recorder) is not None
 
 

@@ -31,7 +31,7 @@ def test_waiting_for_missing_regions_ends_at_the_deadline(run_config, tmp_path):
     regions = Regions(THREE)
     regions.connected = [11]
     loop = looped(run_config, tmp_path, 1, regions, min_regions=2, node_wait_timeout=5.0)
-    loop.aggregator.use(run=loop.aggregator.run.model_copy(update={"regions": ("eu", "cn", "us")}))
+    loop.aggregator.use(run=loop.aggregator.run.updated(**{"regions": ("eu", "cn", "us")}))
     with pytest.raises(FederationError, match=r"only 1 of 3 regions connected within 5s"):
         loop.wait_for_regions()
     assert regions.now == pytest.approx(5.0, abs=1.0)
@@ -50,7 +50,7 @@ def test_only_the_first_round_waits_for_missing_regions(run_config, tmp_path):
     loop = looped(run_config, tmp_path, 1, regions, min_regions=2)
     loop.wait_for_regions()
     waited = regions.now
-    assert waited >= loop.aggregator.run.node_wait_timeout
+    assert waited >= loop.aggregator.run.schedule.node_wait_timeout
     assert loop.wait_for_regions() == [11, 12]
     assert regions.now == waited  # no second wait
 

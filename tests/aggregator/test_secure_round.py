@@ -146,12 +146,12 @@ def run_rounds(
     """The initial and the final global adapter, and the aggregator's audit log."""
     audit = aggregator_log(run)
     recorder = RunRecorder(
-        run.output_path / f"run-{RUN}", {"run_id": RUN, "regions": list(REGIONS)}
+        run.output.output_path / f"run-{RUN}", {"run_id": RUN, "regions": list(REGIONS)}
     )
     layout = AdapterLayout.of(run.model)
     opened = open_run(run, RUN, audit, recorder, layout.fingerprint)
     loop = loop_for(opened.aggregator, lab, sleep=lambda _: None, interval=0.0)
-    final = loop.run(layout.initial, num_rounds=run.num_server_rounds)
+    final = loop.run(layout.initial, num_rounds=run.schedule.num_server_rounds)
     end_run(opened.aggregator, audit, layout)
     audit.close()
     return layout.initial, final, audit.path
@@ -159,7 +159,7 @@ def run_rounds(
 
 def kept_update(run: RunConfig, region: str, size: int) -> np.ndarray:
     """What the region kept of its round-1 update, decoded with the run's codec."""
-    state = Path(run.data_root) / region / ".fedciuic"
+    state = Path(run.data.data_root) / region / ".fedciuic"
     kept = SentUpdates(state).load(RUN, 1)
     assert kept is not None
     arrays, _, _ = read_update_payload(kept.payload)
@@ -230,7 +230,7 @@ def test_a_region_dropping_before_masking_leaves_the_others_sum(lab_run):
     mean = np.mean([kept_update(run, r, delta.size) for r in ("eu", "cn")], axis=0)
     assert_published(delta, mean, summed["scale"], final, initial)
     # the compliance report shows the sum, and which regions' own logs sent a masked vector
-    paths = [log, *(Path(run.data_root) / r / ".fedciuic" / REGION_LOG for r in REGIONS)]
+    paths = [log, *(Path(run.data.data_root) / r / ".fedciuic" / REGION_LOG for r in REGIONS)]
     keys = Path(run.sealing.keys_dir)
     verdicts = {
         path: verify(path, load_bundle(keys / f"{party}.pub.json"))
@@ -278,7 +278,7 @@ def test_distributed_noise_is_in_the_sum_and_each_region_records_its_epsilon(lab
     assert abs(np.mean(delta - mean)) < 4 * expected / np.sqrt(delta.size)
     assert summed["outcome"] == "unmasked"
     for region in REGIONS:
-        records = load_records(Path(run.data_root) / region / ".fedciuic" / REGION_LOG)
+        records = load_records(Path(run.data.data_root) / region / ".fedciuic" / REGION_LOG)
         [joined] = [r["details"] for r in records if r["event"] == Event.SECURE_JOINED]
         assert joined["noise_multiplier"] == z
         assert 0 < joined["epsilon_distributed"] < joined["epsilon_distributed_collusion"]
@@ -292,10 +292,10 @@ def test_the_bytes_each_region_sent_count_its_secure_sum_messages(lab_run):
     run = lab_run(**{"secure-threshold": 2})
     _, _, log = run_rounds(run, Lab(run, silent={"us": Phase.CONSENT}))
     [summed] = secure_sums(log)
-    metrics = load_metrics(run.output_path / f"run-{RUN}" / METRICS_FILE)
+    metrics = load_metrics(run.output.output_path / f"run-{RUN}" / METRICS_FILE)
     size = sum(int(np.prod(s)) for s in AdapterLayout.of(run.model).shapes.values())
     for region in REGIONS:
-        records = load_records(Path(run.data_root) / region / ".fedciuic" / REGION_LOG)
+        records = load_records(Path(run.data.data_root) / region / ".fedciuic" / REGION_LOG)
         phases = {r["event"]: r["details"] for r in records if r["event"] in PHASE_EVENTS.values()}
         # us went silent after masking: it sent its advert, shares and masked vector
         assert len(phases) == (3 if region == "us" else 5), region

@@ -13,20 +13,20 @@ from fedciuic.aggregator.server_optim import (
     ServerOptimizer,
 )
 from fedciuic.compression import layout_of
-from fedciuic.config import ServerSettings
+from fedciuic.config import OptimizerName, ServerSettings
 
 X0 = {"a": np.array([1.0, -2.0], np.float32), "b": np.array([[0.5]], np.float32)}
 DELTAS = [np.array(d, np.float32) for d in ([1.0, 2.0, -1.0], [-1.0, 0.5, 0.01], [0.5, 0.5, 3.0])]
 
 
-def run(name: str, lr: float = 0.1, **changes: float) -> ServerSettings:
+def run(name: OptimizerName, lr: float = 0.1, **changes: float) -> ServerSettings:
     values = {"momentum": 0.9, "beta2": 0.99, "epsilon": 1e-3, **changes}
     return ServerSettings(
-        name,
-        learning_rate=lr,
-        momentum=values["momentum"],
-        beta2=values["beta2"],
-        epsilon=values["epsilon"],
+        server_optimizer=name,
+        server_learning_rate=lr,
+        server_momentum=values["momentum"],
+        server_beta2=values["beta2"],
+        server_epsilon=values["epsilon"],
     )
 
 

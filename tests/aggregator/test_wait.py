@@ -25,7 +25,7 @@ def _timed(region: str, loss: float, seconds: float):
 def test_the_training_wait_grows_to_twice_the_slowest_regions_timed_work(
     run_config, tmp_path, caplog
 ):
-    run = run_config.model_copy(update={"local_steps": 30, "round_timeout": 60.0})
+    run = run_config.updated(**{"local_steps": 30, "round_timeout": 60.0})
     loop = loop_for(make_round(run, tmp_path / "run"), Regions())
     a = loop.aggregator
     assert loop.train_wait() == 60.0  # nothing timed yet: round-timeout
@@ -40,7 +40,7 @@ def test_the_training_wait_grows_to_twice_the_slowest_regions_timed_work(
     loop.timeout = 3600.0
     assert loop.train_wait() == 3600.0
     budgeted = loop_for(
-        make_round(run.model_copy(update={"local_time_budget": 100.0}), tmp_path / "budgeted"),
+        make_round(run.updated(**{"local_time_budget": 100.0}), tmp_path / "budgeted"),
         Regions(),
     )
     budgeted.aggregator.evaluate(0, [reply(12, _timed("cn", 3.0, 10.0))])

@@ -103,7 +103,7 @@ def pair(
 
 
 def dp_command(region: Region, **changes: Any) -> TrainCommand:
-    rate = poisson_sample_rate(region.data.train.num_units, region.run.batch_size)
+    rate = poisson_sample_rate(region.data.train.num_units, region.run.training.batch_size)
     values: dict[str, Any] = {"dp": True, "steps": 2, "sample_rate": rate, "seed": 3}
     return TrainCommand(**{**values, **changes})
 
@@ -137,10 +137,10 @@ def test_two_processes_train_without_dp_as_one(pair: Region, run: RunConfig) -> 
         pair.model,
         pair.data.train,
         steps=2,
-        batch_size=run.batch_size,
-        learning_rate=run.learning_rate,
+        batch_size=run.training.batch_size,
+        learning_rate=run.training.learning_rate,
         generator=torch.Generator().manual_seed(5),
-        optimizer=run.optimizer,
+        optimizer=run.training.optimizer,
     )
     after_one = pair.model.adapter_state()
     pair.model.load_adapter_state(start)
@@ -157,7 +157,7 @@ def test_noise_is_added_once(pair: Region, run: RunConfig) -> None:
     pair._train_cluster(dp_command(pair, noise_multiplier=sigma, steps=1))
     moved = np.concatenate([(v - start[k]).ravel() for k, v in pair.model.adapter_state().items()])
     pair.model.load_adapter_state(start)
-    scale = run.learning_rate * sigma * run.max_grad_norm / units
+    scale = run.training.learning_rate * sigma * run.privacy.max_grad_norm / units
     assert 0.93 < moved.std() / scale < 1.07
 
 
@@ -187,7 +187,7 @@ def test_a_time_budget_is_planned_on_rank_0_for_every_rank(
 ) -> None:
     # DP: rank 0 plans one step (nothing fits the budget) and sends the count; both
     # ranks take it, and the ledger records it. The noise stays calibrated for 2.
-    monkeypatch.setattr(pair, "run", run.model_copy(update={"local_time_budget": 1e-9}))
+    monkeypatch.setattr(pair, "run", run.updated(**{"local_time_budget": 1e-9}))
     adapter = pair.model.adapter_state()
     fingerprint = pair.model.base_fingerprint
     out = pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=9)
@@ -226,7 +226,7 @@ def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
         "during round 2",
     ):
         pair.train_round(adapter, server_round=2, base_fingerprint=fingerprint, run_id=2)
-    assert time.monotonic() - began < pair.run.collective_timeout + 5
+    assert time.monotonic() - began < pair.run.cluster.collective_timeout + 5
     assert pair._cluster is None and not alive(victim)
     ledger = PrivacyLedger.load(pair.ledger_path)
     assert [(r.run_id, r.round) for r in ledger.rounds if r.run_id == 2] == [(2, 1)]
@@ -300,7 +300,7 @@ def test_the_torchrun_environment_is_read() -> None:
 
 def test_errors_name_where_the_count_was_set(run: RunConfig, data_root: Path) -> None:
     node = NodeConfig(region="eu", data_path=str(data_root / "eu"))
-    simulated = run.model_copy(update={"region_train_processes": (("eu", 2),)})
+    simulated = run.updated(**{"region_train_processes": (("eu", 2),)})
     assert processes_key(run, node) == "run config:train-processes"
     counted = node.model_copy(update={"train_processes": 2})
     assert processes_key(simulated, counted) == "run config:region-train-processes"
@@ -313,7 +313,7 @@ def test_fedprox_over_two_processes_is_fedprox_in_one(
     # The term joins after the all-reduce, once per step on each rank: counted twice
     # (or summed over the ranks) the second step would differ from one process's.
     pair.close()  # a process is in one world at a time (the pair starts again if used)
-    prox = run.model_copy(update={"proximal_mu": 3.0})
+    prox = run.updated(**{"proximal_mu": 3.0})
     region = make_region(prox, data_root, tmp_path, 2)
     try:
         start = region.model.adapter_state()
@@ -329,7 +329,7 @@ def test_fedprox_over_two_processes_is_fedprox_in_one(
         trainer = PrivateTrainer.for_run(
             region.model,
             region.data.train,
-            run.model_copy(update={"proximal_mu": mu}).training,
+            run.updated(**{"proximal_mu": mu}).training,
             run.privacy,
             noise_multiplier=0.0,
             seed=3,
@@ -349,7 +349,7 @@ def test_two_processes_train_lora_sb_as_one(
 ) -> None:
     """Each worker derives the fixed factors itself: the R they train is rank 0's alone."""
     pair.close()  # one cluster per process at a time (a later round would rebuild it)
-    sb = run.model_copy(update={"adapter_mode": "lora-sb"})
+    sb = run.updated(**{"adapter_mode": "lora-sb"})
     region = make_region(sb, data_root, tmp_path, 2)
     try:
         start = region.model.adapter_state()

@@ -207,7 +207,7 @@ def forging(
 def test_a_forged_config_is_refused_before_a_worker_uses_it(
     cluster: TrainingCluster, region: Region, run: RunConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lr = run.model_copy(update={"learning_rate": 100.0})
+    lr = run.updated(**{"learning_rate": 100.0})
     config = {
         "run": lr.model_dump(mode="json", by_alias=True),
         "node": region.node.model_dump(mode="json", by_alias=True),
@@ -259,7 +259,7 @@ def test_a_rank_with_another_secret_is_refused(
         stderr=subprocess.DEVNULL,
     )
     # Rank 1 is not watched by rank 0 here: 60 s for its cold start on a busy machine.
-    cluster.run = cluster.run.model_copy(update={"collective_timeout": 60.0})
+    cluster.run = cluster.run.updated(**{"collective_timeout": 60.0})
     try:
         with pytest.raises(
             StoreAuthError,

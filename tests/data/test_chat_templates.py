@@ -259,7 +259,7 @@ def test_a_qwen2_checkpoint_with_r1_distills_template_trains_on_chat(tmp_path):
     folder = tiny_checkpoint(
         "qwen2", tmp_path / "model", tokenizer=template_tokenizer("deepseek-r1-distill-qwen")
     )
-    model = AdapterModel(ModelSpec(path=str(folder)), device=torch.device("cpu"))
+    model = AdapterModel(ModelSpec(model_path=str(folder)), device=torch.device("cpu"))
     examples = chat_examples(tmp_path, model.tokenizer, MULTI)
     assert [runs(model.tokenizer, *e) for e in examples] == r1_rows("multi")
     table = load_region_data(

@@ -299,7 +299,7 @@ def test_the_run_configs_limit_is_a_positive_size(value):
 def test_the_default_limit_fits_a_long_chat_and_is_the_apps():
     assert DEFAULT_MAX_RECORD_BYTES == app_config()["max-record-bytes"] == 1 << 20
     run = RunConfig.from_user_config(unit_config(), source="run")
-    assert run.max_record_bytes == DEFAULT_MAX_RECORD_BYTES
+    assert run.data.max_record_bytes == DEFAULT_MAX_RECORD_BYTES
     assert NodeConfig(region="eu", data_path="d").record_limit(run) == DEFAULT_MAX_RECORD_BYTES
 
 

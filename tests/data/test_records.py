@@ -152,7 +152,7 @@ def test_each_bad_record_names_its_field(row, field):
 
 
 def test_field_names_are_configurable(tmp_path, tokenizer):
-    fields = Fields(prompt="question", response="answer", user_id="customer")
+    fields = Fields(prompt_field="question", response_field="answer", user_id_field="customer")
     record = parse_record({"question": "q?", "answer": "a.", "customer": 42}, fields)
     assert record.shape == "prompt-response" and record.parts == ("q?", "a.")
     assert record.user == "42"
@@ -166,7 +166,9 @@ def test_field_names_are_configurable(tmp_path, tokenizer):
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen2"])
 def test_documents_in_one_batch_do_not_attend_to_each_other(tmp_path, tiny_checkpoints, family):
     """Each row is one document, padded: its logits are those it has alone."""
-    model = AdapterModel(ModelSpec(path=str(tiny_checkpoints[family])), device=torch.device("cpu"))
+    model = AdapterModel(
+        ModelSpec(model_path=str(tiny_checkpoints[family])), device=torch.device("cpu")
+    )
     model.model.eval()
     rows = [
         {"text": "A short document."},

@@ -193,7 +193,7 @@ def test_sealed_replies_as_regions_pack_them_are_opened_and_aggregated(sealed_ro
         )
 
     regions.answer = answer  # type: ignore[method-assign, assignment]
-    a.use(run=a.run.model_copy(update={"regions": ("eu", "cn")}))
+    a.use(run=a.run.updated(**{"regions": ("eu", "cn")}))
     transport = FlowerTransport(Grid(regions))  # type: ignore[arg-type]
     loop = SyncLoop(a, transport, clock=lambda: regions.now, sleep=regions.sleep, interval=0.0)
     final = loop.run(GLOBAL, 1)

@@ -45,7 +45,7 @@ VOCAB = min(TINY_VOCAB_SIZE, preset_config("tiny").vocab_size)
 
 
 def _spec(mode: AdapterMode) -> ModelSpec:
-    return ModelSpec(preset="tiny", adapter_mode=mode)
+    return ModelSpec(model_preset="tiny", adapter_mode=mode)
 
 
 @pytest.fixture(scope="module", params=ADAPTER_MODES)
@@ -112,13 +112,13 @@ def _aggregate(run: RunConfig, start: dict[str, np.ndarray], deltas, weights, st
     stepped onto the global adapter by the run's server optimiser."""
     names = sorted(start)
     n = sum(start[k].size for k in names)
-    into = make_aggregator(run.aggregation, n)
+    into = make_aggregator(run.compression.aggregation, n)
     stale = staleness or [0] * len(deltas)
     bounds = Bounds(max_staleness=max(stale))
     for delta, weight, late in zip(deltas, weights, stale, strict=True):
         flat = np.concatenate([delta[k].reshape(-1) for k in names])
-        data = run.codec.encode(flat, np.random.default_rng(0))
-        into.add(check(run.codec, data, n, weight, bounds, staleness=late))
+        data = run.compression.codec.encode(flat, np.random.default_rng(0))
+        into.add(check(run.compression.codec, data, n, weight, bounds, staleness=late))
     return ServerOptimizer(run.server).step(start, into.mean())
 
 
@@ -127,7 +127,7 @@ def test_the_published_weight_change_is_the_example_weighted_mean_in_the_exact_m
 ):
     model, layout = built
     mode, scaling = model.spec.adapter_mode, _scaling(model.spec)
-    run = run_config.model_copy(update={"codec": get_codec("dense"), "adapter_mode": mode})
+    run = run_config.updated(**{"codec": get_codec("dense"), "adapter_mode": mode})
     rng = np.random.default_rng(5)
     # A global adapter some rounds in: every trained tensor away from its start.
     start = {
@@ -174,7 +174,9 @@ def test_the_published_weight_change_is_the_example_weighted_mean_in_the_exact_m
 def test_per_sample_gradients_equal_autograd_in_the_fixed_factor_modes(
     tiny_checkpoints, family, mode
 ):
-    model = AdapterModel(ModelSpec(path=str(tiny_checkpoints[family]), adapter_mode=mode), CPU)
+    model = AdapterModel(
+        ModelSpec(model_path=str(tiny_checkpoints[family]), adapter_mode=mode), CPU
+    )
     state = model.adapter_state()  # B or R away from zero: every factor matters
     model.load_adapter_state({k: v + 0.01 for k, v in state.items()})
     rows = _rows(0, 3)
@@ -188,7 +190,9 @@ def test_gradient_checkpointing_keeps_the_per_sample_gradients_in_each_mode(mode
     rows = _rows(0, 3)
     grads = []
     for checkpointing in (False, True):
-        spec = ModelSpec(preset="tiny", adapter_mode=mode, gradient_checkpointing=checkpointing)
+        spec = ModelSpec(
+            model_preset="tiny", adapter_mode=mode, gradient_checkpointing=checkpointing
+        )
         model = AdapterModel(spec, CPU)
         model.load_adapter_state({k: v + 0.01 for k, v in model.adapter_state().items()})
         grads.append(opacus_grads(model, rows))
@@ -224,8 +228,8 @@ def test_the_saved_adapter_loads_with_peft_and_computes_the_trained_models_outpu
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "base")
-    spec = ModelSpec(path=str(ckpt), adapter_mode=mode)
+    ckpt = save_model_checkpoint(ModelSpec(model_preset="tiny"), tmp_path / "base")
+    spec = ModelSpec(model_path=str(ckpt), adapter_mode=mode)
     model = AdapterModel(spec, CPU)
     train_local(
         model,
@@ -263,7 +267,7 @@ def test_the_saved_adapter_loads_with_peft_and_computes_the_trained_models_outpu
 def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
     run_config, demo_root, tmp_path, mode
 ):
-    run = run_config.model_copy(update={"adapter_mode": mode, "local_steps": 2, "seq_len": 64})
+    run = run_config.updated(**{"adapter_mode": mode, "local_steps": 2, "seq_len": 64})
     layout = AdapterLayout.of(run.model)  # the aggregator's
     region = Region(
         run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
@@ -280,7 +284,7 @@ def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
     assert {k: v.shape for k, v in outcome.delta.items()} == layout.shapes
     assert any(np.any(v) for v in outcome.delta.values())
     size = sum(v.size for v in layout.initial.values())
-    run.codec.decode(outcome.update, size)  # refused unless it has the mode's size
+    run.compression.codec.decode(outcome.update, size)  # refused unless it has the mode's size
     assert train_info(outcome, RegionPolicy.none("eu"))[ADAPTER_MODE] == mode
 
 
@@ -295,8 +299,8 @@ def test_buffered_and_server_optimised_rounds_stay_exact_in_the_fixed_factor_mod
     move) and publishes exactly the weight change of its step."""
     spec = _spec(mode)
     layout, scaling = AdapterLayout.of(spec), _scaling(spec)
-    run = run_config.model_copy(
-        update={
+    run = run_config.updated(
+        **{
             "codec": get_codec("dense"),
             "adapter_mode": mode,
             "server_optimizer": server,
@@ -339,8 +343,8 @@ def test_buffered_and_server_optimised_rounds_stay_exact_in_the_fixed_factor_mod
 def test_a_time_budgeted_dp_round_in_each_fixed_factor_mode_records_the_steps_it_took(
     run_config, demo_root, tmp_path, mode
 ):
-    run = run_config.model_copy(
-        update={
+    run = run_config.updated(
+        **{
             "adapter_mode": mode,
             "local_steps": 6,
             "seq_len": 32,
@@ -361,5 +365,5 @@ def test_a_time_budgeted_dp_round_in_each_fixed_factor_mode_records_the_steps_it
         (record,) = PrivacyLedger.load(region.ledger_path).rounds
     finally:
         region.close()
-    assert 1 <= outcome.stats.steps == record.steps <= run.local_steps
+    assert 1 <= outcome.stats.steps == record.steps <= run.training.local_steps
     assert {k: v.shape for k, v in outcome.delta.items()} == layout.shapes

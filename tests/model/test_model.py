@@ -15,7 +15,7 @@ from fedciuic.model.presets import byte_tokenizer, preset_config
 
 @pytest.fixture(scope="module")
 def tiny() -> AdapterModel:
-    return AdapterModel(ModelSpec(preset="tiny"), device=torch.device("cpu"))
+    return AdapterModel(ModelSpec(model_preset="tiny"), device=torch.device("cpu"))
 
 
 def test_tiny_preset_keeps_the_deepseek_v3_shape():
@@ -69,8 +69,8 @@ def test_router_and_experts_stay_frozen(tiny):
 
 
 def test_same_seed_builds_the_same_base_everywhere(tiny):
-    again = AdapterModel(ModelSpec(preset="tiny"), device=torch.device("cpu"))
-    other = AdapterModel(ModelSpec(preset="tiny", seed=1), device=torch.device("cpu"))
+    again = AdapterModel(ModelSpec(model_preset="tiny"), device=torch.device("cpu"))
+    other = AdapterModel(ModelSpec(model_preset="tiny", seed=1), device=torch.device("cpu"))
     assert again.base_fingerprint == tiny.base_fingerprint
     assert other.base_fingerprint != tiny.base_fingerprint
 
@@ -91,11 +91,11 @@ def test_adapter_state_round_trip_and_layout_check(tiny):
 
 
 def test_checkpoint_save_and_load_round_trip(tmp_path):
-    spec = ModelSpec(preset="tiny", seed=3)
+    spec = ModelSpec(model_preset="tiny", seed=3)
     path = save_model_checkpoint(spec, tmp_path / "ckpt")
     from_preset = AdapterModel(spec, device=torch.device("cpu"))
-    from_path = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
-    again = AdapterModel(ModelSpec(path=str(path), seed=3), device=torch.device("cpu"))
+    from_path = AdapterModel(ModelSpec(model_path=str(path), seed=3), device=torch.device("cpu"))
+    again = AdapterModel(ModelSpec(model_path=str(path), seed=3), device=torch.device("cpu"))
     assert from_path.base_fingerprint == again.base_fingerprint
     text = "Regions keep their data."
     assert from_path.tokenizer(text)["input_ids"] == from_preset.tokenizer(text)["input_ids"]
@@ -116,23 +116,23 @@ def test_byte_tokenizer_round_trips_any_utf8():
 
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ModelError, match=r"model-preset: unknown preset 'huge'.*small, tiny"):
-        check_model_spec(ModelSpec(preset="huge"))
+        check_model_spec(ModelSpec(model_preset="huge"))
 
 
 def test_model_path_that_is_not_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ModelError, match="is not a directory"):
-        check_model_spec(ModelSpec(path=str(tmp_path / "nope")))
+        check_model_spec(ModelSpec(model_path=str(tmp_path / "nope")))
     with pytest.raises(ModelError, match=r"has no config\.json"):
-        check_model_spec(ModelSpec(path=str(tmp_path)))
+        check_model_spec(ModelSpec(model_path=str(tmp_path)))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match=r"config\.json: .*save_pretrained"):
-        check_model_spec(ModelSpec(path=str(tmp_path)))
+        check_model_spec(ModelSpec(model_path=str(tmp_path)))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
     with pytest.raises(ModelError, match="model_type: 'vit' is not a causal language model"):
-        check_model_spec(ModelSpec(path=str(tmp_path)))
+        check_model_spec(ModelSpec(model_path=str(tmp_path)))
 
 
 def test_checkpoint_without_weights_is_refused_with_the_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_config("tiny").to_dict()))
     with pytest.raises(ModelError, match=str(tmp_path)):
-        AdapterModel(ModelSpec(path=str(tmp_path)), device=torch.device("cpu"))
+        AdapterModel(ModelSpec(model_path=str(tmp_path)), device=torch.device("cpu"))

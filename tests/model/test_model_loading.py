@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 
 
 def test_auto_targets_cover_the_mla_projections_and_never_the_router_or_experts():
-    model = AdapterModel(ModelSpec(preset="tiny"), device=CPU)
+    model = AdapterModel(ModelSpec(model_preset="tiny"), device=CPU)
     names = {t.rsplit(".", 1)[-1] for t in model.targets}
     assert names == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
     assert not any("experts" in t or t.endswith(".gate") for t in model.targets)
@@ -42,25 +42,27 @@ def test_auto_targets_cover_the_mla_projections_and_never_the_router_or_experts(
 
 
 def test_auto_mlp_adds_the_dense_and_shared_expert_mlps_only():
-    model = AdapterModel(ModelSpec(preset="tiny", lora_targets="auto+mlp"), device=CPU)
+    model = AdapterModel(ModelSpec(model_preset="tiny", lora_targets="auto+mlp"), device=CPU)
     mlp = [t for t in model.targets if t.rsplit(".", 1)[-1] in ("gate_proj", "up_proj")]
     assert any(".shared_experts." in t for t in mlp) and any("layers.0.mlp." in t for t in mlp)
     assert not any(".experts." in t.replace("shared_experts", "") for t in model.targets)
 
 
 def test_listed_targets_are_used_and_a_name_that_matches_nothing_is_refused():
-    model = AdapterModel(ModelSpec(preset="tiny", lora_targets="o_proj"), device=CPU)
+    model = AdapterModel(ModelSpec(model_preset="tiny", lora_targets="o_proj"), device=CPU)
     assert {t.rsplit(".", 1)[-1] for t in model.targets} == {"o_proj"}
     with pytest.raises(
         ModelError, match=r"lora-targets: q_proj, k_proj match no adaptable nn\.Linear"
     ):
-        AdapterModel(ModelSpec(preset="tiny", lora_targets="q_proj,k_proj,o_proj"), device=CPU)
+        AdapterModel(
+            ModelSpec(model_preset="tiny", lora_targets="q_proj,k_proj,o_proj"), device=CPU
+        )
     with pytest.raises(ModelError, match="lora-targets: empty"):
-        AdapterModel(ModelSpec(preset="tiny", lora_targets=" , "), device=CPU)
+        AdapterModel(ModelSpec(model_preset="tiny", lora_targets=" , "), device=CPU)
 
 
 def test_the_base_is_frozen_in_its_dtype_and_adapters_train_in_fp32():
-    model = AdapterModel(ModelSpec(preset="tiny", dtype="bf16"), device=CPU)
+    model = AdapterModel(ModelSpec(model_preset="tiny", dtype="bf16"), device=CPU)
     frozen = {p.dtype for p in model.model.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16}
     assert {p.dtype for p in model.trainable_parameters()} == {torch.float32}
@@ -76,18 +78,18 @@ def test_auto_dtype_is_fp32_on_cpu_and_unknown_dtypes_are_refused():
     assert base_dtype(ModelSpec(), CPU) == torch.float32
     assert base_dtype(ModelSpec(dtype="fp16"), CPU) == torch.float16
     with pytest.raises(ModelError, match="run config:dtype: unknown 'int3'"):
-        base_dtype(ModelSpec(dtype="int3"), CPU)
+        base_dtype(ModelSpec.model_construct(dtype="int3"), CPU)
 
 
 def test_nf4_is_refused_without_cuda_and_without_a_checkpoint():
     with pytest.raises(
         ModelError, match=r"quantization: nf4 needs a CUDA GPU.*quantization = \"none\""
     ):
-        check_quantization(ModelSpec(quantization="nf4", path="x"), CPU)
+        check_quantization(ModelSpec(quantization="nf4", model_path="x"), CPU)
     with pytest.raises(ModelError, match="nf4 quantizes a checkpoint"):
         check_quantization(ModelSpec(quantization="nf4"), torch.device("cuda"))
     with pytest.raises(ModelError, match="run config:quantization"):
-        AdapterModel(ModelSpec(preset="tiny", quantization="nf4"), device=CPU)
+        AdapterModel(ModelSpec(model_preset="tiny", quantization="nf4"), device=CPU)
 
 
 def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
@@ -97,7 +99,9 @@ def _per_sample_grads(monkeypatch, checkpointing: bool, pause: bool = True):
             "fedciuic.privacy.dpsgd.pause_on_recompute",
             lambda hooks: contextlib.nullcontext(),
         )
-    model = AdapterModel(ModelSpec(preset="tiny", gradient_checkpointing=checkpointing), device=CPU)
+    model = AdapterModel(
+        ModelSpec(model_preset="tiny", gradient_checkpointing=checkpointing), device=CPU
+    )
     return opacus_grads(
         model, torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     )
@@ -117,7 +121,7 @@ def test_without_pausing_the_hooks_on_recompute_the_per_sample_gradients_break(m
 
 
 def test_ghost_clipping_with_checkpointing_is_refused():
-    model = AdapterModel(ModelSpec(preset="tiny", gradient_checkpointing=True), device=CPU)
+    model = AdapterModel(ModelSpec(model_preset="tiny", gradient_checkpointing=True), device=CPU)
     with pytest.raises(ModelError, match="gradient-checkpointing: not with dp-mode"):
         PrivateTrainer(
             model,
@@ -131,7 +135,7 @@ def test_ghost_clipping_with_checkpointing_is_refused():
 
 
 def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, monkeypatch):
-    path = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "ckpt")
+    path = save_model_checkpoint(ModelSpec(model_preset="tiny"), tmp_path / "ckpt")
     cache = tmp_path / "digests.json"
     first = checkpoint_fingerprint(path, cache=cache)
     assert json.loads(cache.read_text())  # one digest per file, by path
@@ -155,8 +159,10 @@ def test_checkpoint_identity_is_cached_and_changes_with_the_weights(tmp_path, mo
 
 def test_the_aggregator_layout_matches_the_regions_model_without_loading_the_base(tmp_path):
     for spec in (
-        ModelSpec(preset="tiny", lora_targets="auto+mlp"),
-        ModelSpec(path=str(save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c"))),
+        ModelSpec(model_preset="tiny", lora_targets="auto+mlp"),
+        ModelSpec(
+            model_path=str(save_model_checkpoint(ModelSpec(model_preset="tiny"), tmp_path / "c"))
+        ),
     ):
         layout = AdapterLayout.of(spec)
         model = AdapterModel(spec, device=CPU)
@@ -170,8 +176,8 @@ def test_the_saved_global_adapter_loads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = save_model_checkpoint(ModelSpec(preset="tiny"), tmp_path / "c")
-    spec = ModelSpec(path=str(ckpt), lora_targets="o_proj")
+    ckpt = save_model_checkpoint(ModelSpec(model_preset="tiny"), tmp_path / "c")
+    spec = ModelSpec(model_path=str(ckpt), lora_targets="o_proj")
     layout = AdapterLayout.of(spec)
     trained = {k: v + 0.5 for k, v in layout.initial.items()}
     layout.save(trained, tmp_path / "adapter")
@@ -196,12 +202,12 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_naming_the_folder(
         if not file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (folder / file.name).write_bytes(file.read_bytes())
     with pytest.raises(ModelError, match=rf"{folder}: no usable tokenizer"):
-        AdapterModel(ModelSpec(path=str(folder)), device=CPU)
+        AdapterModel(ModelSpec(model_path=str(folder)), device=CPU)
 
 
 @pytest.mark.parametrize(("family", "adapted"), sorted(TARGETS.items()))
 def test_auto_targets_per_architecture(tiny_checkpoints, family, adapted):
-    spec = ModelSpec(path=str(tiny_checkpoints[family]))
+    spec = ModelSpec(model_path=str(tiny_checkpoints[family]))
     model = AdapterModel(spec, device=CPU)
     assert {t.rsplit(".", 1)[-1] for t in model.targets} == adapted
     assert AdapterLayout.of(spec).shapes == {k: v.shape for k, v in model.adapter_state().items()}
@@ -212,7 +218,7 @@ def test_frozen_blocks_stay_frozen_where_their_names_are_an_attention_projection
     tiny_checkpoints,
 ):
     # V4's compressors and indexers have their own kv_proj, q_b_proj and gate_proj.
-    spec = ModelSpec(path=str(tiny_checkpoints["deepseek_v4"]), lora_targets="auto+mlp")
+    spec = ModelSpec(model_path=str(tiny_checkpoints["deepseek_v4"]), lora_targets="auto+mlp")
     model = AdapterModel(spec, device=CPU)
     assert model.targets and all(
         ".self_attn.compressor." not in t and ".mlp.experts." not in t for t in model.targets
@@ -236,7 +242,7 @@ def test_frozen_blocks_stay_frozen_where_their_names_are_an_attention_projection
 def test_a_listed_target_in_a_frozen_block_is_refused_saying_why(
     tiny_checkpoints, family, listed, why
 ):
-    spec = ModelSpec(path=str(tiny_checkpoints[family]), lora_targets=listed)
+    spec = ModelSpec(model_path=str(tiny_checkpoints[family]), lora_targets=listed)
     with pytest.raises(ModelError, match="run config:lora-targets: ") as refused:
         AdapterModel(spec, device=CPU)
     assert why in str(refused.value)
@@ -255,5 +261,5 @@ def test_a_listed_target_in_a_frozen_block_is_refused_saying_why(
     ],
 )
 def test_the_start_of_run_line_names_what_stays_frozen(tiny_checkpoints, family, named):
-    line = AdapterModel(ModelSpec(path=str(tiny_checkpoints[family])), device=CPU).describe()
+    line = AdapterModel(ModelSpec(model_path=str(tiny_checkpoints[family])), device=CPU).describe()
     assert (named in line) if named else ("frozen with it" not in line), line

@@ -65,7 +65,7 @@ def maps_line(file: Path) -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_shared_preset_base_is_mapped_read_only_and_gives_the_same_logits(dtype, monkeypatch):
-    spec = ModelSpec(preset="tiny", dtype=dtype)
+    spec = ModelSpec(model_preset="tiny", dtype=dtype)
     private = build(spec, False, monkeypatch)
     shared = build(spec, True, monkeypatch)
     assert torch.equal(logits(private, 256), logits(shared, 256))
@@ -86,7 +86,7 @@ def test_a_shared_checkpoint_base_gives_the_same_logits(
     tiny_checkpoints, family, dtype, monkeypatch
 ):
     path = tiny_checkpoints[family]
-    spec = ModelSpec(path=str(path), dtype=dtype)
+    spec = ModelSpec(model_path=str(path), dtype=dtype)
     private = build(spec, False, monkeypatch)
     shared = build(spec, True, monkeypatch)
     vocab = private.model.config.vocab_size
@@ -113,7 +113,7 @@ def test_two_processes_map_one_file_written_and_hashed_once(_own_cache):
             counts["hashed"] += "bases" in str(file)
             return digest(file)
         adapter._seeded_model, digests.file_digest = count_build, count_hash
-        model = adapter.AdapterModel(adapter.ModelSpec(preset="tiny"))
+        model = adapter.AdapterModel(adapter.ModelSpec(model_preset="tiny"))
         param = next(p for p in model.model.parameters() if not p.requires_grad)
         file = mapping_of(param)
         print(json.dumps({**counts, "file": str(file), "inode": os.stat(file).st_ino}))
@@ -137,7 +137,7 @@ def test_two_processes_map_one_file_written_and_hashed_once(_own_cache):
 
 
 def test_a_damaged_cache_file_is_rebuilt(monkeypatch, caplog):
-    spec = ModelSpec(preset="tiny")
+    spec = ModelSpec(model_preset="tiny")
     want = logits(build(spec, False, monkeypatch), 256)
     first = build(spec, True, monkeypatch)
     file = mapping_of(next(iter(frozen(first).values())))
@@ -156,7 +156,7 @@ def test_a_damaged_cache_file_is_rebuilt(monkeypatch, caplog):
 
 
 def test_training_never_writes_the_shared_base(monkeypatch):
-    spec = ModelSpec(preset="tiny", gradient_checkpointing=True)
+    spec = ModelSpec(model_preset="tiny", gradient_checkpointing=True)
     model = build(spec, True, monkeypatch)
     file = mapping_of(next(iter(frozen(model).values())))
     assert file is not None
@@ -193,7 +193,7 @@ def test_a_write_to_a_shared_base_tensor_faults(_own_cache):
     script = textwrap.dedent(
         """
         from fedciuic.model.adapter import AdapterModel, ModelSpec
-        model = AdapterModel(ModelSpec(preset="tiny"))
+        model = AdapterModel(ModelSpec(model_preset="tiny"))
         param = next(p for p in model.model.parameters() if not p.requires_grad)
         print("mapped", flush=True)
         param.data.add_(1.0)

@@ -139,9 +139,14 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
     with open(agg / "run-config.toml", "rb") as handle:
         overrides = tomllib.load(handle)
     run = RunConfig.from_user_config({**unit_config(), **overrides}, source="test")
-    assert run.regions == REGIONS and run.aggregator_jurisdiction == "EU"
-    assert Path(run.keys_dir) == agg / "keys" and Path(run.policies_dir) == agg / "policies"
-    assert Path(run.output_dir) == agg / "runs" and Path(run.audit_dir) == agg / "audit"
+    assert run.regions == REGIONS and run.policy.aggregator_jurisdiction == "EU"
+    assert (
+        Path(run.sealing.keys_dir) == agg / "keys"
+        and Path(run.policy.policies_dir) == agg / "policies"
+    )
+    assert (
+        Path(run.output.output_dir) == agg / "runs" and Path(run.output.audit_dir) == agg / "audit"
+    )
     # What run.sh hands `flwr run`: the file as pairs, with the caller's overrides after it.
     pairs = deploy.run_config_pairs(agg / "run-config.toml")
     assert parse_config_args([pairs]) == overrides
@@ -161,7 +166,7 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
         agent = AgentConfig.load(here / "agent.toml")
         node = agent.node_for(run)
         assert node.region == region and node.state_dir == here / "state"
-        assert agent.socket_path == here / "agent" / "agent.sock" and agent.relay_user == ""
+        assert Path(agent.socket) == here / "agent" / "agent.sock" and agent.relay_user == ""
         assert agent.epsilon_budget == 8.0
         # The regions it makes start on this machine together: each takes a share.
         assert agent.cpu_threads == max(1, (os.cpu_count() or 1) // len(REGIONS))
@@ -204,8 +209,8 @@ def test_start_sh_trains_what_simulate_trains_for_the_same_setup(deployment):
     run = RunConfig.from_user_config(app_config(), source="test")
     for region in REGIONS:
         agent = AgentConfig.load(deployment / "regions" / region / "agent.toml")
-        assert agent.epsilon_budget == run.epsilon_budget
-        assert agent.processes(run) == run.train_processes
+        assert agent.epsilon_budget == run.privacy.epsilon_budget
+        assert agent.processes(run) == run.cluster.train_processes
 
 
 def test_flower_connection_and_scripts(deployment):

@@ -64,7 +64,8 @@ def test_each_shaped_checkpoint_loads_with_auto_targets(tmp_path, name, family):
     }
     path = gpu.shaped_checkpoint(tmp_path / name, model_type, small)
     model = AdapterModel(
-        ModelSpec(path=str(path), dtype="bf16", lora_targets="auto"), device=torch.device("cpu")
+        ModelSpec(model_path=str(path), dtype="bf16", lora_targets="auto"),
+        device=torch.device("cpu"),
     )
     assert model.model.config.model_type == family
     # q, k, v, o of each layer: 8 x ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64))

@@ -115,7 +115,7 @@ def test_pickle_only_weights_load_in_simulation_when_the_run_config_allows_them(
     run = _run(**{"model-path": str(checkpoints["pickle-only"])})
     folders = [RegionFolder(r, demo_root / r) for r in ("eu", "cn")]
     assert any("only pickle" in p for p in preflight(run, folders).problems)
-    allowing = run.model_copy(update={"allow_pickle_weights": True})
+    allowing = run.updated(**{"allow_pickle_weights": True})
     assert preflight(allowing, folders).problems == []
 
 

@@ -58,7 +58,7 @@ def test_a_pretrained_base_loads_through_model_path_and_is_reused(tmp_path, monk
     assert record["steps"] == 2 and record["tokens_seen"] == 2 * 2 * 32
     assert record["after"]["heldout_text_loss"] < record["before"]["heldout_text_loss"]
     assert json.loads((folder / pretrain.RECORD).read_text()) == record
-    base = build_base(ModelSpec(path=str(folder)), torch.device("cpu"))  # the real route
+    base = build_base(ModelSpec(model_path=str(folder)), torch.device("cpu"))  # the real route
     assert base.fingerprint == record["fingerprint"]
     monkeypatch.setattr(pretrain, "train", None)  # cached: nothing trains again
     assert pretrain.pretrained_base(recipe, settings) == (folder, record)

@@ -513,7 +513,7 @@ def test_the_aggregator_loads_a_folder_with_bad_files_and_rejects_their_regions(
     tmp_path, run_config: RunConfig
 ):
     folder = bad_folder(tmp_path / "policies")
-    policies = AggregatorPolicies.load(run_config.model_copy(update={"policies_dir": str(folder)}))
+    policies = AggregatorPolicies.load(run_config.updated(**{"policies_dir": str(folder)}))
     assert sorted(policies.policies.by_jurisdiction) == ["EU"]
     facts = UpdateFacts(
         region="cn",
@@ -603,7 +603,7 @@ def test_a_region_with_its_own_jurisdictions_policy_is_checked_as_before(tmp_pat
 def test_a_lab_region_without_a_policy_obeys_none_and_its_decision_is_not_enforced(
     tmp_path, run_config
 ):
-    lab = run_config.model_copy(update={"enforce_policies": False})
+    lab = run_config.updated(**{"enforce_policies": False})
     none = enforce_region_policy(
         lab,
         NodeConfig(region="eu", data_path=str(tmp_path / "eu")),
@@ -637,7 +637,7 @@ def test_a_region_whose_policy_requires_scrubbing_refuses_a_run_without_it(
     terms = {"aggregator_jurisdiction": "CN", "own_jurisdiction": "CN", "simulated": True}
     assert enforce_region_policy(run_config, cn, **terms).decision.accepted  # type: ignore[arg-type]
     with pytest.raises(PolicyRefusal) as caught:
-        enforce_region_policy(run_config.model_copy(update=changes), cn, **terms)  # type: ignore[arg-type]
+        enforce_region_policy(run_config.updated(**changes), cn, **terms)  # type: ignore[arg-type]
     assert caught.value.decision.reasons == (reason,)
     message = str(caught.value)
     assert "\n" not in message and message.endswith(reason), message
@@ -650,7 +650,7 @@ def test_a_region_without_a_name_dictionary_or_ner_model_declines_under_the_ship
     """The shipped CN and EU policies require names: finding them by context alone does
     not meet it; a dictionary or a NER model does. One line, naming the policy field and
     both agent keys."""
-    run = run_config.model_copy(update={"privacy_unit": "user"})  # the EU policy's unit
+    run = run_config.updated(**{"privacy_unit": "user"})  # the EU policy's unit
     bare = node(tmp_path, region, policy).model_copy(update={"deid_dictionary": ""})
     terms = {
         "aggregator_jurisdiction": region.upper(),

@@ -21,7 +21,9 @@ BATCH = 3
 
 
 def _model(path: str, checkpointing: bool = False) -> AdapterModel:
-    model = AdapterModel(ModelSpec(path=path, gradient_checkpointing=checkpointing), device=CPU)
+    model = AdapterModel(
+        ModelSpec(model_path=path, gradient_checkpointing=checkpointing), device=CPU
+    )
     state = model.adapter_state()  # LoRA B is zero at init: make every adapter matter
     model.load_adapter_state({k: v + 0.01 if "lora_B" in k else v for k, v in state.items()})
     return model
@@ -104,7 +106,7 @@ def test_the_global_adapter_loads_back_with_peft_and_generates(tiny_checkpoints,
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoints[family]
-    layout = AdapterLayout.of(ModelSpec(path=str(path)))
+    layout = AdapterLayout.of(ModelSpec(model_path=str(path)))
     trained = {k: v + 0.05 for k, v in layout.initial.items()}
     layout.save(trained, tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False)

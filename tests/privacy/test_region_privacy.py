@@ -27,9 +27,7 @@ from tests.conftest import ROOT
 @pytest.fixture
 def run(run_config: RunConfig) -> RunConfig:
     # These tests state their figures for a run aiming at the whole default budget.
-    return run_config.model_copy(
-        update={"local_steps": 3, "num_server_rounds": 2, "target_epsilon": 8.0}
-    )
+    return run_config.updated(**{"local_steps": 3, "num_server_rounds": 2, "target_epsilon": 8.0})
 
 
 def region(run: RunConfig, demo_root, tmp_path, **node) -> Region:
@@ -87,7 +85,7 @@ def test_a_spent_budget_declines_without_training(run, demo_root, tmp_path):
 
 
 def test_delta_not_below_one_over_the_dataset_size_is_refused(run, demo_root, tmp_path):
-    r = region(run.model_copy(update={"target_delta": 0.01}), demo_root, tmp_path)
+    r = region(run.updated(**{"target_delta": 0.01}), demo_root, tmp_path)
     with pytest.raises(PrivacyError, match=r"run config:target-delta: 0.01 is not below 1/n"):
         train(r)
     assert not r.ledger_path.exists()
@@ -124,7 +122,7 @@ def test_a_ledger_of_other_data_stops_the_region(run, demo_root, tmp_path):
     ],
 )
 def test_bad_dp_settings_are_config_errors(run_config, key, value, field):
-    values = run_config.model_dump(by_alias=True)
+    values = run_config.flat()
     values[key] = value
     with pytest.raises(ConfigError, match=f"run config:{field}:"):
         RunConfig.from_user_config(values, source="run config")
@@ -155,7 +153,7 @@ def note_trained(r: Region, outcome, server_round: int) -> None:
 
 @pytest.mark.parametrize("server_round", [0, -1, 2, 7])
 def test_rounds_beyond_num_server_rounds_are_refused(run, demo_root, tmp_path, server_round):
-    one = run.model_copy(update={"num_server_rounds": 1})
+    one = run.updated(**{"num_server_rounds": 1})
     r = region(one, demo_root, tmp_path)
     before = r.model.adapter_state()
     with pytest.raises(
@@ -241,7 +239,7 @@ def test_noise_never_comes_from_the_run_configs_seed(run, demo_root, tmp_path):
     deltas = [train(region(run, demo_root, tmp_path / str(i))).delta for i in range(2)]
     assert any(not np.array_equal(deltas[0][k], deltas[1][k]) for k in deltas[0])
     # Reproducible noise only behind the explicit setting meant for tests.
-    lab = run.model_copy(update={"secure_mode": False, "insecure_reproducible_noise": True})
+    lab = run.updated(**{"secure_mode": False, "insecure_reproducible_noise": True})
     deltas = [train(region(lab, demo_root, tmp_path / f"lab{i}")).delta for i in range(2)]
     assert all(np.array_equal(deltas[0][k], deltas[1][k]) for k in deltas[0])
     ledger = PrivacyLedger.load(tmp_path / "lab0" / "privacy-ledger.jsonl")
@@ -249,7 +247,7 @@ def test_noise_never_comes_from_the_run_configs_seed(run, demo_root, tmp_path):
 
 
 def test_reproducible_noise_needs_secure_mode_off_and_is_refused_by_shipped_policies(run_config):
-    values = run_config.model_dump(by_alias=True)
+    values = run_config.flat()
     assert values["secure-mode"] is True and values["insecure-reproducible-noise"] is False
     with pytest.raises(ConfigError, match=r"run config:insecure-reproducible-noise: .*secure-mode"):
         RunConfig.from_user_config(
@@ -258,7 +256,10 @@ def test_reproducible_noise_needs_secure_mode_off_and_is_refused_by_shipped_poli
     lab = RunConfig.from_user_config(
         {**values, "secure-mode": False, "insecure-reproducible-noise": True}, source="run config"
     )
-    assert lab.noise_warning is not None and "NO differential privacy" in lab.noise_warning
+    assert (
+        lab.privacy.noise_warning is not None
+        and "NO differential privacy" in lab.privacy.noise_warning
+    )
     for path in sorted((ROOT / "policies").glob("*.yaml")):
         loaded = load_policy(path)
         terms = run_terms(lab, aggregator_jurisdiction=loaded.policy.jurisdiction)

@@ -29,8 +29,8 @@ def test_each_family_trains_a_dp_round_on_its_attention_projections(
     run_config: RunConfig, demo_root, tmp_path, tiny_checkpoints, family
 ):
     path = tiny_checkpoints[family]
-    run = run_config.model_copy(
-        update={"model_path": str(path), "local_steps": 2, "seq_len": 64, "num_server_rounds": 1}
+    run = run_config.updated(
+        **{"model_path": str(path), "local_steps": 2, "seq_len": 64, "num_server_rounds": 1}
     )
     region = Region(
         run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))

@@ -32,7 +32,7 @@ FLOOR_S = 0.1
 
 @pytest.fixture
 def run(run_config: RunConfig) -> RunConfig:
-    return run_config.model_copy(update=SMALL)
+    return run_config.updated(**SMALL)
 
 
 def region(run: RunConfig, demo_root, tmp_path, name: str = "eu", **node) -> Region:
@@ -83,9 +83,9 @@ def test_a_slowed_region_plans_fewer_steps_and_its_ledger_records_them(
     monkeypatch.setattr(PrivateTrainer, "_step_batch", floored)
     # The fast region's steps take FLOOR_S and a little: 2 FLOOR_S each fit local-steps
     # of them; the slowed one's take at least 4 FLOOR_S: at most half as many fit.
-    cap = run.local_steps
-    budgeted = run.model_copy(
-        update={"local_time_budget": 2 * FLOOR_S * cap, "test_region_slowdown": (("us", 4.0),)}
+    cap = run.training.local_steps
+    budgeted = run.updated(
+        **{"local_time_budget": 2 * FLOOR_S * cap, "test_region_slowdown": (("us", 4.0),)}
     )
     steps = {}
     for name in ("eu", "us"):
@@ -97,7 +97,9 @@ def test_a_slowed_region_plans_fewer_steps_and_its_ledger_records_them(
         # Reply, audit metrics and ledger say the one count that was taken and accounted.
         assert outcome.stats.steps == record.steps == train_metrics(outcome)["steps"]
         assert outcome.privacy is not None
-        accounted = epsilon_of([(noise, rate, record.steps)], run.target_delta, run.dp_accountant)
+        accounted = epsilon_of(
+            [(noise, rate, record.steps)], run.privacy.target_delta, run.privacy.dp_accountant
+        )
         assert record.epsilon == pytest.approx(accounted)
         assert outcome.privacy.epsilon == pytest.approx(accounted)
         assert outcome.privacy.run_epsilon == pytest.approx(accounted)
@@ -112,11 +114,11 @@ def test_a_slowed_region_plans_fewer_steps_and_its_ledger_records_them(
 def test_the_worst_case_is_checked_before_planning(run, demo_root, tmp_path, monkeypatch):
     """A round that fits the budget only because few steps fit the time is refused:
     the checks use local-steps, so no calibration or training happens at all."""
-    hurried = run.model_copy(update={"local_time_budget": 1e-9, "local_steps": 6})
+    hurried = run.updated(**{"local_time_budget": 1e-9, "local_steps": 6})
     r = region(hurried, demo_root, tmp_path)
     noise, rate, worst = r.privacy_step()
-    one = epsilon_of([(noise, rate, 1)], run.target_delta, run.dp_accountant)
-    most = epsilon_of([(noise, rate, worst)], run.target_delta, run.dp_accountant)
+    one = epsilon_of([(noise, rate, 1)], run.privacy.target_delta, run.privacy.dp_accountant)
+    most = epsilon_of([(noise, rate, worst)], run.privacy.target_delta, run.privacy.dp_accountant)
     assert one < most and r.projected_epsilon() == pytest.approx(most)  # the policy's view
     r.node = r.node.model_copy(update={"epsilon_budget": (one + most) / 2})
     planned: list[int] = []
@@ -136,8 +138,8 @@ def test_the_worst_case_is_checked_before_planning(run, demo_root, tmp_path, mon
 def test_calibration_leaves_no_trace(run, demo_root, tmp_path, monkeypatch):
     """With a budget that fits every step, a round is the round without a budget
     (reproducible noise): the synthetic steps left the adapters as they were."""
-    lab = run.model_copy(
-        update={"local_steps": 3, "secure_mode": False, "insecure_reproducible_noise": True}
+    lab = run.updated(
+        **{"local_steps": 3, "secure_mode": False, "insecure_reproducible_noise": True}
     )
     r = region(lab, demo_root, tmp_path, epsilon_budget=1000.0)
     start = r.model.adapter_state()
@@ -151,7 +153,7 @@ def test_calibration_leaves_no_trace(run, demo_root, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PrivateTrainer, "run", spy)
     r.model.load_adapter_state(start)
-    r.run = lab.model_copy(update={"local_time_budget": 1000.0})
+    r.run = lab.updated(**{"local_time_budget": 1000.0})
     budgeted = train(r, run_id=6)
     assert len(seen) == 1 and diff(seen[0], start) == 0.0  # calibrated before, untouched
     assert budgeted.stats.steps == plain.stats.steps == 3
@@ -163,7 +165,7 @@ def test_no_budget_takes_exactly_local_steps(run, demo_root, tmp_path):
     r = region(run, demo_root, tmp_path)
     outcome = train(r)
     assert outcome.stats.steps == PrivacyLedger.load(r.ledger_path).rounds[0].steps == 8
-    r.run = run.model_copy(update={"dp": False})
+    r.run = run.updated(**{"dp": False})
     assert train(r).stats.steps == 8
 
 
@@ -174,28 +176,28 @@ def test_without_dp_the_clock_stops_training(run, demo_root, tmp_path):
         return train_local(
             r.model,
             r.data.train,
-            steps=run.local_steps,
-            batch_size=run.batch_size,
-            learning_rate=run.learning_rate,
+            steps=run.training.local_steps,
+            batch_size=run.training.batch_size,
+            learning_rate=run.training.learning_rate,
             generator=torch.Generator().manual_seed(1),
             time_budget=budget,
         )
 
     assert local(1e-9).steps == 1  # at least one step
-    assert local(0.0).steps == run.local_steps
-    assert local(1000.0).steps == run.local_steps  # local-steps is the cap
+    assert local(0.0).steps == run.training.local_steps
+    assert local(1000.0).steps == run.training.local_steps  # local-steps is the cap
 
 
 # -- FedProx ----------------------------------------------------------------------------
 
 
 def test_fedprox_pulls_the_update_towards_the_global_adapter(run, demo_root, tmp_path):
-    sgd = run.model_copy(update={"dp": False, "optimizer": "sgd", "learning_rate": 0.5})
+    sgd = run.updated(**{"dp": False, "optimizer": "sgd", "learning_rate": 0.5})
     r = region(sgd, demo_root, tmp_path)
     start = r.model.adapter_state()
     free = train(r)
     r.model.load_adapter_state(start)
-    r.run = sgd.model_copy(update={"proximal_mu": 1.0})
+    r.run = sgd.updated(**{"proximal_mu": 1.0})
     held = train(r)
     assert 0 < norm(held.delta) < 0.8 * norm(free.delta)
 
@@ -205,8 +207,8 @@ def test_fedprox_is_added_after_clipping_and_noise(run, demo_root, tmp_path, mon
     proximal term still pulls the adapters back by lr * mu per step, in full: it was
     never clipped."""
     lr, mu, moved, steps = 0.1, 1.0, 0.1, 3
-    lab = run.model_copy(
-        update={
+    lab = run.updated(
+        **{
             "optimizer": "sgd",
             "learning_rate": lr,
             "proximal_mu": mu,
@@ -247,8 +249,8 @@ def test_calibration_warms_up_on_one_example_then_times_the_worst_shape(run, dem
     trainer._step_batch = counted  # type: ignore[method-assign]
     try:
         start = r.model.adapter_state()
-        seconds = trainer.time_step(run.seq_len, slowdown=1.0)
-        worst = trainer.worst_batch(run.seq_len)[0]
+        seconds = trainer.time_step(run.training.seq_len, slowdown=1.0)
+        worst = trainer.worst_batch(run.training.seq_len)[0]
         assert seconds > 0 and calls == [1, len(worst)]  # a warm-up, then the worst shape
         assert diff(r.model.adapter_state(), start) == 0.0
         assert not trainer.optimizer.original_optimizer.state
