@@ -1,23 +1,36 @@
-"""End-to-end overhead: a round of fedciuic with every layer on, against plain Flower FedAvg.
+"""End-to-end overhead: fedciuic with every layer on, against a hand-written Flower app.
 
-Both run on one simulation SuperLink, one after the other, alternating (ABBA: the app
-that ran second in one repeat runs first in the next), with the same model, the same
-demo data, the same DP-SGD training (noise calibrated the same way, same local steps
-and batch size) and the same 3 regions. fedciuic adds compression, sealing, policy
-checks at both ends, the privacy ledger, the audit logs and the checkpoints; the plain
-baseline (``benchmarks/plain_flower``) is Flower's own ``FedAvg`` sending full adapters
-in the clear. A round is training plus evaluation; its wall time is read from each
-app's own per-round timestamps, leaving out round 1 (start-up). Target: fedciuic's
-layers add at most 10 %.
+The baseline (``benchmarks/plain_flower``) is what a team would write for itself from
+Flower's and Opacus' examples, and imports nothing from fedciuic: the same checkpoint
+loaded with ``transformers``, a peft LoRA adapter on the same modules, the regions'
+demo chats rendered with the tokenizer's chat template, DP-SGD with Opacus'
+``PrivacyEngine`` (Poisson sampling, clipping, noise calibrated with the PRV accountant
+for the whole run) and Flower's own ``FedAvg`` sending the adapter in the clear. So
+whatever fedciuic's own model, data and DP code costs beyond that shows up here, as do
+its other layers: compression, sealing, policy checks at both ends, the privacy
+ledger, the audit logs and the checkpoints.
+
+Both run on one simulation SuperLink (3 regions, one CPU per ClientApp), one after the
+other, alternating (ABBA: the app that ran second in one repeat runs first in the
+next), on the same settings: the base checkpoint this script saves once, LoRA rank and
+alpha, local DP-SGD steps, batch size, seq-len, rounds, epsilon and delta (the plain
+app gets fedciuic's defaults for what this script does not set). fedciuic runs with
+``adapter-mode = "lora"`` and ``max-examples-per-unit = 1``, everything else default.
+A round is training plus evaluation; its wall time comes from each app's own per-round
+timestamps, leaving out round 1 (start-up). Also reported: each run's wall time, and
+the peak total PSS of its process tree (every descendant of the SuperLink and every
+Ray process, sampled every 0.5 s; PSS counts a page shared by several processes once).
+Target: fedciuic's layers add at most 10 % per round.
 
     .venv/bin/python benchmarks/overhead.py                  # realistic preset
-    .venv/bin/python benchmarks/overhead.py --preset tiny    # the app's own defaults
+    .venv/bin/python benchmarks/overhead.py --preset tiny    # fedciuic's own defaults
+    .venv/bin/python benchmarks/overhead.py --quick          # tiny, 2 rounds, 1 repeat
 
 On ``realistic`` (207M parameters) the run settings are cut so that a run fits the
 benchmark suite on 2 cores: LoRA r=64 on ``auto+mlp`` (10.3M adapter entries), 2 local
-DP-SGD steps of 2 users (up to 2 examples each) x 128 tokens, 8 eval examples per
-region. On ``tiny`` the app's defaults apply (r=8 on attention, 30 steps of 8 users x
-256 tokens). Every setting can be given on the command line; both apps get the same.
+DP-SGD steps of 2 users x 128 tokens, 8 eval examples per region. On ``tiny``
+fedciuic's defaults apply (r=8 on attention, 30 steps of 8 users x 256 tokens). Every
+setting can be given on the command line; both apps get the same.
 """
 
 from __future__ import annotations
@@ -27,23 +40,30 @@ import itertools
 import json
 import statistics
 import tempfile
+import threading
 import time
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from report import Row, verdict
+import psutil
+from report import Row, proc_bytes, verdict
 
+from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
+from fedciuic.model.adapter import save_model_checkpoint
+from fedciuic.model.families import resolve_targets
 from fedciuic.record.metrics import load_metrics
 from fedciuic.record.recorder import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
+PLAIN_APP = ROOT / "benchmarks" / "plain_flower"
 REGIONS = ("eu", "cn", "us")
 SIMULATION = {"num-supernodes": 3, "client-resources-num-cpus": 1}
-#: Run-config keys both apps get, and each preset's values (tiny: the app's defaults).
+#: Run-config keys both apps get, and each preset's values (tiny: fedciuic's defaults).
 SETTINGS = (
     "lora-rank",
     "lora-targets",
@@ -52,6 +72,20 @@ SETTINGS = (
     "seq-len",
     "max-eval-examples",
 )
+#: What fedciuic keeps at its defaults and the plain app is given the same value of.
+DEFAULTS = (
+    "seed",
+    "lora-alpha",
+    "learning-rate",
+    "eval-fraction",
+    "target-epsilon",
+    "target-delta",
+    "max-grad-norm",
+    "round-timeout",
+)
+#: fedciuic's side of the comparison: plain LoRA (both factors sent, as the plain app
+#: sends them), one example per privacy unit and step.
+FEDCIUIC_ONLY = {"adapter-mode": "lora", "max-examples-per-unit": 1}
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "realistic": {
@@ -63,6 +97,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max-eval-examples": 8,
     },
 }
+MIB = 2**20
+SAMPLE_SECONDS = 0.5
 
 
 def round_times(ended: dict[str, float]) -> list[float]:
@@ -76,16 +112,21 @@ def rows(result: dict[str, Any]) -> list[Row]:
     spread = sorted(result["plain_rounds"] + result["fedciuic_rounds"])
     preset = result.get("preset")
     where = f", {preset} preset" if preset else ""
-    return [
-        [
-            "end-to-end round vs plain Flower FedAvg",
-            f"{result['ratio']:.2f}x, medians {result['fedciuic_s']:.2f} s vs "
-            f"{result['plain_s']:.2f} s over {len(result['plain_rounds'])} rounds each{where} "
-            f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: a noisy machine)",
-            "<= 1.10x",
-            verdict(result["ratio"] <= 1.10),
-        ]
-    ]
+    measured = (
+        f"{result['ratio']:.2f}x, medians {result['fedciuic_s']:.2f} s vs "
+        f"{result['plain_s']:.2f} s over {len(result['plain_rounds'])} rounds each{where} "
+        f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: a noisy machine)"
+    )
+    figure = "end-to-end round vs plain Flower FedAvg"
+    if "peak_pss_mib" in result:  # against the hand-written app (results before: fedciuic's)
+        figure = "end-to-end round vs a hand-written Flower + Opacus app"
+        runs = {k: statistics.median(v) for k, v in result["run_seconds"].items()}
+        pss = result["peak_pss_mib"]
+        measured += (
+            f"; whole run {runs['fedciuic']:.0f} s vs {runs['plain']:.0f} s; peak PSS "
+            f"{max(pss['fedciuic']):.0f} MiB vs {max(pss['plain']):.0f} MiB"
+        )
+    return [[figure, measured, "<= 1.10x", verdict(result["ratio"] <= 1.10)]]
 
 
 def _stamp(text: str) -> float:
@@ -116,9 +157,17 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
     }
 
 
+def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
+    """fedciuic's run-config defaults (its pyproject.toml) for ``keys``."""
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        config: dict[str, Any] = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+    return {key: config[key] for key in keys}
+
+
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run-config overrides both apps get: the preset's, then the command line's."""
-    values: dict[str, Any] = {"model-preset": args.preset, **PRESETS.get(args.preset, {})}
+    """The run-config overrides both apps get: fedciuic's defaults, then the preset's,
+    then the command line's."""
+    values = {**fedciuic_defaults(SETTINGS), **PRESETS.get(args.preset, {})}
     for key in SETTINGS:
         given = getattr(args, key.replace("-", "_"))
         if given is not None:
@@ -126,11 +175,69 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def lora_modules(checkpoint: Path, targets: str) -> list[str]:
+    """The full names of the ``nn.Linear`` modules fedciuic adapts for ``lora-targets``
+    on this checkpoint (its own resolver, on the model built without weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return resolve_targets(model, str(config.model_type), targets)
+
+
+def is_ray(proc: psutil.Process) -> bool:
+    """Ray's daemons (gcs_server, raylet, dashboard, log monitor) and workers (ray::...)."""
+    try:
+        name, cmdline = proc.name(), " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return name.startswith(("ray", "gcs_server")) or "ray::" in cmdline or "/ray/" in cmdline
+
+
+class PeakPss:
+    """Samples the total PSS of a run's process tree every SAMPLE_SECONDS in a thread:
+    the SuperLink and all its descendants, and every Ray process the federation started
+    (wherever it was re-parented). ``peak`` is the largest total seen, in bytes."""
+
+    def __init__(self, federation: LocalFederation, superlink: int) -> None:
+        self.federation, self.superlink = federation, superlink
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def pids(self) -> set[int]:
+        pids: set[int] = set()
+        try:
+            root = psutil.Process(self.superlink)
+            pids.update(p.pid for p in (root, *root.children(recursive=True)))
+        except psutil.Error:
+            pass
+        pids.update(p.pid for p in self.federation.owned() if is_ray(p))
+        return pids
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = sum(proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")[0] for pid in self.pids())
+            self.peak = max(self.peak, total)
+            self._stop.wait(SAMPLE_SECONDS)
+
+    def __enter__(self) -> PeakPss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--preset", default="realistic", help="model-preset of both apps")
+    parser.add_argument("--preset", default="realistic", help="model-preset of the base")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    parser.add_argument("--quick", action="store_true", help="tiny preset, 2 rounds, 1 repeat")
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--lora-targets")
     parser.add_argument("--local-steps", type=int)
@@ -139,36 +246,51 @@ def main() -> int:
     parser.add_argument("--max-eval-examples", type=int)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
+    if args.quick:
+        args.preset, args.rounds, args.repeats = "tiny", 2, 1
     settings = run_settings(args)
+    defaults = fedciuic_defaults(DEFAULTS)
 
     began = time.perf_counter()
     fedciuic_rounds: list[float] = []
     plain_rounds: list[float] = []
     run_seconds: dict[str, list[float]] = {"fedciuic": [], "plain": []}
+    peak_pss: dict[str, list[float]] = {"fedciuic": [], "plain": []}
     breakdown: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="fedciuic-bench-overhead-") as name:
         tmp = Path(name)
+        checkpoint = save_model_checkpoint(
+            ModelSpec(model_preset=args.preset, seed=int(defaults["seed"])), tmp / "base"
+        )
+        modules = lora_modules(checkpoint, str(settings["lora-targets"]))
+        common = {**settings, "model-path": str(checkpoint), "num-server-rounds": args.rounds}
         keys = generate_federation_keys(tmp / "keys", REGIONS)
         with LocalFederation(tmp / "work", ROOT) as federation:
             federation.start_superlink(simulation=True)
+            superlink = federation.pids()[0]
+
+            def timed(app: str, run: dict[str, Any], where: Path | None = None) -> int:
+                started = time.perf_counter()
+                with PeakPss(federation, superlink) as memory:
+                    run_id, _ = federation.run_app(
+                        run, federation_config=SIMULATION, timeout=1800, app=where
+                    )
+                run_seconds[app].append(time.perf_counter() - started)
+                peak_pss[app].append(memory.peak / MIB)
+                return run_id
 
             def run_fedciuic(i: int, data: Path) -> None:
                 out = tmp / f"runs-{i}"
-                started = time.perf_counter()
-                run_id, _ = federation.run_app(
-                    {
-                        **settings,
-                        "num-server-rounds": args.rounds,
-                        "data-root": str(data),
-                        "output-dir": str(out),
-                        "keys-dir": str(keys),
-                        "policies-dir": str(ROOT / "policies"),
-                        "audit-dir": str(out / "audit"),
-                    },
-                    federation_config=SIMULATION,
-                    timeout=1800,
-                )
-                run_seconds["fedciuic"].append(time.perf_counter() - started)
+                run = {
+                    **common,
+                    **FEDCIUIC_ONLY,
+                    "data-root": str(data),
+                    "output-dir": str(out),
+                    "keys-dir": str(keys),
+                    "policies-dir": str(ROOT / "policies"),
+                    "audit-dir": str(out / "audit"),
+                }
+                run_id = timed("fedciuic", run)
                 metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
                 fedciuic_rounds.extend(
                     round_times(
@@ -181,25 +303,20 @@ def main() -> int:
 
             def run_plain(i: int, data: Path) -> None:
                 timings = tmp / f"plain-{i}.json"
-                started = time.perf_counter()
-                federation.run_app(
-                    {
-                        **settings,
-                        "num-server-rounds": args.rounds,
-                        "data-root": str(data),
-                        "timings-file": str(timings),
-                        "fedciuic-root": str(ROOT),
-                    },
-                    federation_config=SIMULATION,
-                    timeout=1800,
-                    app=ROOT / "benchmarks" / "plain_flower",
-                )
-                run_seconds["plain"].append(time.perf_counter() - started)
+                run = {
+                    **{k: v for k, v in common.items() if k != "lora-targets"},
+                    **defaults,
+                    "regions": ",".join(REGIONS),
+                    "lora-modules": ",".join(modules),
+                    "data-root": str(data),
+                    "timings-file": str(timings),
+                }
+                timed("plain", run, PLAIN_APP)
                 plain_rounds.extend(round_times(json.loads(timings.read_text())))
 
             for i in range(args.repeats):
                 # Fresh data per repeat: a fresh privacy ledger (and residual) each time;
-                # the plain app reads the same copy (its ledger is never written).
+                # the plain app reads the same copy (only its chat.jsonl files).
                 data = tmp / f"data-{i}"
                 write_demo_corpora(data, REGIONS)
                 order = (run_fedciuic, run_plain) if i % 2 == 0 else (run_plain, run_fedciuic)
@@ -207,12 +324,25 @@ def main() -> int:
                     run(i, data)
     ours, plain = statistics.median(fedciuic_rounds), statistics.median(plain_rounds)
     ratio = ours / plain
-    verdict = "met" if ratio <= 1.10 else "NOT met"
+    met = "met" if ratio <= 1.10 else "NOT met"
     shown = ", ".join(f"{k} {v}" for k, v in settings.items())
-    print(f"round wall time (training + evaluation, 3 regions, DP-SGD; {shown}), median")
-    print(f"plain Flower FedAvg:       {plain:.2f} s  ({len(plain_rounds)} rounds)")
-    print(f"fedciuic, every layer on:  {ours:.2f} s  ({len(fedciuic_rounds)} rounds)")
-    print(f"fedciuic / plain: {ratio:.2f}x (target <= 1.10x: {verdict})")
+    runs = {k: statistics.median(v) for k, v in run_seconds.items()}
+    pss = {k: max(v) for k, v in peak_pss.items()}
+    print(
+        f"round wall time (training + evaluation, 3 regions, DP-SGD; {args.preset} preset, "
+        f"{args.rounds} rounds, {shown}), median of rounds 2..{args.rounds}"
+    )
+    print(f"hand-written Flower + Opacus: {plain:.2f} s  ({len(plain_rounds)} rounds)")
+    print(f"fedciuic, every layer on:     {ours:.2f} s  ({len(fedciuic_rounds)} rounds)")
+    print(f"fedciuic / hand-written: {ratio:.2f}x (target <= 1.10x: {met})")
+    print(
+        f"whole run (median): {runs['fedciuic']:.1f} s vs {runs['plain']:.1f} s "
+        f"({runs['fedciuic'] / runs['plain']:.2f}x)"
+    )
+    print(
+        f"peak PSS of the process tree: {pss['fedciuic']:.0f} MiB vs {pss['plain']:.0f} MiB "
+        f"({pss['fedciuic'] / pss['plain']:.2f}x)"
+    )
     for who, named in (breakdown[-1] if breakdown else {}).items():
         print(f"  {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in named.items()))
     seconds = time.perf_counter() - began
@@ -221,12 +351,14 @@ def main() -> int:
         result: dict[str, Any] = {
             "preset": args.preset,
             "settings": settings,
+            "baseline": "benchmarks/plain_flower (hand-written Flower + Opacus, no fedciuic)",
             "plain_s": plain,
             "fedciuic_s": ours,
             "ratio": ratio,
             "plain_rounds": plain_rounds,
             "fedciuic_rounds": fedciuic_rounds,
             "run_seconds": run_seconds,
+            "peak_pss_mib": peak_pss,
             "fedciuic_phases": breakdown,
             "seconds": seconds,
         }

@@ -1,112 +1,231 @@
-"""Flower's own FedAvg with fedciuic's model, data and DP-SGD step, and nothing else."""
+"""LoRA fine-tuning with DP-SGD over plain Flower: the baseline of ``benchmarks/overhead.py``.
+
+What a team would write for itself from Flower's and Opacus' examples, importing nothing
+from fedciuic: a Hugging Face checkpoint (``model-path``) in fp32 on the CPU with a peft
+LoRA adapter on the modules named in ``lora-modules``, each region's ``chat.jsonl``
+rendered with the tokenizer's chat template, DP-SGD with Opacus' ``PrivacyEngine``
+(Poisson sampling, per-sample clipping, noise calibrated with the PRV accountant for
+the whole run), and Flower's own ``FedAvg`` over the adapter's state dict, in the
+clear. The loss is every token's (the prompt's too), each example's mean, averaged
+over the batch. No sealing, compression, policies, audit log, privacy ledger or
+checkpoints.
+"""
 
 from __future__ import annotations
 
 import json
+import random
 import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
-
-from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.flower.protocol import pack_arrays
-from fedciuic.model.adapter import AdapterModel
-from fedciuic.ops.runconfig import app_run_config
-from fedciuic.privacy.dpsgd import PrivateTrainer
-from fedciuic.region.trainer import Region
+from opacus import PrivacyEngine
+from opacus.accountants.utils import get_noise_multiplier
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 client = ClientApp()
 server = ServerApp()
-_REGIONS: dict[int, Region] = {}
+
+#: What each process builds once and keeps for every round: the model (``"model"``),
+#: and each partition's data (``("data", partition)``).
+_CACHE: dict[Any, Any] = {}
 
 
-#: This app's own settings; every other key of its config is one of fedciuic's run-config
-#: keys, and overrides fedciuic's default (overhead.py sets them all for both apps).
-_OWN = ("timings-file", "fedciuic-root")
+@dataclass
+class Loaded:
+    """The base with its LoRA adapter, and what trains it: ``net`` is the model itself
+    until the first round, then Opacus' ``GradSampleModule`` around it (kept: a later
+    ``make_private`` reuses it)."""
+
+    peft: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    net: torch.nn.Module
 
 
-def _run(context: Context) -> RunConfig:
-    root = Path(str(context.run_config["fedciuic-root"]))
-    values = {
-        **app_run_config(root),
-        **{k: v for k, v in context.run_config.items() if k not in _OWN},
-    }
-    return RunConfig.from_user_config(values, source="plain baseline")
+@dataclass
+class Data:
+    train: list[torch.Tensor]
+    eval: list[torch.Tensor]
+    noise_multiplier: float
 
 
-def _region(context: Context) -> Region:
-    partition = int(context.node_config["partition-id"])
-    if partition not in _REGIONS:
-        run = _run(context)
-        name = run.regions[partition]
-        node = NodeConfig(region=name, data_path=str(Path(run.data.data_root) / name))
-        _REGIONS[partition] = Region(run, node)
-    return _REGIONS[partition]
+def _model(config: Any) -> Loaded:
+    if "model" not in _CACHE:
+        path = str(config["model-path"])
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        lora = LoraConfig(
+            r=int(config["lora-rank"]),
+            lora_alpha=int(config["lora-alpha"]),
+            target_modules=str(config["lora-modules"]).split(","),
+        )
+        torch.manual_seed(int(config["seed"]))  # the same initial adapter on every party
+        model = get_peft_model(base, lora)  # freezes the base: only the adapter trains
+        _CACHE["model"] = Loaded(model, tokenizer, model)
+    loaded: Loaded = _CACHE["model"]
+    return loaded
 
 
-def _arrays(msg: Message) -> dict:  # type: ignore[type-arg]
-    return {k: v.numpy() for k, v in msg.content.array_records["arrays"].items()}
+def _data(config: Any, partition: int, tokenizer: PreTrainedTokenizerBase) -> Data:
+    key = ("data", partition)
+    if key not in _CACHE:
+        region = str(config["regions"]).split(",")[partition]
+        path = Path(str(config["data-root"])) / region / "chat.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        examples = []
+        for record in records:
+            text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            examples.append(torch.tensor(ids[: int(config["seq-len"])], dtype=torch.long))
+        random.Random(int(config["seed"])).shuffle(examples)
+        held_out = max(1, round(len(examples) * float(config["eval-fraction"])))
+        train = examples[held_out:]
+        noise = get_noise_multiplier(
+            target_epsilon=float(config["target-epsilon"]),
+            target_delta=float(config["target-delta"]),
+            sample_rate=int(config["batch-size"]) / len(train),
+            steps=int(config["local-steps"]) * int(config["num-server-rounds"]),
+            accountant="prv",
+        )
+        evaluation = examples[: min(held_out, int(config["max-eval-examples"]))]
+        _CACHE[key] = Data(train, evaluation, noise)
+    data: Data = _CACHE[key]
+    return data
+
+
+def _collate(pad_id: int) -> Any:
+    def collate(batch: list[tuple[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [row[0] for row in batch]
+        mask = [torch.ones_like(row) for row in ids]
+        return (
+            pad_sequence(ids, batch_first=True, padding_value=pad_id),
+            pad_sequence(mask, batch_first=True, padding_value=0),
+        )
+
+    return collate
+
+
+def _example_losses(net: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each example's mean cross-entropy over its tokens (per example, so that
+    Opacus' per-sample gradients are each example's own)."""
+    logits = net(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    ).view(targets.shape)
+    return losses.sum(dim=1) / mask[:, 1:].sum(dim=1).clamp(min=1)
+
+
+def _load(loaded: Loaded, msg: Message) -> None:
+    state = msg.content.array_records["arrays"].to_torch_state_dict()
+    set_peft_model_state_dict(loaded.peft, state)
+
+
+def _pack(loaded: Loaded) -> ArrayRecord:
+    state = get_peft_model_state_dict(loaded.peft)
+    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in state.items()})
 
 
 @client.train()
 def train(msg: Message, context: Context) -> Message:
-    region = _region(context)
-    region.model.load_adapter_state(_arrays(msg))
-    server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
-    noise, _, steps = region.privacy_step()
-    trainer = PrivateTrainer(
-        region.model,
-        region.data.train,
-        batch_size=region.run.training.batch_size,
-        learning_rate=region.run.training.learning_rate,
-        noise_multiplier=noise,
-        max_grad_norm=region.run.privacy.max_grad_norm,
-        mode=region.run.privacy.dp_mode,
-        secure_mode=region.run.privacy.secure_mode,
-        max_examples_per_unit=region.run.privacy.max_examples_per_unit,
-        seed=server_round,
-        optimizer=region.run.training.optimizer,
+    config = context.run_config
+    loaded = _model(config)
+    data = _data(config, int(context.node_config["partition-id"]), loaded.tokenizer)
+    _load(loaded, msg)
+    params = [p for p in loaded.peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=float(config["learning-rate"]))
+    pad_id = loaded.tokenizer.pad_token_id
+    examples: Any = [(x,) for x in data.train]  # a list is a map-style dataset
+    loader = DataLoader(
+        examples,
+        batch_size=int(config["batch-size"]),
+        collate_fn=_collate(0 if pad_id is None else int(pad_id)),
     )
-    try:
-        stats = trainer.run(steps)
-    finally:
-        trainer.close()
-    content = RecordDict(
-        {
-            "arrays": pack_arrays(region.model.adapter_state()),
-            "metrics": MetricRecord({"num-examples": stats.num_examples}),
-        }
-    )
-    return Message(content, reply_to=msg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # secure_mode=False, and the optimizer's own
+        net, dp_optimizer, dp_loader = PrivacyEngine().make_private(
+            module=loaded.net,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=data.noise_multiplier,
+            max_grad_norm=float(config["max-grad-norm"]),
+            poisson_sampling=True,
+        )
+    loaded.net = net
+    net.train()
+    steps, wanted = 0, int(config["local-steps"])
+    while steps < wanted:
+        for batch in dp_loader:
+            dp_optimizer.zero_grad()
+            if len(batch[0]) == 0:
+                # An empty Poisson batch (Opacus then yields empty tensors, one per
+                # field of its first sample): no forward pass, but the step (noise
+                # only) still happens, as the accountant counted it.
+                for p in params:
+                    p.grad_sample = torch.zeros((0, *p.shape))  # type: ignore[attr-defined]
+            else:
+                ids, mask = batch
+                loss = _example_losses(net, ids, mask).mean()
+                loss.backward()  # type: ignore[no-untyped-call]
+            dp_optimizer.step()
+            steps += 1
+            if steps == wanted:
+                break
+    dp_optimizer.zero_grad()
+    metrics = MetricRecord({"num-examples": len(data.train)})
+    return Message(RecordDict({"arrays": _pack(loaded), "metrics": metrics}), reply_to=msg)
 
 
 @client.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    region = _region(context)
-    stats = region.evaluate(_arrays(msg), base_fingerprint=region.model.base_fingerprint)
-    metrics = MetricRecord({"num-examples": stats.num_examples, "eval-loss": stats.loss})
+    config = context.run_config
+    loaded = _model(config)
+    data = _data(config, int(context.node_config["partition-id"]), loaded.tokenizer)
+    _load(loaded, msg)
+    loaded.peft.eval()
+    pad_id = loaded.tokenizer.pad_token_id
+    collate = _collate(0 if pad_id is None else int(pad_id))
+    total = 0.0
+    size = int(config["batch-size"])
+    with torch.no_grad():
+        for start in range(0, len(data.eval), size):
+            ids, mask = collate([(x,) for x in data.eval[start : start + size]])
+            total += float(_example_losses(loaded.peft, ids, mask).sum())
+    count = len(data.eval)
+    metrics = MetricRecord({"num-examples": count, "eval-loss": total / max(count, 1)})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
 @server.main()
 def main(grid: Grid, context: Context) -> None:
-    run = _run(context)
-    model = AdapterModel(run.model, device=torch.device("cpu"))
+    config = context.run_config
+    regions = str(config["regions"]).split(",")
     ended: dict[int, float] = {}
 
     def mark(server_round: int, _: ArrayRecord) -> None:
         ended[server_round] = time.time()
 
-    strategy = FedAvg(min_available_nodes=len(run.regions))
+    strategy = FedAvg(
+        min_train_nodes=len(regions),
+        min_evaluate_nodes=len(regions),
+        min_available_nodes=len(regions),
+    )
     strategy.start(
         grid,
-        pack_arrays(model.adapter_state()),
-        num_rounds=run.schedule.num_server_rounds,
-        timeout=run.schedule.round_timeout,
+        _pack(_model(config)),
+        num_rounds=int(config["num-server-rounds"]),
+        timeout=float(config["round-timeout"]),
         evaluate_fn=mark,
     )
-    Path(str(context.run_config["timings-file"])).write_text(json.dumps(ended))
+    Path(str(config["timings-file"])).write_text(json.dumps(ended), encoding="utf-8")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from typing import Any
@@ -123,3 +124,43 @@ def test_a_compression_entry_names_its_mode_codec_and_reference_rate():
     reference = entry_settings("no-dp@0.001")
     assert reference["dp"] is False and reference["learning-rate"] == 0.001
     assert "learning-rate" not in entry_settings("no-dp")
+
+
+def test_the_overhead_baseline_imports_nothing_from_fedciuic():
+    """benchmarks/plain_flower is what a team would write without fedciuic: if it used
+    fedciuic's model, data or DP code, overhead.py could not see what those cost."""
+    app = ROOT / "benchmarks" / "plain_flower" / "plain_app.py"
+    imported = []
+    for node in ast.walk(ast.parse(app.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imported += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Call):  # importlib.import_module("..."), __import__("...")
+            called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            if called in ("import_module", "__import__"):
+                imported += [str(a.value) for a in node.args if isinstance(a, ast.Constant)]
+    assert "flwr.serverapp.strategy" in imported and "opacus" in imported
+    ours = [n for n in imported if n.split(".")[0] == "fedciuic" or n.startswith(".")]
+    assert not ours, f"{app.name} imports {ours}"
+    toml = (app.parent / "pyproject.toml").read_text(encoding="utf-8")
+    assert "fedciuic-root" not in toml
+
+
+def test_the_overhead_row_names_the_hand_written_baseline_and_memory():
+    from overhead import rows
+
+    result: dict[str, Any] = {
+        "preset": "tiny",
+        "ratio": 1.05,
+        "plain_s": 2.0,
+        "fedciuic_s": 2.1,
+        "plain_rounds": [2.0],
+        "fedciuic_rounds": [2.1],
+        "run_seconds": {"fedciuic": [40.0], "plain": [30.0]},
+        "peak_pss_mib": {"fedciuic": [1500.0], "plain": [1000.0]},
+    }
+    (row,) = rows(result)
+    assert row[0] == "end-to-end round vs a hand-written Flower + Opacus app"
+    assert "whole run 40 s vs 30 s" in row[1] and "1500 MiB vs 1000 MiB" in row[1]
+    assert row[3] == "met"
