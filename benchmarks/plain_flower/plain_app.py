@@ -71,6 +71,13 @@ def _model(config: Any) -> Loaded:
         )
         torch.manual_seed(int(config["seed"]))  # the same initial adapter on every party
         model = get_peft_model(base, lora)  # freezes the base: only the adapter trains
+        # peft also wraps an MoE's fused 3-D experts when a target ends in .gate_proj,
+        # .up_proj or .down_proj (here the shared experts'); Opacus has no per-sample
+        # gradients for them ("Per sample gradient is not initialized"): freeze those
+        # (their B is zero, so they change nothing) and train the named modules only.
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name:
+                param.requires_grad_(False)
         _CACHE["model"] = Loaded(model, tokenizer, model)
     loaded: Loaded = _CACHE["model"]
     return loaded
