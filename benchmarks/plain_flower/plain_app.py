@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -29,6 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import transformers_weight_conversion as weight_conversion
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -70,14 +72,13 @@ def _model(config: Any) -> Loaded:
             target_modules=str(config["lora-modules"]).split(","),
         )
         torch.manual_seed(int(config["seed"]))  # the same initial adapter on every party
-        model = get_peft_model(base, lora)  # freezes the base: only the adapter trains
-        # peft also wraps an MoE's fused 3-D experts when a target ends in .gate_proj,
-        # .up_proj or .down_proj (here the shared experts'); Opacus has no per-sample
-        # gradients for them ("Per sample gradient is not initialized"): freeze those
-        # (their B is zero, so they change nothing) and train the named modules only.
-        for name, param in model.named_parameters():
-            if ".mlp.experts." in name:
-                param.requires_grad_(False)
+        # peft on transformers 5 rewrites targets ending in .gate_proj, .up_proj or
+        # .down_proj (a v4 checkpoint's per-expert names) into the MoE's fused 3-D
+        # experts, so the shared experts named here would be swapped for the routed ones,
+        # which Opacus has no per-sample gradients for: the named modules are targeted as
+        # named, without that rewrite.
+        with mock.patch.object(weight_conversion, "convert_peft_config_for_transformers"):
+            model = get_peft_model(base, lora)  # freezes the base: only the adapter trains
         _CACHE["model"] = Loaded(model, tokenizer, model)
     loaded: Loaded = _CACHE["model"]
     return loaded
