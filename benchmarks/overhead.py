@@ -47,8 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
-from report import Row, proc_bytes, verdict
+from report import Row, proc_bytes, process_tree, verdict
 
 from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
@@ -187,39 +186,22 @@ def lora_modules(checkpoint: Path, targets: str) -> list[str]:
     return resolve_targets(model, str(config.model_type), targets)
 
 
-def is_ray(proc: psutil.Process) -> bool:
-    """Ray's daemons (gcs_server, raylet, dashboard, log monitor) and workers (ray::...)."""
-    try:
-        name, cmdline = proc.name(), " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-    return name.startswith(("ray", "gcs_server")) or "ray::" in cmdline or "/ray/" in cmdline
-
-
 class PeakPss:
-    """Samples the total PSS of a run's process tree every SAMPLE_SECONDS in a thread:
-    the SuperLink and all its descendants, and every Ray process the federation started
-    (wherever it was re-parented). ``peak`` is the largest total seen, in bytes."""
+    """Samples the total PSS of a run's process tree (:func:`report.process_tree`) every
+    SAMPLE_SECONDS in a thread. ``peak`` is the largest total seen, in bytes."""
 
-    def __init__(self, federation: LocalFederation, superlink: int) -> None:
-        self.federation, self.superlink = federation, superlink
+    def __init__(self, federation: LocalFederation) -> None:
+        self.federation = federation
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def pids(self) -> set[int]:
-        pids: set[int] = set()
-        try:
-            root = psutil.Process(self.superlink)
-            pids.update(p.pid for p in (root, *root.children(recursive=True)))
-        except psutil.Error:
-            pass
-        pids.update(p.pid for p in self.federation.owned() if is_ray(p))
-        return pids
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = sum(proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")[0] for pid in self.pids())
+            total = sum(
+                proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")[0]
+                for pid in process_tree(self.federation)
+            )
             self.peak = max(self.peak, total)
             self._stop.wait(SAMPLE_SECONDS)
 
@@ -267,11 +249,10 @@ def main() -> int:
         keys = generate_federation_keys(tmp / "keys", REGIONS)
         with LocalFederation(tmp / "work", ROOT) as federation:
             federation.start_superlink(simulation=True)
-            superlink = federation.pids()[0]
 
             def timed(app: str, run: dict[str, Any], where: Path | None = None) -> int:
                 started = time.perf_counter()
-                with PeakPss(federation, superlink) as memory:
+                with PeakPss(federation) as memory:
                     run_id, _ = federation.run_app(
                         run, federation_config=SIMULATION, timeout=1800, app=where
                     )

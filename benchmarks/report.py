@@ -1,5 +1,5 @@
 """What the benchmark scripts share: a table row and its verdict, best-of timing and
-/proc readings.
+/proc readings (and a local federation's process tree).
 
 Each script in ``run_all.BENCHMARKS`` defines ``rows(result) -> list[Row]`` (its lines
 of the README table, from the JSON it wrote with ``--json``) and may define
@@ -11,7 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+if TYPE_CHECKING:
+    from fedciuic.flower.launch import LocalFederation
 
 #: (figure, measured, target, verdict)
 Row = list[str]
@@ -44,6 +49,20 @@ def proc_bytes(path: str, *fields: str) -> tuple[int, ...]:
     except (OSError, ValueError):
         pass
     return tuple(found[field] for field in fields)
+
+
+def process_tree(federation: LocalFederation) -> set[int]:
+    """Every process a local federation started, with all their descendants, and every
+    process it owns wherever it was re-parented (Ray's daemons and actors)."""
+    pids: set[int] = set()
+    for pid in federation.pids():
+        try:
+            root = psutil.Process(pid)
+            pids.update(p.pid for p in (root, *root.children(recursive=True)))
+        except psutil.Error:
+            continue
+    pids.update(p.pid for p in federation.owned())
+    return pids
 
 
 def save_figure(fig: Any, path: Path) -> Path:

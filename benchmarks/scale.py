@@ -39,8 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
-from report import Row, proc_bytes, save_figure, verdict
+from report import Row, proc_bytes, process_tree, save_figure, verdict
 
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -113,17 +112,6 @@ def _cpu(pid: int) -> float:
         return 0.0
 
 
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def _role(pid: int) -> str:
     """server (the ServerApp's process), actor (a Ray ClientApp actor) or other."""
     try:
@@ -139,18 +127,6 @@ def _role(pid: int) -> str:
     if any(Path(w).name in ("flwr-serverapp", "flower-serverapp") for w in words[:2]):
         return "server"
     return "other"
-
-
-def _tree(federation: LocalFederation) -> set[int]:
-    pids: set[int] = set()
-    for pid in federation.pids():
-        try:
-            root = psutil.Process(pid)
-            pids.update(p.pid for p in (root, *root.children(recursive=True)))
-        except psutil.Error:
-            continue
-    pids.update(p.pid for p in federation.owned())
-    return pids
 
 
 class Sampler:
@@ -183,7 +159,7 @@ class Sampler:
         scanned = 0.0
         while not self.stop.is_set():
             if time.monotonic() - scanned > 1.0:  # the tree changes slowly
-                pids, scanned = sorted(_tree(self.federation)), time.monotonic()
+                pids, scanned = sorted(process_tree(self.federation)), time.monotonic()
                 for pid in pids:
                     if roles.get(pid, "other") == "other":
                         roles[pid] = _role(pid)
@@ -194,7 +170,7 @@ class Sampler:
                     continue
                 alive += 1
                 rss_sum += rss
-                pss_sum += _pss(pid)
+                pss_sum += proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")[0]
                 role = roles.get(pid, "other")
                 self.cpu[pid] = (role, max(_cpu(pid), self.cpu.get(pid, (role, 0.0))[1]))
                 if role != "other":
