@@ -14,7 +14,7 @@ Written as Markdown and as HTML from one document model.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -121,20 +121,16 @@ class Report:
 
     def redacted(self, redact: Callable[[str], str]) -> Report:
         """The report with ``redact`` applied to every piece of text (local paths)."""
-        return Report(
-            self.run_id,
-            [redact_section(s, redact) for s in self.sections],
-            [redact(d) for d in self.disagreements],
-        )
-
-
-def redact_section(section: Section, redact: Callable[[str], str]) -> Section:
-    return replace(
-        section,
-        title=redact(section.title),
-        paragraphs=[redact(p) for p in section.paragraphs],
-        rows=[[redact(c) for c in row] for row in section.rows],
-    )
+        sections = [
+            replace(
+                s,
+                title=redact(s.title),
+                paragraphs=[redact(p) for p in s.paragraphs],
+                rows=[[redact(c) for c in row] for row in s.rows],
+            )
+            for s in self.sections
+        ]
+        return Report(self.run_id, sections, [redact(d) for d in self.disagreements])
 
 
 def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[PartyLog]:
@@ -164,12 +160,6 @@ def _runs(aggregator: PartyLog) -> list[int]:
         for r in aggregator.records
         if r.get("event") == Event.RUN_START and isinstance(r.get("run_id"), int)
     ]
-
-
-def build(logs: Sequence[PartyLog], run_id: int | None = None) -> tuple[int, list[Section]]:
-    """The report's sections for ``run_id`` (default: the last run the aggregator started)."""
-    report = build_report(logs, run_id)
-    return report.run_id, report.sections
 
 
 def build_report(
@@ -309,6 +299,30 @@ def _round(record: AuditRecord) -> str:
     return _text(record.get("round"))
 
 
+def _of(records: Sequence[AuditRecord], *events: str) -> list[AuditRecord]:
+    return [r for r in records if r.get("event") in events]
+
+
+def _each(
+    own: Mapping[str, Sequence[AuditRecord]], *events: str
+) -> Iterator[tuple[str, AuditRecord, Mapping[str, Any]]]:
+    """Each region's records of ``events``, regions by name: (region, record, details)."""
+    for region, records in sorted(own.items()):
+        for r in _of(records, *events):
+            yield region, r, details_of(r)
+
+
+def _by_round(rows: Sequence[Sequence[str]]) -> list[Sequence[str]]:
+    return sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1]))
+
+
+def _table(
+    title: str, about: str, header: Sequence[str], rows: Sequence[Sequence[str]], empty: str
+) -> Section:
+    """A section of one table, introduced by ``about``; with no rows, ``empty`` alone."""
+    return Section(title, [about], header, rows) if rows else Section(title, [empty])
+
+
 def _overview(
     run_id: int,
     start: Mapping[str, Any],
@@ -316,8 +330,7 @@ def _overview(
     agg: Sequence[AuditRecord],
     unsigned: Mapping[str, bool],
 ) -> Section:
-    published = [r for r in agg if r.get("event") == Event.AGGREGATE_PUBLISHED]
-    withheld = [r for r in agg if r.get("event") == Event.AGGREGATE_WITHHELD]
+    published, withheld = _of(agg, Event.AGGREGATE_PUBLISHED), _of(agg, Event.AGGREGATE_WITHHELD)
     times = [r.get("time") for r in agg]
     note = "not covered by a signature (see Unverified records)"
 
@@ -474,22 +487,12 @@ def _regions_section(
     regions = start.get("regions")
     for region in regions if isinstance(regions, list) else []:
         records = own.get(region)
-        accepted = [
-            r
-            for r in agg
-            if r.get("event") == Event.UPDATE_ACCEPTED and details_of(r).get("region") == region
-        ]
-        declined = [
-            r
-            for r in agg
-            if r.get("event") == Event.REGION_DECLINED and details_of(r).get("region") == region
-        ]
-        if records is None:
-            trained = None
-            joined: Mapping[str, Any] = {}
-        else:
-            trained = [r for r in records if r.get("event") == Event.TRAINED]
-            joined = details_of(_first(records, Event.RUN_JOINED))
+        accepted, declined = (
+            sum(details_of(r).get("region") == region for r in _of(agg, event))
+            for event in (Event.UPDATE_ACCEPTED, Event.REGION_DECLINED)
+        )
+        trained = _of(records or [], Event.TRAINED)
+        joined = details_of(_first(records or [], Event.RUN_JOINED))
         last = details_of(trained[-1]) if trained else {}
         epsilon, budget = last.get("epsilon"), last.get("epsilon_budget")
         # A log from before units has none: its rounds were record-level.
@@ -504,8 +507,8 @@ def _regions_section(
                 str(region),
                 str(joined.get("jurisdiction") or "-"),
                 str(joined.get("policy_hash") or "-")[:12],
-                str(len(accepted)),
-                str(len(declined)),
+                str(accepted),
+                str(declined),
                 spent,
                 "yes" if records is not None else "no (log not given)",
             )
@@ -538,33 +541,29 @@ def _transfers_section(
     own: Mapping[str, Sequence[AuditRecord]],
     agg_all: Sequence[AuditRecord],
 ) -> Section:
-    received = {_receipt(r) for r in agg if r.get("event") == RECEIVED_EVENT}
-    claimed = {_receipt(r) for r in agg_all if r.get("event") == RECEIVED_EVENT}
+    received = {_receipt(r) for r in _of(agg, RECEIVED_EVENT)}
+    claimed = {_receipt(r) for r in _of(agg_all, RECEIVED_EVENT)}
     rows = []
-    for region, records in sorted(own.items()):
-        for r in records:
-            if r.get("event") not in SENT_EVENTS:
-                continue
-            d = details_of(r)
-            key = (_round(r), region, str(d.get("digest")))
-            rows.append(
-                (
-                    _round(r),
-                    region,
-                    f"{d.get('destination', 'aggregator')} ({d.get('destination_jurisdiction')})",
-                    _text(d.get("bytes")),
-                    _text(d.get("suite")),
-                    str(d.get("digest"))[:16],
-                    "yes"
-                    if key in received
-                    else "only in an unverified record"
-                    if key in claimed
-                    else "NO",
-                )
+    for region, r, d in _each(own, *SENT_EVENTS):
+        key = (_round(r), region, str(d.get("digest")))
+        rows.append(
+            (
+                _round(r),
+                region,
+                f"{d.get('destination', 'aggregator')} ({d.get('destination_jurisdiction')})",
+                _text(d.get("bytes")),
+                _text(d.get("suite")),
+                str(d.get("digest"))[:16],
+                "yes"
+                if key in received
+                else "only in an unverified record"
+                if key in claimed
+                else "NO",
             )
-    for r in agg:
+        )
+    for r in _of(agg, RECEIVED_EVENT):
         d = details_of(r)
-        if r.get("event") == RECEIVED_EVENT and d.get("region") not in own:
+        if d.get("region") not in own:
             rows.append(
                 (
                     _round(r),
@@ -583,7 +582,7 @@ def _transfers_section(
             "whether the aggregator logged receiving the same ciphertext (SHA-256)."
         ],
         ("round", "region", "destination", "bytes", "suite", "digest", "received"),
-        sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
+        _by_round(rows),
     )
 
 
@@ -596,10 +595,8 @@ def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRe
         for region, records in own.items()
     }
     rows = []
-    for r in agg:
+    for r in _of(agg, RECEIVED_EVENT):
         d = details_of(r)
-        if r.get("event") != RECEIVED_EVENT:
-            continue
         region, code = str(d.get("region")), str(d.get("agent_code", ""))
         recorded = joined.get(region)
         rows.append(
@@ -625,43 +622,33 @@ def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRe
         ("round", "region", "agent version", "code digest", "as the region recorded")
         if rows
         else (),
-        sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
+        _by_round(rows),
     )
 
 
 def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """Each region's DP-SGD parameters per round, from its own log."""
-    rows = []
-    for region, records in sorted(own.items()):
-        for r in records:
-            if r.get("event") != Event.TRAINED:
-                continue
-            d = details_of(r)
-            if d.get("epsilon") is None:
-                continue
-            rows.append(
-                (
-                    _round(r),
-                    region,
-                    _figure(d.get("noise_multiplier"), "noise"),
-                    _figure(d.get("sample_rate"), "rate"),
-                    _text(d.get("max_grad_norm")),
-                    _text(d.get("steps")),
-                    _text(d.get("unit") or DEFAULT_PRIVACY_UNIT),
-                    _figure(d.get("delta"), "delta"),
-                    _figure(d.get("epsilon"), "epsilon"),
-                )
-            )
-    return Section(
+    rows = [
+        (
+            _round(r),
+            region,
+            _figure(d.get("noise_multiplier"), "noise"),
+            _figure(d.get("sample_rate"), "rate"),
+            _text(d.get("max_grad_norm")),
+            _text(d.get("steps")),
+            _text(d.get("unit") or DEFAULT_PRIVACY_UNIT),
+            _figure(d.get("delta"), "delta"),
+            _figure(d.get("epsilon"), "epsilon"),
+        )
+        for region, r, d in _each(own, Event.TRAINED)
+        if d.get("epsilon") is not None
+    ]
+    return _table(
         "Privacy parameters",
-        [
-            "What each region's DP-SGD applied, per round, from its own log: the noise "
-            "multiplier, the sampling rate (expected fraction of its privacy units per "
-            "step), the clipping norm, the steps, the unit, and its dataset's cumulative "
-            "epsilon after the round at that delta."
-        ]
-        if rows
-        else ["No region's log records a DP round in this run."],
+        "What each region's DP-SGD applied, per round, from its own log: the noise "
+        "multiplier, the sampling rate (expected fraction of its privacy units per "
+        "step), the clipping norm, the steps, the unit, and its dataset's cumulative "
+        "epsilon after the round at that delta.",
         (
             "round",
             "region",
@@ -672,10 +659,9 @@ def _privacy_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
             "unit",
             "delta",
             "epsilon after",
-        )
-        if rows
-        else (),
+        ),
         rows,
+        "No region's log records a DP round in this run.",
     )
 
 
@@ -687,44 +673,34 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """What each region's de-identification replaced before each round it trained, from
     its own log: the pipeline (config hash, replacement, Presidio's version) and counts
     per entity type; a region that trained with none is named."""
+    scrubbed = {(region, _round(r)): d for region, r, d in _each(own, Event.DATA_DEIDENTIFIED)}
     rows = []
-    for region, records in sorted(own.items()):
-        scrubbed = {
-            _round(r): details_of(r) for r in records if r.get("event") == Event.DATA_DEIDENTIFIED
-        }
-        for r in records:
-            if r.get("event") != Event.TRAINED:
-                continue
-            d = scrubbed.get(_round(r))
-            if d is None:
-                rows.append((_round(r), region, "none", "-", "-", "-", "not de-identified"))
-                continue
-            identity = _mapping(d.get("identity"))
-            recognizers = _mapping(identity.get("recognizers"))
-            counts = _mapping(d.get("counts"))
-            rows.append(
-                (
-                    _round(r),
-                    region,
-                    _text(identity.get("config_hash"))[:12],
-                    _text(identity.get("replacement")),
-                    _text(recognizers.get("presidio-analyzer")),
-                    _text(d.get("records")),
-                    ", ".join(f"{entity_label(k)} {v}" for k, v in sorted(counts.items()))
-                    or "nothing found",
-                )
+    for region, r, _ in _each(own, Event.TRAINED):
+        d = scrubbed.get((region, _round(r)))
+        if d is None:
+            rows.append((_round(r), region, "none", "-", "-", "-", "not de-identified"))
+            continue
+        identity = _mapping(d.get("identity"))
+        counts = _mapping(d.get("counts"))
+        rows.append(
+            (
+                _round(r),
+                region,
+                _text(identity.get("config_hash"))[:12],
+                _text(identity.get("replacement")),
+                _text(_mapping(identity.get("recognizers")).get("presidio-analyzer")),
+                _text(d.get("records")),
+                ", ".join(f"{entity_label(k)} {v}" for k, v in sorted(counts.items()))
+                or "nothing found",
             )
-    return Section(
+        )
+    return _table(
         "De-identification",
-        [
-            "What each region replaced in its texts before it trained, per round, from its "
-            "own log (docs/deidentification.md): the pipeline's config hash (entity types, "
-            "replacement, recognizer versions, dictionary, key), the replacement, Presidio's "
-            "version, the records with an identifier, and the identifiers replaced per "
-            "entity type. No value is ever recorded."
-        ]
-        if rows
-        else ["No region's log records a round it trained in this run."],
+        "What each region replaced in its texts before it trained, per round, from its "
+        "own log (docs/deidentification.md): the pipeline's config hash (entity types, "
+        "replacement, recognizer versions, dictionary, key), the replacement, Presidio's "
+        "version, the records with an identifier, and the identifiers replaced per "
+        "entity type. No value is ever recorded.",
         (
             "round",
             "region",
@@ -733,43 +709,33 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
             "presidio",
             "records with identifiers",
             "identifiers replaced",
-        )
-        if rows
-        else (),
+        ),
         rows,
+        "No region's log records a round it trained in this run.",
     )
 
 
 def _oversized_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """The records each region dropped unread for their size before each round it
     trained, from its own log: its limit, how many, how many per file."""
-    rows = []
-    for region, records in sorted(own.items()):
-        for r in records:
-            if r.get("event") != Event.RECORDS_OVERSIZED:
-                continue
-            d = details_of(r)
-            files = _mapping(d.get("files"))
-            rows.append(
-                (
-                    _round(r),
-                    region,
-                    _text(d.get("max_record_bytes")),
-                    _text(d.get("records")),
-                    ", ".join(f"{name} {n}" for name, n in sorted(files.items())) or "-",
-                )
-            )
-    return Section(
+    rows = [
+        (
+            _round(r),
+            region,
+            _text(d.get("max_record_bytes")),
+            _text(d.get("records")),
+            ", ".join(f"{name} {n}" for name, n in sorted(_mapping(d.get("files")).items())) or "-",
+        )
+        for region, r, d in _each(own, Event.RECORDS_OVERSIZED)
+    ]
+    return _table(
         "Long records",
-        [
-            "Records over a region's max-record-bytes, dropped unread from what it trained "
-            'on, per round, from its own log (docs/data.md, "Long records"): the limit in '
-            "bytes, how many, and how many per file."
-        ]
-        if rows
-        else ["No region's log records a record dropped for its size in this run."],
-        ("round", "region", "max-record-bytes", "records dropped", "per file") if rows else (),
+        "Records over a region's max-record-bytes, dropped unread from what it trained "
+        'on, per round, from its own log (docs/data.md, "Long records"): the limit in '
+        "bytes, how many, and how many per file.",
+        ("round", "region", "max-record-bytes", "records dropped", "per file"),
         rows,
+        "No region's log records a record dropped for its size in this run.",
     )
 
 
@@ -783,21 +749,17 @@ def _secure_section(
     """Each secure sum (none: no section): who joined, whose masked vectors were summed,
     who dropped and who revealed, as the aggregator recorded it, and which regions'
     own logs record sending a masked vector for that session."""
-    sums = [r for r in agg if r.get("event") == Event.SECURE_SUM]
+    sums = _of(agg, Event.SECURE_SUM)
     if not sums:
         return []
     masked: dict[str, list[str]] = {}
+    for region, _, d in _each(own, Event.SECURE_MASKED):
+        masked.setdefault(str(d.get("session")), []).append(region)
     sent: dict[str, dict[str, int]] = {}  # session -> region -> bytes its messages took
-    for region, records in sorted(own.items()):
-        for r in records:
-            d = details_of(r)
-            session = str(d.get("session"))
-            if r.get("event") == Event.SECURE_MASKED:
-                masked.setdefault(session, []).append(region)
-            size = d.get("bytes")
-            if r.get("event") in SECURE_SENT_EVENTS and type(size) is int:
-                mine = sent.setdefault(session, {})
-                mine[region] = mine.get(region, 0) + size
+    for region, _, d in _each(own, *SECURE_SENT_EVENTS):
+        if type(size := d.get("bytes")) is int:
+            mine = sent.setdefault(str(d.get("session")), {})
+            mine[region] = mine.get(region, 0) + size
     rows = []
     for r in sums:
         d = details_of(r)
@@ -848,29 +810,15 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """The figures that leave a region beside its DP update, which DP does not cover
     (docs/privacy.md): example counts, losses and sizes."""
     rows = []
-    for region, records in sorted(own.items()):
-        for r in records:
-            d, event = details_of(r), r.get("event")
-            if event == Event.TRAINED:
-                rows.append(
-                    (
-                        _round(r),
-                        region,
-                        "trained",
-                        f"{_text(d.get('examples'))} examples, {_text(d.get('steps'))} steps",
-                    )
-                )
-            elif event == Event.EVALUATED:
-                rows.append(
-                    (
-                        _round(r),
-                        region,
-                        "evaluated",
-                        f"{_text(d.get('examples'))} examples, eval loss {_text(d.get('loss'))}",
-                    )
-                )
-            elif event in SENT_EVENTS:
-                rows.append((_round(r), region, "update size", f"{_text(d.get('bytes'))} bytes"))
+    for region, r, d in _each(own, Event.TRAINED, Event.EVALUATED, *SENT_EVENTS):
+        examples = f"{_text(d.get('examples'))} examples"
+        if r.get("event") == Event.TRAINED:
+            what, figures = "trained", f"{examples}, {_text(d.get('steps'))} steps"
+        elif r.get("event") == Event.EVALUATED:
+            what, figures = "evaluated", f"{examples}, eval loss {_text(d.get('loss'))}"
+        else:
+            what, figures = "update size", f"{_text(d.get('bytes'))} bytes"
+        rows.append((_round(r), region, what, figures))
     return Section(
         "Figures sent outside DP",
         [
@@ -879,16 +827,14 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
             "count, and the update's size (docs/privacy.md). From each region's own log."
         ],
         ("round", "region", "what", "figures") if rows else (),
-        sorted(rows, key=lambda row: (int(row[0]) if row[0].isdigit() else 0, row[1])),
+        _by_round(rows),
     )
 
 
 def _refused_for(records: Sequence[AuditRecord], run_id: int) -> list[AuditRecord]:
     """A region agent's refusals of requests that claimed this run."""
     return [
-        r
-        for r in records
-        if r.get("event") == Event.REQUEST_REFUSED and details_of(r).get("flower_run") == run_id
+        r for r in _of(records, Event.REQUEST_REFUSED) if details_of(r).get("flower_run") == run_id
     ]
 
 
@@ -901,22 +847,19 @@ def _refusals_section(
     own: Mapping[str, Sequence[AuditRecord]],
     refused: Mapping[str, Sequence[AuditRecord]],
 ) -> Section:
-    rows = []
-    for region, records in sorted(own.items()):
-        for r in records:
-            if r.get("event") == Event.DECLINED:
-                rows.append((_round(r), region, "declined", _text(details_of(r).get("reason"))))
-    for region, records in sorted(refused.items()):
-        for r in records:
-            d = details_of(r)
-            rows.append(
-                (
-                    _text(d.get("claimed_round")),
-                    region,
-                    f"refused a {_text(d.get('kind'))} request (pid {_text(d.get('peer_pid'))})",
-                    _text(d.get("reason")),
-                )
-            )
+    rows = [
+        (_round(r), region, "declined", _text(d.get("reason")))
+        for region, r, d in _each(own, Event.DECLINED)
+    ]
+    rows += [
+        (
+            _text(d.get("claimed_round")),
+            region,
+            f"refused a {_text(d.get('kind'))} request (pid {_text(d.get('peer_pid'))})",
+            _text(d.get("reason")),
+        )
+        for region, _, d in _each(refused, Event.REQUEST_REFUSED)
+    ]
     for r in agg:
         d, event = details_of(r), r.get("event")
         if event == Event.UPDATE_REJECTED:
@@ -986,15 +929,10 @@ def _undelivered_section(
     for item in undelivered:
         t = item.transfer
         records = own.get(t.region, [])
-        trained = [
-            details_of(r)
-            for r in records
-            if r.get("event") == Event.TRAINED and r.get("round") == t.round
-        ]
+        trained = [details_of(r) for r in _of(records, Event.TRAINED) if r.get("round") == t.round]
         epsilon = trained[-1].get("epsilon") if trained else None
         known = any(
-            r.get("event") == Event.UPDATE_UNDELIVERED and details_of(r).get("digest") == t.digest
-            for r in records
+            details_of(r).get("digest") == t.digest for r in _of(records, Event.UPDATE_UNDELIVERED)
         )
         rows.append(
             (
@@ -1165,12 +1103,6 @@ def to_html(run_id: int, sections: Sequence[Section]) -> str:
             out.append("</table>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
-
-
-def write_report(
-    logs: Sequence[PartyLog], out_dir: Path, run_id: int | None = None
-) -> tuple[Path, Path]:
-    return write_sections(*build(logs, run_id), out_dir)
 
 
 def write_sections(run_id: int, sections: Sequence[Section], out_dir: Path) -> tuple[Path, Path]:
