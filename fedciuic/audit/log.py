@@ -22,23 +22,18 @@ its own log, as a ``witness`` record, the latest signed checkpoint ``(count, hea
 of every other party it hears from; ``witness_check`` then finds a log that no
 longer holds what another party saw it sign.
 
-Retention: ``AuditLog.prune`` removes the records older than the party's retention
-period from the log's start (a run with a record inside it is kept whole). It first
-appends an ``audit_pruned`` record naming the first record it keeps and the hash of
-the last one it removes, and a signed checkpoint after it; then it replaces the file
-by its kept records (atomically, by rename, ``pruning``; writers in other processes
-reopen it; the side file of a prune killed before its rename is removed at the next
-open). Which records it may remove is bound by the policies the log declared
-(``declarations``; ``retention.bound``), and the ``audit_pruned`` record carries them
-forward. A verifier starts such a log's chain at the first record's ``prev``, and
-accepts it only when a verified signature covers the ``audit_pruned`` record that names
-that start.
+Retention: ``AuditLog.prune`` removes the records past the party's retention from the
+log's start, after a signed ``audit_pruned`` record naming the first record kept and
+the hash of the last one removed (bound by the policies the log declared:
+``retention.bound``). A verifier starts such a log's chain at the first record's
+``prev``, and accepts it only when a verified signature covers that record.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -47,10 +42,10 @@ import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 from fedciuic.audit.events import SENT_EVENTS, Event
 from fedciuic.audit.pruning import PRUNING_SUFFIX as PRUNING_SUFFIX  # users import it from here
@@ -94,9 +89,8 @@ def _is_count(value: object) -> TypeGuard[int]:
 
 
 def checkpoint_head(count: object, head: object) -> tuple[int, str]:
-    """A checkpoint head received from another party, validated: ``count`` a
-    non-negative integer (not a bool) below 2**64, ``head`` 64 lower-case hex digits,
-    the genesis head (64 zeros) for count 0. ``AuditError`` otherwise: it is untrusted."""
+    """A checkpoint head received from another party, validated (``AuditError``
+    otherwise): it is untrusted."""
     if not _is_count(count):
         raise AuditError(f"checkpoint head: count {count!r:.40} is not a non-negative integer")
     if not _is_head(head):
@@ -186,15 +180,13 @@ def parse_time(value: object) -> datetime | None:
 
 
 def details_of(record: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """A record's details, empty when it has none that are a mapping (records are
-    untrusted)."""
+    """A record's details, empty unless they are a mapping (records are untrusted)."""
     details = None if record is None else record.get("details")
     return details if isinstance(details, Mapping) else {}
 
 
 def run_of(record: Mapping[str, Any]) -> int | None:
-    """A record's run id, None when it is not a non-negative integer (records are
-    untrusted: a list there must not become a dictionary key)."""
+    """A record's run id, None unless a count (a list there must not become a key)."""
     value = record.get("run_id")
     return value if _is_count(value) else None
 
@@ -202,10 +194,9 @@ def run_of(record: Mapping[str, Any]) -> int | None:
 def prune_cut(
     records: Sequence[Mapping[str, Any]], before: datetime, limit: int | None = None
 ) -> int:
-    """How many of a log's first records pruning at ``before`` removes: the records
-    written before it, up to the first that is not (or holds no valid time) or record
-    ``limit`` (what the party's declared policies allow), less those of a run that still
-    has a record at or after that one: a run is kept whole."""
+    """How many of a log's first records pruning at ``before`` removes: those written
+    before it, up to record ``limit`` (what the declared policies allow), less those of
+    a run that still has a later record: a run is kept whole."""
     end = len(records) if limit is None else max(0, min(limit, len(records)))
     cut = next(
         (i for i in range(end) if (t := record_time(records[i])) is None or t >= before), end
@@ -214,20 +205,17 @@ def prune_cut(
     return next((i for i in range(cut) if run_of(records[i]) in kept_runs), cut)
 
 
-#: How far a prune may go into a log's records (an index) and, when that stops it short
-#: of its cut-off, why: what the party's declared policies allow (``retention.bound``).
-#: It raises ``AuditError`` to refuse the prune altogether.
+#: How far a prune may go into a log's records, and why it stops there: what the party's
+#: declared policies allow (``retention.bound``); ``AuditError`` refuses the prune.
 Limit = Callable[[Sequence[Mapping[str, Any]]], tuple[int, str]]
 
 
 @dataclass(frozen=True)
 class Declared:
-    """A policy a party declared to the others, as its own log records it: a region's
-    in its ``run_joined`` and its own ``policy_decision`` records, the aggregator's (one
-    per jurisdiction it holds a policy for) in ``run_start``; and those an
-    ``audit_pruned`` record carried out of what it removed. ``retention_days`` is known
-    where the record names it (the aggregator's ``run_start``); ``first_time`` and
-    ``last_time`` span the records that declared it."""
+    """A policy a party declared to the others, as its own log records it (a region's
+    ``run_joined`` and ``policy_decision``, the aggregator's ``run_start``, or what an
+    ``audit_pruned`` record carried); ``first_time`` and ``last_time`` span the records
+    that declared it."""
 
     policy_hash: str
     jurisdiction: str | None
@@ -236,13 +224,7 @@ class Declared:
     last_time: str
 
     def to_record(self) -> dict[str, Any]:
-        return {
-            "policy_hash": self.policy_hash,
-            "jurisdiction": self.jurisdiction,
-            "retention_days": self.retention_days,
-            "first_time": self.first_time,
-            "last_time": self.last_time,
-        }
+        return asdict(self)
 
 
 def _days(value: object) -> int | None:
@@ -251,8 +233,7 @@ def _days(value: object) -> int | None:
 
 def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | None]]:
     """The ``(policy_hash, jurisdiction, retention_days)`` one record declares (see
-    ``Declared``); none for any other record. Records are untrusted: what is malformed
-    declares nothing."""
+    ``Declared``); what is malformed declares nothing."""
     details, event, actor = record.get("details"), record.get("event"), record.get("actor")
     if not isinstance(details, Mapping):
         return []
@@ -277,9 +258,8 @@ def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | 
 
 
 def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
-    """Every policy a log's records declare (``Declared``), with those its
-    ``audit_pruned`` records carried, one per (hash, jurisdiction), in the order they
-    were first declared."""
+    """Every policy a log's records declare or its prunes carried, one per (hash,
+    jurisdiction), in the order they were first declared."""
     seen: dict[tuple[str, str | None], dict[str, Any]] = {}
 
     def add(h: str, j: str | None, days: int | None, first: str, last: str) -> None:
@@ -315,9 +295,8 @@ def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
 
 @dataclass(frozen=True)
 class Pruned:
-    """What one ``AuditLog.prune`` removed: ``records`` records, seq ``first_seq`` to
-    ``first_kept - 1``, written from ``first_time`` to ``last_time`` (0 records: none was
-    past retention, and nothing was written)."""
+    """What one ``AuditLog.prune`` removed: seq ``first_seq`` to ``first_kept - 1``
+    (0 records: nothing was written)."""
 
     records: int = 0
     first_seq: int = 0
@@ -349,10 +328,9 @@ def _pruned_details(
     actor: str,
     why: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The details of the ``audit_pruned`` record of ``pruned``: where the kept chain
-    starts (``first_kept``, and ``head``, the hash of the last record removed), the
-    cut-off and ``why`` (the policy), and what must outlive the removed records: the
-    privacy ledger's witnesses (``carried``) and the policies they declared."""
+    """The ``audit_pruned`` record's details: where the kept chain starts, the cut-off,
+    ``why`` (the policy), and what must outlive the removed records: the privacy
+    ledger's witnesses (``carried``) and the policies they declared."""
     return {
         "first_kept": pruned.first_kept,
         "head": head,
@@ -414,23 +392,10 @@ class AuditLog:
         self.keypair = keypair
         self.redact = redaction(redact)
         self.checkpoint_every = checkpoint_every
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        except OSError as err:
-            raise AuditError(
-                f"{path}: cannot open the audit log ({err.strerror}); nothing is sent "
-                "without one: fix the folder's permissions or the path"
-            ) from None
-        self._file = os.fdopen(fd, "a+b")
-        self._size = -1
-        self._seq = 0
-        self._head = GENESIS
         self._since_checkpoint = 0
-        # The latest checkpoint's (count, head), valid for the file's first
-        # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
-        self._last_checkpoint: tuple[int, str] | None = None
-        self._checkpoint_scanned = 0
+        self._file = self._open(
+            "open", "; nothing is sent without one: fix the folder's permissions or the path"
+        )
         # Under the lock no prune of this log is under way: a side file is one a killed
         # prune left. The tail is left for the first write to read, as ever.
         with _Lock(self, sync=False):
@@ -439,33 +404,37 @@ class AuditLog:
     def close(self) -> None:
         self._file.close()
 
-    def _reopen(self) -> None:
-        """Hold the file the path names now; its tail is read again under the lock."""
+    def _open(self, verb: str, fix: str = "") -> BinaryIO:
+        """The file the path names now, its tail left to read again under the lock."""
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as err:
-            raise AuditError(f"{self.path}: cannot reopen the audit log ({err.strerror})") from None
-        old, self._file = self._file, os.fdopen(fd, "a+b")
-        old.close()
+            raise AuditError(
+                f"{self.path}: cannot {verb} the audit log ({err.strerror}){fix}"
+            ) from None
         self._size, self._seq, self._head = -1, 0, GENESIS
-        self._last_checkpoint, self._checkpoint_scanned = None, 0
+        # The latest checkpoint's (count, head), valid for the file's first
+        # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
+        self._last_checkpoint: tuple[int, str] | None = None
+        self._checkpoint_scanned = 0
+        return os.fdopen(fd, "a+b")
+
+    def _reopen(self) -> None:
+        old, self._file = self._file, self._open("reopen")
+        old.close()
 
     # -- retention --------------------------------------------------------------------
 
     def prune(
         self, before: datetime, *, run_id: int = 0, limit: Limit | None = None, **why: Any
     ) -> Pruned:
-        """Remove the records written before ``before`` from the log's start (a run that
-        has a later record is kept whole; see ``prune_cut``), and not past what ``limit``
-        allows (the party's declared policies; it may refuse), and return what went.
+        """Remove the records written before ``before`` from the log's start
+        (``prune_cut``), not past what ``limit`` allows, and return what went.
 
-        The log must verify with this party's key first (a log that fails is evidence:
-        nothing is removed). An ``audit_pruned`` record (``why``: the policy, its
-        retention; ``declared``: the policies the removed records declared, so that
-        they stay on the record) and a signed checkpoint are appended, then the file is
-        replaced by its kept records, atomically: a crash leaves the whole log or the
-        pruned one (and a side file the next open removes). Nothing is written when no
-        record is past ``before``."""
+        The log must verify first: one that fails is evidence, and nothing is removed.
+        An ``audit_pruned`` record (``why``: the policy) and a signed checkpoint are
+        appended, then the file is replaced by its kept records, atomically."""
         if self.keypair is None:
             raise AuditError(
                 f"{self.path}: not pruned: pruning is signed with the party's key, and "
@@ -513,9 +482,8 @@ class AuditLog:
         return pruned
 
     def _replace_from(self, offset: int) -> None:
-        """Replace the file by its bytes from ``offset`` on (``pruning.replace_with``).
-        Called under the lock, which waiting writers hold on the old file: they find the
-        path replaced and reopen it."""
+        """Replace the file by its bytes from ``offset`` on, under the lock: writers
+        waiting on the old file find the path replaced and reopen it."""
         self._file.seek(offset)
         kept = self._file.read()
         mode = os.fstat(self._file.fileno()).st_mode & 0o777
@@ -549,10 +517,9 @@ class AuditLog:
             return self._seq, self._head
 
     def last_checkpoint(self) -> tuple[int, str] | None:
-        """The (count, head) that this log's latest checkpoint record signs (its
-        ``details.count`` and ``details.head``), None before the first checkpoint; read
-        from the file, so a checkpoint another process appended counts. This is what a
-        party hands to the others to witness."""
+        """The (count, head) this log's latest checkpoint signs, None before the first:
+        what a party hands the others to witness. Read from the file, so a checkpoint
+        another process appended counts."""
         with self._locked():
             if self._checkpoint_scanned > self._size:  # the file shrank under us
                 self._last_checkpoint, self._checkpoint_scanned = None, 0
@@ -570,11 +537,10 @@ class AuditLog:
         server_round: int | None = None,
         late: bool = False,
     ) -> str:
-        """Record that ``party``'s latest signed checkpoint, as it showed it to us, is
-        ``(count, head)`` (its ``last_checkpoint()``; ``(0, GENESIS)`` when it has none);
-        return the record's hash. ``late``: shown in a reply handled after a newer one
-        of the same party (its count is lower, and not a rollback by itself). The values
-        come from another party: ``AuditError`` unless they are well-formed."""
+        """Record ``party``'s latest signed checkpoint as it showed it to us (``(0,
+        GENESIS)`` when it has none). ``late``: shown in a reply handled after a newer
+        one of that party (a lower count, not a rollback by itself). The values are
+        untrusted: ``AuditError`` unless well-formed."""
         count, head = checkpoint_head(count, head)
         if not isinstance(party, str) or not party:
             raise AuditError(f"witness: party {party!r:.40} is not a party's name")
@@ -613,13 +579,10 @@ class AuditLog:
             if seq > 0:
                 self._file.seek(0)
                 for line in self._file:
-                    try:
-                        record = json.loads(line)
-                        if isinstance(record, dict) and record.get("seq") == seq - 1:
+                    if _json_object(line).get("seq") == seq - 1:
+                        with contextlib.suppress(ValueError):
                             found = split_line(line.rstrip(b"\n"))[1]
                             break
-                    except ValueError:
-                        continue
                 else:
                     found = ""
             if found != head:
@@ -732,13 +695,8 @@ def _json_object(line: bytes) -> dict[str, Any]:
 
 def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     """The (count, head) of a checkpoint record's line, None for any other line."""
-    if b'"event":"' + CHECKPOINT.encode() + b'"' not in line:
-        return None
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or record.get("event") != CHECKPOINT:
+    record = _json_object(line) if b'"event":"' + CHECKPOINT.encode() + b'"' in line else {}
+    if record.get("event") != CHECKPOINT:
         return None
     details = record.get("details")
     if not isinstance(details, dict):
@@ -803,10 +761,8 @@ class Verdict:
 
     @property
     def covered(self) -> int:
-        """How many of the file's first records a verified checkpoint signature covers:
-        seq ``first_seq`` to ``verified_through - 1`` (the checkpoint record itself, its
-        time, run and round, is covered only by a later checkpoint or another party's
-        witness)."""
+        """How many of the file's first records a verified checkpoint covers (not the
+        checkpoint record itself: only a later one or another party's witness does)."""
         return max(self.verified_through - self.first_seq, 0)
 
     def explain(self) -> str:
@@ -951,9 +907,9 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
 def _check_pruned(
     details: Any, seq: int, first_seq: int, held: Mapping[int, str], first_line: bytes
 ) -> str | None:
-    """What is wrong with an ``audit_pruned`` record at ``seq``, or None: it names a
-    first kept record at or before itself, and the hash of the record before that one,
-    which the log must still hold (or, where the log now starts, name as its ``prev``)."""
+    """What is wrong with an ``audit_pruned`` record at ``seq``, or None: the hash it
+    names for the last record removed must be the log's (or, where the log now starts,
+    its first record's ``prev``)."""
     if not isinstance(details, dict):
         return f"{PRUNED} record without details"
     first_kept, head = details.get("first_kept"), details.get("head")
@@ -971,10 +927,9 @@ def _check_pruned(
 
 
 def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
-    """What must outlive a prune: per dataset, the ``trained`` details that witness its
-    privacy ledger's longest chain and its highest epsilon (the ledger's rollback check
-    reads them, docs/privacy.md), from the removed records and what earlier prunes
-    carried. Unchanged, so the check reads them as it read the records."""
+    """What must outlive a prune: per dataset, the ``trained`` details (unchanged) that
+    witness its privacy ledger's longest chain and highest epsilon, which the ledger's
+    rollback check reads (docs/privacy.md)."""
     best: dict[object, list[Mapping[str, Any]]] = {}
     for r in with_carried(removed):
         details = r.get("details")
@@ -1001,9 +956,8 @@ def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
 
 
 def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
-    """The records, each ``audit_pruned`` one preceded by the ``trained`` details it
-    carried (as ``trained`` records of its actor): what readers of the ledger's witness
-    read, so that a prune never hides what a privacy ledger spent."""
+    """The records, each ``audit_pruned`` one preceded by the ``trained`` records it
+    carried: a prune never hides what a privacy ledger spent."""
     for r in records:
         details = r.get("details")
         if r.get("event") == PRUNED and isinstance(details, Mapping):
@@ -1015,8 +969,7 @@ def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, 
 
 def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The details of the ``audit_pruned`` record that accounts for a log's missing
-    first records (seq 0 to its first record's seq - 1), None when the log starts at
-    seq 0 or no such record says so. Records are untrusted: verify the log first."""
+    first records, None when none is missing or none says so (verify the log first)."""
     if not records:
         return None
     first, start = records[0], records[0].get("seq")
@@ -1035,10 +988,7 @@ def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | Non
 
 
 def _seq_of(line: bytes) -> int | None:
-    try:
-        value = json.loads(line).get("seq")
-    except (ValueError, AttributeError):
-        return None
+    value = _json_object(line).get("seq")
     return value if isinstance(value, int) else None
 
 
@@ -1088,9 +1038,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Undelivered:
-    """An update a region logged as sent that the aggregator never received, and the
-    aggregator's own record of why (that region's reply failed in that round): its
-    release is spent, and nothing was delivered. No contradiction, but never silent."""
+    """An update a region logged as sent that the aggregator never received, with the
+    aggregator's record of why: spent, not delivered; no contradiction, never silent."""
 
     transfer: Transfer
     reason: str
@@ -1129,9 +1078,8 @@ def _transfer(record: Mapping[str, Any], region: str | None) -> Transfer | None:
 def cross_check(
     aggregator: Iterable[Mapping[str, Any]], regions: Mapping[str, Iterable[Mapping[str, Any]]]
 ) -> CrossCheck:
-    """Match each region's ``update_sealed`` with the aggregator's ``update_received``
-    by run, round, region and ciphertext digest. A send or receipt record that is
-    malformed is a problem, never an exception."""
+    """Match each region's sends with the aggregator's receipts by run, round, region
+    and digest; a malformed record is a problem, never an exception."""
     result = CrossCheck()
     received: set[Transfer] = set()
     runs: set[int] = set()
@@ -1234,17 +1182,13 @@ def witness_check(
     run_id: int | None = None,
     covered: Mapping[str, int] | None = None,
 ) -> WitnessCheck:
-    """Check every ``witness`` record (of run ``run_id``, or of every run) in every log
-    of ``logs`` (party -> its records, in file order): the witnessed party's log, when
-    given, must still hold record ``count - 1`` with hash ``head`` and, at seq
-    ``count``, the checkpoint that signed them (count 0, the empty log, always holds);
-    and each log's witnesses of one party must never go back (a lower count, except in
-    a witness its writer marked ``late``; or another head for any count it witnessed).
-    ``covered[party]`` is how many of that log's first records a verified signature
-    covers: a problem found by a witness record after them says so. A checkpoint whose
-    last record a log has pruned (an ``audit_pruned`` record says so; verify the log to
-    trust it) cannot be checked: it is listed as pruned. Records are untrusted: a
-    malformed one is a problem, never an exception."""
+    """Check every ``witness`` record (of ``run_id``, or all) in ``logs`` (party -> its
+    records): the witnessed party's log, when given, must still hold record ``count -
+    1`` with hash ``head`` and, at seq ``count``, the checkpoint that signed them; and
+    each log's witnesses of one party must never go back (a lower count unless
+    ``late``, or another head for a count). ``covered[party]``: how many of its first
+    records a verified signature covers (a problem found after them says so). A
+    checkpoint a log pruned is listed as pruned. A malformed record is a problem."""
     chains: dict[str, dict[int, str]] = {}
     starts = {
         party: records[0]["seq"] if pruned_from(records) is not None else 0
