@@ -27,27 +27,54 @@ def finite(values: np.ndarray, what: str) -> None:
         raise MalformedUpdate(f"{what} contain NaN or infinite values")
 
 
-def _chunk_scales(x: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def _chunks(x: np.ndarray) -> np.ndarray:
+    """``x`` as rows of :data:`CHUNK` entries, the last padded with zeros (a view when
+    no padding is needed: a 10M-entry update is not copied to be scaled)."""
     pad = (-x.size) % CHUNK
-    padded = np.pad(np.abs(x), (0, pad)).reshape(-1, CHUNK)
-    return reduce(padded).astype(np.float32)
+    return (np.pad(x, (0, pad)) if pad else x).reshape(-1, CHUNK)
+
+
+def _chunk_scales(x: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    return reduce(np.abs(_chunks(x))).astype(np.float32)
 
 
 def _scales(body: memoryview, n: int, need: int, what: str) -> np.ndarray:
+    """The body's per-chunk scales, once it is known to hold ``need`` bytes."""
     if len(body) < need:
         raise MalformedUpdate(f"{what} body truncated")
     scales = np.frombuffer(body[: 4 * math.ceil(n / CHUNK)], np.float32)
     finite(scales, f"{what} scales")
-    return np.repeat(scales, CHUNK)[:n]
+    return scales
+
+
+def _scaled(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Each entry of ``q`` times its chunk's scale, in float32 (the scales broadcast
+    over their chunks, not repeated per entry)."""
+    n = q.size
+    out = np.empty(n, np.float32)
+    full = n - n % CHUNK
+    rows = full // CHUNK
+    np.multiply(
+        q[:full].reshape(rows, CHUNK),
+        scales[:rows, None],
+        out=out[:full].reshape(rows, CHUNK),
+        dtype=np.float32,
+    )
+    if full < n:
+        np.multiply(q[full:], scales[rows], out=out[full:], dtype=np.float32)
+    return out
 
 
 def _quantise(x: np.ndarray, levels: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
     """Scales ``max|chunk| / levels`` and ``q = clip(floor(x / scale + u), -levels, levels)``,
     u uniform in [0, 1): unbiased, and ``|x - q * scale| < scale``."""
-    scales = _chunk_scales(x, lambda a: a.max(axis=1) / levels)
-    s = np.repeat(scales, CHUNK)[: x.size]
-    q = np.floor(x / np.where(s > 0, s, 1.0) + rng.random(x.size, dtype=np.float32))
-    return scales.tobytes(), np.clip(q, -levels, levels).astype(np.int8)
+    chunks = _chunks(x)
+    scales = (np.abs(chunks).max(axis=1) / levels).astype(np.float32)
+    q = (chunks / np.where(scales > 0, scales, np.float32(1.0))[:, None]).reshape(-1)[: x.size]
+    q += rng.random(x.size, dtype=np.float32)
+    np.floor(q, out=q)
+    np.clip(q, -levels, levels, out=q)
+    return scales.tobytes(), q.astype(np.int8)
 
 
 def fp32_encode(x: np.ndarray, _: np.random.Generator) -> memoryview:
@@ -68,8 +95,7 @@ def int8_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
 def int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
     head = 4 * math.ceil(n / CHUNK)
     scales = _scales(body, n, head + n, "int8")
-    q = np.frombuffer(body[head : head + n], np.int8)
-    return (q.astype(np.float32) * scales).astype(np.float32), head + n
+    return _scaled(np.frombuffer(body[head : head + n], np.int8), scales), head + n
 
 
 def _packed(width: int) -> tuple[Encode, Decode]:
@@ -98,8 +124,7 @@ def _packed(width: int) -> tuple[Encode, Decode]:
             raise MalformedUpdate(
                 f"{what} body holds a value outside -{levels}..{levels} or a non-zero pad"
             )
-        q = codes[:n].astype(np.int8) - offset
-        return (q.astype(np.float32) * scales).astype(np.float32), need
+        return _scaled(codes[:n].astype(np.int8) - offset, scales), need
 
     return encode, decode
 
@@ -120,4 +145,4 @@ def sign_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
     need = head + math.ceil(n / 8)
     scales = _scales(body, n, need, "sign")
     bits = np.unpackbits(np.frombuffer(body[head:need], np.uint8), bitorder="little")
-    return ((bits[:n].astype(np.float32) * 2 - 1) * scales).astype(np.float32), need
+    return _scaled(bits[:n].astype(np.float32) * 2 - 1, scales), need

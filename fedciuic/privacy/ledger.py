@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opacus.accountants import create_accountant
+from opacus.accountants.analysis import rdp as opacus_rdp
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,6 +43,20 @@ from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
 
 undo_opacus_basic_config()
+
+
+def _memoise_rdp() -> None:
+    """Remember Opacus' RDP of one subsampled Gaussian step at one order. PRV bounds its
+    discretisation domain with RDP (``compute_safe_domain_size``), and each round's
+    projection asks about a new history of the same (noise, rate) steps, so without this
+    every round redoes the same ~900 series (0.6 s of a 0.7 s accounting on a CPU). The
+    function is pure (floats in, a float out): caching it changes no figure."""
+    compute = opacus_rdp._compute_rdp
+    if not hasattr(compute, "cache_info"):
+        opacus_rdp._compute_rdp = lru_cache(maxsize=4096)(compute)
+
+
+_memoise_rdp()
 
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
 LEDGER_FILE = "privacy-ledger.jsonl"
