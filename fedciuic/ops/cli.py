@@ -20,7 +20,7 @@ from fedciuic.config import DataSettings, DeidSettings, Fields, LocalTraining
 from fedciuic.deid import REPLACEMENTS
 from fedciuic.errors import FedciuicError
 from fedciuic.ops import commands
-from fedciuic.ops.preflight import add_command as add_preflight
+from fedciuic.ops.preflight import preflight_command
 from fedciuic.ops.simulate import Interrupted, simulate
 
 #: `data check`'s --seq-len and --max-record-bytes defaults: the run config's.
@@ -92,6 +92,14 @@ def arg(*names: str, **options: Any) -> Arg:
     return Arg(names, options)
 
 
+def app_arg(help: str) -> Arg:
+    return arg("--app", type=Path, default=Path("."), help=help)
+
+
+def run_config_arg(help: str = "override a run-config value (TOML value), repeatable") -> Arg:
+    return arg("--run-config", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 @dataclass(frozen=True)
 class Command:
     """A row of :data:`COMMANDS`: ``path`` under ``fedciuic`` (``("keys", "generate")``),
@@ -106,10 +114,6 @@ class Command:
     description: str | None = None
     arguments: tuple[Arg | tuple[Arg, ...], ...] = ()
     exits: str = ""
-
-
-#: A command that its own module adds (``fedciuic preflight``), given :func:`_command`.
-Adder = Callable[[Any, Callable[..., argparse.ArgumentParser]], argparse.ArgumentParser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,16 +143,19 @@ def _parser() -> argparse.ArgumentParser:
         (): parser.add_subparsers(required=True, metavar="COMMAND")
     }
     for entry in COMMANDS:
-        if not isinstance(entry, Command):
-            entry(where[()], _command)  # a module's own command
-            continue
         *parent, name = entry.path
         if entry.handler is None:
-            where[entry.path] = _group(where[tuple(parent)], name, entry.help, entry.example)
+            where[entry.path] = _add(
+                where[tuple(parent)],
+                name,
+                entry.help,
+                entry.example,
+                f"{entry.help[0].upper()}{entry.help[1:]}. `fedciuic {name} ACTION --help` "
+                "explains each action's options.",
+            ).add_subparsers(required=True, metavar="ACTION")
             continue
-        command = _command(
-            where[tuple(parent)], name, entry.handler, entry.help, entry.example, entry.description
-        )
+        command = _add(where[tuple(parent)], name, entry.help, entry.example, entry.description)
+        command.set_defaults(handler=entry.handler)
         if entry.exits:
             command.epilog = f"{command.epilog}\n\n{entry.exits}"
         for argument in entry.arguments:
@@ -161,29 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _group(sub: Any, name: str, help: str, example: str) -> Any:
-    """A command with actions (``fedciuic keys ACTION``), returning where its actions go:
-    its help names one example; each action's ``--help`` has its own."""
-    group: argparse.ArgumentParser = sub.add_parser(
-        name,
-        help=help,
-        description=f"{help[0].upper()}{help[1:]}. `fedciuic {name} ACTION --help` explains "
-        "each action's options.",
-        epilog=f"example:\n  {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    return group.add_subparsers(required=True, metavar="ACTION")
-
-
-def _command(
-    sub: Any,
-    name: str,
-    handler: Any,
-    help: str,
-    example: str,
-    description: str | None = None,
+def _add(
+    sub: Any, name: str, help: str, example: str, description: str | None
 ) -> argparse.ArgumentParser:
-    """A subcommand with its one-line help, an example, and the function that runs it."""
+    """A (sub)command with its one-line help and an example (each action of a command
+    with actions has its own)."""
     command: argparse.ArgumentParser = sub.add_parser(
         name,
         help=help,
@@ -191,12 +180,11 @@ def _command(
         epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    command.set_defaults(handler=handler)
     return command
 
 
 #: Every command of ``fedciuic``, in the order ``--help`` lists them.
-COMMANDS: tuple[Command | Adder, ...] = (
+COMMANDS: tuple[Command, ...] = (
     Command(
         ("simulate",),
         "run the local simulation (one simulated SuperNode per region; lab mode)",
@@ -210,12 +198,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
         "deployment (fedciuic init) runs each region's round in the region's own agent "
         "and the ClientApp only relays (docs/cluster.md).",
         arguments=(
-            arg(
-                "--app",
-                type=Path,
-                default=Path("."),
-                help="the Flower app folder (with pyproject.toml); default: .",
-            ),
+            app_arg("the Flower app folder (with pyproject.toml); default: ."),
             arg("--regions", help="comma-separated regions, e.g. eu,cn,us"),
             arg("--rounds", type=int, help="number of server rounds"),
             arg(
@@ -237,13 +220,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
                 default=Path("runs"),
                 help="where each run writes run-<id>/ (default: runs)",
             ),
-            arg(
-                "--run-config",
-                action="append",
-                default=[],
-                metavar="KEY=VALUE",
-                help="override a run-config value (TOML value), repeatable",
-            ),
+            run_config_arg(),
             arg(
                 "--timeout",
                 type=float,
@@ -291,12 +268,7 @@ COMMANDS: tuple[Command | Adder, ...] = (
                 help="where the aggregator (and its SuperLink) sits; written into its key and the "
                 "run config, and every region's policy must allow it (default: EU)",
             ),
-            arg(
-                "--app",
-                type=Path,
-                default=Path("."),
-                help="the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)",
-            ),
+            app_arg("the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)"),
             arg(
                 "--policies",
                 type=Path,
@@ -425,19 +397,10 @@ COMMANDS: tuple[Command | Adder, ...] = (
                 "--data-root", type=Path, help="a simulation's --data-root (one folder per region)"
             ),
             arg("--regions", help="with --data-root: comma-separated (default: app's)"),
-            arg(
-                "--app",
-                type=Path,
-                default=Path("."),
-                help="the app whose run config to read; default: .",
-            ),
-            arg(
-                "--run-config",
-                action="append",
-                default=[],
-                metavar="KEY=VALUE",
-                help="the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), "
-                "as given to simulate or start.sh; repeatable",
+            app_arg("the app whose run config to read; default: ."),
+            run_config_arg(
+                "the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), "
+                "as given to simulate or start.sh; repeatable"
             ),
         ),
     ),
@@ -471,7 +434,51 @@ COMMANDS: tuple[Command | Adder, ...] = (
             ),
         ),
     ),
-    add_preflight,
+    Command(
+        ("preflight",),
+        "check the model, tokenizer, chat template and data before a run starts (exit 2 "
+        "naming every problem)",
+        "fedciuic preflight --data-root ./my-data --run-config model-path='\"./ckpt\"'",
+        preflight_command,
+        description="Check, in seconds and before anything starts, what a run would otherwise "
+        "find minutes in: the model-path checkpoint (weights present and not only pickle, "
+        "its tokenizer present and matching the model), the chat template (maskable, when "
+        "the data has chat records) and each region's data visible here (every row read "
+        "and checked, a sample tokenised). Exit 0 when all is well, 2 naming every "
+        "problem. `fedciuic simulate` runs the same checks; a deployment's start.sh runs "
+        "this command.",
+        arguments=(
+            app_arg("the Flower app folder (default: .)"),
+            arg(
+                "--run-config-file",
+                type=Path,
+                metavar="FILE",
+                help="run-config values (TOML) over the app's, e.g. aggregator/run-config.toml",
+            ),
+            run_config_arg(),
+            arg(
+                "--data-root",
+                type=Path,
+                help="simulation datasets: one folder per region (DATA_ROOT/REGION)",
+            ),
+            arg(
+                "--agent-config",
+                type=Path,
+                action="append",
+                default=[],
+                metavar="FILE",
+                help="a deployed region's agent config (its data-path and allow-pickle-weights), "
+                "repeatable",
+            ),
+            arg(
+                "flwr_args",
+                nargs=argparse.REMAINDER,
+                metavar="-- FLWR_RUN_ARGS",
+                help="`flwr run` arguments the run will get (start.sh passes its own): their "
+                "--run-config values apply",
+            ),
+        ),
+    ),
     Command(
         ("save-checkpoint",),
         "save a preset's base model and tokenizer as a checkpoint (for model-path)",

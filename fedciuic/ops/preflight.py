@@ -35,7 +35,7 @@ import argparse
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -384,7 +384,8 @@ def _toml_file(path: Path, option: str) -> dict[str, Any]:
         raise ConfigError([f"{option}: {path}: not TOML ({err})"]) from None
 
 
-def _command(args: argparse.Namespace) -> int:
+def preflight_command(args: argparse.Namespace) -> int:
+    """``fedciuic preflight``: the run config as the run will get it, then every check."""
     started = time.monotonic()
     if args.data_root is not None and args.agent_config:
         raise ConfigError(["fedciuic preflight: give --data-root or --agent-config, not both"])
@@ -428,71 +429,12 @@ def _command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_command(
-    sub: Any, command: Callable[..., argparse.ArgumentParser]
-) -> argparse.ArgumentParser:
-    """``fedciuic preflight``, made with the CLI's own ``command`` helper."""
-    parser = command(
-        sub,
-        "preflight",
-        _command,
-        "check the model, tokenizer, chat template and data before a run starts (exit 2 "
-        "naming every problem)",
-        "fedciuic preflight --data-root ./my-data --run-config model-path='\"./ckpt\"'",
-        description="Check, in seconds and before anything starts, what a run would otherwise "
-        "find minutes in: the model-path checkpoint (weights present and not only pickle, "
-        "its tokenizer present and matching the model), the chat template (maskable, when "
-        "the data has chat records) and each region's data visible here (every row read "
-        "and checked, a sample tokenised). Exit 0 when all is well, 2 naming every "
-        "problem. `fedciuic simulate` runs the same checks; a deployment's start.sh runs "
-        "this command.",
-    )
-    parser.add_argument(
-        "--app", type=Path, default=Path("."), help="the Flower app folder (default: .)"
-    )
-    parser.add_argument(
-        "--run-config-file",
-        type=Path,
-        metavar="FILE",
-        help="run-config values (TOML) over the app's, e.g. aggregator/run-config.toml",
-    )
-    parser.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a run-config value (TOML value), repeatable",
-    )
-    parser.add_argument(
-        "--data-root",
-        type=Path,
-        help="simulation datasets: one folder per region (DATA_ROOT/REGION)",
-    )
-    parser.add_argument(
-        "--agent-config",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a deployed region's agent config (its data-path and allow-pickle-weights), "
-        "repeatable",
-    )
-    parser.add_argument(
-        "flwr_args",
-        nargs=argparse.REMAINDER,
-        metavar="-- FLWR_RUN_ARGS",
-        help="`flwr run` arguments the run will get (start.sh passes its own): their "
-        "--run-config values apply",
-    )
-    return parser
-
-
 __all__ = [
     "Findings",
     "PreflightError",
     "RegionFolder",
-    "add_command",
     "check_simulation",
     "flwr_run_config",
     "preflight",
+    "preflight_command",
 ]
