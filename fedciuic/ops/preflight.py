@@ -335,17 +335,24 @@ def report(findings: Findings, started: float, *, quiet: bool = False) -> None:
         )
 
 
-def check_simulation(run: RunConfig, data_root: Path | None) -> None:
-    """What ``fedciuic simulate`` checks before it starts any process: the model, and
-    the data under ``data_root`` of each region that has a folder there (None: the demo
-    corpora, made fresh and known good, whose chat records need the template)."""
+def check_simulation(run: RunConfig, folders: Sequence[RegionFolder] | None) -> None:
+    """What ``fedciuic simulate`` checks before it starts any process: the model and the
+    regions' ``folders`` (None: the demo corpora, made fresh and known good, whose chat
+    records need the template)."""
     started = time.monotonic()
-    if data_root is None:
-        findings = preflight(run, None, chat=True)
-    else:
-        folders = [RegionFolder(r, data_root / r) for r in run.regions if (data_root / r).is_dir()]
-        findings = preflight(run, folders)
-    report(findings, started, quiet=True)
+    report(preflight(run, folders, chat=True if folders is None else None), started, quiet=True)
+
+
+def region_folders(root: Path, regions: Sequence[str]) -> list[RegionFolder]:
+    """The folder of each region under a ``--data-root``; a region without one will
+    decline, which is said now."""
+    for region in (r for r in regions if not (root / r).is_dir()):
+        print(
+            f"fedciuic: warning: --data-root: no folder {root / region}: region {region} "
+            "will decline",
+            file=sys.stderr,
+        )
+    return [RegionFolder(r, root / r) for r in regions if (root / r).is_dir()]
 
 
 # -- fedciuic preflight -------------------------------------------------------------------
@@ -398,14 +405,7 @@ def preflight_command(args: argparse.Namespace) -> int:
     folders: list[RegionFolder] | None = None
     problems: list[str] = []
     if args.data_root is not None:
-        root = args.data_root.resolve()
-        folders = [RegionFolder(r, root / r) for r in run.regions if (root / r).is_dir()]
-        for region in (r for r in run.regions if not (root / r).is_dir()):
-            print(
-                f"fedciuic: warning: --data-root: no folder {root / region}: region {region} "
-                "will decline",
-                file=sys.stderr,
-            )
+        folders = region_folders(args.data_root.resolve(), run.regions)
     elif args.agent_config:
         folders = []
         for file in args.agent_config:
@@ -437,4 +437,5 @@ __all__ = [
     "flwr_run_config",
     "preflight",
     "preflight_command",
+    "region_folders",
 ]

@@ -42,7 +42,7 @@ def simulate(args: argparse.Namespace) -> int:
     from fedciuic.flower import LocalFederation
     from fedciuic.model import check_model_spec
     from fedciuic.ops.outputs import summarize
-    from fedciuic.ops.preflight import check_simulation
+    from fedciuic.ops.preflight import check_simulation, region_folders
     from fedciuic.ops.progress import RunProgress
     from fedciuic.record import RunStatus
 
@@ -72,19 +72,20 @@ def simulate(args: argparse.Namespace) -> int:
         aggregator_keys(run.sealing.keys_dir, run.compression.max_update_bytes)
     if run.policy.enforce_policies:
         _check_policies(run)
-    data_root = None
+    data_root = folders = None
     if args.data_root is not None:
         data_root = args.data_root.resolve()
         _check_data_root(data_root, run.regions)
+        folders = region_folders(data_root, run.regions)
         if run.privacy.dp:
-            present = [r for r in run.regions if (data_root / r).is_dir()]
+            present = [f.region for f in folders]
             _, lines = budget_lines(
                 simulation_budgets(data_root, present, run), run, run.privacy.target_epsilon
             )
             for line in lines:
                 print(f"budget: {line}")
     # The model, tokenizer, chat template and data, in seconds: exit 2 naming every problem.
-    check_simulation(run, data_root)
+    check_simulation(run, folders)
     output_dir.mkdir(parents=True, exist_ok=True)
     workdir = output_dir / ".flower" / time.strftime("%Y%m%d-%H%M%S")
     if data_root is None:
@@ -205,66 +206,60 @@ def _signals_noted(noted: list[int]) -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
-    """The runs this federation started (``flwr run`` printed their id), in order, up
-    to the first that did not end (completed, or no aggregate)."""
+def _started_runs(federation: Any) -> list[int]:
+    """The runs this federation's ``flwr run``s started (they printed the id), in order."""
     from fedciuic.flower import STARTED_RUN
-    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
-    ended = []
+    started = []
     logs = federation.logs.glob("flwr-run-*.log")
     for log in sorted(logs, key=lambda path: int(path.stem.rsplit("-", 1)[1])):
         match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
         if match is None:
             break
+        started.append(int(match.group(1)))
+    return started
+
+
+def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
+    """The runs this federation started, up to the first that did not end (completed,
+    or no aggregate)."""
+    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
+
+    ended = []
+    for run_id in _started_runs(federation):
         try:
-            data = load_metrics(output_dir / f"run-{match.group(1)}" / METRICS_FILE)
+            data = load_metrics(output_dir / f"run-{run_id}" / METRICS_FILE)
         except MetricsError:
             break
         if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
             break
-        ended.append(int(match.group(1)))
+        ended.append(run_id)
     return ended
 
 
 def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
-    """Runs this federation started (``flwr run`` printed their id) whose metrics.json
-    still says running once every process is gone: mark them interrupted."""
-    from fedciuic.flower import STARTED_RUN
+    """Mark interrupted the runs this federation started whose metrics.json still says
+    running once every process is gone."""
     from fedciuic.ops.outputs import mark_unfinished
 
-    marked = []
-    for log in sorted(federation.logs.glob("flwr-run-*.log")):
-        match = STARTED_RUN.search(log.read_text(encoding="utf-8", errors="replace"))
-        if match and mark_unfinished(
-            output_dir / f"run-{match.group(1)}",
-            "its ServerApp ended without finishing the run (stopped or killed); "
-            "fedciuic simulate stopped the simulation",
-        ):
-            marked.append(int(match.group(1)))
-    return marked
+    why = (
+        "its ServerApp ended without finishing the run (stopped or killed); "
+        "fedciuic simulate stopped the simulation"
+    )
+    return [r for r in _started_runs(federation) if mark_unfinished(output_dir / f"run-{r}", why)]
 
 
 def _check_data_root(data_root: Path, regions: Sequence[str]) -> None:
-    """--data-root must be a folder holding at least one region's folder; a region
-    without one declines (and the others train), which is said before anything starts."""
+    """--data-root must be a folder holding at least one region's folder (a region
+    without one declines, and the others train)."""
     fix = "each region reads --data-root/REGION (e.g. `fedciuic demo-data DIR` writes them)"
     if not data_root.is_dir():
         what = "is not a folder" if data_root.exists() else "no such folder"
         raise ConfigError([f"--data-root: {data_root}: {what}; {fix}"])
-    missing = [r for r in regions if not (data_root / r).is_dir()]
-    if len(missing) == len(regions):
+    if not any((data_root / r).is_dir() for r in regions):
+        where = ", ".join(str(data_root / r) for r in regions)
         raise ConfigError(
-            [
-                f"--data-root: {data_root} has no folder for any region "
-                f"({', '.join(str(data_root / r) for r in regions)}); {fix}"
-            ]
-        )
-    for region in missing:
-        print(
-            f"fedciuic: warning: --data-root: no folder {data_root / region}: region "
-            f"{region} will decline",
-            file=sys.stderr,
+            [f"--data-root: {data_root} has no folder for any region ({where}); {fix}"]
         )
 
 
