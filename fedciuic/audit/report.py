@@ -76,9 +76,8 @@ class PartyLog:
 
     @property
     def unverified(self) -> Sequence[AuditRecord]:
-        """The records no verified signature covers (after the last verified checkpoint,
-        or all of them when the log was not verified or none of its checkpoints did);
-        the verified checkpoint itself is in neither list."""
+        """The records after the last verified checkpoint (all, when none verified); the
+        checkpoint itself is in neither list."""
         if self.verdict is None or self.verdict.verified_through < 0:
             return self.records
         return self.records[self.covered + 1 :]
@@ -91,15 +90,13 @@ class PartyLog:
 
     @property
     def pruned(self) -> Mapping[str, Any] | None:
-        """The ``audit_pruned`` details that account for the records before the first
-        (verify the log to trust them), None when it was never pruned."""
+        """The ``audit_pruned`` details that account for the missing first records."""
         return pruned_from(self.records)
 
     @property
     def jurisdiction(self) -> str | None:
-        """The party's jurisdiction as its own records name it (a region's latest
-        ``run_joined``, the aggregator's ``run_start``, or the policy of its latest
-        ``audit_pruned``)."""
+        """The party's jurisdiction as its own latest ``run_joined`` (``run_start``) or
+        ``audit_pruned`` record names it."""
         key = "aggregator_jurisdiction" if self.actor == "aggregator" else "jurisdiction"
         event = Event.RUN_START if self.actor == "aggregator" else Event.RUN_JOINED
         for r in reversed(self.records):
@@ -165,15 +162,10 @@ def _runs(aggregator: PartyLog) -> list[int]:
 def build_report(
     logs: Sequence[PartyLog], run_id: int | None = None, *, now: datetime | None = None
 ) -> Report:
-    """The report for ``run_id`` (default: the last run the aggregator started). Its
-    tables hold only records a verified signature covers; the others are listed apart,
-    as unverified. The agreement checks (transfers, run config, witnessed checkpoints)
-    read every record: a disagreement is one whether or not it is signed. A region log
-    pruned of every record of the run (past its retention) is left out of them, and
-    said so, once ``check_retention`` finds its prune bound to the policy the region
-    declared: records inside that policy's retention that are gone, or a prune by
-    another policy, are disagreements naming the party. Each log's records past its
-    retention (at ``now``) are named."""
+    """The report for ``run_id`` (default: the aggregator's last run). Its tables hold
+    only records a verified signature covers; the agreement checks read every record (a
+    disagreement is one, signed or not). A region log pruned of the whole run is left
+    out of them, and said so, unless ``check_retention`` finds the prune unbound."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
     runs = _runs(aggregator)
     if not runs:
@@ -448,8 +440,7 @@ def _logs_section(logs: Sequence[PartyLog], retention: Any, now: datetime | None
 
 
 def _retention(log: PartyLog, retention: Any, now: datetime | None) -> tuple[str, str]:
-    """A log's retention cell (its policy's period, what was pruned) and, when it holds
-    records past that period, a line saying so and how to prune them."""
+    """A log's retention cell and, when it holds records past it, how to prune them."""
     jurisdiction = log.jurisdiction
     days = retention.get(jurisdiction) if isinstance(retention, Mapping) else None
     pruned = log.pruned
@@ -587,9 +578,8 @@ def _transfers_section(
 
 
 def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """Which code made each update: the agent version and code digest the region's signed
-    reply named (as the aggregator received it), against what the region recorded when
-    it joined the run."""
+    """Which code made each update, as its signed reply named it, against what the region
+    recorded when it joined the run."""
     joined = {
         region: str(details_of(_first(records, Event.RUN_JOINED)).get("code", ""))
         for region, records in own.items()
@@ -670,9 +660,8 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """What each region's de-identification replaced before each round it trained, from
-    its own log: the pipeline (config hash, replacement, Presidio's version) and counts
-    per entity type; a region that trained with none is named."""
+    """What each region's de-identification replaced before each round it trained; a
+    region that trained with none is named."""
     scrubbed = {(region, _round(r)): d for region, r, d in _each(own, Event.DATA_DEIDENTIFIED)}
     rows = []
     for region, r, _ in _each(own, Event.TRAINED):
@@ -716,8 +705,7 @@ def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
 
 
 def _oversized_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """The records each region dropped unread for their size before each round it
-    trained, from its own log: its limit, how many, how many per file."""
+    """The records each region dropped unread for their size, per round."""
     rows = [
         (
             _round(r),
@@ -746,9 +734,8 @@ def _names(value: Any) -> str:
 def _secure_section(
     agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]
 ) -> list[Section]:
-    """Each secure sum (none: no section): who joined, whose masked vectors were summed,
-    who dropped and who revealed, as the aggregator recorded it, and which regions'
-    own logs record sending a masked vector for that session."""
+    """Each secure sum as the aggregator recorded it, against what the regions' own logs
+    record sending for it (no sum: no section)."""
     sums = _of(agg, Event.SECURE_SUM)
     if not sums:
         return []
@@ -807,8 +794,7 @@ def _secure_section(
 
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """The figures that leave a region beside its DP update, which DP does not cover
-    (docs/privacy.md): example counts, losses and sizes."""
+    """The figures a reply carries beside its DP update, which DP does not cover."""
     rows = []
     for region, r, d in _each(own, Event.TRAINED, Event.EVALUATED, *SENT_EVENTS):
         examples = f"{_text(d.get('examples'))} examples"
@@ -1117,8 +1103,7 @@ def write_sections(run_id: int, sections: Sequence[Section], out_dir: Path) -> t
 
 @dataclass
 class ReportOutcome:
-    """What ``fedciuic audit report`` found: whether each log verified, where the logs
-    disagree, the lines to print and the report written."""
+    """What ``fedciuic audit report`` found, the lines to print and the report written."""
 
     run_id: int
     verified: bool | None  # None: no keys, nothing verified
@@ -1136,8 +1121,7 @@ class ReportOutcome:
 def check_and_report(
     paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
 ) -> ReportOutcome:
-    """Verify each log with its party's bundle from ``keys_dir`` (when given), cross-check
-    the logs, write the report, and say what was found (``ReportOutcome.exit_code``)."""
+    """Verify each log (given ``keys_dir``), cross-check them, write the report."""
     logs = open_logs(paths, {})
     verify_logs(logs, keys_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in logs if log.verdict is not None]
@@ -1158,14 +1142,13 @@ def check_and_report(
 def verify_and_report(
     paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
 ) -> tuple[bool, list[str]]:
-    """``check_and_report`` as (every log verified and the logs agree, lines to print)."""
+    """``check_and_report`` as (all verified and agreeing, lines to print)."""
     outcome = check_and_report(paths, keys_dir, out_dir, run_id)
     return outcome.exit_code == EXIT_OK, outcome.lines
 
 
 def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
-    """Set each log's verdict, checked with its party's bundle from ``keys_dir``; with no
-    keys the logs stay unverified (and reports say so)."""
+    """Set each log's verdict with its party's bundle from ``keys_dir`` (none: unverified)."""
     if keys_dir is None:
         return
     bundles = {b.party: b for b in load_bundles(keys_dir).values()}

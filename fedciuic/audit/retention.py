@@ -1,13 +1,7 @@
 """Retention: each party's audit log is kept for its own jurisdiction's policy's
-``audit.retention_days``, then pruned (``AuditLog.prune``: a signed ``audit_pruned``
-record anchors what is kept, so the pruned log still verifies).
-
-Which policy: a region's log by the region's own policy, the aggregator's by the
-policy of the aggregator's jurisdiction; and in both cases only by a policy the log
-declared to the other parties (``bound``): a copy edited to a shorter retention is
-refused, since the others hold the party to what it declared. The agent prunes its
-region's log when it starts, the aggregator its own log when a run starts;
-``fedciuic audit prune`` does it for any log (docs/audit.md, "Retention").
+``audit.retention_days``, then pruned (``AuditLog.prune``), and only by a policy the
+log declared to the other parties (``bound``): a copy edited to a shorter retention is
+refused, since the others hold the party to what it declared (docs/audit.md).
 """
 
 from __future__ import annotations
@@ -68,15 +62,9 @@ def _time(value: str) -> datetime:
 
 
 def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = None) -> Limit:
-    """What a prune of ``party``'s log at ``path`` by ``policy`` may remove
-    (``AuditLog.prune``'s ``limit``): a prune is bound to the policies the log declared
-    to the other parties (a region's own; the aggregator's for its own jurisdiction).
-
-    It refuses a policy the log never declared (an edited copy has another hash), when
-    the log declared any. It stops before the first record that falls under another
-    declared policy (its run's, else the one in force when it was written) unless that
-    policy's retention, where the log records it, is past too: a prune never removes
-    what a declared policy still keeps."""
+    """What a prune of ``party``'s log by ``policy`` may remove (``AuditLog.prune``'s
+    ``limit``): it refuses a policy the log never declared (an edited copy has another
+    hash), and stops before a record another declared policy still keeps."""
     rules, now, hashed = policy.policy, now or datetime.now(UTC), policy.hash
 
     def mine(where: str | None) -> bool:
@@ -126,8 +114,7 @@ def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = N
 
 
 def check_jurisdiction(policy: LoadedPolicy, path: Path, party: str, where: str) -> None:
-    """Refuse ``policy`` for the log at ``path`` unless it is the policy of the party's
-    own jurisdiction ``where`` (its key says which)."""
+    """Refuse ``policy`` unless it is that of the party's own jurisdiction ``where``."""
     if where != policy.policy.jurisdiction:
         raise AuditError(
             f"{policy.path}: the policy of {policy.policy.jurisdiction}, but {path} is the log "
@@ -136,9 +123,7 @@ def check_jurisdiction(policy: LoadedPolicy, path: Path, party: str, where: str)
 
 
 def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None) -> Pruned:
-    """Prune ``log`` by ``policy``, which must be its party's own jurisdiction's (the
-    key says which) and one the log declared (``bound``): every record older than the
-    policy's ``audit.retention_days`` that no other declared policy still keeps."""
+    """Prune ``log`` by ``policy``, its party's own jurisdiction's, as ``bound`` allows."""
     rules = policy.policy
     if log.keypair is not None:
         check_jurisdiction(policy, log.path, log.actor, log.keypair.bundle.jurisdiction)
@@ -156,8 +141,8 @@ def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None)
 def enforce_at_start(
     log: AuditLog, policy: LoadedPolicy | None, logger: logging.Logger, who: str
 ) -> Pruned | None:
-    """``enforce`` as a party starts: what it pruned is logged; a prune that cannot be
-    done is a warning, never a reason not to start (the log stays whole and writable)."""
+    """``enforce`` as a party starts: a prune that cannot be done is a warning, never a
+    reason not to start (the log stays whole and writable)."""
     if policy is None or log.keypair is None:
         return None
     try:
@@ -196,9 +181,7 @@ def overdue(
     now: datetime | None = None,
     limit: int | None = None,
 ) -> Overdue | None:
-    """The records of a log that are past a retention of ``days`` (those ``prune`` would
-    remove: a run with a later record is kept whole; none from record ``limit`` on),
-    None when there are none."""
+    """The records ``prune`` would remove past a retention of ``days``, or None."""
     cut = prune_cut(records, cutoff(days, now), limit)
     if cut == 0:
         return None
@@ -213,9 +196,8 @@ def prune_log(
     dry_run: bool = False,
     now: datetime | None = None,
 ) -> str:
-    """``fedciuic audit prune``: prune the log at ``path`` by ``policy_file`` (its party's
-    own, and the one it declared: ``bound`` refuses any other, even with nothing to
-    prune), signing with ``key_file``; what was done, in one line, and the log's verdict."""
+    """``fedciuic audit prune``: what was done, in one line, and the log's verdict.
+    ``bound`` refuses a policy the log did not declare, even with nothing to prune."""
     keypair = load_keypair(key_file)
     policy = load_policy(policy_file)
     if not path.is_file():
@@ -264,9 +246,8 @@ EVIDENCE_SLACK = timedelta(days=1)
 
 @dataclass(frozen=True)
 class Erased:
-    """Records a party's log no longer holds that its declared policy still keeps (or a
-    prune no declared policy binds): ``run_id`` is the run whose records are gone, None
-    for what is wrong with an ``audit_pruned`` record itself."""
+    """Records a party's log no longer holds that its declared policy keeps (``run_id``),
+    or an ``audit_pruned`` record no declared policy binds (None)."""
 
     party: str
     run_id: int | None
@@ -280,10 +261,8 @@ def _who(party: str) -> str:
 def _jurisdiction(
     party: str, records: Sequence[Mapping[str, Any]], aggregator: Sequence[Mapping[str, Any]]
 ) -> str | None:
-    """Where ``party`` is, as the aggregator's log records it: its own jurisdiction at
-    ``run_start`` for the aggregator; for a region, the jurisdiction of the policy its
-    replies declared (the aggregator holds one per jurisdiction), else what the
-    region's own ``run_joined`` records say."""
+    """Where ``party`` is, as the aggregator's log records it (for a region, by the
+    policy its replies declared), else as the region's own records say."""
     found: str | None = None
     if party == AGGREGATOR:
         for r in aggregator:
@@ -313,9 +292,8 @@ def _key_ids(records: Sequence[Mapping[str, Any]]) -> set[str]:
 
 
 def _run_keys(logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[tuple[str, int], str]:
-    """The key each party used in each run, as another party recorded it: the
-    aggregator's ``run_start`` names each region's, each region's ``run_joined`` the
-    aggregator's. The first record of a (party, run) names it."""
+    """The key each party used in each run, as another party first recorded it (the
+    aggregator's ``run_start``, a region's ``run_joined``)."""
     found: dict[tuple[str, int], str] = {}
     for other, records in logs.items():
         for r in records:
@@ -403,13 +381,10 @@ def _gone(
     run_keys: Mapping[tuple[str, int], str],
     now: datetime,
 ) -> list[Erased]:
-    """The runs another party saw ``party`` sign (its ``witness`` records) that
-    ``party``'s log no longer holds, though its declared retention still keeps them:
-    with or without an ``audit_pruned`` record. And a region's run that its log holds
-    only in part: a region checkpoints each reply's records in the reply's run, so a
-    witnessed checkpoint whose records are pruned must take its whole run with it. A
-    run signed with another key than the log's (a log moved aside after a rotation) is
-    another log's to hold."""
+    """The runs another party witnessed ``party`` sign that its log no longer holds
+    though its declared retention keeps them, and a region's runs it holds only in
+    part (a prune keeps a run whole). A run signed with another key than the log's (a
+    log moved aside after a rotation) is another log's to hold."""
     records = logs[party]
     held = {run_of(r) for r in records}
     keys = _key_ids(records)
@@ -433,10 +408,14 @@ def _gone(
                     seen[run] = (when, other, r.get("seq"))
             elif party != AGGREGATOR and isinstance(count, int) and 0 < count <= start:
                 split.setdefault(run, (other, r.get("seq"), count))
+
+    def elsewhere(run: int) -> bool:  # signed with another key: that key's log holds it
+        key = run_keys.get((party, run), "")
+        return bool(key and keys and key not in keys)
+
     out = []
     for run, (other, seq, count) in sorted(split.items()):
-        key = run_keys.get((party, run), "")
-        if key and keys and key not in keys:
+        if elsewhere(run):
             continue
         out.append(
             Erased(
@@ -448,9 +427,9 @@ def _gone(
             )
         )
     for run, (when, other, seq) in sorted(seen.items(), key=lambda item: item[1][0]):
+        if elsewhere(run):
+            continue
         key = run_keys.get((party, run), "")
-        if key and keys and key not in keys:
-            continue  # signed with another key: that key's log holds it
         if not (start or (first is not None and first <= when) or (key and key in keys)):
             continue  # a log begun after the run, with nothing to say it is the same log
         governs = in_force(declared, when)
@@ -480,13 +459,10 @@ def _gone(
 def check_retention(
     logs: Mapping[str, Sequence[Mapping[str, Any]]], now: datetime | None = None
 ) -> list[Erased]:
-    """What retention cannot explain in the parties' logs (party -> its records, with
-    the aggregator's): each ``audit_pruned`` record must name the policy its party
-    declared (as the aggregator's log records it: the policy it holds for the party's
-    jurisdiction, which the party's replies name) and that jurisdiction, and remove
-    only records older than that policy's ``retention_days`` when it ran; and a run
-    another party saw a party sign must still be in that party's log while its
-    declared retention keeps it. Records are untrusted: verify the logs first."""
+    """What retention cannot explain in the parties' logs: a prune by another policy
+    than the one the party declared (as the aggregator's log records it), or of records
+    inside its retention; a witnessed run gone while that retention keeps it. Records
+    are untrusted: verify the logs first."""
     now = now or datetime.now(UTC)
     aggregator = logs.get(AGGREGATOR, [])
     held = declarations(aggregator)  # the policy of every jurisdiction it held, and when
