@@ -1,19 +1,15 @@
 """Start and stop real Flower processes on 127.0.0.1: a SuperLink, SuperNodes, ``flwr run``.
 
 Used by ``fedciuic simulate``, the deployment example and the end-to-end tests, so
-that all three start Flower the same way. Every process and its descendants are
-stopped by PID (SIGTERM, then SIGKILL) when the :class:`LocalFederation` context
-exits, also when the body raised.
+that all three start Flower the same way. Everything is stopped when the
+:class:`LocalFederation` context exits, also when the body raised.
 
-A process tree is not enough: Ray (the simulation engine) starts its GCS, raylet and
-``ClientAppActor`` workers under the simulation process, and a worker whose raylet
-exits first is re-parented to init, out of every tree. So every process a
-:class:`LocalFederation` starts carries ``FEDCIUIC_LAUNCH=<nonce>:<workdir>`` in its
-environment, which Ray passes on to its workers; :meth:`LocalFederation.stop` stops
-every live process that carries its own value, and returns only when none is left.
-Ray also gets a temporary folder of this federation's own (``RAY_TMPDIR``), so that
-it starts a Ray instance of its own instead of joining one started with ``ray start``
-on the same machine, and another Ray on the machine is never touched.
+A process tree is not enough: a Ray worker whose raylet exits first is re-parented to
+init, out of every tree. So every process a federation starts carries
+``FEDCIUIC_LAUNCH=<nonce>:<workdir>``, which Ray passes on to its workers, and
+:meth:`LocalFederation.stop` stops every process that carries it. Ray also gets a
+temporary folder of its own (``RAY_TMPDIR``), so that it never joins another Ray on
+the machine.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import psutil
@@ -84,10 +79,9 @@ def owner_folder(tag: str) -> Path | None:
 
 
 def owned_processes(owner: str) -> list[psutil.Process]:
-    """Live processes (not zombies) whose environment has ``FEDCIUIC_LAUNCH=owner``:
-    everything one launcher started, Ray's workers included, wherever they were
-    re-parented to. Processes of other users, which we may not read, are not ours; nor
-    is this process or any of its ancestors (stop.sh runs under the start.sh it stops)."""
+    """Live processes whose environment has ``FEDCIUIC_LAUNCH=owner``, wherever they were
+    re-parented to; not this process or its ancestors (stop.sh runs under the start.sh
+    it stops), nor other users' (which we may not read)."""
     found = []
     me = psutil.Process()
     spared = {me.pid, *(p.pid for p in me.parents())}
@@ -103,15 +97,12 @@ def owned_processes(owner: str) -> list[psutil.Process]:
 def stop_process_trees(
     pids: Sequence[int], grace: float = 10.0, owner: str | None = None
 ) -> list[psutil.Process]:
-    """SIGTERM each process and all its descendants (and, given ``owner``, every process
-    that carries it), SIGKILL whatever is left after ``grace`` seconds, then SIGKILL each
-    one's process group; with ``owner``, sweep again until none is left (up to ``grace``
-    more seconds). Returns what could not be stopped (normally nothing).
+    """SIGTERM each process, its descendants and (given ``owner``) every process that
+    carries it; SIGKILL what is left after ``grace`` seconds, and each one's process
+    group; with ``owner``, sweep until none is left. Returns what could not be stopped.
 
     Descendants are listed before anything is signalled: Flower detaches some helpers
-    into sessions of their own, which would be orphaned otherwise. Each process is
-    expected to lead its own group, so what it left behind (a helper of a SuperNode
-    that already exited, say) goes with the group.
+    into sessions of their own, which would be orphaned otherwise.
     """
     targets: dict[int, psutil.Process] = {}
     for pid in pids:
@@ -207,12 +198,7 @@ class LocalFederation:
     def __enter__(self) -> LocalFederation:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- processes ------------------------------------------------------------------
@@ -239,8 +225,7 @@ class LocalFederation:
         return [m.process.pid for m in self.processes]
 
     def stop(self, grace: float = 10.0) -> list[psutil.Process]:
-        """Stop every process this object started, all their descendants and everything
-        else that carries its mark (Ray's workers), and wait until none is left; remove
+        """Stop everything this federation started or that carries its mark, and remove
         Ray's temporary folder. Returns what could not be stopped (normally nothing)."""
         left = stop_process_trees(
             [m.process.pid for m in reversed(self.processes)], grace, owner=self.owner
@@ -316,9 +301,8 @@ class LocalFederation:
         tls: ServerTls | None = None,
         supernode_auth: bool = False,
     ) -> str:
-        """Start ``flower-superlink`` on a free port and wait until it answers; with
-        ``tls`` it serves TLS only, with ``supernode_auth`` only registered SuperNodes
-        may connect (:meth:`register_supernode`)."""
+        """Start ``flower-superlink`` on a free port and wait until it answers;
+        ``supernode_auth``: only registered SuperNodes may connect."""
         port = free_port()
         self.tls = tls
         cmd = [
@@ -380,14 +364,10 @@ class LocalFederation:
         relay_user: str | None = None,
         relay_home: Path | None = None,
     ) -> Managed:
-        """Start one ``flower-supernode`` with its own ``--node-config`` (trusting the
-        SuperLink's CA when it serves TLS; authenticating with ``auth_key`` if given).
-
-        The ClientApp (a deployed region's relay) runs where Flower puts it: in a process
-        the SuperNode starts as its own user, or, with ``relay_user``, the SuperNode runs
-        with ``--isolation process`` and the relay's ``flower-superexec`` (which starts each
-        ``flwr-clientapp``) runs as that user (this process must be root; "" runs it as
-        ourselves), with ``relay_home`` as its FLWR_HOME."""
+        """Start one ``flower-supernode`` with its own ``--node-config``. With
+        ``relay_user`` it runs with ``--isolation process`` and the relay's
+        ``flower-superexec`` runs as that user (as root; "": as ourselves), with
+        ``relay_home`` as its FLWR_HOME."""
         security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
         if auth_key is not None:
             security += ["--auth-supernode-private-key", str(auth_key)]
@@ -440,13 +420,9 @@ class LocalFederation:
         app: Path | None = None,
         on_poll: Callable[[Path], None] | None = None,
     ) -> tuple[int, str]:
-        """``flwr run APP fedciuic --stream`` and wait for the run to end.
-
-        ``echo`` gets the streamed log as it grows; ``on_poll`` is called with the
-        log's path about twice a second (a progress display). Returns the run id and
-        the streamed log. Overrides go through a TOML file
-        so that paths need no shell quoting.
-        """
+        """``flwr run APP fedciuic --stream`` and wait for the run to end; return the run
+        id and the streamed log. ``echo`` gets the log as it grows; ``on_poll`` its path
+        about twice a second. Overrides go through a TOML file: paths need no quoting."""
         overrides = self.workdir / f"run-overrides-{self.runs + 1}.toml"
         overrides.write_text(
             "".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()), encoding="utf-8"
@@ -490,9 +466,8 @@ class LocalFederation:
 
 
 def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
-    """Flower's ``flower-superexec`` for a SuperNode started with ``--isolation process``
-    (it starts each ``flwr-clientapp``: the relay), run as ``user`` with ``home`` as its
-    FLWR_HOME, as a deployment's start script runs it (``fedciuic.ops.deploy relay``)."""
+    """Flower's ``flower-superexec`` (the relay) run as ``user``, as a deployment's start
+    script runs it (``fedciuic.ops.deploy relay``)."""
     return [
         sys.executable,
         "-m",
