@@ -1,17 +1,11 @@
 """``fedciuic init``: a deployment folder, laid out per party, with the scripts that run it.
 
-A user should not need to know Flower's commands, certificates or node configs to
-run a federation. :func:`init_deployment` writes one folder per party (the
-aggregator, each region) holding only what that party needs, so each can be
-copied to its own machine: private keys never leave their party's folder, only
-public bundles are copied across. ``start.sh`` at the top runs every party on
-this machine in one command and stops every process it started when it ends.
-
-Everything is checked here before anything is written (by
-:mod:`fedciuic.ops.layout`, from the templates in ``templates/``): a refused
-deployment leaves nothing behind. The scripts call ``python -m fedciuic.ops.deploy ACTION`` for the
-parts that are easier to get right in Python (health check, stopping process
-trees, reading a run's outcome).
+A user should not need to know Flower's commands, certificates or node configs to run
+a federation. :func:`init_deployment` checks everything before it writes anything (a
+refused deployment leaves nothing behind), then writes one folder per party, so each
+can be copied to its own machine: private keys never leave their party's folder.
+The scripts call ``python -m fedciuic.ops.deploy ACTION`` for what is easier to get
+right in Python (health checks, stopping process trees, reading a run's outcome).
 """
 
 from __future__ import annotations
@@ -164,8 +158,8 @@ def _region_policy(
 
 
 def _relay_problems(user: str, folders: dict[str, Path]) -> list[str]:
-    """Why ``user`` cannot be the relay's user here, if it cannot: it must run this
-    Python and reach ``folders`` (what each is: the folder)."""
+    """Why ``user`` cannot be the relay's user here: it must run this Python and reach
+    ``folders``."""
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
         return [f"--relay-user: {user!r} is not a user name (lower-case, at most 32 characters)"]
     try:
@@ -197,13 +191,8 @@ def init_deployment(
     supernode_port_base: int | None = None,
     relay_user: str | None = None,
 ) -> Deployment:
-    """Check everything, then write the deployment folder; raise ConfigError with every problem.
-
-    Regions are ``name`` (jurisdiction: the name upper-cased) or ``name=JUR``.
-    SuperNode ports are ``supernode_port_base + i`` (default: ``port + 1 + i``).
-    ``relay_user``: the OS user each region's relay runs as (None: :data:`RELAY_USER`
-    for root, "" otherwise; "": the region's own user, no OS separation).
-    """
+    """Check everything, then write the deployment folder; raise ConfigError with every
+    problem. ``relay_user`` None: :func:`default_relay_user`."""
     from fedciuic.data import FAMILIES
 
     directory = Path(os.path.abspath(directory.expanduser()))
@@ -319,9 +308,8 @@ def init_deployment(
 
 
 def say(message: str, *, err: bool = False) -> None:
-    """Print one line for the scripts' user. A closed output (its reader gone: a ``| head``,
-    a ``| tee`` that Ctrl-C stopped) loses the line, never the work it reports, nor the
-    exit status: what cannot be written is dropped from then on."""
+    """Print one line for the scripts' user. A closed output (a ``| tee`` that Ctrl-C
+    stopped) loses the line, never the work it reports nor the exit status."""
     stream = sys.stderr if err else sys.stdout
     try:
         print(message, file=stream, flush=True)
@@ -390,9 +378,8 @@ def check_run_log(log: Path, config: Path) -> int:
 
 
 def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
-    """The newest run in ``runs_dir`` written since ``since`` (Unix time: start.sh's
-    start), and its outcome as run.sh gives it: 0 completed, :data:`EXIT_NO_AGGREGATE`
-    no aggregate published, 1 not ended (running, interrupted, failed) or no such run."""
+    """The newest run in ``runs_dir`` written since ``since`` (start.sh's start), and its
+    outcome as run.sh gives it (1: not ended, or no such run)."""
     found: list[tuple[float, Path]] = []
     for metrics in runs_dir.glob(f"run-*/{METRICS_FILE}"):
         with contextlib.suppress(OSError):
@@ -411,9 +398,8 @@ def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
 
 
 def settle_runs(runs_dir: Path, since: float) -> list[Path]:
-    """Mark ``interrupted`` each run in ``runs_dir`` that still says ``running`` and was
-    written since ``since`` (Unix time): start.sh calls this once every process it
-    started is gone, so such a run can no longer end."""
+    """Mark ``interrupted`` each run written since ``since`` that still says ``running``
+    once every process start.sh started is gone: it can no longer end."""
     marked = []
     for metrics in sorted(runs_dir.glob(f"run-*/{METRICS_FILE}")):
         try:
@@ -433,11 +419,8 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
 
 
 def tracked(pids_dir: Path) -> list[psutil.Process]:
-    """The live processes named in ``pids_dir/*.pid``.
-
-    A PID file written before its process started names a reused PID (a process
-    start.sh did not start), which is left out.
-    """
+    """The live processes named in ``pids_dir/*.pid``, less reused PIDs (a process that
+    started after its PID file was written)."""
     found = []
     for pid_file in sorted(pids_dir.glob("*.pid")):
         try:
@@ -450,8 +433,7 @@ def tracked(pids_dir: Path) -> list[psutil.Process]:
 
 
 def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
-    """Stop every process named in ``pids_dir/*.pid`` and all its descendants, by PID
-    (each leads its own process group: start.sh runs with set -m). Returns the roots."""
+    """Stop every process named in ``pids_dir/*.pid`` and its descendants; return them."""
     roots = [proc.pid for proc in tracked(pids_dir)]
     # Also what outlived its parent: every process start.sh started carries its mark.
     stop_process_trees(roots, grace, owner=start_owner(Path(os.path.abspath(pids_dir.parent))))
@@ -459,9 +441,8 @@ def stop_processes(pids_dir: Path, grace: float = 10.0) -> list[int]:
 
 
 def relay_setup(user: str, home: Path, socket: Path) -> int:
-    """Before a region's agent starts: a check that the relay's user can reach its home
-    and the agent's socket (``socket``), that user (made, as root, if missing) and its
-    home, and a check that it can run the relay; or, without a user, a warning."""
+    """Before a region's agent starts: the relay's user (made if missing) can reach its
+    home and the agent's socket and run the relay; without a user, a warning."""
     if not user:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
         say(

@@ -33,8 +33,7 @@ def _write_summary(directory: Path, data: RunMetrics) -> None:
 
 def mark_unfinished(run_dir: Path, reason: str) -> bool:
     """Mark a run whose metrics.json still says ``running`` as ``interrupted`` (its
-    process is gone: a launcher stopped or lost it). True if it did; a file that is
-    not there or not a run's is left alone."""
+    process is gone); True if it did."""
     path = run_dir / METRICS_FILE
     try:
         data = load_metrics(path)
@@ -65,8 +64,7 @@ def fmt_epsilon(epsilon: Any, budget: Any, unit: PrivacyUnit | None = None) -> s
 def epsilon_spent(
     data: RunMetrics, region: str
 ) -> tuple[float | None, float | None, PrivacyUnit | None]:
-    """A region's cumulative epsilon after its last DP round in this run, its budget, and
-    what they are per."""
+    """A region's cumulative epsilon after its last DP round, its budget and its unit."""
     for _, entry in reversed(data.trained(region)):
         if entry.epsilon is not None:
             budget = entry.epsilon_budget
@@ -74,10 +72,11 @@ def epsilon_spent(
     return None, None, None
 
 
-def upload_bytes(data: RunMetrics, region: str) -> list[int]:
-    """Bytes a region sent the aggregator, one entry per round it sent something: its
-    update and, in a secure round, its secure-sum messages (``TrainEntry.sent_bytes``)."""
-    return [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
+def mean_upload(data: RunMetrics, region: str) -> str:
+    """The bytes a region sent the aggregator per round it sent something (its update
+    and, in a secure round, its secure-sum messages), on average; "" if none."""
+    sent = [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
+    return f"{sum(sent) / len(sent):.0f}" if sent else ""
 
 
 def steps_per_round(data: RunMetrics, region: str) -> str:
@@ -87,13 +86,13 @@ def steps_per_round(data: RunMetrics, region: str) -> str:
     return "/".join(steps) or "-"
 
 
-def _loss(entry: EvalEntry | None) -> float | None:
+def loss_of(entry: EvalEntry | None) -> float | None:
     return entry.loss if entry is not None else None
 
 
 def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
-    """A short plain-text summary per region: eval loss before round 1 and after the last,
-    epsilon spent against the budget and, given a ``baseline`` run without DP, the gap."""
+    """A short plain-text summary per region: eval loss before and after, epsilon spent
+    against the budget and, given a ``baseline`` run without DP, the gap."""
     run, config = data.run, data.run.config
     first = data.first_eval()
     last_round, last = data.final_eval()
@@ -122,19 +121,18 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         header,
     ]
     for region in [*run.regions, OVERALL]:
-        before = _loss(first.get(region))
-        after = _loss(last.get(region))
+        before = loss_of(first.get(region))
+        after = loss_of(last.get(region))
         change = after - before if before is not None and after is not None else None
         row = f"{region:<8} {fmt_number(before):>11} {fmt_number(after):>9} {fmt_number(change):>8}"
         if baseline:
-            other = _loss(base.get(region))
+            other = loss_of(base.get(region))
             gap = after - other if after is not None and other is not None else None
             row += f" {fmt_number(other):>8} {fmt_number(gap):>8}"
         if dp:
             eps, budget, unit = epsilon_spent(data, region)
             row += f" {fmt_epsilon(eps, budget, unit) if region != OVERALL else '':>20}"
-        sent = upload_bytes(data, region)
-        row += f" {(f'{sum(sent) / len(sent):.0f}' if sent and region != OVERALL else ''):>11}"
+        row += f" {mean_upload(data, region) if region != OVERALL else '':>11}"
         row += f" {steps_per_round(data, region) if region != OVERALL else '':>12}"
         statuses = [entry.status for _, entry in data.trained(region)]
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
@@ -180,9 +178,8 @@ def _policy_notes(data: RunMetrics) -> list[str]:
 
 
 def _undelivered_notes(data: RunMetrics) -> list[str]:
-    """Training rounds a region did not answer in time: under DP, a region that trained
-    spent its epsilon on an update the aggregator never received. Only the region's own
-    log can say whether it did; the report reads it."""
+    """Training rounds a region did not answer in time: under DP, it may have spent
+    epsilon on an update never received (only its own log can say; the report reads it)."""
     missed = [
         (number, region)
         for number, rnd in sorted(data.rounds.items())

@@ -1,32 +1,14 @@
 """Checks on the launching machine, in seconds, before a federation starts anything.
 
-A problem a region would only meet minutes into a run (after the SuperLink, the
-SuperNodes and the ServerApp have started, and every round has waited for replies that
-never come) is found here instead, and the launcher exits 2 ("bad input") naming each
-one on a line of its own, with the file or field and the fix:
+A problem a region would only meet minutes into a run (after every process started
+and every round waited for replies that never come) is found here instead, and the
+launcher exits 2 naming each one with the file or field and the fix: the model
+checkpoint and its tokenizer, the chat template (when records need it), and each
+region's data this machine holds (every row read, a sample rendered and tokenised).
 
-- the model: a ``model-path`` checkpoint with no weights, weights only in pickle files
-  (``pytorch_model.bin``: refused unless ``allow-pickle-weights``), an embedding that is
-  not ``config.json:vocab_size`` rows, no tokenizer, or a tokenizer that certainly is
-  not the model's (token ids past the embedding, special-token ids of config.json that
-  are no row of it or no token of the tokenizer); an eos token the model's configs do
-  not stop at is a warning (legitimate checkpoints do that);
-- the chat template, when any region's records are chat records (the demo data's are):
-  it must be one the loss can be masked for (:func:`~fedciuic.data.records.check_chat_template`).
-  Where no data is visible, a template that cannot be masked is a warning: records of
-  the other shapes never use it, so such a checkpoint is not wrong in itself;
-- each region's data that this machine holds: every row of every file read and checked
-  as the region will, and the first :data:`~fedciuic.data.check.SCAN_SAMPLE` records
-  rendered and tokenised (nothing is written; a region tokenises its whole data itself,
-  into its cache). A file that cannot be read, bad rows (unless ``bad-rows = "skip"``),
-  records without a user id under ``privacy-unit = "user"``: each is a problem. A region
-  whose folder holds no data files declines, as one without a folder does: a warning.
-
-``fedciuic simulate`` runs them before it starts any process; ``start.sh`` (a
-deployment on one machine) runs ``fedciuic preflight`` with the aggregator's run config
-and each region's agent config before it starts the SuperLink. These checks are the
-launcher's convenience: each region's agent still checks everything itself, by its own
-config, whatever a launcher found.
+``fedciuic simulate`` runs them before it starts any process; ``start.sh`` runs
+``fedciuic preflight``. They are the launcher's convenience: each region's agent still
+checks everything itself, by its own config.
 """
 
 from __future__ import annotations
@@ -101,8 +83,8 @@ def _where(spec: ModelSpec) -> str:
 
 
 def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase | None:
-    """The model's problems into ``findings``; the tokenizer regions would read with, if
-    it loads (checked or not: the data checks read with it either way)."""
+    """The model's problems into ``findings``; the tokenizer, if it loads (the data
+    checks read with it either way)."""
     from fedciuic.model import adapter, preset_tokenizer
 
     if not spec.model_path:
@@ -138,9 +120,8 @@ def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase 
 def check_template(
     tokenizer: PreTrainedTokenizerBase, where: str, chat: bool | None, findings: Findings
 ) -> bool:
-    """Whether the chat template can be masked: a problem when chat records need it
-    (``chat``), a warning when no data was seen (None) and the tokenizer has one, not
-    tried when the data has no chat records (False)."""
+    """Whether the chat template can be masked: a problem when chat records need it, a
+    warning when no data was seen (``chat`` None), not tried when none are chat."""
     from fedciuic.data import check_chat_template
 
     if chat is False or (chat is None and not getattr(tokenizer, "chat_template", None)):
@@ -162,8 +143,8 @@ def check_template(
 def check_pickle_permissions(
     spec: ModelSpec, regions: Sequence[RegionFolder], findings: Findings
 ) -> None:
-    """Deployed regions load pickle-only weights only if their own agent configs say so:
-    each that does not would decline every round."""
+    """A deployed region whose agent config refuses pickle-only weights would decline
+    every round."""
     from fedciuic.model import weight_files
 
     if not spec.model_path:
@@ -188,8 +169,7 @@ def check_pickle_permissions(
 
 
 def _check_deid(run: RunConfig, region: str, findings: Findings) -> None:
-    """A simulated region's de-identification: its dictionary (deid-dictionaries) read
-    and the entity types it can find, before any process starts."""
+    """A simulated region's de-identification: its dictionary and entity types."""
     from fedciuic.data import check_deid
 
     if not run.deid.deidentify:
@@ -287,10 +267,9 @@ def preflight(
     chat: bool | None = None,
     sample: int | None = None,
 ) -> Findings:
-    """Every check, every problem: the model of ``run`` (as this machine loads it: the
-    run config's allow-pickle-weights), the chat template and ``regions``' data (None:
-    no data is visible here). ``chat``: whether chat records are known to come (the
-    demo data's are) whatever the visible data says."""
+    """Every check, every problem: the model, the chat template and ``regions``' data
+    (None: none is visible here). ``chat``: chat records are known to come (the demo
+    data's are) whatever the visible data says."""
     from fedciuic.data import SCAN_SAMPLE
 
     findings = Findings()
@@ -323,7 +302,7 @@ def preflight(
 
 def report(findings: Findings, started: float, *, quiet: bool = False) -> None:
     """Warnings to stderr; :class:`PreflightError` with every problem, else (unless
-    ``quiet``) one line saying what was checked and how long it took."""
+    ``quiet``) one line of what was checked."""
     for warning in findings.warnings:
         print(f"fedciuic: warning: {warning}", file=sys.stderr)
     if findings.problems:
@@ -360,7 +339,7 @@ def region_folders(root: Path, regions: Sequence[str]) -> list[RegionFolder]:
 
 def flwr_run_config(args: Sequence[str]) -> dict[str, Any]:
     """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, read by
-    Flower's own parser: ``'k=v k2=v2'`` pairs, or a TOML file."""
+    Flower's own parser."""
     import click
     from flwr.common.config import parse_config_args
 

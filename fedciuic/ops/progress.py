@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from fedciuic.flower import STARTED_RUN
-from fedciuic.ops.outputs import fmt_epsilon, fmt_number
+from fedciuic.ops.outputs import fmt_epsilon, fmt_number, loss_of
 from fedciuic.record import (
     METRICS_FILE,
     OVERALL,
@@ -230,8 +230,7 @@ def format_round(data: RunMetrics, number: int, total: int) -> list[str]:
     regions += sorted(set(rnd.train) - set(regions))
 
     def eval_loss(region: str) -> str:
-        entry = evals.get(region)
-        return fmt_number(entry.loss if entry is not None else None)
+        return fmt_number(loss_of(evals.get(region)))
 
     if number == 0:
         losses = "  ".join(f"{r} {eval_loss(r)}" for r in [*regions, OVERALL])

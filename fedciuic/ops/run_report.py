@@ -1,21 +1,15 @@
 """A run's report for people: one self-contained HTML page with plots.
 
-``fedciuic report RUN_DIR`` reads the run's ``metrics.json`` and the audit logs
-of the aggregator and (where found) the regions, and writes ``report.html`` next
-to them: the figures per region, four plots (eval loss per round, epsilon against
-each region's budget, bytes uploaded per round, and a timeline of every decision:
-accepted, declined, rejected, withheld, with the reasons), then the compliance
-record from the audit logs. The plots are PNGs embedded in the page, so the one
-file can be mailed to a regulator; they are also written to ``report/`` with the
-numbers behind them in ``report/series.json``. The compliance report
-(``compliance-report-run-<id>.md`` and ``.html``, as ``fedciuic simulate`` writes it)
-goes next to the page. Unless the aggregator's own policy sets ``audit.redact_paths:
-false``, nothing written shows a local path.
+``fedciuic report RUN_DIR`` reads the run's ``metrics.json`` and the audit logs and
+writes ``report.html``: the figures per region, four plots (eval loss, epsilon against
+budget, bytes uploaded, every decision with its reasons) and the compliance record.
+The plots are embedded, so the one file can be mailed to a regulator; they are also
+written to ``report/`` with their numbers in ``series.json``. Unless the aggregator's
+own policy sets ``audit.redact_paths: false``, nothing written shows a local path.
 
-Every region stays visible in a plot: each has its own colour, marker and dash, and
-regions whose curves are exactly the same (same data size and settings) say so in
-the legend and the caption, drawn over one another with nested hollow markers
-(never moved apart, which would misstate the figures).
+Regions whose curves are exactly the same say so in the legend and the caption, drawn
+over one another with nested hollow markers (never moved apart, which would misstate
+the figures).
 """
 
 from __future__ import annotations
@@ -50,11 +44,12 @@ from fedciuic.ops.outputs import (
     epsilon_spent,
     fmt_epsilon,
     fmt_number,
+    loss_of,
+    mean_upload,
     steps_per_round,
-    upload_bytes,
 )
 from fedciuic.policy import PolicyError, load_policy
-from fedciuic.record import METRICS_FILE, OVERALL, EvalEntry, RunMetrics, RunStatus, load_metrics
+from fedciuic.record import METRICS_FILE, OVERALL, RunMetrics, RunStatus, load_metrics
 from fedciuic.wire import DECLINED, FAILED, REJECTED
 
 if TYPE_CHECKING:
@@ -98,9 +93,6 @@ REGION_STYLES: tuple[tuple[str, Any], ...] = (
 #: Plots that draw one curve per region: where two curves coincide, the caption says so.
 REGION_CURVES = ("eval_loss", "epsilon")
 
-#: ``fedciuic report``'s exit status (the numbers ``fedciuic simulate`` gives the same
-#: outcomes): 0 only for a run that completed with every log verified.
-
 
 @dataclass
 class ReportedDecision:
@@ -133,9 +125,8 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        """The audit's verdict first (a log that fails or that no key could verify, logs
-        that disagree), then the run's outcome: :data:`EXIT_OK` only if the run
-        completed and every log verified."""
+        """The audit's verdict first, then the run's outcome: :data:`EXIT_OK` only if the
+        run completed and every log verified."""
         if not self.ok or (self.logs and self.verified is None):
             return EXIT_AUDIT
         if self.status == RunStatus.NO_AGGREGATE:
@@ -162,8 +153,7 @@ def load_run(run_dir: Path) -> RunMetrics:
 
 
 def audit_log_paths(data: RunMetrics, given: Sequence[Path]) -> list[Path]:
-    """The logs to read: those given, else the aggregator's (metrics.json names it) and,
-    in a simulation, each region's under data-root."""
+    """The logs given, else the aggregator's and, in a simulation, each region's."""
     if given:
         missing = [p for p in given if not p.is_file()]
         if missing:
@@ -194,9 +184,8 @@ def federation_run(data: RunMetrics) -> int:
 
 
 def decisions(logs: Sequence[PartyLog], run_id: int) -> list[ReportedDecision]:
-    """Every decision of the run, from the audit logs: the aggregator's view of every
-    update and aggregate, plus declines only a region's own log holds (an evaluation
-    declined, a reply that never arrived)."""
+    """Every decision of the run: the aggregator's, plus declines only a region's own log
+    holds (an evaluation declined, a reply that never arrived)."""
     found: list[ReportedDecision] = []
     aggregator_saw: set[tuple[int, str]] = set()
     for log in logs:
@@ -292,9 +281,8 @@ def _region_curve(
     label: str,
     same: Sequence[str],
 ) -> None:
-    """One region's curve in its own colour, marker and dash. In a group of identical
-    curves (``same``), hollow markers, the first region's largest, so that every region
-    shows at every point, and a label naming the others."""
+    """One region's curve in its own colour, marker and dash; among identical curves
+    (``same``), nested hollow markers, so that every region shows at every point."""
     xs, ys = zip(*points, strict=True)
     marker, dash = REGION_STYLES[index % len(REGION_STYLES)]
     style: dict[str, Any] = {}
@@ -452,18 +440,13 @@ def _table(
     return "\n".join(out) + "</table>"
 
 
-def _loss(entry: EvalEntry | None) -> float | None:
-    return entry.loss if entry is not None else None
-
-
 def _region_rows(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> list[list[str]]:
     first = data.first_eval()
     _, last = data.final_eval()
     rows = []
     for region in data.run.regions:
-        before, after = _loss(first.get(region)), _loss(last.get(region))
+        before, after = loss_of(first.get(region)), loss_of(last.get(region))
         eps, budget, unit = epsilon_spent(data, region)
-        sent = upload_bytes(data, region)
         mine = [d for d in timeline if d.subject == region]
         counts = ", ".join(f"{o} x{n}" for o in MARKERS if (n := sum(d.outcome == o for d in mine)))
         rows.append(
@@ -472,7 +455,7 @@ def _region_rows(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> list
                 fmt_number(before),
                 fmt_number(after),
                 fmt_epsilon(eps, budget, unit),
-                f"{sum(sent) / len(sent):.0f}" if sent else "-",
+                mean_upload(data, region) or "-",
                 steps_per_round(data, region),
                 counts or "-",
             ]
@@ -490,9 +473,8 @@ def render(
     notes: Sequence[str] = (),
     redact: Callable[[str], str] | None = None,
 ) -> str:
-    """The HTML page: everything inline (CSS, PNGs as data URIs), nothing fetched.
-    ``redact`` takes local paths out of the texts from the run (its error, its folder);
-    the caller redacts the sections, problems, notes and reasons it passes."""
+    """The HTML page, everything inline. ``redact`` takes local paths out of the run's
+    own texts; the caller redacts what it passes."""
     e = html.escape
     run, config = data.run, data.run.config
     shown = redact or (lambda text: text)
@@ -584,9 +566,8 @@ _ABSOLUTE = re.compile(r"(?<![\w.~<>/:+=\"-])/(?:[^\s/\"'<>|:;,()\[\]=]+/)+(?=[^
 
 
 def redacts_paths(data: RunMetrics) -> bool:
-    """Whether what the run's report shows must leave local paths out: yes, unless the
-    policy of the aggregator's jurisdiction, as the run held it (same hash), sets
-    ``audit.redact_paths: false``. The report is the aggregator's record."""
+    """Whether the report must leave local paths out: yes, unless the aggregator's own
+    policy, as the run held it, sets ``audit.redact_paths: false``."""
     jurisdiction = data.run.config.aggregator_jurisdiction
     held = (data.run.policies or {}).get(jurisdiction) if jurisdiction else None
     if held is None:
@@ -601,10 +582,9 @@ def redacts_paths(data: RunMetrics) -> bool:
 def path_redactor(
     data: RunMetrics, logs: Sequence[PartyLog], keys_dir: Path | None
 ) -> Callable[[str], str] | None:
-    """What takes local paths out of the texts the report shows (None: the policy lets
-    them show): the run's folders by name (``<output-dir>``, ``<data-root>``,
-    ``<keys-dir>``), each audit log and policy by its file name, and any other absolute
-    path down to its last part (``<path>/name``)."""
+    """What takes local paths out of the report's texts (None: the policy lets them
+    show): known folders by name, logs and policies by file name, other absolute paths
+    down to their last part."""
     if not redacts_paths(data):
         return None
     run = data.run
@@ -638,11 +618,9 @@ def write_run_report(
 ) -> RunReport:
     """Read the run and its audit logs, verify them when keys are at hand, write the page.
 
-    A run that did not end (``running``, ``interrupted``, ``failed``) gets a page too,
-    of what its logs do show: no log at all (it stopped before opening one), no record of
-    this run, or records after the last signed checkpoint (its writer stopped before it
-    signed them; they are shown as unverified) are said in ``notes``, not failures. A
-    record that fails its hash or signature is a problem in any run.
+    A run that did not end gets a page of what its logs show: a missing log or unsigned
+    tail is said in ``notes``, not a failure; a record that fails its hash or signature
+    is a problem in any run.
     """
     data = load_run(run_dir)
     status = data.run.status

@@ -1,25 +1,17 @@
 """The relay's own OS user: Flower's ClientApp runs where it cannot read the region.
 
 A deployed region's ClientApp is code the aggregator ships. ``fedciuic init``, run as
-root, writes start scripts that run it (Flower's ``flower-superexec``, which starts
-each ``flwr-clientapp``) as an unprivileged user of its own (:data:`RELAY_USER` unless
-``--relay-user`` names another): created if missing, with a home of its own (its
-FLWR_HOME, where Flower unpacks the FAB), in no group of the region's. The region's
-data, state and key folders are its operator's, mode 0700; the agent refuses to serve
-while the relay's user can read them (:mod:`fedciuic.agent.access`).
+root, writes start scripts that run it as an unprivileged user of its own
+(:data:`RELAY_USER` unless ``--relay-user`` names another), in no group of the
+region's; the agent refuses to serve while that user can read the region's files.
 
-That user must still run Python and reach its own home and the agent's socket: every
-folder on the way to the interpreter, the installed packages (where fedciuic is
-installed from the app's folder, as an editable install is, that folder too), the
-region's folder (the home and the socket are in it) must let others pass (``o+x``).
-:func:`closed_to_others` finds the first one that does not, so that ``init`` and the
-start script say which, and how to fix it, instead of a relay that dies at start.
-(The app itself is not among them: Flower hands the relay the app as a FAB, which it
-unpacks in its home.)
+That user must still run Python and reach its home and the agent's socket: every
+folder on the way must let others pass (``o+x``). :func:`closed_to_others` finds the
+first that does not, so that ``init`` and the start script say which and how to fix
+it, instead of a relay that dies at start.
 
-The SuperNode and the relay carry the kernel's parent-death signal (:func:`exec_tied`,
-:func:`exec_as`): a start script killed with SIGKILL, which can clean up nothing,
-still takes them with it, and the SuperNode's port is free for the next start.
+The SuperNode and the relay carry the kernel's parent-death signal: a start script
+killed with SIGKILL still takes them with it, and the SuperNode's port is free again.
 """
 
 from __future__ import annotations
@@ -49,8 +41,8 @@ class SeparationError(FedciuicError):
 
 
 def default_relay_user() -> str:
-    """:data:`RELAY_USER` for a root operator (who can start processes as it); "" for
-    anyone else, whose relay runs as themselves (no OS separation; said at init)."""
+    """:data:`RELAY_USER` for root (who can start processes as it); "" for anyone else:
+    the relay runs as themselves (no OS separation; said at init)."""
     return RELAY_USER if os.geteuid() == 0 else ""
 
 
@@ -87,9 +79,8 @@ def closed_to_others(paths: Iterable[Path], *, read: bool = True) -> Path | None
 
 
 def first_closed(path: Path) -> Path | None:
-    """The first folder on the way to ``path`` (``path`` too, as far as it exists) that a
-    user in none of its groups may not pass; None when all are open. Folders that do not
-    exist yet are left out: whoever makes them makes them passable."""
+    """The first existing folder on the way to ``path`` others may not pass, or None
+    (whoever makes the missing ones makes them passable)."""
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -97,16 +88,14 @@ def first_closed(path: Path) -> Path | None:
 
 
 def relay_folders(home: Path, socket: Path) -> dict[str, Path]:
-    """What the relay's user must pass through, by what it leads to: the folder its home
-    is made in (the home itself is the user's own) and the one the agent's socket
-    folder is in (the agent makes the socket folder passable itself)."""
+    """What the relay's user must pass through, by what it leads to (its home and the
+    socket's folder are made passable by whoever makes them)."""
     return {f"its home {home}": home.parent, f"the agent's socket {socket}": socket.parent.parent}
 
 
 def reach_problem(user: str, folders: dict[str, Path], source: str = "relay-user") -> str | None:
-    """Why ``user`` could not reach one of ``folders`` (what it is: the folder), or None:
-    one line naming the first closed folder and the fix (``source``: where the user is
-    named, the agent config's key or init's option)."""
+    """Why ``user`` could not reach one of ``folders``, or None (``source``: where the
+    user is named)."""
     for what, folder in folders.items():
         closed = first_closed(folder)
         if closed is not None:
@@ -183,10 +172,9 @@ def check_runs(name: str) -> None:
 
 
 def exec_as(name: str, home: Path, command: Sequence[str], parent: int) -> None:
-    """Replace this process with ``command`` run as ``name`` (or as ourselves when
-    ``name`` is ""), with ``home`` as its HOME and FLWR_HOME and working folder, dying
-    with its parent, process ``parent`` (its launcher's own word: by the time Python
-    gets here, a parent killed meanwhile would have been replaced)."""
+    """Replace this process with ``command`` run as ``name`` ("": ourselves) in
+    ``home``, dying with process ``parent`` (its launcher's word: by now a parent killed
+    meanwhile would have been replaced)."""
     env = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home)}
     if name and (problem := reach_problem(name, {f"its home {home}": home.parent})):
         raise SeparationError(problem)
@@ -207,17 +195,15 @@ def exec_as(name: str, home: Path, command: Sequence[str], parent: int) -> None:
 
 
 def exec_tied(command: Sequence[str], parent: int) -> None:
-    """Replace this process with ``command``, which the kernel stops (SIGTERM) when its
-    parent, process ``parent``, exits, however it exits: the SuperNode under its start
-    script."""
+    """Replace this process with ``command``, which the kernel stops when process
+    ``parent`` exits, however it exits."""
     _die_with_parent(parent)
     os.execvp(command[0], list(command))
 
 
 def _die_with_parent(parent: int) -> None:
-    """SIGTERM this process when its parent exits (Linux; elsewhere a no-op); exit at
-    once if ``parent`` (its parent when it started) is no longer its parent, since the
-    signal only covers a death after it is set."""
+    """SIGTERM this process when its parent exits (Linux); exit at once if ``parent`` is
+    no longer its parent: the signal only covers a death after it is set."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
