@@ -22,6 +22,8 @@ from fedciuic.audit.report import PartyLog as PartyLog
 from fedciuic.audit.report import Section as Section
 from fedciuic.audit.report import build_report as build_report
 from fedciuic.audit.report import check_and_report as check_and_report
+from fedciuic.audit.report import html_sections as html_sections
+from fedciuic.audit.report import html_table as html_table
 from fedciuic.audit.report import open_logs as open_logs
 from fedciuic.audit.report import verify_logs as verify_logs
 from fedciuic.audit.report import write_sections as write_sections

@@ -1069,8 +1069,30 @@ def to_markdown(run_id: int, sections: Sequence[Section]) -> str:
     return "\n".join(out)
 
 
-def to_html(run_id: int, sections: Sequence[Section]) -> str:
+def html_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], classes: Sequence[str] = ()
+) -> str:
+    """A table; row ``i`` gets the class ``classes[i]`` where one is given."""
     e = html.escape
+    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        cls = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+    return "\n".join([*out, "</table>"])
+
+
+def html_sections(sections: Sequence[Section], heading: str = "h2") -> list[str]:
+    """Each section as its heading, paragraphs and table."""
+    out = []
+    for s in sections:
+        out.append(f"<{heading}>{html.escape(s.title)}</{heading}>")
+        out += [f"<p>{html.escape(p)}</p>" for p in s.paragraphs]
+        if s.header:
+            out.append(html_table(s.header, s.rows))
+    return out
+
+
+def to_html(run_id: int, sections: Sequence[Section]) -> str:
     out = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -1079,15 +1101,9 @@ def to_html(run_id: int, sections: Sequence[Section]) -> str:
         "table{border-collapse:collapse}td,th{border:1px solid #999;padding:.2rem .5rem;"
         "text-align:left;vertical-align:top}</style></head><body>",
         f"<h1>fedciuic compliance report: run {run_id}</h1>",
+        *html_sections(sections),
+        "</body></html>",
     ]
-    for s in sections:
-        out.append(f"<h2>{e(s.title)}</h2>")
-        out += [f"<p>{e(p)}</p>" for p in s.paragraphs]
-        if s.header:
-            out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in s.header) + "</tr>")
-            out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in s.rows]
-            out.append("</table>")
-    out.append("</body></html>")
     return "\n".join(out) + "\n"
 
 

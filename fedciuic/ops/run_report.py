@@ -33,6 +33,8 @@ from fedciuic.audit import (
     PartyLog,
     Section,
     build_report,
+    html_sections,
+    html_table,
     open_logs,
     redaction,
     verify_logs,
@@ -429,17 +431,6 @@ STYLE = (
 )
 
 
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], classes: Sequence[str] = ()
-) -> str:
-    e = html.escape
-    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
-    for i, row in enumerate(rows):
-        cls = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
-        out.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
-    return "\n".join(out) + "</table>"
-
-
 def _region_rows(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> list[list[str]]:
     first = data.first_eval()
     _, last = data.final_eval()
@@ -514,7 +505,7 @@ def render(
         )
     out += [
         "<h2>Regions</h2>",
-        _table(
+        html_table(
             (
                 "region",
                 "eval loss before",
@@ -539,18 +530,14 @@ def render(
     refused = [d for d in timeline if d.outcome in REFUSALS]
     out.append(f"<h2>Decisions</h2><p>{len(timeline)} decision(s), {len(refused)} refusal(s).</p>")
     out.append(
-        _table(
+        html_table(
             ("round", "about", "outcome", "reasons", "logged by"),
             [[str(d.round), d.subject, d.outcome, d.reason or "-", d.logged_by] for d in timeline],
             [d.outcome for d in timeline],
         )
     )
     out.append("<h2>Compliance record (from the audit logs)</h2>")
-    for section in sections:
-        out.append(f"<h3>{e(section.title)}</h3>")
-        out += [f"<p>{e(p)}</p>" for p in section.paragraphs]
-        if section.header:
-            out.append(_table(section.header, section.rows))
+    out += html_sections(sections, "h3")
     out.append(
         f"<p><small>Written by fedciuic {e(__version__)} at "
         f"{e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))} from "
