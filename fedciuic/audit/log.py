@@ -56,14 +56,8 @@ from fedciuic.errors import FedciuicError
 RECORD_LABEL = b"\x00fedciuic-audit-record/1\x00"
 CHECKPOINT_LABEL = b"\x01fedciuic-audit-checkpoint/1\x00"
 GENESIS = "0" * 64
-CHECKPOINT = Event.CHECKPOINT
-TORN_TAIL = Event.TORN_TAIL
 #: A record of another party's signed checkpoint: details ``party``, ``count``, ``head``.
 WITNESS_EVENT = Event.WITNESS
-#: Records removed from the log's start, past retention: details ``first_kept`` (the
-#: seq of the first record kept), ``head`` (the hash of the last one removed),
-#: ``records``, ``first_time``, ``last_time``, ``older_than`` and why (the policy).
-PRUNED = Event.PRUNED
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 FIELDS = ("seq", "time", "run_id", "round", "actor", "event", "details", "prev")
 #: A region's log, in its state-path; the aggregator's, in its audit folder.
@@ -271,7 +265,7 @@ def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
     for r in records:
         when = r.get("time") if isinstance(r.get("time"), str) else ""
         details = r.get("details")
-        if r.get("event") == PRUNED and isinstance(details, Mapping):
+        if r.get("event") == Event.PRUNED and isinstance(details, Mapping):
             carried = details.get("declared")
             for item in carried if isinstance(carried, list) else []:
                 if not isinstance(item, Mapping) or not isinstance(item.get("policy_hash"), str):
@@ -476,7 +470,7 @@ class AuditLog:
             removed, head = records[:cut], split_line(lines[cut - 1])[1]
             pruned = Pruned.removing(removed, held)
             details = _pruned_details(pruned, removed, head, before, self.actor, why)
-            self._write(PRUNED, run_id, None, details)
+            self._write(Event.PRUNED, run_id, None, details)
             self._checkpoint(run_id, None)
             self._replace_from(sum(len(line) + 1 for line in lines[:cut]))
         return pruned
@@ -609,7 +603,7 @@ class AuditLog:
                 key_id=self.keypair.bundle.key_id.hex(),
                 signature=base64.b64encode(signature).decode("ascii"),
             )
-        self._write(CHECKPOINT, run_id, server_round, details)
+        self._write(Event.CHECKPOINT, run_id, server_round, details)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._since_checkpoint = 0
@@ -632,7 +626,7 @@ class AuditLog:
         self._file.flush()
         if self._checkpoint_scanned == self._size:
             self._checkpoint_scanned += len(line)
-            if event == CHECKPOINT:
+            if event == Event.CHECKPOINT:
                 self._last_checkpoint = (self._seq, self._head)
         self._size += len(line)
         self._seq += 1
@@ -674,7 +668,7 @@ class AuditLog:
             side = self.path.with_name(f"{self.path.name}.torn-{time.time_ns()}")
             side.write_bytes(torn)
             self._write(
-                TORN_TAIL,
+                Event.TORN_TAIL,
                 0,
                 None,
                 {
@@ -695,8 +689,8 @@ def _json_object(line: bytes) -> dict[str, Any]:
 
 def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     """The (count, head) of a checkpoint record's line, None for any other line."""
-    record = _json_object(line) if b'"event":"' + CHECKPOINT.encode() + b'"' in line else {}
-    if record.get("event") != CHECKPOINT:
+    record = _json_object(line) if b'"event":"' + Event.CHECKPOINT.encode() + b'"' in line else {}
+    if record.get("event") != Event.CHECKPOINT:
         return None
     details = record.get("details")
     if not isinstance(details, dict):
@@ -825,7 +819,7 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
     # the file holds them: only those, not one per record.
     named = set()
     for line in lines:
-        if PRUNED.encode() in line:
+        if Event.PRUNED.encode() in line:
             details = _json_object(line).get("details")
             found = details.get("first_kept") if isinstance(details, dict) else None
             if _is_count(found):
@@ -869,7 +863,7 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
             )
             return verdict
         verdict.actor = verdict.actor or str(record["actor"])
-        if record["event"] == CHECKPOINT:
+        if record["event"] == Event.CHECKPOINT:
             problem = _check_checkpoint(record["details"], seq, head, bundle)
             if problem:
                 verdict.problem = f"{where}: {problem}"
@@ -877,7 +871,7 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
             verdict.checkpoints += 1
             verdict.verified_through = seq
             since = -1
-        elif record["event"] == PRUNED:
+        elif record["event"] == Event.PRUNED:
             problem = _check_pruned(record["details"], seq, verdict.first_seq, held, lines[0])
             if problem:
                 verdict.problem = f"{where}: {problem}"
@@ -893,10 +887,12 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
     if verdict.first_seq:
         missing = f"line 1 (seq {verdict.first_seq}): deleted: seq 0 to {verdict.first_seq - 1}"
         if verdict.pruned_by < 0:
-            verdict.problem = f"{missing} are missing, and no {PRUNED} record accounts for them"
+            verdict.problem = (
+                f"{missing} are missing, and no {Event.PRUNED} record accounts for them"
+            )
         elif verdict.pruned_by >= verdict.verified_through:
             verdict.problem = (
-                f"{missing} are missing; the {PRUNED} record that accounts for them (seq "
+                f"{missing} are missing; the {Event.PRUNED} record that accounts for them (seq "
                 f"{verdict.pruned_by}) is not covered by a verified signature"
             )
         if verdict.problem is not None:  # where the log starts is not established
@@ -911,18 +907,18 @@ def _check_pruned(
     names for the last record removed must be the log's (or, where the log now starts,
     its first record's ``prev``)."""
     if not isinstance(details, dict):
-        return f"{PRUNED} record without details"
+        return f"{Event.PRUNED} record without details"
     first_kept, head = details.get("first_kept"), details.get("head")
     if not _is_count(first_kept) or not 0 < first_kept <= seq or not _is_head(head):
-        return f"malformed {PRUNED} record (first_kept, head)"
+        return f"malformed {Event.PRUNED} record (first_kept, head)"
     if first_kept > first_seq:  # the file still holds the last record it removed
         if held.get(first_kept - 1) != head:
             return (
-                f"the {PRUNED} record names head {head[:16]} for seq {first_kept - 1}, which "
+                f"the {Event.PRUNED} record names head {head[:16]} for seq {first_kept - 1}, which "
                 "the log holds with another hash"
             )
     elif first_kept == first_seq and json.loads(first_line).get("prev") != head:
-        return f"the {PRUNED} record names another head than the first record's prev"
+        return f"the {Event.PRUNED} record names another head than the first record's prev"
     return None
 
 
@@ -960,7 +956,7 @@ def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, 
     carried: a prune never hides what a privacy ledger spent."""
     for r in records:
         details = r.get("details")
-        if r.get("event") == PRUNED and isinstance(details, Mapping):
+        if r.get("event") == Event.PRUNED and isinstance(details, Mapping):
             carried = details.get("carried")
             for item in carried if isinstance(carried, list) else []:
                 yield {**r, "event": Event.TRAINED, "details": item}
@@ -978,7 +974,7 @@ def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | Non
     for r in records:
         details = r.get("details")
         if (
-            r.get("event") == PRUNED
+            r.get("event") == Event.PRUNED
             and isinstance(details, Mapping)
             and details.get("first_kept") == start
             and details.get("head") == first.get("prev")
@@ -1202,7 +1198,7 @@ def witness_check(
             if isinstance(seq, int) and isinstance(claimed, str):
                 chain.setdefault(seq, claimed)
                 details = r.get("details")
-                if r.get("event") == CHECKPOINT and isinstance(details, dict):
+                if r.get("event") == Event.CHECKPOINT and isinstance(details, dict):
                     checkpoints.setdefault(seq, (details.get("count"), details.get("head")))
     result = WitnessCheck()
     for name, records in logs.items():

@@ -930,15 +930,11 @@ def _undelivered_section(
                 "yes" if known else "no",
             )
         )
-    return Section(
+    return _table(
         "Spent, not delivered",
-        [
-            "Updates a region released (its ledger counts their epsilon) that the aggregator "
-            "never received, with the aggregator's record of why, and whether the region's "
-            "own log records it as undelivered (from the aggregator's signed run-end notice)."
-            if rows
-            else "None: every update that left a region reached the aggregator."
-        ],
+        "Updates a region released (its ledger counts their epsilon) that the aggregator "
+        "never received, with the aggregator's record of why, and whether the region's "
+        "own log records it as undelivered (from the aggregator's signed run-end notice).",
         (
             "round",
             "region",
@@ -946,10 +942,9 @@ def _undelivered_section(
             "digest",
             "why (the aggregator's record)",
             "region knows",
-        )
-        if rows
-        else (),
+        ),
         rows,
+        "None: every update that left a region reached the aggregator.",
     )
 
 

@@ -67,13 +67,7 @@ def data_check(args: argparse.Namespace) -> int:
             ]
         )
     spec = ModelSpec(model_path=args.model_path) if args.model_path else ModelSpec()
-    fields = Fields(
-        text_field=args.text_field,
-        prompt_field=args.prompt_field,
-        response_field=args.response_field,
-        messages_field=args.messages_field,
-        user_id_field=args.user_id_field,
-    )
+    fields = Fields(**{name: getattr(args, name) for name in Fields.model_fields})
     try:
         listed = listed_entities(args.deid_entities)
     except ValueError as err:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import fedciuic.audit.log as audit_log
+from fedciuic.audit.events import Event
 from fedciuic.audit.log import (
-    PRUNED,
     AuditError,
     AuditLog,
     load_records,
@@ -77,7 +77,7 @@ def test_records_past_retention_are_pruned_and_the_log_still_verifies(tmp_path, 
     records = load_records(path)
     assert [r["run_id"] for r in records[:3]] == [3, 3, 3]  # runs 1 and 2 are gone
     assert records[0]["seq"] == 6
-    (note,) = [r for r in records if r["event"] == PRUNED]
+    (note,) = [r for r in records if r["event"] == Event.PRUNED]
     details = note["details"]
     assert details["records"] == 6 and details["first_kept"] == 6
     assert details["retention_days"] == DAYS and details["policy"] == "eu-gdpr.yaml"
@@ -162,7 +162,7 @@ def test_a_log_pruned_or_cut_without_a_signed_prune_record_fails(tmp_path, key, 
         "changed",
     )
     # The prune record says it kept more (or less) than the log holds.
-    index = next(i for i, line in enumerate(lines) if PRUNED.encode() in line)
+    index = next(i for i, line in enumerate(lines) if Event.PRUNED.encode() in line)
     moved = lines[index].replace(b'"first_kept":6', b'"first_kept":5')
     assert moved != lines[index]
     check("moved.jsonl", [*lines[:index], moved, *lines[index + 1 :]], "changed")
@@ -173,7 +173,7 @@ def test_a_log_pruned_or_cut_without_a_signed_prune_record_fails(tmp_path, key, 
     (tmp_path / "forged.jsonl").write_bytes(b"".join(kept))
     forged = AuditLog(tmp_path / "forged.jsonl", "eu", None)
     first = json.loads(kept[0])
-    forged.append(PRUNED, run_id=0, first_kept=first["seq"], head=first["prev"], records=3)
+    forged.append(Event.PRUNED, run_id=0, first_kept=first["seq"], head=first["prev"], records=3)
     forged.close()
     verdict = verify(tmp_path / "forged.jsonl", key.bundle)
     assert not verdict.ok
@@ -246,7 +246,7 @@ def test_witnessed_checkpoints_a_prune_removed_are_no_disagreement(tmp_path, key
     assert [w.count for w in check.pruned] == [2] and [w.count for w in check.matched] == [8]
     # Without a prune record, the same missing records are a truncation.
     cut = load_records(path)
-    cut = [r for r in cut if r["event"] != PRUNED]
+    cut = [r for r in cut if r["event"] != Event.PRUNED]
     assert witness_check({"aggregator": aggregator, "eu": cut}).problems
 
 

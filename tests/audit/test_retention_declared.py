@@ -24,7 +24,6 @@ import fedciuic.audit.log as audit_log
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import (
     AGGREGATOR_LOG,
-    PRUNED,
     PRUNING_SUFFIX,
     REGION_LOG,
     AuditLog,
@@ -285,7 +284,7 @@ def test_what_a_log_declared_outlives_the_prune_that_removes_it(federation, tmp_
         log.close()
     records = load_records(federation.eu_log)
     assert not [r for r in records if r["event"] == Event.RUN_JOINED]
-    (note,) = [r for r in records if r["event"] == PRUNED]
+    (note,) = [r for r in records if r["event"] == Event.PRUNED]
     assert [d["policy_hash"] for d in note["details"]["declared"]] == [federation.policy.hash]
     key = federation.keys / "eu.key.json"
     policy = edited(tmp_path)
@@ -327,7 +326,7 @@ def _a_later_prune_hides_the_first(fed: Federation) -> None:
     log.checkpoint(run_id=0)
     log.close()
     fed.prune_by("eu", NOW - timedelta(hours=1), 1, "EU", policy)
-    assert len([r for r in load_records(fed.eu_log) if r["event"] == PRUNED]) == 1
+    assert len([r for r in load_records(fed.eu_log) if r["event"] == Event.PRUNED]) == 1
 
 
 def _a_fresh_log_without_a_prune_record(fed: Federation) -> None:
