@@ -23,7 +23,8 @@ _RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
 
 
 def init(args: argparse.Namespace) -> int:
-    from fedciuic.ops.deploy import init_deployment, next_steps
+    from fedciuic.ops.deploy import init_deployment
+    from fedciuic.ops.layout import next_steps
 
     deployment = init_deployment(
         args.directory,

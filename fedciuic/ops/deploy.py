@@ -26,7 +26,7 @@ import psutil
 
 from fedciuic.config import RunConfig
 from fedciuic.crypto import AGGREGATOR, NAME_PATTERN
-from fedciuic.errors import ConfigError, FedciuicError
+from fedciuic.errors import EXIT_NO_AGGREGATE, ConfigError, FedciuicError
 from fedciuic.flower import (
     STARTED_RUN,
     healthy,
@@ -37,12 +37,8 @@ from fedciuic.flower import (
 )
 from fedciuic.jurisdictions import JURISDICTIONS, simulated_jurisdiction
 from fedciuic.ops.layout import (
-    EXIT_NO_AGGREGATE,
-    PLAIN,
     DeployedRegion,
     Deployment,
-    connection_config,
-    next_steps,
     region_socket,
     relay_home,
     run_overrides,
@@ -505,19 +501,6 @@ def _main(argv: Sequence[str]) -> int:
     )
     return 2
 
-
-__all__ = [
-    "DEFAULT_PORT",
-    "EXIT_NO_AGGREGATE",
-    "PLAIN",
-    "DeployedRegion",
-    "Deployment",
-    "connection_config",
-    "init_deployment",
-    "next_steps",
-    "parse_regions",
-    "start_owner",
-]
 
 if __name__ == "__main__":
     try:

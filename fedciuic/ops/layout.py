@@ -49,9 +49,6 @@ AGENT_CONFIG = "agent.toml"
 PEERS_DIR = "peers"
 #: A demo region's dictionary of its synthetic customers' names, beside its agent config.
 DEMO_DICTIONARY_FILE = "deid-dictionary.txt"
-#: run.sh's (and start.sh's) exit status when every round ran but no aggregate was
-#: ever published: nothing was trained (the same as `fedciuic simulate`).
-
 #: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
 #: logs and a redirected output read as plain text.
 PLAIN = render("_plain.sh")
@@ -535,7 +532,6 @@ def _readme(d: Deployment) -> str:
 
 __all__ = [
     "AGENT_CONFIG",
-    "EXIT_NO_AGGREGATE",
     "PEERS_DIR",
     "PLAIN",
     "DeployedRegion",

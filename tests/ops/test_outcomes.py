@@ -19,7 +19,7 @@ from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.errors import EXIT_ERROR
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
-from fedciuic.ops import deploy
+from fedciuic.ops import deploy, layout
 from fedciuic.ops.cli import main
 from fedciuic.ops.outputs import mark_unfinished, summarize
 from fedciuic.ops.simulate import Interrupted, _simulation_keys
@@ -160,7 +160,7 @@ def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(t
     assert "fedciuic.ops.deploy settle" in start
     # The filter itself: colour codes out, text kept.
     plain = subprocess.run(
-        ["bash", "-c", deploy.PLAIN.replace("$BIN", str(Path(sys.executable).parent)) + "plain"],
+        ["bash", "-c", layout.PLAIN.replace("$BIN", str(Path(sys.executable).parent)) + "plain"],
         input="\x1b[92mINFO \x1b[0m:      Starting\n",
         capture_output=True,
         text=True,
