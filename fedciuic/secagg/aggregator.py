@@ -163,12 +163,13 @@ class SecureSum:
         ring = Ring(self.session.bits)
 
         def check(region: str, masked: Masked) -> bool:
-            if len(masked.vector) != self.session.length * ring.width:
+            if len(masked.vector) != ring.size(self.session.length):
                 raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.length} values")
             self._check(Phase.MASKED, region, masked_content(masked.vector), masked.signature)
-            values = ring.unpack(masked.vector)
-            if np.any(values > ring.mask):
-                raise SecAggError(f"values outside the ring of {ring.bits} bits")
+            try:
+                values = ring.unpack(masked.vector, self.session.length)
+            except ValueError as err:
+                raise SecAggError(str(err)) from None
             self.total = ring.reduce(values if self.total is None else self.total + values)
             return True
 

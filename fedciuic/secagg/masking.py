@@ -23,7 +23,9 @@ from fedciuic.errors import FedciuicError
 #: Ring sizes offered, in bits: every sum stays exact in uint64, and a signed value fits.
 MIN_BITS, MAX_BITS = 8, 62
 #: Domain separation of the two kinds of mask, versioned with the stream's layout.
-_SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
+_SELF, _PAIR = b"fedciuic-secagg/2 self", b"fedciuic-secagg/2 pair"
+#: Values packed or unpacked at a time (a multiple of 8, so each chunk ends on a byte).
+_PACK_CHUNK = 1 << 18
 
 
 class RingTooSmall(FedciuicError):
@@ -48,28 +50,48 @@ class Ring:
     def reduce(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(values, np.uint64) & self.mask
 
-    @property
-    def width(self) -> int:
-        """Bytes per element on the wire: ``bits`` rounded up to whole bytes."""
-        return (self.bits + 7) // 8
+    def size(self, count: int) -> int:
+        """Bytes of ``count`` elements on the wire: ``bits`` each, packed (a 12-bit
+        ring sends 1.5 bytes a value, not 2)."""
+        return (count * self.bits + 7) // 8
 
     def pack(self, values: np.ndarray) -> bytes:
-        """Elements as :attr:`width` little-endian bytes each."""
-        raw = np.ascontiguousarray(np.asarray(values, "<u8")).view(np.uint8).reshape(-1, 8)
-        return np.ascontiguousarray(raw[:, : self.width]).tobytes()
+        """Elements as one little-endian bit stream, ``bits`` each (bit j of element i
+        is bit ``i * bits + j``), the last byte padded with zero bits."""
+        wide = np.ascontiguousarray(np.asarray(values, "<u8")).view(np.uint8).reshape(-1, 8)
+        if self.bits % 8 == 0:
+            return np.ascontiguousarray(wide[:, : self.bits // 8]).tobytes()
+        parts = []
+        for start in range(0, wide.shape[0], _PACK_CHUNK):  # bounded scratch: 64 B a value
+            bits = np.unpackbits(wide[start : start + _PACK_CHUNK], axis=1, bitorder="little")
+            parts.append(np.packbits(bits[:, : self.bits], bitorder="little").tobytes())
+        return b"".join(parts)
 
-    def unpack(self, data: bytes) -> np.ndarray:
-        """:meth:`pack`'s inverse (``len(data)`` a multiple of :attr:`width`)."""
-        raw = np.frombuffer(data, np.uint8).reshape(-1, self.width)
-        wide = np.zeros((raw.shape[0], 8), np.uint8)
-        wide[:, : self.width] = raw
-        return wide.view("<u8").reshape(-1)
+    def unpack(self, data: bytes, count: int) -> np.ndarray:
+        """:meth:`pack`'s inverse; ``ValueError`` unless ``data`` is ``count`` elements
+        exactly (its size, and a zero pad)."""
+        if len(data) != self.size(count):
+            raise ValueError(f"{len(data)} bytes, not {count} values of {self.bits} bits")
+        raw = np.frombuffer(data, np.uint8)
+        out = np.zeros((count, 8), np.uint8)
+        if self.bits % 8 == 0:
+            out[:, : self.bits // 8] = raw.reshape(count, self.bits // 8)
+            return out.view("<u8").reshape(-1)
+        if count * self.bits % 8 and raw[-1] >> (count * self.bits % 8):
+            raise ValueError(f"{count} values of {self.bits} bits with a non-zero pad")
+        per = _PACK_CHUNK * self.bits // 8  # whole bytes: the chunk is a multiple of 8
+        for i, start in enumerate(range(0, count, _PACK_CHUNK)):
+            n = min(_PACK_CHUNK, count - start)
+            bits = np.unpackbits(raw[i * per : i * per + per], bitorder="little")
+            wide = np.zeros((n, 64), np.uint8)
+            wide[:, : self.bits] = bits[: n * self.bits].reshape(n, self.bits)
+            out[start : start + n] = np.packbits(wide, axis=1, bitorder="little")
+        return out.view("<u8").reshape(-1)
 
 
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
     """``size`` ring elements drawn from ``seed`` (SHAKE-256; ``kind``: self or pair)."""
-    raw = hashlib.shake_256(kind + seed).digest(ring.width * size)
-    return ring.reduce(ring.unpack(raw))
+    return ring.unpack(hashlib.shake_256(kind + seed).digest(ring.size(size)), size)
 
 
 def mask(

@@ -75,13 +75,12 @@ class SessionStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        ring = Ring(session.bits)
-        if len(data) != session.length * ring.width:
+        try:
+            return Ring(session.bits).unpack(data, session.length)
+        except ValueError as err:
             raise SecAggError(
-                f"{path}: damaged ({len(data)} bytes, not {session.length} values); this "
-                "region takes no further part in that secure sum"
-            )
-        return ring.unpack(data)
+                f"{path}: damaged ({err}); this region takes no further part in that secure sum"
+            ) from None
 
     def drop_update(self, session: Session) -> None:
         self._update_path(session).unlink(missing_ok=True)

@@ -145,10 +145,28 @@ def test_a_clipped_update_keeps_its_direction_and_the_rounding_is_unbiased():
     np.testing.assert_allclose(mean, 0.25, atol=5 * 0.05 / np.sqrt(2_000))
 
 
-@pytest.mark.parametrize("bits", [8, 12, 16, 20, 24, 31, 32, 40, 62])
-def test_ring_elements_travel_in_whole_bytes_and_come_back_exactly(bits):
+@pytest.mark.parametrize("bits", [8, 12, 13, 16, 20, 24, 31, 32, 40, 62])
+@pytest.mark.parametrize("count", [1, 7, 1000, 2**18 + 3])
+def test_ring_elements_travel_in_their_own_bits_and_come_back_exactly(bits, count):
     ring = Ring(bits)
-    values = ring.reduce(np.random.default_rng(bits).integers(0, 2**63, 1000, dtype=np.uint64))
+    values = ring.reduce(np.random.default_rng(bits).integers(0, 2**63, count, dtype=np.uint64))
     data = ring.pack(values)
-    assert len(data) == 1000 * ((bits + 7) // 8)
-    np.testing.assert_array_equal(ring.unpack(data), values)
+    assert len(data) == ring.size(count) == -(-count * bits // 8)  # 12 bits: 1.5 bytes each
+    np.testing.assert_array_equal(ring.unpack(data, count), values)
+    # Each element's bits, least significant first, one after another.
+    stream = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+    first = sum(int(b) << j for j, b in enumerate(stream[bits : 2 * bits])) if count > 1 else 0
+    assert count == 1 or first == int(values[1])
+
+
+@pytest.mark.parametrize("bits", [12, 16])
+def test_a_packed_vector_of_the_wrong_size_or_with_a_set_pad_bit_is_refused(bits):
+    ring = Ring(bits)
+    data = ring.pack(np.arange(7, dtype=np.uint64))  # 12 bits: 84 bits, 4 of them pad
+    with pytest.raises(ValueError, match="not 8 values"):
+        ring.unpack(data, 8)
+    with pytest.raises(ValueError, match="not 7 values"):
+        ring.unpack(data + b"\0", 7)
+    if bits == 12:
+        with pytest.raises(ValueError, match="non-zero pad"):
+            ring.unpack(data[:-1] + bytes([data[-1] | 0x80]), 7)
