@@ -324,17 +324,14 @@ def _overview(
 ) -> Section:
     published, withheld = _of(agg, Event.AGGREGATE_PUBLISHED), _of(agg, Event.AGGREGATE_WITHHELD)
     times = [r.get("time") for r in agg]
-    note = "not covered by a signature (see Unverified records)"
+    regions = start.get("regions")
+
+    def signed(record: str, value: str) -> str:  # the run_start or run_end record's value
+        return "not covered by a signature (see Unverified records)" if unsigned[record] else value
 
     def of_start(key: str) -> str:
-        return note if unsigned["start"] else _text(start.get(key))
+        return signed("start", _text(start.get(key)))
 
-    regions = start.get("regions")
-    status = (
-        note
-        if unsigned["end"]
-        else _text(end.get("status", "not ended in this log's signed records"))
-    )
     return Section(
         "Run",
         [
@@ -345,24 +342,23 @@ def _overview(
         rows=[
             ("run id", str(run_id)),
             ("time (UTC)", f"{_text(times[0])} to {_text(times[-1])}" if times else "-"),
-            ("status", status),
+            (
+                "status",
+                signed("end", _text(end.get("status", "not ended in this log's signed records"))),
+            ),
             (
                 "regions",
-                note
-                if unsigned["start"]
-                else ", ".join(map(str, regions))
-                if isinstance(regions, list)
-                else "-",
+                signed("start", ", ".join(map(str, regions)) if isinstance(regions, list) else "-"),
             ),
             ("aggregator jurisdiction", of_start("aggregator_jurisdiction")),
             ("relay jurisdiction", of_start("relay_jurisdiction")),
-            ("base model", _base_model(start) if not unsigned["start"] else note),
-            ("DP terms asked", _dp_terms(start.get("dp")) if not unsigned["start"] else note),
+            ("base model", signed("start", _base_model(start))),
+            ("DP terms asked", signed("start", _dp_terms(start.get("dp")))),
             ("config hash", of_start("config_hash")),
             ("code", of_start("code_version")),
             ("aggregator key id", of_start("key_id")),
             ("aggregates published / withheld", f"{len(published)} / {len(withheld)}"),
-            ("final model digest", note if unsigned["end"] else _text(end.get("model_digest"))),
+            ("final model digest", signed("end", _text(end.get("model_digest")))),
         ],
     )
 
