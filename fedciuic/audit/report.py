@@ -309,10 +309,17 @@ def _by_round(rows: Sequence[Sequence[str]]) -> list[Sequence[str]]:
 
 
 def _table(
-    title: str, about: str, header: Sequence[str], rows: Sequence[Sequence[str]], empty: str
+    title: str,
+    about: str,
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    empty: str | None = None,
 ) -> Section:
-    """A section of one table, introduced by ``about``; with no rows, ``empty`` alone."""
-    return Section(title, [about], header, rows) if rows else Section(title, [empty])
+    """A section of one table, introduced by ``about``; with no rows, no table, and
+    ``empty`` (when given) instead of ``about``."""
+    if rows:
+        return Section(title, [about] if about else [], header, rows)
+    return Section(title, [about if empty is None else empty])
 
 
 def _overview(
@@ -418,8 +425,7 @@ def _logs_section(logs: Sequence[PartyLog], retention: Any, now: datetime | None
         "pruned: a signed audit_pruned record names what was removed, and the log still "
         "verifies."
     ]
-    if overdue_lines:
-        paragraphs += overdue_lines
+    paragraphs += overdue_lines
     return Section(
         "Audit logs examined",
         paragraphs,
@@ -598,16 +604,12 @@ def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRe
                 else "NO",
             )
         )
-    return Section(
+    return _table(
         "Code",
-        [
-            "Which code made each update that arrived: the region agent's fedciuic version and "
-            "the SHA-256 of its installed code, as its signed reply named them, and whether "
-            "that is the code the region's own log recorded for the run."
-        ],
-        ("round", "region", "agent version", "code digest", "as the region recorded")
-        if rows
-        else (),
+        "Which code made each update that arrived: the region agent's fedciuic version and "
+        "the SHA-256 of its installed code, as its signed reply named them, and whether "
+        "that is the code the region's own log recorded for the run.",
+        ("round", "region", "agent version", "code digest", "as the region recorded"),
         _by_round(rows),
     )
 
@@ -801,14 +803,12 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
         else:
             what, figures = "update size", f"{_text(d.get('bytes'))} bytes"
         rows.append((_round(r), region, what, figures))
-    return Section(
+    return _table(
         "Figures sent outside DP",
-        [
-            "Besides its DP update, each reply carries figures DP does not protect: its "
-            "training example count (the aggregate's weight), its held-out loss and example "
-            "count, and the update's size (docs/privacy.md). From each region's own log."
-        ],
-        ("round", "region", "what", "figures") if rows else (),
+        "Besides its DP update, each reply carries figures DP does not protect: its "
+        "training example count (the aggregate's weight), its held-out loss and example "
+        "count, and the update's size (docs/privacy.md). From each region's own log.",
+        ("round", "region", "what", "figures"),
         _by_round(rows),
     )
 
@@ -854,13 +854,12 @@ def _refusals_section(
             rows.append(
                 (_round(r), str(d.get("region")), "declined (as received)", _text(d.get("reason")))
             )
-    return Section(
+    return _table(
         "Refusals",
-        []
-        if rows
-        else ["None in the signed records: every region took part and every update was accepted."],
-        ("round", "by", "what", "reasons") if rows else (),
+        "",
+        ("round", "by", "what", "reasons"),
         rows,
+        "None in the signed records: every region took part and every update was accepted.",
     )
 
 
@@ -962,23 +961,20 @@ def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:
                     details if len(details) <= 160 else details[:157] + "...",
                 )
             )
-    paragraphs = [
+    section = _table(
+        UNVERIFIED_TITLE,
         "UNVERIFIED: no verified checkpoint signature covers these records (they come after "
         "their log's last verified checkpoint, or their log was not verified or failed). "
         "They are what the file says, not established facts, and the tables above leave "
         "them out. A log's last verified checkpoint record itself (its time, run and round) "
-        "is covered only by a later checkpoint or another party's witness."
-    ]
-    if not rows:
-        paragraphs = ["None: every record of this run is covered by a verified signature."]
-    if elsewhere:
-        paragraphs.append(f"{elsewhere} more unverified record(s) belong to other runs.")
-    return Section(
-        UNVERIFIED_TITLE,
-        paragraphs,
-        ("party", "seq", "round", "event", "details") if rows else (),
+        "is covered only by a later checkpoint or another party's witness.",
+        ("party", "seq", "round", "event", "details"),
         rows,
+        "None: every record of this run is covered by a verified signature.",
     )
+    if elsewhere:
+        section.paragraphs.append(f"{elsewhere} more unverified record(s) belong to other runs.")
+    return section
 
 
 def _record_of_processing(
