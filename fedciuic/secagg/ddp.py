@@ -40,6 +40,9 @@ POISSON_LIMIT = 1e11
 #: with probability 1 - beta per try (DDGauss' choice of beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
+#: How far above 2**bits the scale search starts: sqrt of the longest rotation block
+#: (2**24 values) times 2**12 for a clip far below 1.
+_SCALE_HEADROOM = 24
 
 
 class RoundingFailed(FedciuicError):
@@ -183,8 +186,13 @@ def scale_for(
     """The finest fixed-point scale (a power of two) at which a sum of ``regions``
     clipped, rounded and noised updates fits the signed ring, and the noise shares are
     exact Skellam draws (:data:`POISSON_LIMIT`); :class:`RingTooSmall`
-    when none does (more bits are needed)."""
-    for exponent in range(ring.bits, -31, -1):
+    when none does (more bits are needed).
+
+    The search starts well above ``2**bits``: a rotated value is the update's norm over
+    sqrt(block), so a ring of few bits holds a scale far past its own size (a 12-bit
+    ring, 3 regions, blocks of 65,536: 2**15, where starting at 2**bits cost 8x the
+    rounding error)."""
+    for exponent in range(ring.bits + _SCALE_HEADROOM, -31, -1):
         scale = 2.0**exponent
         ddp = DistributedDp(clip, scale, noise, threshold, dim, block)
         if ddp.fits(regions, ring) and ddp.share_variance / 2 <= POISSON_LIMIT:

@@ -133,3 +133,16 @@ def test_skellam_draws_have_their_variance_up_to_the_limit_and_are_refused_past_
     ring = Ring(62)
     scale = scale_for(regions=3, threshold=2, clip=10.0, noise=1.0, dim=1024, ring=ring)
     assert DistributedDp(10.0, scale, 1.0, 2, 1024).share_variance / 2 <= POISSON_LIMIT
+
+
+@pytest.mark.parametrize("bits", [12, 16])
+def test_the_scale_is_the_finest_that_fits_even_past_two_to_the_bits(bits):
+    # 3 regions, blocks of 65,536: a rotated value is about clip * scale / 256, so a
+    # small ring holds a scale well above 2**bits.
+    ring = Ring(bits)
+    scale = scale_for(
+        regions=3, threshold=2, clip=1.0, noise=0.0, dim=262144, block=65536, ring=ring
+    )
+    assert scale > 2**bits
+    assert DistributedDp(1.0, scale, 0.0, 2, 262144, 65536).fits(3, ring)
+    assert not DistributedDp(1.0, 2 * scale, 0.0, 2, 262144, 65536).fits(3, ring)
