@@ -806,13 +806,17 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
     ``bundle``; stop at the first bad record and say why."""
     lines, torn = read_lines(path)
     verdict = Verdict(path)
+
+    def fail(problem: str) -> Verdict:
+        verdict.problem = problem
+        return verdict
+
     if torn:
         verdict.torn_tail = (
             f"torn tail: the last line ({len(torn)} bytes) is incomplete, a write cut short"
         )
     if not lines and not torn:
-        verdict.problem = "the log is empty"
-        return verdict
+        return fail("the log is empty")
     expected, head = 0, GENESIS
     since = 0
     # The hashes an audit_pruned record may name (of the last record it removed), as
@@ -836,46 +840,32 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
             if not _is_count(seq):
                 raise ValueError("seq is not a non-negative integer")
         except (ValueError, TypeError) as err:
-            verdict.problem = f"{where}: not a fedciuic audit record ({err})"
-            return verdict
+            return fail(f"{where}: not a fedciuic audit record ({err})")
         where = f"{where} (seq {seq}, {record['event']})"
         if index == 0 and seq > 0 and _is_head(record["prev"]):
             # Pruned, or cut: the chain starts here; an audit_pruned record must say so.
             expected, head = seq, record["prev"]
             verdict.first_seq = seq
         if record_hash(body) != claimed or record.get("hash") != claimed:
-            verdict.problem = f"{where}: changed: its content does not match its hash"
-            return verdict
+            return fail(f"{where}: changed: its content does not match its hash")
         if seq < expected:
-            verdict.problem = f"{where}: inserted: seq {seq} comes again after seq {expected - 1}"
-            return verdict
+            return fail(f"{where}: inserted: seq {seq} comes again after seq {expected - 1}")
         if seq > expected:
-            later = any(_seq_of(other) == expected for other in lines[index + 1 :])
-            verdict.problem = (
-                f"{where}: reordered: seq {expected} comes later in the file"
-                if later
-                else f"{where}: deleted: seq {expected} to {seq - 1} are missing"
-            )
-            return verdict
+            if any(_seq_of(other) == expected for other in lines[index + 1 :]):
+                return fail(f"{where}: reordered: seq {expected} comes later in the file")
+            return fail(f"{where}: deleted: seq {expected} to {seq - 1} are missing")
         if record["prev"] != head:
-            verdict.problem = (
-                f"{where}: inserted or reordered: prev does not name the record before it"
-            )
-            return verdict
+            return fail(f"{where}: inserted or reordered: prev does not name the record before it")
         verdict.actor = verdict.actor or str(record["actor"])
         if record["event"] == Event.CHECKPOINT:
-            problem = _check_checkpoint(record["details"], seq, head, bundle)
-            if problem:
-                verdict.problem = f"{where}: {problem}"
-                return verdict
+            if problem := _check_checkpoint(record["details"], seq, head, bundle):
+                return fail(f"{where}: {problem}")
             verdict.checkpoints += 1
             verdict.verified_through = seq
             since = -1
         elif record["event"] == Event.PRUNED:
-            problem = _check_pruned(record["details"], seq, verdict.first_seq, held, lines[0])
-            if problem:
-                verdict.problem = f"{where}: {problem}"
-                return verdict
+            if problem := _check_pruned(record["details"], seq, verdict.first_seq, held, lines[0]):
+                return fail(f"{where}: {problem}")
             if verdict.pruned_by < 0 and record["details"]["first_kept"] == verdict.first_seq:
                 verdict.pruned_by = seq
         head, expected = claimed, expected + 1

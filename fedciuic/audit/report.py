@@ -152,11 +152,8 @@ def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[P
 
 
 def _runs(aggregator: PartyLog) -> list[int]:
-    return [
-        r["run_id"]
-        for r in aggregator.records
-        if r.get("event") == Event.RUN_START and isinstance(r.get("run_id"), int)
-    ]
+    starts = _of(aggregator.records, Event.RUN_START)
+    return [r["run_id"] for r in starts if isinstance(r.get("run_id"), int)]
 
 
 def build_report(
