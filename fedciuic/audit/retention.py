@@ -204,16 +204,14 @@ def prune_log(
         raise AuditError(f"{path}: no audit log here")
     days = policy.policy.audit.retention_days
     check_jurisdiction(policy, path, keypair.bundle.party, keypair.bundle.jurisdiction)
-    limit = bound(policy, path, keypair.bundle.party, now)
-    stop, held = limit(load_records(path))  # refuses a policy the log did not declare
+    records = load_records(path)
+    stop, held = bound(policy, path, keypair.bundle.party, now)(records)  # or refuses
     kept = f"; kept: {held}" if held else ""
+    nothing = f"{path}: no record older than {days} days ({policy.path.name}): nothing"
     if dry_run:
-        found = overdue(load_records(path), days, now, stop)
+        found = overdue(records, days, now, stop)
         if found is None:
-            return (
-                f"{path}: no record older than {days} days ({policy.path.name}): nothing to "
-                f"prune{kept}"
-            )
+            return f"{nothing} to prune{kept}"
         return (
             f"{path}: would prune {found.records} record(s) older than {days} days "
             f"({found.first_time} to {found.last_time}, {policy.path.name}){kept}"
@@ -225,9 +223,7 @@ def prune_log(
         log.close()
     kept = f"; kept: {pruned.held}" if pruned.held else ""
     if not pruned.records:
-        return (
-            f"{path}: no record older than {days} days ({policy.path.name}): nothing pruned{kept}"
-        )
+        return f"{nothing} pruned{kept}"
     return (
         f"{path}: pruned {pruned.records} record(s) older than {days} days "
         f"(seq {pruned.first_seq} to {pruned.first_kept - 1}, {pruned.first_time} to "
@@ -327,9 +323,7 @@ def _prune_problems(
             continue
         d = details_of(r)
         used, used_where, used_days = (
-            d.get("policy_hash"),
-            d.get("jurisdiction"),
-            d.get("retention_days"),
+            d.get(k) for k in ("policy_hash", "jurisdiction", "retention_days")
         )
         at, last = record_time(r), parse_time(d.get("last_time"))
         label = f"{log_of(party)} (audit_pruned seq {r.get('seq')!r:.24}, {r.get('time')!s:.32})"
