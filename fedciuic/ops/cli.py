@@ -16,16 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from fedciuic import __version__
-from fedciuic.config import DataSettings, DeidSettings, Fields, LocalTraining
+from fedciuic.config import DeidSettings, Fields, LocalTraining
 from fedciuic.deid import REPLACEMENTS
 from fedciuic.errors import FedciuicError
 from fedciuic.ops import commands
 from fedciuic.ops.preflight import preflight_command
 from fedciuic.ops.simulate import Interrupted, simulate
 
-#: `data check`'s --seq-len and --max-record-bytes defaults: the run config's.
+#: `data check`'s --seq-len default: the run config's.
 _SEQ_LEN = LocalTraining.model_fields["seq_len"].default
-_RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
 
 #: `data check` options naming record fields (run config keys), with their defaults.
 DATA_FIELD_OPTIONS: dict[str, str] = Fields().model_dump(by_alias=True)
@@ -354,10 +353,10 @@ COMMANDS: tuple[Command, ...] = (
             arg(
                 "--max-record-bytes",
                 type=int,
-                default=_RECORD_BYTES,
+                default=commands.RECORD_BYTES,
                 help="the largest record the region reads, in bytes; larger ones are dropped "
-                f"unread and counted (default: {_RECORD_BYTES}, the run config's; a deployed "
-                "region's agent.toml has its own)",
+                f"unread and counted (default: {commands.RECORD_BYTES}, the run config's; a "
+                "deployed region's agent.toml has its own)",
             ),
             *(
                 arg(f"--{option}", default=default, help=f"default: {default}")

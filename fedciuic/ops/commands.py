@@ -19,7 +19,7 @@ from fedciuic.ops.runconfig import app_run_config, parse_overrides
 from fedciuic.ops.simulate import budget_lines, simulation_budgets
 
 #: `data check`'s --max-record-bytes default: the run config's.
-_RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
+RECORD_BYTES = DataSettings.model_fields["max_record_bytes"].default
 
 
 def init(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def data_check(args: argparse.Namespace) -> int:
         raise ConfigError(
             [
                 f"--max-record-bytes: {args.max_record_bytes} is not a size from 1 to "
-                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is {_RECORD_BYTES}"
+                f"{MAX_RECORD_BYTES_LIMIT} bytes; the default is {RECORD_BYTES}"
             ]
         )
     spec = ModelSpec(model_path=args.model_path) if args.model_path else ModelSpec()
