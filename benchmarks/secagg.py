@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from fedciuic.compression import get_codec
-from fedciuic.config import AdapterMode, ModelSpec
+from fedciuic.config import AdapterMode, ModelSpec, ring_bits_for
 from fedciuic.crypto import Keypair, read_update_payload, update_payload
 from fedciuic.crypto.envelope import open_envelope, seal
 from fedciuic.model import AdapterLayout
@@ -58,7 +58,7 @@ from fedciuic.secagg import (
 RESULTS = Path(__file__).parent / "results" / "secagg.json"
 CLIP = 1.0
 #: Ring sizes whose mean's error is set against the plain int8 path's, per region count.
-ERROR_BITS = (12, 13, 14, 16, 20)
+ERROR_BITS = (12, 13, 14, 15, 16, 17, 20)
 
 
 def size_of(mode: AdapterMode) -> int:
@@ -204,7 +204,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regions", default="3,8,16,32")
     parser.add_argument("--modes", default="lora-sb,lora")
-    parser.add_argument("--bits", type=int, default=24, help="ring bits (secure-ring-bits)")
+    parser.add_argument(
+        "--bits", type=int, default=0, help="ring bits (secure-ring-bits; 0: the run's choice)"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -214,14 +216,22 @@ def main() -> None:
         cases = {}
         for n in (int(v) for v in args.regions.split(",")):
             plain = plain_round(size, n, rng)
-            full = secure_round(size, n, 0, args.bits, rng)
-            dropped = secure_round(size, n, max(1, n // 10), args.bits, rng)
+            ring_bits = args.bits or ring_bits_for(n, distributed_dp=False)
+            full = secure_round(size, n, 0, ring_bits, rng)
+            dropped = secure_round(size, n, max(1, n // 10), ring_bits, rng)
             bits = 8 * full["sent_total"] / size
-            cases[n] = {"plain": plain, "secure": full, "dropouts": dropped, "bits_per_value": bits}
+            cases[n] = {
+                "plain": plain,
+                "secure": full,
+                "dropouts": dropped,
+                "bits_per_value": bits,
+                "ring_bits": ring_bits,
+            }
             region_s = sum(full["region_s"].values()) + full["encode_s"]
             aggregator_s = sum(full["aggregator_s"].values())
             print(
-                f"{mode:8s} {size:>9,} values  {n:2d} regions: sends {full['sent_total']:>12,} B "
+                f"{mode:8s} {size:>9,} values  {n:2d} regions, {ring_bits}-bit ring: sends "
+                f"{full['sent_total']:>12,} B "
                 f"(plain {plain['bytes']:>11,} B, x{full['sent_total'] / plain['bytes']:.2f}), "
                 f"{bits:.2f} bits/value; region {region_s:.2f} s (plain "
                 f"{plain['region_s']:.2f} s), aggregator {aggregator_s:.2f} s (plain "

@@ -597,7 +597,7 @@ class SecureLoop(SyncLoop):
             server_round=server_round,
             regions=tuple(regions),
             threshold=a.run.unmask_threshold,
-            bits=settings.secure_ring_bits,
+            bits=a.run.ring_bits,
             size=size,
             clip=a.run.compression.max_update_norm,
             noise=settings.distributed_noise_multiplier,

@@ -102,7 +102,7 @@ def check_session(
     expected: dict[str, tuple[object, object]] = {
         "run": (session.run_id, run_id),
         "round": (session.server_round, server_round),
-        "ring bits (secure-ring-bits)": (session.bits, secure.secure_ring_bits),
+        "ring bits (secure-ring-bits)": (session.bits, run.ring_bits),
         "clip (max-update-norm)": (session.clip, run.compression.max_update_norm),
         "noise (distributed-noise-multiplier)": (
             session.noise,

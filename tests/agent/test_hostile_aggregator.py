@@ -22,6 +22,7 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.agent.service import RegionAgent
 from fedciuic.audit.log import REGION_LOG, verify
 from fedciuic.compression import update_entries
+from fedciuic.config import RunConfig
 from fedciuic.crypto import read_update_payload
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.parties import TaskKind
@@ -83,7 +84,7 @@ def honest(size: int, run: dict[str, Any]) -> Session:
         server_round=1,
         regions=("cn", "eu", "us"),
         threshold=2,
-        bits=24,
+        bits=RunConfig.from_user_config({**RUN, **run}, source="run config").ring_bits,
         size=size,
         clip=10.0,
         noise=float(run.get("distributed-noise-multiplier", 0.0)),
@@ -192,8 +193,6 @@ def test_after_refusing_hostile_sessions_the_region_joins_the_honest_one(federat
 def test_every_session_field_an_aggregator_chooses_is_checked(secure_region):
     """The region's check names each field the honest session has and another does
     not: none goes unchecked."""
-    from fedciuic.config import RunConfig
-
     _, session = secure_region
     run = RunConfig.from_user_config({**RUN, **SECURE}, source="run config")
     good = Session.model_validate_json(json.dumps(session))
@@ -201,7 +200,7 @@ def test_every_session_field_an_aggregator_chooses_is_checked(secure_region):
     changes = {  # field: another value, and the words the refusal names it by
         "run_id": (FLOWER_RUN + 1, "run 8, not 7"),
         "server_round": (2, "round 2, not 1"),
-        "bits": (32, "ring bits (secure-ring-bits) 32, not 24"),
+        "bits": (32, f"ring bits (secure-ring-bits) 32, not {run.ring_bits}"),
         "clip": (5.0, "clip (max-update-norm) 5.0, not 10.0"),
         "noise": (0.5, "noise (distributed-noise-multiplier) 0.5, not 0.0"),
         "threshold": (3, "threshold (secure-threshold, or more than half"),
