@@ -86,6 +86,7 @@ def ring_bits_for(regions: int, distributed_dp: bool) -> int:
         return DDP_RING_BITS
     return MIN_RING_BITS + math.ceil(math.log2(max(2, regions)))
 
+
 #: What a region's adapter trains and sends, and so what the aggregator averages
 #: (docs/models.md, "Adapter update modes"): ``lora`` trains LoRA's A and B, averaged
 #: factor-wise (inexact: a mean of products is not the product of the means);
