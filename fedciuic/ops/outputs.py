@@ -72,10 +72,15 @@ def epsilon_spent(
     return None, None, None
 
 
+def upload_bytes(data: RunMetrics, region: str) -> list[int]:
+    """Bytes a region sent the aggregator, one entry per round it sent something: its
+    update and, in a secure round, its secure-sum messages (``TrainEntry.sent_bytes``)."""
+    return [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
+
+
 def mean_upload(data: RunMetrics, region: str) -> str:
-    """The bytes a region sent the aggregator per round it sent something (its update
-    and, in a secure round, its secure-sum messages), on average; "" if none."""
-    sent = [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
+    """What :func:`upload_bytes` gives, on average ("" if nothing)."""
+    sent = upload_bytes(data, region)
     return f"{sum(sent) / len(sent):.0f}" if sent else ""
 
 

@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from fedciuic.cluster.protocol import free_port
+from fedciuic.errors import EXIT_NO_AGGREGATE
 from fedciuic.ops import deploy, separation
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.record.metrics import RunStatus, load_metrics
@@ -296,7 +297,7 @@ def test_start_sh_under_a_tee_that_ctrl_c_stopped_stops_everything(federation, t
 @pytest.mark.parametrize(
     ("status", "report_rc", "code"),
     # The run's outcome first, then the report's (a log that fails verification).
-    [(RunStatus.COMPLETED, 0, 0), (RunStatus.NO_AGGREGATE, 1, deploy.EXIT_NO_AGGREGATE)],
+    [(RunStatus.COMPLETED, 0, 0), (RunStatus.NO_AGGREGATE, 1, EXIT_NO_AGGREGATE)],
 )
 def test_ctrl_c_after_the_run_ended_still_reports_it_and_exits_by_its_outcome(
     federation, tmp_path, status, report_rc, code
@@ -345,7 +346,7 @@ def test_a_ctrl_c_that_cuts_start_shs_report_short_gets_it_written_whole(federat
 
 
 @pytest.mark.parametrize(
-    ("status", "code"), [(RunStatus.NO_AGGREGATE, deploy.EXIT_NO_AGGREGATE), ("none", 1)]
+    ("status", "code"), [(RunStatus.NO_AGGREGATE, EXIT_NO_AGGREGATE), ("none", 1)]
 )
 def test_start_sh_reports_the_run_it_started_and_exits_by_its_outcome(federation, status, code):
     """No signal: the run ends, and flwr run with it. An older run in runs/ is never
@@ -598,7 +599,7 @@ def test_last_run_is_the_newest_written_since_with_its_outcome(tmp_path):
     assert deploy.last_run(runs, since) == (runs / "run-2", 1)
     record(runs / "run-3", RunStatus.NO_AGGREGATE)
     os.utime(runs / "run-3" / "metrics.json", (since + 5,) * 2)
-    assert deploy.last_run(runs, since) == (runs / "run-3", deploy.EXIT_NO_AGGREGATE)
+    assert deploy.last_run(runs, since) == (runs / "run-3", EXIT_NO_AGGREGATE)
     record(runs / "run-4", RunStatus.COMPLETED)
     os.utime(runs / "run-4" / "metrics.json", (since + 9,) * 2)
     assert deploy.last_run(runs, since) == (runs / "run-4", 0)

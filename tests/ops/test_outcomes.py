@@ -17,7 +17,7 @@ import pytest
 
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
-from fedciuic.errors import EXIT_ERROR
+from fedciuic.errors import EXIT_ERROR, EXIT_NO_AGGREGATE
 from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.ops import deploy, layout
 from fedciuic.ops.cli import main
@@ -141,7 +141,7 @@ def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
     log.write_text("Successfully started run 77\n")
     config = tmp_path / "run-config.toml"
     config.write_text(f'output-dir = "{runs}"\n')
-    assert deploy.check_run_log(log, config) == deploy.EXIT_NO_AGGREGATE == 3
+    assert deploy.check_run_log(log, config) == EXIT_NO_AGGREGATE == 3
     err = capsys.readouterr().err
     assert "published no aggregate in any round" in err
     assert "  eu: declined in rounds 1, 2: over its budget 8" in err
