@@ -1,9 +1,8 @@
 """What ``fedciuic init`` writes: the deployment's folders, keys, configs and scripts.
 
 :func:`write_deployment` lays out a :class:`Deployment` that :mod:`fedciuic.ops.deploy`
-has checked: one folder per party, private keys only in their party's folder. The
-scripts and READMEs are rendered from ``templates/`` (:mod:`fedciuic.ops.render`);
-this module only works out the values that go into them.
+has checked; the scripts and READMEs are rendered from ``templates/``
+(:mod:`fedciuic.ops.render`), and this module works out the values that go into them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What a run is doing, round by round, for a person watching ``fedciuic simulate``.
 
-It follows the run's ``metrics.json`` (the ServerApp rewrites it atomically after
-every step) rather than Flower's log, so it shows the same figures as the summary:
-per round and region the status, train and eval loss, epsilon against the budget
-and the bytes uploaded. Finished rounds are printed as plain lines, so a log file
-or a CI console reads the same as a terminal; only on a terminal is there also a
-live status line, redrawn in place, saying what the run waits for.
+It follows the run's ``metrics.json`` rather than Flower's log, so it shows the same
+figures as the summary. Finished rounds are plain lines, so a log file reads the same
+as a terminal; only a terminal also gets a live status line, redrawn in place.
 """
 
 from __future__ import annotations

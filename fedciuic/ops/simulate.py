@@ -1,12 +1,6 @@
 """``fedciuic simulate``: the local simulation (lab mode), kept apart from the command's
 parser because it alone starts processes, handles signals and stops what it started.
-
-It exits with :data:`EXIT_OK` (0) when the run completed and every audit log verified,
-:data:`EXIT_AUDIT` (1) when a log failed verification, :data:`EXIT_ERROR` (2) on bad input
-or a failed run, :data:`EXIT_NO_AGGREGATE` (3) when every round ran but no aggregate was
-ever published (nothing trained; no adapter is saved), and 130 (SIGINT) or 143 (SIGTERM)
-when it was interrupted before the run ended (once it has ended, an interruption still
-gets its report and its own status).
+Its exit statuses are listed in its ``--help`` (``cli.SIMULATE_EXIT``).
 """
 
 from __future__ import annotations
