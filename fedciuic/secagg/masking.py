@@ -13,6 +13,7 @@ updates exactly. Masks are SHAKE-256 streams of 32-byte seeds.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -23,9 +24,7 @@ from fedciuic.errors import FedciuicError
 #: Ring sizes offered, in bits: every sum stays exact in uint64, and a signed value fits.
 MIN_BITS, MAX_BITS = 8, 62
 #: Domain separation of the two kinds of mask, versioned with the stream's layout.
-_SELF, _PAIR = b"fedciuic-secagg/2 self", b"fedciuic-secagg/2 pair"
-#: Values packed or unpacked at a time (a multiple of 8, so each chunk ends on a byte).
-_PACK_CHUNK = 1 << 18
+_SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
 
 
 class RingTooSmall(FedciuicError):
@@ -55,43 +54,73 @@ class Ring:
         ring sends 1.5 bytes a value, not 2)."""
         return (count * self.bits + 7) // 8
 
+    @property
+    def _group(self) -> tuple[int, int]:
+        """Elements per group and the group's bytes: ``8 / gcd(bits, 8)`` elements end
+        on a byte, so element j of every group starts at the same bit of its group."""
+        count = 8 // math.gcd(self.bits, 8)
+        return count, count * self.bits // 8
+
     def pack(self, values: np.ndarray) -> bytes:
         """Elements as one little-endian bit stream, ``bits`` each (bit j of element i
         is bit ``i * bits + j``), the last byte padded with zero bits."""
-        wide = np.ascontiguousarray(np.asarray(values, "<u8")).view(np.uint8).reshape(-1, 8)
-        if self.bits % 8 == 0:
+        v = np.asarray(values, np.uint64).reshape(-1)
+        if self.bits % 8 == 0:  # whole bytes: each element's low bytes
+            wide = np.ascontiguousarray(v.astype("<u8")).view(np.uint8).reshape(-1, 8)
             return np.ascontiguousarray(wide[:, : self.bits // 8]).tobytes()
-        parts = []
-        for start in range(0, wide.shape[0], _PACK_CHUNK):  # bounded scratch: 64 B a value
-            bits = np.unpackbits(wide[start : start + _PACK_CHUNK], axis=1, bitorder="little")
-            parts.append(np.packbits(bits[:, : self.bits], bitorder="little").tobytes())
-        return b"".join(parts)
+        count, width = self._group
+        groups = -(-v.size // count)
+        padded = np.zeros(groups * count, np.uint64)
+        padded[: v.size] = v
+        grouped = padded.reshape(groups, count)
+        out = np.zeros((groups, width + 9), np.uint8)  # 9 spare bytes: a value's top bits
+        for j in range(count):
+            byte, shift = divmod(j * self.bits, 8)
+            low = (grouped[:, j] << np.uint64(shift)).astype("<u8")
+            out[:, byte : byte + 8] |= low.view(np.uint8).reshape(groups, 8)
+            if shift and self.bits + shift > 64:  # the bits that shifted past 64
+                out[:, byte + 8] |= (grouped[:, j] >> np.uint64(64 - shift)).astype(np.uint8)
+        return out[:, :width].tobytes()[: self.size(values.size)]
 
     def unpack(self, data: bytes, count: int) -> np.ndarray:
         """:meth:`pack`'s inverse; ``ValueError`` unless ``data`` is ``count`` elements
         exactly (its size, and a zero pad)."""
         if len(data) != self.size(count):
             raise ValueError(f"{len(data)} bytes, not {count} values of {self.bits} bits")
-        raw = np.frombuffer(data, np.uint8)
-        out = np.zeros((count, 8), np.uint8)
-        if self.bits % 8 == 0:
-            out[:, : self.bits // 8] = raw.reshape(count, self.bits // 8)
-            return out.view("<u8").reshape(-1)
-        if count * self.bits % 8 and raw[-1] >> (count * self.bits % 8):
+        tail = count * self.bits % 8
+        if tail and data[-1] >> tail:
             raise ValueError(f"{count} values of {self.bits} bits with a non-zero pad")
-        per = _PACK_CHUNK * self.bits // 8  # whole bytes: the chunk is a multiple of 8
-        for i, start in enumerate(range(0, count, _PACK_CHUNK)):
-            n = min(_PACK_CHUNK, count - start)
-            bits = np.unpackbits(raw[i * per : i * per + per], bitorder="little")
-            wide = np.zeros((n, 64), np.uint8)
-            wide[:, : self.bits] = bits[: n * self.bits].reshape(n, self.bits)
-            out[start : start + n] = np.packbits(wide, axis=1, bitorder="little")
-        return out.view("<u8").reshape(-1)
+        if self.bits % 8 == 0:
+            wide = np.zeros((count, 8), np.uint8)
+            wide[:, : self.bits // 8] = np.frombuffer(data, np.uint8).reshape(count, -1)
+            return wide.view("<u8").reshape(-1)
+        per, width = self._group
+        groups = -(-count // per)
+        raw = np.zeros((groups, width + 9), np.uint8)
+        flat = np.frombuffer(data, np.uint8)
+        full = flat.size // width
+        raw[:full, :width] = flat[: full * width].reshape(full, width)
+        if full < groups:
+            raw[full, : flat.size - full * width] = flat[full * width :]
+        out = np.empty((groups, per), np.uint64)
+        for j in range(per):
+            byte, shift = divmod(j * self.bits, 8)
+            low = np.ascontiguousarray(raw[:, byte : byte + 8]).view("<u8").reshape(-1)
+            value = low >> np.uint64(shift)
+            if shift and self.bits + shift > 64:
+                value |= raw[:, byte + 8].astype(np.uint64) << np.uint64(64 - shift)
+            out[:, j] = value & self.mask
+        return out.reshape(-1)[:count]
 
 
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
-    """``size`` ring elements drawn from ``seed`` (SHAKE-256; ``kind``: self or pair)."""
-    return ring.unpack(hashlib.shake_256(kind + seed).digest(ring.size(size)), size)
+    """``size`` ring elements drawn from ``seed`` (SHAKE-256, whole bytes per element,
+    reduced to the ring; ``kind``: self or pair)."""
+    width = (ring.bits + 7) // 8
+    raw = np.frombuffer(hashlib.shake_256(kind + seed).digest(width * size), np.uint8)
+    wide = np.zeros((size, 8), np.uint8)
+    wide[:, :width] = raw.reshape(size, width)
+    return ring.reduce(wide.view("<u8").reshape(-1))
 
 
 def mask(
