@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,16 +74,8 @@ PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
 #: The unit where none is named: a policy without ``privacy.unit`` (at least record-level),
 #: and a ledger, reply or log written before units existed (all were record-level).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
-#: The smallest secure-sum ring offered (bits), and the one distributed DP's noise gets
-#: when secure-ring-bits is 0 (:meth:`RunConfig.ring_bits`).
-MIN_RING_BITS, DDP_RING_BITS = 12, 24
-
-
-def ring_bits_for(regions: int, distributed_dp: bool) -> int:
-    """The ring secure-ring-bits = 0 chooses for ``regions`` (:meth:`RunConfig.ring_bits`)."""
-    if distributed_dp:
-        return DDP_RING_BITS
-    return MIN_RING_BITS + math.ceil(math.log2(max(2, regions)))
+#: The smallest secure-sum ring offered, in bits (0 chooses one: secagg.ddp.ring_bits).
+MIN_RING_BITS = 12
 
 
 #: What a region's adapter trains and sends, and so what the aggregator averages
@@ -533,7 +524,7 @@ class SecureSettings(_Strict):
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
     #: Bits per value of a masked update: the ring the sum is taken in (0: chosen from
-    #: the number of regions, :meth:`RunConfig.ring_bits`).
+    #: the regions and the update's size, :func:`fedciuic.secagg.ddp.ring_bits`).
     secure_ring_bits: int = Field(default=0, ge=0, le=62)
     #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
@@ -709,16 +700,6 @@ class RunConfig(_Strict):
         if len(set(value)) != len(value):
             raise ValueError(f"regions are listed twice: {list(value)}")
         return value
-
-    @property
-    def ring_bits(self) -> int:
-        """The secure sum's ring: secure-ring-bits, or with 0 ``12 + ceil(log2(regions))``
-        (the signed regions: 14 for 3, 17 for 32), where the published mean's error is
-        no worse than the plain ``int8`` path's (``benchmarks/secagg.py``), or 24 with
-        distributed DP, whose noise needs the headroom."""
-        if self.secure.secure_ring_bits:
-            return self.secure.secure_ring_bits
-        return ring_bits_for(len(self.regions), self.secure.distributed_noise_multiplier > 0)
 
     @property
     def unmask_threshold(self) -> int:

@@ -47,6 +47,7 @@ from fedciuic.secagg import (
     SecureSum,
     Session,
     SumWithheld,
+    ring_bits,
     unpack_answer,
 )
 from fedciuic.wire import (
@@ -597,7 +598,12 @@ class SecureLoop(SyncLoop):
             server_round=server_round,
             regions=tuple(regions),
             threshold=a.run.unmask_threshold,
-            bits=a.run.ring_bits,
+            bits=ring_bits(
+                settings.secure_ring_bits,
+                regions=len(a.run.regions),
+                size=size,
+                distributed_dp=settings.distributed_noise_multiplier > 0,
+            ),
             size=size,
             clip=a.run.compression.max_update_norm,
             noise=settings.distributed_noise_multiplier,

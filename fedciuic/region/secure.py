@@ -43,6 +43,7 @@ from fedciuic.secagg import (
     noised,
     pack_answer,
     parse,
+    ring_bits,
     rotate,
 )
 from fedciuic.wire import SECAGG_REQUEST, UPDATE, Instruction
@@ -102,7 +103,15 @@ def check_session(
     expected: dict[str, tuple[object, object]] = {
         "run": (session.run_id, run_id),
         "round": (session.server_round, server_round),
-        "ring bits (secure-ring-bits)": (session.bits, run.ring_bits),
+        "ring bits (secure-ring-bits)": (
+            session.bits,
+            ring_bits(
+                secure.secure_ring_bits,
+                regions=len(run.regions),
+                size=session.size if kept_size is None else kept_size,
+                distributed_dp=secure.distributed_noise_multiplier > 0,
+            ),
+        ),
         "clip (max-update-norm)": (session.clip, run.compression.max_update_norm),
         "noise (distributed-noise-multiplier)": (
             session.noise,

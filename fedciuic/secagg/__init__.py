@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from fedciuic.secagg.aggregator import SumWithheld as SumWithheld
     from fedciuic.secagg.ddp import noise_rng as noise_rng
     from fedciuic.secagg.ddp import noised as noised
+    from fedciuic.secagg.ddp import ring_bits as ring_bits
     from fedciuic.secagg.lab import run_secure_sum as run_secure_sum
     from fedciuic.secagg.masking import Ring as Ring
     from fedciuic.secagg.masking import RingTooSmall as RingTooSmall

@@ -28,6 +28,7 @@ from opacus.accountants.analysis.rdp import get_privacy_spent
 from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
 from fedciuic.secagg.masking import Ring, RingTooSmall, clip_norm, round_stochastically
+from fedciuic.secagg.rotation import MAX_BLOCK
 
 undo_opacus_basic_config()  # the aggregator's process imports Opacus here first
 
@@ -113,6 +114,26 @@ class DistributedDp:
         if honest < 1:
             return math.inf
         return rdp_epsilon(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
+
+
+#: The ring distributed DP's noise gets when secure-ring-bits is 0 (its headroom).
+DDP_RING_BITS = 24
+
+
+def ring_bits(requested: int, *, regions: int, size: int, distributed_dp: bool) -> int:
+    """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
+    bits at which the published mean's error is no worse than the plain ``int8``
+    path's (``benchmarks/secagg.py``): ``11 + ceil(log2(regions) + log2(size /
+    2**16) / 2)``, since :meth:`DistributedDp.fits` holds a rotated block of 2**16
+    values to the whole clip (lora-sb's 245,760 values: 14 bits for 3 regions, 17
+    for 32; lora's 6.9M: 16 and 20); 24 with distributed DP, whose noise needs the
+    headroom."""
+    if requested:
+        return requested
+    if distributed_dp:
+        return DDP_RING_BITS
+    spread_bits = max(0.0, math.log2(max(size, 1) / MAX_BLOCK) / 2)
+    return 11 + math.ceil(math.log2(max(2, regions)) + spread_bits)  # 12 at least
 
 
 def spread(dim: int) -> float:

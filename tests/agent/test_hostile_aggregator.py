@@ -28,7 +28,7 @@ from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.parties import TaskKind
 from fedciuic.region.secure import check_session
 from fedciuic.region.trainer import SentUpdates
-from fedciuic.secagg import SECAGG_DIR, Phase, Request, SecAggError, Session
+from fedciuic.secagg import SECAGG_DIR, Phase, Request, SecAggError, Session, ring_bits
 from fedciuic.wire import INFO, SECAGG_REQUEST, UPDATE
 from tests.agent.test_service import (  # noqa: F401 - fixtures
     FLOWER_RUN,
@@ -84,7 +84,9 @@ def honest(size: int, run: dict[str, Any]) -> Session:
         server_round=1,
         regions=("cn", "eu", "us"),
         threshold=2,
-        bits=RunConfig.from_user_config({**RUN, **run}, source="run config").ring_bits,
+        bits=ring_bits(
+            0, regions=3, size=size, distributed_dp=bool(run.get("distributed-noise-multiplier"))
+        ),
         size=size,
         clip=10.0,
         noise=float(run.get("distributed-noise-multiplier", 0.0)),
@@ -200,7 +202,7 @@ def test_every_session_field_an_aggregator_chooses_is_checked(secure_region):
     changes = {  # field: another value, and the words the refusal names it by
         "run_id": (FLOWER_RUN + 1, "run 8, not 7"),
         "server_round": (2, "round 2, not 1"),
-        "bits": (32, f"ring bits (secure-ring-bits) 32, not {run.ring_bits}"),
+        "bits": (32, f"ring bits (secure-ring-bits) 32, not {good.bits}"),
         "clip": (5.0, "clip (max-update-norm) 5.0, not 10.0"),
         "noise": (0.5, "noise (distributed-noise-multiplier) 0.5, not 0.0"),
         "threshold": (3, "threshold (secure-threshold, or more than half"),

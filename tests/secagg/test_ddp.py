@@ -18,6 +18,7 @@ from fedciuic.secagg.ddp import (
     DistributedDp,
     noised,
     rdp_epsilon,
+    ring_bits,
     scale_for,
     skellam,
     skellam_rdp,
@@ -146,3 +147,19 @@ def test_the_scale_is_the_finest_that_fits_even_past_two_to_the_bits(bits):
     assert scale > 2**bits
     assert DistributedDp(1.0, scale, 0.0, 2, 262144, 65536).fits(3, ring)
     assert not DistributedDp(1.0, 2 * scale, 0.0, 2, 262144, 65536).fits(3, ring)
+
+
+def test_ring_bits_zero_grows_with_the_regions_and_the_updates_length():
+    # Explicit bits are kept; distributed DP keeps its headroom.
+    assert ring_bits(20, regions=3, size=245_760, distributed_dp=False) == 20
+    assert ring_bits(0, regions=3, size=245_760, distributed_dp=True) == 24
+    # A bit per doubling of the regions, half a bit per doubling of the values past a
+    # rotation block (the sizes of the realistic preset's lora-sb and lora).
+    chosen = {
+        (n, size): ring_bits(0, regions=n, size=size, distributed_dp=False)
+        for n in (2, 3, 8, 32)
+        for size in (1_000, 245_760, 6_905_856)
+    }
+    assert chosen[(3, 245_760)] == 14 and chosen[(32, 245_760)] == 17
+    assert chosen[(3, 6_905_856)] == 16 and chosen[(32, 6_905_856)] == 20
+    assert chosen[(2, 1_000)] == 12  # never under the smallest ring offered
