@@ -23,7 +23,6 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
 from opacus.grad_sample.linear import compute_linear_norm_sample
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import (
@@ -143,42 +142,6 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
             super().__init__(accountant="prv", secure_mode=False)
 
 
-def secure_noise(
-    std: float, reference: torch.Tensor, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Gaussian noise of ``std`` shaped like ``reference`` as Opacus' secure mode makes it,
-    a sum of four Gaussian draws halved (Holohan and Braghin 2021, section 5.1: the
-    defence against floating-point attacks), but the four drawn in one call and added
-    in one pass: Opacus makes five calls per tensor and four passes to add them up."""
-    draws = torch.empty((4, *reference.shape), device=reference.device, dtype=reference.dtype)
-    draws.normal_(0.0, std, generator=generator)
-    return draws.sum(0).div_(2)
-
-
-class _SecureNoise:
-    """An Opacus DP optimizer (hooks or ghost) whose secure-mode noise comes from
-    :func:`secure_noise`; the same distribution, mechanism and generator."""
-
-    params: list[torch.nn.Parameter]
-    generator: torch.Generator | None
-    secure_mode: bool
-    noise_multiplier: float
-    max_grad_norm: float
-
-    def add_noise(self) -> None:
-        if not self.secure_mode:
-            super().add_noise()  # type: ignore[misc]
-            return
-        # Opacus' ghost optimizer reads an adaptive-clipping multiplier where one is set.
-        multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
-        for p in self.params:
-            summed: torch.Tensor = p.summed_grad  # type: ignore[attr-defined]
-            _check_processed_flag(summed)
-            noise = secure_noise(multiplier * self.max_grad_norm, summed, self.generator)
-            p.grad = (summed + noise).view_as(p)
-            _mark_as_processed(summed)
-
-
 class _AcrossRanks:
     """Turns an Opacus DP optimizer into DP-DDP over the default process group.
 
@@ -207,12 +170,11 @@ class _AcrossRanks:
         return None
 
 
-def _mixed(optimizer: Any, *mixins: type) -> Any:
-    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) with ``mixins`` in front
-    of its class, in place (Opacus picks the class; we only add to it)."""
+def _across_ranks(optimizer: Any, rank: int) -> Any:
+    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) made DP-DDP in place."""
     cls = type(optimizer)
-    names = "".join(m.__name__.strip("_") for m in mixins)
-    optimizer.__class__ = type(f"{names}{cls.__name__}", (*mixins, cls), {})
+    optimizer.__class__ = type(f"AcrossRanks{cls.__name__}", (_AcrossRanks, cls), {})
+    optimizer.rank = rank
     return optimizer
 
 
@@ -342,15 +304,13 @@ class PrivateTrainer:
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
         self.sample_rate = 1.0 / len(loader)
         self.shard = shard
-        mixins: list[type] = [_SecureNoise]
         if shard.distributed:
-            mixins.insert(0, _AcrossRanks)
-            self.optimizer.rank = shard.rank
+            self.optimizer = _across_ranks(self.optimizer, shard.rank)
+            if self.criterion is not None:
+                self.criterion.optimizer = self.optimizer
             self.loader = _ShardSampler(
                 shard, self.units.count, self.sample_rate, len(loader), sample_gen
             )
-        # In place: ghost clipping's criterion holds this same optimizer.
-        self.optimizer = _mixed(self.optimizer, *mixins)
         self.max_examples_per_unit = max_examples_per_unit
         self.batch_size = batch_size
         #: DP-SGD steps taken (each one noised, empty batches included), and how many
