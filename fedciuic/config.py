@@ -524,8 +524,9 @@ class SecureSettings(_Strict):
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
     #: Bits per value of a masked update: the ring the sum is taken in (0: chosen from
-    #: the regions and the update's size, :func:`fedciuic.secagg.ddp.ring_bits`).
-    secure_ring_bits: int = Field(default=0, ge=0, le=62)
+    #: the regions and the update's size, for updates near max-update-norm:
+    #: :func:`fedciuic.secagg.ddp.ring_bits`).
+    secure_ring_bits: int = Field(default=24, ge=0, le=62)
     #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)

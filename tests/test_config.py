@@ -164,7 +164,7 @@ def test_each_key_is_read_once_under_its_own_name_in_its_section(run_config):
             continue  # a neighbouring check refuses it (secure-threshold above regions, ...)
         assert getattr(getattr(copied, section), name) == changed, key
         changed_keys.append(key)
-    assert len(changed_keys) >= 24, changed_keys  # the bool and non-zero int keys no check refuses
+    assert len(changed_keys) >= 25, changed_keys  # the bool and non-zero int keys no check refuses
 
 
 def test_a_run_config_is_changed_through_its_keys_never_copied_with_an_update(run_config):

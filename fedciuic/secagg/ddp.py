@@ -123,11 +123,14 @@ DDP_RING_BITS = 24
 def ring_bits(requested: int, *, regions: int, size: int, distributed_dp: bool) -> int:
     """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
     bits at which the published mean's error is no worse than the plain ``int8``
-    path's (``benchmarks/secagg.py``): ``11 + ceil(log2(regions) + log2(size /
-    2**16) / 2)``, since :meth:`DistributedDp.fits` holds a rotated block of 2**16
-    values to the whole clip (lora-sb's 245,760 values: 14 bits for 3 regions, 17
-    for 32; lora's 6.9M: 16 and 20); 24 with distributed DP, whose noise needs the
-    headroom."""
+    path's for updates near the clip (``benchmarks/secagg.py``): ``11 +
+    ceil(log2(regions) + log2(size / 2**16) / 2)``, since :meth:`DistributedDp.fits`
+    holds a rotated block of 2**16 values to the whole clip (lora-sb's 245,760 values:
+    14 bits for 3 regions, 17 for 32; lora's 6.9M: 16 and 20); 24 with distributed DP,
+    whose noise needs the headroom. The scale follows the clip, not the update: an
+    update far inside max-update-norm (the shipped 50) gets that many fewer steps, so
+    0 is for runs whose clip is tight (a test run at the default clip and 13 bits
+    published a mean of a few steps)."""
     if requested:
         return requested
     if distributed_dp:

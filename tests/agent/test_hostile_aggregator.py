@@ -85,7 +85,10 @@ def honest(size: int, run: dict[str, Any]) -> Session:
         regions=("cn", "eu", "us"),
         threshold=2,
         bits=ring_bits(
-            0, regions=3, size=size, distributed_dp=bool(run.get("distributed-noise-multiplier"))
+            RunConfig.from_user_config({**RUN, **run}, source="run config").secure.secure_ring_bits,
+            regions=3,
+            size=size,
+            distributed_dp=bool(run.get("distributed-noise-multiplier")),
         ),
         size=size,
         clip=10.0,

@@ -198,7 +198,7 @@ def test_a_secure_round_publishes_the_mean_of_the_kept_updates(lab_run):
     mean = np.mean([kept_update(run, r, delta.size) for r in REGIONS], axis=0)
     # rounding: each value within one step of the fixed point (per region, averaged)
     assert_published(delta, mean, summed["scale"], final, initial)
-    assert np.abs(mean).max() > 20 / summed["scale"]  # the updates are not all rounding
+    assert np.abs(mean).max() > 100 / summed["scale"]  # the updates are not all rounding
     # the aggregator's log holds no region's update: no record carries an array of them
     for record in load_records(log):
         assert "update" not in record.get("details", {})
