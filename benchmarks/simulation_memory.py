@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-from report import proc_bytes
+from report import proc_bytes, process_tree
 
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
@@ -58,19 +57,6 @@ def command(pid: int) -> str:
         return "?"
 
 
-def tree(federation: LocalFederation) -> set[int]:
-    """Every process of the federation: its trees and whatever carries its mark."""
-    pids: set[int] = set()
-    for pid in federation.pids():
-        try:
-            root = psutil.Process(pid)
-            pids.update(p.pid for p in (root, *root.children(recursive=True)))
-        except psutil.Error:
-            continue
-    pids.update(p.pid for p in federation.owned())
-    return pids
-
-
 def run_mode(shared: bool, tmp: Path, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
     mode = "shared" if shared else "private"
     saved = {k: os.environ.get(k) for k in (SHARE_ENV, BUDGET_ENV, "FEDCIUIC_CACHE")}
@@ -91,7 +77,7 @@ def run_mode(shared: bool, tmp: Path, cache: Path, args: argparse.Namespace) -> 
                 nonlocal pids, last_scan
                 while not stop.is_set():
                     if time.monotonic() - last_scan > 1.0:  # the tree changes slowly
-                        pids, last_scan = sorted(tree(federation)), time.monotonic()
+                        pids, last_scan = sorted(process_tree(federation)), time.monotonic()
                     sizes = [proc_bytes(f"/proc/{pid}/smaps_rollup", "Rss", "Pss") for pid in pids]
                     peak["rss"] = max(peak["rss"], sum(r for r, _ in sizes))
                     if sum(p for _, p in sizes) > peak["pss"]:
