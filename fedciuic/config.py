@@ -538,8 +538,8 @@ class SecureSettings(_Strict):
     def _check_ring_bits(cls, value: int) -> int:
         if 0 < value < MIN_RING_BITS:
             raise ValueError(
-                f"a ring of at least {MIN_RING_BITS} bits, or 0 to choose it from the number "
-                "of regions"
+                f"a ring of at least {MIN_RING_BITS} bits, or 0 to choose it from the regions "
+                "and the update's size"
             )
         return value
 

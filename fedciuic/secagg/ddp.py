@@ -41,8 +41,8 @@ POISSON_LIMIT = 1e11
 #: with probability 1 - beta per try (DDGauss' choice of beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
-#: How far above 2**bits the scale search starts: sqrt of the longest rotation block
-#: (2**24 values) times 2**12 for a clip far below 1.
+#: How far above 2**bits the scale search starts (as a power of two): sqrt of the
+#: largest rotation block (2**16 values: 2**8) times 2**16 for a clip far below 1.
 _SCALE_HEADROOM = 24
 
 

@@ -91,9 +91,7 @@ class Ring:
         if tail and data[-1] >> tail:
             raise ValueError(f"{count} values of {self.bits} bits with a non-zero pad")
         if self.bits % 8 == 0:
-            wide = np.zeros((count, 8), np.uint8)
-            wide[:, : self.bits // 8] = np.frombuffer(data, np.uint8).reshape(count, -1)
-            return wide.view("<u8").reshape(-1)
+            return _whole_bytes(data, self.bits // 8, count)
         per, width = self._group
         groups = -(-count // per)
         raw = np.zeros((groups, width + 9), np.uint8)
@@ -113,14 +111,19 @@ class Ring:
         return out.reshape(-1)[:count]
 
 
+def _whole_bytes(data: bytes, width: int, count: int) -> np.ndarray:
+    """``count`` little-endian unsigned integers of ``width`` bytes each, as uint64."""
+    wide = np.zeros((count, 8), np.uint8)
+    wide[:, :width] = np.frombuffer(data, np.uint8).reshape(count, width)
+    return wide.view("<u8").reshape(-1)
+
+
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
     """``size`` ring elements drawn from ``seed`` (SHAKE-256, whole bytes per element,
     reduced to the ring; ``kind``: self or pair)."""
     width = (ring.bits + 7) // 8
-    raw = np.frombuffer(hashlib.shake_256(kind + seed).digest(width * size), np.uint8)
-    wide = np.zeros((size, 8), np.uint8)
-    wide[:, :width] = raw.reshape(size, width)
-    return ring.reduce(wide.view("<u8").reshape(-1))
+    raw = hashlib.shake_256(kind + seed).digest(width * size)
+    return ring.reduce(_whole_bytes(raw, width, size))
 
 
 def mask(
