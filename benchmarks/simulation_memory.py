@@ -39,6 +39,7 @@ from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.shared_base import SHARE_ENV
+from fedciuic.ops.simulate import cpus_per_region
 from fedciuic.record.metrics import load_metrics
 from fedciuic.record.recorder import METRICS_FILE
 from fedciuic.region.cache import BUDGET_ENV
@@ -157,11 +158,12 @@ def main() -> int:
     parser.add_argument(
         "--cpus-per-region",
         type=int,
-        default=1,
-        help="Ray's client-resources-num-cpus: with all the cores, one region trains at a time",
+        help="Ray's client-resources-num-cpus; default: fedciuic simulate's (every core where "
+        "there are fewer cores than regions: one region trains at a time)",
     )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
+    args.cpus_per_region = args.cpus_per_region or cpus_per_region(len(REGIONS))
     rows = []
     print(
         f"3-region simulation, realistic preset (dtype {args.dtype}), {args.rounds} round(s) x "

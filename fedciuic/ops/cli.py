@@ -221,6 +221,14 @@ COMMANDS: tuple[Command, ...] = (
             ),
             run_config_arg(),
             arg(
+                "--cpus-per-region",
+                type=int,
+                help="CPUs each region's ClientApp holds (Ray's client-resources-num-cpus; "
+                "its torch threads follow). Default: every core where there are fewer cores "
+                "than regions, so one region trains at a time and memory holds one step; "
+                "else 1, and every region trains at once",
+            ),
+            arg(
                 "--timeout",
                 type=float,
                 default=1800.0,

@@ -256,6 +256,8 @@ def test_a_region_whose_data_or_ledger_is_unusable_declines_and_the_others_train
         (["--run-config", "keys-dir='/no/keys'"], "/no/keys/aggregator.key.json: no private key"),
         (["--run-config", "aggregator-jurisdiction='XX'"], "unknown jurisdiction 'XX'"),
         (["--run-config", "policies-dir='/no/policies'"], "/no/policies: no such folder"),
+        (["--cpus-per-region", "0"], "--cpus-per-region: 0: give 1 to"),
+        (["--cpus-per-region", "9999"], "--cpus-per-region: 9999: give 1 to"),
     ],
 )
 def test_bad_run_config_stops_before_any_process_starts(tmp_path, args, message):

@@ -14,6 +14,7 @@ from fedciuic.audit.log import AuditLog
 from fedciuic.crypto.keys import Keypair, write_keys
 from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.ops.cli import _parser, main
+from fedciuic.ops.simulate import cpus_per_region
 from tests.conftest import ROOT
 
 
@@ -327,3 +328,13 @@ def test_data_check_refuses_an_unknown_entity_type_and_a_malformed_dictionary(tm
     assert main(["data", "check", str(tmp_path / "eu"), "--deid-dictionary", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}:2: holds a control character" in err, err
+
+
+@pytest.mark.parametrize(
+    ("regions", "cores", "each"),
+    [(3, 2, 2), (3, 1, 1), (3, 3, 1), (3, 16, 1), (8, 4, 4), (1, 1, 1)],
+)
+def test_a_simulation_trains_one_region_at_a_time_only_where_the_cores_cannot_train_all(
+    regions, cores, each
+):
+    assert cpus_per_region(regions, cores) == each
