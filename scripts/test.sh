@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (and chromium, for the report test) if needed, then lint, type-check and
 # run every test (end-to-end included). Arguments go to pytest (e.g. -m "not e2e").
-# pytest-xdist spreads the tests over every core; an end-to-end module's tests stay in one
-# worker, one after another (tests/e2e/conftest.py); -n 0 runs everything in this
+# pytest-xdist spreads the unit tests over every core; the end-to-end tests run in one
+# worker, one after another (tests/conftest.py); -n 0 runs everything in this
 # process. -m "not scenario" skips the long e2e scenarios, -m "not e2e" runs only the
 # unit tests.
 set -euo pipefail

@@ -1,16 +1,13 @@
 """End-to-end tests: each starts by timing this machine's pace (its waits follow it,
-tests/e2e/pace.py); under pytest-xdist each module's tests run in one worker, one after
-another (its module-scoped federation is started once), while other modules and the
-unit tests fill the other workers: a federation leaves about half of two cores idle,
-waiting on processes and polls. The one test that needs a headless browser is skipped,
-with the reason, only where chromium is absent and scripts/test.sh could not install
-it."""
+tests/e2e/pace.py); under pytest-xdist they run one after another in one worker
+(tests/conftest.py, :func:`pytest_xdist_make_scheduler`). The one test that needs a
+headless browser is skipped, with the reason, only where chromium is absent and
+scripts/test.sh could not install it."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -18,14 +15,9 @@ from tests.e2e import pace
 
 #: Set by scripts/test.sh when scripts/setup-browser.sh could not install chromium.
 NO_CHROMIUM = "FEDCIUIC_NO_CHROMIUM"
-HERE = Path(__file__).parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.is_relative_to(HERE):  # one pytest-xdist group per module
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     reason = os.environ.get(NO_CHROMIUM)
     if not reason or shutil.which("chromium"):
         return  # chromium is here (or nobody tried to install it): the test runs
