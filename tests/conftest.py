@@ -72,7 +72,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class EndToEndApart(LoadScopeScheduling):
+    class EndToEndApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
         def _split_scope(self, nodeid: str) -> str:
             return E2E_TESTS if nodeid.startswith(E2E_TESTS) else nodeid
 
