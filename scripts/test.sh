@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (and chromium, for the report test) if needed, then lint, type-check and
 # run every test (end-to-end included). Arguments go to pytest (e.g. -m "not e2e").
-# pytest-xdist spreads the unit tests over every core; the end-to-end tests run in one
-# worker, one after another (tests/conftest.py); -n 0 runs everything in this
-# process. -m "not scenario" skips the long e2e scenarios, -m "not e2e" runs only the
-# unit tests.
+# About 25 min on an idle 2-core machine (README); -m "not scenario" skips the long e2e
+# scenarios, -m "not e2e" runs only the unit tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,4 +14,4 @@ if ! bash scripts/setup-browser.sh; then
 fi
 .venv/bin/ruff check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -n auto --dist loadgroup "$@"
+exec .venv/bin/python -m pytest "$@"

@@ -56,29 +56,6 @@ def unit_config() -> dict[str, Any]:
     return {**app_config(), **FIXTURE_UPDATES}
 
 
-#: The end-to-end tests' folder, as a node id starts (rootdir-relative).
-E2E_TESTS = "tests/e2e/"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadgroup`` (scripts/test.sh), every end-to-end test is one unit of
-    work, run first and in order by one worker, while the unit tests, one by one, fill
-    the others. Two federations at once on two cores starve each other's SuperNode
-    heartbeats (Flower then drops the node), and one federation leaves about half of
-    the cores idle, waiting on processes and polls. (pytest-xdist's own ``xdist_group``
-    mark does not group under pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class EndToEndApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
-        def _split_scope(self, nodeid: str) -> str:
-            return E2E_TESTS if nodeid.startswith(E2E_TESTS) else nodeid
-
-    return EndToEndApart(config, log)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C as a terminal sends it, whoever started the suite: a shell that runs a job
     in the background (``cmd &`` without job control) starts it with SIGINT ignored,

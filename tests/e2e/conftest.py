@@ -1,8 +1,6 @@
 """End-to-end tests: each starts by timing this machine's pace (its waits follow it,
-tests/e2e/pace.py); under pytest-xdist they run one after another in one worker
-(tests/conftest.py, :func:`pytest_xdist_make_scheduler`). The one test that needs a
-headless browser is skipped, with the reason, only where chromium is absent and
-scripts/test.sh could not install it."""
+tests/e2e/pace.py); the one test that needs a headless browser is skipped, with the
+reason, only where chromium is absent and scripts/test.sh could not install it."""
 
 from __future__ import annotations
 
