@@ -132,9 +132,12 @@ case "$1" in
         exit 0
       fi
     done
-    # As the real agent (tests/agent/test_service.py): it stops once its launcher is gone.
+    # As the real agent (tests/agent/test_service.py): it stops once its launcher is gone,
+    # which it reads only after its imports (seconds): a launcher killed before then
+    # leaves it to the parent-death signal start-supernode.sh ties it with.
     exec "$(dirname "$0")/python" -c '
 import os, time
+time.sleep(1.0)
 parent = os.getppid()
 while os.getppid() == parent:
     time.sleep(0.2)' fake-agent "$@";;

@@ -10,7 +10,10 @@
 @@# agent's socket, and makes them, as root), then the agent, which refuses to serve
 @@# while that user can read the region's files.
 "$BIN/python" -m fedciuic.ops.deploy relay-setup @@{relay_user} @@{relay_home} @@{socket}
-"$BIN/fedciuic" agent --config @@{agent} &
+@@# Tied like the SuperNode below: an agent that watched for its parent only once its
+@@# imports were done would take a kill -9 of this script in its first seconds for its
+@@# parent's (re-parented) self and serve on, holding the region's lock.
+"$BIN/python" -m fedciuic.ops.deploy tied $$ -- "$BIN/fedciuic" agent --config @@{agent} &
 AGENT=$!
 SUPERNODE=
 RELAY=
@@ -24,10 +27,9 @@ stop_region() {
 trap stop_region EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-@@# The agent stops by itself once this script is gone (it watches its parent); the
-@@# SuperNode and the relay carry the kernel's parent-death signal (`tied`, `relay`, told
-@@# this script's PID, $$): a kill -9 of this script, which runs no clean-up, leaves none
-@@# of the three running.
+@@# The agent, the SuperNode and the relay carry the kernel's parent-death signal (`tied`,
+@@# `relay`, told this script's PID, $$): a kill -9 of this script, which runs no
+@@# clean-up, leaves none of the three running.
 "$BIN/fedciuic" agent --config @@{agent} --ping --pid "$AGENT" --timeout 120
 "$BIN/python" -m fedciuic.ops.deploy tied $$ -- "$BIN/flower-supernode" @@{security} \
   --superlink @@{superlink} --host 127.0.0.1 --port @@{port} \
