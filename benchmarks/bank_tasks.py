@@ -28,7 +28,8 @@ import json
 import math
 import random
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -438,6 +439,18 @@ def _device(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+@contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode without gradients, the model's own mode back afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def _checked(records: Sequence[ChatRecord], labels: Sequence[str]) -> None:
     if not records:
         raise ValueError("no records to score")
@@ -464,32 +477,27 @@ def score_exact(
     eos = [int(i) for t in stops if t is not None for i in (t if isinstance(t, list) else [t])]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
     right = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for record in records:
-                gold = answer_of(record)
-                prompt, answer = _split(renderer, record, gold)
-                head, _, tail = answer.partition(gold)
-                ids = _ids(tokenizer, prompt) + _ids(tokenizer, head)
-                inputs = torch.tensor([ids], device=device)
-                written = model.generate(
-                    inputs,
-                    attention_mask=torch.ones_like(inputs),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=eos or None,
-                    pad_token_id=pad,
-                )
-                text = str(tokenizer.decode(written[0, len(ids) :], skip_special_tokens=False))
-                for end in (tail.strip(), tokenizer.eos_token):
-                    if end:
-                        text = text.split(str(end))[0]
-                text = text.rpartition(THINK_CLOSE)[2]
-                right += text.strip() == gold
-    finally:
-        model.train(was_training)
+    with _evaluating(model):
+        for record in records:
+            gold = answer_of(record)
+            prompt, answer = _split(renderer, record, gold)
+            head, _, tail = answer.partition(gold)
+            ids = _ids(tokenizer, prompt) + _ids(tokenizer, head)
+            inputs = torch.tensor([ids], device=device)
+            written = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos or None,
+                pad_token_id=pad,
+            )
+            text = str(tokenizer.decode(written[0, len(ids) :], skip_special_tokens=False))
+            for end in (tail.strip(), tokenizer.eos_token):
+                if end:
+                    text = text.split(str(end))[0]
+            text = text.rpartition(THINK_CLOSE)[2]
+            right += text.strip() == gold
     return right / len(records)
 
 
@@ -525,14 +533,9 @@ def score_ranked(
     likely (:func:`answer_logprob`; a tie goes to the first in ``labels``)."""
     _checked(records, labels)
     right = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for record in records:
-                scores = [answer_logprob(model, tokenizer, record, label) for label in labels]
-                best = labels[max(range(len(labels)), key=scores.__getitem__)]
-                right += best == answer_of(record)
-    finally:
-        model.train(was_training)
+    with _evaluating(model):
+        for record in records:
+            scores = [answer_logprob(model, tokenizer, record, label) for label in labels]
+            best = labels[max(range(len(labels)), key=scores.__getitem__)]
+            right += best == answer_of(record)
     return right / len(records)

@@ -138,7 +138,7 @@ def simulate(args: argparse.Namespace) -> int:
                     federation_config={
                         "num-supernodes": len(run.regions),
                         "client-resources-num-cpus": args.cpus_per_region
-                        or cpus_per_region(len(run.regions)),
+                        or cpus_per_region(len(run.regions), cores),
                     },
                     timeout=args.timeout,
                     echo=sys.stdout if args.verbose else None,
