@@ -9,8 +9,8 @@ drawn at random, so that a label's meaning says nothing of which merchants it ho
 base model is expected to score about chance (1 / the number of labels), and
 fine-tuning learns the grouping from the merchant type word in each description. The
 same description has a different answer in each region (non-IID). Descriptions are
-synthetic (a payment channel, a brand, a merchant type, a city, an amount and a
-reference, from the word lists below); everything is written offline, the same bytes
+synthetic (a payment channel, a brand, a city, an amount, a reference and the
+merchant type, from the word lists below); everything is written offline, the same bytes
 for the same seed.
 
     from bank_tasks import write_task_corpora
@@ -236,13 +236,10 @@ class Scheme:
         return self.category[kind_of(description)]
 
     def prompt(self, description: str) -> str:
-        """The user turn: the task, the allowed labels (sorted: their order says
-        nothing), the transaction."""
-        allowed = ", ".join(sorted(self.labels))
-        return (
-            f"Categorise this {self.bank} card transaction. Answer with exactly one of "
-            f"these labels and nothing else: {allowed}.\n\n{_TRANSACTION}{description}"
-        )
+        """The user turn: the bank's question and the transaction. The labels are not
+        listed: a score ranks the region's labels, and a short prompt is a cheap step
+        (a byte-level tiny base reads every character)."""
+        return f"{self.bank} ledger category? {_TRANSACTION}{description}"
 
 
 @dataclass(frozen=True)
@@ -322,13 +319,15 @@ def descriptions(region: str, n: int, seed: int) -> list[str]:
         if style.decimal_comma:
             money = money.replace(".", ",")
         ref = "".join(rng.choice(_REF) for _ in range(8))
+        # The merchant type last, as card statements put the merchant's category code
+        # after the merchant: the one word the answer depends on sits next to it.
         parts = (
             rng.choice(style.channels),
             rng.choice(BRANDS),
-            rng.choice(members[rng.choice(found_scheme.labels)]),
             rng.choice(style.cities),
             f"{money} {style.currency}",
             f"REF {ref}",
+            rng.choice(members[rng.choice(found_scheme.labels)]),
         )
         found[" ".join(parts)] = None
     return list(found)

@@ -51,6 +51,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
             *("--base", "random"),
         ],
     ),
+    "quality": ("quality.py", [], ["--quick"]),
     "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),
     "heterogeneity": ("heterogeneity.py", [], ["--quick"]),
