@@ -256,10 +256,11 @@ def one_run(values: Mapping[str, Any], records: Sequence[int], split: str) -> Ou
             file=sys.stderr,
             flush=True,
         )
+        loss = metrics.final_eval()[1][OVERALL].loss
         return Outcome(
             accuracy=statistics.fmean(scores.values()),
             per_region=scores,
-            eval_loss=metrics.final_eval()[1][OVERALL].loss,
+            eval_loss=math.nan if loss is None else loss,
             sealed_bytes=statistics.fmean(sent) if sent else math.nan,
             epsilon=max(epsilons) if epsilons else None,
             updates=len(sent),
@@ -436,6 +437,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {**SETTINGS, **quick.get("settings", {})}
     path, pretrained = pretrained_base(recipe, settings)
     settings["model-path"] = str(path)
+    earlier: dict[str, Any] = {}  # levels run before (same settings), kept unless run now
+    if args.add_to:
+        prior = json.loads(args.add_to.read_text(encoding="utf-8"))
+        if prior["settings"] != settings or prior["records"] != list(records):
+            parser.error(f"--add-to {args.add_to}: run with other settings; not merged")
+        earlier = prior["runs"]
     started = time.monotonic()
     base = base_accuracy(settings, records)
     partial_path = Path(str(args.json) + ".partial") if args.json else None
@@ -448,13 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records,
         partial_path,
     )
-    if args.add_to:  # levels run earlier (same settings), kept unless run again now
-        earlier = json.loads(args.add_to.read_text(encoding="utf-8"))
-        if earlier["settings"] != settings or earlier["records"] != list(records):
-            parser.error(f"--add-to {args.add_to}: run with other settings; not merged")
-        found = {**{k: v for k, v in earlier["runs"].items() if k not in found}, **found}
+    found = {**{k: v for k, v in earlier.items() if k not in found}, **found}
     base_mean = statistics.fmean(base.values())
-    result = {
+    result: dict[str, Any] = {
         "where": (
             f"tiny preset pretrained ({pretrained['steps']} steps), LoRA r="
             f"{settings['lora-rank']} on attention and MLP, {len(REGIONS)} regions, "
