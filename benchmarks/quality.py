@@ -478,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     quick: dict[str, Any] = QUICK if args.quick else {}
     arms = args.arms.split(",") if args.arms else list(quick.get("arms", ARMS))
-    arms = list(dict.fromkeys([DENSE, *arms]))
+    if not args.add_to:  # the reference, unless it is in the earlier result
+        arms = list(dict.fromkeys([DENSE, *arms]))
     privacy = args.privacy.split(",") if args.privacy else list(quick.get("privacy", PRIVACY))
     unknown = sorted(set(privacy) - set(PRIVACY))
     if unknown:
