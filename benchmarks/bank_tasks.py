@@ -217,7 +217,7 @@ _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 _REF = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 _REGION = re.compile(r"[a-z][a-z0-9_-]*")
 #: Records per customer (each record names its customer, for privacy-unit = "user").
-_PER_CUSTOMER = 5
+PER_CUSTOMER = 5
 _TRANSACTION = "Transaction: "
 
 
@@ -333,12 +333,14 @@ def descriptions(region: str, n: int, seed: int) -> list[str]:
     return list(found)
 
 
-def task_records(region: str, n: int, seed: int) -> list[ChatRecord]:
+def task_records(
+    region: str, n: int, seed: int, per_customer: int = PER_CUSTOMER
+) -> list[ChatRecord]:
     """``n`` chat records: a user turn asking for the category, the label as the answer,
-    each naming its customer (about :data:`_PER_CUSTOMER` records each)."""
+    each naming its customer (about ``per_customer`` records each)."""
     found = scheme(region)
     rng = random.Random(f"fedciuic-bank-customers:{region}:{seed}")
-    customers = max(1, n // _PER_CUSTOMER)
+    customers = max(1, n // per_customer)
     return [
         {
             MESSAGES: [
@@ -359,13 +361,14 @@ def write_task_corpora(
     test: int,
     seed: int,
     heldout_dir: Path | None = None,
+    per_customer: int = PER_CUSTOMER,
 ) -> dict[str, TaskSplits]:
     """Write each region's training records to ``root/<region>/TRAIN_FILE``, and its
     validation and test records (no description shared with training or each other)
     and its scheme to ``root/<region>/.bench/`` (or ``heldout_dir/<region>/``)."""
     out = {}
     for region in regions:
-        records = task_records(region, train + validation + test, seed)
+        records = task_records(region, train + validation + test, seed, per_customer)
         folder = root / region
         heldout = (heldout_dir / region) if heldout_dir is not None else folder / HELDOUT_FOLDER
         heldout.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ it reports mean accuracy with a 95 % interval (Student's t over seeds), the shar
 dense LoRA's gain over the base it keeps (paired by seed, same privacy level), eval
 loss and the sealed bytes a region sent per round.
 
-    .venv/bin/python benchmarks/quality.py                  # every arm, 3 seeds
+    .venv/bin/python benchmarks/quality.py                  # ARMS, DP_ARMS under DP, 3 seeds
     .venv/bin/python benchmarks/quality.py --quick          # 2 arms, 2 seeds, tiny budget
     .venv/bin/python benchmarks/quality.py --privacy no-dp --arms lora-sb/int8
 
@@ -68,34 +68,41 @@ SECURE = "+secure"
 #: Privacy levels: the run-config keys each sets. Without DP the policies are off (they
 #: require DP); each run has a fresh ledger, and a lifetime budget that fits the run and
 #: the strictest policy (8, privacy.max_lifetime_epsilon).
-#: DP-SGD steps take 32 users (15 steps a round, about the examples of 50 steps of 8):
-#: at 8 users a step the noise drowned the signal (eps 8: lora and lora-sb both at the
-#: base's accuracy after 10 rounds of 50 steps).
-DP_STEPS = {"batch-size": 32, "local-steps": 15}
+#: DP-SGD steps take 32 users, 30 steps a round: the noise on a run's summed updates
+#: shrinks with the users a region holds (at 400, eps 8, dense LoRA stayed at the base's
+#: accuracy), and the task needs hundreds of steps (40 steps of 128, even without DP,
+#: left accuracy at chance).
+DP_STEPS = {"batch-size": 32, "local-steps": 30}
 PRIVACY: dict[str, dict[str, Any]] = {
     "eps4": {"dp": True, "target-epsilon": 4.0, "epsilon-budget": 8.0, **DP_STEPS},
     "eps8": {"dp": True, "target-epsilon": 8.0, "epsilon-budget": 8.0, **DP_STEPS},
     "no-dp": {"dp": False, "enforce-policies": False},
 }
+#: Records per customer (the privacy unit): a region's 2,000 training records are 2,000
+#: customers; user-level DP needs thousands of units (at 5 records each, 400 units).
+PER_CUSTOMER = 1
 ARMS = (
     DENSE,
     "lora/int8",
     "lora-fa/dense",
     "lora-fa/int8",
-    "lora-sb/dense",
+    "lora-fa/int4",
+    "lora-fa/topk-int8:0.1",
+    "lora-fa/int8" + SECURE,
     "lora-sb/int8",
-    "lora-sb/int4",
-    "lora-sb/topk-int8:0.1",
     "lora-sb/int8" + SECURE,
 )
+#: The arms run under DP unless --arms says otherwise (a DP run costs twice a plain one):
+#: dense, the default and the best candidate to replace it.
+DP_ARMS = (DENSE, "lora-fa/int8", "lora-sb/int8")
 #: Learning rates tried per adapter mode, on the validation split at seed 0, once per
 #: mode and privacy level (on the mode's first arm; its codecs share the rate: a codec
 #: changes how an update is sent, not the scale training gives it). lora-fa trains B
 #: alone and lora-sb an r x r matrix between fixed factors (lora-sb diverged at 0.05 and
 #: above: eval loss 2.27 at 0.05, 4.12 at 0.3).
 GRID = {
-    "lora": (0.002, 0.004),
-    "lora-fa": (0.004, 0.008),
+    "lora": (0.004, 0.008),
+    "lora-fa": (0.008, 0.016),
     "lora-sb": (0.005, 0.02),
 }
 #: The run config every arm shares (the rest is pyproject.toml's): 3 regions of bank
@@ -114,9 +121,9 @@ SETTINGS: dict[str, Any] = {
     "max-update-norm": 1000.0,
 }
 #: Records per region: training (5 per customer, the privacy unit), validation, test.
-RECORDS = (2000, 60, 120)
+RECORDS = (4000, 60, 120)
 #: The base: the tiny preset pretrained on public text for this long (its own cache key).
-BASE_RECIPE = Recipe("tiny", None, 4.0, learning_rate=0.003)
+BASE_RECIPE = Recipe("tiny", 6100, None, learning_rate=0.003)
 QUICK = {
     "arms": (DENSE, "lora-sb/int8"),
     "privacy": ("no-dp", "eps8"),
@@ -232,7 +239,9 @@ def one_run(values: Mapping[str, Any], records: Sequence[int], split: str) -> Ou
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fedciuic-quality-") as tmp:
         root = Path(tmp)
-        splits = write_task_corpora(root / "data", REGIONS, *records, seed=0)
+        splits = write_task_corpora(
+            root / "data", REGIONS, *records, seed=0, per_customer=PER_CUSTOMER
+        )
         for region in REGIONS:
             dictionary = root / "data" / SIMULATED_DICTIONARIES / f"{region}.txt"
             dictionary.parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +303,7 @@ def base_accuracy(settings: Mapping[str, Any], records: Sequence[int]) -> dict[s
 
 
 def measure(
-    arms: Sequence[str],
+    arms: Mapping[str, Sequence[str]],
     privacy: Sequence[str],
     seeds: int,
     grid: int,
@@ -303,13 +312,14 @@ def measure(
     partial_path: Path | None = None,
     pins: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Tune each arm's learning rate at each privacy level, then run its seeds;
+    """Tune each arm's learning rate at each privacy level (``arms``: the level's
+    arms), then run its seeds;
     ``pins`` (--quick's budget) win over a privacy level's own steps."""
     pins = pins or {}
     found: dict[str, Any] = {}
     for level in privacy:
         tuned: dict[str, tuple[str, float, dict[str, Any]]] = {}  # mode -> arm, rate, runs
-        for arm in arms:
+        for arm in arms[level]:
             values = {**app_config(), **settings, **PRIVACY[level], **pins, **arm_settings(arm)}
             mode = values["adapter-mode"]
             if mode not in tuned:
@@ -477,24 +487,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     quick: dict[str, Any] = QUICK if args.quick else {}
-    arms = args.arms.split(",") if args.arms else list(quick.get("arms", ARMS))
-    if not args.add_to:  # the reference, unless it is in the earlier result
-        arms = list(dict.fromkeys([DENSE, *arms]))
     privacy = args.privacy.split(",") if args.privacy else list(quick.get("privacy", PRIVACY))
     unknown = sorted(set(privacy) - set(PRIVACY))
     if unknown:
         parser.error(f"--privacy: unknown {unknown}; choose from {', '.join(PRIVACY)}")
+    arms: dict[str, list[str]] = {}
+    for level in privacy:
+        default = DP_ARMS if PRIVACY[level]["dp"] else ARMS
+        chosen = args.arms.split(",") if args.arms else list(quick.get("arms", default))
+        # the reference, unless it is in the earlier result
+        arms[level] = chosen if args.add_to else list(dict.fromkeys([DENSE, *chosen]))
     records = quick.get("records", RECORDS)
     recipe = quick.get("recipe", BASE_RECIPE)
     settings = {**SETTINGS, **quick.get("settings", {})}
     path, pretrained = pretrained_base(recipe, settings)
     settings["model-path"] = str(path)
     earlier: dict[str, Any] = {}  # arms run before (same settings), kept unless run now
+    prior_minutes = 0.0
     if args.add_to:
         prior = json.loads(args.add_to.read_text(encoding="utf-8"))
         if prior["settings"] != settings or prior["records"] != list(records):
             parser.error(f"--add-to {args.add_to}: run with other settings; not merged")
-        earlier = prior["runs"]
+        earlier, prior_minutes = prior["runs"], prior["minutes"]
     started = time.monotonic()
     base = base_accuracy(settings, records)
     partial_path = Path(str(args.json) + ".partial") if args.json else None
@@ -511,11 +525,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for level, arms_run in earlier.items():  # this run's arms replace the earlier's
         found[level] = {**arms_run, **found.get(level, {})}
     base_mean = statistics.fmean(base.values())
+    dp_steps = {**DP_STEPS, **quick.get("settings", {})}  # --quick's pins win
     result: dict[str, Any] = {
         "where": (
             f"tiny preset pretrained ({pretrained['steps']} steps), LoRA r="
-            f"{settings['lora-rank']} on attention and MLP, {len(REGIONS)} regions, "
-            f"{settings['num-server-rounds']} rounds x {settings['local-steps']} steps"
+            f"{settings['lora-rank']} on attention and MLP, {len(REGIONS)} regions of "
+            f"{records[0] // PER_CUSTOMER} customers, {settings['num-server-rounds']} rounds "
+            f"of {settings['local-steps']} steps x {settings['batch-size']} (DP: "
+            f"{dp_steps['local-steps']} x {dp_steps['batch-size']} users)"
         ),
         "settings": settings,
         "records": list(records),
@@ -526,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "default_arm": default_codec(),
         "runs": found,
         "summary": summarise(found, base_mean),
-        "minutes": (time.monotonic() - started) / 60,
+        "minutes": prior_minutes + (time.monotonic() - started) / 60,
     }
     print(f"base accuracy {base_mean:.3f} (chance {result['chance']:.3f}); {result['where']}")
     print(
