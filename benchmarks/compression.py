@@ -107,6 +107,14 @@ def default_codec() -> str:
     return f"{mode}/{config['codec']}" if mode != "lora" else str(config["codec"])
 
 
+def default_tag(measured: str, entry: str) -> str | None:
+    """How a result names ``entry`` if it was the default when measured (``measured``):
+    "the default", or "the default when measured" once pyproject.toml has moved on."""
+    if entry != measured:
+        return None
+    return "the default" if entry == default_codec() else "the default when measured"
+
+
 def base_of(choice: str | None, settings: dict[str, Any]) -> dict[str, Any]:
     """What the runs fine-tune (``--base``): ``pretrained`` (the default on ``realistic``)
     adds the pretrained base's ``model-path``, built now if it is not cached; a folder is
@@ -298,9 +306,8 @@ def rows(result: dict[str, Any]) -> list[Row]:
         r = comm[codec]
         wire = dense["wire_bytes"] / r["wire_bytes"]
         update = dense["update_bytes"] / r["update_bytes"]
-        tags = [
-            t for c, t in ((default, "the default"), (aggressive, "most aggressive")) if c == codec
-        ]
+        aggressive_tag = "most aggressive" if codec == aggressive else None
+        tags = [t for t in (default_tag(default, codec), aggressive_tag) if t]
         name = f"quality over rounds, {codec}" + (f" ({', '.join(tags)})" if tags else "")
         out.append(
             [

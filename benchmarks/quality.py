@@ -3,8 +3,9 @@
 Each region's bank categorises card transactions under its own ledger scheme
 (``bank_tasks.py``): a base scores about chance, fine-tuning learns the region's
 grouping, and the answer is scored exactly (the label the model finds most likely, of
-the region's labels) on held-out records. Every arm (``MODE/CODEC``, ``+secure`` for a
-secure sum) runs at each privacy level (DP at epsilon 4 and 8 per run, and no DP):
+the region's labels) on held-out records. Each arm (``MODE/CODEC``, ``+secure`` for a
+secure sum; :data:`ARMS` without DP, :data:`DP_ARMS` under it, unless ``--arms``) runs
+at each privacy level (DP at epsilon 4 and 8 per run, and no DP):
 its learning rate tuned on a validation split (a small grid, seed 0, once per adapter
 mode: its codecs share it), then seeds 1..n
 on the test records, with noise, sampling and initialisation drawn per seed. Per arm
@@ -12,7 +13,7 @@ it reports mean accuracy with a 95 % interval (Student's t over seeds), the shar
 dense LoRA's gain over the base it keeps (paired by seed, same privacy level), eval
 loss and the sealed bytes a region sent per round.
 
-    .venv/bin/python benchmarks/quality.py                  # ARMS, DP_ARMS under DP, 3 seeds
+    .venv/bin/python benchmarks/quality.py                  # all levels, 3 seeds (~100 min)
     .venv/bin/python benchmarks/quality.py --quick          # 2 arms, 2 seeds, tiny budget
     .venv/bin/python benchmarks/quality.py --privacy no-dp --arms lora-sb/int8
 
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bank_tasks import TaskSplits, chance, score_ranked, write_task_corpora
-from compression import ROOT, bench_policies, default_codec
+from compression import ROOT, bench_policies, default_codec, default_tag
 from pretrain import Recipe, app_config, pretrained_base
 from report import Row, save_figure, verdict
 
@@ -69,7 +70,7 @@ SECURE = "+secure"
 #: require DP); each run has a fresh ledger, and a lifetime budget that fits the run and
 #: the strictest policy (8, privacy.max_lifetime_epsilon).
 #: DP-SGD steps take 32 users, 30 steps a round: the noise on a run's summed updates
-#: shrinks with the users a region holds (at 400, eps 8, dense LoRA stayed at the base's
+#: shrinks with the users a region holds (at 430, eps 8, dense LoRA stayed at the base's
 #: accuracy), and the task needs hundreds of steps (40 steps of 128, even without DP,
 #: left accuracy at chance).
 DP_STEPS = {"batch-size": 32, "local-steps": 30}
@@ -78,8 +79,10 @@ PRIVACY: dict[str, dict[str, Any]] = {
     "eps8": {"dp": True, "target-epsilon": 8.0, "epsilon-budget": 8.0, **DP_STEPS},
     "no-dp": {"dp": False, "enforce-policies": False},
 }
-#: Records per customer (the privacy unit): a region's 2,000 training records are 2,000
-#: customers; user-level DP needs thousands of units (at 5 records each, 400 units).
+#: Records per customer (the privacy unit): each record's customer drawn from
+#: records / PER_CUSTOMER ids, so a region's 4,000 training records belong to about
+#: 2,570 customers, 60 % of them with one record. User-level DP needs thousands of
+#: units: at 5 records a customer (about 430 customers) nothing learnt at eps 8.
 PER_CUSTOMER = 1
 ARMS = (
     DENSE,
@@ -302,6 +305,13 @@ def base_accuracy(settings: Mapping[str, Any], records: Sequence[int]) -> dict[s
         return accuracy(run, AdapterLayout.of(run.model).initial, splits, "test")
 
 
+def level_arms(level: str, chosen: Sequence[str] | None, with_dense: bool) -> list[str]:
+    """The arms run at ``level``: ``chosen``, else :data:`DP_ARMS` under DP and
+    :data:`ARMS` without; dense first unless the reference is in an earlier result."""
+    arms = list(chosen or (DP_ARMS if PRIVACY[level]["dp"] else ARMS))
+    return list(dict.fromkeys([DENSE, *arms])) if with_dense else arms
+
+
 def measure(
     arms: Mapping[str, Sequence[str]],
     privacy: Sequence[str],
@@ -360,11 +370,13 @@ def summarise(found: dict[str, Any], base: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for level, arms in found.items():
         dense = [s["accuracy"] for s in arms[DENSE]["seeds"]] if DENSE in arms else []
+        # Shares are paired by seed: where dense gained nothing at some seed, no arm's
+        # share is a figure (dropping that seed would pick the seeds that flatter).
+        shared = bool(dense) and all(d > base for d in dense)
         for arm, entry in arms.items():
             accs = [s["accuracy"] for s in entry["seeds"]]
-            shares = [
-                (a - base) / (d - base) for a, d in zip(accs, dense, strict=False) if d - base > 0
-            ]
+            paired = zip(accs, dense, strict=False)
+            shares = [(a - base) / (d - base) for a, d in paired] if shared else []
             out.setdefault(level, {})[arm] = {
                 "learning_rate": entry["learning_rate"],
                 "accuracy": interval(accs),
@@ -404,13 +416,18 @@ def rows(result: dict[str, Any]) -> list[Row]:
             if arm == DENSE:
                 continue
             fewer = dense["sealed_bytes"] / s["sealed_bytes"]
-            tag = " (the default)" if arm == default else ""
+            tag = f" ({default_tag(default, arm)})" if arm == default else ""
+            share = s["share_of_dense_gain"]
+            kept = (
+                f"keeps {_pm(share, 100, 0)} % of dense LoRA's gain"
+                if math.isfinite(share[0])
+                else "no share of dense LoRA's gain, which was nil at some seed"
+            )
             out.append(
                 [
                     f"quality, {arm}{tag} at {level}",
-                    f"keeps {_pm(s['share_of_dense_gain'], 100, 0)} % of dense LoRA's gain "
-                    f"(accuracy {_pm(s['accuracy'])}) at {fewer:.0f}x fewer sealed bytes "
-                    f"({s['sealed_bytes'] / 1e3:.1f} KB per region per round)",
+                    f"{kept} (accuracy {_pm(s['accuracy'])}) at {fewer:.1f}x fewer sealed "
+                    f"bytes ({s['sealed_bytes'] / 1e3:.1f} KB per region per round)",
                     "share of dense's gain kept, 95 % interval",
                     "reported",
                 ]
@@ -491,12 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(privacy) - set(PRIVACY))
     if unknown:
         parser.error(f"--privacy: unknown {unknown}; choose from {', '.join(PRIVACY)}")
-    arms: dict[str, list[str]] = {}
-    for level in privacy:
-        default = DP_ARMS if PRIVACY[level]["dp"] else ARMS
-        chosen = args.arms.split(",") if args.arms else list(quick.get("arms", default))
-        # the reference, unless it is in the earlier result
-        arms[level] = chosen if args.add_to else list(dict.fromkeys([DENSE, *chosen]))
+    chosen = args.arms.split(",") if args.arms else quick.get("arms")
+    arms = {level: level_arms(level, chosen, with_dense=not args.add_to) for level in privacy}
     records = quick.get("records", RECORDS)
     recipe = quick.get("recipe", BASE_RECIPE)
     settings = {**SETTINGS, **quick.get("settings", {})}
@@ -524,13 +537,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for level, arms_run in earlier.items():  # this run's arms replace the earlier's
         found[level] = {**arms_run, **found.get(level, {})}
+    found = {level: found[level] for level in PRIVACY if level in found}
     base_mean = statistics.fmean(base.values())
     dp_steps = {**DP_STEPS, **quick.get("settings", {})}  # --quick's pins win
     result: dict[str, Any] = {
         "where": (
             f"tiny preset pretrained ({pretrained['steps']} steps), LoRA r="
             f"{settings['lora-rank']} on attention and MLP, {len(REGIONS)} regions of "
-            f"{records[0] // PER_CUSTOMER} customers, {settings['num-server-rounds']} rounds "
+            f"{records[0]} records, {settings['num-server-rounds']} rounds "
             f"of {settings['local-steps']} steps x {settings['batch-size']} (DP: "
             f"{dp_steps['local-steps']} x {dp_steps['batch-size']} users)"
         ),

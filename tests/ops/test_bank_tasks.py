@@ -23,8 +23,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # as run_all.py runs them: scripts
 from bank_tasks import (
     HELDOUT_FOLDER,
     KINDS,
+    MESSAGES,
     TEST_FILE,
     TRAIN_FILE,
+    USER_ID,
     VALIDATION_FILE,
     answer_of,
     chance,
@@ -125,6 +127,21 @@ def test_train_validation_and_test_are_disjoint(tmp_path):
     elsewhere = write_task_corpora(tmp_path / "data", ["eu"], 5, 2, 2, 0, tmp_path / "held")
     assert elsewhere["eu"].heldout == tmp_path / "held" / "eu"
     assert tree(tmp_path / "data") == {f"eu/{TRAIN_FILE}": elsewhere["eu"].train_file.read_bytes()}
+
+
+def test_records_per_customer_sets_how_many_customers_hold_the_records(tmp_path):
+    # The privacy unit is the customer: fewer records each, more units for DP-SGD.
+    def customers(per_customer: int) -> int:
+        return len({r[USER_ID] for r in task_records("eu", 1000, 0, per_customer)})
+
+    assert customers(1) > 2 * customers(5)
+    assert 100 < customers(5) <= 200
+    # Who holds a record changes; the records themselves do not.
+    many = task_records("eu", 1000, 0, 1)
+    few = task_records("eu", 1000, 0, 5)
+    assert [r[MESSAGES] for r in many] == [r[MESSAGES] for r in few]
+    split = write_task_corpora(tmp_path, ["eu"], 100, 5, 5, seed=0, per_customer=1)["eu"]
+    assert len({r[USER_ID] for r in split.train}) > 50  # of 110 ids, with replacement
 
 
 def test_a_region_reads_the_training_file_as_written(tmp_path):

@@ -60,3 +60,31 @@ def test_intervals_are_students_t_over_seeds():
     assert math.isclose(mean, 0.6)
     assert math.isclose(half, 4.302652729911275 * 0.1 / math.sqrt(3))
     assert math.isnan(quality.interval([0.5])[1])
+
+
+def test_dp_levels_run_their_own_arms_and_dense_is_always_the_reference():
+    assert quality.level_arms("no-dp", None, with_dense=True) == list(quality.ARMS)
+    assert quality.level_arms("eps8", None, with_dense=True) == list(quality.DP_ARMS)
+    assert quality.level_arms("eps4", ["lora-fa/int8"], with_dense=True) == [
+        quality.DENSE,
+        "lora-fa/int8",
+    ]
+    # Merged into an earlier result that holds the reference: only what was asked.
+    assert quality.level_arms("eps4", ["lora-fa/int8"], with_dense=False) == ["lora-fa/int8"]
+
+
+def test_shares_are_undefined_where_dense_gained_nothing_at_some_seed():
+    def entry(accuracies):
+        seeds = [
+            {"accuracy": a, "eval_loss": 1.0, "sealed_bytes": 10.0, "epsilon": None}
+            for a in accuracies
+        ]
+        return {"learning_rate": 0.01, "seeds": seeds}
+
+    learnt = {quality.DENSE: entry([0.5, 0.6, 0.55]), "lora-fa/int8": entry([0.3, 0.35, 0.325])}
+    share = quality.summarise({"no-dp": learnt}, base=0.1)["no-dp"]["lora-fa/int8"]
+    assert math.isclose(share["share_of_dense_gain"][0], 0.5)
+    # Dense gained 0.05, 0.1 and -0.05: no share, not one of the two seeds that gained.
+    flat = {quality.DENSE: entry([0.15, 0.2, 0.05]), "lora-fa/int8": entry([0.3, 0.1, 0.2])}
+    undefined = quality.summarise({"eps8": flat}, base=0.1)["eps8"]
+    assert all(math.isnan(s["share_of_dense_gain"][0]) for s in undefined.values())
