@@ -217,7 +217,7 @@ _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 _REF = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 _REGION = re.compile(r"[a-z][a-z0-9_-]*")
 #: Records per customer (each record names its customer, for privacy-unit = "user").
-PER_CUSTOMER = 5
+_PER_CUSTOMER = 5
 _TRANSACTION = "Transaction: "
 
 
@@ -334,7 +334,7 @@ def descriptions(region: str, n: int, seed: int) -> list[str]:
 
 
 def task_records(
-    region: str, n: int, seed: int, per_customer: int = PER_CUSTOMER
+    region: str, n: int, seed: int, per_customer: int = _PER_CUSTOMER
 ) -> list[ChatRecord]:
     """``n`` chat records: a user turn asking for the category, the label as the answer,
     each naming its customer (about ``per_customer`` records each)."""
@@ -361,7 +361,7 @@ def write_task_corpora(
     test: int,
     seed: int,
     heldout_dir: Path | None = None,
-    per_customer: int = PER_CUSTOMER,
+    per_customer: int = _PER_CUSTOMER,
 ) -> dict[str, TaskSplits]:
     """Write each region's training records to ``root/<region>/TRAIN_FILE``, and its
     validation and test records (no description shared with training or each other)

@@ -123,7 +123,7 @@ SETTINGS: dict[str, Any] = {
     "max-eval-examples": 32,
     "max-update-norm": 1000.0,
 }
-#: Records per region: training (5 per customer, the privacy unit), validation, test.
+#: Records per region: training (held by customers as PER_CUSTOMER says), validation, test.
 RECORDS = (4000, 60, 120)
 #: The base: the tiny preset pretrained on public text for this long (its own cache key).
 BASE_RECIPE = Recipe("tiny", 6100, None, learning_rate=0.003)
@@ -416,7 +416,8 @@ def rows(result: dict[str, Any]) -> list[Row]:
             if arm == DENSE:
                 continue
             fewer = dense["sealed_bytes"] / s["sealed_bytes"]
-            tag = f" ({default_tag(default, arm)})" if arm == default else ""
+            named = default_tag(default, arm)
+            tag = f" ({named})" if named else ""
             share = s["share_of_dense_gain"]
             kept = (
                 f"keeps {_pm(share, 100, 0)} % of dense LoRA's gain"
