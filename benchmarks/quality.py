@@ -321,18 +321,25 @@ def measure(
     records: Sequence[int],
     partial_path: Path | None = None,
     pins: Mapping[str, Any] | None = None,
+    earlier: Mapping[str, Any] | None = None,
+    first_seed: int = 1,
 ) -> dict[str, Any]:
     """Tune each arm's learning rate at each privacy level (``arms``: the level's
-    arms), then run its seeds;
+    arms), then run seeds ``first_seed..seeds``; an arm in ``earlier`` (a result's
+    runs) keeps its tuned rate and earlier seeds, and gains these.
     ``pins`` (--quick's budget) win over a privacy level's own steps."""
     pins = pins or {}
     found: dict[str, Any] = {}
     for level in privacy:
         tuned: dict[str, tuple[str, float, dict[str, Any]]] = {}  # mode -> arm, rate, runs
+        before = (earlier or {}).get(level, {})
         for arm in arms[level]:
             values = {**app_config(), **settings, **PRIVACY[level], **pins, **arm_settings(arm)}
             mode = values["adapter-mode"]
-            if mode not in tuned:
+            if arm in before:
+                kept = before[arm]
+                tuned[mode] = (kept["tuned_on"], kept["learning_rate"], kept["validation"])
+            elif mode not in tuned:
                 rates = GRID[mode][:grid]
                 tuning = {
                     rate: one_run(
@@ -345,13 +352,13 @@ def measure(
             tuned_on, rate, validation = tuned[mode]
             runs = [
                 one_run({**values, "learning-rate": rate, "seed": seed}, records, "test")
-                for seed in range(1, seeds + 1)
+                for seed in range(first_seed, seeds + 1)
             ]
             found.setdefault(level, {})[arm] = {
                 "learning_rate": rate,
                 "tuned_on": tuned_on,
                 "validation": validation,
-                "seeds": [asdict(o) for o in runs],
+                "seeds": before.get(arm, {}).get("seeds", []) + [asdict(o) for o in runs],
             }
             print(
                 f"  {level} {arm}: lr {rate}, test accuracy "
@@ -495,6 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arms", help=f"comma list of {','.join(ARMS)}")
     parser.add_argument("--privacy", help=f"comma list of {','.join(PRIVACY)}")
     parser.add_argument("--seeds", type=int, help="test seeds per arm (default 3)")
+    parser.add_argument(
+        "--seeds-from",
+        type=int,
+        default=1,
+        help="with --add-to: run seeds from this one up to --seeds and add them to the "
+        "earlier result's arms (each keeps its tuned rate)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument(
         "--add-to",
@@ -523,6 +537,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if prior["settings"] != settings or prior["records"] != list(records):
             parser.error(f"--add-to {args.add_to}: run with other settings; not merged")
         earlier, prior_minutes = prior["runs"], prior["minutes"]
+    if args.seeds_from != 1:
+        if not args.add_to:
+            parser.error("--seeds-from: adds seeds to a result; name it with --add-to")
+        for level in privacy:
+            for arm in arms[level]:
+                had = len(earlier.get(level, {}).get(arm, {}).get("seeds", []))
+                if had != args.seeds_from - 1:
+                    parser.error(
+                        f"--seeds-from {args.seeds_from}: {arm} at {level} has {had} seeds in "
+                        f"{args.add_to}; seeds are added in order"
+                    )
     started = time.monotonic()
     base = base_accuracy(settings, records)
     partial_path = Path(str(args.json) + ".partial") if args.json else None
@@ -535,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         records,
         partial_path,
         quick.get("settings"),
+        earlier if args.seeds_from != 1 else None,
+        args.seeds_from,
     )
     for level, arms_run in earlier.items():  # this run's arms replace the earlier's
         found[level] = {**arms_run, **found.get(level, {})}
