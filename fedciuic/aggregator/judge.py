@@ -18,9 +18,10 @@ import numpy as np
 
 from fedciuic.aggregator.aggregation import Bounds, Checked, ImplausibleUpdate, check
 from fedciuic.audit import digest
-from fedciuic.config import AdapterMode, Schedule, UpdateRules
+from fedciuic.config import AdapterMode, RunConfig, Schedule, UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
+from fedciuic.releases import data_figures
 from fedciuic.stages import Provenance, ReplySealing
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -220,6 +221,8 @@ class Judge:
     secure_threshold: int = 0
     #: Whether the regions add distributed noise in the secure sum.
     distributed_dp: bool = False
+    #: The run config, which says what each reply field is (fedciuic/releases.py).
+    run: RunConfig | None = None
 
     def guarded(
         self, item: Arrival, *, signed_round: int, training: Training | None = None
@@ -294,7 +297,7 @@ class Judge:
         )
         if training.refuse:  # it arrived where it cannot be used: logged as received, refused
             raise ImplausibleUpdate(training.refuse)
-        update, metrics, info, header = self._open(reply, training.task.round, sender)
+        update, metrics, info, header, sent = self._open(reply, training.task.round, sender)
         if info[ADAPTER_MODE] != self.adapter_mode:
             raise ImplausibleUpdate(
                 f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "
@@ -319,6 +322,7 @@ class Judge:
                 secure_threshold=self.secure_threshold,
                 distributed_dp=self.distributed_dp,
                 deid_entities=parse_deid_entities(info[DEID_ENTITIES]),
+                data_fields=data_figures(TRAINED, sent, self.run) if self.run else (),
                 **metrics.declared(),
             )
         )
@@ -361,9 +365,10 @@ class Judge:
 
     def _open(
         self, reply: Reply, server_round: int, sender: str | None
-    ) -> tuple[bytes, TrainMetrics, dict[str, str], Provenance]:
-        """The compressed update, its metrics and info, and the facts its policy is
-        checked against, as the sealing stage hands them over."""
+    ) -> tuple[bytes, TrainMetrics, dict[str, str], Provenance, tuple[str, ...]]:
+        """The compressed update, its metrics and info, the facts its policy is checked
+        against, and the names of every field it sent, as the sealing stage hands them
+        over."""
         opened = self.sealing.receive(reply, self.run_id, server_round, sender)
         info, header = opened.info, opened.header
         if info["region"] != header.region:
@@ -371,7 +376,9 @@ class Judge:
                 f"update names region {info['region']!r} but comes from {header.region!r}"
             )
         update = self._update_bytes(opened.arrays)
-        return update, parse_train_metrics(opened.metrics, info[PRIVACY_UNIT]), info, header
+        metrics = parse_train_metrics(opened.metrics, info[PRIVACY_UNIT])
+        sent = opened.metrics if isinstance(opened.metrics, Mapping) else {}  # parsed: one
+        return update, metrics, info, header, (*sent, *info, *opened.arrays)
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
         """The one compressed update a trained reply may carry, within the size cap; in a

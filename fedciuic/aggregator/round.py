@@ -188,6 +188,7 @@ class AggregatorRound:
             self.regions_by_node,
             self.run.unmask_threshold if secure.secure_aggregation else 0,
             secure.secure_aggregation and secure.distributed_noise_multiplier > 0,
+            self.run,
         )
         #: The one writer of metrics.json and the audit log, for this federation run.
         self.journal = Journal(

@@ -8,6 +8,7 @@ from fedciuic.policy.binding import PolicyGate as PolicyGate
 from fedciuic.policy.binding import PolicyRefusal as PolicyRefusal
 from fedciuic.policy.binding import RegionPolicy as RegionPolicy
 from fedciuic.policy.binding import enforce_region_policy as enforce_region_policy
+from fedciuic.policy.binding import releases_dp_only as releases_dp_only
 from fedciuic.policy.rules import Decision as Decision
 from fedciuic.policy.rules import LoadedPolicy as LoadedPolicy
 from fedciuic.policy.rules import PolicyError as PolicyError

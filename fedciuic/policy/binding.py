@@ -16,6 +16,7 @@ from fedciuic.errors import FedciuicError
 from fedciuic.jurisdictions import simulated_jurisdiction
 from fedciuic.policy.rules import (
     DEFAULT_MIN_SECURE_REGIONS,
+    DP_ONLY,
     Decision,
     LoadedPolicy,
     PolicyError,
@@ -68,6 +69,16 @@ def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> Loade
     return load_policies(Path(settings.policies_dir)).require(simulated_jurisdiction(node.region))
 
 
+def releases_dp_only(run: RunConfig, node: NodeConfig, *, simulated: bool) -> bool:
+    """Whether the region's policy lets out only DP releases (privacy.releases: dp_only);
+    a policy that cannot be read says yes (fail closed: the region is declining anyway)."""
+    try:
+        loaded = region_policy(run, node, simulated=simulated)
+    except FedciuicError:
+        return True
+    return loaded is not None and loaded.policy.privacy.releases == DP_ONLY
+
+
 def run_terms(
     run: RunConfig,
     *,
@@ -75,6 +86,7 @@ def run_terms(
     epsilon_budget: float | None = None,
     projected_epsilon: float | None = None,
     deid_entities: tuple[str, ...] | None = None,
+    data_releases: tuple[str, ...] = (),
 ) -> RunTerms:
     """What this run asks of a region, from the run config's sections; ``deid_entities``
     is what the region scrubs of the run's (:meth:`NodeConfig.deid_entities`; None: all
@@ -100,6 +112,7 @@ def run_terms(
         distributed_dp=run.secure.secure_aggregation
         and run.secure.distributed_noise_multiplier > 0,
         deid_entities=run.deid.entities if deid_entities is None else deid_entities,
+        data_releases=data_releases,
     )
 
 
@@ -117,6 +130,9 @@ class RegionPolicy:
     decision: Decision
     #: The fewest regions a secure sum holding this region's update is unmasked from.
     min_secure_regions: int = DEFAULT_MIN_SECURE_REGIONS
+    #: Whether only DP outputs, public configuration and commitments may leave
+    #: (privacy.releases: dp_only).
+    dp_only: bool = False
 
     @classmethod
     def of(cls, loaded: LoadedPolicy, decision: Decision) -> RegionPolicy:
@@ -128,6 +144,7 @@ class RegionPolicy:
             policy.audit.redact_paths,
             decision,
             policy.aggregation.min_secure_regions,
+            policy.privacy.releases == DP_ONLY,
         )
 
     @classmethod
@@ -145,8 +162,10 @@ def enforce_region_policy(
     aggregator_jurisdiction: str,
     own_jurisdiction: str | None,
     projected_epsilon: float | None = None,
+    data_releases: tuple[str, ...] = (),
 ) -> RegionPolicy:
     """Load the region's policy and check the run against it; raise with every reason.
+    ``data_releases``: the data-dependent figures the run's replies would carry.
     :meth:`RegionPolicy.none` only for a simulated lab baseline with enforce-policies off.
 
     ``own_jurisdiction`` is the jurisdiction in the region's own key (None without
@@ -164,6 +183,7 @@ def enforce_region_policy(
         epsilon_budget=node.epsilon_budget,
         projected_epsilon=projected_epsilon,
         deid_entities=node.deid_entities(run),
+        data_releases=data_releases,
     )
     decision = check_run(node.region, loaded, terms)
     mismatch = _jurisdiction_reason(node.region, loaded, own_jurisdiction, simulated=simulated)

@@ -96,6 +96,12 @@ class Transfers(_Section):
         return value
 
 
+#: What a policy lets leave a region besides DP outputs (``Privacy.releases``).
+Releases = Literal["any", "dp_only"]
+DP_ONLY: Releases = "dp_only"
+DEFAULT_RELEASES: Releases = "any"
+
+
 class Privacy(_Section):
     dp_required: bool
     max_epsilon_per_run: float = Field(gt=0)
@@ -106,6 +112,10 @@ class Privacy(_Section):
     #: The least a guarantee must cover: ``user`` requires user-level DP; ``record``
     #: (or absent) accepts either, since user-level DP implies record-level.
     unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
+    #: What may leave beside DP outputs: ``any`` (or absent) lets figures of the data
+    #: such as example counts and held-out losses go with the update; ``dp_only`` lets
+    #: out only DP outputs, public configuration and commitments (fedciuic/releases.py).
+    releases: Releases = DEFAULT_RELEASES
 
 
 class Sealing(_Section):
@@ -236,12 +246,14 @@ class Policy(_Section):
     def content_hash(self) -> str:
         """SHA-256 of the canonical JSON of the validated policy (sorted keys, no
         whitespace): the same in every process, whatever the file's layout. The default
-        ``privacy.unit`` and ``compression.allowed_adapter_modes`` (every mode) are left
-        out, so that a policy written before they existed keeps the hash that audit logs
-        and envelopes already name."""
+        ``privacy.unit``, ``privacy.releases`` and ``compression.allowed_adapter_modes``
+        (every mode) are left out, so that a policy written before they existed keeps
+        the hash that audit logs and envelopes already name."""
         data = self.model_dump(mode="json")
         if self.privacy.unit == DEFAULT_PRIVACY_UNIT:
             del data["privacy"]["unit"]
+        if self.privacy.releases == DEFAULT_RELEASES:
+            del data["privacy"]["releases"]
         if set(self.compression.allowed_adapter_modes) == set(ADAPTER_MODES):
             del data["compression"]["allowed_adapter_modes"]
         for optional in ("agent", "deidentification"):  # likewise for sections absent
@@ -737,6 +749,19 @@ class RunTerms:
     distributed_dp: bool = False
     #: The entity types de-identification scrubs in each region (none: it is off).
     deid_entities: tuple[str, ...] = ()
+    #: The data-dependent figures (outside DP) the run's replies would carry, each as
+    #: ``field: why`` (fedciuic/releases.py).
+    data_releases: tuple[str, ...] = ()
+
+
+def _release_reasons(p: Privacy, figures: tuple[str, ...], what: str) -> list[str]:
+    """``privacy.releases: dp_only`` against the data-dependent ``figures`` of ``what``."""
+    if p.releases != DP_ONLY or not figures:
+        return []
+    return [
+        f"{what} would carry figures of the region's data outside DP: {'; '.join(figures)} "
+        "(privacy.releases: dp_only)"
+    ]
 
 
 def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
@@ -761,6 +786,7 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
     reasons += _mode_reasons(p, terms.adapter_mode)
     reasons += p.aggregation.secure_reasons(terms.secure_aggregation, terms.secure_threshold)
     reasons += _deid_reasons(p, terms.deid_entities)
+    reasons += _release_reasons(p.privacy, terms.data_releases, "the run's replies")
     return Decision(
         actor=region,
         subject="run terms",
@@ -888,6 +914,8 @@ class UpdateFacts:
     distributed_dp: bool = False
     #: The entity types the region declares it scrubbed before training (none: off).
     deid_entities: tuple[str, ...] = ()
+    #: The reply's data-dependent figures (outside DP), each as ``field: why``.
+    data_fields: tuple[str, ...] = ()
 
 
 def check_update(
@@ -961,6 +989,7 @@ def check_update(
     reasons += _mode_reasons(p, facts.adapter_mode)
     reasons += p.aggregation.secure_reasons(facts.secure_sum, facts.secure_threshold)
     reasons += _deid_reasons(p, facts.deid_entities)
+    reasons += _release_reasons(p.privacy, facts.data_fields, "the reply")
     if (too_old := loaded.agent_too_old(facts.agent_version)) is not None:
         reasons.append(too_old)
     reasons += _transfer_reasons(p, run)

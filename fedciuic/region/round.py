@@ -25,7 +25,7 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +50,8 @@ from fedciuic.crypto import (
 )
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.policy import PolicyRefusal, RegionPolicy, enforce_region_policy
+from fedciuic.policy import PolicyRefusal, RegionPolicy, enforce_region_policy, releases_dp_only
+from fedciuic.releases import WITHHELD_REASON, leaving, unavoidable
 from fedciuic.stages import (
     AuditTrail,
     Clear,
@@ -328,6 +329,8 @@ class _Round:
         self.audit: AuditTrail = NoAudit()
         self.signer: Keypair | None = None  # once the aggregator's signature checked out
         self.server_round: int | None = None
+        self.simulated = False
+        self._dp_only: bool | None = None
 
     def note(self, event: str, **details: object) -> None:
         self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
@@ -335,6 +338,7 @@ class _Round:
     def handle(self, task: Instruction, *, asked: TaskKind, simulated: bool) -> RegionReply:
         """The outcome, once everything about it is in the audit log and signed; a log
         that cannot be written turns any outcome into a decline (fail closed)."""
+        self.simulated = simulated
         try:
             outcome = self._handle(task, asked, simulated)
             self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
@@ -370,7 +374,7 @@ class _Round:
             return self._vouch(RunEndWitnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
-            return RegionReply(Declined(self.node.region, str(err)))
+            return RegionReply(Declined(self.node.region, self._reason(err)))
 
     def _note_undelivered(self, notice: RunEndNotice) -> None:
         """Every update this region released in the federation run that the aggregator's
@@ -404,7 +408,30 @@ class _Round:
                 server_round,
             )
 
+    @property
+    def dp_only(self) -> bool:
+        """Whether the region's policy lets out only DP releases (read once a round)."""
+        if self._dp_only is None:
+            self._dp_only = releases_dp_only(self.run, self.node, simulated=self.simulated)
+        return self._dp_only
+
+    def _reason(self, err: FedciuicError) -> str:
+        """A decline's reason as it leaves (under dp_only it stays in the audit log)."""
+        return WITHHELD_REASON if self.dp_only else str(err)
+
+    def _released(self, outcome: RoundOutcome) -> RoundOutcome:
+        """The outcome as it may leave: under dp_only without the figures a reply can go
+        without; every field then checked against the release table (fail closed)."""
+        if self.dp_only and isinstance(outcome, Evaluated):
+            outcome = Evaluated(outcome.region, replace(outcome.stats, step_seconds=None))
+        records = outcome_records(outcome)
+        fields = {**records.info, **records.metrics, **(records.arrays or {})}
+        who = f"region {self.node.region}"
+        leaving(str(records.info["status"]), fields, self.run, dp_only=self.dp_only, who=who)
+        return outcome
+
     def _vouch(self, outcome: RoundOutcome) -> RegionReply:
+        outcome = self._released(outcome)
         head = self.audit.last_checkpoint()
         return RegionReply(
             outcome,
@@ -423,7 +450,7 @@ class _Round:
             self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as audit_err:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
-        return Declined(self.node.region, str(err))
+        return Declined(self.node.region, self._reason(err))
 
     def _handle(self, task: Instruction, asked: TaskKind, simulated: bool) -> RoundOutcome:
         run, node = self.run, self.node
@@ -517,6 +544,7 @@ class _Round:
             aggregator_jurisdiction=sealing.destination,
             own_jurisdiction=sealing.own_jurisdiction,
             projected_epsilon=projected_epsilon,
+            data_releases=unavoidable(self.run),
         )
         if not policy.redacts_paths:
             self.audit.redact = ()
@@ -557,11 +585,9 @@ class _Round:
 # -- the reply ------------------------------------------------------------------------------
 
 
-def region_records(reply: RegionReply) -> Records:
-    """An outcome as its reply carries it: the head of this region's audit log, which
-    code made it (version and code digest), and the region's signature where the reply
-    names a keypair."""
-    match reply.outcome:
+def outcome_records(outcome: RoundOutcome) -> Records:
+    """An outcome's own fields, as its reply carries them."""
+    match outcome:
         case Declined(region, reason):
             records = declined(region, reason)
         case Evaluated(region, stats):
@@ -576,6 +602,14 @@ def region_records(reply: RegionReply) -> Records:
             records = witnessed(region)
         case SecureAnswer(region, data):
             records = secure_answer(region, data)
+    return records
+
+
+def region_records(reply: RegionReply) -> Records:
+    """An outcome as its reply carries it: the head of this region's audit log, which
+    code made it (version and code digest), and the region's signature where the reply
+    names a keypair."""
+    records = outcome_records(reply.outcome)
     vouched: dict[str, str | int | bytes] = {
         **records.info,
         AGENT_VERSION: __version__,

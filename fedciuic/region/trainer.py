@@ -67,6 +67,7 @@ from fedciuic.privacy import (
     warn_once,
 )
 from fedciuic.region.cache import BoundedCache
+from fedciuic.releases import kept, leaving
 from fedciuic.stages import AuditTrail
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -818,7 +819,12 @@ class Release:
             """On disk before the ledger commits the release (resent after a restart)."""
             nonlocal payload
             info = train_info(trained, policy)
-            payload = update_payload(update_arrays(trained.update), train_metrics(trained), info)
+            run, dp_only = region.run, policy.dp_only
+            metrics = kept(TRAINED, train_metrics(trained), run, dp_only=dp_only)
+            arrays = update_arrays(trained.update)
+            fields = {**metrics, **info, **arrays}
+            leaving(TRAINED, fields, run, dp_only=dp_only, who=f"region {region.name}")
+            payload = update_payload(arrays, metrics, info)
             self.sent.save(self.run_id, self.server_round, Kept(payload, trained_record(trained)))
 
         outcome = region.train_round(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fedciuic.config import RunConfig
 from fedciuic.deid.entities import DIRECT
 from fedciuic.policy.rules import (
     Agent,
@@ -21,7 +22,8 @@ from fedciuic.policy.rules import (
     load_policies,
     load_policy,
 )
-from tests.conftest import ROOT
+from fedciuic.releases import unavoidable
+from tests.conftest import ROOT, unit_config, write_policy
 
 POLICIES = ROOT / "policies"
 SHIPPED = ["eu-gdpr.yaml", "cn-pipl.yaml", "us-ccpa.yaml", "sg-pdpa.yaml", "in-dpdp.yaml"]
@@ -540,3 +542,34 @@ def test_a_policy_without_a_deidentification_section_requires_none(eu):
     absent = LoadedPolicy(eu.policy.model_copy(update={"deidentification": None}), eu.path)
     assert check_run("eu", absent, replace(GOOD, deid_entities=())).accepted
     assert not check_run("eu", eu, replace(GOOD, deid_entities=())).accepted
+
+
+# -- privacy.releases: dp_only ------------------------------------------------------------
+
+
+def _dp_only(path: Path) -> LoadedPolicy:
+    return load_policy(write_policy(path, "EU", privacy__releases="dp_only", privacy__unit="user"))
+
+
+def test_a_dp_only_policy_declines_a_run_whose_replies_carry_data_figures(eu, tmp_path):
+    figures = unavoidable(RunConfig.from_user_config(unit_config(), source="run config"))
+    assert check_run("eu", eu, replace(GOOD, data_releases=figures)).accepted  # releases: any
+    decision = check_run("eu", _dp_only(tmp_path / "eu.yaml"), replace(GOOD, data_releases=figures))
+    assert not decision.accepted
+    (reason,) = decision.reasons
+    assert reason.startswith("the run's replies would carry figures of the region's data")
+    assert "num-examples: the region's training example count" in reason
+    assert reason.endswith("(privacy.releases: dp_only)")
+    assert check_run("eu", _dp_only(tmp_path / "eu2.yaml"), GOOD).accepted
+
+
+def test_the_aggregator_rejects_a_reply_with_data_figures_from_a_dp_only_region(tmp_path):
+    dp_only = _dp_only(tmp_path / "eu.yaml")
+    facts = replace(FACTS, policy_hash=dp_only.hash)
+    assert check_update(dp_only, facts, GOOD).accepted
+    figures = ("train-loss: the mean loss of the round's training batches",)
+    decision = check_update(dp_only, replace(facts, data_fields=figures), GOOD)
+    assert decision.reasons == (
+        "the reply would carry figures of the region's data outside DP: "
+        f"{figures[0]} (privacy.releases: dp_only)",
+    )

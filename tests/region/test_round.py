@@ -44,6 +44,7 @@ from fedciuic.region.round import (
     witness_run_end,
 )
 from fedciuic.region.trainer import Kept, SentUpdates
+from fedciuic.releases import WITHHELD_REASON
 from fedciuic.stages.sealing import Clear, Sealed
 from fedciuic.wire import PRIVACY_UNIT, Instruction, RunEndNotice
 from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, unit_config, write_policy
@@ -678,3 +679,30 @@ def test_a_training_round_opens_its_ledger_once(run, demo_root, tmp_path, monkey
     opened.clear()  # a resent round (its update kept) opens it once, to see it released
     assert isinstance(run(node).outcome, Clear)
     assert opened == [tmp_path / "privacy-ledger.jsonl"]
+
+
+def test_a_dp_only_policy_declines_a_run_with_data_figures_and_keeps_the_reason_at_home(
+    run, demo_root, tmp_path
+):
+    """privacy.releases: dp_only: the run's replies would carry the example count and the
+    held-out loss outside DP, so the region trains nothing; what leaves is the withheld
+    reason, what its own log keeps is every figure that would have left."""
+    policy = write_policy(
+        tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
+    )
+    state = tmp_path / "state"
+    for kind in (TaskKind.TRAIN, TaskKind.EVALUATE):
+        reply = run(cn_node(demo_root, state, policy), kind=kind)
+        assert declined(reply).reason == WITHHELD_REASON
+        assert region_records(reply).info["reason"] == WITHHELD_REASON
+    assert not (state / LEDGER_FILE).exists()  # nothing trained, nothing accounted
+    reasons = [
+        r["details"]["reason"]
+        for r in load_records(state / "audit.jsonl")
+        if r["event"] == "declined"
+    ]
+    assert len(reasons) == 2
+    for reason in reasons:
+        assert "(privacy.releases: dp_only)" in reason
+        assert "num-examples: the region's training example count" in reason
+        assert "eval-loss: the global adapter's mean loss" in reason

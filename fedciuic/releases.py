@@ -1,0 +1,286 @@
+"""What leaves a region, figure by figure.
+
+Every field of every reply a region sends (info, metrics and arrays, the trained
+payload inside a sealed envelope included) is classified here, once, as one of:
+
+- ``dp``: the output of a DP mechanism the region's ledger charges (its purpose says
+  which share of the budget);
+- ``public``: derived only from the signed run config, a policy, the region's own
+  declared configuration (its keys, its de-identification setup) and public constants;
+- ``commitment``: a hash that binds the region to what it recorded without carrying it
+  (its audit log's head), hiding only as far as what it hashes is unpredictable;
+- ``data``: a function of the region's data that no DP mechanism covers.
+
+:func:`leaving` checks a reply against this table before it leaves: a field the table
+does not know is refused (fail closed), and so is a ``data`` field where the region's
+policy allows only DP releases (``privacy.releases: dp_only``). The aggregator runs the
+same check on what it receives. docs/privacy.md says what each class means for the
+epsilon on the record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from fedciuic.config import RunConfig
+from fedciuic.errors import FedciuicError
+from fedciuic.wire import (
+    ADAPTER_MODE,
+    AGENT_CODE,
+    AGENT_VERSION,
+    AUDIT_COUNT,
+    AUDIT_HEAD,
+    DECLINED,
+    DEID_ENTITIES,
+    ENVELOPE,
+    EVALUATED,
+    JURISDICTION,
+    KEY_ID,
+    POLICY_HASH,
+    PRIVACY_UNIT,
+    SEALED,
+    SECAGG_ANSWER,
+    SECAGG_DIGEST,
+    SECURE,
+    SIGNATURE,
+    TRAINED,
+    UPDATE,
+    WITNESSED,
+)
+
+
+class Kind(StrEnum):
+    DP = "dp"
+    PUBLIC = "public"
+    COMMITMENT = "commitment"
+    DATA = "data"
+
+
+class Purpose(StrEnum):
+    """What a DP release's share of the budget pays for (the ledger records it)."""
+
+    TRAINING = "training"
+    EVALUATION = "evaluation"
+    COUNTS = "counts"
+
+
+@dataclass(frozen=True)
+class Disclosure:
+    """One field's class, and in a few words why (for DP: the mechanism)."""
+
+    kind: Kind
+    why: str
+    purpose: Purpose | None = None
+
+
+#: A field's class, fixed or chosen by the run config.
+Rule = Disclosure | Callable[[RunConfig], Disclosure]
+
+
+def _public(why: str) -> Disclosure:
+    return Disclosure(Kind.PUBLIC, why)
+
+
+def _data(why: str) -> Disclosure:
+    return Disclosure(Kind.DATA, why)
+
+
+def _update(run: RunConfig) -> Disclosure:
+    if run.privacy.dp:
+        return Disclosure(
+            Kind.DP, "DP-SGD: per-unit clipped gradients, Gaussian noise", Purpose.TRAINING
+        )
+    if run.secure.secure_aggregation and run.secure.distributed_noise_multiplier > 0:
+        return Disclosure(
+            Kind.DP,
+            "distributed DP: the regions' shared Gaussian noise in the secure sum",
+            Purpose.TRAINING,
+        )
+    return _data("the adapter's change trained without DP (dp = false)")
+
+
+def _count_based(what: str) -> Rule:
+    """A figure that follows from the number of the region's privacy units."""
+
+    def rule(run: RunConfig) -> Disclosure:
+        return _data(f"{what}, from the number of the region's {run.privacy.privacy_unit}s")
+
+    return rule
+
+
+def _steps(run: RunConfig) -> Disclosure:
+    if run.training.local_time_budget > 0:
+        return _data("the steps a local-time-budget allowed: the region's step time")
+    return _public("local-steps of the run config")
+
+
+def _privacy(run: RunConfig) -> Disclosure:
+    return _public("the run config's privacy section")
+
+
+#: Fields every reply may carry (besides its status's own).
+ANY_REPLY: dict[str, Rule] = {
+    "region": _public("the region's name"),
+    "status": _public("the protocol"),
+    KEY_ID: _public("the id of the region's public key"),
+    SIGNATURE: _public("the region's signature over the other fields"),
+    AGENT_VERSION: _public("the fedciuic version the region runs"),
+    AGENT_CODE: _public("the digest of the code the region runs"),
+    AUDIT_COUNT: _public("how many records the region's audit log holds at its checkpoint"),
+    AUDIT_HEAD: Disclosure(Kind.COMMITMENT, "the head of the region's hash-chained audit log"),
+}
+
+#: Each status's own fields; ``reason`` is empty except in a decline.
+REPLY_FIELDS: dict[str, dict[str, Rule]] = {
+    TRAINED: {
+        "reason": _public("empty"),
+        "data-fingerprint": _data("SHA-256 of the region's data files"),
+        JURISDICTION: _public("the region's policy"),
+        POLICY_HASH: _public("the region's policy"),
+        PRIVACY_UNIT: _privacy,
+        ADAPTER_MODE: _public("adapter-mode of the run config"),
+        DEID_ENTITIES: _public("the region's de-identification setup (its agent config)"),
+        "num-examples": _data("the region's training example count (the aggregate's weight)"),
+        "train-loss": _data("the mean loss of the round's training batches"),
+        "steps": _steps,
+        "update-bytes": _public("the codec's size for the adapter's layout"),
+        "epsilon": _count_based("epsilon accounted at the Poisson rate"),
+        "epsilon-budget": _privacy,
+        "delta": _privacy,
+        "noise-multiplier": _count_based("noise calibrated for the Poisson rate"),
+        "sample-rate": _count_based("the Poisson rate batch-size / units"),
+        "secure-mode": _privacy,
+        "max-grad-norm": _privacy,
+        UPDATE: _update,
+    },
+    SEALED: {
+        "reason": _public("empty"),
+        ENVELOPE: _public("ciphertext of a trained payload, checked under trained"),
+    },
+    EVALUATED: {
+        "reason": _public("empty"),
+        "num-examples": _data("the region's held-out example count"),
+        "eval-loss": _data("the global adapter's mean loss on the region's held-out data"),
+        "perplexity": _data("exp of the held-out loss"),
+        "step-seconds": _data("one DP-SGD step's time on the region's batches"),
+    },
+    DECLINED: {
+        "reason": _data("why the region declined, which may name its data's figures"),
+        "num-examples": _public("0"),
+    },
+    WITNESSED: {"reason": _public("empty")},
+    SECURE: {
+        "reason": _public("empty"),
+        SECAGG_ANSWER: _public(
+            "a phase of the secure sum: public keys, shares of random masks, or the "
+            "trained update masked (classified under trained)"
+        ),
+        SECAGG_DIGEST: _public("SHA-256 of the phase's message"),
+    },
+}
+
+
+#: Data-dependent figures a reply can go without: a region whose policy lets out only
+#: DP releases leaves them out rather than declining.
+OPTIONAL = frozenset({"train-loss", "step-seconds"})
+#: A decline's reason as it leaves under ``dp_only``: the reason may name figures of the
+#: data, so it stays in the region's own audit log.
+WITHHELD_REASON = (
+    "declined; the reason is in the region's audit log (privacy.releases: dp_only keeps it there)"
+)
+
+
+#: Values that say nothing of the data whatever field carries them.
+_FIXED = {"reason": WITHHELD_REASON}
+
+
+def _is_fixed(name: str, value: object) -> bool:
+    return isinstance(value, str) and _FIXED.get(name) == value
+
+
+def unavoidable(run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent figures this run's trained and evaluated replies cannot leave
+    out, each as ``field: why``: what a ``dp_only`` policy declines the run for."""
+    found = (
+        (name, disclosure_of(status, name, run))
+        for status in (TRAINED, EVALUATED)
+        for name in REPLY_FIELDS[status]
+        if name not in OPTIONAL
+    )
+    return tuple(
+        dict.fromkeys(f"{name}: {r.why}" for name, r in found if r and r.kind is Kind.DATA)
+    )
+
+
+def kept(
+    status: str, fields: Mapping[str, object], run: RunConfig, *, dp_only: bool
+) -> dict[str, object]:
+    """``fields`` less the :data:`OPTIONAL` data-dependent ones where ``dp_only``."""
+    return {
+        name: value
+        for name, value in fields.items()
+        if not (dp_only and name in OPTIONAL and _kind(status, name, run) is Kind.DATA)
+    }
+
+
+def _kind(status: str, name: str, run: RunConfig) -> Kind | None:
+    release = disclosure_of(status, name, run)
+    return release.kind if release else None
+
+
+class ReleaseRefused(FedciuicError):
+    """A reply would carry a field its sender may not release."""
+
+
+def disclosure_of(status: str, name: str, run: RunConfig) -> Disclosure | None:
+    """The class of field ``name`` in a ``status`` reply under ``run`` (None: unknown)."""
+    rule = REPLY_FIELDS.get(status, {}).get(name) or ANY_REPLY.get(name)
+    if rule is None:
+        return None
+    return rule(run) if callable(rule) else rule
+
+
+def classify(status: str, names: Iterable[str], run: RunConfig) -> dict[str, Disclosure | None]:
+    return {name: disclosure_of(status, name, run) for name in names}
+
+
+def problems(status: str, names: Iterable[str], run: RunConfig, *, dp_only: bool) -> list[str]:
+    """What a ``status`` reply carrying ``names`` may not release: each field this table
+    does not know, and with ``dp_only`` each data-dependent one."""
+    out = []
+    for name, release in classify(status, names, run).items():
+        if release is None:
+            out.append(f"{name}: not a field a {status} reply is known to carry")
+        elif dp_only and release.kind is Kind.DATA:
+            out.append(f"{name}: {release.why}")
+    return out
+
+
+def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent fields among ``names`` of a ``status`` reply, as ``field: why``."""
+    return tuple(
+        f"{name}: {r.why}"
+        for name, r in classify(status, names, run).items()
+        if r is not None and r.kind is Kind.DATA
+    )
+
+
+def leaving(
+    status: str,
+    fields: Mapping[str, object],
+    run: RunConfig,
+    *,
+    dp_only: bool,
+    who: str,
+) -> None:
+    """Refuse (:class:`ReleaseRefused`) a reply that would carry what its sender may not
+    release (:func:`problems`); ``who`` names the sender in the message."""
+    names = [name for name, value in fields.items() if not _is_fixed(name, value)]
+    found = problems(status, names, run, dp_only=dp_only)
+    if found:
+        rule = " (privacy.releases: dp_only)" if dp_only else ""
+        raise ReleaseRefused(
+            f"{who}: a {status} reply would release what it may not{rule}: " + "; ".join(found)
+        )
