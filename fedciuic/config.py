@@ -415,6 +415,11 @@ class DPSettings(_Strict):
     #: At most this many of one unit's examples (a user's records, a long record's
     #: chunks) in a DP-SGD step; their mean gradient is clipped as one.
     max_examples_per_unit: int = Field(default=4, ge=1, le=1024)
+    #: The standard deviation of the Gaussian noise on a region's count of its privacy
+    #: units, released once a run and charged to its ledger: the Poisson rate, the noise,
+    #: the epsilon and the reply's weight then follow from it and public values. 0: the
+    #: exact count sets them, a figure outside DP (docs/privacy.md).
+    count_noise: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
 
     @field_validator("insecure_reproducible_noise")
     @classmethod

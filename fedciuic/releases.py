@@ -101,13 +101,32 @@ def _update(run: RunConfig) -> Disclosure:
     return _data("the adapter's change trained without DP (dp = false)")
 
 
+def _counted(run: RunConfig) -> bool:
+    """Whether the run's rate and weights follow from a DP count of units."""
+    return run.privacy.dp and run.privacy.count_noise > 0
+
+
 def _count_based(what: str) -> Rule:
-    """A figure that follows from the number of the region's privacy units."""
+    """A figure that follows from the number of the region's privacy units: public
+    given the run's DP count, else from the exact count."""
 
     def rule(run: RunConfig) -> Disclosure:
+        if _counted(run):
+            return _public(f"{what}, from the run config and the run's DP count")
         return _data(f"{what}, from the number of the region's {run.privacy.privacy_unit}s")
 
     return rule
+
+
+def _weight(run: RunConfig) -> Disclosure:
+    if _counted(run):
+        return Disclosure(
+            Kind.DP,
+            f"the run's DP count of the region's {run.privacy.privacy_unit}s (Gaussian, "
+            "count-noise)",
+            Purpose.COUNTS,
+        )
+    return _data("the region's training example count (the aggregate's weight)")
 
 
 def _steps(run: RunConfig) -> Disclosure:
@@ -142,7 +161,7 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
         PRIVACY_UNIT: _privacy,
         ADAPTER_MODE: _public("adapter-mode of the run config"),
         DEID_ENTITIES: _public("the region's de-identification setup (its agent config)"),
-        "num-examples": _data("the region's training example count (the aggregate's weight)"),
+        "num-examples": _weight,
         "train-loss": _data("the mean loss of the round's training batches"),
         "steps": _steps,
         "update-bytes": _public("the codec's size for the adapter's layout"),

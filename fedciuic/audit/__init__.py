@@ -2,6 +2,7 @@
 (``log``), and the per-run compliance report cross-checking the parties' logs
 (``report``)."""
 
+from fedciuic.audit.events import LEDGER_WITNESSES as LEDGER_WITNESSES
 from fedciuic.audit.events import SECURE_SENT_EVENTS as SECURE_SENT_EVENTS
 from fedciuic.audit.events import SENT_EVENTS as SENT_EVENTS
 from fedciuic.audit.events import Event as Event

@@ -59,6 +59,9 @@ class Event(StrEnum):
     #: An update the region released (its epsilon spent) that the aggregator's signed
     #: run-end notice lists no receipt of: spent, not delivered.
     UPDATE_UNDELIVERED = "update_undelivered"
+    #: A run's DP count of the region's privacy units, released and charged to its
+    #: ledger (count-noise; docs/privacy.md): the count, and the ledger's head after it.
+    UNITS_COUNTED = "units_counted"
     # a region's agent (docs/cluster.md)
     AGENT_STARTED = "agent_started"  # its version, code digest and who the relay runs as
     REQUEST_REFUSED = "request_refused"  # a relay asked for what the aggregator did not sign
@@ -74,3 +77,6 @@ SECURE_SENT_EVENTS = (
     Event.SECURE_CONSENTED,
     Event.SECURE_REVEALED,
 )
+#: What a region logs when its privacy ledger records a release: each witnesses the
+#: ledger's head (``details.ledger``), which the ledger's rollback check reads.
+LEDGER_WITNESSES = (Event.TRAINED, Event.UNITS_COUNTED)

@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeGuard
 
-from fedciuic.audit.events import SENT_EVENTS, Event
+from fedciuic.audit.events import LEDGER_WITNESSES, SENT_EVENTS, Event
 from fedciuic.audit.pruning import PRUNING_SUFFIX as PRUNING_SUFFIX  # users import it from here
 from fedciuic.audit.pruning import remove_side_files, replace_with, replaced
 from fedciuic.crypto import AGGREGATOR, Keypair, PublicBundle
@@ -913,13 +913,13 @@ def _check_pruned(
 
 
 def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
-    """What must outlive a prune: per dataset, the ``trained`` details (unchanged) that
-    witness its privacy ledger's longest chain and highest epsilon, which the ledger's
+    """What must outlive a prune: per dataset, the details (unchanged) of the records
+    that witness its privacy ledger's longest chain and highest epsilon, which the ledger's
     rollback check reads (docs/privacy.md)."""
     best: dict[object, list[Mapping[str, Any]]] = {}
     for r in with_carried(removed):
         details = r.get("details")
-        if r.get("event") != Event.TRAINED or r.get("actor") != actor:
+        if r.get("event") not in LEDGER_WITNESSES or r.get("actor") != actor:
             continue
         if not isinstance(details, Mapping) or not isinstance(details.get("ledger"), Mapping):
             continue

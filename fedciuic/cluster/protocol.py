@@ -42,6 +42,9 @@ class TrainCommand(BaseModel):
     steps: int = 0
     noise_multiplier: float = 0.0
     sample_rate: float = 0.0
+    #: DP with count-noise: the run's DP count of units the rate follows from (0: the
+    #: exact count).
+    units: int = 0
     #: Without DP: seconds of training, on rank 0's clock (0: all ``steps``).
     time_budget: float = 0.0
     #: test-region-slowdown's factor for this region, applied on every rank.

@@ -128,6 +128,7 @@ def train_rank(
             steps=command.steps,
             seed=command.seed,
             who=f"training process rank {shard.rank}",
+            units=command.units or None,
             shard=shard,
             slowdown=command.slowdown,
         )

@@ -7,17 +7,21 @@ from fedciuic.faces import face
 
 if TYPE_CHECKING:
     from fedciuic.privacy.budget import budget_status as budget_status
+    from fedciuic.privacy.dpsgd import dp_count as dp_count
     from fedciuic.privacy.dpsgd import plan_private_steps as plan_private_steps
     from fedciuic.privacy.dpsgd import private_round as private_round
     from fedciuic.privacy.dpsgd import time_private_step as time_private_step
     from fedciuic.privacy.dpsgd import warn_once as warn_once
+    from fedciuic.privacy.ledger import COUNTS as COUNTS
     from fedciuic.privacy.ledger import LEDGER_FILE as LEDGER_FILE
+    from fedciuic.privacy.ledger import BudgetExhausted as BudgetExhausted
     from fedciuic.privacy.ledger import LedgerRound as LedgerRound
     from fedciuic.privacy.ledger import PrivacyError as PrivacyError
     from fedciuic.privacy.ledger import PrivacyLedger as PrivacyLedger
     from fedciuic.privacy.ledger import Step as Step
     from fedciuic.privacy.ledger import audit_witness as audit_witness
     from fedciuic.privacy.ledger import calibrate_noise as calibrate_noise
+    from fedciuic.privacy.ledger import calibrate_noise_after as calibrate_noise_after
     from fedciuic.privacy.ledger import locked as locked
     from fedciuic.privacy.ledger import poisson_sample_rate as poisson_sample_rate
     from fedciuic.privacy.ledger import rebuild_ledger_command as rebuild_ledger_command

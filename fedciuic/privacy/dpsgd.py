@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from opacus import PrivacyEngine
-from opacus.data_loader import switch_generator
+from opacus.data_loader import DPDataLoader, switch_generator
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
@@ -116,6 +116,21 @@ def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generato
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
     return gen, f"torch generator on {device} seeded from os.urandom"
+
+
+def dp_count(count: int, std: float, *, secure_mode: bool, seed: int | None = None) -> int:
+    """``count`` plus Gaussian noise of ``std``, rounded and at least 0 (post-processing):
+    the Gaussian mechanism of sensitivity 1 (a unit more or less changes a count by one),
+    its noise drawn as DP-SGD's is (Opacus' secure sum of Gaussians in ``secure_mode``;
+    ``seed``: reproducible, tests only, ignored in secure mode)."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    if seed is not None and not secure_mode:
+        gen = seeded_generator("cpu", seed)
+    else:
+        gen, _ = secure_generator("cpu")
+    noise = _generate_noise(std, torch.zeros(1, dtype=torch.float64), gen, secure_mode)
+    return max(0, round(count + float(noise)))
 
 
 def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
@@ -231,11 +246,14 @@ class PrivateTrainer:
         optimizer: LocalOptimizer = "adamw",
         shard: Shard = ONE_PROCESS,
         proximal_mu: float = 0.0,
+        units: int | None = None,
     ) -> None:
         """``seed`` makes noise and sampling reproducible, and predictable to whoever
         knows it: only for tests (run config ``insecure-reproducible-noise``), and
         ignored in ``secure_mode``. Without it both generators are seeded from the
-        operating system, so no other party can predict or replay the noise."""
+        operating system, so no other party can predict or replay the noise.
+        ``units``: the count the rate and the averaging follow from (the run's DP count
+        with count-noise), where not the examples' own."""
         self.model = model
         self.mode = mode
         self.examples = examples
@@ -302,14 +320,25 @@ class PrivateTrainer:
         # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks).
         self.optimizer.secure_mode = secure_mode
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
-        self.sample_rate = 1.0 / len(loader)
+        passes = len(loader)
+        if units is not None:
+            # Sampled at the rate the DP count sets, averaged over the batch it expects:
+            # neither depends on the exact count (docs/privacy.md).
+            passes = math.ceil(units / batch_size)
+            self.loader = DPDataLoader(
+                TensorDataset(torch.arange(self.units.count)),
+                sample_rate=1.0 / passes,
+                generator=sample_gen,
+            )
+            self.optimizer.expected_batch_size = int(units / passes)
+        self.sample_rate = 1.0 / passes
         self.shard = shard
         if shard.distributed:
             self.optimizer = _across_ranks(self.optimizer, shard.rank)
             if self.criterion is not None:
                 self.criterion.optimizer = self.optimizer
             self.loader = _ShardSampler(
-                shard, self.units.count, self.sample_rate, len(loader), sample_gen
+                shard, self.units.count, self.sample_rate, passes, sample_gen
             )
         self.max_examples_per_unit = max_examples_per_unit
         self.batch_size = batch_size
@@ -329,6 +358,7 @@ class PrivateTrainer:
         noise_multiplier: float,
         seed: int,
         shard: Shard = ONE_PROCESS,
+        units: int | None = None,
     ) -> PrivateTrainer:
         """The trainer a region's round uses, with the run's training and privacy
         sections; ``seed`` reaches the noise only under insecure-reproducible-noise."""
@@ -348,6 +378,7 @@ class PrivateTrainer:
             optimizer=local.optimizer,
             shard=shard,
             proximal_mu=local.proximal_mu,
+            units=units,
         )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
@@ -504,12 +535,20 @@ def private_round(
     who: str,
     shard: Shard = ONE_PROCESS,
     slowdown: float = 1.0,
+    units: int | None = None,
 ) -> PrivateRound:
     """``steps`` DP-SGD steps with the run's settings, as the ledger accounts them: a
     trainer that would sample at another rate than ``sample_rate`` is refused before
     any step (``who`` names the region or rank), and Opacus' hooks are removed after."""
     trainer = PrivateTrainer.for_run(
-        model, examples, local, dp, noise_multiplier=noise_multiplier, seed=seed, shard=shard
+        model,
+        examples,
+        local,
+        dp,
+        noise_multiplier=noise_multiplier,
+        seed=seed,
+        shard=shard,
+        units=units,
     )
     try:
         if trainer.sample_rate != sample_rate:

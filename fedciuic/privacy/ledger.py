@@ -37,7 +37,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedciuic.audit import REGION_LOG, Event, load_records, with_carried
+from fedciuic.audit import LEDGER_WITNESSES, REGION_LOG, Event, load_records, with_carried
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, Accountant, PrivacyUnit
 from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
@@ -62,8 +62,6 @@ LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1
 LEDGER_FILE = "privacy-ledger.jsonl"
 #: Domain separation of the ledger's hash chain (see :func:`chain_head`).
 HEAD_LABEL = b"\x00fedciuic-privacy-ledger-head/1\x00"
-#: The region's audit event that witnesses each release (with ``details.ledger``).
-TRAINED_EVENT = Event.TRAINED
 
 #: One composition step: (noise multiplier, sample rate, number of steps).
 Step = tuple[float, float, int]
@@ -125,6 +123,46 @@ def calibrate_noise(
     )
 
 
+@lru_cache(maxsize=64)
+def calibrate_noise_after(
+    prefix: tuple[Step, ...],
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant,
+) -> float:
+    """The smallest noise multiplier (to 0.01 in epsilon) whose ``steps`` keep the run
+    under target after ``prefix``, the run's other releases (its DP count): what the
+    run reports then bounds all of them. Without a prefix, :func:`calibrate_noise`."""
+    if not prefix:
+        return calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant)
+    spent = epsilon_of(prefix, delta, accountant)
+    if spent >= target_epsilon - 0.01:
+        raise PrivacyError(
+            f"run config:target-epsilon: {target_epsilon:g} leaves nothing for training "
+            f"after the run's count of units, which costs epsilon {spent:.3f} alone; raise "
+            "count-noise or target-epsilon"
+        )
+
+    def over(sigma: float) -> bool:
+        return (
+            epsilon_of([*prefix, (sigma, sample_rate, steps)], delta, accountant) > target_epsilon
+        )
+
+    low, high = 0.0, 1.0
+    while over(high):
+        low, high = high, 2 * high
+        if high > 1e6:
+            raise PrivacyError(
+                f"no noise multiplier keeps the run under epsilon {target_epsilon:g}"
+            )
+    while high - low > 1e-3 * high:  # within 0.1 %: well inside 0.01 in epsilon
+        mid = (low + high) / 2
+        low, high = (mid, high) if over(mid) else (low, mid)
+    return high
+
+
 def poisson_sample_rate(num_examples: int, batch_size: int) -> float:
     """Opacus' Poisson rate for a loader of ``batch_size``: one over the number of batches."""
     return 1.0 / math.ceil(num_examples / batch_size)
@@ -149,8 +187,18 @@ class LedgerHeader(_Record):
     created: str
 
 
+#: What a ledger line's release paid for: a round's update, or the DP count of the
+#: dataset's privacy units a run samples from (docs/privacy.md).
+Purpose = Literal["training", "counts"]
+TRAINING: Purpose = "training"
+COUNTS: Purpose = "counts"
+
+
 class LedgerRound(_Record):
-    """One released round: what it cost and where the accounting stands after it."""
+    """One release: a round's update (``training``), or the run's DP count of the
+    dataset's units (``counts``: a Gaussian mechanism of sensitivity 1, accounted as
+    one step at rate 1 with ``noise_multiplier`` its standard deviation); what it cost
+    and where the accounting stands after it."""
 
     kind: Literal["round"]
     run_id: int
@@ -166,6 +214,16 @@ class LedgerRound(_Record):
     reproducible_noise: bool = False
     accountant_state: dict[str, Any]  # Opacus' accountant state_dict: {"history": [...]}
     time: str
+    purpose: Purpose = TRAINING
+    #: The released count (``counts`` only).
+    count: int | None = Field(default=None, ge=0)
+
+    def line(self) -> bytes:
+        """The record as its ledger line: a training line without the two fields it
+        had no need of, as written before counts existed (its chain head unchanged)."""
+        if self.purpose == TRAINING and self.count is None:
+            return self.model_dump_json(exclude={"purpose", "count"}).encode()
+        return self.model_dump_json().encode()
 
 
 def chain_head(previous: str | None, line: bytes) -> str:
@@ -210,7 +268,7 @@ class PrivacyLedger:
         self.header = header
         self.rounds = rounds
         if lines is None:
-            lines = [r.model_dump_json().encode() for r in [header, *rounds]]
+            lines = [header.model_dump_json().encode(), *(r.line() for r in rounds)]
         #: The file's lines as written (without newlines): lines[0] is the header.
         self.lines = lines
         #: heads[k]: the chain head after k releases (heads[0] covers the header).
@@ -379,6 +437,18 @@ class PrivacyLedger:
         """Cumulative epsilon if ``step`` were released next."""
         return epsilon_of([*self.history, step], self.header.delta, self.header.accountant)
 
+    def run_count(self, run_id: int) -> int | None:
+        """The DP count of units run ``run_id`` released (None: none yet)."""
+        counts = (r.count for r in self.rounds if r.purpose == COUNTS and r.run_id == run_id)
+        return next(counts, None)
+
+    def released(self, run_id: int, server_round: int) -> bool:
+        """Whether round ``server_round`` of run ``run_id`` released its update."""
+        return any(
+            r.purpose == TRAINING and r.run_id == run_id and r.round == server_round
+            for r in self.rounds
+        )
+
     def run_history(self, run_id: int) -> list[Step]:
         """The steps this run (federation run id) has actually released."""
         return [
@@ -424,7 +494,7 @@ class PrivacyLedger:
         lines = []
         if not self.path.exists():
             lines.append(self.header.model_dump_json())
-        line = record.model_dump_json()
+        line = record.line().decode()
         lines.append(line)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
@@ -442,7 +512,7 @@ class PrivacyLedger:
         last = self.lines[-1] if self.rounds else b""
         releases, head = len(self.rounds), self.heads[-1]
         if pending is not None:
-            last = pending.model_dump_json().encode()
+            last = pending.line()
             releases, head = releases + 1, chain_head(head, last)
         return {
             "file": self.path.name,
@@ -462,6 +532,8 @@ class PrivacyLedger:
         secure_mode: bool,
         epsilon: float,
         reproducible_noise: bool = False,
+        purpose: Purpose = TRAINING,
+        count: int | None = None,
     ) -> LedgerRound:
         history = [[float(s), float(q), int(n)] for s, q, n in [*self.history, step]]
         return LedgerRound(
@@ -478,6 +550,8 @@ class PrivacyLedger:
             reproducible_noise=reproducible_noise,
             accountant_state={"history": history, "mechanism": self.header.accountant},
             time=_now(),
+            purpose=purpose,
+            count=count,
         )
 
 
@@ -518,7 +592,7 @@ def _damage_fix(path: Path) -> str:
 
 def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitness | None:
     """What the region's audit log (``STATE_PATH/audit.jsonl``) witnessed of this
-    dataset's ledger: the ``ledger`` details of its ``trained`` records (the most
+    dataset's ledger: the ``ledger`` details of its records that witness it (the most
     releases, and the head at that length) and the highest cumulative epsilon they
     recorded. None when there is no audit log. A log that cannot be read is an error:
     without it a rollback cannot be ruled out."""
@@ -529,7 +603,7 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
     # with_carried: a pruned audit log carries its last witness of each ledger forward.
     for record in with_carried(load_records(audit_path)):
         details = record.get("details")
-        if record.get("event") != TRAINED_EVENT or not isinstance(details, dict):
+        if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
             continue
         if record.get("actor") != region or details.get("data_fingerprint") != dataset:
             continue
@@ -817,7 +891,7 @@ def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
     if not candidates and audit_path.exists():
         for record in reversed(list(with_carried(load_records(audit_path)))):
             details = record.get("details")
-            if record.get("event") == TRAINED_EVENT and isinstance(details, dict):
+            if record.get("event") in LEDGER_WITNESSES and isinstance(details, dict):
                 seen = _witnessed(details.get("ledger"))
                 if seen is not None and seen[3]:
                     candidates.append(seen[3])
@@ -838,7 +912,7 @@ def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
     read = _Read(audit_path, "region audit log")
     for record in with_carried(load_records(audit_path)):
         details = record.get("details")
-        if record.get("event") != TRAINED_EVENT or not isinstance(details, dict):
+        if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
             continue
         if (
             record.get("actor") != header.region

@@ -52,13 +52,16 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
 from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
+    COUNTS,
     LEDGER_FILE,
+    BudgetExhausted,
     LedgerRound,
     PrivacyError,
     PrivacyLedger,
     Step,
     audit_witness,
-    calibrate_noise,
+    calibrate_noise_after,
+    dp_count,
     locked,
     plan_private_steps,
     poisson_sample_rate,
@@ -190,6 +193,8 @@ class PrivacySpent:
     #: The ledger's position after this release (``PrivacyLedger.witness_record``), for
     #: the region's audit log: the next open refuses a ledger rolled back behind it.
     ledger: dict[str, Any] | None = None
+    #: The run's DP count of units (count-noise), which the reply carries as its weight.
+    count: int | None = None
 
 
 #: What the region's audit log records of a release's privacy (``trained``), in order.
@@ -247,8 +252,9 @@ class TrainOutcome:
 
 
 def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
+    count = getattr(outcome.privacy, "count", None)  # the DP count, where the run has one
     metrics: dict[str, int | float | list[int] | list[float]] = {
-        "num-examples": outcome.stats.num_examples,
+        "num-examples": outcome.stats.num_examples if count is None else count,
         "steps": outcome.stats.steps,
         "update-bytes": len(outcome.update),
     }
@@ -364,11 +370,14 @@ class RegionLedger:
         """The region's audit log, which witnesses the ledger's head after each release."""
         return self.node.state_dir / REGION_LOG
 
-    def step(self) -> Step:
+    def step(self, ledger: PrivacyLedger | None = None, run_id: int | None = None) -> Step:
         """This run's per-round step at its most: calibrated noise, Poisson rate,
         local-steps. The budget checks before a round use it (the worst case); with a
-        local-time-budget the ledger records the steps actually taken."""
-        dp, local, n = self.dp, self.run.training, self.data.train.num_units
+        local-time-budget the ledger records the steps actually taken. With count-noise
+        the rate follows from run ``run_id``'s DP count in ``ledger``, and the noise
+        leaves room in the run's target for that count's cost."""
+        dp, local = self.dp, self.run.training
+        n = self.units(ledger, run_id)
         if dp.target_delta >= 1.0 / n:
             raise PrivacyError(
                 f"run config:target-delta: {dp.target_delta:g} is not below 1/n = "
@@ -377,8 +386,81 @@ class RegionLedger:
             )
         rate = poisson_sample_rate(n, local.batch_size)
         planned = self.run.schedule.num_server_rounds * local.local_steps
-        noise = calibrate_noise(dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant)
+        noise = calibrate_noise_after(
+            self.count_step(), dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant
+        )
         return (noise, rate, local.local_steps)
+
+    def count_step(self) -> tuple[Step, ...]:
+        """The run's release besides its rounds: its DP count of units, the Gaussian
+        mechanism of sensitivity 1 (none without count-noise)."""
+        sigma = self.dp.count_noise
+        return ((sigma, 1.0, 1),) if sigma > 0 else ()
+
+    def units(self, ledger: PrivacyLedger | None, run_id: int | None) -> int:
+        """How many units the run samples from: the exact count, or with count-noise the
+        run's DP count (at least batch-size), which :meth:`release_count` put in the
+        ledger before anything of the run depended on it."""
+        n = self.data.train.num_units
+        if not self.count_step():
+            return n
+        count = None if ledger is None or run_id is None else ledger.run_count(run_id)
+        if count is None:
+            raise PrivacyError(
+                f"region {self.name}: run {run_id} has no DP count of its units in the ledger "
+                "yet; it is released at the run's first training round"
+            )
+        return max(count, self.run.training.batch_size)
+
+    def release_count(
+        self, ledger: PrivacyLedger, *, run_id: int, server_round: int, audit: AuditTrail
+    ) -> None:
+        """With count-noise: the run's DP count of units, drawn once, committed to the
+        ledger (within the dataset's budget) and witnessed on the region's audit log,
+        before the rate, the noise or any check of the run depends on it."""
+        if not self.count_step() or ledger.run_count(run_id) is not None:
+            return
+        dp, (step,) = self.dp, self.count_step()
+        budget = self.node.epsilon_budget or dp.epsilon_budget
+        after = ledger.epsilon_after(step)
+        if after > budget:
+            raise BudgetExhausted(
+                f"region {self.name}: the run's count of units would raise epsilon from "
+                f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget {budget:g} "
+                f"(ledger {ledger.path}); nothing was trained or sent"
+            )
+        seed = int.from_bytes(
+            hashlib.sha256(f"{self.run.model.seed}:{self.name}:count".encode()).digest()[:8],
+            "little",
+        )
+        count = dp_count(
+            self.data.train.num_units,
+            dp.count_noise,
+            secure_mode=dp.secure_mode,
+            seed=seed if dp.insecure_reproducible_noise else None,
+        )
+        record = ledger.new_record(
+            run_id=run_id,
+            server_round=server_round,
+            step=step,
+            max_grad_norm=1.0,  # the count's sensitivity
+            secure_mode=dp.secure_mode,
+            epsilon=after,
+            reproducible_noise=dp.insecure_reproducible_noise,
+            purpose=COUNTS,
+            count=count,
+        )
+        ledger.append(record)  # the commit, then its witness (as for a round's release)
+        audit.append(
+            Event.UNITS_COUNTED,
+            run_id=run_id,
+            server_round=server_round,
+            count=count,
+            count_noise=dp.count_noise,
+            epsilon=after,
+            data_fingerprint=self.data.fingerprint,
+            ledger=ledger.witness_record(),
+        )
 
     @contextlib.contextmanager
     def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
@@ -392,14 +474,15 @@ class RegionLedger:
         with locked(self.path):
             yield self._open()
 
-    def projected(self, ledger: PrivacyLedger | None = None) -> float | None:
+    def projected(
+        self, ledger: PrivacyLedger | None = None, run_id: int | None = None
+    ) -> float | None:
         """The dataset's cumulative epsilon if it trains one more round (None without DP),
         for the policy check before training (``ledger``: a session's)."""
         if not self.dp.dp:
             return None
-        step = self.step()
         with self.session(ledger) as held:
-            return held.epsilon_after(step)
+            return held.epsilon_after(self.step(held, run_id))
 
     def _open(self) -> PrivacyLedger:
         """The dataset's ledger, checked against what the region's audit log witnessed."""
@@ -574,9 +657,9 @@ class Region:
     def ledger_path(self) -> Path:
         return self.ledger.path
 
-    def privacy_step(self) -> Step:
+    def privacy_step(self, ledger: PrivacyLedger | None = None, run_id: int | None = None) -> Step:
         """This run's per-round step at its most (:meth:`RegionLedger.step`)."""
-        return self.ledger.step()
+        return self.ledger.step(ledger, run_id)
 
     def check_round(self, server_round: int) -> None:
         """Refuse a round number outside this run's 1..num-server-rounds: the noise is
@@ -594,9 +677,11 @@ class Region:
     def audit_path(self) -> Path:
         return self.ledger.audit_path
 
-    def projected_epsilon(self, ledger: PrivacyLedger | None = None) -> float | None:
+    def projected_epsilon(
+        self, ledger: PrivacyLedger | None = None, run_id: int | None = None
+    ) -> float | None:
         """The dataset's epsilon after one more round (:meth:`RegionLedger.projected`)."""
-        return self.ledger.projected(ledger)
+        return self.ledger.projected(ledger, run_id)
 
     def _train_private(
         self,
@@ -610,7 +695,7 @@ class Region:
         returns the record that commits the release, for the caller to append."""
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
-        step = self.privacy_step()
+        step = self.privacy_step(ledger, run_id)
         cap = run_cap(dp.target_epsilon, max_run_epsilon)
         after, run_after = ledger.admit(
             step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
@@ -627,7 +712,8 @@ class Region:
             slowdown=self.slowdown,
         )
         released: Step = (step[0], step[1], planned)
-        stats, taken = self._train_dp(server_round, seed, released)
+        units = self.ledger.units(ledger, run_id) if self.ledger.count_step() else None
+        stats, taken = self._train_dp(server_round, seed, released, units)
         if taken != (planned, planned) or stats.steps != planned:
             raise PrivacyError(
                 f"region {self.name}: {taken[0]} to {taken[1]} DP-SGD steps were taken "
@@ -659,15 +745,17 @@ class Region:
             run_epsilon_cap=cap[0],
             reproducible_noise=reproducible,
             ledger=ledger.witness_record(record),  # once the record is appended
+            count=units,
         )
         return stats, privacy, record
 
     def _train_dp(
-        self, server_round: int, seed: int, step: Step
+        self, server_round: int, seed: int, step: Step, units: int | None = None
     ) -> tuple[TrainStats, tuple[int, int]]:
         """DP-SGD for ``step`` (noise, rate, steps), in this process or over the region's
         cluster (DP-DDP: the same mechanism on the global batch); returns the stats
-        and the fewest and most steps any process took."""
+        and the fewest and most steps any process took. ``units``: the run's DP count
+        (count-noise), which the rate and the averaging follow from."""
         if self.processes > 1:
             command = TrainCommand(
                 server_round=server_round,
@@ -676,6 +764,7 @@ class Region:
                 steps=step[2],
                 noise_multiplier=step[0],
                 sample_rate=step[1],
+                units=units or 0,
                 slowdown=self.slowdown,
             )
             done = self._train_cluster(command)
@@ -691,6 +780,7 @@ class Region:
             seed=seed,
             who=f"region {self.name}",
             slowdown=self.slowdown,
+            units=units,
         )
         return ran.stats, (ran.steps_taken, ran.steps_taken)
 
@@ -756,9 +846,13 @@ class Release:
             sent.drop(run_id, server_round)
             kept = None
         self.kept = kept
+        if kept is None and ledger is not None:  # with count-noise, once a run
+            region.ledger.release_count(
+                ledger, run_id=run_id, server_round=server_round, audit=audit
+            )
         #: The dataset's cumulative epsilon if it trains this round, for the policy
         #: check (None without DP, or when the kept update is sent again).
-        self.projected_epsilon = region.projected_epsilon(ledger) if kept is None else None
+        self.projected_epsilon = region.projected_epsilon(ledger, run_id) if kept is None else None
 
     @classmethod
     @contextlib.contextmanager
@@ -786,9 +880,7 @@ class Release:
         if not region.dp.dp or (self.ledger is None and not region.ledger_path.exists()):
             return False
         with region.ledger.session(self.ledger) as held:
-            return any(
-                r.run_id == self.run_id and r.round == self.server_round for r in held.rounds
-            )
+            return held.released(self.run_id, self.server_round)
 
     def send(self, task: Instruction, policy: RegionPolicy) -> Released:
         """The round's update under ``policy``: the kept one again, or trained now and

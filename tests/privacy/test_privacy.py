@@ -10,10 +10,12 @@ import dp_accounting
 import pytest
 
 from fedciuic.config import PrivacyUnit
+from fedciuic.privacy.dpsgd import dp_count
 from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
     calibrate_noise,
+    calibrate_noise_after,
     epsilon_of,
     locked,
     poisson_sample_rate,
@@ -220,3 +222,66 @@ def test_a_held_lock_times_out_with_a_clear_message(tmp_path):
     finally:
         release.set()
         holder.join(30)
+
+
+# -- the run's DP count of units (count-noise) ----------------------------------------------
+
+COUNT = (3.0, 1.0, 1)  # the Gaussian mechanism of sensitivity 1, std 3
+
+
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_calibration_after_a_count_keeps_the_whole_run_under_target(kind):
+    """The run reports the composition of its count and its training steps: the noise is
+    calibrated for both, so what it reports bounds all it released, and an independent
+    accountant agrees within 5 %."""
+    rate, steps = poisson_sample_rate(2322, 16), 90
+    alone = calibrate_noise(8.0, 1e-5, rate, steps, kind)
+    sigma = calibrate_noise_after((COUNT,), 8.0, 1e-5, rate, steps, kind)
+    history = [COUNT, (sigma, rate, steps)]
+    eps = epsilon_of(history, 1e-5, kind)
+    assert 7.8 <= eps <= 8.0 and sigma > alone  # the count's cost leaves less for training
+    assert google(history, 1e-5, kind) == pytest.approx(eps, rel=0.05)
+    assert calibrate_noise_after((), 8.0, 1e-5, rate, steps, kind) == alone
+
+
+def test_a_count_that_costs_the_whole_target_is_refused_naming_the_keys():
+    with pytest.raises(PrivacyError, match=r"target-epsilon: 0\.5 leaves nothing .* count-noise"):
+        calibrate_noise_after(((0.5, 1.0, 1),), 0.5, 1e-5, 0.01, 90, "prv")
+
+
+def test_a_count_line_is_its_own_release_and_training_lines_keep_their_old_form(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger = open_ledger(path)
+    assert ledger.run_count(1) is None
+    count = ledger.new_record(
+        run_id=1,
+        server_round=1,
+        step=COUNT,
+        max_grad_norm=1.0,
+        secure_mode=True,
+        epsilon=ledger.epsilon_after(COUNT),
+        purpose="counts",
+        count=1234,
+    )
+    ledger.append(count)
+    spend(ledger, server_round=1)
+    kept = PrivacyLedger.load(path)
+    assert kept.history == [COUNT, (1.0, 0.01, 30)]  # the count composes with the rounds
+    assert kept.run_count(1) == 1234 and kept.run_count(2) is None
+    assert kept.released(1, 1) and not kept.released(1, 2)
+    assert kept.epsilon == pytest.approx(epsilon_of(kept.history, 1e-5, "prv"))
+    lines = path.read_bytes().splitlines()
+    assert b'"purpose":"counts"' in lines[1] and b'"count":1234' in lines[1]
+    assert b"purpose" not in lines[2] and b'"count"' not in lines[2]  # as before counts
+
+
+def test_a_dp_count_is_the_count_plus_gaussian_noise_rounded():
+    draws = [dp_count(1000, 20.0, secure_mode=False, seed=s) for s in range(400)]
+    assert all(isinstance(d, int) for d in draws)
+    mean = sum(draws) / len(draws)
+    std = (sum((d - mean) ** 2 for d in draws) / (len(draws) - 1)) ** 0.5
+    assert abs(mean - 1000) < 4 and 17 < std < 23
+    assert dp_count(1000, 20.0, secure_mode=False, seed=7) == dp_count(
+        1000, 20.0, secure_mode=False, seed=7
+    )
+    assert dp_count(0, 50.0, secure_mode=True) >= 0  # post-processing keeps a count a count

@@ -706,3 +706,29 @@ def test_a_dp_only_policy_declines_a_run_with_data_figures_and_keeps_the_reason_
         assert "(privacy.releases: dp_only)" in reason
         assert "num-examples: the region's training example count" in reason
         assert "eval-loss: the global adapter's mean loss" in reason
+
+
+def test_with_count_noise_a_run_releases_its_dp_count_first_and_samples_at_its_rate(
+    run, demo_root, tmp_path
+):
+    """count-noise: the run's DP count of units is its own release (a ledger line, charged,
+    witnessed on the region's log) before the round; the round's rate, noise, epsilon
+    and weight follow from it, not from the exact count."""
+    state = tmp_path / "state"
+    reply = run(cn_node(demo_root, state), {"count-noise": 5.0, "batch-size": 4})
+    assert isinstance(reply.outcome, Clear), reply.outcome
+    metrics = reply.outcome.metrics
+    ledger = PrivacyLedger.load(state / LEDGER_FILE)
+    counted, trained = ledger.rounds
+    assert (counted.purpose, trained.purpose) == ("counts", "training")
+    assert counted.noise_multiplier == 5.0 and counted.sample_rate == 1.0
+    assert metrics["num-examples"] == counted.count  # the weight is the DP count
+    assert metrics["sample-rate"] == pytest.approx(1 / -(-max(counted.count, 4) // 4))
+    assert trained.sample_rate == metrics["sample-rate"]
+    assert metrics["epsilon"] == pytest.approx(ledger.epsilon)  # the count included
+    records = load_records(state / "audit.jsonl")
+    (noted,) = [r for r in records if r["event"] == "units_counted"]
+    assert noted["details"]["count"] == counted.count
+    assert noted["details"]["ledger"]["releases"] == 1
+    (released,) = [r for r in records if r["event"] == "trained"]
+    assert released["details"]["ledger"]["releases"] == 2
