@@ -50,7 +50,13 @@ from fedciuic.crypto import (
 )
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
-from fedciuic.policy import PolicyRefusal, RegionPolicy, enforce_region_policy, releases_dp_only
+from fedciuic.policy import (
+    PolicyError,
+    PolicyRefusal,
+    RegionPolicy,
+    enforce_region_policy,
+    releases_dp_only,
+)
 from fedciuic.releases import WITHHELD_REASON, leaving, unavoidable
 from fedciuic.stages import (
     AuditTrail,
@@ -416,12 +422,15 @@ class _Round:
         return self._dp_only
 
     def _reason(self, err: FedciuicError) -> str:
-        """A decline's reason as it leaves (under dp_only it stays in the audit log)."""
-        return WITHHELD_REASON if self.dp_only else str(err)
+        """A decline's reason as it leaves: under dp_only it stays in the audit log,
+        unless it is about the policy file itself (which says nothing of the data)."""
+        return WITHHELD_REASON if self.dp_only and not isinstance(err, PolicyError) else str(err)
 
     def _released(self, outcome: RoundOutcome) -> RoundOutcome:
         """The outcome as it may leave: under dp_only without the figures a reply can go
         without; every field then checked against the release table (fail closed)."""
+        if isinstance(outcome, Declined):  # its reason came through _reason
+            return outcome
         if self.dp_only and isinstance(outcome, Evaluated):
             outcome = Evaluated(outcome.region, replace(outcome.stats, step_seconds=None))
         records = outcome_records(outcome)

@@ -181,7 +181,7 @@ def test_rebuild_restores_every_witnessed_release(tmp_path, name):
     assert (tmp_path / LEDGER_FILE).read_bytes() == b"".join(
         line + b"\n"
         for line in [honest.header.model_dump_json().encode()]
-        + [r.model_dump_json().encode() for r in honest.rounds]
+        + [r.line() for r in honest.rounds]
     )
     release(tmp_path, 4)  # and the region goes on
     assert len(open_ledger(tmp_path).rounds) == 4
