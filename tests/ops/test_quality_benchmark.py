@@ -73,7 +73,7 @@ def test_dp_levels_run_their_own_arms_and_dense_is_always_the_reference():
     assert quality.level_arms("eps4", ["lora-fa/int8"], with_dense=False) == ["lora-fa/int8"]
 
 
-def test_shares_are_undefined_where_dense_gained_nothing_at_some_seed():
+def test_shares_are_a_ratio_of_mean_gains_unbounded_where_dense_gained_nothing():
     def entry(accuracies):
         seeds = [
             {"accuracy": a, "eval_loss": 1.0, "sealed_bytes": 10.0, "epsilon": None}
@@ -81,10 +81,22 @@ def test_shares_are_undefined_where_dense_gained_nothing_at_some_seed():
         ]
         return {"learning_rate": 0.01, "seeds": seeds}
 
-    learnt = {quality.DENSE: entry([0.5, 0.6, 0.55]), "lora-fa/int8": entry([0.3, 0.35, 0.325])}
-    share = quality.summarise({"no-dp": learnt}, base=0.1)["no-dp"]["lora-fa/int8"]
-    assert math.isclose(share["share_of_dense_gain"][0], 0.5)
-    # Dense gained 0.05, 0.1 and -0.05: no share, not one of the two seeds that gained.
-    flat = {quality.DENSE: entry([0.15, 0.2, 0.05]), "lora-fa/int8": entry([0.3, 0.1, 0.2])}
-    undefined = quality.summarise({"eps8": flat}, base=0.1)["eps8"]
-    assert all(math.isnan(s["share_of_dense_gain"][0]) for s in undefined.values())
+    learnt = {quality.REFERENCE: entry([0.5, 0.6, 0.55]), "lora-fa/int8": entry([0.3, 0.36, 0.315])}
+    ratio, low, high = quality.summarise({"no-dp": learnt}, base=0.1)["no-dp"]["lora-fa/int8"][
+        "share_of_reference_gain"
+    ]
+    assert math.isclose(ratio, 0.5) and low < ratio < high
+    # Dense gained 0.05, 0.1 and -0.05: its mean gain is not above 0, no bound on a share.
+    flat = {quality.REFERENCE: entry([0.15, 0.2, 0.05]), "lora-fa/int8": entry([0.3, 0.1, 0.2])}
+    undefined = quality.summarise({"eps8": flat}, base=0.1)["eps8"]["lora-fa/int8"]
+    assert undefined["share_of_reference_gain"][1:] == (-math.inf, math.inf)
+    assert quality.share_text(undefined["share_of_reference_gain"]) == "300 % (interval unbounded)"
+
+
+def test_fieller_with_a_fixed_denominator_is_students_interval_scaled():
+    num = [0.2, 0.3, 0.25, 0.35]
+    ratio, low, high = quality.ratio_interval(num, [0.5] * 4)
+    mean, half = quality.interval(num)
+    assert math.isclose(ratio, mean / 0.5)
+    assert math.isclose(low, (mean - half) / 0.5) and math.isclose(high, (mean + half) / 0.5)
+    assert all(math.isnan(v) for v in quality.ratio_interval([0.2], [0.4])[1:])

@@ -180,8 +180,7 @@ def test_rebuild_restores_every_witnessed_release(tmp_path, name):
     assert again.heads == honest.heads
     assert (tmp_path / LEDGER_FILE).read_bytes() == b"".join(
         line + b"\n"
-        for line in [honest.header.model_dump_json().encode()]
-        + [r.line() for r in honest.rounds]
+        for line in [honest.header.model_dump_json().encode()] + [r.line() for r in honest.rounds]
     )
     release(tmp_path, 4)  # and the region goes on
     assert len(open_ledger(tmp_path).rounds) == 4
