@@ -15,6 +15,7 @@ paired by seed, Fieller's interval; same privacy level), eval loss and the seale
 a region sent per round, against dense LoRA's.
 
     .venv/bin/python benchmarks/quality.py                  # all levels, 3 seeds (~100 min)
+    .venv/bin/python benchmarks/quality.py --privacy no-dp --seeds 5 --seeds-from 4 --add-to R
     .venv/bin/python benchmarks/quality.py --quick          # 2 arms, 2 seeds, tiny budget
     .venv/bin/python benchmarks/quality.py --privacy no-dp --arms lora-sb/int8
 
@@ -338,7 +339,8 @@ def base_accuracy(settings: Mapping[str, Any], records: Sequence[int]) -> dict[s
 
 def level_arms(level: str, chosen: Sequence[str] | None, with_dense: bool) -> list[str]:
     """The arms run at ``level``: ``chosen``, else :data:`DP_ARMS` under DP and
-    :data:`ARMS` without; dense first unless the reference is in an earlier result."""
+    :data:`ARMS` without; dense LoRA (whose bytes every arm's are compared with) first
+    unless an earlier result holds it."""
     arms = list(chosen or (DP_ARMS if PRIVACY[level]["dp"] else ARMS))
     return list(dict.fromkeys([DENSE, *arms])) if with_dense else arms
 

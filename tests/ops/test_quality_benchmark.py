@@ -62,7 +62,7 @@ def test_intervals_are_students_t_over_seeds():
     assert math.isnan(quality.interval([0.5])[1])
 
 
-def test_dp_levels_run_their_own_arms_and_dense_is_always_the_reference():
+def test_dp_levels_run_their_own_arms_and_dense_lora_always_runs():
     assert quality.level_arms("no-dp", None, with_dense=True) == list(quality.ARMS)
     assert quality.level_arms("eps8", None, with_dense=True) == list(quality.DP_ARMS)
     assert quality.level_arms("eps4", ["lora-fa/int8"], with_dense=True) == [
