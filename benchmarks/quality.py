@@ -358,21 +358,24 @@ def measure(
     first_seed: int = 1,
 ) -> dict[str, Any]:
     """Tune each arm's learning rate at each privacy level (``arms``: the level's
-    arms), then run seeds ``first_seed..seeds``; an arm in ``earlier`` (a result's
-    runs) keeps its tuned rate and earlier seeds, and gains these.
+    arms), then run seeds ``first_seed..seeds``. An adapter mode tuned at a level in
+    ``earlier`` (a result's runs) keeps that rate; with ``first_seed`` > 1 an arm there
+    keeps its earlier seeds and gains these.
     ``pins`` (--quick's budget) win over a privacy level's own steps."""
     pins = pins or {}
     found: dict[str, Any] = {}
     for level in privacy:
         tuned: dict[str, tuple[str, float, dict[str, Any]]] = {}  # mode -> arm, rate, runs
         before = (earlier or {}).get(level, {})
+        for arm, kept in before.items():  # the modes tuned before, at this level
+            tuned.setdefault(
+                arm_settings(arm)["adapter-mode"],
+                (kept["tuned_on"], kept["learning_rate"], kept["validation"]),
+            )
         for arm in arms[level]:
             values = {**app_config(), **settings, **PRIVACY[level], **pins, **arm_settings(arm)}
             mode = values["adapter-mode"]
-            if arm in before:
-                kept = before[arm]
-                tuned[mode] = (kept["tuned_on"], kept["learning_rate"], kept["validation"])
-            elif mode not in tuned:
+            if mode not in tuned:
                 rates = GRID[mode][:grid]
                 tuning = {
                     rate: one_run(
@@ -391,7 +394,8 @@ def measure(
                 "learning_rate": rate,
                 "tuned_on": tuned_on,
                 "validation": validation,
-                "seeds": before.get(arm, {}).get("seeds", []) + [asdict(o) for o in runs],
+                "seeds": (before.get(arm, {}).get("seeds", []) if first_seed > 1 else [])
+                + [asdict(o) for o in runs],
             }
             print(
                 f"  {level} {arm}: lr {rate}, test accuracy "
@@ -616,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records,
         partial_path,
         quick.get("settings"),
-        earlier if args.seeds_from != 1 else None,
+        earlier,
         args.seeds_from,
     )
     for level, arms_run in earlier.items():  # this run's arms replace the earlier's

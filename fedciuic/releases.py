@@ -155,7 +155,10 @@ ANY_REPLY: dict[str, Rule] = {
 REPLY_FIELDS: dict[str, dict[str, Rule]] = {
     TRAINED: {
         "reason": _public("empty"),
-        "data-fingerprint": _data("SHA-256 of the region's data files"),
+        "data-fingerprint": Disclosure(
+            Kind.COMMITMENT,
+            "HMAC-SHA256 of the data's SHA-256 and the run under the region's own key",
+        ),
         JURISDICTION: _public("the region's policy"),
         POLICY_HASH: _public("the region's policy"),
         PRIVACY_UNIT: _privacy,

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from fedciuic.data.records import CHAT as CHAT
     from fedciuic.data.records import check_chat_template as check_chat_template
     from fedciuic.data.scrubbing import check_deid as check_deid
+    from fedciuic.data.scrubbing import node_commitment as node_commitment
     from fedciuic.data.scrubbing import region_scrubber as region_scrubber
+    from fedciuic.data.scrubbing import state_commitments as state_commitments
     from fedciuic.data.sources import NoDataFiles as NoDataFiles
     from fedciuic.data.tokenized import IGNORE as IGNORE
     from fedciuic.data.tokenized import dropped_for_length as dropped_for_length

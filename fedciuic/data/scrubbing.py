@@ -5,6 +5,7 @@ passed through it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,26 @@ def node_scrubber(settings: DeidSettings, node: NodeConfig) -> Scrubber | None:
         secret=node.deid_secret_path,
         ner_model=node.deid_ner_model,
     )
+
+
+def node_commitment(node: NodeConfig, fingerprint: str, run_id: int) -> str:
+    """What this region's replies say of the data it trained on in run ``run_id``: a
+    commitment under its own key (:func:`fedciuic.deid.data_commitment`)."""
+    from fedciuic.deid import data_commitment, region_secret
+
+    return data_commitment(region_secret(node.deid_secret_path), fingerprint, run_id)
+
+
+def state_commitments(state_dir: Path) -> Callable[[str, int], str] | None:
+    """The commitment a region whose key is in ``state_dir`` (its default place) makes
+    to a fingerprint in a run; None where no key is there (nothing is made)."""
+    from fedciuic.deid import SECRET_FILE, data_commitment, region_secret
+
+    path = state_dir / SECRET_FILE
+    if not path.is_file():
+        return None
+    key = region_secret(path)
+    return lambda fingerprint, run_id: data_commitment(key, fingerprint, run_id)
 
 
 def scrub_record(record: Record, scrubber: Scrubber, where: str, file: str) -> Record:

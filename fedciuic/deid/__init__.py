@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from fedciuic.deid.pipeline import Replacement as Replacement
     from fedciuic.deid.pipeline import Scrubber as Scrubber
     from fedciuic.deid.secret import SECRET_FILE as SECRET_FILE
+    from fedciuic.deid.secret import data_commitment as data_commitment
     from fedciuic.deid.secret import region_secret as region_secret
 
 __getattr__ = face(__name__)  # each name imported on first use

@@ -1,10 +1,12 @@
 """The region's pseudonym key: 32 random bytes in a file only the region reads. It keys
 the pseudonyms (the same identifier gives the same pseudonym in this region, and another
-in every other region) and the digest of the region's dictionary."""
+in every other region), the digest of the region's dictionary, and the commitment to its
+data that its replies carry (each use under its own label)."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import secrets
 from pathlib import Path
@@ -39,6 +41,18 @@ def region_secret(path: Path) -> bytes:
             ]
         )
     return key
+
+
+#: Separates the data commitment from the key's other uses.
+COMMITMENT_LABEL = b"fedciuic-data-commitment/1\n"
+
+
+def data_commitment(key: bytes, fingerprint: str, run_id: int) -> str:
+    """What a reply says of the data it trained on: HMAC-SHA256 under the region's key of
+    the data's fingerprint and the run. The region (and its audit) can check it; anyone
+    without the key learns nothing from it, not even whether two runs read the same data."""
+    message = COMMITMENT_LABEL + f"{run_id}\n{fingerprint}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 def secret_id(key: bytes) -> str:

@@ -373,7 +373,7 @@ def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[b
     lines, every = [], True
     for status in found:
         lines.append(status.line())
-        fits, line = status.run_line(target, steps)
+        fits, line = status.run_line(target, steps, run.privacy.count_noise)
         every = every and fits
         if line and (status.unit is not None or not fits):
             lines.append(line)

@@ -14,10 +14,11 @@ from pathlib import Path
 from fedciuic.config import Accountant, PrivacyUnit
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
+    TRAINING,
     PrivacyError,
     PrivacyLedger,
     Step,
-    calibrate_noise,
+    calibrate_noise_after,
     epsilon_of,
 )
 
@@ -34,6 +35,8 @@ class BudgetStatus:
     delta: float | None = None
     accountant: Accountant | None = None
     history: list[Step] = field(default_factory=list)
+    #: Each release's purpose (``training``, ``counts``), in the history's order.
+    purposes: list[str] = field(default_factory=list)
     runs: int = 0
     #: Why the ledger cannot be read (damaged, unreadable): that region declines every
     #: round with this reason, the others are unaffected.
@@ -43,18 +46,35 @@ class BudgetStatus:
     def remaining(self) -> float:
         return max(self.budget - self.spent, 0.0)
 
-    def after_run(self, target: float, steps: int) -> float:
+    def by_purpose(self) -> dict[str, float]:
+        """Each purpose's epsilon on its own (they compose to :attr:`spent`, not add up)."""
+        if self.delta is None or self.accountant is None:
+            return {}
+        return {
+            purpose: epsilon_of(
+                [s for s, p in zip(self.history, self.purposes, strict=True) if p == purpose],
+                self.delta,
+                self.accountant,
+            )
+            for purpose in dict.fromkeys(self.purposes)
+        }
+
+    def after_run(self, target: float, steps: int, count_noise: float = 0.0) -> float:
         """The dataset's cumulative epsilon after a whole run of ``steps`` DP-SGD steps at
-        ``target``, as the region accounts it: noise calibrated for the run alone at the
-        sample rate of the dataset's last release (same data, same batch size), composed
-        with its history. A dataset with no release: the run's own target."""
-        if not self.history or self.delta is None or self.accountant is None:
+        ``target``, as the region accounts it: noise calibrated for the run (its DP count
+        of units first, with ``count_noise``) at the sample rate of the dataset's last
+        training release (same data, same batch size), composed with its history. A
+        dataset with no release: the run's own target."""
+        trained = [s for s, p in zip(self.history, self.purposes, strict=True) if p == TRAINING]
+        if not trained or self.delta is None or self.accountant is None:
             return target
-        rate = self.history[-1][1]
+        rate = trained[-1][1]
+        prefix: tuple[Step, ...] = ((count_noise, 1.0, 1),) if count_noise > 0 else ()
         with warnings.catch_warnings():  # Opacus' RDP search notes its alpha range: not ours
             warnings.simplefilter("ignore", UserWarning)
-            sigma = calibrate_noise(target, self.delta, rate, steps, self.accountant)
-        return epsilon_of([*self.history, (sigma, rate, steps)], self.delta, self.accountant)
+            sigma = calibrate_noise_after(prefix, target, self.delta, rate, steps, self.accountant)
+        run = [*prefix, (sigma, rate, steps)]
+        return epsilon_of([*self.history, *run], self.delta, self.accountant)
 
     def line(self) -> str:
         if self.problem:
@@ -63,17 +83,23 @@ class BudgetStatus:
         if self.unit is None:
             where = f"no ledger yet at {self.ledger}"
             return f"{self.region}: nothing spent, budget {self.budget:g} ({where})"
+        purposes = self.by_purpose()
+        alone = (
+            ": " + ", ".join(f"{p} alone {e:.2f}" for p, e in purposes.items())
+            if len(purposes) > 1
+            else ""
+        )
         return (
             f"{self.region}: epsilon {self.spent:.2f} of {self.budget:g} spent per {self.unit} "
-            f"(delta {self.delta:g}, {len(self.history)} release(s) in {self.runs} run(s)), "
-            f"{self.remaining:.2f} left"
+            f"(delta {self.delta:g}, {len(self.history)} release(s) in {self.runs} "
+            f"run(s){alone}), {self.remaining:.2f} left"
         )
 
-    def run_line(self, target: float, steps: int) -> tuple[bool, str]:
+    def run_line(self, target: float, steps: int, count_noise: float = 0.0) -> tuple[bool, str]:
         """Whether a run at ``target`` of ``steps`` steps fits, and one line saying so."""
         if self.problem:  # line() said why: no run fits
             return False, ""
-        after = self.after_run(target, steps)
+        after = self.after_run(target, steps, count_noise)
         fits = after <= self.budget + 1e-9
         line = (
             f"{self.region}: a run at target-epsilon {target:g} ({steps} steps) would bring it "
@@ -108,5 +134,6 @@ def budget_status(region: str, state_dir: Path, budget: float) -> BudgetStatus:
         delta=ledger.header.delta,
         accountant=ledger.header.accountant,
         history=ledger.history,
+        purposes=[r.purpose for r in ledger.rounds],
         runs=len({r.run_id for r in ledger.rounds}),
     )

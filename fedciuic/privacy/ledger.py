@@ -26,7 +26,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -733,7 +733,9 @@ def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Re
                 "keep both files and investigate"
             )
         if aggregator_log is not None:
-            reads.append(_read_aggregator(aggregator_log, header))
+            from fedciuic.data import state_commitments  # a rebuild's alone: heavy import
+
+            reads.append(_read_aggregator(aggregator_log, header, state_commitments(state_dir)))
         sources = [r.summary() for r in reads]
         try:
             out, origins = _union(path, reads)
@@ -939,11 +941,14 @@ def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
     return read
 
 
-def _read_aggregator(log_path: Path, header: LedgerHeader) -> _Read:
+def _read_aggregator(
+    log_path: Path, header: LedgerHeader, commit: Callable[[str, int], str] | None = None
+) -> _Read:
     """The highest cumulative epsilon the aggregator's log recorded for this region's
     accepted updates (per this ledger's unit; of this dataset, where the record names
-    it). The aggregator keeps no ledger line or head, so it can only refuse a rebuild
-    that would show less, never restore a release."""
+    it: by its digest, logged before commitments, or by ``commit``, the region's
+    commitment to it in the record's run). The aggregator keeps no ledger line or head,
+    so it can only refuse a rebuild that would show less, never restore a release."""
     if not log_path.is_file():
         raise PrivacyError(
             f"{log_path}: no aggregator audit log there; give --aggregator-log the "
@@ -958,7 +963,12 @@ def _read_aggregator(log_path: Path, header: LedgerHeader) -> _Read:
             continue
         if details.get("unit", "record") != header.unit:  # no unit: logged before units
             continue
-        if details.get("data_fingerprint", header.dataset) != header.dataset:
+        named = details.get("data_fingerprint", header.dataset)
+        run_id = record.get("run_id")
+        ours = {header.dataset}
+        if commit is not None and isinstance(run_id, int):
+            ours.add(commit(header.dataset, run_id))
+        if named not in ours:
             continue
         eps = details.get("epsilon")
         if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps):

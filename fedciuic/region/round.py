@@ -380,7 +380,8 @@ class _Round:
             return self._vouch(RunEndWitnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
-            return RegionReply(Declined(self.node.region, self._reason(err)))
+            # About the notice (its signature, its config), never the data: it leaves.
+            return RegionReply(Declined(self.node.region, str(err)))
 
     def _note_undelivered(self, notice: RunEndNotice) -> None:
         """Every update this region released in the federation run that the aggregator's

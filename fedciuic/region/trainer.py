@@ -47,7 +47,7 @@ from fedciuic.config import (
     RunConfig,
 )
 from fedciuic.crypto import update_payload
-from fedciuic.data import RegionData, load_region_data, oversized_details
+from fedciuic.data import RegionData, load_region_data, node_commitment, oversized_details
 from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
 from fedciuic.policy import RegionPolicy
@@ -276,13 +276,14 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
     return metrics
 
 
-def train_info(outcome: TrainOutcome, policy: RegionPolicy) -> dict[str, str]:
-    """Who trained on what, under which policy (its hash also travels in a sealed header)."""
+def train_info(outcome: TrainOutcome, policy: RegionPolicy, commitment: str) -> dict[str, str]:
+    """Who trained on what (``commitment``: to the data, :func:`data_commitment`), under
+    which policy (its hash also travels in a sealed header)."""
     return {
         "region": outcome.region,
         "status": TRAINED,
         "reason": "",
-        "data-fingerprint": outcome.data_fingerprint,
+        "data-fingerprint": commitment,
         JURISDICTION: policy.jurisdiction,
         POLICY_HASH: policy.hash,
         PRIVACY_UNIT: getattr(outcome.privacy, "unit", ""),  # none without DP
@@ -910,7 +911,8 @@ class Release:
         def keep(trained: TrainOutcome) -> None:
             """On disk before the ledger commits the release (resent after a restart)."""
             nonlocal payload
-            info = train_info(trained, policy)
+            commitment = node_commitment(region.node, trained.data_fingerprint, self.run_id)
+            info = train_info(trained, policy, commitment)
             run, dp_only = region.run, policy.dp_only
             metrics = kept(TRAINED, train_metrics(trained), run, dp_only=dp_only)
             arrays = update_arrays(trained.update)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedciuic.deid import DeidSpec, Scrubber, load_dictionary, region_secret
+from fedciuic.deid import DeidSpec, Scrubber, data_commitment, load_dictionary, region_secret
 from fedciuic.deid.entities import DIRECT
 from fedciuic.errors import ConfigError
 
@@ -245,3 +245,12 @@ def test_no_per_text_warning_without_a_dictionary_or_model(caplog):
                 s.scrub(text)
     assert not [r for r in caplog.records if "corresponding recognizer" in r.getMessage()]
     assert s.findings.counts["EMAIL_ADDRESS"] == 50
+
+
+def test_the_data_commitment_binds_key_data_and_run_and_shows_none_of_them(tmp_path):
+    key, other = region_secret(tmp_path / "a.key"), region_secret(tmp_path / "b.key")
+    made = data_commitment(key, "ab" * 32, 7)
+    assert made == data_commitment(key, "ab" * 32, 7) and len(made) == 64
+    assert "ab" * 32 not in made
+    others = {data_commitment(other, "ab" * 32, 7), data_commitment(key, "cd" * 32, 7)}
+    assert made not in others | {data_commitment(key, "ab" * 32, 8)}

@@ -14,6 +14,7 @@ from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.corpus import load_region_data
+from fedciuic.deid.secret import SECRET_FILE, data_commitment, region_secret
 from fedciuic.digests import installed_code
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
@@ -116,7 +117,9 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         for server_round in ("1", "2"):
             entry = data["rounds"][server_round]["train"][region]
             assert entry["status"] == "trained"
-            assert entry["data_fingerprint"] == own.fingerprint  # its own data, nobody else's
+            # its own data, nobody else's: committed to under the region's own key
+            key = region_secret(tmp_path / "state" / region / SECRET_FILE)
+            assert entry["data_fingerprint"] == data_commitment(key, own.fingerprint, run_id)
             assert entry["num_examples"] == len(own.train)
             assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
         assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()

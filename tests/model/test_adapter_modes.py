@@ -285,7 +285,7 @@ def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
     assert any(np.any(v) for v in outcome.delta.values())
     size = sum(v.size for v in layout.initial.values())
     run.compression.codec.decode(outcome.update, size)  # refused unless it has the mode's size
-    assert train_info(outcome, RegionPolicy.none("eu"))[ADAPTER_MODE] == mode
+    assert train_info(outcome, RegionPolicy.none("eu"), "c" * 64)[ADAPTER_MODE] == mode
 
 
 @pytest.mark.parametrize("mode", ["lora-fa", "lora-sb"])

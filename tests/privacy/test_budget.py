@@ -132,3 +132,38 @@ def test_a_damaged_ledger_is_its_regions_line_and_the_others_are_still_shown(tmp
 def test_budget_wants_agent_configs_or_a_data_root_not_both(tmp_path, capsys):
     assert main(["budget", "--app", str(ROOT)]) == 2
     assert "give either agent configs (a deployment) or --data-root" in capsys.readouterr().err
+
+
+def test_a_runs_count_of_units_is_shown_by_purpose_and_a_run_is_projected_from_training(
+    tmp_path,
+):
+    state = tmp_path / "state"
+    ledger = PrivacyLedger.open(
+        state / LEDGER_FILE, region="eu", dataset=DATASET, delta=1e-5, accountant="prv", unit="user"
+    )
+    count, train = (3.0, 1.0, 1), (1.0, 0.1, 30)
+    for step, purpose in ((count, "counts"), (train, "training")):
+        ledger.append(
+            ledger.new_record(
+                run_id=7,
+                server_round=1,
+                step=step,
+                max_grad_norm=1.0,
+                secure_mode=True,
+                epsilon=ledger.epsilon_after(step),
+                purpose=purpose,  # type: ignore[arg-type]
+                count=1200 if purpose == "counts" else None,
+            )
+        )
+    status = budget_status("eu", state, 16.0)
+    alone = status.by_purpose()
+    assert alone == pytest.approx(
+        {"counts": epsilon_of([count], 1e-5, "prv"), "training": epsilon_of([train], 1e-5, "prv")}
+    )
+    assert f"counts alone {alone['counts']:.2f}" in status.line()
+    # The next run samples at the last *training* rate (0.1), not the count's 1.
+    sigma = calibrate_noise(4.0, 1e-5, 0.1, 90, "prv")
+    assert status.after_run(4.0, 90) == pytest.approx(
+        epsilon_of([count, train, (sigma, 0.1, 90)], 1e-5, "prv")
+    )
+    assert status.after_run(4.0, 90, count_noise=3.0) > status.after_run(4.0, 90)

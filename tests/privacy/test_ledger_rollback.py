@@ -11,6 +11,7 @@ import pytest
 
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, AuditLog, load_records
 from fedciuic.config import PrivacyUnit
+from fedciuic.deid.secret import SECRET_FILE, data_commitment, region_secret
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
     LedgerRolledBack,
@@ -282,8 +283,11 @@ def test_a_ledger_and_log_from_before_units_stay_readable_as_record_level(tmp_pa
 N = 4  # releases in the histories below
 
 
-def accepted(aggregator: Path, ledger: PrivacyLedger, server_round: int) -> None:
-    """The aggregator's record of the region's accepted update: its epsilon, no ledger line."""
+def accepted(
+    aggregator: Path, ledger: PrivacyLedger, server_round: int, named: str = DATASET
+) -> None:
+    """The aggregator's record of the region's accepted update: its epsilon, no ledger
+    line; ``named``: what the reply said of the data (its digest, or a commitment)."""
     log = AuditLog(aggregator, "aggregator", None)
     try:
         log.append(
@@ -294,7 +298,7 @@ def accepted(aggregator: Path, ledger: PrivacyLedger, server_round: int) -> None
             examples=60,
             epsilon=ledger.epsilon,
             unit=ledger.header.unit,
-            data_fingerprint=DATASET,
+            data_fingerprint=named,
         )
     finally:
         log.close()
@@ -476,3 +480,23 @@ def test_the_rebuild_command_prints_each_source_and_refuses_less_than_the_aggreg
     assert f"{aggregator} (record seq" in err and "nothing was changed" in err
     assert len(open_ledger_lines := (state / LEDGER_FILE).read_bytes().splitlines()) == 2
     assert open_ledger_lines == honest.lines[:2]
+
+
+def test_the_aggregators_records_name_the_dataset_by_the_regions_commitment(tmp_path):
+    """Replies name the data by a commitment under the region's key, per run: a rebuild
+    that has the key recognises the aggregator's records and still refuses to show less
+    than they do."""
+    state = tmp_path / "state"
+    state.mkdir()
+    key = region_secret(state / SECRET_FILE)
+    aggregator = tmp_path / AGGREGATOR_LOG
+    for server_round in range(1, N + 1):
+        ledger = release(state, server_round)
+        accepted(aggregator, ledger, server_round, data_commitment(key, DATASET, 1))
+        if server_round == 2:
+            cut = (state / REGION_LOG).read_bytes()
+    (state / REGION_LOG).write_bytes(cut)
+    rolled_back_to(state, ledger, 2)
+    assert data_commitment(key, DATASET, 1) != data_commitment(key, DATASET, 2) != DATASET
+    with pytest.raises(RebuildRefused, match="no source holds, would be dropped"):
+        rebuild_ledger(state, aggregator_log=aggregator)
