@@ -420,6 +420,12 @@ class DPSettings(_Strict):
     #: the epsilon and the reply's weight then follow from it and public values. 0: the
     #: exact count sets them, a figure outside DP (docs/privacy.md).
     count_noise: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    #: The noise (a multiple of the clip for the summed loss, of 1 for the count) on a
+    #: region's held-out loss, each unit's loss clipped to ``eval-loss-clip``: every
+    #: evaluation is then a DP release charged to its ledger, the run's noise leaving
+    #: room for num-server-rounds + 2 of them. 0: the exact loss, a figure outside DP.
+    eval_noise: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    eval_loss_clip: float = Field(default=10.0, gt=0, le=1e3, allow_inf_nan=False)
 
     @field_validator("insecure_reproducible_noise")
     @classmethod

@@ -129,6 +129,28 @@ def _weight(run: RunConfig) -> Disclosure:
     return _data("the region's training example count (the aggregate's weight)")
 
 
+def _evaluation(what: str, part: str) -> Rule:
+    """A figure of the held-out evaluation: DP with eval-noise, else of the data."""
+
+    def rule(run: RunConfig) -> Disclosure:
+        if run.privacy.dp and run.privacy.eval_noise > 0:
+            return Disclosure(
+                Kind.DP,
+                f"the DP held-out loss's noisy {part} (Gaussian, eval-noise; per-unit "
+                "losses clipped to eval-loss-clip)",
+                Purpose.EVALUATION,
+            )
+        return _data(what)
+
+    return rule
+
+
+def _update_size(run: RunConfig) -> Disclosure:
+    if run.compression.codec.sparse:
+        return _data("a top-k update's size: its indices coded in the bytes they need")
+    return _public("the codec's size for the adapter's layout")
+
+
 def _steps(run: RunConfig) -> Disclosure:
     if run.training.local_time_budget > 0:
         return _data("the steps a local-time-budget allowed: the region's step time")
@@ -167,7 +189,7 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
         "num-examples": _weight,
         "train-loss": _data("the mean loss of the round's training batches"),
         "steps": _steps,
-        "update-bytes": _public("the codec's size for the adapter's layout"),
+        "update-bytes": _update_size,
         "epsilon": _count_based("epsilon accounted at the Poisson rate"),
         "epsilon-budget": _privacy,
         "delta": _privacy,
@@ -183,9 +205,11 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
     },
     EVALUATED: {
         "reason": _public("empty"),
-        "num-examples": _data("the region's held-out example count"),
-        "eval-loss": _data("the global adapter's mean loss on the region's held-out data"),
-        "perplexity": _data("exp of the held-out loss"),
+        "num-examples": _evaluation("the region's held-out example count", "count"),
+        "eval-loss": _evaluation(
+            "the global adapter's mean loss on the region's held-out data", "mean"
+        ),
+        "perplexity": _evaluation("exp of the held-out loss", "mean"),
         "step-seconds": _data("one DP-SGD step's time on the region's batches"),
     },
     DECLINED: {

@@ -143,3 +143,22 @@ def test_unavoidable_lists_what_a_reply_cannot_go_without():
     assert "num-examples" in names and "eval-loss" in names
     assert not names & OPTIONAL
     assert "update" in {line.split(":")[0] for line in unavoidable(_run(dp=False))}
+
+
+def test_a_top_k_updates_size_is_a_figure_of_the_data_a_fixed_codecs_is_not():
+    assert _kind(TRAINED, "update-bytes", _run(codec="int8")) is Kind.PUBLIC
+    assert _kind(TRAINED, "update-bytes", _run(codec="topk-int8:0.1")) is Kind.DATA
+
+
+def test_with_count_and_eval_noise_nothing_of_the_data_is_unavoidable():
+    """The DP count sets the rate, noise, epsilon and weight; the DP held-out loss the
+    evaluation's figures: a dp_only region can take part."""
+    assert unavoidable(_run(codec="int8", **{"count-noise": 10.0, "eval-noise": 5.0})) == ()
+    counted = _run(codec="int8", **{"count-noise": 10.0})
+    assert _kind(TRAINED, "num-examples", counted) is Kind.DP
+    assert _kind(TRAINED, "sample-rate", counted) is Kind.PUBLIC
+    assert {f.split(":")[0] for f in unavoidable(counted)} == {
+        "num-examples",
+        "eval-loss",
+        "perplexity",
+    }

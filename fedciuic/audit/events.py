@@ -79,4 +79,4 @@ SECURE_SENT_EVENTS = (
 )
 #: What a region logs when its privacy ledger records a release: each witnesses the
 #: ledger's head (``details.ledger``), which the ledger's rollback check reads.
-LEDGER_WITNESSES = (Event.TRAINED, Event.UNITS_COUNTED)
+LEDGER_WITNESSES = (Event.TRAINED, Event.UNITS_COUNTED, Event.EVALUATED)

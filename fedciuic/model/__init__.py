@@ -27,5 +27,6 @@ if TYPE_CHECKING:
     from fedciuic.model.train import shifted_logits as shifted_logits
     from fedciuic.model.train import sum_across_ranks as sum_across_ranks
     from fedciuic.model.train import train_local as train_local
+    from fedciuic.model.train import unit_losses as unit_losses
 
 __getattr__ = face(__name__)  # each name imported on first use

@@ -112,6 +112,9 @@ class EvalStats:
     #: Seconds one local DP-SGD step takes on this region's hardware (a synthetic batch
     #: of the worst shape, nothing private): the aggregator's rounds wait for the work.
     step_seconds: float | None = None
+    #: A DP evaluation's release, for the region's audit log (its epsilon and the
+    #: ledger's head after it); None for an exact one.
+    released: dict[str, object] | None = None
 
     @property
     def perplexity(self) -> float:
@@ -143,6 +146,22 @@ def example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     ).view(targets.shape)
     counted = (targets != IGNORE).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
+
+
+@torch.no_grad()
+def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -> list[float]:
+    """Each privacy unit's held-out loss: the mean of its examples' mean next-token
+    cross-entropy (a DP evaluation clips and sums these, one bounded term a unit)."""
+    net = model.model
+    net.eval()
+    losses = torch.cat(
+        [
+            example_losses(net, b.to(model.device)).double().cpu()
+            for b in examples.batches(batch_size)
+        ]
+    )
+    units = examples.grouped
+    return [float(losses[units.examples(u)].mean()) for u in range(units.count)]
 
 
 def lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

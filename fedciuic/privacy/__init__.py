@@ -8,11 +8,14 @@ from fedciuic.faces import face
 if TYPE_CHECKING:
     from fedciuic.privacy.budget import budget_status as budget_status
     from fedciuic.privacy.dpsgd import dp_count as dp_count
+    from fedciuic.privacy.dpsgd import dp_mean as dp_mean
+    from fedciuic.privacy.dpsgd import dp_mean_step as dp_mean_step
     from fedciuic.privacy.dpsgd import plan_private_steps as plan_private_steps
     from fedciuic.privacy.dpsgd import private_round as private_round
     from fedciuic.privacy.dpsgd import time_private_step as time_private_step
     from fedciuic.privacy.dpsgd import warn_once as warn_once
     from fedciuic.privacy.ledger import COUNTS as COUNTS
+    from fedciuic.privacy.ledger import EVALUATION as EVALUATION
     from fedciuic.privacy.ledger import LEDGER_FILE as LEDGER_FILE
     from fedciuic.privacy.ledger import BudgetExhausted as BudgetExhausted
     from fedciuic.privacy.ledger import LedgerRound as LedgerRound

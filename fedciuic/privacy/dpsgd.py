@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -131,6 +131,37 @@ def dp_count(count: int, std: float, *, secure_mode: bool, seed: int | None = No
         gen, _ = secure_generator("cpu")
     noise = _generate_noise(std, torch.zeros(1, dtype=torch.float64), gen, secure_mode)
     return max(0, round(count + float(noise)))
+
+
+def dp_mean(
+    values: Sequence[float],
+    clip: float,
+    noise: float,
+    *,
+    secure_mode: bool,
+    seed: int | None = None,
+) -> tuple[float, int]:
+    """The mean of ``values`` (one per unit) clipped to [0, ``clip``], and their count,
+    from a sum and a count each with Gaussian noise (``noise x clip`` and ``noise``): one
+    Gaussian mechanism whose L2 sensitivity, in units of (clip, 1), is sqrt(2), so the
+    accountant sees one step of noise multiplier ``noise / sqrt(2)`` at rate 1
+    (:func:`dp_mean_step`). The mean is kept in [0, clip] and the count at least 1
+    (post-processing)."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    if seed is not None and not secure_mode:
+        gen = seeded_generator("cpu", seed)
+    else:
+        gen, _ = secure_generator("cpu")
+    z = _generate_noise(noise, torch.zeros(2, dtype=torch.float64), gen, secure_mode)
+    total = sum(min(max(v, 0.0), clip) for v in values) + clip * float(z[0])
+    count = len(values) + float(z[1])
+    return min(max(total, 0.0) / max(count, 1.0), clip), max(1, round(count))
+
+
+def dp_mean_step(noise: float) -> tuple[float, float, int]:
+    """One :func:`dp_mean` release as the accountant composes it."""
+    return (noise / math.sqrt(2.0), 1.0, 1)
 
 
 def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:

@@ -141,8 +141,9 @@ def calibrate_noise_after(
     if spent >= target_epsilon - 0.01:
         raise PrivacyError(
             f"run config:target-epsilon: {target_epsilon:g} leaves nothing for training "
-            f"after the run's count of units, which costs epsilon {spent:.3f} alone; raise "
-            "count-noise or target-epsilon"
+            f"after the run's other releases (its count of units, its evaluations), which "
+            f"cost epsilon {spent:.3f} alone; raise count-noise or eval-noise, or "
+            "target-epsilon"
         )
 
     def over(sigma: float) -> bool:
@@ -187,11 +188,12 @@ class LedgerHeader(_Record):
     created: str
 
 
-#: What a ledger line's release paid for: a round's update, or the DP count of the
-#: dataset's privacy units a run samples from (docs/privacy.md).
-Purpose = Literal["training", "counts"]
+#: What a ledger line's release paid for: a round's update, the DP count of the
+#: dataset's privacy units a run samples from, or a DP held-out loss (docs/privacy.md).
+Purpose = Literal["training", "counts", "evaluation"]
 TRAINING: Purpose = "training"
 COUNTS: Purpose = "counts"
+EVALUATION: Purpose = "evaluation"
 
 
 class LedgerRound(_Record):
@@ -448,6 +450,10 @@ class PrivacyLedger:
             r.purpose == TRAINING and r.run_id == run_id and r.round == server_round
             for r in self.rounds
         )
+
+    def run_releases(self, run_id: int, purpose: Purpose) -> int:
+        """How many releases of ``purpose`` run ``run_id`` has made."""
+        return sum(r.run_id == run_id and r.purpose == purpose for r in self.rounds)
 
     def run_history(self, run_id: int) -> list[Step]:
         """The steps this run (federation run id) has actually released."""

@@ -521,8 +521,14 @@ class _Round:
         if policy.decision.enforced:
             self.note(Event.POLICY_DECISION, **policy.decision.to_record())
         if release is None:
-            stats = region.evaluate(task.adapter, base_fingerprint=task.base_fingerprint)
-            self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss)
+            stats = region.evaluate(
+                task.adapter,
+                base_fingerprint=task.base_fingerprint,
+                run_id=self.run_id,
+                server_round=task.server_round,
+            )
+            spent = stats.released or {}  # a DP evaluation: its epsilon and ledger
+            self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss, **spent)
             return Evaluated(region.name, stats)
         released = release.send(task, policy)
         if released.resent:

@@ -49,10 +49,11 @@ from fedciuic.config import (
 from fedciuic.crypto import update_payload
 from fedciuic.data import RegionData, load_region_data, node_commitment, oversized_details
 from fedciuic.errors import FedciuicError
-from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local
+from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local, unit_losses
 from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
     COUNTS,
+    EVALUATION,
     LEDGER_FILE,
     BudgetExhausted,
     LedgerRound,
@@ -62,6 +63,8 @@ from fedciuic.privacy import (
     audit_witness,
     calibrate_noise_after,
     dp_count,
+    dp_mean,
+    dp_mean_step,
     locked,
     plan_private_steps,
     poisson_sample_rate,
@@ -388,9 +391,22 @@ class RegionLedger:
         rate = poisson_sample_rate(n, local.batch_size)
         planned = self.run.schedule.num_server_rounds * local.local_steps
         noise = calibrate_noise_after(
-            self.count_step(), dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant
+            self.run_prefix(), dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant
         )
         return (noise, rate, local.local_steps)
+
+    @property
+    def evaluations(self) -> int:
+        """The DP evaluations a run may release (with eval-noise; 0 without): one before
+        its first round, one after each, and one to spare for a final or a repeat."""
+        if not (self.dp.dp and self.dp.eval_noise > 0):
+            return 0
+        return self.run.schedule.num_server_rounds + 2
+
+    def run_prefix(self) -> tuple[Step, ...]:
+        """What the run releases besides its rounds, which the rounds' noise leaves room
+        for in its target: its DP count, and its DP evaluations at their most."""
+        return (*self.count_step(), *[dp_mean_step(self.dp.eval_noise)] * self.evaluations)
 
     def count_step(self) -> tuple[Step, ...]:
         """The run's release besides its rounds: its DP count of units, the Gaussian
@@ -430,10 +446,7 @@ class RegionLedger:
                 f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget {budget:g} "
                 f"(ledger {ledger.path}); nothing was trained or sent"
             )
-        seed = int.from_bytes(
-            hashlib.sha256(f"{self.run.model.seed}:{self.name}:count".encode()).digest()[:8],
-            "little",
-        )
+        seed = self._seed("count")
         count = dp_count(
             self.data.train.num_units,
             dp.count_noise,
@@ -474,6 +487,61 @@ class RegionLedger:
             return
         with locked(self.path):
             yield self._open()
+
+    def evaluate(
+        self, losses: list[float], *, run_id: int, server_round: int
+    ) -> tuple[float, int, dict[str, object]]:
+        """A DP held-out loss from each unit's ``losses`` (:func:`dp_mean`), charged to the
+        ledger as its own release within the dataset's budget, the run's cap and the
+        run's evaluations: (loss, count, what the audit log notes of the release)."""
+        dp, budget = self.dp, self.node.epsilon_budget or self.dp.epsilon_budget
+        step = dp_mean_step(dp.eval_noise)
+        with self.session() as ledger:
+            done = ledger.run_releases(run_id, EVALUATION)
+            if done >= self.evaluations:
+                raise PrivacyError(
+                    f"region {self.name}: run {run_id} has released its {done} DP "
+                    f"evaluations (num-server-rounds + 2, what its noise leaves room for); "
+                    "this one is declined and nothing is sent"
+                )
+            cap = run_cap(dp.target_epsilon, None)
+            after, _ = ledger.admit(
+                step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
+            )
+            seed = self._seed(f"eval:{run_id}:{server_round}:{done}")
+            loss, count = dp_mean(
+                losses,
+                dp.eval_loss_clip,
+                dp.eval_noise,
+                secure_mode=dp.secure_mode,
+                seed=seed if dp.insecure_reproducible_noise else None,
+            )
+            record = ledger.new_record(
+                run_id=run_id,
+                server_round=server_round,
+                step=step,
+                max_grad_norm=dp.eval_loss_clip,
+                secure_mode=dp.secure_mode,
+                epsilon=after,
+                reproducible_noise=dp.insecure_reproducible_noise,
+                purpose=EVALUATION,
+            )
+            ledger.append(record)
+            return (
+                loss,
+                count,
+                {
+                    "epsilon": after,
+                    "eval_noise": dp.eval_noise,
+                    "data_fingerprint": self.data.fingerprint,
+                    "ledger": ledger.witness_record(),  # after the append: witnesses it
+                },
+            )
+
+    def _seed(self, what: str) -> int:
+        """A reproducible seed of this run's ``what`` (insecure-reproducible-noise only)."""
+        key = f"{self.run.model.seed}:{self.name}:{what}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
     def projected(
         self, ledger: PrivacyLedger | None = None, run_id: int | None = None
@@ -785,12 +853,26 @@ class Region:
         )
         return ran.stats, (ran.steps_taken, ran.steps_taken)
 
-    def evaluate(self, adapter: dict[str, np.ndarray], *, base_fingerprint: str) -> EvalStats:
-        """Held-out loss of the global adapter on this region's evaluation blocks
-        (on rank 0 alone: evaluation is cheap next to training, and adds no privacy cost)."""
+    def evaluate(
+        self,
+        adapter: dict[str, np.ndarray],
+        *,
+        base_fingerprint: str,
+        run_id: int = 0,
+        server_round: int = 0,
+    ) -> EvalStats:
+        """Held-out loss of the global adapter on this region's evaluation blocks, on rank
+        0 alone (evaluation is cheap next to training): exact, or with eval-noise a DP
+        release charged to the ledger (:meth:`RegionLedger.evaluate`)."""
         self._load_global(adapter, base_fingerprint)
-        stats = evaluate(self.model, self.data.eval, batch_size=self.local.batch_size)
-        return replace(stats, step_seconds=self.step_seconds())
+        if not self.ledger.evaluations:
+            stats = evaluate(self.model, self.data.eval, batch_size=self.local.batch_size)
+            return replace(stats, step_seconds=self.step_seconds())
+        losses = unit_losses(self.model, self.data.eval, batch_size=self.local.batch_size)
+        loss, count, released = self.ledger.evaluate(
+            losses, run_id=run_id, server_round=server_round
+        )
+        return EvalStats(loss, count, self.step_seconds(), released)
 
     def step_seconds(self) -> float | None:
         """One local DP-SGD step's seconds here, timed once per run (None without DP):

@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 
 from fedciuic.config import PrivacyUnit
-from fedciuic.privacy.dpsgd import dp_count
+from fedciuic.privacy.dpsgd import dp_count, dp_mean, dp_mean_step
 from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
@@ -230,6 +230,20 @@ COUNT = (3.0, 1.0, 1)  # the Gaussian mechanism of sensitivity 1, std 3
 
 
 @pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_a_run_of_a_count_evaluations_and_rounds_reports_what_dp_accounting_does(kind):
+    """A DP count, 5 DP held-out losses (each a sum and a count: noise / sqrt 2 at rate
+    1) and the rounds: the epsilon the ledger reports for the whole history is Google's
+    dp_accounting's within 5 %, and the calibration keeps it at or under the target."""
+    prefix = (COUNT, *[dp_mean_step(20.0)] * 5)
+    rate, steps = poisson_sample_rate(2322, 16), 90
+    sigma = calibrate_noise_after(prefix, 8.0, 1e-5, rate, steps, kind)
+    history = [*prefix, (sigma, rate, steps)]
+    eps = epsilon_of(history, 1e-5, kind)
+    assert 7.8 <= eps <= 8.0
+    assert google(history, 1e-5, kind) == pytest.approx(eps, rel=0.05)
+
+
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
 def test_calibration_after_a_count_keeps_the_whole_run_under_target(kind):
     """The run reports the composition of its count and its training steps: the noise is
     calibrated for both, so what it reports bounds all it released, and an independent
@@ -245,7 +259,7 @@ def test_calibration_after_a_count_keeps_the_whole_run_under_target(kind):
 
 
 def test_a_count_that_costs_the_whole_target_is_refused_naming_the_keys():
-    with pytest.raises(PrivacyError, match=r"target-epsilon: 0\.5 leaves nothing .* count-noise"):
+    with pytest.raises(PrivacyError, match=r"target-epsilon: 0\.5 leaves nothing .* eval-noise"):
         calibrate_noise_after(((0.5, 1.0, 1),), 0.5, 1e-5, 0.01, 90, "prv")
 
 
@@ -285,3 +299,11 @@ def test_a_dp_count_is_the_count_plus_gaussian_noise_rounded():
         1000, 20.0, secure_mode=False, seed=7
     )
     assert dp_count(0, 50.0, secure_mode=True) >= 0  # post-processing keeps a count a count
+
+
+def test_a_dp_mean_clips_each_unit_and_keeps_its_figures_in_range():
+    values = [0.5, 2.0, 50.0, -1.0]  # one above the clip, one below 0
+    mean, count = dp_mean(values, 10.0, 1e-9, secure_mode=False, seed=1)
+    assert mean == pytest.approx((0.5 + 2.0 + 10.0 + 0.0) / 4) and count == 4
+    noisy = [dp_mean([1.0] * 40, 10.0, 50.0, secure_mode=True) for _ in range(20)]
+    assert all(0.0 <= m <= 10.0 and c >= 1 for m, c in noisy)

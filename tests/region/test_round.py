@@ -722,7 +722,7 @@ def test_with_count_noise_a_run_releases_its_dp_count_first_and_samples_at_its_r
     counted, trained = ledger.rounds
     assert (counted.purpose, trained.purpose) == ("counts", "training")
     assert counted.noise_multiplier == 5.0 and counted.sample_rate == 1.0
-    assert metrics["num-examples"] == counted.count  # the weight is the DP count
+    assert counted.count is not None and metrics["num-examples"] == counted.count  # its weight
     assert metrics["sample-rate"] == pytest.approx(1 / -(-max(counted.count, 4) // 4))
     assert trained.sample_rate == metrics["sample-rate"]
     assert metrics["epsilon"] == pytest.approx(ledger.epsilon)  # the count included
@@ -732,3 +732,47 @@ def test_with_count_noise_a_run_releases_its_dp_count_first_and_samples_at_its_r
     assert noted["details"]["ledger"]["releases"] == 1
     (released,) = [r for r in records if r["event"] == "trained"]
     assert released["details"]["ledger"]["releases"] == 2
+
+
+def test_with_eval_noise_an_evaluation_is_a_dp_release_charged_to_the_ledger(
+    run, demo_root, tmp_path
+):
+    state = tmp_path / "state"
+    reply = run(cn_node(demo_root, state), {"eval-noise": 2.0}, kind=TaskKind.EVALUATE)
+    assert isinstance(reply.outcome, Evaluated), reply.outcome
+    stats = reply.outcome.stats
+    assert 0.0 <= stats.loss <= 10.0 and stats.num_examples >= 1  # clipped, post-processed
+    ledger = PrivacyLedger.load(state / LEDGER_FILE)
+    (line,) = ledger.rounds
+    assert (line.purpose, line.sample_rate) == ("evaluation", 1.0)
+    assert line.noise_multiplier == pytest.approx(2.0 / 2**0.5)  # a sum and a count
+    (noted,) = [r for r in load_records(state / "audit.jsonl") if r["event"] == "evaluated"]
+    assert noted["details"]["ledger"]["releases"] == 1
+    assert noted["details"]["epsilon"] == pytest.approx(ledger.epsilon)
+
+
+def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
+    run, demo_root, tmp_path
+):
+    """privacy.releases: dp_only with count-noise and eval-noise: the region evaluates
+    and trains, and what leaves carries no figure of its data (no train-loss, no
+    step-seconds, its data named by a commitment)."""
+    policy = write_policy(
+        tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
+    )
+    state = tmp_path / "state"
+    node = cn_node(demo_root, state, policy)
+    settings = {"count-noise": 5.0, "eval-noise": 20.0, "codec": "int8"}
+    evaluated = run(node, settings, kind=TaskKind.EVALUATE)
+    assert isinstance(evaluated.outcome, Evaluated), evaluated.outcome
+    assert "step-seconds" not in region_records(evaluated).metrics
+    trained = run(node, settings)
+    declines = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
+    assert isinstance(trained.outcome, Clear), declines
+    assert "train-loss" not in trained.outcome.metrics
+    records = load_records(state / "audit.jsonl")
+    (noted,) = [r for r in records if r["event"] == "trained"]
+    sent = trained.outcome.info["data-fingerprint"]
+    assert len(sent) == 64 and sent != noted["details"]["data_fingerprint"]  # a commitment
+    purposes = [r.purpose for r in PrivacyLedger.load(state / LEDGER_FILE).rounds]
+    assert purposes == ["evaluation", "counts", "training"]
