@@ -789,24 +789,43 @@ def _secure_section(
 
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """The figures a reply carries beside its DP update, which DP does not cover."""
+    """The figures a reply carried beside its DP update that DP does not protect: a
+    region's example count in a run without its DP count of units, its held-out loss
+    where the evaluation was no DP release, and its update's size under a top-k codec."""
+    counted = {(region, r.get("run_id")) for region, r, _ in _each(own, Event.UNITS_COUNTED)}
+    sized = {  # the rounds whose update's size depended on the data
+        (region, r.get("run_id"), r.get("round"))
+        for region, r, d in _each(own, Event.TRAINED)
+        if d.get("size_of_data", True)  # not recorded (older logs): counted as such
+    }
     rows = []
     for region, r, d in _each(own, Event.TRAINED, Event.EVALUATED, *SENT_EVENTS):
+        event, run_round = r.get("event"), (region, r.get("run_id"), r.get("round"))
         examples = f"{_text(d.get('examples'))} examples"
-        if r.get("event") == Event.TRAINED:
+        if event == Event.TRAINED:
+            if run_round[:2] in counted:  # its weight was the run's DP count
+                continue
             what, figures = "trained", f"{examples}, {_text(d.get('steps'))} steps"
-        elif r.get("event") == Event.EVALUATED:
+        elif event == Event.EVALUATED:
+            if "ledger" in d:  # a DP evaluation, charged to the ledger
+                continue
             what, figures = "evaluated", f"{examples}, eval loss {_text(d.get('loss'))}"
         else:
+            if run_round not in sized:  # the codec's size for the layout: public
+                continue
             what, figures = "update size", f"{_text(d.get('bytes'))} bytes"
         rows.append((_round(r), region, what, figures))
     return _table(
         "Figures sent outside DP",
-        "Besides its DP update, each reply carries figures DP does not protect: its "
-        "training example count (the aggregate's weight), its held-out loss and example "
-        "count, and the update's size (docs/privacy.md). From each region's own log.",
+        "Besides its DP update, a reply may carry figures DP does not protect: its "
+        "training example count (the aggregate's weight) unless the run released a DP "
+        "count of units (count-noise), its held-out loss and example count unless the "
+        "evaluation was a DP release (eval-noise), and under a top-k codec its update's "
+        "size (docs/privacy.md, fedciuic/releases.py). From each region's own log.",
         ("round", "region", "what", "figures"),
         _by_round(rows),
+        "None: each region's own log records sending only DP releases (the run's count "
+        "of units, its evaluations and updates) and figures of public configuration.",
     )
 
 

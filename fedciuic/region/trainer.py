@@ -216,7 +216,7 @@ RELEASED = (
 
 #: What a region's audit log records of a release (``trained``), figures of the
 #: training and then of its privacy.
-TRAINING_FIELDS = ("examples", "steps", "data_fingerprint")
+TRAINING_FIELDS = ("examples", "steps", "data_fingerprint", "size_of_data")
 TRAINED_FIELDS = (*TRAINING_FIELDS, *RELEASED)
 
 
@@ -231,7 +231,7 @@ def trained_record(outcome: TrainOutcome) -> dict[str, Any]:
     with the update so that a region stopped before it noted the release notes it when
     it resends."""
     stats = outcome.stats
-    training = (stats.num_examples, stats.steps, outcome.data_fingerprint)
+    training = (stats.num_examples, stats.steps, outcome.data_fingerprint, outcome.size_of_data)
     return dict(zip(TRAINING_FIELDS, training, strict=True)) | released_record(outcome.privacy)
 
 
@@ -249,6 +249,8 @@ class TrainOutcome:
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: The entity types scrubbed from the texts it trained on (none: not de-identified).
     deidentified: tuple[str, ...] = ()
+    #: Whether the update's size depends on the data (a top-k codec's index coding).
+    size_of_data: bool = False
 
 
 # -- what a trained reply carries -------------------------------------------------------
@@ -690,6 +692,7 @@ class Region:
                 update,
                 mode,
                 self.data.deidentified,
+                self.run.compression.codec.sparse,
             )
             if keep is not None:
                 keep(outcome)

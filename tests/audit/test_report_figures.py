@@ -5,7 +5,7 @@ and its HTML; the region's log keeps the exact values."""
 from __future__ import annotations
 
 from fedciuic.audit.events import Event
-from fedciuic.audit.report import _privacy_section, to_html, to_markdown
+from fedciuic.audit.report import _outside_dp_section, _privacy_section, to_html, to_markdown
 
 NOISE, EPSILON, DELTA = 0.99365234375, 4.5296698030839195, 1e-05
 
@@ -35,3 +35,29 @@ def test_a_figure_that_is_not_a_number_prints_as_it_is():
     records = [{"event": Event.TRAINED, "round": 1, "details": details}]
     (row,) = _privacy_section({"eu": records}).rows
     assert row[2] == "-" and row[7] == "1e-05" and row[8] == "2.00"
+
+
+def test_figures_outside_dp_are_what_no_dp_release_covered():
+    """An exact count, an exact held-out loss and a top-k update's size are listed; a run's
+    DP count, a DP evaluation and a fixed-size update are not, and a run that sent
+    only DP releases says so."""
+
+    def record(event: str, run_id: int, **details: object) -> dict[str, object]:
+        return {"event": event, "run_id": run_id, "round": 1, "details": details}
+
+    exact = [
+        record(Event.TRAINED, 1, examples=40, steps=3, size_of_data=True),
+        record(Event.EVALUATED, 1, examples=8, loss=2.5),
+        record(Event.UPDATE_SEALED, 1, bytes=1234),
+    ]
+    dp = [
+        record(Event.UNITS_COUNTED, 2, count=41, ledger={}),
+        record(Event.TRAINED, 2, examples=40, steps=3, size_of_data=False),
+        record(Event.EVALUATED, 2, examples=8, loss=2.4, ledger={}),
+        record(Event.UPDATE_SEALED, 2, bytes=1000),
+    ]
+    section = _outside_dp_section({"eu": exact + dp})
+    assert sorted(row[2] for row in section.rows) == ["evaluated", "trained", "update size"]
+    assert all(row[1] == "eu" for row in section.rows)
+    only_dp = _outside_dp_section({"eu": dp})
+    assert not only_dp.rows and only_dp.paragraphs[0].startswith("None:")
