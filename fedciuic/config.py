@@ -74,6 +74,10 @@ PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
 #: The unit where none is named: a policy without ``privacy.unit`` (at least record-level),
 #: and a ledger, reply or log written before units existed (all were record-level).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
+#: What a DP release pays for: a round's update, the run's count of units, a held-out
+#: loss (a ledger line's purpose; docs/privacy.md).
+Purpose = Literal["training", "counts", "evaluation"]
+TRAINING, COUNTS, EVALUATION = get_args(Purpose)
 #: The smallest secure-sum ring offered, in bits (0 chooses one: secagg.ddp.ring_bits).
 MIN_RING_BITS = 12
 

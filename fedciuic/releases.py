@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fedciuic.config import RunConfig
+from fedciuic.config import COUNTS, EVALUATION, TRAINING, Purpose, RunConfig
 from fedciuic.errors import FedciuicError
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -58,14 +58,6 @@ class Kind(StrEnum):
     DATA = "data"
 
 
-class Purpose(StrEnum):
-    """What a DP release's share of the budget pays for (the ledger records it)."""
-
-    TRAINING = "training"
-    EVALUATION = "evaluation"
-    COUNTS = "counts"
-
-
 @dataclass(frozen=True)
 class Disclosure:
     """One field's class, and in a few words why (for DP: the mechanism)."""
@@ -89,14 +81,12 @@ def _data(why: str) -> Disclosure:
 
 def _update(run: RunConfig) -> Disclosure:
     if run.privacy.dp:
-        return Disclosure(
-            Kind.DP, "DP-SGD: per-unit clipped gradients, Gaussian noise", Purpose.TRAINING
-        )
+        return Disclosure(Kind.DP, "DP-SGD: per-unit clipped gradients, Gaussian noise", TRAINING)
     if run.secure.secure_aggregation and run.secure.distributed_noise_multiplier > 0:
         return Disclosure(
             Kind.DP,
             "distributed DP: the regions' shared Gaussian noise in the secure sum",
-            Purpose.TRAINING,
+            TRAINING,
         )
     return _data("the adapter's change trained without DP (dp = false)")
 
@@ -124,7 +114,7 @@ def _weight(run: RunConfig) -> Disclosure:
             Kind.DP,
             f"the run's DP count of the region's {run.privacy.privacy_unit}s (Gaussian, "
             "count-noise)",
-            Purpose.COUNTS,
+            COUNTS,
         )
     return _data("the region's training example count (the aggregate's weight)")
 
@@ -138,7 +128,7 @@ def _evaluation(what: str, part: str) -> Rule:
                 Kind.DP,
                 f"the DP held-out loss's noisy {part} (Gaussian, eval-noise; per-unit "
                 "losses clipped to eval-loss-clip)",
-                Purpose.EVALUATION,
+                EVALUATION,
             )
         return _data(what)
 

@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     from fedciuic.privacy.dpsgd import private_round as private_round
     from fedciuic.privacy.dpsgd import time_private_step as time_private_step
     from fedciuic.privacy.dpsgd import warn_once as warn_once
-    from fedciuic.privacy.ledger import COUNTS as COUNTS
-    from fedciuic.privacy.ledger import EVALUATION as EVALUATION
     from fedciuic.privacy.ledger import LEDGER_FILE as LEDGER_FILE
     from fedciuic.privacy.ledger import BudgetExhausted as BudgetExhausted
     from fedciuic.privacy.ledger import LedgerRound as LedgerRound

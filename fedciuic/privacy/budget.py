@@ -11,10 +11,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedciuic.config import Accountant, PrivacyUnit
+from fedciuic.config import TRAINING, Accountant, PrivacyUnit
 from fedciuic.privacy.ledger import (
     LEDGER_FILE,
-    TRAINING,
     PrivacyError,
     PrivacyLedger,
     Step,

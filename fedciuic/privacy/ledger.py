@@ -38,7 +38,14 @@ from opacus.accountants.utils import get_noise_multiplier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedciuic.audit import LEDGER_WITNESSES, REGION_LOG, Event, load_records, with_carried
-from fedciuic.config import DEFAULT_PRIVACY_UNIT, Accountant, PrivacyUnit
+from fedciuic.config import (
+    COUNTS,
+    DEFAULT_PRIVACY_UNIT,
+    TRAINING,
+    Accountant,
+    PrivacyUnit,
+    Purpose,
+)
 from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
 
@@ -186,14 +193,6 @@ class LedgerHeader(_Record):
     accountant: Accountant
     unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     created: str
-
-
-#: What a ledger line's release paid for: a round's update, the DP count of the
-#: dataset's privacy units a run samples from, or a DP held-out loss (docs/privacy.md).
-Purpose = Literal["training", "counts", "evaluation"]
-TRAINING: Purpose = "training"
-COUNTS: Purpose = "counts"
-EVALUATION: Purpose = "evaluation"
 
 
 class LedgerRound(_Record):

@@ -38,7 +38,9 @@ from fedciuic.compression import (
     layout_of,
 )
 from fedciuic.config import (
+    COUNTS,
     DEFAULT_ADAPTER_MODE,
+    EVALUATION,
     AdapterMode,
     DPSettings,
     LocalTraining,
@@ -52,8 +54,6 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local, unit_losses
 from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
-    COUNTS,
-    EVALUATION,
     LEDGER_FILE,
     BudgetExhausted,
     LedgerRound,
