@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from fedciuic.privacy.dpsgd import time_private_step as time_private_step
     from fedciuic.privacy.dpsgd import warn_once as warn_once
     from fedciuic.privacy.ledger import LEDGER_FILE as LEDGER_FILE
-    from fedciuic.privacy.ledger import BudgetExhausted as BudgetExhausted
     from fedciuic.privacy.ledger import LedgerRound as LedgerRound
     from fedciuic.privacy.ledger import PrivacyError as PrivacyError
     from fedciuic.privacy.ledger import PrivacyLedger as PrivacyLedger

@@ -22,7 +22,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from fedciuic.config import (
     LocalTraining,
     NodeConfig,
     PrivacyUnit,
+    Purpose,
     RunConfig,
 )
 from fedciuic.crypto import update_payload
@@ -55,7 +56,6 @@ from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_
 from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
     LEDGER_FILE,
-    BudgetExhausted,
     LedgerRound,
     PrivacyError,
     PrivacyLedger,
@@ -99,6 +99,8 @@ class RoundOutOfRange(FedciuicError):
     """The aggregator asks for a round outside this run's 1..num-server-rounds: the
     noise is calibrated for that many rounds, so nothing is released for it."""
 
+
+_T = TypeVar("_T")
 
 #: Opens a kept update's file: the region's record of the round, then the payload.
 KEPT_MAGIC = b"fedciuic-kept/1\n"
@@ -440,43 +442,64 @@ class RegionLedger:
         if not self.count_step() or ledger.run_count(run_id) is not None:
             return
         dp, (step,) = self.dp, self.count_step()
-        budget = self.node.epsilon_budget or dp.epsilon_budget
-        after = ledger.epsilon_after(step)
-        if after > budget:
-            raise BudgetExhausted(
-                f"region {self.name}: the run's count of units would raise epsilon from "
-                f"{ledger.epsilon:.3f} to {after:.3f}, over the dataset's budget {budget:g} "
-                f"(ledger {ledger.path}); nothing was trained or sent"
-            )
-        seed = self._seed("count")
-        count = dp_count(
-            self.data.train.num_units,
-            dp.count_noise,
-            secure_mode=dp.secure_mode,
-            seed=seed if dp.insecure_reproducible_noise else None,
+        units = self.data.train.num_units
+
+        def draw(seed: int | None) -> int:
+            return dp_count(units, dp.count_noise, secure_mode=dp.secure_mode, seed=seed)
+
+        count, noted = self._release(
+            ledger, step, run_id=run_id, server_round=server_round, purpose=COUNTS, draw=draw
         )
-        record = ledger.new_record(
-            run_id=run_id,
-            server_round=server_round,
-            step=step,
-            max_grad_norm=1.0,  # the count's sensitivity
-            secure_mode=dp.secure_mode,
-            epsilon=after,
-            reproducible_noise=dp.insecure_reproducible_noise,
-            purpose=COUNTS,
-            count=count,
-        )
-        ledger.append(record)  # the commit, then its witness (as for a round's release)
         audit.append(
             Event.UNITS_COUNTED,
             run_id=run_id,
             server_round=server_round,
             count=count,
             count_noise=dp.count_noise,
-            epsilon=after,
-            data_fingerprint=self.data.fingerprint,
-            ledger=ledger.witness_record(),
+            **noted,
         )
+
+    def _release(
+        self,
+        ledger: PrivacyLedger,
+        step: Step,
+        *,
+        run_id: int,
+        server_round: int,
+        purpose: Purpose,
+        draw: Callable[[int | None], _T],
+    ) -> tuple[_T, dict[str, Any]]:
+        """A release besides a round's update: admitted within the dataset's budget and
+        the run's target, drawn (``draw`` gets a seed under insecure-reproducible-noise,
+        else None: the OS's entropy), and committed as its own ledger line before
+        anything uses it. Returns it and what the audit record that witnesses it notes
+        (its epsilon, the dataset, the ledger's head after it)."""
+        dp = self.dp
+        budget = self.node.epsilon_budget or dp.epsilon_budget
+        cap = run_cap(dp.target_epsilon, None)
+        after, _ = ledger.admit(
+            step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
+        )
+        seed = None
+        if dp.insecure_reproducible_noise:
+            key = f"{self.run.model.seed}:{self.name}:{purpose}:{len(ledger.rounds)}".encode()
+            seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+        value = draw(seed)
+        record = ledger.new_record(
+            run_id=run_id,
+            server_round=server_round,
+            step=step,
+            # the sensitivity in the noise's units: a count's 1, a loss's clip
+            max_grad_norm=dp.eval_loss_clip if purpose == EVALUATION else 1.0,
+            secure_mode=dp.secure_mode,
+            epsilon=after,
+            reproducible_noise=dp.insecure_reproducible_noise,
+            purpose=purpose,
+            count=value if purpose == COUNTS else None,  # type: ignore[arg-type]
+        )
+        ledger.append(record)  # the commit, then its witness (as for a round's release)
+        noted = {"epsilon": after, "data_fingerprint": self.data.fingerprint}
+        return value, {**noted, "ledger": ledger.witness_record()}
 
     @contextlib.contextmanager
     def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
@@ -496,8 +519,7 @@ class RegionLedger:
         """A DP held-out loss from each unit's ``losses`` (:func:`dp_mean`), charged to the
         ledger as its own release within the dataset's budget, the run's cap and the
         run's evaluations: (loss, count, what the audit log notes of the release)."""
-        dp, budget = self.dp, self.node.epsilon_budget or self.dp.epsilon_budget
-        step = dp_mean_step(dp.eval_noise)
+        dp, step = self.dp, dp_mean_step(self.dp.eval_noise)
         with self.session() as ledger:
             done = ledger.run_releases(run_id, EVALUATION)
             if done >= self.evaluations:
@@ -506,44 +528,20 @@ class RegionLedger:
                     f"evaluations (num-server-rounds + 2, what its noise leaves room for); "
                     "this one is declined and nothing is sent"
                 )
-            cap = run_cap(dp.target_epsilon, None)
-            after, _ = ledger.admit(
-                step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
-            )
-            seed = self._seed(f"eval:{run_id}:{server_round}:{done}")
-            loss, count = dp_mean(
-                losses,
-                dp.eval_loss_clip,
-                dp.eval_noise,
-                secure_mode=dp.secure_mode,
-                seed=seed if dp.insecure_reproducible_noise else None,
-            )
-            record = ledger.new_record(
+
+            def draw(seed: int | None) -> tuple[float, int]:
+                clip, noise, secure = dp.eval_loss_clip, dp.eval_noise, dp.secure_mode
+                return dp_mean(losses, clip, noise, secure_mode=secure, seed=seed)
+
+            (loss, count), noted = self._release(
+                ledger,
+                step,
                 run_id=run_id,
                 server_round=server_round,
-                step=step,
-                max_grad_norm=dp.eval_loss_clip,
-                secure_mode=dp.secure_mode,
-                epsilon=after,
-                reproducible_noise=dp.insecure_reproducible_noise,
                 purpose=EVALUATION,
+                draw=draw,
             )
-            ledger.append(record)
-            return (
-                loss,
-                count,
-                {
-                    "epsilon": after,
-                    "eval_noise": dp.eval_noise,
-                    "data_fingerprint": self.data.fingerprint,
-                    "ledger": ledger.witness_record(),  # after the append: witnesses it
-                },
-            )
-
-    def _seed(self, what: str) -> int:
-        """A reproducible seed of this run's ``what`` (insecure-reproducible-noise only)."""
-        key = f"{self.run.model.seed}:{self.name}:{what}".encode()
-        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+            return loss, count, {**noted, "eval_noise": dp.eval_noise}
 
     def projected(
         self, ledger: PrivacyLedger | None = None, run_id: int | None = None
