@@ -42,13 +42,20 @@ CLIP = 10.0  # eval-loss-clip's default
 
 
 def measure(
-    *, units: int, eval_units: int, batch: int, rounds: int, steps: int, target: float
+    *,
+    units: int,
+    eval_units: int,
+    batch: int,
+    rounds: int,
+    steps: int,
+    target: float,
+    settings: tuple[tuple[float, float], ...] = SETTINGS,
 ) -> dict[str, Any]:
     rate = poisson_sample_rate(units, batch)
     planned = rounds * steps
     alone = calibrate_noise(target, DELTA, rate, planned, "prv")
     out: list[dict[str, Any]] = []
-    for count_noise, eval_noise in SETTINGS:
+    for count_noise, eval_noise in settings:
         count = ((count_noise, 1.0, 1),) if count_noise else ()
         evals = (dp_mean_step(eval_noise),) * (rounds + 2) if eval_noise else ()
         started = time.perf_counter()

@@ -10,6 +10,7 @@ from typing import Any
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # as run_all.py runs them: scripts, not a package
+import releases
 from aggregation import scaling
 from compression import default_codec, default_tag, entry_settings
 from run_all import table
@@ -172,3 +173,14 @@ def test_a_result_names_the_default_it_was_measured_under_as_such():
     assert default_tag(now, now) == "the default"
     assert default_tag("topk-int8:0.015", "topk-int8:0.015") == "the default when measured"
     assert default_tag(now, "lora/dense") is None
+
+
+def test_the_releases_benchmark_keeps_each_run_within_its_target_and_costs_noise():
+    result = releases.measure(
+        units=400, eval_units=40, batch=8, rounds=2, steps=5, target=4.0, settings=((10.0, 20.0),)
+    )
+    (setting,) = result["settings"]
+    assert setting["epsilon"] <= 4.0 and setting["sigma"] > result["sigma_alone"]
+    assert abs(setting["loss_std"] - 20.0 * releases.CLIP / 40) < 1e-12
+    (row,) = releases.rows(result)
+    assert "count-noise 10, eval-noise 20" in row[0] and row[3] == "reported"
