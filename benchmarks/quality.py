@@ -418,12 +418,9 @@ def summarise(found: dict[str, Any], base: float) -> dict[str, Any]:
         for arm, entry in arms.items():
             accs = [s["accuracy"] for s in entry["seeds"]]
             # Paired by seed (an arm's seed k against the reference's seed k).
-            pairs = list(zip([a - base for a in accs], reference, strict=False))
-            share = (
-                ratio_interval(*map(list, zip(*pairs, strict=True)))
-                if pairs
-                else (math.nan, math.nan, math.nan)
-            )
+            n = min(len(accs), len(reference))
+            gains = [a - base for a in accs[:n]]
+            share = ratio_interval(gains, reference[:n]) if n else (math.nan,) * 3
             out.setdefault(level, {})[arm] = {
                 "learning_rate": entry["learning_rate"],
                 "accuracy": interval(accs),
@@ -533,7 +530,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plotted = False
     for level, arms in result["summary"].items():
-        # Only shares with a bounded interval (dense gained at this level) are drawn.
+        # Only shares with a bounded interval (the reference gained at this level) are drawn.
         names = [
             a
             for a in arms

@@ -27,12 +27,14 @@ from typing import Any
 
 from report import Row
 
-from fedciuic.privacy.dpsgd import dp_mean_step
+from fedciuic.config import DPSettings
 from fedciuic.privacy.ledger import (
     calibrate_noise,
     calibrate_noise_after,
+    count_steps,
     epsilon_of,
     poisson_sample_rate,
+    run_prefix,
 )
 
 DELTA = 1e-5
@@ -56,10 +58,11 @@ def measure(
     alone = calibrate_noise(target, DELTA, rate, planned, "prv")
     out: list[dict[str, Any]] = []
     for count_noise, eval_noise in settings:
-        count = ((count_noise, 1.0, 1),) if count_noise else ()
-        evals = (dp_mean_step(eval_noise),) * (rounds + 2) if eval_noise else ()
+        dp = DPSettings(count_noise=count_noise, eval_noise=eval_noise)
+        prefix, count = run_prefix(dp, rounds), count_steps(dp)
+        evals = prefix[len(count) :]
         started = time.perf_counter()
-        sigma = calibrate_noise_after((*count, *evals), target, DELTA, rate, planned, "prv")
+        sigma = calibrate_noise_after(prefix, target, DELTA, rate, planned, "prv")
         seconds = time.perf_counter() - started
         history = [*count, *evals, (sigma, rate, planned)]
         out.append(

@@ -228,14 +228,6 @@ WITHHELD_REASON = (
 )
 
 
-#: Values that say nothing of the data whatever field carries them.
-_FIXED = {"reason": WITHHELD_REASON}
-
-
-def _is_fixed(name: str, value: object) -> bool:
-    return isinstance(value, str) and _FIXED.get(name) == value
-
-
 def unavoidable(run: RunConfig) -> tuple[str, ...]:
     """The data-dependent figures this run's trained and evaluated replies cannot leave
     out, each as ``field: why``: what a ``dp_only`` policy declines the run for."""
@@ -313,8 +305,7 @@ def leaving(
 ) -> None:
     """Refuse (:class:`ReleaseRefused`) a reply that would carry what its sender may not
     release (:func:`problems`); ``who`` names the sender in the message."""
-    names = [name for name, value in fields.items() if not _is_fixed(name, value)]
-    found = problems(status, names, run, dp_only=dp_only)
+    found = problems(status, fields, run, dp_only=dp_only)
     if found:
         rule = " (privacy.releases: dp_only)" if dp_only else ""
         raise ReleaseRefused(

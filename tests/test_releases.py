@@ -10,7 +10,6 @@ from fedciuic.releases import (
     ANY_REPLY,
     OPTIONAL,
     REPLY_FIELDS,
-    WITHHELD_REASON,
     Kind,
     ReleaseRefused,
     disclosure_of,
@@ -132,8 +131,10 @@ def test_optional_figures_are_left_out_under_dp_only_and_nothing_else_is():
     assert set(REPLY_FIELDS[TRAINED]) | set(REPLY_FIELDS[EVALUATED]) >= OPTIONAL
 
 
-def test_a_withheld_decline_reason_leaves_and_a_real_one_does_not_under_dp_only():
-    leaving(DECLINED, {"reason": WITHHELD_REASON}, _run(), dp_only=True, who="region eu")
+def test_a_declines_reason_is_a_figure_of_the_data_under_dp_only():
+    """The region chooses what a decline says under dp_only (the withheld sentence, or a
+    policy file's own error: tests/region/test_round.py); the table never lets a reason
+    through on its own."""
     with pytest.raises(ReleaseRefused, match="reason"):
         leaving(DECLINED, {"reason": "only 12 users"}, _run(), dp_only=True, who="region eu")
 

@@ -369,11 +369,14 @@ def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) 
 def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[bool, list[str]]:
     """Whether a run of ``run``'s rounds and steps at ``target`` fits every region, and one
     line per region (two where it has spent something, or where the run does not fit)."""
-    steps = run.schedule.num_server_rounds * run.training.local_steps
+    from fedciuic.privacy import run_prefix
+
+    rounds = run.schedule.num_server_rounds
+    steps, prefix = rounds * run.training.local_steps, run_prefix(run.privacy, rounds)
     lines, every = [], True
     for status in found:
         lines.append(status.line())
-        fits, line = status.run_line(target, steps, run.privacy.count_noise)
+        fits, line = status.run_line(target, steps, prefix)
         every = every and fits
         if line and (status.unit is not None or not fits):
             lines.append(line)

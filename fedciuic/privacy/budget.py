@@ -58,17 +58,16 @@ class BudgetStatus:
             for purpose in dict.fromkeys(self.purposes)
         }
 
-    def after_run(self, target: float, steps: int, count_noise: float = 0.0) -> float:
+    def after_run(self, target: float, steps: int, prefix: tuple[Step, ...] = ()) -> float:
         """The dataset's cumulative epsilon after a whole run of ``steps`` DP-SGD steps at
-        ``target``, as the region accounts it: noise calibrated for the run (its DP count
-        of units first, with ``count_noise``) at the sample rate of the dataset's last
-        training release (same data, same batch size), composed with its history. A
-        dataset with no release: the run's own target."""
+        ``target``, as the region accounts it: noise calibrated for the run (after its
+        other releases, ``prefix``: :func:`~fedciuic.privacy.ledger.run_prefix`) at the
+        sample rate of the dataset's last training release (same data, same batch size),
+        composed with its history. A dataset with no release: the run's own target."""
         trained = [s for s, p in zip(self.history, self.purposes, strict=True) if p == TRAINING]
         if not trained or self.delta is None or self.accountant is None:
             return target
         rate = trained[-1][1]
-        prefix: tuple[Step, ...] = ((count_noise, 1.0, 1),) if count_noise > 0 else ()
         with warnings.catch_warnings():  # Opacus' RDP search notes its alpha range: not ours
             warnings.simplefilter("ignore", UserWarning)
             sigma = calibrate_noise_after(prefix, target, self.delta, rate, steps, self.accountant)
@@ -94,11 +93,14 @@ class BudgetStatus:
             f"run(s){alone}), {self.remaining:.2f} left"
         )
 
-    def run_line(self, target: float, steps: int, count_noise: float = 0.0) -> tuple[bool, str]:
-        """Whether a run at ``target`` of ``steps`` steps fits, and one line saying so."""
+    def run_line(
+        self, target: float, steps: int, prefix: tuple[Step, ...] = ()
+    ) -> tuple[bool, str]:
+        """Whether a run at ``target`` of ``steps`` steps (after ``prefix``) fits, and one
+        line saying so."""
         if self.problem:  # line() said why: no run fits
             return False, ""
-        after = self.after_run(target, steps, count_noise)
+        after = self.after_run(target, steps, prefix)
         fits = after <= self.budget + 1e-9
         line = (
             f"{self.region}: a run at target-epsilon {target:g} ({steps} steps) would bring it "

@@ -23,6 +23,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
 from opacus.grad_sample.linear import compute_linear_norm_sample
+from opacus.optimizers.optimizer import _generate_noise
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import (
@@ -118,19 +119,23 @@ def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generato
     return gen, f"torch generator on {device} seeded from os.urandom"
 
 
-def dp_count(count: int, std: float, *, secure_mode: bool, seed: int | None = None) -> int:
-    """``count`` plus Gaussian noise of ``std``, rounded and at least 0 (post-processing):
-    the Gaussian mechanism of sensitivity 1 (a unit more or less changes a count by one),
-    its noise drawn as DP-SGD's is (Opacus' secure sum of Gaussians in ``secure_mode``;
-    ``seed``: reproducible, tests only, ignored in secure mode)."""
-    from opacus.optimizers.optimizer import _generate_noise
-
+def _release_noise(size: int, std: float, *, secure_mode: bool, seed: int | None) -> list[float]:
+    """``size`` Gaussian draws of ``std`` for a release besides DP-SGD's, drawn as its
+    noise is (Opacus' secure sum of Gaussians in ``secure_mode``, from a generator nobody
+    can replay; ``seed``: reproducible, tests only, ignored in secure mode)."""
     if seed is not None and not secure_mode:
         gen = seeded_generator("cpu", seed)
     else:
         gen, _ = secure_generator("cpu")
-    noise = _generate_noise(std, torch.zeros(1, dtype=torch.float64), gen, secure_mode)
-    return max(0, round(count + float(noise)))
+    reference = torch.zeros(size, dtype=torch.float64)
+    return [float(z) for z in _generate_noise(std, reference, gen, secure_mode)]
+
+
+def dp_count(count: int, std: float, *, secure_mode: bool, seed: int | None = None) -> int:
+    """``count`` plus Gaussian noise of ``std``, rounded and at least 0 (post-processing):
+    the Gaussian mechanism of sensitivity 1 (a unit more or less changes a count by one)."""
+    (noise,) = _release_noise(1, std, secure_mode=secure_mode, seed=seed)
+    return max(0, round(count + noise))
 
 
 def dp_mean(
@@ -145,23 +150,12 @@ def dp_mean(
     from a sum and a count each with Gaussian noise (``noise x clip`` and ``noise``): one
     Gaussian mechanism whose L2 sensitivity, in units of (clip, 1), is sqrt(2), so the
     accountant sees one step of noise multiplier ``noise / sqrt(2)`` at rate 1
-    (:func:`dp_mean_step`). The mean is kept in [0, clip] and the count at least 1
-    (post-processing)."""
-    from opacus.optimizers.optimizer import _generate_noise
-
-    if seed is not None and not secure_mode:
-        gen = seeded_generator("cpu", seed)
-    else:
-        gen, _ = secure_generator("cpu")
-    z = _generate_noise(noise, torch.zeros(2, dtype=torch.float64), gen, secure_mode)
-    total = sum(min(max(v, 0.0), clip) for v in values) + clip * float(z[0])
-    count = len(values) + float(z[1])
+    (:func:`fedciuic.privacy.ledger.dp_mean_step`). The mean is kept in [0, clip] and
+    the count at least 1 (post-processing)."""
+    on_sum, on_count = _release_noise(2, noise, secure_mode=secure_mode, seed=seed)
+    total = sum(min(max(v, 0.0), clip) for v in values) + clip * on_sum
+    count = len(values) + on_count
     return min(max(total, 0.0) / max(count, 1.0), clip), max(1, round(count))
-
-
-def dp_mean_step(noise: float) -> tuple[float, float, int]:
-    """One :func:`dp_mean` release as the accountant composes it."""
-    return (noise / math.sqrt(2.0), 1.0, 1)
 
 
 def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:

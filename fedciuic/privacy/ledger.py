@@ -43,6 +43,7 @@ from fedciuic.config import (
     DEFAULT_PRIVACY_UNIT,
     TRAINING,
     Accountant,
+    DPSettings,
     PrivacyUnit,
     Purpose,
 )
@@ -140,8 +141,8 @@ def calibrate_noise_after(
     accountant: Accountant,
 ) -> float:
     """The smallest noise multiplier (to 0.01 in epsilon) whose ``steps`` keep the run
-    under target after ``prefix``, the run's other releases (its DP count): what the
-    run reports then bounds all of them. Without a prefix, :func:`calibrate_noise`."""
+    under target after ``prefix``, the run's other releases (:func:`run_prefix`): what
+    the run reports then bounds all of them. Without a prefix, :func:`calibrate_noise`."""
     if not prefix:
         return calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant)
     spent = epsilon_of(prefix, delta, accountant)
@@ -171,6 +172,32 @@ def calibrate_noise_after(
     return high
 
 
+def dp_mean_step(noise: float) -> Step:
+    """One DP mean's release (a sum and a count, each with Gaussian noise: L2 sensitivity
+    sqrt 2 in the noise's units; :func:`fedciuic.privacy.dpsgd.dp_mean`) as the
+    accountant composes it."""
+    return (noise / math.sqrt(2.0), 1.0, 1)
+
+
+def count_steps(dp: DPSettings) -> tuple[Step, ...]:
+    """A run's DP count of units (sensitivity 1) as the accountant composes it; none
+    without count-noise."""
+    return ((dp.count_noise, 1.0, 1),) if dp.dp and dp.count_noise > 0 else ()
+
+
+def evaluations(dp: DPSettings, rounds: int) -> int:
+    """The DP evaluations a run of ``rounds`` may release (with eval-noise; 0 without):
+    one before its first round, one after each, and one to spare."""
+    return rounds + 2 if dp.dp and dp.eval_noise > 0 else 0
+
+
+def run_prefix(dp: DPSettings, rounds: int) -> tuple[Step, ...]:
+    """What a run releases besides its rounds, which the rounds' noise leaves room for
+    in its target (:func:`calibrate_noise_after`): its DP count, and its DP evaluations
+    at their most."""
+    return (*count_steps(dp), *[dp_mean_step(dp.eval_noise)] * evaluations(dp, rounds))
+
+
 def poisson_sample_rate(num_examples: int, batch_size: int) -> float:
     """Opacus' Poisson rate for a loader of ``batch_size``: one over the number of batches."""
     return 1.0 / math.ceil(num_examples / batch_size)
@@ -196,10 +223,10 @@ class LedgerHeader(_Record):
 
 
 class LedgerRound(_Record):
-    """One release: a round's update (``training``), or the run's DP count of the
-    dataset's units (``counts``: a Gaussian mechanism of sensitivity 1, accounted as
-    one step at rate 1 with ``noise_multiplier`` its standard deviation); what it cost
-    and where the accounting stands after it."""
+    """One release: a round's update (``training``), the run's DP count of the
+    dataset's units (``counts``: :func:`count_steps`) or a DP held-out loss
+    (``evaluation``: :func:`dp_mean_step`), each a step at rate 1 besides the rounds;
+    what it cost and where the accounting stands after it."""
 
     kind: Literal["round"]
     run_id: int

@@ -417,7 +417,8 @@ class _Round:
 
     @property
     def dp_only(self) -> bool:
-        """Whether the region's policy lets out only DP releases (read once a round)."""
+        """Whether the region's policy lets out only DP releases: as the round's policy
+        check read it, or read now for a round that declined before its check."""
         if self._dp_only is None:
             self._dp_only = releases_dp_only(self.run, self.node, simulated=self.simulated)
         return self._dp_only
@@ -562,6 +563,7 @@ class _Round:
             projected_epsilon=projected_epsilon,
             data_releases=unavoidable(self.run),
         )
+        self._dp_only = policy.dp_only  # read with the policy: no second read
         if not policy.redacts_paths:
             self.audit.redact = ()
         self._join(sealing, policy, checkpoint)

@@ -62,13 +62,16 @@ from fedciuic.privacy import (
     Step,
     audit_witness,
     calibrate_noise_after,
+    count_steps,
     dp_count,
     dp_mean,
     dp_mean_step,
+    evaluations,
     locked,
     plan_private_steps,
     poisson_sample_rate,
     private_round,
+    run_prefix,
     time_private_step,
     warn_once,
 )
@@ -401,29 +404,19 @@ class RegionLedger:
 
     @property
     def evaluations(self) -> int:
-        """The DP evaluations a run may release (with eval-noise; 0 without): one before
-        its first round, one after each, and one to spare for a final or a repeat."""
-        if not (self.dp.dp and self.dp.eval_noise > 0):
-            return 0
-        return self.run.schedule.num_server_rounds + 2
+        """The DP evaluations this run may release (:func:`evaluations`)."""
+        return evaluations(self.dp, self.run.schedule.num_server_rounds)
 
     def run_prefix(self) -> tuple[Step, ...]:
-        """What the run releases besides its rounds, which the rounds' noise leaves room
-        for in its target: its DP count, and its DP evaluations at their most."""
-        return (*self.count_step(), *[dp_mean_step(self.dp.eval_noise)] * self.evaluations)
-
-    def count_step(self) -> tuple[Step, ...]:
-        """The run's release besides its rounds: its DP count of units, the Gaussian
-        mechanism of sensitivity 1 (none without count-noise)."""
-        sigma = self.dp.count_noise
-        return ((sigma, 1.0, 1),) if sigma > 0 else ()
+        """This run's releases besides its rounds (:func:`run_prefix`)."""
+        return run_prefix(self.dp, self.run.schedule.num_server_rounds)
 
     def units(self, ledger: PrivacyLedger | None, run_id: int | None) -> int:
         """How many units the run samples from: the exact count, or with count-noise the
         run's DP count (at least batch-size), which :meth:`release_count` put in the
         ledger before anything of the run depended on it."""
         n = self.data.train.num_units
-        if not self.count_step():
+        if not count_steps(self.dp):
             return n
         count = None if ledger is None or run_id is None else ledger.run_count(run_id)
         if count is None:
@@ -439,9 +432,9 @@ class RegionLedger:
         """With count-noise: the run's DP count of units, drawn once, committed to the
         ledger (within the dataset's budget) and witnessed on the region's audit log,
         before the rate, the noise or any check of the run depends on it."""
-        if not self.count_step() or ledger.run_count(run_id) is not None:
+        if not count_steps(self.dp) or ledger.run_count(run_id) is not None:
             return
-        dp, (step,) = self.dp, self.count_step()
+        dp, (step,) = self.dp, count_steps(self.dp)
         units = self.data.train.num_units
 
         def draw(seed: int | None) -> int:
@@ -782,7 +775,7 @@ class Region:
             slowdown=self.slowdown,
         )
         released: Step = (step[0], step[1], planned)
-        units = self.ledger.units(ledger, run_id) if self.ledger.count_step() else None
+        units = self.ledger.units(ledger, run_id) if count_steps(self.dp) else None
         stats, taken = self._train_dp(server_round, seed, released, units)
         if taken != (planned, planned) or stats.steps != planned:
             raise PrivacyError(

@@ -434,10 +434,13 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     for key in SECURE_KEYS:
         data["aggregation"].pop(key)
     assert pinned.content_hash == sha256(data) != loaded.hash
+
+    def changed(section: str, key: str, value: object) -> Policy:
+        dumped = loaded.policy.model_dump()
+        return Policy.model_validate({**dumped, section: {**dumped[section], key: value}})
+
     # So is a secure-aggregation key set away from its default.
-    dumped = loaded.policy.model_dump()
-    dumped["aggregation"] = {**dumped["aggregation"], "secure": "required"}
-    strict = Policy.model_validate(dumped)
+    strict = changed("aggregation", "secure", "required")
     data = strict.model_dump(mode="json")
     data.pop("agent")
     data["compression"].pop("allowed_adapter_modes")
@@ -446,9 +449,7 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     data["privacy"].pop("releases")
     assert strict.content_hash == sha256(data) != loaded.hash
     # And privacy.releases set to dp_only.
-    dumped = loaded.policy.model_dump()
-    dumped["privacy"] = {**dumped["privacy"], "releases": "dp_only"}
-    dp_only = Policy.model_validate(dumped)
+    dp_only = changed("privacy", "releases", "dp_only")
     data = dp_only.model_dump(mode="json")
     data.pop("agent")
     data["compression"].pop("allowed_adapter_modes")

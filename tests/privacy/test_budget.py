@@ -4,12 +4,13 @@ ledger before a run starts, and whether a run's target still fits."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from fedciuic.agent.config import AgentConfig
-from fedciuic.config import DPSettings, NodeConfig
+from fedciuic.config import COUNTS, TRAINING, DPSettings, NodeConfig, Purpose
 from fedciuic.ops.cli import main
 from fedciuic.privacy.budget import budget_status
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, calibrate_noise, epsilon_of
@@ -18,8 +19,14 @@ from tests.conftest import ROOT, app_config
 DATASET = "ab" * 32
 
 
-def spend(state_dir: Path, region: str, steps: list[tuple[int, tuple[float, float, int]]]) -> float:
-    """Append releases (run id, step) to the region's ledger; its cumulative epsilon."""
+def spend(
+    state_dir: Path,
+    region: str,
+    steps: list[tuple[int, tuple[float, float, int]]],
+    purposes: Sequence[Purpose] = (),
+) -> float:
+    """Append releases (run id, step) to the region's ledger, of ``purposes`` (default:
+    training); its cumulative epsilon."""
     ledger = PrivacyLedger.open(
         state_dir / LEDGER_FILE,
         region=region,
@@ -29,6 +36,7 @@ def spend(state_dir: Path, region: str, steps: list[tuple[int, tuple[float, floa
         unit="user",
     )
     for number, (run_id, step) in enumerate(steps, 1):
+        purpose = purposes[number - 1] if purposes else TRAINING
         ledger.append(
             ledger.new_record(
                 run_id=run_id,
@@ -37,6 +45,8 @@ def spend(state_dir: Path, region: str, steps: list[tuple[int, tuple[float, floa
                 max_grad_norm=1.0,
                 secure_mode=False,
                 epsilon=ledger.epsilon_after(step),
+                purpose=purpose,
+                count=1200 if purpose == COUNTS else None,
             )
         )
     return ledger.epsilon
@@ -138,23 +148,8 @@ def test_a_runs_count_of_units_is_shown_by_purpose_and_a_run_is_projected_from_t
     tmp_path,
 ):
     state = tmp_path / "state"
-    ledger = PrivacyLedger.open(
-        state / LEDGER_FILE, region="eu", dataset=DATASET, delta=1e-5, accountant="prv", unit="user"
-    )
     count, train = (3.0, 1.0, 1), (1.0, 0.1, 30)
-    for step, purpose in ((count, "counts"), (train, "training")):
-        ledger.append(
-            ledger.new_record(
-                run_id=7,
-                server_round=1,
-                step=step,
-                max_grad_norm=1.0,
-                secure_mode=True,
-                epsilon=ledger.epsilon_after(step),
-                purpose=purpose,  # type: ignore[arg-type]
-                count=1200 if purpose == "counts" else None,
-            )
-        )
+    spend(state, "eu", [(7, count), (7, train)], [COUNTS, TRAINING])
     status = budget_status("eu", state, 16.0)
     alone = status.by_purpose()
     assert alone == pytest.approx(
@@ -166,4 +161,4 @@ def test_a_runs_count_of_units_is_shown_by_purpose_and_a_run_is_projected_from_t
     assert status.after_run(4.0, 90) == pytest.approx(
         epsilon_of([count, train, (sigma, 0.1, 90)], 1e-5, "prv")
     )
-    assert status.after_run(4.0, 90, count_noise=3.0) > status.after_run(4.0, 90)
+    assert status.after_run(4.0, 90, (count,)) > status.after_run(4.0, 90)

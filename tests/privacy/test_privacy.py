@@ -9,13 +9,14 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from fedciuic.config import PrivacyUnit
-from fedciuic.privacy.dpsgd import dp_count, dp_mean, dp_mean_step
+from fedciuic.config import COUNTS, TRAINING, PrivacyUnit, Purpose
+from fedciuic.privacy.dpsgd import dp_count, dp_mean
 from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
     calibrate_noise,
     calibrate_noise_after,
+    dp_mean_step,
     epsilon_of,
     locked,
     poisson_sample_rate,
@@ -73,7 +74,13 @@ def open_ledger(
     )
 
 
-def spend(ledger: PrivacyLedger, step=(1.0, 0.01, 30), server_round: int = 1) -> None:
+def spend(
+    ledger: PrivacyLedger,
+    step=(1.0, 0.01, 30),
+    server_round: int = 1,
+    purpose: Purpose = TRAINING,
+    count: int | None = None,
+) -> None:
     ledger.append(
         ledger.new_record(
             run_id=1,
@@ -82,6 +89,8 @@ def spend(ledger: PrivacyLedger, step=(1.0, 0.01, 30), server_round: int = 1) ->
             max_grad_norm=1.0,
             secure_mode=False,
             epsilon=ledger.epsilon_after(step),
+            purpose=purpose,
+            count=count,
         )
     )
 
@@ -267,17 +276,7 @@ def test_a_count_line_is_its_own_release_and_training_lines_keep_their_old_form(
     path = tmp_path / "ledger.jsonl"
     ledger = open_ledger(path)
     assert ledger.run_count(1) is None
-    count = ledger.new_record(
-        run_id=1,
-        server_round=1,
-        step=COUNT,
-        max_grad_norm=1.0,
-        secure_mode=True,
-        epsilon=ledger.epsilon_after(COUNT),
-        purpose="counts",
-        count=1234,
-    )
-    ledger.append(count)
+    spend(ledger, COUNT, purpose=COUNTS, count=1234)
     spend(ledger, server_round=1)
     kept = PrivacyLedger.load(path)
     assert kept.history == [COUNT, (1.0, 0.01, 30)]  # the count composes with the rounds
