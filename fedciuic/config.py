@@ -422,13 +422,15 @@ class DPSettings(_Strict):
     #: The standard deviation of the Gaussian noise on a region's count of its privacy
     #: units, released once a run and charged to its ledger: the Poisson rate, the noise,
     #: the epsilon and the reply's weight then follow from it and public values. 0: the
-    #: exact count sets them, a figure outside DP (docs/privacy.md).
-    count_noise: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    #: exact count sets them, a figure outside DP, which ``dp_only`` policies refuse; 10
+    #: costs a run about 1-3 % more training noise (docs/privacy.md).
+    count_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
     #: The noise (a multiple of the clip for the summed loss, of 1 for the count) on a
     #: region's held-out loss, each unit's loss clipped to ``eval-loss-clip``: every
     #: evaluation is then a DP release charged to its ledger, the run's noise leaving
-    #: room for num-server-rounds + 2 of them. 0: the exact loss, a figure outside DP.
-    eval_noise: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False)
+    #: room for num-server-rounds + 2 of them. 0: the exact loss, a figure outside DP,
+    #: which a ``dp_only`` region withholds (it declines to evaluate).
+    eval_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
     eval_loss_clip: float = Field(default=10.0, gt=0, le=1e3, allow_inf_nan=False)
 
     @field_validator("insecure_reproducible_noise")

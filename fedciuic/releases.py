@@ -218,8 +218,8 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
 }
 
 
-#: Data-dependent figures a reply can go without: a region whose policy lets out only
-#: DP releases leaves them out rather than declining.
+#: Data-dependent figures a reply can go without: left out under a ``dp_only`` policy,
+#: and from every region in a run that releases only DP figures (:func:`releases_only_dp`).
 OPTIONAL = frozenset({"train-loss", "step-seconds"})
 #: A decline's reason as it leaves under ``dp_only``: the reason may name figures of the
 #: data, so it stays in the region's own audit log.
@@ -228,28 +228,51 @@ WITHHELD_REASON = (
 )
 
 
-def unavoidable(run: RunConfig) -> tuple[str, ...]:
-    """The data-dependent figures this run's trained and evaluated replies cannot leave
-    out, each as ``field: why``: what a ``dp_only`` policy declines the run for."""
+def _required(status: str, run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent figures a ``status`` reply under ``run`` cannot leave out, each
+    as ``field: why``."""
     found = (
         (name, disclosure_of(status, name, run))
-        for status in (TRAINED, EVALUATED)
         for name in REPLY_FIELDS[status]
         if name not in OPTIONAL
     )
-    return tuple(
-        dict.fromkeys(f"{name}: {r.why}" for name, r in found if r and r.kind is Kind.DATA)
-    )
+    return tuple(f"{name}: {r.why}" for name, r in found if r and r.kind is Kind.DATA)
+
+
+def unavoidable(run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent figures this run's trained replies cannot leave out: what a
+    ``dp_only`` policy declines the run for."""
+    return _required(TRAINED, run)
+
+
+def unreleased_evaluation(run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent figures this run's evaluated replies would carry (none when
+    its evaluations are DP releases): a ``dp_only`` region withholds its evaluation."""
+    return _required(EVALUATED, run)
+
+
+def releases_only_dp(run: RunConfig) -> bool:
+    """Whether every figure this run's replies must carry is a DP release or public:
+    then no region sends the optional figures of its data either, so that nothing of
+    any region's data leaves outside DP."""
+    return run.privacy.dp and not unavoidable(run) and not unreleased_evaluation(run)
+
+
+def withholds_optional(run: RunConfig, *, dp_only: bool) -> bool:
+    """Whether a reply goes without the :data:`OPTIONAL` figures of the data."""
+    return dp_only or releases_only_dp(run)
 
 
 def kept(
     status: str, fields: Mapping[str, object], run: RunConfig, *, dp_only: bool
 ) -> dict[str, object]:
-    """``fields`` less the :data:`OPTIONAL` data-dependent ones where ``dp_only``."""
+    """``fields`` less the :data:`OPTIONAL` data-dependent ones where they are withheld
+    (:func:`withholds_optional`)."""
+    withhold = withholds_optional(run, dp_only=dp_only)
     return {
         name: value
         for name, value in fields.items()
-        if not (dp_only and name in OPTIONAL and _kind(status, name, run) is Kind.DATA)
+        if not (withhold and name in OPTIONAL and _kind(status, name, run) is Kind.DATA)
     }
 
 
@@ -260,6 +283,19 @@ def _kind(status: str, name: str, run: RunConfig) -> Kind | None:
 
 class ReleaseRefused(FedciuicError):
     """A reply would carry a field its sender may not release."""
+
+
+class EvaluationWithheld(FedciuicError):
+    """A ``dp_only`` region's answer to an evaluation that would be no DP release; its
+    message says only what the policy and the run config say, so it leaves as it is."""
+
+    def __init__(self, region: str, figures: tuple[str, ...]) -> None:
+        super().__init__(
+            f"region {region}: evaluation withheld: the run's held-out loss would be no DP "
+            f"release ({'; '.join(figures)}) and the region's policy lets out only DP "
+            "releases (privacy.releases: dp_only); set eval-noise > 0 in the run config "
+            "for a DP held-out loss"
+        )
 
 
 def disclosure_of(status: str, name: str, run: RunConfig) -> Disclosure | None:

@@ -42,13 +42,27 @@ def written(record: BaseModel) -> dict[str, Any]:
     return record.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
-#: What the unit tests' run config pins whatever the app's defaults are (run_config).
-FIXTURE_UPDATES = {"adapter-mode": "lora", "codec": "topk-int4:0.025"}
+#: What the unit tests' run config pins whatever the app's defaults are (run_config): the
+#: layout their hand-made updates are built in, and exact counts and evaluations, so that
+#: a region's ledger holds its training alone (the tests of DP counts and evaluations say
+#: so; the aggregator's tests take the DP count, tests/aggregator/conftest.py; the e2e
+#: tests run the app's defaults).
+FIXTURE_UPDATES = {
+    "adapter-mode": "lora",
+    "codec": "topk-int4:0.025",
+    "count-noise": 0.0,
+    "eval-noise": 0.0,
+}
 
 
 def app_config() -> dict[str, Any]:
     with open(ROOT / "pyproject.toml", "rb") as handle:
         return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+#: The app's DP count and DP evaluation: what a run of regions under the shipped EU and CN
+#: policies (privacy.releases: dp_only) needs.
+DP_RELEASES = {key: app_config()[key] for key in ("count-noise", "eval-noise")}
 
 
 def unit_config() -> dict[str, Any]:

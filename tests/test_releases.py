@@ -15,7 +15,9 @@ from fedciuic.releases import (
     disclosure_of,
     kept,
     leaving,
+    releases_only_dp,
     unavoidable,
+    unreleased_evaluation,
 )
 from fedciuic.wire import (
     _OPTIONAL_INFO,
@@ -124,11 +126,27 @@ def test_classes_follow_the_run_config():
     assert _kind(TRAINED, "steps", _run(**{"local-time-budget": 30.0})) is Kind.DATA
 
 
+#: A run whose count and evaluation are exact: figures of the data leave with its replies.
+EXACT = {"count-noise": 0.0, "eval-noise": 0.0}
+
+
 def test_optional_figures_are_left_out_under_dp_only_and_nothing_else_is():
     metrics = {"num-examples": 3, "train-loss": 1.0, "steps": 2}
-    assert kept(TRAINED, metrics, _run(), dp_only=False) == metrics
-    assert kept(TRAINED, metrics, _run(), dp_only=True) == {"num-examples": 3, "steps": 2}
+    exact = _run(**EXACT)
+    assert kept(TRAINED, metrics, exact, dp_only=False) == metrics
+    assert kept(TRAINED, metrics, exact, dp_only=True) == {"num-examples": 3, "steps": 2}
     assert set(REPLY_FIELDS[TRAINED]) | set(REPLY_FIELDS[EVALUATED]) >= OPTIONAL
+
+
+def test_a_run_that_releases_only_dp_figures_keeps_the_optional_ones_from_every_region():
+    """With the DP count, the DP evaluation and a codec of fixed size (the defaults but
+    the codec), no region sends train-loss or step-seconds, whatever its policy."""
+    private = _run(codec="int8")
+    assert releases_only_dp(private)
+    assert kept(TRAINED, {"steps": 2, "train-loss": 1.0}, private, dp_only=False) == {"steps": 2}
+    assert kept(EVALUATED, {"step-seconds": 0.5}, private, dp_only=False) == {}
+    for changes in (EXACT, {"eval-noise": 0.0}, {"codec": "topk-int8:0.1"}, {"dp": False}):
+        assert not releases_only_dp(_run(**{"codec": "int8", **changes})), changes
 
 
 def test_a_declines_reason_is_a_figure_of_the_data_under_dp_only():
@@ -140,10 +158,12 @@ def test_a_declines_reason_is_a_figure_of_the_data_under_dp_only():
 
 
 def test_unavoidable_lists_what_a_reply_cannot_go_without():
-    names = {line.split(":")[0] for line in unavoidable(_run())}
-    assert "num-examples" in names and "eval-loss" in names
+    names = {line.split(":")[0] for line in unavoidable(_run(**EXACT))}
+    assert "num-examples" in names and "epsilon" in names
     assert not names & OPTIONAL
     assert "update" in {line.split(":")[0] for line in unavoidable(_run(dp=False))}
+    evaluation = {line.split(":")[0] for line in unreleased_evaluation(_run(**EXACT))}
+    assert evaluation == {"num-examples", "eval-loss", "perplexity"}
 
 
 def test_a_top_k_updates_size_is_a_figure_of_the_data_a_fixed_codecs_is_not():
@@ -154,11 +174,13 @@ def test_a_top_k_updates_size_is_a_figure_of_the_data_a_fixed_codecs_is_not():
 def test_with_count_and_eval_noise_nothing_of_the_data_is_unavoidable():
     """The DP count sets the rate, noise, epsilon and weight; the DP held-out loss the
     evaluation's figures: a dp_only region can take part."""
-    assert unavoidable(_run(codec="int8", **{"count-noise": 10.0, "eval-noise": 5.0})) == ()
-    counted = _run(codec="int8", **{"count-noise": 10.0})
+    both = _run(codec="int8", **{"count-noise": 10.0, "eval-noise": 5.0})
+    assert unavoidable(both) == () and unreleased_evaluation(both) == ()
+    counted = _run(codec="int8", **{"count-noise": 10.0, "eval-noise": 0.0})
     assert _kind(TRAINED, "num-examples", counted) is Kind.DP
     assert _kind(TRAINED, "sample-rate", counted) is Kind.PUBLIC
-    assert {f.split(":")[0] for f in unavoidable(counted)} == {
+    assert unavoidable(counted) == ()  # a dp_only region trains, and withholds evaluation
+    assert {f.split(":")[0] for f in unreleased_evaluation(counted)} == {
         "num-examples",
         "eval-loss",
         "perplexity",

@@ -10,7 +10,7 @@ record, and the round goes on with the others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,7 +21,7 @@ from fedciuic.audit import digest
 from fedciuic.config import AdapterMode, RunConfig, Schedule, UpdateRules
 from fedciuic.crypto import EnvelopeRejected
 from fedciuic.policy import UNSEALED, Decision, PolicyGate, UpdateFacts
-from fedciuic.releases import data_figures
+from fedciuic.releases import data_figures, releases_only_dp
 from fedciuic.stages import Provenance, ReplySealing
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -281,11 +281,23 @@ class Judge:
 
     def evaluation(self, reply: Reply, sender: str | None, noted: Noted) -> Judged:
         if reply.status == EVALUATED:
+            self._only_dp(EVALUATED, reply.metrics)
             stats = parse_eval_metrics(reply.metrics)
             return self.settle(reply, sender, noted, evaluated=stats)
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
+
+    def _only_dp(self, status: str, names: Iterable[str]) -> None:
+        """Refuse a reply that carries a figure of its sender's data in a run whose
+        config makes every figure a DP release or public (whatever the sender's policy)."""
+        if self.run is None or not releases_only_dp(self.run):
+            return
+        if found := data_figures(status, names, self.run):
+            raise MalformedReply(
+                f"carries figures of its data outside DP in a run that releases only DP "
+                f"figures: {'; '.join(found)}"
+            )
 
     def update(self, reply: Reply, sender: str | None, noted: Noted, training: Training) -> Judged:
         """Open and validate one authenticated training reply into typed values; raises
@@ -298,6 +310,7 @@ class Judge:
         if training.refuse:  # it arrived where it cannot be used: logged as received, refused
             raise ImplausibleUpdate(training.refuse)
         update, metrics, info, header, sent = self._open(reply, training.task.round, sender)
+        self._only_dp(TRAINED, sent)
         if info[ADAPTER_MODE] != self.adapter_mode:
             raise ImplausibleUpdate(
                 f"trained in adapter-mode {info[ADAPTER_MODE][:20]!r}, this run's is "

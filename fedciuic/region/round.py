@@ -57,7 +57,14 @@ from fedciuic.policy import (
     enforce_region_policy,
     releases_dp_only,
 )
-from fedciuic.releases import WITHHELD_REASON, leaving, unavoidable
+from fedciuic.releases import (
+    WITHHELD_REASON,
+    EvaluationWithheld,
+    leaving,
+    unavoidable,
+    unreleased_evaluation,
+    withholds_optional,
+)
 from fedciuic.stages import (
     AuditTrail,
     Clear,
@@ -426,14 +433,16 @@ class _Round:
     def _reason(self, err: FedciuicError) -> str:
         """A decline's reason as it leaves: under dp_only it stays in the audit log,
         unless it is about the policy file itself (which says nothing of the data)."""
-        return WITHHELD_REASON if self.dp_only and not isinstance(err, PolicyError) else str(err)
+        public = isinstance(err, (PolicyError, EvaluationWithheld))
+        return WITHHELD_REASON if self.dp_only and not public else str(err)
 
     def _released(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The outcome as it may leave: under dp_only without the figures a reply can go
-        without; every field then checked against the release table (fail closed)."""
+        """The outcome as it may leave: without the figures a reply can go without where
+        they are withheld; every field then checked against the release table (fail
+        closed)."""
         if isinstance(outcome, Declined):  # its reason came through _reason
             return outcome
-        if self.dp_only and isinstance(outcome, Evaluated):
+        if isinstance(outcome, Evaluated) and withholds_optional(self.run, dp_only=self.dp_only):
             outcome = Evaluated(outcome.region, replace(outcome.stats, step_seconds=None))
         records = outcome_records(outcome)
         fields = {**records.info, **records.metrics, **(records.arrays or {})}
@@ -522,6 +531,8 @@ class _Round:
         if policy.decision.enforced:
             self.note(Event.POLICY_DECISION, **policy.decision.to_record())
         if release is None:
+            if policy.dp_only and (figures := unreleased_evaluation(self.run)):
+                raise EvaluationWithheld(region.name, figures)
             stats = region.evaluate(
                 task.adapter,
                 base_fingerprint=task.base_fingerprint,

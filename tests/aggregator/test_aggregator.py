@@ -142,7 +142,7 @@ def trained(region: str, value: float, examples: int, n: int = 4) -> Raw:
             ADAPTER_MODE: "lora",
             DEID_ENTITIES: "",
         },
-        {"num-examples": examples, "train-loss": 1.0, "steps": 5, "update-bytes": len(update)},
+        {"num-examples": examples, "steps": 5, "update-bytes": len(update)},
         update_arrays(update),
     )
 
@@ -163,10 +163,16 @@ def signed(raw: Raw, keypair: Keypair, server_round: int = 1, run_id: int = 7) -
     return raw
 
 
+def _with_loss(raw: Raw, loss: float = 1.0) -> Raw:
+    """A reply with its training loss, which a region sends in a run whose evaluation is
+    exact and whose policy lets it out (fedciuic/releases.py)."""
+    raw.metrics["train-loss"] = loss
+    return raw
+
+
 def test_deltas_are_averaged_by_examples_and_applied(aggregator):
-    result = train_round(
-        aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, trained("cn", 4.0, 30))]
-    )
+    eu, cn = _with_loss(trained("eu", 1.0, 10)), _with_loss(trained("cn", 4.0, 30))
+    result = train_round(aggregator, 1, [reply(11, eu), reply(12, cn)])
     np.testing.assert_allclose(adapter_of(result)["w"], 0.25 * 1 + 0.75 * 4)
     assert isinstance(result.aggregate, Published) and len(result.aggregate.regions) == 2
     assert result.aggregate.examples == 40 and result.aggregate.train_loss == pytest.approx(1.0)
@@ -176,8 +182,9 @@ def test_deltas_are_averaged_by_examples_and_applied(aggregator):
 def test_an_update_whose_steps_were_all_noise_is_aggregated_without_a_loss(aggregator):
     # Every DP-SGD step drew an empty Poisson batch: no train loss, the update counts.
     quiet = trained("cn", 4.0, 30)
-    del quiet.metrics["train-loss"]
-    result = train_round(aggregator, 1, [reply(11, trained("eu", 1.0, 10)), reply(12, quiet)])
+    result = train_round(
+        aggregator, 1, [reply(11, _with_loss(trained("eu", 1.0, 10))), reply(12, quiet)]
+    )
     assert isinstance(result.aggregate, Published) and result.aggregate.regions == ["eu", "cn"]
     assert result.aggregate.train_loss == pytest.approx(1.0)  # over the regions with a loss
     alone = train_round(aggregator, 2, [reply(13, quiet)])
@@ -294,7 +301,7 @@ def sealed_reply_from(
     ``unit``: the privacy unit it declares (default: record with DP figures, else none);
     ``deid``: the entity types it declares it scrubbed."""
     region = keypair.bundle.party
-    metrics = metrics or {"num-examples": 10, "train-loss": 1.0, "steps": 1, "update-bytes": 16}
+    metrics = metrics or {"num-examples": 10, "steps": 1, "update-bytes": 16}
     if unit is None:
         unit = "record" if "epsilon" in metrics else ""
     payload = update_payload(
@@ -432,7 +439,6 @@ def test_the_global_adapter_signature_names_the_round_and_the_audit_head(sealed_
 
 DP_METRICS = {
     "num-examples": 60,
-    "train-loss": 1.0,
     "steps": 5,
     "update-bytes": 16,
     "epsilon": 7.9,

@@ -10,6 +10,7 @@ import pytest
 from fedciuic.config import RunConfig
 from fedciuic.deid.entities import DIRECT
 from fedciuic.policy.rules import (
+    DP_ONLY,
     Agent,
     LoadedPolicy,
     PolicyError,
@@ -547,13 +548,19 @@ def test_a_policy_without_a_deidentification_section_requires_none(eu):
 # -- privacy.releases: dp_only ------------------------------------------------------------
 
 
-def _dp_only(path: Path) -> LoadedPolicy:
-    return load_policy(write_policy(path, "EU", privacy__releases="dp_only", privacy__unit="user"))
+def _dp_only(path: Path, releases: str = "dp_only") -> LoadedPolicy:
+    return load_policy(write_policy(path, "EU", privacy__releases=releases, privacy__unit="user"))
 
 
-def test_a_dp_only_policy_declines_a_run_whose_replies_carry_data_figures(eu, tmp_path):
+def test_the_shipped_eu_and_cn_policies_let_out_only_dp_releases(eu):
+    assert eu.policy.privacy.releases == DP_ONLY
+    assert load_policy(POLICIES / "cn-pipl.yaml").policy.privacy.releases == DP_ONLY
+
+
+def test_a_dp_only_policy_declines_a_run_whose_replies_carry_data_figures(tmp_path):
     figures = unavoidable(RunConfig.from_user_config(unit_config(), source="run config"))
-    assert check_run("eu", eu, replace(GOOD, data_releases=figures)).accepted  # releases: any
+    anything = _dp_only(tmp_path / "any.yaml", "any")
+    assert check_run("eu", anything, replace(GOOD, data_releases=figures)).accepted
     decision = check_run("eu", _dp_only(tmp_path / "eu.yaml"), replace(GOOD, data_releases=figures))
     assert not decision.accepted
     (reason,) = decision.reasons

@@ -410,14 +410,14 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     # and so are the secure-aggregation keys at their defaults
     secure = {k: data["aggregation"].pop(k) for k in SECURE_KEYS}
     assert secure == {"secure": "allowed", "min_secure_regions": 2, "distributed_dp": False}
-    # and privacy.releases at its default (any)
-    assert data["privacy"].pop("releases") == "any"
+    # privacy.releases, set (dp_only), is kept: only its default (any) is left out
+    assert data["privacy"]["releases"] == "dp_only"
     assert loaded.hash == sha256(data)
     # The default privacy.unit (record) is left out: older policies keep their hash.
     cn = load_policy(POLICIES / "cn-pipl.yaml")
     data = cn.policy.model_dump(mode="json")
     assert data["privacy"].pop("unit") == "record"
-    assert data["privacy"].pop("releases") == "any"
+    assert data["privacy"]["releases"] == "dp_only"
     assert data.pop("agent") is None
     data["compression"].pop("allowed_adapter_modes")
     for key in SECURE_KEYS:
@@ -430,7 +430,6 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     data = pinned.model_dump(mode="json")
     assert data["agent"] == {"min_version": "0.2.0"}
     data["compression"].pop("allowed_adapter_modes")  # every mode: left out, as above
-    data["privacy"].pop("releases")
     for key in SECURE_KEYS:
         data["aggregation"].pop(key)
     assert pinned.content_hash == sha256(data) != loaded.hash
@@ -446,17 +445,16 @@ def test_policy_hash_is_the_sha256_of_the_canonical_json():
     data["compression"].pop("allowed_adapter_modes")
     data["aggregation"].pop("min_secure_regions")
     data["aggregation"].pop("distributed_dp")
-    data["privacy"].pop("releases")
     assert strict.content_hash == sha256(data) != loaded.hash
-    # And privacy.releases set to dp_only.
-    dp_only = changed("privacy", "releases", "dp_only")
-    data = dp_only.model_dump(mode="json")
+    # And privacy.releases at its default (any) is left out: older policies keep their hash.
+    anything = changed("privacy", "releases", "any")
+    data = anything.model_dump(mode="json")
     data.pop("agent")
     data["compression"].pop("allowed_adapter_modes")
     for key in SECURE_KEYS:
         data["aggregation"].pop(key)
-    assert data["privacy"]["releases"] == "dp_only"
-    assert dp_only.content_hash == sha256(data) != loaded.hash
+    assert data["privacy"].pop("releases") == "any"
+    assert anything.content_hash == sha256(data) != loaded.hash
 
 
 # -- bytes ---------------------------------------------------------------------------------

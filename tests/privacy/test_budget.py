@@ -104,8 +104,12 @@ def test_a_run_that_does_not_fit_what_is_left_is_said_and_exits_1(tmp_path, caps
         re.M,
     ), out
     assert "us: nothing spent, budget 8" in out and "us: a run" not in out
-    # A smaller run fits: fewer steps at a lower target.
+    # A smaller run fits: fewer steps at a lower target, without the DP count and
+    # evaluations (which alone would cost more than 0.5: refused, naming the keys).
     small = ["--run-config", "target-epsilon=0.5", "--run-config", "local-steps=2"]
+    assert main([*args, *small]) == 2
+    assert "leaves nothing for training" in capsys.readouterr().err
+    small += ["--run-config", "count-noise=0", "--run-config", "eval-noise=0"]
     assert main([*args, *small]) == 0
     assert "eu: a run at target-epsilon 0.5 (6 steps) would bring it to" in capsys.readouterr().out
 
