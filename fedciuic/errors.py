@@ -7,6 +7,7 @@ a log line knows which file or setting to change without a traceback.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 #: The exit codes of ``fedciuic`` commands, one meaning each (``fedciuic audit report``
 #: uses its own 3, EXIT_DISAGREE, for logs that verify but disagree).
@@ -19,6 +20,11 @@ EXIT_UNFINISHED = 4  # the run did not end: interrupted, failed, or still runnin
 
 class FedciuicError(Exception):
     """Base class for errors meant for the user (printed as one line, no traceback)."""
+
+    #: Whether the message is made only of public facts (the run config, a policy, the
+    #: protocol's messages): a region whose policy lets out only DP releases sends it as
+    #: a decline's reason; any other reason stays in its audit log (fedciuic/releases.py).
+    public_reason: ClassVar[bool] = False
 
 
 class ConfigError(FedciuicError):

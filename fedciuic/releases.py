@@ -289,6 +289,8 @@ class EvaluationWithheld(FedciuicError):
     """A ``dp_only`` region's answer to an evaluation that would be no DP release; its
     message says only what the policy and the run config say, so it leaves as it is."""
 
+    public_reason = True
+
     def __init__(self, region: str, figures: tuple[str, ...]) -> None:
         super().__init__(
             f"region {region}: evaluation withheld: the run's held-out loss would be no DP "
@@ -329,6 +331,12 @@ def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str
         for name, r in classify(status, names, run).items()
         if r is not None and r.kind is Kind.DATA
     )
+
+
+def data_fields(status: str, names: Iterable[str], run: RunConfig) -> list[str]:
+    """The names of the data-dependent fields among ``names`` of a ``status`` reply: what
+    a region's audit log records it sent outside DP."""
+    return [name for name in names if _kind(status, name, run) is Kind.DATA]
 
 
 def leaving(

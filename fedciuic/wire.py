@@ -173,6 +173,8 @@ MAX_RECEIPTS = 1 << 24
 class MalformedInstruction(FedciuicError):
     """An instruction that is not what this protocol says (the region declines)."""
 
+    public_reason = True
+
 
 def run_settings(text: str) -> dict[str, Any]:
     """A run config's canonical JSON as a mapping; :class:`MalformedInstruction` when

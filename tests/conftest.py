@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, RunConfig
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.model.presets import TINY_FAMILIES, tiny_checkpoint
+from fedciuic.policy.rules import DEFAULT_RELEASES
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_POLICIES = {"EU": "eu-gdpr.yaml", "CN": "cn-pipl.yaml", "US": "us-ccpa.yaml"}
@@ -42,27 +43,16 @@ def written(record: BaseModel) -> dict[str, Any]:
     return record.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
-#: What the unit tests' run config pins whatever the app's defaults are (run_config): the
-#: layout their hand-made updates are built in, and exact counts and evaluations, so that
-#: a region's ledger holds its training alone (the tests of DP counts and evaluations say
-#: so; the aggregator's tests take the DP count, tests/aggregator/conftest.py; the e2e
-#: tests run the app's defaults).
-FIXTURE_UPDATES = {
-    "adapter-mode": "lora",
-    "codec": "topk-int4:0.025",
-    "count-noise": 0.0,
-    "eval-noise": 0.0,
-}
+#: What the unit tests' run config pins whatever the app's defaults are (run_config).
+FIXTURE_UPDATES = {"adapter-mode": "lora"}
+#: Exact counts and evaluations: a run whose ledger holds its training alone, and whose
+#: replies carry the figures hand-made ones do (tests of the ledger and the aggregator).
+EXACT_RELEASES = {"count-noise": 0.0, "eval-noise": 0.0}
 
 
 def app_config() -> dict[str, Any]:
     with open(ROOT / "pyproject.toml", "rb") as handle:
         return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
-
-
-#: The app's DP count and DP evaluation: what a run of regions under the shipped EU and CN
-#: policies (privacy.releases: dp_only) needs.
-DP_RELEASES = {key: app_config()[key] for key in ("count-noise", "eval-noise")}
 
 
 def unit_config() -> dict[str, Any]:
@@ -223,12 +213,15 @@ def train_instruction(model: Any, run_config: RunConfig, server_round: int) -> A
 
 def lab_policies(directory: Path) -> Path:
     """EU, CN and US lab copies for record-level runs, in which updates may also cross
-    unsealed (tests that do not exercise sealing skip its cost)."""
+    unsealed (tests that do not exercise sealing skip its cost) and figures of the data
+    may leave: a decline's reason among them, which these tests read from the reply (the
+    tests of privacy.releases: dp_only write their own)."""
     for jurisdiction in SHIPPED_POLICIES:
         write_policy(
             directory / f"{jurisdiction.lower()}.yaml",
             jurisdiction,
             sealing__required=False,
+            privacy__releases=DEFAULT_RELEASES,
         )
     return directory
 

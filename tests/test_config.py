@@ -128,7 +128,7 @@ SIGNED = json.loads((Path(__file__).parent / "golden" / "signed_run_configs.json
 
 
 #: Keys added since, at their defaults: everything else is signed exactly as it was.
-ADDED_SINCE = {"count-noise": 0.0, "eval-noise": 0.0, "eval-loss-clip": 10.0}
+ADDED_SINCE = {"count-noise": 10.0, "eval-noise": 10.0, "eval-loss-clip": 10.0}
 
 
 @pytest.mark.parametrize("name", sorted(SIGNED))

@@ -3,6 +3,7 @@
 (``report``)."""
 
 from fedciuic.audit.events import LEDGER_WITNESSES as LEDGER_WITNESSES
+from fedciuic.audit.events import OUTSIDE_DP as OUTSIDE_DP
 from fedciuic.audit.events import SECURE_SENT_EVENTS as SECURE_SENT_EVENTS
 from fedciuic.audit.events import SENT_EVENTS as SENT_EVENTS
 from fedciuic.audit.events import Event as Event

@@ -77,6 +77,10 @@ SECURE_SENT_EVENTS = (
     Event.SECURE_CONSENTED,
     Event.SECURE_REVEALED,
 )
+#: The field of a region's ``trained`` and ``evaluated`` records that lists the reply's
+#: fields its release table classed as figures of the data (fedciuic/releases.py): what
+#: the compliance report's "Figures sent outside DP" lists.
+OUTSIDE_DP = "outside_dp"
 #: What a region logs when its privacy ledger records a release: each witnesses the
 #: ledger's head (``details.ledger``), which the ledger's rollback check reads.
 LEDGER_WITNESSES = (Event.TRAINED, Event.UNITS_COUNTED, Event.EVALUATED)

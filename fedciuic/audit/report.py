@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedciuic.audit.events import SECURE_SENT_EVENTS, SENT_EVENTS, Event
+from fedciuic.audit.events import OUTSIDE_DP, SECURE_SENT_EVENTS, SENT_EVENTS, Event
 from fedciuic.audit.log import (
     RECEIVED_EVENT,
     AuditError,
@@ -789,10 +789,18 @@ def _secure_section(
 
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """The figures a reply carried beside its DP update that DP does not protect: a
-    region's example count in a run without its DP count of units, its held-out loss
-    where the evaluation was no DP release, and its update's size under a top-k codec."""
+    """The figures a reply carried beside its DP update that DP does not protect: the
+    fields a region's release table classed as figures of its data in what it sent
+    (``outside_dp`` on its ``trained`` and ``evaluated`` records); for logs written
+    before that record, its example count in a run without its DP count of units, its
+    held-out loss where the evaluation was no DP release, and its update's size under a
+    top-k codec."""
     counted = {(region, r.get("run_id")) for region, r, _ in _each(own, Event.UNITS_COUNTED)}
+    recorded = {  # the rounds whose trained record lists what left outside DP
+        (region, r.get("run_id"), r.get("round"))
+        for region, r, d in _each(own, Event.TRAINED)
+        if OUTSIDE_DP in d
+    }
     sized = {  # the rounds whose update's size depended on the data
         (region, r.get("run_id"), r.get("round"))
         for region, r, d in _each(own, Event.TRAINED)
@@ -802,16 +810,21 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     for region, r, d in _each(own, Event.TRAINED, Event.EVALUATED, *SENT_EVENTS):
         event, run_round = r.get("event"), (region, r.get("run_id"), r.get("round"))
         examples = f"{_text(d.get('examples'))} examples"
+        what = "trained" if event == Event.TRAINED else "evaluated"
+        if event in (Event.TRAINED, Event.EVALUATED) and OUTSIDE_DP in d:
+            if d[OUTSIDE_DP]:
+                rows.append((_round(r), region, what, ", ".join(map(str, d[OUTSIDE_DP]))))
+            continue
         if event == Event.TRAINED:
             if run_round[:2] in counted:  # its weight was the run's DP count
                 continue
-            what, figures = "trained", f"{examples}, {_text(d.get('steps'))} steps"
+            figures = f"{examples}, {_text(d.get('steps'))} steps"
         elif event == Event.EVALUATED:
             if "ledger" in d:  # a DP evaluation, charged to the ledger
                 continue
-            what, figures = "evaluated", f"{examples}, eval loss {_text(d.get('loss'))}"
+            figures = f"{examples}, eval loss {_text(d.get('loss'))}"
         else:
-            if run_round not in sized:  # the codec's size for the layout: public
+            if run_round in recorded or run_round not in sized:  # listed, or public
                 continue
             what, figures = "update size", f"{_text(d.get('bytes'))} bytes"
         rows.append((_round(r), region, what, figures))
@@ -820,12 +833,15 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
         "Besides its DP update, a reply may carry figures DP does not protect: its "
         "training example count (the aggregate's weight) unless the run released a DP "
         "count of units (count-noise), its held-out loss and example count unless the "
-        "evaluation was a DP release (eval-noise), and under a top-k codec its update's "
-        "size (docs/privacy.md, fedciuic/releases.py). From each region's own log.",
+        "evaluation was a DP release (eval-noise), its training loss and step time "
+        "unless the run or its policy withholds them, and under a top-k codec its "
+        "update's size (docs/privacy.md, fedciuic/releases.py). From each region's own "
+        "log: the fields its release table classed as figures of its data in what it sent.",
         ("round", "region", "what", "figures"),
         _by_round(rows),
         "None: each region's own log records sending only DP releases (the run's count "
-        "of units, its evaluations and updates) and figures of public configuration.",
+        "of units, its evaluations and updates), figures of public configuration and "
+        "commitments.",
     )
 
 

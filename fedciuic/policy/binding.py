@@ -37,6 +37,8 @@ UNSEALED = "none"
 class PolicyRefusal(FedciuicError):
     """A region's policy declines the run; the decision holds every reason."""
 
+    public_reason = True
+
     def __init__(self, decision: Decision, path: Path) -> None:
         self.decision = decision
         super().__init__(

@@ -58,6 +58,8 @@ class PolicyError(FedciuicError):
     ``problems`` holds each problem as ``file:line: field: message``.
     """
 
+    public_reason = True
+
     def __init__(self, problems: str | list[str]) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedciuic import __version__
 from fedciuic.audit import (
+    OUTSIDE_DP,
     REGION_LOG,
     SENT_EVENTS,
     AuditLog,
@@ -51,7 +52,6 @@ from fedciuic.crypto import (
 from fedciuic.digests import installed_code
 from fedciuic.errors import FedciuicError
 from fedciuic.policy import (
-    PolicyError,
     PolicyRefusal,
     RegionPolicy,
     enforce_region_policy,
@@ -60,6 +60,7 @@ from fedciuic.policy import (
 from fedciuic.releases import (
     WITHHELD_REASON,
     EvaluationWithheld,
+    data_fields,
     leaving,
     unavoidable,
     unreleased_evaluation,
@@ -79,6 +80,7 @@ from fedciuic.wire import (
     AGENT_VERSION,
     AUDIT_COUNT,
     AUDIT_HEAD,
+    EVALUATED,
     Instruction,
     MalformedInstruction,
     Records,
@@ -432,9 +434,8 @@ class _Round:
 
     def _reason(self, err: FedciuicError) -> str:
         """A decline's reason as it leaves: under dp_only it stays in the audit log,
-        unless it is about the policy file itself (which says nothing of the data)."""
-        public = isinstance(err, (PolicyError, EvaluationWithheld))
-        return WITHHELD_REASON if self.dp_only and not public else str(err)
+        unless the error says it is made of public facts only (``public_reason``)."""
+        return WITHHELD_REASON if self.dp_only and not err.public_reason else str(err)
 
     def _released(self, outcome: RoundOutcome) -> RoundOutcome:
         """The outcome as it may leave: without the figures a reply can go without where
@@ -526,7 +527,9 @@ class _Round:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation (``release``: None), or the round's update from
         its release (kept from before, or trained now), sealed."""
-        projected = None if release is None else release.projected_epsilon
+        if release is not None and release.counts:  # nothing is released for a refused run
+            self._policy(sealing, simulated, task.checkpoint)
+        projected = None if release is None else release.project()
         policy = self._policy(sealing, simulated, task.checkpoint, projected)
         if policy.decision.enforced:
             self.note(Event.POLICY_DECISION, **policy.decision.to_record())
@@ -539,9 +542,18 @@ class _Round:
                 run_id=self.run_id,
                 server_round=task.server_round,
             )
+            answer = self._released(Evaluated(region.name, stats))
+            records = outcome_records(answer)
+            outside = data_fields(EVALUATED, {**records.info, **records.metrics}, self.run)
             spent = stats.released or {}  # a DP evaluation: its epsilon and ledger
-            self.note(Event.EVALUATED, examples=stats.num_examples, loss=stats.loss, **spent)
-            return Evaluated(region.name, stats)
+            self.note(
+                Event.EVALUATED,
+                examples=stats.num_examples,
+                loss=stats.loss,
+                **{OUTSIDE_DP: outside},
+                **spent,
+            )
+            return answer
         released = release.send(task, policy)
         if released.resent:
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from fedciuic.audit import REGION_LOG, Event, load_records
+from fedciuic.audit import OUTSIDE_DP, REGION_LOG, Event, load_records
 from fedciuic.cluster import ClusterStats, TrainCommand, TrainingCluster
 from fedciuic.compression import (
     Codec,
@@ -76,7 +76,7 @@ from fedciuic.privacy import (
     warn_once,
 )
 from fedciuic.region.cache import BoundedCache
-from fedciuic.releases import kept, leaving
+from fedciuic.releases import data_fields, kept, leaving
 from fedciuic.stages import AuditTrail
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -222,7 +222,7 @@ RELEASED = (
 #: What a region's audit log records of a release (``trained``), figures of the
 #: training and then of its privacy.
 TRAINING_FIELDS = ("examples", "steps", "data_fingerprint", "size_of_data")
-TRAINED_FIELDS = (*TRAINING_FIELDS, *RELEASED)
+TRAINED_FIELDS = (*TRAINING_FIELDS, OUTSIDE_DP, *RELEASED)
 
 
 def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
@@ -231,13 +231,14 @@ def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
     return {name: getattr(privacy, name, None) for name in RELEASED}
 
 
-def trained_record(outcome: TrainOutcome) -> dict[str, Any]:
+def trained_record(outcome: TrainOutcome, outside_dp: list[str]) -> dict[str, Any]:
     """What the region's audit log records of a release (:data:`TRAINED_FIELDS`), kept
     with the update so that a region stopped before it noted the release notes it when
-    it resends."""
+    it resends; ``outside_dp``: the reply's fields of the data (fedciuic/releases.py)."""
     stats = outcome.stats
     training = (stats.num_examples, stats.steps, outcome.data_fingerprint, outcome.size_of_data)
-    return dict(zip(TRAINING_FIELDS, training, strict=True)) | released_record(outcome.privacy)
+    record = dict(zip(TRAINING_FIELDS, training, strict=True)) | {OUTSIDE_DP: outside_dp}
+    return record | released_record(outcome.privacy)
 
 
 @dataclass(frozen=True)
@@ -901,8 +902,8 @@ class Release:
     audit log (``trained``, which witnesses the ledger's head); a round released before
     sends its kept update again, never a second release.
 
-    Open it with :meth:`open` once the instruction is checked: ``projected_epsilon``
-    is the figure the policy check needs, then :meth:`send` gives the round's update."""
+    Open it with :meth:`open` once the instruction is checked: :meth:`project` gives the
+    figure the policy check needs, then :meth:`send` the round's update."""
 
     def __init__(
         self,
@@ -923,13 +924,30 @@ class Release:
             sent.drop(run_id, server_round)
             kept = None
         self.kept = kept
-        if kept is None and ledger is not None:  # with count-noise, once a run
-            region.ledger.release_count(
-                ledger, run_id=run_id, server_round=server_round, audit=audit
-            )
-        #: The dataset's cumulative epsilon if it trains this round, for the policy
-        #: check (None without DP, or when the kept update is sent again).
-        self.projected_epsilon = region.projected_epsilon(ledger, run_id) if kept is None else None
+
+    @property
+    def counts(self) -> bool:
+        """Whether this round releases the run's DP count of units first (count-noise,
+        the run's first release): the region's policy is checked before it is drawn."""
+        ledger = self.ledger
+        return (
+            self.kept is None
+            and ledger is not None
+            and bool(count_steps(self.region.dp))
+            and ledger.run_count(self.run_id) is None
+        )
+
+    def project(self) -> float | None:
+        """The dataset's cumulative epsilon if it trains this round, for the policy check
+        (None without DP, or when the kept update is sent again); with count-noise the
+        run's DP count is released first, once a run, since the projection follows from
+        it."""
+        if self.kept is not None or self.ledger is None:
+            return None
+        self.region.ledger.release_count(
+            self.ledger, run_id=self.run_id, server_round=self.server_round, audit=self.audit
+        )
+        return self.region.projected_epsilon(self.ledger, self.run_id)
 
     @classmethod
     @contextlib.contextmanager
@@ -982,11 +1000,11 @@ class Release:
         oversized = oversized_details(region.data.summary)
         if oversized is not None:  # records this round's training never read
             self.note(Event.RECORDS_OVERSIZED, **oversized)
-        payload = b""
+        payload, outside_dp = b"", []
 
         def keep(trained: TrainOutcome) -> None:
             """On disk before the ledger commits the release (resent after a restart)."""
-            nonlocal payload
+            nonlocal payload, outside_dp
             commitment = node_commitment(region.node, trained.data_fingerprint, self.run_id)
             info = train_info(trained, policy, commitment)
             run, dp_only = region.run, policy.dp_only
@@ -994,8 +1012,10 @@ class Release:
             arrays = update_arrays(trained.update)
             fields = {**metrics, **info, **arrays}
             leaving(TRAINED, fields, run, dp_only=dp_only, who=f"region {region.name}")
+            outside_dp = data_fields(TRAINED, fields, run)
             payload = update_payload(arrays, metrics, info)
-            self.sent.save(self.run_id, self.server_round, Kept(payload, trained_record(trained)))
+            record = trained_record(trained, outside_dp)
+            self.sent.save(self.run_id, self.server_round, Kept(payload, record))
 
         outcome = region.train_round(
             task.adapter,
@@ -1006,7 +1026,7 @@ class Release:
             ledger=self.ledger,
             keep=keep,
         )
-        self._note_trained(trained_record(outcome))
+        self._note_trained(trained_record(outcome, outside_dp))
         return Released(payload)
 
     def _note_trained(self, record: dict[str, Any]) -> None:

@@ -53,6 +53,8 @@ class SecAggError(FedciuicError):
     """A secure-sum message or request that is refused: the reason names the phase, the
     region and what was wrong."""
 
+    public_reason = True
+
 
 class Message(BaseModel):
     model_config = ConfigDict(

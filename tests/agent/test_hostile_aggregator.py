@@ -232,7 +232,12 @@ def test_distributed_noise_too_weak_for_the_policy_is_refused_and_the_region_ser
 ):
     """Without DP-SGD, the distributed noise is the region's DP: a run whose noise gives
     a run epsilon over the policy's privacy.max_epsilon_per_run is not joined."""
-    policy = write_policy(tmp_path / "eu-shared.yaml", "EU", aggregation__distributed_dp=True)
+    policy = write_policy(  # releases any: a run without DP-SGD sends its exact count
+        tmp_path / "eu-shared.yaml",
+        "EU",
+        aggregation__distributed_dp=True,
+        privacy__releases="any",
+    )
     agent = region(federation, tmp_path / "state", policy)
     size = trained(federation, agent, {**RUN, **SHARED_NOISE})
     session = json.loads(honest(size, SHARED_NOISE).model_dump_json())

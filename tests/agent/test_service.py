@@ -46,7 +46,7 @@ from fedciuic.agent.service import (
 )
 from fedciuic.audit.log import REGION_LOG, load_records, verify
 from fedciuic.cluster.protocol import CORES_ENV, threads_per_rank
-from fedciuic.config import ModelSpec, RunConfig
+from fedciuic.config import EVALUATION, TRAINING, ModelSpec, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
     NONCE_BYTES,
@@ -60,6 +60,7 @@ from fedciuic.crypto.parties import (
 from fedciuic.digests import installed_code
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.releases import WITHHELD_REASON
 from fedciuic.wire import (
     AGENT_CODE,
     AGENT_VERSION,
@@ -221,9 +222,13 @@ def events(config: AgentConfig, event: str) -> list[dict[str, Any]]:
     return [r for r in audit(config) if r["event"] == event]
 
 
-def ledger(config: AgentConfig) -> bytes | None:
+def ledger(config: AgentConfig) -> list[str] | None:
+    """The ledger's lines but its DP evaluations' (an evaluation is a release of its own,
+    charged to the ledger, and trains nothing)."""
     path = config.state_dir / LEDGER_FILE
-    return path.read_bytes() if path.exists() else None
+    if not path.exists():
+        return None
+    return [line for line in path.read_text().splitlines() if f'"{EVALUATION}"' not in line]
 
 
 @contextlib.contextmanager
@@ -295,7 +300,7 @@ def test_a_signed_train_instruction_is_trained_and_answered_sealed_and_signed(
     assert opened.metrics["epsilon-budget"] == 8.0
     assert 0 < opened.metrics["epsilon"] <= 8.0
     released = PrivacyLedger.load(config.state_dir / LEDGER_FILE).rounds
-    assert [(r.run_id, r.round) for r in released] == [(FLOWER_RUN, 1)]
+    assert [(r.run_id, r.round) for r in released if r.purpose == TRAINING] == [(FLOWER_RUN, 1)]
     seen = (config.state_dir / AGENT_DIR / SEEN_FILE).read_text().splitlines()
     nonce = trained[0].config[CONFIG]["nonce"]
     assert isinstance(nonce, bytes)
@@ -527,8 +532,10 @@ def test_a_damaged_ledger_declines_each_round_with_the_reason_and_the_agent_serv
             answer = agent.answer(frame, ME)
         assert answer.error == ""  # a signed decline: the relay and aggregator go on
         info = vouched(federation, answer, server_round=server_round)
-        assert info["status"] == "declined"
-        assert f"{LEDGER_FILE}:1: corrupted ledger record" in str(info["reason"])
+        assert info["status"] == "declined"  # under the EU policy the reason stays home
+        assert info["reason"] == WITHHELD_REASON
+        said = events(config, "declined")[-1]["details"]["reason"]
+        assert f"{LEDGER_FILE}:1: corrupted ledger record" in said
     assert path.read_text() == '{"kind": "header"}\n'  # kept as evidence
 
 
@@ -546,9 +553,9 @@ def test_a_run_config_that_allows_pickle_weights_does_not_make_the_region_load_t
     with nothing_trained(config):
         answer = agent.answer(frame, ME)
     info = vouched(federation, answer, server_round=5)
-    assert info["status"] == "declined"
-    assert f"{pickled}: its weights are only pickle files" in str(info["reason"])
-    assert events(config, "declined")[-1]["details"]["reason"] == info["reason"]
+    assert info["status"] == "declined" and info["reason"] == WITHHELD_REASON  # EU: dp_only
+    said = events(config, "declined")[-1]["details"]["reason"]
+    assert f"{pickled}: its weights are only pickle files" in said
 
 
 @pytest.mark.parametrize(
@@ -778,16 +785,15 @@ def test_a_relay_that_leaves_mid_round_leaves_the_round_recorded_once(federation
     with served.server.busy:  # the round is over once the agent lets go of it
         pass
     releases = PrivacyLedger.load(config.state_dir / LEDGER_FILE).rounds
-    assert [(r.run_id, r.round) for r in releases] == [(FLOWER_RUN, 3)]
+    assert [(r.run_id, r.round) for r in releases if r.purpose == TRAINING] == [(FLOWER_RUN, 3)]
     assert len(events(config, "update_sealed")) == 1
     bundle = load_bundle(federation.keys / "eu.pub.json")
     assert verify(config.state_dir / REGION_LOG, bundle).ok
     # The relay sends it again: acted on once.
     again = ask(served.socket, frame, timeout=30, connect_timeout=5)
     assert again.error.startswith("a replayed train instruction")
-    assert [
-        (r.run_id, r.round) for r in PrivacyLedger.load(config.state_dir / LEDGER_FILE).rounds
-    ] == [(FLOWER_RUN, 3)]
+    trainings = PrivacyLedger.load(config.state_dir / LEDGER_FILE).rounds
+    assert [(r.run_id, r.round) for r in trainings if r.purpose == TRAINING] == [(FLOWER_RUN, 3)]
     assert events(config, "request_refused")[-1]["details"]["reason"] == again.error
     alive(served)
 

@@ -31,7 +31,7 @@ from fedciuic.region.secure import PHASE_EVENTS
 from fedciuic.region.trainer import SentUpdates
 from fedciuic.secagg import Phase
 from fedciuic.wire import Instruction, RunEndNotice, Unread, failed, parse_reply
-from tests.conftest import DP_RELEASES, unit_config, write_policy
+from tests.conftest import unit_config, write_policy
 
 RUN = 7
 #: What Flower's error says of a node that stopped answering.
@@ -133,7 +133,6 @@ def lab_run(demo_root: Path, tmp_path: Path):
             "secure-aggregation": True,
             "codec": "int8",  # dense: a secure sum refuses a per-region top-k
             "max-update-norm": 10.0,
-            **DP_RELEASES,  # real regions under the shipped EU and CN policies (dp_only)
             **changes,
         }
         return RunConfig.from_user_config(values, source="run config")

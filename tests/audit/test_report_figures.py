@@ -61,3 +61,27 @@ def test_figures_outside_dp_are_what_no_dp_release_covered():
     assert all(row[1] == "eu" for row in section.rows)
     only_dp = _outside_dp_section({"eu": dp})
     assert not only_dp.rows and only_dp.paragraphs[0].startswith("None:")
+
+
+def test_figures_outside_dp_are_the_fields_a_region_recorded_sending_as_data():
+    """Where a region's records list what it sent outside DP (outside_dp), the report
+    lists exactly those fields, whatever else the record holds, and nothing for a round
+    that sent none (the update's size then is listed only if the record says so)."""
+
+    def record(event: str, server_round: int, **details: object) -> dict[str, object]:
+        return {"event": event, "run_id": 3, "round": server_round, "details": details}
+
+    records = [
+        record(Event.TRAINED, 1, examples=40, size_of_data=True, outside_dp=["train-loss"]),
+        record(Event.UPDATE_SEALED, 1, bytes=1234),
+        record(Event.EVALUATED, 1, examples=8, loss=2.5, outside_dp=["step-seconds"]),
+        record(Event.TRAINED, 2, examples=40, size_of_data=False, outside_dp=[]),
+        record(Event.EVALUATED, 2, examples=8, loss=2.4, outside_dp=[]),
+    ]
+    section = _outside_dp_section({"us": records})
+    assert sorted(section.rows) == [
+        ("1", "us", "evaluated", "step-seconds"),
+        ("1", "us", "trained", "train-loss"),
+    ]
+    quiet = _outside_dp_section({"us": records[3:]})
+    assert not quiet.rows and quiet.paragraphs[0].startswith("None:")

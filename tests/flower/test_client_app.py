@@ -26,7 +26,7 @@ from fedciuic import __version__
 from fedciuic.agent import channel
 from fedciuic.audit.log import load_records, verify
 from fedciuic.compression import get_codec
-from fedciuic.config import ModelSpec, RunConfig
+from fedciuic.config import EVALUATION, ModelSpec, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
     NONCE_BYTES,
@@ -40,7 +40,7 @@ from fedciuic.digests import installed_code
 from fedciuic.flower import protocol, relay
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
-from fedciuic.privacy.ledger import LEDGER_FILE
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region import region_name
 from fedciuic.wire import (
     AGENT_CODE,
@@ -216,7 +216,9 @@ def test_the_region_evaluates_the_global_adapter(model, data_root):
     assert got.status == "evaluated" and got.region == "cn" and got.arrays is None
     assert got.metrics["num-examples"] > 0 and got.metrics["eval-loss"] > 0
     assert got.metrics["perplexity"] == pytest.approx(np.exp(got.metrics["eval-loss"]))
-    assert not (state_of(data_root, "cn") / LEDGER_FILE).exists()  # nothing released
+    # a DP evaluation (eval-noise): one release of its own, charged to the ledger
+    (line,) = PrivacyLedger.load(state_of(data_root, "cn") / LEDGER_FILE).rounds
+    assert line.purpose == EVALUATION
 
 
 def test_corrupted_ledger_declines_naming_the_file(model, data_root):

@@ -16,7 +16,7 @@ from fedciuic.crypto.parties import TaskKind
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger, rebuild_ledger
 from fedciuic.region.round import handle_instruction
-from tests.conftest import lab_policies, train_instruction, unit_config
+from tests.conftest import EXACT_RELEASES, lab_policies, train_instruction, unit_config
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def policies(tmp_path_factory) -> Path:
 
 def train(model, node, policies: Path, server_round: int, **run) -> dict[str, Any]:
     """A train instruction for ``server_round``; the region's last audit record."""
-    settings = {**unit_config(), "local-steps": 2, "seal": False, **run}
+    settings = {**unit_config(), **EXACT_RELEASES, "local-steps": 2, "seal": False, **run}
     run_config = RunConfig.from_user_config(settings, source="run config")
     # the region's dictionary of names (the demo's, beside its data): the policies require names
     names = Path(node["data-path"]).parent / "deid-dictionaries" / f"{node['region']}.txt"

@@ -21,13 +21,16 @@ from fedciuic.privacy.ledger import (
     rebuild_ledger,
 )
 from fedciuic.region.trainer import Region, RoundOutOfRange
-from tests.conftest import ROOT
+from tests.conftest import EXACT_RELEASES, ROOT
 
 
 @pytest.fixture
 def run(run_config: RunConfig) -> RunConfig:
-    # These tests state their figures for a run aiming at the whole default budget.
-    return run_config.updated(**{"local_steps": 3, "num_server_rounds": 2, "target_epsilon": 8.0})
+    # These tests state their figures for a run aiming at the whole default budget, of
+    # training alone (its count and evaluations exact: tests/region/test_round.py has
+    # the DP ones).
+    changes = {"local_steps": 3, "num_server_rounds": 2, "target_epsilon": 8.0}
+    return run_config.updated(**changes, **EXACT_RELEASES)
 
 
 def region(run: RunConfig, demo_root, tmp_path, **node) -> Region:

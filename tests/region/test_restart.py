@@ -17,15 +17,23 @@ from fedciuic.compression import ErrorFeedback
 from fedciuic.config import RunConfig
 from fedciuic.crypto.parties import TaskKind
 from fedciuic.model.adapter import AdapterModel
+from fedciuic.policy.rules import DEFAULT_RELEASES
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region import round as region_round
 from fedciuic.region.round import handle_instruction, read_configs
 from fedciuic.region.trainer import REGIONS, Release, SentUpdates
 from fedciuic.stages.sealing import Clear
-from tests.conftest import SHIPPED_POLICIES, train_instruction, unit_config, write_policy
+from tests.conftest import (
+    EXACT_RELEASES,
+    SHIPPED_POLICIES,
+    train_instruction,
+    unit_config,
+    write_policy,
+)
 
 SETTINGS = {
     **unit_config(),
+    **EXACT_RELEASES,  # the round's own writes, without the run's DP count before them
     "local-steps": 2,
     "seal": False,
     # The same update twice needs the same noise: a test-only setting.
@@ -61,7 +69,8 @@ def policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
             jurisdiction,
             sealing__required=False,
             privacy__secure_rng_required=False,
-            privacy__dp_required=False,  # the lab's non-DP twin
+            privacy__dp_required=False,  # the lab's non-DP twin, whose update is
+            privacy__releases=DEFAULT_RELEASES,  # a figure of the data
         )
     return directory
 

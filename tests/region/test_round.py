@@ -47,7 +47,15 @@ from fedciuic.region.trainer import Kept, SentUpdates
 from fedciuic.releases import WITHHELD_REASON
 from fedciuic.stages.sealing import Clear, Sealed
 from fedciuic.wire import PRIVACY_UNIT, Instruction, RunEndNotice
-from tests.conftest import ROOT, app_config, lab_policies, signed_run_end, unit_config, write_policy
+from tests.conftest import (
+    EXACT_RELEASES,
+    ROOT,
+    app_config,
+    lab_policies,
+    signed_run_end,
+    unit_config,
+    write_policy,
+)
 
 HEAD = "cd" * 32
 FLOWER_RUN = 7
@@ -213,10 +221,12 @@ def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
     assert set(clear.arrays) == {"update"} and clear.metrics["num-examples"] > 0
     assert clear.info["policy-hash"] == load_policy(policies / "cn.yaml").hash
     assert "update_sent_clear" in [r["event"] for r in load_records(tmp_path / "audit.jsonl")]
-    evaluated = run(cn_node(demo_root, tmp_path), kind=TaskKind.EVALUATE).outcome
+    exact = run(cn_node(demo_root, tmp_path), EXACT_RELEASES, kind=TaskKind.EVALUATE)
+    evaluated = exact.outcome
     assert isinstance(evaluated, Evaluated) and evaluated.region == "cn"
     assert evaluated.stats.num_examples > 0
-    # Under DP, a timed local step (what the aggregator's training wait sizes on).
+    # Under DP, a timed local step (what the aggregator's training wait sizes on), in a
+    # run that releases figures of the data anyway (an exact evaluation).
     assert evaluated.stats.step_seconds is not None and evaluated.stats.step_seconds > 0
     packed = region_records(RegionReply(evaluated))
     assert packed.metrics["step-seconds"] == evaluated.stats.step_seconds
@@ -469,9 +479,15 @@ def test_a_round_past_the_policys_lifetime_epsilon_is_declined_before_training(
     policy = write_policy(
         tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__max_lifetime_epsilon=0.5
     )
-    reason = declined(run(cn_node(demo_root, tmp_path / "state", policy))).reason
+    node = cn_node(demo_root, tmp_path / "state", policy)
+    reason = declined(run(node, {"count-noise": 0.0})).reason
     assert "would raise the dataset's epsilon to" in reason
     assert "over 0.5 (privacy.max_lifetime_epsilon)" in reason
+    assert "epsilon budget 8 > 0.5 (privacy.max_lifetime_epsilon)" in reason
+    assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
+    # With a DP count the policy is checked before the count is drawn: a run it refuses
+    # releases nothing, not even the count.
+    reason = declined(run(node)).reason
     assert "epsilon budget 8 > 0.5 (privacy.max_lifetime_epsilon)" in reason
     assert not (tmp_path / "state" / "privacy-ledger.jsonl").exists()
 
@@ -681,31 +697,72 @@ def test_a_training_round_opens_its_ledger_once(run, demo_root, tmp_path, monkey
     assert opened == [tmp_path / "privacy-ledger.jsonl"]
 
 
-def test_a_dp_only_policy_declines_a_run_with_data_figures_and_keeps_the_reason_at_home(
+def test_a_dp_only_policy_declines_a_run_with_data_figures_naming_the_fields_not_values(
     run, demo_root, tmp_path
 ):
-    """privacy.releases: dp_only: the run's replies would carry the example count and the
-    held-out loss outside DP, so the region trains nothing; what leaves is the withheld
-    reason, what its own log keeps is every figure that would have left."""
+    """privacy.releases: dp_only: the run's trained replies would carry the example count
+    outside DP, so the region trains and evaluates nothing. Its policy's refusal leaves
+    (it names fields and the policy key, no figure of the data: public_reason); a reason
+    that may carry the data's figures stays in the region's own log."""
     policy = write_policy(
         tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
     )
     state = tmp_path / "state"
     for kind in (TaskKind.TRAIN, TaskKind.EVALUATE):
-        reply = run(cn_node(demo_root, state, policy), kind=kind)
-        assert declined(reply).reason == WITHHELD_REASON
-        assert region_records(reply).info["reason"] == WITHHELD_REASON
-    assert not (state / LEDGER_FILE).exists()  # nothing trained, nothing accounted
-    reasons = [
-        r["details"]["reason"]
-        for r in load_records(state / "audit.jsonl")
-        if r["event"] == "declined"
-    ]
-    assert len(reasons) == 2
-    for reason in reasons:
+        reply = run(cn_node(demo_root, state, policy), EXACT_RELEASES, kind=kind)
+        reason = declined(reply).reason
+        assert region_records(reply).info["reason"] == reason
         assert "(privacy.releases: dp_only)" in reason
         assert "num-examples: the region's training example count" in reason
-        assert "eval-loss: the global adapter's mean loss" in reason
+    assert not (state / LEDGER_FILE).exists()  # nothing trained, nothing accounted
+    # A ledger that cannot be read: the reason names the file's state, so it stays home.
+    (state / LEDGER_FILE).write_text('{"kind": "header"}\n')
+    reply = run(cn_node(demo_root, state, policy))
+    assert declined(reply).reason == WITHHELD_REASON
+    said = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
+    assert len(said) == 3 and "corrupted ledger record" in said[-1]["details"]["reason"]
+
+
+def test_a_dp_only_region_withholds_an_exact_evaluation_and_still_trains(run, demo_root, tmp_path):
+    """With the DP count but an exact held-out loss (eval-noise = 0), a dp_only region
+    declines each evaluation, saying why in words of the policy and the run config only,
+    and trains; its log records that nothing left outside DP."""
+    policy = write_policy(
+        tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
+    )
+    state = tmp_path / "state"
+    node = cn_node(demo_root, state, policy)
+    settings = {"count-noise": 5.0, "eval-noise": 0.0, "codec": "int8"}
+    reason = declined(run(node, settings, kind=TaskKind.EVALUATE)).reason
+    assert reason.startswith("region cn: evaluation withheld: the run's held-out loss")
+    assert "eval-loss: the global adapter's mean loss" in reason
+    assert "set eval-noise > 0" in reason
+    trained = run(node, settings)
+    assert isinstance(trained.outcome, Clear), trained.outcome
+    assert "train-loss" not in trained.outcome.metrics
+    records = load_records(state / "audit.jsonl")
+    assert not [r for r in records if r["event"] == "evaluated"]  # nothing evaluated
+    (noted,) = [r for r in records if r["event"] == "trained"]
+    assert noted["details"]["outside_dp"] == []
+
+
+def test_a_region_records_the_figures_of_its_data_it_sent(run, demo_root, tmp_path):
+    """Without dp_only, in a run of exact counts and evaluations, what left outside DP is
+    on the region's own log, field by field (the compliance report lists it)."""
+    state = tmp_path / "state"
+    node = cn_node(demo_root, state)
+    run(node, EXACT_RELEASES, kind=TaskKind.EVALUATE)
+    trained = run(node, EXACT_RELEASES)
+    assert "train-loss" in trained.outcome.metrics
+    records = load_records(state / "audit.jsonl")
+    (evaluated_record,) = [r for r in records if r["event"] == "evaluated"]
+    assert {"num-examples", "eval-loss", "step-seconds"} <= set(
+        evaluated_record["details"]["outside_dp"]
+    )
+    (noted,) = [r for r in records if r["event"] == "trained"]
+    assert {"num-examples", "train-loss", "epsilon", "sample-rate"} <= set(
+        noted["details"]["outside_dp"]
+    )
 
 
 def test_with_count_noise_a_run_releases_its_dp_count_first_and_samples_at_its_rate(
@@ -776,3 +833,6 @@ def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
     assert len(sent) == 64 and sent != noted["details"]["data_fingerprint"]  # a commitment
     purposes = [r.purpose for r in PrivacyLedger.load(state / LEDGER_FILE).rounds]
     assert purposes == ["evaluation", "counts", "training"]
+    for event in ("evaluated", "trained"):  # nothing left outside DP, on its own record
+        (record,) = [r for r in records if r["event"] == event]
+        assert record["details"]["outside_dp"] == []
