@@ -187,11 +187,12 @@ def write_policy(path: Path, jurisdiction: str = "EU", **changes: Any) -> Path:
     return path
 
 
-def record_level_policies(directory: Path) -> Path:
+def record_level_policies(directory: Path, **changes: Any) -> Path:
     """EU, CN and US lab copies under their shipped names that a record-level run
-    satisfies (:data:`RECORD_LEVEL`), for the aggregator and for deployed regions."""
+    satisfies (:data:`RECORD_LEVEL`), for the aggregator and for deployed regions, with
+    ``changes`` (as :func:`write_policy`'s)."""
     for jurisdiction, name in SHIPPED_POLICIES.items():
-        write_policy(directory / name, jurisdiction)
+        write_policy(directory / name, jurisdiction, **changes)
     return directory
 
 

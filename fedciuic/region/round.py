@@ -527,7 +527,10 @@ class _Round:
         """The instruction's task once its signature and config are checked: the region's
         policy on it, then evaluation (``release``: None), or the round's update from
         its release (kept from before, or trained now), sealed."""
-        if release is not None and release.counts:  # nothing is released for a refused run
+        if release is not None and (release.counts or (self.dp_only and unavoidable(self.run))):
+            # Checked before the run's DP count is drawn (a refused run releases nothing),
+            # and before a projection from an exact count could name a figure of the data
+            # in a refusal that leaves (public_reason).
             self._policy(sealing, simulated, task.checkpoint)
         projected = None if release is None else release.project()
         policy = self._policy(sealing, simulated, task.checkpoint, projected)

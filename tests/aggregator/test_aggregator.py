@@ -170,7 +170,14 @@ def _with_loss(raw: Raw, loss: float = 1.0) -> Raw:
     return raw
 
 
-def test_deltas_are_averaged_by_examples_and_applied(aggregator):
+@pytest.fixture
+def exact_evaluations(run_config, tmp_path) -> AggregatorRound:
+    """A round of a run whose evaluations are exact: its replies may carry train-loss."""
+    return make_round(run_config.updated(eval_noise=0.0), tmp_path / "run")
+
+
+def test_deltas_are_averaged_by_examples_and_applied(exact_evaluations):
+    aggregator = exact_evaluations
     eu, cn = _with_loss(trained("eu", 1.0, 10)), _with_loss(trained("cn", 4.0, 30))
     result = train_round(aggregator, 1, [reply(11, eu), reply(12, cn)])
     np.testing.assert_allclose(adapter_of(result)["w"], 0.25 * 1 + 0.75 * 4)
@@ -179,7 +186,8 @@ def test_deltas_are_averaged_by_examples_and_applied(aggregator):
     assert [j.status for j in result.replies] == ["trained", "trained"]
 
 
-def test_an_update_whose_steps_were_all_noise_is_aggregated_without_a_loss(aggregator):
+def test_an_update_whose_steps_were_all_noise_is_aggregated_without_a_loss(exact_evaluations):
+    aggregator = exact_evaluations
     # Every DP-SGD step drew an empty Poisson batch: no train loss, the update counts.
     quiet = trained("cn", 4.0, 30)
     result = train_round(

@@ -25,7 +25,8 @@ def _timed(region: str, loss: float, seconds: float):
 def test_the_training_wait_grows_to_twice_the_slowest_regions_timed_work(
     run_config, tmp_path, caplog
 ):
-    run = run_config.updated(**{"local_steps": 30, "round_timeout": 60.0})
+    # exact evaluations: a region's step time leaves only in a run that lets figures out
+    run = run_config.updated(**{"local_steps": 30, "round_timeout": 60.0, "eval_noise": 0.0})
     loop = loop_for(make_round(run, tmp_path / "run"), Regions())
     a = loop.aggregator
     assert loop.train_wait() == 60.0  # nothing timed yet: round-timeout
@@ -48,7 +49,7 @@ def test_the_training_wait_grows_to_twice_the_slowest_regions_timed_work(
 
 
 def test_a_step_seconds_that_is_not_a_positive_number_is_rejected_alone(run_config, tmp_path):
-    a = make_round(run_config, tmp_path / "run")
+    a = make_round(run_config.updated(eval_noise=0.0), tmp_path / "run")
     a.evaluate(0, [reply(11, _timed("eu", 2.0, -1.0)), reply(12, _timed("cn", 3.0, 1.5))])
     evals = a.recorder.data.rounds[0].eval
     assert evals["eu"].status == "rejected" and "step-seconds" in (evals["eu"].reason or "")

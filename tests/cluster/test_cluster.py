@@ -28,11 +28,12 @@ from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
 from fedciuic.region.trainer import Region
-from tests.conftest import ROOT, unit_config
+from tests.conftest import EXACT_RELEASES, ROOT, unit_config
 
 #: Every unit in every batch (q = 1), all of a unit's examples: sampling is then the
 #: same in one process and in two, so their updates must match.
 SETTINGS = {
+    **EXACT_RELEASES,  # the trainer's rounds alone (the agent's rounds count first)
     "local-steps": 2,
     "num-server-rounds": 3,
     "batch-size": 100_000,

@@ -9,7 +9,7 @@ import pytest
 
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, cross_check, load_records, verify
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import COUNTS, EVALUATION, TRAINING, NodeConfig, RunConfig
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
@@ -19,6 +19,7 @@ from fedciuic.digests import installed_code
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.presets import byte_tokenizer
 from fedciuic.policy.rules import load_policy
+from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region.round import model_loads
 from tests.conftest import ROOT, SHIPPED_POLICIES, app_config
 from tests.e2e.helpers import (
@@ -71,7 +72,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         run_id, streamed = federation.run_app(
             {
                 "num-server-rounds": 2,
-                "local-steps": 10,  # enough for the loss to fall; three regions share 2 cores
+                "local-steps": 10,  # three regions share 2 cores
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
@@ -114,16 +115,26 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             ),
             byte_tokenizer(),
         )
+        ledger = PrivacyLedger.load(tmp_path / "state" / region / LEDGER_FILE)
+        (counted,) = [r for r in ledger.rounds if r.purpose == COUNTS]
         for server_round in ("1", "2"):
             entry = data["rounds"][server_round]["train"][region]
             assert entry["status"] == "trained"
             # its own data, nobody else's: committed to under the region's own key
             key = region_secret(tmp_path / "state" / region / SECRET_FILE)
             assert entry["data_fingerprint"] == data_commitment(key, own.fingerprint, run_id)
-            assert entry["num_examples"] == len(own.train)
+            # its weight: the run's DP count of its units, never the exact count
+            assert entry["num_examples"] == counted.count and entry.get("loss") is None
             assert 0 < entry["epsilon"] <= entry["epsilon_budget"]
-        assert (tmp_path / "state" / region / "privacy-ledger.jsonl").exists()
-        assert eval_loss(data, 2, region) < eval_loss(data, 0, region)
+        # What its ledger holds of the run: the count, its DP evaluations, its rounds.
+        assert [r.purpose for r in ledger.rounds if r.purpose != EVALUATION] == [
+            COUNTS,
+            TRAINING,
+            TRAINING,
+        ]
+        assert len([r for r in ledger.rounds if r.purpose == EVALUATION]) == 3
+        for server_round in (0, 1, 2):  # a DP held-out loss: clipped, post-processed
+            assert 0.0 <= eval_loss(data, server_round, region) <= 10.0
         # Over TLS the relay sees neither the sealed plaintext (the data fingerprint)
         # nor what the envelope header carries in the clear (key id, policy hash).
         key_id = (keys / f"{region}.pub.json").read_text().split('"key_id": "')[1][:32]

@@ -35,6 +35,7 @@ from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.trainer import Region, train_info
 from fedciuic.wire import ADAPTER_MODE
+from tests.conftest import EXACT_RELEASES
 from tests.privacy.test_each_family_dp import autograd_grads, opacus_grads
 
 CPU = torch.device("cpu")
@@ -127,7 +128,9 @@ def test_the_published_weight_change_is_the_example_weighted_mean_in_the_exact_m
 ):
     model, layout = built
     mode, scaling = model.spec.adapter_mode, _scaling(model.spec)
-    run = run_config.updated(**{"codec": get_codec("dense"), "adapter_mode": mode})
+    run = run_config.updated(
+        **{"codec": get_codec("dense"), "adapter_mode": mode}, **EXACT_RELEASES
+    )
     rng = np.random.default_rng(5)
     # A global adapter some rounds in: every trained tensor away from its start.
     start = {
@@ -267,7 +270,9 @@ def test_the_saved_adapter_loads_with_peft_and_computes_the_trained_models_outpu
 def test_a_dp_region_round_sends_only_the_trained_tensors_and_declares_its_mode(
     run_config, demo_root, tmp_path, mode
 ):
-    run = run_config.updated(**{"adapter_mode": mode, "local_steps": 2, "seq_len": 64})
+    run = run_config.updated(
+        **{"adapter_mode": mode, "local_steps": 2, "seq_len": 64}, **EXACT_RELEASES
+    )
     layout = AdapterLayout.of(run.model)  # the aggregator's
     region = Region(
         run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))
@@ -344,6 +349,7 @@ def test_a_time_budgeted_dp_round_in_each_fixed_factor_mode_records_the_steps_it
     run_config, demo_root, tmp_path, mode
 ):
     run = run_config.updated(
+        **EXACT_RELEASES,
         **{
             "adapter_mode": mode,
             "local_steps": 6,
@@ -352,7 +358,7 @@ def test_a_time_budgeted_dp_round_in_each_fixed_factor_mode_records_the_steps_it
             "num_server_rounds": 1,
             "dp_accountant": "rdp",
             "local_time_budget": 60.0,
-        }
+        },
     )
     layout = AdapterLayout.of(run.model)
     region = Region(

@@ -24,7 +24,7 @@ from fedciuic.policy.rules import (
     load_policy,
 )
 from fedciuic.releases import unavoidable
-from tests.conftest import ROOT, unit_config, write_policy
+from tests.conftest import EXACT_RELEASES, ROOT, unit_config, write_policy
 
 POLICIES = ROOT / "policies"
 SHIPPED = ["eu-gdpr.yaml", "cn-pipl.yaml", "us-ccpa.yaml", "sg-pdpa.yaml", "in-dpdp.yaml"]
@@ -558,7 +558,8 @@ def test_the_shipped_eu_and_cn_policies_let_out_only_dp_releases(eu):
 
 
 def test_a_dp_only_policy_declines_a_run_whose_replies_carry_data_figures(tmp_path):
-    figures = unavoidable(RunConfig.from_user_config(unit_config(), source="run config"))
+    exact = {**unit_config(), **EXACT_RELEASES}
+    figures = unavoidable(RunConfig.from_user_config(exact, source="run config"))
     anything = _dp_only(tmp_path / "any.yaml", "any")
     assert check_run("eu", anything, replace(GOOD, data_releases=figures)).accepted
     decision = check_run("eu", _dp_only(tmp_path / "eu.yaml"), replace(GOOD, data_releases=figures))

@@ -11,6 +11,7 @@ import pytest
 
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.region.trainer import Region
+from tests.conftest import EXACT_RELEASES
 
 #: The attention projections each family's adapter covers.
 TARGETS = {
@@ -29,8 +30,9 @@ def test_each_family_trains_a_dp_round_on_its_attention_projections(
     run_config: RunConfig, demo_root, tmp_path, tiny_checkpoints, family
 ):
     path = tiny_checkpoints[family]
-    run = run_config.updated(
-        **{"model_path": str(path), "local_steps": 2, "seq_len": 64, "num_server_rounds": 1}
+    run = run_config.updated(  # the round alone (no DP count first: the trainer's own test)
+        **{"model_path": str(path), "local_steps": 2, "seq_len": 64, "num_server_rounds": 1},
+        **EXACT_RELEASES,
     )
     region = Region(
         run, NodeConfig(region="eu", data_path=str(demo_root / "eu"), state_path=str(tmp_path))

@@ -15,6 +15,7 @@ from fedciuic.model.train import paced, train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import BudgetExhausted, PrivacyLedger, epsilon_of
 from fedciuic.region.trainer import Region, train_metrics
+from tests.conftest import EXACT_RELEASES
 
 #: Small steps (2 units of one short example each), so that a round takes a moment.
 SMALL = {
@@ -32,7 +33,7 @@ FLOOR_S = 0.1
 
 @pytest.fixture
 def run(run_config: RunConfig) -> RunConfig:
-    return run_config.updated(**SMALL)
+    return run_config.updated(**SMALL, **EXACT_RELEASES)  # the plan on the exact count
 
 
 def region(run: RunConfig, demo_root, tmp_path, name: str = "eu", **node) -> Region:
