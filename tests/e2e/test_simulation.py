@@ -50,6 +50,14 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
     ]
 
 
+def exact_releases(tmp_path: Path, *keys: str) -> tuple[str, ...]:
+    """Arguments for a run whose ``keys`` (count-noise, eval-noise) are 0, under lab
+    policies that let the exact figures out (privacy.releases: any)."""
+    lab = record_level_policies(tmp_path / "lab-exact", privacy__releases="any")
+    args = [arg for key in keys for arg in ("--run-config", f"{key}=0")]
+    return (*args, "--run-config", f"policies-dir='{lab}'")
+
+
 def simulate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         _command(tmp_path, *args),
@@ -64,16 +72,7 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     """Exact held-out losses (eval-noise = 0, under lab policies that let them out): a DP
     one over the demo's few held-out units is too noisy to show learning (docs/privacy.md;
     the shipped policies' run is the next test's)."""
-    exact = record_level_policies(tmp_path / "lab-exact", privacy__releases="any")
-    done = simulate(
-        tmp_path,
-        "--rounds",
-        "2",
-        "--run-config",
-        "eval-noise=0",
-        "--run-config",
-        f"policies-dir='{exact}'",
-    )
+    done = simulate(tmp_path, "--rounds", "2", *exact_releases(tmp_path, "eval-noise"))
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
@@ -223,7 +222,8 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
         for r in load_records(data_root / "eu" / ".fedciuic" / REGION_LOG)
         if r["event"] == Event.DECLINED
     ]
-    assert len(said) == 2 and all("budget 8" in reason for reason in said), said
+    # two training rounds and three evaluations, each a release the budget refuses
+    assert len(said) == 5 and all("budget 8" in reason for reason in said), said
     # ... and the launching machine said so before anything started.
     assert re.search(
         r"^budget: eu: a run at target-epsilon 4 \(\d+ steps\) would bring it to [\d.]+ of 8: "
@@ -379,8 +379,9 @@ def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(t
     assert kept.read_text() == key  # the same key for both runs
     assert "signed by another key" not in spent.stdout
     assert re.search(
-        r"^budget: eu: epsilon [\d.]+ of 8 spent per user \(delta 1e-05, 1 "
-        r"release\(s\) in 1 run\(s\)\), [\d.]+ left$",
+        r"^budget: eu: epsilon [\d.]+ of 8 spent per user \(delta 1e-05, \d+ "
+        r"release\(s\) in 1 run\(s\): evaluation alone [\d.]+, counts alone [\d.]+, "
+        r"training alone [\d.]+\), [\d.]+ left$",
         spent.stdout,
         re.M,
     ), spent.stdout
@@ -534,7 +535,8 @@ def test_a_buffered_run_with_a_slow_region_time_budgets_and_fedadam(tmp_path):
         "keep-checkpoints=2",
     ]
     flags = [arg for setting in settings for arg in ("--run-config", setting)]
-    done = simulate(tmp_path, "--rounds", "3", *flags)
+    # A time budget's steps are a figure of the data: under lab policies that let it out.
+    done = simulate(tmp_path, "--rounds", "3", *flags, *exact_releases(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
