@@ -133,8 +133,8 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
             TRAINING,
         ]
         assert len([r for r in ledger.rounds if r.purpose == EVALUATION]) == 3
-        for server_round in (0, 1, 2):  # a DP held-out loss: clipped, post-processed
-            assert 0.0 <= eval_loss(data, server_round, region) <= 10.0
+        for evaluated in (0, 1, 2):  # a DP held-out loss: clipped, post-processed
+            assert 0.0 <= eval_loss(data, evaluated, region) <= 10.0
         # Over TLS the relay sees neither the sealed plaintext (the data fingerprint)
         # nor what the envelope header carries in the clear (key id, policy hash).
         key_id = (keys / f"{region}.pub.json").read_text().split('"key_id": "')[1][:32]
