@@ -1055,6 +1055,15 @@ def explain(loaded: LoadedPolicy) -> str:
         else f"With DP, a guarantee per {v.unit} suffices (privacy-unit "
         f"{' or '.join(PRIVACY_UNITS)})."
     )
+    releases = (
+        "Nothing of the region's data leaves outside DP (privacy.releases: dp_only): its "
+        "example count and held-out loss leave only as DP releases charged to its ledger "
+        "(count-noise, eval-noise), its training loss and step time not at all, and a "
+        "decline's reason only where it names no figure of the data."
+        if v.releases == DP_ONLY
+        else "Figures of the region's data (its example count, its losses) may leave beside "
+        "its DP update where the run config makes them exact."
+    )
     sealing = (
         f"Updates leave only sealed, with {' or '.join(p.sealing.allowed_suites)}."
         if p.sealing.required
@@ -1072,6 +1081,7 @@ def explain(loaded: LoadedPolicy) -> str:
         relay,
         dp,
         unit,
+        releases,
         sealing,
         f"Allowed compression codecs: {', '.join(p.compression.allowed_codecs)}; adapter "
         f"modes: {', '.join(p.compression.allowed_adapter_modes)}.",

@@ -311,6 +311,14 @@ def test_explain_names_the_privacy_unit(eu, cn):
     assert "a guarantee per record suffices" in explain(cn)
 
 
+def test_explain_says_what_may_leave_besides_dp_releases(eu, tmp_path):
+    assert "Nothing of the region's data leaves outside DP (privacy.releases: dp_only)" in (
+        explain(eu)
+    )
+    anything = explain(_dp_only(tmp_path / "any.yaml", "any"))
+    assert "Figures of the region's data (its example count, its losses) may leave" in anything
+
+
 def test_explain_says_names_need_a_dictionary_or_a_ner_model(cn):
     assert (
         "SE_PERSONNUMMER; and names, found by its own name dictionary or NER model "
