@@ -324,19 +324,24 @@ def problems(status: str, names: Iterable[str], run: RunConfig, *, dp_only: bool
     return out
 
 
-def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str, ...]:
-    """The data-dependent fields among ``names`` of a ``status`` reply, as ``field: why``."""
-    return tuple(
-        f"{name}: {r.why}"
+def _data_of(status: str, names: Iterable[str], run: RunConfig) -> dict[str, Disclosure]:
+    """The data-dependent fields among ``names`` of a ``status`` reply, with their class."""
+    return {
+        name: r
         for name, r in classify(status, names, run).items()
         if r is not None and r.kind is Kind.DATA
-    )
+    }
+
+
+def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str, ...]:
+    """The data-dependent fields among ``names`` of a ``status`` reply, as ``field: why``."""
+    return tuple(f"{name}: {r.why}" for name, r in _data_of(status, names, run).items())
 
 
 def data_fields(status: str, names: Iterable[str], run: RunConfig) -> list[str]:
     """The names of the data-dependent fields among ``names`` of a ``status`` reply: what
     a region's audit log records it sent outside DP."""
-    return [name for name in names if _kind(status, name, run) is Kind.DATA]
+    return list(_data_of(status, names, run))
 
 
 def leaving(
