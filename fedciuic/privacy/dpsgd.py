@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,11 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
 from opacus.grad_sample.linear import compute_linear_norm_sample
-from opacus.optimizers.optimizer import _generate_noise
+from opacus.optimizers.optimizer import (
+    _check_processed_flag,
+    _generate_noise,
+    _mark_as_processed,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import (
@@ -50,6 +53,7 @@ from fedciuic.model import (
 )
 from fedciuic.opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
+from fedciuic.privacy.noise import SecureNoise, noise_streams, secure_generator, seeded_generator
 
 undo_opacus_basic_config()
 log = logging.getLogger(__name__)
@@ -96,29 +100,6 @@ def parameter_device(params: Iterable[torch.Tensor]) -> torch.device:
     return devices.pop()
 
 
-def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generator, str]:
-    """A generator on ``device`` that nobody can replay, and what it is.
-
-    Opacus' secure mode expects ``torchcsprng``, which has no build for current
-    PyTorch releases (and only makes CPU generators). Otherwise we seed PyTorch's
-    generator for ``device`` with 64 bits from the operating system's CSPRNG
-    (``os.urandom``): unpredictable, but not itself a CSPRNG. ``docs/privacy.md``
-    states this limit.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        try:
-            import torchcsprng
-
-            gen: torch.Generator = torchcsprng.create_random_device_generator("/dev/urandom")
-            return gen, "torchcsprng"
-        except ImportError:
-            pass
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
-    return gen, f"torch generator on {device} seeded from os.urandom"
-
-
 def _release_noise(size: int, std: float, *, secure_mode: bool, seed: int | None) -> list[float]:
     """``size`` Gaussian draws of ``std`` for a release besides DP-SGD's, drawn as its
     noise is (Opacus' secure sum of Gaussians in ``secure_mode``, from a generator nobody
@@ -158,11 +139,6 @@ def dp_mean(
     return min(max(total, 0.0) / max(count, 1.0), clip), max(1, round(count))
 
 
-def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
-    """A reproducible generator on ``device`` (insecure-reproducible-noise, tests only)."""
-    return torch.Generator(device=torch.device(device)).manual_seed(seed)
-
-
 def warn_once(message: str) -> None:
     """Say ``message`` once per process, loudly (where the DP noise comes from)."""
     if message not in _warned:
@@ -180,6 +156,36 @@ class _Engine(PrivacyEngine):  # type: ignore[misc]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # we say it ourselves
             super().__init__(accountant="prv", secure_mode=False)
+
+
+class _SecureNoiseOptimizer:
+    """Opacus' secure noise for every parameter of a step drawn at once by
+    :class:`~fedciuic.privacy.noise.SecureNoise` (its streams in parallel) instead of
+    Opacus' serial draws, tensor by tensor; the sums are the same."""
+
+    params: list[torch.nn.Parameter]
+    noise_multiplier: float
+    max_grad_norm: float
+    secure_noise: SecureNoise
+
+    def add_noise(self) -> None:
+        sums = [p.summed_grad for p in self.params]  # type: ignore[attr-defined]
+        for summed in sums:
+            _check_processed_flag(summed)
+        multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+        noises = self.secure_noise.draw(multiplier * self.max_grad_norm, sums)
+        for p, summed, noise in zip(self.params, sums, noises, strict=True):
+            p.grad = (summed + noise).view_as(p)
+            _mark_as_processed(summed)
+
+
+def _with_secure_noise(optimizer: Any, noise: SecureNoise) -> Any:
+    """``optimizer`` (an Opacus DP optimizer, hooks or ghost) drawing ``noise`` in place."""
+    cls = type(optimizer)
+    optimizer.__class__ = type(f"SecureNoise{cls.__name__}", (_SecureNoiseOptimizer, cls), {})
+    optimizer.secure_noise = noise
+    optimizer.secure_mode = True
+    return optimizer
 
 
 class _AcrossRanks:
@@ -342,8 +348,14 @@ class PrivateTrainer:
             self.net = model.model
             # Checkpointed layers are recomputed in the backward pass: the hooks skip that.
             self._stack.enter_context(pause_on_recompute(self.hooks))
-        # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks).
+        # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks),
+        # drawn in parallel streams, each from its own OS-seeded generator.
         self.optimizer.secure_mode = secure_mode
+        self.secure_noise: SecureNoise | None = None
+        if secure_mode:
+            self.secure_noise = SecureNoise(noise_gen, noise_streams())
+            self._stack.callback(self.secure_noise.close)
+            self.optimizer = _with_secure_noise(self.optimizer, self.secure_noise)
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
         passes = len(loader)
         if units is not None:

@@ -544,6 +544,7 @@ class _Round:
                 base_fingerprint=task.base_fingerprint,
                 run_id=self.run_id,
                 server_round=task.server_round,
+                step_seconds=not withholds_optional(self.run, dp_only=self.dp_only),
             )
             answer = self._released(Evaluated(region.name, stats))
             records = outcome_records(answer)

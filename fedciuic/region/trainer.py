@@ -855,19 +855,23 @@ class Region:
         base_fingerprint: str,
         run_id: int = 0,
         server_round: int = 0,
+        step_seconds: bool = True,
     ) -> EvalStats:
         """Held-out loss of the global adapter on this region's evaluation blocks, on rank
         0 alone (evaluation is cheap next to training): exact, or with eval-noise a DP
-        release charged to the ledger (:meth:`RegionLedger.evaluate`)."""
+        release charged to the ledger (:meth:`RegionLedger.evaluate`); with the step's
+        seconds (:meth:`step_seconds`) unless the reply withholds them (``step_seconds``
+        False: no step is timed for a figure that would not leave)."""
         self._load_global(adapter, base_fingerprint)
         if not self.ledger.evaluations:
             stats = evaluate(self.model, self.data.eval, batch_size=self.local.batch_size)
-            return replace(stats, step_seconds=self.step_seconds())
-        losses = unit_losses(self.model, self.data.eval, batch_size=self.local.batch_size)
-        loss, count, released = self.ledger.evaluate(
-            losses, run_id=run_id, server_round=server_round
-        )
-        return EvalStats(loss, count, self.step_seconds(), released)
+        else:
+            losses = unit_losses(self.model, self.data.eval, batch_size=self.local.batch_size)
+            loss, count, released = self.ledger.evaluate(
+                losses, run_id=run_id, server_round=server_round
+            )
+            stats = EvalStats(loss, count, None, released)
+        return replace(stats, step_seconds=self.step_seconds() if step_seconds else None)
 
     def step_seconds(self) -> float | None:
         """One local DP-SGD step's seconds here, timed once per run (None without DP):

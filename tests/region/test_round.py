@@ -43,6 +43,7 @@ from fedciuic.region.round import (
     unreadable,
     witness_run_end,
 )
+from fedciuic.region import trainer as trainer_module
 from fedciuic.region.trainer import Kept, SentUpdates
 from fedciuic.releases import WITHHELD_REASON
 from fedciuic.stages.sealing import Clear, Sealed
@@ -813,11 +814,14 @@ def test_with_eval_noise_an_evaluation_is_a_dp_release_charged_to_the_ledger(
 
 
 def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
-    run, demo_root, tmp_path
+    run, demo_root, tmp_path, monkeypatch
 ):
     """privacy.releases: dp_only with count-noise and eval-noise: the region evaluates
     and trains, and what leaves carries no figure of its data (no train-loss, no
-    step-seconds, its data named by a commitment)."""
+    step-seconds, its data named by a commitment); no step is timed for step-seconds
+    it would not send."""
+    timed: list[object] = []
+    monkeypatch.setattr(trainer_module, "time_private_step", lambda *a, **k: timed.append(a))
     policy = write_policy(
         tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
     )
@@ -827,6 +831,7 @@ def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
     evaluated = run(node, settings, kind=TaskKind.EVALUATE)
     assert isinstance(evaluated.outcome, Evaluated), evaluated.outcome
     assert "step-seconds" not in region_records(evaluated).metrics
+    assert timed == []
     trained = run(node, settings)
     declines = [r for r in load_records(state / "audit.jsonl") if r["event"] == "declined"]
     assert isinstance(trained.outcome, Clear), declines

@@ -1,0 +1,111 @@
+"""Where DP noise comes from: generators no other party can replay, and Opacus' secure
+noise drawn in parallel.
+
+Secure noise (``secure-mode``) is Opacus': each value is a sum of four independent
+Gaussian draws, halved (Holohan and Braghin 2021, section 5.1, against floating-point
+attacks). Opacus draws it with five calls per tensor from one generator, serially;
+:class:`SecureNoise` draws the same sums for all of a step's tensors at once, in
+chunks, each chunk from its own OS-seeded generator on its own thread (CPU), so it
+costs what the cores allow rather than four serial draws per entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+#: Entries drawn per call inside a chunk: bounds the scratch buffer each stream holds.
+_SCRATCH = 1 << 20
+
+
+def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generator, str]:
+    """A generator on ``device`` that nobody can replay, and what it is.
+
+    Opacus' secure mode expects ``torchcsprng``, which has no build for current
+    PyTorch releases (and only makes CPU generators). Otherwise we seed PyTorch's
+    generator for ``device`` with 64 bits from the operating system's CSPRNG
+    (``os.urandom``): unpredictable, but not itself a CSPRNG. ``docs/privacy.md``
+    states this limit.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            import torchcsprng
+
+            gen: torch.Generator = torchcsprng.create_random_device_generator("/dev/urandom")
+            return gen, "torchcsprng"
+        except ImportError:
+            pass
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return gen, f"torch generator on {device} seeded from os.urandom"
+
+
+def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A reproducible generator on ``device`` (insecure-reproducible-noise, tests only)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def _fill(out: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """``out`` filled with sums of four N(0, std^2) draws, halved (so N(0, std^2)), from
+    ``generator`` alone; the first draw thrown away, as Opacus does."""
+    torch.normal(0.0, std, size=(1, 1), device=out.device, generator=generator)
+    scratch = torch.empty(min(out.numel(), _SCRATCH), dtype=out.dtype, device=out.device)
+    for start in range(0, out.numel(), _SCRATCH):
+        part = out[start : start + _SCRATCH]
+        draw = scratch[: part.numel()]
+        part.normal_(0.0, std, generator=generator)
+        for _ in range(3):
+            part.add_(draw.normal_(0.0, std, generator=generator))
+        part.mul_(0.5)
+
+
+class SecureNoise:
+    """Secure noise for a step's tensors from ``streams`` OS-seeded generators.
+
+    On the CPU each stream is a thread with its own generator and a contiguous chunk
+    of the step's entries; torch releases the GIL while it draws, so the streams run
+    on as many cores. On an accelerator one stream (its device generator) suffices.
+    Every value is still one sum of four independent Gaussians from a generator
+    nobody else can replay; which generator drew which entry changes nothing of its
+    distribution.
+    """
+
+    def __init__(self, first: torch.Generator, streams: int = 1) -> None:
+        self.device = first.device
+        count = max(1, streams) if self.device.type == "cpu" else 1
+        self.generators = [first] + [secure_generator(self.device)[0] for _ in range(count - 1)]
+        self._pool = ThreadPoolExecutor(count) if count > 1 else None
+
+    def draw(self, std: float, references: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One noise tensor shaped like each of ``references`` (their dtype and device)."""
+        if not references:
+            return []
+        sizes = [r.numel() for r in references]
+        dtypes = {r.dtype for r in references}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=references[0].device)
+        if std != 0:
+            per = -(-flat.numel() // len(self.generators))
+            chunks = [(flat[i * per : (i + 1) * per], g) for i, g in enumerate(self.generators)]
+            if self._pool is None:
+                for chunk, gen in chunks:
+                    _fill(chunk, std, gen)
+            else:
+                work = [self._pool.submit(_fill, c, std, g) for c, g in chunks if c.numel()]
+                for done in work:
+                    done.result()
+        parts = zip(torch.split(flat, sizes), references, strict=True)
+        return [part.view(r.shape).to(r.dtype) for part, r in parts]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def noise_streams() -> int:
+    """How many streams a CPU draw uses: the threads torch computes with."""
+    return torch.get_num_threads()
