@@ -31,6 +31,7 @@ from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.region import trainer as trainer_module
 from fedciuic.region.round import (
     Declined,
     Evaluated,
@@ -43,7 +44,6 @@ from fedciuic.region.round import (
     unreadable,
     witness_run_end,
 )
-from fedciuic.region import trainer as trainer_module
 from fedciuic.region.trainer import Kept, SentUpdates
 from fedciuic.releases import WITHHELD_REASON
 from fedciuic.stages.sealing import Clear, Sealed
