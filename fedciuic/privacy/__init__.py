@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fedciuic.privacy.ledger import locked as locked
     from fedciuic.privacy.ledger import poisson_sample_rate as poisson_sample_rate
     from fedciuic.privacy.ledger import rebuild_ledger_command as rebuild_ledger_command
+    from fedciuic.privacy.ledger import remembered_noise as remembered_noise
     from fedciuic.privacy.ledger import run_prefix as run_prefix
 
 __getattr__ = face(__name__)  # each name imported on first use

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -32,6 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
+from opacus import __version__ as opacus_version
 from opacus.accountants import create_accountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 from opacus.accountants.utils import get_noise_multiplier
@@ -65,6 +67,7 @@ def _memoise_rdp() -> None:
 
 
 _memoise_rdp()
+log = logging.getLogger(__name__)
 
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
 LEDGER_FILE = "privacy-ledger.jsonl"
@@ -170,6 +173,53 @@ def calibrate_noise_after(
         mid = (low + high) / 2
         low, high = (mid, high) if over(mid) else (low, mid)
     return high
+
+
+#: Where a region remembers its calibrations (its state folder), across processes and runs.
+CALIBRATIONS_FILE = "calibrations.json"
+
+
+def remembered_noise(
+    state_dir: Path,
+    prefix: tuple[Step, ...],
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant,
+) -> float:
+    """:func:`calibrate_noise_after`, remembered in the region's ``state_dir``: a run's
+    inputs are fixed, but a simulation's ClientApps take turns with the regions, and each
+    process would calibrate again (about 2 s of accountant calls). A remembered value is
+    used only if one accountant call confirms it keeps the run under target, so a damaged
+    or edited file can cost utility, never privacy; an unreadable one is calibrated over."""
+    inputs = [prefix, target_epsilon, delta, sample_rate, steps, accountant]
+    key = json.dumps([*inputs, opacus_version])
+    path = state_dir / CALIBRATIONS_FILE
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        known = {}
+    except (OSError, UnicodeError, ValueError) as err:
+        log.warning("%s: unreadable (%s); calibrating again and writing it anew", path, err)
+        known = {}
+    noise = known.get(key)
+    if (
+        isinstance(noise, float)
+        and noise > 0
+        and (
+            epsilon_of([*prefix, (noise, sample_rate, steps)], delta, accountant) <= target_epsilon
+        )
+    ):
+        return noise
+    noise = calibrate_noise_after(prefix, target_epsilon, delta, sample_rate, steps, accountant)
+    known[key] = noise
+    tmp = path.with_name(f"{CALIBRATIONS_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known), encoding="utf-8")
+    tmp.replace(path)
+    return noise
 
 
 def dp_mean_step(noise: float) -> Step:

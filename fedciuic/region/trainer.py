@@ -61,7 +61,6 @@ from fedciuic.privacy import (
     PrivacyLedger,
     Step,
     audit_witness,
-    calibrate_noise_after,
     count_steps,
     dp_count,
     dp_mean,
@@ -71,6 +70,7 @@ from fedciuic.privacy import (
     plan_private_steps,
     poisson_sample_rate,
     private_round,
+    remembered_noise,
     run_prefix,
     time_private_step,
     warn_once,
@@ -398,8 +398,14 @@ class RegionLedger:
             )
         rate = poisson_sample_rate(n, local.batch_size)
         planned = self.run.schedule.num_server_rounds * local.local_steps
-        noise = calibrate_noise_after(
-            self.run_prefix(), dp.target_epsilon, dp.target_delta, rate, planned, dp.dp_accountant
+        noise = remembered_noise(
+            self.node.state_dir,
+            self.run_prefix(),
+            dp.target_epsilon,
+            dp.target_delta,
+            rate,
+            planned,
+            dp.dp_accountant,
         )
         return (noise, rate, local.local_steps)
 

@@ -20,7 +20,9 @@ from fedciuic.privacy.ledger import (
     epsilon_of,
     locked,
     poisson_sample_rate,
+    remembered_noise,
 )
+from fedciuic.privacy import ledger as ledger_module
 
 DATASET = "a" * 64
 OTHER = "b" * 64
@@ -265,6 +267,31 @@ def test_calibration_after_a_count_keeps_the_whole_run_under_target(kind):
     assert 7.8 <= eps <= 8.0 and sigma > alone  # the count's cost leaves less for training
     assert google(history, 1e-5, kind) == pytest.approx(eps, rel=0.05)
     assert calibrate_noise_after((), 8.0, 1e-5, rate, steps, kind) == alone
+
+
+def test_a_calibration_is_remembered_across_processes_and_checked_before_use(
+    tmp_path, monkeypatch, caplog
+):
+    """A region's calibration is kept in its state folder, so another process serving the
+    region does not calibrate again; a remembered value that would not keep the run
+    under target (edited, damaged) is calibrated over, and an unreadable file too."""
+    inputs = ((COUNT,), 4.0, 1e-5, poisson_sample_rate(500, 8), 60, "rdp")
+    sigma = remembered_noise(tmp_path, *inputs)
+    assert sigma == calibrate_noise_after(*inputs)
+    path = tmp_path / ledger_module.CALIBRATIONS_FILE
+    (key,) = json.loads(path.read_text())
+    calls: list[object] = []
+    monkeypatch.setattr(ledger_module, "calibrate_noise_after", lambda *a: calls.append(a) or 9.0)
+    assert remembered_noise(tmp_path, *inputs) == sigma and calls == []  # another process
+    path.write_text(json.dumps({key: sigma / 4}))  # too little noise for the target
+    assert remembered_noise(tmp_path, *inputs) == 9.0 and len(calls) == 1
+    assert json.loads(path.read_text()) == {key: 9.0}
+    path.write_text("{not json")
+    assert remembered_noise(tmp_path, *inputs) == 9.0 and len(calls) == 2
+    assert "unreadable" in caplog.text and str(path) in caplog.text
+    other = (*inputs[:4], 90, "rdp")  # other inputs: their own entry
+    assert remembered_noise(tmp_path, *other) == 9.0 and len(calls) == 3
+    assert len(json.loads(path.read_text())) == 2
 
 
 def test_a_count_that_costs_the_whole_target_is_refused_naming_the_keys():
