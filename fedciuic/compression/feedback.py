@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -115,11 +116,14 @@ class ErrorFeedback:
         tmp.replace(self.path)
 
     def _read(self) -> _Stored | None:
+        """The file's residuals, checked, as a read-only map of its pages: an 80 MB pair
+        is not copied into the process to be hashed and added."""
         if not self.path.exists():
             return None
         fix = "delete it to start over (its content is only delayed update, not privacy state)"
         try:
-            raw = memoryview(self.path.read_bytes())
+            with self.path.open("rb") as handle:
+                raw = memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
             (size,) = struct.unpack_from("<I", raw)
             meta = json.loads(raw[4 : 4 + size].tobytes())
             data = raw[4 + size :]
