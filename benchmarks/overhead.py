@@ -12,7 +12,8 @@ ledger, the audit logs and the checkpoints.
 
 Both run on one simulation SuperLink (3 regions, one CPU per ClientApp), one after the
 other, alternating (ABBA: the app that ran second in one repeat runs first in the
-next), on the same settings: the base checkpoint this script saves once, LoRA rank and
+next), on the same data (each region's demo chats alone) and settings: the base
+checkpoint this script saves once, LoRA rank and
 alpha, local DP-SGD steps, batch size, seq-len, rounds, epsilon and delta (the plain
 app gets fedciuic's defaults for what this script does not set). fedciuic runs with
 ``adapter-mode = "lora"`` and ``max-examples-per-unit = 1``, everything else default.
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import statistics
 import tempfile
 import threading
@@ -51,7 +53,7 @@ from report import Row, proc_bytes, process_tree, verdict
 
 from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
-from fedciuic.data.demo import write_demo_corpora
+from fedciuic.data.demo import CHAT_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.adapter import save_model_checkpoint
 from fedciuic.model.families import resolve_targets
@@ -163,6 +165,16 @@ def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
     return {key: config[key] for key in keys}
 
 
+def chat_only(data: Path, into: Path) -> Path:
+    """A data root with each region's chat file alone: the plain app trains on the chats
+    only, and fedciuic would read every file of a region's folder (its documents and
+    instructions too, longer examples: more compute a step, not more overhead)."""
+    for region in REGIONS:
+        (into / region).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data / region / CHAT_FILE, into / region / CHAT_FILE)
+    return into
+
+
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run-config overrides both apps get: fedciuic's defaults, then the preset's,
     then the command line's."""
@@ -262,6 +274,7 @@ def main() -> int:
 
             def run_fedciuic(i: int, data: Path) -> None:
                 out = tmp / f"runs-{i}"
+                data = chat_only(data, tmp / f"chat-{i}")
                 run = {
                     **common,
                     **FEDCIUIC_ONLY,
