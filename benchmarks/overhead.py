@@ -13,9 +13,9 @@ ledger, the audit logs and the checkpoints.
 Both run on one simulation SuperLink (3 regions, one CPU per ClientApp), one after the
 other, alternating (ABBA: the app that ran second in one repeat runs first in the
 next), on the same data (each region's demo chats alone) and settings: the base
-checkpoint this script saves once, LoRA rank and
-alpha, local DP-SGD steps, batch size, seq-len, rounds, epsilon and delta (the plain
-app gets fedciuic's defaults for what this script does not set). fedciuic runs with
+checkpoint this script saves once, LoRA rank and alpha, local DP-SGD steps, batch
+size, seq-len, rounds, epsilon and delta (the plain app gets fedciuic's defaults for
+what this script does not set). fedciuic runs with
 ``adapter-mode = "lora"`` and ``max-examples-per-unit = 1``, everything else default.
 A round is training plus evaluation; its wall time comes from each app's own per-round
 timestamps, leaving out round 1 (start-up). Also reported: each run's wall time, and
