@@ -53,12 +53,13 @@ from report import Row, proc_bytes, process_tree, verdict
 
 from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
-from fedciuic.data.demo import CHAT_FILE, write_demo_corpora
+from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.adapter import save_model_checkpoint
 from fedciuic.model.families import resolve_targets
 from fedciuic.record.metrics import load_metrics
 from fedciuic.record.recorder import METRICS_FILE
+from fedciuic.wire import SEALED, TRAINED
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN_APP = ROOT / "benchmarks" / "plain_flower"
@@ -166,12 +167,11 @@ def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def chat_only(data: Path, into: Path) -> Path:
-    """A data root with each region's chat file alone: the plain app trains on the chats
-    only, and fedciuic would read every file of a region's folder (its documents and
+    """A copy of the data root whose regions hold their chat file alone (and the name
+    dictionaries the shipped policies need): the plain app trains on the chats only,
+    and fedciuic would read every file of a region's folder (its documents and
     instructions too, longer examples: more compute a step, not more overhead)."""
-    for region in REGIONS:
-        (into / region).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(data / region / CHAT_FILE, into / region / CHAT_FILE)
+    shutil.copytree(data, into, ignore=shutil.ignore_patterns(DOCS_FILE, INSTRUCTIONS_FILE))
     return into
 
 
@@ -286,6 +286,13 @@ def main() -> int:
                 }
                 run_id = timed("fedciuic", run)
                 metrics = load_metrics(out / f"run-{run_id}" / METRICS_FILE)
+                trained = [
+                    sorted(r for r, e in done.train.items() if e.status in (TRAINED, SEALED))
+                    for n, done in metrics.rounds.items()
+                    if int(n) > 0
+                ]
+                if trained != [sorted(REGIONS)] * args.rounds:  # a ratio of declines is none
+                    raise SystemExit(f"fedciuic's run did not train every region: {trained}")
                 fedciuic_rounds.extend(
                     round_times(
                         {str(r): v.ended_at for r, v in metrics.rounds.items() if v.ended_at}
