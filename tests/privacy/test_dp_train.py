@@ -12,8 +12,9 @@ from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss
-from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, secure_generator
+from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device
 from fedciuic.privacy.ledger import PrivacyError
+from fedciuic.privacy.noise import secure_generator
 
 BATCH = 8
 

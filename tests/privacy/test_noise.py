@@ -87,7 +87,7 @@ def test_a_secure_dp_step_draws_its_noise_from_the_parallel_streams(mode):
             calls.append(std)
             return draw(std, references)
 
-        trainer.secure_noise.draw = counted  # type: ignore[method-assign]
+        trainer.secure_noise.draw = counted
         trainer.step(torch.arange(8))
         assert calls == [1.0]  # once per step, for every parameter, at multiplier x clip
     finally:

@@ -9,11 +9,13 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from fedciuic.config import COUNTS, TRAINING, PrivacyUnit, Purpose
+from fedciuic.config import COUNTS, TRAINING, Accountant, PrivacyUnit, Purpose
+from fedciuic.privacy import ledger as ledger_module
 from fedciuic.privacy.dpsgd import dp_count, dp_mean
 from fedciuic.privacy.ledger import (
     PrivacyError,
     PrivacyLedger,
+    Step,
     calibrate_noise,
     calibrate_noise_after,
     dp_mean_step,
@@ -22,7 +24,6 @@ from fedciuic.privacy.ledger import (
     poisson_sample_rate,
     remembered_noise,
 )
-from fedciuic.privacy import ledger as ledger_module
 
 DATASET = "a" * 64
 OTHER = "b" * 64
@@ -275,13 +276,25 @@ def test_a_calibration_is_remembered_across_processes_and_checked_before_use(
     """A region's calibration is kept in its state folder, so another process serving the
     region does not calibrate again; a remembered value that would not keep the run
     under target (edited, damaged) is calibrated over, and an unreadable file too."""
-    inputs = ((COUNT,), 4.0, 1e-5, poisson_sample_rate(500, 8), 60, "rdp")
+    inputs: tuple[tuple[Step, ...], float, float, float, int, Accountant] = (
+        (COUNT,),
+        4.0,
+        1e-5,
+        poisson_sample_rate(500, 8),
+        60,
+        "rdp",
+    )
     sigma = remembered_noise(tmp_path, *inputs)
     assert sigma == calibrate_noise_after(*inputs)
     path = tmp_path / ledger_module.CALIBRATIONS_FILE
     (key,) = json.loads(path.read_text())
     calls: list[object] = []
-    monkeypatch.setattr(ledger_module, "calibrate_noise_after", lambda *a: calls.append(a) or 9.0)
+
+    def calibrate(*args: object) -> float:
+        calls.append(args)
+        return 9.0
+
+    monkeypatch.setattr(ledger_module, "calibrate_noise_after", calibrate)
     assert remembered_noise(tmp_path, *inputs) == sigma and calls == []  # another process
     path.write_text(json.dumps({key: sigma / 4}))  # too little noise for the target
     assert remembered_noise(tmp_path, *inputs) == 9.0 and len(calls) == 1
@@ -289,7 +302,7 @@ def test_a_calibration_is_remembered_across_processes_and_checked_before_use(
     path.write_text("{not json")
     assert remembered_noise(tmp_path, *inputs) == 9.0 and len(calls) == 2
     assert "unreadable" in caplog.text and str(path) in caplog.text
-    other = (*inputs[:4], 90, "rdp")  # other inputs: their own entry
+    other = (*inputs[:4], 90, inputs[5])  # other inputs: their own entry
     assert remembered_noise(tmp_path, *other) == 9.0 and len(calls) == 3
     assert len(json.loads(path.read_text())) == 2
 
