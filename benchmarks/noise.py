@@ -81,21 +81,12 @@ def measure(entries: int, count: int, repeats: int, streams: int) -> dict[str, A
 
 def rows(result: dict[str, Any]) -> list[Row]:
     ms, ratio = result["ms_per_million"], result["secure_vs_plain"]
-    if "fedciuic" not in ratio:  # results from before the parallel streams
-        measured = (
-            f"{ms['opacus-secure']:.1f} ms per million entries, {ratio['opacus']:.2f}x plain "
-            f"({ms['plain']:.1f} ms); its four draws in one call {ms['one-call']:.1f} ms "
-            f"({ratio['one-call']:.2f}x)"
-        )
-        figure, ours = "secure-mode DP noise vs plain noise, one thread", ratio["opacus"]
-    else:
-        measured = (
-            f"{ms['fedciuic']:.1f} ms per million entries over {result['streams']} "
-            f"stream(s), {ratio['fedciuic']:.2f}x plain noise on one thread "
-            f"({ms['plain']:.1f} ms); Opacus' secure mode {ms['opacus-secure']:.1f} ms "
-            f"({ratio['opacus']:.2f}x)"
-        )
-        figure, ours = "secure-mode DP noise (fedciuic's streams) vs plain noise", ratio["fedciuic"]
+    measured = (
+        f"{ms['fedciuic']:.1f} ms per million entries over {result['streams']} stream(s), "
+        f"{ratio['fedciuic']:.2f}x plain noise on one thread ({ms['plain']:.1f} ms); Opacus' "
+        f"secure mode {ms['opacus-secure']:.1f} ms ({ratio['opacus']:.2f}x)"
+    )
+    figure, ours = "secure-mode DP noise (fedciuic's streams) vs plain noise", ratio["fedciuic"]
     return [[figure, measured, f"<= {TARGET:.1f}x", verdict(ours <= TARGET)]]
 
 

@@ -53,7 +53,7 @@ from fedciuic.model import (
 )
 from fedciuic.opacus_logging import undo_opacus_basic_config
 from fedciuic.privacy.ledger import PrivacyError
-from fedciuic.privacy.noise import SecureNoise, noise_streams, secure_generator, seeded_generator
+from fedciuic.privacy.noise import SecureNoise, secure_generator, seeded_generator
 
 undo_opacus_basic_config()
 log = logging.getLogger(__name__)
@@ -184,7 +184,6 @@ def _with_secure_noise(optimizer: Any, noise: SecureNoise) -> Any:
     cls = type(optimizer)
     optimizer.__class__ = type(f"SecureNoise{cls.__name__}", (_SecureNoiseOptimizer, cls), {})
     optimizer.secure_noise = noise
-    optimizer.secure_mode = True
     return optimizer
 
 
@@ -353,7 +352,8 @@ class PrivateTrainer:
         self.optimizer.secure_mode = secure_mode
         self.secure_noise: SecureNoise | None = None
         if secure_mode:
-            self.secure_noise = SecureNoise(noise_gen, noise_streams())
+            # One stream per thread torch computes with (a ClientApp's CPU share).
+            self.secure_noise = SecureNoise(noise_gen, torch.get_num_threads())
             self._stack.callback(self.secure_noise.close)
             self.optimizer = _with_secure_noise(self.optimizer, self.secure_noise)
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)

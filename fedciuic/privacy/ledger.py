@@ -179,6 +179,7 @@ def calibrate_noise_after(
 CALIBRATIONS_FILE = "calibrations.json"
 
 
+@lru_cache(maxsize=64)
 def remembered_noise(
     state_dir: Path,
     prefix: tuple[Step, ...],
@@ -192,7 +193,8 @@ def remembered_noise(
     inputs are fixed, but a simulation's ClientApps take turns with the regions, and each
     process would calibrate again (about 2 s of accountant calls). A remembered value is
     used only if one accountant call confirms it keeps the run under target, so a damaged
-    or edited file can cost utility, never privacy; an unreadable one is calibrated over."""
+    or edited file can cost utility, never privacy; an unreadable one is calibrated over.
+    Cached in the process too: a round asks several times, and the file is read once."""
     inputs = [prefix, target_epsilon, delta, sample_rate, steps, accountant]
     key = json.dumps([*inputs, opacus_version])
     path = state_dir / CALIBRATIONS_FILE

@@ -75,9 +75,8 @@ class SecureNoise:
     """
 
     def __init__(self, first: torch.Generator, streams: int = 1) -> None:
-        self.device = first.device
-        count = max(1, streams) if self.device.type == "cpu" else 1
-        self.generators = [first] + [secure_generator(self.device)[0] for _ in range(count - 1)]
+        count = max(1, streams) if first.device.type == "cpu" else 1
+        self.generators = [first] + [secure_generator(first.device)[0] for _ in range(count - 1)]
         self._pool = ThreadPoolExecutor(count) if count > 1 else None
 
     def draw(self, std: float, references: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,8 +103,3 @@ class SecureNoise:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-
-
-def noise_streams() -> int:
-    """How many streams a CPU draw uses: the threads torch computes with."""
-    return torch.get_num_threads()

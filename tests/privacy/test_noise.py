@@ -49,7 +49,7 @@ def test_parallel_streams_draw_the_gaussian_mechanisms_noise():
         noise.close()
 
 
-def test_streams_on_the_cpu_and_one_on_an_accelerator():
+def test_a_cpu_draw_has_the_streams_asked_for_and_at_least_one():
     assert len(SecureNoise(torch.Generator(), streams=3).generators) == 3
     assert len(SecureNoise(torch.Generator(), streams=0).generators) == 1
 
