@@ -150,7 +150,13 @@ def main() -> None:
         root = Path(tmp)
         write_demo_corpora(root / "data", ("eu",))
         run = RunConfig.from_user_config(
-            {**app_run_config(ROOT), "num-server-rounds": args.rounds, "epsilon-budget": 1000.0},
+            {
+                **app_run_config(ROOT),
+                "num-server-rounds": args.rounds,
+                "epsilon-budget": 1000.0,
+                # The exact count sets the rate: no count release to make before a round.
+                "count-noise": 0.0,
+            },
             source="benchmark",
         )
         region = Region(run, NodeConfig(region="eu", data_path=str(root / "data" / "eu")))

@@ -72,6 +72,8 @@ def main() -> None:
                 "local-steps": args.steps,
                 "collective-timeout": 300.0,
                 "data-root": str(root / "data"),
+                # The exact count sets the rate: no count release to make before a round.
+                "count-noise": 0.0,
             },
             source="gpu_cluster",
         )

@@ -6,6 +6,7 @@ one round and reports the process's peak RSS (the mapped base's pages included, 
 Each variant runs in its own process, so one's heap cannot hide another's.
 
     .venv/bin/python benchmarks/step_memory.py --preset realistic
+    .venv/bin/python benchmarks/step_memory.py --batch-size 8 --only "dp;dp, parts of 2"
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: name -> (run config overrides, environment)
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "dp": ({}, {}),
+    "dp, whole batch per pass": ({"max-physical-batch-size": 0}, {}),
+    "dp, parts of 2": ({"max-physical-batch-size": 2}, {}),
     "no-dp": ({"dp": False}, {}),
     "dp, gradient checkpointing": ({"gradient-checkpointing": True}, {}),
     "dp, bf16 base": ({"dtype": "bf16"}, {}),
@@ -53,6 +56,8 @@ def one(preset: str, steps: int, batch: int, seq_len: int, overrides: dict[str, 
             "batch-size": batch,
             "seq-len": seq_len,
             "data-root": str(root / "data"),
+            # The exact count sets the rate: no count release to make before a round.
+            "count-noise": 0.0,
         }
         run = RunConfig.from_user_config(
             {**app_run_config(ROOT), **settings, **overrides}, source="step_memory"
@@ -76,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--only", help="these variants alone, in this order (names split by ;)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in a child
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -87,7 +93,9 @@ def main() -> None:
         f"one region's round on {args.preset}: {args.steps} step(s) of {args.batch_size} "
         f"units x {args.seq_len} tokens, one process each"
     )
-    for name, (overrides, env) in VARIANTS.items():
+    chosen = args.only.split(";") if args.only else list(VARIANTS)
+    for name in chosen:
+        overrides, env = VARIANTS[name]
         done = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--variant", json.dumps(overrides)],
             capture_output=True,

@@ -128,7 +128,12 @@ SIGNED = json.loads((Path(__file__).parent / "golden" / "signed_run_configs.json
 
 
 #: Keys added since, at their defaults: everything else is signed exactly as it was.
-ADDED_SINCE = {"count-noise": 10.0, "eval-noise": 10.0, "eval-loss-clip": 10.0}
+ADDED_SINCE = {
+    "count-noise": 10.0,
+    "eval-noise": 10.0,
+    "eval-loss-clip": 10.0,
+    "max-physical-batch-size": 2,
+}
 
 
 @pytest.mark.parametrize("name", sorted(SIGNED))

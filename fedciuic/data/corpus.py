@@ -60,7 +60,12 @@ class Batch:
         return int(self.input_ids.shape[0])
 
     def first(self, count: int) -> Batch:
-        return Batch(self.input_ids[:count], self.labels[:count], self.attention_mask[:count])
+        return self.rows(0, count)
+
+    def rows(self, start: int, stop: int) -> Batch:
+        return Batch(
+            self.input_ids[start:stop], self.labels[start:stop], self.attention_mask[start:stop]
+        )
 
     @classmethod
     def of_ids(cls, input_ids: torch.Tensor) -> Batch:

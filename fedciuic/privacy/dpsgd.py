@@ -7,6 +7,7 @@ Opacus hooks are attached to the cached model for one round and removed after it
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import warnings
@@ -245,6 +246,24 @@ class _ShardSampler:
             yield (self.units[mask],)
 
 
+def physical_parts(owners: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges of a batch whose examples' ``owners`` (units) are in
+    order: each part whole units and at most ``size`` examples (a larger unit alone;
+    0: one part, the whole batch)."""
+    total = len(owners)
+    if size <= 0 or total <= size:
+        return [(0, total)]
+    starts = [0, *(torch.nonzero(owners[1:] != owners[:-1]).flatten() + 1).tolist(), total]
+    parts: list[tuple[int, int]] = []
+    begin = 0
+    for end, following in itertools.pairwise(starts[1:]):
+        if following - begin > size:
+            parts.append((begin, end))
+            begin = end
+    parts.append((begin, total))
+    return parts
+
+
 class PrivateTrainer:
     """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
 
@@ -277,14 +296,17 @@ class PrivateTrainer:
         shard: Shard = ONE_PROCESS,
         proximal_mu: float = 0.0,
         units: int | None = None,
+        physical_batch: int = 0,
     ) -> None:
         """``seed`` makes noise and sampling reproducible, and predictable to whoever
         knows it: only for tests (run config ``insecure-reproducible-noise``), and
         ignored in ``secure_mode``. Without it both generators are seeded from the
         operating system, so no other party can predict or replay the noise.
         ``units``: the count the rate and the averaging follow from (the run's DP count
-        with count-noise), where not the examples' own."""
+        with count-noise), where not the examples' own. ``physical_batch``: at most this
+        many examples in one forward and backward pass (0: the whole batch at once)."""
         self.model = model
+        self.physical_batch = physical_batch
         self.mode = mode
         self.examples = examples
         self.units = examples.grouped
@@ -416,6 +438,7 @@ class PrivateTrainer:
             shard=shard,
             proximal_mu=local.proximal_mu,
             units=units,
+            physical_batch=local.max_physical_batch_size,
         )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
@@ -439,22 +462,35 @@ class PrivateTrainer:
 
     def _step_batch(self, batch: Batch, owners: torch.Tensor, count: int) -> float:
         """One DP-SGD step on ``batch``, whose examples belong to ``count`` units
-        (``owners``: each example's unit): per-sample gradients, per-unit clipping,
-        noise and the optimizer's update. Real and calibration steps both come here."""
-        batch = batch.to(self.model.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.criterion is not None:  # ghost clipping: Opacus runs both backward passes
-            logits, targets = shifted_logits(self.net, batch)
-            loss = self.criterion(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
-            )
-        else:
-            loss = lm_loss(self.net, batch)
-        loss.backward()
-        if self.criterion is None and len(owners) > count:
-            self._per_unit_gradients(owners.to(self.model.device), count)
-        self.optimizer.step()
-        return float(loss.detach())
+        (``owners``: each example's unit, in order): per-sample gradients, per-unit
+        clipping, noise and the optimizer's update. Real and calibration steps both
+        come here. Over physical-batch examples, the batch passes in parts of whole
+        units, each part's clipped gradients added to the step's sum and the noise
+        drawn once at the end (Opacus' ``BatchMemoryManager``): the same step, with
+        the activations of one part held at a time."""
+        parts = physical_parts(owners, self.physical_batch)
+        total = 0.0
+        for index, (start, stop) in enumerate(parts):
+            # Clears the per-sample gradients; the sum of the parts before is kept.
+            self.optimizer.zero_grad(set_to_none=True)
+            part = batch.rows(start, stop).to(self.model.device)
+            if self.criterion is not None:  # ghost clipping: Opacus runs both passes
+                logits, targets = shifted_logits(self.net, part)
+                loss = self.criterion(
+                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
+                )
+            else:
+                loss = lm_loss(self.net, part)
+            loss.backward()
+            first, last = int(owners[start]), int(owners[stop - 1])
+            if self.criterion is None and stop - start > last - first + 1:
+                self._per_unit_gradients(
+                    (owners[start:stop] - first).to(self.model.device), last - first + 1
+                )
+            self.optimizer.signal_skip_step(do_skip=index < len(parts) - 1)
+            self.optimizer.step()
+            total += float(loss.detach()) * (stop - start)
+        return total / len(batch)
 
     def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor, int]:
         """A synthetic batch of the largest shape a step plans for, from public sizes
@@ -468,7 +504,7 @@ class PrivateTrainer:
         total = max(count, min(count * per_unit, len(self.examples)))
         vocab = int(self.model.model.get_input_embeddings().num_embeddings)
         ids = torch.randint(0, vocab, (total, seq_len), generator=torch.Generator().manual_seed(0))
-        return Batch.of_ids(ids), torch.arange(total) % count, count
+        return Batch.of_ids(ids), torch.arange(total) * count // total, count
 
     def time_step(self, seq_len: int, slowdown: float = 1.0) -> float:
         """Seconds of one full DP-SGD step on :meth:`worst_batch`, paced by ``slowdown``

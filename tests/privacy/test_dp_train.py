@@ -12,7 +12,7 @@ from fedciuic.data.corpus import Batch, ExampleSet
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss
-from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device
+from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, physical_parts
 from fedciuic.privacy.ledger import PrivacyError
 from fedciuic.privacy.noise import secure_generator
 
@@ -338,3 +338,53 @@ def test_ghost_clipping_refuses_units_of_several_examples(model, blocks):
             max_examples_per_unit=4,
             mode="ghost",
         )
+
+
+def test_physical_parts_are_whole_units_of_at_most_the_size():
+    owners = torch.tensor([0, 0, 1, 2, 2, 2, 2, 3, 4, 4])
+    assert physical_parts(owners, 0) == [(0, 10)]
+    assert physical_parts(owners, 10) == [(0, 10)]
+    # Unit 2 (4 examples) is over the size: alone in its part.
+    assert physical_parts(owners, 3) == [(0, 3), (3, 7), (7, 10)]
+    assert physical_parts(owners, 1) == [(0, 2), (2, 3), (3, 7), (7, 8), (8, 10)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "units"), [("hooks", None), ("ghost", None), ("hooks", [*OWNERS, 5, 5])]
+)
+def test_a_step_in_physical_parts_equals_the_whole_batch_step(model, blocks, mode, units):
+    """Parts of the batch through the model one at a time, clipped sums added, the
+    noise drawn once: the same update, with at most the part's examples in a pass."""
+    rows = blocks[: len(units)] if units else blocks[:BATCH]
+    count = len(set(units)) if units else BATCH
+    seen: list[int] = []
+    embeddings = model.model.get_input_embeddings()
+    hook = embeddings.register_forward_hook(lambda _m, args, _o: seen.append(len(args[0])))
+    updates = []
+    try:
+        for physical in (0, 3):
+            before = flat(model)
+            trainer = make_trainer(
+                model,
+                rows,
+                units=units,
+                max_examples_per_unit=3,
+                max_grad_norm=0.05,
+                mode=mode,
+                optimizer="sgd",
+                secure_mode=False,
+                seed=7,
+                physical_batch=physical,
+            )
+            try:
+                seen.clear()
+                trainer.step(torch.arange(count))
+            finally:
+                trainer.close()
+            updates.append(restore(model, before))
+            assert max(seen) == (len(rows) if physical == 0 else 3) and sum(seen) >= len(rows)
+    finally:
+        hook.remove()
+    whole, parts = updates
+    assert float(whole.norm()) > 0
+    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-6)
