@@ -52,18 +52,25 @@ class FlowerTransport:
         return sorted(self.grid.get_node_ids())
 
     def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
-        # Pushed and pulled here rather than by Grid.send_and_receive, which polls every
-        # 3 s: a hello is answered in about as long as a ClientApp takes to start.
-        ids = self.grid.push_messages(_messages(RecordDict(), nodes, HELLO_MESSAGE))
-        waiting, named = {i for i in ids if i}, {}
+        replies = self._exchange(_messages(RecordDict(), nodes, HELLO_MESSAGE), timeout)
+        named = {m.metadata.src_node_id: protocol.read_hello(m) for m in replies}
+        return {node: region for node, region in named.items() if region is not None}
+
+    def _exchange(self, messages: Sequence[Message], timeout: float) -> list[Message]:
+        """Push ``messages``, then pull their replies until all came or ``timeout``.
+        Not Grid.send_and_receive, which polls every 3 s: a hello or a run-end notice is
+        answered in about as long as a ClientApp takes to start."""
+        waiting = {i for i in self.grid.push_messages(messages) if i}
+        replies: list[Message] = []
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(waiting)):
-                waiting.discard(reply.metadata.reply_to_message_id)
-                named[reply.metadata.src_node_id] = protocol.read_hello(reply)
+                if reply.metadata.reply_to_message_id in waiting:
+                    waiting.discard(reply.metadata.reply_to_message_id)
+                    replies.append(reply)
             if waiting:
                 time.sleep(POLL)
-        return {node: region for node, region in named.items() if region is not None}
+        return replies
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
         # Each node its own instruction (signed for its region), the adapter they share
@@ -97,5 +104,4 @@ class FlowerTransport:
             for node, notice in notices.items()
             for m in _messages(protocol.run_end_notice(notice), [node], MessageType.QUERY)
         ]
-        replies = self.grid.send_and_receive(messages, timeout=timeout)
-        return [unread(m, m.metadata.src_node_id) for m in replies]
+        return [unread(m, m.metadata.src_node_id) for m in self._exchange(messages, timeout)]

@@ -8,6 +8,7 @@ tested over a Flower-free transport in tests/aggregator/."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +29,7 @@ from fedciuic.crypto.parties import (
 from fedciuic.flower import protocol
 from fedciuic.flower.courier import FlowerTransport
 from fedciuic.flower.relay import HELLO_MESSAGE
-from fedciuic.wire import Instruction, MalformedReply, Reply
+from fedciuic.wire import Instruction, MalformedReply, Reply, RunEndNotice
 from tests.aggregator.fakes import Regions, looped
 from tests.aggregator.test_aggregator import (  # noqa: F401 - fixtures
     GLOBAL,
@@ -73,6 +74,9 @@ class Grid:
                 self.replies[message.metadata.message_id] = Message(hello, reply_to=message)
                 ids.append(message.metadata.message_id)
                 continue
+            if message.metadata.message_type == MessageType.QUERY:  # a run-end notice
+                ids.append(message.metadata.message_id)  # not answered here
+                continue
             task = protocol.read_instruction(message)
             answer: Any = self.regions.answer(node, task)  # also a test's Flower content
             if answer is not None:
@@ -84,9 +88,6 @@ class Grid:
     def pull_messages(self, message_ids):
         self.regions.now += 1
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
-
-    def send_and_receive(self, messages, timeout):
-        return []
 
 
 def test_a_run_over_flowers_grid_ends_where_it_does_over_any_transport(run_config, tmp_path):
@@ -232,3 +233,28 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
     FlowerTransport(grid).push({11: a.sign_instruction(4, TaskKind.TRAIN, GLOBAL, "eu")})  # type: ignore[arg-type]
     again = grid.pushed[-1]
     assert protocol.read_instruction(again).nonce != task.nonce
+
+
+def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in():
+    """Pulled every POLL seconds, not Grid.send_and_receive's 3: the run ends as soon as
+    the regions have answered; a reply to anything else is not taken for one."""
+    grid = Grid()
+    pulls = 0
+
+    def pull_messages(message_ids):
+        nonlocal pulls
+        pulls += 1
+        if pulls < 3:
+            return []
+        stray = Message(RecordDict(), dst_node_id=12, message_type=MessageType.QUERY)
+        stray.metadata.__dict__["_message_id"] = "stray"
+        return [Message(RecordDict(), reply_to=m) for m in grid.pushed] + [
+            Message(RecordDict(), reply_to=stray)
+        ]
+
+    grid.pull_messages = pull_messages  # type: ignore[method-assign]
+    notice = RunEndNotice(federation_run=7, witness=(3, "ab" * 32))
+    started = time.monotonic()
+    answers = FlowerTransport(grid).query(dict.fromkeys([11, 12], notice), timeout=30)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2.5 and pulls == 3
+    assert sorted(a.node_id for a in answers) == [11, 12]
