@@ -312,6 +312,11 @@ class DataSettings(_Strict):
     eval_fraction: float = Field(gt=0, lt=1)
 
 
+#: max-physical-batch-size's default: 3 regions of the realistic preset on 2 cores in
+#: 3.0-3.2 GiB instead of 5.6 (docs/cluster.md).
+DEFAULT_PHYSICAL_BATCH = 2
+
+
 class LocalTraining(_Strict):
     """A region's training each round."""
 
@@ -323,9 +328,8 @@ class LocalTraining(_Strict):
     batch_size: int = Field(ge=1)
     #: At most this many examples in one forward and backward pass of a DP-SGD step (its
     #: batch passes in parts, the step unchanged: Opacus' max_physical_batch_size); 0:
-    #: the whole batch at once. Memory, not privacy or results: 2 holds 3 regions of the
-    #: realistic preset on 2 cores in 3.0 GiB instead of 5.6 (docs/cluster.md).
-    max_physical_batch_size: int = Field(default=2, ge=0)
+    #: the whole batch at once. Memory, not privacy or results.
+    max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
     learning_rate: float = Field(gt=0)
     optimizer: LocalOptimizer = "adamw"
     #: FedProx: local training adds (mu / 2) * ||w - w_global||^2 (0: off). Data-independent,
@@ -909,6 +913,10 @@ class NodeConfig(_Strict):
     #: The largest record this region reads (its memory's to decide); None (simulation
     #: only): the run config's max-record-bytes.
     max_record_bytes: int | None = Field(default=None, ge=1, le=MAX_RECORD_BYTES_LIMIT)
+    #: At most this many examples per pass of a DP-SGD step (its memory's to decide, and
+    #: no privacy at stake: the step is the same); None: the run config's
+    #: max-physical-batch-size.
+    max_physical_batch_size: int | None = Field(default=None, ge=0)
 
     def deid_entities(self, run: RunConfig) -> tuple[str, ...]:
         """The entity types this region scrubs, declares and is held to: the run's
@@ -923,6 +931,14 @@ class NodeConfig(_Strict):
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
         return self.train_processes or run.cluster.train_processes
+
+    def training(self, run: RunConfig) -> LocalTraining:
+        """The run's local training, with this region's own physical batch if it says one."""
+        if self.max_physical_batch_size is None:
+            return run.training
+        return run.training.model_copy(
+            update={"max_physical_batch_size": self.max_physical_batch_size}
+        )
 
     def record_limit(self, run: RunConfig) -> int:
         """The largest record this region reads: the node's word, else the run's."""

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from fedciuic.config import (
     DEFAULT_MAX_RECORD_BYTES,
+    DEFAULT_PHYSICAL_BATCH,
     MAX_RECORD_BYTES_LIMIT,
     NodeConfig,
     RunConfig,
@@ -69,6 +70,9 @@ class AgentConfig(NodeConfig):
     #: one is dropped and counted. Its memory's to decide: the run config's
     #: max-record-bytes is never consulted, so no aggregator can raise it.
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
+    #: At most this many examples per pass of a DP-SGD step: its memory's to decide too
+    #: (the step is the same either way); the run config's is not consulted.
+    max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
     #: Load a model-path checkpoint whose weights are only pickle files (unpickling runs
     #: code): the region's own choice; the run config's allow-pickle-weights is never
     #: consulted, so no aggregator can turn it on.

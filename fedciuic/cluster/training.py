@@ -385,7 +385,7 @@ class TrainingCluster:
                 return train_rank(
                     self.model,
                     self.examples,
-                    self.run.training,
+                    self.node.training(self.run),
                     self.run.privacy,
                     command,
                     Shard(rank=0, size=self.world.world_size),

@@ -129,7 +129,7 @@ def serve(world: World) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-            train_rank(model, data.train, run.training, run.privacy, command, shard)
+            train_rank(model, data.train, node.training(run), run.privacy, command, shard)
     finally:
         leave()
 

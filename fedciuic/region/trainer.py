@@ -580,6 +580,8 @@ class Region:
             update={"allow_pickle_weights": node.allows_pickle_weights(run)}
         )
         self.model = AdapterModel(spec)
+        #: The run's local training, with the region's own physical batch.
+        self.local: LocalTraining = node.training(run)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
         self.ledger = RegionLedger(run, node, self.data)
@@ -591,10 +593,6 @@ class Region:
     @property
     def dp(self) -> DPSettings:
         return self.run.privacy
-
-    @property
-    def local(self) -> LocalTraining:
-        return self.run.training
 
     @property
     def slowdown(self) -> float:

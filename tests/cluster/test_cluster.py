@@ -189,6 +189,7 @@ def test_a_time_budget_is_planned_on_rank_0_for_every_rank(
     # DP: rank 0 plans one step (nothing fits the budget) and sends the count; both
     # ranks take it, and the ledger records it. The noise stays calibrated for 2.
     monkeypatch.setattr(pair, "run", run.updated(**{"local_time_budget": 1e-9}))
+    monkeypatch.setattr(pair, "local", pair.node.training(pair.run))
     adapter = pair.model.adapter_state()
     fingerprint = pair.model.base_fingerprint
     out = pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=9)

@@ -30,6 +30,7 @@ from fedciuic.deid.entities import DIRECT
 from fedciuic.errors import FedciuicError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
+from fedciuic.privacy import dpsgd
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from fedciuic.region import trainer as trainer_module
 from fedciuic.region.round import (
@@ -845,3 +846,23 @@ def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
     for event in ("evaluated", "trained"):  # nothing left outside DP, on its own record
         (record,) = [r for r in records if r["event"] == event]
         assert record["details"]["outside_dp"] == []
+
+
+def test_a_regions_own_physical_batch_is_the_one_its_dp_steps_pass_in(
+    run, demo_root, tmp_path, monkeypatch
+):
+    """max-physical-batch-size is the region's memory's to decide: its node (agent)
+    config's wins over the run config's, which applies where it says none."""
+    passes: list[int] = []
+    real = dpsgd.private_round
+
+    def spy(model: Any, examples: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
+        passes.append(local.max_physical_batch_size)
+        return real(model, examples, local, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "private_round", spy)
+    settings = {"max-physical-batch-size": 3}
+    for state, own in (("run's", {}), ("own", {"max-physical-batch-size": 1})):
+        reply = run({**cn_node(demo_root, tmp_path / state), **own}, settings)
+        assert isinstance(reply.outcome, Clear), reply.outcome
+    assert passes == [3, 1]

@@ -43,6 +43,11 @@ def region(run: RunConfig, demo_root, tmp_path, name: str = "eu", **node) -> Reg
     )
 
 
+def rerun(r: Region, run: RunConfig) -> None:
+    """The region's next round under ``run`` (a region is otherwise built for one run)."""
+    r.run, r.local = run, r.node.training(run)
+
+
 def train(r: Region, run_id: int = 5):
     return r.train_round(
         r.model.adapter_state(),
@@ -154,7 +159,7 @@ def test_calibration_leaves_no_trace(run, demo_root, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PrivateTrainer, "run", spy)
     r.model.load_adapter_state(start)
-    r.run = lab.updated(**{"local_time_budget": 1000.0})
+    rerun(r, lab.updated(**{"local_time_budget": 1000.0}))
     budgeted = train(r, run_id=6)
     assert len(seen) == 1 and diff(seen[0], start) == 0.0  # calibrated before, untouched
     assert budgeted.stats.steps == plain.stats.steps == 3
@@ -166,7 +171,7 @@ def test_no_budget_takes_exactly_local_steps(run, demo_root, tmp_path):
     r = region(run, demo_root, tmp_path)
     outcome = train(r)
     assert outcome.stats.steps == PrivacyLedger.load(r.ledger_path).rounds[0].steps == 8
-    r.run = run.updated(**{"dp": False})
+    rerun(r, run.updated(**{"dp": False}))
     assert train(r).stats.steps == 8
 
 
@@ -198,7 +203,7 @@ def test_fedprox_pulls_the_update_towards_the_global_adapter(run, demo_root, tmp
     start = r.model.adapter_state()
     free = train(r)
     r.model.load_adapter_state(start)
-    r.run = sgd.updated(**{"proximal_mu": 1.0})
+    rerun(r, sgd.updated(**{"proximal_mu": 1.0}))
     held = train(r)
     assert 0 < norm(held.delta) < 0.8 * norm(free.delta)
 
