@@ -74,10 +74,10 @@ def dp_update(
 ) -> torch.Tensor:
     """One DP-SGD step (SGD, lr 1) from the current adapters, which are then restored.
     A ``seed`` without secure mode is the insecure reproducible noise meant for tests."""
-    before = flat(model)
-    trainer = make_trainer(
+    return stepped(
         model,
         blocks,
+        len(batch),  # batch = blocks[:n]: units 0..n-1
         noise_multiplier=noise,
         max_grad_norm=clip,
         mode=mode,
@@ -85,8 +85,26 @@ def dp_update(
         optimizer="sgd",
         secure_mode=secure_mode,
     )
+
+
+def stepped(
+    model: AdapterModel,
+    rows: torch.Tensor,
+    count: int,
+    *,
+    check: Any = None,
+    units: list[int] | None = None,
+    **changes: Any,
+) -> torch.Tensor:
+    """The update of one DP-SGD step on units 0..count-1 of ``rows`` (the trainer as
+    :func:`make_trainer` makes it, with ``changes``; ``check`` sees it first); the
+    adapters are restored after."""
+    before = flat(model)
+    trainer = make_trainer(model, rows, units=units, **changes)
     try:
-        trainer.step(torch.arange(len(batch)))  # batch = blocks[:n]: units 0..n-1
+        if check is not None:
+            check(trainer)
+        trainer.step(torch.arange(count))
     finally:
         trainer.close()
     return restore(model, before)
@@ -289,10 +307,15 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
     # Opacus divides by the expected number of units per step: n_units * q.
     expected_batch = len(users) / -(-len(users) // 2)
     expected = -torch.stack(clipped).sum(0) / expected_batch
-    before = flat(model)
-    trainer = make_trainer(
+
+    def check(trainer: PrivateTrainer) -> None:
+        assert trainer.units.count == len(users) and trainer.sample_rate == 1 / 3
+
+    got = stepped(
         model,
         rows,
+        len(users),
+        check=check,
         units=OWNERS,
         batch_size=2,
         max_examples_per_unit=3,
@@ -302,12 +325,6 @@ def test_a_users_examples_are_clipped_as_one_mean_gradient(model, blocks):
         secure_mode=False,
         seed=0,
     )
-    try:
-        assert trainer.units.count == len(users) and trainer.sample_rate == 1 / 3
-        trainer.step(torch.arange(len(users)))
-    finally:
-        trainer.close()
-    got = restore(model, before)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)
 
 
@@ -363,10 +380,11 @@ def test_a_step_in_physical_parts_equals_the_whole_batch_step(model, blocks, mod
     updates = []
     try:
         for physical in (0, 3):
-            before = flat(model)
-            trainer = make_trainer(
+            seen.clear()
+            update = stepped(
                 model,
                 rows,
+                count,
                 units=units,
                 max_examples_per_unit=3,
                 max_grad_norm=0.05,
@@ -376,12 +394,7 @@ def test_a_step_in_physical_parts_equals_the_whole_batch_step(model, blocks, mod
                 seed=7,
                 physical_batch=physical,
             )
-            try:
-                seen.clear()
-                trainer.step(torch.arange(count))
-            finally:
-                trainer.close()
-            updates.append(restore(model, before))
+            updates.append(update)
             assert max(seen) == (len(rows) if physical == 0 else 3) and sum(seen) >= len(rows)
     finally:
         hook.remove()
