@@ -235,8 +235,8 @@ def main() -> int:
         )
     if "shared" in by_mode:
         pss = by_mode["shared"]["peak_pss_gib"]
-        verdict = "met" if pss <= TARGET_GIB else "NOT met"
-        print(f"target: shared peak PSS {pss:.2f} GiB <= {TARGET_GIB:g} GiB: {verdict}")
+        outcome = "met" if pss <= TARGET_GIB else "NOT met"
+        print(f"target: shared peak PSS {pss:.2f} GiB <= {TARGET_GIB:g} GiB: {outcome}")
     if args.json:
         settings = {
             "batch_size": args.batch_size,

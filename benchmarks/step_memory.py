@@ -6,7 +6,7 @@ one round and reports the process's peak RSS (the mapped base's pages included, 
 Each variant runs in its own process, so one's heap cannot hide another's.
 
     .venv/bin/python benchmarks/step_memory.py --preset realistic
-    .venv/bin/python benchmarks/step_memory.py --batch-size 8 --only "dp;dp, parts of 2"
+    .venv/bin/python benchmarks/step_memory.py --batch-size 8 --only "dp;dp, whole batch per pass"
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (run config overrides, environment)
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "dp": ({}, {}),
+    "dp": ({}, {}),  # the default: steps in parts of max-physical-batch-size examples
     "dp, whole batch per pass": ({"max-physical-batch-size": 0}, {}),
-    "dp, parts of 2": ({"max-physical-batch-size": 2}, {}),
+    "dp, parts of 4": ({"max-physical-batch-size": 4}, {}),
     "no-dp": ({"dp": False}, {}),
     "dp, gradient checkpointing": ({"gradient-checkpointing": True}, {}),
     "dp, bf16 base": ({"dtype": "bf16"}, {}),

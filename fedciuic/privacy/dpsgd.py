@@ -458,16 +458,16 @@ class PrivateTrainer:
     def step(self, units: torch.Tensor) -> float:
         """One DP-SGD step on the sampled ``units``; returns the batch loss."""
         batch, owners = self.gather(units)
-        return self._step_batch(batch, owners, units.shape[0])
+        return self._step_batch(batch, owners)
 
-    def _step_batch(self, batch: Batch, owners: torch.Tensor, count: int) -> float:
-        """One DP-SGD step on ``batch``, whose examples belong to ``count`` units
-        (``owners``: each example's unit, in order): per-sample gradients, per-unit
-        clipping, noise and the optimizer's update. Real and calibration steps both
-        come here. Over physical-batch examples, the batch passes in parts of whole
-        units, each part's clipped gradients added to the step's sum and the noise
-        drawn once at the end (Opacus' ``BatchMemoryManager``): the same step, with
-        the activations of one part held at a time."""
+    def _step_batch(self, batch: Batch, owners: torch.Tensor) -> float:
+        """One DP-SGD step on ``batch``, whose examples belong to units 0, 1, ...
+        (``owners``: each example's unit, in order, each unit at least once): per-sample
+        gradients, per-unit clipping, noise and the optimizer's update. Real and
+        calibration steps both come here. Over physical-batch examples, the batch passes
+        in parts of whole units, each part's clipped gradients added to the step's sum
+        and the noise drawn once at the end (Opacus' ``BatchMemoryManager``): the same
+        step, with the activations of one part held at a time."""
         parts = physical_parts(owners, self.physical_batch)
         total = 0.0
         for index, (start, stop) in enumerate(parts):
@@ -492,7 +492,7 @@ class PrivateTrainer:
             total += float(loss.detach()) * (stop - start)
         return total / len(batch)
 
-    def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor, int]:
+    def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor]:
         """A synthetic batch of the largest shape a step plans for, from public sizes
         alone: batch-size units (at most the dataset's units, whose count the sample rate
         already makes public) of max-examples-per-unit examples each (one with ghost
@@ -504,7 +504,7 @@ class PrivateTrainer:
         total = max(count, min(count * per_unit, len(self.examples)))
         vocab = int(self.model.model.get_input_embeddings().num_embeddings)
         ids = torch.randint(0, vocab, (total, seq_len), generator=torch.Generator().manual_seed(0))
-        return Batch.of_ids(ids), torch.arange(total) * count // total, count
+        return Batch.of_ids(ids), torch.arange(total) * count // total
 
     def time_step(self, seq_len: int, slowdown: float = 1.0) -> float:
         """Seconds of one full DP-SGD step on :meth:`worst_batch`, paced by ``slowdown``
@@ -514,10 +514,10 @@ class PrivateTrainer:
         after: no trace is left, and no private record is read."""
         params = self.optimizer.params
         saved = [p.detach().clone() for p in params]
-        batch, owners, count = self.worst_batch(seq_len)
+        batch, owners = self.worst_batch(seq_len)
         try:
-            self._step_batch(batch.first(1), owners[:1] * 0, 1)
-            return paced(partial(self._step_batch, batch, owners, count), slowdown)[1]
+            self._step_batch(batch.first(1), owners[:1])
+            return paced(partial(self._step_batch, batch, owners), slowdown)[1]
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer.original_optimizer.state.clear()

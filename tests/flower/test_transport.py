@@ -8,7 +8,6 @@ tested over a Flower-free transport in tests/aggregator/."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +25,7 @@ from fedciuic.crypto.parties import (
     Terms,
     config_digest,
 )
-from fedciuic.flower import protocol
+from fedciuic.flower import courier, protocol
 from fedciuic.flower.courier import FlowerTransport
 from fedciuic.flower.relay import HELLO_MESSAGE
 from fedciuic.wire import Instruction, MalformedReply, Reply, RunEndNotice
@@ -235,11 +234,13 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
     assert protocol.read_instruction(again).nonce != task.nonce
 
 
-def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in():
+def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in(monkeypatch):
     """Pulled every POLL seconds, not Grid.send_and_receive's 3: the run ends as soon as
     the regions have answered; a reply to anything else is not taken for one."""
     grid = Grid()
     pulls = 0
+    slept: list[float] = []
+    monkeypatch.setattr("fedciuic.flower.courier.time.sleep", slept.append)
 
     def pull_messages(message_ids):
         nonlocal pulls
@@ -254,7 +255,7 @@ def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in():
 
     grid.pull_messages = pull_messages  # type: ignore[method-assign]
     notice = RunEndNotice(federation_run=7, witness=(3, "ab" * 32))
-    started = time.monotonic()
-    answers = FlowerTransport(grid).query(dict.fromkeys([11, 12], notice), timeout=30)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 2.5 and pulls == 3
+    transport = FlowerTransport(grid)  # type: ignore[arg-type]
+    answers = transport.query(dict.fromkeys([11, 12], notice), timeout=30)
+    assert pulls == 3 and slept == [courier.POLL, courier.POLL]
     assert sorted(a.node_id for a in answers) == [11, 12]

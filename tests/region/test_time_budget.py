@@ -248,9 +248,9 @@ def test_calibration_warms_up_on_one_example_then_times_the_worst_shape(run, dem
     calls: list[int] = []
     original = trainer._step_batch
 
-    def counted(batch, owners, count):
+    def counted(batch, owners):
         calls.append(len(batch))
-        return original(batch, owners, count)
+        return original(batch, owners)
 
     trainer._step_batch = counted  # type: ignore[method-assign]
     try:
