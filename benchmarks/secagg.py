@@ -183,7 +183,7 @@ def rounding_error(size: int, n: int, bits: int, rng: np.random.Generator) -> fl
     total = from_ring(
         ring_sum(encoded_updates(session, xs, rng), ring), scale=session.scale, ring=ring
     )
-    mean = unrotate(total / n, session.sid(), size)
+    mean = unrotate(total / n, session.sid())
     exact = np.mean(xs, axis=0)
     return float(np.linalg.norm(mean - exact) / np.linalg.norm(exact))
 

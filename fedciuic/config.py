@@ -549,10 +549,10 @@ class SecureSettings(_Strict):
     secure_aggregation: bool = False
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
-    #: Bits per value of a masked update: the ring the sum is taken in (0: chosen from
-    #: the regions and the update's size, for updates near max-update-norm:
-    #: :func:`fedciuic.secagg.ddp.ring_bits`).
-    secure_ring_bits: int = Field(default=24, ge=0, le=62)
+    #: Bits per value of a masked update: the ring the sum is taken in (0: the fewest
+    #: that round no coarser than the plain int8 path where the regions send norms,
+    #: else 24: :func:`fedciuic.secagg.ddp.ring_bits`).
+    secure_ring_bits: int = Field(default=0, ge=0, le=62)
     #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
@@ -733,6 +733,15 @@ class RunConfig(_Strict):
         """The fewest regions a secure sum is unmasked from: secure-threshold, or more
         than half of the run's regions (at least 2)."""
         return self.secure.secure_threshold or max(2, len(self.regions) // 2 + 1)
+
+    @property
+    def secure_norms(self) -> bool:
+        """Whether a secure sum is scaled by the norms its regions send with their
+        trained replies (:data:`~fedciuic.wire.UPDATE_NORM`): with DP-SGD, where a norm
+        of the update is a DP release too, and without distributed noise, whose
+        sensitivity is the clip."""
+        s = self.secure
+        return s.secure_aggregation and self.privacy.dp and s.distributed_noise_multiplier == 0
 
     def region_for_partition(self, partition_id: int) -> str:
         """Map a simulation partition id to its region (``regions[partition_id]``)."""

@@ -47,6 +47,7 @@ from fedciuic.wire import (
     SIGNATURE,
     TRAINED,
     UPDATE,
+    UPDATE_NORM,
     WITNESSED,
 )
 
@@ -89,6 +90,12 @@ def _update(run: RunConfig) -> Disclosure:
             TRAINING,
         )
     return _data("the adapter's change trained without DP (dp = false)")
+
+
+def _update_norm(run: RunConfig) -> Disclosure:
+    if run.privacy.dp:
+        return Disclosure(Kind.DP, "the norm of the DP-SGD update (post-processing)", TRAINING)
+    return _data("the norm of the adapter's change trained without DP")
 
 
 def _counted(run: RunConfig) -> bool:
@@ -188,6 +195,7 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
         "secure-mode": _privacy,
         "max-grad-norm": _privacy,
         UPDATE: _update,
+        UPDATE_NORM: _update_norm,
     },
     SEALED: {
         "reason": _public("empty"),
@@ -220,7 +228,7 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
 
 #: Data-dependent figures a reply can go without: left out under a ``dp_only`` policy,
 #: and from every region in a run that releases only DP figures (:func:`releases_only_dp`).
-OPTIONAL = frozenset({"train-loss", "step-seconds"})
+OPTIONAL = frozenset({"train-loss", "step-seconds", UPDATE_NORM})
 #: A decline's reason as it leaves under ``dp_only``: the reason may name figures of the
 #: data, so it stays in the region's own audit log.
 WITHHELD_REASON = (

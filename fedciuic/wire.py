@@ -53,6 +53,9 @@ ADAPTER_MODE = "adapter-mode"
 #: A trained reply's de-identification: the entity types scrubbed from the region's texts
 #: before it trained, comma-separated ("" when off); checked against its policy.
 DEID_ENTITIES = "deid-entities"
+#: A secure round's trained reply: the norm the region's update acts as in the secure
+#: sum's rotation, rounded up (the aggregator scales the sum by the regions' norms).
+UPDATE_NORM = "update-norm"
 #: Fields a region may add to any reply: its key id and signature over the reply (with
 #: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
 #: aggregator's instructions carry the head of its own log the same way.
@@ -380,6 +383,7 @@ class TrainMetrics(_Strict):
     train_loss: float | None = Field(default=None, ge=0)
     steps: int = Field(ge=0, le=_MAX_COUNT)
     update_bytes: int = Field(ge=0, le=_MAX_COUNT)
+    update_norm: float | None = Field(default=None, ge=0)
     privacy: PrivacyFigures | None = None
 
     def declared(self) -> dict[str, Any]:

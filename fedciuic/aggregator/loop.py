@@ -563,8 +563,11 @@ class SecureLoop(SyncLoop):
         survivors: tuple[str, ...] = ()
         secure: SecureSum | None = None
         try:
-            session = self._session(server_round, accepted, into.n)
+            norms = {acc.region: acc.metrics.update_norm for acc in into.accepted}
+            session = self._session(server_round, norms, into.n)
             details |= {"session": session.sid().hex(), "scale": session.scale}
+            if session.bound:
+                details["bound"] = session.bound
             secure = SecureSum(session, a.sealing.bundles())
             total = secure.run(
                 lambda phase, requests: self._exchange(
@@ -588,11 +591,17 @@ class SecureLoop(SyncLoop):
         a.publish(server_round, summed, mean=mean, withheld=reasons)
         return heard
 
-    def _session(self, server_round: int, regions: list[str], size: int) -> Session:
+    def _session(self, server_round: int, norms: Mapping[str, float | None], size: int) -> Session:
+        """This round's secure sum over the accepted regions, scaled by the norms they
+        sent (:attr:`~fedciuic.config.RunConfig.secure_norms`), or by the clip where
+        one sent none."""
         a = self.aggregator
         settings = a.run.secure
+        regions = sorted(norms)
         if len(regions) < a.run.unmask_threshold:
             raise SumWithheld(Phase.ADVERT, len(regions), a.run.unmask_threshold)
+        sent = [norms[r] for r in regions]
+        normed = a.run.secure_norms and all(n is not None for n in sent)
         return Session.propose(
             run_id=a.federation_run,
             server_round=server_round,
@@ -603,10 +612,12 @@ class SecureLoop(SyncLoop):
                 regions=len(a.run.regions),
                 size=size,
                 distributed_dp=settings.distributed_noise_multiplier > 0,
+                normed=a.run.secure_norms,
             ),
             size=size,
             clip=a.run.compression.max_update_norm,
             noise=settings.distributed_noise_multiplier,
+            bound=sum(n or 0.0 for n in sent) if normed else 0.0,
         )
 
     def _exchange(

@@ -110,6 +110,7 @@ def check_session(
                 regions=len(run.regions),
                 size=session.size if kept_size is None else kept_size,
                 distributed_dp=secure.distributed_noise_multiplier > 0,
+                normed=run.secure_norms,
             ),
         ),
         "clip (max-update-norm)": (session.clip, run.compression.max_update_norm),
@@ -207,10 +208,12 @@ def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
 
 def encoded_update(update: Sparse, session: Session) -> np.ndarray:
     """The region's update as the ring elements it masks: clipped to the session's clip,
-    rotated (the session's random rotation), rounded at its scale, noised."""
+    rotated (the session's random rotation), rounded at its scale, noised. A sum scaled
+    by norms (``bound``) may wrap if a region's update is past the norm it sent: the
+    aggregator's wrap check then withholds it."""
     ddp = session.distributed()
     ring = Ring(session.bits)
-    if not ddp.fits(len(session.regions), ring):
+    if not session.bound and not ddp.fits(len(session.regions), ring):
         raise SecAggError(
             f"a sum of {len(session.regions)} updates at scale {session.scale:g} can wrap "
             f"around {session.bits} bits; refusing"

@@ -36,6 +36,7 @@ from fedciuic.compression import (
     flatten,
     layout_id,
     layout_of,
+    update_entries,
 )
 from fedciuic.config import (
     COUNTS,
@@ -77,6 +78,7 @@ from fedciuic.privacy import (
 )
 from fedciuic.region.cache import BoundedCache
 from fedciuic.releases import data_fields, kept, leaving
+from fedciuic.secagg import sent_norm
 from fedciuic.stages import AuditTrail
 from fedciuic.wire import (
     ADAPTER_MODE,
@@ -86,6 +88,7 @@ from fedciuic.wire import (
     PRIVACY_UNIT,
     TRAINED,
     UPDATE,
+    UPDATE_NORM,
     Instruction,
 )
 
@@ -285,6 +288,14 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
             }
         )
     return metrics
+
+
+def update_norm(update: bytes, run: RunConfig) -> float:
+    """The norm a secure round's reply carries: of the update as the sum will take it
+    (the codec's bytes decoded, clipped to max-update-norm; secagg.rotation.sent_norm)."""
+    size = update_entries(update)
+    values = run.compression.codec.decode(update, size).dense(size)
+    return sent_norm(values, run.compression.max_update_norm)
 
 
 def train_info(outcome: TrainOutcome, policy: RegionPolicy, commitment: str) -> dict[str, str]:
@@ -1016,7 +1027,10 @@ class Release:
             commitment = node_commitment(region.node, trained.data_fingerprint, self.run_id)
             info = train_info(trained, policy, commitment)
             run, dp_only = region.run, policy.dp_only
-            metrics = kept(TRAINED, train_metrics(trained), run, dp_only=dp_only)
+            released = train_metrics(trained)
+            if run.secure_norms:  # the secure sum's scale follows the regions' norms
+                released[UPDATE_NORM] = update_norm(trained.update, run)
+            metrics = kept(TRAINED, released, run, dp_only=dp_only)
             arrays = update_arrays(trained.update)
             fields = {**metrics, **info, **arrays}
             leaving(TRAINED, fields, run, dp_only=dp_only, who=f"region {region.name}")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fedciuic.secagg.messages import unpack_answer as unpack_answer
     from fedciuic.secagg.region import SecureSumRegion as SecureSumRegion
     from fedciuic.secagg.rotation import rotate as rotate
+    from fedciuic.secagg.rotation import sent_norm as sent_norm
     from fedciuic.secagg.rotation import unrotate as unrotate
     from fedciuic.secagg.store import SECAGG_DIR as SECAGG_DIR
     from fedciuic.secagg.store import SessionStore as SessionStore

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedciuic.crypto import PublicBundle
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.masking import Ring, from_ring, unmask
+from fedciuic.secagg.masking import SKETCH_BITS, SKETCH_LABEL, Ring, from_ring, sketch, unmask
 from fedciuic.secagg.messages import (
     Advert,
     Consent,
@@ -98,6 +98,8 @@ class SecureSum:
     #: comes: no masked vector is kept on its own.
     masked: dict[str, bool] = field(default_factory=dict)
     total: np.ndarray | None = None
+    #: Their masked sketches, added up as they come (the wrap check).
+    hashes: np.ndarray | None = None
     consents: dict[str, Consent] = field(default_factory=dict)
     reveals: dict[str, Reveal] = field(default_factory=dict)
 
@@ -160,17 +162,20 @@ class SecureSum:
 
     def take_masked(self, replies: Iterable[object]) -> tuple[str, ...]:
         """The survivors (U3): the regions whose masked vectors were taken."""
-        ring = Ring(self.session.bits)
+        ring, wide = Ring(self.session.bits), Ring(SKETCH_BITS)
 
         def check(region: str, masked: Masked) -> bool:
             if len(masked.vector) != ring.size(self.session.length):
                 raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.length} values")
-            self._check(Phase.MASKED, region, masked_content(masked.vector), masked.signature)
+            content = masked_content(masked.vector, masked.sketch)
+            self._check(Phase.MASKED, region, content, masked.signature)
             try:
                 values = ring.unpack(masked.vector, self.session.length)
             except ValueError as err:
                 raise SecAggError(str(err)) from None
+            hashes = np.frombuffer(masked.sketch, "<u8").astype(np.uint64)
             self.total = ring.reduce(values if self.total is None else self.total + values)
+            self.hashes = wide.reduce(hashes if self.hashes is None else self.hashes + hashes)
             return True
 
         self._take(Phase.MASKED, Masked, replies, self.shares, self.masked, check)
@@ -232,15 +237,29 @@ class SecureSum:
                         to=gone,
                     )
                 pairs[s.index(survivor), s.index(gone)] = seed
-        ring = Ring(s.bits)
-        assert self.total is not None  # a threshold (2 or more) of masked vectors came
-        return unmask(
-            self.total,
-            survivors=[s.index(r) for r in survivors],
-            self_seeds=self_seeds,
-            dropped_pairs=pairs,
-            ring=ring,
-        )
+        # a threshold (2 or more) of masked vectors came
+        assert self.total is not None and self.hashes is not None
+        indices = [s.index(r) for r in survivors]
+
+        def unmasked(values: np.ndarray, bits: int, label: bytes = b"") -> np.ndarray:
+            return unmask(
+                values,
+                survivors=indices,
+                self_seeds=self_seeds,
+                dropped_pairs=pairs,
+                ring=Ring(bits),
+                label=label,
+            )
+
+        total = unmasked(self.total, s.bits)
+        hashes = unmasked(self.hashes, SKETCH_BITS, SKETCH_LABEL)
+        if not np.array_equal(sketch(total, s.bits, sid), hashes):
+            raise SecAggError(
+                f"the sum wrapped around its {s.bits}-bit ring (its sketch is not the sum's): "
+                "a region's update was past the norm it sent, or its vector is not what it "
+                "declared; the sum is withheld (raise secure-ring-bits if it recurs)"
+            )
+        return total
 
     def _recover(self, region: str, *, self_seed: bool) -> bytes:
         """``region``'s self seed (or key seed) from the shares the reveals hold."""
@@ -275,7 +294,7 @@ class SecureSum:
                 f"{bound / s.scale:.4g} that {n} updates clipped to {s.clip:g} (and their "
                 "noise) can reach: some region's masked vector is not what it declared"
             )
-        return unrotate(summed / s.scale / n, s.sid(), s.size)
+        return unrotate(summed / s.scale / n, s.sid())
 
     def record(self) -> dict[str, object]:
         """Who took part in each phase, and what was refused, for the audit log."""

@@ -27,8 +27,8 @@ from opacus.accountants.analysis.rdp import get_privacy_spent
 
 from fedciuic.errors import FedciuicError
 from fedciuic.opacus_logging import undo_opacus_basic_config
+from fedciuic.secagg.masking import MIN_BITS as MIN_RING_BITS
 from fedciuic.secagg.masking import Ring, RingTooSmall, clip_norm, round_stochastically
-from fedciuic.secagg.rotation import MAX_BLOCK
 
 undo_opacus_basic_config()  # the aggregator's process imports Opacus here first
 
@@ -116,27 +116,50 @@ class DistributedDp:
         return rdp_epsilon(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
 
 
-#: The ring distributed DP's noise gets when secure-ring-bits is 0 (its headroom).
+#: The ring distributed DP's noise gets when secure-ring-bits is 0 (its headroom), and
+#: a sum whose regions sent no norm (its scale follows the clip alone).
 DDP_RING_BITS = 24
+#: The plain ``int8`` codec's rounding step, in standard deviations of the values it
+#: codes (root mean square of max|chunk| / 127 over chunks of 256 normal values): the
+#: step a secure sum's fixed point is held to, so that its mean is no coarser.
+INT8_STEP = 0.0241
+#: The chance, per sum, that some value of it goes past the range its norms give (a
+#: randomly rotated value is sub-Gaussian); the wrap check withholds such a sum.
+TYPICAL_MISS = 1e-6
 
 
-def ring_bits(requested: int, *, regions: int, size: int, distributed_dp: bool) -> int:
+def ring_bits(
+    requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
+) -> int:
     """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
-    bits at which the published mean's error is no worse than the plain ``int8``
-    path's for updates near the clip (``benchmarks/secagg.py``): ``11 +
-    ceil(log2(regions) + log2(size / 2**16) / 2)``, since :meth:`DistributedDp.fits`
-    holds a rotated block of 2**16 values to the whole clip (lora-sb's 245,760 values:
-    14 bits for 3 regions, 17 for 32; lora's 6.9M: 16 and 20); 24 with distributed DP,
-    whose noise needs the headroom. The scale follows the clip, not the update: an
-    update far inside max-update-norm (the shipped 50) gets that many fewer steps, so
-    0 is for runs whose clip is tight (a test run at the default clip and 13 bits
-    published a mean of a few steps)."""
+    bits at which a sum of ``regions`` updates scaled by their norms (``normed``:
+    :func:`normed_scale`) rounds no coarser than the plain ``int8`` path: 11 for 3
+    regions, 13 for 8, 15 for 32 (:data:`INT8_STEP`, ``benchmarks/secagg.py``);
+    :data:`DDP_RING_BITS` with distributed DP (its noise needs the headroom) or without
+    the regions' norms (the scale then follows the clip)."""
     if requested:
         return requested
-    if distributed_dp:
+    if distributed_dp or not normed:
         return DDP_RING_BITS
-    spread_bits = max(0.0, math.log2(max(size, 1) / MAX_BLOCK) / 2)
-    return 11 + math.ceil(math.log2(max(2, regions)) + spread_bits)  # 12 at least
+    largest = typical_spread(size) * regions / INT8_STEP + regions
+    return max(MIN_RING_BITS, 1 + math.ceil(math.log2(largest + 1)))
+
+
+def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:
+    """The fixed point's scale for a sum whose regions' rotation norms
+    (:func:`~fedciuic.secagg.rotation.rotation_norm`) add up to ``bound``: the sum's
+    values then stay within :func:`typical_spread` times ``bound / sqrt(size)`` but for
+    a chance of :data:`TYPICAL_MISS`, and each region's rounding adds at most 1."""
+    room = (1 << (ring.bits - 1)) - regions - 1
+    if room <= 0:
+        raise RingTooSmall(f"{regions} regions' rounding alone fills {ring.bits} bits")
+    return room * math.sqrt(size) / (typical_spread(size) * bound)
+
+
+def typical_spread(dim: int) -> float:
+    """How many standard deviations no value of a ``dim``-value rotated sum exceeds but
+    with a chance of :data:`TYPICAL_MISS` (Hoeffding, 2 exp(-k^2 / 2) per value)."""
+    return math.sqrt(2 * math.log(2 * dim / TYPICAL_MISS))
 
 
 def spread(dim: int) -> float:

@@ -25,6 +25,15 @@ from fedciuic.errors import FedciuicError
 MIN_BITS, MAX_BITS = 8, 62
 #: Domain separation of the two kinds of mask, versioned with the stream's layout.
 _SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
+#: The wrap check: a few random linear hashes of a region's integer update, in the
+#: widest ring (masked with the same seeds, their own streams), so that the aggregator
+#: learns them of the sum only, and finds whether the sum wrapped around its ring.
+SKETCH_VALUES = 2
+SKETCH_BITS = MAX_BITS
+SKETCH_BYTES = 8 * SKETCH_VALUES
+SKETCH_LABEL = b" sketch"
+_COEFFICIENTS = b"fedciuic-secagg/2 sketch coefficients"
+_CHUNK = 1 << 20
 
 
 class RingTooSmall(FedciuicError):
@@ -118,6 +127,27 @@ def _whole_bytes(data: bytes, width: int, count: int) -> np.ndarray:
     return wide.view("<u8").reshape(-1)
 
 
+def sketch(values: np.ndarray, bits: int, sid: bytes) -> np.ndarray:
+    """:data:`SKETCH_VALUES` hashes of ``values`` (ring elements of ``bits``, taken as
+    signed integers): each the sum of the values times random 63-bit coefficients drawn
+    from the session id, modulo 2^:data:`SKETCH_BITS`. A sum of regions' sketches is the
+    sketch of their integer sum; a sum that wrapped around ``bits`` differs from it by
+    2^bits times a non-zero vector, which a hash misses with a chance of about
+    2^-(SKETCH_BITS - bits)."""
+    ring = Ring(bits)
+    signed = np.asarray(values, np.uint64)
+    signed = np.where(signed & np.uint64(1 << (bits - 1)), signed | ~ring.mask, signed)
+    seed = int.from_bytes(hashlib.sha256(_COEFFICIENTS + sid).digest(), "little")
+    rng = np.random.default_rng(seed)
+    out = np.zeros(SKETCH_VALUES, np.uint64)
+    for start in range(0, signed.size, _CHUNK):
+        part = signed[start : start + _CHUNK]
+        coefficients = rng.integers(0, 1 << 63, (SKETCH_VALUES, part.size), np.uint64)
+        with np.errstate(over="ignore"):
+            out += (coefficients * part).sum(axis=1, dtype=np.uint64)
+    return Ring(SKETCH_BITS).reduce(out)
+
+
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
     """``size`` ring elements drawn from ``seed`` (SHAKE-256, whole bytes per element,
     reduced to the ring; ``kind``: self or pair)."""
@@ -133,15 +163,17 @@ def mask(
     self_seed: bytes,
     pair_seeds: Mapping[int, bytes],
     ring: Ring,
+    label: bytes = b"",
 ) -> np.ndarray:
     """Region ``me``'s masked vector: ``encoded`` plus its self mask, plus each pair mask
-    towards a higher-numbered region, minus each towards a lower-numbered one."""
+    towards a higher-numbered region, minus each towards a lower-numbered one
+    (``label``: streams of their own, for the sketch)."""
     if me in pair_seeds:
         raise ValueError(f"region {me} has a pair seed with itself")
     size = encoded.size
-    out = ring.reduce(encoded) + stream(self_seed, size, ring, _SELF)
+    out = ring.reduce(encoded) + stream(self_seed, size, ring, _SELF + label)
     for other, seed in pair_seeds.items():
-        pair = stream(seed, size, ring, _PAIR)
+        pair = stream(seed, size, ring, _PAIR + label)
         out = out + pair if me < other else out - pair
     return ring.reduce(out)
 
@@ -153,6 +185,7 @@ def unmask(
     self_seeds: Mapping[int, bytes],
     dropped_pairs: Mapping[tuple[int, int], bytes],
     ring: Ring,
+    label: bytes = b"",
 ) -> np.ndarray:
     """The survivors' plain sum from ``total``, the sum of their masked vectors: their
     self masks (``self_seeds``, one per survivor) come off, and so does each pair mask a
@@ -166,9 +199,9 @@ def unmask(
     size = total.size
     out = ring.reduce(total)
     for seed in self_seeds.values():
-        out = out - stream(seed, size, ring, _SELF)
+        out = out - stream(seed, size, ring, _SELF + label)
     for (i, j), seed in dropped_pairs.items():
-        pair = stream(seed, size, ring, _PAIR)
+        pair = stream(seed, size, ring, _PAIR + label)
         out = out - pair if i < j else out + pair  # what survivor i added towards j
     return ring.reduce(out)
 

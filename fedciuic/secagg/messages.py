@@ -3,7 +3,7 @@ and what each signature covers.
 
 Every message a region sends is signed with its long-lived identity key over the
 session id (:meth:`Session.sid`: the run, the round, the regions, the threshold, the
-ring, the vector length, the clip, the scale and the noise), the phase and the
+ring, the vector length, the clip, the norms' bound, the scale and the noise), the phase and the
 message's content, so that a relay (or an aggregator) cannot replay one from another
 round, move one to another phase, or attribute one to another region without the
 signature failing.
@@ -29,12 +29,12 @@ from pydantic import (
 
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
-from fedciuic.secagg.ddp import DistributedDp, scale_for
-from fedciuic.secagg.masking import MAX_BITS, MIN_BITS, Ring
-from fedciuic.secagg.rotation import block, padded
+from fedciuic.secagg.ddp import DistributedDp, normed_scale, scale_for
+from fedciuic.secagg.masking import MAX_BITS, MIN_BITS, SKETCH_BYTES, Ring
+from fedciuic.secagg.rotation import block
 
 #: Domain separation of every signed secure-sum message, versioned with this layout.
-DOMAIN = "fedciuic-secagg/1"
+DOMAIN = "fedciuic-secagg/2"
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
@@ -77,6 +77,11 @@ class Session(Message):
     clip: float = Field(gt=0, allow_inf_nan=False)
     scale: float = Field(gt=0, allow_inf_nan=False)
     noise: float = Field(ge=0, allow_inf_nan=False)
+    #: The regions' rotation norms added up, as they sent them with their trained
+    #: replies (the scale follows it: :func:`~fedciuic.secagg.ddp.normed_scale`); 0: no
+    #: norms, the scale follows the clip. Any value is safe for the regions: one scale
+    #: for all of them, whatever it is, gives the aggregator a function of the sum only.
+    bound: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @field_validator("regions")
     @classmethod
@@ -99,6 +104,8 @@ class Session(Message):
                 f"threshold {self.threshold} is not more than half of the "
                 f"{len(self.regions)} regions (and at most all of them)"
             )
+        if self.bound and self.noise:
+            raise ValueError("a sum with distributed noise is scaled by its clip, not by norms")
         return self
 
     @classmethod
@@ -113,18 +120,23 @@ class Session(Message):
         size: int,
         clip: float,
         noise: float,
+        bound: float = 0.0,
     ) -> Session:
-        """The aggregator's session, at the finest scale its sum fits the ring at
+        """The aggregator's session, at the finest scale its sum fits the ring at: by
+        the regions' norms (``bound``), else by the clip
         (:class:`~fedciuic.secagg.masking.RingTooSmall` when none does)."""
-        scale = scale_for(
-            regions=len(regions),
-            threshold=threshold,
-            clip=clip,
-            noise=noise,
-            dim=padded(size),
-            block=block(size),
-            ring=Ring(bits),
-        )
+        if bound:
+            scale = normed_scale(bound=bound, regions=len(regions), size=size, ring=Ring(bits))
+        else:
+            scale = scale_for(
+                regions=len(regions),
+                threshold=threshold,
+                clip=clip,
+                noise=noise,
+                dim=size,
+                block=block(size),
+                ring=Ring(bits),
+            )
         return cls(
             run_id=run_id,
             server_round=server_round,
@@ -135,6 +147,7 @@ class Session(Message):
             clip=clip,
             scale=scale,
             noise=noise,
+            bound=bound,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -143,9 +156,8 @@ class Session(Message):
 
     @property
     def length(self) -> int:
-        """The masked vector's length: the update's ``size`` rotated, in whole blocks
-        (:mod:`fedciuic.secagg.rotation`)."""
-        return padded(self.size)
+        """The masked vector's length: the update's ``size`` (the rotation pads nothing)."""
+        return self.size
 
     def distributed(self) -> DistributedDp:
         """The fixed point and noise every region of the session applies."""
@@ -195,6 +207,8 @@ class Shares(FromRegion):
 
 class Masked(FromRegion):
     vector: bytes
+    #: The masked wrap check (:func:`~fedciuic.secagg.masking.sketch`).
+    sketch: bytes = Field(min_length=SKETCH_BYTES, max_length=SKETCH_BYTES)
     signature: bytes
 
 
@@ -245,10 +259,10 @@ def sealed_content(item: SealedItem) -> dict[str, object]:
     return {"to": item.to, "shares": item.shares, "pair": item.pair}
 
 
-def masked_content(vector: bytes) -> dict[str, object]:
+def masked_content(vector: bytes, sketch: bytes) -> dict[str, object]:
     """What a masked vector's signature covers: its SHA-256 (signing the vector itself
-    would hex-encode megabytes into the signed text on both ends)."""
-    return {"vector": hashlib.sha256(vector).digest()}
+    would hex-encode megabytes into the signed text on both ends), and its sketch."""
+    return {"vector": hashlib.sha256(vector).digest(), "sketch": sketch}
 
 
 def reveal_content(reveal: Reveal) -> dict[str, object]:

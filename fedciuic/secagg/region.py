@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fedciuic.crypto import Keypair, PublicBundle, XWingPrivateKey, XWingPublicKey
-from fedciuic.secagg.masking import Ring, mask
+from fedciuic.secagg.masking import SKETCH_BITS, SKETCH_LABEL, Ring, mask, sketch
 from fedciuic.secagg.messages import (
     Advert,
     Consent,
@@ -203,14 +203,21 @@ class SecureSumRegion:
                 share_value(plain[SHARE_BYTES:]),
             )
             pairs[session.index(sender)] = self._pair(session, state, eph, item)
+        update = self._update(session)
+        me = session.index(self.me)
         vector = mask(
-            self._update(session),
-            me=session.index(self.me),
+            update, me=me, self_seed=state.self_seed, pair_seeds=pairs, ring=Ring(session.bits)
+        )
+        check = mask(
+            sketch(update, session.bits, sid),
+            me=me,
             self_seed=state.self_seed,
             pair_seeds=pairs,
-            ring=Ring(session.bits),
+            ring=Ring(SKETCH_BITS),
+            label=SKETCH_LABEL,
         )
         data = Ring(session.bits).pack(vector)
+        hashes = check.astype("<u8").tobytes()
         self._commit(
             state.model_copy(update={"done": Phase.MASKED, "held": held, "shared": shared})
         )
@@ -220,7 +227,8 @@ class SecureSumRegion:
         return Masked(
             region=self.me,
             vector=data,
-            signature=self._sign(session, Phase.MASKED, masked_content(data)),
+            sketch=hashes,
+            signature=self._sign(session, Phase.MASKED, masked_content(data, hashes)),
         )
 
     def consent(self, session: Session, survivors: Sequence[str]) -> Consent:

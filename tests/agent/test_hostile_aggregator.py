@@ -78,21 +78,25 @@ def trained(federation: Federation, agent: RegionAgent, run: dict[str, Any]) -> 
 
 
 def honest(size: int, run: dict[str, Any]) -> Session:
-    """The session the signed run gives for the three regions (threshold 2)."""
+    """The session the signed run gives for the three regions (threshold 2), scaled by
+    their norms where the run has them sent."""
+    config = RunConfig.from_user_config({**RUN, **run}, source="run config")
     return Session.propose(
         run_id=FLOWER_RUN,
         server_round=1,
         regions=("cn", "eu", "us"),
         threshold=2,
         bits=ring_bits(
-            RunConfig.from_user_config({**RUN, **run}, source="run config").secure.secure_ring_bits,
+            config.secure.secure_ring_bits,
             regions=3,
             size=size,
             distributed_dp=bool(run.get("distributed-noise-multiplier")),
+            normed=config.secure_norms,
         ),
         size=size,
         clip=10.0,
         noise=float(run.get("distributed-noise-multiplier", 0.0)),
+        bound=3.0 if config.secure_norms else 0.0,
     )
 
 
@@ -214,6 +218,8 @@ def test_every_session_field_an_aggregator_chooses_is_checked(secure_region):
             f"size (the values of the update this region kept) {good.size + 1}",
         ),
         "scale": (good.scale / 2, f"scale {good.scale / 2!r}, not {good.scale!r}"),
+        # any bound is safe for the region (one scale for all); the scale must be its own
+        "bound": (good.bound * 2, f"scale {good.scale!r}, not {good.scale / 2!r}"),
         "regions": (("cn", "eu", "zz"), "regions: zz not among"),
     }
     assert set(changes) == set(Session.model_fields)

@@ -13,10 +13,12 @@ from scipy.stats import skellam as scipy_skellam
 
 from fedciuic.secagg import Ring, from_ring, ring_sum
 from fedciuic.secagg.ddp import (
+    INT8_STEP,
     ORDERS,
     POISSON_LIMIT,
     DistributedDp,
     noised,
+    normed_scale,
     rdp_epsilon,
     ring_bits,
     scale_for,
@@ -149,17 +151,22 @@ def test_the_scale_is_the_finest_that_fits_even_past_two_to_the_bits(bits):
     assert not DistributedDp(1.0, 2 * scale, 0.0, 2, 262144, 65536).fits(3, ring)
 
 
-def test_ring_bits_zero_grows_with_the_regions_and_the_updates_length():
-    # Explicit bits are kept; distributed DP keeps its headroom.
-    assert ring_bits(20, regions=3, size=245_760, distributed_dp=False) == 20
-    assert ring_bits(0, regions=3, size=245_760, distributed_dp=True) == 24
-    # A bit per doubling of the regions, half a bit per doubling of the values past a
-    # rotation block (the sizes of the realistic preset's lora-sb and lora).
+def test_ring_bits_zero_grows_with_the_regions_and_rounds_no_coarser_than_int8():
+    # Explicit bits are kept; distributed DP keeps its headroom, and so does a sum
+    # without the regions' norms (its scale follows the clip).
+    assert ring_bits(20, regions=3, size=245_760, distributed_dp=False, normed=True) == 20
+    assert ring_bits(0, regions=3, size=245_760, distributed_dp=True, normed=False) == 24
+    assert ring_bits(0, regions=3, size=245_760, distributed_dp=False, normed=False) == 24
     chosen = {
-        (n, size): ring_bits(0, regions=n, size=size, distributed_dp=False)
+        (n, size): ring_bits(0, regions=n, size=size, distributed_dp=False, normed=True)
         for n in (2, 3, 8, 32)
         for size in (1_000, 245_760, 6_905_856)
     }
-    assert chosen[(3, 245_760)] == 14 and chosen[(32, 245_760)] == 17
-    assert chosen[(3, 6_905_856)] == 16 and chosen[(32, 6_905_856)] == 20
-    assert chosen[(2, 1_000)] == 12  # never under the smallest ring offered
+    # a bit per doubling of the regions (the sum's range), the length barely
+    assert chosen[(3, 245_760)] == 11 and chosen[(8, 245_760)] == 13
+    assert chosen[(32, 245_760)] == 15 and chosen[(32, 6_905_856)] == 15
+    for (n, size), bits in chosen.items():
+        # the scale these bits give, for n updates of norm 1, rounds each region's
+        # values no coarser than the int8 codec rounds an update of norm 1
+        scale = normed_scale(bound=n, regions=n, size=size, ring=Ring(bits))
+        assert 1 / scale <= INT8_STEP / np.sqrt(size)

@@ -265,3 +265,17 @@ def test_an_altered_sealed_share_does_not_open(keys):
     flipped = item.model_copy(update={"shares": item.shares[:-1] + bytes([item.shares[-1] ^ 1])})
     with pytest.raises(SecAggError, match="the shares of 'at' is not signed by 'at'"):
         regions[item.to].masked(session, session.regions, (flipped,))
+
+
+def test_a_sum_that_wraps_around_its_ring_is_withheld_by_its_sketch(keys):
+    """Each region's values fit the signed ring, their sum at one value does not: the
+    unmasked sum would be silently wrong there; the sketch the regions masked beside
+    their vectors finds it, and the sum is refused."""
+    session, regions, encoded, bundles = federation(keys, 3, 2)
+    signed = {r: v.astype(np.int64) for r, v in encoded.items()}
+    for values in signed.values():
+        values[values >= 2**31] -= 2**32
+        values[17] = 2**30 + 5  # 3 x that is past 2**31
+    wrapping = {r: RING.reduce(v.astype(np.uint64)) for r, v in signed.items()}
+    with pytest.raises(SecAggError, match="wrapped around its 32-bit ring"):
+        run_secure_sum(session, regions, wrapping, bundles)

@@ -1,6 +1,6 @@
-"""The secure sum's random rotation: it keeps norms (the DP sensitivity), its inverse is
-exact, the sum of rotated updates is the rotation of their sum, and it spreads a spike
-over a whole block, which is what lets few bits carry the sum."""
+"""The secure sum's random rotation: it keeps norms (the DP sensitivity), pads nothing,
+its inverse is exact, the sum of rotated updates is the rotation of their sum, and it
+spreads a spike over a whole window, which is what lets few bits carry the sum."""
 
 from __future__ import annotations
 
@@ -8,20 +8,19 @@ import numpy as np
 import pytest
 
 from fedciuic.secagg import Ring, Session, from_ring, ring_sum, rotate, unrotate
-from fedciuic.secagg.ddp import noised
-from fedciuic.secagg.rotation import MAX_BLOCK, block, padded
+from fedciuic.secagg.ddp import noised, typical_spread
+from fedciuic.secagg.rotation import block, rotation_norm
 
 SEED = b"session id"
 
 
-@pytest.mark.parametrize("size", [1, 3, 300, 8832, 3 * MAX_BLOCK + 5])
-def test_the_rotation_keeps_norms_and_its_inverse_is_exact(size):
+@pytest.mark.parametrize("size", [1, 3, 300, 8832, 3 * 65536 + 5, 1 << 16])
+def test_the_rotation_keeps_norms_pads_nothing_and_its_inverse_is_exact(size):
     x = np.random.default_rng(size).normal(size=size)
     y = rotate(x, SEED)
-    assert y.size == padded(size) and y.size % block(size) == 0
-    assert padded(size) - size < block(size)  # padding costs less than a block
+    assert y.size == size and block(size) <= size < 2 * block(size)
     assert np.isclose(np.linalg.norm(y), np.linalg.norm(x))
-    np.testing.assert_allclose(unrotate(y, SEED, size), x, atol=1e-12)
+    np.testing.assert_allclose(unrotate(y, SEED), x, atol=1e-12)
 
 
 def test_the_sum_of_rotations_is_the_rotation_of_the_sum():
@@ -33,10 +32,28 @@ def test_the_sum_of_rotations_is_the_rotation_of_the_sum():
     assert not np.allclose(rotate(xs[0], SEED), rotate(xs[0], b"another session"))
 
 
-def test_a_spike_is_spread_over_its_block():
-    x = np.zeros(3 * MAX_BLOCK)
-    x[12345] = 1.0
-    assert np.abs(rotate(x, SEED)).max() == pytest.approx(1 / np.sqrt(MAX_BLOCK))
+@pytest.mark.parametrize("where", [0, 100_000, 3 * 65536 - 1])
+def test_a_spike_is_spread_over_a_whole_window(where):
+    size = 3 * 65536
+    x = np.zeros(size)
+    x[where] = 1.0
+    # about 1 / sqrt(window) (a few times that where the two windows overlap), wherever
+    # the spike is
+    assert np.abs(rotate(x, SEED)).max() <= typical_spread(size) / np.sqrt(block(size))
+
+
+def test_the_rotation_norm_is_the_norm_of_a_spread_update_and_bounds_a_lopsided_one():
+    size = 3 * 65536 + 7
+    rng = np.random.default_rng(1)
+    even = rng.normal(size=size)
+    assert rotation_norm(even) == pytest.approx(np.linalg.norm(even), rel=0.02)
+    lopsided = even.copy()
+    lopsided[block(size) :] *= 10  # the second window holds most of it
+    rotated = rotate(lopsided, SEED)
+    # a value is about rotation_norm / sqrt(size): the windows' own spread, not the mean's
+    tail = np.sqrt(np.mean(rotated[block(size) :] ** 2)) * np.sqrt(size)
+    assert rotation_norm(lopsided) == pytest.approx(tail, rel=0.05)
+    assert rotation_norm(lopsided) > 1.2 * np.linalg.norm(lopsided)
 
 
 @pytest.mark.parametrize(("bits", "most"), [(16, 0.02), (20, 2e-3), (24, 2e-4)])
@@ -59,6 +76,6 @@ def test_few_bits_carry_the_mean_of_eight_rotated_updates(bits, most):
     ring, ddp = Ring(bits), session.distributed()
     encoded = [noised(rotate(x, session.sid()), ddp, ring, rng) for x in xs]
     total = from_ring(ring_sum(encoded, ring), scale=session.scale, ring=ring)
-    mean = unrotate(total / n, session.sid(), size)
+    mean = unrotate(total / n, session.sid())
     exact = np.mean(xs, axis=0)
     assert np.linalg.norm(mean - exact) / np.linalg.norm(exact) < most
