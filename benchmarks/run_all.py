@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "overhead": ("overhead.py", [], ["--rounds", "3", "--repeats", "1"]),
     "simulation_memory": ("simulation_memory.py", [], ["--modes", "shared"]),
     "secagg": ("secagg.py", [], ["--regions", "3,8", "--modes", "lora-sb"]),
+    "secure_rounds": ("secure_rounds.py", [], ["--rounds", "3", "--repeats", "1"]),
     "scale": ("scale.py", [], ["--regions", "4,8"]),
     "heterogeneity": ("heterogeneity.py", [], ["--quick"]),
     "canary": ("canary.py", [], ["--quick"]),
