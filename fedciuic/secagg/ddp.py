@@ -41,8 +41,8 @@ POISSON_LIMIT = 1e11
 #: with probability 1 - beta per try (DDGauss' choice of beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
-#: How far above 2**bits the scale search starts (as a power of two): sqrt of the
-#: largest rotation block (2**16 values: 2**8) times 2**16 for a clip far below 1.
+#: How far above 2**bits the scale search starts (as a power of two): sqrt of a rotation
+#: window of 2**24 values (2**12) times 2**12 for a clip far below 1.
 _SCALE_HEADROOM = 24
 
 
@@ -61,7 +61,7 @@ class DistributedDp:
     noise_multiplier: float
     threshold: int
     dim: int
-    #: The length of the blocks the update was rotated in (0: the whole ``dim``).
+    #: The length of the windows the update was rotated in (0: the whole ``dim``).
     block: int = 0
 
     @property
@@ -91,11 +91,11 @@ class DistributedDp:
 
     def fits(self, regions: int, ring: Ring) -> bool:
         """Whether a sum of ``regions`` rotated, rounded, noised updates stays inside the
-        signed ring. Each value of a randomly rotated block is about the block's norm (at
-        most ``clip``) over sqrt(its length), beyond :func:`spread` times that with a
+        signed ring. Each value of a randomly rotated window is about the window's norm
+        (at most ``clip``) over sqrt(its length), beyond :func:`spread` times that with a
         chance under one in a billion per update; rounding adds at most 1; the noise's
-        own spread on top. (A value that wraps anyway puts the sum out of range, and it
-        is not published.)"""
+        own spread on top. (A sum that wraps anyway fails the aggregator's wrap check,
+        and it is not published.)"""
         k = spread(self.dim)
         value = self.clip * self.scale / math.sqrt(self.block or self.dim)
         noise = k * math.sqrt(regions * self.share_variance)
@@ -236,8 +236,8 @@ def scale_for(
     when none does (more bits are needed).
 
     The search starts well above ``2**bits``: a rotated value is the update's norm over
-    sqrt(block), so a ring of few bits holds a scale far past its own size (a 12-bit
-    ring, 3 regions, blocks of 65,536: 2**15, where starting at 2**bits cost 8x the
+    sqrt(window), so a ring of few bits holds a scale far past its own size (a 12-bit
+    ring, 3 regions, windows of 65,536: 2**15, where starting at 2**bits cost 8x the
     rounding error)."""
     for exponent in range(ring.bits + _SCALE_HEADROOM, -31, -1):
         scale = 2.0**exponent
