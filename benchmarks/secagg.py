@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/secagg.py                       # 3, 8, 16, 32 regions
     .venv/bin/python benchmarks/secagg.py --regions 3,8 --modes lora-sb
 
-For each adapter size (the ``realistic`` preset's trained entries: ``lora-sb``, the
-default mode, and ``lora``, LoRA r=64 on the attention projections) and each number of
-regions, one secure sum runs through both real ends of the protocol
+For each adapter size (the ``realistic`` preset's trained entries at r=64: ``lora-fa``,
+the default mode, ``lora-sb``, and ``lora`` on the attention projections) and each
+number of regions, one secure sum runs through both real ends of the protocol
 (``fedciuic.secagg.lab``: every message signed, sealed where it says, passed as JSON
 and parsed back): with every region there, and with a tenth of them (at least one)
 dropping after they shared, before their masked vectors. Printed per case:
@@ -246,7 +246,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regions", default="3,8,16,32")
-    parser.add_argument("--modes", default="lora-sb,lora")
+    parser.add_argument("--modes", default="lora-fa,lora-sb,lora")
     parser.add_argument(
         "--bits", type=int, default=0, help="ring bits (secure-ring-bits; 0: the run's choice)"
     )
