@@ -125,7 +125,7 @@ DDP_RING_BITS = 24
 INT8_STEP = 0.0241
 #: The chance, per sum, that some value of it goes past the range its norms give (a
 #: randomly rotated value is sub-Gaussian); the wrap check withholds such a sum.
-TYPICAL_MISS = 1e-6
+TYPICAL_MISS = 1e-5
 
 
 def ring_bits(
@@ -146,8 +146,8 @@ def ring_bits(
 
 
 def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:
-    """The fixed point's scale for a sum whose regions' rotation norms
-    (:func:`~fedciuic.secagg.rotation.rotation_norm`) add up to ``bound``: the sum's
+    """The fixed point's scale for a sum whose regions' norms
+    (:func:`~fedciuic.secagg.rotation.sent_norm`) add up to ``bound``: the sum's
     values then stay within :func:`typical_spread` times ``bound / sqrt(size)`` but for
     a chance of :data:`TYPICAL_MISS`, and each region's rounding adds at most 1."""
     room = (1 << (ring.bits - 1)) - regions - 1

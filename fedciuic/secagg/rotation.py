@@ -1,14 +1,14 @@
-"""A random rotation shared by a secure sum's regions: the randomized Walsh-Hadamard
-transform, ``H D / sqrt(P)`` with ``D`` random signs drawn from the session, on a
-window of ``P`` values, ``P`` the largest power of two within the update's size. An
-update of another size is rotated in two windows that overlap, the first ``P`` values
-and then the last ``P``: every value is mixed, and nothing is padded (a masked vector
-has exactly as many values as the update).
+"""A random rotation shared by a secure sum's regions: a random permutation, then the
+randomized Walsh-Hadamard transform, ``H D / sqrt(P)`` with ``D`` random signs, both
+drawn from the session, on a window of ``P`` values, ``P`` the largest power of two
+within the update's size. An update of another size is rotated in two windows that
+overlap, the first ``P`` values and then the last ``P``: every value is mixed, and
+nothing is padded (a masked vector has exactly as many values as the update).
 
 It is orthonormal, so it keeps an update's L2 norm (its DP sensitivity) and the sum of
 rotated updates is the rotation of their sum (the aggregator turns the sum back). What
 it buys: after it, every value of a clipped update is about its norm over sqrt(size)
-(at most over sqrt(``P``), which is at most sqrt(2) more), never one large spike, so
+(the permutation gives each window about its share of the norm), never one spike, so
 the fixed point's scale can be set by the values' spread instead of the whole norm,
 and a ring of far fewer bits carries the sum (DDGauss, Kairouz, Liu and Steinke 2021).
 """
@@ -55,9 +55,18 @@ def _hadamard(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _order(seed: bytes, size: int) -> np.ndarray:
+    """A random permutation of ``size`` positions from the session's ``seed``: it spreads
+    each tensor of the update over both windows, so that each holds about its share of
+    the update's energy whatever the adapter's layout."""
+    state = int.from_bytes(hashlib.sha256(_LABEL + b" order" + seed).digest(), "little")
+    return np.random.default_rng(state).permutation(size)
+
+
 def rotate(x: np.ndarray, seed: bytes) -> np.ndarray:
-    """``x`` rotated with the session's ``seed`` (as many values as ``x``)."""
-    out = np.array(x, dtype=np.float64).ravel()
+    """``x`` permuted and rotated with the session's ``seed`` (as many values as ``x``)."""
+    values = np.asarray(x, np.float64).ravel()
+    out = values[_order(seed, values.size)]
     for i, window in enumerate(_windows(out.size)):
         out[window] = _hadamard(out[window] * _signs(seed, i, block(out.size)))
     return out
@@ -69,25 +78,9 @@ def unrotate(y: np.ndarray, seed: bytes) -> np.ndarray:
     windows = _windows(out.size)
     for i in reversed(range(len(windows))):
         out[windows[i]] = _hadamard(out[windows[i]]) * _signs(seed, i, block(out.size))
-    return out
-
-
-def rotation_norm(x: np.ndarray) -> float:
-    """The L2 norm ``x`` acts as in :func:`rotate`: after it, a value is about this over
-    sqrt(size). That is ``x``'s norm when its energy is spread evenly; more when a window
-    holds more than its share (at most sqrt(size / ``P``) times more). The second
-    window's energy is its expectation over the signs (it holds the first window's
-    rotated overlap)."""
-    values = np.asarray(x, np.float64).ravel()
-    size, p = values.size, block(values.size)
-    if size == 0:
-        return 0.0
-    first = float(np.dot(values[:p], values[:p]))
-    if p >= size:
-        return float(np.sqrt(first))
-    rest = values[p:]
-    second = float(np.dot(rest, rest)) + first * (2 * p - size) / p
-    return float(np.sqrt(size / p * max(first, second)))
+    back = np.empty_like(out)
+    back[_order(seed, out.size)] = out
+    return back
 
 
 #: A norm a region sends is rounded up to a power of 2^(1/NORM_STEPS): it says no more
@@ -96,11 +89,8 @@ NORM_STEPS = 16
 
 
 def sent_norm(values: np.ndarray, clip: float) -> float:
-    """The norm a region sends with its trained reply in a secure round: the
-    :func:`rotation_norm` of its update clipped to ``clip`` (as the sum takes it),
-    rounded up."""
-    x = np.asarray(values, np.float64).ravel()
-    norm = float(np.linalg.norm(x))
-    clipped = x * (clip / norm) if norm > clip else x
-    spread = rotation_norm(clipped)
-    return 2.0 ** (math.ceil(NORM_STEPS * math.log2(spread)) / NORM_STEPS) if spread > 0 else 0.0
+    """The norm a region sends with its trained reply in a secure round: its update's L2
+    norm, at most ``clip`` (as the sum takes it), rounded up. After :func:`rotate` a
+    value is about this over sqrt(size): the permutation gives each window its share."""
+    norm = min(float(np.linalg.norm(np.asarray(values, np.float64))), clip)
+    return 2.0 ** (math.ceil(NORM_STEPS * math.log2(norm)) / NORM_STEPS) if norm > 0 else 0.0

@@ -9,7 +9,7 @@ import pytest
 
 from fedciuic.secagg import Ring, Session, from_ring, ring_sum, rotate, unrotate
 from fedciuic.secagg.ddp import noised, typical_spread
-from fedciuic.secagg.rotation import block, rotation_norm
+from fedciuic.secagg.rotation import block, sent_norm
 
 SEED = b"session id"
 
@@ -42,18 +42,20 @@ def test_a_spike_is_spread_over_a_whole_window(where):
     assert np.abs(rotate(x, SEED)).max() <= typical_spread(size) / np.sqrt(block(size))
 
 
-def test_the_rotation_norm_is_the_norm_of_a_spread_update_and_bounds_a_lopsided_one():
+def test_a_lopsided_update_is_spread_evenly_and_sends_its_norm_rounded_up():
+    """A layout whose second window holds most of the update: after the permutation and
+    the rotation, a value is about the update's norm over sqrt(size) in both windows,
+    so the norm a region sends is what the sum's scale needs."""
     size = 3 * 65536 + 7
-    rng = np.random.default_rng(1)
-    even = rng.normal(size=size)
-    assert rotation_norm(even) == pytest.approx(np.linalg.norm(even), rel=0.02)
-    lopsided = even.copy()
-    lopsided[block(size) :] *= 10  # the second window holds most of it
-    rotated = rotate(lopsided, SEED)
-    # a value is about rotation_norm / sqrt(size): the windows' own spread, not the mean's
-    tail = np.sqrt(np.mean(rotated[block(size) :] ** 2)) * np.sqrt(size)
-    assert rotation_norm(lopsided) == pytest.approx(tail, rel=0.05)
-    assert rotation_norm(lopsided) > 1.2 * np.linalg.norm(lopsided)
+    x = np.random.default_rng(1).normal(size=size)
+    x[block(size) :] *= 10
+    rotated = rotate(x, SEED)
+    spread = np.linalg.norm(x) / np.sqrt(size)
+    for window in (rotated[: size - block(size)], rotated[block(size) :]):
+        assert np.sqrt(np.mean(window**2)) == pytest.approx(spread, rel=0.05)
+    norm = np.linalg.norm(x)
+    assert norm <= sent_norm(x, clip=1e9) <= norm * 2 ** (1 / 16)
+    assert sent_norm(x, clip=1.0) == 1.0 and sent_norm(np.zeros(3), clip=1.0) == 0.0
 
 
 @pytest.mark.parametrize(("bits", "most"), [(16, 0.02), (20, 2e-3), (24, 2e-4)])
