@@ -66,7 +66,7 @@ def _order(seed: bytes, size: int) -> np.ndarray:
 def rotate(x: np.ndarray, seed: bytes) -> np.ndarray:
     """``x`` permuted and rotated with the session's ``seed`` (as many values as ``x``)."""
     values = np.asarray(x, np.float64).ravel()
-    out = values[_order(seed, values.size)]
+    out: np.ndarray = values[_order(seed, values.size)]
     for i, window in enumerate(_windows(out.size)):
         out[window] = _hadamard(out[window] * _signs(seed, i, block(out.size)))
     return out
