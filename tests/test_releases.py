@@ -28,6 +28,7 @@ from fedciuic.wire import (
     SECURE,
     TRAINED,
     UPDATE,
+    UPDATE_NORM,
     WITNESSED,
     EvalMetrics,
     PrivacyFigures,
@@ -185,3 +186,17 @@ def test_with_count_and_eval_noise_nothing_of_the_data_is_unavoidable():
         "eval-loss",
         "perplexity",
     }
+
+
+def test_a_secure_rounds_update_norm_is_a_dp_release_only_with_dp_sgd():
+    """The norm that scales a secure sum is post-processing of a DP-SGD update; without
+    DP-SGD it would be a figure of the data, so the run sends none (the scale follows the
+    clip) and a dp_only region could go without it: it never makes a run unavoidable."""
+    secure = {"secure-aggregation": True, "codec": "int8"}
+    assert _run(**secure).secure_norms and _kind(TRAINED, UPDATE_NORM, _run()) is Kind.DP
+    plain = _run(**secure, dp=False)
+    assert not plain.secure_norms and _kind(TRAINED, UPDATE_NORM, plain) is Kind.DATA
+    assert not _run(**secure, **{"distributed-noise-multiplier": 0.5}).secure_norms
+    assert UPDATE_NORM in OPTIONAL
+    assert UPDATE_NORM not in {line.split(":")[0] for line in unavoidable(plain)}
+    assert kept(TRAINED, {UPDATE_NORM: 0.5}, plain, dp_only=True) == {}
