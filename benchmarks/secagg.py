@@ -172,7 +172,7 @@ def secure_round(
     return {
         "threshold": session.threshold,
         "dropping": dropping,
-        "length": session.length,
+        "length": session.size,
         "encode_s": encode_s,
         "region_s": per_region,
         "aggregator_s": {

@@ -165,12 +165,12 @@ class SecureSum:
         ring, wide = Ring(self.session.bits), Ring(SKETCH_BITS)
 
         def check(region: str, masked: Masked) -> bool:
-            if len(masked.vector) != ring.size(self.session.length):
-                raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.length} values")
+            if len(masked.vector) != ring.size(self.session.size):
+                raise SecAggError(f"{len(masked.vector)} bytes, not {self.session.size} values")
             content = masked_content(masked.vector, masked.sketch)
             self._check(Phase.MASKED, region, content, masked.signature)
             try:
-                values = ring.unpack(masked.vector, self.session.length)
+                values = ring.unpack(masked.vector, self.session.size)
             except ValueError as err:
                 raise SecAggError(str(err)) from None
             hashes = np.frombuffer(masked.sketch, "<u8").astype(np.uint64)
@@ -286,7 +286,7 @@ class SecureSum:
         summed = from_ring(total, scale=1.0, ring=Ring(s.bits))  # ring units
         ddp = s.distributed()
         n = len(self.masked)
-        bound = n * ddp.l2 + _SPREAD * math.sqrt(s.length * n * ddp.share_variance)
+        bound = n * ddp.l2 + _SPREAD * math.sqrt(s.size * n * ddp.share_variance)
         norm = float(np.linalg.norm(summed))
         if norm > bound:
             raise SecAggError(

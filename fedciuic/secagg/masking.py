@@ -134,9 +134,7 @@ def sketch(values: np.ndarray, bits: int, sid: bytes) -> np.ndarray:
     sketch of their integer sum; a sum that wrapped around ``bits`` differs from it by
     2^bits times a non-zero vector, which a hash misses with a chance of about
     2^-(SKETCH_BITS - bits)."""
-    ring = Ring(bits)
-    signed = np.asarray(values, np.uint64)
-    signed = np.where(signed & np.uint64(1 << (bits - 1)), signed | ~ring.mask, signed)
+    signed = to_signed(values, Ring(bits)).astype(np.uint64)  # two's complement mod 2^64
     seed = int.from_bytes(hashlib.sha256(_COEFFICIENTS + sid).digest(), "little")
     rng = np.random.default_rng(seed)
     out = np.zeros(SKETCH_VALUES, np.uint64)
@@ -248,8 +246,13 @@ def round_stochastically(scaled: np.ndarray, rng: np.random.Generator) -> np.nda
     return rounded
 
 
+def to_signed(values: np.ndarray, ring: Ring) -> np.ndarray:
+    """Ring elements as the signed integers they stand for: the upper half is negative."""
+    signed = np.asarray(values, np.uint64).astype(np.int64)
+    out: np.ndarray = np.where(signed >= 2 ** (ring.bits - 1), signed - 2**ring.bits, signed)
+    return out
+
+
 def from_ring(total: np.ndarray, *, scale: float, ring: Ring) -> np.ndarray:
     """A ring sum back to floats: the upper half of the ring is negative."""
-    signed = np.asarray(total, np.uint64).astype(np.int64)
-    signed = np.where(signed >= 2 ** (ring.bits - 1), signed - 2**ring.bits, signed)
-    return signed.astype(np.float64) / scale
+    return to_signed(total, ring).astype(np.float64) / scale

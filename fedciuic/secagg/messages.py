@@ -77,7 +77,7 @@ class Session(Message):
     clip: float = Field(gt=0, allow_inf_nan=False)
     scale: float = Field(gt=0, allow_inf_nan=False)
     noise: float = Field(ge=0, allow_inf_nan=False)
-    #: The regions' rotation norms added up, as they sent them with their trained
+    #: The regions' norms added up, as they sent them with their trained
     #: replies (the scale follows it: :func:`~fedciuic.secagg.ddp.normed_scale`); 0: no
     #: norms, the scale follows the clip. Any value is safe for the regions: one scale
     #: for all of them, whatever it is, gives the aggregator a function of the sum only.
@@ -154,15 +154,10 @@ class Session(Message):
         """What :meth:`propose` takes: every field but the scale it derives from them."""
         return self.model_dump(exclude={"scale"})
 
-    @property
-    def length(self) -> int:
-        """The masked vector's length: the update's ``size`` (the rotation pads nothing)."""
-        return self.size
-
     def distributed(self) -> DistributedDp:
         """The fixed point and noise every region of the session applies."""
         return DistributedDp(
-            self.clip, self.scale, self.noise, self.threshold, self.length, block(self.size)
+            self.clip, self.scale, self.noise, self.threshold, self.size, block(self.size)
         )
 
     def index(self, region: str) -> int:

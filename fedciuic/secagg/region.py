@@ -329,11 +329,11 @@ class SecureSumRegion:
                 f"threshold {session.threshold} is below this region's minimum of "
                 f"{self.min_regions} regions in a secure sum",
             )
-        if encoded.shape != (session.length,):
+        if encoded.shape != (session.size,):
             raise self._refuse(
                 session,
                 Phase.ADVERT,
-                f"the update has {encoded.size} values, not {session.length}",
+                f"the update has {encoded.size} values, not {session.size}",
             )
 
     def _known(self, session: Session) -> StoredSum | None:

@@ -76,7 +76,7 @@ class SessionStore:
         except FileNotFoundError:
             return None
         try:
-            return Ring(session.bits).unpack(data, session.length)
+            return Ring(session.bits).unpack(data, session.size)
         except ValueError as err:
             raise SecAggError(
                 f"{path}: damaged ({err}); this region takes no further part in that secure sum"

@@ -76,7 +76,7 @@ def test_the_unmasked_sum_is_the_plain_sum_exactly(keys, n):
         assert isinstance(masked, Masked)  # its vector travels as bytes, not in its JSON
         vector = masked.vector
         assert len(relayed[Phase.MASKED, r]) < len(vector) + 1024
-        assert not np.array_equal(RING.unpack(vector, session.length), encoded[r])
+        assert not np.array_equal(RING.unpack(vector, session.size), encoded[r])
 
 
 @pytest.mark.parametrize("dropped", [("cn",), ("at", "eu")])
