@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up .venv (and chromium, for the report test) if needed, then lint, type-check and
-# run every test (end-to-end included). Arguments go to pytest (e.g. -m "not e2e").
-# About 25 min on an idle 2-core machine (README); -m "not scenario" skips the long e2e
-# scenarios, -m "not e2e" runs only the unit tests.
+# run every test (end-to-end included), one pytest-xdist worker per core, the longest
+# tests stolen by whichever worker is free. Arguments go to pytest (e.g. -m "not e2e";
+# -n 0 runs in one process). See the README for the time it takes; -m "not scenario"
+# skips the long e2e scenarios, -m "not e2e" runs only the unit tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,4 +15,4 @@ if ! bash scripts/setup-browser.sh; then
 fi
 .venv/bin/ruff check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n auto --dist worksteal "$@"

@@ -28,6 +28,9 @@ from tests.e2e.pace import patient
 from tests.region.test_each_family import TARGETS
 
 pytestmark = pytest.mark.e2e
+#: For a test of who trains and what is recorded, not of what is learnt: 2 DP steps a
+#: round instead of the app's 30 (the first test keeps them, to see the loss fall).
+FEW_STEPS = ("--run-config", "local-steps=2")
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:
@@ -148,6 +151,7 @@ def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_
         str(data_root),
         "--run-config",
         "privacy-unit='user'",
+        *FEW_STEPS,
         "--run-config",
         f"policies-dir='{ROOT / 'policies'}'",
     )
@@ -206,7 +210,8 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     )
     spent = ledger_path.read_text()
 
-    done = simulate(tmp_path, "--rounds", "2", "--data-root", str(data_root))
+    # Few steps: what is tested is who trains, not what they learn.
+    done = simulate(tmp_path, "--rounds", "2", "--data-root", str(data_root), *FEW_STEPS)
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
@@ -262,7 +267,7 @@ def test_a_region_whose_data_or_ledger_is_unusable_declines_and_the_others_train
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "cn"))
     fault(data_root)
-    done = simulate(tmp_path, "--rounds", "1", "--data-root", str(data_root))
+    done = simulate(tmp_path, "--rounds", "1", "--data-root", str(data_root), *FEW_STEPS)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(rf"^budget: us: .*{re.escape(preview)}", done.stdout, re.M), done.stdout
     data = only_run(tmp_path / "runs")
@@ -468,6 +473,7 @@ def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
         "1",
         "--run-config",
         f"model-path='{path}'",
+        *FEW_STEPS,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
