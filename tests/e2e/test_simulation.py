@@ -35,13 +35,15 @@ FEW_STEPS = ("--run-config", "local-steps=2")
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:
-    """``fedciuic simulate`` under record-level lab copies of the shipped policies (the
-    runs are record-level); a policies-dir in ``args`` comes later and wins."""
+    """``fedciuic simulate`` (:func:`_arguments`) as a process."""
+    return [sys.executable, "-m", "fedciuic.ops.cli", *_arguments(tmp_path, *args)]
+
+
+def _arguments(tmp_path: Path, *args: str) -> list[str]:
+    """``fedciuic``'s arguments to simulate under record-level lab copies of the shipped
+    policies (the runs are record-level); a policies-dir in ``args`` comes later and wins."""
     lab = record_level_policies(tmp_path / "lab-policies")
     return [
-        sys.executable,
-        "-m",
-        "fedciuic.ops.cli",
         "simulate",
         "--app",
         str(ROOT),
@@ -211,7 +213,6 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     )
     spent = ledger_path.read_text()
 
-    # Few steps: what is tested is who trains, not what they learn.
     done = simulate(tmp_path, "--rounds", "2", "--data-root", str(data_root), *FEW_STEPS)
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
@@ -300,7 +301,7 @@ def test_a_region_whose_data_or_ledger_is_unusable_declines_and_the_others_train
 def test_bad_run_config_stops_before_any_process_starts(tmp_path, capsys, args, message):
     """In this process (``fedciuic``'s own entry point): each case would start Python
     only to exit 2; the malformed policy's test below runs the command as a user does."""
-    assert cli.main(_command(tmp_path, *args)[3:]) == 2
+    assert cli.main(_arguments(tmp_path, *args)) == 2
     stderr = capsys.readouterr().err
     assert message in stderr
     assert "Traceback" not in stderr
