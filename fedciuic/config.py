@@ -110,6 +110,9 @@ MAX_RECORD_BYTES_LIMIT = 1 << 30
 #: optimiser.
 Accountant = Literal["prv", "rdp"]
 DPMode = Literal["hooks", "ghost"]
+#: How a region's training processes hold the frozen base: each a whole copy, or each
+#: a slice of it (FSDP2), for a base larger than one device (docs/cluster.md).
+Sharding = Literal["replicate", "shard"]
 LocalOptimizer = Literal["adamw", "sgd"]
 
 
@@ -480,6 +483,9 @@ class ClusterSettings(_Strict):
     #: Seconds any collective set-up or operation between a region's training
     #: processes may wait before the round fails for that region (never a hang).
     collective_timeout: float = Field(default=600.0, gt=0)
+    #: In simulation: how the training processes hold the base (a deployed region says
+    #: it in its agent config).
+    train_sharding: Sharding = "replicate"
 
     _split_tables = field_validator("region_train_processes", mode="before")(_split_region_table)
 
@@ -906,6 +912,8 @@ class NodeConfig(_Strict):
     policy: str = ""
     #: This region's training processes (its hardware); default: the run config's.
     train_processes: int | None = Field(default=None, ge=1, le=1024)
+    #: How this region's training processes hold the base; default: the run config's.
+    train_sharding: Sharding | None = None
     #: Whether this region may load a checkpoint whose weights are only pickle files
     #: (unpickling runs code): its own word, from its agent config in a deployment;
     #: None (simulation only): the run config's allow-pickle-weights.
@@ -940,6 +948,13 @@ class NodeConfig(_Strict):
     def processes(self, run: RunConfig) -> int:
         """How many training processes this region runs: the node's word, else the run's."""
         return self.train_processes or run.cluster.train_processes
+
+    def sharded(self, run: RunConfig) -> bool:
+        """Whether this region's processes each hold a slice of the base (FSDP2): its
+        own word, else the run's, and only with more than one process."""
+        return (self.train_sharding or run.cluster.train_sharding) == "shard" and (
+            self.processes(run) > 1
+        )
 
     def training(self, run: RunConfig) -> LocalTraining:
         """The run's local training, with this region's own physical batch if it says one."""

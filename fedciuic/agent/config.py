@@ -25,6 +25,7 @@ from fedciuic.config import (
     MAX_RECORD_BYTES_LIMIT,
     NodeConfig,
     RunConfig,
+    Sharding,
 )
 from fedciuic.crypto import AGGREGATOR, KeyFileError, PublicBundle, load_bundle
 from fedciuic.errors import ConfigError
@@ -55,6 +56,9 @@ class AgentConfig(NodeConfig):
     aggregator_bundle: str = Field(min_length=1)
     policy: str = Field(min_length=1)
     train_processes: int = Field(default=1, ge=1, le=1024)
+    #: ``shard``: the training processes each hold a slice of the base (FSDP2), for a
+    #: base larger than one GPU; ``replicate``: each a whole copy.
+    train_sharding: Sharding = "replicate"
     #: CPU threads the agent's training and evaluation use (shared among its training
     #: processes); 0 = one per core of this machine. Regions sharing a machine each set
     #: their share (``fedciuic init`` does, for the regions it makes on one machine).

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 from fedciuic.faces import face
 
 if TYPE_CHECKING:
+    from fedciuic.cluster.protocol import ForwardOp as ForwardOp
     from fedciuic.cluster.protocol import TrainCommand as TrainCommand
     from fedciuic.cluster.protocol import free_port as free_port
     from fedciuic.cluster.protocol import share_cores as share_cores
     from fedciuic.cluster.training import ClusterStats as ClusterStats
     from fedciuic.cluster.training import TrainingCluster as TrainingCluster
+    from fedciuic.cluster.training import check_sharding as check_sharding
 
 __getattr__ = face(__name__)  # each name imported on first use

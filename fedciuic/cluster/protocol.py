@@ -29,12 +29,19 @@ POLL_S = 0.2
 START_S = 120.0
 
 
+#: Rank 0's forward-only work that every rank of a sharded base takes part in.
+ForwardOp = Literal["evaluate", "losses", "time"]
+
+
 class TrainCommand(BaseModel):
-    """One round's work for every rank (``stop`` ends the workers)."""
+    """One round's work for every rank (``stop`` ends the workers). With a sharded base
+    every pass is collective, so rank 0's forward-only work runs on every rank too:
+    ``evaluate`` (held-out loss), ``losses`` (each unit's, for a DP evaluation) and
+    ``time`` (one DP-SGD step's seconds); rank 0 keeps the result."""
 
     model_config = ConfigDict(frozen=True)
 
-    op: Literal["train", "stop"] = "train"
+    op: Literal["train", "stop"] | ForwardOp = "train"
     server_round: int = 0
     seed: int = 0
     dp: bool = False

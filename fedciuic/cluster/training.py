@@ -20,9 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,11 +62,21 @@ from fedciuic.cluster.protocol import (
     threads_per_rank,
 )
 from fedciuic.config import DPSettings, LocalTraining, NodeConfig, RunConfig
-from fedciuic.data import ExampleSet
-from fedciuic.model import AdapterModel, Shard, TrainStats, train_local
-from fedciuic.privacy import private_round
+from fedciuic.data import ExampleSet, RegionData
+from fedciuic.model import (
+    AdapterModel,
+    EvalStats,
+    Shard,
+    TrainStats,
+    evaluate,
+    shard_base,
+    train_local,
+    unit_losses,
+)
+from fedciuic.privacy import private_round, time_private_step
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,48 @@ def train_rank(
     )
 
 
+#: What rank 0's forward-only work is, in its error messages.
+_DOING = {"evaluate": "evaluation", "losses": "evaluation", "time": "a timed step"}
+
+
+def forward_rank(
+    model: AdapterModel,
+    data: RegionData,
+    local: LocalTraining,
+    dp: DPSettings,
+    command: TrainCommand,
+) -> EvalStats | list[float] | float:
+    """This rank's part of forward-only work on a sharded base (``command.op``): every
+    rank takes the same passes on the same examples from rank 0's adapters (broadcast);
+    rank 0 keeps the result, the others drop theirs."""
+    for param in model.trainable_parameters():
+        dist.broadcast(param.data, src=0)
+    if command.op == "evaluate":
+        return evaluate(model, data.eval, batch_size=local.batch_size)
+    if command.op == "losses":
+        return unit_losses(model, data.eval, batch_size=local.batch_size)
+    return time_private_step(
+        model, data.train, local, dp, command.noise_multiplier, command.slowdown
+    )
+
+
+def check_sharding(run: RunConfig, node: NodeConfig) -> None:
+    """Refuse, before anything loads, what a sharded base cannot do yet."""
+    if not node.sharded(run):
+        return
+    key = "train-sharding"
+    if run.privacy.dp and run.privacy.dp_mode == "ghost":
+        raise ClusterError(
+            f'{key}: "shard" clips with Opacus hooks (each unit\'s whole gradient on its '
+            'own rank); set dp-mode = "hooks"'
+        )
+    if run.model.quantization != "none":
+        raise ClusterError(
+            f'{key}: "shard" needs a bf16 or fp32 base; set quantization = "none" (each '
+            'process then holds 1/N of the base) or train-sharding = "replicate"'
+        )
+
+
 @contextmanager
 def _threads(count: int):  # type: ignore[no-untyped-def]
     """Share the CPU cores among a machine's ranks for the duration of a round."""
@@ -187,12 +241,11 @@ class TrainingCluster:
         run: RunConfig,
         node: NodeConfig,
         model: AdapterModel,
-        examples: ExampleSet,
-        data_fingerprint: str,
+        data: RegionData,
     ) -> None:
-        self.run, self.node, self.model, self.examples = run, node, model, examples
+        self.run, self.node, self.model, self.data = run, node, model, data
         self.name = f"region {node.region}"
-        self.fingerprints = (model.base_fingerprint, data_fingerprint)
+        self.fingerprints = (model.base_fingerprint, data.fingerprint)
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.logs = node.state_dir / "cluster"
         self.world: World | None = None
@@ -210,6 +263,8 @@ class TrainingCluster:
         """Start (or join) the ranks, hand them the configs, and wait until every one
         has loaded the model and data (collective-timeout, at least ``START_S`` for
         workers started here, which are watched meanwhile)."""
+        if self.model.sharded:  # its shards died with the last process group
+            self.model.unshard()
         timeout = self.run.cluster.collective_timeout
         world = World.from_env()
         count = self.node.processes(self.run)
@@ -262,6 +317,8 @@ class TrainingCluster:
             self.store.set(CONFIG_KEY, json.dumps(config))
             self._await(READY_KEY, world, starting, "load the model and data")
             self._check_loaded(world)
+            if self.node.sharded(self.run):  # each rank keeps its slice from now on
+                shard_base(self.model, world.world_size)
         except BaseException as err:
             if isinstance(err, StoreAuthError):
                 log.error("fedciuic: %s", err)
@@ -364,6 +421,31 @@ class TrainingCluster:
         Any failure tears the cluster down; a dead worker is named in a
         :class:`ClusterError`, raised within collective-timeout seconds at most.
         """
+        return self._on_every_rank(
+            command,
+            lambda size: train_rank(
+                self.model,
+                self.data.train,
+                self.node.training(self.run),
+                self.run.privacy,
+                command,
+                Shard(rank=0, size=size),
+            ),
+        )
+
+    def forward(self, command: TrainCommand) -> EvalStats | list[float] | float:
+        """Rank 0's forward-only work (``evaluate``, ``losses``, ``time``) on a sharded
+        base, which every rank must take part in; fails as :meth:`train` does."""
+        return self._on_every_rank(
+            command,
+            lambda _: forward_rank(
+                self.model, self.data, self.node.training(self.run), self.run.privacy, command
+            ),
+        )
+
+    def _on_every_rank(self, command: TrainCommand, work: Callable[[int], T]) -> T:
+        """Send ``command`` to the other ranks and do rank 0's part (``work``, given the
+        world's size), the cluster started first (again, after a failure)."""
         if self.started and self._died() is not None:
             rank, pid, code = self._died() or (0, 0, 0)
             log.warning(
@@ -378,18 +460,11 @@ class TrainingCluster:
         if not self.started:
             self.start()
         assert self.world is not None and self.store is not None
-        during = f"round {command.server_round}"
+        during = _DOING.get(command.op, f"round {command.server_round}")
         try:
             self._send(command)
             with _threads(threads_per_rank(self.world.local_world_size)):
-                return train_rank(
-                    self.model,
-                    self.examples,
-                    self.node.training(self.run),
-                    self.run.privacy,
-                    command,
-                    Shard(rank=0, size=self.world.world_size),
-                )
+                return work(self.world.world_size)
         except BaseException as err:
             died = self._wait_for_death() if self.workers else None
             self.close()

@@ -98,10 +98,10 @@ def serve(world: World) -> None:
     form_group(world, store.raw, backend=backend_for(device), timeout=timeout, what=what)
     # The model and data libraries load after the rank has joined (a rank that cannot
     # join says so first), while rank 0 waits for it to be ready.
-    from fedciuic.cluster.training import train_rank
+    from fedciuic.cluster.training import forward_rank, train_rank
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data import load_region_data
-    from fedciuic.model import AdapterModel, Shard
+    from fedciuic.model import AdapterModel, Shard, shard_base
 
     try:
         store.wait([CONFIG_KEY], timedelta(seconds=timeout))
@@ -116,6 +116,8 @@ def serve(world: World) -> None:
         store.set(
             f"{READY_KEY}{world.rank}", json.dumps([model.base_fingerprint, data.fingerprint])
         )
+        if node.sharded(run):  # with rank 0, once it has seen every rank ready
+            shard_base(model, world.world_size)
         shard = Shard(rank=world.rank, size=world.world_size)
         seq = 0
         while True:
@@ -125,11 +127,15 @@ def serve(world: World) -> None:
                 return
             # In the rank's log (STATE/cluster/rank-N.log): what it was doing if it dies.
             print(
-                f"fedciuic: {what}: round {command.server_round}: training",
+                f"fedciuic: {what}: round {command.server_round}: "
+                + ("training" if command.op == "train" else command.op),
                 file=sys.stderr,
                 flush=True,
             )
-            train_rank(model, data.train, node.training(run), run.privacy, command, shard)
+            if command.op == "train":
+                train_rank(model, data.train, node.training(run), run.privacy, command, shard)
+            else:  # rank 0's forward-only work, on a sharded base
+                forward_rank(model, data, node.training(run), run.privacy, command)
     finally:
         leave()
 

@@ -15,13 +15,16 @@ if TYPE_CHECKING:
     from fedciuic.model.adapter import spec_tokenizer as spec_tokenizer
     from fedciuic.model.adapter import weight_files as weight_files
     from fedciuic.model.presets import preset_tokenizer as preset_tokenizer
+    from fedciuic.model.sharding import shard_base as shard_base
     from fedciuic.model.train import ONE_PROCESS as ONE_PROCESS
     from fedciuic.model.train import EvalStats as EvalStats
     from fedciuic.model.train import Shard as Shard
     from fedciuic.model.train import TrainStats as TrainStats
     from fedciuic.model.train import add_proximal_term as add_proximal_term
+    from fedciuic.model.train import blank_loss as blank_loss
     from fedciuic.model.train import evaluate as evaluate
     from fedciuic.model.train import lm_loss as lm_loss
+    from fedciuic.model.train import lockstep as lockstep
     from fedciuic.model.train import make_optimizer as make_optimizer
     from fedciuic.model.train import paced as paced
     from fedciuic.model.train import shifted_logits as shifted_logits

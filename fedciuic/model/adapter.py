@@ -37,6 +37,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from torch.distributed.tensor import DTensor
 from transformers import (
     CONFIG_MAPPING,
     AutoConfig,
@@ -701,6 +702,10 @@ def write_adapter(
     return directory / ADAPTER_WEIGHTS
 
 
+#: What every adapter tensor's name holds (trained or fixed), and no base tensor's.
+ADAPTER_MARK = ".lora_"
+
+
 class AdapterModel:
     """A frozen base with fp32 LoRA adapters; only adapter tensors are read or written.
 
@@ -712,13 +717,21 @@ class AdapterModel:
     def __init__(self, spec: ModelSpec, device: torch.device | None = None) -> None:
         self.spec = spec
         self.device = device or default_device()
+        self._build()
+
+    def _build(self) -> None:
+        """The base, its adapters and the mode's fixed factors, from the spec."""
+        spec = self.spec
         base = build_base(spec, self.device)
         self.tokenizer = base.tokenizer
         self.base_fingerprint = base.fingerprint
         self.shared = base.shared  # keeps the mapping this process shares alive
+        #: Whether the frozen base is sharded across the region's training processes
+        #: (:func:`fedciuic.model.sharding.shard_base`): every pass is then collective.
+        self.sharded = False
         self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
         for name, param in self.model.named_parameters():
-            if param.requires_grad or ".lora_" in name:  # adapters (and optimizer state) in fp32
+            if param.requires_grad or ADAPTER_MARK in name:  # adapters (and optimizer) in fp32
                 param.data = param.data.to(device=self.device, dtype=torch.float32)
         if spec.gradient_checkpointing:
             enable_checkpointing(base.model)
@@ -726,6 +739,14 @@ class AdapterModel:
         fixed = fixed_factors(spec.adapter_mode, factor_shapes(self.model), spec.seed)
         self._fixed_names = sorted(fixed)
         self._copy_in(fixed)
+
+    def unshard(self) -> None:
+        """Build the whole base again, in place, keeping the adapters: a sharded base
+        dies with its process group (a region's training processes that failed or were
+        closed), and the next group shards a whole one."""
+        state = self.adapter_state()
+        self._build()
+        self.load_adapter_state(state)
 
     def describe(self) -> str:
         """One line for the start of a run: what is adapted and how much trains."""
@@ -742,7 +763,10 @@ class AdapterModel:
         """Memory this model holds on its own: everything but the mapped base tensors
         (the bound of the per-process region cache counts this)."""
         mapped = {t.untyped_storage().data_ptr() for m in self.shared for t in m.tensors.values()}
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [
+            t.to_local() if isinstance(t, DTensor) else t  # a sharded base: this rank's slice
+            for t in [*self.model.parameters(), *self.model.buffers()]
+        ]
         return sum(
             t.untyped_storage().nbytes()
             for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values()

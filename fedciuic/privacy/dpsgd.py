@@ -11,7 +11,7 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -45,7 +45,9 @@ from fedciuic.model import (
     Shard,
     TrainStats,
     add_proximal_term,
+    blank_loss,
     lm_loss,
+    lockstep,
     make_optimizer,
     paced,
     pause_on_recompute,
@@ -469,28 +471,48 @@ class PrivateTrainer:
         and the noise drawn once at the end (Opacus' ``BatchMemoryManager``): the same
         step, with the activations of one part held at a time."""
         parts = physical_parts(owners, self.physical_batch)
+        return self._take(batch, owners, parts, self._passes(len(parts)))
+
+    def _passes(self, own: int) -> int:
+        """How many passes this step takes here: this rank's own, or with a sharded
+        base the most any rank takes (every rank takes every pass)."""
+        return lockstep(own, self.model.device) if self.model.sharded else own
+
+    def _take(
+        self, batch: Batch, owners: torch.Tensor, parts: list[tuple[int, int]], passes: int
+    ) -> float:
+        """``passes`` passes, the first ones over ``parts`` and any more blank, then the
+        step (clipped sum, noise, update); returns the mean loss of ``batch``."""
         total = 0.0
-        for index, (start, stop) in enumerate(parts):
+        for index in range(passes):
             # Clears the per-sample gradients; the sum of the parts before is kept.
             self.optimizer.zero_grad(set_to_none=True)
-            part = batch.rows(start, stop).to(self.model.device)
-            if self.criterion is not None:  # ghost clipping: Opacus runs both passes
-                logits, targets = shifted_logits(self.net, part)
-                loss = self.criterion(
-                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
-                )
-            else:
-                loss = lm_loss(self.net, part)
-            loss.backward()
-            first, last = int(owners[start]), int(owners[stop - 1])
-            if self.criterion is None and stop - start > last - first + 1:
-                self._per_unit_gradients(
-                    (owners[start:stop] - first).to(self.model.device), last - first + 1
-                )
-            self.optimizer.signal_skip_step(do_skip=index < len(parts) - 1)
+            if index < len(parts):
+                total += self._pass(batch, owners, *parts[index])
+            else:  # a sharded base: the other ranks' passes gather from this one
+                blank_loss(self.model).backward()  # type: ignore[no-untyped-call]
+            self.optimizer.signal_skip_step(do_skip=index < passes - 1)
             self.optimizer.step()
-            total += float(loss.detach()) * (stop - start)
-        return total / len(batch)
+        return total / max(len(batch), 1)
+
+    def _pass(self, batch: Batch, owners: torch.Tensor, start: int, stop: int) -> float:
+        """Forward and backward on the examples ``start:stop`` (whole units), leaving
+        each unit's per-sample gradient; returns their summed loss."""
+        part = batch.rows(start, stop).to(self.model.device)
+        if self.criterion is not None:  # ghost clipping: Opacus runs both passes
+            logits, targets = shifted_logits(self.net, part)
+            loss = self.criterion(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
+            )
+        else:
+            loss = lm_loss(self.net, part)
+        loss.backward()
+        first, last = int(owners[start]), int(owners[stop - 1])
+        if self.criterion is None and stop - start > last - first + 1:
+            self._per_unit_gradients(
+                (owners[start:stop] - first).to(self.model.device), last - first + 1
+            )
+        return float(loss.detach()) * (stop - start)
 
     def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor]:
         """A synthetic batch of the largest shape a step plans for, from public sizes
@@ -543,6 +565,11 @@ class PrivateTrainer:
         is added and applied as on any other step. The accountant counts every step of
         the sampled sequence, so skipping an empty one would release less noise than
         accounted for (and reveal that the batch was empty)."""
+        passes = self._passes(0)
+        if passes:  # a sharded base: blank passes while another rank trains
+            empty = torch.zeros((0, 2), dtype=torch.long)
+            self._take(Batch.of_ids(empty), empty[:, 0], [], passes)
+            return
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.optimizer.params:
             if self.mode == "ghost":
@@ -643,6 +670,7 @@ def plan_private_steps(
     *,
     noise_multiplier: float,
     slowdown: float = 1.0,
+    timer: Callable[[], float] | None = None,
 ) -> int:
     """How many DP-SGD steps this round takes: local-steps, or with a local-time-budget
     as many as fit in it (1 to local-steps), planned before the first private step.
@@ -653,11 +681,16 @@ def plan_private_steps(
     records are sampled. Stopping on the clock instead would make the step count an
     adaptive function of the private data, which composition accounting does not
     cover (docs/privacy.md). The budget covers the training steps; this calibration
-    (a one-example warm-up and one worst-shape step) comes on top of it.
+    (a one-example warm-up and one worst-shape step) comes on top of it. ``timer``:
+    times that step instead (on every rank of a sharded base).
     """
     if local.local_time_budget <= 0:
         return local.local_steps
-    seconds = time_private_step(model, examples, local, dp, noise_multiplier, slowdown)
+    seconds = (
+        timer()
+        if timer
+        else time_private_step(model, examples, local, dp, noise_multiplier, slowdown)
+    )
     fits = math.floor(local.local_time_budget / seconds) if seconds > 0 else local.local_steps
     return max(1, min(local.local_steps, fits))
 

@@ -21,6 +21,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,7 +29,13 @@ import numpy as np
 import torch
 
 from fedciuic.audit import OUTSIDE_DP, REGION_LOG, Event, load_records
-from fedciuic.cluster import ClusterStats, TrainCommand, TrainingCluster
+from fedciuic.cluster import (
+    ClusterStats,
+    ForwardOp,
+    TrainCommand,
+    TrainingCluster,
+    check_sharding,
+)
 from fedciuic.compression import (
     Codec,
     ErrorFeedback,
@@ -590,6 +597,7 @@ class Region:
         spec = run.model.model_copy(
             update={"allow_pickle_weights": node.allows_pickle_weights(run)}
         )
+        check_sharding(run, node)
         self.model = AdapterModel(spec)
         #: The run's local training, with the region's own physical batch.
         self.local: LocalTraining = node.training(run)
@@ -617,14 +625,21 @@ class Region:
 
     def _train_cluster(self, command: TrainCommand) -> ClusterStats:
         """Train through the region's cluster (built now if needed); rank 0 is us."""
+        return self._on_cluster(lambda cluster: cluster.train(command))
+
+    def _forward(self, op: ForwardOp, noise_multiplier: float = 1.0) -> Any:
+        """Forward-only work on a sharded base, which every training process takes part in
+        (its result as :func:`fedciuic.cluster.training.forward_rank` gives it)."""
+        command = TrainCommand(op=op, slowdown=self.slowdown, noise_multiplier=noise_multiplier)
+        return self._on_cluster(lambda cluster: cluster.forward(command))
+
+    def _on_cluster(self, work: Callable[[TrainingCluster], _T]) -> _T:
         if self._cluster is None:
-            self._cluster = TrainingCluster(
-                self.run, self.node, self.model, self.data.train, self.data.fingerprint
-            )
+            self._cluster = TrainingCluster(self.run, self.node, self.model, self.data)
         try:
-            return self._cluster.train(command)
+            return work(self._cluster)
         except BaseException:
-            self._cluster = None  # torn down by train(); the next round builds a new one
+            self._cluster = None  # torn down by it; the next round builds a new one
             raise
 
     def close(self) -> None:
@@ -789,6 +804,9 @@ class Region:
             dp,
             noise_multiplier=step[0],
             slowdown=self.slowdown,
+            timer=partial(self._forward, "time", noise_multiplier=step[0])
+            if self.node.sharded(self.run)
+            else None,
         )
         released: Step = (step[0], step[1], planned)
         units = self.ledger.units(ledger, run_id) if count_steps(self.dp) else None
@@ -878,10 +896,20 @@ class Region:
         seconds (:meth:`step_seconds`) unless the reply withholds them (``step_seconds``
         False: no step is timed for a figure that would not leave)."""
         self._load_global(adapter, base_fingerprint)
+        sharded = self.node.sharded(self.run)
+        size = self.local.batch_size
         if not self.ledger.evaluations:
-            stats = evaluate(self.model, self.data.eval, batch_size=self.local.batch_size)
+            stats = (
+                self._forward("evaluate")
+                if sharded
+                else evaluate(self.model, self.data.eval, batch_size=size)
+            )
         else:
-            losses = unit_losses(self.model, self.data.eval, batch_size=self.local.batch_size)
+            losses = (
+                self._forward("losses")
+                if sharded
+                else unit_losses(self.model, self.data.eval, batch_size=size)
+            )
             loss, count, released = self.ledger.evaluate(
                 losses, run_id=run_id, server_round=server_round
             )
@@ -894,8 +922,12 @@ class Region:
         if not self.dp.dp:
             return None
         if self._step_seconds is None:
-            self._step_seconds = time_private_step(
-                self.model, self.data.train, self.local, self.dp, slowdown=self.slowdown
+            self._step_seconds = (
+                self._forward("time")
+                if self.node.sharded(self.run)
+                else time_private_step(
+                    self.model, self.data.train, self.local, self.dp, slowdown=self.slowdown
+                )
             )
         return self._step_seconds
 

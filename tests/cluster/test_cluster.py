@@ -242,7 +242,7 @@ def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
 def test_more_processes_than_cores_is_one_clear_line(pair: Region, run: RunConfig) -> None:
     cores = os.cpu_count() or 1
     node = pair.node.model_copy(update={"train_processes": cores + 1})
-    cluster = TrainingCluster(run, node, pair.model, pair.data.train, pair.data.fingerprint)
+    cluster = TrainingCluster(run, node, pair.model, pair.data)
     with pytest.raises(
         ClusterError,
         match=rf"^node config:train-processes: {cores + 1} training processes, but this "

@@ -174,9 +174,7 @@ def cluster(region: Region, run: RunConfig) -> Iterator[TrainingCluster]:
     """A cluster of the region's model and data (the region's own closed: a process is
     in one world at a time); closed afterwards, whatever the test saw."""
     region.close()
-    cluster = TrainingCluster(
-        run, region.node, region.model, region.data.train, region.data.fingerprint
-    )
+    cluster = TrainingCluster(run, region.node, region.model, region.data)
     try:
         yield cluster
     finally:

@@ -1,0 +1,209 @@
+"""A region's base sharded over two gloo processes (FSDP2, ``train-sharding = "shard"``):
+the same DP round, the same evaluation and the same records as one process holding the
+whole base, for a tiny V3 and a tiny V4 checkpoint, with and without gradient
+checkpointing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from fedciuic.cluster import check_sharding
+from fedciuic.cluster.dist import ClusterError
+from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.model import evaluate, unit_losses
+from fedciuic.privacy.dpsgd import PrivateTrainer, physical_parts
+from fedciuic.privacy.ledger import PrivacyLedger
+from fedciuic.region.trainer import Region, TrainOutcome
+from tests.cluster.test_cluster import RECORDS, alive, worker_pids
+from tests.conftest import EXACT_RELEASES, unit_config
+
+#: Examples per pass of a DP-SGD step.
+PHYSICAL = 8
+#: Every unit in every batch (q = 1) with all its examples, so sampling is the same in
+#: one process and in two; user-level units of several examples, in passes of at most
+#: 8 examples, so the ranks take different numbers of passes (blank ones fill in);
+#: noise from the round's seed (tests only), so rank 0 draws what one process draws.
+SETTINGS = {
+    **EXACT_RELEASES,
+    "local-steps": 2,
+    "num-server-rounds": 3,
+    "batch-size": 100_000,
+    "privacy-unit": "user",
+    "max-examples-per-unit": 1024,
+    "max-physical-batch-size": PHYSICAL,
+    "optimizer": "sgd",
+    "learning-rate": 0.5,
+    "secure-mode": False,
+    "insecure-reproducible-noise": True,
+    "epsilon-budget": 1000.0,
+    "collective-timeout": 20.0,
+    "seq-len": 32,
+    "lora-targets": "auto+mlp",
+}
+CASES = [
+    ("deepseek_v3", False),
+    ("deepseek_v3", True),
+    ("deepseek_v4", False),
+    ("deepseek_v4", True),
+]
+
+
+@pytest.fixture(scope="module")
+def data_root(demo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("small-data")
+    (root / "eu").mkdir()
+    lines = (demo_root / "eu" / "docs.jsonl").read_text().splitlines()[:RECORDS]
+    (root / "eu" / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def region(run: RunConfig, data_root: Path, state: Path, sharding: str) -> Region:
+    node = NodeConfig(
+        region="eu",
+        data_path=str(data_root / "eu"),
+        state_path=str(state),
+        train_processes=2 if sharding == "shard" else 1,
+        train_sharding=sharding,  # type: ignore[arg-type]
+    )
+    return Region(run, node)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-gc{int(g)}" for f, g in CASES])
+def pair(
+    request: pytest.FixtureRequest,
+    tiny_checkpoints: dict[str, Path],
+    data_root: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Region, Region]]:
+    """A sharded 2-process region and a 1-process one on the same checkpoint and data;
+    every process the sharded one started is gone afterwards."""
+    family, checkpointing = request.param
+    values = {
+        **unit_config(),
+        **SETTINGS,
+        "data-root": str(data_root),
+        "model-path": str(tiny_checkpoints[family]),
+        "gradient-checkpointing": checkpointing,
+    }
+    run = RunConfig.from_user_config(values, source="test")
+    whole = region(run, data_root, tmp_path_factory.mktemp("whole"), "replicate")
+    sharded = region(run, data_root, tmp_path_factory.mktemp("sharded"), "shard")
+    started: set[int] = set()
+    try:
+        yield sharded, whole
+        started.update(worker_pids(sharded))
+    finally:
+        started.update(worker_pids(sharded))
+        sharded.close()
+    assert not [pid for pid in started if alive(pid)]
+
+
+def _round(r: Region, adapter: dict[str, np.ndarray], server_round: int) -> TrainOutcome:
+    return r.train_round(
+        adapter, server_round=server_round, base_fingerprint=r.model.base_fingerprint, run_id=1
+    )
+
+
+def test_the_ranks_take_different_numbers_of_passes(pair: tuple[Region, Region]) -> None:
+    """What the next test relies on to exercise the blank passes."""
+    sharded, _ = pair
+    units = sharded.data.train.grouped
+    counts = []
+    for rank in (0, 1):
+        sizes = [len(units.examples(u)) for u in range(rank, units.count, 2)]
+        owners = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        counts.append(len(physical_parts(owners, PHYSICAL)))
+    assert counts[0] != counts[1] and min(counts) >= 1, counts
+
+
+def test_a_sharded_dp_round_sends_the_one_process_update(pair: tuple[Region, Region]) -> None:
+    sharded, whole = pair
+    start = whole.model.adapter_state()
+    one = _round(whole, start, 1)
+    two = _round(sharded, start, 1)
+    assert isinstance(
+        next(p for p in sharded.model.model.parameters() if not p.requires_grad), DTensor
+    )
+    assert any(np.abs(d).max() > 1e-4 for d in one.delta.values())  # it trained
+    for name, delta in one.delta.items():
+        np.testing.assert_allclose(two.delta[name], delta, atol=2e-5, err_msg=name)
+    assert two.stats.steps == one.stats.steps == 2
+    assert one.privacy is not None and two.privacy is not None
+    for field in ("epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "unit"):
+        assert getattr(two.privacy, field) == getattr(one.privacy, field), field
+    rounds = [PrivacyLedger.load(r.ledger_path).rounds for r in (sharded, whole)]
+    keys = ("run_id", "round", "noise_multiplier", "sample_rate", "steps", "epsilon")
+    assert [[getattr(rec, k) for k in keys] for rec in rounds[0]] == [
+        [getattr(rec, k) for k in keys] for rec in rounds[1]
+    ]
+
+
+def test_a_sharded_evaluation_is_the_whole_models(pair: tuple[Region, Region]) -> None:
+    sharded, whole = pair
+    adapter = whole.model.adapter_state()
+    got = sharded.evaluate(adapter, base_fingerprint=sharded.model.base_fingerprint)
+    size = whole.local.batch_size
+    want = evaluate(whole.model, whole.data.eval, batch_size=size)
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    assert got.step_seconds is not None and got.step_seconds > 0  # timed on every rank
+    losses = sharded._forward("losses")
+    assert losses == pytest.approx(
+        unit_losses(whole.model, whole.data.eval, batch_size=size), rel=1e-5
+    )
+
+
+def test_a_rank_killed_mid_round_releases_nothing_and_the_next_round_reshards(
+    pair: tuple[Region, Region], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sharded, whole = pair
+    adapter = whole.model.adapter_state()
+    _round(sharded, adapter, 2)  # the cluster is up
+    (victim,) = worker_pids(sharded)
+    step = PrivateTrainer.step
+
+    def kill_then_step(self: PrivateTrainer, units: Any) -> float:
+        if alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        return step(self, units)
+
+    monkeypatch.setattr(PrivateTrainer, "step", kill_then_step)
+    with pytest.raises(ClusterError, match=rf"rank 1 \(pid {victim}\) died .* during round 3"):
+        _round(sharded, adapter, 3)
+    assert sharded._cluster is None and not alive(victim)
+    ledger = PrivacyLedger.load(sharded.ledger_path)
+    assert 3 not in [r.round for r in ledger.rounds if r.run_id == 1]
+    monkeypatch.undo()
+    again = _round(sharded, adapter, 3)  # a whole base again, sharded over new ranks
+    assert again.stats.steps == 2 and sharded.model.sharded
+    (fresh,) = worker_pids(sharded)
+    assert fresh != victim and alive(fresh)
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"dp-mode": "ghost"}, 'set dp-mode = "hooks"'),
+        ({"quantization": "nf4"}, 'set quantization = "none"'),
+    ],
+)
+def test_what_sharding_cannot_do_yet_is_refused_before_loading(
+    changes: dict[str, Any], problem: str
+) -> None:
+    run = RunConfig.from_user_config(
+        {**unit_config(), **changes, "train-sharding": "shard", "train-processes": 2},
+        source="test",
+    )
+    node = NodeConfig(region="eu", data_path="/nowhere")
+    with pytest.raises(ClusterError, match=problem):
+        check_sharding(run, node)
+    check_sharding(run, node.model_copy(update={"train_sharding": "replicate"}))
+    check_sharding(run, node.model_copy(update={"train_processes": 1}))
