@@ -133,6 +133,7 @@ ADDED_SINCE = {
     "eval-noise": 10.0,
     "eval-loss-clip": 10.0,
     "max-physical-batch-size": 2,
+    "train-sharding": "replicate",
 }
 
 

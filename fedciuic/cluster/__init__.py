@@ -18,5 +18,6 @@ if TYPE_CHECKING:
     from fedciuic.cluster.training import ClusterStats as ClusterStats
     from fedciuic.cluster.training import TrainingCluster as TrainingCluster
     from fedciuic.cluster.training import check_sharding as check_sharding
+    from fedciuic.cluster.training import forward_work as forward_work
 
 __getattr__ = face(__name__)  # each name imported on first use

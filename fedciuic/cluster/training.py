@@ -24,7 +24,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,6 @@ from fedciuic.config import DPSettings, LocalTraining, NodeConfig, RunConfig
 from fedciuic.data import ExampleSet, RegionData
 from fedciuic.model import (
     AdapterModel,
-    EvalStats,
     Shard,
     TrainStats,
     evaluate,
@@ -166,18 +165,15 @@ def train_rank(
 _DOING = {"evaluate": "evaluation", "losses": "evaluation", "time": "a timed step"}
 
 
-def forward_rank(
+def forward_work(
     model: AdapterModel,
     data: RegionData,
     local: LocalTraining,
     dp: DPSettings,
     command: TrainCommand,
-) -> EvalStats | list[float] | float:
-    """This rank's part of forward-only work on a sharded base (``command.op``): every
-    rank takes the same passes on the same examples from rank 0's adapters (broadcast);
-    rank 0 keeps the result, the others drop theirs."""
-    for param in model.trainable_parameters():
-        dist.broadcast(param.data, src=0)
+) -> Any:
+    """Forward-only work (``command.op``): the held-out loss (:class:`EvalStats`), each
+    eval unit's loss (a list) or one DP-SGD step's seconds."""
     if command.op == "evaluate":
         return evaluate(model, data.eval, batch_size=local.batch_size)
     if command.op == "losses":
@@ -185,6 +181,21 @@ def forward_rank(
     return time_private_step(
         model, data.train, local, dp, command.noise_multiplier, command.slowdown
     )
+
+
+def forward_rank(
+    model: AdapterModel,
+    data: RegionData,
+    local: LocalTraining,
+    dp: DPSettings,
+    command: TrainCommand,
+) -> Any:
+    """This rank's part of forward-only work on a sharded base: every rank takes the
+    same passes on the same examples from rank 0's adapters (broadcast); rank 0 keeps
+    the result, the others drop theirs."""
+    for param in model.trainable_parameters():
+        dist.broadcast(param.data, src=0)
+    return forward_work(model, data, local, dp, command)
 
 
 def check_sharding(run: RunConfig, node: NodeConfig) -> None:
@@ -433,7 +444,7 @@ class TrainingCluster:
             ),
         )
 
-    def forward(self, command: TrainCommand) -> EvalStats | list[float] | float:
+    def forward(self, command: TrainCommand) -> Any:
         """Rank 0's forward-only work (``evaluate``, ``losses``, ``time``) on a sharded
         base, which every rank must take part in; fails as :meth:`train` does."""
         return self._on_every_rank(

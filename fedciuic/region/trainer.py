@@ -35,6 +35,7 @@ from fedciuic.cluster import (
     TrainCommand,
     TrainingCluster,
     check_sharding,
+    forward_work,
 )
 from fedciuic.compression import (
     Codec,
@@ -60,7 +61,7 @@ from fedciuic.config import (
 from fedciuic.crypto import update_payload
 from fedciuic.data import RegionData, load_region_data, node_commitment, oversized_details
 from fedciuic.errors import FedciuicError
-from fedciuic.model import AdapterModel, EvalStats, TrainStats, evaluate, train_local, unit_losses
+from fedciuic.model import AdapterModel, EvalStats, TrainStats, train_local
 from fedciuic.policy import RegionPolicy
 from fedciuic.privacy import (
     LEDGER_FILE,
@@ -80,7 +81,6 @@ from fedciuic.privacy import (
     private_round,
     remembered_noise,
     run_prefix,
-    time_private_step,
     warn_once,
 )
 from fedciuic.region.cache import BoundedCache
@@ -628,10 +628,12 @@ class Region:
         return self._on_cluster(lambda cluster: cluster.train(command))
 
     def _forward(self, op: ForwardOp, noise_multiplier: float = 1.0) -> Any:
-        """Forward-only work on a sharded base, which every training process takes part in
-        (its result as :func:`fedciuic.cluster.training.forward_rank` gives it)."""
+        """Forward-only work (:func:`fedciuic.cluster.training.forward_work`): here, or on
+        every training process of a sharded base, each of which holds a slice of it."""
         command = TrainCommand(op=op, slowdown=self.slowdown, noise_multiplier=noise_multiplier)
-        return self._on_cluster(lambda cluster: cluster.forward(command))
+        if self.node.sharded(self.run):
+            return self._on_cluster(lambda cluster: cluster.forward(command))
+        return forward_work(self.model, self.data, self.local, self.dp, command)
 
     def _on_cluster(self, work: Callable[[TrainingCluster], _T]) -> _T:
         if self._cluster is None:
@@ -804,9 +806,7 @@ class Region:
             dp,
             noise_multiplier=step[0],
             slowdown=self.slowdown,
-            timer=partial(self._forward, "time", noise_multiplier=step[0])
-            if self.node.sharded(self.run)
-            else None,
+            timer=partial(self._forward, "time", step[0]),
         )
         released: Step = (step[0], step[1], planned)
         units = self.ledger.units(ledger, run_id) if count_steps(self.dp) else None
@@ -891,25 +891,16 @@ class Region:
         step_seconds: bool = True,
     ) -> EvalStats:
         """Held-out loss of the global adapter on this region's evaluation blocks, on rank
-        0 alone (evaluation is cheap next to training): exact, or with eval-noise a DP
-        release charged to the ledger (:meth:`RegionLedger.evaluate`); with the step's
-        seconds (:meth:`step_seconds`) unless the reply withholds them (``step_seconds``
+        0 alone (cheap next to training; a sharded base: on every rank): exact, or with
+        eval-noise a DP release charged to the ledger (:meth:`RegionLedger.evaluate`); with
+        the step's seconds (:meth:`step_seconds`) unless the reply withholds them (``step_seconds``
         False: no step is timed for a figure that would not leave)."""
         self._load_global(adapter, base_fingerprint)
-        sharded = self.node.sharded(self.run)
-        size = self.local.batch_size
+        stats: EvalStats
         if not self.ledger.evaluations:
-            stats = (
-                self._forward("evaluate")
-                if sharded
-                else evaluate(self.model, self.data.eval, batch_size=size)
-            )
+            stats = self._forward("evaluate")
         else:
-            losses = (
-                self._forward("losses")
-                if sharded
-                else unit_losses(self.model, self.data.eval, batch_size=size)
-            )
+            losses = self._forward("losses")
             loss, count, released = self.ledger.evaluate(
                 losses, run_id=run_id, server_round=server_round
             )
@@ -922,13 +913,7 @@ class Region:
         if not self.dp.dp:
             return None
         if self._step_seconds is None:
-            self._step_seconds = (
-                self._forward("time")
-                if self.node.sharded(self.run)
-                else time_private_step(
-                    self.model, self.data.train, self.local, self.dp, slowdown=self.slowdown
-                )
-            )
+            self._step_seconds = self._forward("time")
         return self._step_seconds
 
     def _round_seed(self, server_round: int) -> int:

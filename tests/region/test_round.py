@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fedciuic.audit.log import AuditError, AuditLog, load_records, verify
+from fedciuic.cluster import training as training_module
 from fedciuic.config import ModelSpec, NodeConfig, RunConfig
 from fedciuic.crypto.keys import Keypair, load_bundle
 from fedciuic.crypto.parties import (
@@ -822,7 +823,7 @@ def test_a_dp_only_region_takes_part_when_every_figure_it_sends_is_dp_or_public(
     step-seconds, its data named by a commitment); no step is timed for step-seconds
     it would not send."""
     timed: list[object] = []
-    monkeypatch.setattr(trainer_module, "time_private_step", lambda *a, **k: timed.append(a))
+    monkeypatch.setattr(training_module, "time_private_step", lambda *a, **k: timed.append(a))
     policy = write_policy(
         tmp_path / "cn.yaml", "CN", sealing__required=False, privacy__releases="dp_only"
     )
