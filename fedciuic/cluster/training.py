@@ -330,6 +330,11 @@ class TrainingCluster:
             self._check_loaded(world)
             if self.node.sharded(self.run):  # each rank keeps its slice from now on
                 shard_base(self.model, world.world_size)
+                logging.getLogger("flwr").info(
+                    "fedciuic: %s: base sharded over %d training processes (FSDP2)",
+                    self.name,
+                    world.world_size,
+                )
         except BaseException as err:
             if isinstance(err, StoreAuthError):
                 log.error("fedciuic: %s", err)

@@ -1,4 +1,5 @@
-"""A region as a cluster in a real simulation: one region trains with two gloo processes."""
+"""A region as a cluster in a real simulation: one region trains with two gloo processes
+(its base whole in each, or sharded across them)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def test_a_region_of_two_gloo_processes_trains_at_the_one_process_epsilon(tmp_pa
 
 
 def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(tmp_path):
+    """With eu's base sharded over its two processes (train-sharding = "shard"): a rank
+    killed mid-round fails that round for eu alone, and eu trains again after."""
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "cn"))
     command = _command(
@@ -95,6 +98,8 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
         "local-steps=60",  # long enough a round to kill a worker in it
         "--run-config",
         "region-train-processes='eu=2'",
+        "--run-config",
+        "train-sharding='shard'",
     )
     rank_log = data_root / "eu" / ".fedciuic" / "cluster" / "rank-1.log"
     sim = subprocess.Popen(
@@ -119,6 +124,10 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
         raise
     assert killed, "no worker process was seen training eu's round 2"
     assert sim.returncode == 0, output
+    # Sharded at the first round, and again over the processes started after the kill
+    # (the run's log, where the regions' lines go).
+    (log,) = (tmp_path / "runs" / ".flower").glob("*/logs/flwr-run-*.log")
+    assert log.read_text().count("region eu: base sharded over 2 training processes") == 2
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
     train = {r: data["rounds"][str(r)]["train"] for r in (1, 2, 3)}
