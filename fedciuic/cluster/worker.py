@@ -111,7 +111,7 @@ def serve(world: World) -> None:
         spec = run.model.model_copy(
             update={"allow_pickle_weights": node.allows_pickle_weights(run)}
         )
-        model = AdapterModel(spec, device=device)
+        model = AdapterModel(spec, device=device, skeleton=node.sharded(run))
         data = load_region_data(run, node, model.tokenizer)
         store.set(
             f"{READY_KEY}{world.rank}", json.dumps([model.base_fingerprint, data.fingerprint])

@@ -434,6 +434,8 @@ class Base:
     model_type: str
     #: The read-only files the frozen weights are mapped from (none when not shared).
     shared: list[MappedFile] = field(default_factory=list)
+    #: A skeleton's (weights on ``meta``): the files its weights are to be read from.
+    files: list[Path] = field(default_factory=list)
 
 
 def _shares(spec: ModelSpec, device: torch.device) -> bool:
@@ -473,21 +475,42 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
     return model
 
 
-def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+@dataclass
+class Source:
+    """Where a base's weights are read from: its config, tokenizer and identity, and the
+    safetensors files that hold its tensors as the model names them."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    files: list[Path]
+
+    def base(self, model: PreTrainedModel, shared: list[MappedFile] | None = None) -> Base:
+        return Base(model, self.tokenizer, self.fingerprint, self.config.model_type, shared or [])
+
+
+def _preset_source(spec: ModelSpec, dtype: torch.dtype) -> Source:
+    """A preset's weights: the cached file built once per machine from the seed."""
     config, tokenizer, fingerprint = _preset(spec)
-    if not _shares(spec, device):
-        model = _seeded_model(config, spec.seed, dtype)
-        torch.nn.Module.to(model, device=device)
-        return Base(model, tokenizer, fingerprint, config.model_type)
     file = cached_base_file(
         fingerprint, dtype, lambda: _seeded_model(config, spec.seed, dtype).state_dict()
     )
-    tensors, shared = mapped_tensors([file])
-    model = skeleton(config)
-    assign(model, tensors, file)
+    return Source(config, tokenizer, fingerprint, [file])
+
+
+def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+    if not _shares(spec, device):
+        config, tokenizer, fingerprint = _preset(spec)
+        model = _seeded_model(config, spec.seed, dtype)
+        torch.nn.Module.to(model, device=device)
+        return Base(model, tokenizer, fingerprint, config.model_type)
+    source = _preset_source(spec, dtype)
+    tensors, shared = mapped_tensors(source.files)
+    model = skeleton(source.config)
+    assign(model, tensors, source.files[0])
     # The non-persistent buffers, as the private build casts them.
     torch.nn.Module.to(model, dtype=dtype)
-    return Base(model, tokenizer, fingerprint, config.model_type, shared)
+    return source.base(model, shared)
 
 
 def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
@@ -502,28 +525,47 @@ def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
     return model
 
 
-def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
+def _checked_checkpoint(
+    spec: ModelSpec,
+) -> tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str]:
+    """The checkpoint folder, its config and tokenizer, checked (weights, vocabulary),
+    and its fingerprint."""
     path = Path(spec.model_path).expanduser()
     config = _checkpoint_config(path)
     check_weights(path, config, allow_pickle=spec.allow_pickle_weights)
     tokenizer = _load_tokenizer(path, config)
-    fingerprint = checkpoint_fingerprint(path)
+    return path, config, tokenizer, checkpoint_fingerprint(path)
+
+
+def _checkpoint_kwargs(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if not spec.allow_pickle_weights:
         kwargs["use_safetensors"] = True  # never unpickle, whatever the folder holds
+    return kwargs
+
+
+def _checkpoint_source(spec: ModelSpec, dtype: torch.dtype) -> Source:
+    """A checked checkpoint's weights: its own safetensors files where they hold the
+    model's tensors in ``dtype``, else a copy converted once per machine (as
+    from_pretrained loads it) in the cache."""
+    path, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+    kwargs = _checkpoint_kwargs(spec, dtype)
+    files = checkpoint_weight_files(path, state_names(config), dtype) or [
+        cached_base_file(fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict())
+    ]
+    return Source(config, tokenizer, fingerprint, files)
+
+
+def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     if _shares(spec, device):
-        # The checkpoint's own files when they are mapped as they are; else a copy
-        # converted once per machine (as from_pretrained loads it) in the cache.
-        files = checkpoint_weight_files(path, state_names(config), dtype) or [
-            cached_base_file(
-                fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict()
-            )
-        ]
-        tensors, shared = mapped_tensors(files)
-        model = skeleton(config, dtype)
-        assign(model, tensors, files[0])
+        source = _checkpoint_source(spec, dtype)
+        tensors, shared = mapped_tensors(source.files)
+        model = skeleton(source.config, dtype)
+        assign(model, tensors, source.files[0])
         torch.nn.Module.eval(model)  # as from_pretrained leaves it
-        return Base(model, tokenizer, fingerprint, config.model_type, shared)
+        return source.base(model, shared)
+    path, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+    kwargs = _checkpoint_kwargs(spec, dtype)
     if device.type != "cpu":
         kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU
     if spec.quantization == "nf4":
@@ -550,6 +592,39 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
         else _preset_base(spec, dtype, device)
     )
     base.model.requires_grad_(False)
+    return base
+
+
+def _refuse_fp8(path: Path) -> None:
+    """An FP8 checkpoint (DeepSeek's own V3 release) is not sliced for sharding: its
+    block scales would have to be cut with it. Converting it once to bf16 is one
+    command of DeepSeek's own repository."""
+    quantization = getattr(_checkpoint_config(path), "quantization_config", None) or {}
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    if method == "fp8":
+        raise ModelError(
+            f"run config:model-path: {path} holds FP8 weights, which a sharded base does not "
+            "read yet; convert them to bf16 once (DeepSeek-V3's inference/fp8_cast_bf16.py "
+            "--input-fp8-hf-path PATH --output-bf16-hf-path NEW, then copy the config and "
+            'tokenizer and drop quantization_config) or set train-sharding = "replicate"'
+        )
+
+
+def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
+    """The frozen base with its weights on ``meta`` (no memory) and the files they are to
+    be read from (``files``): a base each training process will hold a slice of
+    (:func:`fedciuic.model.sharding.shard_base`), never whole."""
+    dtype = base_dtype(spec, device)
+    if spec.model_path:
+        _refuse_fp8(Path(spec.model_path).expanduser())
+    source = _checkpoint_source(spec, dtype) if spec.model_path else _preset_source(spec, dtype)
+    base = source.base(skeleton(source.config, dtype))
+    base.model.requires_grad_(False)
+    base.files = source.files
     return base
 
 
@@ -714,31 +789,48 @@ class AdapterModel:
     the mode's fixed factors are installed here, from the spec, when the model is built.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, device: torch.device | None = None, *, skeleton: bool = False
+    ) -> None:
+        """``skeleton``: the base's weights stay on ``meta`` until each of the region's
+        training processes reads its slice of them (:func:`~fedciuic.model.sharding.shard_base`)."""
         self.spec = spec
         self.device = device or default_device()
+        self.skeleton = skeleton
         self._build()
 
     def _build(self) -> None:
         """The base, its adapters and the mode's fixed factors, from the spec."""
         spec = self.spec
-        base = build_base(spec, self.device)
+        base = base_skeleton(spec, self.device) if self.skeleton else build_base(spec, self.device)
         self.tokenizer = base.tokenizer
         self.base_fingerprint = base.fingerprint
         self.shared = base.shared  # keeps the mapping this process shares alive
+        #: A skeleton's: the files each rank reads its slice of the base from.
+        self.files = base.files
         #: Whether the frozen base is sharded across the region's training processes
         #: (:func:`fedciuic.model.sharding.shard_base`): every pass is then collective.
         self.sharded = False
         self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
-        for name, param in self.model.named_parameters():
-            if param.requires_grad or ADAPTER_MARK in name:  # adapters (and optimizer) in fp32
-                param.data = param.data.to(device=self.device, dtype=torch.float32)
+        for prefix, module in self.model.named_modules():
+            for key, param in module.named_parameters(recurse=False):
+                if param.requires_grad or ADAPTER_MARK in f"{prefix}.{key}":  # adapters in fp32
+                    value = torch.zeros(param.shape) if param.is_meta else param.data
+                    module._parameters[key] = torch.nn.Parameter(
+                        value.to(device=self.device, dtype=torch.float32),
+                        requires_grad=param.requires_grad,
+                    )
         if spec.gradient_checkpointing:
             enable_checkpointing(base.model)
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         fixed = fixed_factors(spec.adapter_mode, factor_shapes(self.model), spec.seed)
         self._fixed_names = sorted(fixed)
         self._copy_in(fixed)
+        if self.skeleton:  # the adapters start where round 1's global adapter does
+            params = dict(self.model.named_parameters())
+            self._copy_in(
+                initial_adapter({n: tuple(params[n].shape) for n in self._names}, spec.seed)
+            )
 
     def unshard(self) -> None:
         """Build the whole base again, in place, keeping the adapters: a sharded base

@@ -15,11 +15,18 @@ passes in the same order, whatever its own batch holds
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import ADAPTER_MARK, AdapterModel
+from fedciuic.model.shared_base import mapped_tensors
+
+#: What peft inserts in the name of a module it puts adapters on (``q_proj.base_layer``).
+_PEFT_WRAP = ".base_layer"
 
 
 def shard_base(model: AdapterModel, world_size: int) -> None:
@@ -39,5 +46,40 @@ def shard_base(model: AdapterModel, world_size: int) -> None:
     # The root is the transformers model inside peft's wrapper: Opacus, handed an FSDP
     # module, would take over the distribution (per-rank batches, its own noise), which
     # fedciuic's DP-DDP already does (fedciuic.privacy.dpsgd).
-    fully_shard(model.model.get_base_model(), mesh=mesh, ignored_params=whole)
+    root = model.model.get_base_model()
+    fully_shard(root, mesh=mesh, ignored_params=whole)
+    if model.files:  # a skeleton: each rank reads its slice, and only that
+        _read_slices(model, root)
     model.sharded = True
+
+
+def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
+    """Give a sharded skeleton's weights memory (this rank's slice of each) and read each
+    slice from the base's mapped safetensors files: the rows FSDP2 gives this rank (its
+    chunk of dim 0), so no rank reads or holds the whole base. The adapters and the
+    buffers (rotary frequencies, built with the skeleton) are kept as they were."""
+    kept = {n: t.detach().clone() for n, t in model.model.named_parameters() if ADAPTER_MARK in n}
+    buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
+    model.model.to_empty(device=model.device)
+    tensors, mapped = mapped_tensors(model.files)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        params = dict(model.model.named_parameters())
+        for name, value in kept.items():
+            params[name].copy_(value)
+        for name, buffer in root.named_buffers():
+            buffer.copy_(tensors.get(name, buffers[name]))  # a persistent one: the file's
+        for name, param in root.named_parameters():
+            if ADAPTER_MARK in name:
+                continue
+            source = tensors.get(name.replace(_PEFT_WRAP, ""))
+            if source is None:
+                raise ModelError(
+                    f"{model.files[0]}: no tensor {name.replace(_PEFT_WRAP, '')} for the sharded "
+                    "base; the checkpoint does not match its config"
+                )
+            local = param.to_local() if isinstance(param, DTensor) else param
+            rows = -(-source.shape[0] // dist.get_world_size()) if source.dim() else 0
+            local.copy_(source[rank * rows : rank * rows + local.shape[0]] if rows else source)
+    del tensors, mapped  # unmapped: what this rank keeps is its slices
+    model.files = []

@@ -598,7 +598,8 @@ class Region:
             update={"allow_pickle_weights": node.allows_pickle_weights(run)}
         )
         check_sharding(run, node)
-        self.model = AdapterModel(spec)
+        # A sharded base is never whole here: each training process reads its slice.
+        self.model = AdapterModel(spec, skeleton=node.sharded(run))
         #: The run's local training, with the region's own physical batch.
         self.local: LocalTraining = node.training(run)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())

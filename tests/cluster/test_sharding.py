@@ -5,7 +5,9 @@ checkpointing."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,9 @@ from torch.distributed.tensor import DTensor
 from fedciuic.cluster import check_sharding
 from fedciuic.cluster.dist import ClusterError
 from fedciuic.config import NodeConfig, RunConfig
-from fedciuic.model import evaluate, unit_losses
+from fedciuic.errors import ModelError
+from fedciuic.model import AdapterModel, evaluate, unit_losses
+from fedciuic.model.adapter import ADAPTER_MARK, initial_adapter
 from fedciuic.privacy.dpsgd import PrivateTrainer, physical_parts
 from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.trainer import Region, TrainOutcome
@@ -123,6 +127,38 @@ def test_the_ranks_take_different_numbers_of_passes(pair: tuple[Region, Region])
         owners = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
         counts.append(len(physical_parts(owners, PHYSICAL)))
     assert counts[0] != counts[1] and min(counts) >= 1, counts
+
+
+def test_a_sharded_region_never_holds_the_whole_base(pair: tuple[Region, Region]) -> None:
+    """Before its processes start, the region's base is a skeleton on ``meta`` (no memory)
+    whose adapters start where round 1's global adapter does; each rank then reads and
+    keeps its slice alone."""
+    sharded, whole = pair
+    fresh = AdapterModel(sharded.model.spec, skeleton=True)
+    base = [p for n, p in fresh.model.named_parameters() if ADAPTER_MARK not in n]
+    assert base and all(p.is_meta for p in base)
+    state = fresh.adapter_state()
+    shapes = {name: value.shape for name, value in state.items()}
+    for name, value in initial_adapter(shapes, fresh.spec.seed).items():
+        np.testing.assert_array_equal(state[name], value)
+    sharded.evaluate(whole.model.adapter_state(), base_fingerprint=fresh.base_fingerprint)
+    held = [p for n, p in sharded.model.model.named_parameters() if ADAPTER_MARK not in n]
+    assert all(isinstance(p, DTensor) for p in held)
+    mine = sum(p.to_local().numel() for p in held)  # type: ignore[attr-defined]
+    assert mine <= sum(p.numel() for p in held) // 2 + 64 * len(held)  # about half
+
+
+def test_an_fp8_checkpoint_is_refused_with_the_command_that_converts_it(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "fp8"
+    shutil.copytree(tiny_checkpoints["deepseek_v3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    run = RunConfig.from_user_config({**unit_config(), "model-path": str(folder)}, source="t")
+    with pytest.raises(ModelError, match=r"FP8 weights.*fp8_cast_bf16\.py"):
+        AdapterModel(run.model, skeleton=True)
 
 
 def test_a_sharded_dp_round_sends_the_one_process_update(pair: tuple[Region, Region]) -> None:
