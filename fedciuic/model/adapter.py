@@ -476,7 +476,7 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
 
 
 @dataclass
-class Source:
+class BaseSource:
     """Where a base's weights are read from: its config, tokenizer and identity, and the
     safetensors files that hold its tensors as the model names them."""
 
@@ -489,13 +489,13 @@ class Source:
         return Base(model, self.tokenizer, self.fingerprint, self.config.model_type, shared or [])
 
 
-def _preset_source(spec: ModelSpec, dtype: torch.dtype) -> Source:
+def _preset_source(spec: ModelSpec, dtype: torch.dtype) -> BaseSource:
     """A preset's weights: the cached file built once per machine from the seed."""
     config, tokenizer, fingerprint = _preset(spec)
     file = cached_base_file(
         fingerprint, dtype, lambda: _seeded_model(config, spec.seed, dtype).state_dict()
     )
-    return Source(config, tokenizer, fingerprint, [file])
+    return BaseSource(config, tokenizer, fingerprint, [file])
 
 
 def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
@@ -544,7 +544,7 @@ def _checkpoint_kwargs(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     return kwargs
 
 
-def _checkpoint_source(spec: ModelSpec, dtype: torch.dtype) -> Source:
+def _checkpoint_source(spec: ModelSpec, dtype: torch.dtype) -> BaseSource:
     """A checked checkpoint's weights: its own safetensors files where they hold the
     model's tensors in ``dtype``, else a copy converted once per machine (as
     from_pretrained loads it) in the cache."""
@@ -553,7 +553,7 @@ def _checkpoint_source(spec: ModelSpec, dtype: torch.dtype) -> Source:
     files = checkpoint_weight_files(path, state_names(config), dtype) or [
         cached_base_file(fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict())
     ]
-    return Source(config, tokenizer, fingerprint, files)
+    return BaseSource(config, tokenizer, fingerprint, files)
 
 
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
