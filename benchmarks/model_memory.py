@@ -41,6 +41,10 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 GB = 1e9
 #: 90 % of an 80 GB card
 BUDGET_GB = 72.0
+#: The GPUs a sharded region is sized for: A100/H100 80 GB and H200 141 GB.
+CAPACITIES_GB = (80, 141)
+#: The region the sharded table asks about: one node of this many H200s.
+NODE_GPUS = 8
 LORA_RANK = 8
 BATCH, SEQ = 8, 512
 #: fp32 adapter, its gradient, two AdamW moments, one per-sample gradient per example
@@ -251,6 +255,8 @@ def count(shape: Shape) -> dict[str, Any]:
     step = trainable * ADAPTER_BYTES + activations
     bf16 = total * 2
     nf4 = quantized * NF4_BYTES + (total - quantized) * 2
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    layer = max((sum(p.numel() for p in block.parameters()) for block in layers), default=0)
     fits_bf16 = (bf16 + step) / GB <= BUDGET_GB
     fits_nf4 = (nf4 + step) / GB <= BUDGET_GB
     verdict = (
@@ -258,7 +264,7 @@ def count(shape: Shape) -> dict[str, Any]:
         if fits_bf16
         else "NF4 only"
         if fits_nf4
-        else "no: the base sharded over GPUs (not built)"
+        else "no: the base sharded over GPUs (below)"
     )
     return {
         "model": shape.name,
@@ -275,7 +281,30 @@ def count(shape: Shape) -> dict[str, Any]:
         "nf4_gb": nf4 / GB,
         "dp_step_gb": step / GB,
         "one_80gb_gpu": verdict,
+        "largest_layer_gb": layer * 2 / GB,
+        **{
+            f"gpus_{capacity}gb_{kind}": sharded_gpus(
+                weights / GB, layer * 2 / GB, step / GB, capacity
+            )
+            for capacity in CAPACITIES_GB
+            for kind, weights in (("bf16", bf16), ("nf4", nf4))
+        },
     }
+
+
+def sharded_gpus(weights: float, layer: float, step: float, capacity: int) -> int | None:
+    """The fewest GPUs of ``capacity`` GB one region needs with its base sharded over them
+    (``train-sharding = "shard"``): each holds 1/N of the weights, the whole adapters
+    and the rest of a DP step for its own batch, and two layers gathered whole at a time
+    (the one running and the next, fetched ahead); 90 % of each card. One GPU: the whole
+    base, nothing gathered. None: more than 64. Sizes in bytes."""
+    budget = 0.9 * capacity * GB
+    if weights + step <= budget:
+        return 1
+    for n in (2, 4, 8, 16, 32, 64):
+        if weights / n + 2 * layer + step <= budget:
+            return n
+    return None
 
 
 def _size(gb: float) -> str:
@@ -299,6 +328,34 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['model']} | {params} | {_size(row['bf16_gb'])} | {_size(row['nf4_gb'])} "
             f"| {_size(row['dp_step_gb'])} | {row['one_80gb_gpu']} |"
+        )
+    return "\n".join(lines)
+
+
+def sharded_table(rows: list[dict[str, Any]]) -> str:
+    """GPUs per region with the base sharded, and what one node of 8 x H200 trains."""
+
+    def n(row: dict[str, Any], key: str) -> str:
+        return str(row[key]) if row[key] else "> 64"
+
+    lines = [
+        "| model | largest layer | GPUs of 80 GB, bf16 / NF4 | GPUs of 141 GB, bf16 / NF4 "
+        f"| one node of {NODE_GPUS} x H200 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        h200 = row["gpus_141gb_bf16"]
+        verdict = (
+            f"yes, bf16 on {h200}"
+            if h200 and h200 <= NODE_GPUS
+            else "NF4 only (not yet sharded)"
+            if row["gpus_141gb_nf4"] and row["gpus_141gb_nf4"] <= NODE_GPUS
+            else "no"
+        )
+        lines.append(
+            f"| {row['model']} | {_size(row['largest_layer_gb'])} "
+            f"| {n(row, 'gpus_80gb_bf16')} / {n(row, 'gpus_80gb_nf4')} "
+            f"| {n(row, 'gpus_141gb_bf16')} / {n(row, 'gpus_141gb_nf4')} | {verdict} |"
         )
     return "\n".join(lines)
 
@@ -329,6 +386,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = [count(shape) for shape in SHAPES]
     print(table(rows))
+    print()
+    print(sharded_table(rows))
     print()
     print(expert_table(rows))
     if args.json:
