@@ -60,6 +60,7 @@ from fedciuic.crypto.parties import (
 from fedciuic.digests import installed_code
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.region.trainer import REGIONS
 from fedciuic.releases import WITHHELD_REASON
 from fedciuic.wire import (
     AGENT_CODE,
@@ -933,6 +934,41 @@ def test_a_region_of_two_training_processes_trains_through_its_agent(federation,
     finally:
         agent.close()  # what a stopping agent does: its ranks go, this process leaves the world
     assert not torch.distributed.is_initialized()
+
+
+def test_a_sharded_region_trains_through_its_agent_as_one_process_does(federation, tmp_path):
+    """train-sharding = "shard" is the agent's own, as train-processes is: the round runs
+    with the base sharded over two gloo ranks, sealed, with the audit events, policy
+    record and ledger accounting of one process holding the whole base. (The noise
+    differs: an agent's is never reproducible; tests/cluster/test_sharding.py compares
+    the updates themselves.)"""
+    seen = {}
+    for name, extra in (
+        ("one", ""),
+        ("sharded", 'train-processes = 2\ntrain-sharding = "shard"\n'),
+    ):
+        folder = tmp_path / name
+        config = AgentConfig.load(federation.agent_toml(folder, folder / "agent.sock", extra))
+        agent = RegionAgent(config)
+        try:
+            answer = agent.answer(federation.instruction(run={"train-sharding": "replicate"}), ME)
+            assert answer.error == "" and vouched(federation, answer, 1)["status"] == "sealed"
+            region, _ = next(reversed(REGIONS.entries.values()))  # the one just used
+            assert region.model.sharded == (name == "sharded")
+        finally:
+            agent.close()
+        records = audit(config)
+        (trained,) = events(config, "trained")
+        lines = [json.loads(x) for x in ledger(config) or [] if '"round"' in x]
+        seen[name] = (
+            [r["event"] for r in records],
+            trained["details"].keys(),
+            [
+                {k: x[k] for k in ("noise_multiplier", "sample_rate", "steps", "epsilon")}
+                for x in lines
+            ],
+        )
+    assert seen["sharded"] == seen["one"]
 
 
 def test_what_the_agent_writes_later_is_private_whatever_its_umask(federation, tmp_path):
