@@ -203,11 +203,6 @@ def check_sharding(run: RunConfig, node: NodeConfig) -> None:
     if not node.sharded(run):
         return
     key = "train-sharding"
-    if run.privacy.dp and run.privacy.dp_mode == "ghost":
-        raise ClusterError(
-            f'{key}: "shard" clips with Opacus hooks (each unit\'s whole gradient on its '
-            'own rank); set dp-mode = "hooks"'
-        )
     if run.model.quantization != "none":
         raise ClusterError(
             f'{key}: "shard" needs a bf16 or fp32 base; set quantization = "none" (each '

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fedciuic.model.train import Shard as Shard
     from fedciuic.model.train import TrainStats as TrainStats
     from fedciuic.model.train import add_proximal_term as add_proximal_term
-    from fedciuic.model.train import blank_loss as blank_loss
+    from fedciuic.model.train import blank_batch as blank_batch
     from fedciuic.model.train import evaluate as evaluate
     from fedciuic.model.train import lm_loss as lm_loss
     from fedciuic.model.train import lockstep as lockstep

@@ -983,22 +983,28 @@ def pause_on_recompute(hooks: Any) -> Iterator[None]:
         _PAUSED_DURING_RECOMPUTE.remove(hooks)
 
 
-@contextlib.contextmanager
-def _recompute() -> Iterator[None]:
-    paused = [h for h in _PAUSED_DURING_RECOMPUTE if h.hooks_enabled]
-    for hooks in paused:
-        hooks.hooks_enabled = False
-    try:
-        yield
-    finally:
-        for hooks in paused:
+class _Recompute(contextlib.AbstractContextManager[None]):
+    """The hooks paused while a checkpointed layer is recomputed; entered once per
+    backward pass that recomputes it (ghost clipping takes two)."""
+
+    def __init__(self) -> None:
+        self.paused: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.paused = [h for h in _PAUSED_DURING_RECOMPUTE if h.hooks_enabled]
+        for hooks in self.paused:
+            hooks.hooks_enabled = False
+
+    def __exit__(self, *_: object) -> None:
+        for hooks in self.paused:
             hooks.hooks_enabled = True
+        self.paused = []
 
 
 def _contexts() -> tuple[
     contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
 ]:
-    return contextlib.nullcontext(), _recompute()
+    return contextlib.nullcontext(), _Recompute()
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:

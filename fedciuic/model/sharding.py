@@ -10,7 +10,7 @@ are those of the replicated path, computed on the same tensors (docs/cluster.md)
 
 A gathered layer is a collective: every rank must take the same forward and backward
 passes in the same order, whatever its own batch holds
-(:func:`fedciuic.model.train.lockstep` and :func:`~fedciuic.model.train.blank_loss`).
+(:func:`fedciuic.model.train.lockstep` and :func:`~fedciuic.model.train.blank_batch`).
 """
 
 from __future__ import annotations

@@ -62,18 +62,17 @@ def lockstep(passes: int, device: torch.device) -> int:
     """The most forward and backward passes any rank takes in this step (each rank
     says its own): with a sharded base (:mod:`fedciuic.model.sharding`) every pass
     gathers weights from every rank, so each rank takes that many, blank ones
-    (:func:`blank_loss`) after its own."""
+    (:func:`blank_batch`) after its own."""
     most = torch.tensor([passes], dtype=torch.long, device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     return int(most.item())
 
 
-def blank_loss(model: AdapterModel) -> torch.Tensor:
-    """A zero loss through the whole model on one example of two tokens: a pass that
-    meets the other ranks' collectives and adds nothing (every gradient it leaves,
-    per-sample ones included, is zero)."""
-    ids = torch.zeros((1, 2), dtype=torch.long)
-    return lm_loss(model.model, Batch.of_ids(ids).to(model.device)) * 0.0
+def blank_batch(device: torch.device) -> Batch:
+    """One example of two tokens: with its loss times zero, a pass through the whole
+    model that meets the other ranks' collectives and adds nothing (every gradient it
+    leaves, per-sample ones included, is zero)."""
+    return Batch.of_ids(torch.zeros((1, 2), dtype=torch.long)).to(device)
 
 
 def paced(step: Callable[[], T], slowdown: float = 1.0) -> tuple[T, float]:
@@ -241,7 +240,8 @@ def train_local(
         else:
             value = torch.zeros(1, device=model.device)
             if model.sharded:  # the other ranks' passes gather from this one
-                blank_loss(model).backward()  # type: ignore[no-untyped-call]
+                blank = lm_loss(net, blank_batch(model.device)) * 0.0
+                blank.backward()  # type: ignore[no-untyped-call]
         late = shard.rank == 0 and time.monotonic() >= deadline
         if shard.distributed:
             grads = []

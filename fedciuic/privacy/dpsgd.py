@@ -38,14 +38,13 @@ from fedciuic.config import (
     LocalTraining,
 )
 from fedciuic.data import Batch, ExampleSet
-from fedciuic.errors import ModelError
 from fedciuic.model import (
     ONE_PROCESS,
     AdapterModel,
     Shard,
     TrainStats,
     add_proximal_term,
-    blank_loss,
+    blank_batch,
     lm_loss,
     lockstep,
     make_optimizer,
@@ -63,6 +62,11 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
+#: The privacy unit of each example of the pass under way (0, 1, ... in order), while
+#: ghost clipping clips units of several examples; None: each example is its own unit.
+_PASS_UNITS: list[torch.Tensor | None] = [None]
+
+
 def _linear_norm_sample_any_rank(
     layer: torch.nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[torch.nn.Parameter, torch.Tensor]:
@@ -75,10 +79,54 @@ def _linear_norm_sample_any_rank(
     if backprops.dim() > 3:
         backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
         activations = [a.reshape(a.shape[0], -1, a.shape[-1]) for a in activations]
+    owners = _PASS_UNITS[0]
+    if owners is not None:
+        return _unit_norms(layer, activations[0], backprops, owners)
     norms: dict[torch.nn.Parameter, torch.Tensor] = compute_linear_norm_sample(
         layer, activations, backprops
     )
     return norms
+
+
+def _unit_norms(
+    layer: torch.nn.Linear, inputs: torch.Tensor, backprops: torch.Tensor, owners: torch.Tensor
+) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """For each example, the norm of its unit's gradient (the mean of the unit's examples'
+    gradients, as hooks mode clips it), for each trainable tensor of ``layer``: the
+    examples' gradients of this one layer, summed per unit, then dropped. A unit's
+    examples are one sample of all their tokens, as far as its norm goes."""
+    count = int(owners.max()) + 1
+    sizes = torch.bincount(owners, minlength=count).to(backprops.dtype)
+    grads: dict[torch.nn.Parameter, torch.Tensor] = {}
+    weight = layer.weight
+    if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+        grads[weight] = torch.einsum("n...o,n...i->noi", backprops, inputs)
+    bias = layer.bias
+    if isinstance(bias, torch.nn.Parameter) and bias.requires_grad:
+        grads[bias] = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).sum(1)
+    norms = {}
+    for param, per_example in grads.items():
+        summed = per_example.new_zeros((count, *per_example.shape[1:]))
+        summed.index_add_(0, owners, per_example)
+        norms[param] = (summed.flatten(1).norm(dim=1) / sizes)[owners]
+    return norms
+
+
+def _unit_coefficients(hooks: Any) -> Any:
+    """``hooks``' clipping coefficients (ghost clipping) with each example's scaled by
+    one over its unit's size: the second backward pass then sums each unit's clipped
+    mean gradient, as hooks mode does."""
+    per_example = hooks.get_clipping_coef
+
+    def coefficients() -> torch.Tensor:
+        coefficient: torch.Tensor = per_example()
+        owners = _PASS_UNITS[0]
+        if owners is None:
+            return coefficient
+        sizes = torch.bincount(owners).to(coefficient)
+        return coefficient / sizes[owners.to(coefficient.device)]
+
+    return coefficients
 
 
 GradSampleModuleFastGradientClipping.NORM_SAMPLERS[torch.nn.Linear] = _linear_norm_sample_any_rank
@@ -313,17 +361,6 @@ class PrivateTrainer:
         self.examples = examples
         self.units = examples.grouped
         self.per_unit = min(max_examples_per_unit, self.units.largest)
-        if mode == "ghost" and model.spec.gradient_checkpointing:
-            raise ModelError(
-                'run config:gradient-checkpointing: not with dp-mode = "ghost" (ghost '
-                'clipping runs its own second backward pass); use dp-mode = "hooks"'
-            )
-        if mode == "ghost" and self.per_unit > 1:
-            raise ModelError(
-                'run config:dp-mode: "ghost" clips each example on its own, but this '
-                f"region's privacy units have up to {self.units.largest} examples; set "
-                'max-examples-per-unit = 1 (one example per unit and step) or dp-mode = "hooks"'
-            )
         engine = _Engine()
         self._stack = contextlib.ExitStack()
         device = parameter_device(model.trainable_parameters())
@@ -365,12 +402,13 @@ class PrivateTrainer:
         if mode == "ghost":
             self.hooks, self.optimizer, self.criterion, self.loader = made
             self.net: torch.nn.Module = self.hooks
+            self.hooks.get_clipping_coef = _unit_coefficients(self.hooks)
         else:
             self.hooks, self.optimizer, self.loader = made
             self.criterion = None
             self.net = model.model
-            # Checkpointed layers are recomputed in the backward pass: the hooks skip that.
-            self._stack.enter_context(pause_on_recompute(self.hooks))
+        # Checkpointed layers are recomputed in the backward pass: the hooks skip that.
+        self._stack.enter_context(pause_on_recompute(self.hooks))
         # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks),
         # drawn in parallel streams, each from its own OS-seeded generator.
         self.optimizer.secure_mode = secure_mode
@@ -490,7 +528,7 @@ class PrivateTrainer:
             if index < len(parts):
                 total += self._pass(batch, owners, *parts[index])
             else:  # a sharded base: the other ranks' passes gather from this one
-                blank_loss(self.model).backward()  # type: ignore[no-untyped-call]
+                (self._loss(blank_batch(self.model.device)) * 0.0).backward()
             self.optimizer.signal_skip_step(do_skip=index < passes - 1)
             self.optimizer.step()
         return total / max(len(batch), 1)
@@ -498,32 +536,38 @@ class PrivateTrainer:
     def _pass(self, batch: Batch, owners: torch.Tensor, start: int, stop: int) -> float:
         """Forward and backward on the examples ``start:stop`` (whole units), leaving
         each unit's per-sample gradient; returns their summed loss."""
-        part = batch.rows(start, stop).to(self.model.device)
-        if self.criterion is not None:  # ghost clipping: Opacus runs both passes
-            logits, targets = shifted_logits(self.net, part)
-            loss = self.criterion(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
-            )
-        else:
-            loss = lm_loss(self.net, part)
-        loss.backward()
         first, last = int(owners[start]), int(owners[stop - 1])
-        if self.criterion is None and stop - start > last - first + 1:
-            self._per_unit_gradients(
-                (owners[start:stop] - first).to(self.model.device), last - first + 1
-            )
+        grouped = stop - start > last - first + 1  # a unit of several examples
+        mine = (owners[start:stop] - first).to(self.model.device)
+        loss = self._loss(batch.rows(start, stop).to(self.model.device))
+        _PASS_UNITS[0] = mine if grouped and self.criterion is not None else None
+        try:
+            loss.backward()
+        finally:
+            _PASS_UNITS[0] = None
+        if grouped and self.criterion is None:
+            self._per_unit_gradients(mine, last - first + 1)
         return float(loss.detach()) * (stop - start)
+
+    def _loss(self, part: Batch) -> Any:
+        """``part``'s loss: a plain tensor, or with ghost clipping Opacus' loss, whose
+        ``backward`` runs both of its passes."""
+        if self.criterion is None:
+            return lm_loss(self.net, part)
+        logits, targets = shifted_logits(self.net, part)
+        return self.criterion(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape
+        )
 
     def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor]:
         """A synthetic batch of the largest shape a step plans for, from public sizes
         alone: batch-size units (at most the dataset's units, whose count the sample rate
-        already makes public) of max-examples-per-unit examples each (one with ghost
-        clipping), at most the dataset's examples (sent as the FedAvg weight), each of
-        ``seq_len`` random tokens, all labelled. Not clamped to the largest unit's size:
-        that is private (how many records one user has)."""
+        already makes public) of max-examples-per-unit examples each, at most the
+        dataset's examples (sent as the FedAvg weight), each of ``seq_len`` random tokens,
+        all labelled. Not clamped to the largest unit's size: that is private (how many
+        records one user has)."""
         count = max(1, min(self.batch_size, self.units.count))
-        per_unit = 1 if self.mode == "ghost" else self.max_examples_per_unit
-        total = max(count, min(count * per_unit, len(self.examples)))
+        total = max(count, min(count * self.max_examples_per_unit, len(self.examples)))
         vocab = int(self.model.model.get_input_embeddings().num_embeddings)
         ids = torch.randint(0, vocab, (total, seq_len), generator=torch.Generator().manual_seed(0))
         return Batch.of_ids(ids), torch.arange(total) * count // total

@@ -345,16 +345,48 @@ def test_a_step_takes_at_most_max_examples_per_unit_of_a_user(model, blocks):
         trainer.close()
 
 
-def test_ghost_clipping_refuses_units_of_several_examples(model, blocks):
-    with pytest.raises(ModelError, match="max-examples-per-unit = 1"):
-        make_trainer(
+def test_ghost_clipping_clips_a_users_examples_as_one_mean_gradient(model, blocks):
+    """Units of several examples under ghost clipping: the norm of each unit's mean
+    gradient, from the layers' activations and backprops (no per-sample gradient kept),
+    is the one per-example autograd gives; the step is hooks mode's, clipping active."""
+    rows = blocks[: len(OWNERS)]
+    grads = per_sample_grads(model, rows)
+    sizes = torch.bincount(torch.tensor(OWNERS)).tolist()
+    means = [
+        torch.stack([g for g, o in zip(grads, OWNERS, strict=True) if o == unit]).mean(0)
+        for unit in range(len(sizes))
+    ]
+    seen: list[torch.Tensor] = []
+
+    def record(trainer: PrivateTrainer) -> None:
+        coefficients = trainer.hooks.get_clipping_coef
+
+        def spy() -> torch.Tensor:
+            seen.append(trainer.hooks.get_norm_sample().clone())
+            return coefficients()
+
+        trainer.hooks.get_clipping_coef = spy
+
+    updates = {
+        mode: stepped(
             model,
-            blocks[: len(OWNERS)],
+            rows,
+            len(sizes),
             units=OWNERS,
-            batch_size=2,
             max_examples_per_unit=4,
-            mode="ghost",
+            max_grad_norm=0.05,
+            noise_multiplier=0.0,
+            mode=mode,
+            optimizer="sgd",
+            check=record if mode == "ghost" else None,
         )
+        for mode in ("hooks", "ghost")
+    }
+    (norms,) = seen
+    per_unit = [float(norms[OWNERS.index(unit)]) for unit in range(len(sizes))]
+    assert per_unit == pytest.approx([float(m.norm()) for m in means], rel=1e-4)
+    assert min(per_unit) > 0.05  # every unit clipped: the coefficients matter
+    torch.testing.assert_close(updates["ghost"], updates["hooks"], rtol=1e-4, atol=1e-7)
 
 
 def test_physical_parts_are_whole_units_of_at_most_the_size():
@@ -367,7 +399,8 @@ def test_physical_parts_are_whole_units_of_at_most_the_size():
 
 
 @pytest.mark.parametrize(
-    ("mode", "units"), [("hooks", None), ("ghost", None), ("hooks", [*OWNERS, 5, 5])]
+    ("mode", "units"),
+    [("hooks", None), ("ghost", None), ("hooks", [*OWNERS, 5, 5]), ("ghost", [*OWNERS, 5, 5])],
 )
 def test_a_step_in_physical_parts_equals_the_whole_batch_step(model, blocks, mode, units):
     """Parts of the batch through the model one at a time, clipped sums added, the
