@@ -9,7 +9,6 @@ import torch
 
 from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import Batch, ExampleSet
-from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss
 from fedciuic.privacy.dpsgd import PrivateTrainer, parameter_device, physical_parts
