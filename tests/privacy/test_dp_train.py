@@ -362,7 +362,8 @@ def test_ghost_clipping_clips_a_users_examples_as_one_mean_gradient(model, block
 
         def spy() -> torch.Tensor:
             seen.append(trainer.hooks.get_norm_sample().clone())
-            return coefficients()
+            coefficient: torch.Tensor = coefficients()
+            return coefficient
 
         trainer.hooks.get_clipping_coef = spy
 
