@@ -171,9 +171,17 @@ def forward_work(
     local: LocalTraining,
     dp: DPSettings,
     command: TrainCommand,
+    *,
+    every_rank: bool = False,
 ) -> Any:
     """Forward-only work (``command.op``): the held-out loss (:class:`EvalStats`), each
-    eval unit's loss (a list) or one DP-SGD step's seconds."""
+    eval unit's loss (a list) or one DP-SGD step's seconds. ``every_rank``: this rank's
+    part of it on a sharded base, where every rank takes the same passes on the same
+    examples from rank 0's adapters (broadcast first); rank 0 keeps the result, the
+    others drop theirs."""
+    if every_rank:
+        for param in model.trainable_parameters():
+            dist.broadcast(param.data, src=0)
     if command.op == "evaluate":
         return evaluate(model, data.eval, batch_size=local.batch_size)
     if command.op == "losses":
@@ -181,21 +189,6 @@ def forward_work(
     return time_private_step(
         model, data.train, local, dp, command.noise_multiplier, command.slowdown
     )
-
-
-def forward_rank(
-    model: AdapterModel,
-    data: RegionData,
-    local: LocalTraining,
-    dp: DPSettings,
-    command: TrainCommand,
-) -> Any:
-    """This rank's part of forward-only work on a sharded base: every rank takes the
-    same passes on the same examples from rank 0's adapters (broadcast); rank 0 keeps
-    the result, the others drop theirs."""
-    for param in model.trainable_parameters():
-        dist.broadcast(param.data, src=0)
-    return forward_work(model, data, local, dp, command)
 
 
 def check_sharding(run: RunConfig, node: NodeConfig) -> None:
@@ -449,8 +442,13 @@ class TrainingCluster:
         base, which every rank must take part in; fails as :meth:`train` does."""
         return self._on_every_rank(
             command,
-            lambda _: forward_rank(
-                self.model, self.data, self.node.training(self.run), self.run.privacy, command
+            lambda _: forward_work(
+                self.model,
+                self.data,
+                self.node.training(self.run),
+                self.run.privacy,
+                command,
+                every_rank=True,
             ),
         )
 

@@ -98,7 +98,7 @@ def serve(world: World) -> None:
     form_group(world, store.raw, backend=backend_for(device), timeout=timeout, what=what)
     # The model and data libraries load after the rank has joined (a rank that cannot
     # join says so first), while rank 0 waits for it to be ready.
-    from fedciuic.cluster.training import forward_rank, train_rank
+    from fedciuic.cluster.training import forward_work, train_rank
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data import load_region_data
     from fedciuic.model import AdapterModel, Shard, shard_base
@@ -135,7 +135,7 @@ def serve(world: World) -> None:
             if command.op == "train":
                 train_rank(model, data.train, node.training(run), run.privacy, command, shard)
             else:  # rank 0's forward-only work, on a sharded base
-                forward_rank(model, data, node.training(run), run.privacy, command)
+                forward_work(model, data, node.training(run), run.privacy, command, every_rank=True)
     finally:
         leave()
 

@@ -23,7 +23,7 @@ from fedciuic.cluster.auth import SECRET_ENV, new_secret
 from fedciuic.cluster.dist import ClusterError, World, check_placement
 from fedciuic.cluster.protocol import TIMEOUT_ENV, free_port
 from fedciuic.cluster.training import processes_key
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, RunConfig, Sharding
 from fedciuic.model.train import train_local
 from fedciuic.privacy.dpsgd import PrivateTrainer
 from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
@@ -46,8 +46,6 @@ SETTINGS = {
     "collective-timeout": 5.0,
     "seq-len": 64,
 }
-#: Records in the region's small corpus (one unit each).
-RECORDS = 40
 
 
 def alive(pid: int) -> bool:
@@ -60,28 +58,21 @@ def worker_pids(region: Region) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def data_root(demo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small corpus (some of the demo's EU records), so that full batches are quick."""
-    root = tmp_path_factory.mktemp("small-data")
-    (root / "eu").mkdir()
-    lines = (demo_root / "eu" / "docs.jsonl").read_text().splitlines()[:RECORDS]
-    (root / "eu" / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    return root
-
-
-@pytest.fixture(scope="module")
 def run(data_root: Path) -> RunConfig:
     return RunConfig.from_user_config(
         {**unit_config(), "data-root": str(data_root), **SETTINGS}, source="test"
     )
 
 
-def make_region(run: RunConfig, data_root: Path, state: Path, processes: int) -> Region:
+def make_region(
+    run: RunConfig, data_root: Path, state: Path, processes: int, sharding: Sharding = "replicate"
+) -> Region:
     node = NodeConfig(
         region="eu",
         data_path=str(data_root / "eu"),
         state_path=str(state),
         train_processes=processes,
+        train_sharding=sharding,
     )
     return Region(run, node)
 
@@ -109,23 +100,30 @@ def dp_command(region: Region, **changes: Any) -> TrainCommand:
     return TrainCommand(**{**values, **changes})
 
 
-def test_two_processes_give_the_one_process_update(pair: Region, run: RunConfig) -> None:
-    start = pair.model.adapter_state()
-    pair._train_cluster(dp_command(pair, noise_multiplier=0.0))
-    two = pair.model.adapter_state()
-    pair.model.load_adapter_state(start)
+def assert_one_process_update(cluster: Region, whole: Region, atol: float) -> None:
+    """Two noise-free DP steps of ``cluster`` over its processes move the adapters as
+    ``whole``'s two in one process do, from the same start (then restored)."""
+    start = whole.model.adapter_state()
+    cluster.model.load_adapter_state(start)
+    cluster._train_cluster(dp_command(cluster, noise_multiplier=0.0))
+    two = cluster.model.adapter_state()
+    whole.model.load_adapter_state(start)
     trainer = PrivateTrainer.for_run(
-        pair.model, pair.data.train, run.training, run.privacy, noise_multiplier=0.0, seed=3
+        whole.model, whole.data.train, whole.local, whole.dp, noise_multiplier=0.0, seed=3
     )
     try:
         trainer.run(2)
     finally:
         trainer.close()
-    one = pair.model.adapter_state()
-    pair.model.load_adapter_state(start)
+    one = whole.model.adapter_state()
+    whole.model.load_adapter_state(start)
     assert any(np.abs(one[k] - start[k]).max() > 1e-4 for k in start)  # it trained
     for name in start:
-        np.testing.assert_allclose(two[name] - start[name], one[name] - start[name], atol=2e-6)
+        np.testing.assert_allclose(two[name] - start[name], one[name] - start[name], atol=atol)
+
+
+def test_two_processes_give_the_one_process_update(pair: Region) -> None:
+    assert_one_process_update(pair, pair, atol=2e-6)
 
 
 def test_two_processes_train_without_dp_as_one(pair: Region, run: RunConfig) -> None:
@@ -206,13 +204,9 @@ def test_without_dp_rank_0s_clock_stops_every_rank(pair: Region) -> None:
     assert done.stats.steps == done.fewest_steps == done.most_steps == 1
 
 
-def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
-    pair: Region, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    adapter = pair.model.adapter_state()
-    fingerprint = pair.model.base_fingerprint
-    pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=2)
-    (victim,) = worker_pids(pair)
+def kill_at_next_step(region: Region, monkeypatch: pytest.MonkeyPatch) -> int:
+    """SIGKILL ``region``'s one worker as rank 0 takes its next DP-SGD step; its pid."""
+    (victim,) = worker_pids(region)
     step = PrivateTrainer.step
 
     def kill_then_step(self: PrivateTrainer, units: Any) -> float:
@@ -221,6 +215,16 @@ def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
         return step(self, units)
 
     monkeypatch.setattr(PrivateTrainer, "step", kill_then_step)
+    return victim
+
+
+def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
+    pair: Region, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = pair.model.adapter_state()
+    fingerprint = pair.model.base_fingerprint
+    pair.train_round(adapter, server_round=1, base_fingerprint=fingerprint, run_id=2)
+    victim = kill_at_next_step(pair, monkeypatch)
     began = time.monotonic()
     with pytest.raises(
         ClusterError,

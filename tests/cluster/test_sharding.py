@@ -6,9 +6,7 @@ checkpointing, per-unit clipping by hooks and by ghost clipping."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,16 +16,22 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from fedciuic.cluster import TrainCommand, check_sharding
+from fedciuic.cluster import check_sharding
 from fedciuic.cluster.dist import ClusterError
 from fedciuic.config import NodeConfig, RunConfig
 from fedciuic.errors import ModelError
 from fedciuic.model import AdapterModel, evaluate, unit_losses
 from fedciuic.model.adapter import ADAPTER_MARK, initial_adapter
-from fedciuic.privacy.dpsgd import PrivateTrainer, physical_parts
-from fedciuic.privacy.ledger import PrivacyLedger, poisson_sample_rate
+from fedciuic.privacy.dpsgd import physical_parts
+from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.trainer import Region, TrainOutcome
-from tests.cluster.test_cluster import RECORDS, alive, worker_pids
+from tests.cluster.test_cluster import (
+    alive,
+    assert_one_process_update,
+    kill_at_next_step,
+    make_region,
+    worker_pids,
+)
 from tests.conftest import EXACT_RELEASES, unit_config
 
 #: Examples per pass of a DP-SGD step.
@@ -62,26 +66,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def data_root(demo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("small-data")
-    (root / "eu").mkdir()
-    lines = (demo_root / "eu" / "docs.jsonl").read_text().splitlines()[:RECORDS]
-    (root / "eu" / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    return root
-
-
-def region(run: RunConfig, data_root: Path, state: Path, sharding: str) -> Region:
-    node = NodeConfig(
-        region="eu",
-        data_path=str(data_root / "eu"),
-        state_path=str(state),
-        train_processes=2 if sharding == "shard" else 1,
-        train_sharding=sharding,  # type: ignore[arg-type]
-    )
-    return Region(run, node)
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-gc{int(g)}-{m}" for f, g, m in CASES])
 def pair(
     request: pytest.FixtureRequest,
@@ -101,8 +85,8 @@ def pair(
         "dp-mode": mode,
     }
     run = RunConfig.from_user_config(values, source="test")
-    whole = region(run, data_root, tmp_path_factory.mktemp("whole"), "replicate")
-    sharded = region(run, data_root, tmp_path_factory.mktemp("sharded"), "shard")
+    whole = make_region(run, data_root, tmp_path_factory.mktemp("whole"), 1)
+    sharded = make_region(run, data_root, tmp_path_factory.mktemp("sharded"), 2, "shard")
     started: set[int] = set()
     try:
         yield sharded, whole
@@ -190,25 +174,7 @@ def test_without_noise_the_sharded_clipped_sums_are_one_processes(
 ) -> None:
     """The same two steps with no noise at all: what is left is the clipped per-unit sums,
     to float tolerance (the noisy round above would hide a small difference)."""
-    sharded, whole = pair
-    start = whole.model.adapter_state()
-    rate = poisson_sample_rate(whole.data.train.num_units, whole.local.batch_size)
-    command = TrainCommand(dp=True, steps=2, sample_rate=rate, seed=3, noise_multiplier=0.0)
-    sharded.model.load_adapter_state(start)
-    sharded._train_cluster(command)
-    two = sharded.model.adapter_state()
-    trainer = PrivateTrainer.for_run(
-        whole.model, whole.data.train, whole.local, whole.dp, noise_multiplier=0.0, seed=3
-    )
-    try:
-        trainer.run(2)
-    finally:
-        trainer.close()
-    one = whole.model.adapter_state()
-    whole.model.load_adapter_state(start)
-    assert any(np.abs(one[k] - start[k]).max() > 1e-4 for k in start)  # it trained
-    for name in start:
-        np.testing.assert_allclose(two[name] - start[name], one[name] - start[name], atol=1e-6)
+    assert_one_process_update(*pair, atol=1e-6)
 
 
 def test_a_sharded_evaluation_is_the_whole_models(pair: tuple[Region, Region]) -> None:
@@ -231,15 +197,7 @@ def test_a_rank_killed_mid_round_releases_nothing_and_the_next_round_reshards(
     sharded, whole = pair
     adapter = whole.model.adapter_state()
     _round(sharded, adapter, 2)  # the cluster is up
-    (victim,) = worker_pids(sharded)
-    step = PrivateTrainer.step
-
-    def kill_then_step(self: PrivateTrainer, units: Any) -> float:
-        if alive(victim):
-            os.kill(victim, signal.SIGKILL)
-        return step(self, units)
-
-    monkeypatch.setattr(PrivateTrainer, "step", kill_then_step)
+    victim = kill_at_next_step(sharded, monkeypatch)
     with pytest.raises(ClusterError, match=rf"rank 1 \(pid {victim}\) died .* during round 3"):
         _round(sharded, adapter, 3)
     assert sharded._cluster is None and not alive(victim)

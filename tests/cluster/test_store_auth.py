@@ -37,7 +37,6 @@ from fedciuic.config import RunConfig
 from fedciuic.region.trainer import Region
 from tests.cluster.test_cluster import (  # noqa: F401 - fixtures
     alive,
-    data_root,
     make_region,
     run,
     worker_pids,
