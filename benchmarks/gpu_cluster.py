@@ -5,10 +5,12 @@ noise generator on CUDA) have no CPU test; this runs them: one region with
 ``train-processes`` = every GPU here (at least 1), one DP-SGD round through
 :class:`~fedciuic.region.trainer.Region`, then the same round in one process, and
 prints both step times, the ledger's epsilon for each (they must be equal: the same
-global batch) and that every worker is gone. Without CUDA it runs the same with gloo
+global batch), rank 0's peak GPU memory and that every worker is gone. ``--sharding
+shard``: the base sharded over the processes (FSDP2, docs/cluster.md), each holding a
+slice of it. Without CUDA it runs the same with gloo
 on 2 CPU processes, which is what CI's tests cover.
 
-    .venv/bin/python benchmarks/gpu_cluster.py --preset small
+    .venv/bin/python benchmarks/gpu_cluster.py --preset small [--sharding shard]
 """
 
 from __future__ import annotations
@@ -21,17 +23,25 @@ from pathlib import Path
 
 import torch
 
-from fedciuic.config import NodeConfig, RunConfig
+from fedciuic.config import NodeConfig, RunConfig, Sharding
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.ops.runconfig import app_run_config
 from fedciuic.region.trainer import Region
 
 
-def one_round(run: RunConfig, data: Path, state: Path, processes: int) -> dict[str, object]:
+def one_round(
+    run: RunConfig, data: Path, state: Path, processes: int, sharding: Sharding
+) -> dict[str, object]:
     node = NodeConfig(
-        region="eu", data_path=str(data), state_path=str(state), train_processes=processes
+        region="eu",
+        data_path=str(data),
+        state_path=str(state),
+        train_processes=processes,
+        train_sharding=sharding,
     )
     region = Region(run, node)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         started = time.perf_counter()
         outcome = region.train_round(
@@ -47,7 +57,12 @@ def one_round(run: RunConfig, data: Path, state: Path, processes: int) -> dict[s
     left = [w.pid for w in workers if w.poll() is None]
     return {
         "processes": processes,
+        "sharding": sharding if processes > 1 else "whole",
         "device": str(region.model.device),
+        # Rank 0's: with a sharded base, its slice of the base and its own step.
+        "rank0_peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9
+        if torch.cuda.is_available()
+        else None,
         "seconds_per_step": seconds / run.training.local_steps,
         "epsilon": outcome.privacy.epsilon,
         "workers_left": left,
@@ -58,6 +73,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--sharding",
+        choices=["replicate", "shard"],
+        default="replicate",
+        help="each process holds the whole base, or a slice of it (FSDP2)",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
@@ -78,14 +99,16 @@ def main() -> None:
             source="gpu_cluster",
         )
         rows = [
-            one_round(run, root / "data" / "eu", root / f"state-{n}", n)
+            one_round(run, root / "data" / "eu", root / f"state-{n}", n, args.sharding)
             for n in sorted({1, processes})
         ]
     for row in rows:
+        peak = row["rank0_peak_gpu_gb"]
         print(
-            f"{row['processes']} process(es) on {row['device']}: "
+            f"{row['processes']} process(es), base {row['sharding']}, on {row['device']}: "
             f"{row['seconds_per_step']:.3f} s/step, epsilon {row['epsilon']:.4f}, "
-            f"workers left {row['workers_left']}"
+            + (f"rank 0 peak {peak:.2f} GB, " if peak is not None else "")
+            + f"workers left {row['workers_left']}"
         )
     if len(rows) == 2:
         same = abs(float(rows[0]["epsilon"]) - float(rows[1]["epsilon"])) < 1e-9  # type: ignore[arg-type]

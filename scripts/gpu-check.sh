@@ -2,8 +2,8 @@
 # The trainer on a CUDA GPU (benchmarks/gpu.py): the small preset and two random-init
 # checkpoints in published distills' layouts, fewer layers (R1-Distill-Qwen, qwen2;
 # R1-0528-Qwen3-8B, qwen3), LoRA on lora-targets = auto, with and without DP, in bf16
-# and NF4; then one region's DP round over every GPU here with NCCL
-# (benchmarks/gpu_cluster.py).
+# and NF4; then one region's DP round over every GPU here with NCCL, the base whole in
+# each process and then sharded across them (benchmarks/gpu_cluster.py).
 # Needs a CUDA machine; installs the project (with bitsandbytes) into .venv first, at
 # constraints.txt's versions (torch and bitsandbytes are not in it: the CUDA build's).
 set -euo pipefail
@@ -17,5 +17,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q -c constraints.txt -e '.[cuda]'
 .venv/bin/python benchmarks/gpu.py "$@"
-# A region as a cluster: NCCL, one training process per GPU (docs/cluster.md).
-exec .venv/bin/python benchmarks/gpu_cluster.py --preset small
+# A region as a cluster: NCCL, one training process per GPU (docs/cluster.md), each
+# holding the whole base, then each holding a slice of it (train-sharding = "shard").
+.venv/bin/python benchmarks/gpu_cluster.py --preset small
+exec .venv/bin/python benchmarks/gpu_cluster.py --preset small --sharding shard
