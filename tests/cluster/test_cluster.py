@@ -126,26 +126,35 @@ def test_two_processes_give_the_one_process_update(pair: Region) -> None:
     assert_one_process_update(pair, pair, atol=2e-6)
 
 
-def test_two_processes_train_without_dp_as_one(pair: Region, run: RunConfig) -> None:
-    # Each rank takes its share of the same global batch; the gradients are summed.
-    start = pair.model.adapter_state()
-    two = pair._train_cluster(TrainCommand(steps=2, seed=5)).stats
-    after_two = pair.model.adapter_state()
-    pair.model.load_adapter_state(start)
+def assert_one_process_training(cluster: Region, whole: Region) -> None:
+    """Two steps without DP over ``cluster``'s processes (each rank its share of the same
+    global batch, the gradients summed) move the adapters as ``whole``'s two in one
+    process do, from the same start (then restored)."""
+    start = whole.model.adapter_state()
+    cluster.model.load_adapter_state(start)
+    two = cluster._train_cluster(TrainCommand(steps=2, seed=5)).stats
+    after_two = cluster.model.adapter_state()
+    whole.model.load_adapter_state(start)
+    local = whole.local
     one = train_local(
-        pair.model,
-        pair.data.train,
+        whole.model,
+        whole.data.train,
         steps=2,
-        batch_size=run.training.batch_size,
-        learning_rate=run.training.learning_rate,
+        batch_size=local.batch_size,
+        learning_rate=local.learning_rate,
         generator=torch.Generator().manual_seed(5),
-        optimizer=run.training.optimizer,
+        optimizer=local.optimizer,
     )
-    after_one = pair.model.adapter_state()
-    pair.model.load_adapter_state(start)
+    after_one = whole.model.adapter_state()
+    whole.model.load_adapter_state(start)
     assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    assert any(np.abs(after_one[k] - start[k]).max() > 1e-4 for k in start)  # it trained
     for name in start:
         np.testing.assert_allclose(after_two[name], after_one[name], atol=2e-6)
+
+
+def test_two_processes_train_without_dp_as_one(pair: Region) -> None:
+    assert_one_process_training(pair, pair)
 
 
 def test_noise_is_added_once(pair: Region, run: RunConfig) -> None:

@@ -27,6 +27,7 @@ from fedciuic.privacy.ledger import PrivacyLedger
 from fedciuic.region.trainer import Region, TrainOutcome
 from tests.cluster.test_cluster import (
     alive,
+    assert_one_process_training,
     assert_one_process_update,
     kill_at_next_step,
     make_region,
@@ -175,6 +176,10 @@ def test_without_noise_the_sharded_clipped_sums_are_one_processes(
     """The same two steps with no noise at all: what is left is the clipped per-unit sums,
     to float tolerance (the noisy round above would hide a small difference)."""
     assert_one_process_update(*pair, atol=1e-6)
+
+
+def test_without_dp_a_sharded_round_is_one_processes(pair: tuple[Region, Region]) -> None:
+    assert_one_process_training(*pair)
 
 
 def test_a_sharded_evaluation_is_the_whole_models(pair: tuple[Region, Region]) -> None:
