@@ -22,11 +22,26 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fedciuic.config import NodeConfig, RunConfig, Sharding
 from fedciuic.data.demo import write_demo_corpora
+from fedciuic.model.adapter import ADAPTER_MARK, AdapterModel
 from fedciuic.ops.runconfig import app_run_config
 from fedciuic.region.trainer import Region
+
+
+def base_held(model: AdapterModel) -> tuple[int, int]:
+    """Bytes of the frozen base this process holds (its slices, where sharded), and the
+    whole base's."""
+    held = whole = 0
+    for name, param in model.model.named_parameters():
+        if ADAPTER_MARK in name:
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param
+        held += local.numel() * local.element_size()
+        whole += param.numel() * param.element_size()
+    return held, whole
 
 
 def one_round(
@@ -40,6 +55,7 @@ def one_round(
         train_sharding=sharding,
     )
     region = Region(run, node)
+    held = base_bytes = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -50,6 +66,7 @@ def one_round(
             base_fingerprint=region.model.base_fingerprint,
         )
         seconds = time.perf_counter() - started
+        held, base_bytes = base_held(region.model)
         workers = [] if region._cluster is None else list(region._cluster.workers.values())
     finally:
         region.close()
@@ -64,6 +81,8 @@ def one_round(
         if torch.cuda.is_available()
         else None,
         "seconds_per_step": seconds / run.training.local_steps,
+        "rank0_base_mb": held / 2**20,
+        "base_mb": base_bytes / 2**20,
         "epsilon": outcome.privacy.epsilon,
         "workers_left": left,
     }
@@ -107,6 +126,7 @@ def main() -> None:
         print(
             f"{row['processes']} process(es), base {row['sharding']}, on {row['device']}: "
             f"{row['seconds_per_step']:.3f} s/step, epsilon {row['epsilon']:.4f}, "
+            f"rank 0 holds {row['rank0_base_mb']:.0f} of the base's {row['base_mb']:.0f} MiB, "
             + (f"rank 0 peak {peak:.2f} GB, " if peak is not None else "")
             + f"workers left {row['workers_left']}"
         )
