@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedciuic.config import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -81,6 +81,16 @@ class AgentConfig(NodeConfig):
     #: code): the region's own choice; the run config's allow-pickle-weights is never
     #: consulted, so no aggregator can turn it on.
     allow_pickle_weights: bool = False
+
+    @model_validator(mode="after")
+    def _sharded_over_several(self) -> Self:
+        if self.train_sharding == "shard" and self.train_processes < 2:
+            raise ValueError(
+                'train-sharding: "shard" holds a slice of the base in each of several '
+                f"training processes, and train-processes is {self.train_processes}; set "
+                'train-processes to this node\'s GPU count, or train-sharding = "replicate"'
+            )
+        return self
 
     @classmethod
     def load(cls, path: Path | str) -> Self:

@@ -240,3 +240,15 @@ def test_the_aggregators_keys_under_a_peers_name_are_refused_by_their_key(tmp_pa
     forged.write_text(text.replace('"party": "aggregator"', '"party": "us"'), encoding="utf-8")
     (problem,) = problems(path)
     assert f"{forged.resolve()} is the aggregator's bundle" in problem
+
+
+def test_a_base_sharded_over_one_process_is_refused_with_the_fix(tmp_path):
+    (problem,) = problems(write(tmp_path, GOOD + 'train-sharding = "shard"\n'))
+    assert problem.startswith(f"{tmp_path / 'region' / 'agent.toml'}:train-sharding:")
+    assert "train-processes is 1" in problem and 'train-sharding = "replicate"' in problem
+    config = AgentConfig.load(
+        write(tmp_path, GOOD + 'train-sharding = "shard"\ntrain-processes = 2\n')
+    )
+    assert config.train_sharding == "shard"
+    (problem,) = problems(write(tmp_path, GOOD + 'train-sharding = "half"\n'))
+    assert "train-sharding" in problem and "replicate" in problem
