@@ -60,6 +60,7 @@ from fedciuic.model.shared_base import (
     assign,
     cached_base_file,
     checkpoint_weight_files,
+    feeds,
     mapped_tensors,
     sharing_enabled,
     skeleton,
@@ -619,13 +620,53 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
     be read from (``files``): a base each training process will hold a slice of
     (:func:`fedciuic.model.sharding.shard_base`), never whole."""
     dtype = base_dtype(spec, device)
-    if spec.model_path:
-        _refuse_fp8(Path(spec.model_path).expanduser())
-    source = _checkpoint_source(spec, dtype) if spec.model_path else _preset_source(spec, dtype)
-    base = source.base(skeleton(source.config, dtype))
+    if not spec.model_path:
+        source = _preset_source(spec, dtype)
+        base = source.base(skeleton(source.config, dtype))
+        base.files = source.files
+    else:
+        path = Path(spec.model_path).expanduser()
+        _refuse_fp8(path)
+        _, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+        model = skeleton(config, dtype)
+        own = _own_weight_files(path)
+        if own and feeds(own_keys(own), _loaded_shapes(model)):
+            # Each rank reads its rows from the checkpoint's own files (per-expert
+            # tensors included): no process reads the whole base.
+            base = BaseSource(config, tokenizer, fingerprint, own).base(model)
+            base.files = own
+        else:  # converted once per machine, whole, into the cache
+            source = _checkpoint_source(spec, dtype)
+            base = source.base(model)
+            base.files = source.files
     base.model.requires_grad_(False)
-    base.files = source.files
     return base
+
+
+def _own_weight_files(path: Path) -> list[Path]:
+    """A checkpoint's own safetensors weight files (not an adapter's)."""
+    return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
+
+
+def own_keys(files: list[Path]) -> set[str]:
+    """The tensor names ``files`` hold, from their headers alone."""
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            keys.update(handle.keys())
+    return keys
+
+
+def _loaded_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint must hold for ``model``: each parameter once (a tied one
+    under its first name) and each persistent buffer, with their shapes."""
+    params = dict(model.named_parameters())
+    every = dict(model.named_parameters(remove_duplicate=False))
+    return {
+        name: tuple(t.shape)
+        for name, t in model.state_dict().items()
+        if name in params or name not in every
+    }
 
 
 def lora_config(spec: ModelSpec, targets: list[str]) -> LoraConfig:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import ADAPTER_MARK, AdapterModel
-from fedciuic.model.shared_base import mapped_tensors
+from fedciuic.model.shared_base import mapped_tensors, rows_of
 
 #: What peft inserts in the name of a module it puts adapters on (``q_proj.base_layer``).
 _PEFT_WRAP = ".base_layer"
@@ -72,14 +72,20 @@ def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
         for name, param in root.named_parameters():
             if ADAPTER_MARK in name:
                 continue
-            source = tensors.get(name.replace(_PEFT_WRAP, ""))
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.numel() == 0:
+                continue  # FSDP2 shards dim 0; a rank past the last row holds none
+            key = name.replace(_PEFT_WRAP, "")
+            if param.dim() == 0:
+                source = tensors.get(key)
+            else:
+                chunk = -(-param.shape[0] // dist.get_world_size())  # FSDP2's rows per rank
+                source = rows_of(tensors, key, rank * chunk, local.shape[0])
             if source is None:
                 raise ModelError(
-                    f"{model.files[0]}: no tensor {name.replace(_PEFT_WRAP, '')} for the sharded "
+                    f"{model.files[0]}: no tensor {key} for the sharded "
                     "base; the checkpoint does not match its config"
                 )
-            local = param.to_local() if isinstance(param, DTensor) else param
-            rows = -(-source.shape[0] // dist.get_world_size()) if source.dim() else 0
-            local.copy_(source[rank * rows : rank * rows + local.shape[0]] if rows else source)
+            local.copy_(source)
     del tensors, mapped  # unmapped: what this rank keeps is its slices
     model.files = []

@@ -35,7 +35,7 @@ import struct
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -336,3 +336,49 @@ def assign(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], source: 
             f"unexpected {result.unexpected_keys[:3]}); delete the file to rebuild it"
         )
     model.requires_grad_(False)
+
+
+# -- a rank's slice of a checkpoint's tensors (a sharded base) ----------------------------
+
+#: Tensors transformers fuses from a MoE checkpoint's per-expert ones: the fused name's
+#: end, and each expert's parts in order (``experts.{e}.gate_proj.weight`` and
+#: ``up_proj`` concatenated make expert e's ``gate_up_proj``).
+FUSED_EXPERTS = {
+    ".experts.gate_up_proj": (".gate_proj.weight", ".up_proj.weight"),
+    ".experts.down_proj": (".down_proj.weight",),
+}
+
+
+def _expert_names(name: str, experts: range) -> list[list[str]] | None:
+    """The per-expert tensor names fused tensor ``name`` is made of, expert by expert."""
+    for end, parts in FUSED_EXPERTS.items():
+        if name.endswith(end):
+            prefix = name[: -len(end)] + ".experts."
+            return [[f"{prefix}{e}{part}" for part in parts] for e in experts]
+    return None
+
+
+def feeds(keys: Collection[str], shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether tensors named ``keys`` hold every one of a model's tensors (``shapes``:
+    name and shape), each as it is or as its experts (:data:`FUSED_EXPERTS`)."""
+    for name, shape in shapes.items():
+        if name in keys:
+            continue
+        experts = _expert_names(name, range(shape[0])) if shape else None
+        if experts is None or any(k not in keys for one in experts for k in one):
+            return False
+    return True
+
+
+def rows_of(
+    tensors: Mapping[str, torch.Tensor], name: str, start: int, count: int
+) -> torch.Tensor | None:
+    """Rows ``start`` to ``start + count`` of a model's tensor ``name`` (dim 0; a fused
+    MoE tensor's rows are experts), read from ``tensors`` alone: None where they do not
+    hold it."""
+    if name in tensors:
+        return tensors[name][start : start + count]
+    experts = _expert_names(name, range(start, start + count))
+    if experts is None or any(k not in tensors for one in experts for k in one):
+        return None
+    return torch.stack([torch.cat([tensors[k] for k in one]) for one in experts])

@@ -124,6 +124,9 @@ def test_a_sharded_region_never_holds_the_whole_base(pair: tuple[Region, Region]
     fresh = AdapterModel(sharded.model.spec, skeleton=True)
     base = [p for n, p in fresh.model.named_parameters() if ADAPTER_MARK not in n]
     assert base and all(p.is_meta for p in base)
+    if "deepseek_v3" in str(fresh.spec.model_path):  # per-expert files, read as they are
+        folder = Path(fresh.spec.model_path)
+        assert fresh.files and all(f.parent == folder for f in fresh.files), fresh.files
     state = fresh.adapter_state()
     shapes = {name: value.shape for name, value in state.items()}
     for name, value in initial_adapter(shapes, fresh.spec.seed).items():
@@ -213,31 +216,6 @@ def test_a_rank_killed_mid_round_releases_nothing_and_the_next_round_reshards(
     assert again.stats.steps == 2 and sharded.model.sharded
     (fresh,) = worker_pids(sharded)
     assert fresh != victim and alive(fresh)
-
-
-def test_a_rank_with_nothing_to_train_meets_the_others_passes(
-    tiny_checkpoints: dict[str, Path], data_root: Path, tmp_path: Path
-) -> None:
-    """Without DP, a global batch of one example leaves rank 1 nothing to train on at
-    each step: its blank pass meets rank 0's gathers (or rank 0 would wait out the
-    collective-timeout), and the round is one process's."""
-    values = {
-        **unit_config(),
-        **SETTINGS,
-        "dp": False,
-        "batch-size": 1,
-        "data-root": str(data_root),
-        "model-path": str(tiny_checkpoints["deepseek_v3"]),
-    }
-    run = RunConfig.from_user_config(values, source="test")
-    whole = make_region(run, data_root, tmp_path / "whole", 1)
-    sharded = make_region(run, data_root, tmp_path / "sharded", 2, "shard")
-    try:
-        assert_one_process_training(sharded, whole)
-        started = worker_pids(sharded)
-    finally:
-        sharded.close()
-    assert started and not [pid for pid in started if alive(pid)]
 
 
 @pytest.mark.parametrize(
