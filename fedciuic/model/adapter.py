@@ -57,10 +57,10 @@ from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import preset_config, preset_tokenizer
 from fedciuic.model.shared_base import (
     MappedFile,
+    Slicer,
     assign,
     cached_base_file,
     checkpoint_weight_files,
-    feeds,
     mapped_tensors,
     sharing_enabled,
     skeleton,
@@ -435,8 +435,10 @@ class Base:
     model_type: str
     #: The read-only files the frozen weights are mapped from (none when not shared).
     shared: list[MappedFile] = field(default_factory=list)
-    #: A skeleton's (weights on ``meta``): the files its weights are to be read from.
+    #: A skeleton's (weights on ``meta``): the files its weights are to be read from,
+    #: and which of their tensors make each of its own.
     files: list[Path] = field(default_factory=list)
+    slicer: Slicer | None = None
 
 
 def _shares(spec: ModelSpec, device: torch.device) -> bool:
@@ -630,15 +632,18 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
         _, config, tokenizer, fingerprint = _checked_checkpoint(spec)
         model = skeleton(config, dtype)
         own = _own_weight_files(path)
-        if own and feeds(own_keys(own), _loaded_shapes(model)):
-            # Each rank reads its rows from the checkpoint's own files (per-expert
-            # tensors included): no process reads the whole base.
+        slicer = Slicer.of(model, own_keys(own)) if own else None
+        if slicer is not None and slicer.feeds(_loaded_shapes(model)):
+            # Each rank reads its rows from the checkpoint's own files (renamed keys and
+            # per-expert tensors included): no process reads the whole base.
             base = BaseSource(config, tokenizer, fingerprint, own).base(model)
-            base.files = own
+            base.files, base.slicer = own, slicer
         else:  # converted once per machine, whole, into the cache
             source = _checkpoint_source(spec, dtype)
             base = source.base(model)
             base.files = source.files
+    if base.slicer is None:
+        base.slicer = Slicer.identity(own_keys(base.files))
     base.model.requires_grad_(False)
     return base
 
@@ -847,8 +852,9 @@ class AdapterModel:
         self.tokenizer = base.tokenizer
         self.base_fingerprint = base.fingerprint
         self.shared = base.shared  # keeps the mapping this process shares alive
-        #: A skeleton's: the files each rank reads its slice of the base from.
+        #: A skeleton's: the files each rank reads its slice of the base from, and how.
         self.files = base.files
+        self.slicer = base.slicer
         #: Whether the frozen base is sharded across the region's training processes
         #: (:func:`fedciuic.model.sharding.shard_base`): every pass is then collective.
         self.sharded = False

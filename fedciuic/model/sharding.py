@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import ADAPTER_MARK, AdapterModel
-from fedciuic.model.shared_base import mapped_tensors, rows_of
+from fedciuic.model.shared_base import mapped_tensors
 
 #: What peft inserts in the name of a module it puts adapters on (``q_proj.base_layer``).
 _PEFT_WRAP = ".base_layer"
@@ -62,13 +62,16 @@ def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
     model.model.to_empty(device=model.device)
     tensors, mapped = mapped_tensors(model.files)
+    slicer = model.slicer
+    assert slicer is not None  # a skeleton's, with its files
     rank = dist.get_rank()
     with torch.no_grad():
         params = dict(model.model.named_parameters())
         for name, value in kept.items():
             params[name].copy_(value)
         for name, buffer in root.named_buffers():
-            buffer.copy_(tensors.get(name, buffers[name]))  # a persistent one: the file's
+            stored = slicer.rows(tensors, name, 0, len(buffer)) if buffer.dim() else None
+            buffer.copy_(buffers[name] if stored is None else stored)  # persistent: the file's
         for name, param in root.named_parameters():
             if ADAPTER_MARK in name:
                 continue
@@ -76,11 +79,8 @@ def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
             if local.numel() == 0:
                 continue  # FSDP2 shards dim 0; a rank past the last row holds none
             key = name.replace(_PEFT_WRAP, "")
-            if param.dim() == 0:
-                source = tensors.get(key)
-            else:
-                chunk = -(-param.shape[0] // dist.get_world_size())  # FSDP2's rows per rank
-                source = rows_of(tensors, key, rank * chunk, local.shape[0])
+            chunk = -(-param.shape[0] // dist.get_world_size()) if param.dim() else 0
+            source = slicer.rows(tensors, key, rank * chunk, local.shape[0])
             if source is None:
                 raise ModelError(
                     f"{model.files[0]}: no tensor {key} for the sharded "

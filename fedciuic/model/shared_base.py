@@ -31,6 +31,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 import tempfile
 import warnings
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from fedciuic.digests import DigestCache, cache_dir
 from fedciuic.errors import ModelError
@@ -340,45 +343,80 @@ def assign(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], source: 
 
 # -- a rank's slice of a checkpoint's tensors (a sharded base) ----------------------------
 
-#: Tensors transformers fuses from a MoE checkpoint's per-expert ones: the fused name's
-#: end, and each expert's parts in order (``experts.{e}.gate_proj.weight`` and
-#: ``up_proj`` concatenated make expert e's ``gate_up_proj``).
-FUSED_EXPERTS = {
-    ".experts.gate_up_proj": (".gate_proj.weight", ".up_proj.weight"),
-    ".experts.down_proj": (".down_proj.weight",),
-}
+
+@dataclass
+class Slicer:
+    """Which of a checkpoint's tensors make each of a model's, as transformers' own
+    conversion mapping says when it loads the checkpoint whole: a key renamed (V4's
+    keys), or a MoE layer's per-expert tensors (``experts.{e}.gate_proj.weight`` and
+    ``up_proj``) fused into one (``experts.gate_up_proj``), whose rows are experts. A
+    rank can then read its rows of each alone."""
+
+    #: model tensor -> checkpoint tensor
+    direct: dict[str, str] = field(default_factory=dict)
+    #: fused model tensor -> for each of its parts (in order), expert -> checkpoint tensor
+    experts: dict[str, list[dict[int, str]]] = field(default_factory=dict)
+
+    @classmethod
+    def identity(cls, keys: Collection[str]) -> Slicer:
+        """Tensors stored as the model names them (a preset's or a converted cache)."""
+        return cls(direct={k: k for k in keys})
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, keys: Collection[str]) -> Slicer:
+        """How checkpoint tensors ``keys`` make ``model``'s (a skeleton is enough)."""
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        names = model.state_dict()
+        slicer = cls()
+        for key in keys:
+            target, pattern = rename_source_key(
+                key, renamings, converters, model.base_model_prefix, names
+            )
+            if pattern is None:
+                # A renaming that misses (V4's ``.norm.`` rule on the final norm): as stored.
+                found = target if target in names else key if key in names else None
+                if found is not None:
+                    slicer.direct[found] = key
+                continue
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            expert = re.search(r"\.experts\.(\d+)\.", key)
+            if expert is None or not _stacks_experts(converter):
+                continue
+            parts = slicer.experts.setdefault(target, [{} for _ in converter.source_patterns])
+            parts[converter.source_patterns.index(pattern)][int(expert.group(1))] = key
+        return slicer
+
+    def feeds(self, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+        """Whether every one of a model's tensors (name and shape) can be read."""
+        for name, shape in shapes.items():
+            if name in self.direct:
+                continue
+            parts = self.experts.get(name)
+            if not parts or not shape or any(set(range(shape[0])) - set(p) for p in parts):
+                return False
+        return True
+
+    def rows(
+        self, tensors: Mapping[str, torch.Tensor], name: str, start: int, count: int
+    ) -> torch.Tensor | None:
+        """Rows ``start`` to ``start + count`` (dim 0; a fused tensor's are experts) of
+        model tensor ``name``, from ``tensors`` (the checkpoint's, mapped); a scalar
+        whole. None where they do not hold it."""
+        if name in self.direct:
+            source = tensors.get(self.direct[name])
+            return source if source is None or source.dim() == 0 else source[start : start + count]
+        parts = self.experts.get(name)
+        if parts is None:
+            return None
+        return torch.stack(
+            [torch.cat([tensors[part[e]] for part in parts]) for e in range(start, start + count)]
+        )
 
 
-def _expert_names(name: str, experts: range) -> list[list[str]] | None:
-    """The per-expert tensor names fused tensor ``name`` is made of, expert by expert."""
-    for end, parts in FUSED_EXPERTS.items():
-        if name.endswith(end):
-            prefix = name[: -len(end)] + ".experts."
-            return [[f"{prefix}{e}{part}" for part in parts] for e in experts]
-    return None
-
-
-def feeds(keys: Collection[str], shapes: Mapping[str, tuple[int, ...]]) -> bool:
-    """Whether tensors named ``keys`` hold every one of a model's tensors (``shapes``:
-    name and shape), each as it is or as its experts (:data:`FUSED_EXPERTS`)."""
-    for name, shape in shapes.items():
-        if name in keys:
-            continue
-        experts = _expert_names(name, range(shape[0])) if shape else None
-        if experts is None or any(k not in keys for one in experts for k in one):
-            return False
-    return True
-
-
-def rows_of(
-    tensors: Mapping[str, torch.Tensor], name: str, start: int, count: int
-) -> torch.Tensor | None:
-    """Rows ``start`` to ``start + count`` of a model's tensor ``name`` (dim 0; a fused
-    MoE tensor's rows are experts), read from ``tensors`` alone: None where they do not
-    hold it."""
-    if name in tensors:
-        return tensors[name][start : start + count]
-    experts = _expert_names(name, range(start, start + count))
-    if experts is None or any(k not in tensors for one in experts for k in one):
-        return None
-    return torch.stack([torch.cat([tensors[k] for k in one]) for one in experts])
+def _stacks_experts(converter: WeightConverter) -> bool:
+    """A converter that stacks experts (``MergeModulelist(dim=0)``), then perhaps joins
+    their parts along each expert's first dimension (``Concatenate(dim=1)``)."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
