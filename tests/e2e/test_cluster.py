@@ -125,9 +125,10 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
     assert killed, "no worker process was seen training eu's round 2"
     assert sim.returncode == 0, output
     # Sharded at the first round, and again over the processes started after the kill
-    # (the run's log, where the regions' lines go).
+    # (the run's log, where the regions' lines go; more often where Ray ran eu's messages
+    # in another actor too, which builds the region and its processes of its own).
     (log,) = (tmp_path / "runs" / ".flower").glob("*/logs/flwr-run-*.log")
-    assert log.read_text().count("region eu: base sharded over 2 training processes") == 2
+    assert log.read_text().count("region eu: base sharded over 2 training processes") >= 2
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
     train = {r: data["rounds"][str(r)]["train"] for r in (1, 2, 3)}
