@@ -438,7 +438,7 @@ class Base:
     #: A skeleton's (weights on ``meta``): the files its weights are to be read from,
     #: and which of their tensors make each of its own.
     files: list[Path] = field(default_factory=list)
-    slicer: Slicer | None = None
+    slicer: Slicer = field(default_factory=Slicer)
 
 
 def _shares(spec: ModelSpec, device: torch.device) -> bool:
@@ -547,11 +547,16 @@ def _checkpoint_kwargs(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     return kwargs
 
 
-def _checkpoint_source(spec: ModelSpec, dtype: torch.dtype) -> BaseSource:
-    """A checked checkpoint's weights: its own safetensors files where they hold the
-    model's tensors in ``dtype``, else a copy converted once per machine (as
-    from_pretrained loads it) in the cache."""
-    path, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+def _checkpoint_source(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    checked: tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str] | None = None,
+) -> BaseSource:
+    """A checked checkpoint's weights (``checked``: what :func:`_checked_checkpoint`
+    gave, else it is called): its own safetensors files where they hold the model's
+    tensors in ``dtype``, else a copy converted once per machine (as from_pretrained
+    loads it) in the cache."""
+    path, config, tokenizer, fingerprint = checked or _checked_checkpoint(spec)
     kwargs = _checkpoint_kwargs(spec, dtype)
     files = checkpoint_weight_files(path, state_names(config), dtype) or [
         cached_base_file(fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict())
@@ -598,11 +603,11 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
     return base
 
 
-def _refuse_fp8(path: Path) -> None:
+def _refuse_fp8(path: Path, config: PretrainedConfig) -> None:
     """An FP8 checkpoint (DeepSeek's own V3 release) is not sliced for sharding: its
     block scales would have to be cut with it. Converting it once to bf16 is one
     command of DeepSeek's own repository."""
-    quantization = getattr(_checkpoint_config(path), "quantization_config", None) or {}
+    quantization = getattr(config, "quantization_config", None) or {}
     method = (
         quantization.get("quant_method")
         if isinstance(quantization, dict)
@@ -627,23 +632,21 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
         base = source.base(skeleton(source.config, dtype))
         base.files = source.files
     else:
-        path = Path(spec.model_path).expanduser()
-        _refuse_fp8(path)
-        _, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+        checked = _checked_checkpoint(spec)
+        path, config, tokenizer, fingerprint = checked
+        _refuse_fp8(path, config)
         model = skeleton(config, dtype)
         own = _own_weight_files(path)
-        slicer = Slicer.of(model, own_keys(own)) if own else None
+        slicer = Slicer.of(model, _own_keys(own)) if own else None
         if slicer is not None and slicer.feeds(_loaded_shapes(model)):
             # Each rank reads its rows from the checkpoint's own files (renamed keys and
             # per-expert tensors included): no process reads the whole base.
             base = BaseSource(config, tokenizer, fingerprint, own).base(model)
             base.files, base.slicer = own, slicer
         else:  # converted once per machine, whole, into the cache
-            source = _checkpoint_source(spec, dtype)
+            source = _checkpoint_source(spec, dtype, checked)
             base = source.base(model)
             base.files = source.files
-    if base.slicer is None:
-        base.slicer = Slicer.identity(own_keys(base.files))
     base.model.requires_grad_(False)
     return base
 
@@ -653,7 +656,7 @@ def _own_weight_files(path: Path) -> list[Path]:
     return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
 
 
-def own_keys(files: list[Path]) -> set[str]:
+def _own_keys(files: list[Path]) -> set[str]:
     """The tensor names ``files`` hold, from their headers alone."""
     keys: set[str] = set()
     for file in files:

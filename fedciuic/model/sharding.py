@@ -63,7 +63,6 @@ def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
     model.model.to_empty(device=model.device)
     tensors, mapped = mapped_tensors(model.files)
     slicer = model.slicer
-    assert slicer is not None  # a skeleton's, with its files
     rank = dist.get_rank()
     with torch.no_grad():
         params = dict(model.model.named_parameters())

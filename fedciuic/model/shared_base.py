@@ -350,17 +350,13 @@ class Slicer:
     conversion mapping says when it loads the checkpoint whole: a key renamed (V4's
     keys), or a MoE layer's per-expert tensors (``experts.{e}.gate_proj.weight`` and
     ``up_proj``) fused into one (``experts.gate_up_proj``), whose rows are experts. A
-    rank can then read its rows of each alone."""
+    rank can then read its rows of each alone. A tensor it says nothing of is stored
+    under the model's own name (an empty one: a preset's file, a converted cache)."""
 
-    #: model tensor -> checkpoint tensor
+    #: model tensor -> checkpoint tensor, where the names differ
     direct: dict[str, str] = field(default_factory=dict)
     #: fused model tensor -> for each of its parts (in order), expert -> checkpoint tensor
     experts: dict[str, list[dict[int, str]]] = field(default_factory=dict)
-
-    @classmethod
-    def identity(cls, keys: Collection[str]) -> Slicer:
-        """Tensors stored as the model names them (a preset's or a converted cache)."""
-        return cls(direct={k: k for k in keys})
 
     @classmethod
     def of(cls, model: PreTrainedModel, keys: Collection[str]) -> Slicer:
@@ -404,15 +400,16 @@ class Slicer:
         """Rows ``start`` to ``start + count`` (dim 0; a fused tensor's are experts) of
         model tensor ``name``, from ``tensors`` (the checkpoint's, mapped); a scalar
         whole. None where they do not hold it."""
-        if name in self.direct:
-            source = tensors.get(self.direct[name])
-            return source if source is None or source.dim() == 0 else source[start : start + count]
         parts = self.experts.get(name)
-        if parts is None:
-            return None
-        return torch.stack(
-            [torch.cat([tensors[part[e]] for part in parts]) for e in range(start, start + count)]
-        )
+        if parts is not None:
+            return torch.stack(
+                [
+                    torch.cat([tensors[part[e]] for part in parts])
+                    for e in range(start, start + count)
+                ]
+            )
+        source = tensors.get(self.direct.get(name, name))
+        return source if source is None or source.dim() == 0 else source[start : start + count]
 
 
 def _stacks_experts(converter: WeightConverter) -> bool:

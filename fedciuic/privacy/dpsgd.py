@@ -706,35 +706,21 @@ def private_round(
     return PrivateRound(stats, trainer.steps_taken, trainer.empty_steps)
 
 
-def plan_private_steps(
-    model: AdapterModel,
-    examples: ExampleSet,
-    local: LocalTraining,
-    dp: DPSettings,
-    *,
-    noise_multiplier: float,
-    slowdown: float = 1.0,
-    timer: Callable[[], float] | None = None,
-) -> int:
+def plan_private_steps(local: LocalTraining, timer: Callable[[], float]) -> int:
     """How many DP-SGD steps this round takes: local-steps, or with a local-time-budget
     as many as fit in it (1 to local-steps), planned before the first private step.
 
-    The count comes from timing a full DP-SGD step on a synthetic batch of the worst
-    shape (:meth:`PrivateTrainer.time_step`, on a trainer of its own that is then
-    dropped), so it depends on the hardware, its load and the config, never on which
+    The count comes from ``timer``: the seconds of a full DP-SGD step on a synthetic
+    batch of the worst shape (:func:`time_private_step`, on every rank of a sharded
+    base), so it depends on the hardware, its load and the config, never on which
     records are sampled. Stopping on the clock instead would make the step count an
     adaptive function of the private data, which composition accounting does not
     cover (docs/privacy.md). The budget covers the training steps; this calibration
-    (a one-example warm-up and one worst-shape step) comes on top of it. ``timer``:
-    times that step instead (on every rank of a sharded base).
+    (a one-example warm-up and one worst-shape step) comes on top of it.
     """
     if local.local_time_budget <= 0:
         return local.local_steps
-    seconds = (
-        timer()
-        if timer
-        else time_private_step(model, examples, local, dp, noise_multiplier, slowdown)
-    )
+    seconds = timer()
     fits = math.floor(local.local_time_budget / seconds) if seconds > 0 else local.local_steps
     return max(1, min(local.local_steps, fits))
 

@@ -800,15 +800,7 @@ class Region:
         reproducible = dp.insecure_reproducible_noise
         # With a local-time-budget: as many steps as fit, planned before the first
         # private step from a synthetic one (never a clock stop: docs/privacy.md).
-        planned = plan_private_steps(
-            self.model,
-            self.data.train,
-            self.local,
-            dp,
-            noise_multiplier=step[0],
-            slowdown=self.slowdown,
-            timer=partial(self._forward, "time", step[0]),
-        )
+        planned = plan_private_steps(self.local, partial(self._forward, "time", step[0]))
         released: Step = (step[0], step[1], planned)
         units = self.ledger.units(ledger, run_id) if count_steps(self.dp) else None
         stats, taken = self._train_dp(server_round, seed, released, units)
