@@ -3,10 +3,14 @@
 Three regions, each with its real agent, SuperNode and relay (as an OS user of its own
 where the test runs as root), a real SuperLink, `secure-aggregation = true`. Each
 region trusts as peers only the bundles init enrolled in its `peers/` (nothing the
-aggregator hands out), and the round publishes the mean of the updates the regions
-kept. A second run kills one region's `start-supernode.sh` (kill -9: no clean-up runs)
-once its masked vector is in: nothing of that region keeps running, and the aggregator
-still publishes the survivors' sum, recovered with the others' shares.
+aggregator hands out). The run kills one region's `start-supernode.sh` (kill -9: no
+clean-up runs) once its masked vector is in: nothing of that region keeps running, and
+the aggregator still publishes the mean of the three updates the regions kept,
+recovered with the others' shares; every party's log verifies and agrees.
+
+One run proves both the secure round of the deployment init writes and the dropout:
+a round in which every region reveals is the simulation's
+(tests/e2e/test_secure.py), through the same code on each side.
 """
 
 from __future__ import annotations
@@ -23,20 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from fedciuic.agent.service import STOP_GRACE
-from fedciuic.aggregator.checkpoint import load_checkpoint
 from fedciuic.audit.events import Event
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG, load_records
-from fedciuic.config import RunConfig
-from fedciuic.crypto import load_bundle, read_update_payload
-from fedciuic.model import AdapterLayout
+from fedciuic.crypto import load_bundle
 from fedciuic.ops.separation import interpreter_paths
-from fedciuic.region.trainer import SentUpdates
-from tests.aggregator.test_secure_round import assert_published, assert_worth_checking, flat
-from tests.conftest import app_config, record_level_policies
+from tests.conftest import record_level_policies
 from tests.e2e.helpers import (
     describe,
     init_demo,
@@ -46,6 +44,7 @@ from tests.e2e.helpers import (
     stop_everything,
 )
 from tests.e2e.pace import patient
+from tests.e2e.test_secure import check_secure_round
 
 pytestmark = [pytest.mark.e2e, pytest.mark.scenario]
 REGIONS = ("eu", "cn", "us")
@@ -138,27 +137,6 @@ def _secure_sum(directory: Path) -> dict[str, Any]:
     return details
 
 
-def _published_is_the_mean_of(
-    directory: Path, data: dict[str, Any], run_dir: Path, regions: tuple[str, ...]
-) -> None:
-    """The round's published delta is the mean of the updates ``regions`` kept."""
-    run = RunConfig.from_user_config({**app_config(), **SECURE}, source="run config")
-    initial = AdapterLayout.of(run.model).initial
-    final = load_checkpoint(run_dir).adapter
-    delta = flat(final) - flat(initial)
-    kept = []
-    for region in regions:
-        found = SentUpdates(directory / "regions" / region / "state").load(data["run"]["run_id"], 1)
-        assert found is not None, region
-        arrays, _, _ = read_update_payload(found.payload)
-        decoded = run.compression.codec.decode(arrays["update"].tobytes(), delta.size)
-        kept.append(decoded.dense(delta.size))
-    mean = np.mean(kept, axis=0)
-    scale = _secure_sum(directory)["scale"]
-    assert_published(delta, mean, scale, final, initial)
-    assert_worth_checking(delta, mean)
-
-
 def _events(directory: Path, region: str) -> list[str]:
     try:
         return [
@@ -168,39 +146,19 @@ def _events(directory: Path, region: str) -> list[str]:
         return []
 
 
-def test_init_and_start_sh_run_a_secure_round_with_only_enrolled_peers(place):
-    directory = _init(place / "whole")
-    readme = (directory / "README.md").read_text()
-    for region in REGIONS:
-        here = directory / "regions" / region
-        assert sorted(p.name for p in (here / "peers").iterdir()) == sorted(
-            f"{r}.pub.json" for r in REGIONS if r != region
-        )
-        key_id = load_bundle(here / "keys" / f"{region}.pub.json").key_id.hex()
-        assert f"| {region} | `{key_id}` |" in readme
-    start = _start(directory, place / "whole")
-    try:
-        output = _finish(start)
-        assert start.returncode == 0, output[-4000:]
-        data, run_dir = _the_run(directory)
-        assert data["run"]["status"] == "completed", output[-4000:]
-        summed = _secure_sum(directory)
-        assert summed["outcome"] == "unmasked" and summed["survivors"] == sorted(REGIONS)
-        _published_is_the_mean_of(directory, data, run_dir, REGIONS)
-        for region in REGIONS:
-            events = _events(directory, region)
-            assert events.count(Event.SECURE_REVEALED) == 1, (region, events)
-        assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
-        assert not processes_under(directory), describe(processes_under(directory))
-    finally:
-        _kill_everything(start, directory)
-
-
 def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(place):
     """kill -9 of the region's start-supernode.sh once the aggregator has its masked
     vector (it was asked to consent: only a region whose masked vector arrived is): the
     others' shares recover the sum of all three, and nothing of the region runs on."""
     directory = _init(place / "dropout")
+    readme = (directory / "README.md").read_text()
+    for region in REGIONS:
+        peers = directory / "regions" / region / "peers"
+        assert sorted(p.name for p in peers.iterdir()) == sorted(
+            f"{r}.pub.json" for r in REGIONS if r != region
+        )
+        key_id = load_bundle(directory / "regions" / region / "keys" / f"{region}.pub.json")
+        assert f"| {region} | `{key_id.key_id.hex()}` |" in readme
     here = directory / "regions" / DROPPED
     killed: dict[str, Any] = {}
     # The agent lets the request in hand finish (up to STOP_GRACE) before it exits.
@@ -230,14 +188,16 @@ def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(
         assert not killed["left"], f"left running after the kill:\n{killed['left']}"
         data, run_dir = _the_run(directory)
         assert data["run"]["status"] == "completed", output[-4000:]
+        others = tuple(r for r in REGIONS if r != DROPPED)
+        check_secure_round(
+            run_dir, {r: directory / "regions" / r / "state" for r in REGIONS}, others
+        )
         summed = _secure_sum(directory)
-        assert summed["outcome"] == "unmasked", summed
         assert summed["survivors"] == sorted(REGIONS), summed  # its masked vector is in
-        others = sorted(r for r in REGIONS if r != DROPPED)
-        assert summed["revealed"] == others, summed  # recovered without it
-        _published_is_the_mean_of(directory, data, run_dir, REGIONS)
+        assert summed["revealed"] == sorted(others), summed  # recovered without it
         # The run completed and every party's log (the killed region's too) verifies.
         assert start.returncode == 0, output[-4000:]
         assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
+        assert not processes_under(directory), describe(processes_under(directory))
     finally:
         _kill_everything(start, directory)

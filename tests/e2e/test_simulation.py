@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,9 +137,14 @@ def test_three_regions_two_rounds_eval_loss_falls_in_every_region(tmp_path):
     assert verified.returncode == 0 and verified.stdout.startswith("OK: "), verified.stdout
 
 
-def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_path):
+def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(
+    tmp_path, tiny_checkpoints
+):
     """Chat records only, privacy-unit = "user", the shipped EU policy (which requires
-    it): both regions train, and the ledger, metrics and both reports name the unit."""
+    it), on R1-0528-Qwen3-8B's architecture loaded from its checkpoint folder (its own BPE
+    tokenizer and chat template): both regions train, and the ledger, metrics and both
+    reports name the unit."""
+    path = tiny_checkpoints["qwen3"]
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "cn"))
     for region in ("eu", "cn"):
@@ -155,6 +161,8 @@ def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_
         "--run-config",
         "privacy-unit='user'",
         *FEW_STEPS,
+        "--run-config",
+        f"model-path='{path}'",
         "--run-config",
         f"policies-dir='{ROOT / 'policies'}'",
     )
@@ -176,6 +184,7 @@ def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_
         assert {r.purpose for r in ledger.rounds} == {COUNTS, EVALUATION, TRAINING}
         evaluated = data["rounds"]["1"]["eval"][region]
         assert evaluated["status"] == "evaluated" and evaluated.get("step_seconds") is None
+    assert_trained_from(data, path, "qwen3")
     run_dir = Path(data["run"]["output_dir"])
     (report,) = run_dir.glob("compliance-report-run-*.md")
     text = report.read_text()
@@ -187,20 +196,18 @@ def test_two_regions_train_on_chat_data_per_user_under_the_shipped_policies(tmp_
     assert not processes_under(tmp_path)
 
 
-def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path):
-    data_root = tmp_path / "data"
-    write_demo_corpora(data_root, ("eu", "cn", "us"))
-    eu_fingerprint = region_fingerprint(data_root / "eu")
-    ledger_path = data_root / "eu" / ".fedciuic" / LEDGER_FILE
+def _spent_ledger(data_root: Path, region: str) -> Path:
+    """``region``'s ledger with an earlier run that spent its whole budget."""
+    path = data_root / region / ".fedciuic" / LEDGER_FILE
     ledger = PrivacyLedger.open(
-        ledger_path,
-        region="eu",
-        dataset=eu_fingerprint,
+        path,
+        region=region,
+        dataset=region_fingerprint(data_root / region),
         delta=1e-5,
         accountant="prv",
         unit=app_config()["privacy-unit"],
     )
-    step = (0.5, 0.01, 500)  # an earlier run that spent the whole budget
+    step = (0.5, 0.01, 500)
     ledger.append(
         ledger.new_record(
             run_id=1,
@@ -211,18 +218,60 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
             epsilon=ledger.epsilon_after(step),
         )
     )
-    spent = ledger_path.read_text()
+    return path
 
-    done = simulate(tmp_path, "--rounds", "2", "--data-root", str(data_root), *FEW_STEPS)
+
+def test_regions_with_a_spent_budget_no_data_or_a_damaged_ledger_decline_and_others_train(
+    tmp_path, tiny_checkpoints
+):
+    """Each region's fault stays in that region: eu's budget was spent by an earlier run,
+    us holds no data, sg's ledger is damaged. The launcher's budget preview says so per
+    region before anything starts; each declines every round with its reason and spends
+    nothing; cn and in train both rounds, on DeepSeek-V4 loaded from its checkpoint
+    folder (its own BPE tokenizer and chat template) through Flower."""
+    regions = ("eu", "cn", "us", "sg", "in")
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu", "cn", "sg", "in"))
+    (data_root / "us").mkdir()
+    ledger_path = _spent_ledger(data_root, "eu")
+    spent = ledger_path.read_text()
+    damaged = data_root / "sg" / ".fedciuic" / LEDGER_FILE
+    damaged.parent.mkdir()
+    damaged.write_text('{"not": "a ledger header"}\n')
+    # SG's and IN's shipped policies, as shipped, beside the lab copies of the others.
+    policies = record_level_policies(tmp_path / "policies")
+    for name in ("sg-pdpa.yaml", "in-dpdp.yaml"):
+        (policies / name).write_text((ROOT / "policies" / name).read_text())
+    path = tiny_checkpoints["deepseek_v4"]
+    done = simulate(
+        tmp_path,
+        "--rounds",
+        "2",
+        "--regions",
+        ",".join(regions),
+        "--data-root",
+        str(data_root),
+        *FEW_STEPS,
+        "--run-config",
+        f"model-path='{path}'",
+        "--run-config",
+        f"policies-dir='{policies}'",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     data = only_run(tmp_path / "runs")
     assert data["run"]["status"] == "completed"
+    reasons = {"eu": WITHHELD_REASON, "us": "holds no data files", "sg": f"{LEDGER_FILE}:1"}
     for server_round in ("1", "2"):
         train = data["rounds"][server_round]["train"]
-        assert train["eu"]["status"] == "declined"
-        assert train["eu"]["reason"] == WITHHELD_REASON  # EU: dp_only; its log says why
-        assert train["cn"]["status"] == train["us"]["status"] == "trained"
-        assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "us"]
+        for region, reason in reasons.items():
+            assert train[region]["status"] == "declined", (region, train[region])
+            assert reason in train[region]["reason"], (region, train[region])
+        # EU's policy is dp_only: its reason stays in its own log (below).
+        assert train["eu"]["reason"] == WITHHELD_REASON
+        for region in ("cn", "in"):
+            assert train[region]["status"] == "trained" and train[region]["epsilon"] > 0
+        assert sorted(data["rounds"][server_round]["aggregate"]["regions"]) == ["cn", "in"]
+    assert_trained_from(data, path, "deepseek_v4")
     assert ledger_path.read_text() == spent  # nothing more was spent, not even a count
     said = [
         r["details"]["reason"]
@@ -231,7 +280,7 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
     ]
     # two training rounds and three evaluations, each a release the budget refuses
     assert len(said) == 5 and all("budget 8" in reason for reason in said), said
-    # ... and the launching machine said so before anything started.
+    # ... and the launching machine said so before anything started, region by region.
     assert re.search(
         r"^budget: eu: a run at target-epsilon 4 \(\d+ steps\) would bring it to [\d.]+ of 8: "
         r"does not fit",
@@ -239,46 +288,20 @@ def test_a_region_whose_budget_is_spent_declines_and_the_run_completes(tmp_path)
         re.M,
     ), done.stdout
     assert "budget: cn: nothing spent, budget 8" in done.stdout
+    assert re.search(r"^budget: us: .*nothing spent", done.stdout, re.M), done.stdout
+    assert re.search(rf"^budget: sg: .*{re.escape(LEDGER_FILE)}:1", done.stdout, re.M)
     assert "declined x2" in done.stdout
-
-
-def _no_data(data_root: Path) -> None:
-    (data_root / "us").mkdir()
-
-
-def _damaged_ledger(data_root: Path) -> None:
-    write_demo_corpora(data_root, ("us",))
-    ledger = data_root / "us" / ".fedciuic" / LEDGER_FILE
-    ledger.parent.mkdir()
-    ledger.write_text('{"not": "a ledger header"}\n')
-
-
-@pytest.mark.parametrize(
-    ("fault", "preview", "reason"),
-    [
-        (_no_data, "nothing spent", "holds no data files"),
-        (_damaged_ledger, f"{LEDGER_FILE}:1", f"{LEDGER_FILE}:1"),
-    ],
-    ids=["no data", "damaged ledger"],
-)
-def test_a_region_whose_data_or_ledger_is_unusable_declines_and_the_others_train(
-    tmp_path, fault, preview, reason
-):
-    """One region's fault stays in that region: the budget preview shows it as that
-    region's line, it declines with the reason, the others train."""
-    data_root = tmp_path / "data"
-    write_demo_corpora(data_root, ("eu", "cn"))
-    fault(data_root)
-    done = simulate(tmp_path, "--rounds", "1", "--data-root", str(data_root), *FEW_STEPS)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(rf"^budget: us: .*{re.escape(preview)}", done.stdout, re.M), done.stdout
-    data = only_run(tmp_path / "runs")
-    train = data["rounds"]["1"]["train"]
-    assert train["us"]["status"] == "declined"
-    assert reason in train["us"]["reason"]
-    assert train["eu"]["status"] == train["cn"]["status"] == "trained"
-    assert sorted(data["rounds"]["1"]["aggregate"]["regions"]) == ["cn", "eu"]
     assert not processes_under(tmp_path)
+
+
+def assert_trained_from(data: dict[str, Any], path: Path, family: str) -> None:
+    """The run's global adapter was trained on the checkpoint at ``path`` and covers its
+    family's attention projections."""
+    adapter = Path(data["run"]["output_dir"]) / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    adapted = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
+    assert adapted == TARGETS[family]
+    assert config["base_model_name_or_path"] == str(path)
 
 
 @pytest.mark.parametrize(
@@ -367,18 +390,30 @@ def test_serverapp_stops_with_one_line_on_a_model_path_that_is_not_a_checkpoint(
 
 
 @pytest.mark.scenario
-def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(tmp_path):
+def test_second_simulate_on_same_data_root_verifies_and_a_spent_budget_exits_3(
+    tmp_path, tiny_checkpoints
+):
     """The documented way to continue ledgers: the same --data-root again. Each region's
     key is kept with its state, so its audit log, which outlives runs, verifies after
     every run; the second run is told before it starts what the first spent, and a
     target that no longer fits trains nothing and says so (exit 3, no adapter), instead
-    of "completed" with an untrained adapter."""
+    of "completed" with an untrained adapter. Both runs load DeepSeek-V3.2 (its
+    sparse-attention indexer) from its checkpoint folder."""
     data_root = tmp_path / "data"
     write_demo_corpora(data_root, ("eu", "us"))
-    common = ("--regions", "eu,us", "--rounds", "1", "--data-root", str(data_root))
+    path = tiny_checkpoints["deepseek_v32"]
+    common = (
+        *("--regions", "eu,us", "--rounds", "1", "--data-root", str(data_root)),
+        *("--run-config", f"model-path='{path}'"),
+    )
     kept = data_root / "eu" / ".fedciuic" / "keys" / "eu.key.json"
     first = simulate(tmp_path, *common, "--run-config", "local-steps=2")  # the default target
     assert first.returncode == 0, f"{first.stdout}{first.stderr}"
+    trained = only_run(tmp_path / "runs")
+    for region in ("eu", "us"):
+        entry = trained["rounds"]["1"]["train"][region]
+        assert entry["status"] == "trained" and entry["epsilon"] > 0, entry
+    assert_trained_from(trained, path, "deepseek_v32")
     assert first.stdout.count("audit: OK: ") == 3, first.stdout  # aggregator, eu, us
     assert "budget: eu: nothing spent, budget 8" in first.stdout
     key = kept.read_text()
@@ -456,41 +491,6 @@ def test_interrupted_run_is_marked_interrupted_and_reported(tmp_path):
     assert report.returncode == EXIT_UNFINISHED, report.stdout + report.stderr
     assert "note: This run did not end (interrupted" in report.stdout
     assert "<b>interrupted</b>" in (run_dir / "report.html").read_text()
-
-
-@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4", "qwen3"])
-def test_a_checkpoint_folder_trains_one_dp_round_of_a_two_region_simulation(
-    tmp_path, tiny_checkpoints, family
-):
-    """The newest families' checkpoints (DeepSeek-V3.2, with its sparse-attention
-    indexer; DeepSeek-V4, with its compressors, hash routing and hyper-connections;
-    R1-0528-Qwen3-8B), each loaded from its folder with its own BPE tokenizer and
-    chat template through Flower: both regions train under DP and the global adapter
-    covers its attention projections. Every family trains a DP round in a region in
-    tests/region/test_each_family.py."""
-    path = tiny_checkpoints[family]
-    done = simulate(
-        tmp_path,
-        "--regions",
-        "eu,cn",
-        "--rounds",
-        "1",
-        "--run-config",
-        f"model-path='{path}'",
-        *FEW_STEPS,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    data = only_run(tmp_path / "runs")
-    for region in ("eu", "cn"):
-        entry = data["rounds"]["1"]["train"][region]
-        assert entry["status"] == "trained", entry
-        assert entry["epsilon"] > 0
-    adapter = Path(data["run"]["output_dir"]) / "adapter"
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    adapted = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
-    assert adapted == TARGETS[family]
-    assert config["base_model_name_or_path"] == str(path)
-    assert not processes_under(tmp_path)
 
 
 @pytest.mark.scenario
