@@ -77,6 +77,8 @@ def test_the_aggregator_killed_mid_round_resumes_to_the_same_model(tmp_path):
     common = {
         "regions": ",".join(RESUMED),
         "num-server-rounds": 2,
+        # A test of what survives the kill, not of what is learnt: a few steps a round.
+        "local-steps": 4,
         "keys-dir": str(keys),
         "policies-dir": str(policies),
         "secure-mode": False,
