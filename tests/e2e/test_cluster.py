@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -15,6 +16,7 @@ import pytest
 
 from fedciuic.audit import REGION_LOG, Event, load_records
 from fedciuic.data.demo import write_demo_corpora
+from fedciuic.data.demo_pii import DEMO_DICTIONARIES
 from fedciuic.privacy.ledger import LEDGER_FILE
 from fedciuic.releases import WITHHELD_REASON
 from tests.e2e.helpers import describe, only_run, processes_under, stop_everything
@@ -47,38 +49,41 @@ def _workers(folder: Path) -> list[psutil.Process]:
     return found
 
 
-def _run(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, object], Path]:
-    folder = tmp_path / name
-    data_root = folder / "data"
-    write_demo_corpora(data_root, ("eu", "cn"))
-    command = _command(
-        folder, "--rounds", "1", "--regions", "eu,cn", "--data-root", str(data_root), *FAST, *args
-    )
-    folder.mkdir(exist_ok=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=patient(900), cwd=folder)
-    assert done.returncode == 0, done.stdout + done.stderr
-    left = processes_under(folder)
-    assert not left, "the simulation left processes running:\n" + describe(left)
-    return only_run(folder / "runs"), data_root
-
-
 def test_a_region_of_two_gloo_processes_trains_at_the_one_process_epsilon(tmp_path):
-    # The exact count: a DP one differs between the two runs, and so would the rate.
+    """eu trains with two processes, cn with one, on the same corpus (a copy of eu's) in
+    one run: the same global batch and steps give the same sample rate, noise and
+    epsilon."""
+    data_root = tmp_path / "data"
+    write_demo_corpora(data_root, ("eu",))
+    shutil.copytree(data_root / "eu", data_root / "cn")
+    names = data_root / DEMO_DICTIONARIES
+    shutil.copy(names / "eu.txt", names / "cn.txt")
+    # The exact count: a DP one differs between the two regions, and so would the rate.
     exact = exact_releases(tmp_path, "count-noise", "eval-noise")
-    two, data_two = _run(tmp_path, "two", "--run-config", "region-train-processes='eu=2'", *exact)
-    one, data_one = _run(tmp_path, "one", *exact)
-    for data in (two, one):
-        assert data["run"]["status"] == "completed"  # type: ignore[index]
-        for region in ("eu", "cn"):
-            entry = data["rounds"]["1"]["train"][region]  # type: ignore[index]
-            assert entry["status"] == "trained", entry
-    eu_two = two["rounds"]["1"]["train"]["eu"]  # type: ignore[index]
-    eu_one = one["rounds"]["1"]["train"]["eu"]  # type: ignore[index]
-    # Same global batch and steps: the same sample rate, noise and epsilon.
-    assert eu_two["epsilon"] == pytest.approx(eu_one["epsilon"], rel=1e-6)
-    (rec_two,), (rec_one,) = _ledger_rounds(data_two, "eu"), _ledger_rounds(data_one, "eu")
+    command = _command(
+        tmp_path,
+        *("--rounds", "1", "--regions", "eu,cn", "--data-root", str(data_root)),
+        *FAST,
+        *("--run-config", "region-train-processes='eu=2'", *exact),
+    )
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=patient(900), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    left = processes_under(tmp_path)
+    assert not left, "the simulation left processes running:\n" + describe(left)
+    data = only_run(tmp_path / "runs")
+    assert data["run"]["status"] == "completed"
+    train = data["rounds"]["1"]["train"]
+    for region in ("eu", "cn"):
+        assert train[region]["status"] == "trained", train[region]
+    assert train["eu"]["epsilon"] == pytest.approx(train["cn"]["epsilon"], rel=1e-6)
+    (two,), (one,) = _ledger_rounds(data_root, "eu"), _ledger_rounds(data_root, "cn")
     for key in ("noise_multiplier", "sample_rate", "steps", "epsilon"):
-        assert rec_two[key] == pytest.approx(rec_one[key], rel=1e-9), key
+        assert two[key] == pytest.approx(one[key], rel=1e-9), key
+    # eu's second process trained; cn started none.
+    assert (data_root / "eu" / ".fedciuic" / "cluster" / "rank-1.log").exists()
+    assert not (data_root / "cn" / ".fedciuic" / "cluster").exists()
 
 
 def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(tmp_path):
