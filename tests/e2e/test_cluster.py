@@ -100,7 +100,7 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
         "--data-root",
         str(data_root),
         "--run-config",
-        "local-steps=60",  # long enough a round to kill a worker in it
+        "local-steps=20",  # long enough a round to kill a worker in it
         "--run-config",
         "region-train-processes='eu=2'",
         "--run-config",
