@@ -72,7 +72,7 @@ def test_superlink_and_three_supernodes_run_two_rounds_sealed_on_their_own_data(
         run_id, streamed = federation.run_app(
             {
                 "num-server-rounds": 2,
-                "local-steps": 10,  # three regions share 2 cores
+                "local-steps": 4,  # three regions share 2 cores
                 "output-dir": str(out),
                 "data-root": "",
                 "keys-dir": str(keys),
