@@ -8,9 +8,10 @@ clean-up runs) once its masked vector is in: nothing of that region keeps runnin
 the aggregator still publishes the mean of the three updates the regions kept,
 recovered with the others' shares; every party's log verifies and agrees.
 
-One run proves both the secure round of the deployment init writes and the dropout:
-a round in which every region reveals is the simulation's
-(tests/e2e/test_secure.py), through the same code on each side.
+One run proves the deployment init writes (TLS, each SuperNode admitted by its key,
+start.sh's report of every party's verified log, plain text, nothing left running), its
+secure round and the dropout: a round in which every region reveals is the
+simulation's (tests/e2e/test_secure.py), through the same code on each side.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from fedciuic.crypto import load_bundle
 from fedciuic.ops.separation import interpreter_paths
 from tests.conftest import record_level_policies
 from tests.e2e.helpers import (
+    alive,
     describe,
     init_demo,
     open_folder,
@@ -199,5 +201,21 @@ def test_a_region_killed_after_its_masked_vector_is_in_leaves_the_survivors_sum(
         assert start.returncode == 0, output[-4000:]
         assert output.count("audit: OK: ") == 1 + len(REGIONS), output[-4000:]
         assert not processes_under(directory), describe(processes_under(directory))
+        assert not alive([int(p.read_text()) for p in (directory / "pids").glob("*.pid")])
+        # TLS with SuperNode authentication: each SuperNode was admitted by its key.
+        assert "--insecure" not in (directory / "aggregator" / "start-superlink.sh").read_text()
+        assert output.count("registered successfully") == len(REGIONS), output[-4000:]
+        # start.sh ends with the run report, from every party's audit log, verified by
+        # its key; plain text: Flower's colour codes stay out of the output and the logs.
+        assert f"report: {run_dir / 'report.html'}\n" in output, output[-4000:]
+        assert "not verified" not in output and "\x1b[" not in output
+        for log in (directory / "logs").glob("*.log"):
+            assert "\x1b[" not in log.read_text(errors="replace"), log
+        page = (run_dir / "report.html").read_text()
+        assert "<b>completed</b>" in page and "not verified" not in page
+        series = json.loads((run_dir / "report" / "series.json").read_text())
+        assert ("aggregate", "published") in {
+            (d["subject"], d["outcome"]) for d in series["decisions"]
+        }, series["decisions"]
     finally:
         _kill_everything(start, directory)
