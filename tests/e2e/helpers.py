@@ -61,6 +61,19 @@ def processes_under(folder: Path) -> list[psutil.Process]:
     return found
 
 
+def running_under(folder: Path, command: str) -> list[psutil.Process]:
+    """:func:`processes_under` ``folder`` whose command line holds ``command``; one that
+    exits between the listing and the reading of its command line is not running."""
+    found = []
+    for proc in processes_under(folder):
+        try:
+            if command in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 def stop_everything(folder: Path, pids: Iterable[int] = ()) -> None:
     """After a test failed half-way: kill the processes it started (``pids``, with their
     children) and whatever still belongs to ``folder`` (a SuperLink or Ray worker that

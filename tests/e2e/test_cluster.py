@@ -11,7 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fedciuic.audit import REGION_LOG, Event, load_records
@@ -19,7 +18,13 @@ from fedciuic.data.demo import write_demo_corpora
 from fedciuic.data.demo_pii import DEMO_DICTIONARIES
 from fedciuic.privacy.ledger import LEDGER_FILE
 from fedciuic.releases import WITHHELD_REASON
-from tests.e2e.helpers import describe, only_run, processes_under, stop_everything
+from tests.e2e.helpers import (
+    describe,
+    only_run,
+    processes_under,
+    running_under,
+    stop_everything,
+)
 from tests.e2e.pace import patient
 from tests.e2e.test_simulation import _command, exact_releases
 
@@ -36,17 +41,6 @@ def _ledger_rounds(data_root: Path, region: str) -> list[dict[str, object]]:
         return []
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [line for line in lines[1:] if "round" in line]
-
-
-def _workers(folder: Path) -> list[psutil.Process]:
-    found = []
-    for p in processes_under(folder):
-        try:
-            if WORKER in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.NoSuchProcess:  # exited (or a zombie) since it was listed
-            continue
-    return found
 
 
 def test_a_region_of_two_gloo_processes_trains_at_the_one_process_epsilon(tmp_path):
@@ -115,7 +109,7 @@ def test_a_killed_worker_makes_its_region_decline_the_round_and_the_run_goes_on(
         deadline = time.monotonic() + patient(600)
         while time.monotonic() < deadline and sim.poll() is None:
             # Kill eu's worker while it trains round 2.
-            workers = _workers(tmp_path)
+            workers = running_under(tmp_path, WORKER)
             text = rank_log.read_text() if rank_log.exists() else ""
             if "round 2: training" in text and workers:
                 for worker in workers:

@@ -21,6 +21,7 @@ from tests.e2e.helpers import (
     describe,
     free_ports,
     processes_under,
+    running_under,
     stop_everything,
 )
 from tests.e2e.pace import patient
@@ -69,8 +70,7 @@ def test_ctrl_c_on_start_sh_whose_output_is_gone_stops_every_process_and_exits_1
         deadline = time.monotonic() + patient(45)
         while not (
             (directory / "pids" / "flwr-run.pid").exists()
-            and sum("flower-supernode" in " ".join(p.cmdline()) for p in processes_under(directory))
-            >= len(REGIONS)
+            and len(running_under(directory, "flower-supernode")) >= len(REGIONS)
         ):
             assert start.poll() is None, f"start.sh exited {start.returncode}:\n{err.read_text()}"
             assert time.monotonic() < deadline, err.read_text()
