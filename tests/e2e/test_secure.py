@@ -84,7 +84,6 @@ def check_secure_round(
         load_records(audit), {r: load_records(s / REGION_LOG) for r, s in states.items()}
     )
     assert check.agree and len(check.matched) == len(states), check.problems
-    assert app_config()["secure-aggregation"] is False  # off unless a run turns it on
     return audit
 
 
@@ -104,3 +103,4 @@ def test_a_secure_simulation_publishes_the_mean_of_the_regions_updates(tmp_path)
     (run_dir,) = (tmp_path / "runs").glob("run-*")
     states = {r: data_root / r / ".fedciuic" for r in REGIONS}
     check_secure_round(run_dir, states)
+    assert app_config()["secure-aggregation"] is False  # off unless a run turns it on
