@@ -51,11 +51,11 @@ from fedciuic.ops.separation import (
     check_runs,
     default_relay_user,
     ensure_user,
-    exec_as,
     exec_tied,
     reach_problem,
     reachability_problem,
     relay_folders,
+    run_as,
 )
 from fedciuic.policy import LoadedPolicy, PolicyError, PolicySet, load_policies
 from fedciuic.record import (
@@ -482,9 +482,10 @@ def _main(argv: Sequence[str]) -> int:
         return outcome
     if action == "relay-setup" and len(args) == 3:
         return relay_setup(args[0], Path(args[1]), Path(args[2]))
-    # PARENT: the launcher's PID ($$), which the command dies with (returns only by raising)
+    # PARENT: the launcher's PID ($$), which the command dies with (tied: returns only by
+    # raising; relay: its group's exit status)
     if action == "relay" and len(args) >= 5 and args[3] == "--" and args[2].isdigit():
-        exec_as(args[0], Path(args[1]), args[4:], parent=int(args[2]))
+        return run_as(args[0], Path(args[1]), args[4:], parent=int(args[2]))
     if action == "tied" and len(args) >= 3 and args[1] == "--" and args[0].isdigit():
         exec_tied(args[2:], parent=int(args[0]))
     if action == "stop" and len(args) == 1:

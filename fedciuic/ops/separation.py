@@ -12,6 +12,11 @@ it, instead of a relay that dies at start.
 
 The SuperNode and the relay carry the kernel's parent-death signal: a start script
 killed with SIGKILL still takes them with it, and the SuperNode's port is free again.
+The relay stays the parent of Flower's SuperExec, in a process group of its own
+(:func:`supervise`): the ClientApps the SuperExec starts end with the region too, even one
+blocked in a call to a SuperNode that is gone (a ClientApp that leaves the group on
+purpose is beyond it: it is the aggregator's code, run as a user that reads nothing of
+the region's).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -171,10 +177,10 @@ def check_runs(name: str) -> None:
         raise SeparationError(f"relay-user {name}: cannot run the relay: {why}")
 
 
-def exec_as(name: str, home: Path, command: Sequence[str], parent: int) -> None:
-    """Replace this process with ``command`` run as ``name`` ("": ourselves) in
-    ``home``, dying with process ``parent`` (its launcher's word: by now a parent killed
-    meanwhile would have been replaced)."""
+def run_as(name: str, home: Path, command: Sequence[str], parent: int) -> int:
+    """Run ``command`` as ``name`` ("": ourselves) in ``home`` under :func:`supervise`,
+    dying with process ``parent`` (its launcher's word: by now a parent killed meanwhile
+    would have been replaced); its exit status, as a shell gives it."""
     env = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home)}
     if name and (problem := reach_problem(name, {f"its home {home}": home.parent})):
         raise SeparationError(problem)
@@ -191,7 +197,63 @@ def exec_as(name: str, home: Path, command: Sequence[str], parent: int) -> None:
     # after the switch of user (which clears it) and kept across exec.
     _die_with_parent(parent)
     os.chdir(home)
-    os.execve(command[0], list(command), env)
+    return supervise(command, env)
+
+
+def supervise(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``command`` as the leader of a process group of its own and stay its parent:
+    whatever ends this process (a signal, the parent-death signal) or ``command`` ends
+    the whole group, SIGTERM then, after :data:`GROUP_GRACE` seconds, SIGKILL. What the
+    command started (the SuperExec's ClientApps) cannot outlive it."""
+    ended: list[int] = []
+    group: list[int] = []  # the child's PID once it runs: its group's ID
+
+    def _stop(signum: int, _frame: object) -> None:
+        ended.append(signum)
+        for each in group:
+            _signal_group(each, signal.SIGTERM)
+
+    for each in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(each, _stop)
+    me = os.getpid()
+    child = subprocess.Popen(
+        list(command), env=env, process_group=0, preexec_fn=lambda: _die_with_parent(me)
+    )
+    group.append(child.pid)
+    if ended:  # a signal before the group existed
+        _signal_group(child.pid, signal.SIGTERM)
+    status = child.wait()
+    _end_group(child.pid)
+    if ended:
+        return 128 + ended[0]
+    return status if status >= 0 else 128 - status
+
+
+#: Seconds a supervised group has between SIGTERM and SIGKILL.
+GROUP_GRACE = 3.0
+
+
+def _end_group(group: int) -> None:
+    """SIGTERM every process left in ``group``; SIGKILL what still runs after the grace."""
+    if not _signal_group(group, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + GROUP_GRACE
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if not _signal_group(group, 0):
+            return
+    _signal_group(group, signal.SIGKILL)
+
+
+def _signal_group(group: int, signum: int) -> bool:
+    """Send ``signum`` to process group ``group``; False once no process is left in it."""
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member changed user: nothing this process may end
+        return False
+    return True
 
 
 def exec_tied(command: Sequence[str], parent: int) -> None:
@@ -220,10 +282,11 @@ __all__ = [
     "closed_to_others",
     "default_relay_user",
     "ensure_user",
-    "exec_as",
     "exec_tied",
     "first_closed",
     "reach_problem",
     "reachability_problem",
     "relay_folders",
+    "run_as",
+    "supervise",
 ]

@@ -111,14 +111,26 @@ held.listen()
 time.sleep(300)
 """
 
-#: A relay that runs (or, with FAKE_RELAY_FAILS, says why it cannot and exits 1).
+#: A relay that runs (or, with FAKE_RELAY_FAILS, says why it cannot and exits 1), with
+#: a ClientApp of its own that the SuperExec's end does not reach; with STUCK, it ignores
+#: SIGTERM and SIGINT too, as a ClientApp blocked in a call to a SuperNode that is gone.
 FAKE_SUPEREXEC = """\
-import os, sys, time
+import os, subprocess, sys, time
 
 if os.environ.get("FAKE_RELAY_FAILS"):
     sys.exit("flower-superexec: " + os.environ["FAKE_RELAY_FAILS"])
+subprocess.Popen([sys.executable, "-c", FAKE_CLIENTAPP, "flwr-clientapp"])
 time.sleep(300)
 """
+FAKE_CLIENTAPP = """\
+import os, signal, time
+
+if os.environ.get("STUCK"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+time.sleep(300)
+"""
+STUCK = {"STUCK": "1"}
 
 FAKE_FEDCIUIC = """\
 #!/usr/bin/env bash
@@ -180,7 +192,10 @@ def _fake_deployment(folder: Path, relay_user: str = "") -> Path:
     _script(fake / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     _script(fake / "flower-superlink", f"#!{sys.executable}\n{FAKE_SUPERLINK}")
     _script(fake / "flower-supernode", f"#!{sys.executable}\n{FAKE_SUPERNODE}")
-    _script(fake / "flower-superexec", f"#!{sys.executable}\n{FAKE_SUPEREXEC}")
+    _script(
+        fake / "flower-superexec",
+        f"#!{sys.executable}\nFAKE_CLIENTAPP = {FAKE_CLIENTAPP!r}\n{FAKE_SUPEREXEC}",
+    )
     _script(fake / "flwr", FAKE_FLWR)
     _script(fake / "record-run", f"#!{sys.executable}\n{RECORD_RUN}")
     _script(fake / "fedciuic", FAKE_FEDCIUIC)
@@ -375,6 +390,8 @@ def test_start_sh_reports_the_run_it_started_and_exits_by_its_outcome(federation
 
 #: A region's three processes, by the mark in their command lines once they run.
 ROLES = {"agent": "fake-agent", "SuperNode": "flower-supernode", "relay": "flower-superexec"}
+#: And the ClientApp the relay's SuperExec started, which must end with the region.
+MARKS = {**ROLES, "ClientApp": "flwr-clientapp"}
 #: How start-supernode.sh names each when it stops (its relay as the region's own user).
 STOPPED = {
     "agent": "its agent",
@@ -384,16 +401,20 @@ STOPPED = {
 
 
 def _roles(here: Path) -> dict[str, psutil.Process]:
-    """The region's agent, SuperNode and relay that run (each once it has exec'd: not
-    the wrapper that starts it)."""
+    """The region's agent, SuperNode, relay and ClientApp that run (each once it has
+    exec'd: not the wrapper that starts it)."""
     found = {}
     for process in processes_under(here):
         with contextlib.suppress(psutil.Error):  # one may end between list and look
             line = " ".join(process.cmdline())
-            for role, mark in ROLES.items():
+            for role, mark in MARKS.items():
                 if mark in line and "fedciuic.ops.deploy" not in line and "--ping" not in line:
                     found[role] = process
     return found
+
+
+def _all_up(here: Path) -> bool:
+    return _roles(here).keys() == MARKS.keys()
 
 
 def _gone(here: Path, within: float = 15.0) -> float:
@@ -417,7 +438,7 @@ def test_start_supernode_sh_with_its_output_closed_stops_its_three_processes_on_
     region = _start(here / "start-supernode.sh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert region.stdout is not None
     region.stdout.close()
-    _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
+    _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
     assert _ctrl_c(region) == 130
     _nothing_left(here)
 
@@ -431,8 +452,10 @@ def test_when_one_of_a_regions_three_processes_dies_the_script_stops_the_others_
     here = federation / "regions" / "eu"
     err = tmp_path / "stderr"
     with open(err, "wb") as stderr:
-        region = _start(here / "start-supernode.sh", stdout=subprocess.DEVNULL, stderr=stderr)
-    _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
+        region = _start(
+            here / "start-supernode.sh", stdout=subprocess.DEVNULL, stderr=stderr, env=STUCK
+        )
+    _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
     _roles(here)[role].kill()
     assert region.wait(timeout=30) == 128 + signal.SIGKILL
     assert _last_line(err) == (
@@ -468,20 +491,21 @@ def test_a_kill_9_of_start_supernode_sh_at_any_moment_leaves_nothing_and_it_star
     federation, moment
 ):
     """kill -9 runs no clean-up: the SuperNode and the relay carry the kernel's
-    parent-death signal, the agent watches its launcher; the SuperNode's port is free for
+    parent-death signal, the agent watches its launcher, the relay ends the ClientApps its
+    SuperExec started (one that ignores SIGTERM too); the SuperNode's port is free for
     the next start (a SuperNode left running would hold it: "address already in use")."""
     here = federation / "regions" / "eu"
     script = here / "start-supernode.sh"
-    region = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    region = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=STUCK)
     if moment == "all up":
-        _until("the agent, SuperNode and relay", lambda: len(_roles(here)) == 3, region)
+        _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
     else:
         time.sleep(float(moment))
     region.kill()
     region.wait(timeout=10)
     _gone(here)
     again = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _until("the region started again", lambda: len(_roles(here)) == 3, again)
+    _until("the region started again", lambda: _all_up(here), again)
     assert _ctrl_c(again) == 130
     _nothing_left(here)
 

@@ -29,7 +29,8 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 @@# The agent, the SuperNode and the relay carry the kernel's parent-death signal (`tied`,
 @@# `relay`, told this script's PID, $$): a kill -9 of this script, which runs no
-@@# clean-up, leaves none of the three running.
+@@# clean-up, leaves none of the three running. The relay stays the parent of Flower's
+@@# SuperExec and ends its ClientApps with it (a process group of their own).
 "$BIN/fedciuic" agent --config @@{agent} --ping --pid "$AGENT" --timeout 120
 "$BIN/python" -m fedciuic.ops.deploy tied $$ -- "$BIN/flower-supernode" @@{security} \
   --superlink @@{superlink} --host 127.0.0.1 --port @@{port} \
