@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -60,13 +61,32 @@ def unit_config() -> dict[str, Any]:
     return {**app_config(), **FIXTURE_UPDATES}
 
 
+#: A folder every process of one test run shares (its xdist workers included): made,
+#: passable to other users, by the run's first process, which removes it at the end.
+SHARED_ENV = "FEDCIUIC_TEST_SHARED"
+_SHARED = pytest.StashKey[Path]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Ctrl-C as a terminal sends it, whoever started the suite: a shell that runs a job
+    """The run's shared folder (:data:`SHARED_ENV`; its xdist workers inherit it), and
+    Ctrl-C as a terminal sends it, whoever started the suite: a shell that runs a job
     in the background (``cmd &`` without job control) starts it with SIGINT ignored,
     every process it starts inherits that, and a shell script cannot trap a signal
     ignored at its entry, so the launchers' Ctrl-C tests would wait for nothing."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if SHARED_ENV not in os.environ:  # the run's first process: it removes the folder
+        shared = Path(tempfile.mkdtemp(prefix="fedciuic-tests-", dir="/tmp"))
+        shared.chmod(0o711)  # a deployment's relay user passes through it
+        os.environ[SHARED_ENV] = str(shared)
+        config.stash[_SHARED] = shared
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = config.stash.get(_SHARED, None)
+    if shared is not None:
+        shutil.rmtree(shared, ignore_errors=True)
+        os.environ.pop(SHARED_ENV, None)
 
 
 @pytest.fixture(autouse=True)

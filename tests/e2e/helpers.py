@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+import pickle
 import shutil
 import socket
 import stat
@@ -11,9 +14,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -24,6 +27,31 @@ from fedciuic.crypto.tls import generate_supernode_key
 from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.layout import cpu_share
+from tests.conftest import SHARED_ENV
+
+T = TypeVar("T")
+
+
+def built_once(name: str, build: Callable[[Path], T]) -> T:
+    """``build(folder)`` once per test run, whichever process asks first; the others
+    wait for it and get its pickled result. ``--dist worksteal`` may hand a module's
+    tests to both workers: a module fixture would otherwise build its federation twice."""
+    folder = Path(os.environ[SHARED_ENV]) / name
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done, failed = folder.with_suffix(".pickle"), folder.with_suffix(".failed")
+        if failed.exists():
+            raise RuntimeError(f"{name}: its build failed in another worker:\n{failed.read_text()}")
+        if not done.exists():
+            folder.mkdir(mode=0o711)
+            try:
+                value = build(folder)
+            except BaseException as err:
+                failed.write_text(f"{type(err).__name__}: {err}")
+                raise
+            done.write_bytes(pickle.dumps(value))
+        result: T = pickle.loads(done.read_bytes())
+        return result
 
 
 def only_run(output_dir: Path) -> dict[str, Any]:

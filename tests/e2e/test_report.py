@@ -22,7 +22,7 @@ from PIL import Image
 from fedciuic.audit.log import load_records
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e import pace
-from tests.e2e.helpers import only_run, processes_under
+from tests.e2e.helpers import built_once, only_run, processes_under
 from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
@@ -43,9 +43,12 @@ def fedciuic(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def demo() -> dict[str, Any]:
+    return built_once("report-demo", _demo)
+
+
+def _demo(tmp: Path) -> dict[str, Any]:
     pace.calibrate()  # before any test's own: this fixture's waits come first
-    tmp = tmp_path_factory.mktemp("report-demo")
     done = fedciuic(
         "simulate",
         "--app",

@@ -23,7 +23,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import tempfile
 import textwrap
 import time
 import tomllib
@@ -48,7 +47,7 @@ from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e import pace
-from tests.e2e.helpers import passable_to_others, processes_under
+from tests.e2e.helpers import built_once, passable_to_others, processes_under
 from tests.e2e.pace import patient
 
 pytestmark = pytest.mark.e2e
@@ -294,6 +293,7 @@ class Outcome:
     markers: Path
     runs: dict[str, dict[str, Any]]
     relay_user: str
+    relay_uid: int | None  # read while the user exists (the build removes one it made)
 
 
 def _metrics(runs: Path, run_id: int) -> dict[str, Any]:
@@ -302,12 +302,15 @@ def _metrics(runs: Path, run_id: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+def outcome() -> Outcome:
+    return built_once("trust-boundary", _deploy)
+
+
+def _deploy(top: Path) -> Outcome:
+    """The three apps run on one deployment in ``top`` (a folder others may pass
+    through: the relay's user reaches its home and the agent's socket there, and
+    nothing else)."""
     pace.calibrate()  # before any test's own: this fixture's waits come first
-    # A folder others may pass through: the relay's user reaches its home and the
-    # agent's socket there, and nothing else.
-    top = Path(tempfile.mkdtemp(prefix="fedciuic-trust-", dir="/tmp"))
-    top.chmod(0o711)
     markers = top / "markers"
     markers.mkdir()
     markers.chmod(0o1777)  # the relay writes what it could do here
@@ -319,7 +322,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
             top / "federation",
             ",".join(REGIONS),
             app_dir=ROOT,
-            policies_dir=record_level_policies(tmp_path_factory.mktemp("policies")),
+            policies_dir=record_level_policies(top / "policies"),
             port=free_port(),
             supernode_port_base=free_port(),
             tls=False,
@@ -332,29 +335,27 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         with open(d.aggregator / "run-config.toml", "rb") as handle:
             base = tomllib.load(handle)
         runs: dict[str, dict[str, Any]] = {}
-        try:
-            with LocalFederation(d.aggregator, ROOT) as federation:
-                federation.start_script("superlink", d.aggregator / "start-superlink.sh")
-                deadline = time.monotonic() + patient(60)
-                while not healthy(f"http://{d.superlink}/health"):
-                    federation.check_alive()
-                    assert time.monotonic() < deadline, "the SuperLink did not come up"
-                    time.sleep(0.3)
-                for region in REGIONS:
-                    federation.start_script(
-                        f"region-{region}", d.region_dir(region) / "start-supernode.sh"
-                    )
-                for name, app in (("altered", altered), ("foreign", foreign), ("honest", ROOT)):
-                    config = {**base, **RUN} if name != "foreign" else {}
-                    run_id, _ = federation.run_app(config, app=app, timeout=patient(900))
-                    runs[name] = {"id": run_id}
-                    if name != "foreign":
-                        runs[name] |= _metrics(Path(base["output-dir"]), run_id)
-                left = federation.stop()
-            assert not left and not processes_under(top), "processes survived the deployment"
-            yield Outcome(d, markers, runs, user)
-        finally:
-            shutil.rmtree(top, ignore_errors=True)
+        with LocalFederation(d.aggregator, ROOT) as federation:
+            federation.start_script("superlink", d.aggregator / "start-superlink.sh")
+            deadline = time.monotonic() + patient(60)
+            while not healthy(f"http://{d.superlink}/health"):
+                federation.check_alive()
+                assert time.monotonic() < deadline, "the SuperLink did not come up"
+                time.sleep(0.3)
+            for region in REGIONS:
+                federation.start_script(
+                    f"region-{region}", d.region_dir(region) / "start-supernode.sh"
+                )
+            for name, app in (("altered", altered), ("foreign", foreign), ("honest", ROOT)):
+                config = {**base, **RUN} if name != "foreign" else {}
+                run_id, _ = federation.run_app(config, app=app, timeout=patient(900))
+                runs[name] = {"id": run_id}
+                if name != "foreign":
+                    runs[name] |= _metrics(Path(base["output-dir"]), run_id)
+            left = federation.stop()
+        assert not left and not processes_under(top), "processes survived the deployment"
+        uid = pwd.getpwnam(user).pw_uid if user else None
+        return Outcome(d, markers, runs, user, uid)
 
 
 def _relay_records(markers: Path, prefix: str) -> list[dict[str, Any]]:
@@ -428,11 +429,10 @@ def test_every_audit_log_verifies_and_the_honest_app_completes(outcome):
 
 @pytest.mark.skipif(not AS_ROOT, reason=NO_ROOT)
 def test_the_relay_runs_as_its_own_user_and_reads_no_region_file(outcome):
-    relay_uid = pwd.getpwnam(outcome.relay_user).pw_uid
     records = _relay_records(outcome.markers, "relay") + _relay_records(outcome.markers, "foreign")
     assert records
     for record in records:
-        assert record["uid"] == relay_uid
+        assert record["uid"] == outcome.relay_uid
         opened = {path: how for path, how in record["files"].items() if how == "read"}
         assert not opened, opened
     for region in REGIONS:
