@@ -3,6 +3,7 @@ checkpoints of each supported architecture (tokenizers cached in a session folde
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -85,8 +86,29 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     shared = config.stash.get(_SHARED, None)
     if shared is not None:
+        from tests.e2e.helpers import PASSABLE_STATE, restore_passable
+
+        left = shared / PASSABLE_STATE  # a worker that died holding it
+        if left.exists():
+            restore_passable(json.loads(left.read_text()))
         shutil.rmtree(shared, ignore_errors=True)
         os.environ.pop(SHARED_ENV, None)
+
+
+#: Modules by how long their tests run: the long scenarios first, then the other
+#: end-to-end tests, then the rest (a module stays whole: its fixtures are built once).
+_FIRST = ("scenario", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest first: xdist's workers then end on short unit tests together, not one
+    of them on a minutes-long federation while the other waits."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        marks = [i for i, mark in enumerate(_FIRST) if item.get_closest_marker(mark)]
+        rank[module] = min(rank.get(module, len(_FIRST)), *marks, len(_FIRST))
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 @pytest.fixture(autouse=True)

@@ -282,23 +282,60 @@ def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str,
     }
 
 
+#: What :func:`passable_to_others` opened, and for how many holders, in the shared folder.
+PASSABLE_STATE = "passable.json"
+
+
+@contextlib.contextmanager
+def _shared_lock(name: str) -> Iterator[Path]:
+    """The shared folder's ``name`` file, held under an exclusive lock."""
+    path = Path(os.environ[SHARED_ENV]) / name
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield path
+
+
+def _passable(paths: Iterable[Path], change: int) -> None:
+    """Add ``change`` (+1, -1) holders: the first opens every folder on the way to
+    ``paths`` that other users may not pass through (o+x), remembering its mode; the
+    last puts each mode back."""
+    with _shared_lock(PASSABLE_STATE) as state:
+        held: dict[str, Any] = (
+            json.loads(state.read_text()) if state.exists() else {"holders": 0, "modes": {}}
+        )
+        held["holders"] += change
+        for path in paths if change > 0 else ():
+            for step in reversed(path.parents):
+                mode = stat.S_IMODE(step.stat().st_mode)
+                if not mode & stat.S_IXOTH:
+                    held["modes"][str(step)] = mode
+                    step.chmod(mode | stat.S_IXOTH)
+        if held["holders"] <= 0:
+            restore_passable(held)
+            state.unlink(missing_ok=True)
+        else:
+            state.write_text(json.dumps(held))
+
+
+def restore_passable(held: dict[str, Any]) -> None:
+    """Put back every mode :func:`passable_to_others` changed."""
+    for step, mode in held["modes"].items():
+        with contextlib.suppress(OSError):
+            Path(step).chmod(mode)
+
+
 @contextlib.contextmanager
 def passable_to_others(paths: Iterable[Path]) -> Iterator[None]:
     """Let other users pass through (o+x) every folder on the way to ``paths`` that does
-    not let them (a Python under /root, say), and restore each mode afterwards: what a
-    relay user of its own needs to run this install."""
-    changed: dict[Path, int] = {}
-    for path in paths:
-        for step in reversed(path.parents):
-            mode = step.stat().st_mode
-            if not mode & stat.S_IXOTH and step not in changed:
-                changed[step] = stat.S_IMODE(mode)
-                step.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+    not let them (a Python under /root, say), and restore each mode once no test of the
+    run (in any xdist worker) needs it any longer: what a relay user of its own needs to
+    run this install."""
+    paths = list(paths)
+    _passable(paths, +1)
     try:
         yield
     finally:
-        for step, mode in changed.items():
-            step.chmod(mode)
+        _passable(paths, -1)
 
 
 @contextlib.contextmanager
