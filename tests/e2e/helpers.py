@@ -296,32 +296,28 @@ def _shared_lock(name: str) -> Iterator[Path]:
 
 
 def _passable(paths: Iterable[Path], change: int) -> None:
-    """Add ``change`` (+1, -1) holders: the first opens every folder on the way to
-    ``paths`` that other users may not pass through (o+x), remembering its mode; the
-    last puts each mode back."""
+    """Count ``change`` (+1, -1) holders of every folder on the way to ``paths`` that
+    other users could not pass through (o+x) before: the first opens it, remembering its
+    mode; the last puts the mode back."""
+    steps = {str(step) for path in paths for step in path.parents}
     with _shared_lock(PASSABLE_STATE) as state:
-        held: dict[str, Any] = (
-            json.loads(state.read_text()) if state.exists() else {"holders": 0, "modes": {}}
-        )
-        held["holders"] += change
-        for path in paths if change > 0 else ():
-            for step in reversed(path.parents):
-                mode = stat.S_IMODE(step.stat().st_mode)
-                if not mode & stat.S_IXOTH:
-                    held["modes"][str(step)] = mode
-                    step.chmod(mode | stat.S_IXOTH)
-        if held["holders"] <= 0:
-            restore_passable(held)
-            state.unlink(missing_ok=True)
-        else:
-            state.write_text(json.dumps(held))
+        held: dict[str, dict[str, int]] = json.loads(state.read_text()) if state.exists() else {}
+        for step in sorted(steps, key=len):  # a folder before what it holds
+            if step in held:
+                held[step]["holders"] += change
+                if held[step]["holders"] <= 0:
+                    Path(step).chmod(held.pop(step)["mode"])
+            elif change > 0 and not (mode := stat.S_IMODE(os.stat(step).st_mode)) & stat.S_IXOTH:
+                held[step] = {"mode": mode, "holders": 1}
+                Path(step).chmod(mode | stat.S_IXOTH)
+        state.write_text(json.dumps(held))
 
 
-def restore_passable(held: dict[str, Any]) -> None:
+def restore_passable(held: dict[str, dict[str, int]]) -> None:
     """Put back every mode :func:`passable_to_others` changed."""
-    for step, mode in held["modes"].items():
+    for step, entry in held.items():
         with contextlib.suppress(OSError):
-            Path(step).chmod(mode)
+            Path(step).chmod(entry["mode"])
 
 
 @contextlib.contextmanager
