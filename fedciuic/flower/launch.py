@@ -467,7 +467,7 @@ class LocalFederation:
 
 def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
     """Flower's ``flower-superexec`` (the relay) run as ``user``, as a deployment's start
-    script runs it (``fedciuic.ops.deploy relay``)."""
+    script runs it (``fedciuic.ops.deploy relay``), tied to this process."""
     return [
         sys.executable,
         "-m",
@@ -475,6 +475,7 @@ def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
         "relay",
         user,
         str(home),
+        str(os.getpid()),
         "--",
         _bin("flower-superexec"),
         "--insecure",

@@ -31,6 +31,7 @@ import pytest
 
 from fedciuic.cluster.protocol import free_port
 from fedciuic.errors import EXIT_NO_AGGREGATE
+from fedciuic.flower.launch import relay_command
 from fedciuic.ops import deploy, separation
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.record.metrics import RunStatus, load_metrics
@@ -691,3 +692,12 @@ def test_the_readme_stops_the_superlink_flwr_run_started_by_its_pid_and_no_other
         for pid in (ours, other):
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+
+
+def test_the_lab_federations_relay_command_is_one_the_deploy_module_runs(tmp_path):
+    """LocalFederation starts a relay as the start script does: the same action, its
+    launcher's PID, and the command after ``--`` (here one that exits 7)."""
+    command = relay_command("", tmp_path / "relay", "127.0.0.1:1")
+    command[command.index("--") + 1 :] = [sys.executable, "-c", "raise SystemExit(7)"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
