@@ -95,46 +95,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(SHARED_ENV, None)
 
 
-#: A rough weight of a test by its marks (a long scenario, another end-to-end test; a
-#: unit test weighs nothing here): enough to split the federations evenly.
-_WEIGHTS = {"scenario": 3, "e2e": 1}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each xdist worker starts on its share of the end-to-end modules (each module
-    whole: its fixtures are built once), then runs unit tests. ``--dist worksteal``
-    hands worker k the k-th contiguous slice of this order and steals from a slice's
-    end: both workers end on short unit tests, not one of them on a minutes-long
-    federation while the other waits."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2:
-        return
-    modules: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-
-    def weight(module: list[pytest.Item]) -> int:
-        return sum(
-            max((w for mark, w in _WEIGHTS.items() if item.get_closest_marker(mark)), default=0)
-            for item in module
-        )
-
-    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for module in sorted((m for m in modules.values() if weight(m)), key=weight, reverse=True):
-        lightest = loads.index(min(loads))
-        shares[lightest] += module
-        loads[lightest] += weight(module)
-    rest = [item for module in modules.values() if not weight(module) for item in module]
-    ordered: list[pytest.Item] = []
-    for k, share in enumerate(shares):
-        size = (len(items) - len(ordered)) // (workers - k)  # as worksteal slices it
-        fill = max(0, size - len(share)) if k < workers - 1 else len(rest)
-        ordered += share + rest[:fill]
-        del rest[:fill]
-    items[:] = ordered
-
-
 @pytest.fixture(autouse=True)
 def _flwr_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
