@@ -1076,7 +1076,9 @@ def cross_check(
             runs.add(run_id)  # a run the aggregator's log covers, receipts or none
             if r.get("event") == Event.REPLY_FAILED and isinstance(details, Mapping):
                 key = (run_id, r.get("round"), details.get("region"))
-                failed[key] = str(details.get("reason", ""))  # type: ignore[index]
+                # The first: what the round acted on (a late error, after its
+                # round-timeout, is logged too, but changed nothing).
+                failed.setdefault(key, str(details.get("reason", "")))  # type: ignore[arg-type]
         if r.get("event") == RECEIVED_EVENT:
             t = _transfer(r, None)
             if t is None:

@@ -90,8 +90,9 @@ def test_a_release_that_never_reached_the_aggregator_is_spent_not_delivered_not_
     tmp_path, keys
 ):
     """The round timed out: eu released (epsilon spent) and the aggregator logged eu's
-    reply as failed. The report must say so, not "agree" and move on; a release the
-    aggregator has no record of at all stays a disagreement."""
+    reply as failed (then Flower's late error for it too). The report must say so, with
+    the reason the round acted on, not "agree" and move on; a release the aggregator has
+    no record of at all stays a disagreement."""
     agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
     agg.append(Event.RUN_START, run_id=RUN, regions=["eu", "cn"], config_hash="c" * 64)
     agg.append(
@@ -100,6 +101,15 @@ def test_a_release_that_never_reached_the_aggregator_is_spent_not_delivered_not_
         server_round=1,
         region="eu",
         reason="no reply within round-timeout (600s)",
+    )
+    # Flower's own error for the same reply, after the round had moved on: the report
+    # keeps the reason the round acted on, as metrics.json does.
+    agg.append(
+        Event.REPLY_FAILED,
+        run_id=RUN,
+        server_round=1,
+        region="eu",
+        reason="Error: Node Unavailable",
     )
     agg.checkpoint(run_id=RUN)
     agg.close()
