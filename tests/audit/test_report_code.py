@@ -96,8 +96,7 @@ def test_a_release_that_never_reached_the_aggregator_is_spent_not_delivered_not_
     agg = AuditLog(tmp_path / "aggregator.audit.jsonl", "aggregator", keys["aggregator"])
     agg.append(Event.RUN_START, run_id=RUN, regions=["eu", "cn"], config_hash="c" * 64)
     # The round's timeout, then Flower's own error for the same reply (the round had moved
-    # on): the report
-    # keeps the reason the round acted on, as metrics.json does.
+    # on): the report keeps the reason the round acted on, as metrics.json does.
     for reason in ("no reply within round-timeout (600s)", "Error: Node Unavailable"):
         agg.append(Event.REPLY_FAILED, run_id=RUN, server_round=1, region="eu", reason=reason)
     agg.checkpoint(run_id=RUN)
