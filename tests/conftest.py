@@ -86,6 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     shared = config.stash.get(_SHARED, None)
     if shared is not None:
+        # Here: tests.e2e.helpers imports this module (SHARED_ENV).
         from tests.e2e.helpers import PASSABLE_STATE, restore_passable
 
         left = shared / PASSABLE_STATE  # a worker that died holding it

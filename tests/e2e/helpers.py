@@ -36,9 +36,7 @@ def built_once(name: str, build: Callable[[Path], T]) -> T:
     """``build(folder)`` once per test run, whichever process asks first; the others
     wait for it and get its pickled result. ``--dist worksteal`` may hand a module's
     tests to both workers: a module fixture would otherwise build its federation twice."""
-    folder = Path(os.environ[SHARED_ENV]) / name
-    with open(folder.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with _shared_lock(name) as folder:
         done, failed = folder.with_suffix(".pickle"), folder.with_suffix(".failed")
         if failed.exists():
             raise RuntimeError(f"{name}: its build failed in another worker:\n{failed.read_text()}")
@@ -52,6 +50,16 @@ def built_once(name: str, build: Callable[[Path], T]) -> T:
             done.write_bytes(pickle.dumps(value))
         result: T = pickle.loads(done.read_bytes())
         return result
+
+
+@contextlib.contextmanager
+def _shared_lock(name: str) -> Iterator[Path]:
+    """``name`` in the run's shared folder, held under an exclusive lock (its ``.lock``
+    file) by one process of the run at a time."""
+    path = Path(os.environ[SHARED_ENV]) / name
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield path
 
 
 def only_run(output_dir: Path) -> dict[str, Any]:
@@ -284,15 +292,6 @@ def deployed_node(region: str, data: Path, state: Path, keys: Path) -> dict[str,
 
 #: What :func:`passable_to_others` opened, and for how many holders, in the shared folder.
 PASSABLE_STATE = "passable.json"
-
-
-@contextlib.contextmanager
-def _shared_lock(name: str) -> Iterator[Path]:
-    """The shared folder's ``name`` file, held under an exclusive lock."""
-    path = Path(os.environ[SHARED_ENV]) / name
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield path
 
 
 def _passable(paths: Iterable[Path], change: int) -> None:

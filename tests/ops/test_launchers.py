@@ -414,8 +414,9 @@ def _roles(here: Path) -> dict[str, psutil.Process]:
     return found
 
 
-def _all_up(here: Path) -> bool:
-    return _roles(here).keys() == MARKS.keys()
+def _until_up(here: Path, region: subprocess.Popen[bytes]) -> None:
+    """Until the region's agent, SuperNode, relay and ClientApp all run."""
+    _until(", ".join(MARKS), lambda: _roles(here).keys() == MARKS.keys(), region)
 
 
 def _gone(here: Path, within: float = 15.0) -> float:
@@ -439,7 +440,7 @@ def test_start_supernode_sh_with_its_output_closed_stops_its_three_processes_on_
     region = _start(here / "start-supernode.sh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert region.stdout is not None
     region.stdout.close()
-    _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
+    _until_up(here, region)
     assert _ctrl_c(region) == 130
     _nothing_left(here)
 
@@ -456,7 +457,7 @@ def test_when_one_of_a_regions_three_processes_dies_the_script_stops_the_others_
         region = _start(
             here / "start-supernode.sh", stdout=subprocess.DEVNULL, stderr=stderr, env=STUCK
         )
-    _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
+    _until_up(here, region)
     _roles(here)[role].kill()
     assert region.wait(timeout=30) == 128 + signal.SIGKILL
     assert _last_line(err) == (
@@ -499,14 +500,14 @@ def test_a_kill_9_of_start_supernode_sh_at_any_moment_leaves_nothing_and_it_star
     script = here / "start-supernode.sh"
     region = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=STUCK)
     if moment == "all up":
-        _until("the agent, SuperNode, relay and ClientApp", lambda: _all_up(here), region)
+        _until_up(here, region)
     else:
         time.sleep(float(moment))
     region.kill()
     region.wait(timeout=10)
     _gone(here)
     again = _start(script, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _until("the region started again", lambda: _all_up(here), again)
+    _until_up(here, again)
     assert _ctrl_c(again) == 130
     _nothing_left(here)
 
