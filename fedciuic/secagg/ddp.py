@@ -120,8 +120,8 @@ class DistributedDp:
 #: a sum whose regions sent no norm (its scale follows the clip alone).
 DDP_RING_BITS = 24
 #: The plain ``int8`` codec's rounding step, in standard deviations of the values it
-#: codes (root mean square of max|chunk| / 127 over chunks of 256 normal values): the
-#: step a secure sum's fixed point is held to, so that its mean is no coarser.
+#: codes (root mean square of max|chunk| / 127 over chunks of 256 normal values): what
+#: a secure sum's mean is held to be no coarser than (through :data:`NEAREST_STEP`).
 INT8_STEP = 0.0241
 #: The coarsest step at which a secure sum without distributed noise, which rounds to
 #: the nearest integer (error variance step**2 / 12), errs no more than ``int8``'s
