@@ -46,6 +46,9 @@ def main() -> int:
                 str(out),
                 "--run-config",
                 "aggregator-jurisdiction='US'",
+                # A refusal, not training, is what this shows: 2 DP steps a round.
+                "--run-config",
+                "local-steps=2",
                 "--quiet",
             ]
         )

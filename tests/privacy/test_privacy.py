@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
+import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from fedciuic.config import COUNTS, TRAINING, Accountant, PrivacyUnit, Purpose
 from fedciuic.privacy import ledger as ledger_module
 from fedciuic.privacy.dpsgd import dp_count, dp_mean
 from fedciuic.privacy.ledger import (
+    EPSILON_TOLERANCE,
     PrivacyError,
     PrivacyLedger,
     Step,
@@ -24,6 +28,7 @@ from fedciuic.privacy.ledger import (
     locked,
     poisson_sample_rate,
     remembered_noise,
+    smallest_noise,
 )
 
 DATASET = "a" * 64
@@ -64,6 +69,33 @@ def test_calibrated_noise_ends_at_or_under_the_target(kind):
     eps = epsilon_of([(sigma, rate, steps)], 1e-5, kind)
     assert 7.8 <= eps <= 8.0
     assert google([(sigma, rate, steps)], 1e-5, kind) <= 8.0 * 1.05
+
+
+def rdp_of(sigma: float, rate: float, steps: int) -> float:
+    return epsilon_of([(sigma, rate, steps)], 1e-5, "rdp")
+
+
+def test_calibration_ends_within_the_tolerance_under_any_target_in_a_few_accountings():
+    """The search returns noise it accounted under target, within EPSILON_TOLERANCE of
+    it (or the smallest to 0.2 %), over targets, rates and step counts that span what a
+    run configures; a PRV calibration takes at most 7 accountings (bisection took 12)."""
+    rng = random.Random(0)
+    for _ in range(60):
+        target = math.exp(rng.uniform(math.log(0.2), math.log(60.0)))
+        rate = math.exp(rng.uniform(math.log(1e-4), 0.0))
+        steps = int(math.exp(rng.uniform(0.0, math.log(5000))))
+        sigma = smallest_noise(partial(rdp_of, rate=rate, steps=steps), target)
+        eps = epsilon_of([(sigma, rate, steps)], 1e-5, "rdp")
+        less = epsilon_of([(sigma * (1 - 2e-3), rate, steps)], 1e-5, "rdp")
+        assert eps <= target and (target - eps <= EPSILON_TOLERANCE or less > target)
+    accounted: list[float] = []
+
+    def prv(sigma: float) -> float:
+        accounted.append(sigma)
+        return epsilon_of([COUNT, (sigma, poisson_sample_rate(2322, 16), 90)], 1e-5, "prv")
+
+    sigma = smallest_noise(prv, 8.0)
+    assert 8.0 - EPSILON_TOLERANCE <= prv(sigma) <= 8.0 and len(accounted) <= 7 + 1
 
 
 def test_poisson_rate_is_one_over_the_number_of_batches():
