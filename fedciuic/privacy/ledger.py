@@ -82,7 +82,8 @@ class PrivacyError(FedciuicError):
 
 
 #: Slack for the accountant's numerics when a run's spend is compared with its cap
-#: (splitting one history into rounds changes PRV's epsilon by about 1e-8).
+#: (a history of several (noise, rate) entries composes in another order than the
+#: calibration's).
 CAP_TOLERANCE = 1e-6
 
 
@@ -103,8 +104,16 @@ def epsilon_of(history: Sequence[Step], delta: float, accountant: Accountant) ->
     """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``.
 
     Cached: the policy check, the lifetime budget and the per-run cap ask about the
-    same histories, and a PRV accounting takes about 0.4 s on a CPU."""
-    return _epsilon(tuple((float(s), float(q), int(n)) for s, q, n in history), delta, accountant)
+    same histories, and a PRV accounting takes about 0.4 s on a CPU. Steps of one
+    (noise, rate) are composed as one entry, their counts added: the same composition
+    (a history split into rounds accounts as the whole), and PRV's cost grows with the
+    entries (a region's rounds and evaluations each repeat one)."""
+    merged: dict[tuple[float, float], int] = {}
+    for sigma, rate, steps in history:
+        key = (float(sigma), float(rate))
+        merged[key] = merged.get(key, 0) + int(steps)
+    entries = tuple((sigma, rate, steps) for (sigma, rate), steps in merged.items())
+    return _epsilon(entries, delta, accountant)
 
 
 @lru_cache(maxsize=256)

@@ -71,6 +71,16 @@ def test_calibrated_noise_ends_at_or_under_the_target(kind):
     assert google([(sigma, rate, steps)], 1e-5, kind) <= 8.0 * 1.05
 
 
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_a_history_split_into_rounds_accounts_exactly_as_the_whole(kind):
+    """Rounds of one noise and rate compose as one entry of all their steps (PRV's cost
+    grows with the entries): the same epsilon to the last bit, in any order."""
+    rounds = [(0.6, 0.01, 30), (14.0, 1.0, 1)] * 6
+    whole = [(0.6, 0.01, 180), (14.0, 1.0, 6)]
+    assert epsilon_of(rounds, 1e-5, kind) == epsilon_of(whole, 1e-5, kind)
+    assert epsilon_of(rounds, 1e-5, kind) == pytest.approx(google(rounds, 1e-5, kind), rel=0.05)
+
+
 def rdp_of(sigma: float, rate: float, steps: int) -> float:
     return epsilon_of([(sigma, rate, steps)], 1e-5, "rdp")
 
