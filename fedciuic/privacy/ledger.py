@@ -245,7 +245,7 @@ def remembered_noise(
 ) -> float:
     """:func:`calibrate_noise_after`, remembered in the region's ``state_dir``: a run's
     inputs are fixed, but a simulation's ClientApps take turns with the regions, and each
-    process would calibrate again (about 2 s of accountant calls). A remembered value is
+    process would calibrate again (4-7 PRV accountings, 1-3 s on a CPU). A remembered value is
     used only if one accountant call confirms it keeps the run under target, so a damaged
     or edited file can cost utility, never privacy; an unreadable one is calibrated over.
     Cached in the process too: a round asks several times, and the file is read once."""
