@@ -141,13 +141,14 @@ def smallest_noise(epsilon_at: Callable[[float], float], target_epsilon: float) 
     Each ``epsilon_at`` is a whole PRV accounting (0.3-0.5 s on a CPU), so this is a
     root finder, not halving: ``log epsilon`` is close to linear in ``log sigma``, so
     each guess is the secant through the last two accountings, aimed just under the
-    target, kept inside the bracket (halving it in log space where the secant would
-    leave it). About half the accountings of bisection, with the same guarantee: the
-    noise returned was accounted and found under target."""
+    target and kept inside the bracket; every third bracketed guess halves it in log
+    space instead, so the secant cannot creep up on one end. About half the accountings
+    of bisection, with the same guarantee: the noise returned was accounted and found
+    under target."""
     aim = math.log(target_epsilon - EPSILON_TOLERANCE / 2)
     low = high = math.nan  # epsilon over target at low; at or under it at high
     points: list[tuple[float, float]] = []  # (log sigma, log epsilon) where finite
-    sigma, bisections = 1.0, 0
+    sigma, bracketed = 1.0, 0
     while True:
         eps = epsilon_at(sigma)
         if eps > target_epsilon:
@@ -166,12 +167,11 @@ def smallest_noise(epsilon_at: Callable[[float], float], target_epsilon: float) 
         elif points:  # one point: epsilon about as 1/sigma^2 here, at first
             guess = points[0][0] + (points[0][1] - aim) / 2
         if math.isnan(low) or math.isnan(high):  # not bracketed: at most 4x a step
-            here = math.log(sigma)
-            step = 4.0 if eps > target_epsilon else -4.0
-            if math.isnan(guess) or (guess - here) * step <= 0:
-                guess = here + math.log(abs(step))
-            guess = min(guess, here + math.log(4)) if step > 0 else max(guess, here - math.log(4))
-            sigma = math.exp(guess)
+            here, limit = math.log(sigma), math.log(4.0)
+            way = 1.0 if eps > target_epsilon else -1.0  # more noise, or less
+            if math.isnan(guess) or (guess - here) * way <= 0:
+                guess = here + way * limit
+            sigma = math.exp(here + way * min((guess - here) * way, limit))
             if sigma > _MAX_NOISE:
                 raise PrivacyError(
                     f"no noise multiplier keeps the run under epsilon {target_epsilon:g}"
@@ -182,14 +182,13 @@ def smallest_noise(epsilon_at: Callable[[float], float], target_epsilon: float) 
         if high - low <= _WIDTH * high:
             return high
         left, right = math.log(low), math.log(high)
-        bisections += 1
-        if math.isnan(guess) or bisections % 3 == 0:  # a secant can creep up on one end
+        bracketed += 1
+        if math.isnan(guess) or bracketed % 3 == 0:  # a secant can creep up on one end
             guess = (left + right) / 2
         margin = 0.01 * (right - left)
         sigma = math.exp(min(max(guess, left + margin), right - margin))
 
 
-@lru_cache(maxsize=64)
 def calibrate_noise(
     target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: Accountant
 ) -> float:
