@@ -15,6 +15,7 @@ checks each reply before it aggregates.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -550,7 +551,14 @@ def load_policy(path: Path) -> LoadedPolicy:
 
 
 def _load(path: Path) -> LoadedPolicy:
-    root, data = _parse(path, _read_text(path))
+    return _loaded(path, _read_text(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _loaded(path: Path, text: str) -> LoadedPolicy:
+    """A policy's text parsed and validated once: both ends check policies every round,
+    and the file is read each time, so an edit still takes effect at the next check."""
+    root, data = _parse(path, text)
     if data is None:
         raise PolicyError(f"{path}:1: the policy file is empty; start from one of policies/")
     if not isinstance(data, dict):

@@ -70,6 +70,23 @@ def edit(text: str, old: str, new: str) -> str:
     return text.replace(old, new, 1)
 
 
+def test_a_policy_edited_between_two_checks_is_read_as_edited(tmp_path):
+    # Each check reads the file again; only a parse of the same text is reused.
+    path = tmp_path / "p.yaml"
+    path.write_text(EU)
+    first = load_policy(path)
+    path.write_text(edit(EU, "max_epsilon_per_run: 8.0", "max_epsilon_per_run: 2.0"))
+    second = load_policy(path)
+    assert first.policy.privacy.max_epsilon_per_run == 8.0
+    assert second.policy.privacy.max_epsilon_per_run == 2.0
+    assert second.hash != first.hash
+    path.write_text(edit(EU, "min_regions: 2", "min_regions: two"))
+    with pytest.raises(PolicyError, match=r"p\.yaml:\d+: "):
+        load_policy(path)
+    path.write_text(EU)
+    assert load_policy(path).hash == first.hash
+
+
 EU = (POLICIES / "eu-gdpr.yaml").read_text()
 
 
