@@ -5,7 +5,8 @@ aggregator ships, relays to it over :mod:`fedciuic.agent.channel`.
 ``fedciuic agent --config agent.toml`` serves (:func:`~fedciuic.agent.service.serve`);
 :class:`~fedciuic.agent.config.AgentConfig` is its file;
 :mod:`fedciuic.agent.access` checks that the relay's OS user cannot read the region's
-files. Importing this package imports none of them: the relay imports only the channel.
+files. Importing this package imports its config and service too (the package is an
+eager face); the relay uses only the channel.
 """
 
 from fedciuic.agent.channel import HELLO as HELLO
