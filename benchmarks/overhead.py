@@ -23,6 +23,12 @@ the peak total PSS of its process tree (every descendant of the SuperLink and ev
 Ray process, sampled every 0.5 s; PSS counts a page shared by several processes once).
 Target: fedciuic's layers add at most 10 % per round.
 
+A round's work is random: 2 steps of Poisson batches of about 2 examples per region, so
+one round may train on none and the next on 8. Both apps draw their batches from
+OS-seeded generators (fedciuic's sampling must be unpredictable; the plain app's is
+given one, see ``_SAMPLER`` there), so they train on draws from the same distribution,
+and the median is over 4 rounds of 3 runs of each (12 rounds).
+
     .venv/bin/python benchmarks/overhead.py                  # realistic preset
     .venv/bin/python benchmarks/overhead.py --preset tiny    # fedciuic's own defaults
     .venv/bin/python benchmarks/overhead.py --quick          # tiny, 2 rounds, 1 repeat
@@ -117,7 +123,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
     measured = (
         f"{result['ratio']:.2f}x, medians {result['fedciuic_s']:.2f} s vs "
         f"{result['plain_s']:.2f} s over {len(result['plain_rounds'])} rounds each{where} "
-        f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: a noisy machine)"
+        f"(single rounds {spread[0]:.1f}-{spread[-1]:.1f} s: batches of a few examples)"
     )
     figure = "end-to-end round vs plain Flower FedAvg"
     if "peak_pss_mib" in result:  # against the hand-written app (results before: fedciuic's)
@@ -229,8 +235,8 @@ class PeakPss:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--preset", default="realistic", help="model-preset of the base")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating")
     parser.add_argument("--quick", action="store_true", help="tiny preset, 2 rounds, 1 repeat")
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--lora-targets")
