@@ -20,6 +20,11 @@ Opacus' per-sample gradient computation (the ``nn.Linear`` grad sampler its back
 hooks call), per-sample clipping and summing, noise, and the wrapped optimizer's step;
 timed by wrapping those functions in this process only (the library is untouched).
 
+Against Opacus' own (mode ``opacus``): the step a hand-written app takes, Opacus'
+``make_private`` on the same model and batch with its plain noise (one Gaussian a value,
+not secure), so the ``hooks`` row also says what fedciuic's step costs beyond it
+(secure noise, examples grouped by privacy unit).
+
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated``; on CPU, the growth of the
 process's peak RSS (VmHWM, reset after building the model) over its size, each mode in
 its own process (CPU allocations have no per-mode counter).
@@ -39,8 +44,10 @@ from typing import Any
 
 import psutil
 import torch
+from opacus import PrivacyEngine
 from opacus.grad_sample.grad_sample_module import GradSampleModule
 from report import Row, proc_bytes, verdict
+from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import ModelSpec
 from fedciuic.data.corpus import ExampleSet
@@ -48,7 +55,7 @@ from fedciuic.model.adapter import AdapterModel
 from fedciuic.model.train import lm_loss, make_optimizer
 from fedciuic.privacy.dpsgd import PrivateTrainer
 
-MODES = ("non-dp", "hooks", "ghost")
+MODES = ("non-dp", "hooks", "ghost", "opacus")
 #: The default mode's target (issue 20: DP cost at real size).
 TARGET = 1.2
 
@@ -104,6 +111,26 @@ def make_step(
             opt.step()
 
         return step
+    if mode == "opacus":
+        opt = make_optimizer("adamw", model.trainable_parameters(), 1e-3)
+        loader = DataLoader(TensorDataset(torch.arange(len(examples))), batch_size=batch_size)
+        net, dp_opt, _ = PrivacyEngine().make_private(
+            module=model.model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=True,
+        )
+        _time_optimizer(dp_opt)
+
+        def opacus_step(batch: torch.Tensor) -> None:
+            rows = examples.batch(range(batch.shape[0])).to(model.device)
+            dp_opt.zero_grad(set_to_none=True)
+            lm_loss(net, rows).backward()  # type: ignore[no-untyped-call]
+            dp_opt.step()
+
+        return opacus_step
     trainer = PrivateTrainer(
         model,
         examples,
@@ -223,6 +250,18 @@ def rows(result: dict[str, Any]) -> list[Row]:
                     else "- (the default is hooks)",
                 ]
             )
+    modes = result["modes"]
+    if "hooks" in modes and "opacus" in modes:
+        own = modes["opacus"]["seconds_per_step"]
+        out.append(
+            [
+                "DP-SGD step, fedciuic's hooks vs Opacus' own make_private (plain noise)",
+                f"{modes['hooks']['seconds_per_step'] / own:.2f}x time"
+                f" ({own:.2f} s a step){settings(result)}",
+                "reported",
+                "reported",
+            ]
+        )
     return out
 
 
@@ -264,8 +303,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--modes",
-        default="hooks,ghost",
-        help="DP modes to measure against non-DP (comma list of hooks, ghost)",
+        default="hooks,ghost,opacus",
+        help="DP modes to measure against non-DP (comma list of hooks, ghost, opacus)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument(
