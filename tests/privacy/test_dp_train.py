@@ -178,6 +178,44 @@ def test_hooks_are_removed_after_a_round(model, blocks):
         assert not module._forward_hooks and not module._backward_hooks
 
 
+def park_hooks(model: AdapterModel, blocks: torch.Tensor) -> Any:
+    """The hooks of a one-step round, parked on ``model`` (its adapters restored)."""
+    before = flat(model)
+    trainer = make_trainer(model, blocks, learning_rate=0.01)
+    trainer.run(1)
+    trainer.close(park=True)
+    restore(model, before)
+    return trainer.hooks
+
+
+def test_parked_hooks_idle_until_the_next_trainer_takes_them_up_unchanged(model, blocks):
+    batch = blocks[:BATCH]
+    settings: dict[str, Any] = {"noise_multiplier": 1.0, "max_grad_norm": 0.5, "seed": 3}
+    settings.update(optimizer="sgd", secure_mode=False)
+    fresh = stepped(model, blocks, BATCH, **settings)  # hooks built, then removed
+    parked = park_hooks(model, blocks)
+    # Parked, they do nothing: a plain backward pass leaves no per-sample state.
+    assert not parked.hooks_enabled
+    lm_loss(model.model, Batch.of_ids(batch)).backward()
+    model.model.zero_grad(set_to_none=True)
+    assert all(not hasattr(p, "grad_sample") for p in model.trainable_parameters())
+    assert not any(getattr(m, "activations", None) for m in model.model.modules())
+    taken: list[Any] = []
+    again = stepped(model, blocks, BATCH, check=lambda t: taken.append(t.hooks), **settings)
+    assert taken == [parked]  # taken up, not built again
+    torch.testing.assert_close(again, fresh)  # and the same step as fresh hooks take
+    for module in model.model.modules():  # a trainer's own close removes them
+        assert not module._forward_hooks and not module._backward_hooks
+
+
+def test_hooks_parked_by_a_round_give_way_to_ghost_clipping(model, blocks):
+    batch = blocks[:BATCH]
+    expected = dp_update(model, blocks, batch, noise=0.0, clip=0.5, mode="ghost")
+    park_hooks(model, blocks)
+    got = dp_update(model, blocks, batch, noise=0.0, clip=0.5, mode="ghost")
+    torch.testing.assert_close(got, expected)
+
+
 def test_secure_mode_uses_an_unreplayable_generator(model, blocks):
     batch = blocks[:BATCH]
     first = dp_update(model, blocks, batch, noise=1.0, clip=1.0, seed=1, secure_mode=True)
