@@ -339,12 +339,19 @@ class Loop:
         return [s.node for s in self.courier.push(instructions, server_round, task)]
 
     def _collect(
-        self, asked: list[int], kind: TaskKind, server_round: int, timeout: float
+        self,
+        asked: list[int],
+        kind: TaskKind,
+        server_round: int,
+        timeout: float,
+        take: Callable[[Arrival], None] | None = None,
     ) -> tuple[list[Arrival], list[tuple[Sent, Unread]], set[int]]:
         """Replies to this round's ``kind`` from ``asked`` until every node the round
         waits for has answered or ``timeout`` has passed; a node it waited for in vain
         is a :class:`NoReply` (its message stays in flight). Also returns what else
-        arrived meanwhile (late replies to earlier rounds) and every node heard from."""
+        arrived meanwhile (late replies to earlier rounds) and every node heard from.
+        ``take``: each reply handed to it as it arrives, while the others are still
+        awaited, instead of returned (the NoReply ones are returned)."""
         deadline = self.clock() + timeout
         waiting = {n for n in asked if self.aggregator.waits_for(n)}
         answered: set[int] = set()
@@ -354,7 +361,10 @@ class Loop:
             for sent, reply in self.courier.pull():
                 answered.add(sent.node)
                 if sent.kind == kind and sent.server_round == server_round:
-                    mine.append(reply)
+                    if take is None:
+                        mine.append(reply)
+                    else:
+                        take(reply)
                     waiting.discard(sent.node)
                 else:
                     other.append((sent, reply))
@@ -418,14 +428,20 @@ class SyncLoop(Loop):
         idle = [n for n in nodes if not courier.busy(n)]
         task = Task(server_round, a.version)
         asked = self._send(TaskKind.TRAIN, server_round, idle, task)
-        arrivals, late, heard = self._collect(
-            asked, TaskKind.TRAIN, server_round, self.train_wait()
-        )
         into = a.collecting()
-        late, self._carried = self._carried + late, []
-        self._late(server_round, late, into, refuse=self.late_refusal)
-        for arrival in arrivals:
+        carried, self._carried = self._carried, []
+        self._late(server_round, carried, into, refuse=self.late_refusal)
+
+        def judge(arrival: Arrival) -> None:
             a.judge_train(server_round, arrival, task, into)
+
+        # Each update is opened and judged as it arrives, while slower regions train.
+        unheard, late, heard = self._collect(
+            asked, TaskKind.TRAIN, server_round, self.train_wait(), take=judge
+        )
+        self._late(server_round, late, into, refuse=self.late_refusal)
+        for arrival in unheard:
+            judge(arrival)
         heard |= self.aggregate(server_round, into)
         idle = [n for n in nodes if not courier.busy(n)]
         heard |= self._evaluate(server_round, idle)

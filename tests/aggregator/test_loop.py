@@ -14,10 +14,11 @@ import pytest
 from fedciuic.aggregator.checkpoint import CheckpointError, load_checkpoint
 from fedciuic.aggregator.loop import BufferedLoop, SyncLoop
 from fedciuic.aggregator.run import restore
+from fedciuic.crypto.parties import TaskKind
 from fedciuic.errors import FederationError
-from fedciuic.wire import MalformedReply, Unread, failed
-from tests.aggregator.fakes import THREE, Regions, looped
-from tests.aggregator.test_aggregator import GLOBAL, declined, evaluated
+from fedciuic.wire import Instruction, MalformedReply, Reply, Unread, failed, parse_reply
+from tests.aggregator.fakes import THREE, Answer, Regions, looped
+from tests.aggregator.test_aggregator import GLOBAL, Raw, declined, evaluated
 from tests.conftest import written
 
 
@@ -189,3 +190,30 @@ def test_without_an_audit_log_the_round_writes_and_witnesses_nothing(run_config,
     loop.run(GLOBAL, 1)
     assert loop.aggregator.sign_run_end(["eu"]) == {}  # no head to hand the regions
     assert load_checkpoint(tmp_path).audit_seq == 0
+
+
+def test_each_update_is_opened_as_it_arrives_while_a_slower_region_trains(run_config, tmp_path):
+    regions = Regions(THREE)
+    regions.delay = {13: 5}  # us answers 5 pulls after its instruction, the others at once
+    answered = regions.answer
+    pushed: dict[str, float] = {}
+    opened: dict[str, float] = {}
+
+    def answer(node: int, instruction: Instruction) -> Answer | None:
+        given = answered(node, instruction)
+        if instruction.kind != TaskKind.TRAIN or not isinstance(given, Raw):
+            return given
+        region = regions.targets[node][0]
+        pushed[region] = regions.now
+
+        def read(raw: Raw = given) -> Reply:
+            opened[region] = regions.now
+            return parse_reply(node, raw.info, raw.metrics, raw.arrays)
+
+        return Unread(node, read)
+
+    regions.answer = answer  # type: ignore[method-assign]
+    final = looped(run_config, tmp_path, 1, regions).run(GLOBAL, 1)
+    np.testing.assert_allclose(final["w"], 1.5)  # (0.5 + 1.5 + 2.5) / 3: all three counted
+    ready = pushed["us"] + regions.delay[13]
+    assert opened["eu"] < ready and opened["cn"] < ready <= opened["us"]
