@@ -40,6 +40,10 @@ FAILED = "failed"  # no usable reply: the region's process failed, or it never a
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
 #: Why a node asked in a round is a failed reply when it did not answer in time.
 NO_REPLY = "no reply within round-timeout"
+#: Seconds between two pulls of replies while the aggregator waits for them: each pull
+#: is one cheap call to the SuperLink, and a reply waits for the next (Flower's
+#: ``Grid.send_and_receive`` pulls every 3 s).
+PULL_INTERVAL = 0.2
 ENVELOPE, UPDATE = "envelope", "update"
 #: The records a message holds (Flower's RecordDict keys; the agent's channel uses the same).
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"

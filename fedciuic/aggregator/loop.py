@@ -53,6 +53,7 @@ from fedciuic.secagg import (
 from fedciuic.wire import (
     DECLINED,
     FAILED,
+    PULL_INTERVAL,
     SECAGG_ANSWER,
     SECAGG_REQUEST,
     SECURE,
@@ -125,7 +126,7 @@ class Courier:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        interval: float = 0.5,
+        interval: float = PULL_INTERVAL,
     ) -> None:
         self.transport = transport
         self.clock = clock
@@ -183,7 +184,7 @@ class Loop:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        interval: float = 0.5,
+        interval: float = PULL_INTERVAL,
     ) -> None:
         self.aggregator = aggregator
         self.transport = transport
@@ -699,7 +700,7 @@ def loop_for(
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    interval: float = 0.5,
+    interval: float = PULL_INTERVAL,
 ) -> Loop:
     """The run's schedule, chosen once from ``aggregation-mode``."""
     kind: type[Loop] = BufferedLoop if aggregator.schedule.buffered else SyncLoop

@@ -20,10 +20,8 @@ from flwr.serverapp import Grid
 from fedciuic.crypto import TaskKind
 from fedciuic.flower import protocol
 from fedciuic.flower.relay import HELLO_MESSAGE, SECAGG_MESSAGE
-from fedciuic.wire import Instruction, RunEndNotice, Unread
+from fedciuic.wire import PULL_INTERVAL, Instruction, RunEndNotice, Unread
 
-#: Seconds between pulls while the nodes' hellos are awaited.
-POLL = 0.2
 #: The Flower message type that carries each kind of task (signed into its instruction).
 MESSAGE_TYPES = {
     TaskKind.TRAIN: MessageType.TRAIN,
@@ -69,7 +67,7 @@ class FlowerTransport:
                     waiting.discard(reply.metadata.reply_to_message_id)
                     replies.append(reply)
             if waiting:
-                time.sleep(POLL)
+                time.sleep(PULL_INTERVAL)
         return replies
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:

@@ -25,10 +25,10 @@ from fedciuic.crypto.parties import (
     Terms,
     config_digest,
 )
-from fedciuic.flower import courier, protocol
+from fedciuic.flower import protocol
 from fedciuic.flower.courier import FlowerTransport
 from fedciuic.flower.relay import HELLO_MESSAGE
-from fedciuic.wire import Instruction, MalformedReply, Reply, RunEndNotice
+from fedciuic.wire import PULL_INTERVAL, Instruction, MalformedReply, Reply, RunEndNotice
 from tests.aggregator.fakes import Regions, looped
 from tests.aggregator.test_aggregator import (  # noqa: F401 - fixtures
     GLOBAL,
@@ -235,7 +235,7 @@ def test_global_adapter_is_signed_for_each_round(sealed_round):
 
 
 def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in(monkeypatch):
-    """Pulled every POLL seconds, not Grid.send_and_receive's 3: the run ends as soon as
+    """Pulled every PULL_INTERVAL seconds, not Grid.send_and_receive's 3: the run ends as soon as
     the regions have answered; a reply to anything else is not taken for one."""
     grid = Grid()
     pulls = 0
@@ -257,5 +257,5 @@ def test_a_run_end_notice_is_answered_as_soon_as_the_replies_are_in(monkeypatch)
     notice = RunEndNotice(federation_run=7, witness=(3, "ab" * 32))
     transport = FlowerTransport(grid)  # type: ignore[arg-type]
     answers = transport.query(dict.fromkeys([11, 12], notice), timeout=30)
-    assert pulls == 3 and slept == [courier.POLL, courier.POLL]
+    assert pulls == 3 and slept == [PULL_INTERVAL, PULL_INTERVAL]
     assert sorted(a.node_id for a in answers) == [11, 12]
