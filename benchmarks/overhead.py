@@ -165,10 +165,16 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
     }
 
 
-def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
-    """fedciuic's run-config defaults (its pyproject.toml) for ``keys``."""
+def app_config() -> dict[str, Any]:
+    """fedciuic's run-config defaults, as its pyproject.toml gives them."""
     with (ROOT / "pyproject.toml").open("rb") as handle:
         config: dict[str, Any] = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+    return config
+
+
+def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
+    """fedciuic's run-config defaults for ``keys``."""
+    config = app_config()
     return {key: config[key] for key in keys}
 
 
