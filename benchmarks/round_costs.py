@@ -7,7 +7,7 @@ batches: the same 3 regions and settings as ``overhead.py`` (``realistic``: LoRA
 on ``auto+mlp``, 2 DP-SGD steps of 2 users x 128 tokens, 8 eval examples;
 ``adapter-mode = "lora"``, ``max-examples-per-unit = 1``, everything else default, the
 shipped policies), run in this process with one thread: the aggregator's real loop and
-each region's real round, no Flower processes (``quality.py``'s in-process transport).
+each region's real round, no Flower processes (``quality.py``'s in-process federation).
 Each instruction a region handles is timed whole, and so is the model's work inside it
 (the DP-SGD steps; the evaluation's forward passes); what remains is fedciuic's fixed
 cost: verifying and loading the global adapter, the policy checks, the ledger and its
@@ -37,14 +37,11 @@ import quality
 import torch
 
 import fedciuic.region.trainer as region_trainer
-from fedciuic.aggregator import aggregator_log, end_run, loop_for, open_run
-from fedciuic.config import ModelSpec, RunConfig
+from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
-from fedciuic.model import AdapterLayout
 from fedciuic.model.adapter import save_model_checkpoint
 from fedciuic.privacy.dpsgd import PrivateTrainer
-from fedciuic.record import RunRecorder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "round_costs.json"
 
@@ -139,7 +136,7 @@ def main() -> int:
         checkpoint = save_model_checkpoint(
             ModelSpec(model_preset=args.preset, seed=seed), tmp / "base"
         )
-        write_demo_corpora(tmp / "demo", overhead.REGIONS)
+        write_demo_corpora(tmp / "demo", quality.REGIONS)
         data = overhead.chat_only(tmp / "demo", tmp / "data")
         values = {
             **defaults,
@@ -150,23 +147,12 @@ def main() -> int:
             "data-root": str(data),
             "output-dir": str(tmp / "runs"),
             "audit-dir": str(tmp / "runs" / "audit"),
-            "keys-dir": str(generate_federation_keys(tmp / "keys", overhead.REGIONS)),
+            "keys-dir": str(generate_federation_keys(tmp / "keys", quality.REGIONS)),
             "policies-dir": str(overhead.ROOT / "policies"),
         }
-        run = RunConfig.from_user_config(values, source="round_costs benchmark")
-        audit = aggregator_log(run)
-        recorder = RunRecorder(
-            run.output.output_path / "run-1", {"run_id": 1, "regions": list(overhead.REGIONS)}
-        )
-        layout = AdapterLayout.of(run.model)
-        opened = open_run(run, 1, audit, recorder, layout.fingerprint)
-        regions = quality.InProcessRegions(overhead.REGIONS)
-        loop = loop_for(opened.aggregator, regions, sleep=lambda _: None, interval=0)
         started = time.perf_counter()
-        loop.run(layout.initial, num_rounds=args.rounds)
+        quality.federate(values)
         seconds = time.perf_counter() - started
-        end_run(opened.aggregator, audit, layout)
-        audit.close()
     found = {"preset": args.preset, "rounds": args.rounds, **summary(clock, seconds)}
     for kind in ("train", "evaluate"):
         if kind in found:
