@@ -237,11 +237,15 @@ def load_region_data(
 
 
 def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
-    """Records whose bucket is below ``fraction``; when that is none (a small region), the
-    record with the lowest bucket, so that there is always something to evaluate on."""
+    """Records whose bucket is below ``fraction``. A small region may have none there, or
+    all: then the record with the lowest bucket is held out, or the one with the highest
+    trains, so that both sides have something whenever the records differ."""
     held = buckets < fraction
-    if not held.any() and len(np.unique(buckets)) > 1:
-        held = buckets == buckets.min()
+    if len(np.unique(buckets)) > 1:
+        if not held.any():
+            held = buckets == buckets.min()
+        elif held.all():
+            held = buckets < buckets.max()
     return np.asarray(held)
 
 

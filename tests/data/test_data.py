@@ -296,6 +296,21 @@ def test_too_few_records_for_a_held_out_split_is_refused(tmp_path, tokenizer):
         load(tmp_path / "eu", tokenizer)
 
 
+@pytest.mark.parametrize("fraction", [0.001, 0.999])
+def test_a_small_region_whose_records_all_fall_on_one_side_still_has_both(
+    tmp_path, tokenizer, fraction
+):
+    jsonl(tmp_path / "eu" / "a.jsonl", RECORDS)
+    data = load(tmp_path / "eu", tokenizer, **{"eval-fraction": fraction})
+    cached = datasets.Dataset.from_file(str(data.cache / tokenized.EXAMPLES_FILE))
+    buckets = cached[tokenized.BUCKET]
+    below = sum(b < fraction for b in buckets)
+    assert below == (0 if fraction < 0.5 else len(buckets))  # the case it names
+    # The lowest record alone is held out, or the highest alone trains.
+    assert data.train.num_units + data.eval.num_units == len(RECORDS)
+    assert (data.eval.num_units if fraction < 0.5 else data.train.num_units) == 1
+
+
 def test_user_level_privacy_needs_every_records_user_id(tmp_path, tokenizer):
     jsonl(tmp_path / "eu" / "a.jsonl", [*RECORDS, {"text": "nobody's"}])
     with pytest.raises(DataError) as err:
