@@ -13,6 +13,7 @@ from fedciuic.flower.launch import connection_toml as connection_toml
 from fedciuic.flower.launch import healthy as healthy
 from fedciuic.flower.launch import owner_tag as owner_tag
 from fedciuic.flower.launch import running as running
+from fedciuic.flower.launch import stage_app as stage_app
 from fedciuic.flower.launch import stop_process_trees as stop_process_trees
 from fedciuic.flower.launch import tail as tail
 from fedciuic.flower.launch import toml_pairs as toml_pairs

@@ -15,6 +15,7 @@ the machine.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,9 @@ FLOWER_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
+
+#: The folder of a FAB that Flower writes itself (the manifest), not the app's.
+FAB_INFO = ".info/"
 
 #: What ``flwr run`` prints once the SuperLink has accepted the run.
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")
@@ -138,6 +143,52 @@ def stop_process_trees(
                 proc.kill()
         psutil.wait_procs(left, timeout=1)
     return []
+
+
+def stage_app(app: Path, into: Path) -> Path:
+    """``into`` holding only the files of ``app`` that Flower packs into its FAB, for
+    ``flwr run`` to build the same FAB (same bytes, same hash) from.
+
+    ``flwr run APP`` resolves every file under APP before filtering, ``.venv`` included:
+    10-20 s on an app folder holding its environment. Here the folders the app's
+    ``.gitignore`` ignores whole are not entered; Flower's own filter then decides.
+    """
+    from flwr.cli.build import build_fab_from_files
+    from flwr.cli.utils import build_pathspec, load_gitignore_patterns
+
+    root = app.expanduser().resolve()
+    patterns = load_gitignore_patterns(root / ".gitignore")
+    # A negated pattern may bring back a file below an ignored folder: enter them all.
+    ignored = None if any(p.lstrip().startswith("!") for p in patterns) else patterns
+    spec = build_pathspec(ignored or ())
+    files: dict[str, bytes | Path] = {}
+    for folder, subfolders, names in os.walk(root, followlinks=False):
+        here = Path(folder)
+        rel = here.relative_to(root).as_posix()
+        subfolders[:] = [
+            d
+            for d in subfolders
+            if d != ".git" and not spec.match_file(f"{d}/" if rel == "." else f"{rel}/{d}/")
+        ]
+        for name in names:
+            path = here / name
+            if not path.is_symlink() and path.resolve().is_relative_to(root):
+                files[path.relative_to(root).as_posix()] = path
+    try:
+        fab, _ = build_fab_from_files(files)
+    except ValueError as err:  # no or a bad pyproject.toml, a pattern matching nothing
+        raise FederationError(
+            f"app {root}: Flower cannot build its app from it ({err}); pass the fedciuic "
+            "app folder, the one whose pyproject.toml has [tool.flwr.app]"
+        ) from None
+    shutil.rmtree(into, ignore_errors=True)
+    with zipfile.ZipFile(io.BytesIO(fab)) as packed:
+        for member in packed.namelist():
+            if not member.startswith(FAB_INFO):
+                target = into / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(packed.read(member))
+    return into
 
 
 def _bin(name: str) -> str:
@@ -430,7 +481,7 @@ class LocalFederation:
         cmd = [
             _bin("flwr"),
             "run",
-            str(app or self.app_dir),
+            str(stage_app(app or self.app_dir, self.workdir / "app")),
             CONNECTION,
             "--stream",
             "--run-config",

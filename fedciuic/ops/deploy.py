@@ -31,6 +31,7 @@ from fedciuic.flower import (
     STARTED_RUN,
     healthy,
     running,
+    stage_app,
     stop_process_trees,
     tail,
     toml_pairs,
@@ -462,6 +463,9 @@ def _main(argv: Sequence[str]) -> int:
     if action == "run-config" and len(args) == 1:
         print(run_config_pairs(Path(args[0])))
         return 0
+    if action == "stage-app" and len(args) == 2:
+        stage_app(Path(args[0]), Path(args[1]))
+        return 0
     if action == "wait-healthy" and len(args) == 4:
         return wait_healthy(args[0], args[1], Path(args[2]), Path(args[3]))
     if action == "check-run" and len(args) == 2:
@@ -493,7 +497,8 @@ def _main(argv: Sequence[str]) -> int:
         say(f"stopped {len(stopped)} process group(s) named in {args[0]}")
         return 0
     print(
-        "usage: python -m fedciuic.ops.deploy run-config FILE | wait-healthy URL CA PIDFILE LOG "
+        "usage: python -m fedciuic.ops.deploy run-config FILE | stage-app APP INTO "
+        "| wait-healthy URL CA PIDFILE LOG "
         "| check-run LOG FILE | settle RUNS_DIR SINCE | last-run RUNS_DIR SINCE "
         "| running PIDS_DIR | stop PIDS_DIR "
         "| relay-setup USER HOME SOCKET | relay USER HOME PARENT -- COMMAND... "

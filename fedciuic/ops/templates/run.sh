@@ -8,11 +8,15 @@
 PAIRS="$("$BIN/python" -m fedciuic.ops.deploy run-config @@{config})"
 @@{plain}
 LOG="$(mktemp)"
-trap 'rm -f "$LOG"' EXIT
+APP="$(mktemp -d)"
+trap 'rm -rf "$LOG" "$APP"' EXIT
+@@# Only the files the app's FAB holds: `flwr run` on the app folder itself would read
+@@# every file under it, its environment's included.
+"$BIN/python" -m fedciuic.ops.deploy stage-app @@{app} "$APP"
 @@# The stream goes to $LOG first, then to stdout: a closed stdout (a `| head`, a
 @@# `| tee` that Ctrl-C stopped) neither stops `flwr run` nor loses the run's outcome.
 rc=0
-"$BIN/flwr" run @@{app} @@{connection} --stream --run-config "$PAIRS" "$@" 2>&1 | plain "$LOG" || rc=$?
+"$BIN/flwr" run "$APP" @@{connection} --stream --run-config "$PAIRS" "$@" 2>&1 | plain "$LOG" || rc=$?
 @@# 0 completed; @@{no_aggregate} no aggregate published (nothing trained); 1 anything else.
 outcome=0
 "$BIN/python" -m fedciuic.ops.deploy check-run "$LOG" @@{config} || outcome=$?
