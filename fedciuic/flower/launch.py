@@ -18,16 +18,12 @@ import contextlib
 import io
 import json
 import os
-import re
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +37,17 @@ from fedciuic.agent import AgentConfig, AgentError, hello
 from fedciuic.cluster import free_port
 from fedciuic.crypto import ServerTls
 from fedciuic.errors import FederationError
+from fedciuic.processes import (
+    OWNER_ENV,
+    STARTED_RUN,
+    healthy,
+    owned_processes,
+    owner_tag,
+    stop_process_trees,
+    tail,
+    toml_pairs,
+    toml_value,
+)
 
 CONNECTION = "fedciuic"
 
@@ -55,94 +62,6 @@ FLOWER_ENV = {
 
 #: The folder of a FAB that Flower writes itself (the manifest), not the app's.
 FAB_INFO = ".info/"
-
-#: What ``flwr run`` prints once the SuperLink has accepted the run.
-STARTED_RUN = re.compile(r"Successfully started run (\d+)")
-
-#: The variable that marks every process a launcher started (and all they start):
-#: ``<owner>:<folder>``; see :func:`owned_processes`.
-OWNER_ENV = "FEDCIUIC_LAUNCH"
-
-
-def running(proc: psutil.Process) -> bool:
-    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
-    try:
-        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
-
-
-def owner_tag(label: str, folder: Path) -> str:
-    """The ``FEDCIUIC_LAUNCH`` value of a launcher: who started it, and where."""
-    return f"{label}:{folder}"
-
-
-def owner_folder(tag: str) -> Path | None:
-    """The folder in a ``FEDCIUIC_LAUNCH`` value (the tests look for what a run left)."""
-    _, sep, folder = tag.partition(":")
-    return Path(folder) if sep and folder else None
-
-
-def owned_processes(owner: str) -> list[psutil.Process]:
-    """Live processes whose environment has ``FEDCIUIC_LAUNCH=owner``, wherever they were
-    re-parented to; not this process or its ancestors (stop.sh runs under the start.sh
-    it stops), nor other users' (which we may not read)."""
-    found = []
-    me = psutil.Process()
-    spared = {me.pid, *(p.pid for p in me.parents())}
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid not in spared and proc.environ().get(OWNER_ENV) == owner and running(proc):
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def stop_process_trees(
-    pids: Sequence[int], grace: float = 10.0, owner: str | None = None
-) -> list[psutil.Process]:
-    """SIGTERM each process, its descendants and (given ``owner``) every process that
-    carries it; SIGKILL what is left after ``grace`` seconds, and each one's process
-    group; with ``owner``, sweep until none is left. Returns what could not be stopped.
-
-    Descendants are listed before anything is signalled: Flower detaches some helpers
-    into sessions of their own, which would be orphaned otherwise.
-    """
-    targets: dict[int, psutil.Process] = {}
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            for proc in (root, *root.children(recursive=True)):
-                targets[proc.pid] = proc
-    for proc in owned_processes(owner) if owner else []:
-        targets.setdefault(proc.pid, proc)
-    for proc in targets.values():
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(running(p) for p in targets.values()):
-        time.sleep(0.2)
-    for proc in targets.values():
-        if running(proc):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-    if not owner:
-        return []
-    # What outlived its parent (a Ray worker whose raylet exited first) or started
-    # while the others were stopping: kill it too, until nothing of ours is left.
-    deadline = time.monotonic() + grace
-    while left := owned_processes(owner):
-        if time.monotonic() > deadline:
-            return left
-        for proc in left:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(left, timeout=1)
-    return []
 
 
 def stage_app(app: Path, into: Path) -> Path:
@@ -195,19 +114,6 @@ def _bin(name: str) -> str:
     # Use the Flower executables of the interpreter we run in (the project's venv).
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
-
-
-def toml_value(value: Any) -> str:
-    """Render a scalar as a TOML value (for --run-config and --node-config)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string
-
-
-def toml_pairs(values: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
 
 
 @dataclass
@@ -518,11 +424,11 @@ class LocalFederation:
 
 def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
     """Flower's ``flower-superexec`` (the relay) run as ``user``, as a deployment's start
-    script runs it (``fedciuic.ops.deploy relay``), tied to this process."""
+    script runs it (``fedciuic.ops.scripts relay``), tied to this process."""
     return [
         sys.executable,
         "-m",
-        "fedciuic.ops.deploy",
+        "fedciuic.ops.scripts",
         "relay",
         user,
         str(home),
@@ -574,23 +480,6 @@ def connection_toml(address: str, ca_cert: Path | None) -> str:
     )
 
 
-def healthy(url: str, cafile: str | None = None) -> bool:
-    """Whether a SuperLink answers 200 on its ``/health`` URL (trusting ``cafile``)."""
-    context = ssl.create_default_context(cafile=cafile) if cafile else None
-    try:
-        with urllib.request.urlopen(url, timeout=1, context=context) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _healthy(port: int, tls: ServerTls | None = None) -> bool:
     scheme = "https" if tls else "http"
     return healthy(f"{scheme}://127.0.0.1:{port}/health", str(tls.ca_cert) if tls else None)
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

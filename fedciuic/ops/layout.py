@@ -28,18 +28,12 @@ from fedciuic.crypto import (
     write_keys,
 )
 from fedciuic.errors import EXIT_NO_AGGREGATE
-from fedciuic.flower import (
-    AGENT,
-    CONNECTION,
-    FLOWER_ENV,
-    OWNER_ENV,
-    connection_toml,
-    owner_tag,
-    toml_value,
-)
+from fedciuic.flower import AGENT, CONNECTION, FLOWER_ENV, connection_toml
 from fedciuic.ops.render import fragment, render
 from fedciuic.ops.runconfig import app_run_config
+from fedciuic.ops.scripts import start_owner
 from fedciuic.policy import LoadedPolicy, PolicySet
+from fedciuic.processes import OWNER_ENV, toml_value
 
 #: Each region's agent config, in its folder.
 AGENT_CONFIG = "agent.toml"
@@ -51,11 +45,6 @@ DEMO_DICTIONARY_FILE = "deid-dictionary.txt"
 #: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
 #: logs and a redirected output read as plain text.
 PLAIN = render("_plain.sh")
-
-
-def start_owner(directory: Path) -> str:
-    """The ``FEDCIUIC_LAUNCH`` value start.sh gives every process it starts."""
-    return owner_tag("start.sh", directory)
 
 
 @dataclass(frozen=True)
@@ -541,6 +530,5 @@ __all__ = [
     "region_socket",
     "relay_home",
     "run_overrides",
-    "start_owner",
     "write_deployment",
 ]

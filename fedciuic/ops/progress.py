@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from fedciuic.flower import STARTED_RUN
 from fedciuic.ops.outputs import fmt_epsilon, fmt_number, loss_of
+from fedciuic.processes import STARTED_RUN
 from fedciuic.record import (
     METRICS_FILE,
     OVERALL,

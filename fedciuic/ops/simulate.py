@@ -220,7 +220,7 @@ def _signals_noted(noted: list[int]) -> Iterator[None]:
 
 def _started_runs(federation: Any) -> list[int]:
     """The runs this federation's ``flwr run``s started (they printed the id), in order."""
-    from fedciuic.flower import STARTED_RUN
+    from fedciuic.processes import STARTED_RUN
 
     started = []
     logs = federation.logs.glob("flwr-run-*.log")

@@ -24,9 +24,10 @@ from fedciuic.agent.config import AgentConfig
 from fedciuic.cluster.protocol import free_port
 from fedciuic.crypto import AGGREGATOR
 from fedciuic.crypto.tls import generate_supernode_key
-from fedciuic.flower.launch import OWNER_ENV, LocalFederation, Managed, owner_folder
+from fedciuic.flower.launch import LocalFederation, Managed
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.layout import cpu_share
+from fedciuic.processes import OWNER_ENV, owner_folder
 from tests.conftest import SHARED_ENV
 
 T = TypeVar("T")

@@ -39,12 +39,13 @@ from fedciuic.cluster.protocol import free_port
 from fedciuic.config import TRAINING
 from fedciuic.crypto.keys import load_bundle
 from fedciuic.digests import installed_code
-from fedciuic.flower.launch import LocalFederation, healthy
+from fedciuic.flower.launch import LocalFederation
 from fedciuic.ops.deploy import init_deployment
 from fedciuic.ops.layout import Deployment
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.processes import healthy
 from tests.conftest import ROOT, record_level_policies
 from tests.e2e import pace
 from tests.e2e.helpers import built_once, passable_to_others, processes_under

@@ -28,7 +28,7 @@ from fedciuic.data.demo import CHAT_FILE, DOCS_FILE, INSTRUCTIONS_FILE
 from fedciuic.data.sources import discover
 from fedciuic.errors import DataError
 from fedciuic.flower.relay import AGENT
-from fedciuic.ops import deploy, separation
+from fedciuic.ops import deploy, scripts, separation
 from fedciuic.ops.cli import main
 from fedciuic.policy.rules import load_policy
 from fedciuic.region.secure import peers_of
@@ -148,7 +148,7 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
         Path(run.output.output_dir) == agg / "runs" and Path(run.output.audit_dir) == agg / "audit"
     )
     # What run.sh hands `flwr run`: the file as pairs, with the caller's overrides after it.
-    pairs = deploy.run_config_pairs(agg / "run-config.toml")
+    pairs = scripts.run_config_pairs(agg / "run-config.toml")
     assert parse_config_args([pairs]) == overrides
     assert parse_config_args([pairs, "num-server-rounds=1 local-steps=2"]) == {
         **overrides,
@@ -181,8 +181,8 @@ def test_run_config_validates_and_node_configs_name_existing_files(deployment):
         assert f"--node-config {here / 'node-config.toml'}" in script
         assert "--isolation process" in script
         assert f"agent --config {here / 'agent.toml'}" in script
-    scripts = [deployment / "regions" / r / "start-supernode.sh" for r in REGIONS]
-    ports = [port for s in scripts for port in re.findall(r"--port (\d+)", s.read_text())]
+    supernodes = [deployment / "regions" / r / "start-supernode.sh" for r in REGIONS]
+    ports = [port for s in supernodes for port in re.findall(r"--port (\d+)", s.read_text())]
     assert ports == ["19093", "19094", "19095"]  # one each, from --port + 1
 
 
@@ -221,7 +221,7 @@ def test_flower_connection_and_scripts(deployment):
     assert connection["fedciuic"]["address"] == "127.0.0.1:19092"
     assert connection["fedciuic"]["insecure"] is False
     assert Path(connection["fedciuic"]["root-certificates"]) == agg / "certs" / "ca.pem"
-    scripts = [
+    written = [
         deployment / "start.sh",
         deployment / "stop.sh",
         agg / "start-superlink.sh",
@@ -230,7 +230,7 @@ def test_flower_connection_and_scripts(deployment):
         *(deployment / "regions" / r / "start-supernode.sh" for r in REGIONS),
     ]
     bin_dir = str(Path(sys.executable).parent)
-    for script in scripts:
+    for script in written:
         assert _mode(script) & 0o111 == 0o111, script
         text = script.read_text()
         assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
@@ -361,7 +361,7 @@ def test_templates_render_only_with_exactly_their_placeholders(monkeypatch, tmp_
     assert render.render("stop.sh", preamble="P", pids="/x") == (
         "#!/usr/bin/env bash\n"
         "# Stop every process start.sh started (pids/*.pid) and everything they started.\n"
-        'P\n"$BIN/python" -m fedciuic.ops.deploy stop /x\n'
+        'P\n"$BIN/python" -m fedciuic.ops.scripts stop /x\n'
     )
     with pytest.raises(KeyError, match="no value for: pids"):
         render.render("stop.sh", preamble="P")
@@ -420,15 +420,15 @@ def test_check_run_reads_the_outcome_of_the_run_flwr_started(tmp_path, capsys):
     config.write_text(f'output-dir = "{tmp_path / "runs"}"\n')
     log = tmp_path / "log"
     log.write_text("nothing started\n")
-    assert deploy.check_run_log(log, config) == 1
+    assert scripts.check_run_log(log, config) == 1
     log.write_text("Successfully started run 42\n")
-    assert deploy.check_run_log(log, config) == 1  # no metrics.json
+    assert scripts.check_run_log(log, config) == 1  # no metrics.json
     metrics = tmp_path / "runs" / "run-42" / "metrics.json"
     metrics.parent.mkdir(parents=True)
     metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "failed"}}))
-    assert deploy.check_run_log(log, config) == 1
+    assert scripts.check_run_log(log, config) == 1
     metrics.write_text(json.dumps({"run": {"run_id": 42, "status": "completed"}}))
-    assert deploy.check_run_log(log, config) == 0
+    assert scripts.check_run_log(log, config) == 0
 
 
 def test_stop_ends_each_process_tree_named_in_pids_and_spares_reused_pids(tmp_path):
@@ -446,8 +446,8 @@ def test_stop_ends_each_process_tree_named_in_pids_and_spares_reused_pids(tmp_pa
     old = time.time() - 60
     os.utime(stale, (old, old))
     try:
-        assert [p.pid for p in deploy.tracked(pids)] == [tree.pid]  # not the reused PID
-        assert deploy.stop_processes(pids, grace=5) == [tree.pid]
+        assert [p.pid for p in scripts.tracked(pids)] == [tree.pid]  # not the reused PID
+        assert scripts.stop_processes(pids, grace=5) == [tree.pid]
         tree.wait(timeout=5)
         assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
         assert other.poll() is None
@@ -474,7 +474,7 @@ def test_start_sh_refuses_before_starting_anything(tmp_path, capsys):
         assert done.returncode == 1
         assert "an earlier start.sh is still running" in done.stderr
         assert earlier.poll() is None  # refusing stops nothing
-        assert [p.pid for p in deploy.tracked(dep / "pids")] == [earlier.pid]
+        assert [p.pid for p in scripts.tracked(dep / "pids")] == [earlier.pid]
     finally:
         earlier.kill()
         earlier.wait()
@@ -530,12 +530,12 @@ def test_with_a_relay_user_the_agent_config_names_it_and_the_script_drops_to_it(
     assert AgentConfig.load(here / "agent.toml").relay_user == "nobody"
     script = (here / "start-supernode.sh").read_text()
     socket = here / "agent" / "agent.sock"
-    assert f"fedciuic.ops.deploy relay-setup nobody {here / 'relay'} {socket}" in script
-    assert f"fedciuic.ops.deploy relay nobody {here / 'relay'} $$ --" in script
+    assert f"fedciuic.ops.scripts relay-setup nobody {here / 'relay'} {socket}" in script
+    assert f"fedciuic.ops.scripts relay nobody {here / 'relay'} $$ --" in script
     # The relay, started anew for every message, is the only one that runs as nobody.
     assert script.index("relay-setup") < script.index("agent --config")
     # The SuperNode dies with the script, as the relay does.
-    assert 'fedciuic.ops.deploy tied $$ -- "$BIN/flower-supernode"' in script
+    assert 'fedciuic.ops.scripts tied $$ -- "$BIN/flower-supernode"' in script
 
 
 def test_init_where_the_relay_user_cannot_pass_is_refused_naming_the_folder(passable, capsys):
@@ -587,7 +587,7 @@ def test_relay_setup_refuses_a_home_or_socket_the_relay_cannot_reach_before_maki
     (passable / "regions").chmod(0o700)
     home, socket = region / "relay", region / "agent" / "agent.sock"
     with pytest.raises(separation.SeparationError) as refused:
-        deploy.relay_setup("fedciuic-no-such-user", home, socket)
+        scripts.relay_setup("fedciuic-no-such-user", home, socket)
     message = str(refused.value)
     assert message == (
         f"relay-user fedciuic-no-such-user: cannot reach its home {home}: "
@@ -599,7 +599,7 @@ def test_relay_setup_refuses_a_home_or_socket_the_relay_cannot_reach_before_maki
     (passable / "regions").chmod(0o755)
     region.chmod(0o700)  # the agent's socket is in the region's folder too
     with pytest.raises(separation.SeparationError, match=f"cannot reach its home {home}: {region}"):
-        deploy.relay_setup("fedciuic-no-such-user", home, socket)
+        scripts.relay_setup("fedciuic-no-such-user", home, socket)
     problem = separation.reach_problem("x", {"the agent's socket": socket.parent.parent})
     assert problem is not None and f"{region} is closed" in problem
 

@@ -5,7 +5,7 @@ executables the scripts run) points at a folder of stand-ins: a SuperLink that a
 ``/health``, SuperNodes, agents and relays that sleep, a ``flwr run`` that records a
 run (``FAKE_STATUS``) and streams on, a ``fedciuic report`` that writes a page, a
 ``fedciuic preflight`` that passes (tests/ops/test_preflight.py runs the real one).
-``python`` is the real one, so every ``python -m fedciuic.ops.deploy`` step the scripts
+``python`` is the real one, so every ``python -m fedciuic.ops.scripts`` step the scripts
 take (health check, stop, settle, the relay's user) is the real one.
 
 What is tested is how the scripts end: a closed stdout (``| head``, or a ``| tee``
@@ -32,7 +32,7 @@ import pytest
 from fedciuic.cluster.protocol import free_port
 from fedciuic.errors import EXIT_NO_AGGREGATE
 from fedciuic.flower.launch import relay_command
-from fedciuic.ops import deploy, separation
+from fedciuic.ops import deploy, scripts, separation
 from fedciuic.ops.separation import interpreter_paths
 from fedciuic.record.metrics import RunStatus, load_metrics
 from tests.e2e.helpers import (
@@ -409,7 +409,7 @@ def _roles(here: Path) -> dict[str, psutil.Process]:
         with contextlib.suppress(psutil.Error):  # one may end between list and look
             line = " ".join(process.cmdline())
             for role, mark in MARKS.items():
-                if mark in line and "fedciuic.ops.deploy" not in line and "--ping" not in line:
+                if mark in line and "fedciuic.ops.scripts" not in line and "--ping" not in line:
                     found[role] = process
     return found
 
@@ -600,7 +600,7 @@ def test_stop_sh_with_its_output_closed_stops_and_exits_0(federation):
 @pytest.mark.parametrize("closed", ["stdout", "stderr"])
 def test_say_to_a_closed_output_drops_the_line_and_keeps_the_exit_status(closed):
     code = (
-        "import sys; from fedciuic.ops.deploy import say; "
+        "import sys; from fedciuic.ops.scripts import say; "
         "say('one'); say('two'); say('three', err=True); sys.exit(7)"
     )
     child = subprocess.Popen(
@@ -617,21 +617,21 @@ def test_say_to_a_closed_output_drops_the_line_and_keeps_the_exit_status(closed)
 
 def test_last_run_is_the_newest_written_since_with_its_outcome(tmp_path):
     runs = tmp_path / "runs"
-    assert deploy.last_run(runs, time.time()) == (None, 1)
+    assert scripts.last_run(runs, time.time()) == (None, 1)
     record(runs / "run-1", RunStatus.COMPLETED)
     os.utime(runs / "run-1" / "metrics.json", (time.time() - 3600,) * 2)
     since = time.time()
-    assert deploy.last_run(runs, since) == (None, 1)  # before this start
+    assert scripts.last_run(runs, since) == (None, 1)  # before this start
     record(runs / "run-2", "running")
     # A file's time is the kernel's coarse clock, which may lag time.time() by a tick.
     os.utime(runs / "run-2" / "metrics.json", (since + 1,) * 2)
-    assert deploy.last_run(runs, since) == (runs / "run-2", 1)
+    assert scripts.last_run(runs, since) == (runs / "run-2", 1)
     record(runs / "run-3", RunStatus.NO_AGGREGATE)
     os.utime(runs / "run-3" / "metrics.json", (since + 5,) * 2)
-    assert deploy.last_run(runs, since) == (runs / "run-3", EXIT_NO_AGGREGATE)
+    assert scripts.last_run(runs, since) == (runs / "run-3", EXIT_NO_AGGREGATE)
     record(runs / "run-4", RunStatus.COMPLETED)
     os.utime(runs / "run-4" / "metrics.json", (since + 9,) * 2)
-    assert deploy.last_run(runs, since) == (runs / "run-4", 0)
+    assert scripts.last_run(runs, since) == (runs / "run-4", 0)
 
 
 # -- the README's stop of Flower's own local SuperLink ----------------------------------

@@ -18,11 +18,11 @@ import pytest
 from fedciuic.config import RunConfig
 from fedciuic.crypto.keys import KeyFileError, Keypair, load_keypair, write_keys
 from fedciuic.errors import EXIT_ERROR, EXIT_NO_AGGREGATE
-from fedciuic.flower.launch import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
-from fedciuic.ops import deploy, layout
+from fedciuic.ops import deploy, layout, scripts
 from fedciuic.ops.cli import main
 from fedciuic.ops.outputs import mark_unfinished, summarize
 from fedciuic.ops.simulate import Interrupted, _simulation_keys
+from fedciuic.processes import OWNER_ENV, owned_processes, owner_tag, stop_process_trees
 from fedciuic.record.metrics import RunStatus, load_metrics
 from fedciuic.record.recorder import RunRecorder, no_aggregate_reasons, published_rounds
 from tests.conftest import ROOT, unit_config
@@ -123,7 +123,7 @@ def test_start_sh_settles_only_its_own_running_runs(tmp_path):
         tmp_path / "run-3", {"run_id": 3, "regions": [], "config": {}}, summary=summarize
     )
     done.finish(RunStatus.COMPLETED)
-    assert deploy.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
+    assert scripts.settle_runs(tmp_path, since) == [tmp_path / "run-2"]
     status = {
         p.parent.name: json.loads(p.read_text())["run"]["status"]
         for p in tmp_path.glob("run-*/metrics.json")
@@ -141,7 +141,7 @@ def test_run_sh_exits_3_when_no_aggregate_was_published(tmp_path, capsys):
     log.write_text("Successfully started run 77\n")
     config = tmp_path / "run-config.toml"
     config.write_text(f'output-dir = "{runs}"\n')
-    assert deploy.check_run_log(log, config) == EXIT_NO_AGGREGATE == 3
+    assert scripts.check_run_log(log, config) == EXIT_NO_AGGREGATE == 3
     err = capsys.readouterr().err
     assert "published no aggregate in any round" in err
     assert "  eu: declined in rounds 1, 2: over its budget 8" in err
@@ -157,7 +157,7 @@ def test_run_and_start_scripts_strip_colours_and_start_sh_prints_every_verdict(t
     assert '> >(plain >"$DIR/logs/$name.log")' in start
     assert f"export {OWNER_ENV}=" in start
     assert '"$BIN/fedciuic" report "$1"' in start and 'report "$run_dir"' in start
-    assert "fedciuic.ops.deploy settle" in start
+    assert "fedciuic.ops.scripts settle" in start
     # The filter itself: colour codes out, text kept.
     plain = subprocess.run(
         ["bash", "-c", layout.PLAIN.replace("$BIN", str(Path(sys.executable).parent)) + "plain"],
@@ -269,7 +269,7 @@ def test_a_kept_key_of_another_region_is_refused(tmp_path):
 def test_stop_sh_spares_itself_and_the_start_sh_it_runs_under(tmp_path):
     owner = owner_tag("start.sh", tmp_path)
     code = (
-        "import os; from fedciuic.flower.launch import owned_processes; "
+        "import os; from fedciuic.processes import owned_processes; "
         f"print([p.pid for p in owned_processes({owner!r})], os.getppid())"
     )
     done = subprocess.run(

@@ -9,11 +9,11 @@
 @@# The relay's user and home first (relay-setup checks that it can reach them and the
 @@# agent's socket, and makes them, as root), then the agent, which refuses to serve
 @@# while that user can read the region's files.
-"$BIN/python" -m fedciuic.ops.deploy relay-setup @@{relay_user} @@{relay_home} @@{socket}
+"$BIN/python" -m fedciuic.ops.scripts relay-setup @@{relay_user} @@{relay_home} @@{socket}
 @@# Tied like the SuperNode below: an agent that watched for its parent only once its
 @@# imports were done would take a kill -9 of this script in its first seconds for its
 @@# parent's (re-parented) self and serve on, holding the region's lock.
-"$BIN/python" -m fedciuic.ops.deploy tied $$ -- "$BIN/fedciuic" agent --config @@{agent} &
+"$BIN/python" -m fedciuic.ops.scripts tied $$ -- "$BIN/fedciuic" agent --config @@{agent} &
 AGENT=$!
 SUPERNODE=
 RELAY=
@@ -32,11 +32,11 @@ trap 'exit 143' TERM
 @@# clean-up, leaves none of the three running. The relay stays the parent of Flower's
 @@# SuperExec and ends its ClientApps with it (a process group of their own).
 "$BIN/fedciuic" agent --config @@{agent} --ping --pid "$AGENT" --timeout 120
-"$BIN/python" -m fedciuic.ops.deploy tied $$ -- "$BIN/flower-supernode" @@{security} \
+"$BIN/python" -m fedciuic.ops.scripts tied $$ -- "$BIN/flower-supernode" @@{security} \
   --superlink @@{superlink} --host 127.0.0.1 --port @@{port} \
   --isolation process --node-config @@{node_config} "$@" &
 SUPERNODE=$!
-"$BIN/python" -m fedciuic.ops.deploy relay @@{relay_user} @@{relay_home} $$ -- \
+"$BIN/python" -m fedciuic.ops.scripts relay @@{relay_user} @@{relay_home} $$ -- \
   "$BIN/flower-superexec" --insecure --runtime-api-address 127.0.0.1:@@{port} &
 RELAY=$!
 @@# Until the first of the three ends (a signal to this script ends the wait, and its

@@ -30,7 +30,7 @@ DIR=@@{dir}
 export @@{owner_env}=@@{owner}
 START=$(date +%s)
 mkdir -p "$DIR/pids" "$DIR/logs"
-if ! "$BIN/python" -m fedciuic.ops.deploy running "$DIR/pids"; then
+if ! "$BIN/python" -m fedciuic.ops.scripts running "$DIR/pids"; then
   echo "start.sh: an earlier start.sh is still running; stop it with: bash $DIR/stop.sh" >&2
   exit 1
 fi
@@ -65,11 +65,11 @@ stop_all() {
   echo "start.sh: stopping every process it started" >&2
   bash "$DIR/stop.sh"
   # A run whose ServerApp was stopped before it ended must not stay "running".
-  "$BIN/python" -m fedciuic.ops.deploy settle "$DIR/aggregator/runs" "$START"
+  "$BIN/python" -m fedciuic.ops.scripts settle "$DIR/aggregator/runs" "$START"
   if [ -n "$SIGNAL" ]; then
     # Interrupted after the run had ended (flwr run or the report still at work): the
     # run's outcome stands, with its report.
-    run_dir=$("$BIN/python" -m fedciuic.ops.deploy last-run "$DIR/aggregator/runs" "$START")
+    run_dir=$("$BIN/python" -m fedciuic.ops.scripts last-run "$DIR/aggregator/runs" "$START")
     outcome=$?
     if [ "$outcome" -eq 0 ] || [ "$outcome" -eq @@{no_aggregate} ]; then
       echo "start.sh: interrupted during clean-up; the run had ended: $run_dir" >&2
@@ -93,7 +93,7 @@ launch() {  # NAME COMMAND...: in the background, logging to logs/NAME.log (no c
 }
 
 launch superlink bash @@{start_superlink}
-"$BIN/python" -m fedciuic.ops.deploy wait-healthy @@{health_url} @@{ca} \
+"$BIN/python" -m fedciuic.ops.scripts wait-healthy @@{health_url} @@{ca} \
   "$DIR/pids/superlink.pid" "$DIR/logs/superlink.log"
 @@# With TLS, the SuperNodes are admitted (register-supernodes.sh) before they start.
 @@{launch_supernodes}
@@ -108,7 +108,7 @@ echo "start.sh: results in $DIR/aggregator/runs"
 # this script started) prints each log's verdict and writes the run's compliance report
 # (RUN_DIR/compliance-report-run-<id>.md and .html), as `fedciuic simulate` does, whatever
 # the outcome.
-run_dir=$("$BIN/python" -m fedciuic.ops.deploy last-run "$DIR/aggregator/runs" "$START" || true)
+run_dir=$("$BIN/python" -m fedciuic.ops.scripts last-run "$DIR/aggregator/runs" "$START" || true)
 if [ -n "$run_dir" ]; then
   report "$run_dir"
 fi
