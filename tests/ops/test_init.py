@@ -431,6 +431,17 @@ def test_check_run_reads_the_outcome_of_the_run_flwr_started(tmp_path, capsys):
     assert scripts.check_run_log(log, config) == 0
 
 
+def test_the_scripts_python_steps_import_neither_flower_torch_nor_the_config():
+    """Each step is a process of its own, several a script: its imports are its start."""
+    heavy = {"flwr", "torch", "numpy", "pydantic", "transformers", "peft", "cryptography"}
+    probe = (
+        "import sys, fedciuic.ops.scripts; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(heavy)!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 def test_stop_ends_each_process_tree_named_in_pids_and_spares_reused_pids(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
