@@ -50,7 +50,6 @@ import statistics
 import tempfile
 import threading
 import time
-import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ from fedciuic.data.demo import DOCS_FILE, INSTRUCTIONS_FILE, write_demo_corpora
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.model.adapter import save_model_checkpoint
 from fedciuic.model.families import resolve_targets
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.record.metrics import load_metrics
 from fedciuic.record.recorder import METRICS_FILE
 from fedciuic.wire import SEALED, TRAINED
@@ -165,16 +165,9 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
     }
 
 
-def app_config() -> dict[str, Any]:
-    """fedciuic's run-config defaults, as its pyproject.toml gives them."""
-    with (ROOT / "pyproject.toml").open("rb") as handle:
-        config: dict[str, Any] = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
-    return config
-
-
 def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
-    """fedciuic's run-config defaults for ``keys``."""
-    config = app_config()
+    """fedciuic's run-config defaults (its pyproject.toml) for ``keys``."""
+    config = app_run_config(ROOT)
     return {key: config[key] for key in keys}
 
 

@@ -37,7 +37,6 @@ import shutil
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from fedciuic.model.adapter import build_base, default_device
 from fedciuic.model.identity import checkpoint_fingerprint, preset_fingerprint
 from fedciuic.model.presets import preset_config, preset_tokenizer, save_tokenizer
 from fedciuic.model.shared_base import SHARE_ENV
+from fedciuic.ops.runconfig import app_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "pretrain.json"
@@ -127,8 +127,7 @@ def _has_bf16(device: torch.device) -> bool:
 
 def app_config() -> dict[str, Any]:
     """The run config in pyproject.toml: what a federation gets unless told otherwise."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    return dict(config["tool"]["flwr"]["app"]["config"])
+    return app_run_config(ROOT)
 
 
 def public_text() -> list[str]:

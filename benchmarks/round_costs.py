@@ -41,6 +41,7 @@ from fedciuic.config import ModelSpec
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.model.adapter import save_model_checkpoint
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.privacy.dpsgd import PrivateTrainer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "round_costs.json"
@@ -129,7 +130,7 @@ def main() -> int:
     torch.set_num_threads(1)
     clock = Clock()
     instrument(clock)
-    defaults = overhead.app_config()
+    defaults = app_run_config(overhead.ROOT)
     seed = int(defaults["seed"])
     with tempfile.TemporaryDirectory(prefix="fedciuic-bench-round-costs-") as name:
         tmp = Path(name)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 from fedciuic.config import DEFAULT_PRIVACY_UNIT, RunConfig
 from fedciuic.data.demo import write_demo_corpora
 from fedciuic.model.presets import TINY_FAMILIES, tiny_checkpoint
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.policy.rules import DEFAULT_RELEASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,8 +53,7 @@ EXACT_RELEASES = {"count-noise": 0.0, "eval-noise": 0.0}
 
 
 def app_config() -> dict[str, Any]:
-    with open(ROOT / "pyproject.toml", "rb") as handle:
-        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+    return app_run_config(ROOT)
 
 
 def unit_config() -> dict[str, Any]:

@@ -241,7 +241,7 @@ def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
     all: then the record with the lowest bucket is held out, or the one with the highest
     trains, so that both sides have something whenever the records differ."""
     held = buckets < fraction
-    if len(np.unique(buckets)) > 1:
+    if buckets.size and buckets.min() < buckets.max():  # the records differ
         if not held.any():
             held = buckets == buckets.min()
         elif held.all():

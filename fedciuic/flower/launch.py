@@ -78,8 +78,7 @@ def stage_app(app: Path, into: Path) -> Path:
     root = app.expanduser().resolve()
     patterns = load_gitignore_patterns(root / ".gitignore")
     # A negated pattern may bring back a file below an ignored folder: enter them all.
-    ignored = None if any(p.lstrip().startswith("!") for p in patterns) else patterns
-    spec = build_pathspec(ignored or ())
+    spec = build_pathspec(() if any(p.lstrip().startswith("!") for p in patterns) else patterns)
     files: dict[str, bytes | Path] = {}
     for folder, subfolders, names in os.walk(root, followlinks=False):
         here = Path(folder)

@@ -29,12 +29,20 @@ def _app(folder: Path, gitignore: str) -> Path:
     (app / "server" / "linked.py").symlink_to(folder / "outside.py")
     (folder / "outside.py").write_text("y = 2\n", encoding="utf-8")
     (app / ".venv" / "kept.py").write_text("z = 3\n", encoding="utf-8")
+    generated = app / "clients" / "generated"
+    generated.mkdir()
+    for name in ("keep.py", "drop.py"):
+        (generated / name).write_text("w = 4\n", encoding="utf-8")
     return app
 
 
 @pytest.mark.parametrize(
     "gitignore",
-    [".venv/\n*.log\n", ".venv/*\n!.venv/kept.py\n*.log\n", ""],
+    [
+        ".venv/\n*.log\nclients/generated/\n",
+        ".venv/\n*.log\nclients/generated/\n!clients/generated/keep.py\n",
+        "",
+    ],
     ids=["ignored-folder", "negated-pattern", "no-gitignore"],
 )
 def test_the_staged_app_gives_the_fab_flower_builds_from_the_app_folder(tmp_path, gitignore):
@@ -45,6 +53,9 @@ def test_the_staged_app_gives_the_fab_flower_builds_from_the_app_folder(tmp_path
     assert "pyproject.toml" in held and "clients/app.py" in held and "server/app.py" in held
     assert not any(p.startswith(".venv") or p.endswith((".log", ".txt")) for p in held), held
     assert "server/linked.py" not in held  # symlinks stay out, as Flower leaves them
+    # A file a negated pattern brings back from an ignored folder is in, as Flower has it.
+    assert ("clients/generated/keep.py" in held) == ("!" in gitignore or not gitignore)
+    assert ("clients/generated/drop.py" in held) == (not gitignore)
 
 
 def test_the_shipped_app_stages_to_its_own_fab(tmp_path):
