@@ -51,6 +51,7 @@ from fedciuic.secagg import (
     Ring,
     SecureSumRegion,
     Session,
+    alignment,
     from_ring,
     noised,
     ring_bits,
@@ -58,6 +59,7 @@ from fedciuic.secagg import (
     rotate,
     run_secure_sum,
     sent_norm,
+    sum_bound,
     unrotate,
 )
 
@@ -121,9 +123,12 @@ def plain_round(sizes: list[int], n: int, rng: np.random.Generator) -> dict[str,
     return {"bytes": len(sealed), "region_s": region_s, "aggregator_s": aggregator_s * n}
 
 
-def session_for(regions: list[str], bits: int, xs: list[np.ndarray]) -> Session:
+def session_for(
+    regions: list[str], bits: int, xs: list[np.ndarray], reach: float | None = None
+) -> Session:
     """The session an aggregator proposes for these updates: scaled by the norms their
-    regions send (as with DP-SGD, the default)."""
+    regions send (as with DP-SGD, the default), for a sum that reaches as far as the
+    last one did (``reach``), or, in a run's first sum, as far as it can."""
     return Session.propose(
         run_id=1,
         server_round=1,
@@ -133,7 +138,7 @@ def session_for(regions: list[str], bits: int, xs: list[np.ndarray]) -> Session:
         size=xs[0].size,
         clip=CLIP,
         noise=0.0,
-        bound=sum(sent_norm(x, CLIP) for x in xs),
+        bound=sum_bound([sent_norm(x, CLIP) for x in xs], reach),
     )
 
 
@@ -146,13 +151,18 @@ def encoded_updates(
 
 
 def secure_round(
-    sizes: list[int], n: int, dropping: int, bits: int, rng: np.random.Generator
+    sizes: list[int],
+    n: int,
+    dropping: int,
+    bits: int,
+    rng: np.random.Generator,
+    reach: float | None = None,
 ) -> dict[str, Any]:
     regions = names(n)
     keys = {r: Keypair.generate(r, "EU") for r in regions}
     bundles = {r: k.bundle for r, k in keys.items()}
     xs = updates(n, sizes, rng)
-    session = session_for(regions, bits, xs)
+    session = session_for(regions, bits, xs, reach)
     start = time.perf_counter()
     encoded = dict(zip(regions, encoded_updates(session, xs, rng), strict=True))
     encode_s = (time.perf_counter() - start) / n
@@ -186,18 +196,22 @@ def secure_round(
     }
 
 
-def rounding_error(sizes: list[int], n: int, bits: int, rng: np.random.Generator) -> float:
+def rounding_error(
+    sizes: list[int], n: int, bits: int, rng: np.random.Generator, reach: float | None = None
+) -> tuple[float, float]:
     """Relative L2 error of the published mean of ``n`` clipped updates through a ring of
-    ``bits``, against their exact mean."""
+    ``bits``, scaled for a sum reaching ``reach`` (None: a run's first), against their
+    exact mean; and how far the sum reached (what the aggregator scales its next by)."""
     xs = updates(n, sizes, rng)
-    session = session_for(names(n), bits, xs)
+    session = session_for(names(n), bits, xs, reach)
     ring = Ring(bits)
     total = from_ring(
         ring_sum(encoded_updates(session, xs, rng), ring), scale=session.scale, ring=ring
     )
     mean = unrotate(total / n, session.sid())
     exact = np.mean(xs, axis=0)
-    return float(np.linalg.norm(mean - exact) / np.linalg.norm(exact))
+    reached = alignment(float(np.linalg.norm(total)), [sent_norm(x, CLIP) for x in xs])
+    return float(np.linalg.norm(mean - exact) / np.linalg.norm(exact)), reached
 
 
 def plain_error(sizes: list[int], n: int, rng: np.random.Generator) -> float:
@@ -226,7 +240,13 @@ def rows(result: dict[str, Any]) -> list[Row]:
         if not all("mean_error" in c for c in cases.values()):
             return []  # results from before the norms
         measured = "; ".join(
-            f"{n} regions: x{c['ratio']:.2f} ({c['ring_bits']} bits), error "
+            f"{n} regions: x{c['ratio']:.3f} ({c['ring_bits']} bits"
+            + (
+                f" from the 2nd sum, {c['first_ring_bits']} in the 1st"
+                if "first_ring_bits" in c
+                else ""
+            )
+            + "), error "
             f"{c['mean_error']['secure']:.2%} (int8 {c['mean_error']['plain_int8']:.2%})"
             for n, c in cases.items()
         )
@@ -260,15 +280,21 @@ def main() -> None:
         cases = {}
         for n in (int(v) for v in args.regions.split(",")):
             plain = plain_round(sizes, n, rng)
-            bits_used = ring_bits(
-                args.bits, regions=n, size=size, distributed_dp=False, normed=True
-            )
-            full = secure_round(sizes, n, 0, bits_used, rng)
-            dropped = secure_round(sizes, n, max(1, n // 10), bits_used, rng)
+            # a run's first sum takes the ring that holds any alignment; the next ones
+            # the ring for a sum that reaches as far as the last did (the aggregator's
+            # reach): the bytes and error measured are the later rounds'
+            terms: dict[str, Any] = {"regions": n, "size": size, "distributed_dp": False}
+            terms["normed"] = True
+            first_bits = ring_bits(args.bits, **terms)
+            bits_used = ring_bits(args.bits, **terms, measured=True)
+            first_error, reach = rounding_error(sizes, n, first_bits, rng)
+            full = secure_round(sizes, n, 0, bits_used, rng, reach)
+            dropped = secure_round(sizes, n, max(1, n // 10), bits_used, rng, reach)
             bits = 8 * full["sent_total"] / size
             errors = {
                 "plain_int8": plain_error(sizes, n, rng),
-                "secure": rounding_error(sizes, n, bits_used, rng),
+                "secure": rounding_error(sizes, n, bits_used, rng, reach)[0],
+                "first_round": first_error,
             }
             cases[n] = {
                 "plain": plain,
@@ -276,6 +302,8 @@ def main() -> None:
                 "dropouts": dropped,
                 "bits_per_value": bits,
                 "ring_bits": bits_used,
+                "first_ring_bits": first_bits,
+                "reach": reach,
                 "ratio": full["sent_total"] / plain["bytes"],
                 "mean_error": errors,
             }
@@ -286,13 +314,14 @@ def main() -> None:
                 f"{full['sent_total']:>12,} B "
                 f"(plain {plain['bytes']:>11,} B, x{cases[n]['ratio']:.2f}), "
                 f"{bits:.2f} bits/value; mean's error {errors['secure']:.2e} (plain int8 "
-                f"{errors['plain_int8']:.2e}); region {region_s:.2f} s (plain "
+                f"{errors['plain_int8']:.2e}; first round {first_bits} bits, "
+                f"{errors['first_round']:.2e}, reach {reach:.2f}); region {region_s:.2f} s (plain "
                 f"{plain['region_s']:.2f} s), aggregator {aggregator_s:.2f} s (plain "
                 f"{plain['aggregator_s']:.2f} s); unmasking "
                 f"{full['aggregator_s']['reveal']:.2f} s, with {dropped['dropping']} dropped "
                 f"{dropped['aggregator_s']['reveal']:.2f} s; by phase {full['sent']}"
             )
-        by_bits = {b: rounding_error(sizes, 8, b, rng) for b in ERROR_BITS}
+        by_bits = {b: rounding_error(sizes, 8, b, rng)[0] for b in ERROR_BITS}
         print(
             f"{mode:8s} rounding error of the mean of 8 regions by ring bits: "
             + ", ".join(f"{b}: {e:.2e}" for b, e in by_bits.items())

@@ -557,7 +557,8 @@ class SecureSettings(_Strict):
     secure_threshold: int = Field(default=0, ge=0)
     #: Bits per value of a masked update: the ring the sum is taken in (0: the fewest
     #: that round no coarser than the plain int8 path where the regions send norms,
-    #: else 24: :func:`fedciuic.secagg.ddp.ring_bits`).
+    #: fewer once a sum of the run was measured; else 24:
+    #: :func:`fedciuic.secagg.ddp.ring_bits`).
     secure_ring_bits: int = Field(default=0, ge=0, le=62)
     #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
     #: standard deviation in a sum of secure-threshold regions this times max-update-norm.

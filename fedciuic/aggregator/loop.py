@@ -47,7 +47,9 @@ from fedciuic.secagg import (
     SecureSum,
     Session,
     SumWithheld,
+    alignment,
     ring_bits,
+    sum_bound,
     unpack_answer,
 )
 from fedciuic.wire import (
@@ -567,6 +569,10 @@ class SecureLoop(SyncLoop):
     the round withheld; the whole sum is one ``secure_sum`` record."""
 
     late_refusal = LATE
+    #: How far the run's last unmasked sum reached against its regions' norms
+    #: (:func:`~fedciuic.secagg.ddp.alignment`); None before one, and after a sum is
+    #: withheld: the next is scaled for a sum that cannot wrap.
+    reach: float | None = None
 
     def aggregate(self, server_round: int, into: Collecting) -> set[int]:
         """The secure sum of the accepted regions' updates, published or withheld; the
@@ -593,9 +599,14 @@ class SecureLoop(SyncLoop):
             )
             survivors = tuple(sorted(secure.masked))
             mean = secure.mean(total)
+            if session.bound:  # how far this sum reached: the next one's scale
+                reached = float(np.linalg.norm(mean)) * len(survivors)
+                self.reach = alignment(reached, [norms[r] or 0.0 for r in survivors])
+                details["reach"] = self.reach
         except (SumWithheld, SecAggError, RingTooSmall) as err:
             reasons = [f"secure sum: {err}"]
             survivors = ()
+            self.reach = None
         if secure is not None:
             details |= secure.record()
         details["outcome"] = "withheld" if reasons else "unmasked"
@@ -617,8 +628,8 @@ class SecureLoop(SyncLoop):
         regions = sorted(norms)
         if len(regions) < a.run.unmask_threshold:
             raise SumWithheld(Phase.ADVERT, len(regions), a.run.unmask_threshold)
-        sent = [norms[r] for r in regions]
-        normed = a.run.secure_norms and all(n is not None for n in sent)
+        sent = [norms[r] or 0.0 for r in regions]
+        normed = a.run.secure_norms and all(norms[r] is not None for r in regions)
         return Session.propose(
             run_id=a.federation_run,
             server_round=server_round,
@@ -630,11 +641,12 @@ class SecureLoop(SyncLoop):
                 size=size,
                 distributed_dp=settings.distributed_noise_multiplier > 0,
                 normed=a.run.secure_norms,
+                measured=normed and self.reach is not None,
             ),
             size=size,
             clip=a.run.compression.max_update_norm,
             noise=settings.distributed_noise_multiplier,
-            bound=sum(n or 0.0 for n in sent) if normed else 0.0,
+            bound=sum_bound(sent, self.reach) if normed else 0.0,
         )
 
     def _exchange(

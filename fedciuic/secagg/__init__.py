@@ -19,9 +19,12 @@ if TYPE_CHECKING:
     from fedciuic.secagg.aggregator import Refusal as Refusal
     from fedciuic.secagg.aggregator import SecureSum as SecureSum
     from fedciuic.secagg.aggregator import SumWithheld as SumWithheld
+    from fedciuic.secagg.ddp import alignment as alignment
     from fedciuic.secagg.ddp import noise_rng as noise_rng
     from fedciuic.secagg.ddp import noised as noised
     from fedciuic.secagg.ddp import ring_bits as ring_bits
+    from fedciuic.secagg.ddp import ring_choices as ring_choices
+    from fedciuic.secagg.ddp import sum_bound as sum_bound
     from fedciuic.secagg.lab import run_secure_sum as run_secure_sum
     from fedciuic.secagg.masking import Ring as Ring
     from fedciuic.secagg.masking import RingTooSmall as RingTooSmall

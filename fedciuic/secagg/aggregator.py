@@ -222,7 +222,7 @@ class SecureSum:
             key_seed = self._recover(gone, self_seed=False)
             eph = ephemeral(key_seed, sid)
             for survivor in survivors:
-                if s.index(gone) < s.index(survivor):
+                if s.derives(gone, survivor):
                     seed = pair_seed(key_seed, sid, gone, survivor)
                 else:
                     item = next(i for i in self.shares[survivor].items if i.to == gone)
@@ -353,7 +353,7 @@ class SecureSum:
         s = self.session
         if item.sender != region:
             raise SecAggError(f"an item from {item.sender!r} in the shares of {region!r}")
-        owns = s.index(region) < s.index(item.to)
+        owns = s.derives(region, item.to)
         if len(item.shares) != SEALED_SHARES or (item.pair is not None) != owns:
             raise SecAggError(f"the item for {item.to!r} has the wrong shape")
         if item.pair is not None and len(item.pair) != SEALED_PAIR:

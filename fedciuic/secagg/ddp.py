@@ -130,24 +130,83 @@ NEAREST_STEP = INT8_STEP * math.sqrt(2)
 #: The chance, per sum, that some value of it goes past the range its norms give (a
 #: randomly rotated value is sub-Gaussian); the wrap check withholds such a sum.
 TYPICAL_MISS = 1e-5
+#: How much further a round's sum may reach than the run's last unmasked sum did (each
+#: against its regions' norms: :func:`alignment`) and still fit the ring that sum's
+#: reach chose; past it the sum wraps, is withheld, and the next round takes the bound
+#: that cannot wrap.
+ALIGNMENT_MARGIN = 1.5
 
 
 def ring_bits(
-    requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
+    requested: int,
+    *,
+    regions: int,
+    size: int,
+    distributed_dp: bool,
+    normed: bool,
+    measured: bool = False,
 ) -> int:
     """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
     bits at which a sum of ``regions`` updates scaled by their norms (``normed``:
-    :func:`normed_scale`) rounds, to the nearest, no coarser than the plain ``int8``
-    path: 11 for 3 regions, 12 for 8, 14 for 32 (:data:`NEAREST_STEP`,
-    ``benchmarks/secagg.py``);
+    :func:`normed_scale`, :func:`sum_bound`) rounds, to the nearest, no coarser than the
+    plain ``int8`` path. The sum's reach sets them: ``regions`` norms however the
+    updates align (11 bits for 3 regions, 12 for 8, 14 for 32), or, once a sum of the
+    run was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms, what
+    updates as independent as that sum's reach (11 for 3 and 8, 12 for 16 and 32:
+    :data:`NEAREST_STEP`, ``benchmarks/secagg.py``);
     :data:`DDP_RING_BITS` with distributed DP (its noise needs the headroom) or without
     the regions' norms (the scale then follows the clip)."""
     if requested:
         return requested
     if distributed_dp or not normed:
         return DDP_RING_BITS
-    largest = typical_spread(size) * regions / NEAREST_STEP + regions
+    reach = min(regions, ALIGNMENT_MARGIN * math.sqrt(regions)) if measured else regions
+    largest = typical_spread(size) * reach / NEAREST_STEP + regions
     return max(MIN_RING_BITS, 1 + math.ceil(math.log2(largest + 1)))
+
+
+def ring_choices(
+    requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
+) -> tuple[int, ...]:
+    """The rings a region takes a session in: :func:`ring_bits` before and after a sum
+    of the run was measured (which one is the aggregator's to know; either gives it the
+    sum and nothing else)."""
+    return tuple(
+        sorted(
+            {
+                ring_bits(
+                    requested,
+                    regions=regions,
+                    size=size,
+                    distributed_dp=distributed_dp,
+                    normed=normed,
+                    measured=measured,
+                )
+                for measured in (False, True)
+            }
+        )
+    )
+
+
+def sum_bound(norms: Sequence[float], reach: float | None) -> float:
+    """The norm a sum of updates with these sent norms is scaled for
+    (:func:`normed_scale`): their total, which it cannot pass however they align, or,
+    given the ``reach`` of the run's last unmasked sum (:func:`alignment`),
+    :data:`ALIGNMENT_MARGIN` times that reach (at least that of independent updates) on
+    these norms, if less."""
+    total = math.fsum(norms)
+    if reach is None:
+        return total
+    independent = math.sqrt(math.fsum(n * n for n in norms))
+    return min(total, ALIGNMENT_MARGIN * max(1.0, reach) * independent)
+
+
+def alignment(sum_norm: float, norms: Sequence[float]) -> float:
+    """How far a sum reached against its regions' sent norms: its norm over the root of
+    their squares' sum (1 for independent updates, sqrt(n) for n aligned ones of one
+    norm; 1 for norms of 0, which say nothing)."""
+    root = math.sqrt(math.fsum(n * n for n in norms))
+    return sum_norm / root if root else 1.0
 
 
 def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:

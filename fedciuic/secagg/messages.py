@@ -164,6 +164,15 @@ class Session(Message):
         """The region's position, from 1 (Shamir's holder; who adds and who subtracts)."""
         return self.regions.index(region) + 1
 
+    def derives(self, region: str, peer: str) -> bool:
+        """Whether ``region`` derives the pair seed it shares with ``peer`` (and seals it
+        to ``peer``), else ``peer`` does: each derives for the half of the others that
+        follow it round the session's circle, so no region seals a pair seed to every
+        other (a post-quantum ciphertext each)."""
+        n, i, j = len(self.regions), self.index(region), self.index(peer)
+        ahead = (j - i) % n
+        return ahead < n - ahead or (ahead == n - ahead and i < j)
+
     def sid(self) -> bytes:
         """The session id every signature in this secure sum covers."""
         return hashlib.sha256(signable(DOMAIN, self.model_dump())).digest()

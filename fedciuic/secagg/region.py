@@ -136,7 +136,7 @@ class SecureSumRegion:
                 self.peers[region].xwing, plain, sid=sid, purpose=SHARES, sender=self.me, to=region
             )
             pair = None
-            if session.index(self.me) < session.index(region):
+            if session.derives(self.me, region):
                 seed = pair_seed(state.key_seed, sid, self.me, region)
                 pair = seal_to(
                     joined[region], seed, sid=sid, purpose=PAIR, sender=self.me, to=region
@@ -300,7 +300,7 @@ class SecureSumRegion:
         self, session: Session, state: StoredSum, eph: XWingPrivateKey, item: SealedItem
     ) -> bytes:
         sid = session.sid()
-        if session.index(self.me) < session.index(item.sender):
+        if session.derives(self.me, item.sender):
             if item.pair is not None:
                 raise self._refuse(
                     session, Phase.MASKED, f"{item.sender} sent a pair seed it does not own"

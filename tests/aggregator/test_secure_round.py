@@ -29,7 +29,8 @@ from fedciuic.record.metrics import load_metrics
 from fedciuic.region import handle_instruction, read_configs, region_records
 from fedciuic.region.secure import PHASE_EVENTS
 from fedciuic.region.trainer import SentUpdates
-from fedciuic.secagg import Phase
+from fedciuic.secagg import Phase, alignment, sent_norm, sum_bound
+from fedciuic.secagg.ddp import ALIGNMENT_MARGIN
 from fedciuic.wire import Instruction, RunEndNotice, Unread, failed, parse_reply
 from tests.conftest import unit_config, write_policy
 
@@ -42,17 +43,20 @@ REGIONS = ("eu", "cn", "us")
 class Lab:
     """Each region's round run in this process when its node is sent a message (as
     Flower's simulation would, without its processes); ``silent`` regions stop answering
-    at the phase named, ``dead`` ones answer with Flower's error from it on."""
+    at the phase named, ``dead`` ones answer with Flower's error from it on (in the
+    ``rounds`` given, or from the first)."""
 
     def __init__(
         self,
         run: RunConfig,
         silent: dict[str, Phase] | None = None,
         dead: dict[str, Phase] | None = None,
+        rounds: set[int] | None = None,
     ) -> None:
         self.run = run
         self.silent = silent or {}
         self.dead = dead or {}
+        self.rounds = rounds
         self.replies: dict[str, Unread] = {}
         self.gone: set[str] = set()
         self.count = 0
@@ -61,6 +65,9 @@ class Lab:
         return list(range(1, len(REGIONS) + 1))
 
     def _quiet(self, region: str, instruction: Instruction, at: dict[str, Phase]) -> bool:
+        if self.rounds is not None and instruction.server_round not in self.rounds:
+            self.gone.clear()
+            return False
         if region in self.gone:
             return True
         if instruction.kind != TaskKind.SECAGG or region not in at:
@@ -157,10 +164,11 @@ def run_rounds(
     return layout.initial, final, audit.path
 
 
-def kept_update(run: RunConfig, region: str, size: int) -> np.ndarray:
-    """What the region kept of its round-1 update, decoded with the run's codec."""
+def kept_update(run: RunConfig, region: str, size: int, server_round: int = 1) -> np.ndarray:
+    """What the region kept of its update in ``server_round``, decoded with the run's
+    codec."""
     state = Path(run.data.data_root) / region / ".fedciuic"
-    kept = SentUpdates(state).load(RUN, 1)
+    kept = SentUpdates(state).load(RUN, server_round)
     assert kept is not None
     arrays, _, _ = read_update_payload(kept.payload)
     return run.compression.codec.decode(arrays["update"].tobytes(), size).dense(size)
@@ -210,6 +218,36 @@ def test_a_secure_round_publishes_the_mean_of_the_kept_updates(lab_run):
     # the aggregator's log holds no region's update: no record carries an array of them
     for record in load_records(log):
         assert "update" not in record.get("details", {})
+
+
+def norms_sent(run: RunConfig, server_round: int, size: int) -> list[float]:
+    """The norms the regions sent with their trained replies in ``server_round``."""
+    clip = run.compression.max_update_norm
+    return [sent_norm(kept_update(run, r, size, server_round), clip) for r in sorted(REGIONS)]
+
+
+def test_a_sum_is_scaled_for_as_far_as_the_last_unmasked_one_reached(lab_run):
+    """The first sum of a run is scaled for the regions' norms however they align; once
+    one is unmasked, the next for as far as it reached (with a margin); a withheld sum
+    sends the next back to the bound that cannot wrap."""
+    run = lab_run(**{"num-server-rounds": 4, "secure-threshold": 3})
+    initial, _, log = run_rounds(run, Lab(run, dead={"us": Phase.MASKED}, rounds={3}))
+    sums = secure_sums(log)
+    assert [s["outcome"] for s in sums] == ["unmasked", "unmasked", "withheld", "unmasked"]
+    size = flat(initial).size
+    norms = {r: norms_sent(run, r, size) for r in (1, 2, 3, 4)}
+    assert sums[0]["bound"] == pytest.approx(sum(norms[1]), rel=1e-12)
+    # how far round 1's sum reached, from its published mean (within the rounding)
+    exact = float(np.linalg.norm(np.sum([kept_update(run, r, size) for r in REGIONS], axis=0)))
+    assert sums[0]["reach"] == pytest.approx(alignment(exact, norms[1]), rel=1e-3)
+    assert 0 < sums[0]["reach"] <= np.sqrt(len(REGIONS)) * (1 + 1e-3)
+    bound = sum_bound(norms[2], sums[0]["reach"])
+    assert sums[1]["bound"] == pytest.approx(bound, rel=1e-12)
+    if sums[0]["reach"] < np.sqrt(len(REGIONS)) / ALIGNMENT_MARGIN:
+        assert sums[1]["bound"] < sum(norms[2])
+    # after the withheld round 3, round 4 is scaled for the worst case again
+    assert "reach" not in sums[2]
+    assert sums[3]["bound"] == pytest.approx(sum(norms[4]), rel=1e-12)
 
 
 def test_a_region_dropping_after_masking_is_recovered_from(lab_run):

@@ -11,19 +11,23 @@ import pytest
 from scipy.special import ive, logsumexp
 from scipy.stats import skellam as scipy_skellam
 
-from fedciuic.secagg import Ring, from_ring, ring_sum
+from fedciuic.secagg import Ring, from_ring, ring_sum, rotate, unrotate
 from fedciuic.secagg.ddp import (
+    ALIGNMENT_MARGIN,
     NEAREST_STEP,
     ORDERS,
     POISSON_LIMIT,
     DistributedDp,
+    alignment,
     noised,
     normed_scale,
     rdp_epsilon,
     ring_bits,
+    ring_choices,
     scale_for,
     skellam,
     skellam_rdp,
+    sum_bound,
 )
 
 DELTA = 1e-5
@@ -181,3 +185,74 @@ def test_ring_bits_zero_grows_with_the_regions_and_rounds_no_coarser_than_int8()
         # rounding of an update of norm 1
         scale = normed_scale(bound=n, regions=n, size=size, ring=Ring(bits))
         assert 1 / scale <= NEAREST_STEP / np.sqrt(size)
+
+
+def test_once_a_sum_was_measured_the_ring_grows_half_a_bit_per_doubling_of_the_regions():
+    # Scaled for as far as the last sum reached (independent updates: sqrt(n) norms,
+    # with the margin), the ring grows with sqrt(n); before any, with n.
+    terms = {"distributed_dp": False, "normed": True}
+    measured = {
+        (n, size): ring_bits(0, regions=n, size=size, **terms, measured=True)
+        for n in (2, 3, 8, 16, 32)
+        for size in (1_000, 245_760, 6_905_856)
+    }
+    assert [measured[(n, 245_760)] for n in (3, 8, 16, 32)] == [11, 11, 12, 12]
+    assert measured[(32, 6_905_856)] == 12
+    for (n, size), bits in measured.items():
+        first = ring_bits(0, regions=n, size=size, **terms)
+        assert bits <= first
+        assert ring_choices(0, regions=n, size=size, **terms) == tuple(sorted({bits, first}))
+        # n independent updates of norm 1 reach sqrt(n): the scale for that reach rounds
+        # each region's values no coarser than int8 does
+        scale = normed_scale(bound=sum_bound([1.0] * n, 1.0), regions=n, size=size, ring=Ring(bits))
+        assert 1 / scale <= NEAREST_STEP / np.sqrt(size)
+    # explicit bits, distributed DP and a sum without norms keep their one ring
+    assert ring_choices(20, regions=32, size=1_000, **terms) == (20,)
+    assert ring_choices(0, regions=32, size=1_000, distributed_dp=True, normed=False) == (24,)
+
+
+def test_the_bound_follows_the_last_sums_reach_within_what_no_alignment_can_pass():
+    norms = [1.0, 2.0, 2.0]
+    assert sum_bound(norms, None) == 5.0  # the triangle inequality: cannot be passed
+    assert sum_bound(norms, 1.0) == pytest.approx(ALIGNMENT_MARGIN * 3.0)
+    # less than independent updates' reach is taken as theirs; past the total, the total
+    assert sum_bound(norms, 0.1) == sum_bound(norms, 1.0)
+    assert sum_bound(norms, 1.5) == 5.0
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(8, 4096))
+    assert alignment(
+        float(np.linalg.norm(xs.sum(0))), list(np.linalg.norm(xs, axis=1))
+    ) == pytest.approx(1.0, abs=0.05)
+    same = np.tile(xs[0], (8, 1))
+    assert alignment(
+        float(np.linalg.norm(same.sum(0))), list(np.linalg.norm(same, axis=1))
+    ) == pytest.approx(np.sqrt(8))
+    assert alignment(0.0, [0.0, 0.0]) == 1.0
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_a_sum_scaled_for_the_last_ones_reach_holds_it_and_a_far_more_aligned_one_wraps(
+    aligned,
+):
+    """32 regions in the 12-bit ring a measured run takes: independent updates, scaled
+    for the reach of an earlier independent sum, come back within the rounding; the same
+    updates all aligned reach sqrt(32) times further, and wrap (which the aggregator's
+    sketch sees: tests/secagg/test_protocol.py)."""
+    n, size = 32, 1 << 14
+    bits = ring_bits(0, regions=n, size=size, distributed_dp=False, normed=True, measured=True)
+    rng = np.random.default_rng(5)
+    earlier = rng.normal(size=(n, size))
+    reach = alignment(float(np.linalg.norm(earlier.sum(0))), list(np.linalg.norm(earlier, axis=1)))
+    xs = np.tile(rng.normal(size=size), (n, 1)) if aligned else rng.normal(size=(n, size))
+    norms = np.linalg.norm(xs, axis=1)
+    sid = bytes(32)
+    ring = Ring(bits)
+    scale = normed_scale(bound=sum_bound(list(norms), reach), regions=n, size=size, ring=ring)
+    ddp = DistributedDp(float(norms.max()), scale, 0.0, n // 2 + 1, size)
+    summed = ring_sum([noised(rotate(x, sid), ddp, ring, rng) for x in xs], ring)
+    back = unrotate(from_ring(summed, scale=scale, ring=ring), sid)
+    error = np.linalg.norm(back - xs.sum(0)) / np.linalg.norm(xs.sum(0))
+    if aligned:
+        assert error > 0.5
+    else:
+        assert error < 0.01

@@ -79,6 +79,31 @@ def test_the_unmasked_sum_is_the_plain_sum_exactly(keys, n):
         assert not np.array_equal(RING.unpack(vector, session.size), encoded[r])
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8, 32])
+def test_each_pair_seed_has_one_deriver_and_each_region_derives_about_half(n):
+    """One region of each pair derives its seed and seals it to the other; each seals
+    about (n - 1) / 2 of them (a post-quantum ciphertext each), not up to n - 1."""
+    names = tuple(f"r{i:02d}" for i in range(n))
+    session = Session(
+        run_id=7,
+        server_round=1,
+        regions=names,
+        threshold=n // 2 + 1,
+        bits=16,
+        size=SIZE,
+        clip=1.0,
+        scale=1.0,
+        noise=0.0,
+    )
+    for a in names:
+        for b in names:
+            if a != b:
+                assert session.derives(a, b) != session.derives(b, a), (a, b)
+    derived = [sum(session.derives(a, b) for b in names if b != a) for a in names]
+    assert sum(derived) == n * (n - 1) // 2
+    assert max(derived) == n // 2 and min(derived) == (n - 1) // 2
+
+
 @pytest.mark.parametrize("dropped", [("cn",), ("at", "eu")])
 def test_regions_dropping_after_masking_leave_the_survivors_sum(keys, dropped):
     session, regions, encoded, bundles = federation(keys, 5, 3)
