@@ -151,8 +151,8 @@ def ring_bits(
     :func:`normed_scale`, :func:`sum_bound`) rounds, to the nearest, no coarser than the
     plain ``int8`` path. The sum's reach sets them: ``regions`` norms however the
     updates align (11 bits for 3 regions, 12 for 8, 14 for 32), or, once a sum of the
-    run was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms, what
-    updates as independent as that sum's reach (11 for 3 and 8, 12 for 16 and 32:
+    run was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms, how
+    far independent updates reach, with the margin (11 for 3 and 8, 12 for 16 and 32:
     :data:`NEAREST_STEP`, ``benchmarks/secagg.py``);
     :data:`DDP_RING_BITS` with distributed DP (its noise needs the headroom) or without
     the regions' norms (the scale then follows the clip)."""
