@@ -94,8 +94,6 @@ SEEN_FILE = "instructions.jsonl"
 MAX_SESSIONS = 8
 #: How long a stopping agent lets the request in hand finish.
 STOP_GRACE = 30.0
-#: How long a relay waits for the socket to accept.
-CONNECT_TIMEOUT = 10.0
 
 _LOG = logging.getLogger("flwr")  # the region's lines go where Flower's do
 

@@ -23,7 +23,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 #: The draft's label, the six ASCII bytes ``\\.//^\\``.
 XWING_LABEL = b"\\.//^\\"
 SEED_SIZE = 32
-SHARED_SECRET_SIZE = 32
 MLKEM_PK_SIZE, MLKEM_CT_SIZE, X25519_SIZE = 1184, 1088, 32
 PUBLIC_KEY_SIZE = MLKEM_PK_SIZE + X25519_SIZE  # 1216
 CIPHERTEXT_SIZE = MLKEM_CT_SIZE + X25519_SIZE  # 1120
