@@ -24,6 +24,9 @@ dropping after they shared, before their masked vectors. Printed per case:
   ``int8`` path's; and for 8 regions by ring bits, so the bits can be chosen.
 
 The sessions are scaled by the norms the regions send (as with DP-SGD, the default).
+The sum measured is a run's second or later: a first sum over other updates, in the
+ring that holds any alignment, gives the reach (``fedciuic.secagg.ddp.alignment``) its
+scale and ring follow; that first sum's ring and error are printed beside it.
 The updates are random, each tensor of the adapter on a scale of its own (log-uniform
 over 10x, as a trained adapter's layers differ), of norm 0.5 to 1 times the clip: the
 protocol's cost does not depend on what they hold, the error on how evenly they spread.
@@ -283,10 +286,17 @@ def main() -> None:
             # a run's first sum takes the ring that holds any alignment; the next ones
             # the ring for a sum that reaches as far as the last did (the aggregator's
             # reach): the bytes and error measured are the later rounds'
-            terms: dict[str, Any] = {"regions": n, "size": size, "distributed_dp": False}
-            terms["normed"] = True
-            first_bits = ring_bits(args.bits, **terms)
-            bits_used = ring_bits(args.bits, **terms, measured=True)
+            first_bits, bits_used = (
+                ring_bits(
+                    args.bits,
+                    regions=n,
+                    size=size,
+                    distributed_dp=False,
+                    normed=True,
+                    measured=measured,
+                )
+                for measured in (False, True)
+            )
             first_error, reach = rounding_error(sizes, n, first_bits, rng)
             full = secure_round(sizes, n, 0, bits_used, rng, reach)
             dropped = secure_round(sizes, n, max(1, n // 10), bits_used, rng, reach)
