@@ -57,7 +57,7 @@ from fedciuic.secagg import (
     alignment,
     from_ring,
     noised,
-    ring_bits,
+    ring_pair,
     ring_sum,
     rotate,
     run_secure_sum,
@@ -286,16 +286,8 @@ def main() -> None:
             # a run's first sum takes the ring that holds any alignment; the next ones
             # the ring for a sum that reaches as far as the last did (the aggregator's
             # reach): the bytes and error measured are the later rounds'
-            first_bits, bits_used = (
-                ring_bits(
-                    args.bits,
-                    regions=n,
-                    size=size,
-                    distributed_dp=False,
-                    normed=True,
-                    measured=measured,
-                )
-                for measured in (False, True)
+            first_bits, bits_used = ring_pair(
+                args.bits, regions=n, size=size, distributed_dp=False, normed=True
             )
             first_error, reach = rounding_error(sizes, n, first_bits, rng)
             full = secure_round(sizes, n, 0, bits_used, rng, reach)

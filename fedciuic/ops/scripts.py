@@ -16,6 +16,7 @@ import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -38,6 +39,9 @@ from fedciuic.processes import (
     tail,
     toml_pairs,
 )
+
+if TYPE_CHECKING:  # the record's import is heavier: only the actions that read it
+    from fedciuic.record import RunStatus
 
 
 def start_owner(directory: Path) -> str:
@@ -89,7 +93,6 @@ def check_run_log(log: Path, config: Path) -> int:
     from fedciuic.record import (
         METRICS_FILE,
         MetricsError,
-        RunStatus,
         load_metrics,
         no_aggregate_reasons,
     )
@@ -112,37 +115,51 @@ def check_run_log(log: Path, config: Path) -> int:
         return 1
     status = data.run.status
     say(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
-    if status == RunStatus.NO_AGGREGATE:
+    outcome = run_outcome(status)
+    if outcome == EXIT_NO_AGGREGATE:
         say(
             f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
             "trained and no adapter was saved. Why:\n"
             + "\n".join(f"  {line}" for line in data.run.reasons or no_aggregate_reasons(data)),
             err=True,
         )
-        return EXIT_NO_AGGREGATE
-    return 0 if status == RunStatus.COMPLETED else 1
+    return outcome
 
 
-def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
-    """The newest run in ``runs_dir`` written since ``since`` (start.sh's start), and its
-    outcome as run.sh gives it (1: not ended, or no such run)."""
-    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
+def run_outcome(status: RunStatus) -> int:
+    """run.sh's exit status for a run that ended so: 0 completed, 3 no aggregate, else 1."""
+    from fedciuic.record import RunStatus
+
+    return {RunStatus.COMPLETED: 0, RunStatus.NO_AGGREGATE: EXIT_NO_AGGREGATE}.get(status, 1)
+
+
+def runs_since(runs_dir: Path, since: float) -> list[tuple[float, Path]]:
+    """Each run in ``runs_dir`` whose metrics were written since ``since`` (start.sh's
+    start, within a second): when, and its folder, oldest first."""
+    from fedciuic.record import METRICS_FILE
 
     found: list[tuple[float, Path]] = []
     for metrics in runs_dir.glob(f"run-*/{METRICS_FILE}"):
         with contextlib.suppress(OSError):
             if (mtime := metrics.stat().st_mtime) >= since - 1.0:
                 found.append((mtime, metrics.parent))
+    return sorted(found)
+
+
+def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
+    """The newest run in ``runs_dir`` written since ``since``, and its outcome as run.sh
+    gives it (1: not ended, or no such run)."""
+    from fedciuic.record import METRICS_FILE, MetricsError, load_metrics
+
+    found = runs_since(runs_dir, since)
     if not found:
         return None, 1
-    run_dir = max(found)[1]
+    run_dir = found[-1][1]
     try:
         status = load_metrics(run_dir / METRICS_FILE).run.status
     except MetricsError:
         return run_dir, 1
-    return run_dir, {RunStatus.COMPLETED: 0, RunStatus.NO_AGGREGATE: EXIT_NO_AGGREGATE}.get(
-        status, 1
-    )
+    return run_dir, run_outcome(status)
 
 
 def settle_runs(runs_dir: Path, since: float) -> list[Path]:
@@ -152,20 +169,14 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
     from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
     marked = []
-    for metrics in sorted(runs_dir.glob(f"run-*/{METRICS_FILE}")):
+    for _, run_dir in runs_since(runs_dir, since):
         try:
-            fresh = metrics.stat().st_mtime >= since - 1.0
-            status = load_metrics(metrics).run.status
+            status = load_metrics(run_dir / METRICS_FILE).run.status
         except (OSError, MetricsError):
             continue
-        if (
-            fresh
-            and status == RunStatus.RUNNING
-            and mark_unfinished(
-                metrics.parent, "start.sh stopped the federation before the run ended"
-            )
-        ):
-            marked.append(metrics.parent)
+        why = "start.sh stopped the federation before the run ended"
+        if status == RunStatus.RUNNING and mark_unfinished(run_dir, why):
+            marked.append(run_dir)
     return marked
 
 

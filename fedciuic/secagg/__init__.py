@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from fedciuic.secagg.ddp import noised as noised
     from fedciuic.secagg.ddp import ring_bits as ring_bits
     from fedciuic.secagg.ddp import ring_choices as ring_choices
+    from fedciuic.secagg.ddp import ring_pair as ring_pair
     from fedciuic.secagg.ddp import sum_bound as sum_bound
     from fedciuic.secagg.lab import run_secure_sum as run_secure_sum
     from fedciuic.secagg.masking import Ring as Ring

@@ -165,27 +165,33 @@ def ring_bits(
     return max(MIN_RING_BITS, 1 + math.ceil(math.log2(largest + 1)))
 
 
+def ring_pair(
+    requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
+) -> tuple[int, int]:
+    """:func:`ring_bits` for a run's first sum, and for one after a sum was measured."""
+    first, later = (
+        ring_bits(
+            requested,
+            regions=regions,
+            size=size,
+            distributed_dp=distributed_dp,
+            normed=normed,
+            measured=measured,
+        )
+        for measured in (False, True)
+    )
+    return first, later
+
+
 def ring_choices(
     requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
 ) -> tuple[int, ...]:
-    """The rings a region takes a session in: :func:`ring_bits` before and after a sum
-    of the run was measured (which one is the aggregator's to know; either gives it the
-    sum and nothing else)."""
-    return tuple(
-        sorted(
-            {
-                ring_bits(
-                    requested,
-                    regions=regions,
-                    size=size,
-                    distributed_dp=distributed_dp,
-                    normed=normed,
-                    measured=measured,
-                )
-                for measured in (False, True)
-            }
-        )
+    """The rings a region takes a session in (:func:`ring_pair`: which one is the
+    aggregator's to know; either gives it the sum and nothing else)."""
+    pair = ring_pair(
+        requested, regions=regions, size=size, distributed_dp=distributed_dp, normed=normed
     )
+    return tuple(sorted(set(pair)))
 
 
 def sum_bound(norms: Sequence[float], reach: float | None) -> float:
