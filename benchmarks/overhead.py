@@ -165,6 +165,48 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
     }
 
 
+#: The two messages a region answers each round, as both apps' split names them.
+MESSAGES = ("train", "evaluate")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fedciuic_messages(logs: dict[str, Path]) -> dict[str, list[float]]:
+    """Seconds each region spent on each message of rounds 2.., from its audit log: from
+    the record that opens a message (``witness``, the instruction verified) to the one
+    that closes it (``checkpoint``); a message that records ``evaluated`` is an
+    evaluation, any other a training round."""
+    spans: dict[str, list[float]] = {kind: [] for kind in MESSAGES}
+    for who, path in logs.items():
+        if who == "aggregator" or not path.is_file():
+            continue
+        opened: dict[str, Any] | None = None
+        events: list[str] = []
+        for record in _records(path):
+            if record["event"] == "witness" and opened is None:
+                opened, events = record, []
+            elif opened is not None:
+                events.append(record["event"])
+                if record["event"] == "checkpoint":
+                    if isinstance(opened.get("round"), int) and opened["round"] >= 2:
+                        kind = "evaluate" if "evaluated" in events else "train"
+                        spans[kind].append(_stamp(record["time"]) - _stamp(opened["time"]))
+                    opened = None
+    return spans
+
+
+def plain_messages(path: Path) -> dict[str, list[float]]:
+    """Seconds each region's handler of the plain app took per message of rounds 2..
+    (the lines it appends to ``<timings-file>.phases``)."""
+    spans: dict[str, list[float]] = {kind: [] for kind in MESSAGES}
+    for line in _records(path):
+        if line["round"] >= 2 and line["kind"] in spans:
+            spans[line["kind"]].append(line["end"] - line["start"])
+    return spans
+
+
 def fedciuic_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
     """fedciuic's run-config defaults (its pyproject.toml) for ``keys``."""
     config = app_run_config(ROOT)
@@ -256,6 +298,9 @@ def main() -> int:
     run_seconds: dict[str, list[float]] = {"fedciuic": [], "plain": []}
     peak_pss: dict[str, list[float]] = {"fedciuic": [], "plain": []}
     breakdown: list[dict[str, dict[str, float]]] = []
+    messages: dict[str, dict[str, list[float]]] = {
+        app: {kind: [] for kind in MESSAGES} for app in ("fedciuic", "plain")
+    }
     with tempfile.TemporaryDirectory(prefix="fedciuic-bench-overhead-") as name:
         tmp = Path(name)
         checkpoint = save_model_checkpoint(
@@ -306,6 +351,8 @@ def main() -> int:
                 logs = {"aggregator": out / "audit" / "aggregator.audit.jsonl"}
                 logs.update({r: data / r / ".fedciuic" / "audit.jsonl" for r in REGIONS})
                 breakdown.append(phases(logs))
+                for kind, spans in fedciuic_messages(logs).items():
+                    messages["fedciuic"][kind].extend(spans)
 
             def run_plain(i: int, data: Path) -> None:
                 timings = tmp / f"plain-{i}.json"
@@ -319,6 +366,8 @@ def main() -> int:
                 }
                 timed("plain", run, PLAIN_APP)
                 plain_rounds.extend(round_times(json.loads(timings.read_text())))
+                for kind, spans in plain_messages(Path(f"{timings}.phases")).items():
+                    messages["plain"][kind].extend(spans)
 
             for i in range(args.repeats):
                 # Fresh data per repeat: a fresh privacy ledger (and residual) each time;
@@ -349,6 +398,17 @@ def main() -> int:
         f"peak PSS of the process tree: {pss['fedciuic']:.0f} MiB vs {pss['plain']:.0f} MiB "
         f"({pss['fedciuic'] / pss['plain']:.2f}x)"
     )
+    split = {
+        app: {kind: statistics.median(v) for kind, v in kinds.items() if v}
+        for app, kinds in messages.items()
+    }
+    for kind in MESSAGES:
+        if kind in split["fedciuic"] and kind in split["plain"]:
+            ours_s, plain_s = split["fedciuic"][kind], split["plain"][kind]
+            print(
+                f"a region's {kind} message (median): {ours_s:.2f} s vs {plain_s:.2f} s "
+                f"({ours_s / plain_s:.2f}x)"
+            )
     for who, named in (breakdown[-1] if breakdown else {}).items():
         print(f"  {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in named.items()))
     seconds = time.perf_counter() - began
@@ -366,6 +426,8 @@ def main() -> int:
             "run_seconds": run_seconds,
             "peak_pss_mib": peak_pss,
             "fedciuic_phases": breakdown,
+            "messages": messages,
+            "message_medians": split,
             "seconds": seconds,
         }
         Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")

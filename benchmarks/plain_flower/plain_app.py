@@ -142,6 +142,22 @@ def _example_losses(net: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor)
     return losses.sum(dim=1) / mask[:, 1:].sum(dim=1).clamp(min=1)
 
 
+def _log_phase(msg: Message, context: Context, started: float) -> None:
+    """Append this message's round, start and end to ``<timings-file>.phases`` (one JSON
+    line a message: fedciuic's audit log stamps its own phases), for the benchmark's
+    split of a round."""
+    line = {
+        "kind": msg.metadata.message_type,
+        "partition": int(context.node_config["partition-id"]),
+        "round": int(msg.content["config"]["server-round"]),  # type: ignore[arg-type]
+        "start": started,
+        "end": time.time(),
+    }
+    config = context.run_config
+    with open(f"{config['timings-file']}.phases", "a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
+
+
 def _load(loaded: Loaded, msg: Message) -> None:
     state = msg.content.array_records["arrays"].to_torch_state_dict()
     set_peft_model_state_dict(loaded.peft, state)
@@ -154,6 +170,7 @@ def _pack(loaded: Loaded) -> ArrayRecord:
 
 @client.train()
 def train(msg: Message, context: Context) -> Message:
+    started = time.time()
     config = context.run_config
     loaded = _model(config)
     data = _data(config, int(context.node_config["partition-id"]), loaded.tokenizer)
@@ -200,11 +217,13 @@ def train(msg: Message, context: Context) -> Message:
                 break
     dp_optimizer.zero_grad()
     metrics = MetricRecord({"num-examples": len(data.train)})
+    _log_phase(msg, context, started)
     return Message(RecordDict({"arrays": _pack(loaded), "metrics": metrics}), reply_to=msg)
 
 
 @client.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    started = time.time()
     config = context.run_config
     loaded = _model(config)
     data = _data(config, int(context.node_config["partition-id"]), loaded.tokenizer)
@@ -220,6 +239,7 @@ def evaluate(msg: Message, context: Context) -> Message:
             total += float(_example_losses(loaded.peft, ids, mask).sum())
     count = len(data.eval)
     metrics = MetricRecord({"num-examples": count, "eval-loss": total / max(count, 1)})
+    _log_phase(msg, context, started)
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
