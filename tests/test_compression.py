@@ -250,6 +250,57 @@ def test_a_residual_of_the_untagged_format_is_still_read(tmp_path, x):
     np.testing.assert_array_equal(feedback.load(), x)
 
 
+def test_a_residual_pair_with_one_digest_is_still_read(tmp_path, x):
+    """Format 2 hashed the residual and the one before it as one: a file written then
+    still serves either round, and the next save writes the current format."""
+    current, previous = x.astype(np.float32), (2 * x).astype(np.float32)
+    data = current.tobytes() + previous.tobytes()
+    meta = {"format": "fedciuic-residual/2", "codec": "topk:0.05", "layout": "layout1"}
+    meta |= {"tag": "run-1-round-2", "previous": True}
+    meta["sha256"] = hashlib.sha256(data).hexdigest()
+    path = tmp_path / "residual.bin"
+    header = json.dumps(meta).encode()
+    path.write_bytes(struct.pack("<I", len(header)) + header + data)
+    codec = get_codec("topk:0.05")
+    np.testing.assert_array_equal(
+        ErrorFeedback(path, codec, "layout1", N, "run-1-round-2").load(), previous
+    )
+    later = ErrorFeedback(path, codec, "layout1", N, "run-1-round-3")
+    np.testing.assert_array_equal(later.load(), current)
+    later.save(3 * current)
+    assert b"fedciuic-residual/3" in path.read_bytes()[:200]
+    np.testing.assert_array_equal(
+        ErrorFeedback(path, codec, "layout1", N, "run-1-round-3").load(), current
+    )
+
+
+def test_only_the_residual_a_round_uses_must_be_intact(tmp_path, x):
+    """Each residual of the pair has its own digest: a damaged one the round does not use
+    is dropped by its save; the damaged one it would use is refused."""
+    codec, path = get_codec("topk:0.05"), tmp_path / "residual.bin"
+
+    def at(tag: str) -> ErrorFeedback:
+        return ErrorFeedback(path, codec, "layout1", N, tag)
+
+    at("run-1-round-1").save(x)
+    at("run-1-round-2").save(2 * x)  # the file: 2x (round 2's), then x (before it)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # in x, the residual before round 2
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ResidualError, match=r"residual\.bin: corrupted residual"):
+        at("run-1-round-2").load()  # round 2 again would start from the damaged one
+    nxt = at("run-1-round-3")
+    np.testing.assert_array_equal(nxt.load(), 2 * x)
+    nxt.save(3 * x)
+    np.testing.assert_array_equal(at("run-1-round-3").load(), 2 * x)
+    raw = bytearray(path.read_bytes())
+    at_nan = len(raw) - 4 * (2 * N - 5)  # a value of 3x, round 3's own residual
+    raw[at_nan : at_nan + 4] = np.float32("nan").tobytes()
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ResidualError, match="corrupted residual"):
+        at("run-1-round-4").load()
+
+
 def test_residual_survives_and_corruption_is_refused(tmp_path, x):
     codec = get_codec("topk:0.05")
     feedback = ErrorFeedback(tmp_path / "residual.bin", codec, "layout1", N)

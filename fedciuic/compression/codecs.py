@@ -68,6 +68,13 @@ class Sparse:
         else:
             acc[self.indices] += weight * self.values  # indices are unique
 
+    def subtract_from(self, acc: np.ndarray) -> None:
+        """``acc -= update`` in place, without a dense copy of the update."""
+        if self.indices is None:
+            acc -= self.values
+        else:
+            acc[self.indices] -= self.values  # indices are unique
+
     def dense(self, n: int) -> np.ndarray:
         if self.indices is None:
             return self.values.astype(np.float32, copy=True)

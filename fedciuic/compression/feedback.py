@@ -44,18 +44,39 @@ def unflatten(
     return out
 
 
-RESIDUAL_FORMAT = "fedciuic-residual/2"
-#: Files written before residuals were tagged with their round: one residual, no tag.
-_UNTAGGED_FORMAT = "fedciuic-residual/1"
+RESIDUAL_FORMAT = "fedciuic-residual/3"
+#: Formats whose one digest covers the whole file: residuals before each had its own
+#: digest (2), and before they were tagged with their round (1, one residual, no tag).
+_WHOLE_FORMATS = ("fedciuic-residual/2", "fedciuic-residual/1")
+_FIX = "delete it to start over (its content is only delayed update, not privacy state)"
+
+
+def _sha256(part: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(part, np.float32).data.cast("B")).hexdigest()
 
 
 @dataclass(frozen=True)
 class _Stored:
-    """A residual file's content: the residual after round ``tag`` and the one before it."""
+    """A residual file's content: the residual after round ``tag`` and the one before it
+    (``parts``), with each part's digest (None: the file's one digest was checked whole
+    when it was read)."""
 
+    path: Path
     tag: str | None
-    current: np.ndarray
-    previous: np.ndarray | None
+    parts: list[np.ndarray]
+    digests: list[str] | None
+
+    def part(self, index: int) -> tuple[np.ndarray, str]:
+        """Part ``index`` and its digest, checked: only the residual a round uses is
+        hashed (a realistic pair is 80 MB), and a damaged one it does not use is dropped
+        by the next save."""
+        part = self.parts[index]
+        digest = _sha256(part)
+        if self.digests is not None and digest != self.digests[index]:
+            raise ResidualError(f"{self.path}: corrupted residual (checksum); {_FIX}")
+        if not np.all(np.isfinite(part)):
+            raise ResidualError(f"{self.path}: residual has bad values; {_FIX}")
+        return part, digest
 
 
 class ErrorFeedback:
@@ -70,7 +91,7 @@ class ErrorFeedback:
     def __init__(self, path: Path, codec: Codec, layout: str, n: int, round_tag: str = "") -> None:
         self.path, self.codec, self.layout, self.n = path, codec, layout, n
         self.round_tag = round_tag
-        self._before: np.ndarray | None = None  # what load found before this round
+        self._before: tuple[np.ndarray, str] | None = None  # what load found, its digest
         self._loaded = False
 
     def load(self) -> np.ndarray:
@@ -78,25 +99,23 @@ class ErrorFeedback:
         a view of the file's bytes)."""
         stored = self._read()
         if stored is None:
-            before = None
+            index = None
         elif self.round_tag and stored.tag == self.round_tag:
-            before = stored.previous  # the same round again: the same residual before it
+            index = 1 if len(stored.parts) > 1 else None  # the same round: what it started from
         else:
-            before = stored.current
-        self._before, self._loaded = before, True
-        return np.zeros(self.n, np.float32) if before is None else before
+            index = 0
+        self._before = None if stored is None or index is None else stored.part(index)
+        self._loaded = True
+        return np.zeros(self.n, np.float32) if self._before is None else self._before[0]
 
     def save(self, residual: np.ndarray) -> None:
         """Keep ``residual`` as this round's, and the residual before it (atomic)."""
         if not self._loaded:
             self.load()
-        arrays = [residual] if self._before is None else [residual, self._before]
-        # Hashed and written from the arrays' own memory: a realistic residual pair is
-        # 80 MB, and joining it into one bytes object first doubled the time.
-        parts = [np.ascontiguousarray(a, np.float32).data.cast("B") for a in arrays]
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
+        residual = np.ascontiguousarray(residual, np.float32)
+        kept = [(residual, _sha256(residual))]
+        if self._before is not None:
+            kept.append(self._before)  # hashed when it was read
         meta = json.dumps(
             {
                 "format": RESIDUAL_FORMAT,
@@ -104,23 +123,23 @@ class ErrorFeedback:
                 "layout": self.layout,
                 "tag": self.round_tag,
                 "previous": self._before is not None,
-                "sha256": digest.hexdigest(),
+                "sha256": [digest for _, digest in kept],
             }
         ).encode()
         tmp = self.path.with_suffix(".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as handle:
             handle.write(struct.pack("<I", len(meta)) + meta)
-            for part in parts:
-                handle.write(part)
+            for part, _ in kept:  # written from the arrays' own memory, not joined first
+                handle.write(np.ascontiguousarray(part, np.float32).data.cast("B"))
         tmp.replace(self.path)
 
     def _read(self) -> _Stored | None:
-        """The file's residuals, checked, as a read-only map of its pages: an 80 MB pair
-        is not copied into the process to be hashed and added."""
+        """The file's residuals as a read-only map of its pages (an 80 MB pair is not
+        copied into the process), its header checked; each part's digest is checked when
+        the part is used (:meth:`_Stored.part`)."""
         if not self.path.exists():
             return None
-        fix = "delete it to start over (its content is only delayed update, not privacy state)"
         try:
             with self.path.open("rb") as handle:
                 raw = memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
@@ -129,28 +148,35 @@ class ErrorFeedback:
             data = raw[4 + size :]
             vector = np.frombuffer(data, np.float32)
         except (struct.error, ValueError, OSError) as err:
-            raise ResidualError(f"{self.path}: unreadable residual ({err}); {fix}") from None
-        if (
-            not isinstance(meta, dict)
-            or meta.get("format") not in (RESIDUAL_FORMAT, _UNTAGGED_FORMAT)
-            or meta.get("sha256") != hashlib.sha256(data).hexdigest()
+            raise ResidualError(f"{self.path}: unreadable residual ({err}); {_FIX}") from None
+        whole = isinstance(meta, dict) and meta.get("format") in _WHOLE_FORMATS
+        digests = meta.get("sha256") if isinstance(meta, dict) else None
+        if not (
+            (whole and digests == hashlib.sha256(data).hexdigest())
+            or (
+                not whole
+                and meta.get("format") == RESIDUAL_FORMAT
+                and isinstance(digests, list)
+                and all(isinstance(d, str) for d in digests)
+            )
         ):
-            raise ResidualError(f"{self.path}: corrupted residual (checksum); {fix}")
+            raise ResidualError(f"{self.path}: corrupted residual (checksum); {_FIX}")
         if meta.get("codec") != self.codec.name or meta.get("layout") != self.layout:
             raise ResidualError(
                 f"{self.path}: residual of codec {meta.get('codec')!r} and adapter layout "
-                f"{meta.get('layout')}, this run uses {self.codec.name!r} and {self.layout}; {fix}"
+                f"{meta.get('layout')}, this run uses {self.codec.name!r} and {self.layout}; {_FIX}"
             )
-        has_previous = meta.get("previous") is True
+        count = 2 if meta.get("previous") is True else 1
         tag = meta.get("tag")
-        if (
-            vector.size != self.n * (2 if has_previous else 1)
-            or not np.all(np.isfinite(vector))
-            or not (tag is None or isinstance(tag, str))
-        ):
-            raise ResidualError(f"{self.path}: residual has the wrong size or bad values; {fix}")
-        current, previous = vector[: self.n], vector[self.n :] if has_previous else None
-        return _Stored(tag, current, previous)
+        if vector.size != self.n * count:
+            raise ResidualError(
+                f"{self.path}: corrupted residual ({vector.size} values where its header "
+                f"says {count} of {self.n}); {_FIX}"
+            )
+        if (not whole and len(digests) != count) or not (tag is None or isinstance(tag, str)):
+            raise ResidualError(f"{self.path}: corrupted residual (header); {_FIX}")
+        parts = [vector[i * self.n : (i + 1) * self.n] for i in range(count)]
+        return _Stored(self.path, tag, parts, None if whole else digests)
 
 
 def compress_with_feedback(
@@ -159,5 +185,5 @@ def compress_with_feedback(
     """Encode ``delta + residual``; return the bytes and the new residual (what was dropped)."""
     target = np.add(delta, residual, dtype=np.float32)
     encoded = codec.encode(target, rng)
-    target -= codec.decode(encoded, target.size).dense(target.size)  # what was dropped
+    codec.decode(encoded, target.size).subtract_from(target)  # leaves what was dropped
     return encoded, target
