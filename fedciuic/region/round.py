@@ -57,6 +57,7 @@ from fedciuic.policy import (
     enforce_region_policy,
     releases_dp_only,
 )
+from fedciuic.region.cache import release_freed_memory
 from fedciuic.releases import (
     WITHHELD_REASON,
     EvaluationWithheld,
@@ -359,6 +360,8 @@ class _Round:
             self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
             outcome = self._decline(err)
+        if task.kind == TaskKind.EVALUATE:  # the round's last message here
+            release_freed_memory()
         try:
             return self._vouch(outcome)
         except FedciuicError as err:  # cannot read our own log: decline, unsigned

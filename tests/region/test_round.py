@@ -33,6 +33,7 @@ from fedciuic.model.adapter import AdapterModel
 from fedciuic.policy.rules import load_policy
 from fedciuic.privacy import dpsgd
 from fedciuic.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from fedciuic.region import round as round_module
 from fedciuic.region import trainer as trainer_module
 from fedciuic.region.round import (
     Declined,
@@ -233,6 +234,22 @@ def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
     assert evaluated.stats.step_seconds is not None and evaluated.stats.step_seconds > 0
     packed = region_records(RegionReply(evaluated))
     assert packed.metrics["step-seconds"] == evaluated.stats.step_seconds
+
+
+def test_the_freed_heap_is_handed_back_once_a_round_after_its_evaluation(
+    run, demo_root, tmp_path, monkeypatch
+):
+    """Pages handed back are faulted in again by the next message: a training message
+    leaves its heap to the round's evaluation, which hands it back (also when the
+    evaluation is declined), and a declined training round keeps it too."""
+    calls: list[int] = []
+    monkeypatch.setattr(round_module, "release_freed_memory", lambda: calls.append(1))
+    run(cn_node(demo_root, tmp_path))
+    assert calls == []
+    run(cn_node(demo_root, tmp_path), EXACT_RELEASES, kind=TaskKind.EVALUATE)
+    assert calls == [1]
+    run({"region": "cn", "data-path": str(tmp_path / "nowhere")}, kind=TaskKind.EVALUATE)
+    assert calls == [1, 1]
 
 
 def test_a_released_round_is_resent_as_it_was_never_trained_twice(run, demo_root, tmp_path):
