@@ -255,9 +255,14 @@ def test_a_residual_pair_with_one_digest_is_still_read(tmp_path, x):
     still serves either round, and the next save writes the current format."""
     current, previous = x.astype(np.float32), (2 * x).astype(np.float32)
     data = current.tobytes() + previous.tobytes()
-    meta = {"format": "fedciuic-residual/2", "codec": "topk:0.05", "layout": "layout1"}
-    meta |= {"tag": "run-1-round-2", "previous": True}
-    meta["sha256"] = hashlib.sha256(data).hexdigest()
+    meta = {
+        "format": "fedciuic-residual/2",
+        "codec": "topk:0.05",
+        "layout": "layout1",
+        "tag": "run-1-round-2",
+        "previous": True,
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     path = tmp_path / "residual.bin"
     header = json.dumps(meta).encode()
     path.write_bytes(struct.pack("<I", len(header)) + header + data)
