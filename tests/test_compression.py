@@ -320,6 +320,9 @@ def test_residual_survives_and_corruption_is_refused(tmp_path, x):
     feedback.path.write_bytes(b"\x01")
     with pytest.raises(ResidualError, match="unreadable residual"):
         feedback.load()
+    feedback.path.write_bytes(struct.pack("<I", 3) + b"[1]" + x.astype(np.float32).tobytes())
+    with pytest.raises(ResidualError, match=r"corrupted residual \(header\)"):
+        feedback.load()
     ErrorFeedback(tmp_path / "r2.bin", codec, "layout1", N).save(x)
     with pytest.raises(ResidualError, match="this run uses 'int8'"):
         ErrorFeedback(tmp_path / "r2.bin", get_codec("int8"), "layout1", N).load()

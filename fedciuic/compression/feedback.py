@@ -149,13 +149,14 @@ class ErrorFeedback:
             vector = np.frombuffer(data, np.float32)
         except (struct.error, ValueError, OSError) as err:
             raise ResidualError(f"{self.path}: unreadable residual ({err}); {_FIX}") from None
-        whole = isinstance(meta, dict) and meta.get("format") in _WHOLE_FORMATS
-        digests = meta.get("sha256") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict):
+            raise ResidualError(f"{self.path}: corrupted residual (header); {_FIX}")
+        whole = meta.get("format") in _WHOLE_FORMATS
+        digests = meta.get("sha256")
         if not (
             (whole and digests == hashlib.sha256(data).hexdigest())
             or (
-                not whole
-                and meta.get("format") == RESIDUAL_FORMAT
+                meta.get("format") == RESIDUAL_FORMAT
                 and isinstance(digests, list)
                 and all(isinstance(d, str) for d in digests)
             )
