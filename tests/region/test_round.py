@@ -245,6 +245,7 @@ def test_the_freed_heap_is_handed_back_once_a_round_after_its_evaluation(
     calls: list[int] = []
     monkeypatch.setattr(round_module, "release_freed_memory", lambda: calls.append(1))
     run(cn_node(demo_root, tmp_path))
+    run({"region": "cn", "data-path": str(tmp_path / "nowhere")})  # declined
     assert calls == []
     run(cn_node(demo_root, tmp_path), EXACT_RELEASES, kind=TaskKind.EVALUATE)
     assert calls == [1]
