@@ -137,6 +137,10 @@ def rows(result: dict[str, Any]) -> list[Row]:
     return [[figure, measured, "<= 1.10x", verdict(result["ratio"] <= 1.10)]]
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _stamp(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
 
@@ -152,7 +156,7 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
     for who, path in logs.items():
         if not path.is_file():
             continue
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = _records(path)
         kind = spans.setdefault(who, {})
         for a, b in itertools.pairwise(records):
             if a.get("round") is None or a.get("round") != b.get("round") or a["round"] < 2:
@@ -167,10 +171,6 @@ def phases(logs: dict[str, Path]) -> dict[str, dict[str, float]]:
 
 #: The two messages a region answers each round, as both apps' split names them.
 MESSAGES = ("train", "evaluate")
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def fedciuic_messages(logs: dict[str, Path]) -> dict[str, list[float]]:

@@ -169,12 +169,12 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
     from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
     marked = []
+    why = "start.sh stopped the federation before the run ended"
     for _, run_dir in runs_since(runs_dir, since):
         try:
             status = load_metrics(run_dir / METRICS_FILE).run.status
         except (OSError, MetricsError):
             continue
-        why = "start.sh stopped the federation before the run ended"
         if status == RunStatus.RUNNING and mark_unfinished(run_dir, why):
             marked.append(run_dir)
     return marked

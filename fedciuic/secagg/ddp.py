@@ -17,6 +17,7 @@ converted to (epsilon, delta) as Opacus does (Balle et al. 2020).
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from collections.abc import Sequence
@@ -169,18 +170,15 @@ def ring_pair(
     requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
 ) -> tuple[int, int]:
     """:func:`ring_bits` for a run's first sum, and for one after a sum was measured."""
-    first, later = (
-        ring_bits(
-            requested,
-            regions=regions,
-            size=size,
-            distributed_dp=distributed_dp,
-            normed=normed,
-            measured=measured,
-        )
-        for measured in (False, True)
+    bits = functools.partial(
+        ring_bits,
+        requested,
+        regions=regions,
+        size=size,
+        distributed_dp=distributed_dp,
+        normed=normed,
     )
-    return first, later
+    return bits(measured=False), bits(measured=True)
 
 
 def ring_choices(
@@ -203,16 +201,21 @@ def sum_bound(norms: Sequence[float], reach: float | None) -> float:
     total = math.fsum(norms)
     if reach is None:
         return total
-    independent = math.sqrt(math.fsum(n * n for n in norms))
-    return min(total, ALIGNMENT_MARGIN * max(1.0, reach) * independent)
+    return min(total, ALIGNMENT_MARGIN * max(1.0, reach) * _independent(norms))
 
 
 def alignment(sum_norm: float, norms: Sequence[float]) -> float:
     """How far a sum reached against its regions' sent norms: its norm over the root of
     their squares' sum (1 for independent updates, sqrt(n) for n aligned ones of one
     norm; 1 for norms of 0, which say nothing)."""
-    root = math.sqrt(math.fsum(n * n for n in norms))
+    root = _independent(norms)
     return sum_norm / root if root else 1.0
+
+
+def _independent(norms: Sequence[float]) -> float:
+    """How far a sum of independent updates of these norms reaches: the root of their
+    squares' sum."""
+    return math.sqrt(math.fsum(n * n for n in norms))
 
 
 def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:
