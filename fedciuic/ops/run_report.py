@@ -1,15 +1,9 @@
 """A run's report for people: one self-contained HTML page with plots.
 
-``fedciuic report RUN_DIR`` reads the run's ``metrics.json`` and the audit logs and
-writes ``report.html``: the figures per region, four plots (eval loss, epsilon against
-budget, bytes uploaded, every decision with its reasons) and the compliance record.
-The plots are embedded, so the one file can be mailed to a regulator; they are also
-written to ``report/`` with their numbers in ``series.json``. Unless the aggregator's
-own policy sets ``audit.redact_paths: false``, nothing written shows a local path.
-
-Regions whose curves are exactly the same say so in the legend and the caption, drawn
-over one another with nested hollow markers (never moved apart, which would misstate
-the figures).
+The plots are embedded so that the one file can be mailed to a regulator. Unless the
+aggregator's own policy sets ``audit.redact_paths: false``, nothing written shows a
+local path. Identical region curves are drawn over one another with nested hollow
+markers, never moved apart (which would misstate the figures), and the caption says so.
 """
 
 from __future__ import annotations
@@ -230,12 +224,8 @@ def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, 
     numbers = sorted(data.rounds)
     loss: dict[str, list[list[float]]] = {}
     for name in [*regions, OVERALL]:
-        points: list[list[float]] = []
-        for n in numbers:
-            entry = data.rounds[n].eval.get(name)
-            if entry is not None and entry.loss is not None:
-                points.append([n, entry.loss])
-        if points:
+        losses = [(n, loss_of(data.rounds[n].eval.get(name))) for n in numbers]
+        if points := [[n, x] for n, x in losses if x is not None]:
             loss[name] = points
     epsilon: dict[str, list[list[float]]] = {}
     budget: dict[str, float] = {}
@@ -245,10 +235,8 @@ def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, 
         spent = [(n, t.epsilon, t.epsilon_budget) for n, t in trained if t.epsilon is not None]
         if spent:
             epsilon[region] = [[n, eps] for n, eps, _ in spent]
-            last_budget = spent[-1][2]
-            budget[region] = float("nan") if last_budget is None else last_budget
-        uploads = [[n, t.sent_bytes] for n, t in trained if t.sent_bytes is not None]
-        if uploads:
+            budget[region] = float("nan") if spent[-1][2] is None else spent[-1][2]
+        if uploads := [[n, t.sent_bytes] for n, t in trained if t.sent_bytes is not None]:
             sent[region] = uploads
     return {
         "run_id": data.run.run_id,
@@ -266,8 +254,8 @@ def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, 
 
 
 def coincident(curves: Mapping[str, Any]) -> list[list[str]]:
-    """The groups of regions (in their order) whose curves are exactly the same points:
-    drawn over one another, they would look like one region."""
+    """The groups of regions whose curves are exactly the same points (drawn over one
+    another, they would look like one region)."""
     groups: dict[str, list[str]] = {}
     for name, points in curves.items():
         if name != OVERALL:
@@ -390,8 +378,7 @@ def curve_notes(values: Mapping[str, Any]) -> dict[str, str]:
     """For each plot whose regions' curves coincide, what its caption adds."""
     notes = {}
     for name in REGION_CURVES:
-        groups = coincident(values.get(name, {}))
-        if groups:
+        if groups := coincident(values.get(name, {})):
             notes[name] = " ".join(
                 f"{', '.join(group)}: identical curves, drawn over one another (each region "
                 "its own hollow marker)."
@@ -464,8 +451,8 @@ def render(
     notes: Sequence[str] = (),
     redact: Callable[[str], str] | None = None,
 ) -> str:
-    """The HTML page, everything inline. ``redact`` takes local paths out of the run's
-    own texts; the caller redacts what it passes."""
+    """The HTML page. ``redact`` takes local paths out of the run's own texts; the caller
+    redacts what it passes."""
     e = html.escape
     run, config = data.run, data.run.config
     shown = redact or (lambda text: text)
@@ -527,22 +514,20 @@ def render(
             f'src="data:image/png;base64,{data_uri}">'
             f"<figcaption>{e(caption)}</figcaption></figure>"
         )
-    refused = [d for d in timeline if d.outcome in REFUSALS]
-    out.append(f"<h2>Decisions</h2><p>{len(timeline)} decision(s), {len(refused)} refusal(s).</p>")
-    out.append(
+    refused = sum(d.outcome in REFUSALS for d in timeline)
+    out += [
+        f"<h2>Decisions</h2><p>{len(timeline)} decision(s), {refused} refusal(s).</p>",
         html_table(
             ("round", "about", "outcome", "reasons", "logged by"),
             [[str(d.round), d.subject, d.outcome, d.reason or "-", d.logged_by] for d in timeline],
             [d.outcome for d in timeline],
-        )
-    )
-    out.append("<h2>Compliance record (from the audit logs)</h2>")
-    out += html_sections(sections, "h3")
-    out.append(
+        ),
+        "<h2>Compliance record (from the audit logs)</h2>",
+        *html_sections(sections, "h3"),
         f"<p><small>Written by fedciuic {e(__version__)} at "
         f"{e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))} from "
-        f"{e(shown(run.output_dir or ''))}.</small></p></body></html>"
-    )
+        f"{e(shown(run.output_dir or ''))}.</small></p></body></html>",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -570,8 +555,7 @@ def path_redactor(
     data: RunMetrics, logs: Sequence[PartyLog], keys_dir: Path | None
 ) -> Callable[[str], str] | None:
     """What takes local paths out of the report's texts (None: the policy lets them
-    show): known folders by name, logs and policies by file name, other absolute paths
-    down to their last part."""
+    show): known folders by name, files by name, other absolute paths to their last part."""
     if not redacts_paths(data):
         return None
     run = data.run
@@ -604,11 +588,9 @@ def write_run_report(
     out: Path | None = None,
 ) -> RunReport:
     """Read the run and its audit logs, verify them when keys are at hand, write the page.
-
     A run that did not end gets a page of what its logs show: a missing log or unsigned
-    tail is said in ``notes``, not a failure; a record that fails its hash or signature
-    is a problem in any run.
-    """
+    tail is a note, not a failure; a record that fails its hash or signature is a problem
+    in any run."""
     data = load_run(run_dir)
     status = data.run.status
     ended = status in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE)
@@ -669,9 +651,8 @@ def write_run_report(
     page = out or run_dir / REPORT_FILE
     plots_dir = page.parent / PLOTS_DIR
     plots_dir.mkdir(parents=True, exist_ok=True)
-    plots = {}
+    plots = {name: plots_dir / f"{name}.png" for name in pngs}
     for name, png in pngs.items():
-        plots[name] = plots_dir / f"{name}.png"
         plots[name].write_bytes(png)
     series_path = plots_dir / SERIES_FILE
     series_path.write_text(json.dumps(values, indent=2), encoding="utf-8")
