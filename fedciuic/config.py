@@ -67,12 +67,11 @@ def aggregation_rule(method: str) -> tuple[str, float | None]:
     raise ValueError(f"unknown aggregation {method!r}; use fedavg, median or trimmed-mean:F")
 
 
-#: What one DP guarantee covers, weakest first: one record, or everything one user
-#: contributed. A guarantee per user is also one per record (a record has one user).
+#: What one DP guarantee covers, weakest first: one record, or all of one user's.
 PrivacyUnit = Literal["record", "user"]
 PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
-#: The unit where none is named: a policy without ``privacy.unit`` (at least record-level),
-#: and a ledger, reply or log written before units existed (all were record-level).
+#: The unit where none is named: a policy without ``privacy.unit``, and anything written
+#: before units existed (all record-level).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
 #: What a DP release pays for: a round's update, the run's count of units, a held-out
 #: loss (a ledger line's purpose; docs/privacy.md).
@@ -82,36 +81,31 @@ TRAINING, COUNTS, EVALUATION = get_args(Purpose)
 MIN_RING_BITS = 12
 
 
-#: What a region's adapter trains and sends, and so what the aggregator averages
-#: (docs/models.md, "Adapter update modes"): ``lora`` trains LoRA's A and B, averaged
-#: factor-wise (inexact: a mean of products is not the product of the means);
-#: ``lora-fa`` (FFA-LoRA) trains B only, A fixed; ``lora-sb`` (Fed-SB) trains an r x r
-#: matrix between fixed A and B. Both fixed-factor modes average exactly.
+#: What a region's adapter trains and sends (docs/models.md): ``lora`` A and B, averaged
+#: factor-wise (inexact: a mean of products is not the product of the means); ``lora-fa``
+#: B only, A fixed; ``lora-sb`` an r x r matrix between fixed A and B (both exact).
 AdapterMode = Literal["lora", "lora-fa", "lora-sb"]
 ADAPTER_MODES: tuple[AdapterMode, ...] = get_args(AdapterMode)
-#: The mode where none is named: the run config's default, and a reply, checkpoint or
-#: policy from before modes existed (all trained LoRA's A and B).
+#: The mode where none is named, also for anything from before modes existed.
 DEFAULT_ADAPTER_MODE: AdapterMode = ADAPTER_MODES[0]
 
 #: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
-#: prompt's start (``left``), so that the response fits.
+#: prompt's start (``left``), so that the response fits; ``right`` drops a record with no
+#: response token left.
 TruncationSide = Literal["right", "left"]
 
-#: The run config's max-record-bytes: the largest record (bytes in its file) a region
-#: reads, room for a long chat (1 MiB is some 250,000 tokens of English); a larger record
-#: is dropped and counted, never read whole, and a deployed region goes by its agent
-#: config's own (docs/data.md, "Long records").
+#: The largest record (bytes in its file) a region reads, room for a long chat; a larger
+#: one is dropped and counted, never read whole (docs/data.md, "Long records").
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
-#: The limit's bounds: at most 1 GiB (what it guards a region's memory against).
+#: At most 1 GiB: what the limit guards a region's memory against.
 MAX_RECORD_BYTES_LIMIT = 1 << 30
 
 
-#: The DP accountant, how per-sample gradients are clipped, and the regions' local
-#: optimiser.
+#: The DP accountant, how per-sample gradients are clipped, the regions' optimiser.
 Accountant = Literal["prv", "rdp"]
 DPMode = Literal["hooks", "ghost"]
-#: How a region's training processes hold the frozen base: each a whole copy, or each
-#: a slice of it (FSDP2), for a base larger than one device (docs/cluster.md).
+#: Each training process holds a whole copy of the frozen base, or a slice of it (FSDP2),
+#: for a base larger than one device (docs/cluster.md).
 Sharding = Literal["replicate", "shard"]
 LocalOptimizer = Literal["adamw", "sgd"]
 
@@ -130,8 +124,7 @@ REPRODUCIBLE_NOISE_WARNING = (
 )
 
 
-#: A codec named in the run config, parsed once into its object (ValueError names the
-#: known codecs); written back as its name.
+#: A codec named in the run config, parsed once into its object; written back as its name.
 CodecSpec = Annotated[
     Codec,
     BeforeValidator(get_codec),
@@ -165,9 +158,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid", frozen=True, alias_generator=_kebab, populate_by_name=True
     )
-    #: Set on a model, an unknown key is named as such with the nearest known key, or
-    #: else this hint on where the keys are (not pydantic's "Extra inputs are not
-    #: permitted").
+    #: Set on a model, an unknown key is named with the nearest known key, or else this
+    #: hint on where the keys are (not pydantic's "Extra inputs are not permitted").
     unknown_key_hint: ClassVar[str | None] = None
 
     @classmethod
@@ -179,12 +171,9 @@ class _Strict(BaseModel):
     def from_user_config(
         cls, values: Mapping[str, Any], *, source: str, ignore_unknown: bool = False
     ) -> Self:
-        """Validate ``values`` (kebab-case keys) or raise one :class:`ConfigError`.
-
-        ``source`` names where the values came from (``run config``, a file, ...),
-        so that each problem reads ``source:field: message``. Unknown keys are
-        errors (typos fail loudly) unless ``ignore_unknown`` is set, for mappings
-        that other software shares with us, such as a SuperNode's node config.
+        """Validate ``values`` or raise one :class:`ConfigError`, each problem as
+        ``source:field: message``. Unknown keys fail loudly (typos) unless
+        ``ignore_unknown``, for mappings other software shares (a SuperNode's node config).
         """
         data = dict(values)
         if ignore_unknown:
@@ -219,7 +208,6 @@ def _describe(err: ValidationError, source: str, model: type[_Strict]) -> list[s
 
 
 def _unknown_key(key: str, model: type[_Strict]) -> str:
-    """An unknown key's problem and fix: the known key it is nearest to, if any."""
     nearest = difflib.get_close_matches(_kebab(key), model.known_keys(), n=1)
     if nearest:
         return f"unknown key; did you mean {nearest[0]}?"
@@ -262,29 +250,23 @@ class ModelSpec(_Strict):
 
     model_preset: str = "tiny"
     model_path: str = ""
-    #: The run's seed: the preset's random init and the fixed adapter factors, which every
-    #: party derives from it (required in a run config).
+    #: Every party derives the preset's init and the fixed adapter factors from it.
     seed: int = Field(default=0, ge=0)
     lora_rank: int = Field(default=8, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1)
-    #: auto (attention projections of the model's family), auto+mlp (and the dense and
-    #: shared-expert MLPs), or a comma list of nn.Linear module names (docs/models.md).
+    #: auto (the family's attention projections), auto+mlp (and its MLPs), or a comma list
+    #: of nn.Linear module names (docs/models.md).
     lora_targets: str = Field(default="auto", min_length=1)
-    #: What each region trains and sends: ``lora`` (A and B, averaged factor-wise:
-    #: inexact), ``lora-fa`` (B only, A fixed: exact), ``lora-sb`` (an r x r matrix
-    #: between fixed A and B: exact). The same for every region (docs/models.md).
+    #: The same for every region (:data:`AdapterMode`).
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
-    #: The frozen base's dtype: auto is bf16 on a GPU that has it, else fp32. Adapters
-    #: and optimizer state are always fp32.
+    #: The frozen base's: auto is bf16 on a GPU that has it, else fp32 (adapters: fp32).
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     #: nf4: a 4-bit base through bitsandbytes (QLoRA), CUDA only; DP over fp32 adapters.
     quantization: Literal["none", "nf4"] = "none"
     #: Recompute activations in the backward pass (less memory, about a third slower).
     gradient_checkpointing: bool = False
-    #: A model-path checkpoint whose weights are only pickle files (pytorch_model*.bin)
-    #: is refused unless this is true: unpickling runs code. It governs the launching
-    #: machine and simulated regions; a deployed region goes by its own agent config's
-    #: allow-pickle-weights, never by this (docs/models.md).
+    #: Unpickling runs code: pickle-only weights (pytorch_model*.bin) are refused unless
+    #: true. A deployed region goes by its own agent config's, never this (docs/models.md).
     allow_pickle_weights: bool = False
 
 
@@ -306,17 +288,13 @@ class DataSettings(_Strict):
     data_root: str = ""
     #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
     bad_rows: Literal["refuse", "skip"] = "refuse"
-    #: A non-text record longer than seq-len: ``right`` keeps its first seq-len tokens (a
-    #: record with no response token among them is dropped); ``left`` cuts its prompt from
-    #: the start so that the response fits (docs/data.md).
     truncation_side: TruncationSide = "right"
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     max_eval_examples: int = Field(ge=1)
     eval_fraction: float = Field(gt=0, lt=1)
 
 
-#: max-physical-batch-size's default: 3 regions of the realistic preset on 2 cores in
-#: 3.0-3.2 GiB instead of 5.6 (docs/cluster.md).
+#: max-physical-batch-size's default: small passes keep a region's memory down (docs/cluster.md).
 DEFAULT_PHYSICAL_BATCH = 2
 
 
@@ -325,29 +303,26 @@ class LocalTraining(_Strict):
 
     #: Local DP-SGD (or SGD) steps per round; with a local-time-budget, the most a round takes.
     local_steps: int = Field(ge=1)
-    #: Seconds of local training per round (0: off, every round takes local-steps). The
-    #: step count is planned from the budget before the first step (docs/heterogeneity.md).
+    #: Seconds of local training per round (0: off), the steps planned from it before the
+    #: first (docs/heterogeneity.md).
     local_time_budget: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     batch_size: int = Field(ge=1)
-    #: At most this many examples in one forward and backward pass of a DP-SGD step (its
-    #: batch passes in parts, the step unchanged: Opacus' max_physical_batch_size); 0:
-    #: the whole batch at once. Memory, not privacy or results.
+    #: At most this many examples per pass of a DP-SGD step (the step unchanged: Opacus'
+    #: max_physical_batch_size); 0: the whole batch. Memory, not privacy or results.
     max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
     learning_rate: float = Field(gt=0)
     optimizer: LocalOptimizer = "adamw"
-    #: FedProx: local training adds (mu / 2) * ||w - w_global||^2 (0: off). Data-independent,
-    #: so it costs no privacy (docs/privacy.md).
+    #: FedProx's (mu / 2) * ||w - w_global||^2 (0: off); data-independent, so no privacy cost.
     proximal_mu: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     #: pyproject.toml's value too; `fedciuic data check` counts records at it by default.
     seq_len: int = Field(default=256, ge=8, le=32_768)
-    #: Tests and benchmarks only: some regions' training made this many times slower
-    #: (``"us=4"``), by sleeping after each step. Never set it in a real federation.
+    #: Tests and benchmarks only: some regions' training slowed (``"us=4"``) by sleeping.
     test_region_slowdown: tuple[tuple[str, float], ...] = ()
 
     _split_tables = field_validator("test_region_slowdown", mode="before")(_split_region_table)
 
     def slowdown(self, region: str) -> float:
-        """How many times slower ``region`` trains (test-region-slowdown; 1: not slowed)."""
+        """How many times slower ``region`` trains (1: not slowed)."""
         return dict(self.test_region_slowdown).get(region, 1.0)
 
 
@@ -355,8 +330,7 @@ class ServerSettings(_Strict):
     """The optimiser the aggregator steps with on each aggregate (Reddi et al. 2021)."""
 
     server_learning_rate: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    #: What the aggregator does with the aggregated delta: ``none`` (add it, times
-    #: server-learning-rate), ``fedavgm``, ``fedadam``, ``fedyogi``.
+    #: ``none``: add the aggregated delta, times server-learning-rate.
     server_optimizer: OptimizerName = "none"
     #: fedavgm's momentum; fedadam's and fedyogi's beta1.
     server_momentum: float = Field(default=0.9, ge=0, lt=1)
@@ -369,19 +343,18 @@ class Schedule(_Strict):
     """The aggregator's loop (docs/heterogeneity.md)."""
 
     num_server_rounds: int = Field(ge=1, le=10_000)
-    #: ``sync``: each round waits for every asked region (up to round-timeout); ``buffered``:
-    #: a new global adapter as soon as buffer-size updates have arrived (FedBuff).
+    #: ``sync``: a round waits for every asked region (up to round-timeout); ``buffered``:
+    #: a new global adapter once buffer-size updates arrived (FedBuff).
     aggregation_mode: AggregationMode = "sync"
     min_regions: int = Field(default=1, ge=1)
     node_wait_timeout: float = Field(gt=0)
     round_timeout: float = Field(gt=0)
     #: Buffered mode: updates per published global adapter (at most the number of regions).
     buffer_size: int = Field(default=2, ge=1)
-    #: Buffered mode: an update computed against a global adapter more than this many
-    #: versions old is rejected.
+    #: Buffered mode: the most versions old an update's global adapter may be.
     max_staleness: int = Field(default=4, ge=0)
-    #: A region that misses this many rounds in a row is marked unavailable: rounds stop
-    #: waiting for it until it answers again (0: never).
+    #: Rounds a region may miss in a row before rounds stop waiting for it until it
+    #: answers again (0: never).
     max_missed_rounds: int = Field(default=3, ge=0)
 
     @property
@@ -390,13 +363,11 @@ class Schedule(_Strict):
 
     @property
     def staleness_allowed(self) -> int:
-        """Sync rounds take an update only against the current version; buffered mode
-        weighs older ones down, up to max-staleness versions."""
+        """Sync rounds take an update only against the current version."""
         return self.max_staleness if self.buffered else 0
 
     def staleness_refused(self, version: int, staleness: int) -> str:
-        """Why an update computed against global ``version``, ``staleness`` versions
-        old, is refused."""
+        """Why an update ``staleness`` versions old is refused."""
         if self.buffered:
             rule = f"over max-staleness {self.max_staleness}"
         else:
@@ -418,30 +389,23 @@ class DPSettings(_Strict):
     max_grad_norm: float = Field(default=1.0, gt=0)
     #: Opacus' secure noise (each draw a sum of Gaussians) from an unpredictable generator.
     secure_mode: bool = True
-    #: Tests only: noise and Poisson sampling derived from ``seed``, which the aggregator
-    #: chooses, so it can predict and remove the noise. Needs secure-mode = false;
-    #: every shipped policy refuses it (privacy.secure_rng_required).
+    #: Tests only (:data:`REPRODUCIBLE_NOISE_WARNING`); every shipped policy refuses it.
     insecure_reproducible_noise: bool = False
     dp_accountant: Accountant = "prv"
     dp_mode: DPMode = "hooks"
-    #: What one DP guarantee covers: one ``record``, or everything one ``user`` contributed
-    #: (user-level DP-SGD: users are sampled and each user's gradient is clipped; the
-    #: records name their user in ``user-id-field``). docs/privacy.md.
+    #: User-level DP-SGD samples users and clips each user's gradient; records name their
+    #: user in ``user-id-field`` (docs/privacy.md).
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: At most this many of one unit's examples (a user's records, a long record's
     #: chunks) in a DP-SGD step; their mean gradient is clipped as one.
     max_examples_per_unit: int = Field(default=4, ge=1, le=1024)
-    #: The standard deviation of the Gaussian noise on a region's count of its privacy
-    #: units, released once a run and charged to its ledger: the Poisson rate, the noise,
-    #: the epsilon and the reply's weight then follow from it and public values. 0: the
-    #: exact count sets them, a figure outside DP, which ``dp_only`` policies refuse; 10
-    #: costs a run about 1-3 % more training noise (docs/privacy.md).
+    #: The Gaussian noise's std on a region's count of its units, released once a run and
+    #: charged to its ledger; the Poisson rate, noise, epsilon and weight follow from it.
+    #: 0: the exact count, a figure outside DP that ``dp_only`` refuses (docs/privacy.md).
     count_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
-    #: The noise (a multiple of the clip for the summed loss, of 1 for the count) on a
-    #: region's held-out loss, each unit's loss clipped to ``eval-loss-clip``: every
-    #: evaluation is then a DP release charged to its ledger, the run's noise leaving
-    #: room for num-server-rounds + 2 of them. 0: the exact loss, a figure outside DP,
-    #: which a ``dp_only`` region withholds (it declines to evaluate).
+    #: The noise (times the clip for the summed loss, 1 for the count) on a region's
+    #: held-out loss, each unit's clipped to ``eval-loss-clip``: each evaluation a charged
+    #: DP release. 0: the exact loss, outside DP, which a ``dp_only`` region withholds.
     eval_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
     eval_loss_clip: float = Field(default=10.0, gt=0, le=1e3, allow_inf_nan=False)
 
@@ -477,14 +441,12 @@ class ClusterSettings(_Strict):
     of this many processes (one per GPU; gloo on CPU); a node config's value wins."""
 
     train_processes: int = Field(default=1, ge=1, le=1024)
-    #: In simulation (no node config of their own): some regions' own count, as
-    #: ``"eu=2,us=1"``; deployed regions say it in their node config.
+    #: In simulation: some regions' own count (``"eu=2,us=1"``); deployed ones say theirs.
     region_train_processes: tuple[tuple[str, int], ...] = ()
-    #: Seconds any collective set-up or operation between a region's training
-    #: processes may wait before the round fails for that region (never a hang).
+    #: Seconds a collective between a region's processes may wait before its round fails
+    #: (never a hang).
     collective_timeout: float = Field(default=600.0, gt=0)
-    #: In simulation: how the training processes hold the base (a deployed region says
-    #: it in its agent config).
+    #: In simulation (a deployed region says it in its agent config).
     train_sharding: Sharding = "replicate"
 
     _split_tables = field_validator("region_train_processes", mode="before")(_split_region_table)
@@ -503,8 +465,8 @@ class UpdateRules(_Strict):
     accepts of one (docs/compression.md, docs/robustness.md)."""
 
     codec: CodecSpec = get_codec("int8")
-    #: An update whose decoded delta has a larger L2 norm is rejected (or clipped); 0 turns
-    #: the bound off. With secure aggregation each region clips its update to it.
+    #: A larger decoded delta's L2 norm is rejected (or clipped); 0: off. With secure
+    #: aggregation each region clips its update to it.
     max_update_norm: float = Field(default=50.0, ge=0)
     update_norm_action: NormAction = "reject"
     max_examples: int = Field(default=10_000_000, ge=1)
@@ -523,8 +485,8 @@ class PolicySettings(_Strict):
     """Jurisdiction policies (policies/README.md): where they are and where the aggregator
     (ServerApp) and the relay (SuperLink) sit; the relay defaults to the aggregator's place."""
 
-    #: Off only for lab baselines: in simulation it switches both ends off; a deployed
-    #: region always enforces the policy its own node config names.
+    #: Off only for lab baselines (both ends, in simulation); a deployed region always
+    #: enforces its own.
     enforce_policies: bool = True
     #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
     #: in simulation also where each region finds its own.
@@ -555,13 +517,11 @@ class SecureSettings(_Strict):
     secure_aggregation: bool = False
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
-    #: Bits per value of a masked update: the ring the sum is taken in (0: the fewest
-    #: that round no coarser than the plain int8 path where the regions send norms,
-    #: fewer once a sum of the run was measured; else 24:
+    #: Bits per value of a masked update, the sum's ring (0: chosen by
     #: :func:`fedciuic.secagg.ddp.ring_bits`).
     secure_ring_bits: int = Field(default=0, ge=0, le=62)
-    #: Distributed DP (0: off): Skellam noise the regions of a secure sum share, its
-    #: standard deviation in a sum of secure-threshold regions this times max-update-norm.
+    #: Distributed DP (0: off): the Skellam noise shared in a secure sum, its std in a sum
+    #: of secure-threshold regions this times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
@@ -586,7 +546,7 @@ class DeidSettings(_Strict):
     #: :attr:`entities` expands them.
     deid_entities: tuple[str, ...] = (DIRECT_WORD, NAMES_WORD)
     #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
-    #: region's secret: stable within a region, different across regions).
+    #: region's secret, so different across regions).
     deid_replacement: Replacement = "placeholder"
     deid_dictionaries: str = ""
 
@@ -625,8 +585,8 @@ class OutputSettings(_Strict):
 
 class RunConfig(_Strict):
     """The run config shared by the ServerApp and every ClientApp: Flower's flat kebab
-    keys (pyproject.toml's [tool.flwr.app.config]), each filled once into the section
-    :data:`RUN_KEYS` names, under its own name."""
+    keys (pyproject.toml's [tool.flwr.app.config]), each in the section :data:`RUN_KEYS`
+    names."""
 
     unknown_key_hint: ClassVar[str | None] = (
         "the run config's keys are those of pyproject.toml's [tool.flwr.app.config]"
@@ -665,7 +625,9 @@ class RunConfig(_Strict):
                 nested[key] = value
             else:
                 nested.setdefault(place[0], {})[_kebab(place[1])] = value
-        missing = [key for key in _REQUIRED_KEYS if key not in values and _snake(key) not in values]
+        missing = [
+            k for k in _REQUIRED_KEYS if k not in values and k.replace("-", "_") not in values
+        ]
         if missing and "model" not in values:
             raise ValueError("\n".join(f"{key}: Field required" for key in missing))
         for name in RunConfig.model_fields:
@@ -676,11 +638,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _across_sections(self) -> Self:
         """The checks that read keys of more than one section, each named by its key."""
-        problems = [
-            *_check_region_tables(self),
-            *_check_secure(self),
-            *_check_buffer(self),
-        ]
+        problems = [*_check_region_tables(self), *_check_secure(self), *_check_buffer(self)]
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -696,9 +654,8 @@ class RunConfig(_Strict):
         return values
 
     def canonical_json(self) -> str:
-        """This config as the aggregator signs it into every instruction: the flat
-        kebab-case keys, sorted, compact; :meth:`from_user_config` reads it back to the
-        same config."""
+        """This config as the aggregator signs it into every instruction (flat keys,
+        sorted, compact); :meth:`from_user_config` reads it back to the same config."""
         values = self.flat()
         for name in REGION_TABLES:
             key = _kebab(name)
@@ -712,8 +669,8 @@ class RunConfig(_Strict):
         return type(self).model_validate({**self.flat(), **keys})
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """A copy; a change of keys goes through :meth:`updated` (validated, into its
-        section), never pydantic's unvalidated update of a top-level field."""
+        """A copy; a change of keys goes through :meth:`updated`, never pydantic's
+        unvalidated update of a top-level field."""
         if update:
             raise TypeError("RunConfig.model_copy(update=...): use run.updated(key=value)")
         return super().model_copy(deep=deep)
@@ -743,15 +700,13 @@ class RunConfig(_Strict):
 
     @property
     def secure_norms(self) -> bool:
-        """Whether a secure sum is scaled by the norms its regions send with their
-        trained replies (:data:`~fedciuic.wire.UPDATE_NORM`): with DP-SGD, where a norm
-        of the update is a DP release too, and without distributed noise, whose
-        sensitivity is the clip."""
+        """Whether a secure sum is scaled by the norms its regions send
+        (:data:`~fedciuic.wire.UPDATE_NORM`): with DP-SGD, where a norm is a DP release
+        too, and without distributed noise, whose sensitivity is the clip."""
         s = self.secure
         return s.secure_aggregation and self.privacy.dp and s.distributed_noise_multiplier == 0
 
     def region_for_partition(self, partition_id: int) -> str:
-        """Map a simulation partition id to its region (``regions[partition_id]``)."""
         if not 0 <= partition_id < len(self.regions):
             raise ConfigError(
                 [
@@ -761,10 +716,6 @@ class RunConfig(_Strict):
                 ]
             )
         return self.regions[partition_id]
-
-
-def _snake(key: str) -> str:
-    return key.replace("-", "_")
 
 
 def _sections() -> dict[str, tuple[str, str]]:
@@ -777,15 +728,15 @@ def _sections() -> dict[str, tuple[str, str]]:
     return table
 
 
-#: The one alias table: each flat run-config key (kebab-case) with its section and its
-#: field there, always the key's own name ("" for a top-level key).
+#: The one alias table: each flat run-config key with its section ("" for a top-level
+#: key) and its field there, always the key's own name.
 RUN_KEYS: dict[str, tuple[str, str]] = _sections()
 #: Keys a run config must give though their section has a default (the run's seed).
 _REQUIRED_KEYS = ("seed",)
 
 
 def run_key_required(key: str) -> bool:
-    """Whether a run config must give the flat key ``key`` (it has no default)."""
+    """Whether a run config must give ``key`` (it has no default)."""
     section, name = RUN_KEYS[key]
     kind: type[BaseModel] = RunConfig
     if section:
@@ -865,15 +816,14 @@ def _check_buffer(run: RunConfig) -> list[str]:
     return []
 
 
-#: The folder of a simulation's data root that holds its regions' dictionaries
-#: (REGION.txt) when deid-dictionaries names none: where the demo data keeps them.
+#: Where a simulation's data root holds its regions' dictionaries when
+#: deid-dictionaries names none (as the demo data does).
 SIMULATED_DICTIONARIES = "deid-dictionaries"
 
 
 def simulated_dictionary(run: RunConfig, region: str) -> str:
-    """A simulated region's dictionary: deid-dictionaries/REGION.txt (deid-dictionaries
-    empty: data-root/deid-dictionaries/REGION.txt) if there is one ("": none; a deployed
-    region names its own in its agent config)."""
+    """A simulated region's dictionary, deid-dictionaries/REGION.txt, if there is one
+    ("": none)."""
     folder = run.deid.deid_dictionaries or (
         str(Path(run.data.data_root) / SIMULATED_DICTIONARIES) if run.data.data_root else ""
     )
@@ -888,58 +838,44 @@ SIMULATED_NODE = "partition-id"
 class NodeConfig(_Strict):
     """Which region this is and where its data, state, keys and policy live.
 
-    In a deployment the region's agent reads it from its own file (``AgentConfig``,
-    ``fedciuic agent --config``), never from anything the aggregator ships; in
-    simulation Flower passes ``partition-id`` instead and the region comes from the
-    run config (one operator owns everything there).
+    A deployed region's agent reads it from its own file (``AgentConfig``), never from
+    anything the aggregator ships; in simulation (one operator owns everything) Flower
+    passes ``partition-id`` and the region comes from the run config. A field left None
+    takes the run config's value.
     """
 
     region: str = Field(pattern=REGION_PATTERN)
     data_path: str = Field(min_length=1)
     #: The region's own persistent state (privacy ledger, ...); default data-path/.fedciuic.
     state_path: str = ""
-    #: This dataset's lifetime epsilon budget; default: the run config's epsilon-budget.
+    #: This dataset's lifetime epsilon budget.
     epsilon_budget: float | None = Field(default=None, gt=0)
-    #: The region's private key file and the aggregator's public bundle (sealing);
-    #: in simulation they come from the run config's keys-dir.
+    #: In simulation these three come from the run config's keys-dir; peer-bundles (the
+    #: other regions' REGION.pub.json, for secure sums) "" is aggregator-bundle's folder.
     key_file: str = ""
     aggregator_bundle: str = ""
-    #: The folder of the other regions' public bundles (REGION.pub.json), which secure
-    #: aggregation verifies their messages with; "" = aggregator-bundle's folder (in
-    #: simulation: the run config's keys-dir).
     peer_bundles: str = ""
-    #: The region's jurisdiction policy (YAML). Required in deployment: a region
-    #: without one sends nothing. In simulation: run config policies-dir.
+    #: The region's jurisdiction policy (YAML): a deployed region without one sends nothing.
     policy: str = ""
-    #: This region's training processes (its hardware); default: the run config's.
     train_processes: int | None = Field(default=None, ge=1, le=1024)
-    #: How this region's training processes hold the base; default: the run config's.
     train_sharding: Sharding | None = None
-    #: Whether this region may load a checkpoint whose weights are only pickle files
-    #: (unpickling runs code): its own word, from its agent config in a deployment;
-    #: None (simulation only): the run config's allow-pickle-weights.
+    #: Whether this region may load pickle-only weights (unpickling runs code); a deployed
+    #: region's own word, never the run's (None: simulation only).
     allow_pickle_weights: bool | None = None
-    #: The region's dictionary of names to scrub (one per line); in simulation:
-    #: the run config's deid-dictionaries/REGION.txt, if there is one.
+    #: The region's dictionary of names to scrub (one per line).
     deid_dictionary: str = ""
-    #: The region's pseudonym key file; default state-path/deid-secret.key (made on
-    #: first use).
+    #: The region's pseudonym key file; default state-path/deid-secret.key (made on first use).
     deid_secret: str = ""
     #: A spaCy pipeline the region installed (a package name or a folder), which then
     #: finds PERSON and LOCATION too; "" scrubs by patterns and the dictionary alone.
     deid_ner_model: str = ""
-    #: The largest record this region reads (its memory's to decide); None (simulation
-    #: only): the run config's max-record-bytes.
+    #: These two are the region's memory's to decide (no privacy at stake).
     max_record_bytes: int | None = Field(default=None, ge=1, le=MAX_RECORD_BYTES_LIMIT)
-    #: At most this many examples per pass of a DP-SGD step (its memory's to decide, and
-    #: no privacy at stake: the step is the same); None: the run config's
-    #: max-physical-batch-size.
     max_physical_batch_size: int | None = Field(default=None, ge=0)
 
     def deid_entities(self, run: RunConfig) -> tuple[str, ...]:
-        """The entity types this region scrubs, declares and is held to: the run's
-        deid-entities it has the means for (DICTIONARY needs its deid-dictionary, PERSON
-        and LOCATION its deid-ner-model)."""
+        """The run's deid-entities this region has the means for (DICTIONARY needs its
+        deid-dictionary, PERSON and LOCATION its deid-ner-model): it scrubs and declares them."""
         return found_entities(
             run.deid.entities,
             dictionary=bool(self.deid_dictionary),
@@ -947,18 +883,15 @@ class NodeConfig(_Strict):
         )
 
     def processes(self, run: RunConfig) -> int:
-        """How many training processes this region runs: the node's word, else the run's."""
         return self.train_processes or run.cluster.train_processes
 
     def sharded(self, run: RunConfig) -> bool:
-        """Whether this region's processes each hold a slice of the base (FSDP2): its
-        own word, else the run's, and only with more than one process."""
+        """Whether this region's processes each hold a slice of the base (FSDP2)."""
         return (self.train_sharding or run.cluster.train_sharding) == "shard" and (
             self.processes(run) > 1
         )
 
     def training(self, run: RunConfig) -> LocalTraining:
-        """The run's local training, with this region's own physical batch if it says one."""
         if self.max_physical_batch_size is None:
             return run.training
         return run.training.model_copy(
@@ -966,12 +899,9 @@ class NodeConfig(_Strict):
         )
 
     def record_limit(self, run: RunConfig) -> int:
-        """The largest record this region reads: the node's word, else the run's."""
         return self.max_record_bytes or run.data.max_record_bytes
 
     def allows_pickle_weights(self, run: RunConfig) -> bool:
-        """Whether this region loads pickle-only weights: the node's word, else (a
-        simulated region, whose one operator owns the run config) the run's."""
         if self.allow_pickle_weights is None:
             return run.model.allow_pickle_weights
         return self.allow_pickle_weights
@@ -982,7 +912,6 @@ class NodeConfig(_Strict):
 
     @property
     def deid_secret_path(self) -> Path:
-        """Where the region's pseudonym key is (made there on first use)."""
         return (
             Path(self.deid_secret).expanduser()
             if self.deid_secret
@@ -996,7 +925,6 @@ class NodeConfig(_Strict):
 
     @classmethod
     def resolve(cls, node_config: Mapping[str, Any], run: RunConfig) -> NodeConfig:
-        """Work out this node's region and data path, in deployment or simulation."""
         if "region" in node_config or "data-path" in node_config:
             node = cls.from_user_config(node_config, source="node config", ignore_unknown=True)
             if node.allow_pickle_weights is None:  # a deployed node's own word, never the run's
