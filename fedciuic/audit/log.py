@@ -1,32 +1,23 @@
 """Tamper-evident audit logs: one append-only, hash-chained JSON Lines file per party.
 
-Each line is one record: the canonical JSON of ``seq, time, run_id, round, actor,
-event, details, prev`` with ``,"hash":"<hex>"`` inserted before its closing brace.
-``hash = SHA-256(0x00 || "fedciuic-audit-record/1" || 0x00 || the line without that
-suffix)``, and ``prev`` is the previous record's hash (64 zeros for the first), so
-changing, deleting, inserting or reordering a record breaks the chain. A
-``checkpoint`` record signs ``SHA-256(0x01 || "fedciuic-audit-checkpoint/1" ||
-0x00 || count (u64 big-endian) || head)`` with the party's key, where ``count`` is
-the number of records before it and ``head`` the hash of the last of them: after
-a checkpoint, nobody without that key can rewrite what came before it.
+Each line is the canonical JSON of ``seq, time, run_id, round, actor, event, details,
+prev`` with ``,"hash":"<hex>"`` inserted before its closing brace; ``prev`` is the
+previous record's hash, so changing, deleting, inserting or reordering a record breaks
+the chain. A ``checkpoint`` record signs the record count and chain head with the
+party's key: after it, nobody without that key can rewrite what came before. Checkpoints
+(every ``checkpoint_every`` records, and at each round's and run's end) are fsync'ed; a
+torn last line is reported by the verifier and moved aside, logged, by the next writer,
+so nothing is dropped silently. ``docs/audit.md`` is the format reference for verifiers.
 
-Checkpoints are written every ``checkpoint_every`` records and at the end of each
-round and run, and fsync'ed. A process killed mid-write leaves at most a torn last
-line: the verifier reports it, and the next writer moves it to a side file and
-logs that it did, so nothing is dropped silently. ``docs/audit.md`` is the format
-reference for independent verifiers.
+Witnessing (RFC 6962, C2SP tlog-witness): a chain cannot show by itself that it was cut
+back to an earlier checkpoint, so each party records as ``witness`` the latest signed
+checkpoint of every party it hears from; ``witness_check`` finds a log that no longer
+holds what another party saw it sign.
 
-Witnessing (after transparency-log witnesses: RFC 6962, C2SP tlog-witness): a hash chain cannot show
-by itself that it was cut back to an earlier checkpoint, so each party records in
-its own log, as a ``witness`` record, the latest signed checkpoint ``(count, head)``
-of every other party it hears from; ``witness_check`` then finds a log that no
-longer holds what another party saw it sign.
-
-Retention: ``AuditLog.prune`` removes the records past the party's retention from the
-log's start, after a signed ``audit_pruned`` record naming the first record kept and
-the hash of the last one removed (bound by the policies the log declared:
-``retention.bound``). A verifier starts such a log's chain at the first record's
-``prev``, and accepts it only when a verified signature covers that record.
+Retention: ``AuditLog.prune`` removes records past retention from the log's start, after
+a signed ``audit_pruned`` record naming the first record kept and the last hash removed
+(bound by the declared policies: ``retention.bound``). A verifier starts such a log's
+chain at its first record's ``prev``, and accepts it only under a verified signature.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,9 +64,7 @@ class AuditError(FedciuicError):
 
 
 def _is_head(value: object) -> TypeGuard[str]:
-    return (
-        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-    )
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
 
 
 def _is_count(value: object) -> TypeGuard[int]:
@@ -83,8 +72,7 @@ def _is_count(value: object) -> TypeGuard[int]:
 
 
 def checkpoint_head(count: object, head: object) -> tuple[int, str]:
-    """A checkpoint head received from another party, validated (``AuditError``
-    otherwise): it is untrusted."""
+    """A checkpoint head from another party (untrusted), validated; ``AuditError`` if not."""
     if not _is_count(count):
         raise AuditError(f"checkpoint head: count {count!r:.40} is not a non-negative integer")
     if not _is_head(head):
@@ -314,46 +302,18 @@ class Pruned:
         )
 
 
-def _pruned_details(
-    pruned: Pruned,
-    removed: Sequence[Mapping[str, Any]],
-    head: str,
-    before: datetime,
-    actor: str,
-    why: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The ``audit_pruned`` record's details: where the kept chain starts, the cut-off,
-    ``why`` (the policy), and what must outlive the removed records: the privacy
-    ledger's witnesses (``carried``) and the policies they declared."""
-    return {
-        "first_kept": pruned.first_kept,
-        "head": head,
-        "records": pruned.records,
-        "first_time": pruned.first_time,
-        "last_time": pruned.last_time,
-        "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
-        **why,
-        "carried": _carried(removed, actor),
-        "declared": [d.to_record() for d in declarations(removed)],
-    }
-
-
 def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
     """Patterns that replace each path (as given, and resolved) by its label, only where
     it stands as a whole path: a short relative ``data-path`` like ``eu`` must not
     rewrite a region's name or a base64 string that happens to contain it."""
-    patterns = []
-    for path, label in paths:
-        if not path:
-            continue
-        forms = {path, str(Path(path).expanduser().resolve())}
-        for form in sorted(forms, key=len, reverse=True):
-            if "/" not in form:  # not recognisable as a path inside free text
-                continue
-            boundary = rf"(?<![\w./-]){re.escape(form.rstrip('/'))}(?=/|$|[^\w.-])"
-            patterns.append((re.compile(boundary), label))
-    patterns.sort(key=lambda p: -len(p[0].pattern))
-    return tuple(patterns)
+    patterns = [
+        (re.compile(rf"(?<![\w./-]){re.escape(form.rstrip('/'))}(?=/|$|[^\w.-])"), label)
+        for path, label in paths
+        if path
+        for form in sorted({path, str(Path(path).expanduser().resolve())}, key=len, reverse=True)
+        if "/" in form  # else not recognisable as a path inside free text
+    ]
+    return tuple(sorted(patterns, key=lambda p: -len(p[0].pattern)))
 
 
 def _redact(value: Any, patterns: Sequence[tuple[re.Pattern[str], str]]) -> Any:
@@ -390,9 +350,8 @@ class AuditLog:
         self._file = self._open(
             "open", "; nothing is sent without one: fix the folder's permissions or the path"
         )
-        # Under the lock no prune of this log is under way: a side file is one a killed
-        # prune left. The tail is left for the first write to read, as ever.
-        with _Lock(self, sync=False):
+        # Under the lock no prune is under way: a side file is one a killed prune left.
+        with self._locked(sync=False):
             remove_side_files(self.path)
 
     def close(self) -> None:
@@ -424,10 +383,9 @@ class AuditLog:
         self, before: datetime, *, run_id: int = 0, limit: Limit | None = None, **why: Any
     ) -> Pruned:
         """Remove the records written before ``before`` from the log's start
-        (``prune_cut``), not past what ``limit`` allows, and return what went.
-
-        The log must verify first: one that fails is evidence, and nothing is removed.
-        An ``audit_pruned`` record (``why``: the policy) and a signed checkpoint are
+        (``prune_cut``), not past what ``limit`` allows, and return what went. The log
+        must verify first: one that fails is evidence, and nothing is removed. An
+        ``audit_pruned`` record (``why``: the policy) and a signed checkpoint are
         appended, then the file is replaced by its kept records, atomically."""
         if self.keypair is None:
             raise AuditError(
@@ -467,9 +425,21 @@ class AuditLog:
                     f"{self.path}: not pruned: the log fails verification ({verdict.problem}); "
                     "keep it as evidence and start a new log"
                 )
-            removed, head = records[:cut], split_line(lines[cut - 1])[1]
+            removed = records[:cut]
             pruned = Pruned.removing(removed, held)
-            details = _pruned_details(pruned, removed, head, before, self.actor, why)
+            details = {
+                "first_kept": pruned.first_kept,
+                "head": split_line(lines[cut - 1])[1],
+                "records": pruned.records,
+                "first_time": pruned.first_time,
+                "last_time": pruned.last_time,
+                "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
+                **why,
+                # What must outlive the removed records: the privacy ledger's witnesses
+                # and the policies they declared.
+                "carried": _carried(removed, self.actor),
+                "declared": [d.to_record() for d in declarations(removed)],
+            }
             self._write(Event.PRUNED, run_id, None, details)
             self._checkpoint(run_id, None)
             self._replace_from(sum(len(line) + 1 for line in lines[:cut]))
@@ -611,17 +581,8 @@ class AuditLog:
     def _write(
         self, event: str, run_id: int, server_round: int | None, details: dict[str, Any]
     ) -> str:
-        record = {
-            "seq": self._seq,
-            "time": _now(),
-            "run_id": run_id,
-            "round": server_round,
-            "actor": self.actor,
-            "event": event,
-            "details": details,
-            "prev": self._head,
-        }
-        line, digest = _line(record)
+        values = (self._seq, _now(), run_id, server_round, self.actor, event, details, self._head)
+        line, digest = _line(dict(zip(FIELDS, values, strict=True)))
         self._file.write(line)
         self._file.flush()
         if self._checkpoint_scanned == self._size:
@@ -633,8 +594,23 @@ class AuditLog:
         self._head = digest
         return digest
 
-    def _locked(self) -> _Lock:
-        return _Lock(self)
+    @contextlib.contextmanager
+    def _locked(self, *, sync: bool = True) -> Iterator[None]:
+        """The log's file locked: the one its path names (reopened when a prune replaced it
+        while we waited), its tail read again unless ``sync`` is off (at open)."""
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            while replaced(self.path, self._file.fileno()):
+                # Pruned by another process while we waited: write on where the path points.
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+                self._reopen()
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+            if sync:
+                self._sync_tail()
+            yield
+        finally:
+            self._file.flush()
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
 
     def _sync_tail(self) -> None:
         """Pick up where the file ends (another process may have appended), and move
@@ -667,16 +643,8 @@ class AuditLog:
         if torn:
             side = self.path.with_name(f"{self.path.name}.torn-{time.time_ns()}")
             side.write_bytes(torn)
-            self._write(
-                Event.TORN_TAIL,
-                0,
-                None,
-                {
-                    "bytes": len(torn),
-                    "sha256": hashlib.sha256(torn).hexdigest(),
-                    "moved_to": side.name,
-                },
-            )
+            details = {"bytes": len(torn), "sha256": digest(torn), "moved_to": side.name}
+            self._write(Event.TORN_TAIL, 0, None, details)
 
 
 def _json_object(line: bytes) -> dict[str, Any]:
@@ -692,43 +660,9 @@ def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     record = _json_object(line) if b'"event":"' + Event.CHECKPOINT.encode() + b'"' in line else {}
     if record.get("event") != Event.CHECKPOINT:
         return None
-    details = record.get("details")
-    if not isinstance(details, dict):
-        return None
+    details = details_of(record)
     count, head = details.get("count"), details.get("head")
     return (count, head) if _is_count(count) and _is_head(head) else None
-
-
-class _Lock:
-    """The log's file locked: the one its path names (reopened when a prune replaced it
-    while we waited), its tail read again unless ``sync`` is off (at open)."""
-
-    def __init__(self, log: AuditLog, *, sync: bool = True) -> None:
-        self.log = log
-        self.sync = sync
-
-    def __enter__(self) -> None:
-        while True:
-            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_EX)
-            try:
-                if not replaced(self.log.path, self.log._file.fileno()):
-                    break
-            except BaseException:
-                fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
-                raise
-            # Pruned by another process while we waited: write on where the path points.
-            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
-            self.log._reopen()
-        try:
-            if self.sync:
-                self.log._sync_tail()
-        except BaseException:
-            fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.log._file.flush()
-        fcntl.flock(self.log._file.fileno(), fcntl.LOCK_UN)
 
 
 # -- reading and verifying ------------------------------------------------------------
@@ -821,13 +755,12 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
     since = 0
     # The hashes an audit_pruned record may name (of the last record it removed), as
     # the file holds them: only those, not one per record.
-    named = set()
-    for line in lines:
-        if Event.PRUNED.encode() in line:
-            details = _json_object(line).get("details")
-            found = details.get("first_kept") if isinstance(details, dict) else None
-            if _is_count(found):
-                named.add(found - 1)
+    named = {
+        found - 1
+        for line in lines
+        if Event.PRUNED.encode() in line
+        and _is_count(found := details_of(_json_object(line)).get("first_kept"))
+    }
     held: dict[int, str] = {}
     for index, line in enumerate(lines):
         where = f"line {index + 1}"
@@ -918,12 +851,10 @@ def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
     rollback check reads (docs/privacy.md)."""
     best: dict[object, list[Mapping[str, Any]]] = {}
     for r in with_carried(removed):
-        details = r.get("details")
-        if r.get("event") not in LEDGER_WITNESSES or r.get("actor") != actor:
-            continue
-        if not isinstance(details, Mapping) or not isinstance(details.get("ledger"), Mapping):
-            continue
-        best.setdefault(details.get("data_fingerprint"), []).append(details)
+        details = details_of(r)
+        witness = r.get("event") in LEDGER_WITNESSES and r.get("actor") == actor
+        if witness and isinstance(details.get("ledger"), Mapping):
+            best.setdefault(details.get("data_fingerprint"), []).append(details)
 
     def releases(d: Mapping[str, Any]) -> float:
         count = d["ledger"].get("releases")
@@ -945,11 +876,9 @@ def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, 
     """The records, each ``audit_pruned`` one preceded by the ``trained`` records it
     carried: a prune never hides what a privacy ledger spent."""
     for r in records:
-        details = r.get("details")
-        if r.get("event") == Event.PRUNED and isinstance(details, Mapping):
-            carried = details.get("carried")
-            for item in carried if isinstance(carried, list) else []:
-                yield {**r, "event": Event.TRAINED, "details": item}
+        carried = details_of(r).get("carried") if r.get("event") == Event.PRUNED else None
+        for item in carried if isinstance(carried, list) else []:
+            yield {**r, "event": Event.TRAINED, "details": item}
         yield r
 
 
@@ -958,18 +887,13 @@ def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | Non
     first records, None when none is missing or none says so (verify the log first)."""
     if not records:
         return None
-    first, start = records[0], records[0].get("seq")
+    start, prev = records[0].get("seq"), records[0].get("prev")
     if not _is_count(start) or start == 0:
         return None
     for r in records:
-        details = r.get("details")
-        if (
-            r.get("event") == Event.PRUNED
-            and isinstance(details, Mapping)
-            and details.get("first_kept") == start
-            and details.get("head") == first.get("prev")
-        ):
-            return details
+        d = details_of(r)
+        if r.get("event") == Event.PRUNED and (d.get("first_kept"), d.get("head")) == (start, prev):
+            return d
     return None
 
 
@@ -1046,9 +970,7 @@ class CrossCheck:
 
 def _transfer(record: Mapping[str, Any], region: str | None) -> Transfer | None:
     """A send or receipt record as a Transfer; None when it is malformed (untrusted)."""
-    details = record.get("details")
-    if not isinstance(details, Mapping):
-        return None
+    details = details_of(record)
     run_id, server_round, found = record.get("run_id"), record.get("round"), details.get("digest")
     region = details.get("region", "") if region is None else region
     if (
@@ -1070,6 +992,16 @@ def cross_check(
     received: set[Transfer] = set()
     runs: set[int] = set()
     failed: dict[tuple[int, int, str], str] = {}  # the aggregator's failed replies
+
+    def add(into: set[Transfer], r: Mapping[str, Any], party: str, region: str | None) -> None:
+        t = _transfer(r, region)
+        if t is not None:
+            into.add(t)
+        else:
+            result.problems.append(
+                f"{log_of(party)} (seq {r.get('seq')!r:.24}): malformed {r.get('event')} record"
+            )
+
     for r in aggregator:
         run_id, details = r.get("run_id"), r.get("details")
         if _is_count(run_id):
@@ -1080,26 +1012,12 @@ def cross_check(
                 # round-timeout, is logged too, but changed nothing).
                 failed.setdefault(key, str(details.get("reason", "")))  # type: ignore[arg-type]
         if r.get("event") == RECEIVED_EVENT:
-            t = _transfer(r, None)
-            if t is None:
-                result.problems.append(
-                    f"the aggregator's log (seq {r.get('seq')!r:.24}): malformed "
-                    f"{RECEIVED_EVENT} record"
-                )
-            else:
-                received.add(t)
+            add(received, r, AGGREGATOR, None)
     sent: set[Transfer] = set()
     for region, records in regions.items():
         for r in records:
             if r.get("event") in SENT_EVENTS:
-                t = _transfer(r, region)
-                if t is None:
-                    result.problems.append(
-                        f"{log_of(region)} (seq {r.get('seq')!r:.24}): malformed "
-                        f"{r.get('event')} record"
-                    )
-                else:
-                    sent.add(t)
+                add(sent, r, region, region)
     for t in sorted(sent | received, key=lambda t: (t.run_id, t.round, t.region, t.digest)):
         if t in sent and t in received:
             result.matched.append(t)
