@@ -1,23 +1,19 @@
 """The aggregator's loop: which regions are asked what, when, and how long it waits for
-them, over a :class:`Transport` (Flower's Grid implements it in
-``fedciuic.flower.courier``; tests use a fake one with a clock of their own).
+them, over a :class:`Transport` (Flower's Grid in ``fedciuic.flower.courier``; tests use
+a fake one with its own clock).
 
-* waiting for regions to connect has a deadline (``node-wait-timeout``), so a run
-  that expects more regions than exist stops with a message instead of hanging;
+* waiting for regions has a deadline (``node-wait-timeout``), so a run expecting more
+  regions than exist stops with a message instead of hanging;
 * each message is pushed once and its reply pulled whenever it comes, at most one in
-  flight per node (:class:`Courier`), so a late reply is still judged (and logged) and a
+  flight per node (:class:`Courier`): a late reply is still judged and logged, and a
   slow region is never sent a second task;
-* a node asked this round that does not answer within round-timeout is a failed
-  reply; a region that misses max-missed-rounds in a row is no longer waited for;
-* ``aggregation-mode``, chosen once (:func:`loop_for`): synchronous rounds
-  (:class:`SyncLoop`) or FedBuff's buffered aggregates (:class:`BufferedLoop`,
-  docs/heterogeneity.md); with ``secure-aggregation``, sync rounds whose aggregate is
-  a secure sum (:class:`SecureLoop`);
-* every region evaluates the initial adapter before round 1, so the run reports eval
-  loss before and after training;
-* every instruction is signed for the region it goes to: a node is asked once which
-  region it serves (:meth:`Transport.identify`) before it is first sent one, and
-  thereafter goes by the region its signed replies name.
+* a node that does not answer within round-timeout is a failed reply; a region that
+  misses max-missed-rounds in a row is no longer waited for;
+* ``aggregation-mode`` (:func:`loop_for`): :class:`SyncLoop`, FedBuff's
+  :class:`BufferedLoop` (docs/heterogeneity.md), or :class:`SecureLoop`;
+* every region evaluates the initial adapter, so eval loss is reported before and after;
+* every instruction is signed for its region: a node is asked once which region it
+  serves (:meth:`Transport.identify`), then goes by the region its signed replies name.
 
 What each reply is worth, and what is published, is the round's
 (:class:`~fedciuic.aggregator.round.AggregatorRound`); this module only schedules.
@@ -76,40 +72,31 @@ WAIT_MARGIN = 120.0
 
 
 class Transport(Protocol):
-    """How the loop reaches the regions: nodes, messages pushed and replies pulled by id.
+    """How the loop reaches the regions. Replies come back :class:`Unread`: the round
+    reads them inside its per-reply boundary, so a malformed one is refused alone."""
 
-    Replies come back :class:`Unread`: the round reads them inside its per-reply
-    boundary, so a malformed one is refused alone."""
-
-    def nodes(self) -> list[int]:
-        """The nodes connected now."""
-        ...
+    def nodes(self) -> list[int]: ...
 
     def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
-        """The region each of ``nodes`` says it serves, for those that say within
-        ``timeout``. Unauthenticated, and need not be: every instruction is signed for
-        its region, so a false answer only gets its node instructions it refuses."""
+        """The region each node says it serves. Unauthenticated, and need not be: every
+        instruction is signed for its region, so a false answer only gets its node
+        instructions it refuses."""
         ...
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
-        """Send each node its instruction: message id -> node, for each message the
-        federation took."""
+        """Message id -> node, for each message the federation took."""
         ...
 
     def pull(self, in_flight: Mapping[str, int]) -> list[tuple[str, Unread]]:
-        """The replies that have come to messages in ``in_flight`` (id -> the node it
-        went to), each under the id it answers."""
+        """The replies come to ``in_flight`` (id -> node), each under the id it answers."""
         ...
 
-    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]:
-        """Send each node its notice; the answers that come within ``timeout``."""
-        ...
+    def query(self, notices: Mapping[int, RunEndNotice], timeout: float) -> list[Unread]: ...
 
 
 @dataclass(frozen=True)
 class Sent:
-    """A message in flight: to which node, what kind, in which round (or buffered
-    aggregate) it was sent, the training task it carries, and when."""
+    """A message in flight; ``server_round`` is the round or buffered aggregate."""
 
     node: int
     kind: TaskKind
@@ -119,8 +106,7 @@ class Sent:
 
 
 class Courier:
-    """Push instructions, pull whatever replies have come, know who is busy: the
-    bookkeeping of messages in flight, over any :class:`Transport`."""
+    """The bookkeeping of messages in flight, over any :class:`Transport`."""
 
     def __init__(
         self,
@@ -142,7 +128,6 @@ class Courier:
     def push(
         self, instructions: Mapping[int, Instruction], server_round: int, task: Task | None
     ) -> list[Sent]:
-        """Send each node its instruction; what the federation took is in flight."""
         now = self.clock()
         taken = self.transport.push(instructions)
         sent = {
@@ -156,13 +141,9 @@ class Courier:
         """The replies that have arrived, each with the message it answers."""
         if not self.in_flight:
             return []
-        got = []
         nodes = {message_id: sent.node for message_id, sent in self.in_flight.items()}
-        for message_id, reply in self.transport.pull(nodes):
-            sent = self.in_flight.pop(message_id, None)
-            if sent is not None:
-                got.append((sent, reply))
-        return got
+        got = [(self.in_flight.pop(i, None), reply) for i, reply in self.transport.pull(nodes)]
+        return [(sent, reply) for sent, reply in got if sent is not None]
 
     def forget_gone(self, connected: Iterable[int]) -> None:
         """A node that left the federation will not answer: nothing of it is in flight."""
@@ -174,10 +155,8 @@ class Courier:
 
 
 class Loop:
-    """What both schedules share: regions connected within a deadline, instructions
-    signed and sent, replies collected until a deadline, late updates judged, the
-    initial evaluation and the run-end witness. A schedule implements
-    :meth:`one` (a round, or a buffered aggregate) and :meth:`finish`."""
+    """What every schedule shares; a schedule implements :meth:`one` (a round, or a
+    buffered aggregate) and :meth:`finish`."""
 
     def __init__(
         self,
@@ -196,11 +175,9 @@ class Loop:
         self.timeout = aggregator.schedule.round_timeout
         self._waited = False
         self._wait_said = False
-        #: Replies pulled but not yet judged: after a buffered aggregate filled, or
-        #: updates that arrived during an evaluation; the next aggregate takes them.
+        #: Replies pulled but not yet judged; the next aggregate takes them.
         self._carried: list[tuple[Sent, Unread]] = []
-        #: The region each node said it serves, and the round each unknown node was
-        #: last asked in (asked at most once a round).
+        #: The region each node said it serves; the round each unknown node was last asked.
         self._claimed: dict[int, str] = {}
         self._asked: dict[int, int] = {}
 
@@ -211,10 +188,8 @@ class Loop:
     def run(
         self, adapter: Mapping[str, np.ndarray], num_rounds: int, first_round: int = 1
     ) -> dict[str, np.ndarray]:
-        """From the global ``adapter`` (the initial one, or a checkpoint's): evaluate it
-        in every region (unless resuming), then run rounds (or aggregates)
-        ``first_round`` to ``num_rounds``, checkpointing after each. Returns the final
-        global adapter."""
+        """Evaluate ``adapter`` in every region (unless resuming), then run rounds
+        ``first_round`` to ``num_rounds``; the final global adapter."""
         a = self.aggregator
         a.global_adapter = dict(adapter)
         if first_round == 1:
@@ -231,25 +206,21 @@ class Loop:
         raise NotImplementedError
 
     def finish(self, num_rounds: int) -> None:
-        """The run's last aggregate is out: updates still arriving are logged as
-        received and refused."""
+        """Updates still arriving after the last aggregate are logged and refused."""
         if self._refuse_late(num_rounds):
             self.aggregator.end(num_rounds)
 
     def _refuse_late(self, num_rounds: int) -> bool:
-        """Every update carried past the last aggregate, recorded as arrived and refused;
-        whether there was any."""
+        """Refuse every update carried past the last aggregate; whether there was any."""
         late, self._carried = self._carried, []
         after_end = f"arrived after the run's last aggregate (round {num_rounds}); not used"
         self._late(num_rounds, late, self.aggregator.collecting(), refuse=after_end)
         return bool(late)
 
     def train_wait(self) -> float:
-        """How long a training round waits for updates: round-timeout, or
-        longer when the regions' timed steps say their local work takes longer (twice the slowest
-        region's local steps, or its local-time-budget, plus :data:`WAIT_MARGIN` for
-        Flower), so that an update a region spent privacy on is not lost to the clock.
-        Said once, as a warning, when it is longer than round-timeout."""
+        """round-timeout, or twice the slowest region's timed local work (capped by
+        local-time-budget) plus :data:`WAIT_MARGIN` where longer, so that an update a
+        region spent privacy on is not lost to the clock. Warned of once."""
         local, timeout = self.aggregator.run.training, self.timeout
         timed = self.aggregator.step_seconds
         if not timed:
@@ -276,10 +247,7 @@ class Loop:
 
     def wait_for_regions(self) -> list[int]:
         """All connected nodes, once every region is there or the deadline has passed.
-
-        Only the first call waits the full ``node-wait-timeout``; later rounds take
-        the regions that are connected, so one region gone does not stall each round.
-        """
+        Only the first call waits, so one region gone does not stall each round."""
         schedule = self.schedule
         expected = len(self.aggregator.run.regions)
         wait = 0.0 if self._waited else schedule.node_wait_timeout
@@ -300,9 +268,8 @@ class Loop:
         return sorted(nodes)
 
     def addresses(self, nodes: Sequence[int], server_round: int) -> dict[int, str]:
-        """The region each of ``nodes`` is addressed as: the one its signed replies
-        name, else the one it said it serves; a node that has said neither is asked
-        (once a round) and left out until it answers."""
+        """The region each of ``nodes`` is addressed as (:meth:`region_at`); a node that
+        has said neither is asked (once a round) and left out until it answers."""
         unknown = [
             n for n in nodes if self.region_at(n) is None and self._asked.get(n) != server_round
         ]
@@ -326,14 +293,13 @@ class Loop:
     def _send(
         self, kind: TaskKind, server_round: int, nodes: Sequence[int], task: Task | None = None
     ) -> list[int]:
-        """The current global adapter to each of ``nodes`` whose region is known, as
-        ``server_round``'s ``kind`` of task, each signed for its region and for the
-        training ``task``'s own number where there is one (a buffered region's); the
-        nodes it went to."""
+        """The global adapter to each of ``nodes`` whose region is known, signed for its
+        region and for the training ``task``'s own number where there is one (a
+        buffered region's); the nodes it went to."""
         a = self.aggregator
         signed_round = task.round if task is not None else server_round
         addressed = self.addresses(nodes, server_round)
-        # one adapter signed for each region: hashed once (nothing to sign without sealing)
+        # hashed once for every region (nothing to sign without sealing)
         digest = model_digest(a.global_adapter) if addressed and a.sealing.signer else None
         instructions = {
             node: a.sign_instruction(signed_round, kind, a.global_adapter, region, digest)
@@ -350,11 +316,9 @@ class Loop:
         take: Callable[[Arrival], None] | None = None,
     ) -> tuple[list[Arrival], list[tuple[Sent, Unread]], set[int]]:
         """Replies to this round's ``kind`` from ``asked`` until every node the round
-        waits for has answered or ``timeout`` has passed; a node it waited for in vain
-        is a :class:`NoReply` (its message stays in flight). Also returns what else
-        arrived meanwhile (late replies to earlier rounds) and every node heard from.
-        ``take``: each reply handed to it as it arrives, while the others are still
-        awaited, instead of returned (the NoReply ones are returned)."""
+        waits for has answered or ``timeout`` has passed (a :class:`NoReply` for each
+        that did not; its message stays in flight); also what else arrived meanwhile
+        and every node heard from. ``take`` gets each reply as it arrives instead."""
         deadline = self.clock() + timeout
         waiting = {n for n in asked if self.aggregator.waits_for(n)}
         answered: set[int] = set()
@@ -378,7 +342,7 @@ class Loop:
         return mine, other, answered
 
     def _evaluate(self, server_round: int, nodes: list[int]) -> set[int]:
-        """Every node in ``nodes`` evaluates the global adapter; the nodes heard from."""
+        """Every node evaluates the global adapter; the nodes heard from."""
         asked = self._send(TaskKind.EVALUATE, server_round, nodes)
         arrivals, late, heard = self._collect(asked, TaskKind.EVALUATE, server_round, self.timeout)
         self._carried += late  # updates among them count in the next round
@@ -393,21 +357,19 @@ class Loop:
         *,
         refuse: str = "",
     ) -> None:
-        """Updates that answer earlier messages, judged (against the version they were
-        computed from) into this round's aggregate, or, with a ``refuse`` reason,
-        recorded as arrived and refused for it. Every update that arrives is logged as
-        received, so the regions' and the aggregator's logs agree."""
+        """Updates that answer earlier messages, judged (against their own version) into
+        this round's aggregate, or refused with ``refuse``: every update that arrives is
+        logged, so the regions' and the aggregator's logs agree."""
         for sent, reply in late:
             if sent.task is None:  # a late evaluation only showed that its node is alive
                 continue
             self.aggregator.judge_train(server_round, reply, sent.task, into, refuse=refuse)
 
     def witness_run_end(self, timeout: float) -> None:
-        """Once ``run_end`` is in the aggregator's log and signed: send each region that
-        head (signed), and record the head each one answers with (best effort)."""
+        """Send each region the signed head of the log's ``run_end``, and record the head
+        each answers with (best effort)."""
         a = self.aggregator
-        # the nodes whose region is known (those that never said took no part), each
-        # the notice signed for its region
+        # a node whose region is unknown took no part
         known = {n: r for n in sorted(self.transport.nodes()) if (r := self.region_at(n))}
         notices = a.sign_run_end(set(known.values()))
         if notices:
@@ -422,8 +384,7 @@ class SyncLoop(Loop):
     late_refusal = ""
 
     def one(self, server_round: int) -> None:
-        """Every connected region with nothing in flight trains from the current global
-        adapter; the round waits for all but the unavailable ones (up to round-timeout),
+        """Every idle region trains; the round waits for all but the unavailable ones,
         aggregates, then every idle region evaluates the result."""
         a, courier = self.aggregator, self.courier
         nodes = self.wait_for_regions()
@@ -462,11 +423,10 @@ class BufferedLoop(Loop):
     weighted by its staleness (aggregator/aggregation.py); regions train at their own pace."""
 
     def one(self, server_round: int) -> None:
-        """One buffered aggregate: every idle region that has not answered since the last
-        one is sent its next task from the current global adapter. The aggregate is
-        published as soon as buffer-size updates are accepted and the policies allow it;
-        after round-timeout without that, or once nothing more can come, with what has
-        arrived (if the policies allow)."""
+        """Every idle region that has not answered since the last aggregate is sent its
+        next task; the aggregate is published once buffer-size updates are accepted and
+        the policies allow it, or, after round-timeout or once nothing more can come,
+        with what has arrived."""
         a, schedule, courier = self.aggregator, self.schedule, self.courier
         into = a.collecting()
         heard: set[int] = set()
@@ -510,8 +470,8 @@ class BufferedLoop(Loop):
         a.end(server_round)
 
     def finish(self, num_rounds: int) -> None:
-        """Every region evaluates the final adapter; then the updates still in flight
-        are waited for (up to round-timeout), each logged as received and refused."""
+        """Every region evaluates the final adapter; updates still in flight are then
+        waited for (:meth:`_drain`) and refused."""
         _logger.info("[END] evaluating the final adapter in every region")
         self._evaluate(num_rounds, sorted(self.transport.nodes()))
         self._drain()
@@ -519,9 +479,8 @@ class BufferedLoop(Loop):
         self.aggregator.end(num_rounds)
 
     def _drain(self) -> None:
-        """Wait (up to round-timeout) for the updates still in flight from available
-        regions, so that each is logged as received (and refused: no aggregate is left)
-        rather than sent by the region and never heard of."""
+        """Wait for the updates still in flight, so that each is logged as received
+        (and refused) rather than sent by the region and never heard of."""
         a, courier = self.aggregator, self.courier
         deadline = self.clock() + self.train_wait()
         while self.clock() < deadline:
@@ -534,18 +493,17 @@ class BufferedLoop(Loop):
 
     def _can_dispatch(self, nodes: list[int], contributed: set[str]) -> bool:
         """Whether some idle node could still be sent something in this aggregate."""
-        a = self.aggregator
-        for node in nodes:
-            region = self.region_at(node)
-            if self.courier.busy(node) or region is None:
-                continue
-            if region not in contributed and a.tasks.can_send(region):
-                return True
-        return False
+        return any(
+            (region := self.region_at(node)) is not None
+            and region not in contributed
+            and self.aggregator.tasks.can_send(region)
+            for node in nodes
+            if not self.courier.busy(node)
+        )
 
     def _dispatch(self, server_round: int, node: int, contributed: set[str]) -> None:
-        """An idle node's next message: its region's next task, if it has one left and
-        has not answered since the last aggregate (none while its region is unknown)."""
+        """An idle node's region's next task, if it has one left and has not answered
+        since the last aggregate."""
         a = self.aggregator
         region = self.region_at(node)
         if region is None or region in contributed:
@@ -560,13 +518,11 @@ class BufferedLoop(Loop):
 
 
 class SecureLoop(SyncLoop):
-    """Sync rounds whose aggregate is the mean of a secure sum (``secure-aggregation``;
-    docs/secure-aggregation.md): each region's trained reply carries what its policy is
-    checked against and no update; the regions accepted then run a secure sum
-    (:mod:`fedciuic.secagg`) through five more signed exchanges (adverts, shares, masked
-    vectors, consents, reveals), the aggregator relaying what they send each other, and
-    the survivors' mean (unweighted: weights would need each update) is published, or
-    the round withheld; the whole sum is one ``secure_sum`` record."""
+    """Sync rounds whose aggregate is the mean of a secure sum (docs/secure-aggregation.md):
+    each trained reply carries what its policy is checked against and no update; the
+    regions accepted then run :mod:`fedciuic.secagg` through five more signed exchanges
+    relayed by the aggregator, and the survivors' mean (unweighted: weights would need
+    each update) is published, or the round withheld; one ``secure_sum`` record."""
 
     late_refusal = LATE
     #: How far the run's last unmasked sum reached against its regions' norms
@@ -575,8 +531,7 @@ class SecureLoop(SyncLoop):
     reach: float | None = None
 
     def aggregate(self, server_round: int, into: Collecting) -> set[int]:
-        """The secure sum of the accepted regions' updates, published or withheld; the
-        nodes heard from."""
+        """The accepted regions' secure sum, published or withheld; the nodes heard from."""
         a = self.aggregator
         accepted = sorted(acc.region for acc in into.accepted)
         details: dict[str, object] = {"accepted": accepted, "threshold": a.run.unmask_threshold}
@@ -620,9 +575,8 @@ class SecureLoop(SyncLoop):
         return heard
 
     def _session(self, server_round: int, norms: Mapping[str, float | None], size: int) -> Session:
-        """This round's secure sum over the accepted regions, scaled by the norms they
-        sent (:attr:`~fedciuic.config.RunConfig.secure_norms`), or by the clip where
-        one sent none."""
+        """This round's session, scaled by the norms the regions sent
+        (:attr:`~fedciuic.config.RunConfig.secure_norms`), or by the clip."""
         a = self.aggregator
         settings = a.run.secure
         regions = sorted(norms)
@@ -659,9 +613,8 @@ class SecureLoop(SyncLoop):
         sent: dict[str, int],
     ) -> list[object]:
         """Each region its request, signed; the messages of those that answer within
-        round-timeout, each from the region its signature names (its bytes counted in
-        ``sent``). A region that declines, or whose answer is not what it should be, is
-        refused on the record."""
+        round-timeout, signed by that region (bytes counted in ``sent``). Any other
+        answer is refused on the record."""
         a, courier = self.aggregator, self.courier
         node_of = {region: node for node, region in a.regions_by_node.items()}
         pushed: dict[int, str] = {}
