@@ -1,14 +1,10 @@
 """A per-run compliance report from the audit logs of the aggregator and the regions.
 
-It shows, for one run, what left each region, where it went and under which
-guarantees: epsilon spent against the budget, every transfer (destination
-jurisdiction, bytes, suite), every refusal with its reasons, and whether the
-regions' logs and the aggregator's agree (transfers, run config, and every
-checkpoint one party witnessed of another). Its tables state only what a verified
-checkpoint signature covers; other records are listed apart as unverified. It is
-laid out to serve as a GDPR Art. 30 record of processing and a PIPL Art. 38-40
-cross-border transfer record.
-Written as Markdown and as HTML from one document model.
+For one run: what left each region, where to and under which guarantees, every refusal,
+and whether the parties' logs agree (transfers, run config, witnessed checkpoints). Its
+tables state only what a verified checkpoint signature covers; other records are listed
+apart as unverified. Laid out to serve as a GDPR Art. 30 record of processing and a PIPL
+Art. 38-40 cross-border transfer record; Markdown and HTML from one document model.
 """
 
 from __future__ import annotations
@@ -151,11 +147,6 @@ def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[P
     return logs
 
 
-def _runs(aggregator: PartyLog) -> list[int]:
-    starts = _of(aggregator.records, Event.RUN_START)
-    return [r["run_id"] for r in starts if isinstance(r.get("run_id"), int)]
-
-
 def build_report(
     logs: Sequence[PartyLog], run_id: int | None = None, *, now: datetime | None = None
 ) -> Report:
@@ -164,7 +155,8 @@ def build_report(
     disagreement is one, signed or not). A region log pruned of the whole run is left
     out of them, and said so, unless ``check_retention`` finds the prune unbound."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
-    runs = _runs(aggregator)
+    starts = _of(aggregator.records, Event.RUN_START)
+    runs = [r["run_id"] for r in starts if isinstance(r.get("run_id"), int)]
     if not runs:
         raise AuditError(f"{aggregator.path}: no run_start record; not an aggregator's log")
     run_id = runs[-1] if run_id is None else run_id
@@ -415,17 +407,16 @@ def _logs_section(logs: Sequence[PartyLog], retention: Any, now: datetime | None
                 kept,
             )
         )
-    paragraphs = [
-        "Each log is hash-chained and signed at checkpoints with its party's key. Only the "
-        "records a verified checkpoint signature covers are facts in the tables below. "
-        "Each party's log is kept for its own jurisdiction's audit.retention_days, then "
-        "pruned: a signed audit_pruned record names what was removed, and the log still "
-        "verifies."
-    ]
-    paragraphs += overdue_lines
     return Section(
         "Audit logs examined",
-        paragraphs,
+        [
+            "Each log is hash-chained and signed at checkpoints with its party's key. Only the "
+            "records a verified checkpoint signature covers are facts in the tables below. "
+            "Each party's log is kept for its own jurisdiction's audit.retention_days, then "
+            "pruned: a signed audit_pruned record names what was removed, and the log still "
+            "verifies.",
+            *overdue_lines,
+        ],
         (
             "party",
             "file",
@@ -789,12 +780,9 @@ def _secure_section(
 
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """The figures a reply carried beside its DP update that DP does not protect: the
-    fields a region's release table classed as figures of its data in what it sent
-    (``outside_dp`` on its ``trained`` and ``evaluated`` records); for logs written
-    before that record, its example count in a run without its DP count of units, its
-    held-out loss where the evaluation was no DP release, and its update's size under a
-    top-k codec."""
+    """The figures a reply carried beside its DP update that DP does not protect, as its
+    region's ``outside_dp`` lists them; for older logs without it, those of its example
+    count, held-out loss and update size that were not DP releases."""
     counted = {(region, r.get("run_id")) for region, r, _ in _each(own, Event.UNITS_COUNTED)}
     recorded = {  # the rounds whose trained record lists what left outside DP
         (region, r.get("run_id"), r.get("round"))
@@ -1172,14 +1160,6 @@ def check_and_report(
     lines.append(f"compliance report: {md} (and .html)")
     verified = None if keys_dir is None else all(log.verdict and log.verdict.ok for log in logs)
     return ReportOutcome(report.run_id, verified, report.disagreements, lines, md)
-
-
-def verify_and_report(
-    paths: Sequence[Path], keys_dir: Path | None, out_dir: Path, run_id: int | None = None
-) -> tuple[bool, list[str]]:
-    """``check_and_report`` as (all verified and agreeing, lines to print)."""
-    outcome = check_and_report(paths, keys_dir, out_dir, run_id)
-    return outcome.exit_code == EXIT_OK, outcome.lines
 
 
 def verify_logs(logs: Sequence[PartyLog], keys_dir: Path | None) -> None:
