@@ -1,22 +1,12 @@
 """DeepSeek-family causal LMs with LoRA adapters: the only weights that train and travel.
 
-A model is either a named preset built with a seeded random init (no weights can be
-downloaded here, and every party must build the very same base) or a local checkpoint
-directory (``model-path``) loaded with transformers' Auto classes: ``deepseek_v3``,
-``deepseek_v2``, ``qwen2`` and ``llama`` (the R1-Distill models), or another causal LM
-when ``lora-targets`` names its modules. LoRA adapters (peft) sit on the modules
-:mod:`fedciuic.model.families` picks; everything else, the MoE router and the routed
-experts included, stays frozen, in the run's ``dtype`` (or 4-bit), while adapters are
-fp32. On CPU the frozen base is memory-mapped read-only from one file per machine,
-which every process and region shares (:mod:`fedciuic.model.shared_base`). The
-aggregator never loads the base: :class:`AdapterLayout` builds it on the
-``meta`` device for the adapter's names and shapes.
-
-What trains and travels depends on ``adapter-mode`` (docs/models.md): LoRA's A and B
-(``lora``), B alone with A fixed (``lora-fa``), or an r x r matrix R between fixed A
-and B (``lora-sb``). The fixed factors are a function of the adapter's names, shapes
-and seed (:func:`fixed_factors`), derived by every party, never sent; the saved adapter
-is always standard LoRA factors (:func:`lora_factors`), which peft loads.
+The base is a seeded preset (nothing can be downloaded, and every party must build the
+very same one) or a local checkpoint (``model-path``); it stays frozen, the MoE router
+and experts included, while the fp32 adapters sit on the modules
+:mod:`fedciuic.model.families` picks. The aggregator never loads the base
+(:class:`AdapterLayout` builds it on ``meta``). ``adapter-mode`` decides what trains
+(docs/models.md); its fixed factors are derived from names, shapes and seed by every
+party, never sent, and a saved adapter is always standard LoRA factors, which peft loads.
 """
 
 from __future__ import annotations
@@ -97,7 +87,6 @@ class ParamCounts:
 
 
 def default_device() -> torch.device:
-    """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -138,15 +127,11 @@ def check_model_spec(spec: ModelSpec) -> None:
     if not spec.model_path:
         preset_config(spec.model_preset)
         return
-    _checkpoint_config(Path(spec.model_path).expanduser())
+    checkpoint_config(Path(spec.model_path).expanduser())
 
 
 def checkpoint_config(path: Path) -> PretrainedConfig:
     """A checkpoint folder's config, or :class:`ModelError` naming what is wrong with it."""
-    return _checkpoint_config(path)
-
-
-def _checkpoint_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not path.is_dir():
         raise ModelError(f"run config:model-path: {path} is not a directory; {CHECKPOINT_FIX}")
@@ -159,8 +144,7 @@ def _checkpoint_config(path: Path) -> PretrainedConfig:
         )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(f"{config_file}: {_first_line(err)}; {CHECKPOINT_FIX}") from None
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) not in mapping:
+    if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ModelError(
             f"{config_file}:model_type: {config.model_type!r} is not a causal language "
             f"model transformers can load; {CHECKPOINT_FIX}"
@@ -170,9 +154,8 @@ def _checkpoint_config(path: Path) -> PretrainedConfig:
 
 # -- what the folder holds, before transformers reads any of it ---------------------------
 
-#: The files whose ``auto_map`` names Python files of the checkpoint's own for
-#: transformers to import, and each one's field naming a class transformers has itself
-#: (which it then uses instead: that ``auto_map`` is never followed).
+#: Files whose ``auto_map`` names the checkpoint's own code, and the field naming a class
+#: transformers has itself (then used instead: that ``auto_map`` is never followed).
 CUSTOM_CODE = {"config.json": "model_type", "tokenizer_config.json": "tokenizer_class"}
 CUSTOM_CODE_FIX = (
     "fedciuic never runs a checkpoint's own code: use a checkpoint of a supported "
@@ -182,9 +165,8 @@ CUSTOM_CODE_FIX = (
 
 
 def _check_folder(path: Path) -> None:
-    """Refuse, before transformers is asked anything, a checkpoint folder that holds what
-    is not a regular file (a FIFO would hang loading) or that names code of its own to
-    run; transformers is also told never to trust such code."""
+    """Refuse, before transformers reads it, a folder holding what is not a regular file
+    (a FIFO would hang loading) or naming code of its own to run."""
     try:
         entries = sorted(path.iterdir())
     except OSError as err:
@@ -205,8 +187,7 @@ def _check_folder(path: Path) -> None:
 
 
 def _custom_code(file: Path, field_name: str) -> str | None:
-    """Why ``file``'s ``auto_map`` would make transformers import the folder's code (None:
-    it has none, or names a class transformers has, which it uses instead)."""
+    """Why ``file``'s ``auto_map`` would make transformers import the folder's code, if so."""
     try:
         settings = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -225,8 +206,8 @@ def _custom_code(file: Path, field_name: str) -> str | None:
 
 
 def _modules(auto_map: object) -> list[str]:
-    """The Python files an ``auto_map`` names: ``module.Class`` or ``repo--module.Class``
-    per Auto class (a tokenizer's is a pair, slow and fast, either of which may be null)."""
+    """The Python files an ``auto_map`` names (``module.Class`` or ``repo--module.Class``;
+    a tokenizer's is a slow/fast pair, either of which may be null)."""
     refs = list(auto_map.values()) if isinstance(auto_map, dict) else auto_map
     if not isinstance(refs, list):
         return []
@@ -235,8 +216,8 @@ def _modules(auto_map: object) -> list[str]:
 
 
 def _transformers_has(field_name: str, named: str) -> bool:
-    """Whether transformers has the model type or tokenizer class ``named`` itself (a
-    tokenizer by either of its names, with and without ``Fast``, as it looks them up)."""
+    """Whether transformers has ``named`` itself (a tokenizer with or without ``Fast``,
+    as it looks them up)."""
     if field_name == "model_type":
         return named in CONFIG_MAPPING
     return any(
@@ -257,8 +238,7 @@ PICKLE_WEIGHTS = "pytorch_model*.bin"
 
 
 def weight_files(path: Path) -> tuple[list[Path], list[Path]]:
-    """A checkpoint folder's safetensors weight files and its pickle ones (adapters
-    excluded)."""
+    """A checkpoint folder's safetensors and pickle weight files (adapters excluded)."""
     safe = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
     return safe, sorted(path.glob(PICKLE_WEIGHTS))
 
@@ -277,9 +257,8 @@ def pickle_refusal(path: Path, pickles: list[Path]) -> str:
 
 
 def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> list[str]:
-    """What is certainly wrong with a checkpoint's weights, from file names and the
-    safetensors headers alone (no tensor is read): none at all, only pickle (unless
-    ``allow_pickle``), or an embedding whose rows are not ``config.json:vocab_size``."""
+    """What is certainly wrong with a checkpoint's weights, from file names and
+    safetensors headers alone (no tensor is read)."""
     safe, pickles = weight_files(path)
     if not safe and not pickles:
         return [
@@ -312,7 +291,6 @@ def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool)
 
 
 def check_weights(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> None:
-    """Refuse, before loading anything, weights that :func:`weight_problems` finds wrong."""
     problems = weight_problems(path, config, allow_pickle=allow_pickle)
     if problems:
         raise ModelError("; ".join(problems))
@@ -349,21 +327,14 @@ def open_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def _ids(value: object) -> list[int]:
     """A config's token id setting (one id, a list of them, or none) as a list."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
+    values = value if isinstance(value, list | tuple) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def tokenizer_problems(
     path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> list[str]:
-    """Where the tokenizer and the model certainly disagree, from config.json alone: a
-    token id past the embedding's rows, or a special-token id of config.json that is
-    no row of it, or (bos and eos) no token of the tokenizer."""
+    """Where the tokenizer and the model certainly disagree, from config.json alone."""
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
         return []
@@ -398,8 +369,7 @@ def tokenizer_problems(
 def tokenizer_warnings(
     path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> list[str]:
-    """Disagreements that are likely, not certain, mistakes: the tokenizer ends each
-    response with an eos token the model's configs do not stop at."""
+    """Likely, not certain, mistakes: an eos token the model's configs do not stop at."""
     eos = tokenizer.eos_token_id
     stops = set(_ids(getattr(config, "eos_token_id", None)))
     generation = path / "generation_config.json"
@@ -427,48 +397,41 @@ def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizer
 
 @dataclass
 class Base:
-    """A frozen base model, its tokenizer and its identity."""
-
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     model_type: str
     #: The read-only files the frozen weights are mapped from (none when not shared).
     shared: list[MappedFile] = field(default_factory=list)
-    #: A skeleton's (weights on ``meta``): the files its weights are to be read from,
-    #: and which of their tensors make each of its own.
+    #: A skeleton's (weights on ``meta``): the files to read its weights from, and how.
     files: list[Path] = field(default_factory=list)
     slicer: Slicer = field(default_factory=Slicer)
 
 
 def _shares(spec: ModelSpec, device: torch.device) -> bool:
-    """The base is mapped from one shared file on CPU (a GPU needs its own copy in device
-    memory; nf4 quantizes while loading), unless ``FEDCIUIC_SHARED_BASE=0``."""
+    """Mapped from one shared file on CPU only (a GPU needs its own copy; nf4 quantizes
+    while loading)."""
     return device.type == "cpu" and spec.quantization == "none" and sharing_enabled()
 
 
 def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, str]:
-    """A preset's config, tokenizer and fingerprint, without building its weights."""
     config = preset_config(spec.model_preset)
     tokenizer = preset_tokenizer(spec.model_preset)
-    return (
-        config,
-        tokenizer,
-        preset_fingerprint(spec.model_preset, config.to_dict(), spec.seed, tokenizer),
-    )
+    fingerprint = preset_fingerprint(spec.model_preset, config.to_dict(), spec.seed, tokenizer)
+    return config, tokenizer, fingerprint
 
 
 def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     """The tokenizer a region would read its data with, without building the model."""
     if spec.model_path:
         path = Path(spec.model_path).expanduser()
-        return _load_tokenizer(path, _checkpoint_config(path))
+        return _load_tokenizer(path, checkpoint_config(path))
     return preset_tokenizer(spec.model_preset)
 
 
 def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
-    # Every party builds the same base from the same seed, without disturbing the
-    # caller's random state; then casts it (the init is always drawn in fp32).
+    # Every party builds the same base from the seed, without disturbing the caller's
+    # random state (the init is always drawn in fp32).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -480,8 +443,8 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
 
 @dataclass
 class BaseSource:
-    """Where a base's weights are read from: its config, tokenizer and identity, and the
-    safetensors files that hold its tensors as the model names them."""
+    """Where a base's weights are read from: safetensors files holding its tensors as the
+    model names them."""
 
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
@@ -531,10 +494,8 @@ def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
 def _checked_checkpoint(
     spec: ModelSpec,
 ) -> tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str]:
-    """The checkpoint folder, its config and tokenizer, checked (weights, vocabulary),
-    and its fingerprint."""
     path = Path(spec.model_path).expanduser()
-    config = _checkpoint_config(path)
+    config = checkpoint_config(path)
     check_weights(path, config, allow_pickle=spec.allow_pickle_weights)
     tokenizer = _load_tokenizer(path, config)
     return path, config, tokenizer, checkpoint_fingerprint(path)
@@ -552,10 +513,8 @@ def _checkpoint_source(
     dtype: torch.dtype,
     checked: tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str] | None = None,
 ) -> BaseSource:
-    """A checked checkpoint's weights (``checked``: what :func:`_checked_checkpoint`
-    gave, else it is called): its own safetensors files where they hold the model's
-    tensors in ``dtype``, else a copy converted once per machine (as from_pretrained
-    loads it) in the cache."""
+    """A checked checkpoint's own safetensors files where they hold the model's tensors
+    in ``dtype``, else a copy converted once per machine into the cache."""
     path, config, tokenizer, fingerprint = checked or _checked_checkpoint(spec)
     kwargs = _checkpoint_kwargs(spec, dtype)
     files = checkpoint_weight_files(path, state_names(config), dtype) or [
@@ -605,8 +564,7 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
 
 def _refuse_fp8(path: Path, config: PretrainedConfig) -> None:
     """An FP8 checkpoint (DeepSeek's own V3 release) is not sliced for sharding: its
-    block scales would have to be cut with it. Converting it once to bf16 is one
-    command of DeepSeek's own repository."""
+    block scales would have to be cut with it."""
     quantization = getattr(config, "quantization_config", None) or {}
     method = (
         quantization.get("quant_method")
@@ -623,9 +581,8 @@ def _refuse_fp8(path: Path, config: PretrainedConfig) -> None:
 
 
 def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
-    """The frozen base with its weights on ``meta`` (no memory) and the files they are to
-    be read from (``files``): a base each training process will hold a slice of
-    (:func:`fedciuic.model.sharding.shard_base`), never whole."""
+    """The frozen base with its weights on ``meta`` and the ``files`` each training
+    process reads its slice from (:func:`fedciuic.model.sharding.shard_base`)."""
     dtype = base_dtype(spec, device)
     if not spec.model_path:
         source = _preset_source(spec, dtype)
@@ -636,7 +593,7 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
         path, config, tokenizer, fingerprint = checked
         _refuse_fp8(path, config)
         model = skeleton(config, dtype)
-        own = _own_weight_files(path)
+        own = weight_files(path)[0]
         slicer = Slicer.of(model, _own_keys(own)) if own else None
         if slicer is not None and slicer.feeds(_loaded_shapes(model)):
             # Each rank reads its rows from the checkpoint's own files (renamed keys and
@@ -651,13 +608,7 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
     return base
 
 
-def _own_weight_files(path: Path) -> list[Path]:
-    """A checkpoint's own safetensors weight files (not an adapter's)."""
-    return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
-
-
 def _own_keys(files: list[Path]) -> set[str]:
-    """The tensor names ``files`` hold, from their headers alone."""
     keys: set[str] = set()
     for file in files:
         with safe_open(file, "pt") as handle:
@@ -690,11 +641,9 @@ def lora_config(spec: ModelSpec, targets: list[str]) -> LoraConfig:
 
 @contextlib.contextmanager
 def _exact_targets() -> Iterator[None]:
-    """peft >= 0.18 renames targets on MoE models as if they were transformers-4 expert
-    names (any ``*.gate_proj`` becomes the fused routed experts), which would move the
-    adapters of DeepSeek's dense and shared-expert MLPs onto 3-D expert tensors that
-    Opacus cannot clip. The conversion only exists to load adapters trained under
-    transformers 4; our targets are exact module paths, so it is switched off here."""
+    """peft >= 0.18 renames MoE targets as transformers-4 expert names (any ``*.gate_proj``
+    becomes the fused routed experts), moving dense and shared-expert adapters onto 3-D
+    tensors Opacus cannot clip; our targets are exact module paths, so it is switched off."""
     from peft.utils import transformers_weight_conversion as conversion
 
     original = conversion.convert_peft_config_for_transformers
@@ -708,8 +657,6 @@ def _exact_targets() -> Iterator[None]:
 def _with_adapters(
     model: PreTrainedModel, spec: ModelSpec, model_type: str
 ) -> tuple[PeftModel, list[str]]:
-    """The model with adapters on the modules ``lora-targets`` picks, shaped for the
-    spec's adapter-mode, and their paths."""
     targets = resolve_targets(model, model_type, spec.lora_targets)
     # Adapters start from the same seed everywhere too (B = 0, A seeded).
     with torch.random.fork_rng(devices=[]), _exact_targets():
@@ -721,11 +668,9 @@ def _with_adapters(
 
 
 class RThenB(torch.nn.Linear):
-    """lora-sb's ``lora_B``: the fixed B (this layer's own frozen weight, under peft's
-    name) applied after ``lora_R``, the trained r x r matrix, so that the module's delta
-    is ``scaling * B R A``. ``lora_R`` is a plain ``nn.Linear``, whose per-sample
-    gradients Opacus computes; peft has no such layer, so a saved adapter folds R into
-    A (:func:`lora_factors`)."""
+    """lora-sb's ``lora_B``: the fixed B applied after ``lora_R``, the trained r x r
+    matrix (a plain ``nn.Linear``, so Opacus computes its per-sample gradients): the
+    delta is ``scaling * B R A``."""
 
     def __init__(self, fixed: torch.nn.Linear) -> None:
         rank, weight = fixed.in_features, fixed.weight
@@ -740,8 +685,7 @@ class RThenB(torch.nn.Linear):
 
 
 def _apply_mode(model: PeftModel, mode: AdapterMode) -> None:
-    """Freeze what ``mode`` fixes (lora-fa: A; lora-sb: A and B, with R put between
-    them); ``lora`` trains peft's A and B as they are."""
+    """Freeze what ``mode`` fixes (lora-fa: A; lora-sb: A and B, with R between them)."""
     if mode == "lora":
         return
     for layer in model.modules():
@@ -767,12 +711,9 @@ def factor_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def fixed_factors(
     mode: AdapterMode, shapes: Mapping[str, tuple[int, ...]], seed: int
 ) -> dict[str, np.ndarray]:
-    """The factors ``mode`` keeps fixed, from the names and shapes of every module's A
-    and B (:func:`factor_shapes`) and the seed alone: every party derives the same ones,
-    and none depends on data, so choosing them costs no privacy. lora-fa: A as ``lora``
-    starts it (:func:`initial_adapter`). lora-sb: A with orthonormal rows and B with
-    orthonormal columns (Haar-random, from the seed): B R A then moves the weight by
-    R's own scale, in directions spread over the whole matrix."""
+    """The factors ``mode`` keeps fixed, from names, shapes and seed alone: every party
+    derives the same ones, and none depends on data, so they cost no privacy. lora-sb's
+    are Haar-random orthonormal, so B R A moves the weight by R's own scale."""
     if mode == "lora":
         return {}
     if mode == "lora-fa":
@@ -782,8 +723,8 @@ def fixed_factors(
 
 
 def _orthonormal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """A random ``rows x cols`` matrix with orthonormal columns (rows >= cols) or rows:
-    the Q of a Gaussian's QR, its signs fixed by R's diagonal (so Haar-distributed)."""
+    """Haar-random orthonormal columns (rows >= cols) or rows: a Gaussian's Q, its signs
+    fixed by R's diagonal."""
     rows, cols = shape
     gaussian = rng.standard_normal((max(rows, cols), min(rows, cols)))
     q, r = np.linalg.qr(gaussian)
@@ -794,9 +735,8 @@ def _orthonormal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
 def lora_factors(
     mode: AdapterMode, trained: Mapping[str, np.ndarray], fixed: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """The adapter as standard LoRA factors, A and B of every module, which peft loads:
-    ``lora`` as trained, lora-fa's B with its fixed A, lora-sb's R folded into A (A' =
-    R A, B' = B: the same ``scaling * B R A``, and peft has no form with R)."""
+    """The adapter as standard LoRA factors, which peft loads: lora-sb's R is folded
+    into A (A' = R A, the same ``scaling * B R A``; peft has no form with R)."""
     if mode != "lora-sb":
         return {**fixed, **trained}
     factors = dict(fixed)
@@ -811,8 +751,7 @@ def lora_factors(
 def write_adapter(
     spec: ModelSpec, targets: list[str], factors: Mapping[str, np.ndarray], directory: Path
 ) -> Path:
-    """Standard LoRA ``factors`` (:func:`lora_factors`) in peft's format, loadable with
-    ``PeftModel.from_pretrained``, with the adapter-mode they were trained in beside them."""
+    """Standard LoRA ``factors`` in peft's format, with the adapter-mode beside them."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {
         name.replace(f".{ADAPTER_NAME}.", "."): np.ascontiguousarray(value, np.float32)
@@ -833,9 +772,8 @@ ADAPTER_MARK = ".lora_"
 class AdapterModel:
     """A frozen base with fp32 LoRA adapters; only adapter tensors are read or written.
 
-    The adapter state is a flat ``name -> float32 array`` mapping of the tensors the
-    adapter-mode trains, the unit that is trained, sent, aggregated and checkpointed;
-    the mode's fixed factors are installed here, from the spec, when the model is built.
+    The adapter state (``name -> float32 array`` of what the adapter-mode trains) is
+    the unit that is trained, sent, aggregated and checkpointed.
     """
 
     def __init__(
@@ -849,7 +787,6 @@ class AdapterModel:
         self._build()
 
     def _build(self) -> None:
-        """The base, its adapters and the mode's fixed factors, from the spec."""
         spec = self.spec
         base = base_skeleton(spec, self.device) if self.skeleton else build_base(spec, self.device)
         self.tokenizer = base.tokenizer
@@ -872,9 +809,7 @@ class AdapterModel:
                     )
         if spec.gradient_checkpointing:
             enable_checkpointing(base.model)
-        # The adapter tensors by name, found once: a walk of every parameter of the
-        # model (about 10 ms on ``realistic``) would otherwise come with every copy in
-        # or out and every optimizer a round builds. Sharding replaces base tensors only.
+        # Found once, not per copy or optimizer; sharding replaces base tensors only.
         self._adapters = {
             n: p for n, p in self.model.named_parameters() if p.requires_grad or ADAPTER_MARK in n
         }
@@ -886,15 +821,13 @@ class AdapterModel:
             self._copy_in(initial_adapter(self._shapes(), spec.seed))
 
     def unshard(self) -> None:
-        """Build the whole base again, in place, keeping the adapters: a sharded base
-        dies with its process group (a region's training processes that failed or were
-        closed), and the next group shards a whole one."""
+        """Build the whole base again, keeping the adapters: a sharded base dies with its
+        process group, and the next group shards a whole one."""
         state = self.adapter_state()
         self._build()
         self.load_adapter_state(state)
 
     def describe(self) -> str:
-        """One line for the start of a run: what is adapted and how much trains."""
         c = self.counts()
         frozen = frozen_parts(self.model)
         return (
@@ -905,8 +838,8 @@ class AdapterModel:
         )
 
     def private_bytes(self) -> int:
-        """Memory this model holds on its own: everything but the mapped base tensors
-        (the bound of the per-process region cache counts this)."""
+        """Memory this model holds on its own, not in the mapped base (the region cache's
+        bound counts this)."""
         mapped = {t.untyped_storage().data_ptr() for m in self.shared for t in m.tensors.values()}
         tensors = [
             t.to_local() if isinstance(t, DTensor) else t  # a sharded base: this rank's slice
@@ -936,17 +869,14 @@ class AdapterModel:
         return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in names}
 
     def _copy_in(self, arrays: Mapping[str, np.ndarray]) -> None:
-        params = self._adapters
         with torch.no_grad():
             for name, value in arrays.items():
-                params[name].copy_(torch.from_numpy(np.asarray(value)))
+                self._adapters[name].copy_(torch.from_numpy(np.asarray(value)))
 
     def adapter_state(self) -> dict[str, np.ndarray]:
-        """Copy the trained adapter tensors out as float32 NumPy arrays."""
         return self._copy_out(self._names)
 
     def fixed_state(self) -> dict[str, np.ndarray]:
-        """The adapter-mode's fixed factors as installed (none for ``lora``)."""
         return self._copy_out(self._fixed_names)
 
     def load_adapter_state(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -955,18 +885,16 @@ class AdapterModel:
         self._copy_in({name: arrays[name] for name in self._names})
 
     def save_adapter(self, directory: Path) -> Path:
-        """Write the adapter in peft's format (adapter_model.safetensors + config), as
-        standard LoRA factors whatever the adapter-mode."""
+        """Write the adapter in peft's format, as standard LoRA factors."""
         factors = lora_factors(self.spec.adapter_mode, self.adapter_state(), self.fixed_state())
         return write_adapter(self.spec, self.targets, factors, directory)
 
 
 @dataclass
 class AdapterLayout:
-    """The adapter's names, shapes and initial values, from the base built on the
-    ``meta`` device: what the aggregator needs, without the base's memory. ``shapes``
-    and ``initial`` are the trained tensors; ``factors`` the shapes of every module's A
-    and B, from which the mode's fixed factors are derived (:attr:`fixed`)."""
+    """The adapter's names, shapes and initial values, from the base built on ``meta``:
+    what the aggregator needs, without the base's memory. ``factors``: every module's A
+    and B shapes, from which the mode's fixed factors are derived."""
 
     spec: ModelSpec
     fingerprint: str
@@ -979,7 +907,7 @@ class AdapterLayout:
     def of(cls, spec: ModelSpec) -> AdapterLayout:
         if spec.model_path:
             path = Path(spec.model_path).expanduser()
-            config = _checkpoint_config(path)
+            config = checkpoint_config(path)
             fingerprint = checkpoint_fingerprint(path)
         else:
             config, _, fingerprint = _preset(spec)
@@ -987,26 +915,23 @@ class AdapterLayout:
             base = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
             peft_model, targets = _with_adapters(base, spec, config.model_type)
         shapes = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if p.requires_grad}
-        initial = initial_adapter(shapes, spec.seed)
-        return cls(spec, fingerprint, shapes, targets, initial, factor_shapes(peft_model))
+        factors = factor_shapes(peft_model)
+        return cls(spec, fingerprint, shapes, targets, initial_adapter(shapes, spec.seed), factors)
 
     @property
     def fixed(self) -> dict[str, np.ndarray]:
-        """The adapter-mode's fixed factors, as every region installs them."""
         return fixed_factors(self.spec.adapter_mode, self.factors, self.spec.seed)
 
     def save(self, arrays: Mapping[str, np.ndarray], directory: Path) -> Path:
-        """The adapter in peft's format, loadable with ``PeftModel.from_pretrained``:
-        standard LoRA factors whatever the adapter-mode (:func:`lora_factors`)."""
+        """The adapter in peft's format, as standard LoRA factors."""
         check_same_layout(arrays, self.shapes, what="adapter")
         factors = lora_factors(self.spec.adapter_mode, arrays, self.fixed)
         return write_adapter(self.spec, self.targets, factors, directory)
 
 
 def initial_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
-    """The global adapter before round 1, a function of the names, shapes and seed alone:
-    ``lora_A`` uniform in +-1/sqrt(fan_in) (peft's Kaiming default), everything else
-    (``lora_B``, lora-sb's R) zero, so the adapted model starts as the base."""
+    """The global adapter before round 1, from names, shapes and seed alone: ``lora_A``
+    as peft's Kaiming default, the rest zero, so the adapted model starts as the base."""
     rng = np.random.default_rng([seed, 1])
     state: dict[str, np.ndarray] = {}
     for name in sorted(shapes):
@@ -1027,9 +952,8 @@ _PAUSED_DURING_RECOMPUTE: list[Any] = []
 
 @contextlib.contextmanager
 def pause_on_recompute(hooks: Any) -> Iterator[None]:
-    """While this is open, ``hooks`` (an Opacus GradSampleModule) skip the recompute of
-    checkpointed layers in the backward pass: each layer's per-sample gradient must use
-    the activations its forward recorded, once."""
+    """While open, ``hooks`` (an Opacus GradSampleModule) skip the recompute of
+    checkpointed layers: a per-sample gradient must use the forward's activations, once."""
     _PAUSED_DURING_RECOMPUTE.append(hooks)
     try:
         yield
@@ -1038,8 +962,8 @@ def pause_on_recompute(hooks: Any) -> Iterator[None]:
 
 
 class _Recompute(contextlib.AbstractContextManager[None]):
-    """The hooks paused while a checkpointed layer is recomputed; entered once per
-    backward pass that recomputes it (ghost clipping takes two)."""
+    """Pauses the hooks while a checkpointed layer is recomputed (once per backward pass:
+    ghost clipping takes two)."""
 
     def __init__(self) -> None:
         self.paused: list[Any] = []
@@ -1055,17 +979,12 @@ class _Recompute(contextlib.AbstractContextManager[None]):
         self.paused = []
 
 
-def _contexts() -> tuple[
-    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
-]:
-    return contextlib.nullcontext(), _Recompute()
-
-
 def enable_checkpointing(model: PreTrainedModel) -> None:
-    """Non-reentrant activation checkpointing per decoder layer, the recompute marked so
-    that DP's per-sample hooks skip it (:func:`pause_on_recompute`)."""
+    """Activation checkpointing per decoder layer, its recompute skipped by DP's hooks."""
     checkpoint: Callable[..., Any] = partial(
-        torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=_contexts
+        torch.utils.checkpoint.checkpoint,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _Recompute()),
     )
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
 
@@ -1073,7 +992,6 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
 def check_same_layout(
     got: Mapping[str, np.ndarray], want: Mapping[str, tuple[int, ...]], *, what: str
 ) -> None:
-    """Raise ``ValueError`` naming the first key or shape that differs from ``want``."""
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     if missing or extra:
@@ -1084,10 +1002,7 @@ def check_same_layout(
 
 
 def save_model_checkpoint(spec: ModelSpec, directory: Path) -> Path:
-    """Save a preset's base model and tokenizer as a checkpoint directory.
-
-    This is how the ``model-path`` loading route is exercised without downloads.
-    """
+    """Save a preset as a checkpoint: the ``model-path`` route, without downloads."""
     base = build_base(spec, torch.device("cpu"))
     directory.mkdir(parents=True, exist_ok=True)
     base.model.save_pretrained(str(directory))

@@ -1,16 +1,11 @@
 """Which modules carry LoRA adapters, per architecture (run config ``lora-targets``).
 
-``auto`` puts adapters on the attention projections of each supported family, ``auto+mlp``
-adds the dense and shared-expert MLPs, and a comma list names ``nn.Linear`` modules by
-their last name. The MoE router is never adapted (it is not an ``nn.Linear`` in
-transformers 5, and Opacus cannot compute its per-sample gradients), and neither are the
-routed experts: transformers 5 stores them fused as 3-D tensors, out of reach of peft and
-Opacus (docs/models.md says what that means for quality). The blocks in
-:data:`FROZEN_BLOCKS` (routed experts, sparse-attention indexers, V4's KV compressors)
-stay frozen even where their projections share a name with an attention projection,
-and an ``nn.Linear`` subclass with a forward of its own (V4's grouped output
-projection) is never adapted: peft's LoRA would add ``B @ A @ x`` as if it were a
-plain matrix product.
+The MoE router and the routed experts are never adapted: transformers 5 stores them in
+forms (not an ``nn.Linear``; fused 3-D tensors) out of reach of peft and Opacus'
+per-sample gradients (docs/models.md). The blocks in :data:`FROZEN_BLOCKS` stay frozen
+even where a projection shares an attention projection's name, and an ``nn.Linear``
+subclass with a forward of its own is never adapted: peft's LoRA would add
+``B @ A @ x`` as if it were a plain matrix product.
 """
 
 from __future__ import annotations
@@ -35,15 +30,12 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 #: ``model_type`` -> the attention projections ``auto`` adapts.
 ATTENTION: dict[str, tuple[str, ...]] = {
     "deepseek_v3": MLA,
-    #: V3.1-Terminus / V3.2: MLA plus the sparse-attention indexer (``indexer.wq_b``,
-    #: ``wk``, ``weights_proj``), which picks the keys attended and stays frozen.
+    #: V3.2: MLA plus the sparse-attention indexer, which stays frozen.
     "deepseek_v32": MLA,
     "deepseek_v2": MLA,
-    #: V4: shared-KV attention (one ``kv_proj`` read as key and value), low-rank q, and
-    #: a grouped low-rank output (``o_a_proj``, a block-diagonal ``nn.Linear`` subclass,
-    #: stays frozen; ``o_b_proj`` mixes the groups). The hyper-connections (``attn_hc``,
-    #: ``ffn_hc``, ``hc_head``), the attention sinks and the compressors are parameters
-    #: of the frozen base.
+    #: V4: shared-KV attention, low-rank q, and a grouped output whose block-diagonal
+    #: ``o_a_proj`` (an ``nn.Linear`` subclass) stays frozen, as do the hyper-connections,
+    #: sinks and compressors.
     "deepseek_v4": V4_ATTENTION,
     "qwen2": GQA,
     "qwen3": GQA,
@@ -66,8 +58,7 @@ _QUANTIZED_LINEAR = "bitsandbytes."
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` that computes ``x @ W.T (+ b)``, so that peft's LoRA and
-    Opacus' per-sample gradients of the adapter are exact around it."""
+    """An ``nn.Linear`` computing ``x @ W.T (+ b)``, around which LoRA and Opacus are exact."""
     kind = type(module)
     return isinstance(module, nn.Linear) and (
         kind.forward is nn.Linear.forward or kind.__module__.startswith(_QUANTIZED_LINEAR)
@@ -112,7 +103,6 @@ _NAMED_FROZEN = {
 
 
 def frozen_parts(model: nn.Module) -> list[str]:
-    """The parts of this model's base that no adapter touches, by name, for the log."""
     present = {path.rsplit(".", 1)[-1] for path, _ in model.named_modules()}
     return [name for part, name in _NAMED_FROZEN.items() if part in present]
 
@@ -137,8 +127,7 @@ def wanted_names(model_type: str, targets: str) -> tuple[str, ...]:
 
 
 def resolve_targets(model: nn.Module, model_type: str, targets: str) -> list[str]:
-    """The full paths of the modules to adapt; a listed name that matches no
-    ``nn.Linear`` is an error naming the ones there are."""
+    """The full paths of the modules to adapt."""
     linears, frozen = _linears(model)
     wanted = wanted_names(model_type, targets)
     present = set(linears.values())

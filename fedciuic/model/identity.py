@@ -1,12 +1,8 @@
 """The base model's identity: every party must fine-tune the very same base.
 
-A checkpoint directory is identified by the SHA-256 of its config, weight and
-tokenizer files (``config.json``, ``*.safetensors``, ``*.bin``, the index,
-``tokenizer.json``, the chat template), each file's
-digest cached by path, size, modification time and inode, so that a checkpoint that
-has not changed costs a ``stat`` per file instead of a pass over its weights. A preset
-is identified by what builds it: its name, config, seed and the torch version whose
-random init it uses (its weights are a function of those).
+A checkpoint directory is identified by the SHA-256 of its config, weight and tokenizer
+files (digests cached by file stat); a preset by what builds it: name, config, seed and
+the torch version whose random init it uses.
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ CONFIG_FILES = (
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The files that define the base model in a checkpoint directory, sorted."""
     return sorted(
         p
         for p in path.iterdir()
@@ -63,8 +58,8 @@ def checkpoint_fingerprint(path: Path, *, cache: Path | None = None) -> str:
 def preset_fingerprint(
     name: str, config: Mapping[str, Any], seed: int, tokenizer: PreTrainedTokenizerBase
 ) -> str:
-    """What builds a preset's weights (name, config, seed, torch's version) and the
-    tokenizer it reads text with (trained locally, so it could differ by machine)."""
+    """What builds a preset's weights, and its tokenizer (trained locally, so it could
+    differ by machine)."""
     vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
     described = {
         "preset": name,

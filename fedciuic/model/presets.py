@@ -8,7 +8,7 @@ architecture the adapter supports (:func:`tiny_checkpoint`), for tests and examp
 """
 
 # DeepSeek's special tokens are spelt with FULLWIDTH VERTICAL LINE (｜) on purpose.
-# ruff: noqa: RUF001, RUF002, RUF003
+# ruff: noqa: RUF001, RUF003
 
 from __future__ import annotations
 
@@ -51,16 +51,12 @@ BYTE_USER, BYTE_ASSISTANT = "\n### User:\n", "\n### Assistant:\n"
 
 def chat_template(user: str, assistant: str, end_of_turn: str) -> str:
     """DeepSeek-R1's chat template, less its tool calls and ``<think>`` handling, with
-    the given role markers: ``bos_token``, the system prompts (joined by blank lines),
-    then ``{user}{content}`` per user turn and ``{assistant}{content}{end_of_turn}`` per
-    assistant turn; ``add_generation_prompt`` opens an assistant turn.
+    the given role markers.
 
-    Rendering is prefix-stable: the prompt before an assistant turn (the conversation
-    up to it, with ``add_generation_prompt``) is a prefix of the whole conversation's
-    rendering, so a trainer can find the tokens to learn by rendering prompts. Hence a
-    system turn after the conversation has begun is refused (DeepSeek would move it to
-    the front, changing what came before), as is a role other than system, user and
-    assistant.
+    Rendering is prefix-stable (the prompt before an assistant turn is a prefix of the
+    whole rendering), so a trainer finds the tokens to learn by rendering prompts. Hence
+    a system turn after the conversation has begun is refused: DeepSeek would move it to
+    the front, changing what came before.
     """
     user, assistant, end_of_turn = (_jinja_string(s) for s in (user, assistant, end_of_turn))
     return (
@@ -101,10 +97,8 @@ def _tiny(
     eos_token_id: int | None = 257,
     pad_token_id: int | None = 258,
 ) -> DeepseekV3Config:
-    # Two layers keep the DeepSeek-V3 shape (_TINY_V3_LAYOUT). initializer_range is
-    # raised from 0.02 so that a random base has logits an adapter can steer; with
-    # 0.02 the output layer is nearly flat. The tiny deepseek_v3 checkpoint is this
-    # config with its tokenizer's vocabulary and ids.
+    # initializer_range is raised from 0.02, with which a random base's output layer is
+    # nearly flat, so that an adapter can steer its logits.
     return DeepseekV3Config(
         **_TINY_COMMON,  # type: ignore[arg-type]
         **_TINY_V3_LAYOUT,  # type: ignore[arg-type]
@@ -147,11 +141,8 @@ def _small() -> DeepseekV3Config:
 
 
 def _realistic() -> DeepseekV3Config:
-    # About 207M parameters (103M active per token), for a GPU: the DeepSeek-V3 layout
-    # at small scale. 12 layers, the first dense; fine-grained MoE after it (16 routed
-    # experts of width 256, 4 per token, chosen within the 2 best of 4 groups) plus a
-    # shared expert; MLA with low-rank q (384) and kv (256). The vocabulary is the
-    # 8192-token BPE tokenizer's, whose special tokens take ids 0-4.
+    # About 207M parameters, for a GPU: the DeepSeek-V3 layout at small scale, with the
+    # 8192-token BPE tokenizer's vocabulary.
     return DeepseekV3Config(
         vocab_size=REALISTIC_VOCAB_SIZE,
         hidden_size=1024,
@@ -181,11 +172,8 @@ def _realistic() -> DeepseekV3Config:
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>) with a
-    chat template like the BPE tokenizer's, its role markers spelt as plain text.
-
-    Built locally so presets need no download; any UTF-8 text round-trips.
-    """
+    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>), built
+    locally so presets need no download."""
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -243,22 +231,12 @@ _BPE_META = "fedciuic-tokenizer.json"
 def bpe_tokenizer(
     vocab_size: int = REALISTIC_VOCAB_SIZE, *, cache_dir: Path | None = None
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template.
+    """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template,
+    trained locally on CPython's own documentation and cached under ``cache_dir``.
 
-    Trained locally (no download) on CPython's own documentation: the docstrings of
-    the demo corpora's module families (:data:`fedciuic.data.demo.FAMILIES`) and the
-    language reference topics of ``pydoc_data``. Any UTF-8 text round-trips (bytes
-    the merges do not cover stay single-byte tokens). Training is deterministic, but
-    the text depends on the Python build (its docstrings and optional modules), so
-    parties that must share a vocabulary must run the same Python; the cache key
-    names the Python and ``tokenizers`` versions. The fingerprint of the text and the
-    training time are written next to the tokenizer, in ``fedciuic-tokenizer.json``.
-
-    The first call trains (a couple of seconds for 8192 tokens, most of it reading the
-    docstrings) and saves the tokenizer under ``cache_dir/<key>/`` (by default
-    ``$FEDCIUIC_CACHE/tokenizers`` or else ``~/.cache/fedciuic/tokenizers``); later
-    calls load it from there. Special tokens have ids 0-4: bos, eos, pad, then the
-    chat role markers ``<｜User｜>`` and ``<｜Assistant｜>``.
+    Training is deterministic, but the text depends on the Python build, so parties
+    that share a vocabulary must run the same Python; the cache key names the Python
+    and ``tokenizers`` versions.
     """
     if vocab_size < 256 + len(BPE_SPECIALS):
         raise ModelError(
@@ -285,8 +263,7 @@ def _bpe_key(vocab_size: int) -> str:
 
 
 def bpe_training_text() -> list[str]:
-    """The texts the BPE tokenizer is trained on, in a fixed order (about 0.9M characters
-    on CPython 3.11)."""
+    """The texts the BPE tokenizer is trained on, in a fixed order."""
     texts = [doc for region in FAMILIES for doc in module_docs(FAMILIES[region])]
     try:
         from pydoc_data.topics import topics
@@ -338,9 +315,8 @@ def _train_bpe(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
-    # Written to a temporary folder beside the target, then renamed into place, so a
-    # reader never sees half a tokenizer; if another process got there first, its
-    # (identical) copy wins.
+    # Renamed into place, so a reader never sees half a tokenizer; if another process got
+    # there first, its (identical) copy wins.
     meta = tokenizer.init_kwargs.pop("fedciuic")
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -355,10 +331,6 @@ def _save_atomically(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _realistic_tokenizer() -> PreTrainedTokenizerFast:
-    return bpe_tokenizer(REALISTIC_VOCAB_SIZE)
 
 
 # --- The preset table ------------------------------------------------------------------
@@ -376,7 +348,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny, byte_tokenizer),
     "small": Preset(_small, byte_tokenizer),
-    "realistic": Preset(_realistic, _realistic_tokenizer),
+    "realistic": Preset(_realistic, bpe_tokenizer),
 }
 
 
@@ -390,27 +362,15 @@ def _preset(name: str) -> Preset:
 
 
 def preset_config(name: str) -> PreTrainedConfig:
-    """Return the config of a named preset, or say which names exist."""
     return _preset(name).config()
 
 
 def preset_tokenizer(name: str) -> PreTrainedTokenizerFast:
-    """Return the tokenizer of a named preset (the BPE one is trained on first use)."""
     return _preset(name).tokenizer()
 
 
 # --- Tiny checkpoints of each supported architecture -----------------------------------
 
-#: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
-TINY_FAMILIES = (
-    "deepseek_v3",
-    "deepseek_v32",
-    "deepseek_v4",
-    "deepseek_v2",
-    "qwen2",
-    "qwen3",
-    "llama",
-)
 #: Vocabulary of the BPE tokenizer tiny checkpoints use unless given another.
 TINY_VOCAB_SIZE = 1024
 
@@ -422,15 +382,9 @@ def tiny_checkpoint(
     seed: int = 0,
     tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
-    """Save a tiny random-init model of ``family`` and its tokenizer to ``directory``.
-
-    Two layers of width 64, a few hundred thousand parameters, built with
-    transformers' own config class for the architecture, so that
-    ``AutoModelForCausalLM`` and ``AutoTokenizer`` load the folder offline. The
-    tokenizer is ``bpe_tokenizer(1024)`` unless given; the model's vocabulary is its
-    length, and its bos/eos/pad ids are the tokenizer's. The same seed writes the
-    same weights.
-    """
+    """Save a tiny random-init model of ``family`` (transformers' own config class, so
+    the Auto classes load it offline) and its tokenizer to ``directory``; the same seed
+    writes the same weights."""
     if family not in _TINY_CONFIGS:
         raise ModelError(
             f"tiny checkpoint:family: unknown architecture {family!r}; "
@@ -443,7 +397,6 @@ def tiny_checkpoint(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    # Seeded without disturbing the caller's random state, as presets are built.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
@@ -456,11 +409,9 @@ def tiny_checkpoint(
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
-    """Save a locally trained tokenizer beside a model, saying it has no unknown token:
-    AutoTokenizer loads a qwen2 folder with Qwen2Tokenizer, which would otherwise add
-    "<|endoftext|>" as its unk token, one id past the model's vocabulary. (It also
-    rebuilds Qwen's own pre-tokenizer, NFC normalisation and digit splitting, from the
-    saved vocabulary and merges.)"""
+    """Save a tokenizer saying it has no unknown token: AutoTokenizer loads a qwen2
+    folder with Qwen2Tokenizer, which would otherwise add "<|endoftext|>" as its unk
+    token, one id past the model's vocabulary."""
     tokenizer.save_pretrained(directory)
     config_file = Path(directory) / "tokenizer_config.json"
     saved = json.loads(config_file.read_text(encoding="utf-8"))
@@ -469,9 +420,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
 
 
 def _spread_hash_routes(model: torch.nn.Module) -> None:
-    """Give V4's hash routers (``tid2eid``: token id -> experts; a real checkpoint
-    ships the table, transformers initialises it to zeros) a random table, so that a
-    tiny checkpoint's tokens reach every expert."""
+    """Give V4's hash routers (``tid2eid``, which transformers initialises to zeros) a
+    random table, so that a tiny checkpoint's tokens reach every expert."""
     for module in model.modules():
         table = getattr(module, "tid2eid", None)
         if isinstance(table, torch.Tensor):
@@ -543,12 +493,8 @@ def _tiny_deepseek_v32(**ids: int | None) -> PreTrainedConfig:
 
 
 def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
-    # DeepSeek-V4's blocks, each at least once: a compressed-sparse-attention layer
-    # (its compressor with the lightning indexer) with a hash-routed MoE, then a heavily
-    # compressed one with a top-k-routed MoE; shared-KV attention with sinks, a sliding
-    # window shorter than the test rows, the grouped output projection and two
-    # hyper-connection streams. Compression rates shrink with the rows (2 and 4, were 4
-    # and 128), so that the compressors emit entries on a dozen tokens.
+    # DeepSeek-V4's blocks, each at least once, with a sliding window shorter than the
+    # test rows and compression rates small enough to emit entries on a dozen tokens.
     return DeepseekV4Config(
         **_TINY_COMMON,  # type: ignore[arg-type]
         **ids,  # type: ignore[arg-type]
@@ -595,3 +541,5 @@ _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "qwen3": _tiny_qwen3,
     "llama": _tiny_llama,
 }
+#: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
+TINY_FAMILIES = tuple(_TINY_CONFIGS)

@@ -1,16 +1,11 @@
 """A region's frozen base sharded across its training processes (FSDP2's ``fully_shard``),
 for a base larger than one device.
 
-Each decoder layer and the model's root are sharded over the region's world: a rank
-keeps 1/N of every frozen weight and gathers a layer's whole weights only while that
-layer runs. The adapters (every ``.lora_`` tensor, trained or fixed) stay out of the
-shards: they are small, and every rank keeps the whole of them, as ``replicate`` does.
-So DP-SGD's per-sample gradients, its per-unit clipping and rank 0's one draw of noise
-are those of the replicated path, computed on the same tensors (docs/cluster.md).
-
-A gathered layer is a collective: every rank must take the same forward and backward
+The adapters stay out of the shards, whole on every rank as with ``replicate``, so
+DP-SGD's per-sample gradients, clipping and noise are those of the replicated path
+(docs/cluster.md). A gathered layer is a collective: every rank must take the same
 passes in the same order, whatever its own batch holds
-(:func:`fedciuic.model.train.lockstep` and :func:`~fedciuic.model.train.blank_batch`).
+(:func:`fedciuic.model.train.lockstep`).
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ _PEFT_WRAP = ".base_layer"
 
 
 def shard_base(model: AdapterModel, world_size: int) -> None:
-    """Shard ``model``'s frozen base over the default process group's ``world_size``
-    ranks, in place: each decoder layer, then the root (embeddings, final norm, head).
+    """Shard ``model``'s frozen base in place, each decoder layer, then the root.
     Irreversible: the model needs this process group for every pass from now on."""
     mesh = init_device_mesh(model.device.type, (world_size,))
     whole = {p for name, p in model.model.named_parameters() if ADAPTER_MARK in name}
@@ -54,10 +48,9 @@ def shard_base(model: AdapterModel, world_size: int) -> None:
 
 
 def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
-    """Give a sharded skeleton's weights memory (this rank's slice of each) and read each
-    slice from the base's mapped safetensors files: the rows FSDP2 gives this rank (its
-    chunk of dim 0), so no rank reads or holds the whole base. The adapters and the
-    buffers (rotary frequencies, built with the skeleton) are kept as they were."""
+    """Read this rank's slice (FSDP2's chunk of dim 0) of a sharded skeleton's weights
+    from the mapped files, so no rank reads or holds the whole base; adapters and
+    buffers are kept as they were."""
     kept = {n: t.detach().clone() for n, t in model.model.named_parameters() if ADAPTER_MARK in n}
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
     model.model.to_empty(device=model.device)

@@ -1,26 +1,13 @@
 """One read-only copy of a frozen base per machine, memory-mapped by every process.
 
-Simulated regions run in a few Ray actors on one machine, and each used to build (and
-hold) its own copy of the same frozen base: 3 regions on the ``realistic`` preset
-peaked at 14.4 GiB. Here the base's weights live in one safetensors file that every
-process maps read-only (``mmap`` with ``PROT_READ``, tensors made with
-``torch.frombuffer``), so the page cache holds one copy that all of them share, and a
-stray write to a frozen weight faults instead of silently forking the base.
-
-- A preset (weights drawn from a seed) is written once per machine to
-  ``$FEDCIUIC_CACHE/bases`` (else ``~/.cache/fedciuic/bases``), named by the preset's
-  fingerprint and dtype; the first process builds it under a file lock while the others
-  wait, writes it to a temporary file and renames it into place. Its SHA-256 is kept in
-  a sidecar and checked through :class:`~fedciuic.digests.DigestCache`, so it is hashed
-  once per machine (later processes pay a ``stat``); a damaged file is rebuilt.
-- A ``model-path`` checkpoint whose weights are safetensors in the run's dtype, under
-  the names the model uses, is mapped in place (its fingerprint already covers those
-  files); any other checkpoint is converted once into the same cache, keyed by the
-  checkpoint's fingerprint and dtype.
-
-Only frozen base tensors are shared: adapters, their optimizer state and the rotary
-and other non-persistent buffers are private to each model. ``FEDCIUIC_SHARED_BASE=0``
-turns sharing off (each model builds its own copy, as before), for comparison.
+Simulated regions run in a few processes on one machine, each needing the same frozen
+base. Its weights live in one safetensors file that every process maps read-only, so
+the page cache holds one shared copy, and a stray write to a frozen weight faults
+instead of silently forking the base. A preset is built once per machine into
+``$FEDCIUIC_CACHE/bases`` under a file lock, its SHA-256 kept in a sidecar (a damaged
+file is rebuilt); a checkpoint whose safetensors already hold the model's tensors in
+the run's dtype is mapped in place, any other converted once into the same cache.
+Adapters and non-persistent buffers stay private to each model.
 """
 
 from __future__ import annotations
@@ -29,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -49,7 +37,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from fedciuic.digests import DigestCache, cache_dir
 from fedciuic.errors import ModelError
 
-#: ``0`` (or ``off``/``false``/``no``) builds a private base per model, as before sharing.
+#: ``0`` (or ``off``/``false``/``no``) builds a private base per model, for comparison.
 SHARE_ENV = "FEDCIUIC_SHARED_BASE"
 #: Bumped when the cached file's layout changes, so that old files are not read.
 _FORMAT = "fedciuic-base-v1"
@@ -142,9 +130,7 @@ def _map(path: Path, size: int) -> MappedFile:
                 begin, end = (int(n) for n in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise DamagedBase(f"{path}: tensor {name!r} is described badly; {fix}") from None
-            count = 1
-            for n in shape:
-                count *= n
+            count = math.prod(shape)
             if end - begin != count * dtype.itemsize or start + end > size or begin < 0:
                 raise DamagedBase(f"{path}: tensor {name!r} does not fit the file; {fix}")
             flat = (
@@ -186,8 +172,8 @@ def _locked(path: Path) -> Iterator[None]:
 def cached_base_file(
     fingerprint: str, dtype: torch.dtype, build: Callable[[], Mapping[str, torch.Tensor]]
 ) -> Path:
-    """The cache file of base ``fingerprint`` in ``dtype``, built with ``build`` by the
-    first process on this machine that needs it (the others wait on its lock)."""
+    """The cache file of base ``fingerprint`` in ``dtype``, built by the first process on
+    this machine that needs it (the others wait on its lock)."""
     file = bases_dir() / f"{fingerprint[:40]}-{_NAMES[dtype].lower()}.safetensors"
     with _locked(file.with_name(file.name + ".lock")):
         # Read under the lock: the process that built the file has recorded its digest.
@@ -266,23 +252,19 @@ def mapped_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], list[Map
 def checkpoint_weight_files(
     path: Path, names: Mapping[str, torch.dtype], dtype: torch.dtype
 ) -> list[Path] | None:
-    """A checkpoint's own safetensors files, if they can be mapped as they are: every
-    weight file is safetensors, and they hold exactly ``names`` (the model's state
-    dict) with each floating tensor in ``dtype``."""
-    files = sorted(path.glob("*.safetensors"))
-    files = [f for f in files if not f.name.startswith("adapter_")]
+    """A checkpoint's own safetensors files, if they hold exactly ``names`` (the model's
+    state dict), each floating tensor in ``dtype``, and no pickle file is beside them."""
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
     if not files or any(path.glob("*.bin")):
         return None
     try:
         tensors, _ = mapped_tensors(files)
     except (OSError, ValueError, DamagedBase):
         return None
-    if set(tensors) != set(names):
+    if set(tensors) != set(names) or any(
+        t.dtype != (dtype if names[n].is_floating_point else names[n]) for n, t in tensors.items()
+    ):
         return None
-    for name, tensor in tensors.items():
-        want = dtype if names[name].is_floating_point else names[name]
-        if tensor.dtype != want:
-            return None
     return files
 
 
@@ -291,8 +273,8 @@ def checkpoint_weight_files(
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Build modules with parameters on ``meta`` (no memory, no init) but real buffers,
-    which include the non-persistent ones (rotary frequencies) that no file holds."""
+    """Build modules with parameters on ``meta`` but real buffers: the non-persistent
+    ones (rotary frequencies) are in no file."""
     original = torch.nn.Module.register_parameter
 
     def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -330,8 +312,7 @@ def state_names(config: PretrainedConfig) -> dict[str, torch.dtype]:
 
 
 def assign(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], source: Path) -> None:
-    """Put ``tensors`` into ``model`` as they are (no copy), frozen; every parameter must
-    be covered."""
+    """Put ``tensors`` into ``model`` as they are (no copy), frozen."""
     result = model.load_state_dict(dict(tensors), strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise ModelError(
@@ -347,11 +328,9 @@ def assign(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], source: 
 @dataclass
 class Slicer:
     """Which of a checkpoint's tensors make each of a model's, as transformers' own
-    conversion mapping says when it loads the checkpoint whole: a key renamed (V4's
-    keys), or a MoE layer's per-expert tensors (``experts.{e}.gate_proj.weight`` and
-    ``up_proj``) fused into one (``experts.gate_up_proj``), whose rows are experts. A
-    rank can then read its rows of each alone. A tensor it says nothing of is stored
-    under the model's own name (an empty one: a preset's file, a converted cache)."""
+    conversion mapping says (a renamed key, or per-expert tensors fused into one whose
+    rows are experts), so a rank can read its rows of each alone. A tensor it says
+    nothing of is stored under the model's own name."""
 
     #: model tensor -> checkpoint tensor, where the names differ
     direct: dict[str, str] = field(default_factory=dict)
@@ -397,9 +376,8 @@ class Slicer:
     def rows(
         self, tensors: Mapping[str, torch.Tensor], name: str, start: int, count: int
     ) -> torch.Tensor | None:
-        """Rows ``start`` to ``start + count`` (dim 0; a fused tensor's are experts) of
-        model tensor ``name``, from ``tensors`` (the checkpoint's, mapped); a scalar
-        whole. None where they do not hold it."""
+        """Rows ``start`` to ``start + count`` of model tensor ``name`` from the mapped
+        checkpoint ``tensors`` (a scalar whole; None where they do not hold it)."""
         parts = self.experts.get(name)
         if parts is not None:
             return torch.stack(

@@ -31,7 +31,7 @@ class TrainStats:
 @dataclass(frozen=True)
 class Shard:
     """This process's place among a region's training processes (``torch.distributed``
-    rank ``rank`` of ``size``); one process is ``Shard()``, and trains as it always did."""
+    rank ``rank`` of ``size``)."""
 
     rank: int = 0
     size: int = 1
@@ -41,13 +41,13 @@ class Shard:
         return self.size > 1
 
 
-#: One process: training as it always was (no process group).
+#: One process (no process group).
 ONE_PROCESS = Shard()
 
 
 def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
-    """All-reduce (SUM) ``tensors`` in place over the default process group, as one
-    flat buffer (one collective per step, not one per adapter)."""
+    """All-reduce (SUM) ``tensors`` in place as one flat buffer (one collective per step,
+    not one per adapter)."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -59,30 +59,23 @@ def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
 
 
 def lockstep(passes: int, device: torch.device) -> int:
-    """The most forward and backward passes any rank takes in this step (each rank
-    says its own): with a sharded base (:mod:`fedciuic.model.sharding`) every pass
-    gathers weights from every rank, so each rank takes that many, blank ones
-    (:func:`blank_batch`) after its own."""
+    """The most passes any rank takes in this step: with a sharded base every pass
+    gathers weights from every rank, so each takes that many, blank ones after its own."""
     most = torch.tensor([passes], dtype=torch.long, device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     return int(most.item())
 
 
 def blank_batch(device: torch.device) -> Batch:
-    """One example of two tokens: with its loss times zero, a pass through the whole
-    model that meets the other ranks' collectives and adds nothing (every gradient it
-    leaves, per-sample ones included, is zero)."""
+    """One example of two tokens: with its loss times zero, a pass that meets the other
+    ranks' collectives and adds nothing (every gradient, per-sample ones too, is zero)."""
     return Batch.of_ids(torch.zeros((1, 2), dtype=torch.long)).to(device)
 
 
 def paced(step: Callable[[], T], slowdown: float = 1.0) -> tuple[T, float]:
-    """Run one local training step and return what it returned and its seconds.
-
-    With ``slowdown`` > 1 (run config test-region-slowdown, tests only) the step is
-    followed by a sleep of ``slowdown - 1`` times its duration, and the seconds include
-    it: every training loop and the time-budget calibration pace their steps here, so a
-    slowed region is slowed alike everywhere (docs/heterogeneity.md).
-    """
+    """Run one local training step; what it returned and its seconds. Every loop and the
+    time-budget calibration pace steps here, so a ``slowdown`` (test-region-slowdown,
+    tests only) slows a region alike everywhere (docs/heterogeneity.md)."""
     began = time.perf_counter()
     result = step()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -96,15 +89,12 @@ def paced(step: Callable[[], T], slowdown: float = 1.0) -> tuple[T, float]:
 def add_proximal_term(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float
 ) -> torch.utils.hooks.RemovableHandle | None:
-    """FedProx: add ``mu * (w - w_start)`` to each parameter's gradient right before
-    ``optimizer`` updates it, ``w_start`` being the parameters now (the round's global
-    adapter); the gradient of ``(mu / 2) * ||w - w_start||^2``. None for ``mu = 0``.
+    """FedProx: add ``mu * (w - w_start)`` to each gradient right before ``optimizer``
+    updates it, ``w_start`` being the parameters now. None for ``mu = 0``.
 
-    A step pre-hook on the plain (inner) optimizer: under DP-SGD it runs after the
-    per-sample clipping, the noise and (DP-DDP) the sum over the ranks, so the term
-    never enters a clipped gradient: it is data-independent post-processing of the
-    privatized gradient and costs no privacy (docs/privacy.md). Remove the handle after
-    the round.
+    A step pre-hook on the plain (inner) optimizer: under DP-SGD it runs after clipping,
+    noise and the sum over ranks, so it is post-processing of the privatized gradient
+    and costs no privacy (docs/privacy.md).
     """
     if mu == 0.0:
         return None
@@ -167,8 +157,8 @@ def example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 @torch.no_grad()
 def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -> list[float]:
-    """Each privacy unit's held-out loss: the mean of its examples' mean next-token
-    cross-entropy (a DP evaluation clips and sums these, one bounded term a unit)."""
+    """Each privacy unit's held-out loss, the mean of its examples' (a DP evaluation
+    clips and sums these, one bounded term a unit)."""
     net = model.model
     net.eval()
     losses = torch.cat(
@@ -182,11 +172,8 @@ def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -
 
 
 def lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean over the batch of each example's mean cross-entropy on its labelled tokens.
-
-    Written per example (not per token over the batch) so that DP-SGD's
-    per-sample gradients are gradients of each example's own loss.
-    """
+    """Mean over the batch of each example's mean loss: per example, not per token, so
+    that DP-SGD's per-sample gradients are of each example's own loss."""
     return example_losses(model, batch).mean()
 
 
@@ -206,18 +193,13 @@ def train_local(
 ) -> TrainStats:
     """Non-private training: ``steps`` steps on batches drawn by ``generator``.
 
-    With a ``time_budget`` (seconds, > 0) ``steps`` is the cap: training stops after the
-    first step that ends past the budget (at least one step). No privacy is at stake
-    here, so the clock may decide; DP-SGD plans its count instead
-    (:func:`fedciuic.privacy.dpsgd.plan_private_steps`). Over several processes, rank
-    0's clock decides for all: its verdict rides the step's all-reduce, so every rank
-    stops after the same step. ``slowdown`` paces each step (:func:`paced`);
-    ``proximal_mu`` adds FedProx's term (:func:`add_proximal_term`).
+    A ``time_budget`` stops training after the first step that ends past it: no privacy
+    is at stake, so the clock may decide (DP-SGD plans its count instead). Over several
+    processes rank 0's clock decides, its verdict riding the step's all-reduce.
 
-    With a ``shard`` of several processes, every rank draws the same global batch (the
-    generator is seeded alike) and trains on its share of it, its loss weighted by
-    that share; the gradients are summed over the ranks, so each step equals one
-    process's step on the whole batch and every rank ends with the same adapters.
+    Every rank of a ``shard`` draws the same global batch and trains on its share, its
+    loss weighted by that share; summed gradients make each step equal one process's
+    step on the whole batch, so every rank ends with the same adapters.
     """
     net = model.model
     net.train()
@@ -227,7 +209,6 @@ def train_local(
     deadline = time.monotonic() + time_budget if time_budget > 0 else math.inf
 
     def one_step() -> tuple[float, bool]:
-        """The step's loss, and whether it is the round's last (rank 0's clock)."""
         size = min(batch_size, len(examples))
         index = torch.randint(0, len(examples), (size,), generator=generator)
         mine = index[shard.rank :: shard.size]
