@@ -1,18 +1,9 @@
 """A file's records, read without ever holding one larger than ``max-record-bytes``.
 
-A region's files may hold a record far larger than anything it trains on (a log dump or
-an attachment pasted into a chat). Read whole, such a record is copied several times
-(its bytes, its text, its parsed values, a library's own copies) and takes the region
-past its memory: a 32 MB line once took a region past 6 GiB. Each reader here knows a
-record's size before it keeps the record: one over the limit is scanned past in pieces
-of :data:`READ_BYTES` bytes, and only its size and place are kept.
-
-- JSON Lines: :func:`lines`, each line read with a bounded ``readline``.
-- A JSON array: :func:`json_array`, the array's elements found by a scanner that tracks
-  strings and nesting (no whole-file ``json.load``).
-- CSV: :func:`csv_records`, lines joined while a quoted field is open.
-- Arrow tables (Parquet, saved datasets): :func:`row_bytes`, the bytes of each row's
-  values from the arrays' offsets, before anything becomes a Python object.
+A region's files may hold a record far larger than anything it trains on (a log dump
+pasted into a chat); read whole, it is copied several times and takes the region past
+its memory. Each reader here knows a record's size before it keeps the record: one over
+the limit is scanned past in pieces, and only its size and place are kept.
 """
 
 from __future__ import annotations
@@ -50,7 +41,7 @@ class Malformed(ValueError):
 
 
 def skip_bom(handle: io.BufferedReader) -> None:
-    """Step past a UTF-8 byte order mark at the start of ``handle`` (a buffered file)."""
+    """Step past a UTF-8 byte order mark at the start of ``handle``."""
     if handle.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
         handle.seek(0)
 
@@ -68,8 +59,7 @@ def _tail(tail: bytes, piece: bytes) -> bytes:
 
 
 def lines(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
-    """Each line of ``handle``; a line over ``limit`` bytes is read no further than
-    ``limit`` + 2 bytes and then scanned to its end, :data:`READ_BYTES` bytes at a time."""
+    """Each line of ``handle``; a line over ``limit`` bytes is scanned past, not kept."""
     lineno = 0
     while raw := handle.readline(limit + 2):  # the line and its "\r\n", if it fits
         lineno += 1
@@ -87,8 +77,7 @@ def lines(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
 
 def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
     """Each record of a CSV file: its lines, joined while a quoted field is open (an odd
-    count of ``"`` so far: a quote inside a quoted field is written twice). A record
-    over ``limit`` bytes is read past (:func:`_skip_csv`) and not kept."""
+    count of ``"`` so far). A record over ``limit`` bytes is read past and not kept."""
     lineno = 0
     while True:
         first = lineno + 1
@@ -127,9 +116,8 @@ _UNQUOTED = re.compile(rb'[^"\n]*+')
 
 
 def _skip_csv(handle: io.BufferedReader, inside: bool, tail: bytes) -> tuple[int, int, bytes]:
-    """Read past the rest of a CSV record (``inside``: a quoted field is open), a chunk
-    at a time: its bytes, its line breaks and its last two bytes (``tail``: those read
-    before). The handle is left at the next record."""
+    """Read past the rest of a CSV record (``inside``: a quoted field is open) to the
+    next: its bytes, its line breaks and its last two bytes."""
     size = lines = 0
     skip = 0  # a quote's second half, the next chunk's first byte
     while chunk := handle.read(READ_BYTES):
@@ -159,10 +147,8 @@ def _skip_csv(handle: io.BufferedReader, inside: bool, tail: bytes) -> tuple[int
     return size, lines, tail
 
 
-#: What a JSON array's scanner looks for: outside strings, what opens or closes a value
-#: or separates two; inside one, everything up to its closing quote (or to the chunk's
-#: end, or to a backslash that is the chunk's last byte), in one match (possessive: no
-#: backtracking state is kept for a long string's escapes).
+#: What a JSON array's scanner looks for: outside strings, structure; inside one, all up
+#: to its closing quote in one possessive match (no backtracking state for escapes).
 _STRUCTURE = re.compile(rb'["\[\]{},]')
 _STRING_BODY = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
 _NOT_SPACE = re.compile(rb"[^ \t\r\n]")
@@ -215,9 +201,8 @@ class _Lines:
 
 
 def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
-    """Each element of the JSON array ``handle`` holds (a file that starts with ``[``),
-    found without parsing it: an element over ``limit`` bytes is scanned past and not
-    kept. :class:`Malformed` when the file is not one array."""
+    """Each element of the JSON array ``handle`` holds, found without parsing it: an
+    element over ``limit`` bytes is scanned past and not kept."""
     lines = _Lines()
     state = "open"  # open: before "["; value: before an element; in: in one; done: after "]"
     first = True  # no element yet (so "]" may close an empty array)
@@ -286,8 +271,7 @@ def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
 
 
 def _value_bytes(array: pa.Array) -> np.ndarray:
-    """The bytes of each value of ``array``: its strings' and binaries' lengths, its
-    lists' and structs' values summed, fixed-width values their width (0 for null)."""
+    """The bytes of each value of ``array`` (a nested one's values summed)."""
     kind = array.type
     if pa.types.is_dictionary(kind):
         array = array.dictionary_decode()
@@ -304,10 +288,7 @@ def _value_bytes(array: pa.Array) -> np.ndarray:
         lengths = pc.binary_length(array).fill_null(0)
         return np.asarray(lengths.to_numpy(zero_copy_only=False), dtype=np.int64)
     if pa.types.is_struct(kind):
-        total = np.zeros(len(array), dtype=np.int64)
-        for child in array.flatten():  # each field, the struct's offset and nulls applied
-            total += _value_bytes(child)
-        return total
+        return _summed(array.flatten(), len(array))  # the struct's offset and nulls applied
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         values = pc.list_flatten(array)
         parents = pc.list_parent_indices(array).to_numpy(zero_copy_only=False)
@@ -318,9 +299,13 @@ def _value_bytes(array: pa.Array) -> np.ndarray:
 
 
 def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
-    """The bytes of each row's values: read from the arrays' offsets, so a long value is
-    measured without being copied into a Python object."""
-    total = np.zeros(batch.num_rows, dtype=np.int64)
-    for column in batch.columns:
-        total += _value_bytes(column)
+    """The bytes of each row's values, from the arrays' offsets: a long value is measured
+    without being copied into a Python object."""
+    return _summed(batch.columns, batch.num_rows)
+
+
+def _summed(arrays: list[pa.Array], rows: int) -> np.ndarray:
+    total = np.zeros(rows, dtype=np.int64)
+    for array in arrays:
+        total += _value_bytes(array)
     return total

@@ -1,17 +1,16 @@
 """``fedciuic data check``: what a region's data folder holds, read as a region reads it.
 
 The same discovery, validation and tokenisation as a training region, into a temporary
-folder (the region's own cache is left alone): formats and shapes found, counts of
-files, records, users and tokens, one training example with its masked part marked,
-every bad row as ``FILE:LINE: field: message``, and the records over max-record-bytes
-(dropped unread) per file. :func:`scan_data` is the bounded version a launcher runs
-before a run starts: every row read and checked, a sample tokenised, nothing written.
+folder (the region's own cache is left alone). :func:`scan_data` is the bounded version
+a launcher runs before a run starts: every row checked, a sample tokenised, nothing
+written.
 """
 
 from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,7 +97,6 @@ class DataCheck:
 
 
 def oversized_line(summary: Summary) -> str:
-    """The records dropped unread for their size, per file."""
     files = ", ".join(f"{name} {n}" for name, n in summary.oversized.items())
     return (
         f"over max-record-bytes ({summary.max_record_bytes:,} bytes): "
@@ -112,8 +110,7 @@ def _counted(counts: dict[str, int]) -> str:
 
 
 def deid_lines(deid: Scrubbed | None, examples: tuple[str, ...]) -> list[str]:
-    """What de-identification would replace before training: counts by entity type and
-    by file, and a few examples with the identifiers masked."""
+    """What de-identification would replace before training, and a few masked examples."""
     if deid is None:
         return ["de-identification: off (nothing would be scrubbed)", ""]
     identity = deid.identity
@@ -147,8 +144,8 @@ def check_data(
     scrubber: Scrubber | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> DataCheck:
-    """Read, de-identify (with ``scrubber``) and tokenise ``data_path`` as a region
-    would; every bad row is listed, and every record over ``max_record_bytes`` counted."""
+    """Read, de-identify and tokenise ``data_path`` as a region would, listing every bad
+    row."""
     root = root_of(data_path)
     sources = discover(root)
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-") as scratch:
@@ -186,10 +183,8 @@ def scan_data(
     truncation_side: TruncationSide = "right",
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[Path, Scanned]:
-    """Read and check every row of ``data_path``, rendering and tokenising the first
-    ``sample`` records; the folder (resolved) and what was found. A folder that does
-    not exist or holds no data raises :class:`~fedciuic.errors.DataError`; a file that
-    cannot be read is named in the result and the others are read on."""
+    """Check every row of ``data_path``, rendering and tokenising the first ``sample``
+    records; the folder (resolved) and what was found."""
     root = root_of(data_path)
     return root, scan_examples(
         discover(root),
@@ -208,18 +203,10 @@ def _example(examples: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> 
         return None
     first = (examples[i] for i in range(min(examples.num_rows, 200)))
     row = next((r for r in first if IGNORE in r[LABELS][1:]), None) or examples[0]
-    parts: list[str] = []
-    run: list[int] = []
-    masked = None
-    for token, label in zip(row[INPUT_IDS], row[LABELS], strict=True):
-        is_masked = label == IGNORE
-        if masked is not None and is_masked != masked:
-            parts.append(_shown(str(tokenizer.decode(run)), masked))
-            run = []
-        run.append(token)
-        masked = is_masked
-    parts.append(_shown(str(tokenizer.decode(run)), bool(masked)))
-    return "".join(parts)
+    runs = groupby(zip(row[INPUT_IDS], row[LABELS], strict=True), key=lambda t: t[1] == IGNORE)
+    return "".join(
+        _shown(str(tokenizer.decode([t for t, _ in run])), masked) for masked, run in runs
+    )
 
 
 def _shown(text: str, masked: bool) -> str:

@@ -1,10 +1,8 @@
 """A region's data as training sees it: examples split by record, grouped by privacy unit.
 
-Each example is one record (or one seq-len chunk of a long text record), padded to the
-longest example of its batch with the attention mask off and no loss on the padding:
-documents never share a row, so none attends to another, and an example's gradient
-belongs to one record and one person (what DP-SGD clips). Packing several records into a
-row would save padding but give one row's gradient several owners.
+Each example is one record (or one seq-len chunk of a long text record), padded: records
+never share a row, so an example's gradient belongs to one record and one person (what
+DP-SGD clips); packing would save padding but give one row's gradient several owners.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ class ExampleSet:
         cls, rows: torch.Tensor, *, units: Sequence[int] | None = None, pad_id: int = 0
     ) -> ExampleSet:
         """Token rows held in memory, every token trained on, one unit per row unless
-        ``units`` says otherwise (benchmarks and tests that bring their own tokens)."""
+        ``units`` says otherwise (benchmarks and tests)."""
         ids = rows.tolist()
         n = len(ids)
         owners = list(range(n)) if units is None else [int(u) for u in units]
@@ -184,12 +182,8 @@ def load_region_data(
     run: RunConfig, node: NodeConfig, tokenizer: PreTrainedTokenizerBase
 ) -> RegionData:
     """Read, check and tokenise (once) a region's records, then split and group them.
-
-    A record is held out for evaluation when the hash of its content falls below
-    ``eval-fraction`` (in a region so small that none does, the lowest one): the same
-    records every round and run, whatever their order, and duplicates of a record fall
-    on the same side.
-    """
+    The split is by a hash of each record's content: the same every round and run, and
+    duplicates of a record fall on the same side."""
     root = root_of(node.data_path)
     sources = discover(root)
     data = tokenized(
@@ -205,7 +199,8 @@ def load_region_data(
     summary = data.summary
     # Padding is masked out of attention and loss: any id the model knows will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    _refuse_bad_rows(run, node.region, root, summary)
+    if (refusal := bad_rows_refusal(run, node.region, root, summary)) is not None:
+        raise DataError(refusal)
     units = _units(run, node.region, root, data)
     held_out = _held_out(data.examples.data.column(BUCKET).to_numpy(), run.data.eval_fraction)
     all_rows = np.arange(data.examples.num_rows)
@@ -237,9 +232,8 @@ def load_region_data(
 
 
 def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
-    """Records whose bucket is below ``fraction``. A small region may have none there, or
-    all: then the record with the lowest bucket is held out, or the one with the highest
-    trains, so that both sides have something whenever the records differ."""
+    """Records whose bucket is below ``fraction``, yet both sides have something whenever
+    the records differ (a small region may have none there, or all)."""
     held = buckets < fraction
     if buckets.size and buckets.min() < buckets.max():  # the records differ
         if not held.any():
@@ -273,17 +267,10 @@ def users_refusal(run: RunConfig, region: str, root: Path, summary: Summary) -> 
     )
 
 
-def _refuse_bad_rows(run: RunConfig, region: str, root: Path, summary: Summary) -> None:
-    refusal = bad_rows_refusal(run, region, root, summary)
-    if refusal is not None:
-        raise DataError(refusal)
-
-
 def _units(run: RunConfig, region: str, root: Path, data: Tokenized) -> np.ndarray:
     """Each example's privacy unit: its record, or the user the record names."""
     if run.privacy.privacy_unit == "record":
         return np.asarray(data.examples.data.column(RECORD).to_numpy())
-    refusal = users_refusal(run, region, root, data.summary)
-    if refusal is not None:
+    if (refusal := users_refusal(run, region, root, data.summary)) is not None:
         raise DataError(refusal)
     return np.asarray(data.examples.data.column(USER).to_numpy())

@@ -1,14 +1,9 @@
 """Deterministic demo data per region, made from documentation that ships with CPython.
 
-Nothing is downloaded. Each region gets the docstrings of a different family of
-standard-library modules, so the regions really differ (non-IID by topic and
-vocabulary): ``eu`` text and internet formats, ``cn`` numbers and data structures,
-``us`` operating system and concurrency, and so on. From those docstrings each region
-gets made-up users who ask about the objects and get the docstrings' first
-paragraphs as answers, in every record shape a region may hold (text, prompt and
-response, Alpaca, chat), each record naming its user, so a demo can run with
-privacy-unit = "user". A generator seeded by the region's name makes the same files
-on every run.
+Each region gets the docstrings of a different family of standard-library modules, so
+the regions really differ (non-IID by topic and vocabulary), and made-up users who ask
+about them in every record shape, each record naming its user (privacy-unit = "user"
+works). A generator seeded by the region's name makes the same files on every run.
 """
 
 from __future__ import annotations
@@ -141,8 +136,7 @@ _FOCUS = 0.7
 #: Answers are a docstring's first paragraphs, at most this long (seq-len is short).
 ANSWER_CHARS = 600
 #: How long an answer may grow beyond its first paragraph, drawn per answer: mostly not
-#: at all (a first paragraph is about 70 characters), so that a region's records stay
-#: within MAX_RECORD_CHARS.
+#: at all, so that a region's records stay within MAX_RECORD_CHARS.
 _ANSWER_LIMITS = (0, 0, 0, 0, 0, 250, ANSWER_CHARS)
 
 _QUESTIONS = {
@@ -185,15 +179,12 @@ _SENTENCE_END = re.compile(r"[.!?](?=\s)")
 
 
 class Documented(NamedTuple):
-    """An object of the standard library and its docstring."""
-
     name: str  # dotted, e.g. "json.dumps"
     kind: str  # a key of _QUESTIONS
     doc: str
 
 
 def module_docs(names: tuple[str, ...], max_chars: int = MAX_CHARS) -> list[str]:
-    """Docstrings of the named modules, their public submodules and members, in a fixed order."""
     return [item.doc for item in documented(names, max_chars)]
 
 
@@ -251,9 +242,8 @@ def _modules(names: tuple[str, ...]) -> list[ModuleType]:
 
 
 def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
-    """Write each region's ``docs.jsonl``, ``chat.jsonl`` and ``instructions.jsonl``
-    under ``root/<region>/`` (a few chats signed with synthetic identifiers) and the
-    names they use in ``root/deid-dictionaries/<region>.txt``; return the folders."""
+    """Write each region's files under ``root/<region>/`` and the synthetic names they
+    use in ``root/deid-dictionaries/<region>.txt``; return the folders."""
     unknown = [r for r in regions if r not in FAMILIES]
     if unknown:
         raise ConfigError(
@@ -280,7 +270,6 @@ def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
 
 
 def demo_records(region: str) -> dict[str, list[dict[str, Any]]]:
-    """A region's records per file: its users' questions about its module family."""
     return _Writer(region, documented(FAMILIES[region])).records()
 
 
@@ -387,9 +376,8 @@ def _strings(value: object) -> list[str]:
 
 
 def summary(doc: str, limit: int = ANSWER_CHARS) -> str:
-    """The first paragraph of ``doc``, then as many of the next as fit in ``limit``
-    characters. A first paragraph longer than ANSWER_CHARS is cut at its last sentence
-    end within them, else its last line end, else its last word end."""
+    """The first paragraph of ``doc`` (cut to ANSWER_CHARS at a sentence, line or word
+    end), then as many of the next as fit in ``limit`` characters."""
     paragraphs = [p.strip() for p in doc.strip().split("\n\n") if p.strip()]
     if not paragraphs:
         return ""

@@ -1,8 +1,6 @@
-"""Synthetic identifiers in the demo corpora: a few users sign one of their chat
-questions with a made-up name, e-mail address, phone number and national ID, so that a
-demo's de-identification has something to find and its compliance report counts it.
-Every value is generated (valid check digits, reserved or fictional ranges where the
-format has one); none belongs to anyone."""
+"""Synthetic identifiers in the demo corpora, so that a demo's de-identification has
+something to find. Every value is generated (valid check digits, fictional ranges where
+the format has one); none belongs to anyone."""
 
 from __future__ import annotations
 

@@ -158,9 +158,8 @@ def _messages(value: Any, name: str) -> tuple[tuple[str, str], ...]:
 
 #: A reasoning block, as DeepSeek-R1 and Qwen3 write one before their answer.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-#: What an answer without reasoning is given when the generation prompt opens a block:
-#: an empty one, ``<think>\n\n</think>\n\n`` (as Qwen3's template writes it with
-#: ``enable_thinking=False``, and as R1 answers when it does not reason).
+#: An answer without reasoning after a prompt that opens a block gets an empty one, as
+#: Qwen3 writes it with ``enable_thinking=False`` and R1 answers when it does not reason.
 EMPTY_REASONING, AFTER_REASONING = "\n\n", "\n\n"
 #: Stands in for an assistant turn's content, to find where a template writes it.
 _SENTINEL = "fedciuic-assistant-turn-7c1e"
@@ -176,9 +175,9 @@ Piece = tuple[str, bool]  # (text, trained)
 
 @dataclass(frozen=True)
 class Rendered:
-    """A record as the model reads it: one or more rows (training examples), each of
-    consecutive pieces of text with or without loss. Pieces are tokenised one by one (as
-    a prompt is at inference), so that no token straddles the prompt and the response."""
+    """A record as the model reads it: rows (training examples) of pieces of text with
+    or without loss, tokenised one by one (as a prompt is at inference) so that no token
+    straddles the prompt and the response."""
 
     rows: tuple[tuple[Piece, ...], ...]
     #: Text records longer than seq-len are split into chunks; the others are cut.
@@ -203,10 +202,8 @@ class Renderer:
         else:
             instruction, extra, output = record.parts
             template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
-            prompt, response = (
-                self.bos + template.format(instruction=instruction, input=extra),
-                output,
-            )
+            prompt = self.bos + template.format(instruction=instruction, input=extra)
+            response = output
         pieces = ((prompt, False), (response + self.eos, True))
         return Rendered((pieces,), chunked=record.shape == TEXT)
 
@@ -227,10 +224,8 @@ class Renderer:
 
     def _chat(self, messages: tuple[tuple[str, str], ...]) -> Rendered:
         """Each assistant turn is trained after the very prompt the template gives it at
-        inference (the conversation before it, with ``add_generation_prompt``). Turns
-        share a row while each one's prompt continues the row so far (a prefix-stable
-        template: one row per conversation); otherwise a turn starts a row of its own,
-        as with templates that drop earlier turns' reasoning or open a reasoning block."""
+        inference. Turns share a row while each one's prompt continues the row so far;
+        otherwise (a template that drops earlier reasoning) a turn starts its own row."""
         turns = [{ROLE: role, CONTENT: content} for role, content in messages]
         rows: list[list[Piece]] = []
         text = ""  # the current row's text
@@ -253,16 +248,15 @@ class Renderer:
         prompt = self._template(before, generation=True) if before else None
         if prompt is not None and whole.startswith(prompt) and THINK_CLOSE not in content:
             return prompt, whole[len(prompt) :]  # the common case: two renderings
-        # Where the template writes a turn's content: the text before and after it
-        # (not found if the template changes the content).
+        # Where the template writes a turn's content (not found if it changes it).
         probe = self._template([*before, {ROLE: ASSISTANT, CONTENT: _SENTINEL}], generation=False)
         found = probe.count(_SENTINEL) == 1
         head, _, end = probe.partition(_SENTINEL)
         if prompt is None:  # a conversation that opens with the assistant: no prompt
             prompt = head if found else ""
         if whole.startswith(prompt):
-            # The turn continues its prompt (perhaps with more that the template adds,
-            # such as Qwen3's reasoning block): train on the template's rendering of it.
+            # The turn continues its prompt (perhaps with Qwen3's reasoning block added):
+            # train on the template's rendering of it.
             answer = whole[len(prompt) :]
             if (
                 THINK_CLOSE in content
@@ -283,10 +277,8 @@ class Renderer:
 
 def _after_opened(opened: str, content: str) -> str:
     """What the model writes for ``content`` after a prompt that opened a reasoning block
-    with ``opened`` (R1's ``<think>`` and a newline): the rest of the reasoning, its end,
-    the answer.
-    The block's text is the content's up to its last ``</think>`` (with or without the
-    opening tag); an answer without one gets an empty block."""
+    with ``opened``: the rest of the reasoning (the content up to its last ``</think>``),
+    its end, the answer."""
     if THINK_CLOSE in content:
         reasoning, _, answer = content.rpartition(THINK_CLOSE)
         reasoning = reasoning.lstrip().removeprefix(THINK_OPEN)
@@ -306,9 +298,8 @@ def _unmaskable(problem: str) -> DataError:
     )
 
 
-#: Conversations a chat template is tried on before any data is read: a user turn
-#: answered with reasoning, then another answered without (after a system turn, which
-#: some templates refuse).
+#: Conversations a chat template is tried on before any data is read (with and without
+#: a system turn, which some templates refuse).
 _PROBE = (
     (USER, "Where does the data stay?"),
     (ASSISTANT, f"{THINK_OPEN}\nThe policy says.\n{THINK_CLOSE}\n\nAt home."),
@@ -319,8 +310,7 @@ _PROBES = (((SYSTEM, "Be brief."), *_PROBE), _PROBE)
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Refuse, before any record is read, a model whose chat template cannot be trained
-    on (:class:`DataError` naming the rule and the fix), as chat records would be."""
+    """Refuse, before any record is read, a model whose chat template cannot be trained on."""
     renderer = Renderer(tokenizer)
     refused: BadRecord | None = None
     for messages in _PROBES:
@@ -337,7 +327,6 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def json_kind(value: object) -> str:
-    """How JSON would name ``value``'s type, for messages."""
     names = {str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     if value is None:
         return "null"

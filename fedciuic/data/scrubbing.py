@@ -1,7 +1,6 @@
-"""A region's records de-identified before they are tokenised: the region's scrubber,
-built from the run's de-identification settings and the region's own dictionary, key
-and NER model (never anything the aggregator ships), and each record's text fields
-passed through it."""
+"""A region's records de-identified before they are tokenised, by a scrubber built from
+the run's settings and the region's own dictionary, key and NER model (never anything
+the aggregator ships)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:  # Presidio takes seconds to import: only a region that scrubs
 
 class Scrubbed(BaseModel):
     """What de-identification replaced in a region's data, kept with its tokenised cache:
-    the pipeline's identity and counts by entity type and by file; never a value."""
+    counts, never a value."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -43,11 +42,9 @@ class Scrubbed(BaseModel):
 
 
 def check_deid(settings: DeidSettings, *, dictionary: str, ner_model: str) -> Dictionary | None:
-    """What a region's de-identification needs of it, checked (its dictionary read):
-    :class:`ConfigError` names the key or ``FILE:LINE``; the dictionary, if named. A type
-    only a NER model finds, listed by its name, needs one; ``names`` does not (without a
-    dictionary or a model it finds names by their context alone, which a policy that
-    requires names refuses)."""
+    """What a region's de-identification needs of it, checked; the dictionary, if named.
+    ``names`` needs no NER model (without one or a dictionary it finds names by their
+    context alone, which a policy that requires names refuses)."""
     from fedciuic.deid import NER_ONLY, load_dictionary
 
     needs_ner = [e for e in settings.deid_entities if e in NER_ONLY] if settings.deidentify else []
@@ -70,8 +67,7 @@ def region_scrubber(
     ner_model: str = "",
     examples: bool = False,
 ) -> Scrubber | None:
-    """The scrubber a region applies (None: de-identification is off); ``examples``
-    keeps a few masked examples of what it found (``fedciuic data check``)."""
+    """The scrubber a region applies (None: off); ``examples`` keeps a few masked ones."""
     entities = settings.entities
     if not entities:
         return None
@@ -99,16 +95,14 @@ def node_scrubber(settings: DeidSettings, node: NodeConfig) -> Scrubber | None:
 
 
 def node_commitment(node: NodeConfig, fingerprint: str, run_id: int) -> str:
-    """What this region's replies say of the data it trained on in run ``run_id``: a
-    commitment under its own key (:func:`fedciuic.deid.data_commitment`)."""
+    """The commitment under its own key that this region's replies make to its data."""
     from fedciuic.deid import data_commitment, region_secret
 
     return data_commitment(region_secret(node.deid_secret_path), fingerprint, run_id)
 
 
 def state_commitments(state_dir: Path) -> Callable[[str, int], str] | None:
-    """The commitment a region whose key is in ``state_dir`` (its default place) makes
-    to a fingerprint in a run; None where no key is there (nothing is made)."""
+    """The commitments of a region whose key is in ``state_dir``; None where none is."""
     from fedciuic.deid import SECRET_FILE, data_commitment, region_secret
 
     path = state_dir / SECRET_FILE
@@ -119,8 +113,8 @@ def state_commitments(state_dir: Path) -> Callable[[str, int], str] | None:
 
 
 def scrub_record(record: Record, scrubber: Scrubber, where: str, file: str) -> Record:
-    """``record`` with every text field de-identified (roles and the user id are kept:
-    the user id never reaches the cache, only its digest)."""
+    """``record`` with every text field de-identified (the user id is kept: only its
+    digest reaches the cache)."""
     before = scrubber.findings.counts.total()
     parts = tuple(scrubber.scrub(p, where=where, file=file) for p in record.parts)
     messages = tuple(

@@ -1,17 +1,10 @@
 """Where a region's records come from: the files under its own ``data-path``, read locally.
 
 A region's data never leaves its host; this module is the only place that opens it.
-Every entry is resolved and checked to lie inside ``data-path`` before it is read, so
-a symlink cannot smuggle another region's data (or anything else) in, and every data
-file is checked to be a regular file (:func:`regular`): a FIFO would hang the region's
-round, a device or a broken link would fail deep inside a reader.
-
-Every format is read here a record at a time, and a record over ``max-record-bytes`` is
-never read whole (:mod:`fedciuic.data.bounded`): JSON Lines line by line, a JSON array
-element by element, CSV record by record (each problem names its line, and a bad row can
-be skipped), Parquet files by pyarrow and folders written by ``Dataset.save_to_disk`` by
-Hugging Face ``datasets`` (offline), in Arrow batches whose rows are measured before any
-becomes a Python object.
+Every entry is checked to lie inside ``data-path``, so a symlink cannot smuggle other
+data in, and to be a regular file: a FIFO would hang the region's round, a device or a
+broken link would fail deep inside a reader. Every format is read a record at a time,
+and a record over ``max-record-bytes`` is never read whole (:mod:`fedciuic.data.bounded`).
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ from fedciuic.errors import DataError
 from fedciuic.files import broken_link, not_regular
 
 # Local files only, never the Hub. ``datasets`` reads HF_HUB_OFFLINE once, when first
-# imported (transformers may import it before this module does), so setting the
-# variable here would come too late: set the flag where loading reads it.
+# imported (perhaps before this module), so the flag is set where loading reads it.
 datasets.config.HF_HUB_OFFLINE = True
 datasets.config.HF_DATASETS_OFFLINE = True
 datasets.disable_progress_bars()
@@ -82,14 +74,12 @@ class Source:
     kind: str
 
     def files(self) -> list[Path]:
-        """The files whose bytes define this source (a saved folder's every file)."""
         if self.kind != SAVED:
             return [self.path]
         return sorted(p for p in self.path.rglob("*") if p.is_file())
 
     def where(self, index: int) -> str:
-        """``FILE:row N`` of row ``index``, for kinds whose rows have no line (a JSON
-        array's elements, Parquet's and a saved dataset's rows)."""
+        """``FILE:row N`` of row ``index``, for kinds whose rows have no line."""
         return f"{self.name}:row {index + 1}"
 
 
@@ -119,10 +109,7 @@ def root_of(data_path: str | Path) -> Path:
 
 def discover(data_path: str | Path) -> list[Source]:
     """The region's data sources (sorted), refusing anything that resolves outside it.
-
-    Hidden entries are not data (the region keeps its state in ``.fedciuic/``), nor are
-    files of other types (a README); a saved dataset folder is one source.
-    """
+    Hidden entries are not data (the region keeps its state in ``.fedciuic/``)."""
     root = root_of(data_path)
     found: list[Source] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -159,8 +146,7 @@ def discover(data_path: str | Path) -> list[Source]:
 
 
 def regular(path: Path) -> None:
-    """Refuse ``path`` unless it is a regular file: checked wherever a data file is
-    listed or opened, before anything opens it."""
+    """Refuse ``path`` unless it is a regular file, before anything opens it."""
     _refuse(path, not_regular(path))
 
 
@@ -182,9 +168,7 @@ def _check_inside(entry: Path, root: Path) -> None:
 
 def read_rows(source: Source, *, text_field: str, max_bytes: int) -> Iterator[Row]:
     """Each row of ``source`` with where it is; unreadable rows come with their reason,
-    and rows over ``max_bytes`` with only their size: they are never read whole
-    (:mod:`fedciuic.data.bounded`). A text file's content is the ``text_field`` of its
-    one record."""
+    rows over ``max_bytes`` with only their size."""
     if source.kind != SAVED:
         regular(source.path)
     if source.kind == "jsonl":
@@ -222,8 +206,7 @@ def _json_lines(source: Source, handle: io.BufferedReader, max_bytes: int) -> It
 
 def _json_row(where: str, text: str, *, line: int | None = None, text_field: str = "") -> Row:
     """The row a JSON value is: an object, or (given a ``text_field``) a string, the
-    text of a text record. ``line``: the file's line the text starts on, where that is
-    not ``where``'s."""
+    text of a text record. ``line``: the file's line the text starts on."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -237,8 +220,7 @@ def _json_row(where: str, text: str, *, line: int | None = None, text_field: str
 
 
 def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:
-    """A JSON array's elements (each an object, or a string: a text record); a file
-    that is not an array is read as JSON Lines."""
+    """A JSON array's elements; a file that is not an array is read as JSON Lines."""
     with _opened(source) as handle:
         skip_bom(handle)
         if _first_byte(handle) != b"[":
@@ -265,8 +247,7 @@ def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]
 
 
 def _first_byte(handle: io.BufferedReader) -> bytes:
-    """The first byte of ``handle`` that is not whitespace (b"" if none); the handle is
-    left where it was."""
+    """The first byte of ``handle`` that is not whitespace; the handle stays where it was."""
     start = handle.tell()
     found = b""
     while chunk := handle.read(4096):
@@ -279,8 +260,7 @@ def _first_byte(handle: io.BufferedReader) -> bytes:
 
 def _csv_rows(source: Source, max_bytes: int) -> Iterator[Row]:
     """A CSV file's rows, by its header's names; an empty cell is null (no value)."""
-    # csv's own limit on a field (process-wide; 128 KiB by default) must not refuse what
-    # max-record-bytes lets through: a record over it never reaches csv.
+    # csv's own (process-wide) field limit must not refuse what max-record-bytes allows.
     if csv.field_size_limit() < max_bytes:
         csv.field_size_limit(max_bytes)
     header: list[str] | None = None
@@ -308,8 +288,7 @@ def _csv_rows(source: Source, max_bytes: int) -> Iterator[Row]:
 
 
 def _csv_fields(source: Source, piece: RawRecord) -> tuple[str, list[str] | None, str | None]:
-    """Where a CSV record is (its first line, or the line of a byte that is not UTF-8),
-    its fields (None: none, a blank line or a problem) and its problem."""
+    """Where a CSV record is (or its byte that is not UTF-8), its fields and its problem."""
     where = f"{source.name}:{piece.line}"
     if piece.data is None:
         return where, None, f"over max-record-bytes ({piece.size:,} bytes)"
@@ -345,15 +324,13 @@ def _text_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]
         yield Row(f"{source.name}:1", {text_field: text})
 
 
-#: Rows of a Parquet file or saved dataset made Python objects at a time (each at most
-#: max-record-bytes).
+#: Rows of a Parquet file or saved dataset made Python objects at a time.
 _TABLE_BATCH = 64
 
 
 def _table_rows(source: Source, max_bytes: int) -> Iterator[Row]:
-    """A Parquet file's or saved dataset's rows, a batch at a time: each row's size is
-    read from the Arrow arrays (:func:`row_bytes`), and only rows within ``max_bytes``
-    become Python objects."""
+    """A Parquet file's or saved dataset's rows: each row's size is read from the Arrow
+    arrays, and only rows within ``max_bytes`` become Python objects."""
     index = 0
     try:
         for batch in _arrow_batches(source):
@@ -395,9 +372,8 @@ def _opened(source: Source) -> Any:
 
 
 def _json_problem(err: json.JSONDecodeError, line: int | None = None) -> str:
-    """The decoder's message and where (``line``: the file's line the decoded text
-    starts on; None: its column in a line of its own); some of the decoder's messages
-    end in "at" already ("Unterminated string starting at")."""
+    """The decoder's message and where (``line``: the file's line the text starts on;
+    None: its column in a line of its own)."""
     at = "" if err.msg.endswith(" at") else " at"
     if line is None:
         return f"{err.msg}{at} column {err.colno}"

@@ -1,11 +1,8 @@
 """Tokenise a region's records once into a memory-mapped Arrow file in its state-path.
 
-One row per training example: its token ids, its labels (``-100`` where no loss is
-taken), the record and person it comes from, and the record's split bucket. The file
-is keyed by everything that decides its content (the data's digest, the tokenizer, its
-chat template, seq-len and truncation side, the field names), so a later round or run
-reads it back instead of tokenising again. Records are read and written in batches: a
-corpus larger than memory streams through.
+One row per training example. The file is keyed by everything that decides its content
+(:func:`cache_key`), so a later round or run reads it back instead of tokenising again;
+records stream through in batches, so a corpus larger than memory fits.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -46,10 +43,7 @@ from fedciuic.data.sources import TABLE_KINDS, Row, Source, read_rows
 from fedciuic.digests import DigestCache, cache_dir
 from fedciuic.errors import DataError
 
-#: Bumped when what a cached file holds changes (2: a chat record may give several
-#: examples; no untrained text after its last assistant turn; length statistics;
-#: 3: de-identified text, and what de-identification replaced; 4: records over
-#: max-record-bytes dropped and counted, JSON and CSV read by fedciuic).
+#: Bumped when what a cached file holds changes.
 CACHE_FORMAT = 4
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's ignore_index)
 EXAMPLES_FILE = "examples.arrow"
@@ -62,7 +56,6 @@ _BATCH = 512
 #: Columns a problem of a table's columns lists.
 _SHOWN_COLUMNS = 20
 
-# Column names of the cached examples.
 INPUT_IDS, LABELS, RECORD, USER, BUCKET = "input_ids", "labels", "record", "user", "bucket"
 FEATURES = datasets.Features(
     {
@@ -92,9 +85,8 @@ class Summary(BaseModel):
     trained_tokens: int = 0  # tokens with a label
     truncated: int = 0  # non-text records cut at seq-len
     dropped: int = 0  # records left with no trained token within seq-len
-    #: Of the dropped records: the shortest prompt (tokens before the first trained one),
-    #: the seq-len that keeps a trained token of every one, and the one that keeps them
-    #: whole (None: none dropped).
+    #: Of the dropped records: the shortest prompt, the seq-len that keeps a trained token
+    #: of every one, and the one that keeps them whole (None: none dropped).
     dropped_shortest_prompt: int | None = None
     dropped_keep_seq_len: int | None = None
     dropped_whole_seq_len: int | None = None
@@ -129,7 +121,6 @@ class _Counts:
     missing: dict[tuple[str, str], _Missing] = field(default_factory=dict)
 
     def bad(self, where: str, reason: str) -> int | None:
-        """Count a bad row; the index of its reason if kept."""
         self.summary.bad_rows += 1
         if self.keep_reasons is None or len(self.summary.bad_reasons) < self.keep_reasons:
             self.summary.bad_reasons.append(f"{where}: {reason}")
@@ -137,15 +128,14 @@ class _Counts:
         return None
 
     def oversized(self, source: Source, row: Row) -> None:
-        """Count a record dropped unread for its size."""
         summary = self.summary
         summary.oversized[source.name] = summary.oversized.get(source.name, 0) + 1
         if len(summary.oversized_where) < MAX_REASONS:
             summary.oversized_where.append(f"{row.where} ({row.oversized:,} bytes)")
 
     def columns(self, source: Source, field: str, message: str) -> None:
-        """A table's row refused for its columns (a field the table has no column for):
-        every row is, so the file is named once with the count of its rows."""
+        """A table's row refused for a missing column: every row is, so the file is named
+        once with the count of its rows."""
         key = (source.name, field)
         if key in self.missing:
             self.summary.bad_rows += 1
@@ -154,7 +144,6 @@ class _Counts:
             self.missing[key] = _Missing(self.bad(source.name, ""), message)
 
     def finish(self) -> None:
-        """Write each column problem's reason, now that its rows are counted."""
         for (name, column), gap in self.missing.items():
             if gap.reason is not None:
                 self.summary.bad_reasons[gap.reason] = (
@@ -225,9 +214,8 @@ def cache_key(
     scrubber: Scrubber | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> str:
-    """What decides a cache entry's content: the data, tokenizer, lengths, field names,
-    the largest record read and de-identification (its config hash covers its entities,
-    replacement, key id, dictionary and recognizer versions)."""
+    """What decides a cache entry's content (de-identification's config hash covers its
+    entities, replacement, key id, dictionary and recognizer versions)."""
     described = {
         "format": CACHE_FORMAT,
         "max_record_bytes": max_record_bytes,
@@ -264,8 +252,8 @@ def tokenized(
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Tokenized:
     """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it
-    (each text de-identified first by ``scrubber``, if given: the cache never holds an
-    identifier it finds; a record over ``max_record_bytes`` is dropped unread)."""
+    (de-identified first by ``scrubber``, if given: the cache never holds an identifier
+    it finds)."""
     fingerprint = data_fingerprint(sources)
     key = cache_key(
         fingerprint, tokenizer, seq_len, fields, truncation_side, scrubber, max_record_bytes
@@ -335,7 +323,6 @@ def _prune(root: Path, *, keep: Path) -> None:
 
 
 def _finish(summary: Summary, counts: _Counts, lengths: _Lengths) -> None:
-    """What every record read adds up to, into ``summary``."""
     counts.finish()
     lengths.write(summary)
     summary.users = len(counts.user_keys)
@@ -353,9 +340,8 @@ def write_examples(
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
 ) -> None:
-    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary),
-    de-identified by ``scrubber`` if given; the first ``keep_reasons`` bad rows' reasons
-    are kept (None: all of them)."""
+    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
+    ``keep_reasons`` None keeps every bad row's reason."""
     counts = _Counts(summary, keep_reasons)
     lengths = _Lengths()
     renderer = Renderer(tokenizer)
@@ -429,7 +415,7 @@ def _of_columns(
     source: Source, values: Mapping[str, Any], err: BadRecord, fields: Fields
 ) -> str | None:
     """What is wrong with a table's columns, if that is why ``err`` refused a row of it
-    (a table's rows have all its columns, null or not; a line of JSON Lines has its own)."""
+    (a table's rows all have its columns; a line of JSON Lines has its own)."""
     if source.kind not in TABLE_KINDS:
         return None
     known = {
@@ -456,7 +442,6 @@ def _of_columns(
 
 
 def dropped_for_length(summary: Summary, seq_len: int, side: TruncationSide) -> str | None:
-    """Why records were dropped for length, and what keeps them (None: none were)."""
     if not summary.dropped:
         return None
     keep = (
@@ -479,8 +464,6 @@ def dropped_for_length(summary: Summary, seq_len: int, side: TruncationSide) -> 
 
 
 def dropped_for_size(summary: Summary, quoted: int = 3) -> str | None:
-    """The records dropped unread for their size, per file, and the first ``quoted`` of
-    them (None: none were)."""
     if not summary.oversized:
         return None
     files = ", ".join(f"{name} {n}" for name, n in summary.oversized.items())
@@ -492,8 +475,7 @@ def dropped_for_size(summary: Summary, quoted: int = 3) -> str | None:
 
 
 def oversized_details(summary: Summary) -> dict[str, Any] | None:
-    """What a region's audit log records of the records it dropped for their size: the
-    limit, how many, how many per file (None: none were)."""
+    """What a region's audit log records of the records dropped for their size."""
     if not summary.oversized:
         return None
     return {
@@ -523,10 +505,9 @@ class _Cut:
     def windows(
         self, length: int, first_trained: int | None, *, chunked: bool
     ) -> list[tuple[int, int]]:
-        """A chunked record's seq-len pieces; else one window of the example: its first
-        seq-len tokens, or (side "left") its last ones, its prompt cut from the start.
-        A response longer than the window keeps its start, after the prompt's last
-        tokens (at least half of seq-len, or the whole prompt if shorter)."""
+        """A chunked record's seq-len pieces, else one window: side "left" cuts the prompt
+        from the start, and a response longer than the window keeps its start after the
+        prompt's last tokens (half of seq-len, or the whole prompt if shorter)."""
         seq_len = self.seq_len
         if chunked:
             return [(start, min(start + seq_len, length)) for start in range(0, length, seq_len)]
@@ -537,10 +518,6 @@ class _Cut:
         return [(start, start + seq_len)]
 
 
-class _Writer(Protocol):
-    def write_batch(self, batch_examples: dict[str, list[Any]]) -> None: ...
-
-
 class _Discard:
     """Where a scan's examples go: nowhere (only the counts are kept)."""
 
@@ -549,7 +526,7 @@ class _Discard:
 
 
 def _count_record(counts: _Counts, item: _Item) -> int | None:
-    """Count a valid record (its shape and person); its user key, if it names one."""
+    """Count a valid record; its user key, if it names one."""
     summary = counts.summary
     summary.records += 1
     summary.shapes[item.record.shape] = summary.shapes.get(item.record.shape, 0) + 1
@@ -564,7 +541,7 @@ def _count_record(counts: _Counts, item: _Item) -> int | None:
 
 
 def _write_batch(
-    writer: _Writer,
+    writer: ArrowWriter | _Discard,
     batch: list[_Item],
     renderer: Renderer,
     tokenizer: PreTrainedTokenizerBase,
@@ -572,8 +549,7 @@ def _write_batch(
     counts: _Counts,
     lengths: _Lengths,
 ) -> None:
-    rendered = []
-    kept = []
+    rendered, kept = [], []
     for item in batch:
         try:
             rendered.append(renderer.render(item.record))
@@ -631,15 +607,13 @@ def _write_batch(
 
 @dataclass(frozen=True)
 class Scanned:
-    """What a scan of a region's data found: every row read and checked, the first
-    ``sample`` valid records rendered and tokenised (nothing written)."""
+    """What a scan of a region's data found (nothing written)."""
 
     #: Rows, records, shapes, users and bad rows: of every row read; examples, tokens,
     #: cuts and drops: of the records rendered.
     summary: Summary
     sampled: int  # records rendered and tokenised
-    #: Sources that could not be read (each a :class:`DataError`'s message): the rows
-    #: before the problem are counted, the rest of that source is not.
+    #: Sources that could not be read: the rows before the problem are counted.
     unreadable: list[str]
     #: A problem of the model met while rendering (its chat template): sampling stopped.
     render_error: str | None
@@ -656,10 +630,9 @@ def scan_examples(
     truncation_side: TruncationSide = "right",
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Scanned:
-    """Read and check every row of ``sources`` as :func:`tokenized` does, but render and
-    tokenise only the first ``sample`` valid records, and write nothing: what a
-    launcher checks in seconds before a run starts. A source that cannot be read is
-    named, and the others are read on."""
+    """Check every row of ``sources`` as :func:`tokenized` does, but render and tokenise
+    only the first ``sample`` valid records, and write nothing: a launcher's check in
+    seconds before a run starts."""
     summary = Summary(
         key="",
         data_fingerprint="",
