@@ -1,16 +1,11 @@
 """Jurisdiction policies: one YAML per jurisdiction, validated once, checked at both ends.
 
-A policy says what may leave a region, under which guarantees, to where. It is a
-strict pydantic model (unknown fields are errors, a boolean is not a number, every
-bound is finite) loaded from strict YAML (no duplicate keys, tags, aliases or
-scalars that YAML 1.1 and 1.2 read differently: one meaning per file), with every
-problem reported as ``file:line: field: message``. Its content hash is the SHA-256
-of the canonical JSON of the validated model, so comments and layout do not change
-it and every process computes the same one.
-
-Checks are pure functions that return a :class:`Decision` with *every* reason,
-never just the first: the region checks a run before it trains, the aggregator
-checks each reply before it aggregates.
+A policy says what may leave a region, under which guarantees, to where: a strict
+pydantic model loaded from strict YAML (no duplicate keys, tags, aliases or scalars that
+YAML 1.1 and 1.2 read differently: one meaning per file), every problem reported as
+``file:line: field: message``. Its content hash is of the validated model, so comments
+and layout do not change it. Checks are pure functions returning a :class:`Decision`
+with *every* reason: the region checks a run before it trains, the aggregator each reply.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from packaging.version import InvalidVersion, Version
@@ -55,9 +50,7 @@ from fedciuic.jurisdictions import JURISDICTIONS
 
 class PolicyError(FedciuicError):
     """A policy file is missing or invalid; whoever depends on it fails closed.
-
-    ``problems`` holds each problem as ``file:line: field: message``.
-    """
+    ``problems``: each as ``file:line: field: message``."""
 
     public_reason = True
 
@@ -86,17 +79,25 @@ _MAX_INT = 2**53 - 1
 _Distinct = AfterValidator(_no_repeats)
 #: A count that every JSON reader holds exactly.
 _Count = Annotated[int, Field(le=_MAX_INT)]
+_J = TypeVar("_J", str, tuple[str, ...])
+
+
+def _known(value: _J) -> _J:
+    unknown = [v for v in ((value,) if isinstance(value, str) else value) if v not in JURISDICTIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown jurisdiction {unknown}; use ISO 3166-1 codes (or EU, EEA) known to fedciuic"
+        )
+    return value
+
+
+#: A jurisdiction (or several) known to fedciuic.
+_Known = AfterValidator(_known)
 
 
 class Transfers(_Section):
-    aggregator_jurisdictions: Annotated[tuple[str, ...], _Distinct] = Field(min_length=1)
+    aggregator_jurisdictions: Annotated[tuple[str, ...], _Distinct, _Known] = Field(min_length=1)
     relay_in_third_country: bool
-
-    @field_validator("aggregator_jurisdictions")
-    @classmethod
-    def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        _check_known(value)
-        return value
 
 
 #: What a policy lets leave a region besides DP outputs (``Privacy.releases``).
@@ -219,7 +220,7 @@ class Policy(_Section):
     ``privacy.unit`` (absent: record) and ``agent`` (absent: any version)."""
 
     version: Literal[1]
-    jurisdiction: str
+    jurisdiction: Annotated[str, _Known]
     laws: Annotated[tuple[str, ...], _Distinct] = Field(min_length=1)
     transfers: Transfers
     privacy: Privacy
@@ -237,12 +238,6 @@ class Policy(_Section):
         # A Literal matches by equality, and True == 1.0 == 1: insist on the integer.
         if type(value) is not int:
             raise ValueError("version is the integer 1")
-        return value
-
-    @field_validator("jurisdiction")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        _check_known((value,))
         return value
 
     @property
@@ -278,14 +273,6 @@ _SECURE_DEFAULTS: dict[str, object] = {
 }
 
 
-def _check_known(values: tuple[str, ...]) -> None:
-    unknown = [v for v in values if v not in JURISDICTIONS]
-    if unknown:
-        raise ValueError(
-            f"unknown jurisdiction {unknown}; use ISO 3166-1 codes (or EU, EEA) known to fedciuic"
-        )
-
-
 # -- loading ------------------------------------------------------------------------------
 
 #: A policy is a few KB; anything this large is a mistake or an attack.
@@ -306,6 +293,11 @@ _PLAIN_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
 _PLAIN_FLOAT = re.compile(
     r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
 )
+#: The plain numbers both read alike, by the tag PyYAML resolves, and what to write instead.
+_PLAIN_NUMBERS = {
+    "tag:yaml.org,2002:int": (_PLAIN_INT, "decimal integer such as 100"),
+    "tag:yaml.org,2002:float": (_PLAIN_FLOAT, "number such as 8.0 or 1.0e-5"),
+}
 _PLAIN_BOOL = frozenset({"true", "True", "TRUE", "false", "False", "FALSE"})
 # YAML 1.1 breaks lines at these, YAML 1.2 does not.
 _LINE_SEPARATORS = re.compile("[\x85\u2028\u2029]")
@@ -322,16 +314,11 @@ class _YamlProblem(Exception):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader restricted to plain YAML with one meaning.
-
-    Refused while composing (so nothing expands and nothing recurses past the
-    bound): explicit tags, anchors and aliases, nesting deeper than
-    :data:`MAX_POLICY_DEPTH`, more than :data:`MAX_POLICY_NODES` values.
-    Refused while constructing: duplicate and non-name keys (the last would
-    silently win), merge keys, and plain scalars that YAML 1.1 and 1.2 read
-    differently. Sequences become tuples, so the strict
-    model sees exactly what the file says.
-    """
+    """PyYAML's safe loader restricted to plain YAML with one meaning. Refused while
+    composing (so nothing expands or recurses past the bounds): tags, anchors, aliases,
+    deep nesting, too many values; while constructing: duplicate and non-name keys (the
+    last would silently win), merge keys, scalars YAML 1.1 and 1.2 read differently.
+    Sequences become tuples, so the strict model sees exactly what the file says."""
 
     def __init__(self, text: str) -> None:
         super().__init__(text)
@@ -340,53 +327,40 @@ class _StrictLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         event = self.peek_event()  # type: ignore[no-untyped-call]
-        line = event.start_mark.line + 1
-        if isinstance(index, yaml.ScalarNode):
-            self._path.append(str(index.value))
-        elif isinstance(index, int):
-            self._path.append(str(index))
-        else:
-            self._path.append("")  # a key, or the document itself
+        name = index.value if isinstance(index, yaml.ScalarNode) else index
+        self._path.append(str(name) if isinstance(name, str | int) else "")  # "": a key
         where = ".".join(p for p in self._path if p) or "(top level)"
+        refuse = functools.partial(_YamlProblem, event.start_mark.line + 1, where)
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise _YamlProblem(
-                line,
-                where,
-                "anchors (&name) and aliases (*name) are not allowed; write the value out in full",
+            raise refuse(
+                "anchors (&name) and aliases (*name) are not allowed; write the value out in full"
             )
         tag = getattr(event, "tag", None)
         if tag is not None:
-            raise _YamlProblem(
-                line,
-                where,
+            raise refuse(
                 f"tag {tag.replace('tag:yaml.org,2002:', '!!')} is not allowed; a policy is "
-                "plain YAML: remove the tag",
+                "plain YAML: remove the tag"
             )
         self._nodes += 1
         if self._nodes > MAX_POLICY_NODES:
-            raise _YamlProblem(
-                line,
-                where,
+            raise refuse(
                 f"more than {MAX_POLICY_NODES} values; a policy holds about sixty: "
-                "use one of policies/ as a template",
+                "use one of policies/ as a template"
             )
         if isinstance(event, yaml.CollectionStartEvent) and len(self._path) > MAX_POLICY_DEPTH:
-            raise _YamlProblem(
-                line,
-                where,
+            raise refuse(
                 f"nested deeper than {MAX_POLICY_DEPTH} levels; a policy is a "
-                "mapping of sections, three levels deep",
+                "mapping of sections, three levels deep"
             )
         node = super().compose_node(parent, index)
         self._path.pop()
         if node is None:  # PyYAML composes every scalar and collection event
-            raise _YamlProblem(line, where, "expected a value")
+            raise refuse("expected a value")
         return node
 
     def plain(self, node: yaml.Node, path: tuple[str, ...] = ()) -> Any:
         """The Python value of a composed node: dicts, tuples, str, int, float, bool, None."""
         where = ".".join(path) or "(top level)"
-        line = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             lines: dict[str, int] = {}
@@ -416,27 +390,17 @@ class _StrictLoader(yaml.SafeLoader):
             return out
         if isinstance(node, yaml.SequenceNode):
             return tuple(self.plain(item, (*path, str(i))) for i, item in enumerate(node.value))
-        value = node.value
-        if node.tag == "tag:yaml.org,2002:int" and not _PLAIN_INT.fullmatch(value):
-            raise _YamlProblem(
-                line,
-                where,
-                f"{value!r} is read differently by YAML 1.1 and 1.2; write a "
-                "decimal integer such as 100, or quote it for text",
-            )
-        if node.tag == "tag:yaml.org,2002:float" and not _PLAIN_FLOAT.fullmatch(value):
-            raise _YamlProblem(
-                line,
-                where,
-                f"{value!r} is read differently by YAML 1.1 and 1.2; write a "
-                "number such as 8.0 or 1.0e-5, or quote it for text",
+        value, refuse = node.value, functools.partial(_YamlProblem, node.start_mark.line + 1, where)
+        plain, write = _PLAIN_NUMBERS.get(node.tag, (None, ""))
+        if plain is not None and not plain.fullmatch(value):
+            raise refuse(
+                f"{value!r} is read differently by YAML 1.1 and 1.2; write a {write}, or "
+                "quote it for text"
             )
         if node.tag == "tag:yaml.org,2002:bool" and value not in _PLAIN_BOOL:
-            raise _YamlProblem(
-                line,
-                where,
+            raise refuse(
                 f"{value!r} is a boolean in YAML 1.1 and text in YAML 1.2; write "
-                f'true or false, or quote it for text ("{value}")',
+                f'true or false, or quote it for text ("{value}")'
             )
         if node.tag == "tag:yaml.org,2002:timestamp":
             return value  # a string in YAML 1.2; no policy field is a date
@@ -534,13 +498,10 @@ def _parse(path: Path, text: str) -> tuple[yaml.Node | None, Any]:
 
 def load_policy(path: Path) -> LoadedPolicy:
     """Parse and validate a policy; every problem as ``file:line: field: message``.
-
-    Fails closed with a :class:`PolicyError` and nothing else, whatever the file
-    holds: a policy that cannot be read binds nobody to anything, and a bug in a
-    parser must not become a traceback that stops a party.
-    """
+    Fails closed with a :class:`PolicyError` and nothing else, whatever the file holds:
+    a bug in a parser must not become a traceback that stops a party."""
     try:
-        return _load(path)
+        return _loaded(path, _read_text(path))
     except PolicyError:
         raise
     except Exception as err:
@@ -548,10 +509,6 @@ def load_policy(path: Path) -> LoadedPolicy:
             f"{path}:1: (file): cannot load the policy ({type(err).__name__}: {err}); "
             "compare it with one of policies/"
         ) from None
-
-
-def _load(path: Path) -> LoadedPolicy:
-    return _loaded(path, _read_text(path))
 
 
 @functools.lru_cache(maxsize=64)
@@ -629,11 +586,9 @@ def _line_of(node: Any, loc: list[str]) -> int:
 
 @dataclass(frozen=True)
 class PolicySet:
-    """The policies of a folder by jurisdiction, and the files that could not be read.
-
-    Loading does not stop at a bad file: whoever needs the jurisdiction it was
-    meant for finds no policy and fails closed, with the file's problem as reason.
-    """
+    """The policies of a folder by jurisdiction, and the files that could not be read:
+    whoever needs the jurisdiction a bad file was meant for finds no policy and fails
+    closed, with the file's problem as reason."""
 
     directory: Path
     by_jurisdiction: dict[str, LoadedPolicy]
@@ -658,12 +613,9 @@ class PolicySet:
 
 
 def load_policies(directory: Path) -> PolicySet:
-    """Every ``*.yaml`` policy of a folder, by jurisdiction; every problem is listed.
-
-    A bad file does not stop the others from loading: the caller decides whether
-    the problems refuse the run (``fedciuic simulate``) or only the regions whose
-    policy is missing (the aggregator).
-    """
+    """Every ``*.yaml`` policy of a folder, by jurisdiction; every problem is listed. A bad
+    file does not stop the others: the caller decides whether the problems refuse the run
+    (``fedciuic simulate``) or only the regions whose policy is missing (the aggregator)."""
     try:
         paths = sorted(directory.glob("*.yaml")) if directory.is_dir() else None
     except OSError as err:
@@ -931,10 +883,8 @@ class UpdateFacts:
 def check_update(
     loaded: LoadedPolicy | None, facts: UpdateFacts, run: RunTerms, missing: str = ""
 ) -> Decision:
-    """The aggregator's check of one reply against its sender's policy (fail closed).
-
-    ``missing`` says why there is no policy when ``loaded`` is None.
-    """
+    """The aggregator's check of one reply against its sender's policy (fail closed);
+    ``missing``: why there is no policy when ``loaded`` is None."""
     if loaded is None:
         return Decision(
             "aggregator",
@@ -1130,11 +1080,11 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 def diff(a: LoadedPolicy, b: LoadedPolicy) -> list[str]:
     """Every field that differs between two policies, as ``field: A -> B``."""
     left, right = _flat(a.policy.model_dump(mode="json")), _flat(b.policy.model_dump(mode="json"))
-    lines = []
-    for key in sorted(set(left) | set(right)):
-        if left.get(key) != right.get(key):
-            lines.append(f"{key}: {_show(left.get(key))} -> {_show(right.get(key))}")
-    return lines
+    return [
+        f"{key}: {_show(left.get(key))} -> {_show(right.get(key))}"
+        for key in sorted(set(left) | set(right))
+        if left.get(key) != right.get(key)
+    ]
 
 
 def _show(value: Any) -> str:
