@@ -1,17 +1,11 @@
 """Presidio recognizers for every entity type fedciuic scrubs, all offline.
 
-Presidio's own pattern recognizers are used where they validate what they find (IBANs,
-SSNs, IPs, e-mail, phone numbers through ``phonenumbers``, the Spanish, Italian, Polish,
-Finnish and Swedish identity numbers); fedciuic adds what Presidio lacks: card numbers of
-every network, also inside Chinese text (:mod:`fedciuic.deid.cards`), the mainland China
-resident ID with its GB 11643-1999 check digit, mainland China mobile numbers written
-without a country code, URLs whose path names a person (Presidio's URL recognizer flags
-every dotted word, ``os.path`` included), and the region's dictionary. Every recognizer is
-built for one analysis language: the patterns do not depend on it.
-
-Whatever is found in a number is kept when it is only part of a longer token
-(:class:`WholeTokens`): the PESEL inside ``2.718281828459045``, the phone number inside
-``INV-2019-004512`` or ``10.1234/5678901``.
+Presidio's own pattern recognizers are used where they validate what they find; fedciuic
+adds what Presidio lacks (card numbers of every network, also inside Chinese text, the
+mainland China resident ID and mobile numbers, URLs whose path names a person, where
+Presidio's flags every dotted word, and the region's dictionary). What is found in a
+number is kept when it is only part of a longer token (:class:`WholeTokens`): the PESEL
+inside ``2.718281828459045``, the phone number inside ``INV-2019-004512``.
 """
 
 from __future__ import annotations
@@ -89,32 +83,10 @@ class CnResidentIdRecognizer(PatternRecognizer):
         return cn_resident_id_valid(pattern_text)
 
 
-class CardRecognizer(EntityRecognizer):
-    """Payment card numbers of every network, by IIN range, length and Luhn
-    (:data:`fedciuic.deid.cards.NETWORKS`), with or without a word boundary."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            supported_entities=[CREDIT_CARD], supported_language=LANGUAGE, name="CardRecognizer"
-        )
-
-    def load(self) -> None:
-        return None
-
-    def analyze(
-        self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None
-    ) -> list[RecognizerResult]:
-        del nlp_artifacts
-        if CREDIT_CARD not in entities:
-            return []
-        return [RecognizerResult(CREDIT_CARD, c.start, c.end, 1.0) for c in find_cards(text)]
-
-
 def _not_a_phone(text: str, run: re.Match[str]) -> bool:
     """A run that is a number rather than a phone number: a decimal's digits, a bare run
-    of digits with no + and no separator (an amount, a count, a constant; a mainland
-    China mobile written so is found by :class:`CnMobileRecognizer`), or digits grouped
-    in thousands (``1 234 567 890``)."""
+    of digits (a mainland China mobile written so is :class:`CnMobileRecognizer`'s), or
+    digits grouped in thousands."""
     before, after = text[max(0, run.start() - 2) : run.start()], text[run.end() : run.end() + 2]
     if before.endswith(".") or re.fullmatch(r"\.\d", after):
         return True
@@ -166,8 +138,7 @@ _UNIT_AFTER = re.compile(
 
 def _named_reference(text: str, start: int, end: int) -> bool:
     """A finding named as a reference by the words before it (``invoice 2024-000123``,
-    ``ISBN 0-306-40615-2``, ``EAN 5716241543590``, ``订单号13812345678``), or the result
-    of a calculation (``a * b = 6557470319842``)."""
+    ``订单号13812345678``), or the result of a calculation (``a * b = 6557470319842``)."""
     del end
     before = max(0, start - 32)
     return (
@@ -178,17 +149,14 @@ def _named_reference(text: str, start: int, end: int) -> bool:
 
 def _dotted_version(found: str) -> bool:
     """Three or more groups of digits joined by dots, one of a single digit: a version
-    (``114.0.6914.14``, ``0.16.164``), where phone numbers written with dots group by two
-    or more (``06.12.34.56.78``, ``212.555.0123``)."""
+    (``114.0.6914.14``), where phone numbers group by two or more (``06.12.34.56.78``)."""
     groups = found.split(".")
     return len(groups) >= 3 and all(g.isdecimal() for g in groups) and min(map(len, groups)) == 1
 
 
 def _phone_shaped_number(text: str, start: int, end: int) -> bool:
-    """A phone-shaped finding that is no phone number: a reference
-    (:func:`_named_reference`, or numbered: ``Order #123-4567890``), a date at its start
-    (``2024-03-15 10``), a version (``Chrome 114.0.6914.14``), an IPv4 address or network
-    (``192.168.1.0/24``) or a quantity (``299 792 458 m/s``)."""
+    """A phone-shaped finding that is no phone number: a reference, a date at its start,
+    a version, an IPv4 address or network, or a quantity."""
     return (
         _named_reference(text, start, end)
         or text[max(0, start - 3) : start].rstrip().endswith("#")
@@ -200,10 +168,9 @@ def _phone_shaped_number(text: str, start: int, end: int) -> bool:
 
 
 def _not_an_address(text: str, start: int, end: int) -> bool:
-    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``,
-    ``AssemblyVersion("16.36.7.0")``), or an IPv6 shape with fewer than three groups or
-    no digit, as code writes them (``a::b``, ``arr[::2]``, ``dead::beef``; the loopback
-    ``::1`` names no one either). Any other IPv4 shape is an address, ``1.2.3.4`` too."""
+    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``), or
+    an IPv6 shape with fewer than three groups or no digit, as code writes them
+    (``arr[::2]``, ``dead::beef``; ``::1`` names no one either)."""
     found = text[start:end]
     if ":" not in found:
         return _VERSION_MARK.search(text, max(0, start - 24), start) is not None
@@ -212,15 +179,13 @@ def _not_an_address(text: str, start: int, end: int) -> bool:
 
 
 def _continues_token(char: str) -> bool:
-    """Whether ``char`` continues a word or number of a script written with spaces: a
-    letter of Latin, Greek or Cyrillic, a digit, ``_``. Chinese and Japanese text runs
-    into numbers without a space (``卡号6222...``): its characters do not."""
+    """Whether ``char`` continues a word or number of a script written with spaces (Chinese
+    text runs into numbers without one: ``卡号6222...``)."""
     return char == "_" or char.isdecimal() or (char.isalpha() and ord(char) < 0x0530)
 
 
 #: Separators that make one token of what is on both sides: a hyphen or slash joins
-#: letters and digits (``INV-2019-004512``, ``10.1234/5678901``), a '.' or ':' joins digits
-#: (``2.718281828459045``, ``10:20:30``).
+#: letters and digits, a '.' or ':' joins digits.
 NUMBER_JOINERS = "-/.:"
 
 
@@ -239,8 +204,6 @@ def inside_token(text: str, start: int, end: int, joiners: str = NUMBER_JOINERS)
 
 
 def _joined(beside: str, beyond: str, joiners: str) -> bool:
-    """Whether ``beside`` (the character next to a finding), followed by ``beyond``,
-    makes the finding part of a longer token."""
     if _continues_token(beside):
         return True
     if not beyond or beside not in joiners:
@@ -256,19 +219,17 @@ _UNSPACED_LETTER = re.compile(r"[^\W\d_\u0000-\u052f]")
 @functools.lru_cache(maxsize=2)
 def _unglued(text: str) -> str:
     """``text`` with every letter of a script written without spaces read as a space
-    (made once per text for all the recognizers that read it so)."""
+    (once per text for all the recognizers)."""
     return _UNSPACED_LETTER.sub(" ", text)
 
 
 class WholeTokens(EntityRecognizer):
-    """A recognizer whose findings are kept only where they are whole tokens (not
-    :func:`inside_token`) and not ``also_kept`` by a rule of their type. A wrapper, so that
-    one rule holds for every recognizer of numbers, Presidio's and fedciuic's; it answers
-    to the wrapped one's id, so that Presidio's context words still apply.
+    """A recognizer whose findings are kept only where they are whole tokens and not
+    ``also_kept`` by a rule of their type: one rule for every recognizer of numbers. It
+    answers to the wrapped one's id, so that Presidio's context words still apply.
 
-    With ``unglued``, the wrapped recognizer reads the text with every letter of a script
-    written without spaces as a space (offsets do not move): Presidio's patterns start
-    and end at word boundaries, and Python's ``\\b`` sees none in ``客户123-45-6789的``."""
+    ``unglued``: Presidio's patterns need word boundaries, and Python's ``\\b`` sees none
+    in ``客户123-45-6789的`` (:func:`_unglued`)."""
 
     def __init__(
         self,
@@ -320,10 +281,8 @@ class WholeTokens(EntityRecognizer):
 
 
 class FastPhoneRecognizer(PhoneRecognizer):
-    """Presidio's phone recognizer (``phonenumbers``, every region of
-    :data:`PHONE_REGIONS`), run only on the runs of digits that could be a number:
-    scanning whole texts once per region costs some 5 us a character, most texts have no
-    such run, and a match never reaches beyond one."""
+    """Presidio's phone recognizer, run only on the runs of digits that could be a number:
+    scanning whole texts once per region is slow, and a match never reaches beyond one."""
 
     def __init__(self) -> None:
         super().__init__(supported_language=LANGUAGE, supported_regions=PHONE_REGIONS)
@@ -424,8 +383,7 @@ class OfflineEmailRecognizer(EmailRecognizer):
 
 
 class _SpanRecognizer(EntityRecognizer):
-    """One entity type found by a function of the text alone (no NLP artifacts): the
-    spans it returns, each at one score."""
+    """One entity type found by a function of the text alone, each span at one score."""
 
     def __init__(
         self, entity: str, score: float, find: Callable[[str], Iterable[tuple[int, int]]]
@@ -446,6 +404,15 @@ class _SpanRecognizer(EntityRecognizer):
             return []
         spans = sorted(set(self._find(text)))
         return [RecognizerResult(self._entity, s, e, self._score) for s, e in spans]
+
+
+class CardRecognizer(_SpanRecognizer):
+    """Payment card numbers of every network (:mod:`fedciuic.deid.cards`)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            CREDIT_CARD, 1.0, lambda text: ((c.start, c.end) for c in find_cards(text))
+        )
 
 
 class DictionaryRecognizer(_SpanRecognizer):
@@ -478,10 +445,8 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     FI_PERSONAL_IDENTITY_CODE: FiPersonalIdentityCodeRecognizer,
     SE_PERSONNUMMER: SePersonnummerRecognizer,
 }
-#: The types patterns find as tokens of running text (all but names and URLs): every
-#: recognizer of one is wrapped in :class:`WholeTokens`, with its separators and its own
-#: rule (IPs take '/24' and ':8080' after them), and Presidio's patterns read Chinese
-#: text unglued.
+#: The types found as tokens of running text: every recognizer of one is wrapped in
+#: :class:`WholeTokens` with its separators and rule (IPs take '/24' and ':8080' after).
 _TOKEN_RULES: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
     PHONE_NUMBER: (NUMBER_JOINERS, _phone_shaped_number),
     IP_ADDRESS: (".", _not_an_address),
@@ -514,7 +479,6 @@ _OWN: dict[str, tuple[Callable[[], EntityRecognizer], ...]] = {
 
 
 def pattern_recognizers(entities: tuple[str, ...]) -> list[EntityRecognizer]:
-    """The pattern recognizers of ``entities``, made only for those."""
     made: list[EntityRecognizer] = []
     for entity in entities:
         found_by = [_PRESIDIO[entity](supported_language=LANGUAGE)] if entity in _PRESIDIO else []
