@@ -40,29 +40,26 @@ FAILED = "failed"  # no usable reply: the region's process failed, or it never a
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
 #: Why a node asked in a round is a failed reply when it did not answer in time.
 NO_REPLY = "no reply within round-timeout"
-#: Seconds between two pulls of replies while the aggregator waits for them: each pull
-#: is one cheap call to the SuperLink, and a reply waits for the next (Flower's
-#: ``Grid.send_and_receive`` pulls every 3 s).
+#: Seconds between two pulls of replies: a pull is one cheap call to the SuperLink, and a
+#: reply waits for the next (Flower's ``Grid.send_and_receive`` pulls every 3 s).
 PULL_INTERVAL = 0.2
 ENVELOPE, UPDATE = "envelope", "update"
 #: The records a message holds (Flower's RecordDict keys; the agent's channel uses the same).
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
 JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
-#: A trained reply's privacy unit (what its epsilon is per), "" without DP. In the info,
-#: not the metrics, since Flower's metrics hold only numbers.
+#: A trained reply's privacy unit, "" without DP: in the info, as metrics hold only numbers.
 PRIVACY_UNIT = "privacy-unit"
-#: A trained reply's adapter-mode (what its update's tensors are): the aggregator refuses
-#: an update trained in a mode other than the run's, naming the key.
+#: A trained reply's adapter-mode: the aggregator refuses one other than the run's.
 ADAPTER_MODE = "adapter-mode"
-#: A trained reply's de-identification: the entity types scrubbed from the region's texts
-#: before it trained, comma-separated ("" when off); checked against its policy.
+#: The entity types a trained reply's region scrubbed, comma-separated ("" when off);
+#: checked against its policy.
 DEID_ENTITIES = "deid-entities"
-#: A secure round's trained reply: the norm the region's update acts as in the secure
-#: sum's rotation, rounded up (the aggregator scales the sum by the regions' norms).
+#: A secure round's trained reply: its update's norm, rounded up, which the aggregator
+#: scales the secure sum by.
 UPDATE_NORM = "update-norm"
-#: Fields a region may add to any reply: its key id and signature over the reply (with
-#: sealing), and the head of its audit log's latest signed checkpoint (witnessing); the
-#: aggregator's instructions carry the head of its own log the same way.
+#: Fields a region may add to any reply: its key id and signature (with sealing), and its
+#: audit log's latest signed checkpoint head (witnessing), as instructions carry the
+#: aggregator's.
 KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD = "key-id", "signature", "audit-count", "audit-head"
 #: Which code made a reply: the region's fedciuic version and the SHA-256 of its installed
 #: code (``fedciuic.digests.code_digest``), in every reply, under its signature.
@@ -72,8 +69,8 @@ AGENT_VERSION, AGENT_CODE = "agent-version", "agent-code"
 @dataclass(frozen=True)
 class Instruction:
     """What the aggregator sends a region each round (untrusted until its signature is
-    checked): the global adapter and, under the same signature, the kind of task, the
-    run config the region is to apply (canonical JSON) and a single-use nonce."""
+    checked): the global adapter and, signed with it, the task, the run config's canonical
+    JSON and a single-use nonce."""
 
     adapter: dict[str, np.ndarray]
     server_round: int
@@ -92,7 +89,7 @@ class Instruction:
 
     @cached_property
     def terms(self) -> Terms:
-        """What its signature binds (the config's digest computed once)."""
+        """What its signature binds (cached: the config's digest is computed once)."""
         return Terms(
             self.kind,
             config_digest(self.run_config),
@@ -104,17 +101,14 @@ class Instruction:
         )
 
     def run_settings(self) -> dict[str, Any]:
-        """The run config it carries, as a mapping (validated by ``RunConfig``)."""
         return run_settings(self.run_config)
 
 
 @dataclass(frozen=True)
 class RunEndNotice:
-    """After ``run_end``: the head of the aggregator's log, signed, for each region to
-    record (and answer with its own): the end of a run is witnessed like a round. It
-    also lists what the aggregator received from each region in the federation run
-    (``receipts``: canonical JSON ``{region: [[round, digest], ...]}``), so that a
-    region records which of its releases never arrived."""
+    """After ``run_end``, the aggregator's log head, signed, for each region to record and
+    answer with its own, and ``receipts`` (``{region: [[round, digest], ...]}``) of what
+    it received, so that a region records which of its releases never arrived."""
 
     federation_run: int
     witness: tuple[int, str]
@@ -123,7 +117,6 @@ class RunEndNotice:
     signature: bytes = b""
     signer: str = ""
     receipts: str = "{}"
-    #: The region it is for (signed): any other refuses it.
     recipient: str = ""
 
     @property
@@ -150,7 +143,6 @@ class RunEndNotice:
 
     @cached_property
     def terms(self) -> Terms:
-        """What its signature binds (the config's digest computed once)."""
         return Terms(
             self.kind,
             config_digest(self.run_config),
@@ -213,7 +205,6 @@ def _typed(config: Mapping[str, object], key: str, kind: type, default: object) 
 
 
 def _head(config: Mapping[str, object], what: str) -> tuple[int, str]:
-    """The aggregator's audit head that an instruction or notice carries."""
     try:
         return checkpoint_head(config.get(AUDIT_COUNT), config.get(AUDIT_HEAD))
     except AuditError as err:
@@ -238,8 +229,7 @@ def _terms(config: Mapping[str, object], what: str) -> tuple[TaskKind, str, byte
 
 
 def is_region_name(value: object) -> TypeGuard[str]:
-    """Whether an untrusted value is a party's name (what keys, replies and instructions
-    name regions by)."""
+    """Whether an untrusted value is a party's name."""
     return isinstance(value, str) and re.fullmatch(NAME_PATTERN, value) is not None
 
 
@@ -253,8 +243,7 @@ def _recipient(config: Mapping[str, object], what: str) -> str:
 def parse_instruction(
     config: Mapping[str, object], adapter: Mapping[str, np.ndarray]
 ) -> Instruction:
-    """An instruction's fields as typed values (it is untrusted until its signature is
-    checked): :class:`MalformedInstruction` says what is wrong."""
+    """An instruction's fields as typed values, untrusted until its signature is checked."""
     server_round = _typed(config, SERVER_ROUND, int, None)
     federation_run = _typed(config, FEDERATION_RUN, int, 0)
     if not 0 <= server_round < 2**32 or not 0 <= federation_run < 2**64:
@@ -312,8 +301,7 @@ def parse_run_end(config: Mapping[str, object]) -> RunEndNotice:
 
 
 def instruction_fields(task: Instruction | RunEndNotice) -> dict[str, str | int | bytes]:
-    """What an instruction or notice sends besides the adapter: the inverse of
-    :func:`parse_instruction` / :func:`parse_run_end`."""
+    """The inverse of :func:`parse_instruction` / :func:`parse_run_end`."""
     fields: dict[str, str | int | bytes] = {
         FEDERATION_RUN: task.federation_run,
         TASK: str(task.kind),
@@ -391,8 +379,7 @@ class TrainMetrics(_Strict):
     privacy: PrivacyFigures | None = None
 
     def declared(self) -> dict[str, Any]:
-        """Its privacy as the policies check it and the audit log records it: epsilon,
-        delta, max_grad_norm, secure_mode and unit, each None without DP."""
+        """Its privacy as the policies check it and the audit log records it (None: no DP)."""
         p = self.privacy
         if p is None:
             return dict.fromkeys(("epsilon", "delta", "max_grad_norm", "secure_mode", "unit"))
@@ -432,9 +419,8 @@ def _problem(err: ValidationError, what: str) -> MalformedReply:
 
 
 def parse_train_metrics(metrics: object, unit: str) -> TrainMetrics:
-    """A trained reply's metrics (clear, or from inside its envelope) and the privacy
-    unit its info declares (:data:`PRIVACY_UNIT`), validated: DP figures come with a
-    unit, and a unit only with DP figures."""
+    """A trained reply's metrics and the privacy unit its info declares, validated: DP
+    figures come with a unit, and a unit only with DP figures."""
     if not isinstance(metrics, Mapping):
         raise MalformedReply(f"malformed metrics: an object expected, got {type(metrics).__name__}")
     flat = dict(metrics)
@@ -508,15 +494,13 @@ def parse_info(info: object, status: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Records:
-    """A reply's content as Flower carries it, without Flower: ``info`` (a config
-    record), ``metrics`` (a metric record) and, for an update, its arrays."""
+    """A reply's content as Flower's records carry it, without Flower."""
 
     info: dict[str, str | int | bytes]
     metrics: dict[str, int | float] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] | None = None
 
     def sign(self, keypair: Keypair, *, run_id: int, server_round: int) -> Records:
-        """The same records with the region's key id and signature in the info."""
         info: dict[str, Any] = dict(self.info)
         sign_info(info, self.metrics, keypair, run_id=run_id, server_round=server_round)
         return Records(info, self.metrics, self.arrays)
@@ -614,8 +598,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class Unread:
-    """A reply that arrived but is not parsed yet: it is read inside the aggregator's
-    per-reply boundary, so that a reply that cannot be read is rejected alone."""
+    """A reply not parsed yet: read inside the aggregator's per-reply boundary, so that
+    one that cannot be read is rejected alone."""
 
     node_id: int
     read: Callable[[], Reply]
@@ -662,14 +646,23 @@ def failed(node_id: int, region: str, reason: str) -> Reply:
     return Reply(node_id, region, FAILED, reason=reason)
 
 
+def _one_array(arrays: dict[str, np.ndarray] | None, status: str, name: str) -> np.ndarray:
+    """The one uint8[n] array a sealed or secure reply carries."""
+    array = (arrays or {}).get(name)
+    if arrays is None or set(arrays) != {name} or array is None:
+        raise MalformedReply(f"malformed reply: a {status} reply carries one array, {name}")
+    if array.dtype != np.uint8 or array.ndim != 1:
+        raise MalformedReply(f"malformed reply: {name}: uint8[n] expected")
+    return array
+
+
 def parse_reply(
     node_id: int,
     raw_info: Mapping[str, object],
     raw_metrics: Mapping[str, object],
     arrays: Mapping[str, np.ndarray] | None,
 ) -> Reply:
-    """A reply's clear fields and arrays into typed values; :class:`MalformedReply`
-    says what is wrong."""
+    """A reply's clear fields and arrays as typed values."""
     status = raw_info.get("status")
     info = parse_info(raw_info, str(status))
     status = info["status"]
@@ -683,21 +676,9 @@ def parse_reply(
         metrics[key] = value  # type: ignore[assignment]
     envelope, clear = None, dict(arrays) if arrays is not None else None
     if status == SEALED:
-        if clear is None or set(clear) != {ENVELOPE}:
-            raise MalformedReply("malformed reply: a sealed reply carries one array, envelope")
-        sealed = clear[ENVELOPE]
-        if sealed.dtype != np.uint8 or sealed.ndim != 1:
-            raise MalformedReply("malformed reply: envelope: uint8[n] expected")
-        envelope, clear = sealed.tobytes(), None
+        envelope, clear = _one_array(clear, status, ENVELOPE).tobytes(), None
     elif status == SECURE:
-        answer = (clear or {}).get(SECAGG_ANSWER)
-        if clear is None or set(clear) != {SECAGG_ANSWER} or answer is None:
-            raise MalformedReply(
-                f"malformed reply: a {SECURE} reply carries one array, {SECAGG_ANSWER}"
-            )
-        if answer.dtype != np.uint8 or answer.ndim != 1:
-            raise MalformedReply(f"malformed reply: {SECAGG_ANSWER}: uint8[n] expected")
-        if digest_of(answer.tobytes()) != info[SECAGG_DIGEST]:
+        if digest_of(_one_array(clear, status, SECAGG_ANSWER).tobytes()) != info[SECAGG_DIGEST]:
             raise MalformedReply(f"malformed reply: {SECAGG_ANSWER} does not match {SECAGG_DIGEST}")
     elif status != TRAINED and clear is not None:
         raise MalformedReply(f"malformed reply: a {status} reply carries no arrays")
