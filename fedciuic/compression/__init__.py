@@ -1,12 +1,9 @@
 """Codecs for adapter deltas, with error feedback (pure NumPy, no Flower).
 
-A delta is a flat float32 vector (the adapter tensors in name order; both sides know
-the layout from the global adapter). A codec, picked by name from :data:`CODECS`
-(``dense``, ``int8``, ``int4``, ``int2``, ``sign``, ``topk:F``, ``topk-int8:F``,
-``topk-int4:F``, ``topk-sign:F``; F, the kept fraction, in (0, 1]), turns it into bytes
-in a versioned wire format (``codecs``) and back. Top-k indices are coded near
-log2 C(n, k) (``indices``); values as fp32, int8, int4, int2 (each stochastically
-rounded, unbiased) or sign (``values``).
+A delta is a flat float32 vector (the adapter tensors in name order). A codec from
+:data:`CODECS` turns it into bytes in a versioned wire format (``codecs``) and back;
+top-k indices are coded near log2 C(n, k) (``indices``), values as fp32, int8, int4,
+int2 or sign (``values``).
 """
 
 from fedciuic.compression.codecs import Codec as Codec

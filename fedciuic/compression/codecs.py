@@ -85,8 +85,7 @@ class Sparse:
 
 @dataclass(frozen=True)
 class Codec:
-    """A named encoding of flat float32 deltas: every entry's values, or the top-k
-    magnitudes' indices and values (``sparse``)."""
+    """A named encoding of flat float32 deltas: every entry, or the top-k (``sparse``)."""
 
     name: str  # the spec it was parsed from: ``dense``, ``topk-int8:0.015``
     ident: int
@@ -96,8 +95,7 @@ class Codec:
 
     @property
     def family(self) -> str:
-        """The name without its argument (``topk-int8:0.015`` is ``topk-int8``): what
-        policies allow or refuse."""
+        """The name without its argument: what policies allow or refuse."""
         return self.name.partition(":")[0]
 
     def __str__(self) -> str:
@@ -158,9 +156,8 @@ class Codec:
 
 
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
-    """The sorted indices of the ``k`` largest ``|x|`` (ties at the threshold: the lowest
-    indices). The threshold is found among a candidate set that a strided sample bounds,
-    so a 13.8M-entry delta needs no full partition or sort."""
+    """The sorted indices of the ``k`` largest ``|x|`` (ties: the lowest indices), the
+    threshold found among candidates a strided sample bounds (no full partition)."""
     a = np.abs(x)
     if k >= a.size:
         return np.arange(a.size)

@@ -68,8 +68,7 @@ class _Stored:
 
     def part(self, index: int) -> tuple[np.ndarray, str]:
         """Part ``index`` and its digest, checked: only the residual a round uses is
-        hashed (a realistic pair is 80 MB), and a damaged one it does not use is dropped
-        by the next save."""
+        hashed, and a damaged one it does not use is dropped by the next save."""
         part = self.parts[index]
         digest = _sha256(part)
         if self.digests is not None and digest != self.digests[index]:
@@ -80,12 +79,9 @@ class _Stored:
 
 
 class ErrorFeedback:
-    """A region's residual, kept at ``path`` between rounds and runs.
-
-    ``round_tag`` names the round it serves. The file keeps the residual after that
-    round and the one before it, so that a round trained again (the region stopped
-    after compressing and before its release committed) starts from the same residual
-    as the first attempt, not from the one that attempt left behind.
+    """A region's residual, kept at ``path`` between rounds and runs: the residual after
+    round ``round_tag`` and the one before it, so that a round trained again (stopped
+    before its release committed) starts from the same residual as the first attempt.
     """
 
     def __init__(self, path: Path, codec: Codec, layout: str, n: int, round_tag: str = "") -> None:
@@ -135,9 +131,8 @@ class ErrorFeedback:
         tmp.replace(self.path)
 
     def _read(self) -> _Stored | None:
-        """The file's residuals as a read-only map of its pages (an 80 MB pair is not
-        copied into the process), its header checked; each part's digest is checked when
-        the part is used (:meth:`_Stored.part`)."""
+        """The file's residuals as a read-only map of its pages (not copied into the
+        process), its header checked; each part's digest is checked when it is used."""
         if not self.path.exists():
             return None
         try:

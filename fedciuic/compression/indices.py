@@ -158,8 +158,8 @@ def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
 
 
 def decode_v1(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
-    """Format 1 (fedciuic before issue 20): one width w for every gap, then the k gaps
-    packed w bits each. Read so that an update sealed before an upgrade still opens."""
+    """Format 1: one width w for every gap, then the k gaps packed w bits each; read so
+    that an update sealed before an upgrade still opens."""
     if len(data) < 1:
         raise MalformedUpdate("index block missing")
     width = data[0]

@@ -1,9 +1,6 @@
 """Value bodies: fp32; int8, int4 and int2 with stochastic rounding (unbiased); and
-sign; each but fp32 with one fp32 scale per :data:`CHUNK` entries (pure NumPy,
-vectorised).
-
-Each ``decode`` checks that the body holds what its sizes say before reading it, and
-returns (values, bytes used).
+sign; each but fp32 with one fp32 scale per :data:`CHUNK` entries. Each ``decode``
+checks that the body holds what its sizes say before reading it.
 """
 
 from __future__ import annotations
