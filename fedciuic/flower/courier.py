@@ -1,11 +1,9 @@
 """The aggregator's loop over Flower's Grid: :class:`FlowerTransport` implements
 :class:`~fedciuic.aggregator.loop.Transport`.
 
-``Grid.send_and_receive`` waits for a fixed set of replies and forgets the rest, so a
-region that answers late is never heard and a slow one is sent a second task while it
-still works on the first. The loop pushes each message once and pulls its reply by id
-whenever it comes (``fedciuic.aggregator.loop.Courier`` keeps what is in flight); this
-module only turns instructions into Flower Messages and Messages into unread replies.
+Not ``Grid.send_and_receive``, which forgets replies that come late (a slow region is
+never heard, and sent a second task while it works on the first): the loop pushes each
+message once and pulls its reply by id whenever it comes.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ def _messages(content: RecordDict, nodes: Sequence[int], message_type: str) -> l
 
 
 def unread(message: Message, node: int) -> Unread:
-    """A pulled reply, to be read inside the aggregator's per-reply boundary, filed under
+    """A pulled reply, read later inside the aggregator's per-reply boundary, filed under
     the node its message went to (an error the SuperLink writes names itself instead)."""
     return Unread(node, partial(protocol.read_reply, message, node))
 
@@ -55,9 +53,8 @@ class FlowerTransport:
         return {node: region for node, region in named.items() if region is not None}
 
     def _exchange(self, messages: Sequence[Message], timeout: float) -> list[Message]:
-        """Push ``messages``, then pull their replies until all came or ``timeout``.
-        Not Grid.send_and_receive, which polls every 3 s: a hello or a run-end notice is
-        answered in about as long as a ClientApp takes to start."""
+        """Push ``messages``, then pull their replies until all came or ``timeout`` (not
+        Grid.send_and_receive, which polls every 3 s: too slow for a hello)."""
         waiting = {i for i in self.grid.push_messages(messages) if i}
         replies: list[Message] = []
         deadline = time.monotonic() + timeout
@@ -71,8 +68,7 @@ class FlowerTransport:
         return replies
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
-        # Each node its own instruction (signed for its region), the adapter they share
-        # packed once.
+        # Each node its own signed instruction; the adapter they share packed once.
         packed: dict[tuple[tuple[str, int], ...], ArrayRecord] = {}
         messages = []
         for node, task in instructions.items():

@@ -1,15 +1,10 @@
 """Start and stop real Flower processes on 127.0.0.1: a SuperLink, SuperNodes, ``flwr run``.
 
-Used by ``fedciuic simulate``, the deployment example and the end-to-end tests, so
-that all three start Flower the same way. Everything is stopped when the
-:class:`LocalFederation` context exits, also when the body raised.
-
-A process tree is not enough: a Ray worker whose raylet exits first is re-parented to
-init, out of every tree. So every process a federation starts carries
+A process tree is not enough to stop them: a Ray worker whose raylet exits first is
+re-parented to init. So every process a federation starts carries
 ``FEDCIUIC_LAUNCH=<nonce>:<workdir>``, which Ray passes on to its workers, and
-:meth:`LocalFederation.stop` stops every process that carries it. Ray also gets a
-temporary folder of its own (``RAY_TMPDIR``), so that it never joins another Ray on
-the machine.
+:meth:`LocalFederation.stop` stops all that carry it. Ray gets a temporary folder of its
+own (``RAY_TMPDIR``), so that it never joins another Ray on the machine.
 """
 
 from __future__ import annotations
@@ -65,13 +60,9 @@ FAB_INFO = ".info/"
 
 
 def stage_app(app: Path, into: Path) -> Path:
-    """``into`` holding only the files of ``app`` that Flower packs into its FAB, for
-    ``flwr run`` to build the same FAB (same bytes, same hash) from.
-
-    ``flwr run APP`` resolves every file under APP before filtering, ``.venv`` included:
-    10-20 s on an app folder holding its environment. Here the folders the app's
-    ``.gitignore`` ignores whole are not entered; Flower's own filter then decides.
-    """
+    """``into`` holding only the files of ``app`` that Flower packs into its FAB (so the
+    same FAB, same hash). ``flwr run APP`` resolves every file under APP, ``.venv``
+    included, before filtering; here folders the ``.gitignore`` ignores are not entered."""
     from flwr.cli.build import build_fab_from_files
     from flwr.cli.utils import build_pathspec, load_gitignore_patterns
 
@@ -138,7 +129,8 @@ class LocalFederation:
         self.owner = owner_tag(uuid.uuid4().hex[:12], self.workdir)
         # Ray's sockets live in its temporary folder, whose path must stay short (a Unix
         # socket path has at most 107 bytes): /tmp, not the workdir.
-        self.ray_tmp = Path(tempfile.mkdtemp(prefix="fedciuic-ray-", dir=_short_tmp()))
+        short = "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK) else None
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="fedciuic-ray-", dir=short))
         # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
         # our interpreter's bin folder first so that they come from the same venv.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -275,24 +267,21 @@ class LocalFederation:
         if simulation:
             cmd.append("--simulation")
         managed = self._spawn("superlink", cmd)
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}/health"
         self.superlink_address = f"127.0.0.1:{port}"
-        self._write_connection()
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            connection_toml(self.superlink_address, tls.ca_cert if tls else None), encoding="utf-8"
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if _healthy(port, tls):
+            if healthy(url, str(tls.ca_cert) if tls else None):
                 return self.superlink_address
             time.sleep(0.3)
         raise FederationError(
             f"flower-superlink did not answer on {self.superlink_address} within "
             f"{timeout:.0f}s; see {managed.log_path}"
-        )
-
-    def _write_connection(self) -> None:
-        self.flwr_home.mkdir(parents=True, exist_ok=True)
-        (self.flwr_home / "config.toml").write_text(
-            connection_toml(self.superlink_address, self.tls.ca_cert if self.tls else None),
-            encoding="utf-8",
         )
 
     def register_supernode(self, public_key: Path, name: str) -> None:
@@ -440,11 +429,6 @@ def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
     ]
 
 
-def _short_tmp() -> str | None:
-    """/tmp where it is a writable folder (short paths), else the system's default."""
-    return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK) else None
-
-
 def _echo(path: Path, shown: int, stream: IO[str] | None) -> int:
     if stream is None:
         return shown
@@ -477,8 +461,3 @@ def connection_toml(address: str, ca_cert: Path | None) -> str:
         f'[superlink]\ndefault = "{CONNECTION}"\n\n'
         f'[superlink.{CONNECTION}]\naddress = "{address}"\n{security}'
     )
-
-
-def _healthy(port: int, tls: ServerTls | None = None) -> bool:
-    scheme = "https" if tls else "http"
-    return healthy(f"{scheme}://127.0.0.1:{port}/health", str(tls.ca_cert) if tls else None)

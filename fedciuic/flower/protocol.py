@@ -61,15 +61,14 @@ def _config(values: Mapping[str, str | int | bytes]) -> ConfigRecord:
 
 
 def instruction(arrays: ArrayRecord, task: Instruction) -> RecordDict:
-    """What the aggregator sends: the global adapter (``arrays``, the same values as
-    ``task.adapter``, packed once for every node) and the instruction's signed fields
-    (:func:`~fedciuic.wire.instruction_fields`)."""
+    """The global adapter (``task.adapter``, packed once for every node) and the
+    instruction's signed fields."""
     return RecordDict({ARRAYS: arrays, CONFIG: _config(instruction_fields(task))})
 
 
 def read_instruction(message: Message) -> Instruction:
-    """The aggregator's instruction as typed values (it is untrusted until its
-    signature is checked): :class:`MalformedInstruction` says what is wrong."""
+    """The aggregator's instruction as typed values, untrusted until its signature is
+    checked."""
     content = message.content
     if CONFIG not in content.config_records or ARRAYS not in content.array_records:
         raise MalformedInstruction("malformed instruction: no config or arrays record")
@@ -79,8 +78,7 @@ def read_instruction(message: Message) -> Instruction:
 
 
 def hello_answer(region: str) -> RecordDict:
-    """A node's answer to the aggregator's hello: the region it serves (as a region's
-    agent answers it)."""
+    """A node's answer to the aggregator's hello: the region it serves."""
     return RecordDict({HELLO_RECORD: _config({HELLO_REGION: region})})
 
 
@@ -113,19 +111,17 @@ def content(records: Records) -> RecordDict:
 
 
 def region_reply(reply: RegionReply) -> RecordDict:
-    """A region's outcome as its Flower reply carries it: with its audit head and
-    code identity, and signed where the reply names a keypair."""
+    """A region's outcome with its audit head and code identity, signed where the reply
+    names a keypair."""
     from fedciuic.region import region_records
 
     return content(region_records(reply))
 
 
 def read_reply(message: Message, node_id: int | None = None) -> Reply:
-    """Unpack a Flower reply into the plain :class:`Reply` (``fedciuic.wire`` validates
-    its fields); a Flower error (the region's process failed) is a ``failed`` reply.
-    ``node_id``: the node the answered message went to, when known. An error the
-    SuperLink writes itself (the node stopped sending heartbeats) names the SuperLink
-    as its source, not the node."""
+    """A Flower reply as the plain :class:`Reply`; a Flower error (the region's process
+    failed) is a ``failed`` reply. ``node_id``: the node the message went to, when known
+    (an error the SuperLink writes itself names the SuperLink as its source)."""
     node_id = message.metadata.src_node_id if node_id is None else node_id
     if message.has_error():
         return failed(node_id, "", message.error.reason or "unknown error")

@@ -1,16 +1,12 @@
 """A deployed region's ClientApp is a relay: the message to the region's agent, the
 agent's answer back, unchanged.
 
-The ClientApp arrives in the FAB that the aggregator's side ships, so a region trusts
-none of it: it reads one node-config key (:data:`AGENT`, the agent's socket), holds no
-key, imports no torch, and passes the aggregator's message to the agent as it came
-(its config records and arrays, :mod:`fedciuic.agent.channel`) with the kind of task
-Flower's message type names and Flower's run id. The agent checks everything
-(:mod:`fedciuic.agent.service`); the worst a hostile relay can do is not deliver.
-
-A node config that names the region's data, state or keys is refused: those are the
-agent's, and a deployment that hands them to the ClientApp hands them to whoever
-ships the app.
+The ClientApp arrives in the FAB the aggregator's side ships, so a region trusts none of
+it: it reads one node-config key (:data:`AGENT`, the agent's socket), holds no key,
+imports no torch, and passes the message on as it came, with the kind of task and
+Flower's run id. The agent checks everything; the worst a hostile relay can do is not
+deliver. A node config that names the region's data, state or keys is refused: handed
+to the ClientApp, they are handed to whoever ships the app.
 """
 
 from __future__ import annotations
@@ -19,32 +15,22 @@ import math
 from pathlib import Path
 from typing import cast
 
-import numpy as np
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Error,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.app.typing import ConfigRecordValues
 
 from fedciuic.agent import HELLO, ChannelError, Frame, Scalar, ask
 from fedciuic.crypto import TaskKind
+from fedciuic.flower.protocol import pack_arrays, unpack_arrays
 from fedciuic.wire import ARRAYS
 
 #: The one node-config key a deployed region's SuperNode carries: the agent's socket.
 AGENT = "agent"
-#: What each Flower message type asks the agent (the kinds of task it verifies).
 #: A secure sum's phases travel as Flower queries of their own action.
 SECAGG_MESSAGE = f"{MessageType.QUERY}.{TaskKind.SECAGG}"
 #: The aggregator asking a node which region it serves (the agent's ``hello``; unsigned,
 #: costs the region nothing), before it sends the node an instruction signed for it.
 HELLO_MESSAGE = f"{MessageType.QUERY}.{HELLO}"
+#: What each Flower message type asks the agent (the kinds of task it verifies).
 MESSAGE_KINDS = {
     MessageType.TRAIN: TaskKind.TRAIN,
     MessageType.EVALUATE: TaskKind.EVALUATE,
@@ -93,11 +79,8 @@ def _wait(context: Context) -> float:
 def request(message: Message, run_id: int) -> Frame:
     """The message as the agent reads it: kind, run id, config records, arrays."""
     content = message.content
-    arrays = None
-    if content.array_records:
-        arrays = {}
-        for record in content.array_records.values():
-            arrays.update({name: array.numpy() for name, array in record.items()})
+    records = content.array_records.values()
+    arrays = {k: v for r in records for k, v in unpack_arrays(r).items()} if records else None
     message_type = message.metadata.message_type
     kind = HELLO if message_type == HELLO_MESSAGE else MESSAGE_KINDS.get(message_type, message_type)
     return Frame(
@@ -118,9 +101,7 @@ def reply_content(answer: Frame) -> RecordDict:
     for name, numbers in answer.metrics.items():
         content[name] = MetricRecord(dict(numbers))
     if answer.arrays is not None:
-        content[ARRAYS] = ArrayRecord(
-            {k: Array(np.ascontiguousarray(v)) for k, v in answer.arrays.items()}
-        )
+        content[ARRAYS] = pack_arrays(answer.arrays)
     return content
 
 
