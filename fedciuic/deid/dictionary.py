@@ -86,10 +86,9 @@ _SPACED = r"0-9A-Za-z_\u00c0-\u024f\u0370-\u03ff\u0400-\u04ff"
 
 
 def dictionary_pattern(entries: tuple[str, ...]) -> re.Pattern[str]:
-    """One pattern for every entry, case-insensitive, the longest entry first where
-    several start at one place (a full name wins over the surname it starts with). The
-    entries are compiled as a trie, so that matching costs the length of the text, not
-    the text times the entries."""
+    """One pattern for every entry, case-insensitive, the longest first (a full name wins
+    over its surname); a trie, so that matching costs the text's length, not that times
+    the entries."""
     trie: dict[str, Any] = {}
     for entry in entries:
         node = trie

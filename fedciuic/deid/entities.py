@@ -1,21 +1,17 @@
 """The identifiers a region can scrub, named once: the entity types policies and run
 configs list, and the placeholder each is replaced by.
 
-Every type here is found by a pattern with a check where its format has one (Luhn for
-cards, ISO 7064 for IBANs, GB 11643's check digit for mainland China resident IDs, the
-national check digits of the EU identity numbers), so that an order number or a
-reference that merely looks like one is kept. Names are a class of their own
-(``names``): the region's dictionary finds the names it lists, a named NER model
-(``deid-ner-model``) finds ``PERSON`` and ``LOCATION``, and fedciuic's offline recognizers
-find names by their context (``Mr. Smith``, ``Dear Anna,``, a signature line, ``王伟先生``).
+Every type is found by a pattern with a check where its format has one, so that an
+order number that merely looks like one is kept. Names are a class of their own
+(``names``): found by the region's dictionary, a named NER model, or offline by their
+context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-#: The one language recognizers are built for and texts analysed in (the patterns do not
-#: depend on it).
+#: The one language recognizers are built for (the patterns do not depend on it).
 LANGUAGE = "en"
 #: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
 #: pipeline's identity (the tokenisation cache's key and the audit record).
@@ -38,8 +34,7 @@ FI_PERSONAL_IDENTITY_CODE = "FI_PERSONAL_IDENTITY_CODE"
 SE_PERSONNUMMER = "SE_PERSONNUMMER"
 #: An entry of the region's own dictionary (its customers', account holders' names).
 DICTIONARY = "DICTIONARY"
-#: A name found offline by its context: after an honorific or a salutation, in a
-#: signature line, a Chinese surname in a naming context (``fedciuic/deid/names.py``).
+#: A name found offline by its context (``fedciuic/deid/names.py``).
 CONTEXT_NAME = "CONTEXT_NAME"
 #: Found only by a named NER model.
 PERSON = "PERSON"
@@ -112,14 +107,12 @@ LABELS: dict[str, str] = {
 
 
 def entity_label(entity: str) -> str:
-    """An entity type as a report shows it: ``DICTIONARY (names, dictionary)``,
-    ``EMAIL_ADDRESS``."""
+    """An entity type as a report shows it: ``DICTIONARY (names, dictionary)``."""
     return f"{entity} ({LABELS[entity]})" if entity in LABELS else entity
 
 
 def listed_entities(value: str | Iterable[str]) -> tuple[str, ...]:
-    """``"direct,names"`` (or a list) as the entity type names listed, each checked
-    (``ValueError`` names an unknown one, or says none is listed)."""
+    """``"direct,names"`` (or a list) as the entity type names listed, each checked."""
     parts = value.split(",") if isinstance(value, str) else value
     names = tuple(name for name in (part.strip() for part in parts) if name)
     parse_entities(names)
@@ -129,9 +122,7 @@ def listed_entities(value: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
-    """Entity types as listed (``direct`` standing for :data:`DIRECT`, ``names`` for
-    :data:`NAMES`), in their canonical order; an unknown name raises ``ValueError``
-    naming the known ones."""
+    """Entity types as listed (class words expanded), in their canonical order."""
     wanted: set[str] = set()
     for value in values:
         name = value.strip()
@@ -152,9 +143,8 @@ def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
 def found_entities(
     entities: tuple[str, ...], *, dictionary: bool, ner_model: bool
 ) -> tuple[str, ...]:
-    """What a region scrubs of ``entities``: the types it can find. ``DICTIONARY`` only
-    with a dictionary (a loaded one is never empty), ``PERSON`` and ``LOCATION`` only
-    with a NER model; this is what it declares, and what its policy is checked against.
+    """What a region scrubs of ``entities``: the types it can find, which it declares and
+    its policy is checked against.
 
     >>> found_entities(parse_entities(["names"]), dictionary=False, ner_model=False)
     ('CONTEXT_NAME',)
@@ -164,10 +154,8 @@ def found_entities(
 
 
 def requirement_reasons(listed: tuple[str, ...], scrubbed: tuple[str, ...]) -> list[str]:
-    """Why ``scrubbed`` does not meet a requirement listed as ``listed`` (a policy's
-    ``deidentification.entities``): every type listed must be scrubbed, ``direct`` each of
-    :data:`DIRECT`, and ``names`` one of :data:`NAME_SOURCES` (a dictionary or a model:
-    the offline context recognizers alone do not meet it)."""
+    """Why ``scrubbed`` does not meet a policy's ``deidentification.entities``; ``names``
+    needs one of :data:`NAME_SOURCES` (the context recognizers alone miss most names)."""
     required = parse_entities(name for name in listed if name != NAMES_WORD)
     reasons = []
     missing = [e for e in required if e not in scrubbed]

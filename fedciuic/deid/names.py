@@ -1,29 +1,13 @@
 """Person names found offline, by the words around them (``CONTEXT_NAME``): no model, no
 list of the region's names, so only where the context says a name follows.
 
-- After an honorific: ``Mr. Smith``, ``Dr Anna Keller``, ``Frau Müller``, ``M. Dupont``,
-  ``Mme de Staël``, ``Sra. García``, ``Sig.ra Rossi``, ``Dott. Bianchi``.
-- After a salutation: ``Dear Anna,`` (a letter's salutations need no comma after the
-  name), ``Hi John!`` (a chat greeting's name must end the greeting: ``Hello World
-  program`` is kept), ``Liebe Jana``, ``Chère Louise``, ``Hola Marta,``, ``Ciao Luca,``.
-- In a signature line: one to four capitalised words alone on the line after a sign-off
-  (``Best regards,`` ``Thanks,`` ``Mit freundlichen Grüßen`` ``Cordialement``
-  ``Saludos`` ``Cordiali saluti``), or after it on the same line with a comma
-  (``Thanks, Bob``).
-- Saying one's name: ``My name is Anna``, ``Name: John Smith``, ``Ich heiße Jana``;
-  after ``I am``, ``This is``, ``Sono`` a first name and a surname (``I am Mei Okafor``).
-- Chinese: a surname of the standard list (the common single surnames and the compound
-  ones such as 欧阳, 司马, 诸葛) and one or two characters, before a title or a greeting
-  (王伟先生, 黎淑珍女士, 张经理, 王伟你好), after a naming word (我叫唐荣, 客户王伟,
-  亲爱的李娜, 姓名 and a colon), or alone on the line after a closing (此致 敬礼) or a dash.
-
-Only the name is replaced, never its context (``Mr. <NAME>``, ``<NAME>先生``). Words that
-follow these contexts without being names (``Dear Sir``, ``Hi Team``, ``Mr. President``,
-``Mr. Right``, ``Dr. Who``, 项目经理, 历史老师, 高级经理) are kept by short lists of such
-words; a name in lower case, without a context, or in a context not listed here is
-missed (docs/deidentification.md says what each finds and misses). Pure functions, no
-Presidio (``ContextNameRecognizer`` in ``recognizers.py`` wraps them), so that the
-pipeline's cheap test imports nothing heavy.
+The contexts: an honorific (``Mr. Smith``), a salutation or greeting (``Dear Anna,``),
+a signature line after a sign-off, saying one's name (``My name is Anna``), and for
+Chinese a listed surname before a title or greeting, after a naming word, or alone after
+a closing. Only the name is replaced, never its context; words that follow these
+contexts without being names (``Dear Sir``, 项目经理) are kept by short lists, and a name
+without a listed context is missed (docs/deidentification.md). Pure functions, no
+Presidio, so that the pipeline's cheap test imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import re
 
 
 def _listed(words: str) -> frozenset[str]:
-    """The words of a list written as text, one space or line apart."""
     return frozenset(words.split())
 
 
@@ -211,9 +194,8 @@ _COMPOUND_SURNAMES = _listed(
     "南宫 西门 呼延 闻人 澹台 公羊 赫连 钟离 宗政 濮阳 太史 申屠 东郭 拓跋 万俟 司空 左丘 "
     "仲孙 单于 淳于 完颜 乐正 鲜于 巫马 公冶 梁丘 漆雕 第五"
 )
-#: The common single surnames (205 of the most frequent of the standard list, less those
-#: that are chiefly function words or word parts in running text: 于, 向, 和, 时, 司, 管,
-#: 车, 全, 房, 席, 班, 乐, 区, 项, 海, 南, 吉).
+#: The common single surnames, less those that are chiefly function words or word parts
+#: in running text (于, 向, 和, 时, 司, 管, 车, 全, 房, 席, 班, 乐, 区, 项, 海, 南, 吉).
 _SURNAMES = (
     "王李张刘陈杨黄赵吴周徐孙马朱胡郭何高林罗郑梁谢宋唐许韩冯邓曹彭曾肖田董袁潘蒋蔡余杜"
     "叶程苏魏吕丁任沈姚卢姜崔钟谭陆汪范金石廖贾夏韦付傅方白邹孟熊秦邱江尹薛闫阎段雷侯龙"
@@ -341,11 +323,9 @@ _LATIN = (
     (_SELF, _last_words(_NAMED, _INTRODUCED)),
 )
 _TRIGGERS = frozenset().union(*(triggers for _, triggers in _LATIN))
-#: A word, then the word after it where that may start a name, past a space or a line
-#: break (a comma, a period, ! or a colon between; particles may follow: ``Mme de``): a
-#: capital, then a lower-case letter, an apostrophe or an initial's period (``you I`` is
-#: not), looked at, not taken (it may be a context itself: ``Dear Mr. Smith``);
-#: possessive, so that a word that is not is given up at once.
+#: A word, then the word after it where that may start a name, looked at, not taken (it
+#: may be a context itself: ``Dear Mr. Smith``); possessive, so that a word that is not
+#: is given up at once.
 _BEFORE_CAPITAL = re.compile(
     rf"(?<!\w)(\w++)[,!.:]?+\s++(?:{_PARTICLE}[ \t]++){{0,2}}"
     rf"(?=([{_UPPER}][{_LOWER}'\u2019.][\w'\u2019-]*+))"
@@ -388,7 +368,6 @@ def find_names(text: str) -> list[tuple[int, int]]:
 
 
 def may_hold_name(text: str) -> bool:
-    """Whether a name is found in ``text`` by its context: the test before the whole
-    analysis (Presidio's costs some 0.5 ms a text), itself cheap where, as in most texts,
-    no context's word is followed by a capitalised word that is not :data:`_NOT_NAMES`'."""
+    """Whether a name is found in ``text`` by its context: a cheap test before the whole
+    analysis, as most texts have no context's word before a capitalised word."""
     return bool(find_names(text))

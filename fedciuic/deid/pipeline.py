@@ -1,8 +1,7 @@
 """The de-identification pipeline a region runs on every text field before tokenising:
-Presidio's analyzer with fedciuic's recognizers (offline, no model unless the region
-names one), then Presidio's anonymizer, replacing each identifier by a typed placeholder
+Presidio with fedciuic's offline recognizers, each identifier replaced by a placeholder
 (``<EMAIL>``) or by a pseudonym keyed by the region's secret (``<EMAIL_3f9a1c2b>``: the
-same address gives the same pseudonym within the region, another in every other).
+same within the region, another in every other).
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ class DeidSpec:
     ner_model: str = ""
 
     def identity(self) -> dict[str, Any]:
-        """What the audit log records of the pipeline (no value, no key): its entity
-        types, replacement, recognizer versions and a hash over all of it."""
+        """What the audit log records of the pipeline (no value, no key)."""
         described: dict[str, Any] = {
             "entities": list(self.entities),
             "replacement": self.replacement,
@@ -96,7 +94,6 @@ class DeidFindings:
     examples: list[str] | None = None  # None: none are kept (training)
 
     def clear(self) -> None:
-        """Forget what was found (a new pass over the data starts)."""
         self.counts.clear()
         self.by_file.clear()
         self.records = 0
@@ -104,13 +101,11 @@ class DeidFindings:
             self.examples.clear()
 
     def add(self, file: str, replaced: list[str]) -> None:
-        """Count the identifiers (their entity types) replaced in a text of ``file``."""
         self.counts.update(replaced)
         self.by_file.setdefault(file, Counter()).update(replaced)
 
     def example(self, where: str, text: str, results: list[RecognizerResult]) -> None:
-        """Keep ``text`` (read at ``where``) as an example, every identifier the analyzer
-        found in it masked, while fewer than :data:`MASKED_EXAMPLES` are kept."""
+        """Keep ``text`` as an example, every identifier masked, up to :data:`MASKED_EXAMPLES`."""
         if self.examples is None or len(self.examples) >= MASKED_EXAMPLES:
             return
         spans = sorted(((r.entity_type, r.start, r.end) for r in results), key=lambda f: f[1])
@@ -122,11 +117,8 @@ def masked_context(text: str, found: list[tuple[str, int, int]]) -> str:
     digits as ``*``, separators kept so that the shape shows)."""
     _, start, end = found[0]
     lo, hi = max(0, start - _CONTEXT), min(len(text), end + _CONTEXT)
-    chars = list(text)
-    for _, s, e in found:
-        for i in range(s, e):
-            if chars[i].isalnum():
-                chars[i] = "*"
+    hidden = {i for _, s, e in found for i in range(s, e)}
+    chars = ["*" if i in hidden and c.isalnum() else c for i, c in enumerate(text)]
     shown = "".join(chars[lo:hi]).replace("\n", " ")
     return ("..." if lo else "") + shown + ("..." if hi < len(text) else "")
 
@@ -151,10 +143,9 @@ class Scrubber:
     def _engines(
         self,
     ) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig], list[str]]:
-        """The analyzer, the anonymizer, each type's operator, and the types to ask the
-        analyzer for: only those a recognizer was registered for (Presidio warns once per
-        text of any other, and means to refuse them), so never the dictionary's without a
-        dictionary nor a NER model's without one."""
+        """The analyzer, the anonymizer, each type's operator, and the types to ask for:
+        only those a recognizer was registered for (Presidio warns once per text of any
+        other, and means to refuse them)."""
         from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
         from presidio_analyzer.predefined_recognizers import SpacyRecognizer
         from presidio_anonymizer import AnonymizerEngine
@@ -218,8 +209,7 @@ class Scrubber:
         results = analyzer.analyze(text, language=LANGUAGE, entities=asked)
         if not results:
             return text
-        # The anonymizer reads the analyzer's results as they are (its own class has the
-        # same fields): the cast is for the type checker only.
+        # The anonymizer's own result class has the same fields: the cast is for mypy.
         done = anonymizer.anonymize(text, cast(Any, results), operators=operators)
         self.findings.add(file, [item.entity_type for item in done.items])
         if self.findings.examples is not None:

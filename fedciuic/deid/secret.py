@@ -1,7 +1,6 @@
 """The region's pseudonym key: 32 random bytes in a file only the region reads. It keys
-the pseudonyms (the same identifier gives the same pseudonym in this region, and another
-in every other region), the digest of the region's dictionary, and the commitment to its
-data that its replies carry (each use under its own label)."""
+the pseudonyms, the digest of the region's dictionary, and the commitment to its data
+that its replies carry (each use under its own label)."""
 
 from __future__ import annotations
 
