@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
-from fedciuic.audit.report import verify_and_report
+from fedciuic.audit.report import EXIT_OK, check_and_report
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.demo import write_demo_corpora
@@ -108,7 +108,7 @@ def main() -> int:
         data = load_metrics(output_dir / f"run-{run_id}" / METRICS_FILE)
         print(summarize(data))
         # Each party's audit log, verified with its public key, and the run's report.
-        ok, lines = verify_and_report(
+        report = check_and_report(
             [
                 Path(tmp) / "audit" / AGGREGATOR_LOG,
                 *(Path(tmp) / "state" / region / REGION_LOG for region in regions),
@@ -117,8 +117,8 @@ def main() -> int:
             output_dir / f"run-{run_id}",
             run_id,
         )
-        print("\n".join(lines))
-    return 0 if data.run.status == RunStatus.COMPLETED and ok else 1
+        print("\n".join(report.lines))
+    return 0 if data.run.status == RunStatus.COMPLETED and report.exit_code == EXIT_OK else 1
 
 
 if __name__ == "__main__":
