@@ -23,10 +23,11 @@ from pathlib import Path
 
 from fedciuic.agent.config import AgentConfig
 from fedciuic.audit.log import AGGREGATOR_LOG, REGION_LOG
-from fedciuic.audit.report import EXIT_OK, check_and_report
+from fedciuic.audit.report import check_and_report
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.demo import write_demo_corpora
+from fedciuic.errors import EXIT_OK
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
 from fedciuic.ops.outputs import summarize
