@@ -1,11 +1,8 @@
 """Judging one reply at the aggregator: the per-reply boundary (read, authenticate, open,
 staleness, policy, validate) as functions that return a :class:`Judged` and write
-nothing. What the record must show besides the outcome (the region's log head its reply
-carries, what crossed the relay, a policy decision) comes back in :class:`Noted`, in the
-order it was found, for the journal (``fedciuic.aggregator.journal``) to write.
-
-*Any* exception inside the boundary rejects that reply alone, its type named in the
-record, and the round goes on with the others.
+nothing; what else the record must show comes back in :class:`Noted`, for the journal
+(``fedciuic.aggregator.journal``) to write. *Any* exception inside the boundary rejects
+that reply alone, its type named in the record, and the round goes on with the others.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ class Task:
 @dataclass(frozen=True)
 class Receipt:
     """An update as it crossed the relay: its digest is what the region logged, under
-    the round the region sent it for (``task_round``, a buffered region's own task
-    number; ``aggregate``: the aggregate it arrived in, when that differs)."""
+    ``task_round`` (``aggregate``: the aggregate it arrived in, when that differs)."""
 
     task_round: int
     region: str
@@ -92,8 +88,7 @@ class Receipt:
 @dataclass
 class Noted:
     """What judging a reply found for the record besides its outcome, in the order the
-    journal writes it: the head of the sender's log its signed reply carries, the update
-    as received, the policy decision on it."""
+    journal writes it."""
 
     witness: tuple[str, Witness] | None = None
     received: Receipt | None = None
@@ -117,9 +112,8 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Judged:
-    """One reply's outcome, under the label it is recorded with: accepted (a trained
-    update that counts), evaluated, or its reply's final status and reason (declined,
-    failed, rejected)."""
+    """One reply's outcome, under the label it is recorded with: accepted, evaluated, or
+    its reply's final status and reason."""
 
     label: str
     reply: Reply  # its status and reason are final
@@ -174,24 +168,21 @@ class Judged:
         return {**entry, **self._versions()}
 
     def _versions(self) -> dict[str, int]:
-        """The global version an update was computed against, and how old it was (for an
-        update that arrived: accepted or rejected; a decline or failure carries none)."""
+        """For an update that arrived (a decline or failure carries none)."""
         if self.task is None or self.reply.status not in (TRAINED, REJECTED):
             return {}
         return {"global_version": self.task.version, "staleness": self.staleness}
 
     def refused(self, reason: str) -> Judged:
-        """This outcome turned into a rejection for ``reason``: it no longer counts."""
+        """This outcome turned into a rejection: it no longer counts."""
         reply = replace(self.reply, status=REJECTED, reason=reason)
         return replace(self, accepted=None, evaluated=None, reply=reply)
 
 
 @dataclass(frozen=True)
 class Training:
-    """What a training reply is judged against: the aggregate it may join
-    (``server_round``, of ``n`` entries), the ``task`` it answers, how stale it is, the
-    ``schedule`` that says how stale it may be, and ``refuse``: why it cannot be used
-    where it arrived ("" when it can)."""
+    """What a training reply is judged against; ``refuse``: why it cannot be used where
+    it arrived ("" when it can)."""
 
     server_round: int
     n: int
@@ -203,10 +194,8 @@ class Training:
 
 @dataclass(frozen=True)
 class Judge:
-    """The boundary and its stages: what an update may be (``rules``; of the run's
-    ``adapter_mode``, at most ``max_steps`` local steps), the sealing and policy stages,
-    and ``labels``: the region each node authenticated as before (for replies that carry
-    no signature). ``timeout``: the round-timeout a missing reply is said to have waited."""
+    """The boundary and its stages; ``labels``: the region each node authenticated as
+    before (for replies that carry no signature)."""
 
     rules: UpdateRules
     adapter_mode: AdapterMode
@@ -227,10 +216,7 @@ class Judge:
     def guarded(
         self, item: Arrival, *, signed_round: int, training: Training | None = None
     ) -> Judged:
-        """The one boundary per reply: *any* exception while reading, authenticating,
-        opening, decoding or validating a reply rejects that reply alone (its type named
-        in the record). ``signed_round``: the round the reply must be signed for;
-        ``training``: what a training reply is judged against (None: an evaluation)."""
+        """The one boundary per reply; ``training`` is None for an evaluation."""
         noted = Noted()
         if isinstance(item, NoReply):
             reason = f"{NO_REPLY} ({item.waited or self.timeout:g}s)"
@@ -282,8 +268,7 @@ class Judge:
     def evaluation(self, reply: Reply, sender: str | None, noted: Noted) -> Judged:
         if reply.status == EVALUATED:
             self._only_dp(EVALUATED, reply.metrics)
-            stats = parse_eval_metrics(reply.metrics)
-            return self.settle(reply, sender, noted, evaluated=stats)
+            return self.settle(reply, sender, noted, evaluated=parse_eval_metrics(reply.metrics))
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
@@ -300,8 +285,7 @@ class Judge:
             )
 
     def update(self, reply: Reply, sender: str | None, noted: Noted, training: Training) -> Judged:
-        """Open and validate one authenticated training reply into typed values; raises
-        on anything wrong with it (the boundary turns that into a rejection)."""
+        """Open and validate one training reply; raises on anything wrong with it."""
         if reply.status in (FAILED, DECLINED):
             return self.settle(reply, sender, noted)
         noted.received = received(
@@ -349,39 +333,33 @@ class Judge:
             )
             return self.settle(rejected, header.region, noted)
         upload = len(reply.envelope) if reply.envelope is not None else len(update)
-        if self.secure_threshold:  # its update comes masked, in the round's secure sum
-            accepted = Accepted(None, metrics, info, header, upload)
-            return self.settle(
-                replace(reply, status=TRAINED), header.region, noted, accepted=accepted
+        checked: Checked | None = None  # a secure round's update comes masked, in its sum
+        if not self.secure_threshold:
+            rules = self.rules
+            bounds = Bounds(
+                rules.max_update_norm,
+                rules.update_norm_action,
+                rules.max_examples,
+                max_steps=self.max_steps,
+                max_staleness=training.schedule.staleness_allowed,
             )
-        checked = check(
-            self.rules.codec,
-            update,
-            training.n,
-            metrics.num_examples,
-            self._bounds(training.schedule.staleness_allowed),
-            steps=metrics.steps,
-            staleness=training.staleness,
-        )
+            checked = check(
+                rules.codec,
+                update,
+                training.n,
+                metrics.num_examples,
+                bounds,
+                steps=metrics.steps,
+                staleness=training.staleness,
+            )
         accepted = Accepted(checked, metrics, info, header, upload)
         return self.settle(replace(reply, status=TRAINED), header.region, noted, accepted=accepted)
-
-    def _bounds(self, max_staleness: int) -> Bounds:
-        rules = self.rules
-        return Bounds(
-            rules.max_update_norm,
-            rules.update_norm_action,
-            rules.max_examples,
-            max_steps=self.max_steps,
-            max_staleness=max_staleness,
-        )
 
     def _open(
         self, reply: Reply, server_round: int, sender: str | None
     ) -> tuple[bytes, TrainMetrics, dict[str, str], Provenance, tuple[str, ...]]:
-        """The compressed update, its metrics and info, the facts its policy is checked
-        against, and the names of every field it sent, as the sealing stage hands them
-        over."""
+        """The compressed update, its metrics, info and provenance, and the names of every
+        field it sent."""
         opened = self.sealing.receive(reply, self.run_id, server_round, sender)
         info, header = opened.info, opened.header
         if info["region"] != header.region:
@@ -394,8 +372,7 @@ class Judge:
         return update, metrics, info, header, (*sent, *info, *opened.arrays)
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
-        """The one compressed update a trained reply may carry, within the size cap; in a
-        secure round none (it travels masked, in the round's secure sum)."""
+        """The one compressed update a trained reply may carry; in a secure round none."""
         if self.secure_threshold:
             if arrays:
                 raise MalformedReply(

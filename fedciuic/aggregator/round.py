@@ -1,21 +1,12 @@
 """The aggregator's round, without Flower: replies in, one verdict per reply, then the
 round's aggregate published or withheld.
 
-Each reply goes through one boundary (``fedciuic.aggregator.judge``): read,
-authenticate (its signature names the region it is recorded under), open (sealed or
-clear), validate and check against its sender's policy. *Any* exception in there
-rejects that reply alone. Each outcome is then recorded (metrics.json and the audit
-log) before it counts; a second reply under a label already taken is rejected.
-
-Differences from plain FedAvg, each for a reason:
-
-* replies are adapter *deltas*, averaged by examples and applied to the global adapter;
-* a region that declines is a normal outcome: it is recorded and the round goes on;
-  a reply that fails or is malformed is rejected alone instead of skipping the round;
-* with policies, each update is checked against its sender's jurisdiction policy
-  (named in the envelope header) and an aggregate is published only when the
-  strictest minimum among its regions' policies is met; otherwise the global
-  adapter stays as it was for that round.
+Each reply goes through one boundary (``fedciuic.aggregator.judge``) where *any*
+exception rejects that reply alone; each outcome is recorded (metrics.json and the audit
+log) before it counts. Unlike plain FedAvg: replies are adapter *deltas*; a region that
+declines is a normal outcome and the round goes on; with policies, an aggregate is
+published only when the strictest minimum among its regions' policies is met, else the
+global adapter stays as it was.
 """
 
 from __future__ import annotations
@@ -30,10 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fedciuic.aggregator.aggregation import (
-    Aggregator,
-    make_aggregator,
-)
+from fedciuic.aggregator.aggregation import Aggregator, make_aggregator
 from fedciuic.aggregator.checkpoint import Checkpoint, save_checkpoint
 from fedciuic.aggregator.journal import Filing, Journal
 from fedciuic.aggregator.judge import Accepted, Judge, Judged, Task, Training, reason_of
@@ -79,8 +67,7 @@ class Collecting:
         )
 
     def train_loss(self) -> float | None:
-        """The accepted updates' training loss, weighted by examples (None: no region
-        reports one, every step being noise only)."""
+        """Weighted by examples; None when no region reports one (every step noise only)."""
         losses = [
             (a.metrics.train_loss, a.metrics.num_examples)
             for a in self.accepted
@@ -145,8 +132,8 @@ class AggregatorRound:
         self.audit: AuditTrail = audit or NoAudit()
         self.run_id = run_id  # Flower's: binds envelopes and signatures
         self.federation_run = federation_run or run_id  # kept when a run is resumed
-        #: The identity of the checkpoint this run resumed from ("" if it did not):
-        #: signed into every instruction, so each region's log witnesses it.
+        #: The checkpoint this run resumed from, if any: signed into every instruction,
+        #: so each region's log witnesses it.
         self.resumed_from = ""
         self.checkpoints = checkpoints
         self.global_adapter: dict[str, np.ndarray] = {}
@@ -155,8 +142,7 @@ class AggregatorRound:
         self.regions_by_node: dict[int, str] = {}
         self.availability = Availability(self.run.regions, self.schedule.max_missed_rounds)
         self.tasks = Tasks(self.run.regions, self.schedule.num_server_rounds)  # buffered mode
-        #: Each region's timed local step (from its evaluations): what the loop's training
-        #: wait sizes on.
+        #: Each region's timed local step (from its evaluations), for the training wait.
         self.step_seconds: dict[str, float] = {}
         #: The highest checkpoint count each region's replies have shown in this run.
         self.witnessed_counts: dict[str, int] = {}
@@ -165,8 +151,8 @@ class AggregatorRound:
         self._build()
 
     def use(self, **parts: Any) -> None:
-        """Replace what this round was built with (``run``, a stage, ``federation_run``)
-        and build its judge and journal again from it: they are built once, not per use."""
+        """Replace parts it was built with, and build its judge and journal again: they
+        are built once, not per use."""
         for name, value in parts.items():
             if name not in _BUILT_FROM:
                 raise TypeError(f"{name!r} is not one of {sorted(_BUILT_FROM)}")
@@ -205,9 +191,8 @@ class AggregatorRound:
         recipient: str,
         digest: bytes | None = None,
     ) -> Instruction:
-        """A round's instruction for the region ``recipient``: the global adapter (its
-        ``digest`` when known), the kind of task, this run's config and a fresh nonce,
-        signed (with sealing) with the head of the audit log."""
+        """A round's instruction for ``recipient``, with a fresh nonce and the audit log's
+        head, signed (with sealing)."""
         unsigned = Instruction(
             adapter=dict(adapter),
             server_round=server_round,
@@ -233,9 +218,8 @@ class AggregatorRound:
         audited: bool,
     ) -> Judged:
         """A judged reply on the record under its label: a second reply under a label
-        already taken this round is rejected (the recorder keeps it apart, under
-        duplicates), so no reply displaces or doubles another's. Training replies are
-        audited (``audited``); evaluations only recorded."""
+        already taken is rejected (kept apart, under duplicates), so no reply displaces
+        or doubles another's."""
         if judged.label in labels:
             if judged.accepted is not None or judged.evaluated is not None:
                 judged = judged.refused(
@@ -252,11 +236,10 @@ class AggregatorRound:
 
     @property
     def schedule(self) -> Schedule:
-        """Who is asked, when, and for how long (the run's schedule section)."""
         return self.run.schedule
 
     def collecting(self) -> Collecting:
-        """An empty aggregate to fill with accepted updates (one per round or buffer)."""
+        """An empty aggregate (one per round or buffer)."""
         n = sum(int(np.prod(shape)) for _, shape in layout_of(self.global_adapter))
         return Collecting(make_aggregator(self.run.compression.aggregation, n), n)
 
@@ -270,9 +253,8 @@ class AggregatorRound:
         refuse: str = "",
     ) -> Judged:
         """Judge one training reply to ``task``, record it under ``server_round`` (the
-        aggregate it may join) and, when accepted, add it to ``into``. ``refuse``: why it
-        cannot be used where it arrived (the run's last aggregate is out, a secure round
-        takes only its own updates); it is logged as received and refused for that."""
+        aggregate it may join) and, when accepted, add it to ``into``; with ``refuse``
+        (why it cannot be used where it arrived), logged as received and refused."""
         staleness = self.version - task.version
         training = Training(server_round, into.n, task, staleness, self.schedule, refuse)
         judged = self.judge.guarded(item, signed_round=task.round, training=training)
@@ -282,8 +264,7 @@ class AggregatorRound:
         )
         into.judged.append(judged)
         if judged.accepted is not None:
-            # Validated and recorded: only now does it count (in a secure round, in the
-            # secure sum instead).
+            # Validated and recorded: only now does it count (a secure round's, in its sum).
             if judged.accepted.checked is not None:
                 into.accumulator.add(judged.accepted.checked)
             into.accepted.append(judged.accepted)
@@ -298,8 +279,7 @@ class AggregatorRound:
         withheld: Iterable[str] = (),
     ) -> Published | Withheld:
         """Apply the aggregate of ``into`` to the global adapter (a new version), or
-        withhold it when no update was accepted or a policy's minimum is not met. A
-        secure round hands over the ``mean`` of its sum (or why it is ``withheld``)."""
+        withhold it. A secure round hands over its ``mean`` (or why it is ``withheld``)."""
         regions = [a.region for a in into.accepted]
         reasons = list(withheld) or self._withhold(server_round, into)
         if reasons:
@@ -332,17 +312,15 @@ class AggregatorRound:
     # -- availability -------------------------------------------------------------
 
     def heard(self, server_round: int, nodes: Iterable[int]) -> Changes:
-        """The round is over: the regions of ``nodes`` (those that replied, with
-        anything) answered it, the others missed it. Regions newly unavailable or back
-        are recorded in metrics.json and the audit log."""
+        """The round is over: the regions of ``nodes`` (those that replied, with anything)
+        answered it, the others missed it; changes are recorded."""
         answered = {self.regions_by_node[n] for n in nodes if n in self.regions_by_node}
         changes = self.availability.round_ended(answered)
         self.journal.availability(server_round, changes, self.availability.missed)
         return changes
 
     def schedule_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the schedule: the global version, who is
-        unavailable, and (buffered) each region's tasks."""
+        """What a checkpoint keeps of the schedule."""
         return {
             "version": self.version,
             "availability": self.availability.state(),
@@ -373,8 +351,8 @@ class AggregatorRound:
         self, server_round: int, arrivals: Iterable[Arrival], *, overall: bool = True
     ) -> EvalResult:
         """Judge and record each evaluation, then (``overall``) the examples-weighted
-        overall loss; without it, only the regions' own (a buffered aggregate's
-        evaluations by regions joining late are not every region's)."""
+        overall loss: not for a buffered aggregate's late evaluations, which are not
+        every region's."""
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
@@ -404,8 +382,7 @@ class AggregatorRound:
         return EvalResult(judged_all, loss, total)
 
     def end(self, server_round: int) -> None:
-        """The round is over: close its record and, after a training round, save the
-        checkpoint a run can resume from."""
+        """Close the round's record and, after a training round, save a checkpoint."""
         self.recorder.record_end(server_round)
         if server_round >= 1:
             self.save_checkpoint(server_round)
@@ -413,8 +390,8 @@ class AggregatorRound:
     # -- the end of the run -------------------------------------------------------
 
     def sign_run_end(self, recipients: Iterable[str]) -> dict[str, RunEndNotice]:
-        """Once ``run_end`` is in the log and signed: its head and receipts (read once),
-        signed for each of ``recipients``; none without a signed checkpoint (or log)."""
+        """The log's head once ``run_end`` is in it and receipts (read once), signed for
+        each of ``recipients``; none without a signed checkpoint (or log)."""
         witness = self.audit.last_checkpoint()
         if witness is None:
             return {}
@@ -428,7 +405,7 @@ class AggregatorRound:
         return signed
 
     def save_checkpoint(self, server_round: int) -> None:
-        """The round is done: its adapter, records and the audit log's position."""
+        """The round's adapter, records and the audit log's position."""
         if self.checkpoints is None:
             return
         seq, head = self.audit.position()
@@ -452,9 +429,8 @@ class AggregatorRound:
 
 
 def run_end_witnessed(aggregator: AggregatorRound, replies: Iterable[Reply | Unread]) -> list[str]:
-    """Record the head each region answers the run-end notice with, so that
-    truncating any party's log back past the end of the run shows in the
-    cross-check. Best effort: a reply that cannot be recorded is logged."""
+    """Record the head each region answers the run-end notice with, so that truncating
+    any party's log back past the end of the run shows in the cross-check (best effort)."""
     witnessed = []
     journal = aggregator.journal
     for item in replies:

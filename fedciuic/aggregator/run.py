@@ -1,7 +1,6 @@
 """The aggregator's run around its rounds, without Flower: the audit log, the keys and
 policies it holds (cross-checked), a resume from a checkpoint, ``run_start``, and the
-run's end (``run_end``, the adapter saved only when an aggregate was published, the
-final status in metrics.json)."""
+run's end."""
 
 from __future__ import annotations
 
@@ -124,9 +123,9 @@ def resume(
     if checkpoint.adapter_mode != run.model.adapter_mode:
         raise CheckpointError(
             f"run config:adapter-mode: {run.model.adapter_mode!r}, but resume-from "
-            f"{run.output.resume_from} "
-            f"holds an adapter trained in {checkpoint.adapter_mode!r} (other tensors); resume "
-            f"it with adapter-mode = {checkpoint.adapter_mode!r} or start a new run"
+            f"{run.output.resume_from} holds an adapter trained in "
+            f"{checkpoint.adapter_mode!r} (other tensors); resume it with adapter-mode = "
+            f"{checkpoint.adapter_mode!r} or start a new run"
         )
     if checkpoint.round >= run.schedule.num_server_rounds:
         raise CheckpointError(
@@ -162,6 +161,7 @@ def run_start(
 ) -> None:
     where, dp = run.policy, run.privacy
     own = policies.policies.get(where.aggregator_jurisdiction) if policies else None
+    held = sorted(policies.policies.by_jurisdiction.items()) if policies else None
     if own is not None and not own.policy.audit.redact_paths:
         audit.redact = ()
     audit.append(
@@ -173,11 +173,7 @@ def run_start(
         aggregator_jurisdiction=where.aggregator_jurisdiction,
         relay_jurisdiction=where.relay,
         **sealing.run_start(),
-        policy_hashes=(
-            {j: p.hash for j, p in sorted(policies.policies.by_jurisdiction.items())}
-            if policies
-            else None
-        ),
+        policy_hashes={j: p.hash for j, p in held} if held is not None else None,
         flower_run=flower_run,
         resumed_after_round=resumed.round if resumed else None,
         # Which checkpoint it continued from (its identity, and the key that signed it).
@@ -200,20 +196,15 @@ def run_start(
             "secure_mode": dp.secure_mode,
         },
         retention_days=(
-            {
-                j: p.policy.audit.retention_days
-                for j, p in sorted(policies.policies.by_jurisdiction.items())
-            }
-            if policies
-            else None
+            {j: p.policy.audit.retention_days for j, p in held} if held is not None else None
         ),
     )
 
 
 def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimizer:
     """This run's server optimiser: fresh, or continuing the checkpoint's state. A
-    ``fedciuic-checkpoint/1`` has none: fine for ``none`` (it keeps no state), refused
-    for the others, whose moments would silently restart from zero."""
+    checkpoint without one is refused unless ``none``: others' moments would silently
+    restart from zero."""
     if resumed is None:
         return ServerOptimizer(run.server)
     where = run.output.resume_from or "the checkpoint"
@@ -222,16 +213,14 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
             return ServerOptimizer(run.server)
         raise CheckpointError(
             f'run config:server-optimizer: "{run.server.server_optimizer}", but resume-from '
-            f"{where} "
-            "is a checkpoint without server optimizer state (fedciuic-checkpoint/1); resume "
-            'it with server-optimizer = "none" or start a new run'
+            f"{where} is a checkpoint without server optimizer state (fedciuic-checkpoint/1); "
+            'resume it with server-optimizer = "none" or start a new run'
         )
     if resumed.optimizer.name != run.server.server_optimizer:
         raise CheckpointError(
             f'run config:server-optimizer: "{run.server.server_optimizer}", but resume-from '
-            f"{where} "
-            f'continues a "{resumed.optimizer.name}" run; resume it with server-optimizer = '
-            f'"{resumed.optimizer.name}" or start a new run'
+            f'{where} continues a "{resumed.optimizer.name}" run; resume it with '
+            f'server-optimizer = "{resumed.optimizer.name}" or start a new run'
         )
     try:
         optimizer = ServerOptimizer.from_state(
@@ -258,8 +247,7 @@ def restore(
     aggregator: AggregatorRound, resumed: Checkpoint, optimizer: ServerOptimizer | None = None
 ) -> None:
     """What a checkpoint carries besides the adapter: the server optimiser's state
-    (``optimizer``, when already made from it) and the schedule (the global version,
-    who is unavailable, buffered tasks) in its ``extra``."""
+    (``optimizer``, when already made from it) and the schedule."""
     aggregator.server_optimizer = optimizer or server_optimizer(aggregator.run, resumed)
     aggregator.restore_schedule(resumed.extra)
     aggregator.resumed_from = resumed.identity
@@ -319,9 +307,8 @@ class Ended:
 
 
 def end_run(aggregator: AggregatorRound, audit: AuditLog, layout: AdapterLayout) -> Ended:
-    """``run_end`` in the audit log, signed; the final adapter saved next to metrics.json
-    only when some round published an aggregate: otherwise it is the initial one, and
-    saving it would present an untrained model as this run's result."""
+    """``run_end`` in the audit log, signed; the final adapter saved only when some round
+    published an aggregate: else it would present an untrained model as the result."""
     final = model_digest(aggregator.global_adapter).hex()
     status = (
         RunStatus.COMPLETED

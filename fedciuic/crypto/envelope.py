@@ -1,35 +1,18 @@
 """Sealed, signed envelopes: only the recipient can open them, and it knows who sealed them.
 
-Layout of version 2 (big-endian integers; ``docs/envelope.md`` is the reference)::
+``docs/envelope.md`` is the reference for the layout. Suite 1 (default), X-Wing +
+AES-256-GCM: the plaintext is cut into chunks, each sealed under a nonce of its index and
+a final flag with the header as associated data, so chunk order and truncation are
+authenticated; the signature covers the header, the KEM ciphertext and each chunk's
+SHA-256, binding the exact ciphertext (GCM alone does not, for the recipient who holds
+its key). Each chunk is encrypted and hashed while still in cache, on a small thread pool
+(AES-GCM and ``hashlib`` release the GIL). Suite 2, X-Wing + Fernet, is for
+compatibility only. Version 1 envelopes still open; :func:`seal` writes version 2.
 
-    header   magic "FCEV" | version 2 | suite | signature suite | sender key id (16)
-             | recipient key id (16) | run id (u64) | round (u32)
-             | region length (u8) | region (ASCII) | policy hash length (u8) | policy hash
-             | chunk exponent (u8) | length (u64)
-    kem      X-Wing ciphertext (1120)
-    body     the AEAD chunks (suite 1) or the Fernet token (suite 2)
-    sig      the sender's signature (its size is the signature suite's)
-
-Suite 1 (default), X-Wing + AES-256-GCM: a fresh X-Wing secret per envelope, HKDF-SHA256
-to a 32-byte key and a 7-byte nonce prefix; the plaintext is cut into chunks of
-``2**chunk exponent`` bytes, each sealed with AES-256-GCM under the nonce
-``prefix | chunk index (u32) | final flag (u8)`` and the header as associated data, so
-chunk order and truncation are authenticated. The signature covers
-``SHA-256(header | kem | SHA-256(chunk 0) | SHA-256(chunk 1) | ...)``: it binds the exact
-ciphertext (GCM alone does not, for the recipient who holds its key). Each chunk is
-encrypted (or decrypted) and hashed in one worker task while it is still in cache, on a
-small thread pool (both ``cryptography``'s AES-GCM and ``hashlib`` release the GIL).
-
-Suite 2, X-Wing + Fernet: compatibility only (no associated data, AES-128-CBC + HMAC,
-base64: about a third larger); the token is one chunk.
-
-Version 1 envelopes (one AES-GCM call, a signature over SHA-256 of the whole envelope)
-still open; :func:`seal` writes version 2.
-
-Every integrity failure (any bit changed anywhere, a truncated envelope, an unknown
-signer, a wrong key) is one opaque :class:`InvalidEnvelope`, as in Fernet. Envelopes
-that are authentic but not acceptable here (another run, round or recipient, a
-replay, too large) raise :class:`EnvelopeRejected` with the reason, for the audit log.
+Every integrity failure (any bit changed, a truncated envelope, an unknown signer, a
+wrong key) is one opaque :class:`InvalidEnvelope`, as in Fernet; an authentic envelope
+not acceptable here (another run, round or recipient, a replay, too large) raises
+:class:`EnvelopeRejected` with the reason, for the audit log.
 """
 
 from __future__ import annotations
@@ -170,10 +153,8 @@ def workers() -> int:
 
 
 def _map(task: Callable[[int], _T], count: int) -> list[_T]:
-    """``[task(i) for i in range(count)]``, on the pool when there is more than one chunk.
-
-    The pool is made on first use and again in a forked child (whose copy of the
-    parent's pool has no threads)."""
+    """``[task(i) for i in range(count)]``, on the pool when there is more than one chunk;
+    made again in a forked child, whose copy of the parent's pool has no threads."""
     global _pool
     threads = workers()
     if count == 1 or threads == 1:
@@ -238,13 +219,9 @@ def seal(
     suite: Suite = "xwing-aes256gcm",
     chunk_exponent: int = CHUNK_EXPONENT,
 ) -> bytearray:
-    """Encrypt ``payload`` (any C-contiguous buffer) to ``recipient`` under a fresh X-Wing
-    secret and sign it.
-
-    The envelope is one preallocated buffer: each chunk is encrypted straight into it
-    and hashed there while still in cache, so the payload is read once and the
-    ciphertext written once; chunks run in parallel on :func:`workers` threads.
-    """
+    """Encrypt ``payload`` (any C-contiguous buffer) to ``recipient`` and sign it. Each
+    chunk is encrypted straight into one preallocated buffer and hashed there, so the
+    payload is read once and the ciphertext written once."""
     if not MIN_CHUNK_EXPONENT <= chunk_exponent <= MAX_CHUNK_EXPONENT:
         raise ValueError(
             f"chunk_exponent: {chunk_exponent}, not in {MIN_CHUNK_EXPONENT}..{MAX_CHUNK_EXPONENT}"
@@ -412,10 +389,7 @@ def open_envelope(
     if not sender.verify(signed_message(encoded, kem_ct, digests), bytes(view[end:])):
         raise InvalidEnvelope()
     if not ours:
-        raise EnvelopeRejected(
-            f"envelope is for key {header.recipient.hex()}, not this aggregator's "
-            f"{recipient.bundle.key_id.hex()}"
-        )
+        raise _not_ours(header, recipient)
     if not intact:
         raise InvalidEnvelope()
     if header.suite == "xwing-fernet":
@@ -456,10 +430,7 @@ def _open_v1(
     ):
         raise InvalidEnvelope()
     if header.recipient != recipient.bundle.key_id:
-        raise EnvelopeRejected(
-            f"envelope is for key {header.recipient.hex()}, not this aggregator's "
-            f"{recipient.bundle.key_id.hex()}"
-        )
+        raise _not_ours(header, recipient)
     try:
         keys = _keys(recipient.xwing.decapsulate(bytes(kem_ct)), header.suite, 1)
         if header.suite == "xwing-aes256gcm":
@@ -469,6 +440,13 @@ def _open_v1(
     except (InvalidTag, InvalidToken, ValueError):
         raise InvalidEnvelope() from None
     return Opened(header, sender, payload)
+
+
+def _not_ours(header: Header, recipient: Keypair) -> EnvelopeRejected:
+    return EnvelopeRejected(
+        f"envelope is for key {header.recipient.hex()}, not this aggregator's "
+        f"{recipient.bundle.key_id.hex()}"
+    )
 
 
 @dataclass

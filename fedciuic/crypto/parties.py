@@ -68,13 +68,10 @@ _KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3, Tas
 
 @dataclass(frozen=True)
 class Terms:
-    """What an instruction asks besides the adapter, all under the aggregator's
-    signature: the kind of task, the run config the region is to apply (the SHA-256 of
-    its canonical JSON), a nonce that makes the instruction single-use, the federation
-    run the region accounts it under (a resumed run keeps the first run's id), the
-    base model the adapter belongs to, the checkpoint a resumed run continued from
-    (its identity, the SHA-256 of its state; empty for a run that did not resume), and
-    the region it is for: nonces are each agent's own, so without its recipient an
+    """What an instruction asks besides the adapter, under the aggregator's signature.
+    ``federation_run`` is what the region accounts under (a resumed run keeps the first
+    run's id); ``checkpoint``, the SHA-256 of the state a resumed run continued from.
+    The recipient is signed because nonces are each agent's own: without it an
     instruction meant for one region could be handed to another."""
 
     kind: TaskKind
@@ -153,10 +150,9 @@ def sign_global(
     witness: tuple[int, str] | None = None,
     digest: bytes | None = None,
 ) -> bytes:
-    """The aggregator's signature over the global adapter it sends for this run and
-    round, the terms it asks it under, and the head of its audit log's latest signed
-    checkpoint. ``digest``: the adapter's :func:`model_digest`, when the caller has it
-    (one adapter signed for each region is hashed once)."""
+    """The aggregator's signature over the global adapter, its terms and the head of its
+    audit log's latest signed checkpoint; ``digest``, when the caller has it (one
+    adapter signed for each region is hashed once)."""
     digest = model_digest(arrays) if digest is None else digest
     return keypair.sign(_global_message(run_id, server_round, digest, terms, witness))
 
@@ -173,9 +169,9 @@ def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str], receip
 def sign_run_end(
     keypair: Keypair, run_id: int, terms: Terms, witness: tuple[int, str], receipts: bytes
 ) -> bytes:
-    """The aggregator's signature over the head of its log once ``run_end`` is in it, and
-    over what it received from each region in the run (``receipts``: the SHA-256 of their
-    canonical JSON), so that a region learns which of its releases never arrived."""
+    """The aggregator's signature over its log's head once ``run_end`` is in it, and over
+    what it received from each region (``receipts``), so that a region learns which of
+    its releases never arrived."""
     return keypair.sign(_run_end_message(run_id, terms, witness, receipts))
 
 
@@ -212,14 +208,11 @@ class MalformedPayload(FedciuicError):
 def read_update_payload(
     payload: bytes | bytearray,
 ) -> tuple[dict[str, np.ndarray], object, object]:
-    """Inverse of :func:`update_payload`: the arrays, and the metrics and info exactly as
-    sent (still untrusted: the caller validates them). :class:`MalformedPayload` if the
-    plaintext is not safetensors with both in its metadata.
-
-    ``safetensors`` reads only ``bytes``: a ``bytearray`` (what an opened envelope of
-    several chunks holds) costs it one copy."""
+    """Inverse of :func:`update_payload`; the metrics and info as sent, still untrusted.
+    :class:`MalformedPayload` if the plaintext is not safetensors with both in its
+    metadata."""
     try:
-        if not isinstance(payload, bytes):
+        if not isinstance(payload, bytes):  # safetensors reads only bytes
             payload = bytes(payload)
         (size,) = struct.unpack_from("<Q", payload)
         header = json.loads(payload[8 : 8 + size])
@@ -251,8 +244,7 @@ class RegionKeys:
         terms: Terms,
         witness: tuple[int, str] | None = None,
     ) -> None:
-        """Refuse a global adapter (with its terms and audit head) the aggregator did
-        not sign for this run, round and kind of task."""
+        """Refuse a global adapter the aggregator did not sign as it stands."""
         message = _global_message(run_id, server_round, model_digest(arrays), terms, witness)
         if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
             raise NotSignedError(
@@ -281,11 +273,9 @@ class RegionKeys:
         witness: tuple[int, str],
         receipts: bytes,
     ) -> None:
-        """Refuse a run-end notice (the aggregator's final audit head and receipts) it
-        did not sign."""
-        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(
-            _run_end_message(run_id, terms, witness, receipts), signature
-        ):
+        """Refuse a run-end notice the aggregator did not sign."""
+        message = _run_end_message(run_id, terms, witness, receipts)
+        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
             raise NotSignedError(
                 f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "
                 f"not signed by the aggregator key {self.aggregator.key_id.hex()}"
@@ -385,14 +375,12 @@ class AggregatorKeys:
             envelope, recipient=self.keypair, senders=self.regions, max_size=self.max_size
         )
         Expectation(run_id, self.seen).check(opened, server_round)
-        arrays, metrics, info = read_update_payload(opened.payload)
+        header = opened.header
         return OpenedUpdate(
-            arrays,
-            metrics,
-            info,
+            *read_update_payload(opened.payload),
             opened.sender,
-            opened.header.suite,
-            opened.header.policy_hash.hex(),
+            header.suite,
+            header.policy_hash.hex(),
         )
 
 

@@ -184,13 +184,12 @@ class SecureSumRegion:
                 Phase.MASKED,
                 f"no shares from {', '.join(missing)}: they were dropped on the way",
             )
-        own_key = self.keypair.xwing
         eph = ephemeral(state.key_seed, sid)
         pairs = {}
         held = dict(state.held)
         for sender, item in by_sender.items():
             plain = open_with(
-                own_key,
+                self.keypair.xwing,
                 item.shares,
                 size=2 * SHARE_BYTES,
                 sid=sid,
@@ -198,10 +197,7 @@ class SecureSumRegion:
                 sender=sender,
                 to=self.me,
             )
-            held[sender] = (
-                share_value(plain[:SHARE_BYTES]),
-                share_value(plain[SHARE_BYTES:]),
-            )
+            held[sender] = (share_value(plain[:SHARE_BYTES]), share_value(plain[SHARE_BYTES:]))
             pairs[session.index(sender)] = self._pair(session, state, eph, item)
         update = self._update(session)
         me = session.index(self.me)
@@ -248,11 +244,10 @@ class SecureSumRegion:
             )
         self._enough(session, Phase.CONSENT, survivors, "survivors")
         self._commit(state.model_copy(update={"done": Phase.CONSENT, "survivors": survivors}))
-        content = consent_content(survivors)
         return Consent(
             region=self.me,
             survivors=survivors,
-            signature=self._sign(session, Phase.CONSENT, content),
+            signature=self._sign(session, Phase.CONSENT, consent_content(survivors)),
         )
 
     def reveal(
@@ -377,10 +372,11 @@ class SecureSumRegion:
         return state
 
     def _enough(self, session: Session, phase: Phase, regions: Collection[str], what: str) -> None:
-        count = len(regions)
-        if count < session.threshold:
+        if len(regions) < session.threshold:
             raise self._refuse(
-                session, phase, f"{count} {what}, fewer than the threshold {session.threshold}"
+                session,
+                phase,
+                f"{len(regions)} {what}, fewer than the threshold {session.threshold}",
             )
 
     def _sign(self, session: Session, phase: Phase, content: Mapping[str, object]) -> bytes:
