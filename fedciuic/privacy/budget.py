@@ -50,21 +50,18 @@ class BudgetStatus:
         if self.delta is None or self.accountant is None:
             return {}
         return {
-            purpose: epsilon_of(
-                [s for s, p in zip(self.history, self.purposes, strict=True) if p == purpose],
-                self.delta,
-                self.accountant,
-            )
+            purpose: epsilon_of(self._steps(purpose), self.delta, self.accountant)
             for purpose in dict.fromkeys(self.purposes)
         }
 
+    def _steps(self, purpose: str) -> list[Step]:
+        return [s for s, p in zip(self.history, self.purposes, strict=True) if p == purpose]
+
     def after_run(self, target: float, steps: int, prefix: tuple[Step, ...] = ()) -> float:
-        """The dataset's cumulative epsilon after a whole run of ``steps`` DP-SGD steps at
-        ``target``, as the region accounts it: noise calibrated for the run (after its
-        other releases, ``prefix``: :func:`~fedciuic.privacy.ledger.run_prefix`) at the
-        sample rate of the dataset's last training release (same data, same batch size),
-        composed with its history. A dataset with no release: the run's own target."""
-        trained = [s for s, p in zip(self.history, self.purposes, strict=True) if p == TRAINING]
+        """The dataset's cumulative epsilon after a run of ``steps`` steps at ``target``:
+        noise calibrated after ``prefix`` (:func:`~fedciuic.privacy.ledger.run_prefix`) at
+        the rate of the last training release, composed with the history."""
+        trained = self._steps(TRAINING)
         if not trained or self.delta is None or self.accountant is None:
             return target
         rate = trained[-1][1]
@@ -96,17 +93,15 @@ class BudgetStatus:
     def run_line(
         self, target: float, steps: int, prefix: tuple[Step, ...] = ()
     ) -> tuple[bool, str]:
-        """Whether a run at ``target`` of ``steps`` steps (after ``prefix``) fits, and one
-        line saying so."""
+        """Whether a run at ``target`` of ``steps`` steps fits, and a line saying so."""
         if self.problem:  # line() said why: no run fits
             return False, ""
         after = self.after_run(target, steps, prefix)
-        fits = after <= self.budget + 1e-9
         line = (
             f"{self.region}: a run at target-epsilon {target:g} ({steps} steps) would bring it "
             f"to {after:.2f} of {self.budget:g}: "
         )
-        if fits:
+        if after <= self.budget + 1e-9:
             return True, line + "fits"
         return False, line + (
             f"does not fit (the region declines each round that would go past "
@@ -115,10 +110,8 @@ class BudgetStatus:
 
 
 def budget_status(region: str, state_dir: Path, budget: float) -> BudgetStatus:
-    """The spend of the dataset whose state folder is ``state_dir``. A missing ledger is a
-    dataset that has released nothing; a damaged one is a status whose ``problem`` names
-    the file and the fix, as when a round opens it (one region's damage is its own: the
-    others' lines and runs go on)."""
+    """The spend of the dataset whose state folder is ``state_dir``; a damaged ledger is a
+    status whose ``problem`` names the file and the fix (the other regions go on)."""
     path = state_dir / LEDGER_FILE
     if not path.exists():
         return BudgetStatus(region, path, budget)

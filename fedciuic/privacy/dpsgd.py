@@ -1,9 +1,8 @@
 """DP-SGD on a region's adapters with Opacus: Poisson sampling, per-sample clipping, noise.
 
 Opacus hooks work on the cached model itself (``wrap_model=False``), so the same model
-serves evaluation and later rounds. A region's round (:func:`private_round`) parks them
-when it ends, disabled and holding nothing, and the next round on that model takes them
-up again: building them walks the whole model (about 0.3 s a round on ``realistic``).
+serves evaluation and later rounds; a round parks them, disabled and empty, for the next
+round to take up, since building them walks the whole model.
 """
 
 from __future__ import annotations
@@ -73,12 +72,9 @@ _PASS_UNITS: list[torch.Tensor | None] = [None]
 def _linear_norm_sample_any_rank(
     layer: torch.nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Ghost-clipping norms for ``nn.Linear`` inputs of any rank.
-
-    Opacus handles ``[B, D]`` and ``[B, T, D]``; MLA's ``kv_b_proj`` sees
-    ``[B, 1, T, D]``. Folding the middle dimensions gives the same per-sample
-    gradient (a sum of outer products over all positions), so we fold them.
-    """
+    """Ghost-clipping norms for ``nn.Linear`` inputs of any rank: Opacus handles
+    ``[B, D]`` and ``[B, T, D]``, MLA's ``kv_b_proj`` sees ``[B, 1, T, D]``; folding the
+    middle dimensions gives the same per-sample gradient."""
     if backprops.dim() > 3:
         backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
         activations = [a.reshape(a.shape[0], -1, a.shape[-1]) for a in activations]
@@ -94,10 +90,8 @@ def _linear_norm_sample_any_rank(
 def _unit_norms(
     layer: torch.nn.Linear, inputs: torch.Tensor, backprops: torch.Tensor, owners: torch.Tensor
 ) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """For each example, the norm of its unit's gradient (the mean of the unit's examples'
-    gradients, as hooks mode clips it), for each trainable tensor of ``layer``: the
-    examples' gradients of this one layer, summed per unit, then dropped. A unit's
-    examples are one sample of all their tokens, as far as its norm goes."""
+    """For each example, the norm of its unit's gradient (the mean of the unit's
+    examples' gradients, as hooks mode clips it), for each trainable tensor of ``layer``."""
     count = int(owners.max()) + 1
     sizes = torch.bincount(owners, minlength=count).to(backprops.dtype)
     grads: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -136,12 +130,8 @@ GradSampleModuleFastGradientClipping.NORM_SAMPLERS[torch.nn.Linear] = _linear_no
 
 
 def parameter_device(params: Iterable[torch.Tensor]) -> torch.device:
-    """The one device that holds every trainable parameter (where noise must be drawn).
-
-    Opacus draws each parameter's noise with one generator, on that parameter's
-    device; a generator on another device fails on the first step (a CPU generator
-    for CUDA parameters), so the trainable parameters must share one device.
-    """
+    """The one device that holds every trainable parameter: Opacus draws all noise with
+    one generator, which fails on parameters of another device."""
     devices = {p.device for p in params}
     if not devices:
         raise PrivacyError("DP-SGD: the model has no trainable parameters")
@@ -156,8 +146,7 @@ def parameter_device(params: Iterable[torch.Tensor]) -> torch.device:
 
 def _release_noise(size: int, std: float, *, secure_mode: bool, seed: int | None) -> list[float]:
     """``size`` Gaussian draws of ``std`` for a release besides DP-SGD's, drawn as its
-    noise is (Opacus' secure sum of Gaussians in ``secure_mode``, from a generator nobody
-    can replay; ``seed``: reproducible, tests only, ignored in secure mode)."""
+    noise is (``seed``: reproducible, tests only, ignored in secure mode)."""
     if seed is not None and not secure_mode:
         gen = seeded_generator("cpu", seed)
     else:
@@ -182,11 +171,8 @@ def dp_mean(
     seed: int | None = None,
 ) -> tuple[float, int]:
     """The mean of ``values`` (one per unit) clipped to [0, ``clip``], and their count,
-    from a sum and a count each with Gaussian noise (``noise x clip`` and ``noise``): one
-    Gaussian mechanism whose L2 sensitivity, in units of (clip, 1), is sqrt(2), so the
-    accountant sees one step of noise multiplier ``noise / sqrt(2)`` at rate 1
-    (:func:`fedciuic.privacy.ledger.dp_mean_step`). The mean is kept in [0, clip] and
-    the count at least 1 (post-processing)."""
+    from a noised sum and count: one Gaussian mechanism of L2 sensitivity sqrt(2)
+    (:func:`fedciuic.privacy.ledger.dp_mean_step`)."""
     on_sum, on_count = _release_noise(2, noise, secure_mode=secure_mode, seed=seed)
     total = sum(min(max(v, 0.0), clip) for v in values) + clip * on_sum
     count = len(values) + on_count
@@ -201,11 +187,9 @@ def warn_once(message: str) -> None:
 
 
 class _Engine(PrivacyEngine):  # type: ignore[misc]
-    """Opacus' engine; fedciuic hands it its own generators, and accounting happens in
-    the ledger. Opacus' own secure mode would use one CPU generator for both sampling
-    and noise, so the engine stays in plain mode and the trainer sets the optimizer's
-    ``secure_mode`` (noise as a sum of Gaussians) itself. ``parked``: the hooks an
-    earlier round left on the model, taken up instead of built again."""
+    """Opacus' engine in plain mode: its secure mode would use one CPU generator for both
+    sampling and noise, so the trainer hands it its own generators and sets the
+    optimizer's ``secure_mode`` itself. ``parked``: an earlier round's hooks to take up."""
 
     def __init__(self, parked: Any = None) -> None:
         self.parked = parked
@@ -240,8 +224,7 @@ def _take_parked(model: AdapterModel, mode: DPMode) -> Any:
 
 
 def _park(model: AdapterModel, hooks: Any) -> None:
-    """Leave ``hooks`` on ``model`` for its next round, disabled (every pass until then
-    is a plain one) and holding no activation or per-sample state."""
+    """Leave ``hooks`` on ``model`` for its next round, disabled and holding no state."""
     hooks.disable_hooks()
     for module in model.model.modules():
         for attr in ("activations", "max_batch_len"):
@@ -254,9 +237,8 @@ def _park(model: AdapterModel, hooks: Any) -> None:
 
 
 class _SecureNoiseOptimizer:
-    """Opacus' secure noise for every parameter of a step drawn at once by
-    :class:`~fedciuic.privacy.noise.SecureNoise` (its streams in parallel) instead of
-    Opacus' serial draws, tensor by tensor; the sums are the same."""
+    """Opacus' secure noise for every parameter of a step, drawn at once in parallel
+    streams (:class:`~fedciuic.privacy.noise.SecureNoise`); the sums are the same."""
 
     params: list[torch.nn.Parameter]
     noise_multiplier: float
@@ -283,14 +265,10 @@ def _with_secure_noise(optimizer: Any, noise: SecureNoise) -> Any:
 
 
 class _AcrossRanks:
-    """Turns an Opacus DP optimizer into DP-DDP over the default process group.
-
-    Each rank clips its own units and sums them; rank 0 alone adds the noise; the
-    noised sum is scaled by the *global* expected batch (q x units, as one process
-    scales it) and summed over the ranks before the step. So the update is one
-    Gaussian mechanism on the global Poisson batch, as the ledger accounts it (Opacus'
-    ``DistributedDPOptimizer`` does the same, with per-rank expected batches).
-    """
+    """Turns an Opacus DP optimizer into DP-DDP over the default process group: each
+    rank clips and sums its own units, rank 0 alone adds the noise, and the sum over
+    the ranks is scaled by the *global* expected batch, so the update is one Gaussian
+    mechanism on the global Poisson batch, as the ledger accounts it."""
 
     rank: int
     params: list[torch.nn.Parameter]
@@ -319,13 +297,9 @@ def _across_ranks(optimizer: Any, rank: int) -> Any:
 
 
 class _ShardSampler:
-    """Poisson sampling of this rank's units (index = rank mod ranks) at the global rate.
-
-    Each unit is in exactly one rank's shard and every rank samples its own units
-    independently at rate q, so the union over the ranks is a Poisson sample of all
-    units at q: the same mechanism as one process's sampler. Every rank yields the
-    same number of batches per pass (1/q, as Opacus), empty ones included.
-    """
+    """Poisson sampling of this rank's units (index = rank mod ranks) at the global rate:
+    the union over the ranks is a Poisson sample of all units at q, as one process's.
+    Every rank yields 1/q batches per pass, empty ones included."""
 
     def __init__(self, shard: Shard, count: int, rate: float, passes: int, gen: torch.Generator):
         self.units = torch.arange(shard.rank, count, shard.size)
@@ -361,16 +335,11 @@ def physical_parts(owners: torch.Tensor, size: int) -> list[tuple[int, int]]:
 class PrivateTrainer:
     """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
 
-    What is sampled and clipped is a privacy unit (a record, or every record of one
-    user): each step Poisson-samples units, takes up to ``max_examples_per_unit`` of
-    each sampled unit's examples, and clips the mean of their gradients as one
-    (user-level DP-SGD with user-level sampling, "ULS" in Chua et al. 2024). With one
-    example per unit this is Opacus' DP-SGD exactly; the accountant sees the units'
-    sample rate.
-
-    With a ``shard`` of several ranks (DP-DDP, :class:`_AcrossRanks`) each rank samples
-    and clips its own units and rank 0 adds the noise once: the same epsilon as one
-    process with the same global batch and steps. Every rank takes every step.
+    Each step Poisson-samples privacy units (a record, or one user's records), takes up
+    to ``max_examples_per_unit`` of each one's examples and clips the mean of their
+    gradients as one (user-level sampling, "ULS" in Chua et al. 2024); with one example
+    per unit this is Opacus' DP-SGD. With a ``shard`` of several ranks
+    (:class:`_AcrossRanks`) every rank takes every step, for the same epsilon.
     """
 
     def __init__(
@@ -393,12 +362,10 @@ class PrivateTrainer:
         physical_batch: int = 0,
     ) -> None:
         """``seed`` makes noise and sampling reproducible, and predictable to whoever
-        knows it: only for tests (run config ``insecure-reproducible-noise``), and
-        ignored in ``secure_mode``. Without it both generators are seeded from the
-        operating system, so no other party can predict or replay the noise.
-        ``units``: the count the rate and the averaging follow from (the run's DP count
-        with count-noise), where not the examples' own. ``physical_batch``: at most this
-        many examples in one forward and backward pass (0: the whole batch at once)."""
+        knows it: tests only, ignored in ``secure_mode``; without it both generators are
+        seeded from the operating system. ``units``: the count the rate and averaging
+        follow from (the run's DP count), where not the examples' own.
+        ``physical_batch``: most examples in one pass (0: the whole batch)."""
         self.model = model
         self.physical_batch = physical_batch
         self.mode = mode
@@ -503,8 +470,8 @@ class PrivateTrainer:
         shard: Shard = ONE_PROCESS,
         units: int | None = None,
     ) -> PrivateTrainer:
-        """The trainer a region's round uses, with the run's training and privacy
-        sections; ``seed`` reaches the noise only under insecure-reproducible-noise."""
+        """The trainer a region's round uses; ``seed`` reaches the noise only under
+        insecure-reproducible-noise."""
         return cls(
             model,
             examples,
@@ -545,19 +512,14 @@ class PrivateTrainer:
         return self._step_batch(batch, owners)
 
     def _step_batch(self, batch: Batch, owners: torch.Tensor) -> float:
-        """One DP-SGD step on ``batch``, whose examples belong to units 0, 1, ...
-        (``owners``: each example's unit, in order, each unit at least once): per-sample
-        gradients, per-unit clipping, noise and the optimizer's update. Real and
-        calibration steps both come here. Over physical-batch examples, the batch passes
-        in parts of whole units, each part's clipped gradients added to the step's sum
-        and the noise drawn once at the end (Opacus' ``BatchMemoryManager``): the same
-        step, with the activations of one part held at a time."""
+        """One DP-SGD step on ``batch``, whose examples belong to units 0, 1, ... in order
+        (``owners``). Over physical-batch examples it passes in parts of whole units,
+        noise drawn once at the end (as Opacus' ``BatchMemoryManager``)."""
         parts = physical_parts(owners, self.physical_batch)
         return self._take(batch, owners, parts, self._passes(len(parts)))
 
     def _passes(self, own: int) -> int:
-        """How many passes this step takes here: this rank's own, or with a sharded
-        base the most any rank takes (every rank takes every pass)."""
+        """This rank's passes, or with a sharded base the most any rank takes."""
         return lockstep(own, self.model.device) if self.model.sharded else own
 
     def _take(
@@ -604,12 +566,9 @@ class PrivateTrainer:
         )
 
     def worst_batch(self, seq_len: int) -> tuple[Batch, torch.Tensor]:
-        """A synthetic batch of the largest shape a step plans for, from public sizes
-        alone: batch-size units (at most the dataset's units, whose count the sample rate
-        already makes public) of max-examples-per-unit examples each, at most the
-        dataset's examples (sent as the FedAvg weight), each of ``seq_len`` random tokens,
-        all labelled. Not clamped to the largest unit's size: that is private (how many
-        records one user has)."""
+        """A synthetic batch of the largest shape a step plans for, from public sizes alone
+        (units and examples counts, already released); not clamped to the largest unit's
+        size, which is private (how many records one user has)."""
         count = max(1, min(self.batch_size, self.units.count))
         total = max(count, min(count * self.max_examples_per_unit, len(self.examples)))
         vocab = int(self.model.model.get_input_embeddings().num_embeddings)
@@ -617,11 +576,8 @@ class PrivateTrainer:
         return Batch.of_ids(ids), torch.arange(total) * count // total
 
     def time_step(self, seq_len: int, slowdown: float = 1.0) -> float:
-        """Seconds of one full DP-SGD step on :meth:`worst_batch`, paced by ``slowdown``
-        as the round's steps are. A one-example step warms up first (Opacus's hooks, the
-        optimizer's state, the allocator): as slow to set up as the full step and a
-        fraction of its work. The adapters are restored and the optimizer's state dropped
-        after: no trace is left, and no private record is read."""
+        """Seconds of one full DP-SGD step on :meth:`worst_batch`, after a one-example
+        warm-up; the adapters and optimizer state are restored, and no record is read."""
         params = self.optimizer.params
         saved = [p.detach().clone() for p in params]
         batch, owners = self.worst_batch(seq_len)
@@ -649,10 +605,8 @@ class PrivateTrainer:
             param.grad_sample = summed / sizes.view(view).to(summed.dtype)
 
     def noise_step(self) -> None:
-        """A DP-SGD step on an empty Poisson batch: the clipped sum is zero, and the noise
-        is added and applied as on any other step. The accountant counts every step of
-        the sampled sequence, so skipping an empty one would release less noise than
-        accounted for (and reveal that the batch was empty)."""
+        """A DP-SGD step on an empty Poisson batch, noised as any other: the accountant
+        counts every step, and skipping one would reveal the batch was empty."""
         passes = self._passes(0)
         if passes:  # a sharded base: blank passes while another rank trains
             empty = torch.zeros((0, 2), dtype=torch.long)
@@ -667,10 +621,8 @@ class PrivateTrainer:
         self.optimizer.step()
 
     def run(self, steps: int, slowdown: float = 1.0) -> TrainStats:
-        """``steps`` DP-SGD steps on Poisson-sampled batches; an empty batch takes a
-        noise-only step (:meth:`noise_step`), as the accountant assumes. Exactly
-        ``steps``, never cut short by a clock (a stop that depends on the sampled records
-        is not what the ledger accounts); ``slowdown`` paces each (:func:`paced`)."""
+        """Exactly ``steps`` DP-SGD steps, never cut short by a clock (a stop that depends
+        on the sampled records is not what the ledger accounts)."""
         losses: list[float] = []
         done = 0
         while done < steps:
@@ -705,8 +657,7 @@ class PrivateTrainer:
 
 @dataclass(frozen=True)
 class PrivateRound:
-    """What one round of DP-SGD did: its statistics and the steps it took (each one
-    noised, empty Poisson batches included), which the ledger must match."""
+    """What one round of DP-SGD did; its steps (empty batches included) must match the ledger."""
 
     stats: TrainStats
     steps_taken: int
@@ -728,11 +679,8 @@ def private_round(
     slowdown: float = 1.0,
     units: int | None = None,
 ) -> PrivateRound:
-    """``steps`` DP-SGD steps with the run's settings, as the ledger accounts them: a
-    trainer that would sample at another rate than ``sample_rate`` is refused before
-    any step (``who`` names the region or rank); Opacus' hooks are parked after a round
-    that ended, for the next (:meth:`PrivateTrainer.close`), and removed after one
-    that failed."""
+    """``steps`` DP-SGD steps, refused before any if the trainer would sample at another
+    rate than the ledger accounts; hooks are parked after a round that ended."""
     trainer = PrivateTrainer.for_run(
         model,
         examples,
@@ -758,17 +706,10 @@ def private_round(
 
 
 def plan_private_steps(local: LocalTraining, timer: Callable[[], float]) -> int:
-    """How many DP-SGD steps this round takes: local-steps, or with a local-time-budget
-    as many as fit in it (1 to local-steps), planned before the first private step.
-
-    The count comes from ``timer``: the seconds of a full DP-SGD step on a synthetic
-    batch of the worst shape (:func:`time_private_step`, on every rank of a sharded
-    base), so it depends on the hardware, its load and the config, never on which
-    records are sampled. Stopping on the clock instead would make the step count an
-    adaptive function of the private data, which composition accounting does not
-    cover (docs/privacy.md). The budget covers the training steps; this calibration
-    (a one-example warm-up and one worst-shape step) comes on top of it.
-    """
+    """How many DP-SGD steps this round takes: local-steps, or as many as fit in the
+    local-time-budget (1 to local-steps), planned before the first private step from
+    ``timer``, a worst-shape synthetic step. Stopping on the clock instead would make
+    the step count depend on the private data, which the accounting does not cover."""
     if local.local_time_budget <= 0:
         return local.local_steps
     seconds = timer()
@@ -784,10 +725,8 @@ def time_private_step(
     noise_multiplier: float = 1.0,
     slowdown: float = 1.0,
 ) -> float:
-    """Seconds of one full DP-SGD step on this hardware (:meth:`PrivateTrainer.time_step`,
-    on a trainer of its own, then dropped), reading no record and leaving no trace: the
-    adapters are restored, and so is torch's random state (a reproducible run draws the
-    same numbers whether or not it timed a step)."""
+    """Seconds of one full DP-SGD step on this hardware, leaving no trace: torch's
+    random state is restored too, so a reproducible run draws the same numbers."""
     with torch.random.fork_rng():
         trainer = PrivateTrainer.for_run(
             model, examples, local, dp, noise_multiplier=noise_multiplier, seed=0

@@ -1,18 +1,10 @@
 """Differential privacy for a region: accounting, noise calibration and the privacy ledger.
 
-Three tiers, as in Opacus: pure functions (:func:`epsilon_of`, :func:`calibrate_noise`),
-a small stateful :class:`PrivacyLedger` that saves and loads itself, and the DP-SGD
-training step in :mod:`fedciuic.privacy.dpsgd`.
-
-Accounting is over the whole history of a region's dataset, across runs: the ledger
-holds every (noise multiplier, sample rate, steps) the dataset was trained with, and
-epsilon is always computed from that full history, never added up per run.
-
-The default accountant is Opacus' PRV accountant (Gopi et al., 2021): it computes
-epsilon numerically from the privacy loss distribution and is tight, so the same
-target epsilon buys less noise than with RDP (whose conversion to (epsilon, delta)
-over-estimates). RDP is offered for those who need its closed form. Both agree with
-Google's ``dp-accounting`` (PLD and RDP respectively) in the tests.
+Epsilon is always computed from the whole history of a region's dataset, across runs
+(every (noise multiplier, sample rate, steps) the ledger holds), never added up per run.
+The default accountant is Opacus' PRV (Gopi et al., 2021): tight, so a target epsilon
+buys less noise than with RDP, whose (epsilon, delta) conversion over-estimates; RDP is
+offered for its closed form.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -55,11 +47,9 @@ undo_opacus_basic_config()
 
 
 def _memoise_rdp() -> None:
-    """Remember Opacus' RDP of one subsampled Gaussian step at one order. PRV bounds its
-    discretisation domain with RDP (``compute_safe_domain_size``), and each round's
-    projection asks about a new history of the same (noise, rate) steps, so without this
-    every round redoes the same ~900 series (0.6 s of a 0.7 s accounting on a CPU). The
-    function is pure (floats in, a float out): caching it changes no figure."""
+    """Cache Opacus' RDP of one subsampled Gaussian step: PRV bounds its domain with RDP,
+    and each round's projection would redo the same series. It is pure, so caching it
+    changes no figure."""
     compute = opacus_rdp._compute_rdp
     if not hasattr(compute, "cache_info"):
         opacus_rdp._compute_rdp = lru_cache(maxsize=4096)(compute)
@@ -103,11 +93,9 @@ class LedgerRolledBack(PrivacyError):
 def epsilon_of(history: Sequence[Step], delta: float, accountant: Accountant) -> float:
     """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``.
 
-    Cached: the policy check, the lifetime budget and the per-run cap ask about the
-    same histories, and a PRV accounting takes about 0.4 s on a CPU. Steps of one
-    (noise, rate) are composed as one entry, their counts added: the same composition
-    (a history split into rounds accounts as the whole), and PRV's cost grows with the
-    entries (a region's rounds and evaluations each repeat one)."""
+    Cached (the policy check, budget and cap ask about the same histories). Steps of
+    one (noise, rate) are merged into one entry: the same composition, and PRV's cost
+    grows with the entries."""
     merged: dict[tuple[float, float], int] = {}
     for sigma, rate, steps in history:
         key = (float(sigma), float(rate))
@@ -138,13 +126,10 @@ def smallest_noise(epsilon_at: Callable[[float], float], target_epsilon: float) 
     """The smallest noise multiplier ``sigma`` with ``epsilon_at(sigma)`` at most
     ``target_epsilon`` and within :data:`EPSILON_TOLERANCE` of it.
 
-    Each ``epsilon_at`` is a whole PRV accounting (0.3-0.5 s on a CPU), so this is a
-    root finder, not halving: ``log epsilon`` is close to linear in ``log sigma``, so
-    each guess is the secant through the last two accountings, aimed just under the
-    target and kept inside the bracket; every third bracketed guess halves it in log
-    space instead, so the secant cannot creep up on one end. About half the accountings
-    of bisection, with the same guarantee: the noise returned was accounted and found
-    under target."""
+    Each ``epsilon_at`` is a whole PRV accounting, so this is a secant search in log
+    space (``log epsilon`` is close to linear in ``log sigma``), halving every third
+    bracketed guess so it cannot creep up on one end. The noise returned was accounted
+    and found under target."""
     aim = math.log(target_epsilon - EPSILON_TOLERANCE / 2)
     low = high = math.nan  # epsilon over target at low; at or under it at high
     points: list[tuple[float, float]] = []  # (log sigma, log epsilon) where finite
@@ -242,14 +227,13 @@ def remembered_noise(
     steps: int,
     accountant: Accountant,
 ) -> float:
-    """:func:`calibrate_noise_after`, remembered in the region's ``state_dir``: a run's
-    inputs are fixed, but a simulation's ClientApps take turns with the regions, and each
-    process would calibrate again (4-7 PRV accountings, 1-3 s on a CPU). A remembered value is
-    used only if one accountant call confirms it keeps the run under target, so a damaged
-    or edited file can cost utility, never privacy; an unreadable one is calibrated over.
-    Cached in the process too: a round asks several times, and the file is read once."""
-    inputs = [prefix, target_epsilon, delta, sample_rate, steps, accountant]
-    key = json.dumps([*inputs, opacus_version])
+    """:func:`calibrate_noise_after`, remembered in the region's ``state_dir`` so that
+    each process of a simulation need not calibrate again. A remembered value is used
+    only if one accounting confirms it keeps the run under target, so a damaged or
+    edited file can cost utility, never privacy; an unreadable one is calibrated over."""
+    key = json.dumps(
+        [prefix, target_epsilon, delta, sample_rate, steps, accountant, opacus_version]
+    )
     path = state_dir / CALIBRATIONS_FILE
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
@@ -383,11 +367,10 @@ class LedgerWitness:
 class PrivacyLedger:
     """Append-only JSON Lines ledger of a region's privacy spending, on its own disk.
 
-    Every write holds an exclusive ``flock`` on ``<ledger>.lock``, and every read
-    under that lock re-validates the whole file, so two processes of one region
-    cannot interleave or lose records. Its lines form a hash chain (:func:`chain_head`)
-    whose head the region's audit log witnesses after each release, so that an older
-    copy of the ledger, or one cut short, is refused (:meth:`check_witness`).
+    Writes hold an exclusive ``flock`` on ``<ledger>.lock`` and reads under it
+    re-validate the whole file, so two processes cannot interleave or lose records. Its
+    lines form a hash chain (:func:`chain_head`) whose head the audit log witnesses, so
+    an older or truncated copy is refused (:meth:`check_witness`).
     """
 
     def __init__(
@@ -409,8 +392,6 @@ class PrivacyLedger:
         for line in lines:
             self.heads.append(chain_head(self.heads[-1] if self.heads else None, line))
 
-    # -- reading ----------------------------------------------------------------
-
     @classmethod
     def open(
         cls,
@@ -423,9 +404,8 @@ class PrivacyLedger:
         unit: PrivacyUnit,
         witness: LedgerWitness | None = None,
     ) -> PrivacyLedger:
-        """Load and check the ledger at ``path``, or start one for this dataset per
-        ``unit``; with a ``witness`` (see :func:`audit_witness`), refuse a ledger that
-        was rolled back."""
+        """Load and check the ledger at ``path``, or start one; with a ``witness``
+        (:func:`audit_witness`), refuse a ledger that was rolled back."""
         if path.exists():
             ledger = cls.load(path)
             ledger._check_matches(
@@ -555,8 +535,6 @@ class PrivacyLedger:
                 f"records a cumulative epsilon of {witness.epsilon:.3f} but {found}; {rebuild}"
             )
 
-    # -- accounting ---------------------------------------------------------------
-
     @property
     def history(self) -> list[Step]:
         return [(r.noise_multiplier, r.sample_rate, r.steps) for r in self.rounds]
@@ -588,14 +566,13 @@ class PrivacyLedger:
 
     def run_history(self, run_id: int) -> list[Step]:
         """The steps this run (federation run id) has actually released."""
-        return [
-            (r.noise_multiplier, r.sample_rate, r.steps) for r in self.rounds if r.run_id == run_id
-        ]
+        return [s for r, s in zip(self.rounds, self.history, strict=True) if r.run_id == run_id]
 
     def run_epsilon_after(self, run_id: int, step: Step) -> float:
         """What run ``run_id`` will have spent, on its own, if ``step`` is released next."""
-        history = [*self.run_history(run_id), step]
-        return epsilon_of(history, self.header.delta, self.header.accountant)
+        return epsilon_of(
+            [*self.run_history(run_id), step], self.header.delta, self.header.accountant
+        )
 
     def admit(
         self, step: Step, *, budget: float, run_id: int, server_round: int, cap: tuple[float, str]
@@ -623,16 +600,11 @@ class PrivacyLedger:
             )
         return after, run_after
 
-    # -- writing ------------------------------------------------------------------
-
     def append(self, record: LedgerRound) -> None:
         """Append one round and flush it to disk before anything is released."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = []
-        if not self.path.exists():
-            lines.append(self.header.model_dump_json())
         line = record.line().decode()
-        lines.append(line)
+        lines = [line] if self.path.exists() else [self.header.model_dump_json(), line]
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
             handle.flush()
@@ -642,10 +614,9 @@ class PrivacyLedger:
         self.heads.append(chain_head(self.heads[-1], self.lines[-1]))
 
     def witness_record(self, pending: LedgerRound | None = None) -> dict[str, Any]:
-        """What the region's audit log keeps of the ledger after a release: the number of
-        releases and the chain head (checked on every open), and the last line and the
-        header, base64 (so that :func:`rebuild_ledger` can restore every release).
-        ``pending``: the record about to be appended, for the ledger as it will be then."""
+        """What the audit log keeps of the ledger after a release (or after ``pending``,
+        about to be appended): the releases and chain head, checked on every open, and
+        the last line and header, base64, so :func:`rebuild_ledger` can restore them."""
         last = self.lines[-1] if self.rounds else b""
         releases, head = len(self.rounds), self.heads[-1]
         if pending is not None:
@@ -728,22 +699,14 @@ def _damage_fix(path: Path) -> str:
 
 
 def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitness | None:
-    """What the region's audit log (``STATE_PATH/audit.jsonl``) witnessed of this
-    dataset's ledger: the ``ledger`` details of its records that witness it (the most
-    releases, and the head at that length) and the highest cumulative epsilon they
-    recorded. None when there is no audit log. A log that cannot be read is an error:
-    without it a rollback cannot be ruled out."""
+    """What the region's audit log witnessed of this dataset's ledger: the most releases
+    (and the head at that length) and the highest cumulative epsilon. None without an
+    audit log; an unreadable one is an error, as a rollback cannot then be ruled out."""
     if not audit_path.exists():
         return None
     releases, head, epsilon = 0, "", 0.0
     lines: dict[int, tuple[str, bytes, bytes]] = {}
-    # with_carried: a pruned audit log carries its last witness of each ledger forward.
-    for record in with_carried(load_records(audit_path)):
-        details = record.get("details")
-        if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
-            continue
-        if record.get("actor") != region or details.get("data_fingerprint") != dataset:
-            continue
+    for _, details in _witnesses(audit_path, region, dataset):
         eps = details.get("epsilon")
         if isinstance(eps, int | float) and math.isfinite(eps):
             epsilon = max(epsilon, float(eps))
@@ -755,6 +718,19 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
         if count >= releases:  # the latest witness of the longest ledger
             releases, head = count, at
     return LedgerWitness(audit_path, releases, head, epsilon, lines)
+
+
+def _witnesses(
+    audit_path: Path, region: str, dataset: str
+) -> Iterator[tuple[Mapping[str, Any], dict[str, Any]]]:
+    """The audit records (and their details) that witness this dataset's ledger; a
+    pruned log carries its last witness of each ledger forward (``with_carried``)."""
+    for record in with_carried(load_records(audit_path)):
+        details = record.get("details")
+        if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
+            continue
+        if record.get("actor") == region and details.get("data_fingerprint") == dataset:
+            yield record, details
 
 
 def _witnessed(value: object) -> tuple[int, str, bytes, bytes] | None:
@@ -839,20 +815,15 @@ class _Read:
 
 def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Rebuilt:
     """Rebuild ``STATE_DIR/privacy-ledger.jsonl`` after a rollback or damage from every
-    witness of it: the current file, the files earlier rebuilds kept aside
-    (``privacy-ledger.jsonl.rolled-back-*``), the ledger lines and heads the region's
-    audit log witnessed, and, with ``aggregator_log``, the epsilon the aggregator's
-    log recorded for this region's updates (it holds no ledger lines: a floor only).
+    witness of it: the current file, earlier rebuilds' kept-aside files, the lines and
+    heads the audit log witnessed, and, with ``aggregator_log``, the epsilon the
+    aggregator recorded (a floor only: it holds no ledger lines).
 
-    A recovery tool that dropped a release would hand part of the spent budget back,
-    so the result is the union of the sources, release by release (a release's
-    position is the length of its accountant history), and is refused, changing
-    nothing, unless it holds every release any source holds and shows at least the
-    epsilon each records: two sources with different releases at one position (two
-    ledgers for one dataset), a release in none of them, or an epsilon no line
-    reaches is a :class:`RebuildRefused` naming them. The result must reproduce every
-    witnessed chain head and pass the ledger's own checks; the replaced file is kept
-    next to it as evidence (under a name no earlier one has)."""
+    Dropping a release would hand spent budget back, so the result is the union of the
+    sources by release position (its accountant history's length), and it is refused
+    (:class:`RebuildRefused`, nothing changed) unless it holds every release any source
+    holds, reaches every recorded epsilon, reproduces every witnessed head and passes
+    the ledger's own checks. The replaced file is kept aside as evidence."""
     path = state_dir / LEDGER_FILE
     audit_path = state_dir / REGION_LOG
     with locked(path):
@@ -1049,15 +1020,7 @@ def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
     if not audit_path.exists():
         return None
     read = _Read(audit_path, "region audit log")
-    for record in with_carried(load_records(audit_path)):
-        details = record.get("details")
-        if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
-            continue
-        if (
-            record.get("actor") != header.region
-            or details.get("data_fingerprint") != header.dataset
-        ):
-            continue
+    for record, details in _witnesses(audit_path, header.region, header.dataset):
         where = f"{audit_path} (record seq {record.get('seq')})"
         eps = details.get("epsilon")
         if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps):
@@ -1081,11 +1044,10 @@ def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
 def _read_aggregator(
     log_path: Path, header: LedgerHeader, commit: Callable[[str, int], str] | None = None
 ) -> _Read:
-    """The highest cumulative epsilon the aggregator's log recorded for this region's
-    accepted updates (per this ledger's unit; of this dataset, where the record names
-    it: by its digest, logged before commitments, or by ``commit``, the region's
-    commitment to it in the record's run). The aggregator keeps no ledger line or head,
-    so it can only refuse a rebuild that would show less, never restore a release."""
+    """The highest epsilon the aggregator's log recorded for this region's accepted
+    updates (per this ledger's unit; of this dataset, named by its digest or by
+    ``commit``, the region's commitment to it in the record's run). It keeps no ledger
+    line, so it can only refuse a rebuild that would show less."""
     if not log_path.is_file():
         raise PrivacyError(
             f"{log_path}: no aggregator audit log there; give --aggregator-log the "
@@ -1100,12 +1062,11 @@ def _read_aggregator(
             continue
         if details.get("unit", "record") != header.unit:  # no unit: logged before units
             continue
-        named = details.get("data_fingerprint", header.dataset)
         run_id = record.get("run_id")
         ours = {header.dataset}
         if commit is not None and isinstance(run_id, int):
             ours.add(commit(header.dataset, run_id))
-        if named not in ours:
+        if details.get("data_fingerprint", header.dataset) not in ours:
             continue
         eps = details.get("epsilon")
         if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps):
@@ -1122,7 +1083,7 @@ def _describe(line: bytes) -> str:
     try:
         data = json.loads(line.decode("utf-8"))
     except ValueError:
-        return "unreadable"
+        data = None
     if not isinstance(data, dict):
         return "unreadable"
     if data.get("kind") == "header":

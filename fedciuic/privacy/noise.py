@@ -1,12 +1,10 @@
 """Where DP noise comes from: generators no other party can replay, and Opacus' secure
 noise drawn in parallel.
 
-Secure noise (``secure-mode``) is Opacus': each value is a sum of four independent
-Gaussian draws, halved (Holohan and Braghin 2021, section 5.1, against floating-point
-attacks). Opacus draws it with five calls per tensor from one generator, serially;
-:class:`SecureNoise` draws the same sums for all of a step's tensors at once, in
-chunks, each chunk from its own OS-seeded generator on its own thread (CPU), so it
-costs what the cores allow rather than four serial draws per entry.
+Secure noise (``secure-mode``) is Opacus': each value a sum of four independent
+Gaussian draws, halved (Holohan and Braghin 2021, against floating-point attacks).
+:class:`SecureNoise` draws the same sums for a whole step at once, in chunks on
+parallel OS-seeded generators, instead of Opacus' serial draws per tensor.
 """
 
 from __future__ import annotations
@@ -22,14 +20,9 @@ _SCRATCH = 1 << 20
 
 
 def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generator, str]:
-    """A generator on ``device`` that nobody can replay, and what it is.
-
-    Opacus' secure mode expects ``torchcsprng``, which has no build for current
-    PyTorch releases (and only makes CPU generators). Otherwise we seed PyTorch's
-    generator for ``device`` with 64 bits from the operating system's CSPRNG
-    (``os.urandom``): unpredictable, but not itself a CSPRNG. ``docs/privacy.md``
-    states this limit.
-    """
+    """A generator on ``device`` that nobody can replay, and what it is: ``torchcsprng``
+    where installed (CPU only; no build for current PyTorch), else PyTorch's seeded with
+    64 bits of ``os.urandom``: unpredictable, but not itself a CSPRNG (docs/privacy.md)."""
     device = torch.device(device)
     if device.type == "cpu":
         try:
@@ -64,15 +57,9 @@ def _fill(out: torch.Tensor, std: float, generator: torch.Generator) -> None:
 
 
 class SecureNoise:
-    """Secure noise for a step's tensors from ``streams`` OS-seeded generators.
-
-    On the CPU each stream is a thread with its own generator and a contiguous chunk
-    of the step's entries; torch releases the GIL while it draws, so the streams run
-    on as many cores. On an accelerator one stream (its device generator) suffices.
-    Every value is still one sum of four independent Gaussians from a generator
-    nobody else can replay; which generator drew which entry changes nothing of its
-    distribution.
-    """
+    """Secure noise for a step's tensors from ``streams`` OS-seeded generators: on the
+    CPU one thread each (torch releases the GIL while it draws), on an accelerator one.
+    Which generator drew which entry changes nothing of its distribution."""
 
     def __init__(self, first: torch.Generator, streams: int = 1) -> None:
         count = max(1, streams) if first.device.type == "cpu" else 1
