@@ -2,11 +2,10 @@
 ledger, policy and audit log (docs/cluster.md). Flower's ClientApp, which the
 aggregator ships, relays to it over :mod:`fedciuic.agent.channel`.
 
-``fedciuic agent --config agent.toml`` serves (:func:`~fedciuic.agent.service.serve`);
-:class:`~fedciuic.agent.config.AgentConfig` is its file;
-:mod:`fedciuic.agent.access` checks that the relay's OS user cannot read the region's
-files. Importing this package imports its config and service too (the package is an
-eager face); the relay uses only the channel.
+``fedciuic agent --config agent.toml`` serves (:func:`~fedciuic.agent.service.serve`),
+its file an :class:`~fedciuic.agent.config.AgentConfig`; :mod:`fedciuic.agent.access`
+checks that the relay's OS user cannot read the region's files. This eager face imports
+config and service too; the relay uses only the channel.
 """
 
 from fedciuic.agent.channel import HELLO as HELLO

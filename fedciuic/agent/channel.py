@@ -1,22 +1,14 @@
 """The region agent's channel: framed JSON and raw array bytes over a Unix socket.
 
-Whoever connects to an agent (the region's relay, Flower's ClientApp) is untrusted
-code, so nothing that crosses the channel is executed or unpickled: a frame is
+Whoever connects to an agent (the relay, Flower's ClientApp) is untrusted code, so
+nothing that crosses the channel is executed or unpickled: a frame is
 
     FRAME_MAGIC (4) | header length (u32) | body length (u64) | header (JSON) | body
 
-where the header is a JSON object holding the protocol and fedciuic versions, the
-frame's own fields (``kind``, ``flower-run``, ``error``), its records as Flower's
-``RecordDict`` has them (``config`` records of strings, numbers and bytes, ``metric``
-records of numbers) and the list of its arrays (name, dtype, shape), whose bytes follow
-in the body in that order. Every limit is checked before anything is read into
-memory: a header over :data:`MAX_HEADER`, a body over the reader's ``max_body``, a
-dtype outside :data:`WIRE_DTYPES`, arrays whose sizes do not add up to the body, a value
-that is not a scalar: each is a :class:`ChannelError` that names what is wrong.
-
-One request and one answer per connection. Both carry :data:`PROTOCOL`; a frame of
-another protocol is refused in one line naming both ends' fedciuic versions.
-Stdlib and NumPy only: the relay imports this module, and must stay light.
+where the JSON header holds the versions, the frame's own fields, its records as Flower's
+``RecordDict`` has them and its arrays' (name, dtype, shape), whose bytes follow in the
+body. Every limit is checked before anything is read into memory. One request and one
+answer per connection. Stdlib and NumPy only: the relay imports this module.
 """
 
 from __future__ import annotations
@@ -43,8 +35,7 @@ from fedciuic.errors import FedciuicError
 #: Never changes, nor does the prefix after it: a peer of another protocol is still read
 #: far enough to name its version.
 FRAME_MAGIC = b"FCAG"
-#: Bumped whenever a frame's layout or meaning changes: both ends must agree. (1 was
-#: ``fedciuic trainer``'s pickled channel, which this replaces.)
+#: Bumped whenever a frame's layout or meaning changes: both ends must agree.
 PROTOCOL = 2
 _PREFIX = struct.Struct(">4sIQ")
 MAX_HEADER = 1 << 20
@@ -159,7 +150,6 @@ def send(sock: socket.socket, frame: Frame) -> None:
 
 
 def _read(sock: socket.socket, size: int, what: str) -> bytearray:
-    """Exactly ``size`` bytes, or :class:`ChannelError` (closed, or too slow)."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
@@ -244,9 +234,8 @@ def _layout(value: object, body: int) -> list[tuple[str, np.dtype[Any], tuple[in
 
 
 def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float | None = None) -> Frame:
-    """One frame, checked before its body is read; :class:`ChannelError` otherwise.
-    ``wait``: how long its first bytes may take (the agent's work on a request); each
-    read after that has :data:`IO_TIMEOUT`."""
+    """One frame, checked before its body is read. ``wait``: how long its first bytes may
+    take (the agent's work on a request); each read after that has :data:`IO_TIMEOUT`."""
     sock.settimeout(IO_TIMEOUT if wait is None else wait)
     try:
         prefix = _read(sock, _PREFIX.size, "frame prefix")
@@ -325,9 +314,8 @@ def peer_of(sock: socket.socket) -> Peer:
 
 
 def check_socket(path: Path) -> os.stat_result:
-    """The socket's stat, once it is one that only its owner could have put there: a
-    socket (not a link), in a folder owned by the same user that no one else may write
-    to. Anyone who can write the folder could swap in a socket of their own."""
+    """The socket's stat, once only its owner could have put it there: anyone who can
+    write its folder could swap in a socket of their own."""
     try:
         info = path.lstat()
         folder = path.parent.stat()
@@ -366,9 +354,8 @@ def bind(listener: socket.socket, path: Path) -> None:
 
 
 def connect(path: Path, timeout: float) -> socket.socket:
-    """A connection to the agent on ``path``, once the socket and the process behind it
-    check out (:func:`check_socket`, and the process runs as the socket's owner);
-    waits up to ``timeout`` for an agent still starting."""
+    """A connection to the agent on ``path``, once the socket checks out and its process
+    runs as the socket's owner; waits up to ``timeout`` for an agent still starting."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -403,9 +390,8 @@ def connect(path: Path, timeout: float) -> socket.socket:
 
 
 def ask(path: Path, frame: Frame, *, timeout: float, connect_timeout: float = 10.0) -> Frame:
-    """Send ``frame`` to the agent on ``path`` and wait up to ``timeout`` seconds for its
-    answer (:class:`ChannelError` says why there is none). An answer whose own
-    ``error`` says why the agent refused is returned as it is."""
+    """The agent's answer to ``frame``, within ``timeout`` seconds; a refusal (its
+    ``error``) is returned as it is."""
     sock = connect(path, connect_timeout)
     with sock:
         sock.settimeout(IO_TIMEOUT)

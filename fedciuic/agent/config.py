@@ -1,13 +1,10 @@
 """The region agent's own configuration: a TOML file the region writes and keeps.
 
-Everything a region promises is decided here, by the region, and by nothing the
-aggregator ships: where its data, state, keys and policy are, its lifetime epsilon
-budget (the run config's ``epsilon-budget`` is never consulted), whether it loads
-pickle weights (``allow-pickle-weights``, likewise its own), how many training
-processes and CPU threads it runs, the largest record it reads (``max-record-bytes``),
-the socket its relay reaches it on, which OS user that relay runs as (whom the agent
-checks cannot read its files), and whom it trusts as its peers in a secure sum
-(``peer-bundles``: the bundles its own operator enrolled, checked at start).
+Everything a region promises is decided here, by the region, never by what the
+aggregator ships: its files, its lifetime epsilon budget, whether it loads pickle
+weights, its processes, threads and largest record, its socket and relay's OS user, and
+whom it trusts as peers in a secure sum (the bundles its own operator enrolled). The
+run config's values of the same keys are never consulted.
 """
 
 from __future__ import annotations
@@ -27,11 +24,11 @@ from fedciuic.config import (
     RunConfig,
     Sharding,
 )
-from fedciuic.crypto import AGGREGATOR, KeyFileError, PublicBundle, load_bundle
+from fedciuic.crypto import AGGREGATOR, KeyFileError, load_bundle
 from fedciuic.errors import ConfigError
 
-#: The lifetime budget of a dataset whose agent config names none (the run config's
-#: default, fixed here so that no aggregator can raise it).
+#: The lifetime budget where the agent config names none, fixed here so that no
+#: aggregator can raise it.
 DEFAULT_EPSILON_BUDGET = 8.0
 #: Keys whose values are paths: relative ones are read from the config file's folder.
 _PATHS = (
@@ -59,9 +56,8 @@ class AgentConfig(NodeConfig):
     #: ``shard``: the training processes each hold a slice of the base (FSDP2), for a
     #: base larger than one GPU; ``replicate``: each a whole copy.
     train_sharding: Sharding = "replicate"
-    #: CPU threads the agent's training and evaluation use (shared among its training
-    #: processes); 0 = one per core of this machine. Regions sharing a machine each set
-    #: their share (``fedciuic init`` does, for the regions it makes on one machine).
+    #: CPU threads the agent's training and evaluation use; 0 = one per core. Regions
+    #: sharing a machine each set their share (``fedciuic init`` does).
     cpu_threads: int = Field(default=0, ge=0, le=4096)
     #: The Unix socket the relay reaches the agent on (its folder is the agent's).
     socket: str = Field(min_length=1)
@@ -70,16 +66,10 @@ class AgentConfig(NodeConfig):
     relay_user: str = ""
     #: The largest request (the global adapter, in bytes) the agent reads.
     max_request_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
-    #: The largest record (bytes in its file) the region reads from its data; a larger
-    #: one is dropped and counted. Its memory's to decide: the run config's
-    #: max-record-bytes is never consulted, so no aggregator can raise it.
+    #: This and the next two are the region's own (its memory's, its code's): no
+    #: aggregator can raise or turn them on.
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
-    #: At most this many examples per pass of a DP-SGD step: its memory's to decide too
-    #: (the step is the same either way); the run config's is not consulted.
     max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
-    #: Load a model-path checkpoint whose weights are only pickle files (unpickling runs
-    #: code): the region's own choice; the run config's allow-pickle-weights is never
-    #: consulted, so no aggregator can turn it on.
     allow_pickle_weights: bool = False
 
     @model_validator(mode="after")
@@ -94,8 +84,7 @@ class AgentConfig(NodeConfig):
 
     @classmethod
     def load(cls, path: Path | str) -> Self:
-        """Read and validate the file; :class:`ConfigError` names the file and the
-        field (or TOML's line) and the fix."""
+        """Read and validate the file; :class:`ConfigError` names the file, field and fix."""
         file = Path(path).expanduser()
         try:
             text = file.read_text(encoding="utf-8")
@@ -121,9 +110,7 @@ class AgentConfig(NodeConfig):
 
     def peer_problems(self, source: str) -> list[str]:
         """Why ``peer-bundles`` is not a folder of this region's peers' bundles, if it is
-        not: missing, a bundle that does not load, the region's own or the aggregator's
-        (a peer the aggregator could pose as), or one not named for its peer. "" (no peers: the
-        region declines every secure sum) is fine."""
+        not. "" (no peers: the region declines every secure sum) is fine."""
         if not self.peer_bundles:
             return []
         key = f"{source}:peer-bundles"
@@ -184,12 +171,11 @@ class AgentConfig(NodeConfig):
 
 def _key_id(path: Path) -> bytes | None:
     """The key id of the bundle at ``path``, if it loads (the agent refuses one that does
-    not, naming it, when it starts)."""
+    not when it starts)."""
     try:
-        bundle: PublicBundle = load_bundle(path)
+        return load_bundle(path).key_id
     except (KeyFileError, OSError):
         return None
-    return bundle.key_id
 
 
 __all__ = ["DEFAULT_EPSILON_BUDGET", "AgentConfig"]

@@ -1,36 +1,20 @@
 """The region agent: the region's own long-lived process, the only one that reads its
 data, state, keys, ledger, policy and audit log.
 
-``fedciuic agent --config agent.toml`` runs from the region's own fedciuic install.
-Nothing it does depends on code the aggregator ships: Flower's ClientApp (which comes
-in the aggregator's FAB) is a relay that hands it each message over a Unix socket
-(:mod:`fedciuic.agent.channel`) and returns its answer unchanged. What a relay may ask
-is what the aggregator signed, and nothing else:
+``fedciuic agent --config agent.toml`` runs from the region's own install: Flower's
+ClientApp (in the aggregator's FAB) only relays each message to it over a Unix socket
+(:mod:`fedciuic.agent.channel`). The agent acts only on what the aggregator signed: a
+request of a kind it signs (or ``hello``: nothing secret), its signature checked with the
+aggregator's key from the agent's own config for the run and kind the relay names, its
+nonce never seen before (``STATE/agent/instructions.jsonl``, across restarts), and the run
+config signed into it applied with the agent's own node facts, never a relay's. Each
+refusal goes to the region's audit log (``request_refused``) and the agent keeps serving.
 
-1. a request of a kind the aggregator signs (``train``, ``evaluate``, ``run-end``) or
-   ``hello`` (version, region, pid; nothing secret); anything else is refused;
-2. its instruction parsed strictly, its signature checked with the aggregator's key
-   from the agent's own config, for the Flower run the relay names and the kind of
-   task it asks: an instruction the aggregator did not sign as it stands is refused;
-3. its nonce not seen before (kept on disk, ``STATE/agent/instructions.jsonl``): a
-   replayed instruction is refused;
-4. the run config applied is the one signed into the instruction, never one a relay
-   passes; the region's node facts (data, state, keys, policy, budget, processes) are
-   the agent's own.
-
-Every refusal is written to the region's audit log (``request_refused``) and the agent
-keeps serving. A signed instruction is handled by the region's round
-(:mod:`fedciuic.region.round`: policy, ledger, DP training, compression,
-sealing, audit); the agent signs the reply with the region's key and answers with
-the reply's records. The model, data and keys stay loaded between messages.
-
-The socket lives in a folder the agent owns (mode 0711: others may only pass
-through), and the agent answers only the users it was told of: its own, and its
-relay's (``relay-user``), by the kernel's word (SO_PEERCRED). At start it refuses to
-serve while the relay's user can read the region's data, state or key files. It holds
-``STATE/agent/agent.lock`` while it runs, and stops when the process that started it
-exits (a start script killed with SIGKILL takes its agent with it), so a restart
-never finds the region "served by another agent" that nobody can stop.
+The socket's folder is the agent's (mode 0711: others may only pass through), and only its
+own user and its relay's (``relay-user``) are answered, by the kernel's word (SO_PEERCRED);
+it refuses to start while the relay's user can read the region's data, state or keys. It
+holds ``STATE/agent/agent.lock`` and stops when its launcher exits, so a restart never
+finds the region "served by another agent" that nobody can stop.
 """
 
 from __future__ import annotations
@@ -86,7 +70,7 @@ from fedciuic.wire import (
     parse_run_end,
 )
 
-#: The agent's own files inside the region's state dir: ``STATE/agent/`` (mode 0700).
+#: The agent's own files: ``STATE/agent/`` (mode 0700).
 AGENT_DIR = "agent"
 LOCK_FILE = "agent.lock"
 SEEN_FILE = "instructions.jsonl"
@@ -110,9 +94,8 @@ class Refused(FedciuicError):
 
 
 class SeenInstructions:
-    """The nonce of every instruction this region has acted on, on disk (one JSON line
-    each, fsync'ed before the instruction is acted on), so that a replayed instruction
-    is refused even after the agent restarts."""
+    """The nonce of every instruction this region acted on, fsync'ed before it acts, so
+    that a replay is refused even after the agent restarts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -202,8 +185,8 @@ class RegionAgent:
         close_regions()
 
     def started(self, relay: str) -> None:
-        """The agent's start, on the record: which code serves the region, and whom the
-        relay runs as; its log first pruned to its policy's retention."""
+        """The agent's start on the record (which code, whom the relay runs as), its log
+        first pruned to its policy's retention."""
         enforce_at_start(self.audit, self.policy, _LOG, f"region {self.config.region}")
         self.audit.append(
             Event.AGENT_STARTED,
@@ -260,8 +243,7 @@ class RegionAgent:
             _LOG.warning("fedciuic: agent: cannot write the audit log: %s", err)
 
     def _verified(self, frame: Frame, kind: TaskKind) -> Instruction | RunEndNotice:
-        """The instruction the frame carries, once the aggregator's signature over it
-        checks out for this run and kind, and its nonce is new."""
+        """The frame's instruction, once signed for this run and kind, its nonce new."""
         flower_run = _run_of(frame)
         config = frame.config.get(CONFIG)
         if config is None:
@@ -358,7 +340,7 @@ class Relay:
 
 
 class AgentServer:
-    """``fedciuic agent``: serves one region until SIGTERM, SIGINT or its launcher exits."""
+    """Serves one region until SIGTERM, SIGINT or its launcher exits."""
 
     def __init__(self, config: AgentConfig, *, exit_with_parent: bool = True) -> None:
         self.config = config
@@ -383,13 +365,9 @@ class AgentServer:
         return paths + ([Path(c.deid_dictionary)] if c.deid_dictionary else [])
 
     def start(self) -> None:
-        """Check the region's files against the relay's user, own the state dir (one
-        agent per region), load the region, and listen.
-
-        Everything the agent writes from here on (ledger, audit log, caches, kept
-        updates, the record of instructions) is private to its user, whatever the
-        umask it was started with: a check of the files at start would otherwise say
-        nothing of the files a round writes later."""
+        """Check the region's files against the relay's user, lock, load and listen. The
+        umask keeps everything the agent writes later private too, which no check at
+        start can see."""
         os.umask(0o077)
         self.config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.relay.account is not None:
@@ -447,8 +425,7 @@ class AgentServer:
         self._listener = listener
 
     def close(self) -> None:
-        """Stop listening, let the request in hand finish (up to :data:`STOP_GRACE`),
-        remove the socket, release the lock."""
+        """Stop listening, let the request in hand finish (up to :data:`STOP_GRACE`)."""
         self.stopping.set()
         if self._listener is not None:
             self._listener.close()
@@ -469,8 +446,8 @@ class AgentServer:
         return bool(self.parent) and os.getppid() != self.parent
 
     def serve(self) -> int:
-        """Accept connections until stopped; each is served on a thread of its own (a
-        slow client cannot hold up the others); the work is serialised."""
+        """Accept connections until stopped, each on a thread of its own (a slow client
+        cannot hold up the others); the work is serialised."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         self.start()
@@ -554,16 +531,15 @@ class AgentServer:
 
 
 def serve(config_path: Path | str, *, exit_with_parent: bool = True) -> int:
-    """``fedciuic agent --config FILE``: serve until stopped; 0 on a clean stop."""
+    """``fedciuic agent --config FILE``; 0 on a clean stop."""
     import flwr.common.logger  # noqa: F401 - its handler prints the region's lines
 
     return AgentServer(AgentConfig.load(config_path), exit_with_parent=exit_with_parent).serve()
 
 
 def hello(socket_path: Path, timeout: float, pid: int = 0) -> dict[str, Any]:
-    """The status of the agent on ``socket_path``, waiting up to ``timeout`` seconds for
-    it to come up (a start script waits so before it starts the SuperNode); with
-    ``pid``, only that process will do, and its exit ends the wait."""
+    """The agent's status on ``socket_path``, waiting up to ``timeout`` for it to come up;
+    with ``pid``, only that process will do, and its exit ends the wait."""
     deadline = time.monotonic() + timeout
     while True:
         try:
