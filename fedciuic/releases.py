@@ -1,21 +1,18 @@
 """What leaves a region, figure by figure.
 
-Every field of every reply a region sends (info, metrics and arrays, the trained
-payload inside a sealed envelope included) is classified here, once, as one of:
+Every field of every reply a region sends (a sealed envelope's trained payload
+included) is classified here, once, as one of:
 
-- ``dp``: the output of a DP mechanism the region's ledger charges (its purpose says
-  which share of the budget);
+- ``dp``: the output of a DP mechanism the region's ledger charges;
 - ``public``: derived only from the signed run config, a policy, the region's own
-  declared configuration (its keys, its de-identification setup) and public constants;
-- ``commitment``: a hash that binds the region to what it recorded without carrying it
-  (its audit log's head), hiding only as far as what it hashes is unpredictable;
+  declared configuration and public constants;
+- ``commitment``: a hash that binds the region to what it recorded without carrying it,
+  hiding only as far as what it hashes is unpredictable;
 - ``data``: a function of the region's data that no DP mechanism covers.
 
-:func:`leaving` checks a reply against this table before it leaves: a field the table
-does not know is refused (fail closed), and so is a ``data`` field where the region's
-policy allows only DP releases (``privacy.releases: dp_only``). The aggregator runs the
-same check on what it receives. docs/privacy.md says what each class means for the
-epsilon on the record.
+:func:`leaving` refuses, on both ends, a field the table does not know (fail closed), and
+a ``data`` field where the policy allows only DP releases (``privacy.releases:
+dp_only``). docs/privacy.md says what each class means for the epsilon on the record.
 """
 
 from __future__ import annotations
@@ -154,9 +151,7 @@ def _steps(run: RunConfig) -> Disclosure:
     return _public("local-steps of the run config")
 
 
-def _privacy(run: RunConfig) -> Disclosure:
-    return _public("the run config's privacy section")
-
+_PRIVACY = _public("the run config's privacy section")
 
 #: Fields every reply may carry (besides its status's own).
 ANY_REPLY: dict[str, Rule] = {
@@ -180,7 +175,7 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
         ),
         JURISDICTION: _public("the region's policy"),
         POLICY_HASH: _public("the region's policy"),
-        PRIVACY_UNIT: _privacy,
+        PRIVACY_UNIT: _PRIVACY,
         ADAPTER_MODE: _public("adapter-mode of the run config"),
         DEID_ENTITIES: _public("the region's de-identification setup (its agent config)"),
         "num-examples": _weight,
@@ -188,12 +183,12 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
         "steps": _steps,
         "update-bytes": _update_size,
         "epsilon": _count_based("epsilon accounted at the Poisson rate"),
-        "epsilon-budget": _privacy,
-        "delta": _privacy,
+        "epsilon-budget": _PRIVACY,
+        "delta": _PRIVACY,
         "noise-multiplier": _count_based("noise calibrated for the Poisson rate"),
         "sample-rate": _count_based("the Poisson rate batch-size / units"),
-        "secure-mode": _privacy,
-        "max-grad-norm": _privacy,
+        "secure-mode": _PRIVACY,
+        "max-grad-norm": _PRIVACY,
         UPDATE: _update,
         UPDATE_NORM: _update_norm,
     },
@@ -237,14 +232,8 @@ WITHHELD_REASON = (
 
 
 def _required(status: str, run: RunConfig) -> tuple[str, ...]:
-    """The data-dependent figures a ``status`` reply under ``run`` cannot leave out, each
-    as ``field: why``."""
-    found = (
-        (name, disclosure_of(status, name, run))
-        for name in REPLY_FIELDS[status]
-        if name not in OPTIONAL
-    )
-    return tuple(f"{name}: {r.why}" for name, r in found if r and r.kind is Kind.DATA)
+    """The data-dependent figures a ``status`` reply under ``run`` cannot leave out."""
+    return data_figures(status, (n for n in REPLY_FIELDS[status] if n not in OPTIONAL), run)
 
 
 def unavoidable(run: RunConfig) -> tuple[str, ...]:
@@ -260,9 +249,8 @@ def unreleased_evaluation(run: RunConfig) -> tuple[str, ...]:
 
 
 def releases_only_dp(run: RunConfig) -> bool:
-    """Whether every figure this run's replies must carry is a DP release or public:
-    then no region sends the optional figures of its data either, so that nothing of
-    any region's data leaves outside DP."""
+    """Whether every figure this run's replies must carry is a DP release or public: then
+    no region sends the optional figures of its data either, so nothing leaves outside DP."""
     return run.privacy.dp and not unavoidable(run) and not unreleased_evaluation(run)
 
 
@@ -274,19 +262,13 @@ def withholds_optional(run: RunConfig, *, dp_only: bool) -> bool:
 def kept(
     status: str, fields: Mapping[str, object], run: RunConfig, *, dp_only: bool
 ) -> dict[str, object]:
-    """``fields`` less the :data:`OPTIONAL` data-dependent ones where they are withheld
-    (:func:`withholds_optional`)."""
-    withhold = withholds_optional(run, dp_only=dp_only)
-    return {
-        name: value
-        for name, value in fields.items()
-        if not (withhold and name in OPTIONAL and _kind(status, name, run) is Kind.DATA)
-    }
-
-
-def _kind(status: str, name: str, run: RunConfig) -> Kind | None:
-    release = disclosure_of(status, name, run)
-    return release.kind if release else None
+    """``fields`` less the :data:`OPTIONAL` data-dependent ones where they are withheld."""
+    withheld = (
+        _data_of(status, OPTIONAL & set(fields), run)
+        if withholds_optional(run, dp_only=dp_only)
+        else {}
+    )
+    return {name: value for name, value in fields.items() if name not in withheld}
 
 
 class ReleaseRefused(FedciuicError):
@@ -295,7 +277,7 @@ class ReleaseRefused(FedciuicError):
 
 class EvaluationWithheld(FedciuicError):
     """A ``dp_only`` region's answer to an evaluation that would be no DP release; its
-    message says only what the policy and the run config say, so it leaves as it is."""
+    message says only what the policy and the run config say, so it may leave."""
 
     public_reason = True
 
@@ -333,7 +315,6 @@ def problems(status: str, names: Iterable[str], run: RunConfig, *, dp_only: bool
 
 
 def _data_of(status: str, names: Iterable[str], run: RunConfig) -> dict[str, Disclosure]:
-    """The data-dependent fields among ``names`` of a ``status`` reply, with their class."""
     return {
         name: r
         for name, r in classify(status, names, run).items()
@@ -347,8 +328,7 @@ def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str
 
 
 def data_fields(status: str, names: Iterable[str], run: RunConfig) -> list[str]:
-    """The names of the data-dependent fields among ``names`` of a ``status`` reply: what
-    a region's audit log records it sent outside DP."""
+    """The names of :func:`data_figures`: what a region's audit log records it sent outside DP."""
     return list(_data_of(status, names, run))
 
 
@@ -360,8 +340,7 @@ def leaving(
     dp_only: bool,
     who: str,
 ) -> None:
-    """Refuse (:class:`ReleaseRefused`) a reply that would carry what its sender may not
-    release (:func:`problems`); ``who`` names the sender in the message."""
+    """Refuse a reply that would carry what its sender (``who``) may not release."""
     found = problems(status, fields, run, dp_only=dp_only)
     if found:
         rule = " (privacy.releases: dp_only)" if dp_only else ""
