@@ -78,8 +78,7 @@ class DigestCache:
 
 def code_digest(package: Path | None = None) -> str:
     """SHA-256 over the installed fedciuic package's source files (``*.py`` and its
-    templates), each named by its path inside the package, in path order: which code
-    made an update, as the region's agent records it and signs it into every reply."""
+    templates) and their paths: which code made an update, signed into every reply."""
     root = package or Path(__file__).resolve().parent
     digest = hashlib.sha256(b"fedciuic-code/1\x00")
     for file in sorted(p for p in root.rglob("*") if _is_source(p, root)):
@@ -99,5 +98,4 @@ def _is_source(path: Path, root: Path) -> bool:
 
 @functools.cache
 def installed_code() -> str:
-    """:func:`code_digest` of this process's fedciuic, computed once."""
     return code_digest()

@@ -28,10 +28,8 @@ class FedciuicError(Exception):
 
 
 class ConfigError(FedciuicError):
-    """A run config, node config or other setting is invalid.
-
-    Collects every problem found, so that users fix them all in one go.
-    """
+    """A run config, node config or other setting is invalid: every problem found, so
+    that users fix them all in one go."""
 
     def __init__(self, problems: Iterable[str]) -> None:
         self.problems = list(problems)

@@ -19,9 +19,8 @@ from typing import Any
 
 @functools.cache
 def listed(package: str) -> dict[str, str]:
-    """Each name the face of ``package`` shows, and the module (within the package)
-    that defines it: read from the face's own import lines, where alone they are
-    written."""
+    """Each name the face of ``package`` shows, and its module within the package: read
+    from the face's own import lines, where alone they are written."""
     spec = find_spec(package)
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(package)

@@ -1,10 +1,9 @@
 """What a path in a folder that others fill (a region's data-path, a model-path) is, when
 it is not a file that can be read.
 
-Only regular files are opened there: opening a FIFO waits for a writer that may never
-come, a socket or a device is no data, and a symlink loop or a dangling link fails deep
-inside whatever library reads it. Callers ask before they open, and refuse in one line
-that says what the path is.
+Only regular files are opened there: a FIFO waits for a writer that may never come, a
+socket or a device is no data, and a broken link fails deep inside whatever library
+reads it. Callers ask before they open, and refuse in one line that says what it is.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ def broken_link(path: Path) -> str | None:
 
 
 def not_regular(path: Path) -> str | None:
-    """What ``path`` is, its links followed, when it is not a regular file (a folder, a
-    FIFO, a socket, a device, a broken link); None when it is one."""
+    """What ``path`` is, its links followed, when it is not a regular file; None when it is."""
     broken = broken_link(path)
     if broken is not None:
         return broken

@@ -2,10 +2,8 @@
 deployment's scripts need from Python: light to import (psutil and the standard library),
 since every ``python -m fedciuic.ops.scripts`` step of a script pays for its imports.
 
-A process tree is not enough: a Ray worker whose raylet exits first is re-parented to
-init, out of every tree. So every process a launcher starts carries
-``FEDCIUIC_LAUNCH=<owner>:<folder>`` (:data:`OWNER_ENV`), which Ray passes on to its
-workers, and :func:`stop_process_trees` stops every process that carries it.
+A Ray worker whose raylet exits first is re-parented to init, out of every tree, so each
+process a launcher starts carries :data:`OWNER_ENV`, which Ray passes on to its workers.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ import psutil
 #: What ``flwr run`` prints once the SuperLink has accepted the run.
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")
 
-#: The variable that marks every process a launcher started (and all they start):
-#: ``<owner>:<folder>``; see :func:`owned_processes`.
+#: Marks every process a launcher started (and all they start): ``<owner>:<folder>``.
 OWNER_ENV = "FEDCIUIC_LAUNCH"
 
 
@@ -53,9 +50,8 @@ def owner_folder(tag: str) -> Path | None:
 
 
 def owned_processes(owner: str) -> list[psutil.Process]:
-    """Live processes whose environment has ``FEDCIUIC_LAUNCH=owner``, wherever they were
-    re-parented to; not this process or its ancestors (stop.sh runs under the start.sh
-    it stops), nor other users' (which we may not read)."""
+    """Live processes whose environment has ``FEDCIUIC_LAUNCH=owner``; not this process or
+    its ancestors (stop.sh runs under the start.sh it stops), nor other users'."""
     found = []
     me = psutil.Process()
     spared = {me.pid, *(p.pid for p in me.parents())}
@@ -74,10 +70,8 @@ def stop_process_trees(
     """SIGTERM each process, its descendants and (given ``owner``) every process that
     carries it; SIGKILL what is left after ``grace`` seconds, and each one's process
     group; with ``owner``, sweep until none is left. Returns what could not be stopped.
-
     Descendants are listed before anything is signalled: Flower detaches some helpers
-    into sessions of their own, which would be orphaned otherwise.
-    """
+    into sessions of their own, which would be orphaned otherwise."""
     targets: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
