@@ -70,11 +70,9 @@ def aggregation_rule(method: str) -> tuple[str, float | None]:
 #: What one DP guarantee covers, weakest first: one record, or all of one user's.
 PrivacyUnit = Literal["record", "user"]
 PRIVACY_UNITS: tuple[PrivacyUnit, ...] = get_args(PrivacyUnit)
-#: The unit where none is named: a policy without ``privacy.unit``, and anything written
-#: before units existed (all record-level).
+#: The unit where none is named (a policy without ``privacy.unit``, anything older).
 DEFAULT_PRIVACY_UNIT: PrivacyUnit = PRIVACY_UNITS[0]
-#: What a DP release pays for: a round's update, the run's count of units, a held-out
-#: loss (a ledger line's purpose; docs/privacy.md).
+#: What a DP release pays for: a ledger line's purpose (docs/privacy.md).
 Purpose = Literal["training", "counts", "evaluation"]
 TRAINING, COUNTS, EVALUATION = get_args(Purpose)
 #: The smallest secure-sum ring offered, in bits (0 chooses one: secagg.ddp.ring_bits).
@@ -104,8 +102,7 @@ MAX_RECORD_BYTES_LIMIT = 1 << 30
 #: The DP accountant, how per-sample gradients are clipped, the regions' optimiser.
 Accountant = Literal["prv", "rdp"]
 DPMode = Literal["hooks", "ghost"]
-#: Each training process holds a whole copy of the frozen base, or a slice of it (FSDP2),
-#: for a base larger than one device (docs/cluster.md).
+#: Each training process holds a whole copy of the base, or a slice (FSDP2) of a large one.
 Sharding = Literal["replicate", "shard"]
 LocalOptimizer = Literal["adamw", "sgd"]
 
@@ -303,8 +300,7 @@ class LocalTraining(_Strict):
 
     #: Local DP-SGD (or SGD) steps per round; with a local-time-budget, the most a round takes.
     local_steps: int = Field(ge=1)
-    #: Seconds of local training per round (0: off), the steps planned from it before the
-    #: first (docs/heterogeneity.md).
+    #: Seconds of local training per round (0: off), steps planned from it (heterogeneity.md).
     local_time_budget: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     batch_size: int = Field(ge=1)
     #: At most this many examples per pass of a DP-SGD step (the step unchanged: Opacus'
@@ -353,8 +349,7 @@ class Schedule(_Strict):
     buffer_size: int = Field(default=2, ge=1)
     #: Buffered mode: the most versions old an update's global adapter may be.
     max_staleness: int = Field(default=4, ge=0)
-    #: Rounds a region may miss in a row before rounds stop waiting for it until it
-    #: answers again (0: never).
+    #: Rounds missed in a row before rounds stop waiting for a region until it answers (0: never).
     max_missed_rounds: int = Field(default=3, ge=0)
 
     @property
@@ -443,8 +438,7 @@ class ClusterSettings(_Strict):
     train_processes: int = Field(default=1, ge=1, le=1024)
     #: In simulation: some regions' own count (``"eu=2,us=1"``); deployed ones say theirs.
     region_train_processes: tuple[tuple[str, int], ...] = ()
-    #: Seconds a collective between a region's processes may wait before its round fails
-    #: (never a hang).
+    #: Seconds a collective between a region's processes waits before its round fails.
     collective_timeout: float = Field(default=600.0, gt=0)
     #: In simulation (a deployed region says it in its agent config).
     train_sharding: Sharding = "replicate"
@@ -485,8 +479,7 @@ class PolicySettings(_Strict):
     """Jurisdiction policies (policies/README.md): where they are and where the aggregator
     (ServerApp) and the relay (SuperLink) sit; the relay defaults to the aggregator's place."""
 
-    #: Off only for lab baselines (both ends, in simulation); a deployed region always
-    #: enforces its own.
+    #: Off only for lab baselines (both ends, in simulation); a deployed region enforces its own.
     enforce_policies: bool = True
     #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
     #: in simulation also where each region finds its own.
@@ -517,8 +510,7 @@ class SecureSettings(_Strict):
     secure_aggregation: bool = False
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
-    #: Bits per value of a masked update, the sum's ring (0: chosen by
-    #: :func:`fedciuic.secagg.ddp.ring_bits`).
+    #: Bits per value of a masked update, the sum's ring (0: secagg.ddp.ring_bits chooses).
     secure_ring_bits: int = Field(default=0, ge=0, le=62)
     #: Distributed DP (0: off): the Skellam noise shared in a secure sum, its std in a sum
     #: of secure-threshold regions this times max-update-norm.
@@ -579,7 +571,7 @@ class OutputSettings(_Strict):
         return (
             Path(self.audit_dir).expanduser().resolve()
             if self.audit_dir
-            else (self.output_path / "audit")
+            else self.output_path / "audit"
         )
 
 
@@ -887,9 +879,8 @@ class NodeConfig(_Strict):
 
     def sharded(self, run: RunConfig) -> bool:
         """Whether this region's processes each hold a slice of the base (FSDP2)."""
-        return (self.train_sharding or run.cluster.train_sharding) == "shard" and (
-            self.processes(run) > 1
-        )
+        sharding = self.train_sharding or run.cluster.train_sharding
+        return sharding == "shard" and self.processes(run) > 1
 
     def training(self, run: RunConfig) -> LocalTraining:
         if self.max_physical_batch_size is None:
@@ -915,7 +906,7 @@ class NodeConfig(_Strict):
         return (
             Path(self.deid_secret).expanduser()
             if self.deid_secret
-            else (self.state_dir / SECRET_FILE)
+            else self.state_dir / SECRET_FILE
         )
 
     @staticmethod
