@@ -1,8 +1,6 @@
-"""What each ``fedciuic`` command does with its parsed arguments: one function per
-command, named after it. The parser (``cli.py``) is a table of the commands that points
-here; ``fedciuic simulate`` is :mod:`fedciuic.ops.simulate`. A function returns the
-command's exit status; bad input raises a :class:`~fedciuic.errors.FedciuicError`,
-which ``cli.main`` prints in one line."""
+"""What each ``fedciuic`` command does with its parsed arguments, one function per
+command (``cli.py`` is the parser). Each returns the exit status; bad input raises a
+:class:`~fedciuic.errors.FedciuicError`, which ``cli.main`` prints in one line."""
 
 from __future__ import annotations
 
@@ -153,10 +151,8 @@ def keys_generate(args: argparse.Namespace) -> int:
 def keys_show(args: argparse.Namespace) -> int:
     from fedciuic.crypto import load_bundle, load_keypair
 
-    if args.file.name.endswith(".key.json"):
-        bundle = load_keypair(args.file).bundle
-    else:
-        bundle = load_bundle(args.file)
+    private = args.file.name.endswith(".key.json")
+    bundle = load_keypair(args.file).bundle if private else load_bundle(args.file)
     print(bundle.to_file().model_dump_json(indent=2))
     return 0
 

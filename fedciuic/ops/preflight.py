@@ -1,14 +1,8 @@
 """Checks on the launching machine, in seconds, before a federation starts anything.
 
-A problem a region would only meet minutes into a run (after every process started
-and every round waited for replies that never come) is found here instead, and the
-launcher exits 2 naming each one with the file or field and the fix: the model
-checkpoint and its tokenizer, the chat template (when records need it), and each
-region's data this machine holds (every row read, a sample rendered and tokenised).
-
-``fedciuic simulate`` runs them before it starts any process; ``start.sh`` runs
-``fedciuic preflight``. They are the launcher's convenience: each region's agent still
-checks everything itself, by its own config.
+A problem a region would only meet minutes into a run (the model, its tokenizer, the
+chat template, the region's data) is found here instead, each named with its fix. A
+convenience of the launcher only: each region's agent still checks everything itself.
 """
 
 from __future__ import annotations
@@ -83,8 +77,7 @@ def _where(spec: ModelSpec) -> str:
 
 
 def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase | None:
-    """The model's problems into ``findings``; the tokenizer, if it loads (the data
-    checks read with it either way)."""
+    """The model's problems into ``findings``; the tokenizer, if it loads."""
     from fedciuic.model import adapter, preset_tokenizer
 
     if not spec.model_path:
@@ -143,8 +136,8 @@ def check_template(
 def check_pickle_permissions(
     spec: ModelSpec, regions: Sequence[RegionFolder], findings: Findings
 ) -> None:
-    """A deployed region whose agent config refuses pickle-only weights would decline
-    every round."""
+    """A deployed region whose agent config refuses pickle-only weights declines every
+    round."""
     from fedciuic.model import weight_files
 
     if not spec.model_path:

@@ -1,10 +1,9 @@
 """What the deployment's scripts ask of Python: ``python -m fedciuic.ops.scripts ACTION``.
 
 Health checks, stopping process trees, the run's outcome, the relay's user: easier to
-get right in Python than in bash. A script takes several such steps, each a new
-process, so this module imports little (psutil and the standard library; a run's
-metrics only in the actions that read them): 0.2 s a step, not the 1.7 s of the
-config, Flower and the policies that ``fedciuic init`` needs (``deploy``).
+get right in Python than in bash. Each step is a new process, so this module imports
+little (psutil and the standard library; a run's metrics only where an action reads
+them), never the config, Flower and policies that ``fedciuic init`` needs.
 """
 
 from __future__ import annotations
@@ -90,12 +89,7 @@ def wait_healthy(url: str, ca: str, pid_file: Path, log: Path, timeout: float = 
 
 def check_run_log(log: Path, config: Path) -> int:
     """0 if the run that ``flwr run`` started (its log) completed, else 1 with why."""
-    from fedciuic.record import (
-        METRICS_FILE,
-        MetricsError,
-        load_metrics,
-        no_aggregate_reasons,
-    )
+    from fedciuic.record import METRICS_FILE, MetricsError, load_metrics, no_aggregate_reasons
 
     match = STARTED_RUN.search(log.read_text(errors="replace"))
     if not match:
@@ -113,9 +107,8 @@ def check_run_log(log: Path, config: Path) -> int:
             err=True,
         )
         return 1
-    status = data.run.status
-    say(f"run.sh: run {match.group(1)} {status}; results in {metrics.parent}")
-    outcome = run_outcome(status)
+    say(f"run.sh: run {match.group(1)} {data.run.status}; results in {metrics.parent}")
+    outcome = run_outcome(data.run.status)
     if outcome == EXIT_NO_AGGREGATE:
         say(
             f"run.sh: run {match.group(1)} published no aggregate in any round, so nothing was "
@@ -166,18 +159,9 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
     """Mark ``interrupted`` each run written since ``since`` that still says ``running``
     once every process start.sh started is gone: it can no longer end."""
     from fedciuic.ops.outputs import mark_unfinished
-    from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
-    marked = []
     why = "start.sh stopped the federation before the run ended"
-    for _, run_dir in runs_since(runs_dir, since):
-        try:
-            status = load_metrics(run_dir / METRICS_FILE).run.status
-        except (OSError, MetricsError):
-            continue
-        if status == RunStatus.RUNNING and mark_unfinished(run_dir, why):
-            marked.append(run_dir)
-    return marked
+    return [run_dir for _, run_dir in runs_since(runs_dir, since) if mark_unfinished(run_dir, why)]
 
 
 def tracked(pids_dir: Path) -> list[psutil.Process]:

@@ -25,10 +25,8 @@ if TYPE_CHECKING:
 
 def cpus_per_region(regions: int, cores: int | None = None) -> int:
     """The simulation's default CPUs per ClientApp. Where the cores cannot train every
-    region at once, regions wait for a core anyway: one region at a time with every core
-    does the same work in about the same time, and memory holds one training step
-    instead of one per core (3 regions of ``realistic`` on 2 cores: 8.0 GiB peak instead
-    of 14.5, docs/cluster.md). Where they can, each region trains at once on its own."""
+    region at once, one region at a time with every core does the same work in about the
+    same time, and memory holds one training step instead of one per core."""
     cores = cores or os.cpu_count() or 1
     return cores if cores < regions else 1
 
@@ -66,14 +64,9 @@ def simulate(args: argparse.Namespace) -> int:
     output_dir = args.output_dir.resolve()
     overrides["output-dir"] = str(output_dir)
     defaults = app_run_config(app)
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise ConfigError(
-            [
-                f"--run-config:{k}: unknown key; known: {', '.join(sorted(defaults))}"
-                for k in unknown
-            ]
-        )
+    known = ", ".join(sorted(defaults))
+    if unknown := sorted(set(overrides) - set(defaults)):
+        raise ConfigError([f"--run-config:{k}: unknown key; known: {known}" for k in unknown])
     if not defaults.get("policies-dir") and "policies-dir" not in overrides:
         overrides["policies-dir"] = str(app / "policies")
     # Validate everything here, before any process starts.
@@ -233,8 +226,7 @@ def _started_runs(federation: Any) -> list[int]:
 
 
 def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
-    """The runs this federation started, up to the first that did not end (completed,
-    or no aggregate)."""
+    """The runs this federation started, up to the first that did not end."""
     from fedciuic.record import METRICS_FILE, MetricsError, RunStatus, load_metrics
 
     ended = []
@@ -250,8 +242,7 @@ def _ended_runs(federation: Any, output_dir: Path) -> list[int]:
 
 
 def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
-    """Mark interrupted the runs this federation started whose metrics.json still says
-    running once every process is gone."""
+    """Mark interrupted the runs it started that still say running, their processes gone."""
     from fedciuic.ops.outputs import mark_unfinished
 
     why = (
@@ -308,11 +299,10 @@ def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
 
 
 def _audit_after_simulation(run_dir: Path) -> int:
-    """Verify every party's audit log (with the run's keys) once, then write the run's
-    compliance report and its HTML report with plots from them."""
+    """Verify every party's audit log once, then write the compliance and HTML reports."""
     from fedciuic.ops.run_report import PLOTS_DIR, write_run_report
 
-    report = write_run_report(run_dir)  # the compliance report too, next to report.html
+    report = write_run_report(run_dir)
     lines = [f"audit: {log.verdict.explain()}" for log in report.logs if log.verdict]
     lines += [f"audit: the logs DISAGREE: {d}" for d in report.disagreements]
     if report.compliance is not None:
@@ -341,9 +331,8 @@ def _check_policies(run: RunConfig) -> None:
 def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
     from fedciuic.record import METRICS_FILE, MetricsError, load_metrics
 
-    metrics_file = output_dir / f"run-{run_id}" / METRICS_FILE
     try:
-        return load_metrics(metrics_file)
+        return load_metrics(output_dir / f"run-{run_id}" / METRICS_FILE)
     except MetricsError as err:
         raise FederationError(
             f"run {run_id} wrote no usable metrics ({err}); see the logs in {workdir / 'logs'}"
@@ -351,8 +340,8 @@ def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
 
 
 def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) -> list[Any]:
-    """Each simulated region's spend: its dataset's state is DATA_ROOT/REGION/.fedciuic, its
-    budget the run config's epsilon-budget (simulation has no agent config)."""
+    """Each simulated region's spend, against the run config's epsilon-budget (a simulation
+    has no agent config)."""
     from fedciuic.config import NodeConfig
     from fedciuic.privacy import budget_status
 
