@@ -309,16 +309,10 @@ class CnMobileRecognizer(PatternRecognizer):
     spaces or hyphens as people write them (``138 1234 5678``)."""
 
     def __init__(self) -> None:
-        number = r"1[3-9]\d[ -]?\d{4}[ -]?\d{4}"
+        number = r"(?<![\d+])(?:(?:\+|00)86[ -]?)?1[3-9]\d[ -]?\d{4}[ -]?\d{4}(?!\d)"
         super().__init__(
             supported_entity=PHONE_NUMBER,
-            patterns=[
-                Pattern(
-                    "cn mobile",
-                    rf"(?<![\d+])(?:(?:\+|00)86[ -]?)?{number}(?!\d)",
-                    0.6,
-                )
-            ],
+            patterns=[Pattern("cn mobile", number, 0.6)],
             supported_language=LANGUAGE,
             name="CnMobileRecognizer",
         )
@@ -341,21 +335,14 @@ class PersonalUrlRecognizer(PatternRecognizer):
     ``/users/NAME``, ``/~NAME``, ``/@NAME``, ``?email=...``. Documentation links are kept."""
 
     def __init__(self) -> None:
-        segment = rf"/(?:{_PERSONAL_SEGMENTS})/[^\s/?#<>\"'()]+"
+        personal = {
+            "url personal segment": rf"/(?:{_PERSONAL_SEGMENTS})/[^\s/?#<>\"'()]+",
+            "url tilde or handle": r"/[~@][^\s/?#<>\"'()]+",
+            "url personal query": rf"[?&](?:{_PERSONAL_QUERY})=",
+        }
         patterns = [
-            Pattern(
-                "url personal segment", rf"(?i){_URL_START}{_URL_REST}?{segment}{_URL_REST}", 0.6
-            ),
-            Pattern(
-                "url tilde or handle",
-                rf"(?i){_URL_START}{_URL_REST}?/[~@][^\s/?#<>\"'()]+{_URL_REST}",
-                0.6,
-            ),
-            Pattern(
-                "url personal query",
-                rf"(?i){_URL_START}{_URL_REST}?[?&](?:{_PERSONAL_QUERY})={_URL_REST}",
-                0.6,
-            ),
+            Pattern(name, rf"(?i){_URL_START}{_URL_REST}?{part}{_URL_REST}", 0.6)
+            for name, part in personal.items()
         ]
         super().__init__(
             supported_entity=URL,
