@@ -795,8 +795,7 @@ class AdapterModel:
         #: A skeleton's: the files each rank reads its slice of the base from, and how.
         self.files = base.files
         self.slicer = base.slicer
-        #: Whether the frozen base is sharded across the region's training processes
-        #: (:func:`fedciuic.model.sharding.shard_base`): every pass is then collective.
+        #: Whether the frozen base is sharded (every pass is then collective).
         self.sharded = False
         self.model, self.targets = _with_adapters(base.model, spec, base.model_type)
         for prefix, module in self.model.named_modules():

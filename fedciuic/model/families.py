@@ -45,8 +45,7 @@ SUPPORTED = tuple(ATTENTION)
 
 AUTO = "auto"
 AUTO_MLP = "auto+mlp"
-#: Modules under a block of one of these names stay frozen, even by a listed name:
-#: the block's name -> what it is, for the error that says so.
+#: Blocks whose modules stay frozen even by a listed name, and what each is (for errors).
 FROZEN_BLOCKS: dict[str, str] = {
     "experts": "the routed experts (fused 3-D tensors in transformers 5)",
     "indexer": "the sparse-attention indexer (it picks the keys attended)",
@@ -91,8 +90,7 @@ def _linears(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     return found, frozen
 
 
-#: What the start-of-run log names as frozen with the base when a model has it: the
-#: last part of a module's path -> the part's name.
+#: Parts the start-of-run log names as frozen with the base: a path's last part -> name.
 _NAMED_FROZEN = {
     "gate": "the router",  # DeepSeek's MoE gate (mlp.gate), not a *_proj
     "experts": "the routed experts",

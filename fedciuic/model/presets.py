@@ -20,7 +20,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import torch
@@ -100,8 +102,8 @@ def _tiny(
     # initializer_range is raised from 0.02, with which a random base's output layer is
     # nearly flat, so that an adapter can steer its logits.
     return DeepseekV3Config(
-        **_TINY_COMMON,  # type: ignore[arg-type]
-        **_TINY_V3_LAYOUT,  # type: ignore[arg-type]
+        **_TINY_COMMON,
+        **_TINY_V3_LAYOUT,
         vocab_size=vocab_size,
         num_mtp_layers=0,
         bos_token_id=bos_token_id,
@@ -141,8 +143,7 @@ def _small() -> DeepseekV3Config:
 
 
 def _realistic() -> DeepseekV3Config:
-    # About 207M parameters, for a GPU: the DeepSeek-V3 layout at small scale, with the
-    # 8192-token BPE tokenizer's vocabulary.
+    # About 207M parameters, for a GPU: the DeepSeek-V3 layout at small scale.
     return DeepseekV3Config(
         vocab_size=REALISTIC_VOCAB_SIZE,
         hidden_size=1024,
@@ -220,8 +221,7 @@ REALISTIC_VOCAB_SIZE = 8192
 #: DeepSeek-R1's chat template with DeepSeek's markers (:func:`chat_template`).
 CHAT_TEMPLATE = chat_template(USER, ASSISTANT, EOS)
 
-#: Bumped whenever the training text, recipe or chat template changes, so old caches
-#: are not reused.
+#: Bumped whenever the training text, recipe or chat template changes (a new cache key).
 _BPE_RECIPE = 2
 #: Pairs seen fewer times are not merged; bounds the vocabulary the text supports.
 _BPE_MIN_FREQUENCY = 2
@@ -429,7 +429,7 @@ def _spread_hash_routes(model: torch.nn.Module) -> None:
             table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in table]))
 
 
-_TINY_COMMON: dict[str, object] = {
+_TINY_COMMON: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -442,7 +442,7 @@ _TINY_COMMON: dict[str, object] = {
 
 #: DeepSeek-V3's layout in two layers: layer 0 dense, layer 1 MoE with 4 routed experts
 #: (2 per token) and a shared expert; MLA with low-rank q and kv.
-_TINY_V3_LAYOUT: dict[str, object] = {
+_TINY_V3_LAYOUT: dict[str, Any] = {
     "moe_intermediate_size": 32,
     "first_k_dense_replace": 1,
     "num_key_value_heads": 4,
@@ -463,7 +463,7 @@ def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
     # The V2-Lite layout: a plain q_proj (no q_lora_rank), low-rank kv, layer 0 dense,
     # layer 1 MoE with routed and shared experts.
     return DeepseekV2Config(
-        **_TINY_COMMON,  # type: ignore[arg-type]
+        **_TINY_COMMON,
         **ids,  # type: ignore[arg-type]
         num_key_value_heads=4,
         moe_intermediate_size=32,
@@ -479,24 +479,11 @@ def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
     )
 
 
-def _tiny_deepseek_v32(**ids: int | None) -> PreTrainedConfig:
-    # The V3 layout (layer 0 dense, layer 1 MoE, low-rank q and kv) plus V3.2's
-    # sparse-attention indexer, which keeps index_topk keys per query.
-    return DeepseekV32Config(
-        **_TINY_COMMON,  # type: ignore[arg-type]
-        **_TINY_V3_LAYOUT,  # type: ignore[arg-type]
-        **ids,  # type: ignore[arg-type]
-        index_topk=8,
-        index_head_dim=16,
-        index_n_heads=2,
-    )
-
-
 def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
     # DeepSeek-V4's blocks, each at least once, with a sliding window shorter than the
     # test rows and compression rates small enough to emit entries on a dozen tokens.
     return DeepseekV4Config(
-        **_TINY_COMMON,  # type: ignore[arg-type]
+        **_TINY_COMMON,
         **ids,  # type: ignore[arg-type]
         moe_intermediate_size=32,
         head_dim=32,
@@ -518,28 +505,23 @@ def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
     )
 
 
-def _tiny_qwen2(**ids: int | None) -> PreTrainedConfig:
-    return Qwen2Config(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
-
-
-def _tiny_qwen3(**ids: int | None) -> PreTrainedConfig:
-    # DeepSeek-R1-0528-Qwen3-8B's layout: GQA with an explicit head_dim and per-head
-    # RMSNorms on queries and keys.
-    return Qwen3Config(**_TINY_COMMON, **ids, num_key_value_heads=2, head_dim=16)  # type: ignore[arg-type]
-
-
-def _tiny_llama(**ids: int | None) -> PreTrainedConfig:
-    return LlamaConfig(**_TINY_COMMON, **ids, num_key_value_heads=2)  # type: ignore[arg-type]
-
-
 _TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "deepseek_v3": _tiny,
-    "deepseek_v32": _tiny_deepseek_v32,
+    # V3's layout plus V3.2's sparse-attention indexer, which keeps index_topk keys a query.
+    "deepseek_v32": partial(
+        DeepseekV32Config,
+        **_TINY_COMMON,
+        **_TINY_V3_LAYOUT,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+    ),
     "deepseek_v4": _tiny_deepseek_v4,
     "deepseek_v2": _tiny_deepseek_v2,
-    "qwen2": _tiny_qwen2,
-    "qwen3": _tiny_qwen3,
-    "llama": _tiny_llama,
+    "qwen2": partial(Qwen2Config, **_TINY_COMMON, num_key_value_heads=2),
+    # DeepSeek-R1-0528-Qwen3-8B's layout: GQA with an explicit head_dim, q/k RMSNorms.
+    "qwen3": partial(Qwen3Config, **_TINY_COMMON, num_key_value_heads=2, head_dim=16),
+    "llama": partial(LlamaConfig, **_TINY_COMMON, num_key_value_heads=2),
 }
 #: Architectures :func:`tiny_checkpoint` builds (``model_type`` of their configs).
 TINY_FAMILIES = tuple(_TINY_CONFIGS)
