@@ -82,11 +82,8 @@ def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
         return values.get(name) is not None
 
     if present(fields.messages_field):
-        return Record(
-            CHAT,
-            messages=_messages(values[fields.messages_field], fields.messages_field),
-            user=user,
-        )
+        messages = _messages(values[fields.messages_field], fields.messages_field)
+        return Record(CHAT, messages=messages, user=user)
     if present(fields.prompt_field) or present(fields.response_field):
         prompt = _string(values, fields.prompt_field)
         return Record(PROMPT_RESPONSE, (prompt, _string(values, fields.response_field)), user=user)
@@ -94,11 +91,8 @@ def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
         extra = values.get(INPUT)
         if extra is not None and not isinstance(extra, str):
             raise BadRecord(INPUT, f"expected a string, got {json_kind(extra)}")
-        return Record(
-            ALPACA,
-            (_string(values, INSTRUCTION), extra or "", _string(values, OUTPUT)),
-            user=user,
-        )
+        parts = (_string(values, INSTRUCTION), extra or "", _string(values, OUTPUT))
+        return Record(ALPACA, parts, user=user)
     if present(fields.text_field):
         return Record(TEXT, (_string(values, fields.text_field),), user=user)
     has = ", ".join(sorted(values)) or "no fields"

@@ -119,6 +119,11 @@ class _Counts:
     keep_reasons: int | None = MAX_REASONS
     user_keys: set[int] = field(default_factory=set)
     missing: dict[tuple[str, str], _Missing] = field(default_factory=dict)
+    #: Of the records dropped for length: the shortest prompt, and the seq-len that keeps
+    #: a trained token of every one, and all of them whole.
+    shortest_prompt: int | None = None
+    keep: int = 0
+    whole: int = 0
 
     def bad(self, where: str, reason: str) -> int | None:
         self.summary.bad_rows += 1
@@ -143,23 +148,8 @@ class _Counts:
         else:
             self.missing[key] = _Missing(self.bad(source.name, ""), message)
 
-    def finish(self) -> None:
-        for (name, column), gap in self.missing.items():
-            if gap.reason is not None:
-                self.summary.bad_reasons[gap.reason] = (
-                    f"{name}: {column}: in all {gap.rows:,} row(s): {gap.message}"
-                )
-
-
-@dataclass
-class _Lengths:
-    """Of the records dropped for length: prompts and the seq-len that would keep them."""
-
-    shortest_prompt: int | None = None
-    keep: int = 0
-    whole: int = 0
-
-    def add(self, prompt: int | None, longest: int) -> None:
+    def dropped(self, prompt: int | None, longest: int) -> None:
+        self.summary.dropped += 1
         self.whole = max(self.whole, longest)
         if prompt is None:
             return
@@ -167,11 +157,19 @@ class _Lengths:
         if self.shortest_prompt is None or prompt < self.shortest_prompt:
             self.shortest_prompt = prompt
 
-    def write(self, summary: Summary) -> None:
+    def finish(self) -> None:
+        """What every record read adds up to, into the summary."""
+        summary = self.summary
+        for (name, column), gap in self.missing.items():
+            if gap.reason is not None:
+                summary.bad_reasons[gap.reason] = (
+                    f"{name}: {column}: in all {gap.rows:,} row(s): {gap.message}"
+                )
         if summary.dropped:
             summary.dropped_shortest_prompt = self.shortest_prompt
             summary.dropped_keep_seq_len = max(self.keep, 2) if self.keep else None
             summary.dropped_whole_seq_len = self.whole
+        summary.users = len(self.user_keys)
 
 
 def data_fingerprint(sources: list[Source]) -> str:
@@ -322,12 +320,6 @@ def _prune(root: Path, *, keep: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _finish(summary: Summary, counts: _Counts, lengths: _Lengths) -> None:
-    counts.finish()
-    lengths.write(summary)
-    summary.users = len(counts.user_keys)
-
-
 def write_examples(
     sources: list[Source],
     tokenizer: PreTrainedTokenizerBase,
@@ -343,7 +335,6 @@ def write_examples(
     """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
     ``keep_reasons`` None keeps every bad row's reason."""
     counts = _Counts(summary, keep_reasons)
-    lengths = _Lengths()
     renderer = Renderer(tokenizer)
     cut = _Cut(seq_len, truncation_side)
     if scrubber is not None:
@@ -351,11 +342,11 @@ def write_examples(
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:
         for batch in _batches(sources, fields, counts, scrubber):
-            _write_batch(writer, batch, renderer, tokenizer, cut, counts, lengths)
+            _write_batch(writer, batch, renderer, tokenizer, cut, counts)
         writer.finalize()
     finally:
         writer.close()
-    _finish(summary, counts, lengths)
+    counts.finish()
     if scrubber is not None:
         summary.deid = Scrubbed.of(scrubber)
     (folder / CACHE_SUMMARY).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
@@ -547,7 +538,6 @@ def _write_batch(
     tokenizer: PreTrainedTokenizerBase,
     cut: _Cut,
     counts: _Counts,
-    lengths: _Lengths,
 ) -> None:
     rendered, kept = [], []
     for item in batch:
@@ -599,8 +589,7 @@ def _write_batch(
         summary.truncated += int(truncated)
         summary.examples += wrote
         if not wrote:
-            summary.dropped += 1
-            lengths.add(prompt, longest)
+            counts.dropped(prompt, longest)
     if out[INPUT_IDS]:
         writer.write_batch(out)
 
@@ -640,7 +629,6 @@ def scan_examples(
         max_record_bytes=max_record_bytes,
     )
     counts = _Counts(summary, keep_reasons)
-    lengths = _Lengths()
     renderer = Renderer(tokenizer)
     cut = _Cut(seq_len, truncation_side)
     sink = _Discard()
@@ -655,7 +643,7 @@ def scan_examples(
                 if room:
                     bad, reasons = summary.bad_rows, len(summary.bad_reasons)
                     try:
-                        _write_batch(sink, batch[:room], renderer, tokenizer, cut, counts, lengths)
+                        _write_batch(sink, batch[:room], renderer, tokenizer, cut, counts)
                         sampled += len(batch[:room])
                     except DataError as err:  # the model's, not the rows': stop rendering
                         # (raised before any of the batch is counted, but rows the
@@ -668,7 +656,7 @@ def scan_examples(
                     _count_record(counts, item)
         except DataError as err:
             unreadable.append(str(err))
-    _finish(summary, counts, lengths)
+    counts.finish()
     return Scanned(summary, sampled, unreadable, render_error)
 
 
