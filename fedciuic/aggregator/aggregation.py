@@ -1,33 +1,22 @@
 """Aggregation of compressed adapter deltas, with validation (pure NumPy, no Flower).
 
-FedAvg over deltas (the default): ``global + server_lr * sum_i w_i * delta_i / sum_i
-w_i``, with ``w_i`` the number of training examples of region ``i``. Each update is
-decoded and validated on its own (codec, size, finite values, norm bound, a
-plausible example count) and added straight into one float64 accumulator, by
-scatter-add for sparse codecs: memory is the model size plus one update, whatever
-the number of regions.
-
-For federations where a region may be malicious, ``median`` and
-``trimmed-mean:F`` aggregate coordinate-wise over the (norm-bounded) decoded deltas,
-unweighted: one region cannot drag the result far, at the price of keeping every
-delta in memory and of pulling honest but very different regions towards the
-middle (docs/robustness.md).
+FedAvg over deltas (the default), weighted by each region's training examples. Each
+update is decoded and validated on its own and added straight into one float64
+accumulator (scatter-add for sparse codecs): memory is the model size plus one update,
+whatever the number of regions. Where a region may be malicious, ``median`` and
+``trimmed-mean:F`` aggregate coordinate-wise and unweighted, so one region cannot drag
+the result far, at the price of keeping every delta in memory (docs/robustness.md).
 
 Two per-update factors on top of the example weight ``n_i`` (p_i = n_i / sum n):
 
 * local steps ``tau_i`` (FedNova, Wang et al. 2020): regions that take different step
-  counts (a local-time-budget) would otherwise pull the mean towards the objective of
-  whoever stepped most. Each delta is normalised by its steps and the sum rescaled by
-  the mean step count: ``tau_eff * sum_i p_i delta_i / tau_i``, ``tau_eff = sum_i p_i
-  tau_i``. Equal steps give FedAvg exactly (bit for bit).
-* staleness ``s`` (buffered mode, FedBuff, Nguyen et al. 2022): ``w(s) = 1/sqrt(1+s)``
-  multiplies the contribution *without* renormalising (the denominator stays ``sum
-  n_i``), so a buffer of only stale updates moves the model less; ``s`` over
-  max-staleness is rejected.
+  counts would otherwise pull the mean towards whoever stepped most, so
+  ``tau_eff * sum_i p_i delta_i / tau_i``, ``tau_eff = sum_i p_i tau_i``; equal steps
+  give FedAvg bit for bit;
+* staleness ``s`` (FedBuff, Nguyen et al. 2022): ``w(s) = 1/sqrt(1+s)`` *without*
+  renormalising, so a buffer of only stale updates moves the model less.
 
-The robust rules apply the same factors to each row before the coordinate-wise
-median or trimmed mean: ``delta_i * tau_bar / tau_i * w(s_i)``, with ``tau_bar`` the
-unweighted mean step count (they are unweighted by examples too).
+The robust rules apply the same factors to each row (``tau_bar``: the unweighted mean).
 """
 
 from __future__ import annotations
@@ -94,8 +83,7 @@ def check_steps(steps: int, max_steps: int) -> None:
 
 @dataclass(frozen=True)
 class Checked:
-    """A decoded, validated update: its weight (examples), L2 norm, the scale applied to
-    it (a norm clip), the local steps it took and how stale its base is."""
+    """A decoded, validated update; ``scale``: a norm clip applied to it."""
 
     update: Sparse
     weight: float
@@ -151,13 +139,9 @@ class Aggregator(Protocol):
 
 
 class Accumulator:
-    """``sum_i n_i w(s_i) delta_i / tau_i`` over validated updates, then FedNova's
-    ``tau_eff`` times that over ``sum_i n_i``.
-
-    Steps are taken relative to the first update's (``tau_0 / tau_i``, rescaled by
-    ``tau_eff / tau_0`` at the end): with equal steps every factor is exactly 1, so
-    the result is today's FedAvg bit for bit.
-    """
+    """``tau_eff * sum_i n_i w(s_i) delta_i / tau_i / sum_i n_i``. Steps are taken
+    relative to the first update's (rescaled by ``tau_eff / tau_0`` at the end): with
+    equal steps every factor is exactly 1, so the result is FedAvg bit for bit."""
 
     def __init__(self, n: int) -> None:
         self.n = n

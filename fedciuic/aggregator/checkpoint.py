@@ -1,25 +1,16 @@
 """The aggregator's checkpoint after every round, and resuming a run from it.
 
-A checkpoint is a folder ``round-NNNN/`` with the global adapter and the server
-optimiser's state (two safetensors files) and ``state.json`` (the federation's run
-id, the round, the base-model fingerprint, the adapter-mode, both files' SHA-256, the
-optimiser's name and hyperparameters, the audit log's position, the run's records so
-far, and an opaque ``extra`` dict the aggregator fills), written and fsync'ed in full
-before ``LATEST`` is atomically pointed at it. Only then are folders beyond the newest
-``keep`` deleted (never the one ``LATEST`` names): a process killed at any moment
-leaves a loadable ``LATEST``.
+A checkpoint is a folder ``round-NNNN/`` (the adapter, the server optimiser's state, and
+``state.json`` with both files' SHA-256), written and fsync'ed in full before ``LATEST``
+is atomically pointed at it; only then are older folders deleted (never the one
+``LATEST`` names): a process killed at any moment leaves a loadable ``LATEST``.
 
-Each checkpoint is signed by the aggregator's key (``state.sig``: its signature over a
-label and the SHA-256 of ``state.json``, which holds both files' digests, the round,
-the schedule and the audit log's head): whoever can write the aggregator's disk but
-not its key cannot swap the model or roll it back unnoticed. The SHA-256 of
-``state.json`` is the checkpoint's identity, which a resumed run records in its audit
-log and signs into every instruction, so that each region's log witnesses which
-checkpoint the run continued from.
-
-A run with keys resumes only from a checkpoint its key signed. ``fedciuic-checkpoint/1``
-and ``/2`` folders (unsigned) load only where no key is given (inspection, and runs
-without sealing).
+``state.sig``, the aggregator's signature over the SHA-256 of ``state.json``: whoever
+can write the aggregator's disk but not its key cannot swap the model or roll it back
+unnoticed. That SHA-256 is the checkpoint's identity, which a resumed run signs into
+every instruction, so each region's log witnesses which checkpoint the run continued
+from. A run with keys resumes only from a checkpoint its key signed; unsigned ``/1``
+and ``/2`` folders load only where no key is given.
 """
 
 from __future__ import annotations
@@ -76,8 +67,7 @@ class Checkpoint:
     #: What the adapter's tensors are (the run's adapter-mode): a resume under another
     #: mode is refused. Checkpoints written before modes existed were all ``lora``.
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
-    #: Set when loaded: the SHA-256 of its state.json (hex), and the key id that signed
-    #: it ("" when unsigned).
+    #: Set when loaded: the SHA-256 of its state.json, and its signer's key id ("": none).
     identity: str = ""
     signer: str = ""
 
@@ -101,9 +91,8 @@ def _digest(path: Path) -> str:
 def save_checkpoint(
     directory: Path, checkpoint: Checkpoint, keep: int = 1, keypair: Keypair | None = None
 ) -> Path:
-    """Write ``round-NNNN/`` in full (signed by ``keypair``, the aggregator's, when the
-    run has keys), then point ``LATEST`` at it; then only the newest ``keep`` rounds up
-    to this one stay."""
+    """Write ``round-NNNN/`` in full (signed with ``keypair``), point ``LATEST`` at it,
+    then keep only the newest ``keep`` rounds up to this one."""
     folder = directory / f"round-{checkpoint.round:04d}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -123,10 +112,7 @@ def save_checkpoint(
     if checkpoint.optimizer is not None:
         arrays = {k: np.ascontiguousarray(v) for k, v in checkpoint.optimizer.arrays.items()}
         save_file(arrays, folder / OPTIMIZER)
-        state["optimizer"] = {
-            **checkpoint.optimizer.meta(),
-            "sha256": _digest(folder / OPTIMIZER),
-        }
+        state["optimizer"] = {**checkpoint.optimizer.meta(), "sha256": _digest(folder / OPTIMIZER)}
         written.append(folder / OPTIMIZER)
     if keypair is not None:
         state["signer"] = keypair.bundle.key_id.hex()

@@ -68,10 +68,9 @@ class Journal:
         self.witnessed[region] = max(highest, witness.count)
 
     def reply(self, server_round: int, judged: Judged, filing: Filing, *, audited: bool) -> Judged:
-        """One reply on the record: what judging it noted (the sender's log head, the
-        update as received, the policy decision), then its outcome in metrics.json
-        and (``audited``) the audit log. If that fails, the reply is rejected and
-        recorded (best effort) as such."""
+        """One reply on the record: what judging it noted, then its outcome in
+        metrics.json and (``audited``) the audit log; if that fails, the reply is
+        rejected and recorded (best effort) as such."""
         try:
             self._noted(server_round, judged)
             entry = judged.entry()
@@ -81,7 +80,7 @@ class Journal:
         except Exception as err:
             judged = judged.refused(reason_of(err))
             entry = judged.entry()
-            try:
+            try:  # best effort
                 filing(server_round, judged.label, entry)
             except Exception as again:
                 _logger.log(
@@ -223,8 +222,8 @@ class Journal:
             self.note(server_round, Event.REGION_REJOINED, region=region)
 
     def receipts(self) -> str:
-        """What this federation run received from each region (the log's
-        ``update_received`` records, resumed runs included), as canonical JSON."""
+        """What this federation run received from each region (resumed runs included),
+        as canonical JSON."""
         received: dict[str, list[tuple[int, str]]] = {}
         for record in self.audit.records():
             details = record.get("details")
@@ -237,11 +236,8 @@ class Journal:
             region, digest_hex = details.get("region"), details.get("digest")
             if isinstance(region, str) and isinstance(digest_hex, str):
                 received.setdefault(region, []).append((int(record.get("round") or 0), digest_hex))
-        return json.dumps(
-            {r: sorted(set(items)) for r, items in received.items()},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        per_region = {r: sorted(set(items)) for r, items in received.items()}
+        return json.dumps(per_region, sort_keys=True, separators=(",", ":"))
 
     def run_end_witnessed(self, witnessed: Iterable[str]) -> None:
         self.note(None, Event.RUN_END_WITNESSED, regions=sorted(witnessed))

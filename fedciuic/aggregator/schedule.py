@@ -51,11 +51,8 @@ class Availability:
                     changes.rejoined.append(region)
                 continue
             self.missed[region] += 1
-            if (
-                self.max_missed
-                and self.missed[region] >= self.max_missed
-                and region not in self.unavailable
-            ):
+            gone = self.max_missed and self.missed[region] >= self.max_missed
+            if gone and region not in self.unavailable:
                 self.unavailable.add(region)
                 changes.unavailable.append(region)
         return changes

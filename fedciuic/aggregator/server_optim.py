@@ -14,9 +14,8 @@ As in the paper's Algorithm 2 there is no bias correction and ``v`` starts at
 ``tau^2`` (``v_{-1} >= tau^2``), so the first steps are about ``lr`` per coordinate in
 the delta's direction. (Flower's FedAdam starts ``v`` at 0 and bias-corrects.)
 
-The state (``m``, ``v``: one float32 vector per moment, updated in place; the step
-count) goes into each aggregator checkpoint, so a resumed run continues with the
-moments it had: without them the resumed run would take different steps.
+The state (one float32 vector per moment, updated in place) goes into each aggregator
+checkpoint: without it a resumed run would take different steps.
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ class ServerOptimizer:
     (float32, zeros; ``v`` at ``tau^2``) on the first step, from that adapter's layout."""
 
     def __init__(self, settings: ServerSettings) -> None:
-        """Fresh, from the run's server section (:attr:`RunConfig.server`)."""
         if settings.server_optimizer not in MOMENTS:
             raise OptimizerStateError(
                 f"unknown server optimizer {settings.server_optimizer!r}; "
@@ -113,11 +111,8 @@ class ServerOptimizer:
         if d.size != x.size:
             raise OptimizerStateError(f"delta has {d.size} values, the adapter {x.size}")
         self._bind(layout_id(layout), x.size)
-        lr, beta1, beta2 = (
-            self.settings.server_learning_rate,
-            self.settings.server_momentum,
-            self.settings.server_beta2,
-        )
+        s = self.settings
+        lr, beta1, beta2 = s.server_learning_rate, s.server_momentum, s.server_beta2
         if self.name == "none":
             x += lr * d
         elif self.name == "fedavgm":
@@ -167,8 +162,8 @@ class ServerOptimizer:
         state: OptimizerState,
         layout: list[tuple[str, tuple[int, ...]]],
     ) -> ServerOptimizer:
-        """The optimiser of this run (its server section) continued from ``state``,
-        which must be of the same optimizer and for an adapter of ``layout``."""
+        """This run's optimiser continued from ``state``, which must be of the same
+        optimizer and for an adapter of ``layout``."""
         fresh = cls(settings)
         if state.name != fresh.name:
             raise OptimizerStateError(

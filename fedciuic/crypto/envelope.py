@@ -178,11 +178,6 @@ def _keys(secret: bytes, suite: Suite, version: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=size, salt=None, info=info).derive(secret)
 
 
-def _to_sign(prefix: bytes | memoryview) -> bytes:
-    """Version 1: the label and SHA-256 of every byte before the signature length."""
-    return SIGNED_LABEL + hashlib.sha256(prefix).digest()
-
-
 def signed_message(
     header: memoryview | bytes, kem: memoryview | bytes, digests: list[bytes]
 ) -> bytes:
@@ -407,7 +402,8 @@ def _open_v1(
     recipient: Keypair,
     senders: Mapping[bytes, PublicBundle],
 ) -> Opened:
-    """Version 1: one AEAD call, the signature over SHA-256 of all that precedes it."""
+    """Version 1: one AEAD call, the signature over SHA-256 of every byte before the
+    signature's length."""
     pos = header_end
     try:
         kem_ct = view[pos : pos + CIPHERTEXT_SIZE]
@@ -426,7 +422,7 @@ def _open_v1(
         or len(body) != body_len
         or len(signature) != sig_len
         or sender.signature != header.signature
-        or not sender.verify(_to_sign(view[:pos]), signature)
+        or not sender.verify(SIGNED_LABEL + hashlib.sha256(view[:pos]).digest(), signature)
     ):
         raise InvalidEnvelope()
     if header.recipient != recipient.bundle.key_id:

@@ -47,9 +47,8 @@ class KeyFileError(FedciuicError):
 
 def key_id(xwing_pk: bytes, ed25519_pk: bytes, mldsa65_pk: bytes = b"") -> bytes:
     """The 16-byte id of a set of public keys."""
-    return hashlib.sha256(b"fedciuic-key-id/1\x00" + xwing_pk + ed25519_pk + mldsa65_pk).digest()[
-        :KEY_ID_SIZE
-    ]
+    digest = hashlib.sha256(b"fedciuic-key-id/1\x00" + xwing_pk + ed25519_pk + mldsa65_pk)
+    return digest.digest()[:KEY_ID_SIZE]
 
 
 def _b64(data: bytes) -> str:
@@ -329,8 +328,4 @@ def load_bundles(directory: Path) -> dict[bytes, PublicBundle]:
         raise KeyFileError(
             f"{directory}: no such folder of public bundles; put each region's PARTY.pub.json there"
         )
-    bundles = {}
-    for path in sorted(directory.glob("*.pub.json")):
-        bundle = load_bundle(path)
-        bundles[bundle.key_id] = bundle
-    return bundles
+    return {b.key_id: b for b in map(load_bundle, sorted(directory.glob("*.pub.json")))}

@@ -59,25 +59,18 @@ class XWingPrivateKey:
     def generate(cls) -> XWingPrivateKey:
         return cls(os.urandom(SEED_SIZE))
 
-    def _expand(self) -> tuple[MLKEM768PrivateKey, X25519PrivateKey]:
-        expanded = _shake256(self.seed, 96)
-        return (
-            MLKEM768PrivateKey.from_seed_bytes(expanded[:64]),
-            X25519PrivateKey.from_private_bytes(expanded[64:96]),
-        )
-
     @cached_property
     def _expanded(self) -> tuple[MLKEM768PrivateKey, X25519PrivateKey, bytes]:
         """The expanded keys and ``pk_X``, made once per key (ML-KEM key generation from
         the seed is most of a decapsulation's cost otherwise)."""
-        sk_m, sk_x = self._expand()
+        expanded = _shake256(self.seed, 96)
+        sk_m = MLKEM768PrivateKey.from_seed_bytes(expanded[:64])
+        sk_x = X25519PrivateKey.from_private_bytes(expanded[64:96])
         return sk_m, sk_x, sk_x.public_key().public_bytes_raw()
 
     def public_key(self) -> XWingPublicKey:
-        sk_m, sk_x = self._expand()
-        return XWingPublicKey(
-            sk_m.public_key().public_bytes_raw() + sk_x.public_key().public_bytes_raw()
-        )
+        sk_m, _, pk_x = self._expanded
+        return XWingPublicKey(sk_m.public_key().public_bytes_raw() + pk_x)
 
     def decapsulate(self, ciphertext: bytes) -> bytes:
         """The shared secret for ``ciphertext``. ML-KEM's implicit rejection means a

@@ -40,14 +40,7 @@ from fedciuic.secagg.messages import (
     to_sign,
 )
 from fedciuic.secagg.rotation import unrotate
-from fedciuic.secagg.seeds import (
-    PAIR,
-    SEALED_PAIR,
-    SEALED_SHARES,
-    ephemeral,
-    open_with,
-    pair_seed,
-)
+from fedciuic.secagg.seeds import PAIR, SEALED_PAIR, SEALED_SHARES, ephemeral, open_with, pair_seed
 from fedciuic.secagg.shamir import (
     PRIME,
     SEED_BYTES,
@@ -104,10 +97,9 @@ class SecureSum:
     reveals: dict[str, Reveal] = field(default_factory=dict)
 
     def run(self, ask: Ask) -> np.ndarray:
-        """The five phases, each region its request through ``ask`` and each phase's
-        answers taken; the survivors' sum (ring elements). Every region that shared is
-        shown the survivors: one that sent its masked vector and is named dropped
-        refuses, and says so on its record."""
+        """The five phases through ``ask``; the survivors' sum (ring elements). Every region
+        that shared is shown the survivors: one that sent its masked vector and is named
+        dropped refuses, and says so on its record."""
 
         def request(phase: Phase, **fields: object) -> Request:
             return Request.model_validate({"phase": phase, "session": self.session, **fields})
@@ -265,8 +257,7 @@ class SecureSum:
         """``region``'s self seed (or key seed) from the shares the reveals hold."""
         shares = [
             Share(
-                self.session.index(holder),
-                (v.self_shares if self_seed else v.key_shares)[region],
+                self.session.index(holder), (v.self_shares if self_seed else v.key_shares)[region]
             )
             for holder, v in self.reveals.items()
         ]
@@ -322,9 +313,9 @@ class SecureSum:
         taken: dict[str, _T],
         check: Callable[[str, _M], _T],
     ) -> None:
-        """Take each reply: parsed, from a region expected in ``phase`` and not yet heard
-        in it, passing ``check``; one that fails is refused alone, on the record. Then
-        withhold the sum if fewer than the threshold were taken."""
+        """Take each reply that parses, is from a region expected in ``phase`` and not yet
+        heard in it, and passes ``check``; one that fails is refused alone, on the record.
+        Then withhold the sum if fewer than the threshold were taken."""
         for raw in replies:
             region = "?"
             try:

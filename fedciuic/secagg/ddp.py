@@ -35,15 +35,14 @@ undo_opacus_basic_config()  # the aggregator's process imports Opacus here first
 
 #: Integer Rényi orders (the Skellam bound holds for integer orders).
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
-#: The largest Poisson mean NumPy draws exactly enough: its sampler holds the variance
-#: within 0.1% up to 1e10 and drifts past about 1e13 (30% high at 7e14).
+#: The largest Poisson mean NumPy draws exactly enough (its variance drifts past ~1e13).
 POISSON_LIMIT = 1e11
 #: Conditional rounding retries until the rounded norm is within the bound that holds
 #: with probability 1 - beta per try (DDGauss' choice of beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
-#: How far above 2**bits the scale search starts (as a power of two): sqrt of a rotation
-#: window of 2**24 values (2**12) times 2**12 for a clip far below 1.
+#: How far above 2**bits the scale search starts (as a power of two): a rotated value is
+#: the norm over sqrt(window), so a ring of few bits holds a scale far past its own size.
 _SCALE_HEADROOM = 24
 
 
@@ -67,8 +66,7 @@ class DistributedDp:
 
     @property
     def central_variance(self) -> float:
-        """The noise variance per value in the sum, in ring units, from ``threshold``
-        regions' shares."""
+        """Per value in the sum, in ring units, from ``threshold`` regions' shares."""
         return (self.noise_multiplier * self.clip * self.scale) ** 2
 
     @property
@@ -92,19 +90,17 @@ class DistributedDp:
 
     def fits(self, regions: int, ring: Ring) -> bool:
         """Whether a sum of ``regions`` rotated, rounded, noised updates stays inside the
-        signed ring. Each value of a randomly rotated window is about the window's norm
-        (at most ``clip``) over sqrt(its length), beyond :func:`spread` times that with a
-        chance under one in a billion per update; rounding adds at most 1; the noise's
-        own spread on top. (A sum that wraps anyway fails the aggregator's wrap check,
-        and it is not published.)"""
+        signed ring: each rotated value is about the window's norm over sqrt(its length),
+        beyond :func:`spread` times that with a chance under 1e-9; rounding adds at most
+        1; the noise's own spread on top. (A sum that wraps anyway fails the wrap check.)"""
         k = spread(self.dim)
         value = self.clip * self.scale / math.sqrt(self.block or self.dim)
         noise = k * math.sqrt(regions * self.share_variance)
         return bool(regions * (k * value + 1) + noise < 2 ** (ring.bits - 1))
 
     def rdp(self, honest: int) -> list[float]:
-        """Rényi DP of one sum, at :data:`ORDERS`, when ``honest`` regions' shares are
-        noise the adversary does not know."""
+        """Rényi DP of one sum when ``honest`` regions' shares are noise the adversary
+        does not know."""
         return skellam_rdp(ORDERS, l1=self.l1, l2=self.l2, variance=honest * self.share_variance)
 
     def epsilon(self, rounds: int, delta: float, honest: int | None = None) -> float:
@@ -148,15 +144,12 @@ def ring_bits(
     measured: bool = False,
 ) -> int:
     """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
-    bits at which a sum of ``regions`` updates scaled by their norms (``normed``:
-    :func:`normed_scale`, :func:`sum_bound`) rounds, to the nearest, no coarser than the
-    plain ``int8`` path. The sum's reach sets them: ``regions`` norms however the
-    updates align (11 bits for 3 regions, 12 for 8, 14 for 32), or, once a sum of the
-    run was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms, how
-    far independent updates reach, with the margin (11 for 3 and 8, 12 for 16 and 32:
-    :data:`NEAREST_STEP`, ``benchmarks/secagg.py``);
-    :data:`DDP_RING_BITS` with distributed DP (its noise needs the headroom) or without
-    the regions' norms (the scale then follows the clip)."""
+    bits at which a sum of ``regions`` updates scaled by their norms (``normed``) rounds
+    no coarser than the plain ``int8`` path (:data:`NEAREST_STEP`). The sum's reach
+    sets them: ``regions`` norms however the updates align, or, once a sum of the run
+    was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms (how far
+    independent updates reach). :data:`DDP_RING_BITS` with distributed DP (its noise
+    needs the headroom) or without the regions' norms."""
     if requested:
         return requested
     if distributed_dp or not normed:
@@ -193,11 +186,10 @@ def ring_choices(
 
 
 def sum_bound(norms: Sequence[float], reach: float | None) -> float:
-    """The norm a sum of updates with these sent norms is scaled for
-    (:func:`normed_scale`): their total, which it cannot pass however they align, or,
-    given the ``reach`` of the run's last unmasked sum (:func:`alignment`),
-    :data:`ALIGNMENT_MARGIN` times that reach (at least that of independent updates) on
-    these norms, if less."""
+    """The norm a sum of updates with these sent norms is scaled for: their total, which
+    it cannot pass however they align, or, given the ``reach`` of the run's last
+    unmasked sum, :data:`ALIGNMENT_MARGIN` times that reach (at least that of
+    independent updates) on these norms, if less."""
     total = math.fsum(norms)
     if reach is None:
         return total
@@ -213,8 +205,7 @@ def alignment(sum_norm: float, norms: Sequence[float]) -> float:
 
 
 def _independent(norms: Sequence[float]) -> float:
-    """How far a sum of independent updates of these norms reaches: the root of their
-    squares' sum."""
+    """How far a sum of independent updates of these norms reaches."""
     return math.sqrt(math.fsum(n * n for n in norms))
 
 
@@ -308,15 +299,10 @@ def scale_for(
     block: int = 0,
     ring: Ring,
 ) -> float:
-    """The finest fixed-point scale (a power of two) at which a sum of ``regions``
-    clipped, rounded and noised updates fits the signed ring, and the noise shares are
-    exact Skellam draws (:data:`POISSON_LIMIT`); :class:`RingTooSmall`
-    when none does (more bits are needed).
-
-    The search starts well above ``2**bits``: a rotated value is the update's norm over
-    sqrt(window), so a ring of few bits holds a scale far past its own size (a 12-bit
-    ring, 3 regions, windows of 65,536: 2**15, where starting at 2**bits cost 8x the
-    rounding error)."""
+    """The finest fixed-point scale (a power of two, searched from well above
+    ``2**bits``) at which a sum of ``regions`` clipped, rounded and noised updates fits
+    the signed ring and the noise shares are exact Skellam draws; :class:`RingTooSmall`
+    when none does."""
     for exponent in range(ring.bits + _SCALE_HEADROOM, -31, -1):
         scale = 2.0**exponent
         ddp = DistributedDp(clip, scale, noise, threshold, dim, block)

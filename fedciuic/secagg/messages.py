@@ -2,11 +2,9 @@
 and what each signature covers.
 
 Every message a region sends is signed with its long-lived identity key over the
-session id (:meth:`Session.sid`: the run, the round, the regions, the threshold, the
-ring, the vector length, the clip, the norms' bound, the scale and the noise), the phase and the
+session id (:meth:`Session.sid`, every field of the session), the phase and the
 message's content, so that a relay (or an aggregator) cannot replay one from another
-round, move one to another phase, or attribute one to another region without the
-signature failing.
+round, move one to another phase, or attribute one to another region.
 """
 
 from __future__ import annotations
@@ -18,14 +16,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedciuic.crypto import NAME_PATTERN, PUBLIC_KEY_SIZE
 from fedciuic.errors import FedciuicError
@@ -122,9 +113,9 @@ class Session(Message):
         noise: float,
         bound: float = 0.0,
     ) -> Session:
-        """The aggregator's session, at the finest scale its sum fits the ring at: by
-        the regions' norms (``bound``), else by the clip
-        (:class:`~fedciuic.secagg.masking.RingTooSmall` when none does)."""
+        """The aggregator's session, at the finest scale its sum fits the ring at, by the
+        regions' norms (``bound``) or the clip (:class:`~fedciuic.secagg.masking.RingTooSmall`
+        when none does)."""
         if bound:
             scale = normed_scale(bound=bound, regions=len(regions), size=size, ring=Ring(bits))
         else:
