@@ -1,13 +1,10 @@
 """Replacing an audit log's file under its writers, for a prune (``AuditLog.prune``).
 
-The records a prune keeps are written to a side file and renamed over the log, so a
-crash leaves the whole log or the pruned one, never half of either. Writers in other
-processes hold the old file open, waiting on its lock: each finds that the path names
-another file (``replaced``) and reopens it. A prune killed before its rename leaves its
-side file: the next writer to open the log removes it (``remove_side_files``).
-
-This module only moves bytes: which records to keep, and how the log records that it
-pruned, are ``log``'s. Internal to the package (the face lists none of it).
+The kept records are written to a side file renamed over the log, so a crash leaves the
+whole log or the pruned one, never half of either. Writers in other processes waiting on
+the old file's lock find the path replaced (``replaced``) and reopen it; a prune killed
+before its rename leaves a side file the next writer removes (``remove_side_files``).
+This module only moves bytes: which records to keep, and recording the prune, are ``log``'s.
 """
 
 from __future__ import annotations
@@ -35,10 +32,9 @@ def replaced(path: Path, held: int) -> bool:
 
 
 def replace_with(path: Path, kept: bytes, mode: int) -> None:
-    """Make ``kept`` the file at ``path`` (permissions ``mode``): written to a side file,
-    fsync'ed, renamed over it, and the folder fsync'ed so that the rename lasts. The
-    caller holds the log's lock. On ``OSError`` the side file is removed, and the error
-    raised for the caller to say what it means for the log."""
+    """Make ``kept`` the file at ``path`` (permissions ``mode``), the folder fsync'ed so
+    that the rename lasts; the caller holds the log's lock. On ``OSError`` the side file
+    is removed and the error raised, for the caller to say what it means for the log."""
     side = path.with_name(f"{path.name}{PRUNING_SUFFIX}{time.time_ns()}")
     try:
         fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -59,10 +55,9 @@ def replace_with(path: Path, kept: bytes, mode: int) -> None:
 
 
 def remove_side_files(path: Path) -> None:
-    """Remove the side files of a prune of ``path`` killed before its rename. The caller
-    holds the lock of the file ``path`` names, so no prune of it is under way: such a
-    file is a copy of records the log still holds whole, and nothing else. Other files
-    (``<log>.torn-<ns>``, a name that only starts like a side file's) are left alone."""
+    """Remove the side files of a prune of ``path`` killed before its rename: under the
+    log's lock no prune is under way, so each is a copy of records the log still holds.
+    Other files (``<log>.torn-<ns>``, a name only starting like one) are left alone."""
     stem = path.name + PRUNING_SUFFIX
     try:
         names = os.listdir(path.parent)

@@ -351,17 +351,13 @@ def _prune_problems(
                 f"the policy {_who(party)} declared ({named}, as the aggregator's log records it)"
             )
         governs = match or in_force(declared, at)
-        days = governs.retention_days if governs is not None else None
-        if days is None:
+        if governs is None or (days := governs.retention_days) is None:
             issues.append("the declared policy's retention_days is not on the record")
         elif at is None or last is None or last >= at - timedelta(days=days):
-            kept_by = (
-                f"{_who(party)}'s declared policy {governs.policy_hash[:12]}" if governs else ""
-            )
             issues.append(
                 f"it removed records written up to {d.get('last_time')!s:.32}, inside the "
-                f"{days} days {kept_by} keeps them: records inside the declared retention "
-                "are gone"
+                f"{days} days {_who(party)}'s declared policy {governs.policy_hash[:12]} keeps "
+                "them: records inside the declared retention are gone"
             )
         if issues:
             out.append(Erased(party, None, f"{label}: " + "; ".join(issues)))
@@ -392,9 +388,8 @@ def _gone(
             continue
         for r in theirs:
             run, when, details = run_of(r), record_time(r), details_of(r)
-            if r.get("event") != Event.WITNESS or details.get("party") != party:
-                continue
-            if not run or when is None:
+            witnessed = r.get("event") == Event.WITNESS and details.get("party") == party
+            if not witnessed or not run or when is None:
                 continue
             count = details.get("count")
             if run not in held:
@@ -427,12 +422,11 @@ def _gone(
         if not (start or (first is not None and first <= when) or (key and key in keys)):
             continue  # a log begun after the run, with nothing to say it is the same log
         governs = in_force(declared, when)
-        days = governs.retention_days if governs is not None else None
         saw = (
             f"{log_of(other)} (witness seq {seq!r:.24}) saw {_who(party)} sign on "
             f"{when:%Y-%m-%d %H:%M}"
         )
-        if governs is None or days is None:
+        if governs is None or (days := governs.retention_days) is None:
             problem = (
                 f"{log_of(party)} no longer holds run {run}, which {saw}, and no policy "
                 f"{_who(party)} declared is on the aggregator's record to say how long it keeps it"

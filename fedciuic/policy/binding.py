@@ -48,10 +48,7 @@ class PolicyRefusal(FedciuicError):
 
 def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> LoadedPolicy | None:
     """The policy this region obeys; None only in a simulation with enforce-policies off.
-
-    A deployed region's policy comes from its own agent config and nothing the
-    aggregator's run config says can switch it off.
-    """
+    A deployed region's comes from its own agent config: the run config cannot switch it off."""
     if node.policy:
         return load_policy(Path(node.policy).expanduser())
     if not simulated:
@@ -168,14 +165,11 @@ def enforce_region_policy(
 ) -> RegionPolicy:
     """Load the region's policy and check the run against it; raise with every reason.
     ``data_releases``: the data-dependent figures the run's replies would carry.
-    :meth:`RegionPolicy.none` only for a simulated lab baseline with enforce-policies off.
 
-    ``own_jurisdiction`` is the jurisdiction in the region's own key (None without
-    sealing). A region obeys its own jurisdiction's policy, not one that happens to
-    allow the run: a mismatch declines before anything is trained or sent. Without a
-    key a simulated region is in :func:`simulated_jurisdiction`; a deployed region
-    without a key has only its node config's word for where it is.
-    """
+    A region obeys its own jurisdiction's policy (``own_jurisdiction``, from its key; None
+    without sealing), not one that happens to allow the run: a mismatch declines before
+    anything is trained or sent. Without a key a simulated region is in
+    :func:`simulated_jurisdiction`; a deployed one has only its node config's word."""
     loaded = region_policy(run, node, simulated=simulated)
     if loaded is None:
         return RegionPolicy.none(node.region)
@@ -203,11 +197,10 @@ def _jurisdiction_reason(
     source = "its key"
     if own is None and simulated:
         own, source = simulated_jurisdiction(region), "its simulated region name"
-    policy_jurisdiction = loaded.policy.jurisdiction
-    if own is None or own == policy_jurisdiction:
+    if own is None or own == loaded.policy.jurisdiction:
         return ""
     return (
-        f"{loaded.path} is the policy of {policy_jurisdiction}, but region {region} is in "
+        f"{loaded.path} is the policy of {loaded.policy.jurisdiction}, but region {region} is in "
         f"{own} ({source}): a region obeys its own jurisdiction's policy; give it the "
         f"{own} policy (policy jurisdiction)"
     )

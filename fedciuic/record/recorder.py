@@ -1,21 +1,10 @@
 """What a run records: ``metrics.json`` per round, and how a run ends.
 
-
-``metrics.json`` is rewritten atomically after every round, so a crash leaves the
-last complete round on disk, never a half-written file.
-
-A run ends with one of these statuses (``run.status`` in metrics.json):
-
-* ``completed``: every round ran and at least one aggregate was published; the final
-  global adapter is saved in ``adapter/``.
-* ``no-aggregate``: every round ran but no aggregate was ever published (no region
-  trained, or every aggregate was withheld); the global adapter is the initial one
-  and is not saved. ``run.reasons`` says why, per region.
-* ``failed``: the run stopped on an error (``run.error``).
-* ``interrupted``: the run was stopped (a signal, or its process was killed) before
-  it ended; what it recorded up to then stays.
-* ``running``: still running, or its process died without a word (``fedciuic
-  simulate`` and ``start.sh`` mark such a run ``interrupted`` when they stop it).
+``metrics.json`` is rewritten atomically after every round, so a crash leaves the last
+complete round on disk, never a half-written file. A run ends with a ``run.status``
+(README.md, "Outputs"); ``running`` means still running, or that its process died
+without a word (``fedciuic simulate`` and ``start.sh`` mark such a run ``interrupted``
+when they stop it).
 """
 
 from __future__ import annotations

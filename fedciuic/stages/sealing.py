@@ -1,20 +1,10 @@
 """Sealing as a stage of the round, present or absent, with both ends in one place.
 
-Like Flower's ``DifferentialPrivacyServerSideFixedClipping`` wrapper and its
-``fixedclipping_mod``, each end of the round is handed one object and never asks
-whether sealing is on:
-
-* the aggregator's end (:class:`ReplySealing`): :class:`SealedReplies` signs each
-  instruction, authenticates each reply by its signature and opens sealed updates
-  (refusing clear ones); :class:`ClearReplies`, for a lab run with ``seal = false``,
-  signs nothing, takes the region a reply names and reads clear updates (refusing
-  sealed ones);
-* the region's end (:class:`RegionSealing`): :class:`SealingRegion` checks the
-  aggregator's signatures and seals its update to the aggregator's key;
-  :class:`ClearRegion` checks nothing and sends the update in the clear.
-
-Which pair a run uses is chosen once, from ``seal`` in the run config, by
-:func:`aggregator_sealing` and :func:`region_sealing`.
+Like Flower's ``DifferentialPrivacyServerSideFixedClipping`` and its ``fixedclipping_mod``,
+each end of the round is handed one object, chosen once from ``seal`` in the run config,
+and never asks whether sealing is on: sealed, each signature is checked and each update
+travels sealed (a clear one is refused); clear (a lab run, ``seal = false``), nothing is
+signed or checked, a reply is taken at its word, and a sealed update is refused.
 """
 
 from __future__ import annotations
@@ -72,8 +62,7 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Received:
-    """A trained reply's content as the aggregator received it; ``metrics`` and
-    ``arrays`` are untrusted until the round parses them."""
+    """A trained reply's content; ``metrics`` and ``arrays`` untrusted until parsed."""
 
     arrays: Mapping[str, np.ndarray]
     metrics: object
@@ -89,8 +78,7 @@ class ReplySealing(Protocol):
         """The key id that signs instructions (hex), or "" when nothing is signed."""
 
     def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
-        """The signature over an instruction (its adapter, terms and witness); ``digest``:
-        its adapter's, when the caller has it."""
+        """The signature over an instruction; ``digest``: its adapter's, when known."""
 
     def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes: ...
 
@@ -105,8 +93,7 @@ class ReplySealing(Protocol):
         """What ``run_start`` records about the keys."""
 
     def bundles(self) -> dict[str, PublicBundle]:
-        """Each region's public bundle, by region (secure aggregation verifies the
-        regions' messages with them); none when nothing is signed."""
+        """Each region's public bundle (for secure aggregation); none when nothing is signed."""
 
 
 @dataclass(frozen=True)
