@@ -1,11 +1,8 @@
 """``fedciuic init``: a deployment folder, laid out per party, with the scripts that run it.
 
-A user should not need to know Flower's commands, certificates or node configs to run
-a federation. :func:`init_deployment` checks everything before it writes anything (a
-refused deployment leaves nothing behind), then writes one folder per party, so each
-can be copied to its own machine: private keys never leave their party's folder.
-The scripts call ``python -m fedciuic.ops.deploy ACTION`` for what is easier to get
-right in Python (health checks, stopping process trees, reading a run's outcome).
+:func:`init_deployment` checks everything before it writes anything (a refused
+deployment leaves nothing behind), then writes one folder per party, so that each can be
+copied to its own machine: private keys never leave their party's folder.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from fedciuic.ops.layout import (
     run_overrides,
     write_deployment,
 )
+from fedciuic.ops.runconfig import app_run_config
 from fedciuic.ops.separation import (
     default_relay_user,
     reach_problem,
@@ -70,16 +68,6 @@ def parse_regions(regions: str | Sequence[str]) -> tuple[list[tuple[str, str]], 
     if not parsed and not problems:
         problems.append("--regions: empty; list the regions, e.g. --regions eu,cn,us")
     return parsed, problems
-
-
-def _app_defaults(app: Path) -> tuple[dict[str, Any], list[str]]:
-    """The app's run-config defaults, or why ``app`` is not a Flower app folder."""
-    from fedciuic.ops.runconfig import app_run_config
-
-    try:
-        return app_run_config(app), []
-    except ConfigError as err:
-        return {}, list(err.problems)
 
 
 def _check_directory(directory: Path) -> list[str]:
@@ -171,8 +159,11 @@ def init_deployment(
     problems = _check_directory(directory)
     parsed, region_problems = parse_regions(regions)
     problems += region_problems
-    defaults, app_problems = _app_defaults(app)
-    problems += app_problems
+    defaults: dict[str, Any] = {}
+    try:
+        defaults = app_run_config(app)
+    except ConfigError as err:
+        problems += err.problems
     if aggregator not in JURISDICTIONS:
         problems.append(
             f"--aggregator-jurisdiction: {aggregator or '(empty)'} is not a jurisdiction "

@@ -1,22 +1,16 @@
 """The relay's own OS user: Flower's ClientApp runs where it cannot read the region.
 
-A deployed region's ClientApp is code the aggregator ships. ``fedciuic init``, run as
-root, writes start scripts that run it as an unprivileged user of its own
-(:data:`RELAY_USER` unless ``--relay-user`` names another), in no group of the
-region's; the agent refuses to serve while that user can read the region's files.
+A deployed region's ClientApp is code the aggregator ships, so the start scripts run it
+as an unprivileged user of its own, in no group of the region's; the agent refuses to
+serve while that user can read the region's files. That user must still pass (``o+x``)
+every folder to Python, its home and the agent's socket: the first that it cannot is
+named at init and at start, not met as a relay that dies.
 
-That user must still run Python and reach its home and the agent's socket: every
-folder on the way must let others pass (``o+x``). :func:`closed_to_others` finds the
-first that does not, so that ``init`` and the start script say which and how to fix
-it, instead of a relay that dies at start.
-
-The SuperNode and the relay carry the kernel's parent-death signal: a start script
-killed with SIGKILL still takes them with it, and the SuperNode's port is free again.
-The relay stays the parent of Flower's SuperExec, in a process group of its own
-(:func:`supervise`): the ClientApps the SuperExec starts end with the region too, even one
-blocked in a call to a SuperNode that is gone (a ClientApp that leaves the group on
-purpose is beyond it: it is the aggregator's code, run as a user that reads nothing of
-the region's).
+The SuperNode and the relay carry the kernel's parent-death signal, so a start script
+killed with SIGKILL takes them with it. The relay supervises Flower's SuperExec in a
+process group of its own: its ClientApps end with the region too, even one blocked on
+a SuperNode that is gone (one that leaves the group on purpose is the aggregator's code,
+run as a user that reads nothing of the region's).
 """
 
 from __future__ import annotations
@@ -47,14 +41,13 @@ class SeparationError(FedciuicError):
 
 
 def default_relay_user() -> str:
-    """:data:`RELAY_USER` for root (who can start processes as it); "" for anyone else:
-    the relay runs as themselves (no OS separation; said at init)."""
+    """:data:`RELAY_USER` for root (who can start processes as it); "" for anyone else
+    (no OS separation; said at init)."""
     return RELAY_USER if os.geteuid() == 0 else ""
 
 
 def interpreter_paths() -> list[Path]:
-    """What the relay's Python reads: its executable and standard library, and where
-    Flower and fedciuic are installed."""
+    """What the relay's Python reads: itself, its standard library, Flower and fedciuic."""
     import flwr
 
     import fedciuic
@@ -202,9 +195,8 @@ def run_as(name: str, home: Path, command: Sequence[str], parent: int) -> int:
 
 def supervise(command: Sequence[str], env: dict[str, str]) -> int:
     """Run ``command`` as the leader of a process group of its own and stay its parent:
-    whatever ends this process (a signal, the parent-death signal) or ``command`` ends
-    the whole group, SIGTERM then, after :data:`GROUP_GRACE` seconds, SIGKILL. What the
-    command started (the SuperExec's ClientApps) cannot outlive it."""
+    whatever ends this process or ``command`` ends the whole group (SIGTERM, then after
+    :data:`GROUP_GRACE` seconds SIGKILL), so the SuperExec's ClientApps cannot outlive it."""
     ended: list[int] = []
     group: list[int] = []  # the child's PID once it runs: its group's ID
 
@@ -249,9 +241,7 @@ def _signal_group(group: int, signum: int) -> bool:
     """Send ``signum`` to process group ``group``; False once no process is left in it."""
     try:
         os.killpg(group, signum)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member changed user: nothing this process may end
+    except (ProcessLookupError, PermissionError):  # (a member that changed user: not ours)
         return False
     return True
 
