@@ -27,10 +27,6 @@ from fedciuic.record import (
 from fedciuic.wire import TRAINED
 
 
-def _write_summary(directory: Path, data: RunMetrics) -> None:
-    (directory / SUMMARY_FILE).write_text(summarize(data) + "\n", encoding="utf-8")
-
-
 def mark_unfinished(run_dir: Path, reason: str) -> bool:
     """Mark a run whose metrics.json still says ``running`` as ``interrupted`` (its
     process is gone); True if it did."""
@@ -43,7 +39,7 @@ def mark_unfinished(run_dir: Path, reason: str) -> bool:
         return False
     data.run.status, data.run.finished, data.run.error = RunStatus.INTERRUPTED, utc_now(), reason
     save_metrics(path, data)
-    _write_summary(run_dir, data)
+    (run_dir / SUMMARY_FILE).write_text(summarize(data) + "\n", encoding="utf-8")
     return True
 
 
@@ -54,7 +50,7 @@ def fmt_number(value: Any) -> str:
 
 def fmt_epsilon(epsilon: Any, budget: Any, unit: PrivacyUnit | None = None) -> str:
     """Epsilon spent against the budget, and what it is per ("7.99 of 8 per user"), or
-    "-" without DP. No unit recorded (a file from before units): per record."""
+    "-" without DP. No unit recorded (an older file): per record."""
     if not isinstance(epsilon, int | float):
         return "-"
     limit = budget if isinstance(budget, int | float) else float("nan")
@@ -73,8 +69,8 @@ def epsilon_spent(
 
 
 def upload_bytes(data: RunMetrics, region: str) -> list[int]:
-    """Bytes a region sent the aggregator, one entry per round it sent something: its
-    update and, in a secure round, its secure-sum messages (``TrainEntry.sent_bytes``)."""
+    """Bytes a region sent the aggregator, per round it sent something (its update and,
+    in a secure round, its secure-sum messages)."""
     return [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
 
 
@@ -126,8 +122,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         header,
     ]
     for region in [*run.regions, OVERALL]:
-        before = loss_of(first.get(region))
-        after = loss_of(last.get(region))
+        before, after = loss_of(first.get(region)), loss_of(last.get(region))
         change = after - before if before is not None and after is not None else None
         row = f"{region:<8} {fmt_number(before):>11} {fmt_number(after):>9} {fmt_number(change):>8}"
         if baseline:
@@ -207,8 +202,7 @@ def _undelivered_notes(data: RunMetrics) -> list[str]:
 
 def outcome_lines(data: RunMetrics) -> list[str]:
     """What a run that did not complete achieved, in words (nothing for a completed one)."""
-    run = data.run
-    status = run.status
+    run, status = data.run, data.run.status
     total = run.config.num_server_rounds or "?"
     if status == RunStatus.NO_AGGREGATE:
         return [

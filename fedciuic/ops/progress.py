@@ -79,8 +79,8 @@ class RunProgress:
     # -- following a run ------------------------------------------------------------
 
     def poll(self, log_path: Path) -> None:
-        """Read what is new, print it, and redraw (or, in a log, now and then repeat)
-        what the run waits for."""
+        """Print what is new, and redraw (in a log, now and then repeat) what the run
+        waits for."""
         self._read(log_path)
         self._status()
 
@@ -99,9 +99,8 @@ class RunProgress:
             self.update(self.metrics)
 
     def _refresh(self) -> bool:
-        """Re-read metrics.json only when it changed (the ServerApp replaces it after
-        each step, atomically); False while it is not there yet, nothing is new, or
-        what is there is not this run's yet."""
+        """Re-read metrics.json only when it changed (the ServerApp replaces it atomically);
+        False while nothing new of this run is there."""
         if self.run_id is None:
             return False
         path = self.output_dir / f"run-{self.run_id}" / METRICS_FILE
@@ -127,7 +126,7 @@ class RunProgress:
                 continue
             self.printed.add(number)
             first, *rest = format_round(data, number, total)
-            self._lines([self.label + first, *rest])
+            self._line(self.label + first, *rest)
         self.phase = current_phase(data)
 
     def finish(self) -> None:
@@ -167,10 +166,7 @@ class RunProgress:
             self.stream.write(CLEAR_LINE)
             self.live_shown = False
 
-    def _line(self, text: str) -> None:
-        self._lines([text])
-
-    def _lines(self, lines: list[str]) -> None:
+    def _line(self, *lines: str) -> None:
         self._clear()
         self.stream.write("".join(f"{line}\n" for line in lines))
         self.stream.flush()

@@ -1,13 +1,10 @@
 """The files ``fedciuic init`` writes, rendered from the templates in ``templates/``.
 
 A template is the file as written, with ``@@{name}`` where a value goes (``@@`` is
-not bash syntax, so ``$x`` and ``${x}`` stay bash's own) and ``@@@@`` for a literal
-``@@``. Lines starting with ``@@#`` are notes for whoever edits the template; they
-are not rendered. Every placeholder must be given a value and every value must
-have its placeholder: a mismatch raises, it never renders silently.
-
-Files named ``_*`` are fragments: parts of other templates (the scripts' common
-preamble, a block repeated per region), inserted with :func:`fragment`.
+not bash syntax, so ``$x`` stays bash's own), ``@@@@`` for a literal ``@@`` and
+``@@#`` starting a line of notes for its editors. A placeholder without a value, or a
+value without a placeholder, raises: nothing renders silently. Files named ``_*`` are
+fragments of other templates, inserted with :func:`fragment`.
 """
 
 from __future__ import annotations
