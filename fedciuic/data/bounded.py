@@ -24,8 +24,7 @@ READ_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class RawRecord:
-    """One record as the file holds it: its bytes, or (``data`` None, it was over the
-    limit) only how many there were."""
+    """One record as the file holds it: its bytes, or (over the limit) only their count."""
 
     line: int  # the line of the file it starts on, from 1
     size: int  # its bytes, without the line break that ends it
@@ -299,8 +298,7 @@ def _value_bytes(array: pa.Array) -> np.ndarray:
 
 
 def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
-    """The bytes of each row's values, from the arrays' offsets: a long value is measured
-    without being copied into a Python object."""
+    """The bytes of each row's values, from the arrays' offsets (no value becomes an object)."""
     return _summed(batch.columns, batch.num_rows)
 
 

@@ -144,8 +144,7 @@ def check_data(
     scrubber: Scrubber | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> DataCheck:
-    """Read, de-identify and tokenise ``data_path`` as a region would, listing every bad
-    row."""
+    """Read, de-identify and tokenise ``data_path`` as a region would, listing every bad row."""
     root = root_of(data_path)
     sources = discover(root)
     with tempfile.TemporaryDirectory(prefix="fedciuic-data-check-") as scratch:

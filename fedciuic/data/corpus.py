@@ -101,8 +101,7 @@ class ExampleSet:
     def of_rows(
         cls, rows: torch.Tensor, *, units: Sequence[int] | None = None, pad_id: int = 0
     ) -> ExampleSet:
-        """Token rows held in memory, every token trained on, one unit per row unless
-        ``units`` says otherwise (benchmarks and tests)."""
+        """Rows of tokens in memory (benchmarks, tests), all trained on; ``units``: their owners."""
         ids = rows.tolist()
         n = len(ids)
         owners = list(range(n)) if units is None else [int(u) for u in units]

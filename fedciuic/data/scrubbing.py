@@ -20,8 +20,7 @@ if TYPE_CHECKING:  # Presidio takes seconds to import: only a region that scrubs
 
 
 class Scrubbed(BaseModel):
-    """What de-identification replaced in a region's data, kept with its tokenised cache:
-    counts, never a value."""
+    """What de-identification replaced, kept with the tokenised cache: counts, never a value."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -113,8 +112,7 @@ def state_commitments(state_dir: Path) -> Callable[[str, int], str] | None:
 
 
 def scrub_record(record: Record, scrubber: Scrubber, where: str, file: str) -> Record:
-    """``record`` with every text field de-identified (the user id is kept: only its
-    digest reaches the cache)."""
+    """``record`` with every text field de-identified (only the user id's digest is cached)."""
     before = scrubber.findings.counts.total()
     parts = tuple(scrubber.scrub(p, where=where, file=file) for p in record.parts)
     messages = tuple(

@@ -61,8 +61,7 @@ TABLE_KINDS = ("csv", "parquet", SAVED)
 
 
 class NoDataFiles(DataError):
-    """A region's data-path holds no file of a kind it reads: the region has no data
-    (as if its folder were missing), rather than data that is broken."""
+    """The data-path holds no file a region reads: no data (as if missing), not broken data."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +166,7 @@ def _check_inside(entry: Path, root: Path) -> None:
 
 
 def read_rows(source: Source, *, text_field: str, max_bytes: int) -> Iterator[Row]:
-    """Each row of ``source`` with where it is; unreadable rows come with their reason,
-    rows over ``max_bytes`` with only their size."""
+    """Each row of ``source``: its values, why it is unreadable, or (over the limit) its size."""
     if source.kind != SAVED:
         regular(source.path)
     if source.kind == "jsonl":

@@ -332,8 +332,7 @@ def write_examples(
     truncation_side: TruncationSide = "right",
     scrubber: Scrubber | None = None,
 ) -> None:
-    """Tokenise every valid record of ``sources`` into ``folder`` (examples + summary);
-    ``keep_reasons`` None keeps every bad row's reason."""
+    """Tokenise every valid record into ``folder``; ``keep_reasons`` None keeps every reason."""
     counts = _Counts(summary, keep_reasons)
     renderer = Renderer(tokenizer)
     cut = _Cut(seq_len, truncation_side)

@@ -17,8 +17,7 @@ def cn_check_character(digits: str) -> str:
 
 
 def cn_resident_id_valid(text: str) -> bool:
-    """Whether ``text`` is an 18-character mainland China resident ID: a birth date that
-    exists and the check character."""
+    """Whether ``text`` is a resident ID: 18 characters, a real birth date, its check character."""
     value = text.upper()
     if len(value) != 18 or not value[:17].isdigit():
         return False

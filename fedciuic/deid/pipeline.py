@@ -85,8 +85,7 @@ class DeidSpec:
 
 @dataclass
 class DeidFindings:
-    """What scrubbing found, by entity type and by file; values are never kept, only
-    (when asked) a few examples with every identifier masked."""
+    """What scrubbing found, by type and file: never a value, at most a few masked examples."""
 
     counts: Counter[str] = field(default_factory=Counter)
     by_file: dict[str, Counter[str]] = field(default_factory=dict)
@@ -113,8 +112,7 @@ class DeidFindings:
 
 
 def masked_context(text: str, found: list[tuple[str, int, int]]) -> str:
-    """The text around the first identifier, every identifier in it masked (letters and
-    digits as ``*``, separators kept so that the shape shows)."""
+    """The text around the first identifier, every identifier masked but its separators."""
     _, start, end = found[0]
     lo, hi = max(0, start - _CONTEXT), min(len(text), end + _CONTEXT)
     hidden = {i for _, s, e in found for i in range(s, e)}

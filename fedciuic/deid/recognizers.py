@@ -155,8 +155,7 @@ def _dotted_version(found: str) -> bool:
 
 
 def _phone_shaped_number(text: str, start: int, end: int) -> bool:
-    """A phone-shaped finding that is no phone number: a reference, a date at its start,
-    a version, an IPv4 address or network, or a quantity."""
+    """A phone-shaped reference, leading date, version, IPv4 address or quantity: no phone."""
     return (
         _named_reference(text, start, end)
         or text[max(0, start - 3) : start].rstrip().endswith("#")
@@ -218,8 +217,7 @@ _UNSPACED_LETTER = re.compile(r"[^\W\d_\u0000-\u052f]")
 
 @functools.lru_cache(maxsize=2)
 def _unglued(text: str) -> str:
-    """``text`` with every letter of a script written without spaces read as a space
-    (once per text for all the recognizers)."""
+    """``text``, each letter of an unspaced script read as a space (once for all recognizers)."""
     return _UNSPACED_LETTER.sub(" ", text)
 
 
@@ -305,8 +303,7 @@ class FastPhoneRecognizer(PhoneRecognizer):
 
 
 class CnMobileRecognizer(PatternRecognizer):
-    """Mainland China mobile numbers: 11 digits from 13x to 19x, with or without +86 and
-    spaces or hyphens as people write them (``138 1234 5678``)."""
+    """Mainland China mobile numbers (13x-19x, 11 digits), +86 and separators optional."""
 
     def __init__(self) -> None:
         number = r"(?<![\d+])(?:(?:\+|00)86[ -]?)?1[3-9]\d[ -]?\d{4}[ -]?\d{4}(?!\d)"
@@ -359,8 +356,7 @@ def _offline_tld() -> tldextract.TLDExtract:
 
 
 class OfflineEmailRecognizer(EmailRecognizer):
-    """Presidio's e-mail recognizer, its domain checked against the public suffix list
-    that tldextract bundles (Presidio's own fetches the list from the internet)."""
+    """Presidio's e-mail recognizer, offline: tldextract's bundled suffix list, not a download."""
 
     def __init__(self) -> None:
         super().__init__(supported_language=LANGUAGE)
@@ -403,8 +399,7 @@ class CardRecognizer(_SpanRecognizer):
 
 
 class DictionaryRecognizer(_SpanRecognizer):
-    """The region's own list of names (customers, account holders): each found whole,
-    case-insensitively, at word boundaries."""
+    """The region's own list of names, each found whole, case-insensitively, at word boundaries."""
 
     def __init__(self, pattern: re.Pattern[str]) -> None:  # dictionary_pattern's
         super().__init__(DICTIONARY, 1.0, lambda text: (m.span() for m in pattern.finditer(text)))

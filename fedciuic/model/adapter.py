@@ -122,8 +122,7 @@ def check_quantization(spec: ModelSpec, device: torch.device) -> None:
 
 
 def check_model_spec(spec: ModelSpec) -> None:
-    """Fail fast, before any training, on an unknown preset or a folder that is not a
-    causal-LM checkpoint."""
+    """Fail fast, before any training, on an unknown preset or a folder that is no checkpoint."""
     if not spec.model_path:
         preset_config(spec.model_preset)
         return
@@ -216,8 +215,7 @@ def _modules(auto_map: object) -> list[str]:
 
 
 def _transformers_has(field_name: str, named: str) -> bool:
-    """Whether transformers has ``named`` itself (a tokenizer with or without ``Fast``,
-    as it looks them up)."""
+    """Whether transformers has ``named`` itself (a tokenizer with or without ``Fast``)."""
     if field_name == "model_type":
         return named in CONFIG_MAPPING
     return any(
@@ -257,8 +255,7 @@ def pickle_refusal(path: Path, pickles: list[Path]) -> str:
 
 
 def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> list[str]:
-    """What is certainly wrong with a checkpoint's weights, from file names and
-    safetensors headers alone (no tensor is read)."""
+    """What is certainly wrong with a checkpoint's weights, from names and headers alone."""
     safe, pickles = weight_files(path)
     if not safe and not pickles:
         return [
@@ -409,8 +406,7 @@ class Base:
 
 
 def _shares(spec: ModelSpec, device: torch.device) -> bool:
-    """Mapped from one shared file on CPU only (a GPU needs its own copy; nf4 quantizes
-    while loading)."""
+    """Mapped from a shared file on CPU only (a GPU needs its own copy; nf4 quantizes it)."""
     return device.type == "cpu" and spec.quantization == "none" and sharing_enabled()
 
 
@@ -443,8 +439,7 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
 
 @dataclass
 class BaseSource:
-    """Where a base's weights are read from: safetensors files holding its tensors as the
-    model names them."""
+    """Safetensors files holding a base's tensors under the model's names, and its identity."""
 
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
@@ -581,8 +576,7 @@ def _refuse_fp8(path: Path, config: PretrainedConfig) -> None:
 
 
 def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
-    """The frozen base with its weights on ``meta`` and the ``files`` each training
-    process reads its slice from (:func:`fedciuic.model.sharding.shard_base`)."""
+    """The frozen base on ``meta``, with the ``files`` each training process reads a slice of."""
     dtype = base_dtype(spec, device)
     if not spec.model_path:
         source = _preset_source(spec, dtype)
@@ -723,8 +717,7 @@ def fixed_factors(
 
 
 def _orthonormal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Haar-random orthonormal columns (rows >= cols) or rows: a Gaussian's Q, its signs
-    fixed by R's diagonal."""
+    """Haar-random orthonormal columns (rows >= cols) or rows: a Gaussian's sign-fixed Q."""
     rows, cols = shape
     gaussian = rng.standard_normal((max(rows, cols), min(rows, cols)))
     q, r = np.linalg.qr(gaussian)
@@ -779,8 +772,7 @@ class AdapterModel:
     def __init__(
         self, spec: ModelSpec, device: torch.device | None = None, *, skeleton: bool = False
     ) -> None:
-        """``skeleton``: the base's weights stay on ``meta`` until each of the region's
-        training processes reads its slice of them (:func:`~fedciuic.model.sharding.shard_base`)."""
+        """``skeleton``: the base stays on ``meta`` until each training process reads a slice."""
         self.spec = spec
         self.device = device or default_device()
         self.skeleton = skeleton
@@ -837,8 +829,7 @@ class AdapterModel:
         )
 
     def private_bytes(self) -> int:
-        """Memory this model holds on its own, not in the mapped base (the region cache's
-        bound counts this)."""
+        """Memory held apart from the mapped base (what the region cache's bound counts)."""
         mapped = {t.untyped_storage().data_ptr() for m in self.shared for t in m.tensors.values()}
         tensors = [
             t.to_local() if isinstance(t, DTensor) else t  # a sharded base: this rank's slice

@@ -173,8 +173,7 @@ def _realistic() -> DeepseekV3Config:
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (ids 0-255 are bytes, then <bos>, <eos>, <pad>), built
-    locally so presets need no download."""
+    """Bytes as ids 0-255, then <bos>, <eos>, <pad>: built locally, so presets need no download."""
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

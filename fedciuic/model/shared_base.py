@@ -172,8 +172,7 @@ def _locked(path: Path) -> Iterator[None]:
 def cached_base_file(
     fingerprint: str, dtype: torch.dtype, build: Callable[[], Mapping[str, torch.Tensor]]
 ) -> Path:
-    """The cache file of base ``fingerprint`` in ``dtype``, built by the first process on
-    this machine that needs it (the others wait on its lock)."""
+    """Base ``fingerprint``'s cache file in ``dtype``, built once per machine under a lock."""
     file = bases_dir() / f"{fingerprint[:40]}-{_NAMES[dtype].lower()}.safetensors"
     with _locked(file.with_name(file.name + ".lock")):
         # Read under the lock: the process that built the file has recorded its digest.

@@ -30,8 +30,7 @@ class TrainStats:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's place among a region's training processes (``torch.distributed``
-    rank ``rank`` of ``size``)."""
+    """This process's ``torch.distributed`` rank among a region's training processes."""
 
     rank: int = 0
     size: int = 1
@@ -46,8 +45,7 @@ ONE_PROCESS = Shard()
 
 
 def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
-    """All-reduce (SUM) ``tensors`` in place as one flat buffer (one collective per step,
-    not one per adapter)."""
+    """All-reduce (SUM) ``tensors`` in place as one buffer: one collective a step, not one each."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
