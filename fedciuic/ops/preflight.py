@@ -80,25 +80,18 @@ def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase 
     """The model's problems into ``findings``; the tokenizer, if it loads."""
     from fedciuic.model import adapter, preset_tokenizer
 
-    if not spec.model_path:
-        try:
+    path = Path(spec.model_path).expanduser()
+    try:
+        if not spec.model_path:
             adapter.check_model_spec(spec)
             tokenizer: PreTrainedTokenizerBase = preset_tokenizer(spec.model_preset)
-        except ModelError as err:
-            findings.problem(str(err))
-            return None
-        findings.seen.append(f"model-preset {spec.model_preset}")
-        return tokenizer
-    path = Path(spec.model_path).expanduser()
-    findings.seen.append(f"model-path {path}")
-    try:
+            findings.seen.append(f"model-preset {spec.model_preset}")
+            return tokenizer
+        findings.seen.append(f"model-path {path}")
         config = adapter.checkpoint_config(path)
-    except ModelError as err:
-        findings.problem(str(err))
-        return None
-    for problem in adapter.weight_problems(path, config, allow_pickle=spec.allow_pickle_weights):
-        findings.problem(problem)
-    try:
+        allow_pickle = spec.allow_pickle_weights
+        for problem in adapter.weight_problems(path, config, allow_pickle=allow_pickle):
+            findings.problem(problem)
         tokenizer = adapter.open_tokenizer(path)
     except ModelError as err:
         findings.problem(str(err))
@@ -140,10 +133,8 @@ def check_pickle_permissions(
     round."""
     from fedciuic.model import weight_files
 
-    if not spec.model_path:
-        return
     path = Path(spec.model_path).expanduser()
-    if not path.is_dir():
+    if not spec.model_path or not path.is_dir():
         return
     safe, pickles = weight_files(path)
     if safe or not pickles:
