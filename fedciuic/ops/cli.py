@@ -101,10 +101,9 @@ def run_config_arg(help: str = "override a run-config value (TOML value), repeat
 
 @dataclass(frozen=True)
 class Command:
-    """A row of :data:`COMMANDS`: ``path`` under ``fedciuic`` (``("keys", "generate")``),
-    its one-line help and example. One without a handler is a command with actions, whose
-    rows follow it. A tuple among ``arguments`` is a mutually exclusive group; ``exits``
-    (exit statuses) follows the example."""
+    """A row of :data:`COMMANDS`: ``path`` under ``fedciuic`` (``("keys", "generate")``).
+    One without a handler is a command with actions, whose rows follow it. A tuple among
+    ``arguments`` is a mutually exclusive group."""
 
     path: tuple[str, ...]
     help: str
@@ -170,8 +169,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add(
     sub: Any, name: str, help: str, example: str, description: str | None
 ) -> argparse.ArgumentParser:
-    """A (sub)command with its one-line help and an example (each action of a command
-    with actions has its own)."""
+    """A (sub)command with its one-line help and an example."""
     command: argparse.ArgumentParser = sub.add_parser(
         name,
         help=help,
