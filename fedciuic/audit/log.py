@@ -216,9 +216,7 @@ def _days(value: object) -> int | None:
 def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | None]]:
     """The ``(policy_hash, jurisdiction, retention_days)`` one record declares (see
     ``Declared``); what is malformed declares nothing."""
-    details, event, actor = record.get("details"), record.get("event"), record.get("actor")
-    if not isinstance(details, Mapping):
-        return []
+    details, event, actor = details_of(record), record.get("event"), record.get("actor")
     if event == Event.RUN_START:
         hashes, days = details.get("policy_hashes"), details.get("retention_days")
         if not isinstance(hashes, Mapping):
@@ -252,20 +250,18 @@ def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
 
     for r in records:
         when = r.get("time") if isinstance(r.get("time"), str) else ""
-        details = r.get("details")
-        if r.get("event") == Event.PRUNED and isinstance(details, Mapping):
-            carried = details.get("declared")
-            for item in carried if isinstance(carried, list) else []:
-                if not isinstance(item, Mapping) or not isinstance(item.get("policy_hash"), str):
-                    continue
-                j, first, last = (item.get(k) for k in ("jurisdiction", "first_time", "last_time"))
-                add(
-                    item["policy_hash"],
-                    j if isinstance(j, str) and j else None,
-                    _days(item.get("retention_days")),
-                    first if isinstance(first, str) else "",
-                    last if isinstance(last, str) else "",
-                )
+        carried = details_of(r).get("declared") if r.get("event") == Event.PRUNED else None
+        for item in carried if isinstance(carried, list) else []:
+            if not isinstance(item, Mapping) or not isinstance(item.get("policy_hash"), str):
+                continue
+            j, first, last = (item.get(k) for k in ("jurisdiction", "first_time", "last_time"))
+            add(
+                item["policy_hash"],
+                j if isinstance(j, str) and j else None,
+                _days(item.get("retention_days")),
+                first if isinstance(first, str) else "",
+                last if isinstance(last, str) else "",
+            )
         for h, j, days in declared_in(r):
             add(h, j, days, str(when), str(when))
     found = [
@@ -1088,13 +1084,11 @@ def witness_check(
     run_id: int | None = None,
     covered: Mapping[str, int] | None = None,
 ) -> WitnessCheck:
-    """Check every ``witness`` record (of ``run_id``, or all) in ``logs`` (party -> its
-    records): the witnessed party's log, when given, must still hold record ``count -
-    1`` with hash ``head`` and, at seq ``count``, the checkpoint that signed them; and
-    each log's witnesses of one party must never go back (a lower count unless
-    ``late``, or another head for a count). ``covered[party]``: how many of its first
-    records a verified signature covers (a problem found after them says so). A
-    checkpoint a log pruned is listed as pruned. A malformed record is a problem."""
+    """Check every ``witness`` record (of ``run_id``, or all) in ``logs``: the witnessed
+    party's log, when given, must still hold record ``count - 1`` with hash ``head`` and,
+    at seq ``count``, the checkpoint that signed them (unless pruned); a log's witnesses
+    of one party never go back (a lower count unless ``late``, another head for a count).
+    ``covered[party]``: how many of its first records a verified signature covers."""
     chains: dict[str, dict[int, str]] = {}
     starts = {
         party: records[0]["seq"] if pruned_from(records) is not None else 0

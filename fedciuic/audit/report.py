@@ -447,15 +447,12 @@ def _retention(log: PartyLog, retention: Any, now: datetime | None) -> tuple[str
         return f"{days} days ({jurisdiction}): none past it{done}", ""
     return (
         f"{days} days ({jurisdiction}): {late.records} record(s) past it{done}",
-        f"{_log_name(log.actor)} keeps {late.records} record(s) older than {days} days, its "
-        f"policy's retention ({jurisdiction}), written {late.first_time} to "
-        f"{late.last_time}: prune with `{PRUNE_COMMAND}` (the party's own key and policy; "
-        "its agent, or the aggregator, does this when it starts).",
+        f"{'The aggregator' if log.actor == 'aggregator' else log.actor}'s log keeps "
+        f"{late.records} record(s) older than {days} days, its policy's retention "
+        f"({jurisdiction}), written {late.first_time} to {late.last_time}: prune with "
+        f"`{PRUNE_COMMAND}` (the party's own key and policy; its agent, or the aggregator, "
+        "does this when it starts).",
     )
-
-
-def _log_name(party: str) -> str:
-    return "The aggregator's log" if party == "aggregator" else f"{party}'s log"
 
 
 def _regions_section(
