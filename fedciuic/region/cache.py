@@ -1,14 +1,10 @@
 """The regions one process keeps built between messages, bounded by count and memory.
 
-A simulation actor serves whichever region Flower hands it, so it may end up holding
-every region. With the frozen base mapped from one shared file
-(:mod:`fedciuic.model.shared_base`) a region's own memory is its adapters, optimizer
-state, buffers and data: a few MiB on the ``realistic`` preset, so keeping several is
-cheap and saves rebuilding them each round. Without sharing (a GPU, nf4, or
-``FEDCIUIC_SHARED_BASE=0``) each region holds a whole base, which is what the memory
-bound is for. The rule: at most :data:`MAX_REGIONS` regions and at most
-``FEDCIUIC_REGION_CACHE_MIB`` (default :data:`DEFAULT_BUDGET_MIB`) MiB of their private
-memory; the least recently used go first, and the newest is always kept.
+A simulation actor may end up holding every region. With a shared base
+(:mod:`fedciuic.model.shared_base`) each costs a few MiB, so keeping several saves
+rebuilding them; without sharing each holds a whole base, which the memory bound
+(``FEDCIUIC_REGION_CACHE_MIB``) is for. The least recently used go first; the newest
+is always kept.
 """
 
 from __future__ import annotations
@@ -63,12 +59,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_freed_memory() -> None:
-    """Hand the heap the process's messages freed back to the system (glibc keeps it
-    otherwise, so an actor would hold its largest step's activations while it waits and
-    another actor trains). Once a round, after its evaluation: every page given back is
-    faulted in again by the next message (0.1-0.2 s of kernel time a message on
-    ``realistic``), and a training message is followed by the round's evaluation, which
-    reuses that heap."""
+    """Hand the freed heap back to the system (glibc keeps it, so an idle actor would hold
+    its largest step's activations). Once a round, after its evaluation: each page given
+    back is faulted in again by the next message, and training's heap serves evaluation."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -76,9 +69,8 @@ def release_freed_memory() -> None:
 
 class BoundedCache(Generic[T]):
     """Least recently used values, at most ``count`` of them and ``budget`` bytes as
-    ``size_of`` measures them (the newest value is kept even alone over budget);
-    ``close`` releases what an evicted value holds outside this process (its training
-    processes), which garbage collection alone would leave running."""
+    ``size_of`` measures them; ``close`` releases what an evicted value holds outside
+    this process (its training processes), which garbage collection would leave running."""
 
     def __init__(
         self,
@@ -87,10 +79,7 @@ class BoundedCache(Generic[T]):
         budget: int | None = None,
         close: Callable[[T], None] = lambda _: None,
     ) -> None:
-        self.size_of = size_of
-        self.close = close
-        self.count = count
-        self.budget = budget
+        self.size_of, self.close, self.count, self.budget = size_of, close, count, budget
         self.entries: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
 
     def get(self, key: Hashable, build: Callable[[], T]) -> T:

@@ -1,21 +1,11 @@
 """The region's whole round, without Flower: an instruction in, a typed outcome out.
 
-``handle_instruction`` takes the run's and the node's configs and the aggregator's
-:class:`~fedciuic.wire.Instruction` and returns a :class:`RegionReply`: the
-outcome (:class:`Declined`, :class:`Evaluated`, :class:`Sealed` or :class:`Clear`)
-and what the reply must be vouched with (the head of this region's latest signed
-audit checkpoint, and with sealing the keypair that signs it). ``witness_run_end``
-does the same for the aggregator's run-end notice (:class:`RunEndWitnessed`).
-
-Expected problems (bad data path, unknown region, mismatched base model, missing
-keys, a global adapter the aggregator did not sign, a run its jurisdiction's policy
-refuses) become a decline with every reason. With sealing on, an update leaves only
-inside an envelope whose header names the policy the region applied. Everything the
-region decides and sends is written to its audit log (in its state-path) and the log
-checkpointed before the outcome is returned; a log that cannot be written turns any
-outcome into a decline (fail closed). :func:`region_records` packs the outcome, signed,
-for the region's agent to answer with (``fedciuic.agent.service``), or for the ClientApp
-in simulation (lab mode).
+Expected problems (bad data path, unknown region, mismatched base model, missing keys,
+an unsigned global adapter, a run the policy refuses) become a decline with every reason.
+Everything the region decides and sends is written to its audit log and checkpointed
+before the outcome is returned; a log that cannot be written turns any outcome into a
+decline (fail closed). :func:`region_records` packs the outcome, signed, for the agent
+or the simulated ClientApp to answer with.
 """
 
 from __future__ import annotations
@@ -145,10 +135,9 @@ RoundOutcome = Declined | Evaluated | Sealed | Clear | RunEndWitnessed | SecureA
 
 @dataclass(frozen=True)
 class RegionReply:
-    """An outcome and what vouches for it: ``witness`` is the head of the region's latest
-    signed audit checkpoint (the aggregator records it: truncating the log later shows),
-    ``keypair`` (sealing on) signs the reply for ``flower_run`` and ``server_round``, so
-    that it is recorded under this region and no other."""
+    """An outcome and what vouches for it: ``witness``, the head of the region's latest
+    signed audit checkpoint (the aggregator records it, so a later truncation shows), and
+    ``keypair`` (sealing on), which signs the reply for ``flower_run`` and ``server_round``."""
 
     outcome: RoundOutcome
     witness: tuple[int, str] | None = None
@@ -161,8 +150,7 @@ class RegionReply:
 
 
 def read_run(task: Instruction | RunEndNotice) -> RunConfig:
-    """The run config an instruction carries under the aggregator's signature: the only
-    one a region applies."""
+    """The run config the aggregator signed into ``task``: the only one a region applies."""
     return RunConfig.from_user_config(task.run_settings(), source="run config")
 
 
@@ -190,12 +178,9 @@ def unreadable(
     *,
     run_end: bool = False,
 ) -> RegionReply:
-    """The decline when the configs or the message cannot be read: nothing is known to
-    log it in or sign it with."""
-    if run_end:
-        _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
-    else:
-        _LOG.warning("fedciuic: region declines: %s", err)
+    """The decline when the configs or message cannot be read (nothing to log or sign with)."""
+    what = "cannot witness the run's end" if run_end else "declines"
+    _LOG.warning("fedciuic: region %s: %s", what, err)
     return RegionReply(Declined(region_name(run_config, node_config), str(err)))
 
 
@@ -220,8 +205,8 @@ def _sealing(
 
 
 def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
-    """The region (built once per process and config), each build counted in
-    :data:`MODEL_LOADS` and logged, so that a deployment shows how often it reloads."""
+    """The region, each build counted in :data:`MODEL_LOADS` and logged, so that a
+    deployment shows how often it reloads."""
     from fedciuic.region.trainer import open_region
 
     region = open_region(run, node)
@@ -240,8 +225,7 @@ def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
 
 
 def close_regions() -> None:
-    """Stop the training processes of every region this process loaded (a stopping
-    agent; they would also die with it)."""
+    """Stop the training processes of every region this process loaded."""
     for region in list(_LOADED):
         region.close()
 
@@ -257,9 +241,8 @@ def model_loads(state_dir: Path, run_id: int | None = None) -> int:
 
 
 def region_log(node: NodeConfig) -> AuditLog | None:
-    """The region's audit log (one per state-path, kept open by this process); None
-    when its default place, inside a data-path that does not exist, cannot be made
-    without creating that data-path. Paths are redacted unless the policy says not."""
+    """The region's audit log (one per state-path, kept open); None when its default
+    place is inside a data-path that does not exist (it is not created)."""
     if not node.state_path and not Path(node.data_path).is_dir():
         return None
     path = node.state_dir / REGION_LOG
@@ -270,8 +253,7 @@ def region_log(node: NodeConfig) -> AuditLog | None:
 
 
 def _audit(node: NodeConfig) -> AuditTrail:
-    """The round's audit stage: the region's log, or none where it cannot have one
-    (:class:`NoAudit`: nothing the round says is then signed or witnessed)."""
+    """The region's log, or :class:`NoAudit` where it cannot have one."""
     return region_log(node) or NoAudit()
 
 
@@ -285,11 +267,8 @@ def handle_instruction(
     simulated: bool,
 ) -> RegionReply:
     """One instruction handled by the region, from checks to reply, with its audit
-    trail. ``run``: the config the instruction carries (:func:`read_run`); ``asked``:
-    what the message asked for (Flower's message type), which must be what the
-    aggregator signed; ``flower_run`` (Flower's run id) binds envelopes and
-    signatures; ``simulated``: Flower gave this node a partition id and no region of
-    its own."""
+    trail. ``asked``: Flower's message type, which must be what the aggregator signed;
+    ``simulated``: Flower gave this node a partition id and no region of its own."""
     return _Round(run, node, flower_run).handle(task, asked=asked, simulated=simulated)
 
 
@@ -300,9 +279,8 @@ def decline_signed(
     flower_run: int,
     err: FedciuicError,
 ) -> RegionReply:
-    """A signed instruction the region declines before its round starts (a run config it
-    cannot read, a run it is not part of): logged and signed like any decline; unsigned
-    when the log cannot be written (fail closed)."""
+    """A decline before the round starts (an unreadable run config, a run the region is
+    not part of): logged and signed, unsigned when the log cannot be written."""
     _LOG.warning("fedciuic: region declines: %s", err)
     server_round = task.server_round if isinstance(task, Instruction) else None
     run_id = task.federation_run or flower_run
@@ -338,9 +316,8 @@ class _Round:
 
     def __init__(self, run: RunConfig, node: NodeConfig, flower_run: int) -> None:
         self.run, self.node = run, node
-        # Flower's run id binds envelopes and signatures; the federation's run id (the
-        # same, unless this run resumes another) keys the ledger, the audit log and
-        # the updates kept for resending.
+        # Flower's run id binds envelopes and signatures; the federation's (the same
+        # unless this run resumes another) keys the ledger, audit log and kept updates.
         self.flower_run = self.run_id = flower_run
         self.audit: AuditTrail = NoAudit()
         self.signer: Keypair | None = None  # once the aggregator's signature checked out
@@ -368,8 +345,7 @@ class _Round:
             return RegionReply(self._decline(err))
 
     def _open(self, federation_run: int) -> RegionSealing:
-        """This region's audit log and its end of the sealing stage (whose keys, when
-        sealing, sign the log)."""
+        """This region's audit log and its end of the sealing stage (whose keys sign the log)."""
         self.run_id = federation_run or self.flower_run
         self.audit = _audit(self.node)
         sealing = _sealing(self.run.sealing, self.run.policy.aggregator_jurisdiction, self.node)
@@ -396,11 +372,10 @@ class _Round:
             return RegionReply(Declined(self.node.region, str(err)))
 
     def _note_undelivered(self, notice: RunEndNotice) -> None:
-        """Every update this region released in the federation run that the aggregator's
-        signed receipts do not list: its epsilon is spent, and it was never delivered."""
+        """Note every update this region released in the run that the aggregator's signed
+        receipts do not list: its epsilon is spent, and it was never delivered."""
         received = notice.received(self.node.region)
-        noted = set()
-        sent = []
+        noted, sent = set(), []
         for record in self.audit.records():
             details = record.get("details")
             if record.get("run_id") != self.run_id or not isinstance(details, dict):
@@ -429,8 +404,7 @@ class _Round:
 
     @property
     def dp_only(self) -> bool:
-        """Whether the region's policy lets out only DP releases: as the round's policy
-        check read it, or read now for a round that declined before its check."""
+        """Whether the region's policy lets out only DP releases (read now if not yet)."""
         if self._dp_only is None:
             self._dp_only = releases_dp_only(self.run, self.node, simulated=self.simulated)
         return self._dp_only
@@ -441,9 +415,8 @@ class _Round:
         return WITHHELD_REASON if self.dp_only and not err.public_reason else str(err)
 
     def _released(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The outcome as it may leave: without the figures a reply can go without where
-        they are withheld; every field then checked against the release table (fail
-        closed)."""
+        """The outcome without the figures it may go without where they are withheld, every
+        field checked against the release table (fail closed)."""
         if isinstance(outcome, Declined):  # its reason came through _reason
             return outcome
         if isinstance(outcome, Evaluated) and withholds_optional(self.run, dp_only=self.dp_only):
@@ -455,11 +428,9 @@ class _Round:
         return outcome
 
     def _vouch(self, outcome: RoundOutcome) -> RegionReply:
-        outcome = self._released(outcome)
-        head = self.audit.last_checkpoint()
         return RegionReply(
-            outcome,
-            witness=head,
+            self._released(outcome),
+            witness=self.audit.last_checkpoint(),
             keypair=self.signer,
             flower_run=self.flower_run,
             server_round=self.server_round or 0,
@@ -492,13 +463,9 @@ class _Round:
                 f"region {node.region}: the run config to apply is not the one the "
                 "aggregator signed into the instruction; refusing it"
             )
-        training = task.kind == TaskKind.TRAIN
         if task.witness is not None:
             self.audit.witness(
-                AGGREGATOR,
-                *task.witness,
-                run_id=self.run_id,
-                server_round=self.server_round,
+                AGGREGATOR, *task.witness, run_id=self.run_id, server_round=self.server_round
             )
         if task.kind == TaskKind.SECAGG:  # a phase of the secure sum (region/secure.py)
             from fedciuic.region.secure import secure_keypair, secure_phase
@@ -510,7 +477,7 @@ class _Round:
             )
             return SecureAnswer(node.region, data)
         region = _region(run, node, self.run_id)
-        if not training:
+        if task.kind != TaskKind.TRAIN:
             return self._task(task, simulated, sealing, region, None)
         from fedciuic.region.trainer import Release
 
@@ -527,9 +494,8 @@ class _Round:
         region: Region,
         release: Release | None,
     ) -> RoundOutcome:
-        """The instruction's task once its signature and config are checked: the region's
-        policy on it, then evaluation (``release``: None), or the round's update from
-        its release (kept from before, or trained now), sealed."""
+        """The checked instruction's task under the region's policy: evaluation
+        (``release``: None), or the round's update (kept or trained now), sealed."""
         if release is not None and (release.counts or (self.dp_only and unavoidable(self.run))):
             # Checked before the run's DP count is drawn (a refused run releases nothing),
             # and before a projection from an exact count could name a figure of the data
@@ -564,12 +530,18 @@ class _Round:
         released = release.send(task, policy)
         if released.resent:
             self.note(Event.UPDATE_RESENT, federation_run=self.run_id, flower_run=self.flower_run)
-        return self._send(region.name, self._leaving(released.payload), sealing, policy)
+        return sealing.send(
+            region.name,
+            self._leaving(released.payload),
+            flower_run=self.flower_run,
+            server_round=self.server_round or 0,
+            policy_hash=policy.hash,
+            note=self.note,
+        )
 
     def _leaving(self, payload: bytes) -> bytes:
-        """What leaves after training: the update; with secure aggregation only its
-        metrics and info, for the aggregator to check against the region's policy (the
-        update leaves masked, in the secure sum)."""
+        """What leaves after training: the update, or with secure aggregation only its
+        metrics and info (the update leaves masked, in the secure sum)."""
         if not self.run.secure.secure_aggregation:
             return payload
         _, metrics, info = read_update_payload(payload)
@@ -582,8 +554,7 @@ class _Round:
         checkpoint: str,
         projected_epsilon: float | None = None,
     ) -> RegionPolicy:
-        """The region's policy on this run (its verdict: a refusal declines), then the
-        run joined on its log under it."""
+        """The region's policy on this run (a refusal declines), then the run joined."""
         policy = enforce_region_policy(
             self.run,
             self.node,
@@ -600,8 +571,7 @@ class _Round:
         return policy
 
     def _join(self, sealing: RegionSealing, policy: RegionPolicy, checkpoint: str) -> None:
-        """``run_joined`` once per run, and again when it resumes from a checkpoint: the
-        checkpoint's identity, as the aggregator signed it, goes on the region's record."""
+        """``run_joined`` once per run, and again when it resumes from a checkpoint."""
         if (self.audit.path, self.run_id, checkpoint) in _JOINED:
             return
         _JOINED.add((self.audit.path, self.run_id, checkpoint))
@@ -614,19 +584,6 @@ class _Round:
             **sealing.joined(),
             policy_hash=policy.hash or None,  # none without a policy (a lab baseline)
             jurisdiction=policy.jurisdiction or None,
-        )
-
-    def _send(
-        self, region: str, payload: bytes, sealing: RegionSealing, policy: RegionPolicy
-    ) -> Sealed | Clear:
-        """Seal the update (or, with sealing off, send it clear); log it before it leaves."""
-        return sealing.send(
-            region,
-            payload,
-            flower_run=self.flower_run,
-            server_round=self.server_round or 0,
-            policy_hash=policy.hash,
-            note=self.note,
         )
 
 
@@ -654,9 +611,8 @@ def outcome_records(outcome: RoundOutcome) -> Records:
 
 
 def region_records(reply: RegionReply) -> Records:
-    """An outcome as its reply carries it: the head of this region's audit log, which
-    code made it (version and code digest), and the region's signature where the reply
-    names a keypair."""
+    """An outcome as its reply carries it: with the head of the region's audit log, the
+    code that made it, and the region's signature where the reply names a keypair."""
     records = outcome_records(reply.outcome)
     vouched: dict[str, str | int | bytes] = {
         **records.info,

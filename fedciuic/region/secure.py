@@ -2,18 +2,11 @@
 own agent in a deployment): the aggregator's signed request in, the region's signed
 message out, each phase on the region's audit log (docs/secure-aggregation.md).
 
-The session the aggregator proposes is checked against the run config the aggregator
-signed (its regions among the run's, ring, clip, noise, the exact threshold, and the
-scale those give), against the update the region kept (its size), and against the
-region's policy (its minimum number of regions in a secure sum, its per-run epsilon for
-the distributed noise) before the region joins; the update it masks is the
-one it kept when it trained the round (its ledger already charged for it), decoded,
-clipped, rounded and, with distributed DP, given its share of the noise. A region joins
-at most one session per round: two sums over different sets of regions would give an
-update away by their difference.
-
-The round (:mod:`fedciuic.region.round`) checks the instruction's signature and applies
-the region's policy; everything else of a phase is here (:func:`secure_phase`).
+The proposed session is checked against the signed run config, the kept update's size
+and the region's policy before the region joins; it masks the update it kept when it
+trained the round (already charged to its ledger). A region joins at most one session
+per round: two sums over different sets of regions would give an update away by their
+difference.
 """
 
 from __future__ import annotations
@@ -67,10 +60,9 @@ def request_of(task: Instruction) -> Request:
 
 
 def peers_of(run: RunConfig, node: NodeConfig, me: str) -> dict[str, PublicBundle]:
-    """The other regions' public bundles: node config peer-bundles (the folder its
-    operator enrolled them in); a region with keys of its own and none has no peers (it
-    declines every secure sum, naming them), never the aggregator's folder or anything
-    the aggregator hands out; in simulation (one operator, every key) the run's keys-dir."""
+    """The other regions' public bundles from node config peer-bundles (the folder its
+    operator enrolled them in), never anything the aggregator hands out; in simulation
+    (one operator, every key) the run's keys-dir."""
     deployed = bool(node.key_file or node.aggregator_bundle)
     folder = node.peer_bundles or ("" if deployed else run.sealing.keys_dir)
     bundles = load_bundles(Path(folder)) if folder else {}
@@ -85,13 +77,11 @@ def check_session(
     server_round: int,
     kept_size: int | None = None,
 ) -> None:
-    """The session is this round's, over regions of the signed run, with every term the
-    aggregator signed into the run, the size of the update this region kept (when
-    ``kept_size`` is given) and the fixed-point scale those give: each field is one
-    the aggregator could otherwise choose to learn more than the sum (a session padded
-    with identities it holds, a finer threshold) or to weaken the noise the region's
-    record states (a smaller scale). :class:`SecAggError` names every field that is
-    not, and what it should be."""
+    """The session is this round's, over the signed run's regions, on every term the run
+    signed, the kept update's size and the scale those give: otherwise the aggregator
+    could learn more than the sum (a session padded with its identities, a finer
+    threshold) or weaken the noise (a smaller scale). :class:`SecAggError` names every
+    field that is not, and what it should be."""
     secure = run.secure
     wrong = []
     outside = [r for r in session.regions if r not in run.regions]
@@ -147,12 +137,10 @@ def check_session(
 def check_distributed_epsilon(
     session: Session, *, rounds: int, max_epsilon: float | None
 ) -> dict[str, float]:
-    """The distributed-DP epsilons this region's record states for joining ``session``
-    (its ``rounds``-th sum of the run): this round's and the run's, against the
-    aggregator alone and with all but one region colluding. :class:`SecAggError` when
-    the run's, against the aggregator alone, is above ``max_epsilon``: the policy's
-    ``privacy.max_epsilon_per_run`` where the distributed noise is the region's DP (the
-    run has no DP-SGD); None: no bound (DP-SGD bounds the region's releases)."""
+    """The distributed-DP epsilons of joining ``session`` (the run's ``rounds``-th sum),
+    this round's and the run's, against the aggregator alone and with all but one region
+    colluding; :class:`SecAggError` when the run's is above ``max_epsilon`` (None: no
+    bound, as DP-SGD bounds the region's releases)."""
     if session.noise == 0:
         return {}
     ddp = session.distributed()
@@ -174,8 +162,7 @@ def check_distributed_epsilon(
 
 
 def secure_keypair(run: RunConfig, node: NodeConfig, keypair: Keypair | None) -> Keypair:
-    """The keypair the region takes part in a secure sum with: :class:`SecAggError` in a
-    run without secure aggregation, or without the region's keys."""
+    """The keypair the region takes part in a secure sum with."""
     if keypair is None or not run.secure.secure_aggregation:
         raise SecAggError(
             f"region {node.region}: a secure-sum instruction in a run without secure "
@@ -185,8 +172,7 @@ def secure_keypair(run: RunConfig, node: NodeConfig, keypair: Keypair | None) ->
 
 
 def kept_payload(node: NodeConfig, run_id: int, server_round: int) -> bytes:
-    """The update this region kept when it trained the round (the trainer's record of
-    its release); :class:`SecAggError` when it did not train it."""
+    """The update this region kept when it trained the round."""
     from fedciuic.region.trainer import SentUpdates  # torch: loaded where a region trains
 
     found = SentUpdates(node.state_dir).load(run_id, server_round)
@@ -199,8 +185,7 @@ def kept_payload(node: NodeConfig, run_id: int, server_round: int) -> bytes:
 
 
 def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
-    """The update this region kept for the round, decoded with the run's codec, and its
-    size (values)."""
+    """The kept update decoded with the run's codec, and its size (values)."""
     arrays, _, _ = read_update_payload(kept_payload)
     data = arrays[UPDATE].tobytes()
     size = update_entries(data)
@@ -208,10 +193,9 @@ def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
 
 
 def encoded_update(update: Sparse, session: Session) -> np.ndarray:
-    """The region's update as the ring elements it masks: clipped to the session's clip,
-    rotated (the session's random rotation), rounded at its scale, noised. A sum scaled
-    by norms (``bound``) may wrap if a region's update is past the norm it sent: the
-    aggregator's wrap check then withholds it."""
+    """The region's update as the ring elements it masks: rotated, clipped, rounded,
+    noised. A sum scaled by norms (``bound``) may wrap if an update is past the norm it
+    sent: the aggregator's wrap check then withholds it."""
     ddp = session.distributed()
     ring = Ring(session.bits)
     if not session.bound and not ddp.fits(len(session.regions), ring):
@@ -233,10 +217,8 @@ def secure_phase(
     run_id: int,
     note: Callable[..., None],
 ) -> bytes:
-    """This region's message for the phase ``task`` asks for (as it travels), under the
-    region's ``policy`` (its minimum number of regions in a sum and, where the run has
-    no DP-SGD of its own, its per-run epsilon), noted on the region's audit log (with
-    its size) before it leaves; :class:`SecAggError` refuses."""
+    """This region's message for the phase ``task`` asks for, under ``policy``, noted on
+    the region's audit log before it leaves; :class:`SecAggError` refuses."""
     request = request_of(task)
     session = request.session
     # the region's guarantee where it has no DP-SGD of its own
@@ -254,8 +236,7 @@ def secure_phase(
         min_regions=policy.min_secure_regions,
         store=folder,
     )
-    sid = session.sid().hex()
-    details: dict[str, object] = {"session": sid, "phase": request.phase.value}
+    details: dict[str, object] = {"session": session.sid().hex(), "phase": request.phase.value}
     message: FromRegion
     match request.phase:
         case Phase.ADVERT:
@@ -281,21 +262,19 @@ def secure_phase(
             message = region.share(session, request.adverts)
             details["regions"] = sorted(a.region for a in request.adverts)
         case Phase.MASKED:
-            masked = region.masked(session, request.shared, request.items)
+            message = masked = region.masked(session, request.shared, request.items)
             details |= {"shared": list(request.shared), "digest": digest(masked.vector)}
-            message = masked
         case Phase.CONSENT:
             message = region.consent(session, request.survivors)
             details["survivors"] = list(request.survivors)
         case Phase.REVEAL:
-            reveal = region.reveal(session, request.survivors, request.consents)
+            message = reveal = region.reveal(session, request.survivors, request.consents)
             details |= {
                 "survivors": list(request.survivors),
                 "consents": sorted(c.region for c in request.consents),
                 "self_shares_of": sorted(reveal.self_shares),
                 "key_shares_of": sorted(reveal.key_shares),
             }
-            message = reveal
     data = pack_answer(message)
     note(PHASE_EVENTS[request.phase], **details, bytes=len(data))
     return data

@@ -1,12 +1,8 @@
 """One region's model, data, DP and privacy ledger, and the release of its updates.
 
-No Flower and no protocol here: the round (:mod:`fedciuic.region.round`) checks the
-instruction, applies the region's policy, seals and records; it asks :class:`Region` (the
-model and data, trained with DP against the dataset's :class:`RegionLedger`) to
-evaluate, and a :class:`Release` for the round's update (:meth:`Release.send`), the one
-place a release is noted: the update kept for resending, the ledger's record (the
-commit) and the ``trained`` note on the region's audit log that witnesses it. A region
-built once per process is reused across rounds.
+No Flower and no protocol here (:mod:`fedciuic.region.round` checks, seals and records).
+:meth:`Release.send` is the one place a release is noted: the update kept for resending,
+the ledger's record (the commit), then the ``trained`` audit note that witnesses it.
 """
 
 from __future__ import annotations
@@ -133,9 +129,8 @@ class Kept:
 
 
 class SentUpdates:
-    """The update a region released for each round of the current run, kept on its own
-    disk so that a restarted aggregator gets the same update again instead of a second
-    release (and a second charge to the privacy budget)."""
+    """The update a region released for each round of the current run, kept on its disk
+    so that a restarted aggregator gets it again, not a second release (and charge)."""
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir / "sent"
@@ -229,22 +224,19 @@ RELEASED = (
 )
 
 
-#: What a region's audit log records of a release (``trained``), figures of the
-#: training and then of its privacy.
+#: What a region's audit log records of a release (``trained``).
 TRAINING_FIELDS = ("examples", "steps", "data_fingerprint", "size_of_data")
 TRAINED_FIELDS = (*TRAINING_FIELDS, OUTSIDE_DP, *RELEASED)
 
 
 def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
-    """A release's privacy as the region's audit log records it, each figure None
-    without DP."""
+    """A release's privacy as the audit log records it, each figure None without DP."""
     return {name: getattr(privacy, name, None) for name in RELEASED}
 
 
 def trained_record(outcome: TrainOutcome, outside_dp: list[str]) -> dict[str, Any]:
-    """What the region's audit log records of a release (:data:`TRAINED_FIELDS`), kept
-    with the update so that a region stopped before it noted the release notes it when
-    it resends; ``outside_dp``: the reply's fields of the data (fedciuic/releases.py)."""
+    """What the audit log records of a release (:data:`TRAINED_FIELDS`), kept with the
+    update so that a region stopped before noting it notes it when it resends."""
     stats = outcome.stats
     training = (stats.num_examples, stats.steps, outcome.data_fingerprint, outcome.size_of_data)
     record = dict(zip(TRAINING_FIELDS, training, strict=True)) | {OUTSIDE_DP: outside_dp}
@@ -267,9 +259,6 @@ class TrainOutcome:
     deidentified: tuple[str, ...] = ()
     #: Whether the update's size depends on the data (a top-k codec's index coding).
     size_of_data: bool = False
-
-
-# -- what a trained reply carries -------------------------------------------------------
 
 
 def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | list[float]]:
@@ -331,11 +320,9 @@ ROUNDING_STREAM = 2
 
 
 def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
-    """The generator of a codec's stochastic rounding: seeded from the round's seed (a
-    stream of its own) where the round is reproducible anyway (no DP, or
-    insecure-reproducible-noise), else from os entropy like the DP noise. Rounding
-    happens after DP, so it costs no privacy either way; this only keeps it from being
-    a stream the aggregator (who picks the seed) can replay."""
+    """The codec's stochastic rounding generator: from the round's seed where the round
+    is reproducible anyway, else from os entropy, so the aggregator (who picks the seed)
+    cannot replay it. Rounding comes after DP: it costs no privacy either way."""
     if dp.dp and not dp.insecure_reproducible_noise:
         return np.random.default_rng()
     return np.random.default_rng([seed, ROUNDING_STREAM])
@@ -348,41 +335,36 @@ def compress_update(
     rng: np.random.Generator,
     round_tag: str = "",
 ) -> bytes:
-    """The delta encoded with error feedback (``rng``: the codec's stochastic rounding,
-    :func:`rounding_rng`); the residual stays on the region's disk (``state_dir``), one
-    per codec, with the one before ``round_tag``'s round (a round trained again starts
-    from that).
-
-    Compression runs after DP (post-processing costs no privacy) and before
-    sealing (ciphertext does not compress).
-    """
+    """The delta encoded with error feedback; the residual stays on the region's disk,
+    one per codec, with the one before ``round_tag``'s round (a round trained again
+    starts from that). Runs after DP (post-processing) and before sealing."""
     vector = flatten(delta)
     safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
+    layout = layout_id(layout_of(delta))
     feedback = ErrorFeedback(
-        state_dir / f"residual-{safe}.bin",
-        codec,
-        layout_id(layout_of(delta)),
-        vector.size,
-        round_tag,
+        state_dir / f"residual-{safe}.bin", codec, layout, vector.size, round_tag
     )
     update, residual = compress_with_feedback(vector, feedback.load(), codec, rng)
     feedback.save(residual)
     return update
 
 
+def _seed(*parts: object) -> int:
+    """A reproducible seed distinct per ``parts`` (the run's seed, the region, ...)."""
+    key = ":".join(map(str, parts)).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+
+
 def run_cap(target_epsilon: float, max_run_epsilon: float | None) -> tuple[float, str]:
-    """The per-run cap and where it is set: the run's target epsilon, or the policy's
-    if lower."""
+    """The per-run cap and where it is set: target-epsilon, or the policy's if lower."""
     if max_run_epsilon is not None and max_run_epsilon < target_epsilon:
         return max_run_epsilon, f"{max_run_epsilon:g} (privacy.max_epsilon_per_run)"
     return target_epsilon, f"{target_epsilon:g} (target-epsilon)"
 
 
 class RegionLedger:
-    """The privacy ledger of a region's training data, in its state dir: opened against
-    what the region's audit log witnessed of it (a ledger rolled back behind it is a
-    :class:`~fedciuic.privacy.ledger.LedgerRolledBack`) and locked while a round reads
-    and charges it; and the step a round of this run is charged at its most."""
+    """The privacy ledger of a region's training data: opened against what the audit log
+    witnessed of it, locked while a round reads and charges it."""
 
     def __init__(self, run: RunConfig, node: NodeConfig, data: RegionData) -> None:
         self.run, self.node, self.data, self.name = run, node, data, node.region
@@ -401,11 +383,9 @@ class RegionLedger:
         return self.node.state_dir / REGION_LOG
 
     def step(self, ledger: PrivacyLedger | None = None, run_id: int | None = None) -> Step:
-        """This run's per-round step at its most: calibrated noise, Poisson rate,
-        local-steps. The budget checks before a round use it (the worst case); with a
-        local-time-budget the ledger records the steps actually taken. With count-noise
-        the rate follows from run ``run_id``'s DP count in ``ledger``, and the noise
-        leaves room in the run's target for that count's cost."""
+        """This run's per-round step at its most (the budget checks' worst case; the
+        ledger records the steps taken). With count-noise the rate follows from run
+        ``run_id``'s DP count in ``ledger``."""
         dp, local = self.dp, self.run.training
         n = self.units(ledger, run_id)
         if dp.target_delta >= 1.0 / n:
@@ -437,9 +417,7 @@ class RegionLedger:
         return run_prefix(self.dp, self.run.schedule.num_server_rounds)
 
     def units(self, ledger: PrivacyLedger | None, run_id: int | None) -> int:
-        """How many units the run samples from: the exact count, or with count-noise the
-        run's DP count (at least batch-size), which :meth:`release_count` put in the
-        ledger before anything of the run depended on it."""
+        """The units the run samples from: the exact count, or its DP count (>= batch-size)."""
         n = self.data.train.num_units
         if not count_steps(self.dp):
             return n
@@ -454,9 +432,8 @@ class RegionLedger:
     def release_count(
         self, ledger: PrivacyLedger, *, run_id: int, server_round: int, audit: AuditTrail
     ) -> None:
-        """With count-noise: the run's DP count of units, drawn once, committed to the
-        ledger (within the dataset's budget) and witnessed on the region's audit log,
-        before the rate, the noise or any check of the run depends on it."""
+        """With count-noise: the run's DP count of units, drawn once, committed and
+        witnessed before the rate, the noise or any check of the run depends on it."""
         if not count_steps(self.dp) or ledger.run_count(run_id) is not None:
             return
         dp, (step,) = self.dp, count_steps(self.dp)
@@ -487,11 +464,9 @@ class RegionLedger:
         purpose: Purpose,
         draw: Callable[[int | None], _T],
     ) -> tuple[_T, dict[str, Any]]:
-        """A release besides a round's update: admitted within the dataset's budget and
-        the run's target, drawn (``draw`` gets a seed under insecure-reproducible-noise,
-        else None: the OS's entropy), and committed as its own ledger line before
-        anything uses it. Returns it and what the audit record that witnesses it notes
-        (its epsilon, the dataset, the ledger's head after it)."""
+        """A release besides a round's update: admitted, drawn (``draw`` gets a seed only
+        under insecure-reproducible-noise) and committed as its own ledger line before
+        anything uses it; returns it and what its witnessing audit record notes."""
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
         cap = run_cap(dp.target_epsilon, None)
@@ -500,8 +475,7 @@ class RegionLedger:
         )
         seed = None
         if dp.insecure_reproducible_noise:
-            key = f"{self.run.model.seed}:{self.name}:{purpose}:{len(ledger.rounds)}".encode()
-            seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+            seed = _seed(self.run.model.seed, self.name, purpose, len(ledger.rounds))
         value = draw(seed)
         record = ledger.new_record(
             run_id=run_id,
@@ -521,10 +495,8 @@ class RegionLedger:
 
     @contextlib.contextmanager
     def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
-        """The dataset's ledger, opened once (its audit log's witness of it read once)
-        and locked while the block runs, so that a round's projection for the policy
-        check, its release check and its training read one ledger. ``held``: the one a
-        session the caller opened holds already (the lock is not taken twice)."""
+        """The dataset's ledger, opened once and locked while the block runs, so that a
+        round's checks and training read one ledger; ``held``: one already held."""
         if held is not None:
             yield held
             return
@@ -534,9 +506,7 @@ class RegionLedger:
     def evaluate(
         self, losses: list[float], *, run_id: int, server_round: int
     ) -> tuple[float, int, dict[str, object]]:
-        """A DP held-out loss from each unit's ``losses`` (:func:`dp_mean`), charged to the
-        ledger as its own release within the dataset's budget, the run's cap and the
-        run's evaluations: (loss, count, what the audit log notes of the release)."""
+        """A DP held-out loss from each unit's ``losses``, charged as its own release."""
         dp, step = self.dp, dp_mean_step(self.dp.eval_noise)
         with self.session() as ledger:
             done = ledger.run_releases(run_id, EVALUATION)
@@ -564,8 +534,7 @@ class RegionLedger:
     def projected(
         self, ledger: PrivacyLedger | None = None, run_id: int | None = None
     ) -> float | None:
-        """The dataset's cumulative epsilon if it trains one more round (None without DP),
-        for the policy check before training (``ledger``: a session's)."""
+        """The dataset's cumulative epsilon if it trains one more round (None without DP)."""
         if not self.dp.dp:
             return None
         with self.session(ledger) as held:
@@ -673,23 +642,15 @@ class Region:
     ) -> TrainOutcome:
         """Train from the global adapter and return ``local - global`` with statistics.
 
-        A round outside 1..num-server-rounds is refused (:class:`RoundOutOfRange`).
-        With DP on, the ledger is locked for the whole round: the budget checks,
-        the training and the ledger record happen as one step, and the record is
-        on disk before the update leaves this function. What run ``run_id`` has
-        actually spent, with this round, must stay within the run's target epsilon
-        and ``max_run_epsilon`` (the policy's ``max_epsilon_per_run``), and the
-        dataset's whole history within its budget. ``ledger``: the one a session
-        (:meth:`RegionLedger.session`) holds for this round, else it is opened here.
-
-        ``keep`` writes the outcome to disk before the ledger records the release (the
-        commit): a region stopped at any point either has no record, and trains the
-        round again from the same residual, or has both, and sends the kept update.
+        With DP the ledger is locked for the whole round, so the budget checks, training
+        and record are one step. ``keep`` writes the outcome to disk before the ledger
+        records the release (the commit): a region stopped at any point either has no
+        record and trains again from the same residual, or has both and resends.
         """
         self.check_round(server_round)
         self._load_global(adapter, base_fingerprint)
         start = self.model.adapter_state()
-        seed = self._round_seed(server_round)
+        seed = _seed(self.run.model.seed, self.name, server_round)  # sampling per round
         with contextlib.ExitStack() as session:
             held = session.enter_context(self.ledger.session(ledger)) if self.dp.dp else None
             if held is None:
@@ -707,7 +668,6 @@ class Region:
                 rounding_rng(self.dp, seed),
                 round_tag=f"run-{run_id}-round-{server_round}",
             )
-            mode = self.model.spec.adapter_mode
             outcome = TrainOutcome(
                 self.name,
                 delta,
@@ -715,7 +675,7 @@ class Region:
                 self.data.fingerprint,
                 privacy,
                 update,
-                mode,
+                self.model.spec.adapter_mode,
                 self.data.deidentified,
                 self.run.compression.codec.sparse,
             )
@@ -759,9 +719,8 @@ class Region:
         return self.ledger.step(ledger, run_id)
 
     def check_round(self, server_round: int) -> None:
-        """Refuse a round number outside this run's 1..num-server-rounds: the noise is
-        calibrated for that many rounds, and an aggregator that asks for more would
-        take the run past its target epsilon."""
+        """Refuse a round outside 1..num-server-rounds: the noise is calibrated for that
+        many rounds, and more would take the run past its target epsilon."""
         last = self.run.schedule.num_server_rounds
         if not 1 <= server_round <= last:
             raise RoundOutOfRange(
@@ -788,8 +747,7 @@ class Region:
         max_run_epsilon: float | None,
         ledger: PrivacyLedger,
     ) -> tuple[TrainStats, PrivacySpent, LedgerRound]:
-        """DP-SGD under the budget checks, against the ledger the round holds locked;
-        returns the record that commits the release, for the caller to append."""
+        """DP-SGD under the budget checks, and the record that will commit the release."""
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
         step = self.privacy_step(ledger, run_id)
@@ -798,8 +756,7 @@ class Region:
             step, budget=budget, run_id=run_id, server_round=server_round, cap=cap
         )
         reproducible = dp.insecure_reproducible_noise
-        # With a local-time-budget: as many steps as fit, planned before the first
-        # private step from a synthetic one (never a clock stop: docs/privacy.md).
+        # Planned from a synthetic step, never a clock stop (docs/privacy.md).
         planned = plan_private_steps(self.local, partial(self._forward, "time", step[0]))
         released: Step = (step[0], step[1], planned)
         units = self.ledger.units(ledger, run_id) if count_steps(self.dp) else None
@@ -842,10 +799,7 @@ class Region:
     def _train_dp(
         self, server_round: int, seed: int, step: Step, units: int | None = None
     ) -> tuple[TrainStats, tuple[int, int]]:
-        """DP-SGD for ``step`` (noise, rate, steps), in this process or over the region's
-        cluster (DP-DDP: the same mechanism on the global batch); returns the stats
-        and the fewest and most steps any process took. ``units``: the run's DP count
-        (count-noise), which the rate and the averaging follow from."""
+        """DP-SGD for ``step`` here or over the cluster; with the fewest and most steps taken."""
         if self.processes > 1:
             command = TrainCommand(
                 server_round=server_round,
@@ -883,11 +837,9 @@ class Region:
         server_round: int = 0,
         step_seconds: bool = True,
     ) -> EvalStats:
-        """Held-out loss of the global adapter on this region's evaluation blocks, on rank
-        0 alone (cheap next to training; a sharded base: on every rank): exact, or with
-        eval-noise a DP release charged to the ledger (:meth:`RegionLedger.evaluate`); with
-        the step's seconds (:meth:`step_seconds`) unless the reply withholds them (``step_seconds``
-        False: no step is timed for a figure that would not leave)."""
+        """Held-out loss of the global adapter on this region's evaluation blocks: exact,
+        or with eval-noise a DP release (:meth:`RegionLedger.evaluate`); with the step's
+        seconds unless ``step_seconds`` is False (no step timed for a withheld figure)."""
         self._load_global(adapter, base_fingerprint)
         stats: EvalStats
         if not self.ledger.evaluations:
@@ -901,38 +853,27 @@ class Region:
         return replace(stats, step_seconds=self.step_seconds() if step_seconds else None)
 
     def step_seconds(self) -> float | None:
-        """One local DP-SGD step's seconds here, timed once per run (None without DP):
-        what the aggregator sizes its wait for updates on (docs/heterogeneity.md)."""
+        """One local DP-SGD step's seconds, timed once (None without DP): the aggregator
+        sizes its wait for updates on it (docs/heterogeneity.md)."""
         if not self.dp.dp:
             return None
         if self._step_seconds is None:
             self._step_seconds = self._forward("time")
         return self._step_seconds
 
-    def _round_seed(self, server_round: int) -> int:
-        # Distinct, reproducible sampling per (run seed, region, round).
-        key = f"{self.run.model.seed}:{self.name}:{server_round}".encode()
-        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-
 
 @dataclass(frozen=True)
 class Released:
-    """A round's update as it leaves (:meth:`Release.send`): the payload the region
-    released, and whether it released it before (its kept update, sent again)."""
+    """A round's update as it leaves, and whether it is the kept one sent again."""
 
     payload: bytes
     resent: bool = False
 
 
 class Release:
-    """One training round's release: the only place a region notes one. The update is
-    kept on the region's disk before the ledger records the release (the commit, under
-    the ledger the round holds locked), and the release is then noted on the region's
-    audit log (``trained``, which witnesses the ledger's head); a round released before
-    sends its kept update again, never a second release.
-
-    Open it with :meth:`open` once the instruction is checked: :meth:`project` gives the
-    figure the policy check needs, then :meth:`send` the round's update."""
+    """One training round's release (see the module docstring): a round released before
+    sends its kept update again, never a second release. :meth:`open` it once the
+    instruction is checked, :meth:`project` for the policy check, then :meth:`send`."""
 
     def __init__(
         self,
@@ -956,21 +897,18 @@ class Release:
 
     @property
     def counts(self) -> bool:
-        """Whether this round releases the run's DP count of units first (count-noise,
-        the run's first release): the region's policy is checked before it is drawn."""
-        ledger = self.ledger
+        """Whether this round releases the run's DP count of units first: the region's
+        policy is checked before it is drawn."""
         return (
             self.kept is None
-            and ledger is not None
+            and self.ledger is not None
             and bool(count_steps(self.region.dp))
-            and ledger.run_count(self.run_id) is None
+            and self.ledger.run_count(self.run_id) is None
         )
 
     def project(self) -> float | None:
-        """The dataset's cumulative epsilon if it trains this round, for the policy check
-        (None without DP, or when the kept update is sent again); with count-noise the
-        run's DP count is released first, once a run, since the projection follows from
-        it."""
+        """The dataset's cumulative epsilon if it trains this round (None without DP or
+        when resending); with count-noise the run's DP count is released first."""
         if self.kept is not None or self.ledger is None:
             return None
         self.region.ledger.release_count(
@@ -983,14 +921,11 @@ class Release:
     def open(
         cls, region: Region, audit: AuditTrail, *, run_id: int, server_round: int
     ) -> Iterator[Release]:
-        """The round's release, with what the region kept of it; with DP, one ledger
-        for the round, opened and locked once: the projection for the policy check, the
-        release check and the training all read it."""
+        """The round's release; with DP, one ledger for the round, opened and locked once."""
         sent = SentUpdates(region.node.state_dir)
         kept = sent.load(run_id, server_round)
         with contextlib.ExitStack() as session:
-            private = region.dp.dp
-            ledger = session.enter_context(region.ledger.session()) if private else None
+            ledger = session.enter_context(region.ledger.session()) if region.dp.dp else None
             yield cls(
                 region, audit, sent, kept, run_id=run_id, server_round=server_round, ledger=ledger
             )
@@ -1008,12 +943,10 @@ class Release:
 
     def send(self, task: Instruction, policy: RegionPolicy) -> Released:
         """The round's update under ``policy``: the kept one again, or trained now and
-        released (kept, committed to the ledger, noted); :class:`AlreadyReleased` when
-        the ledger records the round and its update is gone."""
+        released; :class:`AlreadyReleased` when the ledger records it and it is gone."""
         region = self.region
         if self.kept is not None:
-            # This round was released before the aggregator restarted: the same update
-            # again, no second release and no second charge to the ledger.
+            # Released before the aggregator restarted: the same update, no second charge.
             if self.kept.trained is not None and not self._noted_trained():
                 self._note_trained(self.kept.trained)  # stopped before it was noted
             return Released(self.kept.payload, resent=True)
@@ -1084,6 +1017,5 @@ REGIONS: BoundedCache[Region] = BoundedCache(
 
 
 def open_region(run: RunConfig, node: NodeConfig) -> Region:
-    """Build (once per process, while the cache keeps it) the region for this run and
-    node config."""
+    """The region for this run and node config, built once while the cache keeps it."""
     return REGIONS.get((run, node), lambda: Region(run, node))
