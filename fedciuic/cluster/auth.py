@@ -1,12 +1,9 @@
 """Authenticated values in a region's store.
 
 torch's ``TCPStore`` checks no one: whatever reaches MASTER_PORT can read and write
-its keys. So every value fedciuic passes through it (the configs and commands from
-rank 0, each rank's check-ins) carries an HMAC-SHA256 under a secret only the
-region's ranks hold, over the key and the value, and a rank acts on nothing else.
-A region that starts its own workers makes a fresh secret for each start and hands
-it to them in their environment; ranks started under torchrun read the one the
-operator gives every rank (docs/cluster.md).
+its keys. So every value fedciuic passes through it carries an HMAC-SHA256, over the
+key and the value, under a secret only the region's ranks hold (fresh for each start
+of workers the region spawns; the operator's under torchrun, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -95,10 +92,8 @@ def _tag(secret: bytes, key: str, value: bytes) -> str:
 
 
 class SealedStore:
-    """A region's store through which only authenticated values pass.
-
-    ``raw`` is the ``TCPStore`` itself, for torch's own process-group set-up.
-    """
+    """A region's store through which only authenticated values pass (``raw``: the
+    ``TCPStore`` itself, for torch's own process-group set-up)."""
 
     def __init__(self, raw: TCPStore, secret: bytes, *, what: str) -> None:
         self.raw, self._secret, self.what = raw, secret, what

@@ -1,10 +1,8 @@
 """A region's training processes as one ``torch.distributed`` world.
 
-The environment is torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the same code runs under
-processes the region spawns itself and under ``torchrun --nnodes`` on a Slurm or
-Kubernetes cluster. Every set-up waits at most ``collective-timeout`` seconds: a rank
-that cannot reach rank 0 fails with one line instead of hanging.
+The environment is torchrun's (:data:`ENV_KEYS`), so the same code runs under processes
+the region spawns and under ``torchrun --nnodes``. Every set-up waits at most
+``collective-timeout`` seconds: a rank that cannot reach rank 0 fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -77,15 +75,8 @@ class World(BaseModel):
         return world
 
     def env(self) -> dict[str, str]:
-        """This world as torchrun's environment variables (for the processes we start)."""
-        return {
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(self.local_rank),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
+        """This world as torchrun's environment variables (its fields, upper-cased)."""
+        return {key: str(getattr(self, key.lower())) for key in ENV_KEYS}
 
 
 def backend_for(device: torch.device) -> str:
@@ -102,20 +93,15 @@ def backend_for(device: torch.device) -> str:
 
 
 def placeable(device: torch.device) -> int:
-    """How many training processes this machine can place.
-
-    One per GPU on CUDA. On the CPU one per core: a gloo rank that gets no core of
-    its own stalls every collective of the others, and each rank's PyTorch already
-    uses several threads, so more processes than cores only slow the step down.
-    """
+    """How many training processes this machine can place: one per GPU, or per CPU core
+    (a gloo rank without a core of its own stalls every collective of the others)."""
     if device.type == "cuda":
         return torch.cuda.device_count()
     return os.cpu_count() or 1
 
 
 def check_placement(count: int, device: torch.device, *, key: str) -> None:
-    """Refuse more local training processes than the machine can place (``key`` is
-    where the count came from: ``node config:train-processes`` or ``run config:...``)."""
+    """Refuse more local training processes than the machine can place."""
     if count < 1:
         raise ClusterError(f"{key}: {count}; a region runs at least 1 training process")
     room = placeable(device)
@@ -135,12 +121,8 @@ WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 
 
 def store_host(world: World) -> str:
-    """The address rank 0's store listens on and the other ranks connect to.
-
-    Loopback when every rank is on this machine (a region that starts its own workers),
-    whatever MASTER_ADDR says: nothing off the host needs the store. Otherwise
-    MASTER_ADDR, the interface the operator names for the other hosts.
-    """
+    """The address rank 0's store listens on: loopback when every rank is on this
+    machine, whatever MASTER_ADDR says (nothing off the host needs it), else MASTER_ADDR."""
     if world.local_world_size < world.world_size:
         return world.master_addr
     try:
@@ -162,12 +144,8 @@ def is_wildcard(host: str) -> bool:
 
 
 def listen_socket(host: str, port: int, *, what: str) -> socket.socket:
-    """A socket listening on ``host``'s address only.
-
-    torch's ``TCPStore`` ignores its host name as master and listens on every
-    interface (``::``, dual-stack), so rank 0 binds the socket itself and hands it
-    over (``master_listen_fd``).
-    """
+    """A socket listening on ``host``'s address only: torch's ``TCPStore`` as master
+    listens on every interface, so rank 0 binds the socket itself and hands it over."""
     if is_wildcard(host):
         raise ClusterError(
             f"environment: MASTER_ADDR {host!r} names every interface: rank 0's store "
@@ -202,11 +180,8 @@ def listen_socket(host: str, port: int, *, what: str) -> socket.socket:
 
 
 def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
-    """Rank 0 hosts the world's store on :func:`store_host`'s address, the others
-    connect to it within ``timeout`` seconds (the run config's collective-timeout).
-    The store also carries the region's commands (:mod:`fedciuic.cluster.training`),
-    each under a MAC (:mod:`fedciuic.cluster.auth`); ``what`` names the region or
-    rank in errors."""
+    """Rank 0 hosts the world's store on :func:`store_host`'s address, the others connect
+    to it within ``timeout`` seconds; ``what`` names the region or rank in errors."""
     if dist.is_initialized():
         raise ClusterError(
             f"{what}: this process already belongs to a torch.distributed world; one "
@@ -264,8 +239,7 @@ def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
 
 
 def form_group(world: World, store: TCPStore, *, backend: str, timeout: float, what: str) -> None:
-    """Join the default process group over ``store``; every collective in it then
-    waits at most ``timeout`` seconds."""
+    """Join the default process group over ``store``, its collectives bounded by ``timeout``."""
     try:
         dist.init_process_group(
             backend,

@@ -23,9 +23,8 @@ PARENT_ENV = "FEDCIUIC_PARENT_PID"
 TIMEOUT_ENV = "FEDCIUIC_COLLECTIVE_TIMEOUT"
 #: How often the watcher looks at the workers, and a worker at its parent.
 POLL_S = 0.2
-#: How long (at least) workers this region started may take to start Python, import
-#: the libraries and load the model and data: they are watched meanwhile, and one
-#: that dies fails the start at once. Collectives wait collective-timeout at most.
+#: How long (at least) workers this region started may take to start and load the
+#: model and data: they are watched meanwhile, so one that dies fails the start at once.
 START_S = 120.0
 
 
@@ -35,9 +34,8 @@ ForwardOp = Literal["evaluate", "losses", "time"]
 
 class TrainCommand(BaseModel):
     """One round's work for every rank (``stop`` ends the workers). With a sharded base
-    every pass is collective, so rank 0's forward-only work runs on every rank too:
-    ``evaluate`` (held-out loss), ``losses`` (each unit's, for a DP evaluation) and
-    ``time`` (one DP-SGD step's seconds); rank 0 keeps the result."""
+    every pass is collective, so rank 0's forward-only work (:data:`ForwardOp`) runs on
+    every rank too; rank 0 keeps the result."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -49,8 +47,7 @@ class TrainCommand(BaseModel):
     steps: int = 0
     noise_multiplier: float = 0.0
     sample_rate: float = 0.0
-    #: DP with count-noise: the run's DP count of units the rate follows from (0: the
-    #: exact count).
+    #: DP with count-noise: the run's DP count of units (0: the exact count).
     units: int = 0
     #: Without DP: seconds of training, on rank 0's clock (0: all ``steps``).
     time_budget: float = 0.0
@@ -72,9 +69,8 @@ def cpu_cores() -> int:
 
 def share_cores(threads: int) -> None:
     """Use ``threads`` CPU threads in this process and every rank it starts (0: the
-    machine's cores). Regions that share a machine each take their part: PyTorch's
-    default of one thread per core in every process oversubscribes the cores, and its
-    spinning threads then make each step several times slower than on a share."""
+    machine's cores): PyTorch's default of one thread per core in every process
+    oversubscribes a machine that regions share."""
     if threads <= 0:
         return
     import torch

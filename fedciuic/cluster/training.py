@@ -1,13 +1,10 @@
 """A region's local training as a ``torch.distributed`` job of several processes.
 
-Rank 0 is the region's own process (the ClientApp, Ray actor or trainer): it holds
-the ledger, seals and writes the audit log, and alone talks to Flower. The other
-ranks (:mod:`fedciuic.cluster.worker`) build the model and data once per run and
-then train on command. Commands travel through rank 0's ``TCPStore``, each under the
-cluster secret's MAC (:mod:`fedciuic.cluster.auth`; a worker waits for the next one
-without a collective timeout, since rounds may be far apart); each round's work uses
-collectives, each bounded by ``collective-timeout``.
-Evaluation stays on rank 0 alone (:meth:`fedciuic.region.trainer.Region.evaluate`).
+Rank 0 is the region's own process: it holds the ledger, seals, writes the audit log
+and alone talks to Flower. The other ranks (:mod:`fedciuic.cluster.worker`) load the
+model and data once per run and train on command; commands travel through rank 0's
+``TCPStore`` under the cluster secret's MAC (:mod:`fedciuic.cluster.auth`), with no
+timeout between rounds, and each round's collectives are bounded by ``collective-timeout``.
 """
 
 from __future__ import annotations
@@ -106,11 +103,8 @@ def train_rank(
     command: TrainCommand,
     shard: Shard,
 ) -> ClusterStats:
-    """This rank's part of one round; every rank calls it with the same command.
-
-    The adapters start from rank 0's (broadcast), so every rank ends each step
-    with the same weights. Returns the statistics summed over the ranks.
-    """
+    """This rank's part of one round, from rank 0's adapters (broadcast) so every rank
+    ends each step with the same weights; returns the statistics summed over the ranks."""
     for param in model.trainable_parameters():
         dist.broadcast(param.data, src=0)
     if not command.dp:
@@ -150,8 +144,7 @@ def train_rank(
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
     sums = torch.tensor([loss_sum, counted, empty], dtype=torch.float64)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # DP: the mean over the ranks' non-empty batches; otherwise every rank already
-    # holds the global batch's loss.
+    # DP: the mean over the ranks' non-empty batches; else each rank has the global loss.
     loss = stats.loss if not command.dp else float(sums[0] / sums[1]) if sums[1] else float("nan")
     return ClusterStats(
         stats=TrainStats(loss=loss, steps=taken, num_examples=len(examples)),
@@ -176,9 +169,7 @@ def forward_work(
 ) -> Any:
     """Forward-only work (``command.op``): the held-out loss (:class:`EvalStats`), each
     eval unit's loss (a list) or one DP-SGD step's seconds. ``every_rank``: this rank's
-    part of it on a sharded base, where every rank takes the same passes on the same
-    examples from rank 0's adapters (broadcast first); rank 0 keeps the result, the
-    others drop theirs."""
+    part on a sharded base, from rank 0's adapters (broadcast first)."""
     if every_rank:
         for param in model.trainable_parameters():
             dist.broadcast(param.data, src=0)
@@ -193,12 +184,9 @@ def forward_work(
 
 def check_sharding(run: RunConfig, node: NodeConfig) -> None:
     """Refuse, before anything loads, what a sharded base cannot do yet."""
-    if not node.sharded(run):
-        return
-    key = "train-sharding"
-    if run.model.quantization != "none":
+    if node.sharded(run) and run.model.quantization != "none":
         raise ClusterError(
-            f'{key}: "shard" needs a bf16 or fp32 base; set quantization = "none" (each '
+            'train-sharding: "shard" needs a bf16 or fp32 base; set quantization = "none" (each '
             'process then holds 1/N of the base) or train-sharding = "replicate"'
         )
 
@@ -225,14 +213,10 @@ def describe_exit(code: int) -> str:
 
 
 class TrainingCluster:
-    """Rank 0's handle on a region's training processes.
-
-    Without torchrun's variables in the environment it starts ``count - 1`` workers
-    on this machine (``python -m fedciuic.cluster.worker``); with them (``RANK=0``,
-    set by whoever launched the region under torchrun) it starts nothing and waits
-    for the other ranks to join. Workers die with this process. A worker that dies
-    fails the round with a :class:`ClusterError` naming it; the cluster is then torn
-    down, and the region builds a new one for its next round.
+    """Rank 0's handle on a region's training processes: it starts ``count - 1`` workers
+    on this machine, or under torchrun (``RANK=0``) waits for the other ranks to join.
+    A dead worker fails the round with a :class:`ClusterError` naming it; the cluster is
+    then torn down, and the region builds a new one for its next round.
     """
 
     def __init__(
@@ -259,9 +243,7 @@ class TrainingCluster:
         return self.store is not None
 
     def start(self) -> None:
-        """Start (or join) the ranks, hand them the configs, and wait until every one
-        has loaded the model and data (collective-timeout, at least ``START_S`` for
-        workers started here, which are watched meanwhile)."""
+        """Start (or join) the ranks, hand them the configs, and wait until all loaded."""
         if self.model.sharded:  # its shards died with the last process group
             self.model.unshard()
         timeout = self.run.cluster.collective_timeout
@@ -296,8 +278,7 @@ class TrainingCluster:
             self.store = SealedStore(
                 open_store(world, timeout=timeout, what=self.name), secret, what=self.name
             )
-            # Workers we started are watched while they start and load (a dead one fails
-            # the start at once), so they may take longer than one collective.
+            # Workers we started are watched meanwhile, so they may take longer to load.
             starting = max(timeout, START_S) if self.workers else timeout
             self._await(JOINED_KEY, world, starting, "start and reach rank 0's store")
             for rank in range(1, world.world_size):
@@ -389,11 +370,8 @@ class TrainingCluster:
         """Notice a dead worker at once and stop the others, so that rank 0's pending
         collective fails at once (their sockets close) instead of at the timeout."""
         while not self._closing.wait(POLL_S):
-            for rank, proc in self.workers.items():
-                code = proc.poll()
-                if code is not None and self._dead is None:
-                    self._dead = (rank, proc.pid, code)
-                    self._kill_all()
+            if self._dead is None and self._died() is not None:
+                self._kill_all()
 
     def _died(self) -> tuple[int, int, int] | None:
         if self._dead is None:
@@ -420,11 +398,7 @@ class TrainingCluster:
         )
 
     def train(self, command: TrainCommand) -> ClusterStats:
-        """Run ``command`` on every rank (rank 0 here); the adapters end on rank 0's model.
-
-        Any failure tears the cluster down; a dead worker is named in a
-        :class:`ClusterError`, raised within collective-timeout seconds at most.
-        """
+        """Run ``command`` on every rank; any failure tears the cluster down."""
         return self._on_every_rank(
             command,
             lambda size: train_rank(
@@ -438,8 +412,7 @@ class TrainingCluster:
         )
 
     def forward(self, command: TrainCommand) -> Any:
-        """Rank 0's forward-only work (``evaluate``, ``losses``, ``time``) on a sharded
-        base, which every rank must take part in; fails as :meth:`train` does."""
+        """Rank 0's forward-only work on a sharded base, which every rank takes part in."""
         return self._on_every_rank(
             command,
             lambda _: forward_work(
@@ -454,7 +427,7 @@ class TrainingCluster:
 
     def _on_every_rank(self, command: TrainCommand, work: Callable[[int], T]) -> T:
         """Send ``command`` to the other ranks and do rank 0's part (``work``, given the
-        world's size), the cluster started first (again, after a failure)."""
+        world's size)."""
         if self.started and self._died() is not None:
             rank, pid, code = self._died() or (0, 0, 0)
             log.warning(
@@ -501,8 +474,7 @@ class TrainingCluster:
         self._seq += 1
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (a stop command, then SIGKILL after ``timeout``), leave the
-        process group; afterwards no worker of this cluster is running."""
+        """Stop the workers (a stop command, then SIGKILL after ``timeout``)."""
         self._closing.set()
         if self.store is not None and self.workers and self._dead is None:
             with suppress(RuntimeError, OSError):

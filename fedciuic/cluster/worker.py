@@ -1,19 +1,17 @@
 """A region's training process of rank > 0: ``python -m fedciuic.cluster.worker``.
 
-Started by the region itself (:class:`~fedciuic.cluster.training.TrainingCluster`),
-or on the region's other hosts with torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) pointing at
-the region's process, which is rank 0 and hosts the store (docs/cluster.md), and
-the region's cluster secret (``FEDCIUIC_CLUSTER_SECRET`` or ``_FILE``): it acts only
-on values in the store that carry its MAC (:mod:`fedciuic.cluster.auth`). It reads
-the run and node config from rank 0, builds the model and the data once, and then
-trains on rank 0's commands until told to stop, or until rank 0 is gone.
+Started by the region itself, or on its other hosts with torchrun's variables pointing
+at the region's process (rank 0, which hosts the store; docs/cluster.md) and the cluster
+secret, whose MAC every value it acts on must carry (:mod:`fedciuic.cluster.auth`). It
+loads the model and data once, then trains on rank 0's commands until told to stop or
+rank 0 is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -61,9 +59,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def next_command(store: SealedStore, seq: int) -> TrainCommand:
-    """Wait (without a deadline: rounds may be far apart) for rank 0's command ``seq``;
-    a store that fails means rank 0 is gone, a command without the secret's MAC is
-    refused (:class:`~fedciuic.cluster.auth.StoreAuthError`)."""
+    """Wait for rank 0's command ``seq``, without a deadline: rounds may be far apart."""
     key = f"{COMMAND_KEY}{seq}"
     try:
         while not store.check([key]):  # polled: a timed-out wait would log each time
@@ -96,8 +92,8 @@ def serve(world: World) -> None:
     store = SealedStore(open_store(world, timeout=timeout, what=what), secret, what=what)
     store.set(f"{JOINED_KEY}{world.rank}", "1")
     form_group(world, store.raw, backend=backend_for(device), timeout=timeout, what=what)
-    # The model and data libraries load after the rank has joined (a rank that cannot
-    # join says so first), while rank 0 waits for it to be ready.
+    # The model and data libraries load after the rank has joined (so that one that cannot
+    # join says so first).
     from fedciuic.cluster.training import forward_work, train_rank
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data import load_region_data
@@ -119,10 +115,8 @@ def serve(world: World) -> None:
         if node.sharded(run):  # with rank 0, once it has seen every rank ready
             shard_base(model, world.world_size)
         shard = Shard(rank=world.rank, size=world.world_size)
-        seq = 0
-        while True:
+        for seq in itertools.count():
             command = next_command(store, seq)
-            seq += 1
             if command.op == "stop":
                 return
             # In the rank's log (STATE/cluster/rank-N.log): what it was doing if it dies.
