@@ -214,8 +214,7 @@ def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
         begin = 0  # where the element's bytes start in this chunk
         while pos < size:
             if state in ("open", "value", "done"):
-                found = _NOT_SPACE.search(chunk, pos)
-                if found is None:
+                if (found := _NOT_SPACE.search(chunk, pos)) is None:
                     break
                 at, char = found.start(), chunk[found.start() : found.start() + 1]
                 if state == "open":
@@ -244,8 +243,7 @@ def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
                 else:  # a backslash, the chunk's last byte: what it escapes comes next
                     pos, escaped = size, True
                 continue
-            found = _STRUCTURE.search(chunk, pos)
-            if found is None:
+            if (found := _STRUCTURE.search(chunk, pos)) is None:
                 break
             at, char = found.start(), chunk[found.start() : found.start() + 1]
             pos = at + 1

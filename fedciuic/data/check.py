@@ -79,8 +79,7 @@ class DataCheck:
             f"at seq-len, {s.dropped} dropped (nothing left to train on within seq-len)",
             f"tokens: {s.tokens:,}, {s.trained_tokens:,} of them trained on ({self.tokenizer})",
         ]
-        dropped = dropped_for_length(s, self.seq_len, self.truncation_side)
-        if dropped is not None:
+        if (dropped := dropped_for_length(s, self.seq_len, self.truncation_side)) is not None:
             out.append(f"  {dropped}")
         if self.example is not None:
             out += ["", f"one training example ({MASK_OPEN}masked: no loss{MASK_CLOSE}):"]

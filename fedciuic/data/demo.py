@@ -244,8 +244,7 @@ def _modules(names: tuple[str, ...]) -> list[ModuleType]:
 def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
     """Write each region's files under ``root/<region>/`` and the synthetic names they
     use in ``root/deid-dictionaries/<region>.txt``; return the folders."""
-    unknown = [r for r in regions if r not in FAMILIES]
-    if unknown:
+    if unknown := [r for r in regions if r not in FAMILIES]:
         raise ConfigError(
             [f"demo data:regions: no demo corpus for {unknown}; known: {', '.join(FAMILIES)}"]
         )

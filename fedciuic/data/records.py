@@ -106,8 +106,7 @@ def parse_record(values: Mapping[str, Any], fields: Fields) -> Record:
 
 
 def _string(values: Mapping[str, Any], name: str) -> str:
-    value = values.get(name)
-    if value is None:
+    if (value := values.get(name)) is None:
         raise BadRecord(name, "missing")
     if not isinstance(value, str):
         raise BadRecord(name, f"expected a string, got {json_kind(value)}")
@@ -117,8 +116,7 @@ def _string(values: Mapping[str, Any], name: str) -> str:
 
 
 def _user(values: Mapping[str, Any], name: str) -> str | None:
-    value = values.get(name)
-    if value is None:
+    if (value := values.get(name)) is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise BadRecord(name, f"expected a string or an integer, got {json_kind(value)}")

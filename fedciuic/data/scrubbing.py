@@ -67,8 +67,7 @@ def region_scrubber(
     examples: bool = False,
 ) -> Scrubber | None:
     """The scrubber a region applies (None: off); ``examples`` keeps a few masked ones."""
-    entities = settings.entities
-    if not entities:
+    if not (entities := settings.entities):
         return None
     from fedciuic.deid import DeidSpec, Scrubber, found_entities, region_secret
 

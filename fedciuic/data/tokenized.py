@@ -258,8 +258,7 @@ def tokenized(
     )
     root = state_dir / "data-cache"
     folder = root / key
-    cached = _load(folder, key)
-    if cached is not None:
+    if (cached := _load(folder, key)) is not None:
         return Tokenized(cached[0], cached[1], folder, built=False)
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
@@ -290,8 +289,7 @@ def tokenized(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _prune(root, keep=folder)
-    loaded = _load(folder, key)
-    if loaded is None:
+    if (loaded := _load(folder, key)) is None:
         raise DataError(f"{folder}: the tokenised data just written cannot be read back")
     return Tokenized(loaded[0], loaded[1], folder, built=True)
 
@@ -370,8 +368,7 @@ def _batches(
         for row_index, row in enumerate(
             read_rows(source, text_field=fields.text_field, max_bytes=limit)
         ):
-            item = _parse(source, row, fields, counts)
-            if item is None:
+            if (item := _parse(source, row, fields, counts)) is None:
                 continue
             if scrubber is not None:  # before anything is rendered, counted or hashed
                 item = scrub_record(item, scrubber, row.where, source.name)
@@ -393,8 +390,7 @@ def _parse(source: Source, row: Row, fields: Fields, counts: _Counts) -> Record 
     try:
         return parse_record(row.values, fields)
     except BadRecord as err:
-        problem = _of_columns(source, row.values, err, fields)
-        if problem is not None:
+        if (problem := _of_columns(source, row.values, err, fields)) is not None:
             counts.columns(source, err.field, problem)
         else:
             counts.bad(row.where, str(err))

@@ -155,8 +155,7 @@ def _cards_in_run(text: str, groups: list[tuple[int, int]], seps: list[str]) -> 
             waived = (sep is not None and widths[0] == 4 and len(widths) >= 4) or bool(
                 _CARD_WORDS.search(text, max(0, start - 24), start)
             )
-            name = network_of(digits, luhn_waived=waived)
-            if name is not None:
+            if (name := network_of(digits, luhn_waived=waived)) is not None:
                 cards.append(Card(start, end, name))
     return cards
 

@@ -70,8 +70,7 @@ def load_dictionary(path: Path) -> Dictionary:
         entry = line.strip()
         if not entry or entry.startswith(COMMENT):
             continue
-        problem = _problem(entry)
-        if problem:
+        if problem := _problem(entry):
             raise ConfigError([f"{path}:{number}: {problem}; {FIX}"])
         entries.append(entry)
     if not entries:

@@ -125,8 +125,7 @@ def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
     """Entity types as listed (class words expanded), in their canonical order."""
     wanted: set[str] = set()
     for value in values:
-        name = value.strip()
-        if not name:
+        if not (name := value.strip()):
             continue
         if name in CLASSES:
             wanted.update(CLASSES[name])
@@ -158,8 +157,7 @@ def requirement_reasons(listed: tuple[str, ...], scrubbed: tuple[str, ...]) -> l
     needs one of :data:`NAME_SOURCES` (the context recognizers alone miss most names)."""
     required = parse_entities(name for name in listed if name != NAMES_WORD)
     reasons = []
-    missing = [e for e in required if e not in scrubbed]
-    if missing:
+    if missing := [e for e in required if e not in scrubbed]:
         reasons.append(
             f"de-identification does not scrub {', '.join(missing)} (deidentification.entities)"
         )

@@ -180,8 +180,7 @@ def _check_folder(path: Path) -> None:
                 "folder holds regular files: put the file itself there, or remove this entry"
             )
     for name, field_name in CUSTOM_CODE.items():
-        refusal = _custom_code(path / name, field_name)
-        if refusal is not None:
+        if (refusal := _custom_code(path / name, field_name)) is not None:
             raise ModelError(refusal)
 
 
@@ -288,8 +287,7 @@ def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool)
 
 
 def check_weights(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> None:
-    problems = weight_problems(path, config, allow_pickle=allow_pickle)
-    if problems:
+    if problems := weight_problems(path, config, allow_pickle=allow_pickle):
         raise ModelError("; ".join(problems))
 
 
@@ -386,8 +384,7 @@ def tokenizer_warnings(
 
 def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     tokenizer = open_tokenizer(path)
-    problems = tokenizer_problems(path, config, tokenizer)
-    if problems:
+    if problems := tokenizer_problems(path, config, tokenizer):
         raise ModelError("; ".join(problems))
     return tokenizer
 

@@ -82,8 +82,7 @@ def _linears(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     for path, module in model.named_modules():
         if isinstance(module, nn.Linear):
             name = path.rsplit(".", 1)[-1]
-            why = _why_frozen(path, module)
-            if why is None:
+            if (why := _why_frozen(path, module)) is None:
                 found[path] = name
             else:
                 frozen.setdefault(name, f"{path} {why}")
@@ -139,8 +138,7 @@ def resolve_targets(model: nn.Module, model_type: str, targets: str) -> list[str
             f"compressors stay frozen{why}); its adaptable nn.Linear names are: "
             f"{', '.join(sorted(present))}"
         )
-    paths = [path for path, name in linears.items() if name in wanted]
-    if not paths:
+    if not (paths := [path for path, name in linears.items() if name in wanted]):
         raise ModelError(
             f"run config:lora-targets: {targets} matches no nn.Linear module of this "
             f"{model_type} model; set it to a comma list of: {', '.join(sorted(present))}"

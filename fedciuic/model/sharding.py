@@ -72,8 +72,7 @@ def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
                 continue  # FSDP2 shards dim 0; a rank past the last row holds none
             key = name.replace(_PEFT_WRAP, "")
             chunk = -(-param.shape[0] // dist.get_world_size()) if param.dim() else 0
-            source = slicer.rows(tensors, key, rank * chunk, local.shape[0])
-            if source is None:
+            if (source := slicer.rows(tensors, key, rank * chunk, local.shape[0])) is None:
                 raise ModelError(
                     f"{model.files[0]}: no tensor {key} for the sharded "
                     "base; the checkpoint does not match its config"

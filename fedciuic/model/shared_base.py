@@ -377,8 +377,7 @@ class Slicer:
     ) -> torch.Tensor | None:
         """Rows ``start`` to ``start + count`` of model tensor ``name`` from the mapped
         checkpoint ``tensors`` (a scalar whole; None where they do not hold it)."""
-        parts = self.experts.get(name)
-        if parts is not None:
+        if (parts := self.experts.get(name)) is not None:
             return torch.stack(
                 [
                     torch.cat([tensors[part[e]] for part in parts])
