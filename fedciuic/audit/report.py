@@ -521,38 +521,23 @@ def _transfers_section(
 ) -> Section:
     received = {_receipt(r) for r in _of(agg, RECEIVED_EVENT)}
     claimed = {_receipt(r) for r in _of(agg_all, RECEIVED_EVENT)}
+
+    def row(r: AuditRecord, region: str, to: str, status: str) -> tuple[str, ...]:
+        d = details_of(r)
+        size, suite = _text(d.get("bytes")), _text(d.get("suite"))
+        return (_round(r), region, to, size, suite, str(d.get("digest"))[:16], status)
+
     rows = []
     for region, r, d in _each(own, *SENT_EVENTS):
         key = (_round(r), region, str(d.get("digest")))
-        rows.append(
-            (
-                _round(r),
-                region,
-                f"{d.get('destination', 'aggregator')} ({d.get('destination_jurisdiction')})",
-                _text(d.get("bytes")),
-                _text(d.get("suite")),
-                str(d.get("digest"))[:16],
-                "yes"
-                if key in received
-                else "only in an unverified record"
-                if key in claimed
-                else "NO",
-            )
+        seen = (
+            "yes" if key in received else "only in an unverified record" if key in claimed else "NO"
         )
+        to = f"{d.get('destination', 'aggregator')} ({d.get('destination_jurisdiction')})"
+        rows.append(row(r, region, to, seen))
     for r in _of(agg, RECEIVED_EVENT):
-        d = details_of(r)
-        if d.get("region") not in own:
-            rows.append(
-                (
-                    _round(r),
-                    str(d.get("region")),
-                    "aggregator (as received)",
-                    _text(d.get("bytes")),
-                    _text(d.get("suite")),
-                    str(d.get("digest"))[:16],
-                    "region log not given",
-                )
-            )
+        if (sender := details_of(r).get("region")) not in own:
+            rows.append(row(r, str(sender), "aggregator (as received)", "region log not given"))
     return Section(
         "Transfers",
         [
