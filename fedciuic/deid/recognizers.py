@@ -41,6 +41,7 @@ from fedciuic.deid.entities import (
     EMAIL_ADDRESS,
     ES_NIE,
     ES_NIF,
+    EU_NATIONAL_IDS,
     FI_PERSONAL_IDENTITY_CODE,
     IBAN_CODE,
     IP_ADDRESS,
@@ -430,24 +431,15 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
 #: The types found as tokens of running text: every recognizer of one is wrapped in
 #: :class:`WholeTokens` with its separators and rule (IPs take '/24' and ':8080' after).
 _TOKEN_RULES: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
+    entity: (NUMBER_JOINERS, None)
+    for entity in (EMAIL_ADDRESS, CN_RESIDENT_ID, US_SSN, IBAN_CODE, *EU_NATIONAL_IDS)
+} | {
     PHONE_NUMBER: (NUMBER_JOINERS, _phone_shaped_number),
     IP_ADDRESS: (".", _not_an_address),
     # Luhn and PESEL's or a personnummer's checks pass one number in ten or so
     CREDIT_CARD: (NUMBER_JOINERS, _named_reference),
     PL_PESEL: (NUMBER_JOINERS, _named_reference),
     SE_PERSONNUMMER: (NUMBER_JOINERS, _named_reference),
-} | {
-    entity: (NUMBER_JOINERS, None)
-    for entity in (
-        EMAIL_ADDRESS,
-        CN_RESIDENT_ID,
-        US_SSN,
-        IBAN_CODE,
-        ES_NIF,
-        ES_NIE,
-        IT_FISCAL_CODE,
-        FI_PERSONAL_IDENTITY_CODE,
-    )
 }
 #: fedciuic's own (the dictionary's is built apart, from the region's entries).
 _OWN: dict[str, tuple[Callable[[], EntityRecognizer], ...]] = {
