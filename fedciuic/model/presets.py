@@ -231,7 +231,8 @@ def bpe_tokenizer(
     vocab_size: int = REALISTIC_VOCAB_SIZE, *, cache_dir: Path | None = None
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template,
-    trained locally on CPython's own documentation and cached under ``cache_dir``.
+    trained locally on CPython's own documentation and cached under ``cache_dir`` (by
+    default ``$FEDCIUIC_CACHE/tokenizers``), the text's fingerprint beside it.
 
     Training is deterministic, but the text depends on the Python build, so parties
     that share a vocabulary must run the same Python; the cache key names the Python
