@@ -561,19 +561,10 @@ def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRe
         d = details_of(r)
         region, code = str(d.get("region")), str(d.get("agent_code", ""))
         recorded = joined.get(region)
-        rows.append(
-            (
-                _round(r),
-                region,
-                _text(d.get("agent_version")),
-                code[:16] or "-",
-                "region log not given"
-                if recorded is None
-                else "yes"
-                if recorded and recorded == code
-                else "NO",
-            )
-        )
+        same = "yes" if recorded and recorded == code else "NO"
+        if recorded is None:
+            same = "region log not given"
+        rows.append((_round(r), region, _text(d.get("agent_version")), code[:16] or "-", same))
     return _table(
         "Code",
         "Which code made each update that arrived: the region agent's fedciuic version and "
