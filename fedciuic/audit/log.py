@@ -707,10 +707,7 @@ class Verdict:
                 f"signed checkpoints, the last at seq {self.verified_through}{pruned}"
             )
         lines = [f"FAIL: {self.path}: {covered}"]
-        if self.problem:
-            lines.append(f"  {self.problem}")
-        if self.torn_tail:
-            lines.append(f"  {self.torn_tail}")
+        lines += [f"  {found}" for found in (self.problem, self.torn_tail) if found]
         if self.unsigned_tail and not self.problem:
             lines.append(
                 f"  {self.unsigned_tail} record(s) after the last checkpoint are not covered by a "
