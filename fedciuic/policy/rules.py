@@ -750,11 +750,7 @@ def check_run(region: str, loaded: LoadedPolicy, terms: RunTerms) -> Decision:
     reasons += _deid_reasons(p, terms.deid_entities)
     reasons += _release_reasons(p.privacy, terms.data_releases, "the run's replies")
     return Decision(
-        actor=region,
-        subject="run terms",
-        outcome="decline" if reasons else "accept",
-        reasons=tuple(reasons),
-        policy_hash=loaded.hash,
+        region, "run terms", "decline" if reasons else "accept", tuple(reasons), loaded.hash
     )
 
 
@@ -885,17 +881,13 @@ def check_update(
 ) -> Decision:
     """The aggregator's check of one reply against its sender's policy (fail closed);
     ``missing``: why there is no policy when ``loaded`` is None."""
+    subject = f"update from {facts.region}"
     if loaded is None:
-        return Decision(
-            "aggregator",
-            f"update from {facts.region}",
-            "reject",
-            (
-                f"no readable policy for {facts.sender_jurisdiction}; updates from "
-                f"{facts.region} are refused" + (f" ({missing})" if missing else ""),
-            ),
-            "",
+        refused = (
+            f"no readable policy for {facts.sender_jurisdiction}; updates from "
+            f"{facts.region} are refused" + (f" ({missing})" if missing else "")
         )
+        return Decision("aggregator", subject, "reject", (refused,), "")
     p = loaded.policy
     reasons = []
     if facts.policy_hash != loaded.hash:
@@ -954,11 +946,7 @@ def check_update(
         reasons.append(too_old)
     reasons += _transfer_reasons(p, run)
     return Decision(
-        "aggregator",
-        f"update from {facts.region}",
-        "reject" if reasons else "accept",
-        tuple(reasons),
-        loaded.hash,
+        "aggregator", subject, "reject" if reasons else "accept", tuple(reasons), loaded.hash
     )
 
 
