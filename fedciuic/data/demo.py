@@ -360,18 +360,15 @@ def _turn(role: str, content: str) -> dict[str, str]:
     return {ROLE: role, CONTENT: content}
 
 
-def _chars(record: dict[str, Any]) -> int:
-    return sum(len(value) for value in _strings(record))
-
-
-def _strings(value: object) -> list[str]:
+def _chars(value: object) -> int:
+    """The characters of every string in ``value``."""
     if isinstance(value, str):
-        return [value]
+        return len(value)
     if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
+        return sum(_chars(v) for v in value.values())
     if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return []
+        return sum(_chars(v) for v in value)
+    return 0
 
 
 def summary(doc: str, limit: int = ANSWER_CHARS) -> str:

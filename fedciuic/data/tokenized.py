@@ -504,13 +504,6 @@ class _Cut:
         return [(start, start + seq_len)]
 
 
-class _Discard:
-    """Where a scan's examples go: nowhere (only the counts are kept)."""
-
-    def write_batch(self, batch_examples: dict[str, list[Any]]) -> None:
-        del batch_examples
-
-
 def _count_record(counts: _Counts, item: _Item) -> int | None:
     """Count a valid record; its user key, if it names one."""
     summary = counts.summary
@@ -527,7 +520,7 @@ def _count_record(counts: _Counts, item: _Item) -> int | None:
 
 
 def _write_batch(
-    writer: ArrowWriter | _Discard,
+    writer: ArrowWriter | None,  # None: a scan's, which keeps only the counts
     batch: list[_Item],
     renderer: Renderer,
     tokenizer: PreTrainedTokenizerBase,
@@ -585,7 +578,7 @@ def _write_batch(
         summary.examples += wrote
         if not wrote:
             counts.dropped(prompt, longest)
-    if out[INPUT_IDS]:
+    if out[INPUT_IDS] and writer is not None:
         writer.write_batch(out)
 
 
@@ -626,7 +619,6 @@ def scan_examples(
     counts = _Counts(summary, keep_reasons)
     renderer = Renderer(tokenizer)
     cut = _Cut(seq_len, truncation_side)
-    sink = _Discard()
     sampled = 0
     unreadable: list[str] = []
     render_error: str | None = None
@@ -638,7 +630,7 @@ def scan_examples(
                 if room:
                     bad, reasons = summary.bad_rows, len(summary.bad_reasons)
                     try:
-                        _write_batch(sink, batch[:room], renderer, tokenizer, cut, counts)
+                        _write_batch(None, batch[:room], renderer, tokenizer, cut, counts)
                         sampled += len(batch[:room])
                     except DataError as err:  # the model's, not the rows': stop rendering
                         # (raised before any of the batch is counted, but rows the
