@@ -106,13 +106,7 @@ class ExampleSet:
         n = len(ids)
         owners = list(range(n)) if units is None else [int(u) for u in units]
         table = datasets.Dataset.from_dict(
-            {
-                INPUT_IDS: ids,
-                LABELS: ids,
-                RECORD: list(range(n)),
-                USER: owners,
-                BUCKET: [0.5] * n,
-            },
+            {INPUT_IDS: ids, LABELS: ids, RECORD: list(range(n)), USER: owners, BUCKET: [0.5] * n},
             features=FEATURES,
         )
         return cls(table, np.arange(n), np.asarray(owners, dtype=np.int64), pad_id)
@@ -130,8 +124,7 @@ class ExampleSet:
         """The examples at ``positions`` (indices into this set), right-padded."""
         picked = self.table[[int(self.rows[p]) for p in positions]]
         ids, labels = picked[INPUT_IDS], picked[LABELS]
-        width = max(len(x) for x in ids)
-        shape = (len(ids), width)
+        shape = (len(ids), max(len(x) for x in ids))
         input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
         label_ids = torch.full(shape, IGNORE, dtype=torch.long)
         mask = torch.zeros(shape, dtype=torch.long)

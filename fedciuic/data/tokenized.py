@@ -357,10 +357,7 @@ class _Item:
 
 
 def _batches(
-    sources: list[Source],
-    fields: Fields,
-    counts: _Counts,
-    scrubber: Scrubber | None = None,
+    sources: list[Source], fields: Fields, counts: _Counts, scrubber: Scrubber | None = None
 ) -> Iterator[list[_Item]]:
     batch: list[_Item] = []
     limit = counts.summary.max_record_bytes

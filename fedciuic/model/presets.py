@@ -376,11 +376,7 @@ TINY_VOCAB_SIZE = 1024
 
 
 def tiny_checkpoint(
-    family: str,
-    directory: Path,
-    *,
-    seed: int = 0,
-    tokenizer: PreTrainedTokenizerFast | None = None,
+    family: str, directory: Path, *, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None
 ) -> Path:
     """Save a tiny random-init model of ``family`` (transformers' own config class, so
     the Auto classes load it offline) and its tokenizer to ``directory``; the same seed
