@@ -263,24 +263,22 @@ def coincident(curves: Mapping[str, Any]) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _region_curve(
-    ax: Any,
-    points: Sequence[Sequence[float]],
-    region: str,
-    index: int,
-    label: str,
-    same: Sequence[str],
-) -> None:
-    """One region's curve in its own colour, marker and dash; among identical curves
-    (``same``), nested hollow markers, so that every region shows at every point."""
-    xs, ys = zip(*points, strict=True)
-    marker, dash = REGION_STYLES[index % len(REGION_STYLES)]
-    style: dict[str, Any] = {}
-    if len(same) > 1:
-        nested = len(same) - 1 - same.index(region)
-        style = {"markersize": 5 + 3.5 * nested, "markerfacecolor": "none", "markeredgewidth": 1.5}
-        label += f" (identical to {', '.join(r for r in same if r != region)})"
-    ax.plot(xs, ys, marker=marker, linestyle=dash, color=f"C{index % 10}", label=label, **style)
+def _region_curves(ax: Any, curves: Mapping[str, Any], order: dict[str, int], suffix: str) -> None:
+    """Each region's curve in its own colour, marker and dash; among identical curves,
+    nested hollow markers, so that every region shows at every point."""
+    same = {name: group for group in coincident(curves) for name in group}
+    for region, points in curves.items():
+        if region == OVERALL:
+            continue
+        xs, ys = zip(*points, strict=True)
+        index = order.get(region, len(order))
+        marker, dash = REGION_STYLES[index % len(REGION_STYLES)]
+        label, group, style = region + suffix, same.get(region, []), {}
+        if group:
+            size = 5 + 3.5 * (len(group) - 1 - group.index(region))  # the first, the largest
+            style = {"markersize": size, "markerfacecolor": "none", "markeredgewidth": 1.5}
+            label += f" (identical to {', '.join(r for r in group if r != region)})"
+        ax.plot(xs, ys, marker=marker, linestyle=dash, color=f"C{index % 10}", label=label, **style)
 
 
 def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
@@ -296,29 +294,19 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     rounds = list(values["rounds"])
     out: dict[str, Figure] = {}
 
-    def same_as(curves: Mapping[str, Any]) -> dict[str, list[str]]:
-        return {name: group for group in coincident(curves) for name in group}
-
     fig = Figure(figsize=(7, 3.6), dpi=100)
     ax = fig.add_subplot()
-    same = same_as(values["eval_loss"])
-    for name, points in values["eval_loss"].items():
-        if name == OVERALL:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, "k--", label="overall (by examples)")
-        else:
-            index = order.get(name, len(order))
-            _region_curve(ax, points, name, index, name, same.get(name, []))
+    _region_curves(ax, values["eval_loss"], order, "")
+    if OVERALL in values["eval_loss"]:  # (after the regions, as series() lists it)
+        xs, ys = zip(*values["eval_loss"][OVERALL], strict=True)
+        ax.plot(xs, ys, "k--", label="overall (by examples)")
     ax.set(xlabel="round (0 = before training)", ylabel="eval loss", title="Eval loss")
     _finish(fig, ax, rounds, values["eval_loss"])
     out["eval_loss"] = fig
 
     fig = Figure(figsize=(7, 3.6), dpi=100)
     ax = fig.add_subplot()
-    same = same_as(values["epsilon"])
-    for region, points in values["epsilon"].items():
-        index = order.get(region, len(order))
-        _region_curve(ax, points, region, index, f"{region} spent", same.get(region, []))
+    _region_curves(ax, values["epsilon"], order, " spent")
     by_budget: dict[float, list[str]] = {}
     for region, budget in values["epsilon_budget"].items():
         by_budget.setdefault(budget, []).append(region)
