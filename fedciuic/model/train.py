@@ -140,15 +140,15 @@ def shifted_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, 
     return logits[:, :-1, :], batch.labels[:, 1:]
 
 
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), reduction=reduction, ignore_index=IGNORE)
+
+
 def example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Each example's mean next-token cross-entropy over its labelled tokens, ``[B]``."""
     logits, targets = shifted_logits(model, batch)
-    per_token = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        reduction="none",
-        ignore_index=IGNORE,
-    ).view(targets.shape)
+    per_token = _cross_entropy(logits, targets, "none").view(targets.shape)
     counted = (targets != IGNORE).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
 
@@ -255,13 +255,6 @@ def evaluate(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -> E
     total, tokens = 0.0, 0
     for batch in examples.batches(batch_size):
         logits, targets = shifted_logits(net, batch.to(model.device))
-        total += float(
-            F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                targets.reshape(-1),
-                reduction="sum",
-                ignore_index=IGNORE,
-            )
-        )
+        total += float(_cross_entropy(logits, targets, "sum"))
         tokens += int((targets != IGNORE).sum())
     return EvalStats(loss=total / max(tokens, 1), num_examples=len(examples))
