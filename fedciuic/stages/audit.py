@@ -21,7 +21,6 @@ class AuditTrail(Protocol):
     @property
     def path(self) -> Path | None:
         """Where the log is (None: nowhere)."""
-        ...
 
     def append(
         self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
