@@ -552,10 +552,7 @@ COMMANDS: tuple[Command, ...] = (
         "every rule that differs between two policies (exit 1 if any)",
         "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
         commands.policy_diff,
-        arguments=(
-            arg("a", type=Path, metavar="A"),
-            arg("b", type=Path, metavar="B"),
-        ),
+        arguments=(arg("a", type=Path, metavar="A"), arg("b", type=Path, metavar="B")),
     ),
     Command(
         ("tls",),

@@ -103,9 +103,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
         f"{'region':<8} {'eval before':>11} {'after r' + str(last_round):>9} {'change':>8}"
         + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
         + (f" {'epsilon':>20}" if dp else "")
-        + f" {'bytes/round':>11}"
-        + f" {'steps/round':>12}"
-        + "  rounds"
+        + f" {'bytes/round':>11} {'steps/round':>12}  rounds"
     )
     lines = [
         f"fedciuic run {run.run_id}: {run.status}, "
