@@ -256,14 +256,6 @@ class _SecureNoiseOptimizer:
             _mark_as_processed(summed)
 
 
-def _with_secure_noise(optimizer: Any, noise: SecureNoise) -> Any:
-    """``optimizer`` (an Opacus DP optimizer, hooks or ghost) drawing ``noise`` in place."""
-    cls = type(optimizer)
-    optimizer.__class__ = type(f"SecureNoise{cls.__name__}", (_SecureNoiseOptimizer, cls), {})
-    optimizer.secure_noise = noise
-    return optimizer
-
-
 class _AcrossRanks:
     """Turns an Opacus DP optimizer into DP-DDP over the default process group: each
     rank clips and sums its own units, rank 0 alone adds the noise, and the sum over
@@ -288,11 +280,12 @@ class _AcrossRanks:
         return None
 
 
-def _across_ranks(optimizer: Any, rank: int) -> Any:
-    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) made DP-DDP in place."""
-    cls = type(optimizer)
-    optimizer.__class__ = type(f"AcrossRanks{cls.__name__}", (_AcrossRanks, cls), {})
-    optimizer.rank = rank
+def _mixed(optimizer: Any, mixin: type, **attrs: Any) -> Any:
+    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) with ``mixin``'s methods
+    over its own and ``attrs`` set, in place."""
+    cls, name = type(optimizer), mixin.__name__.strip("_").removesuffix("Optimizer")
+    optimizer.__class__ = type(f"{name}{cls.__name__}", (mixin, cls), {})
+    vars(optimizer).update(attrs)
     return optimizer
 
 
@@ -366,10 +359,8 @@ class PrivateTrainer:
         seeded from the operating system. ``units``: the count the rate and averaging
         follow from (the run's DP count), where not the examples' own.
         ``physical_batch``: most examples in one pass (0: the whole batch)."""
-        self.model = model
+        self.model, self.mode, self.examples = model, mode, examples
         self.physical_batch = physical_batch
-        self.mode = mode
-        self.examples = examples
         self.units = examples.grouped
         self.per_unit = min(max_examples_per_unit, self.units.largest)
         engine = _Engine(_take_parked(model, mode))
@@ -382,12 +373,10 @@ class PrivateTrainer:
             sample_gen = seeded_generator("cpu", seed + 1 + shard.rank)
             self.generator_kind = f"torch generator on {device} seeded from the run config"
         else:
-            # Noise is drawn where the parameters are; Poisson sampling runs on the CPU
-            # (Opacus' sampler draws a CPU tensor).
+            # Noise is drawn where the parameters are; Opacus' sampler draws on the CPU.
             noise_gen, self.generator_kind = secure_generator(device)
             sample_gen, _ = secure_generator("cpu")
-        self.noise_generator = noise_gen
-        self.sample_generator = sample_gen
+        self.noise_generator, self.sample_generator = noise_gen, sample_gen
         # Opacus Poisson-samples the units' numbers; each step then gathers their examples.
         loader = DataLoader(TensorDataset(torch.arange(self.units.count)), batch_size=batch_size)
         opt = make_optimizer(optimizer, model.trainable_parameters(), learning_rate)
@@ -405,8 +394,7 @@ class PrivateTrainer:
             max_grad_norm=max_grad_norm,
             poisson_sampling=True,
             grad_sample_mode=mode,
-            # Ghost clipping needs Opacus' wrapper module; hooks mode works on the
-            # model itself, so the cached model stays untouched between rounds.
+            # Ghost clipping needs Opacus' wrapper; hooks mode leaves the cached model as is.
             wrap_model=mode == "ghost",
             noise_generator=noise_gen,
         )
@@ -420,20 +408,20 @@ class PrivateTrainer:
             self.net = model.model
         # Checkpointed layers are recomputed in the backward pass: the hooks skip that.
         self._stack.enter_context(pause_on_recompute(self.hooks))
-        # Opacus' secure noise: each draw is a sum of Gaussians (floating-point attacks),
-        # drawn in parallel streams, each from its own OS-seeded generator.
+        # Opacus' secure noise (sums of Gaussians, against floating-point attacks).
         self.optimizer.secure_mode = secure_mode
         self.secure_noise: SecureNoise | None = None
         if secure_mode:
             # One stream per thread torch computes with (a ClientApp's CPU share).
             self.secure_noise = SecureNoise(noise_gen, torch.get_num_threads())
             self._stack.callback(self.secure_noise.close)
-            self.optimizer = _with_secure_noise(self.optimizer, self.secure_noise)
+            self.optimizer = _mixed(
+                self.optimizer, _SecureNoiseOptimizer, secure_noise=self.secure_noise
+            )
         self.loader = switch_generator(data_loader=self.loader, generator=sample_gen)
         passes = len(loader)
         if units is not None:
-            # Sampled at the rate the DP count sets, averaged over the batch it expects:
-            # neither depends on the exact count (docs/privacy.md).
+            # Rate and averaging from the DP count, not the exact one (docs/privacy.md).
             passes = math.ceil(units / batch_size)
             self.loader = DPDataLoader(
                 TensorDataset(torch.arange(self.units.count)),
@@ -442,20 +430,16 @@ class PrivateTrainer:
             )
             self.optimizer.expected_batch_size = int(units / passes)
         self.sample_rate = 1.0 / passes
-        self.shard = shard
         if shard.distributed:
-            self.optimizer = _across_ranks(self.optimizer, shard.rank)
+            self.optimizer = _mixed(self.optimizer, _AcrossRanks, rank=shard.rank)
             if self.criterion is not None:
                 self.criterion.optimizer = self.optimizer
             self.loader = _ShardSampler(
                 shard, self.units.count, self.sample_rate, passes, sample_gen
             )
-        self.max_examples_per_unit = max_examples_per_unit
-        self.batch_size = batch_size
-        #: DP-SGD steps taken (each one noised, empty batches included), and how many
-        #: of them had an empty Poisson batch.
-        self.steps_taken = 0
-        self.empty_steps = 0
+        self.max_examples_per_unit, self.batch_size = max_examples_per_unit, batch_size
+        #: DP-SGD steps taken (each one noised), and how many had an empty Poisson batch.
+        self.steps_taken = self.empty_steps = 0
 
     @classmethod
     def for_run(
@@ -482,8 +466,7 @@ class PrivateTrainer:
             max_grad_norm=dp.max_grad_norm,
             mode=dp.dp_mode,
             secure_mode=dp.secure_mode,
-            # The run config's seed (which the aggregator chooses) never reaches the
-            # noise unless the run explicitly asks for insecure reproducible noise.
+            # The run config's seed is the aggregator's: it reaches the noise only on request.
             seed=seed if dp.insecure_reproducible_noise else None,
             optimizer=local.optimizer,
             shard=shard,

@@ -14,6 +14,7 @@ import binascii
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -46,16 +47,10 @@ from fedciuic.opacus_logging import undo_opacus_basic_config
 undo_opacus_basic_config()
 
 
-def _memoise_rdp() -> None:
-    """Cache Opacus' RDP of one subsampled Gaussian step: PRV bounds its domain with RDP,
-    and each round's projection would redo the same series. It is pure, so caching it
-    changes no figure."""
-    compute = opacus_rdp._compute_rdp
-    if not hasattr(compute, "cache_info"):
-        opacus_rdp._compute_rdp = lru_cache(maxsize=4096)(compute)
-
-
-_memoise_rdp()
+# Cache Opacus' RDP of one subsampled Gaussian step: PRV bounds its domain with RDP, and
+# each round's projection would redo the same series. It is pure: caching changes no figure.
+if not hasattr(opacus_rdp._compute_rdp, "cache_info"):
+    opacus_rdp._compute_rdp = lru_cache(maxsize=4096)(opacus_rdp._compute_rdp)
 log = logging.getLogger(__name__)
 
 LEDGER_FORMAT: Literal["fedciuic-privacy-ledger/1"] = "fedciuic-privacy-ledger/1"
@@ -71,9 +66,8 @@ class PrivacyError(FedciuicError):
     """A DP setting or a privacy ledger is invalid; the region must not train."""
 
 
-#: Slack for the accountant's numerics when a run's spend is compared with its cap
-#: (a history of several (noise, rate) entries composes in another order than the
-#: calibration's).
+#: Slack for the accountant's numerics when a run's spend is compared with its cap (its
+#: history composes in another order than the calibration's).
 CAP_TOLERANCE = 1e-6
 
 
@@ -113,9 +107,8 @@ def _epsilon(history: tuple[Step, ...], delta: float, accountant: Accountant) ->
     return float(acc.get_epsilon(delta=delta))
 
 
-#: How close under its target a calibrated run's epsilon ends (Opacus'
-#: ``get_noise_multiplier`` default), and the bracket's relative width at which the
-#: search stops anyway (the accountant's own numerics are coarser).
+#: How close under its target a calibrated run's epsilon ends (Opacus' default), and the
+#: bracket's relative width at which the search stops anyway (the accountant is coarser).
 EPSILON_TOLERANCE = 0.01
 _WIDTH = 1e-3
 #: A noise multiplier past which no target is reachable in practice.
@@ -262,15 +255,13 @@ def remembered_noise(
 
 
 def dp_mean_step(noise: float) -> Step:
-    """One DP mean's release (a sum and a count, each with Gaussian noise: L2 sensitivity
-    sqrt 2 in the noise's units; :func:`fedciuic.privacy.dpsgd.dp_mean`) as the
-    accountant composes it."""
+    """One DP mean's release (:func:`fedciuic.privacy.dpsgd.dp_mean`: L2 sensitivity
+    sqrt 2 in the noise's units) as the accountant composes it."""
     return (noise / math.sqrt(2.0), 1.0, 1)
 
 
 def count_steps(dp: DPSettings) -> tuple[Step, ...]:
-    """A run's DP count of units (sensitivity 1) as the accountant composes it; none
-    without count-noise."""
+    """A run's DP count of units (sensitivity 1) as the accountant composes it, if any."""
     return ((dp.count_noise, 1.0, 1),) if dp.dp and dp.count_noise > 0 else ()
 
 
@@ -281,9 +272,8 @@ def evaluations(dp: DPSettings, rounds: int) -> int:
 
 
 def run_prefix(dp: DPSettings, rounds: int) -> tuple[Step, ...]:
-    """What a run releases besides its rounds, which the rounds' noise leaves room for
-    in its target (:func:`calibrate_noise_after`): its DP count, and its DP evaluations
-    at their most."""
+    """What a run releases besides its rounds, which their noise leaves room for: its DP
+    count, and its DP evaluations at their most."""
     return (*count_steps(dp), *[dp_mean_step(dp.eval_noise)] * evaluations(dp, rounds))
 
 
@@ -312,9 +302,7 @@ class LedgerHeader(_Record):
 
 
 class LedgerRound(_Record):
-    """One release: a round's update (``training``), the run's DP count of the
-    dataset's units (``counts``: :func:`count_steps`) or a DP held-out loss
-    (``evaluation``: :func:`dp_mean_step`), each a step at rate 1 besides the rounds;
+    """One release (a round's update, the run's DP count of units, or a DP held-out loss),
     what it cost and where the accounting stands after it."""
 
     kind: Literal["round"]
@@ -353,15 +341,12 @@ def chain_head(previous: str | None, line: bytes) -> str:
 
 @dataclass(frozen=True)
 class LedgerWitness:
-    """What the region's audit log says its ledger held: the most releases it saw (and
-    the head at that length), and the highest cumulative epsilon it recorded."""
+    """What the region's audit log says its ledger held (see :func:`audit_witness`)."""
 
     source: Path
     releases: int = 0
     head: str = ""
     epsilon: float = 0.0
-    #: For each witnessed release k: (head after k, the ledger's line k, its header line).
-    lines: dict[int, tuple[str, bytes, bytes]] = field(default_factory=dict)
 
 
 class PrivacyLedger:
@@ -380,9 +365,7 @@ class PrivacyLedger:
         rounds: list[LedgerRound],
         lines: list[bytes] | None = None,
     ) -> None:
-        self.path = path
-        self.header = header
-        self.rounds = rounds
+        self.path, self.header, self.rounds = path, header, rounds
         if lines is None:
             lines = [header.model_dump_json().encode(), *(r.line() for r in rounds)]
         #: The file's lines as written (without newlines): lines[0] is the header.
@@ -434,7 +417,11 @@ class PrivacyLedger:
             raw = path.read_bytes()
         except OSError as err:
             raise PrivacyError(f"{path}: cannot read the privacy ledger ({err.strerror})") from None
-        fix = _damage_fix(path)
+        fix = (
+            "keep this file as evidence; if the region's audit log witnessed its releases, "
+            f"rebuild it with `fedciuic ledger rebuild --state-path {path.parent}`; never "
+            "delete the ledger or restore an older copy to reset the budget"
+        )
         if raw and not raw.endswith(b"\n"):
             raise PrivacyError(f"{path}: the last line is truncated (no newline); {fix}")
         lines = raw.split(b"\n")[:-1] if raw else []
@@ -577,9 +564,8 @@ class PrivacyLedger:
     def admit(
         self, step: Step, *, budget: float, run_id: int, server_round: int, cap: tuple[float, str]
     ) -> tuple[float, float]:
-        """The dataset's and run ``run_id``'s epsilon if ``step`` is released next, or
-        :class:`BudgetExhausted` over the dataset's ``budget`` and
-        :class:`RunBudgetExceeded` over the run's ``cap`` (its value and where it is set)."""
+        """The dataset's and run ``run_id``'s epsilon if ``step`` is released next, within
+        the dataset's ``budget`` and the run's ``cap`` (its value and where it is set)."""
         after = self.epsilon_after(step)
         where = f"delta {self.header.delta:g}, ledger {self.path}"
         if after > budget:
@@ -666,8 +652,7 @@ class PrivacyLedger:
 def _parse_lines(
     path: Path, lines: list[bytes], fix: str
 ) -> tuple[LedgerHeader, list[LedgerRound]]:
-    """The header and the rounds of a ledger's lines; the first bad line is a
-    :class:`PrivacyError` naming ``path:LINE``."""
+    """The header and the rounds of a ledger's lines; the first bad one is refused."""
     header: LedgerHeader | None = None
     rounds: list[LedgerRound] = []
     for lineno, line in enumerate(lines, start=1):
@@ -687,14 +672,6 @@ def _parse_lines(
     return header, rounds
 
 
-def _damage_fix(path: Path) -> str:
-    return (
-        "keep this file as evidence; if the region's audit log witnessed its releases, "
-        f"rebuild it with `fedciuic ledger rebuild --state-path {path.parent}`; never "
-        "delete the ledger or restore an older copy to reset the budget"
-    )
-
-
 # -- the audit log as the ledger's witness ----------------------------------------------
 
 
@@ -705,19 +682,14 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
     if not audit_path.exists():
         return None
     releases, head, epsilon = 0, "", 0.0
-    lines: dict[int, tuple[str, bytes, bytes]] = {}
     for _, details in _witnesses(audit_path, region, dataset):
         eps = details.get("epsilon")
         if isinstance(eps, int | float) and math.isfinite(eps):
             epsilon = max(epsilon, float(eps))
         seen = _witnessed(details.get("ledger"))
-        if seen is None:
-            continue
-        count, at, line, header = seen
-        lines[count] = (at, line, header)
-        if count >= releases:  # the latest witness of the longest ledger
-            releases, head = count, at
-    return LedgerWitness(audit_path, releases, head, epsilon, lines)
+        if seen is not None and seen[0] >= releases:  # the latest witness of the longest
+            releases, head = seen[0], seen[1]
+    return LedgerWitness(audit_path, releases, head, epsilon)
 
 
 def _witnesses(
@@ -828,7 +800,8 @@ def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Re
     audit_path = state_dir / REGION_LOG
     with locked(path):
         files = [_read_file(path, "current ledger")] if path.exists() else []
-        kept = [_read_file(p, "kept aside by an earlier rebuild") for p in _kept_aside(path)]
+        earlier = sorted(path.parent.glob(f"{path.name}{KEPT_ASIDE}*"))
+        kept = [_read_file(p, "kept aside by an earlier rebuild") for p in earlier]
         files += kept
         header = _identity(files, audit_path)
         audit = _read_audit(audit_path, header) if header is not None else None
@@ -976,13 +949,7 @@ def _release_at(line: bytes) -> tuple[int, float] | None:
     except ValueError:
         return None
     history = record.accountant_state.get("history")
-    if not isinstance(history, list) or not history:
-        return None
-    return len(history), record.epsilon
-
-
-def _kept_aside(path: Path) -> list[Path]:
-    return sorted(path.parent.glob(f"{path.name}{KEPT_ASIDE}*"))
+    return (len(history), record.epsilon) if isinstance(history, list) and history else None
 
 
 def _aside_name(path: Path) -> Path:
@@ -1015,8 +982,7 @@ def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
 
 
 def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
-    """What the region's audit log witnessed of this dataset's ledger: the head after
-    each witnessed release, its line and header, and every epsilon it recorded."""
+    """What the region's audit log witnessed of this dataset's ledger, for a rebuild."""
     if not audit_path.exists():
         return None
     read = _Read(audit_path, "region audit log")
@@ -1122,8 +1088,7 @@ def _now() -> str:
 
 
 def rebuild_ledger_command(state_path: Path, aggregator_log: Path | None = None) -> int:
-    """``fedciuic ledger rebuild --state-path DIR [--aggregator-log FILE]``:
-    :func:`rebuild_ledger`, with what each source showed, refused or not."""
+    """``fedciuic ledger rebuild``: :func:`rebuild_ledger`, with what each source showed."""
     try:
         done = rebuild_ledger(
             state_path.expanduser(),
@@ -1134,10 +1099,8 @@ def rebuild_ledger_command(state_path: Path, aggregator_log: Path | None = None)
         raise
     _print_sources(done.sources)
     k = 1
-    while k <= len(done.origins):
-        held, last = done.origins[k - 1], k
-        while last < len(done.origins) and done.origins[last] == held:
-            last += 1
+    for held, run in itertools.groupby(done.origins):
+        last = k + len(list(run)) - 1
         which = f"release {k}" if last == k else f"releases {k}-{last}"
         print(f"{which}: from {', '.join(p.name for p in held)}")
         k = last + 1

@@ -9,6 +9,7 @@ parallel OS-seeded generators, instead of Opacus' serial draws per tensor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,13 +26,11 @@ def secure_generator(device: torch.device | str = "cpu") -> tuple[torch.Generato
     64 bits of ``os.urandom``: unpredictable, but not itself a CSPRNG (docs/privacy.md)."""
     device = torch.device(device)
     if device.type == "cpu":
-        try:
+        with contextlib.suppress(ImportError):
             import torchcsprng
 
             gen: torch.Generator = torchcsprng.create_random_device_generator("/dev/urandom")
             return gen, "torchcsprng"
-        except ImportError:
-            pass
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
     return gen, f"torch generator on {device} seeded from os.urandom"
