@@ -95,9 +95,7 @@ def backend_for(device: torch.device) -> str:
 def placeable(device: torch.device) -> int:
     """How many training processes this machine can place: one per GPU, or per CPU core
     (a gloo rank without a core of its own stalls every collective of the others)."""
-    if device.type == "cuda":
-        return torch.cuda.device_count()
-    return os.cpu_count() or 1
+    return torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
 
 
 def check_placement(count: int, device: torch.device, *, key: str) -> None:
@@ -125,11 +123,9 @@ def store_host(world: World) -> str:
     machine, whatever MASTER_ADDR says (nothing off the host needs it), else MASTER_ADDR."""
     if world.local_world_size < world.world_size:
         return world.master_addr
-    try:
+    with contextlib.suppress(ValueError):
         if ipaddress.ip_address(world.master_addr).is_loopback:
             return world.master_addr
-    except ValueError:
-        pass
     return LOOPBACK
 
 

@@ -385,12 +385,10 @@ class TrainingCluster:
     def _death_error(self, died: tuple[int, int, int], during: str) -> ClusterError:
         rank, pid, code = died
         tail = ""
-        try:
+        with suppress(OSError):
             lines = (self.logs / f"rank-{rank}.log").read_text(errors="replace").splitlines()
             last = [line for line in lines if line.strip()][-1:]
             tail = f" (its log ends: {last[0][:200]})" if last and code > 0 else ""
-        except OSError:
-            pass
         return ClusterError(
             f"{self.name}: training process rank {rank} (pid {pid}) died "
             f"({describe_exit(code)}) during {during}{tail}; the round fails for this region "
@@ -491,10 +489,7 @@ class TrainingCluster:
         self._watcher = None
         leave()
         self.workers.clear()
-        self.store = None
-        self.world = None
-        self._dead = None
-        self._seq = 0
+        self.store, self.world, self._dead, self._seq = None, None, None, 0
 
     def _kill_all(self) -> None:
         for proc in self.workers.values():

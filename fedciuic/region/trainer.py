@@ -270,19 +270,16 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
     }
     if math.isfinite(outcome.stats.loss):  # NaN: every step drew an empty batch
         metrics["train-loss"] = outcome.stats.loss
-    if outcome.privacy is not None:
-        p = outcome.privacy
-        metrics.update(
-            {
-                "epsilon": p.epsilon,
-                "epsilon-budget": p.epsilon_budget,
-                "delta": p.delta,
-                "noise-multiplier": p.noise_multiplier,
-                "sample-rate": p.sample_rate,
-                "secure-mode": int(p.secure_mode),
-                "max-grad-norm": p.max_grad_norm,
-            }
-        )
+    if (p := outcome.privacy) is not None:
+        metrics |= {
+            "epsilon": p.epsilon,
+            "epsilon-budget": p.epsilon_budget,
+            "delta": p.delta,
+            "noise-multiplier": p.noise_multiplier,
+            "sample-rate": p.sample_rate,
+            "secure-mode": int(p.secure_mode),
+            "max-grad-norm": p.max_grad_norm,
+        }
     return metrics
 
 
@@ -557,9 +554,7 @@ class Region:
     """A region's model and data, loaded from its own data-path only."""
 
     def __init__(self, run: RunConfig, node: NodeConfig) -> None:
-        self.run = run
-        self.node = node
-        self.name = node.region
+        self.run, self.node, self.name = run, node, node.region
         if run.privacy.noise_warning:
             warn_once(run.privacy.noise_warning)
         # Whether pickle weights load is the region's own word (its agent config).
