@@ -290,11 +290,8 @@ class TrainingCluster:
                 timeout=timeout,
                 what=self.name,
             )
-            config = {
-                "run": self.run.flat(),
-                "node": self.node.model_dump(mode="json", by_alias=True),
-            }
-            self.store.set(CONFIG_KEY, json.dumps(config))
+            node = self.node.model_dump(mode="json", by_alias=True)
+            self.store.set(CONFIG_KEY, json.dumps({"run": self.run.flat(), "node": node}))
             self._await(READY_KEY, world, starting, "load the model and data")
             self._check_loaded(world)
             if self.node.sharded(self.run):  # each rank keeps its slice from now on
