@@ -897,6 +897,12 @@ class NodeConfig(_Strict):
             return run.model.allow_pickle_weights
         return self.allow_pickle_weights
 
+    def model_spec(self, run: RunConfig) -> ModelSpec:
+        """The run's model as this region loads it: pickle weights on the region's own word."""
+        return run.model.model_copy(
+            update={"allow_pickle_weights": self.allows_pickle_weights(run)}
+        )
+
     @property
     def state_dir(self) -> Path:
         return Path(self.state_path or Path(self.data_path) / ".fedciuic").expanduser()

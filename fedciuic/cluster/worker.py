@@ -104,10 +104,7 @@ def serve(world: World) -> None:
         config = json.loads(store.get(CONFIG_KEY))
         run = RunConfig.from_user_config(config["run"], source="run config")
         node = NodeConfig.from_user_config(config["node"], source="node config")
-        spec = run.model.model_copy(
-            update={"allow_pickle_weights": node.allows_pickle_weights(run)}
-        )
-        model = AdapterModel(spec, device=device, skeleton=node.sharded(run))
+        model = AdapterModel(node.model_spec(run), device=device, skeleton=node.sharded(run))
         data = load_region_data(run, node, model.tokenizer)
         store.set(
             f"{READY_KEY}{world.rank}", json.dumps([model.base_fingerprint, data.fingerprint])

@@ -557,13 +557,9 @@ class Region:
         self.run, self.node, self.name = run, node, node.region
         if run.privacy.noise_warning:
             warn_once(run.privacy.noise_warning)
-        # Whether pickle weights load is the region's own word (its agent config).
-        spec = run.model.model_copy(
-            update={"allow_pickle_weights": node.allows_pickle_weights(run)}
-        )
         check_sharding(run, node)
         # A sharded base is never whole here: each training process reads its slice.
-        self.model = AdapterModel(spec, skeleton=node.sharded(run))
+        self.model = AdapterModel(node.model_spec(run), skeleton=node.sharded(run))
         #: The run's local training, with the region's own physical batch.
         self.local: LocalTraining = node.training(run)
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
