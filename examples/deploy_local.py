@@ -27,6 +27,7 @@ from fedciuic.audit.report import check_and_report
 from fedciuic.crypto.parties import generate_federation_keys
 from fedciuic.crypto.tls import generate_server_tls, generate_supernode_key
 from fedciuic.data.demo import write_demo_corpora
+from fedciuic.data.demo_pii import DEMO_DICTIONARIES
 from fedciuic.errors import EXIT_OK
 from fedciuic.flower.launch import LocalFederation
 from fedciuic.flower.relay import AGENT
@@ -43,6 +44,12 @@ def main() -> int:
     parser.add_argument("--regions", default="eu,cn,us")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data-root", type=Path, help="one folder per region (default: demo data)")
+    parser.add_argument(
+        "--deid-dictionaries",
+        type=Path,
+        help="one <region>.txt of names per region, which the CN and EU policies require "
+        "(default: the demo data's)",
+    )
     parser.add_argument("--output-dir", type=Path, default=ROOT / "runs")
     parser.add_argument(
         "--insecure", action="store_true", help="no TLS, no SuperNode authentication"
@@ -55,6 +62,9 @@ def main() -> int:
         data_root = args.data_root or Path(tmp) / "data"
         if args.data_root is None:
             write_demo_corpora(data_root, regions)
+        dictionaries = args.deid_dictionaries or (
+            data_root / DEMO_DICTIONARIES if args.data_root is None else None
+        )
         # One folder of keys for the demo; in a real deployment each party makes its own.
         keys = generate_federation_keys(Path(tmp) / "keys", regions)
         # Each region enforces its own jurisdiction's policy; the shipped ones here.
@@ -79,6 +89,7 @@ def main() -> int:
                     aggregator_bundle=str(keys / "aggregator.pub.json"),
                     policy=str(policies.require(region.upper()).path),
                     socket=str(Path(tmp) / "agents" / region / "agent.sock"),
+                    deid_dictionary=str(dictionaries / f"{region}.txt") if dictionaries else "",
                 )
                 config = Path(tmp) / f"{region}.agent.toml"
                 config.write_text(agent.toml())
