@@ -135,12 +135,15 @@ class ExampleSet:
             mask[i, :n] = 1
         return Batch(input_ids, label_ids, mask)
 
-    def batches(self, size: int) -> list[Batch]:
-        """The whole set in order, ``size`` examples at a time (evaluation)."""
-        return [
-            self.batch(range(start, min(start + size, len(self))))
-            for start in range(0, len(self), size)
-        ]
+    def batches(self, size: int) -> list[tuple[np.ndarray, Batch]]:
+        """The whole set, ``size`` examples at a time, each batch with its examples'
+        positions (evaluation): shortest first, as ``group_by_length`` does, so that a
+        batch pads to lengths like its own rather than the set's longest."""
+        if not len(self):
+            return []
+        lengths = [len(x) for x in self.table[[int(r) for r in self.rows]][INPUT_IDS]]
+        order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+        return [(part, self.batch(part)) for part in np.split(order, range(size, len(self), size))]
 
 
 @dataclass(frozen=True)

@@ -159,12 +159,10 @@ def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -
     clips and sums these, one bounded term a unit)."""
     net = model.model
     net.eval()
-    losses = torch.cat(
-        [
-            example_losses(net, b.to(model.device)).double().cpu()
-            for b in examples.batches(batch_size)
-        ]
-    )
+    losses = torch.empty(len(examples), dtype=torch.float64)
+    for positions, batch in examples.batches(batch_size):
+        batch_losses = example_losses(net, batch.to(model.device)).double().cpu()
+        losses[torch.as_tensor(positions)] = batch_losses
     units = examples.grouped
     return [float(losses[units.examples(u)].mean()) for u in range(units.count)]
 
@@ -253,7 +251,7 @@ def evaluate(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -> E
     net = model.model
     net.eval()
     total, tokens = 0.0, 0
-    for batch in examples.batches(batch_size):
+    for _, batch in examples.batches(batch_size):
         logits, targets = shifted_logits(net, batch.to(model.device))
         total += float(_cross_entropy(logits, targets, "sum"))
         tokens += int((targets != IGNORE).sum())

@@ -2,15 +2,19 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import numpy as np
 import pytest
 import torch
 
 from fedciuic.config import ModelSpec
+from fedciuic.data.corpus import ExampleSet
+from fedciuic.data.tokenized import BUCKET, FEATURES, INPUT_IDS, LABELS, RECORD, USER
 from fedciuic.errors import ModelError
 from fedciuic.model.adapter import AdapterModel, check_model_spec, save_model_checkpoint
 from fedciuic.model.families import MLA as ATTENTION_TARGETS
 from fedciuic.model.presets import byte_tokenizer, preset_config
+from fedciuic.model.train import evaluate, unit_losses
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +140,42 @@ def test_checkpoint_without_weights_is_refused_with_the_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_config("tiny").to_dict()))
     with pytest.raises(ModelError, match=str(tmp_path)):
         AdapterModel(ModelSpec(model_path=str(tmp_path)), device=torch.device("cpu"))
+
+
+def _rows(lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 200, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _ragged(ids: list[list[int]]) -> ExampleSet:
+    """Examples of these tokens (each its own unit), every token trained on."""
+    table = datasets.Dataset.from_dict(
+        {
+            INPUT_IDS: ids,
+            LABELS: ids,
+            RECORD: list(range(len(ids))),
+            USER: list(range(len(ids))),
+            BUCKET: [0.5] * len(ids),
+        },
+        features=FEATURES,
+    )
+    return ExampleSet(table, np.arange(len(ids)), np.arange(len(ids)), 0)
+
+
+def test_evaluation_batches_group_examples_of_like_length_and_cover_each_once():
+    lengths = [30, 4, 17, 5, 29, 16, 6]
+    batches = _ragged(_rows(lengths)).batches(2)
+    seen = np.concatenate([positions for positions, _ in batches])
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+    assert [lengths[p] for p in seen] == sorted(lengths)  # shortest first
+    for positions, batch in batches:
+        assert batch.input_ids.shape == (len(positions), max(lengths[p] for p in positions))
+
+
+def test_each_units_held_out_loss_is_its_own_whatever_the_batch_order(tiny):
+    rows = _rows([30, 4, 17, 5, 29])
+    one_by_one = [unit_losses(tiny, _ragged([row]), batch_size=1)[0] for row in rows]
+    assert unit_losses(tiny, _ragged(rows), batch_size=2) == pytest.approx(one_by_one, rel=1e-4)
+    tokens = [len(row) - 1 for row in rows]
+    want = sum(loss * t for loss, t in zip(one_by_one, tokens, strict=True)) / sum(tokens)
+    assert evaluate(tiny, _ragged(rows), batch_size=2).loss == pytest.approx(want, rel=1e-4)
