@@ -326,3 +326,18 @@ def test_residual_survives_and_corruption_is_refused(tmp_path, x):
     ErrorFeedback(tmp_path / "r2.bin", codec, "layout1", N).save(x)
     with pytest.raises(ResidualError, match="this run uses 'int8'"):
         ErrorFeedback(tmp_path / "r2.bin", get_codec("int8"), "layout1", N).load()
+
+
+@pytest.mark.parametrize("spec", ["dense", "int8", "topk-int8:0.1"])
+def test_a_decoded_updates_norm_and_weighted_sum_span_the_whole_update(spec):
+    # Longer than one span, and not a multiple of it: the last, partial span counts too.
+    x = np.random.default_rng(5).normal(size=(1 << 17) + 321).astype(np.float32)
+    codec = get_codec(spec)
+    decoded = codec.decode(codec.encode(x, np.random.default_rng(0)), x.size)
+    dense = decoded.dense(x.size).astype(np.float64)
+    assert decoded.norm() == pytest.approx(float(np.linalg.norm(dense)), rel=1e-12)
+    acc = np.ones(x.size)
+    decoded.add_into(acc, 0.5)
+    want = np.ones(x.size)
+    want += np.float32(0.5) * decoded.dense(x.size)
+    assert np.array_equal(acc, want)

@@ -118,7 +118,7 @@ def check(
             "implausible count would dominate the weighted mean"
         )
     decoded = codec.decode(data, n)  # codec, size, structure and finite values
-    norm = float(np.linalg.norm(decoded.values.astype(np.float64)))
+    norm = decoded.norm()
     scale = 1.0
     if bounds.max_norm and norm > bounds.max_norm:
         if bounds.norm_action == "reject":
@@ -165,11 +165,13 @@ class Accumulator:
     def mean(self) -> np.ndarray:
         if self.count == 0:
             raise ValueError("no update was added")
-        mean = self.total / self.weight
+        mean = np.empty(self.n, np.float32)  # computed in float64, stored as float32
         rescale = self.weighted_steps / (self.first_steps * self.weight)  # tau_eff / tau_0
-        if rescale != 1.0:
-            mean *= rescale
-        return mean.astype(np.float32)
+        if rescale == 1.0:
+            np.divide(self.total, self.weight, out=mean, casting="same_kind")
+        else:
+            np.multiply(self.total / self.weight, rescale, out=mean, casting="same_kind")
+        return mean
 
 
 class Robust:

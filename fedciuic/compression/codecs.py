@@ -54,6 +54,14 @@ INT2 = _Values(value_coding.int2_encode, value_coding.int2_decode)
 SIGN = _Values(value_coding.sign_encode, value_coding.sign_decode)
 
 
+#: Entries per span of a whole-update pass: its float64 scratch stays in the cache.
+_SPAN = 1 << 16
+
+
+def _spans(n: int) -> list[slice]:
+    return [slice(start, start + _SPAN) for start in range(0, n, _SPAN)]
+
+
 @dataclass(frozen=True)
 class Sparse:
     """A decoded update as (sorted unique indices, values); dense codecs use all indices."""
@@ -64,9 +72,18 @@ class Sparse:
     def add_into(self, acc: np.ndarray, weight: float) -> None:
         """``acc += weight * update`` without materialising a dense copy for sparse ones."""
         if self.indices is None:
-            acc += weight * self.values
+            for part in _spans(self.values.size):  # no update-sized temporary
+                acc[part] += weight * self.values[part]
         else:
             acc[self.indices] += weight * self.values  # indices are unique
+
+    def norm(self) -> float:
+        """The L2 norm, summed in float64 a span at a time (no float64 copy of the update)."""
+        total = 0.0
+        for part in _spans(self.values.size):
+            wide = self.values[part].astype(np.float64)
+            total += float(wide @ wide)
+        return math.sqrt(total)
 
     def subtract_from(self, acc: np.ndarray) -> None:
         """``acc -= update`` in place, without a dense copy of the update."""
