@@ -72,14 +72,21 @@ def _quantise(x: np.ndarray, levels: int, rng: np.random.Generator) -> tuple[byt
     chunks = _chunks(x)
     peak = np.maximum(chunks.max(axis=1), -chunks.min(axis=1))  # max |x|, no |x| copy
     scales = (peak / levels).astype(np.float32)
-    q = (chunks / np.where(scales > 0, scales, np.float32(1.0))[:, None]).reshape(-1)[: x.size]
+    divisors = np.where(scales > 0, scales, np.float32(1.0))[:, None]
+    out = np.empty(x.size, np.int8)
+    scratch = np.empty((min(_DRAWS, chunks.size) // CHUNK, CHUNK), np.float32)
     draws = np.empty(min(_DRAWS, x.size), np.float32)
-    for start in range(0, x.size, _DRAWS):  # the same stream as one call would draw
-        part = q[start : start + _DRAWS]
-        part += rng.random(out=draws[: part.size], dtype=np.float32)
-    np.floor(q, out=q)
-    np.clip(q, -levels, levels, out=q)
-    return scales.tobytes(), q.astype(np.int8)
+    rows = _DRAWS // CHUNK
+    for start in range(0, x.size, _DRAWS):  # a span at a time: no update-sized scratch
+        row = start // CHUNK
+        span = chunks[row : row + rows]
+        q = np.divide(span, divisors[row : row + rows], out=scratch[: len(span)])
+        part = q.reshape(-1)[: min(_DRAWS, x.size - start)]
+        part += rng.random(out=draws[: part.size], dtype=np.float32)  # one call's stream
+        np.floor(part, out=part)
+        np.clip(part, -levels, levels, out=part)
+        out[start : start + part.size] = part
+    return scales.tobytes(), out
 
 
 def fp32_encode(x: np.ndarray, _: np.random.Generator) -> memoryview:
@@ -94,7 +101,7 @@ def fp32_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
 
 def int8_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
     scales, q = _quantise(x, 127, rng)
-    return scales + q.tobytes()
+    return b"".join((scales, q.data))
 
 
 def int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
