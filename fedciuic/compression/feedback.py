@@ -176,10 +176,16 @@ class ErrorFeedback:
 
 
 def compress_with_feedback(
-    delta: np.ndarray, residual: np.ndarray, codec: Codec, rng: np.random.Generator
+    delta: np.ndarray,
+    residual: np.ndarray,
+    codec: Codec,
+    rng: np.random.Generator,
+    *,
+    out: np.ndarray | None = None,
 ) -> tuple[bytes, np.ndarray]:
-    """Encode ``delta + residual``; return the bytes and the new residual (what was dropped)."""
-    target = np.add(delta, residual, dtype=np.float32)
+    """Encode ``delta + residual``; return the bytes and the new residual (what was
+    dropped), in ``out`` if given (``delta`` itself, when the caller's to overwrite)."""
+    target = np.add(delta, residual, out=out, dtype=np.float32)
     encoded = codec.encode(target, rng)
     codec.decode(encoded, target.size).subtract_from(target)  # leaves what was dropped
     return encoded, target

@@ -341,7 +341,7 @@ def compress_update(
     feedback = ErrorFeedback(
         state_dir / f"residual-{safe}.bin", codec, layout, vector.size, round_tag
     )
-    update, residual = compress_with_feedback(vector, feedback.load(), codec, rng)
+    update, residual = compress_with_feedback(vector, feedback.load(), codec, rng, out=vector)
     feedback.save(residual)
     return update
 
