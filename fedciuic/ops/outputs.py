@@ -108,15 +108,7 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
     lines = [
         f"fedciuic run {run.run_id}: {run.status}, "
         f"{max(data.rounds, default=0)} round(s), regions {', '.join(run.regions)}, "
-        + (
-            f"DP on (target epsilon {config.target_epsilon} per "
-            f"{config.privacy_unit or DEFAULT_PRIVACY_UNIT}, delta {config.target_delta}, "
-            "secure-mode "
-            f"{'on' if config.secure_mode else 'OFF'})"
-            if dp
-            else "DP off"
-        )
-        + f", codec {config.codec or 'dense'}",
+        + f"{config.dp_words}, codec {config.codec or 'dense'}",
         header,
     ]
     for region in [*run.regions, OVERALL]:

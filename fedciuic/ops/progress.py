@@ -177,14 +177,9 @@ class RunProgress:
 
 def describe_run(run: RunHeader) -> str:
     config = run.config
-    dp = (
-        f"DP on (target epsilon {config.target_epsilon}, delta {config.target_delta})"
-        if config.dp
-        else "DP off"
-    )
     return (
         f"regions {', '.join(run.regions)}; {config.num_server_rounds} "
-        f"round(s); {dp}; codec {config.codec}; aggregator in "
+        f"round(s); {config.dp_words}; codec {config.codec}; aggregator in "
         f"{config.aggregator_jurisdiction}; writing {run.output_dir}"
     )
 

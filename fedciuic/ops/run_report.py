@@ -34,7 +34,6 @@ from fedciuic.audit import (
     verify_logs,
     write_sections,
 )
-from fedciuic.config import DEFAULT_PRIVACY_UNIT
 from fedciuic.errors import EXIT_AUDIT, EXIT_NO_AGGREGATE, EXIT_OK, EXIT_UNFINISHED, ConfigError
 from fedciuic.ops.outputs import (
     epsilon_spent,
@@ -458,13 +457,7 @@ def render(
         + f" &middot; regions {e(', '.join(run.regions))} &middot; "
         f"{e(str(config.num_server_rounds))} round(s) &middot; aggregator in "
         f"{e(str(config.aggregator_jurisdiction))} &middot; "
-        + (
-            f"DP on (target epsilon {e(str(config.target_epsilon))} per "
-            f"{e(config.privacy_unit or DEFAULT_PRIVACY_UNIT)}, delta "
-            f"{e(str(config.target_delta))})"
-            if config.dp
-            else "DP off"
-        )
+        + e(config.dp_words)
         + f" &middot; codec {e(str(config.codec))}</p>",
     ]
     out += [f'<p class="bad">{e(note)}</p>' for note in notes]

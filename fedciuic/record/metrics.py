@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from fedciuic.config import PrivacyUnit
+from fedciuic.config import DEFAULT_PRIVACY_UNIT, PrivacyUnit
 from fedciuic.errors import FedciuicError
 
 #: The label of a round's examples-weighted evaluation, beside the regions' own.
@@ -65,6 +65,17 @@ class RunSettings(_Record):
     data_root: str | None = None
     keys_dir: str | None = None
     round_timeout: float | None = None
+
+    @property
+    def dp_words(self) -> str:
+        """The run's DP in one phrase, worded alike wherever a run is summed up."""
+        if not self.dp:
+            return "DP off"
+        words = f"target epsilon {self.target_epsilon} per "
+        words += f"{self.privacy_unit or DEFAULT_PRIVACY_UNIT}, delta {self.target_delta}"
+        if self.secure_mode is not None:  # None: not recorded
+            words += f", secure-mode {'on' if self.secure_mode else 'OFF'}"
+        return f"DP on ({words})"
 
 
 class PolicyHeld(_Record):

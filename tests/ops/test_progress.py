@@ -7,8 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedciuic.ops.progress import CLEAR_LINE, RunProgress, current_phase, format_round
-from fedciuic.record.metrics import AggregateEntry, RunHeader, RunMetrics
+from fedciuic.ops.progress import (
+    CLEAR_LINE,
+    RunProgress,
+    current_phase,
+    describe_run,
+    format_round,
+)
+from fedciuic.record.metrics import AggregateEntry, RunHeader, RunMetrics, RunSettings
 
 
 def metrics(ended: int, *, train_of_next: bool = False) -> dict[str, Any]:
@@ -152,3 +158,14 @@ def test_the_last_line_says_plainly_when_nothing_was_published_or_the_run_was_st
         progress.poll(log)
         progress.finish()
         assert out.getvalue().endswith(said + "\n"), out.getvalue()
+
+
+def test_the_runs_dp_is_worded_alike_in_every_summary():
+    settings = {"dp": True, "target-epsilon": 4.0, "target-delta": 1e-5, "privacy-unit": "user"}
+    on = RunSettings.model_validate({**settings, "secure-mode": False})
+    assert on.dp_words == "DP on (target epsilon 4.0 per user, delta 1e-05, secure-mode OFF)"
+    unrecorded = RunSettings.model_validate(settings)
+    assert unrecorded.dp_words == "DP on (target epsilon 4.0 per user, delta 1e-05)"
+    assert RunSettings.model_validate({"dp": False}).dp_words == "DP off"
+    run = RunHeader.model_validate({"run_id": 1, "status": "running", "config": {**settings}})
+    assert f"; {run.config.dp_words};" in describe_run(run)
