@@ -308,7 +308,9 @@ def witness_run_end(
 ) -> RegionReply:
     """Record the head of the aggregator's log after its ``run_end`` (checked against
     its signature), sign our log, and answer with our own head, signed."""
-    return _Round(run, node, flower_run).witness_run_end(notice)
+    reply = _Round(run, node, flower_run).witness_run_end(notice)
+    release_freed_memory()  # the run is over: what its rounds freed goes back
+    return reply
 
 
 class _Round:
@@ -337,8 +339,6 @@ class _Round:
             self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
             outcome = self._decline(err)
-        if task.kind == TaskKind.EVALUATE:  # the round's last message here
-            release_freed_memory()
         try:
             return self._vouch(outcome)
         except FedciuicError as err:  # cannot read our own log: decline, unsigned

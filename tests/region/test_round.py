@@ -236,20 +236,35 @@ def test_an_unsealed_round_sends_its_update_clear_and_evaluation_its_stats(
     assert packed.metrics["step-seconds"] == evaluated.stats.step_seconds
 
 
-def test_the_freed_heap_is_handed_back_once_a_round_after_its_evaluation(
-    run, demo_root, tmp_path, monkeypatch
+def test_the_freed_heap_is_handed_back_at_the_runs_end_not_between_rounds(
+    run, demo_root, tmp_path, keys_dir, policies, monkeypatch
 ):
-    """Pages handed back are faulted in again by the next message: a training message
-    leaves its heap to the round's evaluation, which hands it back (also when the
-    evaluation is declined), and a declined training round keeps it too."""
+    """Pages handed back are faulted in again by the next message: a round's training
+    and evaluation keep the heap (declined or not), the run's end hands it back (also
+    when its notice is refused)."""
     calls: list[int] = []
     monkeypatch.setattr(round_module, "release_freed_memory", lambda: calls.append(1))
     run(cn_node(demo_root, tmp_path))
     run({"region": "cn", "data-path": str(tmp_path / "nowhere")})  # declined
-    assert calls == []
     run(cn_node(demo_root, tmp_path), EXACT_RELEASES, kind=TaskKind.EVALUATE)
-    assert calls == [1]
     run({"region": "cn", "data-path": str(tmp_path / "nowhere")}, kind=TaskKind.EVALUATE)
+    assert calls == []
+    node_config = {
+        "region": "eu",
+        "data-path": str(demo_root / "eu"),
+        "state-path": str(tmp_path / "eu"),
+        "policy": str(policies / "eu.yaml"),
+    }
+    settings = {**unit_config(), "seal": True, "keys-dir": str(keys_dir)}
+    aggregator = aggregator_keys(str(keys_dir), 2**28)
+    notice = signed_run_end(aggregator.keypair, FLOWER_RUN, settings, (9, HEAD), recipient="eu")
+    run_cfg, node = read_configs(notice, node_config)
+    assert witness_run_end(run_cfg, node, notice, flower_run=FLOWER_RUN).outcome == (
+        RunEndWitnessed("eu")
+    )
+    assert calls == [1]
+    forged = replace(notice, witness=(10, HEAD))
+    declined(witness_run_end(run_cfg, node, forged, flower_run=FLOWER_RUN))
     assert calls == [1, 1]
 
 
