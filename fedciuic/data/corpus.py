@@ -123,7 +123,23 @@ class ExampleSet:
     def batch(self, positions: Sequence[int] | np.ndarray) -> Batch:
         """The examples at ``positions`` (indices into this set), right-padded."""
         picked = self.table[[int(self.rows[p]) for p in positions]]
+        return self._padded(picked[INPUT_IDS], picked[LABELS])
+
+    def batches(self, size: int) -> list[tuple[np.ndarray, Batch]]:
+        """The whole set, ``size`` examples at a time, each batch with its examples'
+        positions (evaluation): shortest first, as ``group_by_length`` does, so that a
+        batch pads to lengths like its own rather than the set's longest."""
+        if not len(self):
+            return []
+        picked = self.table[[int(r) for r in self.rows]]  # read once
         ids, labels = picked[INPUT_IDS], picked[LABELS]
+        order = np.argsort(np.asarray([len(x) for x in ids], dtype=np.int64), kind="stable")
+        return [
+            (part, self._padded([ids[p] for p in part], [labels[p] for p in part]))
+            for part in np.split(order, range(size, len(self), size))
+        ]
+
+    def _padded(self, ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> Batch:
         shape = (len(ids), max(len(x) for x in ids))
         input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
         label_ids = torch.full(shape, IGNORE, dtype=torch.long)
@@ -134,16 +150,6 @@ class ExampleSet:
             label_ids[i, :n] = torch.as_tensor(row_labels, dtype=torch.long)
             mask[i, :n] = 1
         return Batch(input_ids, label_ids, mask)
-
-    def batches(self, size: int) -> list[tuple[np.ndarray, Batch]]:
-        """The whole set, ``size`` examples at a time, each batch with its examples'
-        positions (evaluation): shortest first, as ``group_by_length`` does, so that a
-        batch pads to lengths like its own rather than the set's longest."""
-        if not len(self):
-            return []
-        lengths = [len(x) for x in self.table[[int(r) for r in self.rows]][INPUT_IDS]]
-        order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-        return [(part, self.batch(part)) for part in np.split(order, range(size, len(self), size))]
 
 
 @dataclass(frozen=True)
