@@ -1,8 +1,8 @@
 """Every audit event, named once: the writers (the apps, the round code) and the readers
 (the compliance report, the run report) use these names, never a string of their own.
 
-The details each event carries are listed in docs/audit.md ("Events"); a ``StrEnum``
-member is its own string, so a record written with it reads back as plain JSON.
+Each event's details are listed in docs/audit.md ("Events"); a ``StrEnum`` member is its own
+string, so a record written with it reads back as plain JSON.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ class Event(StrEnum):
     TORN_TAIL = "torn_tail_moved"
     WITNESS = "witness"
     POLICY_DECISION = "policy_decision"
-    #: Records past the party's retention period removed from the log's start; the
-    #: signed anchor a verifier starts the chain from (docs/audit.md, "Retention").
+    #: The signed anchor a pruned log's chain starts from (docs/audit.md, "Retention").
     PRUNED = "audit_pruned"
     # the aggregator
     RUN_START = "run_start"
@@ -32,18 +31,15 @@ class Event(StrEnum):
     AGGREGATE_WITHHELD = "aggregate_withheld"
     REGION_UNAVAILABLE = "region_unavailable"  # missed max-missed-rounds in a row
     REGION_REJOINED = "region_rejoined"  # answered again after being unavailable
-    #: A secure sum: who joined, shared, survived and revealed, what was refused, and
-    #: whether the sum was unmasked or withheld (docs/secure-aggregation.md).
+    #: Who joined, shared, survived and revealed a secure sum, and whether it was unmasked.
     SECURE_SUM = "secure_sum"
     # a region
     RUN_JOINED = "run_joined"
     TRAINED = "trained"
-    #: What de-identification replaced in the texts a round trains on: the pipeline's
-    #: identity (config hash, entity types, recognizer versions) and counts per entity
-    #: type and per file, never a value (docs/deidentification.md).
+    #: The de-identification pipeline's identity and counts per entity type and file, never
+    #: a value (docs/deidentification.md).
     DATA_DEIDENTIFIED = "data_deidentified"
-    #: Records over the region's max-record-bytes, dropped unread from what a round
-    #: trains on: the limit, how many, how many per file (docs/data.md).
+    #: Records over max-record-bytes, dropped unread: the limit, how many, per file.
     RECORDS_OVERSIZED = "records_oversized"
     UPDATE_SEALED = "update_sealed"
     UPDATE_SENT_CLEAR = "update_sent_clear"
@@ -56,11 +52,9 @@ class Event(StrEnum):
     SECURE_REVEALED = "secure_revealed"
     EVALUATED = "evaluated"
     DECLINED = "declined"
-    #: An update the region released (its epsilon spent) that the aggregator's signed
-    #: run-end notice lists no receipt of: spent, not delivered.
+    #: A released update (its epsilon spent) the aggregator's run-end notice has no receipt of.
     UPDATE_UNDELIVERED = "update_undelivered"
-    #: A run's DP count of the region's privacy units, released and charged to its
-    #: ledger (count-noise; docs/privacy.md): the count, and the ledger's head after it.
+    #: A run's DP count of privacy units, charged to the ledger (count-noise; docs/privacy.md).
     UNITS_COUNTED = "units_counted"
     # a region's agent (docs/cluster.md)
     AGENT_STARTED = "agent_started"  # its version, code digest and who the relay runs as
@@ -77,10 +71,8 @@ SECURE_SENT_EVENTS = (
     Event.SECURE_CONSENTED,
     Event.SECURE_REVEALED,
 )
-#: The field of a region's ``trained`` and ``evaluated`` records that lists the reply's
-#: fields its release table classed as figures of the data (fedciuic/releases.py): what
-#: the compliance report's "Figures sent outside DP" lists.
+#: The field of ``trained`` and ``evaluated`` records listing the reply's fields its release
+#: table classed as figures of the data (fedciuic/releases.py): "Figures sent outside DP".
 OUTSIDE_DP = "outside_dp"
-#: What a region logs when its privacy ledger records a release: each witnesses the
-#: ledger's head (``details.ledger``), which the ledger's rollback check reads.
+#: The records that witness the privacy ledger's head (``details.ledger``) at a release.
 LEDGER_WITNESSES = (Event.TRAINED, Event.UNITS_COUNTED, Event.EVALUATED)

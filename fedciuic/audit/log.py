@@ -1,23 +1,16 @@
 """Tamper-evident audit logs: one append-only, hash-chained JSON Lines file per party.
 
 Each line is the canonical JSON of ``seq, time, run_id, round, actor, event, details,
-prev`` with ``,"hash":"<hex>"`` inserted before its closing brace; ``prev`` is the
-previous record's hash, so changing, deleting, inserting or reordering a record breaks
-the chain. A ``checkpoint`` record signs the record count and chain head with the
-party's key: after it, nobody without that key can rewrite what came before. Checkpoints
-(every ``checkpoint_every`` records, and at each round's and run's end) are fsync'ed; a
-torn last line is reported by the verifier and moved aside, logged, by the next writer,
-so nothing is dropped silently. ``docs/audit.md`` is the format reference for verifiers.
+prev`` with ``,"hash":"<hex>"`` before its closing brace; ``prev`` chains the records, and
+a fsync'ed ``checkpoint`` signs the count and head with the party's key, so nobody without
+it can rewrite what came before. A torn last line is moved aside, logged, by the next
+writer: nothing is dropped silently (docs/audit.md is the format reference).
 
-Witnessing (RFC 6962, C2SP tlog-witness): a chain cannot show by itself that it was cut
-back to an earlier checkpoint, so each party records as ``witness`` the latest signed
-checkpoint of every party it hears from; ``witness_check`` finds a log that no longer
-holds what another party saw it sign.
-
-Retention: ``AuditLog.prune`` removes records past retention from the log's start, after
-a signed ``audit_pruned`` record naming the first record kept and the last hash removed
-(bound by the declared policies: ``retention.bound``). A verifier starts such a log's
-chain at its first record's ``prev``, and accepts it only under a verified signature.
+Witnessing (RFC 6962, C2SP tlog-witness): each party records as ``witness`` the latest
+signed checkpoint of every party it hears from, since a chain cannot show by itself that
+it was cut back. ``AuditLog.prune`` removes records past retention after a signed
+``audit_pruned`` record naming the last hash removed: a verifier starts such a log's chain
+at its first record's ``prev``, and accepts it only under a verified signature.
 """
 
 from __future__ import annotations
@@ -124,23 +117,18 @@ def config_hash(config: Mapping[str, Any]) -> str:
 
 
 def code_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import version
 
     from fedciuic import __version__
 
-    try:
-        flwr = version("flwr")
-    except PackageNotFoundError:  # pragma: no cover - flwr is a dependency
-        flwr = "?"
-    return f"fedciuic {__version__}, flwr {flwr}"
+    return f"fedciuic {__version__}, flwr {version('flwr')}"
 
 
 def _now() -> str:
     return datetime.now(UTC).strftime(TIME_FORMAT)
 
 
-#: ``TIME_FORMAT`` as its writer fills it (zero-padded, microseconds): read with a
-#: pattern, since pruning and the report read the time of every record of a log.
+#: ``TIME_FORMAT`` as written: a pattern, since pruning reads every record's time.
 _TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z", re.ASCII)
 
 
@@ -176,9 +164,8 @@ def run_of(record: Mapping[str, Any]) -> int | None:
 def prune_cut(
     records: Sequence[Mapping[str, Any]], before: datetime, limit: int | None = None
 ) -> int:
-    """How many of a log's first records pruning at ``before`` removes: those written
-    before it, up to record ``limit`` (what the declared policies allow), less those of
-    a run that still has a later record: a run is kept whole."""
+    """How many of a log's first records pruning at ``before`` removes: those written before
+    it, up to ``limit``, less those of a run with a later record (a run is kept whole)."""
     end = len(records) if limit is None else max(0, min(limit, len(records)))
     cut = next(
         (i for i in range(end) if (t := record_time(records[i])) is None or t >= before), end
@@ -187,17 +174,14 @@ def prune_cut(
     return next((i for i in range(cut) if run_of(records[i]) in kept_runs), cut)
 
 
-#: How far a prune may go into a log's records, and why it stops there: what the party's
-#: declared policies allow (``retention.bound``); ``AuditError`` refuses the prune.
+#: How far a prune may go into a log's records and why (``retention.bound``).
 Limit = Callable[[Sequence[Mapping[str, Any]]], tuple[int, str]]
 
 
 @dataclass(frozen=True)
 class Declared:
-    """A policy a party declared to the others, as its own log records it (a region's
-    ``run_joined`` and ``policy_decision``, the aggregator's ``run_start``, or what an
-    ``audit_pruned`` record carried); ``first_time`` and ``last_time`` span the records
-    that declared it."""
+    """A policy a party declared to the others, as its own log records it; the times span
+    the records that declared it."""
 
     policy_hash: str
     jurisdiction: str | None
@@ -205,17 +189,13 @@ class Declared:
     first_time: str
     last_time: str
 
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _days(value: object) -> int | None:
     return value if _is_count(value) and value > 0 else None
 
 
 def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | None]]:
-    """The ``(policy_hash, jurisdiction, retention_days)`` one record declares (see
-    ``Declared``); what is malformed declares nothing."""
+    """The ``(policy_hash, jurisdiction, retention_days)`` a record declares, if well-formed."""
     details, event, actor = details_of(record), record.get("event"), record.get("actor")
     if event == Event.RUN_START:
         hashes, days = details.get("policy_hashes"), details.get("retention_days")
@@ -238,8 +218,7 @@ def declared_in(record: Mapping[str, Any]) -> list[tuple[str, str | None, int | 
 
 
 def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
-    """Every policy a log's records declare or its prunes carried, one per (hash,
-    jurisdiction), in the order they were first declared."""
+    """Every policy a log declares or its prunes carried, per (hash, jurisdiction), in order."""
     seen: dict[tuple[str, str | None], dict[str, Any]] = {}
 
     def add(h: str, j: str | None, days: int | None, first: str, last: str) -> None:
@@ -273,35 +252,19 @@ def declarations(records: Iterable[Mapping[str, Any]]) -> list[Declared]:
 
 @dataclass(frozen=True)
 class Pruned:
-    """What one ``AuditLog.prune`` removed: seq ``first_seq`` to ``first_kept - 1``
-    (0 records: nothing was written)."""
+    """What one ``AuditLog.prune`` removed: seq ``first_seq`` to ``first_kept - 1``."""
 
     records: int = 0
     first_seq: int = 0
     first_kept: int = 0
     first_time: str = ""
     last_time: str = ""
-    #: Why records past the cut-off were kept (a ``Limit`` stopped the prune), or "".
-    held: str = ""
-
-    @classmethod
-    def removing(cls, removed: Sequence[Mapping[str, Any]], held: str = "") -> Pruned:
-        """What removing ``removed`` (a log's first records, one at least) removes."""
-        first, last = removed[0], removed[-1]
-        return cls(
-            records=len(removed),
-            first_seq=int(first["seq"]),
-            first_kept=int(last["seq"]) + 1,
-            first_time=str(first.get("time")),
-            last_time=str(last.get("time")),
-            held=held,
-        )
+    held: str = ""  # why records past the cut-off were kept (a ``Limit`` stopped it)
 
 
 def redaction(paths: Sequence[tuple[str, str]]) -> tuple[tuple[re.Pattern[str], str], ...]:
-    """Patterns that replace each path (as given, and resolved) by its label, only where
-    it stands as a whole path: a short relative ``data-path`` like ``eu`` must not
-    rewrite a region's name or a base64 string that happens to contain it."""
+    """Patterns replacing each path (as given, and resolved) by its label only as a whole
+    path: a ``data-path`` like ``eu`` must not rewrite a region's name or base64."""
     patterns = [
         (re.compile(rf"(?<![\w./-]){re.escape(form.rstrip('/'))}(?=/|$|[^\w.-])"), label)
         for path, label in paths
@@ -325,8 +288,7 @@ def _redact(value: Any, patterns: Sequence[tuple[re.Pattern[str], str]]) -> Any:
 
 
 class AuditLog:
-    """Appends records to one party's log; safe across processes (an exclusive lock
-    per append, the tail re-read when another process wrote in between)."""
+    """Appends records to one party's log; safe across processes (a lock per append)."""
 
     def __init__(
         self,
@@ -346,7 +308,6 @@ class AuditLog:
         self._file = self._open(
             "open", "; nothing is sent without one: fix the folder's permissions or the path"
         )
-        # Under the lock no prune is under way: a side file is one a killed prune left.
         with self._locked(sync=False):
             remove_side_files(self.path)
 
@@ -363,8 +324,7 @@ class AuditLog:
                 f"{self.path}: cannot {verb} the audit log ({err.strerror}){fix}"
             ) from None
         self._size, self._seq, self._head = -1, 0, GENESIS
-        # The latest checkpoint's (count, head), valid for the file's first
-        # ``_checkpoint_scanned`` bytes (later bytes were written by another process).
+        # The latest checkpoint's (count, head) in the file's first ``_checkpoint_scanned`` bytes.
         self._last_checkpoint: tuple[int, str] | None = None
         self._checkpoint_scanned = 0
         return os.fdopen(fd, "a+b")
@@ -373,16 +333,11 @@ class AuditLog:
         old, self._file = self._file, self._open("reopen")
         old.close()
 
-    # -- retention --------------------------------------------------------------------
-
     def prune(
         self, before: datetime, *, run_id: int = 0, limit: Limit | None = None, **why: Any
     ) -> Pruned:
-        """Remove the records written before ``before`` from the log's start
-        (``prune_cut``), not past what ``limit`` allows, and return what went. The log
-        must verify first: one that fails is evidence, and nothing is removed. An
-        ``audit_pruned`` record (``why``: the policy) and a signed checkpoint are
-        appended, then the file is replaced by its kept records, atomically."""
+        """Remove the records before ``before`` from the log's start, as far as ``limit``
+        allows; a log that fails verification is evidence, and is never pruned."""
         if self.keypair is None:
             raise AuditError(
                 f"{self.path}: not pruned: pruning is signed with the party's key, and "
@@ -422,7 +377,9 @@ class AuditLog:
                     "keep it as evidence and start a new log"
                 )
             removed = records[:cut]
-            pruned = Pruned.removing(removed, held)
+            seqs = int(removed[0]["seq"]), int(removed[-1]["seq"]) + 1
+            times = str(removed[0].get("time")), str(removed[-1].get("time"))
+            pruned = Pruned(cut, *seqs, *times, held)
             details = {
                 "first_kept": pruned.first_kept,
                 "head": split_line(lines[cut - 1])[1],
@@ -431,10 +388,9 @@ class AuditLog:
                 "last_time": pruned.last_time,
                 "older_than": before.astimezone(UTC).strftime(TIME_FORMAT),
                 **why,
-                # What must outlive the removed records: the privacy ledger's witnesses
-                # and the policies they declared.
+                # What must outlive them: the privacy ledger's witnesses, the policies declared.
                 "carried": _carried(removed, self.actor),
-                "declared": [d.to_record() for d in declarations(removed)],
+                "declared": [asdict(d) for d in declarations(removed)],
             }
             self._write(Event.PRUNED, run_id, None, details)
             self._checkpoint(run_id, None)
@@ -442,8 +398,7 @@ class AuditLog:
         return pruned
 
     def _replace_from(self, offset: int) -> None:
-        """Replace the file by its bytes from ``offset`` on, under the lock: writers
-        waiting on the old file find the path replaced and reopen it."""
+        """Replace the file by its bytes from ``offset`` on, under the lock."""
         self._file.seek(offset)
         kept = self._file.read()
         mode = os.fstat(self._file.fileno()).st_mode & 0o777
@@ -457,8 +412,6 @@ class AuditLog:
         seq, head = self._seq, self._head
         self._reopen()  # closing the old file lets the writers waiting on it go on
         self._seq, self._head, self._size = seq, head, len(kept)
-
-    # -- writing ----------------------------------------------------------------------
 
     def append(
         self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
@@ -477,9 +430,8 @@ class AuditLog:
             return self._seq, self._head
 
     def last_checkpoint(self) -> tuple[int, str] | None:
-        """The (count, head) this log's latest checkpoint signs, None before the first:
-        what a party hands the others to witness. Read from the file, so a checkpoint
-        another process appended counts."""
+        """The (count, head) the latest checkpoint in the file signs (for the others to
+        witness), None before the first."""
         with self._locked():
             if self._checkpoint_scanned > self._size:  # the file shrank under us
                 self._last_checkpoint, self._checkpoint_scanned = None, 0
@@ -497,26 +449,16 @@ class AuditLog:
         server_round: int | None = None,
         late: bool = False,
     ) -> str:
-        """Record ``party``'s latest signed checkpoint as it showed it to us (``(0,
-        GENESIS)`` when it has none). ``late``: shown in a reply handled after a newer
-        one of that party (a lower count, not a rollback by itself). The values are
-        untrusted: ``AuditError`` unless well-formed."""
+        """Record ``party``'s latest signed checkpoint as it showed it (untrusted); ``late``:
+        in a reply handled after a newer one (a lower count is no rollback then)."""
         count, head = checkpoint_head(count, head)
         if not isinstance(party, str) or not party:
             raise AuditError(f"witness: party {party!r:.40} is not a party's name")
-        return self.append(
-            WITNESS_EVENT,
-            run_id=run_id,
-            server_round=server_round,
-            party=party,
-            count=count,
-            head=head,
-            **({"late": True} if late else {}),
-        )
+        details = {"party": party, "count": count, "head": head} | ({"late": True} if late else {})
+        return self.append(WITNESS_EVENT, run_id=run_id, server_round=server_round, **details)
 
     def _scan_checkpoints(self) -> None:
-        """Find the latest checkpoint in the bytes not scanned yet, from the end back
-        (a chunk at a time: usually the first one holds it)."""
+        """Find the latest checkpoint in the bytes not scanned yet, a chunk at a time back."""
         stop, pos, carry = self._checkpoint_scanned, self._size, b""
         while pos > stop:
             start = max(stop, pos - _TAIL_READ)
@@ -532,8 +474,7 @@ class AuditLog:
         self._checkpoint_scanned = self._size  # none since: the one known stays
 
     def check_continues(self, seq: int, head: str) -> None:
-        """Refuse to go on unless the log still holds record ``seq - 1`` with hash ``head``
-        (what it was when a checkpoint was taken): no rewrite, no gap."""
+        """Refuse to go on unless the log still holds record ``seq - 1`` with hash ``head``."""
         with self._locked():
             found = GENESIS
             if seq > 0:
@@ -565,10 +506,8 @@ class AuditLog:
         details: dict[str, Any] = {"count": self._seq, "head": self._head}
         if self.keypair is not None:
             signature = self.keypair.sign(checkpoint_message(self._seq, self._head))
-            details.update(
-                key_id=self.keypair.bundle.key_id.hex(),
-                signature=base64.b64encode(signature).decode("ascii"),
-            )
+            details["key_id"] = self.keypair.bundle.key_id.hex()
+            details["signature"] = base64.b64encode(signature).decode("ascii")
         self._write(Event.CHECKPOINT, run_id, server_round, details)
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -592,12 +531,10 @@ class AuditLog:
 
     @contextlib.contextmanager
     def _locked(self, *, sync: bool = True) -> Iterator[None]:
-        """The log's file locked: the one its path names (reopened when a prune replaced it
-        while we waited), its tail read again unless ``sync`` is off (at open)."""
+        """The file the path names locked (reopened if a prune replaced it), its tail synced."""
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         try:
             while replaced(self.path, self._file.fileno()):
-                # Pruned by another process while we waited: write on where the path points.
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
                 self._reopen()
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
@@ -609,8 +546,7 @@ class AuditLog:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
 
     def _sync_tail(self) -> None:
-        """Pick up where the file ends (another process may have appended), and move
-        a torn last line aside, logging that it did."""
+        """Pick up where the file ends, and move a torn last line aside, logging it."""
         size = os.fstat(self._file.fileno()).st_size
         if size == self._size:
             return
@@ -661,9 +597,6 @@ def _checkpoint_of(line: bytes) -> tuple[int, str] | None:
     return (count, head) if _is_count(count) and _is_head(head) else None
 
 
-# -- reading and verifying ------------------------------------------------------------
-
-
 @dataclass
 class Verdict:
     """What verifying one log found: OK, or the first bad record and why."""
@@ -685,8 +618,7 @@ class Verdict:
 
     @property
     def covered(self) -> int:
-        """How many of the file's first records a verified checkpoint covers (not the
-        checkpoint record itself: only a later one or another party's witness does)."""
+        """How many first records a verified checkpoint covers (not the checkpoint itself)."""
         return max(self.verified_through - self.first_seq, 0)
 
     def explain(self) -> str:
@@ -729,8 +661,7 @@ def read_lines(path: Path) -> tuple[list[bytes], bytes]:
 
 
 def verify(path: Path, bundle: PublicBundle) -> Verdict:
-    """Check every record's hash and chain, and every checkpoint's signature with
-    ``bundle``; stop at the first bad record and say why."""
+    """Check every hash, link and checkpoint signature; stop at the first bad record."""
     lines, torn = read_lines(path)
     verdict = Verdict(path)
 
@@ -746,8 +677,7 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
         return fail("the log is empty")
     expected, head = 0, GENESIS
     since = 0
-    # The hashes an audit_pruned record may name (of the last record it removed), as
-    # the file holds them: only those, not one per record.
+    # The seqs an audit_pruned record names as the last it removed: only their hashes kept.
     named = {
         found - 1
         for line in lines
@@ -819,9 +749,7 @@ def verify(path: Path, bundle: PublicBundle) -> Verdict:
 def _check_pruned(
     details: Any, seq: int, first_seq: int, held: Mapping[int, str], first_line: bytes
 ) -> str | None:
-    """What is wrong with an ``audit_pruned`` record at ``seq``, or None: the hash it
-    names for the last record removed must be the log's (or, where the log now starts,
-    its first record's ``prev``)."""
+    """What is wrong with an ``audit_pruned`` record: the head it names must be the log's."""
     if not isinstance(details, dict):
         return f"{Event.PRUNED} record without details"
     first_kept, head = details.get("first_kept"), details.get("head")
@@ -839,9 +767,8 @@ def _check_pruned(
 
 
 def _carried(removed: Sequence[Mapping[str, Any]], actor: str) -> list[Any]:
-    """What must outlive a prune: per dataset, the details (unchanged) of the records
-    that witness its privacy ledger's longest chain and highest epsilon, which the ledger's
-    rollback check reads (docs/privacy.md)."""
+    """Per dataset, the details of the records witnessing its ledger's longest chain and
+    highest epsilon: the ledger's rollback check needs them past a prune (docs/privacy.md)."""
     best: dict[object, list[Mapping[str, Any]]] = {}
     for r in with_carried(removed):
         details = details_of(r)
@@ -876,8 +803,8 @@ def with_carried(records: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, 
 
 
 def pruned_from(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The details of the ``audit_pruned`` record that accounts for a log's missing
-    first records, None when none is missing or none says so (verify the log first)."""
+    """The details of the ``audit_pruned`` record accounting for a log's missing first
+    records, or None (verify the log first)."""
     if not records:
         return None
     start, prev = records[0].get("seq"), records[0].get("prev")
@@ -941,8 +868,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Undelivered:
-    """An update a region logged as sent that the aggregator never received, with the
-    aggregator's record of why: spent, not delivered; no contradiction, never silent."""
+    """An update sent that the aggregator logged failing: spent, not delivered, never silent."""
 
     transfer: Transfer
     reason: str
@@ -979,8 +905,7 @@ def _transfer(record: Mapping[str, Any], region: str | None) -> Transfer | None:
 def cross_check(
     aggregator: Iterable[Mapping[str, Any]], regions: Mapping[str, Iterable[Mapping[str, Any]]]
 ) -> CrossCheck:
-    """Match each region's sends with the aggregator's receipts by run, round, region
-    and digest; a malformed record is a problem, never an exception."""
+    """Match sends with receipts by run, round, region and digest (malformed: a problem)."""
     result = CrossCheck()
     received: set[Transfer] = set()
     runs: set[int] = set()
@@ -1001,8 +926,7 @@ def cross_check(
             runs.add(run_id)  # a run the aggregator's log covers, receipts or none
             if r.get("event") == Event.REPLY_FAILED and isinstance(details, Mapping):
                 key = (run_id, r.get("round"), details.get("region"))
-                # The first: what the round acted on (a late error, after its
-                # round-timeout, is logged too, but changed nothing).
+                # The first is what the round acted on: a later error changed nothing.
                 failed.setdefault(key, str(details.get("reason", "")))  # type: ignore[arg-type]
         if r.get("event") == RECEIVED_EVENT:
             add(received, r, AGGREGATOR, None)
@@ -1031,8 +955,7 @@ def cross_check(
 
 @dataclass(frozen=True)
 class Witnessed:
-    """One witness record: ``witness``'s log (its record ``seq``) saw ``party``'s
-    checkpoint sign ``count`` records ending in ``head``."""
+    """``witness``'s record ``seq``: ``party``'s checkpoint signed ``count`` up to ``head``."""
 
     witness: str
     seq: int
@@ -1043,8 +966,7 @@ class Witnessed:
 
 @dataclass
 class WitnessCheck:
-    """Whether every party's log still holds every checkpoint another party witnessed
-    (the same shape as ``CrossCheck``)."""
+    """Whether every party's log still holds every checkpoint another party witnessed."""
 
     matched: list[Witnessed] = field(default_factory=list)
     unchecked: list[Witnessed] = field(default_factory=list)  # that party's log not given
@@ -1081,11 +1003,9 @@ def witness_check(
     run_id: int | None = None,
     covered: Mapping[str, int] | None = None,
 ) -> WitnessCheck:
-    """Check every ``witness`` record (of ``run_id``, or all) in ``logs``: the witnessed
-    party's log, when given, must still hold record ``count - 1`` with hash ``head`` and,
-    at seq ``count``, the checkpoint that signed them (unless pruned); a log's witnesses
-    of one party never go back (a lower count unless ``late``, another head for a count).
-    ``covered[party]``: how many of its first records a verified signature covers."""
+    """Check every ``witness`` record (of ``run_id``): the party's log must still hold record
+    ``count - 1`` with hash ``head`` and its checkpoint at ``count`` (unless pruned), and its
+    witnesses never go back. ``covered``: how many first records a signature covers."""
     chains: dict[str, dict[int, str]] = {}
     starts = {
         party: records[0]["seq"] if pruned_from(records) is not None else 0
@@ -1122,8 +1042,7 @@ def witness_check(
                 continue
             party, count, head = parsed
             seq = r.get("seq")
-            # A reply the writer handled after a newer one of the same party (a late
-            # reply the courier kept) shows an older head: not a rollback by itself.
+            # A late reply (handled after a newer one) shows an older head: no rollback.
             late = r["details"].get("late") is True
             seen = f"{at} witnessed {party}'s checkpoint count {count} head {head[:16]}…"
             before = last.get(party)

@@ -1,10 +1,7 @@
 """Replacing an audit log's file under its writers, for a prune (``AuditLog.prune``).
 
-The kept records are written to a side file renamed over the log, so a crash leaves the
-whole log or the pruned one, never half of either. Writers in other processes waiting on
-the old file's lock find the path replaced (``replaced``) and reopen it; a prune killed
-before its rename leaves a side file the next writer removes (``remove_side_files``).
-This module only moves bytes: which records to keep, and recording the prune, are ``log``'s.
+The kept records go to a side file renamed over the log, so a crash leaves the whole log or
+the pruned one, never half of either; writers waiting on the old file's lock reopen it.
 """
 
 from __future__ import annotations
@@ -15,14 +12,14 @@ import re
 import time
 from pathlib import Path
 
-#: The side file a prune writes the kept records to before renaming it over the log:
-#: ``<log>.pruning-<ns>``. One left by a process killed mid-prune is swept at the next open.
+#: The side file (``<log>.pruning-<ns>``) a prune renames over the log; one left by a process
+#: killed mid-prune is swept at the next open.
 PRUNING_SUFFIX = ".pruning-"
 
 
 def replaced(path: Path, held: int) -> bool:
-    """Whether ``path`` now names another file than the open file ``held`` (a prune
-    replaced it). A log moved aside (the path gone) is written on where it is."""
+    """Whether ``path`` now names another file than the open ``held`` (a prune replaced it);
+    a log moved aside (the path gone) is written on where it is."""
     try:
         on_disk = os.stat(path)
     except OSError:
@@ -32,9 +29,8 @@ def replaced(path: Path, held: int) -> bool:
 
 
 def replace_with(path: Path, kept: bytes, mode: int) -> None:
-    """Make ``kept`` the file at ``path`` (permissions ``mode``), the folder fsync'ed so
-    that the rename lasts; the caller holds the log's lock. On ``OSError`` the side file
-    is removed and the error raised, for the caller to say what it means for the log."""
+    """Make ``kept`` the file at ``path``, the folder fsync'ed so the rename lasts; on
+    ``OSError`` the side file is removed and the error raised (the caller holds the lock)."""
     side = path.with_name(f"{path.name}{PRUNING_SUFFIX}{time.time_ns()}")
     try:
         fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -55,9 +51,8 @@ def replace_with(path: Path, kept: bytes, mode: int) -> None:
 
 
 def remove_side_files(path: Path) -> None:
-    """Remove the side files of a prune of ``path`` killed before its rename: under the
-    log's lock no prune is under way, so each is a copy of records the log still holds.
-    Other files (``<log>.torn-<ns>``, a name only starting like one) are left alone."""
+    """Remove what prunes of ``path`` killed before their rename left: under the log's lock
+    none is under way, so each is a copy of records the log still holds."""
     stem = path.name + PRUNING_SUFFIX
     try:
         names = os.listdir(path.parent)
@@ -65,6 +60,5 @@ def remove_side_files(path: Path) -> None:
         return
     for name in names:
         if name.startswith(stem) and re.fullmatch("[0-9]+", name[len(stem) :]):
-            # One that cannot be removed (another owner's) changes nothing here.
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # another owner's: changes nothing here
                 os.unlink(path.parent / name)

@@ -1,10 +1,8 @@
 """A per-run compliance report from the audit logs of the aggregator and the regions.
 
 For one run: what left each region, where to and under which guarantees, every refusal,
-and whether the parties' logs agree (transfers, run config, witnessed checkpoints). Its
-tables state only what a verified checkpoint signature covers; other records are listed
-apart as unverified. Laid out to serve as a GDPR Art. 30 record of processing and a PIPL
-Art. 38-40 cross-border transfer record; Markdown and HTML from one document model.
+and whether the logs agree. Its tables state only what a verified signature covers, to serve
+as a GDPR Art. 30 record of processing and a PIPL Art. 38-40 cross-border transfer record.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ from fedciuic.errors import EXIT_AUDIT, EXIT_OK, ConfigError
 
 AuditRecord = Mapping[str, Any]
 
-#: ``fedciuic audit report``'s exit status (2 is every fedciuic command's error:
-#: a log or key that cannot be read, no aggregator log, no such run).
-EXIT_DISAGREE = 3  # every log verified (or none was checked), but the logs disagree
+#: ``fedciuic audit report``'s exit status when every log verified (or none was checked),
+#: but the logs disagree (2 is every fedciuic command's error).
+EXIT_DISAGREE = 3
 UNVERIFIED_TITLE = "Unverified records (not covered by a signature)"
 
 
@@ -72,8 +70,7 @@ class PartyLog:
 
     @property
     def unverified(self) -> Sequence[AuditRecord]:
-        """The records after the last verified checkpoint (all, when none verified); the
-        checkpoint itself is in neither list."""
+        """The records after the last verified checkpoint (all, when none verified)."""
         if self.verdict is None or self.verdict.verified_through < 0:
             return self.records
         return self.records[self.covered + 1 :]
@@ -91,8 +88,7 @@ class PartyLog:
 
     @property
     def jurisdiction(self) -> str | None:
-        """The party's jurisdiction as its own latest ``run_joined`` (``run_start``) or
-        ``audit_pruned`` record names it."""
+        """The party's jurisdiction as its own latest run or prune record names it."""
         key = "aggregator_jurisdiction" if self.actor == "aggregator" else "jurisdiction"
         event = Event.RUN_START if self.actor == "aggregator" else Event.RUN_JOINED
         for r in reversed(self.records):
@@ -150,10 +146,9 @@ def open_logs(paths: Sequence[Path], verdicts: Mapping[Path, Verdict]) -> list[P
 def build_report(
     logs: Sequence[PartyLog], run_id: int | None = None, *, now: datetime | None = None
 ) -> Report:
-    """The report for ``run_id`` (default: the aggregator's last run). Its tables hold
-    only records a verified signature covers; the agreement checks read every record (a
-    disagreement is one, signed or not). A region log pruned of the whole run is left
-    out of them, and said so, unless ``check_retention`` finds the prune unbound."""
+    """The report for ``run_id`` (default: the last): tables from signed records only, the
+    agreement checks from every record (a disagreement is one, signed or not), less region
+    logs pruned of the whole run by a bound prune (said so)."""
     aggregator = next(log for log in logs if log.actor == "aggregator")
     starts = _of(aggregator.records, Event.RUN_START)
     runs = [r["run_id"] for r in starts if isinstance(r.get("run_id"), int)]
@@ -223,9 +218,7 @@ def build_report(
         *_secure_section(agg, own),
         _outside_dp_section(own),
         _code_section(agg, own),
-        _refusals_section(
-            agg, own, {name: _refused_for(log.verified, run_id) for name, log in regions.items()}
-        ),
+        _refusals_section(agg, own, {name: log.verified for name, log in regions.items()}, run_id),
         _agreement_section(
             disagreements, _witness_summary(witnesses), len(check.undelivered), pruned_away
         ),
@@ -263,9 +256,7 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-#: How each kind of measured figure is printed, to what it means (the logs and their JSON
-#: keep the exact value): noise multipliers and sampling rates to 3 significant digits,
-#: epsilon to 2 decimals, delta as 1e-05.
+#: How each kind of figure is printed, to what it means (the logs keep the exact value).
 _FIGURES = {"noise": ".3g", "rate": ".3g", "epsilon": ".2f", "delta": "g"}
 
 
@@ -304,8 +295,7 @@ def _table(
     rows: Sequence[Sequence[str]],
     empty: str | None = None,
 ) -> Section:
-    """A section of one table, introduced by ``about``; with no rows, no table, and
-    ``empty`` (when given) instead of ``about``."""
+    """A section of one table after ``about``; with no rows, only ``empty`` (or ``about``)."""
     if rows:
         return Section(title, [about] if about else [], header, rows)
     return Section(title, [about if empty is None else empty])
@@ -321,6 +311,8 @@ def _overview(
     published, withheld = _of(agg, Event.AGGREGATE_PUBLISHED), _of(agg, Event.AGGREGATE_WITHHELD)
     times = [r.get("time") for r in agg]
     regions = start.get("regions")
+    regions = ", ".join(map(str, regions)) if isinstance(regions, list) else "-"
+    status = _text(end.get("status", "not ended in this log's signed records"))
 
     def signed(record: str, value: str) -> str:  # the run_start or run_end record's value
         return "not covered by a signature (see Unverified records)" if unsigned[record] else value
@@ -338,14 +330,8 @@ def _overview(
         rows=[
             ("run id", str(run_id)),
             ("time (UTC)", f"{_text(times[0])} to {_text(times[-1])}" if times else "-"),
-            (
-                "status",
-                signed("end", _text(end.get("status", "not ended in this log's signed records"))),
-            ),
-            (
-                "regions",
-                signed("start", ", ".join(map(str, regions)) if isinstance(regions, list) else "-"),
-            ),
+            ("status", signed("end", status)),
+            ("regions", signed("start", regions)),
             ("aggregator jurisdiction", of_start("aggregator_jurisdiction")),
             ("relay jurisdiction", of_start("relay_jurisdiction")),
             ("base model", signed("start", _base_model(start))),
@@ -382,31 +368,22 @@ def _dp_terms(dp: Any) -> str:
 
 
 def _logs_section(logs: Sequence[PartyLog], retention: Any, now: datetime | None = None) -> Section:
-    rows = []
-    overdue_lines = []
+    rows, overdue_lines = [], []
     for log in logs:
-        verdict = log.verdict
+        verdict, first = log.verdict, log.first_seq
         status = (
             "not verified (no public key given)"
             if verdict is None
             else ("OK" if verdict.ok else "FAIL: " + verdict.explain().split("\n", 1)[-1].strip())
         )
-        first = log.first_seq
+        covered = (
+            f"{log.covered} (seq {first} to {first + log.covered - 1})" if log.covered else "none"
+        )
         kept, late = _retention(log, retention, now)
         if late:
             overdue_lines.append(late)
-        rows.append(
-            (
-                log.actor,
-                log.path.name,  # the file's name: where it sits on this machine is no one's
-                str(len(log.records)),
-                f"{log.covered} (seq {first} to {first + log.covered - 1})"
-                if log.covered
-                else "none",
-                status,
-                kept,
-            )
-        )
+        # The file's name only: where it sits on this machine is no one's business.
+        rows.append((log.actor, log.path.name, str(len(log.records)), covered, status, kept))
     return Section(
         "Audit logs examined",
         [
@@ -480,17 +457,9 @@ def _regions_section(
             if isinstance(epsilon, int | float) and isinstance(budget, int | float)
             else ("no DP" if trained else "-")
         )
-        rows.append(
-            (
-                str(region),
-                str(joined.get("jurisdiction") or "-"),
-                str(joined.get("policy_hash") or "-")[:12],
-                str(accepted),
-                str(declined),
-                spent,
-                "yes" if records is not None else "no (log not given)",
-            )
-        )
+        where, policy = (str(joined.get(k) or "-") for k in ("jurisdiction", "policy_hash"))
+        given = "yes" if records is not None else "no (log not given)"
+        rows.append((str(region), where, policy[:12], str(accepted), str(declined), spent, given))
     paragraphs = [
         "Epsilon is the dataset's cumulative spend after its last round in this run, "
         "from the region's own log (its privacy ledger records the same), per record or "
@@ -550,8 +519,7 @@ def _transfers_section(
 
 
 def _code_section(agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """Which code made each update, as its signed reply named it, against what the region
-    recorded when it joined the run."""
+    """Which code made each update, as its reply named it, against what its region recorded."""
     joined = {
         region: str(details_of(_first(records, Event.RUN_JOINED)).get("code", ""))
         for region, records in own.items()
@@ -619,8 +587,7 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _deid_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
-    """What each region's de-identification replaced before each round it trained; a
-    region that trained with none is named."""
+    """What each region's de-identification replaced before each round it trained."""
     scrubbed = {(region, _round(r)): d for region, r, d in _each(own, Event.DATA_DEIDENTIFIED)}
     rows = []
     for region, r, _ in _each(own, Event.TRAINED):
@@ -693,8 +660,7 @@ def _names(value: Any) -> str:
 def _secure_section(
     agg: Sequence[AuditRecord], own: Mapping[str, Sequence[AuditRecord]]
 ) -> list[Section]:
-    """Each secure sum as the aggregator recorded it, against what the regions' own logs
-    record sending for it (no sum: no section)."""
+    """Each secure sum as the aggregator recorded it, against what the regions' logs sent."""
     sums = _of(agg, Event.SECURE_SUM)
     if not sums:
         return []
@@ -754,8 +720,7 @@ def _secure_section(
 
 def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     """The figures a reply carried beside its DP update that DP does not protect, as its
-    region's ``outside_dp`` lists them; for older logs without it, those of its example
-    count, held-out loss and update size that were not DP releases."""
+    region's ``outside_dp`` lists them (older logs: what of them was not a DP release)."""
     counted = {(region, r.get("run_id")) for region, r, _ in _each(own, Event.UNITS_COUNTED)}
     recorded = {  # the rounds whose trained record lists what left outside DP
         (region, r.get("run_id"), r.get("round"))
@@ -806,13 +771,6 @@ def _outside_dp_section(own: Mapping[str, Sequence[AuditRecord]]) -> Section:
     )
 
 
-def _refused_for(records: Sequence[AuditRecord], run_id: int) -> list[AuditRecord]:
-    """A region agent's refusals of requests that claimed this run."""
-    return [
-        r for r in _of(records, Event.REQUEST_REFUSED) if details_of(r).get("flower_run") == run_id
-    ]
-
-
 def _reasons(value: Any) -> str:
     return "; ".join(map(str, value)) if isinstance(value, list) else _text(value)
 
@@ -820,7 +778,8 @@ def _reasons(value: Any) -> str:
 def _refusals_section(
     agg: Sequence[AuditRecord],
     own: Mapping[str, Sequence[AuditRecord]],
-    refused: Mapping[str, Sequence[AuditRecord]],
+    agents: Mapping[str, Sequence[AuditRecord]],
+    run_id: int,
 ) -> Section:
     rows = [
         (_round(r), region, "declined", _text(d.get("reason")))
@@ -833,7 +792,8 @@ def _refusals_section(
             f"refused a {_text(d.get('kind'))} request (pid {_text(d.get('peer_pid'))})",
             _text(d.get("reason")),
         )
-        for region, _, d in _each(refused, Event.REQUEST_REFUSED)
+        for region, _, d in _each(agents, Event.REQUEST_REFUSED)
+        if d.get("flower_run") == run_id  # a region agent's refusals claiming this run
     ]
     for r in agg:
         d, event = details_of(r), r.get("event")
@@ -864,8 +824,7 @@ def _config_disagreements(
     for region, records in sorted(own.items()):
         joined = _first(records, Event.RUN_JOINED)
         if joined is None:
-            # A region that refused the run before joining it (its policy declined)
-            # has records of it but no run config to compare: no disagreement.
+            # One that refused the run before joining has no run config to compare.
             if not records:
                 lines.append(f"{region}: its log has no record of this run.")
         elif details_of(joined).get("config_hash") != config:
@@ -879,19 +838,17 @@ def _agreement_section(
     undelivered: int = 0,
     pruned_away: Sequence[str] = (),
 ) -> Section:
-    verdict = "The region and aggregator logs agree." if not disagreements else "The logs DISAGREE:"
-    spent = (
-        [
+    paragraphs = [
+        "The region and aggregator logs agree." if not disagreements else "The logs DISAGREE:"
+    ]
+    if undelivered:
+        paragraphs.append(
             f"{undelivered} update(s) left a region, spending its privacy budget, and never "
             "reached the aggregator, which logged that region's reply as failed in that "
             "round: see Spent, not delivered."
-        ]
-        if undelivered
-        else []
-    )
+        )
     return Section(
-        "Agreement between the logs",
-        [verdict, *spent, *disagreements, *pruned_away, witnessing],
+        "Agreement between the logs", [*paragraphs, *disagreements, *pruned_away, witnessing]
     )
 
 
@@ -905,19 +862,10 @@ def _undelivered_section(
         records = own.get(t.region, [])
         trained = [details_of(r) for r in _of(records, Event.TRAINED) if r.get("round") == t.round]
         epsilon = trained[-1].get("epsilon") if trained else None
-        known = any(
-            details_of(r).get("digest") == t.digest for r in _of(records, Event.UPDATE_UNDELIVERED)
-        )
-        rows.append(
-            (
-                str(t.round),
-                t.region,
-                f"{epsilon:.3f}" if isinstance(epsilon, int | float) else "-",
-                t.digest[:16],
-                item.reason or "-",
-                "yes" if known else "no",
-            )
-        )
+        spent = f"{epsilon:.3f}" if isinstance(epsilon, int | float) else "-"
+        notices = _of(records, Event.UPDATE_UNDELIVERED)
+        known = "yes" if any(details_of(r).get("digest") == t.digest for r in notices) else "no"
+        rows.append((str(t.round), t.region, spent, t.digest[:16], item.reason or "-", known))
     return _table(
         "Spent, not delivered",
         "Updates a region released (its ledger counts their epsilon) that the aggregator "
@@ -945,15 +893,8 @@ def _unverified_section(logs: Sequence[PartyLog], run_id: int) -> Section:
                 elsewhere += 1
                 continue
             details = canonical(details_of(r)).decode()
-            rows.append(
-                (
-                    log.actor,
-                    _text(r.get("seq")),
-                    _round(r),
-                    _text(r.get("event")),
-                    details if len(details) <= 160 else details[:157] + "...",
-                )
-            )
+            details = details if len(details) <= 160 else details[:157] + "..."
+            rows.append((log.actor, _text(r.get("seq")), _round(r), _text(r.get("event")), details))
     section = _table(
         UNVERIFIED_TITLE,
         "UNVERIFIED: no verified checkpoint signature covers these records (they come after "
@@ -980,8 +921,8 @@ def _record_of_processing(
             if (j := _first(records, Event.RUN_JOINED)) is not None
         }
     )
-    policies = start.get("policy_hashes")
-    retention = start.get("retention_days")
+    policies = _mapping(start.get("policy_hashes"))
+    retention = _mapping(start.get("retention_days"))
     return Section(
         "Record of processing and cross-border transfers",
         [
@@ -1014,21 +955,14 @@ def _record_of_processing(
             ),
             (
                 "policies (aggregator's copy)",
-                ", ".join(f"{j} {str(h)[:12]}" for j, h in policies.items())
-                if isinstance(policies, Mapping) and policies
-                else "none",
+                ", ".join(f"{j} {str(h)[:12]}" for j, h in policies.items()) or "none",
             ),
             (
                 "retention of these records (the policies' audit.retention_days)",
-                ", ".join(f"{j} {_text(days)} days" for j, days in retention.items())
-                if isinstance(retention, Mapping) and retention
-                else "-",
+                ", ".join(f"{j} {_text(days)} days" for j, days in retention.items()) or "-",
             ),
         ],
     )
-
-
-# -- rendering ----------------------------------------------------------------------------
 
 
 def _md_cell(text: str) -> str:

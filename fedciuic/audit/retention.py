@@ -1,7 +1,6 @@
 """Retention: each party's audit log is kept for its own jurisdiction's policy's
-``audit.retention_days``, then pruned (``AuditLog.prune``), and only by a policy the
-log declared to the other parties (``bound``): a copy edited to a shorter retention is
-refused, since the others hold the party to what it declared (docs/audit.md).
+``audit.retention_days``, then pruned, only by a policy it declared to the other parties:
+an edited copy is refused, since the others hold the party to what it declared.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ def cutoff(days: int, now: datetime | None = None) -> datetime:
 
 
 def in_force(declared: Sequence[Declared], when: datetime | None) -> Declared | None:
-    """The declared policy in force at ``when``: the last one declared at or before it,
-    else the first one declared (records older than any declaration fall under it)."""
+    """The last policy declared at or before ``when``, else the first (older records)."""
     if not declared:
         return None
     at = [d for d in declared if when is not None and _time(d.first_time) <= when]
@@ -62,9 +60,8 @@ def _time(value: str) -> datetime:
 
 
 def bound(policy: LoadedPolicy, path: Path, party: str, now: datetime | None = None) -> Limit:
-    """What a prune of ``party``'s log by ``policy`` may remove (``AuditLog.prune``'s
-    ``limit``): it refuses a policy the log never declared (an edited copy has another
-    hash), and stops before a record another declared policy still keeps."""
+    """``AuditLog.prune``'s ``limit``: refuse a policy the log never declared (an edited
+    copy has another hash), stop before a record another declared policy still keeps."""
     rules, now, hashed = policy.policy, now or datetime.now(UTC), policy.hash
 
     def mine(where: str | None) -> bool:
@@ -141,8 +138,8 @@ def enforce(log: AuditLog, policy: LoadedPolicy, *, now: datetime | None = None)
 def enforce_at_start(
     log: AuditLog, policy: LoadedPolicy | None, logger: logging.Logger, who: str
 ) -> Pruned | None:
-    """``enforce`` as a party starts: a prune that cannot be done is a warning, never a
-    reason not to start (the log stays whole and writable)."""
+    """``enforce`` as a party starts: a failed prune is a warning, never a reason not to
+    start (the log stays whole and writable)."""
     if policy is None or log.keypair is None:
         return None
     try:
@@ -196,8 +193,8 @@ def prune_log(
     dry_run: bool = False,
     now: datetime | None = None,
 ) -> str:
-    """``fedciuic audit prune``: what was done, in one line, and the log's verdict.
-    ``bound`` refuses a policy the log did not declare, even with nothing to prune."""
+    """``fedciuic audit prune``: what was done and the log's verdict; ``bound`` refuses an
+    undeclared policy even with nothing to prune."""
     keypair = load_keypair(key_file)
     policy = load_policy(policy_file)
     if not path.is_file():
@@ -234,16 +231,15 @@ def prune_log(
 
 # -- what the report checks: each prune against the policy its party declared ------------
 
-#: How long after a party's last record of a run another party may record its signed
-#: reply to it (a reply judged at the end of its round, clocks a little apart): records
-#: the other party saw at time T were written no earlier than T minus this.
+#: How much earlier than another party's witness of it at T a record may have been written
+#: (a reply judged at its round's end, clocks a little apart).
 EVIDENCE_SLACK = timedelta(days=1)
 
 
 @dataclass(frozen=True)
 class Erased:
-    """Records a party's log no longer holds that its declared policy keeps (``run_id``),
-    or an ``audit_pruned`` record no declared policy binds (None)."""
+    """A run a party's log lost inside its declared retention, or (``run_id`` None) a
+    prune no declared policy binds."""
 
     party: str
     run_id: int | None
@@ -257,8 +253,7 @@ def _who(party: str) -> str:
 def _jurisdiction(
     party: str, records: Sequence[Mapping[str, Any]], aggregator: Sequence[Mapping[str, Any]]
 ) -> str | None:
-    """Where ``party`` is, as the aggregator's log records it (for a region, by the
-    policy its replies declared), else as the region's own records say."""
+    """Where ``party`` is, as the aggregator's log records it, else as its own log says."""
     found: str | None = None
     if party == AGGREGATOR:
         for r in aggregator:
@@ -278,18 +273,8 @@ def _jurisdiction(
     return found
 
 
-def _key_ids(records: Sequence[Mapping[str, Any]]) -> set[str]:
-    """The key ids that signed a log's checkpoints."""
-    return {
-        str(details_of(r).get("key_id"))
-        for r in records
-        if r.get("event") == Event.CHECKPOINT and details_of(r).get("key_id")
-    }
-
-
 def _run_keys(logs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[tuple[str, int], str]:
-    """The key each party used in each run, as another party first recorded it (the
-    aggregator's ``run_start``, a region's ``run_joined``)."""
+    """The key each party used in each run, as another party first recorded it."""
     found: dict[tuple[str, int], str] = {}
     for other, records in logs.items():
         for r in records:
@@ -315,8 +300,8 @@ def _prune_problems(
     where: str | None,
     declared: Sequence[Declared],
 ) -> list[Erased]:
-    """Each ``audit_pruned`` record of ``party``'s log, against the policies it declared
-    (``declared``: those the aggregator's log holds for its jurisdiction ``where``)."""
+    """Each ``audit_pruned`` record of ``party``'s log, against the policies the
+    aggregator's log holds for its jurisdiction ``where``."""
     out = []
     for r in records:
         if r.get("event") != Event.PRUNED:
@@ -327,16 +312,14 @@ def _prune_problems(
         )
         at, last = record_time(r), parse_time(d.get("last_time"))
         label = f"{log_of(party)} (audit_pruned seq {r.get('seq')!r:.24}, {r.get('time')!s:.32})"
+        by = f"pruned by policy {str(used)[:12]} ({used_days!s:.12} days)"
         if not declared:
-            out.append(
-                Erased(
-                    party,
-                    None,
-                    f"{label}: pruned by policy {str(used)[:12]} ({used_days!s:.12} days), but no "
-                    f"policy of {_who(party)}'s jurisdiction ({where or 'unknown'}) is on the "
-                    "aggregator's record: nothing binds the retention it applied",
-                )
+            problem = (
+                f"{label}: {by}, but no policy of {_who(party)}'s jurisdiction "
+                f"({where or 'unknown'}) is on the aggregator's record: nothing binds the "
+                "retention it applied"
             )
+            out.append(Erased(party, None, problem))
             continue
         issues = []
         if used_where != where:
@@ -347,8 +330,8 @@ def _prune_problems(
         if match is None:
             named = ", ".join(f"{p.policy_hash[:12]} ({p.retention_days} days)" for p in declared)
             issues.append(
-                f"pruned by policy {str(used)[:12]} ({used_days!s:.12} days), which is not "
-                f"the policy {_who(party)} declared ({named}, as the aggregator's log records it)"
+                f"{by}, which is not the policy {_who(party)} declared ({named}, as the "
+                "aggregator's log records it)"
             )
         governs = match or in_force(declared, at)
         if governs is None or (days := governs.retention_days) is None:
@@ -371,13 +354,15 @@ def _gone(
     run_keys: Mapping[tuple[str, int], str],
     now: datetime,
 ) -> list[Erased]:
-    """The runs another party witnessed ``party`` sign that its log no longer holds
-    though its declared retention keeps them, and a region's runs it holds only in
-    part (a prune keeps a run whole). A run signed with another key than the log's (a
-    log moved aside after a rotation) is another log's to hold."""
+    """Witnessed runs of ``party`` its log lost inside its declared retention, or holds only
+    in part; one signed with another key (a log moved aside at a rotation) is not its own."""
     records = logs[party]
     held = {run_of(r) for r in records}
-    keys = _key_ids(records)
+    keys = {  # the key ids that signed its checkpoints
+        str(details_of(r).get("key_id"))
+        for r in records
+        if r.get("event") == Event.CHECKPOINT and details_of(r).get("key_id")
+    }
     first = record_time(records[0]) if records else None
     start = records[0].get("seq") if records else 0
     start = start if isinstance(start, int) else 0
@@ -402,19 +387,17 @@ def _gone(
         key = run_keys.get((party, run), "")
         return bool(key and keys and key not in keys)
 
-    out = []
-    for run, (other, seq, count) in sorted(split.items()):
-        if elsewhere(run):
-            continue
-        out.append(
-            Erased(
-                party,
-                run,
-                f"{log_of(party)} holds run {run} only in part: {log_of(other)} (witness seq "
-                f"{seq!r:.24}) saw {party} sign {count} records in that run, and its records "
-                f"before seq {start} are gone; a prune keeps a run whole",
-            )
+    out = [
+        Erased(
+            party,
+            run,
+            f"{log_of(party)} holds run {run} only in part: {log_of(other)} (witness seq "
+            f"{seq!r:.24}) saw {party} sign {count} records in that run, and its records "
+            f"before seq {start} are gone; a prune keeps a run whole",
         )
+        for run, (other, seq, count) in sorted(split.items())
+        if not elsewhere(run)
+    ]
     for run, (when, other, seq) in sorted(seen.items(), key=lambda item: item[1][0]):
         if elsewhere(run):
             continue
@@ -447,10 +430,8 @@ def _gone(
 def check_retention(
     logs: Mapping[str, Sequence[Mapping[str, Any]]], now: datetime | None = None
 ) -> list[Erased]:
-    """What retention cannot explain in the parties' logs: a prune by another policy
-    than the one the party declared (as the aggregator's log records it), or of records
-    inside its retention; a witnessed run gone while that retention keeps it. Records
-    are untrusted: verify the logs first."""
+    """What retention cannot explain: a prune by an undeclared policy or inside the
+    declared retention, or a witnessed run gone while it keeps it (verify the logs first)."""
     now = now or datetime.now(UTC)
     aggregator = logs.get(AGGREGATOR, [])
     held = declarations(aggregator)  # the policy of every jurisdiction it held, and when
