@@ -1,18 +1,14 @@
 """Aggregation of compressed adapter deltas, with validation (pure NumPy, no Flower).
 
-FedAvg over deltas (the default), weighted by each region's training examples. Each
-update is decoded and validated on its own and added straight into one float64
-accumulator (scatter-add for sparse codecs): memory is the model size plus one update,
-whatever the number of regions. Where a region may be malicious, ``median`` and
-``trimmed-mean:F`` aggregate coordinate-wise and unweighted, so one region cannot drag
-the result far, at the price of keeping every delta in memory (docs/robustness.md).
+FedAvg over deltas (the default), weighted by each region's examples ``n_i``, each update
+decoded, validated and added straight into one float64 accumulator: memory is the model
+plus one update. ``median`` and ``trimmed-mean:F`` aggregate coordinate-wise and
+unweighted, so one malicious region cannot drag the result far, at the price of keeping
+every delta in memory (docs/robustness.md). Two factors on top (p_i = n_i / sum n):
 
-Two per-update factors on top of the example weight ``n_i`` (p_i = n_i / sum n):
-
-* local steps ``tau_i`` (FedNova, Wang et al. 2020): regions that take different step
-  counts would otherwise pull the mean towards whoever stepped most, so
-  ``tau_eff * sum_i p_i delta_i / tau_i``, ``tau_eff = sum_i p_i tau_i``; equal steps
-  give FedAvg bit for bit;
+* local steps ``tau_i`` (FedNova, Wang et al. 2020): ``tau_eff * sum_i p_i delta_i /
+  tau_i``, ``tau_eff = sum_i p_i tau_i``, so whoever stepped most does not pull the mean;
+  equal steps give FedAvg bit for bit;
 * staleness ``s`` (FedBuff, Nguyen et al. 2022): ``w(s) = 1/sqrt(1+s)`` *without*
   renormalising, so a buffer of only stale updates moves the model less.
 
@@ -53,14 +49,12 @@ def _whole(value: object) -> bool:
 
 
 def staleness_weight(staleness: int) -> float:
-    """FedBuff's polynomial staleness weight ``1 / sqrt(1 + s)``: an update computed on an
-    older global adapter counts less, but still counts."""
+    """FedBuff's staleness weight ``1 / sqrt(1 + s)``: an older update counts less."""
     return 1.0 / math.sqrt(1.0 + staleness)
 
 
 def check_staleness(staleness: int, max_staleness: int) -> None:
-    """Refuse an update whose base is more than ``max_staleness`` global versions old:
-    its delta points from a model too far from today's to help."""
+    """Refuse an update whose base is more than ``max_staleness`` versions old."""
     if not (_whole(staleness) and staleness >= 0):
         raise ImplausibleUpdate(f"staleness must be a whole number >= 0, got {staleness!r}")
     if staleness > max_staleness:
@@ -70,8 +64,7 @@ def check_staleness(staleness: int, max_staleness: int) -> None:
 
 
 def check_steps(steps: int, max_steps: int) -> None:
-    """Refuse an implausible step count: FedNova divides by it, so a region claiming
-    0 steps (or far more than it may take) would dominate or vanish from the mean."""
+    """Refuse an implausible step count: FedNova divides by it."""
     if not (_whole(steps) and steps >= 1):
         raise ImplausibleUpdate(f"steps must be a whole number >= 1, got {steps!r}")
     if max_steps and steps > max_steps:
@@ -139,9 +132,8 @@ class Aggregator(Protocol):
 
 
 class Accumulator:
-    """``tau_eff * sum_i n_i w(s_i) delta_i / tau_i / sum_i n_i``. Steps are taken
-    relative to the first update's (rescaled by ``tau_eff / tau_0`` at the end): with
-    equal steps every factor is exactly 1, so the result is FedAvg bit for bit."""
+    """``tau_eff * sum_i n_i w(s_i) delta_i / tau_i / sum_i n_i``, with steps relative to
+    the first update's so that equal steps give FedAvg bit for bit."""
 
     def __init__(self, n: int) -> None:
         self.n = n

@@ -1,16 +1,12 @@
 """The aggregator's checkpoint after every round, and resuming a run from it.
 
-A checkpoint is a folder ``round-NNNN/`` (the adapter, the server optimiser's state, and
-``state.json`` with both files' SHA-256), written and fsync'ed in full before ``LATEST``
-is atomically pointed at it; only then are older folders deleted (never the one
-``LATEST`` names): a process killed at any moment leaves a loadable ``LATEST``.
-
-``state.sig``, the aggregator's signature over the SHA-256 of ``state.json``: whoever
-can write the aggregator's disk but not its key cannot swap the model or roll it back
-unnoticed. That SHA-256 is the checkpoint's identity, which a resumed run signs into
-every instruction, so each region's log witnesses which checkpoint the run continued
-from. A run with keys resumes only from a checkpoint its key signed; unsigned ``/1``
-and ``/2`` folders load only where no key is given.
+A checkpoint is a folder ``round-NNNN/`` (adapter, server optimiser state, and
+``state.json`` with their SHA-256), fsync'ed in full before ``LATEST`` is atomically
+pointed at it and older folders are deleted: a process killed at any moment leaves a
+loadable ``LATEST``. ``state.sig`` signs the SHA-256 of ``state.json`` (the checkpoint's
+identity, which a resumed run signs into every instruction), so whoever can write the
+disk but not the key cannot swap or roll back the model unnoticed. A run with keys
+resumes only from a checkpoint its key signed.
 """
 
 from __future__ import annotations
@@ -64,8 +60,8 @@ class Checkpoint:
     rounds: Rounds  # metrics.json "rounds" so far
     optimizer: OptimizerState | None = None  # None: a /1 checkpoint (none had state)
     extra: dict[str, Any] = field(default_factory=dict)  # the aggregator's, JSON, as-is
-    #: What the adapter's tensors are (the run's adapter-mode): a resume under another
-    #: mode is refused. Checkpoints written before modes existed were all ``lora``.
+    #: The run's adapter-mode (older checkpoints were all ``lora``): a resume under
+    #: another is refused.
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: Set when loaded: the SHA-256 of its state.json, and its signer's key id ("": none).
     identity: str = ""
@@ -91,8 +87,7 @@ def _digest(path: Path) -> str:
 def save_checkpoint(
     directory: Path, checkpoint: Checkpoint, keep: int = 1, keypair: Keypair | None = None
 ) -> Path:
-    """Write ``round-NNNN/`` in full (signed with ``keypair``), point ``LATEST`` at it,
-    then keep only the newest ``keep`` rounds up to this one."""
+    """Write ``round-NNNN/`` in full, point ``LATEST`` at it, keep the newest ``keep``."""
     folder = directory / f"round-{checkpoint.round:04d}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -159,8 +154,7 @@ def _kept(directory: Path) -> str:
 
 
 def checkpoint_folder(path: Path) -> Path:
-    """The ``round-NNNN`` folder that ``path`` names: a run folder (its ``checkpoint/``
-    ``LATEST``), a ``checkpoint/`` folder (its ``LATEST``), or a round folder itself."""
+    """The ``round-NNNN`` folder that ``path`` (a run, ``checkpoint/`` or round folder) names."""
     fix = "point resume-from at a run folder written by fedciuic (runs/run-<id>)"
     if (path / STATE).is_file() or _round_of(path) is not None:
         if not path.is_dir():
@@ -206,8 +200,7 @@ def _check_signature(folder: Path, body: bytes, state: Any, signer: PublicBundle
 
 
 def load_checkpoint(path: Path, signer: PublicBundle | None = None) -> Checkpoint:
-    """The checkpoint ``path`` names (see :func:`checkpoint_folder`), checked whole;
-    with ``signer`` (the aggregator's public bundle), only one that key signed."""
+    """The checkpoint ``path`` names, checked whole; with ``signer``, only one it signed."""
     folder = checkpoint_folder(path)
     try:
         body = (folder / STATE).read_bytes()

@@ -1,7 +1,5 @@
 """The aggregator's journal: the one place that turns what happened in a round into its
-``metrics.json`` entry (through the run's recorder) and its audit event. Judging
-(``fedciuic.aggregator.judge``) and publishing decide; only this module writes.
-"""
+``metrics.json`` entry and its audit event; judging and publishing only decide."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ Filing = Callable[[int, str, dict[str, Any]], None]
 
 @dataclass
 class Journal:
-    """Writes a round's outcomes to metrics.json and the audit log of the federation run
-    ``run_id``. ``witnessed``: the highest log count each region's replies have shown in
-    this run (a reply handled after a newer one shows an older head: recorded as late)."""
+    """Writes outcomes to metrics.json and the audit log; ``witnessed``: highest log counts."""
 
     recorder: RunRecorder
     audit: AuditTrail
@@ -54,8 +50,7 @@ class Journal:
             self.note(server_round, Event.POLICY_DECISION, **decision.to_record())
 
     def witness(self, server_round: int | None, region: str, witness: Witness) -> None:
-        """The head of the region's log that its signed reply carries, so that truncating
-        that log later shows in the cross-check (docs/audit.md)."""
+        """The log head a region's reply carries, so truncating that log shows (docs/audit.md)."""
         highest = self.witnessed.get(region, -1)
         self.audit.witness(
             region,
@@ -68,9 +63,7 @@ class Journal:
         self.witnessed[region] = max(highest, witness.count)
 
     def reply(self, server_round: int, judged: Judged, filing: Filing, *, audited: bool) -> Judged:
-        """One reply on the record: what judging it noted, then its outcome in
-        metrics.json and (``audited``) the audit log; if that fails, the reply is
-        rejected and recorded (best effort) as such."""
+        """One reply on the record; if that fails, rejected and recorded so (best effort)."""
         try:
             self._noted(server_round, judged)
             entry = judged.entry()
@@ -159,8 +152,7 @@ class Journal:
     def secure_sum(
         self, server_round: int, details: Mapping[str, Any], sent: Mapping[str, int]
     ) -> None:
-        """A secure round's sum on the record, and in each region's train entry the
-        bytes it sent in it."""
+        """A secure round's sum on the record, and each region's bytes sent in it."""
         self.note(server_round, Event.SECURE_SUM, **details)
         self.recorder.record_secure_bytes(server_round, sent)
 
@@ -222,8 +214,7 @@ class Journal:
             self.note(server_round, Event.REGION_REJOINED, region=region)
 
     def receipts(self) -> str:
-        """What this federation run received from each region (resumed runs included),
-        as canonical JSON."""
+        """What this federation run received from each region, as canonical JSON."""
         received: dict[str, list[tuple[int, str]]] = {}
         for record in self.audit.records():
             details = record.get("details")

@@ -1,8 +1,7 @@
 """Judging one reply at the aggregator: the per-reply boundary (read, authenticate, open,
-staleness, policy, validate) as functions that return a :class:`Judged` and write
-nothing; what else the record must show comes back in :class:`Noted`, for the journal
-(``fedciuic.aggregator.journal``) to write. *Any* exception inside the boundary rejects
-that reply alone, its type named in the record, and the round goes on with the others.
+staleness, policy, validate) returns a :class:`Judged` and writes nothing (what the
+record must show comes back in :class:`Noted`, for the journal). *Any* exception inside
+the boundary rejects that reply alone, and the round goes on with the others.
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ def agent_identity(info: Mapping[str, object]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Task:
-    """What a region was asked to train: the round its reply must be signed for (a
-    buffered region's own task number), and the global version it trains from."""
+    """The round a training reply must be signed for, and the global version it starts from."""
 
     round: int
     version: int
@@ -72,8 +70,7 @@ class Task:
 
 @dataclass(frozen=True)
 class Receipt:
-    """An update as it crossed the relay: its digest is what the region logged, under
-    ``task_round`` (``aggregate``: the aggregate it arrived in, when that differs)."""
+    """An update as it crossed the relay; ``aggregate``: where it arrived, if elsewhere."""
 
     task_round: int
     region: str
@@ -87,8 +84,7 @@ class Receipt:
 
 @dataclass
 class Noted:
-    """What judging a reply found for the record besides its outcome, in the order the
-    journal writes it."""
+    """What the record must show besides the outcome, in the order the journal writes it."""
 
     witness: tuple[str, Witness] | None = None
     received: Receipt | None = None
@@ -112,8 +108,7 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Judged:
-    """One reply's outcome, under the label it is recorded with: accepted, evaluated, or
-    its reply's final status and reason."""
+    """One reply's outcome under its label: accepted, evaluated, or its final status."""
 
     label: str
     reply: Reply  # its status and reason are final
@@ -181,8 +176,7 @@ class Judged:
 
 @dataclass(frozen=True)
 class Training:
-    """What a training reply is judged against; ``refuse``: why it cannot be used where
-    it arrived ("" when it can)."""
+    """What a training reply is judged against; ``refuse``: why it cannot be used here."""
 
     server_round: int
     n: int
@@ -194,8 +188,7 @@ class Training:
 
 @dataclass(frozen=True)
 class Judge:
-    """The boundary and its stages; ``labels``: the region each node authenticated as
-    before (for replies that carry no signature)."""
+    """The boundary and its stages; ``labels``: each node's region, for unsigned replies."""
 
     rules: UpdateRules
     adapter_mode: AdapterMode
@@ -205,8 +198,8 @@ class Judge:
     policies: PolicyGate
     run_id: int
     labels: Mapping[int, str]
-    #: With secure aggregation, the fewest regions a secure sum is unmasked from (0: none):
-    #: a trained reply then carries no update, only what the policies check.
+    #: With secure aggregation, the fewest regions a sum is unmasked from (0: none): a
+    #: trained reply then carries no update.
     secure_threshold: int = 0
     #: Whether the regions add distributed noise in the secure sum.
     distributed_dp: bool = False
@@ -243,8 +236,7 @@ class Judge:
         accepted: Accepted | None = None,
         evaluated: EvalMetrics | None = None,
     ) -> Judged:
-        """The reply's outcome under its label: the region its signature authenticates;
-        else the region this node authenticated as before; else ``node-ID``."""
+        """The outcome under its label: the authenticated region, the node's, or ``node-ID``."""
         label = sender or self.labels.get(reply.node_id) or f"node-{reply.node_id}"
         if error is not None:
             reply = replace(reply, status=REJECTED, reason=reason_of(error))
@@ -259,8 +251,7 @@ class Judge:
         )
 
     def authenticate(self, reply: Reply, server_round: int) -> str | None:
-        """The region this reply comes from, by its signature; without sealing (a lab
-        run, nothing to authenticate with) the name it claims."""
+        """The region that signed this reply; without sealing, the name it claims."""
         if reply.status == FAILED:
             return None
         return self.sealing.sender(reply, self.run_id, server_round)
@@ -274,8 +265,7 @@ class Judge:
         raise MalformedReply(f"status {reply.status!r} in an evaluation reply")
 
     def _only_dp(self, status: str, names: Iterable[str]) -> None:
-        """Refuse a reply that carries a figure of its sender's data in a run whose
-        config makes every figure a DP release or public (whatever the sender's policy)."""
+        """Refuse a figure of the sender's data in a run that releases only DP or public ones."""
         if self.run is None or not releases_only_dp(self.run):
             return
         if found := data_figures(status, names, self.run):
@@ -358,8 +348,7 @@ class Judge:
     def _open(
         self, reply: Reply, server_round: int, sender: str | None
     ) -> tuple[bytes, TrainMetrics, dict[str, str], Provenance, tuple[str, ...]]:
-        """The compressed update, its metrics, info and provenance, and the names of every
-        field it sent."""
+        """The compressed update, metrics, info, provenance, and every field name it sent."""
         opened = self.sealing.receive(reply, self.run_id, server_round, sender)
         info, header = opened.info, opened.header
         if info["region"] != header.region:
@@ -372,7 +361,7 @@ class Judge:
         return update, metrics, info, header, (*sent, *info, *opened.arrays)
 
     def _update_bytes(self, arrays: Mapping[str, np.ndarray]) -> bytes:
-        """The one compressed update a trained reply may carry; in a secure round none."""
+        """The one compressed update a trained reply carries (none in a secure round)."""
         if self.secure_threshold:
             if arrays:
                 raise MalformedReply(

@@ -2,21 +2,13 @@
 them, over a :class:`Transport` (Flower's Grid in ``fedciuic.flower.courier``; tests use
 a fake one with its own clock).
 
-* waiting for regions has a deadline (``node-wait-timeout``), so a run expecting more
-  regions than exist stops with a message instead of hanging;
-* each message is pushed once and its reply pulled whenever it comes, at most one in
-  flight per node (:class:`Courier`): a late reply is still judged and logged, and a
-  slow region is never sent a second task;
-* a node that does not answer within round-timeout is a failed reply; a region that
-  misses max-missed-rounds in a row is no longer waited for;
-* ``aggregation-mode`` (:func:`loop_for`): :class:`SyncLoop`, FedBuff's
-  :class:`BufferedLoop` (docs/heterogeneity.md), or :class:`SecureLoop`;
-* every region evaluates the initial adapter, so eval loss is reported before and after;
-* every instruction is signed for its region: a node is asked once which region it
-  serves (:meth:`Transport.identify`), then goes by the region its signed replies name.
-
-What each reply is worth, and what is published, is the round's
-(:class:`~fedciuic.aggregator.round.AggregatorRound`); this module only schedules.
+Waiting for regions has a deadline (node-wait-timeout); each message is pushed once and
+its reply pulled whenever it comes, at most one in flight per node, so a late reply is
+still judged and a slow region never gets a second task. A node silent past
+round-timeout is a failed reply; a region that misses max-missed-rounds in a row is no
+longer waited for. Every instruction is signed for the region its node names. What a
+reply is worth, and what is published, is the round's
+(:class:`~fedciuic.aggregator.round.AggregatorRound`): this module only schedules.
 """
 
 from __future__ import annotations
@@ -72,15 +64,12 @@ WAIT_MARGIN = 120.0
 
 
 class Transport(Protocol):
-    """How the loop reaches the regions. Replies come back :class:`Unread`: the round
-    reads them inside its per-reply boundary, so a malformed one is refused alone."""
+    """How the loop reaches the regions; replies come back unread, for the round to read."""
 
     def nodes(self) -> list[int]: ...
 
     def identify(self, nodes: Sequence[int], timeout: float) -> dict[int, str]:
-        """The region each node says it serves. Unauthenticated, and need not be: every
-        instruction is signed for its region, so a false answer only gets its node
-        instructions it refuses."""
+        """Each node's claimed region: unauthenticated, but instructions are signed for it."""
         ...
 
     def push(self, instructions: Mapping[int, Instruction]) -> dict[str, int]:
@@ -129,10 +118,9 @@ class Courier:
         self, instructions: Mapping[int, Instruction], server_round: int, task: Task | None
     ) -> list[Sent]:
         now = self.clock()
-        taken = self.transport.push(instructions)
         sent = {
             message_id: Sent(node, instructions[node].kind, server_round, task, now)
-            for message_id, node in taken.items()
+            for message_id, node in self.transport.push(instructions).items()
         }
         self.in_flight.update(sent)
         return list(sent.values())
@@ -155,8 +143,7 @@ class Courier:
 
 
 class Loop:
-    """What every schedule shares; a schedule implements :meth:`one` (a round, or a
-    buffered aggregate) and :meth:`finish`."""
+    """What every schedule shares; each implements :meth:`one` and :meth:`finish`."""
 
     def __init__(
         self,
@@ -188,8 +175,7 @@ class Loop:
     def run(
         self, adapter: Mapping[str, np.ndarray], num_rounds: int, first_round: int = 1
     ) -> dict[str, np.ndarray]:
-        """Evaluate ``adapter`` in every region (unless resuming), then run rounds
-        ``first_round`` to ``num_rounds``; the final global adapter."""
+        """Evaluate ``adapter`` (unless resuming), run the rounds; the final global adapter."""
         a = self.aggregator
         a.global_adapter = dict(adapter)
         if first_round == 1:
@@ -246,8 +232,7 @@ class Loop:
         return wait
 
     def wait_for_regions(self) -> list[int]:
-        """All connected nodes, once every region is there or the deadline has passed.
-        Only the first call waits, so one region gone does not stall each round."""
+        """All connected nodes; only the first call waits for every region, until the deadline."""
         schedule = self.schedule
         expected = len(self.aggregator.run.regions)
         wait = 0.0 if self._waited else schedule.node_wait_timeout
@@ -268,15 +253,13 @@ class Loop:
         return sorted(nodes)
 
     def addresses(self, nodes: Sequence[int], server_round: int) -> dict[int, str]:
-        """The region each of ``nodes`` is addressed as (:meth:`region_at`); a node that
-        has said neither is asked (once a round) and left out until it answers."""
+        """Each node's region; an unknown node is asked (once a round) and left out till it says."""
         unknown = [
             n for n in nodes if self.region_at(n) is None and self._asked.get(n) != server_round
         ]
         if unknown:
             self._asked.update(dict.fromkeys(unknown, server_round))
-            claimed = self.transport.identify(unknown, self.timeout)
-            for node, region in claimed.items():
+            for node, region in self.transport.identify(unknown, self.timeout).items():
                 if region in self.aggregator.run.regions:
                     self._claimed[node] = region
                 else:
@@ -286,16 +269,14 @@ class Loop:
         return {n: r for n in nodes if (r := self.region_at(n))}
 
     def region_at(self, node: int) -> str | None:
-        """The region ``node`` is addressed as: the one its signed replies name, else
-        the one it said it serves."""
+        """The region its signed replies name, else the one it said it serves."""
         return self.aggregator.regions_by_node.get(node) or self._claimed.get(node)
 
     def _send(
         self, kind: TaskKind, server_round: int, nodes: Sequence[int], task: Task | None = None
     ) -> list[int]:
         """The global adapter to each of ``nodes`` whose region is known, signed for its
-        region and for the training ``task``'s own number where there is one (a
-        buffered region's); the nodes it went to."""
+        region and for ``task``'s own number where there is one; the nodes it went to."""
         a = self.aggregator
         signed_round = task.round if task is not None else server_round
         addressed = self.addresses(nodes, server_round)
@@ -315,10 +296,9 @@ class Loop:
         timeout: float,
         take: Callable[[Arrival], None] | None = None,
     ) -> tuple[list[Arrival], list[tuple[Sent, Unread]], set[int]]:
-        """Replies to this round's ``kind`` from ``asked`` until every node the round
-        waits for has answered or ``timeout`` has passed (a :class:`NoReply` for each
-        that did not; its message stays in flight); also what else arrived meanwhile
-        and every node heard from. ``take`` gets each reply as it arrives instead."""
+        """Replies to this round's ``kind`` until every node waited for has answered or
+        ``timeout`` has passed (a :class:`NoReply` for each that did not), what else
+        arrived meanwhile, and every node heard from. ``take`` gets each reply instead."""
         deadline = self.clock() + timeout
         waiting = {n for n in asked if self.aggregator.waits_for(n)}
         answered: set[int] = set()
@@ -357,17 +337,13 @@ class Loop:
         *,
         refuse: str = "",
     ) -> None:
-        """Updates that answer earlier messages, judged (against their own version) into
-        this round's aggregate, or refused with ``refuse``: every update that arrives is
-        logged, so the regions' and the aggregator's logs agree."""
+        """Earlier messages' updates, judged into ``into`` or refused, so every one is logged."""
         for sent, reply in late:
-            if sent.task is None:  # a late evaluation only showed that its node is alive
-                continue
-            self.aggregator.judge_train(server_round, reply, sent.task, into, refuse=refuse)
+            if sent.task is not None:  # a late evaluation only showed its node is alive
+                self.aggregator.judge_train(server_round, reply, sent.task, into, refuse=refuse)
 
     def witness_run_end(self, timeout: float) -> None:
-        """Send each region the signed head of the log's ``run_end``, and record the head
-        each answers with (best effort)."""
+        """Send each region the signed ``run_end`` head and record its answer (best effort)."""
         a = self.aggregator
         # a node whose region is unknown took no part
         known = {n: r for n in sorted(self.transport.nodes()) if (r := self.region_at(n))}
@@ -384,8 +360,7 @@ class SyncLoop(Loop):
     late_refusal = ""
 
     def one(self, server_round: int) -> None:
-        """Every idle region trains; the round waits for all but the unavailable ones,
-        aggregates, then every idle region evaluates the result."""
+        """Every idle region trains; the round waits, aggregates, then idle regions evaluate."""
         a, courier = self.aggregator, self.courier
         nodes = self.wait_for_regions()
         courier.forget_gone(nodes)
@@ -419,14 +394,12 @@ class SyncLoop(Loop):
 
 
 class BufferedLoop(Loop):
-    """FedBuff: an aggregate is published as soon as buffer-size updates are in, each
-    weighted by its staleness (aggregator/aggregation.py); regions train at their own pace."""
+    """FedBuff: an aggregate as soon as buffer-size updates are in, weighted by staleness."""
 
     def one(self, server_round: int) -> None:
-        """Every idle region that has not answered since the last aggregate is sent its
-        next task; the aggregate is published once buffer-size updates are accepted and
-        the policies allow it, or, after round-timeout or once nothing more can come,
-        with what has arrived."""
+        """Each idle region not yet heard in this aggregate gets its next task; publish once
+        buffer-size updates are accepted and allowed, or at round-timeout or when no more can
+        come."""
         a, schedule, courier = self.aggregator, self.schedule, self.courier
         into = a.collecting()
         heard: set[int] = set()
@@ -470,17 +443,9 @@ class BufferedLoop(Loop):
         a.end(server_round)
 
     def finish(self, num_rounds: int) -> None:
-        """Every region evaluates the final adapter; updates still in flight are then
-        waited for (:meth:`_drain`) and refused."""
+        """Every region evaluates the final adapter; updates in flight are awaited and refused."""
         _logger.info("[END] evaluating the final adapter in every region")
         self._evaluate(num_rounds, sorted(self.transport.nodes()))
-        self._drain()
-        self._refuse_late(num_rounds)
-        self.aggregator.end(num_rounds)
-
-    def _drain(self) -> None:
-        """Wait for the updates still in flight, so that each is logged as received
-        (and refused) rather than sent by the region and never heard of."""
         a, courier = self.aggregator, self.courier
         deadline = self.clock() + self.train_wait()
         while self.clock() < deadline:
@@ -488,8 +453,10 @@ class BufferedLoop(Loop):
             if not any(
                 s.task is not None and a.waits_for(s.node) for s in courier.in_flight.values()
             ):
-                return
+                break
             courier.wait()
+        self._refuse_late(num_rounds)
+        a.end(num_rounds)
 
     def _can_dispatch(self, nodes: list[int], contributed: set[str]) -> bool:
         """Whether some idle node could still be sent something in this aggregate."""
@@ -502,8 +469,7 @@ class BufferedLoop(Loop):
         )
 
     def _dispatch(self, server_round: int, node: int, contributed: set[str]) -> None:
-        """An idle node's region's next task, if it has one left and has not answered
-        since the last aggregate."""
+        """An idle node's region's next task, unless none is left or it answered this aggregate."""
         a = self.aggregator
         region = self.region_at(node)
         if region is None or region in contributed:
@@ -519,10 +485,9 @@ class BufferedLoop(Loop):
 
 class SecureLoop(SyncLoop):
     """Sync rounds whose aggregate is the mean of a secure sum (docs/secure-aggregation.md):
-    each trained reply carries what its policy is checked against and no update; the
-    regions accepted then run :mod:`fedciuic.secagg` through five more signed exchanges
-    relayed by the aggregator, and the survivors' mean (unweighted: weights would need
-    each update) is published, or the round withheld; one ``secure_sum`` record."""
+    each trained reply carries what its policy checks and no update; the accepted regions
+    then run :mod:`fedciuic.secagg` through five more signed exchanges, and the survivors'
+    unweighted mean is published or the round withheld; one ``secure_sum`` record."""
 
     late_refusal = LATE
     #: How far the run's last unmasked sum reached against its regions' norms
@@ -575,14 +540,12 @@ class SecureLoop(SyncLoop):
         return heard
 
     def _session(self, server_round: int, norms: Mapping[str, float | None], size: int) -> Session:
-        """This round's session, scaled by the norms the regions sent
-        (:attr:`~fedciuic.config.RunConfig.secure_norms`), or by the clip."""
+        """This round's session, scaled by the norms the regions sent, or by the clip."""
         a = self.aggregator
         settings = a.run.secure
         regions = sorted(norms)
         if len(regions) < a.run.unmask_threshold:
             raise SumWithheld(Phase.ADVERT, len(regions), a.run.unmask_threshold)
-        sent = [norms[r] or 0.0 for r in regions]
         normed = a.run.secure_norms and all(norms[r] is not None for r in regions)
         return Session.propose(
             run_id=a.federation_run,
@@ -600,7 +563,7 @@ class SecureLoop(SyncLoop):
             size=size,
             clip=a.run.compression.max_update_norm,
             noise=settings.distributed_noise_multiplier,
-            bound=sum_bound(sent, self.reach) if normed else 0.0,
+            bound=sum_bound([norms[r] or 0.0 for r in regions], self.reach) if normed else 0.0,
         )
 
     def _exchange(
@@ -612,9 +575,8 @@ class SecureLoop(SyncLoop):
         heard: set[int],
         sent: dict[str, int],
     ) -> list[object]:
-        """Each region its request, signed; the messages of those that answer within
-        round-timeout, signed by that region (bytes counted in ``sent``). Any other
-        answer is refused on the record."""
+        """Each region its signed request; the messages answered within round-timeout and
+        signed by that region (bytes in ``sent``), any other answer refused on the record."""
         a, courier = self.aggregator, self.courier
         node_of = {region: node for node, region in a.regions_by_node.items()}
         pushed: dict[int, str] = {}

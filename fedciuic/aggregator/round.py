@@ -2,11 +2,9 @@
 round's aggregate published or withheld.
 
 Each reply goes through one boundary (``fedciuic.aggregator.judge``) where *any*
-exception rejects that reply alone; each outcome is recorded (metrics.json and the audit
-log) before it counts. Unlike plain FedAvg: replies are adapter *deltas*; a region that
-declines is a normal outcome and the round goes on; with policies, an aggregate is
-published only when the strictest minimum among its regions' policies is met, else the
-global adapter stays as it was.
+exception rejects that reply alone, and is recorded before it counts. Replies are adapter
+deltas; a decline is a normal outcome; an aggregate is published only when the strictest
+minimum among its regions' policies is met.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ _logger = logging.getLogger("flwr")
 
 @dataclass
 class Collecting:
-    """One aggregate being filled: the accepted updates so far, every judged reply, and
-    the labels already recorded (a second reply under one is rejected)."""
+    """One aggregate being filled: accepted updates, judged replies and labels recorded."""
 
     accumulator: Aggregator
     n: int  # entries in the flat adapter
@@ -122,7 +119,7 @@ class AggregatorRound:
         checkpoints: Path | None = None,
     ) -> None:
         self.run = run
-        #: What every instruction carries and signs: the config the regions are to apply.
+        #: The config every instruction carries and signs.
         self.run_config = run.canonical_json()
         self.base_fingerprint = base_fingerprint
         self.recorder = recorder
@@ -132,8 +129,7 @@ class AggregatorRound:
         self.audit: AuditTrail = audit or NoAudit()
         self.run_id = run_id  # Flower's: binds envelopes and signatures
         self.federation_run = federation_run or run_id  # kept when a run is resumed
-        #: The checkpoint this run resumed from, if any: signed into every instruction,
-        #: so each region's log witnesses it.
+        #: The checkpoint resumed from, signed into every instruction for regions to witness.
         self.resumed_from = ""
         self.checkpoints = checkpoints
         self.global_adapter: dict[str, np.ndarray] = {}
@@ -151,8 +147,7 @@ class AggregatorRound:
         self._build()
 
     def use(self, **parts: Any) -> None:
-        """Replace parts it was built with, and build its judge and journal again: they
-        are built once, not per use."""
+        """Replace parts it was built with, and build its judge and journal again."""
         for name, value in parts.items():
             if name not in _BUILT_FROM:
                 raise TypeError(f"{name!r} is not one of {sorted(_BUILT_FROM)}")
@@ -161,8 +156,7 @@ class AggregatorRound:
 
     def _build(self) -> None:
         secure = self.run.secure
-        #: The per-reply boundary over the run's stages (it reads ``regions_by_node``
-        #: by reference, so it sees each node as it authenticates).
+        #: The per-reply boundary (it sees ``regions_by_node`` by reference).
         self.judge = Judge(
             self.run.compression,
             self.run.model.adapter_mode,
@@ -191,8 +185,7 @@ class AggregatorRound:
         recipient: str,
         digest: bytes | None = None,
     ) -> Instruction:
-        """A round's instruction for ``recipient``, with a fresh nonce and the audit log's
-        head, signed (with sealing)."""
+        """A round's instruction for ``recipient``, with a fresh nonce and the log's head."""
         unsigned = Instruction(
             adapter=dict(adapter),
             server_round=server_round,
@@ -209,25 +202,16 @@ class AggregatorRound:
         return replace(unsigned, signature=self.sealing.sign_global(self.run_id, unsigned, digest))
 
     def _file(
-        self,
-        server_round: int,
-        judged: Judged,
-        labels: set[str],
-        filing: Filing,
-        *,
-        audited: bool,
+        self, server_round: int, judged: Judged, labels: set[str], filing: Filing, *, audited: bool
     ) -> Judged:
-        """A judged reply on the record under its label: a second reply under a label
-        already taken is rejected (kept apart, under duplicates), so no reply displaces
-        or doubles another's."""
+        """A judged reply on the record; a second under one label is rejected, never displacing."""
         if judged.label in labels:
             if judged.accepted is not None or judged.evaluated is not None:
                 judged = judged.refused(
                     f"a second reply from {judged.label} in round {server_round}"
                 )
         elif judged.authenticated:
-            # Which region a node is, for its replies that carry no signature (a
-            # timeout, a process that died): only what it authenticated as first.
+            # For its unsigned replies (a timeout, a dead process): what it first authenticated as.
             self.regions_by_node.setdefault(judged.reply.node_id, judged.label)
         labels.add(judged.label)
         return self.journal.reply(server_round, judged, filing, audited=audited)
@@ -244,17 +228,10 @@ class AggregatorRound:
         return Collecting(make_aggregator(self.run.compression.aggregation, n), n)
 
     def judge_train(
-        self,
-        server_round: int,
-        item: Arrival,
-        task: Task,
-        into: Collecting,
-        *,
-        refuse: str = "",
+        self, server_round: int, item: Arrival, task: Task, into: Collecting, *, refuse: str = ""
     ) -> Judged:
-        """Judge one training reply to ``task``, record it under ``server_round`` (the
-        aggregate it may join) and, when accepted, add it to ``into``; with ``refuse``
-        (why it cannot be used where it arrived), logged as received and refused."""
+        """Judge and record one training reply to ``task`` under ``server_round``, adding it
+        to ``into`` when accepted; with ``refuse``, logged as received and refused."""
         staleness = self.version - task.version
         training = Training(server_round, into.n, task, staleness, self.schedule, refuse)
         judged = self.judge.guarded(item, signed_round=task.round, training=training)
@@ -264,7 +241,7 @@ class AggregatorRound:
         )
         into.judged.append(judged)
         if judged.accepted is not None:
-            # Validated and recorded: only now does it count (a secure round's, in its sum).
+            # Validated and recorded: only now does it count.
             if judged.accepted.checked is not None:
                 into.accumulator.add(judged.accepted.checked)
             into.accepted.append(judged.accepted)
@@ -278,8 +255,7 @@ class AggregatorRound:
         mean: np.ndarray | None = None,
         withheld: Iterable[str] = (),
     ) -> Published | Withheld:
-        """Apply the aggregate of ``into`` to the global adapter (a new version), or
-        withhold it. A secure round hands over its ``mean`` (or why it is ``withheld``)."""
+        """Apply the aggregate of ``into`` (or a secure ``mean``) as a new version, or withhold."""
         regions = [a.region for a in into.accepted]
         reasons = list(withheld) or self._withhold(server_round, into)
         if reasons:
@@ -289,11 +265,9 @@ class AggregatorRound:
         delta = into.accumulator.mean() if mean is None else mean
         self.global_adapter = self.server_optimizer.step(self.global_adapter, delta)
         self.version += 1
-        weight = (
-            into.accumulator.weight
-            if mean is None
-            else float(sum(a.metrics.num_examples for a in into.accepted))
-        )
+        weight = into.accumulator.weight
+        if mean is not None:
+            weight = float(sum(a.metrics.num_examples for a in into.accepted))
         self.journal.published(server_round, regions, weight, self.version, self.global_adapter)
         return Published(self.global_adapter, regions, weight, into.train_loss())
 
@@ -312,15 +286,13 @@ class AggregatorRound:
     # -- availability -------------------------------------------------------------
 
     def heard(self, server_round: int, nodes: Iterable[int]) -> Changes:
-        """The round is over: the regions of ``nodes`` (those that replied, with anything)
-        answered it, the others missed it; changes are recorded."""
+        """The round is over: the regions of ``nodes`` answered it, the others missed it."""
         answered = {self.regions_by_node[n] for n in nodes if n in self.regions_by_node}
         changes = self.availability.round_ended(answered)
         self.journal.availability(server_round, changes, self.availability.missed)
         return changes
 
     def schedule_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the schedule."""
         return {
             "version": self.version,
             "availability": self.availability.state(),
@@ -328,8 +300,7 @@ class AggregatorRound:
         }
 
     def restore_schedule(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's schedule; one written before schedules existed has none (its
-        version is the number of aggregates its records show published)."""
+        """A checkpoint's schedule; an older one has none (its records give the version)."""
         if not state:
             published = [r for r in self.recorder.data.rounds.values() if r.aggregate]
             self.version = sum(1 for r in published if r.aggregate and r.aggregate.published)
@@ -350,9 +321,7 @@ class AggregatorRound:
     def evaluate(
         self, server_round: int, arrivals: Iterable[Arrival], *, overall: bool = True
     ) -> EvalResult:
-        """Judge and record each evaluation, then (``overall``) the examples-weighted
-        overall loss: not for a buffered aggregate's late evaluations, which are not
-        every region's."""
+        """Judge and record evaluations, then (``overall``) the examples-weighted loss."""
         labels: set[str] = set()
         judged_all: list[Judged] = []
         evaluated: list[tuple[str, EvalMetrics]] = []
@@ -390,8 +359,7 @@ class AggregatorRound:
     # -- the end of the run -------------------------------------------------------
 
     def sign_run_end(self, recipients: Iterable[str]) -> dict[str, RunEndNotice]:
-        """The log's head once ``run_end`` is in it and receipts (read once), signed for
-        each of ``recipients``; none without a signed checkpoint (or log)."""
+        """The log's ``run_end`` head and receipts, signed per recipient (needs a checkpoint)."""
         witness = self.audit.last_checkpoint()
         if witness is None:
             return {}
@@ -429,8 +397,7 @@ class AggregatorRound:
 
 
 def run_end_witnessed(aggregator: AggregatorRound, replies: Iterable[Reply | Unread]) -> list[str]:
-    """Record the head each region answers the run-end notice with, so that truncating
-    any party's log back past the end of the run shows in the cross-check (best effort)."""
+    """Record each region's answer to the run-end notice (best effort), for the cross-check."""
     witnessed = []
     journal = aggregator.journal
     for item in replies:

@@ -59,17 +59,10 @@ def warn_disabled(run: RunConfig) -> None:
 
 
 def aggregator_log(run: RunConfig) -> AuditLog:
-    """The aggregator's audit log; paths are redacted unless the policy of the
-    aggregator's own jurisdiction (when held) says otherwise."""
+    """The aggregator's audit log, paths redacted unless its own policy says otherwise."""
+    dirs = {"keys-dir": run.sealing.keys_dir, "policies-dir": run.policy.policies_dir}
     redact = [(str(run.output.output_path), "<output-dir>")]
-    redact += [
-        (d, f"<{name}>")
-        for name, d in (
-            ("keys-dir", run.sealing.keys_dir),
-            ("policies-dir", run.policy.policies_dir),
-        )
-        if d
-    ]
+    redact += [(d, f"<{name}>") for name, d in dirs.items() if d]
     return AuditLog(run.output.audit_path / AGGREGATOR_LOG, "aggregator", None, redact=redact)
 
 
@@ -107,9 +100,7 @@ def held_policies(
 def resume(
     run: RunConfig, base_fingerprint: str, audit: AuditLog, recorder: RunRecorder
 ) -> Checkpoint | None:
-    """The checkpoint to resume from (resume-from): signed by this aggregator's key when
-    the run has one, checked against this model and against the audit log, which must
-    still hold what the checkpoint saw."""
+    """The checkpoint to resume from, checked against its signer, this model and the log."""
     if not run.output.resume_from:
         return None
     signer = audit.keypair.bundle if audit.keypair is not None else None
@@ -202,9 +193,8 @@ def run_start(
 
 
 def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimizer:
-    """This run's server optimiser: fresh, or continuing the checkpoint's state. A
-    checkpoint without one is refused unless ``none``: others' moments would silently
-    restart from zero."""
+    """This run's server optimiser, fresh or continuing the checkpoint's state (none is
+    refused unless ``none``: moments would silently restart from zero)."""
     if resumed is None:
         return ServerOptimizer(run.server)
     where = run.output.resume_from or "the checkpoint"
@@ -246,8 +236,7 @@ def server_optimizer(run: RunConfig, resumed: Checkpoint | None) -> ServerOptimi
 def restore(
     aggregator: AggregatorRound, resumed: Checkpoint, optimizer: ServerOptimizer | None = None
 ) -> None:
-    """What a checkpoint carries besides the adapter: the server optimiser's state
-    (``optimizer``, when already made from it) and the schedule."""
+    """The checkpoint's server optimiser state (``optimizer``, if made) and schedule."""
     aggregator.server_optimizer = optimizer or server_optimizer(aggregator.run, resumed)
     aggregator.restore_schedule(resumed.extra)
     aggregator.resumed_from = resumed.identity
@@ -268,8 +257,7 @@ class OpenedRun:
 def open_run(
     run: RunConfig, flower_run: int, audit: AuditLog, recorder: RunRecorder, base_fingerprint: str
 ) -> OpenedRun:
-    """Keys, policies (cross-checked against the keys), a resume, ``run_start``: the
-    aggregator's round for this run (checkpointed next to metrics.json)."""
+    """Keys, policies, a resume, ``run_start``: the aggregator's round for this run."""
     sealed = run.sealing
     keys = (
         aggregator_keys(sealed.keys_dir, run.compression.max_update_bytes) if sealed.seal else None
@@ -308,13 +296,10 @@ class Ended:
 
 def end_run(aggregator: AggregatorRound, audit: AuditLog, layout: AdapterLayout) -> Ended:
     """``run_end`` in the audit log, signed; the final adapter saved only when some round
-    published an aggregate: else it would present an untrained model as the result."""
+    published, else an untrained model would pass as the result."""
     final = model_digest(aggregator.global_adapter).hex()
-    status = (
-        RunStatus.COMPLETED
-        if published_rounds(aggregator.recorder.data)
-        else RunStatus.NO_AGGREGATE
-    )
+    published = published_rounds(aggregator.recorder.data)
+    status = RunStatus.COMPLETED if published else RunStatus.NO_AGGREGATE
     adapter = None
     if status == RunStatus.COMPLETED:
         directory = aggregator.recorder.directory / ADAPTER_DIR
@@ -356,8 +341,7 @@ def run_failed(
 
 
 def stopped(recorder: RunRecorder, reason: str) -> None:
-    """Mark the run interrupted if it has not ended (metrics.json only: the audit log
-    belongs to the thread that was interrupted mid-way, and must not be written here)."""
+    """Mark the run interrupted (metrics.json only: the log is the interrupted thread's)."""
     problem: Exception | None = None
     for _ in range(3):  # the run's thread may be changing the record right now
         try:

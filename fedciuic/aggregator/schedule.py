@@ -1,12 +1,10 @@
 """Who is asked what, and when, without Flower: which regions are available, and in
 buffered mode each region's task count and the task it has in flight.
 
-A region that misses ``max-missed-rounds`` rounds in a row (no reply within the
-round, or not connected) is marked unavailable: rounds stop waiting for it. It is
-still asked whenever it has nothing in flight, and the first reply it sends, of any
-kind, marks it available again. Both changes are recorded by the aggregator
-(metrics.json and the audit log). The state travels in the aggregator's checkpoint,
-so a resumed run knows who was unavailable and what each region was doing.
+A region that misses ``max-missed-rounds`` rounds in a row is marked unavailable: rounds
+stop waiting for it, but it is still asked, and any reply marks it available again. The
+state travels in the checkpoint, so a resumed run knows who was unavailable and what each
+region was doing.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class Availability:
         self.unavailable: set[str] = set()
 
     def round_ended(self, answered: Iterable[str]) -> Changes:
-        """Count a round: regions in ``answered`` replied (anything, even a decline),
-        the others missed it."""
+        """Count a round: regions in ``answered`` replied (even a decline), the others missed it."""
         heard = set(answered)
         changes = Changes()
         for region in self.missed:
@@ -74,16 +71,14 @@ class Availability:
 
 @dataclass(frozen=True)
 class InFlight:
-    """A buffered region's task: its own task number (what its reply is signed for and
-    its ledger records) and the global version it trains from."""
+    """A buffered task's number (what its reply is signed for) and its global version."""
 
     task: int
     version: int
 
 
 class Tasks:
-    """Buffered mode: each region trains at most ``limit`` tasks (its DP noise is
-    calibrated for num-server-rounds rounds), with at most one in flight."""
+    """Buffered mode: at most ``limit`` tasks a region (its DP budget), one in flight."""
 
     def __init__(self, regions: Iterable[str], limit: int) -> None:
         self.limit = limit
@@ -110,8 +105,7 @@ class Tasks:
         self.in_flight.pop(region, None)
 
     def finished(self) -> set[str]:
-        """Regions that have taken all their tasks and have none in flight: nothing
-        more is expected of them, so they miss nothing."""
+        """Regions with all their tasks done: nothing more is expected, so they miss nothing."""
         return {r for r, n in self.sent.items() if n >= self.limit and r not in self.in_flight}
 
     def state(self) -> dict[str, Any]:
@@ -121,9 +115,8 @@ class Tasks:
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's tasks. A task in flight when it was taken is asked for again
-        under the same number: the region resends the update it kept for it (no second
-        release), which is judged against the version it was computed from."""
+        """A checkpoint's tasks. One in flight is asked for again under the same number: the
+        region resends the update it kept (no second release)."""
         try:
             sent = {str(k): int(v) for k, v in dict(state["sent"]).items()}
             flying = {

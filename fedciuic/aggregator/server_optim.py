@@ -1,8 +1,7 @@
 """The aggregator's step on the aggregated delta: server optimisers (pure NumPy).
 
-Reddi et al. 2021, "Adaptive Federated Optimization" (Algorithm 2): the aggregated
-delta ``d`` is a pseudo-gradient, and the server keeps its own optimiser state over
-the flat float32 adapter vector ``x`` (the adapter tensors in name order):
+Reddi et al. 2021, Algorithm 2: the delta ``d`` is a pseudo-gradient over the flat
+float32 adapter vector ``x``:
 
 * ``none``: ``x += lr * d`` (FedAvg with a server learning rate);
 * ``fedavgm``: ``m = beta * m + d; x += lr * m`` (server momentum);
@@ -10,12 +9,9 @@ the flat float32 adapter vector ``x`` (the adapter tensors in name order):
 * ``fedyogi``: as fedadam with ``v = v - (1-b2) d^2 sign(v - d^2)``: v grows
   additively, so one large delta does not shrink the step for many rounds.
 
-As in the paper's Algorithm 2 there is no bias correction and ``v`` starts at
-``tau^2`` (``v_{-1} >= tau^2``), so the first steps are about ``lr`` per coordinate in
-the delta's direction. (Flower's FedAdam starts ``v`` at 0 and bias-corrects.)
-
-The state (one float32 vector per moment, updated in place) goes into each aggregator
-checkpoint: without it a resumed run would take different steps.
+As in the paper there is no bias correction and ``v`` starts at ``tau^2``, so the first
+steps are about ``lr`` per coordinate (Flower's FedAdam starts at 0 and bias-corrects).
+The moments go into each checkpoint: without them a resumed run would step differently.
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ class OptimizerStateError(FedciuicError, ValueError):
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """What a checkpoint keeps of a server optimiser: its name and hyperparameters (to
-    refuse a resume under another one), the layout its vectors follow, and the moments."""
+    """What a checkpoint keeps of a server optimiser: name, hyperparameters, layout, moments."""
 
     name: str
     hyperparameters: dict[str, float]
@@ -66,8 +61,7 @@ class OptimizerState:
 
 
 class ServerOptimizer:
-    """One of :data:`OPTIMIZERS` over the flat adapter vector; moments are allocated
-    (float32, zeros; ``v`` at ``tau^2``) on the first step, from that adapter's layout."""
+    """One of :data:`OPTIMIZERS` over the flat adapter; moments are made on the first step."""
 
     def __init__(self, settings: ServerSettings) -> None:
         if settings.server_optimizer not in MOMENTS:
@@ -162,8 +156,7 @@ class ServerOptimizer:
         state: OptimizerState,
         layout: list[tuple[str, tuple[int, ...]]],
     ) -> ServerOptimizer:
-        """This run's optimiser continued from ``state``, which must be of the same
-        optimizer and for an adapter of ``layout``."""
+        """This run's optimiser continued from ``state`` (same optimizer, this ``layout``)."""
         fresh = cls(settings)
         if state.name != fresh.name:
             raise OptimizerStateError(

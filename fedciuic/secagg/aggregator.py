@@ -1,11 +1,9 @@
 """The aggregator's end of the secure sum: it relays what the regions send each other,
 checks every message it takes (typed, signed by the region it names, for this session
-and phase, once), and in the end learns the survivors' sum and nothing else.
+and phase, once), and learns the survivors' sum and nothing else.
 
-Each phase ends with the regions that took part in it; a phase that ends with fewer
-than the threshold withholds the sum (:class:`SumWithheld`), on the record. A message that
-fails a check is refused alone and kept in :attr:`SecureSum.refused` with its reason,
-for the audit log.
+A phase that ends with fewer regions than the threshold withholds the sum
+(:class:`SumWithheld`); a message that fails a check is refused alone, on the record.
 """
 
 from __future__ import annotations
@@ -88,18 +86,15 @@ class SecureSum:
     adverts: dict[str, Advert] = field(default_factory=dict)
     shares: dict[str, Shares] = field(default_factory=dict)
     #: The regions whose masked vectors were taken (U3), each added to ``total`` as it
-    #: comes: no masked vector is kept on its own.
+    #: comes (none is kept on its own), and their sketches to ``hashes``.
     masked: dict[str, bool] = field(default_factory=dict)
     total: np.ndarray | None = None
-    #: Their masked sketches, added up as they come (the wrap check).
     hashes: np.ndarray | None = None
     consents: dict[str, Consent] = field(default_factory=dict)
     reveals: dict[str, Reveal] = field(default_factory=dict)
 
     def run(self, ask: Ask) -> np.ndarray:
-        """The five phases through ``ask``; the survivors' sum (ring elements). Every region
-        that shared is shown the survivors: one that sent its masked vector and is named
-        dropped refuses, and says so on its record."""
+        """The five phases through ``ask``; the survivors' sum (ring elements)."""
 
         def request(phase: Phase, **fields: object) -> Request:
             return Request.model_validate({"phase": phase, "session": self.session, **fields})
@@ -206,6 +201,7 @@ class SecureSum:
     # -- the sum ---------------------------------------------------------------------
 
     def _unmask(self, survivors: set[str], dropped: set[str]) -> np.ndarray:
+        """The plain sum, once its sketch shows it did not wrap."""
         s = self.session
         sid = s.sid()
         self_seeds = {s.index(r): self._recover(r, self_seed=True) for r in survivors}
@@ -269,10 +265,8 @@ class SecureSum:
             ) from None
 
     def mean(self, total: np.ndarray) -> np.ndarray:
-        """The survivors' mean update from their unmasked sum, once the sum is in range,
-        turned back from the session's rotation. Each region clipped its update before
-        masking, so a sum past that many clipped updates (and their noise) means some
-        region's vector is not what it declared, or a value wrapped around the ring."""
+        """The survivors' mean update, unrotated, once their sum is within what that many
+        clipped updates (and their noise) can reach: past it, some vector is not honest."""
         s = self.session
         summed = from_ring(total, scale=1.0, ring=Ring(s.bits))  # ring units
         ddp = s.distributed()
@@ -313,9 +307,7 @@ class SecureSum:
         taken: dict[str, _T],
         check: Callable[[str, _M], _T],
     ) -> None:
-        """Take each reply that parses, is from a region expected in ``phase`` and not yet
-        heard in it, and passes ``check``; one that fails is refused alone, on the record.
-        Then withhold the sum if fewer than the threshold were taken."""
+        """Take each valid, expected, first reply in ``phase``; withhold below the threshold."""
         for raw in replies:
             region = "?"
             try:

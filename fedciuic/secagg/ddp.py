@@ -1,18 +1,13 @@
 """Distributed DP for the secure sum: each region adds a share of Skellam noise to its
-integer update before masking, so that the sum the aggregator learns carries the whole
-Skellam mechanism (a sum of independent Skellam draws is Skellam), and no party sees a
-region's update with less than its share of noise on it.
+integer update before masking, so the sum the aggregator learns carries the whole Skellam
+mechanism, and no party sees a region's update with less than its share of noise.
 
-The privacy unit is a region's whole update in a round (clipped to L2 norm ``clip``):
-this protects everything a region contributed, against the aggregator, as long as at
-least ``threshold`` regions that do not collude with it add their share. A region
-that trusts no one else keeps local DP-SGD (per record or per person) and adds this on
-top, or not at all.
-
-The accountant is Rényi DP: the Skellam mechanism's bound (Agarwal, Kairouz and Liu,
-NeurIPS 2021, Theorem 3.5) at the L2 and L1 sensitivities that conditional stochastic
-rounding guarantees (Kairouz, Liu and Steinke, ICML 2021), composed over rounds and
-converted to (epsilon, delta) as Opacus does (Balle et al. 2020).
+The privacy unit is a region's whole update in a round (clipped to L2 norm ``clip``),
+protected against the aggregator as long as ``threshold`` regions that do not collude
+with it add their share; a region that trusts no one keeps local DP-SGD as well.
+Accounting is Rényi DP: the Skellam bound (Agarwal, Kairouz and Liu 2021, Thm 3.5) at the
+sensitivities conditional stochastic rounding guarantees (Kairouz, Liu and Steinke 2021),
+converted to (epsilon, delta) as Opacus does.
 """
 
 from __future__ import annotations
@@ -37,24 +32,22 @@ undo_opacus_basic_config()  # the aggregator's process imports Opacus here first
 ORDERS: tuple[int, ...] = (*range(2, 64), *range(64, 513, 8))
 #: The largest Poisson mean NumPy draws exactly enough (its variance drifts past ~1e13).
 POISSON_LIMIT = 1e11
-#: Conditional rounding retries until the rounded norm is within the bound that holds
-#: with probability 1 - beta per try (DDGauss' choice of beta).
+#: Conditional rounding retries until the norm is within a bound that holds with
+#: probability 1 - beta per try (DDGauss' beta).
 BETA = math.exp(-0.5)
 _TRIES = 100
 #: How far above 2**bits the scale search starts (as a power of two): a rotated value is
-#: the norm over sqrt(window), so a ring of few bits holds a scale far past its own size.
+#: the norm over sqrt(window), so a small ring holds a scale far past its own size.
 _SCALE_HEADROOM = 24
 
 
 class RoundingFailed(FedciuicError):
-    """Conditional rounding did not meet its norm bound in many tries (it should in one
-    or two): the update is not released."""
+    """Conditional rounding missed its norm bound in many tries: the update is not released."""
 
 
 @dataclass(frozen=True)
 class DistributedDp:
-    """One secure sum's noise: ``noise_multiplier`` times ``clip`` is the standard
-    deviation per value of the noise in a sum of ``threshold`` honest regions' shares."""
+    """One sum's noise: ``noise_multiplier * clip`` is its std per value from the shares."""
 
     clip: float
     scale: float  # ring units per unit of the update
@@ -84,53 +77,45 @@ class DistributedDp:
 
     @property
     def l1(self) -> float:
-        """An integer vector's L1 norm is at most its squared L2 norm, and at most
-        sqrt(dim) times its L2 norm."""
+        """An integer vector's L1 norm: at most its squared L2 norm, and sqrt(dim) times it."""
         return min(self.l2**2, math.sqrt(self.dim) * self.l2)
 
     def fits(self, regions: int, ring: Ring) -> bool:
         """Whether a sum of ``regions`` rotated, rounded, noised updates stays inside the
-        signed ring: each rotated value is about the window's norm over sqrt(its length),
-        beyond :func:`spread` times that with a chance under 1e-9; rounding adds at most
-        1; the noise's own spread on top. (A sum that wraps anyway fails the wrap check.)"""
+        signed ring: a rotated value passes :func:`spread` times the window's norm over
+        sqrt(its length) with a chance under 1e-9, rounding adds at most 1, then noise."""
         k = spread(self.dim)
         value = self.clip * self.scale / math.sqrt(self.block or self.dim)
         noise = k * math.sqrt(regions * self.share_variance)
         return bool(regions * (k * value + 1) + noise < 2 ** (ring.bits - 1))
 
     def rdp(self, honest: int) -> list[float]:
-        """Rényi DP of one sum when ``honest`` regions' shares are noise the adversary
-        does not know."""
+        """Rényi DP of one sum when ``honest`` regions' noise is unknown to the adversary."""
         return skellam_rdp(ORDERS, l1=self.l1, l2=self.l2, variance=honest * self.share_variance)
 
     def epsilon(self, rounds: int, delta: float, honest: int | None = None) -> float:
-        """Epsilon at ``delta`` of ``rounds`` sums, each with ``honest`` regions' noise
-        unknown to the adversary (the aggregator alone: ``threshold``; colluding with k
-        regions: ``threshold - k``)."""
+        """Epsilon at ``delta`` of ``rounds`` sums with ``honest`` regions' noise unknown
+        (the aggregator alone: ``threshold``; colluding with k regions: ``threshold - k``)."""
         honest = self.threshold if honest is None else honest
         if honest < 1:
             return math.inf
         return rdp_epsilon(ORDERS, [rounds * r for r in self.rdp(honest)], delta)
 
 
-#: The ring distributed DP's noise gets when secure-ring-bits is 0 (its headroom), and
-#: a sum whose regions sent no norm (its scale follows the clip alone).
+#: The ring with distributed DP (its noise's headroom) or without the regions' norms,
+#: when secure-ring-bits is 0.
 DDP_RING_BITS = 24
 #: The plain ``int8`` codec's rounding step, in standard deviations of the values it
-#: codes (root mean square of max|chunk| / 127 over chunks of 256 normal values): what
-#: a secure sum's mean is held to be no coarser than (through :data:`NEAREST_STEP`).
+#: codes: a secure sum's mean is held no coarser (through :data:`NEAREST_STEP`).
 INT8_STEP = 0.0241
-#: The coarsest step at which a secure sum without distributed noise, which rounds to
-#: the nearest integer (error variance step**2 / 12), errs no more than ``int8``'s
-#: stochastic rounding at :data:`INT8_STEP` (step**2 / 6 on average): half a bit fewer.
+#: The coarsest step at which rounding to nearest (error variance step**2 / 12) errs no
+#: more than ``int8``'s stochastic rounding at :data:`INT8_STEP` (step**2 / 6).
 NEAREST_STEP = INT8_STEP * math.sqrt(2)
-#: The chance, per sum, that some value of it goes past the range its norms give (a
-#: randomly rotated value is sub-Gaussian); the wrap check withholds such a sum.
+#: The chance per sum that a value passes the range its norms give (the wrap check
+#: withholds such a sum).
 TYPICAL_MISS = 1e-5
-#: How much further a round's sum may reach than the run's last unmasked sum did (each
-#: against its regions' norms: :func:`alignment`) and still fit the ring that sum's
-#: reach chose; past it the sum wraps, is withheld, and the next round takes the bound
-#: that cannot wrap.
+#: How much further a sum may reach than the run's last unmasked one did (:func:`alignment`)
+#: and still fit its ring; past it the sum wraps, is withheld, and the next cannot wrap.
 ALIGNMENT_MARGIN = 1.5
 
 
@@ -143,13 +128,10 @@ def ring_bits(
     normed: bool,
     measured: bool = False,
 ) -> int:
-    """The ring of a secure sum: secure-ring-bits (``requested``), or with 0 the fewest
-    bits at which a sum of ``regions`` updates scaled by their norms (``normed``) rounds
-    no coarser than the plain ``int8`` path (:data:`NEAREST_STEP`). The sum's reach
-    sets them: ``regions`` norms however the updates align, or, once a sum of the run
-    was ``measured``, :data:`ALIGNMENT_MARGIN` times sqrt(``regions``) norms (how far
-    independent updates reach). :data:`DDP_RING_BITS` with distributed DP (its noise
-    needs the headroom) or without the regions' norms."""
+    """secure-ring-bits (``requested``), or with 0 the fewest bits at which a sum scaled
+    by the regions' norms rounds no coarser than ``int8`` (:data:`NEAREST_STEP`), for a
+    reach of ``regions`` norms, or once a sum was ``measured`` :data:`ALIGNMENT_MARGIN`
+    times sqrt(``regions``); :data:`DDP_RING_BITS` with distributed DP or without norms."""
     if requested:
         return requested
     if distributed_dp or not normed:
@@ -164,21 +146,15 @@ def ring_pair(
 ) -> tuple[int, int]:
     """:func:`ring_bits` for a run's first sum, and for one after a sum was measured."""
     bits = functools.partial(
-        ring_bits,
-        requested,
-        regions=regions,
-        size=size,
-        distributed_dp=distributed_dp,
-        normed=normed,
+        ring_bits, requested, regions=regions, size=size, distributed_dp=distributed_dp
     )
-    return bits(measured=False), bits(measured=True)
+    return bits(normed=normed), bits(normed=normed, measured=True)
 
 
 def ring_choices(
     requested: int, *, regions: int, size: int, distributed_dp: bool, normed: bool
 ) -> tuple[int, ...]:
-    """The rings a region takes a session in (:func:`ring_pair`: which one is the
-    aggregator's to know; either gives it the sum and nothing else)."""
+    """The rings a region takes a session in (either gives the aggregator the sum only)."""
     pair = ring_pair(
         requested, regions=regions, size=size, distributed_dp=distributed_dp, normed=normed
     )
@@ -186,10 +162,8 @@ def ring_choices(
 
 
 def sum_bound(norms: Sequence[float], reach: float | None) -> float:
-    """The norm a sum of updates with these sent norms is scaled for: their total, which
-    it cannot pass however they align, or, given the ``reach`` of the run's last
-    unmasked sum, :data:`ALIGNMENT_MARGIN` times that reach (at least that of
-    independent updates) on these norms, if less."""
+    """The norm a sum is scaled for: the norms' total, or if less, given the last sum's
+    ``reach``, :data:`ALIGNMENT_MARGIN` times that reach (at least 1) on these norms."""
     total = math.fsum(norms)
     if reach is None:
         return total
@@ -197,9 +171,7 @@ def sum_bound(norms: Sequence[float], reach: float | None) -> float:
 
 
 def alignment(sum_norm: float, norms: Sequence[float]) -> float:
-    """How far a sum reached against its regions' sent norms: its norm over the root of
-    their squares' sum (1 for independent updates, sqrt(n) for n aligned ones of one
-    norm; 1 for norms of 0, which say nothing)."""
+    """A sum's norm over the root of its regions' squared norms (1 when those are 0)."""
     root = _independent(norms)
     return sum_norm / root if root else 1.0
 
@@ -210,10 +182,8 @@ def _independent(norms: Sequence[float]) -> float:
 
 
 def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:
-    """The fixed point's scale for a sum whose regions' norms
-    (:func:`~fedciuic.secagg.rotation.sent_norm`) add up to ``bound``: the sum's
-    values then stay within :func:`typical_spread` times ``bound / sqrt(size)`` but for
-    a chance of :data:`TYPICAL_MISS`, and each region's rounding adds at most 1."""
+    """The scale for a sum whose regions' sent norms add up to ``bound``: its values stay
+    within :func:`typical_spread` times ``bound / sqrt(size)``, plus 1 per region's rounding."""
     room = (1 << (ring.bits - 1)) - regions - 1
     if room <= 0:
         raise RingTooSmall(f"{regions} regions' rounding alone fills {ring.bits} bits")
@@ -221,21 +191,18 @@ def normed_scale(*, bound: float, regions: int, size: int, ring: Ring) -> float:
 
 
 def typical_spread(dim: int) -> float:
-    """How many standard deviations no value of a ``dim``-value rotated sum exceeds but
-    with a chance of :data:`TYPICAL_MISS` (Hoeffding, 2 exp(-k^2 / 2) per value)."""
+    """Standard deviations no value of a rotated sum passes but with :data:`TYPICAL_MISS`."""
     return math.sqrt(2 * math.log(2 * dim / TYPICAL_MISS))
 
 
 def spread(dim: int) -> float:
-    """How many standard deviations no value of a ``dim``-value rotated update exceeds,
-    but with a chance under 1e-9 (Hoeffding: 2 exp(-k^2 / 2) per value)."""
+    """Standard deviations no value of a rotated update passes but with a chance under 1e-9
+    (Hoeffding: 2 exp(-k^2 / 2) per value)."""
     return math.sqrt(2 * math.log(2 * dim * 1e9))
 
 
 def skellam_rdp(orders: Sequence[int], *, l1: float, l2: float, variance: float) -> list[float]:
-    """The Skellam mechanism's Rényi DP at integer ``orders``, for a shift of L1 norm
-    ``l1`` and L2 norm ``l2``, with noise of ``variance`` per value (Agarwal et al. 2021,
-    Theorem 3.5)."""
+    """The Skellam mechanism's Rényi DP (Agarwal et al. 2021, Theorem 3.5)."""
     mu = variance
     return [
         a * l2**2 / (2 * mu) + min(((2 * a - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
@@ -249,8 +216,7 @@ def rdp_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> 
 
 
 def noise_rng() -> np.random.Generator:
-    """A generator seeded with 256 bits from the operating system per use (NumPy's
-    PCG64: unpredictable, not a cryptographic generator; docs/secure-aggregation.md)."""
+    """NumPy's PCG64 seeded with 256 OS bits: unpredictable, not cryptographic (docs)."""
     return np.random.default_rng(secrets.randbits(256))
 
 
@@ -269,10 +235,8 @@ def noised(
     values: np.ndarray, ddp: DistributedDp, ring: Ring, rng: np.random.Generator
 ) -> np.ndarray:
     """A region's update as ring elements with its noise share: clipped, scaled,
-    conditionally rounded (to the L2 bound the accountant assumes), plus Skellam.
-    Without distributed noise there is no sensitivity to hold the rounding to, and each
-    value goes to its nearest integer: half the error variance of stochastic rounding,
-    and its sum no less private (the updates it rounds are DP-SGD's, or not DP at all)."""
+    conditionally rounded (to the L2 bound the accountant assumes), plus Skellam. Without
+    noise each value goes to its nearest integer: no sensitivity to hold, half the error."""
     x = np.asarray(values, np.float64).ravel()
     if x.size != ddp.dim:
         raise ValueError(f"an update of {x.size} values, the sum is over {ddp.dim}")
@@ -299,10 +263,8 @@ def scale_for(
     block: int = 0,
     ring: Ring,
 ) -> float:
-    """The finest fixed-point scale (a power of two, searched from well above
-    ``2**bits``) at which a sum of ``regions`` clipped, rounded and noised updates fits
-    the signed ring and the noise shares are exact Skellam draws; :class:`RingTooSmall`
-    when none does."""
+    """The finest power-of-two scale at which a sum of ``regions`` clipped, rounded, noised
+    updates fits the ring with exact Skellam draws; :class:`RingTooSmall` when none does."""
     for exponent in range(ring.bits + _SCALE_HEADROOM, -31, -1):
         scale = 2.0**exponent
         ddp = DistributedDp(clip, scale, noise, threshold, dim, block)

@@ -1,8 +1,6 @@
-"""A secure sum run in one process, each request and answer passed as it travels (the
-request's JSON, the answer packed): what the tests and the benchmark drive, with regions
-that stop answering at a chosen phase. In a federation Flower carries them (the
-aggregator's loop, ``fedciuic.aggregator.loop.SecureLoop``); the two ends are the same
-objects."""
+"""A secure sum run in one process, each request and answer passed as it travels: what
+the tests and the benchmark drive, with regions that stop answering at a chosen phase.
+In a federation Flower carries them (``fedciuic.aggregator.loop.SecureLoop``)."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def honest(phase: Phase, region: str, data: bytes) -> bytes | None:
 
 @dataclass
 class Run:
-    """What one in-process secure sum did: the aggregator's end, the bytes each region
-    sent and was sent, seconds per phase, and the regions' refusals."""
+    """The aggregator's end, bytes sent and received, seconds per phase, and refusals."""
 
     aggregator: SecureSum
     sent: dict[str, int] = field(default_factory=dict)
@@ -56,9 +53,7 @@ def run_secure_sum(
     silent: Mapping[Phase, set[str]] | None = None,
     relay: Tamper = honest,
 ) -> tuple[np.ndarray, Run]:
-    """Run every phase over ``regions``; a region named in ``silent[phase]`` answers
-    nothing from that phase on. Returns the survivors' sum (ring elements) and the run;
-    raises :class:`~fedciuic.secagg.aggregator.SumWithheld` when a phase falls short."""
+    """Every phase over ``regions`` (``silent[phase]`` stop answering); the sum and the run."""
     quiet: set[str] = set()
     run = Run(SecureSum(session, bundles))
     agg = run.aggregator
@@ -67,15 +62,13 @@ def run_secure_sum(
     taking: list[tuple[Phase, float]] = []
 
     def settle() -> None:
-        """The aggregator's part of the last phase asked: from its answers' arrival to
-        the next phase's requests (or the end)."""
+        """The aggregator's time in the last phase asked, until the next one's requests."""
         if taking:
             phase, since = taking.pop()
             run.seconds[f"aggregator {phase.value}"] = time.perf_counter() - since
 
     def ask(phase: Phase, requests: Mapping[str, Request]) -> list[object]:
-        """Each region its request (counted as the JSON it travels as); the answers,
-        packed, through the relay and unpacked as the aggregator's loop does."""
+        """Each region its request; the answers packed, relayed and unpacked as in a loop."""
         settle()
         start = time.perf_counter()
         quiet.update((silent or {}).get(phase, set()))

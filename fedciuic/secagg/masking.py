@@ -1,13 +1,9 @@
 """Pairwise masking in the ring of integers modulo 2^bits: each region's fixed-point
-update plus a self mask plus one mask per other region, added towards a higher
-index and subtracted towards a lower one, so that the pair masks cancel in the sum.
-What the aggregator sums is then the regions' sum plus their self masks, which it
-removes once the survivors' self-mask seeds are revealed; a region that dropped after
-masking leaves its pair masks with the survivors uncancelled, and those come off with
-the pair seeds recovered from their shares (SecAgg, Bonawitz et al. 2017).
-
-Integer arithmetic throughout: the unmasked sum equals the plain sum of the encoded
-updates exactly. Masks are SHAKE-256 streams of 32-byte seeds.
+update plus a self mask plus one mask per other region, added towards a higher index and
+subtracted towards a lower one, so the pair masks cancel in the sum. The self masks come
+off once the survivors' seeds are revealed, and the pair masks of a region that dropped
+after masking with the pair seeds recovered from shares (SecAgg, Bonawitz et al. 2017).
+Integer arithmetic throughout, so the unmasked sum is exact; masks are SHAKE-256 streams.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from fedciuic.errors import FedciuicError
 MIN_BITS, MAX_BITS = 8, 62
 #: Domain separation of the two kinds of mask, versioned with the stream's layout.
 _SELF, _PAIR = b"fedciuic-secagg/1 self", b"fedciuic-secagg/1 pair"
-#: The wrap check: a few random linear hashes of a region's integer update, in the
-#: widest ring (masked with the same seeds, their own streams), so that the aggregator
-#: learns them of the sum only, and finds whether the sum wrapped around its ring.
+#: The wrap check: random linear hashes of a region's integer update in the widest ring,
+#: masked like it, so the aggregator learns them of the sum only and sees a wrap.
 SKETCH_VALUES = 2
 SKETCH_BITS = MAX_BITS
 SKETCH_BYTES = 8 * SKETCH_VALUES
@@ -42,8 +37,7 @@ class RingTooSmall(FedciuicError):
 
 @dataclass(frozen=True)
 class Ring:
-    """Integers modulo 2^bits, held as uint64 (every sum is exact mod 2^64, and
-    2^bits divides 2^64)."""
+    """Integers modulo 2^bits, held as uint64 (exact mod 2^64, which 2^bits divides)."""
 
     bits: int
 
@@ -59,20 +53,17 @@ class Ring:
         return np.asarray(values, np.uint64) & self.mask
 
     def size(self, count: int) -> int:
-        """Bytes of ``count`` elements on the wire: ``bits`` each, packed (a 12-bit
-        ring sends 1.5 bytes a value, not 2)."""
+        """Bytes of ``count`` elements on the wire, ``bits`` each, packed."""
         return (count * self.bits + 7) // 8
 
     @property
     def _group(self) -> tuple[int, int]:
-        """Elements per group and the group's bytes: ``8 / gcd(bits, 8)`` elements end
-        on a byte, so element j of every group starts at the same bit of its group."""
+        """Elements per group and its bytes: ``8 / gcd(bits, 8)`` elements end on a byte."""
         count = 8 // math.gcd(self.bits, 8)
         return count, count * self.bits // 8
 
     def pack(self, values: np.ndarray) -> bytes:
-        """Elements as one little-endian bit stream, ``bits`` each (bit j of element i
-        is bit ``i * bits + j``), the last byte padded with zero bits."""
+        """Elements as one little-endian bit stream, ``bits`` each, zero-padded."""
         v = np.asarray(values, np.uint64).reshape(-1)
         if self.bits % 8 == 0:  # whole bytes: each element's low bytes
             wide = np.ascontiguousarray(v.astype("<u8")).view(np.uint8).reshape(-1, 8)
@@ -92,8 +83,7 @@ class Ring:
         return out[:, :width].tobytes()[: self.size(values.size)]
 
     def unpack(self, data: bytes, count: int) -> np.ndarray:
-        """:meth:`pack`'s inverse; ``ValueError`` unless ``data`` is ``count`` elements
-        exactly (its size, and a zero pad)."""
+        """:meth:`pack`'s inverse; ``ValueError`` unless ``data`` is exactly ``count``."""
         if len(data) != self.size(count):
             raise ValueError(f"{len(data)} bytes, not {count} values of {self.bits} bits")
         tail = count * self.bits % 8
@@ -128,12 +118,9 @@ def _whole_bytes(data: bytes, width: int, count: int) -> np.ndarray:
 
 
 def sketch(values: np.ndarray, bits: int, sid: bytes) -> np.ndarray:
-    """:data:`SKETCH_VALUES` hashes of ``values`` (ring elements of ``bits``, taken as
-    signed integers): each the sum of the values times random 63-bit coefficients drawn
-    from the session id, modulo 2^:data:`SKETCH_BITS`. A sum of regions' sketches is the
-    sketch of their integer sum; a sum that wrapped around ``bits`` differs from it by
-    2^bits times a non-zero vector, which a hash misses with a chance of about
-    2^-(SKETCH_BITS - bits)."""
+    """Hashes of ``values`` (signed): sums times random 63-bit coefficients from the session
+    id, mod 2^:data:`SKETCH_BITS`. A sum that wrapped differs by 2^bits times a non-zero
+    vector, missed with chance ~2^-(SKETCH_BITS - bits)."""
     signed = to_signed(values, Ring(bits)).astype(np.uint64)  # two's complement mod 2^64
     seed = int.from_bytes(hashlib.sha256(_COEFFICIENTS + sid).digest(), "little")
     rng = np.random.default_rng(seed)
@@ -147,8 +134,7 @@ def sketch(values: np.ndarray, bits: int, sid: bytes) -> np.ndarray:
 
 
 def stream(seed: bytes, size: int, ring: Ring, kind: bytes) -> np.ndarray:
-    """``size`` ring elements drawn from ``seed`` (SHAKE-256, whole bytes per element,
-    reduced to the ring; ``kind``: self or pair)."""
+    """``size`` ring elements from ``seed`` (SHAKE-256; ``kind``: self or pair)."""
     width = (ring.bits + 7) // 8
     raw = hashlib.shake_256(kind + seed).digest(width * size)
     return ring.reduce(_whole_bytes(raw, width, size))
@@ -163,9 +149,8 @@ def mask(
     ring: Ring,
     label: bytes = b"",
 ) -> np.ndarray:
-    """Region ``me``'s masked vector: ``encoded`` plus its self mask, plus each pair mask
-    towards a higher-numbered region, minus each towards a lower-numbered one
-    (``label``: streams of their own, for the sketch)."""
+    """Region ``me``'s masked vector: ``encoded``, its self mask, plus each pair mask to a
+    higher-numbered region, minus each to a lower one (``label``: the sketch's streams)."""
     if me in pair_seeds:
         raise ValueError(f"region {me} has a pair seed with itself")
     size = encoded.size
@@ -185,10 +170,8 @@ def unmask(
     ring: Ring,
     label: bytes = b"",
 ) -> np.ndarray:
-    """The survivors' plain sum from ``total``, the sum of their masked vectors: their
-    self masks (``self_seeds``, one per survivor) come off, and so does each pair mask a
-    survivor shares with a region that dropped after masking (``dropped_pairs``, keyed
-    (survivor, dropped))."""
+    """The survivors' plain sum from their masked vectors' ``total``, less their self masks
+    and each pair mask shared with a region that dropped (keyed (survivor, dropped))."""
     if set(self_seeds) != set(survivors):
         raise ValueError("one self seed per survivor, and none for a region that dropped")
     for i, j in dropped_pairs:
@@ -218,9 +201,7 @@ def to_ring(
     ring: Ring,
     rng: np.random.Generator,
 ) -> np.ndarray:
-    """A float update as ring elements: clipped to L2 norm ``clip``, times ``scale``,
-    stochastically rounded (unbiased), negatives as their complement. Refused unless
-    the sum of ``regions`` such updates cannot wrap (:class:`RingTooSmall`)."""
+    """A float update clipped, scaled and rounded into a ring its sum cannot wrap."""
     largest = regions * (clip * scale + 1)
     if largest >= 2 ** (ring.bits - 1):
         raise RingTooSmall(
@@ -239,8 +220,7 @@ def clip_norm(values: np.ndarray, clip: float) -> np.ndarray:
 
 
 def round_stochastically(scaled: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Each value to the integer below or above it, up with probability its fraction
-    (unbiased), as int64 (negatives become their complement in the ring)."""
+    """Each value to an adjacent integer, up with probability its fraction (unbiased)."""
     low = np.floor(scaled)
     rounded: np.ndarray = (low + (rng.random(scaled.shape) < scaled - low)).astype(np.int64)
     return rounded

@@ -1,10 +1,9 @@
 """The secure sum's messages, typed and validated (pydantic) before either end uses them,
 and what each signature covers.
 
-Every message a region sends is signed with its long-lived identity key over the
-session id (:meth:`Session.sid`, every field of the session), the phase and the
-message's content, so that a relay (or an aggregator) cannot replay one from another
-round, move one to another phase, or attribute one to another region.
+A region signs each message with its identity key over the session id (every field of
+the session), the phase and the content, so a relay or aggregator cannot replay one from
+another round, move it to another phase, or attribute it to another region.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ class Phase(StrEnum):
 
 
 class SecAggError(FedciuicError):
-    """A secure-sum message or request that is refused: the reason names the phase, the
-    region and what was wrong."""
+    """A refused secure-sum message or request: the reason names phase, region and fault."""
 
     public_reason = True
 
@@ -54,8 +52,7 @@ class Message(BaseModel):
 
 
 class Session(Message):
-    """What one secure sum is over: the aggregator proposes it, each region checks it
-    against its own policy before taking part."""
+    """What one secure sum is over: proposed by the aggregator, checked by each region."""
 
     run_id: int = Field(ge=0)
     server_round: int = Field(ge=0)
@@ -63,15 +60,13 @@ class Session(Message):
     threshold: int
     bits: int = Field(ge=MIN_BITS, le=MAX_BITS)
     size: int = Field(ge=1)
-    #: What each region clips its update to, the fixed point's scale (ring units per
-    #: unit), and the distributed noise multiplier (0: none): the same for every region.
+    #: Each region's clip, the fixed point's scale (ring units per unit), and the
+    #: distributed noise multiplier (0: none): the same for every region.
     clip: float = Field(gt=0, allow_inf_nan=False)
     scale: float = Field(gt=0, allow_inf_nan=False)
     noise: float = Field(ge=0, allow_inf_nan=False)
-    #: The regions' norms added up, as they sent them with their trained
-    #: replies (the scale follows it: :func:`~fedciuic.secagg.ddp.normed_scale`); 0: no
-    #: norms, the scale follows the clip. Any value is safe for the regions: one scale
-    #: for all of them, whatever it is, gives the aggregator a function of the sum only.
+    #: The regions' sent norms added up, which the scale follows (0: the clip). Any value
+    #: is safe: one scale for all gives the aggregator a function of the sum only.
     bound: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @field_validator("regions")
@@ -88,8 +83,7 @@ class Session(Message):
 
     @model_validator(mode="after")
     def _check(self) -> Session:
-        # More than half: two different survivor sets cannot both gather a threshold
-        # of signatures, so every honest region unmasks the same set (docs).
+        # More than half: two survivor sets cannot both gather a threshold of signatures.
         if not len(self.regions) // 2 < self.threshold <= len(self.regions):
             raise ValueError(
                 f"threshold {self.threshold} is not more than half of the "
@@ -113,9 +107,8 @@ class Session(Message):
         noise: float,
         bound: float = 0.0,
     ) -> Session:
-        """The aggregator's session, at the finest scale its sum fits the ring at, by the
-        regions' norms (``bound``) or the clip (:class:`~fedciuic.secagg.masking.RingTooSmall`
-        when none does)."""
+        """The session at the finest scale its sum fits the ring at, by the regions' norms
+        (``bound``) or the clip (:class:`~fedciuic.secagg.masking.RingTooSmall`: none)."""
         if bound:
             scale = normed_scale(bound=bound, regions=len(regions), size=size, ring=Ring(bits))
         else:
@@ -156,10 +149,8 @@ class Session(Message):
         return self.regions.index(region) + 1
 
     def derives(self, region: str, peer: str) -> bool:
-        """Whether ``region`` derives the pair seed it shares with ``peer`` (and seals it
-        to ``peer``), else ``peer`` does: each derives for the half of the others that
-        follow it round the session's circle, so no region seals a pair seed to every
-        other (a post-quantum ciphertext each)."""
+        """Whether ``region`` derives (and seals) its pair seed with ``peer``, else ``peer``
+        does: each derives for the half of the others that follow it round the circle."""
         n, i, j = len(self.regions), self.index(region), self.index(peer)
         ahead = (j - i) % n
         return ahead < n - ahead or (ahead == n - ahead and i < j)
@@ -176,18 +167,15 @@ class FromRegion(Message):
 
 
 class Advert(FromRegion):
-    """A region's ephemeral X-Wing key for this session (its pair seeds come sealed to
-    it; it is derived from the region's secret key seed, so it is recoverable only from a
-    threshold of that seed's shares)."""
+    """A region's ephemeral X-Wing key for this session, derived from its key seed."""
 
     key: bytes = Field(min_length=PUBLIC_KEY_SIZE, max_length=PUBLIC_KEY_SIZE)
     signature: bytes
 
 
 class SealedItem(Message):
-    """From one region to another: the sender's seed shares sealed to the recipient's
-    identity key, and (from the lower-numbered of the two) their pair seed sealed to the
-    recipient's ephemeral key."""
+    """The sender's seed shares sealed to the recipient's identity key, and (from the one
+    that derives it) their pair seed sealed to the recipient's ephemeral key."""
 
     sender: Name
     to: Name
@@ -215,8 +203,7 @@ class Consent(FromRegion):
 
 
 class Reveal(FromRegion):
-    """A region's shares for the unmasking: of the self-mask seed of each survivor, of
-    the key seed of each region that dropped after sharing; never both for one region."""
+    """Shares of survivors' self seeds and dropped regions' key seeds, never both for one."""
 
     self_shares: dict[Name, int]
     key_shares: dict[Name, int]
@@ -242,8 +229,7 @@ def to_sign(session: Session, phase: Phase, region: str, content: Mapping[str, A
     return signable(DOMAIN, session.sid(), phase.value, region, dict(content))
 
 
-# What each phase's signature covers (besides the session, phase and region), the same
-# text at both ends: the region signs it, the aggregator and the other regions check it.
+# What each phase's signature covers besides the session, phase and region.
 
 
 def consent_content(survivors: Sequence[str]) -> dict[str, object]:
@@ -255,8 +241,7 @@ def sealed_content(item: SealedItem) -> dict[str, object]:
 
 
 def masked_content(vector: bytes, sketch: bytes) -> dict[str, object]:
-    """What a masked vector's signature covers: its SHA-256 (signing the vector itself
-    would hex-encode megabytes into the signed text on both ends), and its sketch."""
+    """The masked vector's SHA-256 (not megabytes of hex in the signed text), and sketch."""
     return {"vector": hashlib.sha256(vector).digest(), "sketch": sketch}
 
 
@@ -265,8 +250,7 @@ def reveal_content(reveal: Reveal) -> dict[str, object]:
 
 
 def parse(model: type[_M], data: object, phase: Phase) -> _M:
-    """An untrusted message as its typed value, or :class:`SecAggError` naming the phase
-    and the first bad field."""
+    """An untrusted message typed, or :class:`SecAggError` naming the first bad field."""
     try:
         if isinstance(data, bytes | str):
             return model.model_validate_json(data)
@@ -280,8 +264,7 @@ def parse(model: type[_M], data: object, phase: Phase) -> _M:
 
 
 class Request(Message):
-    """What the aggregator asks a region in one phase of a session (inside its signed
-    instruction): the session, and what that phase works on."""
+    """What the aggregator asks a region in one phase: the session and the phase's input."""
 
     phase: Phase
     session: Session
@@ -292,8 +275,8 @@ class Request(Message):
     consents: tuple[Consent, ...] = ()  # reveal
 
 
-#: An answer on the wire: its JSON's length (u32, little-endian), the JSON, and the masked
-#: vector's bytes as they are (a masked vector in JSON would be base64: a third larger).
+#: An answer on the wire: its JSON's length (u32, little-endian), the JSON, and a masked
+#: vector's raw bytes (base64 would be a third larger).
 _HEAD = struct.Struct("<I")
 
 
@@ -306,8 +289,7 @@ def pack_answer(message: FromRegion) -> bytes:
 
 
 def unpack_answer(data: bytes, phase: Phase) -> bytes | Masked:
-    """:func:`pack_answer`'s inverse: the message's JSON (parsed where it is taken), or a
-    masked vector's message whole; :class:`SecAggError` when it is neither."""
+    """:func:`pack_answer`'s inverse: the JSON (parsed where taken), or a whole masked message."""
     if len(data) < _HEAD.size or _HEAD.unpack_from(data)[0] > len(data) - _HEAD.size:
         raise SecAggError(f"secure sum, {phase.value}: a truncated answer")
     (size,) = _HEAD.unpack_from(data)

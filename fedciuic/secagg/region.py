@@ -1,25 +1,21 @@
-"""A region's end of the secure sum: it runs in the region's own agent, with the
-region's identity key and its peers' public bundles, and takes each phase once, in
-order, checking everything the aggregator relays before using it.
+"""A region's end of the secure sum: it runs in the region's own agent, with its identity
+key and its peers' public bundles, and takes each phase once, in order, checking
+everything the aggregator relays before using it. What protects the region's update:
 
-What protects the region's update, and where it is checked:
-
-* the session is one the region agrees to (it is named, its peers are known, the
-  threshold is more than half and at least the region's policy minimum);
+* the session is one it agrees to (it is named, its peers are known, the threshold is
+  more than half and at least its policy minimum);
 * every advert, sealed item and consent it uses is signed by the region it names, for
   this session and phase (a relay cannot replay, reorder or inject one);
-* it masks only when it holds an item from every other region said to have shared
-  (a missing one is named: something dropped it);
-* it reveals once per session, and only with a threshold of signatures on the very
-  survivor set it signed itself: the shares of a survivor's self seed, of a dropped
-  region's key seed, never both for one region (the aggregator cannot ask for the shares
-  of a region that did send).
+* it masks only holding an item from every other region said to have shared;
+* it reveals once per session, only with a threshold of signatures on the survivor set it
+  signed itself, and never both seeds' shares of one region (none that sent is unmasked).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +54,7 @@ from fedciuic.secagg.store import SessionStore, StoredSum
 
 
 class SecureSumRegion:
-    """A region's secure sums, one per session id, each phase at most once; with a
-    ``store`` (the region's state folder), across restarts too."""
+    """A region's secure sums, each phase at most once (with a ``store``, across restarts)."""
 
     def __init__(
         self,
@@ -102,8 +97,7 @@ class SecureSumRegion:
         )
 
     def share(self, session: Session, adverts: Sequence[Advert]) -> Shares:
-        """Given the adverts of the regions that joined (U1), seal this region's seed
-        shares to each of them, and each pair seed it owns to its other region."""
+        """Seal this region's seed shares to each region that joined, and its pair seeds."""
         state = self._state(session, Phase.SHARES)
         sid = session.sid()
         joined = {}
@@ -153,8 +147,7 @@ class SecureSumRegion:
     def masked(
         self, session: Session, shared: Sequence[str], items: Sequence[SealedItem]
     ) -> Masked:
-        """Given who shared (U2) and the items they sealed to this region, the masked
-        vector: its update, its self mask, and a pair mask with each of them."""
+        """The masked vector, given who shared and the items they sealed to this region."""
         state = self._state(session, Phase.MASKED)
         sid = session.sid()
         shared = tuple(shared)
@@ -200,17 +193,12 @@ class SecureSumRegion:
             held[sender] = (share_value(plain[:SHARE_BYTES]), share_value(plain[SHARE_BYTES:]))
             pairs[session.index(sender)] = self._pair(session, state, eph, item)
         update = self._update(session)
-        me = session.index(self.me)
-        vector = mask(
-            update, me=me, self_seed=state.self_seed, pair_seeds=pairs, ring=Ring(session.bits)
+        masking = partial(
+            mask, me=session.index(self.me), self_seed=state.self_seed, pair_seeds=pairs
         )
-        check = mask(
-            sketch(update, session.bits, sid),
-            me=me,
-            self_seed=state.self_seed,
-            pair_seeds=pairs,
-            ring=Ring(SKETCH_BITS),
-            label=SKETCH_LABEL,
+        vector = masking(update, ring=Ring(session.bits))
+        check = masking(
+            sketch(update, session.bits, sid), ring=Ring(SKETCH_BITS), label=SKETCH_LABEL
         )
         data = Ring(session.bits).pack(vector)
         hashes = check.astype("<u8").tobytes()
@@ -253,8 +241,7 @@ class SecureSumRegion:
     def reveal(
         self, session: Session, survivors: Sequence[str], consents: Sequence[Consent]
     ) -> Reveal:
-        """The shares that unmask the survivors' sum, once, given a threshold of
-        signatures on the survivor set this region signed."""
+        """The unmasking shares, once, given a threshold of consents on the set it signed."""
         state = self._state(session, Phase.REVEAL)
         survivors = tuple(survivors)
         if survivors != state.survivors:
@@ -284,8 +271,7 @@ class SecureSumRegion:
             signature=b"",
         )
         signature = self._sign(session, Phase.REVEAL, reveal_content(unsigned))
-        # on the record before the shares leave: its seeds, and the shares it holds of
-        # others', are gone, and it answers no other reveal in this session
+        # recorded before the shares leave: the seeds and held shares are gone for good
         self._commit(StoredSum(session=session, done=Phase.REVEAL, survivors=survivors))
         return unsigned.model_copy(update={"signature": signature})
 
@@ -308,28 +294,21 @@ class SecureSumRegion:
         )
 
     def _check_session(self, session: Session, encoded: np.ndarray) -> None:
-        if self.me not in session.regions:
-            raise self._refuse(session, Phase.ADVERT, "this region is not in the session")
         unknown = sorted(set(session.regions) - set(self.peers) - {self.me})
-        if unknown:
-            raise self._refuse(
-                session,
-                Phase.ADVERT,
-                f"no public bundle for {', '.join(unknown)}; add each peer's REGION.pub.json",
-            )
-        if session.threshold < self.min_regions:
-            raise self._refuse(
-                session,
-                Phase.ADVERT,
+        if self.me not in session.regions:
+            problem = "this region is not in the session"
+        elif unknown:
+            problem = f"no public bundle for {', '.join(unknown)}; add each peer's REGION.pub.json"
+        elif session.threshold < self.min_regions:
+            problem = (
                 f"threshold {session.threshold} is below this region's minimum of "
-                f"{self.min_regions} regions in a secure sum",
+                f"{self.min_regions} regions in a secure sum"
             )
-        if encoded.shape != (session.size,):
-            raise self._refuse(
-                session,
-                Phase.ADVERT,
-                f"the update has {encoded.size} values, not {session.size}",
-            )
+        elif encoded.shape != (session.size,):
+            problem = f"the update has {encoded.size} values, not {session.size}"
+        else:
+            return
+        raise self._refuse(session, Phase.ADVERT, problem)
 
     def _known(self, session: Session) -> StoredSum | None:
         sid = session.sid()

@@ -1,16 +1,11 @@
-"""A random rotation shared by a secure sum's regions: a random permutation, then the
-randomized Walsh-Hadamard transform, ``H D / sqrt(P)`` with ``D`` random signs, both
-drawn from the session, on a window of ``P`` values, ``P`` the largest power of two
-within the update's size. An update of another size is rotated in two windows that
-overlap, the first ``P`` values and then the last ``P``: every value is mixed, and
-nothing is padded (a masked vector has exactly as many values as the update).
+"""A random rotation shared by a secure sum's regions: a permutation, then the randomized
+Walsh-Hadamard transform ``H D / sqrt(P)`` (``D`` random signs, both from the session)
+on windows of ``P`` values, the largest power of two within the size: the first ``P``
+values, then (if needed) the overlapping last ``P``, so nothing is padded.
 
-It is orthonormal, so it keeps an update's L2 norm (its DP sensitivity) and the sum of
-rotated updates is the rotation of their sum (the aggregator turns the sum back). What
-it buys: after it, every value of a clipped update is about its norm over sqrt(size)
-(the permutation gives each window about its share of the norm), never one spike, so
-the fixed point's scale can be set by the values' spread instead of the whole norm,
-and a ring of far fewer bits carries the sum (DDGauss, Kairouz, Liu and Steinke 2021).
+It is orthonormal, so it keeps the L2 norm (the DP sensitivity) and commutes with the
+sum. Every rotated value is then about the norm over sqrt(size), never one spike, so the
+scale follows the values' spread and far fewer bits carry the sum (DDGauss, 2021).
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ def _signs(seed: bytes, window: int, length: int) -> np.ndarray:
 
 
 def _hadamard(x: np.ndarray) -> np.ndarray:
-    """The Walsh-Hadamard transform of ``x`` (a power of two long), divided by
-    sqrt(its length): its own inverse."""
+    """The orthonormal Walsh-Hadamard transform (its own inverse)."""
     n = x.size
     y = np.array(x, dtype=np.float64)
     h = 1
@@ -56,9 +50,7 @@ def _hadamard(x: np.ndarray) -> np.ndarray:
 
 
 def _order(seed: bytes, size: int) -> np.ndarray:
-    """A random permutation of ``size`` positions from the session's ``seed``: it spreads
-    each tensor of the update over both windows, so that each holds about its share of
-    the update's energy whatever the adapter's layout."""
+    """A permutation from ``seed``, so each window holds its share of the update's energy."""
     state = int.from_bytes(hashlib.sha256(_LABEL + b" order" + seed).digest(), "little")
     return np.random.default_rng(state).permutation(size)
 
@@ -83,14 +75,12 @@ def unrotate(y: np.ndarray, seed: bytes) -> np.ndarray:
     return back
 
 
-#: A norm a region sends is rounded up to a power of 2^(1/NORM_STEPS): it says no more
-#: than the update's scale, and costs the sum under a tenth of a bit.
+#: A sent norm is rounded up to a power of 2^(1/NORM_STEPS): it says no more than the
+#: update's scale, and costs the sum under a tenth of a bit.
 NORM_STEPS = 16
 
 
 def sent_norm(values: np.ndarray, clip: float) -> float:
-    """The norm a region sends with its trained reply in a secure round: its update's L2
-    norm, at most ``clip`` (as the sum takes it), rounded up. After :func:`rotate` a
-    value is about this over sqrt(size): the permutation gives each window its share."""
+    """The norm a region sends in a secure round: its update's, at most ``clip``, rounded up."""
     norm = min(float(np.linalg.norm(np.asarray(values, np.float64))), clip)
     return 2.0 ** (math.ceil(NORM_STEPS * math.log2(norm)) / NORM_STEPS) if norm > 0 else 0.0

@@ -1,17 +1,12 @@
 """What a region's two secret seeds give, and how seeds travel between regions.
 
-Each region draws two 32-byte seeds per secure sum: the *self seed* ``b`` (its self
-mask) and the *key seed* ``k``. From ``k`` come its ephemeral X-Wing key for the session
-and the pair seeds it owns (towards each higher-numbered region). A pair seed travels
-from its owner sealed to the other region's ephemeral key, so that either region's
-``k`` recovers it: the owner's by derivation, the other's by opening what the owner
-sent (which the aggregator relayed, and keeps). Shares of ``b`` and ``k`` travel sealed
-to each holder's long-lived identity key, which is never shared: recovering a region's
-``k`` opens the pair seeds sent to it, never the shares it holds of others' seeds.
-
-Sealing is X-Wing (ML-KEM-768 + X25519) then AES-256-GCM under the fresh shared secret
-(one key, one message: a fixed nonce), with the session, both regions and the purpose in
-the associated data.
+Per secure sum a region draws a *self seed* ``b`` (its self mask) and a *key seed* ``k``,
+which gives its ephemeral X-Wing key and the pair seeds it owns. A pair seed travels
+sealed to the other region's ephemeral key, so either region's ``k`` recovers it. Shares
+of ``b`` and ``k`` travel sealed to each holder's identity key, never shared: recovering
+a region's ``k`` opens the pair seeds sent to it, never the shares it holds of others'.
+Sealing is X-Wing then AES-256-GCM under the fresh secret (one message per key: a fixed
+nonce), with the session, both regions and the purpose as associated data.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ def _aad(sid: bytes, purpose: str, sender: str, to: str) -> bytes:
 def seal_to(
     key: XWingPublicKey, plaintext: bytes, *, sid: bytes, purpose: str, sender: str, to: str
 ) -> bytes:
-    """``plaintext`` sealed so that only ``key``'s holder opens it, bound to the session,
-    the purpose and both regions."""
+    """``plaintext`` sealed for ``key``'s holder, bound to session, purpose and regions."""
     secret, ciphertext = key.encapsulate()
     return ciphertext + AESGCM(secret).encrypt(_NONCE, plaintext, _aad(sid, purpose, sender, to))
 
@@ -72,8 +66,7 @@ def open_with(
     sender: str,
     to: str,
 ) -> bytes:
-    """What :func:`seal_to` sealed, ``size`` bytes of it; :class:`SecAggError` for
-    anything else (a wrong key, a changed byte, another session or pair)."""
+    """What :func:`seal_to` sealed (``size`` bytes); :class:`SecAggError` for anything else."""
     if len(sealed) != CIPHERTEXT_SIZE + size + _TAG:
         raise SecAggError(
             f"secure sum: the {purpose} sealed by {sender} for {to} has the wrong size"

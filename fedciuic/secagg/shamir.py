@@ -24,8 +24,7 @@ class MalformedShare(FedciuicError):
 
 @dataclass(frozen=True)
 class Share:
-    """The value at ``holder`` (1, 2, ...; never 0, where the seed is) of the sharing
-    polynomial."""
+    """The sharing polynomial's value at ``holder`` (never 0, where the seed is)."""
 
     holder: int
     value: int
@@ -44,8 +43,7 @@ def split(seed: bytes, threshold: int, holders: Sequence[int]) -> list[Share]:
 
 
 def combine(shares: Sequence[Share], threshold: int) -> bytes:
-    """The seed from at least ``threshold`` shares. Shares past the threshold must lie
-    on the same polynomial: one that does not is a :class:`MalformedShare`."""
+    """The seed from at least ``threshold`` shares, all on one polynomial."""
     _check_holders([s.holder for s in shares])
     if any(not 0 <= s.value < PRIME for s in shares):
         raise MalformedShare("a share's value is outside the field")

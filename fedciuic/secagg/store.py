@@ -1,12 +1,8 @@
-"""A region's secure sums on disk, one file per session, so that a region's agent that
-restarts mid-sum goes on from its last phase, and never answers a phase twice: the file
-is written (and flushed) before the phase's message leaves. The update it joined with
-is a file of its own, written once and removed once it is masked. Once the region has
-revealed its shares, the session's file keeps only that fact; its seeds and shares are
-gone.
-
-The folder is the region's own state (mode 0700, files 0600): its seeds are as secret
-as its keys.
+"""A region's secure sums on disk, one file per session, so that an agent that restarts
+mid-sum goes on from its last phase and never answers a phase twice: the file is flushed
+before the phase's message leaves. The joined update is a file of its own until masked;
+after the reveal only that fact is kept. The folder is 0700, files 0600: seeds are as
+secret as keys.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class SessionStore:
         self._write(self.path(state.session), state.model_dump_json().encode())
 
     def save_update(self, session: Session, encoded: np.ndarray) -> None:
-        """The encoded update a region joined with, written once (beside the session's
-        small file, which each phase rewrites) and kept until it is masked."""
+        """The encoded update a region joined with, kept beside the session's file until masked."""
         self._write(self._update_path(session), Ring(session.bits).pack(encoded))
 
     def load_update(self, session: Session) -> np.ndarray | None:
@@ -99,8 +94,7 @@ class SessionStore:
         os.replace(tmp, target)
 
     def load(self, session: Session) -> StoredSum | None:
-        """The session's state, or None when this region never joined it; a damaged file
-        is refused naming it (the region takes no further part in that sum)."""
+        """The session's state, or None when this region never joined it."""
         path = self.path(session)
         try:
             text = path.read_text()
