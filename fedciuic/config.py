@@ -1,8 +1,7 @@
 """Run and node configuration, parsed once at start-up into pydantic models.
 
-Flower hands apps an untyped ``UserConfig`` (kebab-case keys, scalar values).
-Both apps call :meth:`RunConfig.from_user_config` and :meth:`NodeConfig.from_user_config`
-so that every value is checked in one place and all problems are reported at once.
+Flower hands apps an untyped ``UserConfig`` (kebab-case keys, scalars); both apps parse it
+here, so every value is checked in one place and all problems are reported at once.
 """
 
 from __future__ import annotations
@@ -45,14 +44,13 @@ REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 
 #: What happens to an update over max-update-norm: refused, or scaled down to it.
 NormAction = Literal["reject", "clip"]
-#: ``server-optimizer``'s values, named once (the run config's field uses this type).
 OptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 
 
 def aggregation_rule(method: str) -> tuple[str, float | None]:
-    """``fedavg``, ``median`` or ``trimmed-mean:F`` (F in [0, 0.5): trimmed at each end),
-    read into the rule's name and its trimmed fraction (None: none or the median)."""
+    """``fedavg``, ``median`` or ``trimmed-mean:F`` (F in [0, 0.5) trimmed at each end) as the
+    rule's name and trimmed fraction (None for the others)."""
     name, _, arg = method.partition(":")
     if name in ("fedavg", "median") and not arg:
         return name, None
@@ -79,23 +77,19 @@ TRAINING, COUNTS, EVALUATION = get_args(Purpose)
 MIN_RING_BITS = 12
 
 
-#: What a region's adapter trains and sends (docs/models.md): ``lora`` A and B, averaged
-#: factor-wise (inexact: a mean of products is not the product of the means); ``lora-fa``
-#: B only, A fixed; ``lora-sb`` an r x r matrix between fixed A and B (both exact).
+#: What a region's adapter trains and sends (docs/models.md): ``lora`` A and B (averaged
+#: factor-wise: inexact), ``lora-fa`` B only, ``lora-sb`` an r x r matrix between them (exact).
 AdapterMode = Literal["lora", "lora-fa", "lora-sb"]
 ADAPTER_MODES: tuple[AdapterMode, ...] = get_args(AdapterMode)
-#: The mode where none is named, also for anything from before modes existed.
 DEFAULT_ADAPTER_MODE: AdapterMode = ADAPTER_MODES[0]
 
-#: Where a record longer than seq-len is cut (docs/data.md): its end (``right``), or its
-#: prompt's start (``left``), so that the response fits; ``right`` drops a record with no
-#: response token left.
+#: Where a record longer than seq-len is cut (docs/data.md): its end, or its prompt's start
+#: so that the response fits; ``right`` drops a record with no response token left.
 TruncationSide = Literal["right", "left"]
 
-#: The largest record (bytes in its file) a region reads, room for a long chat; a larger
-#: one is dropped and counted, never read whole (docs/data.md, "Long records").
+#: The largest record (bytes in its file) a region reads; a larger one is dropped and
+#: counted, never read whole (docs/data.md). The limit itself is at most 1 GiB.
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
-#: At most 1 GiB: what the limit guards a region's memory against.
 MAX_RECORD_BYTES_LIMIT = 1 << 30
 
 
@@ -136,13 +130,7 @@ BUFFERED: AggregationMode = "buffered"
 
 #: Run-config fields written as ``"eu=2,us=1"``: an example, each number's type and range.
 REGION_TABLES: dict[str, tuple[str, type[int] | type[float], float, float, str]] = {
-    "region_train_processes": (
-        "eu=2,us=1",
-        int,
-        1,
-        1024,
-        "a region's count of training processes",
-    ),
+    "region_train_processes": ("eu=2,us=1", int, 1, 1024, "a region's count of training processes"),
     "test_region_slowdown": ("us=4", float, 1, 1000, "a slowdown factor (tests only)"),
 }
 
@@ -155,8 +143,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid", frozen=True, alias_generator=_kebab, populate_by_name=True
     )
-    #: Set on a model, an unknown key is named with the nearest known key, or else this
-    #: hint on where the keys are (not pydantic's "Extra inputs are not permitted").
+    #: Set: an unknown key is named with the nearest known key, or else this hint.
     unknown_key_hint: ClassVar[str | None] = None
 
     @classmethod
@@ -168,14 +155,11 @@ class _Strict(BaseModel):
     def from_user_config(
         cls, values: Mapping[str, Any], *, source: str, ignore_unknown: bool = False
     ) -> Self:
-        """Validate ``values`` or raise one :class:`ConfigError`, each problem as
-        ``source:field: message``. Unknown keys fail loudly (typos) unless
-        ``ignore_unknown``, for mappings other software shares (a SuperNode's node config).
-        """
+        """Validate ``values`` or raise one :class:`ConfigError` (``source:field: message``
+        each); ``ignore_unknown`` for mappings others share (a SuperNode's node config)."""
         data = dict(values)
         if ignore_unknown:
-            known = cls.known_keys()
-            data = {k: v for k, v in data.items() if k in known}
+            data = {k: v for k, v in data.items() if k in cls.known_keys()}
         try:
             return cls.model_validate(data)
         except ValidationError as err:
@@ -183,8 +167,8 @@ class _Strict(BaseModel):
 
 
 def _describe(err: ValidationError, source: str, model: type[_Strict]) -> list[str]:
-    """Each problem as ``source:key: message``, by the flat key a user wrote (a section's
-    field by its own key; a check across sections names its key in its message)."""
+    """Each problem as ``source:key: message``, by the flat key a user wrote (a check across
+    sections names its key in its message)."""
     problems: list[str] = []
     for item in err.errors():
         loc = [str(p) for p in item["loc"]]
@@ -240,8 +224,7 @@ def _check_noise_share(value: float, info: ValidationInfo) -> float:
 
 
 class ModelSpec(_Strict):
-    """Which base, which adapter, what precision (:attr:`RunConfig.model`): a preset
-    (seeded random init) or a checkpoint directory."""
+    """Which base (a seeded preset or a checkpoint directory), which adapter, what precision."""
 
     model_config = ConfigDict(protected_namespaces=())
 
@@ -251,10 +234,8 @@ class ModelSpec(_Strict):
     seed: int = Field(default=0, ge=0)
     lora_rank: int = Field(default=8, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1)
-    #: auto (the family's attention projections), auto+mlp (and its MLPs), or a comma list
-    #: of nn.Linear module names (docs/models.md).
+    #: auto (attention projections), auto+mlp, or a comma list of nn.Linear names (models.md).
     lora_targets: str = Field(default="auto", min_length=1)
-    #: The same for every region (:data:`AdapterMode`).
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
     #: The frozen base's: auto is bf16 on a GPU that has it, else fp32 (adapters: fp32).
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -262,8 +243,8 @@ class ModelSpec(_Strict):
     quantization: Literal["none", "nf4"] = "none"
     #: Recompute activations in the backward pass (less memory, about a third slower).
     gradient_checkpointing: bool = False
-    #: Unpickling runs code: pickle-only weights (pytorch_model*.bin) are refused unless
-    #: true. A deployed region goes by its own agent config's, never this (docs/models.md).
+    #: Unpickling runs code: pickle-only weights are refused unless true; a deployed region
+    #: goes by its own agent config's, never this (docs/models.md).
     allow_pickle_weights: bool = False
 
 
@@ -283,7 +264,7 @@ class DataSettings(_Strict):
 
     #: Simulation: data-root/<region> is each region's data.
     data_root: str = ""
-    #: A malformed row refuses the region's data (``refuse``), or is skipped and counted.
+    #: A malformed row refuses the region's data, or is skipped and counted.
     bad_rows: Literal["refuse", "skip"] = "refuse"
     truncation_side: TruncationSide = "right"
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
@@ -291,7 +272,7 @@ class DataSettings(_Strict):
     eval_fraction: float = Field(gt=0, lt=1)
 
 
-#: max-physical-batch-size's default: small passes keep a region's memory down (docs/cluster.md).
+#: max-physical-batch-size's default: small passes keep a region's memory down.
 DEFAULT_PHYSICAL_BATCH = 2
 
 
@@ -303,8 +284,8 @@ class LocalTraining(_Strict):
     #: Seconds of local training per round (0: off), steps planned from it (heterogeneity.md).
     local_time_budget: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     batch_size: int = Field(ge=1)
-    #: At most this many examples per pass of a DP-SGD step (the step unchanged: Opacus'
-    #: max_physical_batch_size); 0: the whole batch. Memory, not privacy or results.
+    #: Examples per pass of a DP-SGD step (Opacus' max_physical_batch_size; 0: the whole
+    #: batch): memory only, not privacy or results.
     max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
     learning_rate: float = Field(gt=0)
     optimizer: LocalOptimizer = "adamw"
@@ -339,15 +320,13 @@ class Schedule(_Strict):
     """The aggregator's loop (docs/heterogeneity.md)."""
 
     num_server_rounds: int = Field(ge=1, le=10_000)
-    #: ``sync``: a round waits for every asked region (up to round-timeout); ``buffered``:
-    #: a new global adapter once buffer-size updates arrived (FedBuff).
+    #: ``sync``: a round waits for every asked region; ``buffered``: FedBuff.
     aggregation_mode: AggregationMode = "sync"
     min_regions: int = Field(default=1, ge=1)
     node_wait_timeout: float = Field(gt=0)
     round_timeout: float = Field(gt=0)
-    #: Buffered mode: updates per published global adapter (at most the number of regions).
+    #: Buffered mode: updates per published adapter; how many versions old an update may be.
     buffer_size: int = Field(default=2, ge=1)
-    #: Buffered mode: the most versions old an update's global adapter may be.
     max_staleness: int = Field(default=4, ge=0)
     #: Rounds missed in a row before rounds stop waiting for a region until it answers (0: never).
     max_missed_rounds: int = Field(default=3, ge=0)
@@ -382,25 +361,21 @@ class DPSettings(_Strict):
     target_delta: float = Field(default=1e-5, gt=0, lt=1)
     epsilon_budget: float = Field(default=8.0, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    #: Opacus' secure noise (each draw a sum of Gaussians) from an unpredictable generator.
+    #: Opacus' secure noise from an unpredictable generator.
     secure_mode: bool = True
     #: Tests only (:data:`REPRODUCIBLE_NOISE_WARNING`); every shipped policy refuses it.
     insecure_reproducible_noise: bool = False
     dp_accountant: Accountant = "prv"
     dp_mode: DPMode = "hooks"
-    #: User-level DP-SGD samples users and clips each user's gradient; records name their
-    #: user in ``user-id-field`` (docs/privacy.md).
+    #: User-level DP-SGD samples users and clips each user's gradient (user-id-field).
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
-    #: At most this many of one unit's examples (a user's records, a long record's
-    #: chunks) in a DP-SGD step; their mean gradient is clipped as one.
+    #: At most this many of one unit's examples in a DP-SGD step, clipped as one mean.
     max_examples_per_unit: int = Field(default=4, ge=1, le=1024)
-    #: The Gaussian noise's std on a region's count of its units, released once a run and
-    #: charged to its ledger; the Poisson rate, noise, epsilon and weight follow from it.
-    #: 0: the exact count, a figure outside DP that ``dp_only`` refuses (docs/privacy.md).
+    #: The Gaussian noise's std on a region's count of its units, a charged DP release once
+    #: a run (0: the exact count, outside DP, which ``dp_only`` refuses; docs/privacy.md).
     count_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
-    #: The noise (times the clip for the summed loss, 1 for the count) on a region's
-    #: held-out loss, each unit's clipped to ``eval-loss-clip``: each evaluation a charged
-    #: DP release. 0: the exact loss, outside DP, which a ``dp_only`` region withholds.
+    #: The noise on a region's held-out loss (units' losses clipped to eval-loss-clip), a
+    #: charged DP release (0: the exact loss, outside DP, which ``dp_only`` withholds).
     eval_noise: float = Field(default=10.0, ge=0, le=1e6, allow_inf_nan=False)
     eval_loss_clip: float = Field(default=10.0, gt=0, le=1e3, allow_inf_nan=False)
 
@@ -432,15 +407,13 @@ class DPSettings(_Strict):
 
 
 class ClusterSettings(_Strict):
-    """A region as a cluster (docs/cluster.md): local training as a torch.distributed job
-    of this many processes (one per GPU; gloo on CPU); a node config's value wins."""
+    """A region's training as a torch.distributed job (docs/cluster.md); a node's value wins."""
 
     train_processes: int = Field(default=1, ge=1, le=1024)
-    #: In simulation: some regions' own count (``"eu=2,us=1"``); deployed ones say theirs.
+    #: In simulation, some regions' own count (``"eu=2,us=1"``).
     region_train_processes: tuple[tuple[str, int], ...] = ()
-    #: Seconds a collective between a region's processes waits before its round fails.
+    #: Seconds a collective waits before the region's round fails.
     collective_timeout: float = Field(default=600.0, gt=0)
-    #: In simulation (a deployed region says it in its agent config).
     train_sharding: Sharding = "replicate"
 
     _split_tables = field_validator("region_train_processes", mode="before")(_split_region_table)
@@ -455,12 +428,10 @@ class SealSettings(_Strict):
 
 
 class UpdateRules(_Strict):
-    """How a region codes its update after DP, before sealing, and what the aggregator
-    accepts of one (docs/compression.md, docs/robustness.md)."""
+    """How a region codes its update and what the aggregator accepts (docs/compression.md)."""
 
     codec: CodecSpec = get_codec("int8")
-    #: A larger decoded delta's L2 norm is rejected (or clipped); 0: off. With secure
-    #: aggregation each region clips its update to it.
+    #: A larger decoded delta's L2 norm is rejected or clipped (0: off); secure sums clip to it.
     max_update_norm: float = Field(default=50.0, ge=0)
     update_norm_action: NormAction = "reject"
     max_examples: int = Field(default=10_000_000, ge=1)
@@ -476,13 +447,11 @@ class UpdateRules(_Strict):
 
 
 class PolicySettings(_Strict):
-    """Jurisdiction policies (policies/README.md): where they are and where the aggregator
-    (ServerApp) and the relay (SuperLink) sit; the relay defaults to the aggregator's place."""
+    """Where the jurisdiction policies are, and where the aggregator and relay sit."""
 
-    #: Off only for lab baselines (both ends, in simulation); a deployed region enforces its own.
+    #: Off only for lab baselines in simulation; a deployed region enforces its own.
     enforce_policies: bool = True
-    #: The aggregator's copy of every region's policy, one YAML per jurisdiction;
-    #: in simulation also where each region finds its own.
+    #: The aggregator's copy of every region's policy (simulation: each region's own too).
     policies_dir: str = ""
     aggregator_jurisdiction: str = "EU"
     relay_jurisdiction: str = ""
@@ -504,16 +473,15 @@ class PolicySettings(_Strict):
 
 
 class SecureSettings(_Strict):
-    """Secure aggregation (docs/secure-aggregation.md): the aggregator learns the sum of
-    the regions' updates (each clipped to max-update-norm in its region) and no more."""
+    """Secure aggregation: the aggregator learns the sum of the regions' clipped updates only."""
 
     secure_aggregation: bool = False
     #: The fewest regions a secure sum is unmasked from (0: more than half of regions).
     secure_threshold: int = Field(default=0, ge=0)
-    #: Bits per value of a masked update, the sum's ring (0: secagg.ddp.ring_bits chooses).
+    #: Bits per value of a masked update (0: secagg.ddp.ring_bits chooses).
     secure_ring_bits: int = Field(default=0, ge=0, le=62)
-    #: Distributed DP (0: off): the Skellam noise shared in a secure sum, its std in a sum
-    #: of secure-threshold regions this times max-update-norm.
+    #: Distributed DP (0: off): the Skellam noise's std in a sum of secure-threshold regions,
+    #: times max-update-norm.
     distributed_noise_multiplier: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     _noise_share = field_validator("distributed_noise_multiplier")(_check_noise_share)
@@ -530,15 +498,12 @@ class SecureSettings(_Strict):
 
 
 class DeidSettings(_Strict):
-    """De-identification before tokenising (docs/deidentification.md; simulation: a folder
-    of REGION.txt dictionaries, a deployed region names its own deid-dictionary)."""
+    """De-identification before tokenising (docs/deidentification.md)."""
 
     deidentify: bool = True
-    #: As listed (``direct``: every pattern-found type, ``names``: person names);
-    #: :attr:`entities` expands them.
+    #: As listed (``direct``, ``names`` unexpanded; :attr:`entities` expands them).
     deid_entities: tuple[str, ...] = (DIRECT_WORD, NAMES_WORD)
-    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, keyed by the
-    #: region's secret, so different across regions).
+    #: ``placeholder`` (``<EMAIL>``) or ``pseudonym`` (``<EMAIL_3f9a1c2b>``, region-keyed).
     deid_replacement: Replacement = "placeholder"
     deid_dictionaries: str = ""
 
@@ -554,10 +519,9 @@ class OutputSettings(_Strict):
     """Where a run writes, what it keeps, and what it resumes from."""
 
     output_dir: str = "runs"
-    #: The aggregator's audit log folder (default: output-dir/audit); the log outlives runs.
+    #: The aggregator's audit log folder (default: output-dir/audit).
     audit_dir: str = ""
-    #: A run folder (output-dir/run-<id>) to resume from its last checkpoint, or one of its
-    #: kept checkpoints (output-dir/run-<id>/checkpoint/round-NNNN).
+    #: A run folder to resume from its last checkpoint, or one of its kept checkpoints.
     resume_from: str = ""
     #: How many of the latest aggregator checkpoints to keep (resume-from may name any).
     keep_checkpoints: int = Field(default=1, ge=1, le=10_000)
@@ -568,17 +532,14 @@ class OutputSettings(_Strict):
 
     @property
     def audit_path(self) -> Path:
-        return (
-            Path(self.audit_dir).expanduser().resolve()
-            if self.audit_dir
-            else self.output_path / "audit"
-        )
+        if self.audit_dir:
+            return Path(self.audit_dir).expanduser().resolve()
+        return self.output_path / "audit"
 
 
 class RunConfig(_Strict):
-    """The run config shared by the ServerApp and every ClientApp: Flower's flat kebab
-    keys (pyproject.toml's [tool.flwr.app.config]), each in the section :data:`RUN_KEYS`
-    names."""
+    """The run config shared by the ServerApp and every ClientApp: Flower's flat kebab keys,
+    each in the section :data:`RUN_KEYS` names."""
 
     unknown_key_hint: ClassVar[str | None] = (
         "the run config's keys are those of pyproject.toml's [tool.flwr.app.config]"
@@ -639,10 +600,7 @@ class RunConfig(_Strict):
         """Flower's flat form: every key under its kebab-case name, JSON values."""
         values: dict[str, Any] = {}
         for name, value in self.model_dump(by_alias=True, mode="json").items():
-            if isinstance(value, dict):
-                values.update(value)
-            else:
-                values[name] = value
+            values.update(value if isinstance(value, dict) else {name: value})
         return values
 
     def canonical_json(self) -> str:
@@ -661,8 +619,7 @@ class RunConfig(_Strict):
         return type(self).model_validate({**self.flat(), **keys})
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """A copy; a change of keys goes through :meth:`updated`, never pydantic's
-        unvalidated update of a top-level field."""
+        """A copy; changes go through :meth:`updated`, never pydantic's unvalidated update."""
         if update:
             raise TypeError("RunConfig.model_copy(update=...): use run.updated(key=value)")
         return super().model_copy(deep=deep)
@@ -692,9 +649,8 @@ class RunConfig(_Strict):
 
     @property
     def secure_norms(self) -> bool:
-        """Whether a secure sum is scaled by the norms its regions send
-        (:data:`~fedciuic.wire.UPDATE_NORM`): with DP-SGD, where a norm is a DP release
-        too, and without distributed noise, whose sensitivity is the clip."""
+        """Whether a secure sum is scaled by the norms its regions send: with DP-SGD (a norm is
+        a DP release too) and without distributed noise (whose sensitivity is the clip)."""
         s = self.secure
         return s.secure_aggregation and self.privacy.dp and s.distributed_noise_multiplier == 0
 
@@ -720,8 +676,7 @@ def _sections() -> dict[str, tuple[str, str]]:
     return table
 
 
-#: The one alias table: each flat run-config key with its section ("" for a top-level
-#: key) and its field there, always the key's own name.
+#: Each flat run-config key with its section ("" for a top-level key) and its field there.
 RUN_KEYS: dict[str, tuple[str, str]] = _sections()
 #: Keys a run config must give though their section has a default (the run's seed).
 _REQUIRED_KEYS = ("seed",)
@@ -808,14 +763,12 @@ def _check_buffer(run: RunConfig) -> list[str]:
     return []
 
 
-#: Where a simulation's data root holds its regions' dictionaries when
-#: deid-dictionaries names none (as the demo data does).
+#: Where a simulation's data root holds its regions' dictionaries by default.
 SIMULATED_DICTIONARIES = "deid-dictionaries"
 
 
 def simulated_dictionary(run: RunConfig, region: str) -> str:
-    """A simulated region's dictionary, deid-dictionaries/REGION.txt, if there is one
-    ("": none)."""
+    """A simulated region's dictionary, deid-dictionaries/REGION.txt ("": none)."""
     folder = run.deid.deid_dictionaries or (
         str(Path(run.data.data_root) / SIMULATED_DICTIONARIES) if run.data.data_root else ""
     )
@@ -830,20 +783,16 @@ SIMULATED_NODE = "partition-id"
 class NodeConfig(_Strict):
     """Which region this is and where its data, state, keys and policy live.
 
-    A deployed region's agent reads it from its own file (``AgentConfig``), never from
-    anything the aggregator ships; in simulation (one operator owns everything) Flower
-    passes ``partition-id`` and the region comes from the run config. A field left None
-    takes the run config's value.
+    A deployed region's agent reads it from its own file, never from the aggregator; in
+    simulation Flower passes ``partition-id``. A field left None takes the run config's value.
     """
 
     region: str = Field(pattern=REGION_PATTERN)
     data_path: str = Field(min_length=1)
     #: The region's own persistent state (privacy ledger, ...); default data-path/.fedciuic.
     state_path: str = ""
-    #: This dataset's lifetime epsilon budget.
     epsilon_budget: float | None = Field(default=None, gt=0)
-    #: In simulation these three come from the run config's keys-dir; peer-bundles (the
-    #: other regions' REGION.pub.json, for secure sums) "" is aggregator-bundle's folder.
+    #: Simulation: these three from keys-dir; peer-bundles "" is aggregator-bundle's folder.
     key_file: str = ""
     aggregator_bundle: str = ""
     peer_bundles: str = ""
@@ -851,23 +800,21 @@ class NodeConfig(_Strict):
     policy: str = ""
     train_processes: int | None = Field(default=None, ge=1, le=1024)
     train_sharding: Sharding | None = None
-    #: Whether this region may load pickle-only weights (unpickling runs code); a deployed
-    #: region's own word, never the run's (None: simulation only).
+    #: May it load pickle-only weights (unpickling runs code)? Its own word (None: simulation).
     allow_pickle_weights: bool | None = None
     #: The region's dictionary of names to scrub (one per line).
     deid_dictionary: str = ""
     #: The region's pseudonym key file; default state-path/deid-secret.key (made on first use).
     deid_secret: str = ""
-    #: A spaCy pipeline the region installed (a package name or a folder), which then
-    #: finds PERSON and LOCATION too; "" scrubs by patterns and the dictionary alone.
+    #: An installed spaCy pipeline, to find PERSON and LOCATION too ("": none).
     deid_ner_model: str = ""
-    #: These two are the region's memory's to decide (no privacy at stake).
+    #: The region's memory's to decide (no privacy at stake).
     max_record_bytes: int | None = Field(default=None, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     max_physical_batch_size: int | None = Field(default=None, ge=0)
 
     def deid_entities(self, run: RunConfig) -> tuple[str, ...]:
-        """The run's deid-entities this region has the means for (DICTIONARY needs its
-        deid-dictionary, PERSON and LOCATION its deid-ner-model): it scrubs and declares them."""
+        """The run's deid-entities this region has the means for (a dictionary, a NER model):
+        what it scrubs and declares."""
         return found_entities(
             run.deid.entities,
             dictionary=bool(self.deid_dictionary),
@@ -893,9 +840,8 @@ class NodeConfig(_Strict):
         return self.max_record_bytes or run.data.max_record_bytes
 
     def allows_pickle_weights(self, run: RunConfig) -> bool:
-        if self.allow_pickle_weights is None:
-            return run.model.allow_pickle_weights
-        return self.allow_pickle_weights
+        own = self.allow_pickle_weights
+        return run.model.allow_pickle_weights if own is None else own
 
     def model_spec(self, run: RunConfig) -> ModelSpec:
         """The run's model as this region loads it: pickle weights on the region's own word."""
@@ -909,11 +855,9 @@ class NodeConfig(_Strict):
 
     @property
     def deid_secret_path(self) -> Path:
-        return (
-            Path(self.deid_secret).expanduser()
-            if self.deid_secret
-            else self.state_dir / SECRET_FILE
-        )
+        if self.deid_secret:
+            return Path(self.deid_secret).expanduser()
+        return self.state_dir / SECRET_FILE
 
     @staticmethod
     def is_simulated(node_config: Mapping[str, Any]) -> bool:

@@ -1,7 +1,6 @@
 """Digests of files, cached by their stat, and fedciuic's cache folder.
 
-Checkpoints and region data are identified by the SHA-256 of their files; the cache
-makes a file that has not changed cost a ``stat`` instead of a pass over its bytes.
+The cache makes an unchanged checkpoint or data file cost a ``stat``, not a pass over its bytes.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def file_digest(file: Path) -> str:
 
 
 class DigestCache:
-    """Digests of files by (path, size, mtime, inode). A cache only: an unreadable or
-    stale entry is recomputed, never trusted."""
+    """Digests of files by (path, size, mtime, inode); a bad or stale entry is recomputed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -77,23 +75,18 @@ class DigestCache:
 
 
 def code_digest(package: Path | None = None) -> str:
-    """SHA-256 over the installed fedciuic package's source files (``*.py`` and its
-    templates) and their paths: which code made an update, signed into every reply."""
+    """SHA-256 over the package's ``*.py`` and template files and their paths: which code
+    made an update, signed into every reply."""
     root = package or Path(__file__).resolve().parent
     digest = hashlib.sha256(b"fedciuic-code/1\x00")
-    for file in sorted(p for p in root.rglob("*") if _is_source(p, root)):
-        digest.update(file.relative_to(root).as_posix().encode() + b"\x00")
-        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    for file in sorted(root.rglob("*")):
+        name = file.relative_to(root)
+        if not file.is_file() or "__pycache__" in name.parts:
+            continue
+        if file.suffix == ".py" or "templates" in name.parts:
+            digest.update(name.as_posix().encode() + b"\x00")
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
-
-
-def _is_source(path: Path, root: Path) -> bool:
-    parts = path.relative_to(root).parts
-    return (
-        path.is_file()
-        and "__pycache__" not in parts
-        and (path.suffix == ".py" or "templates" in parts)
-    )
 
 
 @functools.cache

@@ -1,7 +1,6 @@
 """Typed errors: every user-facing failure names where it happened and how to fix it.
 
-Messages follow one style, ``source:field: problem; fix``, so that a user reading
-a log line knows which file or setting to change without a traceback.
+Messages read ``source:field: problem; fix``, so a log line says what to change without a traceback.
 """
 
 from __future__ import annotations
@@ -21,15 +20,13 @@ EXIT_UNFINISHED = 4  # the run did not end: interrupted, failed, or still runnin
 class FedciuicError(Exception):
     """Base class for errors meant for the user (printed as one line, no traceback)."""
 
-    #: Whether the message is made only of public facts (the run config, a policy, the
-    #: protocol's messages): a region whose policy lets out only DP releases sends it as
-    #: a decline's reason; any other reason stays in its audit log (fedciuic/releases.py).
+    #: Whether the message holds only public facts (run config, policy, protocol), so a
+    #: ``dp_only`` region may send it as a decline's reason (fedciuic/releases.py).
     public_reason: ClassVar[bool] = False
 
 
 class ConfigError(FedciuicError):
-    """A run config, node config or other setting is invalid: every problem found, so
-    that users fix them all in one go."""
+    """A run config, node config or other setting is invalid: every problem, fixed in one go."""
 
     def __init__(self, problems: Iterable[str]) -> None:
         self.problems = list(problems)

@@ -1,9 +1,8 @@
 """What a path in a folder that others fill (a region's data-path, a model-path) is, when
 it is not a file that can be read.
 
-Only regular files are opened there: a FIFO waits for a writer that may never come, a
-socket or a device is no data, and a broken link fails deep inside whatever library
-reads it. Callers ask before they open, and refuse in one line that says what it is.
+Only regular files are opened there: a FIFO may block forever, a socket or device is no
+data, and a broken link fails deep inside a library. Callers ask first and refuse in one line.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ _KINDS = (
 
 
 def broken_link(path: Path) -> str | None:
-    """Why symlink ``path`` leads nowhere (a loop, or a missing target); None when it
-    is no symlink or leads somewhere."""
+    """Why symlink ``path`` leads nowhere (a loop, a missing target); None if it leads somewhere."""
     if not path.is_symlink():
         return None
     try:
@@ -39,8 +37,7 @@ def broken_link(path: Path) -> str | None:
 
 def not_regular(path: Path) -> str | None:
     """What ``path`` is, its links followed, when it is not a regular file; None when it is."""
-    broken = broken_link(path)
-    if broken is not None:
+    if broken := broken_link(path):
         return broken
     try:
         mode = path.stat().st_mode

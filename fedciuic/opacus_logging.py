@@ -1,11 +1,10 @@
 """Undo Opacus' import-time ``logging.basicConfig``: each log line of a run once, in
 Flower's format.
 
-Any ``opacus`` import adds a stderr handler to the root logger, and Flower's ``flwr``
-logger, which every fedciuic line goes through, propagates to the root: every line
-would print twice. Every module that imports Opacus calls
-:func:`undo_opacus_basic_config` right after (``tests/test_logging.py`` checks). Only
-that handler goes: a root handler of the user's own stays, and ``caplog`` still works.
+Opacus adds a root stderr handler, and Flower's ``flwr`` logger propagates to the root, so
+every line would print twice. Each module importing Opacus calls
+:func:`undo_opacus_basic_config` right after (tests/test_logging.py checks); only that
+handler goes, so a user's own root handler and ``caplog`` still work.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Processes a launcher starts, found and stopped as trees, and the few helpers the
-deployment's scripts need from Python: light to import (psutil and the standard library),
-since every ``python -m fedciuic.ops.scripts`` step of a script pays for its imports.
+deployment's scripts need: light to import (psutil and the stdlib), as each script step pays for it.
 
 A Ray worker whose raylet exits first is re-parented to init, out of every tree, so each
-process a launcher starts carries :data:`OWNER_ENV`, which Ray passes on to its workers.
+launched process carries :data:`OWNER_ENV`, which Ray passes on to its workers.
 """
 
 from __future__ import annotations
@@ -67,11 +66,9 @@ def owned_processes(owner: str) -> list[psutil.Process]:
 def stop_process_trees(
     pids: Sequence[int], grace: float = 10.0, owner: str | None = None
 ) -> list[psutil.Process]:
-    """SIGTERM each process, its descendants and (given ``owner``) every process that
-    carries it; SIGKILL what is left after ``grace`` seconds, and each one's process
-    group; with ``owner``, sweep until none is left. Returns what could not be stopped.
-    Descendants are listed before anything is signalled: Flower detaches some helpers
-    into sessions of their own, which would be orphaned otherwise."""
+    """SIGTERM each process, its descendants and every process ``owner`` marks; SIGKILL what
+    is left after ``grace`` seconds and each process group; return what could not be stopped.
+    Descendants are listed before any signal, as Flower detaches some helpers into sessions."""
     targets: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
@@ -95,8 +92,7 @@ def stop_process_trees(
             os.killpg(pid, signal.SIGKILL)
     if not owner:
         return []
-    # What outlived its parent (a Ray worker whose raylet exited first) or started
-    # while the others were stopping: kill it too, until nothing of ours is left.
+    # A Ray worker that outlived its raylet, or one started meanwhile: kill until none is left.
     deadline = time.monotonic() + grace
     while left := owned_processes(owner):
         if time.monotonic() > deadline:
@@ -126,12 +122,10 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def toml_value(value: Any) -> str:
-    """Render a scalar as a TOML value (for --run-config and --node-config)."""
+    """A scalar as a TOML value for --run-config (a JSON string is a TOML basic string)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string
+    return repr(value) if isinstance(value, int | float) else json.dumps(str(value))
 
 
 def toml_pairs(values: Mapping[str, Any]) -> str:

@@ -1,18 +1,11 @@
 """What leaves a region, figure by figure.
 
-Every field of every reply a region sends (a sealed envelope's trained payload
-included) is classified here, once, as one of:
-
-- ``dp``: the output of a DP mechanism the region's ledger charges;
-- ``public``: derived only from the signed run config, a policy, the region's own
-  declared configuration and public constants;
-- ``commitment``: a hash that binds the region to what it recorded without carrying it,
-  hiding only as far as what it hashes is unpredictable;
-- ``data``: a function of the region's data that no DP mechanism covers.
-
-:func:`leaving` refuses, on both ends, a field the table does not know (fail closed), and
-a ``data`` field where the policy allows only DP releases (``privacy.releases:
-dp_only``). docs/privacy.md says what each class means for the epsilon on the record.
+Every field of every reply a region sends (a sealed trained payload included) is classified
+here once: ``dp`` (a DP mechanism's output its ledger charges), ``public`` (from the signed
+run config, a policy, declared configuration, constants), ``commitment`` (a hash binding the
+region to what it recorded, hiding as far as that is unpredictable) or ``data`` (of the
+region's data, outside DP). :func:`leaving` refuses, on both ends, a field the table does not
+know (fail closed), and a ``data`` field under ``privacy.releases: dp_only`` (docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -101,8 +94,7 @@ def _counted(run: RunConfig) -> bool:
 
 
 def _count_based(what: str) -> Rule:
-    """A figure that follows from the number of the region's privacy units: public
-    given the run's DP count, else from the exact count."""
+    """A figure from the number of the region's privacy units: public given a DP count."""
 
     def rule(run: RunConfig) -> Disclosure:
         if _counted(run):
@@ -221,11 +213,10 @@ REPLY_FIELDS: dict[str, dict[str, Rule]] = {
 }
 
 
-#: Data-dependent figures a reply can go without: left out under a ``dp_only`` policy,
-#: and from every region in a run that releases only DP figures (:func:`releases_only_dp`).
+#: Data-dependent figures a reply can go without: left out under ``dp_only``, and in a run
+#: that releases only DP figures (:func:`releases_only_dp`).
 OPTIONAL = frozenset({"train-loss", "step-seconds", UPDATE_NORM})
-#: A decline's reason as it leaves under ``dp_only``: the reason may name figures of the
-#: data, so it stays in the region's own audit log.
+#: A decline's reason under ``dp_only``: the real one may name the data's figures.
 WITHHELD_REASON = (
     "declined; the reason is in the region's audit log (privacy.releases: dp_only keeps it there)"
 )
@@ -237,20 +228,20 @@ def _required(status: str, run: RunConfig) -> tuple[str, ...]:
 
 
 def unavoidable(run: RunConfig) -> tuple[str, ...]:
-    """The data-dependent figures this run's trained replies cannot leave out: what a
-    ``dp_only`` policy declines the run for."""
+    """The data-dependent figures this run's trained replies cannot leave out (``dp_only``
+    declines the run for them)."""
     return _required(TRAINED, run)
 
 
 def unreleased_evaluation(run: RunConfig) -> tuple[str, ...]:
-    """The data-dependent figures this run's evaluated replies would carry (none when
-    its evaluations are DP releases): a ``dp_only`` region withholds its evaluation."""
+    """The data-dependent figures this run's evaluated replies would carry (``dp_only``
+    withholds the evaluation for them)."""
     return _required(EVALUATED, run)
 
 
 def releases_only_dp(run: RunConfig) -> bool:
-    """Whether every figure this run's replies must carry is a DP release or public: then
-    no region sends the optional figures of its data either, so nothing leaves outside DP."""
+    """Whether every figure this run's replies must carry is a DP release or public: then no
+    region sends the optional ones either, and nothing leaves outside DP."""
     return run.privacy.dp and not unavoidable(run) and not unreleased_evaluation(run)
 
 
@@ -263,11 +254,9 @@ def kept(
     status: str, fields: Mapping[str, object], run: RunConfig, *, dp_only: bool
 ) -> dict[str, object]:
     """``fields`` less the :data:`OPTIONAL` data-dependent ones where they are withheld."""
-    withheld = (
-        _data_of(status, OPTIONAL & set(fields), run)
-        if withholds_optional(run, dp_only=dp_only)
-        else {}
-    )
+    if not withholds_optional(run, dp_only=dp_only):
+        return dict(fields)
+    withheld = _data_of(status, OPTIONAL & set(fields), run)
     return {name: value for name, value in fields.items() if name not in withheld}
 
 
@@ -276,8 +265,8 @@ class ReleaseRefused(FedciuicError):
 
 
 class EvaluationWithheld(FedciuicError):
-    """A ``dp_only`` region's answer to an evaluation that would be no DP release; its
-    message says only what the policy and the run config say, so it may leave."""
+    """A ``dp_only`` region's answer to an evaluation that would be no DP release; its message
+    holds only public facts, so it may leave."""
 
     public_reason = True
 
@@ -303,8 +292,8 @@ def classify(status: str, names: Iterable[str], run: RunConfig) -> dict[str, Dis
 
 
 def problems(status: str, names: Iterable[str], run: RunConfig, *, dp_only: bool) -> list[str]:
-    """What a ``status`` reply carrying ``names`` may not release: each field this table
-    does not know, and with ``dp_only`` each data-dependent one."""
+    """What a ``status`` reply may not release of ``names``: each unknown field, and with
+    ``dp_only`` each data-dependent one."""
     out = []
     for name, release in classify(status, names, run).items():
         if release is None:
@@ -328,17 +317,12 @@ def data_figures(status: str, names: Iterable[str], run: RunConfig) -> tuple[str
 
 
 def data_fields(status: str, names: Iterable[str], run: RunConfig) -> list[str]:
-    """The names of :func:`data_figures`: what a region's audit log records it sent outside DP."""
+    """The names of :func:`data_figures`, as a region's audit log records them."""
     return list(_data_of(status, names, run))
 
 
 def leaving(
-    status: str,
-    fields: Mapping[str, object],
-    run: RunConfig,
-    *,
-    dp_only: bool,
-    who: str,
+    status: str, fields: Mapping[str, object], run: RunConfig, *, dp_only: bool, who: str
 ) -> None:
     """Refuse a reply that would carry what its sender (``who``) may not release."""
     found = problems(status, fields, run, dp_only=dp_only)

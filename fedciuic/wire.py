@@ -1,7 +1,6 @@
-"""What a region's reply says, as plain typed values: the status and field names both
-sides use, the strict models of untrusted metrics, and :class:`Reply` (parsed, not yet
-authenticated). No Flower here: ``fedciuic.flower.protocol`` packs and unpacks these
-into Flower messages."""
+"""What a region's reply says, as plain typed values: the field names both sides use, strict
+models of untrusted metrics, and :class:`Reply` (parsed, not yet authenticated). No Flower
+here: ``fedciuic.flower.protocol`` packs these into Flower messages."""
 
 from __future__ import annotations
 
@@ -32,45 +31,35 @@ from fedciuic.errors import FedciuicError
 
 TRAINED, EVALUATED, DECLINED, SEALED = "trained", "evaluated", "declined", "sealed"
 WITNESSED = "witnessed"  # a region's answer to the run-end notice
-#: A region's answer in one phase of a secure sum: the phase's message (signed by the
-#: region for its session) as the reply's one array, its SHA-256 under the reply's signature.
+#: A region's answer in one phase of a secure sum: the phase's message as the reply's one
+#: array, its SHA-256 under the reply's signature.
 SECURE = "secure"
 SECAGG_REQUEST, SECAGG_ANSWER, SECAGG_DIGEST = "secagg-request", "secagg-answer", "secagg-digest"
 FAILED = "failed"  # no usable reply: the region's process failed, or it never answered
 REJECTED = "rejected"  # the aggregator's verdict on a reply it refused
-#: Why a node asked in a round is a failed reply when it did not answer in time.
 NO_REPLY = "no reply within round-timeout"
-#: Seconds between two pulls of replies: a pull is one cheap call to the SuperLink, and a
-#: reply waits for the next (Flower's ``Grid.send_and_receive`` pulls every 3 s).
+#: Seconds between two pulls of replies, each a cheap call to the SuperLink (Flower's own: 3 s).
 PULL_INTERVAL = 0.2
 ENVELOPE, UPDATE = "envelope", "update"
 #: The records a message holds (Flower's RecordDict keys; the agent's channel uses the same).
 ARRAYS, CONFIG, METRICS, INFO = "arrays", "config", "metrics", "info"
-JURISDICTION, POLICY_HASH, SUITE = "jurisdiction", "policy-hash", "suite"
-#: A trained reply's privacy unit, "" without DP: in the info, as metrics hold only numbers.
-PRIVACY_UNIT = "privacy-unit"
-#: A trained reply's adapter-mode: the aggregator refuses one other than the run's.
-ADAPTER_MODE = "adapter-mode"
-#: The entity types a trained reply's region scrubbed, comma-separated ("" when off);
-#: checked against its policy.
-DEID_ENTITIES = "deid-entities"
-#: A secure round's trained reply: its update's norm, rounded up, which the aggregator
-#: scales the secure sum by.
+JURISDICTION, POLICY_HASH = "jurisdiction", "policy-hash"
+#: A trained reply's info: its privacy unit ("" without DP), adapter-mode (refused unless
+#: the run's), and the entity types it scrubbed (comma-separated, "" when off).
+PRIVACY_UNIT, ADAPTER_MODE, DEID_ENTITIES = "privacy-unit", "adapter-mode", "deid-entities"
+#: A secure round's trained reply: its update's norm, rounded up, to scale the secure sum by.
 UPDATE_NORM = "update-norm"
-#: Fields a region may add to any reply: its key id and signature (with sealing), and its
-#: audit log's latest signed checkpoint head (witnessing), as instructions carry the
-#: aggregator's.
+#: Fields a region may add to any reply: its key id and signature, and its audit log's
+#: latest signed checkpoint head, as instructions carry the aggregator's.
 KEY_ID, SIGNATURE, AUDIT_COUNT, AUDIT_HEAD = "key-id", "signature", "audit-count", "audit-head"
-#: Which code made a reply: the region's fedciuic version and the SHA-256 of its installed
-#: code (``fedciuic.digests.code_digest``), in every reply, under its signature.
+#: Which code made a reply, under its signature: the fedciuic version and code digest.
 AGENT_VERSION, AGENT_CODE = "agent-version", "agent-code"
 
 
 @dataclass(frozen=True)
 class Instruction:
     """What the aggregator sends a region each round (untrusted until its signature is
-    checked): the global adapter and, signed with it, the task, the run config's canonical
-    JSON and a single-use nonce."""
+    checked): the global adapter, the task, the run config and a single-use nonce."""
 
     adapter: dict[str, np.ndarray]
     server_round: int
@@ -82,10 +71,8 @@ class Instruction:
     signer: str = ""
     federation_run: int = 0  # 0: this run started the federation
     witness: tuple[int, str] | None = None
-    #: The identity (hex SHA-256) of the checkpoint a resumed run continued from; "".
-    checkpoint: str = ""
-    #: The region it is for (signed): any other refuses it.
-    recipient: str = ""
+    checkpoint: str = ""  # hex SHA-256 of the checkpoint a resumed run continued from
+    recipient: str = ""  # the region it is for (signed): any other refuses it
 
     @cached_property
     def terms(self) -> Terms:
@@ -106,9 +93,8 @@ class Instruction:
 
 @dataclass(frozen=True)
 class RunEndNotice:
-    """After ``run_end``, the aggregator's log head, signed, for each region to record and
-    answer with its own, and ``receipts`` (``{region: [[round, digest], ...]}``) of what
-    it received, so that a region records which of its releases never arrived."""
+    """The aggregator's signed log head after ``run_end``, for each region to record and
+    answer, and ``receipts`` (``{region: [[round, digest], ...]}``) of what it received."""
 
     federation_run: int
     witness: tuple[int, str]
@@ -124,8 +110,7 @@ class RunEndNotice:
         return hashlib.sha256(self.receipts.encode()).digest()
 
     def received(self, region: str) -> set[tuple[int, str]]:
-        """The (round, digest) of each update the aggregator received from ``region``;
-        :class:`MalformedInstruction` when the field is not what it says."""
+        """The (round, digest) of each update the aggregator received from ``region``."""
         try:
             value = json.loads(self.receipts, parse_constant=_no_constant)
             entries = value.get(region, []) if isinstance(value, dict) else None
@@ -163,9 +148,8 @@ TASK, RUN_CONFIG, NONCE, RECEIPTS = "task", "run-config", "nonce", "receipts"
 RECIPIENT = "recipient"
 RESUMED_FROM = "resumed-from-checkpoint"
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
-#: A run config's canonical JSON is at most this long (an instruction's field).
+#: The longest run config (canonical JSON) and receipts (about 100 per region and round).
 MAX_RUN_CONFIG = 1 << 16
-#: A run-end notice's receipts are at most this long (about 100 per region and round).
 MAX_RECEIPTS = 1 << 24
 
 
@@ -176,8 +160,7 @@ class MalformedInstruction(FedciuicError):
 
 
 def run_settings(text: str) -> dict[str, Any]:
-    """A run config's canonical JSON as a mapping; :class:`MalformedInstruction` when
-    it is not a JSON object of scalars."""
+    """A run config's canonical JSON as a mapping (a JSON object of scalars)."""
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except ValueError as err:
@@ -380,16 +363,12 @@ class TrainMetrics(_Strict):
 
     def declared(self) -> dict[str, Any]:
         """Its privacy as the policies check it and the audit log records it (None: no DP)."""
-        p = self.privacy
-        if p is None:
-            return dict.fromkeys(("epsilon", "delta", "max_grad_norm", "secure_mode", "unit"))
-        return {
-            "epsilon": p.epsilon,
-            "delta": p.delta,
-            "max_grad_norm": p.max_grad_norm,
-            "secure_mode": bool(p.secure_mode),
-            "unit": p.unit,
-        }
+        keys = ("epsilon", "delta", "max_grad_norm", "secure_mode", "unit")
+        if self.privacy is None:
+            return dict.fromkeys(keys)
+        declared = {key: getattr(self.privacy, key) for key in keys}
+        declared["secure_mode"] = bool(declared["secure_mode"])
+        return declared
 
     def record(self) -> dict[str, float | int | str]:
         """The figures as metrics.json stores them (privacy keys with underscores)."""
@@ -419,8 +398,8 @@ def _problem(err: ValidationError, what: str) -> MalformedReply:
 
 
 def parse_train_metrics(metrics: object, unit: str) -> TrainMetrics:
-    """A trained reply's metrics and the privacy unit its info declares, validated: DP
-    figures come with a unit, and a unit only with DP figures."""
+    """A trained reply's metrics and declared privacy unit: DP figures come with a unit, and
+    a unit only with DP figures."""
     if not isinstance(metrics, Mapping):
         raise MalformedReply(f"malformed metrics: an object expected, got {type(metrics).__name__}")
     flat = dict(metrics)
@@ -598,8 +577,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class Unread:
-    """A reply not parsed yet: read inside the aggregator's per-reply boundary, so that
-    one that cannot be read is rejected alone."""
+    """A reply not parsed yet, read inside the aggregator's per-reply boundary: one that
+    cannot be read is rejected alone."""
 
     node_id: int
     read: Callable[[], Reply]
@@ -607,8 +586,7 @@ class Unread:
 
 @dataclass(frozen=True)
 class NoReply:
-    """A node asked this round that did not answer in time: within ``waited`` seconds
-    (0: the run's round-timeout)."""
+    """A node asked this round that did not answer within ``waited`` s (0: round-timeout)."""
 
     node_id: int
     waited: float = 0.0
@@ -620,10 +598,7 @@ Arrival = Reply | Unread | NoReply
 
 def signed_fields(info: Mapping[str, object], metrics: Mapping[str, object]) -> dict[str, object]:
     """What a region's reply signature covers: everything it sends in the clear."""
-    return {
-        "info": {k: v for k, v in info.items() if k != SIGNATURE},
-        "metrics": dict(metrics),
-    }
+    return {"info": {k: v for k, v in info.items() if k != SIGNATURE}, "metrics": dict(metrics)}
 
 
 def sign_info(
@@ -634,8 +609,8 @@ def sign_info(
     run_id: int,
     server_round: int,
 ) -> None:
-    """Add the region's key id and its signature over the reply to ``info``, so that
-    the aggregator records it under the region its key names, never the name it claims."""
+    """Add the region's key id and signature to ``info``: the aggregator records a reply under
+    the region its key names, never the name it claims."""
     info[KEY_ID] = keypair.bundle.key_id.hex()
     info[SIGNATURE] = keypair.sign(
         reply_message(run_id, server_round, signed_fields(info, metrics))
@@ -663,8 +638,7 @@ def parse_reply(
     arrays: Mapping[str, np.ndarray] | None,
 ) -> Reply:
     """A reply's clear fields and arrays as typed values."""
-    status = raw_info.get("status")
-    info = parse_info(raw_info, str(status))
+    info = parse_info(raw_info, str(raw_info.get("status")))
     status = info["status"]
     signature = raw_info.get(SIGNATURE, b"")
     if not isinstance(signature, bytes) or len(signature) > 16384:

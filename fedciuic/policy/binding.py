@@ -1,8 +1,7 @@
 """Jurisdiction policies applied to a run: which policy binds whom, and what a run asks.
 
-:mod:`fedciuic.policy.rules` holds the schema and the pure checks; this module connects
-them to the run and node configs, for the ClientApp (before a region trains or
-evaluates) and for the aggregator (each reply, then each aggregate).
+:mod:`fedciuic.policy.rules` holds the schema and the pure checks; this module connects them
+to the run and node configs, for a region before it trains and for the aggregator.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ class PolicyRefusal(FedciuicError):
 
 
 def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> LoadedPolicy | None:
-    """The policy this region obeys; None only in a simulation with enforce-policies off.
-    A deployed region's comes from its own agent config: the run config cannot switch it off."""
+    """The policy this region obeys; None only in a simulation with enforce-policies off (a
+    deployed region's comes from its own agent config: the run config cannot switch it off)."""
     if node.policy:
         return load_policy(Path(node.policy).expanduser())
     if not simulated:
@@ -57,20 +56,19 @@ def region_policy(run: RunConfig, node: NodeConfig, *, simulated: bool) -> Loade
             "without its jurisdiction's policy: name it in the region's agent.toml "
             '(policy = "/path/to/eu-gdpr.yaml"; fedciuic ships some in policies/)'
         )
-    settings = run.policy
-    if not settings.enforce_policies:
+    if not run.policy.enforce_policies:
         return None
-    if not settings.policies_dir:
+    if not run.policy.policies_dir:
         raise PolicyError(
             "run config:policies-dir: empty; simulated regions take their policy from that "
             "folder (fedciuic simulate uses the app's policies/)"
         )
-    return load_policies(Path(settings.policies_dir)).require(simulated_jurisdiction(node.region))
+    return load_policies(Path(run.policy.policies_dir)).require(simulated_jurisdiction(node.region))
 
 
 def releases_dp_only(run: RunConfig, node: NodeConfig, *, simulated: bool) -> bool:
-    """Whether the region's policy lets out only DP releases (privacy.releases: dp_only);
-    a policy that cannot be read says yes (fail closed: the region is declining anyway)."""
+    """Whether the region's policy lets out only DP releases; an unreadable one says yes
+    (fail closed: the region is declining anyway)."""
     try:
         loaded = region_policy(run, node, simulated=simulated)
     except FedciuicError:
@@ -87,8 +85,7 @@ def run_terms(
     deid_entities: tuple[str, ...] | None = None,
     data_releases: tuple[str, ...] = (),
 ) -> RunTerms:
-    """What this run asks of a region, from the run config's sections; ``deid_entities``
-    is what the region scrubs of the run's (:meth:`NodeConfig.deid_entities`; None: all
+    """What this run asks of a region; ``deid_entities``: what the region scrubs (None: all
     the run lists)."""
     dp, sealing = run.privacy, run.sealing
     return RunTerms(
@@ -117,20 +114,16 @@ def run_terms(
 
 @dataclass(frozen=True)
 class RegionPolicy:
-    """The policy a region's round obeys, as the round uses it, and its decision on the
-    run. A simulated lab baseline (enforce-policies off) obeys none: no hash or
-    jurisdiction to declare, no cap beyond the run's own, paths redacted, and a decision
-    that accepts and was not enforced (so it is not audited)."""
+    """The policy a region's round obeys, as the round uses it, and its decision on the run.
+    A lab baseline (enforce-policies off) obeys none: paths redacted, a decision not enforced."""
 
     hash: str
     jurisdiction: str
     max_epsilon_per_run: float | None
     redacts_paths: bool
     decision: Decision
-    #: The fewest regions a secure sum holding this region's update is unmasked from.
     min_secure_regions: int = DEFAULT_MIN_SECURE_REGIONS
-    #: Whether only DP outputs, public configuration and commitments may leave
-    #: (privacy.releases: dp_only).
+    #: privacy.releases: dp_only (only DP outputs, public configuration and commitments leave).
     dp_only: bool = False
 
     @classmethod
@@ -148,9 +141,7 @@ class RegionPolicy:
 
     @classmethod
     def none(cls, region: str) -> RegionPolicy:
-        return cls(
-            "", "", None, True, Decision(region, "run terms", "accept", (), "", enforced=False)
-        )
+        return cls("", "", None, True, _not_enforced(region, "run terms"))
 
 
 def enforce_region_policy(
@@ -164,12 +155,10 @@ def enforce_region_policy(
     data_releases: tuple[str, ...] = (),
 ) -> RegionPolicy:
     """Load the region's policy and check the run against it; raise with every reason.
-    ``data_releases``: the data-dependent figures the run's replies would carry.
 
     A region obeys its own jurisdiction's policy (``own_jurisdiction``, from its key; None
     without sealing), not one that happens to allow the run: a mismatch declines before
-    anything is trained or sent. Without a key a simulated region is in
-    :func:`simulated_jurisdiction`; a deployed one has only its node config's word."""
+    anything is trained or sent."""
     loaded = region_policy(run, node, simulated=simulated)
     if loaded is None:
         return RegionPolicy.none(node.region)
@@ -207,9 +196,8 @@ def _jurisdiction_reason(
 
 
 class PolicyGate(Protocol):
-    """Policy enforcement at the aggregator, as a stage chosen once: the round asks it
-    about each update and each aggregate and always gets a decision; an enforced one is
-    recorded and audited."""
+    """Policy enforcement at the aggregator, chosen once: a decision on each update and each
+    aggregate; an enforced one is recorded and audited."""
 
     def check_update(self, facts: UpdateFacts) -> Decision: ...
 
@@ -219,18 +207,17 @@ class PolicyGate(Protocol):
 
 
 class NotEnforced:
-    """``enforce-policies = false``: a lab baseline; every decision accepts and is not
-    enforced (so not recorded)."""
+    """``enforce-policies = false``: a lab baseline; every decision accepts, unrecorded."""
 
     def check_update(self, facts: UpdateFacts) -> Decision:
-        return _not_enforced(f"update from {facts.region}")
+        return _not_enforced("aggregator", f"update from {facts.region}")
 
     def check_aggregate(self, participants: dict[str, str], examples: dict[str, int]) -> Decision:
-        return _not_enforced("aggregate")
+        return _not_enforced("aggregator", "aggregate")
 
 
-def _not_enforced(subject: str) -> Decision:
-    return Decision("aggregator", subject, "accept", (), "", enforced=False)
+def _not_enforced(actor: str, subject: str) -> Decision:
+    return Decision(actor, subject, "accept", (), "", enforced=False)
 
 
 @dataclass(frozen=True)

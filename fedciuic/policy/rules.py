@@ -1,11 +1,9 @@
 """Jurisdiction policies: one YAML per jurisdiction, validated once, checked at both ends.
 
-A policy says what may leave a region, under which guarantees, to where: a strict
-pydantic model loaded from strict YAML (no duplicate keys, tags, aliases or scalars that
-YAML 1.1 and 1.2 read differently: one meaning per file), every problem reported as
-``file:line: field: message``. Its content hash is of the validated model, so comments
-and layout do not change it. Checks are pure functions returning a :class:`Decision`
-with *every* reason: the region checks a run before it trains, the aggregator each reply.
+A policy says what may leave a region, under which guarantees, to where: a strict model
+loaded from strict YAML (one meaning per file), every problem as ``file:line: field: message``.
+Its hash is of the validated model, so layout does not change it. Checks are pure functions
+returning a :class:`Decision` with *every* reason.
 """
 
 from __future__ import annotations
@@ -23,14 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from packaging.version import InvalidVersion, Version
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedciuic.compression import CodecFamily
 from fedciuic.config import (
@@ -49,8 +40,7 @@ from fedciuic.jurisdictions import JURISDICTIONS
 
 
 class PolicyError(FedciuicError):
-    """A policy file is missing or invalid; whoever depends on it fails closed.
-    ``problems``: each as ``file:line: field: message``."""
+    """A policy file is missing or invalid (``problems``); whoever depends on it fails closed."""
 
     public_reason = True
 
@@ -60,8 +50,7 @@ class PolicyError(FedciuicError):
 
 
 class _Section(BaseModel):
-    """Strict for every field, present and future: a boolean is not a number, a
-    quoted "8" is not a number, 2.5 is not a count, .inf and .nan are not bounds."""
+    """Strict: a boolean or a quoted "8" is no number, 2.5 no count, .inf and .nan no bound."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
@@ -73,12 +62,10 @@ def _no_repeats(values: tuple[str, ...]) -> tuple[str, ...]:
     return values
 
 
-#: Integers beyond 2**53 - 1 are not exact in JSON readers that use doubles.
-_MAX_INT = 2**53 - 1
 #: A list of distinct entries (a repeat means nothing, but would change the hash).
 _Distinct = AfterValidator(_no_repeats)
-#: A count that every JSON reader holds exactly.
-_Count = Annotated[int, Field(le=_MAX_INT)]
+#: A count that every JSON reader holds exactly (doubles: up to 2**53 - 1).
+_Count = Annotated[int, Field(le=2**53 - 1)]
 _J = TypeVar("_J", str, tuple[str, ...])
 
 
@@ -113,12 +100,10 @@ class Privacy(_Section):
     max_delta: float = Field(gt=0, lt=1)
     max_clipping_norm: float = Field(gt=0)
     secure_rng_required: bool
-    #: The least a guarantee must cover: ``user`` requires user-level DP; ``record``
-    #: (or absent) accepts either, since user-level DP implies record-level.
+    #: The least a guarantee must cover (``record``, the default, accepts either).
     unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
-    #: What may leave beside DP outputs: ``any`` (or absent) lets figures of the data
-    #: such as example counts and held-out losses go with the update; ``dp_only`` lets
-    #: out only DP outputs, public configuration and commitments (fedciuic/releases.py).
+    #: ``any`` lets figures of the data (counts, losses) go with the update; ``dp_only`` only
+    #: DP outputs, public configuration and commitments (fedciuic/releases.py).
     releases: Releases = DEFAULT_RELEASES
 
 
@@ -129,16 +114,14 @@ class Sealing(_Section):
 
 class Compression(_Section):
     allowed_codecs: Annotated[tuple[CodecFamily, ...], _Distinct] = Field(min_length=1)
-    #: What a region may send besides how it is coded: which tensors of the adapter
-    #: (adapter-mode, docs/models.md). Unset: every mode.
+    #: Which adapter tensors a region may send (adapter-mode; unset: every mode).
     allowed_adapter_modes: Annotated[tuple[AdapterMode, ...], _Distinct] = Field(
         default=ADAPTER_MODES, min_length=1
     )
 
 
-#: Whether a region's update may reach the aggregator alone (``allowed``) or only inside
-#: a secure sum, where the aggregator learns the regions' sum and nothing else
-#: (``required``; docs/secure-aggregation.md).
+#: Whether a region's update may reach the aggregator alone, or only inside a secure sum
+#: (``required``), where the aggregator learns the regions' sum and nothing else.
 SecureAggregation = Literal["required", "allowed"]
 DEFAULT_SECURE: SecureAggregation = "allowed"
 #: The fewest regions a secure sum may be unmasked from, unless a policy says more.
@@ -149,26 +132,21 @@ class Aggregation(_Section):
     min_regions: _Count = Field(ge=1)
     min_examples: _Count = Field(ge=0)
     secure: SecureAggregation = DEFAULT_SECURE
-    #: The fewest regions a secure sum holding this region's update is unmasked from
-    #: (its threshold: fewer survivors and the sum is withheld).
+    #: The fewest regions a secure sum holding this region's update is unmasked from.
     min_secure_regions: _Count = Field(default=DEFAULT_MIN_SECURE_REGIONS, ge=2)
-    #: Whether noise the regions of a secure sum share (distributed DP) may stand in for
-    #: local DP-SGD where privacy.dp_required: it protects a region's update against the
-    #: aggregator only while enough regions in the sum do not collude with it.
+    #: Whether a secure sum's shared noise (distributed DP) may stand in for local DP-SGD: it
+    #: protects an update only while enough regions in the sum do not collude with the aggregator.
     distributed_dp: bool = False
 
     def secure_reasons(self, secure: bool, threshold: int) -> list[str]:
-        """What a run (or an update) breaks of this section's secure-aggregation rules:
-        ``secure``: whether updates travel in a secure sum; ``threshold``: the fewest
-        regions it is unmasked from."""
-        if not secure:
-            if self.secure == "required":
-                return [
-                    "updates would reach the aggregator one by one, not inside a secure sum "
-                    "(aggregation.secure: required)"
-                ]
-            return []
-        if threshold < self.min_secure_regions:
+        """What a run or update breaks of these rules, travelling in a secure sum (``secure``)
+        unmasked from ``threshold`` regions, or not."""
+        if not secure and self.secure == "required":
+            return [
+                "updates would reach the aggregator one by one, not inside a secure sum "
+                "(aggregation.secure: required)"
+            ]
+        if secure and threshold < self.min_secure_regions:
             return [
                 f"a secure sum unmasked from {threshold} region(s), the policy needs "
                 f"{self.min_secure_regions} (aggregation.min_secure_regions)"
@@ -177,9 +155,7 @@ class Aggregation(_Section):
 
 
 class Deidentification(_Section):
-    """Whether identifiers must be scrubbed from a region's texts before it trains on
-    them, and which (entity types, ``direct`` for every pattern-found one, ``names`` for
-    a name dictionary or a NER model; docs/deidentification.md)."""
+    """Whether identifiers must be scrubbed before training, and which (deidentification.md)."""
 
     required: bool
     entities: Annotated[tuple[str, ...], _Distinct, AfterValidator(listed_entities)] = Field(
@@ -209,15 +185,13 @@ def _version(value: str) -> str:
 
 
 class Agent(_Section):
-    """What a region's agent must run (the code that makes and seals its updates)."""
+    """What a region's agent must run: the oldest fedciuic version (PEP 440)."""
 
-    #: The oldest fedciuic version a region's agent may run (PEP 440).
     min_version: Annotated[str, AfterValidator(_version)]
 
 
 class Policy(_Section):
-    """One jurisdiction's rules. Every section and field is required, except
-    ``privacy.unit`` (absent: record) and ``agent`` (absent: any version)."""
+    """One jurisdiction's rules; every section and field is required unless it has a default."""
 
     version: Literal[1]
     jurisdiction: Annotated[str, _Known]
@@ -229,7 +203,6 @@ class Policy(_Section):
     aggregation: Aggregation
     audit: Audit
     agent: Agent | None = None
-    #: Absent: de-identification is not required.
     deidentification: Deidentification | None = None
 
     @field_validator("version", mode="before")
@@ -242,53 +215,45 @@ class Policy(_Section):
 
     @property
     def content_hash(self) -> str:
-        """SHA-256 of the canonical JSON of the validated policy (sorted keys, no
-        whitespace): the same in every process, whatever the file's layout. The default
-        ``privacy.unit``, ``privacy.releases`` and ``compression.allowed_adapter_modes``
-        (every mode) are left out, so that a policy written before they existed keeps
-        the hash that audit logs and envelopes already name."""
+        """SHA-256 of the validated policy's canonical JSON. Later keys at their defaults and
+        absent sections are left out, so an older policy keeps the hash logs already name."""
         data = self.model_dump(mode="json")
-        if self.privacy.unit == DEFAULT_PRIVACY_UNIT:
-            del data["privacy"]["unit"]
-        if self.privacy.releases == DEFAULT_RELEASES:
-            del data["privacy"]["releases"]
         if set(self.compression.allowed_adapter_modes) == set(ADAPTER_MODES):
             del data["compression"]["allowed_adapter_modes"]
-        for optional in ("agent", "deidentification"):  # likewise for sections absent
+        for (section, key), default in _LATER_DEFAULTS.items():
+            if data[section][key] == default:
+                del data[section][key]
+        for optional in ("agent", "deidentification"):
             if data[optional] is None:
                 del data[optional]
-        aggregation = data["aggregation"]  # and for one written before secure aggregation
-        for key, default in _SECURE_DEFAULTS.items():
-            if aggregation[key] == default:
-                del aggregation[key]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-#: The secure-aggregation keys' defaults, left out of a policy's hash.
-_SECURE_DEFAULTS: dict[str, object] = {
-    "secure": DEFAULT_SECURE,
-    "min_secure_regions": DEFAULT_MIN_SECURE_REGIONS,
-    "distributed_dp": False,
+#: Keys added after the first policies, left out of a policy's hash at their defaults.
+_LATER_DEFAULTS: dict[tuple[str, str], object] = {
+    ("privacy", "unit"): DEFAULT_PRIVACY_UNIT,
+    ("privacy", "releases"): DEFAULT_RELEASES,
+    ("aggregation", "secure"): DEFAULT_SECURE,
+    ("aggregation", "min_secure_regions"): DEFAULT_MIN_SECURE_REGIONS,
+    ("aggregation", "distributed_dp"): False,
 }
 
 
 # -- loading ------------------------------------------------------------------------------
 
-#: A policy is a few KB; anything this large is a mistake or an attack.
+#: A policy is a few KB, three levels deep, about sixty values: these bounds keep a mistake
+#: or an attack away from recursion limits and costly parsing.
 MAX_POLICY_BYTES = 1024 * 1024
-#: A policy nests three levels deep; the bound keeps every parser away from recursion limits.
 MAX_POLICY_DEPTH = 32
-#: A policy holds about sixty values; the bound keeps parsing a large file cheap.
 MAX_POLICY_NODES = 10_000
 #: Problems reported per file; past this the rest are counted.
 _MAX_PROBLEMS = 50
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-# YAML 1.1 (PyYAML) and YAML 1.2 read some plain scalars differently (``NO`` is false
-# or a string, ``010`` is 8 or 10, ``1:30`` is 90 or a string): a policy may only use
-# the forms both read the same way, so that every reader finds one meaning.
+# YAML 1.1 (PyYAML) and 1.2 read some plain scalars differently (``NO``, ``010``, ``1:30``):
+# a policy may only use the forms both read the same way.
 _PLAIN_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
 _PLAIN_FLOAT = re.compile(
     r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
@@ -314,10 +279,9 @@ class _YamlProblem(Exception):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader restricted to plain YAML with one meaning. Refused while
-    composing (so nothing expands or recurses past the bounds): tags, anchors, aliases,
-    deep nesting, too many values; while constructing: duplicate and non-name keys (the
-    last would silently win), merge keys, scalars YAML 1.1 and 1.2 read differently.
+    """PyYAML's safe loader restricted to plain YAML with one meaning. Refused while composing
+    (nothing expands past the bounds): tags, anchors, aliases, deep nesting, too many values;
+    then duplicate and non-name keys, merge keys, scalars YAML 1.1 and 1.2 read differently.
     Sequences become tuples, so the strict model sees exactly what the file says."""
 
     def __init__(self, text: str) -> None:
@@ -366,21 +330,17 @@ class _StrictLoader(yaml.SafeLoader):
             lines: dict[str, int] = {}
             for key_node, value_node in node.value:
                 key_line = key_node.start_mark.line + 1
+                refuse = functools.partial(_YamlProblem, key_line)
                 if key_node.tag == _MERGE_TAG:
-                    raise _YamlProblem(
-                        key_line, where, "merge keys (<<) are not allowed; write each field out"
-                    )
+                    raise refuse(where, "merge keys (<<) are not allowed; write each field out")
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _STR_TAG:
-                    raise _YamlProblem(
-                        key_line,
-                        where,
-                        "a key must be a field name such as privacy, not "
-                        f"{str(key_node.value)[:40]!r}",
+                    key_text = str(key_node.value)[:40]
+                    raise refuse(
+                        where, f"a key must be a field name such as privacy, not {key_text!r}"
                     )
                 key = key_node.value
                 if key in lines:
-                    raise _YamlProblem(
-                        key_line,
+                    raise refuse(
                         ".".join((*path, key)),
                         f"duplicate key {key!r} (lines {lines[key]} and {key_line}); a policy "
                         "says each thing once: keep one",
@@ -420,8 +380,7 @@ class LoadedPolicy:
         return self.policy.content_hash
 
     def agent_too_old(self, version: str | None) -> str | None:
-        """Why an agent of fedciuic ``version`` (None: undeclared) may not serve under
-        this policy, or None when it may."""
+        """Why an agent of fedciuic ``version`` (None: undeclared) may not serve here, or None."""
         rules = self.policy.agent
         if rules is None:
             return None
@@ -497,9 +456,8 @@ def _parse(path: Path, text: str) -> tuple[yaml.Node | None, Any]:
 
 
 def load_policy(path: Path) -> LoadedPolicy:
-    """Parse and validate a policy; every problem as ``file:line: field: message``.
-    Fails closed with a :class:`PolicyError` and nothing else, whatever the file holds:
-    a bug in a parser must not become a traceback that stops a party."""
+    """Parse and validate a policy, failing with a :class:`PolicyError` and nothing else,
+    whatever the file holds: a parser's bug must not become a traceback that stops a party."""
     try:
         return _loaded(path, _read_text(path))
     except PolicyError:
@@ -513,8 +471,7 @@ def load_policy(path: Path) -> LoadedPolicy:
 
 @functools.lru_cache(maxsize=64)
 def _loaded(path: Path, text: str) -> LoadedPolicy:
-    """A policy's text parsed and validated once: both ends check policies every round,
-    and the file is read each time, so an edit still takes effect at the next check."""
+    """Parsed once per text: the file is read each check, so an edit takes effect at the next."""
     root, data = _parse(path, text)
     if data is None:
         raise PolicyError(f"{path}:1: the policy file is empty; start from one of policies/")
@@ -586,9 +543,8 @@ def _line_of(node: Any, loc: list[str]) -> int:
 
 @dataclass(frozen=True)
 class PolicySet:
-    """The policies of a folder by jurisdiction, and the files that could not be read:
-    whoever needs the jurisdiction a bad file was meant for finds no policy and fails
-    closed, with the file's problem as reason."""
+    """The policies of a folder by jurisdiction, and the problems of those that could not be
+    read: whoever needs a bad file's jurisdiction finds no policy and fails closed."""
 
     directory: Path
     by_jurisdiction: dict[str, LoadedPolicy]
@@ -599,8 +555,7 @@ class PolicySet:
 
     def require(self, jurisdiction: str) -> LoadedPolicy:
         """The policy for ``jurisdiction``, or a :class:`PolicyError` saying what is wrong."""
-        loaded = self.get(jurisdiction)
-        if loaded is None:
+        if (loaded := self.get(jurisdiction)) is None:
             raise PolicyError(self.missing(jurisdiction))
         return loaded
 
@@ -613,9 +568,8 @@ class PolicySet:
 
 
 def load_policies(directory: Path) -> PolicySet:
-    """Every ``*.yaml`` policy of a folder, by jurisdiction; every problem is listed. A bad
-    file does not stop the others: the caller decides whether the problems refuse the run
-    (``fedciuic simulate``) or only the regions whose policy is missing (the aggregator)."""
+    """Every ``*.yaml`` policy of a folder, by jurisdiction; a bad file does not stop the
+    others: the caller decides whether its problem refuses the run or only its region."""
     try:
         paths = sorted(directory.glob("*.yaml")) if directory.is_dir() else None
     except OSError as err:
@@ -658,8 +612,7 @@ class Decision:
     reasons: tuple[str, ...]
     policy_hash: str
     details: dict[str, Any] = field(default_factory=dict)
-    #: False: no policy was applied (``enforce-policies = false``, a lab baseline); such
-    #: a decision accepts, and is neither recorded nor audited.
+    #: False: no policy applied (``enforce-policies = false``); accepts, and is not audited.
     enforced: bool = True
 
     @property
@@ -698,21 +651,16 @@ class RunTerms:
     seal: bool
     seal_suite: str
     codec: str  # the codec's family (CodecFamily): dense, topk-int8, ...
-    #: Which adapter tensors travel (the run's adapter-mode).
     adapter_mode: AdapterMode = DEFAULT_ADAPTER_MODE
-    #: What one guarantee covers (the run's privacy-unit).
     privacy_unit: PrivacyUnit = DEFAULT_PRIVACY_UNIT
     #: The dataset's cumulative epsilon after this round (training only; None otherwise).
     projected_epsilon: float | None = None
-    #: Whether updates travel inside a secure sum, unmasked from at least
-    #: ``secure_threshold`` regions, and whether shared (distributed) noise is added there.
     secure_aggregation: bool = False
     secure_threshold: int = 0
     distributed_dp: bool = False
-    #: The entity types de-identification scrubs in each region (none: it is off).
+    #: The entity types each region scrubs (none: de-identification is off).
     deid_entities: tuple[str, ...] = ()
-    #: The data-dependent figures (outside DP) the run's replies would carry, each as
-    #: ``field: why`` (fedciuic/releases.py).
+    #: The data-dependent figures (outside DP) the run's replies would carry, as ``field: why``.
     data_releases: tuple[str, ...] = ()
 
 
@@ -802,49 +750,38 @@ def _privacy_reasons(p: Policy, terms: RunTerms) -> list[str]:
     return _dp_sgd_reasons(p.privacy, terms)
 
 
+def _over(p: Privacy, bound: str, what: str, value: float | None) -> list[str]:
+    """``what`` over the policy's ``privacy.<bound>`` (None: not declared)."""
+    limit: float = getattr(p, bound)
+    if value is not None and value > limit:
+        return [f"{what} {value:g} > {limit:g} (privacy.{bound})"]
+    return []
+
+
 def _dp_sgd_reasons(p: Privacy, terms: RunTerms) -> list[str]:
-    checks = [
-        (
-            terms.target_epsilon > p.max_epsilon_per_run,
-            f"target epsilon {terms.target_epsilon:g} > {p.max_epsilon_per_run:g} "
-            "(privacy.max_epsilon_per_run)",
-        ),
-        (
-            terms.epsilon_budget > p.max_lifetime_epsilon,
-            f"epsilon budget {terms.epsilon_budget:g} > {p.max_lifetime_epsilon:g} "
-            "(privacy.max_lifetime_epsilon)",
-        ),
-        (terms.delta > p.max_delta, f"delta {terms.delta:g} > {p.max_delta:g} (privacy.max_delta)"),
-        (
-            terms.max_grad_norm > p.max_clipping_norm,
-            f"clipping norm {terms.max_grad_norm:g} > {p.max_clipping_norm:g} "
-            "(privacy.max_clipping_norm)",
-        ),
-        (
-            p.secure_rng_required and not terms.secure_mode,
-            "secure-mode is off (privacy.secure_rng_required)",
-        ),
-        (
-            not unit_covers(terms.privacy_unit, p.unit),
-            f"privacy unit {terms.privacy_unit}, policy requires {p.unit} (privacy.unit)",
-        ),
+    reasons = [
+        *_over(p, "max_epsilon_per_run", "target epsilon", terms.target_epsilon),
+        *_over(p, "max_lifetime_epsilon", "epsilon budget", terms.epsilon_budget),
+        *_over(p, "max_delta", "delta", terms.delta),
+        *_over(p, "max_clipping_norm", "clipping norm", terms.max_grad_norm),
     ]
-    return [reason for broken, reason in checks if broken]
+    if p.secure_rng_required and not terms.secure_mode:
+        reasons.append("secure-mode is off (privacy.secure_rng_required)")
+    if not unit_covers(terms.privacy_unit, p.unit):
+        reasons.append(
+            f"privacy unit {terms.privacy_unit}, policy requires {p.unit} (privacy.unit)"
+        )
+    return reasons
 
 
 def _budget_reasons(p: Privacy, terms: RunTerms, after: float) -> list[str]:
     """Would this round take the dataset past the policy's or its own lifetime budget?"""
+    raise_to = f"this round would raise the dataset's epsilon to {after:.3f}, over"
     reasons = []
     if after > p.max_lifetime_epsilon:
-        reasons.append(
-            f"this round would raise the dataset's epsilon to {after:.3f}, over "
-            f"{p.max_lifetime_epsilon:g} (privacy.max_lifetime_epsilon)"
-        )
+        reasons.append(f"{raise_to} {p.max_lifetime_epsilon:g} (privacy.max_lifetime_epsilon)")
     if after > terms.epsilon_budget:
-        reasons.append(
-            f"this round would raise the dataset's epsilon to {after:.3f}, over its budget "
-            f"{terms.epsilon_budget:g} (epsilon-budget)"
-        )
+        reasons.append(f"{raise_to} its budget {terms.epsilon_budget:g} (epsilon-budget)")
     return reasons
 
 
@@ -911,26 +848,16 @@ def check_update(
     shared_noise = facts.distributed_dp and facts.secure_sum and p.aggregation.distributed_dp
     if facts.epsilon is None and p.privacy.dp_required and not shared_noise:
         reasons.append("no DP epsilon declared (privacy.dp_required)")
-    if facts.epsilon is not None and facts.epsilon > p.privacy.max_lifetime_epsilon:
-        reasons.append(
-            f"declared epsilon {facts.epsilon:g} > {p.privacy.max_lifetime_epsilon:g} "
-            "(privacy.max_lifetime_epsilon)"
-        )
-    if facts.delta is not None and facts.delta > p.privacy.max_delta:
-        reasons.append(f"delta {facts.delta:g} > {p.privacy.max_delta:g} (privacy.max_delta)")
-    if facts.max_grad_norm is not None and facts.max_grad_norm > p.privacy.max_clipping_norm:
-        reasons.append(
-            f"clipping norm {facts.max_grad_norm:g} > {p.privacy.max_clipping_norm:g} "
-            "(privacy.max_clipping_norm)"
-        )
+    reasons += _over(p.privacy, "max_lifetime_epsilon", "declared epsilon", facts.epsilon)
+    reasons += _over(p.privacy, "max_delta", "delta", facts.delta)
+    reasons += _over(p.privacy, "max_clipping_norm", "clipping norm", facts.max_grad_norm)
     if facts.epsilon is not None and p.privacy.secure_rng_required and not facts.secure_mode:
         reasons.append("noise not from a secure RNG (privacy.secure_rng_required)")
-    if facts.epsilon is not None:
-        unit = facts.unit or DEFAULT_PRIVACY_UNIT  # undeclared: no more than record-level
-        if not unit_covers(unit, p.privacy.unit):
-            reasons.append(
-                f"declared privacy unit {unit}, policy requires {p.privacy.unit} (privacy.unit)"
-            )
+    unit = facts.unit or DEFAULT_PRIVACY_UNIT  # undeclared: no more than record-level
+    if facts.epsilon is not None and not unit_covers(unit, p.privacy.unit):
+        reasons.append(
+            f"declared privacy unit {unit}, policy requires {p.privacy.unit} (privacy.unit)"
+        )
     if facts.suite == "none":
         if p.sealing.required:
             reasons.append("the update came unsealed (sealing.required)")
@@ -1010,10 +937,11 @@ def explain(loaded: LoadedPolicy) -> str:
         else "Figures of the region's data (its example count, its losses) may leave beside "
         "its DP update where the run config makes them exact."
     )
+    suites = " or ".join(p.sealing.allowed_suites)
     sealing = (
-        f"Updates leave only sealed, with {' or '.join(p.sealing.allowed_suites)}."
+        f"Updates leave only sealed, with {suites}."
         if p.sealing.required
-        else f"Sealing is optional; when sealed, with {' or '.join(p.sealing.allowed_suites)}."
+        else f"Sealing is optional; when sealed, with {suites}."
     )
     relay = (
         "A relay (the SuperLink) in a third country may carry the sealed updates."
