@@ -1,9 +1,7 @@
 """A file's records, read without ever holding one larger than ``max-record-bytes``.
 
-A region's files may hold a record far larger than anything it trains on (a log dump
-pasted into a chat); read whole, it is copied several times and takes the region past
-its memory. Each reader here knows a record's size before it keeps the record: one over
-the limit is scanned past in pieces, and only its size and place are kept.
+A huge record (a log dump pasted into a chat) read whole could take the region past its
+memory: one over the limit is scanned past in pieces, and only its size and place kept.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def lines(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
 
 
 def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
-    """Each record of a CSV file: its lines, joined while a quoted field is open (an odd
-    count of ``"`` so far). A record over ``limit`` bytes is read past and not kept."""
+    """Each CSV record (lines joined inside quotes); one over ``limit`` bytes is read past."""
     lineno = 0
     while True:
         first = lineno + 1
@@ -108,15 +105,15 @@ def csv_records(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
             yield RawRecord(first, length, b"".join(parts)[:length])
 
 
-#: The rest of a quoted field up to its closing quote (a quote written twice is one of
-#: its characters), and of a line outside quotes up to a quote or its end.
+#: The rest of a quoted field up to its closing quote ("" is a quote inside it), and of a
+#: line outside quotes up to a quote or its end.
 _QUOTED = re.compile(rb'[^"]*+(?:""[^"]*+)*+')
 _UNQUOTED = re.compile(rb'[^"\n]*+')
 
 
 def _skip_csv(handle: io.BufferedReader, inside: bool, tail: bytes) -> tuple[int, int, bytes]:
-    """Read past the rest of a CSV record (``inside``: a quoted field is open) to the
-    next: its bytes, its line breaks and its last two bytes."""
+    """Read past the rest of a CSV record (``inside``: in a quoted field): its bytes, line
+    breaks and last two bytes."""
     size = lines = 0
     skip = 0  # a quote's second half, the next chunk's first byte
     while chunk := handle.read(READ_BYTES):
@@ -146,8 +143,7 @@ def _skip_csv(handle: io.BufferedReader, inside: bool, tail: bytes) -> tuple[int
     return size, lines, tail
 
 
-#: What a JSON array's scanner looks for: outside strings, structure; inside one, all up
-#: to its closing quote in one possessive match (no backtracking state for escapes).
+#: Outside strings, structure; inside one, all up to its closing quote (possessive: no backtrack).
 _STRUCTURE = re.compile(rb'["\[\]{},]')
 _STRING_BODY = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
 _NOT_SPACE = re.compile(rb"[^ \t\r\n]")
@@ -200,8 +196,7 @@ class _Lines:
 
 
 def json_array(handle: io.BufferedReader, limit: int) -> Iterator[RawRecord]:
-    """Each element of the JSON array ``handle`` holds, found without parsing it: an
-    element over ``limit`` bytes is scanned past and not kept."""
+    """Each element of the JSON array in ``handle``, unparsed; one over ``limit`` is read past."""
     lines = _Lines()
     state = "open"  # open: before "["; value: before an element; in: in one; done: after "]"
     first = True  # no element yet (so "]" may close an empty array)

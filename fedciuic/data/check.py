@@ -1,9 +1,7 @@
 """``fedciuic data check``: what a region's data folder holds, read as a region reads it.
 
-The same discovery, validation and tokenisation as a training region, into a temporary
-folder (the region's own cache is left alone). :func:`scan_data` is the bounded version
-a launcher runs before a run starts: every row checked, a sample tokenised, nothing
-written.
+Tokenised into a temporary folder (the region's cache is left alone); :func:`scan_data` is
+the launcher's bounded version: every row checked, a sample tokenised, nothing written.
 """
 
 from __future__ import annotations
@@ -159,15 +157,9 @@ def check_data(
             max_record_bytes=max_record_bytes,
         )
         example = _example(data.examples, tokenizer)
-        found = scrubber.findings.examples if scrubber is not None else None
+        found = tuple(scrubber.findings.examples or ()) if scrubber is not None else ()
         return DataCheck(
-            root,
-            data.summary,
-            example,
-            seq_len,
-            tokenizer_name,
-            truncation_side,
-            tuple(found or ()),
+            root, data.summary, example, seq_len, tokenizer_name, truncation_side, found
         )
 
 
@@ -181,8 +173,7 @@ def scan_data(
     truncation_side: TruncationSide = "right",
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[Path, Scanned]:
-    """Check every row of ``data_path``, rendering and tokenising the first ``sample``
-    records; the folder (resolved) and what was found."""
+    """The resolved folder and what :func:`scan_examples` finds in it."""
     root = root_of(data_path)
     return root, scan_examples(
         discover(root),

@@ -1,8 +1,7 @@
 """A region's data as training sees it: examples split by record, grouped by privacy unit.
 
-Each example is one record (or one seq-len chunk of a long text record), padded: records
-never share a row, so an example's gradient belongs to one record and one person (what
-DP-SGD clips); packing would save padding but give one row's gradient several owners.
+Examples are padded, never packed: a row's gradient belongs to one record and one person
+(what DP-SGD clips).
 """
 
 from __future__ import annotations
@@ -126,9 +125,8 @@ class ExampleSet:
         return self._padded(picked[INPUT_IDS], picked[LABELS])
 
     def batches(self, size: int) -> list[tuple[np.ndarray, Batch]]:
-        """The whole set, ``size`` examples at a time, each batch with its examples'
-        positions (evaluation): shortest first, as ``group_by_length`` does, so that a
-        batch pads to lengths like its own rather than the set's longest."""
+        """The whole set in batches of ``size`` with their positions (evaluation), shortest
+        first (as ``group_by_length`` does) so that each pads to lengths like its own."""
         if not len(self):
             return []
         picked = self.table[[int(r) for r in self.rows]]  # read once
@@ -182,9 +180,8 @@ def region_fingerprint(data_path: str | Path) -> str:
 def load_region_data(
     run: RunConfig, node: NodeConfig, tokenizer: PreTrainedTokenizerBase
 ) -> RegionData:
-    """Read, check and tokenise (once) a region's records, then split and group them.
-    The split is by a hash of each record's content: the same every round and run, and
-    duplicates of a record fall on the same side."""
+    """Read, check and tokenise (once) a region's records, then split and group them; the
+    split hashes each record's content (stable across runs, duplicates on one side)."""
     root = root_of(node.data_path)
     sources = discover(root)
     data = tokenized(
@@ -233,8 +230,7 @@ def load_region_data(
 
 
 def _held_out(buckets: np.ndarray, fraction: float) -> np.ndarray:
-    """Records whose bucket is below ``fraction``, yet both sides have something whenever
-    the records differ (a small region may have none there, or all)."""
+    """Records whose bucket is below ``fraction``, yet both sides non-empty where records differ."""
     held = buckets < fraction
     if buckets.size and buckets.min() < buckets.max():  # the records differ
         if not held.any():

@@ -1,9 +1,8 @@
 """Deterministic demo data per region, made from documentation that ships with CPython.
 
-Each region gets the docstrings of a different family of standard-library modules, so
-the regions really differ (non-IID by topic and vocabulary), and made-up users who ask
-about them in every record shape, each record naming its user (privacy-unit = "user"
-works). A generator seeded by the region's name makes the same files on every run.
+Each region gets a different family of standard-library modules (non-IID by topic) and
+made-up users asking about them in every record shape, each record naming its user; a
+generator seeded by the region's name makes the same files on every run.
 """
 
 from __future__ import annotations
@@ -25,105 +24,46 @@ from fedciuic.data.demo_pii import DEMO_DICTIONARIES, sign_questions
 from fedciuic.data.records import ASSISTANT, CONTENT, INPUT, INSTRUCTION, OUTPUT, ROLE, SYSTEM, USER
 from fedciuic.errors import ConfigError
 
+
+def _family(modules: str) -> tuple[str, ...]:
+    return tuple(modules.split())
+
+
 #: Module families per region; each region's corpus is the docstrings of its family.
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "eu": (
-        "email",
-        "http",
-        "urllib",
-        "html",
-        "json",
-        "xml",
-        "mailbox",
-        "smtplib",
-        "imaplib",
-        "poplib",
-        "ftplib",
-        "base64",
-        "quopri",
-        "mimetypes",
-        "codecs",
-        "gettext",
-        "locale",
-        "csv",
-        "configparser",
+    "eu": _family(
+        "email http urllib html json xml mailbox smtplib imaplib poplib ftplib base64 quopri "
+        "mimetypes codecs gettext locale csv configparser"
     ),
-    "cn": (
-        "decimal",
-        "fractions",
-        "statistics",
-        "random",
-        "math",
-        "cmath",
-        "numbers",
-        "array",
-        "heapq",
-        "bisect",
-        "itertools",
-        "functools",
-        "operator",
-        "collections",
-        "struct",
-        "hashlib",
-        "hmac",
-        "secrets",
-        "zlib",
-        "datetime",
-        "calendar",
-        "enum",
-        "dataclasses",
-        "copy",
-        "pprint",
+    "cn": _family(
+        "decimal fractions statistics random math cmath numbers array heapq bisect itertools "
+        "functools operator collections struct hashlib hmac secrets zlib datetime calendar enum "
+        "dataclasses copy pprint"
     ),
-    "us": (
-        "os",
-        "shutil",
-        "pathlib",
-        "subprocess",
-        "threading",
-        "multiprocessing",
-        "asyncio",
-        "concurrent",
-        "socket",
-        "selectors",
-        "signal",
-        "logging",
-        "tempfile",
-        "glob",
-        "fnmatch",
-        "io",
-        "sched",
-        "queue",
-        "argparse",
+    "us": _family(
+        "os shutil pathlib subprocess threading multiprocessing asyncio concurrent socket "
+        "selectors signal logging tempfile glob fnmatch io sched queue argparse"
     ),
-    "sg": ("unittest", "doctest", "pdb", "trace", "timeit", "cProfile", "inspect", "dis"),
-    "in": ("sqlite3", "dbm", "shelve", "pickle", "zipfile", "tarfile", "gzip", "bz2", "lzma"),
+    "sg": _family("unittest doctest pdb trace timeit cProfile inspect dis"),
+    "in": _family("sqlite3 dbm shelve pickle zipfile tarfile gzip bz2 lzma"),
 }
 
-#: Upper bound on the docstrings read per region (which are also the BPE tokenizer's
-#: training text, see fedciuic.model.presets).
+#: Upper bound on the docstrings read per region (also the BPE tokenizer's training text).
 MAX_CHARS = 200_000
-#: Upper bound on the text of a region's records (every string in them), to keep
-#: tokenising a region a matter of seconds on one CPU core.
+#: Upper bound on the text of a region's records: tokenising takes seconds on one core.
 MAX_RECORD_CHARS = 300_000
 
-DEFAULT_FIELDS = Fields()
-#: The record fields as the run config names them by default, Alpaca's, and chat's.
-TEXT, PROMPT, RESPONSE = (
-    DEFAULT_FIELDS.text_field,
-    DEFAULT_FIELDS.prompt_field,
-    DEFAULT_FIELDS.response_field,
-)
-MESSAGES, USER_ID = DEFAULT_FIELDS.messages_field, DEFAULT_FIELDS.user_id_field
+#: The record fields as the run config names them by default.
+_FIELDS = Fields()
+TEXT, PROMPT, RESPONSE = _FIELDS.text_field, _FIELDS.prompt_field, _FIELDS.response_field
+MESSAGES, USER_ID = _FIELDS.messages_field, _FIELDS.user_id_field
 
 #: A region's files: plain text, chat, and instruction records (Alpaca or prompt/response).
 DOCS_FILE, CHAT_FILE, INSTRUCTIONS_FILE = "docs.jsonl", "chat.jsonl", "instructions.jsonl"
-#: Regions whose ``instructions.jsonl`` holds Alpaca records; the others hold
-#: prompt/response records, so a demo of several regions meets both shapes.
+#: Regions whose ``instructions.jsonl`` holds Alpaca records (the others: prompt/response).
 ALPACA_REGIONS = frozenset({"eu", "sg", "in"})
 
-#: Users per region, and the records one user contributes (log-normal, median about 6,
-#: so most users give a few records and some give dozens: heavy-tailed like real data).
+#: Users per region, and the records one user gives (log-normal, median about 6: heavy-tailed).
 USERS_PER_REGION = (110, 170)
 RECORDS_PER_USER = (1, 40)
 _LOG_MEDIAN, _LOG_SIGMA = 1.8, 1.0
@@ -135,8 +75,7 @@ _SYSTEM_SHARE, _TWO_EXCHANGES = 0.2, 0.2
 _FOCUS = 0.7
 #: Answers are a docstring's first paragraphs, at most this long (seq-len is short).
 ANSWER_CHARS = 600
-#: How long an answer may grow beyond its first paragraph, drawn per answer: mostly not
-#: at all, so that a region's records stay within MAX_RECORD_CHARS.
+#: How far an answer may grow beyond its first paragraph (mostly not: MAX_RECORD_CHARS).
 _ANSWER_LIMITS = (0, 0, 0, 0, 0, 250, ANSWER_CHARS)
 
 _QUESTIONS = {
@@ -189,8 +128,8 @@ def module_docs(names: tuple[str, ...], max_chars: int = MAX_CHARS) -> list[str]
 
 
 def documented(names: tuple[str, ...], max_chars: int = MAX_CHARS) -> list[Documented]:
-    """The named modules, their public submodules and members that have a docstring of
-    40 characters or more, in a fixed order, until their docstrings reach ``max_chars``."""
+    """The named modules, public submodules and members with a docstring of 40 characters
+    or more, in a fixed order, until their docstrings reach ``max_chars``."""
     found: list[Documented] = []
     total = 0
     for module in _modules(names):
@@ -242,8 +181,7 @@ def _modules(names: tuple[str, ...]) -> list[ModuleType]:
 
 
 def write_demo_corpora(root: Path, regions: tuple[str, ...]) -> dict[str, Path]:
-    """Write each region's files under ``root/<region>/`` and the synthetic names they
-    use in ``root/deid-dictionaries/<region>.txt``; return the folders."""
+    """Write each region's files and synthetic names' dictionary under ``root``; the folders."""
     if unknown := [r for r in regions if r not in FAMILIES]:
         raise ConfigError(
             [f"demo data:regions: no demo corpus for {unknown}; known: {', '.join(FAMILIES)}"]
@@ -273,8 +211,7 @@ def demo_records(region: str) -> dict[str, list[dict[str, Any]]]:
 
 
 class _Writer:
-    """Makes one region's users and their records, drawing from one generator seeded by
-    the region's name (a string seed is hashed the same way on every run)."""
+    """Makes one region's users and records from one generator seeded by the region's name."""
 
     def __init__(self, region: str, pool: list[Documented]) -> None:
         self.region = region
@@ -372,8 +309,7 @@ def _chars(value: object) -> int:
 
 
 def summary(doc: str, limit: int = ANSWER_CHARS) -> str:
-    """The first paragraph of ``doc`` (cut to ANSWER_CHARS at a sentence, line or word
-    end), then as many of the next as fit in ``limit`` characters."""
+    """The first paragraph of ``doc`` (cut to ANSWER_CHARS), then what fits in ``limit``."""
     paragraphs = [p.strip() for p in doc.strip().split("\n\n") if p.strip()]
     if not paragraphs:
         return ""

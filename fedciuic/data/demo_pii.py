@@ -1,6 +1,5 @@
 """Synthetic identifiers in the demo corpora, so that a demo's de-identification has
-something to find. Every value is generated (valid check digits, fictional ranges where
-the format has one); none belongs to anyone."""
+something to find: generated values (valid check digits, fictional ranges), no one's."""
 
 from __future__ import annotations
 
@@ -11,29 +10,12 @@ from fedciuic.config import SIMULATED_DICTIONARIES
 from fedciuic.data.records import CONTENT, ROLE, USER
 from fedciuic.deid import cn_check_character
 
-#: Where the demo corpora keep each region's dictionary of its (synthetic) names, under
-#: the demo root: ``REGION.txt`` (where a simulation looks by default).
+#: Where, under the demo root, each region's dictionary of names is: ``REGION.txt``.
 DEMO_DICTIONARIES = SIMULATED_DICTIONARIES
 #: The share of a region's users who sign a question.
 SIGNING_SHARE = 0.1
 _FIRST = ("Mei", "Jonas", "Amara", "Luca", "Sofia", "Wei", "Priya", "Tomas", "Hana", "Omar")
 _LAST = ("Lindqvist", "Okafor", "Brennan", "Castellano", "Zhou", "Varga", "Moreau", "Tanaka")
-
-
-def _cn_resident_id(rng: random.Random) -> str:
-    body = f"110105{rng.randint(1950, 2005)}{rng.randint(1, 12):02d}{rng.randint(1, 28):02d}"
-    body += f"{rng.randint(0, 999):03d}"
-    return body + cn_check_character(body)
-
-
-def _iban_de(rng: random.Random) -> str:
-    bban = "".join(str(rng.randint(0, 9)) for _ in range(18))
-    digits = int(bban + "131400")  # D=13, E=14, then 00
-    return f"DE{98 - digits % 97:02d}{bban}"
-
-
-def _ssn(rng: random.Random) -> str:
-    return f"{rng.randint(100, 665)}-{rng.randint(10, 99)}-{rng.randint(1000, 9999)}"
 
 
 def _phone(rng: random.Random, region: str) -> str:
@@ -46,15 +28,18 @@ def _phone(rng: random.Random, region: str) -> str:
 
 def _national_id(rng: random.Random, region: str) -> str:
     if region == "cn":
-        return f"my resident ID is {_cn_resident_id(rng)}"
+        body = f"110105{rng.randint(1950, 2005)}{rng.randint(1, 12):02d}{rng.randint(1, 28):02d}"
+        body += f"{rng.randint(0, 999):03d}"
+        return f"my resident ID is {body}{cn_check_character(body)}"
     if region == "us":
-        return f"my SSN is {_ssn(rng)}"
-    return f"my IBAN is {_iban_de(rng)}"
+        return f"my SSN is {rng.randint(100, 665)}-{rng.randint(10, 99)}-{rng.randint(1000, 9999)}"
+    bban = "".join(str(rng.randint(0, 9)) for _ in range(18))
+    digits = int(bban + "131400")  # D=13, E=14, then 00
+    return f"my IBAN is DE{98 - digits % 97:02d}{bban}"
 
 
 def sign_questions(region: str, chats: list[dict[str, Any]], user_field: str) -> list[str]:
-    """Sign the first question of one chat of about :data:`SIGNING_SHARE` of the users in
-    ``chats`` (changed in place); the names used, for the region's dictionary."""
+    """Sign a chat of about :data:`SIGNING_SHARE` of the users (in place); the names used."""
     rng = random.Random(f"fedciuic-demo-identifiers:{region}")
     first_chat: dict[str, dict[str, Any]] = {}
     for record in chats:

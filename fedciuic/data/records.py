@@ -1,14 +1,9 @@
 """A region's records: their shapes, checked field by field, and the text each trains on.
 
-Four shapes, told apart per row by the fields present (names from the run config):
-
-- ``text``: ``{"text"}``; every token is trained on (continued pre-training).
-- ``prompt-response``: ``{"prompt", "response"}``, joined as they are; loss on the response.
-- ``alpaca``: ``{"instruction", "input", "output"}`` in Alpaca's prompt; loss on the output.
-- ``chat``: ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's
-  chat template; loss on the assistant turns only.
-
-A record renders to one or more examples, each pieces of text with or without loss.
+Shapes, told apart per row by the fields present (names from the run config): ``text``
+(every token trained on), ``prompt``/``response`` and Alpaca's ``instruction``/``input``/
+``output`` (loss on the response), and ``messages`` of ``role``/``content`` turns (the
+tokenizer's chat template; loss on the assistant turns only).
 """
 
 from __future__ import annotations
@@ -167,9 +162,8 @@ Piece = tuple[str, bool]  # (text, trained)
 
 @dataclass(frozen=True)
 class Rendered:
-    """A record as the model reads it: rows (training examples) of pieces of text with
-    or without loss, tokenised one by one (as a prompt is at inference) so that no token
-    straddles the prompt and the response."""
+    """A record's rows (training examples) of pieces with or without loss, tokenised one by
+    one (as a prompt is at inference) so that no token straddles prompt and response."""
 
     rows: tuple[tuple[Piece, ...], ...]
     #: Text records longer than seq-len are split into chunks; the others are cut.
@@ -215,9 +209,8 @@ class Renderer:
         return str(rendered)
 
     def _chat(self, messages: tuple[tuple[str, str], ...]) -> Rendered:
-        """Each assistant turn is trained after the very prompt the template gives it at
-        inference. Turns share a row while each one's prompt continues the row so far;
-        otherwise (a template that drops earlier reasoning) a turn starts its own row."""
+        """Each assistant turn follows the very prompt the template gives it at inference;
+        a turn whose prompt does not continue the row (dropped reasoning) starts a new row."""
         turns = [{ROLE: role, CONTENT: content} for role, content in messages]
         rows: list[list[Piece]] = []
         text = ""  # the current row's text
@@ -269,8 +262,7 @@ class Renderer:
 
 def _after_opened(opened: str, content: str) -> str:
     """What the model writes for ``content`` after a prompt that opened a reasoning block
-    with ``opened``: the rest of the reasoning (the content up to its last ``</think>``),
-    its end, the answer."""
+    with ``opened``: the rest of the reasoning, ``</think>``, the answer."""
     if THINK_CLOSE in content:
         reasoning, _, answer = content.rpartition(THINK_CLOSE)
         reasoning = reasoning.lstrip().removeprefix(THINK_OPEN)
@@ -290,8 +282,7 @@ def _unmaskable(problem: str) -> DataError:
     )
 
 
-#: Conversations a chat template is tried on before any data is read (with and without
-#: a system turn, which some templates refuse).
+#: Conversations a chat template is tried on before any data is read (some refuse a system turn).
 _PROBE = (
     (USER, "Where does the data stay?"),
     (ASSISTANT, f"{THINK_OPEN}\nThe policy says.\n{THINK_CLOSE}\n\nAt home."),

@@ -41,9 +41,8 @@ class Scrubbed(BaseModel):
 
 
 def check_deid(settings: DeidSettings, *, dictionary: str, ner_model: str) -> Dictionary | None:
-    """What a region's de-identification needs of it, checked; the dictionary, if named.
-    ``names`` needs no NER model (without one or a dictionary it finds names by their
-    context alone, which a policy that requires names refuses)."""
+    """What a region's de-identification needs of it, checked; the dictionary, if named
+    (``names`` needs no NER model: without one it goes by context and the dictionary)."""
     from fedciuic.deid import NER_ONLY, load_dictionary
 
     needs_ner = [e for e in settings.deid_entities if e in NER_ONLY] if settings.deidentify else []

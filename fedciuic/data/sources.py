@@ -1,10 +1,8 @@
 """Where a region's records come from: the files under its own ``data-path``, read locally.
 
-A region's data never leaves its host; this module is the only place that opens it.
-Every entry is checked to lie inside ``data-path``, so a symlink cannot smuggle other
-data in, and to be a regular file: a FIFO would hang the region's round, a device or a
-broken link would fail deep inside a reader. Every format is read a record at a time,
-and a record over ``max-record-bytes`` is never read whole (:mod:`fedciuic.data.bounded`).
+The only place that opens a region's data. Every entry must lie inside ``data-path`` (no
+symlink smuggles other data in) and be a regular file (a FIFO would hang the round); a
+record over ``max-record-bytes`` is never read whole (:mod:`fedciuic.data.bounded`).
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ from fedciuic.data.records import json_kind
 from fedciuic.errors import DataError
 from fedciuic.files import broken_link, not_regular
 
-# Local files only, never the Hub. ``datasets`` reads HF_HUB_OFFLINE once, when first
-# imported (perhaps before this module), so the flag is set where loading reads it.
+# Local files only, never the Hub: set where loading reads it (``datasets`` reads the
+# environment once, perhaps before this module is imported).
 datasets.config.HF_HUB_OFFLINE = True
 datasets.config.HF_DATASETS_OFFLINE = True
 datasets.disable_progress_bars()
@@ -107,8 +105,8 @@ def root_of(data_path: str | Path) -> Path:
 
 
 def discover(data_path: str | Path) -> list[Source]:
-    """The region's data sources (sorted), refusing anything that resolves outside it.
-    Hidden entries are not data (the region keeps its state in ``.fedciuic/``)."""
+    """The region's data sources (sorted), refusing anything that resolves outside it;
+    hidden entries (the region's state in ``.fedciuic/``) are not data."""
     root = root_of(data_path)
     found: list[Source] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -169,9 +167,7 @@ def read_rows(source: Source, *, text_field: str, max_bytes: int) -> Iterator[Ro
     """Each row of ``source``: its values, why it is unreadable, or (over the limit) its size."""
     if source.kind != SAVED:
         regular(source.path)
-    if source.kind == "jsonl":
-        yield from _jsonl_rows(source, max_bytes)
-    elif source.kind == "json":
+    if source.kind in ("jsonl", "json"):
         yield from _json_rows(source, text_field, max_bytes)
     elif source.kind == "csv":
         yield from _csv_rows(source, max_bytes)
@@ -179,12 +175,6 @@ def read_rows(source: Source, *, text_field: str, max_bytes: int) -> Iterator[Ro
         yield from _text_rows(source, text_field, max_bytes)
     else:
         yield from _table_rows(source, max_bytes)
-
-
-def _jsonl_rows(source: Source, max_bytes: int) -> Iterator[Row]:
-    with _opened(source) as handle:
-        skip_bom(handle)
-        yield from _json_lines(source, handle, max_bytes)
 
 
 def _json_lines(source: Source, handle: io.BufferedReader, max_bytes: int) -> Iterator[Row]:
@@ -203,8 +193,7 @@ def _json_lines(source: Source, handle: io.BufferedReader, max_bytes: int) -> It
 
 
 def _json_row(where: str, text: str, *, line: int | None = None, text_field: str = "") -> Row:
-    """The row a JSON value is: an object, or (given a ``text_field``) a string, the
-    text of a text record. ``line``: the file's line the text starts on."""
+    """An object's row, or (given ``text_field``) a string's text record starting at ``line``."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -218,10 +207,10 @@ def _json_row(where: str, text: str, *, line: int | None = None, text_field: str
 
 
 def _json_rows(source: Source, text_field: str, max_bytes: int) -> Iterator[Row]:
-    """A JSON array's elements; a file that is not an array is read as JSON Lines."""
+    """A JSON array's elements; JSON Lines (or a .json file that is no array) line by line."""
     with _opened(source) as handle:
         skip_bom(handle)
-        if _first_byte(handle) != b"[":
+        if source.kind == "jsonl" or _first_byte(handle) != b"[":
             yield from _json_lines(source, handle, max_bytes)
             return
         try:
@@ -327,8 +316,7 @@ _TABLE_BATCH = 64
 
 
 def _table_rows(source: Source, max_bytes: int) -> Iterator[Row]:
-    """A Parquet file's or saved dataset's rows: each row's size is read from the Arrow
-    arrays, and only rows within ``max_bytes`` become Python objects."""
+    """A Parquet file's or saved dataset's rows: only those within ``max_bytes`` become objects."""
     index = 0
     try:
         for batch in _arrow_batches(source):
@@ -370,8 +358,8 @@ def _opened(source: Source) -> Any:
 
 
 def _json_problem(err: json.JSONDecodeError, line: int | None = None) -> str:
-    """The decoder's message and where (``line``: the file's line the text starts on;
-    None: its column in a line of its own)."""
+    """The decoder's message and where: its line in the file (the text starting at ``line``)
+    or, without ``line``, its column."""
     at = "" if err.msg.endswith(" at") else " at"
     if line is None:
         return f"{err.msg}{at} column {err.colno}"

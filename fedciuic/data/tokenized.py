@@ -1,8 +1,7 @@
 """Tokenise a region's records once into a memory-mapped Arrow file in its state-path.
 
-One row per training example. The file is keyed by everything that decides its content
-(:func:`cache_key`), so a later round or run reads it back instead of tokenising again;
-records stream through in batches, so a corpus larger than memory fits.
+Keyed by all that decides its content (:func:`cache_key`), so a later round or run reads
+it back; records stream in batches, so a corpus larger than memory fits.
 """
 
 from __future__ import annotations
@@ -95,8 +94,7 @@ class Summary(BaseModel):
     users: int = 0  # distinct user ids
     without_user: int = 0  # records that name no user
     without_user_where: list[str] = []  # the first MAX_REASONS of them
-    #: The largest record read (bytes in its file); records over it were dropped unread:
-    #: how many per file, and the first MAX_REASONS as "FILE:LINE (N bytes)".
+    #: Records over this many bytes were dropped unread: counts per file, "FILE:LINE (N bytes)".
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     oversized: dict[str, int] = {}
     oversized_where: list[str] = []
@@ -105,9 +103,7 @@ class Summary(BaseModel):
 
 
 @dataclass
-class _Missing:
-    """A problem of a table's columns, which every one of its rows has."""
-
+class _Missing:  # a problem of a table's columns, which every one of its rows has
     reason: int | None  # its line in bad_reasons (None: past the reasons kept)
     message: str
     rows: int = 1
@@ -119,8 +115,7 @@ class _Counts:
     keep_reasons: int | None = MAX_REASONS
     user_keys: set[int] = field(default_factory=set)
     missing: dict[tuple[str, str], _Missing] = field(default_factory=dict)
-    #: Of the records dropped for length: the shortest prompt, and the seq-len that keeps
-    #: a trained token of every one, and all of them whole.
+    #: Of the records dropped for length (see Summary.dropped_*).
     shortest_prompt: int | None = None
     keep: int = 0
     whole: int = 0
@@ -139,8 +134,7 @@ class _Counts:
             summary.oversized_where.append(f"{row.where} ({row.oversized:,} bytes)")
 
     def columns(self, source: Source, field: str, message: str) -> None:
-        """A table's row refused for a missing column: every row is, so the file is named
-        once with the count of its rows."""
+        """A missing column refuses every row of a table: name the file once, with a count."""
         key = (source.name, field)
         if key in self.missing:
             self.summary.bad_rows += 1
@@ -158,7 +152,6 @@ class _Counts:
             self.shortest_prompt = prompt
 
     def finish(self) -> None:
-        """What every record read adds up to, into the summary."""
         summary = self.summary
         for (name, column), gap in self.missing.items():
             if gap.reason is not None:
@@ -212,8 +205,7 @@ def cache_key(
     scrubber: Scrubber | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> str:
-    """What decides a cache entry's content (de-identification's config hash covers its
-    entities, replacement, key id, dictionary and recognizer versions)."""
+    """What decides a cache entry's content (the deid config hash covers all of its settings)."""
     described = {
         "format": CACHE_FORMAT,
         "max_record_bytes": max_record_bytes,
@@ -249,9 +241,8 @@ def tokenized(
     scrubber: Scrubber | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Tokenized:
-    """The region's examples: read from ``state_dir/data-cache/KEY``, or tokenised into it
-    (de-identified first by ``scrubber``, if given: the cache never holds an identifier
-    it finds)."""
+    """The region's examples from ``state_dir/data-cache/KEY``, tokenised there if missing
+    (de-identified first by ``scrubber``: the cache never holds an identifier it finds)."""
     fingerprint = data_fingerprint(sources)
     key = cache_key(
         fingerprint, tokenizer, seq_len, fields, truncation_side, scrubber, max_record_bytes
@@ -263,19 +254,13 @@ def tokenized(
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
-        summary = Summary(
-            key=key,
-            data_fingerprint=fingerprint,
-            files={s.name: s.kind for s in sources},
-            max_record_bytes=max_record_bytes,
-        )
         write_examples(
             sources,
             tokenizer,
             seq_len=seq_len,
             fields=fields,
             folder=staging,
-            summary=summary,
+            summary=_summary(sources, max_record_bytes, key, fingerprint),
             keep_reasons=keep_reasons,
             truncation_side=truncation_side,
             scrubber=scrubber,
@@ -292,6 +277,11 @@ def tokenized(
     if (loaded := _load(folder, key)) is None:
         raise DataError(f"{folder}: the tokenised data just written cannot be read back")
     return Tokenized(loaded[0], loaded[1], folder, built=True)
+
+
+def _summary(sources: list[Source], max_bytes: int, key: str = "", data: str = "") -> Summary:
+    files = {s.name: s.kind for s in sources}
+    return Summary(key=key, data_fingerprint=data, files=files, max_record_bytes=max_bytes)
 
 
 def _load(folder: Path, key: str) -> tuple[datasets.Dataset, Summary] | None:
@@ -333,13 +323,12 @@ def write_examples(
     """Tokenise every valid record into ``folder``; ``keep_reasons`` None keeps every reason."""
     counts = _Counts(summary, keep_reasons)
     renderer = Renderer(tokenizer)
-    cut = _Cut(seq_len, truncation_side)
     if scrubber is not None:
         scrubber.findings.clear()
     writer = ArrowWriter(features=FEATURES, path=str(folder / EXAMPLES_FILE))
     try:
         for batch in _batches(sources, fields, counts, scrubber):
-            _write_batch(writer, batch, renderer, tokenizer, cut, counts)
+            _write_batch(writer, batch, renderer, counts, seq_len, truncation_side)
         writer.finalize()
     finally:
         writer.close()
@@ -398,7 +387,7 @@ def _of_columns(
     source: Source, values: Mapping[str, Any], err: BadRecord, fields: Fields
 ) -> str | None:
     """What is wrong with a table's columns, if that is why ``err`` refused a row of it
-    (a table's rows all have its columns; a line of JSON Lines has its own)."""
+    (a table's rows share its columns; each JSON line has its own)."""
     if source.kind not in TABLE_KINDS:
         return None
     known = {
@@ -478,27 +467,19 @@ def bucket_of(record: Record) -> float:
     return int.from_bytes(record.digest()[:8], "big") / 2.0**64
 
 
-@dataclass(frozen=True)
-class _Cut:
-    """How an example longer than seq-len is cut (docs/data.md)."""
-
-    seq_len: int
-    side: TruncationSide
-
-    def windows(
-        self, length: int, first_trained: int | None, *, chunked: bool
-    ) -> list[tuple[int, int]]:
-        """A chunked record's seq-len pieces, else one window: side "left" cuts the prompt
-        from the start, and a response longer than the window keeps its start after the
-        prompt's last tokens (half of seq-len, or the whole prompt if shorter)."""
-        seq_len = self.seq_len
-        if chunked:
-            return [(start, min(start + seq_len, length)) for start in range(0, length, seq_len)]
-        if length <= seq_len or self.side == "right" or first_trained is None:
-            return [(0, min(length, seq_len))]
-        context = min(first_trained, seq_len // 2)
-        start = min(length - seq_len, first_trained - context)
-        return [(start, start + seq_len)]
+def _windows(
+    length: int, first_trained: int | None, seq_len: int, side: TruncationSide, *, chunked: bool
+) -> list[tuple[int, int]]:
+    """How an example longer than seq-len is cut (docs/data.md): a chunked record's seq-len
+    pieces, else one window; side "left" cuts the prompt's start, keeping at most
+    seq-len // 2 of its tokens before a response that overflows."""
+    if chunked:
+        return [(start, min(start + seq_len, length)) for start in range(0, length, seq_len)]
+    if length <= seq_len or side == "right" or first_trained is None:
+        return [(0, min(length, seq_len))]
+    context = min(first_trained, seq_len // 2)
+    start = min(length - seq_len, first_trained - context)
+    return [(start, start + seq_len)]
 
 
 def _count_record(counts: _Counts, item: _Item) -> int | None:
@@ -520,9 +501,9 @@ def _write_batch(
     writer: ArrowWriter | None,  # None: a scan's, which keeps only the counts
     batch: list[_Item],
     renderer: Renderer,
-    tokenizer: PreTrainedTokenizerBase,
-    cut: _Cut,
     counts: _Counts,
+    seq_len: int,
+    side: TruncationSide,
 ) -> None:
     rendered, kept = [], []
     for item in batch:
@@ -534,7 +515,7 @@ def _write_batch(
     if not kept:
         return
     texts = [text for shown in rendered for row in shown.rows for text, _ in row]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    encoded = iter(renderer.tokenizer(texts, add_special_tokens=False)["input_ids"])
     out: dict[str, list[object]] = {name: [] for name in FEATURES}
     summary = counts.summary
     for item, shown in zip(kept, rendered, strict=True):
@@ -558,8 +539,8 @@ def _write_batch(
             if first is not None and (prompt is None or first < prompt):
                 prompt = first
             longest = max(longest, len(ids))
-            truncated |= not shown.chunked and len(ids) > cut.seq_len
-            for begin, end in cut.windows(len(ids), first, chunked=shown.chunked):
+            truncated |= not shown.chunked and len(ids) > seq_len
+            for begin, end in _windows(len(ids), first, seq_len, side, chunked=shown.chunked):
                 piece_labels = labels[begin:end]
                 if end - begin < 2 or not bool((piece_labels[1:] != IGNORE).any()):
                     continue  # nothing to predict in it
@@ -583,14 +564,10 @@ def _write_batch(
 class Scanned:
     """What a scan of a region's data found (nothing written)."""
 
-    #: Rows, records, shapes, users and bad rows: of every row read; examples, tokens,
-    #: cuts and drops: of the records rendered.
-    summary: Summary
+    summary: Summary  # examples, tokens, cuts and drops: of the sampled records only
     sampled: int  # records rendered and tokenised
-    #: Sources that could not be read: the rows before the problem are counted.
-    unreadable: list[str]
-    #: A problem of the model met while rendering (its chat template): sampling stopped.
-    render_error: str | None
+    unreadable: list[str]  # sources that could not be read (their rows before it counted)
+    render_error: str | None  # the model's chat template failed: sampling stopped
 
 
 def scan_examples(
@@ -604,18 +581,11 @@ def scan_examples(
     truncation_side: TruncationSide = "right",
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Scanned:
-    """Check every row of ``sources`` as :func:`tokenized` does, but render and tokenise
-    only the first ``sample`` valid records, and write nothing: a launcher's check in
-    seconds before a run starts."""
-    summary = Summary(
-        key="",
-        data_fingerprint="",
-        files={s.name: s.kind for s in sources},
-        max_record_bytes=max_record_bytes,
-    )
+    """Check every row as :func:`tokenized` does, but tokenise only the first ``sample``
+    valid records and write nothing: a launcher's check in seconds."""
+    summary = _summary(sources, max_record_bytes)
     counts = _Counts(summary, keep_reasons)
     renderer = Renderer(tokenizer)
-    cut = _Cut(seq_len, truncation_side)
     sampled = 0
     unreadable: list[str] = []
     render_error: str | None = None
@@ -627,11 +597,11 @@ def scan_examples(
                 if room:
                     bad, reasons = summary.bad_rows, len(summary.bad_reasons)
                     try:
-                        _write_batch(None, batch[:room], renderer, tokenizer, cut, counts)
+                        _write_batch(None, batch[:room], renderer, counts, seq_len, truncation_side)
                         sampled += len(batch[:room])
                     except DataError as err:  # the model's, not the rows': stop rendering
-                        # (raised before any of the batch is counted, but rows the
-                        # template refused on the way: those are counted as records)
+                        # (before any of the batch is counted; rows the template refused
+                        # on the way count as records)
                         summary.bad_rows = bad
                         del summary.bad_reasons[reasons:]
                         render_error = str(err)

@@ -1,10 +1,7 @@
 """Payment card numbers by network: each network's IIN ranges and lengths, the Luhn check,
-and where card numbers sit in a text. Pure and light (no Presidio), so that tests and
-benchmarks make valid numbers with the same table the recognizer reads.
-
-A card number is found whole, ungrouped or grouped as printed on cards, with or without
-a word boundary (``卡号6222021234567890123``), but never as part of a longer run of
-digits.
+and where card numbers sit in a text. No Presidio, so that tests and benchmarks make valid
+numbers from the recognizer's own table. A number is found whole, grouped as printed or
+not, word boundary or not (``卡号6222021234567890123``), never inside a longer run of digits.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Network:
-    """A card network: the leading digits its numbers start with (inclusive ranges, both
-    bounds of one width) and the lengths it issues."""
+    """A card network: its numbers' leading digits (inclusive ranges) and lengths."""
 
     name: str
     prefixes: tuple[tuple[int, int], ...]
@@ -55,8 +51,7 @@ _CARD_WORDS = re.compile(
 #: Runs of digits joined by single spaces or hyphens (\d: full-width digits too).
 _RUN = re.compile(r"\d+(?:[ \-]\d+)*")
 _GROUP = re.compile(r"\d+")
-#: Separators that join a number to a digit before or after it into one longer token (a
-#: decimal, a DOI, a date).
+#: Separators that join a number to a digit beside it (a decimal, a DOI, a date).
 _JOINERS = "./"
 
 
@@ -86,9 +81,8 @@ def _luhn_sum(digits: str) -> int:
 
 
 def network_of(digits: str, *, luhn_waived: bool = False) -> str | None:
-    """The network that issues ``digits`` (a string of 12 to 19 digits), or ``None``.
-    A number must pass Luhn unless its network does not always use it and
-    ``luhn_waived`` (the text names it a card, or it is printed as one).
+    """The network that issues ``digits`` (12 to 19 of them), or ``None``; Luhn may fail
+    only where the network waives it and so does ``luhn_waived`` (named or printed a card).
 
     >>> network_of("2221000000000009"), network_of("6222021234567890123")
     ('Mastercard', None)
@@ -101,8 +95,7 @@ def network_of(digits: str, *, luhn_waived: bool = False) -> str | None:
 
 
 def _printed_shape(widths: list[int]) -> bool:
-    """Whether group widths are a card's: ungrouped, groups of 4 with a shorter last, or
-    4-6-5 / 4-6-4 (American Express, Diners Club)."""
+    """Whether group widths are a card's: one, 4s with a shorter last, or 4-6-5 / 4-6-4."""
     return (
         len(widths) == 1
         or widths in ([4, 6, 5], [4, 6, 4])
@@ -163,8 +156,7 @@ def _cards_in_run(text: str, groups: list[tuple[int, int]], seps: list[str]) -> 
 def _whole(
     text: str, groups: list[tuple[int, int]], seps: list[str], i: int, j: int, sep: str | None
 ) -> bool:
-    """Whether groups ``i..j`` (joined by ``sep``) stand alone (an expiry date after a
-    card, ``4111 1111 1111 1111 12/26``, stands apart)."""
+    """Whether groups ``i..j`` (joined by ``sep``) stand alone (a trailing expiry date is apart)."""
     if i > 0 and seps[i - 1] in ("-", sep):
         return False
     if j < len(groups) - 1 and (

@@ -1,6 +1,5 @@
-"""A region's dictionary: names its records may hold that no pattern finds (customers,
-account holders), one per line, read strictly so that a broken file is refused rather
-than half-used."""
+"""A region's dictionary: names its records may hold that no pattern finds, one per line,
+read strictly so that a broken file is refused rather than half-used."""
 
 from __future__ import annotations
 
@@ -78,16 +77,14 @@ def load_dictionary(path: Path) -> Dictionary:
     return Dictionary(path, tuple(entries), hashlib.sha256(data).hexdigest())
 
 
-#: Letters and digits of scripts written with spaces between words: an entry must not
-#: touch one (``Zhang Wei`` is not in ``Zhang Weiqiang``). Scripts written without
-#: spaces (Chinese, Japanese) have no such boundary: ``王伟`` is found in ``王伟是客户``.
+#: Letters and digits of spaced scripts, which an entry must not touch (``Zhang Weiqiang``);
+#: unspaced scripts have no such boundary (``王伟`` is found in ``王伟是客户``).
 _SPACED = r"0-9A-Za-z_\u00c0-\u024f\u0370-\u03ff\u0400-\u04ff"
 
 
 def dictionary_pattern(entries: tuple[str, ...]) -> re.Pattern[str]:
-    """One pattern for every entry, case-insensitive, the longest first (a full name wins
-    over its surname); a trie, so that matching costs the text's length, not that times
-    the entries."""
+    """One case-insensitive pattern for every entry, the longest first; a trie, so that
+    matching costs the text's length, not that times the entries."""
     trie: dict[str, Any] = {}
     for entry in entries:
         node = trie

@@ -1,10 +1,8 @@
 """The identifiers a region can scrub, named once: the entity types policies and run
 configs list, and the placeholder each is replaced by.
 
-Every type is found by a pattern with a check where its format has one, so that an
-order number that merely looks like one is kept. Names are a class of their own
-(``names``): found by the region's dictionary, a named NER model, or offline by their
-context.
+Patterns check digits where a format has them, so an order number that merely looks like
+an ID is kept; names are found by the region's dictionary, a NER model, or their context.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from collections.abc import Iterable
 
 #: The one language recognizers are built for (the patterns do not depend on it).
 LANGUAGE = "en"
-#: Bumped whenever a recognizer of fedciuic's changes what it finds: it is part of the
-#: pipeline's identity (the tokenisation cache's key and the audit record).
+#: Bumped whenever fedciuic's recognizers change what they find (in the pipeline's identity).
 RECOGNIZERS_VERSION = 2
 
 EMAIL_ADDRESS = "EMAIL_ADDRESS"
@@ -71,8 +68,7 @@ EU_NATIONAL_IDS = (
     FI_PERSONAL_IDENTITY_CODE,
     SE_PERSONNUMMER,
 )
-#: Direct identifiers found by patterns alone: what ``direct`` means in ``deid-entities``
-#: and in a policy (the shipped PIPL and GDPR policies require it, and ``names``).
+#: Direct identifiers found by patterns alone: what ``direct`` means in configs and policies.
 DIRECT: tuple[str, ...] = (
     EMAIL_ADDRESS,
     PHONE_NUMBER,
@@ -84,8 +80,7 @@ DIRECT: tuple[str, ...] = (
     URL,
     *EU_NATIONAL_IDS,
 )
-#: Person names: what ``names`` means in ``deid-entities``. A region scrubs those it has
-#: the means for (:func:`found_entities`).
+#: Person names: what ``names`` means (a region scrubs those it can, :func:`found_entities`).
 NAMES: tuple[str, ...] = (DICTIONARY, PERSON, CONTEXT_NAME)
 #: What meets a policy's ``names``: a dictionary of the region's names, or a NER model
 #: (the context recognizers alone miss most names, docs/deidentification.md).
@@ -142,8 +137,7 @@ def parse_entities(values: Iterable[str]) -> tuple[str, ...]:
 def found_entities(
     entities: tuple[str, ...], *, dictionary: bool, ner_model: bool
 ) -> tuple[str, ...]:
-    """What a region scrubs of ``entities``: the types it can find, which it declares and
-    its policy is checked against.
+    """What a region scrubs of ``entities`` (and declares): the types it can find.
 
     >>> found_entities(parse_entities(["names"]), dictionary=False, ner_model=False)
     ('CONTEXT_NAME',)

@@ -1,13 +1,10 @@
 """Person names found offline, by the words around them (``CONTEXT_NAME``): no model, no
 list of the region's names, so only where the context says a name follows.
 
-The contexts: an honorific (``Mr. Smith``), a salutation or greeting (``Dear Anna,``),
-a signature line after a sign-off, saying one's name (``My name is Anna``), and for
-Chinese a listed surname before a title or greeting, after a naming word, or alone after
-a closing. Only the name is replaced, never its context; words that follow these
-contexts without being names (``Dear Sir``, 项目经理) are kept by short lists, and a name
-without a listed context is missed (docs/deidentification.md). Pure functions, no
-Presidio, so that the pipeline's cheap test imports nothing heavy.
+Contexts: an honorific, a salutation or greeting, a signature, saying one's name, and for
+Chinese a listed surname by a title, greeting, naming word or closing. Only the name is
+replaced; lists keep words that are no names (``Dear Sir``, 项目经理). No Presidio, so
+that the pipeline's cheap test imports nothing heavy (docs/deidentification.md).
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ _TITLES = (
 #: Degrees and generations after a name (``Anna Keller M.Sc.``, ``John Smith Jr.``): no
 #: part of it, allowed before the end of a greeting or a signature line.
 _AFTER_NAME = r"(?:[ \t]+(?:(?:[A-Z][A-Za-z]{0,4}\.){1,3}[A-Za-z]*|MBA|PhD|MD|DDS|CPA|II|III))*"
-#: One to four words (initials and particles between them), on one line; a title ends
-#: it (``Sr. García y Sra. Núñez`` is two names).
+#: One to four words (and initials and particles) on one line, ended by a title.
 _NAME = (
     rf"(?:{_PARTICLE}{_GAP}){{0,2}}(?:{_WORD}|{_INITIAL})"
     rf"(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t])(?:{_WORD}|{_INITIAL})){{0,3}}"
@@ -60,8 +56,7 @@ _FULL_NAME = rf"{_WORD}(?:{_GAP}(?:{_PARTICLE}{_GAP}){{0,2}}(?!(?:{_TITLES})[ \t
 #: ``D.`` (Spanish ``Don``) is a title only before a full name (``vitamin D. Take``).
 _HONORIFIC = re.compile(rf"{_TITLED}(?P<name>{_NAME})|(?<![\w.])D\.{_GAP}(?P<full>{_FULL_NAME})")
 
-#: A letter's salutations: what follows in capitals is a name (or a title, or a word of
-#: :data:`_NOT_NAMES` such as ``Sir``).
+#: A letter's salutations: a name follows (or a title, or ``Sir`` of :data:`_NOT_NAMES`).
 _LETTER = (
     r"Dear|Dearest|Liebe|Lieber|Sehr geehrte|Sehr geehrter|Cher|Chère|Chers|Chères|"
     r"Querido|Querida|Estimado|Estimada|Caro|Cara|Carissimo|Carissima|Gentile|"
@@ -205,12 +200,10 @@ _SURNAMES = (
 )
 _HAN = r"[\u4e00-\u9fff]"
 _SURNAME = "(?:" + "|".join(sorted(_COMPOUND_SURNAMES)) + f"|[{_SURNAMES}])"
-#: Titles after a name (王伟先生, 张经理): the surname alone may precede them; and a
-#: greeting after one (王伟你好).
+#: Titles after a name or a surname alone (王伟先生, 张经理), and greetings (王伟你好).
 _CN_TITLES = "先生|女士|小姐|经理|老师|医生|律师|教授|主任|总监|行长|同学"
 _CN_HELLO = "你好|您好"
-#: Words before a name (我叫唐荣, 客户王伟, 亲爱的李娜, 姓名 and a colon): a given name
-#: must follow.
+#: Words before a name, which then needs a given name (我叫唐荣, 客户王伟, 亲爱的李娜).
 _CN_SAYS = "我的名字是|我的名字叫|我叫|我是|名叫|叫做|在下|本人|客户|患者|病人|亲爱的|尊敬的"
 #: Form fields, a colon after them or not (姓名 and a colon, 联系人).
 _CN_FIELDS = (
@@ -245,8 +238,7 @@ _CN_AFTER = _listed(
     名下 女儿 儿子 丈夫 妻子 父亲 母亲 称其 声称 报案 挂失 来电 来访 今天 昨天 明天
     """
 )
-#: Words that start with a surname's character (高级经理, 方面, 许多同学), and words that
-#: end with one (历史老师, 语文老师, 基金经理): not names.
+#: Words starting or ending with a surname's character (高级经理, 历史老师): not names.
 _CN_WORDS = _listed(
     """
     高级 高中 高兴 高速 高度 高效 高端 高校 高层 方面 方法 方式 方案 方向 方便 金额 金融 金牌
@@ -264,10 +256,8 @@ _CN_WORDS = _listed(
 
 
 def _kept_words(name: str, start: int, least: int = 1) -> tuple[int, int] | None:
-    """The span of ``name``'s words up to the first that names no one, its trailing
-    particles and initials dropped (``Anna Keller B.`` of ``B.Sc.``); None where fewer
-    than ``least`` words of a name are left (``M. A.``; ``D. Take Care`` for a full
-    name)."""
+    """The span of ``name``'s words up to the first that names no one, trailing particles
+    and initials dropped; None where fewer than ``least`` name words are left (``M. A.``)."""
     end = start
     words = 0
     for word in re.finditer(r"\S+", name):
@@ -307,14 +297,12 @@ def _chinese(text: str) -> list[tuple[int, int]]:
 
 
 def _last_words(*alternatives: str) -> frozenset[str]:
-    """The last word of each context (``regards`` of ``Best regards``, ``ra`` of
-    ``Sig.ra``), in lower case: the word a capital follows."""
+    """The last word of each context, in lower case (``regards`` of ``Best regards``)."""
     phrases = re.sub(r"\[(\w)\w\]", r"\1", "|".join(alternatives)).split("|")  # [Mm]y: My
     return frozenset(re.findall(r"\w+", phrase)[-1].lower() for phrase in phrases)
 
 
-#: Each Latin pattern, and the words one of which a text holds before a capital if the
-#: pattern can match it (:data:`_BEFORE_CAPITAL`): patterns are tried only then.
+#: Each Latin pattern, and its words: it is tried only where one precedes a capital.
 _LATIN = (
     (_HONORIFIC, _last_words(_TITLES, "D")),
     (_SALUTATION, _last_words(_LETTER)),
@@ -323,9 +311,8 @@ _LATIN = (
     (_SELF, _last_words(_NAMED, _INTRODUCED)),
 )
 _TRIGGERS = frozenset().union(*(triggers for _, triggers in _LATIN))
-#: A word, then the word after it where that may start a name, looked at, not taken (it
-#: may be a context itself: ``Dear Mr. Smith``); possessive, so that a word that is not
-#: is given up at once.
+#: A word, then (looked at, not taken: ``Dear Mr. Smith``) one after it that may start a
+#: name; possessive, so that a word that cannot is given up at once.
 _BEFORE_CAPITAL = re.compile(
     rf"(?<!\w)(\w++)[,!.:]?+\s++(?:{_PARTICLE}[ \t]++){{0,2}}"
     rf"(?=([{_UPPER}][{_LOWER}'\u2019.][\w'\u2019-]*+))"
@@ -342,8 +329,7 @@ def _latin(text: str) -> list[tuple[int, int]]:
     signed = _DELIMITER.search(text) is not None
     if _TRIGGERS.isdisjoint(_WORDS.findall(text.lower())) and not signed:
         return []  # most texts: none of the contexts' words
-    # The contexts' words a capitalised word that may be a name follows (``Thank you.
-    # The`` is no context): a pattern is tried only where one of its own is.
+    # The contexts' words before a capitalised word that may be a name (``Thank you. The``: no).
     before = {
         word.lower()
         for word, after in _BEFORE_CAPITAL.findall(text)
@@ -368,6 +354,5 @@ def find_names(text: str) -> list[tuple[int, int]]:
 
 
 def may_hold_name(text: str) -> bool:
-    """Whether a name is found in ``text`` by its context: a cheap test before the whole
-    analysis, as most texts have no context's word before a capitalised word."""
+    """Whether a name is found in ``text`` by its context: cheap, before the whole analysis."""
     return bool(find_names(text))

@@ -1,6 +1,6 @@
 """The de-identification pipeline a region runs on every text field before tokenising:
 Presidio with fedciuic's offline recognizers, each identifier replaced by a placeholder
-(``<EMAIL>``) or by a pseudonym keyed by the region's secret (``<EMAIL_3f9a1c2b>``: the
+(``<EMAIL>``) or a pseudonym keyed by the region's secret (``<EMAIL_3f9a1c2b>``: the
 same within the region, another in every other).
 """
 
@@ -38,8 +38,7 @@ if TYPE_CHECKING:  # Presidio takes seconds to import: only a pass that scrubs d
 
 Replacement = Literal["placeholder", "pseudonym"]
 REPLACEMENTS: tuple[Replacement, ...] = ("placeholder", "pseudonym")
-#: Findings scored below this are kept (Presidio scores an unvalidated phone number 0.4,
-#: a checked card or ID 1.0; weak guesses such as any nine digits score 0.05).
+#: Findings scored below this are kept (an unvalidated phone 0.4, a checked ID 1.0, guesses 0.05).
 MIN_SCORE = 0.4
 #: Hex digits of a pseudonym: 32 bits, so two identifiers of a region rarely share one.
 PSEUDONYM_HEX = 8
@@ -48,8 +47,7 @@ PACKAGES = ("presidio-analyzer", "presidio-anonymizer", "phonenumbers", "tldextr
 #: Masked examples a check keeps, and the context shown either side of one.
 MASKED_EXAMPLES = 5
 _CONTEXT = 32
-#: A text with none of these (nor a dictionary entry) holds no pattern's identifier:
-#: every pattern type has a digit, an @, or a URL's start.
+#: Every pattern's identifier has a digit, an @, or a URL's start (a cheap test first).
 _MAY_HOLD = re.compile(r"[0-9@]|://|www\.", re.IGNORECASE)
 
 
@@ -122,8 +120,8 @@ def masked_context(text: str, found: list[tuple[str, int, int]]) -> str:
 
 
 class Scrubber:
-    """Finds and replaces identifiers in texts, counting what it replaced. Presidio's
-    engines are built on the first text (a cached tokenisation needs only the identity)."""
+    """Finds, replaces and counts identifiers in texts; Presidio is built on the first text
+    (a cached tokenisation needs only the identity)."""
 
     def __init__(self, spec: DeidSpec) -> None:
         self.spec = spec
@@ -141,9 +139,8 @@ class Scrubber:
     def _engines(
         self,
     ) -> tuple[AnalyzerEngine, AnonymizerEngine, dict[str, OperatorConfig], list[str]]:
-        """The analyzer, the anonymizer, each type's operator, and the types to ask for:
-        only those a recognizer was registered for (Presidio warns once per text of any
-        other, and means to refuse them)."""
+        """The analyzer, the anonymizer, each type's operator, and the types to ask for
+        (only those with a recognizer: Presidio warns per text of any other)."""
         from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
         from presidio_analyzer.predefined_recognizers import SpacyRecognizer
         from presidio_anonymizer import AnonymizerEngine

@@ -1,11 +1,8 @@
 """Presidio recognizers for every entity type fedciuic scrubs, all offline.
 
-Presidio's own pattern recognizers are used where they validate what they find; fedciuic
-adds what Presidio lacks (card numbers of every network, also inside Chinese text, the
-mainland China resident ID and mobile numbers, URLs whose path names a person, where
-Presidio's flags every dotted word, and the region's dictionary). What is found in a
-number is kept when it is only part of a longer token (:class:`WholeTokens`): the PESEL
-inside ``2.718281828459045``, the phone number inside ``INV-2019-004512``.
+Presidio's own are used where they validate what they find; fedciuic adds the rest (cards
+of every network, Chinese IDs and mobiles, personal URLs, the dictionary). A finding that
+is only part of a longer token is kept (:class:`WholeTokens`): ``INV-2019-004512``.
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ from fedciuic.deid.entities import (
 )
 from fedciuic.deid.names import find_names
 
-#: Regions whose numbering plans the phone recognizer tries (international numbers with
-#: a + are found whatever the region).
+#: Regions whose numbering plans the phone recognizer tries (a + number is found anyway).
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "PL", "SE", "FI", "CN", "SG", "IN")
 
 #: A run that may be a phone number: 7 or more digits, with the separators people write.
@@ -85,9 +81,8 @@ class CnResidentIdRecognizer(PatternRecognizer):
 
 
 def _not_a_phone(text: str, run: re.Match[str]) -> bool:
-    """A run that is a number rather than a phone number: a decimal's digits, a bare run
-    of digits (a mainland China mobile written so is :class:`CnMobileRecognizer`'s), or
-    digits grouped in thousands."""
+    """A run that is a decimal, bare digits (a China mobile is :class:`CnMobileRecognizer`'s)
+    or thousands: no phone number."""
     before, after = text[max(0, run.start() - 2) : run.start()], text[run.end() : run.end() + 2]
     if before.endswith(".") or re.fullmatch(r"\.\d", after):
         return True
@@ -99,11 +94,9 @@ def _not_a_phone(text: str, run: re.Match[str]) -> bool:
     )
 
 
-#: An amount grouped in thousands: ``12.345.678`` (the run stops before a decimal comma),
-#: ``1 234 567 890`` (a space after one or two digits: ``612 345 678`` is a phone number).
+#: An amount grouped in thousands: ``12.345.678``, ``1 234 567 890`` (not ``612 345 678``).
 _THOUSANDS = re.compile(r"[1-9]\d{0,2}(?:\.\d{3})+|[1-9]\d?(?: \d{3}){2,}")
-#: Words that name the number after them as a reference or a product's code: invoices,
-#: orders, tickets, bibliographic, part and article numbers, in the regions' languages.
+#: Words that name the number after them a reference or a product's code.
 _REFERENCE_WORDS = (
     r"invoice|inv|order|ord|po|ref|reference|ticket|case|claim|isbn|issn|doi|pmid|arxiv|"
     r"sku|part|p/n|serial|s/n|tracking|version|ver|build|release|page|pages|pp|"
@@ -121,8 +114,7 @@ _LEADING_DATE = re.compile(
     r"\[?(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
     r"|(?:0?[1-9]|[12]\d|3[01])[-/.](?:0?[1-9]|1[0-2])[-/.]\d{4})(?!\d)"
 )
-#: A version's marker before an IPv4-shaped number (``rv:1.9.5.20``,
-#: ``AssemblyVersion("1.2.3.4")``, ``"version": "1.2.3.4"``).
+#: A version's marker before an IPv4-shaped number (``rv:1.9.5.20``, ``"version": "1.2.3.4"``).
 _VERSION_MARK = re.compile(
     r"(?i)(?:version|release|build|(?<![^\W\d_])(?:v|rv|ver))[\s:=\"'(\[]{0,4}$"
 )
@@ -138,8 +130,8 @@ _UNIT_AFTER = re.compile(
 
 
 def _named_reference(text: str, start: int, end: int) -> bool:
-    """A finding named as a reference by the words before it (``invoice 2024-000123``,
-    ``订单号13812345678``), or the result of a calculation (``a * b = 6557470319842``)."""
+    """A finding named a reference by the words before it (``invoice 2024-000123``), or a
+    calculation's result (``a * b = 6557470319842``)."""
     del end
     before = max(0, start - 32)
     return (
@@ -149,8 +141,8 @@ def _named_reference(text: str, start: int, end: int) -> bool:
 
 
 def _dotted_version(found: str) -> bool:
-    """Three or more groups of digits joined by dots, one of a single digit: a version
-    (``114.0.6914.14``), where phone numbers group by two or more (``06.12.34.56.78``)."""
+    """3+ dotted groups of digits, one of a single digit: a version (``114.0.6914.14``), as
+    phone numbers group by two or more (``06.12.34.56.78``)."""
     groups = found.split(".")
     return len(groups) >= 3 and all(g.isdecimal() for g in groups) and min(map(len, groups)) == 1
 
@@ -168,9 +160,8 @@ def _phone_shaped_number(text: str, start: int, end: int) -> bool:
 
 
 def _not_an_address(text: str, start: int, end: int) -> bool:
-    """An IP-shaped finding that is not a host's address: a version (``rv:1.9.5.20``), or
-    an IPv6 shape with fewer than three groups or no digit, as code writes them
-    (``arr[::2]``, ``dead::beef``; ``::1`` names no one either)."""
+    """An IP-shaped finding that is no host's address: a version (``rv:1.9.5.20``), or an
+    IPv6 shape with under three groups or no digit (``arr[::2]``, ``dead::beef``, ``::1``)."""
     found = text[start:end]
     if ":" not in found:
         return _VERSION_MARK.search(text, max(0, start - 24), start) is not None
@@ -179,13 +170,11 @@ def _not_an_address(text: str, start: int, end: int) -> bool:
 
 
 def _continues_token(char: str) -> bool:
-    """Whether ``char`` continues a word or number of a script written with spaces (Chinese
-    text runs into numbers without one: ``卡号6222...``)."""
+    """Whether ``char`` continues a word or number of a spaced script (not ``卡号6222``)."""
     return char == "_" or char.isdecimal() or (char.isalpha() and ord(char) < 0x0530)
 
 
-#: Separators that make one token of what is on both sides: a hyphen or slash joins
-#: letters and digits, a '.' or ':' joins digits.
+#: Separators that make one token of both sides: '-' and '/' join any, '.' and ':' digits.
 NUMBER_JOINERS = "-/.:"
 
 
@@ -211,8 +200,7 @@ def _joined(beside: str, beyond: str, joiners: str) -> bool:
     return beyond.isdecimal() if beside in ".:" else _continues_token(beyond)
 
 
-#: A letter of a script written without spaces between words and numbers (Chinese,
-#: Japanese, Korean, Thai...): where a pattern needs a word boundary, it reads a space.
+#: A letter of an unspaced script (Chinese, Thai...), read as a space where a pattern needs \b.
 _UNSPACED_LETTER = re.compile(r"[^\W\d_\u0000-\u052f]")
 
 
@@ -223,12 +211,9 @@ def _unglued(text: str) -> str:
 
 
 class WholeTokens(EntityRecognizer):
-    """A recognizer whose findings are kept only where they are whole tokens and not
-    ``also_kept`` by a rule of their type: one rule for every recognizer of numbers. It
-    answers to the wrapped one's id, so that Presidio's context words still apply.
-
-    ``unglued``: Presidio's patterns need word boundaries, and Python's ``\\b`` sees none
-    in ``客户123-45-6789的`` (:func:`_unglued`)."""
+    """A recognizer whose findings are kept only as whole tokens not ``also_kept`` by their
+    type's rule; it answers to the wrapped one's id, so that Presidio's context words apply.
+    ``unglued``: ``\\b`` sees no word boundary in ``客户123-45-6789的`` (:func:`_unglued`)."""
 
     def __init__(
         self,
@@ -280,8 +265,7 @@ class WholeTokens(EntityRecognizer):
 
 
 class FastPhoneRecognizer(PhoneRecognizer):
-    """Presidio's phone recognizer, run only on the runs of digits that could be a number:
-    scanning whole texts once per region is slow, and a match never reaches beyond one."""
+    """Presidio's phone recognizer, run only on runs of digits (whole texts are slow)."""
 
     def __init__(self) -> None:
         super().__init__(supported_language=LANGUAGE, supported_regions=PHONE_REGIONS)
@@ -329,8 +313,7 @@ _URL_REST = r"[^\s<>\"'()]{0,1024}"
 
 
 class PersonalUrlRecognizer(PatternRecognizer):
-    """URLs (with a scheme or ``www.``) whose path or query names a person:
-    ``/users/NAME``, ``/~NAME``, ``/@NAME``, ``?email=...``. Documentation links are kept."""
+    """URLs whose path or query names a person: ``/users/NAME``, ``/~NAME``, ``?email=``."""
 
     def __init__(self) -> None:
         personal = {
@@ -428,8 +411,8 @@ _PRESIDIO: dict[str, Callable[..., EntityRecognizer]] = {
     FI_PERSONAL_IDENTITY_CODE: FiPersonalIdentityCodeRecognizer,
     SE_PERSONNUMMER: SePersonnummerRecognizer,
 }
-#: The types found as tokens of running text: every recognizer of one is wrapped in
-#: :class:`WholeTokens` with its separators and rule (IPs take '/24' and ':8080' after).
+#: Types found as tokens of running text: each recognizer wrapped in :class:`WholeTokens`
+#: with its separators and rule (IPs take '/24' and ':8080' after).
 _TOKEN_RULES: dict[str, tuple[str, Callable[[str, int, int], bool] | None]] = {
     entity: (NUMBER_JOINERS, None)
     for entity in (EMAIL_ADDRESS, CN_RESIDENT_ID, US_SSN, IBAN_CODE, *EU_NATIONAL_IDS)

@@ -1,6 +1,5 @@
-"""The region's pseudonym key: 32 random bytes in a file only the region reads. It keys
-the pseudonyms, the digest of the region's dictionary, and the commitment to its data
-that its replies carry (each use under its own label)."""
+"""The region's pseudonym key: 32 random bytes in a file only the region reads, keying its
+pseudonyms, its dictionary's digest and its replies' data commitment (each labelled)."""
 
 from __future__ import annotations
 
