@@ -1,9 +1,8 @@
 """Codecs for adapter deltas, with error feedback (pure NumPy, no Flower).
 
-A delta is a flat float32 vector (the adapter tensors in name order). A codec from
-:data:`CODECS` turns it into bytes in a versioned wire format (``codecs``) and back;
-top-k indices are coded near log2 C(n, k) (``indices``), values as fp32, int8, int4,
-int2 or sign (``values``).
+A delta is a flat float32 vector (the adapter tensors in name order); a codec turns it
+into versioned bytes (``codecs``), top-k indices near log2 C(n, k) (``indices``) and
+values as fp32, int8, int4, int2 or sign (``values``).
 """
 
 from fedciuic.compression.codecs import Codec as Codec

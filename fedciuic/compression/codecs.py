@@ -4,9 +4,8 @@ Every encoding starts with the same 10-byte header::
 
     magic "FZ" | codec id (u8) | format version (u8) | n (u32 LE, entries) | reserved (u16)
 
-then the codec's body (little-endian throughout; ``docs/compression.md``). Encoders
-write :data:`UPDATE_FORMAT`; decoders also read format 1 (its top-k indices differ), so an
-update sealed before an upgrade still opens.
+then the codec's body (``docs/compression.md``). Encoders write :data:`UPDATE_FORMAT`;
+decoders also read format 1, so an update sealed before an upgrade still opens.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ READS = (1, 2)
 
 
 def update_entries(data: bytes | bytearray | memoryview) -> int:
-    """How many entries an encoded update holds, by its header (the size it was made
-    at); :class:`MalformedUpdate` when it has no fedciuic header."""
+    """The entries an update's header says it holds; :class:`MalformedUpdate` if it has none."""
     view = memoryview(data)
     if len(view) < HEADER.size:
         raise MalformedUpdate("update shorter than its header")
@@ -122,8 +120,7 @@ class Codec:
         return max(1, min(n, math.ceil(self.fraction * n)))
 
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> bytes:
-        """The update's bytes (one copy of the payload); a delta with NaN or infinite
-        entries is refused, since no codec can send it and top-k would drop it quietly."""
+        """The update's bytes; NaN or infinite entries are refused (top-k would drop them)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if not np.isfinite(x).all():
             raise ValueError("the delta to compress has NaN or infinite entries")

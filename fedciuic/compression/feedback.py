@@ -57,9 +57,8 @@ def _sha256(part: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class _Stored:
-    """A residual file's content: the residual after round ``tag`` and the one before it
-    (``parts``), with each part's digest (None: the file's one digest was checked whole
-    when it was read)."""
+    """A residual file: the residuals after round ``tag`` and before it, each part's digest
+    (None: the file's one digest was checked whole when read)."""
 
     path: Path
     tag: str | None
@@ -79,10 +78,8 @@ class _Stored:
 
 
 class ErrorFeedback:
-    """A region's residual, kept at ``path`` between rounds and runs: the residual after
-    round ``round_tag`` and the one before it, so that a round trained again (stopped
-    before its release committed) starts from the same residual as the first attempt.
-    """
+    """A region's residual at ``path``, after round ``round_tag`` and before it, so that a
+    round trained again (stopped before its release committed) starts from the same one."""
 
     def __init__(self, path: Path, codec: Codec, layout: str, n: int, round_tag: str = "") -> None:
         self.path, self.codec, self.layout, self.n = path, codec, layout, n
@@ -91,8 +88,7 @@ class ErrorFeedback:
         self._loaded = False
 
     def load(self) -> np.ndarray:
-        """The residual to add to this round's delta (remembered for :meth:`save`; read-only,
-        a view of the file's bytes)."""
+        """The residual to add to this round's delta (read-only, a view of the file)."""
         stored = self._read()
         if stored is None:
             index = None
@@ -131,8 +127,7 @@ class ErrorFeedback:
         tmp.replace(self.path)
 
     def _read(self) -> _Stored | None:
-        """The file's residuals as a read-only map of its pages (not copied into the
-        process), its header checked; each part's digest is checked when it is used."""
+        """The file's residuals mapped read-only, its header checked (each digest when used)."""
         if not self.path.exists():
             return None
         try:

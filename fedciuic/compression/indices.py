@@ -1,23 +1,10 @@
 """Sorted top-k indices coded near their entropy bound, vectorised (no per-index loops).
 
-Any set of k of n positions needs log2 C(n, k) bits; the gaps between kept indices
-of a flat delta are close to geometric, for which a Rice code is within a few
-percent of that bound. Kept entries also cluster (runs of neighbours in one row, one
-tensor that moved more than the others), which is why each block of :data:`BLOCK`
-gaps picks its own Rice parameter b, and may flag its zero gaps with one bit each
-(``Z`` mode: pairs and triples of neighbours then cost a bit, not b + 1). Format 2,
-in order (``docs/compression.md``)::
-
-    u32 H                     bytes of the high stream
-    ceil(k / BLOCK) bytes     per block: b (bits 0-4) and Z (bit 7); bits 5-6 are 0
-    flag stream               per gap of a Z block, 1 if the gap is 0; ceil(/8) bytes
-    low stream                per coded gap, the low b bits of v, LSB first
-    high stream (H bytes)     per coded gap, v >> b in unary: that many 0s, then a 1
-
-A coded gap is every gap of a plain block (v = g) and every non-zero gap of a Z block
-(v = g - 1). Keeping the streams apart is what lets both directions run as array
-operations: the 1s of the high stream sit at known places, and every field at an
-offset a cumulative sum gives.
+Any set of k of n positions needs log2 C(n, k) bits; the gaps between kept indices are
+close to geometric, for which a Rice code is within a few percent of that bound. Kept
+entries cluster, so each block of :data:`BLOCK` gaps picks its own Rice parameter b and
+may flag its zero gaps with a bit each (``Z``). Format 2 is laid out in
+``docs/compression.md``; its streams are kept apart so both directions are array operations.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ MAX_HIGH_BYTES = 1 << 28
 
 
 def bound_bits(n: int, k: int) -> float:
-    """log2 C(n, k): the fewest bits any coding of k sorted positions out of n needs."""
+    """log2 C(n, k): the fewest bits any coding of k sorted positions of n needs."""
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside 0..{n}")
     return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
@@ -47,11 +34,8 @@ def _parameters(gaps: np.ndarray) -> np.ndarray:
     """Per block, the (b, Z) that minimise its bits: plain, len (b + 1) + sum(g >> b);
     Z, len + nonzero (b + 1) + sum((g - 1) >> b) over the non-zero gaps."""
     blocks = math.ceil(gaps.size / BLOCK)
-    flat = np.zeros(blocks * BLOCK, np.int64)
-    flat[: gaps.size] = gaps
-    table = flat.reshape(blocks, BLOCK)
-    sizes = np.full(blocks, BLOCK, np.int64)
-    sizes[-1] = gaps.size - (blocks - 1) * BLOCK
+    table = np.pad(gaps, (0, blocks * BLOCK - gaps.size)).reshape(blocks, BLOCK)
+    sizes = np.minimum(BLOCK, gaps.size - BLOCK * np.arange(blocks))
     nonzero = np.count_nonzero(table, axis=1)
     less_one = np.maximum(table - 1, 0)  # padding and zero gaps add nothing below
     best = np.zeros(blocks, np.int64)
@@ -73,6 +57,11 @@ def _pack(offsets: np.ndarray, widths: np.ndarray, values: np.ndarray, total: in
         on = widths > j
         bits[offsets[on] + j] = (values[on] >> j) & 1
     return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _bits(data: memoryview) -> np.ndarray:
+    """The bits of ``data``, LSB first."""
+    return np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
 
 
 def _unpack(data: np.ndarray, offsets: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -109,9 +98,8 @@ def encode(indices: np.ndarray) -> bytes:
 
 
 def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
-    """Parse ``k`` indices below ``n``; return them (int64, sorted, unique) and the
-    bytes used. Every size is checked against the bytes present before anything of
-    that size is allocated."""
+    """``k`` indices below ``n`` (int64, sorted, unique) and the bytes used; every size is
+    checked against the bytes present before anything of that size is allocated."""
     blocks = math.ceil(k / BLOCK)
     if len(data) < 4 + blocks:
         raise MalformedUpdate("index block truncated")
@@ -126,8 +114,7 @@ def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
     if len(data) < at + flag_len:
         raise MalformedUpdate("index block truncated")
     zero = np.zeros(k, bool)
-    flag_bits = np.unpackbits(np.frombuffer(data[at : at + flag_len], np.uint8), bitorder="little")
-    zero[flagged] = flag_bits[:flag_count].astype(bool)
+    zero[flagged] = _bits(data[at : at + flag_len])[:flag_count].astype(bool)
     at += flag_len
     coded = ~zero
     widths = widths[coded]
@@ -136,10 +123,7 @@ def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
     high_at = at + low_len
     if high_len > MAX_HIGH_BYTES or len(data) < high_at + high_len:
         raise MalformedUpdate("index block truncated or malformed")
-    high = np.unpackbits(
-        np.frombuffer(data[high_at : high_at + high_len], np.uint8), bitorder="little"
-    )
-    ones = np.flatnonzero(high)
+    ones = np.flatnonzero(_bits(data[high_at : high_at + high_len]))
     if ones.size != widths.size or (ones.size and ones[-1] < 8 * (high_len - 1)):
         raise MalformedUpdate(
             f"index block codes {ones.size} gaps where its parameters say {widths.size}"
@@ -158,16 +142,14 @@ def decode(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
 
 
 def decode_v1(data: memoryview, k: int, n: int) -> tuple[np.ndarray, int]:
-    """Format 1: one width w for every gap, then the k gaps packed w bits each; read so
-    that an update sealed before an upgrade still opens."""
+    """Format 1 (one width w, then the k gaps w bits each), so an older update still opens."""
     if len(data) < 1:
         raise MalformedUpdate("index block missing")
     width = data[0]
     nbytes = math.ceil(k * width / 8)
     if not 1 <= width <= 32 or len(data) < 1 + nbytes:
         raise MalformedUpdate("index block truncated or malformed")
-    bits = np.unpackbits(np.frombuffer(data[1 : 1 + nbytes], np.uint8), bitorder="little")
-    gaps = bits[: k * width].reshape(k, width).astype(np.int64) @ (
+    gaps = _bits(data[1 : 1 + nbytes])[: k * width].reshape(k, width).astype(np.int64) @ (
         np.int64(1) << np.arange(width, dtype=np.int64)
     )
     indices = np.cumsum(gaps + 1) - 1

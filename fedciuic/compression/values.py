@@ -25,28 +25,23 @@ def finite(values: np.ndarray, what: str) -> None:
 
 
 def _chunks(x: np.ndarray) -> np.ndarray:
-    """``x`` as rows of :data:`CHUNK` entries, the last padded with zeros (a view when
-    no padding is needed: a 10M-entry update is not copied to be scaled)."""
+    """``x`` as rows of :data:`CHUNK` entries, the last zero-padded (a view if none is needed)."""
     pad = (-x.size) % CHUNK
     return (np.pad(x, (0, pad)) if pad else x).reshape(-1, CHUNK)
 
 
-def _chunk_scales(x: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    return reduce(np.abs(_chunks(x))).astype(np.float32)
-
-
-def _scales(body: memoryview, n: int, need: int, what: str) -> np.ndarray:
-    """The body's per-chunk scales, once it is known to hold ``need`` bytes."""
-    if len(body) < need:
+def _split(body: memoryview, n: int, size: int, what: str) -> tuple[np.ndarray, memoryview, int]:
+    """The scales of ``n`` entries, the ``size`` bytes after them, and the bytes used, checked."""
+    head = 4 * math.ceil(n / CHUNK)
+    if len(body) < head + size:
         raise MalformedUpdate(f"{what} body truncated")
-    scales = np.frombuffer(body[: 4 * math.ceil(n / CHUNK)], np.float32)
+    scales = np.frombuffer(body[:head], np.float32)
     finite(scales, f"{what} scales")
-    return scales
+    return scales, body[head : head + size], head + size
 
 
 def _scaled(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Each entry of ``q`` times its chunk's scale, in float32 (the scales broadcast
-    over their chunks, not repeated per entry)."""
+    """Each entry of ``q`` times its chunk's scale, in float32 (no per-entry scale copy)."""
     n = q.size
     out = np.empty(n, np.float32)
     full = n - n % CHUNK
@@ -105,16 +100,13 @@ def int8_encode(x: np.ndarray, rng: np.random.Generator) -> bytes:
 
 
 def int8_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
-    head = 4 * math.ceil(n / CHUNK)
-    scales = _scales(body, n, head + n, "int8")
-    return _scaled(np.frombuffer(body[head : head + n], np.int8), scales), head + n
+    scales, data, used = _split(body, n, n, "int8")
+    return _scaled(np.frombuffer(data, np.int8), scales), used
 
 
 def _packed(width: int) -> tuple[Encode, Decode]:
-    """The encode and decode of ``width``-bit values (4: -7..7, 2: -1..1), stochastically
-    rounded like int8 and stored as ``q + 2**(width-1)``, ``8 // width`` per byte, the
-    earlier entry in the lower bits; the last byte pads with 0 codes, and a 0 code in
-    place of a value (which no encoder writes) is malformed."""
+    """The codec of ``width``-bit values (4: -7..7, 2: -1..1), rounded like int8 and stored
+    as ``q + 2**(width-1)``, earlier entries in lower bits; a 0 code is padding only."""
     what, offset, per = f"int{width}", 1 << (width - 1), 8 // width
     levels, mask = offset - 1, (1 << width) - 1
     shifts = np.arange(0, 8, width, dtype=np.uint8)
@@ -127,16 +119,13 @@ def _packed(width: int) -> tuple[Encode, Decode]:
         return scales + packed.astype(np.uint8).tobytes()
 
     def decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
-        head = 4 * math.ceil(n / CHUNK)
-        need = head + math.ceil(n / per)
-        scales = _scales(body, n, need, what)
-        packed = np.frombuffer(body[head:need], np.uint8)
-        codes = ((packed[:, None] >> shifts) & mask).ravel()
+        scales, data, used = _split(body, n, math.ceil(n / per), what)
+        codes = ((np.frombuffer(data, np.uint8)[:, None] >> shifts) & mask).ravel()
         if np.any(codes[:n] == 0) or np.any(codes[n:] != 0):
             raise MalformedUpdate(
                 f"{what} body holds a value outside -{levels}..{levels} or a non-zero pad"
             )
-        return _scaled(codes[:n].astype(np.int8) - offset, scales), need
+        return _scaled(codes[:n].astype(np.int8) - offset, scales), used
 
     return encode, decode
 
@@ -146,15 +135,13 @@ int2_encode, int2_decode = _packed(2)
 
 
 def sign_encode(x: np.ndarray, _: np.random.Generator) -> bytes:
-    """One bit per entry (1 for x >= 0, LSB first) and the chunk's mean |x| as scale."""
+    """One bit per entry (1 for x >= 0, LSB first); scale: the mean |x| of the chunk's entries."""
     counts = np.minimum(CHUNK, x.size - CHUNK * np.arange(math.ceil(x.size / CHUNK)))
-    scales = _chunk_scales(x, lambda a: a.sum(axis=1)) / counts  # a partial chunk's own mean
+    scales: np.ndarray = np.abs(_chunks(x)).sum(axis=1).astype(np.float32) / counts
     return scales.astype(np.float32).tobytes() + np.packbits(x >= 0, bitorder="little").tobytes()
 
 
 def sign_decode(body: memoryview, n: int) -> tuple[np.ndarray, int]:
-    head = 4 * math.ceil(n / CHUNK)
-    need = head + math.ceil(n / 8)
-    scales = _scales(body, n, need, "sign")
-    bits = np.unpackbits(np.frombuffer(body[head:need], np.uint8), bitorder="little")
-    return _scaled(bits[:n].astype(np.float32) * 2 - 1, scales), need
+    scales, data, used = _split(body, n, math.ceil(n / 8), "sign")
+    bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+    return _scaled(bits[:n].astype(np.float32) * 2 - 1, scales), used

@@ -1,12 +1,10 @@
 """DeepSeek-family causal LMs with LoRA adapters: the only weights that train and travel.
 
-The base is a seeded preset (nothing can be downloaded, and every party must build the
-very same one) or a local checkpoint (``model-path``); it stays frozen, the MoE router
-and experts included, while the fp32 adapters sit on the modules
-:mod:`fedciuic.model.families` picks. The aggregator never loads the base
-(:class:`AdapterLayout` builds it on ``meta``). ``adapter-mode`` decides what trains
-(docs/models.md); its fixed factors are derived from names, shapes and seed by every
-party, never sent, and a saved adapter is always standard LoRA factors, which peft loads.
+The base, a seeded preset or a local checkpoint (``model-path``), stays frozen, MoE router
+and experts included; fp32 adapters sit on the modules :mod:`fedciuic.model.families`
+picks. ``adapter-mode`` decides what trains (docs/models.md): its fixed factors are derived
+from names, shapes and seed by every party, never sent, and a saved adapter is always
+standard LoRA factors, which peft loads.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import contextlib
 import json
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,20 +55,18 @@ from fedciuic.model.shared_base import (
     state_names,
 )
 
-# peft calls a transformers property that transformers 5 deprecates; the warning is
-# noise for our users, who cannot act on it.
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+# peft calls transformers APIs that transformers 5 deprecates: noise users cannot act on.
 warnings.filterwarnings(
-    "ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning
+    "ignore",
+    message=".*(is_gradient_checkpointing|gradient_checkpointing_enable).*",
+    category=FutureWarning,
 )
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: Beside a saved adapter: the adapter-mode it was trained in (peft's config has no place
-#: for it, and the weights are standard LoRA factors whatever the mode).
+#: Beside a saved adapter: the adapter-mode it was trained in (peft's config has no place).
 ADAPTER_MODE_FILE = "fedciuic_adapter.json"
-#: The end of the names of an adapted module's parameters, after the module's path:
-#: peft's A and B, and lora-sb's trained r x r matrix inside peft's B slot (:class:`RThenB`).
+#: Name ends of an adapted module's peft A and B, and lora-sb's R in B's slot (:class:`RThenB`).
 LORA_A = f".lora_A.{ADAPTER_NAME}.weight"
 LORA_B = f".lora_B.{ADAPTER_NAME}.weight"
 LORA_R = f".lora_B.{ADAPTER_NAME}.lora_R.weight"
@@ -123,10 +119,10 @@ def check_quantization(spec: ModelSpec, device: torch.device) -> None:
 
 def check_model_spec(spec: ModelSpec) -> None:
     """Fail fast, before any training, on an unknown preset or a folder that is no checkpoint."""
-    if not spec.model_path:
+    if spec.model_path:
+        checkpoint_config(Path(spec.model_path).expanduser())
+    else:
         preset_config(spec.model_preset)
-        return
-    checkpoint_config(Path(spec.model_path).expanduser())
 
 
 def checkpoint_config(path: Path) -> PretrainedConfig:
@@ -164,8 +160,7 @@ CUSTOM_CODE_FIX = (
 
 
 def _check_folder(path: Path) -> None:
-    """Refuse, before transformers reads it, a folder holding what is not a regular file
-    (a FIFO would hang loading) or naming code of its own to run."""
+    """Refuse a folder holding a non-regular file (a FIFO hangs loading) or code of its own."""
     try:
         entries = sorted(path.iterdir())
     except OSError as err:
@@ -204,8 +199,8 @@ def _custom_code(file: Path, field_name: str) -> str | None:
 
 
 def _modules(auto_map: object) -> list[str]:
-    """The Python files an ``auto_map`` names (``module.Class`` or ``repo--module.Class``;
-    a tokenizer's is a slow/fast pair, either of which may be null)."""
+    """The Python files an ``auto_map`` names (``[repo--]module.Class``; a tokenizer's is a
+    slow/fast pair, either of which may be null)."""
     refs = list(auto_map.values()) if isinstance(auto_map, dict) else auto_map
     if not isinstance(refs, list):
         return []
@@ -284,11 +279,6 @@ def weight_problems(path: Path, config: PretrainedConfig, *, allow_pickle: bool)
                 f"{CHECKPOINT_FIX}"
             ]
     return []
-
-
-def check_weights(path: Path, config: PretrainedConfig, *, allow_pickle: bool) -> None:
-    if problems := weight_problems(path, config, allow_pickle=allow_pickle):
-        raise ModelError("; ".join(problems))
 
 
 # -- the checkpoint's tokenizer --------------------------------------------------------------
@@ -382,10 +372,14 @@ def tokenizer_warnings(
     ]
 
 
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise ModelError("; ".join(problems))
+
+
 def _load_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     tokenizer = open_tokenizer(path)
-    if problems := tokenizer_problems(path, config, tokenizer):
-        raise ModelError("; ".join(problems))
+    _refuse(tokenizer_problems(path, config, tokenizer))
     return tokenizer
 
 
@@ -397,7 +391,7 @@ class Base:
     model_type: str
     #: The read-only files the frozen weights are mapped from (none when not shared).
     shared: list[MappedFile] = field(default_factory=list)
-    #: A skeleton's (weights on ``meta``): the files to read its weights from, and how.
+    #: A skeleton's (weights on ``meta``): the files to read them from, and how.
     files: list[Path] = field(default_factory=list)
     slicer: Slicer = field(default_factory=Slicer)
 
@@ -407,11 +401,11 @@ def _shares(spec: ModelSpec, device: torch.device) -> bool:
     return device.type == "cpu" and spec.quantization == "none" and sharing_enabled()
 
 
-def _preset(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, str]:
+def _preset(spec: ModelSpec) -> BaseSource:
     config = preset_config(spec.model_preset)
     tokenizer = preset_tokenizer(spec.model_preset)
     fingerprint = preset_fingerprint(spec.model_preset, config.to_dict(), spec.seed, tokenizer)
-    return config, tokenizer, fingerprint
+    return BaseSource(config, tokenizer, fingerprint)
 
 
 def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
@@ -423,8 +417,7 @@ def spec_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
 
 
 def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
-    # Every party builds the same base from the seed, without disturbing the caller's
-    # random state (the init is always drawn in fp32).
+    # The same base for every party, the caller's random state untouched (drawn in fp32).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -436,39 +429,50 @@ def _seeded_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> Pr
 
 @dataclass
 class BaseSource:
-    """Safetensors files holding a base's tensors under the model's names, and its identity."""
+    """A base's identity, and the safetensors files holding its tensors under the model's names."""
 
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
-    files: list[Path]
+    files: list[Path] = field(default_factory=list)
 
     def base(self, model: PreTrainedModel, shared: list[MappedFile] | None = None) -> Base:
         return Base(model, self.tokenizer, self.fingerprint, self.config.model_type, shared or [])
 
+    def mapped(self, model: PreTrainedModel) -> Base:
+        """Skeleton ``model`` over these files, mapped (its weights are not copied)."""
+        tensors, shared = mapped_tensors(self.files)
+        assign(model, tensors, self.files[0])
+        return self.base(model, shared)
+
+    def skeleton(self, model: PreTrainedModel, slicer: Slicer | None = None) -> Base:
+        """``model`` on ``meta``, each training process to read its slice of these files."""
+        base = self.base(model)
+        base.files, base.slicer = self.files, slicer or Slicer()
+        return base
+
 
 def _preset_source(spec: ModelSpec, dtype: torch.dtype) -> BaseSource:
     """A preset's weights: the cached file built once per machine from the seed."""
-    config, tokenizer, fingerprint = _preset(spec)
+    source = _preset(spec)
     file = cached_base_file(
-        fingerprint, dtype, lambda: _seeded_model(config, spec.seed, dtype).state_dict()
+        source.fingerprint,
+        dtype,
+        lambda: _seeded_model(source.config, spec.seed, dtype).state_dict(),
     )
-    return BaseSource(config, tokenizer, fingerprint, [file])
+    return replace(source, files=[file])
 
 
 def _preset_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     if not _shares(spec, device):
-        config, tokenizer, fingerprint = _preset(spec)
-        model = _seeded_model(config, spec.seed, dtype)
+        source = _preset(spec)
+        model = _seeded_model(source.config, spec.seed, dtype)
         torch.nn.Module.to(model, device=device)
-        return Base(model, tokenizer, fingerprint, config.model_type)
+        return source.base(model)
     source = _preset_source(spec, dtype)
-    tensors, shared = mapped_tensors(source.files)
-    model = skeleton(source.config)
-    assign(model, tensors, source.files[0])
-    # The non-persistent buffers, as the private build casts them.
-    torch.nn.Module.to(model, dtype=dtype)
-    return source.base(model, shared)
+    base = source.mapped(skeleton(source.config))
+    torch.nn.Module.to(base.model, dtype=dtype)  # the non-persistent buffers, as built privately
+    return base
 
 
 def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
@@ -483,14 +487,11 @@ def _from_pretrained(path: Path, kwargs: dict[str, Any]) -> PreTrainedModel:
     return model
 
 
-def _checked_checkpoint(
-    spec: ModelSpec,
-) -> tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str]:
+def _checked_checkpoint(spec: ModelSpec) -> tuple[Path, BaseSource]:
     path = Path(spec.model_path).expanduser()
     config = checkpoint_config(path)
-    check_weights(path, config, allow_pickle=spec.allow_pickle_weights)
-    tokenizer = _load_tokenizer(path, config)
-    return path, config, tokenizer, checkpoint_fingerprint(path)
+    _refuse(weight_problems(path, config, allow_pickle=spec.allow_pickle_weights))
+    return path, BaseSource(config, _load_tokenizer(path, config), checkpoint_fingerprint(path))
 
 
 def _checkpoint_kwargs(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
@@ -501,29 +502,26 @@ def _checkpoint_kwargs(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _checkpoint_source(
-    spec: ModelSpec,
-    dtype: torch.dtype,
-    checked: tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, str] | None = None,
+    spec: ModelSpec, dtype: torch.dtype, checked: tuple[Path, BaseSource] | None = None
 ) -> BaseSource:
-    """A checked checkpoint's own safetensors files where they hold the model's tensors
-    in ``dtype``, else a copy converted once per machine into the cache."""
-    path, config, tokenizer, fingerprint = checked or _checked_checkpoint(spec)
+    """Its own safetensors files if they hold the tensors in ``dtype``, else a cached copy."""
+    path, source = checked or _checked_checkpoint(spec)
     kwargs = _checkpoint_kwargs(spec, dtype)
-    files = checkpoint_weight_files(path, state_names(config), dtype) or [
-        cached_base_file(fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict())
+    files = checkpoint_weight_files(path, state_names(source.config), dtype) or [
+        cached_base_file(
+            source.fingerprint, dtype, lambda: _from_pretrained(path, kwargs).state_dict()
+        )
     ]
-    return BaseSource(config, tokenizer, fingerprint, files)
+    return replace(source, files=files)
 
 
 def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Base:
     if _shares(spec, device):
         source = _checkpoint_source(spec, dtype)
-        tensors, shared = mapped_tensors(source.files)
-        model = skeleton(source.config, dtype)
-        assign(model, tensors, source.files[0])
-        torch.nn.Module.eval(model)  # as from_pretrained leaves it
-        return source.base(model, shared)
-    path, config, tokenizer, fingerprint = _checked_checkpoint(spec)
+        base = source.mapped(skeleton(source.config, dtype))
+        torch.nn.Module.eval(base.model)  # as from_pretrained leaves it
+        return base
+    path, source = _checked_checkpoint(spec)
     kwargs = _checkpoint_kwargs(spec, dtype)
     if device.type != "cpu":
         kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU
@@ -536,8 +534,7 @@ def _checkpoint_base(spec: ModelSpec, dtype: torch.dtype, device: torch.device) 
             bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16,
             bnb_4bit_use_double_quant=True,
         )
-    model = _from_pretrained(path, kwargs)
-    return Base(model, tokenizer, fingerprint, config.model_type)
+    return source.base(_from_pretrained(path, kwargs))
 
 
 def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
@@ -555,8 +552,7 @@ def build_base(spec: ModelSpec, device: torch.device | None = None) -> Base:
 
 
 def _refuse_fp8(path: Path, config: PretrainedConfig) -> None:
-    """An FP8 checkpoint (DeepSeek's own V3 release) is not sliced for sharding: its
-    block scales would have to be cut with it."""
+    """FP8 weights are not sliced for sharding: their block scales would need cutting too."""
     quantization = getattr(config, "quantization_config", None) or {}
     method = (
         quantization.get("quant_method")
@@ -577,24 +573,19 @@ def base_skeleton(spec: ModelSpec, device: torch.device) -> Base:
     dtype = base_dtype(spec, device)
     if not spec.model_path:
         source = _preset_source(spec, dtype)
-        base = source.base(skeleton(source.config, dtype))
-        base.files = source.files
+        base = source.skeleton(skeleton(source.config, dtype))
     else:
         checked = _checked_checkpoint(spec)
-        path, config, tokenizer, fingerprint = checked
-        _refuse_fp8(path, config)
-        model = skeleton(config, dtype)
+        path, source = checked
+        _refuse_fp8(path, source.config)
+        model = skeleton(source.config, dtype)
         own = weight_files(path)[0]
         slicer = Slicer.of(model, _own_keys(own)) if own else None
         if slicer is not None and slicer.feeds(_loaded_shapes(model)):
-            # Each rank reads its rows from the checkpoint's own files (renamed keys and
-            # per-expert tensors included): no process reads the whole base.
-            base = BaseSource(config, tokenizer, fingerprint, own).base(model)
-            base.files, base.slicer = own, slicer
+            # Each rank reads its rows from the checkpoint's own files: none reads it whole.
+            base = replace(source, files=own).skeleton(model, slicer)
         else:  # converted once per machine, whole, into the cache
-            source = _checkpoint_source(spec, dtype, checked)
-            base = source.base(model)
-            base.files = source.files
+            base = _checkpoint_source(spec, dtype, checked).skeleton(model)
     base.model.requires_grad_(False)
     return base
 
@@ -608,8 +599,7 @@ def _own_keys(files: list[Path]) -> set[str]:
 
 
 def _loaded_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
-    """The tensors a checkpoint must hold for ``model``: each parameter once (a tied one
-    under its first name) and each persistent buffer, with their shapes."""
+    """What a checkpoint must hold for ``model``: parameters (tied: once) and persistent buffers."""
     params = dict(model.named_parameters())
     every = dict(model.named_parameters(remove_duplicate=False))
     return {
@@ -632,9 +622,8 @@ def lora_config(spec: ModelSpec, targets: list[str]) -> LoraConfig:
 
 @contextlib.contextmanager
 def _exact_targets() -> Iterator[None]:
-    """peft >= 0.18 renames MoE targets as transformers-4 expert names (any ``*.gate_proj``
-    becomes the fused routed experts), moving dense and shared-expert adapters onto 3-D
-    tensors Opacus cannot clip; our targets are exact module paths, so it is switched off."""
+    """Switch off peft >= 0.18's renaming of MoE targets to transformers-4 expert names,
+    which moves dense and shared-expert adapters onto 3-D tensors Opacus cannot clip."""
     from peft.utils import transformers_weight_conversion as conversion
 
     original = conversion.convert_peft_config_for_transformers
@@ -659,9 +648,8 @@ def _with_adapters(
 
 
 class RThenB(torch.nn.Linear):
-    """lora-sb's ``lora_B``: the fixed B applied after ``lora_R``, the trained r x r
-    matrix (a plain ``nn.Linear``, so Opacus computes its per-sample gradients): the
-    delta is ``scaling * B R A``."""
+    """lora-sb's ``lora_B``: the fixed B after ``lora_R``, the trained r x r matrix (a plain
+    ``nn.Linear``, so Opacus computes its per-sample gradients): ``scaling * B R A``."""
 
     def __init__(self, fixed: torch.nn.Linear) -> None:
         rank, weight = fixed.in_features, fixed.weight
@@ -702,9 +690,9 @@ def factor_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def fixed_factors(
     mode: AdapterMode, shapes: Mapping[str, tuple[int, ...]], seed: int
 ) -> dict[str, np.ndarray]:
-    """The factors ``mode`` keeps fixed, from names, shapes and seed alone: every party
-    derives the same ones, and none depends on data, so they cost no privacy. lora-sb's
-    are Haar-random orthonormal, so B R A moves the weight by R's own scale."""
+    """The factors ``mode`` keeps fixed, from names, shapes and seed: every party derives
+    the same, and none depends on data, so they cost no privacy. lora-sb's are Haar-random
+    orthonormal, so B R A moves the weight by R's own scale."""
     if mode == "lora":
         return {}
     if mode == "lora-fa":
@@ -725,8 +713,7 @@ def _orthonormal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
 def lora_factors(
     mode: AdapterMode, trained: Mapping[str, np.ndarray], fixed: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """The adapter as standard LoRA factors, which peft loads: lora-sb's R is folded
-    into A (A' = R A, the same ``scaling * B R A``; peft has no form with R)."""
+    """The adapter as standard LoRA factors, which peft loads (lora-sb's R folded: A' = R A)."""
     if mode != "lora-sb":
         return {**fixed, **trained}
     factors = dict(fixed)
@@ -760,11 +747,8 @@ ADAPTER_MARK = ".lora_"
 
 
 class AdapterModel:
-    """A frozen base with fp32 LoRA adapters; only adapter tensors are read or written.
-
-    The adapter state (``name -> float32 array`` of what the adapter-mode trains) is
-    the unit that is trained, sent, aggregated and checkpointed.
-    """
+    """A frozen base with fp32 LoRA adapters. The adapter state (``name -> float32 array``
+    of what the adapter-mode trains) is what is trained, sent, aggregated and checkpointed."""
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | None = None, *, skeleton: bool = False
@@ -809,8 +793,7 @@ class AdapterModel:
             self._copy_in(initial_adapter(self._shapes(), spec.seed))
 
     def unshard(self) -> None:
-        """Build the whole base again, keeping the adapters: a sharded base dies with its
-        process group, and the next group shards a whole one."""
+        """Build the whole base again, adapters kept: a sharded base dies with its group."""
         state = self.adapter_state()
         self._build()
         self.load_adapter_state(state)
@@ -852,8 +835,9 @@ class AdapterModel:
         )
 
     def _copy_out(self, names: list[str]) -> dict[str, np.ndarray]:
-        params = self._adapters
-        return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in names}
+        return {
+            n: self._adapters[n].detach().to("cpu", torch.float32).numpy().copy() for n in names
+        }
 
     def _copy_in(self, arrays: Mapping[str, np.ndarray]) -> None:
         with torch.no_grad():
@@ -879,9 +863,8 @@ class AdapterModel:
 
 @dataclass
 class AdapterLayout:
-    """The adapter's names, shapes and initial values, from the base built on ``meta``:
-    what the aggregator needs, without the base's memory. ``factors``: every module's A
-    and B shapes, from which the mode's fixed factors are derived."""
+    """The adapter's names, shapes and initial values, from the base on ``meta``: what the
+    aggregator needs, without the base. ``factors``: every A and B shape (for the fixed ones)."""
 
     spec: ModelSpec
     fingerprint: str
@@ -897,7 +880,8 @@ class AdapterLayout:
             config = checkpoint_config(path)
             fingerprint = checkpoint_fingerprint(path)
         else:
-            config, _, fingerprint = _preset(spec)
+            preset = _preset(spec)
+            config, fingerprint = preset.config, preset.fingerprint
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(config, trust_remote_code=False)  # type: ignore[no-untyped-call]
             peft_model, targets = _with_adapters(base, spec, config.model_type)
@@ -917,8 +901,8 @@ class AdapterLayout:
 
 
 def initial_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
-    """The global adapter before round 1, from names, shapes and seed alone: ``lora_A``
-    as peft's Kaiming default, the rest zero, so the adapted model starts as the base."""
+    """The global adapter before round 1, from names, shapes and seed: ``lora_A`` as peft's
+    Kaiming default, the rest zero, so the adapted model starts as the base."""
     rng = np.random.default_rng([seed, 1])
     state: dict[str, np.ndarray] = {}
     for name in sorted(shapes):
@@ -939,8 +923,8 @@ _PAUSED_DURING_RECOMPUTE: list[Any] = []
 
 @contextlib.contextmanager
 def pause_on_recompute(hooks: Any) -> Iterator[None]:
-    """While open, ``hooks`` (an Opacus GradSampleModule) skip the recompute of
-    checkpointed layers: a per-sample gradient must use the forward's activations, once."""
+    """While open, ``hooks`` (an Opacus GradSampleModule) skip checkpointed layers'
+    recompute: a per-sample gradient must use the forward's activations, once."""
     _PAUSED_DURING_RECOMPUTE.append(hooks)
     try:
         yield

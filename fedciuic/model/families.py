@@ -1,11 +1,9 @@
 """Which modules carry LoRA adapters, per architecture (run config ``lora-targets``).
 
-The MoE router and the routed experts are never adapted: transformers 5 stores them in
-forms (not an ``nn.Linear``; fused 3-D tensors) out of reach of peft and Opacus'
-per-sample gradients (docs/models.md). The blocks in :data:`FROZEN_BLOCKS` stay frozen
-even where a projection shares an attention projection's name, and an ``nn.Linear``
-subclass with a forward of its own is never adapted: peft's LoRA would add
-``B @ A @ x`` as if it were a plain matrix product.
+The MoE router and routed experts are never adapted: transformers 5 stores them out of
+reach of peft and Opacus' per-sample gradients (docs/models.md). Nor are the blocks in
+:data:`FROZEN_BLOCKS`, whatever their projections' names, or an ``nn.Linear`` subclass
+with a forward of its own (LoRA would add ``B @ A @ x`` as if it were a plain product).
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ ATTENTION: dict[str, tuple[str, ...]] = {
     #: V3.2: MLA plus the sparse-attention indexer, which stays frozen.
     "deepseek_v32": MLA,
     "deepseek_v2": MLA,
-    #: V4: shared-KV attention, low-rank q, and a grouped output whose block-diagonal
-    #: ``o_a_proj`` (an ``nn.Linear`` subclass) stays frozen, as do the hyper-connections,
-    #: sinks and compressors.
+    #: V4: shared-KV attention, low-rank q and a grouped output; its block-diagonal
+    #: ``o_a_proj`` (an ``nn.Linear`` subclass), hyper-connections, sinks, compressors: frozen.
     "deepseek_v4": V4_ATTENTION,
     "qwen2": GQA,
     "qwen3": GQA,
@@ -51,8 +48,7 @@ FROZEN_BLOCKS: dict[str, str] = {
     "indexer": "the sparse-attention indexer (it picks the keys attended)",
     "compressor": "DeepSeek-V4's KV compressor (it pools windows of keys)",
 }
-#: ``nn.Linear`` subclasses whose forward differs but which peft adapts as linear
-#: layers: the 4-bit and 8-bit bases of ``quantization = "nf4"``.
+#: ``nn.Linear`` subclasses peft adapts as linear: the bases of ``quantization = "nf4"``.
 _QUANTIZED_LINEAR = "bitsandbytes."
 
 
@@ -75,8 +71,7 @@ def _why_frozen(path: str, module: nn.Module) -> str | None:
 
 
 def _linears(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
-    """Every ``nn.Linear``, split: adaptable full path -> last name, and frozen last
-    name -> why (the first found of that name)."""
+    """Every ``nn.Linear``: adaptable path -> last name, and frozen last name -> why."""
     found: dict[str, str] = {}
     frozen: dict[str, str] = {}
     for path, module in model.named_modules():

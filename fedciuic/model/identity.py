@@ -1,8 +1,7 @@
 """The base model's identity: every party must fine-tune the very same base.
 
-A checkpoint directory is identified by the SHA-256 of its config, weight and tokenizer
-files (digests cached by file stat); a preset by what builds it: name, config, seed and
-the torch version whose random init it uses.
+A checkpoint by the SHA-256 of its config, weight and tokenizer files; a preset by what
+builds it: name, config, seed, and the torch version whose random init it uses.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ def checkpoint_fingerprint(path: Path, *, cache: Path | None = None) -> str:
 def preset_fingerprint(
     name: str, config: Mapping[str, Any], seed: int, tokenizer: PreTrainedTokenizerBase
 ) -> str:
-    """What builds a preset's weights, and its tokenizer (trained locally, so it could
-    differ by machine)."""
+    """What builds a preset's weights, and its tokenizer (trained locally: it may differ)."""
     vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
     described = {
         "preset": name,

@@ -1,10 +1,7 @@
 """Named presets: DeepSeek-V3-shaped configs built with a seeded random init, and the
-tokenizers they use. No weights can be downloaded, and every party must build the
-very same base, so a preset is a config plus a seed.
-
-Also here: a byte-level BPE tokenizer trained locally on text that ships with CPython
-(:func:`bpe_tokenizer`, cached on disk), and tiny random-init checkpoints of each
-architecture the adapter supports (:func:`tiny_checkpoint`), for tests and examples.
+tokenizers they use. Nothing is downloaded and every party builds the same base, so a
+preset is a config plus a seed. Also a byte-level BPE tokenizer trained locally on
+CPython's own text, and tiny checkpoints of each supported architecture for tests.
 """
 
 # DeepSeek's special tokens are spelt with FULLWIDTH VERTICAL LINE (｜) on purpose.
@@ -39,6 +36,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's, as ByteLevel's
 
 from fedciuic.data import FAMILIES, module_docs
 from fedciuic.digests import cache_dir as fedciuic_cache
@@ -52,13 +50,10 @@ BYTE_USER, BYTE_ASSISTANT = "\n### User:\n", "\n### Assistant:\n"
 
 
 def chat_template(user: str, assistant: str, end_of_turn: str) -> str:
-    """DeepSeek-R1's chat template, less its tool calls and ``<think>`` handling, with
-    the given role markers.
+    """DeepSeek-R1's chat template with these role markers, less tool calls and ``<think>``.
 
-    Rendering is prefix-stable (the prompt before an assistant turn is a prefix of the
-    whole rendering), so a trainer finds the tokens to learn by rendering prompts. Hence
-    a system turn after the conversation has begun is refused: DeepSeek would move it to
-    the front, changing what came before.
+    Rendering is prefix-stable, so a trainer finds the tokens to learn by rendering prompts;
+    hence a late system turn is refused (DeepSeek would move it to the front).
     """
     user, assistant, end_of_turn = (_jinja_string(s) for s in (user, assistant, end_of_turn))
     return (
@@ -93,23 +88,46 @@ def _jinja_string(text: str) -> str:
 BYTE_CHAT_TEMPLATE = chat_template(BYTE_USER, BYTE_ASSISTANT, BYTE_EOS)
 
 
-def _tiny(
-    vocab_size: int = BYTE_VOCAB_SIZE,
-    bos_token_id: int | None = 256,
-    eos_token_id: int | None = 257,
-    pad_token_id: int | None = 258,
-) -> DeepseekV3Config:
-    # initializer_range is raised from 0.02, with which a random base's output layer is
-    # nearly flat, so that an adapter can steer its logits.
-    return DeepseekV3Config(
-        **_TINY_COMMON,
-        **_TINY_V3_LAYOUT,
-        vocab_size=vocab_size,
-        num_mtp_layers=0,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+#: Every tiny config's. initializer_range is raised from 0.02, with which a random base's
+#: output layer is nearly flat, so that an adapter can steer its logits.
+_TINY_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+#: DeepSeek-V3's layout in two layers: layer 0 dense, layer 1 MoE with 4 routed experts
+#: (2 per token) and a shared expert; MLA with low-rank q and kv.
+_TINY_V3_LAYOUT: dict[str, Any] = {
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+_tiny = partial(
+    DeepseekV3Config,
+    **_TINY_COMMON,
+    **_TINY_V3_LAYOUT,
+    vocab_size=BYTE_VOCAB_SIZE,
+    num_mtp_layers=0,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+)
 
 
 def _small() -> DeepseekV3Config:
@@ -174,7 +192,7 @@ def _realistic() -> DeepseekV3Config:
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """Bytes as ids 0-255, then <bos>, <eos>, <pad>: built locally, so presets need no download."""
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
     vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -184,24 +202,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = BYTE_CHAT_TEMPLATE
     return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's reversible map from bytes to printable characters, which the
-    # ByteLevel pre-tokenizer uses for its alphabet.
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 # --- A byte-level BPE tokenizer trained locally ----------------------------------------
@@ -230,13 +230,10 @@ _BPE_META = "fedciuic-tokenizer.json"
 def bpe_tokenizer(
     vocab_size: int = REALISTIC_VOCAB_SIZE, *, cache_dir: Path | None = None
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template,
-    trained locally on CPython's own documentation and cached under ``cache_dir`` (by
-    default ``$FEDCIUIC_CACHE/tokenizers``), the text's fingerprint beside it.
-
-    Training is deterministic, but the text depends on the Python build, so parties
-    that share a vocabulary must run the same Python; the cache key names the Python
-    and ``tokenizers`` versions.
+    """A byte-level BPE tokenizer with DeepSeek's special tokens and chat template, trained
+    on CPython's own documentation and cached under ``cache_dir`` (by default
+    ``$FEDCIUIC_CACHE/tokenizers``). The text depends on the Python build, so parties that
+    share a vocabulary must run the same Python (the cache key names it).
     """
     if vocab_size < 256 + len(BPE_SPECIALS):
         raise ModelError(
@@ -315,8 +312,7 @@ def _train_bpe(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
-    # Renamed into place, so a reader never sees half a tokenizer; if another process got
-    # there first, its (identical) copy wins.
+    # Renamed into place, so no reader sees half a tokenizer; a concurrent (identical) copy wins.
     meta = tokenizer.init_kwargs.pop("fedciuic")
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -378,9 +374,8 @@ TINY_VOCAB_SIZE = 1024
 def tiny_checkpoint(
     family: str, directory: Path, *, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None
 ) -> Path:
-    """Save a tiny random-init model of ``family`` (transformers' own config class, so
-    the Auto classes load it offline) and its tokenizer to ``directory``; the same seed
-    writes the same weights."""
+    """Save a tiny random-init model of ``family`` (loadable offline by the Auto classes)
+    and its tokenizer to ``directory``; the same seed writes the same weights."""
     if family not in _TINY_CONFIGS:
         raise ModelError(
             f"tiny checkpoint:family: unknown architecture {family!r}; "
@@ -405,9 +400,8 @@ def tiny_checkpoint(
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
-    """Save a tokenizer saying it has no unknown token: AutoTokenizer loads a qwen2
-    folder with Qwen2Tokenizer, which would otherwise add "<|endoftext|>" as its unk
-    token, one id past the model's vocabulary."""
+    """Save a tokenizer saying it has no unknown token: Qwen2Tokenizer would otherwise add
+    "<|endoftext|>" as one, an id past the model's vocabulary."""
     tokenizer.save_pretrained(directory)
     config_file = Path(directory) / "tokenizer_config.json"
     saved = json.loads(config_file.read_text(encoding="utf-8"))
@@ -416,8 +410,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
 
 
 def _spread_hash_routes(model: torch.nn.Module) -> None:
-    """Give V4's hash routers (``tid2eid``, which transformers initialises to zeros) a
-    random table, so that a tiny checkpoint's tokens reach every expert."""
+    """Give V4's hash routers (``tid2eid``, zeros from transformers) a random table, so
+    that a tiny checkpoint's tokens reach every expert."""
     for module in model.modules():
         table = getattr(module, "tid2eid", None)
         if isinstance(table, torch.Tensor):
@@ -425,62 +419,21 @@ def _spread_hash_routes(model: torch.nn.Module) -> None:
             table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in table]))
 
 
-_TINY_COMMON: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-}
-
-
-#: DeepSeek-V3's layout in two layers: layer 0 dense, layer 1 MoE with 4 routed experts
-#: (2 per token) and a shared expert; MLA with low-rank q and kv.
-_TINY_V3_LAYOUT: dict[str, Any] = {
-    "moe_intermediate_size": 32,
-    "first_k_dense_replace": 1,
-    "num_key_value_heads": 4,
-    "n_shared_experts": 1,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-}
-
-
-def _tiny_deepseek_v2(**ids: int | None) -> PreTrainedConfig:
-    # The V2-Lite layout: a plain q_proj (no q_lora_rank), low-rank kv, layer 0 dense,
-    # layer 1 MoE with routed and shared experts.
-    return DeepseekV2Config(
+_TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
+    "deepseek_v3": _tiny,
+    # V3's layout plus V3.2's sparse-attention indexer, which keeps index_topk keys a query.
+    "deepseek_v32": partial(
+        DeepseekV32Config,
         **_TINY_COMMON,
-        **ids,  # type: ignore[arg-type]
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    )
-
-
-def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
-    # DeepSeek-V4's blocks, each at least once, with a sliding window shorter than the
-    # test rows and compression rates small enough to emit entries on a dozen tokens.
-    return DeepseekV4Config(
+        **_TINY_V3_LAYOUT,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+    ),
+    # V4's blocks, each at least once, window and compression rates small enough for tests.
+    "deepseek_v4": partial(
+        DeepseekV4Config,
         **_TINY_COMMON,
-        **ids,  # type: ignore[arg-type]
         moe_intermediate_size=32,
         head_dim=32,
         q_lora_rank=32,
@@ -498,22 +451,23 @@ def _tiny_deepseek_v4(**ids: int | None) -> PreTrainedConfig:
         index_n_heads=2,
         index_head_dim=16,
         index_topk=4,
-    )
-
-
-_TINY_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
-    "deepseek_v3": _tiny,
-    # V3's layout plus V3.2's sparse-attention indexer, which keeps index_topk keys a query.
-    "deepseek_v32": partial(
-        DeepseekV32Config,
-        **_TINY_COMMON,
-        **_TINY_V3_LAYOUT,
-        index_topk=8,
-        index_head_dim=16,
-        index_n_heads=2,
     ),
-    "deepseek_v4": _tiny_deepseek_v4,
-    "deepseek_v2": _tiny_deepseek_v2,
+    # The V2-Lite layout: a plain q_proj (no q_lora_rank), low-rank kv, a dense then a MoE layer.
+    "deepseek_v2": partial(
+        DeepseekV2Config,
+        **_TINY_COMMON,
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
     "qwen2": partial(Qwen2Config, **_TINY_COMMON, num_key_value_heads=2),
     # DeepSeek-R1-0528-Qwen3-8B's layout: GQA with an explicit head_dim, q/k RMSNorms.
     "qwen3": partial(Qwen3Config, **_TINY_COMMON, num_key_value_heads=2, head_dim=16),

@@ -1,11 +1,9 @@
 """A region's frozen base sharded across its training processes (FSDP2's ``fully_shard``),
 for a base larger than one device.
 
-The adapters stay out of the shards, whole on every rank as with ``replicate``, so
-DP-SGD's per-sample gradients, clipping and noise are those of the replicated path
-(docs/cluster.md). A gathered layer is a collective: every rank must take the same
-passes in the same order, whatever its own batch holds
-(:func:`fedciuic.model.train.lockstep`).
+The adapters stay whole on every rank, so DP-SGD is that of the replicated path
+(docs/cluster.md). A gathered layer is a collective: every rank takes the same passes in
+the same order (:func:`fedciuic.model.train.lockstep`).
 """
 
 from __future__ import annotations
@@ -37,9 +35,8 @@ def shard_base(model: AdapterModel, world_size: int) -> None:
         )
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=whole)
-    # The root is the transformers model inside peft's wrapper: Opacus, handed an FSDP
-    # module, would take over the distribution (per-rank batches, its own noise), which
-    # fedciuic's DP-DDP already does (fedciuic.privacy.dpsgd).
+    # The root inside peft's wrapper: Opacus, handed an FSDP module, would take over the
+    # distribution, which fedciuic's DP-DDP already does (fedciuic.privacy.dpsgd).
     root = model.model.get_base_model()
     fully_shard(root, mesh=mesh, ignored_params=whole)
     if model.files:  # a skeleton: each rank reads its slice, and only that
@@ -48,9 +45,8 @@ def shard_base(model: AdapterModel, world_size: int) -> None:
 
 
 def _read_slices(model: AdapterModel, root: torch.nn.Module) -> None:
-    """Read this rank's slice (FSDP2's chunk of dim 0) of a sharded skeleton's weights
-    from the mapped files, so no rank reads or holds the whole base; adapters and
-    buffers are kept as they were."""
+    """Read this rank's slice (FSDP2's chunk of dim 0) of a sharded skeleton's weights, so
+    no rank reads or holds the whole base; adapters and buffers are kept."""
     kept = {n: t.detach().clone() for n, t in model.model.named_parameters() if ADAPTER_MARK in n}
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
     model.model.to_empty(device=model.device)

@@ -1,13 +1,10 @@
 """One read-only copy of a frozen base per machine, memory-mapped by every process.
 
-Simulated regions run in a few processes on one machine, each needing the same frozen
-base. Its weights live in one safetensors file that every process maps read-only, so
-the page cache holds one shared copy, and a stray write to a frozen weight faults
-instead of silently forking the base. A preset is built once per machine into
-``$FEDCIUIC_CACHE/bases`` under a file lock, its SHA-256 kept in a sidecar (a damaged
-file is rebuilt); a checkpoint whose safetensors already hold the model's tensors in
-the run's dtype is mapped in place, any other converted once into the same cache.
-Adapters and non-persistent buffers stay private to each model.
+Every process maps the one safetensors file read-only, so the page cache holds one copy
+and a stray write to a frozen weight faults instead of forking the base. A preset is
+built once per machine into ``$FEDCIUIC_CACHE/bases`` under a lock, its SHA-256 in a
+sidecar; a checkpoint already holding the model's tensors in the run's dtype is mapped in
+place, any other converted once into that cache. Adapters and buffers stay private.
 """
 
 from __future__ import annotations
@@ -205,14 +202,10 @@ def _write(
     """Tensors that share memory (tied weights) are written once and named as aliases."""
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: dict[tuple[object, ...], str] = {}
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu()
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-        )
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key in seen:
             aliases[name] = seen[key]
         else:
@@ -251,8 +244,8 @@ def mapped_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], list[Map
 def checkpoint_weight_files(
     path: Path, names: Mapping[str, torch.dtype], dtype: torch.dtype
 ) -> list[Path] | None:
-    """A checkpoint's own safetensors files, if they hold exactly ``names`` (the model's
-    state dict), each floating tensor in ``dtype``, and no pickle file is beside them."""
+    """A checkpoint's own safetensors files, if they hold exactly ``names`` (the state
+    dict), floating tensors in ``dtype``, and no pickle file is beside them."""
     files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("adapter_"))
     if not files or any(path.glob("*.bin")):
         return None
@@ -272,8 +265,7 @@ def checkpoint_weight_files(
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Build modules with parameters on ``meta`` but real buffers: the non-persistent
-    ones (rotary frequencies) are in no file."""
+    """Parameters on ``meta`` but real buffers: non-persistent ones (rotary) are in no file."""
     original = torch.nn.Module.register_parameter
 
     def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -293,8 +285,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def skeleton(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """The model of ``config`` with its parameters on ``meta``; ``dtype`` is the default
-    dtype while it is built (as ``from_pretrained`` builds it)."""
+    """The model of ``config``, parameters on ``meta``, built in ``dtype`` (as loaded)."""
     kwargs = {"dtype": dtype} if dtype is not None else {}
     with _parameters_on_meta():
         model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -326,10 +317,9 @@ def assign(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], source: 
 
 @dataclass
 class Slicer:
-    """Which of a checkpoint's tensors make each of a model's, as transformers' own
-    conversion mapping says (a renamed key, or per-expert tensors fused into one whose
-    rows are experts), so a rank can read its rows of each alone. A tensor it says
-    nothing of is stored under the model's own name."""
+    """Which checkpoint tensors make each model tensor, per transformers' conversion mapping
+    (a renamed key, or per-expert tensors fused into rows), so a rank reads only its rows.
+    A tensor it says nothing of is stored under the model's own name."""
 
     #: model tensor -> checkpoint tensor, where the names differ
     direct: dict[str, str] = field(default_factory=dict)
@@ -375,8 +365,8 @@ class Slicer:
     def rows(
         self, tensors: Mapping[str, torch.Tensor], name: str, start: int, count: int
     ) -> torch.Tensor | None:
-        """Rows ``start`` to ``start + count`` of model tensor ``name`` from the mapped
-        checkpoint ``tensors`` (a scalar whole; None where they do not hold it)."""
+        """``count`` rows from ``start`` of model tensor ``name`` from checkpoint ``tensors``
+        (a scalar whole; None where they do not hold it)."""
         if (parts := self.experts.get(name)) is not None:
             return torch.stack(
                 [
@@ -389,7 +379,7 @@ class Slicer:
 
 
 def _stacks_experts(converter: WeightConverter) -> bool:
-    """A converter that stacks experts (``MergeModulelist(dim=0)``), then perhaps joins
-    their parts along each expert's first dimension (``Concatenate(dim=1)``)."""
+    """A converter stacking experts (``MergeModulelist(dim=0)``), perhaps then joining their
+    parts along each expert's first dimension (``Concatenate(dim=1)``)."""
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
     return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])

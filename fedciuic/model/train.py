@@ -1,7 +1,4 @@
-"""Local training and evaluation of a region's adapters on its own examples.
-
-Pure PyTorch, no Flower: the ClientApp calls these with the region's data.
-"""
+"""Local training and evaluation of a region's adapters on its own examples (pure PyTorch)."""
 
 from __future__ import annotations
 
@@ -57,23 +54,22 @@ def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
 
 
 def lockstep(passes: int, device: torch.device) -> int:
-    """The most passes any rank takes in this step: with a sharded base every pass
-    gathers weights from every rank, so each takes that many, blank ones after its own."""
+    """The most passes any rank takes this step: with a sharded base every pass gathers
+    from every rank, so each takes that many, blank ones after its own."""
     most = torch.tensor([passes], dtype=torch.long, device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     return int(most.item())
 
 
 def blank_batch(device: torch.device) -> Batch:
-    """One example of two tokens: with its loss times zero, a pass that meets the other
-    ranks' collectives and adds nothing (every gradient, per-sample ones too, is zero)."""
+    """Two tokens: with its loss times zero, a pass that meets the other ranks' collectives
+    and adds nothing (every gradient, per-sample ones too, is zero)."""
     return Batch.of_ids(torch.zeros((1, 2), dtype=torch.long)).to(device)
 
 
 def paced(step: Callable[[], T], slowdown: float = 1.0) -> tuple[T, float]:
-    """Run one local training step; what it returned and its seconds. Every loop and the
-    time-budget calibration pace steps here, so a ``slowdown`` (test-region-slowdown,
-    tests only) slows a region alike everywhere (docs/heterogeneity.md)."""
+    """Run one local training step: its result and seconds. Every loop paces steps here, so
+    a ``slowdown`` (tests only) slows a region alike everywhere (docs/heterogeneity.md)."""
     began = time.perf_counter()
     result = step()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -88,12 +84,8 @@ def add_proximal_term(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float
 ) -> torch.utils.hooks.RemovableHandle | None:
     """FedProx: add ``mu * (w - w_start)`` to each gradient right before ``optimizer``
-    updates it, ``w_start`` being the parameters now. None for ``mu = 0``.
-
-    A step pre-hook on the plain (inner) optimizer: under DP-SGD it runs after clipping,
-    noise and the sum over ranks, so it is post-processing of the privatized gradient
-    and costs no privacy (docs/privacy.md).
-    """
+    steps (None for ``mu = 0``). Under DP-SGD this runs after clipping, noise and the sum
+    over ranks: post-processing of the privatized gradient, at no privacy cost."""
     if mu == 0.0:
         return None
     anchors = [p.detach().clone() for p in params]
@@ -114,11 +106,9 @@ def add_proximal_term(
 class EvalStats:
     loss: float  # mean next-token cross-entropy over all held-out tokens
     num_examples: int
-    #: Seconds one local DP-SGD step takes on this region's hardware (a synthetic batch
-    #: of the worst shape, nothing private): the aggregator's rounds wait for the work.
+    #: Seconds a local DP-SGD step takes here (a synthetic worst-shape batch, nothing private).
     step_seconds: float | None = None
-    #: A DP evaluation's release, for the region's audit log (its epsilon and the
-    #: ledger's head after it); None for an exact one.
+    #: A DP evaluation's release (epsilon, ledger head) for the audit log; None if exact.
     released: dict[str, object] | None = None
 
     @property
@@ -155,8 +145,7 @@ def example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 @torch.no_grad()
 def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -> list[float]:
-    """Each privacy unit's held-out loss, the mean of its examples' (a DP evaluation
-    clips and sums these, one bounded term a unit)."""
+    """Each privacy unit's held-out loss, its examples' mean (what a DP evaluation clips)."""
     net = model.model
     net.eval()
     losses = torch.empty(len(examples), dtype=torch.float64)
@@ -168,8 +157,7 @@ def unit_losses(model: AdapterModel, examples: ExampleSet, *, batch_size: int) -
 
 
 def lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean over the batch of each example's mean loss: per example, not per token, so
-    that DP-SGD's per-sample gradients are of each example's own loss."""
+    """The mean of example losses, not token losses: per-sample gradients are per example."""
     return example_losses(model, batch).mean()
 
 
@@ -189,13 +177,9 @@ def train_local(
 ) -> TrainStats:
     """Non-private training: ``steps`` steps on batches drawn by ``generator``.
 
-    A ``time_budget`` stops training after the first step that ends past it: no privacy
-    is at stake, so the clock may decide (DP-SGD plans its count instead). Over several
-    processes rank 0's clock decides, its verdict riding the step's all-reduce.
-
-    Every rank of a ``shard`` draws the same global batch and trains on its share, its
-    loss weighted by that share; summed gradients make each step equal one process's
-    step on the whole batch, so every rank ends with the same adapters.
+    A ``time_budget`` stops after the first step ending past it (no privacy at stake; rank
+    0's clock decides). Every rank of a ``shard`` draws the same batch and trains on its
+    share, loss weighted by it, so summed gradients equal one process's step on it all.
     """
     net = model.model
     net.train()
