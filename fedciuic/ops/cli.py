@@ -1,8 +1,7 @@
 """The ``fedciuic`` command.
 
-Errors meant for the user print one line, ``fedciuic: error: <where>: <what>; <fix>``,
-and exit with status 2; there is no traceback for bad input. ``fedciuic simulate``, with
-its exit statuses, is :mod:`fedciuic.ops.simulate`.
+Bad input prints one line, ``fedciuic: error: <where>: <what>; <fix>``, and exits 2 (no
+traceback). ``fedciuic simulate`` and its exit statuses: :mod:`fedciuic.ops.simulate`.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,25 +77,19 @@ exit status:
 """
 
 
-@dataclass(frozen=True)
 class Arg:
-    """One option or positional of a command: ``add_argument``'s arguments, as data."""
+    """One option or positional of a command, written as the ``add_argument`` call it is."""
 
-    names: tuple[str, ...]
-    options: Mapping[str, Any]
-
-
-def arg(*names: str, **options: Any) -> Arg:
-    """An :class:`Arg`, written as the ``add_argument`` call it stands for."""
-    return Arg(names, options)
+    def __init__(self, *names: str, **options: Any) -> None:
+        self.names, self.options = names, options
 
 
 def app_arg(help: str) -> Arg:
-    return arg("--app", type=Path, default=Path("."), help=help)
+    return Arg("--app", type=Path, default=Path("."), help=help)
 
 
 def run_config_arg(help: str = "override a run-config value (TOML value), repeatable") -> Arg:
-    return arg("--run-config", action="append", default=[], metavar="KEY=VALUE", help=help)
+    return Arg("--run-config", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
 @dataclass(frozen=True)
@@ -115,8 +108,7 @@ class Command:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         return int(args.handler(args))
     except FedciuicError as err:
@@ -142,42 +134,31 @@ def _parser() -> argparse.ArgumentParser:
     }
     for entry in COMMANDS:
         *parent, name = entry.path
+        description = entry.description
         if entry.handler is None:
-            where[entry.path] = _add(
-                where[tuple(parent)],
-                name,
-                entry.help,
-                entry.example,
+            description = (
                 f"{entry.help[0].upper()}{entry.help[1:]}. `fedciuic {name} ACTION --help` "
-                "explains each action's options.",
-            ).add_subparsers(required=True, metavar="ACTION")
+                "explains each action's options."
+            )
+        command: argparse.ArgumentParser = where[tuple(parent)].add_parser(
+            name,
+            help=entry.help,
+            description=description,
+            epilog=f"example:\n  {entry.example}" + (f"\n\n{entry.exits}" if entry.exits else ""),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if entry.handler is None:
+            where[entry.path] = command.add_subparsers(required=True, metavar="ACTION")
             continue
-        command = _add(where[tuple(parent)], name, entry.help, entry.example, entry.description)
         command.set_defaults(handler=entry.handler)
-        if entry.exits:
-            command.epilog = f"{command.epilog}\n\n{entry.exits}"
         for argument in entry.arguments:
             if isinstance(argument, Arg):
                 command.add_argument(*argument.names, **argument.options)
-                continue
-            exclusive = command.add_mutually_exclusive_group()
-            for one in argument:
-                exclusive.add_argument(*one.names, **one.options)
+            else:
+                exclusive = command.add_mutually_exclusive_group()
+                for one in argument:
+                    exclusive.add_argument(*one.names, **one.options)
     return parser
-
-
-def _add(
-    sub: Any, name: str, help: str, example: str, description: str | None
-) -> argparse.ArgumentParser:
-    """A (sub)command with its one-line help and an example."""
-    command: argparse.ArgumentParser = sub.add_parser(
-        name,
-        help=help,
-        description=description,
-        epilog=f"example:\n  {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    return command
 
 
 #: Every command of ``fedciuic``, in the order ``--help`` lists them.
@@ -196,29 +177,29 @@ COMMANDS: tuple[Command, ...] = (
         "and the ClientApp only relays (docs/cluster.md).",
         arguments=(
             app_arg("the Flower app folder (with pyproject.toml); default: ."),
-            arg("--regions", help="comma-separated regions, e.g. eu,cn,us"),
-            arg("--rounds", type=int, help="number of server rounds"),
-            arg(
+            Arg("--regions", help="comma-separated regions, e.g. eu,cn,us"),
+            Arg("--rounds", type=int, help="number of server rounds"),
+            Arg(
                 "--data-root",
                 type=Path,
                 help="folder with one sub-folder of data per region (their privacy ledgers, audit "
                 "logs and keys live in DATA_ROOT/<region>/.fedciuic/ and carry on from run to "
                 "run); default: fresh demo corpora for this invocation, under OUTPUT_DIR/.flower/",
             ),
-            arg(
+            Arg(
                 "--compare-no-dp",
                 action="store_true",
                 help="also run the same federation without DP (a lab baseline, so without "
                 "policies, which require DP) and show the gap",
             ),
-            arg(
+            Arg(
                 "--output-dir",
                 type=Path,
                 default=Path("runs"),
                 help="where each run writes run-<id>/ (default: runs)",
             ),
             run_config_arg(),
-            arg(
+            Arg(
                 "--cpus-per-region",
                 type=int,
                 help="CPUs each region's ClientApp holds (Ray's client-resources-num-cpus; "
@@ -226,15 +207,15 @@ COMMANDS: tuple[Command, ...] = (
                 "than regions, so one region trains at a time and memory holds one step; "
                 "else 1, and every region trains at once",
             ),
-            arg(
+            Arg(
                 "--timeout",
                 type=float,
                 default=1800.0,
                 help="seconds before the whole run is stopped (default: 1800)",
             ),
             (
-                arg("--quiet", action="store_true", help="print only the summary"),
-                arg(
+                Arg("--quiet", action="store_true", help="print only the summary"),
+                Arg(
                     "--verbose",
                     action="store_true",
                     help="stream Flower's own log instead of the per-round progress",
@@ -254,19 +235,19 @@ COMMANDS: tuple[Command, ...] = (
         "process it started when it ends; DIR/README.md has the commands for one machine\n"
         "per party. Nothing is written unless every check passes.",
         arguments=(
-            arg(
+            Arg(
                 "directory",
                 type=Path,
                 metavar="DIR",
                 help="the deployment folder to create; must not exist or be empty",
             ),
-            arg(
+            Arg(
                 "--regions",
                 default="eu,cn,us",
                 help="comma-separated regions; a region's jurisdiction is its name upper-cased "
                 "(eu is EU) unless given as NAME=JUR, e.g. paris=EU (default: eu,cn,us)",
             ),
-            arg(
+            Arg(
                 "--aggregator-jurisdiction",
                 default="EU",
                 metavar="JUR",
@@ -274,38 +255,38 @@ COMMANDS: tuple[Command, ...] = (
                 "run config, and every region's policy must allow it (default: EU)",
             ),
             app_arg("the Flower app folder, with pyproject.toml and [tool.flwr.app] (default: .)"),
-            arg(
+            Arg(
                 "--policies",
                 type=Path,
                 metavar="DIR",
                 help="folder with one policy YAML per jurisdiction; each region gets a copy of its "
                 "own (default: APP/policies)",
             ),
-            arg(
+            Arg(
                 "--host",
                 default="127.0.0.1",
                 help="the name or address SuperNodes reach the SuperLink at; the SuperLink listens "
                 "there and its TLS certificate names it (default: 127.0.0.1)",
             ),
-            arg(
+            Arg(
                 "--port",
                 type=int,
                 default=9092,
                 help="the SuperLink's port (Fleet, Control and runtime APIs) (default: 9092)",
             ),
-            arg(
+            Arg(
                 "--supernode-port-base",
                 type=int,
                 metavar="PORT",
                 help="each SuperNode's local runtime API port is PORT + i, for the i-th region "
                 "(default: --port + 1)",
             ),
-            arg(
+            Arg(
                 "--insecure",
                 action="store_true",
                 help="no TLS and no SuperNode authentication: for loopback tests only",
             ),
-            arg(
+            Arg(
                 "--relay-user",
                 metavar="USER",
                 help="the OS user each region's relay (Flower's ClientApp, which the aggregator "
@@ -313,7 +294,7 @@ COMMANDS: tuple[Command, ...] = (
                 'read the region\'s files (default: fedciuic-relay when run as root; "" otherwise: '
                 "the relay runs as the region's own user, with no OS separation)",
             ),
-            arg(
+            Arg(
                 "--demo-data",
                 action="store_true",
                 help="put the demo corpus in each region's data/ (regions eu, cn, us, sg, in); "
@@ -327,8 +308,8 @@ COMMANDS: tuple[Command, ...] = (
         "fedciuic demo-data ./demo-data --regions eu,cn,us",
         commands.demo_data,
         arguments=(
-            arg("directory", type=Path),
-            arg("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)"),
+            Arg("directory", type=Path),
+            Arg("--regions", default="eu,cn,us", help="comma-separated (default: eu,cn,us)"),
         ),
     ),
     Command(
@@ -343,20 +324,20 @@ COMMANDS: tuple[Command, ...] = (
         "fedciuic data check ./data/eu --model-path ./DeepSeek-R1-Distill-Qwen-7B",
         commands.data_check,
         arguments=(
-            arg("data_path", type=Path, metavar="DATA_PATH"),
-            arg(
+            Arg("data_path", type=Path, metavar="DATA_PATH"),
+            Arg(
                 "--model-path",
                 default="",
                 help="the checkpoint whose tokenizer and chat template count and render the "
                 "records (default: the tiny preset's tokenizer)",
             ),
-            arg(
+            Arg(
                 "--seq-len",
                 type=int,
                 default=_SEQ_LEN,
                 help=f"the seq-len your run trains at (default: {_SEQ_LEN}, the run config's)",
             ),
-            arg(
+            Arg(
                 "--max-record-bytes",
                 type=int,
                 default=commands.RECORD_BYTES,
@@ -365,16 +346,16 @@ COMMANDS: tuple[Command, ...] = (
                 "deployed region's agent.toml has its own)",
             ),
             *(
-                arg(f"--{option}", default=default, help=f"default: {default}")
+                Arg(f"--{option}", default=default, help=f"default: {default}")
                 for option, default in DATA_FIELD_OPTIONS.items()
             ),
-            arg(
+            Arg(
                 "--no-deidentify",
                 action="store_true",
                 help="check the data as a run with deidentify = false reads it (nothing scrubbed)",
             ),
             *(
-                arg(
+                Arg(
                     f"--{option}",
                     default=default,
                     choices=REPLACEMENTS if option == "deid-replacement" else None,
@@ -397,11 +378,11 @@ COMMANDS: tuple[Command, ...] = (
         "run (its target-epsilon, rounds and local steps; the sample rate of the dataset's "
         "last release) would take a region past its budget.",
         arguments=(
-            arg("agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"),
-            arg(
+            Arg("agent_configs", type=Path, nargs="*", metavar="AGENT_TOML", help="agent configs"),
+            Arg(
                 "--data-root", type=Path, help="a simulation's --data-root (one folder per region)"
             ),
-            arg("--regions", help="with --data-root: comma-separated (default: app's)"),
+            Arg("--regions", help="with --data-root: comma-separated (default: app's)"),
             app_arg("the app whose run config to read; default: ."),
             run_config_arg(
                 "the run's overrides (target-epsilon, num-server-rounds, local-steps, ...), "
@@ -429,8 +410,8 @@ COMMANDS: tuple[Command, ...] = (
         "less epsilon than a source. The replaced file is kept next to it as evidence "
         "(docs/privacy.md).",
         arguments=(
-            arg("--state-path", type=Path, required=True, metavar="STATE"),
-            arg(
+            Arg("--state-path", type=Path, required=True, metavar="STATE"),
+            Arg(
                 "--aggregator-log",
                 type=Path,
                 metavar="FILE",
@@ -454,19 +435,19 @@ COMMANDS: tuple[Command, ...] = (
         "this command.",
         arguments=(
             app_arg("the Flower app folder (default: .)"),
-            arg(
+            Arg(
                 "--run-config-file",
                 type=Path,
                 metavar="FILE",
                 help="run-config values (TOML) over the app's, e.g. aggregator/run-config.toml",
             ),
             run_config_arg(),
-            arg(
+            Arg(
                 "--data-root",
                 type=Path,
                 help="simulation datasets: one folder per region (DATA_ROOT/REGION)",
             ),
-            arg(
+            Arg(
                 "--agent-config",
                 type=Path,
                 action="append",
@@ -475,7 +456,7 @@ COMMANDS: tuple[Command, ...] = (
                 help="a deployed region's agent config (its data-path and allow-pickle-weights), "
                 "repeatable",
             ),
-            arg(
+            Arg(
                 "flwr_args",
                 nargs=argparse.REMAINDER,
                 metavar="-- FLWR_RUN_ARGS",
@@ -491,9 +472,9 @@ COMMANDS: tuple[Command, ...] = (
         "  fedciuic simulate --run-config model-path='\"./tiny-ckpt\"'",
         commands.save_preset_checkpoint,
         arguments=(
-            arg("directory", type=Path),
-            arg("--preset", default="tiny"),
-            arg("--seed", type=int, default=0),
+            Arg("directory", type=Path),
+            Arg("--preset", default="tiny"),
+            Arg("--seed", type=int, default=0),
         ),
     ),
     Command(
@@ -510,10 +491,10 @@ COMMANDS: tuple[Command, ...] = (
         "file is created with mode 0600 and never overwritten; give the public bundle "
         "(PARTY.pub.json) to the other parties.",
         arguments=(
-            arg("--party", required=True, help="aggregator, or the region's name (eu, cn...)"),
-            arg("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN"),
-            arg("--out", type=Path, required=True, help="folder for the two files"),
-            arg(
+            Arg("--party", required=True, help="aggregator, or the region's name (eu, cn...)"),
+            Arg("--jurisdiction", required=True, help="where the party sits, e.g. EU, CN"),
+            Arg("--out", type=Path, required=True, help="folder for the two files"),
+            Arg(
                 "--signature",
                 choices=["ed25519", "ed25519+mldsa65"],
                 default="ed25519",
@@ -526,7 +507,7 @@ COMMANDS: tuple[Command, ...] = (
         "print a public bundle (or the bundle of a private key file)",
         "fedciuic keys show keys/eu.pub.json",
         commands.keys_show,
-        arguments=(arg("file", type=Path),),
+        arguments=(Arg("file", type=Path),),
     ),
     Command(
         ("policy",),
@@ -538,21 +519,21 @@ COMMANDS: tuple[Command, ...] = (
         "validate policy files (exit 1 if any is invalid)",
         "fedciuic policy check policies/*.yaml",
         commands.policy_check,
-        arguments=(arg("files", type=Path, nargs="+", metavar="FILE"),),
+        arguments=(Arg("files", type=Path, nargs="+", metavar="FILE"),),
     ),
     Command(
         ("policy", "explain"),
         "what a policy allows, in plain language",
         "fedciuic policy explain policies/cn-pipl.yaml",
         commands.policy_explain,
-        arguments=(arg("file", type=Path, metavar="FILE"),),
+        arguments=(Arg("file", type=Path, metavar="FILE"),),
     ),
     Command(
         ("policy", "diff"),
         "every rule that differs between two policies (exit 1 if any)",
         "fedciuic policy diff policies/eu-gdpr.yaml policies/cn-pipl.yaml",
         commands.policy_diff,
-        arguments=(arg("a", type=Path, metavar="A"), arg("b", type=Path, metavar="B")),
+        arguments=(Arg("a", type=Path, metavar="A"), Arg("b", type=Path, metavar="B")),
     ),
     Command(
         ("tls",),
@@ -565,14 +546,14 @@ COMMANDS: tuple[Command, ...] = (
         "fedciuic tls generate --out certs/ --host superlink.example.org --host 10.0.0.5",
         commands.tls_generate,
         arguments=(
-            arg("--out", type=Path, required=True, help="folder for the files"),
-            arg(
+            Arg("--out", type=Path, required=True, help="folder for the files"),
+            Arg(
                 "--host",
                 action="append",
                 required=True,
                 help="a name or address the SuperLink is reached at (repeatable)",
             ),
-            arg("--days", type=int, default=365, help="validity (default: 365)"),
+            Arg("--days", type=int, default=365, help="validity (default: 365)"),
         ),
     ),
     Command(
@@ -582,8 +563,8 @@ COMMANDS: tuple[Command, ...] = (
         "  flwr supernode register auth/eu.auth.pub",
         commands.tls_supernode_key,
         arguments=(
-            arg("--name", required=True, help="the SuperNode's region, e.g. eu"),
-            arg("--out", type=Path, required=True, help="folder for the two files"),
+            Arg("--name", required=True, help="the SuperNode's region, e.g. eu"),
+            Arg("--out", type=Path, required=True, help="folder for the two files"),
         ),
     ),
     Command(
@@ -601,8 +582,8 @@ COMMANDS: tuple[Command, ...] = (
         "tail, or records after the last checkpoint); 2 an error (the log or the key "
         "cannot be read).",
         arguments=(
-            arg("log", type=Path, metavar="LOG"),
-            arg("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json"),
+            Arg("log", type=Path, metavar="LOG"),
+            Arg("--pubkey", type=Path, required=True, help="the party's PARTY.pub.json"),
         ),
     ),
     Command(
@@ -611,11 +592,11 @@ COMMANDS: tuple[Command, ...] = (
         "fedciuic audit show runs/audit/aggregator.audit.jsonl --region cn --round 2",
         commands.audit_show,
         arguments=(
-            arg("log", type=Path, metavar="LOG"),
-            arg("--region", help="records by or about this region"),
-            arg("--round", type=int, help="records of this round"),
-            arg("--event", help="records of this event type, e.g. update_rejected"),
-            arg("--run", type=int, help="records of this run id"),
+            Arg("log", type=Path, metavar="LOG"),
+            Arg("--region", help="records by or about this region"),
+            Arg("--round", type=int, help="records of this round"),
+            Arg("--event", help="records of this event type, e.g. update_rejected"),
+            Arg("--run", type=int, help="records of this run id"),
         ),
     ),
     Command(
@@ -631,10 +612,10 @@ COMMANDS: tuple[Command, ...] = (
         "key unreadable, no such run); 3 the logs disagree (records inside a party's "
         "declared retention gone among them).",
         arguments=(
-            arg("logs", type=Path, nargs="+", metavar="LOG"),
-            arg("--keys", type=Path, help="folder of PARTY.pub.json to verify each log"),
-            arg("--run", type=int, help="run id (default: the aggregator's last run)"),
-            arg("--out", type=Path, default=Path("."), help="folder for the report"),
+            Arg("logs", type=Path, nargs="+", metavar="LOG"),
+            Arg("--keys", type=Path, help="folder of PARTY.pub.json to verify each log"),
+            Arg("--run", type=int, help="run id (default: the aggregator's last run)"),
+            Arg("--out", type=Path, default=Path("."), help="folder for the report"),
         ),
     ),
     Command(
@@ -651,15 +632,15 @@ COMMANDS: tuple[Command, ...] = (
         "is refused); records another declared policy still keeps are kept. A region's "
         "agent and the aggregator do this when they start.",
         arguments=(
-            arg("log", type=Path, metavar="LOG"),
-            arg("--key", type=Path, required=True, help="the party's PARTY.key.json"),
-            arg(
+            Arg("log", type=Path, metavar="LOG"),
+            Arg("--key", type=Path, required=True, help="the party's PARTY.key.json"),
+            Arg(
                 "--policy",
                 type=Path,
                 required=True,
                 help="the party's own policy, as it declared it",
             ),
-            arg("--dry-run", action="store_true", help="say what would be removed, change nothing"),
+            Arg("--dry-run", action="store_true", help="say what would be removed, change nothing"),
         ),
     ),
     Command(
@@ -678,8 +659,8 @@ COMMANDS: tuple[Command, ...] = (
         "A run that did not end (running, interrupted, failed) is reported from what its "
         "logs hold, with records no signature covers yet listed as unverified.",
         arguments=(
-            arg("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)"),
-            arg(
+            Arg("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (run-<id>/)"),
+            Arg(
                 "--audit-log",
                 type=Path,
                 action="append",
@@ -688,12 +669,12 @@ COMMANDS: tuple[Command, ...] = (
                 help="an audit log to read (repeatable); default: the aggregator's log named in "
                 "metrics.json and, for a simulation, each region's log under data-root",
             ),
-            arg(
+            Arg(
                 "--keys",
                 type=Path,
                 help="folder of PARTY.pub.json to verify the logs; default: the run's keys-dir",
             ),
-            arg("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)"),
+            Arg("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html)"),
         ),
     ),
     Command(
@@ -709,21 +690,21 @@ COMMANDS: tuple[Command, ...] = (
         "own policy and ledger; it refuses to start while the relay's OS user can read the "
         "region's files (docs/cluster.md).",
         arguments=(
-            arg("--config", type=Path, required=True, metavar="FILE"),
-            arg(
+            Arg("--config", type=Path, required=True, metavar="FILE"),
+            Arg(
                 "--ping",
                 action="store_true",
                 help="do not serve: exit 0 once the agent answers on its socket (up to --timeout)",
             ),
-            arg("--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"),
-            arg(
+            Arg("--timeout", type=float, default=60.0, help="seconds --ping waits (default: 60)"),
+            Arg(
                 "--pid",
                 type=int,
                 default=0,
                 help="with --ping: exit 0 only if the agent that answers is this process "
                 "(a start script checks that its own agent started)",
             ),
-            arg(
+            Arg(
                 "--keep-running",
                 action="store_true",
                 help="keep serving after the process that started it exits (under a service "

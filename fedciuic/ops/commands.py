@@ -107,14 +107,13 @@ def budget(args: argparse.Namespace) -> int:
         )
     values = {**app_run_config(args.app.resolve()), **parse_overrides(args.run_config)}
     run = RunConfig.from_user_config(values, source="run config")
-    target = run.privacy.target_epsilon
     if args.data_root is not None:
         regions = [r for r in (args.regions or ",".join(run.regions)).split(",") if r]
         found = simulation_budgets(args.data_root.resolve(), regions, run)
     else:
         agents = [AgentConfig.load(path) for path in args.agent_configs]
         found = [budget_status(a.region, a.state_dir, a.epsilon_budget) for a in agents]
-    fits, lines = budget_lines(found, run, target)
+    fits, lines = budget_lines(found, run)
     print("\n".join(lines))
     return 0 if fits else 1
 

@@ -93,13 +93,12 @@ def _region_policy(
     if loaded is None:
         have = ", ".join(sorted(policies.by_jurisdiction)) or "none"
         unreadable = "".join(f"; unreadable: {p}" for p in policies.problems)
-        if jurisdiction in JURISDICTIONS:
-            fix = "add one or pass --policies DIR"
-        else:
-            fix = (
-                f"{jurisdiction} is not a jurisdiction fedciuic knows: name the region's as "
-                f"{name}=JUR (an ISO 3166-1 code, EU or EEA), e.g. paris=EU"
-            )
+        fix = (
+            "add one or pass --policies DIR"
+            if jurisdiction in JURISDICTIONS
+            else f"{jurisdiction} is not a jurisdiction fedciuic knows: name the region's as "
+            f"{name}=JUR (an ISO 3166-1 code, EU or EEA), e.g. paris=EU"
+        )
         return None, [
             f"--regions:{name}: no policy for jurisdiction {jurisdiction} in {policies_dir} "
             f"(have {have}){unreadable}; {fix}"
@@ -115,8 +114,7 @@ def _region_policy(
 
 
 def _relay_problems(user: str, folders: dict[str, Path]) -> list[str]:
-    """Why ``user`` cannot be the relay's user here: it must run this Python and reach
-    ``folders``."""
+    """Why ``user`` cannot be the relay's user here (it must run this Python, reach ``folders``)."""
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
         return [f"--relay-user: {user!r} is not a user name (lower-case, at most 32 characters)"]
     try:
@@ -148,8 +146,7 @@ def init_deployment(
     supernode_port_base: int | None = None,
     relay_user: str | None = None,
 ) -> Deployment:
-    """Check everything, then write the deployment folder; raise ConfigError with every
-    problem. ``relay_user`` None: :func:`default_relay_user`."""
+    """Check everything (ConfigError with every problem), then write the deployment folder."""
     from fedciuic.data import FAMILIES
 
     directory = Path(os.path.abspath(directory.expanduser()))
@@ -224,8 +221,7 @@ def init_deployment(
         relay_user=relay,
     )
     if relay:
-        # Each region's relay home and agent socket (in folders init makes passable):
-        # the folders above them must let the relay's user through too.
+        # The relay's user must pass the folders above each region's relay home and socket.
         folders: dict[str, Path] = {}
         for region in deployment.regions:
             folders |= relay_folders(

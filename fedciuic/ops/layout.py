@@ -41,8 +41,7 @@ AGENT_CONFIG = "agent.toml"
 PEERS_DIR = "peers"
 #: A demo region's dictionary of its synthetic customers' names, beside its agent config.
 DEMO_DICTIONARY_FILE = "deid-dictionary.txt"
-#: A bash function that drops ANSI colour codes (Flower colours its log lines), so that
-#: logs and a redirected output read as plain text.
+#: A bash function dropping ANSI colour codes (Flower's), so that logs read as plain text.
 PLAIN = render("_plain.sh")
 
 
@@ -499,19 +498,3 @@ def _readme(d: Deployment) -> str:
         security=fragment("_readme-tls.md.tmpl" if d.tls else "_readme-insecure.md.tmpl"),
         connection=CONNECTION,
     )
-
-
-__all__ = [
-    "AGENT_CONFIG",
-    "PEERS_DIR",
-    "PLAIN",
-    "DeployedRegion",
-    "Deployment",
-    "connection_config",
-    "fingerprints",
-    "next_steps",
-    "region_socket",
-    "relay_home",
-    "run_overrides",
-    "write_deployment",
-]

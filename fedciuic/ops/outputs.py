@@ -1,6 +1,4 @@
-"""A run's output folder for people: the summary, and the figures read from metrics.json
-(which :mod:`fedciuic.record.recorder` writes).
-"""
+"""A run's output folder for people: the summary, and the figures read from metrics.json."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ from fedciuic.wire import TRAINED
 
 
 def mark_unfinished(run_dir: Path, reason: str) -> bool:
-    """Mark a run whose metrics.json still says ``running`` as ``interrupted`` (its
-    process is gone); True if it did."""
+    """Mark a run still ``running`` ``interrupted`` (its process is gone); True if it was."""
     path = run_dir / METRICS_FILE
     try:
         data = load_metrics(path)
@@ -49,8 +46,7 @@ def fmt_number(value: Any) -> str:
 
 
 def fmt_epsilon(epsilon: Any, budget: Any, unit: PrivacyUnit | None = None) -> str:
-    """Epsilon spent against the budget, and what it is per ("7.99 of 8 per user"), or
-    "-" without DP. No unit recorded (an older file): per record."""
+    """Epsilon spent of the budget, per unit ("7.99 of 8 per user"; older files: per record)."""
     if not isinstance(epsilon, int | float):
         return "-"
     limit = budget if isinstance(budget, int | float) else float("nan")
@@ -63,14 +59,13 @@ def epsilon_spent(
     """A region's cumulative epsilon after its last DP round, its budget and its unit."""
     for _, entry in reversed(data.trained(region)):
         if entry.epsilon is not None:
-            budget = entry.epsilon_budget
-            return entry.epsilon, float("nan") if budget is None else budget, entry.unit
+            budget = float("nan") if entry.epsilon_budget is None else entry.epsilon_budget
+            return entry.epsilon, budget, entry.unit
     return None, None, None
 
 
 def upload_bytes(data: RunMetrics, region: str) -> list[int]:
-    """Bytes a region sent the aggregator, per round it sent something (its update and,
-    in a secure round, its secure-sum messages)."""
+    """Bytes a region sent per round it sent any (its update, or its secure-sum messages)."""
     return [e.sent_bytes for _, e in data.trained(region) if e.sent_bytes is not None]
 
 
@@ -81,8 +76,7 @@ def mean_upload(data: RunMetrics, region: str) -> str:
 
 
 def steps_per_round(data: RunMetrics, region: str) -> str:
-    """The local steps each of a region's accepted updates took, in round order, as
-    ``30/30/12`` (a local-time-budget makes them differ); ``-`` when none."""
+    """Local steps of each accepted update, as ``30/30/12`` (a local-time-budget varies them)."""
     steps = [str(e.steps) for _, e in data.trained(region) if e.status == TRAINED]
     return "/".join(steps) or "-"
 
@@ -92,17 +86,15 @@ def loss_of(entry: EvalEntry | None) -> float | None:
 
 
 def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
-    """A short plain-text summary per region: eval loss before and after, epsilon spent
-    against the budget and, given a ``baseline`` run without DP, the gap."""
+    """Per region: eval loss before and after, epsilon spent and the gap to a no-DP ``baseline``."""
     run, config = data.run, data.run.config
     first = data.first_eval()
     last_round, last = data.final_eval()
     base = baseline.final_eval()[1] if baseline else {}
-    dp = config.dp
     header = (
         f"{'region':<8} {'eval before':>11} {'after r' + str(last_round):>9} {'change':>8}"
         + (f" {'no-DP':>8} {'DP gap':>8}" if baseline else "")
-        + (f" {'epsilon':>20}" if dp else "")
+        + (f" {'epsilon':>20}" if config.dp else "")
         + f" {'bytes/round':>11} {'steps/round':>12}  rounds"
     )
     lines = [
@@ -119,17 +111,14 @@ def summarize(data: RunMetrics, baseline: RunMetrics | None = None) -> str:
             other = loss_of(base.get(region))
             gap = after - other if after is not None and other is not None else None
             row += f" {fmt_number(other):>8} {fmt_number(gap):>8}"
-        if dp:
-            eps, budget, unit = epsilon_spent(data, region)
-            row += f" {fmt_epsilon(eps, budget, unit) if region != OVERALL else '':>20}"
+        if config.dp:
+            row += f" {fmt_epsilon(*epsilon_spent(data, region)) if region != OVERALL else '':>20}"
         row += f" {mean_upload(data, region) if region != OVERALL else '':>11}"
         row += f" {steps_per_round(data, region) if region != OVERALL else '':>12}"
         statuses = [entry.status for _, entry in data.trained(region)]
         row += "  " + ", ".join(f"{s} x{statuses.count(s)}" for s in sorted(set(statuses)))
         lines.append(row.rstrip())
-    lines += _policy_notes(data)
-    lines += _undelivered_notes(data)
-    lines += outcome_lines(data)
+    lines += [*_policy_notes(data), *_undelivered_notes(data), *outcome_lines(data)]
     if run.adapter:
         lines.append(f"adapter: {run.adapter}")
     lines.append(f"metrics: {Path(run.output_dir or '.') / METRICS_FILE}")
@@ -168,8 +157,7 @@ def _policy_notes(data: RunMetrics) -> list[str]:
 
 
 def _undelivered_notes(data: RunMetrics) -> list[str]:
-    """Training rounds a region did not answer in time: under DP, it may have spent
-    epsilon on an update never received (only its own log can say; the report reads it)."""
+    """Rounds a region did not answer in time: under DP it may have spent epsilon for nothing."""
     missed = [
         (number, region)
         for number, rnd in sorted(data.rounds.items())
@@ -212,15 +200,13 @@ def outcome_lines(data: RunMetrics) -> list[str]:
             else f"after round {ended} of {total}"
         )
         lines = [f"{status.upper()} {where}: {run.error or 'no reason recorded'}"]
-        if ended is not None and ended > 0 and run.output_dir:
-            # The rounds it finished are checkpointed, and the regions spent their epsilon
-            # on them: a resumed run continues from there, releasing nothing twice.
-            checkpoint = Path(run.output_dir) / CHECKPOINT_DIR / LATEST
-            if checkpoint.exists():
-                lines.append(
-                    f"Resume it from round {ended + 1}: the same run config with "
-                    f"--run-config \"resume-from='{run.output_dir}'\" (docs/robustness.md)"
-                )
+        # The rounds it finished are checkpointed, and the regions spent their epsilon on
+        # them: a resumed run continues from there, releasing nothing twice.
+        if ended and run.output_dir and (Path(run.output_dir) / CHECKPOINT_DIR / LATEST).exists():
+            lines.append(
+                f"Resume it from round {ended + 1}: the same run config with "
+                f"--run-config \"resume-from='{run.output_dir}'\" (docs/robustness.md)"
+            )
         return lines
     if status == RunStatus.RUNNING:
         return ["RUNNING: the run has not finished (or its process died without a word)"]

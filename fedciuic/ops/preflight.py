@@ -106,8 +106,7 @@ def check_model(spec: ModelSpec, findings: Findings) -> PreTrainedTokenizerBase 
 def check_template(
     tokenizer: PreTrainedTokenizerBase, where: str, chat: bool | None, findings: Findings
 ) -> bool:
-    """Whether the chat template can be masked: a problem when chat records need it, a
-    warning when no data was seen (``chat`` None), not tried when none are chat."""
+    """Whether the template masks; if not, a problem for chat records, a warning for unseen data."""
     from fedciuic.data import check_chat_template
 
     if chat is False or (chat is None and not getattr(tokenizer, "chat_template", None)):
@@ -129,8 +128,7 @@ def check_template(
 def check_pickle_permissions(
     spec: ModelSpec, regions: Sequence[RegionFolder], findings: Findings
 ) -> None:
-    """A deployed region whose agent config refuses pickle-only weights declines every
-    round."""
+    """A deployed region whose agent config refuses pickle-only weights declines every round."""
     from fedciuic.model import weight_files
 
     path = Path(spec.model_path).expanduser()
@@ -152,18 +150,6 @@ def check_pickle_permissions(
 # -- the data -----------------------------------------------------------------------------
 
 
-def _check_deid(run: RunConfig, region: str, findings: Findings) -> None:
-    """A simulated region's de-identification: its dictionary and entity types."""
-    from fedciuic.data import check_deid
-
-    if not run.deid.deidentify:
-        return
-    try:
-        check_deid(run.deid, dictionary=simulated_dictionary(run, region), ner_model="")
-    except ConfigError as err:
-        findings.problem(f"region {region}: {err}")
-
-
 def check_region(
     run: RunConfig,
     folder: RegionFolder,
@@ -172,13 +158,18 @@ def check_region(
     *,
     sample: int,
 ) -> tuple[bool, bool, str | None]:
-    """One region's data into ``findings``: (has data, has chat records, a problem of
-    the model met while rendering it)."""
+    """One region's data into ``findings``: (has data, has chat records, a render error)."""
     from fedciuic.data import CHAT, NoDataFiles, bad_rows_refusal, scan_data, users_refusal
     from fedciuic.model import preset_tokenizer
 
     name = folder.region
-    _check_deid(run, name, findings)
+    if run.deid.deidentify:  # as a simulated region: its dictionary and entity types
+        from fedciuic.data import check_deid
+
+        try:
+            check_deid(run.deid, dictionary=simulated_dictionary(run, name), ner_model="")
+        except ConfigError as err:
+            findings.problem(f"region {name}: {err}")
     try:
         root, scanned = scan_data(
             folder.path,
@@ -199,12 +190,9 @@ def check_region(
     findings.seen.append(f"{name} ({summary.records:,} records, {scanned.sampled} tokenised)")
     for message in scanned.unreadable:
         findings.problem(f"region {name}: data-path {root}: {message}")
-    for refusal in (
-        bad_rows_refusal(run, name, root, summary),
-        users_refusal(run, name, root, summary),
-    ):
-        if refusal is not None:
-            findings.problem(refusal)
+    for refusal in (bad_rows_refusal, users_refusal):
+        if (problem := refusal(run, name, root, summary)) is not None:
+            findings.problem(problem)
     if summary.bad_rows and run.data.bad_rows == "skip":
         findings.warning(
             f"region {name}: {summary.bad_rows} bad row(s) in data-path {root} will be skipped "
@@ -245,11 +233,7 @@ def check_region(
 
 
 def preflight(
-    run: RunConfig,
-    regions: Sequence[RegionFolder] | None,
-    *,
-    chat: bool | None = None,
-    sample: int | None = None,
+    run: RunConfig, regions: Sequence[RegionFolder] | None, *, chat: bool | None = None
 ) -> Findings:
     """Every check, every problem: the model, the chat template and ``regions``' data
     (None: none is visible here). ``chat``: chat records are known to come (the demo
@@ -264,7 +248,7 @@ def preflight(
         present = chat_seen = False
         for folder in regions:
             has_data, has_chat, render_error = check_region(
-                run, folder, tokenizer, findings, sample=SCAN_SAMPLE if sample is None else sample
+                run, folder, tokenizer, findings, sample=SCAN_SAMPLE
             )
             present |= has_data
             chat_seen |= has_chat
@@ -285,8 +269,7 @@ def preflight(
 
 
 def report(findings: Findings, started: float, *, quiet: bool = False) -> None:
-    """Warnings to stderr; :class:`PreflightError` with every problem, else (unless
-    ``quiet``) one line of what was checked."""
+    """Warnings to stderr, then :class:`PreflightError` or (unless ``quiet``) what was checked."""
     for warning in findings.warnings:
         print(f"fedciuic: warning: {warning}", file=sys.stderr)
     if findings.problems:
@@ -299,16 +282,13 @@ def report(findings: Findings, started: float, *, quiet: bool = False) -> None:
 
 
 def check_simulation(run: RunConfig, folders: Sequence[RegionFolder] | None) -> None:
-    """What ``fedciuic simulate`` checks before it starts any process: the model and the
-    regions' ``folders`` (None: the demo corpora, made fresh and known good, whose chat
-    records need the template)."""
+    """``fedciuic simulate``'s checks (``folders`` None: the fresh demo corpora, chat records)."""
     started = time.monotonic()
     report(preflight(run, folders, chat=True if folders is None else None), started, quiet=True)
 
 
 def region_folders(root: Path, regions: Sequence[str]) -> list[RegionFolder]:
-    """The folder of each region under a ``--data-root``; a region without one will
-    decline, which is said now."""
+    """Each region's folder under ``--data-root``; one without is said now (it will decline)."""
     for region in (r for r in regions if not (root / r).is_dir()):
         print(
             f"fedciuic: warning: --data-root: no folder {root / region}: region {region} "
@@ -322,8 +302,7 @@ def region_folders(root: Path, regions: Sequence[str]) -> list[RegionFolder]:
 
 
 def flwr_run_config(args: Sequence[str]) -> dict[str, Any]:
-    """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, read by
-    Flower's own parser."""
+    """The ``--run-config`` (``-c``) values among ``flwr run`` arguments, by Flower's parser."""
     import click
     from flwr.common.config import parse_config_args
 
@@ -390,15 +369,3 @@ def preflight_command(args: argparse.Namespace) -> int:
     findings.problems[:0] = problems
     report(findings, started)
     return 0
-
-
-__all__ = [
-    "Findings",
-    "PreflightError",
-    "RegionFolder",
-    "check_simulation",
-    "flwr_run_config",
-    "preflight",
-    "preflight_command",
-    "region_folders",
-]

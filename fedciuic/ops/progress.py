@@ -38,12 +38,6 @@ ENDINGS: dict[str, str] = {
 }
 
 
-def is_terminal(stream: IO[str]) -> bool:
-    """A live status line only where it can be redrawn: a terminal that is not dumb."""
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty()) and os.environ.get("TERM", "") != "dumb"
-
-
 class RunProgress:
     """Prints each finished round of one run as it happens."""
 
@@ -60,17 +54,18 @@ class RunProgress:
         self.stream = stream
         self.output_dir = output_dir
         self.label = f"{label}: " if label else ""
-        self.live = is_terminal(stream) if live is None else live
+        if live is None:  # a live line only where it can be redrawn: a terminal, not dumb
+            isatty = getattr(stream, "isatty", None)
+            live = bool(isatty and isatty()) and os.environ.get("TERM", "") != "dumb"
+        self.live = live
         self.heartbeat = heartbeat
         self.clock = clock
         self.run_id: int | None = None
         self.started = clock()
         self.printed: set[int] = set()
         self.header_done = False
-        self.phase = ""
-        self.shown_phase = ""
-        self.phase_since = self.started
-        self.last_note = self.started
+        self.phase = self.shown_phase = ""
+        self.phase_since = self.last_note = self.started
         self.live_shown = False
         self.log_path: Path | None = None
         self.metrics: RunMetrics | None = None
@@ -79,13 +74,13 @@ class RunProgress:
     # -- following a run ------------------------------------------------------------
 
     def poll(self, log_path: Path) -> None:
-        """Print what is new, and redraw (in a log, now and then repeat) what the run
-        waits for."""
+        """Print what is new, then what the run waits for (redrawn, or now and then in a log)."""
         self._read(log_path)
         self._status()
 
     def _read(self, log_path: Path) -> None:
-        """The run id from ``flwr run``'s log, then the metrics."""
+        """The run id from ``flwr run``'s log, then metrics.json whenever it changed (the
+        ServerApp replaces it atomically)."""
         self.log_path = log_path
         if self.run_id is None:
             try:
@@ -95,25 +90,19 @@ class RunProgress:
             if match:
                 self.run_id = int(match.group(1))
                 self._line(f"{self.label}run {self.run_id} started")
-        if self._refresh() and self.metrics is not None:
-            self.update(self.metrics)
-
-    def _refresh(self) -> bool:
-        """Re-read metrics.json only when it changed (the ServerApp replaces it atomically);
-        False while nothing new of this run is there."""
         if self.run_id is None:
-            return False
+            return
         path = self.output_dir / f"run-{self.run_id}" / METRICS_FILE
         try:
             stat = path.stat()
             stamp = (stat.st_mtime_ns, stat.st_size)
             if stamp == self.metrics_stamp:
-                return False
+                return
             self.metrics = load_metrics(path)
         except (OSError, MetricsError):
-            return False
+            return
         self.metrics_stamp = stamp
-        return True
+        self.update(self.metrics)
 
     def update(self, data: RunMetrics) -> None:
         """Print the header once and every round that has ended and is not printed yet."""
@@ -147,8 +136,7 @@ class RunProgress:
         phase = self.phase or ("starting the run" if self.run_id is None else "waiting for regions")
         if phase != self.shown_phase:
             self.shown_phase = phase
-            self.phase_since = now
-            self.last_note = now
+            self.phase_since = self.last_note = now
         waited = now - self.phase_since
         if self.live:
             # One row only: a wrapped line could not be redrawn in place.
@@ -214,8 +202,7 @@ def format_round(data: RunMetrics, number: int, total: int) -> list[str]:
     evals = rnd.eval
     seconds = _seconds(data, number)
     took = f" ({seconds:.1f} s)" if seconds is not None else ""
-    regions = [*data.run.regions]
-    regions += sorted(set(rnd.train) - set(regions))
+    regions = [*data.run.regions, *sorted(set(rnd.train) - set(data.run.regions))]
 
     def eval_loss(region: str) -> str:
         return fmt_number(loss_of(evals.get(region)))

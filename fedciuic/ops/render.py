@@ -35,21 +35,16 @@ def render(name: str, **values: str | int) -> str:
     template = _load(name)
     wanted = set(template.get_identifiers())
     missing, unused = wanted - values.keys(), values.keys() - wanted
-    if missing or unused:
-        raise KeyError(
-            f"template {name}: "
-            + "; ".join(
-                f"{what}: {', '.join(sorted(names))}"
-                for what, names in (("no value for", missing), ("no placeholder for", unused))
-                if names
-            )
-        )
+    problems = [
+        f"{what}: {', '.join(sorted(names))}"
+        for what, names in (("no value for", missing), ("no placeholder for", unused))
+        if names
+    ]
+    if problems:
+        raise KeyError(f"template {name}: " + "; ".join(problems))
     return template.substitute(values)
 
 
 def fragment(name: str, **values: str | int) -> str:
     """:func:`render` without the final line break: for a placeholder on a line of its own."""
     return render(name, **values).removesuffix("\n")
-
-
-__all__ = ["fragment", "render"]

@@ -73,8 +73,7 @@ MARKERS = {
     "withheld": ("D", "#9467bd"),
 }
 REFUSALS = (DECLINED, REJECTED, FAILED, "withheld")
-#: Each region's marker and dash (with its colour): regions stay apart in print and in
-#: grey, and where their curves coincide.
+#: Each region's marker and dash: regions stay apart in print, in grey and where curves meet.
 REGION_STYLES: tuple[tuple[str, Any], ...] = (
     ("o", "-"),
     ("s", "--"),
@@ -120,8 +119,7 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        """The audit's verdict first, then the run's outcome: :data:`EXIT_OK` only if the
-        run completed and every log verified."""
+        """The audit's verdict first, then the run's outcome (OK: completed, every log verified)."""
         if not self.ok or (self.logs and self.verified is None):
             return EXIT_AUDIT
         if self.status == RunStatus.NO_AGGREGATE:
@@ -170,12 +168,6 @@ def audit_log_paths(data: RunMetrics, given: Sequence[Path]) -> list[Path]:
     data_root = run.config.data_root
     regions = [Path(data_root) / r / ".fedciuic" / REGION_LOG for r in run.regions if data_root]
     return [aggregator, *(p for p in regions if p.is_file())]
-
-
-def federation_run(data: RunMetrics) -> int:
-    """The run id the audit logs use: the first run's, when this run resumed it."""
-    resumed = data.run.resumed_from
-    return resumed.federation_run if resumed else data.run.run_id
 
 
 def decisions(logs: Sequence[PartyLog], run_id: int) -> list[ReportedDecision]:
@@ -253,8 +245,7 @@ def series(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> dict[str, 
 
 
 def coincident(curves: Mapping[str, Any]) -> list[list[str]]:
-    """The groups of regions whose curves are exactly the same points (drawn over one
-    another, they would look like one region)."""
+    """The groups of regions whose curves are the same points (drawn, they would look like one)."""
     groups: dict[str, list[str]] = {}
     for name, points in curves.items():
         if name != OVERALL:
@@ -293,18 +284,15 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     rounds = list(values["rounds"])
     out: dict[str, Figure] = {}
 
-    fig = Figure(figsize=(7, 3.6), dpi=100)
-    ax = fig.add_subplot()
+    ax = Figure(figsize=(7, 3.6), dpi=100).add_subplot()
     _region_curves(ax, values["eval_loss"], order, "")
     if OVERALL in values["eval_loss"]:  # (after the regions, as series() lists it)
         xs, ys = zip(*values["eval_loss"][OVERALL], strict=True)
         ax.plot(xs, ys, "k--", label="overall (by examples)")
     ax.set(xlabel="round (0 = before training)", ylabel="eval loss", title="Eval loss")
-    _finish(fig, ax, rounds, values["eval_loss"])
-    out["eval_loss"] = fig
+    out["eval_loss"] = _finish(ax, rounds, values["eval_loss"])
 
-    fig = Figure(figsize=(7, 3.6), dpi=100)
-    ax = fig.add_subplot()
+    ax = Figure(figsize=(7, 3.6), dpi=100).add_subplot()
     _region_curves(ax, values["epsilon"], order, " spent")
     by_budget: dict[float, list[str]] = {}
     for region, budget in values["epsilon_budget"].items():
@@ -314,11 +302,9 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
         ax.axhline(budget, color=colour, ls=":", label=f"budget {budget:g} ({', '.join(names)})")
     ax.set_ylim(bottom=0)  # spent against the whole budget, not a zoom on the last rounds
     ax.set(xlabel="round", ylabel="epsilon (cumulative)", title="Privacy spent against budget")
-    _finish(fig, ax, rounds, values["epsilon"], empty="DP off: no epsilon spent")
-    out["epsilon"] = fig
+    out["epsilon"] = _finish(ax, rounds, values["epsilon"], empty="DP off: no epsilon spent")
 
-    fig = Figure(figsize=(7, 3.6), dpi=100)
-    ax = fig.add_subplot()
+    ax = Figure(figsize=(7, 3.6), dpi=100).add_subplot()
     uploads = values["upload_bytes"]
     width = 0.8 / max(len(uploads), 1)
     for i, (region, points) in enumerate(uploads.items()):
@@ -326,11 +312,9 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
         shifted = [x - 0.4 + width * (i + 0.5) for x in xs]
         ax.bar(shifted, ys, width=width, color=colours.get(region), label=region)
     ax.set(xlabel="round", ylabel="bytes sent", title="Bytes each region sent per round")
-    _finish(fig, ax, rounds, uploads, empty="no update was sent")
-    out["upload_bytes"] = fig
+    out["upload_bytes"] = _finish(ax, rounds, uploads, empty="no update was sent")
 
-    fig = Figure(figsize=(7, 0.9 + 0.45 * (len(regions) + 1)), dpi=100)
-    ax = fig.add_subplot()
+    ax = Figure(figsize=(7, 0.9 + 0.45 * (len(regions) + 1)), dpi=100).add_subplot()
     rows = [*regions, "aggregate"]
     for outcome, (marker, colour) in MARKERS.items():
         points = [
@@ -345,12 +329,12 @@ def figures(values: Mapping[str, Any]) -> dict[str, Figure]:
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.invert_yaxis()
     ax.set(xlabel="round", title="Decisions (reasons in the table below)")
-    _finish(fig, ax, rounds, values["decisions"], empty="no decision recorded")
-    out["decisions"] = fig
+    out["decisions"] = _finish(ax, rounds, values["decisions"], empty="no decision recorded")
     return out
 
 
-def _finish(fig: Figure, ax: Any, rounds: Sequence[int], drawn: Any, empty: str = "") -> None:
+def _finish(ax: Any, rounds: Sequence[int], drawn: Any, empty: str = "") -> Figure:
+    """Ticks, the legend and the grid; ``empty`` written across a plot with nothing drawn."""
     if rounds:
         ax.set_xticks(rounds)
     if not drawn and empty:
@@ -358,7 +342,9 @@ def _finish(fig: Figure, ax: Any, rounds: Sequence[int], drawn: Any, empty: str 
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
     ax.grid(True, alpha=0.3)
+    fig: Figure = ax.figure
     fig.tight_layout()
+    return fig
 
 
 def curve_notes(values: Mapping[str, Any]) -> dict[str, str]:
@@ -410,16 +396,14 @@ def _region_rows(data: RunMetrics, timeline: Sequence[ReportedDecision]) -> list
     _, last = data.final_eval()
     rows = []
     for region in data.run.regions:
-        before, after = loss_of(first.get(region)), loss_of(last.get(region))
-        eps, budget, unit = epsilon_spent(data, region)
         mine = [d for d in timeline if d.subject == region]
         counts = ", ".join(f"{o} x{n}" for o in MARKERS if (n := sum(d.outcome == o for d in mine)))
         rows.append(
             [
                 region,
-                fmt_number(before),
-                fmt_number(after),
-                fmt_epsilon(eps, budget, unit),
+                fmt_number(loss_of(first.get(region))),
+                fmt_number(loss_of(last.get(region))),
+                fmt_epsilon(*epsilon_spent(data, region)),
                 mean_upload(data, region) or "-",
                 steps_per_round(data, region),
                 counts or "-",
@@ -582,15 +566,15 @@ def write_run_report(
             + (f": {data.run.error}" if data.run.error else "")
             + "): the report shows what its metrics and audit logs hold up to where it stopped."
         )
-    run_id = federation_run(data)
+    resumed = data.run.resumed_from  # the audit logs' run id is the first run's
+    run_id = resumed.federation_run if resumed else data.run.run_id
     try:
         paths = audit_log_paths(data, audit_logs)
         logs = open_logs(paths, {})
     except (ConfigError, AuditError) as err:
         # A log that is named but gone is an error in any run; no log named (the run
         # failed before opening one) or an empty one is what a run that did not end left.
-        named = bool(data.run.audit_log)
-        if ended or audit_logs or (named and isinstance(err, ConfigError)):
+        if ended or audit_logs or (data.run.audit_log and isinstance(err, ConfigError)):
             if isinstance(err, ConfigError):
                 raise
             raise ConfigError([str(err)]) from None

@@ -127,8 +127,7 @@ def run_outcome(status: RunStatus) -> int:
 
 
 def runs_since(runs_dir: Path, since: float) -> list[tuple[float, Path]]:
-    """Each run in ``runs_dir`` whose metrics were written since ``since`` (start.sh's
-    start, within a second): when, and its folder, oldest first."""
+    """(mtime, folder) of each run in ``runs_dir`` written since ``since``, oldest first."""
     from fedciuic.record import METRICS_FILE
 
     found: list[tuple[float, Path]] = []
@@ -140,8 +139,7 @@ def runs_since(runs_dir: Path, since: float) -> list[tuple[float, Path]]:
 
 
 def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
-    """The newest run in ``runs_dir`` written since ``since``, and its outcome as run.sh
-    gives it (1: not ended, or no such run)."""
+    """The newest run written since ``since``, and run.sh's exit status for it (1: none yet)."""
     from fedciuic.record import METRICS_FILE, MetricsError, load_metrics
 
     found = runs_since(runs_dir, since)
@@ -156,8 +154,7 @@ def last_run(runs_dir: Path, since: float) -> tuple[Path | None, int]:
 
 
 def settle_runs(runs_dir: Path, since: float) -> list[Path]:
-    """Mark ``interrupted`` each run written since ``since`` that still says ``running``
-    once every process start.sh started is gone: it can no longer end."""
+    """Mark each run since ``since`` still ``running`` interrupted: start.sh's processes ended."""
     from fedciuic.ops.outputs import mark_unfinished
 
     why = "start.sh stopped the federation before the run ended"
@@ -165,8 +162,7 @@ def settle_runs(runs_dir: Path, since: float) -> list[Path]:
 
 
 def tracked(pids_dir: Path) -> list[psutil.Process]:
-    """The live processes named in ``pids_dir/*.pid``, less reused PIDs (a process that
-    started after its PID file was written)."""
+    """The live processes in ``pids_dir/*.pid``, less reused PIDs (started after their file)."""
     found = []
     for pid_file in sorted(pids_dir.glob("*.pid")):
         try:
@@ -198,8 +194,7 @@ def relay_setup(user: str, home: Path, socket: Path) -> int:
             err=True,
         )
         return 0
-    problem = reach_problem(user, relay_folders(home, socket))
-    if problem:
+    if problem := reach_problem(user, relay_folders(home, socket)):
         raise SeparationError(problem)
     ensure_user(user, home)
     check_runs(user)

@@ -41,8 +41,7 @@ class SeparationError(FedciuicError):
 
 
 def default_relay_user() -> str:
-    """:data:`RELAY_USER` for root (who can start processes as it); "" for anyone else
-    (no OS separation; said at init)."""
+    """:data:`RELAY_USER` for root, who can start processes as it; else "" (no separation)."""
     return RELAY_USER if os.geteuid() == 0 else ""
 
 
@@ -62,9 +61,8 @@ def interpreter_paths() -> list[Path]:
 
 
 def closed_to_others(paths: Iterable[Path], *, read: bool = True) -> Path | None:
-    """The first folder on the way to any of ``paths`` (or, with ``read``, the path
-    itself) that a user in none of its groups may not pass or read; None when all are
-    open."""
+    """The first folder on the way to any of ``paths`` (or, with ``read``, the path itself)
+    that a user in none of its groups may not pass or read; None when all are open."""
     for path in paths:
         for step in [*reversed(path.parents), path]:
             try:
@@ -87,14 +85,12 @@ def first_closed(path: Path) -> Path | None:
 
 
 def relay_folders(home: Path, socket: Path) -> dict[str, Path]:
-    """What the relay's user must pass through, by what it leads to (its home and the
-    socket's folder are made passable by whoever makes them)."""
+    """What the relay's user must pass, by what it leads to (whoever makes the last opens it)."""
     return {f"its home {home}": home.parent, f"the agent's socket {socket}": socket.parent.parent}
 
 
 def reach_problem(user: str, folders: dict[str, Path], source: str = "relay-user") -> str | None:
-    """Why ``user`` could not reach one of ``folders``, or None (``source``: where the
-    user is named)."""
+    """Why ``user`` (named in ``source``) could not reach one of ``folders``, or None."""
     for what, folder in folders.items():
         closed = first_closed(folder)
         if closed is not None:
@@ -121,8 +117,7 @@ def reachability_problem(user: str) -> str | None:
 
 
 def ensure_user(name: str, home: Path) -> pwd.struct_passwd:
-    """The relay's user (created, as a system user with no login, if missing) and its
-    home (made, and given to it, mode 0700). Root only."""
+    """Root only: the relay's user (a no-login system user, made if missing) and its 0700 home."""
     if os.geteuid() != 0:
         raise SeparationError(
             f"relay-user {name}: starting the relay as another user needs root; run the "
@@ -171,9 +166,8 @@ def check_runs(name: str) -> None:
 
 
 def run_as(name: str, home: Path, command: Sequence[str], parent: int) -> int:
-    """Run ``command`` as ``name`` ("": ourselves) in ``home`` under :func:`supervise`,
-    dying with process ``parent`` (its launcher's word: by now a parent killed meanwhile
-    would have been replaced); its exit status, as a shell gives it."""
+    """Run ``command`` as ``name`` ("": ourselves) in ``home`` under :func:`supervise`, dying
+    with process ``parent`` (the launcher's PID: had it died meanwhile, ours would differ)."""
     env = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home)}
     if name and (problem := reach_problem(name, {f"its home {home}": home.parent})):
         raise SeparationError(problem)
@@ -247,8 +241,7 @@ def _signal_group(group: int, signum: int) -> bool:
 
 
 def exec_tied(command: Sequence[str], parent: int) -> None:
-    """Replace this process with ``command``, which the kernel stops when process
-    ``parent`` exits, however it exits."""
+    """Replace this process with ``command``, which the kernel stops however ``parent`` exits."""
     _die_with_parent(parent)
     os.execvp(command[0], list(command))
 
@@ -263,20 +256,3 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:
         raise SystemExit(143)  # as if the signal had come: its parent is gone
-
-
-__all__ = [
-    "RELAY_USER",
-    "SeparationError",
-    "check_runs",
-    "closed_to_others",
-    "default_relay_user",
-    "ensure_user",
-    "exec_tied",
-    "first_closed",
-    "reach_problem",
-    "reachability_problem",
-    "relay_folders",
-    "run_as",
-    "supervise",
-]

@@ -82,11 +82,8 @@ def simulate(args: argparse.Namespace) -> int:
         _check_data_root(data_root, run.regions)
         folders = region_folders(data_root, run.regions)
         if run.privacy.dp:
-            present = [f.region for f in folders]
-            _, lines = budget_lines(
-                simulation_budgets(data_root, present, run), run, run.privacy.target_epsilon
-            )
-            for line in lines:
+            found = simulation_budgets(data_root, [f.region for f in folders], run)
+            for line in budget_lines(found, run)[1]:
                 print(f"budget: {line}")
     # The model, tokenizer, chat template and data, in seconds: exit 2 naming every problem.
     check_simulation(run, folders)
@@ -119,12 +116,10 @@ def simulate(args: argparse.Namespace) -> int:
     try:
         federation.start_superlink(simulation=True)
         for number, variant in enumerate(variants):
-            label = "" if number == 0 else "baseline without DP"
-            progress = (
-                None
-                if args.quiet or args.verbose
-                else RunProgress(sys.stdout, output_dir, label=label)
-            )
+            progress: RunProgress | None = None
+            if not (args.quiet or args.verbose):
+                label = "baseline without DP" if number else ""
+                progress = RunProgress(sys.stdout, output_dir, label=label)
             try:
                 run_id, _ = federation.run_app(
                     variant,
@@ -145,9 +140,8 @@ def simulate(args: argparse.Namespace) -> int:
         interrupt = err
     finally:
         signal.signal(signal.SIGTERM, previous)
-        # Every process we started, Ray's workers included, is gone before we go on (a
-        # second Ctrl-C does not cut this short); a run whose ServerApp did not end it
-        # is then marked interrupted.
+        # Every process we started (Ray's workers too) is gone before we go on, whatever a
+        # second Ctrl-C says; then a run whose ServerApp did not end it is marked interrupted.
         with _signals_noted(noted):
             left = federation.stop()
             for unfinished in _settle_runs(federation, output_dir):
@@ -169,8 +163,7 @@ def simulate(args: argparse.Namespace) -> int:
         noted.insert(0, getattr(interrupt, "signum", signal.SIGINT))
     with _signals_noted(noted):  # the report of runs that ended is written whole
         results = [_read_metrics(output_dir, run_id, workdir) for run_id in run_ids]
-        print()
-        print(summarize(results[0], baseline=results[1] if len(results) > 1 else None))
+        print("\n" + summarize(results[0], baseline=results[1] if len(results) > 1 else None))
         for data in results:
             if data.run.status not in (RunStatus.COMPLETED, RunStatus.NO_AGGREGATE):
                 raise FederationError(f"run {data.run.run_id} {data.run.status}: {data.run.error}")
@@ -253,8 +246,7 @@ def _settle_runs(federation: Any, output_dir: Path) -> list[int]:
 
 
 def _check_data_root(data_root: Path, regions: Sequence[str]) -> None:
-    """--data-root must be a folder holding at least one region's folder (a region
-    without one declines, and the others train)."""
+    """--data-root must hold a folder for some region (one without declines; others train)."""
     fix = "each region reads --data-root/REGION (e.g. `fedciuic demo-data DIR` writes them)"
     if not data_root.is_dir():
         what = "is not a folder" if data_root.exists() else "no such folder"
@@ -267,10 +259,9 @@ def _check_data_root(data_root: Path, regions: Sequence[str]) -> None:
 
 
 def _simulation_keys(keys: Path, data_root: Path, run: RunConfig) -> Path:
-    """The keys-dir of a simulation: a fresh aggregator key for this invocation, and each
-    region's key, kept with its state (DATA_ROOT/REGION/.fedciuic/keys/) like its ledger
-    and audit log: made on the region's first run, re-used on every later one, so that
-    its audit log, which outlives runs, stays signed by one key."""
+    """A simulation's keys-dir: a fresh aggregator key, and each region's key kept with its
+    state (DATA_ROOT/REGION/.fedciuic/keys/), so that its audit log, which outlives runs,
+    stays signed by one key."""
     from fedciuic.crypto import AGGREGATOR, KeyFileError, Keypair, load_keypair, write_keys
     from fedciuic.jurisdictions import simulated_jurisdiction
 
@@ -340,8 +331,7 @@ def _read_metrics(output_dir: Path, run_id: int, workdir: Path) -> RunMetrics:
 
 
 def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) -> list[Any]:
-    """Each simulated region's spend, against the run config's epsilon-budget (a simulation
-    has no agent config)."""
+    """Each simulated region's spend against the run config's epsilon-budget (no agent config)."""
     from fedciuic.config import NodeConfig
     from fedciuic.privacy import budget_status
 
@@ -355,9 +345,8 @@ def simulation_budgets(data_root: Path, regions: Sequence[str], run: RunConfig) 
     ]
 
 
-def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[bool, list[str]]:
-    """Whether a run of ``run``'s rounds and steps at ``target`` fits every region, and one
-    line per region (two where it has spent something, or where the run does not fit)."""
+def budget_lines(found: Sequence[Any], run: RunConfig) -> tuple[bool, list[str]]:
+    """Whether ``run`` fits every region's budget, and a line or two per region."""
     from fedciuic.privacy import run_prefix
 
     rounds = run.schedule.num_server_rounds
@@ -365,11 +354,8 @@ def budget_lines(found: Sequence[Any], run: RunConfig, target: float) -> tuple[b
     lines, every = [], True
     for status in found:
         lines.append(status.line())
-        fits, line = status.run_line(target, steps, prefix)
+        fits, line = status.run_line(run.privacy.target_epsilon, steps, prefix)
         every = every and fits
         if line and (status.unit is not None or not fits):
             lines.append(line)
     return every, lines
-
-
-__all__ = ["Interrupted", "budget_lines", "simulate", "simulation_budgets"]
