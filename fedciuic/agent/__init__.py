@@ -1,11 +1,6 @@
 """The region agent: the region's own process, the only one that holds its data, keys,
 ledger, policy and audit log (docs/cluster.md). Flower's ClientApp, which the
 aggregator ships, relays to it over :mod:`fedciuic.agent.channel`.
-
-``fedciuic agent --config agent.toml`` serves (:func:`~fedciuic.agent.service.serve`),
-its file an :class:`~fedciuic.agent.config.AgentConfig`; :mod:`fedciuic.agent.access`
-checks that the relay's OS user cannot read the region's files. This eager face imports
-config and service too; the relay uses only the channel.
 """
 
 from fedciuic.agent.channel import HELLO as HELLO

@@ -1,10 +1,8 @@
 """Who can read the region's files: the agent refuses to serve while its relay can.
 
-The relay (Flower's ClientApp, code the aggregator ships) runs as its own OS user. The
-agent works out, from owners, groups and mode bits, whether that user could open any
-of the region's data, state or key files, walking down only through folders the user
-may enter. A folder or file with a POSIX ACL is reported too: its mode bits do not say
-who may read it. Root may read everything, so a relay running as root is refused.
+Worked out from owners, groups and mode bits, walking down only through folders the
+relay's user may enter. A path with a POSIX ACL is reported too (its mode bits do not
+say who may read it); a relay running as root is refused.
 """
 
 from __future__ import annotations
@@ -80,8 +78,7 @@ def _reachable(path: Path, who: Account) -> bool:
 
 
 def _walk(path: Path, who: Account) -> Iterator[Path]:
-    """The paths at or under ``path`` that ``who`` could read or list (or that carry an
-    ACL), descending only into folders ``who`` may enter."""
+    """The paths at or under ``path`` that ``who`` could read or list (or with an ACL)."""
     try:
         info = path.lstat()
     except OSError:
@@ -131,6 +128,3 @@ def check_private(paths: Iterable[Path], who: Account) -> None:
             "data, state and key folders its own and private (chmod -R go-rwx FOLDER) "
             "before the agent serves"
         )
-
-
-__all__ = ["AccessError", "Account", "check_private", "exposed"]

@@ -1,14 +1,13 @@
 """The region agent's channel: framed JSON and raw array bytes over a Unix socket.
 
-Whoever connects to an agent (the relay, Flower's ClientApp) is untrusted code, so
-nothing that crosses the channel is executed or unpickled: a frame is
+Whoever connects is untrusted code, so nothing that crosses is executed or unpickled:
 
     FRAME_MAGIC (4) | header length (u32) | body length (u64) | header (JSON) | body
 
-where the JSON header holds the versions, the frame's own fields, its records as Flower's
-``RecordDict`` has them and its arrays' (name, dtype, shape), whose bytes follow in the
-body. Every limit is checked before anything is read into memory. One request and one
-answer per connection. Stdlib and NumPy only: the relay imports this module.
+The JSON header holds the versions, the frame's fields, its records and its arrays' (name,
+dtype, shape), whose bytes follow in the body. Every limit is checked before anything is
+read into memory. One request and one answer per connection. Stdlib and NumPy only: the
+relay imports this module.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ import numpy as np
 from fedciuic import __version__
 from fedciuic.errors import FedciuicError
 
-#: Never changes, nor does the prefix after it: a peer of another protocol is still read
-#: far enough to name its version.
+#: Never changes, nor does the prefix: a peer of another protocol is read far enough to
+#: name its version.
 FRAME_MAGIC = b"FCAG"
 #: Bumped whenever a frame's layout or meaning changes: both ends must agree.
 PROTOCOL = 2
@@ -50,11 +49,9 @@ WIRE_DTYPES = frozenset(
     np.dtype(t).str
     for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64", "bool")
 )
-_KINDS = ", ".join(sorted(WIRE_DTYPES))
 #: What a relay may ask an agent: the kinds of task the aggregator signs, and ``hello``.
 HELLO = "hello"
-#: A hello's answer: one config record of the region's name (what the aggregator
-#: addresses its instructions to), its version, pid and code; nothing secret.
+#: A hello's answer: one config record of the region's name, version, pid and code.
 HELLO_RECORD, HELLO_REGION = "status", "region"
 #: Config values: what Flower's ConfigRecord holds, bar lists; metric values: numbers.
 Scalar = str | int | float | bool | bytes
@@ -90,9 +87,6 @@ def mismatch(peer: tuple[int, str], what: str) -> str:
         f"{peer[1]}), this side speaks {PROTOCOL} (fedciuic {__version__}); install the "
         "same fedciuic version for the region's agent and the relay"
     )
-
-
-# -- encoding -----------------------------------------------------------------------------
 
 
 def _tag(value: object, where: str, numbers_only: bool = False) -> object:
@@ -144,9 +138,6 @@ def send(sock: socket.socket, frame: Frame) -> None:
     sock.sendall(head)
     for chunk in body:
         sock.sendall(chunk)
-
-
-# -- decoding -----------------------------------------------------------------------------
 
 
 def _read(sock: socket.socket, size: int, what: str) -> bytearray:
@@ -272,8 +263,7 @@ def receive(sock: socket.socket, *, max_body: int = MAX_BODY, wait: float | None
     if layout is not None:
         arrays = {}
         for name, kind, shape in layout:
-            size = math.prod(shape) * kind.itemsize
-            data = _read(sock, size, f"array {name}")
+            data = _read(sock, math.prod(shape) * kind.itemsize, f"array {name}")
             arrays[name] = np.frombuffer(data, dtype=kind).reshape(shape)
     return Frame(
         meta,
@@ -294,9 +284,6 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text[:24]} is not a finite number")
     return value
-
-
-# -- who is on the other end ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -402,27 +389,3 @@ def ask(path: Path, frame: Frame, *, timeout: float, connect_timeout: float = 10
             return receive(sock, wait=timeout)
         except OSError as err:
             raise ChannelError(f"the agent on {path} dropped the connection ({err})") from None
-
-
-__all__ = [
-    "HELLO",
-    "HELLO_RECORD",
-    "HELLO_REGION",
-    "IO_TIMEOUT",
-    "MAX_BODY",
-    "MAX_HEADER",
-    "PROTOCOL",
-    "WIRE_DTYPES",
-    "ChannelError",
-    "Frame",
-    "Peer",
-    "ask",
-    "bind",
-    "check_socket",
-    "connect",
-    "encode",
-    "mismatch",
-    "peer_of",
-    "receive",
-    "send",
-]

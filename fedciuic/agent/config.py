@@ -1,9 +1,6 @@
 """The region agent's own configuration: a TOML file the region writes and keeps.
 
-Everything a region promises is decided here, by the region, never by what the
-aggregator ships: its files, its lifetime epsilon budget, whether it loads pickle
-weights, its processes, threads and largest record, its socket and relay's OS user, and
-whom it trusts as peers in a secure sum (the bundles its own operator enrolled). The
+Everything a region promises is decided here, never by what the aggregator ships: the
 run config's values of the same keys are never consulted.
 """
 
@@ -27,8 +24,7 @@ from fedciuic.config import (
 from fedciuic.crypto import AGGREGATOR, KeyFileError, load_bundle
 from fedciuic.errors import ConfigError
 
-#: The lifetime budget where the agent config names none, fixed here so that no
-#: aggregator can raise it.
+#: The lifetime budget where the agent config names none (no aggregator can raise it).
 DEFAULT_EPSILON_BUDGET = 8.0
 #: Keys whose values are paths: relative ones are read from the config file's folder.
 _PATHS = (
@@ -45,29 +41,25 @@ _PATHS = (
 
 
 class AgentConfig(NodeConfig):
-    """``fedciuic agent --config agent.toml``: a node config with everything required
-    that a deployed region must hold itself, and the agent's own settings."""
+    """A node config requiring all a deployed region holds itself, plus the agent's own."""
 
     epsilon_budget: float = Field(default=DEFAULT_EPSILON_BUDGET, gt=0)
     key_file: str = Field(min_length=1)
     aggregator_bundle: str = Field(min_length=1)
     policy: str = Field(min_length=1)
     train_processes: int = Field(default=1, ge=1, le=1024)
-    #: ``shard``: the training processes each hold a slice of the base (FSDP2), for a
-    #: base larger than one GPU; ``replicate``: each a whole copy.
+    #: ``shard``: each training process holds a slice of the base (FSDP2); ``replicate``:
+    #: a whole copy.
     train_sharding: Sharding = "replicate"
-    #: CPU threads the agent's training and evaluation use; 0 = one per core. Regions
-    #: sharing a machine each set their share (``fedciuic init`` does).
+    #: CPU threads for training and evaluation; 0 = one per core.
     cpu_threads: int = Field(default=0, ge=0, le=4096)
     #: The Unix socket the relay reaches the agent on (its folder is the agent's).
     socket: str = Field(min_length=1)
-    #: The OS user Flower's ClientApp (the relay) runs as; "" = the agent's own user, with
-    #: no OS-level separation (a warning at start, and on the record).
+    #: The OS user the relay runs as; "" = the agent's own (no OS-level separation).
     relay_user: str = ""
     #: The largest request (the global adapter, in bytes) the agent reads.
     max_request_bytes: int = Field(default=1 << 30, ge=1 << 16, le=1 << 40)
-    #: This and the next two are the region's own (its memory's, its code's): no
-    #: aggregator can raise or turn them on.
+    #: This and the next two are the region's own: no aggregator can raise them.
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=1, le=MAX_RECORD_BYTES_LIMIT)
     max_physical_batch_size: int = Field(default=DEFAULT_PHYSICAL_BATCH, ge=0)
     allow_pickle_weights: bool = False
@@ -109,8 +101,8 @@ class AgentConfig(NodeConfig):
         return config
 
     def peer_problems(self, source: str) -> list[str]:
-        """Why ``peer-bundles`` is not a folder of this region's peers' bundles, if it is
-        not. "" (no peers: the region declines every secure sum) is fine."""
+        """Why ``peer-bundles`` is not a folder of this region's peers' bundles ("" is fine:
+        no secure sums)."""
         if not self.peer_bundles:
             return []
         key = f"{source}:peer-bundles"
@@ -170,12 +162,8 @@ class AgentConfig(NodeConfig):
 
 
 def _key_id(path: Path) -> bytes | None:
-    """The key id of the bundle at ``path``, if it loads (the agent refuses one that does
-    not when it starts)."""
+    """The key id of the bundle at ``path``, if it loads (else the agent refuses to start)."""
     try:
         return load_bundle(path).key_id
     except (KeyFileError, OSError):
         return None
-
-
-__all__ = ["DEFAULT_EPSILON_BUDGET", "AgentConfig"]

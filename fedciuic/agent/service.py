@@ -1,20 +1,12 @@
 """The region agent: the region's own long-lived process, the only one that reads its
 data, state, keys, ledger, policy and audit log.
 
-``fedciuic agent --config agent.toml`` runs from the region's own install: Flower's
-ClientApp (in the aggregator's FAB) only relays each message to it over a Unix socket
-(:mod:`fedciuic.agent.channel`). The agent acts only on what the aggregator signed: a
-request of a kind it signs (or ``hello``: nothing secret), its signature checked with the
-aggregator's key from the agent's own config for the run and kind the relay names, its
-nonce never seen before (``STATE/agent/instructions.jsonl``, across restarts), and the run
-config signed into it applied with the agent's own node facts, never a relay's. Each
-refusal goes to the region's audit log (``request_refused``) and the agent keeps serving.
-
-The socket's folder is the agent's (mode 0711: others may only pass through), and only its
-own user and its relay's (``relay-user``) are answered, by the kernel's word (SO_PEERCRED);
-it refuses to start while the relay's user can read the region's data, state or keys. It
-holds ``STATE/agent/agent.lock`` and stops when its launcher exits, so a restart never
-finds the region "served by another agent" that nobody can stop.
+Flower's ClientApp only relays each message to it over a Unix socket. The agent acts only
+on what the aggregator signed, for the run and kind the relay names, with a nonce never
+seen before (across restarts), applying the signed run config with its own node facts;
+each refusal goes to the audit log and it keeps serving. Only its own user and the relay's
+are answered (SO_PEERCRED), and it refuses to start while the relay's user can read the
+region's files. It stops when its launcher exits, so no stale agent holds its lock.
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ import socket
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -74,7 +65,7 @@ from fedciuic.wire import (
 AGENT_DIR = "agent"
 LOCK_FILE = "agent.lock"
 SEEN_FILE = "instructions.jsonl"
-#: Connections served at once (one trains; the others wait for it, or say hello).
+#: Connections served at once (one trains; the others wait, or say hello).
 MAX_SESSIONS = 8
 #: How long a stopping agent lets the request in hand finish.
 STOP_GRACE = 30.0
@@ -90,12 +81,9 @@ class Refused(FedciuicError):
     """A request the agent will not act on: not signed, replayed, or of another kind."""
 
 
-# -- what the region has acted on ----------------------------------------------------------
-
-
 class SeenInstructions:
-    """The nonce of every instruction this region acted on, fsync'ed before it acts, so
-    that a replay is refused even after the agent restarts."""
+    """The nonce of every instruction acted on, fsync'ed first: replays are refused even
+    after a restart."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -133,9 +121,6 @@ class SeenInstructions:
         return True
 
 
-# -- the region's answers -----------------------------------------------------------------
-
-
 def _error(reason: str) -> Frame:
     return Frame(meta={"error": reason})
 
@@ -148,8 +133,8 @@ def _run_of(frame: Frame) -> int:
 
 
 class RegionAgent:
-    """What the agent does with one request (no sockets here): refuses what the
-    aggregator did not sign, hands the rest to the region's round."""
+    """One request (no sockets here): refused unless the aggregator signed it, else
+    handed to the region's round."""
 
     def __init__(self, config: AgentConfig) -> None:
         from fedciuic.region import region_log
@@ -185,8 +170,7 @@ class RegionAgent:
         close_regions()
 
     def started(self, relay: str) -> None:
-        """The agent's start on the record (which code, whom the relay runs as), its log
-        first pruned to its policy's retention."""
+        """The agent's start on the record, its log first pruned to the policy's retention."""
         enforce_at_start(self.audit, self.policy, _LOG, f"region {self.config.region}")
         self.audit.append(
             Event.AGENT_STARTED,
@@ -320,25 +304,6 @@ def _check_run(run: RunConfig) -> None:
         )
 
 
-# -- the server ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Relay:
-    """Who may talk to the agent: its own user and, when it has one, the relay's."""
-
-    account: Account | None
-
-    @property
-    def label(self) -> str:
-        return self.account.name if self.account else "(the agent's own user)"
-
-    def allows(self, peer: Peer) -> bool:
-        return peer.uid == os.getuid() or (
-            self.account is not None and peer.uid == self.account.uid
-        )
-
-
 class AgentServer:
     """Serves one region until SIGTERM, SIGINT or its launcher exits."""
 
@@ -353,10 +318,10 @@ class AgentServer:
         self.served = 0
         self._lock_fd = -1
         self._listener: socket.socket | None = None
-        self.relay = Relay(Account.named(config.relay_user) if config.relay_user else None)
+        #: Who may talk to the agent: its own user and, when it has one, the relay's.
+        self.relay = Account.named(config.relay_user) if config.relay_user else None
+        self.relay_label = self.relay.name if self.relay else "(the agent's own user)"
         self.agent: RegionAgent | None = None
-
-    # -- start and stop ----------------------------------------------------------------
 
     def _private_paths(self) -> list[Path]:
         c = self.config
@@ -365,13 +330,12 @@ class AgentServer:
         return paths + ([Path(c.deid_dictionary)] if c.deid_dictionary else [])
 
     def start(self) -> None:
-        """Check the region's files against the relay's user, lock, load and listen. The
-        umask keeps everything the agent writes later private too, which no check at
-        start can see."""
+        """Check the region's files against the relay's user, lock, load and listen (the
+        umask keeps what the agent writes later private too)."""
         os.umask(0o077)
         self.config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.relay.account is not None:
-            check_private(self._private_paths(), self.relay.account)
+        if self.relay is not None:
+            check_private(self._private_paths(), self.relay)
         else:
             _LOG.warning(
                 "fedciuic: agent: relay-user is not set: the relay (code the aggregator "
@@ -382,7 +346,7 @@ class AgentServer:
         share_cores(self.config.cpu_threads)
         self.agent = RegionAgent(self.config)
         self._listen()
-        self.agent.started(self.relay.label)
+        self.agent.started(self.relay_label)
 
     def _lock(self) -> None:
         self.lock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -404,8 +368,7 @@ class AgentServer:
         path = self.socket_path
         folder = path.parent
         folder.mkdir(mode=0o711, parents=True, exist_ok=True)
-        info = folder.stat()
-        if info.st_uid != os.getuid():
+        if folder.stat().st_uid != os.getuid():
             raise AgentError(
                 f"agent config:socket: {folder} belongs to another user; give the agent a "
                 "socket folder of its own"
@@ -418,7 +381,7 @@ class AgentServer:
             path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         bind(listener, path)
-        # Anyone may connect; the agent answers only the users Relay allows (kernel's word).
+        # Anyone may connect; the agent answers only the users it allows (kernel's word).
         path.chmod(0o666)
         listener.listen(MAX_SESSIONS)
         listener.settimeout(0.5)  # the accept loop looks at `stopping` this often
@@ -442,9 +405,6 @@ class AgentServer:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping.set()
 
-    def _orphaned(self) -> bool:
-        return bool(self.parent) and os.getppid() != self.parent
-
     def serve(self) -> int:
         """Accept connections until stopped, each on a thread of its own (a slow client
         cannot hold up the others); the work is serialised."""
@@ -454,12 +414,12 @@ class AgentServer:
         assert self._listener is not None
         print(
             f"fedciuic: agent for region {self.config.region} listening on {self.socket_path} "
-            f"(pid {os.getpid()}, fedciuic {__version__}, relay user {self.relay.label})",
+            f"(pid {os.getpid()}, fedciuic {__version__}, relay user {self.relay_label})",
             flush=True,
         )
         try:
             while not self.stopping.is_set():
-                if self._orphaned():
+                if self.parent and os.getppid() != self.parent:
                     print("fedciuic: agent: its launcher exited; stopping", flush=True)
                     break
                 try:
@@ -474,7 +434,7 @@ class AgentServer:
 
     def _admit(self, client: socket.socket) -> None:
         peer = peer_of(client)
-        if not self.relay.allows(peer):
+        if peer.uid != os.getuid() and (self.relay is None or peer.uid != self.relay.uid):
             _LOG.warning("fedciuic: agent: refused a connection from uid %d", peer.uid)
             client.close()
             return
@@ -485,8 +445,6 @@ class AgentServer:
             client.close()
             return
         threading.Thread(target=self._session, args=(client, peer), daemon=True).start()
-
-    # -- one connection ---------------------------------------------------------------
 
     def _session(self, client: socket.socket, peer: Peer) -> None:
         try:
@@ -538,8 +496,8 @@ def serve(config_path: Path | str, *, exit_with_parent: bool = True) -> int:
 
 
 def hello(socket_path: Path, timeout: float, pid: int = 0) -> dict[str, Any]:
-    """The agent's status on ``socket_path``, waiting up to ``timeout`` for it to come up;
-    with ``pid``, only that process will do, and its exit ends the wait."""
+    """The agent's status on ``socket_path``, waiting up to ``timeout`` for it; with
+    ``pid``, only that process will do, and its exit ends the wait."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -578,15 +536,3 @@ def _alive(pid: int) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         return state != "Z"
     return True
-
-
-__all__ = [
-    "AGENT_DIR",
-    "AgentError",
-    "AgentServer",
-    "Refused",
-    "RegionAgent",
-    "SeenInstructions",
-    "hello",
-    "serve",
-]

@@ -1,9 +1,8 @@
 """The aggregator's loop over Flower's Grid: :class:`FlowerTransport` implements
 :class:`~fedciuic.aggregator.loop.Transport`.
 
-Not ``Grid.send_and_receive``, which forgets replies that come late (a slow region is
-never heard, and sent a second task while it works on the first): the loop pushes each
-message once and pulls its reply by id whenever it comes.
+Each message is pushed once and its reply pulled by id whenever it comes: not
+``Grid.send_and_receive``, which forgets late replies (a slow region is never heard).
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ def _messages(content: RecordDict, nodes: Sequence[int], message_type: str) -> l
 
 
 def unread(message: Message, node: int) -> Unread:
-    """A pulled reply, read later inside the aggregator's per-reply boundary, filed under
-    the node its message went to (an error the SuperLink writes names itself instead)."""
+    """A pulled reply, read later, filed under the node its message went to (an error the
+    SuperLink writes names itself instead)."""
     return Unread(node, partial(protocol.read_reply, message, node))
 
 
@@ -53,8 +52,7 @@ class FlowerTransport:
         return {node: region for node, region in named.items() if region is not None}
 
     def _exchange(self, messages: Sequence[Message], timeout: float) -> list[Message]:
-        """Push ``messages``, then pull their replies until all came or ``timeout`` (not
-        Grid.send_and_receive, which polls every 3 s: too slow for a hello)."""
+        """Push ``messages``, then pull their replies until all came or ``timeout``."""
         waiting = {i for i in self.grid.push_messages(messages) if i}
         replies: list[Message] = []
         deadline = time.monotonic() + timeout

@@ -1,10 +1,7 @@
 """Lab mode: a simulated region's round in the ClientApp's own process.
 
-``fedciuic simulate`` runs every party in one process tree that one operator owns, so
-the ClientApp may hold the region's data and keys there (Flower gave the node a
-``partition-id`` and the run config names its data root). Its guarantees assume that
-one operator; a deployment runs each region's round in the region's own agent
-(:mod:`fedciuic.agent.service`) and the ClientApp only relays.
+``fedciuic simulate`` runs every party in one operator's process tree, so the ClientApp
+may hold the region's data and keys; a deployment runs each round in the region's agent.
 """
 
 from __future__ import annotations

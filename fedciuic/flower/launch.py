@@ -1,10 +1,8 @@
 """Start and stop real Flower processes on 127.0.0.1: a SuperLink, SuperNodes, ``flwr run``.
 
-A process tree is not enough to stop them: a Ray worker whose raylet exits first is
-re-parented to init. So every process a federation starts carries
-``FEDCIUIC_LAUNCH=<nonce>:<workdir>``, which Ray passes on to its workers, and
-:meth:`LocalFederation.stop` stops all that carry it. Ray gets a temporary folder of its
-own (``RAY_TMPDIR``), so that it never joins another Ray on the machine.
+A Ray worker whose raylet exits first leaves the process tree, so every process a
+federation starts carries ``FEDCIUIC_LAUNCH=<nonce>:<workdir>`` (Ray passes it on) and
+:meth:`LocalFederation.stop` stops all that do. Ray gets a temporary folder of its own.
 """
 
 from __future__ import annotations
@@ -53,16 +51,13 @@ FLOWER_ENV = {
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "PYTHONUNBUFFERED": "1",
 }
-
-
 #: The folder of a FAB that Flower writes itself (the manifest), not the app's.
 FAB_INFO = ".info/"
 
 
 def stage_app(app: Path, into: Path) -> Path:
-    """``into`` holding only the files of ``app`` that Flower packs into its FAB (so the
-    same FAB, same hash). ``flwr run APP`` resolves every file under APP, ``.venv``
-    included, before filtering; here folders the ``.gitignore`` ignores are not entered."""
+    """``into`` holding only the files of ``app`` that Flower packs into its FAB (the same
+    hash), without entering the folders ``.gitignore`` ignores (``.venv``), as Flower does."""
     from flwr.cli.build import build_fab_from_files
     from flwr.cli.utils import build_pathspec, load_gitignore_patterns
 
@@ -101,7 +96,7 @@ def stage_app(app: Path, into: Path) -> Path:
 
 
 def _bin(name: str) -> str:
-    # Use the Flower executables of the interpreter we run in (the project's venv).
+    """The executable of the interpreter we run in (the project's venv), if it has one."""
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
 
@@ -127,12 +122,10 @@ class LocalFederation:
         self.superlink_address = ""
         self.tls: ServerTls | None = None
         self.owner = owner_tag(uuid.uuid4().hex[:12], self.workdir)
-        # Ray's sockets live in its temporary folder, whose path must stay short (a Unix
-        # socket path has at most 107 bytes): /tmp, not the workdir.
+        # Ray's sockets live in its temporary folder: /tmp keeps their paths short.
         short = "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK) else None
         self.ray_tmp = Path(tempfile.mkdtemp(prefix="fedciuic-ray-", dir=short))
-        # Flower starts helpers (flower-superexec, flwr-serverapp, ...) by name: put
-        # our interpreter's bin folder first so that they come from the same venv.
+        # Flower starts helpers by name: from our venv.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         self.env = {
             **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
@@ -149,12 +142,9 @@ class LocalFederation:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- processes ------------------------------------------------------------------
-
     def _spawn(self, name: str, cmd: Sequence[str]) -> Managed:
         log_path = self.logs / f"{name}.log"
-        handle = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
-        try:
+        with open(log_path, "wb") as handle:  # the child keeps its own copy
             process = subprocess.Popen(
                 list(cmd),
                 stdout=handle,
@@ -163,8 +153,6 @@ class LocalFederation:
                 cwd=self.workdir,
                 start_new_session=True,
             )
-        finally:
-            handle.close()
         managed = Managed(name, process, log_path)
         self.processes.append(managed)
         return managed
@@ -173,11 +161,9 @@ class LocalFederation:
         return [m.process.pid for m in self.processes]
 
     def stop(self, grace: float = 10.0) -> list[psutil.Process]:
-        """Stop everything this federation started or that carries its mark, and remove
-        Ray's temporary folder. Returns what could not be stopped (normally nothing)."""
-        left = stop_process_trees(
-            [m.process.pid for m in reversed(self.processes)], grace, owner=self.owner
-        )
+        """Stop everything this federation started or marked, and remove Ray's folder;
+        returns what could not be stopped."""
+        left = stop_process_trees(self.pids()[::-1], grace, owner=self.owner)
         for managed in self.processes:
             if managed.process.poll() is None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -192,8 +178,7 @@ class LocalFederation:
         return owned_processes(self.owner)
 
     def kill(self, managed: Managed) -> None:
-        """SIGKILL one process and everything it started (a crash, for fault tests);
-        the others go on, and no longer count it as a server that must be alive."""
+        """SIGKILL one process and everything it started (a crash, for fault tests)."""
         if managed in self.processes:
             self.processes.remove(managed)
         # Flower detaches some helpers into sessions of their own: list descendants first.
@@ -216,8 +201,8 @@ class LocalFederation:
             self.kill(managed)
 
     def expect_exit(self, managed: Managed, timeout: float) -> int:
-        """Wait for a process that must exit on its own (a refused SuperNode, say);
-        stop what it left behind and return its exit code."""
+        """Wait for a process that must exit (a refused SuperNode), stop what it left
+        behind, and return its exit code."""
         try:
             code = managed.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -232,14 +217,11 @@ class LocalFederation:
     def check_alive(self, processes: list[Managed] | None = None) -> None:
         """Raise, with the end of its log, if a process we started has exited."""
         for managed in self.processes if processes is None else processes:
-            code = managed.process.poll()
-            if code is not None:
+            if (code := managed.process.poll()) is not None:
                 raise FederationError(
                     f"{managed.name} exited with code {code}; see {managed.log_path}:\n"
                     + tail(managed.log_path)
                 )
-
-    # -- Flower ---------------------------------------------------------------------
 
     def start_superlink(
         self,
@@ -249,8 +231,7 @@ class LocalFederation:
         tls: ServerTls | None = None,
         supernode_auth: bool = False,
     ) -> str:
-        """Start ``flower-superlink`` on a free port and wait until it answers;
-        ``supernode_auth``: only registered SuperNodes may connect."""
+        """Start ``flower-superlink`` on a free port and wait until it answers."""
         port = free_port()
         self.tls = tls
         cmd = [
@@ -309,10 +290,8 @@ class LocalFederation:
         relay_user: str | None = None,
         relay_home: Path | None = None,
     ) -> Managed:
-        """Start one ``flower-supernode`` with its own ``--node-config``. With
-        ``relay_user`` it runs with ``--isolation process`` and the relay's
-        ``flower-superexec`` runs as that user (as root; "": as ourselves), with
-        ``relay_home`` as its FLWR_HOME."""
+        """Start one ``flower-supernode``; with ``relay_user``, in ``--isolation process``
+        with the relay run as that user ("": as ourselves), ``relay_home`` its FLWR_HOME."""
         security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
         if auth_key is not None:
             security += ["--auth-supernode-private-key", str(auth_key)]
@@ -340,13 +319,11 @@ class LocalFederation:
         return managed
 
     def start_script(self, name: str, script: Path, *args: str) -> Managed:
-        """Run one of a deployment's generated scripts (``fedciuic init``) in the background;
-        what it starts carries this federation's mark, so :meth:`stop` stops it all."""
+        """Run one of a deployment's generated scripts in the background (marked as ours)."""
         return self._spawn(name, ["bash", str(script), *args])
 
     def start_agent(self, name: str, config: Path, timeout: float = 120.0) -> Managed:
-        """Start a region's ``fedciuic agent --config CONFIG`` and wait until it answers
-        on its socket."""
+        """Start a region's ``fedciuic agent`` and wait until it answers on its socket."""
         managed = self._spawn(f"agent-{name}", [_bin("fedciuic"), "agent", "--config", str(config)])
         try:
             hello(Path(AgentConfig.load(config).socket), timeout, pid=managed.process.pid)
@@ -365,9 +342,8 @@ class LocalFederation:
         app: Path | None = None,
         on_poll: Callable[[Path], None] | None = None,
     ) -> tuple[int, str]:
-        """``flwr run APP fedciuic --stream`` and wait for the run to end; return the run
-        id and the streamed log. ``echo`` gets the log as it grows; ``on_poll`` its path
-        about twice a second. Overrides go through a TOML file: paths need no quoting."""
+        """``flwr run APP fedciuic --stream`` to the run's end: its id and log. ``echo`` gets
+        the log as it grows; ``on_poll`` its path twice a second."""
         overrides = self.workdir / f"run-overrides-{self.runs + 1}.toml"
         overrides.write_text(
             "".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()), encoding="utf-8"
@@ -411,8 +387,8 @@ class LocalFederation:
 
 
 def relay_command(user: str, home: Path, runtime_address: str) -> list[str]:
-    """Flower's ``flower-superexec`` (the relay) run as ``user``, as a deployment's start
-    script runs it (``fedciuic.ops.scripts relay``), tied to this process."""
+    """Flower's ``flower-superexec`` (the relay) run as ``user`` as a deployment does,
+    tied to this process."""
     return [
         sys.executable,
         "-m",

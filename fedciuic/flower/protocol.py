@@ -1,18 +1,10 @@
 """The layout of fedciuic's Flower messages, written and read in one place.
 
-Aggregator to region: ``arrays`` (the global adapter) and ``config``
-(:func:`~fedciuic.wire.instruction_fields`: ``server-round``,
-``federation-run``, ``base-fingerprint``, ``task``, ``run-config``, ``nonce``, the
-aggregator's ``model-signature`` over all of them and ``aggregator-key-id``). A
-deployed region's ClientApp relays the message to the region's agent as it came
-(:mod:`fedciuic.flower.relay`). Region to aggregator, after training: with sealing on,
-``arrays`` holds one uint8 array ``envelope`` and ``info`` only the region name,
-status ``sealed`` and key id; everything else (the compressed update, metrics,
-data fingerprint) is inside the envelope. With sealing off, ``arrays`` holds the
-compressed ``update``, with ``metrics`` and ``info`` in the clear. Evaluation
-replies carry ``metrics`` and ``info``. A region that declines sends no arrays,
-only its reason. Every reply's info names the code that made it (``agent-version``,
-``agent-code``), under the region's signature.
+Aggregator to region: ``arrays`` (the global adapter) and ``config``, the signed
+:func:`~fedciuic.wire.instruction_fields`. Region to aggregator: ``info`` and ``metrics``,
+and ``arrays`` after training: with sealing on one uint8 ``envelope`` holding all else
+(``info`` only names the region, status and key id), with sealing off the compressed
+``update``. A decline sends no arrays, only its reason.
 """
 
 from __future__ import annotations
@@ -61,14 +53,12 @@ def _config(values: Mapping[str, str | int | bytes]) -> ConfigRecord:
 
 
 def instruction(arrays: ArrayRecord, task: Instruction) -> RecordDict:
-    """The global adapter (``task.adapter``, packed once for every node) and the
-    instruction's signed fields."""
+    """The global adapter (packed once for every node) and the instruction's fields."""
     return RecordDict({ARRAYS: arrays, CONFIG: _config(instruction_fields(task))})
 
 
 def read_instruction(message: Message) -> Instruction:
-    """The aggregator's instruction as typed values, untrusted until its signature is
-    checked."""
+    """The aggregator's instruction, untrusted until its signature is checked."""
     content = message.content
     if CONFIG not in content.config_records or ARRAYS not in content.array_records:
         raise MalformedInstruction("malformed instruction: no config or arrays record")
@@ -111,17 +101,15 @@ def content(records: Records) -> RecordDict:
 
 
 def region_reply(reply: RegionReply) -> RecordDict:
-    """A region's outcome with its audit head and code identity, signed where the reply
-    names a keypair."""
+    """A region's outcome with its audit head and code identity, signed if it can be."""
     from fedciuic.region import region_records
 
     return content(region_records(reply))
 
 
 def read_reply(message: Message, node_id: int | None = None) -> Reply:
-    """A Flower reply as the plain :class:`Reply`; a Flower error (the region's process
-    failed) is a ``failed`` reply. ``node_id``: the node the message went to, when known
-    (an error the SuperLink writes itself names the SuperLink as its source)."""
+    """A Flower reply as the plain :class:`Reply` (a Flower error: ``failed``). ``node_id``:
+    the node the message went to (an error the SuperLink writes names the SuperLink)."""
     node_id = message.metadata.src_node_id if node_id is None else node_id
     if message.has_error():
         return failed(node_id, "", message.error.reason or "unknown error")

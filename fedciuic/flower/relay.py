@@ -1,12 +1,10 @@
 """A deployed region's ClientApp is a relay: the message to the region's agent, the
 agent's answer back, unchanged.
 
-The ClientApp arrives in the FAB the aggregator's side ships, so a region trusts none of
-it: it reads one node-config key (:data:`AGENT`, the agent's socket), holds no key,
-imports no torch, and passes the message on as it came, with the kind of task and
-Flower's run id. The agent checks everything; the worst a hostile relay can do is not
-deliver. A node config that names the region's data, state or keys is refused: handed
-to the ClientApp, they are handed to whoever ships the app.
+The aggregator ships the ClientApp, so a region trusts none of it: it reads one node-config
+key (:data:`AGENT`, the agent's socket), holds no key, imports no torch, and refuses a node
+config that names the region's data, state or keys. The agent checks everything; a hostile
+relay can only fail to deliver.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from fedciuic.wire import ARRAYS
 AGENT = "agent"
 #: A secure sum's phases travel as Flower queries of their own action.
 SECAGG_MESSAGE = f"{MessageType.QUERY}.{TaskKind.SECAGG}"
-#: The aggregator asking a node which region it serves (the agent's ``hello``; unsigned,
-#: costs the region nothing), before it sends the node an instruction signed for it.
+#: The aggregator asking a node which region it serves (the agent's unsigned ``hello``).
 HELLO_MESSAGE = f"{MessageType.QUERY}.{HELLO}"
 #: What each Flower message type asks the agent (the kinds of task it verifies).
 MESSAGE_KINDS = {
@@ -68,8 +65,7 @@ def agent_socket(node_config: dict[str, object]) -> Path:
 
 
 def _wait(context: Context) -> float:
-    """How long to wait for the agent: the run's round-timeout (the agent enforces what
-    matters; a relay that gives up early only fails to deliver)."""
+    """How long to wait for the agent: the run's round-timeout (the agent enforces it)."""
     value = context.run_config.get("round-timeout", _DEFAULT_WAIT)
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return max(float(value), 1.0)
@@ -115,16 +111,3 @@ def forward(message: Message, context: Context) -> Message:
     if answer.error:
         return Message(Error(UNDELIVERED, f"agent: {answer.error}"), reply_to=message)
     return Message(reply_content(answer), reply_to=message)
-
-
-__all__ = [
-    "AGENT",
-    "HELLO_MESSAGE",
-    "MESSAGE_KINDS",
-    "SECAGG_MESSAGE",
-    "RelayError",
-    "agent_socket",
-    "forward",
-    "reply_content",
-    "request",
-]

@@ -1,10 +1,7 @@
 """The regions one process keeps built between messages, bounded by count and memory.
 
-A simulation actor may end up holding every region. With a shared base
-(:mod:`fedciuic.model.shared_base`) each costs a few MiB, so keeping several saves
-rebuilding them; without sharing each holds a whole base, which the memory bound
-(``FEDCIUIC_REGION_CACHE_MIB``) is for. The least recently used go first; the newest
-is always kept.
+With a shared base each region costs a few MiB; without, each holds a whole base, which
+the memory bound is for. The least recently used go first; the newest is always kept.
 """
 
 from __future__ import annotations
@@ -59,19 +56,16 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_freed_memory() -> None:
-    """Hand the freed heap back to the system (glibc keeps it for the process's next
-    message). Once a run, at its end: given back between rounds, every page is faulted
-    in again by the next round's messages (0.6-0.7 s a training message on
-    ``realistic`` in a simulation, where peak memory was no lower for it)."""
+    """Hand the freed heap back to the system, once a run at its end: between rounds the
+    next messages fault every page in again (0.6-0.7 s a message, no lower peak)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
 
 
 class BoundedCache(Generic[T]):
-    """Least recently used values, at most ``count`` of them and ``budget`` bytes as
-    ``size_of`` measures them; ``close`` releases what an evicted value holds outside
-    this process (its training processes), which garbage collection would leave running."""
+    """Least recently used values, at most ``count`` and ``budget`` bytes (``size_of``);
+    ``close`` stops an evicted value's training processes, which gc would leave running."""
 
     def __init__(
         self,

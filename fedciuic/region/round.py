@@ -1,11 +1,8 @@
 """The region's whole round, without Flower: an instruction in, a typed outcome out.
 
-Expected problems (bad data path, unknown region, mismatched base model, missing keys,
-an unsigned global adapter, a run the policy refuses) become a decline with every reason.
-Everything the region decides and sends is written to its audit log and checkpointed
-before the outcome is returned; a log that cannot be written turns any outcome into a
-decline (fail closed). :func:`region_records` packs the outcome, signed, for the agent
-or the simulated ClientApp to answer with.
+Expected problems become a decline with every reason. Everything the region decides and
+sends is in its audit log, checkpointed, before the outcome is returned; a log that cannot
+be written turns any outcome into a decline (fail closed).
 """
 
 from __future__ import annotations
@@ -84,21 +81,16 @@ from fedciuic.wire import (
     witnessed,
 )
 
-if TYPE_CHECKING:  # the region's model (torch) is imported where a round trains, so
-    # that importing the round (the agent at start) stays light
+if TYPE_CHECKING:  # torch is imported where a round trains: the agent starts light
     from fedciuic.model import EvalStats
     from fedciuic.region.trainer import Region, Release
 
 _LOG = logging.getLogger("flwr")  # the region's warnings go where Flower's do
 _LOGS: dict[Path, AuditLog] = {}
 _JOINED: set[tuple[Path | None, int, str]] = set()
-#: One line per model load (region built: base loaded and verified, data tokenised) in
-#: the region's state dir, with the run and the process: how often a run paid for it.
+#: One line per model load (base loaded and verified, data tokenised), in the state dir.
 MODEL_LOADS = "model-loads.jsonl"
 _LOADED: weakref.WeakSet[Region] = weakref.WeakSet()
-
-
-# -- the outcomes ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -135,18 +127,14 @@ RoundOutcome = Declined | Evaluated | Sealed | Clear | RunEndWitnessed | SecureA
 
 @dataclass(frozen=True)
 class RegionReply:
-    """An outcome and what vouches for it: ``witness``, the head of the region's latest
-    signed audit checkpoint (the aggregator records it, so a later truncation shows), and
-    ``keypair`` (sealing on), which signs the reply for ``flower_run`` and ``server_round``."""
+    """An outcome, the head of the region's latest signed audit checkpoint (the aggregator
+    records it: a later truncation shows), and the keypair that signs it (sealing on)."""
 
     outcome: RoundOutcome
     witness: tuple[int, str] | None = None
     keypair: Keypair | None = None
     flower_run: int = 0
     server_round: int = 0
-
-
-# -- reading the configs ------------------------------------------------------------------
 
 
 def read_run(task: Instruction | RunEndNotice) -> RunConfig:
@@ -184,9 +172,6 @@ def unreadable(
     return RegionReply(Declined(region_name(run_config, node_config), str(err)))
 
 
-# -- the round ------------------------------------------------------------------------------
-
-
 @lru_cache(maxsize=4)
 def _sealing(
     settings: SealSettings, aggregator_jurisdiction: str, node: NodeConfig
@@ -205,8 +190,7 @@ def _sealing(
 
 
 def _region(run: RunConfig, node: NodeConfig, run_id: int) -> Region:
-    """The region, each build counted in :data:`MODEL_LOADS` and logged, so that a
-    deployment shows how often it reloads."""
+    """The region, each build logged and counted in :data:`MODEL_LOADS`."""
     from fedciuic.region.trainer import open_region
 
     region = open_region(run, node)
@@ -242,7 +226,7 @@ def model_loads(state_dir: Path, run_id: int | None = None) -> int:
 
 def region_log(node: NodeConfig) -> AuditLog | None:
     """The region's audit log (one per state-path, kept open); None when its default
-    place is inside a data-path that does not exist (it is not created)."""
+    place is inside a missing data-path."""
     if not node.state_path and not Path(node.data_path).is_dir():
         return None
     path = node.state_dir / REGION_LOG
@@ -253,7 +237,6 @@ def region_log(node: NodeConfig) -> AuditLog | None:
 
 
 def _audit(node: NodeConfig) -> AuditTrail:
-    """The region's log, or :class:`NoAudit` where it cannot have one."""
     return region_log(node) or NoAudit()
 
 
@@ -266,9 +249,8 @@ def handle_instruction(
     flower_run: int,
     simulated: bool,
 ) -> RegionReply:
-    """One instruction handled by the region, from checks to reply, with its audit
-    trail. ``asked``: Flower's message type, which must be what the aggregator signed;
-    ``simulated``: Flower gave this node a partition id and no region of its own."""
+    """One instruction handled, from checks to reply. ``asked``: Flower's message type,
+    which must be what the aggregator signed; ``simulated``: a node with a partition id."""
     return _Round(run, node, flower_run).handle(task, asked=asked, simulated=simulated)
 
 
@@ -279,8 +261,8 @@ def decline_signed(
     flower_run: int,
     err: FedciuicError,
 ) -> RegionReply:
-    """A decline before the round starts (an unreadable run config, a run the region is
-    not part of): logged and signed, unsigned when the log cannot be written."""
+    """A decline before the round starts (a run the region is not part of), logged and
+    signed; unsigned when the log cannot be written."""
     _LOG.warning("fedciuic: region declines: %s", err)
     server_round = task.server_round if isinstance(task, Instruction) else None
     run_id = task.federation_run or flower_run
@@ -306,8 +288,8 @@ def decline_signed(
 def witness_run_end(
     run: RunConfig, node: NodeConfig, notice: RunEndNotice, *, flower_run: int
 ) -> RegionReply:
-    """Record the head of the aggregator's log after its ``run_end`` (checked against
-    its signature), sign our log, and answer with our own head, signed."""
+    """Record the head of the aggregator's log after its ``run_end`` (signature checked),
+    and answer with our own head, signed."""
     reply = _Round(run, node, flower_run).witness_run_end(notice)
     release_freed_memory()  # the run is over: what its rounds freed goes back
     return reply
@@ -318,8 +300,8 @@ class _Round:
 
     def __init__(self, run: RunConfig, node: NodeConfig, flower_run: int) -> None:
         self.run, self.node = run, node
-        # Flower's run id binds envelopes and signatures; the federation's (the same
-        # unless this run resumes another) keys the ledger, audit log and kept updates.
+        # Flower's run id binds signatures; the federation's (another when this run resumes
+        # one) keys the ledger, audit log and kept updates.
         self.flower_run = self.run_id = flower_run
         self.audit: AuditTrail = NoAudit()
         self.signer: Keypair | None = None  # once the aggregator's signature checked out
@@ -331,11 +313,10 @@ class _Round:
         self.audit.append(event, run_id=self.run_id, server_round=self.server_round, **details)
 
     def handle(self, task: Instruction, *, asked: TaskKind, simulated: bool) -> RegionReply:
-        """The outcome, once everything about it is in the audit log and signed; a log
-        that cannot be written turns any outcome into a decline (fail closed)."""
+        """The outcome, once it is in the audit log and signed (else a decline)."""
         self.simulated = simulated
         try:
-            outcome = self._handle(task, asked, simulated)
+            outcome = self._handle(task, asked)
             self.audit.checkpoint(run_id=self.run_id, server_round=self.server_round)
         except FedciuicError as err:
             outcome = self._decline(err)
@@ -345,7 +326,7 @@ class _Round:
             return RegionReply(self._decline(err))
 
     def _open(self, federation_run: int) -> RegionSealing:
-        """This region's audit log and its end of the sealing stage (whose keys sign the log)."""
+        """This region's audit log and its end of the sealing stage (whose keys sign it)."""
         self.run_id = federation_run or self.flower_run
         self.audit = _audit(self.node)
         sealing = _sealing(self.run.sealing, self.run.policy.aggregator_jurisdiction, self.node)
@@ -368,12 +349,11 @@ class _Round:
             return self._vouch(RunEndWitnessed(self.node.region))
         except FedciuicError as err:
             _LOG.warning("fedciuic: region cannot witness the run's end: %s", err)
-            # About the notice (its signature, its config), never the data: it leaves.
-            return RegionReply(Declined(self.node.region, str(err)))
+            return RegionReply(Declined(self.node.region, str(err)))  # about the notice only
 
     def _note_undelivered(self, notice: RunEndNotice) -> None:
-        """Note every update this region released in the run that the aggregator's signed
-        receipts do not list: its epsilon is spent, and it was never delivered."""
+        """Note each update released in the run that the aggregator's signed receipts do
+        not list: its epsilon is spent, and it was never delivered."""
         received = notice.received(self.node.region)
         noted, sent = set(), []
         for record in self.audit.records():
@@ -404,19 +384,18 @@ class _Round:
 
     @property
     def dp_only(self) -> bool:
-        """Whether the region's policy lets out only DP releases (read now if not yet)."""
+        """Whether the region's policy lets out only DP releases."""
         if self._dp_only is None:
             self._dp_only = releases_dp_only(self.run, self.node, simulated=self.simulated)
         return self._dp_only
 
     def _reason(self, err: FedciuicError) -> str:
-        """A decline's reason as it leaves: under dp_only it stays in the audit log,
-        unless the error says it is made of public facts only (``public_reason``)."""
+        """A decline's reason as it leaves: under dp_only only a ``public_reason`` does."""
         return WITHHELD_REASON if self.dp_only and not err.public_reason else str(err)
 
     def _released(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The outcome without the figures it may go without where they are withheld, every
-        field checked against the release table (fail closed)."""
+        """The outcome without withheld optional figures, every field checked against the
+        release table (fail closed)."""
         if isinstance(outcome, Declined):  # its reason came through _reason
             return outcome
         if isinstance(outcome, Evaluated) and withholds_optional(self.run, dp_only=self.dp_only):
@@ -447,7 +426,7 @@ class _Round:
             _LOG.warning("fedciuic: cannot write the audit log: %s", audit_err)
         return Declined(self.node.region, self._reason(err))
 
-    def _handle(self, task: Instruction, asked: TaskKind, simulated: bool) -> RoundOutcome:
+    def _handle(self, task: Instruction, asked: TaskKind) -> RoundOutcome:
         run, node = self.run, self.node
         self.server_round = task.server_round
         sealing = self._open(task.federation_run)
@@ -467,42 +446,36 @@ class _Round:
             self.audit.witness(
                 AGGREGATOR, *task.witness, run_id=self.run_id, server_round=self.server_round
             )
-        if task.kind == TaskKind.SECAGG:  # a phase of the secure sum (region/secure.py)
+        if task.kind == TaskKind.SECAGG:  # a phase of the secure sum
             from fedciuic.region.secure import secure_keypair, secure_phase
 
             keypair = secure_keypair(run, node, sealing.keypair)
-            policy = self._policy(sealing, simulated, task.checkpoint)
+            policy = self._policy(sealing, task.checkpoint)
             data = secure_phase(
                 run, node, task, keypair=keypair, policy=policy, run_id=self.run_id, note=self.note
             )
             return SecureAnswer(node.region, data)
         region = _region(run, node, self.run_id)
         if task.kind != TaskKind.TRAIN:
-            return self._task(task, simulated, sealing, region, None)
+            return self._task(task, sealing, region, None)
         from fedciuic.region.trainer import Release
 
         with Release.open(
             region, self.audit, run_id=self.run_id, server_round=task.server_round
         ) as release:
-            return self._task(task, simulated, sealing, region, release)
+            return self._task(task, sealing, region, release)
 
     def _task(
-        self,
-        task: Instruction,
-        simulated: bool,
-        sealing: RegionSealing,
-        region: Region,
-        release: Release | None,
+        self, task: Instruction, sealing: RegionSealing, region: Region, release: Release | None
     ) -> RoundOutcome:
         """The checked instruction's task under the region's policy: evaluation
         (``release``: None), or the round's update (kept or trained now), sealed."""
         if release is not None and (release.counts or (self.dp_only and unavoidable(self.run))):
-            # Checked before the run's DP count is drawn (a refused run releases nothing),
-            # and before a projection from an exact count could name a figure of the data
-            # in a refusal that leaves (public_reason).
-            self._policy(sealing, simulated, task.checkpoint)
+            # Before the DP count is drawn (a refused run releases nothing), and before a
+            # projection from an exact count could name a figure of the data in a refusal.
+            self._policy(sealing, task.checkpoint)
         projected = None if release is None else release.project()
-        policy = self._policy(sealing, simulated, task.checkpoint, projected)
+        policy = self._policy(sealing, task.checkpoint, projected)
         if policy.decision.enforced:
             self.note(Event.POLICY_DECISION, **policy.decision.to_record())
         if release is None:
@@ -540,25 +513,21 @@ class _Round:
         )
 
     def _leaving(self, payload: bytes) -> bytes:
-        """What leaves after training: the update, or with secure aggregation only its
-        metrics and info (the update leaves masked, in the secure sum)."""
+        """What leaves after training: with secure aggregation not the update (it leaves
+        masked, in the secure sum)."""
         if not self.run.secure.secure_aggregation:
             return payload
         _, metrics, info = read_update_payload(payload)
         return update_payload({}, metrics, info)  # type: ignore[arg-type]
 
     def _policy(
-        self,
-        sealing: RegionSealing,
-        simulated: bool,
-        checkpoint: str,
-        projected_epsilon: float | None = None,
+        self, sealing: RegionSealing, checkpoint: str, projected_epsilon: float | None = None
     ) -> RegionPolicy:
         """The region's policy on this run (a refusal declines), then the run joined."""
         policy = enforce_region_policy(
             self.run,
             self.node,
-            simulated=simulated,
+            simulated=self.simulated,
             aggregator_jurisdiction=sealing.destination,
             own_jurisdiction=sealing.own_jurisdiction,
             projected_epsilon=projected_epsilon,
@@ -587,32 +556,28 @@ class _Round:
         )
 
 
-# -- the reply ------------------------------------------------------------------------------
-
-
 def outcome_records(outcome: RoundOutcome) -> Records:
     """An outcome's own fields, as its reply carries them."""
     match outcome:
         case Declined(region, reason):
-            records = declined(region, reason)
+            return declined(region, reason)
         case Evaluated(region, stats):
-            records = evaluated(
+            return evaluated(
                 region, stats.num_examples, stats.loss, stats.perplexity, stats.step_seconds
             )
         case Sealed(region, envelope, key_id):
-            records = sealed(region, envelope, key_id)
+            return sealed(region, envelope, key_id)
         case Clear(arrays, metrics, info):
-            records = clear(arrays, metrics, info)
+            return clear(arrays, metrics, info)
         case RunEndWitnessed(region):
-            records = witnessed(region)
+            return witnessed(region)
         case SecureAnswer(region, data):
-            records = secure_answer(region, data)
-    return records
+            return secure_answer(region, data)
 
 
 def region_records(reply: RegionReply) -> Records:
     """An outcome as its reply carries it: with the head of the region's audit log, the
-    code that made it, and the region's signature where the reply names a keypair."""
+    code that made it, and a signature where the reply names a keypair."""
     records = outcome_records(reply.outcome)
     vouched: dict[str, str | int | bytes] = {
         **records.info,

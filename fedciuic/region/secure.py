@@ -2,11 +2,9 @@
 own agent in a deployment): the aggregator's signed request in, the region's signed
 message out, each phase on the region's audit log (docs/secure-aggregation.md).
 
-The proposed session is checked against the signed run config, the kept update's size
-and the region's policy before the region joins; it masks the update it kept when it
-trained the round (already charged to its ledger). A region joins at most one session
-per round: two sums over different sets of regions would give an update away by their
-difference.
+The session is checked against the signed run config, the kept update and the policy
+before the region joins; it masks the update kept (and charged) when it trained. A region
+joins one session per round: two sums over different regions would give its update away.
 """
 
 from __future__ import annotations
@@ -60,9 +58,8 @@ def request_of(task: Instruction) -> Request:
 
 
 def peers_of(run: RunConfig, node: NodeConfig, me: str) -> dict[str, PublicBundle]:
-    """The other regions' public bundles from node config peer-bundles (the folder its
-    operator enrolled them in), never anything the aggregator hands out; in simulation
-    (one operator, every key) the run's keys-dir."""
+    """The other regions' public bundles from node config peer-bundles, never from the
+    aggregator; in simulation (one operator, every key) the run's keys-dir."""
     deployed = bool(node.key_file or node.aggregator_bundle)
     folder = node.peer_bundles or ("" if deployed else run.sealing.keys_dir)
     bundles = load_bundles(Path(folder)) if folder else {}
@@ -77,11 +74,9 @@ def check_session(
     server_round: int,
     kept_size: int | None = None,
 ) -> None:
-    """The session is this round's, over the signed run's regions, on every term the run
-    signed, the kept update's size and the scale those give: otherwise the aggregator
-    could learn more than the sum (a session padded with its identities, a finer
-    threshold) or weaken the noise (a smaller scale). :class:`SecAggError` names every
-    field that is not, and what it should be."""
+    """The session is this round's, over the signed run's regions, on every signed term,
+    the kept update's size and their scale, lest the aggregator learn more than the sum or
+    weaken the noise. :class:`SecAggError` names every field that is not, and its due."""
     secure = run.secure
     wrong = []
     outside = [r for r in session.regions if r not in run.regions]
@@ -138,9 +133,8 @@ def check_distributed_epsilon(
     session: Session, *, rounds: int, max_epsilon: float | None
 ) -> dict[str, float]:
     """The distributed-DP epsilons of joining ``session`` (the run's ``rounds``-th sum),
-    this round's and the run's, against the aggregator alone and with all but one region
-    colluding; :class:`SecAggError` when the run's is above ``max_epsilon`` (None: no
-    bound, as DP-SGD bounds the region's releases)."""
+    this round's and the run's, alone and with all but one region colluding;
+    :class:`SecAggError` when the run's is above ``max_epsilon`` (None: no bound)."""
     if session.noise == 0:
         return {}
     ddp = session.distributed()
@@ -171,8 +165,10 @@ def secure_keypair(run: RunConfig, node: NodeConfig, keypair: Keypair | None) ->
     return keypair
 
 
-def kept_payload(node: NodeConfig, run_id: int, server_round: int) -> bytes:
-    """The update this region kept when it trained the round."""
+def kept_values(
+    run: RunConfig, node: NodeConfig, run_id: int, server_round: int
+) -> tuple[Sparse, int]:
+    """The update this region kept when it trained the round, decoded, and its size."""
     from fedciuic.region.trainer import SentUpdates  # torch: loaded where a region trains
 
     found = SentUpdates(node.state_dir).load(run_id, server_round)
@@ -181,12 +177,7 @@ def kept_payload(node: NodeConfig, run_id: int, server_round: int) -> bytes:
             f"region {node.region}: no update kept for round {server_round}: "
             "it did not train this round"
         )
-    return found.payload
-
-
-def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
-    """The kept update decoded with the run's codec, and its size (values)."""
-    arrays, _, _ = read_update_payload(kept_payload)
+    arrays, _, _ = read_update_payload(found.payload)
     data = arrays[UPDATE].tobytes()
     size = update_entries(data)
     return run.compression.codec.decode(data, size), size
@@ -194,8 +185,8 @@ def kept_values(kept_payload: bytes, run: RunConfig) -> tuple[Sparse, int]:
 
 def encoded_update(update: Sparse, session: Session) -> np.ndarray:
     """The region's update as the ring elements it masks: rotated, clipped, rounded,
-    noised. A sum scaled by norms (``bound``) may wrap if an update is past the norm it
-    sent: the aggregator's wrap check then withholds it."""
+    noised. A sum scaled by norms may wrap (an update past its sent norm): the aggregator
+    then withholds it."""
     ddp = session.distributed()
     ring = Ring(session.bits)
     if not session.bound and not ddp.fits(len(session.regions), ring):
@@ -224,7 +215,7 @@ def secure_phase(
     # the region's guarantee where it has no DP-SGD of its own
     max_epsilon = None if run.privacy.dp else policy.max_epsilon_per_run
     if request.phase == Phase.ADVERT:
-        update, size = kept_values(kept_payload(node, run_id, task.server_round), run)
+        update, size = kept_values(run, node, run_id, task.server_round)
     else:
         update, size = None, None
     check_session(session, run, run_id=run_id, server_round=task.server_round, kept_size=size)

@@ -1,6 +1,5 @@
 """One region's model, data, DP and privacy ledger, and the release of its updates.
 
-No Flower and no protocol here (:mod:`fedciuic.region.round` checks, seals and records).
 :meth:`Release.send` is the one place a release is noted: the update kept for resending,
 the ledger's record (the commit), then the ``trained`` audit note that witnesses it.
 """
@@ -105,8 +104,7 @@ class AlreadyReleased(FedciuicError):
 
 
 class RoundOutOfRange(FedciuicError):
-    """The aggregator asks for a round outside this run's 1..num-server-rounds: the
-    noise is calibrated for that many rounds, so nothing is released for it."""
+    """A round outside 1..num-server-rounds, which the noise is not calibrated for."""
 
 
 _T = TypeVar("_T")
@@ -121,8 +119,7 @@ class KeptUpdateError(FedciuicError):
 
 @dataclass(frozen=True)
 class Kept:
-    """A released round as the region kept it: the payload it sends, and what its audit
-    log records of the release (``trained``; None in a file kept before it was)."""
+    """A released round's payload and its ``trained`` audit record (None if kept before)."""
 
     payload: bytes
     trained: dict[str, Any] | None
@@ -203,14 +200,13 @@ class PrivacySpent:
     run_epsilon_cap: float | None = None
     #: Noise derived from the run config's seed (insecure-reproducible-noise, tests only).
     reproducible_noise: bool = False
-    #: The ledger's position after this release (``PrivacyLedger.witness_record``), for
-    #: the region's audit log: the next open refuses a ledger rolled back behind it.
+    #: The ledger's head after this release, audited so a rolled-back ledger is refused.
     ledger: dict[str, Any] | None = None
     #: The run's DP count of units (count-noise), which the reply carries as its weight.
     count: int | None = None
 
 
-#: What the region's audit log records of a release's privacy (``trained``), in order.
+#: A release's privacy as its ``trained`` audit record has it, in order.
 RELEASED = (
     "epsilon",
     "unit",
@@ -229,18 +225,13 @@ TRAINING_FIELDS = ("examples", "steps", "data_fingerprint", "size_of_data")
 TRAINED_FIELDS = (*TRAINING_FIELDS, OUTSIDE_DP, *RELEASED)
 
 
-def released_record(privacy: PrivacySpent | None) -> dict[str, Any]:
-    """A release's privacy as the audit log records it, each figure None without DP."""
-    return {name: getattr(privacy, name, None) for name in RELEASED}
-
-
 def trained_record(outcome: TrainOutcome, outside_dp: list[str]) -> dict[str, Any]:
-    """What the audit log records of a release (:data:`TRAINED_FIELDS`), kept with the
+    """A release's :data:`TRAINED_FIELDS` (privacy figures None without DP), kept with the
     update so that a region stopped before noting it notes it when it resends."""
     stats = outcome.stats
     training = (stats.num_examples, stats.steps, outcome.data_fingerprint, outcome.size_of_data)
     record = dict(zip(TRAINING_FIELDS, training, strict=True)) | {OUTSIDE_DP: outside_dp}
-    return record | released_record(outcome.privacy)
+    return record | {name: getattr(outcome.privacy, name, None) for name in RELEASED}
 
 
 @dataclass(frozen=True)
@@ -284,16 +275,15 @@ def train_metrics(outcome: TrainOutcome) -> dict[str, int | float | list[int] | 
 
 
 def update_norm(update: bytes, run: RunConfig) -> float:
-    """The norm a secure round's reply carries: of the update as the sum will take it
-    (the codec's bytes decoded, clipped to max-update-norm; secagg.rotation.sent_norm)."""
+    """The norm a secure round's reply carries: of the decoded update, clipped as the sum
+    takes it (secagg.rotation.sent_norm)."""
     size = update_entries(update)
     values = run.compression.codec.decode(update, size).dense(size)
     return sent_norm(values, run.compression.max_update_norm)
 
 
 def train_info(outcome: TrainOutcome, policy: RegionPolicy, commitment: str) -> dict[str, str]:
-    """Who trained on what (``commitment``: to the data, :func:`data_commitment`), under
-    which policy (its hash also travels in a sealed header)."""
+    """Who trained on what (``commitment``: to the data), under which policy."""
     return {
         "region": outcome.region,
         "status": TRAINED,
@@ -317,9 +307,8 @@ ROUNDING_STREAM = 2
 
 
 def rounding_rng(dp: DPSettings, seed: int) -> np.random.Generator:
-    """The codec's stochastic rounding generator: from the round's seed where the round
-    is reproducible anyway, else from os entropy, so the aggregator (who picks the seed)
-    cannot replay it. Rounding comes after DP: it costs no privacy either way."""
+    """The codec's rounding generator: seeded only where the round is reproducible anyway,
+    so the aggregator (who picks the seed) cannot replay it. It costs no privacy (after DP)."""
     if dp.dp and not dp.insecure_reproducible_noise:
         return np.random.default_rng()
     return np.random.default_rng([seed, ROUNDING_STREAM])
@@ -332,9 +321,8 @@ def compress_update(
     rng: np.random.Generator,
     round_tag: str = "",
 ) -> bytes:
-    """The delta encoded with error feedback; the residual stays on the region's disk,
-    one per codec, with the one before ``round_tag``'s round (a round trained again
-    starts from that). Runs after DP (post-processing) and before sealing."""
+    """The delta encoded with error feedback (after DP: post-processing); the residual stays
+    on disk per codec, with the one before ``round_tag``'s round for a round trained again."""
     vector = flatten(delta)
     safe = re.sub(r"[^a-z0-9.-]", "_", codec.name)
     layout = layout_id(layout_of(delta))
@@ -360,8 +348,7 @@ def run_cap(target_epsilon: float, max_run_epsilon: float | None) -> tuple[float
 
 
 class RegionLedger:
-    """The privacy ledger of a region's training data: opened against what the audit log
-    witnessed of it, locked while a round reads and charges it."""
+    """A region's privacy ledger: checked against its audit log's witness, locked in use."""
 
     def __init__(self, run: RunConfig, node: NodeConfig, data: RegionData) -> None:
         self.run, self.node, self.data, self.name = run, node, data, node.region
@@ -376,13 +363,11 @@ class RegionLedger:
 
     @property
     def audit_path(self) -> Path:
-        """The region's audit log, which witnesses the ledger's head after each release."""
         return self.node.state_dir / REGION_LOG
 
     def step(self, ledger: PrivacyLedger | None = None, run_id: int | None = None) -> Step:
-        """This run's per-round step at its most (the budget checks' worst case; the
-        ledger records the steps taken). With count-noise the rate follows from run
-        ``run_id``'s DP count in ``ledger``."""
+        """This run's per-round step at its most (the budget checks' worst case); with
+        count-noise its rate follows from the run's DP count in ``ledger``."""
         dp, local = self.dp, self.run.training
         n = self.units(ledger, run_id)
         if dp.target_delta >= 1.0 / n:
@@ -395,7 +380,7 @@ class RegionLedger:
         planned = self.run.schedule.num_server_rounds * local.local_steps
         noise = remembered_noise(
             self.node.state_dir,
-            self.run_prefix(),
+            run_prefix(dp, self.run.schedule.num_server_rounds),  # releases besides rounds
             dp.target_epsilon,
             dp.target_delta,
             rate,
@@ -406,12 +391,8 @@ class RegionLedger:
 
     @property
     def evaluations(self) -> int:
-        """The DP evaluations this run may release (:func:`evaluations`)."""
+        """The DP evaluations this run may release."""
         return evaluations(self.dp, self.run.schedule.num_server_rounds)
-
-    def run_prefix(self) -> tuple[Step, ...]:
-        """This run's releases besides its rounds (:func:`run_prefix`)."""
-        return run_prefix(self.dp, self.run.schedule.num_server_rounds)
 
     def units(self, ledger: PrivacyLedger | None, run_id: int | None) -> int:
         """The units the run samples from: the exact count, or its DP count (>= batch-size)."""
@@ -429,8 +410,8 @@ class RegionLedger:
     def release_count(
         self, ledger: PrivacyLedger, *, run_id: int, server_round: int, audit: AuditTrail
     ) -> None:
-        """With count-noise: the run's DP count of units, drawn once, committed and
-        witnessed before the rate, the noise or any check of the run depends on it."""
+        """With count-noise: the run's DP count of units, drawn once and committed before
+        anything depends on it."""
         if not count_steps(self.dp) or ledger.run_count(run_id) is not None:
             return
         dp, (step,) = self.dp, count_steps(self.dp)
@@ -461,9 +442,9 @@ class RegionLedger:
         purpose: Purpose,
         draw: Callable[[int | None], _T],
     ) -> tuple[_T, dict[str, Any]]:
-        """A release besides a round's update: admitted, drawn (``draw`` gets a seed only
-        under insecure-reproducible-noise) and committed as its own ledger line before
-        anything uses it; returns it and what its witnessing audit record notes."""
+        """A release besides a round's update, committed as its own ledger line before
+        anything uses it (``draw`` gets a seed only under insecure-reproducible-noise);
+        returns it and what its witnessing audit record notes."""
         dp = self.dp
         budget = self.node.epsilon_budget or dp.epsilon_budget
         cap = run_cap(dp.target_epsilon, None)
@@ -492,8 +473,7 @@ class RegionLedger:
 
     @contextlib.contextmanager
     def session(self, held: PrivacyLedger | None = None) -> Iterator[PrivacyLedger]:
-        """The dataset's ledger, opened once and locked while the block runs, so that a
-        round's checks and training read one ledger; ``held``: one already held."""
+        """The dataset's ledger, locked while the block runs (``held``: one already held)."""
         if held is not None:
             yield held
             return
@@ -538,7 +518,6 @@ class RegionLedger:
             return held.epsilon_after(self.step(held, run_id))
 
     def _open(self) -> PrivacyLedger:
-        """The dataset's ledger, checked against what the region's audit log witnessed."""
         return PrivacyLedger.open(
             self.path,
             region=self.name,
@@ -565,8 +544,7 @@ class Region:
         logging.getLogger("flwr").info("fedciuic: region %s: %s", self.name, self.model.describe())
         self.data: RegionData = load_region_data(run, node, self.model.tokenizer)
         self.ledger = RegionLedger(run, node, self.data)
-        #: With train-processes > 1: the region's training processes, started at its
-        #: first round, kept across rounds, and started again after one fails.
+        #: With train-processes > 1: the training processes, kept across rounds.
         self._cluster: TrainingCluster | None = None
         self._step_seconds: float | None = None
 
@@ -585,12 +563,10 @@ class Region:
         return self.node.processes(self.run)
 
     def _train_cluster(self, command: TrainCommand) -> ClusterStats:
-        """Train through the region's cluster (built now if needed); rank 0 is us."""
         return self._on_cluster(lambda cluster: cluster.train(command))
 
     def _forward(self, op: ForwardOp, noise_multiplier: float = 1.0) -> Any:
-        """Forward-only work (:func:`fedciuic.cluster.training.forward_work`): here, or on
-        every training process of a sharded base, each of which holds a slice of it."""
+        """Forward-only work: here, or on every process of a sharded base (each a slice)."""
         command = TrainCommand(op=op, slowdown=self.slowdown, noise_multiplier=noise_multiplier)
         if self.node.sharded(self.run):
             return self._on_cluster(lambda cluster: cluster.forward(command))
@@ -633,17 +609,15 @@ class Region:
     ) -> TrainOutcome:
         """Train from the global adapter and return ``local - global`` with statistics.
 
-        With DP the ledger is locked for the whole round, so the budget checks, training
-        and record are one step. ``keep`` writes the outcome to disk before the ledger
-        records the release (the commit): a region stopped at any point either has no
-        record and trains again from the same residual, or has both and resends.
+        With DP the ledger is locked for the whole round. ``keep`` writes the outcome to
+        disk before the ledger records the release (the commit): a region stopped at any
+        point either has no record and trains again, or has both and resends.
         """
         self.check_round(server_round)
         self._load_global(adapter, base_fingerprint)
         start = self.model.adapter_state()
         seed = _seed(self.run.model.seed, self.name, server_round)  # sampling per round
-        with contextlib.ExitStack() as session:
-            held = session.enter_context(self.ledger.session(ledger)) if self.dp.dp else None
+        with self.ledger.session(ledger) if self.dp.dp else contextlib.nullcontext() as held:
             if held is None:
                 stats, privacy, record = self._train_clear(server_round, seed), None, None
             else:
@@ -677,7 +651,6 @@ class Region:
         return outcome
 
     def _train_clear(self, server_round: int, seed: int) -> TrainStats:
-        """A round without DP, in this process or over the region's cluster."""
         local = self.local
         if self.processes > 1:
             command = TrainCommand(
@@ -706,12 +679,9 @@ class Region:
         return self.ledger.path
 
     def privacy_step(self, ledger: PrivacyLedger | None = None, run_id: int | None = None) -> Step:
-        """This run's per-round step at its most (:meth:`RegionLedger.step`)."""
         return self.ledger.step(ledger, run_id)
 
     def check_round(self, server_round: int) -> None:
-        """Refuse a round outside 1..num-server-rounds: the noise is calibrated for that
-        many rounds, and more would take the run past its target epsilon."""
         last = self.run.schedule.num_server_rounds
         if not 1 <= server_round <= last:
             raise RoundOutOfRange(
@@ -727,7 +697,6 @@ class Region:
     def projected_epsilon(
         self, ledger: PrivacyLedger | None = None, run_id: int | None = None
     ) -> float | None:
-        """The dataset's epsilon after one more round (:meth:`RegionLedger.projected`)."""
         return self.ledger.projected(ledger, run_id)
 
     def _train_private(
@@ -828,24 +797,22 @@ class Region:
         server_round: int = 0,
         step_seconds: bool = True,
     ) -> EvalStats:
-        """Held-out loss of the global adapter on this region's evaluation blocks: exact,
-        or with eval-noise a DP release (:meth:`RegionLedger.evaluate`); with the step's
-        seconds unless ``step_seconds`` is False (no step timed for a withheld figure)."""
+        """Held-out loss of the global adapter on the region's evaluation blocks, exact or
+        (with eval-noise) a DP release; ``step_seconds`` False: no step timed (withheld)."""
         self._load_global(adapter, base_fingerprint)
         stats: EvalStats
         if not self.ledger.evaluations:
             stats = self._forward("evaluate")
         else:
-            losses = self._forward("losses")
             loss, count, released = self.ledger.evaluate(
-                losses, run_id=run_id, server_round=server_round
+                self._forward("losses"), run_id=run_id, server_round=server_round
             )
             stats = EvalStats(loss, count, None, released)
         return replace(stats, step_seconds=self.step_seconds() if step_seconds else None)
 
     def step_seconds(self) -> float | None:
-        """One local DP-SGD step's seconds, timed once (None without DP): the aggregator
-        sizes its wait for updates on it (docs/heterogeneity.md)."""
+        """One DP-SGD step's seconds, timed once (None without DP): the aggregator sizes
+        its wait on it (docs/heterogeneity.md)."""
         if not self.dp.dp:
             return None
         if self._step_seconds is None:
@@ -862,9 +829,8 @@ class Released:
 
 
 class Release:
-    """One training round's release (see the module docstring): a round released before
-    sends its kept update again, never a second release. :meth:`open` it once the
-    instruction is checked, :meth:`project` for the policy check, then :meth:`send`."""
+    """One training round's release; a round released before sends its kept update again.
+    :meth:`open` it once the instruction is checked, :meth:`project`, then :meth:`send`."""
 
     def __init__(
         self,
@@ -888,8 +854,7 @@ class Release:
 
     @property
     def counts(self) -> bool:
-        """Whether this round releases the run's DP count of units first: the region's
-        policy is checked before it is drawn."""
+        """Whether this round first releases the run's DP count (the policy goes first)."""
         return (
             self.kept is None
             and self.ledger is not None
@@ -898,8 +863,8 @@ class Release:
         )
 
     def project(self) -> float | None:
-        """The dataset's cumulative epsilon if it trains this round (None without DP or
-        when resending); with count-noise the run's DP count is released first."""
+        """The dataset's epsilon if it trains this round (None without DP or when
+        resending); with count-noise the run's DP count is released first."""
         if self.kept is not None or self.ledger is None:
             return None
         self.region.ledger.release_count(
@@ -915,8 +880,7 @@ class Release:
         """The round's release; with DP, one ledger for the round, opened and locked once."""
         sent = SentUpdates(region.node.state_dir)
         kept = sent.load(run_id, server_round)
-        with contextlib.ExitStack() as session:
-            ledger = session.enter_context(region.ledger.session()) if region.dp.dp else None
+        with region.ledger.session() if region.dp.dp else contextlib.nullcontext() as ledger:
             yield cls(
                 region, audit, sent, kept, run_id=run_id, server_round=server_round, ledger=ledger
             )
@@ -933,13 +897,12 @@ class Release:
             return held.released(self.run_id, self.server_round)
 
     def send(self, task: Instruction, policy: RegionPolicy) -> Released:
-        """The round's update under ``policy``: the kept one again, or trained now and
-        released; :class:`AlreadyReleased` when the ledger records it and it is gone."""
+        """The round's update: the kept one again, or trained now and released;
+        :class:`AlreadyReleased` when the ledger records it and it is gone."""
         region = self.region
-        if self.kept is not None:
-            # Released before the aggregator restarted: the same update, no second charge.
+        if self.kept is not None:  # the same update again, no second charge
             if self.kept.trained is not None and not self._noted_trained():
-                self._note_trained(self.kept.trained)  # stopped before it was noted
+                self._note_trained(self.kept.trained)  # stopped before noting it
             return Released(self.kept.payload, resent=True)
         if self.released():
             raise AlreadyReleased(
@@ -947,11 +910,9 @@ class Release:
                 "already released (the privacy ledger records it) and its update was not "
                 "kept; nothing is released twice, so this region sits out the round"
             )
-        deid = region.data.summary.deid
-        if deid is not None:  # what the texts of this round's training were scrubbed of
+        if (deid := region.data.summary.deid) is not None:  # what the texts were scrubbed of
             self.note(Event.DATA_DEIDENTIFIED, **deid.model_dump())
-        oversized = oversized_details(region.data.summary)
-        if oversized is not None:  # records this round's training never read
+        if (oversized := oversized_details(region.data.summary)) is not None:  # records unread
             self.note(Event.RECORDS_OVERSIZED, **oversized)
         payload, outside_dp = b"", []
 
