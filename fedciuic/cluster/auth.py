@@ -1,9 +1,9 @@
 """Authenticated values in a region's store.
 
-torch's ``TCPStore`` checks no one: whatever reaches MASTER_PORT can read and write
-its keys. So every value fedciuic passes through it carries an HMAC-SHA256, over the
-key and the value, under a secret only the region's ranks hold (fresh for each start
-of workers the region spawns; the operator's under torchrun, docs/cluster.md).
+torch's ``TCPStore`` checks no one: whatever reaches MASTER_PORT can read and write its
+keys. So every value fedciuic passes through it carries an HMAC-SHA256 over the key and
+the value, under a secret only the region's ranks hold (fresh for each start of workers
+the region spawns; the operator's under torchrun, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import os
 import secrets
 import stat
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 
 from torch._C._distributed_c10d import TCPStore
 
 from fedciuic.cluster.dist import ClusterError
 
-#: The cluster secret, hex, in a rank's environment (a region sets it for the workers
-#: it starts), or the path of a private file (mode 0600) that holds it.
+#: The cluster secret in hex (a region sets it for the workers it starts), or the path
+#: of a private file (mode 0600) that holds it.
 SECRET_ENV = "FEDCIUIC_CLUSTER_SECRET"
 SECRET_FILE_ENV = "FEDCIUIC_CLUSTER_SECRET_FILE"
 #: Bytes of a secret the region makes; the least it accepts from an operator.
@@ -55,9 +54,9 @@ def _decode(text: str, source: str) -> bytes:
 
 
 def secret_from_env(env: Mapping[str, str] | None = None) -> bytes:
-    """The cluster secret given to this rank: ``FEDCIUIC_CLUSTER_SECRET`` (hex), else
-    the file ``FEDCIUIC_CLUSTER_SECRET_FILE`` names, which must be this user's and
-    private (mode 0600): a secret others can read authenticates nothing."""
+    """The cluster secret given to this rank (:data:`SECRET_ENV`, else the file
+    :data:`SECRET_FILE_ENV` names): the file must be this user's and private (mode 0600),
+    as a secret others can read authenticates nothing."""
     env = os.environ if env is None else env
     if env.get(SECRET_ENV):
         return _decode(env[SECRET_ENV], f"environment:{SECRET_ENV}")
@@ -72,8 +71,7 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> bytes:
     path = Path(named)
     source = f"environment:{SECRET_FILE_ENV}: {path}"
     try:
-        info = path.stat()
-        text = path.read_text()
+        info, text = path.stat(), path.read_text()
     except (OSError, UnicodeError) as err:
         raise ClusterError(f"{source}: cannot read the cluster secret ({err})") from None
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
@@ -93,7 +91,7 @@ def _tag(secret: bytes, key: str, value: bytes) -> str:
 
 class SealedStore:
     """A region's store through which only authenticated values pass (``raw``: the
-    ``TCPStore`` itself, for torch's own process-group set-up)."""
+    ``TCPStore`` itself, for torch's process-group set-up and to see which keys are set)."""
 
     def __init__(self, raw: TCPStore, secret: bytes, *, what: str) -> None:
         self.raw, self._secret, self.what = raw, secret, what
@@ -117,9 +115,3 @@ class SealedStore:
             f"secret). Give every rank the same secret ({SECRET_ENV} or {SECRET_FILE_ENV}) "
             "and let only the region's hosts reach MASTER_PORT (docs/cluster.md)"
         )
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self.raw.check(keys))
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        self.raw.wait(keys, timeout)

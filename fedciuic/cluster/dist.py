@@ -2,7 +2,7 @@
 
 The environment is torchrun's (:data:`ENV_KEYS`), so the same code runs under processes
 the region spawns and under ``torchrun --nnodes``. Every set-up waits at most
-``collective-timeout`` seconds: a rank that cannot reach rank 0 fails instead of hanging.
+``collective-timeout`` seconds, so a rank that cannot reach rank 0 fails, not hangs.
 """
 
 from __future__ import annotations
@@ -92,17 +92,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl"
 
 
-def placeable(device: torch.device) -> int:
-    """How many training processes this machine can place: one per GPU, or per CPU core
-    (a gloo rank without a core of its own stalls every collective of the others)."""
-    return torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
-
-
 def check_placement(count: int, device: torch.device, *, key: str) -> None:
-    """Refuse more local training processes than the machine can place."""
+    """Refuse more local training processes than the machine can place: one per GPU, or
+    per CPU core (a gloo rank without a core of its own stalls the others' collectives)."""
     if count < 1:
         raise ClusterError(f"{key}: {count}; a region runs at least 1 training process")
-    room = placeable(device)
+    room = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
     if count > room:
         what = f"{room} GPU(s)" if device.type == "cuda" else f"{room} CPU core(s)"
         raise ClusterError(
@@ -119,8 +114,8 @@ WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 
 
 def store_host(world: World) -> str:
-    """The address rank 0's store listens on: loopback when every rank is on this
-    machine, whatever MASTER_ADDR says (nothing off the host needs it), else MASTER_ADDR."""
+    """The address rank 0's store listens on: loopback when every rank is on this machine
+    (nothing off the host needs it), else MASTER_ADDR."""
     if world.local_world_size < world.world_size:
         return world.master_addr
     with contextlib.suppress(ValueError):
@@ -140,8 +135,8 @@ def is_wildcard(host: str) -> bool:
 
 
 def listen_socket(host: str, port: int, *, what: str) -> socket.socket:
-    """A socket listening on ``host``'s address only: torch's ``TCPStore`` as master
-    listens on every interface, so rank 0 binds the socket itself and hands it over."""
+    """A socket listening on ``host``'s address only (``TCPStore`` as master listens on
+    every interface, so rank 0 binds the socket itself and hands it over)."""
     if is_wildcard(host):
         raise ClusterError(
             f"environment: MASTER_ADDR {host!r} names every interface: rank 0's store "
@@ -183,16 +178,12 @@ def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
             f"{what}: this process already belongs to a torch.distributed world; one "
             "process trains one region's cluster at a time"
         )
-    host = store_host(world)
+    host, wait = store_host(world), timedelta(seconds=timeout)
     where = f"{host}:{world.master_port}"
     if world.rank != 0:
         try:
             return TCPStore(
-                host,
-                world.master_port,
-                world.world_size,
-                is_master=False,
-                timeout=timedelta(seconds=timeout),
+                host, world.master_port, world.world_size, is_master=False, timeout=wait
             )
         except (RuntimeError, OSError):
             raise ClusterError(
@@ -208,9 +199,9 @@ def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
             f"{what}: rank 0 cannot listen on {where} ({first_line(err)}); choose a free "
             "MASTER_PORT"
         ) from None
-    # The store owns (and closes) the descriptor it gets: give it a copy, and close
-    # that copy here only if the store failed without closing it (same socket inode;
-    # ours keeps the inode alive, so a reused descriptor number is never closed).
+    # The store owns (and closes) the descriptor it gets: give it a copy, closed here only
+    # if the store failed without closing it (ours keeps the inode alive, so a reused
+    # descriptor number is never closed).
     handed = os.dup(sock.fileno())
     try:
         return TCPStore(
@@ -218,7 +209,7 @@ def open_store(world: World, *, timeout: float, what: str) -> TCPStore:
             world.master_port,
             world.world_size,
             is_master=True,
-            timeout=timedelta(seconds=timeout),
+            timeout=wait,
             wait_for_workers=False,
             master_listen_fd=handed,
         )

@@ -1,7 +1,7 @@
 """What a region's rank 0 and its other training processes say to each other.
 
-Kept free of the model and data libraries, so that a worker reaches the store (and
-a worker that cannot, says so) before it spends time importing them.
+Free of the model and data libraries, so that a worker reaches the store (or says it
+cannot) before it spends time importing them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-#: Store keys: the run and node config for the workers, each worker's readiness
-#: (with what it loaded), and the numbered commands.
+#: Store keys: the configs for the workers, each worker's readiness, the numbered commands.
 CONFIG_KEY = "fedciuic/config"
 READY_KEY = "fedciuic/ready/"
 JOINED_KEY = "fedciuic/joined/"
@@ -23,8 +22,8 @@ PARENT_ENV = "FEDCIUIC_PARENT_PID"
 TIMEOUT_ENV = "FEDCIUIC_COLLECTIVE_TIMEOUT"
 #: How often the watcher looks at the workers, and a worker at its parent.
 POLL_S = 0.2
-#: How long (at least) workers this region started may take to start and load the
-#: model and data: they are watched meanwhile, so one that dies fails the start at once.
+#: The least time workers this region started may take to load the model and data (they
+#: are watched meanwhile, so one that dies fails the start at once).
 START_S = 120.0
 
 
@@ -33,9 +32,8 @@ ForwardOp = Literal["evaluate", "losses", "time"]
 
 
 class TrainCommand(BaseModel):
-    """One round's work for every rank (``stop`` ends the workers). With a sharded base
-    every pass is collective, so rank 0's forward-only work (:data:`ForwardOp`) runs on
-    every rank too; rank 0 keeps the result."""
+    """One round's work for every rank (``stop`` ends the workers). On a sharded base every
+    pass is collective, so rank 0's forward-only work (:data:`ForwardOp`) runs on every rank."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -55,16 +53,9 @@ class TrainCommand(BaseModel):
     slowdown: float = 1.0
 
 
-#: The CPU cores this region may use (a region agent's ``cpu-threads``), for the
-#: training processes it starts; unset: all of the machine's.
+#: The CPU cores this region may use (its agent's ``cpu-threads``, inherited by the ranks
+#: it starts); unset: all of the machine's.
 CORES_ENV = "FEDCIUIC_CPU_CORES"
-
-
-def cpu_cores() -> int:
-    """The cores this process's region may use: its agent's ``cpu-threads`` (inherited
-    by the ranks it starts), else the machine's."""
-    given = os.environ.get(CORES_ENV, "")
-    return int(given) if given.isdigit() and int(given) > 0 else os.cpu_count() or 1
 
 
 def share_cores(threads: int) -> None:
@@ -81,7 +72,9 @@ def share_cores(threads: int) -> None:
 
 def threads_per_rank(local_world_size: int) -> int:
     """PyTorch threads per rank: the region's cores shared among its ranks on this machine."""
-    return max(1, cpu_cores() // local_world_size)
+    given = os.environ.get(CORES_ENV, "")
+    cores = int(given) if given.isdigit() and int(given) > 0 else os.cpu_count() or 1
+    return max(1, cores // local_world_size)
 
 
 def free_port() -> int:

@@ -1,10 +1,10 @@
 """A region's local training as a ``torch.distributed`` job of several processes.
 
-Rank 0 is the region's own process: it holds the ledger, seals, writes the audit log
-and alone talks to Flower. The other ranks (:mod:`fedciuic.cluster.worker`) load the
-model and data once per run and train on command; commands travel through rank 0's
-``TCPStore`` under the cluster secret's MAC (:mod:`fedciuic.cluster.auth`), with no
-timeout between rounds, and each round's collectives are bounded by ``collective-timeout``.
+Rank 0 is the region's own process: it holds the ledger, seals, writes the audit log and
+alone talks to Flower. The other ranks (:mod:`fedciuic.cluster.worker`) load the model and
+data once per run and train on commands sent through rank 0's ``TCPStore`` under the
+cluster secret's MAC (:mod:`fedciuic.cluster.auth`), with no timeout between rounds; each
+round's collectives are bounded by ``collective-timeout``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,6 @@ from fedciuic.model import (
 from fedciuic.privacy import private_round, time_private_step
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,8 @@ def train_rank(
     command: TrainCommand,
     shard: Shard,
 ) -> ClusterStats:
-    """This rank's part of one round, from rank 0's adapters (broadcast) so every rank
-    ends each step with the same weights; returns the statistics summed over the ranks."""
+    """This rank's part of one round, from rank 0's adapters (broadcast, so that every rank
+    ends each step with the same weights); returns the statistics summed over the ranks."""
     for param in model.trainable_parameters():
         dist.broadcast(param.data, src=0)
     if not command.dp:
@@ -191,17 +190,6 @@ def check_sharding(run: RunConfig, node: NodeConfig) -> None:
         )
 
 
-@contextmanager
-def _threads(count: int):  # type: ignore[no-untyped-def]
-    """Share the CPU cores among a machine's ranks for the duration of a round."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def describe_exit(code: int) -> str:
     """``signal 9`` or ``exit status 1``, as a worker's Popen return code says."""
     if code < 0:
@@ -214,10 +202,9 @@ def describe_exit(code: int) -> str:
 
 class TrainingCluster:
     """Rank 0's handle on a region's training processes: it starts ``count - 1`` workers
-    on this machine, or under torchrun (``RANK=0``) waits for the other ranks to join.
-    A dead worker fails the round with a :class:`ClusterError` naming it; the cluster is
-    then torn down, and the region builds a new one for its next round.
-    """
+    on this machine, or under torchrun (``RANK=0``) waits for the other ranks to join. A
+    dead worker fails the round (a :class:`ClusterError` naming it) and the cluster is torn
+    down; the region builds a new one for its next round."""
 
     def __init__(
         self,
@@ -251,13 +238,7 @@ class TrainingCluster:
         count = self.node.processes(self.run)
         if world is None:
             check_placement(count, self.model.device, key=processes_key(self.run, self.node))
-            world = World(
-                rank=0,
-                world_size=count,
-                local_world_size=count,
-                master_addr="127.0.0.1",
-                master_port=free_port(),
-            )
+            world = World(rank=0, world_size=count, local_world_size=count, master_port=free_port())
             secret = new_secret()  # this start's own: the workers get it from us
             self._spawn(world, secret)
         elif world.rank != 0:
@@ -283,17 +264,18 @@ class TrainingCluster:
             self._await(JOINED_KEY, world, starting, "start and reach rank 0's store")
             for rank in range(1, world.world_size):
                 self.store.get(f"{JOINED_KEY}{rank}")  # a rank that holds the secret
-            form_group(
-                world,
-                self.store.raw,
-                backend=backend_for(self.model.device),
-                timeout=timeout,
-                what=self.name,
-            )
+            backend = backend_for(self.model.device)
+            form_group(world, self.store.raw, backend=backend, timeout=timeout, what=self.name)
             node = self.node.model_dump(mode="json", by_alias=True)
             self.store.set(CONFIG_KEY, json.dumps({"run": self.run.flat(), "node": node}))
             self._await(READY_KEY, world, starting, "load the model and data")
-            self._check_loaded(world)
+            for rank in range(1, world.world_size):
+                if tuple(json.loads(self.store.get(f"{READY_KEY}{rank}"))) != self.fingerprints:
+                    raise ClusterError(
+                        f"{self.name}: training process rank {rank} loaded another base model "
+                        "or dataset (fingerprints differ from rank 0's); every rank must read "
+                        "the same model and the same data-path"
+                    )
             if self.node.sharded(self.run):  # each rank keeps its slice from now on
                 shard_base(self.model, world.world_size)
                 logging.getLogger("flwr").info(
@@ -340,7 +322,7 @@ class TrainingCluster:
         assert self.store is not None
         deadline = time.monotonic() + timeout
         for rank in range(1, world.world_size):
-            while not self.store.check([f"{prefix}{rank}"]):  # polled: no wait to log
+            while not self.store.raw.check([f"{prefix}{rank}"]):  # polled: no wait to log
                 if self._died() is not None:
                     raise ClusterError(f"{self.name}: a training process died while starting")
                 if time.monotonic() > deadline:
@@ -351,17 +333,6 @@ class TrainingCluster:
                         f"{self.logs / f'rank-{rank}.log'}"
                     )
                 time.sleep(POLL_S)
-
-    def _check_loaded(self, world: World) -> None:
-        assert self.store is not None
-        for rank in range(1, world.world_size):
-            loaded = tuple(json.loads(self.store.get(f"{READY_KEY}{rank}")))
-            if loaded != self.fingerprints:
-                raise ClusterError(
-                    f"{self.name}: training process rank {rank} loaded another base model "
-                    "or dataset (fingerprints differ from rank 0's); every rank must read "
-                    "the same model and the same data-path"
-                )
 
     def _watch(self) -> None:
         """Notice a dead worker at once and stop the others, so that rank 0's pending
@@ -394,54 +365,41 @@ class TrainingCluster:
 
     def train(self, command: TrainCommand) -> ClusterStats:
         """Run ``command`` on every rank; any failure tears the cluster down."""
-        return self._on_every_rank(
-            command,
-            lambda size: train_rank(
-                self.model,
-                self.data.train,
-                self.node.training(self.run),
-                self.run.privacy,
-                command,
-                Shard(rank=0, size=size),
-            ),
-        )
+        with self._on_every_rank(command) as size:
+            local, dp = self.node.training(self.run), self.run.privacy
+            return train_rank(self.model, self.data.train, local, dp, command, Shard(0, size))
 
     def forward(self, command: TrainCommand) -> Any:
         """Rank 0's forward-only work on a sharded base, which every rank takes part in."""
-        return self._on_every_rank(
-            command,
-            lambda _: forward_work(
-                self.model,
-                self.data,
-                self.node.training(self.run),
-                self.run.privacy,
-                command,
-                every_rank=True,
-            ),
-        )
+        with self._on_every_rank(command):
+            local, dp = self.node.training(self.run), self.run.privacy
+            return forward_work(self.model, self.data, local, dp, command, every_rank=True)
 
-    def _on_every_rank(self, command: TrainCommand, work: Callable[[int], T]) -> T:
-        """Send ``command`` to the other ranks and do rank 0's part (``work``, given the
-        world's size)."""
-        if self.started and self._died() is not None:
-            rank, pid, code = self._died() or (0, 0, 0)
+    @contextmanager
+    def _on_every_rank(self, command: TrainCommand) -> Iterator[int]:
+        """Send ``command`` to the other ranks, then do rank 0's part (the ``with`` block,
+        given the world's size)."""
+        died = self._died() if self.started else None
+        if died is not None:
             log.warning(
                 "fedciuic: %s: training process rank %d (pid %d) died between rounds (%s); "
                 "starting the training processes again",
                 self.name,
-                rank,
-                pid,
-                describe_exit(code),
+                died[0],
+                died[1],
+                describe_exit(died[2]),
             )
             self.close()
         if not self.started:
             self.start()
         assert self.world is not None and self.store is not None
         during = _DOING.get(command.op, f"round {command.server_round}")
+        threads = torch.get_num_threads()
         try:
             self._send(command)
-            with _threads(threads_per_rank(self.world.local_world_size)):
-                return work(self.world.world_size)
+            # The machine's cores, shared among its ranks for the round.
+            torch.set_num_threads(threads_per_rank(self.world.local_world_size))
+            yield self.world.world_size
         except BaseException as err:
             died = self._wait_for_death() if self.workers else None
             self.close()
@@ -455,6 +413,8 @@ class TrainingCluster:
                     "training processes are started again for the next round"
                 ) from err
             raise
+        finally:
+            torch.set_num_threads(threads)
 
     def _wait_for_death(self) -> tuple[int, int, int] | None:
         """A failed collective usually means a worker is dying: give it a moment."""

@@ -1,9 +1,8 @@
 """A region's training process of rank > 0: ``python -m fedciuic.cluster.worker``.
 
-Started by the region itself, or on its other hosts with torchrun's variables pointing
-at the region's process (rank 0, which hosts the store; docs/cluster.md) and the cluster
-secret, whose MAC every value it acts on must carry (:mod:`fedciuic.cluster.auth`). It
-loads the model and data once, then trains on rank 0's commands until told to stop or
+Started by the region itself, or on its other hosts by torchrun with the cluster secret
+(every value it acts on must carry its MAC, :mod:`fedciuic.cluster.auth`; docs/cluster.md).
+It loads the model and data once, then trains on rank 0's commands until told to stop or
 rank 0 is gone.
 """
 
@@ -62,7 +61,7 @@ def next_command(store: SealedStore, seq: int) -> TrainCommand:
     """Wait for rank 0's command ``seq``, without a deadline: rounds may be far apart."""
     key = f"{COMMAND_KEY}{seq}"
     try:
-        while not store.check([key]):  # polled: a timed-out wait would log each time
+        while not store.raw.check([key]):  # polled: a timed-out wait would log each time
             time.sleep(POLL_S)
         text = store.get(key)
     except (RuntimeError, OSError):
@@ -92,15 +91,14 @@ def serve(world: World) -> None:
     store = SealedStore(open_store(world, timeout=timeout, what=what), secret, what=what)
     store.set(f"{JOINED_KEY}{world.rank}", "1")
     form_group(world, store.raw, backend=backend_for(device), timeout=timeout, what=what)
-    # The model and data libraries load after the rank has joined (so that one that cannot
-    # join says so first).
+    # Model and data libraries load once the rank has joined: one that cannot join says so first.
     from fedciuic.cluster.training import forward_work, train_rank
     from fedciuic.config import NodeConfig, RunConfig
     from fedciuic.data import load_region_data
     from fedciuic.model import AdapterModel, Shard, shard_base
 
     try:
-        store.wait([CONFIG_KEY], timedelta(seconds=timeout))
+        store.raw.wait([CONFIG_KEY], timedelta(seconds=timeout))
         config = json.loads(store.get(CONFIG_KEY))
         run = RunConfig.from_user_config(config["run"], source="run config")
         node = NodeConfig.from_user_config(config["node"], source="node config")
@@ -117,12 +115,8 @@ def serve(world: World) -> None:
             if command.op == "stop":
                 return
             # In the rank's log (STATE/cluster/rank-N.log): what it was doing if it dies.
-            print(
-                f"fedciuic: {what}: round {command.server_round}: "
-                + ("training" if command.op == "train" else command.op),
-                file=sys.stderr,
-                flush=True,
-            )
+            doing = "training" if command.op == "train" else command.op
+            print(f"fedciuic: {what}: round {command.server_round}: {doing}", file=sys.stderr)
             if command.op == "train":
                 train_rank(model, data.train, node.training(run), run.privacy, command, shard)
             else:  # rank 0's forward-only work, on a sharded base

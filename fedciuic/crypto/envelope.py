@@ -1,17 +1,16 @@
 """Sealed, signed envelopes: only the recipient can open them, and it knows who sealed them.
 
-``docs/envelope.md`` is the reference for the layout. Suite 1 (default), X-Wing +
-AES-256-GCM: the plaintext is cut into chunks, each sealed under a nonce of its index and
-a final flag with the header as associated data, so chunk order and truncation are
-authenticated; the signature covers the header, the KEM ciphertext and each chunk's
-SHA-256, binding the exact ciphertext (GCM alone does not, for the recipient who holds
-its key). Each chunk is encrypted and hashed while still in cache, on a small thread pool
-(AES-GCM and ``hashlib`` release the GIL). Suite 2, X-Wing + Fernet, is for
-compatibility only. Version 1 envelopes still open; :func:`seal` writes version 2.
+Layout: ``docs/envelope.md``. Suite 1 (default), X-Wing + AES-256-GCM, seals chunks, each
+under a nonce of its index and a final flag with the header as associated data, so order
+and truncation are authenticated; the signature covers the header, the KEM ciphertext and
+each chunk's SHA-256, binding the exact ciphertext (GCM alone does not, for the recipient
+who holds its key). Chunks are encrypted and hashed while in cache, on a small thread pool
+(AES-GCM and ``hashlib`` release the GIL). Suite 2, X-Wing + Fernet, is for compatibility
+only. Version 1 envelopes still open; :func:`seal` writes version 2.
 
-Every integrity failure (any bit changed, a truncated envelope, an unknown signer, a
-wrong key) is one opaque :class:`InvalidEnvelope`, as in Fernet; an authentic envelope
-not acceptable here (another run, round or recipient, a replay, too large) raises
+Every integrity failure (any bit changed, truncation, an unknown signer, a wrong key) is
+one opaque :class:`InvalidEnvelope`, as in Fernet; an authentic envelope not acceptable
+here (another run, round or recipient, a replay, too large) raises
 :class:`EnvelopeRejected` with the reason, for the audit log.
 """
 
@@ -42,7 +41,7 @@ ENVELOPE_MAGIC = b"FCEV"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 Suite = Literal["xwing-aes256gcm", "xwing-fernet"]
-SUITES: dict[str, int] = {"xwing-aes256gcm": 1, "xwing-fernet": 2}
+SUITES: dict[Suite, int] = {"xwing-aes256gcm": 1, "xwing-fernet": 2}
 SIG_SUITES: dict[str, int] = {"ed25519": 1, "ed25519+mldsa65": 2}
 _SUITE_NAMES = {v: k for k, v in SUITES.items()}
 _SIG_NAMES = {v: k for k, v in SIG_SUITES.items()}
@@ -92,25 +91,10 @@ class Header:
         region = self.region.encode("ascii")
         if len(region) > 255 or len(self.policy_hash) > 255:
             raise ValueError("region and policy hash are at most 255 bytes")
-        head = (
-            _FIXED.pack(
-                ENVELOPE_MAGIC,
-                self.version,
-                SUITES[self.suite],
-                SIG_SUITES[self.signature],
-                self.sender,
-                self.recipient,
-                self.run_id,
-                self.round,
-            )
-            + bytes([len(region)])
-            + region
-            + bytes([len(self.policy_hash)])
-            + self.policy_hash
-        )
-        if self.version == 1:
-            return head
-        return head + _SIZES.pack(self.chunk_exponent, self.length)
+        codes = (ENVELOPE_MAGIC, self.version, SUITES[self.suite], SIG_SUITES[self.signature])
+        head = _FIXED.pack(*codes, self.sender, self.recipient, self.run_id, self.round)
+        head += bytes([len(region)]) + region + bytes([len(self.policy_hash)]) + self.policy_hash
+        return head if self.version == 1 else head + _SIZES.pack(self.chunk_exponent, self.length)
 
     def chunks(self) -> int:
         """Version 2, suite 1: how many AEAD chunks (at least one, for an empty payload)."""
@@ -182,21 +166,16 @@ def signed_message(
     header: memoryview | bytes, kem: memoryview | bytes, digests: list[bytes]
 ) -> bytes:
     """Version 2: what the sender signs, given the SHA-256 of each body chunk in order."""
-    outer = hashlib.sha256(header)
-    outer.update(kem)
-    outer.update(b"".join(digests))
-    return SIGNED_LABEL_V2 + outer.digest()
+    return SIGNED_LABEL_V2 + hashlib.sha256(b"".join([header, kem, *digests])).digest()
 
 
-def _nonce(prefix: bytes, index: int, final: bool) -> bytes:
-    return prefix + _NONCE_TAIL.pack(index, final)
-
-
-def _chunk_bounds(header: Header, index: int, body_at: int) -> tuple[int, int, int]:
-    """Version 2, suite 1: chunk ``index``'s plaintext start and end and its body offset."""
+def _chunk(header: Header, prefix: bytes, body_at: int, index: int) -> tuple[slice, slice, bytes]:
+    """Version 2, suite 1: chunk ``index``'s plaintext and ciphertext slices, and its nonce."""
     start = index << header.chunk_exponent
-    end = min(start + (1 << header.chunk_exponent), header.length)
-    return start, end, body_at + index * ((1 << header.chunk_exponent) + TAG_SIZE)
+    stop = min(start + (1 << header.chunk_exponent), header.length)
+    at = body_at + index * ((1 << header.chunk_exponent) + TAG_SIZE)
+    nonce = prefix + _NONCE_TAIL.pack(index, index == header.chunks() - 1)
+    return slice(start, stop), slice(at, at + stop - start + TAG_SIZE), nonce
 
 
 # -- sealing ------------------------------------------------------------------------------
@@ -224,9 +203,8 @@ def seal(
     plain = memoryview(payload).cast("B")
     secret, kem_ct = recipient.xwing.encapsulate()
     keys = _keys(secret, suite, VERSION)
-    token = b""
-    if suite == "xwing-fernet":
-        token = Fernet(base64.urlsafe_b64encode(keys)).encrypt(bytes(plain))
+    aes = suite == "xwing-aes256gcm"
+    token = b"" if aes else Fernet(base64.urlsafe_b64encode(keys)).encrypt(bytes(plain))
     header = Header(
         suite=suite,
         signature=sender.bundle.signature,
@@ -236,8 +214,8 @@ def seal(
         round=server_round,
         region=region,
         policy_hash=policy_hash,
-        chunk_exponent=chunk_exponent if suite == "xwing-aes256gcm" else 0,
-        length=len(plain) if suite == "xwing-aes256gcm" else len(token),
+        chunk_exponent=chunk_exponent if aes else 0,
+        length=len(plain) if aes else len(token),
     )
     encoded = header.encode()
     body_at = len(encoded) + CIPHERTEXT_SIZE
@@ -246,16 +224,12 @@ def seal(
     view = memoryview(buf)
     view[: len(encoded)] = encoded
     view[len(encoded) : body_at] = kem_ct
-    if suite == "xwing-aes256gcm":
-        key, prefix, last = keys[:32], keys[32:], header.chunks() - 1
+    if aes:
 
         def one(index: int) -> bytes:
-            start, stop, at = _chunk_bounds(header, index, body_at)
-            out = view[at : at + stop - start + TAG_SIZE]
-            AESGCM(key).encrypt_into(
-                _nonce(prefix, index, index == last), plain[start:stop], encoded, out
-            )
-            return hashlib.sha256(out).digest()
+            text, body, nonce = _chunk(header, keys[32:], body_at, index)
+            AESGCM(keys[:32]).encrypt_into(nonce, plain[text], encoded, view[body])
+            return hashlib.sha256(view[body]).digest()
 
         digests = _map(one, header.chunks())
     else:
@@ -301,20 +275,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> tuple[Header, int]:
             raise ValueError
     except (struct.error, IndexError, KeyError, ValueError, UnicodeDecodeError):
         raise InvalidEnvelope() from None
-    header = Header(
-        suite_name,  # type: ignore[arg-type]
-        sig_name,
-        sender,
-        recipient,
-        run_id,
-        rnd,
-        region,
-        policy,
-        version,
-        exponent,
-        length,
-    )
-    return header, pos
+    fields = (sender, recipient, run_id, rnd, region, policy, version, exponent, length)
+    return Header(suite_name, sig_name, *fields), pos
 
 
 def open_envelope(
@@ -359,20 +321,15 @@ def open_envelope(
         # One pass: each worker hashes a chunk's ciphertext and decrypts it into place.
         plain = bytearray(header.length if ours else 0)
         out = memoryview(plain)
-        key, prefix, last = keys[:32], keys[32:], header.chunks() - 1
 
         def one(index: int) -> tuple[bytes, bool]:
-            start, stop, at = _chunk_bounds(header, index, body_at)
-            chunk = view[at : at + stop - start + TAG_SIZE]
-            digest = hashlib.sha256(chunk).digest()
-            if not ours:
-                return digest, True
-            try:
-                AESGCM(key).decrypt_into(
-                    _nonce(prefix, index, index == last), chunk, encoded, out[start:stop]
-                )
-            except InvalidTag:
-                return digest, False
+            text, body, nonce = _chunk(header, keys[32:], body_at, index)
+            digest = hashlib.sha256(view[body]).digest()
+            if ours:
+                try:
+                    AESGCM(keys[:32]).decrypt_into(nonce, view[body], encoded, out[text])
+                except InvalidTag:
+                    return digest, False
             return digest, True
 
         results = _map(one, header.chunks())
@@ -466,16 +423,3 @@ class Expectation:
         if key in self.seen:
             raise EnvelopeRejected(f"replay: a second envelope from {h.region} in round {h.round}")
         self.seen.add(key)
-
-
-__all__ = [
-    "EnvelopeRejected",
-    "Expectation",
-    "Header",
-    "InvalidEnvelope",
-    "Opened",
-    "open_envelope",
-    "parse_header",
-    "seal",
-    "signed_message",
-]

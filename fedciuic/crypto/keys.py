@@ -1,14 +1,10 @@
 """Party keys: an X-Wing decapsulation key and a signing key, with a public bundle.
 
-A party (the aggregator or a region) has:
-
-* a private key file (JSON, mode 0600): the 32-byte X-Wing seed, the 32-byte
-  Ed25519 seed and, for hybrid signatures, the 32-byte ML-DSA-65 seed;
-* a public bundle (JSON): party name, jurisdiction, public keys and a key id,
-  ``SHA-256("fedciuic-key-id/1" || 0x00 || xwing_pk || ed25519_pk || mldsa65_pk)[:16]``.
-
-Signatures are Ed25519, or Ed25519 and ML-DSA-65 together (``ed25519+mldsa65``:
-both must verify). See ``docs/envelope.md`` for the file formats.
+A party's private key file (JSON, mode 0600) holds 32-byte seeds: X-Wing, Ed25519 and,
+for hybrid signatures, ML-DSA-65. Its public bundle (JSON) holds its name, jurisdiction,
+public keys and key id, ``SHA-256("fedciuic-key-id/1" || 0x00 || xwing_pk || ed25519_pk
+|| mldsa65_pk)[:16]``. With ``ed25519+mldsa65`` both signatures must verify. See
+``docs/envelope.md`` for the file formats.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ ED25519_SIG_SIZE = 64
 MLDSA65_SIG_SIZE = 3309
 SIGNING_CONTEXT = b"fedciuic/1"
 NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
-_M = TypeVar("_M", bound=BaseModel)
 
 
 class KeyFileError(FedciuicError):
@@ -55,9 +50,10 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(value: str, size: int, path: Path, field: str) -> bytes:
+def _unb64(data: BaseModel, field: str, size: int, path: Path) -> bytes:
+    """``data.field`` decoded, and exactly ``size`` bytes."""
     try:
-        raw = base64.b64decode(value, validate=True)
+        raw = base64.b64decode(getattr(data, field), validate=True)
     except (binascii.Error, ValueError):
         raise KeyFileError(f"{path}:{field}: not valid base64") from None
     if len(raw) != size:
@@ -72,6 +68,9 @@ class _File(BaseModel):
     party: str = Field(pattern=NAME_PATTERN)
     jurisdiction: str = Field(min_length=1, max_length=64)
     signature: SignatureSuite
+
+
+_F = TypeVar("_F", bound=_File)
 
 
 class BundleFile(_File):
@@ -222,14 +221,14 @@ def write_keys(keypair: Keypair, directory: Path) -> tuple[Path, Path]:
     """Write ``PARTY.key.json`` (mode 0600, never overwritten) and ``PARTY.pub.json``."""
     directory.mkdir(parents=True, exist_ok=True)
     party = keypair.bundle.party
-    private = private_key_path(directory, party)
-    public = bundle_path(directory, party)
+    private, public = private_key_path(directory, party), bundle_path(directory, party)
     write_private(private, keypair.to_file().model_dump_json(indent=2).encode() + b"\n")
     public.write_text(keypair.bundle.to_file().model_dump_json(indent=2) + "\n", encoding="utf-8")
     return private, public
 
 
-def _read_json(path: Path, what: str) -> dict[str, object]:
+def _load(model: type[_F], path: Path, what: str, expected_format: str) -> _F:
+    """The key file or bundle at ``path``, validated; every problem a :class:`KeyFileError`."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -240,35 +239,28 @@ def _read_json(path: Path, what: str) -> dict[str, object]:
         raise KeyFileError(f"{path}: not a readable {what} ({err})") from None
     if not isinstance(data, dict):
         raise KeyFileError(f"{path}: not a {what} (expected a JSON object)")
-    return data
-
-
-def _validated(model: type[_M], data: dict[str, object], path: Path) -> _M:
     try:
-        return model.model_validate(data)
+        loaded = model.model_validate(data)
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
         )
         raise KeyFileError(f"{path}: {problems}") from None
+    if loaded.format != expected_format:
+        raise KeyFileError(f"{path}:format: {loaded.format!r}, expected {expected_format!r}")
+    return loaded
 
 
 def load_bundle(path: Path) -> PublicBundle:
     """Read a public bundle and check that its key id matches its keys."""
-    data = _validated(BundleFile, _read_json(path, "public bundle"), path)
-    if data.format != BUNDLE_FORMAT:
-        raise KeyFileError(f"{path}:format: {data.format!r}, expected {BUNDLE_FORMAT!r}")
+    data = _load(BundleFile, path, "public bundle", BUNDLE_FORMAT)
     bundle = PublicBundle(
         party=data.party,
         jurisdiction=data.jurisdiction,
         signature=data.signature,
-        xwing=XWingPublicKey(_unb64(data.xwing_public, 1216, path, "xwing_public")),
-        ed25519=_unb64(data.ed25519_public, 32, path, "ed25519_public"),
-        mldsa65=(
-            _unb64(data.mldsa65_public, 1952, path, "mldsa65_public")
-            if data.mldsa65_public
-            else None
-        ),
+        xwing=XWingPublicKey(_unb64(data, "xwing_public", 1216, path)),
+        ed25519=_unb64(data, "ed25519_public", 32, path),
+        mldsa65=_unb64(data, "mldsa65_public", 1952, path) if data.mldsa65_public else None,
     )
     _check_suite(path, data.signature, data.mldsa65_public)
     if bundle.key_id.hex() != data.key_id:
@@ -292,19 +284,15 @@ def load_keypair(path: Path) -> Keypair:
             f"{path}: private key is accessible by others (mode {stat.S_IMODE(mode):o}); "
             f"run `chmod 600 {path}` and rotate the key if others could read it"
         )
-    data = _validated(PrivateFile, _read_json(path, "private key file"), path)
-    if data.format != PRIVATE_FORMAT:
-        raise KeyFileError(f"{path}:format: {data.format!r}, expected {PRIVATE_FORMAT!r}")
+    data = _load(PrivateFile, path, "private key file", PRIVATE_FORMAT)
     _check_suite(path, data.signature, data.mldsa65_seed)
     keypair = Keypair(
         party=data.party,
         jurisdiction=data.jurisdiction,
         signature=data.signature,
-        xwing_seed=_unb64(data.xwing_seed, SEED_SIZE, path, "xwing_seed"),
-        ed25519_seed=_unb64(data.ed25519_seed, 32, path, "ed25519_seed"),
-        mldsa65_seed=(
-            _unb64(data.mldsa65_seed, 32, path, "mldsa65_seed") if data.mldsa65_seed else None
-        ),
+        xwing_seed=_unb64(data, "xwing_seed", SEED_SIZE, path),
+        ed25519_seed=_unb64(data, "ed25519_seed", 32, path),
+        mldsa65_seed=_unb64(data, "mldsa65_seed", 32, path) if data.mldsa65_seed else None,
     )
     if keypair.bundle.key_id.hex() != data.key_id:
         raise KeyFileError(

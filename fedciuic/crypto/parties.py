@@ -1,8 +1,7 @@
 """Sealing updates and signing the global model, between fedciuic's parties (no Flower).
 
-A region seals its update (the adapter delta as safetensors, with its metrics in the
-safetensors metadata) to the aggregator's public bundle; the aggregator opens it with
-its private key and accepts it only from a known region's key, for this run and round,
+A region seals its update (the adapter delta as safetensors, metrics in its metadata) to
+the aggregator, which accepts it only from a known region's key, for this run and round,
 once. The aggregator signs the global adapter it sends down; a region checks that
 signature before it trains or evaluates.
 """
@@ -23,7 +22,6 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from fedciuic.crypto.envelope import (
-    EnvelopeRejected,
     Expectation,
     InvalidEnvelope,
     Suite,
@@ -39,6 +37,7 @@ from fedciuic.crypto.keys import (
     load_bundles,
     load_keypair,
     private_key_path,
+    write_keys,
 )
 from fedciuic.errors import FedciuicError
 
@@ -70,9 +69,9 @@ _KIND_CODES = {TaskKind.TRAIN: 1, TaskKind.EVALUATE: 2, TaskKind.RUN_END: 3, Tas
 class Terms:
     """What an instruction asks besides the adapter, under the aggregator's signature.
     ``federation_run`` is what the region accounts under (a resumed run keeps the first
-    run's id); ``checkpoint``, the SHA-256 of the state a resumed run continued from.
-    The recipient is signed because nonces are each agent's own: without it an
-    instruction meant for one region could be handed to another."""
+    run's id); ``checkpoint``, the SHA-256 of the state a resumed run continued from. The
+    recipient is signed because nonces are each agent's own: unsigned, an instruction
+    meant for one region could be handed to another."""
 
     kind: TaskKind
     config_digest: bytes
@@ -122,19 +121,14 @@ def model_digest(arrays: Mapping[str, np.ndarray]) -> bytes:
 
 
 def _witness_tail(witness: tuple[int, str] | None) -> bytes:
-    """Witness flag (u8), then with the flag 1 the signer's audit checkpoint count (u64)
-    and head (32)."""
+    """Witness flag (u8), then if 1 the signer's audit checkpoint count (u64) and head (32)."""
     if witness is None:
         return b"\x00"
     return b"\x01" + struct.pack(">Q", witness[0]) + bytes.fromhex(witness[1])
 
 
 def _global_message(
-    run_id: int,
-    server_round: int,
-    digest: bytes,
-    terms: Terms,
-    witness: tuple[int, str] | None,
+    run_id: int, server_round: int, digest: bytes, terms: Terms, witness: tuple[int, str] | None
 ) -> bytes:
     """Label | run id (u64) | round (u32) | model digest (32) | terms | witness."""
     head = GLOBAL_LABEL + struct.pack(">QI", run_id, server_round) + digest
@@ -169,9 +163,8 @@ def _run_end_message(run_id: int, terms: Terms, witness: tuple[int, str], receip
 def sign_run_end(
     keypair: Keypair, run_id: int, terms: Terms, witness: tuple[int, str], receipts: bytes
 ) -> bytes:
-    """The aggregator's signature over its log's head once ``run_end`` is in it, and over
-    what it received from each region (``receipts``), so that a region learns which of
-    its releases never arrived."""
+    """The aggregator's signature over its log's head once ``run_end`` is in it and over what
+    it received from each region (``receipts``): a region learns which releases never arrived."""
     return keypair.sign(_run_end_message(run_id, terms, witness, receipts))
 
 
@@ -208,15 +201,12 @@ class MalformedPayload(FedciuicError):
 def read_update_payload(
     payload: bytes | bytearray,
 ) -> tuple[dict[str, np.ndarray], object, object]:
-    """Inverse of :func:`update_payload`; the metrics and info as sent, still untrusted.
-    :class:`MalformedPayload` if the plaintext is not safetensors with both in its
-    metadata."""
+    """Inverse of :func:`update_payload`, the metrics and info still untrusted;
+    :class:`MalformedPayload` unless safetensors with both in its metadata."""
     try:
-        if not isinstance(payload, bytes):  # safetensors reads only bytes
-            payload = bytes(payload)
+        payload = bytes(payload)  # safetensors reads only bytes (a no-op for bytes)
         (size,) = struct.unpack_from("<Q", payload)
-        header = json.loads(payload[8 : 8 + size])
-        metadata = header["__metadata__"]
+        metadata = json.loads(payload[8 : 8 + size])["__metadata__"]
         metrics = json.loads(metadata["metrics"])
         info = json.loads(metadata["info"])
         arrays = st_load(payload)
@@ -246,17 +236,18 @@ class RegionKeys:
     ) -> None:
         """Refuse a global adapter the aggregator did not sign as it stands."""
         message = _global_message(run_id, server_round, model_digest(arrays), terms, witness)
-        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
-            raise NotSignedError(
-                f"region {self.keypair.bundle.party}: the {terms.kind} instruction of round "
-                f"{server_round} is not signed by the aggregator key "
-                f"{self.aggregator.key_id.hex()} for run {run_id}; refusing it"
-            )
-        self._addressed(terms, f"the {terms.kind} instruction of round {server_round}")
+        what = f"the {terms.kind} instruction of round {server_round}"
+        self._check(what, terms, message, signature, key_id, f" for run {run_id}; refusing it")
 
-    def _addressed(self, terms: Terms, what: str) -> None:
-        """Refuse what the aggregator signed for another region."""
-        me = self.keypair.bundle.party
+    def _check(
+        self, what: str, terms: Terms, message: bytes, signature: bytes, key_id: str, tail: str
+    ) -> None:
+        """Refuse what the aggregator did not sign as it stands, or signed for another region."""
+        me, theirs = self.keypair.bundle.party, self.aggregator.key_id.hex()
+        if key_id != theirs or not self.aggregator.verify(message, signature):
+            raise NotSignedError(
+                f"region {me}: {what} is not signed by the aggregator key {theirs}{tail}"
+            )
         if terms.recipient != me:
             raise Misaddressed(
                 f"region {me}: {what} is addressed to "
@@ -275,12 +266,7 @@ class RegionKeys:
     ) -> None:
         """Refuse a run-end notice the aggregator did not sign."""
         message = _run_end_message(run_id, terms, witness, receipts)
-        if key_id != self.aggregator.key_id.hex() or not self.aggregator.verify(message, signature):
-            raise NotSignedError(
-                f"region {self.keypair.bundle.party}: the run-end notice of run {run_id} is "
-                f"not signed by the aggregator key {self.aggregator.key_id.hex()}"
-            )
-        self._addressed(terms, f"the run-end notice of run {run_id}")
+        self._check(f"the run-end notice of run {run_id}", terms, message, signature, key_id, "")
 
     def seal_update(
         self, payload: bytes, *, run_id: int, server_round: int, policy_hash: str = ""
@@ -389,7 +375,6 @@ def generate_federation_keys(
 ) -> Path:
     """Keys for a local federation in one folder (simulation and loopback demos only:
     in a deployment each party generates its own and shares only its bundle)."""
-    from fedciuic.crypto.keys import write_keys
     from fedciuic.jurisdictions import simulated_jurisdiction
 
     write_keys(Keypair.generate(AGGREGATOR, aggregator_jurisdiction), directory)
@@ -399,8 +384,7 @@ def generate_federation_keys(
 
 
 def aggregator_keys(keys_dir: str, max_size: int) -> AggregatorKeys:
-    """The aggregator's keys from ``keys_dir``: ``aggregator.key.json`` and the regions'
-    ``*.pub.json`` bundles."""
+    """The aggregator's keys from ``keys_dir``: ``aggregator.key.json``, the regions' bundles."""
     if not keys_dir:
         raise KeyFileError(
             "run config:keys-dir: empty; sealing needs a folder with aggregator.key.json and "
@@ -412,22 +396,3 @@ def aggregator_keys(keys_dir: str, max_size: int) -> AggregatorKeys:
     if not regions:
         raise KeyFileError(f"{folder}: no region bundles (REGION.pub.json); add each region's")
     return AggregatorKeys(keypair, regions, max_size)
-
-
-__all__ = [
-    "NONCE_BYTES",
-    "AggregatorKeys",
-    "EnvelopeRejected",
-    "InvalidEnvelope",
-    "Misaddressed",
-    "NotSignedError",
-    "OpenedUpdate",
-    "RegionKeys",
-    "TaskKind",
-    "Terms",
-    "aggregator_keys",
-    "config_digest",
-    "region_keys",
-    "sign_global",
-    "sign_run_end",
-]

@@ -1,11 +1,10 @@
 """Certificates for a TLS SuperLink and keys for SuperNode authentication (``cryptography``).
 
-A deployment needs: a CA, whose certificate every SuperNode (and ``flwr``) trusts
-(``--root-certificates``); a server certificate for the SuperLink, signed by that CA,
-for the names and addresses it is reached at; and, with ``--enable-supernode-auth``,
-one EC P-384 key pair per SuperNode (OpenSSH format) whose public half is
-registered with ``flwr supernode register`` before the SuperNode may connect.
-Private keys are written with mode 0600 and never overwritten.
+A deployment needs a CA that every SuperNode (and ``flwr``) trusts (``--root-certificates``),
+a SuperLink certificate from it for the names and addresses the SuperLink is reached at
+and, with ``--enable-supernode-auth``, an EC P-384 key pair per SuperNode (OpenSSH format)
+whose public half is registered with ``flwr supernode register``. Private keys are written
+with mode 0600 and never overwritten.
 """
 
 from __future__ import annotations
@@ -50,6 +49,13 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
         except ValueError:
             names.append(x509.DNSName(host))
     return x509.SubjectAlternativeName(names)
+
+
+def _write_key(
+    path: Path, key: ec.EllipticCurvePrivateKey, form: serialization.PrivateFormat
+) -> None:
+    pem = serialization.Encoding.PEM
+    write_private(path, key.private_bytes(pem, form, serialization.NoEncryption()))
 
 
 def generate_server_tls(out: Path, hosts: list[str], days: int = 365) -> ServerTls:
@@ -101,16 +107,8 @@ def generate_server_tls(out: Path, hosts: list[str], days: int = 365) -> ServerT
     )
     pem = serialization.Encoding.PEM
     files = ServerTls(out / "ca.pem", out / "superlink.pem", out / "superlink.key")
-    write_private(
-        out / "ca.key",
-        ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-    )
-    write_private(
-        files.server_key,
-        server_key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    )
+    _write_key(out / "ca.key", ca_key, serialization.PrivateFormat.PKCS8)
+    _write_key(files.server_key, server_key, serialization.PrivateFormat.PKCS8)
     files.ca_cert.write_bytes(ca_cert.public_bytes(pem))
     files.server_cert.write_bytes(server_cert.public_bytes(pem))
     return files
@@ -122,14 +120,7 @@ def generate_supernode_key(out: Path, name: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = out / f"{name}.auth.key", out / f"{name}.auth.pub"
-    write_private(
-        private,
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.OpenSSH,
-            serialization.NoEncryption(),
-        ),
-    )
+    _write_key(private, key, serialization.PrivateFormat.OpenSSH)
     public.write_bytes(
         key.public_key().public_bytes(
             serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH

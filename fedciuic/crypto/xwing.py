@@ -1,22 +1,18 @@
 """X-Wing: the hybrid KEM of draft-connolly-cfrg-xwing-kem (ML-KEM-768 + X25519).
 
-Built only on ``cryptography``'s ML-KEM-768, X25519, SHA3-256 and SHAKE-256, exactly
-as the draft specifies:
-
-* the decapsulation key is a 32-byte seed, expanded with SHAKE-256 to 96 bytes:
-  bytes 0..63 are the ML-KEM-768 seed (d || z), bytes 64..95 the X25519 secret;
-* the encapsulation key is ``pk_M || pk_X`` (1184 + 32 bytes);
-* the ciphertext is ``ct_M || ct_X`` (1088 + 32 bytes);
-* the shared secret is ``SHA3-256(ss_M || ss_X || ct_X || pk_X || XWingLabel)``.
+Exactly as the draft specifies: the decapsulation key is a 32-byte seed, expanded with
+SHAKE-256 to 96 bytes (the ML-KEM-768 seed d || z, then the X25519 secret); the
+encapsulation key is ``pk_M || pk_X`` (1184 + 32 bytes), the ciphertext ``ct_M || ct_X``
+(1088 + 32 bytes), the shared secret ``SHA3-256(ss_M || ss_X || ct_X || pk_X || XWingLabel)``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey, MLKEM768PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
@@ -28,21 +24,9 @@ PUBLIC_KEY_SIZE = MLKEM_PK_SIZE + X25519_SIZE  # 1216
 CIPHERTEXT_SIZE = MLKEM_CT_SIZE + X25519_SIZE  # 1120
 
 
-def _shake256(data: bytes, size: int) -> bytes:
-    digest = hashes.Hash(hashes.SHAKE256(size))
-    digest.update(data)
-    return digest.finalize()
-
-
-def _sha3_256(data: bytes) -> bytes:
-    digest = hashes.Hash(hashes.SHA3_256())
-    digest.update(data)
-    return digest.finalize()
-
-
 def combiner(ss_m: bytes, ss_x: bytes, ct_x: bytes, pk_x: bytes) -> bytes:
     """The X-Wing combiner: ``SHA3-256(ss_M || ss_X || ct_X || pk_X || XWingLabel)``."""
-    return _sha3_256(ss_m + ss_x + ct_x + pk_x + XWING_LABEL)
+    return hashlib.sha3_256(ss_m + ss_x + ct_x + pk_x + XWING_LABEL).digest()
 
 
 @dataclass(frozen=True)
@@ -61,9 +45,9 @@ class XWingPrivateKey:
 
     @cached_property
     def _expanded(self) -> tuple[MLKEM768PrivateKey, X25519PrivateKey, bytes]:
-        """The expanded keys and ``pk_X``, made once per key (ML-KEM key generation from
-        the seed is most of a decapsulation's cost otherwise)."""
-        expanded = _shake256(self.seed, 96)
+        """The expanded keys and ``pk_X``, made once per key: ML-KEM key generation from
+        the seed would otherwise be most of a decapsulation's cost."""
+        expanded = hashlib.shake_256(self.seed).digest(96)
         sk_m = MLKEM768PrivateKey.from_seed_bytes(expanded[:64])
         sk_x = X25519PrivateKey.from_private_bytes(expanded[64:96])
         return sk_m, sk_x, sk_x.public_key().public_bytes_raw()
@@ -79,9 +63,8 @@ class XWingPrivateKey:
             raise ValueError(f"an X-Wing ciphertext is {CIPHERTEXT_SIZE} bytes")
         sk_m, sk_x, pk_x = self._expanded
         ct_m, ct_x = ciphertext[:MLKEM_CT_SIZE], ciphertext[MLKEM_CT_SIZE:]
-        ss_m = sk_m.decapsulate(ct_m)
         ss_x = sk_x.exchange(X25519PublicKey.from_public_bytes(ct_x))
-        return combiner(ss_m, ss_x, ct_x, pk_x)
+        return combiner(sk_m.decapsulate(ct_m), ss_x, ct_x, pk_x)
 
 
 @dataclass(frozen=True)
@@ -106,14 +89,9 @@ class XWingPublicKey:
 
     def encapsulate(self) -> tuple[bytes, bytes]:
         """A fresh ``(shared_secret, ciphertext)``."""
-        return self.encapsulate_with(X25519PrivateKey.generate())
-
-    def encapsulate_with(self, ephemeral: X25519PrivateKey) -> tuple[bytes, bytes]:
-        """Encapsulate with a given X25519 ephemeral key (ML-KEM's randomness stays
-        inside ``cryptography``, which offers no derandomised encapsulation)."""
         pk_m, pk_x = self._parsed
-        pk_x_raw = self.raw[MLKEM_PK_SIZE:]
+        ephemeral = X25519PrivateKey.generate()
         ss_m, ct_m = pk_m.encapsulate()
         ct_x = ephemeral.public_key().public_bytes_raw()
         ss_x = ephemeral.exchange(pk_x)
-        return combiner(ss_m, ss_x, ct_x, pk_x_raw), ct_m + ct_x
+        return combiner(ss_m, ss_x, ct_x, self.raw[MLKEM_PK_SIZE:]), ct_m + ct_x
