@@ -393,13 +393,13 @@ class TrainingCluster:
         if not self.started:
             self.start()
         assert self.world is not None and self.store is not None
-        during = _DOING.get(command.op, f"round {command.server_round}")
+        world, during = self.world, _DOING.get(command.op, f"round {command.server_round}")
         threads = torch.get_num_threads()
         try:
             self._send(command)
             # The machine's cores, shared among its ranks for the round.
-            torch.set_num_threads(threads_per_rank(self.world.local_world_size))
-            yield self.world.world_size
+            torch.set_num_threads(threads_per_rank(world.local_world_size))
+            yield world.world_size
         except BaseException as err:
             died = self._wait_for_death() if self.workers else None
             self.close()
@@ -407,7 +407,7 @@ class TrainingCluster:
                 raise self._death_error(died, during) from err
             if isinstance(err, (RuntimeError, OSError)) and not isinstance(err, ClusterError):
                 raise ClusterError(
-                    f"{self.name}: training across {self.world.world_size} processes failed "
+                    f"{self.name}: training across {world.world_size} processes failed "
                     f"during {during} ({first_line(err)}); "
                     f"collective-timeout is {self.run.cluster.collective_timeout:g} s; the "
                     "training processes are started again for the next round"

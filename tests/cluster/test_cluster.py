@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedciuic.cluster import TrainCommand, TrainingCluster
+from fedciuic.cluster import TrainCommand, TrainingCluster, training
 from fedciuic.cluster.auth import SECRET_ENV, new_secret
 from fedciuic.cluster.dist import ClusterError, World, check_placement
 from fedciuic.cluster.protocol import TIMEOUT_ENV, free_port
@@ -250,6 +250,28 @@ def test_a_killed_worker_fails_the_round_and_the_next_round_rebuilds(
     assert third.stats.steps == 2
     (fresh,) = worker_pids(pair)
     assert fresh != victim and alive(fresh)
+
+
+def test_a_failure_on_rank_0_with_every_worker_alive_is_one_clear_error(
+    pair: Region, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails (here before its first collective) while its worker lives: one
+    ClusterError naming the round and the cause, and the next round starts afresh."""
+    (worker,) = worker_pids(pair) or [None]
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Connection reset by peer\nstack trace ...")
+
+    monkeypatch.setattr(training, "train_rank", fail)
+    with pytest.raises(
+        ClusterError,
+        match=r"region eu: training across 2 processes failed during round 7 "
+        r"\(Connection reset by peer\); collective-timeout is",
+    ):
+        pair._train_cluster(TrainCommand(steps=1, seed=1, server_round=7))
+    assert pair._cluster is None and (worker is None or not alive(worker))
+    monkeypatch.undo()
+    assert pair._train_cluster(TrainCommand(steps=1, seed=1)).stats.steps == 1
 
 
 def test_more_processes_than_cores_is_one_clear_line(pair: Region, run: RunConfig) -> None:
