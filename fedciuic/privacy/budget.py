@@ -1,8 +1,7 @@
 """What a region's dataset has spent against its lifetime budget, read from its ledger.
 
-``fedciuic budget`` and ``fedciuic simulate`` show it before a run starts, so that a run
-whose target no longer fits is seen on the launching machine, not as declined rounds.
-Reading changes nothing: the ledger is parsed and checked as a round would open it.
+``fedciuic budget`` and ``fedciuic simulate`` show it before a run, so a target that no
+longer fits is seen on the launching machine, not as declined rounds. Reading changes nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ class BudgetStatus:
     #: Each release's purpose (``training``, ``counts``), in the history's order.
     purposes: list[str] = field(default_factory=list)
     runs: int = 0
-    #: Why the ledger cannot be read (damaged, unreadable): that region declines every
-    #: round with this reason, the others are unaffected.
+    #: Why the ledger cannot be read: that region declines every round with this reason.
     problem: str = ""
 
     @property
@@ -58,9 +56,8 @@ class BudgetStatus:
         return [s for s, p in zip(self.history, self.purposes, strict=True) if p == purpose]
 
     def after_run(self, target: float, steps: int, prefix: tuple[Step, ...] = ()) -> float:
-        """The dataset's cumulative epsilon after a run of ``steps`` steps at ``target``:
-        noise calibrated after ``prefix`` (:func:`~fedciuic.privacy.ledger.run_prefix`) at
-        the rate of the last training release, composed with the history."""
+        """The dataset's epsilon after a run of ``steps`` at ``target``, calibrated after
+        ``prefix`` (:func:`~fedciuic.privacy.ledger.run_prefix`) at the last training rate."""
         trained = self._steps(TRAINING)
         if not trained or self.delta is None or self.accountant is None:
             return target
@@ -110,8 +107,7 @@ class BudgetStatus:
 
 
 def budget_status(region: str, state_dir: Path, budget: float) -> BudgetStatus:
-    """The spend of the dataset whose state folder is ``state_dir``; a damaged ledger is a
-    status whose ``problem`` names the file and the fix (the other regions go on)."""
+    """The spend of the dataset in ``state_dir``; a damaged ledger is a ``problem``."""
     path = state_dir / LEDGER_FILE
     if not path.exists():
         return BudgetStatus(region, path, budget)

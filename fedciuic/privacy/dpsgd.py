@@ -1,8 +1,7 @@
 """DP-SGD on a region's adapters with Opacus: Poisson sampling, per-sample clipping, noise.
 
-Opacus hooks work on the cached model itself (``wrap_model=False``), so the same model
-serves evaluation and later rounds; a round parks them, disabled and empty, for the next
-round to take up, since building them walks the whole model.
+Opacus hooks work on the cached model itself, which also serves evaluation; a round parks
+them, disabled and empty, for the next, since building them walks the whole model.
 """
 
 from __future__ import annotations
@@ -25,11 +24,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
 from opacus.grad_sample.linear import compute_linear_norm_sample
-from opacus.optimizers.optimizer import (
-    _check_processed_flag,
-    _generate_noise,
-    _mark_as_processed,
-)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedciuic.config import (
@@ -72,9 +67,8 @@ _PASS_UNITS: list[torch.Tensor | None] = [None]
 def _linear_norm_sample_any_rank(
     layer: torch.nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Ghost-clipping norms for ``nn.Linear`` inputs of any rank: Opacus handles
-    ``[B, D]`` and ``[B, T, D]``, MLA's ``kv_b_proj`` sees ``[B, 1, T, D]``; folding the
-    middle dimensions gives the same per-sample gradient."""
+    """Ghost-clipping norms for ``nn.Linear`` inputs of any rank (MLA's ``kv_b_proj`` sees
+    ``[B, 1, T, D]``): folding the middle dimensions gives the same per-sample gradient."""
     if backprops.dim() > 3:
         backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
         activations = [a.reshape(a.shape[0], -1, a.shape[-1]) for a in activations]
@@ -90,8 +84,7 @@ def _linear_norm_sample_any_rank(
 def _unit_norms(
     layer: torch.nn.Linear, inputs: torch.Tensor, backprops: torch.Tensor, owners: torch.Tensor
 ) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """For each example, the norm of its unit's gradient (the mean of the unit's
-    examples' gradients, as hooks mode clips it), for each trainable tensor of ``layer``."""
+    """Per example and trainable tensor of ``layer``, the norm of its unit's mean gradient."""
     count = int(owners.max()) + 1
     sizes = torch.bincount(owners, minlength=count).to(backprops.dtype)
     grads: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -110,9 +103,8 @@ def _unit_norms(
 
 
 def _unit_coefficients(hooks: Any) -> Any:
-    """``hooks``' clipping coefficients (ghost clipping) with each example's scaled by
-    one over its unit's size: the second backward pass then sums each unit's clipped
-    mean gradient, as hooks mode does."""
+    """Ghost clipping's coefficients over each example's unit size, so the second backward
+    pass sums each unit's clipped mean gradient, as hooks mode does."""
     per_example = hooks.get_clipping_coef
 
     def coefficients() -> torch.Tensor:
@@ -145,8 +137,7 @@ def parameter_device(params: Iterable[torch.Tensor]) -> torch.device:
 
 
 def _release_noise(size: int, std: float, *, secure_mode: bool, seed: int | None) -> list[float]:
-    """``size`` Gaussian draws of ``std`` for a release besides DP-SGD's, drawn as its
-    noise is (``seed``: reproducible, tests only, ignored in secure mode)."""
+    """``size`` Gaussian draws of ``std`` as DP-SGD's (``seed``: tests only, not secure)."""
     if seed is not None and not secure_mode:
         gen = seeded_generator("cpu", seed)
     else:
@@ -170,9 +161,8 @@ def dp_mean(
     secure_mode: bool,
     seed: int | None = None,
 ) -> tuple[float, int]:
-    """The mean of ``values`` (one per unit) clipped to [0, ``clip``], and their count,
-    from a noised sum and count: one Gaussian mechanism of L2 sensitivity sqrt(2)
-    (:func:`fedciuic.privacy.ledger.dp_mean_step`)."""
+    """The mean of ``values`` (one per unit) clipped to [0, ``clip``], and their count, from
+    a noised sum and count: one Gaussian mechanism of L2 sensitivity sqrt(2)."""
     on_sum, on_count = _release_noise(2, noise, secure_mode=secure_mode, seed=seed)
     total = sum(min(max(v, 0.0), clip) for v in values) + clip * on_sum
     count = len(values) + on_count
@@ -187,9 +177,8 @@ def warn_once(message: str) -> None:
 
 
 class _Engine(PrivacyEngine):  # type: ignore[misc]
-    """Opacus' engine in plain mode: its secure mode would use one CPU generator for both
-    sampling and noise, so the trainer hands it its own generators and sets the
-    optimizer's ``secure_mode`` itself. ``parked``: an earlier round's hooks to take up."""
+    """Opacus' engine in plain mode (its secure mode would sample and noise from one CPU
+    generator; the trainer sets its own); ``parked``: an earlier round's hooks."""
 
     def __init__(self, parked: Any = None) -> None:
         self.parked = parked
@@ -212,8 +201,8 @@ _PARKED: weakref.WeakKeyDictionary[AdapterModel, tuple[tuple[int, ...], Any]] = 
 
 
 def _take_parked(model: AdapterModel, mode: DPMode) -> Any:
-    """The hooks parked on ``model`` if a trainer in ``mode`` can take them up; any
-    others are removed (a model holds one set of Opacus hooks at a time)."""
+    """The hooks parked on ``model`` if a trainer in ``mode`` can take them up, else None
+    and they are removed (a model holds one set of hooks at a time)."""
     built, hooks = _PARKED.pop(model, ((), None))
     if hooks is None:
         return None
@@ -237,8 +226,7 @@ def _park(model: AdapterModel, hooks: Any) -> None:
 
 
 class _SecureNoiseOptimizer:
-    """Opacus' secure noise for every parameter of a step, drawn at once in parallel
-    streams (:class:`~fedciuic.privacy.noise.SecureNoise`); the sums are the same."""
+    """Opacus' secure noise for a whole step at once, in parallel streams: the same sums."""
 
     params: list[torch.nn.Parameter]
     noise_multiplier: float
@@ -281,8 +269,7 @@ class _AcrossRanks:
 
 
 def _mixed(optimizer: Any, mixin: type, **attrs: Any) -> Any:
-    """``optimizer`` (any Opacus DP optimizer, hooks or ghost) with ``mixin``'s methods
-    over its own and ``attrs`` set, in place."""
+    """``optimizer`` (any Opacus DP optimizer) with ``mixin``'s methods and ``attrs``, in place."""
     cls, name = type(optimizer), mixin.__name__.strip("_").removesuffix("Optimizer")
     optimizer.__class__ = type(f"{name}{cls.__name__}", (mixin, cls), {})
     vars(optimizer).update(attrs)
@@ -290,9 +277,8 @@ def _mixed(optimizer: Any, mixin: type, **attrs: Any) -> Any:
 
 
 class _ShardSampler:
-    """Poisson sampling of this rank's units (index = rank mod ranks) at the global rate:
-    the union over the ranks is a Poisson sample of all units at q, as one process's.
-    Every rank yields 1/q batches per pass, empty ones included."""
+    """Poisson sampling of this rank's units (index = rank mod ranks) at the global rate q,
+    so the union over ranks is one Poisson sample at q; each yields every batch, empty too."""
 
     def __init__(self, shard: Shard, count: int, rate: float, passes: int, gen: torch.Generator):
         self.units = torch.arange(shard.rank, count, shard.size)
@@ -308,9 +294,8 @@ class _ShardSampler:
 
 
 def physical_parts(owners: torch.Tensor, size: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` ranges of a batch whose examples' ``owners`` (units) are in
-    order: each part whole units and at most ``size`` examples (a larger unit alone;
-    0: one part, the whole batch)."""
+    """``(start, stop)`` parts of a batch whose ``owners`` (units) are in order: whole
+    units, at most ``size`` examples (a larger unit alone; 0: the whole batch)."""
     total = len(owners)
     if size <= 0 or total <= size:
         return [(0, total)]
@@ -328,11 +313,9 @@ def physical_parts(owners: torch.Tensor, size: int) -> list[tuple[int, int]]:
 class PrivateTrainer:
     """One round of DP-SGD on ``model``'s adapters; call :meth:`close` when done.
 
-    Each step Poisson-samples privacy units (a record, or one user's records), takes up
-    to ``max_examples_per_unit`` of each one's examples and clips the mean of their
-    gradients as one (user-level sampling, "ULS" in Chua et al. 2024); with one example
-    per unit this is Opacus' DP-SGD. With a ``shard`` of several ranks
-    (:class:`_AcrossRanks`) every rank takes every step, for the same epsilon.
+    Each step Poisson-samples privacy units (a record, or a user's records) and clips the
+    mean gradient of up to ``max_examples_per_unit`` of each one's examples (user-level
+    sampling, Chua et al. 2024); with one example per unit this is Opacus' DP-SGD.
     """
 
     def __init__(
@@ -354,11 +337,9 @@ class PrivateTrainer:
         units: int | None = None,
         physical_batch: int = 0,
     ) -> None:
-        """``seed`` makes noise and sampling reproducible, and predictable to whoever
-        knows it: tests only, ignored in ``secure_mode``; without it both generators are
-        seeded from the operating system. ``units``: the count the rate and averaging
-        follow from (the run's DP count), where not the examples' own.
-        ``physical_batch``: most examples in one pass (0: the whole batch)."""
+        """``seed`` makes noise and sampling reproducible, and predictable to whoever knows
+        it: tests only, ignored in ``secure_mode``. ``units``: the DP count the rate and
+        averaging follow from. ``physical_batch``: most examples a pass (0: all)."""
         self.model, self.mode, self.examples = model, mode, examples
         self.physical_batch = physical_batch
         self.units = examples.grouped
@@ -371,10 +352,8 @@ class PrivateTrainer:
             warn_once(REPRODUCIBLE_NOISE_WARNING)
             noise_gen = seeded_generator(device, seed)
             sample_gen = seeded_generator("cpu", seed + 1 + shard.rank)
-            self.generator_kind = f"torch generator on {device} seeded from the run config"
-        else:
-            # Noise is drawn where the parameters are; Opacus' sampler draws on the CPU.
-            noise_gen, self.generator_kind = secure_generator(device)
+        else:  # noise where the parameters are; Opacus' sampler draws on the CPU
+            noise_gen, _ = secure_generator(device)
             sample_gen, _ = secure_generator("cpu")
         self.noise_generator, self.sample_generator = noise_gen, sample_gen
         # Opacus Poisson-samples the units' numbers; each step then gathers their examples.
@@ -454,8 +433,7 @@ class PrivateTrainer:
         shard: Shard = ONE_PROCESS,
         units: int | None = None,
     ) -> PrivateTrainer:
-        """The trainer a region's round uses; ``seed`` reaches the noise only under
-        insecure-reproducible-noise."""
+        """The trainer a region's round uses."""
         return cls(
             model,
             examples,
@@ -476,8 +454,8 @@ class PrivateTrainer:
         )
 
     def gather(self, units: torch.Tensor) -> tuple[Batch, torch.Tensor]:
-        """The sampled units' examples (at most ``per_unit`` each, drawn with the sampling
-        generator) as one batch, and the position of each example's unit in ``units``."""
+        """The sampled units' examples (at most ``per_unit`` each) as one batch, and the
+        position of each example's unit in ``units``."""
         positions: list[int] = []
         owners: list[int] = []
         for slot, unit in enumerate(units.tolist()):
@@ -495,9 +473,8 @@ class PrivateTrainer:
         return self._step_batch(batch, owners)
 
     def _step_batch(self, batch: Batch, owners: torch.Tensor) -> float:
-        """One DP-SGD step on ``batch``, whose examples belong to units 0, 1, ... in order
-        (``owners``). Over physical-batch examples it passes in parts of whole units,
-        noise drawn once at the end (as Opacus' ``BatchMemoryManager``)."""
+        """One DP-SGD step on ``batch`` of units ``owners`` (0, 1, ... in order), in
+        passes of whole units, noised once at the end (as Opacus' ``BatchMemoryManager``)."""
         parts = physical_parts(owners, self.physical_batch)
         return self._take(batch, owners, parts, self._passes(len(parts)))
 
@@ -508,8 +485,7 @@ class PrivateTrainer:
     def _take(
         self, batch: Batch, owners: torch.Tensor, parts: list[tuple[int, int]], passes: int
     ) -> float:
-        """``passes`` passes, the first ones over ``parts`` and any more blank, then the
-        step (clipped sum, noise, update); returns the mean loss of ``batch``."""
+        """``passes`` passes over ``parts`` (any more blank), then the step; the mean loss."""
         total = 0.0
         for index in range(passes):
             # Clears the per-sample gradients; the sum of the parts before is kept.
@@ -523,8 +499,7 @@ class PrivateTrainer:
         return total / max(len(batch), 1)
 
     def _pass(self, batch: Batch, owners: torch.Tensor, start: int, stop: int) -> float:
-        """Forward and backward on the examples ``start:stop`` (whole units), leaving
-        each unit's per-sample gradient; returns their summed loss."""
+        """Forward and backward on ``start:stop`` (whole units); their summed loss."""
         first, last = int(owners[start]), int(owners[stop - 1])
         grouped = stop - start > last - first + 1  # a unit of several examples
         mine = (owners[start:stop] - first).to(self.model.device)
@@ -539,8 +514,7 @@ class PrivateTrainer:
         return float(loss.detach()) * (stop - start)
 
     def _loss(self, part: Batch) -> Any:
-        """``part``'s loss: a plain tensor, or with ghost clipping Opacus' loss, whose
-        ``backward`` runs both of its passes."""
+        """``part``'s loss; with ghost clipping, Opacus' that runs both backward passes."""
         if self.criterion is None:
             return lm_loss(self.net, part)
         logits, targets = shifted_logits(self.net, part)
@@ -559,8 +533,8 @@ class PrivateTrainer:
         return Batch.of_ids(ids), torch.arange(total) * count // total
 
     def time_step(self, seq_len: int, slowdown: float = 1.0) -> float:
-        """Seconds of one full DP-SGD step on :meth:`worst_batch`, after a one-example
-        warm-up; the adapters and optimizer state are restored, and no record is read."""
+        """Seconds of one DP-SGD step on :meth:`worst_batch` after a warm-up, reading no
+        record; the adapters and optimizer state are restored."""
         params = self.optimizer.params
         saved = [p.detach().clone() for p in params]
         batch, owners = self.worst_batch(seq_len)
@@ -575,8 +549,7 @@ class PrivateTrainer:
                     param.copy_(value)
 
     def _per_unit_gradients(self, owners: torch.Tensor, count: int) -> None:
-        """Replace each parameter's per-example gradients by their mean per unit, so that
-        the optimizer clips (and the accountant counts) units, not examples."""
+        """Per-example gradients to their mean per unit, so units are clipped, not examples."""
         sizes = torch.bincount(owners, minlength=count).clamp(min=1)
         for param in self.optimizer.params:
             per_example = getattr(param, "grad_sample", None)
@@ -623,8 +596,7 @@ class PrivateTrainer:
         return TrainStats(loss=mean, steps=self.steps_taken, num_examples=len(self.examples))
 
     def close(self, park: bool = False) -> None:
-        """Remove Opacus' per-sample buffers from the model, and its hooks, or with
-        ``park`` (hooks mode) leave them disabled for the model's next trainer."""
+        """Remove Opacus' buffers and hooks, or with ``park`` leave the hooks for the next."""
         self._stack.close()
         if self.mode == "ghost":
             self.hooks._close()
@@ -662,8 +634,8 @@ def private_round(
     slowdown: float = 1.0,
     units: int | None = None,
 ) -> PrivateRound:
-    """``steps`` DP-SGD steps, refused before any if the trainer would sample at another
-    rate than the ledger accounts; hooks are parked after a round that ended."""
+    """``steps`` DP-SGD steps, refused if the trainer would sample at another rate than the
+    ledger accounts."""
     trainer = PrivateTrainer.for_run(
         model,
         examples,
@@ -689,10 +661,9 @@ def private_round(
 
 
 def plan_private_steps(local: LocalTraining, timer: Callable[[], float]) -> int:
-    """How many DP-SGD steps this round takes: local-steps, or as many as fit in the
-    local-time-budget (1 to local-steps), planned before the first private step from
-    ``timer``, a worst-shape synthetic step. Stopping on the clock instead would make
-    the step count depend on the private data, which the accounting does not cover."""
+    """local-steps, or as many as fit in local-time-budget by ``timer``, a worst-shape
+    synthetic step: stopping on the clock would make the step count depend on the private
+    data, which the accounting does not cover."""
     if local.local_time_budget <= 0:
         return local.local_steps
     seconds = timer()
@@ -708,8 +679,8 @@ def time_private_step(
     noise_multiplier: float = 1.0,
     slowdown: float = 1.0,
 ) -> float:
-    """Seconds of one full DP-SGD step on this hardware, leaving no trace: torch's
-    random state is restored too, so a reproducible run draws the same numbers."""
+    """Seconds of one DP-SGD step here, leaving no trace: torch's random state is restored
+    too, so a reproducible run draws the same numbers."""
     with torch.random.fork_rng():
         trainer = PrivateTrainer.for_run(
             model, examples, local, dp, noise_multiplier=noise_multiplier, seed=0

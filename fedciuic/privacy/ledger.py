@@ -1,10 +1,8 @@
 """Differential privacy for a region: accounting, noise calibration and the privacy ledger.
 
-Epsilon is always computed from the whole history of a region's dataset, across runs
-(every (noise multiplier, sample rate, steps) the ledger holds), never added up per run.
-The default accountant is Opacus' PRV (Gopi et al., 2021): tight, so a target epsilon
-buys less noise than with RDP, whose (epsilon, delta) conversion over-estimates; RDP is
-offered for its closed form.
+Epsilon is always computed from the dataset's whole history across runs, never added up
+per run. The default accountant, Opacus' PRV (Gopi et al., 2021), is tight, so a target
+buys less noise than with RDP (offered for its closed form), which over-estimates.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ from fedciuic.opacus_logging import undo_opacus_basic_config
 undo_opacus_basic_config()
 
 
-# Cache Opacus' RDP of one subsampled Gaussian step: PRV bounds its domain with RDP, and
-# each round's projection would redo the same series. It is pure: caching changes no figure.
+# PRV bounds its domain with this pure RDP series, which each projection would redo.
 if not hasattr(opacus_rdp._compute_rdp, "cache_info"):
     opacus_rdp._compute_rdp = lru_cache(maxsize=4096)(opacus_rdp._compute_rdp)
 log = logging.getLogger(__name__)
@@ -80,16 +77,12 @@ class RunBudgetExceeded(BudgetExhausted):
 
 
 class LedgerRolledBack(PrivacyError):
-    """The ledger holds fewer (or other) releases than the region's audit log witnessed:
-    an older copy was restored, or the file was truncated or replaced."""
+    """The ledger holds fewer (or other) releases than the region's audit log witnessed."""
 
 
 def epsilon_of(history: Sequence[Step], delta: float, accountant: Accountant) -> float:
-    """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``.
-
-    Cached (the policy check, budget and cap ask about the same histories). Steps of
-    one (noise, rate) are merged into one entry: the same composition, and PRV's cost
-    grows with the entries."""
+    """Epsilon of a Poisson-subsampled Gaussian mechanism composed over ``history``; steps
+    of one (noise, rate) are merged, the same composition, as PRV's cost grows with entries."""
     merged: dict[tuple[float, float], int] = {}
     for sigma, rate, steps in history:
         key = (float(sigma), float(rate))
@@ -107,8 +100,8 @@ def _epsilon(history: tuple[Step, ...], delta: float, accountant: Accountant) ->
     return float(acc.get_epsilon(delta=delta))
 
 
-#: How close under its target a calibrated run's epsilon ends (Opacus' default), and the
-#: bracket's relative width at which the search stops anyway (the accountant is coarser).
+#: How close under target a calibrated epsilon ends (Opacus' default), and the bracket's
+#: relative width at which the search stops anyway (the accountant is coarser).
 EPSILON_TOLERANCE = 0.01
 _WIDTH = 1e-3
 #: A noise multiplier past which no target is reachable in practice.
@@ -116,13 +109,10 @@ _MAX_NOISE = 1e6
 
 
 def smallest_noise(epsilon_at: Callable[[float], float], target_epsilon: float) -> float:
-    """The smallest noise multiplier ``sigma`` with ``epsilon_at(sigma)`` at most
-    ``target_epsilon`` and within :data:`EPSILON_TOLERANCE` of it.
-
-    Each ``epsilon_at`` is a whole PRV accounting, so this is a secant search in log
-    space (``log epsilon`` is close to linear in ``log sigma``), halving every third
-    bracketed guess so it cannot creep up on one end. The noise returned was accounted
-    and found under target."""
+    """The smallest ``sigma`` with ``epsilon_at(sigma)`` at most ``target_epsilon`` and
+    within :data:`EPSILON_TOLERANCE` of it, itself accounted. Each ``epsilon_at`` is a
+    whole PRV accounting, so this is a secant search in log space (``log epsilon`` is
+    close to linear in ``log sigma``), bisecting every third bracketed guess."""
     aim = math.log(target_epsilon - EPSILON_TOLERANCE / 2)
     low = high = math.nan  # epsilon over target at low; at or under it at high
     points: list[tuple[float, float]] = []  # (log sigma, log epsilon) where finite
@@ -183,9 +173,8 @@ def calibrate_noise_after(
     steps: int,
     accountant: Accountant,
 ) -> float:
-    """The smallest noise multiplier (to 0.01 in epsilon) whose ``steps`` keep the run
-    under target after ``prefix``, the run's other releases (:func:`run_prefix`): what
-    the run reports then bounds all of them."""
+    """:func:`calibrate_noise` after ``prefix``, the run's other releases
+    (:func:`run_prefix`), so that what the run reports bounds all of them."""
     checked = not prefix
 
     def epsilon_at(sigma: float) -> float:
@@ -220,10 +209,9 @@ def remembered_noise(
     steps: int,
     accountant: Accountant,
 ) -> float:
-    """:func:`calibrate_noise_after`, remembered in the region's ``state_dir`` so that
-    each process of a simulation need not calibrate again. A remembered value is used
-    only if one accounting confirms it keeps the run under target, so a damaged or
-    edited file can cost utility, never privacy; an unreadable one is calibrated over."""
+    """:func:`calibrate_noise_after`, remembered in ``state_dir`` across processes. A
+    remembered value is used only once an accounting confirms it keeps the run under
+    target, so a damaged or edited file can cost utility, never privacy."""
     key = json.dumps(
         [prefix, target_epsilon, delta, sample_rate, steps, accountant, opacus_version]
     )
@@ -241,9 +229,7 @@ def remembered_noise(
     if (
         isinstance(noise, float)
         and noise > 0
-        and (
-            epsilon_of([*prefix, (noise, sample_rate, steps)], delta, accountant) <= target_epsilon
-        )
+        and epsilon_of([*prefix, (noise, sample_rate, steps)], delta, accountant) <= target_epsilon
     ):
         return noise
     noise = calibrate_noise_after(prefix, target_epsilon, delta, sample_rate, steps, accountant)
@@ -272,8 +258,7 @@ def evaluations(dp: DPSettings, rounds: int) -> int:
 
 
 def run_prefix(dp: DPSettings, rounds: int) -> tuple[Step, ...]:
-    """What a run releases besides its rounds, which their noise leaves room for: its DP
-    count, and its DP evaluations at their most."""
+    """What a run releases besides its rounds: its DP count and most DP evaluations."""
     return (*count_steps(dp), *[dp_mean_step(dp.eval_noise)] * evaluations(dp, rounds))
 
 
@@ -287,9 +272,8 @@ class _Record(BaseModel):
 
 
 class LedgerHeader(_Record):
-    """First line of a ledger: whose dataset it accounts for, per which privacy unit and
-    under which delta. A ledger written before units existed has no ``unit``: it was
-    record-level, and its lines (and so its chain heads) stay as they were written."""
+    """First line of a ledger: whose dataset, per which privacy unit, under which delta.
+    A ledger from before units has no ``unit`` (record-level); its lines stay as written."""
 
     kind: Literal["header"]
     format: Literal["fedciuic-privacy-ledger/1"]
@@ -302,8 +286,7 @@ class LedgerHeader(_Record):
 
 
 class LedgerRound(_Record):
-    """One release (a round's update, the run's DP count of units, or a DP held-out loss),
-    what it cost and where the accounting stands after it."""
+    """One release (an update, a DP count of units, a DP held-out loss) and its cost."""
 
     kind: Literal["round"]
     run_id: int
@@ -324,8 +307,8 @@ class LedgerRound(_Record):
     count: int | None = Field(default=None, ge=0)
 
     def line(self) -> bytes:
-        """The record as its ledger line: a training line without the two fields it
-        had no need of, as written before counts existed (its chain head unchanged)."""
+        """The ledger line: a training one without ``purpose`` and ``count``, as written
+        before counts existed (its chain head unchanged)."""
         if self.purpose == TRAINING and self.count is None:
             return self.model_dump_json(exclude={"purpose", "count"}).encode()
         return self.model_dump_json().encode()
@@ -352,28 +335,20 @@ class LedgerWitness:
 class PrivacyLedger:
     """Append-only JSON Lines ledger of a region's privacy spending, on its own disk.
 
-    Writes hold an exclusive ``flock`` on ``<ledger>.lock`` and reads under it
-    re-validate the whole file, so two processes cannot interleave or lose records. Its
-    lines form a hash chain (:func:`chain_head`) whose head the audit log witnesses, so
-    an older or truncated copy is refused (:meth:`check_witness`).
+    Writes hold an exclusive ``flock`` (:func:`locked`) and reads under it re-validate the
+    whole file, so processes cannot interleave or lose records. Its lines form a hash chain
+    whose head the audit log witnesses, so an older or truncated copy is refused.
     """
 
     def __init__(
-        self,
-        path: Path,
-        header: LedgerHeader,
-        rounds: list[LedgerRound],
-        lines: list[bytes] | None = None,
+        self, path: Path, header: LedgerHeader, rounds: list[LedgerRound], lines: list[bytes]
     ) -> None:
         self.path, self.header, self.rounds = path, header, rounds
-        if lines is None:
-            lines = [header.model_dump_json().encode(), *(r.line() for r in rounds)]
         #: The file's lines as written (without newlines): lines[0] is the header.
         self.lines = lines
         #: heads[k]: the chain head after k releases (heads[0] covers the header).
-        self.heads: list[str] = []
-        for line in lines:
-            self.heads.append(chain_head(self.heads[-1] if self.heads else None, line))
+        first = chain_head(None, lines[0])
+        self.heads = list(itertools.accumulate(lines[1:], chain_head, initial=first))
 
     @classmethod
     def open(
@@ -387,8 +362,8 @@ class PrivacyLedger:
         unit: PrivacyUnit,
         witness: LedgerWitness | None = None,
     ) -> PrivacyLedger:
-        """Load and check the ledger at ``path``, or start one; with a ``witness``
-        (:func:`audit_witness`), refuse a ledger that was rolled back."""
+        """Load and check the ledger at ``path``, or start one; refuse one rolled back
+        behind ``witness`` (:func:`audit_witness`)."""
         if path.exists():
             ledger = cls.load(path)
             ledger._check_matches(
@@ -405,7 +380,7 @@ class PrivacyLedger:
                 unit=unit,
                 created=_now(),
             )
-            ledger = cls(path, header, [])
+            ledger = cls(path, header, [], [header.model_dump_json().encode()])
         if witness is not None:
             ledger.check_witness(witness, exists=path.exists())
         return ledger
@@ -427,17 +402,26 @@ class PrivacyLedger:
         lines = raw.split(b"\n")[:-1] if raw else []
         if not lines:
             raise PrivacyError(f"{path}: the privacy ledger is empty; {fix}")
-        header, rounds = _parse_lines(path, lines, fix)
-        ledger = cls(path, header, rounds, lines)
-        ledger._check_chain(fix)
-        return ledger
+        return cls._of_lines(path, lines, fix)
 
-    def _check_chain(self, fix: str) -> None:
-        # Each record's accountant history must extend the previous one by exactly
-        # its own step, with the header's delta, and epsilon may never go down.
+    @classmethod
+    def _of_lines(cls, path: Path, lines: list[bytes], fix: str) -> PrivacyLedger:
+        """The ledger of (non-empty) ``lines``, refused at the first bad record, or where
+        a history does not extend the previous one by its own step, or epsilon goes down."""
+        records: list[Any] = []
+        for lineno, line in enumerate(lines, start=1):
+            model = LedgerHeader if lineno == 1 else LedgerRound
+            try:
+                records.append(model.model_validate(json.loads(line.decode("utf-8"))))
+            except (ValueError, ValidationError) as err:
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise PrivacyError(
+                    f"{path}:{lineno}: corrupted ledger record ({first}); {fix}"
+                ) from None
+        ledger = cls(path, records[0], records[1:], lines)
         history: list[list[float]] = []
         last_epsilon = 0.0
-        for lineno, rec in enumerate(self.rounds, start=2):
+        for lineno, rec in enumerate(ledger.rounds, start=2):
             history = [*history, [rec.noise_multiplier, rec.sample_rate, rec.steps]]
             got = rec.accountant_state.get("history")
             try:
@@ -446,15 +430,16 @@ class PrivacyLedger:
                 same = False
             if not same:
                 raise PrivacyError(
-                    f"{self.path}:{lineno}: accountant history does not continue the "
+                    f"{path}:{lineno}: accountant history does not continue the "
                     f"previous records (edited or reordered); {fix}"
                 )
-            if rec.delta != self.header.delta or rec.epsilon + 1e-9 < last_epsilon:
+            if rec.delta != ledger.header.delta or rec.epsilon + 1e-9 < last_epsilon:
                 raise PrivacyError(
-                    f"{self.path}:{lineno}: delta or cumulative epsilon is inconsistent "
+                    f"{path}:{lineno}: delta or cumulative epsilon is inconsistent "
                     f"with the records before it; {fix}"
                 )
             last_epsilon = rec.epsilon
+        return ledger
 
     def _check_matches(
         self, *, region: str, dataset: str, delta: float, accountant: Accountant, unit: PrivacyUnit
@@ -476,9 +461,7 @@ class PrivacyLedger:
                 f"{self.path}: the ledger uses the {h.accountant} accountant, the run asks for "
                 f"{accountant}; set dp-accountant to {h.accountant!r} for this dataset"
             )
-        if h.unit != unit:
-            # Releases per record say nothing per user (nor the reverse, for this
-            # accounting): one dataset's history cannot be composed across units.
+        if h.unit != unit:  # per record says nothing per user, nor the reverse
             raise PrivacyError(
                 f"{self.path}: the ledger accounts per {h.unit}, the run asks for privacy-unit "
                 f"{unit!r}; a dataset's accounting cannot mix units: set privacy-unit to "
@@ -487,8 +470,7 @@ class PrivacyLedger:
 
     def check_witness(self, witness: LedgerWitness, *, exists: bool = True) -> None:
         """Fail closed unless this ledger holds every release the audit log witnessed,
-        with the same chain head: an older copy, a truncated or deleted file, or a
-        ledger with other records under-reports what the dataset has spent."""
+        with the same chain head: anything else under-reports what was spent."""
         have = len(self.rounds)
         found = (
             "there is no ledger file"
@@ -564,8 +546,8 @@ class PrivacyLedger:
     def admit(
         self, step: Step, *, budget: float, run_id: int, server_round: int, cap: tuple[float, str]
     ) -> tuple[float, float]:
-        """The dataset's and run ``run_id``'s epsilon if ``step`` is released next, within
-        the dataset's ``budget`` and the run's ``cap`` (its value and where it is set)."""
+        """The dataset's and the run's epsilon if ``step`` is released next, within
+        ``budget`` and the run's ``cap`` (its value and where it is set)."""
         after = self.epsilon_after(step)
         where = f"delta {self.header.delta:g}, ledger {self.path}"
         if after > budget:
@@ -600,9 +582,9 @@ class PrivacyLedger:
         self.heads.append(chain_head(self.heads[-1], self.lines[-1]))
 
     def witness_record(self, pending: LedgerRound | None = None) -> dict[str, Any]:
-        """What the audit log keeps of the ledger after a release (or after ``pending``,
-        about to be appended): the releases and chain head, checked on every open, and
-        the last line and header, base64, so :func:`rebuild_ledger` can restore them."""
+        """What the audit log keeps of the ledger after a release (or ``pending``): the
+        releases and head, checked on every open, and the last line and header (base64)
+        for :func:`rebuild_ledger`."""
         last = self.lines[-1] if self.rounds else b""
         releases, head = len(self.rounds), self.heads[-1]
         if pending is not None:
@@ -649,36 +631,12 @@ class PrivacyLedger:
         )
 
 
-def _parse_lines(
-    path: Path, lines: list[bytes], fix: str
-) -> tuple[LedgerHeader, list[LedgerRound]]:
-    """The header and the rounds of a ledger's lines; the first bad one is refused."""
-    header: LedgerHeader | None = None
-    rounds: list[LedgerRound] = []
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            data = json.loads(line.decode("utf-8"))
-            if lineno == 1:
-                header = LedgerHeader.model_validate(data)
-            else:
-                rounds.append(LedgerRound.model_validate(data))
-        except (ValueError, ValidationError) as err:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise PrivacyError(
-                f"{path}:{lineno}: corrupted ledger record ({first}); {fix}"
-            ) from None
-    if header is None:
-        raise PrivacyError(f"{path}: the privacy ledger is empty; {fix}")
-    return header, rounds
-
-
 # -- the audit log as the ledger's witness ----------------------------------------------
 
 
 def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitness | None:
-    """What the region's audit log witnessed of this dataset's ledger: the most releases
-    (and the head at that length) and the highest cumulative epsilon. None without an
-    audit log; an unreadable one is an error, as a rollback cannot then be ruled out."""
+    """The most releases (and the head then) and the highest epsilon the region's audit
+    log witnessed of this ledger; None without a log, an error if it is unreadable."""
     if not audit_path.exists():
         return None
     releases, head, epsilon = 0, "", 0.0
@@ -695,8 +653,7 @@ def audit_witness(audit_path: Path, *, region: str, dataset: str) -> LedgerWitne
 def _witnesses(
     audit_path: Path, region: str, dataset: str
 ) -> Iterator[tuple[Mapping[str, Any], dict[str, Any]]]:
-    """The audit records (and their details) that witness this dataset's ledger; a
-    pruned log carries its last witness of each ledger forward (``with_carried``)."""
+    """The audit records (and details) witnessing this ledger, carried ones included."""
     for record in with_carried(load_records(audit_path)):
         details = record.get("details")
         if record.get("event") not in LEDGER_WITNESSES or not isinstance(details, dict):
@@ -721,8 +678,7 @@ def _witnessed(value: object) -> tuple[int, str, bytes, bytes] | None:
     return count, head, line, header
 
 
-#: What a rebuild keeps of the file it replaced, next to it: ``privacy-ledger.jsonl``
-#: + this + a time stamp. Later rebuilds read these back as witnesses.
+#: The infix of the replaced file a rebuild keeps next to it, which later rebuilds read.
 KEPT_ASIDE = ".rolled-back-"
 
 
@@ -738,8 +694,7 @@ class LedgerSource:
 
 
 class RebuildRefused(PrivacyError):
-    """The sources of a rebuild disagree in a way no single ledger can hold; nothing
-    was changed. ``sources`` says what each showed (the command prints them)."""
+    """The sources of a rebuild disagree beyond one ledger; nothing was changed."""
 
     def __init__(self, message: str, sources: Sequence[LedgerSource]) -> None:
         super().__init__(message)
@@ -786,16 +741,14 @@ class _Read:
 
 
 def rebuild_ledger(state_dir: Path, *, aggregator_log: Path | None = None) -> Rebuilt:
-    """Rebuild ``STATE_DIR/privacy-ledger.jsonl`` after a rollback or damage from every
-    witness of it: the current file, earlier rebuilds' kept-aside files, the lines and
-    heads the audit log witnessed, and, with ``aggregator_log``, the epsilon the
-    aggregator recorded (a floor only: it holds no ledger lines).
+    """Rebuild the ledger in ``state_dir`` from every witness: the current file, files
+    earlier rebuilds kept aside, the audit log's lines and heads, and the epsilon
+    ``aggregator_log`` recorded (a floor only).
 
-    Dropping a release would hand spent budget back, so the result is the union of the
-    sources by release position (its accountant history's length), and it is refused
-    (:class:`RebuildRefused`, nothing changed) unless it holds every release any source
-    holds, reaches every recorded epsilon, reproduces every witnessed head and passes
-    the ledger's own checks. The replaced file is kept aside as evidence."""
+    Dropping a release would hand spent budget back, so the result is the sources' union
+    by release position, refused (:class:`RebuildRefused`, nothing changed) unless it holds
+    every release, reaches every recorded epsilon, reproduces every witnessed head and
+    passes the ledger's own checks. The replaced file is kept aside as evidence."""
     path = state_dir / LEDGER_FILE
     audit_path = state_dir / REGION_LOG
     with locked(path):
@@ -882,9 +835,7 @@ def _union(path: Path, reads: list[_Read]) -> tuple[list[bytes], list[tuple[Path
             )
     out = [next(iter(headers))] + [next(iter(releases[k])) for k in range(1, top + 1)]
     fix = f"the sources' lines do not form one ledger: {keep}"
-    header_rec, rounds = _parse_lines(path, out, fix)
-    ledger = PrivacyLedger(path, header_rec, rounds, out)
-    ledger._check_chain(fix)
+    ledger = PrivacyLedger._of_lines(path, out, fix)
     for read in reads:
         for k, heads in read.heads.items():
             for head, where in heads.items():
@@ -911,8 +862,7 @@ def _union(path: Path, reads: list[_Read]) -> tuple[list[bytes], list[tuple[Path
 
 
 def _read_file(path: Path, kind: str) -> _Read:
-    """Every ledger line of a file, each placed by its own history's length: a damaged
-    line is skipped (counted), never the lines after it."""
+    """Every ledger line of a file by its history's length; a damaged one is counted."""
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -962,8 +912,7 @@ def _aside_name(path: Path) -> Path:
 
 
 def _identity(files: list[_Read], audit_path: Path) -> LedgerHeader | None:
-    """Whose ledger this is: the first copy's header, or, with none readable, the
-    header the audit log's last witness names."""
+    """The first copy's header, or else the one the audit log's last witness names."""
     candidates = [line for read in files for line in read.headers]
     if not candidates and audit_path.exists():
         for record in reversed(list(with_carried(load_records(audit_path)))):
@@ -1010,10 +959,9 @@ def _read_audit(audit_path: Path, header: LedgerHeader) -> _Read | None:
 def _read_aggregator(
     log_path: Path, header: LedgerHeader, commit: Callable[[str, int], str] | None = None
 ) -> _Read:
-    """The highest epsilon the aggregator's log recorded for this region's accepted
-    updates (per this ledger's unit; of this dataset, named by its digest or by
-    ``commit``, the region's commitment to it in the record's run). It keeps no ledger
-    line, so it can only refuse a rebuild that would show less."""
+    """The highest epsilon the aggregator's log recorded for this dataset's accepted
+    updates (per this ledger's unit; named by its digest or by ``commit``, the region's
+    commitment to it in the record's run): a floor, as it keeps no ledger line."""
     if not log_path.is_file():
         raise PrivacyError(
             f"{log_path}: no aggregator audit log there; give --aggregator-log the "

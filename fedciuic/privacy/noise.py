@@ -1,10 +1,9 @@
 """Where DP noise comes from: generators no other party can replay, and Opacus' secure
 noise drawn in parallel.
 
-Secure noise (``secure-mode``) is Opacus': each value a sum of four independent
-Gaussian draws, halved (Holohan and Braghin 2021, against floating-point attacks).
-:class:`SecureNoise` draws the same sums for a whole step at once, in chunks on
-parallel OS-seeded generators, instead of Opacus' serial draws per tensor.
+Secure noise (``secure-mode``) is Opacus': each value a sum of four Gaussian draws, halved
+(Holohan and Braghin 2021, against floating-point attacks). :class:`SecureNoise` draws
+them for a whole step at once on parallel OS-seeded generators, not serially per tensor.
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ def _fill(out: torch.Tensor, std: float, generator: torch.Generator) -> None:
 
 
 class SecureNoise:
-    """Secure noise for a step's tensors from ``streams`` OS-seeded generators: on the
-    CPU one thread each (torch releases the GIL while it draws), on an accelerator one.
-    Which generator drew which entry changes nothing of its distribution."""
+    """Secure noise for a step's tensors from ``streams`` OS-seeded generators, one thread
+    each on the CPU, one on an accelerator: which drew an entry changes nothing of it."""
 
     def __init__(self, first: torch.Generator, streams: int = 1) -> None:
         count = max(1, streams) if first.device.type == "cpu" else 1

@@ -1,9 +1,8 @@
 """The typed model of ``metrics.json``: what :class:`~fedciuic.record.recorder.RunRecorder`
 writes and every reader (summary, progress, report, launchers, checkpoints) reads.
 
-Each field is named once here, so a writer and its readers cannot drift apart. The
-file keeps its shape: round numbers are JSON object keys (strings on disk, ints here),
-and a field the writer never set stays absent (``dump`` leaves out what is unset), so
+Each field is named once here, so a writer and its readers cannot drift apart. Round
+numbers are object keys (strings on disk), and a field never set stays absent, so
 ``"policies": null`` (policies off) still differs from no ``policies`` at all.
 """
 
@@ -38,20 +37,18 @@ class RunStatus(StrEnum):
 
 
 class _Record(BaseModel):
-    """Named fields only (an unknown key is a different file, not a new figure);
-    assignments are validated, since the recorder fills records in as a run goes."""
+    """Named fields only (an unknown key is another file); assignments are validated, as
+    the recorder fills records in as a run goes."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RunSettings(_Record):
-    """The run config as the run saw it (its keys, hyphenated). Open-ended: every
-    setting is kept; those that readers show are named."""
+    """The run config as the run saw it (hyphenated keys): every setting kept, those
+    readers show named."""
 
     model_config = ConfigDict(
-        extra="allow",
-        populate_by_name=True,
-        alias_generator=lambda name: name.replace("_", "-"),
+        extra="allow", populate_by_name=True, alias_generator=lambda name: name.replace("_", "-")
     )
 
     num_server_rounds: int | None = None
@@ -116,8 +113,7 @@ class RunHeader(_Record):
 
 
 class TrainEntry(_Record):
-    """A region's training reply: its verdict and, when accepted, the update's figures
-    (the DP ones only from a region that trains under DP)."""
+    """A region's training reply: its verdict and, when accepted, the update's figures."""
 
     status: str  # a reply status, see fedciuic.wire
     reason: str | None = None
@@ -134,11 +130,9 @@ class TrainEntry(_Record):
     data_fingerprint: str | None = None
     upload_bytes: int | None = None
     update_bytes: int | None = None
-    #: In a secure round: the bytes of the region's answers in the secure sum (its
-    #: masked vector and the other phases' messages), sent besides its trained reply.
+    #: In a secure round: the bytes of the region's secure-sum messages, besides its reply.
     secure_bytes: int | None = None
-    #: What ``epsilon`` is per (a record, or a user); absent in files from before units,
-    #: which were all record-level.
+    #: What ``epsilon`` is per; absent in files from before units (record-level).
     unit: PrivacyUnit | None = None
     epsilon: float | None = None
     epsilon_budget: float | None = None
@@ -146,15 +140,13 @@ class TrainEntry(_Record):
     noise_multiplier: float | None = None
     sample_rate: float | None = None
     secure_mode: int | None = None
-    #: Which code made the reply: the region agent's fedciuic version and code digest, as
-    #: its signed reply says (absent from replies that name none).
+    #: The region agent's fedciuic version and code digest, as its signed reply says.
     agent_version: str | None = None
     agent_code: str | None = None
 
     @property
     def sent_bytes(self) -> int | None:
-        """Every byte the region sent the aggregator for the round: its trained reply's
-        update (in a secure round, only its metrics) and its secure-sum messages."""
+        """Every byte the region sent the aggregator for the round, secure sum included."""
         if self.upload_bytes is None and self.secure_bytes is None:
             return None
         return (self.upload_bytes or 0) + (self.secure_bytes or 0)
@@ -262,22 +254,8 @@ def parse_rounds(raw: object) -> Rounds:
     return _ROUNDS.validate_python(raw)
 
 
-def parse_metrics(raw: object, source: Path | str = "metrics.json") -> RunMetrics:
-    """``raw`` (a parsed metrics.json) as the model, or one line naming what is wrong."""
-    try:
-        return RunMetrics.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top)"
-        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise MetricsError(
-            f"{source}:{where}: {first['msg']}{more}; not a metrics file this fedciuic writes"
-        ) from None
-
-
 def load_metrics(path: Path) -> RunMetrics:
-    """A run's metrics.json, or a :class:`MetricsError` naming the file: missing,
-    unreadable, not JSON, or not what a run writes."""
+    """A run's metrics.json, or a :class:`MetricsError` naming the file and what is wrong."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -286,4 +264,12 @@ def load_metrics(path: Path) -> RunMetrics:
         raise MetricsError(f"{path}: cannot read ({err.strerror})") from None
     except ValueError as err:
         raise MetricsError(f"{path}: not valid JSON ({err})") from None
-    return parse_metrics(raw, path)
+    try:
+        return RunMetrics.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top)"
+        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise MetricsError(
+            f"{path}:{where}: {first['msg']}{more}; not a metrics file this fedciuic writes"
+        ) from None

@@ -1,10 +1,8 @@
 """What a run records: ``metrics.json`` per round, and how a run ends.
 
 ``metrics.json`` is rewritten atomically after every round, so a crash leaves the last
-complete round on disk, never a half-written file. A run ends with a ``run.status``
-(README.md, "Outputs"); ``running`` means still running, or that its process died
-without a word (``fedciuic simulate`` and ``start.sh`` mark such a run ``interrupted``
-when they stop it).
+complete round, never a half-written file. ``run.status`` ``running`` means still running
+or died without a word (``fedciuic simulate`` and ``start.sh`` mark it ``interrupted``).
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ _saves = itertools.count()
 
 
 class RunRecorder:
-    """Collects what happened in each round and writes it to ``directory``.
-
-    Entries come in as the dicts the aggregator builds and are validated into
-    :class:`RunMetrics` here, so a field the model does not name fails at the writer,
-    not later in a reader."""
+    """Collects what happened in each round and writes it to ``directory``; entries are
+    validated here, so a field the model does not name fails at the writer, not a reader."""
 
     def __init__(
         self,
@@ -66,10 +61,7 @@ class RunRecorder:
         self.save()
 
     def _round(self, server_round: int) -> RoundRecord:
-        rounds = self.data.rounds
-        if server_round not in rounds:
-            rounds[server_round] = RoundRecord(train={}, eval={})
-        return rounds[server_round]
+        return self.data.rounds.setdefault(server_round, RoundRecord(train={}, eval={}))
 
     def _duplicate(self, current: RoundRecord, region: str, entry: dict[str, Any]) -> None:
         current.duplicates = [
@@ -113,8 +105,7 @@ class RunRecorder:
         current.rejoined = [*current.rejoined, *rejoined]
 
     def record_end(self, server_round: int) -> None:
-        """When the round (training and evaluation) ended, as Unix time: per-round wall
-        times are the differences."""
+        """When the round (training and evaluation) ended, as Unix time."""
         self._round(server_round).ended_at = time.time()
 
     def record_decision(self, server_round: int, decision: dict[str, Any]) -> None:
@@ -123,8 +114,7 @@ class RunRecorder:
         current.decisions = [*current.decisions, DecisionEntry.model_validate(decision)]
 
     def finish(self, status: RunStatus, **extra: Any) -> None:
-        """End the run: ``status`` and the ``extra`` run fields (``error``, ``adapter``,
-        ``reasons``), saved, then the summary written."""
+        """End the run with ``status`` and ``extra`` run fields, saved, then summed up."""
         with self._lock:
             run = self.data.run
             for name, value in {"status": status, "finished": utc_now(), **extra}.items():
@@ -135,8 +125,7 @@ class RunRecorder:
                 (self.directory / SUMMARY_FILE).write_text(text + "\n", encoding="utf-8")
 
     def finish_unless_finished(self, status: RunStatus, **extra: Any) -> bool:
-        """Finish with ``status`` only if the run has not finished yet (an exit handler
-        that also runs after a normal end); True if it did."""
+        """Finish unless finished already (an exit handler); True if it did."""
         with self._lock:
             if self.data.run.status != RunStatus.RUNNING:
                 return False
@@ -148,16 +137,11 @@ class RunRecorder:
             save_metrics(self.directory / METRICS_FILE, self.data)
 
 
-def write_json(target: Path, data: Mapping[str, Any]) -> None:
-    """Atomically: a temporary file of this writer's own, then a rename."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{next(_saves)}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, target)
-
-
 def save_metrics(target: Path, data: RunMetrics) -> None:
-    """metrics.json, atomically (readers poll it while a run writes)."""
-    write_json(target, data.dump())
+    """metrics.json, atomically (readers poll it): a temporary file of its own, renamed."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{next(_saves)}.tmp")
+    tmp.write_text(json.dumps(data.dump(), indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, target)
 
 
 def published_rounds(data: RunMetrics) -> list[int]:
@@ -166,8 +150,8 @@ def published_rounds(data: RunMetrics) -> list[int]:
 
 
 def no_aggregate_reasons(data: RunMetrics) -> list[str]:
-    """Why nothing was published, one line per region (its last status and reason in
-    each distinct form), then each withheld aggregate."""
+    """Why nothing was published: each region's distinct statuses and reasons, then each
+    withheld aggregate."""
     numbers = sorted(n for n in data.rounds if n > 0)
     lines: list[str] = []
     for region in data.run.regions:

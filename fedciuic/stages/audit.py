@@ -5,45 +5,10 @@ never asks whether there is a log."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
+from fedciuic.audit import AuditLog
 from fedciuic.crypto import Keypair
-
-
-class AuditTrail(Protocol):
-    """What a round writes to and reads from its party's audit log."""
-
-    keypair: Keypair | None
-    #: The paths written as labels (``<data-path>``) instead (``audit.log.redaction``).
-    redact: tuple[tuple[re.Pattern[str], str], ...]
-
-    @property
-    def path(self) -> Path | None:
-        """Where the log is (None: nowhere)."""
-
-    def append(
-        self, event: str, *, run_id: int, server_round: int | None = None, **details: Any
-    ) -> str: ...
-
-    def checkpoint(self, *, run_id: int, server_round: int | None = None) -> None: ...
-
-    def witness(
-        self,
-        party: str,
-        count: int,
-        head: str,
-        *,
-        run_id: int,
-        server_round: int | None = None,
-        late: bool = False,
-    ) -> str: ...
-
-    def position(self) -> tuple[int, str]: ...
-
-    def last_checkpoint(self) -> tuple[int, str] | None: ...
-
-    def records(self) -> list[dict[str, Any]]: ...
 
 
 class NoAudit:
@@ -81,3 +46,7 @@ class NoAudit:
 
     def records(self) -> list[dict[str, Any]]:
         return []
+
+
+#: What a round writes to and reads from its party's audit log.
+AuditTrail: TypeAlias = AuditLog | NoAudit

@@ -1,17 +1,15 @@
 """Sealing as a stage of the round, present or absent, with both ends in one place.
 
-Like Flower's ``DifferentialPrivacyServerSideFixedClipping`` and its ``fixedclipping_mod``,
-each end of the round is handed one object, chosen once from ``seal`` in the run config,
-and never asks whether sealing is on: sealed, each signature is checked and each update
-travels sealed (a clear one is refused); clear (a lab run, ``seal = false``), nothing is
-signed or checked, a reply is taken at its word, and a sealed update is refused.
+As with Flower's ``DifferentialPrivacyServerSideFixedClipping``, each end is handed one
+object, chosen once from ``seal``, and never asks whether sealing is on: sealed, signatures
+are checked and updates travel sealed; clear (a lab run), nothing is signed or checked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -51,8 +49,7 @@ Note = Callable[..., None]
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where an update comes from and under what terms: from its authenticated
-    envelope when sealed, from the clear reply in a lab run without sealing."""
+    """Where an update comes from and under what terms (its envelope, or clear reply)."""
 
     region: str
     jurisdiction: str
@@ -70,43 +67,20 @@ class Received:
     header: Provenance
 
 
-class ReplySealing(Protocol):
-    """The aggregator's end of the sealing stage."""
-
-    @property
-    def signer(self) -> str:
-        """The key id that signs instructions (hex), or "" when nothing is signed."""
-
-    def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
-        """The signature over an instruction; ``digest``: its adapter's, when known."""
-
-    def sign_run_end(self, run_id: int, notice: RunEndNotice) -> bytes: ...
-
-    def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
-        """The region a (non-failed) reply is recorded under, or None when nothing
-        names it: raises when a signature names another region."""
-
-    def receive(self, reply: Reply, run_id: int, server_round: int, sender: str | None) -> Received:
-        """A trained or sealed reply's content, or raises for the wrong kind."""
-
-    def run_start(self) -> dict[str, Any]:
-        """What ``run_start`` records about the keys."""
-
-    def bundles(self) -> dict[str, PublicBundle]:
-        """Each region's public bundle (for secure aggregation); none when nothing is signed."""
-
-
 @dataclass(frozen=True)
 class SealedReplies:
-    """Replies signed by their regions, updates sealed to the aggregator's key."""
+    """The aggregator's end, sealed: replies signed by their regions, updates sealed to
+    the aggregator's key."""
 
     keys: AggregatorKeys
 
     @property
     def signer(self) -> str:
+        """The key id that signs instructions (hex; "" when nothing is signed)."""
         return self.keys.keypair.bundle.key_id.hex()
 
     def sign_global(self, run_id: int, task: Instruction, digest: bytes | None = None) -> bytes:
+        """The signature over an instruction; ``digest``: its adapter's, when known."""
         keypair, adapter = self.keys.keypair, task.adapter
         return sign_global(
             keypair, run_id, task.server_round, adapter, task.terms, task.witness, digest
@@ -118,6 +92,8 @@ class SealedReplies:
         )
 
     def sender(self, reply: Reply, run_id: int, server_round: int) -> str | None:
+        """The region a (non-failed) reply is recorded under, or None when nothing
+        names it: raises when a signature names another region."""
         if reply.status == DECLINED and not reply.signature:
             # A region that could not load its keys declines unsigned: recorded under
             # its node (or what the node authenticated as before), its claim noted.
@@ -136,6 +112,7 @@ class SealedReplies:
         return sender.party
 
     def receive(self, reply: Reply, run_id: int, server_round: int, sender: str | None) -> Received:
+        """A trained or sealed reply's content, or raises for the wrong kind."""
         if reply.status == TRAINED:
             raise EnvelopeRejected("unsealed update refused")
         if reply.status != SEALED or reply.envelope is None:
@@ -151,12 +128,14 @@ class SealedReplies:
         return Received(opened.arrays, opened.metrics, parse_info(opened.info, TRAINED), header)
 
     def run_start(self) -> dict[str, Any]:
+        """What ``run_start`` records about the keys."""
         return {
             "key_id": self.signer,
             "region_key_ids": {b.party: kid.hex() for kid, b in self.keys.regions.items()},
         }
 
     def bundles(self) -> dict[str, PublicBundle]:
+        """Each region's public bundle (for secure aggregation)."""
         return {b.party: b for b in self.keys.regions.values()}
 
 
@@ -190,6 +169,10 @@ class ClearReplies:
         return {}
 
 
+#: The aggregator's end of the sealing stage.
+ReplySealing: TypeAlias = SealedReplies | ClearReplies
+
+
 def aggregator_sealing(keys: AggregatorKeys | None) -> ReplySealing:
     """The aggregator's end: sealed when the run has keys (``seal = true``)."""
     return SealedReplies(keys) if keys is not None else ClearReplies()
@@ -216,57 +199,25 @@ class Clear:
     info: dict[str, str]
 
 
-class RegionSealing(Protocol):
-    """The region's end of the sealing stage."""
-
-    @property
-    def keypair(self) -> Keypair | None:
-        """What signs this region's replies and audit log; None when nothing does."""
-
-    @property
-    def destination(self) -> str:
-        """Where the aggregator sits: with sealing, what its key bundle says."""
-
-    @property
-    def own_jurisdiction(self) -> str | None:
-        """Where this region's key says it is; None without keys."""
-
-    def check_global(self, task: Instruction, flower_run: int) -> None: ...
-
-    def check_run_end(self, notice: RunEndNotice, flower_run: int) -> None: ...
-
-    def joined(self) -> dict[str, Any]:
-        """What ``run_joined`` records about the keys."""
-
-    def send(
-        self,
-        region: str,
-        payload: bytes,
-        *,
-        flower_run: int,
-        server_round: int,
-        policy_hash: str,
-        note: Note,
-    ) -> Sealed | Clear:
-        """The update as it leaves the region, noted in the audit log before it does."""
-
-
 @dataclass(frozen=True)
 class SealingRegion:
-    """Checks the aggregator's signatures, seals updates to its key."""
+    """The region's end, sealed: checks the aggregator's signatures, seals updates to its key."""
 
     keys: RegionKeys
 
     @property
     def keypair(self) -> Keypair:
+        """What signs this region's replies and audit log."""
         return self.keys.keypair
 
     @property
     def destination(self) -> str:
+        """Where the aggregator sits, as its key bundle says."""
         return self.keys.aggregator.jurisdiction
 
     @property
     def own_jurisdiction(self) -> str:
+        """Where this region's key says it is."""
         return self.keys.keypair.bundle.jurisdiction
 
     def check_global(self, task: Instruction, flower_run: int) -> None:
@@ -291,6 +242,7 @@ class SealingRegion:
         )
 
     def joined(self) -> dict[str, Any]:
+        """What ``run_joined`` records about the keys."""
         return {
             "key_id": self.keys.keypair.bundle.key_id.hex(),
             "aggregator_key_id": self.keys.aggregator.key_id.hex(),
@@ -306,6 +258,7 @@ class SealingRegion:
         policy_hash: str,
         note: Note,
     ) -> Sealed:
+        """The update as it leaves the region, noted in the audit log before it does."""
         envelope = self.keys.seal_update(
             payload, run_id=flower_run, server_round=server_round, policy_hash=policy_hash
         )
@@ -364,3 +317,7 @@ class ClearRegion:
         if not isinstance(metrics, dict) or not isinstance(info, dict):
             raise MalformedPayload(f"region {region}: the kept update is not one")
         return Clear(arrays, metrics, info)
+
+
+#: The region's end of the sealing stage.
+RegionSealing: TypeAlias = SealingRegion | ClearRegion
