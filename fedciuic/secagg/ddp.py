@@ -146,9 +146,14 @@ def ring_pair(
 ) -> tuple[int, int]:
     """:func:`ring_bits` for a run's first sum, and for one after a sum was measured."""
     bits = functools.partial(
-        ring_bits, requested, regions=regions, size=size, distributed_dp=distributed_dp
+        ring_bits,
+        requested,
+        regions=regions,
+        size=size,
+        distributed_dp=distributed_dp,
+        normed=normed,
     )
-    return bits(normed=normed), bits(normed=normed, measured=True)
+    return bits(measured=False), bits(measured=True)
 
 
 def ring_choices(
